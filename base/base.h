@@ -1,0 +1,209 @@
+/*
+ * tensorshard base layer: status codes, last-error detail, allocator hook
+ * with per-tag live-byte counters, logging, and a Chrome-trace span recorder.
+ *
+ * Lifetime rules: nothing in this header allocates memory that the caller
+ * must free, except ts_trace_flush()'s file. Every function may be called
+ * from any thread unless it says otherwise.
+ */
+#ifndef TS_BASE_H
+#define TS_BASE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(TS_BUILDING_LIBRARY)
+#define TS_API __attribute__((visibility("default")))
+#else
+#define TS_API
+#endif
+
+#if defined(__GNUC__)
+#define TS_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#else
+#define TS_PRINTF(f, a)
+#endif
+
+/*
+ * Status codes. OK is 0; every error is negative. One table makes the enum,
+ * the names and the messages: X(name, value, message).
+ */
+#define TS_STATUS_TABLE(X)                                                        \
+    X(TS_OK, 0, "success")                                                        \
+    X(TS_ERR_INVALID_ARGUMENT, -1, "invalid argument")                            \
+    X(TS_ERR_SHAPE, -2, "shape mismatch")                                         \
+    X(TS_ERR_DTYPE, -3, "dtype mismatch or unsupported dtype")                    \
+    X(TS_ERR_INDEX, -4, "index or dimension out of range")                        \
+    X(TS_ERR_NO_MEMORY, -5, "out of memory")                                      \
+    X(TS_ERR_NOT_VIEWABLE, -6, "view not possible on this layout")               \
+    X(TS_ERR_RELEASED, -7, "storage has been released")                           \
+    X(TS_ERR_SHARDED, -8, "tensor is a shard; use the module or a local view")    \
+    X(TS_ERR_AUTOGRAD, -9, "autograd error")                                      \
+    X(TS_ERR_STATE, -10, "operation not valid in the current state")             \
+    X(TS_ERR_ALREADY, -11, "already done")                                        \
+    X(TS_ERR_IO, -12, "input/output error")                                       \
+    X(TS_ERR_FORMAT, -13, "malformed data")                                       \
+    X(TS_ERR_UNSUPPORTED, -14, "not supported")                                   \
+    X(TS_ERR_TIMEOUT, -15, "timed out")                                           \
+    X(TS_ERR_PEER_FAILED, -16, "a peer process failed")                           \
+    X(TS_ERR_COMM, -17, "communication error")                                    \
+    X(TS_ERR_NOT_FOUND, -18, "not found")                                         \
+    X(TS_ERR_INTERNAL, -19, "internal error")
+
+typedef enum ts_status {
+#define TS__STATUS_ENUM(name, value, msg) name = value,
+    TS_STATUS_TABLE(TS__STATUS_ENUM)
+#undef TS__STATUS_ENUM
+} ts_status;
+
+/* Number of entries in TS_STATUS_TABLE (OK plus the errors). */
+#define TS_STATUS_COUNT 20
+
+/* The enum name of a status ("TS_ERR_SHAPE"); "TS_UNKNOWN_STATUS" if unknown.
+ * The string is static. */
+TS_API const char *ts_status_name(ts_status s);
+
+/* A short English description of a status; static string. */
+TS_API const char *ts_status_str(ts_status s);
+
+/* The detail of the last error detected on this thread, written where the
+ * error was first detected ("matmul: shapes (2, 3) and (4, 5) do not
+ * match"). Empty string when there is none. The buffer is thread-local and
+ * valid until the next error on this thread. */
+TS_API const char *ts_last_error(void);
+
+/* The status that went with ts_last_error() on this thread (TS_OK if none). */
+TS_API ts_status ts_last_status(void);
+
+/* Clears this thread's last error. */
+TS_API void ts_clear_error(void);
+
+/* Records an error detail for this thread and returns `s`, so that a
+ * detecting site can write `return ts_error(TS_ERR_SHAPE, "...", ...)`.
+ * Layers above the library use it too (for their own errors). */
+TS_API ts_status ts_error(ts_status s, const char *fmt, ...) TS_PRINTF(2, 3);
+
+/*
+ * Abort hook. Internal invariants (never user errors) go through
+ * TS_ASSERT, which calls the hook with a message and then abort()s if the
+ * hook returns. Tests install a hook that longjmps or records.
+ */
+typedef void (*ts_abort_fn)(const char *msg, void *ctx);
+/* Installs `fn` (NULL restores the default, which prints to stderr) and
+ * returns the previous one. Not thread-safe against concurrent asserts. */
+TS_API ts_abort_fn ts_set_abort_hook(ts_abort_fn fn, void *ctx);
+TS_API void ts__assert_fail(const char *expr, const char *file, int line) __attribute__((noreturn));
+#define TS_ASSERT(e) ((e) ? (void)0 : ts__assert_fail(#e, __FILE__, __LINE__))
+
+/*
+ * Memory. Every allocation the library makes goes through the allocator
+ * hook and is counted by tag, so that tests can prove nothing leaks.
+ */
+typedef enum ts_mem_tag {
+    TS_MEM_OTHER = 0,
+    TS_MEM_TENSOR,   /* tensor and storage handles */
+    TS_MEM_STORAGE,  /* tensor data blocks handed out by the caching pool */
+    TS_MEM_POOL,     /* bytes the caching pool holds (in use and cached) */
+    TS_MEM_AUTOGRAD, /* autograd nodes and their bookkeeping */
+    TS_MEM_COMM,     /* communication layer */
+    TS_MEM_NN,       /* modules and optimizers */
+    TS_MEM_TAG_COUNT
+} ts_mem_tag;
+
+typedef struct ts_allocator {
+    void *(*alloc)(size_t size, size_t align, void *ctx); /* NULL on failure */
+    void (*free)(void *ptr, size_t size, void *ctx);
+    void *ctx;
+} ts_allocator;
+
+/* Installs an allocator (NULL restores the default, aligned_alloc/free).
+ * Must be called while no library memory is live (before the first
+ * allocation or after everything was freed); returns TS_ERR_STATE if any
+ * tag has live bytes. */
+TS_API ts_status ts_set_allocator(const ts_allocator *a);
+
+/* Live bytes currently allocated under `tag` (0 for an unknown tag). */
+TS_API size_t ts_mem_live_bytes(ts_mem_tag tag);
+/* Live bytes over all tags. */
+TS_API size_t ts_mem_live_total(void);
+/* Highest ts_mem_live_bytes(tag) since start or the last reset. */
+TS_API size_t ts_mem_peak_bytes(ts_mem_tag tag);
+/* Resets every tag's peak to its current live value. */
+TS_API void ts_mem_reset_peak(void);
+/* Name of a tag ("storage"); static string. */
+TS_API const char *ts_mem_tag_name(ts_mem_tag tag);
+
+/* Library-internal allocation helpers (exported for the upper layers and
+ * tests; alignment 64). ts__malloc returns NULL and records
+ * TS_ERR_NO_MEMORY on failure; ts__free accepts NULL. */
+TS_API void *ts__malloc(ts_mem_tag tag, size_t size);
+TS_API void *ts__calloc(ts_mem_tag tag, size_t n, size_t size);
+TS_API void ts__free(ts_mem_tag tag, void *ptr);
+TS_API char *ts__strdup(ts_mem_tag tag, const char *s);
+/* Adjusts a tag's live count for memory that is handed out from a cache
+ * (the tensor pool counts blocks in use under TS_MEM_STORAGE). */
+TS_API void ts__mem_count(ts_mem_tag tag, size_t bytes, bool add);
+
+/*
+ * Logging. The level comes from TS_LOG_LEVEL (error, warn, info, debug,
+ * trace; default warn), read once; ts_log_set_level overrides it.
+ */
+typedef enum ts_log_level {
+    TS_LOG_ERROR = 0,
+    TS_LOG_WARN,
+    TS_LOG_INFO,
+    TS_LOG_DEBUG,
+    TS_LOG_TRACE
+} ts_log_level;
+
+TS_API void ts_log_set_level(ts_log_level level);
+TS_API ts_log_level ts_log_get_level(void);
+/* Writes one line "[ts LEVEL] message" to stderr if `level` is enabled. */
+TS_API void ts_logf(ts_log_level level, const char *fmt, ...) TS_PRINTF(2, 3);
+#define TS_LOG_ENABLED(lvl) ((lvl) <= ts_log_get_level())
+
+/*
+ * Trace. Named spans per thread with start and end times, off by default.
+ * When TS_TRACE=FILE is set (or ts_trace_start is called), spans are
+ * recorded and written as a Chrome trace JSON file ("traceEvents", phase
+ * "X", microseconds) at ts_trace_flush() or at process exit.
+ */
+/* Starts recording; `path` is where flush writes (copied). Returns
+ * TS_ERR_INVALID_ARGUMENT for a NULL or empty path. */
+TS_API ts_status ts_trace_start(const char *path);
+/* True while recording. Cheap: one relaxed atomic load. */
+TS_API bool ts_trace_enabled(void);
+/* Monotonic time in nanoseconds. */
+TS_API uint64_t ts_now_ns(void);
+/* Records a finished span on the calling thread. `name` and `cat` must be
+ * static strings (they are stored by pointer). No effect when disabled. */
+TS_API void ts_trace_span(const char *name, const char *cat, uint64_t start_ns, uint64_t end_ns);
+/* Names the calling thread in the trace ("compute", "comm"). Copied. */
+TS_API void ts_trace_thread_name(const char *name);
+/* Writes every span recorded so far to the file given at start (all
+ * threads), replacing the file; recording continues. Returns TS_ERR_IO
+ * with the path and errno text if the file cannot be written, TS_ERR_STATE
+ * if tracing was never started. */
+TS_API ts_status ts_trace_flush(void);
+/* Stops recording and discards recorded spans (after flushing if `flush`). */
+TS_API ts_status ts_trace_stop(bool flush);
+/* Total nanoseconds of recorded spans named `name` on all threads (for
+ * benchmarks that report time per category). */
+TS_API uint64_t ts_trace_total_ns(const char *name);
+
+/* Scoped span helper: `TS_TRACE_BEGIN(t); ...; TS_TRACE_END(t, "matmul", "compute");` */
+#define TS_TRACE_BEGIN(var) uint64_t var = ts_trace_enabled() ? ts_now_ns() : 0
+#define TS_TRACE_END(var, name, cat)                                   \
+    do {                                                               \
+        if (var) ts_trace_span((name), (cat), (var), ts_now_ns());     \
+    } while (0)
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TS_BASE_H */

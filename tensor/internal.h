@@ -1,0 +1,191 @@
+/*
+ * Internal structures and helpers of the tensor layer. Not installed; the
+ * layers above use tensor.h only (fully_shard may use the storage API).
+ */
+#ifndef TS_TENSOR_INTERNAL_H
+#define TS_TENSOR_INTERNAL_H
+
+#include "tensor/tensor.h"
+#include <stdatomic.h>
+
+/* ------------------------------------------------------------- storage */
+
+struct ts_storage {
+    atomic_int refcount;
+    size_t nbytes;   /* size when filled */
+    void *data;      /* NULL while released */
+    size_t block_bytes; /* size of the pool block behind data */
+    bool released;
+};
+
+/* New storage of nbytes from the caching pool (contents undefined). */
+ts_status ts__storage_new(size_t nbytes, ts_storage **out);
+void ts__storage_retain(ts_storage *s);
+void ts__storage_release_ref(ts_storage *s);
+
+/* Caching pool: blocks are kept for reuse and only returned to the system
+ * by ts__pool_empty_cache(). Thread-safe. */
+void *ts__pool_alloc(size_t nbytes, size_t *block_bytes_out);
+void ts__pool_free(void *p, size_t block_bytes);
+
+/* ------------------------------------------------------------- autograd */
+
+typedef struct ts_node ts_node;
+
+/* An edge from a node's input slot to the producer of that input: either
+ * another node's output `index`, or a leaf tensor to accumulate into. */
+typedef struct ts_edge {
+    ts_node *node;   /* retained; NULL for leaf or no-grad inputs */
+    int index;       /* output index in `node` */
+    ts_tensor *leaf; /* retained leaf that requires grad, else NULL */
+} ts_edge;
+
+/* Backward of one node: `grad_outs[i]` (may be NULL: treat as zero) is the
+ * gradient of output i; write the gradient of input j into grad_ins[j]
+ * (a new reference), or leave it NULL when needs_input_grad(j) is false or
+ * the gradient is zero. */
+typedef ts_status (*ts_node_backward_fn)(ts_node *n, ts_tensor **grad_outs, ts_tensor **grad_ins);
+
+#define TS_NODE_MAX_SAVED 6
+
+struct ts_node {
+    atomic_int refcount;
+    uint64_t seq;            /* creation order; backward runs high to low */
+    const char *name;        /* op name, static */
+    ts_node_backward_fn backward;
+    int n_inputs;
+    ts_edge *inputs;         /* n_inputs entries */
+    int n_outputs;
+    /* metadata of each output, so a missing gradient can be zero-filled */
+    ts_dtype *out_dtype;
+    int *out_ndim;
+    int64_t (*out_shape)[TS_MAX_DIMS];
+    ts_tensor *saved[TS_NODE_MAX_SAVED]; /* detached handles; released after backward */
+    double dargs[4];         /* op arguments */
+    int64_t iargs[TS_MAX_DIMS * 2];
+    void *ctx;               /* custom nodes */
+    void (*ctx_free)(void *ctx);
+    bool released;           /* saved tensors dropped by a backward */
+    /* set during a backward */
+    ts_tensor **grad_buf;    /* n_outputs accumulating gradients */
+    int pending;
+};
+
+/* True when an op with these inputs must record a node (grad mode on and
+ * some input requires grad). */
+bool ts__needs_grad(int n, ts_tensor *const *inputs);
+
+/* New node for op `name` over n_inputs (edges made from the inputs) with
+ * n_outputs outputs. Returns NULL and records TS_ERR_NO_MEMORY on failure. */
+ts_node *ts__node_new(const char *name, ts_node_backward_fn backward, int n_inputs, ts_tensor *const *inputs,
+                      int n_outputs);
+/* Saves a detached alias of `t` in slot i (t may be NULL). */
+ts_status ts__node_save(ts_node *n, int i, ts_tensor *t);
+/* Makes `out` output `index` of node n (sets grad_fn, requires_grad and
+ * the output metadata). */
+void ts__node_set_output(ts_node *n, int index, ts_tensor *out);
+void ts__node_retain(ts_node *n);
+void ts__node_free(ts_node *n);
+/* True if input j's edge leads to something that wants a gradient. */
+bool ts__node_needs_input_grad(const ts_node *n, int j);
+
+/* ------------------------------------------------------------- tensor */
+
+struct ts_tensor {
+    atomic_int refcount;
+    ts_dtype dtype;
+    ts_device device;
+    int ndim;
+    int64_t shape[TS_MAX_DIMS];
+    int64_t strides[TS_MAX_DIMS]; /* in elements */
+    int64_t offset;               /* in elements */
+    ts_storage *storage;          /* retained */
+    bool requires_grad;
+    bool is_shard;
+    ts_tensor *grad;              /* retained, leaves only */
+    ts_node *grad_fn;             /* retained, NULL for leaves */
+    int output_index;             /* which output of grad_fn */
+    void *dist;                   /* opaque, dtensor layer */
+    char *name;                   /* for messages, owned */
+};
+
+/* Allocates a contiguous tensor handle with fresh storage. */
+ts_status ts__tensor_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
+/* A new handle aliasing t's storage with the given geometry (no autograd). */
+ts_status ts__tensor_alias(const ts_tensor *t, int ndim, const int64_t *shape, const int64_t *strides,
+                           int64_t offset, ts_tensor **out);
+/* Contiguous strides for shape. */
+void ts__contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
+int64_t ts__numel(int ndim, const int64_t *shape);
+bool ts__is_contiguous(const ts_tensor *t);
+/* Normalises a possibly negative dim; records TS_ERR_INDEX naming op. */
+ts_status ts__wrap_dim(const char *op, int dim, int ndim, int *out);
+/* "(2, 3)" */
+char *ts__shape_str(int ndim, const int64_t *shape, char *buf, size_t len);
+
+/* Checks every tensor input of an op: not NULL, storage not released, not
+ * a shard. Records an error naming the op and the tensor. */
+ts_status ts__check_inputs(const char *op, int n, ts_tensor *const *inputs);
+ts_status ts__check_float(const char *op, const ts_tensor *t);
+ts_status ts__check_same_dtype(const char *op, const ts_tensor *a, const ts_tensor *b);
+/* Broadcast shape of a and b (PyTorch's rule); TS_ERR_SHAPE naming op. */
+ts_status ts__broadcast_shape(const char *op, int na, const int64_t *sa, int nb, const int64_t *sb, int *nout,
+                              int64_t *sout);
+
+/* dst = src broadcast to dst's shape, converting dtypes (no checks on
+ * release/shard; TS_ERR_SHAPE naming op if src does not broadcast). */
+ts_status ts__copy_into(const char *op, ts_tensor *dst, const ts_tensor *src);
+
+/* Contiguous copy of t in `dtype`, recorded by autograd as a copy. */
+ts_status ts__copy_op(const char *name, ts_tensor *t, ts_dtype dtype, ts_tensor **out);
+
+/* Element load/store as double for any dtype. */
+double ts__load(ts_dtype d, const void *p, int64_t i);
+void ts__store(ts_dtype d, void *p, int64_t i, double v);
+
+/* Strided N-d iteration: for tensors with strides (in elements) aligned to
+ * an output shape (0 stride for broadcast dims). */
+typedef struct ts_iter {
+    int ndim;
+    int64_t shape[TS_MAX_DIMS];
+    int64_t idx[TS_MAX_DIMS];
+} ts_iter;
+/* Strides of `t` expanded to the output shape (ndim_out >= t->ndim). */
+void ts__broadcast_strides(const ts_tensor *t, int ndim_out, const int64_t *shape_out, int64_t *strides_out);
+
+/* Sum-reduces gradient `g` to `shape` (undoing broadcasting). Returns a new
+ * reference (g itself retained if shapes already equal). */
+ts_status ts__reduce_to_shape(ts_tensor *g, int ndim, const int64_t *shape, ts_tensor **out);
+/* dst += src in place (same shape and dtype), not recorded. */
+ts_status ts__add_inplace(ts_tensor *dst, const ts_tensor *src);
+/* a + b without recording (broadcasting). */
+ts_status ts__add_nograd(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+/* Sum over dims without recording. */
+ts_status ts__sum_nograd(ts_tensor *a, int ndims, const int *dims, bool keepdim, ts_tensor **out);
+/* Adds src into *acc (creating it if NULL); used to accumulate grads. */
+ts_status ts__accumulate(ts_tensor **acc, ts_tensor *src);
+
+/* ------------------------------------------------------------- kernels */
+
+/* C (m, n) = alpha * A (m, k) B (k, n) + beta * C, general strides (in
+ * elements). BLIS path, and the plain reference. */
+void ts__gemm_f32(int64_t m, int64_t n, int64_t k, float alpha, const float *a, int64_t rsa, int64_t csa,
+                  const float *b, int64_t rsb, int64_t csb, float beta, float *c, int64_t rsc, int64_t csc);
+void ts__gemm_f64(int64_t m, int64_t n, int64_t k, double alpha, const double *a, int64_t rsa, int64_t csa,
+                  const double *b, int64_t rsb, int64_t csb, double beta, double *c, int64_t rsc, int64_t csc);
+void ts__gemm_ref_f32(int64_t m, int64_t n, int64_t k, float alpha, const float *a, int64_t rsa, int64_t csa,
+                      const float *b, int64_t rsb, int64_t csb, float beta, float *c, int64_t rsc, int64_t csc);
+void ts__gemm_ref_f64(int64_t m, int64_t n, int64_t k, double alpha, const double *a, int64_t rsa,
+                      int64_t csa, const double *b, int64_t rsb, int64_t csb, double beta, double *c,
+                      int64_t rsc, int64_t csc);
+/* Selects BLIS's kernel set from cpuid before BLIS initialises (unless
+ * BLIS_ARCH_TYPE is set) and applies the thread count. Idempotent and
+ * thread-safe; every BLIS call in the library goes through it first. */
+void ts__blis_ensure_init(void);
+/* Test hook: when true, ops use the reference kernels. */
+extern bool ts__use_reference_kernels;
+
+/* Generator internals, for dropout. */
+double ts__rng_u53(ts_generator *g);
+
+#endif

@@ -1,0 +1,104 @@
+/* Caching pool for tensor data. Blocks are rounded up to size classes
+ * (64-byte steps to 512 B, then eight classes per power of two, so at most
+ * 12.5% is wasted) and kept on per-class free lists when freed: a training
+ * step that frees and reallocates the same sizes touches no fresh page. */
+#define _GNU_SOURCE
+#include "tensor/internal.h"
+
+#include <pthread.h>
+#include <string.h>
+
+#define N_CLASSES 512
+
+typedef struct free_block {
+    struct free_block *next;
+} free_block;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static free_block *free_lists[N_CLASSES];
+static size_t cached_bytes;
+
+static int size_class(size_t n, size_t *class_bytes)
+{
+    if (n <= 512) {
+        size_t c = n <= 64 ? 64 : (n + 63) / 64 * 64;
+        *class_bytes = c;
+        return (int)(c / 64) - 1;
+    }
+    int k = 63 - __builtin_clzll((unsigned long long)(n - 1)); /* 2^k < n <= 2^(k+1) */
+    size_t base = (size_t)1 << k, step = base >> 3;
+    size_t j = (n - base + step - 1) / step; /* 1..8 */
+    *class_bytes = base + j * step;
+    int idx = 8 + (k - 9) * 8 + (int)(j - 1);
+    return idx < N_CLASSES ? idx : -1;
+}
+
+void *ts__pool_alloc(size_t nbytes, size_t *block_bytes_out)
+{
+    size_t cb;
+    int c = size_class(nbytes ? nbytes : 1, &cb);
+    if (c < 0) {
+        ts_error(TS_ERR_NO_MEMORY, "tensor allocation of %zu bytes is too large", nbytes);
+        return NULL;
+    }
+    pthread_mutex_lock(&lock);
+    free_block *b = free_lists[c];
+    if (b) {
+        free_lists[c] = b->next;
+        cached_bytes -= cb;
+    }
+    pthread_mutex_unlock(&lock);
+    if (!b) {
+        b = ts__malloc(TS_MEM_POOL, cb);
+        if (!b) {
+            /* give back what the cache holds, then try once more */
+            ts_pool_empty_cache();
+            b = ts__malloc(TS_MEM_POOL, cb);
+            if (!b)
+                return NULL;
+        }
+    }
+    ts__mem_count(TS_MEM_STORAGE, cb, true);
+    *block_bytes_out = cb;
+    return b;
+}
+
+void ts__pool_free(void *p, size_t block_bytes)
+{
+    if (!p)
+        return;
+    size_t cb;
+    int c = size_class(block_bytes, &cb);
+    TS_ASSERT(c >= 0 && cb == block_bytes);
+    ts__mem_count(TS_MEM_STORAGE, cb, false);
+    free_block *b = p;
+    pthread_mutex_lock(&lock);
+    b->next = free_lists[c];
+    free_lists[c] = b;
+    cached_bytes += cb;
+    pthread_mutex_unlock(&lock);
+}
+
+void ts_pool_empty_cache(void)
+{
+    pthread_mutex_lock(&lock);
+    for (int c = 0; c < N_CLASSES; c++) {
+        free_block *b = free_lists[c];
+        free_lists[c] = NULL;
+        while (b) {
+            free_block *n = b->next;
+            ts__free(TS_MEM_POOL, b);
+            b = n;
+        }
+    }
+    cached_bytes = 0;
+    pthread_mutex_unlock(&lock);
+}
+
+size_t ts_pool_cached_bytes(void)
+{
+    pthread_mutex_lock(&lock);
+    size_t n = cached_bytes;
+    pthread_mutex_unlock(&lock);
+    return n;
+}

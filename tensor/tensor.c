@@ -1,0 +1,530 @@
+#define _GNU_SOURCE
+#include "tensor/internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ------------------------------------------------------------ geometry */
+
+int64_t ts__numel(int ndim, const int64_t *shape)
+{
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++)
+        n *= shape[i];
+    return n;
+}
+
+void ts__contiguous_strides(int ndim, const int64_t *shape, int64_t *strides)
+{
+    int64_t s = 1;
+    for (int i = ndim - 1; i >= 0; i--) {
+        strides[i] = s;
+        s *= shape[i] > 1 ? shape[i] : 1;
+    }
+}
+
+bool ts__is_contiguous(const ts_tensor *t)
+{
+    int64_t s = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        if (t->shape[i] == 0)
+            return true;
+        if (t->shape[i] != 1 && t->strides[i] != s)
+            return false;
+        s *= t->shape[i];
+    }
+    return true;
+}
+
+char *ts__shape_str(int ndim, const int64_t *shape, char *buf, size_t len)
+{
+    size_t n = 0;
+    if (len == 0)
+        return buf;
+    buf[0] = '\0';
+    n += (size_t)snprintf(buf + n, len - n, "(");
+    for (int i = 0; i < ndim && n < len; i++)
+        n += (size_t)snprintf(buf + n, len - n, i ? ", %lld" : "%lld", (long long)shape[i]);
+    if (ndim == 1 && n < len)
+        n += (size_t)snprintf(buf + n, len - n, ",");
+    if (n < len)
+        snprintf(buf + n, len - n, ")");
+    return buf;
+}
+
+ts_status ts__wrap_dim(const char *op, int dim, int ndim, int *out)
+{
+    int n = ndim > 0 ? ndim : 1;
+    if (dim < -n || dim >= n)
+        return ts_error(TS_ERR_INDEX, "%s: dimension %d is out of range for a tensor of %d dims (expected "
+                                      "[%d, %d])", op, dim, ndim, -n, n - 1);
+    *out = dim < 0 ? dim + n : dim;
+    return TS_OK;
+}
+
+/* ------------------------------------------------------------ handles */
+
+static ts_status check_shape(const char *op, ts_dtype dtype, int ndim, const int64_t *shape)
+{
+    if ((unsigned)dtype >= TS_DTYPE_COUNT)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid dtype %d", op, (int)dtype);
+    if (ndim < 0 || ndim > TS_MAX_DIMS)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d dims requested; tensors have 0 to %d dims", op, ndim,
+                        TS_MAX_DIMS);
+    if (ndim > 0 && !shape)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: shape is NULL for %d dims", op, ndim);
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0)
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: size %lld of dim %d is negative", op,
+                            (long long)shape[i], i);
+        if (shape[i] && n > INT64_MAX / 16 / shape[i])
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: shape has too many elements", op);
+        n *= shape[i];
+    }
+    return TS_OK;
+}
+
+static ts_tensor *handle_new(void)
+{
+    ts_tensor *t = ts__calloc(TS_MEM_TENSOR, 1, sizeof *t);
+    if (t)
+        atomic_init(&t->refcount, 1);
+    return t;
+}
+
+ts_status ts__tensor_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+{
+    ts_tensor *t = handle_new();
+    if (!t)
+        return TS_ERR_NO_MEMORY;
+    t->dtype = dtype;
+    t->ndim = ndim;
+    if (ndim)
+        memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
+    ts__contiguous_strides(ndim, shape, t->strides);
+    ts_status st = ts__storage_new((size_t)ts__numel(ndim, shape) * ts_dtype_size(dtype), &t->storage);
+    if (st) {
+        ts__free(TS_MEM_TENSOR, t);
+        return st;
+    }
+    *out = t;
+    return TS_OK;
+}
+
+ts_status ts__tensor_alias(const ts_tensor *t, int ndim, const int64_t *shape, const int64_t *strides,
+                           int64_t offset, ts_tensor **out)
+{
+    ts_tensor *v = handle_new();
+    if (!v)
+        return TS_ERR_NO_MEMORY;
+    v->dtype = t->dtype;
+    v->device = t->device;
+    v->ndim = ndim;
+    if (ndim) {
+        memcpy(v->shape, shape, (size_t)ndim * sizeof *shape);
+        memcpy(v->strides, strides, (size_t)ndim * sizeof *strides);
+    }
+    v->offset = offset;
+    v->storage = t->storage;
+    ts__storage_retain(v->storage);
+    *out = v;
+    return TS_OK;
+}
+
+ts_status ts_tensor_empty(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+{
+    ts_status st = check_shape("ts_tensor_empty", dtype, ndim, shape);
+    if (st)
+        return st;
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_empty: out is NULL");
+    return ts__tensor_new(dtype, ndim, shape, out);
+}
+
+ts_status ts_tensor_full(ts_dtype dtype, int ndim, const int64_t *shape, double value, ts_tensor **out)
+{
+    ts_tensor *t;
+    ts_status st = ts_tensor_empty(dtype, ndim, shape, &t);
+    if (st)
+        return st;
+    ts_tensor_fill_(t, value);
+    *out = t;
+    return TS_OK;
+}
+
+ts_status ts_tensor_zeros(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+{
+    return ts_tensor_full(dtype, ndim, shape, 0.0, out);
+}
+
+ts_status ts_tensor_ones(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+{
+    return ts_tensor_full(dtype, ndim, shape, 1.0, out);
+}
+
+ts_status ts_tensor_from_data(ts_dtype dtype, int ndim, const int64_t *shape, const void *data, ts_tensor **out)
+{
+    ts_tensor *t;
+    ts_status st = ts_tensor_empty(dtype, ndim, shape, &t);
+    if (st)
+        return st;
+    size_t n = (size_t)ts__numel(ndim, shape) * ts_dtype_size(dtype);
+    if (n && !data) {
+        ts_tensor_free(t);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_from_data: data is NULL for %zu bytes", n);
+    }
+    if (n)
+        memcpy(ts_tensor_data(t), data, n);
+    *out = t;
+    return TS_OK;
+}
+
+ts_status ts_tensor_scalar(ts_dtype dtype, double value, ts_tensor **out)
+{
+    return ts_tensor_full(dtype, 0, NULL, value, out);
+}
+
+ts_status ts_tensor_arange(ts_dtype dtype, double start, double end, double step, ts_tensor **out)
+{
+    if (step == 0 || !isfinite(start) || !isfinite(end) || !isfinite(step) || (step > 0 && end < start) ||
+        (step < 0 && end > start))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_arange: cannot step from %g to %g by %g", start, end,
+                        step);
+    int64_t n = (int64_t)ceil((end - start) / step);
+    ts_tensor *t;
+    ts_status st = ts_tensor_empty(dtype, 1, &n, &t);
+    if (st)
+        return st;
+    void *d = ts_tensor_data(t);
+    for (int64_t i = 0; i < n; i++)
+        ts__store(dtype, d, i, start + (double)i * step);
+    *out = t;
+    return TS_OK;
+}
+
+ts_tensor *ts_tensor_retain(ts_tensor *t)
+{
+    if (t)
+        atomic_fetch_add_explicit(&t->refcount, 1, memory_order_relaxed);
+    return t;
+}
+
+void ts_tensor_free(ts_tensor *t)
+{
+    if (!t || atomic_fetch_sub_explicit(&t->refcount, 1, memory_order_acq_rel) != 1)
+        return;
+    ts_tensor_free(t->grad);
+    if (t->grad_fn)
+        ts__node_free(t->grad_fn);
+    ts__storage_release_ref(t->storage);
+    ts__free(TS_MEM_TENSOR, t->name);
+    ts__free(TS_MEM_TENSOR, t);
+}
+
+ts_dtype ts_tensor_dtype(const ts_tensor *t) { return t->dtype; }
+ts_device ts_tensor_device(const ts_tensor *t) { return t->device; }
+int ts_tensor_ndim(const ts_tensor *t) { return t->ndim; }
+const int64_t *ts_tensor_shape(const ts_tensor *t) { return t->shape; }
+const int64_t *ts_tensor_strides(const ts_tensor *t) { return t->strides; }
+int64_t ts_tensor_offset(const ts_tensor *t) { return t->offset; }
+int64_t ts_tensor_numel(const ts_tensor *t) { return ts__numel(t->ndim, t->shape); }
+bool ts_tensor_is_contiguous(const ts_tensor *t) { return ts__is_contiguous(t); }
+ts_storage *ts_tensor_storage(const ts_tensor *t) { return t->storage; }
+
+int64_t ts_tensor_size(const ts_tensor *t, int dim)
+{
+    if (dim < -t->ndim || dim >= t->ndim)
+        return -1;
+    return t->shape[dim < 0 ? dim + t->ndim : dim];
+}
+
+void *ts_tensor_data(const ts_tensor *t)
+{
+    if (!t || t->storage->released)
+        return NULL;
+    return (char *)t->storage->data + t->offset * (int64_t)ts_dtype_size(t->dtype);
+}
+
+char *ts_tensor_shape_str(const ts_tensor *t, char *buf, size_t len)
+{
+    return ts__shape_str(t->ndim, t->shape, buf, len);
+}
+
+ts_status ts_tensor_set_name(ts_tensor *t, const char *name)
+{
+    if (!t)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_set_name: tensor is NULL");
+    char *n = NULL;
+    if (name && !(n = ts__strdup(TS_MEM_TENSOR, name)))
+        return TS_ERR_NO_MEMORY;
+    ts__free(TS_MEM_TENSOR, t->name);
+    t->name = n;
+    return TS_OK;
+}
+
+const char *ts_tensor_name(const ts_tensor *t) { return t && t->name ? t->name : ""; }
+
+/* ------------------------------------------------------------ checks */
+
+ts_status ts__check_inputs(const char *op, int n, ts_tensor *const *inputs)
+{
+    for (int i = 0; i < n; i++) {
+        const ts_tensor *t = inputs[i];
+        if (!t)
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: input %d is NULL", op, i);
+        if (t->storage->released) {
+            char s[96];
+            return ts_error(TS_ERR_RELEASED, "%s: input %d%s%s%s %s has released storage (%zu bytes); restore it "
+                                             "(unshard) before reading it", op, i, t->name ? " '" : "",
+                            t->name ? t->name : "", t->name ? "'" : "", ts__shape_str(t->ndim, t->shape, s, sizeof s),
+                            t->storage->nbytes);
+        }
+        if (t->is_shard) {
+            char s[96];
+            return ts_error(TS_ERR_SHARDED, "%s: input %d%s%s%s %s is a sharded parameter (a local shard); call "
+                                            "the module through ts_module_call, or unshard it first, or take "
+                                            "ts_tensor_local_view() to work on the local data", op, i,
+                            t->name ? " '" : "", t->name ? t->name : "", t->name ? "'" : "",
+                            ts__shape_str(t->ndim, t->shape, s, sizeof s));
+        }
+    }
+    return TS_OK;
+}
+
+ts_status ts__check_float(const char *op, const ts_tensor *t)
+{
+    if (t->dtype != TS_F32 && t->dtype != TS_F64)
+        return ts_error(TS_ERR_DTYPE, "%s: dtype %s is not supported (float32 or float64 expected; cast with "
+                                      "ts_to_dtype)", op, ts_dtype_name(t->dtype));
+    return TS_OK;
+}
+
+ts_status ts__check_same_dtype(const char *op, const ts_tensor *a, const ts_tensor *b)
+{
+    if (a->dtype != b->dtype)
+        return ts_error(TS_ERR_DTYPE, "%s: dtypes %s and %s differ", op, ts_dtype_name(a->dtype),
+                        ts_dtype_name(b->dtype));
+    return TS_OK;
+}
+
+ts_status ts__broadcast_shape(const char *op, int na, const int64_t *sa, int nb, const int64_t *sb, int *nout,
+                              int64_t *sout)
+{
+    int n = na > nb ? na : nb;
+    int64_t r[TS_MAX_DIMS];
+    for (int i = 0; i < n; i++) {
+        int ia = na - n + i, ib = nb - n + i;
+        int64_t a = ia >= 0 ? sa[ia] : 1, b = ib >= 0 ? sb[ib] : 1;
+        if (a != b && a != 1 && b != 1) {
+            char s1[96], s2[96];
+            return ts_error(TS_ERR_SHAPE, "%s: shapes %s and %s cannot be broadcast (dim %d: %lld vs %lld)", op,
+                            ts__shape_str(na, sa, s1, sizeof s1), ts__shape_str(nb, sb, s2, sizeof s2), i,
+                            (long long)a, (long long)b);
+        }
+        r[i] = a == 1 ? b : a;
+    }
+    *nout = n;
+    memcpy(sout, r, (size_t)n * sizeof *r);
+    return TS_OK;
+}
+
+void ts__broadcast_strides(const ts_tensor *t, int ndim_out, const int64_t *shape_out, int64_t *strides_out)
+{
+    for (int i = 0; i < ndim_out; i++) {
+        int it = t->ndim - ndim_out + i;
+        strides_out[i] = (it >= 0 && t->shape[it] == shape_out[i] && shape_out[i] != 1) ? t->strides[it] : 0;
+    }
+}
+
+/* ------------------------------------------------------------ element access */
+
+ts_status ts_tensor_get(const ts_tensor *t, const int64_t *index, double *value_out)
+{
+    ts_status st = ts__check_inputs("ts_tensor_get", 1, (ts_tensor *const *)&t);
+    if (st)
+        return st;
+    int64_t off = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        if (index[i] < 0 || index[i] >= t->shape[i])
+            return ts_error(TS_ERR_INDEX, "ts_tensor_get: index %lld is out of range for dim %d of size %lld",
+                            (long long)index[i], i, (long long)t->shape[i]);
+        off += index[i] * t->strides[i];
+    }
+    *value_out = ts__load(t->dtype, ts_tensor_data(t), off);
+    return TS_OK;
+}
+
+ts_status ts_tensor_item(const ts_tensor *t, double *value_out)
+{
+    if (!t)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_item: tensor is NULL");
+    if (ts_tensor_numel(t) != 1) {
+        char s[96];
+        return ts_error(TS_ERR_SHAPE, "ts_tensor_item: tensor of shape %s has %lld elements, not 1",
+                        ts__shape_str(t->ndim, t->shape, s, sizeof s), (long long)ts_tensor_numel(t));
+    }
+    int64_t zero[TS_MAX_DIMS] = {0};
+    return ts_tensor_get(t, zero, value_out);
+}
+
+/* Advances a multi-index over dims [0, nd-1) of shape (the last dim is
+ * the caller's inner loop) and updates each operand's offset. */
+static inline bool next_outer(int nd, const int64_t *shape, int64_t *idx, int nops, int64_t (*strides)[TS_MAX_DIMS],
+                              int64_t *offs)
+{
+    for (int d = nd - 2; d >= 0; d--) {
+        if (++idx[d] < shape[d]) {
+            for (int k = 0; k < nops; k++)
+                offs[k] += strides[k][d];
+            return true;
+        }
+        for (int k = 0; k < nops; k++)
+            offs[k] -= strides[k][d] * (shape[d] - 1);
+        idx[d] = 0;
+    }
+    return false;
+}
+
+/* dst (any layout) = src broadcast to dst's shape, converted. */
+static void copy_strided(ts_tensor *dst, const ts_tensor *src)
+{
+    int64_t n = ts_tensor_numel(dst);
+    if (n == 0)
+        return;
+    char *dp = ts_tensor_data(dst);
+    const char *sp = ts_tensor_data(src);
+    if (dst->dtype == src->dtype && ts__is_contiguous(dst) && ts__is_contiguous(src) &&
+        ts_tensor_numel(src) == n) {
+        memmove(dp, sp, (size_t)n * ts_dtype_size(dst->dtype));
+        return;
+    }
+    int nd = dst->ndim;
+    if (nd == 0) {
+        ts__store(dst->dtype, dp, 0, ts__load(src->dtype, sp, 0));
+        return;
+    }
+    int64_t strides[2][TS_MAX_DIMS], offs[2] = {0, 0}, idx[TS_MAX_DIMS] = {0};
+    memcpy(strides[0], dst->strides, sizeof dst->strides);
+    ts__broadcast_strides(src, nd, dst->shape, strides[1]);
+    int64_t inner = dst->shape[nd - 1], ds = strides[0][nd - 1], ss = strides[1][nd - 1];
+    do {
+        if (dst->dtype == TS_F32 && src->dtype == TS_F32) {
+            float *d = (float *)dp + offs[0];
+            const float *s = (const float *)sp + offs[1];
+            for (int64_t i = 0; i < inner; i++)
+                d[i * ds] = s[i * ss];
+        } else {
+            for (int64_t i = 0; i < inner; i++)
+                ts__store(dst->dtype, dp, offs[0] + i * ds, ts__load(src->dtype, sp, offs[1] + i * ss));
+        }
+    } while (next_outer(nd, dst->shape, idx, 2, strides, offs));
+}
+
+ts_status ts_tensor_copy_to(const ts_tensor *t, void *buf, size_t nbytes)
+{
+    ts_status st = ts__check_inputs("ts_tensor_copy_to", 1, (ts_tensor *const *)&t);
+    if (st)
+        return st;
+    size_t want = (size_t)ts_tensor_numel(t) * ts_dtype_size(t->dtype);
+    if (nbytes != want)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_copy_to: buffer has %zu bytes, tensor needs %zu", nbytes,
+                        want);
+    ts_tensor tmp = {0};
+    tmp.dtype = t->dtype;
+    tmp.ndim = t->ndim;
+    memcpy(tmp.shape, t->shape, sizeof t->shape);
+    ts__contiguous_strides(t->ndim, t->shape, tmp.strides);
+    ts_storage s = {0};
+    s.data = buf;
+    s.nbytes = nbytes;
+    tmp.storage = &s;
+    copy_strided(&tmp, t);
+    return TS_OK;
+}
+
+ts_status ts__copy_into(const char *op, ts_tensor *dst, const ts_tensor *src)
+{
+    int nout;
+    int64_t shape[TS_MAX_DIMS];
+    ts_status st = ts__broadcast_shape(op, dst->ndim, dst->shape, src->ndim, src->shape, &nout, shape);
+    if (st)
+        return st;
+    if (nout != dst->ndim || memcmp(shape, dst->shape, (size_t)nout * sizeof *shape) != 0) {
+        char s1[96], s2[96];
+        return ts_error(TS_ERR_SHAPE, "%s: source of shape %s does not broadcast to destination shape %s", op,
+                        ts__shape_str(src->ndim, src->shape, s1, sizeof s1),
+                        ts__shape_str(dst->ndim, dst->shape, s2, sizeof s2));
+    }
+    copy_strided(dst, src);
+    return TS_OK;
+}
+
+ts_status ts_tensor_copy_(ts_tensor *dst, const ts_tensor *src)
+{
+    ts_tensor *in[2] = {dst, (ts_tensor *)src};
+    ts_status st = ts__check_inputs("ts_tensor_copy_", 2, in);
+    if (st)
+        return st;
+    if (dst->requires_grad && ts_grad_mode_enabled())
+        return ts_error(TS_ERR_AUTOGRAD, "ts_tensor_copy_: destination%s%s%s requires grad; an in-place copy into "
+                                         "it would not be recorded (disable grad mode first)",
+                        dst->name ? " '" : "", dst->name ? dst->name : "", dst->name ? "'" : "");
+    return ts__copy_into("ts_tensor_copy_", dst, src);
+}
+
+ts_status ts_tensor_fill_(ts_tensor *t, double value)
+{
+    ts_status st = ts__check_inputs("ts_tensor_fill_", 1, &t);
+    if (st)
+        return st;
+    int64_t n = ts_tensor_numel(t);
+    if (n == 0)
+        return TS_OK;
+    if (ts__is_contiguous(t)) {
+        char *d = ts_tensor_data(t);
+        if (t->dtype == TS_F32) {
+            float v = (float)value, *f = (float *)d;
+            for (int64_t i = 0; i < n; i++)
+                f[i] = v;
+        } else if (value == 0.0 && !signbit(value)) {
+            memset(d, 0, (size_t)n * ts_dtype_size(t->dtype));
+        } else {
+            for (int64_t i = 0; i < n; i++)
+                ts__store(t->dtype, d, i, value);
+        }
+        return TS_OK;
+    }
+    ts_tensor *s;
+    st = ts_tensor_full(t->dtype, 0, NULL, value, &s);
+    if (st)
+        return st;
+    copy_strided(t, s);
+    ts_tensor_free(s);
+    return TS_OK;
+}
+
+/* ------------------------------------------------------------ shard marker */
+
+void ts_tensor_set_shard(ts_tensor *t, void *meta)
+{
+    t->is_shard = true;
+    t->dist = meta;
+}
+
+void ts_tensor_clear_shard(ts_tensor *t)
+{
+    t->is_shard = false;
+    t->dist = NULL;
+}
+
+bool ts_tensor_is_shard(const ts_tensor *t) { return t->is_shard; }
+void *ts_tensor_dist_meta(const ts_tensor *t) { return t->dist; }
+
+ts_status ts_tensor_local_view(ts_tensor *t, ts_tensor **out)
+{
+    if (!t || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_local_view: NULL argument");
+    return ts__tensor_alias(t, t->ndim, t->shape, t->strides, t->offset, out);
+}

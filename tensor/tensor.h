@@ -1,0 +1,408 @@
+/*
+ * tensorshard tensor layer: dtypes, refcounted storage, tensor handles and
+ * views, differentiable ops, the autograd tape, and PyTorch-exact random
+ * numbers.
+ *
+ * Lifetime rules
+ * - A ts_tensor is a reference-counted handle. Every function that writes
+ *   a tensor to an `_out` parameter gives the caller a new reference, which
+ *   the caller releases with ts_tensor_free(). Tensor arguments are
+ *   borrowed: a function keeps its own reference if it needs one.
+ * - Views share their base's storage; the storage lives while any tensor or
+ *   autograd node refers to it.
+ * - Output parameters are written only on success.
+ * - Tensors are not thread-safe: one thread uses a tensor at a time.
+ *   Reference counts are atomic, so handles may be released on any thread.
+ *
+ * Errors: every fallible function returns ts_status and records a detail
+ * for ts_last_error() naming the op and the values that did not fit.
+ * Common ones: TS_ERR_SHAPE (shapes do not broadcast or match),
+ * TS_ERR_DTYPE (wrong or unsupported dtype), TS_ERR_INDEX (dim out of
+ * range), TS_ERR_RELEASED (an input's storage is released),
+ * TS_ERR_SHARDED (an input is a shard marked by an upper layer),
+ * TS_ERR_NO_MEMORY.
+ */
+#ifndef TS_TENSOR_H
+#define TS_TENSOR_H
+
+#include "base/base.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------ dtype */
+
+#define TS_DTYPE_TABLE(X)              \
+    X(TS_F32, "float32", 4, 1)         \
+    X(TS_F64, "float64", 8, 1)         \
+    X(TS_BF16, "bfloat16", 2, 1)       \
+    X(TS_F16, "float16", 2, 1)         \
+    X(TS_I64, "int64", 8, 0)           \
+    X(TS_I32, "int32", 4, 0)           \
+    X(TS_BOOL, "bool", 1, 0)
+
+typedef enum ts_dtype {
+#define TS__DTYPE_ENUM(e, name, size, isf) e,
+    TS_DTYPE_TABLE(TS__DTYPE_ENUM)
+#undef TS__DTYPE_ENUM
+    TS_DTYPE_COUNT
+} ts_dtype;
+
+/* Bytes per element; 0 for an invalid dtype. */
+TS_API size_t ts_dtype_size(ts_dtype d);
+/* PyTorch's name ("float32"); "invalid" for an invalid dtype. Static. */
+TS_API const char *ts_dtype_name(ts_dtype d);
+/* True for f32, f64, bf16, f16. */
+TS_API bool ts_dtype_is_float(ts_dtype d);
+
+/* Conversions that match PyTorch (c10::BFloat16 / c10::Half) for every
+ * input: round to nearest even, infinities kept, NaN stays NaN (bf16 NaN is
+ * 0x7FC0 as PyTorch writes it). */
+TS_API uint16_t ts_f32_to_bf16(float f);
+TS_API float ts_bf16_to_f32(uint16_t h);
+TS_API uint16_t ts_f32_to_f16(float f);
+TS_API float ts_f16_to_f32(uint16_t h);
+
+/* ---------------------------------------------------------------- storage */
+
+#define TS_MAX_DIMS 8
+
+typedef enum ts_device { TS_DEVICE_CPU = 0 } ts_device;
+
+typedef struct ts_storage ts_storage;
+typedef struct ts_tensor ts_tensor;
+
+/* Bytes the storage holds when filled (also while released). */
+TS_API size_t ts_storage_nbytes(const ts_storage *s);
+/* True while the storage's bytes are released. */
+TS_API bool ts_storage_is_released(const ts_storage *s);
+/* Returns the storage's bytes to the caching pool. Every tensor and
+ * autograd node that refers to it stays valid; ops that read it fail with
+ * TS_ERR_RELEASED until ts_storage_restore(). Releasing a released storage
+ * is a no-op. */
+TS_API ts_status ts_storage_release(ts_storage *s);
+/* Gives a released storage bytes again (same size; contents undefined
+ * until written). A no-op on a filled storage. TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_storage_restore(ts_storage *s);
+/* Raw bytes of a storage; NULL while released. Borrowed. */
+TS_API void *ts_storage_data(ts_storage *s);
+
+/* Tensor memory comes from a caching pool that keeps freed blocks for
+ * reuse (first touches of fresh pages are slow). This returns every cached
+ * block to the system; call it between phases, not inside a step. */
+TS_API void ts_pool_empty_cache(void);
+/* Bytes the pool holds in free blocks. */
+TS_API size_t ts_pool_cached_bytes(void);
+
+/* --------------------------------------------------------- tensor handles */
+
+/* New uninitialised tensor (contiguous, row-major). shape has `ndim`
+ * entries (0..TS_MAX_DIMS), each >= 0. TS_ERR_INVALID_ARGUMENT for a bad
+ * ndim, a negative size or an invalid dtype; TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_tensor_empty(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
+/* New tensor filled with zeros / ones / `value` (converted to the dtype). */
+TS_API ts_status ts_tensor_zeros(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
+TS_API ts_status ts_tensor_ones(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
+TS_API ts_status ts_tensor_full(ts_dtype dtype, int ndim, const int64_t *shape, double value, ts_tensor **out);
+/* New tensor whose elements are copied from `data` (row-major, of the
+ * given dtype, numel * ts_dtype_size(dtype) bytes). */
+TS_API ts_status ts_tensor_from_data(ts_dtype dtype, int ndim, const int64_t *shape, const void *data,
+                                     ts_tensor **out);
+/* New 0-d tensor holding `value`. */
+TS_API ts_status ts_tensor_scalar(ts_dtype dtype, double value, ts_tensor **out);
+/* New 1-d tensor [start, start + step, ...) below `end`. */
+TS_API ts_status ts_tensor_arange(ts_dtype dtype, double start, double end, double step, ts_tensor **out);
+
+/* Adds a reference; returns `t`. */
+TS_API ts_tensor *ts_tensor_retain(ts_tensor *t);
+/* Drops a reference; frees the handle (and the storage, graph node and
+ * gradient it holds, if last) when it reaches zero. Accepts NULL. */
+TS_API void ts_tensor_free(ts_tensor *t);
+
+TS_API ts_dtype ts_tensor_dtype(const ts_tensor *t);
+TS_API ts_device ts_tensor_device(const ts_tensor *t);
+TS_API int ts_tensor_ndim(const ts_tensor *t);
+/* Borrowed pointer to `ndim` sizes. */
+TS_API const int64_t *ts_tensor_shape(const ts_tensor *t);
+/* Size of `dim` (negative counts from the end); -1 if out of range. */
+TS_API int64_t ts_tensor_size(const ts_tensor *t, int dim);
+/* Borrowed pointer to `ndim` strides, in elements. */
+TS_API const int64_t *ts_tensor_strides(const ts_tensor *t);
+TS_API int64_t ts_tensor_offset(const ts_tensor *t);
+TS_API int64_t ts_tensor_numel(const ts_tensor *t);
+TS_API bool ts_tensor_is_contiguous(const ts_tensor *t);
+/* The storage (borrowed). */
+TS_API ts_storage *ts_tensor_storage(const ts_tensor *t);
+/* Address of element 0 (storage data + offset); NULL while the storage is
+ * released. Borrowed. */
+TS_API void *ts_tensor_data(const ts_tensor *t);
+/* Writes "(2, 3)" into buf (always NUL-terminated); returns buf. */
+TS_API char *ts_tensor_shape_str(const ts_tensor *t, char *buf, size_t len);
+
+/* Optional name used in error messages ("weight"); copied. */
+TS_API ts_status ts_tensor_set_name(ts_tensor *t, const char *name);
+/* The name, or "" if none. Borrowed. */
+TS_API const char *ts_tensor_name(const ts_tensor *t);
+
+/* Reads the element at `index` (ndim entries) converted to double.
+ * TS_ERR_INDEX when an index is out of range. */
+TS_API ts_status ts_tensor_get(const ts_tensor *t, const int64_t *index, double *value_out);
+/* The value of a one-element tensor, converted to double. */
+TS_API ts_status ts_tensor_item(const ts_tensor *t, double *value_out);
+/* Copies the elements in row-major order, in the tensor's dtype, into
+ * `buf` (numel * dtype size bytes; TS_ERR_INVALID_ARGUMENT if `nbytes`
+ * differs). */
+TS_API ts_status ts_tensor_copy_to(const ts_tensor *t, void *buf, size_t nbytes);
+/* Copies `src` into `dst` in place (broadcasting src to dst's shape,
+ * converting dtypes). Not recorded by autograd; refuses a dst that
+ * requires grad while grad mode is on, like PyTorch's leaf check. */
+TS_API ts_status ts_tensor_copy_(ts_tensor *dst, const ts_tensor *src);
+/* Sets every element of `t` to `value` in place (not recorded). */
+TS_API ts_status ts_tensor_fill_(ts_tensor *t, double value);
+
+/* ------------------------------------------------------ distributed marker */
+
+/* Marks `t` as a shard owned by an upper layer (fully_shard). Ordinary ops
+ * then refuse it with TS_ERR_SHARDED and a message that names it and says
+ * to call the module or take a local view. `meta` is an opaque pointer
+ * only the dtensor layer interprets (not owned). */
+TS_API void ts_tensor_set_shard(ts_tensor *t, void *meta);
+/* Removes the marker. */
+TS_API void ts_tensor_clear_shard(ts_tensor *t);
+TS_API bool ts_tensor_is_shard(const ts_tensor *t);
+/* The opaque distributed pointer (NULL if none). */
+TS_API void *ts_tensor_dist_meta(const ts_tensor *t);
+/* New handle on the same data, same shape and strides, without the shard
+ * marker and without autograd history: what an optimizer or a copy-in
+ * uses to work on a shard's local data. */
+TS_API ts_status ts_tensor_local_view(ts_tensor *t, ts_tensor **out);
+
+/* ------------------------------------------------------------------ views */
+/* Views share storage with the input and are differentiable. */
+
+/* View with a new shape (one entry may be -1). TS_ERR_NOT_VIEWABLE when
+ * the strides cannot express it (use ts_reshape), TS_ERR_SHAPE when the
+ * element counts differ. */
+TS_API ts_status ts_view(ts_tensor *t, int ndim, const int64_t *shape, ts_tensor **out);
+/* Like ts_view, but copies when a view is impossible. */
+TS_API ts_status ts_reshape(ts_tensor *t, int ndim, const int64_t *shape, ts_tensor **out);
+TS_API ts_status ts_transpose(ts_tensor *t, int dim0, int dim1, ts_tensor **out);
+/* `dims` is a permutation of 0..ndim-1. */
+TS_API ts_status ts_permute(ts_tensor *t, const int *dims, ts_tensor **out);
+/* Elements start..start+length-1 of `dim`. */
+TS_API ts_status ts_narrow(ts_tensor *t, int dim, int64_t start, int64_t length, ts_tensor **out);
+/* Python slicing t[start:end:step] on `dim` (negative start/end count from
+ * the end and are clamped; step >= 1). */
+TS_API ts_status ts_slice(ts_tensor *t, int dim, int64_t start, int64_t end, int64_t step, ts_tensor **out);
+/* Broadcast view to `shape` (-1 keeps a size; new leading dims allowed). */
+TS_API ts_status ts_expand(ts_tensor *t, int ndim, const int64_t *shape, ts_tensor **out);
+/* Removes `dim` if its size is 1 (otherwise returns an unchanged view). */
+TS_API ts_status ts_squeeze(ts_tensor *t, int dim, ts_tensor **out);
+TS_API ts_status ts_unsqueeze(ts_tensor *t, int dim, ts_tensor **out);
+/* `t` itself (a new reference) when contiguous, else a contiguous copy. */
+TS_API ts_status ts_contiguous(ts_tensor *t, ts_tensor **out);
+/* Contiguous copy with the same autograd connection (clone). */
+TS_API ts_status ts_clone(ts_tensor *t, ts_tensor **out);
+/* Same data, no autograd history, requires_grad false. */
+TS_API ts_status ts_detach(ts_tensor *t, ts_tensor **out);
+
+/* -------------------------------------------------------------------- ops */
+/* Elementwise binary ops broadcast by PyTorch's rules; both operands must
+ * have the same dtype (f32 or f64 for arithmetic). */
+TS_API ts_status ts_add(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+TS_API ts_status ts_sub(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+TS_API ts_status ts_mul(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+TS_API ts_status ts_div(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+/* a + s, a - s, s - a, a * s, a / s. */
+TS_API ts_status ts_add_scalar(ts_tensor *a, double s, ts_tensor **out);
+TS_API ts_status ts_sub_scalar(ts_tensor *a, double s, ts_tensor **out);
+TS_API ts_status ts_rsub_scalar(ts_tensor *a, double s, ts_tensor **out);
+TS_API ts_status ts_mul_scalar(ts_tensor *a, double s, ts_tensor **out);
+TS_API ts_status ts_div_scalar(ts_tensor *a, double s, ts_tensor **out);
+TS_API ts_status ts_pow_scalar(ts_tensor *a, double exponent, ts_tensor **out);
+
+TS_API ts_status ts_neg(ts_tensor *a, ts_tensor **out);
+TS_API ts_status ts_exp(ts_tensor *a, ts_tensor **out);
+TS_API ts_status ts_log(ts_tensor *a, ts_tensor **out);
+TS_API ts_status ts_sqrt(ts_tensor *a, ts_tensor **out);
+TS_API ts_status ts_rsqrt(ts_tensor *a, ts_tensor **out);
+TS_API ts_status ts_tanh(ts_tensor *a, ts_tensor **out);
+TS_API ts_status ts_sigmoid(ts_tensor *a, ts_tensor **out);
+TS_API ts_status ts_relu(ts_tensor *a, ts_tensor **out);
+
+typedef enum ts_gelu_approx { TS_GELU_NONE = 0, TS_GELU_TANH = 1 } ts_gelu_approx;
+TS_API ts_status ts_gelu(ts_tensor *a, ts_gelu_approx approx, ts_tensor **out);
+
+/* Reductions over `dims` (ndims entries, negative allowed; ndims == 0
+ * reduces over every dim). */
+TS_API ts_status ts_sum(ts_tensor *a, int ndims, const int *dims, bool keepdim, ts_tensor **out);
+TS_API ts_status ts_mean(ts_tensor *a, int ndims, const int *dims, bool keepdim, ts_tensor **out);
+/* Maximum over `dims` (torch.amax: the gradient is shared evenly between
+ * tied maxima). */
+TS_API ts_status ts_amax(ts_tensor *a, int ndims, const int *dims, bool keepdim, ts_tensor **out);
+/* torch.max(a, dim): values and int64 indices of the first maximum;
+ * `indices_out` may be NULL. The gradient flows to the index. */
+TS_API ts_status ts_max_dim(ts_tensor *a, int dim, bool keepdim, ts_tensor **values_out, ts_tensor **indices_out);
+
+TS_API ts_status ts_softmax(ts_tensor *a, int dim, ts_tensor **out);
+TS_API ts_status ts_log_softmax(ts_tensor *a, int dim, ts_tensor **out);
+
+/* torch.matmul: 1-d/2-d/batched with broadcast batch dims. Transposed
+ * operands are passed to BLIS as strides, without copies. */
+TS_API ts_status ts_matmul(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+/* x (..., in) @ w (out, in)^T + b (out) (b may be NULL): torch's F.linear. */
+TS_API ts_status ts_linear(ts_tensor *x, ts_tensor *w, ts_tensor *b, ts_tensor **out);
+
+/* Normalizes over the last `n_norm_dims` dims of x; weight and bias (shape
+ * of those dims) may be NULL. */
+TS_API ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_tensor *bias, double eps,
+                               ts_tensor **out);
+/* Rows of weight (num, dim) picked by int64 `indices` (any shape):
+ * out (*indices.shape, dim). Indices out of range give TS_ERR_INDEX. */
+TS_API ts_status ts_embedding(ts_tensor *weight, ts_tensor *indices, ts_tensor **out);
+
+typedef enum ts_reduction { TS_REDUCTION_MEAN = 0, TS_REDUCTION_SUM, TS_REDUCTION_NONE } ts_reduction;
+/* logits (N, C), int64 targets (N). Targets equal to ignore_index add
+ * nothing and do not count in the mean (PyTorch's rule; a mean over zero
+ * targets is NaN, as in PyTorch). */
+TS_API ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore_index,
+                                  ts_reduction reduction, ts_tensor **out);
+TS_API ts_status ts_mse_loss(ts_tensor *input, ts_tensor *target, ts_reduction reduction, ts_tensor **out);
+
+/* Inverted dropout with PyTorch's CPU random stream (bernoulli(1-p) mask
+ * scaled by 1/(1-p)). Identity (a new reference) when !training or p == 0.
+ * p in [0, 1]. Uses the default generator when `gen` is NULL. */
+typedef struct ts_generator ts_generator;
+TS_API ts_status ts_dropout(ts_tensor *a, double p, bool training, ts_generator *gen, ts_tensor **out);
+
+/* Concatenates n tensors along `dim` (same shape elsewhere). */
+TS_API ts_status ts_cat(int n, ts_tensor *const *tensors, int dim, ts_tensor **out);
+/* Splits into views of `split_size` along `dim` (the last may be
+ * shorter). Writes at most `max_out` views into outs and their count into
+ * n_out; TS_ERR_INVALID_ARGUMENT if more would be needed. */
+TS_API ts_status ts_split(ts_tensor *a, int64_t split_size, int dim, int max_out, ts_tensor **outs, int *n_out);
+/* torch.chunk: ceil(size / chunks) per piece; possibly fewer pieces. */
+TS_API ts_status ts_chunk(ts_tensor *a, int chunks, int dim, int max_out, ts_tensor **outs, int *n_out);
+/* cond (bool) ? a : b, broadcasting all three. */
+TS_API ts_status ts_where(ts_tensor *cond, ts_tensor *a, ts_tensor *b, ts_tensor **out);
+/* a with `value` where mask (bool, broadcastable to a) is true. */
+TS_API ts_status ts_masked_fill(ts_tensor *a, ts_tensor *mask, double value, ts_tensor **out);
+/* Copy converted to `dtype` (a new reference to `a` if it already has it).
+ * Differentiable between floating dtypes. */
+TS_API ts_status ts_to_dtype(ts_tensor *a, ts_dtype dtype, ts_tensor **out);
+/* Elementwise a == b / a < b as bool (not differentiable). */
+TS_API ts_status ts_eq(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+/* Lower-triangular bool mask (n, n) with ones where col <= row + diagonal. */
+TS_API ts_status ts_tril_mask(int64_t n, int64_t diagonal, ts_tensor **out);
+
+/* --------------------------------------------------------------- autograd */
+
+/* Marks a leaf as requiring grad (TS_ERR_AUTOGRAD for a non-leaf or a
+ * non-floating tensor). */
+TS_API ts_status ts_tensor_set_requires_grad(ts_tensor *t, bool requires_grad);
+TS_API bool ts_tensor_requires_grad(const ts_tensor *t);
+/* True if `t` was not produced by a recorded op. */
+TS_API bool ts_tensor_is_leaf(const ts_tensor *t);
+/* The accumulated gradient (borrowed; NULL if none). */
+TS_API ts_tensor *ts_tensor_grad(const ts_tensor *t);
+/* Replaces the gradient (takes a new reference to `g`; NULL clears). The
+ * shape and dtype must match `t` (TS_ERR_SHAPE / TS_ERR_DTYPE). */
+TS_API ts_status ts_tensor_set_grad(ts_tensor *t, ts_tensor *g);
+/* set_to_none: drops the gradient; otherwise fills it with zeros. */
+TS_API void ts_tensor_zero_grad(ts_tensor *t, bool set_to_none);
+
+/* Runs backward from `root`. `grad` may be NULL only when root has one
+ * element (it is then 1). Nodes run in reverse creation order; gradients
+ * of leaves accumulate into their .grad. Unless retain_graph, the graph's
+ * saved tensors are released and a second backward through it returns
+ * TS_ERR_AUTOGRAD. */
+TS_API ts_status ts_backward(ts_tensor *root, ts_tensor *grad, bool retain_graph);
+
+/* Grad mode (thread-local, on by default). ts_grad_mode_set returns the
+ * previous mode so that a scope can restore it:
+ *     bool prev = ts_grad_mode_set(false); ...; ts_grad_mode_set(prev); */
+TS_API bool ts_grad_mode_set(bool enabled);
+TS_API bool ts_grad_mode_enabled(void);
+
+/* Backward callback of a custom function node: `grads` holds one gradient
+ * per output (NULL where none flowed). The callback may replace a gradient
+ * (release the old reference, store a new one). An error status stops the
+ * backward and is returned by ts_backward. */
+typedef ts_status (*ts_autograd_backward_fn)(void *ctx, int n, ts_tensor **grads);
+
+/* Custom function node: identity in forward (outputs are views of the
+ * inputs), `fn` in backward, which then passes the gradients through. If no
+ * input requires grad (or grad mode is off) the outputs are plain aliases
+ * and `fn` never runs. `ctx_free` (may be NULL) runs when the node dies.
+ * Writes n new references into outs. */
+TS_API ts_status ts_autograd_custom(int n, ts_tensor *const *inputs, ts_autograd_backward_fn fn, void *ctx,
+                                   void (*ctx_free)(void *ctx), ts_tensor **outs);
+
+/* Queues `fn(ctx)` to run once when the backward now running ends (after
+ * every node). TS_ERR_STATE when no backward is running on this thread. */
+typedef ts_status (*ts_autograd_callback_fn)(void *ctx);
+TS_API ts_status ts_autograd_queue_callback(ts_autograd_callback_fn fn, void *ctx);
+/* True while a backward runs on this thread. */
+TS_API bool ts_autograd_in_backward(void);
+
+/* -------------------------------------------------------- random numbers */
+/* Bit-exact with PyTorch 1.13's CPU generator (AVX2 kernels, the default on
+ * x86-64): ts_manual_seed(s) then the same calls give the same numbers as
+ * torch.manual_seed(s). `gen` NULL means the default generator. */
+
+TS_API void ts_manual_seed(uint64_t seed);
+/* The process-wide default generator (borrowed). */
+TS_API ts_generator *ts_default_generator(void);
+/* A new generator seeded with `seed`; free with ts_generator_free. */
+TS_API ts_status ts_generator_new(uint64_t seed, ts_generator **out);
+TS_API void ts_generator_free(ts_generator *g);
+TS_API void ts_generator_manual_seed(ts_generator *g, uint64_t seed);
+/* Serialised state in torch.get_rng_state()'s 5056-byte layout. */
+#define TS_GENERATOR_STATE_BYTES 5056
+TS_API void ts_generator_get_state(const ts_generator *g, uint8_t state_out[TS_GENERATOR_STATE_BYTES]);
+TS_API ts_status ts_generator_set_state(ts_generator *g, const uint8_t state[TS_GENERATOR_STATE_BYTES]);
+/* The next raw 32-bit output (mt19937). */
+TS_API uint32_t ts_generator_random(ts_generator *g);
+
+/* New tensors: torch.rand / randn (f32 or f64), randint (int64, low < high),
+ * randperm (int64). */
+TS_API ts_status ts_rand(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator *gen, ts_tensor **out);
+TS_API ts_status ts_randn(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator *gen, ts_tensor **out);
+TS_API ts_status ts_randint(int64_t low, int64_t high, int ndim, const int64_t *shape, ts_generator *gen,
+                            ts_tensor **out);
+TS_API ts_status ts_randperm(int64_t n, ts_generator *gen, ts_tensor **out);
+/* In-place fills (not recorded by autograd): Tensor.uniform_, normal_,
+ * bernoulli_ (f32/f64). */
+TS_API ts_status ts_uniform_(ts_tensor *t, double from, double to, ts_generator *gen);
+TS_API ts_status ts_normal_(ts_tensor *t, double mean, double std, ts_generator *gen);
+TS_API ts_status ts_bernoulli_(ts_tensor *t, double p, ts_generator *gen);
+
+typedef enum ts_nonlinearity {
+    TS_NL_LINEAR = 0, TS_NL_SIGMOID, TS_NL_TANH, TS_NL_RELU, TS_NL_LEAKY_RELU, TS_NL_SELU
+} ts_nonlinearity;
+typedef enum ts_fan_mode { TS_FAN_IN = 0, TS_FAN_OUT } ts_fan_mode;
+/* torch.nn.init.calculate_gain (param is leaky_relu's slope). */
+TS_API double ts_init_calculate_gain(ts_nonlinearity nl, double param);
+/* torch.nn.init.kaiming_uniform_ / kaiming_normal_ / xavier_uniform_ /
+ * xavier_normal_ (tensor of >= 2 dims; TS_ERR_SHAPE otherwise). */
+TS_API ts_status ts_init_kaiming_uniform_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl,
+                                          ts_generator *gen);
+TS_API ts_status ts_init_kaiming_normal_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl,
+                                         ts_generator *gen);
+TS_API ts_status ts_init_xavier_uniform_(ts_tensor *t, double gain, ts_generator *gen);
+TS_API ts_status ts_init_xavier_normal_(ts_tensor *t, double gain, ts_generator *gen);
+
+/* -------------------------------------------------------------- threading */
+
+/* Number of BLIS threads used by matmul. Default TS_NUM_THREADS, else 1. */
+TS_API void ts_set_num_threads(int n);
+TS_API int ts_get_num_threads(void);
+/* The BLIS kernel set chosen for this CPU ("skx", "haswell", ...). Calls
+ * the library's BLIS set-up if it has not run yet. */
+TS_API const char *ts_blis_arch_name(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TS_TENSOR_H */

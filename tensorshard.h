@@ -1,0 +1,9 @@
+/* tensorshard: fully sharded data parallel training in C. This header
+ * includes every public header of the library. */
+#ifndef TENSORSHARD_H
+#define TENSORSHARD_H
+
+#include "base/base.h"
+#include "tensor/tensor.h"
+
+#endif

@@ -1,0 +1,87 @@
+#define _GNU_SOURCE
+#include <criterion/criterion.h>
+#include <setjmp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tests/helpers.h"
+
+Test(base_status, ok_is_zero_and_errors_negative)
+{
+    cr_assert_eq(TS_OK, 0);
+#define CHECK_NEG(name, value, msg) \
+    if (name != TS_OK)              \
+        cr_assert_lt(name, 0, "%s must be negative", #name);
+    TS_STATUS_TABLE(CHECK_NEG)
+#undef CHECK_NEG
+}
+
+Test(base_status, names_and_messages_come_from_the_table)
+{
+    cr_assert_str_eq(ts_status_name(TS_OK), "TS_OK");
+    cr_assert_str_eq(ts_status_name(TS_ERR_SHAPE), "TS_ERR_SHAPE");
+    cr_assert_str_eq(ts_status_str(TS_ERR_SHAPE), "shape mismatch");
+    cr_assert_str_eq(ts_status_name((ts_status)-999), "TS_UNKNOWN_STATUS");
+    cr_assert_str_eq(ts_status_str((ts_status)-999), "unknown status");
+    /* every status has a distinct name */
+    const char *names[TS_STATUS_COUNT];
+    int k = 0;
+#define COLLECT(name, value, msg) names[k++] = ts_status_name(name);
+    TS_STATUS_TABLE(COLLECT)
+#undef COLLECT
+    cr_assert_eq(k, TS_STATUS_COUNT);
+    for (int i = 0; i < k; i++)
+        for (int j = i + 1; j < k; j++)
+            cr_assert_str_neq(names[i], names[j]);
+}
+
+Test(base_status, last_error_is_thread_local_detail)
+{
+    ts_clear_error();
+    cr_assert_str_eq(ts_last_error(), "");
+    cr_assert_eq(ts_last_status(), TS_OK);
+    ts_status s = ts_error(TS_ERR_SHAPE, "op: %d vs %d", 3, 4);
+    cr_assert_eq(s, TS_ERR_SHAPE);
+    cr_assert_str_eq(ts_last_error(), "op: 3 vs 4");
+    cr_assert_eq(ts_last_status(), TS_ERR_SHAPE);
+    ts_clear_error();
+    cr_assert_str_eq(ts_last_error(), "");
+}
+
+static jmp_buf jb;
+static char seen[512];
+
+static void jump_hook(const char *msg, void *ctx)
+{
+    (void)ctx;
+    strncpy(seen, msg, sizeof seen - 1);
+    longjmp(jb, 1);
+}
+
+Test(base_status, assert_goes_through_the_abort_hook)
+{
+    ts_set_abort_hook(jump_hook, NULL);
+    volatile int reached = 0;
+    if (setjmp(jb) == 0) {
+        TS_ASSERT(1 + 1 == 3);
+        reached = 1;
+    }
+    ts_set_abort_hook(NULL, NULL);
+    cr_assert_eq(reached, 0, "the assert did not fire");
+    cr_assert(strstr(seen, "1 + 1 == 3") != NULL, "message: %s", seen);
+    cr_assert(strstr(seen, "test_status.c") != NULL, "message: %s", seen);
+}
+
+static void info_env(void) { setenv("TS_LOG_LEVEL", "info", 1); }
+
+/* Each Criterion test runs in a fresh worker process, so the level is read
+ * from the environment set by .init. */
+Test(base_status, log_level_from_environment_and_override, .init = info_env)
+{
+    cr_assert_eq(ts_log_get_level(), TS_LOG_INFO);
+    ts_log_set_level(TS_LOG_DEBUG);
+    cr_assert(TS_LOG_ENABLED(TS_LOG_DEBUG));
+    cr_assert(!TS_LOG_ENABLED(TS_LOG_TRACE));
+    ts_log_set_level(TS_LOG_ERROR);
+    cr_assert(!TS_LOG_ENABLED(TS_LOG_WARN));
+}
