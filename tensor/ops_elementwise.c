@@ -422,14 +422,20 @@ ts_status ts__reduce_to_shape(ts_tensor *g, int ndim, const int64_t *shape, ts_t
 
 /* ----------------------------------------------------- binary ops */
 
+/* Node layout of binary ops: iargs[0..8) shape of a, iargs[8..16) shape of
+ * b, dargs[1] and dargs[2] their ndims (an 8-d shape fills its half of
+ * iargs), dargs[0] the sign of b for add/sub. */
+static int operand_ndim(const ts_node *n, int j) { return (int)n->dargs[1 + j]; }
+static const int64_t *operand_shape(const ts_node *n, int j) { return &n->iargs[TS_MAX_DIMS * j]; }
+
 static ts_status add_sub_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 {
     ts_status st = TS_OK;
     if (ts__node_needs_input_grad(n, 0))
-        st = ts__reduce_to_shape(g[0], (int)n->iargs[0], &n->iargs[1], &gin[0]);
+        st = ts__reduce_to_shape(g[0], operand_ndim(n, 0), operand_shape(n, 0), &gin[0]);
     if (!st && ts__node_needs_input_grad(n, 1)) {
         ts_tensor *r;
-        st = ts__reduce_to_shape(g[0], (int)n->iargs[8], &n->iargs[9], &r);
+        st = ts__reduce_to_shape(g[0], operand_ndim(n, 1), operand_shape(n, 1), &r);
         if (!st && n->dargs[0] < 0) {
             st = unary_kernel(U_NEG, r, 0, &gin[1]);
             ts_tensor_free(r);
@@ -449,7 +455,7 @@ static ts_status mul_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         ts_tensor *full;
         if ((st = binary_kernel(B_MUL, g[0], n->saved[1 - j], 0, &full)))
             break;
-        st = ts__reduce_to_shape(full, (int)n->iargs[8 * j], &n->iargs[8 * j + 1], &gin[j]);
+        st = ts__reduce_to_shape(full, operand_ndim(n, j), operand_shape(n, j), &gin[j]);
         ts_tensor_free(full);
     }
     return st;
@@ -463,11 +469,11 @@ static ts_status div_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     if ((st = binary_kernel(B_DIV, g[0], n->saved[0], 0, &ga)))
         return st;
     if (ts__node_needs_input_grad(n, 0))
-        st = ts__reduce_to_shape(ga, (int)n->iargs[0], &n->iargs[1], &gin[0]);
+        st = ts__reduce_to_shape(ga, operand_ndim(n, 0), operand_shape(n, 0), &gin[0]);
     if (!st && ts__node_needs_input_grad(n, 1)) {
         ts_tensor *full;
         if (!(st = binary_kernel(B_DIV_BW_B, ga, n->saved[1], 0, &full))) {
-            st = ts__reduce_to_shape(full, (int)n->iargs[8], &n->iargs[9], &gin[1]);
+            st = ts__reduce_to_shape(full, operand_ndim(n, 1), operand_shape(n, 1), &gin[1]);
             ts_tensor_free(full);
         }
     }
@@ -495,10 +501,10 @@ static ts_status binary_op(bop op, ts_tensor *a, ts_tensor *b, ts_tensor **out)
             ts_tensor_free(o);
             return TS_ERR_NO_MEMORY;
         }
-        n->iargs[0] = a->ndim;
-        memcpy(&n->iargs[1], a->shape, (size_t)a->ndim * sizeof *a->shape);
-        n->iargs[8] = b->ndim;
-        memcpy(&n->iargs[9], b->shape, (size_t)b->ndim * sizeof *b->shape);
+        n->dargs[1] = a->ndim;
+        memcpy(&n->iargs[0], a->shape, (size_t)a->ndim * sizeof *a->shape);
+        n->dargs[2] = b->ndim;
+        memcpy(&n->iargs[TS_MAX_DIMS], b->shape, (size_t)b->ndim * sizeof *b->shape);
         n->dargs[0] = op == B_SUB ? -1 : 1;
         if (op == B_MUL) {
             st = ts__node_save(n, 0, a);

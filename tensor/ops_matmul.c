@@ -19,12 +19,28 @@ static void gemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, in
 }
 
 /* True if dims [0, nd-1) of t (batch and rows) fold into one row dim:
- * then row r of the fold is at r * stride[nd-2]. */
-static bool rows_fold(const ts_tensor *t)
+ * then row r of the fold is at r * *rs_out. Dims of size 1 are skipped
+ * (their stride is arbitrary), so the row stride is that of the innermost
+ * of those dims with a size above 1. */
+static bool rows_fold(const ts_tensor *t, int64_t *rs_out)
 {
-    for (int i = 0; i < t->ndim - 2; i++)
-        if (t->shape[i] != 1 && t->strides[i] != t->strides[i + 1] * t->shape[i + 1])
+    int nd = t->ndim;
+    int64_t rs = nd >= 2 ? t->strides[nd - 2] : 0, expect = 0;
+    bool seen = false;
+    for (int i = nd - 2; i >= 0; i--) {
+        if (t->shape[i] == 1)
+            continue;
+        if (!seen) {
+            rs = t->strides[i];
+            expect = rs * t->shape[i];
+            seen = true;
+        } else if (t->strides[i] != expect) {
             return false;
+        } else {
+            expect *= t->shape[i];
+        }
+    }
+    *rs_out = rs;
     return true;
 }
 
@@ -57,11 +73,12 @@ static ts_status mm_kernel(const char *op, ts_tensor *a, ts_tensor *b, ts_tensor
     const char *ap = ts_tensor_data(a), *bp = ts_tensor_data(b);
     char *op_ = ts_tensor_data(o);
     int64_t rsa = a->strides[na - 2], csa = a->strides[na - 1], rsb = b->strides[nb - 2], csb = b->strides[nb - 1];
+    int64_t rs_fold;
     if (batches * m * n == 0) {
         /* nothing to compute */
-    } else if (nb == 2 && rows_fold(a)) {
+    } else if (nb == 2 && rows_fold(a, &rs_fold)) {
         /* (batch..., m, k) @ (k, n): one product with batch*m rows */
-        gemm(a->dtype, batches * m, n, k, ap, rsa, csa, bp, rsb, csb, 0.0, op_, n, 1);
+        gemm(a->dtype, batches * m, n, k, ap, rs_fold, csa, bp, rsb, csb, 0.0, op_, n, 1);
     } else {
         int64_t sa[TS_MAX_DIMS], sb[TS_MAX_DIMS];
         ts_tensor va = *a, vb = *b;
@@ -102,18 +119,18 @@ static ts_status transposed(ts_tensor *t, ts_tensor **out)
     return ts__tensor_alias(t, d, sh, str, t->offset, out);
 }
 
-/* (…, r, c) viewed as (R, c) when the leading dims fold; else a
- * contiguous copy viewed that way. */
+/* (…, r, c) viewed as (R, c) when the leading dims fold (a 1-d (c,) is
+ * one row); else a contiguous copy viewed that way. */
 static ts_status flat_rows(ts_tensor *t, ts_tensor **out)
 {
     int64_t c = t->shape[t->ndim - 1], r = c ? ts_tensor_numel(t) / c : 0;
-    int64_t sh[2] = {r, c};
+    int64_t sh[2] = {r, c}, rs;
     if (t->ndim == 2) {
         *out = ts_tensor_retain(t);
         return TS_OK;
     }
-    if (rows_fold(t)) {
-        int64_t str[2] = {t->strides[t->ndim - 2], t->strides[t->ndim - 1]};
+    if (rows_fold(t, &rs)) {
+        int64_t str[2] = {rs, t->strides[t->ndim - 1]};
         return ts__tensor_alias(t, 2, sh, str, t->offset, out);
     }
     ts_tensor *cc;
@@ -214,6 +231,13 @@ ts_status ts_matmul(ts_tensor *a, ts_tensor *b, ts_tensor **out)
     if (a->ndim == 0 || b->ndim == 0)
         return ts_error(TS_ERR_SHAPE, "matmul: both arguments need at least 1 dimension (got %d and %d dims)",
                         a->ndim, b->ndim);
+    int64_t ka = a->shape[a->ndim - 1], kb = b->shape[b->ndim >= 2 ? b->ndim - 2 : 0];
+    if (ka != kb) {
+        char s1[96], s2[96];
+        return ts_error(TS_ERR_SHAPE, "matmul: shapes %s and %s cannot be multiplied (%lld columns vs %lld rows)",
+                        ts__shape_str(a->ndim, a->shape, s1, sizeof s1), ts__shape_str(b->ndim, b->shape, s2, sizeof s2),
+                        (long long)ka, (long long)kb);
+    }
     if (a->ndim >= 2 && b->ndim >= 2)
         return matmul_nd(a, b, out);
     /* 1-d operands: unsqueeze (recorded), multiply, squeeze (recorded) */

@@ -9,11 +9,15 @@
 /* ----------------------------------------------------- layer_norm */
 
 /* saved: 0 = x (contiguous), 1 = weight, 2 = mean (rows), 3 = rstd (rows).
- * iargs[0] = D (normalized size). */
+ * iargs[0] = D (normalized size), iargs[1] = number of normalized dims,
+ * iargs[2..) = normalized shape (the shape of weight and bias, which
+ * either may be missing). */
 static ts_status layer_norm_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 {
     ts_tensor *x = n->saved[0], *w = n->saved[1], *mean = n->saved[2], *rstd = n->saved[3], *gc;
     int64_t D = n->iargs[0], R = D ? ts_tensor_numel(x) / D : 0;
+    int pnd = (int)n->iargs[1];
+    const int64_t *pshape = &n->iargs[2];
     ts_status st = ts_contiguous(g[0], &gc);
     if (st)
         return st;
@@ -56,13 +60,13 @@ static ts_status layer_norm_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         }
     }
     if (need_w) {
-        if ((st = ts__tensor_new(dt, w->ndim, w->shape, &gin[1])))
+        if ((st = ts__tensor_new(dt, pnd, pshape, &gin[1])))
             goto out;
         for (int64_t i = 0; i < D; i++)
             ts__store(dt, ts_tensor_data(gin[1]), i, gw[i]);
     }
     if (need_b) {
-        if ((st = ts__tensor_new(dt, w ? w->ndim : 1, w ? w->shape : &D, &gin[2])))
+        if ((st = ts__tensor_new(dt, pnd, pshape, &gin[2])))
             goto out;
         for (int64_t i = 0; i < D; i++)
             ts__store(dt, ts_tensor_data(gin[2]), i, gb[i]);
@@ -179,6 +183,8 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
             goto fail;
         }
         n->iargs[0] = D;
+        n->iargs[1] = n_norm_dims;
+        memcpy(&n->iargs[2], nshape, (size_t)n_norm_dims * sizeof *nshape);
         if (!(st = ts__node_save(n, 0, xc)) && !(st = ts__node_save(n, 1, wc)) && !(st = ts__node_save(n, 2, mean)) &&
             !(st = ts__node_save(n, 3, rstd)))
             ts__node_set_output(n, 0, o);

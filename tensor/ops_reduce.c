@@ -449,9 +449,12 @@ static void softmax_rows_f32(const float *x, float *y, int64_t rows, int64_t n, 
         if (log_form) {
             for (int64_t i = 0; i < n; i++)
                 s += expf(xr[i] - mx);
-            float lse = mx + (float)log(s);
+            /* (x - max) - log(sum), in this order, as PyTorch does: folding
+             * max + log(sum) first rounds at the magnitude of the logits and
+             * loses the small differences (pytorch/pytorch#11752) */
+            float ls = (float)log(s);
             for (int64_t i = 0; i < n; i++)
-                yr[i] = xr[i] - lse;
+                yr[i] = (xr[i] - mx) - ls;
         } else {
             for (int64_t i = 0; i < n; i++) {
                 yr[i] = expf(xr[i] - mx);

@@ -523,20 +523,30 @@ static inline int64_t elem_iter_next(elem_iter *it)
     return cur;
 }
 
-/* torch's is_contiguous: size-1 dimensions may have any stride. */
+/* torch's is_contiguous: size-1 dimensions may have any stride, and an
+ * empty tensor is contiguous. */
 static bool is_dense_contiguous(const ts_tensor *t)
 {
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] == 0)
+            return true;
     int64_t expected = 1;
     for (int d = t->ndim - 1; d >= 0; d--) {
         if (t->shape[d] == 1)
             continue;
-        if (t->shape[d] == 0)
-            return true;
         if (t->strides[d] != expected)
             return false;
         expected *= t->shape[d];
     }
     return true;
+}
+
+static int64_t tensor_numel(const ts_tensor *t)
+{
+    int64_t n = 1;
+    for (int d = 0; d < t->ndim; d++)
+        n *= t->shape[d];
+    return n;
 }
 
 /* Common checks of the in-place fills: a usable tensor (not released, not a
@@ -550,10 +560,7 @@ static ts_status fill_prepare(const char *op, ts_tensor *t, void **data_out)
     if (t->dtype != TS_F32 && t->dtype != TS_F64)
         return ts_error(TS_ERR_DTYPE, "%s: dtype %s is not supported (float32 or float64)", op,
                         ts_dtype_name(t->dtype));
-    int64_t numel = 1;
-    for (int d = 0; d < t->ndim; d++)
-        numel *= t->shape[d];
-    if (numel == 0) {
+    if (tensor_numel(t) == 0) {
         *data_out = NULL;
         return TS_OK;
     }
@@ -569,14 +576,6 @@ static ts_status fill_prepare(const char *op, ts_tensor *t, void **data_out)
     return TS_OK;
 }
 
-static int64_t tensor_numel(const ts_tensor *t)
-{
-    int64_t n = 1;
-    for (int d = 0; d < t->ndim; d++)
-        n *= t->shape[d];
-    return n;
-}
-
 /* ----------------------------------------------------------- in-place fills */
 
 ts_status ts_uniform_(ts_tensor *t, double from, double to, ts_generator *gen)
@@ -587,18 +586,17 @@ ts_status ts_uniform_(ts_tensor *t, double from, double to, ts_generator *gen)
         return st;
     double max = t->dtype == TS_F32 ? (double)FLT_MAX : DBL_MAX;
     if (!(from >= -max && from <= max))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: from=%.17g is out of bounds for %s", from,
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: from=%g is out of bounds for %s", from,
                         ts_dtype_name(t->dtype));
     if (!(to >= -max && to <= max))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: to=%.17g is out of bounds for %s", to,
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: to=%g is out of bounds for %s", to,
                         ts_dtype_name(t->dtype));
     if (from > to)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: expects a [from, to) range, but from=%.17g > to=%.17g",
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: expects a [from, to) range, but from=%g > to=%g",
                         from, to);
     if (!(to - from <= max))
-        return ts_error(TS_ERR_INVALID_ARGUMENT,
-                        "uniform_: to - from must be <= the largest %s, but to=%.17g and from=%.17g", ts_dtype_name(t->dtype),
-                        to, from);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: to - from must be <= the largest %s, but to=%g and from=%g",
+                        ts_dtype_name(t->dtype), to, from);
     if (!data)
         return TS_OK;
     ts_generator *g = gen_or_default(gen);
@@ -627,7 +625,7 @@ ts_status ts_normal_(ts_tensor *t, double mean, double std, ts_generator *gen)
     if (st != TS_OK)
         return st;
     if (!(std >= 0.0))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "normal_: expects std >= 0.0, but std=%.17g", std);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "normal_: expects std >= 0.0, but std=%g", std);
     if (!data)
         return TS_OK;
     ts_generator *g = gen_or_default(gen);
@@ -661,7 +659,7 @@ ts_status ts_bernoulli_(ts_tensor *t, double p, ts_generator *gen)
     if (st != TS_OK)
         return st;
     if (!(p >= 0.0 && p <= 1.0))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "bernoulli_: expects p in [0, 1], but p=%.17g", p);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "bernoulli_: expects p in [0, 1], but p=%g", p);
     if (!data)
         return TS_OK;
     ts_generator *g = gen_or_default(gen);

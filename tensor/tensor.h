@@ -57,8 +57,10 @@ TS_API const char *ts_dtype_name(ts_dtype d);
 TS_API bool ts_dtype_is_float(ts_dtype d);
 
 /* Conversions that match PyTorch (c10::BFloat16 / c10::Half) for every
- * input: round to nearest even, infinities kept, NaN stays NaN (bf16 NaN is
- * 0x7FC0 as PyTorch writes it). */
+ * input: round to nearest even, infinities kept, NaN stays NaN: bf16 NaN is
+ * 0x7FC0 as c10::BFloat16 writes it (torch 1.13's vectorised contiguous
+ * .to(bfloat16) writes 0xFFFF instead); f32 -> f16 NaN is sign | 0x7E00;
+ * f16 -> f32 keeps the payload and sets the quiet bit. */
 TS_API uint16_t ts_f32_to_bf16(float f);
 TS_API float ts_bf16_to_f32(uint16_t h);
 TS_API uint16_t ts_f32_to_f16(float f);
@@ -349,7 +351,9 @@ TS_API bool ts_autograd_in_backward(void);
 /* -------------------------------------------------------- random numbers */
 /* Bit-exact with PyTorch 1.13's CPU generator (AVX2 kernels, the default on
  * x86-64): ts_manual_seed(s) then the same calls give the same numbers as
- * torch.manual_seed(s). `gen` NULL means the default generator. */
+ * torch.manual_seed(s). `gen` NULL means the default generator in every
+ * function below. The default generator starts from torch's default seed,
+ * 67280421310721; ts_generator_free ignores it. */
 
 TS_API void ts_manual_seed(uint64_t seed);
 /* The process-wide default generator (borrowed). */
@@ -361,6 +365,8 @@ TS_API void ts_generator_manual_seed(ts_generator *g, uint64_t seed);
 /* Serialised state in torch.get_rng_state()'s 5056-byte layout. */
 #define TS_GENERATOR_STATE_BYTES 5056
 TS_API void ts_generator_get_state(const ts_generator *g, uint8_t state_out[TS_GENERATOR_STATE_BYTES]);
+/* TS_ERR_INVALID_ARGUMENT for a state that is not one get_state could
+ * write (left/next outside the state array). */
 TS_API ts_status ts_generator_set_state(ts_generator *g, const uint8_t state[TS_GENERATOR_STATE_BYTES]);
 /* The next raw 32-bit output (mt19937). */
 TS_API uint32_t ts_generator_random(ts_generator *g);
@@ -382,7 +388,8 @@ typedef enum ts_nonlinearity {
     TS_NL_LINEAR = 0, TS_NL_SIGMOID, TS_NL_TANH, TS_NL_RELU, TS_NL_LEAKY_RELU, TS_NL_SELU
 } ts_nonlinearity;
 typedef enum ts_fan_mode { TS_FAN_IN = 0, TS_FAN_OUT } ts_fan_mode;
-/* torch.nn.init.calculate_gain (param is leaky_relu's slope). */
+/* torch.nn.init.calculate_gain (param is leaky_relu's negative slope; pass
+ * 0.01 for torch's default, sqrt(5) for Linear's init). */
 TS_API double ts_init_calculate_gain(ts_nonlinearity nl, double param);
 /* torch.nn.init.kaiming_uniform_ / kaiming_normal_ / xavier_uniform_ /
  * xavier_normal_ (tensor of >= 2 dims; TS_ERR_SHAPE otherwise). */
@@ -395,11 +402,29 @@ TS_API ts_status ts_init_xavier_normal_(ts_tensor *t, double gain, ts_generator 
 
 /* -------------------------------------------------------------- threading */
 
-/* Number of BLIS threads used by matmul. Default TS_NUM_THREADS, else 1. */
+/* Number of BLIS threads every matmul uses (process-wide; BLIS's own
+ * setting). Default, read once at the first BLIS use: TS_NUM_THREADS if
+ * set (1 to 4096; other values are ignored with a warning); else, when the
+ * launcher set LOCAL_WORLD_SIZE, max(1, cores / LOCAL_WORLD_SIZE), cores
+ * being the CPUs this process may run on; else 1, so that a process
+ * started alone (a test, a script) never oversubscribes the machine.
+ * ts_set_num_threads(n) overrides it at any time between products (n < 1
+ * means 1). Both may be called from any thread. */
 TS_API void ts_set_num_threads(int n);
 TS_API int ts_get_num_threads(void);
-/* The BLIS kernel set chosen for this CPU ("skx", "haswell", ...). Calls
- * the library's BLIS set-up if it has not run yet. */
+/* The BLIS kernel set in use ("skx", "zen3", "haswell", "generic", ...;
+ * a static string). The first call (or the first product) sets BLIS up:
+ * unless BLIS_ARCH_TYPE holds a kernel set this CPU runs (a BLIS arch
+ * number or name), the library chooses one from cpuid and sets
+ * BLIS_ARCH_TYPE before BLIS initialises, because BLIS 0.9 falls back to
+ * slow kernels on CPUs it does not know (Zen 5, some Xeons): skx with
+ * AVX-512 F/DQ/CD/BW/VL and OS support for the zmm state; with AVX2+FMA
+ * zen3 on AMD family >= 0x19, zen2 on family 0x17, else haswell;
+ * sandybridge with AVX; penryn with SSSE3; else generic. A value BLIS would
+ * abort on or that the CPU cannot execute is replaced, with a warning. The
+ * choice is logged at info level (TS_LOG_LEVEL=info). Call this before
+ * using BLIS directly anywhere else in the process: BLIS reads the
+ * variable only once. */
 TS_API const char *ts_blis_arch_name(void);
 
 #ifdef __cplusplus

@@ -8,13 +8,13 @@
 
 enum view_kind { V_VIEW, V_PERMUTE, V_NARROW, V_EXPAND, V_DETACH };
 
-/* Node args: iargs[0..ndim) = input shape, dargs unused. For permute,
- * iargs[8..8+ndim) = dims; for narrow/slice iargs[8] = dim, [9] = start,
- * [10] = step. */
+/* Node args: iargs[0..ndim) = input shape, dargs[0] = kind, dargs[1] =
+ * input ndim. For permute, iargs[8..8+ndim) = dims (all 8 slots for an 8-d
+ * tensor); for narrow/slice iargs[8] = dim, [9] = start, [10] = step. */
 
 static ts_status view_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 {
-    int in_ndim = (int)n->iargs[TS_MAX_DIMS * 2 - 1];
+    int in_ndim = (int)n->dargs[1];
     int64_t in_shape[TS_MAX_DIMS];
     memcpy(in_shape, n->iargs, sizeof in_shape);
     ts_tensor *go = g[0];
@@ -85,7 +85,7 @@ static ts_status finish_view(const char *name, ts_tensor *t, ts_tensor *v, enum 
         }
         n->dargs[0] = kind;
         memcpy(n->iargs, t->shape, sizeof t->shape);
-        n->iargs[TS_MAX_DIMS * 2 - 1] = t->ndim;
+        n->dargs[1] = t->ndim;
         for (int i = 0; i < n_extra; i++)
             n->iargs[TS_MAX_DIMS + i] = extra[i];
         ts__node_set_output(n, 0, v);
@@ -100,12 +100,18 @@ static ts_status finish_view(const char *name, ts_tensor *t, ts_tensor *v, enum 
 static bool view_strides(const ts_tensor *t, int ndim, const int64_t *shape, int64_t *strides)
 {
     int64_t numel = ts__numel(t->ndim, t->shape);
+    if (t->ndim == 0) {
+        /* one element: any shape of numel 1 views it (PyTorch's rule) */
+        for (int i = 0; i < ndim; i++)
+            strides[i] = 1;
+        return true;
+    }
     if (numel == 0) {
         ts__contiguous_strides(ndim, shape, strides);
         return true;
     }
     int view_d = ndim - 1;
-    int64_t chunk_base_stride = t->ndim ? t->strides[t->ndim - 1] : 1;
+    int64_t chunk_base_stride = t->strides[t->ndim - 1];
     int64_t tensor_numel = 1, view_numel = 1;
     for (int td = t->ndim - 1; td >= 0; td--) {
         tensor_numel *= t->shape[td];
