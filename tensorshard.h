@@ -5,5 +5,7 @@
 
 #include "base/base.h"
 #include "tensor/tensor.h"
+#include "nn/nn.h"
+#include "optim/optim.h"
 
 #endif

@@ -222,7 +222,12 @@ static ts_status accumulate_leaf(ts_tensor *leaf, ts_tensor *g)
     if (st)
         return st;
     if (!leaf->grad) {
-        if (atomic_load(&g->refcount) == 1 && ts__is_contiguous(g) && !g->grad_fn) {
+        /* keep the incoming tensor only if nothing else can see its data:
+         * a view's backward hands back another handle on the caller's
+         * storage, which a later in-place accumulation would change */
+        if (atomic_load(&g->refcount) == 1 && atomic_load(&g->storage->refcount) == 1 && ts__is_contiguous(g) &&
+            !g->grad_fn && g->offset == 0 && ts_tensor_numel(g) * (int64_t)ts_dtype_size(g->dtype) ==
+                                                 (int64_t)g->storage->nbytes) {
             leaf->grad = ts_tensor_retain(g);
             return TS_OK;
         }
@@ -303,10 +308,14 @@ static ts_status collect(ts_node *root, node_vec *order)
             goto out;
         }
         n->grad_buf = ts__calloc(TS_MEM_AUTOGRAD, (size_t)n->n_outputs, sizeof *n->grad_buf);
-        if (!n->grad_buf || (st = vec_push(order, n))) {
+        if (!n->grad_buf)
             st = TS_ERR_NO_MEMORY;
-            goto out;
+        else if ((st = vec_push(order, n))) {
+            ts__free(TS_MEM_AUTOGRAD, n->grad_buf); /* not in `order`: nobody else would free it */
+            n->grad_buf = NULL;
         }
+        if (st)
+            goto out;
         for (int i = 0; i < n->n_inputs; i++)
             if (n->inputs[i].node && !n->inputs[i].node->grad_buf)
                 if ((st = vec_push(&stack, n->inputs[i].node)))

@@ -231,7 +231,6 @@ int ts__blis_arch_choose(const ts__cpu_info *c)
 /* ---------------------------------------------------------- the set-up */
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
-static atomic_int num_threads = 1;
 static const char *arch_name = "unknown";
 
 /* Why BLIS_ARCH_TYPE holds what it holds, for the log line. */
@@ -356,7 +355,7 @@ static int default_num_threads(void)
     }
     if (t < 0)
         ts_logf(TS_LOG_WARN, "TS_NUM_THREADS=%s is not a thread count (1 to 4096); ignoring it",
-               getenv("TS_NUM_THREADS"));
+                getenv("TS_NUM_THREADS"));
     int lws = env_positive_int("LOCAL_WORLD_SIZE");
     if (lws > 0) {
         int cores = online_cores();
@@ -378,14 +377,13 @@ static void blis_init_once(void)
     arch_name = bli_arch_string(id);
     if (expected >= 0 && (int)id != expected)
         ts_logf(TS_LOG_WARN,
-               "BLIS runs the '%s' kernels, not '%s': something in this process initialised BLIS before "
-               "tensorshard could choose them; call ts_blis_arch_name() before any other BLIS use",
-               arch_name, arch_names[expected]);
+                "BLIS runs the '%s' kernels, not '%s': something in this process initialised BLIS before "
+                "tensorshard could choose them; call ts_blis_arch_name() before any other BLIS use",
+                arch_name, arch_names[expected]);
     int n = default_num_threads();
     bli_thread_set_num_threads(n);
-    atomic_store(&num_threads, n);
     ts_logf(TS_LOG_INFO, "BLIS %s: '%s' kernels, %s; %d thread%s (%s)", bli_info_get_version_str(), arch_name,
-           arch_reason, n, n == 1 ? "" : "s", threads_reason);
+            arch_reason, n, n == 1 ? "" : "s", threads_reason);
 }
 
 void ts__blis_ensure_init(void)
@@ -407,11 +405,13 @@ void ts_set_num_threads(int n)
         n = 1;
     }
     bli_thread_set_num_threads(n);
-    atomic_store(&num_threads, n);
 }
 
 int ts_get_num_threads(void)
 {
     ts__blis_ensure_init();
-    return atomic_load(&num_threads);
+    /* BLIS's own global setting, so a direct bli_thread_set_num_threads
+     * shows too */
+    dim_t n = bli_thread_get_num_threads();
+    return n < 1 ? 1 : n > INT_MAX ? INT_MAX : (int)n;
 }

@@ -182,6 +182,11 @@ void ts__gemm_ref_f64(int64_t m, int64_t n, int64_t k, double alpha, const doubl
  * BLIS_ARCH_TYPE is set) and applies the thread count. Idempotent and
  * thread-safe; every BLIS call in the library goes through it first. */
 void ts__blis_ensure_init(void);
+/* Benchmark hook: when set, every matrix product the ops make is reported
+ * (dtype, sizes, operand strides, beta) before it runs. */
+typedef void (*ts_gemm_observer_fn)(ts_dtype dt, int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t csa, int64_t rsb,
+                                    int64_t csb, double beta);
+extern ts_gemm_observer_fn ts__gemm_observer;
 /* Test hook: when true, ops use the reference kernels. */
 extern bool ts__use_reference_kernels;
 

@@ -538,6 +538,8 @@ ts_status ts_eq(ts_tensor *a, ts_tensor *b, ts_tensor **out)
     ts_status st = ts__check_inputs("eq", 2, in);
     if (st)
         return st;
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "eq: out is NULL");
     return binary_kernel(B_EQ, a, b, 0, out);
 }
 

@@ -7,9 +7,13 @@
 
 #include <string.h>
 
+ts_gemm_observer_fn ts__gemm_observer;
+
 static void gemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
                  int64_t rsb, int64_t csb, double beta, void *c, int64_t rsc, int64_t csc)
 {
+    if (ts__gemm_observer)
+        ts__gemm_observer(dt, m, n, k, rsa, csa, rsb, csb, beta);
     TS_TRACE_BEGIN(t0);
     if (dt == TS_F32)
         ts__gemm_f32(m, n, k, 1.0f, a, rsa, csa, b, rsb, csb, (float)beta, c, rsc, csc);

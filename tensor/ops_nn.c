@@ -436,6 +436,8 @@ ts_status ts_mse_loss(ts_tensor *input, ts_tensor *target, ts_reduction reductio
     ts_status st;
     if ((st = ts__check_inputs("mse_loss", 2, in)))
         return st;
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "mse_loss: out is NULL");
     if (input->ndim != target->ndim || memcmp(input->shape, target->shape, (size_t)input->ndim * sizeof(int64_t))) {
         char s1[96], s2[96];
         return ts_error(TS_ERR_SHAPE, "mse_loss: input %s and target %s must have the same shape",

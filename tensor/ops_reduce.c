@@ -234,6 +234,8 @@ static ts_status reduce_op(const char *name, enum red kind, bool mean, ts_tensor
     ts_status st;
     if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_float(name, a)))
         return st;
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
     bool mask[TS_MAX_DIMS];
     if ((st = dim_mask(name, a, ndims, dims, mask)))
         return st;
@@ -399,9 +401,14 @@ ts_status ts_max_dim(ts_tensor *a, int dim, bool keepdim, ts_tensor **values_out
     bool mask[TS_MAX_DIMS] = {0};
     mask[d] = true;
     ts_tensor *vo, *io;
-    ts_tensor_retain(ix);
-    if ((st = drop_dims(v, mask, keepdim, &vo)) || (st = drop_dims(ix, mask, keepdim, &io))) {
+    if ((st = drop_dims(v, mask, keepdim, &vo))) {
         ts_tensor_free(ix);
+        return st;
+    }
+    ts_tensor_retain(ix); /* one reference for drop_dims, one kept for the node */
+    if ((st = drop_dims(ix, mask, keepdim, &io))) {
+        ts_tensor_free(ix);
+        ts_tensor_free(vo);
         return st;
     }
     if (ts__needs_grad(1, &a)) {
@@ -586,6 +593,8 @@ static ts_status softmax_op(const char *name, bool log_form, ts_tensor *a, int d
     ts_status st;
     if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_float(name, a)))
         return st;
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
     int d;
     if ((st = ts__wrap_dim(name, dim, a->ndim, &d)))
         return st;

@@ -6,12 +6,17 @@
 
 /* ----------------------------------------------------- cat */
 
+/* Node: iargs[0] = dim; ctx = the inputs' sizes along dim (n_inputs
+ * entries, any number of inputs). */
+static void cat_lengths_free(void *ctx) { ts__free(TS_MEM_AUTOGRAD, ctx); }
+
 static ts_status cat_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 {
     int dim = (int)n->iargs[0];
+    const int64_t *lengths = n->ctx;
     int64_t start = 0;
     for (int j = 0; j < n->n_inputs; j++) {
-        int64_t len = n->iargs[1 + j];
+        int64_t len = lengths[j];
         if (ts__node_needs_input_grad(n, j)) {
             ts_tensor *v;
             ts_status st = ts_narrow(g[0], dim, start, len, &v);
@@ -31,8 +36,6 @@ ts_status ts_cat(int n, ts_tensor *const *tensors, int dim, ts_tensor **out)
 {
     if (n <= 0 || !tensors || !out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "cat: need at least one tensor (got %d) and an out pointer", n);
-    if (n > TS_MAX_DIMS * 2 - 1)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "cat: at most %d tensors in one call, got %d", TS_MAX_DIMS * 2 - 1, n);
     ts_status st = ts__check_inputs("cat", n, tensors);
     if (st)
         return st;
@@ -78,12 +81,17 @@ ts_status ts_cat(int n, ts_tensor *const *tensors, int dim, ts_tensor **out)
     }
     if (!st && ts__needs_grad(n, tensors)) {
         ts_node *nd = ts__node_new("cat", cat_backward, n, tensors, 1);
-        if (!nd)
+        int64_t *lengths = nd ? ts__malloc(TS_MEM_AUTOGRAD, (size_t)n * sizeof *lengths) : NULL;
+        if (!lengths) {
+            if (nd)
+                ts__node_free(nd);
             st = TS_ERR_NO_MEMORY;
-        else {
+        } else {
             nd->iargs[0] = d;
             for (int i = 0; i < n; i++)
-                nd->iargs[1 + i] = tensors[i]->shape[d];
+                lengths[i] = tensors[i]->shape[d];
+            nd->ctx = lengths;
+            nd->ctx_free = cat_lengths_free;
             ts__node_set_output(nd, 0, o);
             ts__node_free(nd);
         }
@@ -143,7 +151,24 @@ ts_status ts_chunk(ts_tensor *a, int chunks, int dim, int max_out, ts_tensor **o
     if ((st = ts__wrap_dim("chunk", dim, a->ndim, &d)))
         return st;
     int64_t size = a->shape[d], each = (size + chunks - 1) / chunks;
-    return ts_split(a, each, d, max_out, outs, n_out);
+    if (size > 0)
+        return ts_split(a, each, d, max_out, outs, n_out);
+    /* an empty dim gives `chunks` empty pieces, as torch.chunk does (split
+     * would give one) */
+    if (!outs || !n_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "chunk: outs and n_out must not be NULL");
+    if (chunks > max_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "chunk: dim %d of size 0 in %d chunks makes %d tensors, but outs "
+                                                 "has room for %d", d, chunks, chunks, max_out);
+    for (int i = 0; i < chunks; i++) {
+        if ((st = ts_narrow(a, d, 0, 0, &outs[i]))) {
+            for (int j = 0; j < i; j++)
+                ts_tensor_free(outs[j]);
+            return st;
+        }
+    }
+    *n_out = chunks;
+    return TS_OK;
 }
 
 /* ----------------------------------------------------- where / masked_fill */

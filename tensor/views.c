@@ -76,6 +76,10 @@ static ts_status view_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 static ts_status finish_view(const char *name, ts_tensor *t, ts_tensor *v, enum view_kind kind, const int64_t *extra,
                              int n_extra, ts_tensor **out)
 {
+    if (!out) {
+        ts_tensor_free(v);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
+    }
     v->is_shard = false;
     if (ts__needs_grad(1, &t)) {
         ts_node *n = ts__node_new(name, view_backward, 1, &t, 1);
@@ -423,6 +427,8 @@ ts_status ts_contiguous(ts_tensor *t, ts_tensor **out)
     ts_status st = ts__check_inputs("contiguous", 1, &t);
     if (st)
         return st;
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "contiguous: out is NULL");
     if (ts__is_contiguous(t)) {
         *out = ts_tensor_retain(t);
         return TS_OK;
@@ -435,6 +441,8 @@ ts_status ts_clone(ts_tensor *t, ts_tensor **out)
     ts_status st = ts__check_inputs("clone", 1, &t);
     if (st)
         return st;
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "clone: out is NULL");
     return ts__copy_op("clone", t, t->dtype, out);
 }
 
@@ -443,6 +451,8 @@ ts_status ts_to_dtype(ts_tensor *a, ts_dtype dtype, ts_tensor **out)
     ts_status st = ts__check_inputs("to_dtype", 1, &a);
     if (st)
         return st;
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "to_dtype: out is NULL");
     if ((unsigned)dtype >= TS_DTYPE_COUNT)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "to_dtype: invalid dtype %d", (int)dtype);
     if (a->dtype == dtype) {

@@ -304,3 +304,21 @@ Test(tensor_autograd, long_chain_frees_without_deep_recursion)
     ts_tensor_free(x);
     th_mem_assert_back();
 }
+
+Test(tensor_autograd, leaf_grad_never_aliases_the_callers_gradient)
+{
+    int64_t s2[2] = {2, 2}, s4[1] = {4};
+    ts_tensor *x = th_seq(TS_F64, 2, s2, 1.0, true), *y, *g;
+    TH_OK(ts_view(x, 1, s4, &y));
+    TH_OK(ts_tensor_ones(TS_F64, 1, s4, &g));
+    TH_OK(ts_backward(y, g, false));
+    cr_assert_neq(ts_tensor_data(ts_tensor_grad(x)), ts_tensor_data(g), ".grad must not share the caller's data");
+    TH_OK(ts_tensor_fill_(g, 5.0));
+    double v;
+    int64_t i0[2] = {0, 0};
+    TH_OK(ts_tensor_get(ts_tensor_grad(x), i0, &v));
+    cr_assert_float_eq(v, 1.0, 0);
+    ts_tensor_free(x);
+    ts_tensor_free(y);
+    ts_tensor_free(g);
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets with Debian's clang (clang-14 and
+# libclang-rt-14-dev): the library sources and the target compiled
+# together with -fsanitize=fuzzer,address,undefined. Not part of the meson
+# build or CI. Usage: fuzz/build.sh [out-dir]  (default build-fuzz)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-build-fuzz}
+CC=${CC:-clang}
+mkdir -p "$OUT"
+CFLAGS=(-std=c11 -g -O1 -fno-omit-frame-pointer -ffp-contract=off -fno-math-errno
+        -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
+        -Wall -Wextra -Wno-unused-parameter -I.)
+lib_sources=(base/*.c tensor/*.c nn/*.c optim/*.c)
+for target in safetensors; do
+    "$CC" "${CFLAGS[@]}" "${lib_sources[@]}" "fuzz/fuzz_$target.c" -o "$OUT/fuzz_$target" \
+        -lblis -ljansson -lm -lpthread
+    echo "built $OUT/fuzz_$target"
+done

@@ -1,0 +1,21 @@
+/* Internal helpers of the nn layer. */
+#ifndef TS_NN_INTERNAL_H
+#define TS_NN_INTERNAL_H
+
+#include "nn/nn.h"
+
+/* named parameters with (dedup) or without duplicates */
+ts_status ts__module_params(ts_module *m, bool dedup, ts_named_params *out);
+/* TS_ERR_INVALID_ARGUMENT naming the module type unless min <= n <= max */
+ts_status ts__module_check_inputs(ts_module *m, int n_in, int min_in, int max_in);
+/* TS_ERR_SHAPE unless x has >= min_ndim dims and last size `want` */
+ts_status ts__module_check_last_dim(ts_module *m, const char *what, ts_tensor *x, int min_ndim, int64_t want);
+/* A new uninitialised f32 leaf that requires grad */
+ts_status ts__param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
+/* Bool (T, T), true above the diagonal: torch.triu(ones, 1), the causal
+ * attention mask (true = may not attend). */
+ts_status ts__causal_mask(int64_t T, ts_tensor **out);
+/* Copies every parameter value of src into dst (same architecture). */
+ts_status ts__module_copy_params(ts_module *dst, ts_module *src);
+
+#endif

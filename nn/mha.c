@@ -1,0 +1,181 @@
+/* torch.nn.MultiheadAttention(E, H, dropout, bias, batch_first=True),
+ * computed as PyTorch 1.13's F.multi_head_attention_forward does: one
+ * packed input projection (three when query, key and value differ),
+ * q / sqrt(head_dim), q k^T, a boolean mask filled with -inf, softmax,
+ * dropout on the weights in training, weights v, out_proj. */
+#define _GNU_SOURCE
+#include "nn/internal.h"
+
+#include <math.h>
+
+#define FREE_ALL(arr)                                   \
+    do {                                                \
+        for (size_t i_ = 0; i_ < sizeof(arr) / sizeof(arr)[0]; i_++) \
+            ts_tensor_free((arr)[i_]);                   \
+    } while (0)
+
+/* (B, T, E) -> (B, H, T, hd), a view. */
+static ts_status split_heads(ts_tensor *x, int64_t H, ts_tensor **out)
+{
+    const int64_t *s = ts_tensor_shape(x);
+    int64_t shape[4] = {s[0], s[1], H, s[2] / H};
+    ts_tensor *v;
+    ts_status st = ts_reshape(x, 4, shape, &v);
+    if (st)
+        return st;
+    st = ts_transpose(v, 1, 2, out);
+    ts_tensor_free(v);
+    return st;
+}
+
+/* rows [k*E, (k+1)*E) of the packed projection weight and bias */
+static ts_status proj(ts_nn_mha *a, int k, ts_tensor *x, ts_tensor **out)
+{
+    int64_t E = a->embed_dim;
+    ts_tensor *w = NULL, *b = NULL;
+    ts_status st = ts_narrow(a->in_proj_weight, 0, k * E, E, &w);
+    if (!st && a->in_proj_bias)
+        st = ts_narrow(a->in_proj_bias, 0, k * E, E, &b);
+    if (!st)
+        st = ts_linear(x, w, b, out);
+    ts_tensor_free(w);
+    ts_tensor_free(b);
+    return st;
+}
+
+static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
+{
+    ts_nn_mha *a = (ts_nn_mha *)m;
+    int64_t E = a->embed_dim, H = a->num_heads, hd = E / H;
+    ts_status st = ts__module_check_inputs(m, n_in, 3, 4);
+    if (st)
+        return st;
+    ts_tensor *q_in = in[0], *k_in = in[1], *v_in = in[2], *mask = n_in > 3 ? in[3] : NULL;
+    static const char *const what[3] = {"query", "key", "value"};
+    for (int i = 0; i < 3; i++)
+        if ((st = ts__module_check_last_dim(m, what[i], in[i], 3, E)))
+            return st;
+    if (ts_tensor_ndim(q_in) != 3 || ts_tensor_ndim(k_in) != 3 || ts_tensor_ndim(v_in) != 3 ||
+        ts_tensor_size(k_in, 0) != ts_tensor_size(q_in, 0) || ts_tensor_size(v_in, 0) != ts_tensor_size(q_in, 0) ||
+        ts_tensor_size(k_in, 1) != ts_tensor_size(v_in, 1)) {
+        char s1[96], s2[96], s3[96];
+        return ts_error(TS_ERR_SHAPE, "MultiheadAttention: query %s, key %s and value %s must be (B, T, E), (B, S, E), "
+                                      "(B, S, E) with E = %lld", ts_tensor_shape_str(q_in, s1, sizeof s1),
+                        ts_tensor_shape_str(k_in, s2, sizeof s2), ts_tensor_shape_str(v_in, s3, sizeof s3),
+                        (long long)E);
+    }
+    int64_t T = ts_tensor_size(q_in, 1), S = ts_tensor_size(k_in, 1);
+    if (mask && (ts_tensor_dtype(mask) != TS_BOOL || ts_tensor_ndim(mask) != 2 || ts_tensor_size(mask, 0) != T ||
+                 ts_tensor_size(mask, 1) != S)) {
+        char s1[96];
+        return ts_error(TS_ERR_SHAPE, "MultiheadAttention: attn_mask must be bool (%lld, %lld), got %s %s",
+                        (long long)T, (long long)S, ts_dtype_name(ts_tensor_dtype(mask)),
+                        ts_tensor_shape_str(mask, s1, sizeof s1));
+    }
+    ts_tensor *t[16] = {0}; /* every intermediate, freed at the end */
+    ts_tensor *q, *k, *v;
+    if (q_in == k_in && k_in == v_in) {
+        /* self-attention: one packed projection, then a chunk in three */
+        ts_tensor *parts[3];
+        int np;
+        if ((st = ts_linear(q_in, a->in_proj_weight, a->in_proj_bias, &t[0])) ||
+            (st = ts_chunk(t[0], 3, -1, 3, parts, &np)))
+            goto done;
+        t[1] = parts[0];
+        t[2] = parts[1];
+        t[3] = parts[2];
+    } else if ((st = proj(a, 0, q_in, &t[1])) || (st = proj(a, 1, k_in, &t[2])) || (st = proj(a, 2, v_in, &t[3]))) {
+        goto done;
+    }
+    if ((st = split_heads(t[1], H, &t[4])) || (st = split_heads(t[2], H, &t[5])) || (st = split_heads(t[3], H, &t[6])))
+        goto done;
+    /* q / sqrt(hd), then scores (B, H, T, S) */
+    if ((st = ts_div_scalar(t[4], sqrt((double)hd), &t[7])) || (st = ts_transpose(t[5], -2, -1, &t[8])) ||
+        (st = ts_matmul(t[7], t[8], &t[9])))
+        goto done;
+    q = t[9];
+    if (mask) {
+        if ((st = ts_masked_fill(q, mask, -INFINITY, &t[10])))
+            goto done;
+        q = t[10];
+    }
+    if ((st = ts_softmax(q, -1, &t[11])))
+        goto done;
+    k = t[11];
+    if (m->training && a->dropout > 0) {
+        if ((st = ts_dropout(k, a->dropout, true, NULL, &t[12])))
+            goto done;
+        k = t[12];
+    }
+    /* weights @ v -> (B, H, T, hd) -> (B, T, H, hd) -> (B, T, E) */
+    if ((st = ts_matmul(k, t[6], &t[13])) || (st = ts_transpose(t[13], 1, 2, &t[14])))
+        goto done;
+    int64_t shape[3] = {ts_tensor_size(q_in, 0), T, E};
+    if ((st = ts_reshape(t[14], 3, shape, &t[15])))
+        goto done;
+    v = t[15];
+    st = ts_module_call1(a->out_proj, v, &out[0]);
+    if (!st)
+        *n_out = 1;
+done:
+    FREE_ALL(t);
+    return st;
+}
+
+static ts_status mha_visit(ts_module *m, const ts_module_visitor *v)
+{
+    ts_nn_mha *a = (ts_nn_mha *)m;
+    ts_status st = TS_OK;
+    if (v->param && !(st = v->param(v->ctx, "in_proj_weight", &a->in_proj_weight)) && a->in_proj_bias)
+        st = v->param(v->ctx, "in_proj_bias", &a->in_proj_bias);
+    if (!st && v->child)
+        st = v->child(v->ctx, "out_proj", a->out_proj);
+    return st;
+}
+
+static void mha_free(ts_module *m)
+{
+    ts_nn_mha *a = (ts_nn_mha *)m;
+    ts_tensor_free(a->in_proj_weight);
+    ts_tensor_free(a->in_proj_bias);
+    ts_module_free(a->out_proj);
+    ts__free(TS_MEM_NN, a);
+}
+
+static const ts_module_vtable mha_vt = {
+    .type_name = "MultiheadAttention", .forward = mha_forward, .visit = mha_visit, .free = mha_free};
+
+ts_status ts_mha_new(int64_t embed_dim, int64_t num_heads, double dropout, bool bias, ts_module **out)
+{
+    if (embed_dim <= 0 || num_heads <= 0 || embed_dim % num_heads != 0 || !(dropout >= 0 && dropout <= 1) || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "MultiheadAttention: embed_dim %lld must be a positive multiple of "
+                                                 "num_heads %lld, dropout %g in [0, 1]", (long long)embed_dim,
+                        (long long)num_heads, dropout);
+    ts_nn_mha *a = ts__calloc(TS_MEM_NN, 1, sizeof *a);
+    if (!a)
+        return TS_ERR_NO_MEMORY;
+    ts_module_init(&a->base, &mha_vt);
+    a->embed_dim = embed_dim;
+    a->num_heads = num_heads;
+    a->dropout = dropout;
+    /* PyTorch's order (SPEC §9): out_proj is constructed first (its draws
+     * are consumed), then xavier_uniform_(in_proj_weight), then both
+     * biases are zeroed */
+    int64_t ws[2] = {3 * embed_dim, embed_dim}, bs[1] = {3 * embed_dim};
+    ts_status st = ts_linear_new(embed_dim, embed_dim, bias, &a->out_proj);
+    if (!st)
+        st = ts__param_new(TS_F32, 2, ws, &a->in_proj_weight);
+    if (!st)
+        st = ts_init_xavier_uniform_(a->in_proj_weight, 1.0, NULL);
+    bool prev = ts_grad_mode_set(false);
+    if (!st && bias && !(st = ts__param_new(TS_F32, 1, bs, &a->in_proj_bias)) &&
+        !(st = ts_tensor_fill_(a->in_proj_bias, 0.0)))
+        st = ts_tensor_fill_(((ts_nn_linear *)a->out_proj)->bias, 0.0);
+    ts_grad_mode_set(prev);
+    if (st) {
+        mha_free(&a->base);
+        return st;
+    }
+    *out = &a->base;
+    return TS_OK;
+}

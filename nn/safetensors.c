@@ -1,0 +1,759 @@
+/* safetensors files: save and load a state dict.
+ *
+ * Format (github.com/huggingface/safetensors, "Format"):
+ *   8 bytes   N, the header length, little-endian u64
+ *   N bytes   a JSON object, UTF-8, starting with '{', possibly padded with
+ *             trailing spaces: name -> {"dtype": "F32", "shape": [2, 3],
+ *             "data_offsets": [begin, end]}, plus an optional
+ *             "__metadata__": {string: string}
+ *   rest      the byte buffer; offsets are relative to its start, the
+ *             tensors are row-major little-endian, and together they cover
+ *             the buffer exactly, without gaps or overlaps.
+ *
+ * The JSON is read and written with jansson. The writer keeps the state
+ * dict's insertion order (no sorting), writes compact JSON padded with
+ * spaces to a multiple of 8 bytes (as the Rust implementation does) and
+ * lays the data out contiguously in entry order. Every check the Rust
+ * implementation makes on load is made here too, each failing with
+ * TS_ERR_FORMAT and a message that names the source and the key. */
+#define _GNU_SOURCE
+#include "nn/internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "nn/safetensors.c writes tensor bytes as they are in memory: it needs a little-endian host"
+#endif
+
+/* The Rust implementation's limit on the header (MAX_HEADER_SIZE). */
+#define ST_MAX_HEADER 100000000ull
+#define ST_METADATA_KEY "__metadata__"
+/* Names and strings from a file are cut to this in messages. */
+#define ST_NAME_MAX_SHOWN 200
+
+/* safetensors dtype strings, in ts_dtype order. */
+static const char *const st_dtype_names[] = {
+    [TS_F32] = "F32", [TS_F64] = "F64", [TS_BF16] = "BF16", [TS_F16] = "F16",
+    [TS_I64] = "I64", [TS_I32] = "I32", [TS_BOOL] = "BOOL",
+};
+_Static_assert(sizeof st_dtype_names / sizeof st_dtype_names[0] == TS_DTYPE_COUNT,
+               "one safetensors name per ts_dtype");
+
+static bool st_dtype_from_name(const char *s, ts_dtype *out)
+{
+    for (int d = 0; d < TS_DTYPE_COUNT; d++)
+        if (strcmp(st_dtype_names[d], s) == 0) {
+            *out = (ts_dtype)d;
+            return true;
+        }
+    return false;
+}
+
+/* ------------------------------------------------------------ parsing */
+
+/* "(2, 3)" for a shape, "(4,)" for one dim, "()" for none; cut to fit
+ * (len >= 4; always NUL-terminated). */
+static char *st_shape_str(int ndim, const int64_t *shape, char *buf, size_t len)
+{
+    size_t n = 1;
+    snprintf(buf, len, "(");
+    for (int i = 0; i < ndim && n < len; i++) {
+        int w = snprintf(buf + n, len - n, i ? ", %lld" : "%lld", (long long)shape[i]);
+        n += w > 0 ? (size_t)w : 0;
+    }
+    if (n < len)
+        snprintf(buf + n, len - n, ndim == 1 ? ",)" : ")");
+    return buf;
+}
+
+/* One validated tensor entry of a header. The name is borrowed from the
+ * parsed JSON. */
+typedef struct st_entry {
+    const char *name;
+    ts_dtype dtype;
+    int ndim;
+    int64_t shape[TS_MAX_DIMS];
+    uint64_t begin, end;
+} st_entry;
+
+/* A parsed header: the JSON (which owns the names) and the entries in
+ * header order. */
+typedef struct st_header {
+    json_t *root;
+    st_entry *entries;
+    size_t n;
+} st_header;
+
+static void st_header_fini(st_header *h)
+{
+    json_decref(h->root);
+    ts__free(TS_MEM_NN, h->entries);
+    memset(h, 0, sizeof *h);
+}
+
+static uint64_t st_load_u64le(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+
+/* Reads the header length from the first 8 bytes of a source of `total`
+ * bytes and checks it against the size and the limit. */
+static ts_status st_check_prefix(const char *op, const char *src, uint64_t total, const unsigned char *prefix,
+                                 uint64_t *n_out)
+{
+    if (total < 8)
+        return ts_error(TS_ERR_FORMAT,
+                        "%s: '%s' has %llu bytes, fewer than the 8-byte header length (truncated or not a "
+                        "safetensors file)",
+                        op, src, (unsigned long long)total);
+    uint64_t n = st_load_u64le(prefix);
+    if (n > ST_MAX_HEADER)
+        return ts_error(TS_ERR_FORMAT, "%s: '%s': header length %llu exceeds the limit of %llu bytes", op, src,
+                        (unsigned long long)n, ST_MAX_HEADER);
+    if (n > total - 8)
+        return ts_error(TS_ERR_FORMAT,
+                        "%s: '%s': header length %llu exceeds the %llu bytes that follow the length field "
+                        "(truncated file?)",
+                        op, src, (unsigned long long)n, (unsigned long long)(total - 8));
+    *n_out = n;
+    return TS_OK;
+}
+
+/* A JSON value that is an integer >= 0. */
+static bool st_json_uint(const json_t *v, uint64_t *out)
+{
+    if (!json_is_integer(v) || json_integer_value(v) < 0)
+        return false;
+    *out = (uint64_t)json_integer_value(v);
+    return true;
+}
+
+static ts_status st_check_metadata(const char *op, const char *src, const json_t *meta)
+{
+    if (json_is_null(meta))
+        return TS_OK;
+    if (!json_is_object(meta))
+        return ts_error(TS_ERR_FORMAT, "%s: '%s': \"" ST_METADATA_KEY "\" is not an object of strings", op, src);
+    const char *k;
+    const json_t *v;
+    json_object_foreach ((json_t *)meta, k, v) {
+        if (!json_is_string(v))
+            return ts_error(TS_ERR_FORMAT, "%s: '%s': \"" ST_METADATA_KEY "\" value of '%.*s' is not a string", op,
+                            src, ST_NAME_MAX_SHOWN, k);
+    }
+    return TS_OK;
+}
+
+/* Checks one tensor entry and fills `e`. */
+static ts_status st_parse_entry(const char *op, const char *src, const char *name, const json_t *v,
+                                uint64_t data_len, st_entry *e)
+{
+    const int W = ST_NAME_MAX_SHOWN;
+    if (!json_is_object(v))
+        return ts_error(TS_ERR_FORMAT,
+                        "%s: '%s': key '%.*s': entry is not an object with \"dtype\", \"shape\" and "
+                        "\"data_offsets\"",
+                        op, src, W, name);
+    e->name = name;
+
+    const json_t *dt = json_object_get(v, "dtype");
+    if (!json_is_string(dt))
+        return ts_error(TS_ERR_FORMAT, "%s: '%s': key '%.*s': \"dtype\" is missing or not a string", op, src, W,
+                        name);
+    if (!st_dtype_from_name(json_string_value(dt), &e->dtype))
+        return ts_error(TS_ERR_FORMAT,
+                        "%s: '%s': key '%.*s': dtype '%.32s' is unknown or not supported (supported: F32, F64, "
+                        "BF16, F16, I64, I32, BOOL)",
+                        op, src, W, name, json_string_value(dt));
+
+    const json_t *sh = json_object_get(v, "shape");
+    if (!json_is_array(sh))
+        return ts_error(TS_ERR_FORMAT, "%s: '%s': key '%.*s': \"shape\" is missing or not an array", op, src, W,
+                        name);
+    size_t nd = json_array_size(sh);
+    if (nd > TS_MAX_DIMS)
+        return ts_error(TS_ERR_FORMAT, "%s: '%s': key '%.*s': shape has %zu dims, more than the %d supported", op,
+                        src, W, name, nd, TS_MAX_DIMS);
+    e->ndim = (int)nd;
+    /* numel, and the product of the sizes with 0 counted as 1 (what the
+     * strides of an empty tensor reach), must both fit in int64 */
+    uint64_t numel = 1, span = 1;
+    bool overflow = false;
+    for (size_t i = 0; i < nd; i++) {
+        uint64_t d;
+        if (!st_json_uint(json_array_get(sh, i), &d))
+            return ts_error(TS_ERR_FORMAT, "%s: '%s': key '%.*s': shape entry %zu is not a non-negative integer", op,
+                            src, W, name, i);
+        e->shape[i] = (int64_t)d;
+        overflow |= __builtin_mul_overflow(numel, d, &numel);
+        overflow |= __builtin_mul_overflow(span, d ? d : 1, &span);
+    }
+    char shs[96];
+    if (overflow || span > (uint64_t)INT64_MAX)
+        return ts_error(TS_ERR_FORMAT, "%s: '%s': key '%.*s': shape %s has more elements than fit in 64 bits", op,
+                        src, W, name, st_shape_str(e->ndim, e->shape, shs, sizeof shs));
+
+    const json_t *off = json_object_get(v, "data_offsets");
+    if (!json_is_array(off) || json_array_size(off) != 2 || !st_json_uint(json_array_get(off, 0), &e->begin) ||
+        !st_json_uint(json_array_get(off, 1), &e->end))
+        return ts_error(TS_ERR_FORMAT,
+                        "%s: '%s': key '%.*s': \"data_offsets\" is missing or not two non-negative integers [begin, "
+                        "end]",
+                        op, src, W, name);
+    if (e->begin > e->end || e->end > data_len)
+        return ts_error(TS_ERR_FORMAT,
+                        "%s: '%s': key '%.*s': data_offsets [%llu, %llu] do not lie within the data buffer of %llu "
+                        "bytes",
+                        op, src, W, name, (unsigned long long)e->begin, (unsigned long long)e->end,
+                        (unsigned long long)data_len);
+    uint64_t nbytes;
+    if (__builtin_mul_overflow(numel, (uint64_t)ts_dtype_size(e->dtype), &nbytes) || nbytes != e->end - e->begin)
+        return ts_error(TS_ERR_FORMAT,
+                        "%s: '%s': key '%.*s': shape %s of %s needs %llu elements of %zu bytes, but data_offsets "
+                        "[%llu, %llu] hold %llu bytes",
+                        op, src, W, name, st_shape_str(e->ndim, e->shape, shs, sizeof shs),
+                        st_dtype_names[e->dtype], (unsigned long long)numel, ts_dtype_size(e->dtype),
+                        (unsigned long long)e->begin, (unsigned long long)e->end,
+                        (unsigned long long)(e->end - e->begin));
+    return TS_OK;
+}
+
+static int st_cmp_offsets(const void *a, const void *b)
+{
+    const st_entry *x = *(const st_entry *const *)a, *y = *(const st_entry *const *)b;
+    if (x->begin != y->begin)
+        return x->begin < y->begin ? -1 : 1;
+    return x->end < y->end ? -1 : x->end > y->end;
+}
+
+/* The entries, sorted by offsets, must tile [0, data_len) exactly. */
+static ts_status st_check_cover(const char *op, const char *src, const st_header *h, uint64_t data_len)
+{
+    const int W = ST_NAME_MAX_SHOWN;
+    const st_entry **order = NULL;
+    if (h->n) {
+        order = ts__malloc(TS_MEM_NN, h->n * sizeof *order);
+        if (!order)
+            return TS_ERR_NO_MEMORY;
+    }
+    for (size_t i = 0; i < h->n; i++)
+        order[i] = &h->entries[i];
+    if (h->n > 1)
+        qsort(order, h->n, sizeof *order, st_cmp_offsets);
+    ts_status st = TS_OK;
+    uint64_t pos = 0;
+    const st_entry *prev = NULL;
+    for (size_t i = 0; i < h->n && !st; i++) {
+        const st_entry *e = order[i];
+        if (e->begin < pos)
+            st = ts_error(TS_ERR_FORMAT,
+                          "%s: '%s': key '%.*s': data_offsets [%llu, %llu] overlap those of key '%.*s' [%llu, %llu]",
+                          op, src, W, e->name, (unsigned long long)e->begin, (unsigned long long)e->end, W,
+                          prev->name, (unsigned long long)prev->begin, (unsigned long long)prev->end);
+        else if (e->begin > pos)
+            st = ts_error(TS_ERR_FORMAT,
+                          "%s: '%s': key '%.*s': data_offsets [%llu, %llu] leave a gap: bytes [%llu, %llu) of the "
+                          "data buffer belong to no tensor",
+                          op, src, W, e->name, (unsigned long long)e->begin, (unsigned long long)e->end,
+                          (unsigned long long)pos, (unsigned long long)e->begin);
+        pos = e->end;
+        prev = e;
+    }
+    if (!st && pos != data_len) {
+        if (prev)
+            st = ts_error(TS_ERR_FORMAT,
+                          "%s: '%s': the tensors end at byte %llu (key '%.*s') but the data buffer has %llu bytes",
+                          op, src, (unsigned long long)pos, W, prev->name, (unsigned long long)data_len);
+        else
+            st = ts_error(TS_ERR_FORMAT, "%s: '%s': the header lists no tensor but the data buffer has %llu bytes",
+                          op, src, (unsigned long long)data_len);
+    }
+    ts__free(TS_MEM_NN, order);
+    return st;
+}
+
+/* Parses and validates the n header bytes against a data buffer of
+ * data_len bytes. */
+static ts_status st_parse_header(const char *op, const char *src, const char *hdr, size_t n, uint64_t data_len,
+                                 st_header *out)
+{
+    memset(out, 0, sizeof *out);
+    if (n == 0 || hdr[0] != '{')
+        return ts_error(TS_ERR_FORMAT, "%s: '%s': the %zu-byte header does not start with '{' (not a safetensors "
+                                       "JSON header)",
+                        op, src, n);
+    json_error_t jerr;
+    json_t *root = json_loadb(hdr, n, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root)
+        return ts_error(TS_ERR_FORMAT, "%s: '%s': the header is not valid JSON: %s (at byte %d of %zu)", op, src,
+                        jerr.text, jerr.position, n);
+    if (!json_is_object(root)) {
+        json_decref(root);
+        return ts_error(TS_ERR_FORMAT, "%s: '%s': the header is JSON but not an object", op, src);
+    }
+    st_header h = {.root = root};
+    size_t cap = json_object_size(root);
+    if (cap) {
+        h.entries = ts__malloc(TS_MEM_NN, cap * sizeof *h.entries);
+        if (!h.entries) {
+            st_header_fini(&h);
+            return TS_ERR_NO_MEMORY;
+        }
+    }
+    ts_status st = TS_OK;
+    const char *key;
+    json_t *v;
+    json_object_foreach (root, key, v) {
+        if (strcmp(key, ST_METADATA_KEY) == 0)
+            st = st_check_metadata(op, src, v);
+        else if (key[0] == '\0')
+            st = ts_error(TS_ERR_FORMAT, "%s: '%s': a tensor entry has an empty name", op, src);
+        else
+            st = st_parse_entry(op, src, key, v, data_len, &h.entries[h.n++]);
+        if (st)
+            break;
+    }
+    if (!st)
+        st = st_check_cover(op, src, &h, data_len);
+    if (st) {
+        st_header_fini(&h);
+        return st;
+    }
+    *out = h;
+    return TS_OK;
+}
+
+static ts_status st_header_bytes(const char *op, const char *src, uint64_t n, char **out)
+{
+    /* one spare byte so that a 0-byte header still gets a buffer */
+    char *p = ts__malloc(TS_MEM_NN, (size_t)n + 1);
+    if (!p)
+        return ts_error(TS_ERR_NO_MEMORY, "%s: '%s': no memory for the %llu-byte header", op, src,
+                        (unsigned long long)n);
+    *out = p;
+    return TS_OK;
+}
+
+ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out)
+{
+    static const char op[] = "ts_safetensors_parse", src[] = "<buffer>";
+    if ((!data && len) || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    const unsigned char *b = data;
+    uint64_t n;
+    ts_status st = st_check_prefix(op, src, len, b, &n);
+    if (st)
+        return st;
+    st_header h;
+    if ((st = st_parse_header(op, src, (const char *)b + 8, (size_t)n, len - 8 - n, &h)))
+        return st;
+    const unsigned char *buf = b + 8 + n;
+    ts_state_dict *sd;
+    if ((st = ts_state_dict_new(&sd))) {
+        st_header_fini(&h);
+        return st;
+    }
+    for (size_t i = 0; i < h.n && !st; i++) {
+        const st_entry *e = &h.entries[i];
+        ts_tensor *t;
+        if (!(st = ts_tensor_from_data(e->dtype, e->ndim, e->shape, buf + e->begin, &t))) {
+            st = ts_state_dict_set(sd, e->name, t);
+            ts_tensor_free(t);
+        }
+    }
+    st_header_fini(&h);
+    if (st) {
+        ts_state_dict_free(sd);
+        return st;
+    }
+    *out = sd;
+    return TS_OK;
+}
+
+/* pread until n bytes are read; returns the bytes read (short at end of
+ * file) or -1 with errno. */
+static ssize_t st_pread_full(int fd, void *buf, size_t n, uint64_t off)
+{
+    size_t got = 0;
+    while (got < n) {
+        size_t chunk = n - got < ((size_t)1 << 30) ? n - got : (size_t)1 << 30;
+        ssize_t r = pread(fd, (char *)buf + got, chunk, (off_t)(off + got));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return -1;
+        if (r == 0)
+            break;
+        got += (size_t)r;
+    }
+    return (ssize_t)got;
+}
+
+/* Reads n bytes at `off` or fails naming what. */
+static ts_status st_read_at(const char *op, const char *path, int fd, void *buf, size_t n, uint64_t off,
+                            const char *what)
+{
+    ssize_t r = st_pread_full(fd, buf, n, off);
+    if (r < 0)
+        return ts_error(TS_ERR_IO, "%s: reading %s of '%s': %s", op, what, path, strerror(errno));
+    if ((size_t)r != n)
+        return ts_error(TS_ERR_IO, "%s: '%s' ended after %lld of the %zu bytes of %s at offset %llu (it changed "
+                                   "while being read?)",
+                        op, path, (long long)r, n, what, (unsigned long long)off);
+    return TS_OK;
+}
+
+static ts_status st_load_fd(const char *op, const char *path, int fd, ts_state_dict **out)
+{
+    struct stat sb;
+    if (fstat(fd, &sb) != 0)
+        return ts_error(TS_ERR_IO, "%s: cannot stat '%s': %s", op, path, strerror(errno));
+    if (S_ISDIR(sb.st_mode))
+        return ts_error(TS_ERR_IO, "%s: '%s' is a directory, not a safetensors file", op, path);
+    if (!S_ISREG(sb.st_mode))
+        return ts_error(TS_ERR_IO, "%s: '%s' is not a regular file", op, path);
+    uint64_t total = (uint64_t)sb.st_size;
+    unsigned char prefix[8] = {0};
+    ts_status st;
+    if (total >= 8 && (st = st_read_at(op, path, fd, prefix, 8, 0, "the header length")))
+        return st;
+    uint64_t n;
+    if ((st = st_check_prefix(op, path, total, prefix, &n)))
+        return st;
+    char *hdr = NULL;
+    if ((st = st_header_bytes(op, path, n, &hdr)))
+        return st;
+    st_header h;
+    if (!(st = st_read_at(op, path, fd, hdr, (size_t)n, 8, "the header")))
+        st = st_parse_header(op, path, hdr, (size_t)n, total - 8 - n, &h);
+    ts__free(TS_MEM_NN, hdr);
+    if (st)
+        return st;
+    ts_state_dict *sd;
+    if ((st = ts_state_dict_new(&sd))) {
+        st_header_fini(&h);
+        return st;
+    }
+    for (size_t i = 0; i < h.n && !st; i++) {
+        const st_entry *e = &h.entries[i];
+        ts_tensor *t;
+        if ((st = ts_tensor_empty(e->dtype, e->ndim, e->shape, &t)))
+            break;
+        char what[ST_NAME_MAX_SHOWN + 32];
+        snprintf(what, sizeof what, "tensor '%s'", e->name);
+        if (e->end > e->begin)
+            st = st_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin), 8 + n + e->begin, what);
+        if (!st)
+            st = ts_state_dict_set(sd, e->name, t);
+        ts_tensor_free(t);
+    }
+    st_header_fini(&h);
+    if (st) {
+        ts_state_dict_free(sd);
+        return st;
+    }
+    *out = sd;
+    return TS_OK;
+}
+
+ts_status ts_safetensors_load(const char *path, ts_state_dict **out)
+{
+    static const char op[] = "ts_safetensors_load";
+    if (!path || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", op, path, strerror(errno));
+    ts_status st = st_load_fd(op, path, fd, out);
+    close(fd);
+    return st;
+}
+
+/* ------------------------------------------------------------ writing */
+
+/* Buffered writes to the temporary file: small tensors are gathered,
+ * large ones are written straight from their data. */
+#define ST_WBUF (1u << 20)
+
+typedef struct st_writer {
+    int fd;
+    char *buf;
+    size_t used;
+} st_writer;
+
+static int st_write_full(int fd, const void *p, size_t n)
+{
+    const char *c = p;
+    while (n) {
+        size_t chunk = n < ((size_t)1 << 30) ? n : (size_t)1 << 30;
+        ssize_t w = write(fd, c, chunk);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w < 0)
+            return -1;
+        if (w == 0) {
+            errno = EIO;
+            return -1;
+        }
+        c += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int st_flush(st_writer *w)
+{
+    if (w->used && st_write_full(w->fd, w->buf, w->used) != 0)
+        return -1;
+    w->used = 0;
+    return 0;
+}
+
+static int st_put(st_writer *w, const void *p, size_t n)
+{
+    if (w->used + n > ST_WBUF && st_flush(w) != 0)
+        return -1;
+    if (n >= ST_WBUF)
+        return st_write_full(w->fd, p, n);
+    memcpy(w->buf + w->used, p, n);
+    w->used += n;
+    return 0;
+}
+
+/* Builds the JSON header (without padding) in insertion order and checks
+ * every name and tensor. Writes a new JSON object into root_out. */
+static ts_status st_build_header(const char *op, const char *path, const ts_state_dict *sd,
+                                 const char *const *metadata, int n_meta, json_t **root_out)
+{
+    const int W = ST_NAME_MAX_SHOWN;
+    json_t *root = json_object();
+    if (!root)
+        return ts_error(TS_ERR_NO_MEMORY, "%s: '%s': no memory for the header", op, path);
+    ts_status st = TS_OK;
+    if (n_meta > 0) {
+        json_t *meta = json_object();
+        if (!meta || json_object_set_new(root, ST_METADATA_KEY, meta) != 0)
+            st = ts_error(TS_ERR_NO_MEMORY, "%s: '%s': no memory for the header", op, path);
+        for (int i = 0; i < n_meta && !st; i++) {
+            const char *k = metadata[2 * i], *v = metadata[2 * i + 1];
+            json_t *js;
+            if (!k || !v)
+                st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': metadata pair %d has a NULL key or value", op,
+                              path, i);
+            else if (json_object_get(meta, k))
+                st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': metadata key '%.*s' is given twice", op, path, W,
+                              k);
+            /* json_string and json_object_set_new refuse invalid UTF-8;
+             * json_object_set_new consumes js even when it fails */
+            else if (!(js = json_string(v)) || json_object_set_new(meta, k, js) != 0)
+                st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': metadata pair '%.*s' is not valid UTF-8", op,
+                              path, W, k);
+        }
+    }
+    uint64_t off = 0;
+    for (int i = 0; i < ts_state_dict_size(sd) && !st; i++) {
+        const char *name = ts_state_dict_name(sd, i);
+        ts_tensor *t = ts_state_dict_tensor(sd, i);
+        if (name[0] == '\0') {
+            st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': entry %d has an empty name", op, path, i);
+            break;
+        }
+        if (strcmp(name, ST_METADATA_KEY) == 0) {
+            st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': a tensor may not be named \"" ST_METADATA_KEY "\"",
+                          op, path);
+            break;
+        }
+        if (ts_tensor_is_shard(t)) {
+            st = ts_error(TS_ERR_SHARDED,
+                          "%s: '%s': tensor '%.*s' is a shard; save full tensors or local views (ts_tensor_local_view)",
+                          op, path, W, name);
+            break;
+        }
+        if (ts_storage_is_released(ts_tensor_storage(t))) {
+            st = ts_error(TS_ERR_RELEASED, "%s: '%s': tensor '%.*s' has released storage; restore it first", op,
+                          path, W, name);
+            break;
+        }
+        uint64_t nbytes = (uint64_t)ts_tensor_numel(t) * ts_dtype_size(ts_tensor_dtype(t));
+        json_t *e = json_object(), *shape = json_array(), *offs = json_array();
+        bool ok = e && shape && offs;
+        ok = ok && json_object_set_new(e, "dtype", json_string(st_dtype_names[ts_tensor_dtype(t)])) == 0;
+        for (int d = 0; ok && d < ts_tensor_ndim(t); d++)
+            ok = json_array_append_new(shape, json_integer((json_int_t)ts_tensor_shape(t)[d])) == 0;
+        ok = ok && json_array_append_new(offs, json_integer((json_int_t)off)) == 0 &&
+             json_array_append_new(offs, json_integer((json_int_t)(off + nbytes))) == 0;
+        ok = ok && json_object_set(e, "shape", shape) == 0 && json_object_set(e, "data_offsets", offs) == 0;
+        json_decref(shape);
+        json_decref(offs);
+        if (!ok) {
+            json_decref(e);
+            st = ts_error(TS_ERR_NO_MEMORY, "%s: '%s': no memory for the header", op, path);
+        } else if (json_object_set_new(root, name, e) != 0) {
+            /* jansson refuses keys that are not valid UTF-8 */
+            st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': tensor name '%.*s' is not valid UTF-8", op, path, W,
+                          name);
+        }
+        off += nbytes;
+    }
+    if (st) {
+        json_decref(root);
+        return st;
+    }
+    *root_out = root;
+    return TS_OK;
+}
+
+/* Writes the file's bytes to fd: length, padded header, data. */
+static ts_status st_write_all(const char *op, const char *path, const char *tmp, int fd, const char *hdr,
+                              size_t hlen, const ts_state_dict *sd)
+{
+    st_writer w = {.fd = fd};
+    w.buf = ts__malloc(TS_MEM_NN, ST_WBUF);
+    if (!w.buf)
+        return ts_error(TS_ERR_NO_MEMORY, "%s: '%s': no memory for the write buffer", op, path);
+    ts_status st = TS_OK;
+    unsigned char prefix[8];
+    for (int i = 0; i < 8; i++)
+        prefix[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
+    int rc = st_put(&w, prefix, 8);
+    if (!rc)
+        rc = st_put(&w, hdr, hlen);
+    for (int i = 0; i < ts_state_dict_size(sd) && !rc && !st; i++) {
+        ts_tensor *t = ts_state_dict_tensor(sd, i);
+        size_t nbytes = (size_t)ts_tensor_numel(t) * ts_dtype_size(ts_tensor_dtype(t));
+        if (!nbytes)
+            continue;
+        if (ts_tensor_is_contiguous(t)) {
+            rc = st_put(&w, ts_tensor_data(t), nbytes);
+            continue;
+        }
+        /* row-major copy of a strided tensor: through the write buffer
+         * when it fits, else through a buffer of its own */
+        void *tmpbuf = NULL, *dst;
+        if (nbytes <= ST_WBUF) {
+            if (w.used + nbytes > ST_WBUF && (rc = st_flush(&w)))
+                break;
+            dst = w.buf + w.used;
+        } else if (!(dst = tmpbuf = ts__malloc(TS_MEM_NN, nbytes))) {
+            st = ts_error(TS_ERR_NO_MEMORY, "%s: '%s': no memory to copy tensor '%s' (%zu bytes)", op, path,
+                          ts_state_dict_name(sd, i), nbytes);
+            break;
+        }
+        if (!(st = ts_tensor_copy_to(t, dst, nbytes))) {
+            if (tmpbuf)
+                rc = st_put(&w, tmpbuf, nbytes);
+            else
+                w.used += nbytes;
+        }
+        ts__free(TS_MEM_NN, tmpbuf);
+    }
+    if (!rc && !st)
+        rc = st_flush(&w);
+    if (rc && !st)
+        st = ts_error(TS_ERR_IO, "%s: writing '%s' (temporary file '%s'): %s", op, path, tmp, strerror(errno));
+    ts__free(TS_MEM_NN, w.buf);
+    return st;
+}
+
+/* fsync of the folder that holds `path`, so that the rename is durable.
+ * Filesystems that cannot sync a folder (EINVAL, ENOTSUP) are accepted. */
+static ts_status st_sync_dir(const char *op, const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    char *dir;
+    if (!slash)
+        dir = ts__strdup(TS_MEM_NN, ".");
+    else if (slash == path)
+        dir = ts__strdup(TS_MEM_NN, "/");
+    else if ((dir = ts__malloc(TS_MEM_NN, (size_t)(slash - path) + 1))) {
+        memcpy(dir, path, (size_t)(slash - path));
+        dir[slash - path] = '\0';
+    }
+    if (!dir)
+        return TS_ERR_NO_MEMORY;
+    ts_status st = TS_OK;
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        st = ts_error(TS_ERR_IO, "%s: '%s' was written but its folder '%s' cannot be opened to sync it: %s", op,
+                      path, dir, strerror(errno));
+    else if (fsync(fd) != 0 && errno != EINVAL && errno != ENOTSUP)
+        st = ts_error(TS_ERR_IO, "%s: '%s' was written but syncing its folder '%s' failed: %s", op, path, dir,
+                      strerror(errno));
+    if (fd >= 0)
+        close(fd);
+    ts__free(TS_MEM_NN, dir);
+    return st;
+}
+
+ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const char *const *metadata, int n_meta)
+{
+    static const char op[] = "ts_safetensors_save";
+    if (!path || !sd)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    if (path[0] == '\0')
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the path is empty", op);
+    if (n_meta < 0 || (n_meta > 0 && !metadata))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': %d metadata pairs given with %s list", op, path, n_meta,
+                        metadata ? "a" : "a NULL");
+
+    json_t *root = NULL;
+    ts_status st = st_build_header(op, path, sd, metadata, n_meta, &root);
+    if (st)
+        return st;
+    /* compact JSON, then spaces up to a multiple of 8 bytes */
+    size_t jlen = json_dumpb(root, NULL, 0, JSON_COMPACT);
+    size_t hlen = (jlen + 7) & ~(size_t)7;
+    char *hdr = jlen ? ts__malloc(TS_MEM_NN, hlen) : NULL;
+    if (!hdr || json_dumpb(root, hdr, jlen, JSON_COMPACT) != jlen) {
+        json_decref(root);
+        ts__free(TS_MEM_NN, hdr);
+        return ts_error(TS_ERR_NO_MEMORY, "%s: '%s': cannot serialise the header", op, path);
+    }
+    json_decref(root);
+    memset(hdr + jlen, ' ', hlen - jlen);
+
+    size_t tlen = strlen(path) + 32;
+    char *tmp = ts__malloc(TS_MEM_NN, tlen);
+    if (!tmp) {
+        ts__free(TS_MEM_NN, hdr);
+        return TS_ERR_NO_MEMORY;
+    }
+    snprintf(tmp, tlen, "%s.tmp.%ld", path, (long)getpid());
+
+    /* O_TRUNC rather than O_EXCL: a temporary file left by a crashed
+     * process with the same pid (a restarted container) is replaced. */
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0666);
+    if (fd < 0) {
+        st = ts_error(TS_ERR_IO, "%s: cannot create the temporary file '%s' for '%s': %s", op, tmp, path,
+                      strerror(errno));
+        goto done;
+    }
+    st = st_write_all(op, path, tmp, fd, hdr, hlen, sd);
+    if (!st && fsync(fd) != 0)
+        st = ts_error(TS_ERR_IO, "%s: fsync of the temporary file '%s' for '%s' failed: %s", op, tmp, path,
+                      strerror(errno));
+    if (close(fd) != 0 && !st)
+        st = ts_error(TS_ERR_IO, "%s: closing the temporary file '%s' for '%s' failed: %s", op, tmp, path,
+                      strerror(errno));
+    if (!st && rename(tmp, path) != 0)
+        st = ts_error(TS_ERR_IO, "%s: cannot rename '%s' to '%s': %s", op, tmp, path, strerror(errno));
+    if (st) {
+        unlink(tmp);
+        goto done;
+    }
+    st = st_sync_dir(op, path);
+done:
+    ts__free(TS_MEM_NN, tmp);
+    ts__free(TS_MEM_NN, hdr);
+    return st;
+}

@@ -1,0 +1,163 @@
+/*
+ * tensorshard optim layer: SGD, Adam and AdamW with PyTorch's exact update
+ * formulas and defaults, zero_grad, learning-rate schedules and gradient
+ * clipping.
+ *
+ * Exactness: a step computes, element by element, what torch 1.13's
+ * single-tensor implementation (foreach=False: torch.optim.sgd.
+ * _single_tensor_sgd, adam._single_tensor_adam, adamw._single_tensor_adamw,
+ * capturable=False) computes on the CPU, with the same roundings: float32
+ * parameters are updated in float32 with the Python-float hyperparameters
+ * rounded to float32 where torch rounds them, and the fused multiply-adds
+ * of the Debian/GCC AVX2 build (optim.c lists them). Trajectories are
+ * bit-identical to torch 1.13 (tests/fixtures/optim). Per-parameter state
+ * is kept as torch keeps it: a parameter's state is created at the first
+ * step in which it has a gradient, and Adam's step counter is a float32
+ * scalar per parameter ("step"), so a parameter skipped in some steps gets
+ * its own bias correction, as in torch.
+ *
+ * Lifetime rules
+ * - An optimizer holds references to the parameter tensors it was given
+ *   (local shards under fully_shard: it works on their local data through
+ *   ts_tensor_local_view, and reads ts_tensor_grad of the shard, a plain
+ *   tensor) and owns its per-parameter state. Free it with ts_optim_free.
+ * - Steps run without recording autograd history and make one pass over
+ *   each parameter, its gradient and its state (no temporaries).
+ *   Parameters and gradients may be non-contiguous views.
+ *
+ * Threads: an optimizer is used by one thread at a time; different
+ * optimizers (over different parameters) may step concurrently.
+ */
+#ifndef TS_OPTIM_H
+#define TS_OPTIM_H
+
+#include "tensor/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ts_optim ts_optim;
+
+/* torch.optim.SGD's arguments (torch has no default lr; ours is 1e-3). */
+typedef struct ts_sgd_options {
+    double lr;            /* > 0; default 1e-3 */
+    double momentum;      /* >= 0; default 0 */
+    double dampening;     /* default 0 */
+    double weight_decay;  /* >= 0, L2 added to the gradient; default 0 */
+    bool nesterov;        /* false (needs momentum > 0 and dampening 0) */
+    bool maximize;        /* false */
+} ts_sgd_options;
+TS_API ts_sgd_options ts_sgd_options_default(void);
+
+/* torch.optim.Adam / AdamW's arguments. */
+typedef struct ts_adam_options {
+    double lr;            /* > 0; 1e-3 (AdamW default too) */
+    double beta1, beta2;  /* each in [0, 1); 0.9, 0.999 */
+    double eps;           /* >= 0; 1e-8 */
+    double weight_decay;  /* Adam: 0 (L2 added to the gradient); AdamW: 1e-2 (decoupled) */
+    bool amsgrad;         /* false */
+    bool maximize;        /* false */
+} ts_adam_options;
+TS_API ts_adam_options ts_adam_options_default(void);
+TS_API ts_adam_options ts_adamw_options_default(void);
+
+/* New optimizers over n >= 1 parameters, which must be distinct leaf tensors
+ * that require grad, of dtype f32 or f64 (they may be shard-marked). `o`
+ * NULL means the defaults. Returns TS_ERR_INVALID_ARGUMENT, with the index
+ * and name of the parameter or the value that does not fit, for: n < 1, a
+ * NULL, non-float, non-leaf, repeated or not-requiring-grad parameter, or
+ * one with overlapping memory (an expanded view);
+ * lr <= 0, momentum < 0, weight_decay < 0, nesterov without momentum > 0
+ * and dampening 0 (SGD); beta outside [0, 1), eps < 0 (Adam/AdamW); any
+ * non-finite value. TS_ERR_NO_MEMORY. *out is written only on success. */
+TS_API ts_status ts_sgd_new(int n, ts_tensor *const *params, const ts_sgd_options *o, ts_optim **out);
+TS_API ts_status ts_adam_new(int n, ts_tensor *const *params, const ts_adam_options *o, ts_optim **out);
+TS_API ts_status ts_adamw_new(int n, ts_tensor *const *params, const ts_adam_options *o, ts_optim **out);
+/* Frees the state and drops the parameter references. Accepts NULL. */
+TS_API void ts_optim_free(ts_optim *o);
+
+/* One update of every parameter that has a gradient (ts_tensor_grad not
+ * NULL); parameters without one are skipped and their state is untouched,
+ * as in PyTorch. Everything is checked before anything changes, so on an
+ * error parameters and state are as before: TS_ERR_SHAPE (a gradient's
+ * shape differs from its parameter's local shape) and TS_ERR_DTYPE (its
+ * dtype differs), naming the parameter; TS_ERR_RELEASED (a parameter or
+ * gradient storage is released); TS_ERR_NO_MEMORY (first-step state). */
+TS_API ts_status ts_optim_step(ts_optim *o);
+/* Drops (set_to_none, PyTorch's default) or zeroes every parameter's grad. */
+TS_API void ts_optim_zero_grad(ts_optim *o, bool set_to_none);
+/* The learning rate the next step uses (param_groups[0]['lr']). */
+TS_API double ts_optim_get_lr(const ts_optim *o);
+/* Sets it; any finite lr >= 0 is accepted (a schedule may reach 0); other
+ * values are ignored with a warning in the log. */
+TS_API void ts_optim_set_lr(ts_optim *o, double lr);
+/* Number of completed ts_optim_step calls. */
+TS_API int64_t ts_optim_step_count(const ts_optim *o);
+/* Borrowed per-parameter state tensors, as in torch's optimizer.state[p]:
+ * SGD with momentum: "momentum_buffer"; Adam/AdamW: "step" (0-d float32,
+ * the number of steps this parameter took), "exp_avg", "exp_avg_sq", and
+ * "max_exp_avg_sq" with amsgrad. Each has the parameter's local shape and
+ * dtype and is contiguous. NULL for an unknown name or index, or before
+ * the parameter's first step (torch's state is empty then). The values may
+ * be written (checkpoint load). */
+TS_API ts_tensor *ts_optim_state(const ts_optim *o, int param_index, const char *name);
+/* For loading a checkpoint into a fresh optimizer: creates parameter
+ * `param_index`'s state now if it has none (as its first step would:
+ * zeros, step 0; SGD's momentum buffer zeros) and writes the borrowed
+ * tensor `name` to *state_out, for the caller to fill. Afterwards the state
+ * counts as present, as after torch's load_state_dict: SGD's next step
+ * updates the buffer instead of starting it from the gradient.
+ * TS_ERR_INVALID_ARGUMENT (NULL or index out of range), TS_ERR_NOT_FOUND
+ * (no such state in this optimizer, e.g. "max_exp_avg_sq" without amsgrad
+ * or "momentum_buffer" with momentum 0), TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_optim_state_create(ts_optim *o, int param_index, const char *name, ts_tensor **state_out);
+
+/* Learning-rate schedules: the lr to use for step `step` (0-based, the
+ * number of steps already taken), in double precision:
+ *
+ *   TS_LR_CONSTANT       base_lr
+ *   TS_LR_WARMUP_COSINE  step < warmup_steps:
+ *                            base_lr * (step + 1) / warmup_steps
+ *                        (base_lr / warmup at step 0, base_lr at step
+ *                        warmup - 1); otherwise, if step >= total_steps:
+ *                            min_lr
+ *                        otherwise, with p = (step - warmup_steps) /
+ *                        (total_steps - warmup_steps), in [0, 1):
+ *                            min_lr + 0.5 * (base_lr - min_lr) * (1 + cos(pi * p))
+ *                        (base_lr at step warmup_steps, falling to min_lr
+ *                        at total_steps and staying there).
+ *
+ * warmup_steps <= 0 means no warmup. A negative step counts as 0. NaN for a
+ * NULL schedule or an unknown kind. Pure function, any thread. Typical use,
+ * before each step: ts_optim_set_lr(o, ts_lr_at(&s, ts_optim_step_count(o))). */
+typedef enum ts_lr_kind { TS_LR_CONSTANT = 0, TS_LR_WARMUP_COSINE } ts_lr_kind;
+typedef struct ts_lr_schedule {
+    ts_lr_kind kind;
+    double base_lr;
+    int64_t warmup_steps;  /* linear from base_lr/warmup (step 0) to base_lr */
+    int64_t total_steps;   /* cosine decay from base_lr to min_lr at total */
+    double min_lr;
+} ts_lr_schedule;
+TS_API double ts_lr_at(const ts_lr_schedule *s, int64_t step);
+
+/* torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=2,
+ * error_if_nonfinite=True) over the n tensors' gradients (those without a
+ * gradient are left out; shard-marked tensors contribute their local
+ * gradient only: a sharded caller must combine the ranks' norms itself).
+ * The total is torch's: each gradient's 2-norm in its dtype, then the
+ * 2-norm of those (float64 if any gradient is float64, else float32),
+ * with torch's summation order for contiguous gradients. Then clip_coef =
+ * max_norm / (total + 1e-6) clamped to at most 1, and every gradient is
+ * multiplied by it in place (torch also multiplies by 1.0, which changes
+ * nothing). Writes the total norm (0 when no tensor has a gradient).
+ * A non-finite total returns TS_ERR_INVALID_ARGUMENT and leaves the
+ * gradients unchanged. Also TS_ERR_INVALID_ARGUMENT for max_norm < 0 or
+ * NaN or a NULL parameter, TS_ERR_DTYPE for a non-float gradient,
+ * TS_ERR_RELEASED, TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_clip_grad_norm(int n, ts_tensor *const *params, double max_norm, double *total_norm_out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TS_OPTIM_H */

@@ -1,0 +1,243 @@
+/* Layer initialisation bit-exact with PyTorch (vectors made by
+ * ../shared/reference/torch-rng/make_vectors.py, copied under
+ * tests/fixtures/rng/), forward semantics and errors. */
+#define _GNU_SOURCE
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <math.h>
+#include <string.h>
+
+#include "tests/helpers.h"
+
+/* Compares every parameter of m, in named_parameters order, with the
+ * float32 values concatenated in fixture file `name`.bin. */
+static void assert_params_match(ts_module *m, const char *name)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/rng/%s.bin", TS_FIXTURES_DIR, name);
+    size_t len;
+    float *want = th_read_file(path, &len);
+    ts_named_params p;
+    TH_OK(ts_module_named_parameters(m, &p));
+    size_t off = 0;
+    for (int i = 0; i < p.n; i++) {
+        ts_tensor *t = *p.items[i].slot;
+        size_t k = (size_t)ts_tensor_numel(t);
+        cr_assert_leq((off + k) * 4, len, "%s: fixture too short at %s", name, p.items[i].name);
+        float *got = malloc(k * 4 + 4);
+        TH_OK(ts_tensor_copy_to(t, got, k * 4));
+        cr_assert_eq(memcmp(got, want + off, k * 4), 0, "%s: %s differs from PyTorch", name, p.items[i].name);
+        free(got);
+        off += k;
+    }
+    cr_assert_eq(off * 4, len, "%s: fixture has %zu values, model %zu", name, len / 4, off);
+    ts_named_params_free(&p);
+    free(want);
+}
+
+Test(nn_layers, linear_init_is_bit_exact)
+{
+    ts_module *m;
+    ts_manual_seed(0);
+    TH_OK(ts_linear_new(4, 4, false, &m));
+    assert_params_match(m, "linear4x4_seed0_weight");
+    ts_module_free(m);
+    ts_manual_seed(42);
+    TH_OK(ts_linear_new(8, 8, true, &m));
+    assert_params_match(m, "linear8x8_seed42_weight_bias");
+    ts_module_free(m);
+    ts_manual_seed(0);
+    TH_OK(ts_linear_new(64, 32, true, &m));
+    assert_params_match(m, "linear64x32_seed0_weight_bias");
+    ts_module_free(m);
+}
+
+Test(nn_layers, sequential_embedding_encoder_init_are_bit_exact)
+{
+    ts_module *k[3], *m;
+    ts_manual_seed(0);
+    TH_OK(ts_linear_new(4, 4, false, &k[0]));
+    TH_OK(ts_relu_new(&k[1]));
+    TH_OK(ts_linear_new(4, 4, false, &k[2]));
+    TH_OK(ts_sequential_new(3, k, &m));
+    assert_params_match(m, "seq2linear4_seed0_weights");
+    ts_module_free(m);
+    ts_manual_seed(0);
+    TH_OK(ts_embedding_new(10, 3, &m));
+    assert_params_match(m, "embedding10x3_seed0_weight");
+    ts_module_free(m);
+    ts_manual_seed(0);
+    ts_encoder_layer_config c = ts_encoder_layer_config_default(8, 2);
+    c.dim_feedforward = 16;
+    TH_OK(ts_encoder_layer_new(&c, &m));
+    assert_params_match(m, "encoderlayer_d8_h2_ff16_seed0_params");
+    ts_module_free(m);
+}
+
+Test(nn_layers, encoder_copies_draw_nothing)
+{
+    ts_encoder_layer_config c = ts_encoder_layer_config_default(8, 2);
+    c.dim_feedforward = 16;
+    ts_module *one, *two;
+    ts_manual_seed(3);
+    TH_OK(ts_encoder_layer_new(&c, &one));
+    uint32_t after_one = ts_generator_random(ts_default_generator());
+    ts_manual_seed(3);
+    TH_OK(ts_transformer_encoder_new(&c, 3, &two));
+    cr_assert_eq(ts_generator_random(ts_default_generator()), after_one,
+                 "TransformerEncoder must consume exactly one layer's draws (deep copies)");
+    ts_state_dict *a, *b;
+    TH_OK(ts_module_state_dict(one, &a));
+    TH_OK(ts_module_state_dict(two, &b));
+    for (int layer = 0; layer < 3; layer++)
+        for (int i = 0; i < ts_state_dict_size(a); i++) {
+            char key[256];
+            snprintf(key, sizeof key, "layers.%d.%s", layer, ts_state_dict_name(a, i));
+            th_assert_close(ts_state_dict_get(b, key), ts_state_dict_tensor(a, i), 0, 0);
+        }
+    ts_state_dict_free(a);
+    ts_state_dict_free(b);
+    ts_module_free(one);
+    ts_module_free(two);
+}
+
+/* MHA against the attention formula written out with plain ops. */
+Test(nn_layers, mha_matches_the_formula_and_masks)
+{
+    ts_manual_seed(5);
+    ts_module *m;
+    TH_OK(ts_mha_new(8, 2, 0.0, true, &m));
+    ts_nn_mha *a = (ts_nn_mha *)m;
+    /* non-zero biases so that they matter */
+    bool prev = ts_grad_mode_set(false);
+    TH_OK(ts_uniform_(a->in_proj_bias, -0.5, 0.5, NULL));
+    TH_OK(ts_uniform_(((ts_nn_linear *)a->out_proj)->bias, -0.5, 0.5, NULL));
+    ts_grad_mode_set(prev);
+    int64_t xs[3] = {2, 5, 8};
+    ts_tensor *x = th_seq(TS_F32, 3, xs, 1.0, false), *mask, *y;
+    TH_OK(ts_tril_mask(5, 0, &mask)); /* attend only to the future... */
+    ts_tensor *args[4] = {x, x, x, mask}, *outs[TS_MODULE_MAX_IO];
+    int n;
+    TH_OK(ts_module_call(m, 4, args, &n, outs));
+    y = outs[0];
+    /* reference: per batch and head, softmax((q k^T) / sqrt(4) masked) v */
+    float xv[80], wv[192], bv[24], ow[64], ob[8], yv[80];
+    TH_OK(ts_tensor_copy_to(x, xv, sizeof xv));
+    TH_OK(ts_tensor_copy_to(a->in_proj_weight, wv, sizeof wv));
+    TH_OK(ts_tensor_copy_to(a->in_proj_bias, bv, sizeof bv));
+    TH_OK(ts_tensor_copy_to(((ts_nn_linear *)a->out_proj)->weight, ow, sizeof ow));
+    TH_OK(ts_tensor_copy_to(((ts_nn_linear *)a->out_proj)->bias, ob, sizeof ob));
+    TH_OK(ts_tensor_copy_to(y, yv, sizeof yv));
+    for (int b = 0; b < 2; b++) {
+        double qkv[3][5][8];
+        for (int k = 0; k < 3; k++)
+            for (int t = 0; t < 5; t++)
+                for (int e = 0; e < 8; e++) {
+                    double s = bv[k * 8 + e];
+                    for (int i = 0; i < 8; i++)
+                        s += (double)xv[(b * 5 + t) * 8 + i] * wv[(k * 8 + e) * 8 + i];
+                    qkv[k][t][e] = s;
+                }
+        double att[5][8] = {{0}};
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 5; t++) {
+                double sc[5], mx = -INFINITY, z = 0;
+                for (int s = 0; s < 5; s++) {
+                    double d = 0;
+                    for (int e = 0; e < 4; e++)
+                        d += qkv[0][t][h * 4 + e] * qkv[1][s][h * 4 + e];
+                    sc[s] = s <= t ? -INFINITY : d / 2.0; /* tril true = masked */
+                    mx = sc[s] > mx ? sc[s] : mx;
+                }
+                for (int s = 0; s < 5; s++)
+                    z += (sc[s] = (mx == -INFINITY) ? NAN : exp(sc[s] - mx));
+                for (int e = 0; e < 4; e++)
+                    for (int s = 0; s < 5; s++)
+                        att[t][h * 4 + e] += sc[s] / z * qkv[2][s][h * 4 + e];
+            }
+        for (int t = 0; t < 5; t++)
+            for (int e = 0; e < 8; e++) {
+                double want = ob[e];
+                for (int i = 0; i < 8; i++)
+                    want += att[t][i] * ow[e * 8 + i];
+                double got = yv[(b * 5 + t) * 8 + e];
+                if (isnan(want))
+                    cr_assert(isnan(got), "fully masked rows give NaN, as in PyTorch");
+                else /* f32 through two projections and a softmax: 1e-5 absolute */
+                    cr_assert_float_eq(got, want, 1e-5, "b %d t %d e %d: %g vs %g", b, t, e, got, want);
+            }
+    }
+    ts_tensor_free(x);
+    ts_tensor_free(mask);
+    ts_tensor_free(y);
+    ts_module_free(m);
+}
+
+Test(nn_layers, gpt_forward_is_causal)
+{
+    ts_manual_seed(0);
+    ts_gpt_config c = ts_gpt_config_default();
+    c.vocab_size = 13;
+    c.block_size = 8;
+    c.n_layer = 2;
+    c.n_head = 2;
+    c.d_model = 16;
+    ts_module *g;
+    TH_OK(ts_gpt_new(&c, &g));
+    int64_t is[2] = {1, 6};
+    double ids1[6] = {1, 2, 3, 4, 5, 6}, ids2[6] = {1, 2, 3, 9, 9, 9};
+    ts_tensor *a = th_tensor(TS_I64, 2, is, ids1), *b = th_tensor(TS_I64, 2, is, ids2), *ya, *yb, *pa, *pb;
+    TH_OK(ts_module_call1(g, a, &ya));
+    TH_OK(ts_module_call1(g, b, &yb));
+    cr_assert_eq(ts_tensor_size(ya, 2), 13);
+    /* positions 0..2 see the same prefix: identical logits */
+    TH_OK(ts_narrow(ya, 1, 0, 3, &pa));
+    TH_OK(ts_narrow(yb, 1, 0, 3, &pb));
+    th_assert_close(pa, pb, 0, 0);
+    ts_tensor_free(pa);
+    ts_tensor_free(pb);
+    TH_OK(ts_narrow(ya, 1, 3, 1, &pa));
+    TH_OK(ts_narrow(yb, 1, 3, 1, &pb));
+    double va, vb;
+    int64_t z[3] = {0, 0, 0};
+    TH_OK(ts_tensor_get(pa, z, &va));
+    TH_OK(ts_tensor_get(pb, z, &vb));
+    cr_assert(va != vb, "position 3 sees a different token");
+    ts_tensor *long_ids;
+    int64_t ls[2] = {1, 9};
+    TH_OK(ts_tensor_zeros(TS_I64, 2, ls, &long_ids));
+    ts_tensor *bad = NULL;
+    cr_assert_eq(ts_module_call1(g, long_ids, &bad), TS_ERR_SHAPE);
+    cr_assert(strstr(ts_last_error(), "block_size 8") != NULL, "%s", ts_last_error());
+    ts_tensor *all[] = {a, b, ya, yb, pa, pb, long_ids};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        ts_tensor_free(all[i]);
+    ts_module_free(g);
+}
+
+Test(nn_layers, dropout_follows_train_and_eval)
+{
+    ts_module *d;
+    TH_OK(ts_dropout_new(0.5, &d));
+    int64_t s[1] = {1000};
+    ts_tensor *x, *y;
+    TH_OK(ts_tensor_ones(TS_F32, 1, s, &x));
+    TH_OK(ts_module_call1(d, x, &y));
+    float v[1000];
+    TH_OK(ts_tensor_copy_to(y, v, sizeof v));
+    int zeros = 0;
+    for (int i = 0; i < 1000; i++) {
+        cr_assert(v[i] == 0.0f || v[i] == 2.0f);
+        zeros += v[i] == 0.0f;
+    }
+    cr_assert(zeros > 400 && zeros < 600, "%d zeros", zeros);
+    ts_tensor_free(y);
+    ts_module_eval(d);
+    TH_OK(ts_module_call1(d, x, &y));
+    th_assert_close(y, x, 0, 0);
+    ts_tensor_free(x);
+    ts_tensor_free(y);
+    ts_module_free(d);
+    cr_assert_eq(ts_dropout_new(1.5, &d), TS_ERR_INVALID_ARGUMENT);
+}
