@@ -11,11 +11,14 @@
  * has (AVX-512, else AVX2+FMA, else SSE multiply and add) with 16 (12 for
  * ymm) independent accumulators, run on every thread at once.
  *
- * Usage: bench_matmul [--quick] [--reps N] [--threads LIST]
- *   --quick         fewer repetitions (about 3x shorter)
+ * Usage: bench_matmul [--quick] [--reps N] [--threads LIST] [--best]
+ *   --quick         fewer repetitions (about 2x shorter)
  *   --reps N        timed repetitions per shape and operand (default 7,
  *                   5 for the Linear shapes)
  *   --threads LIST  comma-separated thread counts (default 1,2)
+ *   --best          report the fastest repetition instead of the median
+ *                   (what the hardware can do when other load comes and
+ *                   goes; the targets are about medians)
  * Exit status 1 if the library's result differs from raw BLIS's.
  */
 #define _GNU_SOURCE
@@ -43,9 +46,14 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+static bool use_best = false;
+
+/* Median of n times, or the smallest with --best. */
 static double median(double *v, int n)
 {
     qsort(v, (size_t)n, sizeof *v, cmp_double);
+    if (use_best)
+        return v[0];
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
@@ -217,7 +225,8 @@ static double peak_once(peak_kind k, long iters, int threads)
 
 static double measure_peak(peak_kind k, int threads, int reps, double seconds_each)
 {
-    /* calibrate the iteration count to about seconds_each */
+    /* calibrate the iteration count to about seconds_each; the peak is
+     * a rate, so the median of rates (largest with --best) */
     long iters = 1 << 20;
     double g = peak_once(k, iters, 1);
     iters = (long)(seconds_each * g * 1e9 / k.flops_per_iter);
@@ -227,8 +236,8 @@ static double measure_peak(peak_kind k, int threads, int reps, double seconds_ea
     if (reps > 32)
         reps = 32;
     for (int r = 0; r < reps; r++)
-        v[r] = peak_once(k, iters, threads);
-    return median(v, reps);
+        v[r] = 1.0 / peak_once(k, iters, threads);
+    return 1.0 / median(v, reps);
 }
 
 /* ------------------------------------------------------------- shapes */
@@ -382,7 +391,7 @@ static double load_average(void)
 
 static void usage(void)
 {
-    fprintf(stderr, "usage: bench_matmul [--quick] [--reps N] [--threads LIST]\n");
+    fprintf(stderr, "usage: bench_matmul [--quick] [--reps N] [--threads LIST] [--best]\n");
     exit(2);
 }
 
@@ -395,6 +404,8 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0) {
             quick = true;
+        } else if (strcmp(argv[i], "--best") == 0) {
+            use_best = true;
         } else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
             reps = atoi(argv[++i]);
             if (reps < 1 || reps > 101)
@@ -486,8 +497,8 @@ int main(int argc, char **argv)
         }
     }
     printf("\ntargets at 1 thread: lib/blis >= 0.95 on every product, lib/peak >= 0.70 on the Linear shapes "
-           "and square 2048\n(medians; %.0f s; load average at end %.2f)\n",
-           now_s() - t_start, load_average());
+           "and square 2048\n(%s; %.0f s; load average at end %.2f)\n",
+           use_best ? "fastest repetitions" : "medians", now_s() - t_start, load_average());
     for (int s = 0; s < 3; s++) {
         ts_tensor_free(sq[0][s]);
         ts_tensor_free(sq[1][s]);

@@ -170,6 +170,7 @@ static result run(const cfg *c, int threads, int steps, int warmup)
         ts_tensor_free(flat);
         ts_tensor_free(loss);
         double t1 = now_ms();
+        if (getenv("TS_BENCH_POOL")) fprintf(stderr, "step %d pool %zu MiB cached %zu MiB\n", s, ts_mem_live_bytes(TS_MEM_POOL) >> 20, ts_pool_cached_bytes() >> 20);
         double matmul = (double)ts_trace_total_ns("matmul") * 1e-6;
         ts_trace_stop(false);
         recording = false;

@@ -92,6 +92,10 @@ def seeds():
     yield "bad_nine_dims", pack({"a": {"dtype": "BOOL", "shape": [1] * 9, "data_offsets": [0, 1]}}, b"\x01")
     yield "bad_empty_name", pack({"": {"dtype": "I32", "shape": [], "data_offsets": [0, 4]}}, bytes(4))
     yield "bad_shape_overflow", pack({"a": {"dtype": "F64", "shape": [1 << 62, 8], "data_offsets": [0, 0]}}, b"")
+    # the fuzzer's first finding: within 64 bits but over ts_tensor_empty's
+    # INT64_MAX / 16 limit, which once gave TS_ERR_INVALID_ARGUMENT
+    yield "bad_span_limit", pack({"a": {"dtype": "F64", "shape": [92233720368, 7387904, 0],
+                                        "data_offsets": [0, 0]}}, b"")
     yield "bad_offsets", pack({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, -4]}}, bytes(4))
     yield "bad_trailing_bytes", tensors([("w", "I32", [1], bytes(4))]) + b"\x00\x00"
     yield "bad_duplicate", struct.pack("<Q", 16) + b'{"a":{},"a":{}} '

@@ -1,7 +1,8 @@
 /* torch.nn.MultiheadAttention(E, H, dropout, bias, batch_first=True),
  * computed as PyTorch 1.13's F.multi_head_attention_forward does: one
  * packed input projection (three when query, key and value differ),
- * q / sqrt(head_dim), q k^T, a boolean mask filled with -inf, softmax,
+ * q k^T, softmax of the scores / sqrt(head_dim) with -inf where the bool
+ * mask is set (ts_scaled_masked_softmax),
  * dropout on the weights in training, weights v, out_proj. */
 #define _GNU_SOURCE
 #include "nn/internal.h"
@@ -73,7 +74,7 @@ static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *
                         ts_tensor_shape_str(mask, s1, sizeof s1));
     }
     ts_tensor *t[16] = {0}; /* every intermediate, freed at the end */
-    ts_tensor *q, *k, *v;
+    ts_tensor *k, *v;
     if (q_in == k_in && k_in == v_in) {
         /* self-attention: one packed projection, then a chunk in three */
         ts_tensor *parts[3];
@@ -89,17 +90,11 @@ static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *
     }
     if ((st = split_heads(t[1], H, &t[4])) || (st = split_heads(t[2], H, &t[5])) || (st = split_heads(t[3], H, &t[6])))
         goto done;
-    /* q / sqrt(hd), then scores (B, H, T, S) */
-    if ((st = ts_div_scalar(t[4], sqrt((double)hd), &t[7])) || (st = ts_transpose(t[5], -2, -1, &t[8])) ||
-        (st = ts_matmul(t[7], t[8], &t[9])))
-        goto done;
-    q = t[9];
-    if (mask) {
-        if ((st = ts_masked_fill(q, mask, -INFINITY, &t[10])))
-            goto done;
-        q = t[10];
-    }
-    if ((st = ts_softmax(q, -1, &t[11])))
+    /* scores (B, H, T, S) = q k^T; then softmax(scores / sqrt(hd)) with the
+     * mask's -inf, in one pass (PyTorch scales q first: the same up to
+     * rounding) */
+    if ((st = ts_transpose(t[5], -2, -1, &t[8])) || (st = ts_matmul(t[4], t[8], &t[9])) ||
+        (st = ts_scaled_masked_softmax(t[9], mask, 1.0 / sqrt((double)hd), &t[11])))
         goto done;
     k = t[11];
     if (m->training && a->dropout > 0) {

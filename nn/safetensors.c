@@ -35,6 +35,8 @@
 /* The Rust implementation's limit on the header (MAX_HEADER_SIZE). */
 #define ST_MAX_HEADER 100000000ull
 #define ST_METADATA_KEY "__metadata__"
+/* The most elements (sizes of 0 counted as 1) ts_tensor_empty accepts. */
+#define ST_MAX_SPAN ((unsigned long long)INT64_MAX / 16)
 /* Names and strings from a file are cut to this in messages. */
 #define ST_NAME_MAX_SHOWN 200
 
@@ -185,8 +187,10 @@ static ts_status st_parse_entry(const char *op, const char *src, const char *nam
         return ts_error(TS_ERR_FORMAT, "%s: '%s': key '%.*s': shape has %zu dims, more than the %d supported", op,
                         src, W, name, nd, TS_MAX_DIMS);
     e->ndim = (int)nd;
-    /* numel, and the product of the sizes with 0 counted as 1 (what the
-     * strides of an empty tensor reach), must both fit in int64 */
+    /* numel must fit in 64 bits, and the product of the sizes with 0
+     * counted as 1 (what the strides of an empty tensor reach) within the
+     * tensor layer's limit (ts_tensor_empty refuses more than
+     * INT64_MAX / 16, which keeps every byte offset in range) */
     uint64_t numel = 1, span = 1;
     bool overflow = false;
     for (size_t i = 0; i < nd; i++) {
@@ -199,9 +203,11 @@ static ts_status st_parse_entry(const char *op, const char *src, const char *nam
         overflow |= __builtin_mul_overflow(span, d ? d : 1, &span);
     }
     char shs[96];
-    if (overflow || span > (uint64_t)INT64_MAX)
-        return ts_error(TS_ERR_FORMAT, "%s: '%s': key '%.*s': shape %s has more elements than fit in 64 bits", op,
-                        src, W, name, st_shape_str(e->ndim, e->shape, shs, sizeof shs));
+    if (overflow || span > ST_MAX_SPAN)
+        return ts_error(TS_ERR_FORMAT,
+                        "%s: '%s': key '%.*s': shape %s has more elements than a tensor may have (%llu, not "
+                        "counting sizes of 0)",
+                        op, src, W, name, st_shape_str(e->ndim, e->shape, shs, sizeof shs), ST_MAX_SPAN);
 
     const json_t *off = json_object_get(v, "data_offsets");
     if (!json_is_array(off) || json_array_size(off) != 2 || !st_json_uint(json_array_get(off, 0), &e->begin) ||
@@ -731,7 +737,9 @@ ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const c
     snprintf(tmp, tlen, "%s.tmp.%ld", path, (long)getpid());
 
     /* O_TRUNC rather than O_EXCL: a temporary file left by a crashed
-     * process with the same pid (a restarted container) is replaced. */
+     * process with the same pid (a restarted container) is replaced. The
+     * name is per process, so two threads of one process must not save to
+     * the same path at once. */
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0666);
     if (fd < 0) {
         st = ts_error(TS_ERR_IO, "%s: cannot create the temporary file '%s' for '%s': %s", op, tmp, path,

@@ -79,7 +79,7 @@ static ts_status kaiming_std(const char *op, ts_tensor *t, double a, ts_fan_mode
     *skip = numel_of(t) == 0;
     if (*skip)
         return TS_OK;
-    int64_t fan_in, fan_out;
+    int64_t fan_in = 0, fan_out = 0; /* set by fans() on success */
     st = fans(op, t, &fan_in, &fan_out);
     if (st != TS_OK)
         return st;
@@ -92,8 +92,8 @@ static ts_status kaiming_std(const char *op, ts_tensor *t, double a, ts_fan_mode
 ts_status ts_init_kaiming_uniform_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl,
                                    ts_generator *gen)
 {
-    double std;
-    bool skip;
+    double std = 0.0;
+    bool skip = true;
     ts_status st = kaiming_std("kaiming_uniform_", t, a, mode, nl, &std, &skip);
     if (st != TS_OK || skip)
         return st;
@@ -104,8 +104,8 @@ ts_status ts_init_kaiming_uniform_(ts_tensor *t, double a, ts_fan_mode mode, ts_
 ts_status ts_init_kaiming_normal_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl,
                                   ts_generator *gen)
 {
-    double std;
-    bool skip;
+    double std = 0.0;
+    bool skip = true;
     ts_status st = kaiming_std("kaiming_normal_", t, a, mode, nl, &std, &skip);
     if (st != TS_OK || skip)
         return st;
@@ -120,7 +120,7 @@ static ts_status xavier_std(const char *op, ts_tensor *t, double gain, double *s
     ts_status st = ts__check_inputs(op, 1, &t);
     if (st != TS_OK)
         return st;
-    int64_t fan_in, fan_out;
+    int64_t fan_in = 0, fan_out = 0; /* set by fans() on success */
     st = fans(op, t, &fan_in, &fan_out);
     if (st != TS_OK)
         return st;
@@ -135,7 +135,7 @@ static ts_status xavier_std(const char *op, ts_tensor *t, double gain, double *s
 
 ts_status ts_init_xavier_uniform_(ts_tensor *t, double gain, ts_generator *gen)
 {
-    double std;
+    double std = 0.0;
     ts_status st = xavier_std("xavier_uniform_", t, gain, &std);
     if (st != TS_OK)
         return st;
@@ -145,7 +145,7 @@ ts_status ts_init_xavier_uniform_(ts_tensor *t, double gain, ts_generator *gen)
 
 ts_status ts_init_xavier_normal_(ts_tensor *t, double gain, ts_generator *gen)
 {
-    double std;
+    double std = 0.0;
     ts_status st = xavier_std("xavier_normal_", t, gain, &std);
     if (st != TS_OK)
         return st;

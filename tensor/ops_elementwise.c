@@ -4,6 +4,7 @@
  * tests compare against it. Backward formulas use the same engines with
  * fused "backward" ops so that a gradient costs one pass. */
 #define _GNU_SOURCE
+#include "tensor/fastmath.h"
 #include "tensor/internal.h"
 
 #include <math.h>
@@ -46,6 +47,7 @@ _Static_assert(sizeof uop_names / sizeof *uop_names == U_COUNT, "uop names");
 #define K_INV_SQRT_2PI 0.3989422804014327
 
 /* ----------------------------------------------------- scalar formulas */
+
 
 static inline __attribute__((always_inline)) double bin_d(bop op, double x, double y, double p)
 {
@@ -92,8 +94,8 @@ static inline __attribute__((always_inline)) float bin_f(bop op, float x, float 
     case B_SQRT_BW: return x / (2.0f * y);
     case B_RSQRT_BW: return -0.5f * x * y * y * y;
     case B_GELU_BW: {
-        float cdf = 0.5f * (1.0f + erff(y * (float)K_INV_SQRT_2));
-        float pdf = (float)K_INV_SQRT_2PI * expf(-0.5f * y * y);
+        float cdf = 0.5f * (1.0f + ts__erf_f32(y * (float)K_INV_SQRT_2));
+        float pdf = (float)K_INV_SQRT_2PI * ts__exp_f32(-0.5f * y * y);
         return x * (cdf + y * pdf);
     }
     case B_GELU_TANH_BW: {
@@ -143,7 +145,7 @@ static inline __attribute__((always_inline)) float un_f(uop op, float x, float p
     case U_TANH: return tanhf(x);
     case U_SIGMOID: return 1.0f / (1.0f + expf(-x));
     case U_RELU: return x > 0 ? x : (x != x ? x : 0.0f);
-    case U_GELU: return 0.5f * x * (1.0f + erff(x * (float)K_INV_SQRT_2));
+    case U_GELU: return 0.5f * x * (1.0f + ts__erf_f32(x * (float)K_INV_SQRT_2));
     case U_GELU_TANH: return 0.5f * x * (1.0f + tanhf((float)K_SQRT_2_PI * (x + 0.044715f * x * x * x)));
     case U_ADD_S: return x + p;
     case U_MUL_S: return x * p;
@@ -193,8 +195,9 @@ static inline __attribute__((always_inline)) void bin_loop_f32(bop op, const bge
     memcpy(str, g->str, sizeof str);
     int64_t n = g->shape[nd - 1], sa = str[1][nd - 1], sb = str[2][nd - 1];
     do {
-        float *oo = o + offs[0];
-        const float *aa = a + offs[1], *bb = b + offs[2];
+        /* outputs are fresh tensors: they never alias the inputs */
+        float *restrict oo = o + offs[0];
+        const float *restrict aa = a + offs[1], *restrict bb = b + offs[2];
         if (sa == 1 && sb == 1)
             for (int64_t i = 0; i < n; i++)
                 oo[i] = bin_f(op, aa[i], bb[i], p);
@@ -222,8 +225,8 @@ static inline __attribute__((always_inline)) void bin_loop_f64(bop op, const bge
     memcpy(str, g->str, sizeof str);
     int64_t n = g->shape[nd - 1], sa = str[1][nd - 1], sb = str[2][nd - 1];
     do {
-        double *oo = o + offs[0];
-        const double *aa = a + offs[1], *bb = b + offs[2];
+        double *restrict oo = o + offs[0];
+        const double *restrict aa = a + offs[1], *restrict bb = b + offs[2];
         for (int64_t i = 0; i < n; i++)
             oo[i] = bin_d(op, aa[i * sa], bb[i * sb], p);
     } while (next_outer(nd, g->shape, idx, 3, str, offs));
@@ -249,7 +252,7 @@ static void bin_loop_ref(bop op, const bgeom *g, ts_dtype od, void *o, ts_dtype 
     } while (next_outer(nd, g->shape, idx, 3, str, offs));
 }
 
-static void bin_dispatch_f32(bop op, const bgeom *g, float *o, const float *a, const float *b, float p)
+__attribute__((target_clones("avx2", "default"))) static void bin_dispatch_f32(bop op, const bgeom *g, float *o, const float *a, const float *b, float p)
 {
     switch (op) {
     case B_ADD: bin_loop_f32(B_ADD, g, o, a, b, p); break;
@@ -310,13 +313,14 @@ static ts_status binary_kernel(bop op, ts_tensor *a, ts_tensor *b, double p, ts_
     return TS_OK;
 }
 
-static inline __attribute__((always_inline)) void un_loop_f32(uop op, int64_t n, float *o, const float *a, float p)
+static inline __attribute__((always_inline)) void un_loop_f32(uop op, int64_t n, float *restrict o,
+                                                              const float *restrict a, float p)
 {
     for (int64_t i = 0; i < n; i++)
         o[i] = un_f(op, a[i], p);
 }
 
-static void un_dispatch_f32(uop op, int64_t n, float *o, const float *a, float p)
+__attribute__((target_clones("avx2", "default"))) static void un_dispatch_f32(uop op, int64_t n, float *o, const float *a, float p)
 {
     switch (op) {
     case U_NEG: un_loop_f32(U_NEG, n, o, a, p); break;

@@ -1,5 +1,6 @@
 /* Reductions (sum, mean, amax, max over a dim) and softmax / log_softmax. */
 #define _GNU_SOURCE
+#include "tensor/fastmath.h"
 #include "tensor/internal.h"
 
 #include <math.h>
@@ -98,6 +99,12 @@ static ts_status reduce_kernel(enum red kind, ts_tensor *a, const bool *mask, ts
                 for (int64_t i = 0; i < n; i++)
                     s += x[i * sa];
                 ac[0] += s;
+            } else if (f32 && kind == R_SUM && so == 1 && sa == 1) {
+                /* summing rows into a vector (bias gradients): vectorises */
+                const float *restrict x = (const float *)ap + offs[0];
+                double *restrict acr = ac;
+                for (int64_t i = 0; i < n; i++)
+                    acr[i] += x[i];
             } else if (f32 && kind == R_SUM) {
                 const float *x = (const float *)ap + offs[0];
                 for (int64_t i = 0; i < n; i++)
@@ -441,8 +448,11 @@ ts_status ts_max_dim(ts_tensor *a, int dim, bool keepdim, ts_tensor **values_out
 
 /* ----------------------------------------------------- softmax */
 
-/* Row kernel over the last dim of a contiguous (rows, n) buffer. */
-static void softmax_rows_f32(const float *x, float *y, int64_t rows, int64_t n, bool log_form)
+/* Row kernel over the last dim of a contiguous (rows, n) buffer. The
+ * exponentials go through ts__exp_f32 in a loop of their own (it
+ * vectorises); the sums are then taken in double. */
+__attribute__((target_clones("avx2", "default"))) static void softmax_rows_f32(const float *x, float *y, int64_t rows,
+                                                                               int64_t n, bool log_form)
 {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
@@ -452,10 +462,12 @@ static void softmax_rows_f32(const float *x, float *y, int64_t rows, int64_t n, 
             mx = xr[i] > mx ? xr[i] : mx;
         if (mx == -INFINITY)
             mx = 0;
+        for (int64_t i = 0; i < n; i++)
+            yr[i] = ts__exp_f32(xr[i] - mx);
         double s = 0;
+        for (int64_t i = 0; i < n; i++)
+            s += yr[i];
         if (log_form) {
-            for (int64_t i = 0; i < n; i++)
-                s += expf(xr[i] - mx);
             /* (x - max) - log(sum), in this order, as PyTorch does: folding
              * max + log(sum) first rounds at the magnitude of the logits and
              * loses the small differences (pytorch/pytorch#11752) */
@@ -463,10 +475,6 @@ static void softmax_rows_f32(const float *x, float *y, int64_t rows, int64_t n, 
             for (int64_t i = 0; i < n; i++)
                 yr[i] = (xr[i] - mx) - ls;
         } else {
-            for (int64_t i = 0; i < n; i++) {
-                yr[i] = expf(xr[i] - mx);
-                s += yr[i];
-            }
             float inv = (float)(1.0 / s);
             for (int64_t i = 0; i < n; i++)
                 yr[i] *= inv;
@@ -508,7 +516,7 @@ static void softmax_bw_rows(ts_dtype dt, const void *g, const void *y, void *gx,
                 for (int64_t i = 0; i < n; i++)
                     s += gr[i];
                 for (int64_t i = 0; i < n; i++)
-                    orow[i] = gr[i] - expf(yr[i]) * (float)s;
+                    orow[i] = gr[i] - ts__exp_f32(yr[i]) * (float)s;
             } else {
                 for (int64_t i = 0; i < n; i++)
                     s += gr[i] * yr[i];
@@ -648,4 +656,101 @@ ts_status ts_softmax(ts_tensor *a, int dim, ts_tensor **out) { return softmax_op
 ts_status ts_log_softmax(ts_tensor *a, int dim, ts_tensor **out)
 {
     return softmax_op("log_softmax", true, a, dim, out);
+}
+
+/* ----------------------------------------------------- attention softmax */
+
+/* saved[0] = y; dargs[0] = scale */
+static ts_status masked_softmax_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
+{
+    ts_tensor *y = n->saved[0], *gc, *gx;
+    ts_status st = ts_contiguous(g[0], &gc);
+    if (st)
+        return st;
+    int64_t s = y->shape[y->ndim - 1], rows = s ? ts_tensor_numel(y) / s : 0;
+    if (!(st = ts__tensor_new(y->dtype, y->ndim, y->shape, &gx))) {
+        softmax_bw_rows(y->dtype, ts_tensor_data(gc), ts_tensor_data(y), ts_tensor_data(gx), rows, s, false);
+        double scale = n->dargs[0];
+        if (scale != 1.0) {
+            void *p = ts_tensor_data(gx);
+            if (y->dtype == TS_F32)
+                for (int64_t i = 0; i < rows * s; i++)
+                    ((float *)p)[i] *= (float)scale;
+            else
+                for (int64_t i = 0; i < rows * s; i++)
+                    ((double *)p)[i] *= scale;
+        }
+        gin[0] = gx;
+    }
+    ts_tensor_free(gc);
+    return st;
+}
+
+ts_status ts_scaled_masked_softmax(ts_tensor *scores, ts_tensor *mask, double scale, ts_tensor **out)
+{
+    const char *op = "scaled_masked_softmax";
+    ts_status st;
+    if ((st = ts__check_inputs(op, 1, &scores)) || (mask && (st = ts__check_inputs(op, 1, &mask))) ||
+        (st = ts__check_float(op, scores)))
+        return st;
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", op);
+    char s1[96], s2[96];
+    if (scores->ndim < 2)
+        return ts_error(TS_ERR_SHAPE, "%s: scores must have at least 2 dims (..., T, S), got %s", op,
+                        ts__shape_str(scores->ndim, scores->shape, s1, sizeof s1));
+    int64_t T = scores->shape[scores->ndim - 2], S = scores->shape[scores->ndim - 1];
+    if (mask && (mask->dtype != TS_BOOL || mask->ndim != 2 || mask->shape[0] != T || mask->shape[1] != S))
+        return ts_error(TS_ERR_SHAPE, "%s: mask must be bool (%lld, %lld) to fit scores %s, got %s %s", op,
+                        (long long)T, (long long)S, ts__shape_str(scores->ndim, scores->shape, s1, sizeof s1),
+                        ts_dtype_name(mask->dtype), ts__shape_str(mask->ndim, mask->shape, s2, sizeof s2));
+    ts_tensor *sc = NULL, *mc = NULL, *o = NULL;
+    bool grad = ts_grad_mode_set(false);
+    st = ts_contiguous(scores, &sc);
+    if (!st && mask)
+        st = ts_contiguous(mask, &mc);
+    ts_grad_mode_set(grad);
+    if (st || (st = ts__tensor_new(scores->dtype, scores->ndim, scores->shape, &o)))
+        goto done;
+    int64_t rows = S ? ts_tensor_numel(sc) / S : 0;
+    const uint8_t *mp = mc ? ts_tensor_data(mc) : NULL;
+    /* masked, scaled scores into the output, then softmax in place */
+    if (sc->dtype == TS_F32 && !ts__use_reference_kernels) {
+        const float *x = ts_tensor_data(sc);
+        float *y = ts_tensor_data(o), fs = (float)scale;
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *mr = mp ? mp + (r % T) * S : NULL;
+            for (int64_t i = 0; i < S; i++)
+                y[r * S + i] = mr && mr[i] ? -INFINITY : fs * x[r * S + i];
+        }
+        softmax_rows_f32(y, y, rows, S, false);
+    } else {
+        const void *x = ts_tensor_data(sc);
+        void *y = ts_tensor_data(o);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < S; i++)
+                ts__store(o->dtype, y, r * S + i,
+                          mp && mp[(r % T) * S + i] ? -INFINITY : scale * ts__load(sc->dtype, x, r * S + i));
+        softmax_rows_ref(o->dtype, y, y, rows, S, false);
+    }
+    if (ts__needs_grad(1, &scores)) {
+        ts_node *n = ts__node_new(op, masked_softmax_backward, 1, &scores, 1);
+        if (!n) {
+            st = TS_ERR_NO_MEMORY;
+            goto done;
+        }
+        n->dargs[0] = scale;
+        if (!(st = ts__node_save(n, 0, o)))
+            ts__node_set_output(n, 0, o);
+        ts__node_free(n);
+        if (st)
+            goto done;
+    }
+    *out = o;
+    o = NULL;
+done:
+    ts_tensor_free(sc);
+    ts_tensor_free(mc);
+    ts_tensor_free(o);
+    return st;
 }

@@ -106,6 +106,13 @@ ts_status ts_cat(int n, ts_tensor *const *tensors, int dim, ts_tensor **out)
 
 /* ----------------------------------------------------- split / chunk */
 
+static ts_status split_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
+{
+    if (n->n_outputs == 1)
+        return ts_contiguous(g[0], &gin[0]);
+    return ts_cat(n->n_outputs, g, (int)n->iargs[0], &gin[0]);
+}
+
 ts_status ts_split(ts_tensor *a, int64_t split_size, int dim, int max_out, ts_tensor **outs, int *n_out)
 {
     ts_status st = ts__check_inputs("split", 1, &a);
@@ -126,13 +133,33 @@ ts_status ts_split(ts_tensor *a, int64_t split_size, int dim, int max_out, ts_te
         return ts_error(TS_ERR_INVALID_ARGUMENT, "split: dim %d of size %lld in pieces of %lld makes %lld tensors, but "
                                                  "outs has room for %d", d, (long long)size, (long long)split_size,
                         (long long)pieces, max_out);
+    /* views of the pieces, recorded as ONE node whose backward concatenates
+     * the pieces' gradients (zeros where none flowed), as PyTorch's
+     * SplitBackward: per-piece narrow nodes would each scatter into a full
+     * zero tensor */
     for (int64_t i = 0; i < pieces; i++) {
         int64_t start = i * split_size, len = size - start < split_size ? size - start : split_size;
-        if ((st = ts_narrow(a, d, start, len, &outs[i]))) {
+        int64_t sh[TS_MAX_DIMS];
+        memcpy(sh, a->shape, sizeof sh);
+        sh[d] = len;
+        if ((st = ts__tensor_alias(a, a->ndim, sh, a->strides, a->offset + (len ? start * a->strides[d] : 0),
+                                   &outs[i]))) {
             for (int64_t j = 0; j < i; j++)
                 ts_tensor_free(outs[j]);
             return st;
         }
+    }
+    if (ts__needs_grad(1, &a)) {
+        ts_node *n = ts__node_new("split", split_backward, 1, &a, (int)pieces);
+        if (!n) {
+            for (int64_t j = 0; j < pieces; j++)
+                ts_tensor_free(outs[j]);
+            return TS_ERR_NO_MEMORY;
+        }
+        n->iargs[0] = d;
+        for (int64_t i = 0; i < pieces; i++)
+            ts__node_set_output(n, (int)i, outs[i]);
+        ts__node_free(n);
     }
     *n_out = (int)pieces;
     return TS_OK;
@@ -225,18 +252,33 @@ ts_status ts_where(ts_tensor *cond, ts_tensor *a, ts_tensor *b, ts_tensor **out)
         const uint8_t *cp = ts_tensor_data(cond);
         const char *ap = ts_tensor_data(a), *bp = ts_tensor_data(b);
         char *op_ = ts_tensor_data(o);
-        size_t es = ts_dtype_size(a->dtype);
-        for (int64_t i = 0; i < n; i++) {
-            int64_t oc = 0, oa = 0, ob = 0;
-            for (int k = 0; k < nd; k++) {
-                oc += idx[k] * sc[k];
-                oa += idx[k] * sa[k];
-                ob += idx[k] * sb[k];
+        int64_t es = (int64_t)ts_dtype_size(a->dtype);
+        /* outer dims by odometer, the last dim as a strided inner loop */
+        int64_t inner = nd ? shape[nd - 1] : 1, ic = nd ? sc[nd - 1] : 0, ia = nd ? sa[nd - 1] : 0,
+                ib = nd ? sb[nd - 1] : 0;
+        int64_t oc = 0, oa = 0, ob = 0;
+        for (int64_t base = 0; base < n; base += inner) {
+            if (es == 4) {
+                const float *af = (const float *)ap + oa, *bf = (const float *)bp + ob;
+                float *of = (float *)op_ + base;
+                const uint8_t *c = cp + oc;
+                for (int64_t i = 0; i < inner; i++)
+                    of[i] = c[i * ic] ? af[i * ia] : bf[i * ib];
+            } else {
+                for (int64_t i = 0; i < inner; i++)
+                    memcpy(op_ + (base + i) * es, cp[oc + i * ic] ? ap + (oa + i * ia) * es : bp + (ob + i * ib) * es,
+                           (size_t)es);
             }
-            memcpy(op_ + (size_t)i * es, cp[oc] ? ap + oa * (int64_t)es : bp + ob * (int64_t)es, es);
-            for (int k = nd - 1; k >= 0; k--) {
-                if (++idx[k] < shape[k])
+            for (int k = nd - 2; k >= 0; k--) {
+                if (++idx[k] < shape[k]) {
+                    oc += sc[k];
+                    oa += sa[k];
+                    ob += sb[k];
                     break;
+                }
+                oc -= sc[k] * (shape[k] - 1);
+                oa -= sa[k] * (shape[k] - 1);
+                ob -= sb[k] * (shape[k] - 1);
                 idx[k] = 0;
             }
         }

@@ -249,6 +249,12 @@ TS_API ts_status ts_max_dim(ts_tensor *a, int dim, bool keepdim, ts_tensor **val
 
 TS_API ts_status ts_softmax(ts_tensor *a, int dim, ts_tensor **out);
 TS_API ts_status ts_log_softmax(ts_tensor *a, int dim, ts_tensor **out);
+/* Attention weights in one pass: softmax over the last dim of
+ * scale * scores, with -inf where the bool mask (T, S) is true (PyTorch's
+ * attn_mask rule; broadcast over the leading dims of scores (..., T, S)).
+ * A fully masked row gives NaN, as in PyTorch. Differentiable in scores.
+ * TS_ERR_SHAPE when the mask does not fit. */
+TS_API ts_status ts_scaled_masked_softmax(ts_tensor *scores, ts_tensor *mask, double scale, ts_tensor **out);
 
 /* torch.matmul: 1-d/2-d/batched with broadcast batch dims. Transposed
  * operands are passed to BLIS as strides, without copies. */

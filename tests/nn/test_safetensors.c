@@ -610,11 +610,28 @@ Test(nn_safetensors, shape_and_offset_mismatches_are_rejected)
                   "shape has 9 dims, more than the 8 supported");
     /* sizes whose product overflows: caught, not wrapped */
     EXPECT_FORMAT("{\"w\":{\"dtype\":\"F64\",\"shape\":[4611686018427387904,8],\"data_offsets\":[0,0]}}", d, 0,
-                  "more elements than fit in 64 bits");
-    EXPECT_FORMAT("{\"w\":{\"dtype\":\"F64\",\"shape\":[2305843009213693952],\"data_offsets\":[0,0]}}", d, 0,
-                  "needs 2305843009213693952 elements of 8 bytes");
+                  "more elements than a tensor may have");
+    EXPECT_FORMAT("{\"w\":{\"dtype\":\"F64\",\"shape\":[576460752303423487],\"data_offsets\":[0,0]}}", d, 0,
+                  "needs 576460752303423487 elements of 8 bytes");
     EXPECT_FORMAT("{\"w\":{\"dtype\":\"F32\",\"shape\":[0,4294967296,4294967296],\"data_offsets\":[0,0]}}", d, 0,
-                  "more elements than fit in 64 bits");
+                  "more elements than a tensor may have");
+    /* found by the fuzzer: more elements than ts_tensor_empty accepts
+     * (INT64_MAX / 16) must be a format error, not the tensor layer's
+     * TS_ERR_INVALID_ARGUMENT */
+    EXPECT_FORMAT("{\"a\":{\"dtype\":\"F64\",\"shape\":[92233720368,7387904,0],\"data_offsets\":[0,0]}}", d, 0,
+                  "key 'a'", "shape (92233720368, 7387904, 0) has more elements than a tensor may have");
+    EXPECT_FORMAT("{\"a\":{\"dtype\":\"BOOL\",\"shape\":[0,576460752303423488],\"data_offsets\":[0,0]}}", d, 0,
+                  "more elements than a tensor may have (576460752303423487");
+    /* the limit itself is fine: an empty tensor of that many "rows" */
+    size_t len;
+    unsigned char *b = mk_file("{\"a\":{\"dtype\":\"F64\",\"shape\":[576460752303423487,0],\"data_offsets\":[0,0]}}",
+                               NULL, 0, &len);
+    ts_state_dict *sd;
+    TH_OK(ts_safetensors_parse(b, len, &sd));
+    cr_assert_eq(ts_tensor_size(ts_state_dict_get(sd, "a"), 0), 576460752303423487LL);
+    cr_assert_eq(ts_tensor_numel(ts_state_dict_get(sd, "a")), 0);
+    ts_state_dict_free(sd);
+    free(b);
     EXPECT_FORMAT("{\"w\":{\"dtype\":\"F32\",\"shape\":[99999999999999999999],\"data_offsets\":[0,0]}}", d, 0,
                   "not valid JSON");
     /* offsets: outside the buffer, reversed, malformed */
