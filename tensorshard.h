@@ -7,5 +7,7 @@
 #include "tensor/tensor.h"
 #include "nn/nn.h"
 #include "optim/optim.h"
+#include "comm/store.h"
+#include "comm/launch.h"
 
 #endif

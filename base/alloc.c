@@ -91,6 +91,34 @@ void *ts__malloc(ts_mem_tag tag, size_t size)
     return p + TS__HDR;
 }
 
+void *ts__malloc_raw(ts_mem_tag tag, size_t size, size_t align)
+{
+    if ((unsigned)tag >= TS_MEM_TAG_COUNT)
+        tag = TS_MEM_OTHER;
+    if (align < 64 || (align & (align - 1)) || size > SIZE_MAX - align) {
+        ts_error(TS_ERR_NO_MEMORY, "allocation of %zu bytes aligned to %zu (%s) is not possible", size, align,
+                 ts_mem_tag_name(tag));
+        return NULL;
+    }
+    void *p = allocator.alloc(size, align, allocator.ctx);
+    if (!p) {
+        ts_error(TS_ERR_NO_MEMORY, "out of memory allocating %zu bytes (%s)", size, ts_mem_tag_name(tag));
+        return NULL;
+    }
+    count(tag, size, true);
+    return p;
+}
+
+void ts__free_raw(ts_mem_tag tag, void *ptr, size_t size)
+{
+    if (!ptr)
+        return;
+    if ((unsigned)tag >= TS_MEM_TAG_COUNT)
+        tag = TS_MEM_OTHER;
+    count(tag, size, false);
+    allocator.free(ptr, size, allocator.ctx);
+}
+
 void *ts__calloc(ts_mem_tag tag, size_t n, size_t size)
 {
     if (size && n > SIZE_MAX / size) {

@@ -145,6 +145,11 @@ TS_API void *ts__malloc(ts_mem_tag tag, size_t size);
 TS_API void *ts__calloc(ts_mem_tag tag, size_t n, size_t size);
 TS_API void ts__free(ts_mem_tag tag, void *ptr);
 TS_API char *ts__strdup(ts_mem_tag tag, const char *s);
+/* Header-less allocation through the allocator hook with a given alignment
+ * (a power of two >= 64), counted under `tag`; the caller remembers the
+ * size and passes it back to ts__free_raw. For pools of large blocks. */
+TS_API void *ts__malloc_raw(ts_mem_tag tag, size_t size, size_t align);
+TS_API void ts__free_raw(ts_mem_tag tag, void *ptr, size_t size);
 /* Adjusts a tag's live count for memory that is handed out from a cache
  * (the tensor pool counts blocks in use under TS_MEM_STORAGE). */
 TS_API void ts__mem_count(ts_mem_tag tag, size_t bytes, bool add);

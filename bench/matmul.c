@@ -5,16 +5,18 @@
  * x (M, K) @ W^T with W (N, K), its two backward products dX = dY @ W and
  * dW = dY^T @ X (M = 8192, K = 768, N = 3072), and square 512, 1024, 2048.
  *
- * Each figure is the median of several timed repetitions after a warm-up;
- * the library and raw BLIS repetitions alternate so that drift in clock
- * speed or load hits both alike. The peak kernel is the widest FMA the CPU
- * has (AVX-512, else AVX2+FMA, else SSE multiply and add) with 16 (12 for
- * ymm) independent accumulators, run on every thread at once.
+ * Each figure is the median of several timed repetitions after a warm-up.
+ * The library's and raw BLIS's repetitions alternate (and which of the two
+ * goes first alternates too), so that drift in clock speed or in other
+ * load on the machine hits both alike; the peak is measured right before
+ * and right after each shape (the median of six runs of about 50 ms). The
+ * peak kernel is the widest FMA the CPU has (AVX-512, else AVX2+FMA, else
+ * SSE multiply and add) with 16 (12 for ymm) independent accumulators, run
+ * on every thread at once.
  *
  * Usage: bench_matmul [--quick] [--reps N] [--threads LIST] [--best]
  *   --quick         fewer repetitions (about 2x shorter)
- *   --reps N        timed repetitions per shape and operand (default 7,
- *                   5 for the Linear shapes)
+ *   --reps N        timed repetitions per shape (default 7, 3 with --quick)
  *   --threads LIST  comma-separated thread counts (default 1,2)
  *   --best          report the fastest repetition instead of the median
  *                   (what the hardware can do when other load comes and
@@ -223,21 +225,14 @@ static double peak_once(peak_kind k, long iters, int threads)
     return k.flops_per_iter * (double)iters * threads / worst * 1e-9;
 }
 
-static double measure_peak(peak_kind k, int threads, int reps, double seconds_each)
+/* Iterations of the peak kernel that take about `seconds` on one thread. */
+static long peak_calibrate(peak_kind k, double seconds)
 {
-    /* calibrate the iteration count to about seconds_each; the peak is
-     * a rate, so the median of rates (largest with --best) */
     long iters = 1 << 20;
     double g = peak_once(k, iters, 1);
-    iters = (long)(seconds_each * g * 1e9 / k.flops_per_iter);
-    if (iters < 1000)
-        iters = 1000;
-    double v[32];
-    if (reps > 32)
-        reps = 32;
-    for (int r = 0; r < reps; r++)
-        v[r] = 1.0 / peak_once(k, iters, threads);
-    return 1.0 / median(v, reps);
+    g = fmax(g, peak_once(k, iters, 1));
+    iters = (long)(seconds * g * 1e9 / k.flops_per_iter);
+    return iters < 1000 ? 1000 : iters;
 }
 
 /* ------------------------------------------------------------- shapes */
@@ -459,13 +454,19 @@ int main(int argc, char **argv)
     for (int ti = 0; ti < n_threads; ti++) {
         int nt = threads[ti];
         ts_set_num_threads(nt);
-        double peak = measure_peak(pk, nt, quick ? 3 : 5, quick ? 0.05 : 0.1);
+        long peak_iters = peak_calibrate(pk, 0.05);
         for (int s = 0; s < N_SHAPES; s++) {
             const shape *sh = &shapes[s];
             int si = sh->op == OP_SQUARE ? (sh->M == 512 ? 0 : sh->M == 1024 ? 1 : 2) : 0;
             problem p = setup(sh, X, W, dY, sq[0][si], sq[1][si]);
-            int r = reps ? reps : sh->large ? (quick ? 3 : 5) : (quick ? 3 : 7);
-            int warm = sh->large ? 1 : 3;
+            int r = reps ? reps : quick ? 3 : 7;
+            int warm = sh->large ? 2 : 5;
+            /* the peak just before and just after the products (as
+             * times, so that median() fits); not between them: the first
+             * product after 50 ms of the peak kernel runs measurably slower */
+            double tp[6];
+            for (int i = 0; i < 3; i++)
+                tp[i] = 1.0 / peak_once(pk, peak_iters, nt);
             /* warm-up: BLIS's packing buffers, and the library's output
              * block, which goes back to the caching pool after each run
              * and is reused by the next (no fresh pages in timed runs) */
@@ -476,11 +477,19 @@ int main(int argc, char **argv)
             ts_tensor *lib_out = NULL;
             double tl[101], tb[101];
             for (int i = 0; i < r; i++) {
+                /* which goes first alternates: the first of a pair ran
+                 * a few per cent slower on the small squares here */
+                if (i % 2)
+                    tb[i] = run_blis(&p);
                 tl[i] = run_lib(&p, i == r - 1 ? &lib_out : NULL);
-                tb[i] = run_blis(&p);
+                if (i % 2 == 0)
+                    tb[i] = run_blis(&p);
             }
+            for (int i = 3; i < 6; i++)
+                tp[i] = 1.0 / peak_once(pk, peak_iters, nt);
             double flops = 2.0 * (double)p.m * (double)p.n * (double)p.k;
             double gl = flops / median(tl, r) * 1e-9, gb = flops / median(tb, r) * 1e-9;
+            double peak = 1.0 / median(tp, 6);
             double d = rel_diff(lib_out, p.c_blis, p.m, p.n);
             /* the same BLIS call on the same data: equal up to how BLIS
              * splits the work (f32 rounding of a length-k sum) */

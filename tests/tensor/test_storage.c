@@ -123,3 +123,19 @@ Test(tensor_storage, copy_into_grad_requiring_leaf_is_refused_in_grad_mode)
     ts_tensor_free(w);
     ts_tensor_free(src);
 }
+
+Test(tensor_storage, large_blocks_are_huge_page_aligned_and_returned)
+{
+    th_mem_mark();
+    ts_pool_empty_cache();
+    size_t pool0 = ts_mem_live_bytes(TS_MEM_POOL);
+    int64_t s[1] = {1 << 20}; /* 4 MiB of float */
+    ts_tensor *t;
+    TH_OK(ts_tensor_empty(TS_F32, 1, s, &t));
+    cr_assert_eq((uintptr_t)ts_tensor_data(t) % (2u << 20), 0, "blocks >= 2 MiB start on a huge page");
+    cr_assert_geq(ts_mem_live_bytes(TS_MEM_POOL), pool0 + ((size_t)4 << 20));
+    ts_tensor_free(t);
+    ts_pool_empty_cache();
+    cr_assert_eq(ts_mem_live_bytes(TS_MEM_POOL), pool0, "emptying the cache gives every byte back");
+    th_mem_assert_back();
+}

@@ -1,0 +1,2 @@
+/* being written */
+typedef int ts__unit_store;
