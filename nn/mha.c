@@ -1,9 +1,10 @@
 /* torch.nn.MultiheadAttention(E, H, dropout, bias, batch_first=True),
  * computed as PyTorch 1.13's F.multi_head_attention_forward does: one
  * packed input projection (three when query, key and value differ),
- * q k^T, softmax of the scores / sqrt(head_dim) with -inf where the bool
- * mask is set (ts_scaled_masked_softmax),
- * dropout on the weights in training, weights v, out_proj. */
+ * then per head softmax(q k^T / sqrt(head_dim)) with -inf where the bool
+ * mask is set, dropout on the weights in training, weights v
+ * (ts_attention, which reads the heads straight from the projections),
+ * then out_proj. */
 #define _GNU_SOURCE
 #include "nn/internal.h"
 
@@ -14,20 +15,6 @@
         for (size_t i_ = 0; i_ < sizeof(arr) / sizeof(arr)[0]; i_++) \
             ts_tensor_free((arr)[i_]);                   \
     } while (0)
-
-/* (B, T, E) -> (B, H, T, hd), a view. */
-static ts_status split_heads(ts_tensor *x, int64_t H, ts_tensor **out)
-{
-    const int64_t *s = ts_tensor_shape(x);
-    int64_t shape[4] = {s[0], s[1], H, s[2] / H};
-    ts_tensor *v;
-    ts_status st = ts_reshape(x, 4, shape, &v);
-    if (st)
-        return st;
-    st = ts_transpose(v, 1, 2, out);
-    ts_tensor_free(v);
-    return st;
-}
 
 /* rows [k*E, (k+1)*E) of the packed projection weight and bias */
 static ts_status proj(ts_nn_mha *a, int k, ts_tensor *x, ts_tensor **out)
@@ -47,7 +34,7 @@ static ts_status proj(ts_nn_mha *a, int k, ts_tensor *x, ts_tensor **out)
 static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
     ts_nn_mha *a = (ts_nn_mha *)m;
-    int64_t E = a->embed_dim, H = a->num_heads, hd = E / H;
+    int64_t E = a->embed_dim, H = a->num_heads;
     ts_status st = ts__module_check_inputs(m, n_in, 3, 4);
     if (st)
         return st;
@@ -74,7 +61,7 @@ static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *
                         ts_tensor_shape_str(mask, s1, sizeof s1));
     }
     ts_tensor *t[16] = {0}; /* every intermediate, freed at the end */
-    ts_tensor *k, *v;
+    ts_tensor *v;
     if (q_in == k_in && k_in == v_in) {
         /* self-attention: one packed projection, then a chunk in three */
         ts_tensor *parts[3];
@@ -88,27 +75,10 @@ static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *
     } else if ((st = proj(a, 0, q_in, &t[1])) || (st = proj(a, 1, k_in, &t[2])) || (st = proj(a, 2, v_in, &t[3]))) {
         goto done;
     }
-    if ((st = split_heads(t[1], H, &t[4])) || (st = split_heads(t[2], H, &t[5])) || (st = split_heads(t[3], H, &t[6])))
+    /* the attention core reads q, k, v straight from the projections */
+    if ((st = ts_attention(t[1], t[2], t[3], H, mask, a->dropout, m->training, NULL, &t[4])))
         goto done;
-    /* scores (B, H, T, S) = q k^T; then softmax(scores / sqrt(hd)) with the
-     * mask's -inf, in one pass (PyTorch scales q first: the same up to
-     * rounding) */
-    if ((st = ts_transpose(t[5], -2, -1, &t[8])) || (st = ts_matmul(t[4], t[8], &t[9])) ||
-        (st = ts_scaled_masked_softmax(t[9], mask, 1.0 / sqrt((double)hd), &t[11])))
-        goto done;
-    k = t[11];
-    if (m->training && a->dropout > 0) {
-        if ((st = ts_dropout(k, a->dropout, true, NULL, &t[12])))
-            goto done;
-        k = t[12];
-    }
-    /* weights @ v -> (B, H, T, hd) -> (B, T, H, hd) -> (B, T, E) */
-    if ((st = ts_matmul(k, t[6], &t[13])) || (st = ts_transpose(t[13], 1, 2, &t[14])))
-        goto done;
-    int64_t shape[3] = {ts_tensor_size(q_in, 0), T, E};
-    if ((st = ts_reshape(t[14], 3, shape, &t[15])))
-        goto done;
-    v = t[15];
+    v = t[4];
     st = ts_module_call1(a->out_proj, v, &out[0]);
     if (!st)
         *n_out = 1;

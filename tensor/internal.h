@@ -182,6 +182,14 @@ void ts__gemm_ref_f64(int64_t m, int64_t n, int64_t k, double alpha, const doubl
  * BLIS_ARCH_TYPE is set) and applies the thread count. Idempotent and
  * thread-safe; every BLIS call in the library goes through it first. */
 void ts__blis_ensure_init(void);
+/* Softmax over rows of a contiguous (rows, n) buffer (in place allowed),
+ * and its backward gx = y * (g - sum(g * y)). */
+void ts__softmax_rows(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n);
+void ts__softmax_bw_rows(ts_dtype dt, const void *g, const void *y, void *gx, int64_t rows, int64_t n);
+/* The ops' matrix product: C = A B + beta C (f32 or f64, strides in
+ * elements), reported to ts__gemm_observer and traced as "matmul". */
+void ts__gemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
+              int64_t rsb, int64_t csb, double beta, void *c, int64_t rsc, int64_t csc);
 /* Benchmark hook: when set, every matrix product the ops make is reported
  * (dtype, sizes, operand strides, beta) before it runs. */
 typedef void (*ts_gemm_observer_fn)(ts_dtype dt, int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t csa, int64_t rsb,

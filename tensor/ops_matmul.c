@@ -9,8 +9,8 @@
 
 ts_gemm_observer_fn ts__gemm_observer;
 
-static void gemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
-                 int64_t rsb, int64_t csb, double beta, void *c, int64_t rsc, int64_t csc)
+void ts__gemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
+              int64_t rsb, int64_t csb, double beta, void *c, int64_t rsc, int64_t csc)
 {
     if (ts__gemm_observer)
         ts__gemm_observer(dt, m, n, k, rsa, csa, rsb, csb, beta);
@@ -82,7 +82,7 @@ static ts_status mm_kernel(const char *op, ts_tensor *a, ts_tensor *b, ts_tensor
         /* nothing to compute */
     } else if (nb == 2 && rows_fold(a, &rs_fold)) {
         /* (batch..., m, k) @ (k, n): one product with batch*m rows */
-        gemm(a->dtype, batches * m, n, k, ap, rs_fold, csa, bp, rsb, csb, 0.0, op_, n, 1);
+        ts__gemm(a->dtype, batches * m, n, k, ap, rs_fold, csa, bp, rsb, csb, 0.0, op_, n, 1);
     } else {
         int64_t sa[TS_MAX_DIMS], sb[TS_MAX_DIMS];
         ts_tensor va = *a, vb = *b;
@@ -97,7 +97,7 @@ static ts_status mm_kernel(const char *op, ts_tensor *a, ts_tensor *b, ts_tensor
                 oa += idx[d] * sa[d];
                 ob += idx[d] * sb[d];
             }
-            gemm(a->dtype, m, n, k, ap + oa * (int64_t)es, rsa, csa, bp + ob * (int64_t)es, rsb, csb, 0.0,
+            ts__gemm(a->dtype, m, n, k, ap + oa * (int64_t)es, rsa, csa, bp + ob * (int64_t)es, rsb, csb, 0.0,
                  op_ + bi * m * n * (int64_t)es, n, 1);
             for (int d = nbatch - 1; d >= 0; d--) {
                 if (++idx[d] < bshape[d])
@@ -288,7 +288,7 @@ static ts_status linear_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         ts_tensor *gx;
         int64_t sh[2] = {M, K};
         if (!(st = ts__tensor_new(x->dtype, 2, sh, &gx))) {
-            gemm(x->dtype, M, K, N, ts_tensor_data(gf), gf->strides[0], gf->strides[1], ts_tensor_data(w),
+            ts__gemm(x->dtype, M, K, N, ts_tensor_data(gf), gf->strides[0], gf->strides[1], ts_tensor_data(w),
                  w->strides[0], w->strides[1], 0.0, ts_tensor_data(gx), K, 1);
             int64_t str[TS_MAX_DIMS];
             ts__contiguous_strides(x->ndim, x->shape, str);
@@ -301,7 +301,7 @@ static ts_status linear_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         ts_tensor *gw;
         int64_t sh[2] = {N, K};
         if (!(st = ts__tensor_new(x->dtype, 2, sh, &gw))) {
-            gemm(x->dtype, N, K, M, ts_tensor_data(gf), gf->strides[1], gf->strides[0], ts_tensor_data(xf),
+            ts__gemm(x->dtype, N, K, M, ts_tensor_data(gf), gf->strides[1], gf->strides[0], ts_tensor_data(xf),
                  xf->strides[0], xf->strides[1], 0.0, ts_tensor_data(gw), K, 1);
             gin[1] = gw;
         }
@@ -360,7 +360,7 @@ ts_status ts_linear(ts_tensor *x, ts_tensor *w, ts_tensor *b, ts_tensor **out)
         beta = 1.0;
     }
     if (M * N > 0)
-        gemm(x->dtype, M, N, K, ts_tensor_data(xf), xf->strides[0], xf->strides[1], ts_tensor_data(w), w->strides[1],
+        ts__gemm(x->dtype, M, N, K, ts_tensor_data(xf), xf->strides[0], xf->strides[1], ts_tensor_data(w), w->strides[1],
              w->strides[0], beta, op_, N, 1);
     ts_tensor_free(xf);
     if (ts__needs_grad(nin, in)) {

@@ -754,3 +754,16 @@ done:
     ts_tensor_free(o);
     return st;
 }
+
+void ts__softmax_rows(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n)
+{
+    if (dt == TS_F32 && !ts__use_reference_kernels)
+        softmax_rows_f32(x, y, rows, n, false);
+    else
+        softmax_rows_ref(dt, x, y, rows, n, false);
+}
+
+void ts__softmax_bw_rows(ts_dtype dt, const void *g, const void *y, void *gx, int64_t rows, int64_t n)
+{
+    softmax_bw_rows(dt, g, y, gx, rows, n, false);
+}

@@ -74,6 +74,8 @@ typedef enum ts_device { TS_DEVICE_CPU = 0 } ts_device;
 
 typedef struct ts_storage ts_storage;
 typedef struct ts_tensor ts_tensor;
+/* A random generator (see "random numbers" below). */
+typedef struct ts_generator ts_generator;
 
 /* Bytes the storage holds when filled (also while released). */
 TS_API size_t ts_storage_nbytes(const ts_storage *s);
@@ -256,6 +258,16 @@ TS_API ts_status ts_log_softmax(ts_tensor *a, int dim, ts_tensor **out);
  * TS_ERR_SHAPE when the mask does not fit. */
 TS_API ts_status ts_scaled_masked_softmax(ts_tensor *scores, ts_tensor *mask, double scale, ts_tensor **out);
 
+/* Multi-head attention core (PyTorch's scaled dot-product attention as
+ * MultiheadAttention computes it): q (B, T, E), k and v (B, S, E), any
+ * strides with a unit last stride (views of a packed projection work
+ * without copies); per head h of num_heads, softmax(q_h k_h^T / sqrt(E/H)
+ * with -inf where the bool mask (T, S) is true), dropout on the weights
+ * when training (PyTorch's RNG stream over (B*H, T, S)), times v_h; out
+ * (B, T, E) with the heads side by side. Differentiable in q, k and v. */
+TS_API ts_status ts_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t num_heads, ts_tensor *mask,
+                              double dropout_p, bool training, ts_generator *gen, ts_tensor **out);
+
 /* torch.matmul: 1-d/2-d/batched with broadcast batch dims. Transposed
  * operands are passed to BLIS as strides, without copies. */
 TS_API ts_status ts_matmul(ts_tensor *a, ts_tensor *b, ts_tensor **out);
@@ -281,7 +293,6 @@ TS_API ts_status ts_mse_loss(ts_tensor *input, ts_tensor *target, ts_reduction r
 /* Inverted dropout with PyTorch's CPU random stream (bernoulli(1-p) mask
  * scaled by 1/(1-p)). Identity (a new reference) when !training or p == 0.
  * p in [0, 1]. Uses the default generator when `gen` is NULL. */
-typedef struct ts_generator ts_generator;
 TS_API ts_status ts_dropout(ts_tensor *a, double p, bool training, ts_generator *gen, ts_tensor **out);
 
 /* Concatenates n tensors along `dim` (same shape elsewhere). */

@@ -1,0 +1,231 @@
+/* Multi-head attention core in one op: per batch and head, scores =
+ * q k^T (straight from the strided projections, no head split copies),
+ * scale, mask and softmax in place, dropout, then weights @ v written
+ * straight into the (B, T, E) output at the head's columns. The backward
+ * writes dq, dk, dv the same way. This replaces a chain of views, copies
+ * and elementwise passes whose memory traffic was a third of the
+ * non-matmul time of a transformer step. */
+#define _GNU_SOURCE
+#include "tensor/internal.h"
+
+#include <math.h>
+#include <string.h>
+
+/* Node layout: saved[0..2] = q, k, v; saved[3] = probabilities P
+ * (B, H, T, S) before dropout; saved[4] = the dropout scale mask D (0 or
+ * 1/(1-p)) or NULL. iargs[0] = H; dargs[0] = scale. */
+
+static ts_status attention_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
+{
+    ts_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *P = n->saved[3], *D = n->saved[4];
+    int64_t H = n->iargs[0], B = q->shape[0], T = q->shape[1], S = k->shape[1], E = q->shape[2], hd = E / H;
+    double scale = n->dargs[0];
+    ts_dtype dt = q->dtype;
+    int64_t es = (int64_t)ts_dtype_size(dt);
+    ts_tensor *go = NULL, *dq = NULL, *dk = NULL, *dv = NULL, *dp = NULL, *pd = NULL;
+    ts_status st = ts_contiguous(g[0], &go);
+    int64_t qs[3] = {B, T, E}, ks[3] = {B, S, E}, ps[2] = {T, S};
+    if (!st)
+        st = ts__tensor_new(dt, 3, qs, &dq);
+    if (!st)
+        st = ts__tensor_new(dt, 3, ks, &dk);
+    if (!st)
+        st = ts__tensor_new(dt, 3, ks, &dv);
+    if (!st)
+        st = ts__tensor_new(dt, 2, ps, &dp);
+    if (!st && D)
+        st = ts__tensor_new(dt, 2, ps, &pd);
+    if (st)
+        goto done;
+    const char *qp = ts_tensor_data(q), *kp = ts_tensor_data(k), *vp = ts_tensor_data(v), *gp = ts_tensor_data(go);
+    const char *Pp = ts_tensor_data(P), *Dp = D ? ts_tensor_data(D) : NULL;
+    char *dqp = ts_tensor_data(dq), *dkp = ts_tensor_data(dk), *dvp = ts_tensor_data(dv), *dpp = ts_tensor_data(dp);
+    char *pdp = pd ? ts_tensor_data(pd) : NULL;
+    int64_t TS_ = T * S;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const char *qbh = qp + (b * q->strides[0] + h * hd * q->strides[2]) * es;
+            const char *kbh = kp + (b * k->strides[0] + h * hd * k->strides[2]) * es;
+            const char *vbh = vp + (b * v->strides[0] + h * hd * v->strides[2]) * es;
+            const char *gbh = gp + (b * T * E + h * hd) * es;
+            const char *Pbh = Pp + ((b * H + h) * TS_) * es;
+            const char *Dbh = Dp ? Dp + ((b * H + h) * TS_) * es : NULL;
+            /* the weights that multiplied v: P, or P * D under dropout */
+            const char *W = Pbh;
+            if (Dbh) {
+                if (dt == TS_F32)
+                    for (int64_t i = 0; i < TS_; i++)
+                        ((float *)pdp)[i] = ((const float *)Pbh)[i] * ((const float *)Dbh)[i];
+                else
+                    for (int64_t i = 0; i < TS_; i++)
+                        ((double *)pdp)[i] = ((const double *)Pbh)[i] * ((const double *)Dbh)[i];
+                W = pdp;
+            }
+            /* dv (S, hd) = W^T (S, T) @ dO (T, hd) */
+            ts__gemm(dt, S, hd, T, W, 1, S, gbh, E, 1, 0.0, dvp + (b * S * E + h * hd) * es, E, 1);
+            /* dW (T, S) = dO (T, hd) @ v^T (hd, S) */
+            ts__gemm(dt, T, S, hd, gbh, E, 1, vbh, v->strides[2], v->strides[1], 0.0, dpp, S, 1);
+            if (Dbh) {
+                if (dt == TS_F32)
+                    for (int64_t i = 0; i < TS_; i++)
+                        ((float *)dpp)[i] *= ((const float *)Dbh)[i];
+                else
+                    for (int64_t i = 0; i < TS_; i++)
+                        ((double *)dpp)[i] *= ((const double *)Dbh)[i];
+            }
+            /* dScores = scale * softmax_backward(P, dP), in place */
+            ts__softmax_bw_rows(dt, dpp, Pbh, dpp, T, S);
+            if (dt == TS_F32)
+                for (int64_t i = 0; i < TS_; i++)
+                    ((float *)dpp)[i] *= (float)scale;
+            else
+                for (int64_t i = 0; i < TS_; i++)
+                    ((double *)dpp)[i] *= scale;
+            /* dq (T, hd) = dS (T, S) @ k (S, hd); dk (S, hd) = dS^T (S, T) @ q (T, hd) */
+            ts__gemm(dt, T, hd, S, dpp, S, 1, kbh, k->strides[1], k->strides[2], 0.0, dqp + (b * T * E + h * hd) * es,
+                     E, 1);
+            ts__gemm(dt, S, hd, T, dpp, 1, S, qbh, q->strides[1], q->strides[2], 0.0, dkp + (b * S * E + h * hd) * es,
+                     E, 1);
+        }
+    gin[0] = dq;
+    gin[1] = dk;
+    gin[2] = dv;
+    dq = dk = dv = NULL;
+done:
+    ts_tensor_free(go);
+    ts_tensor_free(dq);
+    ts_tensor_free(dk);
+    ts_tensor_free(dv);
+    ts_tensor_free(dp);
+    ts_tensor_free(pd);
+    return st;
+}
+
+ts_status ts_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t num_heads, ts_tensor *mask, double dropout_p,
+                       bool training, ts_generator *gen, ts_tensor **out)
+{
+    const char *op = "attention";
+    ts_tensor *in[3] = {q, k, v};
+    ts_status st;
+    if ((st = ts__check_inputs(op, 3, in)) || (mask && (st = ts__check_inputs(op, 1, &mask))) ||
+        (st = ts__check_float(op, q)) || (st = ts__check_same_dtype(op, q, k)) || (st = ts__check_same_dtype(op, q, v)))
+        return st;
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", op);
+    char s1[96], s2[96], s3[96];
+    if (q->ndim != 3 || k->ndim != 3 || v->ndim != 3 || k->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] ||
+        k->shape[2] != q->shape[2] || v->shape[2] != q->shape[2] || v->shape[1] != k->shape[1])
+        return ts_error(TS_ERR_SHAPE, "%s: q %s, k %s and v %s must be (B, T, E), (B, S, E), (B, S, E)", op,
+                        ts__shape_str(q->ndim, q->shape, s1, sizeof s1), ts__shape_str(k->ndim, k->shape, s2, sizeof s2),
+                        ts__shape_str(v->ndim, v->shape, s3, sizeof s3));
+    int64_t B = q->shape[0], T = q->shape[1], S = k->shape[1], E = q->shape[2];
+    if (num_heads <= 0 || E % num_heads)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: embed dim %lld is not a multiple of %lld heads", op, (long long)E,
+                        (long long)num_heads);
+    if (mask && (mask->dtype != TS_BOOL || mask->ndim != 2 || mask->shape[0] != T || mask->shape[1] != S))
+        return ts_error(TS_ERR_SHAPE, "%s: mask must be bool (%lld, %lld), got %s %s", op, (long long)T, (long long)S,
+                        ts_dtype_name(mask->dtype), ts__shape_str(mask->ndim, mask->shape, s1, sizeof s1));
+    if (!(dropout_p >= 0 && dropout_p < 1))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: dropout probability %g must be in [0, 1)", op, dropout_p);
+    for (int i = 0; i < 3; i++)
+        if (in[i]->strides[2] != 1)
+            return ts_error(TS_ERR_NOT_VIEWABLE, "%s: %s must have unit stride in its last dim (got %lld); make it "
+                                                 "contiguous", op, i == 0 ? "q" : i == 1 ? "k" : "v",
+                            (long long)in[i]->strides[2]);
+    int64_t H = num_heads, hd = E / H, TS_ = T * S;
+    double scale = 1.0 / sqrt((double)hd);
+    ts_dtype dt = q->dtype;
+    int64_t es = (int64_t)ts_dtype_size(dt);
+    int64_t os[3] = {B, T, E}, pshape[4] = {B, H, T, S};
+    ts_tensor *o = NULL, *P = NULL, *D = NULL, *W = NULL, *mc = NULL;
+    if ((st = ts__tensor_new(dt, 3, os, &o)) || (st = ts__tensor_new(dt, 4, pshape, &P)))
+        goto fail;
+    bool drop = training && dropout_p > 0;
+    if (drop) {
+        /* PyTorch: F.dropout over the (B*H, T, S) weights: bernoulli(1-p)
+         * in row-major order, scaled by 1/(1-p) */
+        if ((st = ts__tensor_new(dt, 4, pshape, &D)) || (st = ts_bernoulli_(D, 1.0 - dropout_p, gen)))
+            goto fail;
+        ts_tensor *scaled;
+        bool prev = ts_grad_mode_set(false);
+        st = ts_div_scalar(D, 1.0 - dropout_p, &scaled);
+        ts_grad_mode_set(prev);
+        if (st)
+            goto fail;
+        ts_tensor_free(D);
+        D = scaled;
+        int64_t ps[2] = {T, S};
+        if ((st = ts__tensor_new(dt, 2, ps, &W)))
+            goto fail;
+    }
+    if (mask && (st = ts_contiguous(mask, &mc)))
+        goto fail;
+    const char *qp = ts_tensor_data(q), *kp = ts_tensor_data(k), *vp = ts_tensor_data(v);
+    const uint8_t *mp = mc ? ts_tensor_data(mc) : NULL;
+    char *Pp = ts_tensor_data(P), *op_ = ts_tensor_data(o), *Dp = D ? ts_tensor_data(D) : NULL,
+         *Wp = W ? ts_tensor_data(W) : NULL;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const char *qbh = qp + (b * q->strides[0] + h * hd) * es;
+            const char *kbh = kp + (b * k->strides[0] + h * hd) * es;
+            const char *vbh = vp + (b * v->strides[0] + h * hd) * es;
+            char *Pbh = Pp + ((b * H + h) * TS_) * es;
+            /* scores (T, S) = q (T, hd) @ k^T (hd, S) */
+            ts__gemm(dt, T, S, hd, qbh, q->strides[1], 1, kbh, 1, k->strides[1], 0.0, Pbh, S, 1);
+            if (dt == TS_F32) {
+                float *p = (float *)Pbh, fs = (float)scale;
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t s = 0; s < S; s++)
+                        p[t * S + s] = mp && mp[t * S + s] ? -INFINITY : fs * p[t * S + s];
+            } else {
+                double *p = (double *)Pbh;
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t s = 0; s < S; s++)
+                        p[t * S + s] = mp && mp[t * S + s] ? -INFINITY : scale * p[t * S + s];
+            }
+            ts__softmax_rows(dt, Pbh, Pbh, T, S);
+            const char *weights = Pbh;
+            if (Dp) {
+                const char *Dbh = Dp + ((b * H + h) * TS_) * es;
+                if (dt == TS_F32)
+                    for (int64_t i = 0; i < TS_; i++)
+                        ((float *)Wp)[i] = ((const float *)Pbh)[i] * ((const float *)Dbh)[i];
+                else
+                    for (int64_t i = 0; i < TS_; i++)
+                        ((double *)Wp)[i] = ((const double *)Pbh)[i] * ((const double *)Dbh)[i];
+                weights = Wp;
+            }
+            /* out[b, :, h*hd:(h+1)*hd] (T, hd) = weights (T, S) @ v (S, hd) */
+            ts__gemm(dt, T, hd, S, weights, S, 1, vbh, v->strides[1], 1, 0.0, op_ + (b * T * E + h * hd) * es, E, 1);
+        }
+    ts_tensor_free(W);
+    W = NULL;
+    ts_tensor_free(mc);
+    mc = NULL;
+    if (ts__needs_grad(3, in)) {
+        ts_node *n = ts__node_new(op, attention_backward, 3, in, 1);
+        if (!n) {
+            st = TS_ERR_NO_MEMORY;
+            goto fail;
+        }
+        n->iargs[0] = H;
+        n->dargs[0] = scale;
+        if (!(st = ts__node_save(n, 0, q)) && !(st = ts__node_save(n, 1, k)) && !(st = ts__node_save(n, 2, v)) &&
+            !(st = ts__node_save(n, 3, P)) && !(st = ts__node_save(n, 4, D)))
+            ts__node_set_output(n, 0, o);
+        ts__node_free(n);
+        if (st)
+            goto fail;
+    }
+    ts_tensor_free(P);
+    ts_tensor_free(D);
+    *out = o;
+    return TS_OK;
+fail:
+    ts_tensor_free(o);
+    ts_tensor_free(P);
+    ts_tensor_free(D);
+    ts_tensor_free(W);
+    ts_tensor_free(mc);
+    return st;
+}
