@@ -268,6 +268,8 @@ static ts_module *build(const fixture *f)
         ts_encoder_layer_config cfg = ts_encoder_layer_config_default(fx_int(c, "d_model"), fx_int(c, "nhead"));
         cfg.dim_feedforward = fx_int(c, "dim_feedforward");
         cfg.dropout = 0.0;
+        cfg.norm_first = json_is_true(json_object_get(c, "norm_first"));
+        cfg.gelu = json_is_true(json_object_get(c, "gelu"));
         TH_OK(ts_transformer_encoder_new(&cfg, (int)fx_int(c, "num_layers"), &m));
     } else if (!strcmp(kind, "gpt")) {
         ts_gpt_config cfg = ts_gpt_config_default();
@@ -518,6 +520,10 @@ Test(nn_parity, encoder_params_bit_exact) { test_params_bit_exact("encoder"); }
 Test(nn_parity, encoder_forward_backward) { test_forward_backward("encoder"); }
 Test(nn_parity, encoder_adamw_trajectory) { test_trajectory("encoder", OPT_ADAMW); }
 Test(nn_parity, encoder_sgd_trajectory) { test_trajectory("encoder", OPT_SGD); }
+Test(nn_parity, encoder_prenorm_gelu_params_bit_exact) { test_params_bit_exact("encoder_prenorm_gelu"); }
+Test(nn_parity, encoder_prenorm_gelu_forward_backward) { test_forward_backward("encoder_prenorm_gelu"); }
+Test(nn_parity, encoder_prenorm_gelu_adamw_trajectory) { test_trajectory("encoder_prenorm_gelu", OPT_ADAMW); }
+Test(nn_parity, encoder_prenorm_gelu_sgd_trajectory) { test_trajectory("encoder_prenorm_gelu", OPT_SGD); }
 
 Test(nn_parity, gpt_params_bit_exact) { test_params_bit_exact("gpt"); }
 Test(nn_parity, gpt_forward_backward) { test_forward_backward("gpt"); }

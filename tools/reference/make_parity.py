@@ -104,6 +104,15 @@ MODELS = [
          calls="models.encoder(16, 2, 32, 2) = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, "
                "dim_feedforward=32, dropout=0.0, batch_first=True), 2); x = torch.randn(2, 5, 16); "
                "target = torch.randn(2, 5, 16); loss = F.mse_loss(m(x), target)"),
+    dict(name="encoder_prenorm_gelu", seed=505,
+         config=dict(kind="encoder", d_model=16, nhead=2, dim_feedforward=32, num_layers=2, batch=2, seq=5,
+                     norm_first=True, gelu=True),
+         build=lambda: models.encoder(16, 2, 32, 2, norm_first=True, activation="gelu"), inputs=enc_inputs,
+         run=enc_run,
+         calls="models.encoder(16, 2, 32, 2, norm_first=True, activation='gelu') = nn.TransformerEncoder("
+               "nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, activation='gelu', "
+               "batch_first=True, norm_first=True), 2); x = torch.randn(2, 5, 16); target = torch.randn(2, 5, 16); "
+               "loss = F.mse_loss(m(x), target)"),
     dict(name="gpt", seed=303,
          config=dict(kind="gpt", tie_weights=False, batch=2, seq=6, **GPT_CFG),
          build=lambda: models.GPT(**GPT_CFG, tie_weights=False), inputs=gpt_inputs, run=gpt_run,

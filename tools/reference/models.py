@@ -31,15 +31,15 @@ def mlp(a, b, c):
     return nn.Sequential(nn.Linear(a, b), nn.ReLU(), nn.Linear(b, c))
 
 
-def encoder(d_model, nhead, dim_feedforward, num_layers):
+def encoder(d_model, nhead, dim_feedforward, num_layers, norm_first=False, activation="relu"):
     """nn.TransformerEncoder of num_layers deep copies of one
-    TransformerEncoderLayer (post-norm, relu, eps 1e-5, dropout 0,
-    batch_first). Run it in train mode: in eval mode torch 1.13 may take
+    TransformerEncoderLayer (post-norm and relu unless told otherwise, eps
+    1e-5, dropout 0, batch_first). Run it in train mode: in eval mode torch 1.13 may take
     the fused "fast path" (torch._transformer_encoder_layer_fwd), whose
     arithmetic differs from the composite one that nn/encoder_layer.c
     mirrors."""
     layer = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward=dim_feedforward, dropout=0.0,
-                                       batch_first=True)
+                                       activation=activation, batch_first=True, norm_first=norm_first)
     return nn.TransformerEncoder(layer, num_layers)
 
 
