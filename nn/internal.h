@@ -18,4 +18,14 @@ ts_status ts__causal_mask(int64_t T, ts_tensor **out);
 /* Copies every parameter value of src into dst (same architecture). */
 ts_status ts__module_copy_params(ts_module *dst, ts_module *src);
 
+/* The parameter-free layers (ReLU, Tanh, GELU, Dropout): one struct, a
+ * vtable each (nn/relu.c, nn/tanh.c, nn/gelu.c, nn/dropout.c). */
+typedef struct ts__act {
+    ts_module base;
+    ts_gelu_approx approx;
+    double p;
+} ts__act;
+ts_status ts__act_new(const ts_module_vtable *vt, ts_gelu_approx approx, double p, ts_module **out);
+void ts__act_free(ts_module *m);
+
 #endif

@@ -328,3 +328,21 @@ ts_status ts__param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tenso
     *out = t;
     return TS_OK;
 }
+
+/* ------------------------------------------------------------ parameter-free layers */
+
+void ts__act_free(ts_module *m) { ts__free(TS_MEM_NN, m); }
+
+ts_status ts__act_new(const ts_module_vtable *vt, ts_gelu_approx approx, double p, ts_module **out)
+{
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", vt->type_name);
+    ts__act *a = ts__calloc(TS_MEM_NN, 1, sizeof *a);
+    if (!a)
+        return TS_ERR_NO_MEMORY;
+    ts_module_init(&a->base, vt);
+    a->approx = approx;
+    a->p = p;
+    *out = &a->base;
+    return TS_OK;
+}
