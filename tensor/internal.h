@@ -150,6 +150,25 @@ typedef struct ts_iter {
     int64_t shape[TS_MAX_DIMS];
     int64_t idx[TS_MAX_DIMS];
 } ts_iter;
+/* Advances a multi-index over dims [0, nd-1) of `shape` (the last dim is
+ * the caller's inner loop) and moves each of the nops operands' offsets by
+ * its strides; false once every outer index has been visited. */
+static inline bool ts__next_outer(int nd, const int64_t *shape, int64_t *idx, int nops,
+                                  int64_t (*strides)[TS_MAX_DIMS], int64_t *offs)
+{
+    for (int d = nd - 2; d >= 0; d--) {
+        if (++idx[d] < shape[d]) {
+            for (int k = 0; k < nops; k++)
+                offs[k] += strides[k][d];
+            return true;
+        }
+        for (int k = 0; k < nops; k++)
+            offs[k] -= strides[k][d] * (shape[d] - 1);
+        idx[d] = 0;
+    }
+    return false;
+}
+
 /* Strides of `t` expanded to the output shape (ndim_out >= t->ndim). */
 void ts__broadcast_strides(const ts_tensor *t, int ndim_out, const int64_t *shape_out, int64_t *strides_out);
 

@@ -157,23 +157,6 @@ static inline __attribute__((always_inline)) float un_f(uop op, float x, float p
     return 0;
 }
 
-/* ----------------------------------------------------- loops */
-
-static inline bool next_outer(int nd, const int64_t *shape, int64_t *idx, int nops,
-                              int64_t (*strides)[TS_MAX_DIMS], int64_t *offs)
-{
-    for (int d = nd - 2; d >= 0; d--) {
-        if (++idx[d] < shape[d]) {
-            for (int k = 0; k < nops; k++)
-                offs[k] += strides[k][d];
-            return true;
-        }
-        for (int k = 0; k < nops; k++)
-            offs[k] -= strides[k][d] * (shape[d] - 1);
-        idx[d] = 0;
-    }
-    return false;
-}
 
 /* Geometry of a binary op: output (contiguous) shape and the operands'
  * strides broadcast to it. */
@@ -210,7 +193,7 @@ static inline __attribute__((always_inline)) void bin_loop_f32(bop op, const bge
         else
             for (int64_t i = 0; i < n; i++)
                 oo[i] = bin_f(op, aa[i * sa], bb[i * sb], p);
-    } while (next_outer(nd, g->shape, idx, 3, str, offs));
+    } while (ts__next_outer(nd, g->shape, idx, 3, str, offs));
 }
 
 static inline __attribute__((always_inline)) void bin_loop_f64(bop op, const bgeom *g, double *o, const double *a,
@@ -229,7 +212,7 @@ static inline __attribute__((always_inline)) void bin_loop_f64(bop op, const bge
         const double *restrict aa = a + offs[1], *restrict bb = b + offs[2];
         for (int64_t i = 0; i < n; i++)
             oo[i] = bin_d(op, aa[i * sa], bb[i * sb], p);
-    } while (next_outer(nd, g->shape, idx, 3, str, offs));
+    } while (ts__next_outer(nd, g->shape, idx, 3, str, offs));
 }
 
 /* Reference: any dtypes, through double. */
@@ -249,7 +232,7 @@ static void bin_loop_ref(bop op, const bgeom *g, ts_dtype od, void *o, ts_dtype 
             ts__store(od, o, offs[0] + i * str[0][nd - 1],
                       bin_d(op, ts__load(ad, a, offs[1] + i * str[1][nd - 1]),
                             ts__load(bd, b, offs[2] + i * str[2][nd - 1]), p));
-    } while (next_outer(nd, g->shape, idx, 3, str, offs));
+    } while (ts__next_outer(nd, g->shape, idx, 3, str, offs));
 }
 
 __attribute__((target_clones("avx2", "default"))) static void bin_dispatch_f32(bop op, const bgeom *g, float *o, const float *a, const float *b, float p)
@@ -371,7 +354,7 @@ static ts_status unary_kernel(uop op, ts_tensor *a, double p, ts_tensor **out)
                     for (int64_t i = 0; i < inner; i++)
                         ts__store(o->dtype, op_, offs[0] + i * g.str[0][g.nd - 1],
                                   un_d(op, ts__load(a->dtype, ap, offs[1] + i * g.str[1][g.nd - 1]), p));
-                } while (next_outer(g.nd, g.shape, idx, 2, g.str, offs));
+                } while (ts__next_outer(g.nd, g.shape, idx, 2, g.str, offs));
             }
         }
     }

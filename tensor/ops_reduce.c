@@ -6,21 +6,6 @@
 #include <math.h>
 #include <string.h>
 
-static inline bool next_outer(int nd, const int64_t *shape, int64_t *idx, int nops, int64_t (*strides)[TS_MAX_DIMS],
-                              int64_t *offs)
-{
-    for (int d = nd - 2; d >= 0; d--) {
-        if (++idx[d] < shape[d]) {
-            for (int k = 0; k < nops; k++)
-                offs[k] += strides[k][d];
-            return true;
-        }
-        for (int k = 0; k < nops; k++)
-            offs[k] -= strides[k][d] * (shape[d] - 1);
-        idx[d] = 0;
-    }
-    return false;
-}
 
 /* Parses a dim list into a mask; ndims == 0 means all dims. */
 static ts_status dim_mask(const char *op, const ts_tensor *a, int ndims, const int *dims, bool *mask)
@@ -119,7 +104,7 @@ static ts_status reduce_kernel(enum red kind, ts_tensor *a, const bool *mask, ts
                         *c = v;
                 }
             }
-        } while (next_outer(nd, a->shape, idx, 2, str, offs));
+        } while (ts__next_outer(nd, a->shape, idx, 2, str, offs));
     }
     void *od = ts_tensor_data(o);
     for (int64_t i = 0; i < on; i++)

@@ -369,23 +369,6 @@ ts_status ts_tensor_item(const ts_tensor *t, double *value_out)
     return ts_tensor_get(t, zero, value_out);
 }
 
-/* Advances a multi-index over dims [0, nd-1) of shape (the last dim is
- * the caller's inner loop) and updates each operand's offset. */
-static inline bool next_outer(int nd, const int64_t *shape, int64_t *idx, int nops, int64_t (*strides)[TS_MAX_DIMS],
-                              int64_t *offs)
-{
-    for (int d = nd - 2; d >= 0; d--) {
-        if (++idx[d] < shape[d]) {
-            for (int k = 0; k < nops; k++)
-                offs[k] += strides[k][d];
-            return true;
-        }
-        for (int k = 0; k < nops; k++)
-            offs[k] -= strides[k][d] * (shape[d] - 1);
-        idx[d] = 0;
-    }
-    return false;
-}
 
 /* dst (any layout) = src broadcast to dst's shape, converted. */
 static void copy_strided(ts_tensor *dst, const ts_tensor *src)
@@ -419,7 +402,7 @@ static void copy_strided(ts_tensor *dst, const ts_tensor *src)
             for (int64_t i = 0; i < inner; i++)
                 ts__store(dst->dtype, dp, offs[0] + i * ds, ts__load(src->dtype, sp, offs[1] + i * ss));
         }
-    } while (next_outer(nd, dst->shape, idx, 2, strides, offs));
+    } while (ts__next_outer(nd, dst->shape, idx, 2, strides, offs));
 }
 
 ts_status ts_tensor_copy_to(const ts_tensor *t, void *buf, size_t nbytes)
