@@ -1,11 +1,21 @@
 #define _GNU_SOURCE
 #include "tests/helpers.h"
 
+#include "tensor/internal.h"
+
 #include <criterion/criterion.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+ts_tensor *th_empty(ts_dtype dtype, int ndim, const int64_t *shape)
+{
+    ts_tensor *t;
+    TH_OK(ts_tensor_empty(dtype, ndim, shape, &t));
+    return t;
+}
 
 ts_tensor *th_tensor(ts_dtype dtype, int ndim, const int64_t *shape, const double *vals)
 {
@@ -49,15 +59,39 @@ ts_tensor *th_seq(ts_dtype dtype, int ndim, const int64_t *shape, double scale, 
     return t;
 }
 
-static double *to_doubles(const ts_tensor *t)
+void th_vals(const ts_tensor *t, double *buf, int64_t n)
+{
+    cr_assert_eq(ts_tensor_numel(t), n, "numel %lld, expected %lld", (long long)ts_tensor_numel(t), (long long)n);
+    ts_tensor *d;
+    bool prev = ts_grad_mode_set(false);
+    TH_OK(ts_to_dtype((ts_tensor *)t, TS_F64, &d));
+    ts_grad_mode_set(prev);
+    TH_OK(ts_tensor_copy_to(d, buf, (size_t)n * sizeof *buf));
+    ts_tensor_free(d);
+}
+
+double *th_vals_new(const ts_tensor *t)
 {
     int64_t n = ts_tensor_numel(t);
-    double *d = malloc((size_t)(n ? n : 1) * sizeof *d);
-    ts_tensor *c;
-    TH_OK(ts_to_dtype((ts_tensor *)t, TS_F64, &c));
-    TH_OK(ts_tensor_copy_to(c, d, (size_t)n * sizeof *d));
-    ts_tensor_free(c);
-    return d;
+    double *buf = malloc((size_t)(n ? n : 1) * sizeof *buf);
+    th_vals(t, buf, n);
+    return buf;
+}
+
+void th_assert_shape(const ts_tensor *t, int ndim, const int64_t *shape)
+{
+    char s[96];
+    cr_assert_eq(ts_tensor_ndim(t), ndim, "ndim %d, expected %d (shape %s)", ts_tensor_ndim(t), ndim,
+                 ts_tensor_shape_str(t, s, sizeof s));
+    for (int i = 0; i < ndim; i++)
+        cr_assert_eq(ts_tensor_shape(t)[i], shape[i], "dim %d is %lld, expected %lld (shape %s)", i,
+                     (long long)ts_tensor_shape(t)[i], (long long)shape[i], ts_tensor_shape_str(t, s, sizeof s));
+}
+
+uint32_t th_lcg(uint32_t *st)
+{
+    *st = *st * 1664525u + 1013904223u;
+    return *st >> 8;
 }
 
 void th_assert_close(const ts_tensor *a, const ts_tensor *b, double rtol, double atol)
@@ -69,7 +103,7 @@ void th_assert_close(const ts_tensor *a, const ts_tensor *b, double rtol, double
         cr_assert_eq(ts_tensor_shape(a)[i], ts_tensor_shape(b)[i], "shape %s vs %s",
                      ts_tensor_shape_str(a, s1, sizeof s1), ts_tensor_shape_str(b, s2, sizeof s2));
     int64_t n = ts_tensor_numel(a);
-    double *x = to_doubles(a), *y = to_doubles(b);
+    double *x = th_vals_new(a), *y = th_vals_new(b);
     for (int64_t i = 0; i < n; i++) {
         bool ok = fabs(x[i] - y[i]) <= atol + rtol * fabs(y[i]) || (isnan(x[i]) && isnan(y[i])) ||
                   (isinf(x[i]) && x[i] == y[i]);
@@ -108,7 +142,7 @@ static double weighted_sum(th_fn fn, int n, ts_tensor **inputs, void *ctx, const
     ts_tensor *out;
     TH_OK(fn(inputs, &out, ctx));
     cr_assert_eq(ts_tensor_numel(out), wn, "gradcheck: output size changed");
-    double *o = to_doubles(out);
+    double *o = th_vals_new(out);
     double s = 0;
     for (int64_t i = 0; i < wn; i++)
         s += o[i] * w[i];
@@ -144,7 +178,7 @@ void th_gradcheck(th_fn fn, int n, ts_tensor **inputs, void *ctx, double eps, do
         int64_t m = ts_tensor_numel(x);
         double *xd = ts_tensor_data(x);
         ts_tensor *g = ts_tensor_grad(x);
-        double *gd = g ? to_doubles(g) : NULL;
+        double *gd = g ? th_vals_new(g) : NULL;
         for (int64_t j = 0; j < m; j++) {
             double keep = xd[j];
             xd[j] = keep + eps;
@@ -170,14 +204,195 @@ void th_gradcheck(th_fn fn, int n, ts_tensor **inputs, void *ctx, double eps, do
 void *th_read_file(const char *path, size_t *len)
 {
     FILE *f = fopen(path, "rb");
-    cr_assert(f != NULL, "cannot open fixture %s", path);
-    fseek(f, 0, SEEK_END);
+    cr_assert_not_null(f, "cannot open fixture %s", path);
+    cr_assert_eq(fseek(f, 0, SEEK_END), 0);
     long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    void *buf = malloc((size_t)(n > 0 ? n : 1));
-    size_t got = fread(buf, 1, (size_t)n, f);
+    cr_assert_geq(n, 0);
+    cr_assert_eq(fseek(f, 0, SEEK_SET), 0);
+    uint8_t *buf = malloc((size_t)n + 1);
+    cr_assert_not_null(buf);
+    cr_assert_eq(fread(buf, 1, (size_t)n, f), (size_t)n, "short read of %s", path);
     fclose(f);
-    cr_assert_eq(got, (size_t)n, "short read of %s", path);
+    buf[n] = 0;
     *len = (size_t)n;
     return buf;
+}
+
+/* One side of th_assert_kernels_agree: output and gradients are new references. */
+static void run_kernels(th_fn fn, int n, ts_tensor **inputs, void *ctx, bool reference, double cot_scale,
+                        ts_tensor **out, ts_tensor **grads)
+{
+    ts_tensor *x[8];
+    ts__use_reference_kernels = reference;
+    for (int i = 0; i < n; i++)
+        TH_OK(ts_clone(inputs[i], &x[i]));
+    for (int i = 0; i < n; i++)
+        TH_OK(ts_tensor_set_requires_grad(x[i], true));
+    TH_OK(fn(x, out, ctx));
+    ts_tensor *cot = th_seq(ts_tensor_dtype(*out), ts_tensor_ndim(*out), ts_tensor_shape(*out), cot_scale, false);
+    TH_OK(ts_backward(*out, cot, false));
+    for (int i = 0; i < n; i++)
+        grads[i] = ts_tensor_retain(ts_tensor_grad(x[i]));
+    ts_tensor_free(cot);
+    for (int i = 0; i < n; i++)
+        ts_tensor_free(x[i]);
+    ts__use_reference_kernels = false;
+}
+
+void th_assert_kernels_agree(th_fn fn, int n, ts_tensor **inputs, void *ctx, double cot_scale, double out_rtol,
+                             double out_atol, double grad_rtol, double grad_atol)
+{
+    ts_tensor *out[2], *grads[2][8];
+    cr_assert(n > 0 && n <= 8, "th_assert_kernels_agree: %d inputs", n);
+    for (int ref = 0; ref < 2; ref++)
+        run_kernels(fn, n, inputs, ctx, ref, cot_scale, &out[ref], grads[ref]);
+    th_assert_close(out[0], out[1], out_rtol, out_atol);
+    for (int i = 0; i < n; i++)
+        th_assert_close(grads[0][i], grads[1][i], grad_rtol, grad_atol);
+    for (int ref = 0; ref < 2; ref++) {
+        ts_tensor_free(out[ref]);
+        for (int i = 0; i < n; i++)
+            ts_tensor_free(grads[ref][i]);
+    }
+}
+
+/* ------------------------------------------------ torch fixture vectors */
+
+uint8_t *th_fixture_read(const char *file, size_t *len)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/rng/%s", TS_FIXTURES_DIR, file);
+    return th_read_file(path, len);
+}
+
+th_vec th_vec_open(const char *name)
+{
+    th_vec v;
+    char file[160];
+    snprintf(v.name, sizeof v.name, "%s", name);
+    snprintf(file, sizeof file, "%s.bin", name);
+    v.buf = th_fixture_read(file, &v.len);
+    v.pos = 0;
+    return v;
+}
+
+const uint8_t *th_vec_take(th_vec *v, size_t nbytes)
+{
+    cr_assert_leq(v->pos + nbytes, v->len, "%s: wants %zu bytes at %zu of %zu", v->name, nbytes, v->pos, v->len);
+    const uint8_t *p = v->buf + v->pos;
+    v->pos += nbytes;
+    return p;
+}
+
+void th_vec_close(th_vec *v)
+{
+    cr_assert_eq(v->pos, v->len, "%s: %zu of %zu bytes compared", v->name, v->pos, v->len);
+    free(v->buf);
+    v->buf = NULL;
+}
+
+/* One element of dt at p, as its value and its bits. */
+static void describe_bits(ts_dtype dt, const uint8_t *p, char *out, size_t len)
+{
+    switch (dt) {
+    case TS_F32: {
+        float f;
+        uint32_t u;
+        memcpy(&f, p, 4);
+        memcpy(&u, p, 4);
+        snprintf(out, len, "%.9g (0x%08" PRIx32 ")", (double)f, u);
+        return;
+    }
+    case TS_F64: {
+        double d;
+        uint64_t u;
+        memcpy(&d, p, 8);
+        memcpy(&u, p, 8);
+        snprintf(out, len, "%.17g (0x%016" PRIx64 ")", d, u);
+        return;
+    }
+    case TS_I64: {
+        int64_t i;
+        memcpy(&i, p, 8);
+        snprintf(out, len, "%" PRId64, i);
+        return;
+    }
+    default:
+        snprintf(out, len, "0x%02x", p[0]);
+        return;
+    }
+}
+
+void th_vec_expect_bytes(const char *what, ts_dtype dt, const void *got, const void *want, int64_t n)
+{
+    size_t es = ts_dtype_size(dt);
+    const uint8_t *g = got, *w = want;
+    for (int64_t i = 0; i < n; i++) {
+        if (memcmp(g + (size_t)i * es, w + (size_t)i * es, es) != 0) {
+            char gs[64], ws[64];
+            describe_bits(dt, g + (size_t)i * es, gs, sizeof gs);
+            describe_bits(dt, w + (size_t)i * es, ws, sizeof ws);
+            cr_assert_fail("%s: element %" PRId64 " of %" PRId64 " is %s, torch has %s", what, i, n, gs, ws);
+        }
+    }
+}
+
+void th_vec_expect_tensor(th_vec *v, const ts_tensor *t, const char *what)
+{
+    ts_dtype dt = ts_tensor_dtype(t);
+    size_t nb = (size_t)ts_tensor_numel(t) * ts_dtype_size(dt);
+    const uint8_t *want = th_vec_take(v, nb);
+    uint8_t *got = malloc(nb ? nb : 1);
+    cr_assert_not_null(got);
+    ts_status st = ts_tensor_copy_to(t, got, nb);
+    cr_assert_eq(st, TS_OK, "%s: copy_to: %s", what, ts_last_error());
+    char label[256];
+    snprintf(label, sizeof label, "%s: %s", v->name, what);
+    th_vec_expect_bytes(label, dt, got, want, ts_tensor_numel(t));
+    free(got);
+}
+
+void th_vec_expect_free(th_vec *v, ts_tensor *t, const char *what)
+{
+    th_vec_expect_tensor(v, t, what);
+    ts_tensor_free(t);
+}
+
+uint32_t th_crc32(uint32_t crc, const void *p, size_t n)
+{
+    static uint32_t table[256];
+    if (!table[1])
+        for (uint32_t i = 0; i < 256; i++) {
+            uint32_t c = i;
+            for (int k = 0; k < 8; k++)
+                c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+            table[i] = c;
+        }
+    const uint8_t *b = p;
+    crc = ~crc;
+    for (size_t i = 0; i < n; i++)
+        crc = table[(crc ^ b[i]) & 0xFF] ^ (crc >> 8);
+    return ~crc;
+}
+
+uint32_t th_fixture_crc(const char *file, const char *name)
+{
+    size_t len;
+    char *txt = (char *)th_fixture_read(file, &len);
+    uint32_t found = 0;
+    bool ok = false;
+    for (size_t i = 0; i < len && !ok;) {
+        char key[128];
+        unsigned int v;
+        if (txt[i] != '#' && sscanf(txt + i, "%127s %x", key, &v) == 2 && strcmp(key, name) == 0) {
+            found = (uint32_t)v;
+            ok = true;
+        }
+        while (i < len && txt[i] != '\n')
+            i++;
+        i++;
+    }
+    free(txt);
+    cr_assert(ok, "%s has no %s", file, name);
+    return found;
 }

@@ -2,8 +2,13 @@
 #ifndef TS_TEST_HELPERS_H
 #define TS_TEST_HELPERS_H
 
+#include <stdint.h>
+#include <string.h>
+
 #include "tensorshard.h"
 
+/* A new uninitialized tensor (ts_tensor_empty), asserting success. */
+ts_tensor *th_empty(ts_dtype dtype, int ndim, const int64_t *shape);
 /* Builds a tensor from doubles (converted to dtype). Aborts the test on
  * failure (cr_assert). */
 ts_tensor *th_tensor(ts_dtype dtype, int ndim, const int64_t *shape, const double *vals);
@@ -33,7 +38,84 @@ void th_mem_assert_back(void);
 typedef ts_status (*th_fn)(ts_tensor **inputs, ts_tensor **out, void *ctx);
 void th_gradcheck(th_fn fn, int n, ts_tensor **inputs, void *ctx, double eps, double atol, double rtol);
 
-/* Reads a whole file (fixtures); returns malloc'd bytes, length in len. */
+/* Reads a whole file (fixtures); returns malloc'd bytes, length in len,
+ * followed by a NUL byte (not counted). */
 void *th_read_file(const char *path, size_t *len);
+
+/* ------------------------------------------------ values, shapes, checks */
+
+/* Gradcheck settings of the op suites: central differences in float64 with
+ * eps 1e-6 have truncation error ~eps^2 * f''' (1e-12) and rounding
+ * ~1e-16 * |f| / eps (1e-10), so 1e-6 absolute plus 1e-5 relative leaves a
+ * wide margin while a wrong gradient is off by O(1). */
+#define TH_GC_EPS 1e-6
+#define TH_GC_ATOL 1e-6
+#define TH_GC_RTOL 1e-5
+
+/* Copies the n values of t (asserting numel(t) == n), converted to double
+ * with grad mode off, into buf in row-major order. */
+void th_vals(const ts_tensor *t, double *buf, int64_t n);
+/* Like th_vals, into a new malloc'd array of numel(t) doubles (free it). */
+double *th_vals_new(const ts_tensor *t);
+/* Asserts t has ndim dims of sizes shape, naming the first that differs. */
+void th_assert_shape(const ts_tensor *t, int ndim, const int64_t *shape);
+/* A tiny linear congruential generator: advances *st, returns its top 24 bits. */
+uint32_t th_lcg(uint32_t *st);
+/* Runs fn (forward, then backward of th_seq(out's dtype and shape,
+ * cot_scale)) on fresh clones requiring grad of the n <= 8 inputs, once with
+ * the optimized kernels and once with the reference ones, and asserts
+ * th_assert_close(optimized, reference) on the outputs with out_rtol /
+ * out_atol and on each input's gradients with grad_rtol / grad_atol. */
+void th_assert_kernels_agree(th_fn fn, int n, ts_tensor **inputs, void *ctx, double cot_scale, double out_rtol,
+                             double out_atol, double grad_rtol, double grad_atol);
+
+/* ---------------------------------------- torch fixture vectors (rng/) */
+
+/* Reads TS_FIXTURES_DIR/rng/FILE whole into a malloc'd buffer (len bytes
+ * plus a terminating NUL); fails the test if it cannot. */
+uint8_t *th_fixture_read(const char *file, size_t *len);
+
+/* A vector file NAME.bin: the raw little-endian values of one or more
+ * tensors, concatenated; consumed front to back. */
+typedef struct th_vec {
+    char name[128];
+    uint8_t *buf;
+    size_t len;
+    size_t pos;
+} th_vec;
+
+/* Opens the vector rng/NAME.bin (read whole, position 0). */
+th_vec th_vec_open(const char *name);
+/* The next nbytes of the vector, asserting that they are there. */
+const uint8_t *th_vec_take(th_vec *v, size_t nbytes);
+/* Asserts that the whole vector was consumed, and frees it. */
+void th_vec_close(th_vec *v);
+/* Compares n elements of dtype dt in got and want bit for bit; fails
+ * naming the first difference (both values printed with their bits). */
+void th_vec_expect_bytes(const char *what, ts_dtype dt, const void *got, const void *want, int64_t n);
+/* Compares the next numel values of the vector with t (row-major). */
+void th_vec_expect_tensor(th_vec *v, const ts_tensor *t, const char *what);
+/* th_vec_expect_tensor, then frees t. */
+void th_vec_expect_free(th_vec *v, ts_tensor *t, const char *what);
+
+/* Expects `expr` to fail with `status` and a detail containing each of
+ * the (one or more) strings. */
+#define TH_FAILS(expr, status, ...)                                                                    \
+    do {                                                                                               \
+        ts_status th_fs_ = (expr);                                                                     \
+        cr_assert_eq(th_fs_, (status), "%s -> %s, expected %s (%s)", #expr, ts_status_name(th_fs_),    \
+                     ts_status_name(status), ts_last_error());                                         \
+        const char *th_want_[] = {__VA_ARGS__, NULL};                                                  \
+        for (int th_i_ = 0; th_want_[th_i_]; th_i_++)                                                  \
+            cr_assert_not_null(strstr(ts_last_error(), th_want_[th_i_]), "%s: detail \"%s\" lacks \"%s\"", \
+                               #expr, ts_last_error(), th_want_[th_i_]);                               \
+    } while (0)
+
+/* CRC-32 (IEEE 802.3, reflected, as zlib.crc32) of n bytes at p, continued
+ * from `crc` (0 to start). */
+uint32_t th_crc32(uint32_t crc, const void *p, size_t n);
+/* The CRC that the rng fixture text FILE (lines "NAME HEX", '#' comments)
+ * gives for `name`; fails the test if it has none. */
+uint32_t th_fixture_crc(const char *file, const char *name);
 
 #endif

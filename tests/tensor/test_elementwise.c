@@ -11,36 +11,9 @@
 #include "tensor/internal.h"
 #include "tests/helpers.h"
 
-/* Central differences in float64 with eps = 1e-6: truncation error is
- * about eps^2 * f''' (1e-12) and rounding about 1e-16 * |f| / eps (1e-10
- * for the weighted sums here), so 1e-6 absolute plus 1e-5 relative leaves
- * a wide margin, while a wrong formula (a missing factor, a wrong sign, a
- * gradient not reduced over broadcast dims) is off by O(1). */
-#define GC_EPS 1e-6
-#define GC_ATOL 1e-6
-#define GC_RTOL 1e-5
-
-/* All values of t converted to double, row-major (n entries). */
-static void vals(ts_tensor *t, double *buf, int64_t n)
-{
-    cr_assert_eq(ts_tensor_numel(t), n, "numel %lld, expected %lld", (long long)ts_tensor_numel(t), (long long)n);
-    ts_tensor *d;
-    bool prev = ts_grad_mode_set(false);
-    TH_OK(ts_to_dtype(t, TS_F64, &d));
-    ts_grad_mode_set(prev);
-    TH_OK(ts_tensor_copy_to(d, buf, (size_t)n * sizeof *buf));
-    ts_tensor_free(d);
-}
-
-static void assert_shape(const ts_tensor *t, int ndim, const int64_t *shape)
-{
-    char s[96];
-    cr_assert_eq(ts_tensor_ndim(t), ndim, "ndim %d, expected %d (shape %s)", ts_tensor_ndim(t), ndim,
-                 ts_tensor_shape_str(t, s, sizeof s));
-    for (int i = 0; i < ndim; i++)
-        cr_assert_eq(ts_tensor_shape(t)[i], shape[i], "dim %d is %lld, expected %lld (shape %s)", i,
-                     (long long)ts_tensor_shape(t)[i], (long long)shape[i], ts_tensor_shape_str(t, s, sizeof s));
-}
+/* Gradchecks use TH_GC_EPS / TH_GC_ATOL / TH_GC_RTOL (helpers.h): a wrong
+ * formula (a missing factor, a wrong sign, a gradient not reduced over
+ * broadcast dims) is off by O(1), far outside them. */
 
 static void assert_near(double got, double want, double tol, const char *what)
 {
@@ -88,10 +61,10 @@ Test(tensor_elementwise, broadcast_column_by_row)
         for (int k = 0; k < N_BINOPS; k++) {
             ts_tensor *o;
             TH_OK(binops[k].fn(a, b, &o));
-            assert_shape(o, 2, so);
+            th_assert_shape(o, 2, so);
             cr_assert_eq(ts_tensor_dtype(o), d);
             double got[12];
-            vals(o, got, 12);
+            th_vals(o, got, 12);
             /* every operand here is exact in float32 and so is each result
              * (powers of two and small integers), so equality is exact */
             for (int i = 0; i < 3; i++)
@@ -115,19 +88,19 @@ Test(tensor_elementwise, broadcast_trailing_vector_over_batch)
     double bv[4] = {1.5, -3.0, 0.25, 7.0};
     ts_tensor *b = th_tensor(TS_F64, 1, sb, bv);
     double x[24];
-    vals(a, x, 24);
+    th_vals(a, x, 24);
     for (int k = 0; k < N_BINOPS; k++) {
         ts_tensor *o, *o2;
         TH_OK(binops[k].fn(a, b, &o));
-        assert_shape(o, 3, sa);
+        th_assert_shape(o, 3, sa);
         double got[24];
-        vals(o, got, 24);
+        th_vals(o, got, 24);
         for (int i = 0; i < 24; i++)
             cr_assert_eq(got[i], apply(binops[k].sym, x[i], bv[i % 4]), "%s element %d", binops[k].name, i);
         /* and the other way round: (4) op (2,3,4) */
         TH_OK(binops[k].fn(b, a, &o2));
-        assert_shape(o2, 3, sa);
-        vals(o2, got, 24);
+        th_assert_shape(o2, 3, sa);
+        th_vals(o2, got, 24);
         for (int i = 0; i < 24; i++)
             cr_assert_eq(got[i], apply(binops[k].sym, bv[i % 4], x[i]), "%s reversed element %d", binops[k].name, i);
         ts_tensor_free(o);
@@ -150,13 +123,13 @@ Test(tensor_elementwise, zero_dim_scalar_operand)
         ts_tensor *o, *o2, *o3;
         double got[6];
         TH_OK(binops[k].fn(a, s, &o));
-        assert_shape(o, 2, sa);
-        vals(o, got, 6);
+        th_assert_shape(o, 2, sa);
+        th_vals(o, got, 6);
         for (int i = 0; i < 6; i++)
             cr_assert_eq(got[i], apply(binops[k].sym, av[i], 4.0), "%s a op s [%d]", binops[k].name, i);
         TH_OK(binops[k].fn(s, a, &o2));
-        assert_shape(o2, 2, sa);
-        vals(o2, got, 6);
+        th_assert_shape(o2, 2, sa);
+        th_vals(o2, got, 6);
         for (int i = 0; i < 6; i++)
             cr_assert_eq(got[i], (double)(float)apply(binops[k].sym, 4.0, av[i]), "%s s op a [%d]", binops[k].name, i);
         /* 0-d op 0-d stays 0-d */
@@ -210,9 +183,9 @@ Test(tensor_elementwise, transposed_inputs_match_contiguous_copies)
         ts_tensor *s;
         TH_OK(ts_add(at, bt, &s));
         double x[12], y[12], got[12];
-        vals(base, x, 12);
-        vals(base2, y, 12);
-        vals(s, got, 12);
+        th_vals(base, x, 12);
+        th_vals(base2, y, 12);
+        th_vals(s, got, 12);
         for (int i = 0; i < 3; i++)
             for (int j = 0; j < 4; j++)
                 cr_assert_eq(got[i * 4 + j], dt ? x[j * 3 + i] + y[j * 3 + i] : (double)(float)(x[j * 3 + i] + y[j * 3 + i]),
@@ -252,27 +225,27 @@ Test(tensor_elementwise, scalar_variants)
     ts_tensor *x = th_tensor(TS_F64, 1, s, xv), *o;
     double got[4];
     TH_OK(ts_add_scalar(x, 1.25, &o));
-    vals(o, got, 4);
+    th_vals(o, got, 4);
     for (int i = 0; i < 4; i++)
         cr_assert_eq(got[i], xv[i] + 1.25, "add_scalar [%d]", i);
     ts_tensor_free(o);
     TH_OK(ts_sub_scalar(x, 1.25, &o));
-    vals(o, got, 4);
+    th_vals(o, got, 4);
     for (int i = 0; i < 4; i++)
         cr_assert_eq(got[i], xv[i] - 1.25, "sub_scalar [%d]", i);
     ts_tensor_free(o);
     TH_OK(ts_rsub_scalar(x, 1.25, &o));
-    vals(o, got, 4);
+    th_vals(o, got, 4);
     for (int i = 0; i < 4; i++)
         cr_assert_eq(got[i], 1.25 - xv[i], "rsub_scalar [%d]", i);
     ts_tensor_free(o);
     TH_OK(ts_mul_scalar(x, -3.0, &o));
-    vals(o, got, 4);
+    th_vals(o, got, 4);
     for (int i = 0; i < 4; i++)
         cr_assert_eq(got[i], xv[i] * -3.0, "mul_scalar [%d]", i);
     ts_tensor_free(o);
     TH_OK(ts_div_scalar(x, 4.0, &o));
-    vals(o, got, 4);
+    th_vals(o, got, 4);
     for (int i = 0; i < 4; i++)
         cr_assert_eq(got[i], xv[i] / 4.0, "div_scalar [%d]", i);
     ts_tensor_free(o);
@@ -280,7 +253,7 @@ Test(tensor_elementwise, scalar_variants)
     ts_tensor *xf = th_tensor(TS_F32, 1, s, xv);
     TH_OK(ts_mul_scalar(xf, 0.5, &o));
     cr_assert_eq(ts_tensor_dtype(o), TS_F32);
-    vals(o, got, 4);
+    th_vals(o, got, 4);
     for (int i = 0; i < 4; i++)
         cr_assert_eq(got[i], xv[i] * 0.5, "f32 mul_scalar [%d]", i);
     ts_tensor_free(o);
@@ -388,11 +361,11 @@ Test(tensor_elementwise, unary_values_match_libm)
             ts_dtype d = dt ? TS_F64 : TS_F32;
             ts_tensor *x = unary_input(c, d, 2, s, false), *o;
             TH_OK(c->fn(x, &o));
-            assert_shape(o, 2, s);
+            th_assert_shape(o, 2, s);
             cr_assert_eq(ts_tensor_dtype(o), d, "%s keeps the dtype", c->name);
             double xv[15], got[15];
-            vals(x, xv, 15);
-            vals(o, got, 15);
+            th_vals(x, xv, 15);
+            th_vals(o, got, 15);
             for (int i = 0; i < 15; i++) {
                 double want = c->ref(xv[i]);
                 /* float64: the same libm formula up to association, so a
@@ -468,14 +441,14 @@ Test(tensor_elementwise, special_values)
     double got[4];
     /* relu keeps NaN (as PyTorch does), clamps -inf */
     TH_OK(ts_relu(x, &o));
-    vals(o, got, 4);
+    th_vals(o, got, 4);
     cr_assert(isnan(got[0]));
     cr_assert_eq(got[1], INFINITY);
     cr_assert_eq(got[2], 0.0);
     ts_tensor_free(o);
     /* sigmoid saturates to exactly 0 and 1 without NaN */
     TH_OK(ts_sigmoid(x, &o));
-    vals(o, got, 4);
+    th_vals(o, got, 4);
     cr_assert(isnan(got[0]));
     cr_assert_eq(got[1], 1.0);
     cr_assert_eq(got[2], 0.0);
@@ -486,7 +459,7 @@ Test(tensor_elementwise, special_values)
     int64_t s2[1] = {2};
     ts_tensor *y = th_tensor(TS_F64, 1, s2, yv);
     TH_OK(ts_log(y, &o));
-    vals(o, got, 2);
+    th_vals(o, got, 2);
     cr_assert(isnan(got[0]));
     cr_assert_eq(got[1], -INFINITY);
     ts_tensor_free(o);
@@ -593,12 +566,12 @@ Test(tensor_elementwise, binary_gradcheck_with_broadcasting)
             in[0] = th_seq(TS_F64, geo[gi].na, geo[gi].sa, 1.3, true);
             in[1] = away_from_zero(TS_F64, geo[gi].nb, geo[gi].sb, true);
             bin_ctx c = {binops[k].fn, geo[gi].transpose_a};
-            th_gradcheck(gc_binary, 2, in, &c, GC_EPS, GC_ATOL, GC_RTOL);
+            th_gradcheck(gc_binary, 2, in, &c, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
             /* the gradients have the shapes of the inputs */
             for (int j = 0; j < 2; j++) {
                 cr_assert_not_null(ts_tensor_grad(in[j]), "geometry %zu %s: no grad for input %d", gi,
                                    binops[k].name, j);
-                assert_shape(ts_tensor_grad(in[j]), ts_tensor_ndim(in[j]), ts_tensor_shape(in[j]));
+                th_assert_shape(ts_tensor_grad(in[j]), ts_tensor_ndim(in[j]), ts_tensor_shape(in[j]));
             }
             ts_tensor_free(in[0]);
             ts_tensor_free(in[1]);
@@ -617,7 +590,7 @@ Test(tensor_elementwise, binary_gradcheck_one_input_requires_grad)
             in[0] = th_seq(TS_F64, 2, sa, 1.1, which == 0);
             in[1] = away_from_zero(TS_F64, 2, sb, which == 1);
             bin_ctx c = {binops[k].fn, false};
-            th_gradcheck(gc_binary, 2, in, &c, GC_EPS, GC_ATOL, GC_RTOL);
+            th_gradcheck(gc_binary, 2, in, &c, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
             cr_assert_null(ts_tensor_grad(in[1 - which]), "%s: grad for an input that does not require it",
                            binops[k].name);
             ts_tensor_free(in[0]);
@@ -637,9 +610,9 @@ Test(tensor_elementwise, binary_gradcheck_eight_dims)
         in[0] = th_seq(TS_F64, 8, sa, 1.2, true);
         in[1] = away_from_zero(TS_F64, 8, sb, true);
         bin_ctx c = {binops[k].fn, false};
-        th_gradcheck(gc_binary, 2, in, &c, GC_EPS, GC_ATOL, GC_RTOL);
-        assert_shape(ts_tensor_grad(in[0]), 8, sa);
-        assert_shape(ts_tensor_grad(in[1]), 8, sb);
+        th_gradcheck(gc_binary, 2, in, &c, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
+        th_assert_shape(ts_tensor_grad(in[0]), 8, sa);
+        th_assert_shape(ts_tensor_grad(in[1]), 8, sb);
         ts_tensor_free(in[0]);
         ts_tensor_free(in[1]);
     }
@@ -665,8 +638,8 @@ Test(tensor_elementwise, gradcheck_through_eight_dim_permute)
     th_mem_mark();
     int64_t sa[8] = {3, 1, 1, 1, 1, 1, 2, 1}, sb[8] = {1, 2, 1, 1, 1, 1, 1, 3};
     ts_tensor *in[2] = {th_seq(TS_F64, 8, sa, 1.0, true), away_from_zero(TS_F64, 8, sb, true)};
-    th_gradcheck(gc_permuted_eight_dims, 2, in, NULL, GC_EPS, GC_ATOL, GC_RTOL);
-    assert_shape(ts_tensor_grad(in[0]), 8, sa);
+    th_gradcheck(gc_permuted_eight_dims, 2, in, NULL, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
+    th_assert_shape(ts_tensor_grad(in[0]), 8, sa);
     ts_tensor_free(in[0]);
     ts_tensor_free(in[1]);
     th_mem_assert_back();
@@ -684,10 +657,10 @@ Test(tensor_elementwise, unary_gradcheck_every_op)
     int64_t s[2] = {3, 4};
     for (int k = 0; k < N_UNARY; k++) {
         ts_tensor *in[1] = {unary_input(&unary_cases[k], TS_F64, 2, s, true)};
-        th_gradcheck(gc_unary, 1, in, (void *)&unary_cases[k], GC_EPS, GC_ATOL, GC_RTOL);
+        th_gradcheck(gc_unary, 1, in, (void *)&unary_cases[k], TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
         ts_tensor *g = ts_tensor_grad(in[0]);
         cr_assert_not_null(g, "%s: no gradient", unary_cases[k].name);
-        assert_shape(g, 2, s);
+        th_assert_shape(g, 2, s);
         ts_tensor_free(in[0]);
     }
     th_mem_assert_back();
@@ -739,21 +712,15 @@ Test(tensor_elementwise, unary_gradient_hand_values)
 
 /* ------------------------------------------------------------ random views */
 
-static uint32_t lcg(uint32_t *st)
-{
-    *st = *st * 1664525u + 1013904223u;
-    return *st >> 8;
-}
-
 /* A view of logical shape `shape`: transposed storage, a step-2 slice, an
  * expanded size-1 dim, or plain. */
 static ts_tensor *random_view(ts_dtype d, int nd, const int64_t *shape, uint32_t *st)
 {
-    int kind = nd ? (int)(lcg(st) % 4) : 0;
+    int kind = nd ? (int)(th_lcg(st) % 4) : 0;
     int64_t sh[TS_MAX_DIMS];
     memcpy(sh, shape, (size_t)nd * sizeof *sh);
     ts_tensor *base, *v;
-    int dim = nd ? (int)(lcg(st) % (uint32_t)nd) : 0;
+    int dim = nd ? (int)(th_lcg(st) % (uint32_t)nd) : 0;
     if (kind == 1 && nd >= 2) {
         int64_t t = sh[0];
         sh[0] = sh[nd - 1];
@@ -781,14 +748,14 @@ Test(tensor_elementwise, random_views_match_contiguous_copies)
     th_mem_mark();
     uint32_t st = 777;
     for (int it = 0; it < 400; it++) {
-        int nd = (int)(lcg(&st) % 5), na = nd, nb = (int)(lcg(&st) % (uint32_t)(nd + 1));
+        int nd = (int)(th_lcg(&st) % 5), na = nd, nb = (int)(th_lcg(&st) % (uint32_t)(nd + 1));
         int64_t out[4], sa[4], sb[4];
         for (int i = 0; i < nd; i++)
-            out[i] = 1 + lcg(&st) % 4;
+            out[i] = 1 + th_lcg(&st) % 4;
         for (int i = 0; i < na; i++)
-            sa[i] = lcg(&st) % 4 ? out[i] : 1;
+            sa[i] = th_lcg(&st) % 4 ? out[i] : 1;
         for (int i = 0; i < nb; i++)
-            sb[i] = lcg(&st) % 4 ? out[nd - nb + i] : 1;
+            sb[i] = th_lcg(&st) % 4 ? out[nd - nb + i] : 1;
         ts_dtype d = it % 2 ? TS_F64 : TS_F32;
         if (it % 3 == 0) { /* swap which operand has fewer dims */
             int64_t t[4];
@@ -843,33 +810,6 @@ Test(tensor_elementwise, random_views_match_contiguous_copies)
 
 /* ------------------------------------------------- optimized vs reference */
 
-/* Runs op on fresh f32 copies of the inputs with the given kernel choice,
- * then backward with a fixed cotangent; returns the output and the input
- * gradients (new references). */
-static void run_binary_f32(binary_fn fn, ts_tensor *a0, ts_tensor *b0, bool transpose_a, bool reference,
-                           ts_tensor **out, ts_tensor **ga, ts_tensor **gb)
-{
-    ts__use_reference_kernels = reference;
-    ts_tensor *a, *b, *at = NULL, *o;
-    TH_OK(ts_clone(a0, &a));
-    TH_OK(ts_clone(b0, &b));
-    TH_OK(ts_tensor_set_requires_grad(a, true));
-    TH_OK(ts_tensor_set_requires_grad(b, true));
-    if (transpose_a)
-        TH_OK(ts_transpose(a, 0, 1, &at));
-    TH_OK(fn(at ? at : a, b, &o));
-    ts_tensor *cot = th_seq(TS_F32, ts_tensor_ndim(o), ts_tensor_shape(o), 0.8, false);
-    TH_OK(ts_backward(o, cot, false));
-    *out = o;
-    *ga = ts_tensor_retain(ts_tensor_grad(a));
-    *gb = ts_tensor_retain(ts_tensor_grad(b));
-    ts_tensor_free(cot);
-    ts_tensor_free(at);
-    ts_tensor_free(a);
-    ts_tensor_free(b);
-    ts__use_reference_kernels = false;
-}
-
 Test(tensor_elementwise, binary_optimized_matches_reference)
 {
     th_mem_mark();
@@ -889,25 +829,17 @@ Test(tensor_elementwise, binary_optimized_matches_reference)
         for (int k = 0; k < N_BINOPS; k++) {
             ts_tensor *a = th_seq(TS_F32, geo[gi].na, geo[gi].sa, 2.0, false);
             ts_tensor *b = away_from_zero(TS_F32, geo[gi].nb, geo[gi].sb, false);
-            ts_tensor *o1, *ga1, *gb1, *o2, *ga2, *gb2;
-            run_binary_f32(binops[k].fn, a, b, geo[gi].transpose_a, false, &o1, &ga1, &gb1);
-            run_binary_f32(binops[k].fn, a, b, geo[gi].transpose_a, true, &o2, &ga2, &gb2);
+            bin_ctx c = {binops[k].fn, geo[gi].transpose_a};
+            ts_tensor *in[2] = {a, b};
             /* forward: one IEEE operation per element; computing it in
              * double and rounding to float gives the correctly rounded
              * float result (53 >= 2 * 24 + 2 bits), which is what the float
-             * kernel computes: bit-identical */
-            th_assert_close(o1, o2, 0, 0);
-            /* backward: the reductions over broadcast dims accumulate in
+             * kernel computes: bit-identical (0, 0).
+             * backward: the reductions over broadcast dims accumulate in
              * double on both paths; div's db = -g/b * out is two float
-             * roundings on one side and one on the other: 2 ulp (1.2e-7) */
-            th_assert_close(ga1, ga2, 2.5e-7, 1e-7);
-            th_assert_close(gb1, gb2, 2.5e-7, 1e-7);
-            ts_tensor_free(o1);
-            ts_tensor_free(ga1);
-            ts_tensor_free(gb1);
-            ts_tensor_free(o2);
-            ts_tensor_free(ga2);
-            ts_tensor_free(gb2);
+             * roundings on one side and one on the other: 2 ulp (1.2e-7),
+             * so 2.5e-7 relative + 1e-7 absolute */
+            th_assert_kernels_agree(gc_binary, 2, in, &c, 0.8, 0, 0, 2.5e-7, 1e-7);
             ts_tensor_free(a);
             ts_tensor_free(b);
         }
@@ -922,32 +854,12 @@ Test(tensor_elementwise, unary_optimized_matches_reference)
     for (int k = 0; k < N_UNARY; k++) {
         const unary_case *c = &unary_cases[k];
         ts_tensor *x0 = unary_input(c, TS_F32, 3, s, false);
-        ts_tensor *outs[2], *grads[2];
-        for (int ref = 0; ref < 2; ref++) {
-            ts__use_reference_kernels = ref;
-            ts_tensor *x, *o;
-            TH_OK(ts_clone(x0, &x));
-            TH_OK(ts_tensor_set_requires_grad(x, true));
-            TH_OK(c->fn(x, &o));
-            ts_tensor *cot = th_seq(TS_F32, 3, s, 0.8, false);
-            TH_OK(ts_backward(o, cot, false));
-            outs[ref] = o;
-            grads[ref] = ts_tensor_retain(ts_tensor_grad(x));
-            ts_tensor_free(cot);
-            ts_tensor_free(x);
-            ts__use_reference_kernels = false;
-        }
         /* float kernels (expf, erff, tanhf, powf: within 1 ulp) against
          * double libm rounded once; compound formulas (sigmoid, gelu and
          * their derivatives) add a few float roundings, and 1 + erf / 1 - t*t
          * cancel for |x| near 3 (absolute error ~1e-7): 2e-6 relative (about
-         * 16 ulp) plus 1e-6 absolute */
-        th_assert_close(outs[0], outs[1], 2e-6, 1e-6);
-        th_assert_close(grads[0], grads[1], 2e-6, 1e-6);
-        ts_tensor_free(outs[0]);
-        ts_tensor_free(outs[1]);
-        ts_tensor_free(grads[0]);
-        ts_tensor_free(grads[1]);
+         * 16 ulp) plus 1e-6 absolute, for values and gradients */
+        th_assert_kernels_agree(gc_unary, 1, &x0, (void *)c, 0.8, 2e-6, 1e-6, 2e-6, 1e-6);
         ts_tensor_free(x0);
     }
     th_mem_assert_back();

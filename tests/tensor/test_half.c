@@ -14,22 +14,11 @@
 
 #include "tests/helpers.h"
 
+/* A non-empty fixture of tests/fixtures/rng, NUL-terminated. */
 static uint8_t *read_fixture(const char *file, size_t *len)
 {
-    char path[512];
-    snprintf(path, sizeof path, "%s/rng/%s", TS_FIXTURES_DIR, file);
-    FILE *f = fopen(path, "rb");
-    cr_assert_not_null(f, "cannot open fixture %s", path);
-    cr_assert_eq(fseek(f, 0, SEEK_END), 0);
-    long n = ftell(f);
-    cr_assert_gt(n, 0);
-    cr_assert_eq(fseek(f, 0, SEEK_SET), 0);
-    uint8_t *buf = malloc((size_t)n + 1);
-    cr_assert_not_null(buf);
-    cr_assert_eq(fread(buf, 1, (size_t)n, f), (size_t)n, "short read of %s", path);
-    fclose(f);
-    buf[n] = 0;
-    *len = (size_t)n;
+    uint8_t *buf = th_fixture_read(file, len);
+    cr_assert_gt(*len, 0, "empty fixture %s", file);
     return buf;
 }
 
@@ -57,55 +46,23 @@ static uint32_t bits_of(float f)
     return u;
 }
 
-/* CRC-32 (IEEE 802.3, reflected, as zlib.crc32), continued from `crc`. */
-static uint32_t crc_table[256];
-
-static void crc_init(void)
-{
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int k = 0; k < 8; k++)
-            c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        crc_table[i] = c;
-    }
-}
-
-static uint32_t crc_update(uint32_t crc, const uint8_t *p, size_t n)
-{
-    crc = ~crc;
-    for (size_t i = 0; i < n; i++)
-        crc = crc_table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
-    return ~crc;
-}
-
+/* CRC-32 (th_crc32) continued from `crc` over v's little-endian bytes. */
 static uint32_t crc_u16(uint32_t crc, uint16_t v)
 {
     uint8_t b[2] = {(uint8_t)v, (uint8_t)(v >> 8)};
-    return crc_update(crc, b, 2);
+    return th_crc32(crc, b, 2);
 }
 
 static uint32_t crc_u32(uint32_t crc, uint32_t v)
 {
     uint8_t b[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
-    return crc_update(crc, b, 4);
+    return th_crc32(crc, b, 4);
 }
 
 /* The value of `name` in half_crc32.txt. */
 static uint32_t torch_crc(const char *name)
 {
-    size_t len;
-    char *txt = (char *)read_fixture("half_crc32.txt", &len);
-    for (char *line = txt; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
-        char key[64];
-        unsigned int v;
-        if (line[0] != '#' && sscanf(line, "%63s %x", key, &v) == 2 && strcmp(key, name) == 0) {
-            free(txt);
-            return (uint32_t)v;
-        }
-    }
-    free(txt);
-    cr_assert_fail("half_crc32.txt has no %s", name);
-    return 0;
+    return th_fixture_crc("half_crc32.txt", name);
 }
 
 Test(tensor_half, f32_to_bf16_and_f16_match_torch)
@@ -143,7 +100,6 @@ Test(tensor_half, sixteen_bit_patterns_to_f32_match_torch)
 
 Test(tensor_half, every_sixteen_bit_pattern_matches_torch_crc)
 {
-    crc_init();
     uint32_t ch = 0, cb = 0;
     for (uint32_t x = 0; x < 65536; x++) {
         ch = crc_u32(ch, bits_of(ts_f16_to_f32((uint16_t)x)));
@@ -156,7 +112,6 @@ Test(tensor_half, every_sixteen_bit_pattern_matches_torch_crc)
 Test(tensor_half, f32_sweep_matches_torch_crc)
 {
     /* float32 patterns (k * 0x9E3779B1) mod 2^32 for k < 2^24 */
-    crc_init();
     uint32_t cb = 0, ch = 0;
     for (uint32_t k = 0; k < (1u << 24); k++) {
         float f = f32_of(k * 0x9E3779B1u);

@@ -8,36 +8,11 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "tensor/internal.h"
 #include "tests/helpers.h"
 
-/* Central differences in float64, eps = 1e-6: truncation ~1e-12, rounding
- * ~1e-10 here; 1e-6 abs + 1e-5 rel has wide margin while a wrong gradient
- * is off by O(1). */
-#define GC_EPS 1e-6
-#define GC_ATOL 1e-6
-#define GC_RTOL 1e-5
-
-static void vals(ts_tensor *t, double *buf, int64_t n)
-{
-    cr_assert_eq(ts_tensor_numel(t), n, "numel %lld, expected %lld", (long long)ts_tensor_numel(t), (long long)n);
-    ts_tensor *d;
-    bool prev = ts_grad_mode_set(false);
-    TH_OK(ts_to_dtype(t, TS_F64, &d));
-    ts_grad_mode_set(prev);
-    TH_OK(ts_tensor_copy_to(d, buf, (size_t)n * sizeof *buf));
-    ts_tensor_free(d);
-}
-
-static void assert_shape(const ts_tensor *t, int ndim, const int64_t *shape)
-{
-    char s[96];
-    cr_assert_eq(ts_tensor_ndim(t), ndim, "ndim %d, expected %d (shape %s)", ts_tensor_ndim(t), ndim,
-                 ts_tensor_shape_str(t, s, sizeof s));
-    for (int i = 0; i < ndim; i++)
-        cr_assert_eq(ts_tensor_shape(t)[i], shape[i], "dim %d is %lld, expected %lld (shape %s)", i,
-                     (long long)ts_tensor_shape(t)[i], (long long)shape[i], ts_tensor_shape_str(t, s, sizeof s));
-}
+/* Gradchecks use TH_GC_EPS / TH_GC_ATOL / TH_GC_RTOL (helpers.h):
+ * truncation ~1e-12 and rounding ~1e-10 here, while a wrong gradient is off
+ * by O(1). */
 
 static double item(ts_tensor *t)
 {
@@ -75,20 +50,20 @@ Test(tensor_nn_ops, layer_norm_values)
         ts_dtype d = dt ? TS_F64 : TS_F32;
         ts_tensor *x = th_seq(d, 3, sx, 2.0, false);
         double xv[24];
-        vals(x, xv, 24);
+        th_vals(x, xv, 24);
         for (int nd = 1; nd <= 2; nd++) {
             const int64_t *ps = sx + 3 - nd;
             ts_tensor *w = th_seq(d, nd, ps, 1.5, false), *b = th_seq(d, nd, ps, -0.5, false);
             double wv[12], bv[12];
-            vals(w, wv, nd == 1 ? 4 : 12);
-            vals(b, bv, nd == 1 ? 4 : 12);
+            th_vals(w, wv, nd == 1 ? 4 : 12);
+            th_vals(b, bv, nd == 1 ? 4 : 12);
             for (int combo = 0; combo < 4; combo++) {
                 bool uw = combo & 1, ub = combo & 2;
                 ts_tensor *y;
                 TH_OK(ts_layer_norm(x, nd, uw ? w : NULL, ub ? b : NULL, LN_EPS, &y));
-                assert_shape(y, 3, sx);
+                th_assert_shape(y, 3, sx);
                 double got[24], want[24];
-                vals(y, got, 24);
+                th_vals(y, got, 24);
                 naive_layer_norm(xv, nd, uw ? wv : NULL, ub ? bv : NULL, want);
                 /* float32: statistics in double, then (x - mu) * rstd * w + b
                  * in float, four roundings of values <= ~5: 1e-6 relative
@@ -117,7 +92,7 @@ Test(tensor_nn_ops, layer_norm_hand_values)
     ts_tensor *x = th_tensor(TS_F64, 1, s, v), *y;
     TH_OK(ts_layer_norm(x, 1, NULL, NULL, 0.0, &y));
     double got[4];
-    vals(y, got, 4);
+    th_vals(y, got, 4);
     for (int i = 0; i < 4; i++)
         cr_assert(fabs(got[i] - (v[i] - 2.5) / sqrt(1.25)) < 1e-15, "[%d] %.17g", i, got[i]);
     ts_tensor_free(y);
@@ -160,12 +135,12 @@ Test(tensor_nn_ops, layer_norm_gradcheck)
                 in[1] = combo & 1 ? th_seq(TS_F64, nd, ps, 1.5, true) : NULL;
                 in[2] = combo & 2 ? th_seq(TS_F64, nd, ps, -0.5, true) : NULL;
                 ln_ctx c = {nd, tr};
-                th_gradcheck(gc_layer_norm, 3, in, &c, GC_EPS, GC_ATOL, GC_RTOL);
+                th_gradcheck(gc_layer_norm, 3, in, &c, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
                 cr_assert_not_null(ts_tensor_grad(in[0]));
                 for (int j = 1; j < 3; j++)
                     if (in[j]) {
                         cr_assert_not_null(ts_tensor_grad(in[j]), "nd %d combo %d: no grad for input %d", nd, combo, j);
-                        assert_shape(ts_tensor_grad(in[j]), nd, ps);
+                        th_assert_shape(ts_tensor_grad(in[j]), nd, ps);
                     }
                 for (int j = 0; j < 3; j++)
                     ts_tensor_free(in[j]);
@@ -183,10 +158,10 @@ Test(tensor_nn_ops, layer_norm_gradcheck_parameters_only)
         ts_tensor *in[3] = {th_seq(TS_F64, 3, sx, 2.0, false), th_seq(TS_F64, nd, ps, 1.5, true),
                             th_seq(TS_F64, nd, ps, -0.5, true)};
         ln_ctx c = {nd, false};
-        th_gradcheck(gc_layer_norm, 3, in, &c, GC_EPS, GC_ATOL, GC_RTOL);
+        th_gradcheck(gc_layer_norm, 3, in, &c, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
         cr_assert_null(ts_tensor_grad(in[0]));
-        assert_shape(ts_tensor_grad(in[1]), nd, ps);
-        assert_shape(ts_tensor_grad(in[2]), nd, ps);
+        th_assert_shape(ts_tensor_grad(in[1]), nd, ps);
+        th_assert_shape(ts_tensor_grad(in[2]), nd, ps);
         for (int j = 0; j < 3; j++)
             ts_tensor_free(in[j]);
     }
@@ -201,43 +176,14 @@ Test(tensor_nn_ops, layer_norm_optimized_matches_reference)
         const int64_t *ps = sx + 3 - nd;
         ts_tensor *x0 = th_seq(TS_F32, 3, sx, 3.0, false), *w0 = th_seq(TS_F32, nd, ps, 1.5, false),
                   *b0 = th_seq(TS_F32, nd, ps, 0.5, false);
-        ts_tensor *outs[2], *gx[2], *gw[2], *gb[2];
-        for (int ref = 0; ref < 2; ref++) {
-            ts__use_reference_kernels = ref;
-            ts_tensor *x, *w, *b;
-            TH_OK(ts_clone(x0, &x));
-            TH_OK(ts_clone(w0, &w));
-            TH_OK(ts_clone(b0, &b));
-            TH_OK(ts_tensor_set_requires_grad(x, true));
-            TH_OK(ts_tensor_set_requires_grad(w, true));
-            TH_OK(ts_tensor_set_requires_grad(b, true));
-            TH_OK(ts_layer_norm(x, nd, w, b, LN_EPS, &outs[ref]));
-            ts_tensor *cot = th_seq(TS_F32, 3, sx, 0.7, false);
-            TH_OK(ts_backward(outs[ref], cot, false));
-            gx[ref] = ts_tensor_retain(ts_tensor_grad(x));
-            gw[ref] = ts_tensor_retain(ts_tensor_grad(w));
-            gb[ref] = ts_tensor_retain(ts_tensor_grad(b));
-            ts_tensor_free(cot);
-            ts_tensor_free(x);
-            ts_tensor_free(w);
-            ts_tensor_free(b);
-            ts__use_reference_kernels = false;
-        }
+        ln_ctx c = {nd, false};
+        ts_tensor *in[3] = {x0, w0, b0};
         /* forward: float (x - mu) * rstd * w + b against the same in double
          * rounded once: four float roundings of values up to ~6: 1e-6
          * relative + 1e-6 absolute. backward is computed in double on both
          * paths from the same saved statistics: identical up to the float
          * storage of x (1e-6 as well) */
-        th_assert_close(outs[0], outs[1], 1e-6, 1e-6);
-        th_assert_close(gx[0], gx[1], 1e-6, 1e-6);
-        th_assert_close(gw[0], gw[1], 1e-6, 1e-6);
-        th_assert_close(gb[0], gb[1], 1e-6, 1e-6);
-        for (int r = 0; r < 2; r++) {
-            ts_tensor_free(outs[r]);
-            ts_tensor_free(gx[r]);
-            ts_tensor_free(gw[r]);
-            ts_tensor_free(gb[r]);
-        }
+        th_assert_kernels_agree(gc_layer_norm, 3, in, &c, 0.7, 1e-6, 1e-6, 1e-6, 1e-6);
         ts_tensor_free(x0);
         ts_tensor_free(w0);
         ts_tensor_free(b0);
@@ -271,14 +217,14 @@ Test(tensor_nn_ops, embedding_picks_rows)
     double iv[6] = {4, 0, 2, 2, 4, 1};
     ts_tensor *w = th_seq(TS_F32, 2, sw, 1.0, false);
     double wv[15];
-    vals(w, wv, 15);
+    th_vals(w, wv, 15);
     for (int it = 0; it < 2; it++) {
         ts_tensor *idx = th_tensor(it ? TS_I32 : TS_I64, 2, si, iv), *o;
         TH_OK(ts_embedding(w, idx, &o));
         int64_t so[3] = {2, 3, 3};
-        assert_shape(o, 3, so);
+        th_assert_shape(o, 3, so);
         double got[18];
-        vals(o, got, 18);
+        th_vals(o, got, 18);
         for (int r = 0; r < 6; r++)
             for (int c = 0; c < 3; c++)
                 cr_assert_eq(got[r * 3 + c], wv[(int)iv[r] * 3 + c], "%s indices: out[%d][%d]",
@@ -291,9 +237,9 @@ Test(tensor_nn_ops, embedding_picks_rows)
     TH_OK(ts_tensor_scalar(TS_I64, 3, &i0));
     TH_OK(ts_embedding(w, i0, &o));
     int64_t s3[1] = {3};
-    assert_shape(o, 1, s3);
+    th_assert_shape(o, 1, s3);
     double got[3];
-    vals(o, got, 3);
+    th_vals(o, got, 3);
     for (int c = 0; c < 3; c++)
         cr_assert_eq(got[c], wv[9 + c]);
     ts_tensor_free(o);
@@ -320,7 +266,7 @@ Test(tensor_nn_ops, embedding_repeated_indices_accumulate_gradients)
         ts_tensor *cot = th_tensor(dt ? TS_F64 : TS_F32, 2, so, cv);
         TH_OK(ts_backward(o, cot, false));
         double g[8];
-        vals(ts_tensor_grad(w), g, 8);
+        th_vals(ts_tensor_grad(w), g, 8);
         /* row 0 <- out row 4 (5, 50); row 1 <- rows 0, 2, 3 (1+3+4, 10+30+40);
          * row 2 unused; row 3 <- row 1 (2, 20) */
         double want[8] = {5, 50, 8, 80, 0, 0, 2, 20};
@@ -346,8 +292,8 @@ Test(tensor_nn_ops, embedding_gradcheck)
     double iv[8] = {5, 0, 2, 5, 5, 1, 0, 3};
     ts_tensor *idx = th_tensor(TS_I64, 2, si, iv);
     ts_tensor *in[1] = {th_seq(TS_F64, 2, sw, 1.0, true)};
-    th_gradcheck(gc_embedding, 1, in, idx, GC_EPS, GC_ATOL, GC_RTOL);
-    assert_shape(ts_tensor_grad(in[0]), 2, sw);
+    th_gradcheck(gc_embedding, 1, in, idx, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
+    th_assert_shape(ts_tensor_grad(in[0]), 2, sw);
     ts_tensor_free(in[0]);
     ts_tensor_free(idx);
     th_mem_assert_back();
@@ -402,15 +348,15 @@ Test(tensor_nn_ops, cross_entropy_values)
         ts_dtype d = dt ? TS_F64 : TS_F32;
         ts_tensor *x = th_seq(d, 2, sl, 3.0, false), *t = th_tensor(TS_I64, 1, st, tvd), *o;
         double xv[CE_N * CE_C], li[CE_N];
-        vals(x, xv, CE_N * CE_C);
+        th_vals(x, xv, CE_N * CE_C);
         naive_ce(xv, tv, li);
         /* float32: log_softmax in float (expf, a few roundings of values up
          * to ~8): 1e-6 relative + 1e-6 absolute */
         double tol = dt ? 1e-13 : 2e-6;
         TH_OK(ts_cross_entropy(x, t, -100, TS_REDUCTION_NONE, &o));
-        assert_shape(o, 1, st);
+        th_assert_shape(o, 1, st);
         double got[CE_N];
-        vals(o, got, CE_N);
+        th_vals(o, got, CE_N);
         double sum = 0;
         for (int i = 0; i < CE_N; i++) {
             cr_assert(fabs(got[i] - li[i]) <= tol * (1 + fabs(li[i])), "none [%d]: %.9g vs %.9g", i, got[i], li[i]);
@@ -460,10 +406,10 @@ Test(tensor_nn_ops, cross_entropy_ignore_index)
     int64_t tv[CE_N] = {1, 0, 3, 0}; /* ignored rows' targets unused below */
     ts_tensor *x = th_seq(TS_F64, 2, sl, 2.0, false), *t = th_tensor(TS_I64, 1, st, tvd), *o;
     double xv[CE_N * CE_C], li[CE_N], got[CE_N];
-    vals(x, xv, CE_N * CE_C);
+    th_vals(x, xv, CE_N * CE_C);
     naive_ce(xv, tv, li);
     TH_OK(ts_cross_entropy(x, t, -1, TS_REDUCTION_NONE, &o));
-    vals(o, got, CE_N);
+    th_vals(o, got, CE_N);
     cr_assert(fabs(got[0] - li[0]) < 1e-13 && got[1] == 0 && fabs(got[2] - li[2]) < 1e-13 && got[3] == 0,
               "none: %g %g %g %g", got[0], got[1], got[2], got[3]);
     ts_tensor_free(o);
@@ -518,12 +464,12 @@ Test(tensor_nn_ops, cross_entropy_gradcheck)
         for (int r = 0; r < 3; r++) {
             ts_tensor *in[1] = {th_seq(TS_F64, 2, sl, 2.0, true)};
             ce_ctx c = {t, -100, (ts_reduction)r};
-            th_gradcheck(gc_ce, 1, in, &c, GC_EPS, GC_ATOL, GC_RTOL);
+            th_gradcheck(gc_ce, 1, in, &c, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
             cr_assert_not_null(ts_tensor_grad(in[0]));
             if (ti) {
                 /* ignored rows get no gradient at all */
                 double g[CE_N * CE_C];
-                vals(ts_tensor_grad(in[0]), g, CE_N * CE_C);
+                th_vals(ts_tensor_grad(in[0]), g, CE_N * CE_C);
                 for (int c2 = 0; c2 < CE_C; c2++)
                     cr_assert(g[1 * CE_C + c2] == 0 && g[3 * CE_C + c2] == 0, "reduction %d class %d", r, c2);
             }
@@ -546,8 +492,8 @@ Test(tensor_nn_ops, cross_entropy_gradient_is_softmax_minus_onehot)
     TH_OK(ts_softmax(x, 1, &p));
     ts_grad_mode_set(prev);
     double g[CE_N * CE_C], pv[CE_N * CE_C];
-    vals(ts_tensor_grad(x), g, CE_N * CE_C);
-    vals(p, pv, CE_N * CE_C);
+    th_vals(ts_tensor_grad(x), g, CE_N * CE_C);
+    th_vals(p, pv, CE_N * CE_C);
     for (int i = 0; i < CE_N; i++)
         for (int c = 0; c < CE_C; c++) {
             double want = (pv[i * CE_C + c] - (c == (int)tvd[i])) / CE_N;
@@ -567,28 +513,11 @@ Test(tensor_nn_ops, cross_entropy_optimized_matches_reference)
     double tvd[6] = {0, 32, 7, -100, 15, 15};
     ts_tensor *x0 = th_seq(TS_F32, 2, sl, 6.0, false), *t = th_tensor(TS_I64, 1, st, tvd);
     for (int r = 0; r < 3; r++) {
-        ts_tensor *outs[2], *gs[2];
-        for (int ref = 0; ref < 2; ref++) {
-            ts__use_reference_kernels = ref;
-            ts_tensor *x;
-            TH_OK(ts_clone(x0, &x));
-            TH_OK(ts_tensor_set_requires_grad(x, true));
-            TH_OK(ts_cross_entropy(x, t, -100, (ts_reduction)r, &outs[ref]));
-            ts_tensor *cot = th_seq(TS_F32, ts_tensor_ndim(outs[ref]), ts_tensor_shape(outs[ref]), 1.0, false);
-            TH_OK(ts_backward(outs[ref], cot, false));
-            gs[ref] = ts_tensor_retain(ts_tensor_grad(x));
-            ts_tensor_free(cot);
-            ts_tensor_free(x);
-            ts__use_reference_kernels = false;
-        }
+        ce_ctx c = {t, -100, (ts_reduction)r};
         /* log_softmax in float (expf, (x - max) - log s) against double:
-         * a few ulp of values up to ~12: 1e-6 relative + 1e-6 absolute */
-        th_assert_close(outs[0], outs[1], 1e-6, 1e-6);
-        th_assert_close(gs[0], gs[1], 1e-6, 1e-6);
-        for (int k = 0; k < 2; k++) {
-            ts_tensor_free(outs[k]);
-            ts_tensor_free(gs[k]);
-        }
+         * a few ulp of values up to ~12: 1e-6 relative + 1e-6 absolute,
+         * for the loss and the gradient */
+        th_assert_kernels_agree(gc_ce, 1, &x0, &c, 1.0, 1e-6, 1e-6, 1e-6, 1e-6);
     }
     ts_tensor_free(x0);
     ts_tensor_free(t);
@@ -655,9 +584,9 @@ Test(tensor_nn_ops, mse_loss_values)
         ts_dtype d = dt ? TS_F64 : TS_F32;
         ts_tensor *x = th_tensor(d, 2, s, a), *y = th_tensor(d, 2, s, b), *o;
         TH_OK(ts_mse_loss(x, y, TS_REDUCTION_NONE, &o));
-        assert_shape(o, 2, s);
+        th_assert_shape(o, 2, s);
         double got[4], want[4] = {0.25, 4, 0, 9};
-        vals(o, got, 4);
+        th_vals(o, got, 4);
         for (int i = 0; i < 4; i++)
             cr_assert_eq(got[i], want[i]);
         ts_tensor_free(o);
@@ -686,9 +615,9 @@ Test(tensor_nn_ops, mse_loss_gradcheck)
     for (int r = 0; r < 3; r++) {
         ts_tensor *in[2] = {th_seq(TS_F64, 2, s, 1.0, true), th_seq(TS_F64, 2, s, -0.7, true)};
         ts_reduction red = (ts_reduction)r;
-        th_gradcheck(gc_mse, 2, in, &red, GC_EPS, GC_ATOL, GC_RTOL);
-        assert_shape(ts_tensor_grad(in[0]), 2, s);
-        assert_shape(ts_tensor_grad(in[1]), 2, s);
+        th_gradcheck(gc_mse, 2, in, &red, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
+        th_assert_shape(ts_tensor_grad(in[0]), 2, s);
+        th_assert_shape(ts_tensor_grad(in[1]), 2, s);
         ts_tensor_free(in[0]);
         ts_tensor_free(in[1]);
     }
@@ -726,9 +655,9 @@ Test(tensor_nn_ops, dropout_identity_cases)
     ts_tensor_free(o);
     /* p = 1: zeros */
     TH_OK(ts_dropout(x, 1.0, true, NULL, &o));
-    assert_shape(o, 2, s);
+    th_assert_shape(o, 2, s);
     double v[20];
-    vals(o, v, 20);
+    th_vals(o, v, 20);
     for (int i = 0; i < 20; i++)
         cr_assert_eq(v[i], 0.0, "[%d] = %g", i, v[i]);
     ts_tensor_free(o);
@@ -747,13 +676,13 @@ Test(tensor_nn_ops, dropout_seeded_mask_is_deterministic_and_scaled)
     const double p = 0.3;
     ts_tensor *x = th_seq(TS_F32, 2, s, 2.0, true), *y1, *y2;
     double xv[2000], a[2000], b[2000];
-    vals(x, xv, 2000);
+    th_vals(x, xv, 2000);
     ts_manual_seed(1234);
     TH_OK(ts_dropout(x, p, true, NULL, &y1));
     ts_manual_seed(1234);
     TH_OK(ts_dropout(x, p, true, NULL, &y2));
-    vals(y1, a, 2000);
-    vals(y2, b, 2000);
+    th_vals(y1, a, 2000);
+    th_vals(y2, b, 2000);
     int kept = 0;
     for (int i = 0; i < 2000; i++) {
         cr_assert_eq(a[i], b[i], "same seed, element %d differs: %g vs %g", i, a[i], b[i]);
@@ -772,7 +701,7 @@ Test(tensor_nn_ops, dropout_seeded_mask_is_deterministic_and_scaled)
     TH_OK(ts_sum(y1, 0, NULL, false, &l));
     TH_OK(ts_backward(l, NULL, false));
     double g[2000];
-    vals(ts_tensor_grad(x), g, 2000);
+    th_vals(ts_tensor_grad(x), g, 2000);
     for (int i = 0; i < 2000; i++) {
         double want = a[i] != 0 ? 1 / (1 - p) : 0.0;
         cr_assert(fabs(g[i] - want) <= 1.2e-7 * want, "grad [%d] %.9g vs %.9g", i, g[i], want);
@@ -782,7 +711,7 @@ Test(tensor_nn_ops, dropout_seeded_mask_is_deterministic_and_scaled)
     ts_manual_seed(4321);
     TH_OK(ts_dropout(x, p, true, NULL, &y3));
     double c[2000];
-    vals(y3, c, 2000);
+    th_vals(y3, c, 2000);
     int differ = 0;
     for (int i = 0; i < 2000; i++)
         differ += (a[i] == 0) != (c[i] == 0);
@@ -835,7 +764,7 @@ Test(tensor_nn_ops, dropout_gradcheck)
     for (int k = 0; k < 3; k++) {
         ts_tensor *in[1] = {th_seq(TS_F64, 2, s, 1.0, true)};
         drop_ctx c = {g, ps[k]};
-        th_gradcheck(gc_dropout, 1, in, &c, GC_EPS, GC_ATOL, GC_RTOL);
+        th_gradcheck(gc_dropout, 1, in, &c, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
         cr_assert_not_null(ts_tensor_grad(in[0]), "p = %g", ps[k]);
         ts_tensor_free(in[0]);
     }

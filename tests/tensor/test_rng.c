@@ -13,137 +13,6 @@
 
 #include "tests/helpers.h"
 
-/* A vector file NAME.bin: the raw little-endian values of one or more
- * tensors, concatenated; consumed front to back. */
-typedef struct fv_vec {
-    char name[128];
-    uint8_t *buf;
-    size_t len;
-    size_t pos;
-} fv_vec;
-
-static inline uint8_t *fv_read(const char *file, size_t *len)
-{
-    char path[512];
-    snprintf(path, sizeof path, "%s/rng/%s", TS_FIXTURES_DIR, file);
-    FILE *f = fopen(path, "rb");
-    cr_assert_not_null(f, "cannot open fixture %s", path);
-    cr_assert_eq(fseek(f, 0, SEEK_END), 0);
-    long n = ftell(f);
-    cr_assert_geq(n, 0);
-    cr_assert_eq(fseek(f, 0, SEEK_SET), 0);
-    uint8_t *buf = malloc(n ? (size_t)n : 1);
-    cr_assert_not_null(buf);
-    cr_assert_eq(fread(buf, 1, (size_t)n, f), (size_t)n, "short read of %s", path);
-    fclose(f);
-    *len = (size_t)n;
-    return buf;
-}
-
-static inline fv_vec fv_open(const char *name)
-{
-    fv_vec v;
-    char file[160];
-    snprintf(v.name, sizeof v.name, "%s", name);
-    snprintf(file, sizeof file, "%s.bin", name);
-    v.buf = fv_read(file, &v.len);
-    v.pos = 0;
-    return v;
-}
-
-static inline const uint8_t *fv_take(fv_vec *v, size_t nbytes)
-{
-    cr_assert_leq(v->pos + nbytes, v->len, "%s: wants %zu bytes at %zu of %zu", v->name, nbytes, v->pos, v->len);
-    const uint8_t *p = v->buf + v->pos;
-    v->pos += nbytes;
-    return p;
-}
-
-/* Asserts that the whole vector was consumed, and frees it. */
-static inline void fv_close(fv_vec *v)
-{
-    cr_assert_eq(v->pos, v->len, "%s: %zu of %zu bytes compared", v->name, v->pos, v->len);
-    free(v->buf);
-    v->buf = NULL;
-}
-
-static inline void fv_describe(ts_dtype dt, const uint8_t *p, char *out, size_t len)
-{
-    switch (dt) {
-    case TS_F32: {
-        float f;
-        uint32_t u;
-        memcpy(&f, p, 4);
-        memcpy(&u, p, 4);
-        snprintf(out, len, "%.9g (0x%08" PRIx32 ")", (double)f, u);
-        return;
-    }
-    case TS_F64: {
-        double d;
-        uint64_t u;
-        memcpy(&d, p, 8);
-        memcpy(&u, p, 8);
-        snprintf(out, len, "%.17g (0x%016" PRIx64 ")", d, u);
-        return;
-    }
-    case TS_I64: {
-        int64_t i;
-        memcpy(&i, p, 8);
-        snprintf(out, len, "%" PRId64, i);
-        return;
-    }
-    default:
-        snprintf(out, len, "0x%02x", p[0]);
-        return;
-    }
-}
-
-/* Bytes of one element of `dt` in `got` and `want` at index i, compared
- * bit for bit; fails naming the first difference. */
-static inline void fv_expect_bytes(const char *what, ts_dtype dt, const void *got, const void *want, int64_t n)
-{
-    size_t es = ts_dtype_size(dt);
-    const uint8_t *g = got, *w = want;
-    for (int64_t i = 0; i < n; i++) {
-        if (memcmp(g + (size_t)i * es, w + (size_t)i * es, es) != 0) {
-            char gs[64], ws[64];
-            fv_describe(dt, g + (size_t)i * es, gs, sizeof gs);
-            fv_describe(dt, w + (size_t)i * es, ws, sizeof ws);
-            cr_assert_fail("%s: element %" PRId64 " of %" PRId64 " is %s, torch has %s", what, i, n, gs, ws);
-        }
-    }
-}
-
-/* Compares the next numel values of the vector with `t` (row-major). */
-static inline void fv_expect_tensor(fv_vec *v, const ts_tensor *t, const char *what)
-{
-    ts_dtype dt = ts_tensor_dtype(t);
-    size_t nb = (size_t)ts_tensor_numel(t) * ts_dtype_size(dt);
-    const uint8_t *want = fv_take(v, nb);
-    uint8_t *got = malloc(nb ? nb : 1);
-    cr_assert_not_null(got);
-    ts_status st = ts_tensor_copy_to(t, got, nb);
-    cr_assert_eq(st, TS_OK, "%s: copy_to: %s", what, ts_last_error());
-    char label[256];
-    snprintf(label, sizeof label, "%s: %s", v->name, what);
-    fv_expect_bytes(label, dt, got, want, ts_tensor_numel(t));
-    free(got);
-}
-
-/* Expects `expr` to fail with `status` and a detail containing each of
- * the (one or more) strings. */
-#define FV_FAILS(expr, status, ...)                                                                    \
-    do {                                                                                               \
-        ts_status fv_s_ = (expr);                                                                      \
-        cr_assert_eq(fv_s_, (status), "%s -> %s, expected %s (%s)", #expr, ts_status_name(fv_s_),      \
-                     ts_status_name(status), ts_last_error());                                         \
-        const char *fv_want_[] = {__VA_ARGS__, NULL};                                                  \
-        for (int fv_i_ = 0; fv_want_[fv_i_]; fv_i_++)                                                  \
-            cr_assert_not_null(strstr(ts_last_error(), fv_want_[fv_i_]), "%s: detail \"%s\" lacks \"%s\"", \
-                               #expr, ts_last_error(), fv_want_[fv_i_]);                               \
-    } while (0)
-
-
 /* ------------------------------------------------------------- helpers */
 
 static int64_t sh1[1];
@@ -163,19 +32,6 @@ static ts_tensor *randn1(ts_dtype dt, int64_t n)
     sh1[0] = n;
     TH_OK(ts_randn(dt, 1, sh1, NULL, &t));
     return t;
-}
-
-static ts_tensor *empty(ts_dtype dt, int ndim, const int64_t *shape)
-{
-    ts_tensor *t;
-    TH_OK(ts_tensor_empty(dt, ndim, shape, &t));
-    return t;
-}
-
-static void expect_free(fv_vec *v, ts_tensor *t, const char *what)
-{
-    fv_expect_tensor(v, t, what);
-    ts_tensor_free(t);
 }
 
 static const int64_t sizes[] = {1, 15, 16, 17, 31, 33, 100, 1000};
@@ -244,48 +100,48 @@ Test(tensor_rng, generators_are_independent_of_the_default)
 
 Test(tensor_rng, shared_rand_randn_randint_randperm)
 {
-    fv_vec v = fv_open("rand_8_seed0");
+    th_vec v = th_vec_open("rand_8_seed0");
     ts_manual_seed(0);
-    expect_free(&v, rand1(TS_F32, 8), "rand(8)");
-    fv_close(&v);
+    th_vec_expect_free(&v, rand1(TS_F32, 8), "rand(8)");
+    th_vec_close(&v);
 
-    v = fv_open("randn_17_seed0");
+    v = th_vec_open("randn_17_seed0");
     ts_manual_seed(0);
-    expect_free(&v, randn1(TS_F32, 17), "randn(17)");
-    fv_close(&v);
+    th_vec_expect_free(&v, randn1(TS_F32, 17), "randn(17)");
+    th_vec_close(&v);
 
     ts_tensor *t;
-    v = fv_open("randn_2x3_seed42");
+    v = th_vec_open("randn_2x3_seed42");
     ts_manual_seed(42);
     TH_OK(ts_randn(TS_F32, 2, (int64_t[]){2, 3}, NULL, &t));
-    expect_free(&v, t, "randn(2, 3)");
-    fv_close(&v);
+    th_vec_expect_free(&v, t, "randn(2, 3)");
+    th_vec_close(&v);
 
-    v = fv_open("randn_4x8_seed42");
+    v = th_vec_open("randn_4x8_seed42");
     ts_manual_seed(42);
     TH_OK(ts_randn(TS_F32, 2, (int64_t[]){4, 8}, NULL, &t));
-    expect_free(&v, t, "randn(4, 8)");
-    fv_close(&v);
+    th_vec_expect_free(&v, t, "randn(4, 8)");
+    th_vec_close(&v);
 
-    v = fv_open("randint_0_10_12_seed0");
+    v = th_vec_open("randint_0_10_12_seed0");
     ts_manual_seed(0);
     TH_OK(ts_randint(0, 10, 1, (int64_t[]){12}, NULL, &t));
-    expect_free(&v, t, "randint(0, 10, (12,))");
-    fv_close(&v);
+    th_vec_expect_free(&v, t, "randint(0, 10, (12,))");
+    th_vec_close(&v);
 
-    v = fv_open("randperm_10_seed0");
+    v = th_vec_open("randperm_10_seed0");
     ts_manual_seed(0);
     TH_OK(ts_randperm(10, NULL, &t));
-    expect_free(&v, t, "randperm(10)");
-    fv_close(&v);
+    th_vec_expect_free(&v, t, "randperm(10)");
+    th_vec_close(&v);
 
     /* nn.Embedding(10, 3): normal_(0, 1) over 30 elements */
-    v = fv_open("embedding10x3_seed0_weight");
+    v = th_vec_open("embedding10x3_seed0_weight");
     ts_manual_seed(0);
-    t = empty(TS_F32, 2, (int64_t[]){10, 3});
+    t = th_empty(TS_F32, 2, (int64_t[]){10, 3});
     TH_OK(ts_normal_(t, 0.0, 1.0, NULL));
-    expect_free(&v, t, "Embedding(10, 3).weight");
-    fv_close(&v);
+    th_vec_expect_free(&v, t, "Embedding(10, 3).weight");
+    th_vec_close(&v);
 }
 
 /* ------------------------------------------------------ rand and randn */
@@ -294,15 +150,15 @@ Test(tensor_rng, rand_and_randn_at_every_size)
 {
     static const char *names[] = {"rand_f32_sizes", "rand_f64_sizes", "randn_f32_sizes", "randn_f64_sizes"};
     for (int k = 0; k < 4; k++) {
-        fv_vec v = fv_open(names[k]);
+        th_vec v = th_vec_open(names[k]);
         ts_dtype dt = (k & 1) ? TS_F64 : TS_F32;
         for (int i = 0; i < N_SIZES; i++) {
             char what[64];
             snprintf(what, sizeof what, "%s(%lld)", k < 2 ? "rand" : "randn", (long long)sizes[i]);
             ts_manual_seed(1000 + (uint64_t)sizes[i]);
-            expect_free(&v, k < 2 ? rand1(dt, sizes[i]) : randn1(dt, sizes[i]), what);
+            th_vec_expect_free(&v, k < 2 ? rand1(dt, sizes[i]) : randn1(dt, sizes[i]), what);
         }
-        fv_close(&v);
+        th_vec_close(&v);
     }
 }
 
@@ -312,12 +168,12 @@ Test(tensor_rng, seeds_wrap_like_torch)
     static const uint64_t seeds[] = {0, 1, 42, 2147483647u, 4294967295u, (UINT64_C(1) << 32) + 7,
                                      (UINT64_C(1) << 63) - 1, UINT64_MAX, (uint64_t)INT64_C(-123456789),
                                      UINT64_MAX};
-    fv_vec v = fv_open("rand_seeds");
+    th_vec v = th_vec_open("rand_seeds");
     for (int i = 0; i < 10; i++) {
         ts_manual_seed(seeds[i]);
-        expect_free(&v, rand1(TS_F32, 4), "rand(4)");
+        th_vec_expect_free(&v, rand1(TS_F32, 4), "rand(4)");
     }
-    fv_close(&v);
+    th_vec_close(&v);
 }
 
 /* ---------------------------------------------------- normal_, uniform_ */
@@ -326,28 +182,28 @@ Test(tensor_rng, normal_with_mean_and_std)
 {
     static const double ms32[3][2] = {{0.25, 2.5}, {-3.0, 0.1}, {1000.0, 0.001}};
     static const int64_t n32[] = {5, 16, 37, 1000};
-    fv_vec v = fv_open("normal_f32_mean_std");
+    th_vec v = th_vec_open("normal_f32_mean_std");
     for (int k = 0; k < 3; k++) {
         ts_manual_seed(100 + (uint64_t)k);
         for (int i = 0; i < 4; i++) {
-            ts_tensor *t = empty(TS_F32, 1, &n32[i]);
+            ts_tensor *t = th_empty(TS_F32, 1, &n32[i]);
             TH_OK(ts_normal_(t, ms32[k][0], ms32[k][1], NULL));
-            expect_free(&v, t, "normal_ f32");
+            th_vec_expect_free(&v, t, "normal_ f32");
         }
     }
-    fv_close(&v);
+    th_vec_close(&v);
 
     static const int64_t n64[] = {5, 16, 37, 200};
-    v = fv_open("normal_f64_mean_std");
+    v = th_vec_open("normal_f64_mean_std");
     for (int k = 0; k < 2; k++) {
         ts_manual_seed(200 + (uint64_t)k);
         for (int i = 0; i < 4; i++) {
-            ts_tensor *t = empty(TS_F64, 1, &n64[i]);
+            ts_tensor *t = th_empty(TS_F64, 1, &n64[i]);
             TH_OK(ts_normal_(t, ms32[k][0], ms32[k][1], NULL));
-            expect_free(&v, t, "normal_ f64");
+            th_vec_expect_free(&v, t, "normal_ f64");
         }
     }
-    fv_close(&v);
+    th_vec_close(&v);
 }
 
 Test(tensor_rng, uniform_with_bounds)
@@ -355,14 +211,14 @@ Test(tensor_rng, uniform_with_bounds)
     static const double ab[5][2] = {{-2.5, 7.25}, {-0.125, 0.125}, {3.0, 3.0}, {-1e30, 1e30}, {0.1, 0.2}};
     static const char *names[] = {"uniform_f32_bounds", "uniform_f64_bounds"};
     for (int k = 0; k < 2; k++) {
-        fv_vec v = fv_open(names[k]);
+        th_vec v = th_vec_open(names[k]);
         ts_manual_seed(3 + (uint64_t)k);
         for (int i = 0; i < 5; i++) {
-            ts_tensor *t = empty(k ? TS_F64 : TS_F32, 1, (int64_t[]){37});
+            ts_tensor *t = th_empty(k ? TS_F64 : TS_F32, 1, (int64_t[]){37});
             TH_OK(ts_uniform_(t, ab[i][0], ab[i][1], NULL));
-            expect_free(&v, t, "uniform_");
+            th_vec_expect_free(&v, t, "uniform_");
         }
-        fv_close(&v);
+        th_vec_close(&v);
     }
 }
 
@@ -370,78 +226,78 @@ Test(tensor_rng, scalar_normal_cache_carries_across_calls)
 {
     /* randn(3) leaves a cached value that randn(5) picks up after the
      * vectorised randn(20); see SPEC §5.4 */
-    fv_vec v = fv_open("normal_cache_seq");
+    th_vec v = th_vec_open("normal_cache_seq");
     ts_manual_seed(0);
-    expect_free(&v, randn1(TS_F32, 3), "randn(3)");
-    expect_free(&v, randn1(TS_F32, 20), "randn(20)");
-    expect_free(&v, randn1(TS_F32, 5), "randn(5)");
-    expect_free(&v, rand1(TS_F32, 7), "rand(7)");
-    expect_free(&v, randn1(TS_F32, 1), "randn(1)");
-    expect_free(&v, randn1(TS_F64, 3), "randn(3, float64)");
-    expect_free(&v, randn1(TS_F32, 16), "randn(16)");
-    expect_free(&v, randn1(TS_F32, 2), "randn(2)");
-    ts_tensor *t = empty(TS_F32, 1, (int64_t[]){3});
+    th_vec_expect_free(&v, randn1(TS_F32, 3), "randn(3)");
+    th_vec_expect_free(&v, randn1(TS_F32, 20), "randn(20)");
+    th_vec_expect_free(&v, randn1(TS_F32, 5), "randn(5)");
+    th_vec_expect_free(&v, rand1(TS_F32, 7), "rand(7)");
+    th_vec_expect_free(&v, randn1(TS_F32, 1), "randn(1)");
+    th_vec_expect_free(&v, randn1(TS_F64, 3), "randn(3, float64)");
+    th_vec_expect_free(&v, randn1(TS_F32, 16), "randn(16)");
+    th_vec_expect_free(&v, randn1(TS_F32, 2), "randn(2)");
+    ts_tensor *t = th_empty(TS_F32, 1, (int64_t[]){3});
     TH_OK(ts_normal_(t, 2.0, 0.5, NULL));
-    expect_free(&v, t, "normal_(2.0, 0.5) on 3");
-    fv_close(&v);
+    th_vec_expect_free(&v, t, "normal_(2.0, 0.5) on 3");
+    th_vec_close(&v);
 }
 
 Test(tensor_rng, non_contiguous_fills_follow_memory_order)
 {
-    fv_vec v = fv_open("noncontig_fills");
+    th_vec v = th_vec_open("noncontig_fills");
     ts_tensor *b, *t, *u;
     ts_manual_seed(0);
 
-    b = empty(TS_F32, 2, (int64_t[]){8, 4}); /* (8, 4).t(): scalar normal path */
+    b = th_empty(TS_F32, 2, (int64_t[]){8, 4}); /* (8, 4).t(): scalar normal path */
     TH_OK(ts_transpose(b, 0, 1, &t));
     TH_OK(ts_normal_(t, 0.0, 1.0, NULL));
-    expect_free(&v, t, "(8, 4).t().normal_()");
+    th_vec_expect_free(&v, t, "(8, 4).t().normal_()");
     ts_tensor_free(b);
 
-    b = empty(TS_F32, 2, (int64_t[]){8, 4});
+    b = th_empty(TS_F32, 2, (int64_t[]){8, 4});
     TH_OK(ts_transpose(b, 0, 1, &t));
     TH_OK(ts_uniform_(t, -1.0, 1.0, NULL));
-    expect_free(&v, t, "(8, 4).t().uniform_(-1, 1)");
+    th_vec_expect_free(&v, t, "(8, 4).t().uniform_(-1, 1)");
     ts_tensor_free(b);
 
-    b = empty(TS_F32, 2, (int64_t[]){6, 10}); /* [:, ::2] */
+    b = th_empty(TS_F32, 2, (int64_t[]){6, 10}); /* [:, ::2] */
     TH_OK(ts_slice(b, 1, 0, 10, 2, &t));
     TH_OK(ts_uniform_(t, -1.0, 1.0, NULL));
-    expect_free(&v, t, "(6, 10)[:, ::2].uniform_(-1, 1)");
+    th_vec_expect_free(&v, t, "(6, 10)[:, ::2].uniform_(-1, 1)");
     ts_tensor_free(b);
 
-    b = empty(TS_F32, 3, (int64_t[]){2, 3, 4});
+    b = th_empty(TS_F32, 3, (int64_t[]){2, 3, 4});
     TH_OK(ts_permute(b, (int[]){2, 0, 1}, &t));
     TH_OK(ts_normal_(t, 0.5, 2.0, NULL));
-    expect_free(&v, t, "(2, 3, 4).permute(2, 0, 1).normal_(0.5, 2)");
+    th_vec_expect_free(&v, t, "(2, 3, 4).permute(2, 0, 1).normal_(0.5, 2)");
     ts_tensor_free(b);
 
-    b = empty(TS_F64, 2, (int64_t[]){4, 6});
+    b = th_empty(TS_F64, 2, (int64_t[]){4, 6});
     TH_OK(ts_transpose(b, 0, 1, &t));
     TH_OK(ts_normal_(t, 0.0, 1.0, NULL));
-    expect_free(&v, t, "(4, 6) f64 .t().normal_()");
+    th_vec_expect_free(&v, t, "(4, 6) f64 .t().normal_()");
     ts_tensor_free(b);
 
-    b = empty(TS_F32, 2, (int64_t[]){5, 8}); /* [1:4, 2:7] */
+    b = th_empty(TS_F32, 2, (int64_t[]){5, 8}); /* [1:4, 2:7] */
     TH_OK(ts_narrow(b, 0, 1, 3, &u));
     TH_OK(ts_narrow(u, 1, 2, 5, &t));
     TH_OK(ts_normal_(t, 0.0, 1.0, NULL));
-    expect_free(&v, t, "(5, 8)[1:4, 2:7].normal_()");
+    th_vec_expect_free(&v, t, "(5, 8)[1:4, 2:7].normal_()");
     ts_tensor_free(u);
     ts_tensor_free(b);
 
-    b = empty(TS_F32, 1, (int64_t[]){40}); /* [::2]: 20 elements, not contiguous */
+    b = th_empty(TS_F32, 1, (int64_t[]){40}); /* [::2]: 20 elements, not contiguous */
     TH_OK(ts_slice(b, 0, 0, 40, 2, &t));
     TH_OK(ts_normal_(t, 0.0, 1.0, NULL));
-    expect_free(&v, t, "(40,)[::2].normal_()");
+    th_vec_expect_free(&v, t, "(40,)[::2].normal_()");
     ts_tensor_free(b);
 
-    b = empty(TS_F32, 2, (int64_t[]){8, 4});
+    b = th_empty(TS_F32, 2, (int64_t[]){8, 4});
     TH_OK(ts_transpose(b, 0, 1, &t));
     TH_OK(ts_bernoulli_(t, 0.3, NULL));
-    expect_free(&v, t, "(8, 4).t().bernoulli_(0.3)");
+    th_vec_expect_free(&v, t, "(8, 4).t().bernoulli_(0.3)");
     ts_tensor_free(b);
-    fv_close(&v);
+    th_vec_close(&v);
 }
 
 Test(tensor_rng, size_one_dims_do_not_change_the_path)
@@ -450,7 +306,7 @@ Test(tensor_rng, size_one_dims_do_not_change_the_path)
      * for torch: the vectorised path, like randn(16) */
     ts_manual_seed(11);
     ts_tensor *a = randn1(TS_F32, 16);
-    ts_tensor *b = empty(TS_F32, 2, (int64_t[]){1, 16}), *t;
+    ts_tensor *b = th_empty(TS_F32, 2, (int64_t[]){1, 16}), *t;
     TH_OK(ts_transpose(b, 0, 1, &t)); /* (16, 1) strides (1, 16) */
     ts_manual_seed(11);
     TH_OK(ts_normal_(t, 0.0, 1.0, NULL));
@@ -464,38 +320,38 @@ Test(tensor_rng, size_one_dims_do_not_change_the_path)
 
 Test(tensor_rng, randint_small_and_wide_ranges)
 {
-    fv_vec v = fv_open("randint_ranges");
+    th_vec v = th_vec_open("randint_ranges");
     ts_tensor *t;
     ts_manual_seed(5);
     TH_OK(ts_randint(-5, 5, 1, (int64_t[]){20}, NULL, &t));
-    expect_free(&v, t, "randint(-5, 5)");
+    th_vec_expect_free(&v, t, "randint(-5, 5)");
     TH_OK(ts_randint(0, INT64_C(1) << 32, 1, (int64_t[]){10}, NULL, &t));
-    expect_free(&v, t, "randint(0, 2^32)");
+    th_vec_expect_free(&v, t, "randint(0, 2^32)");
     TH_OK(ts_randint(0, (INT64_C(1) << 32) - 1, 1, (int64_t[]){10}, NULL, &t));
-    expect_free(&v, t, "randint(0, 2^32 - 1)");
+    th_vec_expect_free(&v, t, "randint(0, 2^32 - 1)");
     TH_OK(ts_randint(-(INT64_C(1) << 40), INT64_C(1) << 40, 1, (int64_t[]){10}, NULL, &t));
-    expect_free(&v, t, "randint(-2^40, 2^40)");
+    th_vec_expect_free(&v, t, "randint(-2^40, 2^40)");
     TH_OK(ts_randint(INT64_MIN, INT64_MAX, 1, (int64_t[]){8}, NULL, &t));
-    expect_free(&v, t, "randint(-2^63, 2^63 - 1)");
+    th_vec_expect_free(&v, t, "randint(-2^63, 2^63 - 1)");
     TH_OK(ts_randint(7, 8, 1, (int64_t[]){3}, NULL, &t));
-    expect_free(&v, t, "randint(7, 8)");
-    expect_free(&v, rand1(TS_F32, 2), "rand(2) after");
-    fv_close(&v);
+    th_vec_expect_free(&v, t, "randint(7, 8)");
+    th_vec_expect_free(&v, rand1(TS_F32, 2), "rand(2) after");
+    th_vec_close(&v);
 }
 
 Test(tensor_rng, randperm_draws_n_minus_one)
 {
-    fv_vec v = fv_open("randperm_100");
+    th_vec v = th_vec_open("randperm_100");
     ts_tensor *t;
     ts_manual_seed(0);
     TH_OK(ts_randperm(100, NULL, &t));
-    expect_free(&v, t, "randperm(100)");
+    th_vec_expect_free(&v, t, "randperm(100)");
     TH_OK(ts_randperm(1, NULL, &t));
-    expect_free(&v, t, "randperm(1)");
+    th_vec_expect_free(&v, t, "randperm(1)");
     TH_OK(ts_randperm(2, NULL, &t));
-    expect_free(&v, t, "randperm(2)");
-    expect_free(&v, rand1(TS_F32, 3), "rand(3) after");
-    fv_close(&v);
+    th_vec_expect_free(&v, t, "randperm(2)");
+    th_vec_expect_free(&v, rand1(TS_F32, 3), "rand(3) after");
+    th_vec_close(&v);
 
     TH_OK(ts_randperm(0, NULL, &t));
     cr_assert_eq(ts_tensor_numel(t), 0);
@@ -507,31 +363,31 @@ Test(tensor_rng, randperm_draws_n_minus_one)
 
 Test(tensor_rng, bernoulli_two_draws_per_element)
 {
-    fv_vec v = fv_open("bernoulli_p");
+    th_vec v = th_vec_open("bernoulli_p");
     ts_manual_seed(0);
-    ts_tensor *t = empty(TS_F32, 1, (int64_t[]){37});
+    ts_tensor *t = th_empty(TS_F32, 1, (int64_t[]){37});
     TH_OK(ts_bernoulli_(t, 0.3, NULL));
-    expect_free(&v, t, "bernoulli_(0.3)");
-    t = empty(TS_F64, 1, (int64_t[]){20});
+    th_vec_expect_free(&v, t, "bernoulli_(0.3)");
+    t = th_empty(TS_F64, 1, (int64_t[]){20});
     TH_OK(ts_bernoulli_(t, 0.7, NULL));
-    expect_free(&v, t, "bernoulli_(0.7) f64");
-    t = empty(TS_F32, 1, (int64_t[]){5});
+    th_vec_expect_free(&v, t, "bernoulli_(0.7) f64");
+    t = th_empty(TS_F32, 1, (int64_t[]){5});
     TH_OK(ts_bernoulli_(t, 0.0, NULL));
-    expect_free(&v, t, "bernoulli_(0)");
-    t = empty(TS_F32, 1, (int64_t[]){5});
+    th_vec_expect_free(&v, t, "bernoulli_(0)");
+    t = th_empty(TS_F32, 1, (int64_t[]){5});
     TH_OK(ts_bernoulli_(t, 1.0, NULL));
-    expect_free(&v, t, "bernoulli_(1)");
-    expect_free(&v, rand1(TS_F32, 2), "rand(2) after");
-    fv_close(&v);
+    th_vec_expect_free(&v, t, "bernoulli_(1)");
+    th_vec_expect_free(&v, rand1(TS_F32, 2), "rand(2) after");
+    th_vec_close(&v);
 }
 
 Test(tensor_rng, dropout_matches_torch)
 {
     /* F.dropout on the CPU: bernoulli_(1 - p) mask / (1 - p), times x */
-    fv_vec v = fv_open("dropout_masks");
+    th_vec v = th_vec_open("dropout_masks");
     const int64_t shape[2] = {5, 8};
     ts_tensor *x;
-    TH_OK(ts_tensor_from_data(TS_F32, 2, shape, fv_take(&v, 40 * sizeof(float)), &x));
+    TH_OK(ts_tensor_from_data(TS_F32, 2, shape, th_vec_take(&v, 40 * sizeof(float)), &x));
     static const double ps[] = {0.5, 0.1, 0.0, 1.0};
     ts_manual_seed(0);
     for (int i = 0; i < 4; i++) {
@@ -539,17 +395,17 @@ Test(tensor_rng, dropout_matches_torch)
         char what[64];
         snprintf(what, sizeof what, "dropout(p=%g)", ps[i]);
         TH_OK(ts_dropout(x, ps[i], true, NULL, &y));
-        expect_free(&v, y, what);
+        th_vec_expect_free(&v, y, what);
     }
-    expect_free(&v, rand1(TS_F32, 2), "rand(2) after");
-    fv_close(&v);
+    th_vec_expect_free(&v, rand1(TS_F32, 2), "rand(2) after");
+    th_vec_close(&v);
 
     /* the mask itself: 1 exactly where torch's output is nonzero */
-    v = fv_open("dropout_masks");
-    const float *xs = (const float *)fv_take(&v, 40 * sizeof(float));
-    const float *y5 = (const float *)fv_take(&v, 40 * sizeof(float));
+    v = th_vec_open("dropout_masks");
+    const float *xs = (const float *)th_vec_take(&v, 40 * sizeof(float));
+    const float *y5 = (const float *)th_vec_take(&v, 40 * sizeof(float));
     ts_manual_seed(0);
-    ts_tensor *m = empty(TS_F32, 2, shape);
+    ts_tensor *m = th_empty(TS_F32, 2, shape);
     TH_OK(ts_bernoulli_(m, 1.0 - 0.5, NULL));
     const float *mp = ts_tensor_data(m);
     for (int i = 0; i < 40; i++)
@@ -565,51 +421,18 @@ Test(tensor_rng, dropout_matches_torch)
 /* CRC-32 (IEEE, reflected: zlib.crc32) of a tensor's row-major bytes. */
 static uint32_t tensor_crc(const ts_tensor *t)
 {
-    static uint32_t table[256];
-    if (!table[1])
-        for (uint32_t i = 0; i < 256; i++) {
-            uint32_t c = i;
-            for (int k = 0; k < 8; k++)
-                c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-            table[i] = c;
-        }
     size_t nb = (size_t)ts_tensor_numel(t) * ts_dtype_size(ts_tensor_dtype(t));
     uint8_t *buf = malloc(nb ? nb : 1);
     cr_assert_not_null(buf);
     TH_OK(ts_tensor_copy_to(t, buf, nb));
-    uint32_t crc = 0xFFFFFFFFu;
-    for (size_t i = 0; i < nb; i++)
-        crc = table[(crc ^ buf[i]) & 0xFF] ^ (crc >> 8);
+    uint32_t crc = th_crc32(0, buf, nb);
     free(buf);
-    return ~crc;
-}
-
-/* The CRC that rng_crc32.txt gives for `name`. */
-static uint32_t torch_crc(const char *name)
-{
-    size_t len;
-    char *txt = (char *)fv_read("rng_crc32.txt", &len);
-    uint32_t found = 0;
-    bool ok = false;
-    for (size_t i = 0; i < len && !ok;) {
-        char key[128];
-        unsigned int v;
-        if (txt[i] != '#' && sscanf(txt + i, "%127s %x", key, &v) == 2 && strcmp(key, name) == 0) {
-            found = (uint32_t)v;
-            ok = true;
-        }
-        while (i < len && txt[i] != '\n')
-            i++;
-        i++;
-    }
-    free(txt);
-    cr_assert(ok, "rng_crc32.txt has no %s", name);
-    return found;
+    return crc;
 }
 
 static void expect_crc(ts_tensor *t, const char *name)
 {
-    uint32_t got = tensor_crc(t), want = torch_crc(name);
+    uint32_t got = tensor_crc(t), want = th_fixture_crc("rng_crc32.txt", name);
     cr_assert_eq(got, want, "%s: crc 0x%08" PRIx32 ", torch 0x%08" PRIx32, name, got, want);
     ts_tensor_free(t);
 }
@@ -617,7 +440,7 @@ static void expect_crc(ts_tensor *t, const char *name)
 static ts_tensor *transposed(ts_dtype dt, int64_t rows, int64_t cols, ts_tensor **base)
 {
     ts_tensor *t;
-    *base = empty(dt, 2, (int64_t[]){rows, cols});
+    *base = th_empty(dt, 2, (int64_t[]){rows, cols});
     TH_OK(ts_transpose(*base, 0, 1, &t));
     return t;
 }
@@ -632,7 +455,7 @@ Test(tensor_rng, large_runs_match_torch_crc)
     ts_manual_seed(1);
     expect_crc(randn1(TS_F32, 1000003), "randn_f32_seed1_1000003");
     ts_manual_seed(42);
-    t = empty(TS_F32, 1, (int64_t[]){1000003});
+    t = th_empty(TS_F32, 1, (int64_t[]){1000003});
     TH_OK(ts_normal_(t, 0.25, 2.5, NULL));
     expect_crc(t, "normal_f32_seed42_1000003_mean0.25_std2.5");
     ts_manual_seed(2);
@@ -648,11 +471,11 @@ Test(tensor_rng, large_runs_match_torch_crc)
     expect_crc(t, "normal_f64_seed4_transposed_256x256_mean-1_std3");
     ts_tensor_free(b);
     ts_manual_seed(5);
-    t = empty(TS_F32, 1, (int64_t[]){1 << 20});
+    t = th_empty(TS_F32, 1, (int64_t[]){1 << 20});
     TH_OK(ts_uniform_(t, -3.0, 5.0, NULL));
     expect_crc(t, "uniform_f32_seed5_1048576_-3_5");
     ts_manual_seed(6);
-    t = empty(TS_F64, 1, (int64_t[]){1 << 18});
+    t = th_empty(TS_F64, 1, (int64_t[]){1 << 18});
     TH_OK(ts_uniform_(t, -3.0, 5.0, NULL));
     expect_crc(t, "uniform_f64_seed6_262144_-3_5");
     ts_manual_seed(7);
@@ -662,7 +485,7 @@ Test(tensor_rng, large_runs_match_torch_crc)
     TH_OK(ts_randperm(100000, NULL, &t));
     expect_crc(t, "randperm_seed8_100000");
     ts_manual_seed(9);
-    t = empty(TS_F32, 1, (int64_t[]){1 << 18});
+    t = th_empty(TS_F32, 1, (int64_t[]){1 << 18});
     TH_OK(ts_bernoulli_(t, 0.3, NULL));
     expect_crc(t, "bernoulli_f32_seed9_262144_p0.3");
 }
@@ -671,7 +494,7 @@ Test(tensor_rng, large_runs_match_torch_crc)
 
 Test(tensor_rng, get_state_matches_torch_bytes)
 {
-    fv_vec v = fv_open("rng_state");
+    th_vec v = th_vec_open("rng_state");
     uint8_t st[TS_GENERATOR_STATE_BYTES];
     ts_tensor *t;
 
@@ -679,7 +502,7 @@ Test(tensor_rng, get_state_matches_torch_bytes)
     t = randn1(TS_F32, 3);
     ts_tensor_free(t);
     ts_generator_get_state(ts_default_generator(), st);
-    fv_expect_bytes("state after manual_seed(123); randn(3)", TS_BOOL, st, fv_take(&v, sizeof st), sizeof st);
+    th_vec_expect_bytes("state after manual_seed(123); randn(3)", TS_BOOL, st, th_vec_take(&v, sizeof st), sizeof st);
     /* SPEC §1.5: left 617, next 8, normal valid */
     cr_assert_eq(st[8] | st[9] << 8, 617);
     cr_assert_eq(st[16], 8);
@@ -687,38 +510,38 @@ Test(tensor_rng, get_state_matches_torch_bytes)
 
     ts_manual_seed(0);
     ts_generator_get_state(NULL, st);
-    fv_expect_bytes("state after manual_seed(0)", TS_BOOL, st, fv_take(&v, sizeof st), sizeof st);
+    th_vec_expect_bytes("state after manual_seed(0)", TS_BOOL, st, th_vec_take(&v, sizeof st), sizeof st);
 
     ts_manual_seed(UINT64_MAX);
     ts_generator_get_state(NULL, st);
-    fv_expect_bytes("state after manual_seed(-1)", TS_BOOL, st, fv_take(&v, sizeof st), sizeof st);
+    th_vec_expect_bytes("state after manual_seed(-1)", TS_BOOL, st, th_vec_take(&v, sizeof st), sizeof st);
 
     ts_manual_seed((UINT64_C(1) << 32) + 7);
     ts_tensor_free(rand1(TS_F32, 700));
     ts_generator_get_state(NULL, st);
-    fv_expect_bytes("state after manual_seed(2^32 + 7); rand(700)", TS_BOOL, st, fv_take(&v, sizeof st),
+    th_vec_expect_bytes("state after manual_seed(2^32 + 7); rand(700)", TS_BOOL, st, th_vec_take(&v, sizeof st),
                     sizeof st);
 
     ts_manual_seed(7);
     ts_tensor_free(randn1(TS_F64, 1));
     ts_generator_get_state(NULL, st);
-    fv_expect_bytes("state after manual_seed(7); randn(1, float64)", TS_BOOL, st, fv_take(&v, sizeof st),
+    th_vec_expect_bytes("state after manual_seed(7); randn(1, float64)", TS_BOOL, st, th_vec_take(&v, sizeof st),
                     sizeof st);
-    fv_close(&v);
+    th_vec_close(&v);
 }
 
 Test(tensor_rng, set_state_resumes_torch_stream)
 {
-    fv_vec v = fv_open("rng_state_resume");
+    th_vec v = th_vec_open("rng_state_resume");
     ts_generator *g;
     TH_OK(ts_generator_new(99, &g));
-    TH_OK(ts_generator_set_state(g, fv_take(&v, TS_GENERATOR_STATE_BYTES)));
+    TH_OK(ts_generator_set_state(g, th_vec_take(&v, TS_GENERATOR_STATE_BYTES)));
     ts_tensor *t;
     TH_OK(ts_randn(TS_F32, 1, (int64_t[]){5}, g, &t)); /* starts with the cached normal */
-    expect_free(&v, t, "randn(5) after set_state");
+    th_vec_expect_free(&v, t, "randn(5) after set_state");
     TH_OK(ts_rand(TS_F32, 1, (int64_t[]){3}, g, &t));
-    expect_free(&v, t, "rand(3)");
-    fv_close(&v);
+    th_vec_expect_free(&v, t, "rand(3)");
+    th_vec_close(&v);
 
     /* round trip: get, draw, set back, draw again gives the same */
     uint8_t st[TS_GENERATOR_STATE_BYTES], st2[TS_GENERATOR_STATE_BYTES];
@@ -749,18 +572,18 @@ Test(tensor_rng, set_state_rejects_a_broken_state)
 
     st[8] = 0; /* left = 0 */
     st[9] = 0;
-    FV_FAILS(ts_generator_set_state(NULL, st), TS_ERR_INVALID_ARGUMENT, "left=0");
+    TH_FAILS(ts_generator_set_state(NULL, st), TS_ERR_INVALID_ARGUMENT, "left=0");
     memcpy(st, before, sizeof st);
     st[8] = 0x71; /* left = 625 */
     st[9] = 0x02;
-    FV_FAILS(ts_generator_set_state(NULL, st), TS_ERR_INVALID_ARGUMENT, "left=625");
+    TH_FAILS(ts_generator_set_state(NULL, st), TS_ERR_INVALID_ARGUMENT, "left=625");
     memcpy(st, before, sizeof st);
     st[12] = 0; /* seeded = 0 */
-    FV_FAILS(ts_generator_set_state(NULL, st), TS_ERR_INVALID_ARGUMENT, "seeded=0");
+    TH_FAILS(ts_generator_set_state(NULL, st), TS_ERR_INVALID_ARGUMENT, "seeded=0");
     memcpy(st, before, sizeof st);
     st[16] = 200; /* next = 200 with left 623: would read past the array */
-    FV_FAILS(ts_generator_set_state(NULL, st), TS_ERR_INVALID_ARGUMENT, "next=200");
-    FV_FAILS(ts_generator_set_state(NULL, NULL), TS_ERR_INVALID_ARGUMENT, "NULL");
+    TH_FAILS(ts_generator_set_state(NULL, st), TS_ERR_INVALID_ARGUMENT, "next=200");
+    TH_FAILS(ts_generator_set_state(NULL, NULL), TS_ERR_INVALID_ARGUMENT, "NULL");
     ts_generator_get_state(NULL, after);
     cr_assert_eq(memcmp(before, after, sizeof before), 0, "a refused state changed the generator");
 }
@@ -769,30 +592,30 @@ Test(tensor_rng, set_state_rejects_a_broken_state)
 
 Test(tensor_rng, fills_refuse_bad_arguments)
 {
-    ts_tensor *t = empty(TS_F32, 1, (int64_t[]){4});
+    ts_tensor *t = th_empty(TS_F32, 1, (int64_t[]){4});
     uint8_t st[TS_GENERATOR_STATE_BYTES], st2[TS_GENERATOR_STATE_BYTES];
     ts_manual_seed(3);
     ts_generator_get_state(NULL, st);
 
-    FV_FAILS(ts_uniform_(t, 2.0, 1.0, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_", "from=2", "to=1");
-    FV_FAILS(ts_uniform_(t, -1e39, 0.0, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_", "from=-1e+39", "float32");
-    FV_FAILS(ts_uniform_(t, 0.0, NAN, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_", "to=nan");
-    FV_FAILS(ts_uniform_(t, -3e38, 3e38, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_", "to - from");
-    FV_FAILS(ts_normal_(t, 0.0, -1.0, NULL), TS_ERR_INVALID_ARGUMENT, "normal_", "std=-1");
-    FV_FAILS(ts_normal_(t, 0.0, NAN, NULL), TS_ERR_INVALID_ARGUMENT, "normal_", "std=nan");
-    FV_FAILS(ts_bernoulli_(t, 1.5, NULL), TS_ERR_INVALID_ARGUMENT, "bernoulli_", "p=1.5");
-    FV_FAILS(ts_bernoulli_(t, -0.25, NULL), TS_ERR_INVALID_ARGUMENT, "bernoulli_", "p=-0.25");
-    FV_FAILS(ts_bernoulli_(t, NAN, NULL), TS_ERR_INVALID_ARGUMENT, "bernoulli_", "p=nan");
+    TH_FAILS(ts_uniform_(t, 2.0, 1.0, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_", "from=2", "to=1");
+    TH_FAILS(ts_uniform_(t, -1e39, 0.0, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_", "from=-1e+39", "float32");
+    TH_FAILS(ts_uniform_(t, 0.0, NAN, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_", "to=nan");
+    TH_FAILS(ts_uniform_(t, -3e38, 3e38, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_", "to - from");
+    TH_FAILS(ts_normal_(t, 0.0, -1.0, NULL), TS_ERR_INVALID_ARGUMENT, "normal_", "std=-1");
+    TH_FAILS(ts_normal_(t, 0.0, NAN, NULL), TS_ERR_INVALID_ARGUMENT, "normal_", "std=nan");
+    TH_FAILS(ts_bernoulli_(t, 1.5, NULL), TS_ERR_INVALID_ARGUMENT, "bernoulli_", "p=1.5");
+    TH_FAILS(ts_bernoulli_(t, -0.25, NULL), TS_ERR_INVALID_ARGUMENT, "bernoulli_", "p=-0.25");
+    TH_FAILS(ts_bernoulli_(t, NAN, NULL), TS_ERR_INVALID_ARGUMENT, "bernoulli_", "p=nan");
 
     ts_tensor *o = (ts_tensor *)&o;
-    FV_FAILS(ts_randint(5, 5, 1, (int64_t[]){3}, NULL, &o), TS_ERR_INVALID_ARGUMENT, "randint", "low=5",
+    TH_FAILS(ts_randint(5, 5, 1, (int64_t[]){3}, NULL, &o), TS_ERR_INVALID_ARGUMENT, "randint", "low=5",
              "high=5");
-    FV_FAILS(ts_randint(6, -2, 1, (int64_t[]){3}, NULL, &o), TS_ERR_INVALID_ARGUMENT, "randint", "low=6",
+    TH_FAILS(ts_randint(6, -2, 1, (int64_t[]){3}, NULL, &o), TS_ERR_INVALID_ARGUMENT, "randint", "low=6",
              "high=-2");
-    FV_FAILS(ts_randperm(-1, NULL, &o), TS_ERR_INVALID_ARGUMENT, "randperm", "n=-1");
-    FV_FAILS(ts_rand(TS_I64, 1, (int64_t[]){3}, NULL, &o), TS_ERR_DTYPE, "rand", "int64");
-    FV_FAILS(ts_randn(TS_BF16, 1, (int64_t[]){3}, NULL, &o), TS_ERR_DTYPE, "randn", "bfloat16");
-    FV_FAILS(ts_rand(TS_F32, 1, (int64_t[]){-3}, NULL, &o), TS_ERR_INVALID_ARGUMENT, "-3");
+    TH_FAILS(ts_randperm(-1, NULL, &o), TS_ERR_INVALID_ARGUMENT, "randperm", "n=-1");
+    TH_FAILS(ts_rand(TS_I64, 1, (int64_t[]){3}, NULL, &o), TS_ERR_DTYPE, "rand", "int64");
+    TH_FAILS(ts_randn(TS_BF16, 1, (int64_t[]){3}, NULL, &o), TS_ERR_DTYPE, "randn", "bfloat16");
+    TH_FAILS(ts_rand(TS_F32, 1, (int64_t[]){-3}, NULL, &o), TS_ERR_INVALID_ARGUMENT, "-3");
     cr_assert_eq(o, (ts_tensor *)&o, "an output was written on failure");
 
     /* std = 0 and from = to are allowed */
@@ -805,14 +628,14 @@ Test(tensor_rng, fills_refuse_bad_arguments)
 
     /* the refused calls drew nothing: the two accepted ones drew 4 + 4 */
     ts_manual_seed(3);
-    ts_tensor *ref = empty(TS_F32, 1, (int64_t[]){4});
+    ts_tensor *ref = th_empty(TS_F32, 1, (int64_t[]){4});
     TH_OK(ts_normal_(ref, 0.0, 1.0, NULL));
     TH_OK(ts_uniform_(ref, 0.0, 1.0, NULL));
     ts_generator_get_state(NULL, st);
     ts_manual_seed(3);
-    FV_FAILS(ts_uniform_(t, 2.0, 1.0, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_");
-    FV_FAILS(ts_normal_(t, 0.0, -1.0, NULL), TS_ERR_INVALID_ARGUMENT, "normal_");
-    FV_FAILS(ts_bernoulli_(t, 2.0, NULL), TS_ERR_INVALID_ARGUMENT, "bernoulli_");
+    TH_FAILS(ts_uniform_(t, 2.0, 1.0, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_");
+    TH_FAILS(ts_normal_(t, 0.0, -1.0, NULL), TS_ERR_INVALID_ARGUMENT, "normal_");
+    TH_FAILS(ts_bernoulli_(t, 2.0, NULL), TS_ERR_INVALID_ARGUMENT, "bernoulli_");
     TH_OK(ts_normal_(t, 0.0, 1.0, NULL));
     TH_OK(ts_uniform_(t, 0.0, 1.0, NULL));
     ts_generator_get_state(NULL, st2);
@@ -823,31 +646,31 @@ Test(tensor_rng, fills_refuse_bad_arguments)
 
 Test(tensor_rng, fills_refuse_wrong_dtypes)
 {
-    ts_tensor *t = empty(TS_I64, 1, (int64_t[]){4});
-    FV_FAILS(ts_uniform_(t, 0.0, 1.0, NULL), TS_ERR_DTYPE, "uniform_", "int64");
-    FV_FAILS(ts_normal_(t, 0.0, 1.0, NULL), TS_ERR_DTYPE, "normal_", "int64");
-    FV_FAILS(ts_bernoulli_(t, 0.5, NULL), TS_ERR_DTYPE, "bernoulli_", "int64");
+    ts_tensor *t = th_empty(TS_I64, 1, (int64_t[]){4});
+    TH_FAILS(ts_uniform_(t, 0.0, 1.0, NULL), TS_ERR_DTYPE, "uniform_", "int64");
+    TH_FAILS(ts_normal_(t, 0.0, 1.0, NULL), TS_ERR_DTYPE, "normal_", "int64");
+    TH_FAILS(ts_bernoulli_(t, 0.5, NULL), TS_ERR_DTYPE, "bernoulli_", "int64");
     ts_tensor_free(t);
-    t = empty(TS_F16, 1, (int64_t[]){4});
-    FV_FAILS(ts_normal_(t, 0.0, 1.0, NULL), TS_ERR_DTYPE, "normal_", "float16");
+    t = th_empty(TS_F16, 1, (int64_t[]){4});
+    TH_FAILS(ts_normal_(t, 0.0, 1.0, NULL), TS_ERR_DTYPE, "normal_", "float16");
     ts_tensor_free(t);
 }
 
 Test(tensor_rng, fills_refuse_released_and_sharded_tensors)
 {
-    ts_tensor *t = empty(TS_F32, 2, (int64_t[]){4, 4});
+    ts_tensor *t = th_empty(TS_F32, 2, (int64_t[]){4, 4});
     TH_OK(ts_storage_release(ts_tensor_storage(t)));
-    FV_FAILS(ts_uniform_(t, 0.0, 1.0, NULL), TS_ERR_RELEASED, "uniform_");
-    FV_FAILS(ts_normal_(t, 0.0, 1.0, NULL), TS_ERR_RELEASED, "normal_");
-    FV_FAILS(ts_bernoulli_(t, 0.5, NULL), TS_ERR_RELEASED, "bernoulli_");
+    TH_FAILS(ts_uniform_(t, 0.0, 1.0, NULL), TS_ERR_RELEASED, "uniform_");
+    TH_FAILS(ts_normal_(t, 0.0, 1.0, NULL), TS_ERR_RELEASED, "normal_");
+    TH_FAILS(ts_bernoulli_(t, 0.5, NULL), TS_ERR_RELEASED, "bernoulli_");
     TH_OK(ts_storage_restore(ts_tensor_storage(t)));
     TH_OK(ts_uniform_(t, 0.0, 1.0, NULL));
 
     int meta;
     ts_tensor_set_shard(t, &meta);
-    FV_FAILS(ts_uniform_(t, 0.0, 1.0, NULL), TS_ERR_SHARDED, "uniform_");
-    FV_FAILS(ts_normal_(t, 0.0, 1.0, NULL), TS_ERR_SHARDED, "normal_");
-    FV_FAILS(ts_bernoulli_(t, 0.5, NULL), TS_ERR_SHARDED, "bernoulli_");
+    TH_FAILS(ts_uniform_(t, 0.0, 1.0, NULL), TS_ERR_SHARDED, "uniform_");
+    TH_FAILS(ts_normal_(t, 0.0, 1.0, NULL), TS_ERR_SHARDED, "normal_");
+    TH_FAILS(ts_bernoulli_(t, 0.5, NULL), TS_ERR_SHARDED, "bernoulli_");
     /* a local view of the shard may be filled */
     ts_tensor *local;
     TH_OK(ts_tensor_local_view(t, &local));
@@ -856,15 +679,15 @@ Test(tensor_rng, fills_refuse_released_and_sharded_tensors)
     ts_tensor_clear_shard(t);
     TH_OK(ts_normal_(t, 0.0, 1.0, NULL));
     ts_tensor_free(t);
-    FV_FAILS(ts_normal_(NULL, 0.0, 1.0, NULL), TS_ERR_INVALID_ARGUMENT, "normal_");
+    TH_FAILS(ts_normal_(NULL, 0.0, 1.0, NULL), TS_ERR_INVALID_ARGUMENT, "normal_");
 }
 
 Test(tensor_rng, fills_refuse_overlapping_elements)
 {
-    ts_tensor *b = empty(TS_F32, 2, (int64_t[]){1, 3}), *e;
+    ts_tensor *b = th_empty(TS_F32, 2, (int64_t[]){1, 3}), *e;
     TH_OK(ts_expand(b, 2, (int64_t[]){4, 3}, &e));
-    FV_FAILS(ts_uniform_(e, 0.0, 1.0, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_", "stride 0");
-    FV_FAILS(ts_normal_(e, 0.0, 1.0, NULL), TS_ERR_INVALID_ARGUMENT, "normal_", "stride 0");
+    TH_FAILS(ts_uniform_(e, 0.0, 1.0, NULL), TS_ERR_INVALID_ARGUMENT, "uniform_", "stride 0");
+    TH_FAILS(ts_normal_(e, 0.0, 1.0, NULL), TS_ERR_INVALID_ARGUMENT, "normal_", "stride 0");
     ts_tensor_free(e);
     ts_tensor_free(b);
 }
@@ -874,7 +697,7 @@ Test(tensor_rng, empty_tensors_draw_nothing)
     ts_manual_seed(8);
     ts_tensor *ref = rand1(TS_F32, 3);
     ts_manual_seed(8);
-    ts_tensor *t = empty(TS_F32, 2, (int64_t[]){0, 5}), *o;
+    ts_tensor *t = th_empty(TS_F32, 2, (int64_t[]){0, 5}), *o;
     TH_OK(ts_uniform_(t, 0.0, 1.0, NULL));
     TH_OK(ts_normal_(t, 0.0, 1.0, NULL));
     TH_OK(ts_bernoulli_(t, 0.5, NULL));
@@ -893,7 +716,7 @@ Test(tensor_rng, empty_tensors_draw_nothing)
 
 Test(tensor_rng, fills_are_not_recorded_by_autograd)
 {
-    ts_tensor *t = empty(TS_F32, 1, (int64_t[]){20});
+    ts_tensor *t = th_empty(TS_F32, 1, (int64_t[]){20});
     TH_OK(ts_tensor_set_requires_grad(t, true));
     TH_OK(ts_normal_(t, 0.0, 1.0, NULL));
     TH_OK(ts_uniform_(t, 0.0, 1.0, NULL));
@@ -914,8 +737,8 @@ Test(tensor_rng, nothing_leaks)
     TH_OK(ts_randint(-3, 3, 1, (int64_t[]){5}, g, &c));
     TH_OK(ts_randperm(9, g, &d));
     ts_tensor *o;
-    FV_FAILS(ts_randint(3, 3, 1, (int64_t[]){5}, g, &o), TS_ERR_INVALID_ARGUMENT, "randint");
-    FV_FAILS(ts_rand(TS_I32, 1, (int64_t[]){5}, g, &o), TS_ERR_DTYPE, "rand", "int32");
+    TH_FAILS(ts_randint(3, 3, 1, (int64_t[]){5}, g, &o), TS_ERR_INVALID_ARGUMENT, "randint");
+    TH_FAILS(ts_rand(TS_I32, 1, (int64_t[]){5}, g, &o), TS_ERR_DTYPE, "rand", "int32");
     ts_tensor_free(a);
     ts_tensor_free(b);
     ts_tensor_free(c);

@@ -8,33 +8,9 @@
 
 #include "tests/helpers.h"
 
-/* Central differences in float64, eps = 1e-6: these ops are piecewise
- * linear in their inputs, so the only error is rounding (~1e-10); 1e-6 abs
- * + 1e-5 rel has wide margin while a misrouted gradient is off by O(1). */
-#define GC_EPS 1e-6
-#define GC_ATOL 1e-6
-#define GC_RTOL 1e-5
-
-static void vals(ts_tensor *t, double *buf, int64_t n)
-{
-    cr_assert_eq(ts_tensor_numel(t), n, "numel %lld, expected %lld", (long long)ts_tensor_numel(t), (long long)n);
-    ts_tensor *d;
-    bool prev = ts_grad_mode_set(false);
-    TH_OK(ts_to_dtype(t, TS_F64, &d));
-    ts_grad_mode_set(prev);
-    TH_OK(ts_tensor_copy_to(d, buf, (size_t)n * sizeof *buf));
-    ts_tensor_free(d);
-}
-
-static void assert_shape(const ts_tensor *t, int ndim, const int64_t *shape)
-{
-    char s[96];
-    cr_assert_eq(ts_tensor_ndim(t), ndim, "ndim %d, expected %d (shape %s)", ts_tensor_ndim(t), ndim,
-                 ts_tensor_shape_str(t, s, sizeof s));
-    for (int i = 0; i < ndim; i++)
-        cr_assert_eq(ts_tensor_shape(t)[i], shape[i], "dim %d is %lld, expected %lld (shape %s)", i,
-                     (long long)ts_tensor_shape(t)[i], (long long)shape[i], ts_tensor_shape_str(t, s, sizeof s));
-}
+/* Gradchecks use TH_GC_EPS / TH_GC_ATOL / TH_GC_RTOL (helpers.h): these ops
+ * are piecewise linear in their inputs, so the only error is rounding
+ * (~1e-10), while a misrouted gradient is off by O(1). */
 
 /* ------------------------------------------------------------ cat */
 
@@ -49,9 +25,9 @@ Test(tensor_shape_ops, cat_dim0_dim1_and_negative)
     ins[0] = ta, ins[1] = tb, ins[2] = ta;
     TH_OK(ts_cat(3, ins, 0, &o));
     int64_t s53[2] = {5, 3};
-    assert_shape(o, 2, s53);
+    th_assert_shape(o, 2, s53);
     double got[15], w0[15] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6};
-    vals(o, got, 15);
+    th_vals(o, got, 15);
     for (int i = 0; i < 15; i++)
         cr_assert_eq(got[i], w0[i], "dim 0 [%d]", i);
     ts_tensor_free(o);
@@ -61,9 +37,9 @@ Test(tensor_shape_ops, cat_dim0_dim1_and_negative)
         ins[0] = ta, ins[1] = tc;
         TH_OK(ts_cat(2, ins, dims[k], &o));
         int64_t s25[2] = {2, 5};
-        assert_shape(o, 2, s25);
+        th_assert_shape(o, 2, s25);
         double w1[10] = {1, 2, 3, -1, -2, 4, 5, 6, -3, -4};
-        vals(o, got, 10);
+        th_vals(o, got, 10);
         for (int i = 0; i < 10; i++)
             cr_assert_eq(got[i], w1[i], "dim %d [%d]", dims[k], i);
         ts_tensor_free(o);
@@ -91,12 +67,12 @@ Test(tensor_shape_ops, cat_three_dims_and_non_contiguous_inputs)
     TH_OK(ts_cat(2, ins, 1, &o1));
     TH_OK(ts_cat(2, ins2, 1, &o2));
     int64_t so[3] = {2, 4, 4};
-    assert_shape(o1, 3, so);
+    th_assert_shape(o1, 3, so);
     th_assert_close(o1, o2, 0, 0);
     double av[24], bv[8], got[32];
-    vals(a, av, 24);
-    vals(bt, bv, 8);
-    vals(o1, got, 32);
+    th_vals(a, av, 24);
+    th_vals(bt, bv, 8);
+    th_vals(o1, got, 32);
     for (int i = 0; i < 2; i++)
         for (int j = 0; j < 4; j++)
             for (int k = 0; k < 4; k++)
@@ -132,10 +108,10 @@ Test(tensor_shape_ops, cat_gradcheck)
             ts_tensor *in[3] = {th_seq(TS_F64, 3, sa, 1.0, true), th_seq(TS_F64, 3, sbs[dim], -2.0, false),
                                 th_seq(TS_F64, 3, sbs[dim], 0.5, true)};
             cat_ctx c = {3, neg ? dim - 3 : dim};
-            th_gradcheck(gc_cat, 3, in, &c, GC_EPS, GC_ATOL, GC_RTOL);
-            assert_shape(ts_tensor_grad(in[0]), 3, sa);
+            th_gradcheck(gc_cat, 3, in, &c, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
+            th_assert_shape(ts_tensor_grad(in[0]), 3, sa);
             cr_assert_null(ts_tensor_grad(in[1]), "input that needs no grad got one");
-            assert_shape(ts_tensor_grad(in[2]), 3, sbs[dim]);
+            th_assert_shape(ts_tensor_grad(in[2]), 3, sbs[dim]);
             for (int j = 0; j < 3; j++)
                 ts_tensor_free(in[j]);
         }
@@ -157,14 +133,14 @@ Test(tensor_shape_ops, cat_of_many_tensors_with_gradients)
     ts_tensor *cot = th_seq(TS_F64, 2, so, 1.0, false);
     TH_OK(ts_backward(o, cot, false));
     double cv[2 * 3 * H];
-    vals(cot, cv, 2 * 3 * H);
+    th_vals(cot, cv, 2 * 3 * H);
     for (int h = 0; h < H; h++) {
         if (h % 3 == 1) {
             cr_assert_null(ts_tensor_grad(heads[h]));
             continue;
         }
         double g[6];
-        vals(ts_tensor_grad(heads[h]), g, 6);
+        th_vals(ts_tensor_grad(heads[h]), g, 6);
         for (int r = 0; r < 2; r++)
             for (int c = 0; c < 3; c++)
                 cr_assert_eq(g[r * 3 + c], cv[r * 3 * H + 3 * h + c], "head %d [%d][%d]", h, r, c);
@@ -187,8 +163,8 @@ Test(tensor_shape_ops, cat_gradient_is_the_matching_slice)
     ts_tensor *cot = th_tensor(TS_F32, 1, s5, cv);
     TH_OK(ts_backward(o, cot, false));
     double ga[2], gb[3];
-    vals(ts_tensor_grad(a), ga, 2);
-    vals(ts_tensor_grad(b), gb, 3);
+    th_vals(ts_tensor_grad(a), ga, 2);
+    th_vals(ts_tensor_grad(b), gb, 3);
     cr_assert(ga[0] == 10 && ga[1] == 20, "%g %g", ga[0], ga[1]);
     cr_assert(gb[0] == 30 && gb[1] == 40 && gb[2] == 50, "%g %g %g", gb[0], gb[1], gb[2]);
     ts_tensor_free(cot);
@@ -209,19 +185,19 @@ Test(tensor_shape_ops, cat_of_scalars_viewed_as_vectors)
         TH_OK(ts_tensor_scalar(TS_F64, v[i], &sc[i]));
         TH_OK(ts_tensor_set_requires_grad(sc[i], true));
         TH_OK(ts_view(sc[i], 1, one, &vec[i]));
-        assert_shape(vec[i], 1, one);
+        th_assert_shape(vec[i], 1, one);
     }
     TH_OK(ts_cat(3, vec, 0, &o));
-    assert_shape(o, 1, three);
+    th_assert_shape(o, 1, three);
     double got[3];
-    vals(o, got, 3);
+    th_vals(o, got, 3);
     for (int i = 0; i < 3; i++)
         cr_assert_eq(got[i], v[i]);
     /* a 0-d tensor also reshapes to (1, 1) and back */
     ts_tensor *r, *back;
     int64_t s11[2] = {1, 1};
     TH_OK(ts_reshape(sc[0], 2, s11, &r));
-    assert_shape(r, 2, s11);
+    th_assert_shape(r, 2, s11);
     TH_OK(ts_view(r, 0, NULL, &back));
     cr_assert_eq(ts_tensor_ndim(back), 0);
     double cv[3] = {10, 20, 30};
@@ -291,8 +267,8 @@ Test(tensor_shape_ops, split_sizes)
     check_pieces(x, outs, n, w, 4, 0);
     /* values of the last piece: row 9 */
     double xv[20], last[2];
-    vals(x, xv, 20);
-    vals(outs[3], last, 2);
+    th_vals(x, xv, 20);
+    th_vals(outs[3], last, 2);
     cr_assert(last[0] == xv[18] && last[1] == xv[19]);
     for (int i = 0; i < n; i++)
         ts_tensor_free(outs[i]);
@@ -387,10 +363,10 @@ Test(tensor_shape_ops, split_and_chunk_gradcheck)
     th_mem_mark();
     int64_t s[2] = {2, 10};
     ts_tensor *in[1] = {th_seq(TS_F64, 2, s, 1.0, true)};
-    th_gradcheck(gc_split_reorder, 1, in, NULL, GC_EPS, GC_ATOL, GC_RTOL);
+    th_gradcheck(gc_split_reorder, 1, in, NULL, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
     /* the skipped piece (columns 3..5) gets zero gradient */
     double g[20];
-    vals(ts_tensor_grad(in[0]), g, 20);
+    th_vals(ts_tensor_grad(in[0]), g, 20);
     for (int r = 0; r < 2; r++)
         for (int c = 0; c < 10; c++)
             cr_assert((g[r * 10 + c] == 0) == (c >= 3 && c < 6), "[%d][%d] = %g", r, c, g[r * 10 + c]);
@@ -409,9 +385,9 @@ Test(tensor_shape_ops, where_broadcasts_all_three)
     TH_OK(ts_tensor_scalar(TS_F32, -7, &b));
     TH_OK(ts_where(c, a, b, &o));
     int64_t so[2] = {3, 4};
-    assert_shape(o, 2, so);
+    th_assert_shape(o, 2, so);
     double got[12];
-    vals(o, got, 12);
+    th_vals(o, got, 12);
     for (int i = 0; i < 3; i++)
         for (int j = 0; j < 4; j++)
             cr_assert_eq(got[i * 4 + j], cv[i] ? av[j] : -7, "[%d][%d]", i, j);
@@ -446,9 +422,9 @@ Test(tensor_shape_ops, where_gradcheck)
     double cv[6] = {1, 0, 1, 0, 0, 1};
     ts_tensor *c = th_tensor(TS_BOOL, 3, sc, cv);
     ts_tensor *in[2] = {th_seq(TS_F64, 2, sa, 1.0, true), th_seq(TS_F64, 3, sb, -1.0, true)};
-    th_gradcheck(gc_where, 2, in, c, GC_EPS, GC_ATOL, GC_RTOL);
-    assert_shape(ts_tensor_grad(in[0]), 2, sa);
-    assert_shape(ts_tensor_grad(in[1]), 3, sb);
+    th_gradcheck(gc_where, 2, in, c, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
+    th_assert_shape(ts_tensor_grad(in[0]), 2, sa);
+    th_assert_shape(ts_tensor_grad(in[1]), 3, sb);
     ts_tensor_free(in[0]);
     ts_tensor_free(in[1]);
     ts_tensor_free(c);
@@ -463,10 +439,10 @@ Test(tensor_shape_ops, tril_mask_values)
         ts_tensor *m;
         TH_OK(ts_tril_mask(4, diags[k], &m));
         int64_t s[2] = {4, 4};
-        assert_shape(m, 2, s);
+        th_assert_shape(m, 2, s);
         cr_assert_eq(ts_tensor_dtype(m), TS_BOOL);
         double v[16];
-        vals(m, v, 16);
+        th_vals(m, v, 16);
         for (int r = 0; r < 4; r++)
             for (int c = 0; c < 4; c++)
                 cr_assert_eq(v[r * 4 + c], c <= r + diags[k] ? 1.0 : 0.0, "diag %lld [%d][%d]", (long long)diags[k], r,
@@ -491,14 +467,14 @@ Test(tensor_shape_ops, causal_mask_on_attention_scores)
     TH_OK(ts_eq(tril, f, &notm));
     cr_assert_eq(ts_tensor_dtype(notm), TS_BOOL);
     TH_OK(ts_masked_fill(scores, notm, -INFINITY, &masked));
-    assert_shape(masked, 4, ss);
+    th_assert_shape(masked, 4, ss);
     /* the same through where(tril, scores, -inf) */
     TH_OK(ts_tensor_scalar(TS_F32, -INFINITY, &ninf));
     TH_OK(ts_where(tril, scores, ninf, &masked2));
     th_assert_close(masked, masked2, 0, 0);
     double sv[64], mv[64], pv[64];
-    vals(scores, sv, 64);
-    vals(masked, mv, 64);
+    th_vals(scores, sv, 64);
+    th_vals(masked, mv, 64);
     for (int i = 0; i < 64; i++) {
         int r = (i / 4) % 4, c = i % 4;
         cr_assert_eq(mv[i], c <= r ? sv[i] : -INFINITY, "[%d] (row %d col %d)", i, r, c);
@@ -506,7 +482,7 @@ Test(tensor_shape_ops, causal_mask_on_attention_scores)
     /* softmax over keys: no weight on the future, rows sum to 1, and the
      * first query attends only to itself */
     TH_OK(ts_softmax(masked, -1, &p));
-    vals(p, pv, 64);
+    th_vals(p, pv, 64);
     for (int row = 0; row < 16; row++) {
         int r = row % 4;
         double sum = 0;
@@ -545,10 +521,10 @@ Test(tensor_shape_ops, masked_fill_gradcheck)
     TH_OK(ts_tensor_scalar(TS_BOOL, 0, &f));
     TH_OK(ts_eq(tril, f, &notm));
     ts_tensor *in[1] = {th_seq(TS_F64, 3, ss, 1.0, true)};
-    th_gradcheck(gc_masked_fill, 1, in, notm, GC_EPS, GC_ATOL, GC_RTOL);
+    th_gradcheck(gc_masked_fill, 1, in, notm, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
     /* filled positions get no gradient, the others the cotangent */
     double g[18];
-    vals(ts_tensor_grad(in[0]), g, 18);
+    th_vals(ts_tensor_grad(in[0]), g, 18);
     for (int i = 0; i < 18; i++) {
         int r = (i / 3) % 3, c = i % 3;
         cr_assert((g[i] == 0) == (c > r), "[%d] = %g", i, g[i]);
@@ -594,7 +570,7 @@ Test(tensor_shape_ops, to_dtype_round_trips)
     TH_OK(ts_to_dtype(x64, TS_F32, &x32));
     cr_assert_eq(ts_tensor_dtype(x32), TS_F32);
     double g[6];
-    vals(x32, g, 6);
+    th_vals(x32, g, 6);
     for (int i = 0; i < 6; i++)
         cr_assert_eq(g[i], (double)(float)v[i], "f32 [%d]", i);
     ts_tensor *x64b;
@@ -609,7 +585,7 @@ Test(tensor_shape_ops, to_dtype_round_trips)
         ts_tensor *h;
         TH_OK(ts_to_dtype(x32, halves[k], &h));
         TH_OK(ts_to_dtype(h, TS_F32, &back));
-        vals(back, g, 6);
+        th_vals(back, g, 6);
         for (int i = 0; i < 6; i++) {
             float f = (float)v[i];
             float want = halves[k] == TS_BF16 ? ts_bf16_to_f32(ts_f32_to_bf16(f)) : ts_f16_to_f32(ts_f32_to_f16(f));
@@ -621,16 +597,16 @@ Test(tensor_shape_ops, to_dtype_round_trips)
     /* integers truncate toward zero; bool is != 0 */
     ts_tensor *i64, *b, *i2f;
     TH_OK(ts_to_dtype(x32, TS_I64, &i64));
-    vals(i64, g, 6);
+    th_vals(i64, g, 6);
     double wi[6] = {-2, 0, 0, 0, 2, 100000};
     for (int i = 0; i < 6; i++)
         cr_assert_eq(g[i], wi[i], "int64 [%d] = %g", i, g[i]);
     TH_OK(ts_to_dtype(i64, TS_F32, &i2f));
-    vals(i2f, g, 6);
+    th_vals(i2f, g, 6);
     for (int i = 0; i < 6; i++)
         cr_assert_eq(g[i], wi[i]);
     TH_OK(ts_to_dtype(x64, TS_BOOL, &b));
-    vals(b, g, 6);
+    th_vals(b, g, 6);
     for (int i = 0; i < 6; i++)
         cr_assert_eq(g[i], v[i] != 0 ? 1.0 : 0.0, "bool [%d]", i);
     cr_assert_eq(ts_to_dtype(x64, TS_DTYPE_COUNT, &b), TS_ERR_INVALID_ARGUMENT);
@@ -658,7 +634,7 @@ Test(tensor_shape_ops, gradient_through_a_cast)
     ts_tensor *g = ts_tensor_grad(x);
     cr_assert_eq(ts_tensor_dtype(g), TS_F32);
     double gv[4];
-    vals(g, gv, 4);
+    th_vals(g, gv, 4);
     for (int i = 0; i < 4; i++)
         cr_assert_eq(gv[i], 2 * v[i], "[%d] %g", i, gv[i]);
     /* casting to an integer dtype is not differentiable */
@@ -703,7 +679,7 @@ Test(tensor_shape_ops, cast_gradcheck)
     for (int k = 0; k < 2; k++) {
         ts_tensor *in[1] = {th_tensor(TS_F64, 2, s, v)};
         TH_OK(ts_tensor_set_requires_grad(in[0], true));
-        th_gradcheck(gc_cast, 1, in, &hops[k], k ? 0x1p-10 : GC_EPS, GC_ATOL, GC_RTOL);
+        th_gradcheck(gc_cast, 1, in, &hops[k], k ? 0x1p-10 : TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
         cr_assert_eq(ts_tensor_dtype(ts_tensor_grad(in[0])), TS_F64);
         ts_tensor_free(in[0]);
     }
@@ -720,11 +696,11 @@ Test(tensor_shape_ops, eq_broadcasts_and_returns_bool)
     ts_tensor *a = th_tensor(TS_F32, 2, sa, av), *b = th_tensor(TS_F32, 1, sb, bv), *o;
     TH_OK(ts_tensor_set_requires_grad(a, true));
     TH_OK(ts_eq(a, b, &o));
-    assert_shape(o, 2, sa);
+    th_assert_shape(o, 2, sa);
     cr_assert_eq(ts_tensor_dtype(o), TS_BOOL);
     cr_assert(!ts_tensor_requires_grad(o), "eq is not differentiable");
     double g[6], w[6] = {1, 1, 0, 0, 1, 1};
-    vals(o, g, 6);
+    th_vals(o, g, 6);
     for (int i = 0; i < 6; i++)
         cr_assert_eq(g[i], w[i], "[%d]", i);
     ts_tensor_free(o);
@@ -740,7 +716,7 @@ Test(tensor_shape_ops, eq_broadcasts_and_returns_bool)
     double iv[3] = {4, 5, 6}, jv[3] = {4, 0, 6};
     ts_tensor *i1 = th_tensor(TS_I64, 1, sb, iv), *i2 = th_tensor(TS_I64, 1, sb, jv);
     TH_OK(ts_eq(i1, i2, &o));
-    vals(o, g, 3);
+    th_vals(o, g, 3);
     cr_assert(g[0] == 1 && g[1] == 0 && g[2] == 1);
     ts_tensor_free(o);
     int64_t s4[1] = {4};
