@@ -200,9 +200,8 @@ ts_status ts_chunk(ts_tensor *a, int chunks, int dim, int max_out, ts_tensor **o
 
 /* ----------------------------------------------------- where / masked_fill */
 
-/* saved[0] = cond; iargs: a shape at [0..8) (ndim in [15]), b shape at
- * [16..24)... kept in dargs? We store shapes in the saved zero tensors'
- * metadata instead: saved[1] = a alias, saved[2] = b alias (no data read). */
+/* saved[0] = cond; saved[1], saved[2] = aliases of a and b, kept for
+ * their shapes only (their data is not read). */
 static ts_status where_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 {
     ts_tensor *cond = n->saved[0];
