@@ -1,2 +1,1205 @@
-/* being written */
-typedef int ts__unit_launch;
+/*
+ * The launcher (ts_launch) on a private libuv loop, and the rank side
+ * (ts_launch_env, ts_launch_rank_guard). DEPS-GUIDE §3.2 tells why each
+ * piece is there: detached ranks killed by process group, per-stream carry
+ * buffers for whole-line output, a grace timer between SIGTERM and SIGKILL.
+ */
+#define _GNU_SOURCE
+#include "comm/launch.h"
+#include "comm/store.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <uv.h>
+
+extern char **environ;
+
+#define MAX_RANKS_PER_NODE 4096
+#define MAX_NODES 65536
+#define LINE_SPLIT (64 * 1024) /* longer lines are split (a newline inserted) */
+#define READ_CHUNK (64 * 1024)
+
+/* ============================================================= launcher */
+
+typedef struct launcher launcher;
+typedef struct rank_proc rank_proc;
+
+typedef struct out_stream {
+    uv_pipe_t pipe;
+    rank_proc *rp;
+    int fd;     /* destination */
+    bool *dead; /* set after a write error on fd: drop further output */
+    bool open;  /* initialised and not closed yet */
+    char *carry;
+    size_t carry_len, carry_cap;
+} out_stream;
+
+struct rank_proc {
+    uv_process_t proc;
+    launcher *L;
+    int rank;
+    int pid;
+    bool running;   /* spawned and not yet exited */
+    out_stream out, err;
+};
+
+struct launcher {
+    uv_loop_t loop;
+    uv_timer_t grace, drain;
+    uv_signal_t sig[3];
+    int nsig;
+    const ts_launch_options *o;
+    rank_proc *ranks;
+    int n;
+    int running;    /* processes not yet exited */
+    int open_pipes; /* pipes not yet closed */
+    bool stopping;  /* SIGTERM sent (failure or signal) */
+    bool finishing;
+    int failed_rank, failed_code, failed_signal, received_signal;
+    bool out_dead, err_dead;
+    int watchdog_fd; /* write end of the watchdog's pipe; -1 when none */
+    char *line;
+    size_t line_cap;
+    char rbuf[READ_CHUNK];
+};
+
+static void *grow(void *p, size_t used, size_t cap)
+{
+    void *q = ts__malloc(TS_MEM_COMM, cap);
+    if (q && p)
+        memcpy(q, p, used);
+    if (q)
+        ts__free(TS_MEM_COMM, p);
+    return q;
+}
+
+/* Writes all of buf to fd with SIGPIPE blocked on this thread (a closed
+ * reader must not kill the launcher). Returns 0 or an errno value. */
+static int write_all(int fd, const char *p, size_t n)
+{
+    sigset_t pipe_set, old, pending;
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_set, &old);
+    sigpending(&pending);
+    bool was_pending = sigismember(&pending, SIGPIPE) == 1;
+    int err = 0;
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w > 0) {
+            p += w;
+            n -= (size_t)w;
+        } else if (w < 0 && errno == EINTR) {
+            continue;
+        } else if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd pf = {.fd = fd, .events = POLLOUT};
+            poll(&pf, 1, 1000);
+        } else {
+            err = w < 0 ? errno : EIO;
+            break;
+        }
+    }
+    if (err == EPIPE && !was_pending) {
+        struct timespec zero = {0, 0};
+        sigtimedwait(&pipe_set, NULL, &zero);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return err;
+}
+
+/* ------------------------------------------------------------- watchdog */
+
+/* A process of its own session that SIGKILLs the ranks' process groups if
+ * the launcher dies without saying goodbye (SIGKILL, a crash), so that
+ * ranks never outlive it, even those that never call ts_launch_rank_guard,
+ * and their children. The launcher tells it over a pipe: pid > 0 a rank's
+ * group started, pid < 0 it ended, 0 goodbye. End of file without a
+ * goodbye means the launcher is gone. */
+static void watchdog_main(int fd, int n)
+{
+    int32_t groups[MAX_RANKS_PER_NODE] = {0};
+    /* forked from a process that may have threads: only async-signal-safe
+     * calls from here on */
+    setsid(); /* no terminal signals: a Ctrl-C is the launcher's to handle */
+    int null = open("/dev/null", O_RDWR);
+    if (null >= 0) {
+        dup2(null, 0);
+        dup2(null, 1);
+        dup2(null, 2);
+    }
+    if (fd != 3) {
+        dup2(fd, 3);
+        fd = 3;
+    }
+    if (close_range(4, ~0u, 0) != 0)
+        for (int i = 4; i < 4096; i++)
+            close(i);
+    for (;;) {
+        int32_t v;
+        size_t got = 0;
+        while (got < sizeof v) {
+            ssize_t r = read(fd, (char *)&v + got, sizeof v - got);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r <= 0) { /* the launcher is gone */
+                for (int i = 0; i < n; i++)
+                    if (groups[i] > 0)
+                        kill(-(pid_t)groups[i], SIGKILL);
+                _exit(0);
+            }
+            got += (size_t)r;
+        }
+        if (v == 0)
+            _exit(0);
+        for (int i = 0; i < n; i++) {
+            if (v > 0 && groups[i] == 0) {
+                groups[i] = v;
+                break;
+            }
+            if (v < 0 && groups[i] == -v) {
+                groups[i] = 0;
+                break;
+            }
+        }
+    }
+}
+
+/* Starts the watchdog; returns its pid (-1 when it could not start: the
+ * job runs without it) and the pipe's write end. */
+static pid_t watchdog_start(int n, int *fd_out)
+{
+    *fd_out = -1;
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) != 0)
+        return -1;
+    pid_t w = fork();
+    if (w == 0) {
+        close(p[1]);
+        watchdog_main(p[0], n);
+        _exit(0);
+    }
+    close(p[0]);
+    if (w < 0) {
+        close(p[1]);
+        return -1;
+    }
+    *fd_out = p[1];
+    return w;
+}
+
+static void watchdog_tell(launcher *L, int32_t v)
+{
+    if (L->watchdog_fd >= 0 && write_all(L->watchdog_fd, (const char *)&v, sizeof v) != 0) {
+        close(L->watchdog_fd); /* it died: carry on without it */
+        L->watchdog_fd = -1;
+    }
+}
+
+/* Says goodbye and reaps it. */
+static void watchdog_stop(launcher *L, pid_t w)
+{
+    if (w <= 0)
+        return;
+    watchdog_tell(L, 0);
+    if (L->watchdog_fd >= 0)
+        close(L->watchdog_fd);
+    L->watchdog_fd = -1;
+    while (waitpid(w, NULL, 0) < 0 && errno == EINTR)
+        ;
+}
+
+/* One line (without its newline) to the stream's destination, prefixed,
+ * in one write. */
+static void emit_line(out_stream *os, const char *s, size_t len)
+{
+    launcher *L = os->rp->L;
+    if (*os->dead)
+        return;
+    char prefix[32];
+    int pn = L->o->prefix_output ? snprintf(prefix, sizeof prefix, "[%d] ", os->rp->rank) : 0;
+    size_t total = (size_t)pn + len + 1;
+    if (total > L->line_cap) {
+        size_t cap = L->line_cap ? L->line_cap : 256;
+        while (cap < total)
+            cap *= 2;
+        char *nb = grow(NULL, 0, cap);
+        if (!nb) {
+            *os->dead = true; /* out of memory: drop output rather than mangle it */
+            return;
+        }
+        ts__free(TS_MEM_COMM, L->line);
+        L->line = nb;
+        L->line_cap = cap;
+    }
+    memcpy(L->line, prefix, (size_t)pn);
+    memcpy(L->line + pn, s, len);
+    L->line[total - 1] = '\n';
+    if (write_all(os->fd, L->line, total) != 0)
+        *os->dead = true;
+}
+
+/* Appends to the carry buffer, emitting LINE_SPLIT-byte pieces of an
+ * overlong line. */
+static void carry_add(out_stream *os, const char *s, size_t n)
+{
+    while (n > 0) {
+        size_t room = LINE_SPLIT - os->carry_len;
+        size_t take = n < room ? n : room;
+        if (os->carry_len + take > os->carry_cap) {
+            size_t cap = os->carry_cap ? os->carry_cap : 1024;
+            while (cap < os->carry_len + take)
+                cap *= 2;
+            if (cap > LINE_SPLIT)
+                cap = LINE_SPLIT;
+            char *nb = grow(os->carry, os->carry_len, cap);
+            if (!nb) {
+                /* out of memory: pass the piece on as a line of its own */
+                emit_line(os, os->carry, os->carry_len);
+                os->carry_len = 0;
+                emit_line(os, s, n);
+                return;
+            }
+            os->carry = nb;
+            os->carry_cap = cap;
+        }
+        memcpy(os->carry + os->carry_len, s, take);
+        os->carry_len += take;
+        s += take;
+        n -= take;
+        if (os->carry_len == LINE_SPLIT) {
+            emit_line(os, os->carry, os->carry_len);
+            os->carry_len = 0;
+        }
+    }
+}
+
+static void feed(out_stream *os, const char *s, size_t n)
+{
+    while (n > 0) {
+        const char *nl = memchr(s, '\n', n);
+        if (!nl) {
+            carry_add(os, s, n);
+            return;
+        }
+        size_t len = (size_t)(nl - s);
+        if (os->carry_len == 0 && len <= LINE_SPLIT) {
+            emit_line(os, s, len);
+        } else {
+            carry_add(os, s, len);
+            if (os->carry_len > 0)
+                emit_line(os, os->carry, os->carry_len);
+            os->carry_len = 0;
+        }
+        s = nl + 1;
+        n -= len + 1;
+    }
+}
+
+static void maybe_finish(launcher *L);
+
+static void close_stream(out_stream *os)
+{
+    if (!os->open)
+        return;
+    if (os->carry_len > 0) /* an unterminated last line */
+        emit_line(os, os->carry, os->carry_len);
+    os->carry_len = 0;
+    os->open = false;
+    os->rp->L->open_pipes--;
+    uv_close((uv_handle_t *)&os->pipe, NULL);
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    (void)suggested;
+    out_stream *os = h->data;
+    /* one buffer for all streams: libuv calls read_cb right after alloc_cb */
+    buf->base = os->rp->L->rbuf;
+    buf->len = READ_CHUNK;
+}
+
+static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+    out_stream *os = s->data;
+    if (nread > 0) {
+        feed(os, buf->base, (size_t)nread);
+        return;
+    }
+    if (nread == 0) /* EAGAIN */
+        return;
+    close_stream(os); /* UV_EOF or an error */
+    maybe_finish(os->rp->L);
+}
+
+static void signal_groups(launcher *L, int sig)
+{
+    for (int i = 0; i < L->n; i++)
+        if (L->ranks[i].running)
+            kill(-(pid_t)L->ranks[i].pid, sig);
+}
+
+static void on_grace(uv_timer_t *t)
+{
+    signal_groups(t->data, SIGKILL);
+}
+
+static void start_stopping(launcher *L, int sig)
+{
+    L->stopping = true;
+    signal_groups(L, sig);
+    if (sig != SIGKILL && !uv_is_active((uv_handle_t *)&L->grace)) {
+        double ms = L->o->grace_s * 1000.0;
+        uv_timer_start(&L->grace, on_grace, (uint64_t)ms, 0);
+    }
+}
+
+static void on_drain(uv_timer_t *t)
+{
+    launcher *L = t->data;
+    /* processes outside the ranks' groups still hold pipes: abandon them */
+    for (int i = 0; i < L->n; i++) {
+        close_stream(&L->ranks[i].out);
+        close_stream(&L->ranks[i].err);
+    }
+    maybe_finish(L);
+}
+
+static void on_proc_exit(uv_process_t *p, int64_t exit_status, int term_signal)
+{
+    rank_proc *rp = p->data;
+    launcher *L = rp->L;
+    rp->running = false;
+    L->running--;
+    /* leftover children of the rank would keep its pipes open */
+    kill(-(pid_t)rp->pid, SIGKILL);
+    watchdog_tell(L, -(int32_t)rp->pid);
+    uv_close((uv_handle_t *)p, NULL);
+    bool failed = exit_status != 0 || term_signal != 0;
+    if (failed && !L->stopping) {
+        L->failed_rank = rp->rank;
+        L->failed_signal = term_signal;
+        L->failed_code = term_signal ? 128 + term_signal : (int)exit_status;
+        start_stopping(L, SIGTERM);
+    }
+    if (L->running == 0 && L->open_pipes > 0 && !uv_is_active((uv_handle_t *)&L->drain)) {
+        /* at least a second: what the ranks wrote last is still being read */
+        double ms = (L->o->grace_s > 1.0 ? L->o->grace_s : 1.0) * 1000.0;
+        uv_timer_start(&L->drain, on_drain, (uint64_t)ms, 0);
+    }
+    maybe_finish(L);
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    launcher *L = h->data;
+    if (L->received_signal && signum != SIGHUP) {
+        start_stopping(L, SIGKILL); /* asked twice: no more grace */
+        return;
+    }
+    if (!L->received_signal)
+        L->received_signal = signum;
+    start_stopping(L, signum);
+}
+
+static void maybe_finish(launcher *L)
+{
+    if (L->finishing || L->running > 0 || L->open_pipes > 0)
+        return;
+    L->finishing = true;
+    uv_close((uv_handle_t *)&L->grace, NULL);
+    uv_close((uv_handle_t *)&L->drain, NULL);
+    for (int i = 0; i < L->nsig; i++)
+        uv_close((uv_handle_t *)&L->sig[i], NULL);
+}
+
+ts_launch_options ts_launch_options_default(void)
+{
+    return (ts_launch_options){
+        .nproc_per_node = 1,
+        .nnodes = 1,
+        .node_rank = 0,
+        .master_addr = "127.0.0.1",
+        .master_port = 0,
+        .run_id = NULL,
+        .token = NULL,
+        .grace_s = 3.0,
+        .prefix_output = true,
+        .forward_signals = true,
+        .out_fd = 1,
+        .err_fd = 2,
+    };
+}
+
+static ts_status random_hex(char *out, size_t nbytes)
+{
+    unsigned char b[32];
+    if (nbytes > sizeof b)
+        nbytes = sizeof b;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return ts_error(TS_ERR_IO, "ts_launch: cannot open /dev/urandom: %s", strerror(errno));
+    size_t got = 0;
+    while (got < nbytes) {
+        ssize_t r = read(fd, b + got, nbytes - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            int e = r < 0 ? errno : EIO;
+            close(fd);
+            return ts_error(TS_ERR_IO, "ts_launch: cannot read /dev/urandom: %s", strerror(e));
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    static const char hex[] = "0123456789abcdef";
+    for (size_t i = 0; i < nbytes; i++) {
+        out[2 * i] = hex[b[i] >> 4];
+        out[2 * i + 1] = hex[b[i] & 15];
+    }
+    out[2 * nbytes] = '\0';
+    return TS_OK;
+}
+
+static int usable_cores(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0)
+            return n;
+    }
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+static bool valid_str(const char *s)
+{
+    return s && *s && strlen(s) < TS_LAUNCH_MAX_STR && !strpbrk(s, "\n\r");
+}
+
+static ts_status check_options(const ts_launch_options *o, char *const *argv)
+{
+    if (!o)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: options are NULL");
+    if (!argv || !argv[0] || !*argv[0])
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: no program to run");
+    if (o->nproc_per_node < 1 || o->nproc_per_node > MAX_RANKS_PER_NODE)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: nproc_per_node must be 1..%d (got %d)",
+                        MAX_RANKS_PER_NODE, o->nproc_per_node);
+    if (o->nnodes < 1 || o->nnodes > MAX_NODES)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: nnodes must be 1..%d (got %d)", MAX_NODES,
+                        o->nnodes);
+    if ((long long)o->nnodes * o->nproc_per_node > INT_MAX / 2)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: nnodes x nproc_per_node is too large");
+    if (o->node_rank < 0 || o->node_rank >= o->nnodes)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: node_rank must be 0..%d (nnodes %d; got %d)",
+                        o->nnodes - 1, o->nnodes, o->node_rank);
+    if (!valid_str(o->master_addr))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: master_addr must be a host name or address");
+    if (o->master_port < 0 || o->master_port > 65535)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: master_port must be 0..65535 (got %d)",
+                        o->master_port);
+    if (o->nnodes > 1 && o->master_port == 0)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_launch: nnodes %d needs a fixed master_port (every node must know it)", o->nnodes);
+    if (o->nnodes > 1 && !(o->token && *o->token))
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_launch: nnodes %d needs a token, the same on every node", o->nnodes);
+    if (o->token && *o->token && !valid_str(o->token))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: token must be under %d bytes, one line",
+                        TS_LAUNCH_MAX_STR);
+    if (o->run_id && *o->run_id && !valid_str(o->run_id))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: run_id must be under %d bytes, one line",
+                        TS_LAUNCH_MAX_STR);
+    if (!(o->grace_s >= 0.0 && o->grace_s <= 86400.0))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: grace_s must be 0..86400 seconds (got %g)",
+                        o->grace_s);
+    if (o->out_fd < 0 || o->err_fd < 0)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: out_fd and err_fd must be open descriptors");
+    return TS_OK;
+}
+
+/* The numeric IPv4 address to bind for master_addr. */
+static ts_status bind_address(const char *addr, char *out, size_t cap)
+{
+    struct in_addr a;
+    if (inet_pton(AF_INET, addr, &a) == 1) {
+        snprintf(out, cap, "%s", addr);
+        return TS_OK;
+    }
+    struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_STREAM};
+    struct addrinfo *res = NULL;
+    int r = getaddrinfo(addr, NULL, &hints, &res);
+    if (r != 0 || !res)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: master_addr '%s' does not resolve to an IPv4 "
+                                                 "address: %s", addr, r ? gai_strerror(r) : "no address");
+    const struct sockaddr_in *sin = (const struct sockaddr_in *)(const void *)res->ai_addr;
+    inet_ntop(AF_INET, &sin->sin_addr, out, (socklen_t)cap);
+    freeaddrinfo(res);
+    return TS_OK;
+}
+
+/* Variables a launcher sets: removed from the inherited environment. */
+static const char *const launcher_vars[] = {
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TS_STORE_TOKEN", "TS_RUN_ID", "TS_STORE_HOSTED", "TS_LAUNCHER_PID",
+    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
+};
+
+static bool is_launcher_var(const char *entry)
+{
+    for (size_t i = 0; i < sizeof launcher_vars / sizeof launcher_vars[0]; i++) {
+        size_t n = strlen(launcher_vars[i]);
+        if (strncmp(entry, launcher_vars[i], n) == 0 && entry[n] == '=')
+            return true;
+    }
+    return false;
+}
+
+/* The environment shared by this node's ranks: 2 slots left free at
+ * [0] and [1] for RANK and LOCAL_RANK. Strings we made are listed in
+ * owned[] (borrowed ones point into environ). */
+typedef struct env_builder {
+    char **v;
+    size_t n, cap;
+    char *owned[24];
+    int nowned;
+} env_builder;
+
+static ts_status env_add(env_builder *b, const char *entry, bool copy)
+{
+    if (b->n + 2 > b->cap) { /* keep room for the NULL */
+        size_t cap = b->cap ? b->cap * 2 : 64;
+        char **nv = grow(b->v, b->n * sizeof *nv, cap * sizeof *nv);
+        if (!nv)
+            return TS_ERR_NO_MEMORY;
+        b->v = nv;
+        b->cap = cap;
+    }
+    char *s = (char *)entry;
+    if (copy) {
+        TS_ASSERT(b->nowned < (int)(sizeof b->owned / sizeof b->owned[0]));
+        s = ts__strdup(TS_MEM_COMM, entry);
+        if (!s)
+            return TS_ERR_NO_MEMORY;
+        b->owned[b->nowned++] = s;
+    }
+    b->v[b->n++] = s;
+    b->v[b->n] = NULL;
+    return TS_OK;
+}
+
+static ts_status env_addf(env_builder *b, const char *name, const char *fmt, ...) TS_PRINTF(3, 4);
+static ts_status env_addf(env_builder *b, const char *name, const char *fmt, ...)
+{
+    char buf[2 * TS_LAUNCH_MAX_STR + 64];
+    int n = snprintf(buf, sizeof buf, "%s=", name);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + n, sizeof buf - (size_t)n, fmt, ap);
+    va_end(ap);
+    return env_add(b, buf, true);
+}
+
+static void env_free(env_builder *b)
+{
+    for (int i = 0; i < b->nowned; i++)
+        ts__free(TS_MEM_COMM, b->owned[i]);
+    ts__free(TS_MEM_COMM, b->v);
+}
+
+static ts_status build_env(env_builder *b, const ts_launch_options *o, int port, const char *token,
+                           const char *run_id)
+{
+    ts_status s = TS_OK;
+    /* slots 0 and 1: RANK and LOCAL_RANK, filled per rank */
+    if ((s = env_add(b, "RANK=", false)) || (s = env_add(b, "LOCAL_RANK=", false)))
+        return s;
+    for (char **e = environ; e && *e; e++)
+        if (!is_launcher_var(*e) && (s = env_add(b, *e, false)))
+            return s;
+    int world = o->nnodes * o->nproc_per_node;
+    if ((s = env_addf(b, "WORLD_SIZE", "%d", world)) ||
+        (s = env_addf(b, "LOCAL_WORLD_SIZE", "%d", o->nproc_per_node)) ||
+        (s = env_addf(b, "GROUP_RANK", "%d", o->node_rank)) ||
+        (s = env_addf(b, "GROUP_WORLD_SIZE", "%d", o->nnodes)) ||
+        (s = env_addf(b, "MASTER_ADDR", "%s", o->master_addr)) ||
+        (s = env_addf(b, "MASTER_PORT", "%d", port)) ||
+        (s = env_addf(b, "TS_STORE_TOKEN", "%s", token)) ||
+        (s = env_addf(b, "TS_RUN_ID", "%s", run_id)) ||
+        (s = env_addf(b, "TS_STORE_HOSTED", "1")) ||
+        (s = env_addf(b, "TS_LAUNCHER_PID", "%ld", (long)getpid())))
+        return s;
+    /* DEPS-GUIDE §1.4, §1.10, §1.12, §5: shared memory with peer-failure
+     * detection, a fast keepalive, no warnings for unused UCX variables,
+     * one BLIS thread per core share */
+    if (!getenv("UCX_TLS") && (s = env_addf(b, "UCX_TLS", "%s", o->nnodes > 1 ? "posix,cma,self,tcp"
+                                                                             : "posix,cma,self")))
+        return s;
+    if (!getenv("UCX_MM_ERROR_HANDLING") && (s = env_addf(b, "UCX_MM_ERROR_HANDLING", "y")))
+        return s;
+    if (!getenv("UCX_KEEPALIVE_INTERVAL") && (s = env_addf(b, "UCX_KEEPALIVE_INTERVAL", "1s")))
+        return s;
+    if (!getenv("UCX_WARN_UNUSED_ENV_VARS") && (s = env_addf(b, "UCX_WARN_UNUSED_ENV_VARS", "n")))
+        return s;
+    int threads = usable_cores() / o->nproc_per_node;
+    if (threads < 1)
+        threads = 1;
+    if (!getenv("BLIS_NUM_THREADS") && (s = env_addf(b, "BLIS_NUM_THREADS", "%d", threads)))
+        return s;
+    if (!getenv("TS_NUM_THREADS") && (s = env_addf(b, "TS_NUM_THREADS", "%d", threads)))
+        return s;
+    return TS_OK;
+}
+
+/* Spawns rank i. On failure writes the message into err. */
+static int spawn_rank(launcher *L, int i, char *const *argv, char **env, char *err, size_t errcap)
+{
+    rank_proc *rp = &L->ranks[i];
+    rp->L = L;
+    rp->rank = L->o->node_rank * L->o->nproc_per_node + i;
+    out_stream *streams[2] = {&rp->out, &rp->err};
+    for (int k = 0; k < 2; k++) {
+        out_stream *os = streams[k];
+        os->rp = rp;
+        os->fd = k == 0 ? L->o->out_fd : L->o->err_fd;
+        os->dead = k == 0 ? &L->out_dead : (L->o->err_fd == L->o->out_fd ? &L->out_dead : &L->err_dead);
+        uv_pipe_init(&L->loop, &os->pipe, 0);
+        os->pipe.data = os;
+        os->open = true;
+        L->open_pipes++;
+    }
+    uv_stdio_container_t stdio[3];
+    memset(stdio, 0, sizeof stdio);
+    stdio[0].flags = UV_IGNORE;
+    stdio[1].flags = (uv_stdio_flags)(UV_CREATE_PIPE | UV_WRITABLE_PIPE);
+    stdio[1].data.stream = (uv_stream_t *)&rp->out.pipe;
+    stdio[2].flags = (uv_stdio_flags)(UV_CREATE_PIPE | UV_WRITABLE_PIPE);
+    stdio[2].data.stream = (uv_stream_t *)&rp->err.pipe;
+    uv_process_options_t po;
+    memset(&po, 0, sizeof po);
+    po.exit_cb = on_proc_exit;
+    po.file = argv[0];
+    po.args = (char **)argv;
+    po.env = env;
+    po.flags = UV_PROCESS_DETACHED; /* setsid: a process group per rank */
+    po.stdio_count = 3;
+    po.stdio = stdio;
+    rp->proc.data = rp;
+    int r = uv_spawn(&L->loop, &rp->proc, &po);
+    if (r != 0) {
+        snprintf(err, errcap, "ts_launch: cannot start rank %d: '%s': %s", rp->rank, argv[0], uv_strerror(r));
+        uv_close((uv_handle_t *)&rp->proc, NULL);
+            rp->out.open = rp->err.open = false;
+        L->open_pipes -= 2;
+        uv_close((uv_handle_t *)&rp->out.pipe, NULL);
+        uv_close((uv_handle_t *)&rp->err.pipe, NULL);
+        return r;
+    }
+    rp->pid = rp->proc.pid;
+    rp->running = true;
+    watchdog_tell(L, (int32_t)rp->pid);
+    L->running++;
+    uv_read_start((uv_stream_t *)&rp->out.pipe, on_alloc, on_read);
+    uv_read_start((uv_stream_t *)&rp->err.pipe, on_alloc, on_read);
+    return 0;
+}
+
+ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_result *result_out)
+{
+    ts_status s = check_options(o, argv);
+    if (s)
+        return s;
+    char token[TS_LAUNCH_MAX_STR], run_id[TS_LAUNCH_MAX_STR];
+    if (o->token && *o->token)
+        snprintf(token, sizeof token, "%s", o->token);
+    else if ((s = random_hex(token, 16)))
+        return s;
+    if (o->run_id && *o->run_id)
+        snprintf(run_id, sizeof run_id, "%s", o->run_id);
+    else if (o->nnodes > 1)
+        snprintf(run_id, sizeof run_id, "tsrun-%s-%d", o->master_addr, o->master_port);
+    else if ((s = random_hex(run_id, 8)))
+        return s;
+    char ip[INET_ADDRSTRLEN + 1] = "";
+    if (o->node_rank == 0 && (s = bind_address(o->master_addr, ip, sizeof ip)))
+        return s;
+
+    /* forked first: before anything else starts threads, opens descriptors
+     * or allocates memory the child would keep */
+    int watchdog_fd;
+    pid_t watchdog = watchdog_start(o->nproc_per_node, &watchdog_fd);
+    launcher *L = ts__calloc(TS_MEM_COMM, 1, sizeof *L);
+    if (!L) {
+        if (watchdog > 0) {
+            close(watchdog_fd);
+            waitpid(watchdog, NULL, 0);
+        }
+        return TS_ERR_NO_MEMORY;
+    }
+    L->o = o;
+    L->n = o->nproc_per_node;
+    L->failed_rank = -1;
+    L->watchdog_fd = watchdog_fd;
+    ts_store_server *server = NULL;
+    env_builder env = {0};
+    char **rank_env = NULL;
+    char spawn_err[1024] = "";
+    bool failed_spawn = false;
+    int port = o->master_port;
+    L->ranks = ts__calloc(TS_MEM_COMM, (size_t)L->n, sizeof *L->ranks);
+    if (!L->ranks) {
+        s = TS_ERR_NO_MEMORY;
+        goto out;
+    }
+    /* node 0 hosts the store for the whole job */
+    if (o->node_rank == 0) {
+        if ((s = ts_store_server_start(ip, o->master_port, token, &server)))
+            goto out;
+        port = ts_store_server_port(server);
+    }
+    if ((s = build_env(&env, o, port, token, run_id)))
+        goto out;
+    rank_env = ts__malloc(TS_MEM_COMM, (env.n + 1) * sizeof *rank_env);
+    if (!rank_env) {
+        s = TS_ERR_NO_MEMORY;
+        goto out;
+    }
+    int r = uv_loop_init(&L->loop);
+    if (r) {
+        s = ts_error(TS_ERR_IO, "ts_launch: uv_loop_init: %s", uv_strerror(r));
+        goto out;
+    }
+    uv_timer_init(&L->loop, &L->grace);
+    uv_timer_init(&L->loop, &L->drain);
+    L->grace.data = L->drain.data = L;
+    if (o->forward_signals) {
+        static const int sigs[] = {SIGINT, SIGTERM, SIGHUP};
+        for (int i = 0; i < 3; i++) {
+            uv_signal_init(&L->loop, &L->sig[i]);
+            L->sig[i].data = L;
+            L->nsig++;
+            uv_signal_start(&L->sig[i], on_signal, sigs[i]);
+        }
+    }
+    for (int i = 0; i < L->n; i++) {
+        char rank_s[32], local_s[32];
+        snprintf(rank_s, sizeof rank_s, "RANK=%d", o->node_rank * o->nproc_per_node + i);
+        snprintf(local_s, sizeof local_s, "LOCAL_RANK=%d", i);
+        memcpy(rank_env, env.v, (env.n + 1) * sizeof *rank_env);
+        rank_env[0] = rank_s;
+        rank_env[1] = local_s;
+        if (spawn_rank(L, i, argv, rank_env, spawn_err, sizeof spawn_err) != 0) {
+            /* the ranks started already go, and are reaped below */
+            failed_spawn = true;
+            start_stopping(L, SIGKILL);
+            break;
+        }
+    }
+    maybe_finish(L);
+    uv_run(&L->loop, UV_RUN_DEFAULT);
+    r = uv_loop_close(&L->loop);
+    TS_ASSERT(r == 0);
+
+    if (failed_spawn) {
+        s = TS_ERR_IO;
+    } else {
+        ts_launch_result res = {
+            .exit_code = 0,
+            .failed_rank = L->failed_rank,
+            .failed_signal = L->failed_signal,
+            .received_signal = L->received_signal,
+            .master_port = port,
+        };
+        if (L->failed_rank >= 0)
+            res.exit_code = L->failed_code;
+        else if (L->received_signal)
+            res.exit_code = 128 + L->received_signal;
+        if (result_out)
+            *result_out = res;
+    }
+out:
+    ts_store_server_stop(server);
+    watchdog_stop(L, watchdog);
+    for (int i = 0; L->ranks && i < L->n; i++) {
+        ts__free(TS_MEM_COMM, L->ranks[i].out.carry);
+        ts__free(TS_MEM_COMM, L->ranks[i].err.carry);
+    }
+    ts__free(TS_MEM_COMM, rank_env);
+    env_free(&env);
+    ts__free(TS_MEM_COMM, L->line);
+    ts__free(TS_MEM_COMM, L->ranks);
+    ts__free(TS_MEM_COMM, L);
+    if (failed_spawn) /* recorded last: cleanup must not overwrite the detail */
+        ts_error(TS_ERR_IO, "%s", spawn_err);
+    return s;
+}
+
+/* ================================================================ ranks */
+
+const char *ts_launch_source_name(ts_launch_source s)
+{
+    switch (s) {
+    case TS_LAUNCH_SOURCE_TSRUN: return "tsrun";
+    case TS_LAUNCH_SOURCE_OMPI: return "ompi";
+    case TS_LAUNCH_SOURCE_SLURM: return "slurm";
+    }
+    return "unknown";
+}
+
+/* A decimal integer in [lo, hi] from variable `name`. *set_out says whether
+ * the variable is set; TS_ERR_INVALID_ARGUMENT when set to anything else. */
+static ts_status env_int(const char *name, long lo, long hi, int *v_out, bool *set_out)
+{
+    const char *s = getenv(name);
+    *set_out = s != NULL;
+    if (!s)
+        return TS_OK;
+    char *end = NULL;
+    long v = -1;
+    errno = 0;
+    if (*s >= '0' && *s <= '9')
+        v = strtol(s, &end, 10);
+    if (!end || *end != '\0' || errno != 0 || v < lo || v > hi)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s='%s' is not an integer in %ld..%ld", name,
+                        s, lo, hi);
+    *v_out = (int)v;
+    return TS_OK;
+}
+
+/* Like env_int, for a variable that must be set. */
+static ts_status env_int_req(const char *name, long lo, long hi, int *v_out, const char *why)
+{
+    bool set;
+    ts_status s = env_int(name, lo, hi, v_out, &set);
+    if (s)
+        return s;
+    if (!set)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s is not set (%s)", name, why);
+    return TS_OK;
+}
+
+/* The task count of node `node` in a Slurm tasks-per-node list such as
+ * "2(x3),1"; -1 when malformed, 0 when the list has no such node. */
+static int slurm_tasks_on_node(const char *s, int node)
+{
+    int idx = 0, found = -1;
+    const char *p = s;
+    if (!*p)
+        return -1;
+    while (*p) {
+        char *end;
+        errno = 0;
+        if (*p < '0' || *p > '9')
+            return -1;
+        long n = strtol(p, &end, 10);
+        if (errno || n < 1 || n > INT_MAX)
+            return -1;
+        long rep = 1;
+        p = end;
+        if (p[0] == '(' && p[1] == 'x') {
+            if (p[2] < '0' || p[2] > '9')
+                return -1;
+            rep = strtol(p + 2, &end, 10);
+            if (errno || rep < 1 || *end != ')')
+                return -1;
+            p = end + 1;
+        }
+        if (*p != ',' && *p != '\0')
+            return -1;
+        if (*p == ',' && p[1] == '\0')
+            return -1;
+        if (found < 0 && node >= idx && node - idx < rep)
+            found = (int)n;
+        idx += (int)(rep > INT_MAX - idx ? INT_MAX - idx : rep);
+        if (*p == ',')
+            p++;
+    }
+    return found < 0 ? 0 : found;
+}
+
+static bool host_char(char c)
+{
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+           c == '.' || c == '_';
+}
+
+/* The first host of a simple Slurm node list: "a,b" -> "a",
+ * "node[03-07,9]" -> "node03", "n[1-2]-ib" -> "n1-ib". False for anything
+ * else (several bracket groups, odd characters). */
+static bool slurm_first_host(const char *list, char *out, size_t cap)
+{
+    size_t len = 0;
+    const char *p = list;
+    const char *open = NULL, *close = NULL;
+    int depth = 0;
+    for (; *p && !(depth == 0 && *p == ','); p++) {
+        if (*p == '[') {
+            if (open)
+                return false; /* several bracket groups: not simple */
+            open = p;
+            depth++;
+        } else if (*p == ']') {
+            if (depth != 1)
+                return false;
+            close = p;
+            depth--;
+        } else if (depth == 0 && !host_char(*p)) {
+            return false;
+        }
+    }
+    if (depth != 0 || p == list)
+        return false;
+    const char *item_end = p;
+    char host[TS_LAUNCH_MAX_STR];
+    if (!open) {
+        len = (size_t)(item_end - list);
+        if (len >= sizeof host)
+            return false;
+        memcpy(host, list, len);
+    } else {
+        /* prefix, then the first number of the group (zero padding kept) */
+        size_t plen = (size_t)(open - list);
+        const char *q = open + 1;
+        const char *num_end = q;
+        while (num_end < close && *num_end >= '0' && *num_end <= '9')
+            num_end++;
+        if (num_end == q || (num_end < close && *num_end != '-' && *num_end != ','))
+            return false;
+        size_t nlen = (size_t)(num_end - q), slen = (size_t)(item_end - close - 1);
+        if (plen + nlen + slen >= sizeof host)
+            return false;
+        memcpy(host, list, plen);
+        memcpy(host + plen, q, nlen);
+        memcpy(host + plen + nlen, close + 1, slen);
+        len = plen + nlen + slen;
+    }
+    host[len] = '\0';
+    if (len == 0 || len >= cap)
+        return false;
+    memcpy(out, host, len + 1);
+    return true;
+}
+
+static ts_status env_str(const char *name, char *out, const char *dflt)
+{
+    const char *s = getenv(name);
+    if (!s)
+        s = dflt;
+    if (strlen(s) >= TS_LAUNCH_MAX_STR)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s is %zu bytes long (at most %d)", name,
+                        strlen(s), TS_LAUNCH_MAX_STR - 1);
+    snprintf(out, TS_LAUNCH_MAX_STR, "%s", s);
+    return TS_OK;
+}
+
+ts_status ts_launch_env(ts_rank_env *env_out)
+{
+    if (!env_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: env_out is NULL");
+    ts_rank_env e;
+    memset(&e, 0, sizeof e);
+    ts_status s;
+    const char *rank_v, *size_v, *lrank_v, *lsize_v;
+    const int big = 1 << 24;
+    bool set1, set2;
+    if (getenv("RANK") || getenv("WORLD_SIZE")) {
+        e.source = TS_LAUNCH_SOURCE_TSRUN;
+        rank_v = "RANK", size_v = "WORLD_SIZE", lrank_v = "LOCAL_RANK", lsize_v = "LOCAL_WORLD_SIZE";
+        const char *why = "tsrun and torchrun set RANK and WORLD_SIZE together";
+        if ((s = env_int_req(rank_v, 0, big, &e.rank, why)) ||
+            (s = env_int_req(size_v, 1, big, &e.world_size, why)))
+            return s;
+        if ((s = env_int(lrank_v, 0, big, &e.local_rank, &set1)) ||
+            (s = env_int(lsize_v, 1, big, &e.local_world_size, &set2)))
+            return s;
+        if (set1 != set2)
+            return ts_error(TS_ERR_INVALID_ARGUMENT,
+                            "ts_launch_env: %s is set but %s is not (set both, or neither for one node)",
+                            set1 ? lrank_v : lsize_v, set1 ? lsize_v : lrank_v);
+        if (!set1) {
+            e.local_rank = e.rank;
+            e.local_world_size = e.world_size;
+        }
+    } else if (getenv("OMPI_COMM_WORLD_RANK") || getenv("OMPI_COMM_WORLD_SIZE")) {
+        e.source = TS_LAUNCH_SOURCE_OMPI;
+        rank_v = "OMPI_COMM_WORLD_RANK", size_v = "OMPI_COMM_WORLD_SIZE";
+        lrank_v = "OMPI_COMM_WORLD_LOCAL_RANK", lsize_v = "OMPI_COMM_WORLD_LOCAL_SIZE";
+        const char *why = "mpirun (Open MPI) sets all four OMPI_COMM_WORLD_ variables";
+        if ((s = env_int_req(rank_v, 0, big, &e.rank, why)) ||
+            (s = env_int_req(size_v, 1, big, &e.world_size, why)) ||
+            (s = env_int_req(lrank_v, 0, big, &e.local_rank, why)) ||
+            (s = env_int_req(lsize_v, 1, big, &e.local_world_size, why)))
+            return s;
+    } else if (getenv("SLURM_PROCID")) {
+        e.source = TS_LAUNCH_SOURCE_SLURM;
+        rank_v = "SLURM_PROCID", lrank_v = "SLURM_LOCALID";
+        size_v = getenv("SLURM_NTASKS") || !getenv("SLURM_NPROCS") ? "SLURM_NTASKS" : "SLURM_NPROCS";
+        const char *why = "srun sets it for every task";
+        if ((s = env_int_req(rank_v, 0, big, &e.rank, why)) ||
+            (s = env_int_req(size_v, 1, big, &e.world_size, why)) ||
+            (s = env_int_req(lrank_v, 0, big, &e.local_rank, why)))
+            return s;
+        static const char *const per_node[] = {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                                               "SLURM_NTASKS_PER_NODE"};
+        const char *spec = NULL;
+        lsize_v = NULL;
+        for (int i = 0; i < 3 && !spec; i++)
+            if ((spec = getenv(per_node[i])))
+                lsize_v = per_node[i];
+        if (!spec)
+            return ts_error(TS_ERR_INVALID_ARGUMENT,
+                            "ts_launch_env: none of SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE, "
+                            "SLURM_NTASKS_PER_NODE is set: the tasks on this node are unknown");
+        int node = 0;
+        bool node_set;
+        if ((s = env_int("SLURM_NODEID", 0, big, &node, &node_set)))
+            return s;
+        bool list = strchr(spec, ',') || strchr(spec, '(');
+        if (list && !node_set)
+            return ts_error(TS_ERR_INVALID_ARGUMENT,
+                            "ts_launch_env: %s='%s' lists several nodes but SLURM_NODEID is not set", lsize_v,
+                            spec);
+        int n = slurm_tasks_on_node(spec, node_set ? node : 0);
+        if (n < 0)
+            return ts_error(TS_ERR_INVALID_ARGUMENT,
+                            "ts_launch_env: %s='%s' is not a Slurm task count list such as '2(x3),1'",
+                            lsize_v, spec);
+        if (n == 0)
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s='%s' has no entry for SLURM_NODEID=%d",
+                            lsize_v, spec, node);
+        e.local_world_size = n;
+    } else {
+        return ts_error(TS_ERR_NOT_FOUND,
+                        "ts_launch_env: no launcher variables: neither RANK/WORLD_SIZE (tsrun, torchrun), "
+                        "OMPI_COMM_WORLD_RANK (mpirun) nor SLURM_PROCID (srun) is set");
+    }
+    if (e.rank >= e.world_size)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d is not below %s=%d", rank_v, e.rank,
+                        size_v, e.world_size);
+    if (e.local_rank >= e.local_world_size)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d is not below %s=%d", lrank_v,
+                        e.local_rank, lsize_v, e.local_world_size);
+    if (e.local_world_size > e.world_size)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d exceeds %s=%d", lsize_v,
+                        e.local_world_size, size_v, e.world_size);
+
+    /* the store's address */
+    if ((s = env_int("MASTER_PORT", 1, 65535, &e.master_port, &set1)))
+        return s;
+    if (!set1 && e.world_size > 1)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_launch_env: MASTER_PORT is not set (%s=%d ranks need the store's port; tsrun sets "
+                        "it, under mpirun or srun export it, e.g. MASTER_PORT=29500)",
+                        size_v, e.world_size);
+    const char *addr = getenv("MASTER_ADDR");
+    if (addr && *addr) {
+        if ((s = env_str("MASTER_ADDR", e.master_addr, "")))
+            return s;
+    } else if (e.world_size == 1 || e.local_world_size == e.world_size) {
+        snprintf(e.master_addr, sizeof e.master_addr, "127.0.0.1");
+    } else {
+        bool found = false;
+        const char *list_v = NULL;
+        if (e.source == TS_LAUNCH_SOURCE_SLURM) {
+            static const char *const lists[] = {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"};
+            for (int i = 0; i < 3 && !list_v; i++)
+                if (getenv(lists[i]))
+                    list_v = lists[i];
+            if (list_v)
+                found = slurm_first_host(getenv(list_v), e.master_addr, sizeof e.master_addr);
+        }
+        if (!found) {
+            if (list_v)
+                return ts_error(TS_ERR_INVALID_ARGUMENT,
+                                "ts_launch_env: MASTER_ADDR is not set and %s='%s' is not a simple node list; "
+                                "export MASTER_ADDR=<host of rank 0>",
+                                list_v, getenv(list_v));
+            return ts_error(TS_ERR_INVALID_ARGUMENT,
+                            "ts_launch_env: MASTER_ADDR is not set and the ranks span several nodes "
+                            "(%s=%d of %s=%d); export MASTER_ADDR=<host of rank 0>",
+                            lsize_v, e.local_world_size, size_v, e.world_size);
+        }
+    }
+    if ((s = env_str("TS_STORE_TOKEN", e.token, "")))
+        return s;
+    if (getenv("TS_RUN_ID")) {
+        if ((s = env_str("TS_RUN_ID", e.run_id, "")))
+            return s;
+    } else if (e.source == TS_LAUNCH_SOURCE_SLURM && getenv("SLURM_JOB_ID")) {
+        const char *step = getenv("SLURM_STEP_ID");
+        snprintf(e.run_id, sizeof e.run_id, "slurm-%.100s%s%.100s", getenv("SLURM_JOB_ID"), step ? "." : "",
+                 step ? step : "");
+    }
+    const char *hosted = getenv("TS_STORE_HOSTED");
+    e.store_hosted = hosted && strcmp(hosted, "1") == 0;
+    if ((s = env_int("TS_LAUNCHER_PID", 1, INT_MAX, &e.launcher_pid, &set1)))
+        return s;
+    *env_out = e;
+    return TS_OK;
+}
+
+/* The parent of `pid` from /proc, or -1. */
+static int parent_of(int pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
+    char state;
+    int ppid;
+    if (!p || sscanf(p + 1, " %c %d", &state, &ppid) != 2)
+        return -1;
+    return ppid;
+}
+
+ts_status ts_launch_rank_guard(void)
+{
+    int lpid = 0;
+    bool set;
+    ts_status s = env_int("TS_LAUNCHER_PID", 1, INT_MAX, &lpid, &set);
+    if (s)
+        return s;
+    if (!set)
+        return TS_OK;
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
+        return ts_error(TS_ERR_IO, "ts_launch_rank_guard: prctl(PR_SET_PDEATHSIG): %s", strerror(errno));
+    /* checked after prctl: a launcher that died before it is seen here */
+    int p = (int)getppid();
+    if (p == lpid)
+        return TS_OK;
+    for (int depth = 0; p > 1 && depth < 64; depth++) {
+        p = parent_of(p);
+        if (p == lpid)
+            return TS_OK;
+    }
+    return ts_error(TS_ERR_PEER_FAILED,
+                    "ts_launch_rank_guard: the launcher (TS_LAUNCHER_PID=%d) is not an ancestor of this process "
+                    "(parent %d): it has exited",
+                    lpid, (int)getppid());
+}

@@ -1,10 +1,25 @@
 /*
  * tensorshard launcher library: what tools/tsrun does, callable from C (the
- * multi-rank tests start their ranks through it). Modelled on torchrun.
+ * multi-rank tests start their ranks through it), and what a rank calls to
+ * learn its place in the job. Modelled on torchrun (DESIGN.md D8).
+ *
+ * Launcher side: ts_launch starts the ranks of one node, relays their
+ * output line by line, stops them all when one fails, and reports how they
+ * ended. Node 0's launcher hosts the rendezvous store (comm/store.h).
+ *
+ * Rank side: ts_launch_env reads the rank, world and store address from the
+ * environment that tsrun, torchrun, mpirun (Open MPI) or srun (Slurm) set;
+ * ts_launch_rank_guard makes a rank die with its launcher.
  *
  * Lifetime rules: ts_launch runs the ranks to completion and returns; it
  * owns nothing afterwards. Strings in the options are borrowed for the
- * call.
+ * call. ts_rank_env holds its strings inline: nothing to free.
+ *
+ * Threads: ts_launch runs a private libuv loop on the calling thread (the
+ * store server runs in a thread of its own); call it from one thread at a
+ * time. The ranks' parent-death signal is tied to the calling thread, so
+ * that thread must live until ts_launch returns (it does: the call blocks).
+ * ts_launch_env and ts_launch_rank_guard may be called from any thread.
  */
 #ifndef TS_LAUNCH_H
 #define TS_LAUNCH_H
@@ -15,37 +30,147 @@
 extern "C" {
 #endif
 
+/* ------------------------------------------------------------- launcher */
+
 typedef struct ts_launch_options {
-    int nproc_per_node;      /* ranks on this node (default 1) */
+    int nproc_per_node;      /* ranks on this node, 1..4096 (default 1) */
     int nnodes;              /* default 1 */
-    int node_rank;           /* default 0 */
-    const char *master_addr; /* default "127.0.0.1" */
-    int master_port;         /* 0 picks a free port (node 0 hosts the store) */
-    const char *run_id;      /* job id; default: generated */
-    const char *token;       /* store token; default: generated per job */
-    double grace_s;          /* SIGTERM -> SIGKILL grace after a failure (default 3) */
-    bool prefix_output;      /* "[r] " before every line of rank r (default true) */
-    int out_fd, err_fd;      /* where the prefixed output goes (default 1, 2) */
+    int node_rank;           /* 0..nnodes-1 (default 0) */
+    const char *master_addr; /* node 0's address, where the store listens (default "127.0.0.1");
+                              * a host name is resolved (IPv4) for binding, and passed to the
+                              * ranks as given */
+    int master_port;         /* 0 picks a free port (node 0 hosts the store; the ranks get the
+                              * real port). nnodes > 1 needs a fixed port. */
+    const char *run_id;      /* job id; default: generated (nnodes > 1: "tsrun-ADDR-PORT") */
+    const char *token;       /* store token; default: generated per job. nnodes > 1 needs
+                              * one, the same on every node. */
+    double grace_s;          /* SIGTERM -> SIGKILL grace when stopping the ranks (default 3) */
+    bool prefix_output;      /* "[r] " before every line of rank r (default true). Output is
+                              * relayed a whole line at a time either way. */
+    bool forward_signals;    /* catch SIGINT, SIGTERM and SIGHUP while running and forward them
+                              * to the ranks (default true). libuv resets their disposition to
+                              * the default when ts_launch returns. */
+    int out_fd, err_fd;      /* where the ranks' stdout and stderr go (default 1, 2) */
 } ts_launch_options;
 
 TS_API ts_launch_options ts_launch_options_default(void);
 
 typedef struct ts_launch_result {
-    int exit_code;    /* 0 if every rank exited 0; else the first failure's code (128 + signal when killed) */
-    int failed_rank;  /* global rank of the first failure, -1 if none */
-    int failed_signal;/* signal that killed it, 0 if it exited */
+    int exit_code;       /* 0 if every rank exited 0; else the first failure's code (128 + signal
+                          * when killed); 128 + received_signal when the launcher was told to
+                          * stop before any rank failed */
+    int failed_rank;     /* global rank of the first failure, -1 if none */
+    int failed_signal;   /* signal that killed it, 0 if it exited */
+    int received_signal; /* SIGINT/SIGTERM/SIGHUP the launcher caught and forwarded, 0 if none */
+    int master_port;     /* the store's port (the one picked when master_port was 0) */
 } ts_launch_result;
 
-/* Starts the ranks of this node running argv[0] with argv (NULL-terminated)
- * with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
- * MASTER_PORT, TS_STORE_TOKEN, TS_RUN_ID and the UCX settings the
- * deps guide found necessary (unless the caller's environment sets them),
- * waits for them, and reports how they ended. If a rank fails, the others
- * are stopped (whole process groups: SIGTERM, then SIGKILL after grace_s).
- * SIGINT/SIGTERM to the caller are forwarded. Returns TS_OK when the job
- * ran (whatever its ranks' exit codes: see result), TS_ERR_INVALID_ARGUMENT
- * for bad options, TS_ERR_IO when a rank cannot be started. */
+/* Starts the ranks of this node running argv[0] (searched in PATH) with argv
+ * (NULL-terminated), each in a process group of its own, and waits for
+ * them. Each rank's environment is the caller's, minus any earlier launcher
+ * variables, plus:
+ *   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+ *   GROUP_RANK (node_rank), GROUP_WORLD_SIZE (nnodes), TS_STORE_TOKEN,
+ *   TS_RUN_ID, TS_STORE_HOSTED=1, TS_LAUNCHER_PID (the caller's pid);
+ *   unless already set: UCX_TLS=posix,cma,self (",tcp" added when nnodes > 1),
+ *   UCX_MM_ERROR_HANDLING=y, UCX_KEEPALIVE_INTERVAL=1s,
+ *   UCX_WARN_UNUSED_ENV_VARS=n, and BLIS_NUM_THREADS and TS_NUM_THREADS =
+ *   max(1, cores / nproc_per_node).
+ * Global rank = node_rank * nproc_per_node + local rank. Node 0 hosts the
+ * store (ts_store_server_start on master_addr:master_port with the token)
+ * for the duration of the call. The ranks' stdin is /dev/null. The caller
+ * must not reap children it did not start (waitpid(-1, ...)) meanwhile.
+ *
+ * Output: every line a rank writes to stdout (stderr) goes to out_fd
+ * (err_fd) as "[r] line\n" in one write(), so lines of different ranks never
+ * mix; a last line without a newline gets one at end of file; lines longer
+ * than 64 KiB are split. A write error on out_fd/err_fd (a closed pipe)
+ * drops the output and never kills the launcher.
+ *
+ * Ending: when a rank exits non-zero or is killed, every other rank's
+ * process group gets SIGTERM, then SIGKILL after grace_s. When a rank
+ * exits, its process group gets SIGKILL (leftover children would hold its
+ * output pipe). A signal the launcher catches is forwarded to every rank's
+ * group (SIGKILL after grace_s; a second SIGINT/SIGTERM kills at once).
+ * Should the launcher itself die without cleaning up (SIGKILL, a crash), a
+ * watchdog process it forked at the start SIGKILLs every rank's group, so
+ * ranks and their children never outlive it (ts_launch_rank_guard is a
+ * second line of defence inside the ranks).
+ * Pipes still held open by processes outside the groups (a grandchild that
+ * called setsid) are abandoned max(grace_s, 1 s) after the last rank exited.
+ *
+ * Returns TS_OK when the job ran (whatever its ranks' exit codes: see
+ * *result_out, written only on TS_OK), TS_ERR_INVALID_ARGUMENT for bad
+ * options (the detail names the option), TS_ERR_IO when the store cannot
+ * listen or a rank cannot be started (the detail names the program and the
+ * system error; ranks started already are killed and reaped first). */
 TS_API ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_result *result_out);
+
+/* ---------------------------------------------------------------- ranks */
+
+typedef enum ts_launch_source {
+    TS_LAUNCH_SOURCE_TSRUN = 1, /* RANK, WORLD_SIZE, ... (tsrun, torchrun, or set by hand) */
+    TS_LAUNCH_SOURCE_OMPI,      /* OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE (mpirun) */
+    TS_LAUNCH_SOURCE_SLURM      /* SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ... (srun) */
+} ts_launch_source;
+
+/* "tsrun", "ompi", "slurm"; "unknown" otherwise. Static string. */
+TS_API const char *ts_launch_source_name(ts_launch_source s);
+
+#define TS_LAUNCH_MAX_STR 256
+
+typedef struct ts_rank_env {
+    ts_launch_source source;
+    int rank, world_size;             /* 0 <= rank < world_size */
+    int local_rank, local_world_size; /* 0 <= local_rank < local_world_size <= world_size */
+    char master_addr[TS_LAUNCH_MAX_STR]; /* where the store listens */
+    int master_port;                  /* 1..65535; 0 only for world_size 1 without MASTER_PORT */
+    char token[TS_LAUNCH_MAX_STR];    /* TS_STORE_TOKEN; "" when unset (the store accepts anyone) */
+    char run_id[TS_LAUNCH_MAX_STR];   /* TS_RUN_ID; else "slurm-JOB.STEP" under Slurm; else "" */
+    bool store_hosted;                /* true: a launcher hosts the store (TS_STORE_HOSTED=1);
+                                       * false: rank 0 must host it on master_addr:master_port */
+    int launcher_pid;                 /* TS_LAUNCHER_PID, 0 when unset */
+} ts_rank_env;
+
+/* Reads this process's place in the job from the environment. The first
+ * source present wins:
+ *   1. RANK (tsrun, torchrun): RANK and WORLD_SIZE, and LOCAL_RANK with
+ *      LOCAL_WORLD_SIZE (both or neither; neither means one node:
+ *      local = global).
+ *   2. OMPI_COMM_WORLD_RANK (mpirun): OMPI_COMM_WORLD_RANK, _SIZE,
+ *      _LOCAL_RANK and _LOCAL_SIZE.
+ *   3. SLURM_PROCID (srun): SLURM_PROCID, SLURM_NTASKS (or SLURM_NPROCS),
+ *      SLURM_LOCALID, and this node's task count from
+ *      SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE or
+ *      SLURM_NTASKS_PER_NODE (the first set; a list such as "2(x3),1" is
+ *      indexed by SLURM_NODEID).
+ * The store's address, in every case:
+ *   MASTER_PORT is required when world_size > 1 (tsrun and torchrun set
+ *   it; under mpirun or srun, export it: `mpirun -x MASTER_PORT=29500`).
+ *   MASTER_ADDR when set is used as is. When unset: "127.0.0.1" if every
+ *   rank is on this node (local_world_size == world_size) or world_size is
+ *   1; else, under Slurm, the first host of SLURM_STEP_NODELIST,
+ *   SLURM_JOB_NODELIST or SLURM_NODELIST (where task 0 runs unless
+ *   --distribution=arbitrary) if that list is simple ("n1,n2" or one
+ *   bracket group, "node[03-07,9]" -> "node03"); otherwise an error.
+ *   Under mpirun or srun no launcher hosts the store: rank 0 does
+ *   (store_hosted false).
+ * Returns TS_OK and writes *env_out; TS_ERR_NOT_FOUND when no source is present
+ * (a process started alone: the caller may run as world 1);
+ * TS_ERR_INVALID_ARGUMENT when a value is missing, not a number, out of
+ * range or inconsistent, with a detail naming the variables and values. */
+TS_API ts_status ts_launch_env(ts_rank_env *env_out);
+
+/* For a rank started by tsrun or ts_launch (TS_LAUNCHER_PID set): asks the
+ * kernel to SIGKILL this process when its parent dies
+ * (prctl(PR_SET_PDEATHSIG)), then checks that the launcher is still there:
+ * it must be the parent or, when a wrapper (a shell) sits between them, an
+ * ancestor (the signal then follows the wrapper's death, not the
+ * launcher's). Call it first thing in main(). Returns TS_OK (also when
+ * TS_LAUNCHER_PID is unset: nothing to guard), TS_ERR_PEER_FAILED when the
+ * launcher is gone already (the caller should exit), TS_ERR_INVALID_ARGUMENT
+ * when TS_LAUNCHER_PID is not a pid, TS_ERR_IO when prctl fails. */
+TS_API ts_status ts_launch_rank_guard(void);
 
 #ifdef __cplusplus
 }

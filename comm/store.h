@@ -5,18 +5,45 @@
  * Protocol (both directions little-endian):
  *   request  = u32 body_len | u8 op | u32 klen | key | u32 vlen | value | u64 arg
  *   response = u32 body_len | u8 status | u32 vlen | value | u64 arg
- * A connection's first request must be HELLO carrying the job's token; a
- * wrong token, a malformed or oversized frame (limits below) drops the
- * client. Keys and values are binary-safe.
+ * body_len counts everything after itself and must equal 17 + klen + vlen
+ * (13 + vlen for a response) exactly.
+ *   op 1 HELLO        key empty, value = token, arg = protocol version (1)
+ *   op 2 SET          key, value
+ *   op 3 GET          key, arg = timeout (ms); answers the value
+ *   op 4 CHECK        key; answers OK or NOT_FOUND
+ *   op 5 WAIT         key, arg = timeout (ms); answers OK, no value
+ *   op 6 ADD          key, arg = delta (int64); answers the new value in arg
+ *   op 7 COMPARE_SET  key, value = u32 expected_len | expected | desired;
+ *                     answers the value after the call, arg = 1 if it swapped
+ *   op 8 DELETE       key; answers arg = 1 if the key existed
+ *   status 0 OK, 1 NOT_FOUND, 2 TIMEOUT, 3 NOT_COUNTER, 4 NO_MEMORY
+ * A connection's first request must be HELLO carrying the job's token
+ * (compared in constant time); a wrong token, an unknown op, a malformed or
+ * oversized frame (key over TS_STORE_MAX_KEY, value over TS_STORE_MAX_VALUE,
+ * token over TS_STORE_MAX_TOKEN, a value on an op that takes none), or a
+ * request sent while a GET/WAIT of the same connection is still pending
+ * drops the client; the server logs why (warn for a wrong token, info
+ * otherwise) and keeps serving everyone else. Keys and values are
+ * binary-safe on the wire (the C API takes keys as strings).
+ *
+ * Waiting: GET and WAIT carry the client's remaining time; the server parks
+ * the connection until the key is set (by SET, ADD or COMPARE_SET) and
+ * answers TIMEOUT when that time has passed, so a timed-out call leaves the
+ * connection usable. The client also bounds every call itself (poll on the
+ * socket, its timeout plus one second of grace for waits): a server that
+ * stops answering yields TS_ERR_TIMEOUT, a closed connection TS_ERR_COMM,
+ * both naming the store's address; after such an error the client's
+ * connection is gone and every later call fails with TS_ERR_COMM.
  *
  * Lifetime rules: the server and each client are objects the library
  * allocates (ts_store_server_start / ts_store_connect) and frees
- * (ts_store_server_stop / ts_store_close). Values returned to the caller
- * are malloc'd copies the caller frees with free().
+ * (ts_store_server_stop / ts_store_close); their memory is counted under
+ * TS_MEM_COMM. Values returned to the caller are malloc'd copies the caller
+ * frees with free() (never NULL on success, even when empty).
  *
- * Threads: the server runs its own libuv loop in its own thread; every
- * server function may be called from any thread. A client is used by one
- * thread at a time.
+ * Threads: the server runs its own libuv loop in its own thread (which
+ * blocks asynchronous signals and SIGPIPE); every server function may be
+ * called from any thread. A client is used by one thread at a time.
  */
 #ifndef TS_STORE_H
 #define TS_STORE_H
@@ -29,47 +56,89 @@ extern "C" {
 
 #define TS_STORE_MAX_KEY 4096
 #define TS_STORE_MAX_VALUE (64u << 20)
+#define TS_STORE_MAX_TOKEN 1024
+/* Environment variable a client reads its token from when given NULL
+ * (the launcher sets it for every rank). */
+#define TS_STORE_TOKEN_ENV "TS_STORE_TOKEN"
 
 typedef struct ts_store_server ts_store_server;
 typedef struct ts_store ts_store;
 
-/* Starts a server bound to `host` ("127.0.0.1" when NULL: loopback unless
- * told otherwise) on `port` (0 picks a free port; read it back with
+/* Starts a server bound to `host` (a numeric IPv4 or IPv6 address or a
+ * name that resolves to one; "127.0.0.1" when NULL: loopback unless told
+ * otherwise) on `port` (0 picks a free port; read it back with
  * ts_store_server_port). Clients must present `token` (NULL or "" accepts
- * any). TS_ERR_IO names the address and the system error. */
+ * any; at most TS_STORE_MAX_TOKEN bytes). TS_ERR_IO names the address and
+ * the system error (address in use, cannot resolve, ...);
+ * TS_ERR_INVALID_ARGUMENT for a bad port, token or NULL `out`. */
 TS_API ts_status ts_store_server_start(const char *host, int port, const char *token, ts_store_server **out);
 TS_API int ts_store_server_port(const ts_store_server *s);
 /* Stops the loop, drops every client (their pending calls fail) and frees
  * the server. Accepts NULL. */
 TS_API void ts_store_server_stop(ts_store_server *s);
 
-/* Connects (retrying until `timeout_s`: the server may not be up yet) and
- * says hello with `token`. TS_ERR_TIMEOUT names the address. */
+/* Connects to `host` (NULL: "127.0.0.1") and `port` (1..65535), retrying
+ * until `timeout_s` (the server may not be up yet), and says hello with
+ * `token` (NULL: the TS_STORE_TOKEN environment variable, "" if unset).
+ * TS_ERR_TIMEOUT names the address and the last system error; TS_ERR_COMM
+ * when the server drops the hello (a wrong token) or the name does not
+ * resolve; TS_ERR_INVALID_ARGUMENT for bad arguments. */
 TS_API ts_status ts_store_connect(const char *host, int port, const char *token, double timeout_s, ts_store **out);
+/* Frees the client (closing its connection). Accepts NULL. */
 TS_API void ts_store_close(ts_store *s);
-/* Timeout (seconds) for every later call of this client; default 300. */
+/* Timeout (seconds) for every later call of this client; default 300. Each
+ * call (including the whole of wait, barrier and rendezvous) must finish
+ * within it. Values that are not > 0 are ignored; very large ones are
+ * capped at 30 days. Accepts NULL (no effect). */
 TS_API void ts_store_set_timeout(ts_store *s, double timeout_s);
 
+/* Every call below returns TS_ERR_INVALID_ARGUMENT for a NULL client or
+ * key, a key longer than TS_STORE_MAX_KEY, a value longer than
+ * TS_STORE_MAX_VALUE or NULL with a non-zero length, and TS_ERR_COMM /
+ * TS_ERR_TIMEOUT as described at the top when the store cannot be reached.
+ * Error details name the key (truncated to 200 bytes) and the address. */
+
+/* Sets `key` to a copy of `len` bytes at `value`, waking its waiters. */
 TS_API ts_status ts_store_set(ts_store *s, const char *key, const void *value, size_t len);
 /* Blocks until `key` exists (or the timeout: TS_ERR_TIMEOUT naming the
- * key), then returns its value (malloc'd; free() it). */
+ * key), then returns its value (malloc'd; free() it). A counter reads as
+ * its 8 little-endian bytes. Both outputs are required. */
 TS_API ts_status ts_store_get(ts_store *s, const char *key, void **value_out, size_t *len_out);
 /* TS_OK if the key exists now, TS_ERR_NOT_FOUND otherwise (no waiting). */
 TS_API ts_status ts_store_check(ts_store *s, const char *key);
-/* Waits until every key exists. TS_ERR_TIMEOUT lists the missing keys. */
+/* Waits until every one of the `n` keys exists (n >= 0; no values are
+ * transferred). TS_ERR_TIMEOUT lists the keys still missing at the end. */
 TS_API ts_status ts_store_wait(ts_store *s, int n, const char *const *keys);
 /* Adds `delta` to the integer counter at `key` (created as 0) and returns
- * the new value. TS_ERR_FORMAT if the key holds a non-counter value. */
+ * the new value (wrapping in two's complement; `value_out` may be NULL).
+ * A counter is an 8-byte little-endian value, so ts_store_set can
+ * initialise one. TS_ERR_FORMAT if the key holds a value of another size.
+ * Wakes the key's waiters. */
 TS_API ts_status ts_store_add(ts_store *s, const char *key, int64_t delta, int64_t *value_out);
 /* Sets `key` to `desired` if its value equals `expected` (an absent key
- * matches expected_len == 0). Returns the value after the call (malloc'd). */
+ * matches expected_len == 0, as does a present empty value). Returns the
+ * value after the call (malloc'd): `desired` when it swapped, else the
+ * current value, or an empty value when the key is absent. `value_out`
+ * and `len_out` may both be NULL when the caller does not want it. */
 TS_API ts_status ts_store_compare_set(ts_store *s, const char *key, const void *expected, size_t expected_len,
                                       const void *desired, size_t desired_len, void **value_out, size_t *len_out);
-/* Deletes `key`; *deleted_out says whether it existed. */
+/* Deletes `key`; *deleted_out (may be NULL) says whether it existed.
+ * Waiters on the key keep waiting. */
 TS_API ts_status ts_store_delete(ts_store *s, const char *key, bool *deleted_out);
-/* A barrier of `world` participants built on add: each call of a given
- * `name` is a new epoch. TS_ERR_TIMEOUT says how many arrived. */
+/* A barrier of `world` (>= 1) participants built on add: each call of a
+ * given `name` is a new epoch. Keys: "barrier/<name>/count" (the counter;
+ * the epoch is (count - 1) / world) and "barrier/<name>/<epoch>/done".
+ * TS_ERR_TIMEOUT says how many arrived; a participant that timed out has
+ * still counted itself, so the name must not be used again after a
+ * timeout. */
 TS_API ts_status ts_store_barrier(ts_store *s, const char *name, int world);
+/* Rendezvous of `world` ranks: rank `rank` (0 <= rank < world) sets
+ * "<prefix>/arrived/<rank>" (empty value), then waits for every rank's key,
+ * all within the client's timeout. On timeout, TS_ERR_TIMEOUT names the
+ * ranks that never arrived ("rendezvous 'init': ranks 2, 3 of 4 never
+ * arrived within 5.0 s"). The keys stay, so each rendezvous needs its own
+ * prefix (a run id, an epoch). */
+TS_API ts_status ts_store_rendezvous(ts_store *s, const char *prefix, int rank, int world);
 
 #ifdef __cplusplus
 }

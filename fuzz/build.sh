@@ -11,9 +11,9 @@ mkdir -p "$OUT"
 CFLAGS=(-std=c11 -g -O1 -fno-omit-frame-pointer -ffp-contract=off -fno-math-errno
         -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
         -Wall -Wextra -Wno-unused-parameter -I.)
-lib_sources=(base/*.c tensor/*.c nn/*.c optim/*.c)
-for target in safetensors; do
+lib_sources=(base/*.c tensor/*.c nn/*.c optim/*.c comm/*.c)
+for target in safetensors store; do
     "$CC" "${CFLAGS[@]}" "${lib_sources[@]}" "fuzz/fuzz_$target.c" -o "$OUT/fuzz_$target" \
-        -lblis -ljansson -lm -lpthread
+        -lblis -ljansson -luv -lm -lpthread
     echo "built $OUT/fuzz_$target"
 done

@@ -1,0 +1,115 @@
+/*
+ * Internals of the rendezvous store (comm/store.c), shared with the tests
+ * and the fuzz target (fuzz/fuzz_store.c). Not installed.
+ *
+ * The server is split in two: a protocol core that knows nothing of
+ * sockets (frame parsing, the key-value table, waiters, deadlines) and a
+ * libuv layer that feeds it the bytes each connection receives and writes
+ * the replies it produces. The fuzz target drives the core directly.
+ *
+ * Everything here runs on one thread (the server's loop thread, or the
+ * fuzzer's). Time is whatever millisecond clock the driver passes in.
+ * Includes <uv.h>, which needs _GNU_SOURCE (or a POSIX level) under
+ * -std=c11.
+ */
+#ifndef TS_STORE_INTERNAL_H
+#define TS_STORE_INTERNAL_H
+
+#include <uv.h>
+
+#include "comm/store.h"
+
+/* Wire operations (request u8 op). */
+enum {
+    TS__STORE_OP_HELLO = 1,       /* key empty, value = token, arg = protocol version */
+    TS__STORE_OP_SET = 2,         /* key, value */
+    TS__STORE_OP_GET = 3,         /* key, arg = timeout in ms; answer: value */
+    TS__STORE_OP_CHECK = 4,       /* key; answer: OK or NOT_FOUND */
+    TS__STORE_OP_WAIT = 5,        /* key, arg = timeout in ms; answer: OK (no value) */
+    TS__STORE_OP_ADD = 6,         /* key, arg = delta (int64); answer arg: new value */
+    TS__STORE_OP_COMPARE_SET = 7, /* key, value = u32 elen | expected | desired; answer: value after */
+    TS__STORE_OP_DELETE = 8,      /* key; answer arg: 1 if it existed */
+    TS__STORE_OP_COUNT_ = 9
+};
+
+/* Wire statuses (response u8 status). */
+enum {
+    TS__STORE_ST_OK = 0,
+    TS__STORE_ST_NOT_FOUND = 1,
+    TS__STORE_ST_TIMEOUT = 2,
+    TS__STORE_ST_NOT_COUNTER = 3,
+    TS__STORE_ST_NO_MEMORY = 4,
+    TS__STORE_ST_COUNT_ = 5
+};
+
+#define TS__STORE_PROTOCOL 1u
+/* Fixed part of a request body: op, klen, vlen, arg. */
+#define TS__STORE_REQ_FIXED 17u
+/* Fixed part of a response body: status, vlen, arg. */
+#define TS__STORE_RESP_FIXED 13u
+/* Largest request body of an authenticated client (a compare-and-set with
+ * both values at the limit) and of one that has not said hello yet. */
+#define TS__STORE_MAX_BODY ((uint64_t)TS__STORE_REQ_FIXED + TS_STORE_MAX_KEY + 4u + 2u * (uint64_t)TS_STORE_MAX_VALUE)
+#define TS__STORE_MAX_HELLO_BODY (TS__STORE_REQ_FIXED + TS_STORE_MAX_TOKEN)
+
+/* One reply frame, owned by whoever receives it from the send callback.
+ * The libuv layer writes `bytes` with `req` and frees the block (ts__free,
+ * TS_MEM_COMM) in the write callback. */
+typedef struct ts__store_reply {
+    uv_write_t req;
+    uv_buf_t buf;
+    size_t len;
+    unsigned char bytes[];
+} ts__store_reply;
+
+typedef struct ts__store_core ts__store_core;
+
+/* Per-connection protocol state; the driver embeds it and keeps it at a
+ * stable address between ts__store_conn_init and ts__store_conn_fini. */
+typedef struct ts__store_conn {
+    unsigned char *buf; /* received bytes not consumed yet */
+    size_t len, cap;
+    bool authed;
+    bool parked;            /* a GET or WAIT is waiting for its key */
+    uint8_t wait_op;
+    unsigned char *wait_key;
+    uint32_t wait_klen;
+    uint64_t deadline_ms;
+    struct ts__store_conn *wprev, *wnext; /* the core's waiter list */
+    char peer[64];                        /* for log lines */
+    void *user;                           /* the driver's */
+} ts__store_conn;
+
+/* Called with each reply for `c` (ownership passes), or with NULL when
+ * the core wants `c` dropped but cannot say so through a return value
+ * (a woken waiter whose reply could not be allocated). It must not call
+ * back into the core. */
+typedef void (*ts__store_send_fn)(ts__store_conn *c, ts__store_reply *reply, void *ctx);
+
+/* `token` NULL or "" accepts any token. TS_ERR_NO_MEMORY only. */
+ts_status ts__store_core_new(const char *token, ts__store_send_fn send, void *ctx, ts__store_core **out);
+/* Every connection must have been finished first. Accepts NULL. */
+void ts__store_core_free(ts__store_core *core);
+/* Number of keys held. */
+size_t ts__store_core_count(const ts__store_core *core);
+
+void ts__store_conn_init(ts__store_core *core, ts__store_conn *c, const char *peer);
+/* Forgets the connection's waiter and frees its buffer. */
+void ts__store_conn_fini(ts__store_core *core, ts__store_conn *c);
+/* Where the next received bytes go (the free tail of the connection's
+ * buffer, grown to hold the frame being received). False when out of
+ * memory (drop the client). */
+bool ts__store_conn_space(ts__store_core *core, ts__store_conn *c, unsigned char **p, size_t *n);
+/* `n` bytes were written at the space just handed out: parses and runs
+ * every complete request. False means drop the client (malformed or
+ * oversized frame, wrong token, a request sent while one is pending); the
+ * reason has been logged. */
+bool ts__store_conn_received(ts__store_core *core, ts__store_conn *c, size_t n, uint64_t now_ms);
+/* space + copy + received, for drivers without a read buffer (the fuzzer). */
+bool ts__store_conn_feed(ts__store_core *core, ts__store_conn *c, const void *data, size_t n, uint64_t now_ms);
+/* Answers TIMEOUT to every waiter whose deadline is <= now_ms. */
+void ts__store_core_expire(ts__store_core *core, uint64_t now_ms);
+/* The earliest waiter deadline, UINT64_MAX when nobody waits. */
+uint64_t ts__store_core_next_deadline(const ts__store_core *core);
+
+#endif /* TS_STORE_INTERNAL_H */
