@@ -115,8 +115,9 @@ void ts_pool_empty_cache(void)
     for (int c = 0; c < N_CLASSES; c++) {
         free_block *b = free_lists[c];
         free_lists[c] = NULL;
-        size_t cb;
-        class_bytes(c, &cb);
+        size_t cb = 0;
+        if (b)
+            class_bytes(c, &cb); /* only classes that hold blocks: the top ones are unreachable sizes */
         while (b) {
             free_block *n = b->next;
             ts__free_raw(TS_MEM_POOL, b, cb);
