@@ -146,6 +146,19 @@ void ts__node_set_output(ts_node *n, int index, ts_tensor *out)
     memcpy(n->out_shape[index], out->shape, sizeof out->shape);
 }
 
+ts_status ts__record1(ts_node *n, ts_tensor *o, ts_tensor *s0, ts_tensor *s1)
+{
+    ts_status st = ts__node_save(n, 0, s0);
+    if (!st)
+        st = ts__node_save(n, 1, s1);
+    if (!st)
+        ts__node_set_output(n, 0, o);
+    ts__node_free(n);
+    if (st)
+        ts_tensor_free(o);
+    return st;
+}
+
 bool ts__node_needs_input_grad(const ts_node *n, int j)
 {
     return j < n->n_inputs && (n->inputs[j].node || n->inputs[j].leaf);

@@ -84,6 +84,10 @@ ts_status ts__node_save(ts_node *n, int i, ts_tensor *t);
 /* Makes `out` output `index` of node n (sets grad_fn, requires_grad and
  * the output metadata). */
 void ts__node_set_output(ts_node *n, int index, ts_tensor *out);
+/* Finishes recording a one-output op: saves s0 and s1 (either may be
+ * NULL) in slots 0 and 1, makes `o` output 0, and drops the creator's
+ * reference to n. On failure `o` is freed too. */
+ts_status ts__record1(ts_node *n, ts_tensor *o, ts_tensor *s0, ts_tensor *s1);
 void ts__node_retain(ts_node *n);
 void ts__node_free(ts_node *n);
 /* True if input j's edge leads to something that wants a gradient. */

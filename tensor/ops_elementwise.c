@@ -493,22 +493,10 @@ static ts_status binary_op(bop op, ts_tensor *a, ts_tensor *b, ts_tensor **out)
         n->dargs[2] = b->ndim;
         memcpy(&n->iargs[TS_MAX_DIMS], b->shape, (size_t)b->ndim * sizeof *b->shape);
         n->dargs[0] = op == B_SUB ? -1 : 1;
-        if (op == B_MUL) {
-            st = ts__node_save(n, 0, a);
-            if (!st)
-                st = ts__node_save(n, 1, b);
-        } else if (op == B_DIV) {
-            st = ts__node_save(n, 0, b);
-            if (!st)
-                st = ts__node_save(n, 1, o);
-        }
-        if (!st)
-            ts__node_set_output(n, 0, o);
-        ts__node_free(n);
-        if (st) {
-            ts_tensor_free(o);
+        /* mul saves both operands; div saves b and the output */
+        if ((st = ts__record1(n, o, op == B_MUL ? a : op == B_DIV ? b : NULL,
+                              op == B_MUL ? b : op == B_DIV ? o : NULL)))
             return st;
-        }
     }
     *out = o;
     return TS_OK;
@@ -579,14 +567,8 @@ static ts_status unary_op(uop op, ts_tensor *a, double p, ts_tensor **out)
         n->dargs[0] = p;
         bool save_out = op == U_EXP || op == U_SQRT || op == U_RSQRT || op == U_TANH || op == U_SIGMOID;
         bool save_in = op == U_LOG || op == U_RELU || op == U_GELU || op == U_GELU_TANH || op == U_POW_S;
-        st = ts__node_save(n, 0, save_out ? o : save_in ? a : NULL);
-        if (!st)
-            ts__node_set_output(n, 0, o);
-        ts__node_free(n);
-        if (st) {
-            ts_tensor_free(o);
+        if ((st = ts__record1(n, o, save_out ? o : save_in ? a : NULL, NULL)))
             return st;
-        }
     }
     *out = o;
     return TS_OK;

@@ -208,16 +208,8 @@ static ts_status matmul_nd(ts_tensor *a, ts_tensor *b, ts_tensor **out)
             ts_tensor_free(o);
             return TS_ERR_NO_MEMORY;
         }
-        st = ts__node_save(n, 0, a);
-        if (!st)
-            st = ts__node_save(n, 1, b);
-        if (!st)
-            ts__node_set_output(n, 0, o);
-        ts__node_free(n);
-        if (st) {
-            ts_tensor_free(o);
+        if ((st = ts__record1(n, o, a, b)))
             return st;
-        }
     }
     *out = o;
     return TS_OK;
@@ -369,16 +361,8 @@ ts_status ts_linear(ts_tensor *x, ts_tensor *w, ts_tensor *b, ts_tensor **out)
             ts_tensor_free(o);
             return TS_ERR_NO_MEMORY;
         }
-        st = ts__node_save(n, 0, x);
-        if (!st)
-            st = ts__node_save(n, 1, w);
-        if (!st)
-            ts__node_set_output(n, 0, o);
-        ts__node_free(n);
-        if (st) {
-            ts_tensor_free(o);
+        if ((st = ts__record1(n, o, x, w)))
             return st;
-        }
     }
     *out = o;
     return TS_OK;

@@ -624,14 +624,8 @@ static ts_status softmax_op(const char *name, bool log_form, ts_tensor *a, int d
         }
         n->iargs[0] = d;
         n->iargs[1] = log_form;
-        st = ts__node_save(n, 0, o);
-        if (!st)
-            ts__node_set_output(n, 0, o);
-        ts__node_free(n);
-        if (st) {
-            ts_tensor_free(o);
+        if ((st = ts__record1(n, o, o, NULL)))
             return st;
-        }
     }
     *out = o;
     return TS_OK;
