@@ -9,5 +9,6 @@
 #include "optim/optim.h"
 #include "comm/store.h"
 #include "comm/launch.h"
+#include "comm/comm.h"
 
 #endif

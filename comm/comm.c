@@ -1,0 +1,887 @@
+#define _GNU_SOURCE
+/*
+ * Worlds, requests and the ring collectives (comm.h).
+ *
+ * Threads: the caller (compute) thread validates arguments, converts the
+ * input into the op's working buffer, and pushes the op on the world's
+ * queue (mutex + eventfd). The world's communication thread alone drives
+ * the transport: it starts queued ops, runs their ring state machines from
+ * the transfer callbacks, checks failures and deadlines, and completes
+ * requests (mutex + condition variable the waiter sleeps on). It spins on
+ * progress a little, then arms the transport and sleeps in poll() on the
+ * submission eventfd and the transport's fd, with a 10 ms timeout while
+ * ops are active so that deadlines and failure detection are noticed.
+ *
+ * Rings (reference/DEPS-GUIDE.md §2): left = rank-1, right = rank+1.
+ *  - all-gather over W blocks of a buffer: every receive is posted at
+ *    start into its final slot (step s receives block rank-s-1 from the
+ *    left); step 0 sends block `rank`, and the block received at step s
+ *    is forwarded at step s+1.
+ *  - reduce-scatter over W blocks of the accumulation buffer: step 0 sends
+ *    block rank-1; step s receives block rank-s-2 into staging block s%2,
+ *    reduces it into the accumulation block and forwards that at step
+ *    s+1; after W-1 steps block `rank` holds the full reduction. The
+ *    receive of step s+2 reuses staging block s%2 once step s is reduced.
+ *  - all-reduce: reduce-scatter then all-gather (steps W-1..2W-3) on one
+ *    accumulation buffer padded to W equal blocks.
+ *  - broadcast: a chain from the root; barrier: an all-gather of one byte.
+ */
+#include "comm/comm_internal.h"
+
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#define ERR_LEN 256
+#define SPIN 200
+
+typedef struct world world;
+typedef struct op op;
+
+struct ts_request {
+    world *w;
+    atomic_int done;
+    ts_status status;
+    char err[ERR_LEN];
+};
+
+struct ts_comm {
+    world *w; /* NULL: the one-rank group without a world */
+    int rank, size;
+    uint64_t gid;
+    uint32_t seq;
+    pthread_mutex_t stats_mu;
+    ts_comm_counters stats;
+};
+
+struct world {
+    ts_transport *t;
+    ts_comm *comm;
+    pthread_t thread;
+    bool has_thread;
+    pthread_mutex_t mu; /* queue, stop, request completion */
+    pthread_cond_t cv;
+    int efd;
+    op *queue, *queue_tail;
+    bool stop;
+    double timeout_s;
+    /* communication thread only */
+    op *active;
+    ts_status failed;
+    char failed_msg[ERR_LEN];
+};
+
+enum { K_SEND = 0, K_RECV = 1 };
+enum { PH_RS = 0, PH_AG = 1, PH_BC = 2 };
+
+typedef struct xfer {
+    op *o;
+    int kind, phase, step;
+} xfer;
+
+struct op {
+    op *next;
+    ts_request *req;
+    ts_coll_kind kind;
+    int W, rank, left, right, root;
+    uint64_t tagbase;
+    uint64_t deadline_ns;
+    /* ring buffer: the output (all-gather, broadcast) or the accumulation
+     * buffer (reductions); `owned` if allocated here */
+    unsigned char *buf;
+    bool owned;
+    size_t block;      /* bytes per block */
+    size_t block_n;    /* accumulation elements per block */
+    ts_dtype acc;      /* accumulation dtype */
+    ts_reduce_op rop;
+    unsigned char *stage[2];
+    bool rs, ag;       /* phases this op runs */
+    bool rs_done, ag_started, ag_done;
+    int rs_recvd, ag_recvd;
+    bool bc_recvd, bc_sent, bc_started;
+    int pending;
+    ts_status err;
+    bool finished;
+    /* finalization: accumulation -> output */
+    void *out;
+    ts_dtype out_dtype;
+    size_t out_n;      /* elements to write */
+    size_t out_from;   /* first accumulation element to read */
+    double post;       /* divide by (1: none) */
+    xfer *x;           /* (phase 0/1) x (send/recv) x W */
+    /* TS_DISTRIBUTED_DEBUG=DETAIL */
+    uint64_t gid, submit_ns;
+    uint32_t seq;
+    size_t bytes;
+};
+
+/* ------------------------------------------------------------------ */
+/* Dtypes and reductions                                               */
+/* ------------------------------------------------------------------ */
+
+static bool reducible(ts_dtype d) { return d == TS_F32 || d == TS_F64 || d == TS_BF16 || d == TS_F16 || d == TS_I64; }
+
+static ts_dtype acc_of(ts_dtype d)
+{
+    switch (d) {
+    case TS_F64: return TS_F64;
+    case TS_I64: return TS_I64;
+    default: return TS_F32;
+    }
+}
+
+/* dst[i] (acc) = src[i] / div, converted. */
+static void load_acc(void *dst, ts_dtype acc, const void *src, ts_dtype d, size_t n, double div)
+{
+    switch (d) {
+    case TS_F32: {
+        const float *s = src;
+        float *o = dst;
+        float f = (float)div;
+        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? s[i] / f : s[i];
+        break;
+    }
+    case TS_BF16:
+    case TS_F16: {
+        const uint16_t *s = src;
+        float *o = dst;
+        float f = (float)div;
+        for (size_t i = 0; i < n; i++) {
+            float v = d == TS_BF16 ? ts_bf16_to_f32(s[i]) : ts_f16_to_f32(s[i]);
+            o[i] = div != 1.0 ? v / f : v;
+        }
+        break;
+    }
+    case TS_F64: {
+        const double *s = src;
+        double *o = dst;
+        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? s[i] / div : s[i];
+        break;
+    }
+    case TS_I64: {
+        const int64_t *s = src;
+        int64_t *o = dst;
+        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? (int64_t)((double)s[i] / div) : s[i];
+        break;
+    }
+    default: TS_ASSERT(0);
+    }
+    (void)acc;
+}
+
+/* dst[i] = src[i] (acc) / div, converted to d. */
+static void store_acc(void *dst, ts_dtype d, const void *src, size_t n, double div)
+{
+    switch (d) {
+    case TS_F32: {
+        const float *s = src;
+        float *o = dst;
+        float f = (float)div;
+        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? s[i] / f : s[i];
+        break;
+    }
+    case TS_BF16:
+    case TS_F16: {
+        const float *s = src;
+        uint16_t *o = dst;
+        float f = (float)div;
+        for (size_t i = 0; i < n; i++) {
+            float v = div != 1.0 ? s[i] / f : s[i];
+            o[i] = d == TS_BF16 ? ts_f32_to_bf16(v) : ts_f32_to_f16(v);
+        }
+        break;
+    }
+    case TS_F64: {
+        const double *s = src;
+        double *o = dst;
+        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? s[i] / div : s[i];
+        break;
+    }
+    case TS_I64: {
+        const int64_t *s = src;
+        int64_t *o = dst;
+        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? (int64_t)((double)s[i] / div) : s[i];
+        break;
+    }
+    default: TS_ASSERT(0);
+    }
+}
+
+/* dst = dst op src, n accumulation elements (AVG sums). */
+static void reduce_into(void *dst, const void *src, ts_dtype acc, ts_reduce_op rop, size_t n)
+{
+    switch (acc) {
+    case TS_F32: {
+        float *a = dst;
+        const float *b = src;
+        for (size_t i = 0; i < n; i++)
+            a[i] = rop == TS_REDUCE_MAX ? (b[i] > a[i] || isnan(b[i]) ? b[i] : a[i])
+                 : rop == TS_REDUCE_MIN ? (b[i] < a[i] || isnan(b[i]) ? b[i] : a[i])
+                                        : a[i] + b[i];
+        break;
+    }
+    case TS_F64: {
+        double *a = dst;
+        const double *b = src;
+        for (size_t i = 0; i < n; i++)
+            a[i] = rop == TS_REDUCE_MAX ? (b[i] > a[i] || isnan(b[i]) ? b[i] : a[i])
+                 : rop == TS_REDUCE_MIN ? (b[i] < a[i] || isnan(b[i]) ? b[i] : a[i])
+                                        : a[i] + b[i];
+        break;
+    }
+    case TS_I64: {
+        int64_t *a = dst;
+        const int64_t *b = src;
+        for (size_t i = 0; i < n; i++)
+            a[i] = rop == TS_REDUCE_MAX ? (b[i] > a[i] ? b[i] : a[i])
+                 : rop == TS_REDUCE_MIN ? (b[i] < a[i] ? b[i] : a[i])
+                                        : (int64_t)((uint64_t)a[i] + (uint64_t)b[i]);
+        break;
+    }
+    default: TS_ASSERT(0);
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* Requests                                                            */
+/* ------------------------------------------------------------------ */
+
+static void complete_req(world *w, ts_request *r, ts_status st, const char *msg)
+{
+    if (w) pthread_mutex_lock(&w->mu);
+    r->status = st;
+    if (st != TS_OK && msg != r->err) snprintf(r->err, sizeof r->err, "%s", msg && *msg ? msg : ts_status_str(st));
+    if (st != TS_OK && !r->err[0]) snprintf(r->err, sizeof r->err, "%s", ts_status_str(st));
+    atomic_store(&r->done, 1);
+    if (w) {
+        pthread_cond_broadcast(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+    }
+}
+
+ts_status ts_request_wait(ts_request *r)
+{
+    if (!r) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_request_wait: NULL request");
+    if (!atomic_load(&r->done)) {
+        pthread_mutex_lock(&r->w->mu);
+        while (!atomic_load(&r->done)) pthread_cond_wait(&r->w->cv, &r->w->mu);
+        pthread_mutex_unlock(&r->w->mu);
+    }
+    if (r->status != TS_OK) return ts_error(r->status, "%s", r->err);
+    return TS_OK;
+}
+
+ts_status ts_request_test(ts_request *r, bool *done_out)
+{
+    if (!r || !done_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_request_test: NULL argument");
+    *done_out = atomic_load(&r->done) != 0;
+    return TS_OK;
+}
+
+ts_status ts_request_status(const ts_request *r)
+{
+    if (!r) return TS_ERR_INVALID_ARGUMENT;
+    ts_request *m = (ts_request *)(uintptr_t)r;
+    if (!atomic_load(&m->done)) return TS_ERR_STATE;
+    return r->status;
+}
+
+void ts_request_free(ts_request *r)
+{
+    if (!r) return;
+    if (!atomic_load(&r->done)) (void)ts_request_wait(r);
+    ts__free(TS_MEM_COMM, r);
+}
+
+/* ------------------------------------------------------------------ */
+/* Ops on the communication thread                                     */
+/* ------------------------------------------------------------------ */
+
+static void op_free(op *o)
+{
+    if (o->owned) ts__free(TS_MEM_COMM, o->buf);
+    ts__free(TS_MEM_COMM, o->stage[0]);
+    ts__free(TS_MEM_COMM, o->x);
+    ts__free(TS_MEM_COMM, o);
+}
+
+static uint64_t tag_of(const op *o, int step) { return o->tagbase | (uint64_t)(unsigned)step; }
+
+static unsigned char *blk(op *o, int b) { return o->buf + (size_t)((b % o->W + o->W) % o->W) * o->block; }
+
+static void on_xfer(void *arg, ts_status st);
+
+static void post(op *o, int kind, int phase, int step, int peer, void *buf, size_t len)
+{
+    if (o->err) return;
+    xfer *x = &o->x[((phase == PH_AG ? 1 : 0) * 2 + kind) * o->W + step % o->W];
+    x->o = o;
+    x->kind = kind;
+    x->phase = phase;
+    x->step = step;
+    ts_transport *t = o->req->w->t;
+    int wire = phase == PH_AG && o->rs ? step + o->W - 1 : step;
+    o->pending++;
+    ts_status s = kind == K_SEND ? t->vt->send(t, peer, buf, len, tag_of(o, wire), on_xfer, x)
+                                 : t->vt->recv(t, peer, buf, len, tag_of(o, wire), on_xfer, x);
+    if (s != TS_OK) {
+        o->pending--;
+        o->err = s;
+        snprintf(o->req->err, sizeof o->req->err, "%s", ts_last_error());
+    }
+}
+
+static void start_ag(op *o)
+{
+    o->ag_started = true;
+    for (int s = 0; s < o->W - 1; s++) post(o, K_RECV, PH_AG, s, o->left, blk(o, o->rank - s - 1), o->block);
+    post(o, K_SEND, PH_AG, 0, o->right, blk(o, o->rank), o->block);
+}
+
+static void start_rs(op *o)
+{
+    for (int s = 0; s < 2 && s < o->W - 1; s++) post(o, K_RECV, PH_RS, s, o->left, o->stage[s], o->block);
+    post(o, K_SEND, PH_RS, 0, o->right, blk(o, o->rank - 1), o->block);
+}
+
+static void start_bc(op *o)
+{
+    o->bc_started = true;
+    int pos = (o->rank - o->root + o->W) % o->W;
+    if (pos == 0) {
+        o->bc_recvd = true;
+        if (o->W > 1) {
+            o->bc_sent = true;
+            post(o, K_SEND, PH_BC, 0, o->right, o->buf, o->block);
+        }
+    } else {
+        post(o, K_RECV, PH_BC, 0, o->left, o->buf, o->block);
+    }
+}
+
+static bool op_done(const op *o)
+{
+    if (o->kind == TS_COLL_BROADCAST) return o->bc_recvd;
+    if (o->rs && !o->rs_done) return false;
+    if (o->ag && !o->ag_done) return false;
+    return true;
+}
+
+static const char *const k_kind_names[TS_COLL_KIND_COUNT] = {"all_gather", "reduce_scatter", "all_reduce",
+                                                               "broadcast", "barrier"};
+_Static_assert(TS_COLL_KIND_COUNT == 5, "one name per collective");
+
+static bool g_detail;
+static pthread_once_t g_detail_once = PTHREAD_ONCE_INIT;
+static void detail_init(void)
+{
+    const char *e = getenv("TS_DISTRIBUTED_DEBUG");
+    g_detail = e && strcmp(e, "DETAIL") == 0;
+}
+
+/* TS_DISTRIBUTED_DEBUG=DETAIL: one line per collective on stderr. */
+static void log_detail(const op *o, ts_status st)
+{
+    pthread_once(&g_detail_once, detail_init);
+    if (!g_detail) return;
+    fprintf(stderr, "[ts comm] group %llu rank %d/%d #%u %s %zu bytes: %s in %.3f ms\n", (unsigned long long)o->gid,
+            o->rank, o->W, o->seq, k_kind_names[o->kind], o->bytes, ts_status_name(st),
+            (double)(ts_now_ns() - o->submit_ns) / 1e6);
+}
+
+static void finish(op *o)
+{
+    world *w = o->req->w;
+    ts_status st = o->err;
+    if (st == TS_OK && o->out) store_acc(o->out, o->out_dtype, o->buf + o->out_from * ts_dtype_size(o->acc), o->out_n, o->post);
+    o->finished = true;
+    log_detail(o, st);
+    complete_req(w, o->req, st, o->req->err);
+}
+
+static void advance(op *o)
+{
+    if (o->finished) return;
+    if (o->err) {
+        if (o->pending == 0) finish(o);
+        return;
+    }
+    if (o->rs && o->rs_done && o->ag && !o->ag_started && o->pending == 0) start_ag(o);
+    if (o->err) {
+        if (o->pending == 0) finish(o);
+        return;
+    }
+    if (op_done(o) && o->pending == 0) finish(o);
+}
+
+static void on_xfer(void *arg, ts_status st)
+{
+    xfer *x = arg;
+    op *o = x->o;
+    o->pending--;
+    if (st != TS_OK && !o->err) {
+        o->err = st;
+        snprintf(o->req->err, sizeof o->req->err, "%s", ts_last_error());
+    }
+    if (!o->err && x->kind == K_RECV) {
+        int s = x->step;
+        if (x->phase == PH_AG) {
+            if (s < o->W - 2) post(o, K_SEND, PH_AG, s + 1, o->right, blk(o, o->rank - s - 1), o->block);
+            if (++o->ag_recvd == o->W - 1) o->ag_done = true;
+        } else if (x->phase == PH_RS) {
+            unsigned char *b = blk(o, o->rank - s - 2);
+            reduce_into(b, o->stage[s % 2], o->acc, o->rop, o->block_n);
+            if (s < o->W - 2) post(o, K_SEND, PH_RS, s + 1, o->right, b, o->block);
+            if (s + 2 <= o->W - 2) post(o, K_RECV, PH_RS, s + 2, o->left, o->stage[s % 2], o->block);
+            if (++o->rs_recvd == o->W - 1) o->rs_done = true;
+        } else {
+            o->bc_recvd = true;
+            if ((o->rank - o->root + o->W) % o->W < o->W - 1) post(o, K_SEND, PH_BC, 0, o->right, o->buf, o->block);
+        }
+    }
+    advance(o);
+}
+
+static void start_op(world *w, op *o)
+{
+    o->deadline_ns = ts_now_ns() + (uint64_t)(w->timeout_s * 1e9);
+    if (o->kind == TS_COLL_BROADCAST) start_bc(o);
+    else if (o->rs) start_rs(o);
+    else start_ag(o);
+    advance(o);
+}
+
+/* Fails the world: every active and later op completes with `st`. */
+static void fail_world(world *w, ts_status st, const char *msg)
+{
+    if (w->failed) return;
+    w->failed = st;
+    snprintf(w->failed_msg, sizeof w->failed_msg, "%s", msg);
+    for (op *o = w->active; o; o = o->next) {
+        if (!o->finished && !o->err) {
+            o->err = st;
+            snprintf(o->req->err, sizeof o->req->err, "%s", msg);
+        }
+    }
+    w->t->vt->cancel_all(w->t, st);
+    for (op *o = w->active; o; o = o->next) {
+        if (o->finished) continue;
+        o->pending = 0; /* the transport completed or dropped everything */
+        advance(o);
+    }
+}
+
+static void sweep(world *w)
+{
+    op **pp = &w->active;
+    while (*pp) {
+        op *o = *pp;
+        if (o->finished) {
+            *pp = o->next;
+            op_free(o);
+        } else {
+            pp = &o->next;
+        }
+    }
+}
+
+static void *comm_thread(void *arg)
+{
+    world *w = arg;
+    ts_trace_thread_name("comm");
+    ts_transport *t = w->t;
+    int idle = 0;
+    for (;;) {
+        pthread_mutex_lock(&w->mu);
+        op *q = w->queue;
+        w->queue = w->queue_tail = NULL;
+        bool stop = w->stop;
+        pthread_mutex_unlock(&w->mu);
+        while (q) {
+            op *o = q;
+            q = q->next;
+            o->next = w->active;
+            w->active = o;
+            if (w->failed) {
+                o->err = w->failed;
+                snprintf(o->req->err, sizeof o->req->err, "%s", w->failed_msg);
+                finish(o);
+            } else {
+                start_op(w, o);
+            }
+        }
+        int n = t->vt->progress(t);
+        if (!w->failed) {
+            ts_status st = TS_OK;
+            int dead = t->vt->failed_peer(t, &st);
+            if (dead >= 0) {
+                char msg[ERR_LEN];
+                snprintf(msg, sizeof msg, "%s", ts_last_error());
+                fail_world(w, st ? st : TS_ERR_PEER_FAILED, msg);
+            }
+        }
+        if (!w->failed && w->active) {
+            uint64_t now = ts_now_ns();
+            for (op *o = w->active; o; o = o->next) {
+                if (!o->finished && now > o->deadline_ns) {
+                    char msg[ERR_LEN];
+                    snprintf(msg, sizeof msg, "%s #%u on rank %d of group %llu passed its deadline of %.3g s",
+                             k_kind_names[o->kind], o->seq, o->rank, (unsigned long long)o->gid, w->timeout_s);
+                    fail_world(w, TS_ERR_TIMEOUT, msg);
+                    break;
+                }
+            }
+        }
+        if (stop) {
+            if (w->active && !w->failed) fail_world(w, TS_ERR_COMM, "the world was freed with collectives pending");
+            sweep(w);
+            break;
+        }
+        sweep(w);
+        if (n > 0) {
+            idle = 0;
+            continue;
+        }
+        if (++idle < SPIN) continue;
+        idle = 0;
+        if (t->vt->arm(t) == TS_ERR_ALREADY) continue;
+        struct pollfd pfd[2] = {{.fd = w->efd, .events = POLLIN}, {.fd = t->vt->wait_fd(t), .events = POLLIN}};
+        int nfd = pfd[1].fd >= 0 ? 2 : 1;
+        int timeout = w->active || pfd[1].fd < 0 ? 10 : -1;
+        (void)poll(pfd, (nfds_t)nfd, timeout);
+        uint64_t cnt;
+        if (pfd[0].revents & POLLIN) {
+            ssize_t rd = read(w->efd, &cnt, sizeof cnt);
+            (void)rd;
+        }
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* Worlds                                                              */
+/* ------------------------------------------------------------------ */
+
+static ts_comm g_local = {
+    .w = NULL, .rank = 0, .size = 1, .gid = 0, .seq = 0, .stats_mu = PTHREAD_MUTEX_INITIALIZER,
+};
+
+ts_comm *ts_comm_world(void) { return &g_local; }
+
+int ts_comm_rank(const ts_comm *c) { return c ? c->rank : -1; }
+int ts_comm_size(const ts_comm *c) { return c ? c->size : -1; }
+
+void ts_comm_stats(ts_comm *c, ts_comm_counters *out)
+{
+    if (!c || !out) return;
+    pthread_mutex_lock(&c->stats_mu);
+    *out = c->stats;
+    pthread_mutex_unlock(&c->stats_mu);
+}
+
+void ts_comm_stats_reset(ts_comm *c)
+{
+    if (!c) return;
+    pthread_mutex_lock(&c->stats_mu);
+    memset(&c->stats, 0, sizeof c->stats);
+    pthread_mutex_unlock(&c->stats_mu);
+}
+
+ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
+{
+    if (!t || !world_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__world_new: NULL argument");
+    if (t->size > 128) return ts_error(TS_ERR_UNSUPPORTED, "ts__world_new: %d ranks; the tag layout allows 128", t->size);
+    ts_comm *c = ts__calloc(TS_MEM_COMM, 1, sizeof *c);
+    world *w = ts__calloc(TS_MEM_COMM, 1, sizeof *w);
+    if (!c || !w) {
+        ts__free(TS_MEM_COMM, c);
+        ts__free(TS_MEM_COMM, w);
+        return TS_ERR_NO_MEMORY;
+    }
+    w->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (w->efd < 0) {
+        ts__free(TS_MEM_COMM, c);
+        ts__free(TS_MEM_COMM, w);
+        return ts_error(TS_ERR_IO, "ts__world_new: eventfd: %s", strerror(errno));
+    }
+    w->t = t;
+    w->comm = c;
+    w->timeout_s = timeout_s > 0 ? timeout_s : 300.0;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    c->w = w;
+    c->rank = t->rank;
+    c->size = t->size;
+    pthread_mutex_init(&c->stats_mu, NULL);
+    if (t->size > 1) {
+        if (pthread_create(&w->thread, NULL, comm_thread, w) != 0) {
+            close(w->efd);
+            pthread_mutex_destroy(&w->mu);
+            pthread_cond_destroy(&w->cv);
+            pthread_mutex_destroy(&c->stats_mu);
+            ts__free(TS_MEM_COMM, c);
+            ts__free(TS_MEM_COMM, w);
+            return ts_error(TS_ERR_INTERNAL, "ts__world_new: cannot start the communication thread");
+        }
+        w->has_thread = true;
+    }
+    *world_out = c;
+    return TS_OK;
+}
+
+void ts__world_free(ts_comm *c)
+{
+    if (!c || c == &g_local) return;
+    world *w = c->w;
+    if (w->has_thread) {
+        pthread_mutex_lock(&w->mu);
+        w->stop = true;
+        pthread_mutex_unlock(&w->mu);
+        uint64_t one = 1;
+        ssize_t wr = write(w->efd, &one, sizeof one);
+        (void)wr;
+        pthread_join(w->thread, NULL);
+    }
+    w->t->vt->destroy(w->t);
+    close(w->efd);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    pthread_mutex_destroy(&c->stats_mu);
+    ts__free(TS_MEM_COMM, w);
+    ts__free(TS_MEM_COMM, c);
+}
+
+/* ------------------------------------------------------------------ */
+/* Submission                                                          */
+/* ------------------------------------------------------------------ */
+
+static op *op_new(ts_comm *c, ts_coll_kind kind)
+{
+    op *o = ts__calloc(TS_MEM_COMM, 1, sizeof *o);
+    ts_request *r = ts__calloc(TS_MEM_COMM, 1, sizeof *r);
+    xfer *x = ts__calloc(TS_MEM_COMM, (size_t)(4 * c->size), sizeof *x);
+    if (!o || !r || !x) {
+        ts__free(TS_MEM_COMM, o);
+        ts__free(TS_MEM_COMM, r);
+        ts__free(TS_MEM_COMM, x);
+        return NULL;
+    }
+    r->w = c->w;
+    o->req = r;
+    o->x = x;
+    o->kind = kind;
+    o->W = c->size;
+    o->rank = c->rank;
+    o->left = (c->rank - 1 + c->size) % c->size;
+    o->right = (c->rank + 1) % c->size;
+    o->post = 1.0;
+    return o;
+}
+
+static void op_discard(op *o)
+{
+    ts__free(TS_MEM_COMM, o->req);
+    op_free(o);
+}
+
+/* Counts, numbers and submits `o`; waits if r_out is NULL. */
+static ts_status submit(ts_comm *c, op *o, size_t bytes, ts_request **r_out)
+{
+    pthread_mutex_lock(&c->stats_mu);
+    c->stats.calls[o->kind]++;
+    c->stats.bytes[o->kind] += bytes;
+    uint32_t seq = c->seq++;
+    pthread_mutex_unlock(&c->stats_mu);
+    o->tagbase = (c->gid << 40) | ((uint64_t)seq << 8);
+    o->gid = c->gid;
+    o->seq = seq;
+    o->bytes = bytes;
+    o->submit_ns = ts_now_ns();
+    ts_request *r = o->req;
+    world *w = c->w;
+    if (o->W == 1 || !w || !w->has_thread) {
+        /* nothing to exchange: finalize here */
+        ts_status st = TS_OK;
+        if (o->out) store_acc(o->out, o->out_dtype, o->buf + o->out_from * ts_dtype_size(o->acc), o->out_n, o->post);
+        log_detail(o, st);
+        complete_req(NULL, r, st, NULL);
+        op_free(o);
+    } else {
+        pthread_mutex_lock(&w->mu);
+        o->next = NULL;
+        if (w->queue_tail) w->queue_tail->next = o;
+        else w->queue = o;
+        w->queue_tail = o;
+        pthread_mutex_unlock(&w->mu);
+        uint64_t one = 1;
+        ssize_t wr = write(w->efd, &one, sizeof one);
+        (void)wr;
+    }
+    if (r_out) {
+        *r_out = r;
+        return TS_OK;
+    }
+    ts_status st = ts_request_wait(r);
+    ts_request_free(r);
+    return st;
+}
+
+static ts_status check_tensor(const char *fn, const char *what, const ts_tensor *t)
+{
+    if (!t) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL %s", fn, what);
+    if (!ts_tensor_is_contiguous(t)) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is not contiguous", fn, what);
+    if (ts_tensor_numel(t) > 0 && !ts_tensor_data(t))
+        return ts_error(TS_ERR_RELEASED, "%s: the storage of %s is released", fn, what);
+    return TS_OK;
+}
+
+static ts_status check_comm(const char *fn, const ts_comm *c)
+{
+    if (!c) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL group", fn);
+    return TS_OK;
+}
+
+ts_status ts_all_gather_into_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_request **r)
+{
+    static const char fn[] = "ts_all_gather_into_tensor";
+    ts_status s;
+    if ((s = check_comm(fn, c)) || (s = check_tensor(fn, "out", out)) || (s = check_tensor(fn, "in", in))) return s;
+    if (ts_tensor_dtype(out) != ts_tensor_dtype(in))
+        return ts_error(TS_ERR_DTYPE, "%s: out is %s, in is %s", fn, ts_dtype_name(ts_tensor_dtype(out)),
+                        ts_dtype_name(ts_tensor_dtype(in)));
+    int64_t n = ts_tensor_numel(in);
+    if (ts_tensor_numel(out) != n * c->size)
+        return ts_error(TS_ERR_SHAPE, "%s: out has %lld elements, expected %d x %lld", fn,
+                        (long long)ts_tensor_numel(out), c->size, (long long)n);
+    op *o = op_new(c, TS_COLL_ALL_GATHER);
+    if (!o) return TS_ERR_NO_MEMORY;
+    o->block = (size_t)n * ts_dtype_size(ts_tensor_dtype(in));
+    o->buf = ts_tensor_data(out);
+    o->ag = true;
+    if (o->block) memmove(blk(o, c->rank), ts_tensor_data(in), o->block);
+    return submit(c, o, o->block, r);
+}
+
+static ts_status check_reduce(const char *fn, ts_dtype d, ts_reduce_op op_, double pre, double post)
+{
+    if (!reducible(d)) return ts_error(TS_ERR_DTYPE, "%s: cannot reduce %s", fn, ts_dtype_name(d));
+    if ((unsigned)op_ >= TS_REDUCE_OP_COUNT) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: bad reduce op %d", fn, (int)op_);
+    if (!(pre > 0) || !(post > 0) || !isfinite(pre) || !isfinite(post))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: divide factors must be finite and > 0 (%g, %g)", fn, pre, post);
+    if ((op_ == TS_REDUCE_MAX || op_ == TS_REDUCE_MIN) && (pre != 1.0 || post != 1.0))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: MAX and MIN take no divide factors", fn);
+    return TS_OK;
+}
+
+/* Allocates the accumulation buffer (W blocks of block_n, zero padded)
+ * and the two staging blocks. */
+static ts_status alloc_acc(op *o, size_t block_n)
+{
+    size_t es = ts_dtype_size(o->acc);
+    o->block_n = block_n;
+    o->block = block_n * es;
+    o->buf = ts__calloc(TS_MEM_COMM, (size_t)o->W * block_n + 1, es);
+    o->owned = true;
+    o->stage[0] = ts__malloc(TS_MEM_COMM, 2 * o->block + 1);
+    if (!o->buf || !o->stage[0]) return TS_ERR_NO_MEMORY;
+    o->stage[1] = o->stage[0] + o->block;
+    return TS_OK;
+}
+
+ts_status ts_reduce_scatter_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_reduce_op rop, double pre_div,
+                                   double post_div, ts_request **r)
+{
+    static const char fn[] = "ts_reduce_scatter_tensor";
+    ts_status s;
+    if ((s = check_comm(fn, c)) || (s = check_tensor(fn, "out", out)) || (s = check_tensor(fn, "in", in))) return s;
+    ts_dtype d = ts_tensor_dtype(in);
+    if (ts_tensor_dtype(out) != d)
+        return ts_error(TS_ERR_DTYPE, "%s: out is %s, in is %s", fn, ts_dtype_name(ts_tensor_dtype(out)), ts_dtype_name(d));
+    if ((s = check_reduce(fn, d, rop, pre_div, post_div))) return s;
+    int64_t n = ts_tensor_numel(out);
+    if (ts_tensor_numel(in) != n * c->size)
+        return ts_error(TS_ERR_SHAPE, "%s: in has %lld elements, expected %d x %lld", fn,
+                        (long long)ts_tensor_numel(in), c->size, (long long)n);
+    op *o = op_new(c, TS_COLL_REDUCE_SCATTER);
+    if (!o) return TS_ERR_NO_MEMORY;
+    o->acc = acc_of(d);
+    o->rop = rop;
+    o->rs = true;
+    if (alloc_acc(o, (size_t)n) != TS_OK) {
+        op_discard(o);
+        return TS_ERR_NO_MEMORY;
+    }
+    load_acc(o->buf, o->acc, ts_tensor_data(in), d, (size_t)n * (size_t)c->size, pre_div);
+    o->out = ts_tensor_data(out);
+    o->out_dtype = d;
+    o->out_n = (size_t)n;
+    o->out_from = (size_t)c->rank * (size_t)n;
+    o->post = post_div * (rop == TS_REDUCE_AVG ? c->size : 1);
+    return submit(c, o, (size_t)ts_tensor_numel(in) * ts_dtype_size(d), r);
+}
+
+ts_status ts_all_reduce(ts_comm *c, ts_tensor *t, ts_reduce_op rop, ts_request **r)
+{
+    static const char fn[] = "ts_all_reduce";
+    ts_status s;
+    if ((s = check_comm(fn, c)) || (s = check_tensor(fn, "t", t))) return s;
+    ts_dtype d = ts_tensor_dtype(t);
+    if ((s = check_reduce(fn, d, rop, 1.0, 1.0))) return s;
+    size_t n = (size_t)ts_tensor_numel(t);
+    op *o = op_new(c, TS_COLL_ALL_REDUCE);
+    if (!o) return TS_ERR_NO_MEMORY;
+    o->acc = acc_of(d);
+    o->rop = rop;
+    o->rs = o->ag = true;
+    size_t W = (size_t)c->size;
+    if (alloc_acc(o, (n + W - 1) / W) != TS_OK) {
+        op_discard(o);
+        return TS_ERR_NO_MEMORY;
+    }
+    load_acc(o->buf, o->acc, ts_tensor_data(t), d, n, 1.0);
+    o->out = ts_tensor_data(t);
+    o->out_dtype = d;
+    o->out_n = n;
+    o->out_from = 0;
+    o->post = rop == TS_REDUCE_AVG ? (double)c->size : 1.0;
+    return submit(c, o, n * ts_dtype_size(d), r);
+}
+
+ts_status ts_broadcast(ts_comm *c, ts_tensor *t, int root, ts_request **r)
+{
+    static const char fn[] = "ts_broadcast";
+    ts_status s;
+    if ((s = check_comm(fn, c)) || (s = check_tensor(fn, "t", t))) return s;
+    if (root < 0 || root >= c->size) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: root %d outside [0, %d)", fn, root, c->size);
+    op *o = op_new(c, TS_COLL_BROADCAST);
+    if (!o) return TS_ERR_NO_MEMORY;
+    o->root = root;
+    o->buf = ts_tensor_data(t);
+    o->block = (size_t)ts_tensor_numel(t) * ts_dtype_size(ts_tensor_dtype(t));
+    return submit(c, o, o->block, r);
+}
+
+ts_status ts_barrier(ts_comm *c, ts_request **r)
+{
+    static const char fn[] = "ts_barrier";
+    ts_status s;
+    if ((s = check_comm(fn, c))) return s;
+    op *o = op_new(c, TS_COLL_BARRIER);
+    if (!o) return TS_ERR_NO_MEMORY;
+    o->block = 1;
+    o->buf = ts__calloc(TS_MEM_COMM, (size_t)c->size, 1);
+    o->owned = true;
+    o->ag = true;
+    if (!o->buf) {
+        op_discard(o);
+        return TS_ERR_NO_MEMORY;
+    }
+    return submit(c, o, 0, r);
+}

@@ -1,0 +1,17 @@
+/* Internal: worlds over a given transport (comm.h). Not installed. */
+#ifndef TS_COMM_INTERNAL_H
+#define TS_COMM_INTERNAL_H
+
+#include "comm/comm.h"
+#include "comm/transport.h"
+
+/* Creates a world (group id 0) over `t`, taking ownership of it, and
+ * starts its communication thread, which alone drives `t` from now on.
+ * timeout_s is the per-collective deadline (<= 0: 300 s). A world of size
+ * 1 runs its collectives on the caller's thread. */
+ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out);
+/* Fails what is still pending (TS_ERR_COMM), joins the thread, destroys
+ * the transport. Bounded in time. Accepts NULL. */
+void ts__world_free(ts_comm *world);
+
+#endif

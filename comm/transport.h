@@ -1,0 +1,84 @@
+/*
+ * Internal: the transport interface under the collectives (DESIGN.md D7,
+ * docs/comm-design.md). Not installed.
+ *
+ * A transport moves tagged byte messages between the ranks of one world.
+ * It is driven by ONE thread (the communication thread): every function
+ * below except create/destroy is called only from that thread, and the
+ * completion callbacks run inside progress() on it.
+ *
+ * Matching: a receive posted for (peer, tag) completes with the message
+ * that peer sent with that tag; messages with the same (peer, tag) match
+ * in posting order. The tag is 64-bit: the collectives encode (group id,
+ * collective sequence number, step, chunk) in it, so back-to-back
+ * collectives never cross-match. A message may arrive before its receive
+ * is posted (the transport buffers it). The receive length must equal the
+ * sent length (TS_ERR_COMM otherwise).
+ */
+#ifndef TS_COMM_TRANSPORT_H
+#define TS_COMM_TRANSPORT_H
+
+#include "base/base.h"
+
+typedef struct ts_transport ts_transport;
+
+/* Completion of one posted send or receive: TS_OK, or the error (a dead
+ * peer: TS_ERR_PEER_FAILED naming it; cancelled: TS_ERR_COMM). */
+typedef void (*ts_xfer_cb)(void *arg, ts_status status);
+
+typedef struct ts_transport_vtable {
+    const char *name; /* "ucx", "loopback" */
+    /* Posts a send of len bytes (the buffer stays untouched until the
+     * callback) / a receive into buf. Immediate errors are returned and
+     * the callback is then never called. */
+    ts_status (*send)(ts_transport *t, int peer, const void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg);
+    ts_status (*recv)(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg);
+    /* Makes progress and runs completions; returns how many events it
+     * handled (0: nothing to do now). */
+    int (*progress)(ts_transport *t);
+    /* Before sleeping: TS_OK means nothing is pending and the thread may
+     * sleep in poll() on wait_fd(); TS_ERR_ALREADY means events arrived,
+     * progress again first (UCX's arm-before-sleep rule). */
+    ts_status (*arm)(ts_transport *t);
+    /* An fd that becomes readable when there is progress to make, or -1 if
+     * the transport has none (then the thread sleeps with a short timeout). */
+    int (*wait_fd)(ts_transport *t);
+    /* The first peer found dead (-1 if none) and its status. */
+    int (*failed_peer)(ts_transport *t, ts_status *status_out);
+    /* Completes every pending send and receive with `status` (bounded in
+     * time), e.g. after a failure. */
+    void (*cancel_all)(ts_transport *t, ts_status status);
+    /* Frees the transport; bounded in time even with dead peers. */
+    void (*destroy)(ts_transport *t);
+} ts_transport_vtable;
+
+struct ts_transport {
+    const ts_transport_vtable *vt;
+    int rank, size;
+};
+
+/* ----------------------------------------------------------- loopback */
+
+/* A fabric joins `size` loopback transports inside one process (ranks as
+ * threads), for tests and fault injection. */
+typedef struct ts_loopback_fabric ts_loopback_fabric;
+ts_status ts__loopback_fabric_new(int size, ts_loopback_fabric **out);
+void ts__loopback_fabric_free(ts_loopback_fabric *f); /* after every transport is destroyed */
+ts_status ts__loopback_transport_new(ts_loopback_fabric *f, int rank, ts_transport **out);
+/* Fault injection: messages from `rank` are delayed by delay_s; `rank`
+ * dies (its peers see TS_ERR_PEER_FAILED on pending and later transfers
+ * with it after detect_s). */
+void ts__loopback_set_delay(ts_loopback_fabric *f, int rank, double delay_s);
+void ts__loopback_kill(ts_loopback_fabric *f, int rank, double detect_s);
+
+/* ----------------------------------------------------------- UCX */
+
+typedef struct ts_store ts_store;
+/* Creates this rank's UCX worker (SINGLE thread mode, TAG + WAKEUP), puts
+ * its address in the store under "<prefix>/ucx/<rank>", connects to every
+ * peer with PEER error handling, and waits (timeout_s) until all have
+ * published. Must be called from the thread that will drive it. */
+ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, int size, double timeout_s,
+                                ts_transport **out);
+
+#endif

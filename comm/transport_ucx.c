@@ -1,0 +1,797 @@
+#define _GNU_SOURCE
+/*
+ * The UCX transport (transport.h; reference/DEPS-GUIDE.md §1).
+ *
+ * One UCP context (TAG + WAKEUP) and one worker in UCS_THREAD_MODE_SINGLE,
+ * owned by the thread that created it. Unset UCX_TLS, UCX_MM_ERROR_HANDLING
+ * and UCX_KEEPALIVE_INTERVAL get the launcher's defaults (setenv before
+ * ucp_config_read). Every rank connects to every rank (itself included)
+ * with UCP_ERR_HANDLING_MODE_PEER.
+ *
+ * Address exchange: the store value under "<prefix>/ucx/<rank>" is
+ *     u32 magic "TSUX" | i32 pid | char host[64] (NUL-padded) | worker address
+ * in native byte order (a UCX address only means something to the same
+ * build anyway). The pid and host let same-host peers watch each other's
+ * process (see Failures).
+ *
+ * Tag packing. ucp_tag_recv_nbx is not bound to an endpoint, so the source
+ * rank travels in the tag: the 64-bit UCX tag is
+ *     ucx_tag = ((uint64_t)src_rank << 48) ^ tag
+ * with tag < 2^48 (transport tags that use bits 48..63 are rejected with
+ * TS_ERR_INVALID_ARGUMENT), so the XOR is a plain OR: bits 48..63 hold the
+ * sender's rank (world size at most 65536), bits 0..47 the transport tag.
+ * Receives match with tag_mask = ~0.
+ *
+ * Completions: UCX callbacks (send and receive, with user_data = our op).
+ * A UCX callback only records the status and moves the op from the pending
+ * list to a completed queue; the user's callback runs from progress(),
+ * after ucp_worker_progress returned, never from inside send()/recv() and
+ * never inside UCX. A send that completes in place (ucp_tag_send_nbx
+ * returns NULL) is queued the same way. Receives are posted with
+ * UCP_OP_ATTR_FLAG_NO_IMM_CMPL, so recv_cb always runs (inside
+ * ucp_tag_recv_nbx when the message was already here) and reports the
+ * received length, which must equal the posted one (TS_ERR_COMM naming
+ * both; a longer message is UCX's "Message truncated").
+ *
+ * Failures. The endpoint error callback only records (peer, status): the
+ * first failure is what failed_peer() reports. Same-host peers are also
+ * watched through a pidfd (pidfd_open), polled from progress at most every
+ * 0.25 s: UCX 1.13's keepalive never reported a dead shared-memory peer
+ * while a rendezvous send to it was pending (measured), while the pidfd
+ * sees the exit at once (a zombie counts as exited); TS_UCX_PID_WATCH=0
+ * turns the watch off. progress() then
+ * cancels (ucp_request_cancel) every receive posted from a dead peer and
+ * abandons every send to it; both complete with TS_ERR_PEER_FAILED. New
+ * sends to or receives from a dead peer fail at once. UCX's keepalive
+ * (UCX_KEEPALIVE_INTERVAL, 1 s here) and the pid check both run inside
+ * progress: the driving thread must progress at least every ~100 ms (poll
+ * with a timeout).
+ *
+ * Bounded waits: cancel_all and destroy progress for at most
+ * TS_UCX_DRAIN_S seconds. An op UCX does not give back in time is
+ * "orphaned": its user callback runs with the requested status and the op
+ * stays on the pending list (UCX may still touch it) until UCX returns it;
+ * destroy force-closes every endpoint (which returns what it can), and if
+ * requests are still held it skips ucp_worker_destroy and ucp_cleanup
+ * (leaking them) rather than hang or free memory UCX may still use.
+ */
+#include "comm/transport.h"
+#include "comm/store.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#define TS_UCX_RANK_SHIFT 48
+#define TS_UCX_MAX_SIZE (1 << (64 - TS_UCX_RANK_SHIFT))
+#define TS_UCX_DRAIN_S 2.0
+#define TS_UCX_PID_CHECK_S 0.25
+#define TS_UCX_HOST_LEN 64
+/* The store value: u32 magic | i32 pid | host[TS_UCX_HOST_LEN] | worker address. */
+#define TS_UCX_MAGIC 0x54535558u /* "TSUX" */
+#define TS_UCX_HDR (8 + TS_UCX_HOST_LEN)
+
+typedef struct ucx_op ucx_op;
+typedef struct ts_ucx ts_ucx;
+
+struct ucx_op {
+    ts_ucx *t;
+    ucx_op *prev, *next; /* pending list, or the completed queue (next only) */
+    void *req;           /* UCX request, NULL if completed in place */
+    ts_xfer_cb cb;
+    void *arg;
+    int peer;
+    bool is_recv;
+    bool orphan;      /* user callback already run; free when UCX gives it back */
+    bool cancelled;   /* ucp_request_cancel called */
+    bool notify;      /* orphaned, user callback not run yet */
+    ts_status forced; /* status to report instead of UCX's (cancel), TS_OK if none */
+    size_t len;
+    uint64_t tag;
+    ucs_status_t ucs;
+    size_t rlen; /* received length */
+};
+
+typedef struct ucx_peer {
+    ts_ucx *t;
+    int rank;
+    ucp_ep_h ep;
+    bool dead;
+    ucs_status_t dead_status;
+    int pidfd; /* same-host peer's process (pidfd_open), -1 if none */
+    bool exited; /* found dead by its pidfd rather than by UCX */
+} ucx_peer;
+
+struct ts_ucx {
+    ts_transport base;
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    int efd;
+    ucx_peer *peers;
+    ucx_op pending; /* sentinel of the circular pending list */
+    ucx_op *done_head, *done_tail;
+    int npending;
+    int failed_peer;
+    ts_status failed_status;
+    bool dead_unhandled;
+    double next_pid_check;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------ op lists */
+
+static void pending_add(ts_ucx *t, ucx_op *op)
+{
+    op->next = &t->pending;
+    op->prev = t->pending.prev;
+    t->pending.prev->next = op;
+    t->pending.prev = op;
+    t->npending++;
+}
+
+static void pending_remove(ts_ucx *t, ucx_op *op)
+{
+    op->prev->next = op->next;
+    op->next->prev = op->prev;
+    op->prev = op->next = NULL;
+    t->npending--;
+}
+
+static void done_push(ts_ucx *t, ucx_op *op)
+{
+    op->next = NULL;
+    if (t->done_tail)
+        t->done_tail->next = op;
+    else
+        t->done_head = op;
+    t->done_tail = op;
+}
+
+/* UCX gave the op back (callback, or completion in place). */
+static void op_finished(ucx_op *op, ucs_status_t status, size_t rlen)
+{
+    ts_ucx *t = op->t;
+    op->ucs = status;
+    op->rlen = rlen;
+    pending_remove(t, op);
+    done_push(t, op);
+}
+
+static void send_cb(void *request, ucs_status_t status, void *user_data)
+{
+    (void)request;
+    ucx_op *op = user_data;
+    op_finished(op, status, op->len);
+}
+
+static void recv_cb(void *request, ucs_status_t status, const ucp_tag_recv_info_t *info, void *user_data)
+{
+    (void)request;
+    ucx_op *op = user_data;
+    op_finished(op, status, info ? info->length : 0);
+}
+
+static void mark_dead(ts_ucx *t, ucx_peer *p, ucs_status_t status);
+
+static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    (void)ep;
+    ucx_peer *p = arg;
+    mark_dead(p->t, p, status);
+}
+
+static void mark_dead(ts_ucx *t, ucx_peer *p, ucs_status_t status)
+{
+    if (p->dead)
+        return;
+    p->dead = true;
+    p->dead_status = status;
+    t->dead_unhandled = true;
+    if (t->failed_peer < 0) {
+        t->failed_peer = p->rank;
+        t->failed_status = TS_ERR_PEER_FAILED;
+    }
+}
+
+/* Same-host peers: UCX 1.13's keepalive misses a dead shared-memory peer
+ * while a rendezvous send to it is pending (measured: never detected), so
+ * progress also polls each local peer's pidfd (readable once the process
+ * has exited, zombie included), at most every TS_UCX_PID_CHECK_S. */
+static void check_peer_pids(ts_ucx *t)
+{
+    double now = now_s();
+    if (now < t->next_pid_check)
+        return;
+    t->next_pid_check = now + TS_UCX_PID_CHECK_S;
+    for (int r = 0; r < t->base.size; r++) {
+        ucx_peer *p = &t->peers[r];
+        if (p->pidfd < 0 || p->dead)
+            continue;
+        struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
+        if (poll(&pf, 1, 0) == 1 && (pf.revents & (POLLIN | POLLHUP | POLLERR))) {
+            p->exited = true;
+            mark_dead(t, p, UCS_ERR_CONNECTION_RESET);
+        }
+    }
+}
+
+static const char *dead_why(const ucx_peer *p)
+{
+    return p->exited ? "its process exited" : ucs_status_string(p->dead_status);
+}
+
+/* The status of a finished op, with the error detail recorded. */
+static ts_status op_status(ts_ucx *t, ucx_op *op)
+{
+    const char *what = op->is_recv ? "receive" : "send";
+    const char *dir = op->is_recv ? "from" : "to";
+    if (op->forced != TS_OK) {
+        if (op->forced == TS_ERR_PEER_FAILED)
+            return ts_error(TS_ERR_PEER_FAILED, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64
+                            "): rank %d failed (%s)", t->base.rank, what, op->len, dir, op->peer, op->tag,
+                            op->peer, dead_why(&t->peers[op->peer]));
+        return ts_error(op->forced, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 ") cancelled",
+                        t->base.rank, what, op->len, dir, op->peer, op->tag);
+    }
+    if (op->ucs == UCS_OK) {
+        if (op->is_recv && op->rlen != op->len)
+            return ts_error(TS_ERR_COMM, "ucx: rank %d: receive from rank %d (tag 0x%" PRIx64
+                            "): got %zu bytes, expected %zu", t->base.rank, op->peer, op->tag, op->rlen, op->len);
+        return TS_OK;
+    }
+    if (op->ucs == UCS_ERR_MESSAGE_TRUNCATED)
+        return ts_error(TS_ERR_COMM, "ucx: rank %d: receive from rank %d (tag 0x%" PRIx64
+                        "): message longer than the %zu-byte buffer (%zu bytes reported): %s", t->base.rank,
+                        op->peer, op->tag, op->len, op->rlen, ucs_status_string(op->ucs));
+    if (t->peers[op->peer].dead)
+        return ts_error(TS_ERR_PEER_FAILED, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64
+                        "): rank %d failed: %s", t->base.rank, what, op->len, dir, op->peer, op->tag, op->peer,
+                        ucs_status_string(op->ucs));
+    return ts_error(TS_ERR_COMM, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 ") failed: %s",
+                    t->base.rank, what, op->len, dir, op->peer, op->tag, ucs_status_string(op->ucs));
+}
+
+/* Runs the completed queue; returns how many user callbacks ran. */
+static int run_completions(ts_ucx *t)
+{
+    int n = 0;
+    while (t->done_head) {
+        ucx_op *op = t->done_head;
+        t->done_head = op->next;
+        if (!t->done_head)
+            t->done_tail = NULL;
+        if (op->req)
+            ucp_request_free(op->req);
+        if (!op->orphan || op->notify) { /* an orphan whose callback has not run yet gets it now */
+            op->notify = false;
+            ts_status s = op_status(t, op);
+            n++;
+            if (op->cb)
+                op->cb(op->arg, s);
+        }
+        ts__free(TS_MEM_COMM, op);
+    }
+    return n;
+}
+
+/* Runs the user callbacks of ops orphaned since the last call (marked
+ * `notify`); one at a time, rescanning, since a callback may post (or
+ * cancel) transfers. */
+static int run_notifies(ts_ucx *t)
+{
+    int n = 0;
+    for (;;) {
+        ucx_op *op = t->pending.next;
+        while (op != &t->pending && !op->notify)
+            op = op->next;
+        if (op == &t->pending)
+            break;
+        op->notify = false;
+        ts_status s = op_status(t, op);
+        n++;
+        if (op->cb)
+            op->cb(op->arg, s);
+    }
+    return n;
+}
+
+/* Fails the transfers with peers found dead since the last call: cancels
+ * the receives (UCX then gives them back), and abandons the sends, whose
+ * user callbacks run now with TS_ERR_PEER_FAILED. A send to a dead peer
+ * is not always given back by UCX 1.13 (a rendezvous send waiting for the
+ * peer's reply stays pending), and its buffer is only ever read by the
+ * peer (CMA) or copied at posting time (eager), so the user may reuse it.
+ * The op stays on the pending list until UCX returns it (or destroy). */
+static int handle_dead_peers(ts_ucx *t)
+{
+    if (!t->dead_unhandled)
+        return 0;
+    t->dead_unhandled = false;
+    for (ucx_op *op = t->pending.next, *nx; op != &t->pending; op = nx) {
+        nx = op->next; /* ucp_request_cancel may complete op in place, moving it */
+        if (op->orphan || !t->peers[op->peer].dead)
+            continue;
+        op->forced = TS_ERR_PEER_FAILED;
+        if (op->is_recv && !op->cancelled) {
+            op->cancelled = true;
+            if (op->req)
+                ucp_request_cancel(t->worker, op->req);
+        } else if (!op->is_recv) {
+            op->orphan = true;
+            op->notify = true;
+        }
+    }
+    return run_notifies(t);
+}
+
+/* ---------------------------------------------------------- the vtable */
+
+static ts_status check_args(ts_ucx *t, const char *what, int peer, const void *buf, size_t len, uint64_t tag)
+{
+    if (peer < 0 || peer >= t->base.size)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: %s: peer %d is not a rank of a world of %d", what, peer,
+                        t->base.size);
+    if (!buf && len)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: %s: NULL buffer of %zu bytes", what, len);
+    if (tag >> TS_UCX_RANK_SHIFT)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ucx: %s: tag 0x%" PRIx64 " uses bits 48..63 (reserved for the source rank)", what, tag);
+    if (t->peers[peer].dead)
+        return ts_error(TS_ERR_PEER_FAILED, "ucx: %s: rank %d has failed (%s)", what, peer,
+                        dead_why(&t->peers[peer]));
+    return TS_OK;
+}
+
+static ucx_op *op_new(ts_ucx *t, int peer, size_t len, uint64_t tag, bool is_recv, ts_xfer_cb cb, void *arg)
+{
+    ucx_op *op = ts__calloc(TS_MEM_COMM, 1, sizeof *op);
+    if (!op)
+        return NULL;
+    op->t = t;
+    op->peer = peer;
+    op->len = len;
+    op->tag = tag;
+    op->is_recv = is_recv;
+    op->cb = cb;
+    op->arg = arg;
+    op->forced = TS_OK;
+    return op;
+}
+
+static ts_status ucx_send(ts_transport *base, int peer, const void *buf, size_t len, uint64_t tag, ts_xfer_cb cb,
+                          void *arg)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    ts_status s = check_args(t, "send", peer, buf, len, tag);
+    if (s != TS_OK)
+        return s;
+    ucx_op *op = op_new(t, peer, len, tag, false, cb, arg);
+    if (!op)
+        return ts_error(TS_ERR_NO_MEMORY, "ucx: send: out of memory");
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE,
+        .cb.send = send_cb,
+        .user_data = op,
+        .datatype = ucp_dt_make_contig(1),
+    };
+    ucp_tag_t utag = ((uint64_t)t->base.rank << TS_UCX_RANK_SHIFT) ^ tag;
+    pending_add(t, op);
+    void *r = ucp_tag_send_nbx(t->peers[peer].ep, buf, len, utag, &prm);
+    if (UCS_PTR_IS_ERR(r)) {
+        ucs_status_t us = UCS_PTR_STATUS(r);
+        pending_remove(t, op);
+        ts__free(TS_MEM_COMM, op);
+        return ts_error(t->peers[peer].dead ? TS_ERR_PEER_FAILED : TS_ERR_COMM,
+                        "ucx: rank %d: send of %zu bytes to rank %d (tag 0x%" PRIx64 ") failed: %s", t->base.rank,
+                        len, peer, tag, ucs_status_string(us));
+    }
+    if (r == NULL)
+        op_finished(op, UCS_OK, len); /* in place: the callback runs from the next progress */
+    else
+        op->req = r;
+    return TS_OK;
+}
+
+static ts_status ucx_recv(ts_transport *base, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    ts_status s = check_args(t, "recv", peer, buf, len, tag);
+    if (s != TS_OK)
+        return s;
+    ucx_op *op = op_new(t, peer, len, tag, true, cb, arg);
+    if (!op)
+        return ts_error(TS_ERR_NO_MEMORY, "ucx: recv: out of memory");
+    ucp_request_param_t prm = {
+        /* NO_IMM_CMPL: a receive that matches a message already here
+         * still calls recv_cb (inside ucp_tag_recv_nbx), which is where the
+         * received length comes from; recv_cb only queues the op. */
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE |
+                        UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+        .cb.recv = recv_cb,
+        .user_data = op,
+        .datatype = ucp_dt_make_contig(1),
+    };
+    ucp_tag_t utag = ((uint64_t)peer << TS_UCX_RANK_SHIFT) ^ tag;
+    pending_add(t, op);
+    void *r = ucp_tag_recv_nbx(t->worker, buf, len, utag, ~(ucp_tag_t)0, &prm);
+    if (UCS_PTR_IS_ERR(r)) {
+        ucs_status_t us = UCS_PTR_STATUS(r);
+        pending_remove(t, op);
+        ts__free(TS_MEM_COMM, op);
+        return ts_error(TS_ERR_COMM, "ucx: rank %d: receive of %zu bytes from rank %d (tag 0x%" PRIx64
+                        ") failed: %s", t->base.rank, len, peer, tag, ucs_status_string(us));
+    }
+    if (r == NULL) /* not expected with NO_IMM_CMPL; the length is then unknown */
+        op_finished(op, UCS_OK, len);
+    else
+        op->req = r;
+    return TS_OK;
+}
+
+static int ucx_progress(ts_transport *base)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    int n = (int)ucp_worker_progress(t->worker);
+    check_peer_pids(t);
+    n += handle_dead_peers(t);
+    return n + run_completions(t);
+}
+
+static ts_status ucx_arm(ts_transport *base)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    check_peer_pids(t);
+    if (t->done_head || t->dead_unhandled)
+        return TS_ERR_ALREADY;
+    ucs_status_t us = ucp_worker_arm(t->worker);
+    if (us == UCS_OK)
+        return TS_OK;
+    if (us == UCS_ERR_BUSY)
+        return TS_ERR_ALREADY;
+    return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_arm failed: %s", t->base.rank, ucs_status_string(us));
+}
+
+static int ucx_wait_fd(ts_transport *base)
+{
+    return ((ts_ucx *)base)->efd;
+}
+
+static int ucx_failed_peer(ts_transport *base, ts_status *status_out)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    if (t->failed_peer >= 0 && status_out)
+        *status_out = t->failed_status;
+    return t->failed_peer;
+}
+
+/* Progresses until no op is pending or `deadline` passes; true if drained. */
+static bool drain(ts_ucx *t, double deadline)
+{
+    while (t->npending > 0 && now_s() < deadline) {
+        ucp_worker_progress(t->worker);
+        check_peer_pids(t);
+        handle_dead_peers(t);
+        run_completions(t);
+    }
+    run_completions(t);
+    return t->npending == 0;
+}
+
+static int count_live_pending(ts_ucx *t)
+{
+    int n = 0;
+    for (ucx_op *op = t->pending.next; op != &t->pending; op = op->next)
+        n += !op->orphan;
+    return n;
+}
+
+static void ucx_cancel_all(ts_transport *base, ts_status status)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    for (ucx_op *op = t->pending.next, *nx; op != &t->pending; op = nx) {
+        nx = op->next;
+        if (op->orphan)
+            continue;
+        if (op->forced == TS_OK)
+            op->forced = status;
+        if (op->is_recv && !op->cancelled) {
+            op->cancelled = true;
+            if (op->req)
+                ucp_request_cancel(t->worker, op->req);
+        }
+    }
+    /* Sends cannot be cancelled in UCX 1.13: they finish (peer alive) or
+     * fail (peer dead, PEER mode); wait for them, bounded. */
+    double deadline = now_s() + TS_UCX_DRAIN_S;
+    while (count_live_pending(t) > 0 && now_s() < deadline) {
+        ucp_worker_progress(t->worker);
+        check_peer_pids(t);
+        handle_dead_peers(t);
+        run_completions(t);
+    }
+    for (ucx_op *op = t->pending.next; op != &t->pending; op = op->next) {
+        if (op->orphan)
+            continue;
+        op->orphan = true;
+        op->notify = true;
+        ts_logf(TS_LOG_WARN, "ucx: rank %d: %s of %zu bytes %s rank %d still held by UCX after %.1f s; abandoned",
+                t->base.rank, op->is_recv ? "receive" : "send", op->len, op->is_recv ? "from" : "to", op->peer,
+                TS_UCX_DRAIN_S);
+    }
+    run_notifies(t);
+}
+
+static void ucx_destroy(ts_transport *base)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    if (!t)
+        return;
+    bool stuck = false;
+    if (t->worker) {
+        run_completions(t);
+        if (count_live_pending(t) > 0)
+            ucx_cancel_all(base, TS_ERR_COMM);
+        /* Force-close every endpoint (local and immediate; PEER mode makes
+         * that safe with data in flight), then wait for the closes. */
+        int nclose = t->base.size;
+        void **close_reqs = ts__calloc(TS_MEM_COMM, (size_t)nclose, sizeof *close_reqs);
+        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = UCP_EP_CLOSE_FLAG_FORCE};
+        for (int r = 0; r < t->base.size; r++) {
+            if (!t->peers[r].ep)
+                continue;
+            void *req = ucp_ep_close_nbx(t->peers[r].ep, &prm);
+            t->peers[r].ep = NULL;
+            if (req && !UCS_PTR_IS_ERR(req)) {
+                if (close_reqs)
+                    close_reqs[r] = req;
+                else
+                    stuck = true; /* cannot track it: do not destroy the worker under it */
+            }
+        }
+        double deadline = now_s() + TS_UCX_DRAIN_S;
+        for (;;) {
+            bool busy = false;
+            for (int r = 0; close_reqs && r < nclose; r++) {
+                if (!close_reqs[r])
+                    continue;
+                if (ucp_request_check_status(close_reqs[r]) == UCS_INPROGRESS) {
+                    busy = true;
+                } else {
+                    ucp_request_free(close_reqs[r]);
+                    close_reqs[r] = NULL;
+                }
+            }
+            if (!busy || now_s() >= deadline) {
+                stuck = stuck || busy;
+                break;
+            }
+            ucp_worker_progress(t->worker);
+        }
+        ts__free(TS_MEM_COMM, close_reqs);
+        if (!drain(t, now_s() + 0.5))
+            stuck = true;
+        if (stuck) {
+            ts_logf(TS_LOG_WARN, "ucx: rank %d: requests still held by UCX at destroy; leaking the worker",
+                    t->base.rank);
+        } else {
+            ucp_worker_destroy(t->worker);
+        }
+    }
+    if (t->ctx && !stuck)
+        ucp_cleanup(t->ctx);
+    for (int r = 0; t->peers && r < t->base.size; r++)
+        if (t->peers[r].pidfd >= 0) {
+            close(t->peers[r].pidfd);
+            t->peers[r].pidfd = -1;
+        }
+    if (!stuck) {
+        ts__free(TS_MEM_COMM, t->peers);
+        ts__free(TS_MEM_COMM, t);
+    }
+}
+
+static const ts_transport_vtable ucx_vtable = {
+    .name = "ucx",
+    .send = ucx_send,
+    .recv = ucx_recv,
+    .progress = ucx_progress,
+    .arm = ucx_arm,
+    .wait_fd = ucx_wait_fd,
+    .failed_peer = ucx_failed_peer,
+    .cancel_all = ucx_cancel_all,
+    .destroy = ucx_destroy,
+};
+
+/* ------------------------------------------------------------- create */
+
+static void env_default(const char *name, const char *value)
+{
+    if (!getenv(name))
+        setenv(name, value, 0);
+}
+
+ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, int size, double timeout_s,
+                                ts_transport **out)
+{
+    if (!store || !prefix || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: NULL store, prefix or out");
+    if (size < 1 || size > TS_UCX_MAX_SIZE || rank < 0 || rank >= size)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: rank %d of a world of %d (1..%d ranks)", rank, size,
+                        TS_UCX_MAX_SIZE);
+    if (!(timeout_s > 0))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: timeout %g s is not positive", timeout_s);
+
+    env_default("UCX_TLS", "posix,cma,self");
+    env_default("UCX_MM_ERROR_HANDLING", "y");
+    env_default("UCX_KEEPALIVE_INTERVAL", "1s");
+    /* UCX_WARN_UNUSED_ENV_VARS is a libucs global option, read when the
+     * library loads: setting it here is too late (and is itself then
+     * reported as unused), so the launcher and the tests set it. */
+
+    ts_ucx *t = ts__calloc(TS_MEM_COMM, 1, sizeof *t);
+    if (!t)
+        return ts_error(TS_ERR_NO_MEMORY, "ucx: out of memory");
+    t->base.vt = &ucx_vtable;
+    t->base.rank = rank;
+    t->base.size = size;
+    t->efd = -1;
+    t->failed_peer = -1;
+    t->pending.next = t->pending.prev = &t->pending;
+    t->peers = ts__calloc(TS_MEM_COMM, (size_t)size, sizeof *t->peers);
+    if (!t->peers) {
+        ts__free(TS_MEM_COMM, t);
+        return ts_error(TS_ERR_NO_MEMORY, "ucx: out of memory");
+    }
+    for (int r = 0; r < size; r++) {
+        t->peers[r].t = t;
+        t->peers[r].rank = r;
+        t->peers[r].pidfd = -1;
+    }
+
+    ts_status s = TS_OK;
+    ucs_status_t us;
+    ucp_config_t *cfg = NULL;
+    us = ucp_config_read(NULL, NULL, &cfg);
+    if (us != UCS_OK) {
+        s = ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_config_read failed: %s", rank, ucs_status_string(us));
+        goto fail;
+    }
+    ucp_params_t params = {
+        .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_ESTIMATED_NUM_EPS,
+        .features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP,
+        .name = "tensorshard",
+        .estimated_num_eps = (size_t)size,
+    };
+    us = ucp_init(&params, cfg, &t->ctx);
+    ucp_config_release(cfg);
+    if (us != UCS_OK) {
+        t->ctx = NULL;
+        s = ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_init failed: %s", rank, ucs_status_string(us));
+        goto fail;
+    }
+    ucp_worker_params_t wp = {
+        .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+        .thread_mode = UCS_THREAD_MODE_SINGLE,
+    };
+    us = ucp_worker_create(t->ctx, &wp, &t->worker);
+    if (us != UCS_OK) {
+        t->worker = NULL;
+        s = ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_create failed: %s", rank, ucs_status_string(us));
+        goto fail;
+    }
+    us = ucp_worker_get_efd(t->worker, &t->efd);
+    if (us != UCS_OK) {
+        s = ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_get_efd failed: %s", rank, ucs_status_string(us));
+        goto fail;
+    }
+
+    /* Publish our address, then fetch everyone's. */
+    char key[TS_STORE_MAX_KEY];
+    if ((size_t)snprintf(key, sizeof key, "%s/ucx/%d", prefix, rank) >= sizeof key) {
+        s = ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: prefix too long (%zu bytes)", strlen(prefix));
+        goto fail;
+    }
+    ucp_address_t *addr = NULL;
+    size_t alen = 0;
+    us = ucp_worker_get_address(t->worker, &addr, &alen);
+    if (us != UCS_OK) {
+        s = ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_get_address failed: %s", rank, ucs_status_string(us));
+        goto fail;
+    }
+    unsigned char *val = ts__calloc(TS_MEM_COMM, 1, TS_UCX_HDR + alen);
+    if (!val) {
+        ucp_worker_release_address(t->worker, addr);
+        s = ts_error(TS_ERR_NO_MEMORY, "ucx: out of memory");
+        goto fail;
+    }
+    char host[TS_UCX_HOST_LEN] = {0};
+    gethostname(host, sizeof host - 1);
+    uint32_t magic = TS_UCX_MAGIC;
+    int32_t pid = (int32_t)getpid();
+    memcpy(val, &magic, 4);
+    memcpy(val + 4, &pid, 4);
+    memcpy(val + 8, host, TS_UCX_HOST_LEN);
+    memcpy(val + TS_UCX_HDR, addr, alen);
+    s = ts_store_set(store, key, val, TS_UCX_HDR + alen);
+    ts__free(TS_MEM_COMM, val);
+    ucp_worker_release_address(t->worker, addr);
+    if (s != TS_OK)
+        goto fail;
+    /* TS_UCX_PID_WATCH=0 turns the pidfd watch off (UCX's own detection only). */
+    const char *pw = getenv("TS_UCX_PID_WATCH");
+    bool pid_watch = !(pw && strcmp(pw, "0") == 0);
+    /* The store client's timeout bounds the waits below (it stays set). */
+    ts_store_set_timeout(store, timeout_s);
+    for (int i = 0; i < size; i++) {
+        int r = (rank + i) % size;
+        snprintf(key, sizeof key, "%s/ucx/%d", prefix, r);
+        void *v = NULL;
+        size_t vlen = 0;
+        s = ts_store_get(store, key, &v, &vlen);
+        if (s != TS_OK) {
+            char why[256];
+            snprintf(why, sizeof why, "%s", ts_last_error());
+            s = ts_error(s, "ucx: rank %d: no address from rank %d within %.1f s: %s", rank, r, timeout_s, why);
+            goto fail;
+        }
+        uint32_t vmagic = 0;
+        int32_t vpid = 0;
+        if (vlen > TS_UCX_HDR)
+            memcpy(&vmagic, v, 4);
+        if (vmagic != TS_UCX_MAGIC) {
+            free(v);
+            s = ts_error(TS_ERR_FORMAT, "ucx: rank %d: the store's '%s' (%zu bytes) is not a tensorshard UCX address",
+                         rank, key, vlen);
+            goto fail;
+        }
+        memcpy(&vpid, (unsigned char *)v + 4, 4);
+        if (r != rank && pid_watch && memcmp((unsigned char *)v + 8, host, TS_UCX_HOST_LEN) == 0) {
+            int fd = (int)syscall(SYS_pidfd_open, (pid_t)vpid, 0);
+            if (fd >= 0)
+                t->peers[r].pidfd = fd;
+            else if (errno == ESRCH) { /* gone already */
+                t->peers[r].exited = true;
+                mark_dead(t, &t->peers[r], UCS_ERR_CONNECTION_RESET);
+            }
+        }
+        ucp_ep_params_t ep = {
+            .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                          UCP_EP_PARAM_FIELD_ERR_HANDLER,
+            .address = (const ucp_address_t *)((unsigned char *)v + TS_UCX_HDR),
+            .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+            .err_handler = {.cb = ep_err_cb, .arg = &t->peers[r]},
+        };
+        us = ucp_ep_create(t->worker, &ep, &t->peers[r].ep);
+        free(v);
+        if (us != UCS_OK) {
+            t->peers[r].ep = NULL;
+            s = ts_error(TS_ERR_COMM,
+                         "ucx: rank %d: cannot connect to rank %d: %s (UCX_TLS=%s; shared memory needs "
+                         "UCX_MM_ERROR_HANDLING=y for PEER error handling)",
+                         rank, r, ucs_status_string(us), getenv("UCX_TLS") ? getenv("UCX_TLS") : "");
+            goto fail;
+        }
+    }
+    *out = &t->base;
+    return TS_OK;
+
+fail:;
+    /* Keep the first error's detail across the teardown. */
+    char detail[512];
+    snprintf(detail, sizeof detail, "%s", ts_last_error());
+    ucx_destroy(&t->base);
+    return ts_error(s, "%s", detail);
+}
