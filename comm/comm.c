@@ -25,6 +25,13 @@
  *  - all-reduce: reduce-scatter then all-gather (steps W-1..2W-3) on one
  *    accumulation buffer padded to W equal blocks.
  *  - broadcast: a chain from the root; barrier: an all-gather of one byte.
+ *  - all-to-all: every receive (block j from rank j) and send (block j of
+ *    a copy of the input to rank j) posted at start, all with step 0 (the
+ *    peer tells them apart); send / recv: one transfer with step 255.
+ *
+ * Groups (ts_comm_new_group) share their world's thread and transport:
+ * an op carries its group's rank map and translates peers to world ranks
+ * when it posts; rings and steps are in group ranks.
  */
 #include "comm/comm_internal.h"
 
@@ -59,6 +66,8 @@ struct ts_comm {
     uint32_t seq;
     pthread_mutex_t stats_mu;
     ts_comm_counters stats;
+    bool is_group; /* from ts_comm_new_group (freed by ts_comm_free) */
+    int *map;      /* group rank -> world rank; NULL: identity (a world) */
 };
 
 struct world {
@@ -72,6 +81,7 @@ struct world {
     op *queue, *queue_tail;
     bool stop;
     double timeout_s;
+    _Atomic uint64_t next_gid; /* the next group id this rank may propose */
     /* communication thread only */
     op *active;
     ts_status failed;
@@ -79,7 +89,15 @@ struct world {
 };
 
 enum { K_SEND = 0, K_RECV = 1 };
-enum { PH_RS = 0, PH_AG = 1, PH_BC = 2 };
+enum { PH_RS = 0, PH_AG = 1, PH_BC = 2, PH_A2A = 3, PH_P2P = 4 };
+
+#define P2P_STEP 0xffu
+/* Tag layout (comm.h): group id in bits 32..47 (transports take 48-bit
+ * tags: UCX keeps the source rank above), sequence or user tag in bits
+ * 8..31, step in bits 0..7. */
+#define GID_SHIFT 32
+#define GID_LIMIT ((uint64_t)1 << 16)
+#define SEQ_MASK 0xffffffu
 
 typedef struct xfer {
     op *o;
@@ -116,6 +134,10 @@ struct op {
     size_t out_from;   /* first accumulation element to read */
     double post;       /* divide by (1: none) */
     xfer *x;           /* (phase 0/1) x (send/recv) x W */
+    int *map;          /* group rank -> world rank (W entries, owned) */
+    unsigned char **outs; /* list all-gather: W output blocks (owned array) */
+    unsigned char *a2a_out; /* all-to-all: the output (W blocks) */
+    int peer;          /* send / recv: the group rank */
     /* TS_DISTRIBUTED_DEBUG=DETAIL */
     uint64_t gid, submit_ns;
     uint32_t seq;
@@ -309,6 +331,8 @@ static void op_free(op *o)
     if (o->owned) ts__free(TS_MEM_COMM, o->buf);
     ts__free(TS_MEM_COMM, o->stage[0]);
     ts__free(TS_MEM_COMM, o->x);
+    ts__free(TS_MEM_COMM, o->map);
+    ts__free(TS_MEM_COMM, o->outs);
     ts__free(TS_MEM_COMM, o);
 }
 
@@ -327,10 +351,12 @@ static void post(op *o, int kind, int phase, int step, int peer, void *buf, size
     x->phase = phase;
     x->step = step;
     ts_transport *t = o->req->w->t;
-    int wire = phase == PH_AG && o->rs ? step + o->W - 1 : step;
+    int wire = phase == PH_AG && o->rs ? step + o->W - 1 : phase == PH_A2A ? 0 : step;
+    uint64_t tag = phase == PH_P2P ? o->tagbase : tag_of(o, wire);
+    int wpeer = o->map[peer];
     o->pending++;
-    ts_status s = kind == K_SEND ? t->vt->send(t, peer, buf, len, tag_of(o, wire), on_xfer, x)
-                                 : t->vt->recv(t, peer, buf, len, tag_of(o, wire), on_xfer, x);
+    ts_status s = kind == K_SEND ? t->vt->send(t, wpeer, buf, len, tag, on_xfer, x)
+                                 : t->vt->recv(t, wpeer, buf, len, tag, on_xfer, x);
     if (s != TS_OK) {
         o->pending--;
         o->err = s;
@@ -366,17 +392,31 @@ static void start_bc(op *o)
     }
 }
 
+/* All-to-all: receive block j of the output from rank j, send block j of
+ * the input copy to rank j (the own block was copied at submission). */
+static void start_a2a(op *o)
+{
+    if (o->block == 0) return;
+    for (int j = 0; j < o->W; j++)
+        if (j != o->rank) post(o, K_RECV, PH_A2A, j, j, o->a2a_out + (size_t)j * o->block, o->block);
+    for (int k = 1; k < o->W; k++) {
+        int j = (o->rank + k) % o->W;
+        post(o, K_SEND, PH_A2A, j, j, o->buf + (size_t)j * o->block, o->block);
+    }
+}
+
 static bool op_done(const op *o)
 {
+    if (o->kind == TS_COLL_ALL_TO_ALL || o->kind == TS_COLL_SEND || o->kind == TS_COLL_RECV) return true;
     if (o->kind == TS_COLL_BROADCAST) return o->bc_recvd;
     if (o->rs && !o->rs_done) return false;
     if (o->ag && !o->ag_done) return false;
     return true;
 }
 
-static const char *const k_kind_names[TS_COLL_KIND_COUNT] = {"all_gather", "reduce_scatter", "all_reduce",
-                                                               "broadcast", "barrier"};
-_Static_assert(TS_COLL_KIND_COUNT == 5, "one name per collective");
+static const char *const k_kind_names[TS_COLL_KIND_COUNT] = {
+    "all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier", "all_to_all", "send", "recv"};
+_Static_assert(TS_COLL_KIND_COUNT == 8, "one name per collective");
 
 static bool g_detail;
 static pthread_once_t g_detail_once = PTHREAD_ONCE_INIT;
@@ -396,11 +436,19 @@ static void log_detail(const op *o, ts_status st)
             (double)(ts_now_ns() - o->submit_ns) / 1e6);
 }
 
+/* Writes the results out of the op's buffer (after success). */
+static void finalize(op *o)
+{
+    if (o->out) store_acc(o->out, o->out_dtype, o->buf + o->out_from * ts_dtype_size(o->acc), o->out_n, o->post);
+    if (o->outs && o->block)
+        for (int i = 0; i < o->W; i++) memcpy(o->outs[i], o->buf + (size_t)i * o->block, o->block);
+}
+
 static void finish(op *o)
 {
     world *w = o->req->w;
     ts_status st = o->err;
-    if (st == TS_OK && o->out) store_acc(o->out, o->out_dtype, o->buf + o->out_from * ts_dtype_size(o->acc), o->out_n, o->post);
+    if (st == TS_OK) finalize(o);
     o->finished = true;
     log_detail(o, st);
     complete_req(w, o->req, st, o->req->err);
@@ -441,7 +489,7 @@ static void on_xfer(void *arg, ts_status st)
             if (s < o->W - 2) post(o, K_SEND, PH_RS, s + 1, o->right, b, o->block);
             if (s + 2 <= o->W - 2) post(o, K_RECV, PH_RS, s + 2, o->left, o->stage[s % 2], o->block);
             if (++o->rs_recvd == o->W - 1) o->rs_done = true;
-        } else {
+        } else if (x->phase == PH_BC) {
             o->bc_recvd = true;
             if ((o->rank - o->root + o->W) % o->W < o->W - 1) post(o, K_SEND, PH_BC, 0, o->right, o->buf, o->block);
         }
@@ -453,6 +501,9 @@ static void start_op(world *w, op *o)
 {
     o->deadline_ns = ts_now_ns() + (uint64_t)(w->timeout_s * 1e9);
     if (o->kind == TS_COLL_BROADCAST) start_bc(o);
+    else if (o->kind == TS_COLL_ALL_TO_ALL) start_a2a(o);
+    else if (o->kind == TS_COLL_SEND) post(o, K_SEND, PH_P2P, 0, o->peer, o->buf, o->block);
+    else if (o->kind == TS_COLL_RECV) post(o, K_RECV, PH_P2P, 0, o->peer, o->buf, o->block);
     else if (o->rs) start_rs(o);
     else start_ag(o);
     advance(o);
@@ -573,7 +624,11 @@ static ts_comm g_local = {
     .w = NULL, .rank = 0, .size = 1, .gid = 0, .seq = 0, .stats_mu = PTHREAD_MUTEX_INITIALIZER,
 };
 
-ts_comm *ts_comm_world(void) { return &g_local; }
+ts_comm *ts_comm_world(void)
+{
+    ts_comm *d = ts__dist_current(); /* the world of ts_dist_init, if any */
+    return d ? d : &g_local;
+}
 
 int ts_comm_rank(const ts_comm *c) { return c ? c->rank : -1; }
 int ts_comm_size(const ts_comm *c) { return c ? c->size : -1; }
@@ -614,6 +669,7 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     w->t = t;
     w->comm = c;
     w->timeout_s = timeout_s > 0 ? timeout_s : 300.0;
+    atomic_init(&w->next_gid, 1);
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     c->w = w;
@@ -667,15 +723,19 @@ static op *op_new(ts_comm *c, ts_coll_kind kind)
     op *o = ts__calloc(TS_MEM_COMM, 1, sizeof *o);
     ts_request *r = ts__calloc(TS_MEM_COMM, 1, sizeof *r);
     xfer *x = ts__calloc(TS_MEM_COMM, (size_t)(4 * c->size), sizeof *x);
-    if (!o || !r || !x) {
+    int *map = ts__malloc(TS_MEM_COMM, (size_t)c->size * sizeof *map);
+    if (!o || !r || !x || !map) {
         ts__free(TS_MEM_COMM, o);
         ts__free(TS_MEM_COMM, r);
         ts__free(TS_MEM_COMM, x);
+        ts__free(TS_MEM_COMM, map);
         return NULL;
     }
+    for (int i = 0; i < c->size; i++) map[i] = c->map ? c->map[i] : i;
     r->w = c->w;
     o->req = r;
     o->x = x;
+    o->map = map;
     o->kind = kind;
     o->W = c->size;
     o->rank = c->rank;
@@ -694,12 +754,15 @@ static void op_discard(op *o)
 /* Counts, numbers and submits `o`; waits if r_out is NULL. */
 static ts_status submit(ts_comm *c, op *o, size_t bytes, ts_request **r_out)
 {
+    bool p2p = o->kind == TS_COLL_SEND || o->kind == TS_COLL_RECV;
     pthread_mutex_lock(&c->stats_mu);
     c->stats.calls[o->kind]++;
     c->stats.bytes[o->kind] += bytes;
-    uint32_t seq = c->seq++;
+    uint32_t seq = p2p ? 0 : c->seq++;
     pthread_mutex_unlock(&c->stats_mu);
-    o->tagbase = (c->gid << 40) | ((uint64_t)seq << 8);
+    /* p2p: tagbase already holds the user tag in the middle field */
+    o->tagbase = p2p ? (c->gid << GID_SHIFT) | o->tagbase | P2P_STEP
+                     : (c->gid << GID_SHIFT) | ((uint64_t)(seq & SEQ_MASK) << 8);
     o->gid = c->gid;
     o->seq = seq;
     o->bytes = bytes;
@@ -709,7 +772,7 @@ static ts_status submit(ts_comm *c, op *o, size_t bytes, ts_request **r_out)
     if (o->W == 1 || !w || !w->has_thread) {
         /* nothing to exchange: finalize here */
         ts_status st = TS_OK;
-        if (o->out) store_acc(o->out, o->out_dtype, o->buf + o->out_from * ts_dtype_size(o->acc), o->out_n, o->post);
+        finalize(o);
         log_detail(o, st);
         complete_req(NULL, r, st, NULL);
         op_free(o);
@@ -884,4 +947,192 @@ ts_status ts_barrier(ts_comm *c, ts_request **r)
         return TS_ERR_NO_MEMORY;
     }
     return submit(c, o, 0, r);
+}
+
+/* ------------------------------------------------------------------ */
+/* Subgroups                                                           */
+/* ------------------------------------------------------------------ */
+
+ts_status ts_comm_new_group(ts_comm *parent, int n, const int *ranks, ts_comm **out)
+{
+    static const char fn[] = "ts_comm_new_group";
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL out", fn);
+    *out = NULL;
+    ts_status s;
+    if ((s = check_comm(fn, parent))) return s;
+    if (n < 1 || !ranks) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: empty rank list (n = %d)", fn, n);
+    int P = parent->size;
+    for (int i = 0; i < n; i++)
+        if (ranks[i] < 0 || ranks[i] >= P)
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: rank %d (entry %d) outside [0, %d)", fn, ranks[i], i, P);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < i; j++)
+            if (ranks[i] == ranks[j])
+                return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: rank %d appears twice (entries %d and %d)", fn,
+                                ranks[i], j, i);
+    /* agree on the id: the largest next free id among parent's members */
+    world *w = parent->w;
+    ts_tensor *t = NULL;
+    int64_t one = 1;
+    if ((s = ts_tensor_empty(TS_I64, 1, &one, &t))) return s;
+    *(int64_t *)ts_tensor_data(t) = (int64_t)(w ? atomic_load(&w->next_gid) : 1);
+    s = ts_all_reduce(parent, t, TS_REDUCE_MAX, NULL);
+    uint64_t gid = (uint64_t)*(int64_t *)ts_tensor_data(t);
+    ts_tensor_free(t);
+    if (s) return s;
+    if (gid >= GID_LIMIT)
+        return ts_error(TS_ERR_UNSUPPORTED, "%s: group id %llu; the tag layout allows %llu groups", fn,
+                        (unsigned long long)gid, (unsigned long long)GID_LIMIT);
+    if (w) {
+        uint64_t cur = atomic_load(&w->next_gid);
+        while (cur <= gid && !atomic_compare_exchange_weak(&w->next_gid, &cur, gid + 1)) {
+        }
+    }
+    int me = -1;
+    for (int i = 0; i < n; i++)
+        if (ranks[i] == parent->rank) me = i;
+    if (me < 0) return TS_OK;
+    ts_comm *c = ts__calloc(TS_MEM_COMM, 1, sizeof *c);
+    int *map = ts__malloc(TS_MEM_COMM, (size_t)n * sizeof *map);
+    if (!c || !map) {
+        ts__free(TS_MEM_COMM, c);
+        ts__free(TS_MEM_COMM, map);
+        return TS_ERR_NO_MEMORY;
+    }
+    for (int i = 0; i < n; i++) map[i] = parent->map ? parent->map[ranks[i]] : ranks[i];
+    c->w = w;
+    c->rank = me;
+    c->size = n;
+    c->gid = gid;
+    c->is_group = true;
+    c->map = map;
+    pthread_mutex_init(&c->stats_mu, NULL);
+    *out = c;
+    return TS_OK;
+}
+
+void ts_comm_free(ts_comm *c)
+{
+    if (!c || !c->is_group) return;
+    pthread_mutex_destroy(&c->stats_mu);
+    ts__free(TS_MEM_COMM, c->map);
+    ts__free(TS_MEM_COMM, c);
+}
+
+/* ------------------------------------------------------------------ */
+/* List all-gather, all-to-all, point-to-point                         */
+/* ------------------------------------------------------------------ */
+
+ts_status ts_all_gather(ts_comm *c, int nout, ts_tensor **outs, ts_tensor *in, ts_request **r)
+{
+    static const char fn[] = "ts_all_gather";
+    ts_status s;
+    if ((s = check_comm(fn, c)) || (s = check_tensor(fn, "in", in))) return s;
+    if (!outs) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL outs", fn);
+    if (nout != c->size) return ts_error(TS_ERR_SHAPE, "%s: %d outputs for a group of %d", fn, nout, c->size);
+    ts_dtype d = ts_tensor_dtype(in);
+    int64_t n = ts_tensor_numel(in);
+    for (int i = 0; i < nout; i++) {
+        char what[32];
+        snprintf(what, sizeof what, "outs[%d]", i);
+        if ((s = check_tensor(fn, what, outs[i]))) return s;
+        if (ts_tensor_dtype(outs[i]) != d)
+            return ts_error(TS_ERR_DTYPE, "%s: outs[%d] is %s, in is %s", fn, i, ts_dtype_name(ts_tensor_dtype(outs[i])),
+                            ts_dtype_name(d));
+        if (ts_tensor_numel(outs[i]) != n)
+            return ts_error(TS_ERR_SHAPE, "%s: outs[%d] has %lld elements, in %lld", fn, i,
+                            (long long)ts_tensor_numel(outs[i]), (long long)n);
+    }
+    op *o = op_new(c, TS_COLL_ALL_GATHER);
+    if (!o) return TS_ERR_NO_MEMORY;
+    o->block = (size_t)n * ts_dtype_size(d);
+    o->buf = ts__malloc(TS_MEM_COMM, (size_t)c->size * o->block + 1);
+    o->owned = true;
+    o->outs = ts__malloc(TS_MEM_COMM, (size_t)c->size * sizeof *o->outs);
+    if (!o->buf || !o->outs) {
+        op_discard(o);
+        return TS_ERR_NO_MEMORY;
+    }
+    for (int i = 0; i < nout; i++) o->outs[i] = ts_tensor_data(outs[i]);
+    o->ag = true;
+    if (o->block) memcpy(blk(o, c->rank), ts_tensor_data(in), o->block);
+    return submit(c, o, o->block, r);
+}
+
+ts_status ts_all_to_all(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_request **r)
+{
+    static const char fn[] = "ts_all_to_all";
+    ts_status s;
+    if ((s = check_comm(fn, c)) || (s = check_tensor(fn, "out", out)) || (s = check_tensor(fn, "in", in))) return s;
+    ts_dtype d = ts_tensor_dtype(in);
+    if (ts_tensor_dtype(out) != d)
+        return ts_error(TS_ERR_DTYPE, "%s: out is %s, in is %s", fn, ts_dtype_name(ts_tensor_dtype(out)), ts_dtype_name(d));
+    int64_t total = ts_tensor_numel(in);
+    if (total % c->size != 0)
+        return ts_error(TS_ERR_SHAPE, "%s: in has %lld elements, not a multiple of the group size %d", fn,
+                        (long long)total, c->size);
+    if (ts_tensor_numel(out) != total)
+        return ts_error(TS_ERR_SHAPE, "%s: out has %lld elements, in %lld", fn, (long long)ts_tensor_numel(out),
+                        (long long)total);
+    op *o = op_new(c, TS_COLL_ALL_TO_ALL);
+    if (!o) return TS_ERR_NO_MEMORY;
+    size_t bytes = (size_t)total * ts_dtype_size(d);
+    o->block = bytes / (size_t)c->size;
+    o->buf = ts__malloc(TS_MEM_COMM, bytes + 1);
+    o->owned = true;
+    if (!o->buf) {
+        op_discard(o);
+        return TS_ERR_NO_MEMORY;
+    }
+    o->a2a_out = ts_tensor_data(out);
+    if (bytes) {
+        memcpy(o->buf, ts_tensor_data(in), bytes);
+        size_t at = (size_t)c->rank * o->block;
+        memcpy(o->a2a_out + at, o->buf + at, o->block);
+    }
+    return submit(c, o, bytes, r);
+}
+
+static unsigned char g_empty[1];
+
+static ts_status p2p(const char *fn, ts_coll_kind kind, ts_comm *c, ts_tensor *t, int peer, int tag, ts_request **r)
+{
+    ts_status s;
+    if ((s = check_comm(fn, c)) || (s = check_tensor(fn, "t", t))) return s;
+    const char *who = kind == TS_COLL_SEND ? "dst" : "src";
+    if (peer < 0 || peer >= c->size)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s %d outside [0, %d)", fn, who, peer, c->size);
+    if (peer == c->rank) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s %d is the caller", fn, who, peer);
+    if (tag < 0 || tag > TS_P2P_TAG_MAX)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: tag %d outside [0, %d]", fn, tag, TS_P2P_TAG_MAX);
+    size_t bytes = (size_t)ts_tensor_numel(t) * ts_dtype_size(ts_tensor_dtype(t));
+    op *o = op_new(c, kind);
+    if (!o) return TS_ERR_NO_MEMORY;
+    o->peer = peer;
+    o->block = bytes;
+    o->tagbase = (uint64_t)(unsigned)tag << 8;
+    if (bytes == 0) {
+        o->buf = g_empty;
+    } else if (kind == TS_COLL_SEND) {
+        o->buf = ts__malloc(TS_MEM_COMM, bytes);
+        o->owned = true;
+        if (!o->buf) {
+            op_discard(o);
+            return TS_ERR_NO_MEMORY;
+        }
+        memcpy(o->buf, ts_tensor_data(t), bytes);
+    } else {
+        o->buf = ts_tensor_data(t);
+    }
+    return submit(c, o, bytes, r);
+}
+
+ts_status ts_send(ts_comm *c, ts_tensor *t, int dst, int tag, ts_request **r)
+{
+    return p2p("ts_send", TS_COLL_SEND, c, t, dst, tag, r);
+}
+
+ts_status ts_recv(ts_comm *c, ts_tensor *t, int src, int tag, ts_request **r)
+{
+    return p2p("ts_recv", TS_COLL_RECV, c, t, src, tag, r);
 }

@@ -10,8 +10,9 @@
  * may live in one process (tests run N loopback ranks as threads).
  *
  * Without an initialized world, ts_comm_world() is a one-rank group: every
- * collective is a local copy. (The world from the launcher's environment,
- * ts_dist_init, comes with the UCX transport.)
+ * collective is a local copy. ts_dist_init makes the world from the
+ * launcher's environment (UCX transport); ts_dist_world() returns it while
+ * it is initialized, the one-rank group otherwise.
  *
  * Lifetime rules: tensors passed to a collective must be contiguous. The
  * input is read before the call returns; the output (the tensor itself
@@ -28,10 +29,14 @@
  * error (TS_ERR_PEER_FAILED naming the rank, or TS_ERR_TIMEOUT); nothing
  * hangs.
  *
- * Tags: a message's 64-bit tag is (group id << 40) | (sequence << 8) |
- * step, the sequence being the collective's number in its group (32 bits,
- * wrapping) and the step its ring step (all-reduce uses steps 0..2W-3), so
- * back-to-back collectives never cross-match. Hence W <= 128.
+ * Tags: a message's tag is (group id << 32) | (sequence << 8) | step (48
+ * bits: the transports take 48-bit tags), the sequence being the
+ * collective's number in its group (24 bits, wrapping) and the step its
+ * ring step (all-reduce uses steps 0..2W-3, all-to-all step 0), so
+ * back-to-back collectives never cross-match. Hence W <= 128 and at most
+ * 65535 groups per world (ids are not reused). Step 255 is reserved for
+ * point-to-point messages, whose 24-bit middle field is the user tag
+ * instead of a sequence.
  *
  * Dtypes: f32, f64, bf16, f16 and i64 (all-gather and broadcast also move
  * i32 and bool). bf16/f16 reductions accumulate in f32; i64 reductions in
@@ -59,12 +64,18 @@ typedef enum ts_coll_kind {
     TS_COLL_ALL_REDUCE,
     TS_COLL_BROADCAST,
     TS_COLL_BARRIER,
+    TS_COLL_ALL_TO_ALL,
+    TS_COLL_SEND,
+    TS_COLL_RECV,
     TS_COLL_KIND_COUNT
 } ts_coll_kind;
 
 /* Per-group counters: calls and bytes of each collective, indexed by
  * ts_coll_kind. Bytes are the bytes of the caller's input tensor (the
- * broadcast tensor for broadcast; 0 for barrier). With
+ * broadcast tensor for broadcast, the tensor sent or received for send
+ * and recv; 0 for barrier). The list form of all-gather counts as
+ * TS_COLL_ALL_GATHER. ts_comm_new_group counts one i64 all-reduce on the
+ * parent (it agrees on the group id with one). With
  * TS_DISTRIBUTED_DEBUG=DETAIL in the environment, each collective also
  * writes one line to stderr when it completes: group, rank, sequence,
  * kind, bytes, status and duration. */
@@ -82,6 +93,25 @@ TS_API int ts_comm_size(const ts_comm *c);
  * thread. */
 TS_API void ts_comm_stats(ts_comm *c, ts_comm_counters *out);
 TS_API void ts_comm_stats_reset(ts_comm *c);
+
+/* A subgroup of `parent`: collective over parent (every member calls it,
+ * in the same order relative to parent's other collectives, with the same
+ * list). ranks[0..n) are ranks of parent, distinct, in [0, size); the new
+ * group's rank i is ranks[i]. Members of the list get the group in *out;
+ * the others get *out = NULL and TS_OK (as torch's new_group). Errors:
+ * n < 1, NULL, duplicate or out-of-range ranks (TS_ERR_INVALID_ARGUMENT
+ * naming them, on every member, before any exchange), and the failure of
+ * the agreement all-reduce on parent. The group has its own id (agreed
+ * with an all-reduce MAX of every member's next free id, so no two groups
+ * sharing a pair of ranks ever share an id; at most 65535 groups per
+ * world, TS_ERR_UNSUPPORTED beyond), its own sequence numbers and counters, and runs over the
+ * parent's world (same transport and communication thread). Groups of one
+ * process must not be created concurrently from several threads. */
+TS_API ts_status ts_comm_new_group(ts_comm *parent, int n, const int *ranks, ts_comm **out);
+/* Frees a group from ts_comm_new_group, after every request on it has
+ * completed. Accepts NULL; worlds and ts_comm_world() are ignored (a
+ * world is freed with the world). */
+TS_API void ts_comm_free(ts_comm *c);
 
 /* Waits until the collective completes; returns its status. */
 TS_API ts_status ts_request_wait(ts_request *r);
@@ -114,6 +144,58 @@ TS_API ts_status ts_all_reduce(ts_comm *c, ts_tensor *t, ts_reduce_op op, ts_req
 TS_API ts_status ts_broadcast(ts_comm *c, ts_tensor *t, int root, ts_request **r);
 /* Completes when every rank has entered it. */
 TS_API ts_status ts_barrier(ts_comm *c, ts_request **r);
+/* List form of all-gather: outs[i] (n elements each) = rank i's in (n).
+ * nout must be the group size; every outs[i] contiguous, of in's dtype
+ * and numel, distinct from each other and from in. Any dtype. */
+TS_API ts_status ts_all_gather(ts_comm *c, int nout, ts_tensor **outs, ts_tensor *in, ts_request **r);
+/* out (W*n) block j = block `rank` of rank j's in (W*n): block j of in
+ * goes to rank j. Equal blocks (n is the same on every rank); any dtype;
+ * in is copied before the call returns (out may be in). */
+TS_API ts_status ts_all_to_all(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_request **r);
+/* Point-to-point within the group: t's bytes to / from group rank dst /
+ * src (not the caller), with a user tag in [0, TS_P2P_TAG_MAX]. A send
+ * matches the receive from the same peer with the same tag; several
+ * with the same (peer, tag) match in posting order; different tags may be
+ * posted in any order. Both sides must give the same number of bytes
+ * (TS_ERR_COMM otherwise). Not collective: they take no sequence number
+ * of the group, so they may interleave freely with its collectives. The
+ * send's data is copied before the call returns; the receive's tensor is
+ * the output. Like collectives, a receive still unmatched after the
+ * world's deadline fails the world (TS_ERR_TIMEOUT). */
+#define TS_P2P_TAG_MAX 0xffffff
+TS_API ts_status ts_send(ts_comm *c, ts_tensor *t, int dst, int tag, ts_request **r);
+TS_API ts_status ts_recv(ts_comm *c, ts_tensor *t, int src, int tag, ts_request **r);
+
+/* ------------------------------------------------------------ the world */
+
+typedef struct ts_dist_options {
+    const char *transport; /* "ucx" (default); "loopback" only for a world of one rank */
+    double timeout_s;      /* store connection, rendezvous and per-collective deadline (default 300) */
+} ts_dist_options;
+
+TS_API ts_dist_options ts_dist_options_default(void);
+
+/* Makes this process's world from the launcher's environment
+ * (ts_launch_env: tsrun/torchrun, mpirun, srun): guards the rank against
+ * its launcher's death (ts_launch_rank_guard), connects to the store at
+ * MASTER_ADDR:MASTER_PORT with TS_STORE_TOKEN (when no launcher hosts it,
+ * TS_STORE_HOSTED != "1", rank 0 starts it first), waits for every rank
+ * (TS_ERR_TIMEOUT naming the missing ranks), connects the UCX transport and
+ * starts the world's communication thread. A process started alone (no
+ * launcher variables) or a world of size 1 gets a one-rank world. Errors:
+ * ts_launch_env's (TS_ERR_INVALID_ARGUMENT for inconsistent variables),
+ * TS_ERR_ALREADY when initialized already, TS_ERR_UNSUPPORTED for an
+ * unknown transport, and the store's and transport's. NULL: defaults. Call
+ * from one thread; the world is then used as described above. */
+TS_API ts_status ts_dist_init(const ts_dist_options *o);
+TS_API bool ts_dist_is_initialized(void);
+/* The initialized world; the one-rank group (ts_comm_world()) otherwise. */
+TS_API ts_comm *ts_dist_world(void);
+/* Barrier (collective and through the store), frees the world (bounded in
+ * time, also after a peer failure) and closes the store. Returns the
+ * barrier's status (the world is freed either way); TS_ERR_STATE when not
+ * initialized. Afterwards ts_dist_world() is the one-rank group. */
+TS_API ts_status ts_dist_finalize(void);
 
 #ifdef __cplusplus
 }

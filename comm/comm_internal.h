@@ -14,4 +14,8 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out);
  * the transport. Bounded in time. Accepts NULL. */
 void ts__world_free(ts_comm *world);
 
+/* The world ts_dist_init made (comm/dist.c), NULL when none; lock-free,
+ * any thread. ts_comm_world() should return it when not NULL. */
+ts_comm *ts__dist_current(void);
+
 #endif

@@ -537,3 +537,469 @@ Test(comm_collectives, one_rank_world_without_init, .timeout = 60)
     cr_assert_eq(ts_request_status(NULL), TS_ERR_INVALID_ARGUMENT);
     ts_request_free(NULL);
 }
+
+/* ------------------------------------------------------------------ */
+/* Subgroups, list all-gather, all-to-all, send/recv                   */
+/* ------------------------------------------------------------------ */
+
+static const int k_g01[] = {0, 1}, k_g23[] = {2, 3}, k_g123[] = {1, 2, 3}, k_g02[] = {0, 2};
+
+static int index_of(const int *ranks, int n, int r)
+{
+    for (int i = 0; i < n; i++)
+        if (ranks[i] == r) return i;
+    return -1;
+}
+
+/* Makes a group of world and checks membership, rank and size. */
+static int make_group(rank_ctx *rc, ts_comm *parent, int prank, int n, const int *ranks, ts_comm **g)
+{
+    RK_OK(rc, ts_comm_new_group(parent, n, ranks, g));
+    int me = index_of(ranks, n, prank);
+    if (me < 0) {
+        if (*g) return fail(rc, "a non-member got a group");
+        return 0;
+    }
+    if (!*g) return fail(rc, "a member got no group");
+    if (ts_comm_rank(*g) != me || ts_comm_size(*g) != n)
+        return fail(rc, "group rank %d size %d, want %d %d", ts_comm_rank(*g), ts_comm_size(*g), me, n);
+    return 0;
+}
+
+static double grp_val(int wrank, int64_t i) { return (double)((wrank * 5 + i * 3) % 13) - 6; }
+
+/* Sum over the world ranks in members of grp_val(r, i) + bias*r. */
+static double grp_sum(const int *members, int n, int64_t i)
+{
+    double s = 0;
+    for (int k = 0; k < n; k++) s += grp_val(members[k], i);
+    return s;
+}
+
+typedef struct grp_case {
+    const int *ranks;
+    int n;
+    ts_comm *g;
+    ts_tensor *ar, *ag_in, *ag_out, *bc;
+    ts_request *r[3];
+} grp_case;
+
+/* 4 ranks: groups {0,1}, {2,3}, {1,2,3}, {0,2} run all-reduce, all-gather
+ * and broadcast concurrently with world all-reduces; odd ranks submit
+ * their group collectives before the world's, even ranks after. Results
+ * against sequential references. Then a subgroup of {1,2,3}. */
+static int rank_subgroups(rank_ctx *rc)
+{
+    enum { N = 37, ITERS = 6 };
+    grp_case gc[4] = {{.ranks = k_g01, .n = 2}, {.ranks = k_g23, .n = 2}, {.ranks = k_g123, .n = 3}, {.ranks = k_g02, .n = 2}};
+    for (int k = 0; k < 4; k++)
+        if (make_group(rc, rc->c, rc->rank, gc[k].n, gc[k].ranks, &gc[k].g)) return 1;
+    static const int all[] = {0, 1, 2, 3};
+    for (int it = 0; it < ITERS; it++) {
+        ts_tensor *w = vec(rc, TS_F32, N, grp_val, rc->rank);
+        ts_request *wr = NULL;
+        if (rc->rank % 2 == 0) RK_OK(rc, ts_all_reduce(rc->c, w, TS_REDUCE_SUM, &wr));
+        for (int k = 0; k < 4; k++) {
+            grp_case *g = &gc[k];
+            if (!g->g) continue;
+            int64_t s[1] = {(int64_t)g->n * 3};
+            g->ar = vec(rc, k == 1 ? TS_I64 : TS_F64, N, grp_val, rc->rank);
+            g->ag_in = vec(rc, TS_F32, 3, ag_val, rc->rank);
+            RK_OK(rc, ts_tensor_zeros(TS_F32, 1, s, &g->ag_out));
+            g->bc = vec(rc, TS_F32, N, bc_val_root, rc->rank);
+            RK_OK(rc, ts_all_reduce(g->g, g->ar, TS_REDUCE_SUM, &g->r[0]));
+            RK_OK(rc, ts_all_gather_into_tensor(g->g, g->ag_out, g->ag_in, &g->r[1]));
+            RK_OK(rc, ts_broadcast(g->g, g->bc, g->n - 1, &g->r[2]));
+        }
+        if (rc->rank % 2 == 1) RK_OK(rc, ts_all_reduce(rc->c, w, TS_REDUCE_SUM, &wr));
+        RK_OK(rc, ts_request_wait(wr));
+        ts_request_free(wr);
+        for (int64_t i = 0; i < N; i++)
+            if (check_close(rc, "world all_reduce", w, i, grp_sum(all, 4, i))) return 1;
+        ts_tensor_free(w);
+        for (int k = 0; k < 4; k++) {
+            grp_case *g = &gc[k];
+            if (!g->g) continue;
+            for (int j = 0; j < 3; j++) {
+                RK_OK(rc, ts_request_wait(g->r[j]));
+                ts_request_free(g->r[j]);
+            }
+            for (int64_t i = 0; i < N; i++) {
+                if (check_close(rc, "group all_reduce", g->ar, i, grp_sum(g->ranks, g->n, i))) return 1;
+                /* the root is group rank n-1: world rank ranks[n-1] */
+                if (check_close(rc, "group broadcast", g->bc, i, bc_val_root(g->ranks[g->n - 1], i))) return 1;
+            }
+            for (int m = 0; m < g->n; m++)
+                for (int64_t i = 0; i < 3; i++)
+                    if (check_close(rc, "group all_gather", g->ag_out, m * 3 + i, ag_val(g->ranks[m], i))) return 1;
+            ts_tensor_free(g->ar);
+            ts_tensor_free(g->ag_in);
+            ts_tensor_free(g->ag_out);
+            ts_tensor_free(g->bc);
+        }
+    }
+    /* a subgroup of a subgroup: {0, 2} of {1,2,3} is world {1, 3} */
+    if (gc[2].g) {
+        static const int sub[] = {0, 2}, sub_world[] = {1, 3};
+        ts_comm *s = NULL;
+        if (make_group(rc, gc[2].g, ts_comm_rank(gc[2].g), 2, sub, &s)) return 1;
+        ts_tensor *t = vec(rc, TS_F32, N, grp_val, rc->rank);
+        if (s) {
+            RK_OK(rc, ts_all_reduce(s, t, TS_REDUCE_SUM, NULL));
+            for (int64_t i = 0; i < N; i++)
+                if (check_close(rc, "nested all_reduce", t, i, grp_sum(sub_world, 2, i))) return 1;
+        }
+        /* the parent still works after its child took an id */
+        RK_OK(rc, ts_barrier(gc[2].g, NULL));
+        ts_tensor_free(t);
+        ts_comm_free(s);
+    }
+    RK_OK(rc, ts_barrier(rc->c, NULL));
+    for (int k = 0; k < 4; k++) ts_comm_free(gc[k].g);
+    return 0;
+}
+
+Test(comm_groups, subgroups_run_concurrently_with_the_world, .timeout = 120)
+{
+    th_mem_mark();
+    run_world(4, rank_subgroups, NULL);
+    th_mem_assert_back();
+}
+
+/* Singleton groups, and the one-rank world without init. */
+static int rank_singletons(rank_ctx *rc)
+{
+    for (int r = 0; r < rc->W; r++) {
+        ts_comm *g = NULL;
+        int one[1] = {r};
+        if (make_group(rc, rc->c, rc->rank, 1, one, &g)) return 1;
+        if (g) {
+            ts_tensor *t = vec(rc, TS_F32, 4, grp_val, rc->rank);
+            RK_OK(rc, ts_all_reduce(g, t, TS_REDUCE_SUM, NULL));
+            for (int64_t i = 0; i < 4; i++)
+                if (check_close(rc, "singleton all_reduce", t, i, grp_val(rc->rank, i))) return 1;
+            ts_tensor_free(t);
+        }
+        ts_comm_free(g);
+    }
+    /* the whole world, reversed: group rank i is world rank W-1-i */
+    int rev[MAXW];
+    for (int i = 0; i < rc->W; i++) rev[i] = rc->W - 1 - i;
+    ts_comm *g = NULL;
+    if (make_group(rc, rc->c, rc->rank, rc->W, rev, &g)) return 1;
+    ts_tensor *t = vec(rc, TS_F64, 6, grp_val, rc->rank);
+    RK_OK(rc, ts_broadcast(g, t, 0, NULL));
+    for (int64_t i = 0; i < 6; i++)
+        if (check_close(rc, "reversed broadcast", t, i, grp_val(rc->W - 1, i))) return 1;
+    ts_tensor_free(t);
+    ts_comm_free(g);
+    return 0;
+}
+
+Test(comm_groups, singleton_and_reordered_groups, .timeout = 60)
+{
+    th_mem_mark();
+    for (int W = 1; W <= 4; W++) run_world(W, rank_singletons, NULL);
+    rank_ctx rc = {.rank = 0, .W = 1, .c = ts_comm_world()};
+    cr_assert_eq(rank_singletons(&rc), 0, "%s", rc.err);
+    th_mem_assert_back();
+}
+
+static int rank_group_errors(rank_ctx *rc)
+{
+    ts_comm *g = (ts_comm *)rc; /* must be reset to NULL */
+    int dup[3] = {0, 1, 0};
+    if (rc->W > 1) {
+        if (ts_comm_new_group(rc->c, 3, dup, &g) != TS_ERR_INVALID_ARGUMENT || g)
+            return fail(rc, "duplicate accepted");
+        if (!strstr(ts_last_error(), "rank 0 appears twice")) return fail(rc, "message: %s", ts_last_error());
+    }
+    int out_of_range[2] = {0, rc->W};
+    g = (ts_comm *)rc;
+    if (ts_comm_new_group(rc->c, 2, out_of_range, &g) != TS_ERR_INVALID_ARGUMENT || g)
+        return fail(rc, "out of range accepted");
+    char want[32];
+    snprintf(want, sizeof want, "rank %d", rc->W);
+    if (!strstr(ts_last_error(), want)) return fail(rc, "message: %s", ts_last_error());
+    int neg[1] = {-1};
+    if (ts_comm_new_group(rc->c, 1, neg, &g) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "-1 accepted");
+    if (ts_comm_new_group(rc->c, 0, neg, &g) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "n = 0 accepted");
+    if (ts_comm_new_group(rc->c, 1, NULL, &g) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "NULL ranks accepted");
+    if (ts_comm_new_group(rc->c, 1, neg, NULL) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "NULL out accepted");
+    if (ts_comm_new_group(NULL, 1, neg, &g) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "NULL parent accepted");
+    ts_comm_free(NULL);
+    ts_comm_free(rc->c); /* a world: ignored */
+    /* the world still works after the errors */
+    RK_OK(rc, ts_barrier(rc->c, NULL));
+    return 0;
+}
+
+Test(comm_groups, bad_rank_lists, .timeout = 60)
+{
+    th_mem_mark();
+    for (int W = 1; W <= 3; W++) run_world(W, rank_group_errors, NULL);
+    th_mem_assert_back();
+}
+
+/* ------------------------------------------------------------------ */
+
+static int rank_all_gather_list(rank_ctx *rc)
+{
+    const int64_t n = 7;
+    const ts_dtype ds[] = {TS_F32, TS_I64, TS_BF16, TS_I32, TS_BOOL};
+    for (size_t k = 0; k < sizeof ds / sizeof ds[0]; k++) {
+        ts_dtype d = ds[k];
+        ts_tensor *in = vec(rc, d, n, ag_val, rc->rank);
+        ts_tensor *outs[MAXW] = {0};
+        for (int i = 0; i < rc->W; i++) RK_OK(rc, ts_tensor_zeros(d, 1, &n, &outs[i]));
+        ts_request *r = NULL;
+        RK_OK(rc, ts_all_gather(rc->c, rc->W, outs, in, &r));
+        RK_OK(rc, ts_request_wait(r));
+        ts_request_free(r);
+        for (int i = 0; i < rc->W; i++)
+            for (int64_t j = 0; j < n; j++) {
+                double want = d == TS_BOOL ? ag_val(i, j) != 0 : ag_val(i, j);
+                if (check_close(rc, "list all_gather", outs[i], j, want)) return 1;
+            }
+        /* blocking form, empty tensors */
+        ts_tensor *e = vec(rc, d, 0, ag_val, rc->rank), *eo[MAXW] = {0};
+        for (int i = 0; i < rc->W; i++) eo[i] = vec(rc, d, 0, ag_val, 0);
+        RK_OK(rc, ts_all_gather(rc->c, rc->W, eo, e, NULL));
+        for (int i = 0; i < rc->W; i++) {
+            ts_tensor_free(outs[i]);
+            ts_tensor_free(eo[i]);
+        }
+        ts_tensor_free(in);
+        ts_tensor_free(e);
+    }
+    /* errors before submission */
+    ts_tensor *a = vec(rc, TS_F32, 3, ag_val, 0), *b = vec(rc, TS_F32, 4, ag_val, 0), *e = vec(rc, TS_F64, 3, ag_val, 0);
+    ts_tensor *outs[MAXW + 1];
+    for (int i = 0; i <= MAXW; i++) outs[i] = a;
+    if (ts_all_gather(rc->c, rc->W + 1, outs, a, NULL) != TS_ERR_SHAPE) return fail(rc, "count accepted");
+    outs[rc->W - 1] = b;
+    if (ts_all_gather(rc->c, rc->W, outs, a, NULL) != TS_ERR_SHAPE) return fail(rc, "size accepted");
+    outs[rc->W - 1] = e;
+    if (ts_all_gather(rc->c, rc->W, outs, a, NULL) != TS_ERR_DTYPE) return fail(rc, "dtype accepted");
+    outs[rc->W - 1] = NULL;
+    if (ts_all_gather(rc->c, rc->W, outs, a, NULL) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "NULL accepted");
+    if (ts_all_gather(rc->c, rc->W, NULL, a, NULL) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "NULL outs accepted");
+    ts_tensor_free(a);
+    ts_tensor_free(b);
+    ts_tensor_free(e);
+    return 0;
+}
+
+Test(comm_groups, all_gather_list_form, .timeout = 60)
+{
+    th_mem_mark();
+    for (int W = 1; W <= 4; W++) run_world(W, rank_all_gather_list, NULL);
+    th_mem_assert_back();
+}
+
+/* all-to-all: in block j, element k on rank r = r*100 + j*10 + k. */
+static double a2a_val(int rank, int64_t idx, int64_t n)
+{
+    return (double)(rank * 100 + (n ? idx / n : 0) * 10 + (n ? idx % n : 0));
+}
+
+static int a2a_check(rank_ctx *rc, ts_comm *c, ts_dtype d, int64_t n, bool async)
+{
+    int W = ts_comm_size(c), me = ts_comm_rank(c);
+    int64_t s[1] = {W * n};
+    ts_tensor *inc = NULL, *out = NULL;
+    RK_OK(rc, ts_tensor_empty(d, 1, s, &inc));
+    for (int64_t i = 0; i < W * n; i++) {
+        double v = a2a_val(me, i, n);
+        switch (d) {
+        case TS_F32: ((float *)ts_tensor_data(inc))[i] = (float)v; break;
+        case TS_F64: ((double *)ts_tensor_data(inc))[i] = v; break;
+        case TS_I64: ((int64_t *)ts_tensor_data(inc))[i] = (int64_t)v; break;
+        default: return fail(rc, "a2a_check: dtype");
+        }
+    }
+    RK_OK(rc, ts_tensor_zeros(d, 1, s, &out));
+    if (async) {
+        ts_request *r = NULL;
+        RK_OK(rc, ts_all_to_all(c, out, inc, &r));
+        RK_OK(rc, ts_request_wait(r));
+        ts_request_free(r);
+    } else {
+        RK_OK(rc, ts_all_to_all(c, out, inc, NULL));
+    }
+    for (int j = 0; j < W; j++)
+        for (int64_t k = 0; k < n; k++)
+            if (check_close(rc, "all_to_all", out, j * n + k, (double)(j * 100 + me * 10 + k))) return 1;
+    ts_tensor_free(inc);
+    ts_tensor_free(out);
+    return 0;
+}
+
+static int rank_all_to_all(rank_ctx *rc)
+{
+    const int64_t ns[] = {0, 1, 5, 9};
+    for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+        if (a2a_check(rc, rc->c, TS_F64, ns[k], k % 2 == 0)) return 1;
+        if (a2a_check(rc, rc->c, TS_I64, ns[k], k % 2 == 1)) return 1;
+    }
+    /* on a subgroup: the even ranks */
+    int ev[MAXW], ne = 0;
+    for (int r = 0; r < rc->W; r += 2) ev[ne++] = r;
+    ts_comm *g = NULL;
+    if (make_group(rc, rc->c, rc->rank, ne, ev, &g)) return 1;
+    if (g && a2a_check(rc, g, TS_F32, 3, true)) return 1;
+    ts_comm_free(g);
+    /* uneven sizes are refused before submission */
+    ts_tensor *a = vec(rc, TS_F32, 2 * rc->W + 1, ag_val, 0), *b = vec(rc, TS_F32, 2 * rc->W, ag_val, 0);
+    ts_tensor *e = vec(rc, TS_F64, 2 * rc->W, ag_val, 0), *c2 = vec(rc, TS_F32, 2 * rc->W, ag_val, 0);
+    if (rc->W > 1 && ts_all_to_all(rc->c, a, a, NULL) != TS_ERR_SHAPE) return fail(rc, "uneven accepted");
+    if (ts_all_to_all(rc->c, a, b, NULL) != TS_ERR_SHAPE) return fail(rc, "out size accepted");
+    if (ts_all_to_all(rc->c, e, b, NULL) != TS_ERR_DTYPE) return fail(rc, "dtype accepted");
+    /* out may be in */
+    for (int64_t i = 0; i < 2 * rc->W; i++) ((float *)ts_tensor_data(c2))[i] = (float)a2a_val(rc->rank, i, 2);
+    RK_OK(rc, ts_all_to_all(rc->c, c2, c2, NULL));
+    for (int j = 0; j < rc->W; j++)
+        for (int64_t k = 0; k < 2; k++)
+            if (check_close(rc, "in-place all_to_all", c2, j * 2 + k, (double)(j * 100 + rc->rank * 10 + k))) return 1;
+    ts_tensor_free(a);
+    ts_tensor_free(b);
+    ts_tensor_free(e);
+    ts_tensor_free(c2);
+    return 0;
+}
+
+Test(comm_groups, all_to_all, .timeout = 60)
+{
+    th_mem_mark();
+    for (int W = 1; W <= 4; W++) run_world(W, rank_all_to_all, NULL);
+    th_mem_assert_back();
+}
+
+/* ------------------------------------------------------------------ */
+
+static double p2p_val(int rank, int64_t i) { return (double)(rank * 10 + i); }
+
+/* A ring: each rank sends to the right and receives from the left; then
+ * rank 0 sends tags 3, 1, 2 (and 1 again) to rank 1, which receives them
+ * as 1, 2, 1, 3; then a ring over the subgroup of odd ranks. */
+static int rank_send_recv(rank_ctx *rc)
+{
+    int W = rc->W, me = rc->rank;
+    enum { N = 6 };
+    ts_tensor *s = vec(rc, TS_F32, N, p2p_val, me), *t = vec(rc, TS_F32, N, p2p_val, -1);
+    ts_request *rs = NULL;
+    RK_OK(rc, ts_send(rc->c, s, (me + 1) % W, 7, &rs));
+    ts_tensor_free(s); /* the data was copied */
+    RK_OK(rc, ts_recv(rc->c, t, (me - 1 + W) % W, 7, NULL));
+    RK_OK(rc, ts_request_wait(rs));
+    ts_request_free(rs);
+    for (int64_t i = 0; i < N; i++)
+        if (check_close(rc, "ring recv", t, i, p2p_val((me - 1 + W) % W, i))) return 1;
+    ts_tensor_free(t);
+    /* out-of-order tags, and two with the same tag in order, with a
+     * collective in between */
+    if (me == 0) {
+        static const int tags[4] = {3, 1, 2, 1};
+        ts_request *r[4];
+        ts_tensor *v[4];
+        for (int k = 0; k < 4; k++) {
+            v[k] = vec(rc, TS_I64, 3, p2p_val, 100 + k);
+            RK_OK(rc, ts_send(rc->c, v[k], 1, tags[k], &r[k]));
+        }
+        RK_OK(rc, ts_barrier(rc->c, NULL));
+        for (int k = 0; k < 4; k++) {
+            RK_OK(rc, ts_request_wait(r[k]));
+            ts_request_free(r[k]);
+            ts_tensor_free(v[k]);
+        }
+    } else if (me == 1) {
+        RK_OK(rc, ts_barrier(rc->c, NULL));
+        static const int tags[4] = {1, 2, 1, 3}, from[4] = {1, 2, 3, 0};
+        ts_request *r[4];
+        ts_tensor *v[4];
+        for (int k = 0; k < 4; k++) {
+            v[k] = vec(rc, TS_I64, 3, p2p_val, -1);
+            RK_OK(rc, ts_recv(rc->c, v[k], 0, tags[k], &r[k]));
+        }
+        for (int k = 3; k >= 0; k--) {
+            RK_OK(rc, ts_request_wait(r[k]));
+            ts_request_free(r[k]);
+            for (int64_t i = 0; i < 3; i++)
+                if (check_close(rc, "tagged recv", v[k], i, p2p_val(100 + from[k], i))) return 1;
+            ts_tensor_free(v[k]);
+        }
+    } else {
+        RK_OK(rc, ts_barrier(rc->c, NULL));
+    }
+    /* the largest tag, an empty message */
+    if (me < 2) {
+        ts_tensor *e = vec(rc, TS_F32, 0, p2p_val, 0);
+        if (me == 0) RK_OK(rc, ts_send(rc->c, e, 1, TS_P2P_TAG_MAX, NULL));
+        else RK_OK(rc, ts_recv(rc->c, e, 0, TS_P2P_TAG_MAX, NULL));
+        ts_tensor_free(e);
+    }
+    /* a ring over the odd ranks (rank translation) */
+    int odd[MAXW], no = 0;
+    for (int r = 1; r < W; r += 2) odd[no++] = r;
+    ts_comm *g = NULL;
+    if (make_group(rc, rc->c, me, no, odd, &g)) return 1;
+    if (g && no > 1) {
+        int gr = ts_comm_rank(g);
+        ts_tensor *a = vec(rc, TS_F64, N, p2p_val, me), *b = vec(rc, TS_F64, N, p2p_val, -1);
+        ts_request *r = NULL;
+        RK_OK(rc, ts_recv(g, b, (gr - 1 + no) % no, 0, &r));
+        RK_OK(rc, ts_send(g, a, (gr + 1) % no, 0, NULL));
+        RK_OK(rc, ts_request_wait(r));
+        ts_request_free(r);
+        for (int64_t i = 0; i < N; i++)
+            if (check_close(rc, "group ring", b, i, p2p_val(odd[(gr - 1 + no) % no], i))) return 1;
+        ts_tensor_free(a);
+        ts_tensor_free(b);
+    }
+    ts_comm_free(g);
+    /* counters */
+    ts_comm_counters k;
+    ts_comm_stats(rc->c, &k);
+    if (k.calls[TS_COLL_SEND] < 1 || k.calls[TS_COLL_RECV] < 1 || k.bytes[TS_COLL_SEND] < N * 4)
+        return fail(rc, "send/recv not counted");
+    /* errors before submission */
+    ts_tensor *x = vec(rc, TS_F32, 2, p2p_val, 0);
+    if (ts_send(rc->c, x, me, 0, NULL) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "send to self accepted");
+    if (ts_recv(rc->c, x, me, 0, NULL) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "recv from self accepted");
+    if (ts_send(rc->c, x, W, 0, NULL) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "dst out of range accepted");
+    if (ts_recv(rc->c, x, -1, 0, NULL) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "src -1 accepted");
+    if (ts_send(rc->c, x, (me + 1) % W, -1, NULL) != TS_ERR_INVALID_ARGUMENT) return fail(rc, "tag -1 accepted");
+    if (ts_recv(rc->c, x, (me + 1) % W, TS_P2P_TAG_MAX + 1, NULL) != TS_ERR_INVALID_ARGUMENT)
+        return fail(rc, "tag above TS_P2P_TAG_MAX accepted");
+    ts_tensor_free(x);
+    RK_OK(rc, ts_barrier(rc->c, NULL));
+    return 0;
+}
+
+Test(comm_groups, send_recv_ring_and_tags, .timeout = 60)
+{
+    th_mem_mark();
+    for (int W = 2; W <= 4; W++) run_world(W, rank_send_recv, NULL);
+    th_mem_assert_back();
+}
+
+static int rank_new_counters(rank_ctx *rc)
+{
+    ts_comm_stats_reset(rc->c);
+    ts_tensor *in = vec(rc, TS_F32, 4 * rc->W, ag_val, rc->rank), *out = vec(rc, TS_F32, 4 * rc->W, ag_val, 0);
+    RK_OK(rc, ts_all_to_all(rc->c, out, in, NULL));
+    RK_OK(rc, ts_all_to_all(rc->c, out, in, NULL));
+    ts_comm_counters k;
+    ts_comm_stats(rc->c, &k);
+    if (k.calls[TS_COLL_ALL_TO_ALL] != 2 || k.bytes[TS_COLL_ALL_TO_ALL] != (uint64_t)(2 * 16 * rc->W))
+        return fail(rc, "all_to_all counters %llu %llu", (unsigned long long)k.calls[TS_COLL_ALL_TO_ALL],
+                    (unsigned long long)k.bytes[TS_COLL_ALL_TO_ALL]);
+    ts_tensor_free(in);
+    ts_tensor_free(out);
+    return 0;
+}
+
+Test(comm_groups, counters_of_the_new_kinds, .timeout = 60)
+{
+    for (int W = 1; W <= 3; W++) run_world(W, rank_new_counters, NULL);
+}
