@@ -10,5 +10,6 @@
 #include "comm/store.h"
 #include "comm/launch.h"
 #include "comm/comm.h"
+#include "mesh/mesh.h"
 
 #endif
