@@ -1,0 +1,264 @@
+/* bench/collectives: an nccl-tests-like table (size, time, algbw, busbw)
+ * for all_gather_into_tensor, reduce_scatter_tensor and all_reduce over
+ * the UCX world, with, in the same run,
+ *   - a single-process memcpy of the same bytes (the physical reference),
+ *   - OpenMPI's MPI_Allgather / MPI_Reduce_scatter_block / MPI_Allreduce
+ *     (not measured yet: this version only reports whether mpirun exists),
+ *   - UCX's own point-to-point bandwidth (ucx_perftest -t tag_bw, from
+ *     Debian's ucx-utils, when on PATH) at the sizes >= 1 MiB, as the
+ *     transport's ceiling.
+ * Targets at 2 ranks: from 1 MiB up, busbw >= OpenMPI's best
+ * configuration; from 16 MiB up, busbw >= 0.8 x ucp_tag_bw.
+ *
+ * Size convention (nccl-tests): `size` is the bytes of the largest buffer
+ * of the collective, f32 elements:
+ *   all_gather:     the output (W*n; each rank contributes size/W),
+ *   reduce_scatter: the input  (W*n; each rank receives size/W),
+ *   all_reduce:     the tensor (n).
+ * algbw = size / time; busbw = algbw * (W-1)/W for all_gather and
+ * reduce_scatter, algbw * 2(W-1)/W for all_reduce (DEPS-GUIDE §7). Time is
+ * rank 0's median over K iterations, each preceded by a barrier (K from 20
+ * at small sizes down to 5 at 16 MiB and more), after 2 warm-up calls.
+ * memcpy is the median of K copies of `size` bytes in rank 0's process.
+ *
+ * Usage (the program is the rank program):
+ *   tsrun --nproc-per-node 2 bench_collectives [--iters N] [--max-mib M]
+ * --iters N fixes K at every size; --max-mib M stops at M MiB (default 64). */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tensorshard.h"
+
+#define CHECK(expr)                                                                              \
+    do {                                                                                         \
+        ts_status st_ = (expr);                                                                  \
+        if (st_) {                                                                               \
+            fprintf(stderr, "%s: %s: %s\n", #expr, ts_status_name(st_), ts_last_error());        \
+            exit(1);                                                                             \
+        }                                                                                        \
+    } while (0)
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+#define N_SIZES 8
+static const int64_t sizes[N_SIZES] = {4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
+enum { COLL_AG, COLL_RS, COLL_AR, N_COLL };
+static const char *coll_names[N_COLL] = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"};
+
+static int iters_for(int64_t size, int fixed)
+{
+    if (fixed > 0)
+        return fixed;
+    if (size <= (256 << 10))
+        return 20;
+    if (size <= (4 << 20))
+        return 10;
+    return 5;
+}
+
+static bool on_path(const char *prog)
+{
+    const char *path = getenv("PATH");
+    if (!path)
+        return false;
+    char *copy = strdup(path), *save = NULL;
+    bool found = false;
+    for (char *d = strtok_r(copy, ":", &save); d && !found; d = strtok_r(NULL, ":", &save)) {
+        char buf[4096];
+        snprintf(buf, sizeof buf, "%s/%s", *d ? d : ".", prog);
+        found = access(buf, X_OK) == 0;
+    }
+    free(copy);
+    return found;
+}
+
+/* Median seconds of one collective of `size` bytes (convention above). */
+static double time_coll(ts_comm *w, int kind, int64_t size, int iters)
+{
+    int ws = ts_comm_size(w);
+    int64_t total = size / 4, part = total / ws;
+    ts_tensor *big, *small;
+    CHECK(ts_tensor_full(TS_F32, 1, &total, kind == COLL_AR ? 0.0 : 1.0, &big));
+    CHECK(ts_tensor_full(TS_F32, 1, &part, 1.0, &small));
+    double t[64];
+    iters = iters > 64 ? 64 : iters;
+    for (int i = -2; i < iters; i++) {
+        CHECK(ts_barrier(w, NULL));
+        double t0 = now_s();
+        if (kind == COLL_AG)
+            CHECK(ts_all_gather_into_tensor(w, big, small, NULL));
+        else if (kind == COLL_RS)
+            CHECK(ts_reduce_scatter_tensor(w, small, big, TS_REDUCE_SUM, 1.0, 1.0, NULL));
+        else
+            CHECK(ts_all_reduce(w, big, TS_REDUCE_SUM, NULL));
+        if (i >= 0)
+            t[i] = now_s() - t0;
+    }
+    ts_tensor_free(big);
+    ts_tensor_free(small);
+    return median(t, iters);
+}
+
+static double time_memcpy(int64_t size, int iters)
+{
+    char *a = aligned_alloc(64, (size_t)size), *b = aligned_alloc(64, (size_t)size);
+    memset(a, 1, (size_t)size);
+    memset(b, 0, (size_t)size);
+    double t[64];
+    iters = iters > 64 ? 64 : iters;
+    for (int i = -2; i < iters; i++) {
+        double t0 = now_s();
+        memcpy(b, a, (size_t)size);
+        __asm__ volatile("" : : "r"(b) : "memory");
+        if (i >= 0)
+            t[i] = now_s() - t0;
+    }
+    free(a);
+    free(b);
+    return median(t, iters);
+}
+
+/* ucx_perftest tag_bw between a server and a client on 127.0.0.1 (the
+ * environment's UCX_TLS, posix,cma,self when unset). Returns GB/s (1e9),
+ * or a negative value when it could not be measured. */
+static double ucx_tag_bw(int64_t size, int port)
+{
+    int n = size >= (16 << 20) ? 200 : 1000;
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             "export UCX_TLS=\"${UCX_TLS:-posix,cma,self}\"; "
+             "timeout 60 ucx_perftest -t tag_bw -s %lld -n %d -w 20 -f -p %d >/dev/null 2>&1 & "
+             "sleep 0.5; timeout 60 ucx_perftest 127.0.0.1 -t tag_bw -s %lld -n %d -w 20 -f -p %d 2>/dev/null; wait",
+             (long long)size, n, port, (long long)size, n, port);
+    FILE *f = popen(cmd, "r");
+    if (!f)
+        return -1;
+    char line[512];
+    double bw = -1;
+    while (fgets(line, sizeof line, f)) {
+        /* final line: iters p50 avg overall bw_avg bw_overall rate_avg rate_overall */
+        double v[8];
+        if (sscanf(line, "%lf %lf %lf %lf %lf %lf %lf %lf", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7]) ==
+            8)
+            bw = v[5] * 1048576.0 / 1e9; /* ucx_perftest's MB/s are MiB/s */
+    }
+    pclose(f);
+    return bw;
+}
+
+static void size_str(int64_t s, char *buf, size_t n)
+{
+    if (s >= (1 << 20))
+        snprintf(buf, n, "%lld MiB", (long long)(s >> 20));
+    else
+        snprintf(buf, n, "%lld KiB", (long long)(s >> 10));
+}
+
+int main(int argc, char **argv)
+{
+    int fixed_iters = 0;
+    int64_t max_mib = 64;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--iters") && i + 1 < argc)
+            fixed_iters = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--max-mib") && i + 1 < argc)
+            max_mib = atoll(argv[++i]);
+        else {
+            fprintf(stderr, "usage: tsrun --nproc-per-node 2 %s [--iters N] [--max-mib M]\n", argv[0]);
+            return 2;
+        }
+    }
+    CHECK(ts_dist_init(NULL));
+    ts_comm *w = ts_dist_world();
+    int rank = ts_comm_rank(w), ws = ts_comm_size(w);
+    int nsizes = 0;
+    while (nsizes < N_SIZES && sizes[nsizes] <= max_mib * (1 << 20))
+        nsizes++;
+
+    double t[N_COLL][N_SIZES], mc[N_SIZES];
+    for (int c = 0; c < N_COLL; c++)
+        for (int s = 0; s < nsizes; s++)
+            t[c][s] = time_coll(w, c, sizes[s], iters_for(sizes[s], fixed_iters));
+    if (rank == 0)
+        for (int s = 0; s < nsizes; s++)
+            mc[s] = time_memcpy(sizes[s], iters_for(sizes[s], fixed_iters));
+
+    /* The UCX ceiling, while the other ranks wait at the barrier below. */
+    double ucx[N_SIZES];
+    bool have_ucx = rank == 0 && on_path("ucx_perftest");
+    for (int s = 0; s < nsizes; s++)
+        ucx[s] = -1;
+    if (have_ucx)
+        for (int s = 0; s < nsizes; s++)
+            if (sizes[s] >= (1 << 20))
+                ucx[s] = ucx_tag_bw(sizes[s], 20000 + (int)(getpid() % 20000));
+    CHECK(ts_barrier(w, NULL));
+
+    if (rank == 0) {
+        const char *tls = getenv("UCX_TLS");
+        printf("bench_collectives: %d ranks, UCX_TLS=%s, f32, size = largest buffer (nccl-tests convention)\n", ws,
+               tls ? tls : "(unset)");
+        printf("busbw = algbw * (W-1)/W (all_gather, reduce_scatter), * 2(W-1)/W (all_reduce); GB/s = 1e9 B/s\n");
+        for (int c = 0; c < N_COLL; c++) {
+            double f = c == COLL_AR ? 2.0 * (ws - 1) / ws : (double)(ws - 1) / ws;
+            printf("\n%s\n", coll_names[c]);
+            printf("%10s %6s %11s %11s %11s %13s %11s %10s\n", "size", "iters", "time(us)", "algbw GB/s", "busbw GB/s",
+                   "memcpy GB/s", "busbw/mcpy", "busbw/ucx");
+            for (int s = 0; s < nsizes; s++) {
+                char sz[32], ur[32];
+                size_str(sizes[s], sz, sizeof sz);
+                double alg = (double)sizes[s] / t[c][s] / 1e9, bus = alg * f, m = (double)sizes[s] / mc[s] / 1e9;
+                if (ucx[s] > 0)
+                    snprintf(ur, sizeof ur, "%.2f%s", bus / ucx[s],
+                             sizes[s] >= (16 << 20) ? (bus / ucx[s] >= 0.8 ? " ok" : " <0.8") : "");
+                else
+                    snprintf(ur, sizeof ur, "-");
+                printf("%10s %6d %11.1f %11.2f %11.2f %13.2f %11.2f %10s\n", sz, iters_for(sizes[s], fixed_iters),
+                       t[c][s] * 1e6, alg, bus, m, bus / m, ur);
+            }
+        }
+        printf("\nucx_perftest -t tag_bw (127.0.0.1, transport ceiling; target busbw >= 0.8x from 16 MiB)\n");
+        if (!have_ucx)
+            printf("  skipped: ucx_perftest not found on PATH (Debian package ucx-utils)\n");
+        else
+            for (int s = 0; s < nsizes; s++)
+                if (sizes[s] >= (1 << 20)) {
+                    char sz[32];
+                    size_str(sizes[s], sz, sizeof sz);
+                    if (ucx[s] > 0)
+                        printf("%10s %11.2f GB/s\n", sz, ucx[s]);
+                    else
+                        printf("%10s %11s (ucx_perftest failed)\n", sz, "-");
+                }
+        if (on_path("mpirun"))
+            printf("\nMPI comparison: mpirun found, but MPI_Allgather/MPI_Reduce_scatter_block/MPI_Allreduce are not "
+                   "measured by this version\n");
+        else
+            printf("\nMPI comparison skipped: mpirun not found (OpenMPI not installed)\n");
+        fflush(stdout);
+    }
+    CHECK(ts_dist_finalize());
+    return 0;
+}
