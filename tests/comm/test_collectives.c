@@ -7,8 +7,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "comm/comm_internal.h"
-#include "tests/helpers.h"
+#include "tests/loopback_ranks.h"
 
 /* Collectives over the loopback fabric: W ranks as threads of this test,
  * each with its own world (and communication thread). Rank threads never
@@ -19,70 +18,16 @@
  * significant bits), so sums and max/min compare exactly; only divisions
  * (AVG, divide factors) get a tolerance: the dtype's rounding. */
 
-#define MAXW 4
-
-typedef struct rank_ctx rank_ctx;
-typedef int (*rank_fn)(rank_ctx *rc);
-
-struct rank_ctx {
-    int rank, W;
-    ts_comm *c;
-    ts_loopback_fabric *f;
-    rank_fn fn;
-    void *arg;
-    char err[512];
-    ts_status world_status;
-};
-
-static int fail(rank_ctx *rc, const char *fmt, ...) TS_PRINTF(2, 3);
-static int fail(rank_ctx *rc, const char *fmt, ...)
-{
-    if (rc->err[0]) return 1;
-    va_list ap;
-    va_start(ap, fmt);
-    int n = snprintf(rc->err, sizeof rc->err, "rank %d/%d: ", rc->rank, rc->W);
-    vsnprintf(rc->err + n, sizeof rc->err - (size_t)n, fmt, ap);
-    va_end(ap);
-    return 1;
-}
-
-#define RK_OK(rc, expr)                                                                                  \
-    do {                                                                                                 \
-        ts_status s_ = (expr);                                                                           \
-        if (s_ != TS_OK) return fail((rc), "%s -> %s: %s", #expr, ts_status_name(s_), ts_last_error()); \
-    } while (0)
-
-static void *rank_main(void *arg)
-{
-    rank_ctx *rc = arg;
-    rc->fn(rc);
-    return NULL;
-}
+#define MAXW TH_MAXW
+typedef th_rank rank_ctx;
+typedef th_rank_fn rank_fn;
+#define fail th_rank_fail
+#define RK_OK TH_RK_OK
 
 static double g_timeout = 30.0;
 
 /* Runs fn on W ranks; asserts that none failed. */
-static void run_world(int W, rank_fn fn, void *arg)
-{
-    ts_loopback_fabric *f = NULL;
-    TH_OK(ts__loopback_fabric_new(W, &f));
-    rank_ctx rc[MAXW];
-    pthread_t th[MAXW];
-    memset(rc, 0, sizeof rc);
-    for (int i = 0; i < W; i++) {
-        ts_transport *t = NULL;
-        TH_OK(ts__loopback_transport_new(f, i, &t));
-        rc[i] = (rank_ctx){.rank = i, .W = W, .f = f, .fn = fn, .arg = arg};
-        TH_OK(ts__world_new(t, g_timeout, &rc[i].c));
-        cr_assert_eq(ts_comm_rank(rc[i].c), i);
-        cr_assert_eq(ts_comm_size(rc[i].c), W);
-    }
-    for (int i = 0; i < W; i++) cr_assert_eq(pthread_create(&th[i], NULL, rank_main, &rc[i]), 0);
-    for (int i = 0; i < W; i++) pthread_join(th[i], NULL);
-    for (int i = 0; i < W; i++) ts__world_free(rc[i].c);
-    ts__loopback_fabric_free(f);
-    for (int i = 0; i < W; i++) cr_assert_eq(rc[i].err[0], '\0', "W=%d: %s", W, rc[i].err);
-}
+static void run_world(int W, rank_fn fn, void *arg) { th_run_world(W, fn, arg, g_timeout); }
 
 static const ts_dtype k_dtypes[] = {TS_F32, TS_F64, TS_BF16, TS_F16, TS_I64};
 #define NDT ((int)(sizeof k_dtypes / sizeof k_dtypes[0]))

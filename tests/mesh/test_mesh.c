@@ -5,9 +5,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "comm/comm_internal.h"
 #include "mesh/mesh.h"
-#include "tests/helpers.h"
+#include "tests/loopback_ranks.h"
 
 /* Meshes over W loopback ranks run as threads of this test, each with its
  * own world (as tests/comm/test_collectives.c). Rank threads never call
@@ -15,68 +14,14 @@
  * asserts on it. Group membership is checked with an all-reduce of
  * one-hot vectors: the sum is 1 exactly at the group's global ranks. */
 
-#define MAXW 4
+#define MAXW TH_MAXW
+typedef th_rank rank_ctx;
+typedef th_rank_fn rank_fn;
+#define fail th_rank_fail
+#define RK_OK TH_RK_OK
+#define RK_EQ TH_RK_EQ
 
-typedef struct rank_ctx rank_ctx;
-typedef int (*rank_fn)(rank_ctx *rc);
-
-struct rank_ctx {
-    int rank, W;
-    ts_comm *c;
-    rank_fn fn;
-    const void *arg;
-    char err[512];
-};
-
-static int fail(rank_ctx *rc, const char *fmt, ...) TS_PRINTF(2, 3);
-static int fail(rank_ctx *rc, const char *fmt, ...)
-{
-    if (rc->err[0]) return 1;
-    va_list ap;
-    va_start(ap, fmt);
-    int n = snprintf(rc->err, sizeof rc->err, "rank %d/%d: ", rc->rank, rc->W);
-    vsnprintf(rc->err + n, sizeof rc->err - (size_t)n, fmt, ap);
-    va_end(ap);
-    return 1;
-}
-
-#define RK_OK(rc, expr)                                                                                  \
-    do {                                                                                                 \
-        ts_status s_ = (expr);                                                                           \
-        if (s_ != TS_OK) return fail((rc), "%s -> %s: %s", #expr, ts_status_name(s_), ts_last_error()); \
-    } while (0)
-#define RK_EQ(rc, a, b)                                                                                     \
-    do {                                                                                                    \
-        long long a_ = (long long)(a), b_ = (long long)(b);                                                 \
-        if (a_ != b_) return fail((rc), "%s:%d: %s = %lld, expected %lld", __FILE__, __LINE__, #a, a_, b_); \
-    } while (0)
-
-static void *rank_main(void *arg)
-{
-    rank_ctx *rc = arg;
-    rc->fn(rc);
-    return NULL;
-}
-
-static void run_world(int W, rank_fn fn, const void *arg)
-{
-    ts_loopback_fabric *f = NULL;
-    TH_OK(ts__loopback_fabric_new(W, &f));
-    rank_ctx rc[MAXW];
-    pthread_t th[MAXW];
-    memset(rc, 0, sizeof rc);
-    for (int i = 0; i < W; i++) {
-        ts_transport *t = NULL;
-        TH_OK(ts__loopback_transport_new(f, i, &t));
-        rc[i] = (rank_ctx){.rank = i, .W = W, .fn = fn, .arg = arg};
-        TH_OK(ts__world_new(t, 30.0, &rc[i].c));
-    }
-    for (int i = 0; i < W; i++) cr_assert_eq(pthread_create(&th[i], NULL, rank_main, &rc[i]), 0);
-    for (int i = 0; i < W; i++) pthread_join(th[i], NULL);
-    for (int i = 0; i < W; i++) ts__world_free(rc[i].c);
-    ts__loopback_fabric_free(f);
-    for (int i = 0; i < W; i++) cr_assert_eq(rc[i].err[0], '\0', "W=%d: %s", W, rc[i].err);
-}
+static void run_world(int W, rank_fn fn, const void *arg) { th_run_world(W, fn, (void *)arg, 30.0); }
 
 /* Checks that g holds exactly the global ranks in want[0..n) (in group
  * rank order: want[i] is group rank i) and that an all-reduce over it sums
