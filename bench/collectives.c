@@ -2,8 +2,12 @@
  * for all_gather_into_tensor, reduce_scatter_tensor and all_reduce over
  * the UCX world, with, in the same run,
  *   - a single-process memcpy of the same bytes (the physical reference),
- *   - OpenMPI's MPI_Allgather / MPI_Reduce_scatter_block / MPI_Allreduce
- *     (not measured yet: this version only reports whether mpirun exists),
+ *   - OpenMPI's MPI_Allgather (out of place and MPI_IN_PLACE),
+ *     MPI_Reduce_scatter_block and MPI_Allreduce, measured by
+ *     bench_collectives_mpi (built next to this program when meson finds
+ *     MPI) under mpirun in two configurations, ob1 (OpenMPI's default,
+ *     shared memory through vader) and ucx (--mca pml ucx ...,
+ *     DEPS-GUIDE §7), the best of the two per size being the reference,
  *   - UCX's own point-to-point bandwidth (ucx_perftest -t tag_bw, from
  *     Debian's ucx-utils, when on PATH) at the sizes >= 1 MiB, as the
  *     transport's ceiling.
@@ -64,8 +68,10 @@ static double median(double *v, int n)
 
 #define N_SIZES 8
 static const int64_t sizes[N_SIZES] = {4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
-enum { COLL_AG, COLL_RS, COLL_AR, N_COLL };
-static const char *coll_names[N_COLL] = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"};
+enum { COLL_AG, COLL_AG_IP, COLL_RS, COLL_AR, N_COLL };
+static const char *coll_names[N_COLL] = {"all_gather_into_tensor (out of place: in is its own tensor)",
+                                         "all_gather_into_tensor (in place: in is out's own block, as FSDP calls it)",
+                                         "reduce_scatter_tensor", "all_reduce"};
 
 static int iters_for(int64_t size, int fixed)
 {
@@ -101,13 +107,16 @@ static double time_coll(ts_comm *w, int kind, int64_t size, int iters)
     int64_t total = size / 4, part = total / ws;
     ts_tensor *big, *small;
     CHECK(ts_tensor_full(TS_F32, 1, &total, kind == COLL_AR ? 0.0 : 1.0, &big));
-    CHECK(ts_tensor_full(TS_F32, 1, &part, 1.0, &small));
+    if (kind == COLL_AG_IP)
+        CHECK(ts_narrow(big, 0, ts_comm_rank(w) * part, part, &small));
+    else
+        CHECK(ts_tensor_full(TS_F32, 1, &part, 1.0, &small));
     double t[64];
     iters = iters > 64 ? 64 : iters;
     for (int i = -2; i < iters; i++) {
         CHECK(ts_barrier(w, NULL));
         double t0 = now_s();
-        if (kind == COLL_AG)
+        if (kind == COLL_AG || kind == COLL_AG_IP)
             CHECK(ts_all_gather_into_tensor(w, big, small, NULL));
         else if (kind == COLL_RS)
             CHECK(ts_reduce_scatter_tensor(w, small, big, TS_REDUCE_SUM, 1.0, 1.0, NULL));
@@ -168,12 +177,99 @@ static double ucx_tag_bw(int64_t size, int port)
     return bw;
 }
 
+/* OpenMPI's figures: median seconds per (kind, size) from one mpirun of
+ * bench_collectives_mpi in configuration `mca` (extra mpirun flags).
+ * Returns false when mpirun or the program failed. */
+enum { MPI_AG, MPI_AG_IP, MPI_RS, MPI_AR, N_MPI };
+static const char *mpi_kinds[N_MPI] = {"ag", "ag_ip", "rs", "ar"};
+static const int mpi_of_coll[N_COLL] = {MPI_AG, MPI_AG_IP, MPI_RS, MPI_AR};
+
+static bool run_mpi(const char *self_dir, const char *mca, int ws, int fixed_iters, int64_t max_mib,
+                    double t[N_MPI][N_SIZES])
+{
+    char iters[32] = "", cmd[8192];
+    if (fixed_iters > 0)
+        snprintf(iters, sizeof iters, " --iters %d", fixed_iters);
+    snprintf(cmd, sizeof cmd, "timeout 300 mpirun %s -np %d %s '%s/bench_collectives_mpi' --max-mib %lld%s 2>/dev/null",
+             geteuid() == 0 ? "--allow-run-as-root" : "", ws, mca, self_dir, (long long)max_mib, iters);
+    FILE *f = popen(cmd, "r");
+    if (!f)
+        return false;
+    char line[256], kind[16];
+    int got = 0;
+    long long size;
+    double sec;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "mpi %15s %lld %lf", kind, &size, &sec) == 3)
+            for (int k = 0; k < N_MPI; k++)
+                for (int s = 0; s < N_SIZES; s++)
+                    if (!strcmp(kind, mpi_kinds[k]) && sizes[s] == size) {
+                        t[k][s] = sec;
+                        got++;
+                    }
+    return pclose(f) == 0 && got > 0;
+}
+
 static void size_str(int64_t s, char *buf, size_t n)
 {
     if (s >= (1 << 20))
         snprintf(buf, n, "%lld MiB", (long long)(s >> 20));
     else
         snprintf(buf, n, "%lld KiB", (long long)(s >> 10));
+}
+
+/* Runs OpenMPI in both configurations and prints its table against ours
+ * (t: our median seconds per collective and size). */
+static void print_mpi(int ws, int nsizes, int fixed_iters, int64_t max_mib, double t[N_COLL][N_SIZES])
+{
+    char self[4096];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    self[n > 0 ? n : 0] = 0;
+    char *slash = strrchr(self, '/');
+    if (slash)
+        *slash = 0;
+    char prog[4160];
+    snprintf(prog, sizeof prog, "%s/bench_collectives_mpi", self);
+    if (!on_path("mpirun") || access(prog, X_OK) != 0) {
+        printf("\nMPI comparison skipped: %s\n",
+               !on_path("mpirun") ? "mpirun not found (install openmpi-bin libopenmpi-dev, then reconfigure)"
+                                  : "bench_collectives_mpi was not built (meson found no MPI)");
+        return;
+    }
+    static const char *cfg_mca[2] = {"", "--mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any"};
+    double mt[2][N_MPI][N_SIZES];
+    bool ok[2];
+    for (int c = 0; c < 2; c++) {
+        for (int k = 0; k < N_MPI; k++)
+            for (int s = 0; s < N_SIZES; s++)
+                mt[c][k][s] = -1;
+        ok[c] = run_mpi(self, cfg_mca[c], ws, fixed_iters, max_mib, mt[c]);
+    }
+    printf("\nOpenMPI (mpirun -np %d, bench_collectives_mpi; ob1 = default pml, ucx = %s): %s%s\n", ws, cfg_mca[1],
+           ok[0] ? "" : "ob1 FAILED ", ok[1] ? "" : "ucx FAILED");
+    printf("target from 1 MiB: our busbw >= OpenMPI's best busbw (ratio >= 1)\n");
+    for (int c = 0; c < N_COLL; c++) {
+        int k = mpi_of_coll[c];
+        double f = c == COLL_AR ? 2.0 * (ws - 1) / ws : (double)(ws - 1) / ws;
+        printf("\n%s vs MPI_%s\n", coll_names[c],
+               k == MPI_AG ? "Allgather" : k == MPI_AG_IP ? "Allgather (MPI_IN_PLACE)" : k == MPI_RS ? "Reduce_scatter_block" : "Allreduce");
+        printf("%10s %11s %11s %11s %11s %11s %9s\n", "size", "ob1 us", "ucx us", "best busbw", "ours busbw", "ours/best",
+               "target");
+        for (int s = 0; s < nsizes; s++) {
+            char sz[32];
+            size_str(sizes[s], sz, sizeof sz);
+            double a = mt[0][k][s], b = mt[1][k][s];
+            double best = a > 0 && (b <= 0 || a <= b) ? a : b;
+            double ours = (double)sizes[s] / t[c][s] / 1e9 * f;
+            if (best <= 0) {
+                printf("%10s %11s %11s %11s %11.2f %11s %9s\n", sz, "-", "-", "-", ours, "-", "-");
+                continue;
+            }
+            double mb = (double)sizes[s] / best / 1e9 * f, r = ours / mb;
+            printf("%10s %11.1f %11.1f %11.2f %11.2f %11.2f %9s\n", sz, a * 1e6, b * 1e6, mb, ours, r,
+                   sizes[s] >= (1 << 20) ? (r >= 1.0 ? "ok" : "<1") : "");
+        }
+    }
 }
 
 int main(int argc, char **argv)
@@ -252,11 +348,7 @@ int main(int argc, char **argv)
                     else
                         printf("%10s %11s (ucx_perftest failed)\n", sz, "-");
                 }
-        if (on_path("mpirun"))
-            printf("\nMPI comparison: mpirun found, but MPI_Allgather/MPI_Reduce_scatter_block/MPI_Allreduce are not "
-                   "measured by this version\n");
-        else
-            printf("\nMPI comparison skipped: mpirun not found (OpenMPI not installed)\n");
+        print_mpi(ws, nsizes, fixed_iters, max_mib, t);
         fflush(stdout);
     }
     CHECK(ts_dist_finalize());

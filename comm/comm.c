@@ -34,6 +34,7 @@
  * when it posts; rings and steps are in group ranks.
  */
 #include "comm/comm_internal.h"
+#include "tensor/internal.h" /* the caching pool for scratch blocks */
 
 #include <errno.h>
 #include <math.h>
@@ -47,7 +48,28 @@
 #include <unistd.h>
 
 #define ERR_LEN 256
-#define SPIN 200
+/* How long the communication thread keeps polling the transport after its
+ * last event before it sleeps in poll(), and how long a waiter checks its
+ * request before it sleeps on the condition variable: TS_COMM_SPIN_US
+ * (default 50; 0 sleeps at once). Sleeping costs a wake-up of several
+ * microseconds per hand-off; spinning costs a core, which on a machine
+ * with fewer cores than threads delays the other ranks. */
+#define SPIN_US_DEFAULT 50
+static uint64_t g_spin_ns;
+static pthread_once_t g_spin_once = PTHREAD_ONCE_INIT;
+static void spin_init(void)
+{
+    const char *e = getenv("TS_COMM_SPIN_US");
+    char *end = NULL;
+    double us = e && *e ? strtod(e, &end) : SPIN_US_DEFAULT;
+    if (!e || !*e || *end || !(us >= 0) || us > 1e6) us = SPIN_US_DEFAULT;
+    g_spin_ns = (uint64_t)(us * 1e3);
+}
+static uint64_t spin_ns(void)
+{
+    pthread_once(&g_spin_once, spin_init);
+    return g_spin_ns;
+}
 
 typedef struct world world;
 typedef struct op op;
@@ -120,18 +142,30 @@ struct op {
     ts_dtype acc;      /* accumulation dtype */
     ts_reduce_op rop;
     unsigned char *stage[2];
+    unsigned char *scratch;  /* pool block behind buf (when owned) */
+    size_t scratch_bytes;
+    unsigned char *sscratch; /* pool block behind the stages and send0 */
+    size_t sscratch_bytes;
+    /* reduce-scatter phase: block b of the source is src + b * block_n
+     * elements of src_dtype, divided by pre as it is read; the rank's own
+     * reduced block is written to final_out (final_dtype, divided by post) */
+    const unsigned char *src;
+    ts_dtype src_dtype;
+    double pre;
+    unsigned char *final_out;
+    ts_dtype final_dtype;
+    unsigned char *send0;    /* step 0's block (src's, or converted) */
     bool rs, ag;       /* phases this op runs */
     bool rs_done, ag_started, ag_done;
-    int rs_recvd, ag_recvd;
+    int ag_recvd;
     bool bc_recvd, bc_sent, bc_started;
     int pending;
     ts_status err;
     bool finished;
-    /* finalization: accumulation -> output */
+    /* finalization (all-reduce with an accumulation copy): buf -> out */
     void *out;
     ts_dtype out_dtype;
     size_t out_n;      /* elements to write */
-    size_t out_from;   /* first accumulation element to read */
     double post;       /* divide by (1: none) */
     xfer *x;           /* (phase 0/1) x (send/recv) x W */
     int *map;          /* group rank -> world rank (W entries, owned) */
@@ -243,6 +277,10 @@ static void reduce_into(void *dst, const void *src, ts_dtype acc, ts_reduce_op r
     case TS_F32: {
         float *a = dst;
         const float *b = src;
+        if (rop == TS_REDUCE_SUM || rop == TS_REDUCE_AVG) { /* the hot loop, vectorized */
+            for (size_t i = 0; i < n; i++) a[i] += b[i];
+            break;
+        }
         for (size_t i = 0; i < n; i++)
             a[i] = rop == TS_REDUCE_MAX ? (b[i] > a[i] || isnan(b[i]) ? b[i] : a[i])
                  : rop == TS_REDUCE_MIN ? (b[i] < a[i] || isnan(b[i]) ? b[i] : a[i])
@@ -268,6 +306,61 @@ static void reduce_into(void *dst, const void *src, ts_dtype acc, ts_reduce_op r
         break;
     }
     default: TS_ASSERT(0);
+    }
+}
+
+#define CHUNK 2048 /* elements converted at a time through a stack buffer */
+
+/* acc[i] = acc[i] op (src[i] / pre), src converted from sd to the
+ * accumulation dtype ad; n elements. */
+static void accumulate(void *acc, ts_dtype ad, const void *src, ts_dtype sd, double pre, ts_reduce_op rop, size_t n)
+{
+    if (sd == ad && pre == 1.0) {
+        reduce_into(acc, src, ad, rop, n);
+        return;
+    }
+    _Alignas(64) unsigned char tmp[CHUNK * 8];
+    size_t ae = ts_dtype_size(ad), se = ts_dtype_size(sd);
+    for (size_t i = 0; i < n; i += CHUNK) {
+        size_t k = n - i < CHUNK ? n - i : CHUNK;
+        load_acc(tmp, ad, (const unsigned char *)src + i * se, sd, k, pre);
+        reduce_into((unsigned char *)acc + i * ae, tmp, ad, rop, k);
+    }
+}
+
+/* out[i] = (part[i] op src[i] / pre) / post, converted to od: the last
+ * reduce-scatter step, in one pass (part is read, not written). */
+static void reduce_store(void *out, ts_dtype od, const void *part, ts_dtype ad, const void *src, ts_dtype sd,
+                         double pre, ts_reduce_op rop, double post, size_t n)
+{
+    if (od == TS_F32 && ad == TS_F32 && sd == TS_F32 && pre == 1.0 && post == 1.0 &&
+        (rop == TS_REDUCE_SUM || rop == TS_REDUCE_AVG)) {
+        float *o = out;
+        const float *a = part, *b = src;
+        for (size_t i = 0; i < n; i++) o[i] = a[i] + b[i];
+        return;
+    }
+    _Alignas(64) unsigned char tmp[CHUNK * 8];
+    size_t oe = ts_dtype_size(od), ae = ts_dtype_size(ad), se = ts_dtype_size(sd);
+    for (size_t i = 0; i < n; i += CHUNK) {
+        size_t k = n - i < CHUNK ? n - i : CHUNK;
+        memcpy(tmp, (const unsigned char *)part + i * ae, k * ae);
+        accumulate(tmp, ad, (const unsigned char *)src + i * se, sd, pre, rop, k);
+        store_acc((unsigned char *)out + i * oe, od, tmp, k, post);
+    }
+}
+
+/* out[i] = (src[i] / pre) / post, through the accumulation dtype ad: the
+ * one-rank reduce-scatter. */
+static void convert_through(void *out, ts_dtype od, const void *src, ts_dtype sd, ts_dtype ad, double pre,
+                            double post, size_t n)
+{
+    _Alignas(64) unsigned char tmp[CHUNK * 8];
+    size_t oe = ts_dtype_size(od), se = ts_dtype_size(sd);
+    for (size_t i = 0; i < n; i += CHUNK) {
+        size_t k = n - i < CHUNK ? n - i : CHUNK;
+        load_acc(tmp, ad, (const unsigned char *)src + i * se, sd, k, pre);
+        store_acc((unsigned char *)out + i * oe, od, tmp, k, post);
     }
 }
 
@@ -328,8 +421,9 @@ void ts_request_free(ts_request *r)
 
 static void op_free(op *o)
 {
-    if (o->owned) ts__free(TS_MEM_COMM, o->buf);
-    ts__free(TS_MEM_COMM, o->stage[0]);
+    if (o->scratch) ts__pool_free(o->scratch, o->scratch_bytes);
+    else if (o->owned) ts__free(TS_MEM_COMM, o->buf);
+    if (o->sscratch) ts__pool_free(o->sscratch, o->sscratch_bytes);
     ts__free(TS_MEM_COMM, o->x);
     ts__free(TS_MEM_COMM, o->map);
     ts__free(TS_MEM_COMM, o->outs);
@@ -371,10 +465,42 @@ static void start_ag(op *o)
     post(o, K_SEND, PH_AG, 0, o->right, blk(o, o->rank), o->block);
 }
 
+/* Reduce-scatter phase (see the top of the file): step s receives the
+ * partial sum of block rank-s-2 into stage[s%2], adds the source's block,
+ * and forwards it at step s+1; the last step (s = W-2) adds to the own
+ * block and writes final_out. Step 0 sends the source's block rank-1
+ * (send0). A stage is received into again once its forward completed. */
 static void start_rs(op *o)
 {
     for (int s = 0; s < 2 && s < o->W - 1; s++) post(o, K_RECV, PH_RS, s, o->left, o->stage[s], o->block);
-    post(o, K_SEND, PH_RS, 0, o->right, blk(o, o->rank - 1), o->block);
+    post(o, K_SEND, PH_RS, 0, o->right, o->send0, o->block);
+}
+
+static const unsigned char *src_blk(const op *o, int b)
+{
+    return o->src + (size_t)((b % o->W + o->W) % o->W) * o->block_n * ts_dtype_size(o->src_dtype);
+}
+
+static void rs_received(op *o, int s)
+{
+    unsigned char *st = o->stage[s % 2];
+    if (s == o->W - 2) {
+        reduce_store(o->final_out, o->final_dtype, st, o->acc, src_blk(o, o->rank), o->src_dtype, o->pre, o->rop,
+                     o->post, o->block_n);
+        o->rs_done = true;
+        return;
+    }
+    accumulate(st, o->acc, src_blk(o, o->rank - s - 2), o->src_dtype, o->pre, o->rop, o->block_n);
+    {
+        post(o, K_SEND, PH_RS, s + 1, o->right, st, o->block);
+    }
+}
+
+/* The forward of step k (from stage[(k-1)%2]) completed: that stage takes
+ * the receive of step k+1. */
+static void rs_sent(op *o, int k)
+{
+    if (k >= 1 && k + 1 <= o->W - 2) post(o, K_RECV, PH_RS, k + 1, o->left, o->stage[(k - 1) % 2], o->block);
 }
 
 static void start_bc(op *o)
@@ -436,10 +562,13 @@ static void log_detail(const op *o, ts_status st)
             (double)(ts_now_ns() - o->submit_ns) / 1e6);
 }
 
-/* Writes the results out of the op's buffer (after success). */
+/* Writes the results out of the op's buffer (after success). A one-rank
+ * reduction runs here: its own block is the whole result. */
 static void finalize(op *o)
 {
-    if (o->out) store_acc(o->out, o->out_dtype, o->buf + o->out_from * ts_dtype_size(o->acc), o->out_n, o->post);
+    if (o->rs && o->W == 1)
+        convert_through(o->final_out, o->final_dtype, o->src, o->src_dtype, o->acc, o->pre, o->post, o->block_n);
+    if (o->out) store_acc(o->out, o->out_dtype, o->buf, o->out_n, 1.0);
     if (o->outs && o->block)
         for (int i = 0; i < o->W; i++) memcpy(o->outs[i], o->buf + (size_t)i * o->block, o->block);
 }
@@ -478,17 +607,14 @@ static void on_xfer(void *arg, ts_status st)
         o->err = st;
         snprintf(o->req->err, sizeof o->req->err, "%s", ts_last_error());
     }
+    if (!o->err && x->kind == K_SEND && x->phase == PH_RS) rs_sent(o, x->step);
     if (!o->err && x->kind == K_RECV) {
         int s = x->step;
         if (x->phase == PH_AG) {
             if (s < o->W - 2) post(o, K_SEND, PH_AG, s + 1, o->right, blk(o, o->rank - s - 1), o->block);
             if (++o->ag_recvd == o->W - 1) o->ag_done = true;
         } else if (x->phase == PH_RS) {
-            unsigned char *b = blk(o, o->rank - s - 2);
-            reduce_into(b, o->stage[s % 2], o->acc, o->rop, o->block_n);
-            if (s < o->W - 2) post(o, K_SEND, PH_RS, s + 1, o->right, b, o->block);
-            if (s + 2 <= o->W - 2) post(o, K_RECV, PH_RS, s + 2, o->left, o->stage[s % 2], o->block);
-            if (++o->rs_recvd == o->W - 1) o->rs_done = true;
+            rs_received(o, s);
         } else if (x->phase == PH_BC) {
             o->bc_recvd = true;
             if ((o->rank - o->root + o->W) % o->W < o->W - 1) post(o, K_SEND, PH_BC, 0, o->right, o->buf, o->block);
@@ -548,13 +674,14 @@ static void *comm_thread(void *arg)
     world *w = arg;
     ts_trace_thread_name("comm");
     ts_transport *t = w->t;
-    int idle = 0;
+    uint64_t spin = spin_ns(), last_event = ts_now_ns();
     for (;;) {
         pthread_mutex_lock(&w->mu);
         op *q = w->queue;
         w->queue = w->queue_tail = NULL;
         bool stop = w->stop;
         pthread_mutex_unlock(&w->mu);
+        if (q) last_event = ts_now_ns();
         while (q) {
             op *o = q;
             q = q->next;
@@ -597,16 +724,16 @@ static void *comm_thread(void *arg)
         }
         sweep(w);
         if (n > 0) {
-            idle = 0;
+            last_event = ts_now_ns();
             continue;
         }
-        if (++idle < SPIN) continue;
-        idle = 0;
+        if (ts_now_ns() - last_event < spin) continue;
         if (t->vt->arm(t) == TS_ERR_ALREADY) continue;
         struct pollfd pfd[2] = {{.fd = w->efd, .events = POLLIN}, {.fd = t->vt->wait_fd(t), .events = POLLIN}};
         int nfd = pfd[1].fd >= 0 ? 2 : 1;
         int timeout = w->active || pfd[1].fd < 0 ? 10 : -1;
         (void)poll(pfd, (nfds_t)nfd, timeout);
+        last_event = ts_now_ns();
         uint64_t cnt;
         if (pfd[0].revents & POLLIN) {
             ssize_t rd = read(w->efd, &cnt, sizeof cnt);
@@ -828,7 +955,8 @@ ts_status ts_all_gather_into_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, t
     o->block = (size_t)n * ts_dtype_size(ts_tensor_dtype(in));
     o->buf = ts_tensor_data(out);
     o->ag = true;
-    if (o->block) memmove(blk(o, c->rank), ts_tensor_data(in), o->block);
+    if (o->block && blk(o, c->rank) != (unsigned char *)ts_tensor_data(in))
+        memmove(blk(o, c->rank), ts_tensor_data(in), o->block);
     return submit(c, o, o->block, r);
 }
 
@@ -843,18 +971,48 @@ static ts_status check_reduce(const char *fn, ts_dtype d, ts_reduce_op op_, doub
     return TS_OK;
 }
 
-/* Allocates the accumulation buffer (W blocks of block_n, zero padded)
- * and the two staging blocks. */
-static ts_status alloc_acc(op *o, size_t block_n)
+/* A scratch block from the caching pool (reused across collectives, so
+ * no fresh pages are touched in a step: DEPS-GUIDE §7). */
+static unsigned char *scratch(size_t bytes, size_t *got)
+{
+    return ts__pool_alloc(bytes ? bytes : 1, got);
+}
+
+/* The op's buffer from the pool; false without memory. */
+static bool own_scratch(op *o, size_t bytes)
+{
+    o->scratch = scratch(bytes, &o->scratch_bytes);
+    o->buf = o->scratch;
+    o->owned = o->scratch != NULL;
+    return o->scratch != NULL;
+}
+
+/* Sets up the reduce-scatter phase over a source of W blocks of block_n
+ * elements: the stages (up to two accumulation blocks) and step 0's send
+ * block, converted when the source is not already in the accumulation
+ * dtype or is divided. */
+static ts_status setup_rs(op *o, const void *src, ts_dtype sd, double pre, size_t block_n)
 {
     size_t es = ts_dtype_size(o->acc);
+    o->rs = true;
+    o->src = src;
+    o->src_dtype = sd;
+    o->pre = pre;
     o->block_n = block_n;
     o->block = block_n * es;
-    o->buf = ts__calloc(TS_MEM_COMM, (size_t)o->W * block_n + 1, es);
-    o->owned = true;
-    o->stage[0] = ts__malloc(TS_MEM_COMM, 2 * o->block + 1);
-    if (!o->buf || !o->stage[0]) return TS_ERR_NO_MEMORY;
-    o->stage[1] = o->stage[0] + o->block;
+    if (o->W == 1) return TS_OK;
+    bool convert = sd != o->acc || pre != 1.0;
+    int nstage = o->W - 1 < 2 ? o->W - 1 : 2;
+    o->sscratch = scratch((size_t)(nstage + convert) * o->block, &o->sscratch_bytes);
+    if (!o->sscratch) return TS_ERR_NO_MEMORY;
+    o->stage[0] = o->sscratch;
+    o->stage[1] = o->sscratch + (nstage > 1 ? o->block : 0);
+    if (convert) {
+        o->send0 = o->sscratch + (size_t)nstage * o->block;
+        convert_through(o->send0, o->acc, src_blk(o, o->rank - 1), sd, o->acc, pre, 1.0, block_n);
+    } else {
+        o->send0 = (unsigned char *)(uintptr_t)src_blk(o, o->rank - 1);
+    }
     return TS_OK;
 }
 
@@ -872,24 +1030,28 @@ ts_status ts_reduce_scatter_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts
     if (ts_tensor_numel(in) != n * c->size)
         return ts_error(TS_ERR_SHAPE, "%s: in has %lld elements, expected %d x %lld", fn,
                         (long long)ts_tensor_numel(in), c->size, (long long)n);
+    size_t es = ts_dtype_size(d), nb = (size_t)n * es;
+    const unsigned char *ip = ts_tensor_data(in), *op_ = ts_tensor_data(out);
+    if (n > 0 && op_ < ip + (size_t)c->size * nb && ip < op_ + nb && op_ != ip + (size_t)c->rank * nb)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "%s: out overlaps in other than as in's block %d (the rank's own; in place)", fn, c->rank);
     op *o = op_new(c, TS_COLL_REDUCE_SCATTER);
     if (!o) return TS_ERR_NO_MEMORY;
     o->acc = acc_of(d);
     o->rop = rop;
-    o->rs = true;
-    if (alloc_acc(o, (size_t)n) != TS_OK) {
+    if (setup_rs(o, ip, d, pre_div, (size_t)n) != TS_OK) {
         op_discard(o);
         return TS_ERR_NO_MEMORY;
     }
-    load_acc(o->buf, o->acc, ts_tensor_data(in), d, (size_t)n * (size_t)c->size, pre_div);
-    o->out = ts_tensor_data(out);
-    o->out_dtype = d;
-    o->out_n = (size_t)n;
-    o->out_from = (size_t)c->rank * (size_t)n;
+    o->final_out = ts_tensor_data(out);
+    o->final_dtype = d;
     o->post = post_div * (rop == TS_REDUCE_AVG ? c->size : 1);
-    return submit(c, o, (size_t)ts_tensor_numel(in) * ts_dtype_size(d), r);
+    return submit(c, o, (size_t)ts_tensor_numel(in) * es, r);
 }
 
+/* Reduce-scatter then all-gather. When the tensor is in its accumulation
+ * dtype and divides into W blocks, both run on the tensor itself (no
+ * copy); otherwise on an accumulation copy padded to W blocks. */
 ts_status ts_all_reduce(ts_comm *c, ts_tensor *t, ts_reduce_op rop, ts_request **r)
 {
     static const char fn[] = "ts_all_reduce";
@@ -902,17 +1064,27 @@ ts_status ts_all_reduce(ts_comm *c, ts_tensor *t, ts_reduce_op rop, ts_request *
     if (!o) return TS_ERR_NO_MEMORY;
     o->acc = acc_of(d);
     o->rop = rop;
-    o->rs = o->ag = true;
-    size_t W = (size_t)c->size;
-    if (alloc_acc(o, (n + W - 1) / W) != TS_OK) {
+    o->ag = true;
+    size_t W = (size_t)c->size, bn = (n + W - 1) / W, es = ts_dtype_size(o->acc);
+    if (o->acc == d && n % W == 0) {
+        o->buf = ts_tensor_data(t);
+    } else {
+        if (!own_scratch(o, W * bn * es)) {
+            op_discard(o);
+            return TS_ERR_NO_MEMORY;
+        }
+        load_acc(o->buf, o->acc, ts_tensor_data(t), d, n, 1.0);
+        memset(o->buf + n * es, 0, (W * bn - n) * es);
+        o->out = ts_tensor_data(t);
+        o->out_dtype = d;
+        o->out_n = n;
+    }
+    if (setup_rs(o, o->buf, o->acc, 1.0, bn) != TS_OK) {
         op_discard(o);
         return TS_ERR_NO_MEMORY;
     }
-    load_acc(o->buf, o->acc, ts_tensor_data(t), d, n, 1.0);
-    o->out = ts_tensor_data(t);
-    o->out_dtype = d;
-    o->out_n = n;
-    o->out_from = 0;
+    o->final_out = blk(o, c->rank);
+    o->final_dtype = o->acc;
     o->post = rop == TS_REDUCE_AVG ? (double)c->size : 1.0;
     return submit(c, o, n * ts_dtype_size(d), r);
 }
@@ -1046,10 +1218,9 @@ ts_status ts_all_gather(ts_comm *c, int nout, ts_tensor **outs, ts_tensor *in, t
     op *o = op_new(c, TS_COLL_ALL_GATHER);
     if (!o) return TS_ERR_NO_MEMORY;
     o->block = (size_t)n * ts_dtype_size(d);
-    o->buf = ts__malloc(TS_MEM_COMM, (size_t)c->size * o->block + 1);
-    o->owned = true;
+    bool got = own_scratch(o, (size_t)c->size * o->block);
     o->outs = ts__malloc(TS_MEM_COMM, (size_t)c->size * sizeof *o->outs);
-    if (!o->buf || !o->outs) {
+    if (!got || !o->outs) {
         op_discard(o);
         return TS_ERR_NO_MEMORY;
     }
@@ -1078,9 +1249,7 @@ ts_status ts_all_to_all(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_request **
     if (!o) return TS_ERR_NO_MEMORY;
     size_t bytes = (size_t)total * ts_dtype_size(d);
     o->block = bytes / (size_t)c->size;
-    o->buf = ts__malloc(TS_MEM_COMM, bytes + 1);
-    o->owned = true;
-    if (!o->buf) {
+    if (!own_scratch(o, bytes)) {
         op_discard(o);
         return TS_ERR_NO_MEMORY;
     }
@@ -1114,9 +1283,7 @@ static ts_status p2p(const char *fn, ts_coll_kind kind, ts_comm *c, ts_tensor *t
     if (bytes == 0) {
         o->buf = g_empty;
     } else if (kind == TS_COLL_SEND) {
-        o->buf = ts__malloc(TS_MEM_COMM, bytes);
-        o->owned = true;
-        if (!o->buf) {
+        if (!own_scratch(o, bytes)) {
             op_discard(o);
             return TS_ERR_NO_MEMORY;
         }

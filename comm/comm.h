@@ -15,7 +15,9 @@
  * it is initialized, the one-rank group otherwise.
  *
  * Lifetime rules: tensors passed to a collective must be contiguous. The
- * input is read before the call returns; the output (the tensor itself
+ * input is read before the call returns, except reduce_scatter_tensor's,
+ * which is read while the collective runs (no copy is made) and must stay
+ * alive and unchanged until the request completes; the output (the tensor itself
  * for all-reduce and broadcast) must stay alive and untouched, and must
  * not be used by another collective in flight, until the request
  * completes. A request returned through `r` is
@@ -134,7 +136,9 @@ TS_API void ts_request_free(ts_request *r);
 TS_API ts_status ts_all_gather_into_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_request **r);
 /* out (n) = op over ranks of block `rank` of in (W*n), with every input
  * divided by pre_div before and the result by post_div after (1: none;
- * only SUM and AVG accept factors other than 1). */
+ * only SUM and AVG accept factors other than 1). in is read in place
+ * until completion (see the lifetime rules); out may be in's block `rank`
+ * and must not overlap the rest of in (TS_ERR_INVALID_ARGUMENT). */
 TS_API ts_status ts_reduce_scatter_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_reduce_op op,
                                           double pre_div, double post_div, ts_request **r);
 /* t (any shape) = op over ranks of t, in place. Any size (padded

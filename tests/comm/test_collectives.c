@@ -294,6 +294,51 @@ Test(comm_collectives, all_gather_then_reduce_scatter_is_w_times_shard, .timeout
     for (int W = 1; W <= 4; W++) run_world(W, rank_ag_rs_identity, NULL);
 }
 
+/* Both collectives in place, as FSDP calls them: the all-gather's input is
+ * out's own block, the reduce-scatter's output is in's own block (bf16
+ * too, whose accumulation goes through f32). A reduce-scatter output that
+ * overlaps another part of its input is refused. */
+static int rank_in_place(rank_ctx *rc)
+{
+    const int64_t n = 5;
+    int64_t sf[1] = {n * rc->W};
+    ts_dtype dts[2] = {TS_F32, TS_BF16};
+    for (int di = 0; di < 2; di++) {
+        ts_tensor *full = NULL, *own = NULL;
+        RK_OK(rc, ts_tensor_empty(dts[di], 1, sf, &full));
+        RK_OK(rc, ts_narrow(full, 0, rc->rank * n, n, &own));
+        ts_tensor *src = vec(rc, dts[di], n, ag_val, rc->rank);
+        RK_OK(rc, ts_tensor_copy_(own, src));
+        RK_OK(rc, ts_all_gather_into_tensor(rc->c, full, own, NULL));
+        for (int r = 0; r < rc->W; r++)
+            for (int64_t i = 0; i < n; i++)
+                if (check_close(rc, "in-place ag", full, r * n + i, ag_val(r, i))) return 1;
+        /* every rank now holds the same full tensor: the sum is W times it */
+        RK_OK(rc, ts_reduce_scatter_tensor(rc->c, own, full, TS_REDUCE_SUM, 1.0, 1.0, NULL));
+        for (int64_t i = 0; i < n; i++)
+            if (check_close(rc, "in-place rs", own, i, ag_val(rc->rank, i) * rc->W)) return 1;
+        ts_tensor_free(src);
+        ts_tensor_free(own);
+        ts_tensor_free(full);
+    }
+    if (rc->W > 1) {
+        ts_tensor *full = NULL, *other = NULL;
+        RK_OK(rc, ts_tensor_empty(TS_F32, 1, sf, &full));
+        RK_OK(rc, ts_narrow(full, 0, ((rc->rank + 1) % rc->W) * n, n, &other));
+        if (ts_reduce_scatter_tensor(rc->c, other, full, TS_REDUCE_SUM, 1.0, 1.0, NULL) != TS_ERR_INVALID_ARGUMENT ||
+            !strstr(ts_last_error(), "overlaps"))
+            return th_rank_fail(rc, "an output over another rank's block was not refused: %s", ts_last_error());
+        ts_tensor_free(other);
+        ts_tensor_free(full);
+    }
+    return 0;
+}
+
+Test(comm_collectives, all_gather_and_reduce_scatter_in_place, .timeout = 60)
+{
+    for (int W = 1; W <= 4; W++) run_world(W, rank_in_place, NULL);
+}
+
 /* ------------------------------------------------------------------ */
 
 static double wall_s(void)
