@@ -313,9 +313,10 @@ int main(int argc, char **argv)
     CHECK(ts_barrier(w, NULL));
 
     if (rank == 0) {
-        const char *tls = getenv("UCX_TLS");
-        printf("bench_collectives: %d ranks, UCX_TLS=%s, f32, size = largest buffer (nccl-tests convention)\n", ws,
-               tls ? tls : "(unset)");
+        const char *tls = getenv("UCX_TLS"), *em = getenv("TS_UCX_ERROR_MODE");
+        printf("bench_collectives: %d ranks, UCX_TLS=%s, TS_UCX_ERROR_MODE=%s, f32, size = largest buffer "
+               "(nccl-tests convention)\n",
+               ws, tls ? tls : "(unset)", em && *em ? em : "peer");
         printf("busbw = algbw * (W-1)/W (all_gather, reduce_scatter), * 2(W-1)/W (all_reduce); GB/s = 1e9 B/s\n");
         for (int c = 0; c < N_COLL; c++) {
             double f = c == COLL_AR ? 2.0 * (ws - 1) / ws : (double)(ws - 1) / ws;

@@ -112,6 +112,7 @@ typedef struct ucx_peer {
     ucs_status_t dead_status;
     int pidfd; /* same-host peer's process (pidfd_open), -1 if none */
     bool exited; /* found dead by its pidfd rather than by UCX */
+    bool none_mode; /* endpoint in UCP_ERR_HANDLING_MODE_NONE (TS_UCX_ERROR_MODE=local-none) */
 } ucx_peer;
 
 struct ts_ucx {
@@ -556,13 +557,16 @@ static void ucx_destroy(ts_transport *base)
         if (count_live_pending(t) > 0)
             ucx_cancel_all(base, TS_ERR_COMM);
         /* Force-close every endpoint (local and immediate; PEER mode makes
-         * that safe with data in flight), then wait for the closes. */
+         * that safe with data in flight), then wait for the closes. A
+         * NONE-mode endpoint to a live peer is flush-closed instead. */
         int nclose = t->base.size;
         void **close_reqs = ts__calloc(TS_MEM_COMM, (size_t)nclose, sizeof *close_reqs);
-        ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = UCP_EP_CLOSE_FLAG_FORCE};
         for (int r = 0; r < t->base.size; r++) {
             if (!t->peers[r].ep)
                 continue;
+            bool force = !t->peers[r].none_mode || t->peers[r].dead;
+            ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                                       .flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0};
             void *req = ucp_ep_close_nbx(t->peers[r].ep, &prm);
             t->peers[r].ep = NULL;
             if (req && !UCS_PTR_IS_ERR(req)) {
@@ -644,6 +648,23 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
                         TS_UCX_MAX_SIZE);
     if (!(timeout_s > 0))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: timeout %g s is not positive", timeout_s);
+
+    /* TS_UCX_ERROR_MODE: "peer" (default) puts every endpoint in PEER
+     * error mode; "local-none" puts same-host peers that the pid watch
+     * covers in NONE mode, which doubles shared-memory bandwidth in UCX
+     * 1.13 (its rendezvous costs about 22 us more per message in PEER
+     * mode, measured with ucx_perftest -e): their death is still seen by
+     * the pid watch, and their endpoints are flush-closed (force-closed
+     * only once the peer is dead), since UCX requires PEER mode on both
+     * sides for a force close. */
+    const char *em = getenv("TS_UCX_ERROR_MODE");
+    bool local_none = false;
+    if (em && *em) {
+        if (strcmp(em, "local-none") == 0)
+            local_none = true;
+        else if (strcmp(em, "peer") != 0)
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: TS_UCX_ERROR_MODE='%s' (expected 'peer' or 'local-none')", em);
+    }
 
     env_default("UCX_TLS", "posix,cma,self");
     env_default("UCX_MM_ERROR_HANDLING", "y");
@@ -778,11 +799,12 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
                 mark_dead(t, &t->peers[r], UCS_ERR_CONNECTION_RESET);
             }
         }
+        t->peers[r].none_mode = local_none && t->peers[r].pidfd >= 0;
         ucp_ep_params_t ep = {
             .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                           UCP_EP_PARAM_FIELD_ERR_HANDLER,
             .address = (const ucp_address_t *)((unsigned char *)v + TS_UCX_HDR),
-            .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+            .err_mode = t->peers[r].none_mode ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER,
             .err_handler = {.cb = ep_err_cb, .arg = &t->peers[r]},
         };
         us = ucp_ep_create(t->worker, &ep, &t->peers[r].ep);

@@ -376,6 +376,34 @@ Test(dist, peer_killed, .timeout = 120)
     free(err);
 }
 
+/* The same with same-host endpoints in UCX's NONE error mode
+ * (TS_UCX_ERROR_MODE=local-none): the pid watch alone detects the death,
+ * in time, and teardown stays bounded. The collectives pass in that mode. */
+Test(dist, peer_killed_local_none, .timeout = 120)
+{
+    clear_launch_env();
+    setenv("TS_UCX_ERROR_MODE", "local-none", 1);
+    ts_launch_result res;
+    double el = 0;
+    char *err = run_peer_killed(&res, &el);
+    cr_assert_eq(res.failed_rank, 2, "failed rank %d", res.failed_rank);
+    cr_assert_lt(el, 30.0);
+    bool ok = strstr(err, "[0] rank 0 detect-ok") && strstr(err, "[1] rank 1 detect-ok");
+    cr_assert(ok, "a survivor did not report TS_ERR_PEER_FAILED within 2 s:\n%s", err);
+    free(err);
+    setenv("TS_TEST_DIST_ROLE", "coll", 1);
+    ts_launch_options o = ts_launch_options_default();
+    o.nproc_per_node = 3;
+    o.forward_signals = false;
+    char *argv[] = {self_exe(), NULL};
+    TH_OK(ts_launch(&o, argv, &res));
+    cr_assert_eq(res.exit_code, 0, "rank %d failed: exit %d", res.failed_rank, res.exit_code);
+    setenv("TS_UCX_ERROR_MODE", "sometimes", 1);
+    TH_OK(ts_launch(&o, argv, &res));
+    cr_assert_neq(res.exit_code, 0, "a bad TS_UCX_ERROR_MODE was accepted");
+    unsetenv("TS_UCX_ERROR_MODE");
+}
+
 /* A process started alone: a one-rank world, no store, no UCX. */
 Test(dist, alone, .timeout = 30)
 {
