@@ -51,10 +51,14 @@ void ts_clear_error(void)
 
 ts_status ts_error(ts_status s, const char *fmt, ...)
 {
+    /* Format into a local buffer first: callers may pass ts_last_error()
+     * (this very buffer) as an argument when they wrap an error. */
+    char buf[sizeof tl_error];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(tl_error, sizeof tl_error, fmt, ap);
+    vsnprintf(buf, sizeof buf, fmt, ap);
     va_end(ap);
+    memcpy(tl_error, buf, sizeof buf);
     tl_status = s;
     ts_logf(TS_LOG_DEBUG, "%s: %s", ts_status_name(s), tl_error);
     return s;

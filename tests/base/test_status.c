@@ -85,3 +85,14 @@ Test(base_status, log_level_from_environment_and_override, .init = info_env)
     ts_log_set_level(TS_LOG_ERROR);
     cr_assert(!TS_LOG_ENABLED(TS_LOG_WARN));
 }
+
+/* Wrapping the last error in a new one (ts_error(s, "...: %s",
+ * ts_last_error())) reads the buffer it writes: the message must come out
+ * whole. */
+Test(base_status, wrapping_the_last_error)
+{
+    ts_error(TS_ERR_IO, "inner problem with %s", "file.bin");
+    ts_error(TS_ERR_COMM, "outer: %s (again: %s)", ts_last_error(), ts_last_error());
+    cr_assert_str_eq(ts_last_error(), "outer: inner problem with file.bin (again: inner problem with file.bin)");
+    cr_assert_eq(ts_last_status(), TS_ERR_COMM);
+}
