@@ -11,5 +11,7 @@
 #include "comm/launch.h"
 #include "comm/comm.h"
 #include "mesh/mesh.h"
+#include "dtensor/dtensor.h"
+#include "fully_shard/fully_shard.h"
 
 #endif

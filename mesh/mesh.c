@@ -6,7 +6,7 @@
  * ordered row-major over the set, so this rank's index in the group is its
  * row-major index over the set. Groups are reference counted and shared
  * between a mesh, its slices and single-dim flattens. */
-#include "mesh/mesh.h"
+#include "mesh/internal.h"
 
 #include <stdatomic.h>
 #include <stdio.h>
@@ -349,3 +349,5 @@ ts_status ts_mesh_flatten(const ts_mesh *m, int ndims, const char *const *names,
     *out = s;
     return TS_OK;
 }
+
+ts_comm *ts__mesh_world(const ts_mesh *m) { return m ? m->world : NULL; }

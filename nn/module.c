@@ -252,6 +252,34 @@ ts_status ts_module_named_modules(ts_module *m, ts_module_each_fn fn, void *ctx)
     return run_walk(&w, m);
 }
 
+typedef struct find_ctx {
+    const char *fqn;
+    ts_module *found;
+} find_ctx;
+
+static ts_status find_module(void *ctx, const char *fqn, ts_module *m)
+{
+    find_ctx *c = ctx;
+    if (!c->found && strcmp(fqn, c->fqn) == 0)
+        c->found = m;
+    return TS_OK;
+}
+
+ts_status ts_module_get_submodule(ts_module *m, const char *fqn, ts_module **out)
+{
+    if (!m || !fqn || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_get_submodule: NULL argument");
+    find_ctx c = {fqn, NULL};
+    ts_status st = ts_module_named_modules(m, find_module, &c);
+    if (st)
+        return st;
+    if (!c.found)
+        return ts_error(TS_ERR_NOT_FOUND, "ts_module_get_submodule: %s has no submodule '%s'", ts_module_type_name(m),
+                        fqn);
+    *out = c.found;
+    return TS_OK;
+}
+
 static ts_status set_training(void *ctx, const char *fqn, ts_module *m)
 {
     (void)fqn;

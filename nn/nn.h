@@ -118,6 +118,11 @@ TS_API void ts_named_params_free(ts_named_params *p);
 typedef ts_status (*ts_module_each_fn)(void *ctx, const char *fqn, ts_module *m);
 TS_API ts_status ts_module_named_modules(ts_module *m, ts_module_each_fn fn, void *ctx);
 
+/* The module at fully qualified name `fqn` ("blocks.1", "" for m itself),
+ * borrowed, as PyTorch's get_submodule. TS_ERR_NOT_FOUND names it;
+ * TS_ERR_INVALID_ARGUMENT for NULL arguments. */
+TS_API ts_status ts_module_get_submodule(ts_module *m, const char *fqn, ts_module **out);
+
 /* Zeroes (set_to_none=false) or drops (true) every parameter's .grad. */
 TS_API void ts_module_zero_grad(ts_module *m, bool set_to_none);
 /* Number of parameter elements (each tensor once). */

@@ -1,0 +1,195 @@
+/*
+ * fully_shard: per-parameter fully sharded data parallelism, in the style
+ * of PyTorch FSDP2 (DESIGN.md D5, D6; FSDP2-NOTES.md §1-§2).
+ *
+ * ts_fully_shard(module, options) changes a module in place:
+ *   - its vtable becomes "<Type>FSDPModule", which extends the original
+ *     (same address, same methods, ts_module_is_fsdp true, the original
+ *     reachable through ts_fsdp_original_vtable);
+ *   - the parameters of its subtree that no earlier call took (bottom-up:
+ *     shard each block first, then the root) form one group; each slot then
+ *     holds this rank's dim-0 shard (torch.chunk rows: (8, 8) becomes (4, 8)
+ *     on 2 ranks), a leaf marked as a shard (ordinary ops refuse it) that
+ *     carries DTensor metadata (ts_fsdp_param_dtensor); names are unchanged;
+ *   - calling the module (ts_module_call) all-gathers the group into full
+ *     parameters before its forward, reshards after it (per
+ *     reshard_after_forward), all-gathers again before its backward, and
+ *     reduce-scatters the gradients into the shards' .grad afterwards
+ *     (averaged over the shard ranks; accumulating across backwards until
+ *     zeroed).
+ *
+ * A group is gathered with one all-gather and reduced with one
+ * reduce-scatter; each parameter's segment of the communication buffers is
+ * padded to ceil(rows / W) rows. The first FSDP module to run forward is
+ * the root: it decides the end-of-backward work (the post-backward of
+ * groups whose inputs needed no grad, waiting for every reduction). The
+ * next group's all-gather is issued before the current group computes, in
+ * the order recorded on the previous iteration (forward prefetch), and in
+ * backward the group that ran before in forward is all-gathered while the
+ * current one computes (backward prefetch, as PyTorch).
+ *
+ * Build the optimizer from the module's parameters after fully_shard: it
+ * steps on the shards.
+ *
+ * Lifetime rules: the FSDP state belongs to the module and is freed with
+ * it (ts_module_free). A mesh given in the options is borrowed and must
+ * outlive the module. Every rank of the mesh calls ts_fully_shard, the
+ * forward and backward passes, and the other collective calls here, in
+ * the same order. One thread at a time per module tree.
+ */
+#ifndef TS_FULLY_SHARD_H
+#define TS_FULLY_SHARD_H
+
+#include "base/base.h"
+#include "dtensor/dtensor.h"
+#include "mesh/mesh.h"
+#include "nn/nn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum ts_reshard_policy {
+    TS_RESHARD_AUTO = 0, /* true, except false for the root (PyTorch's None) */
+    TS_RESHARD_TRUE,     /* reshard after every forward */
+    TS_RESHARD_FALSE,    /* keep the parameters unsharded until after backward */
+    TS_RESHARD_EVERY_N,  /* reshard after every N-th forward (reshard_every_n) */
+} ts_reshard_policy;
+
+typedef struct ts_fsdp_options {
+    /* The mesh to shard over (borrowed): 1-d (shard) or 2-d (replicate,
+     * shard: HSDP, gradients all-reduced over dim 0). NULL: the world as a
+     * 1-d mesh (the one-rank CPU mesh when no world is initialized). */
+    ts_mesh *mesh;
+    ts_reshard_policy reshard_after_forward;
+    /* For TS_RESHARD_EVERY_N: the group stays unsharded after each forward
+     * and reshards after every N-th forward since its last reshard; 1 is
+     * the same as TS_RESHARD_TRUE; 0 or less is TS_ERR_INVALID_ARGUMENT.
+     * A group resharded this way is gathered again for its backward. */
+    int reshard_every_n;
+    /* Parameters (the tensors in the module's slots) left unsharded and
+     * outside every group. */
+    ts_tensor *const *ignored_params;
+    int n_ignored_params;
+    /* Reserved for the mixed-precision and CPU-offload policies of a later
+     * issue; must be NULL (TS_ERR_UNSUPPORTED otherwise). */
+    const void *mp_policy;
+    const void *offload_policy;
+} ts_fsdp_options;
+
+/* Defaults: the world's mesh, TS_RESHARD_AUTO, nothing ignored. */
+TS_API ts_fsdp_options ts_fsdp_options_default(void);
+
+/* Shards `module` in place as described above; NULL options: defaults.
+ * Collective over the mesh (no communication today, but every rank must
+ * shard the same modules in the same order). Errors (nothing is changed):
+ * TS_ERR_ALREADY when fully_shard has already been applied to the module;
+ * TS_ERR_INVALID_ARGUMENT for NULL, a bad reshard_every_n, a mesh of
+ * neither 1 nor 2 dims or one that does not match the initialized world, a
+ * 0-d parameter, a parameter already managed by another group (a tied
+ * weight sharded in a separate call: shard the modules together with
+ * ts_fully_shard_group), parameters of different dtypes in one group;
+ * TS_ERR_UNSUPPORTED for a policy; TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_fully_shard(ts_module *module, const ts_fsdp_options *options);
+/* Shards each of modules[0..n) with its own group, in order (seed 003's
+ * list form): the same as n calls. Stops at the first error (earlier
+ * modules stay sharded). */
+TS_API ts_status ts_fully_shard_each(int n, ts_module *const *modules, const ts_fsdp_options *options);
+/* Shards modules[0..n) into ONE group (PyTorch's fully_shard([a, b])), as
+ * tied weights need: the parameters of all their subtrees are gathered
+ * and reduced together; each module's vtable is rewritten. The group is
+ * gathered when the first of them runs forward and resharded after the
+ * last. Errors as ts_fully_shard. */
+TS_API ts_status ts_fully_shard_group(int n, ts_module *const *modules, const ts_fsdp_options *options);
+
+/* True once fully_shard was applied to m. */
+TS_API bool ts_module_is_fsdp(const ts_module *m);
+/* The vtable fully_shard extended (NULL when m is not an FSDP module). */
+TS_API const ts_module_vtable *ts_fsdp_original_vtable(const ts_module *m);
+
+/* The DTensor (Shard(0) over the group's mesh, the global shape) of a
+ * sharded parameter tensor, borrowed; NULL if t is not one. */
+TS_API const ts_dtensor *ts_fsdp_param_dtensor(const ts_tensor *t);
+
+/* Facts about the group fully_shard made for `module` (not its
+ * children's). */
+typedef struct ts_fsdp_group_info {
+    int n_params;          /* parameters in the group (0: none) */
+    int shard_world;       /* ranks the group is sharded over */
+    int64_t numel;         /* elements of the full parameters */
+    int64_t shard_numel;   /* elements per rank in the communication buffers (padded) */
+    int64_t padded_numel;  /* shard_numel * shard_world */
+    int64_t padding;       /* padded_numel - numel */
+    int64_t local_numel;   /* real (unpadded) elements this rank holds */
+} ts_fsdp_group_info;
+/* TS_ERR_INVALID_ARGUMENT when module is not an FSDP module. */
+TS_API ts_status ts_fsdp_group_info_get(const ts_module *module, ts_fsdp_group_info *out);
+
+/* ----------------------------------------------------- explicit control */
+
+typedef struct ts_fsdp_unshard_handle ts_fsdp_unshard_handle;
+/* All-gathers the module's group. Synchronous (async false): returns when
+ * the full parameters are in the slots, with *handle NULL. Async: issues
+ * the all-gather and returns a handle (owned by the caller) whose
+ * ts_fsdp_unshard_wait puts them there and frees the handle. The group
+ * stays unsharded until ts_fsdp_reshard (or the next reshard the policy
+ * makes). A module without a group: nothing to do (handle NULL).
+ * TS_ERR_INVALID_ARGUMENT for a non-FSDP module; collective errors. */
+TS_API ts_status ts_fsdp_unshard(ts_module *module, bool async, ts_fsdp_unshard_handle **handle);
+/* Waits for an async unshard and frees the handle (NULL accepted). */
+TS_API ts_status ts_fsdp_unshard_wait(ts_fsdp_unshard_handle *handle);
+/* Frees the unsharded parameters of the module's group and puts the
+ * shards back in the slots (waits for an all-gather in flight). */
+TS_API ts_status ts_fsdp_reshard(ts_module *module);
+
+/* Summons the full parameters of every group in module's subtree (every
+ * FSDP module in it): the slots hold full tensors until
+ * ts_fsdp_summon_end. With writeback, the end copies each full parameter's
+ * rows back into this rank's shard (so edits made while summoned are
+ * kept; every rank should make the same edits). Not inside a forward or
+ * backward (TS_ERR_STATE). The handle is owned by the caller; _end frees it. */
+typedef struct ts_fsdp_summon ts_fsdp_summon;
+TS_API ts_status ts_fsdp_summon_full_params(ts_module *module, bool writeback, ts_fsdp_summon **out);
+TS_API ts_status ts_fsdp_summon_end(ts_fsdp_summon *s);
+
+/* Wraps the module's named extra method (ts_module_call_method) with the
+ * same pre- and post-forward work as its forward. TS_ERR_NOT_FOUND names
+ * the method; TS_ERR_INVALID_ARGUMENT for a non-FSDP module. */
+TS_API ts_status ts_fsdp_register_forward_method(ts_module *module, const char *name);
+
+/* Explicit prefetch: when `module` runs forward (backward), issue the
+ * all-gathers of modules[0..n) (FSDP modules with groups) right after
+ * its own. Replaces the implicit order for that module; n = 0 clears it. */
+TS_API ts_status ts_fsdp_set_modules_to_forward_prefetch(ts_module *module, int n, ts_module *const *modules);
+TS_API ts_status ts_fsdp_set_modules_to_backward_prefetch(ts_module *module, int n, ts_module *const *modules);
+/* Turns the implicit forward and backward prefetch on or off for every
+ * FSDP module under the root `module` (both on by default). */
+TS_API ts_status ts_fsdp_set_implicit_prefetch(ts_module *module, bool forward, bool backward);
+
+/* Observer of the FSDP lifecycle (tests, logging): called on the calling
+ * thread with event "unshard" (an all-gather is issued), "reshard",
+ * "pre_forward", "post_forward", "pre_backward" or "post_backward" (a
+ * reduce-scatter is issued) and the group's module name ("" for the root,
+ * "layers.1"; several names joined by ", " for a grouped call). NULL
+ * clears. Process-wide. TS_LOG_LEVEL=debug also logs them. */
+typedef void (*ts_fsdp_event_fn)(void *ctx, const char *event, const char *fqn);
+TS_API void ts_fsdp_set_event_hook(ts_fsdp_event_fn fn, void *ctx);
+
+/* ----------------------------------------------------- state dicts */
+
+/* Every parameter of the module tree under every name (as
+ * ts_module_state_dict), as full tensors gathered from the shards
+ * (collective: every rank calls it). rank0_only: only rank 0 of the
+ * world gets the tensors (other ranks get an empty dict). The dict is
+ * owned by the caller and can be saved with ts_safetensors_save and loaded
+ * into an unsharded model. */
+TS_API ts_status ts_fsdp_full_state_dict(ts_module *module, bool rank0_only, ts_state_dict **out);
+/* Loads full tensors (e.g. from ts_safetensors_load) into a sharded model:
+ * each rank copies its rows into its shards; non-FSDP parameters are
+ * copied whole. strict as ts_module_load_state_dict; its errors. */
+TS_API ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *sd, bool strict);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TS_FULLY_SHARD_H */
