@@ -1317,6 +1317,8 @@ static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *
             c->cap_prev_fwd_order = cap;
         }
         c->fwd_pos = 0;
+        /* a backward that failed never ran the end-of-backward callback */
+        c->final_queued = false;
     }
     event("pre_forward", s->fqn);
     ts_tensor *in2[TS_MODULE_MAX_IO];
@@ -1741,34 +1743,35 @@ ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *s
     for (int i = 0; i < w.n && !st; i++) st = reshard(w.g[i]);
     ts_named_params np = {0};
     if (!st) st = ts__module_params(module, false, &np);
-    /* check everything first: nothing is copied on error */
-    char missing[1024] = "", bad[1024] = "";
+    /* check everything first: nothing is copied on error. Key mismatches
+     * (strict) come first, then shapes, as ts_module_load_state_dict. */
+    char missing[1024] = "", unexpected[1024] = "", shapes[1024] = "";
     for (int i = 0; i < np.n && !st; i++) {
         ts_tensor *t = *np.items[i].slot, *src = ts_state_dict_get(sd, np.items[i].name);
         if (!src) {
-            if (strict) snprintf(missing + strlen(missing), sizeof missing - strlen(missing), " '%s'", np.items[i].name);
+            snprintf(missing + strlen(missing), sizeof missing - strlen(missing), " '%s'", np.items[i].name);
             continue;
         }
         fsdp_param *p = find_param(&w, t, NULL);
         int nd = p ? p->ndim : ts_tensor_ndim(t);
         const int64_t *sh = p ? p->shape : ts_tensor_shape(t);
-        bool same = ts_tensor_ndim(src) == nd && memcmp(ts_tensor_shape(src), sh, (size_t)nd * sizeof *sh) == 0;
-        if (!same) {
+        if (ts_tensor_ndim(src) != nd || memcmp(ts_tensor_shape(src), sh, (size_t)nd * sizeof *sh) != 0) {
             char a[128], b[128];
-            snprintf(bad + strlen(bad), sizeof bad - strlen(bad), " '%s' is %s in the dict, %s in the model",
+            snprintf(shapes + strlen(shapes), sizeof shapes - strlen(shapes), " '%s' is %s in the dict, %s in the model;",
                      np.items[i].name, ts_tensor_shape_str(src, a, sizeof a), ts__shape_str(nd, sh, b, sizeof b));
         }
     }
-    if (!st && strict)
-        for (int i = 0; i < ts_state_dict_size(sd); i++) {
-            bool found = false;
-            for (int k = 0; k < np.n && !found; k++) found = strcmp(np.items[k].name, ts_state_dict_name(sd, i)) == 0;
-            if (!found) snprintf(bad + strlen(bad), sizeof bad - strlen(bad), " unexpected '%s'", ts_state_dict_name(sd, i));
-        }
-    if (!st && (*missing || *bad))
-        st = *bad && !strstr(bad, "unexpected") ? ts_error(TS_ERR_SHAPE, "%s:%s", fn, bad)
-                                                : ts_error(TS_ERR_NOT_FOUND, "%s: missing:%s;%s", fn,
-                                                           *missing ? missing : " none", *bad ? bad : "");
+    for (int i = 0; i < ts_state_dict_size(sd) && !st; i++) {
+        bool found = false;
+        for (int k = 0; k < np.n && !found; k++) found = strcmp(np.items[k].name, ts_state_dict_name(sd, i)) == 0;
+        if (!found)
+            snprintf(unexpected + strlen(unexpected), sizeof unexpected - strlen(unexpected), " '%s'",
+                     ts_state_dict_name(sd, i));
+    }
+    if (!st && strict && (*missing || *unexpected))
+        st = ts_error(TS_ERR_NOT_FOUND, "%s: missing keys:%s; unexpected keys:%s", fn, *missing ? missing : " none",
+                      *unexpected ? unexpected : " none");
+    if (!st && *shapes) st = ts_error(TS_ERR_SHAPE, "%s:%s", fn, shapes);
     bool prev = ts_grad_mode_set(false);
     for (int i = 0; i < np.n && !st; i++) {
         ts_tensor *t = *np.items[i].slot, *src = ts_state_dict_get(sd, np.items[i].name);

@@ -412,7 +412,11 @@ static ts_status run_callbacks(void)
         if (st && !first)
             first = st;
     }
-    tl_queue_len = 0;
+    /* the queue is thread-local: give it back, so that a thread that
+     * ends after a backward leaks nothing */
+    free(tl_queue);
+    tl_queue = NULL;
+    tl_queue_len = tl_queue_cap = 0;
     return first;
 }
 
@@ -464,7 +468,14 @@ ts_status ts_backward(ts_tensor *root, ts_tensor *grad, bool retain_graph)
     ts_tensor_free(grad);
     drop_grad_bufs(&order);
     ts__free(TS_MEM_AUTOGRAD, order.v);
-    ts_status cb = st ? TS_OK : run_callbacks();
+    ts_status cb = TS_OK;
+    if (!st) {
+        cb = run_callbacks();
+    } else { /* a failed backward does not run them; drop them */
+        free(tl_queue);
+        tl_queue = NULL;
+        tl_queue_len = tl_queue_cap = 0;
+    }
     tl_queue_len = 0;
     tl_in_backward = false;
     ts_grad_mode_set(prev_mode);

@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "fully_shard/fully_shard.h"
 #include "optim/optim.h"
@@ -565,4 +566,595 @@ Test(fully_shard, unshard_and_post_backward_sequence, .timeout = 60)
     run_world(2, rank_events, &on);
     run_world(2, rank_events, &off);
     ts_fsdp_set_event_hook(NULL, NULL);
+}
+
+/* ------------------------------------------------------------ errors */
+
+static ts_status lin_pair(uint64_t seed, ts_module **a, ts_module **b)
+{
+    pthread_mutex_lock(&g_build_mu);
+    ts_manual_seed(seed);
+    ts_status st = ts_linear_new(8, 8, true, a);
+    if (!st) st = ts_linear_new(8, 8, true, b);
+    pthread_mutex_unlock(&g_build_mu);
+    return st;
+}
+
+static int rank_errors(rank_ctx *rc)
+{
+    ts_mesh *mesh = mesh1(rc);
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.mesh = mesh;
+    o.reshard_after_forward = TS_RESHARD_TRUE;
+    ts_module *a = NULL, *b = NULL;
+    RK_OK(rc, lin_pair(1, &a, &b));
+    /* bad options: nothing changes */
+    ts_fsdp_options bad = o;
+    bad.reshard_after_forward = TS_RESHARD_EVERY_N;
+    bad.reshard_every_n = 0;
+    RK_EQ(rc, ts_fully_shard(a, &bad), TS_ERR_INVALID_ARGUMENT);
+    if (!strstr(ts_last_error(), "N >= 1")) return fail(rc, "message: %s", ts_last_error());
+    bad = o;
+    bad.mp_policy = &o;
+    RK_EQ(rc, ts_fully_shard(a, &bad), TS_ERR_UNSUPPORTED);
+    RK_EQ(rc, ts_module_is_fsdp(a), 0);
+    RK_EQ(rc, ts_fully_shard(NULL, &o), TS_ERR_INVALID_ARGUMENT);
+    /* a 3-d mesh */
+    if (rc->W == 2) {
+        int64_t shape[3] = {1, 1, 2};
+        const char *names[3] = {"a", "b", "c"};
+        ts_mesh *m3 = NULL;
+        RK_OK(rc, ts_mesh_new(rc->c, "cpu", 3, shape, names, &m3));
+        bad = o;
+        bad.mesh = m3;
+        RK_EQ(rc, ts_fully_shard(a, &bad), TS_ERR_INVALID_ARGUMENT);
+        if (!strstr(ts_last_error(), "3 dims")) return fail(rc, "message: %s", ts_last_error());
+        ts_mesh_free(m3);
+    }
+    /* twice */
+    RK_OK(rc, ts_fully_shard(a, &o));
+    RK_EQ(rc, ts_fully_shard(a, &o), TS_ERR_ALREADY);
+    if (!strstr(ts_last_error(), "fully_shard has already been applied")) return fail(rc, "message: %s", ts_last_error());
+    /* the layer's own forward on sharded parameters */
+    ts_tensor *x = batch(0, 2, 8, xval), *outs[TS_MODULE_MAX_IO];
+    int n = 0;
+    ts_status s = ts_fsdp_original_vtable(a)->forward(a, 1, &x, &n, outs);
+    RK_EQ(rc, s, TS_ERR_SHARDED);
+    if (!strstr(ts_last_error(), "ts_module_call")) return fail(rc, "message: %s", ts_last_error());
+    /* inputs of a wrong shape: the layer's error, and the module still
+     * works afterwards */
+    ts_tensor *xw = batch(0, 2, 5, xval), *y = NULL;
+    RK_EQ(rc, ts_module_call1(a, xw, &y), TS_ERR_SHAPE);
+    int64_t start, len;
+    ts_chunk_range(8, rc->W, rc->rank, &start, &len);
+    RK_EQ(rc, ts_tensor_size(((ts_nn_linear *)a)->weight, 0), len); /* resharded */
+    RK_OK(rc, ts_module_call1(a, x, &y));
+    ts_tensor_free(y);
+    /* a tied weight sharded in two calls */
+    ts_nn_linear *lb = (ts_nn_linear *)b;
+    ts_module *c = NULL, *d = NULL;
+    RK_OK(rc, lin_pair(2, &c, &d));
+    ts_nn_linear *lc = (ts_nn_linear *)c, *ld = (ts_nn_linear *)d;
+    ts_tensor_free(ld->weight);
+    ld->weight = ts_tensor_retain(lc->weight);
+    RK_OK(rc, ts_fully_shard(c, &o));
+    RK_EQ(rc, ts_fully_shard(d, &o), TS_ERR_INVALID_ARGUMENT);
+    if (!strstr(ts_last_error(), "shared") || !strstr(ts_last_error(), "one call"))
+        return fail(rc, "message: %s", ts_last_error());
+    RK_EQ(rc, ts_module_is_fsdp(d), 0);
+    (void)lb;
+    ts_tensor_free(x);
+    ts_tensor_free(xw);
+    ts_module_free(a);
+    ts_module_free(b);
+    ts_module_free(c);
+    ts_module_free(d);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard, errors, .timeout = 60)
+{
+    th_mem_mark();
+    run_world(1, rank_errors, NULL);
+    run_world(2, rank_errors, NULL);
+    th_mem_assert_back();
+}
+
+/* ------------------------------------------------------------ tied weights */
+
+/* Two Linears sharing one weight, sharded together (ts_fully_shard_group):
+ * one group; the shared weight's gradient is the sum of both uses, as in
+ * an unsharded model. */
+static int rank_tied(rank_ctx *rc)
+{
+    ts_mesh *mesh = mesh1(rc);
+    ts_module *a = NULL, *b = NULL, *ra = NULL, *rb = NULL;
+    RK_OK(rc, lin_pair(3, &a, &b));
+    RK_OK(rc, lin_pair(3, &ra, &rb));
+    ts_nn_linear *la = (ts_nn_linear *)a, *lb = (ts_nn_linear *)b, *rla = (ts_nn_linear *)ra,
+                 *rlb = (ts_nn_linear *)rb;
+    ts_tensor_free(lb->weight);
+    lb->weight = ts_tensor_retain(la->weight);
+    ts_tensor_free(rlb->weight);
+    rlb->weight = ts_tensor_retain(rla->weight);
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.mesh = mesh;
+    ts_module *both[2] = {a, b};
+    RK_OK(rc, ts_fully_shard_group(2, both, &o));
+    if (!ts_module_is_fsdp(a) || !ts_module_is_fsdp(b)) return fail(rc, "not both rewritten");
+    if (la->weight != lb->weight) return fail(rc, "the tied slots hold different shards");
+    ts_fsdp_group_info gi;
+    RK_OK(rc, ts_fsdp_group_info_get(a, &gi));
+    RK_EQ(rc, gi.n_params, 3); /* the weight once, two biases */
+    ts_tensor *x = batch(0, 3, 8, xval);
+    ts_module *mods[2] = {a, b}, *refs[2] = {ra, rb};
+    for (int k = 0; k < 2; k++) {
+        ts_module **ms = k ? refs : mods;
+        ts_tensor *h = NULL, *o2 = NULL, *l = NULL;
+        RK_OK(rc, ts_module_call1(ms[0], x, &h));
+        RK_OK(rc, ts_module_call1(ms[1], h, &o2));
+        RK_OK(rc, ts_sum(o2, 0, NULL, false, &l));
+        RK_OK(rc, ts_backward(l, NULL, false));
+        ts_tensor_free(h);
+        ts_tensor_free(o2);
+        ts_tensor_free(l);
+    }
+    int64_t start, len;
+    ts_chunk_range(8, rc->W, rc->rank, &start, &len);
+    ts_tensor *g = ts_tensor_grad(la->weight);
+    if (!g) return fail(rc, "no gradient on the tied shard");
+    if (close_to(rc, "tied grad", ts_tensor_data(g), (const float *)ts_tensor_data(ts_tensor_grad(rla->weight)) + start * 8,
+                 len * 8, 1e-5))
+        return 1;
+    ts_tensor_free(x);
+    ts_module_free(a);
+    ts_module_free(b);
+    ts_module_free(ra);
+    ts_module_free(rb);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard, tied_weights_in_one_group, .timeout = 60)
+{
+    for (int W = 1; W <= 3; W++) run_world(W, rank_tied, NULL);
+}
+
+/* ------------------------------------------------------------ policies */
+
+/* reshard_after_forward every 2 forwards: unsharded after the first,
+ * resharded after the second; two forwards then one backward give the
+ * gradient of the sum of both losses, and gradients accumulate across
+ * backwards until zeroed. */
+static int rank_every_n(rank_ctx *rc)
+{
+    ts_mesh *mesh = mesh1(rc);
+    ts_module *a = NULL, *ref = NULL;
+    RK_OK(rc, lin_pair(4, &a, &ref));
+    ts_module_free(ref);
+    pthread_mutex_lock(&g_build_mu);
+    ts_manual_seed(4);
+    ts_status s0 = ts_linear_new(8, 8, true, &ref);
+    pthread_mutex_unlock(&g_build_mu);
+    RK_OK(rc, s0);
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.mesh = mesh;
+    o.reshard_after_forward = TS_RESHARD_EVERY_N;
+    o.reshard_every_n = 2;
+    RK_OK(rc, ts_fully_shard(a, &o));
+    ts_nn_linear *la = (ts_nn_linear *)a, *lr = (ts_nn_linear *)ref;
+    int64_t start, len;
+    ts_chunk_range(8, rc->W, rc->rank, &start, &len);
+    ts_tensor *x1 = batch(0, 2, 8, xval), *x2 = batch(5, 3, 8, xval);
+    ts_comm *g = ts_mesh_group(mesh, NULL);
+    for (int pass = 0; pass < 2; pass++) {
+        ts_comm_stats_reset(g);
+        ts_tensor *y1 = NULL, *y2 = NULL, *l1 = NULL, *l2 = NULL, *l = NULL;
+        RK_OK(rc, ts_module_call1(a, x1, &y1));
+        RK_EQ(rc, ts_tensor_size(la->weight, 0), 8); /* still unsharded */
+        RK_OK(rc, ts_module_call1(a, x2, &y2));
+        RK_EQ(rc, ts_tensor_size(la->weight, 0), len); /* the 2nd forward resharded */
+        RK_OK(rc, ts_sum(y1, 0, NULL, false, &l1));
+        RK_OK(rc, ts_sum(y2, 0, NULL, false, &l2));
+        RK_OK(rc, ts_add(l1, l2, &l));
+        RK_OK(rc, ts_backward(l, NULL, false));
+        ts_comm_counters cc;
+        ts_comm_stats(g, &cc);
+        /* 1 forward + 1 backward: the second forward's pre-backward gathers
+         * again; the first's finds the group unsharded, since the inputs
+         * need no grad and the reduction waits for the end of backward */
+        RK_EQ(rc, cc.calls[TS_COLL_ALL_GATHER], 2);
+        RK_EQ(rc, cc.calls[TS_COLL_REDUCE_SCATTER], 1);
+        RK_EQ(rc, ts_tensor_size(la->weight, 0), len);
+        ts_tensor_free(y1), ts_tensor_free(y2), ts_tensor_free(l1), ts_tensor_free(l2), ts_tensor_free(l);
+        /* the reference, once per pass too */
+        RK_OK(rc, ts_module_call1(ref, x1, &y1));
+        RK_OK(rc, ts_module_call1(ref, x2, &y2));
+        RK_OK(rc, ts_sum(y1, 0, NULL, false, &l1));
+        RK_OK(rc, ts_sum(y2, 0, NULL, false, &l2));
+        RK_OK(rc, ts_add(l1, l2, &l));
+        RK_OK(rc, ts_backward(l, NULL, false));
+        ts_tensor_free(y1), ts_tensor_free(y2), ts_tensor_free(l1), ts_tensor_free(l2), ts_tensor_free(l);
+        /* after pass 1 the gradients hold two passes' sums */
+        if (close_to(rc, "grad weight", ts_tensor_data(ts_tensor_grad(la->weight)),
+                     (const float *)ts_tensor_data(ts_tensor_grad(lr->weight)) + start * 8, len * 8, 1e-5))
+            return 1;
+        if (close_to(rc, "grad bias", ts_tensor_data(ts_tensor_grad(la->bias)),
+                     (const float *)ts_tensor_data(ts_tensor_grad(lr->bias)) + start, len, 1e-5))
+            return 1;
+    }
+    ts_module_zero_grad(a, true);
+    if (ts_tensor_grad(la->weight)) return fail(rc, "zero_grad(set_to_none) left a gradient");
+    ts_tensor_free(x1);
+    ts_tensor_free(x2);
+    ts_module_free(a);
+    ts_module_free(ref);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard, reshard_every_n_forwards_and_accumulation, .timeout = 60)
+{
+    for (int W = 1; W <= 3; W++) run_world(W, rank_every_n, NULL);
+}
+
+/* ------------------------------------------------------------ uneven */
+
+static int rank_uneven(rank_ctx *rc)
+{
+    ts_mesh *mesh = mesh1(rc);
+    ts_module *a = NULL;
+    pthread_mutex_lock(&g_build_mu);
+    ts_manual_seed(5);
+    ts_status s0 = ts_linear_new(3, 3, false, &a);
+    pthread_mutex_unlock(&g_build_mu);
+    RK_OK(rc, s0);
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.mesh = mesh;
+    RK_OK(rc, ts_fully_shard(a, &o));
+    ts_fsdp_group_info gi;
+    RK_OK(rc, ts_fsdp_group_info_get(a, &gi));
+    RK_EQ(rc, gi.shard_numel, 3);
+    RK_EQ(rc, gi.padded_numel, 12);
+    RK_EQ(rc, gi.padding, 3);
+    RK_EQ(rc, gi.numel, 9);
+    ts_nn_linear *l = (ts_nn_linear *)a;
+    RK_EQ(rc, ts_tensor_size(l->weight, 0), rc->rank < 3 ? 1 : 0);
+    RK_EQ(rc, ts_tensor_size(l->weight, 1), 3);
+    RK_EQ(rc, gi.local_numel, rc->rank < 3 ? 3 : 0);
+    ts_tensor *x = batch(0, 2, 3, xval), *y = NULL, *s = NULL;
+    RK_OK(rc, ts_module_call1(a, x, &y));
+    RK_OK(rc, ts_sum(y, 0, NULL, false, &s));
+    RK_OK(rc, ts_backward(s, NULL, false));
+    ts_tensor *g = ts_tensor_grad(l->weight);
+    if (!g) return fail(rc, "no gradient on the (possibly empty) shard");
+    RK_EQ(rc, ts_tensor_size(g, 0), rc->rank < 3 ? 1 : 0);
+    ts_tensor_free(x), ts_tensor_free(y), ts_tensor_free(s);
+    ts_module_free(a);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+/* Seed 001's Linear(3, 3) on 4 ranks: rows 1, 1, 1, 0; each rank's
+ * segment padded to 3 elements, 12 in all, 3 of them padding. */
+Test(fully_shard, uneven_shards_and_padding, .timeout = 60) { run_world(4, rank_uneven, NULL); }
+
+/* ------------------------------------------------------------ explicit */
+
+/* A module with a named extra method: y = x * w (forward) and
+ * y = 2 * x * w ("double"). */
+typedef struct scale_mod {
+    ts_module base;
+    ts_tensor *w;
+} scale_mod;
+
+static ts_status scale_visit(ts_module *m, const ts_module_visitor *v)
+{
+    return v->param ? v->param(v->ctx, "w", &((scale_mod *)m)->w) : TS_OK;
+}
+static void scale_free(ts_module *m)
+{
+    ts_tensor_free(((scale_mod *)m)->w);
+    free(m);
+}
+static ts_status scale_fwd(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
+{
+    (void)n_in;
+    *n_out = 1;
+    return ts_mul(in[0], ((scale_mod *)m)->w, &out[0]);
+}
+static ts_status scale_double(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
+{
+    ts_tensor *y = NULL;
+    ts_status st = scale_fwd(m, n_in, in, n_out, &y);
+    if (st) return st;
+    st = ts_add(y, y, &out[0]);
+    ts_tensor_free(y);
+    return st;
+}
+static const ts_module_method scale_methods[] = {{"double", scale_double}};
+static const ts_module_vtable scale_vt = {"Scale", scale_fwd, scale_visit, scale_free, scale_methods, 1, NULL};
+
+static ts_module *scale_new(void)
+{
+    scale_mod *m = calloc(1, sizeof *m);
+    ts_module_init(&m->base, &scale_vt);
+    int64_t n = 6;
+    ts_tensor *w = NULL;
+    ts_tensor_arange(TS_F32, 1, 7, 1, &w);
+    ts_tensor_set_requires_grad(w, true);
+    (void)n;
+    m->w = w;
+    return &m->base;
+}
+
+static int rank_explicit(rank_ctx *rc)
+{
+    ts_mesh *mesh = mesh1(rc);
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.mesh = mesh;
+    o.reshard_after_forward = TS_RESHARD_TRUE;
+    ts_module *m = scale_new();
+    RK_OK(rc, ts_fully_shard(m, &o));
+    RK_OK(rc, ts_fsdp_register_forward_method(m, "nope") == TS_ERR_NOT_FOUND ? TS_OK : TS_ERR_INTERNAL);
+    scale_mod *sm = (scale_mod *)m;
+    int64_t start, len;
+    ts_chunk_range(6, rc->W, rc->rank, &start, &len);
+    /* async unshard: full after the wait, shard again after reshard */
+    ts_fsdp_unshard_handle *h = NULL;
+    RK_OK(rc, ts_fsdp_unshard(m, true, &h));
+    if (!h) return fail(rc, "no handle from an async unshard");
+    RK_OK(rc, ts_fsdp_unshard_wait(h));
+    RK_EQ(rc, ts_tensor_size(sm->w, 0), 6);
+    for (int i = 0; i < 6; i++)
+        if (((float *)ts_tensor_data(sm->w))[i] != (float)(i + 1)) return fail(rc, "unsharded w[%d] wrong", i);
+    RK_OK(rc, ts_fsdp_reshard(m));
+    RK_EQ(rc, ts_tensor_size(sm->w, 0), len);
+    /* the named method: refused on shards until registered */
+    int64_t xs[1] = {6};
+    ts_tensor *x = NULL, *outs[TS_MODULE_MAX_IO];
+    RK_OK(rc, ts_tensor_ones(TS_F32, 1, xs, &x));
+    int n = 0;
+    RK_EQ(rc, ts_module_call_method(m, "double", 1, &x, &n, outs), TS_ERR_SHARDED);
+    RK_OK(rc, ts_fsdp_register_forward_method(m, "double"));
+    RK_OK(rc, ts_module_call_method(m, "double", 1, &x, &n, outs));
+    RK_EQ(rc, n, 1);
+    for (int i = 0; i < 6; i++)
+        if (((float *)ts_tensor_data(outs[0]))[i] != 2.0f * (float)(i + 1)) return fail(rc, "double[%d] wrong", i);
+    RK_EQ(rc, ts_tensor_size(sm->w, 0), len); /* resharded after the method */
+    ts_tensor_free(outs[0]);
+    /* summon with write-back: every rank doubles w; the shards keep it */
+    ts_fsdp_summon *s = NULL;
+    RK_OK(rc, ts_fsdp_summon_full_params(m, true, &s));
+    RK_EQ(rc, ts_tensor_size(sm->w, 0), 6);
+    for (int i = 0; i < 6; i++) ((float *)ts_tensor_data(sm->w))[i] *= 2;
+    RK_OK(rc, ts_fsdp_summon_end(s));
+    RK_EQ(rc, ts_tensor_size(sm->w, 0), len);
+    ts_tensor *lv = NULL;
+    RK_OK(rc, ts_tensor_local_view(sm->w, &lv));
+    for (int64_t i = 0; i < len; i++)
+        if (((float *)ts_tensor_data(lv))[i] != 2.0f * (float)(start + i + 1))
+            return fail(rc, "shard after write-back [%lld] = %g", (long long)i, ((float *)ts_tensor_data(lv))[i]);
+    ts_tensor_free(lv);
+    /* without write-back the edit is dropped */
+    RK_OK(rc, ts_fsdp_summon_full_params(m, false, &s));
+    for (int i = 0; i < 6; i++) ((float *)ts_tensor_data(sm->w))[i] = -1;
+    RK_OK(rc, ts_fsdp_summon_end(s));
+    RK_OK(rc, ts_fsdp_unshard(m, false, NULL));
+    for (int i = 0; i < 6; i++)
+        if (((float *)ts_tensor_data(sm->w))[i] != 2.0f * (float)(i + 1)) return fail(rc, "edit without write-back kept");
+    RK_OK(rc, ts_fsdp_reshard(m));
+    ts_tensor_free(x);
+    ts_module_free(m);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard, explicit_unshard_summon_and_forward_method, .timeout = 60)
+{
+    th_mem_mark();
+    for (int W = 1; W <= 4; W++) run_world(W, rank_explicit, NULL);
+    th_mem_assert_back();
+}
+
+/* ------------------------------------------------------------ state dicts */
+
+static int rank_state_dict(rank_ctx *rc)
+{
+    ts_mesh *mesh = mesh1(rc);
+    mlp m, plain, m2;
+    RK_OK(rc, mlp_new(11, IN, HID, OUT, &m));
+    RK_OK(rc, mlp_new(99, IN, HID, OUT, &plain));
+    RK_OK(rc, mlp_new(98, IN, HID, OUT, &m2));
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.mesh = mesh;
+    RK_OK(rc, ts_fully_shard_each(3, m.lin, &o));
+    RK_OK(rc, ts_fully_shard(m.root, &o));
+    RK_OK(rc, ts_fully_shard_each(3, m2.lin, &o));
+    RK_OK(rc, ts_fully_shard(m2.root, &o));
+    ts_state_dict *full = NULL, *r0 = NULL;
+    RK_OK(rc, ts_fsdp_full_state_dict(m.root, false, &full));
+    RK_OK(rc, ts_fsdp_full_state_dict(m.root, true, &r0));
+    RK_EQ(rc, ts_state_dict_size(full), 6);
+    RK_EQ(rc, ts_state_dict_size(r0), rc->rank == 0 ? 6 : 0);
+    RK_EQ(rc, ts_tensor_size(ts_state_dict_get(full, "2.weight"), 0), HID);
+    /* through a safetensors file into an unsharded model */
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/ts-fsdp-sd-%d-%d.safetensors", (int)getpid(), rc->rank);
+    RK_OK(rc, ts_safetensors_save(path, full, NULL, 0));
+    ts_state_dict *back = NULL;
+    RK_OK(rc, ts_safetensors_load(path, &back));
+    unlink(path);
+    RK_OK(rc, ts_module_load_state_dict(plain.root, back, true));
+    /* and into another sharded model */
+    RK_OK(rc, ts_fsdp_load_full_state_dict(m2.root, back, true));
+    ts_tensor *x = batch(0, 4, IN, xval), *y1 = NULL, *y2 = NULL, *y3 = NULL;
+    RK_OK(rc, ts_module_call1(m.root, x, &y1));
+    RK_OK(rc, ts_module_call1(plain.root, x, &y2));
+    RK_OK(rc, ts_module_call1(m2.root, x, &y3));
+    if (close_to(rc, "unsharded load", ts_tensor_data(y2), ts_tensor_data(y1), 4 * OUT, 1e-6)) return 1;
+    if (close_to(rc, "sharded load", ts_tensor_data(y3), ts_tensor_data(y1), 4 * OUT, 1e-6)) return 1;
+    /* errors: a wrong shape, a missing key */
+    ts_state_dict *bad = NULL;
+    RK_OK(rc, ts_state_dict_new(&bad));
+    int64_t sh[2] = {3, 3};
+    ts_tensor *t = NULL;
+    RK_OK(rc, ts_tensor_zeros(TS_F32, 2, sh, &t));
+    RK_OK(rc, ts_state_dict_set(bad, "0.weight", t));
+    RK_EQ(rc, ts_fsdp_load_full_state_dict(m2.root, bad, false), TS_ERR_SHAPE);
+    if (!strstr(ts_last_error(), "0.weight")) return fail(rc, "message: %s", ts_last_error());
+    RK_EQ(rc, ts_fsdp_load_full_state_dict(m2.root, bad, true), TS_ERR_NOT_FOUND);
+    ts_tensor_free(t);
+    ts_state_dict_free(bad);
+    ts_tensor_free(x), ts_tensor_free(y1), ts_tensor_free(y2), ts_tensor_free(y3);
+    ts_state_dict_free(full);
+    ts_state_dict_free(r0);
+    ts_state_dict_free(back);
+    ts_module_free(m.root);
+    ts_module_free(m2.root);
+    ts_module_free(plain.root);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard, full_state_dict_round_trips, .timeout = 60)
+{
+    for (int W = 1; W <= 3; W++) run_world(W, rank_state_dict, NULL);
+}
+
+/* ------------------------------------------------------------ GPT */
+
+#define GB 4 /* sequences in the global batch */
+#define GT 8 /* tokens per sequence */
+
+static ts_status gpt_build(ts_module **out)
+{
+    ts_gpt_config cfg = ts_gpt_config_default();
+    cfg.vocab_size = 16, cfg.block_size = GT, cfg.n_layer = 2, cfg.n_head = 2, cfg.d_model = 16;
+    cfg.tie_weights = true;
+    pthread_mutex_lock(&g_build_mu);
+    ts_manual_seed(3);
+    ts_status st = ts_gpt_new(&cfg, out);
+    pthread_mutex_unlock(&g_build_mu);
+    return st;
+}
+
+/* tokens of sequences [s0, s0 + n): ids (n, GT) and next-token targets */
+static void gpt_batch(int s0, int n, ts_tensor **ids, ts_tensor **tgt)
+{
+    int64_t sh[2] = {n, GT}, st[1] = {n * GT};
+    ts_tensor_empty(TS_I64, 2, sh, ids);
+    ts_tensor_empty(TS_I64, 1, st, tgt);
+    int64_t *a = ts_tensor_data(*ids), *b = ts_tensor_data(*tgt);
+    for (int s = 0; s < n; s++)
+        for (int t = 0; t < GT; t++) {
+            a[s * GT + t] = ((s0 + s) * 3 + t * 5) % 16;
+            b[s * GT + t] = ((s0 + s) * 3 + (t + 1) * 5) % 16;
+        }
+}
+
+static ts_status gpt_step(ts_module *m, ts_optim *opt, ts_tensor *ids, ts_tensor *tgt, double *loss_out)
+{
+    ts_tensor *logits = NULL, *flat = NULL, *loss = NULL;
+    ts_optim_zero_grad(opt, true);
+    ts_status st = ts_module_call1(m, ids, &logits);
+    int64_t sh[2] = {-1, 16};
+    if (!st) st = ts_reshape(logits, 2, sh, &flat);
+    if (!st) st = ts_cross_entropy(flat, tgt, -100, TS_REDUCTION_MEAN, &loss);
+    if (!st) st = ts_tensor_item(loss, loss_out);
+    if (!st) st = ts_backward(loss, NULL, false);
+    if (!st) st = ts_optim_step(opt);
+    ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
+    return st;
+}
+
+static ts_status params_of(ts_module *m, ts_tensor **ps, int *n)
+{
+    ts_named_params np;
+    ts_status st = ts_module_named_parameters(m, &np);
+    if (st) return st;
+    for (int i = 0; i < np.n; i++) ps[i] = *np.items[i].slot;
+    *n = np.n;
+    ts_named_params_free(&np);
+    return TS_OK;
+}
+
+/* A tied GPT (lm_head.weight is tok_emb.weight): blocks sharded one group
+ * each, the embedding and the head together in one group, then the root;
+ * 3 SGD steps on W ranks equal one process on the whole batch. Sharding
+ * the embedding alone first is refused when the root (which holds the
+ * head) is sharded. */
+static int rank_gpt(rank_ctx *rc)
+{
+    ts_mesh *mesh = mesh1(rc);
+    ts_module *ref = NULL, *m = NULL;
+    RK_OK(rc, gpt_build(&ref));
+    RK_OK(rc, gpt_build(&m));
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.mesh = mesh;
+    ts_module *b0 = NULL, *b1 = NULL, *emb = NULL, *head = NULL;
+    RK_OK(rc, ts_module_get_submodule(m, "blocks.0", &b0));
+    RK_OK(rc, ts_module_get_submodule(m, "blocks.1", &b1));
+    RK_OK(rc, ts_module_get_submodule(m, "tok_emb", &emb));
+    RK_OK(rc, ts_module_get_submodule(m, "lm_head", &head));
+    ts_module *blocks[2] = {b0, b1}, *tied[2] = {emb, head};
+    RK_OK(rc, ts_fully_shard_each(2, blocks, &o));
+    RK_OK(rc, ts_fully_shard_group(2, tied, &o));
+    RK_OK(rc, ts_fully_shard(m, &o));
+    ts_tensor *ps[64], *rps[64];
+    int np = 0, nrp = 0;
+    RK_OK(rc, params_of(m, ps, &np));
+    RK_OK(rc, params_of(ref, rps, &nrp));
+    RK_EQ(rc, np, nrp);
+    ts_sgd_options so = ts_sgd_options_default();
+    so.lr = 0.3;
+    so.momentum = 0.9;
+    ts_optim *opt = NULL, *ropt = NULL;
+    RK_OK(rc, ts_sgd_new(np, ps, &so, &opt));
+    RK_OK(rc, ts_sgd_new(nrp, rps, &so, &ropt));
+    int per = GB / rc->W;
+    ts_tensor *ids = NULL, *tgt = NULL, *rids = NULL, *rtgt = NULL;
+    gpt_batch(rc->rank * per, per, &ids, &tgt);
+    gpt_batch(0, GB, &rids, &rtgt);
+    for (int s = 0; s < 3; s++) {
+        double l = 0, rl = 0;
+        RK_OK(rc, gpt_step(m, opt, ids, tgt, &l));
+        RK_OK(rc, gpt_step(ref, ropt, rids, rtgt, &rl));
+    }
+    ts_state_dict *sd = NULL, *rsd = NULL;
+    RK_OK(rc, ts_fsdp_full_state_dict(m, false, &sd));
+    RK_OK(rc, ts_module_state_dict(ref, &rsd));
+    RK_EQ(rc, ts_state_dict_size(sd), ts_state_dict_size(rsd));
+    for (int i = 0; i < ts_state_dict_size(rsd); i++) {
+        const char *name = ts_state_dict_name(rsd, i);
+        ts_tensor *a = ts_state_dict_get(sd, name), *b = ts_state_dict_tensor(rsd, i);
+        if (!a) return fail(rc, "no '%s' in the full state dict", name);
+        RK_EQ(rc, ts_tensor_numel(a), ts_tensor_numel(b));
+        char what[160];
+        snprintf(what, sizeof what, "W=%d %s", rc->W, name);
+        if (close_to(rc, what, ts_tensor_data(a), ts_tensor_data(b), ts_tensor_numel(a), 2e-5)) return 1;
+    }
+    ts_state_dict_free(sd);
+    ts_state_dict_free(rsd);
+    ts_optim_free(opt);
+    ts_optim_free(ropt);
+    ts_tensor_free(ids), ts_tensor_free(tgt), ts_tensor_free(rids), ts_tensor_free(rtgt);
+    ts_module_free(m);
+    ts_module_free(ref);
+    /* the tied weight sharded with the embedding alone, then the root */
+    RK_OK(rc, gpt_build(&m));
+    RK_OK(rc, ts_module_get_submodule(m, "tok_emb", &emb));
+    RK_OK(rc, ts_fully_shard(emb, &o));
+    RK_EQ(rc, ts_fully_shard(m, &o), TS_ERR_INVALID_ARGUMENT);
+    if (!strstr(ts_last_error(), "lm_head.weight") || !strstr(ts_last_error(), "one call"))
+        return fail(rc, "message: %s", ts_last_error());
+    ts_module_free(m);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard, tied_gpt_training_on_w_ranks_equals_one_process, .timeout = 240)
+{
+    for (int W = 1; W <= 4; W *= 2) run_world(W, rank_gpt, NULL);
 }
