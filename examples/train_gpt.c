@@ -1,16 +1,23 @@
 /* Trains a small GPT-style character model with AdamW and a warmup +
  * cosine learning-rate schedule, on a built-in grammar corpus or any text
- * file. Prints step, loss, tokens/s and peak memory.
+ * file, with fully_shard: each transformer block is one FSDP group, the
+ * root (embeddings, final norm, head) another. Run alone it is one rank;
+ * under tsrun (or mpirun, srun) every rank trains on its own batches and
+ * the gradients are averaged, so W ranks see W times the data per step.
+ * Rank 0 prints step, loss (averaged over ranks), tokens/s (all ranks)
+ * and peak memory.
  *
- * Usage: train_gpt [--data FILE] [--steps N] [--batch B] [--seq T]
- *                  [--layers L] [--heads H] [--dim D] [--lr LR] [--seed S] */
+ * Usage: [tsrun --nproc-per-node N] train_gpt [--data FILE] [--steps N]
+ *        [--batch B] [--seq T] [--layers L] [--heads H] [--dim D] [--lr LR]
+ *        [--seed S] [--save FILE.safetensors] */
 #include "examples/common.h"
 
 #include <math.h>
 
 int main(int argc, char **argv)
 {
-    const char *data = NULL;
+    ts_launch_rank_guard();
+    const char *data = NULL, *save = NULL;
     int steps = 300, batch = 8, seq = 64, layers = 2, heads = 4, dim = 64;
     double lr = 3e-3;
     unsigned long seed = 1337;
@@ -30,9 +37,10 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--dim")) dim = atoi(v);
         else if (!strcmp(a, "--lr")) lr = atof(v);
         else if (!strcmp(a, "--seed")) seed = strtoul(v, NULL, 10);
+        else if (!strcmp(a, "--save")) save = v;
         else {
             fprintf(stderr, "usage: %s [--data FILE] [--steps N] [--batch B] [--seq T] [--layers L] [--heads H] "
-                            "[--dim D] [--lr LR] [--seed S]\n", argv[0]);
+                            "[--dim D] [--lr LR] [--seed S] [--save FILE]\n", argv[0]);
             return 2;
         }
         i++;
@@ -41,6 +49,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "invalid sizes: steps, batch, layers, heads >= 1, seq >= 2, dim a multiple of heads\n");
         return 2;
     }
+    CHECK(ts_dist_init(NULL));
+    ts_comm *world = ts_dist_world();
+    int rank = ts_comm_rank(world), W = ts_comm_size(world);
+    if (rank != 0) /* one voice */
+        if (!freopen("/dev/null", "w", stdout))
+            return 1;
     size_t len;
     char *text = data ? ex_read_file(data, &len) : ex_grammar_corpus(200000, 7);
     if (!text)
@@ -69,6 +83,15 @@ int main(int argc, char **argv)
     cfg.d_model = dim;
     ts_module *model;
     CHECK(ts_gpt_new(&cfg, &model));
+    /* bottom-up: each block its own group, then the root takes the rest */
+    for (int l = 0; l < layers; l++) {
+        char name[32];
+        ts_module *block;
+        snprintf(name, sizeof name, "blocks.%d", l);
+        CHECK(ts_module_get_submodule(model, name, &block));
+        CHECK(ts_fully_shard(block, NULL));
+    }
+    CHECK(ts_fully_shard(model, NULL));
     ts_named_params params;
     CHECK(ts_module_named_parameters(model, &params));
     ts_tensor **plist = malloc((size_t)params.n * sizeof *plist);
@@ -80,12 +103,18 @@ int main(int argc, char **argv)
     ts_optim *opt;
     CHECK(ts_adamw_new(params.n, plist, &ao, &opt));
     ts_lr_schedule sched = {TS_LR_WARMUP_COSINE, lr, steps / 10 + 1, steps, lr / 10};
-    printf("model: GPT %d layers, %d heads, d_model %d, %lld parameters\n", layers, heads, dim,
-           (long long)ts_module_num_parameters(model));
+    ts_fsdp_group_info gi;
+    CHECK(ts_fsdp_group_info_get(model, &gi));
+    int64_t local = 0;
+    for (int i = 0; i < params.n; i++)
+        local += ts_tensor_numel(plist[i]);
+    printf("model: GPT %d layers, %d heads, d_model %d; fully_shard over %d rank%s (%s): %lld parameter elements "
+           "on rank 0\n",
+           layers, heads, dim, W, W > 1 ? "s" : "", W > 1 ? "tsrun world" : "one-rank mesh", (long long)local);
 
     int64_t *ids = malloc((size_t)batch * (size_t)seq * sizeof *ids), *tg = malloc((size_t)batch * (size_t)seq * sizeof *tg);
     ts_generator *data_rng;
-    CHECK(ts_generator_new(seed + 1, &data_rng));
+    CHECK(ts_generator_new(seed + 1 + (unsigned long)rank, &data_rng)); /* each rank its own batches */
     double t0 = ex_now(), first = 0, last = 0, window = 0;
     int64_t tokens = 0;
     for (int step = 0; step < steps; step++) {
@@ -106,7 +135,7 @@ int main(int argc, char **argv)
         CHECK(ts_cross_entropy(flat, y, -100, TS_REDUCTION_MEAN, &loss));
         CHECK(ts_backward(loss, NULL, false));
         double gn;
-        ts_status cs = ts_clip_grad_norm(params.n, plist, 1.0, &gn);
+        ts_status cs = ts_fsdp_clip_grad_norm(model, 1.0, &gn);
         if (cs) {
             fprintf(stderr, "step %d: %s\n", step, ts_last_error());
             return 1;
@@ -115,12 +144,21 @@ int main(int argc, char **argv)
         CHECK(ts_optim_step(opt));
         ts_optim_zero_grad(opt, true);
         double l;
-        CHECK(ts_tensor_item(loss, &l));
+        {
+            /* the loss averaged over the ranks, for the log */
+            int64_t one = 1;
+            ts_tensor *lt;
+            CHECK(ts_tensor_item(loss, &l));
+            CHECK(ts_tensor_full(TS_F64, 1, &one, l, &lt));
+            CHECK(ts_all_reduce(world, lt, TS_REDUCE_AVG, NULL));
+            CHECK(ts_tensor_item(lt, &l));
+            ts_tensor_free(lt);
+        }
         if (step == 0)
             first = l;
         last = l;
         window += l;
-        tokens += (int64_t)batch * seq;
+        tokens += (int64_t)batch * seq * W;
         int every = steps >= 20 ? steps / 20 : 1;
         if ((step + 1) % every == 0 || step == 0) {
             double el = ex_now() - t0;
@@ -136,6 +174,15 @@ int main(int argc, char **argv)
         ts_tensor_free(loss);
     }
     printf("loss %.4f -> %.4f (uniform guess: %.4f)\n", first, last, log((double)vocab));
+    if (save) { /* gathered on rank 0 only, then written there */
+        ts_state_dict *sd;
+        CHECK(ts_fsdp_full_state_dict(model, true, &sd));
+        if (rank == 0) {
+            CHECK(ts_safetensors_save(save, sd, NULL, 0));
+            printf("saved %d full tensors to %s\n", ts_state_dict_size(sd), save);
+        }
+        ts_state_dict_free(sd);
+    }
     ts_generator_free(data_rng);
     ts_optim_free(opt);
     free(plist);
@@ -144,5 +191,6 @@ int main(int argc, char **argv)
     free(ids);
     free(tg);
     free(text);
+    CHECK(ts_dist_finalize());
     return last < first * 0.6 ? 0 : 1;
 }

@@ -43,6 +43,7 @@
 #include "nn/internal.h"
 #include "tensor/internal.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -1796,6 +1797,92 @@ ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *s
         ts_tensor_free(lv);
     }
     ts_grad_mode_set(prev);
+    ts_named_params_free(&np);
+    ts__free(TS_MEM_NN, w.g);
+    return st;
+}
+
+/* ------------------------------------------------------------------ */
+/* Gradient clipping                                                   */
+/* ------------------------------------------------------------------ */
+
+static double sum_squares(const ts_tensor *g)
+{
+    ts_tensor *c = NULL;
+    if (ts_contiguous((ts_tensor *)g, &c)) return NAN;
+    double s = 0;
+    int64_t n = ts_tensor_numel(c);
+    const void *p = ts_tensor_data(c);
+    for (int64_t i = 0; i < n; i++) {
+        double v;
+        switch (ts_tensor_dtype(c)) {
+        case TS_F32: v = ((const float *)p)[i]; break;
+        case TS_F64: v = ((const double *)p)[i]; break;
+        case TS_BF16: v = ts_bf16_to_f32(((const uint16_t *)p)[i]); break;
+        case TS_F16: v = ts_f16_to_f32(((const uint16_t *)p)[i]); break;
+        default: v = NAN;
+        }
+        s += v * v;
+    }
+    ts_tensor_free(c);
+    return s;
+}
+
+ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *total_norm_out)
+{
+    static const char fn[] = "ts_fsdp_clip_grad_norm";
+    if (!module || !total_norm_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+    if (!(max_norm >= 0)) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid max_norm %g (must be >= 0)", fn, max_norm);
+    groups_walk w;
+    ts_status st = subtree_groups(module, &w);
+    if (st) return st;
+    ts_named_params np = {0};
+    double total = 0;
+    /* each group's shards: local sum, then summed over its shard ranks */
+    for (int i = 0; i < w.n && !st; i++) {
+        fsdp_group *g = w.g[i];
+        double local = 0;
+        for (int k = 0; k < g->n; k++) {
+            ts_tensor *gr = ts_tensor_grad(g->params[k].S);
+            if (gr) local += sum_squares(gr);
+        }
+        int64_t one = 1;
+        ts_tensor *t = NULL;
+        if ((st = ts_tensor_full(TS_F64, 1, &one, local, &t))) break;
+        if (!(st = ts_all_reduce(g->pg, t, TS_REDUCE_SUM, NULL))) total += *(double *)ts_tensor_data(t);
+        ts_tensor_free(t);
+    }
+    /* parameters outside every group (ignored ones): counted as they are */
+    if (!st) st = ts_module_named_parameters(module, &np);
+    for (int i = 0; i < np.n && !st; i++) {
+        ts_tensor *t = *np.items[i].slot;
+        if (find_param(&w, t, NULL)) continue;
+        ts_tensor *gr = ts_tensor_grad(t);
+        if (gr) total += sum_squares(gr);
+    }
+    if (!st) {
+        total = sqrt(total);
+        *total_norm_out = total;
+        if (!isfinite(total))
+            st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the total gradient norm is %g; gradients left unchanged", fn,
+                          total);
+    }
+    double coef = max_norm / (total + 1e-6);
+    if (!st && coef < 1.0) {
+        bool prev = ts_grad_mode_set(false);
+        for (int i = 0; i < np.n && !st; i++) {
+            ts_tensor *t = *np.items[i].slot;
+            fsdp_param *p = find_param(&w, t, NULL);
+            ts_tensor *gr = ts_tensor_grad(p ? p->S : t);
+            if (!gr) continue;
+            ts_tensor *sc = NULL;
+            if (!(st = ts_mul_scalar(gr, coef, &sc))) {
+                st = ts_tensor_copy_(gr, sc);
+                ts_tensor_free(sc);
+            }
+        }
+        ts_grad_mode_set(prev);
+    }
     ts_named_params_free(&np);
     ts__free(TS_MEM_NN, w.g);
     return st;

@@ -175,6 +175,16 @@ TS_API ts_status ts_fsdp_set_implicit_prefetch(ts_module *module, bool forward, 
 typedef void (*ts_fsdp_event_fn)(void *ctx, const char *event, const char *fqn);
 TS_API void ts_fsdp_set_event_hook(ts_fsdp_event_fn fn, void *ctx);
 
+/* clip_grad_norm over a sharded model (torch.nn.utils.clip_grad_norm_ on
+ * FSDP2's DTensor gradients): the total 2-norm of every gradient of the
+ * module tree, each shard counted once (sums of squares all-reduced over
+ * each group's shard ranks; parameters outside groups are counted as they
+ * are), then every gradient multiplied by max_norm / (total + 1e-6) when
+ * that is below 1. Collective. Writes the total norm. A non-finite total
+ * returns TS_ERR_INVALID_ARGUMENT and changes nothing; TS_ERR_INVALID_ARGUMENT
+ * for max_norm < 0 or NaN and NULL arguments; collective errors. */
+TS_API ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *total_norm_out);
+
 /* ----------------------------------------------------- state dicts */
 
 /* Every parameter of the module tree under every name (as

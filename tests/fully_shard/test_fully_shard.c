@@ -200,6 +200,15 @@ static int rank_sharded_step(rank_ctx *rc)
     const float *rgw = ts_tensor_data(ts_tensor_grad(rl->weight)), *rgb = ts_tensor_data(ts_tensor_grad(rl->bias));
     if (close_to(rc, "grad weight", ts_tensor_data(gw), rgw + start * 8, len * 8, 1e-6)) return 1;
     if (close_to(rc, "grad bias", ts_tensor_data(gb), rgb + start, len, 1e-6)) return 1;
+    /* clipping: the same total norm as the unsharded gradients, and the
+     * same clipped values */
+    double tot = 0, rtot = 0;
+    ts_tensor *rps0[2] = {rl->weight, rl->bias};
+    RK_OK(rc, ts_fsdp_clip_grad_norm(model, 0.5, &tot));
+    RK_OK(rc, ts_clip_grad_norm(2, rps0, 0.5, &rtot));
+    if (!(fabs(tot - rtot) <= 1e-5 * rtot)) return fail(rc, "total norm %.9g, reference %.9g", tot, rtot);
+    if (!(rtot > 0.5)) return fail(rc, "the test needs clipping (total %g)", rtot);
+    if (close_to(rc, "clipped grad", ts_tensor_data(gw), rgw + start * 8, len * 8, 1e-5)) return 1;
     /* one SGD step on the shards and on the reference */
     ts_sgd_options so = ts_sgd_options_default();
     so.lr = 0.1;
