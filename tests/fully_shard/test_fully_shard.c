@@ -184,6 +184,11 @@ static int rank_sharded_step(rank_ctx *rc)
     RK_EQ(rc, ts_dtensor_shape(dt)[0], 8);
     RK_EQ(rc, ts_dtensor_placements(dt)[0].kind, TS_PLACEMENT_SHARD);
     RK_EQ(rc, ts_dtensor_local_offset(dt, 0), start);
+    ts_tensor *fullw = NULL; /* the DTensor gathers the whole weight (collective) */
+    RK_OK(rc, ts_dtensor_full_tensor(dt, &fullw));
+    if (close_to(rc, "dtensor full weight", ts_tensor_data(fullw), ts_tensor_data(((ts_nn_linear *)ref)->weight), 64, 0))
+        return 1;
+    ts_tensor_free(fullw);
 
     ts_tensor *y = NULL, *ly = NULL, *ry = NULL, *rly = NULL;
     RK_OK(rc, ts_module_call1(model, x, &y));
@@ -488,6 +493,7 @@ static void record(void *ctx, const char *ev, const char *fqn)
 typedef struct ev_arg {
     bool prefetch;
     const char *const *want_fwd, *const *want_bwd;
+    bool explicit_lists; /* block i prefetches block i+1 forward, i-1 backward */
 } ev_arg;
 
 /* PyTorch's TestFullyShardPrefetch model: a root with parameters (an input
@@ -515,6 +521,13 @@ static int rank_events(rank_ctx *rc)
     RK_OK(rc, ts_fully_shard_each(3, blocks, &o));
     RK_OK(rc, ts_fully_shard(root, &o));
     RK_OK(rc, ts_fsdp_set_implicit_prefetch(root, a->prefetch, a->prefetch));
+    if (a->explicit_lists) {
+        RK_OK(rc, ts_fsdp_set_modules_to_forward_prefetch(blocks[0], 1, &blocks[1]));
+        RK_OK(rc, ts_fsdp_set_modules_to_forward_prefetch(blocks[1], 1, &blocks[2]));
+        RK_OK(rc, ts_fsdp_set_modules_to_backward_prefetch(blocks[2], 1, &blocks[1]));
+        RK_OK(rc, ts_fsdp_set_modules_to_backward_prefetch(blocks[1], 1, &blocks[0]));
+        RK_EQ(rc, ts_fsdp_set_modules_to_forward_prefetch(blocks[0], 1, &inner), TS_ERR_INVALID_ARGUMENT);
+    }
     int64_t xs[2] = {2, 6};
     ts_tensor *x = NULL;
     RK_OK(rc, ts_tensor_ones(TS_F32, 2, xs, &x));
@@ -570,10 +583,16 @@ Test(fully_shard, unshard_and_post_backward_sequence, .timeout = 60)
     static const char *bwd_off[] = {"unshard root",      "unshard 1.2",       "post_backward 1.2", "unshard 1.1",
                                     "post_backward 1.1", "unshard 1.0",       "post_backward 1.0", "post_backward root",
                                     NULL};
+    /* explicit lists, implicit prefetch off: each block gathers the next
+     * right after its own unshard; backward as with the implicit order */
+    static const char *fwd_ex[] = {"pre_forward root", "unshard root",     "pre_forward 1.0", "unshard 1.0",
+                                   "unshard 1.1",      "pre_forward 1.1", "unshard 1.2",     "pre_forward 1.2",
+                                   NULL};
     ts_fsdp_set_event_hook(record, NULL);
-    ev_arg on = {true, fwd_on, bwd_on}, off = {false, fwd_off, bwd_off};
+    ev_arg on = {true, fwd_on, bwd_on, false}, off = {false, fwd_off, bwd_off, false}, ex = {false, fwd_ex, bwd_on, true};
     run_world(2, rank_events, &on);
     run_world(2, rank_events, &off);
+    run_world(2, rank_events, &ex);
     ts_fsdp_set_event_hook(NULL, NULL);
 }
 
@@ -1167,3 +1186,43 @@ Test(fully_shard, tied_gpt_training_on_w_ranks_equals_one_process, .timeout = 24
 {
     for (int W = 1; W <= 4; W *= 2) run_world(W, rank_gpt, NULL);
 }
+
+/* ------------------------------------------------------------ ignored */
+
+/* An ignored parameter stays whole, outside every group: its gradient is
+ * this rank's own (not averaged), and the rest is sharded as usual. */
+static int rank_ignored(rank_ctx *rc)
+{
+    ts_mesh *mesh = mesh1(rc);
+    ts_module *a = NULL, *ref = NULL;
+    RK_OK(rc, lin_pair(6, &a, &ref));
+    ts_module_free(ref);
+    ts_nn_linear *l = (ts_nn_linear *)a;
+    ts_tensor *bias = l->bias;
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.mesh = mesh;
+    o.ignored_params = &bias;
+    o.n_ignored_params = 1;
+    RK_OK(rc, ts_fully_shard(a, &o));
+    ts_fsdp_group_info gi;
+    RK_OK(rc, ts_fsdp_group_info_get(a, &gi));
+    RK_EQ(rc, gi.n_params, 1);
+    RK_EQ(rc, ts_tensor_size(l->bias, 0), 8);
+    if (ts_tensor_is_shard(l->bias) || l->bias != bias) return fail(rc, "the ignored bias was replaced");
+    /* rank r sums r + 1 rows: the bias gradient is r + 1, the rank's own */
+    ts_tensor *x = batch(0, rc->rank + 1, 8, xval), *y = NULL, *sum = NULL;
+    RK_OK(rc, ts_module_call1(a, x, &y));
+    RK_OK(rc, ts_sum(y, 0, NULL, false, &sum));
+    RK_OK(rc, ts_backward(sum, NULL, false));
+    ts_tensor *gb = ts_tensor_grad(l->bias);
+    if (!gb) return fail(rc, "no gradient on the ignored bias");
+    for (int i = 0; i < 8; i++)
+        if (((float *)ts_tensor_data(gb))[i] != (float)(rc->rank + 1)) return fail(rc, "ignored bias grad[%d] = %g", i,
+                                                                  ((float *)ts_tensor_data(gb))[i]);
+    ts_tensor_free(x), ts_tensor_free(y), ts_tensor_free(sum);
+    ts_module_free(a);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard, ignored_parameters_stay_whole, .timeout = 60) { run_world(2, rank_ignored, NULL); }
