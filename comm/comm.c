@@ -45,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #define ERR_LEN 256
@@ -55,6 +56,9 @@
  * microseconds per hand-off; spinning costs a core, which on a machine
  * with fewer cores than threads delays the other ranks. */
 #define SPIN_US_DEFAULT 50
+#define BUSY_RETRIES 16 /* arm attempts the transport may refuse before a nap */
+#define NAP_MIN_US 5     /* naps then double up to NAP_MAX_US while nothing happens */
+#define NAP_MAX_US 500
 static uint64_t g_spin_ns;
 static pthread_once_t g_spin_once = PTHREAD_ONCE_INIT;
 static void spin_init(void)
@@ -104,6 +108,7 @@ struct world {
     bool stop;
     double timeout_s;
     _Atomic uint64_t next_gid; /* the next group id this rank may propose */
+    atomic_int waiters;        /* callers blocked in ts_request_wait */
     /* communication thread only */
     op *active;
     ts_status failed;
@@ -385,9 +390,13 @@ ts_status ts_request_wait(ts_request *r)
 {
     if (!r) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_request_wait: NULL request");
     if (!atomic_load(&r->done)) {
+        /* a blocked caller tells the communication thread to favour
+         * latency over CPU (see the thread's loop) */
+        atomic_fetch_add(&r->w->waiters, 1);
         pthread_mutex_lock(&r->w->mu);
         while (!atomic_load(&r->done)) pthread_cond_wait(&r->w->cv, &r->w->mu);
         pthread_mutex_unlock(&r->w->mu);
+        atomic_fetch_sub(&r->w->waiters, 1);
     }
     if (r->status != TS_OK) return ts_error(r->status, "%s", r->err);
     return TS_OK;
@@ -675,6 +684,8 @@ static void *comm_thread(void *arg)
     ts_trace_thread_name("comm");
     ts_transport *t = w->t;
     uint64_t spin = spin_ns(), last_event = ts_now_ns();
+    int busy = 0;
+    long nap_us = NAP_MIN_US;
     for (;;) {
         pthread_mutex_lock(&w->mu);
         op *q = w->queue;
@@ -725,15 +736,34 @@ static void *comm_thread(void *arg)
         sweep(w);
         if (n > 0) {
             last_event = ts_now_ns();
+            nap_us = NAP_MIN_US;
             continue;
         }
         if (ts_now_ns() - last_event < spin) continue;
-        if (t->vt->arm(t) == TS_ERR_ALREADY) continue;
+        bool armed = t->vt->arm(t) != TS_ERR_ALREADY;
+        /* not armed while a caller waits: keep progressing (it is idle, so
+         * this thread may have its core); otherwise nap, below */
+        if (!armed && (++busy < BUSY_RETRIES || atomic_load(&w->waiters) > 0)) continue;
+        busy = 0;
+        /* Armed: sleep until the transport or a submission wakes us (10 ms
+         * at most while collectives are pending, for deadlines and failure
+         * checks). Not armed after BUSY_RETRIES tries: the transport keeps
+         * reporting events that its progress does not consume (UCX 1.13
+         * does so while rendezvous transfers wait on the peer), and spinning
+         * on it took a core from the compute threads: nap on submissions
+         * only, then progress again; the nap doubles from NAP_MIN_US to
+         * NAP_MAX_US while nothing happens, so that a long wait costs
+         * little CPU and a short one little latency. */
         struct pollfd pfd[2] = {{.fd = w->efd, .events = POLLIN}, {.fd = t->vt->wait_fd(t), .events = POLLIN}};
-        int nfd = pfd[1].fd >= 0 ? 2 : 1;
-        int timeout = w->active || pfd[1].fd < 0 ? 10 : -1;
-        (void)poll(pfd, (nfds_t)nfd, timeout);
-        last_event = ts_now_ns();
+        int nfd = armed && pfd[1].fd >= 0 ? 2 : 1;
+        struct timespec nap = {0, nap_us * 1000L}, ten = {0, 10 * 1000000L};
+        if (!armed) nap_us = nap_us * 2 > NAP_MAX_US ? NAP_MAX_US : nap_us * 2;
+        const struct timespec *timeout = !armed ? &nap : w->active || pfd[1].fd < 0 ? &ten : NULL;
+        (void)ppoll(pfd, (nfds_t)nfd, timeout, NULL);
+        if (armed) {
+            last_event = ts_now_ns();
+            nap_us = NAP_MIN_US;
+        }
         uint64_t cnt;
         if (pfd[0].revents & POLLIN) {
             ssize_t rd = read(w->efd, &cnt, sizeof cnt);

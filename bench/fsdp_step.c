@@ -1,0 +1,233 @@
+/* bench/fsdp_step: one GPT training step (forward, backward, AdamW) with
+ * fully_shard on W ranks, against the same step without sharding, in the
+ * same run, to show what sharding costs and how much of its communication
+ * the prefetching hides.
+ *
+ * Per rank and step (medians over --steps steps after 2 warm-up steps):
+ *   local      the unsharded model on the rank's batch, no communication
+ *              (the compute this step cannot avoid);
+ *   fsdp       fully_shard (each block a group, then the root), implicit
+ *              forward and backward prefetch on (the default);
+ *   fsdp-nopf  the same with the implicit prefetch off;
+ *   comm       the step's collectives run alone, back to back and blocking
+ *              (2 all-gathers per block group, 1 for the root, which stays
+ *              unsharded after forward, and 1 reduce-scatter per group):
+ *              what would be exposed with no overlap at all.
+ * exposed = fsdp - local, also as a multiple of comm (0: all hidden; 1:
+ * nothing hidden; above 1: FSDP's own work, the copy-out and packing, on
+ * top). On shared memory the transfers are copies made by the ranks' CPUs,
+ * so with fewer than 2 cores per rank they cannot overlap the compute.
+ * Memory: the peak of tensor storage (TS_MEM_STORAGE) during the steps of
+ * each mode, and the bytes of parameters this rank holds.
+ *
+ * Usage: tsrun --nproc-per-node 2 bench_fsdp_step [--steps N] [--layers L]
+ *        [--dim D] [--heads H] [--seq T] [--batch B]
+ * Defaults: 9 steps, 4 layers, d 256, 4 heads, seq 128, batch 4 per rank. */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tensorshard.h"
+
+#define CHECK(expr)                                                                              \
+    do {                                                                                         \
+        ts_status st_ = (expr);                                                                  \
+        if (st_) {                                                                               \
+            fprintf(stderr, "%s: %s: %s\n", #expr, ts_status_name(st_), ts_last_error());        \
+            exit(1);                                                                             \
+        }                                                                                        \
+    } while (0)
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+typedef struct cfg {
+    int steps, layers, dim, heads, seq, batch, vocab;
+} cfg;
+
+enum { LOCAL, FSDP, FSDP_NOPF, N_MODES };
+static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf"};
+
+static ts_module *build(const cfg *c, int mode)
+{
+    ts_gpt_config g = ts_gpt_config_default();
+    g.vocab_size = c->vocab, g.block_size = c->seq, g.n_layer = c->layers, g.n_head = c->heads;
+    g.d_model = c->dim;
+    ts_manual_seed(1);
+    ts_module *m;
+    CHECK(ts_gpt_new(&g, &m));
+    if (mode == LOCAL) return m;
+    for (int l = 0; l < c->layers; l++) {
+        char name[32];
+        ts_module *b;
+        snprintf(name, sizeof name, "blocks.%d", l);
+        CHECK(ts_module_get_submodule(m, name, &b));
+        CHECK(ts_fully_shard(b, NULL));
+    }
+    CHECK(ts_fully_shard(m, NULL));
+    CHECK(ts_fsdp_set_implicit_prefetch(m, mode == FSDP, mode == FSDP));
+    return m;
+}
+
+/* Median step seconds; *peak the storage peak during the steps, *pbytes
+ * the parameter bytes this rank holds. */
+static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *pbytes)
+{
+    ts_module *m = build(c, mode);
+    ts_named_params np;
+    CHECK(ts_module_named_parameters(m, &np));
+    ts_tensor **ps = malloc((size_t)np.n * sizeof *ps);
+    *pbytes = 0;
+    for (int i = 0; i < np.n; i++) {
+        ps[i] = *np.items[i].slot;
+        *pbytes += ts_tensor_numel(ps[i]) * 4;
+    }
+    ts_adam_options ao = ts_adamw_options_default();
+    ts_optim *opt;
+    CHECK(ts_adamw_new(np.n, ps, &ao, &opt));
+    int64_t is[2] = {c->batch, c->seq}, fs[2] = {(int64_t)c->batch * c->seq, c->vocab}, tsz[1] = {fs[0]};
+    ts_tensor *ids, *tg;
+    CHECK(ts_tensor_empty(TS_I64, 2, is, &ids));
+    CHECK(ts_tensor_empty(TS_I64, 1, tsz, &tg));
+    int64_t *a = ts_tensor_data(ids), *b = ts_tensor_data(tg);
+    for (int64_t i = 0; i < fs[0]; i++) {
+        a[i] = (i * 7 + rank * 13) % c->vocab;
+        b[i] = (i * 11 + rank * 5) % c->vocab;
+    }
+    double t[64];
+    int n = c->steps > 64 ? 64 : c->steps;
+    ts_comm *w = ts_dist_world();
+    for (int s = -2; s < n; s++) {
+        if (s == 0) ts_mem_reset_peak();
+        CHECK(ts_barrier(w, NULL));
+        double t0 = now_s();
+        ts_tensor *logits, *flat, *loss;
+        CHECK(ts_module_call1(m, ids, &logits));
+        CHECK(ts_reshape(logits, 2, fs, &flat));
+        CHECK(ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss));
+        CHECK(ts_backward(loss, NULL, false));
+        CHECK(ts_optim_step(opt));
+        ts_optim_zero_grad(opt, true);
+        if (s >= 0) t[s] = now_s() - t0;
+        ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
+    }
+    *peak = ts_mem_peak_bytes(TS_MEM_STORAGE);
+    ts_tensor_free(ids), ts_tensor_free(tg);
+    ts_optim_free(opt);
+    free(ps);
+    ts_named_params_free(&np);
+    ts_module_free(m);
+    return median(t, n);
+}
+
+/* The collectives of one FSDP step, run alone, blocking, back to back. */
+static double run_comm(const cfg *c)
+{
+    ts_module *m = build(c, FSDP);
+    ts_comm *w = ts_dist_world();
+    int W = ts_comm_size(w);
+    int ng = c->layers + 1;
+    int64_t *shard = calloc((size_t)ng, sizeof *shard);
+    for (int l = 0; l <= c->layers; l++) {
+        ts_module *g = m;
+        char name[32];
+        snprintf(name, sizeof name, "blocks.%d", l);
+        if (l < c->layers) CHECK(ts_module_get_submodule(m, name, &g));
+        ts_fsdp_group_info gi;
+        CHECK(ts_fsdp_group_info_get(g, &gi));
+        shard[l] = gi.shard_numel;
+    }
+    double t[64];
+    int n = c->steps > 64 ? 64 : c->steps;
+    for (int s = -2; s < n; s++) {
+        CHECK(ts_barrier(w, NULL));
+        double t0 = now_s();
+        for (int l = 0; l <= c->layers; l++) {
+            int64_t full = shard[l] * W;
+            ts_tensor *in, *out;
+            CHECK(ts_tensor_zeros(TS_F32, 1, &shard[l], &in));
+            CHECK(ts_tensor_empty(TS_F32, 1, &full, &out));
+            int gathers = l < c->layers ? 2 : 1;
+            for (int k = 0; k < gathers; k++) CHECK(ts_all_gather_into_tensor(w, out, in, NULL));
+            CHECK(ts_reduce_scatter_tensor(w, in, out, TS_REDUCE_AVG, 1.0, 1.0, NULL));
+            ts_tensor_free(in), ts_tensor_free(out);
+        }
+        if (s >= 0) t[s] = now_s() - t0;
+    }
+    free(shard);
+    ts_module_free(m);
+    return median(t, n);
+}
+
+int main(int argc, char **argv)
+{
+    ts_launch_rank_guard();
+    cfg c = {.steps = 9, .layers = 4, .dim = 256, .heads = 4, .seq = 128, .batch = 4, .vocab = 64};
+    for (int i = 1; i + 1 < argc; i += 2) {
+        int v = atoi(argv[i + 1]);
+        if (!strcmp(argv[i], "--steps")) c.steps = v;
+        else if (!strcmp(argv[i], "--layers")) c.layers = v;
+        else if (!strcmp(argv[i], "--dim")) c.dim = v;
+        else if (!strcmp(argv[i], "--heads")) c.heads = v;
+        else if (!strcmp(argv[i], "--seq")) c.seq = v;
+        else if (!strcmp(argv[i], "--batch")) c.batch = v;
+        else {
+            fprintf(stderr, "unknown flag %s\n", argv[i]);
+            return 2;
+        }
+    }
+    if ((argc - 1) % 2 || c.steps < 1 || c.layers < 1 || c.dim < c.heads || c.dim % c.heads || c.seq < 2 ||
+        c.batch < 1) {
+        fprintf(stderr, "usage: tsrun --nproc-per-node 2 %s [--steps N] [--layers L] [--dim D] [--heads H] "
+                        "[--seq T] [--batch B]\n", argv[0]);
+        return 2;
+    }
+    CHECK(ts_dist_init(NULL));
+    int rank = ts_comm_rank(ts_dist_world()), W = ts_comm_size(ts_dist_world());
+    double t[N_MODES];
+    size_t peak[N_MODES];
+    int64_t pbytes[N_MODES];
+    for (int m = 0; m < N_MODES; m++) t[m] = run_mode(&c, m, rank, &peak[m], &pbytes[m]);
+    double comm = run_comm(&c);
+    if (rank == 0) {
+        printf("bench_fsdp_step: %d ranks, GPT %d layers, d %d, %d heads, seq %d, batch %d per rank, AdamW; "
+               "TS_UCX_ERROR_MODE=%s\n",
+               W, c.layers, c.dim, c.heads, c.seq, c.batch,
+               getenv("TS_UCX_ERROR_MODE") ? getenv("TS_UCX_ERROR_MODE") : "peer");
+        printf("%-10s %11s %10s %16s %16s\n", "mode", "step ms", "vs local", "peak storage MiB", "param MiB/rank");
+        for (int m = 0; m < N_MODES; m++)
+            printf("%-10s %11.2f %10.3f %16.2f %16.2f\n", mode_names[m], t[m] * 1e3, t[m] / t[LOCAL],
+                   (double)peak[m] / 1048576.0, (double)pbytes[m] / 1048576.0);
+        double exposed = t[FSDP] - t[LOCAL], exposed_nopf = t[FSDP_NOPF] - t[LOCAL];
+        printf("comm alone (the step's collectives, blocking, back to back): %.2f ms\n", comm * 1e3);
+        printf("exposed (fsdp - local): prefetch on %.2f ms (%.2f x comm alone), off %.2f ms (%.2f x comm alone)\n",
+               exposed * 1e3, exposed / comm, exposed_nopf * 1e3, exposed_nopf / comm);
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        printf("cores per rank: %.1f%s\n", (double)cores / W,
+               (double)cores / W < 2 ? " (shared-memory transfers are copies made by the ranks' own CPUs, so with "
+                                       "fewer than 2 cores per rank they take compute time and cannot be hidden: "
+                                       "prefetch hides waiting, not copying)"
+                                     : "");
+    }
+    CHECK(ts_dist_finalize());
+    return 0;
+}
