@@ -61,6 +61,7 @@ typedef struct fsdp_ctx fsdp_ctx;
 typedef struct fsdp_param {
     char *fqn;          /* name relative to the sharded module (messages) */
     ts_tensor ***slots; /* every slot holding the parameter */
+    int *slot_owner;    /* per slot: the index of its module in the call */
     int n_slots;
     ts_tensor *S;       /* sharded leaf (retained) */
     ts_tensor *U;       /* unsharded leaf (retained), storage released while sharded */
@@ -72,6 +73,7 @@ typedef struct fsdp_param {
     int64_t local_rows; /* this rank's real rows */
     int64_t off;        /* offset in the per-rank shard (elements) */
     bool requires_grad;
+    bool in_reduce;     /* its gradient is in the reduce-scatter in flight */
 } fsdp_param;
 
 enum { G_SHARDED = 0, G_UNSHARDING, G_UNSHARDED };
@@ -98,8 +100,8 @@ struct fsdp_group {
     ts_reshard_policy user_policy;
     int every_n, fwd_since_reshard;
     int n_states;          /* modules sharing the group */
-    int ran_forward;       /* of them, run in this forward (grouped call) */
-    bool in_forward;       /* between the group's pre- and post-forward */
+    int ran_forward;       /* distinct modules of the group run in this forward */
+    bool in_forward;       /* between the group's first pre-forward and its reshard point */
     bool prefetched;       /* unsharded by a prefetch, not yet used */
     char fqn[FQN_MAX];
 };
@@ -113,6 +115,8 @@ struct fsdp_state {
     bool is_root;
     char fqn[FQN_MAX];
     bool method_wrapped[MAX_METHODS];
+    bool ran;           /* ran forward in this iteration (grouped calls count modules once) */
+    int index;          /* its place among the modules of its call */
     fsdp_state **fwd_prefetch, **bwd_prefetch; /* explicit lists (retained) */
     int n_fwd_prefetch, n_bwd_prefetch;
     bool explicit_fwd, explicit_bwd;
@@ -130,6 +134,7 @@ struct fsdp_ctx {
     fsdp_state *iter_root;  /* the state whose forward started this iteration */
     fsdp_group *rs_pending; /* the reduce-scatter in flight */
     bool final_queued;
+    bool bwd_running;       /* a backward went through a marker and has not ended */
     bool implicit_fwd, implicit_bwd;
     ts_status bwd_error;
 };
@@ -237,6 +242,7 @@ static void group_free(fsdp_group *g)
         fsdp_param *p = &g->params[i];
         ts__free(TS_MEM_NN, p->fqn);
         ts__free(TS_MEM_NN, p->slots);
+        ts__free(TS_MEM_NN, p->slot_owner);
         ts_dtensor_free(p->dt);
         if (p->S) ts_tensor_clear_shard(p->S);
         ts_tensor_free(p->S);
@@ -415,7 +421,8 @@ const ts_dtensor *ts_fsdp_param_dtensor(const ts_tensor *t)
 typedef struct pcand {
     ts_tensor *t;       /* the parameter tensor */
     ts_tensor ***slots;
-    int n_slots, cap_slots;
+    int *owners;        /* per slot: the index of the module in the call */
+    int n_slots, cap_slots, cap_owners;
     char fqn[FQN_MAX];  /* first name */
 } pcand;
 
@@ -427,6 +434,7 @@ typedef struct collect {
     const ts_fsdp_options *o;
     char prefix[FQN_MAX];
     ts_module *cur;
+    int top;            /* the index of the module being walked in the call */
     ts_status err;
 } collect;
 
@@ -469,7 +477,10 @@ static ts_status on_param(void *vc, const char *name, ts_tensor **slot)
         p->t = *slot;
         snprintf(p->fqn, sizeof p->fqn, "%s", fqn);
     }
-    if (!grow((void **)&p->slots, &p->cap_slots, p->n_slots + 1, sizeof *p->slots)) return TS_ERR_NO_MEMORY;
+    if (!grow((void **)&p->slots, &p->cap_slots, p->n_slots + 1, sizeof *p->slots) ||
+        !grow((void **)&p->owners, &p->cap_owners, p->n_slots + 1, sizeof *p->owners))
+        return TS_ERR_NO_MEMORY;
+    p->owners[p->n_slots] = c->top;
     p->slots[p->n_slots++] = slot;
     return TS_OK;
 }
@@ -509,7 +520,10 @@ static ts_status walk_managed(collect *c, ts_module *m)
 
 static void collect_free(collect *c)
 {
-    for (int i = 0; i < c->n; i++) ts__free(TS_MEM_NN, c->c[i].slots);
+    for (int i = 0; i < c->n; i++) {
+        ts__free(TS_MEM_NN, c->c[i].slots);
+        ts__free(TS_MEM_NN, c->c[i].owners);
+    }
     ts__free(TS_MEM_NN, c->c);
     ts__free(TS_MEM_NN, c->seen);
 }
@@ -742,6 +756,7 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
     c.o = &o;
     for (int i = 0; i < n && !st; i++) {
         c.prefix[0] = '\0';
+        c.top = i;
         if (n > 1) snprintf(c.prefix, sizeof c.prefix, "[%d]", i);
         st = walk_managed(&c, modules[i]);
     }
@@ -763,8 +778,10 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         fsdp_param *p = &g->params[i];
         ts_tensor *orig = ts_tensor_retain(c.c[i].t);
         p->slots = c.c[i].slots; /* moved */
+        p->slot_owner = c.c[i].owners;
         p->n_slots = c.c[i].n_slots;
         c.c[i].slots = NULL;
+        c.c[i].owners = NULL;
         for (int k = 0; k < p->n_slots; k++) swap_slot(p->slots[k], p->S);
         /* still held elsewhere (a tied weight outside the call, or the
          * user): remember it, so that sharding it again is diagnosed */
@@ -778,6 +795,7 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         s->module = modules[i];
         s->orig_vt = modules[i]->vtable;
         s->group = have_params ? group_retain(g) : NULL;
+        s->index = i;
         snprintf(s->fqn, sizeof s->fqn, "%s", ts_module_type_name(modules[i]));
         modules[i]->ext = s;
         modules[i]->vtable = vts[i];
@@ -836,7 +854,8 @@ static void set_slots(fsdp_group *g, bool unsharded)
 {
     for (int i = 0; i < g->n; i++) {
         fsdp_param *p = &g->params[i];
-        for (int k = 0; k < p->n_slots; k++) swap_slot(p->slots[k], unsharded ? p->U : p->S);
+        for (int k = 0; k < p->n_slots; k++)
+            if (p->slots[k]) swap_slot(p->slots[k], unsharded ? p->U : p->S);
     }
 }
 
@@ -956,7 +975,8 @@ static ts_status finish_reduce(fsdp_group *g)
     const unsigned char *out = st ? NULL : ts_tensor_data(g->rs_out);
     for (int i = 0; i < g->n && !st; i++) {
         fsdp_param *p = &g->params[i];
-        if (!p->requires_grad) continue;
+        if (!p->in_reduce) continue; /* no gradient flowed to it: it keeps none (or its own) */
+        p->in_reduce = false;
         const unsigned char *seg = out + (size_t)p->off * g->es;
         int64_t ln = p->local_rows * p->row_numel;
         ts_tensor *gr = ts_tensor_grad(p->S);
@@ -979,10 +999,25 @@ static ts_status finish_reduce(fsdp_group *g)
             ts_tensor_free(ng);
         }
     }
+    for (int i = 0; i < g->n; i++) g->params[i].in_reduce = false;
     ts_tensor_free(g->rs_in);
     ts_tensor_free(g->rs_out);
     g->rs_in = g->rs_out = NULL;
     return st;
+}
+
+/* Drops a reduction without applying it (after a failed backward). */
+static void discard_reduce(fsdp_group *g)
+{
+    if (g->rs_req) {
+        (void)ts_request_wait(g->rs_req);
+        ts_request_free(g->rs_req);
+        g->rs_req = NULL;
+    }
+    for (int i = 0; i < g->n; i++) g->params[i].in_reduce = false;
+    ts_tensor_free(g->rs_in);
+    ts_tensor_free(g->rs_out);
+    g->rs_in = g->rs_out = NULL;
 }
 
 /* Post-backward of a group: packs the unsharded gradients (copy-in),
@@ -1003,12 +1038,15 @@ static ts_status post_backward(fsdp_ctx *ctx, fsdp_group *g)
     if (g->rs_req && (st = finish_reduce(g))) return st;
     event("post_backward", g->fqn);
     int64_t n_in = g->shard_numel * g->W, n_out = g->shard_numel;
-    if ((st = ts_tensor_zeros(g->dtype, 1, &n_in, &g->rs_in)) || (st = ts_tensor_empty(g->dtype, 1, &n_out, &g->rs_out)))
+    if ((st = ts_tensor_zeros(g->dtype, 1, &n_in, &g->rs_in)) || (st = ts_tensor_empty(g->dtype, 1, &n_out, &g->rs_out))) {
+        discard_reduce(g);
         return st;
+    }
     unsigned char *in = ts_tensor_data(g->rs_in);
     for (int i = 0; i < g->n && !st; i++) {
         fsdp_param *p = &g->params[i];
         ts_tensor *gr = p->requires_grad ? ts_tensor_grad(p->U) : NULL;
+        p->in_reduce = gr != NULL;
         if (!gr) continue;
         ts_tensor *cg = NULL;
         bool prev = ts_grad_mode_set(false);
@@ -1030,9 +1068,7 @@ static ts_status post_backward(fsdp_ctx *ctx, fsdp_group *g)
     if (!st) st = reshard(g);
     if (!st) st = ts_reduce_scatter_tensor(g->pg, g->rs_out, g->rs_in, TS_REDUCE_AVG, 1.0, 1.0, &g->rs_req);
     if (st) {
-        ts_tensor_free(g->rs_in);
-        ts_tensor_free(g->rs_out);
-        g->rs_in = g->rs_out = NULL;
+        discard_reduce(g);
         return st;
     }
     if (ctx) ctx->rs_pending = g;
@@ -1112,7 +1148,8 @@ static ts_status lazy_init(fsdp_state *st)
     /* a group shared by a grouped call belongs to several states: it is
      * the root's only when the root's own state holds it */
     for (int i = 0; i < c->n_states; i++)
-        if (c->states[i]->group) resolve_policy(c->states[i]->group, c->states[i] == st);
+        if (c->states[i]->group) resolve_policy(c->states[i]->group, false);
+    if (st->group) resolve_policy(st->group, true); /* the root's group, even when shared with others */
     name_groups(c);
     return TS_OK;
 }
@@ -1142,6 +1179,7 @@ static ts_status pre_backward_fn(void *vs, int n, ts_tensor **grads)
                                       "alive");
     fsdp_ctx *c = s->ctx;
     ts_status st = TS_OK;
+    c->bwd_running = true;
     if (!c->final_queued) {
         if ((st = ts_autograd_queue_callback(final_callback, c))) return st;
         c->final_queued = true;
@@ -1220,12 +1258,37 @@ static ts_status final_callback(void *vctx)
     }
     c->n_post_fwd = 0;
     c->final_queued = false;
+    c->bwd_running = false;
     return st;
 }
 
 /* ------------------------------------------------------------------ */
 /* Forward                                                             */
 /* ------------------------------------------------------------------ */
+
+/* Passes the non-NULL tensors of t[0..n) through a custom autograd node
+ * with backward `fn` (holding a reference to s); out[i] is the new alias
+ * of t[i], NULL where t[i] is (optional inputs and outputs). */
+static ts_status wrap_marker(int n, ts_tensor *const *t, ts_autograd_backward_fn fn, fsdp_state *s, ts_tensor **out)
+{
+    ts_tensor *dense[TS_MODULE_MAX_IO], *wrapped[TS_MODULE_MAX_IO];
+    int at[TS_MODULE_MAX_IO], k = 0;
+    for (int i = 0; i < n; i++) {
+        out[i] = NULL;
+        if (t[i]) {
+            at[k] = i;
+            dense[k++] = t[i];
+        }
+    }
+    if (k == 0) return TS_OK;
+    ts_status st = ts_autograd_custom(k, dense, fn, state_retain(s), marker_release, wrapped);
+    if (st) {
+        state_release(s);
+        return st;
+    }
+    for (int j = 0; j < k; j++) out[at[j]] = wrapped[j];
+    return TS_OK;
+}
 
 static bool any_requires_grad(int n, ts_tensor *const *t)
 {
@@ -1266,21 +1329,70 @@ static void prefetch_advance(fsdp_ctx *c, fsdp_group *g)
         }
 }
 
+static ts_status apply_policy(fsdp_group *g);
+
+/* The end of the iteration root's forward: no all-gather stays in flight;
+ * a grouped call some of whose modules did not run gets its post-forward
+ * now; after a forward without grad (no backward will follow to reshard)
+ * every group is resharded, so that an optimizer step before the next
+ * forward cannot leave stale full parameters in use. */
 static void root_post_forward(fsdp_ctx *c)
 {
-    /* no all-gather stays in flight past the root's forward */
+    bool no_grad = !ts_grad_mode_enabled();
     for (int i = 0; i < c->n_states; i++) {
         fsdp_group *g = c->states[i]->group;
-        if (g && g->state == G_UNSHARDING) (void)wait_unshard(g);
+        if (!g) continue;
+        if (g->state == G_UNSHARDING) (void)wait_unshard(g);
+        if (g->in_forward) {
+            ts_logf(TS_LOG_WARN, "fully_shard: %d of the %d modules of the group '%s' ran forward in this iteration",
+                    g->ran_forward, g->n_states, g->fqn);
+            g->ran_forward = 0;
+            g->in_forward = false;
+            (void)apply_policy(g);
+        }
+        if (no_grad) (void)reshard(g);
     }
     c->iter_root = NULL;
 }
 
-static ts_status post_forward_reshard(fsdp_group *g)
+/* A backward that failed never ran the end-of-backward callback: drop its
+ * reductions in flight and its unsharded gradients (they must not reach
+ * the next step's gradients), and reshard. */
+static void recover_failed_backward(fsdp_ctx *c)
 {
-    if (++g->ran_forward < g->n_states) return TS_OK; /* a grouped call: after its last module */
+    ts_logf(TS_LOG_WARN, "fully_shard: the last backward did not finish; its partial gradient reductions are dropped");
+    for (int i = 0; i < c->n_states; i++) {
+        fsdp_group *g = c->states[i]->group;
+        if (!g) continue;
+        discard_reduce(g);
+        for (int k = 0; k < g->n; k++) (void)ts_tensor_set_grad(g->params[k].U, NULL);
+        g->ran_forward = 0;
+        g->in_forward = false;
+        (void)reshard(g);
+    }
+    c->rs_pending = NULL;
+    c->n_post_fwd = 0;
+    c->bwd_running = false;
+}
+
+/* Post-forward of a group: a grouped call's group reshards after the last
+ * of its modules (each counted once per iteration). */
+static ts_status post_forward_reshard(fsdp_state *s, fsdp_group *g)
+{
+    if (g->n_states > 1) {
+        if (!s->ran) {
+            s->ran = true;
+            g->ran_forward++;
+        }
+        if (g->ran_forward < g->n_states) return TS_OK;
+    }
     g->ran_forward = 0;
     g->in_forward = false;
+    return apply_policy(g);
+}
+
+static ts_status apply_policy(fsdp_group *g)
+{
     switch (g->policy) {
     case TS_RESHARD_FALSE: return TS_OK;
     case TS_RESHARD_EVERY_N:
@@ -1318,14 +1430,15 @@ static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *
             c->cap_prev_fwd_order = cap;
         }
         c->fwd_pos = 0;
-        /* a backward that failed never ran the end-of-backward callback */
+        if (c->bwd_running || c->rs_pending) recover_failed_backward(c);
         c->final_queued = false;
+        for (int i = 0; i < c->n_states; i++) c->states[i]->ran = false;
     }
     event("pre_forward", s->fqn);
     ts_tensor *in2[TS_MODULE_MAX_IO];
     bool wrapped = false;
     if (g) {
-        bool first = g->ran_forward == 0;
+        bool first = !g->in_forward; /* the group's first module in this iteration */
         g->in_forward = true;
         if ((st = unshard(g)) || (st = wait_unshard(g))) goto fail;
         g->prefetched = false;
@@ -1336,10 +1449,7 @@ static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *
             }
             prefetch_advance(c, g);
             if (n_in > 0 && ts_grad_mode_enabled() && any_requires_grad(n_in, in)) {
-                if ((st = ts_autograd_custom(n_in, in, post_backward_fn, state_retain(s), marker_release, in2))) {
-                    state_release(s);
-                    goto fail;
-                }
+                if ((st = wrap_marker(n_in, in, post_backward_fn, s, in2))) goto fail;
                 wrapped = true;
             }
         }
@@ -1352,18 +1462,16 @@ static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *
     if (st) goto fail;
     event("post_forward", s->fqn);
     if (g) {
-        if (!order_push(&c->post_fwd, &c->n_post_fwd, &c->cap_post_fwd, g)) {
+        /* the post-forward order serves the backward prefetch: none without grad */
+        if (ts_grad_mode_enabled() && !order_push(&c->post_fwd, &c->n_post_fwd, &c->cap_post_fwd, g)) {
             st = TS_ERR_NO_MEMORY;
             goto fail_out;
         }
-        if ((st = post_forward_reshard(g))) goto fail_out;
+        if ((st = post_forward_reshard(s, g))) goto fail_out;
     }
     if (*n_out > 0 && ts_grad_mode_enabled() && any_requires_grad(*n_out, out)) {
         ts_tensor *out2[TS_MODULE_MAX_IO];
-        if ((st = ts_autograd_custom(*n_out, out, pre_backward_fn, state_retain(s), marker_release, out2))) {
-            state_release(s);
-            goto fail_out;
-        }
+        if ((st = wrap_marker(*n_out, out, pre_backward_fn, s, out2))) goto fail_out;
         for (int i = 0; i < *n_out; i++) {
             ts_tensor_free(out[i]);
             out[i] = out2[i];
@@ -1404,6 +1512,12 @@ static void fsdp_free(ts_module *m)
     m->vtable = s->orig_vt;
     m->ext = NULL;
     s->module = NULL;
+    if (s->group) { /* its slots die with it: nothing may write through them later */
+        fsdp_group *g = s->group;
+        for (int i = 0; i < g->n; i++)
+            for (int k = 0; k < g->params[i].n_slots; k++)
+                if (g->params[i].slot_owner[k] == s->index) g->params[i].slots[k] = NULL;
+    }
     /* the prefetch lists may form cycles between states: drop them now */
     for (int i = 0; i < s->n_fwd_prefetch; i++) state_release(s->fwd_prefetch[i]);
     for (int i = 0; i < s->n_bwd_prefetch; i++) state_release(s->bwd_prefetch[i]);
@@ -1674,8 +1788,9 @@ ts_status ts_fsdp_full_state_dict(ts_module *module, bool rank0_only, ts_state_d
         return ts_error(TS_ERR_STATE, "ts_fsdp_full_state_dict: not inside a forward or backward");
     }
     bool keep = true;
-    if (rank0_only && w.n)
-        keep = ts_comm_rank(w.g[0]->pg) == 0 && (!w.g[0]->rg || ts_comm_rank(w.g[0]->rg) == 0);
+    if (rank0_only)
+        keep = w.n ? ts_comm_rank(w.g[0]->pg) == 0 && (!w.g[0]->rg || ts_comm_rank(w.g[0]->rg) == 0)
+                   : ts_comm_rank(ts_dist_world()) == 0;
     ts_named_params np = {0};
     ts_state_dict *sd = NULL;
     ts_tensor **full = NULL; /* per group param, flattened over groups */

@@ -389,10 +389,10 @@ ts_status ts_detach(ts_tensor *t, ts_tensor **out)
     if (!t || !out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "detach: NULL argument");
     ts_status st = ts__tensor_alias(t, t->ndim, t->shape, t->strides, t->offset, out);
-    if (!st) {
+    /* a detached shard stays marked (ops still refuse it), but does not
+     * carry the owner's metadata pointer, which may die before it */
+    if (!st)
         (*out)->is_shard = t->is_shard;
-        (*out)->dist = t->dist;
-    }
     return st;
 }
 

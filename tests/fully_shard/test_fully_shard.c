@@ -1226,3 +1226,208 @@ static int rank_ignored(rank_ctx *rc)
 }
 
 Test(fully_shard, ignored_parameters_stay_whole, .timeout = 60) { run_world(2, rank_ignored, NULL); }
+
+/* ------------------------------------------------------------ regressions */
+/* Each of these was a bug found in review (one process, one-rank mesh). */
+
+static ts_module *small_mlp(ts_module **c)
+{
+    ts_manual_seed(1);
+    cr_assert_eq(ts_linear_new(4, 8, true, &c[0]), TS_OK);
+    cr_assert_eq(ts_tanh_new(&c[1]), TS_OK);
+    cr_assert_eq(ts_linear_new(8, 4, true, &c[2]), TS_OK);
+    ts_module *m = NULL;
+    cr_assert_eq(ts_sequential_new(3, c, &m), TS_OK);
+    return m;
+}
+
+static void sum_backward(ts_module *m, ts_tensor *x, ts_status want)
+{
+    ts_tensor *y = NULL, *l = NULL;
+    TH_OK(ts_module_call1(m, x, &y));
+    TH_OK(ts_sum(y, 0, NULL, false, &l));
+    cr_assert_eq(ts_backward(l, NULL, false), want, "%s", ts_last_error());
+    ts_tensor_free(y);
+    ts_tensor_free(l);
+}
+
+static ts_status fail_backward(void *ctx, int n, ts_tensor **g)
+{
+    (void)ctx, (void)n, (void)g;
+    return ts_error(TS_ERR_INTERNAL, "injected backward failure");
+}
+
+static void assert_same_grad(ts_tensor *a, ts_tensor *b)
+{
+    cr_assert(ts_tensor_grad(a) && ts_tensor_grad(b));
+    const float *x = ts_tensor_data(ts_tensor_grad(a)), *y = ts_tensor_data(ts_tensor_grad(b));
+    for (int64_t i = 0; i < ts_tensor_numel(a); i++) cr_assert_float_eq(x[i], y[i], 1e-6, "grad[%lld]", (long long)i);
+}
+
+/* A backward that fails half way must not leak its reductions into the
+ * next step's gradients. */
+Test(fully_shard_regressions, failed_backward_is_dropped, .timeout = 60)
+{
+    th_mem_mark();
+    ts_module *c[3], *rc[3];
+    ts_module *m = small_mlp(c), *ref = small_mlp(rc);
+    TH_OK(ts_fully_shard(c[0], NULL));
+    TH_OK(ts_fully_shard(c[2], NULL));
+    TH_OK(ts_fully_shard(m, NULL));
+    int64_t xs[2] = {2, 4};
+    ts_tensor *x = NULL, *xg = NULL, *xf = NULL;
+    TH_OK(ts_randn(TS_F32, 2, xs, NULL, &x));
+    TH_OK(ts_randn(TS_F32, 2, xs, NULL, &xg));
+    TH_OK(ts_tensor_set_requires_grad(xg, true));
+    TH_OK(ts_autograd_custom(1, &xg, fail_backward, NULL, NULL, &xf));
+    sum_backward(m, xf, TS_ERR_INTERNAL);
+    ts_module_zero_grad(m, true);
+    sum_backward(m, x, TS_OK);
+    sum_backward(ref, x, TS_OK);
+    assert_same_grad(((ts_nn_linear *)c[0])->weight, ((ts_nn_linear *)rc[0])->weight);
+    assert_same_grad(((ts_nn_linear *)c[2])->bias, ((ts_nn_linear *)rc[2])->bias);
+    ts_tensor_free(x), ts_tensor_free(xg), ts_tensor_free(xf);
+    ts_module_free(m);
+    ts_module_free(ref);
+    th_mem_assert_back();
+}
+
+/* A forward without grad leaves nothing unsharded: an optimizer step
+ * after it is seen by the next forward. */
+Test(fully_shard_regressions, no_grad_forward_then_step, .timeout = 60)
+{
+    ts_module *c[3], *rc[3];
+    ts_module *m = small_mlp(c), *ref = small_mlp(rc);
+    TH_OK(ts_fully_shard(m, NULL)); /* the root: reshard_after_forward false */
+    ts_tensor *ps[4] = {((ts_nn_linear *)c[0])->weight, ((ts_nn_linear *)c[0])->bias, ((ts_nn_linear *)c[2])->weight,
+                        ((ts_nn_linear *)c[2])->bias};
+    ts_tensor *rps[4] = {((ts_nn_linear *)rc[0])->weight, ((ts_nn_linear *)rc[0])->bias,
+                         ((ts_nn_linear *)rc[2])->weight, ((ts_nn_linear *)rc[2])->bias};
+    ts_sgd_options so = ts_sgd_options_default();
+    so.lr = 0.5;
+    ts_optim *opt = NULL, *ropt = NULL;
+    TH_OK(ts_sgd_new(4, ps, &so, &opt));
+    TH_OK(ts_sgd_new(4, rps, &so, &ropt));
+    int64_t xs[2] = {2, 4};
+    ts_tensor *x = NULL;
+    TH_OK(ts_randn(TS_F32, 2, xs, NULL, &x));
+    ts_module *both[2] = {m, ref};
+    ts_optim *opts[2] = {opt, ropt};
+    ts_tensor *out[2];
+    for (int k = 0; k < 2; k++) {
+        sum_backward(both[k], x, TS_OK);
+        bool prev = ts_grad_mode_set(false);
+        ts_tensor *y = NULL;
+        TH_OK(ts_module_call1(both[k], x, &y)); /* evaluation */
+        ts_grad_mode_set(prev);
+        ts_tensor_free(y);
+        TH_OK(ts_optim_step(opts[k]));
+        TH_OK(ts_module_call1(both[k], x, &out[k]));
+    }
+    for (int i = 0; i < 8; i++)
+        cr_assert_float_eq(((float *)ts_tensor_data(out[0]))[i], ((float *)ts_tensor_data(out[1]))[i], 1e-6, "out[%d]", i);
+    ts_tensor_free(out[0]), ts_tensor_free(out[1]), ts_tensor_free(x);
+    ts_optim_free(opt), ts_optim_free(ropt);
+    ts_module_free(m), ts_module_free(ref);
+}
+
+/* A parameter no gradient reached keeps none (an optimizer then skips it,
+ * as with an unsharded model), and a NULL optional input is passed
+ * through. */
+Test(fully_shard_regressions, unused_parameter_and_null_input, .timeout = 60)
+{
+    ts_module *m = scale_new(), *extra = NULL;
+    TH_OK(ts_linear_new(6, 6, true, &extra)); /* in m's group, never called */
+    ts_module *kids[2] = {m, extra}, *root = NULL;
+    TH_OK(ts_module_list_new(2, kids, &root));
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.reshard_after_forward = TS_RESHARD_TRUE;
+    TH_OK(ts_fully_shard_group(2, kids, &o));
+    int64_t xs[1] = {6};
+    ts_tensor *x = NULL, *in[2], *outs[TS_MODULE_MAX_IO], *l = NULL;
+    TH_OK(ts_tensor_ones(TS_F32, 1, xs, &x));
+    in[0] = x, in[1] = NULL;
+    int n = 0;
+    TH_OK(ts_module_call(m, 2, in, &n, outs));
+    TH_OK(ts_sum(outs[0], 0, NULL, false, &l));
+    TH_OK(ts_backward(l, NULL, false));
+    cr_assert_not_null(ts_tensor_grad(((scale_mod *)m)->w));
+    cr_assert_null(ts_tensor_grad(((ts_nn_linear *)extra)->weight), "an unused parameter got a gradient");
+    ts_tensor_free(outs[0]), ts_tensor_free(l), ts_tensor_free(x);
+    ts_module_free(root);
+}
+
+/* Handles and detached shards that outlive their module stay safe. */
+Test(fully_shard_regressions, handles_outliving_the_module, .timeout = 60)
+{
+    th_mem_mark();
+    ts_module *c[3];
+    ts_module *m = small_mlp(c);
+    TH_OK(ts_fully_shard(c[0], NULL));
+    TH_OK(ts_fully_shard(m, NULL));
+    ts_fsdp_unshard_handle *h = NULL;
+    TH_OK(ts_fsdp_unshard(m, true, &h));
+    ts_state_dict *sd = NULL;
+    TH_OK(ts_module_state_dict(m, &sd));
+    ts_module_free(m);
+    TH_OK(ts_fsdp_unshard_wait(h));
+    ts_tensor *w = ts_state_dict_get(sd, "0.weight");
+    cr_assert(ts_tensor_is_shard(w));
+    cr_assert_null(ts_fsdp_param_dtensor(w));
+    ts_state_dict_free(sd);
+    m = small_mlp(c);
+    TH_OK(ts_fully_shard(m, NULL));
+    ts_fsdp_summon *s = NULL;
+    TH_OK(ts_fsdp_summon_full_params(m, true, &s));
+    ts_module_free(m);
+    TH_OK(ts_fsdp_summon_end(s));
+    th_mem_assert_back();
+}
+
+static int g_unshards;
+static void count_unshards(void *ctx, const char *ev, const char *fqn)
+{
+    (void)ctx, (void)fqn;
+    if (!strcmp(ev, "unshard")) g_unshards++;
+}
+
+/* A grouped call one of whose modules is skipped in an iteration
+ * recovers at the end of that forward; no-grad loops keep memory flat. */
+Test(fully_shard_regressions, grouped_module_skipped_and_eval_loop, .timeout = 60)
+{
+    ts_module *c[3];
+    ts_module *m = small_mlp(c);
+    ts_module *g[2] = {c[0], c[2]};
+    TH_OK(ts_fully_shard_group(2, g, NULL));
+    TH_OK(ts_fully_shard(m, NULL));
+    int64_t xs[2] = {2, 4}, hs[2] = {2, 8};
+    ts_tensor *x = NULL, *h = NULL;
+    TH_OK(ts_randn(TS_F32, 2, xs, NULL, &x));
+    TH_OK(ts_randn(TS_F32, 2, hs, NULL, &h));
+    ts_fsdp_set_event_hook(count_unshards, NULL);
+    sum_backward(m, x, TS_OK);
+    sum_backward(c[2], h, TS_OK); /* only the second module of the group */
+    for (int it = 0; it < 2; it++) {
+        g_unshards = 0;
+        sum_backward(m, x, TS_OK);
+        cr_assert_eq(g_unshards, 2, "iteration %d: %d unshards (root and the group, gathered once each)", it,
+                     g_unshards);
+        ts_state_dict *sd = NULL;
+        TH_OK(ts_fsdp_full_state_dict(m, false, &sd));
+        ts_state_dict_free(sd);
+    }
+    ts_fsdp_set_event_hook(NULL, NULL);
+    bool prev = ts_grad_mode_set(false);
+    size_t before = 0;
+    for (int i = 0; i < 2000; i++) {
+        ts_tensor *y = NULL;
+        TH_OK(ts_module_call1(m, x, &y));
+        ts_tensor_free(y);
+        if (i == 0) before = ts_mem_live_bytes(TS_MEM_NN);
+    }
+    ts_grad_mode_set(prev);
+    cr_assert_eq(ts_mem_live_bytes(TS_MEM_NN), before, "no-grad forwards grew TS_MEM_NN from %zu to %zu", before,
+                 ts_mem_live_bytes(TS_MEM_NN));
+    ts_tensor_free(x), ts_tensor_free(h);
+    ts_module_free(m);
+}
