@@ -1431,3 +1431,48 @@ Test(fully_shard_regressions, grouped_module_skipped_and_eval_loop, .timeout = 6
     ts_tensor_free(x), ts_tensor_free(h);
     ts_module_free(m);
 }
+
+/* ------------------------------------------------------------ memory */
+
+/* Resharding after forward bounds the parameter memory of a forward: the
+ * shards plus about three unsharded blocks (the current one, and the next
+ * one's all-gather and copy-out when it is prefetched), as PyTorch's
+ * memory test bounds it; without resharding every block stays. (One rank:
+ * the storage counters are per process, and the unsharded copies are what
+ * is measured.) */
+static size_t forward_peak(ts_reshard_policy pol, size_t *block_out)
+{
+    ts_module *c[4], *root = NULL;
+    ts_manual_seed(2);
+    for (int i = 0; i < 4; i++) cr_assert_eq(ts_linear_new(256, 256, true, &c[i]), TS_OK);
+    TH_OK(ts_sequential_new(4, c, &root));
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.reshard_after_forward = pol;
+    TH_OK(ts_fully_shard_each(4, c, &o));
+    TH_OK(ts_fully_shard(root, &o));
+    *block_out = (size_t)(256 * 256 + 256) * 4;
+    int64_t xs[2] = {1, 256};
+    ts_tensor *x = NULL, *y = NULL;
+    TH_OK(ts_tensor_ones(TS_F32, 2, xs, &x));
+    bool prev = ts_grad_mode_set(false);
+    TH_OK(ts_module_call1(root, x, &y)); /* records the order the prefetch follows */
+    ts_tensor_free(y);
+    size_t base = ts_mem_live_bytes(TS_MEM_STORAGE);
+    ts_mem_reset_peak();
+    TH_OK(ts_module_call1(root, x, &y));
+    size_t peak = ts_mem_peak_bytes(TS_MEM_STORAGE) - base;
+    ts_grad_mode_set(prev);
+    ts_tensor_free(y), ts_tensor_free(x);
+    ts_module_free(root);
+    return peak;
+}
+
+Test(fully_shard, forward_memory_is_bounded_by_resharding, .timeout = 60)
+{
+    size_t block = 0;
+    size_t with = forward_peak(TS_RESHARD_TRUE, &block), without = forward_peak(TS_RESHARD_FALSE, &block);
+    cr_log_info("forward peak above the shards: reshard %zu B, no reshard %zu B, block %zu B", with, without, block);
+    cr_assert_leq(with, 3 * block + 64 * 1024, "reshard after forward: %zu bytes above the shards (block %zu)", with,
+                  block);
+    cr_assert_geq(without, 4 * block, "without resharding every block should stay: %zu (block %zu)", without, block);
+}
