@@ -36,35 +36,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench/bench_common.h"
 #include "tensorshard.h"
-
-#define CHECK(expr)                                                                              \
-    do {                                                                                         \
-        ts_status st_ = (expr);                                                                  \
-        if (st_) {                                                                               \
-            fprintf(stderr, "%s: %s: %s\n", #expr, ts_status_name(st_), ts_last_error());        \
-            exit(1);                                                                             \
-        }                                                                                        \
-    } while (0)
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 #define N_SIZES 8
 static const int64_t sizes[N_SIZES] = {4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
@@ -115,7 +88,7 @@ static double time_coll(ts_comm *w, int kind, int64_t size, int iters)
     iters = iters > 64 ? 64 : iters;
     for (int i = -2; i < iters; i++) {
         CHECK(ts_barrier(w, NULL));
-        double t0 = now_s();
+        double t0 = bench_now_s();
         if (kind == COLL_AG || kind == COLL_AG_IP)
             CHECK(ts_all_gather_into_tensor(w, big, small, NULL));
         else if (kind == COLL_RS)
@@ -123,11 +96,11 @@ static double time_coll(ts_comm *w, int kind, int64_t size, int iters)
         else
             CHECK(ts_all_reduce(w, big, TS_REDUCE_SUM, NULL));
         if (i >= 0)
-            t[i] = now_s() - t0;
+            t[i] = bench_now_s() - t0;
     }
     ts_tensor_free(big);
     ts_tensor_free(small);
-    return median(t, iters);
+    return bench_median(t, iters);
 }
 
 static double time_memcpy(int64_t size, int iters)
@@ -138,15 +111,15 @@ static double time_memcpy(int64_t size, int iters)
     double t[64];
     iters = iters > 64 ? 64 : iters;
     for (int i = -2; i < iters; i++) {
-        double t0 = now_s();
+        double t0 = bench_now_s();
         memcpy(b, a, (size_t)size);
         __asm__ volatile("" : : "r"(b) : "memory");
         if (i >= 0)
-            t[i] = now_s() - t0;
+            t[i] = bench_now_s() - t0;
     }
     free(a);
     free(b);
-    return median(t, iters);
+    return bench_median(t, iters);
 }
 
 /* ucx_perftest tag_bw between a server and a client on 127.0.0.1 (the

@@ -30,35 +30,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench/bench_common.h"
 #include "tensorshard.h"
-
-#define CHECK(expr)                                                                              \
-    do {                                                                                         \
-        ts_status st_ = (expr);                                                                  \
-        if (st_) {                                                                               \
-            fprintf(stderr, "%s: %s: %s\n", #expr, ts_status_name(st_), ts_last_error());        \
-            exit(1);                                                                             \
-        }                                                                                        \
-    } while (0)
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 typedef struct cfg {
     int steps, layers, dim, heads, seq, batch, vocab;
@@ -119,7 +92,7 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
     for (int s = -2; s < n; s++) {
         if (s == 0) ts_mem_reset_peak();
         CHECK(ts_barrier(w, NULL));
-        double t0 = now_s();
+        double t0 = bench_now_s();
         ts_tensor *logits, *flat, *loss;
         CHECK(ts_module_call1(m, ids, &logits));
         CHECK(ts_reshape(logits, 2, fs, &flat));
@@ -127,7 +100,7 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
         CHECK(ts_backward(loss, NULL, false));
         CHECK(ts_optim_step(opt));
         ts_optim_zero_grad(opt, true);
-        if (s >= 0) t[s] = now_s() - t0;
+        if (s >= 0) t[s] = bench_now_s() - t0;
         ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
     }
     *peak = ts_mem_peak_bytes(TS_MEM_STORAGE);
@@ -136,7 +109,7 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
     free(ps);
     ts_named_params_free(&np);
     ts_module_free(m);
-    return median(t, n);
+    return bench_median(t, n);
 }
 
 /* The collectives of one FSDP step, run alone, blocking, back to back. */
@@ -160,7 +133,7 @@ static double run_comm(const cfg *c)
     int n = c->steps > 64 ? 64 : c->steps;
     for (int s = -2; s < n; s++) {
         CHECK(ts_barrier(w, NULL));
-        double t0 = now_s();
+        double t0 = bench_now_s();
         for (int l = 0; l <= c->layers; l++) {
             int64_t full = shard[l] * W;
             ts_tensor *in, *out;
@@ -171,11 +144,11 @@ static double run_comm(const cfg *c)
             CHECK(ts_reduce_scatter_tensor(w, in, out, TS_REDUCE_AVG, 1.0, 1.0, NULL));
             ts_tensor_free(in), ts_tensor_free(out);
         }
-        if (s >= 0) t[s] = now_s() - t0;
+        if (s >= 0) t[s] = bench_now_s() - t0;
     }
     free(shard);
     ts_module_free(m);
-    return median(t, n);
+    return bench_median(t, n);
 }
 
 int main(int argc, char **argv)

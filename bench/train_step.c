@@ -22,34 +22,14 @@
 #include <unistd.h>
 
 #include "tensor/internal.h"
+#include "bench/bench_common.h"
 #include "tensorshard.h"
-
-#define CHECK(expr)                                                                              \
-    do {                                                                                         \
-        ts_status st_ = (expr);                                                                  \
-        if (st_) {                                                                               \
-            fprintf(stderr, "%s: %s: %s\n", #expr, ts_status_name(st_), ts_last_error());        \
-            exit(1);                                                                             \
-        }                                                                                        \
-    } while (0)
 
 static double now_ms(void)
 {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec * 1e3 + (double)t.tv_nsec * 1e-6;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 /* ------------------------------------------------------- recorded products */
@@ -111,7 +91,7 @@ static double replay_sgemm(int reps)
     free(a);
     free(b);
     free(c);
-    return median(times, reps);
+    return bench_median(times, reps);
 }
 
 /* ------------------------------------------------------- the step */
@@ -182,11 +162,11 @@ static result run(const cfg *c, int threads, int steps, int warmup)
     result r = {0};
     double sorted[256];
     memcpy(sorted, times, (size_t)steps * sizeof *times);
-    r.step_ms = median(times, steps);
+    r.step_ms = bench_median(times, steps);
     r.best_ms = sorted[0];
     for (int i = 1; i < steps; i++)
         r.best_ms = sorted[i] < r.best_ms ? sorted[i] : r.best_ms;
-    r.matmul_ms = median(mm, steps);
+    r.matmul_ms = bench_median(mm, steps);
     r.n_products = n_prods;
     for (int i = 0; i < n_prods; i++)
         r.gflop += 2e-9 * (double)prods[i].m * (double)prods[i].n * (double)prods[i].k;

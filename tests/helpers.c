@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 ts_tensor *th_empty(ts_dtype dtype, int ndim, const int64_t *shape)
 {
@@ -395,4 +396,16 @@ uint32_t th_fixture_crc(const char *file, const char *name)
     free(txt);
     cr_assert(ok, "%s has no %s", file, name);
     return found;
+}
+
+char *th_slurp_fd(int fd)
+{
+    off_t size = lseek(fd, 0, SEEK_END);
+    cr_assert_geq(size, 0);
+    char *buf = malloc((size_t)size + 1);
+    cr_assert(buf);
+    ssize_t got = pread(fd, buf, (size_t)size, 0);
+    cr_assert_eq(got, size);
+    buf[size] = '\0';
+    return buf;
 }

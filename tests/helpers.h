@@ -41,6 +41,9 @@ void th_gradcheck(th_fn fn, int n, ts_tensor **inputs, void *ctx, double eps, do
 /* Reads a whole file (fixtures); returns malloc'd bytes, length in len,
  * followed by a NUL byte (not counted). */
 void *th_read_file(const char *path, size_t *len);
+/* The whole content of fd (a memfd a launch wrote into), NUL-terminated,
+ * malloc'd; asserts on failure. */
+char *th_slurp_fd(int fd);
 
 /* ------------------------------------------------ values, shapes, checks */
 

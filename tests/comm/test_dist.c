@@ -291,18 +291,6 @@ static char *self_exe(void)
     return path;
 }
 
-static char *slurp(int fd)
-{
-    off_t size = lseek(fd, 0, SEEK_END);
-    cr_assert_geq(size, 0);
-    char *buf = malloc((size_t)size + 1);
-    cr_assert(buf);
-    ssize_t got = pread(fd, buf, (size_t)size, 0);
-    cr_assert_eq(got, size);
-    buf[size] = '\0';
-    return buf;
-}
-
 static void clear_launch_env(void)
 {
     static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -351,7 +339,7 @@ static char *run_peer_killed(ts_launch_result *res, double *elapsed)
     double t0 = now_s();
     TH_OK(ts_launch(&o, argv, res));
     *elapsed = now_s() - t0;
-    char *err = slurp(o.err_fd);
+    char *err = th_slurp_fd(o.err_fd);
     close(o.err_fd);
     unlink(file);
     fprintf(stderr, "%s(whole launch %.2f s)\n", err, *elapsed);

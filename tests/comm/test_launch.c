@@ -125,18 +125,6 @@ static int mem_fd(void)
 }
 
 /* The whole content of an fd (from offset 0), NUL-terminated; malloc'd. */
-static char *slurp(int fd)
-{
-    off_t size = lseek(fd, 0, SEEK_END);
-    cr_assert_geq(size, 0);
-    char *buf = malloc((size_t)size + 1);
-    cr_assert(buf);
-    ssize_t got = pread(fd, buf, (size_t)size, 0);
-    cr_assert_eq(got, size);
-    buf[size] = '\0';
-    return buf;
-}
-
 typedef struct run_out {
     ts_launch_result res;
     char *out, *err;
@@ -158,8 +146,8 @@ static run_out launch_sh(int n, const char *script, double grace)
     double t0 = now_s();
     TH_OK(ts_launch(&o, argv, &r.res));
     r.elapsed = now_s() - t0;
-    r.out = slurp(o.out_fd);
-    r.err = slurp(o.err_fd);
+    r.out = th_slurp_fd(o.out_fd);
+    r.err = th_slurp_fd(o.err_fd);
     close(o.out_fd);
     close(o.err_fd);
     return r;
@@ -452,7 +440,7 @@ Test(comm_launch, user_settings_win_over_defaults, .timeout = 30)
     ts_launch_result res;
     TH_OK(ts_launch(&o, argv, &res));
     cr_assert_eq(res.exit_code, 0);
-    char *out = slurp(o.out_fd);
+    char *out = th_slurp_fd(o.out_fd);
     cr_assert(strstr(out, "[0] tcp,self 5s 7 5 sekrit job-42\n"), "%s", out);
     cr_assert(strstr(out, "[1] tcp,self 5s 7 5 sekrit job-42\n"), "%s", out);
     free(out);
@@ -473,7 +461,7 @@ Test(comm_launch, master_port_zero_picks_a_free_port_the_ranks_reach, .timeout =
     char *argv[] = {self_exe(), NULL};
     ts_launch_result res;
     TH_OK(ts_launch(&o, argv, &res));
-    char *out = slurp(o.out_fd), *err = slurp(o.err_fd);
+    char *out = th_slurp_fd(o.out_fd), *err = th_slurp_fd(o.err_fd);
     cr_assert_eq(res.exit_code, 0, "rank %d failed: stdout:\n%s\nstderr:\n%s", res.failed_rank, out, err);
     cr_assert_gt(res.master_port, 0);
     for (int r = 0; r < 3; r++) {
@@ -512,7 +500,7 @@ Test(comm_launch, output_lines_are_whole_and_prefixed, .timeout = 120)
     ts_launch_result res;
     TH_OK(ts_launch(&o, argv, &res));
     cr_assert_eq(res.exit_code, 0);
-    char *out = slurp(o.out_fd);
+    char *out = th_slurp_fd(o.out_fd);
     close(o.out_fd);
 
     char payload[1001];
@@ -871,7 +859,7 @@ Test(comm_launch, a_second_node_starts_its_share_without_a_store, .timeout = 30)
     th_mem_assert_back();
     cr_assert_eq(res.exit_code, 0);
     cr_assert_eq(res.master_port, 29511);
-    char *out = slurp(o.out_fd);
+    char *out = th_slurp_fd(o.out_fd);
     cr_assert(strstr(out, "[2] 2/6 0/2 node0.example:29511 tok tsrun-node0.example-29511 posix,cma,self,tcp\n"),
               "%s", out);
     cr_assert(strstr(out, "[3] 3/6 1/2 node0.example:29511 tok tsrun-node0.example-29511 posix,cma,self,tcp\n"),

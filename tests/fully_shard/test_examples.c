@@ -76,18 +76,6 @@ static void clear_launch_env(void)
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
 }
 
-static char *slurp(int fd)
-{
-    off_t size = lseek(fd, 0, SEEK_END);
-    cr_assert_geq(size, 0);
-    char *buf = malloc((size_t)size + 1);
-    cr_assert(buf);
-    ssize_t got = pread(fd, buf, (size_t)size, 0);
-    cr_assert_eq(got, size);
-    buf[size] = '\0';
-    return buf;
-}
-
 /* Runs build/examples/PROG on `nproc` ranks; asserts that every rank
  * exited 0 and returns the relayed stdout ("[r] line" lines), malloc'd. */
 static char *run_example(const char *prog, int nproc)
@@ -106,7 +94,7 @@ static char *run_example(const char *prog, int nproc)
     char *argv[] = {path, NULL};
     ts_launch_result res;
     TH_OK(ts_launch(&o, argv, &res));
-    char *out = slurp(o.out_fd), *err = slurp(o.err_fd);
+    char *out = th_slurp_fd(o.out_fd), *err = th_slurp_fd(o.err_fd);
     close(o.out_fd);
     close(o.err_fd);
     cr_assert_eq(res.exit_code, 0, "%s: rank %d failed: exit %d signal %d\nstdout:\n%s\nstderr:\n%s", prog,
