@@ -18,7 +18,10 @@
  * top). On shared memory the transfers are copies made by the ranks' CPUs,
  * so with fewer than 2 cores per rank they cannot overlap the compute.
  * Memory: the peak of tensor storage (TS_MEM_STORAGE) during the steps of
- * each mode, and the bytes of parameters this rank holds.
+ * each mode, and the bytes of parameters this rank holds. Rank 0 also
+ * prints where fully_shard's own time goes (its TS_TRACE spans: waiting
+ * for all-gathers, copy-out, packing gradients, waiting for
+ * reduce-scatters, adding them into the shards' gradients).
  *
  * Usage: tsrun --nproc-per-node 2 bench_fsdp_step [--steps N] [--layers L]
  *        [--dim D] [--heads H] [--seq T] [--batch B]
@@ -104,6 +107,13 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
         ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
     }
     *peak = ts_mem_peak_bytes(TS_MEM_STORAGE);
+    if (mode == FSDP && rank == 0) { /* where fully_shard's own time goes, per step (rank 0) */
+        static const char *spans[] = {"fsdp.wait_all_gather", "fsdp.copy_out", "fsdp.pack_grads", "fsdp.wait_reduce",
+                                      "fsdp.grad_into_shards"};
+        printf("fsdp time per step, rank 0 (TS_TRACE spans, mean over %d steps):", n + 2);
+        for (int i = 0; i < 5; i++) printf(" %s %.2f ms%s", spans[i] + 5, (double)ts_trace_total_ns(spans[i]) / 1e6 / (n + 2),
+                                           i < 4 ? "," : "\n");
+    }
     ts_tensor_free(ids), ts_tensor_free(tg);
     ts_optim_free(opt);
     free(ps);
@@ -175,6 +185,7 @@ int main(int argc, char **argv)
         return 2;
     }
     CHECK(ts_dist_init(NULL));
+    if (!ts_trace_enabled()) CHECK(ts_trace_start("/dev/null")); /* for the breakdown; never flushed */
     int rank = ts_comm_rank(ts_dist_world()), W = ts_comm_size(ts_dist_world());
     double t[N_MODES];
     size_t peak[N_MODES];

@@ -881,9 +881,12 @@ static ts_status unshard(fsdp_group *g)
 static ts_status wait_unshard(fsdp_group *g)
 {
     if (!g || g->state != G_UNSHARDING) return TS_OK;
+    TS_TRACE_BEGIN(tw);
     ts_status st = ts_request_wait(g->ag_req);
+    TS_TRACE_END(tw, "fsdp.wait_all_gather", "fsdp");
     ts_request_free(g->ag_req);
     g->ag_req = NULL;
+    TS_TRACE_BEGIN(tc);
     if (!st) {
         const unsigned char *ag = ts_tensor_data(g->ag_buf);
         for (int i = 0; i < g->n && !st; i++) {
@@ -902,6 +905,7 @@ static ts_status wait_unshard(fsdp_group *g)
     }
     ts_tensor_free(g->ag_buf);
     g->ag_buf = NULL;
+    TS_TRACE_END(tc, "fsdp.copy_out", "fsdp");
     if (st) {
         for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
         g->state = G_SHARDED;
@@ -968,10 +972,13 @@ static void add_into(void *dst, const void *src, int64_t n, ts_dtype d)
 static ts_status finish_reduce(fsdp_group *g)
 {
     if (!g || !g->rs_req) return TS_OK;
+    TS_TRACE_BEGIN(tw);
     ts_status st = ts_request_wait(g->rs_req);
     ts_request_free(g->rs_req);
     g->rs_req = NULL;
     if (!st && g->rg && ts_comm_size(g->rg) > 1) st = ts_all_reduce(g->rg, g->rs_out, TS_REDUCE_AVG, NULL);
+    TS_TRACE_END(tw, "fsdp.wait_reduce", "fsdp");
+    TS_TRACE_BEGIN(ta);
     const unsigned char *out = st ? NULL : ts_tensor_data(g->rs_out);
     for (int i = 0; i < g->n && !st; i++) {
         fsdp_param *p = &g->params[i];
@@ -1003,6 +1010,7 @@ static ts_status finish_reduce(fsdp_group *g)
     ts_tensor_free(g->rs_in);
     ts_tensor_free(g->rs_out);
     g->rs_in = g->rs_out = NULL;
+    TS_TRACE_END(ta, "fsdp.grad_into_shards", "fsdp");
     return st;
 }
 
@@ -1037,8 +1045,9 @@ static ts_status post_backward(fsdp_ctx *ctx, fsdp_group *g)
     }
     if (g->rs_req && (st = finish_reduce(g))) return st;
     event("post_backward", g->fqn);
+    TS_TRACE_BEGIN(tp);
     int64_t n_in = g->shard_numel * g->W, n_out = g->shard_numel;
-    if ((st = ts_tensor_zeros(g->dtype, 1, &n_in, &g->rs_in)) || (st = ts_tensor_empty(g->dtype, 1, &n_out, &g->rs_out))) {
+    if ((st = ts_tensor_empty(g->dtype, 1, &n_in, &g->rs_in)) || (st = ts_tensor_empty(g->dtype, 1, &n_out, &g->rs_out))) {
         discard_reduce(g);
         return st;
     }
@@ -1047,6 +1056,17 @@ static ts_status post_backward(fsdp_ctx *ctx, fsdp_group *g)
         fsdp_param *p = &g->params[i];
         ts_tensor *gr = p->requires_grad ? ts_tensor_grad(p->U) : NULL;
         p->in_reduce = gr != NULL;
+        size_t rb = (size_t)p->row_numel * g->es;
+        /* zeros where no gradient row lands: the padding rows, or the whole
+         * segment of a parameter without gradient */
+        for (int r = 0; r < g->W; r++) {
+            int64_t start, len;
+            ts_chunk_range(p->rows, g->W, r, &start, &len);
+            if (!gr) len = 0;
+            if (len < p->c)
+                memset(in + ((size_t)r * (size_t)g->shard_numel + (size_t)p->off) * g->es + (size_t)len * rb, 0,
+                       (size_t)(p->c - len) * rb);
+        }
         if (!gr) continue;
         ts_tensor *cg = NULL;
         bool prev = ts_grad_mode_set(false);
@@ -1054,7 +1074,6 @@ static ts_status post_backward(fsdp_ctx *ctx, fsdp_group *g)
         ts_grad_mode_set(prev);
         if (st) break;
         const unsigned char *src = ts_tensor_data(cg);
-        size_t rb = (size_t)p->row_numel * g->es;
         for (int r = 0; r < g->W; r++) {
             int64_t start, len;
             ts_chunk_range(p->rows, g->W, r, &start, &len);
@@ -1065,6 +1084,7 @@ static ts_status post_backward(fsdp_ctx *ctx, fsdp_group *g)
         ts_tensor_free(cg);
         (void)ts_tensor_set_grad(p->U, NULL);
     }
+    TS_TRACE_END(tp, "fsdp.pack_grads", "fsdp");
     if (!st) st = reshard(g);
     if (!st) st = ts_reduce_scatter_tensor(g->pg, g->rs_out, g->rs_in, TS_REDUCE_AVG, 1.0, 1.0, &g->rs_req);
     if (st) {
