@@ -58,7 +58,7 @@
 #define SPIN_US_DEFAULT 50
 #define BUSY_RETRIES 16 /* arm attempts the transport may refuse before a nap */
 #define NAP_MIN_US 5     /* naps then double up to NAP_MAX_US while nothing happens */
-#define NAP_MAX_US 500
+#define NAP_MAX_US 100
 static uint64_t g_spin_ns;
 static pthread_once_t g_spin_once = PTHREAD_ONCE_INIT;
 static void spin_init(void)
