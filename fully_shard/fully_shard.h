@@ -28,6 +28,11 @@
  * backward the group that ran before in forward is all-gathered while the
  * current one computes (backward prefetch, as PyTorch).
  *
+ * A forward run without grad (evaluation) reshards every group at its end,
+ * since no backward will: an optimizer step before the next forward is
+ * then always seen. A backward that fails drops its partial reductions at
+ * the next forward (they never reach the shards' gradients).
+ *
  * Build the optimizer from the module's parameters after fully_shard: it
  * steps on the shards.
  *
