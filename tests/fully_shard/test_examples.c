@@ -10,6 +10,7 @@
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,7 +79,10 @@ static void clear_launch_env(void)
 
 /* Runs build/examples/PROG on `nproc` ranks; asserts that every rank
  * exited 0 and returns the relayed stdout ("[r] line" lines), malloc'd. */
-static char *run_example(const char *prog, int nproc)
+/* Runs build/examples/PROG with the arguments args[0..nargs) on `nproc`
+ * ranks; asserts that every rank exited 0 and returns the relayed stdout
+ * ("[r] line" lines), malloc'd. */
+static char *run_example_args(const char *prog, int nproc, int nargs, const char *const *args)
 {
     clear_launch_env();
     char path[4096];
@@ -91,7 +95,10 @@ static char *run_example(const char *prog, int nproc)
     o.err_fd = memfd_create("ts-example-err", MFD_CLOEXEC);
     cr_assert_geq(o.out_fd, 0);
     cr_assert_geq(o.err_fd, 0);
-    char *argv[] = {path, NULL};
+    char *argv[16] = {path};
+    cr_assert_lt(nargs, 15);
+    for (int i = 0; i < nargs; i++) argv[i + 1] = (char *)args[i];
+    argv[nargs + 1] = NULL;
     ts_launch_result res;
     TH_OK(ts_launch(&o, argv, &res));
     char *out = th_slurp_fd(o.out_fd), *err = th_slurp_fd(o.err_fd);
@@ -102,6 +109,8 @@ static char *run_example(const char *prog, int nproc)
     free(err);
     return out;
 }
+
+static char *run_example(const char *prog, int nproc) { return run_example_args(prog, nproc, 0, NULL); }
 
 /* The lines rank r wrote, without their "[r] " prefix, in order, each
  * followed by '\n', after a leading '\n' (so that "\nLINE\n" finds a whole
@@ -220,4 +229,29 @@ Test(fully_shard_examples, mesh_not_matching_the_world, .timeout = 90)
     TH_OK(ts_launch(&o, argv, &res));
     unsetenv("TS_TEST_FSDP_ROLE");
     cr_assert_eq(res.exit_code, 0, "rank %d exited %d", res.failed_rank, res.exit_code);
+}
+
+/* The main job's program on 2 ranks: the loss falls; a full checkpoint
+ * saved on rank 0 and loaded back by both ranks resumes where it ended
+ * (the resumed first loss is within 10% of the saved run's last). */
+Test(fully_shard_examples, train_gpt_checkpoint_round_trip, .timeout = 120)
+{
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/ts-test-gpt-%d.safetensors", (int)getpid());
+    const char *a1[] = {"--steps", "60", "--save", path};
+    char *out = run_example_args("train_gpt", 2, 4, a1);
+    double first = 0, last = 0;
+    const char *l = strstr(out, "[0] loss ");
+    cr_assert(l && sscanf(l, "[0] loss %lf -> %lf", &first, &last) == 2, "no loss line:\n%s", out);
+    cr_assert_lt(last, first * 0.6, "the loss did not fall: %g -> %g", first, last);
+    cr_assert(strstr(out, "saved 29 full tensors"), "%s", out);
+    free(out);
+    const char *a2[] = {"--steps", "3", "--load", path, "--lr", "1e-5"};
+    out = run_example_args("train_gpt", 2, 6, a2);
+    double rfirst = 0, rlast = 0;
+    l = strstr(out, "[0] loss ");
+    cr_assert(l && sscanf(l, "[0] loss %lf -> %lf", &rfirst, &rlast) == 2, "no loss line:\n%s", out);
+    cr_assert_lt(fabs(rfirst - last), 0.1 * last, "resumed at %g, the saved run ended at %g", rfirst, last);
+    free(out);
+    unlink(path);
 }
