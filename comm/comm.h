@@ -161,7 +161,10 @@ TS_API ts_status ts_all_to_all(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_req
  * matches the receive from the same peer with the same tag; several
  * with the same (peer, tag) match in posting order; different tags may be
  * posted in any order. Both sides must give the same number of bytes
- * (TS_ERR_COMM otherwise). Not collective: they take no sequence number
+ * (TS_ERR_COMM otherwise; between two processes of one host, a mismatch
+ * where one side is under 256 KiB and the other not is only caught by the
+ * deadline, TS_ERR_TIMEOUT, since the two sizes take different paths:
+ * see the UCX transport's shared-memory bypass). Not collective: they take no sequence number
  * of the group, so they may interleave freely with its collectives. The
  * send's data is copied before the call returns; the receive's tensor is
  * the output. Like collectives, a receive still unmatched after the

@@ -134,7 +134,9 @@ static void run_collectives(ts_comm *c)
 {
     int W = ts_comm_size(c), R = ts_comm_rank(c);
     static const ts_dtype dts[] = {TS_F32, TS_F64, TS_BF16, TS_F16, TS_I64, TS_I32, TS_BOOL};
-    static const int64_t sizes[] = {1, 5, 7, 1000, 4099};
+    /* 150001 elements: blocks of 300 KB and more, over the transport's
+     * shared-memory bypass threshold (256 KiB) for every dtype but bool */
+    static const int64_t sizes[] = {1, 5, 7, 1000, 4099, 150001};
     char what[128];
     for (size_t di = 0; di < sizeof dts / sizeof dts[0]; di++) {
         ts_dtype d = dts[di];
@@ -198,6 +200,10 @@ static void run_collectives(ts_comm *c)
 
 static void role_coll(void)
 {
+    /* TS_TEST_CMA_OFF_RANK=r: rank r turns the shared-memory bypass off;
+     * the pairs must still agree on the path of every large message */
+    const char *off = getenv("TS_TEST_CMA_OFF_RANK"), *me = getenv("RANK");
+    if (off && me && atoi(off) == atoi(me)) setenv("TS_UCX_CMA", "0", 1);
     ts_dist_options o = ts_dist_options_default();
     o.timeout_s = 60;
     if (ts_dist_init(&o) != TS_OK) RFAIL(10, "ts_dist_init");
@@ -316,6 +322,25 @@ ParameterizedTest(int *world, dist, collectives, .timeout = 120)
     double t0 = now_s();
     TH_OK(ts_launch(&o, argv, &res));
     fprintf(stderr, "dist/collectives W=%d: %.2f s\n", *world, now_s() - t0);
+    cr_assert_eq(res.exit_code, 0, "rank %d failed: exit %d signal %d", res.failed_rank, res.exit_code,
+                 res.failed_signal);
+}
+
+/* One rank with the shared-memory bypass off, the others on: every pair
+ * agrees on the path (large messages to or from rank 1 go through UCX,
+ * the others through the bypass), and the results are right. */
+Test(dist, collectives_with_the_bypass_off_on_one_rank, .timeout = 120)
+{
+    clear_launch_env();
+    setenv("TS_TEST_DIST_ROLE", "coll", 1);
+    setenv("TS_TEST_CMA_OFF_RANK", "1", 1);
+    ts_launch_options o = ts_launch_options_default();
+    o.nproc_per_node = 3;
+    o.forward_signals = false;
+    char *argv[] = {self_exe(), NULL};
+    ts_launch_result res;
+    TH_OK(ts_launch(&o, argv, &res));
+    unsetenv("TS_TEST_CMA_OFF_RANK");
     cr_assert_eq(res.exit_code, 0, "rank %d failed: exit %d signal %d", res.failed_rank, res.exit_code,
                  res.failed_signal);
 }
