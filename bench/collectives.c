@@ -284,6 +284,14 @@ int main(int argc, char **argv)
     while (nsizes < N_SIZES && sizes[nsizes] <= max_mib * (1 << 20))
         nsizes++;
 
+    /* Warm-up (as nccl-tests' warmup iterations): UCX finishes wiring its
+     * lanes and the pools fill during the first collectives, which made
+     * the first table's small sizes several times slower. */
+    for (int c = 0; c < N_COLL; c++)
+        (void)time_coll(w, c, sizes[nsizes > 4 ? 4 : nsizes - 1], 5);
+    for (int k = 0; k < 10; k++)
+        (void)time_coll(w, COLL_AG, sizes[0], 10);
+
     double t[N_COLL][N_SIZES], mc[N_SIZES];
     for (int c = 0; c < N_COLL; c++)
         for (int s = 0; s < nsizes; s++)
