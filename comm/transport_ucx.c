@@ -589,6 +589,18 @@ static ts_status cma_read(ts_ucx *t, int peer, void *buf, const cma_msg *m, size
     if (m->magic != CMA_MAGIC || m->len != len)
         return ts_error(TS_ERR_COMM, "ucx: rank %d: rank %d sent %llu bytes, %zu expected (or a bad control message)",
                         t->base.rank, peer, (unsigned long long)m->len, len);
+    /* the pid is only read from while its process lives (pidfd): a dead
+     * peer's pid could name another process later */
+    ucx_peer *p = &t->peers[peer];
+    if (p->pidfd >= 0) {
+        struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
+        if (poll(&pf, 1, 0) == 1 && (pf.revents & (POLLIN | POLLHUP | POLLERR))) {
+            p->exited = true;
+            mark_dead(t, p, UCS_ERR_CONNECTION_RESET);
+            return ts_error(TS_ERR_PEER_FAILED, "ucx: rank %d: rank %d exited before its %zu bytes were read",
+                            t->base.rank, peer, len);
+        }
+    }
     size_t done = 0;
     while (done < len) {
         struct iovec l = {(unsigned char *)buf + done, len - done};
