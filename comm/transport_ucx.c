@@ -64,7 +64,21 @@
  * that forbid it, fail the test), and published in the store, so that
  * both sides of a pair take the same path. TS_UCX_CMA=0 turns the bypass
  * off. The two flag bits are the top bits of the rank field, so worlds
- * have at most 16384 ranks.
+ * have at most 16384 ranks. Details that keep it safe:
+ *  - the acknowledgement carries the control message's nonce, so one left
+ *    over from an abandoned transfer with the same tag is not taken for a
+ *    later one's;
+ *  - the sender keeps a "live" word holding the nonce until its send ends
+ *    (acknowledged, failed or cancelled); the receiver reads it after the
+ *    data, so a read that raced with an abandoned send (the buffer reused
+ *    since) fails instead of delivering what the buffer held;
+ *  - the first read also re-reads the peer's cookie: a dead peer's pid may
+ *    name another process;
+ *  - the payloads of the small messages live in the ucx_op, which is only
+ *    freed when UCX gives it back;
+ *  - a size mismatch between sides where one is under TS_UCX_CMA_MIN and
+ *    the other not takes two paths that never meet: it ends at the
+ *    caller's deadline, not with TS_ERR_COMM (comm.h says so).
  *
  * Bounded waits: cancel_all and destroy progress for at most
  * TS_UCX_DRAIN_S seconds. An op UCX does not give back in time is
@@ -127,6 +141,10 @@ struct ucx_op {
     ucs_status_t ucs;
     size_t rlen; /* received length */
     size_t ulen; /* shared-memory bypass: the bytes of the transfer this message serves (0: none) */
+    uint64_t xbits; /* 0, TS_UCX_CTRL or TS_UCX_ACK */
+    /* the bypass's control and acknowledgement payloads live in the op, so
+     * that they stay valid for as long as UCX holds the op */
+    _Alignas(8) unsigned char inl[48];
 };
 
 typedef struct ucx_peer {
@@ -140,6 +158,7 @@ typedef struct ucx_peer {
     bool none_mode; /* endpoint in UCP_ERR_HANDLING_MODE_NONE (TS_UCX_ERROR_MODE=local-none) */
     bool same_host; /* on this host (by host name), self excluded */
     pid_t pid;      /* same-host peer's process */
+    uint64_t cookie_addr, cookie; /* its published cookie (the bypass's identity check) */
     bool cma_recv;  /* this rank reads the peer's large messages (bypass) */
     bool cma_send;  /* the peer reads this rank's large messages */
 } ucx_peer;
@@ -285,11 +304,29 @@ static const char *dead_why(const ucx_peer *p)
 /* The status of a finished op, with the error detail recorded. */
 static ts_status op_status(ts_ucx *t, ucx_op *op)
 {
-    char whatb[96];
-    if (op->ulen)
-        snprintf(whatb, sizeof whatb, "%s (shared-memory rendezvous of a %zu-byte transfer)",
-                 op->is_recv ? "receive" : "send", op->ulen);
+    char whatb[128];
+    if (op->ulen) /* a bypass piece: describe the user's transfer it serves */
+        snprintf(whatb, sizeof whatb, "%s (shared-memory rendezvous, %s)",
+                 (op->xbits == TS_UCX_ACK) == op->is_recv ? "send" : "receive",
+                 op->xbits == TS_UCX_CTRL ? (op->is_recv ? "waiting for its control message" : "control message")
+                                          : (op->is_recv ? "waiting for the acknowledgement" : "acknowledgement"));
     const char *what = op->ulen ? whatb : op->is_recv ? "receive" : "send";
+    if (op->ulen) {
+        bool user_recv = (op->xbits == TS_UCX_ACK) != op->is_recv;
+        const char *d = user_recv ? "from" : "to";
+        if (op->forced == TS_ERR_PEER_FAILED || (op->ucs != UCS_OK && t->peers[op->peer].dead))
+            return ts_error(TS_ERR_PEER_FAILED, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64
+                            "): rank %d failed (%s)", t->base.rank, what, op->ulen, d, op->peer, op->tag, op->peer,
+                            dead_why(&t->peers[op->peer]));
+        if (op->forced != TS_OK)
+            return ts_error(op->forced, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 ") cancelled",
+                            t->base.rank, what, op->ulen, d, op->peer, op->tag);
+        if (op->ucs != UCS_OK || (op->is_recv && op->rlen != op->len))
+            return ts_error(TS_ERR_COMM, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 ") failed: %s",
+                            t->base.rank, what, op->ulen, d, op->peer, op->tag,
+                            op->ucs != UCS_OK ? ucs_status_string(op->ucs) : "bad message length");
+        return TS_OK;
+    }
     const char *dir = op->is_recv ? "from" : "to";
     if (op->forced != TS_OK) {
         if (op->forced == TS_ERR_PEER_FAILED)
@@ -424,14 +461,20 @@ static ucx_op *op_new(ts_ucx *t, int peer, size_t len, uint64_t tag, bool is_rec
     return op;
 }
 
-/* One UCX send (xbits: 0, or TS_UCX_CTRL / TS_UCX_ACK for the bypass). */
+/* One UCX send (xbits: 0, or TS_UCX_CTRL / TS_UCX_ACK for the bypass).
+ * buf NULL: send len (<= 32) bytes of `inl`, copied into the op. */
 static ts_status send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uint64_t tag, uint64_t xbits,
-                          size_t ulen, ts_xfer_cb cb, void *arg)
+                          size_t ulen, const void *inl, ts_xfer_cb cb, void *arg)
 {
     ucx_op *op = op_new(t, peer, len, tag, false, cb, arg);
     if (!op)
         return ts_error(TS_ERR_NO_MEMORY, "ucx: send: out of memory");
     op->ulen = ulen;
+    op->xbits = xbits;
+    if (!buf && inl && len <= sizeof op->inl) {
+        memcpy(op->inl, inl, len);
+        buf = op->inl;
+    }
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE,
         .cb.send = send_cb,
@@ -447,7 +490,7 @@ static ts_status send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uint
         ts__free(TS_MEM_COMM, op);
         return ts_error(t->peers[peer].dead ? TS_ERR_PEER_FAILED : TS_ERR_COMM,
                         "ucx: rank %d: send of %zu bytes to rank %d (tag 0x%" PRIx64 ") failed: %s", t->base.rank,
-                        len, peer, tag, ucs_status_string(us));
+                        ulen ? ulen : len, peer, tag, ucs_status_string(us));
     }
     if (r == NULL)
         op_finished(op, UCS_OK, len); /* in place: the callback runs from the next progress */
@@ -456,14 +499,20 @@ static ts_status send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uint
     return TS_OK;
 }
 
-/* One UCX receive (xbits as send_raw). */
+/* One UCX receive (xbits as send_raw). buf NULL: into the op's `inl` (len
+ * <= 32), which the callback reads through *op_out. */
 static ts_status recv_raw(ts_ucx *t, int peer, void *buf, size_t len, uint64_t tag, uint64_t xbits, size_t ulen,
-                          ts_xfer_cb cb, void *arg)
+                          ts_xfer_cb cb, void *arg, ucx_op **op_out)
 {
     ucx_op *op = op_new(t, peer, len, tag, true, cb, arg);
     if (!op)
         return ts_error(TS_ERR_NO_MEMORY, "ucx: recv: out of memory");
     op->ulen = ulen;
+    op->xbits = xbits;
+    if (!buf && len && len <= sizeof op->inl)
+        buf = op->inl;
+    if (op_out)
+        *op_out = op;
     ucp_request_param_t prm = {
         /* NO_IMM_CMPL: a receive that matches a message already here
          * still calls recv_cb (inside ucp_tag_recv_nbx), which is where the
@@ -481,8 +530,10 @@ static ts_status recv_raw(ts_ucx *t, int peer, void *buf, size_t len, uint64_t t
         ucs_status_t us = UCS_PTR_STATUS(r);
         pending_remove(t, op);
         ts__free(TS_MEM_COMM, op);
+        if (op_out)
+            *op_out = NULL;
         return ts_error(TS_ERR_COMM, "ucx: rank %d: receive of %zu bytes from rank %d (tag 0x%" PRIx64
-                        ") failed: %s", t->base.rank, len, peer, tag, ucs_status_string(us));
+                        ") failed: %s", t->base.rank, ulen ? ulen : len, peer, tag, ucs_status_string(us));
     }
     if (r == NULL) /* not expected with NO_IMM_CMPL; the length is then unknown */
         op_finished(op, UCS_OK, len);
@@ -493,27 +544,133 @@ static ts_status recv_raw(ts_ucx *t, int peer, void *buf, size_t len, uint64_t t
 
 /* ------------------------------------------------ shared-memory bypass */
 
-#define CMA_MAGIC 0x434d4131u /* "CMA1" */
+#define CMA_MAGIC 0x434d4132u /* "CMA2" */
 
-typedef struct cma_msg {
-    uint64_t addr, len;
+typedef struct cma_msg { /* control message: where the data is */
+    uint64_t addr, len, nonce;
+    uint64_t live_addr; /* the sender's word that holds nonce while the buffer may be read */
     uint32_t magic, pad;
 } cma_msg;
 
-/* A send: the control message out, the acknowledgement back. */
+typedef struct cma_ack { /* acknowledgement: which transfer, how it went */
+    uint64_t nonce;
+    int64_t status; /* 0: read; a ts_status otherwise */
+} cma_ack;
+
+_Static_assert(sizeof(cma_msg) <= 48 && sizeof(cma_ack) <= 48, "bypass payloads fit an op's inline buffer");
+
+static uint64_t g_cma_nonce;
+
+/* A send: the acknowledgement receive, then the control message. */
 typedef struct cma_tx {
     ts_ucx *t;
     ts_xfer_cb cb;
     void *arg;
-    int parts;       /* transfers not finished */
-    bool suppress;   /* the caller got the error synchronously: no callback */
-    ts_status st;
-    char err[256];
-    cma_msg msg;
-    int64_t ack;     /* the receiver's status (0: read) */
     int peer;
     size_t len;
+    uint64_t tag, nonce;
+    int parts;       /* pieces not finished */
+    bool suppress;   /* the caller got the error synchronously: no callback */
+    ts_status st;    /* the first piece's failure */
+    char err[256];
+    int64_t ack;     /* the receiver's status */
+    ucx_op *ack_op;  /* the acknowledgement receive in flight */
+    /* nonce while the receiver may read the buffer; cleared when the send
+     * ends, so that a receiver reading after an abandoned send (the world
+     * failed, the buffer was reused) finds out and fails instead of
+     * returning whatever the buffer holds by then */
+    volatile uint64_t live;
 } cma_tx;
+
+static void tx_finish(cma_tx *x)
+{
+    x->live = 0;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (!x->suppress) {
+        ts_status s = x->st;
+        if (s)
+            ts_error(s, "%s", x->err);
+        else if (x->ack != 0)
+            s = ts_error(TS_ERR_COMM, "ucx: rank %d: rank %d could not read the %zu bytes sent to it: %s",
+                         x->t->base.rank, x->peer, x->len, ts_status_name((ts_status)x->ack));
+        if (x->cb)
+            x->cb(x->arg, s);
+    }
+    ts__free(TS_MEM_COMM, x);
+}
+
+static void tx_fail(cma_tx *x, ts_status st)
+{
+    if (st && !x->st) {
+        x->st = st;
+        snprintf(x->err, sizeof x->err, "%s", ts_last_error());
+    }
+}
+
+static void tx_sent(void *arg, ts_status st)
+{
+    cma_tx *x = arg;
+    tx_fail(x, st);
+    if (--x->parts == 0)
+        tx_finish(x);
+}
+
+static void tx_acked(void *arg, ts_status st)
+{
+    cma_tx *x = arg;
+    cma_ack a;
+    memcpy(&a, x->ack_op->inl, sizeof a);
+    x->ack_op = NULL;
+    if (!st && a.nonce != x->nonce) {
+        /* an acknowledgement left over from an abandoned transfer with the
+         * same peer and tag: not ours; wait for ours */
+        ts_status s = recv_raw(x->t, x->peer, NULL, sizeof(cma_ack), x->tag, TS_UCX_ACK, x->len, tx_acked, x,
+                               &x->ack_op);
+        if (!s)
+            return;
+        st = s;
+    }
+    tx_fail(x, st);
+    if (!st)
+        x->ack = a.status;
+    if (--x->parts == 0)
+        tx_finish(x);
+}
+
+static ts_status cma_send(ts_ucx *t, int peer, const void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
+{
+    cma_tx *x = ts__calloc(TS_MEM_COMM, 1, sizeof *x);
+    if (!x)
+        return ts_error(TS_ERR_NO_MEMORY, "ucx: send: out of memory");
+    *x = (cma_tx){.t = t, .cb = cb, .arg = arg, .peer = peer, .len = len, .tag = tag, .nonce = ++g_cma_nonce,
+                  .ack = -1, .parts = 1};
+    x->live = x->nonce;
+    /* the acknowledgement receive first: once the control message is out,
+     * the peer may read the buffer, and only its acknowledgement says when
+     * it is done */
+    ts_status s = recv_raw(t, peer, NULL, sizeof(cma_ack), tag, TS_UCX_ACK, len, tx_acked, x, &x->ack_op);
+    if (s) {
+        ts__free(TS_MEM_COMM, x);
+        return s;
+    }
+    cma_msg m = {(uint64_t)(uintptr_t)buf, len, x->nonce, (uint64_t)(uintptr_t)&x->live, CMA_MAGIC, 0};
+    x->parts = 2;
+    if ((s = send_raw(t, peer, NULL, sizeof m, tag, TS_UCX_CTRL, len, &m, tx_sent, x))) {
+        /* nothing went out: drop the acknowledgement receive; x is freed
+         * when UCX gives it back */
+        x->suppress = true;
+        x->parts = 1;
+        ucx_op *op = x->ack_op;
+        if (op && !op->cancelled) {
+            op->cancelled = true;
+            op->forced = s;
+            if (op->req)
+                ucp_request_cancel(t->worker, op->req);
+        }
+        return s;
+    }
+    return TS_OK;
+}
 
 /* A receive: the control message in, the read, the acknowledgement out. */
 typedef struct cma_rx {
@@ -524,99 +681,57 @@ typedef struct cma_rx {
     void *buf;
     size_t len;
     uint64_t tag;
-    cma_msg msg;
-    int64_t ack;
+    ucx_op *ctrl_op;
 } cma_rx;
 
-static void tx_part(void *arg, ts_status st)
-{
-    cma_tx *x = arg;
-    if (st && !x->st) {
-        x->st = st;
-        snprintf(x->err, sizeof x->err, "%s", ts_last_error());
-    }
-    if (--x->parts > 0)
-        return;
-    if (!x->suppress) {
-        ts_status s = x->st;
-        if (s)
-            ts_error(s, "%s", x->err);
-        else if (x->ack != 0)
-            s = ts_error(TS_ERR_COMM, "ucx: rank %d: rank %d could not read the %zu bytes sent to it (status %lld)",
-                         x->t->base.rank, x->peer, x->len, (long long)x->ack);
-        if (x->cb)
-            x->cb(x->arg, s);
-    }
-    ts__free(TS_MEM_COMM, x);
-}
-
-static ts_status cma_send(ts_ucx *t, int peer, const void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
-{
-    cma_tx *x = ts__calloc(TS_MEM_COMM, 1, sizeof *x);
-    if (!x)
-        return ts_error(TS_ERR_NO_MEMORY, "ucx: send: out of memory");
-    x->t = t;
-    x->cb = cb;
-    x->arg = arg;
-    x->peer = peer;
-    x->len = len;
-    x->msg = (cma_msg){(uint64_t)(uintptr_t)buf, len, CMA_MAGIC, 0};
-    x->ack = -1;
-    x->parts = 1;
-    ts_status s = send_raw(t, peer, &x->msg, sizeof x->msg, tag, TS_UCX_CTRL, len, tx_part, x);
-    if (s) {
-        ts__free(TS_MEM_COMM, x);
-        return s;
-    }
-    x->parts = 2;
-    if ((s = recv_raw(t, peer, &x->ack, sizeof x->ack, tag, TS_UCX_ACK, len, tx_part, x))) {
-        x->suppress = true; /* the control send finishes on its own and frees x */
-        x->parts = 1;
-        return s;
-    }
-    return TS_OK;
-}
-
-static void rx_acked(void *arg, ts_status st)
-{
-    (void)st;
-    ts__free(TS_MEM_COMM, arg);
-}
-
-/* Reads len bytes at `addr` of process `pid` into buf. */
+/* Reads len bytes at m->addr of the peer's process into buf, checking in
+ * the same first call that the process is still the one whose cookie was
+ * read at connection (a dead peer's pid may name another process). */
 static ts_status cma_read(ts_ucx *t, int peer, void *buf, const cma_msg *m, size_t len)
 {
+    ucx_peer *p = &t->peers[peer];
     if (m->magic != CMA_MAGIC || m->len != len)
         return ts_error(TS_ERR_COMM, "ucx: rank %d: rank %d sent %llu bytes, %zu expected (or a bad control message)",
                         t->base.rank, peer, (unsigned long long)m->len, len);
-    /* the pid is only read from while its process lives (pidfd): a dead
-     * peer's pid could name another process later */
-    ucx_peer *p = &t->peers[peer];
-    if (p->pidfd >= 0) {
-        struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
-        if (poll(&pf, 1, 0) == 1 && (pf.revents & (POLLIN | POLLHUP | POLLERR))) {
-            p->exited = true;
-            mark_dead(t, p, UCS_ERR_CONNECTION_RESET);
-            return ts_error(TS_ERR_PEER_FAILED, "ucx: rank %d: rank %d exited before its %zu bytes were read",
-                            t->base.rank, peer, len);
-        }
-    }
+    uint64_t cookie = 0;
     size_t done = 0;
-    while (done < len) {
-        struct iovec l = {(unsigned char *)buf + done, len - done};
-        struct iovec r = {(void *)(uintptr_t)(m->addr + done), len - done};
-        ssize_t n = process_vm_readv(t->peers[peer].pid, &l, 1, &r, 1, 0);
+    bool checked = false;
+    while (done < len || !checked) {
+        struct iovec l[2], r[2];
+        int n_iov = 0;
+        if (!checked) {
+            l[n_iov] = (struct iovec){&cookie, 8};
+            r[n_iov++] = (struct iovec){(void *)(uintptr_t)p->cookie_addr, 8};
+        }
+        l[n_iov] = (struct iovec){(unsigned char *)buf + done, len - done};
+        r[n_iov++] = (struct iovec){(void *)(uintptr_t)(m->addr + done), len - done};
+        ssize_t n = process_vm_readv(p->pid, l, (unsigned long)n_iov, r, (unsigned long)n_iov, 0);
         if (n < 0 && errno == EINTR)
             continue;
-        if (n <= 0) {
+        if (n > 0 && !checked) {
+            if ((size_t)n < 8 || cookie != p->cookie)
+                return ts_error(TS_ERR_PEER_FAILED, "ucx: rank %d: rank %d's process (pid %d) is gone; its %zu bytes "
+                                "cannot be read", t->base.rank, peer, (int)p->pid, len);
+            checked = true;
+            n -= 8;
+        } else if (n <= 0) {
             int e = n < 0 ? errno : EIO;
-            bool dead = e == ESRCH || t->peers[peer].dead;
+            bool dead = e == ESRCH || p->dead;
             return ts_error(dead ? TS_ERR_PEER_FAILED : TS_ERR_COMM,
                             "ucx: rank %d: reading %zu bytes from rank %d (pid %d) failed after %zu: %s", t->base.rank,
-                            len, peer, (int)t->peers[peer].pid, done, strerror(e));
+                            len, peer, (int)p->pid, done, strerror(e));
         }
         done += (size_t)n;
     }
+    /* the sender still waits for this transfer (so nothing it read was
+     * reused under it): its live word holds the nonce */
+    uint64_t live = 0;
+    struct iovec ll = {&live, 8}, rl = {(void *)(uintptr_t)m->live_addr, 8};
+    ssize_t n = process_vm_readv(p->pid, &ll, 1, &rl, 1, 0);
+    if (n != 8 || live != m->nonce)
+        return ts_error(n != 8 && errno == ESRCH ? TS_ERR_PEER_FAILED : TS_ERR_COMM,
+                        "ucx: rank %d: rank %d abandoned its %zu-byte send before it was read (its world failed)",
+                        t->base.rank, peer, len);
     return TS_OK;
 }
 
@@ -624,24 +739,24 @@ static void rx_ctrl(void *arg, ts_status st)
 {
     cma_rx *y = arg;
     ts_ucx *t = y->t;
-    if (st) { /* no control message: the peer died or the world failed */
-        if (y->cb)
-            y->cb(y->arg, st);
-        ts__free(TS_MEM_COMM, y);
-        return;
-    }
-    st = cma_read(t, y->peer, y->buf, &y->msg, y->len);
-    char err[256];
-    snprintf(err, sizeof err, "%s", st ? ts_last_error() : "");
-    y->ack = st;
     ts_xfer_cb cb = y->cb;
     void *cb_arg = y->arg;
-    /* acknowledge (the sender's buffer is free after this); y lives until
-     * the acknowledgement is sent */
-    if (t->peers[y->peer].dead || send_raw(t, y->peer, &y->ack, sizeof y->ack, y->tag, TS_UCX_ACK, y->len, rx_acked, y))
-        ts__free(TS_MEM_COMM, y);
-    if (st)
-        ts_error(st, "%s", err);
+    cma_msg m;
+    memcpy(&m, y->ctrl_op->inl, sizeof m);
+    if (!st) {
+        st = cma_read(t, y->peer, y->buf, &m, y->len);
+        char err[256];
+        snprintf(err, sizeof err, "%s", st ? ts_last_error() : "");
+        /* acknowledge: the sender's buffer is free after this */
+        cma_ack a = {m.nonce, st};
+        if (!t->peers[y->peer].dead &&
+            send_raw(t, y->peer, NULL, sizeof a, y->tag, TS_UCX_ACK, y->len, &a, NULL, NULL) != TS_OK)
+            ts_logf(TS_LOG_WARN, "ucx: rank %d: could not acknowledge %zu bytes to rank %d: %s; it will wait until "
+                    "its deadline", t->base.rank, y->len, y->peer, ts_last_error());
+        if (st)
+            ts_error(st, "%s", err);
+    }
+    ts__free(TS_MEM_COMM, y);
     if (cb)
         cb(cb_arg, st);
 }
@@ -652,7 +767,7 @@ static ts_status cma_recv(ts_ucx *t, int peer, void *buf, size_t len, uint64_t t
     if (!y)
         return ts_error(TS_ERR_NO_MEMORY, "ucx: recv: out of memory");
     *y = (cma_rx){.t = t, .cb = cb, .arg = arg, .peer = peer, .buf = buf, .len = len, .tag = tag};
-    ts_status s = recv_raw(t, peer, &y->msg, sizeof y->msg, tag, TS_UCX_CTRL, len, rx_ctrl, y);
+    ts_status s = recv_raw(t, peer, NULL, sizeof(cma_msg), tag, TS_UCX_CTRL, len, rx_ctrl, y, &y->ctrl_op);
     if (s)
         ts__free(TS_MEM_COMM, y);
     return s;
@@ -667,7 +782,7 @@ static ts_status ucx_send(ts_transport *base, int peer, const void *buf, size_t 
         return s;
     if (len >= TS_UCX_CMA_MIN && t->peers[peer].cma_send)
         return cma_send(t, peer, buf, len, tag, cb, arg);
-    return send_raw(t, peer, buf, len, tag, 0, 0, cb, arg);
+    return send_raw(t, peer, buf, len, tag, 0, 0, NULL, cb, arg);
 }
 
 static ts_status ucx_recv(ts_transport *base, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
@@ -678,7 +793,7 @@ static ts_status ucx_recv(ts_transport *base, int peer, void *buf, size_t len, u
         return s;
     if (len >= TS_UCX_CMA_MIN && t->peers[peer].cma_recv)
         return cma_recv(t, peer, buf, len, tag, cb, arg);
-    return recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg);
+    return recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg, NULL);
 }
 
 static int ucx_progress(ts_transport *base)
@@ -747,6 +862,9 @@ static void ucx_cancel_all(ts_transport *base, ts_status status)
             continue;
         if (op->forced == TS_OK)
             op->forced = status;
+        /* a bypass send's acknowledgement receive is cancelled too: the
+         * send then ends, its live word is cleared, and a peer that reads
+         * the buffer later fails instead of taking what it holds then */
         if (op->is_recv && !op->cancelled) {
             op->cancelled = true;
             if (op->req)
@@ -768,16 +886,27 @@ static void ucx_cancel_all(ts_transport *base, ts_status status)
      * ran): its callback must run now, before the caller takes every
      * transfer as finished and frees what the callback points to. */
     run_completions(t);
-    for (ucx_op *op = t->pending.next; op != &t->pending; op = op->next) {
+    for (ucx_op *op = t->pending.next, *nx; op != &t->pending; op = nx) {
+        nx = op->next;
         if (op->orphan)
             continue;
         op->orphan = true;
         op->notify = true;
         ts_logf(TS_LOG_WARN, "ucx: rank %d: %s of %zu bytes %s rank %d still held by UCX after %.1f s; abandoned",
-                t->base.rank, op->is_recv ? "receive" : "send", op->len, op->is_recv ? "from" : "to", op->peer,
-                bound);
+                t->base.rank, op->is_recv ? "receive" : "send", op->ulen ? op->ulen : op->len,
+                op->is_recv ? "from" : "to", op->peer, bound);
+        /* a bypass acknowledgement receive kept past the cancellation (its
+         * peer was alive) is cancelled now, so that UCX gives it back */
+        if (op->is_recv && !op->cancelled) {
+            op->cancelled = true;
+            if (op->req)
+                ucp_request_cancel(t->worker, op->req);
+        }
     }
     run_notifies(t);
+    /* a cancellation that completed in place moved its op to the done
+     * list, where its pending callback runs now */
+    run_completions(t);
 }
 
 static void ucx_destroy(ts_transport *base)
@@ -1033,14 +1162,19 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
         bool same_host = r != rank && memcmp((unsigned char *)v + 8, host, TS_UCX_HOST_LEN) == 0;
         t->peers[r].same_host = same_host;
         t->peers[r].pid = same_host ? (pid_t)vpid : 0;
+        bool other_ns = false; /* the same host name, but another pid namespace (containers) */
         if (same_host) { /* can this rank read that process? (its published cookie) */
             uint64_t paddr, pval, got = 0;
             memcpy(&paddr, (unsigned char *)v + 8 + TS_UCX_HOST_LEN, 8);
             memcpy(&pval, (unsigned char *)v + 8 + TS_UCX_HOST_LEN + 8, 8);
+            t->peers[r].cookie_addr = paddr;
+            t->peers[r].cookie = pval;
             struct iovec l = {&got, 8}, rv = {(void *)(uintptr_t)paddr, 8};
-            t->peers[r].cma_recv = process_vm_readv((pid_t)vpid, &l, 1, &rv, 1, 0) == 8 && got == pval;
+            ssize_t n = process_vm_readv((pid_t)vpid, &l, 1, &rv, 1, 0);
+            t->peers[r].cma_recv = n == 8 && got == pval;
+            other_ns = (n == 8 && got != pval) || (n < 0 && errno == ESRCH);
         }
-        if (same_host && pid_watch) {
+        if (same_host && pid_watch && !other_ns) {
             int fd = (int)syscall(SYS_pidfd_open, (pid_t)vpid, 0);
             if (fd >= 0)
                 t->peers[r].pidfd = fd;
