@@ -18,8 +18,10 @@
  * rank travels in the tag: the 64-bit UCX tag is
  *     ucx_tag = ((uint64_t)src_rank << 48) ^ tag
  * with tag < 2^48 (transport tags that use bits 48..63 are rejected with
- * TS_ERR_INVALID_ARGUMENT), so the XOR is a plain OR: bits 48..63 hold the
- * sender's rank (world size at most 65536), bits 0..47 the transport tag.
+ * TS_ERR_INVALID_ARGUMENT), so the XOR is a plain OR: bits 48..61 hold the
+ * sender's rank (world size at most 16384), bits 62 and 63 the
+ * shared-memory bypass's message kinds (below), bits 0..47 the transport
+ * tag.
  * Receives match with tag_mask = ~0.
  *
  * Completions: UCX callbacks (send and receive, with user_data = our op).
