@@ -178,6 +178,7 @@ struct ts_ucx {
     ts_status failed_status;
     bool dead_unhandled;
     double next_pid_check;
+    uint64_t cma_nonce; /* the last bypass transfer's number */
 };
 
 /* Published with the worker address; a peer that reads it back with
@@ -561,8 +562,6 @@ typedef struct cma_ack { /* acknowledgement: which transfer, how it went */
 
 _Static_assert(sizeof(cma_msg) <= 48 && sizeof(cma_ack) <= 48, "bypass payloads fit an op's inline buffer");
 
-static uint64_t g_cma_nonce;
-
 /* A send: the acknowledgement receive, then the control message. */
 typedef struct cma_tx {
     ts_ucx *t;
@@ -644,7 +643,7 @@ static ts_status cma_send(ts_ucx *t, int peer, const void *buf, size_t len, uint
     cma_tx *x = ts__calloc(TS_MEM_COMM, 1, sizeof *x);
     if (!x)
         return ts_error(TS_ERR_NO_MEMORY, "ucx: send: out of memory");
-    *x = (cma_tx){.t = t, .cb = cb, .arg = arg, .peer = peer, .len = len, .tag = tag, .nonce = ++g_cma_nonce,
+    *x = (cma_tx){.t = t, .cb = cb, .arg = arg, .peer = peer, .len = len, .tag = tag, .nonce = ++t->cma_nonce,
                   .ack = -1, .parts = 1};
     x->live = x->nonce;
     /* the acknowledgement receive first: once the control message is out,

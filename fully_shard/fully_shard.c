@@ -102,7 +102,6 @@ struct fsdp_group {
     int n_states;          /* modules sharing the group */
     int ran_forward;       /* distinct modules of the group run in this forward */
     bool in_forward;       /* between the group's first pre-forward and its reshard point */
-    bool prefetched;       /* unsharded by a prefetch, not yet used */
     char fqn[FQN_MAX];
 };
 
@@ -111,8 +110,7 @@ struct fsdp_state {
     ts_module *module;  /* NULL once the module was freed */
     const ts_module_vtable *orig_vt;
     fsdp_group *group;  /* retained; NULL when the call took no parameter */
-    fsdp_ctx *ctx;      /* the root's (borrowed; owned when is_root) */
-    bool is_root;
+    fsdp_ctx *ctx;      /* the root's (borrowed; owned by the root: ctx->root == this) */
     char fqn[FQN_MAX];
     bool method_wrapped[MAX_METHODS];
     bool ran;           /* ran forward in this iteration (grouped calls count modules once) */
@@ -280,7 +278,7 @@ static void state_release(fsdp_state *s)
     for (int i = 0; i < s->n_bwd_prefetch; i++) state_release(s->bwd_prefetch[i]);
     ts__free(TS_MEM_NN, s->fwd_prefetch);
     ts__free(TS_MEM_NN, s->bwd_prefetch);
-    if (s->is_root && s->ctx) ctx_free(s->ctx);
+    if (s->ctx && s->ctx->root == s) ctx_free(s->ctx);
     group_release(s->group);
     ts__free(TS_MEM_NN, s);
 }
@@ -433,9 +431,7 @@ typedef struct collect {
     int n_seen, cap_seen;
     const ts_fsdp_options *o;
     char prefix[FQN_MAX];
-    ts_module *cur;
     int top;            /* the index of the module being walked in the call */
-    ts_status err;
 } collect;
 
 static bool grow(void **arr, int *cap, int need, size_t elem)
@@ -928,7 +924,6 @@ static ts_status reshard(fsdp_group *g)
     for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
     g->state = G_SHARDED;
     g->fwd_since_reshard = 0;
-    g->prefetched = false;
     return st;
 }
 
@@ -1102,7 +1097,6 @@ static ts_status post_backward(fsdp_ctx *ctx, fsdp_group *g)
 
 typedef struct init_walk {
     fsdp_ctx *ctx;
-    ts_status err;
 } init_walk;
 
 static ts_status init_each(void *vc, const char *fqn, ts_module *m)
@@ -1153,15 +1147,13 @@ static ts_status lazy_init(fsdp_state *st)
     if (!c) return TS_ERR_NO_MEMORY;
     c->root = st;
     c->implicit_fwd = c->implicit_bwd = true;
-    st->is_root = true;
     st->ctx = c;
-    init_walk w = {c, TS_OK};
+    init_walk w = {c};
     ts_status s = ts_module_named_modules(st->module, init_each, &w);
     if (s) {
         for (int i = 0; i < c->n_states; i++)
             if (c->states[i] != st) c->states[i]->ctx = NULL;
         st->ctx = NULL;
-        st->is_root = false;
         ctx_free(c);
         return s;
     }
@@ -1187,6 +1179,13 @@ static bool order_push(fsdp_group ***arr, int *n, int *cap, fsdp_group *g)
     return true;
 }
 
+/* TS_ERR_STATE when the marker's module was freed while its graph lived. */
+static ts_status marker_live(const fsdp_state *s)
+{
+    if (s->module && s->ctx) return TS_OK;
+    return ts_error(TS_ERR_STATE, "fully_shard: an FSDP module was freed while an autograd graph through it was alive");
+}
+
 /* The pre-backward marker on a module's outputs: unshards its group before
  * its backward runs, prefetches the group that ran before it in forward,
  * and queues the root's end-of-backward work once per backward. */
@@ -1194,9 +1193,8 @@ static ts_status pre_backward_fn(void *vs, int n, ts_tensor **grads)
 {
     (void)n, (void)grads;
     fsdp_state *s = vs;
-    if (!s->module || !s->ctx)
-        return ts_error(TS_ERR_STATE, "fully_shard: an FSDP module was freed while an autograd graph through it was "
-                                      "alive");
+    ts_status live = marker_live(s);
+    if (live) return live;
     fsdp_ctx *c = s->ctx;
     ts_status st = TS_OK;
     c->bwd_running = true;
@@ -1208,8 +1206,7 @@ static ts_status pre_backward_fn(void *vs, int n, ts_tensor **grads)
     event("pre_backward", s->fqn);
     if (g) {
         if ((st = unshard(g)) || (st = wait_unshard(g))) return st;
-        g->prefetched = false;
-    }
+        }
     /* backward prefetch */
     if (s->explicit_bwd) {
         for (int i = 0; i < s->n_bwd_prefetch && !st; i++)
@@ -1224,11 +1221,7 @@ static ts_status pre_backward_fn(void *vs, int n, ts_tensor **grads)
             memmove(&c->post_fwd[at], &c->post_fwd[at + 1], (size_t)(c->n_post_fwd - at - 1) * sizeof *c->post_fwd);
             c->n_post_fwd--;
             if (at > 0) {
-                fsdp_group *prev = c->post_fwd[at - 1];
-                if (prev->state == G_SHARDED) {
-                    st = unshard(prev);
-                    prev->prefetched = true;
-                }
+                st = unshard(c->post_fwd[at - 1]); /* a no-op unless sharded */
             }
         }
     }
@@ -1241,9 +1234,8 @@ static ts_status post_backward_fn(void *vs, int n, ts_tensor **grads)
 {
     (void)n, (void)grads;
     fsdp_state *s = vs;
-    if (!s->module || !s->ctx)
-        return ts_error(TS_ERR_STATE, "fully_shard: an FSDP module was freed while an autograd graph through it was "
-                                      "alive");
+    ts_status live = marker_live(s);
+    if (live) return live;
     return s->group ? post_backward(s->ctx, s->group) : TS_OK;
 }
 
@@ -1324,19 +1316,13 @@ static ts_status forward_prefetch(fsdp_ctx *c, fsdp_state *s)
     if (s->explicit_fwd) {
         ts_status st = TS_OK;
         for (int i = 0; i < s->n_fwd_prefetch && !st; i++) {
-            fsdp_group *t = s->fwd_prefetch[i]->module ? s->fwd_prefetch[i]->group : NULL;
-            if (t && t->state == G_SHARDED) {
-                st = unshard(t);
-                t->prefetched = true;
-            }
+            if (s->fwd_prefetch[i]->module) st = unshard(s->fwd_prefetch[i]->group); /* a no-op unless sharded */
         }
         return st;
     }
     if (!c->implicit_fwd || c->fwd_pos >= c->n_prev_fwd_order) return TS_OK;
     fsdp_group *next = c->prev_fwd_order[c->fwd_pos];
-    if (next->state != G_SHARDED || next->in_forward) return TS_OK;
-    next->prefetched = true;
-    return unshard(next);
+    return next->in_forward ? TS_OK : unshard(next);
 }
 
 static void prefetch_advance(fsdp_ctx *c, fsdp_group *g)
@@ -1461,8 +1447,7 @@ static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *
         bool first = !g->in_forward; /* the group's first module in this iteration */
         g->in_forward = true;
         if ((st = unshard(g)) || (st = wait_unshard(g))) goto fail;
-        g->prefetched = false;
-        if (first) {
+            if (first) {
             if (!order_push(&c->fwd_order, &c->n_fwd_order, &c->cap_fwd_order, g)) {
                 st = TS_ERR_NO_MEMORY;
                 goto fail;
