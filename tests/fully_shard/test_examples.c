@@ -14,7 +14,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "comm/launch.h"
@@ -254,4 +256,133 @@ Test(fully_shard_examples, train_gpt_checkpoint_round_trip, .timeout = 120)
     cr_assert_lt(fabs(rfirst - last), 0.1 * last, "resumed at %g, the saved run ended at %g", rfirst, last);
     free(out);
     unlink(path);
+}
+
+/* Seed 000's three wrap policies on 4 ranks: counts 1/1, 3/2, 5/4; each
+ * (6, 6) weight split by rows as torch.chunk does, (2, 6) on ranks 0-2 and
+ * (0, 6) on rank 3. */
+Test(fully_shard_examples, wrap_policies, .timeout = 120)
+{
+    char *out = run_example("wrap_policies", 4);
+    for (int r = 0; r < 4; r++) {
+        const char *s = r < 3 ? "(2, 6)" : "(0, 6)";
+        char want[1024];
+        snprintf(want, sizeof want,
+                 "rank %d | no policy: fsdp units 1 groups with parameters 1 local shards [[%s, %s, %s, %s]]\n"
+                 "rank %d | ts_fsdp_apply_by_type(Block): fsdp units 3 groups with parameters 2 local shards "
+                 "[[%s, %s], [%s, %s]]\n"
+                 "rank %d | ts_fsdp_apply_by_size(min=30): fsdp units 5 groups with parameters 4 local shards "
+                 "[[%s], [%s], [%s], [%s]]",
+                 r, s, s, s, s, r, s, s, s, s, r, s, s, s, s);
+        expect_lines(out, r, want);
+    }
+    free(out);
+}
+
+/* Runs build/examples/PROG directly (no launcher) with args; returns its
+ * wait status and its stdout and stderr (malloc'd). */
+static int run_direct(const char *prog, int nargs, const char *const *args, char **out, char **err)
+{
+    clear_launch_env();
+    char path[4096];
+    snprintf(path, sizeof path, "%s/examples/%s", TS_BUILD_DIR, prog);
+    cr_assert_eq(access(path, X_OK), 0, "%s is not built", path);
+    int ofd = memfd_create("ts-direct-out", MFD_CLOEXEC), efd = memfd_create("ts-direct-err", MFD_CLOEXEC);
+    cr_assert(ofd >= 0 && efd >= 0);
+    char *argv[32] = {path};
+    cr_assert_lt(nargs, 31);
+    for (int i = 0; i < nargs; i++) argv[i + 1] = (char *)args[i];
+    argv[nargs + 1] = NULL;
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        int devnull = open("/dev/null", O_RDONLY);
+        if (devnull < 0 || dup2(devnull, 0) < 0 || dup2(ofd, 1) < 0 || dup2(efd, 2) < 0) _exit(120);
+        unsetenv("TS_TEST_FSDP_ROLE");
+        execv(path, argv);
+        _exit(121);
+    }
+    int status = 0;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    *out = th_slurp_fd(ofd);
+    *err = th_slurp_fd(efd);
+    close(ofd);
+    close(efd);
+    return status;
+}
+
+/* Seed 003's one-rank contract, run as a plain program: the type, the
+ * output shape, the already-applied error (the SGD step in between is
+ * checked by the program, which exits 1 when the step is wrong). */
+Test(fully_shard_examples, contract_smoke, .timeout = 60)
+{
+    char *out, *err;
+    int st = run_direct("contract_smoke", 0, NULL, &out, &err);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d\nstdout:\n%s\nstderr:\n%s", st, out, err);
+    cr_expect_str_eq(out,
+                     "SequentialFSDPModule\n"
+                     "(2, 4)\n"
+                     "ts_fully_shard: fully_shard has already been applied to this SequentialFSDPModule (module 0)\n");
+    free(out);
+    free(err);
+}
+
+/* Seed 003's verified step on 2 ranks. The values rank 0 prints are
+ * compared with an unsharded step computed here, in this process, from
+ * the same seed: the same Linear(8, 8) and randn(4, 8) (the RNG is
+ * deterministic), sum().backward(), SGD lr 0.1, printed to ten decimals.
+ * The sharded step must equal it exactly: the forward uses the gathered
+ * full weight, and the averaged reduce-scatter of two equal gradients is
+ * exact, so no tolerance is needed. */
+Test(fully_shard_examples, sharded_step, .timeout = 90)
+{
+    char *out = run_example("sharded_step", 2);
+    for (int r = 0; r < 2; r++) {
+        char want[512];
+        snprintf(want, sizeof want,
+                 "%d {'weight': (4, 8), 'bias': (4,)}\n%d {'weight': (4, 8), 'bias': (4,)}\n%d (8, 8)", r, r, r);
+        expect_lines(out, r, want);
+        snprintf(want, sizeof want,
+                 "rank %d: gradient shards equal the reference gradient's rows %d-%d; weight and bias after the step "
+                 "equal the unsharded reference (max |diff| 0)",
+                 r, 4 * r, 4 * r + 3);
+        expect_lines(out, r, want);
+    }
+    /* the reference, here */
+    ts_manual_seed(42);
+    ts_module *m;
+    TH_OK(ts_linear_new(8, 8, true, &m));
+    ts_nn_linear *lin = (ts_nn_linear *)m;
+    int64_t xs[2] = {4, 8};
+    ts_tensor *x, *y, *s;
+    TH_OK(ts_randn(TS_F32, 2, xs, NULL, &x));
+    TH_OK(ts_module_call1(m, x, &y));
+    TH_OK(ts_sum(y, 0, NULL, false, &s));
+    TH_OK(ts_backward(s, NULL, false));
+    ts_tensor *p[2] = {lin->weight, lin->bias};
+    ts_sgd_options so = ts_sgd_options_default();
+    so.lr = 0.1;
+    ts_optim *opt;
+    TH_OK(ts_sgd_new(2, p, &so, &opt));
+    TH_OK(ts_optim_step(opt));
+    float w[64], b[8];
+    TH_OK(ts_tensor_copy_to(lin->weight, w, sizeof w));
+    TH_OK(ts_tensor_copy_to(lin->bias, b, sizeof b));
+    char want[4096];
+    size_t n = (size_t)snprintf(want, sizeof want, "weight after the step [");
+    for (int i = 0; i < 64; i++)
+        n += (size_t)snprintf(want + n, sizeof want - n, "%s%.10f%s", i % 8 == 0 ? (i ? ",\n    [" : "[") : ", ",
+                              w[i], i % 8 == 7 ? "]" : "");
+    n += (size_t)snprintf(want + n, sizeof want - n, "]\nbias after the step [");
+    for (int i = 0; i < 8; i++) n += (size_t)snprintf(want + n, sizeof want - n, "%s%.10f", i ? ", " : "", b[i]);
+    snprintf(want + n, sizeof want - n, "]");
+    expect_lines(out, 0, want);
+    ts_optim_free(opt);
+    ts_tensor_free(s);
+    ts_tensor_free(y);
+    ts_tensor_free(x);
+    ts_module_free(m);
+    free(out);
 }
