@@ -245,6 +245,14 @@ static inline void ex_parse_flags(int argc, char **argv, const char *about, ex_f
     }
 }
 
+/* Whether the flag `name` was given on the command line. */
+static inline bool ex_flag_given(const ex_flag *flags, int n, const char *name)
+{
+    for (int i = 0; i < n; i++)
+        if (!strcmp(flags[i].name, name)) return flags[i].given;
+    return false;
+}
+
 /* ------------------------------------------------------------ files */
 
 /* Opens `path` (given to `flag`) for reading if it is a regular file:

@@ -13,10 +13,11 @@
  *        [--seed S] [--save FILE.safetensors] [--load FILE.safetensors]
  *        [--sample N [--temperature T] [--prompt TEXT]]    (--help: all flags)
  * --load starts from a full state dict saved by --save (every rank reads
- * the file and keeps its rows); the vocabulary (the same --data) and the
- * sizes (--seq, --layers, --heads, --dim) must be the ones it was trained
- * with. --load F --sample N does not train: it generates N characters
- * after the prompt, greedily or, with --temperature, by sampling (--seed).
+ * the file and keeps its rows); the sizes (--seq, --layers, --heads,
+ * --dim) and the vocabulary are the checkpoint's (its metadata records
+ * them; sizes given must agree, the text must use its characters).
+ * --load F --sample N does not train: it generates N characters after the
+ * prompt, greedily or, with --temperature, by sampling (--seed).
  * Exit status: 0 for a run that completed, 2 for bad flags or a size that
  * cannot fit in memory, 1 for a failure (the message says which). */
 #include "examples/common.h"
@@ -130,6 +131,45 @@ static void print_comm_summary(ts_comm *world, int steps, int W)
            (double)calls / steps, mib((double)bytes / steps), n ? " (" : "", kinds, n ? ")" : "");
 }
 
+/* The value of `key` in the "__metadata__" of a safetensors file that
+ * --save wrote (its values hold no escapes): 1 with the value in buf when
+ * found, 0 when absent or not readable as such (the loader then says what
+ * is wrong with the file), -1 after printing why the file cannot be read. */
+static int checkpoint_meta(const char *path, const char *key, char *buf, size_t cap)
+{
+    int fd = ex_open_regular("train_gpt", "--load", path);
+    if (fd < 0) return -1;
+    unsigned char lenb[8];
+    struct stat sb;
+    int found = 0;
+    char *hdr = NULL;
+    if (fstat(fd, &sb) == 0 && read(fd, lenb, 8) == 8) {
+        uint64_t n = 0;
+        for (int i = 7; i >= 0; i--) n = n << 8 | lenb[i];
+        if (n <= (uint64_t)sb.st_size - 8 && n <= (64u << 20) && (hdr = malloc((size_t)n + 1)) &&
+            read(fd, hdr, (size_t)n) == (ssize_t)n) {
+            hdr[n] = '\0';
+            char quoted[128];
+            snprintf(quoted, sizeof quoted, "\"%s\"", key);
+            const char *m = strstr(hdr, "\"__metadata__\"");
+            const char *k = m ? strstr(m, quoted) : NULL;
+            if (k) {
+                k += strlen(quoted);
+                while (*k == ' ' || *k == ':') k++;
+                const char *end = *k == '"' ? strchr(k + 1, '"') : NULL;
+                if (end && (size_t)(end - k - 1) < cap) {
+                    memcpy(buf, k + 1, (size_t)(end - k - 1));
+                    buf[end - k - 1] = '\0';
+                    found = 1;
+                }
+            }
+        }
+    }
+    free(hdr);
+    close(fd);
+    return found;
+}
+
 int main(int argc, char **argv)
 {
     ts_launch_rank_guard();
@@ -158,15 +198,12 @@ int main(int argc, char **argv)
                    "Trains a character-level GPT with fully_shard (one FSDP group per block, then the root), alone\n"
                    "or on the ranks of tsrun --nproc-per-node N; or, with --load FILE --sample N, generates text.",
                    flags, NFLAGS);
-    if (dim % heads) {
-        fprintf(stderr, "train_gpt: --dim %d is not a multiple of --heads %d\n", dim, heads);
-        return 2;
-    }
+    bool sample_flags = ex_flag_given(flags, NFLAGS, "--temperature") || ex_flag_given(flags, NFLAGS, "--prompt");
     if (sample && !load) {
         fprintf(stderr, "train_gpt: --sample needs --load FILE (a checkpoint written by --save)\n");
         return 2;
     }
-    if ((flags[12].given || flags[13].given) && !sample) {
+    if (sample_flags && !sample) {
         fprintf(stderr, "train_gpt: --temperature and --prompt go with --sample N\n");
         return 2;
     }
@@ -179,24 +216,76 @@ int main(int argc, char **argv)
      * training it would lose. */
     if (load && ex_check_regular("train_gpt", "--load", load)) return 2;
     if (save && ex_check_writable("train_gpt", "--save", save)) return 2;
-    size_t len = 0;
-    char *text = data ? ex_read_file("train_gpt", "--data", data, &len) : ex_grammar_corpus(200000, 7);
-    if (!text) return data ? 2 : 1;
-    if (!data) len = strlen(text);
-    if (len < (size_t)seq + 2) {
-        fprintf(stderr, "train_gpt: the text has %zu characters; --seq %d needs more than %d\n", len, seq, seq + 1);
-        free(text);
-        return 2;
-    }
-    /* character vocabulary */
+
+    /* A checkpoint written by --save carries its sizes and vocabulary:
+     * sizes not given on the command line are taken from it, sizes given
+     * must agree. */
     int map[256], vocab = 0;
     char chars[256];
     for (int i = 0; i < 256; i++) map[i] = -1;
-    for (size_t i = 0; i < len; i++)
-        if (map[(unsigned char)text[i]] < 0) {
-            chars[vocab] = text[i];
-            map[(unsigned char)text[i]] = vocab++;
+    if (load) {
+        char meta[600];
+        int r = checkpoint_meta(load, "train_gpt.config", meta, sizeof meta);
+        if (r < 0) return 2;
+        int got[4];
+        if (r > 0 && sscanf(meta, "seq=%d layers=%d heads=%d dim=%d", &got[0], &got[1], &got[2], &got[3]) == 4) {
+            static const char *names[4] = {"--seq", "--layers", "--heads", "--dim"};
+            int *vals[4] = {&seq, &layers, &heads, &dim};
+            for (int i = 0; i < 4; i++) {
+                if (ex_flag_given(flags, NFLAGS, names[i]) && *vals[i] != got[i]) {
+                    fprintf(stderr, "train_gpt: %s %d, but --load '%s' was trained with %s %d\n", names[i],
+                            *vals[i], load, names[i], got[i]);
+                    return 2;
+                }
+                *vals[i] = got[i];
+            }
         }
+        if ((r = checkpoint_meta(load, "train_gpt.vocab", meta, sizeof meta)) < 0) return 2;
+        size_t hl = r > 0 ? strlen(meta) : 0;
+        for (size_t i = 0; i + 1 < hl && hl % 2 == 0; i += 2) {
+            unsigned c;
+            if (sscanf(meta + i, "%2x", &c) != 1 || map[c] >= 0) {
+                vocab = 0; /* not ours after all: the vocabulary comes from the text */
+                for (int k = 0; k < 256; k++) map[k] = -1;
+                break;
+            }
+            chars[vocab] = (char)c;
+            map[c] = vocab++;
+        }
+    }
+    if (dim % heads) {
+        fprintf(stderr, "train_gpt: --dim %d is not a multiple of --heads %d\n", dim, heads);
+        return 2;
+    }
+    bool ckpt_vocab = vocab > 0;
+    size_t len = 0;
+    char *text = NULL;
+    if (!(sample && ckpt_vocab)) { /* sampling from a checkpoint of ours needs no text */
+        text = data ? ex_read_file("train_gpt", "--data", data, &len) : ex_grammar_corpus(200000, 7);
+        if (!text) return data ? 2 : 1;
+        if (!data) len = strlen(text);
+        if (!sample && len < (size_t)seq + 2) {
+            fprintf(stderr, "train_gpt: the text has %zu characters; --seq %d needs more than %d\n", len, seq,
+                    seq + 1);
+            free(text);
+            return 2;
+        }
+        /* the character vocabulary, or the checkpoint's */
+        for (size_t i = 0; i < len; i++) {
+            unsigned char c = (unsigned char)text[i];
+            if (map[c] >= 0) continue;
+            if (ckpt_vocab) {
+                fprintf(stderr,
+                        "train_gpt: %s has the character 0x%02x at offset %zu, which is not in the vocabulary of "
+                        "--load '%s'\n",
+                        data ? data : "the built-in corpus", c, i, load);
+                free(text);
+                return 2;
+            }
+            chars[vocab] = (char)c;
+            map[c] = vocab++;
+        }
+    }
 
     /* Refuse sizes this machine cannot hold before allocating them. */
     ts_rank_env env;
@@ -226,7 +315,11 @@ int main(int argc, char **argv)
     W = ts_comm_size(world);
     if (rank != 0) /* one voice */
         if (!freopen("/dev/null", "w", stdout)) return 1;
-    printf("corpus: %s, %zu characters, vocabulary %d\n", data ? data : "built-in grammar", len, vocab);
+    if (text)
+        printf("corpus: %s, %zu characters, vocabulary %d%s\n", data ? data : "built-in grammar", len, vocab,
+               ckpt_vocab ? " (the checkpoint's)" : "");
+    else
+        printf("vocabulary: %d characters, from %s\n", vocab, load);
 
     ts_manual_seed(seed);
     ts_gpt_config cfg = ts_gpt_config_default();
@@ -265,7 +358,7 @@ int main(int argc, char **argv)
            ex_fmt_bytes(me.per_rank, mb, sizeof mb), W, W > 1 ? "s" : "");
 
     if (sample) {
-        const char *p = prompt ? prompt : (const char[]){text[0], '\0'};
+        const char *p = prompt ? prompt : (const char[]){chars[0], '\0'}; /* the corpus's first character */
         int n_prompt = (int)strlen(p);
         int64_t *ids = malloc((size_t)n_prompt * sizeof *ids);
         if (!ids) return 1;
@@ -383,7 +476,13 @@ int main(int argc, char **argv)
             ts_state_dict *sd;
             CHECK(ts_fsdp_full_state_dict(model, true, &sd));
             if (rank == 0) {
-                CHECK(ts_safetensors_save(save, sd, NULL, 0));
+                /* the sizes and the vocabulary, for --load and --sample */
+                char cfgs[128], hex[2 * 256 + 1];
+                snprintf(cfgs, sizeof cfgs, "seq=%d layers=%d heads=%d dim=%d", seq, layers, heads, dim);
+                for (int i = 0; i < vocab; i++) snprintf(hex + 2 * i, 3, "%02x", (unsigned char)chars[i]);
+                hex[2 * vocab] = '\0';
+                const char *meta[4] = {"train_gpt.config", cfgs, "train_gpt.vocab", hex};
+                CHECK(ts_safetensors_save(save, sd, meta, 2));
                 printf("saved %d full tensors to %s\n", ts_state_dict_size(sd), save);
             }
             ts_state_dict_free(sd);

@@ -665,3 +665,35 @@ Test(fully_shard_examples, sample_from_a_checkpoint_and_comm_summary, .timeout =
     free(t2);
     unlink(path);
 }
+
+/* --save records the sizes and the vocabulary: --load takes them (no size
+ * flags needed to sample), refuses a size given differently and a text
+ * with characters outside the vocabulary. */
+Test(fully_shard_examples, checkpoint_carries_sizes_and_vocabulary, .timeout = 120)
+{
+    char path[128], text[128];
+    snprintf(path, sizeof path, "/tmp/ts-test-meta-%d.safetensors", (int)getpid());
+    snprintf(text, sizeof text, "/tmp/ts-test-meta-%d.txt", (int)getpid());
+    const char *t[] = {"--steps", "2", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--save", path};
+    char *err, *out = run_expect("train_gpt", 0, 12, t, &err);
+    free(out);
+    free(err);
+    const char *s[] = {"--load", path, "--sample", "10"};
+    out = run_expect("train_gpt", 0, 4, s, &err);
+    cr_expect(strstr(out, "vocabulary: 26 characters, from "), "%s", out);
+    cr_expect(strstr(out, "sample (greedy): 10 characters after the prompt"), "%s", out);
+    free(out);
+    free(err);
+    const char *d[] = {"--load", path, "--dim", "64", "--steps", "1"};
+    const char *wd[] = {"--dim 64", "trained with --dim 32", NULL};
+    expect_refused("train_gpt", 6, d, wd);
+    FILE *f = fopen(text, "w");
+    cr_assert(f);
+    fprintf(f, "the cat sees the dog. %s\n", "A quick brown fox jumps over the lazy dog, twice or more.");
+    fclose(f);
+    const char *v[] = {"--load", path, "--data", text, "--steps", "1"};
+    const char *wv[] = {"character 0x41", "not in the vocabulary", NULL};
+    expect_refused("train_gpt", 6, v, wv);
+    unlink(text);
+    unlink(path);
+}
