@@ -45,8 +45,6 @@ static mem_estimate estimate_memory(double V, double T, double L, double H, doub
     return e;
 }
 
-static double mib(double b) { return b / 1048576.0; }
-
 /* The next character's id from the last row of logits (V): the argmax
  * (first of equals) at temperature 0, else a draw from
  * softmax(logits / temperature). */
@@ -110,25 +108,39 @@ static int generate(ts_module *model, const char *chars, int vocab, int seq, con
     return 0;
 }
 
-/* "all_gather 6.0 (1.2 MiB), ..." for the kinds that ran, per step. */
+/* One line: the collectives of one step on this rank, by kind, the bytes
+ * given to them (the counters' input bytes) and the bytes this rank sends
+ * for them over the rings (all-gather (W-1) x its input; reduce-scatter
+ * (W-1)/W of it; all-reduce, a reduce-scatter then an all-gather, twice
+ * that; broadcast and send their tensor). */
 static void print_comm_summary(ts_comm *world, int steps, int W)
 {
     static const char *names[TS_COLL_KIND_COUNT] = {"all_gather", "reduce_scatter", "all_reduce", "broadcast",
                                                     "barrier",    "all_to_all",     "send",       "recv"};
+    double sent_factor[TS_COLL_KIND_COUNT] = {0};
+    sent_factor[TS_COLL_ALL_GATHER] = W - 1;
+    sent_factor[TS_COLL_REDUCE_SCATTER] = (double)(W - 1) / W;
+    sent_factor[TS_COLL_ALL_REDUCE] = 2.0 * (W - 1) / W;
+    sent_factor[TS_COLL_BROADCAST] = W > 1 ? 1 : 0;
+    sent_factor[TS_COLL_ALL_TO_ALL] = (double)(W - 1) / W;
+    sent_factor[TS_COLL_SEND] = 1;
     ts_comm_counters c;
     ts_comm_stats(world, &c);
-    uint64_t calls = 0, bytes = 0;
+    double calls = 0, in = 0, sent = 0;
     char kinds[512] = "";
     size_t n = 0;
     for (int k = 0; k < TS_COLL_KIND_COUNT; k++) {
         if (!c.calls[k]) continue;
-        calls += c.calls[k];
-        bytes += c.bytes[k];
-        n += (size_t)snprintf(kinds + n, sizeof kinds - n, "%s%s %.1f (%.2f MiB)", n ? ", " : "", names[k],
-                              (double)c.calls[k] / steps, mib((double)c.bytes[k] / steps));
+        calls += (double)c.calls[k];
+        in += (double)c.bytes[k];
+        sent += sent_factor[k] * (double)c.bytes[k];
+        n += (size_t)snprintf(kinds + n, sizeof kinds - n, "%s%s %.1f", n ? ", " : "", names[k],
+                              (double)c.calls[k] / steps);
     }
-    printf("collectives per step on rank 0 of %d: %.1f issued, %.2f MiB given to them%s%s%s\n", W,
-           (double)calls / steps, mib((double)bytes / steps), n ? " (" : "", kinds, n ? ")" : "");
+    char b1[32], b2[32];
+    printf("collectives per step on rank 0 of %d: %.1f issued%s%s%s, %s given to them, %s sent by this rank\n", W,
+           calls / steps, n ? " (" : "", kinds, n ? ")" : "", ex_fmt_bytes(in / steps, b1, sizeof b1),
+           ex_fmt_bytes(sent / steps, b2, sizeof b2));
 }
 
 /* The value of `key` in the "__metadata__" of a safetensors file that
