@@ -5,8 +5,8 @@
  *
  *     model = fully_shard(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)))
  *     print(type(model).__name__)      # SequentialFSDPModule
- *     out = model(randn(2, 4)); print(tuple(out.shape))   # (2, 4)
  *     opt = SGD(model.parameters(), lr=0.1)    # the shards, right after fully_shard
+ *     out = model(randn(2, 4)); print(tuple(out.shape))   # (2, 4)
  *     out.sum().backward(); opt.step()
  *     fully_shard(model)               # fully_shard has already been applied
  *
