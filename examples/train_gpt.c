@@ -299,6 +299,26 @@ int main(int argc, char **argv)
         }
     }
 
+    /* the prompt, in ids, before anything is built */
+    int64_t *prompt_ids = NULL;
+    int n_prompt = 0;
+    if (sample) {
+        const char *p = prompt ? prompt : (const char[]){chars[0], '\0'}; /* the corpus's first character */
+        n_prompt = (int)strlen(p);
+        prompt_ids = malloc((size_t)n_prompt * sizeof *prompt_ids);
+        if (!prompt_ids) return 1;
+        for (int i = 0; i < n_prompt; i++) {
+            prompt_ids[i] = map[(unsigned char)p[i]];
+            if (prompt_ids[i] < 0) {
+                fprintf(stderr, "train_gpt: --prompt: the character '%c' (0x%02x) is not in the vocabulary\n", p[i],
+                        (unsigned char)p[i]);
+                free(prompt_ids);
+                free(text);
+                return 2;
+            }
+        }
+    }
+
     /* Refuse sizes this machine cannot hold before allocating them. */
     ts_rank_env env;
     int W = 1, local_W = 1;
@@ -317,6 +337,7 @@ int main(int argc, char **argv)
                 me.params, ex_fmt_bytes(me.per_rank, b[0], 32), ex_fmt_bytes(me.shards, b[1], 32),
                 ex_fmt_bytes(me.gathered, b[2], 32), ex_fmt_bytes(me.activations, b[3], 32), local_W,
                 local_W > 1 ? "s" : "", ex_fmt_bytes(me.per_rank * local_W, b[4], 32), ex_fmt_bytes(phys, b[5], 32));
+        free(prompt_ids);
         free(text);
         return 2;
     }
@@ -360,6 +381,11 @@ int main(int argc, char **argv)
                     "train_gpt: --load '%s' does not fit this model: %s\n(give the --data, --seq, --layers, --heads "
                     "and --dim it was trained with)\n",
                     load, ts_last_error());
+            ts_state_dict_free(sd);
+            ts_module_free(model);
+            free(prompt_ids);
+            free(text);
+            ts_dist_finalize();
             return 1;
         }
         printf("loaded %d tensors from %s\n", ts_state_dict_size(sd), load);
@@ -370,20 +396,8 @@ int main(int argc, char **argv)
            ex_fmt_bytes(me.per_rank, mb, sizeof mb), W, W > 1 ? "s" : "");
 
     if (sample) {
-        const char *p = prompt ? prompt : (const char[]){chars[0], '\0'}; /* the corpus's first character */
-        int n_prompt = (int)strlen(p);
-        int64_t *ids = malloc((size_t)n_prompt * sizeof *ids);
-        if (!ids) return 1;
-        for (int i = 0; i < n_prompt; i++) {
-            ids[i] = map[(unsigned char)p[i]];
-            if (ids[i] < 0) {
-                fprintf(stderr, "train_gpt: --prompt: the character '%c' (0x%02x) is not in the vocabulary\n", p[i],
-                        (unsigned char)p[i]);
-                return 2;
-            }
-        }
-        int rc = generate(model, chars, vocab, seq, ids, n_prompt, sample, temperature, seed);
-        free(ids);
+        int rc = generate(model, chars, vocab, seq, prompt_ids, n_prompt, sample, temperature, seed);
+        free(prompt_ids);
         ts_module_free(model);
         free(text);
         CHECK(ts_dist_finalize());
@@ -435,9 +449,16 @@ int main(int argc, char **argv)
         CHECK(ts_backward(loss, NULL, false));
         double gn;
         ts_status cs = ts_fsdp_clip_grad_norm(model, 1.0, &gn);
-        if (cs) {
+        if (cs) { /* a non-finite gradient norm: the same on every rank */
             fprintf(stderr, "train_gpt: step %d: %s\n", step + 1, ts_last_error());
-            return 1;
+            ts_tensor_free(x);
+            ts_tensor_free(y);
+            ts_tensor_free(logits);
+            ts_tensor_free(flat);
+            ts_tensor_free(loss);
+            rc = 1;
+            step++;
+            break;
         }
         ts_optim_set_lr(opt, ts_lr_at(&sched, step));
         CHECK(ts_optim_step(opt));
