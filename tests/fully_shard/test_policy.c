@@ -334,3 +334,46 @@ Test(fully_shard_policy, errors_name_the_problem_and_change_nothing)
     cr_expect_eq(count, 7);
     ts_module_free(m);
 }
+
+/* On a GPT (d_model 64): with a floor of 10000, each block's attention
+ * (16640, out_proj inside it) and both MLP Linears (16640, 16448) are
+ * sharded, the LayerNorms (128) and what is left of a block (256) are not,
+ * and the sharded model runs forward and backward with a gradient on
+ * every parameter. */
+Test(fully_shard_policy, by_size_on_a_gpt_runs_forward_and_backward, .timeout = 60)
+{
+    ts_gpt_config cfg = ts_gpt_config_default();
+    cfg.vocab_size = 26;
+    cfg.block_size = 16;
+    cfg.n_layer = 2;
+    cfg.n_head = 4;
+    cfg.d_model = 64;
+    ts_module *m;
+    ts_manual_seed(1);
+    TH_OK(ts_gpt_new(&cfg, &m));
+    int count = -1;
+    TH_OK(ts_fsdp_apply_by_size(m, 10000, NULL, &count));
+    cr_expect_eq(count, 6, "3 per block");
+    cr_expect(ts_module_is_fsdp(sub(m, "blocks.1.attn")));
+    cr_expect(!ts_module_is_fsdp(sub(m, "blocks.1.attn.out_proj")));
+    cr_expect(ts_module_is_fsdp(sub(m, "blocks.0.mlp.0")) && ts_module_is_fsdp(sub(m, "blocks.0.mlp.2")));
+    cr_expect(!ts_module_is_fsdp(sub(m, "blocks.0")) && !ts_module_is_fsdp(sub(m, "blocks.0.ln1")));
+    TH_OK(ts_fully_shard(m, NULL));
+    int64_t is[2] = {2, 16};
+    int64_t ids[32];
+    for (int i = 0; i < 32; i++) ids[i] = (i * 7) % 26;
+    ts_tensor *x, *logits, *loss;
+    TH_OK(ts_tensor_from_data(TS_I64, 2, is, ids, &x));
+    TH_OK(ts_module_call1(m, x, &logits));
+    TH_OK(ts_mean(logits, 0, NULL, false, &loss));
+    TH_OK(ts_backward(loss, NULL, false));
+    ts_named_params np;
+    TH_OK(ts_module_named_parameters(m, &np));
+    for (int i = 0; i < np.n; i++)
+        cr_expect_not_null(ts_tensor_grad(*np.items[i].slot), "%s has no gradient", np.items[i].name);
+    ts_named_params_free(&np);
+    ts_tensor_free(loss);
+    ts_tensor_free(logits);
+    ts_tensor_free(x);
+    ts_module_free(m);
+}
