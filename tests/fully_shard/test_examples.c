@@ -705,3 +705,28 @@ Test(fully_shard_examples, checkpoint_carries_sizes_and_vocabulary, .timeout = 1
     unlink(text);
     unlink(path);
 }
+
+/* Under tsrun, a bad flag stops every rank before ts_dist_init, and the
+ * job's status is the ranks' 2 (tsrun's "bad flags"). */
+Test(fully_shard_examples, bad_flag_under_tsrun_exits_two, .timeout = 60)
+{
+    clear_launch_env();
+    char path[4096];
+    snprintf(path, sizeof path, "%s/examples/train_gpt", TS_BUILD_DIR);
+    ts_launch_options o = ts_launch_options_default();
+    o.nproc_per_node = 2;
+    o.forward_signals = false;
+    o.out_fd = memfd_create("ts-example-out", MFD_CLOEXEC);
+    o.err_fd = memfd_create("ts-example-err", MFD_CLOEXEC);
+    cr_assert(o.out_fd >= 0 && o.err_fd >= 0);
+    char *argv[] = {path, "--steps", "1x", NULL};
+    ts_launch_result res;
+    TH_OK(ts_launch(&o, argv, &res));
+    char *out = th_slurp_fd(o.out_fd), *err = th_slurp_fd(o.err_fd);
+    close(o.out_fd);
+    close(o.err_fd);
+    cr_expect_eq(res.exit_code, 2, "exit %d\nstderr:\n%s", res.exit_code, err);
+    cr_expect(strstr(err, "train_gpt: --steps: '1x' is not an integer"), "%s", err);
+    free(out);
+    free(err);
+}
