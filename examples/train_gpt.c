@@ -5,77 +5,354 @@
  * under tsrun (or mpirun, srun) every rank trains on its own batches and
  * the gradients are averaged, so W ranks see W times the data per step.
  * Rank 0 prints step, loss (averaged over ranks), tokens/s (all ranks)
- * and peak memory.
+ * and peak memory, and at the end the collectives issued and the bytes
+ * they were given per step.
  *
  * Usage: [tsrun --nproc-per-node N] train_gpt [--data FILE] [--steps N]
  *        [--batch B] [--seq T] [--layers L] [--heads H] [--dim D] [--lr LR]
  *        [--seed S] [--save FILE.safetensors] [--load FILE.safetensors]
+ *        [--sample N [--temperature T] [--prompt TEXT]]    (--help: all flags)
  * --load starts from a full state dict saved by --save (every rank reads
- * the file and keeps its rows); the vocabulary must be the same. */
+ * the file and keeps its rows); the sizes (--seq, --layers, --heads,
+ * --dim) and the vocabulary are the checkpoint's (its metadata records
+ * them; sizes given must agree, the text must use its characters).
+ * --load F --sample N does not train: it generates N characters after the
+ * prompt, greedily or, with --temperature, by sampling (--seed).
+ * Exit status: 0 for a run that completed, 2 for bad flags or a size that
+ * cannot fit in memory, 1 for a failure (the message says which). */
 #include "common.h"
 
-#include <math.h>
+/* Rough memory need of one rank, bytes, in float32: the rank's shards of
+ * the parameters, their gradients and AdamW's two moments; the groups
+ * gathered at once (the root, which stays gathered through the forward,
+ * the running block and the prefetched one, with their full gradients in
+ * backward); the activations autograd keeps (per block about 20 (B, T, d)
+ * tensors and 3 (B, H, T, T) attention maps; the logits and the
+ * cross-entropy's softmax, 3 (B, T, V)). */
+typedef struct mem_estimate {
+    double params, per_rank, shards, gathered, activations;
+} mem_estimate;
+
+static mem_estimate estimate_memory(double V, double T, double L, double H, double d, double B, double W)
+{
+    mem_estimate e;
+    double block = 12 * d * d + 13 * d, root = 2 * V * d + T * d + 2 * d;
+    e.params = L * block + root;
+    e.shards = 4.0 * 4.0 * e.params / W; /* parameter, gradient, exp_avg, exp_avg_sq */
+    e.gathered = 4.0 * 2.0 * (root + 2 * block);
+    e.activations = 4.0 * (L * (20 * B * T * d + 3 * B * H * T * T) + 3 * B * T * V);
+    e.per_rank = e.shards + e.gathered + e.activations;
+    return e;
+}
+
+/* The next character's id from the last row of logits (V): the argmax
+ * (first of equals) at temperature 0, else a draw from
+ * softmax(logits / temperature). */
+static int next_token(const float *logits, int V, double temperature, ts_generator *g)
+{
+    int best = 0;
+    for (int v = 1; v < V; v++)
+        if (logits[v] > logits[best]) best = v;
+    if (temperature <= 0) return best;
+    double sum = 0, p[256];
+    for (int v = 0; v < V; v++) sum += p[v] = exp(((double)logits[v] - logits[best]) / temperature);
+    double u = ((double)ts_generator_random(g) + 0.5) / 4294967296.0 * sum;
+    for (int v = 0; v < V; v++) {
+        if (u < p[v]) return v;
+        u -= p[v];
+    }
+    return V - 1;
+}
+
+/* Generates n characters after the prompt (already mapped to ids) with
+ * the sharded model, printing them on rank 0. Every rank runs the same
+ * forwards (the model's groups are gathered collectively) and draws the
+ * same numbers. */
+static int generate(ts_module *model, const char *chars, int vocab, int seq, const int64_t *prompt, int n_prompt,
+                    int n, double temperature, uint64_t seed)
+{
+    int64_t *ctx = malloc((size_t)(n_prompt + n) * sizeof *ctx);
+    float *logits = malloc((size_t)seq * (size_t)vocab * sizeof *logits);
+    ts_generator *g;
+    if (!ctx || !logits || ts_generator_new(seed, &g)) {
+        fprintf(stderr, "train_gpt: out of memory for --sample %d\n", n);
+        return 1;
+    }
+    memcpy(ctx, prompt, (size_t)n_prompt * sizeof *ctx);
+    int len = n_prompt;
+    ts_module_eval(model);
+    bool prev = ts_grad_mode_set(false);
+    for (int i = 0; i < n; i++) {
+        int T = len < seq ? len : seq;
+        int64_t shape[2] = {1, T};
+        ts_tensor *x, *y;
+        CHECK(ts_tensor_from_data(TS_I64, 2, shape, ctx + len - T, &x));
+        CHECK(ts_module_call1(model, x, &y));
+        CHECK(ts_tensor_copy_to(y, logits, (size_t)T * (size_t)vocab * sizeof *logits));
+        ctx[len++] = next_token(logits + (size_t)(T - 1) * (size_t)vocab, vocab, temperature, g);
+        ts_tensor_free(y);
+        ts_tensor_free(x);
+    }
+    ts_grad_mode_set(prev);
+    if (temperature > 0)
+        printf("sample (temperature %g, seed %llu): %d characters after the prompt\n", temperature,
+               (unsigned long long)seed, n);
+    else
+        printf("sample (greedy): %d characters after the prompt\n", n);
+    for (int i = 0; i < len; i++) putchar(chars[ctx[i]]);
+    putchar('\n');
+    fflush(stdout);
+    ts_generator_free(g);
+    free(logits);
+    free(ctx);
+    return 0;
+}
+
+/* One line: the collectives of one step on this rank, by kind, the bytes
+ * given to them (the counters' input bytes) and the bytes this rank sends
+ * for them over the rings (all-gather (W-1) x its input; reduce-scatter
+ * (W-1)/W of it; all-reduce, a reduce-scatter then an all-gather, twice
+ * that; broadcast and send their tensor). */
+static void print_comm_summary(ts_comm *world, int steps, int W)
+{
+    static const char *names[TS_COLL_KIND_COUNT] = {"all_gather", "reduce_scatter", "all_reduce", "broadcast",
+                                                    "barrier",    "all_to_all",     "send",       "recv"};
+    double sent_factor[TS_COLL_KIND_COUNT] = {0};
+    sent_factor[TS_COLL_ALL_GATHER] = W - 1;
+    sent_factor[TS_COLL_REDUCE_SCATTER] = (double)(W - 1) / W;
+    sent_factor[TS_COLL_ALL_REDUCE] = 2.0 * (W - 1) / W;
+    sent_factor[TS_COLL_BROADCAST] = W > 1 ? 1 : 0;
+    sent_factor[TS_COLL_ALL_TO_ALL] = (double)(W - 1) / W;
+    sent_factor[TS_COLL_SEND] = 1;
+    ts_comm_counters c;
+    ts_comm_stats(world, &c);
+    double calls = 0, in = 0, sent = 0;
+    char kinds[512] = "";
+    size_t n = 0;
+    for (int k = 0; k < TS_COLL_KIND_COUNT; k++) {
+        if (!c.calls[k]) continue;
+        calls += (double)c.calls[k];
+        in += (double)c.bytes[k];
+        sent += sent_factor[k] * (double)c.bytes[k];
+        n += (size_t)snprintf(kinds + n, sizeof kinds - n, "%s%s %.1f", n ? ", " : "", names[k],
+                              (double)c.calls[k] / steps);
+    }
+    char b1[32], b2[32];
+    printf("collectives per step on rank 0 of %d: %.1f issued%s%s%s, %s given to them, %s sent by this rank\n", W,
+           calls / steps, n ? " (" : "", kinds, n ? ")" : "", ex_fmt_bytes(in / steps, b1, sizeof b1),
+           ex_fmt_bytes(sent / steps, b2, sizeof b2));
+}
+
+/* The value of `key` in the "__metadata__" of a safetensors file that
+ * --save wrote (its values hold no escapes): 1 with the value in buf when
+ * found, 0 when absent or not readable as such (the loader then says what
+ * is wrong with the file), -1 after printing why the file cannot be read. */
+static int checkpoint_meta(const char *path, const char *key, char *buf, size_t cap)
+{
+    int fd = ex_open_regular("train_gpt", "--load", path);
+    if (fd < 0) return -1;
+    unsigned char lenb[8];
+    struct stat sb;
+    int found = 0;
+    char *hdr = NULL;
+    if (fstat(fd, &sb) == 0 && read(fd, lenb, 8) == 8) {
+        uint64_t n = 0;
+        for (int i = 7; i >= 0; i--) n = n << 8 | lenb[i];
+        if (n <= (uint64_t)sb.st_size - 8 && n <= (64u << 20) && (hdr = malloc((size_t)n + 1)) &&
+            read(fd, hdr, (size_t)n) == (ssize_t)n) {
+            hdr[n] = '\0';
+            char quoted[128];
+            snprintf(quoted, sizeof quoted, "\"%s\"", key);
+            const char *m = strstr(hdr, "\"__metadata__\"");
+            const char *k = m ? strstr(m, quoted) : NULL;
+            if (k) {
+                k += strlen(quoted);
+                while (*k == ' ' || *k == ':') k++;
+                const char *end = *k == '"' ? strchr(k + 1, '"') : NULL;
+                if (end && (size_t)(end - k - 1) < cap) {
+                    memcpy(buf, k + 1, (size_t)(end - k - 1));
+                    buf[end - k - 1] = '\0';
+                    found = 1;
+                }
+            }
+        }
+    }
+    free(hdr);
+    close(fd);
+    return found;
+}
 
 int main(int argc, char **argv)
 {
     ts_launch_rank_guard();
-    const char *data = NULL, *save = NULL, *load = NULL;
-    int steps = 300, batch = 8, seq = 64, layers = 2, heads = 4, dim = 64;
-    double lr = 3e-3;
-    unsigned long seed = 1337;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!v) {
-            fprintf(stderr, "%s needs a value\n", a);
-            return 2;
-        }
-        if (!strcmp(a, "--data")) data = v;
-        else if (!strcmp(a, "--steps")) steps = atoi(v);
-        else if (!strcmp(a, "--batch")) batch = atoi(v);
-        else if (!strcmp(a, "--seq")) seq = atoi(v);
-        else if (!strcmp(a, "--layers")) layers = atoi(v);
-        else if (!strcmp(a, "--heads")) heads = atoi(v);
-        else if (!strcmp(a, "--dim")) dim = atoi(v);
-        else if (!strcmp(a, "--lr")) lr = atof(v);
-        else if (!strcmp(a, "--seed")) seed = strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--save")) save = v;
-        else if (!strcmp(a, "--load")) load = v;
-        else {
-            fprintf(stderr, "usage: %s [--data FILE] [--steps N] [--batch B] [--seq T] [--layers L] [--heads H] "
-                            "[--dim D] [--lr LR] [--seed S] [--save FILE] [--load FILE]\n", argv[0]);
-            return 2;
-        }
-        i++;
-    }
-    if (steps < 1 || batch < 1 || seq < 2 || layers < 1 || heads < 1 || dim < heads || dim % heads) {
-        fprintf(stderr, "invalid sizes: steps, batch, layers, heads >= 1, seq >= 2, dim a multiple of heads\n");
+    const char *data = NULL, *save = NULL, *load = NULL, *prompt = NULL;
+    int steps = 300, batch = 8, seq = 64, layers = 2, heads = 4, dim = 64, sample = 0;
+    double lr = 3e-3, temperature = 0;
+    uint64_t seed = 1337;
+    ex_flag flags[] = {
+        {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
+        {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
+        {"--batch", "B", EX_FLAG_INT, &batch, 1, 1 << 20, false, "sequences per rank and step", false},
+        {"--seq", "T", EX_FLAG_INT, &seq, 2, 1 << 20, false, "characters per sequence (the context length)", false},
+        {"--layers", "L", EX_FLAG_INT, &layers, 1, 1 << 16, false, "transformer blocks", false},
+        {"--heads", "H", EX_FLAG_INT, &heads, 1, 1 << 16, false, "attention heads (dividing --dim)", false},
+        {"--dim", "D", EX_FLAG_INT, &dim, 1, 1 << 24, false, "model width", false},
+        {"--lr", "LR", EX_FLAG_DOUBLE, &lr, 0, 10, true, "peak learning rate (warmup, then cosine to LR/10)", false},
+        {"--seed", "S", EX_FLAG_U64, &seed, 0, 18446744073709551615.0, false, "initialization, batches and sampling", false},
+        {"--save", "FILE", EX_FLAG_STRING, &save, 0, 0, false, "write a full checkpoint (safetensors) from rank 0 at the end", false},
+        {"--load", "FILE", EX_FLAG_STRING, &load, 0, 0, false, "start from a checkpoint written by --save", false},
+        {"--sample", "N", EX_FLAG_INT, &sample, 1, 1 << 20, false, "with --load: generate N characters instead of training", false},
+        {"--temperature", "T", EX_FLAG_DOUBLE, &temperature, 0, 100, false, "--sample: 0 picks the likeliest character, above 0 samples", false},
+        {"--prompt", "TEXT", EX_FLAG_STRING, &prompt, 0, 0, false, "--sample: the text to continue (default: the corpus's first character)", false},
+    };
+    enum { NFLAGS = sizeof flags / sizeof flags[0] };
+    ex_parse_flags(argc, argv,
+                   "Trains a character-level GPT with fully_shard (one FSDP group per block, then the root), alone\n"
+                   "or on the ranks of tsrun --nproc-per-node N; or, with --load FILE --sample N, generates text.",
+                   flags, NFLAGS);
+    bool sample_flags = ex_flag_given(flags, NFLAGS, "--temperature") || ex_flag_given(flags, NFLAGS, "--prompt");
+    if (sample && !load) {
+        fprintf(stderr, "train_gpt: --sample needs --load FILE (a checkpoint written by --save)\n");
         return 2;
     }
+    if (sample_flags && !sample) {
+        fprintf(stderr, "train_gpt: --temperature and --prompt go with --sample N\n");
+        return 2;
+    }
+    if (sample && save) {
+        fprintf(stderr, "train_gpt: --sample does not train, so there is nothing to --save\n");
+        return 2;
+    }
+    /* Files before anything else: a FIFO or a directory is refused rather
+     * than read, a checkpoint folder that cannot be written before the
+     * training it would lose. */
+    if (load && ex_check_regular("train_gpt", "--load", load)) return 2;
+    if (save && ex_check_writable("train_gpt", "--save", save)) return 2;
+
+    /* A checkpoint written by --save carries its sizes and vocabulary:
+     * sizes not given on the command line are taken from it, sizes given
+     * must agree. */
+    int map[256], vocab = 0;
+    char chars[256];
+    for (int i = 0; i < 256; i++) map[i] = -1;
+    if (load) {
+        char meta[600];
+        int r = checkpoint_meta(load, "train_gpt.config", meta, sizeof meta);
+        if (r < 0) return 2;
+        int got[4];
+        if (r > 0 && sscanf(meta, "seq=%d layers=%d heads=%d dim=%d", &got[0], &got[1], &got[2], &got[3]) == 4) {
+            static const char *names[4] = {"--seq", "--layers", "--heads", "--dim"};
+            int *vals[4] = {&seq, &layers, &heads, &dim};
+            for (int i = 0; i < 4; i++) {
+                if (ex_flag_given(flags, NFLAGS, names[i]) && *vals[i] != got[i]) {
+                    fprintf(stderr, "train_gpt: %s %d, but --load '%s' was trained with %s %d\n", names[i],
+                            *vals[i], load, names[i], got[i]);
+                    return 2;
+                }
+                *vals[i] = got[i];
+            }
+        }
+        if ((r = checkpoint_meta(load, "train_gpt.vocab", meta, sizeof meta)) < 0) return 2;
+        size_t hl = r > 0 ? strlen(meta) : 0;
+        for (size_t i = 0; i + 1 < hl && hl % 2 == 0; i += 2) {
+            unsigned c;
+            if (sscanf(meta + i, "%2x", &c) != 1 || map[c] >= 0) {
+                vocab = 0; /* not ours after all: the vocabulary comes from the text */
+                for (int k = 0; k < 256; k++) map[k] = -1;
+                break;
+            }
+            chars[vocab] = (char)c;
+            map[c] = vocab++;
+        }
+    }
+    if (dim % heads) {
+        fprintf(stderr, "train_gpt: --dim %d is not a multiple of --heads %d\n", dim, heads);
+        return 2;
+    }
+    bool ckpt_vocab = vocab > 0;
+    size_t len = 0;
+    char *text = NULL;
+    if (!(sample && ckpt_vocab)) { /* sampling from a checkpoint of ours needs no text */
+        text = data ? ex_read_file("train_gpt", "--data", data, &len) : ex_grammar_corpus(200000, 7);
+        if (!text) return data ? 2 : 1;
+        if (!data) len = strlen(text);
+        if (!sample && len < (size_t)seq + 2) {
+            fprintf(stderr, "train_gpt: the text has %zu characters; --seq %d needs more than %d\n", len, seq,
+                    seq + 1);
+            free(text);
+            return 2;
+        }
+        /* the character vocabulary, or the checkpoint's */
+        for (size_t i = 0; i < len; i++) {
+            unsigned char c = (unsigned char)text[i];
+            if (map[c] >= 0) continue;
+            if (ckpt_vocab) {
+                fprintf(stderr,
+                        "train_gpt: %s has the character 0x%02x at offset %zu, which is not in the vocabulary of "
+                        "--load '%s'\n",
+                        data ? data : "the built-in corpus", c, i, load);
+                free(text);
+                return 2;
+            }
+            chars[vocab] = (char)c;
+            map[c] = vocab++;
+        }
+    }
+
+    /* the prompt, in ids, before anything is built */
+    int64_t *prompt_ids = NULL;
+    int n_prompt = 0;
+    if (sample) {
+        const char *p = prompt ? prompt : (const char[]){chars[0], '\0'}; /* the corpus's first character */
+        n_prompt = (int)strlen(p);
+        prompt_ids = malloc((size_t)n_prompt * sizeof *prompt_ids);
+        if (!prompt_ids) return 1;
+        for (int i = 0; i < n_prompt; i++) {
+            prompt_ids[i] = map[(unsigned char)p[i]];
+            if (prompt_ids[i] < 0) {
+                fprintf(stderr, "train_gpt: --prompt: the character '%c' (0x%02x) is not in the vocabulary\n", p[i],
+                        (unsigned char)p[i]);
+                free(prompt_ids);
+                free(text);
+                return 2;
+            }
+        }
+    }
+
+    /* Refuse sizes this machine cannot hold before allocating them. */
+    ts_rank_env env;
+    int W = 1, local_W = 1;
+    if (ts_launch_env(&env) == TS_OK) {
+        W = env.world_size;
+        local_W = env.local_world_size;
+    }
+    mem_estimate me = estimate_memory(vocab, seq, layers, heads, dim, sample ? 1 : batch, W);
+    double phys = ex_physical_memory();
+    if (phys > 0 && me.per_rank * local_W > phys) {
+        char b[6][32];
+        fprintf(stderr,
+                "train_gpt: this model cannot fit in memory: %.3g parameters need about %s per rank (shards of the "
+                "parameters, gradients and AdamW state %s, gathered groups %s, activations %s) x %d rank%s on this "
+                "node = %s, more than the %s of physical memory\n",
+                me.params, ex_fmt_bytes(me.per_rank, b[0], 32), ex_fmt_bytes(me.shards, b[1], 32),
+                ex_fmt_bytes(me.gathered, b[2], 32), ex_fmt_bytes(me.activations, b[3], 32), local_W,
+                local_W > 1 ? "s" : "", ex_fmt_bytes(me.per_rank * local_W, b[4], 32), ex_fmt_bytes(phys, b[5], 32));
+        free(prompt_ids);
+        free(text);
+        return 2;
+    }
+
     CHECK(ts_dist_init(NULL));
     ts_comm *world = ts_dist_world();
-    int rank = ts_comm_rank(world), W = ts_comm_size(world);
+    int rank = ts_comm_rank(world);
+    W = ts_comm_size(world);
     if (rank != 0) /* one voice */
-        if (!freopen("/dev/null", "w", stdout))
-            return 1;
-    size_t len;
-    char *text = data ? ex_read_file(data, &len) : ex_grammar_corpus(200000, 7);
-    if (!text)
-        return 1;
-    if (!data)
-        len = strlen(text);
-    if (len < (size_t)seq + 2) {
-        fprintf(stderr, "the text has %zu characters; need more than --seq + 1 = %d\n", len, seq + 1);
-        return 1;
-    }
-    /* character vocabulary */
-    int map[256], vocab = 0;
-    for (int i = 0; i < 256; i++)
-        map[i] = -1;
-    for (size_t i = 0; i < len; i++)
-        if (map[(unsigned char)text[i]] < 0)
-            map[(unsigned char)text[i]] = vocab++;
-    printf("corpus: %s, %zu characters, vocabulary %d\n", data ? data : "built-in grammar", len, vocab);
+        if (!freopen("/dev/null", "w", stdout)) return 1;
+    if (text)
+        printf("corpus: %s, %zu characters, vocabulary %d%s\n", data ? data : "built-in grammar", len, vocab,
+               ckpt_vocab ? " (the checkpoint's)" : "");
+    else
+        printf("vocabulary: %d characters, from %s\n", vocab, load);
 
     ts_manual_seed(seed);
     ts_gpt_config cfg = ts_gpt_config_default();
@@ -98,36 +375,62 @@ int main(int argc, char **argv)
     if (load) {
         ts_state_dict *sd;
         CHECK(ts_safetensors_load(load, &sd));
-        CHECK(ts_fsdp_load_full_state_dict(model, sd, true));
+        ts_status st = ts_fsdp_load_full_state_dict(model, sd, true);
+        if (st) {
+            fprintf(stderr,
+                    "train_gpt: --load '%s' does not fit this model: %s\n(give the --data, --seq, --layers, --heads "
+                    "and --dim it was trained with)\n",
+                    load, ts_last_error());
+            ts_state_dict_free(sd);
+            ts_module_free(model);
+            free(prompt_ids);
+            free(text);
+            ts_dist_finalize();
+            return 1;
+        }
         printf("loaded %d tensors from %s\n", ts_state_dict_size(sd), load);
         ts_state_dict_free(sd);
     }
+    char mb[32];
+    printf("memory estimate: %.0f parameters, about %s per rank (%d rank%s)\n", me.params,
+           ex_fmt_bytes(me.per_rank, mb, sizeof mb), W, W > 1 ? "s" : "");
+
+    if (sample) {
+        int rc = generate(model, chars, vocab, seq, prompt_ids, n_prompt, sample, temperature, seed);
+        free(prompt_ids);
+        ts_module_free(model);
+        free(text);
+        CHECK(ts_dist_finalize());
+        return rc;
+    }
+
     ts_named_params params;
     CHECK(ts_module_named_parameters(model, &params));
     ts_tensor **plist = malloc((size_t)params.n * sizeof *plist);
-    for (int i = 0; i < params.n; i++)
-        plist[i] = *params.items[i].slot;
+    if (!plist) return 1;
+    for (int i = 0; i < params.n; i++) plist[i] = *params.items[i].slot;
     ts_adam_options ao = ts_adamw_options_default();
     ao.lr = lr;
     ao.weight_decay = 0.01;
     ts_optim *opt;
     CHECK(ts_adamw_new(params.n, plist, &ao, &opt));
     ts_lr_schedule sched = {TS_LR_WARMUP_COSINE, lr, steps / 10 + 1, steps, lr / 10};
-    ts_fsdp_group_info gi;
-    CHECK(ts_fsdp_group_info_get(model, &gi));
     int64_t local = 0;
-    for (int i = 0; i < params.n; i++)
-        local += ts_tensor_numel(plist[i]);
+    for (int i = 0; i < params.n; i++) local += ts_tensor_numel(plist[i]);
     printf("model: GPT %d layers, %d heads, d_model %d; fully_shard over %d rank%s (%s): %lld parameter elements "
            "on rank 0\n",
            layers, heads, dim, W, W > 1 ? "s" : "", W > 1 ? "tsrun world" : "one-rank mesh", (long long)local);
 
     int64_t *ids = malloc((size_t)batch * (size_t)seq * sizeof *ids), *tg = malloc((size_t)batch * (size_t)seq * sizeof *tg);
+    if (!ids || !tg) return 1;
     ts_generator *data_rng;
-    CHECK(ts_generator_new(seed + 1 + (unsigned long)rank, &data_rng)); /* each rank its own batches */
+    CHECK(ts_generator_new(seed + 1 + (uint64_t)rank, &data_rng)); /* each rank its own batches */
     double t0 = ex_now(), first = 0, last = 0, window = 0;
+    int window_n = 0, rc = 0;
     int64_t tokens = 0;
-    for (int step = 0; step < steps; step++) {
+    ts_comm_stats_reset(world); /* count the training loop's collectives only */
+    int step;
+    for (step = 0; step < steps; step++) {
         for (int b = 0; b < batch; b++) {
             size_t start = ts_generator_random(data_rng) % (len - (size_t)seq - 1);
             for (int t = 0; t < seq; t++) {
@@ -146,9 +449,16 @@ int main(int argc, char **argv)
         CHECK(ts_backward(loss, NULL, false));
         double gn;
         ts_status cs = ts_fsdp_clip_grad_norm(model, 1.0, &gn);
-        if (cs) {
-            fprintf(stderr, "step %d: %s\n", step, ts_last_error());
-            return 1;
+        if (cs) { /* a non-finite gradient norm: the same on every rank */
+            fprintf(stderr, "train_gpt: step %d: %s\n", step + 1, ts_last_error());
+            ts_tensor_free(x);
+            ts_tensor_free(y);
+            ts_tensor_free(logits);
+            ts_tensor_free(flat);
+            ts_tensor_free(loss);
+            rc = 1;
+            step++;
+            break;
         }
         ts_optim_set_lr(opt, ts_lr_at(&sched, step));
         CHECK(ts_optim_step(opt));
@@ -164,35 +474,54 @@ int main(int argc, char **argv)
             CHECK(ts_tensor_item(lt, &l));
             ts_tensor_free(lt);
         }
-        if (step == 0)
-            first = l;
-        last = l;
-        window += l;
-        tokens += (int64_t)batch * seq * W;
-        int every = steps >= 20 ? steps / 20 : 1;
-        if ((step + 1) % every == 0 || step == 0) {
-            double el = ex_now() - t0;
-            printf("step %4d  loss %.4f  (mean of last %d: %.4f)  lr %.2e  %.0f tokens/s  peak tensors %.1f MiB  "
-                   "rss %.1f MiB\n", step + 1, l, step ? every : 1, window / (step ? every : 1), ts_lr_at(&sched, step),
-                   (double)tokens / el, (double)ts_mem_peak_bytes(TS_MEM_STORAGE) / 1048576.0, ex_peak_rss_mib());
-            window = 0;
-        }
         ts_tensor_free(x);
         ts_tensor_free(y);
         ts_tensor_free(logits);
         ts_tensor_free(flat);
         ts_tensor_free(loss);
-    }
-    printf("loss %.4f -> %.4f (uniform guess: %.4f)\n", first, last, log((double)vocab));
-    if (save) { /* gathered on rank 0 only, then written there */
-        ts_state_dict *sd;
-        CHECK(ts_fsdp_full_state_dict(model, true, &sd));
-        if (rank == 0) {
-            CHECK(ts_safetensors_save(save, sd, NULL, 0));
-            printf("saved %d full tensors to %s\n", ts_state_dict_size(sd), save);
+        if (!isfinite(l)) { /* every rank sees the same average */
+            fprintf(stderr, "train_gpt: step %d: the loss is %g (diverged; try a smaller --lr than %g)\n", step + 1, l,
+                    lr);
+            rc = 1;
+            step++;
+            break;
         }
-        ts_state_dict_free(sd);
+        if (step == 0) first = l;
+        last = l;
+        window += l;
+        window_n++;
+        tokens += (int64_t)batch * seq * W;
+        int every = steps >= 20 ? steps / 20 : 1;
+        if ((step + 1) % every == 0 || step == 0) {
+            double el = ex_now() - t0;
+            printf("step %4d  loss %.4f  (mean of last %d: %.4f)  lr %.2e  %.0f tokens/s  peak tensors %.1f MiB  "
+                   "rss %.1f MiB\n",
+                   step + 1, l, window_n, window / window_n, ts_lr_at(&sched, step), (double)tokens / el,
+                   (double)ts_mem_peak_bytes(TS_MEM_STORAGE) / 1048576.0, ex_peak_rss_mib());
+            window = 0;
+            window_n = 0;
+        }
     }
+    print_comm_summary(world, step, W);
+    if (!rc) {
+        printf("loss %.4f -> %.4f (uniform guess: %.4f)\n", first, last, log((double)vocab));
+        if (save) { /* gathered on rank 0 only, then written there */
+            ts_state_dict *sd;
+            CHECK(ts_fsdp_full_state_dict(model, true, &sd));
+            if (rank == 0) {
+                /* the sizes and the vocabulary, for --load and --sample */
+                char cfgs[128], hex[2 * 256 + 1];
+                snprintf(cfgs, sizeof cfgs, "seq=%d layers=%d heads=%d dim=%d", seq, layers, heads, dim);
+                for (int i = 0; i < vocab; i++) snprintf(hex + 2 * i, 3, "%02x", (unsigned char)chars[i]);
+                hex[2 * vocab] = '\0';
+                const char *meta[4] = {"train_gpt.config", cfgs, "train_gpt.vocab", hex};
+                CHECK(ts_safetensors_save(save, sd, meta, 2));
+                printf("saved %d full tensors to %s\n", ts_state_dict_size(sd), save);
+            }
+            ts_state_dict_free(sd);
+        }
+    }
+    fflush(stdout);
     ts_generator_free(data_rng);
     ts_optim_free(opt);
     free(plist);
@@ -202,6 +531,5 @@ int main(int argc, char **argv)
     free(tg);
     free(text);
     CHECK(ts_dist_finalize());
-    /* success: the loss fell (from scratch), or did not grow (resumed) */
-    return isfinite(last) && (load ? last < first * 1.1 : last < first * 0.6) ? 0 : 1;
+    return rc;
 }

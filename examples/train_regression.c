@@ -5,22 +5,7 @@
  * fully_shard training examples build on the same pieces.
  *
  * Usage: train_regression [--steps N] [--lr LR] [--seed S] */
-#define _GNU_SOURCE
-#include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include "tensorshard.h"
-
-#define CHECK(expr)                                                                              \
-    do {                                                                                         \
-        ts_status st_ = (expr);                                                                  \
-        if (st_ != TS_OK) {                                                                      \
-            fprintf(stderr, "%s failed: %s: %s\n", #expr, ts_status_name(st_), ts_last_error()); \
-            exit(1);                                                                             \
-        }                                                                                        \
-    } while (0)
+#include "common.h"
 
 /* A Linear layer's parameters initialised as torch.nn.Linear does. */
 static void linear_init(int64_t in, int64_t out, ts_tensor **w, ts_tensor **b)
@@ -39,19 +24,14 @@ int main(int argc, char **argv)
 {
     int steps = 2000;
     double lr = 0.05, momentum = 0.9;
-    unsigned long seed = 0;
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--steps") == 0 && i + 1 < argc)
-            steps = atoi(argv[++i]);
-        else if (strcmp(argv[i], "--lr") == 0 && i + 1 < argc)
-            lr = atof(argv[++i]);
-        else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc)
-            seed = strtoul(argv[++i], NULL, 10);
-        else {
-            fprintf(stderr, "usage: %s [--steps N] [--lr LR] [--seed S]\n", argv[0]);
-            return 2;
-        }
-    }
+    uint64_t seed = 0;
+    ex_flag flags[] = {
+        {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "full-batch SGD steps", false},
+        {"--lr", "LR", EX_FLAG_DOUBLE, &lr, 0, 10, true, "learning rate (momentum 0.9)", false},
+        {"--seed", "S", EX_FLAG_U64, &seed, 0, 18446744073709551615.0, false, "initialization", false},
+    };
+    ex_parse_flags(argc, argv, "Fits y = sin(3x) + 0.5x with a two-layer MLP and hand-written SGD.", flags,
+                   (int)(sizeof flags / sizeof flags[0]));
     ts_manual_seed(seed);
     ts_tensor *w1, *b1, *w2, *b2;
     linear_init(1, 64, &w1, &b1);
@@ -120,5 +100,9 @@ int main(int argc, char **argv)
     }
     ts_tensor_free(x);
     ts_tensor_free(y);
-    return last < first / 10 ? 0 : 1;
+    if (!isfinite(last)) {
+        fprintf(stderr, "train_regression: the loss is %g (diverged; try a smaller --lr than %g)\n", last, lr);
+        return 1;
+    }
+    return 0;
 }

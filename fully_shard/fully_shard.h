@@ -107,6 +107,39 @@ TS_API ts_status ts_fully_shard_each(int n, ts_module *const *modules, const ts_
  * last. Errors as ts_fully_shard. */
 TS_API ts_status ts_fully_shard_group(int n, ts_module *const *modules, const ts_fsdp_options *options);
 
+/* ------------------------------------------------------ wrap policies
+ * (fully_shard/policy.c) Both walk root's tree bottom-up (every module
+ * after its descendants, siblings in PyTorch's named_modules order) and
+ * call ts_fully_shard(m, options) on the modules they pick. Neither ever
+ * shards the root itself: end with ts_fully_shard(root, options), which
+ * takes what is left, as FSDP2 users end with fully_shard(model). Modules
+ * already sharded are skipped, and the parameters their groups hold count
+ * as taken. *count_out (optional) is the number of modules sharded by the
+ * call; 0 when nothing matched, which is not an error. Errors:
+ * TS_ERR_INVALID_ARGUMENT for a NULL root or bad policy argument;
+ * TS_ERR_ALREADY when root is already sharded (its group took every
+ * parameter: apply the policy first); ts_fully_shard's errors, naming the
+ * module (the modules sharded before it stay sharded). Collective like
+ * ts_fully_shard: every rank applies the same policy. */
+
+/* Shards every module below root whose type name (before fully_shard,
+ * exactly "Block", not "BlockFSDPModule") is type_name: FSDP1's
+ * ModuleWrapPolicy({Block}), FSDP2's loop calling fully_shard on each
+ * Block. A match nested inside another match is sharded first. */
+TS_API ts_status ts_fsdp_apply_by_type(ts_module *root, const char *type_name, const ts_fsdp_options *options,
+                                       int *count_out);
+/* FSDP1's size_based_auto_wrap_policy(min_num_params): bottom-up, a module
+ * below root is sharded when the elements of its subtree's parameters that
+ * no group holds yet (the ones its sharded descendants did not take, each
+ * tensor once, ignored_params not counted) reach min_params. As FSDP1 by
+ * default, nothing inside a MultiheadAttention is sharded on its own and a
+ * ModuleList is never sharded (its parameters are left to its parent).
+ * On two Blocks of two Linear(6, 6) with min_params 30, each Linear (36)
+ * is sharded and the Blocks are not (nothing is left to them).
+ * TS_ERR_INVALID_ARGUMENT for min_params <= 0. */
+TS_API ts_status ts_fsdp_apply_by_size(ts_module *root, int64_t min_params, const ts_fsdp_options *options,
+                                       int *count_out);
+
 /* True once fully_shard was applied to m. */
 TS_API bool ts_module_is_fsdp(const ts_module *m);
 /* The vtable fully_shard extended (NULL when m is not an FSDP module). */

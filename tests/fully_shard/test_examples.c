@@ -12,11 +12,12 @@
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <math.h>
-#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -259,6 +260,478 @@ Test(fully_shard_examples, train_gpt_checkpoint_round_trip, .timeout = 120)
     unlink(path);
 }
 
+/* Seed 000's three wrap policies on 4 ranks: counts 1/1, 3/2, 5/4; each
+ * (6, 6) weight split by rows as torch.chunk does, (2, 6) on ranks 0-2 and
+ * (0, 6) on rank 3. */
+Test(fully_shard_examples, wrap_policies, .timeout = 120)
+{
+    char *out = run_example("wrap_policies", 4);
+    for (int r = 0; r < 4; r++) {
+        const char *s = r < 3 ? "(2, 6)" : "(0, 6)";
+        char want[1024];
+        snprintf(want, sizeof want,
+                 "rank %d | no policy: fsdp units 1 groups with parameters 1 local shards [[%s, %s, %s, %s]]\n"
+                 "rank %d | ts_fsdp_apply_by_type(Block): fsdp units 3 groups with parameters 2 local shards "
+                 "[[%s, %s], [%s, %s]]\n"
+                 "rank %d | ts_fsdp_apply_by_size(min=30): fsdp units 5 groups with parameters 4 local shards "
+                 "[[%s], [%s], [%s], [%s]]",
+                 r, s, s, s, s, r, s, s, s, s, r, s, s, s, s);
+        expect_lines(out, r, want);
+    }
+    free(out);
+}
+
+/* Runs build/examples/PROG directly (no launcher) with args; returns its
+ * wait status and its stdout and stderr (malloc'd). */
+static int run_direct(const char *prog, int nargs, const char *const *args, char **out, char **err)
+{
+    clear_launch_env();
+    char path[4096];
+    snprintf(path, sizeof path, "%s/examples/%s", TS_BUILD_DIR, prog);
+    cr_assert_eq(access(path, X_OK), 0, "%s is not built", path);
+    int ofd = memfd_create("ts-direct-out", MFD_CLOEXEC), efd = memfd_create("ts-direct-err", MFD_CLOEXEC);
+    cr_assert(ofd >= 0 && efd >= 0);
+    char *argv[32] = {path};
+    cr_assert_lt(nargs, 31);
+    for (int i = 0; i < nargs; i++) argv[i + 1] = (char *)args[i];
+    argv[nargs + 1] = NULL;
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        int devnull = open("/dev/null", O_RDONLY);
+        if (devnull < 0 || dup2(devnull, 0) < 0 || dup2(ofd, 1) < 0 || dup2(efd, 2) < 0) _exit(120);
+        unsetenv("TS_TEST_FSDP_ROLE");
+        execv(path, argv);
+        _exit(121);
+    }
+    int status = 0;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    *out = th_slurp_fd(ofd);
+    *err = th_slurp_fd(efd);
+    close(ofd);
+    close(efd);
+    return status;
+}
+
+/* Seed 003's one-rank contract, run as a plain program: the type, the
+ * output shape, the already-applied error (the SGD step in between is
+ * checked by the program, which exits 1 when the step is wrong). */
+Test(fully_shard_examples, contract_smoke, .timeout = 60)
+{
+    char *out, *err;
+    int st = run_direct("contract_smoke", 0, NULL, &out, &err);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d\nstdout:\n%s\nstderr:\n%s", st, out, err);
+    cr_expect_str_eq(out,
+                     "SequentialFSDPModule\n"
+                     "(2, 4)\n"
+                     "ts_fully_shard: fully_shard has already been applied to this SequentialFSDPModule (module 0)\n");
+    free(out);
+    free(err);
+}
+
+/* Seed 003's verified step on 2 ranks. The values rank 0 prints are
+ * compared with an unsharded step computed here, in this process, from
+ * the same seed: the same Linear(8, 8) and randn(4, 8) (the RNG is
+ * deterministic), sum().backward(), SGD lr 0.1, printed to ten decimals.
+ * The sharded step must equal it exactly: the forward uses the gathered
+ * full weight, and the averaged reduce-scatter of two equal gradients is
+ * exact, so no tolerance is needed. */
+Test(fully_shard_examples, sharded_step, .timeout = 90)
+{
+    char *out = run_example("sharded_step", 2);
+    for (int r = 0; r < 2; r++) {
+        char want[512];
+        snprintf(want, sizeof want,
+                 "%d {'weight': (4, 8), 'bias': (4,)}\n%d {'weight': (4, 8), 'bias': (4,)}\n%d (8, 8)", r, r, r);
+        expect_lines(out, r, want);
+        snprintf(want, sizeof want,
+                 "rank %d: gradient shards equal the reference gradient's rows %d-%d; weight and bias after the step "
+                 "equal the unsharded reference (max |diff| 0)",
+                 r, 4 * r, 4 * r + 3);
+        expect_lines(out, r, want);
+    }
+    /* the reference, here */
+    ts_manual_seed(42);
+    ts_module *m;
+    TH_OK(ts_linear_new(8, 8, true, &m));
+    ts_nn_linear *lin = (ts_nn_linear *)m;
+    int64_t xs[2] = {4, 8};
+    ts_tensor *x, *y, *s;
+    TH_OK(ts_randn(TS_F32, 2, xs, NULL, &x));
+    TH_OK(ts_module_call1(m, x, &y));
+    TH_OK(ts_sum(y, 0, NULL, false, &s));
+    TH_OK(ts_backward(s, NULL, false));
+    ts_tensor *p[2] = {lin->weight, lin->bias};
+    ts_sgd_options so = ts_sgd_options_default();
+    so.lr = 0.1;
+    ts_optim *opt;
+    TH_OK(ts_sgd_new(2, p, &so, &opt));
+    TH_OK(ts_optim_step(opt));
+    float w[64], b[8];
+    TH_OK(ts_tensor_copy_to(lin->weight, w, sizeof w));
+    TH_OK(ts_tensor_copy_to(lin->bias, b, sizeof b));
+    char want[4096];
+    size_t n = (size_t)snprintf(want, sizeof want, "weight after the step [");
+    for (int i = 0; i < 64; i++)
+        n += (size_t)snprintf(want + n, sizeof want - n, "%s%.10f%s", i % 8 == 0 ? (i ? ",\n    [" : "[") : ", ",
+                              w[i], i % 8 == 7 ? "]" : "");
+    n += (size_t)snprintf(want + n, sizeof want - n, "]\nbias after the step [");
+    for (int i = 0; i < 8; i++) n += (size_t)snprintf(want + n, sizeof want - n, "%s%.10f", i ? ", " : "", b[i]);
+    snprintf(want + n, sizeof want - n, "]");
+    expect_lines(out, 0, want);
+    ts_optim_free(opt);
+    ts_tensor_free(s);
+    ts_tensor_free(y);
+    ts_tensor_free(x);
+    ts_module_free(m);
+    free(out);
+}
+
+/* ------------------------------------------------ the main job's command line */
+
+/* Runs an example directly and asserts its exit status; returns stdout,
+ * stderr in *err (both malloc'd). */
+static char *run_expect(const char *prog, int want_status, int nargs, const char *const *args, char **err)
+{
+    char *out;
+    int st = run_direct(prog, nargs, args, &out, err);
+    cr_assert(WIFEXITED(st), "%s was killed by signal %d\nstderr:\n%s", prog, WIFSIGNALED(st) ? WTERMSIG(st) : 0,
+              *err);
+    cr_assert_eq(WEXITSTATUS(st), want_status, "%s exited %d, expected %d\nstdout:\n%s\nstderr:\n%s", prog,
+                 WEXITSTATUS(st), want_status, out, *err);
+    return out;
+}
+
+/* Asserts that PROG ARGS exits 2 with one message containing every
+ * string of `want` (NULL-terminated), and that it printed no training
+ * step (the check came first). */
+static void expect_refused(const char *prog, int nargs, const char *const *args, const char *const *want)
+{
+    char *err, *out = run_expect(prog, 2, nargs, args, &err);
+    for (int i = 0; want[i]; i++)
+        cr_expect_not_null(strstr(err, want[i]), "%s %s: the message lacks '%s':\n%s", prog, args[0], want[i], err);
+    cr_expect_null(strstr(out, "step "), "%s trained before refusing:\n%s", prog, out);
+    free(out);
+    free(err);
+}
+
+Test(fully_shard_examples, help_prints_usage_and_exits_zero, .timeout = 60)
+{
+    const char *progs[] = {"train_gpt", "train_mlp", "train_regression"};
+    for (int i = 0; i < 3; i++) {
+        const char *a[] = {"--help"};
+        char *err, *out = run_expect(progs[i], 0, 1, a, &err);
+        char want[64];
+        snprintf(want, sizeof want, "usage: %s ", progs[i]);
+        cr_expect(strstr(out, want) == out, "%s --help printed:\n%s", progs[i], out);
+        cr_expect(strstr(out, "--steps N"), "%s", out);
+        free(out);
+        free(err);
+    }
+    const char *a[] = {"--steps", "5", "-h"};
+    char *err, *out = run_expect("train_gpt", 0, 3, a, &err);
+    cr_expect(strstr(out, "--sample N") && strstr(out, "--temperature T"), "%s", out);
+    free(out);
+    free(err);
+}
+
+Test(fully_shard_examples, numbers_are_parsed_strictly, .timeout = 60)
+{
+    struct {
+        const char *prog, *flag, *value, *why;
+    } cases[] = {
+        {"train_gpt", "--steps", "1x", "is not an integer"},
+        {"train_gpt", "--steps", "99999999999999999999", "out of range"},
+        {"train_gpt", "--steps", "4294967297", "out of range"},
+        {"train_gpt", "--steps", "-3", "out of range"},
+        {"train_gpt", "--batch", "0", "out of range"},
+        {"train_gpt", "--dim", " 64", "is not a number"},
+        {"train_gpt", "--lr", "nan", "not a finite number"},
+        {"train_gpt", "--lr", "-0.1", "out of range"},
+        {"train_gpt", "--lr", "1e-3x", "not a finite number"},
+        {"train_gpt", "--seed", "-1", "out of range"},
+        {"train_gpt", "--seed", "18446744073709551616", "out of range"},
+        {"train_gpt", "--sample", "0", "out of range"},
+        {"train_mlp", "--hidden", "1x", "is not an integer"},
+        {"train_mlp", "--steps", "-1", "out of range"},
+        {"train_regression", "--lr", "inf", "not a finite number"},
+        {"train_regression", "--steps", "2147483648", "out of range"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        const char *a[] = {cases[i].flag, cases[i].value};
+        char quoted[64];
+        snprintf(quoted, sizeof quoted, "'%s'", cases[i].value);
+        const char *want[] = {cases[i].flag, quoted, cases[i].why, NULL};
+        expect_refused(cases[i].prog, 2, a, want);
+    }
+    /* --flag=value is the same flag; a flag without its value; an unknown one */
+    const char *eq[] = {"--steps=7q"};
+    const char *w1[] = {"--steps", "'7q'", NULL};
+    expect_refused("train_gpt", 1, eq, w1);
+    const char *novalue[] = {"--steps"};
+    const char *w2[] = {"--steps needs a value", NULL};
+    expect_refused("train_gpt", 1, novalue, w2);
+    const char *unknown[] = {"--step", "5"};
+    const char *w3[] = {"unknown flag '--step'", "--help", NULL};
+    expect_refused("train_gpt", 2, unknown, w3);
+    const char *heads[] = {"--dim", "10", "--heads", "4"};
+    const char *w4[] = {"--dim 10", "--heads 4", NULL};
+    expect_refused("train_gpt", 4, heads, w4);
+}
+
+Test(fully_shard_examples, save_folder_is_checked_before_training, .timeout = 60)
+{
+    const char *a1[] = {"--save", "/nonexistent-ts-folder/ckpt.safetensors"};
+    const char *w1[] = {"--save", "'/nonexistent-ts-folder'", "does not exist", NULL};
+    expect_refused("train_gpt", 2, a1, w1);
+    const char *a2[] = {"--save", "/tmp"};
+    const char *w2[] = {"--save '/tmp' is a directory", NULL};
+    expect_refused("train_gpt", 2, a2, w2);
+    /* /proc takes no new files, even from root */
+    const char *a3[] = {"--save", "/proc/ckpt.safetensors"};
+    const char *w3[] = {"'/proc' is not writable", NULL};
+    expect_refused("train_gpt", 2, a3, w3);
+    /* a folder that is a file */
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/ts-test-notdir-%d", (int)getpid());
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    fclose(f);
+    char save[160];
+    snprintf(save, sizeof save, "%s/ckpt.safetensors", path);
+    const char *a4[] = {"--save", save};
+    const char *w4[] = {"is not a folder", NULL};
+    expect_refused("train_gpt", 2, a4, w4);
+    unlink(path);
+}
+
+/* A directory segfaulted and a FIFO hung before: both are refused at once
+ * (the test's timeout catches a hang). */
+Test(fully_shard_examples, directories_and_fifos_are_refused, .timeout = 60)
+{
+    char fifo[128];
+    snprintf(fifo, sizeof fifo, "/tmp/ts-test-fifo-%d", (int)getpid());
+    unlink(fifo);
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    const char *flags[] = {"--data", "--load"};
+    for (int i = 0; i < 2; i++) {
+        const char *a1[] = {flags[i], "/tmp"};
+        const char *w1[] = {flags[i], "'/tmp' is a directory", NULL};
+        expect_refused("train_gpt", 2, a1, w1);
+        const char *a2[] = {flags[i], fifo};
+        const char *w2[] = {flags[i], "is a FIFO (named pipe), not a regular file", NULL};
+        expect_refused("train_gpt", 2, a2, w2);
+        const char *a3[] = {flags[i], "/nonexistent-ts-file"};
+        const char *w3[] = {flags[i], "No such file or directory", NULL};
+        expect_refused("train_gpt", 2, a3, w3);
+    }
+    unlink(fifo);
+}
+
+/* "step N  loss L  (mean of last K: M)" lines: the step, K, L and M. */
+static int step_lines(const char *out, int max, int *step, int *k, double *loss, double *mean)
+{
+    int n = 0;
+    for (const char *l = out; (l = strstr(l, "step ")) && n < max; l++)
+        if (sscanf(l, "step %d loss %lf (mean of last %d: %lf)", &step[n], &loss[n], &k[n], &mean[n]) == 4) n++;
+    return n;
+}
+
+/* A short run exits 0 (it exited 1 when the loss had not fallen by 40%),
+ * and each "mean of last K" averages the K steps since the last line (the
+ * first after step 1 divided one step's loss by the interval). */
+Test(fully_shard_examples, short_run_exits_zero_and_means_are_right, .timeout = 120)
+{
+    const char *a[] = {"--steps", "3"};
+    char *err, *out = run_expect("train_gpt", 0, 2, a, &err);
+    cr_expect(strstr(out, "loss ") && strstr(out, "collectives per step"), "%s", out);
+    free(out);
+    free(err);
+    const char *b[] = {"--steps", "40"}; /* a line every 2 steps, and after step 1 */
+    out = run_expect("train_gpt", 0, 2, b, &err);
+    int step[32], k[32];
+    double loss[32], mean[32];
+    int n = step_lines(out, 32, step, k, loss, mean);
+    cr_assert_eq(n, 21, "%d step lines:\n%s", n, out);
+    cr_expect(step[0] == 1 && k[0] == 1 && mean[0] == loss[0], "%s", out);
+    cr_expect(step[1] == 2 && k[1] == 1, "after step 1, step 2's line covers one step:\n%s", out);
+    cr_expect_eq(mean[1], loss[1], "the mean of one step is its loss:\n%s", out);
+    for (int i = 2; i < n; i++) cr_expect(k[i] == 2 && step[i] == 2 * i, "line %d:\n%s", i, out);
+    free(out);
+    free(err);
+    /* the other examples too */
+    const char *c[] = {"--steps", "2"};
+    out = run_expect("train_mlp", 0, 2, c, &err);
+    free(out);
+    free(err);
+    out = run_expect("train_regression", 0, 2, c, &err);
+    free(out);
+    free(err);
+}
+
+Test(fully_shard_examples, sizes_beyond_memory_are_refused_with_the_estimate, .timeout = 60)
+{
+    const char *a[] = {"--dim", "65536", "--layers", "64"};
+    const char *w[] = {"cannot fit in memory", "parameters", "AdamW", "activations", "of physical memory", NULL};
+    expect_refused("train_gpt", 4, a, w);
+    /* the estimate's parameter count is the model's (one rank: all of them) */
+    const char *b[] = {"--steps", "1", "--layers", "3", "--dim", "48"};
+    char *err, *out = run_expect("train_gpt", 0, 6, b, &err);
+    long long est = 0, real = 0;
+    const char *e = strstr(out, "memory estimate: "), *m = strstr(out, "fully_shard over 1 rank (one-rank mesh): ");
+    cr_assert(e && m, "%s", out);
+    cr_assert_eq(sscanf(e, "memory estimate: %lld parameters", &est), 1);
+    cr_assert_eq(sscanf(m, "fully_shard over 1 rank (one-rank mesh): %lld", &real), 1);
+    cr_expect_eq(est, real, "estimated %lld parameters, the model has %lld", est, real);
+    free(out);
+    free(err);
+}
+
+/* The text after "sample (...): N characters after the prompt\n" to the
+ * end of the output (it may hold newlines), without the last newline;
+ * rank 0's lines only when the output came through tsrun. Asserts that it
+ * starts with the prompt. malloc'd. */
+static char *sample_text(const char *out, bool tsrun, const char *prompt)
+{
+    char *own = tsrun ? rank_lines(out, 0) : strdup(out);
+    cr_assert(own);
+    const char *s = strstr(own, "characters after the prompt\n");
+    cr_assert(s, "no sample in:\n%s", out);
+    s = strchr(s, '\n') + 1;
+    cr_assert(strncmp(s, prompt, strlen(prompt)) == 0, "the sample does not start with '%s':\n%s", prompt, out);
+    size_t n = strlen(s);
+    cr_assert(n > 0 && s[n - 1] == '\n', "%s", out);
+    char *text = strndup(s, n - 1);
+    free(own);
+    return text;
+}
+
+/* --load F --sample N generates N characters after the prompt: greedily
+ * the same text every time, on one rank and on two; with --temperature,
+ * the same for a seed; without --load, refused. At the end of training,
+ * the collective counts per step are those of 2 blocks and a root:
+ * 2L + 1 all-gathers (the root stays gathered from forward to backward)
+ * and L + 1 reduce-scatters. */
+Test(fully_shard_examples, sample_from_a_checkpoint_and_comm_summary, .timeout = 180)
+{
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/ts-test-sample-%d.safetensors", (int)getpid());
+    const char *t[] = {"--steps", "30", "--save", path};
+    char *out = run_example_args("train_gpt", 2, 4, t);
+    const char *cs = strstr(out, "[0] collectives per step on rank 0 of 2: ");
+    cr_assert(cs, "no summary line:\n%s", out);
+    double issued = 0, given = 0, sent = 0;
+    cr_assert_eq(sscanf(cs, "[0] collectives per step on rank 0 of 2: %lf issued", &issued), 1, "%s", cs);
+    cr_expect(strstr(cs, "(all_gather 5.0, reduce_scatter 3.0, all_reduce "), "%s", cs);
+    cr_expect_gt(issued, 8.0);
+    const char *g0 = strstr(cs, "), ");
+    char u1[8], u2[8];
+    cr_assert(g0 && sscanf(g0, "), %lf %3s given to them, %lf %3s sent by this rank", &given, u1, &sent, u2) == 4,
+              "%s", cs);
+    given *= !strcmp(u1, "KiB") ? 1024.0 : !strcmp(u1, "MiB") ? 1048576.0 : 1.0;
+    sent *= !strcmp(u2, "KiB") ? 1024.0 : !strcmp(u2, "MiB") ? 1048576.0 : 1.0;
+    /* on 2 ranks a rank sends its all-gather inputs once and half of
+     * its reduce-scatter inputs: between half and all of what it gave */
+    cr_expect(sent > 0.4 * given && sent < given, "%s", cs);
+    free(out);
+
+    const char *g[] = {"--load", path, "--sample", "40"};
+    char *err;
+    out = run_expect("train_gpt", 0, 4, g, &err);
+    cr_expect(strstr(out, "sample (greedy): 40 characters after the prompt\n"), "%s", out);
+    char *s1 = sample_text(out, false, "");
+    cr_expect_eq(strlen(s1), 41, "the prompt (the corpus's first character) and 40 characters: '%s'", s1);
+    free(out);
+    free(err);
+    out = run_example_args("train_gpt", 2, 4, g);
+    char *s2 = sample_text(out, true, "");
+    cr_expect_str_eq(s2, s1, "two ranks sampled differently from one");
+    free(out);
+
+    const char *h[] = {"--load", path, "--sample", "40", "--temperature", "0.8", "--seed", "5", "--prompt", "the "};
+    out = run_expect("train_gpt", 0, 10, h, &err);
+    char *t1 = sample_text(out, false, "the ");
+    free(out);
+    free(err);
+    out = run_expect("train_gpt", 0, 10, h, &err);
+    char *t2 = sample_text(out, false, "the ");
+    cr_expect_str_eq(t1, t2, "the same seed sampled differently");
+    cr_expect_eq(strlen(t1), 44, "the prompt (4) and 40 characters: '%s'", t1);
+    free(out);
+    free(err);
+
+    const char *p[] = {"--load", path, "--sample", "5", "--prompt", "#"};
+    const char *wp[] = {"--prompt", "not in the vocabulary", NULL};
+    expect_refused("train_gpt", 6, p, wp);
+    const char *n[] = {"--sample", "5"};
+    const char *wn[] = {"--sample needs --load", NULL};
+    expect_refused("train_gpt", 2, n, wn);
+    free(s1);
+    free(s2);
+    free(t1);
+    free(t2);
+    unlink(path);
+}
+
+/* --save records the sizes and the vocabulary: --load takes them (no size
+ * flags needed to sample), refuses a size given differently and a text
+ * with characters outside the vocabulary. */
+Test(fully_shard_examples, checkpoint_carries_sizes_and_vocabulary, .timeout = 120)
+{
+    char path[128], text[128];
+    snprintf(path, sizeof path, "/tmp/ts-test-meta-%d.safetensors", (int)getpid());
+    snprintf(text, sizeof text, "/tmp/ts-test-meta-%d.txt", (int)getpid());
+    const char *t[] = {"--steps", "2", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--save", path};
+    char *err, *out = run_expect("train_gpt", 0, 12, t, &err);
+    free(out);
+    free(err);
+    const char *s[] = {"--load", path, "--sample", "10"};
+    out = run_expect("train_gpt", 0, 4, s, &err);
+    cr_expect(strstr(out, "vocabulary: 26 characters, from "), "%s", out);
+    cr_expect(strstr(out, "sample (greedy): 10 characters after the prompt"), "%s", out);
+    free(out);
+    free(err);
+    const char *d[] = {"--load", path, "--dim", "64", "--steps", "1"};
+    const char *wd[] = {"--dim 64", "trained with --dim 32", NULL};
+    expect_refused("train_gpt", 6, d, wd);
+    FILE *f = fopen(text, "w");
+    cr_assert(f);
+    fprintf(f, "the cat sees the dog. %s\n", "A quick brown fox jumps over the lazy dog, twice or more.");
+    fclose(f);
+    const char *v[] = {"--load", path, "--data", text, "--steps", "1"};
+    const char *wv[] = {"character 0x41", "not in the vocabulary", NULL};
+    expect_refused("train_gpt", 6, v, wv);
+    unlink(text);
+    unlink(path);
+}
+
+/* Under tsrun, a bad flag stops every rank before ts_dist_init, and the
+ * job's status is the ranks' 2 (tsrun's "bad flags"). */
+Test(fully_shard_examples, bad_flag_under_tsrun_exits_two, .timeout = 60)
+{
+    clear_launch_env();
+    char path[4096];
+    snprintf(path, sizeof path, "%s/examples/train_gpt", TS_BUILD_DIR);
+    ts_launch_options o = ts_launch_options_default();
+    o.nproc_per_node = 2;
+    o.forward_signals = false;
+    o.out_fd = memfd_create("ts-example-out", MFD_CLOEXEC);
+    o.err_fd = memfd_create("ts-example-err", MFD_CLOEXEC);
+    cr_assert(o.out_fd >= 0 && o.err_fd >= 0);
+    char *argv[] = {path, "--steps", "1x", NULL};
+    ts_launch_result res;
+    TH_OK(ts_launch(&o, argv, &res));
+    char *out = th_slurp_fd(o.out_fd), *err = th_slurp_fd(o.err_fd);
+    close(o.out_fd);
+    close(o.err_fd);
+    cr_expect_eq(res.exit_code, 2, "exit %d\nstderr:\n%s", res.exit_code, err);
+    cr_expect(strstr(err, "train_gpt: --steps: '1x' is not an integer"), "%s", err);
+    free(out);
+    free(err);
+}
+
 /* ------------------------------------------------------------ seed 001 */
 
 /* Runs build/examples/PROG alone (one process, no launcher: a one-rank
@@ -266,30 +739,7 @@ Test(fully_shard_examples, train_gpt_checkpoint_round_trip, .timeout = 120)
  * wrote on stdout and stderr. */
 static int run_alone(const char *prog, int nargs, const char *const *args, char **out, char **err)
 {
-    clear_launch_env();
-    char path[4096];
-    snprintf(path, sizeof path, "%s/examples/%s", TS_BUILD_DIR, prog);
-    cr_assert_eq(access(path, X_OK), 0, "%s is not built", path);
-    int ofd = memfd_create("ts-example-out", MFD_CLOEXEC), efd = memfd_create("ts-example-err", MFD_CLOEXEC);
-    cr_assert_geq(ofd, 0);
-    cr_assert_geq(efd, 0);
-    char *argv[16] = {path};
-    cr_assert_lt(nargs, 15);
-    for (int i = 0; i < nargs; i++) argv[i + 1] = (char *)args[i];
-    argv[nargs + 1] = NULL;
-    posix_spawn_file_actions_t fa;
-    cr_assert_eq(posix_spawn_file_actions_init(&fa), 0);
-    cr_assert_eq(posix_spawn_file_actions_adddup2(&fa, ofd, 1), 0);
-    cr_assert_eq(posix_spawn_file_actions_adddup2(&fa, efd, 2), 0);
-    pid_t pid;
-    cr_assert_eq(posix_spawn(&pid, path, &fa, NULL, argv, environ), 0, "cannot start %s", path);
-    posix_spawn_file_actions_destroy(&fa);
-    int ws;
-    cr_assert_eq(waitpid(pid, &ws, 0), pid);
-    *out = th_slurp_fd(ofd);
-    *err = th_slurp_fd(efd);
-    close(ofd);
-    close(efd);
+    int ws = run_direct(prog, nargs, args, out, err);
     cr_assert(WIFEXITED(ws), "%s ended by signal %d\nstderr:\n%s", prog, WIFSIGNALED(ws) ? WTERMSIG(ws) : 0, *err);
     return WEXITSTATUS(ws);
 }
