@@ -85,6 +85,34 @@ static void role_store(void)
     _exit(0);
 }
 
+static void lines_usr1(int sig)
+{
+    (void)sig;
+    static const char tail[] = "partial tail"; /* no newline: the launcher adds one */
+    if (write(1, tail, sizeof tail - 1) < 0)
+        _exit(5);
+    _exit(3);
+}
+
+/* A rank that prints with plain printf (no fflush: the library's line
+ * buffering is under test), says "blocked" on stderr, then waits: SIGUSR1
+ * makes it write a partial line and exit 3; SIGTERM kills it; alarm(30)
+ * bounds it. TS_TEST_GUARD=1 calls ts_launch_rank_guard first. */
+static void role_lines(void)
+{
+    if (getenv("TS_TEST_GUARD") && ts_launch_rank_guard() != TS_OK)
+        _exit(4);
+    const char *r = getenv("RANK") ? getenv("RANK") : "-";
+    for (int i = 0; i < 3; i++)
+        printf("line %d of %s\n", i, r);
+    printf("blocked %d\n", (int)getpid());
+    fputs("blocked\n", stderr);
+    signal(SIGUSR1, lines_usr1);
+    alarm(30);
+    for (;;)
+        pause();
+}
+
 __attribute__((constructor)) static void launch_test_role(void)
 {
     const char *role = getenv("TS_TEST_LAUNCH_ROLE");
@@ -94,6 +122,8 @@ __attribute__((constructor)) static void launch_test_role(void)
         role_guard();
     if (strcmp(role, "store") == 0)
         role_store();
+    if (strcmp(role, "lines") == 0)
+        role_lines();
     fprintf(stderr, "unknown TS_TEST_LAUNCH_ROLE=%s\n", role);
     _exit(6);
 }
@@ -704,7 +734,7 @@ Test(comm_launch, bad_options_are_rejected, .timeout = 30)
         {"--nproc-per-node", NULL},
         {"--grace=-1", "/bin/true", NULL},
         {"--nnodes=2", "--master-port=29500", "/bin/true", NULL},
-        {"--nnodes=2", "--node-rank=2", "--token=t", "/bin/true"},
+        {"--nnodes=2", "--node-rank=2", "--master-port=29500", "/bin/true"},
         {NULL},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -1153,4 +1183,158 @@ Test(comm_launch, rank_guard_checks_the_launcher, .timeout = 30)
     cr_assert_eq(ts_launch_rank_guard(), TS_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(ts_last_error(), "TS_LAUNCHER_PID"), "%s", ts_last_error());
     unsetenv("TS_LAUNCHER_PID");
+}
+
+/* ------------------------------------------------------------ live output */
+
+/* Rank r's three lines (and its "blocked" line) are in out, once each. */
+static void assert_rank_lines(const char *out, const char *prefix_fmt, int r)
+{
+    for (int i = 0; i < 3; i++) {
+        char want[64];
+        snprintf(want, sizeof want, prefix_fmt, r);
+        size_t n = strlen(want);
+        snprintf(want + n, sizeof want - n, "line %d of %d\n", i, r);
+        cr_assert_eq(count_substr(out, want), 1, "'%s' is not there once in:\n%s", want, out);
+    }
+}
+
+ParameterizedTestParameters(comm_launch, lines_are_relayed_live_and_survive_sigterm)
+{
+    static int guard[] = {0, 1};
+    return cr_make_param_array(int, guard, 2);
+}
+
+ParameterizedTest(int *guard, comm_launch, lines_are_relayed_live_and_survive_sigterm, .timeout = 60)
+{
+    /* the ranks print with printf and block: their lines can only come
+     * out if stdout is line-buffered (from the library's constructor, or
+     * ts_launch_rank_guard with guard) and tsrun relays them at once */
+    setenv("TS_TEST_LAUNCH_ROLE", "lines", 1);
+    if (*guard)
+        setenv("TS_TEST_GUARD", "1", 1);
+    const char *args[] = {"--nproc-per-node", "2", "--grace", "10", self_exe(), NULL};
+    child c = spawn_tsrun(args, NULL);
+    struct want w = {"blocked ", 2};
+    cr_assert(pump(&c, 20, has_n_of, &w), "the ranks' lines did not come while they ran:\n%s\nstderr:\n%s",
+              c.out_buf ? c.out_buf : "", c.err_buf ? c.err_buf : "");
+    for (int r = 0; r < 2; r++)
+        assert_rank_lines(c.out_buf, "[%d] ", r);
+    kill(c.pid, SIGTERM);
+    int st = reap(&c, 15);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 143, "status %d, stderr: %s", st, c.err_buf);
+    for (int r = 0; r < 2; r++)
+        assert_rank_lines(c.out_buf, "[%d] ", r); /* not repeated at the end */
+    cr_assert_eq(count_substr(c.err_buf, "] blocked\n"), 2, "%s", c.err_buf);
+    child_free(&c);
+}
+
+Test(comm_launch, lines_of_the_survivors_are_relayed_when_a_rank_fails, .timeout = 60)
+{
+    /* rank 1 fails (SIGUSR1: a partial line, then exit 3) while ranks 0
+     * and 2 block; tsrun SIGTERMs them: nothing they printed is lost, and
+     * rank 1's unterminated line arrives whole */
+    setenv("TS_TEST_LAUNCH_ROLE", "lines", 1);
+    const char *args[] = {"--nproc-per-node", "3", "--grace", "10", self_exe(), NULL};
+    child c = spawn_tsrun(args, NULL);
+    struct want w = {"blocked ", 3};
+    cr_assert(pump(&c, 20, has_n_of, &w), "the ranks' lines did not come while they ran:\n%s",
+              c.out_buf ? c.out_buf : "");
+    const char *b1 = strstr(c.out_buf, "[1] blocked ");
+    cr_assert(b1, "%s", c.out_buf);
+    int pid1 = atoi(b1 + strlen("[1] blocked "));
+    cr_assert_gt(pid1, 1);
+    double t0 = now_s();
+    kill(pid1, SIGUSR1);
+    int st = reap(&c, 15);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 3, "status %d, stderr: %s", st, c.err_buf);
+    cr_assert_lt(now_s() - t0, 5.0, "the survivors were not stopped at once");
+    cr_assert(strstr(c.err_buf, "tsrun: rank 1 exited with status 3\n"), "%s", c.err_buf);
+    for (int r = 0; r < 3; r++)
+        assert_rank_lines(c.out_buf, "[%d] ", r);
+    cr_assert_eq(count_substr(c.out_buf, "[1] partial tail\n"), 1, "%s", c.out_buf);
+    child_free(&c);
+}
+
+/* Starts this binary in role `lines` with exactly `env` (plus the role),
+ * stdout and stderr on pipes. */
+static child spawn_lines(const char *const *env)
+{
+    child c;
+    memset(&c, 0, sizeof c);
+    int po[2], pe[2];
+    cr_assert_eq(pipe2(po, O_CLOEXEC), 0);
+    cr_assert_eq(pipe2(pe, O_CLOEXEC), 0);
+    char *envp[16];
+    int n = 0;
+    envp[n++] = "TS_TEST_LAUNCH_ROLE=lines";
+    for (int i = 0; env[i] && n < 15; i++)
+        envp[n++] = (char *)env[i];
+    envp[n] = NULL;
+    char *argv[] = {self_exe(), NULL};
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, po[1], 1);
+    posix_spawn_file_actions_adddup2(&fa, pe[1], 2);
+    int r = posix_spawn(&c.pid, argv[0], &fa, NULL, argv, envp);
+    posix_spawn_file_actions_destroy(&fa);
+    close(po[1]);
+    close(pe[1]);
+    cr_assert_eq(r, 0, "posix_spawn: %s", strerror(r));
+    c.out = po[0];
+    c.err = pe[0];
+    return c;
+}
+
+/* Whether the role's stdout lines are out by the time it says "blocked"
+ * on stderr (unbuffered, written after them): true when line-buffered. */
+static bool stdout_is_live(const char *const *env)
+{
+    child c = spawn_lines(env);
+    char err[256] = "";
+    size_t got = 0;
+    double end = now_s() + 20;
+    while (!strstr(err, "blocked\n") && now_s() < end) {
+        struct pollfd pf = {.fd = c.err, .events = POLLIN};
+        if (poll(&pf, 1, 100) > 0) {
+            ssize_t r = read(c.err, err + got, sizeof err - 1 - got);
+            if (r <= 0)
+                break;
+            got += (size_t)r;
+            err[got] = '\0';
+        }
+    }
+    cr_assert(strstr(err, "blocked\n"), "the role did not start: %s", err);
+    struct pollfd pf = {.fd = c.out, .events = POLLIN};
+    bool live = poll(&pf, 1, 0) == 1;
+    if (live) {
+        /* the lines were written before "blocked": all there now */
+        char out[256];
+        ssize_t r = read(c.out, out, sizeof out - 1);
+        cr_assert_gt(r, 0);
+        out[r] = '\0';
+        cr_assert(strstr(out, "line 0 of -\nline 1 of -\nline 2 of -\nblocked "), "%s", out);
+    }
+    kill(c.pid, SIGKILL);
+    waitpid(c.pid, NULL, 0);
+    child_free(&c);
+    return live;
+}
+
+Test(comm_launch, ranks_of_mpirun_and_srun_are_line_buffered, .timeout = 60)
+{
+    /* no tsrun here: the variables alone make a rank */
+    const char *ompi[] = {"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", NULL};
+    const char *slurm[] = {"SLURM_PROCID=0", "SLURM_NTASKS=1", NULL};
+    const char *torchrun[] = {"WORLD_SIZE=1", NULL};
+    const char *forced[] = {"TS_LINE_BUFFERED=1", NULL};
+    cr_assert(stdout_is_live(ompi), "mpirun rank");
+    cr_assert(stdout_is_live(slurm), "srun rank");
+    cr_assert(stdout_is_live(torchrun), "torchrun rank");
+    cr_assert(stdout_is_live(forced), "TS_LINE_BUFFERED=1");
+    /* and the C default otherwise: block-buffered into a pipe */
+    const char *none[] = {NULL};
+    const char *opt_out[] = {"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "TS_LINE_BUFFERED=0", NULL};
+    cr_assert_not(stdout_is_live(none), "not a rank: C's buffering stays");
+    cr_assert_not(stdout_is_live(opt_out), "TS_LINE_BUFFERED=0");
 }
