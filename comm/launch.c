@@ -254,8 +254,7 @@ static void emit_line(out_stream *os, const char *s, size_t len)
     memcpy(L->line, prefix, (size_t)pn);
     memcpy(L->line + pn, s, len);
     L->line[total - 1] = '\n';
-    if (!*os->dead && write_all(os->fd, L->line, total) != 0)
-        *os->dead = true;
+    /* the log first: a line seen on the terminal is in the log already */
     rank_proc *rp = os->rp;
     int err;
     if (rp->log_fd >= 0 && (err = write_all(rp->log_fd, L->line + pn, len + 1)) != 0) {
@@ -268,6 +267,8 @@ static void emit_line(out_stream *os, const char *s, size_t len)
         if (!L->err_dead && mn > 0)
             write_all(L->o->err_fd, msg, (size_t)mn < sizeof msg ? (size_t)mn : sizeof msg - 1);
     }
+    if (!*os->dead && write_all(os->fd, L->line, total) != 0)
+        *os->dead = true;
 }
 
 /* Appends to the carry buffer, emitting LINE_SPLIT-byte pieces of an

@@ -104,13 +104,13 @@ static void role_lines(void)
 {
     if (getenv("TS_TEST_GUARD") && ts_launch_rank_guard() != TS_OK)
         _exit(4);
+    signal(SIGUSR1, lines_usr1); /* before "blocked" tells the test it may signal */
+    alarm(30);
     const char *r = getenv("RANK") ? getenv("RANK") : "-";
     for (int i = 0; i < 3; i++)
         printf("line %d of %s\n", i, r);
     printf("blocked %d\n", (int)getpid());
     fputs("blocked\n", stderr);
-    signal(SIGUSR1, lines_usr1);
-    alarm(30);
     for (;;)
         pause();
 }
@@ -1546,6 +1546,9 @@ Test(comm_launch, tsrun_log_dir_tees_each_rank_to_a_file, .timeout = 60)
     c = spawn_tsrun(args2, env);
     struct want w = {"blocked ", 2};
     cr_assert(pump(&c, 20, has_n_of, &w), "%s", c.out_buf ? c.out_buf : "");
+    /* stdout and stderr come on two pipes: until both "blocked" are there */
+    for (double end = now_s() + 20; count_substr(c.err_buf ? c.err_buf : "", "] blocked\n") < 2 && now_s() < end;)
+        pump(&c, 0.05, NULL, NULL);
     snprintf(path, sizeof path, "%s/rank1.log", dir);
     char *log = read_text(path);
     cr_assert(strstr(log, "line 0 of 1\nline 1 of 1\nline 2 of 1\nblocked "), "%s", log);
@@ -1696,7 +1699,8 @@ Test(comm_launch, tsrun_token_comes_from_the_environment_or_a_file_never_argv, .
     char token[128], env_tok[160], tmp[4096], file[4200];
     snprintf(token, sizeof token, "ts-secret-%d-%ld", (int)getpid(), (long)time(NULL));
     snprintf(env_tok, sizeof env_tok, "TS_STORE_TOKEN=%s", token);
-    const char *rank[] = {"/bin/sh", "-c", "echo \"ready $$ $TS_STORE_TOKEN\"; exec sleep 30"};
+    /* no exec: a command line read during an exec can come back empty */
+    const char *rank[] = {"/bin/sh", "-c", "echo \"ready $$ $TS_STORE_TOKEN\"; sleep 30"};
     const char *args[] = {"--nproc-per-node", "2", "--grace", "5", rank[0], rank[1], rank[2], NULL};
     const char *env[] = {env_tok, NULL};
     expect_token_hidden(args, env, token);
