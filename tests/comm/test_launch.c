@@ -1189,6 +1189,14 @@ Test(comm_launch, rank_guard_checks_the_launcher, .timeout = 30)
 
 /* ------------------------------------------------------------ live output */
 
+/* Reads on until stderr holds n times `needle` (or 20 s passed). */
+static void pump_err(child *c, const char *needle, int n)
+{
+    for (double end = now_s() + 20; count_substr(c->err_buf ? c->err_buf : "", needle) < n && now_s() < end;)
+        pump(c, 0.05, NULL, NULL);
+    cr_assert_geq(count_substr(c->err_buf ? c->err_buf : "", needle), n, "stderr: %s", c->err_buf);
+}
+
 /* Rank r's three lines (and its "blocked" line) are in out, once each. */
 static void assert_rank_lines(const char *out, const char *prefix_fmt, int r)
 {
@@ -1222,6 +1230,7 @@ ParameterizedTest(int *guard, comm_launch, lines_are_relayed_live_and_survive_si
               c.out_buf ? c.out_buf : "", c.err_buf ? c.err_buf : "");
     for (int r = 0; r < 2; r++)
         assert_rank_lines(c.out_buf, "[%d] ", r);
+    pump_err(&c, "] blocked\n", 2); /* stderr: the other pipe */
     kill(c.pid, SIGTERM);
     int st = reap(&c, 15);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 143, "status %d, stderr: %s", st, c.err_buf);
@@ -1546,9 +1555,7 @@ Test(comm_launch, tsrun_log_dir_tees_each_rank_to_a_file, .timeout = 60)
     c = spawn_tsrun(args2, env);
     struct want w = {"blocked ", 2};
     cr_assert(pump(&c, 20, has_n_of, &w), "%s", c.out_buf ? c.out_buf : "");
-    /* stdout and stderr come on two pipes: until both "blocked" are there */
-    for (double end = now_s() + 20; count_substr(c.err_buf ? c.err_buf : "", "] blocked\n") < 2 && now_s() < end;)
-        pump(&c, 0.05, NULL, NULL);
+    pump_err(&c, "] blocked\n", 2); /* stderr: the other pipe */
     snprintf(path, sizeof path, "%s/rank1.log", dir);
     char *log = read_text(path);
     cr_assert(strstr(log, "line 0 of 1\nline 1 of 1\nline 2 of 1\nblocked "), "%s", log);
