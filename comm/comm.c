@@ -790,9 +790,17 @@ static ts_comm g_local = {
     .w = NULL, .rank = 0, .size = 1, .gid = 0, .seq = 0, .stats_mu = PTHREAD_MUTEX_INITIALIZER,
 };
 
+/* The world ts_dist_init published (NULL when none); comm.c owns it,
+ * dist.c only sets it (comm_internal.h). */
+static _Atomic(ts_comm *) g_published;
+
+void ts__world_publish(ts_comm *w) { atomic_store(&g_published, w); }
+
+ts_comm *ts__world_published(void) { return atomic_load(&g_published); }
+
 ts_comm *ts_comm_world(void)
 {
-    ts_comm *d = ts__dist_current(); /* the world of ts_dist_init, if any */
+    ts_comm *d = ts__world_published(); /* the world of ts_dist_init, if any */
     return d ? d : &g_local;
 }
 

@@ -31,14 +31,8 @@
  * error (TS_ERR_PEER_FAILED naming the rank, or TS_ERR_TIMEOUT); nothing
  * hangs.
  *
- * Tags: a message's tag is (group id << 32) | (sequence << 8) | step (48
- * bits: the transports take 48-bit tags), the sequence being the
- * collective's number in its group (24 bits, wrapping) and the step its
- * ring step (all-reduce uses steps 0..2W-3, all-to-all step 0), so
- * back-to-back collectives never cross-match. Hence W <= 128 and at most
- * 65535 groups per world (ids are not reused). Step 255 is reserved for
- * point-to-point messages, whose 24-bit middle field is the user tag
- * instead of a sequence.
+ * Limits: at most 128 ranks per world and 65535 groups per world (the
+ * message tags' layout, comm/comm_internal.h).
  *
  * Dtypes: f32, f64, bf16, f16 and i64 (all-gather and broadcast also move
  * i32 and bool). bf16/f16 reductions accumulate in f32; i64 reductions in

@@ -5,6 +5,19 @@
 #include "comm/comm.h"
 #include "comm/transport.h"
 
+/*
+ * Tags: a message's tag is (group id << 32) | (sequence << 8) | step (48
+ * bits: the transports take 48-bit tags), the sequence being the
+ * collective's number in its group (24 bits, wrapping) and the step its
+ * ring step (all-reduce uses steps 0..2W-3, all-to-all step 0), so
+ * back-to-back collectives never cross-match. Hence W <= 128 and at most
+ * 65535 groups per world (ids are not reused). Step 255 is reserved for
+ * point-to-point messages, whose 24-bit middle field is the user tag
+ * instead of a sequence.
+ * transport_ucx.c adds its own bits above these 48 (its tag layout
+ * comment).
+ */
+
 /* Creates a world (group id 0) over `t`, taking ownership of it, and
  * starts its communication thread, which alone drives `t` from now on.
  * timeout_s is the per-collective deadline (<= 0: 300 s). A world of size
@@ -14,8 +27,12 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out);
  * the transport. Bounded in time. Accepts NULL. */
 void ts__world_free(ts_comm *world);
 
-/* The world ts_dist_init made (comm/dist.c), NULL when none; lock-free,
- * any thread. ts_comm_world() should return it when not NULL. */
-ts_comm *ts__dist_current(void);
+/* The world ts_comm_world() returns, owned by comm.c: ts_dist_init
+ * (comm/dist.c) publishes the world it made and NULL when it is finalized;
+ * ts_comm_world() returns the published world, the one-rank group while
+ * none is. ts__world_published returns it (NULL when none). Lock-free, any
+ * thread. */
+void ts__world_publish(ts_comm *w);
+ts_comm *ts__world_published(void);
 
 #endif

@@ -13,16 +13,14 @@
  * check exists outside UCX debug builds). Creating the transport on the
  * communication thread itself would need a hook in comm.c's thread start.
  *
- * ts_comm_world() lives in comm.c (not edited here): it still returns the
- * one-rank group; ts_dist_world() returns the initialized world. The
- * intended one-line change in comm.c is to return ts__dist_current() when
- * it is not NULL (comm_internal.h).
+ * The world accessor is comm.c's (comm_internal.h): this file publishes the
+ * world it made with ts__world_publish and only reads it back; comm.c never
+ * calls into this file.
  *
  * A world of one rank needs no peers: it runs on a one-rank loopback
  * transport (collectives on the caller's thread), without a store.
  */
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,7 +32,6 @@
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static ts_comm *g_world;                /* NULL when not initialized (under g_mu) */
-static _Atomic(ts_comm *) g_current;    /* the same, for lock-free readers */
 static ts_store *g_store;               /* NULL for a world of one rank */
 static ts_store_server *g_server;       /* rank 0 when no launcher hosts the store */
 static ts_loopback_fabric *g_fabric;    /* the one-rank world's */
@@ -47,15 +44,9 @@ ts_dist_options ts_dist_options_default(void)
     return o;
 }
 
-ts_comm *ts__dist_current(void) { return atomic_load(&g_current); }
+bool ts_dist_is_initialized(void) { return ts__world_published() != NULL; }
 
-bool ts_dist_is_initialized(void) { return ts__dist_current() != NULL; }
-
-ts_comm *ts_dist_world(void)
-{
-    ts_comm *c = ts__dist_current();
-    return c ? c : ts_comm_world();
-}
+ts_comm *ts_dist_world(void) { return ts_comm_world(); }
 
 static ts_status one_rank_world(double timeout_s, ts_comm **out)
 {
@@ -143,7 +134,7 @@ ts_status ts_dist_init(const ts_dist_options *o)
                      ts_comm_rank(g_world), ts_comm_size(g_world));
     else
         s = init_locked(o);
-    if (s == TS_OK) atomic_store(&g_current, g_world);
+    if (s == TS_OK) ts__world_publish(g_world);
     pthread_mutex_unlock(&g_mu);
     return s;
 }
@@ -190,7 +181,7 @@ ts_status ts_dist_finalize(void)
     char err[512] = "";
     if (s != TS_OK) snprintf(err, sizeof err, "%s", ts_last_error());
     g_world = NULL;
-    atomic_store(&g_current, NULL);
+    ts__world_publish(NULL);
     ts__world_free(w);
     if (g_fabric) {
         ts__loopback_fabric_free(g_fabric);

@@ -2,33 +2,19 @@
  * tensorshard rendezvous store: a TCP key-value server on libuv (hosted by
  * rank 0 or the launcher) and a blocking client (DESIGN.md D8).
  *
- * Protocol (both directions little-endian):
- *   request  = u32 body_len | u8 op | u32 klen | key | u32 vlen | value | u64 arg
- *   response = u32 body_len | u8 status | u32 vlen | value | u64 arg
- * body_len counts everything after itself and must equal 17 + klen + vlen
- * (13 + vlen for a response) exactly.
- *   op 1 HELLO        key empty, value = token, arg = protocol version (1)
- *   op 2 SET          key, value
- *   op 3 GET          key, arg = timeout (ms); answers the value
- *   op 4 CHECK        key; answers OK or NOT_FOUND
- *   op 5 WAIT         key, arg = timeout (ms); answers OK, no value
- *   op 6 ADD          key, arg = delta (int64); answers the new value in arg
- *   op 7 COMPARE_SET  key, value = u32 expected_len | expected | desired;
- *                     answers the value after the call, arg = 1 if it swapped
- *   op 8 DELETE       key; answers arg = 1 if the key existed
- *   status 0 OK, 1 NOT_FOUND, 2 TIMEOUT, 3 NOT_COUNTER, 4 NO_MEMORY
- * A connection's first request must be HELLO carrying the job's token
- * (compared in constant time); a wrong token, an unknown op, a malformed or
- * oversized frame (key over TS_STORE_MAX_KEY, value over TS_STORE_MAX_VALUE,
- * token over TS_STORE_MAX_TOKEN, a value on an op that takes none), or a
- * request sent while a GET/WAIT of the same connection is still pending
- * drops the client; the server logs why (warn for a wrong token, info
- * otherwise) and keeps serving everyone else. Keys and values are
- * binary-safe on the wire (the C API takes keys as strings).
+ * The wire protocol is internal (comm/store_internal.h). A client's first
+ * message carries the job's token (compared in constant time); a wrong
+ * token, an unknown request, a malformed or oversized one (key over
+ * TS_STORE_MAX_KEY, value over TS_STORE_MAX_VALUE, token over
+ * TS_STORE_MAX_TOKEN), or a request sent while a get/wait of the same
+ * connection is still pending drops the client; the server logs why (warn
+ * for a wrong token, info otherwise) and keeps serving everyone else. Keys
+ * and values are binary-safe on the wire (the C API takes keys as
+ * strings).
  *
- * Waiting: GET and WAIT carry the client's remaining time; the server parks
- * the connection until the key is set (by SET, ADD or COMPARE_SET) and
- * answers TIMEOUT when that time has passed, so a timed-out call leaves the
+ * Waiting: ts_store_get and ts_store_wait pass the client's remaining time
+ * to the server, which answers when the key is set (by set, add or
+ * compare_set) or that time has passed, so a timed-out call leaves the
  * connection usable. The client also bounds every call itself (poll on the
  * socket, its timeout plus one second of grace for waits): a server that
  * stops answering yields TS_ERR_TIMEOUT, a closed connection TS_ERR_COMM,

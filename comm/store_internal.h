@@ -1,6 +1,28 @@
 /*
- * Internals of the rendezvous store (comm/store.c), shared with the tests
- * and the fuzz target (fuzz/fuzz_store.c). Not installed.
+ * Internals of the rendezvous store (comm/store_proto.c, store_server.c,
+ * store_client.c), shared with the tests and the fuzz target
+ * (fuzz/fuzz_store.c). Not installed.
+ *
+ * Wire protocol (both directions little-endian):
+ *   request  = u32 body_len | u8 op | u32 klen | key | u32 vlen | value | u64 arg
+ *   response = u32 body_len | u8 status | u32 vlen | value | u64 arg
+ * body_len counts everything after itself and must equal 17 + klen + vlen
+ * (13 + vlen for a response) exactly.
+ *   op 1 HELLO        key empty, value = token, arg = protocol version (1)
+ *   op 2 SET          key, value
+ *   op 3 GET          key, arg = timeout (ms); answers the value
+ *   op 4 CHECK        key; answers OK or NOT_FOUND
+ *   op 5 WAIT         key, arg = timeout (ms); answers OK, no value
+ *   op 6 ADD          key, arg = delta (int64); answers the new value in arg
+ *   op 7 COMPARE_SET  key, value = u32 expected_len | expected | desired;
+ *                     answers the value after the call, arg = 1 if it swapped
+ *   op 8 DELETE       key; answers arg = 1 if the key existed
+ *   status 0 OK, 1 NOT_FOUND, 2 TIMEOUT, 3 NOT_COUNTER, 4 NO_MEMORY
+ * A connection's first request must be HELLO carrying the job's token
+ * (compared in constant time). The server answers a good HELLO with OK
+ * and drops the connection otherwise. GET and WAIT carry the client's
+ * remaining time: the server parks the connection until the key is set
+ * and answers TIMEOUT when that time has passed.
  *
  * The server is split in two: a protocol core that knows nothing of
  * sockets (frame parsing, the key-value table, waiters, deadlines) and a
@@ -18,6 +40,32 @@
 #include <uv.h>
 
 #include "comm/store.h"
+
+/* Little-endian field access. */
+static inline void ts__store_wr32(unsigned char *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static inline void ts__store_wr64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static inline uint32_t ts__store_rd32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline uint64_t ts__store_rd64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
 
 /* Wire operations (request u8 op). */
 enum {

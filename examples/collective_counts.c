@@ -7,7 +7,7 @@
  * False the backward needs no all-gather. Run with two ranks:
  *
  *     build/tools/tsrun --nproc-per-node 2 build/examples/collective_counts */
-#include "examples/common.h"
+#include "common.h"
 
 enum { BLOCKS = 3 };
 

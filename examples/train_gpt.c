@@ -12,7 +12,7 @@
  *        [--seed S] [--save FILE.safetensors] [--load FILE.safetensors]
  * --load starts from a full state dict saved by --save (every rank reads
  * the file and keeps its rows); the vocabulary must be the same. */
-#include "examples/common.h"
+#include "common.h"
 
 #include <math.h>
 

@@ -3,7 +3,7 @@
  * step, loss, accuracy, samples/s and peak memory.
  *
  * Usage: train_mlp [--steps N] [--hidden H] [--optim sgd|adamw] [--lr LR] [--seed S] */
-#include "examples/common.h"
+#include "common.h"
 
 #include <math.h>
 

@@ -6,7 +6,7 @@
  * Run with four ranks:
  *
  *     build/tools/tsrun --nproc-per-node 4 build/examples/uneven */
-#include "examples/common.h"
+#include "common.h"
 
 int main(void)
 {

@@ -9,7 +9,7 @@
  *
  * The numbers equal the seed's PyTorch printout (the RNG is bit-exact
  * with torch.manual_seed(0) and nn.Linear's initialization). */
-#include "examples/common.h"
+#include "common.h"
 
 #include <math.h>
 

@@ -5,7 +5,7 @@ Standard library only (Debian's python3). Each seed is a script of records
 for the fuzz target (fuzz/fuzz_store.c): a control byte c, then for
 c % 4 in 0..2 the next c // 4 + 1 bytes arriving on connection c % 4, or
 for c % 4 == 3 a clock step of (c // 4) * 7 ms. The bytes are store
-protocol frames (comm/store.h); the core's token is "tok". A few seeds are
+protocol frames (comm/store_internal.h); the core's token is "tok". A few seeds are
 deliberately malformed so that the fuzzer starts next to each drop path.
 Run from anywhere:
     python3 fuzz/make_store_corpus.py

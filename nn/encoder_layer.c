@@ -1,7 +1,13 @@
-/* torch.nn.TransformerEncoderLayer(batch_first=True) and
- * torch.nn.TransformerEncoder. Forward inputs: src (B, T, d) and
- * optionally a bool mask (T, T) (true = may not attend); with
- * cfg.causal the layer builds the causal mask itself. */
+/* torch.nn.TransformerEncoderLayer and torch.nn.TransformerEncoder.
+ * Forward inputs: src (T, B, d), or (B, T, d) with cfg.batch_first, and
+ * optionally a bool mask (T, T) (true = may not attend); with cfg.causal
+ * the layer builds the causal mask itself.
+ *
+ * Every tensor here stays in the caller's layout, as in PyTorch's python
+ * path (the one taken in training): self_attn returns a contiguous tensor
+ * in that layout, and each dropout draws its bernoulli mask over its input
+ * in row-major order of that layout, which is what torch 1.13's CPU
+ * dropout does (its mask is a contiguous empty_like of the input). */
 #define _GNU_SOURCE
 #include "nn/internal.h"
 
@@ -59,7 +65,7 @@ static ts_status encoder_layer_forward(ts_module *m, int n_in, ts_tensor *const 
         return st;
     ts_tensor *x = in[0], *mask = n_in > 1 ? in[1] : NULL, *own_mask = NULL;
     if (!mask && l->cfg.causal) {
-        if ((st = ts__causal_mask(ts_tensor_size(x, 1), &own_mask)))
+        if ((st = ts__causal_mask(ts_tensor_size(x, l->cfg.batch_first ? 1 : 0), &own_mask)))
             return st;
         mask = own_mask;
     }
@@ -115,7 +121,8 @@ static const ts_module_vtable encoder_layer_vt = {.type_name = "TransformerEncod
 ts_encoder_layer_config ts_encoder_layer_config_default(int64_t d_model, int64_t nhead)
 {
     return (ts_encoder_layer_config){.d_model = d_model, .nhead = nhead, .dim_feedforward = 2048, .dropout = 0.1,
-                                     .gelu = false, .layer_norm_eps = 1e-5, .norm_first = false, .causal = false};
+                                     .gelu = false, .layer_norm_eps = 1e-5, .norm_first = false, .causal = false,
+                                     .batch_first = false};
 }
 
 ts_status ts_encoder_layer_new(const ts_encoder_layer_config *cfg, ts_module **out)
@@ -128,7 +135,10 @@ ts_status ts_encoder_layer_new(const ts_encoder_layer_config *cfg, ts_module **o
     ts_module_init(&l->base, &encoder_layer_vt);
     l->cfg = *cfg;
     /* construction order = PyTorch's (it fixes the RNG draws) */
-    ts_status st = ts_mha_new(cfg->d_model, cfg->nhead, cfg->dropout, true, &l->self_attn);
+    ts_mha_options mo = ts_mha_options_default();
+    mo.dropout = cfg->dropout;
+    mo.batch_first = cfg->batch_first;
+    ts_status st = ts_mha_new_opts(cfg->d_model, cfg->nhead, &mo, &l->self_attn);
     if (!st)
         st = ts_linear_new(cfg->d_model, cfg->dim_feedforward, true, &l->linear1);
     if (!st)

@@ -68,8 +68,11 @@ static ts_status block_new(const ts_gpt_config *c, ts_module **out)
     ts_module_init(&b->base, &block_vt);
     ts_module *mlp[4] = {0};
     ts_status st = ts_layer_norm_new(c->d_model, 1e-5, true, &b->ln1);
+    ts_mha_options mo = ts_mha_options_default();
+    mo.dropout = c->dropout;
+    mo.batch_first = true; /* (B, T, d) activations */
     if (!st)
-        st = ts_mha_new(c->d_model, c->n_head, c->dropout, true, &b->attn);
+        st = ts_mha_new_opts(c->d_model, c->n_head, &mo, &b->attn);
     if (!st)
         st = ts_layer_norm_new(c->d_model, 1e-5, true, &b->ln2);
     if (!st)

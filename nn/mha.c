@@ -1,10 +1,20 @@
-/* torch.nn.MultiheadAttention(E, H, dropout, bias, batch_first=True),
+/* torch.nn.MultiheadAttention(E, H, dropout, bias, batch_first),
  * computed as PyTorch 1.13's F.multi_head_attention_forward does: one
  * packed input projection (three when query, key and value differ),
  * then per head softmax(q k^T / sqrt(head_dim)) with -inf where the bool
  * mask is set, dropout on the weights in training, weights v
  * (ts_attention, which reads the heads straight from the projections),
- * then out_proj. */
+ * then out_proj.
+ *
+ * Layouts: with batch_first the projections are (B, T, E) already. Without
+ * it (PyTorch's default) they are (T, B, E); ts_attention reads them
+ * through transposed (B, T, E) views, and its (B, T, E) output is made a
+ * contiguous (T, B, E) before out_proj, as PyTorch's
+ * attn_output.transpose(0, 1).contiguous(). The dropout mask over the
+ * (B*H, T, S) weights is the same in both layouts (PyTorch folds
+ * (T, B, E) into (T, B*H, hd) and transposes, so batch b, head h is
+ * b*H + h either way); the output is contiguous in the caller's layout,
+ * so that a dropout applied to it next draws in PyTorch's order. */
 #define _GNU_SOURCE
 #include "nn/internal.h"
 
@@ -43,16 +53,19 @@ static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *
     for (int i = 0; i < 3; i++)
         if ((st = ts__module_check_last_dim(m, what[i], in[i], 3, E)))
             return st;
+    /* the batch and the sequence dims of the inputs */
+    int bd = a->batch_first ? 0 : 1, sd = 1 - bd;
     if (ts_tensor_ndim(q_in) != 3 || ts_tensor_ndim(k_in) != 3 || ts_tensor_ndim(v_in) != 3 ||
-        ts_tensor_size(k_in, 0) != ts_tensor_size(q_in, 0) || ts_tensor_size(v_in, 0) != ts_tensor_size(q_in, 0) ||
-        ts_tensor_size(k_in, 1) != ts_tensor_size(v_in, 1)) {
+        ts_tensor_size(k_in, bd) != ts_tensor_size(q_in, bd) || ts_tensor_size(v_in, bd) != ts_tensor_size(q_in, bd) ||
+        ts_tensor_size(k_in, sd) != ts_tensor_size(v_in, sd)) {
         char s1[96], s2[96], s3[96];
-        return ts_error(TS_ERR_SHAPE, "MultiheadAttention: query %s, key %s and value %s must be (B, T, E), (B, S, E), "
-                                      "(B, S, E) with E = %lld", ts_tensor_shape_str(q_in, s1, sizeof s1),
+        return ts_error(TS_ERR_SHAPE, "MultiheadAttention: query %s, key %s and value %s must be %s with E = %lld "
+                                      "(batch_first=%s)", ts_tensor_shape_str(q_in, s1, sizeof s1),
                         ts_tensor_shape_str(k_in, s2, sizeof s2), ts_tensor_shape_str(v_in, s3, sizeof s3),
-                        (long long)E);
+                        a->batch_first ? "(B, T, E), (B, S, E), (B, S, E)" : "(T, B, E), (S, B, E), (S, B, E)",
+                        (long long)E, a->batch_first ? "true" : "false");
     }
-    int64_t T = ts_tensor_size(q_in, 1), S = ts_tensor_size(k_in, 1);
+    int64_t T = ts_tensor_size(q_in, sd), S = ts_tensor_size(k_in, sd);
     if (mask && (ts_tensor_dtype(mask) != TS_BOOL || ts_tensor_ndim(mask) != 2 || ts_tensor_size(mask, 0) != T ||
                  ts_tensor_size(mask, 1) != S)) {
         char s1[96];
@@ -61,7 +74,7 @@ static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *
                         ts_tensor_shape_str(mask, s1, sizeof s1));
     }
     ts_tensor *t[16] = {0}; /* every intermediate, freed at the end */
-    ts_tensor *v;
+    ts_tensor *q, *k, *v;
     if (q_in == k_in && k_in == v_in) {
         /* self-attention: one packed projection, then a chunk in three */
         ts_tensor *parts[3];
@@ -75,10 +88,30 @@ static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *
     } else if ((st = proj(a, 0, q_in, &t[1])) || (st = proj(a, 1, k_in, &t[2])) || (st = proj(a, 2, v_in, &t[3]))) {
         goto done;
     }
+    q = t[1];
+    k = t[2];
+    v = t[3];
+    /* (T, B, E) projections: the attention core reads them as (B, T, E)
+     * views (unit last stride; no copies) */
+    if (!a->batch_first) {
+        if ((st = ts_transpose(t[1], 0, 1, &t[5])) || (st = ts_transpose(t[2], 0, 1, &t[6])) ||
+            (st = ts_transpose(t[3], 0, 1, &t[7])))
+            goto done;
+        q = t[5];
+        k = t[6];
+        v = t[7];
+    }
     /* the attention core reads q, k, v straight from the projections */
-    if ((st = ts_attention(t[1], t[2], t[3], H, mask, a->dropout, m->training, NULL, &t[4])))
+    if ((st = ts_attention(q, k, v, H, mask, a->dropout, m->training, NULL, &t[4])))
         goto done;
     v = t[4];
+    /* (B, T, E) -> contiguous (T, B, E), PyTorch's
+     * attn_output.transpose(0, 1).contiguous() */
+    if (!a->batch_first) {
+        if ((st = ts_transpose(t[4], 0, 1, &t[8])) || (st = ts_contiguous(t[8], &t[9])))
+            goto done;
+        v = t[9];
+    }
     st = ts_module_call1(a->out_proj, v, &out[0]);
     if (!st)
         *n_out = 1;
@@ -110,8 +143,24 @@ static void mha_free(ts_module *m)
 static const ts_module_vtable mha_vt = {
     .type_name = "MultiheadAttention", .forward = mha_forward, .visit = mha_visit, .free = mha_free};
 
+ts_mha_options ts_mha_options_default(void)
+{
+    return (ts_mha_options){.dropout = 0.0, .bias = true, .batch_first = false};
+}
+
 ts_status ts_mha_new(int64_t embed_dim, int64_t num_heads, double dropout, bool bias, ts_module **out)
 {
+    ts_mha_options o = ts_mha_options_default();
+    o.dropout = dropout;
+    o.bias = bias;
+    return ts_mha_new_opts(embed_dim, num_heads, &o, out);
+}
+
+ts_status ts_mha_new_opts(int64_t embed_dim, int64_t num_heads, const ts_mha_options *opts, ts_module **out)
+{
+    ts_mha_options o = opts ? *opts : ts_mha_options_default();
+    double dropout = o.dropout;
+    bool bias = o.bias;
     if (embed_dim <= 0 || num_heads <= 0 || embed_dim % num_heads != 0 || !(dropout >= 0 && dropout <= 1) || !out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "MultiheadAttention: embed_dim %lld must be a positive multiple of "
                                                  "num_heads %lld, dropout %g in [0, 1]", (long long)embed_dim,
@@ -123,6 +172,7 @@ ts_status ts_mha_new(int64_t embed_dim, int64_t num_heads, double dropout, bool 
     a->embed_dim = embed_dim;
     a->num_heads = num_heads;
     a->dropout = dropout;
+    a->batch_first = o.batch_first;
     /* PyTorch's order (SPEC §9): out_proj is constructed first (its draws
      * are consumed), then xavier_uniform_(in_proj_weight), then both
      * biases are zeroed */

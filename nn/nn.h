@@ -210,18 +210,37 @@ typedef struct ts_nn_layer_norm {
 } ts_nn_layer_norm;
 TS_API ts_status ts_layer_norm_new(int64_t dim, double eps, bool elementwise_affine, ts_module **out);
 
-/* torch.nn.MultiheadAttention(E, H, bias=True, batch_first=True):
+/* torch.nn.MultiheadAttention(E, H, dropout, bias, batch_first):
  * in_proj_weight (3E, E), in_proj_bias (3E,), out_proj (Linear E -> E).
- * Forward inputs: query, key, value (B, T, E), and optionally a bool mask
- * (T, S) where true means "may not attend" (PyTorch's attn_mask rule).
- * Output: (B, T, E). */
+ * Forward inputs: query (T, B, E), key and value (S, B, E) -- or (B, T, E)
+ * and (B, S, E) with batch_first -- and optionally a bool mask (T, S)
+ * where true means "may not attend" (PyTorch's attn_mask rule). Output:
+ * (T, B, E), or (B, T, E) with batch_first. Dropout on the attention
+ * weights draws over (B*H, T, S) in either layout, as PyTorch. */
 typedef struct ts_nn_mha {
     ts_module base;
     ts_tensor *in_proj_weight, *in_proj_bias;
     ts_module *out_proj;
     int64_t embed_dim, num_heads;
     double dropout;
+    bool batch_first;
 } ts_nn_mha;
+
+/* MultiheadAttention's keyword arguments, PyTorch's defaults from
+ * ts_mha_options_default(): dropout 0.0, bias true, batch_first false
+ * ((T, B, E) inputs). */
+typedef struct ts_mha_options {
+    double dropout;   /* on the attention weights in train mode, in [0, 1] */
+    bool bias;        /* in_proj_bias and out_proj.bias */
+    bool batch_first; /* (B, T, E) inputs and output instead of (T, B, E) */
+} ts_mha_options;
+TS_API ts_mha_options ts_mha_options_default(void);
+/* A MultiheadAttention(embed_dim, num_heads, **o); NULL o: the defaults.
+ * TS_ERR_INVALID_ARGUMENT names embed_dim, num_heads and dropout when
+ * embed_dim is not a positive multiple of num_heads or dropout is outside
+ * [0, 1]; TS_ERR_NO_MEMORY. The caller owns *out (ts_module_free). */
+TS_API ts_status ts_mha_new_opts(int64_t embed_dim, int64_t num_heads, const ts_mha_options *o, ts_module **out);
+/* ts_mha_new_opts with batch_first false (PyTorch's default: (T, B, E)). */
 TS_API ts_status ts_mha_new(int64_t embed_dim, int64_t num_heads, double dropout, bool bias, ts_module **out);
 
 typedef struct ts_encoder_layer_config {
@@ -231,11 +250,17 @@ typedef struct ts_encoder_layer_config {
     double layer_norm_eps;   /* default 1e-5 */
     bool norm_first;         /* default false */
     bool causal;             /* apply a causal mask in self-attention */
+    bool batch_first;        /* default false: src (T, B, d) as PyTorch; true: (B, T, d) */
 } ts_encoder_layer_config;
+/* PyTorch's defaults: dim_feedforward 2048, dropout 0.1, relu, eps 1e-5,
+ * post-norm, batch_first false. */
 TS_API ts_encoder_layer_config ts_encoder_layer_config_default(int64_t d_model, int64_t nhead);
 
-/* torch.nn.TransformerEncoderLayer(batch_first=True): self_attn, linear1,
- * dropout, linear2, norm1, norm2, dropout1, dropout2. Input (B, T, d). */
+/* torch.nn.TransformerEncoderLayer: self_attn, linear1, dropout, linear2,
+ * norm1, norm2, dropout1, dropout2. Input and output (T, B, d), or
+ * (B, T, d) with cfg.batch_first; each dropout draws its mask over the
+ * tensor in that layout, as PyTorch. TS_ERR_INVALID_ARGUMENT for a NULL
+ * or invalid config. */
 TS_API ts_status ts_encoder_layer_new(const ts_encoder_layer_config *cfg, ts_module **out);
 /* torch.nn.TransformerEncoder(layer, num_layers): "layers" holds
  * num_layers copies of one freshly made layer (deep copies, as PyTorch). */

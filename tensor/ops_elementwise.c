@@ -23,22 +23,23 @@ typedef enum bop {
     B_GELU_BW,     /* x * gelu'(y), y = input */
     B_GELU_TANH_BW,
     B_POW_BW,      /* x * p * y^(p-1), y = input */
+    B_ABS_BW,      /* x * sign(y), y = input (sign(0) = sign(NaN) = 0, as torch's sgn) */
     B_EQ,          /* bool output */
     B_COUNT
 } bop;
 
 typedef enum uop {
     U_NEG, U_EXP, U_LOG, U_SQRT, U_RSQRT, U_TANH, U_SIGMOID, U_RELU, U_GELU, U_GELU_TANH,
-    U_ADD_S, U_MUL_S, U_DIV_S, U_RSUB_S, U_POW_S, U_COUNT
+    U_ADD_S, U_MUL_S, U_DIV_S, U_RSUB_S, U_POW_S, U_ABS, U_COUNT
 } uop;
 
 static const char *const bop_names[B_COUNT] = {"add", "sub", "mul", "div", "div_backward", "relu_backward",
                                                "tanh_backward", "sigmoid_backward", "sqrt_backward",
                                                "rsqrt_backward", "gelu_backward", "gelu_backward", "pow_backward",
-                                               "eq"};
+                                               "abs_backward", "eq"};
 static const char *const uop_names[U_COUNT] = {"neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu",
                                                "gelu", "gelu", "add_scalar", "mul_scalar", "div_scalar", "rsub_scalar",
-                                               "pow_scalar"};
+                                               "pow_scalar", "abs"};
 _Static_assert(sizeof bop_names / sizeof *bop_names == B_COUNT, "bop names");
 _Static_assert(sizeof uop_names / sizeof *uop_names == U_COUNT, "uop names");
 
@@ -74,6 +75,7 @@ static inline __attribute__((always_inline)) double bin_d(bop op, double x, doub
         return x * (0.5 * (1.0 + t) + 0.5 * y * (1.0 - t * t) * dinner);
     }
     case B_POW_BW: return p == 0.0 ? 0.0 : x * p * pow(y, p - 1.0);
+    case B_ABS_BW: return x * (double)((y > 0) - (y < 0));
     case B_EQ: return x == y;
     case B_COUNT: break;
     }
@@ -105,6 +107,7 @@ static inline __attribute__((always_inline)) float bin_f(bop op, float x, float 
         return x * (0.5f * (1.0f + t) + 0.5f * y * (1.0f - t * t) * dinner);
     }
     case B_POW_BW: return p == 0.0f ? 0.0f : x * p * powf(y, p - 1.0f);
+    case B_ABS_BW: return x * (float)((y > 0) - (y < 0));
     case B_EQ: return x == y;
     case B_COUNT: break;
     }
@@ -129,6 +132,7 @@ static inline __attribute__((always_inline)) double un_d(uop op, double x, doubl
     case U_DIV_S: return x / p;
     case U_RSUB_S: return p - x;
     case U_POW_S: return p == 2.0 ? x * x : pow(x, p);
+    case U_ABS: return fabs(x);
     case U_COUNT: break;
     }
     return 0;
@@ -152,6 +156,7 @@ static inline __attribute__((always_inline)) float un_f(uop op, float x, float p
     case U_DIV_S: return x / p;
     case U_RSUB_S: return p - x;
     case U_POW_S: return p == 2.0f ? x * x : powf(x, p);
+    case U_ABS: return fabsf(x);
     case U_COUNT: break;
     }
     return 0;
@@ -251,6 +256,7 @@ __attribute__((target_clones("avx2", "default"))) static void bin_dispatch_f32(b
     case B_GELU_BW: bin_loop_f32(B_GELU_BW, g, o, a, b, p); break;
     case B_GELU_TANH_BW: bin_loop_f32(B_GELU_TANH_BW, g, o, a, b, p); break;
     case B_POW_BW: bin_loop_f32(B_POW_BW, g, o, a, b, p); break;
+    case B_ABS_BW: bin_loop_f32(B_ABS_BW, g, o, a, b, p); break;
     case B_EQ: case B_COUNT: TS_ASSERT(!"no f32 loop for this op");
     }
 }
@@ -321,6 +327,7 @@ __attribute__((target_clones("avx2", "default"))) static void un_dispatch_f32(uo
     case U_DIV_S: un_loop_f32(U_DIV_S, n, o, a, p); break;
     case U_RSUB_S: un_loop_f32(U_RSUB_S, n, o, a, p); break;
     case U_POW_S: un_loop_f32(U_POW_S, n, o, a, p); break;
+    case U_ABS: un_loop_f32(U_ABS, n, o, a, p); break;
     case U_COUNT: break;
     }
 }
@@ -541,6 +548,7 @@ static ts_status unary_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     case U_DIV_S: return unary_kernel(U_DIV_S, g[0], p, &gin[0]);
     case U_RSUB_S: return unary_kernel(U_NEG, g[0], 0, &gin[0]);
     case U_POW_S: return binary_kernel(B_POW_BW, g[0], n->saved[0], p, &gin[0]);
+    case U_ABS: return binary_kernel(B_ABS_BW, g[0], n->saved[0], 0, &gin[0]);
     case U_COUNT: break;
     }
     return ts_error(TS_ERR_INTERNAL, "unary backward: bad op");
@@ -566,7 +574,8 @@ static ts_status unary_op(uop op, ts_tensor *a, double p, ts_tensor **out)
         n->iargs[0] = op;
         n->dargs[0] = p;
         bool save_out = op == U_EXP || op == U_SQRT || op == U_RSQRT || op == U_TANH || op == U_SIGMOID;
-        bool save_in = op == U_LOG || op == U_RELU || op == U_GELU || op == U_GELU_TANH || op == U_POW_S;
+        bool save_in = op == U_LOG || op == U_RELU || op == U_GELU || op == U_GELU_TANH || op == U_POW_S ||
+                       op == U_ABS;
         if ((st = ts__record1(n, o, save_out ? o : save_in ? a : NULL, NULL)))
             return st;
     }
@@ -582,6 +591,7 @@ ts_status ts_rsqrt(ts_tensor *a, ts_tensor **out) { return unary_op(U_RSQRT, a, 
 ts_status ts_tanh(ts_tensor *a, ts_tensor **out) { return unary_op(U_TANH, a, 0, out); }
 ts_status ts_sigmoid(ts_tensor *a, ts_tensor **out) { return unary_op(U_SIGMOID, a, 0, out); }
 ts_status ts_relu(ts_tensor *a, ts_tensor **out) { return unary_op(U_RELU, a, 0, out); }
+ts_status ts_abs(ts_tensor *a, ts_tensor **out) { return unary_op(U_ABS, a, 0, out); }
 ts_status ts_add_scalar(ts_tensor *a, double s, ts_tensor **out) { return unary_op(U_ADD_S, a, s, out); }
 ts_status ts_sub_scalar(ts_tensor *a, double s, ts_tensor **out) { return unary_op(U_ADD_S, a, -s, out); }
 ts_status ts_rsub_scalar(ts_tensor *a, double s, ts_tensor **out) { return unary_op(U_RSUB_S, a, s, out); }

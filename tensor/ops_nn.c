@@ -517,6 +517,41 @@ ts_status ts_mse_loss(ts_tensor *input, ts_tensor *target, ts_reduction reductio
     return st;
 }
 
+/* ----------------------------------------------------- l1_loss */
+
+/* torch 1.13's l1_loss is composite: apply_loss_reduction((input -
+ * target).abs(), reduction), so the gradient is abs's (sign, 0 at 0). */
+ts_status ts_l1_loss(ts_tensor *input, ts_tensor *target, ts_reduction reduction, ts_tensor **out)
+{
+    ts_tensor *in[2] = {input, target};
+    ts_status st;
+    if ((st = ts__check_inputs("l1_loss", 2, in)))
+        return st;
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "l1_loss: out is NULL");
+    if (input->ndim != target->ndim || memcmp(input->shape, target->shape, (size_t)input->ndim * sizeof(int64_t))) {
+        char s1[96], s2[96];
+        return ts_error(TS_ERR_SHAPE, "l1_loss: input %s and target %s must have the same shape",
+                        ts__shape_str(input->ndim, input->shape, s1, sizeof s1),
+                        ts__shape_str(target->ndim, target->shape, s2, sizeof s2));
+    }
+    if (reduction != TS_REDUCTION_MEAN && reduction != TS_REDUCTION_SUM && reduction != TS_REDUCTION_NONE)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "l1_loss: invalid reduction %d", (int)reduction);
+    ts_tensor *d, *ad;
+    if ((st = ts_sub(input, target, &d)))
+        return st;
+    st = ts_abs(d, &ad);
+    ts_tensor_free(d);
+    if (st || reduction == TS_REDUCTION_NONE) {
+        if (!st)
+            *out = ad;
+        return st;
+    }
+    st = reduction == TS_REDUCTION_MEAN ? ts_mean(ad, 0, NULL, false, out) : ts_sum(ad, 0, NULL, false, out);
+    ts_tensor_free(ad);
+    return st;
+}
+
 /* ----------------------------------------------------- dropout */
 
 ts_status ts_dropout(ts_tensor *a, double p, bool training, ts_generator *gen, ts_tensor **out)

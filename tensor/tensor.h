@@ -234,6 +234,9 @@ TS_API ts_status ts_rsqrt(ts_tensor *a, ts_tensor **out);
 TS_API ts_status ts_tanh(ts_tensor *a, ts_tensor **out);
 TS_API ts_status ts_sigmoid(ts_tensor *a, ts_tensor **out);
 TS_API ts_status ts_relu(ts_tensor *a, ts_tensor **out);
+/* |a| (torch.abs). Gradient g * sign(a), 0 where a is 0 (or NaN), as
+ * torch's abs backward. */
+TS_API ts_status ts_abs(ts_tensor *a, ts_tensor **out);
 
 typedef enum ts_gelu_approx { TS_GELU_NONE = 0, TS_GELU_TANH = 1 } ts_gelu_approx;
 TS_API ts_status ts_gelu(ts_tensor *a, ts_gelu_approx approx, ts_tensor **out);
@@ -289,6 +292,12 @@ typedef enum ts_reduction { TS_REDUCTION_MEAN = 0, TS_REDUCTION_SUM, TS_REDUCTIO
 TS_API ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore_index,
                                   ts_reduction reduction, ts_tensor **out);
 TS_API ts_status ts_mse_loss(ts_tensor *input, ts_tensor *target, ts_reduction reduction, ts_tensor **out);
+/* torch's F.l1_loss: |input - target| averaged (TS_REDUCTION_MEAN),
+ * summed (SUM, both 0-d) or kept elementwise (NONE). Same shapes required
+ * (TS_ERR_SHAPE names both); differentiable in both (sign of the
+ * difference, 0 where it is 0). TS_ERR_INVALID_ARGUMENT for NULL or an
+ * unknown reduction. */
+TS_API ts_status ts_l1_loss(ts_tensor *input, ts_tensor *target, ts_reduction reduction, ts_tensor **out);
 
 /* Inverted dropout with PyTorch's CPU random stream (bernoulli(1-p) mask
  * scaled by 1/(1-p)). Identity (a new reference) when !training or p == 0.

@@ -107,7 +107,9 @@ Test(nn_layers, mha_matches_the_formula_and_masks)
 {
     ts_manual_seed(5);
     ts_module *m;
-    TH_OK(ts_mha_new(8, 2, 0.0, true, &m));
+    ts_mha_options mo = ts_mha_options_default();
+    mo.batch_first = true; /* x below is (B, T, E) */
+    TH_OK(ts_mha_new_opts(8, 2, &mo, &m));
     ts_nn_mha *a = (ts_nn_mha *)m;
     /* non-zero biases so that they matter */
     bool prev = ts_grad_mode_set(false);
@@ -240,4 +242,197 @@ Test(nn_layers, dropout_follows_train_and_eval)
     ts_tensor_free(y);
     ts_module_free(d);
     cr_assert_eq(ts_dropout_new(1.5, &d), TS_ERR_INVALID_ARGUMENT);
+}
+
+/* ------------------------------------------------------------ batch_first */
+
+Test(nn_layers, mha_and_encoder_layer_default_to_seq_first)
+{
+    ts_mha_options o = ts_mha_options_default();
+    cr_assert(!o.batch_first && o.bias && o.dropout == 0.0, "PyTorch's MultiheadAttention defaults");
+    ts_encoder_layer_config c = ts_encoder_layer_config_default(128, 4);
+    cr_assert(!c.batch_first && c.dim_feedforward == 2048 && c.dropout == 0.1 && !c.gelu &&
+                  c.layer_norm_eps == 1e-5 && !c.norm_first,
+              "PyTorch 1.13's TransformerEncoderLayer defaults");
+    ts_module *m;
+    TH_OK(ts_mha_new(8, 2, 0.0, true, &m));
+    cr_assert(!((ts_nn_mha *)m)->batch_first, "ts_mha_new is batch_first=False, as PyTorch");
+    ts_module_free(m);
+    TH_OK(ts_mha_new_opts(8, 2, NULL, &m));
+    cr_assert(!((ts_nn_mha *)m)->batch_first && ((ts_nn_mha *)m)->in_proj_bias, "NULL options are the defaults");
+    ts_module_free(m);
+}
+
+/* A contiguous copy of x with dims 0 and 1 swapped. */
+static ts_tensor *swapped(ts_tensor *x)
+{
+    ts_tensor *t, *c;
+    TH_OK(ts_transpose(x, 0, 1, &t));
+    TH_OK(ts_clone(t, &c));
+    ts_tensor_free(t);
+    return c;
+}
+
+/* swapped(x) as a new leaf that requires grad (no history to x). */
+static ts_tensor *swapped_leaf(ts_tensor *x)
+{
+    ts_tensor *c = swapped(x), *d;
+    TH_OK(ts_detach(c, &d));
+    ts_tensor_free(c);
+    TH_OK(ts_tensor_set_requires_grad(d, true));
+    return d;
+}
+
+/* Calls m on in[0..n) in train mode with the generator at `seed`, then
+ * backward of sum(out * w) with w = th_seq(out's shape, 0.5) in the
+ * layout given (w_swapped: w is built (B, T, E) and swapped). */
+static ts_tensor *call_and_backward(ts_module *m, int n, ts_tensor **in, uint64_t seed, bool w_swapped)
+{
+    ts_manual_seed(seed);
+    ts_tensor *outs[TS_MODULE_MAX_IO], *w, *p, *s;
+    int no;
+    TH_OK(ts_module_call(m, n, in, &no, outs));
+    cr_assert_eq(no, 1);
+    if (w_swapped) {
+        int64_t ws[3] = {ts_tensor_size(outs[0], 1), ts_tensor_size(outs[0], 0), ts_tensor_size(outs[0], 2)};
+        ts_tensor *w0 = th_seq(TS_F32, 3, ws, 0.5, false);
+        w = swapped(w0);
+        ts_tensor_free(w0);
+    } else {
+        int64_t ws[3] = {ts_tensor_size(outs[0], 0), ts_tensor_size(outs[0], 1), ts_tensor_size(outs[0], 2)};
+        w = th_seq(TS_F32, 3, ws, 0.5, false);
+    }
+    TH_OK(ts_mul(outs[0], w, &p));
+    TH_OK(ts_sum(p, 0, NULL, false, &s));
+    TH_OK(ts_backward(s, NULL, false));
+    ts_tensor_free(s);
+    ts_tensor_free(p);
+    ts_tensor_free(w);
+    return outs[0];
+}
+
+/* batch_first=False on (T, B, E) computes the transpose of batch_first=True
+ * on (B, T, E), dropout on the attention weights included: PyTorch draws
+ * that mask over (B*H, T, S) in both layouts, so the same seed gives the
+ * same mask. Self-attention (the packed projection) and cross-attention
+ * (three projections, S != T), values and input gradients. */
+Test(nn_layers, mha_seq_first_is_batch_first_transposed)
+{
+    th_mem_mark();
+    for (int cross = 0; cross < 2; cross++) {
+        ts_module *bf, *sf;
+        ts_mha_options o = ts_mha_options_default();
+        o.dropout = 0.25;
+        o.batch_first = true;
+        ts_manual_seed(11);
+        TH_OK(ts_mha_new_opts(8, 2, &o, &bf));
+        o.batch_first = false;
+        ts_manual_seed(11);
+        TH_OK(ts_mha_new_opts(8, 2, &o, &sf));
+        int64_t xs[3] = {3, 5, 8}, zs[3] = {3, 4, 8}; /* B 3, T 5, S 4 */
+        ts_tensor *x = th_seq(TS_F32, 3, xs, 1.0, true), *z = th_seq(TS_F32, 3, zs, 0.8, true);
+        ts_tensor *xt = swapped_leaf(x), *zt = swapped_leaf(z);
+        ts_tensor *in_bf[3] = {x, cross ? z : x, cross ? z : x}, *in_sf[3] = {xt, cross ? zt : xt, cross ? zt : xt};
+        ts_tensor *ybf = call_and_backward(bf, 3, in_bf, 99, false);
+        ts_tensor *ysf = call_and_backward(sf, 3, in_sf, 99, true);
+        int64_t want_sf[3] = {5, 3, 8};
+        th_assert_shape(ysf, 3, want_sf);
+        cr_assert(ts_tensor_is_contiguous(ysf), "the (T, B, E) output is contiguous, as PyTorch's");
+        ts_tensor *ybf_t = swapped(ybf);
+        /* the same float operations on the same rows, in another order of
+         * rows: 1e-6 relative + 1e-6 absolute (values of order 1) */
+        th_assert_close(ysf, ybf_t, 1e-6, 1e-6);
+        ts_tensor *gx_t = swapped(ts_tensor_grad(x));
+        th_assert_close(ts_tensor_grad(xt), gx_t, 1e-6, 1e-6);
+        if (cross) {
+            ts_tensor *gz_t = swapped(ts_tensor_grad(z));
+            th_assert_close(ts_tensor_grad(zt), gz_t, 1e-6, 1e-6);
+            ts_tensor_free(gz_t);
+        }
+        ts_tensor_free(gx_t);
+        ts_tensor_free(ybf_t);
+        ts_tensor_free(ybf);
+        ts_tensor_free(ysf);
+        ts_tensor_free(x);
+        ts_tensor_free(z);
+        ts_tensor_free(xt);
+        ts_tensor_free(zt);
+        ts_module_free(bf);
+        ts_module_free(sf);
+    }
+    th_mem_assert_back();
+}
+
+Test(nn_layers, mha_seq_first_shape_errors_name_the_layout)
+{
+    th_mem_mark();
+    ts_module *m;
+    TH_OK(ts_mha_new(8, 2, 0.0, true, &m));
+    int64_t qs[3] = {5, 2, 8}, ks[3] = {4, 3, 8}, ms[2] = {5, 5};
+    ts_tensor *q = th_seq(TS_F32, 3, qs, 1, false), *k = th_seq(TS_F32, 3, ks, 1, false), *outs[TS_MODULE_MAX_IO];
+    int n;
+    /* key batch 3 != query batch 2 (dim 1 without batch_first) */
+    ts_tensor *args[3] = {q, k, k};
+    cr_assert_eq(ts_module_call(m, 3, args, &n, outs), TS_ERR_SHAPE);
+    cr_assert(strstr(ts_last_error(), "(T, B, E), (S, B, E)") && strstr(ts_last_error(), "batch_first=false"),
+              "%s", ts_last_error());
+    /* the mask is (T, S) with T = size(0) of the query */
+    ts_tensor *mask;
+    TH_OK(ts_tensor_zeros(TS_BOOL, 2, ms, &mask));
+    ts_tensor *a2[4] = {q, q, q, mask};
+    TH_OK(ts_module_call(m, 4, a2, &n, outs));
+    th_assert_shape(outs[0], 3, qs);
+    ts_tensor_free(outs[0]);
+    ts_tensor_free(mask);
+    int64_t bad[2] = {2, 2};
+    TH_OK(ts_tensor_zeros(TS_BOOL, 2, bad, &mask));
+    a2[3] = mask;
+    cr_assert_eq(ts_module_call(m, 4, a2, &n, outs), TS_ERR_SHAPE);
+    cr_assert(strstr(ts_last_error(), "(5, 5)"), "%s", ts_last_error());
+    ts_tensor_free(mask);
+    ts_tensor_free(q);
+    ts_tensor_free(k);
+    ts_module_free(m);
+    th_mem_assert_back();
+}
+
+/* TransformerEncoderLayer with batch_first=False on (T, B, d) is the
+ * transpose of batch_first=True on (B, T, d) when no dropout mask is drawn
+ * (train mode, dropout 0; with dropout the masks follow each layout's own
+ * order, checked against torch by Test(fully_shard_examples,
+ * seed001_encoder_*)). Post-norm and pre-norm; the causal mask takes T
+ * from dim 0 without batch_first (T 5 != B 3 here). */
+Test(nn_layers, encoder_layer_seq_first_is_batch_first_transposed)
+{
+    th_mem_mark();
+    for (int variant = 0; variant < 2; variant++) {
+        ts_encoder_layer_config c = ts_encoder_layer_config_default(8, 2);
+        c.dim_feedforward = 16;
+        c.dropout = 0.0;
+        c.norm_first = variant == 1;
+        c.causal = true;
+        ts_module *bf, *sf;
+        c.batch_first = true;
+        ts_manual_seed(21);
+        TH_OK(ts_encoder_layer_new(&c, &bf));
+        c.batch_first = false;
+        ts_manual_seed(21);
+        TH_OK(ts_encoder_layer_new(&c, &sf));
+        int64_t xs[3] = {3, 5, 8};
+        ts_tensor *x = th_seq(TS_F32, 3, xs, 1.0, true), *xt = swapped_leaf(x);
+        ts_tensor *ybf = call_and_backward(bf, 1, &x, 5, false), *ysf = call_and_backward(sf, 1, &xt, 5, true);
+        ts_tensor *ybf_t = swapped(ybf), *gx_t = swapped(ts_tensor_grad(x));
+        /* layer norm and two residuals over the same rows: as above */
+        th_assert_close(ysf, ybf_t, 1e-6, 1e-6);
+        th_assert_close(ts_tensor_grad(xt), gx_t, 1e-6, 1e-6);
+        ts_tensor_free(gx_t);
+        ts_tensor_free(ybf_t);
+        ts_tensor_free(ybf);
+        ts_tensor_free(ysf);
+        ts_tensor_free(x);
+        ts_tensor_free(xt);
+        ts_module_free(bf);
+        ts_module_free(sf);
+    }
+    th_mem_assert_back();
 }

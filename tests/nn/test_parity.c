@@ -270,6 +270,7 @@ static ts_module *build(const fixture *f)
         cfg.dropout = 0.0;
         cfg.norm_first = json_is_true(json_object_get(c, "norm_first"));
         cfg.gelu = json_is_true(json_object_get(c, "gelu"));
+        cfg.batch_first = true; /* the fixtures' layers are batch_first=True, inputs (B, T, d) */
         TH_OK(ts_transformer_encoder_new(&cfg, (int)fx_int(c, "num_layers"), &m));
     } else if (!strcmp(kind, "gpt")) {
         ts_gpt_config cfg = ts_gpt_config_default();

@@ -315,6 +315,7 @@ static const unary_case unary_cases[] = {
     {"tanh", ts_tanh, tanh, false},
     {"sigmoid", ts_sigmoid, r_sigmoid, false},
     {"relu", ts_relu, r_relu, false},
+    {"abs", ts_abs, fabs, false},
     {"gelu", gelu_erf, r_gelu, false},
     {"gelu_tanh", gelu_tanh, r_gelu_tanh, false},
     {"add_scalar", add_s, r_add_s, false},
@@ -405,6 +406,9 @@ Test(tensor_elementwise, unary_hand_computed_values)
         {ts_relu, -1.0, 0.0, "relu(-1)"},
         {ts_relu, 0.0, 0.0, "relu(0)"},
         {ts_relu, 2.5, 2.5, "relu(2.5)"},
+        {ts_abs, -2.5, 2.5, "abs(-2.5)"},
+        {ts_abs, 0.75, 0.75, "abs(0.75)"},
+        {ts_abs, 0.0, 0.0, "abs(0)"},
         {ts_neg, 0.0, -0.0, "neg(0)"},
         {gelu_erf, 1.0, 0.8413447460685429, "gelu(1)"},
         {gelu_erf, -1.0, -0.15865525393145707, "gelu(-1)"},
@@ -465,6 +469,36 @@ Test(tensor_elementwise, special_values)
     ts_tensor_free(o);
     ts_tensor_free(y);
     ts_tensor_free(x);
+    th_mem_assert_back();
+}
+
+/* abs at NaN, infinities and -0.0, values and gradients, as torch 1.13
+ * prints them: abs([nan, inf, -inf, -0.0]) = [nan, inf, inf, 0.0] and the
+ * gradient of sum() is [0, 1, -1, 0] (sgn(nan) = 0 there). */
+Test(tensor_elementwise, abs_special_values_and_gradients)
+{
+    th_mem_mark();
+    int64_t s[1] = {4};
+    double xv[4] = {NAN, INFINITY, -INFINITY, -0.0};
+    for (int dt = 0; dt < 2; dt++) {
+        ts_tensor *x = th_tensor(dt ? TS_F64 : TS_F32, 1, s, xv), *o, *sum;
+        TH_OK(ts_tensor_set_requires_grad(x, true));
+        TH_OK(ts_abs(x, &o));
+        double got[4], g[4];
+        th_vals(o, got, 4);
+        cr_assert(isnan(got[0]));
+        cr_assert_eq(got[1], INFINITY);
+        cr_assert_eq(got[2], INFINITY);
+        cr_assert(got[3] == 0.0 && !signbit(got[3]), "abs(-0.0) is +0.0");
+        TH_OK(ts_sum(o, 0, NULL, false, &sum));
+        TH_OK(ts_backward(sum, NULL, false));
+        th_vals(ts_tensor_grad(x), g, 4);
+        cr_assert(g[0] == 0.0 && g[1] == 1.0 && g[2] == -1.0 && g[3] == 0.0, "abs' = [%g, %g, %g, %g]", g[0], g[1],
+                  g[2], g[3]);
+        ts_tensor_free(sum);
+        ts_tensor_free(o);
+        ts_tensor_free(x);
+    }
     th_mem_assert_back();
 }
 
@@ -684,6 +718,9 @@ Test(tensor_elementwise, unary_gradient_hand_values)
         {ts_relu, -2.0, 0.0, "relu'(-2)"},
         {ts_relu, 2.0, 1.0, "relu'(2)"},
         {ts_relu, 0.0, 0.0, "relu'(0)"},
+        {ts_abs, -2.0, -1.0, "abs'(-2)"},
+        {ts_abs, 3.0, 1.0, "abs'(3)"},
+        {ts_abs, 0.0, 0.0, "abs'(0)"}, /* torch: grad * sgn(0) = 0 */
         {gelu_erf, 0.0, 0.5, "gelu'(0)"},
         {gelu_tanh, 0.0, 0.5, "gelu_tanh'(0)"},
         {pow3, 2.0, 12.0, "(x^3)'(2)"},

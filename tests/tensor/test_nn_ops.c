@@ -624,6 +624,109 @@ Test(tensor_nn_ops, mse_loss_gradcheck)
     th_mem_assert_back();
 }
 
+/* ------------------------------------------------------------ l1_loss */
+
+Test(tensor_nn_ops, l1_loss_values)
+{
+    th_mem_mark();
+    int64_t s[2] = {2, 2};
+    double a[4] = {1, 2, 3, 4}, b[4] = {1.5, 0, 3, 7};
+    /* absolute errors 0.5, 2, 0, 3: sum 5.5, mean 1.375 */
+    for (int dt = 0; dt < 2; dt++) {
+        ts_dtype d = dt ? TS_F64 : TS_F32;
+        ts_tensor *x = th_tensor(d, 2, s, a), *y = th_tensor(d, 2, s, b), *o;
+        TH_OK(ts_l1_loss(x, y, TS_REDUCTION_NONE, &o));
+        th_assert_shape(o, 2, s);
+        cr_assert_eq(ts_tensor_dtype(o), d);
+        double got[4], want[4] = {0.5, 2, 0, 3};
+        th_vals(o, got, 4);
+        for (int i = 0; i < 4; i++)
+            cr_assert_eq(got[i], want[i]);
+        ts_tensor_free(o);
+        TH_OK(ts_l1_loss(x, y, TS_REDUCTION_SUM, &o));
+        cr_assert_eq(ts_tensor_ndim(o), 0);
+        cr_assert_eq(item(o), 5.5);
+        ts_tensor_free(o);
+        TH_OK(ts_l1_loss(x, y, TS_REDUCTION_MEAN, &o));
+        cr_assert_eq(ts_tensor_ndim(o), 0);
+        cr_assert_eq(item(o), 1.375);
+        ts_tensor_free(o);
+        ts_tensor_free(x);
+        ts_tensor_free(y);
+    }
+    th_mem_assert_back();
+}
+
+/* torch 1.13: a = [1, 2, 3] (requires grad), b = [1, 0, 5];
+ * F.l1_loss(a, b).backward() gives a.grad = [0, 1/3, -1/3]: the gradient
+ * is 0 where the difference is 0. */
+Test(tensor_nn_ops, l1_loss_gradient_matches_torch)
+{
+    th_mem_mark();
+    int64_t s[1] = {3};
+    double a[3] = {1, 2, 3}, b[3] = {1, 0, 5};
+    for (int dt = 0; dt < 2; dt++) {
+        ts_dtype d = dt ? TS_F64 : TS_F32;
+        ts_tensor *x = th_tensor(d, 1, s, a), *y = th_tensor(d, 1, s, b), *o;
+        TH_OK(ts_tensor_set_requires_grad(x, true));
+        TH_OK(ts_tensor_set_requires_grad(y, true));
+        TH_OK(ts_l1_loss(x, y, TS_REDUCTION_MEAN, &o));
+        TH_OK(ts_backward(o, NULL, false));
+        double gx[3], gy[3];
+        th_vals(ts_tensor_grad(x), gx, 3);
+        th_vals(ts_tensor_grad(y), gy, 3);
+        double third = dt ? 1.0 / 3.0 : (double)(1.0f / 3.0f);
+        cr_assert(gx[0] == 0.0 && gx[1] == third && gx[2] == -third, "grad input [%g, %g, %g]", gx[0], gx[1], gx[2]);
+        cr_assert(gy[0] == 0.0 && gy[1] == -third && gy[2] == third, "grad target [%g, %g, %g]", gy[0], gy[1], gy[2]);
+        ts_tensor_free(o);
+        ts_tensor_free(x);
+        ts_tensor_free(y);
+    }
+    th_mem_assert_back();
+}
+
+static ts_status gc_l1(ts_tensor **in, ts_tensor **out, void *ctx)
+{
+    return ts_l1_loss(in[0], in[1], *(const ts_reduction *)ctx, out);
+}
+
+Test(tensor_nn_ops, l1_loss_gradcheck)
+{
+    th_mem_mark();
+    int64_t s[2] = {3, 4};
+    for (int r = 0; r < 3; r++) {
+        /* the difference is 1.7 * th_seq's values: at least 0.07 from 0
+         * (|x| is not differentiable there), far above the step 1e-6 */
+        ts_tensor *in[2] = {th_seq(TS_F64, 2, s, 1.0, true), th_seq(TS_F64, 2, s, -0.7, true)};
+        ts_reduction red = (ts_reduction)r;
+        th_gradcheck(gc_l1, 2, in, &red, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
+        th_assert_shape(ts_tensor_grad(in[0]), 2, s);
+        th_assert_shape(ts_tensor_grad(in[1]), 2, s);
+        ts_tensor_free(in[0]);
+        ts_tensor_free(in[1]);
+    }
+    th_mem_assert_back();
+}
+
+Test(tensor_nn_ops, l1_loss_bad_arguments)
+{
+    th_mem_mark();
+    int64_t s1[2] = {2, 3}, s2[2] = {3, 2};
+    ts_tensor *x = th_seq(TS_F32, 2, s1, 1, false), *y = th_seq(TS_F32, 2, s2, 1, false), *o = NULL;
+    cr_assert_eq(ts_l1_loss(x, y, TS_REDUCTION_MEAN, &o), TS_ERR_SHAPE);
+    cr_assert(strstr(ts_last_error(), "l1_loss") && strstr(ts_last_error(), "(2, 3)") &&
+                  strstr(ts_last_error(), "(3, 2)"), "%s", ts_last_error());
+    cr_assert_eq(ts_l1_loss(x, x, (ts_reduction)9, &o), TS_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(ts_last_error(), "reduction 9"), "%s", ts_last_error());
+    cr_assert_eq(ts_l1_loss(x, NULL, TS_REDUCTION_MEAN, &o), TS_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(ts_l1_loss(x, x, TS_REDUCTION_MEAN, NULL), TS_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(ts_last_error(), "l1_loss") && strstr(ts_last_error(), "NULL"), "%s", ts_last_error());
+    cr_assert_null(o);
+    ts_tensor_free(x);
+    ts_tensor_free(y);
+    th_mem_assert_back();
+}
+
 Test(tensor_nn_ops, mse_loss_bad_arguments)
 {
     th_mem_mark();

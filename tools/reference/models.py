@@ -17,7 +17,8 @@ Twins:
                           ts_linear_new(b, c)})
   encoder(d, h, ff, n)    ts_transformer_encoder_new(cfg, n) with cfg =
                           ts_encoder_layer_config_default(d, h),
-                          cfg.dim_feedforward = ff, cfg.dropout = 0
+                          cfg.dim_feedforward = ff, cfg.dropout = 0,
+                          cfg.batch_first = true
   GPT(cfg)                ts_gpt_new (nn/gpt.c)
 
 Debian 12's python3-torch (1.13), run with /usr/bin/python3.

@@ -1,0 +1,352 @@
+#define _GNU_SOURCE
+/*
+ * The rendezvous store's server (store.h has the contract): a private
+ * libuv loop in its own thread that feeds each connection's bytes to the
+ * protocol core (store_proto.c) and writes its replies.
+ *
+ * Waiter deadlines live on the server: GET and WAIT carry the client's
+ * remaining time in milliseconds, the core parks the connection, and one
+ * uv_timer armed at the earliest deadline answers TIMEOUT.
+ */
+#include "comm/store_internal.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+/* ------------------------------------------------------------------ */
+/* Server: libuv loop in its own thread                              */
+/* ------------------------------------------------------------------ */
+
+struct ts_store_server {
+    uv_loop_t loop;
+    uv_tcp_t listener;
+    uv_async_t stop;
+    uv_timer_t timer;
+    pthread_t thread;
+    ts__store_core *core;
+    int port;
+    char addr[INET6_ADDRSTRLEN + 16];
+};
+
+typedef struct srv_conn {
+    uv_tcp_t tcp; /* first: the handle's data points back here */
+    ts_store_server *srv;
+    ts__store_conn pc;
+} srv_conn;
+
+static void format_addr(const struct sockaddr *sa, char *out, size_t n)
+{
+    char host[INET6_ADDRSTRLEN] = "?";
+    int port = 0;
+    if (sa->sa_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)sa;
+        inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+        port = ntohs(a->sin_port);
+        snprintf(out, n, "%s:%d", host, port);
+    } else if (sa->sa_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)sa;
+        inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+        port = ntohs(a->sin6_port);
+        snprintf(out, n, "[%s]:%d", host, port);
+    } else {
+        snprintf(out, n, "?");
+    }
+}
+
+static void on_conn_closed(uv_handle_t *h)
+{
+    srv_conn *sc = h->data;
+    ts__store_conn_fini(sc->srv->core, &sc->pc);
+    ts__free(TS_MEM_COMM, sc);
+}
+
+static void conn_close(srv_conn *sc)
+{
+    if (!uv_is_closing((uv_handle_t *)&sc->tcp))
+        uv_close((uv_handle_t *)&sc->tcp, on_conn_closed);
+}
+
+static void on_write(uv_write_t *req, int status)
+{
+    ts__store_reply *r = (ts__store_reply *)req;
+    if (status < 0 && status != UV_ECANCELED) {
+        srv_conn *sc = req->handle->data;
+        ts_logf(TS_LOG_INFO, "store: writing to client %s failed: %s", sc->pc.peer, uv_strerror(status));
+        conn_close(sc);
+    }
+    ts__free(TS_MEM_COMM, r);
+}
+
+static void server_send(ts__store_conn *pc, ts__store_reply *r, void *ctx)
+{
+    (void)ctx;
+    srv_conn *sc = pc->user;
+    if (!r) {
+        conn_close(sc);
+        return;
+    }
+    if (uv_is_closing((uv_handle_t *)&sc->tcp)) {
+        ts__free(TS_MEM_COMM, r);
+        return;
+    }
+    r->buf = uv_buf_init((char *)r->bytes, (unsigned)r->len);
+    int rc = uv_write(&r->req, (uv_stream_t *)&sc->tcp, &r->buf, 1, on_write);
+    if (rc < 0) {
+        ts_logf(TS_LOG_INFO, "store: writing to client %s failed: %s", pc->peer, uv_strerror(rc));
+        ts__free(TS_MEM_COMM, r);
+        conn_close(sc);
+    }
+}
+
+static void on_timer(uv_timer_t *t);
+
+static void rearm_timer(ts_store_server *srv)
+{
+    uint64_t d = ts__store_core_next_deadline(srv->core);
+    if (d == UINT64_MAX) {
+        uv_timer_stop(&srv->timer);
+        return;
+    }
+    uint64_t now = uv_now(&srv->loop);
+    uv_timer_start(&srv->timer, on_timer, d > now ? d - now : 0, 0);
+}
+
+static void on_timer(uv_timer_t *t)
+{
+    ts_store_server *srv = t->data;
+    ts__store_core_expire(srv->core, uv_now(&srv->loop));
+    rearm_timer(srv);
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    (void)suggested;
+    srv_conn *sc = h->data;
+    unsigned char *p;
+    size_t n;
+    if (!ts__store_conn_space(sc->srv->core, &sc->pc, &p, &n)) {
+        buf->base = NULL;
+        buf->len = 0; /* read_cb gets UV_ENOBUFS */
+        return;
+    }
+    buf->base = (char *)p;
+    buf->len = n;
+}
+
+static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
+{
+    (void)buf;
+    srv_conn *sc = stream->data;
+    ts_store_server *srv = sc->srv;
+    if (nread > 0) {
+        if (!ts__store_conn_received(srv->core, &sc->pc, (size_t)nread, uv_now(&srv->loop)))
+            conn_close(sc);
+        rearm_timer(srv);
+    } else if (nread < 0) {
+        if (nread != UV_EOF)
+            ts_logf(TS_LOG_INFO, "store: client %s: %s", sc->pc.peer, uv_strerror((int)nread));
+        else if (sc->pc.len > 0)
+            ts_logf(TS_LOG_INFO, "store: client %s closed the connection in the middle of a frame", sc->pc.peer);
+        conn_close(sc);
+    }
+}
+
+static void on_connection(uv_stream_t *listener, int status)
+{
+    ts_store_server *srv = listener->data;
+    if (status < 0) {
+        ts_logf(TS_LOG_WARN, "store %s: accept failed: %s", srv->addr, uv_strerror(status));
+        return;
+    }
+    srv_conn *sc = ts__malloc(TS_MEM_COMM, sizeof *sc);
+    if (!sc) {
+        ts_logf(TS_LOG_ERROR, "store %s: out of memory accepting a client", srv->addr);
+        return;
+    }
+    sc->srv = srv;
+    ts__store_conn_init(srv->core, &sc->pc, NULL);
+    sc->pc.user = sc;
+    uv_tcp_init(&srv->loop, &sc->tcp);
+    sc->tcp.data = sc;
+    int rc = uv_accept(listener, (uv_stream_t *)&sc->tcp);
+    if (rc < 0) {
+        ts_logf(TS_LOG_WARN, "store %s: accept failed: %s", srv->addr, uv_strerror(rc));
+        conn_close(sc);
+        return;
+    }
+    uv_tcp_nodelay(&sc->tcp, 1);
+    struct sockaddr_storage ss;
+    int sl = (int)sizeof ss;
+    if (uv_tcp_getpeername(&sc->tcp, (struct sockaddr *)&ss, &sl) == 0)
+        format_addr((struct sockaddr *)&ss, sc->pc.peer, sizeof sc->pc.peer);
+    rc = uv_read_start((uv_stream_t *)&sc->tcp, on_alloc, on_read);
+    if (rc < 0) {
+        ts_logf(TS_LOG_WARN, "store %s: cannot read from client %s: %s", srv->addr, sc->pc.peer, uv_strerror(rc));
+        conn_close(sc);
+        return;
+    }
+    ts_logf(TS_LOG_DEBUG, "store %s: client %s connected", srv->addr, sc->pc.peer);
+}
+
+static void close_walk(uv_handle_t *h, void *arg)
+{
+    ts_store_server *srv = arg;
+    if (uv_is_closing(h))
+        return;
+    if (h->type == UV_TCP && h != (uv_handle_t *)&srv->listener)
+        conn_close(h->data);
+    else
+        uv_close(h, NULL);
+}
+
+static void on_stop(uv_async_t *a)
+{
+    ts_store_server *srv = a->data;
+    uv_walk(&srv->loop, close_walk, srv);
+}
+
+static void *server_thread(void *arg)
+{
+    ts_store_server *srv = arg;
+    ts_trace_thread_name("store");
+    uv_run(&srv->loop, UV_RUN_DEFAULT);
+    return NULL;
+}
+
+/* Closes every handle of a loop that is not running (or has stopped) and
+ * frees the server. */
+static void server_free(ts_store_server *srv, bool loop_ready)
+{
+    if (loop_ready) {
+        uv_walk(&srv->loop, close_walk, srv);
+        uv_run(&srv->loop, UV_RUN_DEFAULT);
+        int rc = uv_loop_close(&srv->loop);
+        if (rc < 0)
+            ts_logf(TS_LOG_WARN, "store %s: closing its loop: %s", srv->addr, uv_strerror(rc));
+    }
+    ts__store_core_free(srv->core);
+    ts__free(TS_MEM_COMM, srv);
+}
+
+ts_status ts_store_server_start(const char *host, int port, const char *token, ts_store_server **out)
+{
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_store_server_start: out is NULL");
+    if (port < 0 || port > 65535)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_store_server_start: port %d is not in 0..65535", port);
+    if (token && strnlen(token, TS_STORE_MAX_TOKEN + 1) > TS_STORE_MAX_TOKEN)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_store_server_start: the token is longer than %d bytes",
+                        TS_STORE_MAX_TOKEN);
+    if (!host)
+        host = "127.0.0.1";
+    if (strnlen(host, 256) > 255)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_store_server_start: host name longer than 255 bytes");
+
+    char portstr[16];
+    snprintf(portstr, sizeof portstr, "%d", port);
+    struct addrinfo hints = {0}, *ai = NULL;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    int gai = getaddrinfo(host, portstr, &hints, &ai);
+    if (gai != 0 || !ai) {
+        ts_status st = ts_error(TS_ERR_IO, "store: cannot listen on %s:%d: cannot resolve '%s': %s", host, port, host,
+                                gai_strerror(gai));
+        if (ai)
+            freeaddrinfo(ai);
+        return st;
+    }
+    struct sockaddr_storage bind_addr;
+    memset(&bind_addr, 0, sizeof bind_addr);
+    memcpy(&bind_addr, ai->ai_addr, ai->ai_addrlen < sizeof bind_addr ? ai->ai_addrlen : sizeof bind_addr);
+    freeaddrinfo(ai);
+
+    ts_store_server *srv = ts__calloc(TS_MEM_COMM, 1, sizeof *srv);
+    if (!srv)
+        return TS_ERR_NO_MEMORY;
+    format_addr((struct sockaddr *)&bind_addr, srv->addr, sizeof srv->addr);
+    ts_status st = ts__store_core_new(token, server_send, srv, &srv->core);
+    if (st != TS_OK) {
+        ts__free(TS_MEM_COMM, srv);
+        return st;
+    }
+    int rc = uv_loop_init(&srv->loop);
+    if (rc < 0) {
+        server_free(srv, false);
+        return ts_error(TS_ERR_IO, "store: cannot listen on %s: loop: %s", host, uv_strerror(rc));
+    }
+    uv_tcp_init(&srv->loop, &srv->listener);
+    srv->listener.data = srv;
+    uv_timer_init(&srv->loop, &srv->timer);
+    srv->timer.data = srv;
+    rc = uv_async_init(&srv->loop, &srv->stop, on_stop);
+    srv->stop.data = srv;
+    const char *step = "async";
+    if (rc == 0) {
+        step = "bind";
+        rc = uv_tcp_bind(&srv->listener, (const struct sockaddr *)&bind_addr, 0);
+    }
+    if (rc == 0) {
+        step = "listen";
+        rc = uv_listen((uv_stream_t *)&srv->listener, 511, on_connection);
+    }
+    if (rc == 0) {
+        struct sockaddr_storage ss;
+        int sl = (int)sizeof ss;
+        step = "getsockname";
+        rc = uv_tcp_getsockname(&srv->listener, (struct sockaddr *)&ss, &sl);
+        if (rc == 0) {
+            format_addr((struct sockaddr *)&ss, srv->addr, sizeof srv->addr);
+            srv->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                                       : ((struct sockaddr_in *)&ss)->sin_port);
+        }
+    }
+    if (rc < 0) {
+        st = ts_error(TS_ERR_IO, "store: cannot listen on %s (%s): %s (%s)", srv->addr, step, uv_strerror(rc),
+                      uv_err_name(rc));
+        server_free(srv, true);
+        return st;
+    }
+
+    /* The loop thread blocks asynchronous signals (they belong to the
+     * application's threads) and SIGPIPE (a write to a client that went
+     * away then fails with EPIPE instead of killing the process). */
+    sigset_t all, old;
+    sigfillset(&all);
+    static const int sync_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGSYS, SIGABRT};
+    for (size_t i = 0; i < sizeof sync_signals / sizeof sync_signals[0]; i++)
+        sigdelset(&all, sync_signals[i]);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int prc = pthread_create(&srv->thread, NULL, server_thread, srv);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (prc != 0) {
+        st = ts_error(TS_ERR_IO, "store: cannot start the thread serving %s: %s", srv->addr, strerror(prc));
+        server_free(srv, true);
+        return st;
+    }
+    ts_logf(TS_LOG_INFO, "store: serving on %s%s", srv->addr, token && *token ? "" : " (no token required)");
+    *out = srv;
+    return TS_OK;
+}
+
+int ts_store_server_port(const ts_store_server *s) { return s ? s->port : -1; }
+
+void ts_store_server_stop(ts_store_server *s)
+{
+    if (!s)
+        return;
+    uv_async_send(&s->stop);
+    pthread_join(s->thread, NULL);
+    /* The loop has returned: every handle is closed and every
+     * connection finished, so nothing waits any more. */
+    server_free(s, true);
+}
+
