@@ -24,6 +24,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -58,6 +59,7 @@ struct rank_proc {
     int rank;
     int pid;
     bool running;   /* spawned and not yet exited */
+    int log_fd;     /* log_dir/rank<R>.log, -1 when none (or after a write error) */
     out_stream out, err;
 };
 
@@ -227,11 +229,11 @@ static void watchdog_stop(launcher *L, pid_t w)
 }
 
 /* One line (without its newline) to the stream's destination, prefixed,
- * in one write. */
+ * in one write; and, unprefixed, to the rank's log file. */
 static void emit_line(out_stream *os, const char *s, size_t len)
 {
     launcher *L = os->rp->L;
-    if (*os->dead)
+    if (*os->dead && os->rp->log_fd < 0)
         return;
     char prefix[32];
     int pn = L->o->prefix_output ? snprintf(prefix, sizeof prefix, "[%d] ", os->rp->rank) : 0;
@@ -252,7 +254,20 @@ static void emit_line(out_stream *os, const char *s, size_t len)
     memcpy(L->line, prefix, (size_t)pn);
     memcpy(L->line + pn, s, len);
     L->line[total - 1] = '\n';
-    if (write_all(os->fd, L->line, total) != 0)
+    /* the log first: a line seen on the terminal is in the log already */
+    rank_proc *rp = os->rp;
+    int err;
+    if (rp->log_fd >= 0 && (err = write_all(rp->log_fd, L->line + pn, len + 1)) != 0) {
+        /* a full disk must not stop the job: this log ends, once said */
+        close(rp->log_fd);
+        rp->log_fd = -1;
+        char msg[PATH_MAX + 160];
+        int mn = snprintf(msg, sizeof msg, "ts_launch: cannot write %s/rank%d.log: %s; that log stops here\n",
+                          L->o->log_dir, rp->rank, strerror(err));
+        if (!L->err_dead && mn > 0)
+            write_all(L->o->err_fd, msg, (size_t)mn < sizeof msg ? (size_t)mn : sizeof msg - 1);
+    }
+    if (!*os->dead && write_all(os->fd, L->line, total) != 0)
         *os->dead = true;
 }
 
@@ -445,6 +460,7 @@ ts_launch_options ts_launch_options_default(void)
         .forward_signals = true,
         .out_fd = 1,
         .err_fd = 2,
+        .log_dir = NULL,
     };
 }
 
@@ -534,6 +550,70 @@ static ts_status check_options(const ts_launch_options *o, char *const *argv)
                         o->grace_s);
     if (o->out_fd < 0 || o->err_fd < 0)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: out_fd and err_fd must be open descriptors");
+    if (o->log_dir && (!*o->log_dir || strlen(o->log_dir) > PATH_MAX - 32))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: log_dir must be a directory path of 1..%d bytes "
+                                                 "(got %zu)", PATH_MAX - 32, strlen(o->log_dir));
+    return TS_OK;
+}
+
+/* mkdir -p: creates dir and its missing parents (mode 0777 less the
+ * umask). Returns 0 or an errno value; ENOTDIR when a component is not a
+ * directory. */
+static int make_dirs(const char *dir)
+{
+    char path[PATH_MAX];
+    size_t n = strlen(dir);
+    if (n >= sizeof path)
+        return ENAMETOOLONG;
+    memcpy(path, dir, n + 1);
+    for (size_t i = 1; i <= n; i++) {
+        if (path[i] != '/' && path[i] != '\0')
+            continue;
+        char c = path[i];
+        path[i] = '\0';
+        if (mkdir(path, 0777) != 0 && errno != EEXIST)
+            return errno;
+        path[i] = c;
+    }
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return errno;
+    return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
+}
+
+/* Creates log_dir and truncates one regular file per rank of this node in
+ * it, before any rank starts. On failure closes what it opened. */
+static ts_status open_logs(launcher *L)
+{
+    const char *dir = L->o->log_dir;
+    int e = make_dirs(dir);
+    if (e)
+        return ts_error(TS_ERR_IO, "ts_launch: cannot create the log directory '%s': %s", dir, strerror(e));
+    for (int i = 0; i < L->n; i++) {
+        char path[PATH_MAX];
+        int rank = L->o->node_rank * L->o->nproc_per_node + i;
+        snprintf(path, sizeof path, "%s/rank%d.log", dir, rank);
+        /* O_NONBLOCK: a FIFO planted there must not block the launcher */
+        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY | O_NONBLOCK, 0666);
+        struct stat st;
+        e = fd < 0 ? errno : fstat(fd, &st) != 0 ? errno : !S_ISREG(st.st_mode) ? EINVAL : 0;
+        int fl = e == 0 ? fcntl(fd, F_GETFL) : 0;
+        if (e == 0 && (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0))
+            e = errno;
+        if (e) {
+            if (fd >= 0)
+                close(fd);
+            for (int k = 0; k < i; k++) {
+                close(L->ranks[k].log_fd);
+                L->ranks[k].log_fd = -1;
+            }
+            return ts_error(TS_ERR_IO, "ts_launch: cannot open the log file '%s' for rank %d: %s", path, rank,
+                            e == ELOOP ? "it is a symbolic link (refused)"
+                            : e == EINVAL ? "not a regular file"
+                                          : strerror(e));
+        }
+        L->ranks[i].log_fd = fd;
+    }
     return TS_OK;
 }
 
@@ -770,6 +850,10 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
         s = TS_ERR_NO_MEMORY;
         goto out;
     }
+    for (int i = 0; i < L->n; i++)
+        L->ranks[i].log_fd = -1;
+    if (o->log_dir && (s = open_logs(L)))
+        goto out;
     /* node 0 hosts the store for the whole job */
     if (o->node_rank == 0) {
         if ((s = ts_store_server_start(ip, o->master_port, token, &server)))
@@ -842,6 +926,8 @@ out:
     for (int i = 0; L->ranks && i < L->n; i++) {
         ts__free(TS_MEM_COMM, L->ranks[i].out.carry);
         ts__free(TS_MEM_COMM, L->ranks[i].err.carry);
+        if (L->ranks[i].log_fd >= 0)
+            close(L->ranks[i].log_fd);
     }
     ts__free(TS_MEM_COMM, rank_env);
     env_free(&env);

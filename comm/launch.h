@@ -11,6 +11,19 @@
  * environment that tsrun, torchrun, mpirun (Open MPI) or srun (Slurm) set;
  * ts_launch_rank_guard makes a rank die with its launcher.
  *
+ * Live output: in a rank, stdout is a pipe (tsrun, mpirun) or a file
+ * (srun -o), which C buffers by blocks, so a rank's lines would show only
+ * when 4 KiB have piled up or the rank exits, and be lost when it is killed
+ * (Ctrl-C, a failed peer, a timeout). The library therefore makes stdout
+ * line-buffered (setvbuf(stdout, NULL, _IOLBF, 0), after flushing what is
+ * pending) in every process that has the variables ts_launch_env reads
+ * (TS_LAUNCHER_PID, RANK or WORLD_SIZE, OMPI_COMM_WORLD_RANK or _SIZE,
+ * SLURM_PROCID): once when the library is loaded (a constructor, before
+ * main) and again in ts_launch_rank_guard, which ts_dist_init calls.
+ * TS_LINE_BUFFERED=0 keeps the C default; TS_LINE_BUFFERED=1 asks for
+ * line buffering in any process. stderr is unbuffered already. The
+ * launcher relays each line as soon as it is whole (see ts_launch).
+ *
  * Lifetime rules: ts_launch runs the ranks to completion and returns; it
  * owns nothing afterwards. Strings in the options are borrowed for the
  * call. ts_rank_env holds its strings inline: nothing to free.
@@ -51,6 +64,8 @@ typedef struct ts_launch_options {
                               * to the ranks (default true). libuv resets their disposition to
                               * the default when ts_launch returns. */
     int out_fd, err_fd;      /* where the ranks' stdout and stderr go (default 1, 2) */
+    const char *log_dir;     /* also copy each rank's output to log_dir/rank<R>.log (default
+                              * NULL: no files); see ts_launch */
 } ts_launch_options;
 
 TS_API ts_launch_options ts_launch_options_default(void);
@@ -85,7 +100,21 @@ typedef struct ts_launch_result {
  * (err_fd) as "[r] line\n" in one write(), so lines of different ranks never
  * mix; a last line without a newline gets one at end of file; lines longer
  * than 64 KiB are split. A write error on out_fd/err_fd (a closed pipe)
- * drops the output and never kills the launcher.
+ * drops the output and never kills the launcher. Lines are relayed as they
+ * arrive, never held until a rank exits; a rank's stdout must be
+ * line-buffered for its lines to arrive one by one (the library does it:
+ * see "Live output" above).
+ *
+ * Log files (log_dir set, as torchrun's --log-dir with --tee): the
+ * directory is created (with its parents) if missing, and every rank R of
+ * this node (R its global rank) gets log_dir/rank<R>.log, created or
+ * truncated before any rank starts, holding that rank's stdout and stderr
+ * lines in the order they are relayed, without the "[r] " prefix; the
+ * output still goes to out_fd/err_fd as well. Unlike torchrun's
+ * <dir>/<run id>/attempt_0/<local rank>/{stdout,stderr}.log, the layout is
+ * flat: one file per rank, a rerun overwrites it. A symbolic link in place
+ * of a log file is refused (O_NOFOLLOW). A write error on a log file stops
+ * that file (one warning on err_fd), not the job.
  *
  * Ending: when a rank exits non-zero or is killed, every other rank's
  * process group gets SIGTERM, then SIGKILL after grace_s. When a rank
@@ -102,8 +131,10 @@ typedef struct ts_launch_result {
  * Returns TS_OK when the job ran (whatever its ranks' exit codes: see
  * *result_out, written only on TS_OK), TS_ERR_INVALID_ARGUMENT for bad
  * options (the detail names the option), TS_ERR_IO when the store cannot
- * listen or a rank cannot be started (the detail names the program and the
- * system error; ranks started already are killed and reaped first). */
+ * listen, log_dir or a log file cannot be created (the detail names the
+ * path and the system error; no rank has started then) or a rank cannot be
+ * started (the detail names the program and the system error; ranks
+ * started already are killed and reaped first). */
 TS_API ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_result *result_out);
 
 /* ---------------------------------------------------------------- ranks */
@@ -161,7 +192,9 @@ typedef struct ts_rank_env {
  * range or inconsistent, with a detail naming the variables and values. */
 TS_API ts_status ts_launch_env(ts_rank_env *env_out);
 
-/* For a rank started by tsrun or ts_launch (TS_LAUNCHER_PID set): asks the
+/* First, in any process with launcher variables (see "Live output" at the
+ * top), makes stdout line-buffered. Then, for a rank started by tsrun or
+ * ts_launch (TS_LAUNCHER_PID set): asks the
  * kernel to SIGKILL this process when its parent dies
  * (prctl(PR_SET_PDEATHSIG)), then checks that the launcher is still there:
  * it must be the parent or, when a wrapper (a shell) sits between them, an

@@ -343,8 +343,37 @@ static int parent_of(int pid)
     return ppid;
 }
 
+/* Live output (launch.h): stdout line-buffered in a launched rank, so
+ * that its lines reach the launcher as they are printed and survive a
+ * kill. Self-contained: a constructor and ts_launch_rank_guard call it. */
+static void rank_stdout_line_buffered(void)
+{
+    const char *want = getenv("TS_LINE_BUFFERED");
+    if (want && strcmp(want, "0") == 0)
+        return;
+    static const char *const rank_vars[] = {"TS_LAUNCHER_PID", "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                                            "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID"};
+    bool rank = want && strcmp(want, "1") == 0;
+    for (size_t i = 0; !rank && i < sizeof rank_vars / sizeof rank_vars[0]; i++)
+        rank = getenv(rank_vars[i]) != NULL;
+    if (!rank)
+        return;
+    /* glibc allows the change after output: pending bytes go out first */
+    fflush(stdout);
+    setvbuf(stdout, NULL, _IOLBF, 0);
+}
+
+/* Before main, and (a priority) before the program's own constructors
+ * when it links the static library: lines printed before the program
+ * calls into the library are live too. */
+__attribute__((constructor(200))) static void rank_stdout_at_load(void)
+{
+    rank_stdout_line_buffered();
+}
+
 ts_status ts_launch_rank_guard(void)
 {
+    rank_stdout_line_buffered();
     int lpid = 0;
     bool set;
     ts_status s = env_int("TS_LAUNCHER_PID", 1, INT_MAX, &lpid, &set);

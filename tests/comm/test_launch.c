@@ -12,6 +12,8 @@
 #include <criterion/parameterized.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
+#include <jansson.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -85,6 +87,34 @@ static void role_store(void)
     _exit(0);
 }
 
+static void lines_usr1(int sig)
+{
+    (void)sig;
+    static const char tail[] = "partial tail"; /* no newline: the launcher adds one */
+    if (write(1, tail, sizeof tail - 1) < 0)
+        _exit(5);
+    _exit(3);
+}
+
+/* A rank that prints with plain printf (no fflush: the library's line
+ * buffering is under test), says "blocked" on stderr, then waits: SIGUSR1
+ * makes it write a partial line and exit 3; SIGTERM kills it; alarm(30)
+ * bounds it. TS_TEST_GUARD=1 calls ts_launch_rank_guard first. */
+static void role_lines(void)
+{
+    if (getenv("TS_TEST_GUARD") && ts_launch_rank_guard() != TS_OK)
+        _exit(4);
+    signal(SIGUSR1, lines_usr1); /* before "blocked" tells the test it may signal */
+    alarm(30);
+    const char *r = getenv("RANK") ? getenv("RANK") : "-";
+    for (int i = 0; i < 3; i++)
+        printf("line %d of %s\n", i, r);
+    printf("blocked %d\n", (int)getpid());
+    fputs("blocked\n", stderr);
+    for (;;)
+        pause();
+}
+
 __attribute__((constructor)) static void launch_test_role(void)
 {
     const char *role = getenv("TS_TEST_LAUNCH_ROLE");
@@ -94,6 +124,8 @@ __attribute__((constructor)) static void launch_test_role(void)
         role_guard();
     if (strcmp(role, "store") == 0)
         role_store();
+    if (strcmp(role, "lines") == 0)
+        role_lines();
     fprintf(stderr, "unknown TS_TEST_LAUNCH_ROLE=%s\n", role);
     _exit(6);
 }
@@ -704,7 +736,7 @@ Test(comm_launch, bad_options_are_rejected, .timeout = 30)
         {"--nproc-per-node", NULL},
         {"--grace=-1", "/bin/true", NULL},
         {"--nnodes=2", "--master-port=29500", "/bin/true", NULL},
-        {"--nnodes=2", "--node-rank=2", "--token=t", "/bin/true"},
+        {"--nnodes=2", "--node-rank=2", "--master-port=29500", "/bin/true"},
         {NULL},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -1153,4 +1185,587 @@ Test(comm_launch, rank_guard_checks_the_launcher, .timeout = 30)
     cr_assert_eq(ts_launch_rank_guard(), TS_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(ts_last_error(), "TS_LAUNCHER_PID"), "%s", ts_last_error());
     unsetenv("TS_LAUNCHER_PID");
+}
+
+/* ------------------------------------------------------------ live output */
+
+/* Reads on until stderr holds n times `needle` (or 20 s passed). */
+static void pump_err(child *c, const char *needle, int n)
+{
+    for (double end = now_s() + 20; count_substr(c->err_buf ? c->err_buf : "", needle) < n && now_s() < end;)
+        pump(c, 0.05, NULL, NULL);
+    cr_assert_geq(count_substr(c->err_buf ? c->err_buf : "", needle), n, "stderr: %s", c->err_buf);
+}
+
+/* Rank r's three lines (and its "blocked" line) are in out, once each. */
+static void assert_rank_lines(const char *out, const char *prefix_fmt, int r)
+{
+    for (int i = 0; i < 3; i++) {
+        char want[64];
+        snprintf(want, sizeof want, prefix_fmt, r);
+        size_t n = strlen(want);
+        snprintf(want + n, sizeof want - n, "line %d of %d\n", i, r);
+        cr_assert_eq(count_substr(out, want), 1, "'%s' is not there once in:\n%s", want, out);
+    }
+}
+
+ParameterizedTestParameters(comm_launch, lines_are_relayed_live_and_survive_sigterm)
+{
+    static int guard[] = {0, 1};
+    return cr_make_param_array(int, guard, 2);
+}
+
+ParameterizedTest(int *guard, comm_launch, lines_are_relayed_live_and_survive_sigterm, .timeout = 60)
+{
+    /* the ranks print with printf and block: their lines can only come
+     * out if stdout is line-buffered (from the library's constructor, or
+     * ts_launch_rank_guard with guard) and tsrun relays them at once */
+    setenv("TS_TEST_LAUNCH_ROLE", "lines", 1);
+    if (*guard)
+        setenv("TS_TEST_GUARD", "1", 1);
+    const char *args[] = {"--nproc-per-node", "2", "--grace", "10", self_exe(), NULL};
+    child c = spawn_tsrun(args, NULL);
+    struct want w = {"blocked ", 2};
+    cr_assert(pump(&c, 20, has_n_of, &w), "the ranks' lines did not come while they ran:\n%s\nstderr:\n%s",
+              c.out_buf ? c.out_buf : "", c.err_buf ? c.err_buf : "");
+    for (int r = 0; r < 2; r++)
+        assert_rank_lines(c.out_buf, "[%d] ", r);
+    pump_err(&c, "] blocked\n", 2); /* stderr: the other pipe */
+    kill(c.pid, SIGTERM);
+    int st = reap(&c, 15);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 143, "status %d, stderr: %s", st, c.err_buf);
+    for (int r = 0; r < 2; r++)
+        assert_rank_lines(c.out_buf, "[%d] ", r); /* not repeated at the end */
+    cr_assert_eq(count_substr(c.err_buf, "] blocked\n"), 2, "%s", c.err_buf);
+    child_free(&c);
+}
+
+Test(comm_launch, lines_of_the_survivors_are_relayed_when_a_rank_fails, .timeout = 60)
+{
+    /* rank 1 fails (SIGUSR1: a partial line, then exit 3) while ranks 0
+     * and 2 block; tsrun SIGTERMs them: nothing they printed is lost, and
+     * rank 1's unterminated line arrives whole */
+    setenv("TS_TEST_LAUNCH_ROLE", "lines", 1);
+    const char *args[] = {"--nproc-per-node", "3", "--grace", "10", self_exe(), NULL};
+    child c = spawn_tsrun(args, NULL);
+    struct want w = {"blocked ", 3};
+    cr_assert(pump(&c, 20, has_n_of, &w), "the ranks' lines did not come while they ran:\n%s",
+              c.out_buf ? c.out_buf : "");
+    const char *b1 = strstr(c.out_buf, "[1] blocked ");
+    cr_assert(b1, "%s", c.out_buf);
+    int pid1 = atoi(b1 + strlen("[1] blocked "));
+    cr_assert_gt(pid1, 1);
+    double t0 = now_s();
+    kill(pid1, SIGUSR1);
+    int st = reap(&c, 15);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 3, "status %d, stderr: %s", st, c.err_buf);
+    cr_assert_lt(now_s() - t0, 5.0, "the survivors were not stopped at once");
+    cr_assert(strstr(c.err_buf, "tsrun: rank 1 exited with status 3\n"), "%s", c.err_buf);
+    for (int r = 0; r < 3; r++)
+        assert_rank_lines(c.out_buf, "[%d] ", r);
+    cr_assert_eq(count_substr(c.out_buf, "[1] partial tail\n"), 1, "%s", c.out_buf);
+    child_free(&c);
+}
+
+/* Starts this binary in role `lines` with exactly `env` (plus the role),
+ * stdout and stderr on pipes. */
+static child spawn_lines(const char *const *env)
+{
+    child c;
+    memset(&c, 0, sizeof c);
+    int po[2], pe[2];
+    cr_assert_eq(pipe2(po, O_CLOEXEC), 0);
+    cr_assert_eq(pipe2(pe, O_CLOEXEC), 0);
+    char *envp[16];
+    int n = 0;
+    envp[n++] = "TS_TEST_LAUNCH_ROLE=lines";
+    for (int i = 0; env[i] && n < 15; i++)
+        envp[n++] = (char *)env[i];
+    envp[n] = NULL;
+    char *argv[] = {self_exe(), NULL};
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, po[1], 1);
+    posix_spawn_file_actions_adddup2(&fa, pe[1], 2);
+    int r = posix_spawn(&c.pid, argv[0], &fa, NULL, argv, envp);
+    posix_spawn_file_actions_destroy(&fa);
+    close(po[1]);
+    close(pe[1]);
+    cr_assert_eq(r, 0, "posix_spawn: %s", strerror(r));
+    c.out = po[0];
+    c.err = pe[0];
+    return c;
+}
+
+/* Whether the role's stdout lines are out by the time it says "blocked"
+ * on stderr (unbuffered, written after them): true when line-buffered. */
+static bool stdout_is_live(const char *const *env)
+{
+    child c = spawn_lines(env);
+    char err[256] = "";
+    size_t got = 0;
+    double end = now_s() + 20;
+    while (!strstr(err, "blocked\n") && now_s() < end) {
+        struct pollfd pf = {.fd = c.err, .events = POLLIN};
+        if (poll(&pf, 1, 100) > 0) {
+            ssize_t r = read(c.err, err + got, sizeof err - 1 - got);
+            if (r <= 0)
+                break;
+            got += (size_t)r;
+            err[got] = '\0';
+        }
+    }
+    cr_assert(strstr(err, "blocked\n"), "the role did not start: %s", err);
+    struct pollfd pf = {.fd = c.out, .events = POLLIN};
+    bool live = poll(&pf, 1, 0) == 1;
+    if (live) {
+        /* the lines were written before "blocked": all there now */
+        char out[256];
+        ssize_t r = read(c.out, out, sizeof out - 1);
+        cr_assert_gt(r, 0);
+        out[r] = '\0';
+        cr_assert(strstr(out, "line 0 of -\nline 1 of -\nline 2 of -\nblocked "), "%s", out);
+    }
+    kill(c.pid, SIGKILL);
+    waitpid(c.pid, NULL, 0);
+    child_free(&c);
+    return live;
+}
+
+Test(comm_launch, ranks_of_mpirun_and_srun_are_line_buffered, .timeout = 60)
+{
+    /* no tsrun here: the variables alone make a rank */
+    const char *ompi[] = {"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", NULL};
+    const char *slurm[] = {"SLURM_PROCID=0", "SLURM_NTASKS=1", NULL};
+    const char *torchrun[] = {"WORLD_SIZE=1", NULL};
+    const char *forced[] = {"TS_LINE_BUFFERED=1", NULL};
+    cr_assert(stdout_is_live(ompi), "mpirun rank");
+    cr_assert(stdout_is_live(slurm), "srun rank");
+    cr_assert(stdout_is_live(torchrun), "torchrun rank");
+    cr_assert(stdout_is_live(forced), "TS_LINE_BUFFERED=1");
+    /* and the C default otherwise: block-buffered into a pipe */
+    const char *none[] = {NULL};
+    const char *opt_out[] = {"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=1", "TS_LINE_BUFFERED=0", NULL};
+    cr_assert_not(stdout_is_live(none), "not a rank: C's buffering stays");
+    cr_assert_not(stdout_is_live(opt_out), "TS_LINE_BUFFERED=0");
+}
+
+/* ------------------------------------------------------------ tsrun flags */
+
+/* A fresh directory under $TMPDIR (or /tmp). */
+static void make_tmp_dir(char *buf, size_t cap)
+{
+    const char *t = getenv("TMPDIR");
+    snprintf(buf, cap, "%s/ts-launch-XXXXXX", t && *t ? t : "/tmp");
+    cr_assert(mkdtemp(buf), "mkdtemp %s: %s", buf, strerror(errno));
+}
+
+static int rm_one(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st, (void)flag, (void)ftw;
+    if (flag == FTW_DP)
+        chmod(path, 0700);
+    return remove(path);
+}
+
+static void rm_tree(const char *dir)
+{
+    chmod(dir, 0700);
+    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+static char *read_text(const char *path)
+{
+    size_t n;
+    return th_read_file(path, &n);
+}
+
+static void write_text(const char *path, const char *text, mode_t mode)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+    cr_assert_geq(fd, 0, "%s: %s", path, strerror(errno));
+    cr_assert_eq(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+    cr_assert_eq(fchmod(fd, mode), 0);
+    close(fd);
+}
+
+/* Runs tsrun with args to the end: its wait status; the child's buffers
+ * are left in *c (child_free it). */
+static int run_tsrun(child *c, const char *const *args, const char *const *extra_env)
+{
+    *c = spawn_tsrun(args, extra_env);
+    return reap(c, 30);
+}
+
+static bool exited_with(int st, int code)
+{
+    return WIFEXITED(st) && WEXITSTATUS(st) == code;
+}
+
+Test(comm_launch, tsrun_version_prints_the_library_version, .timeout = 30)
+{
+    json_error_t jerr;
+    json_t *info = json_load_file(TS_BUILD_DIR "/meson-info/intro-projectinfo.json", 0, &jerr);
+    cr_assert(info, "meson's project info: %s", jerr.text);
+    const char *version = json_string_value(json_object_get(info, "version"));
+    cr_assert(version && *version);
+    char want[128];
+    snprintf(want, sizeof want, "tsrun (tensorshard) %s\n", version);
+    json_decref(info);
+
+    child c;
+    const char *args[] = {"--version", NULL};
+    int st = run_tsrun(&c, args, NULL);
+    cr_assert(exited_with(st, 0), "status %d: %s", st, c.err_buf);
+    cr_assert_str_eq(c.out_buf, want);
+    cr_assert_str_eq(c.err_buf, "");
+    child_free(&c);
+    /* it runs nothing */
+    const char *args2[] = {"--nproc-per-node=2", "--version", "/bin/sh", "-c", "echo ran", NULL};
+    st = run_tsrun(&c, args2, NULL);
+    cr_assert(exited_with(st, 0));
+    cr_assert_str_eq(c.out_buf, want);
+    child_free(&c);
+    const char *args3[] = {"--version=1", NULL};
+    st = run_tsrun(&c, args3, NULL);
+    cr_assert(exited_with(st, 2), "status %d", st);
+    child_free(&c);
+}
+
+Test(comm_launch, tsrun_standalone_is_one_node_on_a_free_port, .timeout = 60)
+{
+    child c;
+    const char *args[] = {"--standalone", "--nproc-per-node", "2", "/bin/sh", "-c",
+                          "echo \"W=$WORLD_SIZE N=$GROUP_WORLD_SIZE G=$GROUP_RANK A=$MASTER_ADDR P=$MASTER_PORT\"",
+                          NULL};
+    int st = run_tsrun(&c, args, NULL);
+    cr_assert(exited_with(st, 0), "status %d: %s", st, c.err_buf);
+    int ports[2];
+    for (int r = 0; r < 2; r++) {
+        char head[16];
+        snprintf(head, sizeof head, "[%d] W=", r);
+        const char *l = strstr(c.out_buf, head);
+        cr_assert(l, "%s", c.out_buf);
+        char addr[64];
+        int w, n, g;
+        cr_assert_eq(sscanf(l, "[%*d] W=%d N=%d G=%d A=%63s P=%d", &w, &n, &g, addr, &ports[r]), 5, "%s", l);
+        cr_assert_eq(w, 2);
+        cr_assert_eq(n, 1);
+        cr_assert_eq(g, 0);
+        cr_assert_str_eq(addr, "127.0.0.1");
+        cr_assert_gt(ports[r], 0);
+    }
+    cr_assert_eq(ports[0], ports[1]);
+    child_free(&c);
+
+    /* as torchrun: an address and a port given anyway are ignored, said
+     * so; the ranks reach the store on the free port */
+    const char *env[] = {"TS_TEST_LAUNCH_ROLE=store", NULL};
+    const char *args2[] = {"--standalone", "--master-addr", "10.255.255.1", "--master-port=29517",
+                           "--nproc-per-node", "2", self_exe(), NULL};
+    st = run_tsrun(&c, args2, env);
+    cr_assert(exited_with(st, 0), "status %d: %s", st, c.err_buf);
+    cr_assert(strstr(c.err_buf, "--standalone: ignoring --master-addr and --master-port"), "%s", c.err_buf);
+    int r0, p0;
+    const char *l = strstr(c.out_buf, "[0] store ok ");
+    cr_assert(l && sscanf(l, "[0] store ok %d %d", &r0, &p0) == 2, "%s", c.out_buf);
+    cr_assert_neq(p0, 29517);
+    cr_assert(strstr(c.out_buf, "[1] store ok 1 "), "%s", c.out_buf);
+    child_free(&c);
+
+    /* several nodes cannot be standalone */
+    const char *args3[] = {"--standalone", "--nnodes", "2", "--master-port", "29500", "/bin/true", NULL};
+    st = run_tsrun(&c, args3, NULL);
+    cr_assert(exited_with(st, 2), "status %d", st);
+    cr_assert(strstr(c.err_buf, "--standalone runs one node"), "%s", c.err_buf);
+    child_free(&c);
+    const char *args4[] = {"--standalone=yes", "/bin/true", NULL};
+    st = run_tsrun(&c, args4, NULL);
+    cr_assert(exited_with(st, 2), "status %d", st);
+    child_free(&c);
+}
+
+Test(comm_launch, tsrun_nproc_per_node_auto_is_one_rank_per_usable_core, .timeout = 60)
+{
+    cpu_set_t all;
+    cr_assert_eq(sched_getaffinity(0, sizeof all, &all), 0);
+    int cores = CPU_COUNT(&all);
+    child c;
+    const char *args[] = {"--nproc-per-node", "auto", "/bin/sh", "-c", "echo \"W=$WORLD_SIZE\"", NULL};
+    int st = run_tsrun(&c, args, NULL);
+    cr_assert(exited_with(st, 0), "status %d: %s", st, c.err_buf);
+    char want[32];
+    snprintf(want, sizeof want, "W=%d\n", cores);
+    cr_assert_eq(count_substr(c.out_buf, want), cores, "%d cores:\n%s", cores, c.out_buf);
+    child_free(&c);
+
+    /* the affinity mask counts, not the machine: one core allowed, one rank */
+    int first = 0;
+    while (!CPU_ISSET(first, &all))
+        first++;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    cr_assert_eq(sched_setaffinity(0, sizeof one, &one), 0); /* inherited by tsrun */
+    const char *args2[] = {"--nproc-per-node=cpu", "/bin/sh", "-c", "echo \"W=$WORLD_SIZE\"", NULL};
+    st = run_tsrun(&c, args2, NULL);
+    sched_setaffinity(0, sizeof all, &all);
+    cr_assert(exited_with(st, 0), "status %d: %s", st, c.err_buf);
+    cr_assert_str_eq(c.out_buf, "[0] W=1\n");
+    child_free(&c);
+
+    const char *args3[] = {"--nproc-per-node", "automatic", "/bin/true", NULL};
+    st = run_tsrun(&c, args3, NULL);
+    cr_assert(exited_with(st, 2), "status %d", st);
+    cr_assert(strstr(c.err_buf, "automatic"), "%s", c.err_buf);
+    child_free(&c);
+}
+
+Test(comm_launch, tsrun_log_dir_tees_each_rank_to_a_file, .timeout = 60)
+{
+    char tmp[4096], dir[4200], path[4300];
+    make_tmp_dir(tmp, sizeof tmp);
+    snprintf(dir, sizeof dir, "%s/a/b", tmp); /* parents created too */
+    child c;
+    const char *args[] = {"--nproc-per-node", "2", "--log-dir", dir, "/bin/sh", "-c",
+                          "echo \"out $RANK\"; echo \"err $RANK\" >&2; printf \"tail $RANK\"", NULL};
+    int st = run_tsrun(&c, args, NULL);
+    cr_assert(exited_with(st, 0), "status %d: %s", st, c.err_buf);
+    for (int r = 0; r < 2; r++) {
+        char o[32], e[32], t[32];
+        snprintf(o, sizeof o, "[%d] out %d\n", r, r);
+        snprintf(e, sizeof e, "[%d] err %d\n", r, r);
+        snprintf(t, sizeof t, "[%d] tail %d\n", r, r);
+        cr_assert(strstr(c.out_buf, o) && strstr(c.out_buf, t), "the terminal still gets it: %s", c.out_buf);
+        cr_assert(strstr(c.err_buf, e), "%s", c.err_buf);
+        snprintf(path, sizeof path, "%s/rank%d.log", dir, r);
+        char *log = read_text(path);
+        /* stdout and stderr are two pipes: their relative order is the relay's */
+        cr_assert(strstr(log, o + 4) && strstr(log, e + 4) && strstr(log, t + 4), "%s: %s", path, log);
+        cr_assert_eq(strlen(log), strlen(o + 4) + strlen(e + 4) + strlen(t + 4), "%s: %s", path, log);
+        cr_assert_null(strchr(log, '['), "no prefix in the file: %s", log);
+        free(log);
+    }
+    child_free(&c);
+
+    /* live, like the terminal: written while the ranks still run; and a
+     * rerun truncates */
+    const char *env[] = {"TS_TEST_LAUNCH_ROLE=lines", NULL};
+    const char *args2[] = {"--nproc-per-node", "2", "--log-dir", dir, self_exe(), NULL};
+    c = spawn_tsrun(args2, env);
+    struct want w = {"blocked ", 2};
+    cr_assert(pump(&c, 20, has_n_of, &w), "%s", c.out_buf ? c.out_buf : "");
+    pump_err(&c, "] blocked\n", 2); /* stderr: the other pipe */
+    snprintf(path, sizeof path, "%s/rank1.log", dir);
+    char *log = read_text(path);
+    cr_assert(strstr(log, "line 0 of 1\nline 1 of 1\nline 2 of 1\nblocked "), "%s", log);
+    cr_assert(strstr(log, "blocked\n"), "stderr too: %s", log);
+    cr_assert_null(strstr(log, "out 1"), "truncated: %s", log);
+    free(log);
+    kill(c.pid, SIGTERM);
+    st = reap(&c, 15);
+    cr_assert(exited_with(st, 143), "status %d", st);
+    child_free(&c);
+    rm_tree(tmp);
+}
+
+Test(comm_launch, tsrun_log_dir_that_cannot_be_written_fails_before_any_rank, .timeout = 60)
+{
+    char tmp[4096], file[4200], sub[4300], ran[4200], script[4400];
+    make_tmp_dir(tmp, sizeof tmp);
+    snprintf(file, sizeof file, "%s/plain", tmp);
+    write_text(file, "x", 0644);
+    snprintf(ran, sizeof ran, "%s/ran", tmp);
+    snprintf(script, sizeof script, "touch '%s'", ran);
+    child c;
+
+    /* under a regular file, or a regular file itself */
+    snprintf(sub, sizeof sub, "%s/logs", file);
+    const char *dirs[] = {sub, file};
+    for (int i = 0; i < 2; i++) {
+        const char *args[] = {"--nproc-per-node", "2", "--log-dir", dirs[i], "/bin/sh", "-c", script, NULL};
+        int st = run_tsrun(&c, args, NULL);
+        cr_assert(exited_with(st, 1), "status %d: %s", st, c.err_buf);
+        cr_assert(strstr(c.err_buf, "tsrun: ts_launch: cannot create the log directory") &&
+                      strstr(c.err_buf, dirs[i]) && strstr(c.err_buf, "Not a directory"),
+                  "%s", c.err_buf);
+        cr_assert_neq(access(ran, F_OK), 0, "a rank ran");
+        child_free(&c);
+    }
+
+    /* a symbolic link planted as a log file is not followed */
+    char ldir[4200], victim[4200], link[4300];
+    snprintf(ldir, sizeof ldir, "%s/links", tmp);
+    snprintf(victim, sizeof victim, "%s/victim", tmp);
+    snprintf(link, sizeof link, "%s/rank1.log", ldir);
+    cr_assert_eq(mkdir(ldir, 0755), 0);
+    write_text(victim, "keep", 0644);
+    cr_assert_eq(symlink(victim, link), 0);
+    const char *args[] = {"--nproc-per-node", "2", "--log-dir", ldir, "/bin/sh", "-c", script, NULL};
+    int st = run_tsrun(&c, args, NULL);
+    cr_assert(exited_with(st, 1), "status %d: %s", st, c.err_buf);
+    cr_assert(strstr(c.err_buf, "rank1.log") && strstr(c.err_buf, "symbolic link"), "%s", c.err_buf);
+    char *v = read_text(victim);
+    cr_assert_str_eq(v, "keep");
+    free(v);
+    cr_assert_neq(access(ran, F_OK), 0, "a rank ran");
+    child_free(&c);
+
+    /* a FIFO neither blocks tsrun nor is taken for a file */
+    char fdir[4200], fifo[4300];
+    snprintf(fdir, sizeof fdir, "%s/fifo", tmp);
+    snprintf(fifo, sizeof fifo, "%s/rank0.log", fdir);
+    cr_assert_eq(mkdir(fdir, 0755), 0);
+    cr_assert_eq(mkfifo(fifo, 0644), 0);
+    const char *args2[] = {"--log-dir", fdir, "/bin/sh", "-c", script, NULL};
+    st = run_tsrun(&c, args2, NULL);
+    cr_assert(exited_with(st, 1), "status %d: %s", st, c.err_buf);
+    cr_assert(strstr(c.err_buf, "rank0.log"), "%s", c.err_buf);
+    cr_assert_neq(access(ran, F_OK), 0, "a rank ran");
+    child_free(&c);
+
+    /* no write permission (root is not refused by modes: only checked as
+     * another user) */
+    if (geteuid() != 0) {
+        char ro[4200];
+        snprintf(ro, sizeof ro, "%s/ro", tmp);
+        cr_assert_eq(mkdir(ro, 0500), 0);
+        const char *args3[] = {"--log-dir", ro, "/bin/sh", "-c", script, NULL};
+        st = run_tsrun(&c, args3, NULL);
+        cr_assert(exited_with(st, 1), "status %d: %s", st, c.err_buf);
+        cr_assert(strstr(c.err_buf, "Permission denied"), "%s", c.err_buf);
+        child_free(&c);
+    }
+
+    /* through the library: the same error, nothing leaked, nothing run */
+    ts_launch_options o = ts_launch_options_default();
+    o.forward_signals = false;
+    o.log_dir = sub;
+    char *argv[] = {"/bin/sh", "-c", script, NULL};
+    ts_launch_result res = {.exit_code = 12345};
+    th_mem_mark();
+    cr_assert_eq(ts_launch(&o, argv, &res), TS_ERR_IO);
+    th_mem_assert_back();
+    cr_assert(strstr(ts_last_error(), sub), "%s", ts_last_error());
+    cr_assert_eq(res.exit_code, 12345);
+    o.log_dir = "";
+    cr_assert_eq(ts_launch(&o, argv, &res), TS_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(ts_last_error(), "log_dir"), "%s", ts_last_error());
+    cr_assert_neq(access(ran, F_OK), 0, "a rank ran");
+    rm_tree(tmp);
+}
+
+/* Whether /proc/<pid>/<what> (NUL-separated) holds `needle`. */
+static bool proc_holds(int pid, const char *what, const char *needle)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/%s", pid, what);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    cr_assert_geq(fd, 0, "%s: %s", path, strerror(errno));
+    static char buf[1 << 20];
+    size_t got = 0;
+    ssize_t r;
+    while (got < sizeof buf && (r = read(fd, buf + got, sizeof buf - got)) > 0)
+        got += (size_t)r;
+    close(fd);
+    cr_assert_gt(got, 0, "%s is empty", path);
+    return memmem(buf, got, needle, strlen(needle)) != NULL;
+}
+
+/* tsrun with `args` and `env`: the ranks report their token; neither
+ * tsrun's nor a rank's command line holds it, their environment does. */
+static void expect_token_hidden(const char *const *args, const char *const *env, const char *token)
+{
+    child c = spawn_tsrun(args, env);
+    struct want w = {"ready ", 2};
+    cr_assert(pump(&c, 20, has_n_of, &w), "%s\n%s", c.out_buf ? c.out_buf : "", c.err_buf ? c.err_buf : "");
+    cr_assert_not(proc_holds(c.pid, "cmdline", token), "tsrun's command line shows the token");
+    char env_entry[512];
+    snprintf(env_entry, sizeof env_entry, "TS_STORE_TOKEN=%s", token);
+    for (int r = 0; r < 2; r++) {
+        char head[32];
+        snprintf(head, sizeof head, "[%d] ready ", r);
+        const char *l = strstr(c.out_buf, head);
+        cr_assert(l, "%s", c.out_buf);
+        int pid = 0;
+        char got[300] = "";
+        cr_assert_eq(sscanf(l + strlen(head), "%d %299s", &pid, got), 2, "%s", l);
+        cr_assert_str_eq(got, token, "rank %d got another token", r);
+        cr_assert_not(proc_holds(pid, "cmdline", token), "rank %d's command line shows the token", r);
+        cr_assert(proc_holds(pid, "environ", env_entry), "rank %d's environment lacks it", r);
+    }
+    kill(c.pid, SIGTERM);
+    int st = reap(&c, 15);
+    cr_assert(exited_with(st, 143), "status %d: %s", st, c.err_buf);
+    cr_assert_null(strstr(c.err_buf, "warning"), "%s", c.err_buf);
+    child_free(&c);
+}
+
+Test(comm_launch, tsrun_token_comes_from_the_environment_or_a_file_never_argv, .timeout = 90)
+{
+    char token[128], env_tok[160], tmp[4096], file[4200];
+    snprintf(token, sizeof token, "ts-secret-%d-%ld", (int)getpid(), (long)time(NULL));
+    snprintf(env_tok, sizeof env_tok, "TS_STORE_TOKEN=%s", token);
+    /* no exec: a command line read during an exec can come back empty */
+    const char *rank[] = {"/bin/sh", "-c", "echo \"ready $$ $TS_STORE_TOKEN\"; sleep 30"};
+    const char *args[] = {"--nproc-per-node", "2", "--grace", "5", rank[0], rank[1], rank[2], NULL};
+    const char *env[] = {env_tok, NULL};
+    expect_token_hidden(args, env, token);
+
+    /* a file (a trailing newline dropped) wins over the environment */
+    make_tmp_dir(tmp, sizeof tmp);
+    snprintf(file, sizeof file, "%s/token", tmp);
+    char file_tok[160], text[200];
+    snprintf(file_tok, sizeof file_tok, "%s-file", token);
+    snprintf(text, sizeof text, "%s\n", file_tok);
+    write_text(file, text, 0600);
+    const char *args2[] = {"--nproc-per-node", "2", "--grace", "5", "--token-file", file,
+                           rank[0], rank[1], rank[2], NULL};
+    expect_token_hidden(args2, env, file_tok);
+
+    /* --token on the command line is refused, without echoing it */
+    child c;
+    const char *bad1[] = {"--token", token, "/bin/true", NULL};
+    const char *bad2[] = {"--token=sekrit-value", "/bin/true", NULL};
+    const char *const *bads[] = {bad1, bad2};
+    for (int i = 0; i < 2; i++) {
+        int st = run_tsrun(&c, bads[i], NULL);
+        cr_assert(exited_with(st, 2), "status %d", st);
+        cr_assert(strstr(c.err_buf, "TS_STORE_TOKEN") && strstr(c.err_buf, "--token-file"), "%s", c.err_buf);
+        cr_assert_null(strstr(c.err_buf, token), "%s", c.err_buf);
+        cr_assert_null(strstr(c.err_buf, "sekrit-value"), "%s", c.err_buf);
+        child_free(&c);
+    }
+
+    /* bad token files: missing, empty, two lines, a directory */
+    char missing[4300], empty[4300], two[4300];
+    snprintf(missing, sizeof missing, "%s/missing", tmp);
+    snprintf(empty, sizeof empty, "%s/empty", tmp);
+    snprintf(two, sizeof two, "%s/two", tmp);
+    write_text(empty, "\n", 0600);
+    write_text(two, "a\nb\n", 0600);
+    const char *files[] = {missing, empty, two, tmp};
+    const char *why[] = {"No such file", "one line", "one line", "not a regular file"};
+    for (int i = 0; i < 4; i++) {
+        const char *a[] = {"--token-file", files[i], "/bin/true", NULL};
+        int st = run_tsrun(&c, a, NULL);
+        cr_assert(exited_with(st, 2), "%s: status %d", files[i], st);
+        cr_assert(strstr(c.err_buf, files[i]) && strstr(c.err_buf, why[i]), "%s", c.err_buf);
+        child_free(&c);
+    }
+    /* a file others may read works, with a warning */
+    write_text(file, text, 0644);
+    const char *a[] = {"--token-file", file, "/bin/sh", "-c", "echo \"$TS_STORE_TOKEN\"", NULL};
+    int st = run_tsrun(&c, a, NULL);
+    cr_assert(exited_with(st, 0), "status %d: %s", st, c.err_buf);
+    cr_assert(strstr(c.err_buf, "warning") && strstr(c.err_buf, "readable by other users"), "%s", c.err_buf);
+    cr_assert(strstr(c.out_buf, file_tok), "%s", c.out_buf);
+    child_free(&c);
+    /* several nodes without a token say where to put one */
+    const char *a2[] = {"--nnodes", "2", "--master-port", "29500", "/bin/true", NULL};
+    st = run_tsrun(&c, a2, NULL);
+    cr_assert(exited_with(st, 2), "status %d", st);
+    cr_assert(strstr(c.err_buf, "TS_STORE_TOKEN") && strstr(c.err_buf, "--token-file"), "%s", c.err_buf);
+    child_free(&c);
+    rm_tree(tmp);
 }

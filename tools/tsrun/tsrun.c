@@ -12,12 +12,20 @@
 #include "comm/launch.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#ifndef TS_VERSION
+#error "TS_VERSION must be the project's version (tools/meson.build defines it)"
+#endif
 
 static void usage(FILE *f)
 {
@@ -29,18 +37,26 @@ static void usage(FILE *f)
           "as \"[R] line\". When a rank fails, the others are stopped.\n"
           "\n"
           "options (also as --flag=value; '_' may replace '-'):\n"
-          "  --nproc-per-node N  ranks on this node (default 1)\n"
+          "  --nproc-per-node N  ranks on this node (default 1); 'auto' (or 'cpu'):\n"
+          "                      one per core this process may run on\n"
+          "  --standalone        one node on 127.0.0.1 with a free port (as torchrun;\n"
+          "                      --master-addr and --master-port are then ignored)\n"
           "  --nnodes N          nodes in the job (default 1)\n"
           "  --node-rank R       this node's index, 0..nnodes-1 (default 0)\n"
           "  --master-addr HOST  node 0's address, where the store listens (default 127.0.0.1)\n"
           "  --master-port PORT  the store's port; 0 picks a free one (default 0;\n"
           "                      several nodes need a fixed port)\n"
           "  --run-id ID         job id (default: generated)\n"
-          "  --token T           store token (default: generated; several nodes need\n"
-          "                      the same token on every node)\n"
+          "  --token-file F      read the store token from the first line of file F\n"
+          "                      (default: $TS_STORE_TOKEN, else generated; several\n"
+          "                      nodes need the same token on every node). There is\n"
+          "                      no --token: a command line is visible to all in ps.\n"
+          "  --log-dir DIR       also write each rank's output to DIR/rank<R>.log\n"
+          "                      (created; R the global rank; stdout and stderr)\n"
           "  --grace S           seconds between SIGTERM and SIGKILL when stopping\n"
           "                      ranks (default 3)\n"
           "  --no-prefix         do not prefix output lines with \"[R] \"\n"
+          "  --version           print the version and exit\n"
           "  -h, --help          this text\n"
           "\n"
           "exit status: 0 if every rank exited 0, else the first failed rank's status\n"
@@ -70,6 +86,64 @@ static bool parse_int(const char *s, long lo, long hi, int *out)
     return true;
 }
 
+/* One rank per core this process may run on (its affinity mask). */
+static int cores(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        return CPU_COUNT(&set);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > 4096 ? 4096 : (int)n;
+}
+
+/* The token from the first line of `path` (a trailing newline dropped).
+ * Returns NULL after a message on stderr. */
+static const char *read_token_file(const char *path, char *buf, size_t cap)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        fprintf(stderr, "tsrun: cannot read the token file '%s': %s\n", path, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return NULL;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        fprintf(stderr, "tsrun: the token file '%s' is not a regular file\n", path);
+        close(fd);
+        return NULL;
+    }
+    size_t got = 0;
+    for (;;) {
+        ssize_t r = read(fd, buf + got, cap - 1 - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            fprintf(stderr, "tsrun: cannot read the token file '%s': %s\n", path, strerror(errno));
+            close(fd);
+            return NULL;
+        }
+        got += (size_t)r;
+        if (r == 0 || got == cap - 1)
+            break;
+    }
+    close(fd);
+    buf[got] = '\0';
+    if (got > 0 && buf[got - 1] == '\n')
+        buf[--got] = '\0';
+    if (got > 0 && buf[got - 1] == '\r')
+        buf[--got] = '\0';
+    if (got == 0 || got >= TS_LAUNCH_MAX_STR || strpbrk(buf, "\r\n") || strlen(buf) != got) {
+        fprintf(stderr, "tsrun: the token file '%s' must hold one line of 1..%d bytes (a trailing newline "
+                        "is dropped)\n", path, TS_LAUNCH_MAX_STR - 1);
+        return NULL;
+    }
+    if (st.st_mode & (S_IRGRP | S_IROTH))
+        fprintf(stderr, "tsrun: warning: the token file '%s' is readable by other users (mode %04o); "
+                        "chmod 600 it\n", path, (unsigned)(st.st_mode & 07777));
+    return buf;
+}
+
 static const char *signame(int sig)
 {
     static char buf[32];
@@ -84,6 +158,8 @@ static const char *signame(int sig)
 int main(int argc, char **argv)
 {
     ts_launch_options o = ts_launch_options_default();
+    bool standalone = false, addr_set = false, port_set = false, nnodes_set = false, node_rank_set = false;
+    const char *token_file = NULL;
     int i = 1;
     for (; i < argc; i++) {
         const char *arg = argv[i];
@@ -108,16 +184,29 @@ int main(int argc, char **argv)
         for (size_t k = 0; k < nlen; k++)
             name[k] = arg[k] == '_' ? '-' : arg[k];
         name[nlen] = '\0';
-        if (strcmp(name, "--no-prefix") == 0) {
+        if (strcmp(name, "--no-prefix") == 0 || strcmp(name, "--standalone") == 0 ||
+            strcmp(name, "--version") == 0) {
             if (eq)
                 return bad("option '%s' takes no value%s", name, "");
-            o.prefix_output = false;
+            if (strcmp(name, "--version") == 0) {
+                printf("tsrun (tensorshard) %s\n", TS_VERSION);
+                return 0;
+            }
+            if (strcmp(name, "--standalone") == 0)
+                standalone = true;
+            else
+                o.prefix_output = false;
             continue;
         }
+        if (strcmp(name, "--token") == 0)
+            /* the value is not echoed: it is a secret */
+            return bad("--token is not accepted: a command line is visible to every user in ps; set "
+                       "TS_STORE_TOKEN in tsrun's environment or use --token-file FILE%s%s", "", "");
         static const char *const valued[] = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
-                                             "--master-port", "--run-id", "--token", "--grace"};
+                                             "--master-port", "--run-id", "--token-file", "--grace",
+                                             "--log-dir"};
         int which = -1;
-        for (int k = 0; k < 8; k++)
+        for (int k = 0; k < (int)(sizeof valued / sizeof valued[0]); k++)
             if (strcmp(name, valued[k]) == 0)
                 which = k;
         if (which < 0)
@@ -132,13 +221,19 @@ int main(int argc, char **argv)
         }
         bool ok = true;
         switch (which) {
-        case 0: ok = parse_int(val, 1, 4096, &o.nproc_per_node); break;
-        case 1: ok = parse_int(val, 1, 65536, &o.nnodes); break;
-        case 2: ok = parse_int(val, 0, 65535, &o.node_rank); break;
-        case 3: o.master_addr = val; ok = *val != '\0'; break;
-        case 4: ok = parse_int(val, 0, 65535, &o.master_port); break;
+        case 0:
+            if (strcmp(val, "auto") == 0 || strcmp(val, "cpu") == 0)
+                o.nproc_per_node = cores();
+            else
+                ok = parse_int(val, 1, 4096, &o.nproc_per_node);
+            break;
+        case 1: ok = parse_int(val, 1, 65536, &o.nnodes); nnodes_set = true; break;
+        case 2: ok = parse_int(val, 0, 65535, &o.node_rank); node_rank_set = true; break;
+        case 3: o.master_addr = val; ok = *val != '\0'; addr_set = true; break;
+        case 4: ok = parse_int(val, 0, 65535, &o.master_port); port_set = true; break;
         case 5: o.run_id = val; ok = *val != '\0'; break;
-        case 6: o.token = val; ok = *val != '\0'; break;
+        case 6: token_file = val; ok = *val != '\0'; break;
+        case 8: o.log_dir = val; ok = *val != '\0'; break;
         case 7: {
             char *end;
             errno = 0;
@@ -153,12 +248,32 @@ int main(int argc, char **argv)
     }
     if (i >= argc)
         return bad("no program to run%s%s", "", "");
+    if (standalone) {
+        if ((nnodes_set && o.nnodes != 1) || (node_rank_set && o.node_rank != 0))
+            return bad("--standalone runs one node: it cannot go with --nnodes > 1 or --node-rank > 0%s%s", "",
+                       "");
+        if (addr_set || port_set)
+            fprintf(stderr, "tsrun: --standalone: ignoring --master-addr and --master-port (the store listens "
+                            "on 127.0.0.1, on a free port)\n");
+        o.nnodes = 1;
+        o.node_rank = 0;
+        o.master_addr = "127.0.0.1";
+        o.master_port = 0;
+    }
+    char token_buf[4096];
+    if (token_file) {
+        if (!(o.token = read_token_file(token_file, token_buf, sizeof token_buf)))
+            return 2;
+    } else if (getenv("TS_STORE_TOKEN") && *getenv("TS_STORE_TOKEN")) {
+        o.token = getenv("TS_STORE_TOKEN");
+    }
     if (o.node_rank >= o.nnodes)
         return bad("--node-rank must be below --nnodes%s%s", "", "");
     if (o.nnodes > 1 && o.master_port == 0)
         return bad("--nnodes > 1 needs a fixed --master-port%s%s", "", "");
     if (o.nnodes > 1 && !o.token)
-        return bad("--nnodes > 1 needs --token, the same on every node%s%s", "", "");
+        return bad("--nnodes > 1 needs a token, the same on every node: set TS_STORE_TOKEN or use "
+                   "--token-file FILE%s%s", "", "");
 
     /* a closed stderr must not kill tsrun (the ranks get default dispositions) */
     signal(SIGPIPE, SIG_IGN);
