@@ -275,8 +275,11 @@ int main(int argc, char **argv)
         return bad("--nnodes > 1 needs a token, the same on every node: set TS_STORE_TOKEN or use "
                    "--token-file FILE%s%s", "", "");
 
-    /* a closed stderr must not kill tsrun (the ranks get default dispositions) */
+    /* A closed stderr must not kill tsrun, nor a --log-dir file that reaches
+     * RLIMIT_FSIZE (the write then fails with EFBIG and is warned about);
+     * uv_spawn gives the ranks default dispositions again. */
     signal(SIGPIPE, SIG_IGN);
+    signal(SIGXFSZ, SIG_IGN);
     ts_launch_result res;
     ts_status s = ts_launch(&o, argv + i, &res);
     if (s != TS_OK) {
