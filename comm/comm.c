@@ -583,6 +583,17 @@ static void finalize(op *o)
         for (int i = 0; i < o->W; i++) memcpy(o->outs[i], o->buf + (size_t)i * o->block, o->block);
 }
 
+/* TS_TRACE: the collective's span on the communication thread's track,
+ * from submission to completion (base/base.h lists the args). */
+static void trace_op(const op *o, ts_status st)
+{
+    if (!ts_trace_enabled()) return;
+    ts_trace_arg a[6] = {{"kind", k_kind_names[o->kind], 0},     {"bytes", NULL, (int64_t)o->bytes},
+                         {"group", NULL, (int64_t)o->gid},       {"seq", NULL, (int64_t)o->seq},
+                         {"rank", NULL, o->rank},                {"status", ts_status_name(st), 0}};
+    ts_trace_span_args(k_kind_names[o->kind], "comm", o->submit_ns, ts_now_ns(), 6, a);
+}
+
 static void finish(op *o)
 {
     world *w = o->req->w;
@@ -590,6 +601,7 @@ static void finish(op *o)
     if (st == TS_OK) finalize(o);
     o->finished = true;
     log_detail(o, st);
+    trace_op(o, st);
     complete_req(w, o->req, st, o->req->err);
 }
 

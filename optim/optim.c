@@ -799,7 +799,7 @@ ts_status ts_optim_step(ts_optim *o)
         else
             adam_update(o, pp, g);
     }
-    TS_TRACE_END(t0, "optim_step", "compute");
+    TS_TRACE_END(t0, "optimizer.step", "optimizer");
     o->steps++;
     return TS_OK;
 }

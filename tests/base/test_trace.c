@@ -70,11 +70,14 @@ Test(base_trace, off_by_default_and_records_spans_when_started)
     unlink(path);
 }
 
-Test(base_trace, unwritable_path_is_an_io_error)
+Test(base_trace, unwritable_path_is_an_io_error_at_start)
 {
-    TH_OK(ts_trace_start("/nonexistent-dir/trace.json"));
-    cr_assert_eq(ts_trace_flush(), TS_ERR_IO);
+    cr_assert_eq(ts_trace_start("/nonexistent-dir/trace.json"), TS_ERR_IO);
     cr_assert(strstr(ts_last_error(), "/nonexistent-dir/trace.json") != NULL, "%s", ts_last_error());
-    ts_trace_stop(false);
+    cr_assert(strstr(ts_last_error(), "No such file or directory") != NULL, "%s", ts_last_error());
+    cr_assert(!ts_trace_enabled(), "nothing is recorded for a path that cannot be written");
+    cr_assert_eq(ts_trace_start("/tmp"), TS_ERR_IO, "a directory is not a trace file");
+    cr_assert_eq(ts_trace_flush(), TS_ERR_STATE);
     cr_assert_eq(ts_trace_start(""), TS_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(ts_trace_start(NULL), TS_ERR_INVALID_ARGUMENT);
 }
