@@ -11,6 +11,7 @@
  * This binary is also the rank program (TS_TEST_TRACE_RANK=1, run by a
  * constructor before Criterion starts): a Sequential of two blocks and a
  * head, each block its own group, the root the head's, SGD, ITERS steps.
+ * tools/trace_plot draws the job's traces (skipped without matplotlib).
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
@@ -369,5 +370,83 @@ Test(fully_shard_trace, two_ranks_under_tsrun, .timeout = 120)
     check_rank(r1, 1);
     unlink(r0);
     unlink(r1);
+    rmdir(dir);
+}
+
+/* Runs argv (a NULL-terminated list) with stdout and stderr into a memfd;
+ * returns the wait status and the output (malloc'd). */
+static int run_capture(char *const *argv, char **out)
+{
+    int fd = memfd_create("ts-trace-plot", MFD_CLOEXEC);
+    cr_assert_geq(fd, 0);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, fd, 1);
+    posix_spawn_file_actions_adddup2(&fa, fd, 2);
+    pid_t pid;
+    cr_assert_eq(posix_spawn(&pid, argv[0], &fa, NULL, argv, environ), 0, "cannot start %s", argv[0]);
+    posix_spawn_file_actions_destroy(&fa);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    *out = th_slurp_fd(fd);
+    close(fd);
+    return status;
+}
+
+Test(fully_shard_trace, trace_plot_draws_the_ranks_and_a_loss_curve, .timeout = 180)
+{
+    char *out = NULL;
+    char *probe[] = {"/usr/bin/python3", "-c", "import matplotlib", NULL};
+    if (access(probe[0], X_OK) != 0 || run_capture(probe, &out) != 0) {
+        free(out);
+        cr_skip_test("python3-matplotlib is not installed");
+    }
+    free(out);
+    /* the source tree's tools/, from TS_FIXTURES_DIR = <src>/tests/fixtures */
+    char script[4096];
+    snprintf(script, sizeof script, "%s/../../tools/trace_plot", TS_FIXTURES_DIR);
+    cr_assert_eq(access(script, R_OK), 0, "%s is missing", script);
+
+    const char *t = getenv("TMPDIR");
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/ts_fsdp_plot_XXXXXX", t && *t ? t : "/tmp");
+    cr_assert_not_null(mkdtemp(dir));
+    char trace[4200], r0[4300], r1[4300], log[4300], png[4300];
+    snprintf(trace, sizeof trace, "%s/trace.json", dir);
+    snprintf(r0, sizeof r0, "%s/trace.rank0.json", dir);
+    snprintf(r1, sizeof r1, "%s/trace.rank1.json", dir);
+    snprintf(log, sizeof log, "%s/train.log", dir);
+    snprintf(png, sizeof png, "%s/run.png", dir);
+    run_job(trace);
+    /* train_gpt's lines, as tsrun relays them */
+    FILE *f = fopen(log, "w");
+    cr_assert_not_null(f);
+    fputs("[0] corpus: built-in grammar, 200000 characters, vocabulary 26\n", f);
+    for (int s = 1; s <= 5; s++)
+        fprintf(f, "[0] step %4d  loss %.4f  (mean of last 1: %.4f)  lr 3.00e-03  9000 tokens/s\n", s, 3.0 / s,
+                3.0 / s);
+    fclose(f);
+    char *argv[] = {"/usr/bin/python3", script, r0, r1, "--loss", log, "-o", png, NULL};
+    int status = run_capture(argv, &out);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "trace_plot failed (%d):\n%s", status, out);
+    cr_assert(strstr(out, "rank 0: all-gathers and reduce-scatters active") != NULL, "%s", out);
+    cr_assert(strstr(out, "rank 1: all-gathers and reduce-scatters active") != NULL, "%s", out);
+    free(out);
+    unsigned char magic[8] = {0};
+    f = fopen(png, "rb");
+    cr_assert_not_null(f, "no %s", png);
+    cr_assert_eq(fread(magic, 1, 8, f), 8);
+    fclose(f);
+    cr_assert_eq(memcmp(magic, "\x89PNG\r\n\x1a\n", 8), 0, "%s is not a PNG", png);
+    /* a log without loss lines is an error that says so */
+    char *bad[] = {"/usr/bin/python3", script, "--loss", r0, "-o", png, NULL};
+    status = run_capture(bad, &out);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) != 0);
+    cr_assert(strstr(out, "has no 'step N  loss L' lines") != NULL, "%s", out);
+    free(out);
+    unlink(r0);
+    unlink(r1);
+    unlink(log);
+    unlink(png);
     rmdir(dir);
 }
