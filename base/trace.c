@@ -430,11 +430,12 @@ ts_status ts_trace_start(const char *path)
     }
     static bool registered;
     pthread_mutex_lock(&g_lock);
-    if (g_path && g_created && !g_written && strcmp(g_path, path) != 0)
+    bool same = g_path && strcmp(g_path, path) == 0;
+    if (g_path && g_created && !g_written && !same)
         unlink(g_path); /* replaced before anything was written to it */
     free(g_path);
     g_path = p;
-    g_created = created;
+    g_created = created || (same && g_created && !g_written);
     g_written = false;
     if (!g_origin_ns)
         g_origin_ns = ts_now_ns();

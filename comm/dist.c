@@ -83,15 +83,17 @@ static void log_init(const ts_rank_env *e, const char *transport)
 {
     static const char *const launchers[] = {"none", "tsrun/torchrun", "mpirun", "srun"};
     const char *via = (int)e->source >= 0 && (int)e->source < 4 ? launchers[e->source] : "?";
+    const char *host = e->world_size == 1 ? "not used by one rank"
+                       : e->store_hosted   ? "hosted by the launcher"
+                                           : "hosted by rank 0";
     if (e->world_size == 1 && !e->master_port)
         ts_logf(TS_LOG_INFO, "ts_dist_init: rank %d of %d, local rank %d of %d, transport %s, no store (launcher %s)",
                 e->rank, e->world_size, e->local_rank, e->local_world_size ? e->local_world_size : 1, transport, via);
     else
-        ts_logf(TS_LOG_INFO, "ts_dist_init: rank %d of %d, local rank %d of %d, transport %s, store %s:%d (%s; "
-                "launcher %s)", e->rank, e->world_size, e->local_rank, e->local_world_size, transport,
-                e->master_addr, e->master_port,
-                e->world_size == 1 ? "not used by one rank" : e->store_hosted ? "hosted by the launcher" : "hosted by rank 0",
-                via);
+        ts_logf(TS_LOG_INFO,
+                "ts_dist_init: rank %d of %d, local rank %d of %d, transport %s, store %s:%d (%s; launcher %s)",
+                e->rank, e->world_size, e->local_rank, e->local_world_size, transport, e->master_addr,
+                e->master_port, host, via);
 }
 
 static ts_status init_locked(const ts_dist_options *o)

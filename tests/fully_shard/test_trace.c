@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -47,7 +48,9 @@ extern char **environ;
         }                                                                                           \
     } while (0)
 
-static void rank_main(void)
+/* wait: after the iterations and a barrier, says "ready" and waits for
+ * tsrun to stop the job (the trace must be flushed by the SIGTERM). */
+static void rank_main(bool wait)
 {
     RCHECK(10, ts_dist_init(NULL));
     ts_manual_seed(0);
@@ -86,6 +89,12 @@ static void rank_main(void)
         ts_tensor_free(out);
         ts_tensor_free(loss);
     }
+    if (wait) {
+        RCHECK(20, ts_barrier(ts_dist_world(), NULL));
+        printf("ready\n");
+        fflush(stdout);
+        for (;;) pause();
+    }
     ts_optim_free(opt);
     ts_named_params_free(&np);
     ts_module_free(model);
@@ -95,14 +104,16 @@ static void rank_main(void)
 
 __attribute__((constructor)) static void trace_rank_role(void)
 {
-    if (getenv("TS_TEST_TRACE_RANK")) rank_main();
+    const char *role = getenv("TS_TEST_TRACE_RANK");
+    if (role) rank_main(strcmp(role, "wait") == 0);
 }
 
 /* ------------------------------------------------------------ test side */
 
-/* Runs `tsrun --nproc-per-node 2 <this binary>` with TS_TRACE=trace and
- * asserts it exited 0. */
-static void run_job(const char *trace)
+/* Starts `tsrun --nproc-per-node 2 <this binary>` with TS_TRACE=trace and
+ * TS_TEST_TRACE_RANK=role; its stdout into *out_fd (a pipe) when out_fd is
+ * not NULL, else with stderr into a memfd (*err_fd). */
+static pid_t start_job(const char *trace, const char *role, int *out_fd, int *err_fd)
 {
     char exe[4096], tsrun[4096];
     ssize_t l = readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -127,19 +138,36 @@ static void run_job(const char *trace)
     char tv[4400];
     snprintf(tv, sizeof tv, "TS_TRACE=%s", trace);
     envp[k++] = tv;
-    envp[k++] = "TS_TEST_TRACE_RANK=1";
+    char rv[64];
+    snprintf(rv, sizeof rv, "TS_TEST_TRACE_RANK=%s", role);
+    envp[k++] = rv;
     envp[k] = NULL;
     int errfd = memfd_create("ts-trace-err", MFD_CLOEXEC);
     cr_assert_geq(errfd, 0);
+    int po[2] = {-1, -1};
+    if (out_fd) cr_assert_eq(pipe2(po, O_CLOEXEC), 0);
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, errfd, 2);
-    posix_spawn_file_actions_adddup2(&fa, errfd, 1);
+    posix_spawn_file_actions_adddup2(&fa, out_fd ? po[1] : errfd, 1);
     char *argv[] = {tsrun, "--nproc-per-node", "2", exe, NULL};
     pid_t pid;
     cr_assert_eq(posix_spawn(&pid, tsrun, &fa, NULL, argv, envp), 0);
     posix_spawn_file_actions_destroy(&fa);
     free(envp);
+    if (out_fd) {
+        close(po[1]);
+        *out_fd = po[0];
+    }
+    *err_fd = errfd;
+    return pid;
+}
+
+/* Runs the job to its end and asserts that tsrun exited 0. */
+static void run_job(const char *trace)
+{
+    int errfd;
+    pid_t pid = start_job(trace, "1", NULL, &errfd);
     int status;
     cr_assert_eq(waitpid(pid, &status, 0), pid);
     char *err = th_slurp_fd(errfd);
@@ -448,5 +476,51 @@ Test(fully_shard_trace, trace_plot_draws_the_ranks_and_a_loss_curve, .timeout = 
     unlink(r1);
     unlink(log);
     unlink(png);
+    rmdir(dir);
+}
+
+/* tsrun stopping a job (SIGTERM to tsrun, forwarded to the ranks) still
+ * leaves each rank's trace, with what it recorded. */
+Test(fully_shard_trace, stopping_the_job_flushes_every_rank, .timeout = 120)
+{
+    const char *t = getenv("TMPDIR");
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/ts_fsdp_stop_XXXXXX", t && *t ? t : "/tmp");
+    cr_assert_not_null(mkdtemp(dir));
+    char trace[4200], r[2][4300];
+    snprintf(trace, sizeof trace, "%s/trace.json", dir);
+    for (int i = 0; i < 2; i++) snprintf(r[i], sizeof r[i], "%s/trace.rank%d.json", dir, i);
+    int out, errfd;
+    pid_t pid = start_job(trace, "wait", &out, &errfd);
+    /* both ranks say "[R] ready" */
+    char buf[4096] = "";
+    size_t n = 0;
+    while (!(strstr(buf, "[0] ready\n") && strstr(buf, "[1] ready\n"))) {
+        cr_assert_lt(n, sizeof buf - 1);
+        ssize_t k = read(out, buf + n, sizeof buf - 1 - n);
+        cr_assert_gt(k, 0, "the job ended before both ranks were ready: '%.*s'", (int)n, buf);
+        n += (size_t)k;
+        buf[n] = '\0';
+    }
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    char *err = th_slurp_fd(errfd);
+    close(errfd);
+    close(out);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM, "tsrun: status %d; stderr:\n%s", status,
+              err);
+    free(err);
+    for (int i = 0; i < 2; i++) {
+        json_error_t je;
+        json_t *root = json_load_file(r[i], 0, &je);
+        cr_assert_not_null(root, "%s: not valid JSON: %s", r[i], je.text);
+        json_t *ev = json_object_get(root, "traceEvents");
+        cr_assert_eq(count_spans(ev, "forward", -1), ITERS, "%s: the spans before SIGTERM are flushed", r[i]);
+        cr_assert_geq(count_spans(ev, "all_gather", -1), 1, "%s", r[i]);
+        json_decref(root);
+        unlink(r[i]);
+    }
+    cr_assert_eq(access(trace, F_OK), -1);
     rmdir(dir);
 }
