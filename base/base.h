@@ -175,11 +175,47 @@ TS_API void ts_logf(ts_log_level level, const char *fmt, ...) TS_PRINTF(2, 3);
 /*
  * Trace. Named spans per thread with start and end times, off by default.
  * When TS_TRACE=FILE is set (or ts_trace_start is called), spans are
- * recorded and written as a Chrome trace JSON file ("traceEvents", phase
- * "X", microseconds) at ts_trace_flush() or at process exit.
+ * recorded and written as a Chrome trace event JSON file (object form:
+ * "traceEvents" with phase "X" spans in microseconds, "M" metadata events
+ * naming the process "rank R" and each thread, "otherData" with the clock
+ * origin) at ts_trace_flush() or at process exit; chrome://tracing,
+ * ui.perfetto.dev and tools/trace_plot read it. Spans of a thread that
+ * overlap without nesting (the communication thread's collectives) are
+ * written on extra tracks of that thread, "comm (2)", ...
+ *
+ * TS_TRACE=FILE, one file per rank: a process that is a rank (RANK, set by
+ * tsrun and torchrun; OMPI_COMM_WORLD_RANK, mpirun; SLURM_PROCID, srun)
+ * writes FILE with ".rank<R>" inserted before its extension
+ * (trace.json -> trace.rank0.json, trace -> trace.rank0); if FILE holds
+ * "%r", every "%r" is replaced by the rank instead (t/%r.json ->
+ * t/0.json), and by 0 in a process that is not a rank. A process that is
+ * not a rank writes FILE itself. tsrun records nothing. The file is
+ * created (holding an empty trace) or checked for writing when the process
+ * starts: a path that cannot be written is a warning then, and nothing is
+ * recorded. SIGTERM and SIGINT still flush the trace (tsrun stopping a
+ * job, Ctrl-C): when tracing starts and such a signal has its default
+ * disposition, a handler is installed that hands the signal to a watcher
+ * thread, which flushes, then lets the signal take its default action (a
+ * second signal does at once). A program that installs its own handler
+ * afterwards replaces that; ts_trace_stop removes it.
+ *
+ * Spans recorded by the library: "forward" (the outermost ts_module_call),
+ * "backward" (ts_backward), "optimizer.step", "matmul"; fully_shard's
+ * "fsdp.pre_forward", "fsdp.post_forward", "fsdp.pre_backward",
+ * "fsdp.post_backward" (args: the module's "fqn" and its "group") and
+ * inside them "fsdp.wait_all_gather", "fsdp.wait_reduce" (cat "wait"),
+ * "fsdp.copy_out", "fsdp.pack_grads", "fsdp.grad_into_shards" (cat
+ * "copy"); on the communication thread one span per collective, from its
+ * submission to its completion, named by its kind ("all_gather",
+ * "reduce_scatter", ...; cat "comm"; args: kind, bytes, group, seq, rank,
+ * status).
  */
-/* Starts recording; `path` is where flush writes (copied). Returns
- * TS_ERR_INVALID_ARGUMENT for a NULL or empty path. */
+/* Starts recording; `path` is where flush writes (copied; used as given,
+ * without the per-rank naming of TS_TRACE). Creates the file with an
+ * empty trace if it does not exist (an existing one is only checked, and
+ * replaced at the first flush). Returns TS_ERR_INVALID_ARGUMENT for a NULL
+ * or empty path, TS_ERR_IO naming the path and the errno text when it
+ * cannot be created or opened for writing (nothing is recorded then). */
 TS_API ts_status ts_trace_start(const char *path);
 /* True while recording. Cheap: one relaxed atomic load. */
 TS_API bool ts_trace_enabled(void);
@@ -188,18 +224,43 @@ TS_API uint64_t ts_now_ns(void);
 /* Records a finished span on the calling thread. `name` and `cat` must be
  * static strings (they are stored by pointer). No effect when disabled. */
 TS_API void ts_trace_span(const char *name, const char *cat, uint64_t start_ns, uint64_t end_ns);
-/* Names the calling thread in the trace ("compute", "comm"). Copied. */
+
+/* One argument of a span: `key` a static string; the value is `str`
+ * (copied) or, when str is NULL, the integer `num`. */
+typedef struct ts_trace_arg {
+    const char *key;
+    const char *str;
+    int64_t num;
+} ts_trace_arg;
+/* Arguments kept per span; more are dropped. */
+#define TS_TRACE_MAX_ARGS 8
+/* ts_trace_span with n_args arguments (the event's "args" object).
+ * Entries with a NULL key are skipped. No effect when disabled. */
+TS_API void ts_trace_span_args(const char *name, const char *cat, uint64_t start_ns, uint64_t end_ns, int n_args,
+                               const ts_trace_arg *args);
+/* Names the calling thread in the trace ("compute", "comm"). Copied. The
+ * main thread is "main" unless named. */
 TS_API void ts_trace_thread_name(const char *name);
 /* Writes every span recorded so far to the file given at start (all
- * threads), replacing the file; recording continues. Returns TS_ERR_IO
- * with the path and errno text if the file cannot be written, TS_ERR_STATE
- * if tracing was never started. */
+ * threads), replacing the file (through a temporary file and a rename,
+ * or straight into a path that is not a regular file, such as
+ * /dev/null); recording continues. Returns TS_ERR_IO with the path and
+ * errno text if the file cannot be written, TS_ERR_STATE if tracing was
+ * never started. */
 TS_API ts_status ts_trace_flush(void);
-/* Stops recording and discards recorded spans (after flushing if `flush`). */
+/* Stops recording and discards recorded spans (after flushing if
+ * `flush`). A file that ts_trace_start created and no flush wrote is
+ * removed (so a process that turns tracing off at once, as tsrun does,
+ * leaves none); the signal handlers are removed. */
 TS_API ts_status ts_trace_stop(bool flush);
 /* Total nanoseconds of recorded spans named `name` on all threads (for
  * benchmarks that report time per category). */
 TS_API uint64_t ts_trace_total_ns(const char *name);
+/* The file rank `rank` writes for TS_TRACE=`file` (the naming above; rank
+ * < 0: a process that is not a rank), into buf (size bytes, NUL
+ * included). TS_ERR_INVALID_ARGUMENT for a NULL or empty file, a NULL buf
+ * or a name that does not fit. */
+TS_API ts_status ts_trace_rank_path(const char *file, int rank, char *buf, size_t size);
 
 /* Scoped span helper: `TS_TRACE_BEGIN(t); ...; TS_TRACE_END(t, "matmul", "compute");` */
 #define TS_TRACE_BEGIN(var) uint64_t var = ts_trace_enabled() ? ts_now_ns() : 0

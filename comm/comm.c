@@ -45,6 +45,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
@@ -554,19 +555,49 @@ static const char *const k_kind_names[TS_COLL_KIND_COUNT] = {
     "all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier", "all_to_all", "send", "recv"};
 _Static_assert(TS_COLL_KIND_COUNT == 8, "one name per collective");
 
-static bool g_detail;
-static pthread_once_t g_detail_once = PTHREAD_ONCE_INIT;
-static void detail_init(void)
+/* TS_DISTRIBUTED_DEBUG (comm.h): OFF, INFO or DETAIL, in any case; read
+ * once, when the first world is made. */
+enum { DEBUG_OFF, DEBUG_INFO, DEBUG_DETAIL };
+static int g_debug;
+static pthread_once_t g_debug_once = PTHREAD_ONCE_INIT;
+static void debug_init(void)
 {
     const char *e = getenv("TS_DISTRIBUTED_DEBUG");
-    g_detail = e && strcmp(e, "DETAIL") == 0;
+    if (!e || !*e || strcasecmp(e, "OFF") == 0) g_debug = DEBUG_OFF;
+    else if (strcasecmp(e, "INFO") == 0) g_debug = DEBUG_INFO;
+    else if (strcasecmp(e, "DETAIL") == 0) g_debug = DEBUG_DETAIL;
+    else ts_logf(TS_LOG_WARN, "TS_DISTRIBUTED_DEBUG=%s is not one of OFF, INFO, DETAIL (in any case); using OFF", e);
+}
+static int debug_level(void)
+{
+    pthread_once(&g_debug_once, debug_init);
+    return g_debug;
+}
+
+/* TS_DISTRIBUTED_DEBUG=INFO (and DETAIL): a group's counters in one line
+ * on stderr when it is freed. */
+static void log_summary(ts_comm *c)
+{
+    if (debug_level() < DEBUG_INFO) return;
+    ts_comm_counters k;
+    ts_comm_stats(c, &k);
+    char line[1024];
+    int n = snprintf(line, sizeof line, "[ts comm] group %llu rank %d/%d summary:", (unsigned long long)c->gid,
+                     c->rank, c->size);
+    bool any = false;
+    for (int i = 0; i < TS_COLL_KIND_COUNT && n > 0 && (size_t)n < sizeof line; i++) {
+        if (!k.calls[i]) continue;
+        n += snprintf(line + n, sizeof line - (size_t)n, "%s %s %llu (%llu bytes)", any ? "," : "", k_kind_names[i],
+                      (unsigned long long)k.calls[i], (unsigned long long)k.bytes[i]);
+        any = true;
+    }
+    fprintf(stderr, "%s%s\n", line, any ? "" : " no collectives");
 }
 
 /* TS_DISTRIBUTED_DEBUG=DETAIL: one line per collective on stderr. */
 static void log_detail(const op *o, ts_status st)
 {
-    pthread_once(&g_detail_once, detail_init);
-    if (!g_detail) return;
+    if (debug_level() < DEBUG_DETAIL) return;
     fprintf(stderr, "[ts comm] group %llu rank %d/%d #%u %s %zu bytes: %s in %.3f ms\n", (unsigned long long)o->gid,
             o->rank, o->W, o->seq, k_kind_names[o->kind], o->bytes, ts_status_name(st),
             (double)(ts_now_ns() - o->submit_ns) / 1e6);
@@ -583,6 +614,17 @@ static void finalize(op *o)
         for (int i = 0; i < o->W; i++) memcpy(o->outs[i], o->buf + (size_t)i * o->block, o->block);
 }
 
+/* TS_TRACE: the collective's span on the communication thread's track,
+ * from submission to completion (base/base.h lists the args). */
+static void trace_op(const op *o, ts_status st)
+{
+    if (!ts_trace_enabled()) return;
+    ts_trace_arg a[6] = {{"kind", k_kind_names[o->kind], 0},     {"bytes", NULL, (int64_t)o->bytes},
+                         {"group", NULL, (int64_t)o->gid},       {"seq", NULL, (int64_t)o->seq},
+                         {"rank", NULL, o->rank},                {"status", ts_status_name(st), 0}};
+    ts_trace_span_args(k_kind_names[o->kind], "comm", o->submit_ns, ts_now_ns(), 6, a);
+}
+
 static void finish(op *o)
 {
     world *w = o->req->w;
@@ -590,6 +632,7 @@ static void finish(op *o)
     if (st == TS_OK) finalize(o);
     o->finished = true;
     log_detail(o, st);
+    trace_op(o, st);
     complete_req(w, o->req, st, o->req->err);
 }
 
@@ -843,6 +886,7 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     w->t = t;
     w->comm = c;
     w->timeout_s = timeout_s > 0 ? timeout_s : 300.0;
+    (void)debug_level(); /* a bad TS_DISTRIBUTED_DEBUG is a warning now */
     atomic_init(&w->next_gid, 1);
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
@@ -869,6 +913,7 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
 void ts__world_free(ts_comm *c)
 {
     if (!c || c == &g_local) return;
+    log_summary(c);
     world *w = c->w;
     if (w->has_thread) {
         pthread_mutex_lock(&w->mu);
@@ -1233,6 +1278,7 @@ ts_status ts_comm_new_group(ts_comm *parent, int n, const int *ranks, ts_comm **
 void ts_comm_free(ts_comm *c)
 {
     if (!c || !c->is_group) return;
+    log_summary(c);
     pthread_mutex_destroy(&c->stats_mu);
     ts__free(TS_MEM_COMM, c->map);
     ts__free(TS_MEM_COMM, c);

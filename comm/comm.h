@@ -71,10 +71,17 @@ typedef enum ts_coll_kind {
  * broadcast tensor for broadcast, the tensor sent or received for send
  * and recv; 0 for barrier). The list form of all-gather counts as
  * TS_COLL_ALL_GATHER. ts_comm_new_group counts one i64 all-reduce on the
- * parent (it agrees on the group id with one). With
- * TS_DISTRIBUTED_DEBUG=DETAIL in the environment, each collective also
- * writes one line to stderr when it completes: group, rank, sequence,
- * kind, bytes, status and duration. */
+ * parent (it agrees on the group id with one).
+ *
+ * TS_DISTRIBUTED_DEBUG, in any case, read when the first world is made:
+ * OFF (the default) prints nothing; INFO prints, when a group is freed
+ * (a world at ts_dist_finalize, a subgroup at ts_comm_free), one stderr
+ * line per rank with its counters, "[ts comm] group 0 rank 1/2 summary:
+ * all_gather 9 (4608 bytes), reduce_scatter 9 (9216 bytes), barrier 1 (0
+ * bytes)" (calls and bytes since the group was made or its last
+ * ts_comm_stats_reset); DETAIL prints that and, when each collective
+ * completes, one line: group, rank, sequence, kind, bytes, status and
+ * duration. Any other value is a warning naming it, and means OFF. */
 typedef struct ts_comm_counters {
     uint64_t calls[TS_COLL_KIND_COUNT];
     uint64_t bytes[TS_COLL_KIND_COUNT];
@@ -189,6 +196,9 @@ TS_API ts_dist_options ts_dist_options_default(void);
  * unknown transport, and the store's and transport's. NULL: defaults. Call
  * from one thread; the world is then used as described above. */
 TS_API ts_status ts_dist_init(const ts_dist_options *o);
+/* (On success every rank logs one info-level line, TS_LOG_LEVEL=info:
+ * "ts_dist_init: rank 1 of 2, local rank 1 of 2, transport ucx, store
+ * 127.0.0.1:29500 (hosted by the launcher; launcher tsrun/torchrun)".) */
 TS_API bool ts_dist_is_initialized(void);
 /* The initialized world; the one-rank group (ts_comm_world()) otherwise. */
 TS_API ts_comm *ts_dist_world(void);

@@ -69,6 +69,24 @@ static ts_status one_rank_world(double timeout_s, ts_comm **out)
     return TS_OK;
 }
 
+/* The info-level line of every rank's ts_dist_init (TS_LOG_LEVEL=info). */
+static void log_init(const ts_rank_env *e, const char *transport)
+{
+    static const char *const launchers[] = {"none", "tsrun/torchrun", "mpirun", "srun"};
+    const char *via = (int)e->source >= 0 && (int)e->source < 4 ? launchers[e->source] : "?";
+    const char *host = e->world_size == 1 ? "not used by one rank"
+                       : e->store_hosted   ? "hosted by the launcher"
+                                           : "hosted by rank 0";
+    if (e->world_size == 1 && !e->master_port)
+        ts_logf(TS_LOG_INFO, "ts_dist_init: rank %d of %d, local rank %d of %d, transport %s, no store (launcher %s)",
+                e->rank, e->world_size, e->local_rank, e->local_world_size ? e->local_world_size : 1, transport, via);
+    else
+        ts_logf(TS_LOG_INFO,
+                "ts_dist_init: rank %d of %d, local rank %d of %d, transport %s, store %s:%d (%s; launcher %s)",
+                e->rank, e->world_size, e->local_rank, e->local_world_size, transport, e->master_addr,
+                e->master_port, host, via);
+}
+
 static ts_status init_locked(const ts_dist_options *o)
 {
     const char *tname = o->transport && *o->transport ? o->transport : "ucx";
@@ -88,7 +106,11 @@ static ts_status init_locked(const ts_dist_options *o)
         s = ts_launch_rank_guard();
         if (s != TS_OK) return s;
     }
-    if (env.world_size == 1) return one_rank_world(timeout_s, &g_world);
+    if (env.world_size == 1) {
+        s = one_rank_world(timeout_s, &g_world);
+        if (s == TS_OK) log_init(&env, "loopback (one rank)");
+        return s;
+    }
     if (!ucx)
         return ts_error(TS_ERR_UNSUPPORTED, "ts_dist_init: the loopback transport cannot join %d processes",
                         env.world_size);
@@ -114,6 +136,7 @@ static ts_status init_locked(const ts_dist_options *o)
         t->vt->destroy(t);
         goto fail;
     }
+    log_init(&env, "ucx");
     return TS_OK;
 fail:
     ts_store_close(g_store);

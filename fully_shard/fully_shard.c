@@ -156,6 +156,15 @@ static void event(const char *what, const char *fqn)
     if (g_event_fn) g_event_fn(g_event_ctx, what, fqn);
 }
 
+/* A hook's span in the trace (TS_TRACE), from t0 (0: not tracing) to now,
+ * with the module's FQN and its group's. */
+static void trace_hook(uint64_t t0, const char *name, const char *fqn, const fsdp_group *g)
+{
+    if (!t0) return;
+    ts_trace_arg a[2] = {{"fqn", fqn, 0}, {"group", g ? g->fqn : "", 0}};
+    ts_trace_span_args(name, "fsdp", t0, ts_now_ns(), 2, a);
+}
+
 /* ------------------------------------------------------------------ */
 /* Registry of the original tensors of sharded parameters               */
 /* ------------------------------------------------------------------ */
@@ -879,7 +888,7 @@ static ts_status wait_unshard(fsdp_group *g)
     if (!g || g->state != G_UNSHARDING) return TS_OK;
     TS_TRACE_BEGIN(tw);
     ts_status st = ts_request_wait(g->ag_req);
-    TS_TRACE_END(tw, "fsdp.wait_all_gather", "fsdp");
+    TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
     ts_request_free(g->ag_req);
     g->ag_req = NULL;
     TS_TRACE_BEGIN(tc);
@@ -901,7 +910,7 @@ static ts_status wait_unshard(fsdp_group *g)
     }
     ts_tensor_free(g->ag_buf);
     g->ag_buf = NULL;
-    TS_TRACE_END(tc, "fsdp.copy_out", "fsdp");
+    TS_TRACE_END(tc, "fsdp.copy_out", "copy");
     if (st) {
         for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
         g->state = G_SHARDED;
@@ -972,7 +981,7 @@ static ts_status finish_reduce(fsdp_group *g)
     ts_request_free(g->rs_req);
     g->rs_req = NULL;
     if (!st && g->rg && ts_comm_size(g->rg) > 1) st = ts_all_reduce(g->rg, g->rs_out, TS_REDUCE_AVG, NULL);
-    TS_TRACE_END(tw, "fsdp.wait_reduce", "fsdp");
+    TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
     TS_TRACE_BEGIN(ta);
     const unsigned char *out = st ? NULL : ts_tensor_data(g->rs_out);
     for (int i = 0; i < g->n && !st; i++) {
@@ -1005,7 +1014,7 @@ static ts_status finish_reduce(fsdp_group *g)
     ts_tensor_free(g->rs_in);
     ts_tensor_free(g->rs_out);
     g->rs_in = g->rs_out = NULL;
-    TS_TRACE_END(ta, "fsdp.grad_into_shards", "fsdp");
+    TS_TRACE_END(ta, "fsdp.grad_into_shards", "copy");
     return st;
 }
 
@@ -1032,6 +1041,7 @@ static ts_status post_backward(fsdp_ctx *ctx, fsdp_group *g)
     for (int i = 0; i < g->n; i++)
         if (g->params[i].requires_grad && ts_tensor_grad(g->params[i].U)) any = true;
     if (!any) return reshard(g);
+    TS_TRACE_BEGIN(t_hook);
     ts_status st = TS_OK;
     if (ctx && ctx->rs_pending) {
         st = finish_reduce(ctx->rs_pending);
@@ -1079,7 +1089,7 @@ static ts_status post_backward(fsdp_ctx *ctx, fsdp_group *g)
         ts_tensor_free(cg);
         (void)ts_tensor_set_grad(p->U, NULL);
     }
-    TS_TRACE_END(tp, "fsdp.pack_grads", "fsdp");
+    TS_TRACE_END(tp, "fsdp.pack_grads", "copy");
     if (!st) st = reshard(g);
     if (!st) st = ts_reduce_scatter_tensor(g->pg, g->rs_out, g->rs_in, TS_REDUCE_AVG, 1.0, 1.0, &g->rs_req);
     if (st) {
@@ -1088,6 +1098,7 @@ static ts_status post_backward(fsdp_ctx *ctx, fsdp_group *g)
     }
     if (ctx) ctx->rs_pending = g;
     else st = finish_reduce(g);
+    trace_hook(t_hook, "fsdp.post_backward", g->fqn, g);
     return st;
 }
 
@@ -1204,6 +1215,7 @@ static ts_status pre_backward_fn(void *vs, int n, ts_tensor **grads)
     }
     fsdp_group *g = s->group;
     event("pre_backward", s->fqn);
+    TS_TRACE_BEGIN(t_hook);
     if (g) {
         if ((st = unshard(g)) || (st = wait_unshard(g))) return st;
         }
@@ -1225,6 +1237,7 @@ static ts_status pre_backward_fn(void *vs, int n, ts_tensor **grads)
             }
         }
     }
+    trace_hook(t_hook, "fsdp.pre_backward", s->fqn, g);
     return st;
 }
 
@@ -1441,6 +1454,7 @@ static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *
         for (int i = 0; i < c->n_states; i++) c->states[i]->ran = false;
     }
     event("pre_forward", s->fqn);
+    TS_TRACE_BEGIN(t_hook);
     ts_tensor *in2[TS_MODULE_MAX_IO];
     bool wrapped = false;
     if (g) {
@@ -1460,12 +1474,14 @@ static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *
         }
     }
     if ((st = forward_prefetch(c, s))) goto fail;
+    trace_hook(t_hook, "fsdp.pre_forward", s->fqn, g);
     st = fn(m, n_in, wrapped ? in2 : in, n_out, out);
     if (wrapped)
         for (int i = 0; i < n_in; i++) ts_tensor_free(in2[i]);
     wrapped = false;
     if (st) goto fail;
     event("post_forward", s->fqn);
+    t_hook = ts_trace_enabled() ? ts_now_ns() : 0;
     if (g) {
         /* the post-forward order serves the backward prefetch: none without grad */
         if (ts_grad_mode_enabled() && !order_push(&c->post_fwd, &c->n_post_fwd, &c->cap_post_fwd, g)) {
@@ -1483,6 +1499,7 @@ static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *
         }
     }
     if (iter_root) root_post_forward(c);
+    trace_hook(t_hook, "fsdp.post_forward", s->fqn, g);
     return TS_OK;
 fail_out:
     for (int i = 0; i < *n_out; i++) ts_tensor_free(out[i]);

@@ -27,6 +27,10 @@ static ts_status check_call(const char *what, ts_module *m, int n_in, ts_tensor 
     return TS_OK;
 }
 
+/* Nesting of ts_module_call on this thread: the outermost call is the
+ * iteration's forward in the trace. */
+static _Thread_local int tl_call_depth;
+
 ts_status ts_module_call(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
     ts_status st = check_call("ts_module_call", m, n_in, in, n_out, out);
@@ -35,7 +39,15 @@ ts_status ts_module_call(ts_module *m, int n_in, ts_tensor *const *in, int *n_ou
     if (!m->vtable->forward)
         return ts_error(TS_ERR_UNSUPPORTED, "ts_module_call: %s has no forward", m->vtable->type_name);
     *n_out = 0;
-    return m->vtable->forward(m, n_in, in, n_out, out);
+    uint64_t t0 = tl_call_depth == 0 && ts_trace_enabled() ? ts_now_ns() : 0;
+    tl_call_depth++;
+    st = m->vtable->forward(m, n_in, in, n_out, out);
+    tl_call_depth--;
+    if (t0) {
+        ts_trace_arg a[1] = {{"module", m->vtable->type_name, 0}};
+        ts_trace_span_args("forward", "compute", t0, ts_now_ns(), 1, a);
+    }
+    return st;
 }
 
 ts_status ts_module_call1(ts_module *m, ts_tensor *in, ts_tensor **out)

@@ -799,8 +799,11 @@ ts_status ts_optim_step(ts_optim *o)
         else
             adam_update(o, pp, g);
     }
-    TS_TRACE_END(t0, "optim_step", "compute");
     o->steps++;
+    if (t0) {
+        ts_trace_arg a[1] = {{"step", NULL, o->steps}};
+        ts_trace_span_args("optimizer.step", "optimizer", t0, ts_now_ns(), 1, a);
+    }
     return TS_OK;
 }
 

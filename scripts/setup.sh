@@ -5,7 +5,8 @@ set -euo pipefail
 
 PKGS=(build-essential meson ninja-build pkg-config
       libucx-dev ucx-utils libuv1-dev libcriterion-dev libblis-dev libjansson-dev
-      clang libclang-rt-14-dev valgrind)
+      clang libclang-rt-14-dev valgrind
+      python3-matplotlib)  # tools/trace_plot (its test skips without it)
 
 missing=()
 for p in "${PKGS[@]}"; do

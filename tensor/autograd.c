@@ -446,6 +446,7 @@ ts_status ts_backward(ts_tensor *root, ts_tensor *grad, bool retain_graph)
         if ((st = ts_tensor_ones(root->dtype, root->ndim, root->shape, &grad)))
             return st;
     }
+    TS_TRACE_BEGIN(t_bwd);
     tl_in_backward = true;
     tl_queue_len = 0;
     bool prev_mode = ts_grad_mode_set(false); /* backward formulas are not recorded */
@@ -455,6 +456,7 @@ ts_status ts_backward(ts_tensor *root, ts_tensor *grad, bool retain_graph)
         ts_status cb = run_callbacks();
         tl_in_backward = false;
         ts_grad_mode_set(prev_mode);
+        TS_TRACE_END(t_bwd, "backward", "compute");
         return st ? st : cb;
     }
     node_vec order = {0};
@@ -479,6 +481,7 @@ ts_status ts_backward(ts_tensor *root, ts_tensor *grad, bool retain_graph)
     tl_queue_len = 0;
     tl_in_backward = false;
     ts_grad_mode_set(prev_mode);
+    TS_TRACE_END(t_bwd, "backward", "compute");
     return st ? st : cb;
 }
 

@@ -1,12 +1,210 @@
+/*
+ * The trace recorder: spans, the JSON it writes, per-rank file names from
+ * TS_TRACE, the warning for a path that cannot be written, and the flush
+ * on SIGTERM. This binary is also its own traced program
+ * (TS_TEST_TRACE_ROLE, run by a constructor after the library's, before
+ * Criterion starts): the tests start it with TS_TRACE and launcher
+ * variables in its environment.
+ */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "tests/helpers.h"
+
+extern char **environ;
+
+/* ------------------------------------------------------------ rank side */
+
+static void *role_worker(void *arg)
+{
+    (void)arg;
+    ts_trace_thread_name("worker");
+    uint64_t t0 = ts_now_ns();
+    ts_trace_span("role.work", "test", t0, t0 + 1000);
+    return NULL;
+}
+
+/* spans: records spans on two threads and exits (flushed at exit).
+ * check: prints whether tracing is on. wait: records a span, says "ready"
+ * and blocks on stdin until a signal ends it. */
+__attribute__((constructor)) static void trace_test_role(void)
+{
+    const char *role = getenv("TS_TEST_TRACE_ROLE");
+    if (!role) return;
+    if (strcmp(role, "check") == 0) {
+        printf("enabled=%d\n", ts_trace_enabled());
+        fflush(stdout);
+        _exit(0);
+    }
+    uint64_t t0 = ts_now_ns();
+    ts_trace_span("role.step", "test", t0, t0 + 2000);
+    if (strcmp(role, "spans") == 0) {
+        pthread_t th;
+        pthread_create(&th, NULL, role_worker, NULL);
+        pthread_join(th, NULL);
+        exit(0); /* atexit flushes */
+    }
+    if (strcmp(role, "wait") == 0) {
+        printf("ready\n");
+        fflush(stdout);
+        char c;
+        while (read(0, &c, 1) != 0) {
+        }
+        _exit(3); /* stdin closed: the signal never came */
+    }
+    _exit(6);
+}
+
+/* ------------------------------------------------------------ test side */
+
+typedef struct child {
+    pid_t pid;
+    int out, err, in; /* our ends of its stdout, stderr, stdin */
+} child;
+
+/* Starts this binary with TS_TEST_TRACE_ROLE=role and the variables
+ * env[0..n) ("NAME=value"), without any inherited launcher variable or
+ * TS_TRACE. */
+static child spawn_role(const char *role, int n, const char *const *env)
+{
+    static const char *const drop[] = {"TS_TRACE=", "RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "OMPI_COMM_WORLD_RANK=",
+                                       "SLURM_PROCID=", "TS_TEST_TRACE_ROLE=", "TS_LOG_LEVEL="};
+    size_t ne = 0;
+    while (environ[ne]) ne++;
+    char **envp = calloc(ne + (size_t)n + 3, sizeof *envp);
+    cr_assert_not_null(envp);
+    size_t k = 0;
+    for (size_t i = 0; i < ne; i++) {
+        bool keep = true;
+        for (size_t d = 0; d < sizeof drop / sizeof drop[0]; d++)
+            if (strncmp(environ[i], drop[d], strlen(drop[d])) == 0) keep = false;
+        if (keep) envp[k++] = environ[i];
+    }
+    char rolev[64];
+    snprintf(rolev, sizeof rolev, "TS_TEST_TRACE_ROLE=%s", role);
+    envp[k++] = rolev;
+    envp[k++] = "TS_LOG_LEVEL=warn";
+    for (int i = 0; i < n; i++) envp[k++] = (char *)env[i];
+    envp[k] = NULL;
+    int po[2], pe[2], pi[2];
+    cr_assert_eq(pipe2(po, O_CLOEXEC), 0);
+    cr_assert_eq(pipe2(pe, O_CLOEXEC), 0);
+    cr_assert_eq(pipe2(pi, O_CLOEXEC), 0);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, pi[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, po[1], 1);
+    posix_spawn_file_actions_adddup2(&fa, pe[1], 2);
+    char exe[4096];
+    ssize_t l = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    cr_assert_gt(l, 0);
+    exe[l] = '\0';
+    char *argv[] = {exe, NULL};
+    child c = {.out = po[0], .err = pe[0], .in = pi[1]};
+    cr_assert_eq(posix_spawn(&c.pid, exe, &fa, NULL, argv, envp), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    close(po[1]);
+    close(pe[1]);
+    close(pi[0]);
+    free(envp);
+    return c;
+}
+
+/* Everything up to EOF from a pipe, NUL-terminated, malloc'd. */
+static char *read_all(int fd)
+{
+    size_t n = 0, cap = 4096;
+    char *buf = malloc(cap);
+    cr_assert_not_null(buf);
+    for (;;) {
+        if (n + 1 == cap) {
+            buf = realloc(buf, cap *= 2);
+            cr_assert_not_null(buf);
+        }
+        ssize_t r = read(fd, buf + n, cap - n - 1);
+        if (r < 0 && errno == EINTR) continue;
+        cr_assert_geq(r, 0, "read: %s", strerror(errno));
+        if (r == 0) break;
+        n += (size_t)r;
+    }
+    buf[n] = '\0';
+    return buf;
+}
+
+/* Waits for the child; returns its wait status and, malloc'd, what it
+ * wrote on stdout and stderr (small: read one after the other). */
+static int finish_child(child *c, char **out, char **err)
+{
+    *out = read_all(c->out);
+    *err = read_all(c->err);
+    close(c->out);
+    close(c->err);
+    int status;
+    cr_assert_eq(waitpid(c->pid, &status, 0), c->pid);
+    close(c->in); /* only now: "wait" ends when its stdin closes */
+    return status;
+}
+
+/* A fresh directory under TMPDIR (or /tmp), malloc'd. */
+static char *temp_dir(void)
+{
+    const char *t = getenv("TMPDIR");
+    char *d = NULL;
+    cr_assert_gt(asprintf(&d, "%s/ts_trace_XXXXXX", t && *t ? t : "/tmp"), 0);
+    cr_assert_not_null(mkdtemp(d), "mkdtemp: %s", strerror(errno));
+    return d;
+}
+
+static json_t *load_trace(const char *path)
+{
+    json_error_t e;
+    json_t *root = json_load_file(path, 0, &e);
+    cr_assert_not_null(root, "%s is not valid JSON: %s (line %d)", path, e.text, e.line);
+    cr_assert(json_is_array(json_object_get(root, "traceEvents")), "%s has no traceEvents array", path);
+    return root;
+}
+
+/* The number of events named `name` (and of phase ph, when not NULL). */
+static int count_events(json_t *root, const char *name, const char *ph)
+{
+    int n = 0;
+    size_t i;
+    json_t *e;
+    json_array_foreach(json_object_get(root, "traceEvents"), i, e)
+    {
+        const char *nm = json_string_value(json_object_get(e, "name"));
+        const char *p = json_string_value(json_object_get(e, "ph"));
+        if (nm && strcmp(nm, name) == 0 && (!ph || (p && strcmp(p, ph) == 0))) n++;
+    }
+    return n;
+}
+
+/* The "args"."name" of the metadata event `what` (process_name,
+ * thread_name) with the given tid (-1: any), or NULL. */
+static const char *meta_name(json_t *root, const char *what, int tid)
+{
+    size_t i;
+    json_t *e;
+    json_array_foreach(json_object_get(root, "traceEvents"), i, e)
+    {
+        const char *nm = json_string_value(json_object_get(e, "name"));
+        if (nm && strcmp(nm, what) == 0 && (tid < 0 || json_integer_value(json_object_get(e, "tid")) == tid))
+            return json_string_value(json_object_get(json_object_get(e, "args"), "name"));
+    }
+    return NULL;
+}
 
 static void *worker(void *arg)
 {
@@ -70,11 +268,229 @@ Test(base_trace, off_by_default_and_records_spans_when_started)
     unlink(path);
 }
 
-Test(base_trace, unwritable_path_is_an_io_error)
+Test(base_trace, unwritable_path_is_an_io_error_at_start)
 {
-    TH_OK(ts_trace_start("/nonexistent-dir/trace.json"));
-    cr_assert_eq(ts_trace_flush(), TS_ERR_IO);
+    cr_assert_eq(ts_trace_start("/nonexistent-dir/trace.json"), TS_ERR_IO);
     cr_assert(strstr(ts_last_error(), "/nonexistent-dir/trace.json") != NULL, "%s", ts_last_error());
-    ts_trace_stop(false);
+    cr_assert(strstr(ts_last_error(), "No such file or directory") != NULL, "%s", ts_last_error());
+    cr_assert(!ts_trace_enabled(), "nothing is recorded for a path that cannot be written");
+    cr_assert_eq(ts_trace_start("/tmp"), TS_ERR_IO, "a directory is not a trace file");
+    cr_assert_eq(ts_trace_flush(), TS_ERR_STATE);
     cr_assert_eq(ts_trace_start(""), TS_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(ts_trace_start(NULL), TS_ERR_INVALID_ARGUMENT);
+}
+
+Test(base_trace, rank_file_names)
+{
+    static const struct {
+        const char *file;
+        int rank;
+        const char *want;
+    } cases[] = {
+        {"trace.json", 0, "trace.rank0.json"},
+        {"out/trace.json", 12, "out/trace.rank12.json"},
+        {"trace", 3, "trace.rank3"},
+        {"run.d/trace", 1, "run.d/trace.rank1"},
+        {".hidden", 2, ".hidden.rank2"},
+        {"a.b.json", 1, "a.b.rank1.json"},
+        {"t/%r.json", 5, "t/5.json"},
+        {"%r-%r.json", 1, "1-1.json"},
+        {"trace.json", -1, "trace.json"},
+        {"t/%r.json", -1, "t/0.json"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char buf[64];
+        TH_OK(ts_trace_rank_path(cases[i].file, cases[i].rank, buf, sizeof buf));
+        cr_assert_str_eq(buf, cases[i].want, "%s for rank %d", cases[i].file, cases[i].rank);
+    }
+    char small[12];
+    cr_assert_eq(ts_trace_rank_path("trace.json", 0, small, sizeof small), TS_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(ts_last_error(), "trace.json") != NULL, "%s", ts_last_error());
+    cr_assert_eq(ts_trace_rank_path("", 0, small, sizeof small), TS_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(ts_trace_rank_path(NULL, 0, small, sizeof small), TS_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(ts_trace_rank_path("t", 0, NULL, 8), TS_ERR_INVALID_ARGUMENT);
+}
+
+/* A rank writes FILE with .rank<R>; a process that is not a rank writes
+ * FILE itself. */
+Test(base_trace, each_rank_writes_its_own_file, .timeout = 60)
+{
+    char *dir = temp_dir();
+    char *tv = NULL, *rank_file = NULL, *plain = NULL;
+    cr_assert_gt(asprintf(&tv, "TS_TRACE=%s/trace.json", dir), 0);
+    cr_assert_gt(asprintf(&rank_file, "%s/trace.rank1.json", dir), 0);
+    cr_assert_gt(asprintf(&plain, "%s/trace.json", dir), 0);
+    const char *env[] = {tv, "RANK=1", "WORLD_SIZE=2"};
+    child c = spawn_role("spans", 3, env);
+    char *out, *err;
+    int status = finish_child(&c, &out, &err);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d, stderr: %s", status, err);
+    cr_assert_eq(access(plain, F_OK), -1, "a rank must not write the plain file %s", plain);
+    json_t *root = load_trace(rank_file);
+    cr_assert_eq(count_events(root, "role.step", "X"), 1);
+    cr_assert_eq(count_events(root, "role.work", "X"), 1, "spans of every thread are written");
+    cr_assert_str_eq(meta_name(root, "process_name", -1), "rank 1");
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(root, "otherData"), "rank")), 1);
+    json_decref(root);
+    free(out);
+    free(err);
+    unlink(rank_file);
+
+    const char *env2[] = {tv};
+    c = spawn_role("spans", 1, env2);
+    status = finish_child(&c, &out, &err);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d, stderr: %s", status, err);
+    root = load_trace(plain);
+    cr_assert_eq(count_events(root, "role.step", "X"), 1);
+    cr_assert_str_neq(meta_name(root, "process_name", -1), "rank 0");
+    json_decref(root);
+    unlink(plain);
+    free(out);
+    free(err);
+    rmdir(dir);
+    free(dir);
+    free(tv);
+    free(rank_file);
+    free(plain);
+}
+
+Test(base_trace, unwritable_trace_variable_warns_at_start, .timeout = 60)
+{
+    const char *env[] = {"TS_TRACE=/nonexistent-dir/trace.json", "RANK=0", "WORLD_SIZE=1"};
+    child c = spawn_role("check", 3, env);
+    char *out, *err;
+    int status = finish_child(&c, &out, &err);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d, stderr: %s", status, err);
+    cr_assert(strstr(out, "enabled=0") != NULL, "tracing must stay off: %s", out);
+    cr_assert(strstr(err, "[ts WARN] TS_TRACE=/nonexistent-dir/trace.json") != NULL, "no warning: '%s'", err);
+    cr_assert(strstr(err, "/nonexistent-dir/trace.rank0.json") != NULL, "the warning names the file: '%s'", err);
+    cr_assert(strstr(err, "No such file or directory") != NULL, "the warning says why: '%s'", err);
+    free(out);
+    free(err);
+}
+
+/* tsrun stops a job with SIGTERM: the trace is flushed, and the process
+ * still dies of the signal. */
+Test(base_trace, sigterm_flushes_the_trace, .timeout = 60)
+{
+    char *dir = temp_dir();
+    char *tv = NULL, *file = NULL;
+    cr_assert_gt(asprintf(&tv, "TS_TRACE=%s/t_%%r.json", dir), 0);
+    cr_assert_gt(asprintf(&file, "%s/t_3.json", dir), 0);
+    const char *env[] = {tv, "RANK=3", "WORLD_SIZE=4"};
+    child c = spawn_role("wait", 3, env);
+    char line[16] = "";
+    size_t got = 0;
+    while (got < 6) { /* "ready\n" */
+        ssize_t r = read(c.out, line + got, 6 - got);
+        cr_assert_gt(r, 0, "the child ended before it was ready");
+        got += (size_t)r;
+    }
+    cr_assert_str_eq(line, "ready\n");
+    /* the file exists from the start, with an empty trace */
+    json_t *root = load_trace(file);
+    cr_assert_eq(count_events(root, "role.step", NULL), 0);
+    json_decref(root);
+    cr_assert_eq(kill(c.pid, SIGTERM), 0);
+    char *out, *err;
+    int status = finish_child(&c, &out, &err);
+    cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM, "status %d, stderr: %s", status, err);
+    root = load_trace(file);
+    cr_assert_eq(count_events(root, "role.step", "X"), 1, "the span recorded before SIGTERM is in the file");
+    json_decref(root);
+    unlink(file);
+    rmdir(dir);
+    free(out);
+    free(err);
+    free(dir);
+    free(tv);
+    free(file);
+}
+
+Test(base_trace, stop_without_flush_leaves_no_file_it_created)
+{
+    char *dir = temp_dir();
+    char *path = NULL;
+    cr_assert_gt(asprintf(&path, "%s/t.json", dir), 0);
+    TH_OK(ts_trace_start(path));
+    struct stat sb;
+    cr_assert_eq(stat(path, &sb), 0, "the file is created at start");
+    TH_OK(ts_trace_stop(false));
+    cr_assert_eq(access(path, F_OK), -1, "a file that nothing was written to is removed");
+    /* an existing file is kept */
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs("old", f);
+    fclose(f);
+    TH_OK(ts_trace_start(path));
+    TH_OK(ts_trace_stop(false));
+    cr_assert_eq(stat(path, &sb), 0);
+    cr_assert_eq(sb.st_size, 3);
+    unlink(path);
+    rmdir(dir);
+    free(path);
+    free(dir);
+}
+
+/* Spans that overlap without nesting go to another track of the thread;
+ * nested spans stay on theirs; args are written. */
+Test(base_trace, overlapping_spans_get_their_own_track_and_args)
+{
+    char *dir = temp_dir();
+    char *path = NULL;
+    cr_assert_gt(asprintf(&path, "%s/t.json", dir), 0);
+    TH_OK(ts_trace_start(path));
+    ts_trace_thread_name("comm");
+    uint64_t t = ts_now_ns();
+    ts_trace_arg a[3] = {{"kind", "all_gather", 0}, {"bytes", NULL, 4096}, {NULL, "skipped", 0}};
+    ts_trace_span_args("outer", "test", t, t + 10000, 3, a);
+    ts_trace_span("inner", "test", t + 1000, t + 3000);
+    ts_trace_span("crossing", "test", t + 5000, t + 15000);
+    ts_trace_span("after", "test", t + 16000, t + 17000);
+    TH_OK(ts_trace_stop(true));
+    json_t *root = load_trace(path);
+    int tid[4] = {-1, -1, -1, -1};
+    static const char *const names[4] = {"outer", "inner", "crossing", "after"};
+    size_t i;
+    json_t *e;
+    json_array_foreach(json_object_get(root, "traceEvents"), i, e)
+    {
+        const char *nm = json_string_value(json_object_get(e, "name"));
+        for (int k = 0; k < 4; k++)
+            if (strcmp(nm, names[k]) == 0) {
+                tid[k] = (int)json_integer_value(json_object_get(e, "tid"));
+                cr_assert(json_is_number(json_object_get(e, "ts")) && json_is_number(json_object_get(e, "dur")));
+                cr_assert(json_is_integer(json_object_get(e, "pid")));
+                if (k == 0) {
+                    json_t *args = json_object_get(e, "args");
+                    cr_assert_str_eq(json_string_value(json_object_get(args, "kind")), "all_gather");
+                    cr_assert_eq(json_integer_value(json_object_get(args, "bytes")), 4096);
+                    cr_assert_eq(json_object_size(args), 2, "a NULL key is skipped");
+                }
+            }
+    }
+    cr_assert_eq(tid[0], tid[1], "a nested span stays on its thread's track");
+    cr_assert_eq(tid[0], tid[3]);
+    cr_assert_neq(tid[0], tid[2], "a crossing span goes to another track");
+    cr_assert_str_eq(meta_name(root, "thread_name", tid[0]), "comm");
+    cr_assert_str_eq(meta_name(root, "thread_name", tid[2]), "comm (2)");
+    json_decref(root);
+    unlink(path);
+    rmdir(dir);
+    free(path);
+    free(dir);
+}
+
+/* A path that is not a regular file is written straight into, never
+ * replaced by a rename (as root, /dev/null would become a file). */
+Test(base_trace, dev_null_stays_a_device)
+{
+    TH_OK(ts_trace_start("/dev/null"));
+    uint64_t t = ts_now_ns();
+    ts_trace_span("x", "test", t, t + 10);
+    TH_OK(ts_trace_flush());
+    TH_OK(ts_trace_stop(false));
+    struct stat sb;
+    cr_assert_eq(stat("/dev/null", &sb), 0);
+    cr_assert(S_ISCHR(sb.st_mode), "/dev/null is no longer a character device");
 }

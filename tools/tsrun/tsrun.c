@@ -157,6 +157,9 @@ static const char *signame(int sig)
 
 int main(int argc, char **argv)
 {
+    /* TS_TRACE is the ranks' (each writes its own file): the launcher
+     * records none and leaves no file of its own (base/base.h) */
+    ts_trace_stop(false);
     ts_launch_options o = ts_launch_options_default();
     bool standalone = false, addr_set = false, port_set = false, nnodes_set = false, node_rank_set = false;
     const char *token_file = NULL;
