@@ -16,6 +16,7 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,22 +26,87 @@
 /* Server: libuv loop in its own thread                              */
 /* ------------------------------------------------------------------ */
 
+typedef struct srv_conn srv_conn;
+
 struct ts_store_server {
     uv_loop_t loop;
     uv_tcp_t listener;
     uv_async_t stop;
     uv_timer_t timer;
+    uv_timer_t hello_timer; /* armed at the oldest pending connection's deadline */
     pthread_t thread;
     ts__store_core *core;
     int port;
     char addr[INET6_ADDRSTRLEN + 16];
+    uint64_t hello_timeout_ms;
+    unsigned max_pending;
+    /* Connections that have not said a valid hello yet, oldest first (all
+     * get the same timeout, so this is deadline order too). */
+    srv_conn *pend_head, *pend_tail;
+    _Atomic unsigned npending;
+    _Atomic uint64_t over_cap, hello_expired, refused;
 };
 
-typedef struct srv_conn {
+struct srv_conn {
     uv_tcp_t tcp; /* first: the handle's data points back here */
     ts_store_server *srv;
     ts__store_conn pc;
-} srv_conn;
+    bool pending; /* on the server's pending list */
+    uint64_t hello_deadline_ms;
+    srv_conn *pprev, *pnext;
+};
+
+static unsigned g_hello_timeout_ms; /* ts__store_server_set_limits; 0: the default */
+static unsigned g_max_pending;
+
+void ts__store_server_set_limits(unsigned hello_timeout_ms, unsigned max_pending)
+{
+    g_hello_timeout_ms = hello_timeout_ms;
+    g_max_pending = max_pending;
+}
+
+void ts__store_server_get_stats(const ts_store_server *s, ts__store_server_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!s)
+        return;
+    ts_store_server *m = (ts_store_server *)s; /* atomics only */
+    out->pending = atomic_load(&m->npending);
+    out->over_cap = atomic_load(&m->over_cap);
+    out->hello_expired = atomic_load(&m->hello_expired);
+    out->refused = atomic_load(&m->refused);
+    ts__store_core_warn_counts(m->core, &out->warn_lines, &out->warn_suppressed);
+}
+
+static void pending_remove(srv_conn *sc)
+{
+    if (!sc->pending)
+        return;
+    ts_store_server *srv = sc->srv;
+    if (sc->pprev)
+        sc->pprev->pnext = sc->pnext;
+    else
+        srv->pend_head = sc->pnext;
+    if (sc->pnext)
+        sc->pnext->pprev = sc->pprev;
+    else
+        srv->pend_tail = sc->pprev;
+    sc->pprev = sc->pnext = NULL;
+    sc->pending = false;
+    atomic_fetch_sub(&srv->npending, 1);
+}
+
+static void on_hello_timer(uv_timer_t *t);
+
+static void rearm_hello_timer(ts_store_server *srv)
+{
+    if (!srv->pend_head) {
+        uv_timer_stop(&srv->hello_timer);
+        return;
+    }
+    uint64_t now = uv_now(&srv->loop), d = srv->pend_head->hello_deadline_ms;
+    uv_timer_start(&srv->hello_timer, on_hello_timer, d > now ? d - now : 0, 0);
+}
 
 static void format_addr(const struct sockaddr *sa, char *out, size_t n)
 {
@@ -70,8 +136,23 @@ static void on_conn_closed(uv_handle_t *h)
 
 static void conn_close(srv_conn *sc)
 {
+    pending_remove(sc);
     if (!uv_is_closing((uv_handle_t *)&sc->tcp))
         uv_close((uv_handle_t *)&sc->tcp, on_conn_closed);
+}
+
+static void on_hello_timer(uv_timer_t *t)
+{
+    ts_store_server *srv = t->data;
+    uint64_t now = uv_now(&srv->loop);
+    while (srv->pend_head && srv->pend_head->hello_deadline_ms <= now) {
+        srv_conn *sc = srv->pend_head;
+        atomic_fetch_add(&srv->hello_expired, 1);
+        ts__store_core_warnf(srv->core, "store %s: dropping client %s: no valid hello within %.1f s", srv->addr,
+                             sc->pc.peer, (double)srv->hello_timeout_ms / 1000.0);
+        conn_close(sc);
+    }
+    rearm_hello_timer(srv);
 }
 
 static void on_write(uv_write_t *req, int status)
@@ -149,6 +230,8 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
     if (nread > 0) {
         if (!ts__store_conn_received(srv->core, &sc->pc, (size_t)nread, uv_now(&srv->loop)))
             conn_close(sc);
+        else if (sc->pending && sc->pc.authed)
+            pending_remove(sc);
         rearm_timer(srv);
     } else if (nread < 0) {
         if (nread != UV_EOF)
@@ -171,6 +254,7 @@ static void on_connection(uv_stream_t *listener, int status)
         ts_logf(TS_LOG_ERROR, "store %s: out of memory accepting a client", srv->addr);
         return;
     }
+    memset(sc, 0, sizeof *sc);
     sc->srv = srv;
     ts__store_conn_init(srv->core, &sc->pc, NULL);
     sc->pc.user = sc;
@@ -187,6 +271,26 @@ static void on_connection(uv_stream_t *listener, int status)
     int sl = (int)sizeof ss;
     if (uv_tcp_getpeername(&sc->tcp, (struct sockaddr *)&ss, &sl) == 0)
         format_addr((struct sockaddr *)&ss, sc->pc.peer, sizeof sc->pc.peer);
+    if (atomic_load(&srv->npending) >= srv->max_pending) {
+        atomic_fetch_add(&srv->over_cap, 1);
+        ts__store_core_warnf(srv->core,
+                             "store %s: closing client %s at once: the cap of %u connections waiting for their "
+                             "hello is reached",
+                             srv->addr, sc->pc.peer, srv->max_pending);
+        conn_close(sc);
+        return;
+    }
+    sc->pending = true;
+    sc->hello_deadline_ms = uv_now(&srv->loop) + srv->hello_timeout_ms;
+    sc->pprev = srv->pend_tail;
+    if (srv->pend_tail)
+        srv->pend_tail->pnext = sc;
+    else
+        srv->pend_head = sc;
+    srv->pend_tail = sc;
+    atomic_fetch_add(&srv->npending, 1);
+    if (srv->pend_head == sc)
+        rearm_hello_timer(srv);
     rc = uv_read_start((uv_stream_t *)&sc->tcp, on_alloc, on_read);
     if (rc < 0) {
         ts_logf(TS_LOG_WARN, "store %s: cannot read from client %s: %s", srv->addr, sc->pc.peer, uv_strerror(rc));
@@ -287,6 +391,10 @@ ts_status ts_store_server_start(const char *host, int port, const char *token, t
     srv->listener.data = srv;
     uv_timer_init(&srv->loop, &srv->timer);
     srv->timer.data = srv;
+    uv_timer_init(&srv->loop, &srv->hello_timer);
+    srv->hello_timer.data = srv;
+    srv->hello_timeout_ms = g_hello_timeout_ms ? g_hello_timeout_ms : TS_STORE_HELLO_TIMEOUT_MS;
+    srv->max_pending = g_max_pending ? g_max_pending : TS_STORE_MAX_PENDING;
     rc = uv_async_init(&srv->loop, &srv->stop, on_stop);
     srv->stop.data = srv;
     const char *step = "async";
