@@ -93,6 +93,18 @@ static ts_status init_locked(const ts_dist_options *o)
         return ts_error(TS_ERR_UNSUPPORTED, "ts_dist_init: the loopback transport cannot join %d processes",
                         env.world_size);
 
+    /* Without a token, rank 0's store serves only processes of its own
+     * user on its own host (store.h): ranks on other hosts could never
+     * join, so say so now, on every rank. */
+    if (!env.store_hosted && !env.token[0] && env.local_world_size < env.world_size)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_dist_init: rank %d: the %d ranks span several hosts (%d on this one) and no launcher "
+                        "hosts the store (%s), so rank 0's store needs a token: set " TS_STORE_TOKEN_ENV
+                        " to the same secret on every rank (e.g. `export " TS_STORE_TOKEN_ENV
+                        "=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')` and `mpirun -x " TS_STORE_TOKEN_ENV
+                        " ...`; srun passes the environment on); without one it serves only processes of its own "
+                        "user on its own host",
+                        env.rank, env.world_size, env.local_world_size, ts_launch_source_name(env.source));
     unsigned epoch = g_epoch++;
     snprintf(g_prefix, sizeof g_prefix, "dist/%s/%u", env.run_id, epoch);
     if (!env.store_hosted && env.rank == 0) {

@@ -65,8 +65,12 @@ typedef struct ts_store ts_store;
 /* Starts a server bound to `host` (a numeric IPv4 or IPv6 address or a
  * name that resolves to one; "127.0.0.1" when NULL: loopback unless told
  * otherwise) on `port` (0 picks a free port; read it back with
- * ts_store_server_port). Clients must present `token` (NULL or "" accepts
- * any; at most TS_STORE_MAX_TOKEN bytes). TS_ERR_IO names the address and
+ * ts_store_server_port). Clients must present `token` (at most
+ * TS_STORE_MAX_TOKEN bytes). Without a token (NULL or ""), any token is
+ * accepted but only from processes of the server's own user on its own
+ * host (the peer's socket must be in /proc/net/tcp or tcp6 with the
+ * server's effective uid): others are refused, and their
+ * ts_store_connect fails saying to set TS_STORE_TOKEN. TS_ERR_IO names the address and
  * the system error (address in use, cannot resolve, ...);
  * TS_ERR_INVALID_ARGUMENT for a bad port, token or NULL `out`. */
 TS_API ts_status ts_store_server_start(const char *host, int port, const char *token, ts_store_server **out);

@@ -367,8 +367,8 @@ static ts_status say_hello(ts_store *s, const char *token, size_t tlen, uint64_t
         return ts_error(TS_ERR_COMM,
                         "store hello: the store at %s has no token and serves only processes of its own user on "
                         "its own host; give every rank the same secret in " TS_STORE_TOKEN_ENV
-                        " (e.g. `export " TS_STORE_TOKEN_ENV "=$(head -c16 /dev/urandom | od -An -tx1 | tr -d ' \\n')`"
-                        " and `mpirun -x " TS_STORE_TOKEN_ENV "` or `srun --export=ALL`)",
+                        " (e.g. `export " TS_STORE_TOKEN_ENV "=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')`"
+                        " and `mpirun -x " TS_STORE_TOKEN_ENV " ...`; srun passes the environment on)",
                         s->addr);
     }
     st = unexpected(s, "hello", &r);

@@ -22,7 +22,7 @@
  * A connection's first request must be HELLO carrying the job's token
  * (compared in constant time). The server answers a good HELLO with OK;
  * a wrong token with BAD_TOKEN and a client the server does not serve
- * without a token (TS_STORE_LOCAL_USER) with REFUSED, then drops the
+ * without a token (not its own user's on its own host) with REFUSED, then drops the
  * connection; anything else before a good HELLO drops it without an
  * answer, as does the server when the client has not said hello within
  * TS_STORE_HELLO_TIMEOUT_MS or TS_STORE_MAX_PENDING connections are
@@ -184,7 +184,7 @@ typedef struct ts__store_server_stats {
     unsigned pending;       /* connections waiting for their hello now */
     uint64_t over_cap;      /* closed at once: TS_STORE_MAX_PENDING were pending */
     uint64_t hello_expired; /* closed: no valid hello within the hello timeout */
-    uint64_t refused;       /* peers refused by TS_STORE_LOCAL_USER */
+    uint64_t refused;       /* peers refused: not this user's on this host, and no token */
     uint64_t warn_lines;    /* rejected-client warnings printed */
     uint64_t warn_suppressed;
 } ts__store_server_stats;

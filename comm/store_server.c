@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------ */
 /* Server: libuv loop in its own thread                              */
@@ -45,6 +46,7 @@ struct ts_store_server {
     srv_conn *pend_head, *pend_tail;
     _Atomic unsigned npending;
     _Atomic uint64_t over_cap, hello_expired, refused;
+    bool own_user_only; /* no token: serve only this user's processes on this host */
 };
 
 struct srv_conn {
@@ -52,6 +54,7 @@ struct srv_conn {
     ts_store_server *srv;
     ts__store_conn pc;
     bool pending; /* on the server's pending list */
+    bool refuse;  /* answer the hello with REFUSED (own_user_only) */
     uint64_t hello_deadline_ms;
     srv_conn *pprev, *pnext;
 };
@@ -222,11 +225,94 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
     buf->len = n;
 }
 
+/* The kernel's socket tables print addresses as native-endian 32-bit
+ * words of the network-order bytes, ports in hex: "0100007F:1F90". */
+static void proc_net_addr(const struct sockaddr *sa, char *out, size_t n)
+{
+    if (sa->sa_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)sa;
+        uint32_t w;
+        memcpy(&w, &a->sin_addr, 4);
+        snprintf(out, n, "%08X:%04X", w, ntohs(a->sin_port));
+    } else {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)sa;
+        uint32_t w[4];
+        memcpy(w, &a->sin6_addr, 16);
+        snprintf(out, n, "%08X%08X%08X%08X:%04X", w[0], w[1], w[2], w[3], ntohs(a->sin6_port));
+    }
+}
+
+/* Whether the other end of an accepted connection is a socket of this
+ * host (network namespace) owned by this process's user: its entry, with
+ * local and remote addresses swapped, is in /proc/net/tcp (tcp6) with our
+ * uid. A peer on another host has no entry. */
+static void unmap_v4(const struct sockaddr *sa, struct sockaddr_storage *out)
+{
+    memcpy(out, sa, sa->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in));
+    const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)sa;
+    if (sa->sa_family == AF_INET6 && IN6_IS_ADDR_V4MAPPED(&a->sin6_addr)) {
+        struct sockaddr_in v4;
+        memset(&v4, 0, sizeof v4);
+        v4.sin_family = AF_INET;
+        v4.sin_port = a->sin6_port;
+        memcpy(&v4.sin_addr, a->sin6_addr.s6_addr + 12, 4);
+        memcpy(out, &v4, sizeof v4);
+    }
+}
+
+static bool peer_is_own_user(const struct sockaddr *peer_in, const struct sockaddr *local_in)
+{
+    if ((peer_in->sa_family != AF_INET && peer_in->sa_family != AF_INET6) ||
+        (local_in->sa_family != AF_INET && local_in->sa_family != AF_INET6))
+        return false;
+    struct sockaddr_storage ps, lsa; /* a v4-mapped peer of a dual-stack socket is in the IPv4 table */
+    unmap_v4(peer_in, &ps);
+    unmap_v4(local_in, &lsa);
+    const struct sockaddr *peer = (const struct sockaddr *)&ps, *local = (const struct sockaddr *)&lsa;
+    if (peer->sa_family != local->sa_family || (peer->sa_family != AF_INET && peer->sa_family != AF_INET6))
+        return false;
+    char want_local[64], want_rem[64];
+    proc_net_addr(peer, want_local, sizeof want_local);
+    proc_net_addr(local, want_rem, sizeof want_rem);
+    FILE *f = fopen(peer->sa_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6", "re");
+    if (!f)
+        return false;
+    char line[512];
+    bool found = false, own = false;
+    unsigned long me = (unsigned long)geteuid();
+    while (!found && fgets(line, sizeof line, f)) {
+        char la[64], ra[64];
+        unsigned long uid;
+        if (sscanf(line, " %*s %63s %63s %*s %*s %*s %*s %lu", la, ra, &uid) != 3)
+            continue;
+        if (strcmp(la, want_local) == 0 && strcmp(ra, want_rem) == 0) {
+            found = true;
+            own = uid == me;
+        }
+    }
+    fclose(f);
+    return own;
+}
+
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
 {
     (void)buf;
     srv_conn *sc = stream->data;
     ts_store_server *srv = sc->srv;
+    if (nread > 0 && sc->refuse) {
+        /* Whatever it sent (its hello), the answer is REFUSED. */
+        sc->pc.len = 0;
+        ts__store_reply *r = ts__malloc(TS_MEM_COMM, sizeof *r + TS__STORE_RESP_FIXED + 4);
+        if (r) {
+            r->len = TS__STORE_RESP_FIXED + 4;
+            memset(r->bytes, 0, r->len);
+            ts__store_wr32(r->bytes, TS__STORE_RESP_FIXED);
+            r->bytes[4] = TS__STORE_ST_REFUSED;
+            server_send(&sc->pc, r, NULL);
+        }
+        conn_close(sc);
+        return;
+    }
     if (nread > 0) {
         if (!ts__store_conn_received(srv->core, &sc->pc, (size_t)nread, uv_now(&srv->loop)))
             conn_close(sc);
@@ -268,9 +354,24 @@ static void on_connection(uv_stream_t *listener, int status)
     }
     uv_tcp_nodelay(&sc->tcp, 1);
     struct sockaddr_storage ss;
+    memset(&ss, 0, sizeof ss);
     int sl = (int)sizeof ss;
     if (uv_tcp_getpeername(&sc->tcp, (struct sockaddr *)&ss, &sl) == 0)
         format_addr((struct sockaddr *)&ss, sc->pc.peer, sizeof sc->pc.peer);
+    if (srv->own_user_only) {
+        struct sockaddr_storage ls;
+        int ll = (int)sizeof ls;
+        if (uv_tcp_getsockname(&sc->tcp, (struct sockaddr *)&ls, &ll) != 0 ||
+            !peer_is_own_user((struct sockaddr *)&ss, (struct sockaddr *)&ls)) {
+            atomic_fetch_add(&srv->refused, 1);
+            ts__store_core_warnf(srv->core,
+                                 "store %s: refusing client %s: the store has no token, so it serves only "
+                                 "processes of its own user on this host; set " TS_STORE_TOKEN_ENV
+                                 " to the same secret on every rank",
+                                 srv->addr, sc->pc.peer);
+            sc->refuse = true; /* answered REFUSED when its hello comes (or dropped at the timeout) */
+        }
+    }
     if (atomic_load(&srv->npending) >= srv->max_pending) {
         atomic_fetch_add(&srv->over_cap, 1);
         ts__store_core_warnf(srv->core,
@@ -395,6 +496,7 @@ ts_status ts_store_server_start(const char *host, int port, const char *token, t
     srv->hello_timer.data = srv;
     srv->hello_timeout_ms = g_hello_timeout_ms ? g_hello_timeout_ms : TS_STORE_HELLO_TIMEOUT_MS;
     srv->max_pending = g_max_pending ? g_max_pending : TS_STORE_MAX_PENDING;
+    srv->own_user_only = !token || !*token;
     rc = uv_async_init(&srv->loop, &srv->stop, on_stop);
     srv->stop.data = srv;
     const char *step = "async";

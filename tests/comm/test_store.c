@@ -1241,3 +1241,65 @@ Test(comm_store, only_a_rejected_token_is_called_wrong, .timeout = 60)
     ts_store_server_stop(srv);
     ts__store_server_set_limits(0, 0);
 }
+
+/* ---- a store without a token serves only its own user (issue 9 §9) ---- */
+
+#include <sys/wait.h>
+
+/* In a child running as `nobody`: the outsider. Exit code 0 when every
+ * attempt was refused as it should be. */
+static int outsider(int port)
+{
+    if (setgid(65534) != 0 || setuid(65534) != 0)
+        return 10;
+    ts_store *c = NULL;
+    ts_status s = ts_store_connect(NULL, port, NULL, 3.0, &c);
+    if (s != TS_ERR_COMM || !strstr(ts_last_error(), TS_STORE_TOKEN_ENV) || !strstr(ts_last_error(), "own user")) {
+        fprintf(stderr, "outsider connect: %s: %s\n", ts_status_name(s), ts_last_error());
+        return 11;
+    }
+    /* Raw: hello and an ADD to the rendezvous counter in one write. */
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0)
+        return 12;
+    unsigned char f[256];
+    size_t n = raw_frame(f, TS__STORE_OP_HELLO, NULL, 0, "", 0, 1);
+    n += raw_frame(f + n, TS__STORE_OP_ADD, "rdv/count", 9, NULL, 0, 1);
+    raw_send(fd, f, n);
+    unsigned char r[64];
+    size_t got = raw_recv(fd, r, sizeof r, 5.0);
+    if (got != 17 || r[4] != TS__STORE_ST_REFUSED) {
+        fprintf(stderr, "outsider raw: %zu bytes, status %u\n", got, got > 4 ? r[4] : 255);
+        return 13;
+    }
+    close(fd);
+    return 0;
+}
+
+Test(comm_store, tokenless_store_refuses_other_users, .timeout = 60)
+{
+    if (geteuid() != 0)
+        cr_skip_test("needs root to run a client as another user");
+    ts_store_server *srv = start_server(NULL);
+    int port = ts_store_server_port(srv);
+    ts_store *own = connect_to(srv, NULL); /* this user: served */
+    TH_OK(ts_store_set(own, "ucx/addr/0", "secret-address", 14));
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0)
+        _exit(outsider(port));
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "outsider status 0x%x", st);
+    /* The outsider's ADD never ran. */
+    cr_assert_eq(ts_store_check(own, "rdv/count"), TS_ERR_NOT_FOUND);
+    ts__store_server_stats ss;
+    ts__store_server_get_stats(srv, &ss);
+    cr_assert_geq(ss.refused, 2);
+    ts_store_close(own);
+    ts_store_server_stop(srv);
+}
