@@ -36,6 +36,22 @@ __attribute__((constructor)) static void rdv_test_role(void)
     if (iv) ts__dist_set_progress_interval(atof(iv));
     double t0 = now_s();
     ts_status s = ts_dist_init(NULL);
+    if (strcmp(role, "stall") == 0 && s == TS_OK) {
+        /* Rank 1 joins and then never takes part; rank 0's all-reduce
+         * must time out after TS_DIST_TIMEOUT. */
+        ts_comm *w = ts_dist_world();
+        if (ts_comm_rank(w) == 1) {
+            for (;;) pause(); /* until the test kills it */
+        }
+        ts_tensor *x = NULL;
+        int64_t shape[1] = {1024};
+        if (ts_tensor_zeros(TS_F32, 1, shape, &x) != TS_OK) _exit(7);
+        double t1 = now_s();
+        ts_status cs = ts_all_reduce(w, x, TS_REDUCE_SUM, NULL);
+        fprintf(stderr, "all_reduce %s after %.2f s: %s\n", ts_status_name(cs), now_s() - t1, ts_last_error());
+        fflush(stderr);
+        _exit(cs == TS_ERR_TIMEOUT ? 5 : 6);
+    }
     fprintf(stderr, "init %s after %.2f s: %s\n", ts_status_name(s), now_s() - t0, s == TS_OK ? "" : ts_last_error());
     fflush(stderr);
     if (s != TS_OK) _exit(3);
@@ -97,7 +113,8 @@ static void spawn_rank(rank_proc *p, int rank, int world, const char *tag)
     char rs[16], ws[16];
     snprintf(rs, sizeof rs, "%d", rank);
     snprintf(ws, sizeof ws, "%d", world);
-    setenv("TS_TEST_RDV_ROLE", "join", 1);
+    const char *role = getenv("TS_TEST_RDV_WANT_ROLE");
+    setenv("TS_TEST_RDV_ROLE", role ? role : "join", 1);
     setenv("RANK", rs, 1);
     setenv("WORLD_SIZE", ws, 1);
     static int seq;
@@ -303,4 +320,31 @@ Test(comm_rendezvous, ranks_on_several_hosts_need_a_token, .timeout = 30)
         cr_assert_lt(now_s() - t0, 1.0);
     }
     clear_launch_env();
+}
+
+Test(comm_rendezvous, dist_timeout_sets_the_collective_deadline, .timeout = 120)
+{
+    clear_launch_env();
+    char port[16];
+    snprintf(port, sizeof port, "%d", free_port());
+    setenv("MASTER_PORT", port, 1);
+    setenv("TS_DIST_TIMEOUT", "2", 1);
+    setenv("TS_TEST_RDV_WANT_ROLE", "stall", 1);
+    rank_proc p[2];
+    double t0 = now_s();
+    spawn_rank(&p[0], 0, 2, "stall");
+    spawn_rank(&p[1], 1, 2, "stall");
+    unsetenv("TS_TEST_RDV_WANT_ROLE");
+    wait_ranks(p, 1, t0, 60); /* rank 0 alone: rank 1 waits to be killed */
+    kill(p[1].pid, SIGKILL);
+    waitpid(p[1].pid, &p[1].status, 0);
+    unlink(p[1].log);
+    char *log = slurp(p[0].log);
+    cr_assert(WIFEXITED(p[0].status) && WEXITSTATUS(p[0].status) == 5, "status 0x%x:\n%s", p[0].status, log);
+    double dt = -1;
+    const char *line = strstr(log, "all_reduce TS_ERR_TIMEOUT after ");
+    cr_assert_not_null(line, "%s", log);
+    sscanf(line, "all_reduce TS_ERR_TIMEOUT after %lf", &dt);
+    cr_assert(dt > 1.5 && dt < 10.0, "the all-reduce timed out after %.2f s; TS_DIST_TIMEOUT is 2 s:\n%s", dt, log);
+    cr_log_info("%s", line);
 }
