@@ -33,8 +33,11 @@
  * arrivals on its own host (same boot id and pid namespace), watches the
  * process through a pidfd: one that exits before the rendezvous completes
  * fails the others at once, naming it. The loop waits on those pidfds
- * (poll, 50 ms plus 1 ms per 8 ranks) between rounds and says at warn level, every
- * g_progress_s (10 s), which ranks it still waits for.
+ * (poll, 50 ms plus 1 ms per 8 ranks) between rounds and says at warn
+ * level, every g_progress_s (10 s), which ranks it still waits for.
+ * Known limit: when every rank of the smaller WORLD_SIZE arrives and
+ * leaves before any rank of a larger one arrives, only the latecomers
+ * fail (the others see a consistent world and go on).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -137,7 +140,7 @@ static void list_ranks(char *out, size_t cap, const rdv_peer *peers, int world)
 
 /* All W ranks meet: duplicate RANKs, inconsistent WORLD_SIZEs and ranks of
  * this host that exit meanwhile are errors on every rank that is still
- * waiting (see the top of this file). Bounded by deadline_s. */
+ * waiting (see the top of this file). Bounded by timeout_s. */
 static ts_status join_world_inner(ts_store *st, const char *prefix, int rank, int world, double timeout_s,
                                   int *max_world)
 {
