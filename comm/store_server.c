@@ -20,6 +20,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/inet_diag.h>
+#include <linux/netlink.h>
+#include <linux/sock_diag.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -243,9 +248,10 @@ static void proc_net_addr(const struct sockaddr *sa, char *out, size_t n)
 }
 
 /* Whether the other end of an accepted connection is a socket of this
- * host (network namespace) owned by this process's user: its entry, with
- * local and remote addresses swapped, is in /proc/net/tcp (tcp6) with our
- * uid. A peer on another host has no entry. */
+ * host (network namespace) owned by this process's user: the kernel knows
+ * a socket with local and remote addresses swapped (sock_diag; else its
+ * entry in /proc/net/tcp or tcp6), with our uid. A peer on another host
+ * has none. */
 static void unmap_v4(const struct sockaddr *sa, struct sockaddr_storage *out)
 {
     memcpy(out, sa, sa->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in));
@@ -260,6 +266,65 @@ static void unmap_v4(const struct sockaddr *sa, struct sockaddr_storage *out)
     }
 }
 
+/* Asks the kernel (sock_diag netlink, an exact lookup by the 4-tuple)
+ * for the owner of the TCP socket whose local end is `peer` and remote end
+ * `local`. 1: found (*uid_out set); 0: no such socket on this host; -1:
+ * the query itself failed (netlink unavailable). */
+static int diag_socket_uid(const struct sockaddr *peer, const struct sockaddr *local, unsigned long *uid_out)
+{
+    int fd = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+    if (fd < 0)
+        return -1;
+    struct {
+        struct nlmsghdr nlh;
+        struct inet_diag_req_v2 r;
+    } req;
+    memset(&req, 0, sizeof req);
+    req.nlh.nlmsg_len = sizeof req;
+    req.nlh.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+    req.nlh.nlmsg_flags = NLM_F_REQUEST;
+    req.r.sdiag_family = (uint8_t)peer->sa_family;
+    req.r.sdiag_protocol = IPPROTO_TCP;
+    req.r.idiag_states = ~0u;
+    req.r.id.idiag_cookie[0] = INET_DIAG_NOCOOKIE;
+    req.r.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
+    if (peer->sa_family == AF_INET) {
+        const struct sockaddr_in *p = (const struct sockaddr_in *)peer, *l = (const struct sockaddr_in *)local;
+        req.r.id.idiag_sport = p->sin_port;
+        req.r.id.idiag_dport = l->sin_port;
+        memcpy(req.r.id.idiag_src, &p->sin_addr, 4);
+        memcpy(req.r.id.idiag_dst, &l->sin_addr, 4);
+    } else {
+        const struct sockaddr_in6 *p = (const struct sockaddr_in6 *)peer, *l = (const struct sockaddr_in6 *)local;
+        req.r.id.idiag_sport = p->sin6_port;
+        req.r.id.idiag_dport = l->sin6_port;
+        memcpy(req.r.id.idiag_src, &p->sin6_addr, 16);
+        memcpy(req.r.id.idiag_dst, &l->sin6_addr, 16);
+    }
+    struct sockaddr_nl nl;
+    memset(&nl, 0, sizeof nl);
+    nl.nl_family = AF_NETLINK;
+    int rc = -1;
+    if (sendto(fd, &req, sizeof req, 0, (struct sockaddr *)&nl, sizeof nl) == (ssize_t)sizeof req) {
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        long buf[1024]; /* aligned for nlmsghdr */
+        ssize_t n = poll(&pfd, 1, 1000) == 1 ? recv(fd, buf, sizeof buf, 0) : -1;
+        struct nlmsghdr *h = (struct nlmsghdr *)buf;
+        if (n >= (ssize_t)sizeof *h && NLMSG_OK(h, (size_t)n)) {
+            if (h->nlmsg_type == SOCK_DIAG_BY_FAMILY && h->nlmsg_len >= NLMSG_LENGTH(sizeof(struct inet_diag_msg))) {
+                const struct inet_diag_msg *m = NLMSG_DATA(h);
+                *uid_out = m->idiag_uid;
+                rc = 1;
+            } else if (h->nlmsg_type == NLMSG_ERROR && h->nlmsg_len >= NLMSG_LENGTH(sizeof(struct nlmsgerr))) {
+                const struct nlmsgerr *e = NLMSG_DATA(h);
+                rc = e->error == -ENOENT ? 0 : -1;
+            }
+        }
+    }
+    close(fd);
+    return rc;
+}
+
 static bool peer_is_own_user(const struct sockaddr *peer_in, const struct sockaddr *local_in)
 {
     if ((peer_in->sa_family != AF_INET && peer_in->sa_family != AF_INET6) ||
@@ -271,6 +336,11 @@ static bool peer_is_own_user(const struct sockaddr *peer_in, const struct sockad
     const struct sockaddr *peer = (const struct sockaddr *)&ps, *local = (const struct sockaddr *)&lsa;
     if (peer->sa_family != local->sa_family || (peer->sa_family != AF_INET && peer->sa_family != AF_INET6))
         return false;
+    unsigned long duid = 0;
+    int d = diag_socket_uid(peer, local, &duid);
+    if (d >= 0)
+        return d == 1 && duid == (unsigned long)geteuid();
+    /* No netlink: scan the kernel's table (O(sockets) per client). */
     char want_local[64], want_rem[64];
     proc_net_addr(peer, want_local, sizeof want_local);
     proc_net_addr(local, want_rem, sizeof want_rem);
