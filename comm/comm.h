@@ -178,7 +178,9 @@ TS_API ts_status ts_recv(ts_comm *c, ts_tensor *t, int src, int tag, ts_request 
 
 typedef struct ts_dist_options {
     const char *transport; /* "ucx" (default); "loopback" only for a world of one rank */
-    double timeout_s;      /* store connection, rendezvous and per-collective deadline (default 300) */
+    double timeout_s;      /* store connection, rendezvous and per-collective deadline (default 300);
+                            * the environment variable TS_DIST_TIMEOUT (seconds), when set,
+                            * overrides it */
 } ts_dist_options;
 
 TS_API ts_dist_options ts_dist_options_default(void);
@@ -188,10 +190,19 @@ TS_API ts_dist_options ts_dist_options_default(void);
  * its launcher's death (ts_launch_rank_guard), connects to the store at
  * MASTER_ADDR:MASTER_PORT with TS_STORE_TOKEN (when no launcher hosts it,
  * TS_STORE_HOSTED != "1", rank 0 starts it first), waits for every rank
- * (TS_ERR_TIMEOUT naming the missing ranks), connects the UCX transport and
- * starts the world's communication thread. A process started alone (no
- * launcher variables) or a world of size 1 gets a one-rank world. Errors:
- * ts_launch_env's (TS_ERR_INVALID_ARGUMENT for inconsistent variables),
+ * (TS_ERR_TIMEOUT naming the missing ranks; while it waits, a warning
+ * every 10 s names the ranks it still waits for), connects the UCX
+ * transport and starts the world's communication thread. At the
+ * rendezvous, a RANK claimed by two processes or a WORLD_SIZE that differs
+ * between processes is TS_ERR_INVALID_ARGUMENT on every rank still
+ * waiting, naming the ranks, pids, hosts and values; a rank of this host
+ * that exits before the rendezvous completes (watched through its pidfd)
+ * is TS_ERR_PEER_FAILED on the others at once, naming it. A process
+ * started alone (no launcher variables) or a world of size 1 gets a
+ * one-rank world. Errors: TS_ERR_INVALID_ARGUMENT for a TS_DIST_TIMEOUT
+ * that is not a number of seconds in (0, 30 days], for ranks on several
+ * hosts without TS_STORE_TOKEN and no launcher hosting the store
+ * (comm/launch.h), and ts_launch_env's (inconsistent variables),
  * TS_ERR_ALREADY when initialized already, TS_ERR_UNSUPPORTED for an
  * unknown transport, and the store's and transport's. NULL: defaults. Call
  * from one thread; the world is then used as described above. */

@@ -35,4 +35,8 @@ void ts__world_free(ts_comm *world);
 void ts__world_publish(ts_comm *w);
 ts_comm *ts__world_published(void);
 
+/* Test hook: how often (seconds; <= 0 restores 10) a waiting rendezvous
+ * of ts_dist_init says which ranks it still waits for. */
+void ts__dist_set_progress_interval(double seconds);
+
 #endif

@@ -19,11 +19,37 @@
  *
  * A world of one rank needs no peers: it runs on a one-rank loopback
  * transport (collectives on the caller's thread), without a store.
+ *
+ * The rendezvous (join_world), under "<prefix>/rdv/":
+ *   claim/<r>    compare-and-set from empty to "<pid> <host id>": the first
+ *                process to claim rank r owns it; a second one finds the
+ *                first's claim and reports a duplicate RANK;
+ *   arrivals     a counter: each claimant adds one, getting its ticket n;
+ *   arrival/<n>  "<rank> <world> <pid> <host id> <host name>", so every rank
+ *                reads each arrival once, in order (O(W) per rank);
+ *   error        the first error any rank found (compare-and-set from
+ *                empty): every rank polls it and fails with it.
+ * Every rank checks each arrival against its own WORLD_SIZE and, for the
+ * arrivals on its own host (same boot id and pid namespace), watches the
+ * process through a pidfd: one that exits before the rendezvous completes
+ * fails the others at once, naming it. The loop waits on those pidfds
+ * (poll, 50 ms plus 1 ms per 8 ranks) between rounds and says at warn
+ * level, every g_progress_s (10 s), which ranks it still waits for.
+ * Known limit: when every rank of the smaller WORLD_SIZE arrives and
+ * leaves before any rank of a larger one arrives, only the latecomers
+ * fail (the others see a consistent world and go on).
  */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "comm/comm_internal.h"
 #include "comm/launch.h"
@@ -37,6 +63,319 @@ static ts_store_server *g_server;       /* rank 0 when no launcher hosts the sto
 static ts_loopback_fabric *g_fabric;    /* the one-rank world's */
 static char g_prefix[3 * TS_LAUNCH_MAX_STR];
 static unsigned g_epoch;                /* inits so far: each gets its own store keys */
+static double g_progress_s = 10.0;      /* ts__dist_set_progress_interval */
+
+void ts__dist_set_progress_interval(double seconds) { g_progress_s = seconds > 0 ? seconds : 10.0; }
+
+#define TS_DIST_TIMEOUT_ENV "TS_DIST_TIMEOUT"
+#define RDV_MAX_ID 160
+
+/* ------------------------------------------------------------ rendezvous */
+
+typedef struct rdv_peer {
+    bool seen;
+    int pid;
+    int pidfd; /* -1: not on this host, or not watchable */
+    char host[64];
+} rdv_peer;
+
+/* Identifies this host and pid namespace: pids compare only within it. */
+static void host_id(char *out, size_t n)
+{
+    char boot[64] = "?", ns[64] = "?";
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "re");
+    if (f) {
+        if (!fgets(boot, sizeof boot, f))
+            snprintf(boot, sizeof boot, "?");
+        fclose(f);
+        boot[strcspn(boot, "\n")] = '\0';
+    }
+    ssize_t k = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+    ns[k > 0 ? k : 0] = '\0';
+    for (char *p = ns; *p; p++)
+        if (*p == ' ')
+            *p = '_';
+    snprintf(out, n, "%s/%s", boot, ns);
+}
+
+static void host_name(char *out, size_t n)
+{
+    if (gethostname(out, n) != 0)
+        snprintf(out, n, "?");
+    out[n - 1] = '\0';
+    for (char *p = out; *p; p++)
+        if (*p == ' ')
+            *p = '_';
+}
+
+/* Records the first error of the rendezvous for every rank and returns
+ * `s` with `msg` as this rank's detail. */
+static ts_status rdv_fail(ts_store *st, const char *prefix, ts_status s, const char *msg)
+{
+    char key[3 * TS_LAUNCH_MAX_STR + 32];
+    snprintf(key, sizeof key, "%s/rdv/error", prefix);
+    char val[600];
+    snprintf(val, sizeof val, "%d %s", (int)s, msg);
+    (void)ts_store_compare_set(st, key, "", 0, val, strlen(val), NULL, NULL);
+    return ts_error(s, "%s", msg);
+}
+
+static void list_ranks(char *out, size_t cap, const rdv_peer *peers, int world)
+{
+    size_t used = 0;
+    int listed = 0, missing = 0;
+    out[0] = '\0';
+    for (int r = 0; r < world; r++) {
+        if (peers[r].seen)
+            continue;
+        missing++;
+        if (listed < 16 && used + 16 < cap) {
+            used += (size_t)snprintf(out + used, cap - used, "%s%d", listed ? ", " : "", r);
+            listed++;
+        }
+    }
+    if (missing > listed && used + 32 < cap)
+        snprintf(out + used, cap - used, " and %d more", missing - listed);
+}
+
+/* All W ranks meet: duplicate RANKs, inconsistent WORLD_SIZEs and ranks of
+ * this host that exit meanwhile are errors on every rank that is still
+ * waiting (see the top of this file). Bounded by timeout_s. */
+static ts_status join_world_inner(ts_store *st, const char *prefix, int rank, int world, double timeout_s,
+                                  int *max_world)
+{
+    char me_id[RDV_MAX_ID], me_host[64];
+    host_id(me_id, sizeof me_id);
+    host_name(me_host, sizeof me_host);
+    int pid = (int)getpid();
+    char key[3 * TS_LAUNCH_MAX_STR + 64], val[RDV_MAX_ID + 160], msg[512];
+    ts_status s;
+
+    /* 1. Claim the rank. */
+    snprintf(key, sizeof key, "%s/rdv/claim/%d", prefix, rank);
+    snprintf(val, sizeof val, "%d %s %s", pid, me_id, me_host);
+    void *got = NULL;
+    size_t glen = 0;
+    s = ts_store_compare_set(st, key, "", 0, val, strlen(val), &got, &glen);
+    if (s != TS_OK)
+        return s;
+    bool mine = glen == strlen(val) && memcmp(got, val, glen) == 0;
+    if (!mine) {
+        int opid = 0;
+        char oid[RDV_MAX_ID] = "?", ohost[64] = "?";
+        char *txt = strndup(got, glen);
+        if (txt)
+            sscanf(txt, "%d %159s %63s", &opid, oid, ohost);
+        free(txt);
+        free(got);
+        snprintf(msg, sizeof msg,
+                 "ts_dist_init: duplicate RANK %d: claimed by pid %d on %s and by pid %d on %s (WORLD_SIZE %d); "
+                 "every process needs its own RANK in 0..%d",
+                 rank, opid, ohost, pid, me_host, world, world - 1);
+        return rdv_fail(st, prefix, TS_ERR_INVALID_ARGUMENT, msg);
+    }
+    free(got);
+
+    /* 2. Arrive. */
+    snprintf(key, sizeof key, "%s/rdv/arrivals", prefix);
+    int64_t ticket = 0;
+    s = ts_store_add(st, key, 1, &ticket);
+    if (s != TS_OK)
+        return s;
+    snprintf(key, sizeof key, "%s/rdv/arrival/%lld", prefix, (long long)ticket);
+    snprintf(val, sizeof val, "%d %d %d %s %s", rank, world, pid, me_id, me_host);
+    s = ts_store_set(st, key, val, strlen(val));
+    if (s != TS_OK)
+        return s;
+
+    /* 3. Wait for everyone, reading each arrival once. */
+    rdv_peer *peers = calloc((size_t)world, sizeof *peers);
+    struct pollfd *pfds = calloc((size_t)world, sizeof *pfds);
+    int *pfd_rank = calloc((size_t)world, sizeof *pfd_rank);
+    if (!peers || !pfds || !pfd_rank) {
+        free(peers);
+        free(pfds);
+        free(pfd_rank);
+        return ts_error(TS_ERR_NO_MEMORY, "ts_dist_init: rendezvous of %d ranks: out of memory", world);
+    }
+    for (int r = 0; r < world; r++)
+        peers[r].pidfd = -1;
+    int nseen = 0, npfd = 0;
+    int64_t read_upto = 0;
+    double t0 = (double)ts_now_ns() / 1e9, next_note = t0 + g_progress_s;
+    s = TS_OK;
+    int gone = -1; /* a local rank whose pidfd fired */
+    for (;;) {
+        /* Somebody failed? (Checked first: a rank that found an error
+         * records it before it exits.) */
+        snprintf(key, sizeof key, "%s/rdv/error", prefix);
+        if (ts_store_check(st, key) == TS_OK) {
+            void *ev = NULL;
+            size_t elen = 0;
+            s = ts_store_get(st, key, &ev, &elen);
+            if (s == TS_OK) {
+                int code = (int)TS_ERR_INVALID_ARGUMENT, off = 0;
+                char *txt = strndup(ev, elen);
+                if (txt && sscanf(txt, "%d %n", &code, &off) >= 1)
+                    s = ts_error((ts_status)code, "%s (reported to rank %d)", txt + off, rank);
+                else
+                    s = ts_error(TS_ERR_INVALID_ARGUMENT, "ts_dist_init: the rendezvous failed on another rank");
+                free(txt);
+                free(ev);
+            }
+            break;
+        }
+        if (gone >= 0) {
+            snprintf(msg, sizeof msg,
+                     "ts_dist_init: rank %d (pid %d on %s) exited before the rendezvous of %d ranks completed", gone,
+                     peers[gone].pid, peers[gone].host, world);
+            s = rdv_fail(st, prefix, TS_ERR_PEER_FAILED, msg);
+            break;
+        }
+        /* New arrivals. */
+        int64_t count = 0;
+        snprintf(key, sizeof key, "%s/rdv/arrivals", prefix);
+        s = ts_store_add(st, key, 0, &count);
+        if (s != TS_OK)
+            break;
+        while (read_upto < count) {
+            snprintf(key, sizeof key, "%s/rdv/arrival/%lld", prefix, (long long)(read_upto + 1));
+            if (ts_store_check(st, key) != TS_OK)
+                break; /* added but not set yet: next round */
+            void *av = NULL;
+            size_t alen = 0;
+            s = ts_store_get(st, key, &av, &alen);
+            if (s != TS_OK)
+                break;
+            read_upto++;
+            char *txt = strndup(av, alen);
+            free(av);
+            int ar = -1, aw = -1, apid = 0;
+            char aid[RDV_MAX_ID] = "?", ahost[64] = "?";
+            if (txt)
+                sscanf(txt, "%d %d %d %159s %63s", &ar, &aw, &apid, aid, ahost);
+            free(txt);
+            if (aw > *max_world)
+                *max_world = aw;
+            if (aw != world) {
+                snprintf(msg, sizeof msg,
+                         "ts_dist_init: inconsistent WORLD_SIZE: rank %d (pid %d on %s) has WORLD_SIZE %d, rank %d "
+                         "(pid %d on %s) has %d; every process needs the same WORLD_SIZE",
+                         ar, apid, ahost, aw, rank, pid, me_host, world);
+                s = rdv_fail(st, prefix, TS_ERR_INVALID_ARGUMENT, msg);
+                break;
+            }
+            if (ar < 0 || ar >= world || peers[ar].seen)
+                continue; /* cannot happen: claims are unique and in range */
+            peers[ar].seen = true;
+            peers[ar].pid = apid;
+            snprintf(peers[ar].host, sizeof peers[ar].host, "%s", ahost);
+            nseen++;
+            if (ar != rank && strcmp(aid, me_id) == 0 && apid > 0) {
+                int fd = (int)syscall(SYS_pidfd_open, (pid_t)apid, 0);
+                if (fd < 0 && errno == ESRCH) {
+                    snprintf(msg, sizeof msg,
+                             "ts_dist_init: rank %d (pid %d on %s) exited before the rendezvous of %d ranks "
+                             "completed",
+                             ar, apid, ahost, world);
+                    s = rdv_fail(st, prefix, TS_ERR_PEER_FAILED, msg);
+                    break;
+                }
+                if (fd >= 0) {
+                    peers[ar].pidfd = fd;
+                    pfds[npfd] = (struct pollfd){.fd = fd, .events = POLLIN};
+                    pfd_rank[npfd++] = ar;
+                }
+            }
+        }
+        if (s != TS_OK)
+            break;
+        if (count > world) {
+            snprintf(msg, sizeof msg,
+                     "ts_dist_init: %lld processes joined a world of WORLD_SIZE %d: a RANK or WORLD_SIZE is wrong "
+                     "somewhere",
+                     (long long)count, world);
+            s = rdv_fail(st, prefix, TS_ERR_INVALID_ARGUMENT, msg);
+            break;
+        }
+        if (nseen == world)
+            break;
+        double now = (double)ts_now_ns() / 1e9;
+        if (now - t0 >= timeout_s) {
+            char missing[200];
+            list_ranks(missing, sizeof missing, peers, world);
+            s = ts_error(TS_ERR_TIMEOUT,
+                         "ts_dist_init: rendezvous '%s': rank %d waited %.1f s (the deadline; " TS_DIST_TIMEOUT_ENV
+                         " sets it) for ranks %s of %d, which never arrived",
+                         prefix, rank, now - t0, missing, world);
+            break;
+        }
+        if (now >= next_note) {
+            char missing[200];
+            list_ranks(missing, sizeof missing, peers, world);
+            ts_logf(TS_LOG_WARN, "rank %d: rendezvous: still waiting for ranks %s of %d after %.0f s (deadline %.0f s)",
+                    rank, missing, world, now - t0, timeout_s);
+            next_note = now + g_progress_s;
+        }
+        /* Wait on the local ranks' pidfds between rounds. */
+        int pr = poll(pfds, (nfds_t)npfd, 50 + world / 8); /* fewer rounds for big worlds */
+        for (int i = 0; pr > 0 && i < npfd && gone < 0; i++)
+            if (pfds[i].revents & (POLLIN | POLLHUP | POLLERR))
+                gone = pfd_rank[i];
+    }
+    for (int r = 0; r < world; r++)
+        if (peers[r].pidfd >= 0)
+            close(peers[r].pidfd);
+    free(peers);
+    free(pfds);
+    free(pfd_rank);
+    return s;
+}
+
+static ts_status join_world(ts_store *st, const char *prefix, int rank, int world, double timeout_s, bool hosting)
+{
+    int max_world = world;
+    ts_status s = join_world_inner(st, prefix, rank, world, timeout_s, &max_world);
+    if (s != TS_OK && s != TS_ERR_TIMEOUT && s != TS_ERR_COMM) {
+        /* Count this rank out; the rank hosting the store keeps it up
+         * (at most 5 s) until every rank that arrived, and as many as the
+         * largest WORLD_SIZE seen, have read the error, so that they
+         * report it rather than a lost store. */
+        char err[600];
+        snprintf(err, sizeof err, "%s", ts_last_error());
+        char fkey[3 * TS_LAUNCH_MAX_STR + 64], akey[3 * TS_LAUNCH_MAX_STR + 64];
+        snprintf(fkey, sizeof fkey, "%s/rdv/failed", prefix);
+        snprintf(akey, sizeof akey, "%s/rdv/arrivals", prefix);
+        int64_t failed = 0, arrived = 0;
+        (void)ts_store_add(st, fkey, 1, &failed);
+        uint64_t until = ts_now_ns() + 5000000000ull;
+        while (hosting && ts_now_ns() < until && ts_store_add(st, akey, 0, &arrived) == TS_OK &&
+               ts_store_add(st, fkey, 0, &failed) == TS_OK && (failed < arrived || failed < max_world)) {
+            struct timespec nap = {0, 20000000}; /* 20 ms: the others are reading the error */
+            nanosleep(&nap, NULL);
+        }
+        s = ts_error(s, "%s", err);
+    }
+    return s;
+}
+
+/* TS_DIST_TIMEOUT, when set, overrides the option (seconds, > 0). */
+static ts_status timeout_from_env(double *timeout_s)
+{
+    const char *v = getenv(TS_DIST_TIMEOUT_ENV);
+    if (!v)
+        return TS_OK;
+    char *end = NULL;
+    errno = 0;
+    double d = strtod(v, &end);
+    if (!*v || end == v || *end || errno == ERANGE || !isfinite(d) || !(d > 0) || d > 30.0 * 86400.0)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_dist_init: " TS_DIST_TIMEOUT_ENV "='%.64s' is not a number of seconds in (0, 2592000] "
+                        "(the store, rendezvous and per-collective deadline; default 300)",
+                        v);
+    *timeout_s = d;
+    return TS_OK;
+}
 
 ts_dist_options ts_dist_options_default(void)
 {
@@ -91,6 +430,8 @@ static ts_status init_locked(const ts_dist_options *o)
 {
     const char *tname = o->transport && *o->transport ? o->transport : "ucx";
     double timeout_s = o->timeout_s > 0 ? o->timeout_s : 300.0;
+    ts_status ts = timeout_from_env(&timeout_s);
+    if (ts != TS_OK) return ts;
     bool ucx = strcmp(tname, "ucx") == 0;
     if (!ucx && strcmp(tname, "loopback") != 0)
         return ts_error(TS_ERR_UNSUPPORTED, "ts_dist_init: unknown transport '%s' (\"ucx\" or \"loopback\")", tname);
@@ -115,6 +456,18 @@ static ts_status init_locked(const ts_dist_options *o)
         return ts_error(TS_ERR_UNSUPPORTED, "ts_dist_init: the loopback transport cannot join %d processes",
                         env.world_size);
 
+    /* Without a token, rank 0's store serves only processes of its own
+     * user on its own host (store.h): ranks on other hosts could never
+     * join, so say so now, on every rank. */
+    if (!env.store_hosted && !env.token[0] && env.local_world_size < env.world_size)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_dist_init: rank %d: the %d ranks span several hosts (%d on this one) and no launcher "
+                        "hosts the store (%s), so rank 0's store needs a token: set " TS_STORE_TOKEN_ENV
+                        " to the same secret on every rank (e.g. `export " TS_STORE_TOKEN_ENV
+                        "=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')` and `mpirun -x " TS_STORE_TOKEN_ENV
+                        " ...`; srun passes the environment on); without one it serves only processes of its own "
+                        "user on its own host",
+                        env.rank, env.world_size, env.local_world_size, ts_launch_source_name(env.source));
     unsigned epoch = g_epoch++;
     snprintf(g_prefix, sizeof g_prefix, "dist/%s/%u", env.run_id, epoch);
     if (!env.store_hosted && env.rank == 0) {
@@ -124,9 +477,7 @@ static ts_status init_locked(const ts_dist_options *o)
     s = ts_store_connect(env.master_addr, env.master_port, env.token, timeout_s, &g_store);
     if (s != TS_OK) goto fail;
     ts_store_set_timeout(g_store, timeout_s);
-    char rdv[sizeof g_prefix + 16];
-    snprintf(rdv, sizeof rdv, "%s/init", g_prefix);
-    s = ts_store_rendezvous(g_store, rdv, env.rank, env.world_size);
+    s = join_world(g_store, g_prefix, env.rank, env.world_size, timeout_s, g_server != NULL);
     if (s != TS_OK) goto fail;
     ts_transport *t = NULL;
     s = ts__ucx_transport_new(g_store, g_prefix, env.rank, env.world_size, timeout_s, &t);

@@ -156,7 +156,8 @@ typedef struct ts_rank_env {
     int local_rank, local_world_size; /* 0 <= local_rank < local_world_size <= world_size */
     char master_addr[TS_LAUNCH_MAX_STR]; /* where the store listens */
     int master_port;                  /* 1..65535; 0 only for world_size 1 without MASTER_PORT */
-    char token[TS_LAUNCH_MAX_STR];    /* TS_STORE_TOKEN; "" when unset (the store accepts anyone) */
+    char token[TS_LAUNCH_MAX_STR];    /* TS_STORE_TOKEN; "" when unset (then rank 0's store serves only
+                                       * this user's processes on its host: see below) */
     char run_id[TS_LAUNCH_MAX_STR];   /* TS_RUN_ID; else "slurm-JOB.STEP" under Slurm; else "" */
     bool store_hosted;                /* true: a launcher hosts the store (TS_STORE_HOSTED=1);
                                        * false: rank 0 must host it on master_addr:master_port */
@@ -186,6 +187,14 @@ typedef struct ts_rank_env {
  *   bracket group, "node[03-07,9]" -> "node03"); otherwise an error.
  *   Under mpirun or srun no launcher hosts the store: rank 0 does
  *   (store_hosted false).
+ * Store security without a launcher: tsrun gives every job a random
+ * token; mpirun and srun give none. Without TS_STORE_TOKEN, rank 0's
+ * store serves only processes of its own user on its own host
+ * (ts_store_server_start), so no other user can read the ranks' addresses
+ * or stall the rendezvous; ts_dist_init refuses a job whose ranks span
+ * several hosts without a token, on every rank, saying how to set one
+ * (the same secret on every rank: `mpirun -x TS_STORE_TOKEN`, or export
+ * it before srun).
  * Returns TS_OK and writes *env_out; TS_ERR_NOT_FOUND when no source is present
  * (a process started alone: the caller may run as world 1);
  * TS_ERR_INVALID_ARGUMENT when a value is missing, not a number, out of

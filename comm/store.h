@@ -12,6 +12,14 @@
  * and values are binary-safe on the wire (the C API takes keys as
  * strings).
  *
+ * Idle and flooding clients: a connection that has not presented a valid
+ * token within TS_STORE_HELLO_TIMEOUT_MS is closed, and while
+ * TS_STORE_MAX_PENDING connections are waiting to present theirs, new ones
+ * are closed at once (the client retries such a close until its connect
+ * timeout: a flood delays a real client by at most the hello timeout).
+ * Warnings about rejected clients are rate-limited to one line per second,
+ * the next line counting those not shown.
+ *
  * Waiting: ts_store_get and ts_store_wait pass the client's remaining time
  * to the server, which answers when the key is set (by set, add or
  * compare_set) or that time has passed, so a timed-out call leaves the
@@ -43,6 +51,10 @@ extern "C" {
 #define TS_STORE_MAX_KEY 4096
 #define TS_STORE_MAX_VALUE (64u << 20)
 #define TS_STORE_MAX_TOKEN 1024
+/* A connection must present its token within this time (ms)... */
+#define TS_STORE_HELLO_TIMEOUT_MS 5000
+/* ...and at most this many connections may be waiting to present it. */
+#define TS_STORE_MAX_PENDING 1024
 /* Environment variable a client reads its token from when given NULL
  * (the launcher sets it for every rank). */
 #define TS_STORE_TOKEN_ENV "TS_STORE_TOKEN"
@@ -53,8 +65,12 @@ typedef struct ts_store ts_store;
 /* Starts a server bound to `host` (a numeric IPv4 or IPv6 address or a
  * name that resolves to one; "127.0.0.1" when NULL: loopback unless told
  * otherwise) on `port` (0 picks a free port; read it back with
- * ts_store_server_port). Clients must present `token` (NULL or "" accepts
- * any; at most TS_STORE_MAX_TOKEN bytes). TS_ERR_IO names the address and
+ * ts_store_server_port). Clients must present `token` (at most
+ * TS_STORE_MAX_TOKEN bytes). Without a token (NULL or ""), any token is
+ * accepted but only from processes of the server's own user on its own
+ * host (the peer's socket must be in /proc/net/tcp or tcp6 with the
+ * server's effective uid): others are refused, and their
+ * ts_store_connect fails saying to set TS_STORE_TOKEN. TS_ERR_IO names the address and
  * the system error (address in use, cannot resolve, ...);
  * TS_ERR_INVALID_ARGUMENT for a bad port, token or NULL `out`. */
 TS_API ts_status ts_store_server_start(const char *host, int port, const char *token, ts_store_server **out);
@@ -66,9 +82,12 @@ TS_API void ts_store_server_stop(ts_store_server *s);
 /* Connects to `host` (NULL: "127.0.0.1") and `port` (1..65535), retrying
  * until `timeout_s` (the server may not be up yet), and says hello with
  * `token` (NULL: the TS_STORE_TOKEN environment variable, "" if unset).
- * TS_ERR_TIMEOUT names the address and the last system error; TS_ERR_COMM
- * when the server drops the hello (a wrong token) or the name does not
- * resolve; TS_ERR_INVALID_ARGUMENT for bad arguments. */
+ * TS_ERR_TIMEOUT names the address and the last system error (a server
+ * that keeps closing the connection before answering, as one at its cap
+ * of pending connections does, is retried until then); TS_ERR_COMM when
+ * the server rejects the token (the detail says so), refuses this client
+ * (see ts_store_server_start) or the name does not resolve;
+ * TS_ERR_INVALID_ARGUMENT for bad arguments. */
 TS_API ts_status ts_store_connect(const char *host, int port, const char *token, double timeout_s, ts_store **out);
 /* Frees the client (closing its connection). Accepts NULL. */
 TS_API void ts_store_close(ts_store *s);

@@ -37,6 +37,7 @@
 
 struct ts_store {
     int fd; /* -1 once the connection is lost */
+    bool peer_closed; /* the last loss was the server closing (EOF or reset) */
     double timeout_s;
     char addr[300];
 };
@@ -129,6 +130,7 @@ static ts_status send_all(ts_store *s, const char *what, struct iovec *iov, int 
             }
             int e = errno;
             lose_connection(s);
+            s->peer_closed = e == ECONNRESET || e == EPIPE;
             return ts_error(TS_ERR_COMM, "store %s: sending to the store at %s failed: %s", what, s->addr,
                             strerror(e));
         }
@@ -159,8 +161,9 @@ static ts_status recv_all(ts_store *s, const char *what, void *buf, size_t n, ui
         }
         if (r == 0) {
             lose_connection(s);
+            s->peer_closed = true;
             return ts_error(TS_ERR_COMM, "store %s: the store at %s closed the connection%s", what, s->addr,
-                            hello ? " (wrong token?)" : "");
+                            hello ? " before answering" : "");
         }
         if (errno == EINTR)
             continue;
@@ -173,8 +176,9 @@ static ts_status recv_all(ts_store *s, const char *what, void *buf, size_t n, ui
         }
         int e = errno;
         lose_connection(s);
+        s->peer_closed = e == ECONNRESET;
         return ts_error(TS_ERR_COMM, "store %s: receiving from the store at %s failed: %s%s", what, s->addr,
-                        strerror(e), hello && e == ECONNRESET ? " (wrong token?)" : "");
+                        strerror(e), hello && e == ECONNRESET ? " before answering" : "");
     }
     return TS_OK;
 }
@@ -323,6 +327,55 @@ static void sleep_ns(uint64_t ns)
     }
 }
 
+/* Says hello on the fresh connection s->fd. On failure the connection is
+ * gone (s->peer_closed says whether the server closed it unanswered). */
+static ts_status say_hello(ts_store *s, const char *token, size_t tlen, uint64_t deadline)
+{
+    int fl = fcntl(s->fd, F_GETFL);
+    if (fl >= 0)
+        fcntl(s->fd, F_SETFL, fl & ~O_NONBLOCK); /* blocking; reads and writes use MSG_DONTWAIT and poll */
+    int one = 1;
+    setsockopt(s->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+
+    /* At least a second for the hello even when connecting took all the time. */
+    uint64_t hello_deadline = deadline;
+    if (hello_deadline < ts_now_ns() + CLIENT_GRACE_NS)
+        hello_deadline = ts_now_ns() + CLIENT_GRACE_NS;
+    reply r;
+    s->peer_closed = false;
+    ts_status st = roundtrip(s, "hello", TS__STORE_OP_HELLO, "", 0, token, tlen, NULL, 0, TS__STORE_PROTOCOL,
+                             hello_deadline, &r);
+    if (st != TS_OK) {
+        lose_connection(s);
+        return st;
+    }
+    if (r.status == TS__STORE_ST_OK && r.arg == TS__STORE_PROTOCOL) {
+        free(r.val);
+        return TS_OK;
+    }
+    if (r.status == TS__STORE_ST_BAD_TOKEN) {
+        free(r.val);
+        lose_connection(s);
+        return ts_error(TS_ERR_COMM,
+                        "store hello: the store at %s rejected the token (%s): every rank must use the job's "
+                        "token (" TS_STORE_TOKEN_ENV ", as the launcher sets it)",
+                        s->addr, tlen ? "a wrong one" : "none was given");
+    }
+    if (r.status == TS__STORE_ST_REFUSED) {
+        free(r.val);
+        lose_connection(s);
+        return ts_error(TS_ERR_COMM,
+                        "store hello: the store at %s has no token and serves only processes of its own user on "
+                        "its own host; give every rank the same secret in " TS_STORE_TOKEN_ENV
+                        " (e.g. `export " TS_STORE_TOKEN_ENV "=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')`"
+                        " and `mpirun -x " TS_STORE_TOKEN_ENV " ...`; srun passes the environment on)",
+                        s->addr);
+    }
+    st = unexpected(s, "hello", &r);
+    lose_connection(s);
+    return st;
+}
+
 ts_status ts_store_connect(const char *host, int port, const char *token, double timeout_s, ts_store **out)
 {
     static const char fn[] = "ts_store_connect";
@@ -357,7 +410,7 @@ ts_status ts_store_connect(const char *host, int port, const char *token, double
     fmt_secs(secs, sizeof secs, timeout_s);
     uint64_t deadline = deadline_after(timeout_s);
     uint64_t backoff = 10000000ull; /* 10 ms, doubling to 200 ms */
-    int last_err = 0;
+    int last_err = 0, closed_early = 0;
     for (;;) {
         struct addrinfo hints = {0}, *res = NULL;
         hints.ai_family = AF_UNSPEC;
@@ -377,39 +430,35 @@ ts_status ts_store_connect(const char *host, int port, const char *token, double
         } else {
             last_err = EAGAIN;
         }
-        if (s->fd >= 0)
-            break;
+        if (s->fd >= 0) {
+            ts_status st = say_hello(s, token, tlen, deadline);
+            if (st == TS_OK)
+                break;
+            if (!s->peer_closed) {
+                ts__free(TS_MEM_COMM, s);
+                return st;
+            }
+            /* Closed before any answer: a server at its cap of pending
+             * connections does that. Try again until the deadline. */
+            closed_early++;
+            s->peer_closed = false;
+        }
         uint64_t now = ts_now_ns();
         if (now >= deadline) {
-            ts_status st = ts_error(TS_ERR_TIMEOUT, "store: cannot connect to the store at %s within %s s: %s",
-                                    s->addr, secs, gai == EAI_AGAIN ? "name resolution failed" : strerror(last_err));
+            ts_status st;
+            if (closed_early)
+                st = ts_error(TS_ERR_TIMEOUT,
+                              "store: cannot connect to the store at %s within %s s: it closed the connection "
+                              "before answering the hello %d times (too many clients waiting to say hello?)",
+                              s->addr, secs, closed_early);
+            else
+                st = ts_error(TS_ERR_TIMEOUT, "store: cannot connect to the store at %s within %s s: %s", s->addr,
+                              secs, gai == EAI_AGAIN ? "name resolution failed" : strerror(last_err));
             ts__free(TS_MEM_COMM, s);
             return st;
         }
         sleep_ns(deadline - now < backoff ? deadline - now : backoff);
         backoff = backoff * 2 > 200000000ull ? 200000000ull : backoff * 2;
-    }
-    int fl = fcntl(s->fd, F_GETFL);
-    if (fl >= 0)
-        fcntl(s->fd, F_SETFL, fl & ~O_NONBLOCK); /* blocking; reads and writes use MSG_DONTWAIT and poll */
-    int one = 1;
-    setsockopt(s->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-
-    /* At least a second for the hello even when connecting took all the time. */
-    uint64_t hello_deadline = deadline;
-    if (hello_deadline < ts_now_ns() + CLIENT_GRACE_NS)
-        hello_deadline = ts_now_ns() + CLIENT_GRACE_NS;
-    reply r;
-    ts_status st = roundtrip(s, "hello", TS__STORE_OP_HELLO, "", 0, token, tlen, NULL, 0, TS__STORE_PROTOCOL,
-                             hello_deadline, &r);
-    if (st == TS_OK && (r.status != TS__STORE_ST_OK || r.arg != TS__STORE_PROTOCOL))
-        st = unexpected(s, "hello", &r);
-    else if (st == TS_OK)
-        free(r.val);
-    if (st != TS_OK) {
-        lose_connection(s);
-        ts__free(TS_MEM_COMM, s);
-        return st;
     }
     *out = s;
     return TS_OK;

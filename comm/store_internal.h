@@ -17,10 +17,16 @@
  *   op 7 COMPARE_SET  key, value = u32 expected_len | expected | desired;
  *                     answers the value after the call, arg = 1 if it swapped
  *   op 8 DELETE       key; answers arg = 1 if the key existed
- *   status 0 OK, 1 NOT_FOUND, 2 TIMEOUT, 3 NOT_COUNTER, 4 NO_MEMORY
+ *   status 0 OK, 1 NOT_FOUND, 2 TIMEOUT, 3 NOT_COUNTER, 4 NO_MEMORY,
+ *          5 BAD_TOKEN, 6 REFUSED (answers to HELLO only)
  * A connection's first request must be HELLO carrying the job's token
- * (compared in constant time). The server answers a good HELLO with OK
- * and drops the connection otherwise. GET and WAIT carry the client's
+ * (compared in constant time). The server answers a good HELLO with OK;
+ * a wrong token with BAD_TOKEN and a client the server does not serve
+ * without a token (not its own user's on its own host) with REFUSED, then drops the
+ * connection; anything else before a good HELLO drops it without an
+ * answer, as does the server when the client has not said hello within
+ * TS_STORE_HELLO_TIMEOUT_MS or TS_STORE_MAX_PENDING connections are
+ * waiting for their hello already (the client retries those). GET and WAIT carry the client's
  * remaining time: the server parks the connection until the key is set
  * and answers TIMEOUT when that time has passed.
  *
@@ -87,7 +93,9 @@ enum {
     TS__STORE_ST_TIMEOUT = 2,
     TS__STORE_ST_NOT_COUNTER = 3,
     TS__STORE_ST_NO_MEMORY = 4,
-    TS__STORE_ST_COUNT_ = 5
+    TS__STORE_ST_BAD_TOKEN = 5,
+    TS__STORE_ST_REFUSED = 6,
+    TS__STORE_ST_COUNT_ = 7
 };
 
 #define TS__STORE_PROTOCOL 1u
@@ -125,6 +133,7 @@ typedef struct ts__store_conn {
     uint64_t deadline_ms;
     struct ts__store_conn *wprev, *wnext; /* the core's waiter list */
     char peer[64];                        /* for log lines */
+    ts__store_core *core;                 /* set by ts__store_conn_init */
     void *user;                           /* the driver's */
 } ts__store_conn;
 
@@ -159,5 +168,31 @@ bool ts__store_conn_feed(ts__store_core *core, ts__store_conn *c, const void *da
 void ts__store_core_expire(ts__store_core *core, uint64_t now_ms);
 /* The earliest waiter deadline, UINT64_MAX when nobody waits. */
 uint64_t ts__store_core_next_deadline(const ts__store_core *core);
+
+/* Rejected-client warnings (wrong token, no hello in time, over the cap
+ * of pending connections, refused peers): at most one line per
+ * TS__STORE_WARN_INTERVAL_MS per core, the next line saying how many were
+ * suppressed meanwhile; ts__store_core_free logs what is left. Loop
+ * thread only. */
+#define TS__STORE_WARN_INTERVAL_MS 1000u
+void ts__store_core_warnf(ts__store_core *core, const char *fmt, ...) TS_PRINTF(2, 3);
+/* Lines printed and suppressed so far (any thread). */
+void ts__store_core_warn_counts(ts__store_core *core, uint64_t *lines, uint64_t *suppressed);
+
+/* Counters of a server, for tests (a snapshot; any thread). */
+typedef struct ts__store_server_stats {
+    unsigned pending;       /* connections waiting for their hello now */
+    uint64_t over_cap;      /* closed at once: TS_STORE_MAX_PENDING were pending */
+    uint64_t hello_expired; /* closed: no valid hello within the hello timeout */
+    uint64_t refused;       /* peers refused: not this user's on this host, and no token */
+    uint64_t warn_lines;    /* rejected-client warnings printed */
+    uint64_t warn_suppressed;
+} ts__store_server_stats;
+void ts__store_server_get_stats(const ts_store_server *s, ts__store_server_stats *out);
+
+/* Test hook: the hello timeout (ms) and pending cap of servers started
+ * from now on in this process; 0 restores TS_STORE_HELLO_TIMEOUT_MS /
+ * TS_STORE_MAX_PENDING. Not thread-safe against concurrent starts. */
+void ts__store_server_set_limits(unsigned hello_timeout_ms, unsigned max_pending);
 
 #endif /* TS_STORE_INTERNAL_H */

@@ -9,6 +9,7 @@
 #include "comm/store_internal.h"
 
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,7 +49,42 @@ struct ts__store_core {
     entry **buckets;
     size_t nbuckets, count;
     ts__store_conn *waiters;
+    /* Rejected-client warnings (ts__store_core_warnf). */
+    uint64_t warn_last_ms;
+    bool warn_any;
+    uint64_t warn_pending; /* suppressed since the last line */
+    _Atomic uint64_t warn_lines, warn_suppressed;
 };
+
+void ts__store_core_warnf(ts__store_core *core, const char *fmt, ...)
+{
+    uint64_t now = ts_now_ns() / 1000000u;
+    if (core->warn_any && now - core->warn_last_ms < TS__STORE_WARN_INTERVAL_MS) {
+        core->warn_pending++;
+        atomic_fetch_add(&core->warn_suppressed, 1);
+        return;
+    }
+    char line[320];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (core->warn_pending)
+        ts_logf(TS_LOG_WARN, "%s (and %llu more rejected clients in the last %.1f s, not shown)", line,
+                (unsigned long long)core->warn_pending, (double)(now - core->warn_last_ms) / 1000.0);
+    else
+        ts_logf(TS_LOG_WARN, "%s", line);
+    atomic_fetch_add(&core->warn_lines, 1);
+    core->warn_any = true;
+    core->warn_last_ms = now;
+    core->warn_pending = 0;
+}
+
+void ts__store_core_warn_counts(ts__store_core *core, uint64_t *lines, uint64_t *suppressed)
+{
+    *lines = atomic_load(&core->warn_lines);
+    *suppressed = atomic_load(&core->warn_suppressed);
+}
 
 static uint64_t hash_key(const unsigned char *k, size_t n)
 {
@@ -97,6 +133,9 @@ void ts__store_core_free(ts__store_core *core)
     if (!core)
         return;
     TS_ASSERT(core->waiters == NULL);
+    if (core->warn_pending)
+        ts_logf(TS_LOG_WARN, "store: %llu more rejected clients were not shown (at most one warning per %u ms)",
+                (unsigned long long)core->warn_pending, TS__STORE_WARN_INTERVAL_MS);
     for (size_t b = 0; b < core->nbuckets; b++) {
         entry *e = core->buckets[b];
         while (e) {
@@ -307,8 +346,8 @@ uint64_t ts__store_core_next_deadline(const ts__store_core *core)
 
 void ts__store_conn_init(ts__store_core *core, ts__store_conn *c, const char *peer)
 {
-    (void)core;
     memset(c, 0, sizeof *c);
+    c->core = core;
     snprintf(c->peer, sizeof c->peer, "%s", peer ? peer : "?");
 }
 
@@ -358,13 +397,17 @@ bool ts__store_conn_space(ts__store_core *core, ts__store_conn *c, unsigned char
     return true;
 }
 
+/* Warnings (rejected clients) go through the core's rate limit. */
 static void vlog_drop(const ts__store_conn *c, ts_log_level level, const char *fmt, va_list ap)
 {
     if (!TS_LOG_ENABLED(level))
         return;
     char why[256];
     vsnprintf(why, sizeof why, fmt, ap);
-    ts_logf(level, "store: dropping client %s: %s", c->peer, why);
+    if (level == TS_LOG_WARN && c->core)
+        ts__store_core_warnf(c->core, "store: dropping client %s: %s", c->peer, why);
+    else
+        ts_logf(level, "store: dropping client %s: %s", c->peer, why);
 }
 
 /* Logs why the client is dropped; returns false (for run_frame). */
@@ -478,8 +521,10 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
         if (arg != TS__STORE_PROTOCOL)
             return drop(c, TS_LOG_WARN, "protocol version %llu (this server speaks %u)", (unsigned long long)arg,
                         TS__STORE_PROTOCOL);
-        if (!token_ok(core, val, vlen))
+        if (!token_ok(core, val, vlen)) {
+            answer(core, c, TS__STORE_ST_BAD_TOKEN, NULL, 0, TS__STORE_PROTOCOL); /* then dropped */
             return drop(c, TS_LOG_WARN, "wrong token");
+        }
         c->authed = true;
         return answer(core, c, TS__STORE_ST_OK, NULL, 0, TS__STORE_PROTOCOL);
 

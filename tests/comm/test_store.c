@@ -1104,3 +1104,202 @@ Test(comm_store, core_waiters_and_deadlines, .timeout = 60)
     cr_assert_eq(ss.drops, 0);
     th_mem_assert_back();
 }
+
+/* ---- idle and flooding clients (issue 9 §9) ---- */
+
+#include <sys/resource.h>
+
+Test(comm_store, idle_connection_is_dropped_after_the_hello_timeout, .timeout = 60)
+{
+    th_mem_mark();
+    ts__store_server_set_limits(200, 0);
+    ts_store_server *srv = start_server("tok");
+    int port = ts_store_server_port(srv);
+    double t0 = now_s();
+    int idle = raw_connect(port);
+    int half = raw_connect(port); /* half a hello, then silence */
+    unsigned char f[64];
+    size_t n = raw_frame(f, TS__STORE_OP_HELLO, NULL, 0, "tok", 3, 1);
+    raw_send(half, f, n / 2);
+    expect_dropped(idle, "idle connection");
+    expect_dropped(half, "half a hello");
+    cr_assert_lt(now_s() - t0, 3.0, "dropped after %.2f s, the timeout is 0.2 s", now_s() - t0);
+    /* A client that says hello in time stays, past the timeout. */
+    ts_store *c = connect_to(srv, "tok");
+    sleep_ms(400);
+    TH_OK(ts_store_set(c, "k", "v", 1));
+    TH_OK(ts_store_check(c, "k"));
+    ts__store_server_stats st;
+    ts__store_server_get_stats(srv, &st);
+    cr_assert_eq(st.hello_expired, 2);
+    cr_assert_eq(st.pending, 0);
+    ts_store_close(c);
+    ts_store_server_stop(srv);
+    ts__store_server_set_limits(0, 0);
+    th_mem_assert_back();
+}
+
+Test(comm_store, flood_of_idle_connections_does_not_lock_out_a_real_client, .timeout = 60)
+{
+    enum { WANT = 1100 };
+    struct rlimit rl;
+    cr_assert_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
+    rlim_t need = 2 * WANT + 64; /* both ends live in this process */
+    if (rl.rlim_cur < need) {
+        rl.rlim_cur = rl.rlim_max < need ? rl.rlim_max : need;
+        setrlimit(RLIMIT_NOFILE, &rl);
+        getrlimit(RLIMIT_NOFILE, &rl);
+    }
+    int nidle = WANT;
+    if (rl.rlim_cur < need)
+        nidle = (int)((rl.rlim_cur - 64) / 2);
+    cr_assert_gt(nidle, 100, "fd limit %llu", (unsigned long long)rl.rlim_cur);
+    const unsigned timeout_ms = 1500, cap = 1024;
+    ts__store_server_set_limits(timeout_ms, 0); /* the default cap */
+    ts_store_server *srv = start_server("tok");
+    int port = ts_store_server_port(srv);
+
+    int *fds = calloc((size_t)nidle, sizeof *fds);
+    cr_assert_not_null(fds);
+    double t0 = now_s();
+    for (int i = 0; i < nidle; i++)
+        fds[i] = raw_connect(port);
+    double opened = now_s() - t0;
+
+    /* A real client gets in (at the latest once the idle ones expire)
+     * and works. */
+    ts_store *c = NULL;
+    TH_OK(ts_store_connect("127.0.0.1", port, "tok", 20.0, &c));
+    double joined = now_s() - t0;
+    assert_still_serving(c, 1);
+
+    /* Every idle connection is closed, well before any 300 s deadline. */
+    int open_left = nidle;
+    double end = now_s() + 20.0;
+    while (open_left > 0 && now_s() < end) {
+        for (int i = 0; i < nidle; i++) {
+            if (fds[i] < 0)
+                continue;
+            struct pollfd pfd = {.fd = fds[i], .events = POLLIN};
+            if (poll(&pfd, 1, 0) == 1) {
+                char b[64];
+                ssize_t r = recv(fds[i], b, sizeof b, MSG_DONTWAIT);
+                if (r == 0 || (r < 0 && errno == ECONNRESET)) {
+                    close(fds[i]);
+                    fds[i] = -1;
+                    open_left--;
+                }
+            }
+        }
+        if (open_left > 0)
+            sleep_ms(20); /* polling many fds; bounded by `end` */
+    }
+    double all_closed = now_s() - t0;
+    cr_assert_eq(open_left, 0, "%d of %d idle connections still open after %.1f s", open_left, nidle, all_closed);
+    cr_assert_lt(all_closed, timeout_ms / 1000.0 + 10.0, "closed after %.1f s", all_closed);
+    assert_still_serving(c, 2);
+
+    ts__store_server_stats st;
+    ts__store_server_get_stats(srv, &st);
+    cr_assert_geq(st.over_cap + st.hello_expired, (uint64_t)nidle, "over cap %llu, expired %llu",
+                  (unsigned long long)st.over_cap, (unsigned long long)st.hello_expired);
+    if (nidle > (int)cap && opened < timeout_ms / 1000.0)
+        cr_assert_geq(st.over_cap, (uint64_t)(nidle - (int)cap), "opened in %.2f s, over cap %llu", opened,
+                      (unsigned long long)st.over_cap);
+    cr_assert_eq(st.pending, 0);
+    /* Rate-limited: about one line per second, the rest counted. */
+    cr_assert_leq(st.warn_lines, (uint64_t)all_closed + 3, "%llu warning lines in %.1f s",
+                  (unsigned long long)st.warn_lines, all_closed);
+    cr_assert_geq(st.warn_suppressed, (uint64_t)nidle - st.warn_lines);
+    cr_log_info("%d idle connections: opened in %.2f s, real client in after %.2f s, all closed after %.2f s; "
+                "%llu over the cap, %llu expired, %llu warning lines, %llu suppressed",
+                nidle, opened, joined, all_closed, (unsigned long long)st.over_cap,
+                (unsigned long long)st.hello_expired, (unsigned long long)st.warn_lines,
+                (unsigned long long)st.warn_suppressed);
+    free(fds);
+    ts_store_close(c);
+    ts_store_server_stop(srv);
+    ts__store_server_set_limits(0, 0);
+}
+
+Test(comm_store, only_a_rejected_token_is_called_wrong, .timeout = 60)
+{
+    ts__store_server_set_limits(0, 1); /* a cap of one pending connection */
+    ts_store_server *srv = start_server("tok");
+    int port = ts_store_server_port(srv);
+    int idle = raw_connect(port); /* holds the one pending slot */
+    sleep_ms(50);
+    ts_store *c = NULL;
+    ts_status s = ts_store_connect(NULL, port, "tok", 0.5, &c);
+    cr_assert_eq(s, TS_ERR_TIMEOUT, "%s: %s", ts_status_name(s), ts_last_error());
+    cr_assert(strstr(ts_last_error(), "before answering") && !strstr(ts_last_error(), "token"), "%s",
+              ts_last_error());
+    close(idle);
+    s = ts_store_connect(NULL, port, "bad", 5.0, &c);
+    cr_assert_eq(s, TS_ERR_COMM, "%s: %s", ts_status_name(s), ts_last_error());
+    cr_assert(strstr(ts_last_error(), "rejected the token"), "%s", ts_last_error());
+    ts_store_server_stop(srv);
+    ts__store_server_set_limits(0, 0);
+}
+
+/* ---- a store without a token serves only its own user (issue 9 §9) ---- */
+
+#include <sys/wait.h>
+
+/* In a child running as `nobody`: the outsider. Exit code 0 when every
+ * attempt was refused as it should be. */
+static int outsider(int port)
+{
+    if (setgid(65534) != 0 || setuid(65534) != 0)
+        return 10;
+    ts_store *c = NULL;
+    ts_status s = ts_store_connect(NULL, port, NULL, 3.0, &c);
+    if (s != TS_ERR_COMM || !strstr(ts_last_error(), TS_STORE_TOKEN_ENV) || !strstr(ts_last_error(), "own user")) {
+        fprintf(stderr, "outsider connect: %s: %s\n", ts_status_name(s), ts_last_error());
+        return 11;
+    }
+    /* Raw: hello and an ADD to the rendezvous counter in one write. */
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0)
+        return 12;
+    unsigned char f[256];
+    size_t n = raw_frame(f, TS__STORE_OP_HELLO, NULL, 0, "", 0, 1);
+    n += raw_frame(f + n, TS__STORE_OP_ADD, "rdv/count", 9, NULL, 0, 1);
+    raw_send(fd, f, n);
+    unsigned char r[64];
+    size_t got = raw_recv(fd, r, sizeof r, 5.0);
+    if (got != 17 || r[4] != TS__STORE_ST_REFUSED) {
+        fprintf(stderr, "outsider raw: %zu bytes, status %u\n", got, got > 4 ? r[4] : 255);
+        return 13;
+    }
+    close(fd);
+    return 0;
+}
+
+Test(comm_store, tokenless_store_refuses_other_users, .timeout = 60)
+{
+    if (geteuid() != 0)
+        cr_skip_test("needs root to run a client as another user");
+    ts_store_server *srv = start_server(NULL);
+    int port = ts_store_server_port(srv);
+    ts_store *own = connect_to(srv, NULL); /* this user: served */
+    TH_OK(ts_store_set(own, "ucx/addr/0", "secret-address", 14));
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0)
+        _exit(outsider(port));
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "outsider status 0x%x", st);
+    /* The outsider's ADD never ran. */
+    cr_assert_eq(ts_store_check(own, "rdv/count"), TS_ERR_NOT_FOUND);
+    ts__store_server_stats ss;
+    ts__store_server_get_stats(srv, &ss);
+    cr_assert_geq(ss.refused, 2);
+    ts_store_close(own);
+    ts_store_server_stop(srv);
+}

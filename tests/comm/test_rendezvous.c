@@ -1,0 +1,350 @@
+#define _GNU_SOURCE
+#include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "comm/comm_internal.h"
+#include "comm/store.h"
+#include "tests/helpers.h"
+
+/* ts_dist_init's rendezvous with ranks started by hand (no launcher):
+ * duplicate RANKs, inconsistent WORLD_SIZEs, a rank that dies before the
+ * rendezvous completes, the progress line, TS_DIST_TIMEOUT, and the token
+ * rule of a multi-host job. The ranks are this binary again, in a role
+ * chosen by TS_TEST_RDV_ROLE; their stderr goes to a file per rank. */
+
+static double now_s(void) { return (double)ts_now_ns() / 1e9; }
+
+/* ------------------------------------------------------------ rank side */
+
+__attribute__((constructor)) static void rdv_test_role(void)
+{
+    const char *role = getenv("TS_TEST_RDV_ROLE");
+    if (!role) return;
+    ts_log_set_level(TS_LOG_WARN); /* the progress line is a warning */
+    const char *iv = getenv("TS_TEST_RDV_PROGRESS");
+    if (iv) ts__dist_set_progress_interval(atof(iv));
+    double t0 = now_s();
+    ts_status s = ts_dist_init(NULL);
+    if (strcmp(role, "stall") == 0 && s == TS_OK) {
+        /* Rank 1 joins and then never takes part; rank 0's all-reduce
+         * must time out after TS_DIST_TIMEOUT. */
+        ts_comm *w = ts_dist_world();
+        if (ts_comm_rank(w) == 1) {
+            for (;;) pause(); /* until the test kills it */
+        }
+        ts_tensor *x = NULL;
+        int64_t shape[1] = {1024};
+        if (ts_tensor_zeros(TS_F32, 1, shape, &x) != TS_OK) _exit(7);
+        double t1 = now_s();
+        ts_status cs = ts_all_reduce(w, x, TS_REDUCE_SUM, NULL);
+        fprintf(stderr, "all_reduce %s after %.2f s: %s\n", ts_status_name(cs), now_s() - t1, ts_last_error());
+        fflush(stderr);
+        _exit(cs == TS_ERR_TIMEOUT ? 5 : 6);
+    }
+    fprintf(stderr, "init %s after %.2f s: %s\n", ts_status_name(s), now_s() - t0, s == TS_OK ? "" : ts_last_error());
+    fflush(stderr);
+    if (s != TS_OK) _exit(3);
+    s = ts_dist_finalize();
+    _exit(s == TS_OK ? 0 : 4);
+}
+
+/* ------------------------------------------------------------ test side */
+
+extern char **environ;
+
+static char *self_exe(void)
+{
+    static char path[4096];
+    ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
+    cr_assert_gt(n, 0);
+    path[n] = '\0';
+    return path;
+}
+
+static void clear_launch_env(void)
+{
+    static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                 "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED",
+                                 "TS_STORE_TOKEN", "TS_RUN_ID", "TS_DIST_TIMEOUT"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
+    setenv("UCX_TLS", "posix,cma,self", 0);
+    setenv("UCX_MM_ERROR_HANDLING", "y", 0);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
+}
+
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t len = sizeof a;
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+typedef struct rank_proc {
+    pid_t pid;
+    char log[256];
+    int status;
+    double exited_s; /* seconds after start */
+} rank_proc;
+
+/* Starts this binary as rank `rank` of `world` (RANK/WORLD_SIZE, one
+ * host), with the environment as it is now plus the role. */
+static void spawn_rank(rank_proc *p, int rank, int world, const char *tag)
+{
+    char rs[16], ws[16];
+    snprintf(rs, sizeof rs, "%d", rank);
+    snprintf(ws, sizeof ws, "%d", world);
+    const char *role = getenv("TS_TEST_RDV_WANT_ROLE");
+    setenv("TS_TEST_RDV_ROLE", role ? role : "join", 1);
+    setenv("RANK", rs, 1);
+    setenv("WORLD_SIZE", ws, 1);
+    static int seq;
+    const char *tmp = getenv("TMPDIR");
+    snprintf(p->log, sizeof p->log, "%s/rdv-%s-%d-%d-%d.log", tmp && *tmp ? tmp : "/tmp", tag, (int)getpid(), rank,
+             seq++);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 2, p->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    char *argv[] = {self_exe(), NULL};
+    cr_assert_eq(posix_spawn(&p->pid, argv[0], &fa, NULL, argv, environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    unsetenv("TS_TEST_RDV_ROLE");
+}
+
+/* Waits for every rank (bounded; the rest are killed), recording when
+ * each exited. */
+static void wait_ranks(rank_proc *p, int n, double t0, double limit_s)
+{
+    int left = n;
+    for (int i = 0; i < n; i++) p[i].exited_s = -1;
+    while (left > 0 && now_s() - t0 < limit_s) {
+        for (int i = 0; i < n; i++) {
+            if (p[i].exited_s >= 0) continue;
+            if (waitpid(p[i].pid, &p[i].status, WNOHANG) == p[i].pid) {
+                p[i].exited_s = now_s() - t0;
+                left--;
+            }
+        }
+        if (left) usleep(10000); /* polling the children; bounded by limit_s */
+    }
+    for (int i = 0; i < n; i++) {
+        if (p[i].exited_s >= 0) continue;
+        kill(p[i].pid, SIGKILL);
+        waitpid(p[i].pid, &p[i].status, 0);
+        cr_assert_fail("rank process %d still running after %.0f s", i, limit_s);
+    }
+}
+
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    static char buf[16384];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    unlink(path);
+    return buf;
+}
+
+static void expect_failed_with(rank_proc *p, int i, const char *a, const char *b)
+{
+    char *log = slurp(p[i].log);
+    cr_assert(WIFEXITED(p[i].status) && WEXITSTATUS(p[i].status) == 3, "process %d: status 0x%x; log:\n%s", i,
+              p[i].status, log);
+    cr_assert(strstr(log, a) && (!b || strstr(log, b)), "process %d: want '%s' and '%s' in:\n%s", i, a, b ? b : "",
+              log);
+    cr_log_info("process %d exited after %.2f s: %s", i, p[i].exited_s, strstr(log, "init "));
+}
+
+Test(comm_rendezvous, duplicate_rank_fails_every_rank, .timeout = 120)
+{
+    clear_launch_env();
+    char port[16];
+    snprintf(port, sizeof port, "%d", free_port());
+    setenv("MASTER_PORT", port, 1);
+    setenv("TS_DIST_TIMEOUT", "60", 1);
+    rank_proc p[3];
+    double t0 = now_s();
+    spawn_rank(&p[0], 0, 3, "dup");
+    spawn_rank(&p[1], 1, 3, "dup");
+    spawn_rank(&p[2], 1, 3, "dup"); /* RANK 1 again; rank 2 is missing */
+    wait_ranks(p, 3, t0, 90);
+    for (int i = 0; i < 3; i++) {
+        expect_failed_with(p, i, "duplicate RANK 1", "claimed by pid");
+        cr_assert_lt(p[i].exited_s, 20.0, "process %d took %.1f s (the deadline is 60 s)", i, p[i].exited_s);
+    }
+}
+
+Test(comm_rendezvous, inconsistent_world_size_fails_every_rank, .timeout = 120)
+{
+    clear_launch_env();
+    char port[16];
+    snprintf(port, sizeof port, "%d", free_port());
+    setenv("MASTER_PORT", port, 1);
+    setenv("TS_DIST_TIMEOUT", "60", 1);
+    rank_proc p[3];
+    double t0 = now_s();
+    spawn_rank(&p[0], 0, 2, "ws"); /* WORLD_SIZE 2 ... */
+    spawn_rank(&p[1], 1, 3, "ws"); /* ... and 3 */
+    spawn_rank(&p[2], 2, 3, "ws");
+    wait_ranks(p, 3, t0, 90);
+    for (int i = 0; i < 3; i++) {
+        expect_failed_with(p, i, "inconsistent WORLD_SIZE", "has WORLD_SIZE");
+        cr_assert_lt(p[i].exited_s, 20.0, "process %d took %.1f s (the deadline is 60 s)", i, p[i].exited_s);
+    }
+}
+
+Test(comm_rendezvous, rank_killed_before_the_rendezvous_fails_the_others_at_once, .timeout = 120)
+{
+    clear_launch_env();
+    /* The test hosts the store, as a launcher would, so it can see rank 2
+     * arrive; no launcher watches the ranks. */
+    ts_store_server *srv = NULL;
+    TH_OK(ts_store_server_start(NULL, 0, "tok", &srv));
+    char port[16];
+    snprintf(port, sizeof port, "%d", ts_store_server_port(srv));
+    setenv("MASTER_PORT", port, 1);
+    setenv("TS_STORE_HOSTED", "1", 1);
+    setenv("TS_STORE_TOKEN", "tok", 1);
+    setenv("TS_RUN_ID", "rdvkill", 1);
+    setenv("TS_DIST_TIMEOUT", "120", 1);
+    rank_proc victim, p[2];
+    spawn_rank(&victim, 2, 3, "kill");
+    ts_store *c = NULL;
+    TH_OK(ts_store_connect(NULL, ts_store_server_port(srv), "tok", 30.0, &c));
+    ts_store_set_timeout(c, 30.0);
+    void *v = NULL;
+    size_t n = 0;
+    TH_OK(ts_store_get(c, "dist/rdvkill/0/rdv/arrival/1", &v, &n)); /* rank 2 has published its pid */
+    free(v);
+    kill(victim.pid, SIGKILL);
+    int st;
+    cr_assert_eq(waitpid(victim.pid, &st, 0), victim.pid);
+    unlink(victim.log);
+    double t0 = now_s();
+    spawn_rank(&p[0], 0, 3, "kill");
+    spawn_rank(&p[1], 1, 3, "kill");
+    wait_ranks(p, 2, t0, 100);
+    for (int i = 0; i < 2; i++) {
+        expect_failed_with(p, i, "rank 2 (pid", "exited before the rendezvous");
+        cr_assert_lt(p[i].exited_s, 5.0, "rank %d failed after %.1f s (the deadline is 120 s)", i, p[i].exited_s);
+    }
+    ts_store_close(c);
+    ts_store_server_stop(srv);
+}
+
+Test(comm_rendezvous, waiting_rendezvous_names_the_missing_ranks_until_the_deadline, .timeout = 120)
+{
+    clear_launch_env();
+    char port[16];
+    snprintf(port, sizeof port, "%d", free_port());
+    setenv("MASTER_PORT", port, 1);
+    setenv("TS_DIST_TIMEOUT", "2.5", 1); /* the rendezvous deadline, from the environment */
+    setenv("TS_TEST_RDV_PROGRESS", "0.5", 1);
+    rank_proc p[1];
+    double t0 = now_s();
+    spawn_rank(&p[0], 0, 3, "wait"); /* ranks 1 and 2 never come */
+    wait_ranks(p, 1, t0, 60);
+    unsetenv("TS_TEST_RDV_PROGRESS");
+    char *log = slurp(p[0].log);
+    cr_assert(WIFEXITED(p[0].status) && WEXITSTATUS(p[0].status) == 3, "status 0x%x:\n%s", p[0].status, log);
+    int lines = 0;
+    for (const char *q = log; (q = strstr(q, "still waiting for ranks 1, 2 of 3")); q++) lines++;
+    cr_assert_geq(lines, 2, "%d progress lines in:\n%s", lines, log);
+    cr_assert(strstr(log, "TS_ERR_TIMEOUT") && strstr(log, "ranks 1, 2 of 3") && strstr(log, "TS_DIST_TIMEOUT"),
+              "%s", log);
+    cr_assert(p[0].exited_s > 2.0 && p[0].exited_s < 15.0, "failed after %.1f s, the deadline is 2.5 s",
+              p[0].exited_s);
+    cr_log_info("%d progress lines; failed after %.2f s", lines, p[0].exited_s);
+}
+
+Test(comm_rendezvous, bad_dist_timeout_is_a_clear_error, .timeout = 30)
+{
+    clear_launch_env();
+    static const char *bad[] = {"", "abc", "0", "-1", "5s", "1e999", "nan", "inf", "3000000"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        setenv("TS_DIST_TIMEOUT", bad[i], 1);
+        ts_status s = ts_dist_init(NULL);
+        cr_assert_eq(s, TS_ERR_INVALID_ARGUMENT, "'%s': %s", bad[i], ts_status_name(s));
+        char want[64];
+        snprintf(want, sizeof want, "TS_DIST_TIMEOUT='%s'", bad[i]);
+        cr_assert(strstr(ts_last_error(), want), "'%s': %s", bad[i], ts_last_error());
+        cr_assert(!ts_dist_is_initialized());
+    }
+    setenv("TS_DIST_TIMEOUT", "2.5", 1);
+    TH_OK(ts_dist_init(NULL)); /* alone: a one-rank world */
+    TH_OK(ts_dist_finalize());
+    unsetenv("TS_DIST_TIMEOUT");
+}
+
+Test(comm_rendezvous, ranks_on_several_hosts_need_a_token, .timeout = 30)
+{
+    clear_launch_env();
+    /* mpirun-style, 2 ranks on 2 hosts, no token: refused on both ranks
+     * before anything listens or connects. */
+    setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1", 1);
+    setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0", 1);
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", "29999", 1);
+    for (int r = 0; r < 2; r++) {
+        char rs[8];
+        snprintf(rs, sizeof rs, "%d", r);
+        setenv("OMPI_COMM_WORLD_RANK", rs, 1);
+        double t0 = now_s();
+        ts_status s = ts_dist_init(NULL);
+        cr_assert_eq(s, TS_ERR_INVALID_ARGUMENT, "rank %d: %s: %s", r, ts_status_name(s), ts_last_error());
+        cr_assert(strstr(ts_last_error(), "TS_STORE_TOKEN") && strstr(ts_last_error(), "several hosts") &&
+                      strstr(ts_last_error(), "mpirun -x"),
+                  "%s", ts_last_error());
+        cr_assert_lt(now_s() - t0, 1.0);
+    }
+    clear_launch_env();
+}
+
+Test(comm_rendezvous, dist_timeout_sets_the_collective_deadline, .timeout = 120)
+{
+    clear_launch_env();
+    char port[16];
+    snprintf(port, sizeof port, "%d", free_port());
+    setenv("MASTER_PORT", port, 1);
+    setenv("TS_DIST_TIMEOUT", "2", 1);
+    setenv("TS_TEST_RDV_WANT_ROLE", "stall", 1);
+    rank_proc p[2];
+    double t0 = now_s();
+    spawn_rank(&p[0], 0, 2, "stall");
+    spawn_rank(&p[1], 1, 2, "stall");
+    unsetenv("TS_TEST_RDV_WANT_ROLE");
+    wait_ranks(p, 1, t0, 60); /* rank 0 alone: rank 1 waits to be killed */
+    kill(p[1].pid, SIGKILL);
+    waitpid(p[1].pid, &p[1].status, 0);
+    unlink(p[1].log);
+    char *log = slurp(p[0].log);
+    cr_assert(WIFEXITED(p[0].status) && WEXITSTATUS(p[0].status) == 5, "status 0x%x:\n%s", p[0].status, log);
+    double dt = -1;
+    const char *line = strstr(log, "all_reduce TS_ERR_TIMEOUT after ");
+    cr_assert_not_null(line, "%s", log);
+    sscanf(line, "all_reduce TS_ERR_TIMEOUT after %lf", &dt);
+    cr_assert(dt > 1.5 && dt < 10.0, "the all-reduce timed out after %.2f s; TS_DIST_TIMEOUT is 2 s:\n%s", dt, log);
+    cr_log_info("%s", line);
+}
