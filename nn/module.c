@@ -778,29 +778,38 @@ static ts_status print_module(sbuf *b, print_seen *seen, ts_module *m, const cha
     char er[512] = "";
     if (m->vtable->extra_repr && m->vtable->extra_repr(m, er, sizeof er) < 0)
         er[0] = '\0';
-    print_ctx c = {.b = b};
+    sbuf slots = {0};
+    print_ctx c = {.b = &slots};
     if (m->vtable->visit) {
         ts_module_visitor cv = {NULL, print_child, &c, NULL};
-        st = m->vtable->visit(m, &cv);
-    }
-    sb_str(b, "(");
-    if (c.n_children == 0 && !st)
-        sb_str(b, er);
-    sb_str(b, c.n_children && !st ? "" : ")");
-    /* own parameters, then buffers, on the module's line */
-    if (!st && m->vtable->visit) {
         ts_module_visitor pv = {print_param, NULL, &c, NULL};
-        st = m->vtable->visit(m, &pv);
-        c.buffers = true;
         ts_module_visitor bv = {NULL, NULL, &c, print_buffer};
+        st = m->vtable->visit(m, &cv);
+        if (!st)
+            st = m->vtable->visit(m, &pv); /* own parameters, then buffers */
+        c.buffers = true;
         if (!st)
             st = m->vtable->visit(m, &bv);
     }
-    sb_str(b, "\n");
-    if (!st && c.n_children) {
+    if (!st)
+        st = slots.st;
+    if (!st && !c.n_children) { /* a leaf: one line */
+        sb_str(b, "(");
+        sb_str(b, er);
+        sb_str(b, ")");
+        if (slots.n)
+            sb_str(b, slots.p);
+        sb_str(b, "\n");
+    } else if (!st) { /* settings, own slots and children inside, as PyTorch */
+        sb_str(b, "(\n");
         if (er[0]) {
             sb_indent(b, depth + 1);
             sb_str(b, er);
+            sb_str(b, "\n");
+        }
+        if (slots.n) {
+            sb_indent(b, depth + 1);
+            sb_str(b, slots.p + 2); /* without the leading "  " */
             sb_str(b, "\n");
         }
         for (int i = 0; i < c.n_children && !st && !b->st; i++) {
@@ -812,6 +821,7 @@ static ts_status print_module(sbuf *b, print_seen *seen, ts_module *m, const cha
         sb_indent(b, depth);
         sb_str(b, ")\n");
     }
+    ts__free(TS_MEM_NN, slots.p);
     for (int i = 0; i < c.n_children; i++)
         ts__free(TS_MEM_NN, (void *)c.child_names[i]);
     ts__free(TS_MEM_NN, c.child_names);

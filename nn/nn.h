@@ -233,22 +233,29 @@ TS_API void ts_module_zero_grad(ts_module *m, bool set_to_none);
 TS_API int64_t ts_module_num_parameters(ts_module *m);
 
 /* The module tree as PyTorch's repr prints it, with each module's own
- * parameter and buffer shapes ("[shard]" marks a parameter whose slot
- * holds this rank's shard) and, for an FSDP module, its group:
+ * parameter and buffer shapes (non-float32 dtypes named; "[shard]" marks
+ * a slot that holds this rank's shard) and, for an FSDP module, its group
+ * (through the FSDP vtable's extra_repr):
  *
  *   Sequential(
- *     (0): Linear(in_features=8, out_features=16)  weight (16, 8), bias (16,)
- *     (1): ResidualBlockFSDPModule(dim=16; FSDP: 2 params, ...)  gain (8,) [shard], buffer num_batches_tracked ()
- *     ...
+ *     (0): Linear()  weight (16, 4), bias (16,)
+ *     (1): ResidualBlockFSDPModule(
+ *       dim=16; FSDP: 3 params, 288 elements, 144 per rank + 0 padding in all, mesh (dp=2), ...
+ *       gain (8,) [shard], buffer num_batches_tracked int64 ()
+ *       (fc): Linear()  weight (8, 16) [shard], bias (8,) [shard]
+ *     )
  *   )
  *
- * A module reachable twice (shared) is printed in full the first time and
- * as "(name): Type (shared with 'fqn')" afterwards. ts_module_print writes
- * to `f` (TS_ERR_IO when writing fails). ts_module_repr writes into buf
- * (capacity cap, NUL-terminated, truncated to fit; buf may be NULL when
- * cap is 0) and sets *len_out to the length of the whole text, so that a
- * caller can allocate *len_out + 1 and call again. Both:
- * TS_ERR_INVALID_ARGUMENT for NULL arguments, TS_ERR_NO_MEMORY. */
+ * A leaf is one line: "(name): Type(extra_repr)" and its slots; a module
+ * with children has its extra_repr, then its own slots, then its children
+ * inside the parentheses. A module reachable twice (shared) is printed in
+ * full the first time and as "(name): Type (shared with 'fqn')"
+ * afterwards. ts_module_print writes to `f` (TS_ERR_IO when writing
+ * fails). ts_module_repr writes into buf (capacity cap, NUL-terminated,
+ * truncated to fit; buf may be NULL when cap is 0) and sets *len_out to
+ * the length of the whole text, so that a caller can allocate
+ * *len_out + 1 and call again. Both: TS_ERR_INVALID_ARGUMENT for NULL
+ * arguments, TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_module_print(ts_module *m, FILE *f);
 TS_API ts_status ts_module_repr(ts_module *m, char *buf, size_t cap, size_t *len_out);
 
