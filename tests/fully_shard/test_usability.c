@@ -312,7 +312,7 @@ Test(fully_shard_usability, print_and_summary, .timeout = 60)
         "SequentialFSDPModule(\n"
         "  FSDP: 1 param, 5 elements, 3 per rank + 1 padding in all, mesh (dp=2), reshard after forward: auto (false "
         "for the root, true for the others)\n"
-        "  (0): LinearFSDPModule(FSDP: 2 params, 20 elements, 12 per rank + 4 padding in all, mesh (dp=2), reshard "
+        "  (0): LinearFSDPModule(in_features=3, out_features=5, bias=True; FSDP: 2 params, 20 elements, 12 per rank + 4 padding in all, mesh (dp=2), reshard "
         "after forward: auto (false for the root, true for the others))  weight (3, 3) [shard], bias (3,) [shard]\n"
         "  (1): UMod()  w (3,) [shard], buffer calls (1,)\n"
         ")\n";

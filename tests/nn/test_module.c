@@ -437,7 +437,7 @@ Test(nn_module, print_shows_types_shapes_and_extra_repr)
     ts_module *outer[2] = {k[0], inner};
     TH_OK(ts_sequential_new(2, outer, &m));
     const char *want = "Sequential(\n"
-                       "  (0): Linear()  weight (3, 4), bias (3,)\n"
+                       "  (0): Linear(in_features=4, out_features=3, bias=True)  weight (3, 4), bias (3,)\n"
                        "  (1): Sequential(\n"
                        "    (0): ReLU()\n"
                        "    (1): Gain(dim=3)  gain (3,), buffer num_batches_tracked int64 ()\n"
@@ -580,4 +580,68 @@ Test(nn_module, status_macros)
     cr_assert_eq(goto_cleanup(TS_ERR_DTYPE, &cleaned), TS_ERR_DTYPE);
     cr_assert_eq(goto_cleanup(TS_OK, &cleaned), TS_ERR_ALREADY);
     cr_assert_eq(cleaned, 2);
+}
+
+/* PyTorch's repr of the built-in layers (their extra_repr). */
+Test(nn_module, print_builtin_layers_as_pytorch)
+{
+    th_mem_mark();
+    ts_module *emb = NULL, *ln = NULL, *lin = NULL, *inner = NULL, *m = NULL;
+    TH_OK(ts_embedding_new(10, 4, &emb));
+    TH_OK(ts_layer_norm_new(4, 1e-5, true, &ln));
+    TH_OK(ts_linear_new(4, 2, false, &lin));
+    TH_OK(ts_sequential_new(1, &lin, &inner));
+    ts_module *k[3] = {emb, ln, inner};
+    TH_OK(ts_sequential_new(3, k, &m));
+    char buf[1024];
+    size_t len = 0;
+    TH_OK(ts_module_repr(m, buf, sizeof buf, &len));
+    cr_assert_str_eq(buf, "Sequential(\n"
+                          "  (0): Embedding(10, 4)  weight (10, 4)\n"
+                          "  (1): LayerNorm((4,), eps=1e-05, elementwise_affine=True)  weight (4,), bias (4,)\n"
+                          "  (2): Sequential(\n"
+                          "    (0): Linear(in_features=4, out_features=2, bias=False)  weight (2, 4)\n"
+                          "  )\n"
+                          ")\n");
+    ts_module_free(m);
+    th_mem_assert_back();
+}
+
+/* Two children that are one module (a shared block, as a tied layer). */
+typedef struct twin {
+    ts_module base;
+    ts_module *a;
+} twin;
+static ts_status twin_visit(ts_module *m, const ts_module_visitor *v)
+{
+    twin *t = (twin *)m;
+    ts_status st = v->child ? v->child(v->ctx, "first", t->a) : TS_OK;
+    if (!st && v->child)
+        st = v->child(v->ctx, "second", t->a);
+    return st;
+}
+static void twin_free(ts_module *m)
+{
+    ts_module_free(((twin *)m)->a);
+    free(m);
+}
+static const ts_module_vtable twin_vt = {.type_name = "Twin", .visit = twin_visit, .free = twin_free};
+
+Test(nn_module, print_shared_module_once)
+{
+    twin *t = calloc(1, sizeof *t);
+    TH_OK(ts_module_init(&t->base, &twin_vt));
+    TH_OK(ts_linear_new(2, 2, true, &t->a));
+    char buf[512];
+    size_t len = 0;
+    TH_OK(ts_module_repr(&t->base, buf, sizeof buf, &len));
+    cr_assert_str_eq(buf, "Twin(\n"
+                          "  (first): Linear(in_features=2, out_features=2, bias=True)  weight (2, 2), bias (2,)\n"
+                          "  (second): Linear (shared with 'first')\n"
+                          ")\n");
+    ts_named_params p;
+    TH_OK(ts_module_named_parameters(&t->base, &p));
+    cr_assert_eq(p.n, 2, "named_parameters visits a shared module once");
+    ts_named_params_free(&p);
+    ts_module_free(&t->base);
 }
