@@ -238,11 +238,11 @@ TS_API int64_t ts_module_num_parameters(ts_module *m);
  * (through the FSDP vtable's extra_repr):
  *
  *   Sequential(
- *     (0): Linear()  weight (16, 4), bias (16,)
+ *     (0): Linear(in_features=4, out_features=16, bias=True)  weight (16, 4), bias (16,)
  *     (1): ResidualBlockFSDPModule(
  *       dim=16; FSDP: 3 params, 288 elements, 144 per rank + 0 padding in all, mesh (dp=2), ...
  *       gain (8,) [shard], buffer num_batches_tracked int64 ()
- *       (fc): Linear()  weight (8, 16) [shard], bias (8,) [shard]
+ *       (fc): Linear(in_features=16, out_features=16, bias=True)  weight (8, 16) [shard], bias (8,) [shard]
  *     )
  *   )
  *
