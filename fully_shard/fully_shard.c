@@ -874,7 +874,8 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
     if (n <= 0 || !modules) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: no modules (n = %d)", fn, n);
     for (int i = 0; i < n; i++) {
         if (!modules[i] || !modules[i]->vtable)
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: module %d is NULL", fn, i);
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: module %d %s", fn, i,
+                            modules[i] ? "has no vtable (ts_module_init failed or was not called)" : "is NULL");
         if (ts_module_is_fsdp(modules[i]))
             return ts_error(TS_ERR_ALREADY, "%s: fully_shard has already been applied to this %s (module %d)", fn,
                             ts_module_type_name(modules[i]), i);

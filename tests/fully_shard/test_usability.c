@@ -169,10 +169,9 @@ Test(fully_shard_usability, many_module_types_and_methods, .timeout = 60)
     for (int i = 0; i < NG; i++) ts_module_free(g[i]);
 }
 
-static ts_status no_free_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
+static ts_status own_dispatch(ts_module *m, int k, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
-    (void)m, (void)n_in, (void)in, (void)n_out, (void)out;
-    return TS_OK;
+    return umod_method(m, k, n_in, in, n_out, out);
 }
 
 Test(fully_shard_usability, malformed_modules_are_errors, .timeout = 60)
@@ -187,10 +186,12 @@ Test(fully_shard_usability, malformed_modules_are_errors, .timeout = 60)
     bad.free = NULL;
     TH_FAILS(ts_fully_shard(m, NULL), TS_ERR_INVALID_ARGUMENT, "UMod", "no free");
     bad = umod_vt;
-    bad.call_method = NULL;
+    bad.call_method = own_dispatch;
+    TH_FAILS(ts_fully_shard(m, NULL), TS_ERR_UNSUPPORTED, "UMod has its own method dispatcher");
+    m->vtable = NULL;
+    TH_FAILS(ts_fully_shard(m, NULL), TS_ERR_INVALID_ARGUMENT, "module 0 has no vtable");
     m->vtable = &umod_vt;
     cr_assert(!ts_module_is_fsdp(m));
-    (void)no_free_forward;
 
     /* a child without vtable inside the tree */
     ts_module *seq = NULL;
