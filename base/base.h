@@ -89,6 +89,49 @@ TS_API void ts_clear_error(void);
 TS_API ts_status ts_error(ts_status s, const char *fmt, ...) TS_PRINTF(2, 3);
 
 /*
+ * Propagating a ts_status, for code written on top of the library (your
+ * own modules, layers, training loops). Each is a statement; the
+ * enclosing function must return ts_status.
+ *
+ *   TS_TRY(expr)                  evaluates expr (a ts_status) once; if it is
+ *                                 not TS_OK, returns it at once. The detail
+ *                                 stays what the failing call recorded.
+ *   TS_CHECK(cond, status, fmt, ...)
+ *                                 if cond is false, records the detail
+ *                                 (printf-style, as ts_error) and returns
+ *                                 `status`. Name the values in the message.
+ *   TS_TRY_GOTO(st, expr, label)  assigns expr to the ts_status variable st;
+ *                                 if it is not TS_OK, jumps to label (the
+ *                                 cleanup that frees what the function
+ *                                 holds, then `return st;`).
+ *
+ * Example:
+ *   ts_status block_forward(...) {
+ *       TS_CHECK(n_in == 1, TS_ERR_INVALID_ARGUMENT, "Block: 1 input, got %d", n_in);
+ *       ts_status st;
+ *       ts_tensor *h = NULL;               // NULL: freeing it is a no-op
+ *       TS_TRY_GOTO(st, ts_tanh(in[0], &h), done);
+ *       ...
+ *   done:
+ *       ts_tensor_free(h);
+ *       return st;
+ *   }
+ */
+#define TS_TRY(expr)                                  \
+    do {                                              \
+        ts_status ts_try_st_ = (expr);                \
+        if (ts_try_st_ != TS_OK) return ts_try_st_;   \
+    } while (0)
+#define TS_CHECK(cond, status, ...)                          \
+    do {                                                     \
+        if (!(cond)) return ts_error((status), __VA_ARGS__); \
+    } while (0)
+#define TS_TRY_GOTO(st, expr, label)           \
+    do {                                       \
+        if (((st) = (expr)) != TS_OK) goto label; \
+    } while (0)
+
+/*
  * Abort hook. Internal invariants (never user errors) go through
  * TS_ASSERT, which calls the hook with a message and then abort()s if the
  * hook returns. Tests install a hook that longjmps or records.

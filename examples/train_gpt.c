@@ -372,6 +372,7 @@ int main(int argc, char **argv)
         CHECK(ts_fully_shard(block, NULL));
     }
     CHECK(ts_fully_shard(model, NULL));
+    if (rank == 0) CHECK(ts_fsdp_summary(model, stdout)); /* the sharding layout, once */
     if (load) {
         ts_state_dict *sd;
         CHECK(ts_safetensors_load(load, &sd));

@@ -39,6 +39,8 @@
 #include "fully_shard/fully_shard.h"
 
 #include "comm/comm.h"
+#include "comm/launch.h"
+#include "optim/internal.h"
 #include "mesh/internal.h"
 #include "nn/internal.h"
 #include "tensor/internal.h"
@@ -52,7 +54,6 @@
 #include <string.h>
 
 #define FQN_MAX 512
-#define MAX_METHODS 8
 
 typedef struct fsdp_state fsdp_state;
 typedef struct fsdp_group fsdp_group;
@@ -112,7 +113,7 @@ struct fsdp_state {
     fsdp_group *group;  /* retained; NULL when the call took no parameter */
     fsdp_ctx *ctx;      /* the root's (borrowed; owned by the root: ctx->root == this) */
     char fqn[FQN_MAX];
-    bool method_wrapped[MAX_METHODS];
+    bool *method_wrapped; /* per named method of orig_vt: wrapped by ts_fsdp_register_forward_method */
     bool ran;           /* ran forward in this iteration (grouped calls count modules once) */
     int index;          /* its place among the modules of its call */
     fsdp_state **fwd_prefetch, **bwd_prefetch; /* explicit lists (retained) */
@@ -227,6 +228,150 @@ static void reg_drop_group(fsdp_group *g)
     pthread_mutex_unlock(&g_reg_mu);
 }
 
+/* The parameters given as ignored_params (retained), each with the state
+ * of the call that named it (dropped with that state): the optimizer's
+ * check does not count them as left outside every group by mistake. */
+typedef struct ign_entry {
+    ts_tensor *t;
+    const fsdp_state *s;
+} ign_entry;
+
+static ign_entry *g_ign;
+static int g_ign_n, g_ign_cap;
+
+/* Room for n more entries (so that adding them cannot fail). */
+static bool ign_reserve(int n)
+{
+    pthread_mutex_lock(&g_reg_mu);
+    bool ok = true;
+    if (g_ign_n + n > g_ign_cap) {
+        int cap = g_ign_cap ? g_ign_cap : 16;
+        while (cap < g_ign_n + n) cap *= 2;
+        ign_entry *e = realloc(g_ign, (size_t)cap * sizeof *e);
+        if (e) {
+            g_ign = e;
+            g_ign_cap = cap;
+        } else {
+            ok = false;
+        }
+    }
+    pthread_mutex_unlock(&g_reg_mu);
+    return ok;
+}
+
+static void ign_add(ts_tensor *t, const fsdp_state *s)
+{
+    pthread_mutex_lock(&g_reg_mu);
+    if (g_ign_n < g_ign_cap) g_ign[g_ign_n++] = (ign_entry){ts_tensor_retain(t), s};
+    pthread_mutex_unlock(&g_reg_mu);
+}
+
+static void ign_drop_state(const fsdp_state *s)
+{
+    pthread_mutex_lock(&g_reg_mu);
+    int k = 0;
+    for (int i = 0; i < g_ign_n; i++) {
+        if (g_ign[i].s == s) ts_tensor_free(g_ign[i].t);
+        else g_ign[k++] = g_ign[i];
+    }
+    g_ign_n = k;
+    if (!g_ign_n) {
+        free(g_ign);
+        g_ign = NULL;
+        g_ign_cap = 0;
+    }
+    pthread_mutex_unlock(&g_reg_mu);
+}
+
+/* ------------------------------------------------------------------ */
+/* Mistakes that would otherwise train silently (issue 9 §4)           */
+/* ------------------------------------------------------------------ */
+
+/* ts_fully_shard over the one-rank world while the launcher's variables
+ * say the job has several ranks: every rank would train alone. */
+static ts_status check_world_started(const char *fn, const ts_fsdp_options *o)
+{
+    if (ts_dist_is_initialized()) return TS_OK;
+    if (o->mesh && ts_mesh_size(o->mesh, NULL) > 1) return TS_OK; /* a world made some other way (loopback) */
+    ts_rank_env env;
+    char saved[1024];
+    ts_status saved_st = ts_last_status();
+    snprintf(saved, sizeof saved, "%s", ts_last_error());
+    ts_status st = ts_launch_env(&env);
+    if (st) { /* no launcher (or unreadable variables, which ts_dist_init reports): nothing to say */
+        if (saved_st) ts_error(saved_st, "%s", saved);
+        else ts_clear_error();
+        return TS_OK;
+    }
+    if (env.world_size <= 1) return TS_OK;
+    return ts_error(TS_ERR_STATE,
+                    "%s: the launcher (%s) started this process as rank %d of %d, but ts_dist_init has not been "
+                    "called: sharding over a one-rank world would make every rank train alone; call "
+                    "ts_dist_init(NULL) before ts_fully_shard (and before making a mesh)",
+                    fn, ts_launch_source_name(env.source), env.rank, env.world_size);
+}
+
+/* Called by every optimizer step before it changes anything (optim's
+ * hook): an optimizer over tensors fully_shard replaced fails (they are no
+ * longer the module's: their gradients never come); at the first step,
+ * parameters outside every FSDP group next to parameters sharded over
+ * more than one rank get a warning (their gradients are not averaged: the
+ * ranks' copies drift apart). */
+static ts_status optim_check(const char *who, int n, ts_tensor *const *params, bool first_step)
+{
+    pthread_mutex_lock(&g_reg_mu);
+    int stale = -1;
+    char stale_fqn[FQN_MAX] = "";
+    int n_stale = 0;
+    for (int i = 0; i < n && g_reg_n; i++) {
+        const reg_entry *e = reg_find(params[i]);
+        if (!e) continue;
+        if (stale < 0) {
+            stale = i;
+            snprintf(stale_fqn, sizeof stale_fqn, "%s", e->fqn);
+        }
+        n_stale++;
+    }
+    int n_outside = 0, first_outside = -1;
+    int64_t mesh_ranks = 1;
+    if (stale < 0 && first_step) {
+        for (int i = 0; i < n; i++) {
+            const ts_dtensor *dt = ts_fsdp_param_dtensor(params[i]);
+            if (dt) {
+                int64_t r = ts_mesh_size(ts_dtensor_mesh(dt), NULL);
+                if (r > mesh_ranks) mesh_ranks = r;
+                continue;
+            }
+            bool ign = false;
+            for (int k = 0; k < g_ign_n && !ign; k++) ign = g_ign[k].t == params[i];
+            if (ign) continue;
+            if (first_outside < 0) first_outside = i;
+            n_outside++;
+        }
+    }
+    pthread_mutex_unlock(&g_reg_mu);
+    if (stale >= 0)
+        return ts_error(TS_ERR_STATE,
+                        "%s step: %d of its %d parameters (the first: parameter %d, '%s') are no longer the model's: "
+                        "ts_fully_shard replaced them with their shards after this optimizer was built, so they "
+                        "would never get a gradient; build the optimizer after ts_fully_shard, from "
+                        "ts_module_parameters(model)",
+                        who, n_stale, n, stale, stale_fqn);
+    if (n_outside && mesh_ranks > 1) {
+        const char *name = ts_tensor_name(params[first_outside]);
+        ts_logf(TS_LOG_WARN,
+                "%s: %d of its %d parameters (the first: parameter %d%s%s%s) are outside every FSDP group while the "
+                "others are sharded over %lld ranks: their gradients are not averaged across ranks, so each rank's "
+                "copy drifts apart; shard the root too (ts_fully_shard(model) after its blocks), or pass them as "
+                "ignored_params and keep them in sync yourself",
+                who, n_outside, n, first_outside, name[0] ? " '" : "", name, name[0] ? "'" : "",
+                (long long)mesh_ranks);
+    }
+    return TS_OK;
+}
+
+static void install_optim_check(void) { ts__optim_set_param_check(optim_check); }
+
 /* ------------------------------------------------------------------ */
 /* Reference counts                                                    */
 /* ------------------------------------------------------------------ */
@@ -287,6 +432,8 @@ static void state_release(fsdp_state *s)
     for (int i = 0; i < s->n_bwd_prefetch; i++) state_release(s->bwd_prefetch[i]);
     ts__free(TS_MEM_NN, s->fwd_prefetch);
     ts__free(TS_MEM_NN, s->bwd_prefetch);
+    ts__free(TS_MEM_NN, s->method_wrapped);
+    ign_drop_state(s);
     if (s->ctx && s->ctx->root == s) ctx_free(s->ctx);
     group_release(s->group);
     ts__free(TS_MEM_NN, s);
@@ -313,56 +460,44 @@ static void fsdp_free(ts_module *m);
 static ts_status fsdp_call(fsdp_state *st, ts_module_fn fn, int n_in, ts_tensor *const *in, int *n_out,
                            ts_tensor **out);
 
-static ts_status call_method(ts_module *m, int k, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
+/* The FSDP vtable's method dispatcher (ts_module_call_method): method k of
+ * the original, through the FSDP wrapper when registered. */
+static ts_status fsdp_call_method(ts_module *m, int k, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
     fsdp_state *st = m->ext;
+    if (!st || k < 0 || k >= st->orig_vt->n_methods)
+        return ts_error(TS_ERR_INTERNAL, "fully_shard: method %d of %s is out of range", k, ts_module_type_name(m));
     ts_module_fn fn = st->orig_vt->methods[k].fn;
-    if (!st->method_wrapped[k]) return fn(m, n_in, in, n_out, out);
+    if (!st->method_wrapped || !st->method_wrapped[k]) return fn(m, n_in, in, n_out, out);
     return fsdp_call(st, fn, n_in, in, n_out, out);
 }
 
-#define METHOD(k)                                                                                          \
-    static ts_status fsdp_method_##k(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out) \
-    {                                                                                                      \
-        return call_method(m, k, n_in, in, n_out, out);                                                    \
-    }
-METHOD(0)
-METHOD(1)
-METHOD(2)
-METHOD(3)
-METHOD(4)
-METHOD(5)
-METHOD(6)
-METHOD(7)
-static const ts_module_fn k_methods[MAX_METHODS] = {fsdp_method_0, fsdp_method_1, fsdp_method_2, fsdp_method_3,
-                                                    fsdp_method_4, fsdp_method_5, fsdp_method_6, fsdp_method_7};
+static int fsdp_extra_repr(const ts_module *m, char *buf, size_t cap);
 
+/* The FSDP vtables made so far, one per original vtable; the array grows
+ * (no limit on module types). */
 typedef struct vt_entry {
     const ts_module_vtable *orig;
     ts_module_vtable *vt;
 } vt_entry;
 
 static pthread_mutex_t g_vt_mu = PTHREAD_MUTEX_INITIALIZER;
-static vt_entry g_vts[64];
-static int g_n_vts;
+static vt_entry *g_vts;
+static int g_n_vts, g_cap_vts;
 
-static bool is_fsdp_vt(const ts_module_vtable *vt)
-{
-    if (!vt || !vt->base) return false;
-    pthread_mutex_lock(&g_vt_mu);
-    bool found = false;
-    for (int i = 0; i < g_n_vts && !found; i++) found = g_vts[i].vt == vt;
-    pthread_mutex_unlock(&g_vt_mu);
-    return found;
-}
+/* Every FSDP vtable, and only those, has fsdp_forward as its forward. */
+static bool is_fsdp_vt(const ts_module_vtable *vt) { return vt && vt->base && vt->forward == fsdp_forward; }
 
 /* The cached FSDP vtable extending orig (made once per original vtable and
  * kept for the life of the process). */
 static ts_status fsdp_vtable(const ts_module_vtable *orig, const ts_module_vtable **out)
 {
-    if (orig->n_methods > MAX_METHODS)
-        return ts_error(TS_ERR_UNSUPPORTED, "fully_shard: %s has %d named methods; at most %d are supported",
-                        orig->type_name, orig->n_methods, MAX_METHODS);
+    ts_status vst = ts__module_vtable_check("fully_shard", orig);
+    if (vst) return vst;
+    if (orig->call_method)
+        return ts_error(TS_ERR_UNSUPPORTED,
+                        "fully_shard: %s has its own method dispatcher (call_method); fully_shard cannot wrap it",
+                        orig->type_name);
     pthread_mutex_lock(&g_vt_mu);
     for (int i = 0; i < g_n_vts; i++)
         if (g_vts[i].orig == orig) {
@@ -372,37 +507,42 @@ static ts_status fsdp_vtable(const ts_module_vtable *orig, const ts_module_vtabl
         }
     ts_status st = TS_OK;
     ts_module_vtable *vt = NULL;
-    ts_module_method *methods = NULL;
     char *name = NULL;
-    if (g_n_vts == (int)(sizeof g_vts / sizeof g_vts[0])) {
-        st = ts_error(TS_ERR_UNSUPPORTED, "fully_shard: more than %d module types", g_n_vts);
-        goto done;
+    if (g_n_vts == g_cap_vts) {
+        int cap = g_cap_vts ? 2 * g_cap_vts : 16;
+        vt_entry *grown = realloc(g_vts, (size_t)cap * sizeof *grown);
+        if (!grown) {
+            st = ts_error(TS_ERR_NO_MEMORY, "fully_shard: out of memory (the table of %d module types)", g_n_vts);
+            goto done;
+        }
+        g_vts = grown;
+        g_cap_vts = cap;
     }
     size_t len = strlen(orig->type_name) + sizeof "FSDPModule";
     vt = calloc(1, sizeof *vt);
     name = malloc(len);
-    methods = orig->n_methods ? calloc((size_t)orig->n_methods, sizeof *methods) : NULL;
-    if (!vt || !name || (orig->n_methods && !methods)) {
+    if (!vt || !name) {
         st = ts_error(TS_ERR_NO_MEMORY, "fully_shard: out of memory");
         goto done;
     }
     snprintf(name, len, "%sFSDPModule", orig->type_name);
-    for (int i = 0; i < orig->n_methods; i++) methods[i] = (ts_module_method){orig->methods[i].name, k_methods[i]};
     vt->type_name = name;
     vt->forward = fsdp_forward;
     vt->visit = orig->visit;
     vt->free = fsdp_free;
-    vt->methods = methods;
+    /* the original's names and functions; calls go through call_method */
+    vt->methods = orig->methods;
     vt->n_methods = orig->n_methods;
     vt->base = orig;
+    vt->extra_repr = fsdp_extra_repr;
+    vt->call_method = fsdp_call_method;
     g_vts[g_n_vts++] = (vt_entry){orig, vt};
     *out = vt;
-    vt = NULL, name = NULL, methods = NULL;
+    vt = NULL, name = NULL;
 done:
     pthread_mutex_unlock(&g_vt_mu);
     free(vt);
     free(name);
-    free(methods);
     return st;
 }
 
@@ -496,6 +636,10 @@ static ts_status on_child(void *vc, const char *name, ts_module *child)
 {
     collect *c = vc;
     if (!child || ts_module_is_fsdp(child)) return TS_OK; /* sharded earlier: its own group */
+    if (!child->vtable)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "fully_shard: child '%s%s%s' has no vtable (ts_module_init failed or was not called)", c->prefix,
+                        *c->prefix ? "." : "", name ? name : "(null)");
     char saved[FQN_MAX];
     snprintf(saved, sizeof saved, "%s", c->prefix);
     int len = snprintf(c->prefix, sizeof c->prefix, "%s%s%s", saved, *saved ? "." : "", name);
@@ -516,10 +660,10 @@ static ts_status walk_managed(collect *c, ts_module *m)
     if (!grow((void **)&c->seen, &c->cap_seen, c->n_seen + 1, sizeof *c->seen)) return TS_ERR_NO_MEMORY;
     c->seen[c->n_seen++] = m;
     if (!m->vtable->visit) return TS_OK; /* no parameters, no children */
-    ts_module_visitor pv = {on_param, NULL, c};
+    ts_module_visitor pv = {on_param, NULL, c, NULL};
     ts_status st = m->vtable->visit(m, &pv);
     if (st) return st;
-    ts_module_visitor cv = {NULL, on_child, c};
+    ts_module_visitor cv = {NULL, on_child, c, NULL};
     return m->vtable->visit(m, &cv);
 }
 
@@ -739,7 +883,8 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
     if (n <= 0 || !modules) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: no modules (n = %d)", fn, n);
     for (int i = 0; i < n; i++) {
         if (!modules[i] || !modules[i]->vtable)
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: module %d is NULL", fn, i);
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: module %d %s", fn, i,
+                            modules[i] ? "has no vtable (ts_module_init failed or was not called)" : "is NULL");
         if (ts_module_is_fsdp(modules[i]))
             return ts_error(TS_ERR_ALREADY, "%s: fully_shard has already been applied to this %s (module %d)", fn,
                             ts_module_type_name(modules[i]), i);
@@ -751,10 +896,21 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
                             ts_module_type_name(modules[i]));
     }
     if ((st = check_options(fn, &o))) return st;
-    const ts_module_vtable *vts[64];
-    if (n > 64) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: at most 64 modules in one group, got %d", fn, n);
-    for (int i = 0; i < n; i++)
-        if ((st = fsdp_vtable(modules[i]->vtable, &vts[i]))) return st;
+    if ((st = check_world_started(fn, &o))) return st;
+    install_optim_check();
+    const ts_module_vtable **vts = ts__calloc(TS_MEM_NN, (size_t)n, sizeof *vts);
+    fsdp_state **states = ts__calloc(TS_MEM_NN, (size_t)n, sizeof *states);
+    if (!vts || !states) {
+        ts__free(TS_MEM_NN, vts);
+        ts__free(TS_MEM_NN, states);
+        return TS_ERR_NO_MEMORY;
+    }
+    for (int i = 0; i < n && !st; i++) st = fsdp_vtable(modules[i]->vtable, &vts[i]);
+    if (st) {
+        ts__free(TS_MEM_NN, vts);
+        ts__free(TS_MEM_NN, states);
+        return st;
+    }
 
     collect c;
     memset(&c, 0, sizeof c);
@@ -767,13 +923,20 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
     }
     fsdp_group *g = NULL;
     if (!st) st = group_new(fn, &c, &o, n, &g);
-    fsdp_state *states[64] = {0};
     for (int i = 0; i < n && !st; i++) {
         states[i] = ts__calloc(TS_MEM_NN, 1, sizeof *states[i]);
-        if (!states[i]) st = TS_ERR_NO_MEMORY;
+        int nm = modules[i]->vtable->n_methods;
+        if (!states[i] || (nm && !(states[i]->method_wrapped = ts__calloc(TS_MEM_NN, (size_t)nm, sizeof(bool)))))
+            st = TS_ERR_NO_MEMORY;
     }
+    if (!st && !ign_reserve(o.n_ignored_params)) st = ts_error(TS_ERR_NO_MEMORY, "%s: out of memory", fn);
     if (st) {
-        for (int i = 0; i < n; i++) ts__free(TS_MEM_NN, states[i]);
+        for (int i = 0; i < n; i++) {
+            if (states[i]) ts__free(TS_MEM_NN, states[i]->method_wrapped);
+            ts__free(TS_MEM_NN, states[i]);
+        }
+        ts__free(TS_MEM_NN, vts);
+        ts__free(TS_MEM_NN, states);
         if (g) group_free(g);
         collect_free(&c);
         return st;
@@ -805,9 +968,14 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         modules[i]->ext = s;
         modules[i]->vtable = vts[i];
     }
+    /* the ignored parameters, remembered for the optimizer's check */
+    for (int i = 0; i < o.n_ignored_params; i++)
+        if (o.ignored_params[i]) ign_add(o.ignored_params[i], states[0]);
     snprintf(g->fqn, sizeof g->fqn, "%s", states[0]->fqn);
     group_release(g); /* the states hold it (or nothing did: freed) */
     collect_free(&c);
+    ts__free(TS_MEM_NN, vts);
+    ts__free(TS_MEM_NN, states);
     return TS_OK;
 }
 
@@ -1525,6 +1693,9 @@ fail:
 static ts_status fsdp_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
     fsdp_state *s = m->ext;
+    if (!s->orig_vt->forward) /* a container such as ModuleList: call its children */
+        return ts_error(TS_ERR_UNSUPPORTED, "ts_module_call: %s has no forward (call its children instead)",
+                        ts_module_type_name(m));
     return fsdp_call(s, s->orig_vt->forward, n_in, in, n_out, out);
 }
 
@@ -1837,7 +2008,7 @@ ts_status ts_fsdp_full_state_dict(ts_module *module, bool rank0_only, ts_state_d
         }
     }
     if (st || !keep) goto done;
-    if ((st = ts__module_params(module, false, &np))) goto done;
+    if ((st = ts__module_entries(module, true, true, false, &np))) goto done; /* buffers: whole, replicated */
     for (int i = 0; i < np.n && !st; i++) {
         ts_tensor *t = *np.items[i].slot;
         fsdp_group *g = NULL;
@@ -1880,7 +2051,7 @@ ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *s
     }
     for (int i = 0; i < w.n && !st; i++) st = reshard(w.g[i]);
     ts_named_params np = {0};
-    if (!st) st = ts__module_params(module, false, &np);
+    if (!st) st = ts__module_entries(module, true, true, false, &np); /* buffers are copied whole */
     /* check everything first: nothing is copied on error. Key mismatches
      * (strict) come first, then shapes, as ts_module_load_state_dict. */
     char missing[1024] = "", unexpected[1024] = "", shapes[1024] = "";
@@ -2022,5 +2193,234 @@ ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *tot
     }
     ts_named_params_free(&np);
     ts__free(TS_MEM_NN, w.g);
+    return st;
+}
+
+/* ------------------------------------------------------------------ */
+/* Describing the sharding: ts_module_print's line, ts_fsdp_summary    */
+/* ------------------------------------------------------------------ */
+
+/* is_root < 0: not known yet (before the first forward, for print) */
+static void policy_str(const fsdp_group *g, bool resolved, int is_root, char *buf, size_t cap)
+{
+    ts_reshard_policy p = resolved ? g->policy : g->user_policy;
+    const char *note = "";
+    if (!resolved && p == TS_RESHARD_AUTO && is_root < 0) {
+        snprintf(buf, cap, "auto (false for the root, true for the others)");
+        return;
+    }
+    if (!resolved && p == TS_RESHARD_AUTO) {
+        p = is_root ? TS_RESHARD_FALSE : TS_RESHARD_TRUE;
+        note = is_root ? " (auto: the root keeps its parameters)" : " (auto)";
+    }
+    if (p == TS_RESHARD_EVERY_N && g->every_n == 1) p = TS_RESHARD_TRUE;
+    switch (p) {
+    case TS_RESHARD_FALSE: snprintf(buf, cap, "false%s", note); break;
+    case TS_RESHARD_EVERY_N: snprintf(buf, cap, "every %d forwards%s", g->every_n, note); break;
+    case TS_RESHARD_AUTO: snprintf(buf, cap, "auto"); break;
+    default: snprintf(buf, cap, "true%s", note); break;
+    }
+}
+
+static void mesh_str(const ts_mesh *mesh, char *buf, size_t cap)
+{
+    size_t n = 0;
+    buf[0] = '\0';
+    for (int d = 0; d < ts_mesh_ndim(mesh) && n < cap; d++) {
+        int k = snprintf(buf + n, cap - n, "%s%s=%lld", d ? ", " : "(", ts_mesh_dim_name(mesh, d),
+                         (long long)ts_mesh_dim_size(mesh, d));
+        n += k > 0 ? (size_t)k : 0;
+    }
+    if (n < cap) snprintf(buf + n, cap - n, ")");
+}
+
+static void bytes_str(double b, char *buf, size_t cap)
+{
+    if (b < 1024) snprintf(buf, cap, "%.0f B", b);
+    else if (b < 1024.0 * 1024) snprintf(buf, cap, "%.1f KiB", b / 1024);
+    else if (b < 1024.0 * 1024 * 1024) snprintf(buf, cap, "%.1f MiB", b / (1024.0 * 1024));
+    else snprintf(buf, cap, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+}
+
+/* The FSDP vtable's extra_repr: the original's, then this module's group. */
+static int fsdp_extra_repr(const ts_module *m, char *buf, size_t cap)
+{
+    const fsdp_state *s = m->ext;
+    char own[512] = "";
+    if (s->orig_vt->extra_repr && s->orig_vt->extra_repr(m, own, sizeof own) < 0) own[0] = '\0';
+    const char *sep = own[0] ? "; " : "";
+    const fsdp_group *g = s->group;
+    if (!g) return snprintf(buf, cap, "%s%sFSDP: no parameters of its own", own, sep);
+    char pol[96], mesh[128];
+    policy_str(g, s->ctx != NULL, s->ctx ? s->ctx->root == s : -1, pol, sizeof pol);
+    mesh_str(g->mesh, mesh, sizeof mesh);
+    char shared[64] = "";
+    if (g->n_states > 1) snprintf(shared, sizeof shared, ", shared by %d modules", g->n_states);
+    return snprintf(buf, cap,
+                    "%s%sFSDP: %d param%s, %lld elements, %lld per rank + %lld padding in all, mesh %s, reshard "
+                    "after forward: %s%s",
+                    own, sep, g->n, g->n == 1 ? "" : "s", (long long)g->numel, (long long)g->shard_numel,
+                    (long long)(g->shard_numel * g->W - g->numel), mesh, pol, shared);
+}
+
+/* The FSDP modules of a subtree and their names, in pre-order. */
+typedef struct summary_walk {
+    fsdp_state **s;
+    char **fqn;
+    int n, cap_s, cap_fqn;
+} summary_walk;
+
+static ts_status summary_each(void *vc, const char *fqn, ts_module *m)
+{
+    summary_walk *w = vc;
+    fsdp_state *s = state_of(m);
+    if (!s) return TS_OK;
+    if (!grow((void **)&w->s, &w->cap_s, w->n + 1, sizeof *w->s) ||
+        !grow((void **)&w->fqn, &w->cap_fqn, w->n + 1, sizeof *w->fqn))
+        return TS_ERR_NO_MEMORY;
+    if (!(w->fqn[w->n] = ts__strdup(TS_MEM_NN, fqn))) return TS_ERR_NO_MEMORY;
+    w->s[w->n++] = s;
+    return TS_OK;
+}
+
+static void summary_walk_free(summary_walk *w)
+{
+    for (int i = 0; i < w->n; i++) ts__free(TS_MEM_NN, w->fqn[i]);
+    ts__free(TS_MEM_NN, w->fqn);
+    ts__free(TS_MEM_NN, w->s);
+}
+
+static const char *param_name(const ts_named_params *np, const fsdp_param *p)
+{
+    for (int i = 0; i < np->n; i++)
+        if (*np->items[i].slot == p->S || *np->items[i].slot == p->U) return np->items[i].name;
+    return p->fqn;
+}
+
+static ts_status write_summary(ts_module *module, FILE *f)
+{
+    summary_walk w = {0};
+    ts_named_params np = {0}, nb = {0};
+    groups_walk gw = {0};
+    ts_status st = ts_module_named_modules(module, summary_each, &w);
+    if (!st) st = subtree_groups(module, &gw);
+    if (!st) st = ts_module_named_parameters(module, &np);
+    if (!st) st = ts_module_named_buffers(module, &nb);
+    if (st) goto done;
+    int rank = gw.n ? ts_comm_rank(gw.g[0]->pg) : 0;
+    int64_t total = 0;
+    for (int i = 0; i < np.n; i++) { /* full sizes: a shard counts as its whole parameter */
+        const fsdp_param *p = find_param(&gw, *np.items[i].slot, NULL);
+        total += p ? p->numel : ts_tensor_numel(*np.items[i].slot);
+    }
+    char mesh[128] = "(none)";
+    if (gw.n) mesh_str(gw.g[0]->mesh, mesh, sizeof mesh);
+    fprintf(f, "FSDP summary of %s (rank %d of mesh %s): %d FSDP modules, %d groups, %d parameters (%lld elements)\n",
+            ts_module_type_name(module), rank, mesh, w.n, gw.n, np.n, (long long)total);
+    double rank_bytes = 0;
+    int in_groups = 0;
+    for (int i = 0; i < gw.n; i++) {
+        const fsdp_group *g = gw.g[i];
+        char names[FQN_MAX] = "";
+        const char *type = "";
+        bool root = false, resolved = false;
+        for (int k = 0; k < w.n; k++) {
+            if (w.s[k]->group != g) continue;
+            size_t l = strlen(names);
+            snprintf(names + l, sizeof names - l, "%s'%s'", l ? ", " : "", w.fqn[k]);
+            if (!*type) type = ts_module_type_name(w.s[k]->module);
+            if (w.s[k]->ctx) resolved = true;
+            if (w.s[k]->module == module || (w.s[k]->ctx && w.s[k]->ctx->root == w.s[k])) root = true;
+        }
+        char pol[96], gm[128], b1[32], b2[32];
+        policy_str(g, resolved, root, pol, sizeof pol);
+        mesh_str(g->mesh, gm, sizeof gm);
+        int64_t pad_all = g->shard_numel * g->W - g->numel;
+        bytes_str((double)g->shard_numel * (double)g->es, b1, sizeof b1);
+        bytes_str((double)g->shard_numel * (double)g->W * (double)g->es, b2, sizeof b2);
+        rank_bytes += (double)g->shard_numel * (double)g->es;
+        in_groups += g->n;
+        fprintf(f, "group %s (%s): %d param%s, %lld elements, %s, mesh %s, reshard after forward: %s\n", names, type,
+                g->n, g->n == 1 ? "" : "s", (long long)g->numel, ts_dtype_name(g->dtype), gm, pol);
+        fprintf(f, "  per rank: %lld elements (%lld of them padding on this rank, %lld over all ranks), %s sharded; "
+                   "%s while unsharded\n",
+                (long long)g->shard_numel, (long long)(g->shard_numel - g->local_numel), (long long)pad_all, b1, b2);
+        fprintf(f, "  %-40s %-16s %-16s %-16s %s\n", "parameter", "full", "local shard", "padded shard", "padding");
+        for (int k = 0; k < g->n; k++) {
+            const fsdp_param *p = &g->params[k];
+            char full[96], local[96], padded[96];
+            int64_t sh[TS_MAX_DIMS];
+            memcpy(sh, p->shape, sizeof sh);
+            ts__shape_str(p->ndim, p->shape, full, sizeof full);
+            sh[0] = p->local_rows;
+            ts__shape_str(p->ndim, sh, local, sizeof local);
+            sh[0] = p->c;
+            ts__shape_str(p->ndim, sh, padded, sizeof padded);
+            fprintf(f, "  %-40s %-16s %-16s %-16s %lld\n", param_name(&np, p), full, local, padded,
+                    (long long)((p->c - p->local_rows) * p->row_numel));
+        }
+    }
+    /* parameters outside every group: replicated, whole, on every rank */
+    int n_out = 0;
+    int64_t out_numel = 0;
+    double out_bytes = 0;
+    for (int i = 0; i < np.n; i++) {
+        ts_tensor *t = *np.items[i].slot;
+        if (find_param(&gw, t, NULL)) continue;
+        n_out++;
+        out_numel += ts_tensor_numel(t);
+        out_bytes += (double)ts_tensor_numel(t) * (double)ts_dtype_size(ts_tensor_dtype(t));
+    }
+    char b[32];
+    bytes_str(out_bytes, b, sizeof b);
+    fprintf(f, "outside every group (not sharded, whole on every rank): %d parameter%s, %lld elements, %s%s", n_out,
+            n_out == 1 ? "" : "s", (long long)out_numel, b, n_out ? ":" : "");
+    for (int i = 0, k = 0; i < np.n && k < 8; i++)
+        if (!find_param(&gw, *np.items[i].slot, NULL)) fprintf(f, " %s", np.items[i].name), k++;
+    fprintf(f, "%s\n", n_out > 8 ? " ..." : "");
+    double buf_bytes = 0;
+    for (int i = 0; i < nb.n; i++)
+        buf_bytes += (double)ts_tensor_numel(*nb.items[i].slot) * (double)ts_dtype_size(ts_tensor_dtype(*nb.items[i].slot));
+    bytes_str(buf_bytes, b, sizeof b);
+    fprintf(f, "buffers (never sharded, whole on every rank): %d, %s\n", nb.n, b);
+    char rb[32];
+    bytes_str(rank_bytes + out_bytes + buf_bytes, rb, sizeof rb);
+    fprintf(f, "this rank holds %s of parameters and buffers (%d parameters in groups, %d outside)\n", rb, in_groups,
+            n_out);
+    if (ferror(f)) st = ts_error(TS_ERR_IO, "ts_fsdp_summary: writing the summary failed");
+done:
+    summary_walk_free(&w);
+    ts__free(TS_MEM_NN, gw.g);
+    ts_named_params_free(&np);
+    ts_named_params_free(&nb);
+    return st;
+}
+
+ts_status ts_fsdp_summary(ts_module *module, FILE *f)
+{
+    if (!module || !f)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_summary: NULL %s", module ? "FILE" : "module");
+    return write_summary(module, f);
+}
+
+ts_status ts_fsdp_summary_str(ts_module *module, char *buf, size_t cap, size_t *len_out)
+{
+    if (!module || !len_out || (cap && !buf))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_summary_str: NULL argument");
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) return ts_error(TS_ERR_NO_MEMORY, "ts_fsdp_summary_str: open_memstream failed");
+    ts_status st = write_summary(module, f);
+    if (fclose(f) && !st) st = ts_error(TS_ERR_NO_MEMORY, "ts_fsdp_summary_str: out of memory");
+    if (!st) {
+        if (cap) {
+            size_t n = len < cap - 1 ? len : cap - 1;
+            memcpy(buf, text, n);
+            buf[n] = '\0';
+        }
+        *len_out = len;
+    }
+    free(text);
     return st;
 }

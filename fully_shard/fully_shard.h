@@ -34,7 +34,29 @@
  * the next forward (they never reach the shards' gradients).
  *
  * Build the optimizer from the module's parameters after fully_shard: it
- * steps on the shards.
+ * steps on the shards (ts_module_parameters gives the list). Mistakes that
+ * would otherwise train silently are reported:
+ *   - an optimizer built before fully_shard (its tensors are no longer the
+ *     module's, so it would never see a gradient): its step fails with
+ *     TS_ERR_STATE naming the first such parameter;
+ *   - ts_fully_shard while the launcher's variables (RANK/WORLD_SIZE,
+ *     mpirun's, Slurm's) say WORLD_SIZE > 1 but ts_dist_init was not
+ *     called: TS_ERR_STATE (every rank would train alone);
+ *   - parameters outside every group, given to an optimizer next to
+ *     parameters sharded over more than one rank (the root was not
+ *     sharded: their gradients are not averaged, the replicas drift
+ *     apart): a warning in the log at the optimizer's first step, unless
+ *     they were passed as ignored_params;
+ *   - an optimizer step in which no parameter has a gradient: a warning
+ *     (once per optimizer; optim/optim.h).
+ *
+ * Module types and named methods are not limited in number: the
+ * "<Type>FSDPModule" vtables are made on demand and cached for the life of
+ * the process. A vtable without a type name or free function is
+ * TS_ERR_INVALID_ARGUMENT; one with its own call_method dispatcher is
+ * TS_ERR_UNSUPPORTED; calling an FSDP module whose type has no forward
+ * (ModuleList) is TS_ERR_UNSUPPORTED. Buffers are never sharded: every
+ * rank keeps its whole copy, and full state dicts hold them as they are.
  *
  * Lifetime rules: the FSDP state belongs to the module and is freed with
  * it (ts_module_free). A mesh given in the options is borrowed and must
@@ -49,6 +71,8 @@
 #include "dtensor/dtensor.h"
 #include "mesh/mesh.h"
 #include "nn/nn.h"
+
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -89,6 +113,8 @@ TS_API ts_fsdp_options ts_fsdp_options_default(void);
  * Collective over the mesh (no communication today, but every rank must
  * shard the same modules in the same order). Errors (nothing is changed):
  * TS_ERR_ALREADY when fully_shard has already been applied to the module;
+ * TS_ERR_STATE when the launcher's variables say WORLD_SIZE > 1 and
+ * ts_dist_init was not called (and no mesh of several ranks was given);
  * TS_ERR_INVALID_ARGUMENT for NULL, a bad reshard_every_n, a mesh of
  * neither 1 nor 2 dims or one that does not match the initialized world, a
  * 0-d parameter, a parameter already managed by another group (a tied
@@ -162,6 +188,25 @@ typedef struct ts_fsdp_group_info {
 } ts_fsdp_group_info;
 /* TS_ERR_INVALID_ARGUMENT when module is not an FSDP module. */
 TS_API ts_status ts_fsdp_group_info_get(const ts_module *module, ts_fsdp_group_info *out);
+
+/* The sharding layout of module's tree as this rank sees it (FSDP1's
+ * summarize().print_summary()): the mesh, then per group (pre-order) the
+ * FQNs of its modules and their type, its parameters, elements and dtype,
+ * mesh dims, reshard_after_forward policy (resolved at the first forward;
+ * before it, what AUTO will mean), elements and bytes per rank (sharded,
+ * padded) and while unsharded, padding on this rank and over all ranks,
+ * and a line per parameter: FQN, full shape, this rank's local shard
+ * shape, the padded shard shape, this rank's padding elements; then the
+ * parameters outside every group (whole on every rank), the buffers
+ * (never sharded), and what this rank holds in all. Works on a module
+ * that is not (or not all) sharded. Not collective: call it on rank 0 to
+ * print it once. ts_fsdp_summary writes to f (TS_ERR_IO when writing
+ * fails); ts_fsdp_summary_str into buf (capacity cap, NUL-terminated,
+ * truncated to fit; buf may be NULL when cap is 0) with *len_out the
+ * length of the whole text. TS_ERR_INVALID_ARGUMENT for NULL arguments,
+ * TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_fsdp_summary(ts_module *module, FILE *f);
+TS_API ts_status ts_fsdp_summary_str(ts_module *module, char *buf, size_t cap, size_t *len_out);
 
 /* ----------------------------------------------------- explicit control */
 

@@ -2,6 +2,8 @@
 #define _GNU_SOURCE
 #include "nn/internal.h"
 
+#include <stdio.h>
+
 static ts_status embedding_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
     ts_nn_embedding *e = (ts_nn_embedding *)m;
@@ -22,8 +24,16 @@ static void embedding_free(ts_module *m)
     ts__free(TS_MEM_NN, m);
 }
 
+/* PyTorch's Embedding.extra_repr */
+static int embedding_extra_repr(const ts_module *m, char *buf, size_t cap)
+{
+    const ts_nn_embedding *e = (const ts_nn_embedding *)m;
+    return snprintf(buf, cap, "%lld, %lld", (long long)e->num_embeddings, (long long)e->embedding_dim);
+}
+
 static const ts_module_vtable embedding_vt = {
-    .type_name = "Embedding", .forward = embedding_forward, .visit = embedding_visit, .free = embedding_free};
+    .type_name = "Embedding", .forward = embedding_forward, .visit = embedding_visit, .free = embedding_free,
+    .extra_repr = embedding_extra_repr};
 
 ts_status ts_embedding_new(int64_t num_embeddings, int64_t embedding_dim, ts_module **out)
 {

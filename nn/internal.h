@@ -6,6 +6,13 @@
 
 /* named parameters with (dedup) or without duplicates */
 ts_status ts__module_params(ts_module *m, bool dedup, ts_named_params *out);
+/* parameters and/or buffers in state-dict order (per module: parameters,
+ * buffers, then children), with or without duplicates */
+ts_status ts__module_entries(ts_module *m, bool params, bool buffers, bool dedup, ts_named_params *out);
+/* TS_ERR_INVALID_ARGUMENT (prefixed with fn) unless vt is a usable module
+ * vtable: type name, visit, free, well-formed methods (ts_module_init's
+ * rules) */
+ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt);
 /* TS_ERR_INVALID_ARGUMENT naming the module type unless min <= n <= max */
 ts_status ts__module_check_inputs(ts_module *m, int n_in, int min_in, int max_in);
 /* TS_ERR_SHAPE unless x has >= min_ndim dims and last size `want` */

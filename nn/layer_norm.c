@@ -2,6 +2,8 @@
 #define _GNU_SOURCE
 #include "nn/internal.h"
 
+#include <stdio.h>
+
 static ts_status layer_norm_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
     ts_nn_layer_norm *l = (ts_nn_layer_norm *)m;
@@ -30,8 +32,17 @@ static void layer_norm_free(ts_module *m)
     ts__free(TS_MEM_NN, l);
 }
 
+/* PyTorch's LayerNorm.extra_repr */
+static int layer_norm_extra_repr(const ts_module *m, char *buf, size_t cap)
+{
+    const ts_nn_layer_norm *l = (const ts_nn_layer_norm *)m;
+    return snprintf(buf, cap, "(%lld,), eps=%g, elementwise_affine=%s", (long long)l->dim, l->eps,
+                    l->weight ? "True" : "False");
+}
+
 static const ts_module_vtable layer_norm_vt = {
-    .type_name = "LayerNorm", .forward = layer_norm_forward, .visit = layer_norm_visit, .free = layer_norm_free};
+    .type_name = "LayerNorm", .forward = layer_norm_forward, .visit = layer_norm_visit, .free = layer_norm_free,
+    .extra_repr = layer_norm_extra_repr};
 
 ts_status ts_layer_norm_new(int64_t dim, double eps, bool elementwise_affine, ts_module **out)
 {

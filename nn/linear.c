@@ -3,6 +3,7 @@
 #include "nn/internal.h"
 
 #include <math.h>
+#include <stdio.h>
 
 static ts_status linear_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
@@ -34,8 +35,17 @@ static void linear_free(ts_module *m)
     ts__free(TS_MEM_NN, l);
 }
 
+/* PyTorch's Linear.extra_repr */
+static int linear_extra_repr(const ts_module *m, char *buf, size_t cap)
+{
+    const ts_nn_linear *l = (const ts_nn_linear *)m;
+    return snprintf(buf, cap, "in_features=%lld, out_features=%lld, bias=%s", (long long)l->in_features,
+                    (long long)l->out_features, l->bias ? "True" : "False");
+}
+
 static const ts_module_vtable linear_vtable = {
     .type_name = "Linear", .forward = linear_forward, .visit = linear_visit, .free = linear_free,
+    .extra_repr = linear_extra_repr,
 };
 
 ts_status ts_linear_new(int64_t in_features, int64_t out_features, bool bias, ts_module **out)

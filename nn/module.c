@@ -6,19 +6,64 @@
 #include <stdio.h>
 #include <string.h>
 
-void ts_module_init(ts_module *m, const ts_module_vtable *vt)
+ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt)
 {
-    m->vtable = vt;
-    m->training = true;
-    m->ext = NULL;
+    if (!vt)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable is NULL", fn);
+    if (!vt->type_name || !vt->type_name[0])
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the module vtable has no type name (set .type_name, e.g. "
+                                                 "\"MyBlock\")", fn);
+    const char *t = vt->type_name;
+    if (!vt->free)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable of %s has no free function", fn, t);
+    if (vt->n_methods < 0 || (vt->n_methods > 0 && !vt->methods))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable of %s lists %d methods but %s", fn, t,
+                        vt->n_methods, vt->n_methods < 0 ? "a count cannot be negative" : "methods is NULL");
+    for (int i = 0; i < vt->n_methods; i++) {
+        const ts_module_method *mt = &vt->methods[i];
+        if (!mt->name || !mt->name[0] || !mt->fn)
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: method %d of %s has no %s", fn, i, t,
+                            !mt->name || !mt->name[0] ? "name" : "function");
+        for (int j = 0; j < i; j++)
+            if (strcmp(vt->methods[j].name, mt->name) == 0)
+                return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s has two methods named '%s' (%d and %d)", fn, t,
+                                mt->name, j, i);
+    }
+    return TS_OK;
 }
 
-const char *ts_module_type_name(const ts_module *m) { return m && m->vtable ? m->vtable->type_name : "(null)"; }
+ts_status ts_module_init(ts_module *m, const ts_module_vtable *vt)
+{
+    if (!m)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_init: the module is NULL");
+    m->vtable = NULL;
+    m->training = true;
+    m->ext = NULL;
+    ts_status st = ts__module_vtable_check("ts_module_init", vt);
+    if (st)
+        return st;
+    m->vtable = vt;
+    return TS_OK;
+}
+
+const char *ts_module_type_name(const ts_module *m)
+{
+    if (!m)
+        return "(null)";
+    if (!m->vtable)
+        return "(no vtable)";
+    return m->vtable->type_name && m->vtable->type_name[0] ? m->vtable->type_name : "(unnamed type)";
+}
 
 static ts_status check_call(const char *what, ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
-    if (!m || !m->vtable)
+    if (!m)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: module is NULL", what);
+    if (!m->vtable)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the module has no vtable (ts_module_init failed or was not "
+                                                 "called)", what);
+    if (!m->vtable->type_name || !m->vtable->type_name[0])
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the module's vtable has no type name", what);
     if (n_in < 0 || n_in > TS_MODULE_MAX_IO || (n_in && !in))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s takes 0 to %d inputs, got %d", what, m->vtable->type_name,
                         TS_MODULE_MAX_IO, n_in);
@@ -75,9 +120,14 @@ ts_status ts_module_call_method(ts_module *m, const char *name, int n_in, ts_ten
         return st;
     if (!name)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_call_method: method name is NULL");
-    for (int i = 0; i < m->vtable->n_methods; i++)
-        if (strcmp(m->vtable->methods[i].name, name) == 0) {
+    for (int i = 0; i < m->vtable->n_methods && m->vtable->methods; i++)
+        if (m->vtable->methods[i].name && strcmp(m->vtable->methods[i].name, name) == 0) {
             *n_out = 0;
+            if (m->vtable->call_method)
+                return m->vtable->call_method(m, i, n_in, in, n_out, out);
+            if (!m->vtable->methods[i].fn)
+                return ts_error(TS_ERR_UNSUPPORTED, "ts_module_call_method: %s's method '%s' has no function",
+                                m->vtable->type_name, name);
             return m->vtable->methods[i].fn(m, n_in, in, n_out, out);
         }
     return ts_error(TS_ERR_NOT_FOUND, "ts_module_call_method: %s has no method '%s'", m->vtable->type_name, name);
@@ -94,6 +144,7 @@ void ts_module_free(ts_module *m)
 typedef struct walk {
     char prefix[512];
     ts_status (*on_param)(struct walk *w, const char *fqn, ts_tensor **slot, ts_module *owner);
+    ts_status (*on_buffer)(struct walk *w, const char *fqn, ts_tensor **slot, ts_module *owner);
     ts_status (*on_module)(struct walk *w, const char *fqn, ts_module *m);
     void *ctx;
     /* modules already visited (each once) */
@@ -122,11 +173,25 @@ static ts_status visit_param(void *ctx, const char *name, ts_tensor **slot)
     return st ? st : w->on_param(w, fqn, slot, w->current);
 }
 
+static ts_status visit_buffer(void *ctx, const char *name, ts_tensor **slot)
+{
+    walk *w = ctx;
+    if (!w->on_buffer)
+        return TS_OK;
+    char fqn[512];
+    ts_status st = join(fqn, sizeof fqn, w->prefix, name);
+    return st ? st : w->on_buffer(w, fqn, slot, w->current);
+}
+
 static ts_status visit_child(void *ctx, const char *name, ts_module *child)
 {
     walk *w = ctx;
     if (!child)
         return TS_OK;
+    if (!child->vtable)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "module tree: child '%s%s%s' of %s has no vtable (ts_module_init failed or was not called)",
+                        w->prefix, *w->prefix ? "." : "", name ? name : "(null)", ts_module_type_name(w->current));
     for (int i = 0; i < w->n_seen; i++)
         if (w->seen[i] == child)
             return TS_OK; /* shared submodule: visited once, as PyTorch */
@@ -161,19 +226,26 @@ static ts_status walk_module(walk *w, ts_module *m)
     if (!m->vtable->visit)
         return TS_OK;
     w->current = m;
-    /* parameters first, then children: PyTorch's named_parameters order is
-     * the module's own _parameters, then each child's, recursively */
-    ts_module_visitor pv = {visit_param, NULL, w};
-    if ((st = m->vtable->visit(m, &pv)))
+    /* parameters first, then buffers, then children: PyTorch's
+     * named_parameters order is the module's own _parameters, then each
+     * child's, recursively; its state_dict has each module's parameters,
+     * then its buffers, then the children's */
+    ts_module_visitor pv = {visit_param, NULL, w, NULL};
+    if (w->on_param && (st = m->vtable->visit(m, &pv)))
         return st;
-    ts_module_visitor cv = {NULL, visit_child, w};
+    ts_module_visitor bv = {NULL, NULL, w, visit_buffer};
+    if (w->on_buffer && (st = m->vtable->visit(m, &bv)))
+        return st;
+    ts_module_visitor cv = {NULL, visit_child, w, NULL};
     return m->vtable->visit(m, &cv);
 }
 
 static ts_status run_walk(walk *w, ts_module *m)
 {
-    if (!m || !m->vtable)
+    if (!m)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "module is NULL");
+    if (!m->vtable)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "module has no vtable (ts_module_init failed or was not called)");
     w->prefix[0] = '\0';
     ts_status st = walk_module(w, m);
     ts__free(TS_MEM_NN, w->seen);
@@ -188,7 +260,7 @@ typedef struct np_ctx {
     bool dedup;
 } np_ctx;
 
-static ts_status collect_param(walk *w, const char *fqn, ts_tensor **slot, ts_module *owner)
+static ts_status collect_entry(walk *w, const char *fqn, ts_tensor **slot, ts_module *owner, bool is_buffer)
 {
     np_ctx *c = w->ctx;
     if (!*slot)
@@ -211,17 +283,27 @@ static ts_status collect_param(walk *w, const char *fqn, ts_tensor **slot, ts_mo
     char *name = ts__strdup(TS_MEM_NN, fqn);
     if (!name)
         return TS_ERR_NO_MEMORY;
-    c->list->items[c->list->n++] = (ts_named_param){name, slot, owner};
+    c->list->items[c->list->n++] = (ts_named_param){name, slot, owner, is_buffer};
     return TS_OK;
 }
 
-ts_status ts__module_params(ts_module *m, bool dedup, ts_named_params *out)
+static ts_status collect_param(walk *w, const char *fqn, ts_tensor **slot, ts_module *owner)
+{
+    return collect_entry(w, fqn, slot, owner, false);
+}
+
+static ts_status collect_buffer(walk *w, const char *fqn, ts_tensor **slot, ts_module *owner)
+{
+    return collect_entry(w, fqn, slot, owner, true);
+}
+
+ts_status ts__module_entries(ts_module *m, bool params, bool buffers, bool dedup, ts_named_params *out)
 {
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_named_parameters: out is NULL");
     ts_named_params list = {0};
     np_ctx c = {&list, 0, dedup};
-    walk w = {.on_param = collect_param, .ctx = &c};
+    walk w = {.on_param = params ? collect_param : NULL, .on_buffer = buffers ? collect_buffer : NULL, .ctx = &c};
     ts_status st = run_walk(&w, m);
     if (st) {
         ts_named_params_free(&list);
@@ -231,7 +313,53 @@ ts_status ts__module_params(ts_module *m, bool dedup, ts_named_params *out)
     return TS_OK;
 }
 
+ts_status ts__module_params(ts_module *m, bool dedup, ts_named_params *out)
+{
+    return ts__module_entries(m, true, false, dedup, out);
+}
+
 ts_status ts_module_named_parameters(ts_module *m, ts_named_params *out) { return ts__module_params(m, true, out); }
+
+ts_status ts_module_named_buffers(ts_module *m, ts_named_params *out)
+{
+    return ts__module_entries(m, false, true, true, out);
+}
+
+ts_status ts_module_parameters(ts_module *m, ts_param_list *out)
+{
+    if (!m || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_parameters: NULL %s", m ? "out" : "module");
+    ts_named_params p;
+    ts_status st = ts__module_params(m, true, &p);
+    if (st)
+        return st;
+    ts_param_list l = {NULL, 0};
+    if (p.n && !(l.items = ts__calloc(TS_MEM_NN, (size_t)p.n, sizeof *l.items))) {
+        ts_named_params_free(&p);
+        return TS_ERR_NO_MEMORY;
+    }
+    for (int i = 0; i < p.n; i++)
+        if (ts_tensor_requires_grad(*p.items[i].slot))
+            l.items[l.n++] = ts_tensor_retain(*p.items[i].slot);
+    ts_named_params_free(&p);
+    if (!l.n) {
+        ts__free(TS_MEM_NN, l.items);
+        l.items = NULL;
+    }
+    *out = l;
+    return TS_OK;
+}
+
+void ts_param_list_free(ts_param_list *l)
+{
+    if (!l)
+        return;
+    for (int i = 0; i < l->n; i++)
+        ts_tensor_free(l->items[i]);
+    ts__free(TS_MEM_NN, l->items);
+    l->items = NULL;
+    l->n = 0;
+}
 
 void ts_named_params_free(ts_named_params *p)
 {
@@ -385,4 +513,382 @@ ts_status ts__act_new(const ts_module_vtable *vt, ts_gelu_approx approx, double 
     a->p = p;
     *out = &a->base;
     return TS_OK;
+}
+
+/* ------------------------------------------------------------ for your own modules */
+
+ts_status ts_param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+{
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_param_new: out is NULL");
+    if (!ts_dtype_is_float(dtype))
+        return ts_error(TS_ERR_DTYPE, "ts_param_new: a parameter must be floating-point to require grad, not %s",
+                        ts_dtype_name(dtype));
+    ts_tensor *t;
+    ts_status st = ts_tensor_zeros(dtype, ndim, shape, &t);
+    if (st)
+        return st;
+    if ((st = ts_tensor_set_requires_grad(t, true))) {
+        ts_tensor_free(t);
+        return st;
+    }
+    *out = t;
+    return TS_OK;
+}
+
+typedef struct slot_find {
+    const char *name;
+    bool buffer;
+    ts_tensor **slot;
+    bool other_kind; /* found under the name, but as the other kind */
+} slot_find;
+
+static ts_status find_param_slot(void *ctx, const char *name, ts_tensor **slot)
+{
+    slot_find *f = ctx;
+    if (strcmp(name, f->name) == 0) {
+        if (f->buffer)
+            f->other_kind = true;
+        else if (!f->slot)
+            f->slot = slot;
+    }
+    return TS_OK;
+}
+
+static ts_status find_buffer_slot(void *ctx, const char *name, ts_tensor **slot)
+{
+    slot_find *f = ctx;
+    if (strcmp(name, f->name) == 0) {
+        if (!f->buffer)
+            f->other_kind = true;
+        else if (!f->slot)
+            f->slot = slot;
+    }
+    return TS_OK;
+}
+
+static ts_status get_slot(const char *fn, ts_module *m, const char *fqn, bool buffer, ts_tensor **out)
+{
+    if (!m || !fqn || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+    const char *dot = strrchr(fqn, '.');
+    ts_module *owner = m;
+    if (dot) {
+        size_t n = (size_t)(dot - fqn);
+        char prefix[512];
+        if (n >= sizeof prefix)
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the name '%s' is longer than %zu characters", fn, fqn,
+                            sizeof prefix - 1);
+        memcpy(prefix, fqn, n);
+        prefix[n] = '\0';
+        ts_status st = ts_module_get_submodule(m, prefix, &owner);
+        if (st)
+            return ts_error(st, "%s: %s has no submodule '%s' (looking for '%s')", fn, ts_module_type_name(m), prefix,
+                            fqn);
+    }
+    if (!owner->vtable)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the module has no vtable", fn);
+    slot_find f = {dot ? dot + 1 : fqn, buffer, NULL, false};
+    ts_module_visitor v = {find_param_slot, NULL, &f, find_buffer_slot};
+    ts_status st = owner->vtable->visit ? owner->vtable->visit(owner, &v) : TS_OK;
+    if (st)
+        return st;
+    if (!f.slot || !*f.slot)
+        return ts_error(TS_ERR_NOT_FOUND, "%s: %s has no %s '%s'%s", fn, ts_module_type_name(m),
+                        buffer ? "buffer" : "parameter", fqn,
+                        f.other_kind ? (buffer ? " (it is a parameter)" : " (it is a buffer)")
+                        : f.slot ? " (the slot is empty)" : "");
+    *out = *f.slot;
+    return TS_OK;
+}
+
+ts_status ts_module_get_parameter(ts_module *m, const char *fqn, ts_tensor **out)
+{
+    return get_slot("ts_module_get_parameter", m, fqn, false, out);
+}
+
+ts_status ts_module_get_buffer(ts_module *m, const char *fqn, ts_tensor **out)
+{
+    return get_slot("ts_module_get_buffer", m, fqn, true, out);
+}
+
+/* ------------------------------------------------------------ printing */
+
+/* A growing text buffer; the first failure sticks in st. */
+typedef struct sbuf {
+    char *p;
+    size_t n, cap;
+    ts_status st;
+} sbuf;
+
+static void sb_put(sbuf *b, const char *s, size_t len)
+{
+    if (b->st)
+        return;
+    if (b->n + len + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + len + 1)
+            cap *= 2;
+        char *p = ts__malloc(TS_MEM_NN, cap);
+        if (!p) {
+            b->st = TS_ERR_NO_MEMORY;
+            return;
+        }
+        if (b->n)
+            memcpy(p, b->p, b->n);
+        ts__free(TS_MEM_NN, b->p);
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, len);
+    b->n += len;
+    b->p[b->n] = '\0';
+}
+
+static void sb_str(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
+
+static void sb_indent(sbuf *b, int depth)
+{
+    for (int i = 0; i < depth; i++)
+        sb_str(b, "  ");
+}
+
+typedef struct print_ctx {
+    sbuf *b;
+    int count;       /* slots printed on this line */
+    bool buffers;    /* this pass prints buffers */
+    /* children of the module being printed */
+    const char **child_names;
+    ts_module **children;
+    int n_children, cap_children;
+    ts_status st;
+} print_ctx;
+
+static void print_slot(print_ctx *c, const char *name, ts_tensor **slot)
+{
+    if (!slot || !*slot)
+        return;
+    char shape[96];
+    sb_str(c->b, c->count++ ? ", " : "  ");
+    if (c->buffers)
+        sb_str(c->b, "buffer ");
+    sb_str(c->b, name);
+    sb_str(c->b, " ");
+    ts_dtype dt = ts_tensor_dtype(*slot);
+    if (dt != TS_F32) {
+        sb_str(c->b, ts_dtype_name(dt));
+        sb_str(c->b, " ");
+    }
+    sb_str(c->b, ts_tensor_shape_str(*slot, shape, sizeof shape));
+    if (ts_tensor_is_shard(*slot))
+        sb_str(c->b, " [shard]");
+}
+
+static ts_status print_param(void *ctx, const char *name, ts_tensor **slot)
+{
+    print_slot(ctx, name, slot);
+    return TS_OK;
+}
+
+static ts_status print_buffer(void *ctx, const char *name, ts_tensor **slot)
+{
+    print_slot(ctx, name, slot);
+    return TS_OK;
+}
+
+static ts_status print_child(void *ctx, const char *name, ts_module *child)
+{
+    print_ctx *c = ctx;
+    if (!child)
+        return TS_OK;
+    if (c->n_children == c->cap_children) {
+        int cap = c->cap_children ? 2 * c->cap_children : 8;
+        const char **nn = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *nn);
+        ts_module **nc = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *nc);
+        if (!nn || !nc) {
+            ts__free(TS_MEM_NN, nn);
+            ts__free(TS_MEM_NN, nc);
+            return TS_ERR_NO_MEMORY;
+        }
+        if (c->n_children) {
+            memcpy(nn, c->child_names, (size_t)c->n_children * sizeof *nn);
+            memcpy(nc, c->children, (size_t)c->n_children * sizeof *nc);
+        }
+        ts__free(TS_MEM_NN, c->child_names);
+        ts__free(TS_MEM_NN, c->children);
+        c->child_names = nn;
+        c->children = nc;
+        c->cap_children = cap;
+    }
+    char *copy = ts__strdup(TS_MEM_NN, name ? name : "");
+    if (!copy)
+        return TS_ERR_NO_MEMORY;
+    c->child_names[c->n_children] = copy;
+    c->children[c->n_children++] = child;
+    return TS_OK;
+}
+
+typedef struct print_seen {
+    ts_module **m;
+    char **fqn;
+    int n, cap;
+} print_seen;
+
+static ts_status seen_add(print_seen *s, ts_module *m, const char *fqn)
+{
+    if (s->n == s->cap) {
+        int cap = s->cap ? 2 * s->cap : 16;
+        ts_module **nm = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *nm);
+        char **nf = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *nf);
+        if (!nm || !nf) {
+            ts__free(TS_MEM_NN, nm);
+            ts__free(TS_MEM_NN, nf);
+            return TS_ERR_NO_MEMORY;
+        }
+        if (s->n) {
+            memcpy(nm, s->m, (size_t)s->n * sizeof *nm);
+            memcpy(nf, s->fqn, (size_t)s->n * sizeof *nf);
+        }
+        ts__free(TS_MEM_NN, s->m);
+        ts__free(TS_MEM_NN, s->fqn);
+        s->m = nm;
+        s->fqn = nf;
+        s->cap = cap;
+    }
+    char *copy = ts__strdup(TS_MEM_NN, fqn);
+    if (!copy)
+        return TS_ERR_NO_MEMORY;
+    s->m[s->n] = m;
+    s->fqn[s->n++] = copy;
+    return TS_OK;
+}
+
+static ts_status print_module(sbuf *b, print_seen *seen, ts_module *m, const char *name, const char *fqn,
+                              int depth)
+{
+    sb_indent(b, depth);
+    if (depth > 0) {
+        sb_str(b, "(");
+        sb_str(b, name);
+        sb_str(b, "): ");
+    }
+    sb_str(b, ts_module_type_name(m));
+    for (int i = 0; i < seen->n; i++)
+        if (seen->m[i] == m) {
+            sb_str(b, " (shared with '");
+            sb_str(b, seen->fqn[i]);
+            sb_str(b, "')\n");
+            return b->st;
+        }
+    ts_status st = seen_add(seen, m, fqn);
+    if (st)
+        return st;
+    if (!m->vtable) {
+        sb_str(b, "\n");
+        return b->st;
+    }
+    char er[512] = "";
+    if (m->vtable->extra_repr && m->vtable->extra_repr(m, er, sizeof er) < 0)
+        er[0] = '\0';
+    sbuf slots = {0};
+    print_ctx c = {.b = &slots};
+    if (m->vtable->visit) {
+        ts_module_visitor cv = {NULL, print_child, &c, NULL};
+        ts_module_visitor pv = {print_param, NULL, &c, NULL};
+        ts_module_visitor bv = {NULL, NULL, &c, print_buffer};
+        st = m->vtable->visit(m, &cv);
+        if (!st)
+            st = m->vtable->visit(m, &pv); /* own parameters, then buffers */
+        c.buffers = true;
+        if (!st)
+            st = m->vtable->visit(m, &bv);
+    }
+    if (!st)
+        st = slots.st;
+    if (!st && !c.n_children) { /* a leaf: one line */
+        sb_str(b, "(");
+        sb_str(b, er);
+        sb_str(b, ")");
+        if (slots.n)
+            sb_str(b, slots.p);
+        sb_str(b, "\n");
+    } else if (!st) { /* settings, own slots and children inside, as PyTorch */
+        sb_str(b, "(\n");
+        if (er[0]) {
+            sb_indent(b, depth + 1);
+            sb_str(b, er);
+            sb_str(b, "\n");
+        }
+        if (slots.n) {
+            sb_indent(b, depth + 1);
+            sb_str(b, slots.p + 2); /* without the leading "  " */
+            sb_str(b, "\n");
+        }
+        for (int i = 0; i < c.n_children && !st && !b->st; i++) {
+            char cfqn[512];
+            if ((st = join(cfqn, sizeof cfqn, fqn, c.child_names[i])))
+                break;
+            st = print_module(b, seen, c.children[i], c.child_names[i], cfqn, depth + 1);
+        }
+        sb_indent(b, depth);
+        sb_str(b, ")\n");
+    }
+    ts__free(TS_MEM_NN, slots.p);
+    for (int i = 0; i < c.n_children; i++)
+        ts__free(TS_MEM_NN, (void *)c.child_names[i]);
+    ts__free(TS_MEM_NN, c.child_names);
+    ts__free(TS_MEM_NN, c.children);
+    return st ? st : b->st;
+}
+
+static ts_status render(const char *fn, ts_module *m, sbuf *b)
+{
+    if (!m)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: module is NULL", fn);
+    print_seen seen = {0};
+    memset(b, 0, sizeof *b);
+    ts_status st = print_module(b, &seen, m, "", "", 0);
+    for (int i = 0; i < seen.n; i++)
+        ts__free(TS_MEM_NN, seen.fqn[i]);
+    ts__free(TS_MEM_NN, seen.m);
+    ts__free(TS_MEM_NN, seen.fqn);
+    if (st) {
+        ts__free(TS_MEM_NN, b->p);
+        b->p = NULL;
+        return st == TS_ERR_NO_MEMORY ? ts_error(st, "%s: out of memory", fn) : st;
+    }
+    return TS_OK;
+}
+
+ts_status ts_module_repr(ts_module *m, char *buf, size_t cap, size_t *len_out)
+{
+    if (!len_out || (cap && !buf))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_repr: NULL %s", len_out ? "buf" : "len_out");
+    sbuf b;
+    ts_status st = render("ts_module_repr", m, &b);
+    if (st)
+        return st;
+    if (cap) {
+        size_t n = b.n < cap - 1 ? b.n : cap - 1;
+        if (n)
+            memcpy(buf, b.p, n);
+        buf[n] = '\0';
+    }
+    *len_out = b.n;
+    ts__free(TS_MEM_NN, b.p);
+    return TS_OK;
+}
+
+ts_status ts_module_print(ts_module *m, FILE *f)
+{
+    if (!f)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_print: the FILE is NULL");
+    sbuf b;
+    ts_status st = render("ts_module_print", m, &b);
+    if (st)
+        return st;
+    if (b.n && fwrite(b.p, 1, b.n, f) != b.n)
+        st = ts_error(TS_ERR_IO, "ts_module_print: writing %zu bytes failed", b.n);
+    ts__free(TS_MEM_NN, b.p);
+    return st;
 }

@@ -16,11 +16,28 @@
  * Calling convention: always call a module through ts_module_call (or
  * ts_module_call_method for a named extra method); containers do the same
  * for their children, so that hooks installed on any module run.
+ *
+ * Your own module type (examples/custom_module.c is a complete one): a
+ * struct whose first member is a ts_module, a static const
+ * ts_module_vtable with its type name, forward, visit (its parameter and
+ * buffer slots and children, in a fixed order: their names become the
+ * FQNs) and free (its tensors, children and the struct), and a
+ * constructor that calls ts_module_init and makes the parameters with
+ * ts_param_new. In forward, initialise every local tensor to NULL, free
+ * each on every path (TS_TRY_GOTO to one cleanup label), write out[] and
+ * *n_out only on success, and call children through ts_module_call.
+ *
+ * Limits (each an error that says so, never a crash): a fully qualified
+ * name has at most 511 characters (TS_ERR_INVALID_ARGUMENT); a call takes
+ * and returns at most TS_MODULE_MAX_IO tensors. Module types, named
+ * methods, children and tree depth are not limited.
  */
 #ifndef TS_NN_H
 #define TS_NN_H
 
 #include "tensor/tensor.h"
+
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -35,13 +52,26 @@ typedef struct ts_module ts_module;
  * references into out (capacity TS_MODULE_MAX_IO). */
 typedef ts_status (*ts_module_fn)(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out);
 
-/* A visitor over a module's direct parameter slots and direct children, in
- * registration order (PyTorch's _parameters, then _modules). Either
- * callback may be NULL. A non-OK status stops the visit and is returned. */
+/* A visitor over a module's direct parameter slots, buffer slots and
+ * direct children, in registration order (PyTorch's _parameters,
+ * _buffers, _modules). Any callback may be NULL: a module's visit calls
+ * only the ones that are set, and reports each slot through exactly one
+ * of them. A non-OK status stops the visit and is returned.
+ *
+ * Parameters are trainable (they normally require grad); buffers are not
+ * (PyTorch's register_buffer: running statistics, counters, fixed masks).
+ * Buffers are in state dicts, after their module's parameters, as in
+ * PyTorch; they are never in ts_module_parameters (an optimizer never
+ * sees them), never counted by ts_module_num_parameters, and never
+ * sharded by fully_shard: every rank keeps its own whole copy (FSDP2
+ * leaves buffers replicated; a buffer updated from each rank's own data,
+ * as BatchNorm's running mean, then differs between ranks, as in
+ * PyTorch). Every buffer is persistent (saved and loaded). */
 typedef struct ts_module_visitor {
     ts_status (*param)(void *ctx, const char *name, ts_tensor **slot);
     ts_status (*child)(void *ctx, const char *name, ts_module *child);
     void *ctx;
+    ts_status (*buffer)(void *ctx, const char *name, ts_tensor **slot);
 } ts_module_visitor;
 
 typedef struct ts_module_method {
@@ -62,6 +92,18 @@ typedef struct ts_module_vtable {
      * (fully_shard's "<Type>FSDPModule"): the one it extends. NULL for a
      * layer's own vtable. */
     const struct ts_module_vtable *base;
+    /* Optional, PyTorch's extra_repr: writes a one-line description of the
+     * module's settings ("in_features=4, out_features=8") into buf
+     * (capacity cap; NUL-terminated, truncated to fit) and returns the
+     * length the whole text needs, as snprintf does (negative: nothing).
+     * ts_module_print shows it after the type name. NULL: nothing. */
+    int (*extra_repr)(const ts_module *m, char *buf, size_t cap);
+    /* Optional dispatcher of the named methods, for vtables made by an
+     * upper layer (fully_shard wraps methods with it): when set,
+     * ts_module_call_method calls call_method(m, i, ...) with i the index
+     * of the method in `methods`, instead of methods[i].fn. */
+    ts_status (*call_method)(ts_module *m, int index, int n_in, ts_tensor *const *in, int *n_out,
+                             ts_tensor **out);
 } ts_module_vtable;
 
 /* The base every module struct starts with. */
@@ -71,8 +113,17 @@ struct ts_module {
     void *ext;      /* owned by upper layers (fully_shard state); NULL here */
 };
 
-/* Initialises the base of a module struct the caller allocated. */
-TS_API void ts_module_init(ts_module *m, const ts_module_vtable *vt);
+/* Initialises the base of a module struct the caller allocated (training
+ * mode, no upper-layer state), after checking the vtable. A NULL forward
+ * is allowed (a container such as ModuleList; calling it is then
+ * TS_ERR_UNSUPPORTED), and so is a NULL visit (no parameters, buffers or
+ * children). Errors, TS_ERR_INVALID_ARGUMENT naming what is wrong: NULL m
+ * or vt; a vtable without a type name (NULL or "") or without free;
+ * n_methods < 0, or > 0 with methods NULL; a method without a name or
+ * function, or two methods of one name. On error m->vtable is NULL:
+ * calling m then fails with a message, ts_module_free(m) does nothing,
+ * and the caller frees the struct itself. */
+TS_API ts_status ts_module_init(ts_module *m, const ts_module_vtable *vt);
 
 /* Calls the module's forward (through its current vtable, so that hooks
  * run). TS_ERR_INVALID_ARGUMENT for NULL or too many inputs; errors of the
@@ -84,7 +135,8 @@ TS_API ts_status ts_module_call1(ts_module *m, ts_tensor *in, ts_tensor **out);
 /* Calls a named extra method. TS_ERR_NOT_FOUND names the type and method. */
 TS_API ts_status ts_module_call_method(ts_module *m, const char *name, int n_in, ts_tensor *const *in, int *n_out,
                                        ts_tensor **out);
-/* Type name ("Linear", or "LinearFSDPModule" once rewritten). */
+/* Type name ("Linear", or "LinearFSDPModule" once rewritten); "(null)" for
+ * NULL, "(no vtable)" or "(unnamed type)" for a module that has none. */
 TS_API const char *ts_module_type_name(const ts_module *m);
 /* Frees the module (NULL is accepted). */
 TS_API void ts_module_free(ts_module *m);
@@ -99,6 +151,7 @@ typedef struct ts_named_param {
     char *name;
     ts_tensor **slot;
     ts_module *owner; /* the module whose slot it is */
+    bool is_buffer;   /* a buffer (ts_module_named_buffers), not a parameter */
 } ts_named_param;
 
 typedef struct ts_named_params {
@@ -112,6 +165,57 @@ typedef struct ts_named_params {
  * list with ts_named_params_free. */
 TS_API ts_status ts_module_named_parameters(ts_module *m, ts_named_params *out);
 TS_API void ts_named_params_free(ts_named_params *p);
+/* Every buffer of the module tree in PyTorch's named_buffers() order (each
+ * module's own, pre-order), each tensor once, empty slots skipped; the
+ * entries have is_buffer set. Free with ts_named_params_free. */
+TS_API ts_status ts_module_named_buffers(ts_module *m, ts_named_params *out);
+
+/* A list of tensors, each a reference owned by the list. */
+typedef struct ts_param_list {
+    ts_tensor **items;
+    int n;
+} ts_param_list;
+
+/* The list an optimizer takes, as PyTorch's model.parameters(): every
+ * parameter of the tree that requires grad, each tensor once (a tied
+ * weight once), in named_parameters order. Frozen parameters
+ * (requires_grad false) are left out, since the optimizers refuse them;
+ * buffers are never in it. Ownership: each item is a new reference held by
+ * the list; release the list with ts_param_list_free. An optimizer takes
+ * its own references, so the list can be freed right after:
+ *
+ *     ts_param_list p;
+ *     TS_TRY(ts_module_parameters(model, &p));
+ *     ts_status st = ts_adamw_new(p.n, p.items, &opts, &opt);
+ *     ts_param_list_free(&p);
+ *
+ * Call it after ts_fully_shard (the items are then the shards; the
+ * tensors fully_shard replaced are no longer the module's, and an
+ * optimizer over them fails at its step) and outside a forward, backward
+ * or summon (when the slots hold gathered full tensors). An empty tree
+ * gives n = 0 and items NULL. TS_ERR_INVALID_ARGUMENT for NULL arguments;
+ * TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_module_parameters(ts_module *m, ts_param_list *out);
+/* Releases the references and the array; sets n = 0 (NULL accepted). */
+TS_API void ts_param_list_free(ts_param_list *l);
+
+/* A new parameter for a module you write: a zero-filled leaf of dtype
+ * (f32 or f64 for an optimizer) and shape that requires grad (PyTorch's
+ * nn.Parameter(torch.zeros(shape))). Fill it with the init functions
+ * (ts_uniform_, ts_init_kaiming_uniform_, ...; they are not recorded by
+ * autograd). The caller owns the reference (normally the module's slot,
+ * released by its free). TS_ERR_INVALID_ARGUMENT (NULL out, bad shape),
+ * TS_ERR_DTYPE (not a floating-point dtype: only those can require grad),
+ * TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
+
+/* The tensor the parameter slot `fqn` ("blocks.1.fc.weight") holds now,
+ * borrowed (after fully_shard: this rank's shard), as PyTorch's
+ * get_parameter. TS_ERR_NOT_FOUND names the module and the missing name
+ * (a buffer is not a parameter); TS_ERR_INVALID_ARGUMENT for NULL. */
+TS_API ts_status ts_module_get_parameter(ts_module *m, const char *fqn, ts_tensor **out);
+/* The same for a buffer ("blocks.1.num_batches_tracked"). */
+TS_API ts_status ts_module_get_buffer(ts_module *m, const char *fqn, ts_tensor **out);
 
 /* Visits every module of the tree (the root with name "") in PyTorch's
  * named_modules() order (pre-order), each once. */
@@ -127,6 +231,33 @@ TS_API ts_status ts_module_get_submodule(ts_module *m, const char *fqn, ts_modul
 TS_API void ts_module_zero_grad(ts_module *m, bool set_to_none);
 /* Number of parameter elements (each tensor once). */
 TS_API int64_t ts_module_num_parameters(ts_module *m);
+
+/* The module tree as PyTorch's repr prints it, with each module's own
+ * parameter and buffer shapes (non-float32 dtypes named; "[shard]" marks
+ * a slot that holds this rank's shard) and, for an FSDP module, its group
+ * (through the FSDP vtable's extra_repr):
+ *
+ *   Sequential(
+ *     (0): Linear(in_features=4, out_features=16, bias=True)  weight (16, 4), bias (16,)
+ *     (1): ResidualBlockFSDPModule(
+ *       dim=16; FSDP: 3 params, 288 elements, 144 per rank + 0 padding in all, mesh (dp=2), ...
+ *       gain (8,) [shard], buffer num_batches_tracked int64 ()
+ *       (fc): Linear(in_features=16, out_features=16, bias=True)  weight (8, 16) [shard], bias (8,) [shard]
+ *     )
+ *   )
+ *
+ * A leaf is one line: "(name): Type(extra_repr)" and its slots; a module
+ * with children has its extra_repr, then its own slots, then its children
+ * inside the parentheses. A module reachable twice (shared) is printed in
+ * full the first time and as "(name): Type (shared with 'fqn')"
+ * afterwards. ts_module_print writes to `f` (TS_ERR_IO when writing
+ * fails). ts_module_repr writes into buf (capacity cap, NUL-terminated,
+ * truncated to fit; buf may be NULL when cap is 0) and sets *len_out to
+ * the length of the whole text, so that a caller can allocate
+ * *len_out + 1 and call again. Both: TS_ERR_INVALID_ARGUMENT for NULL
+ * arguments, TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_module_print(ts_module *m, FILE *f);
+TS_API ts_status ts_module_repr(ts_module *m, char *buf, size_t cap, size_t *len_out);
 
 /* ------------------------------------------------------------ state dicts */
 
@@ -144,14 +275,15 @@ TS_API int ts_state_dict_size(const ts_state_dict *sd);
 TS_API const char *ts_state_dict_name(const ts_state_dict *sd, int i);
 TS_API ts_tensor *ts_state_dict_tensor(const ts_state_dict *sd, int i);
 
-/* Every parameter under every name (tied ones under each name, as
- * PyTorch's state_dict) as detached aliases of the slots' tensors (no
+/* Every parameter and buffer under every name (tied ones under each name,
+ * as PyTorch's state_dict; per module its parameters, then its buffers,
+ * then its children) as detached aliases of the slots' tensors (no
  * copies). */
 TS_API ts_status ts_module_state_dict(ts_module *m, ts_state_dict **out);
 
-/* Copies the dict's tensors into the module's parameters (converting
- * dtypes). strict: every key must match a parameter and every parameter
- * must have a key. Errors: TS_ERR_NOT_FOUND with the lists of missing and
+/* Copies the dict's tensors into the module's parameters and buffers
+ * (converting dtypes). strict: every key must match a parameter or buffer
+ * and every parameter and buffer must have a key. Errors: TS_ERR_NOT_FOUND with the lists of missing and
  * unexpected keys; TS_ERR_SHAPE naming each key whose shape differs (both
  * shapes). Nothing is copied when an error is returned. */
 TS_API ts_status ts_module_load_state_dict(ts_module *m, const ts_state_dict *sd, bool strict);

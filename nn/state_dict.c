@@ -101,7 +101,7 @@ ts_status ts_module_state_dict(ts_module *m, ts_state_dict **out)
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_state_dict: out is NULL");
     ts_named_params p;
-    ts_status st = ts__module_params(m, false, &p);
+    ts_status st = ts__module_entries(m, true, true, false, &p);
     if (st)
         return st;
     ts_state_dict *sd;
@@ -139,7 +139,7 @@ ts_status ts_module_load_state_dict(ts_module *m, const ts_state_dict *sd, bool 
     if (!m || !sd)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_load_state_dict: NULL argument");
     ts_named_params p;
-    ts_status st = ts__module_params(m, false, &p);
+    ts_status st = ts__module_entries(m, true, true, false, &p);
     if (st)
         return st;
     char missing[1024] = "", unexpected[1024] = "", shapes[1024] = "";

@@ -13,4 +13,12 @@ extern bool ts__optim_use_reference;
  * and FMA, and the hook above off). */
 bool ts__optim_avx2_active(void);
 
+/* A check an upper layer (fully_shard) installs: called by every
+ * ts_optim_step, before anything changes, with the optimizer's name
+ * ("AdamW"), its parameters as given, and whether this is its first step.
+ * A non-OK status (with its detail) fails the step. One process-wide
+ * check; installing again replaces it; NULL removes it. */
+typedef ts_status (*ts__optim_param_check_fn)(const char *who, int n, ts_tensor *const *params, bool first_step);
+void ts__optim_set_param_check(ts__optim_param_check_fn fn);
+
 #endif

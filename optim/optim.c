@@ -35,6 +35,7 @@
 #include "optim/internal.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -100,6 +101,8 @@ struct ts_optim {
     opt_kind kind;
     int n;
     opt_param *p;
+    ts_tensor **params;   /* p[i].param, in order (borrowed), for the upper layer's check */
+    bool warned_no_grad;  /* a step without any gradient was reported */
     double lr;
     ts_sgd_options sgd;
     ts_adam_options adam;
@@ -164,7 +167,10 @@ static ts_status optim_new(opt_kind kind, int n, ts_tensor *const *params, ts_op
         return TS_ERR_NO_MEMORY;
     o->kind = kind;
     o->p = ts__calloc(TS_MEM_NN, (size_t)n, sizeof *o->p);
-    if (!o->p) {
+    o->params = ts__calloc(TS_MEM_NN, (size_t)n, sizeof *o->params);
+    if (!o->p || !o->params) {
+        ts__free(TS_MEM_NN, o->p);
+        ts__free(TS_MEM_NN, o->params);
         ts__free(TS_MEM_NN, o);
         return TS_ERR_NO_MEMORY;
     }
@@ -174,6 +180,7 @@ static ts_status optim_new(opt_kind kind, int n, ts_tensor *const *params, ts_op
             return st;
         }
         o->p[i].param = ts_tensor_retain(params[i]);
+        o->params[i] = o->p[i].param;
         o->n = i + 1;
     }
     *out = o;
@@ -266,8 +273,13 @@ void ts_optim_free(ts_optim *o)
         ts_tensor_free(o->p[i].param);
     }
     ts__free(TS_MEM_NN, o->p);
+    ts__free(TS_MEM_NN, o->params);
     ts__free(TS_MEM_NN, o);
 }
+
+static _Atomic(ts__optim_param_check_fn) g_param_check;
+
+void ts__optim_set_param_check(ts__optim_param_check_fn fn) { atomic_store(&g_param_check, fn); }
 
 /* ------------------------------------------------------------------ state */
 
@@ -780,10 +792,25 @@ ts_status ts_optim_step(ts_optim *o)
     ts_status st;
     /* Everything is checked and allocated before any value changes, so a
      * failed step leaves parameters and state as they were. */
+    ts__optim_param_check_fn check = atomic_load(&g_param_check);
+    if (check && (st = check(kind_names[o->kind], o->n, o->params, o->steps == 0)))
+        return st;
+    int n_grads = 0;
     for (int i = 0; i < o->n; i++) {
         ts_tensor *g = ts_tensor_grad(o->p[i].param);
         if (g && (st = check_grad(o, i, g)))
             return st;
+        n_grads += g != NULL;
+    }
+    if (!n_grads && !o->warned_no_grad) {
+        /* torch steps silently; a whole step without gradients is almost
+         * always a mistake, so it is said once per optimizer */
+        o->warned_no_grad = true;
+        ts_logf(TS_LOG_WARN,
+                "%s step %lld: none of its %d parameters has a gradient, so the step changes nothing (run backward "
+                "first; build the optimizer from the model's parameters after ts_fully_shard; do not zero the "
+                "gradients with set_to_none between backward and step). Said once per optimizer.",
+                kind_names[o->kind], (long long)o->steps, o->n);
     }
     for (int i = 0; i < o->n; i++)
         if (ts_tensor_grad(o->p[i].param) && (st = alloc_state(o, i)))

@@ -902,7 +902,8 @@ static ts_status scale_double(ts_module *m, int n_in, ts_tensor *const *in, int 
     return st;
 }
 static const ts_module_method scale_methods[] = {{"double", scale_double}};
-static const ts_module_vtable scale_vt = {"Scale", scale_fwd, scale_visit, scale_free, scale_methods, 1, NULL};
+static const ts_module_vtable scale_vt = {.type_name = "Scale", .forward = scale_fwd, .visit = scale_visit,
+                                          .free = scale_free, .methods = scale_methods, .n_methods = 1};
 
 static ts_module *scale_new(void)
 {

@@ -18,6 +18,7 @@
 #include "optim/internal.h"
 #include "tensor/internal.h"
 #include "tests/helpers.h"
+#include "tests/log_capture.h"
 
 #define NP 3
 #define STEPS 10
@@ -1125,4 +1126,41 @@ Test(optim_memory, flat_and_no_leaks)
     for (int i = 0; i < 3; i++)
         ts_tensor_free(p[i]);
     th_mem_assert_back();
+}
+
+/* A step in which no parameter has a gradient changes nothing and says so
+ * in the log, once per optimizer. */
+Test(optim_step, without_any_gradient_warns_once)
+{
+    int64_t s[1] = {3};
+    ts_tensor *p = th_seq(TS_F32, 1, s, 1.0, true);
+    double before[3], after[3];
+    th_vals(p, before, 3);
+    ts_optim *o = NULL;
+    TH_OK(ts_adamw_new(1, &p, NULL, &o));
+    th_log_capture c;
+    th_log_capture_begin(&c, TS_LOG_WARN);
+    TH_OK(ts_optim_step(o));
+    TH_OK(ts_optim_step(o));
+    char *log = th_log_capture_end(&c);
+    cr_assert_not_null(strstr(log, "AdamW step 0: none of its 1 parameters has a gradient"), "%s", log);
+    cr_assert_null(strstr(strstr(log, "none of its") + 1, "none of its"), "said once:\n%s", log);
+    free(log);
+    th_vals(p, after, 3);
+    for (int i = 0; i < 3; i++)
+        cr_assert_float_eq(after[i], before[i], 0);
+    /* a step with a gradient says nothing */
+    ts_optim *o2 = NULL;
+    TH_OK(ts_sgd_new(1, &p, NULL, &o2));
+    ts_tensor *g = th_seq(TS_F32, 1, s, 1.0, false);
+    TH_OK(ts_tensor_set_grad(p, g));
+    th_log_capture_begin(&c, TS_LOG_WARN);
+    TH_OK(ts_optim_step(o2));
+    log = th_log_capture_end(&c);
+    cr_assert_null(strstr(log, "gradient"), "%s", log);
+    free(log);
+    ts_tensor_free(g);
+    ts_optim_free(o2);
+    ts_optim_free(o);
+    ts_tensor_free(p);
 }
