@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "tests/helpers.h"
@@ -1146,6 +1147,13 @@ Test(nn_safetensors, loading_into_a_parameter_of_another_dtype_is_an_error)
     th_mem_assert_back();
 }
 
+static double cpu_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 Test(nn_safetensors, name_lookup_is_constant_time_with_100k_entries)
 {
     th_mem_mark();
@@ -1163,17 +1171,19 @@ Test(nn_safetensors, name_lookup_is_constant_time_with_100k_entries)
     uint64_t c_build = ts__state_dict_compares() - c0;
     cr_assert_lt(c_build, 4ull * N, "%llu name comparisons to build %d entries", (unsigned long long)c_build, N);
     char p[128];
-    uint64_t t0 = ts_now_ns();
     TH_OK(ts_safetensors_save(tpath(p, sizeof p, "many.safetensors"), sd, NULL, 0));
     ts_state_dict *back;
     c0 = ts__state_dict_compares();
+    double t0 = cpu_seconds();
     TH_OK(ts_safetensors_load(p, &back));
+    double secs = cpu_seconds() - t0;
     uint64_t c_load = ts__state_dict_compares() - c0;
-    double secs = (double)(ts_now_ns() - t0) * 1e-9;
+    cr_log_info("loading %d entries: %.3f s of CPU, %llu name comparisons", N, secs, (unsigned long long)c_load);
     cr_assert_eq(ts_state_dict_size(back), N);
     cr_assert_lt(c_load, 4ull * N, "%llu name comparisons to load %d entries", (unsigned long long)c_load, N);
-    /* generous: it takes about 0.2 s, the O(n^2) lookup took 26 s */
-    cr_assert_lt(secs, 10.0, "save and load of %d entries took %.1f s", N, secs);
+    /* CPU time, so that a loaded machine does not fail it; generous (ASan):
+     * the O(n^2) lookup took 26 s */
+    cr_assert_lt(secs, 8.0, "loading %d entries took %.1f s of CPU", N, secs);
     c0 = ts__state_dict_compares();
     for (int i = 0; i < N; i += 997) {
         char name[32];
