@@ -167,7 +167,9 @@ TS_API ts_status ts_module_load_state_dict(ts_module *m, const ts_state_dict *sd
  * fsync'ed, renamed over `path`, and the folder fsync'ed. The temporary
  * file is removed on every failure. Temporary files of `path` left in that
  * folder by savers whose pid no longer runs are removed first (only names
- * of that exact pattern). `metadata` (may be NULL) is a list of n_meta
+ * of that exact pattern; pids are read in this process's pid namespace,
+ * so a saver in another container that shares the folder may lose its
+ * temporary file and fail with TS_ERR_IO, never a checkpoint). `metadata` (may be NULL) is a list of n_meta
  * key/value string pairs for "__metadata__". TS_ERR_IO names the path and
  * the system error. */
 TS_API ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const char *const *metadata,

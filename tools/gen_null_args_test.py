@@ -21,6 +21,9 @@ import sys
 # Functions left out, with the reason.
 EXCLUDED = {
     'ts_launch': 'starts rank processes and waits for them',
+    'ts_dist_init': 'initialises the process world from the launcher variables (TS_ERR_ALREADY once done); its only '
+                    'pointer, the options, may be NULL; the factories call it with NULL',
+    'ts_dist_finalize': 'tears down the world the factories share',
     'ts__assert_fail': 'aborts by design (internal)',
 }
 
