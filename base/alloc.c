@@ -146,6 +146,8 @@ void ts__free(ts_mem_tag tag, void *ptr)
 
 char *ts__strdup(ts_mem_tag tag, const char *s)
 {
+    if (!s)
+        return NULL;
     size_t n = strlen(s) + 1;
     char *d = ts__malloc(tag, n);
     if (d)

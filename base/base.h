@@ -85,7 +85,8 @@ TS_API void ts_clear_error(void);
 
 /* Records an error detail for this thread and returns `s`, so that a
  * detecting site can write `return ts_error(TS_ERR_SHAPE, "...", ...)`.
- * Layers above the library use it too (for their own errors). */
+ * Layers above the library use it too (for their own errors). A NULL fmt
+ * records `s` with an empty detail. */
 TS_API ts_status ts_error(ts_status s, const char *fmt, ...) TS_PRINTF(2, 3);
 
 /*
@@ -211,7 +212,8 @@ typedef enum ts_log_level {
 
 TS_API void ts_log_set_level(ts_log_level level);
 TS_API ts_log_level ts_log_get_level(void);
-/* Writes one line "[ts LEVEL] message" to stderr if `level` is enabled. */
+/* Writes one line "[ts LEVEL] message" to stderr if `level` is enabled
+ * (nothing for a NULL fmt). */
 TS_API void ts_logf(ts_log_level level, const char *fmt, ...) TS_PRINTF(2, 3);
 #define TS_LOG_ENABLED(lvl) ((lvl) <= ts_log_get_level())
 

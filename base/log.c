@@ -52,6 +52,8 @@ void ts_log_set_level(ts_log_level l)
 
 void ts_logf(ts_log_level l, const char *fmt, ...)
 {
+    if (!fmt)
+        return;
     if (!TS_LOG_ENABLED(l))
         return;
     static const char *const tags[] = {"ERROR", "WARN", "INFO", "DEBUG", "TRACE"};

@@ -51,6 +51,11 @@ void ts_clear_error(void)
 
 ts_status ts_error(ts_status s, const char *fmt, ...)
 {
+    if (!fmt) {
+        tl_error[0] = '\0';
+        tl_status = s;
+        return s;
+    }
     /* Format into a local buffer first: callers may pass ts_last_error()
      * (this very buffer) as an argument when they wrap an error. */
     char buf[sizeof tl_error];

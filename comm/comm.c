@@ -413,7 +413,7 @@ ts_status ts_request_test(ts_request *r, bool *done_out)
 
 ts_status ts_request_status(const ts_request *r)
 {
-    if (!r) return TS_ERR_INVALID_ARGUMENT;
+    if (!r) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_request_status: the request is NULL");
     ts_request *m = (ts_request *)(uintptr_t)r;
     if (!atomic_load(&m->done)) return TS_ERR_STATE;
     return r->status;

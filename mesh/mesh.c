@@ -202,16 +202,17 @@ ts_status ts_mesh_new(ts_comm *world, const char *device, int ndim, const int64_
     return TS_OK;
 }
 
-int ts_mesh_ndim(const ts_mesh *m) { return m->ndim; }
+int ts_mesh_ndim(const ts_mesh *m) { return m ? m->ndim : 0; }
 
 const char *ts_mesh_device_type(const ts_mesh *m)
 {
-    (void)m;
-    return "cpu";
+    return m ? "cpu" : NULL;
 }
 
 const char *ts_mesh_dim_name(const ts_mesh *m, int dim)
 {
+    if (!m)
+        return NULL;
     if (dim < 0 || dim >= m->ndim) {
         ts_error(TS_ERR_INDEX, "mesh: dim %d out of range for a %d-d mesh", dim, m->ndim);
         return NULL;
@@ -221,6 +222,10 @@ const char *ts_mesh_dim_name(const ts_mesh *m, int dim)
 
 int ts_mesh_dim_index(const ts_mesh *m, const char *name)
 {
+    if (!m) {
+        ts_error(TS_ERR_INVALID_ARGUMENT, "mesh: NULL mesh");
+        return -1;
+    }
     if (name)
         for (int d = 0; d < m->ndim; d++)
             if (strcmp(m->names[d], name) == 0) return d;
@@ -244,6 +249,8 @@ static int dim_of(const ts_mesh *m, const char *name)
 
 int64_t ts_mesh_size(const ts_mesh *m, const char *name)
 {
+    if (!m)
+        return -1;
     if (!name) {
         int64_t n = 1;
         for (int d = 0; d < m->ndim; d++) n *= m->shape[d];
@@ -255,6 +262,8 @@ int64_t ts_mesh_size(const ts_mesh *m, const char *name)
 
 int64_t ts_mesh_dim_size(const ts_mesh *m, int dim)
 {
+    if (!m)
+        return -1;
     if (dim < 0 || dim >= m->ndim) {
         ts_error(TS_ERR_INDEX, "mesh: dim %d out of range for a %d-d mesh", dim, m->ndim);
         return -1;
@@ -264,17 +273,23 @@ int64_t ts_mesh_dim_size(const ts_mesh *m, int dim)
 
 int ts_mesh_get_local_rank(const ts_mesh *m, const char *name)
 {
+    if (!m)
+        return -1;
     int d = dim_of(m, name);
     return d < 0 ? -1 : m->coord[d];
 }
 
 void ts_mesh_coordinate(const ts_mesh *m, int *coords_out)
 {
+    if (!m || !coords_out)
+        return;
     for (int d = 0; d < m->ndim; d++) coords_out[d] = m->coord[d];
 }
 
 ts_comm *ts_mesh_group(const ts_mesh *m, const char *name)
 {
+    if (!m)
+        return NULL;
     int d = dim_of(m, name);
     return d < 0 ? NULL : m->grp[d]->c;
 }

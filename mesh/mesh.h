@@ -57,6 +57,9 @@ TS_API ts_status ts_mesh_new(ts_comm *world, const char *device, int ndim, const
 TS_API void ts_mesh_free(ts_mesh *m);
 
 /* Number of dims (>= 1). */
+/* For a NULL mesh the accessors below return a neutral value: ndim 0;
+ * device_type, dim_name and group NULL; dim_index, size, dim_size and
+ * get_local_rank -1; coordinate writes nothing. */
 TS_API int ts_mesh_ndim(const ts_mesh *m);
 /* "cpu". Borrowed, lives as long as the mesh. */
 TS_API const char *ts_mesh_device_type(const ts_mesh *m);

@@ -35,4 +35,12 @@ typedef struct ts__act {
 ts_status ts__act_new(const ts_module_vtable *vt, ts_gelu_approx approx, double p, ts_module **out);
 void ts__act_free(ts_module *m);
 
+/* Test hook of ts_safetensors_save: called with the temporary file's path
+ * once it is created (empty, mode 0600); a non-zero return fails the save
+ * as a write error would. NULL (the default) in normal use. */
+extern int (*ts__safetensors_save_hook)(const char *tmp_path);
+/* Name comparisons made by state-dict lookups since the process started
+ * (tests check that a lookup costs O(1) of them). */
+uint64_t ts__state_dict_compares(void);
+
 #endif

@@ -97,6 +97,8 @@ ts_status ts_module_call(ts_module *m, int n_in, ts_tensor *const *in, int *n_ou
 
 ts_status ts_module_call1(ts_module *m, ts_tensor *in, ts_tensor **out)
 {
+    if (!m || !in || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_call1: %s is NULL", !m ? "the module" : !in ? "in" : "out");
     ts_tensor *outs[TS_MODULE_MAX_IO];
     int n = 0;
     ts_status st = ts_module_call(m, 1, &in, &n, outs);

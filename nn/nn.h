@@ -281,23 +281,38 @@ TS_API ts_tensor *ts_state_dict_tensor(const ts_state_dict *sd, int i);
  * copies). */
 TS_API ts_status ts_module_state_dict(ts_module *m, ts_state_dict **out);
 
-/* Copies the dict's tensors into the module's parameters and buffers
- * (converting dtypes). strict: every key must match a parameter or buffer
- * and every parameter and buffer must have a key. Errors: TS_ERR_NOT_FOUND with the lists of missing and
- * unexpected keys; TS_ERR_SHAPE naming each key whose shape differs (both
- * shapes). Nothing is copied when an error is returned. */
+/* Copies the dict's tensors into the module's parameters and buffers.
+ * strict: every key must match a parameter or buffer and every parameter
+ * and buffer must have a key. Keys are looked up in O(1) (hashed). Errors,
+ * in this order: TS_ERR_SHAPE naming each key whose shape differs (both
+ * shapes); TS_ERR_DTYPE naming each key whose dtype differs from the
+ * tensor's (both dtypes: nothing is converted or reinterpreted; convert
+ * with ts_to_dtype first); TS_ERR_NOT_FOUND with the lists of missing and
+ * unexpected keys. Nothing is copied when an error is returned. */
 TS_API ts_status ts_module_load_state_dict(ts_module *m, const ts_state_dict *sd, bool strict);
 
 /* Writes a state dict as a safetensors file (little-endian u64 header
  * length, JSON header with dtype/shape/data_offsets, raw data), atomically:
- * a temporary file in the same folder, fsync, rename. `metadata` (may be
- * NULL) is a list of n_meta key/value string pairs for "__metadata__".
- * TS_ERR_IO names the path and the system error. */
+ * a temporary file ".<name>.tmp.<pid>.<16 random hex digits>" in the same
+ * folder, created with O_CREAT | O_EXCL | O_NOFOLLOW and mode 0600 while it
+ * is written, then given the mode of a new file (0666 under the umask),
+ * fsync'ed, renamed over `path`, and the folder fsync'ed. The temporary
+ * file is removed on every failure. Temporary files of `path` left in that
+ * folder by savers whose pid no longer runs are removed first (only names
+ * of that exact pattern; pids are read in this process's pid namespace,
+ * so a saver in another container that shares the folder may lose its
+ * temporary file and fail with TS_ERR_IO, never a checkpoint). `metadata` (may be NULL) is a list of n_meta
+ * key/value string pairs for "__metadata__". TS_ERR_IO names the path and
+ * the system error. */
 TS_API ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const char *const *metadata,
                                      int n_meta);
 /* Reads a safetensors file into a new state dict. A missing file is
  * TS_ERR_IO; a truncated, oversized or malformed file is TS_ERR_FORMAT
- * naming what is wrong. Never crashes on bad input. */
+ * naming what is wrong. Never crashes on bad input. Floating-point tensors
+ * holding NaN or Inf load as they are (as torch.load and
+ * safetensors.torch.load_file do), with one warning per such tensor that
+ * names the key and the count ("... tensor 'w' holds 3 non-finite values
+ * (NaN or Inf) of 12"). */
 TS_API ts_status ts_safetensors_load(const char *path, ts_state_dict **out);
 /* The same, from a buffer (what the fuzz target drives). */
 TS_API ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out);

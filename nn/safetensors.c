@@ -22,9 +22,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <signal.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -350,6 +354,29 @@ static ts_status st_header_bytes(const char *op, const char *src, uint64_t n, ch
     return TS_OK;
 }
 
+/* Logs a warning naming the key when a floating-point tensor just read
+ * holds NaN or Inf (it is loaded as it is, as PyTorch does). */
+static void st_warn_nonfinite(const char *op, const char *src, const char *name, const ts_tensor *t)
+{
+    ts_dtype dt = ts_tensor_dtype(t);
+    if (!ts_dtype_is_float(dt) || !TS_LOG_ENABLED(TS_LOG_WARN))
+        return;
+    int64_t n = ts_tensor_numel(t), bad = 0;
+    const void *d = ts_tensor_data(t);
+    for (int64_t i = 0; i < n; i++) {
+        switch (dt) {
+        case TS_F32: bad += !isfinite(((const float *)d)[i]); break;
+        case TS_F64: bad += !isfinite(((const double *)d)[i]); break;
+        case TS_BF16: bad += (((const uint16_t *)d)[i] & 0x7f80u) == 0x7f80u; break;
+        case TS_F16: bad += (((const uint16_t *)d)[i] & 0x7c00u) == 0x7c00u; break;
+        default: break;
+        }
+    }
+    if (bad)
+        ts_logf(TS_LOG_WARN, "%s: '%s': tensor '%.*s' holds %lld non-finite values (NaN or Inf) of %lld", op, src,
+                ST_NAME_MAX_SHOWN, name, (long long)bad, (long long)n);
+}
+
 ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out)
 {
     static const char op[] = "ts_safetensors_parse", src[] = "<buffer>";
@@ -373,6 +400,7 @@ ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out
         const st_entry *e = &h.entries[i];
         ts_tensor *t;
         if (!(st = ts_tensor_from_data(e->dtype, e->ndim, e->shape, buf + e->begin, &t))) {
+            st_warn_nonfinite(op, src, e->name, t);
             st = ts_state_dict_set(sd, e->name, t);
             ts_tensor_free(t);
         }
@@ -459,8 +487,10 @@ static ts_status st_load_fd(const char *op, const char *path, int fd, ts_state_d
         snprintf(what, sizeof what, "tensor '%s'", e->name);
         if (e->end > e->begin)
             st = st_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin), 8 + n + e->begin, what);
-        if (!st)
+        if (!st) {
+            st_warn_nonfinite(op, path, e->name, t);
             st = ts_state_dict_set(sd, e->name, t);
+        }
         ts_tensor_free(t);
     }
     st_header_fini(&h);
@@ -671,9 +701,9 @@ static ts_status st_write_all(const char *op, const char *path, const char *tmp,
     return st;
 }
 
-/* fsync of the folder that holds `path`, so that the rename is durable.
- * Filesystems that cannot sync a folder (EINVAL, ENOTSUP) are accepted. */
-static ts_status st_sync_dir(const char *op, const char *path)
+/* The folder and the last component of `path` ("." for a bare name, "/"
+ * for a file at the root), as new strings. */
+static ts_status st_split_path(const char *path, char **dir_out, char **base_out)
 {
     const char *slash = strrchr(path, '/');
     char *dir;
@@ -685,8 +715,21 @@ static ts_status st_sync_dir(const char *op, const char *path)
         memcpy(dir, path, (size_t)(slash - path));
         dir[slash - path] = '\0';
     }
-    if (!dir)
+    char *base = dir ? ts__strdup(TS_MEM_NN, slash ? slash + 1 : path) : NULL;
+    if (!base) {
+        ts__free(TS_MEM_NN, dir);
         return TS_ERR_NO_MEMORY;
+    }
+    *dir_out = dir;
+    *base_out = base;
+    return TS_OK;
+}
+
+/* fsync of the folder `dir` that holds `path`, so that the rename is
+ * durable. Filesystems that cannot sync a folder (EINVAL, ENOTSUP) are
+ * accepted. */
+static ts_status st_sync_dir(const char *op, const char *path, const char *dir)
+{
     ts_status st = TS_OK;
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0)
@@ -697,8 +740,139 @@ static ts_status st_sync_dir(const char *op, const char *path)
                       strerror(errno));
     if (fd >= 0)
         close(fd);
-    ts__free(TS_MEM_NN, dir);
     return st;
+}
+
+/* Temporary files are named ".<base>.tmp.<pid>.<16 hex digits>" in the
+ * target's folder: hidden, unpredictable (64 random bits), and with the
+ * saver's pid so that the leftovers of a saver that died can be told from
+ * the files of one still writing. */
+#define ST_TMP_INFIX ".tmp."
+#define ST_TMP_RAND_HEX 16
+
+int (*ts__safetensors_save_hook)(const char *tmp_path);
+
+static ts_status st_random_u64(uint64_t *out)
+{
+    uint64_t v = 0;
+    size_t got = 0;
+    while (got < sizeof v) {
+        ssize_t r = getrandom((char *)&v + got, sizeof v - got, 0);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return ts_error(TS_ERR_IO, "ts_safetensors_save: getrandom for a temporary file name failed: %s",
+                            strerror(errno));
+        got += (size_t)r;
+    }
+    *out = v;
+    return TS_OK;
+}
+
+/* If `name` is ".<base>.tmp.<pid>.<hex>", the pid; else 0. */
+static long st_tmp_pid(const char *name, const char *base)
+{
+    size_t bl = strlen(base);
+    if (name[0] != '.' || strncmp(name + 1, base, bl) != 0)
+        return 0;
+    const char *p = name + 1 + bl;
+    if (strncmp(p, ST_TMP_INFIX, strlen(ST_TMP_INFIX)) != 0)
+        return 0;
+    p += strlen(ST_TMP_INFIX);
+    long pid = 0;
+    const char *d = p;
+    while (*d >= '0' && *d <= '9' && d - p < 10)
+        pid = pid * 10 + (*d++ - '0');
+    if (d == p || *d != '.' || pid <= 0)
+        return 0;
+    d++;
+    size_t nh = 0;
+    for (; d[nh]; nh++)
+        if (!((d[nh] >= '0' && d[nh] <= '9') || (d[nh] >= 'a' && d[nh] <= 'f')))
+            return 0;
+    return nh == ST_TMP_RAND_HEX ? pid : 0;
+}
+
+/* Removes, in `dir` only, the temporary files of `base` whose saver's pid
+ * no longer exists (kill(pid, 0) fails with ESRCH). A pid that exists,
+ * even one of another user, keeps its file. Best effort: a folder that
+ * cannot be listed is skipped. */
+static void st_clean_stale(const char *dir, const char *base)
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return;
+    int dfd = dirfd(d);
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        long pid = st_tmp_pid(de->d_name, base);
+        if (pid <= 0 || pid == (long)getpid())
+            continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH)
+            continue;
+        struct stat sb;
+        if (fstatat(dfd, de->d_name, &sb, AT_SYMLINK_NOFOLLOW) != 0 || S_ISDIR(sb.st_mode))
+            continue;
+        if (unlinkat(dfd, de->d_name, 0) == 0)
+            ts_logf(TS_LOG_INFO, "ts_safetensors_save: removed '%s/%s', left by process %ld that no longer runs", dir,
+                    de->d_name, pid);
+    }
+    closedir(d);
+}
+
+/* The mode a file created with 0666 gets under the process umask, read
+ * from /proc/self/status (umask() itself would change it for every thread
+ * for a moment); 0644 if it cannot be read. */
+static mode_t st_file_mode(void)
+{
+    mode_t mask = 022;
+    FILE *f = fopen("/proc/self/status", "re");
+    if (f) {
+        char line[128];
+        while (fgets(line, sizeof line, f)) {
+            unsigned m;
+            if (sscanf(line, "Umask: %o", &m) == 1) {
+                mask = (mode_t)m & 0777;
+                break;
+            }
+        }
+        fclose(f);
+    }
+    return (mode_t)0666 & ~mask;
+}
+
+/* Creates the temporary file with O_CREAT | O_EXCL | O_NOFOLLOW and mode
+ * 0600 under a fresh random name; retries on a (very unlikely) clash. */
+static ts_status st_create_tmp(const char *op, const char *path, const char *dir, const char *base, char **tmp_out,
+                               int *fd_out)
+{
+    size_t tlen = strlen(dir) + strlen(base) + 64;
+    char *tmp = ts__malloc(TS_MEM_NN, tlen);
+    if (!tmp)
+        return TS_ERR_NO_MEMORY;
+    for (int attempt = 0; attempt < 16; attempt++) {
+        uint64_t r = 0;
+        ts_status st = st_random_u64(&r);
+        if (st) {
+            ts__free(TS_MEM_NN, tmp);
+            return st;
+        }
+        snprintf(tmp, tlen, "%s/.%s" ST_TMP_INFIX "%ld.%016llx", dir, base, (long)getpid(), (unsigned long long)r);
+        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+        if (fd >= 0) {
+            *tmp_out = tmp;
+            *fd_out = fd;
+            return TS_OK;
+        }
+        if (errno != EEXIST) {
+            ts_status e = ts_error(TS_ERR_IO, "%s: cannot create the temporary file '%s' for '%s': %s", op, tmp,
+                                   path, strerror(errno));
+            ts__free(TS_MEM_NN, tmp);
+            return e;
+        }
+    }
+    ts__free(TS_MEM_NN, tmp);
+    return ts_error(TS_ERR_IO, "%s: 16 random temporary file names for '%s' in '%s' all exist", op, path, dir);
 }
 
 ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const char *const *metadata, int n_meta)
@@ -711,6 +885,9 @@ ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const c
     if (n_meta < 0 || (n_meta > 0 && !metadata))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': %d metadata pairs given with %s list", op, path, n_meta,
                         metadata ? "a" : "a NULL");
+    size_t plen = strlen(path);
+    if (path[plen - 1] == '/')
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s' ends with '/': give a file name", op, path);
 
     json_t *root = NULL;
     ts_status st = st_build_header(op, path, sd, metadata, n_meta, &root);
@@ -728,25 +905,25 @@ ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const c
     json_decref(root);
     memset(hdr + jlen, ' ', hlen - jlen);
 
-    size_t tlen = strlen(path) + 32;
-    char *tmp = ts__malloc(TS_MEM_NN, tlen);
-    if (!tmp) {
+    char *dir = NULL, *base = NULL, *tmp = NULL;
+    if ((st = st_split_path(path, &dir, &base))) {
         ts__free(TS_MEM_NN, hdr);
-        return TS_ERR_NO_MEMORY;
+        return st;
     }
-    snprintf(tmp, tlen, "%s.tmp.%ld", path, (long)getpid());
-
-    /* O_TRUNC rather than O_EXCL: a temporary file left by a crashed
-     * process with the same pid (a restarted container) is replaced. The
-     * name is per process, so two threads of one process must not save to
-     * the same path at once. */
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0666);
-    if (fd < 0) {
-        st = ts_error(TS_ERR_IO, "%s: cannot create the temporary file '%s' for '%s': %s", op, tmp, path,
-                      strerror(errno));
+    st_clean_stale(dir, base);
+    /* mode 0600 while it is written; the usual mode (0666 under the
+     * umask) only just before the rename */
+    int fd = -1;
+    if ((st = st_create_tmp(op, path, dir, base, &tmp, &fd)))
         goto done;
-    }
-    st = st_write_all(op, path, tmp, fd, hdr, hlen, sd);
+    if (ts__safetensors_save_hook && ts__safetensors_save_hook(tmp) != 0)
+        st = ts_error(TS_ERR_IO, "%s: writing '%s' (temporary file '%s'): failure injected by a test hook", op,
+                      path, tmp);
+    if (!st)
+        st = st_write_all(op, path, tmp, fd, hdr, hlen, sd);
+    if (!st && fchmod(fd, st_file_mode()) != 0)
+        st = ts_error(TS_ERR_IO, "%s: setting the mode of the temporary file '%s' for '%s' failed: %s", op, tmp,
+                      path, strerror(errno));
     if (!st && fsync(fd) != 0)
         st = ts_error(TS_ERR_IO, "%s: fsync of the temporary file '%s' for '%s' failed: %s", op, tmp, path,
                       strerror(errno));
@@ -759,9 +936,11 @@ ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const c
         unlink(tmp);
         goto done;
     }
-    st = st_sync_dir(op, path);
+    st = st_sync_dir(op, path, dir);
 done:
     ts__free(TS_MEM_NN, tmp);
+    ts__free(TS_MEM_NN, dir);
+    ts__free(TS_MEM_NN, base);
     ts__free(TS_MEM_NN, hdr);
     return st;
 }

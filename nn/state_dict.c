@@ -3,14 +3,34 @@
 #define _GNU_SOURCE
 #include "nn/internal.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
+/* Entries in insertion order, and an open-addressing index over their
+ * names (linear probing; a slot holds entry number + 1, 0 when empty; at
+ * least twice as many slots as entries, a power of two), so that a lookup
+ * costs O(1) name comparisons. Entries are never removed. */
 struct ts_state_dict {
     char **names;
     ts_tensor **tensors;
     int n, cap;
+    int *index;
+    size_t nslots;
 };
+
+static _Atomic uint64_t g_compares;
+
+uint64_t ts__state_dict_compares(void) { return g_compares; }
+
+/* FNV-1a, 64 bits. */
+static uint64_t name_hash(const char *s)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return h;
+}
 
 ts_status ts_state_dict_new(ts_state_dict **out)
 {
@@ -33,15 +53,44 @@ void ts_state_dict_free(ts_state_dict *sd)
     }
     ts__free(TS_MEM_NN, sd->names);
     ts__free(TS_MEM_NN, sd->tensors);
+    ts__free(TS_MEM_NN, sd->index);
     ts__free(TS_MEM_NN, sd);
+}
+
+/* The index slot that holds `name`, or the empty slot where it would go. */
+static size_t find_slot(const ts_state_dict *sd, const char *name)
+{
+    size_t mask = sd->nslots - 1, k = (size_t)name_hash(name) & mask;
+    uint64_t cmp = 0;
+    while (sd->index[k]) {
+        cmp++;
+        if (strcmp(sd->names[sd->index[k] - 1], name) == 0)
+            break;
+        k = (k + 1) & mask;
+    }
+    g_compares += cmp;
+    return k;
 }
 
 static int find(const ts_state_dict *sd, const char *name)
 {
+    if (!sd->nslots)
+        return -1;
+    return sd->index[find_slot(sd, name)] - 1;
+}
+
+/* Rebuilds the index with `nslots` slots (a power of two > sd->n). */
+static ts_status reindex(ts_state_dict *sd, size_t nslots)
+{
+    int *idx = ts__calloc(TS_MEM_NN, nslots, sizeof *idx);
+    if (!idx)
+        return TS_ERR_NO_MEMORY;
+    ts__free(TS_MEM_NN, sd->index);
+    sd->index = idx;
+    sd->nslots = nslots;
     for (int i = 0; i < sd->n; i++)
-        if (strcmp(sd->names[i], name) == 0)
-            return i;
-    return -1;
+        idx[find_slot(sd, sd->names[i])] = i + 1;
+    return TS_OK;
 }
 
 ts_status ts_state_dict_set(ts_state_dict *sd, const char *name, ts_tensor *t)
@@ -56,6 +105,9 @@ ts_status ts_state_dict_set(ts_state_dict *sd, const char *name, ts_tensor *t)
         return TS_OK;
     }
     if (sd->n == sd->cap) {
+        if (sd->cap > INT32_MAX / 4)
+            return ts_error(TS_ERR_NO_MEMORY, "ts_state_dict_set: a state dict holds at most %d entries",
+                            sd->cap);
         int cap = sd->cap ? 2 * sd->cap : 16;
         char **names = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *names);
         ts_tensor **ts = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *ts);
@@ -72,7 +124,13 @@ ts_status ts_state_dict_set(ts_state_dict *sd, const char *name, ts_tensor *t)
         ts__free(TS_MEM_NN, sd->tensors);
         sd->names = names;
         sd->tensors = ts;
+        int old_cap = sd->cap;
         sd->cap = cap;
+        ts_status st = reindex(sd, 2 * (size_t)cap);
+        if (st) {
+            sd->cap = old_cap; /* the old index still covers the entries */
+            return st;
+        }
     }
     char *copy = ts__strdup(TS_MEM_NN, name);
     if (!copy)
@@ -80,6 +138,7 @@ ts_status ts_state_dict_set(ts_state_dict *sd, const char *name, ts_tensor *t)
     sd->names[sd->n] = copy;
     sd->tensors[sd->n] = ts_tensor_retain(t);
     sd->n++;
+    sd->index[find_slot(sd, copy)] = sd->n;
     return TS_OK;
 }
 
@@ -142,9 +201,22 @@ ts_status ts_module_load_state_dict(ts_module *m, const ts_state_dict *sd, bool 
     ts_status st = ts__module_entries(m, true, true, false, &p);
     if (st)
         return st;
-    char missing[1024] = "", unexpected[1024] = "", shapes[1024] = "";
-    size_t lm = 0, lu = 0, ls = 0;
-    int n_missing = 0, n_unexpected = 0, n_shape = 0;
+    /* the parameters by name, for the unexpected keys in O(1) each */
+    ts_state_dict *known = NULL;
+    if ((st = ts_state_dict_new(&known))) {
+        ts_named_params_free(&p);
+        return st;
+    }
+    for (int i = 0; i < p.n && !st; i++)
+        st = ts_state_dict_set(known, p.items[i].name, *p.items[i].slot);
+    if (st) {
+        ts_state_dict_free(known);
+        ts_named_params_free(&p);
+        return st;
+    }
+    char missing[1024] = "", unexpected[1024] = "", shapes[1024] = "", dtypes[1024] = "";
+    size_t lm = 0, lu = 0, ls = 0, ld = 0;
+    int n_missing = 0, n_unexpected = 0, n_shape = 0, n_dtype = 0;
     for (int i = 0; i < p.n; i++) {
         ts_tensor *src = ts_state_dict_get(sd, p.items[i].name), *dst = *p.items[i].slot;
         if (!src) {
@@ -162,20 +234,30 @@ ts_status ts_module_load_state_dict(ts_module *m, const ts_state_dict *sd, bool 
             n_shape++;
             append(shapes, sizeof shapes, &ls, line);
         }
+        if (ts_tensor_dtype(src) != ts_tensor_dtype(dst)) {
+            char line[300];
+            snprintf(line, sizeof line, "%s: checkpoint %s vs model %s", p.items[i].name,
+                     ts_dtype_name(ts_tensor_dtype(src)), ts_dtype_name(ts_tensor_dtype(dst)));
+            n_dtype++;
+            append(dtypes, sizeof dtypes, &ld, line);
+        }
     }
     for (int i = 0; i < ts_state_dict_size(sd); i++) {
         const char *name = ts_state_dict_name(sd, i);
-        bool known = false;
-        for (int k = 0; k < p.n && !known; k++)
-            known = strcmp(p.items[k].name, name) == 0;
-        if (!known) {
+        if (!ts_state_dict_get(known, name)) {
             n_unexpected++;
             append(unexpected, sizeof unexpected, &lu, name);
         }
     }
+    ts_state_dict_free(known);
     if (n_shape)
         st = ts_error(TS_ERR_SHAPE, "load_state_dict into %s: size mismatch for %d parameter%s: %s",
                       ts_module_type_name(m), n_shape, n_shape == 1 ? "" : "s", shapes);
+    else if (n_dtype)
+        st = ts_error(TS_ERR_DTYPE,
+                      "load_state_dict into %s: dtype mismatch for %d parameter%s: %s (convert the checkpoint's "
+                      "tensors with ts_to_dtype first)",
+                      ts_module_type_name(m), n_dtype, n_dtype == 1 ? "" : "s", dtypes);
     else if (strict && (n_missing || n_unexpected))
         st = ts_error(TS_ERR_NOT_FOUND, "load_state_dict into %s: missing keys (%d): [%s]; unexpected keys (%d): [%s]",
                       ts_module_type_name(m), n_missing, missing, n_unexpected, unexpected);

@@ -307,6 +307,8 @@ ts_status ts_where(ts_tensor *cond, ts_tensor *a, ts_tensor *b, ts_tensor **out)
 
 ts_status ts_masked_fill(ts_tensor *a, ts_tensor *mask, double value, ts_tensor **out)
 {
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "masked_fill: out is NULL");
     ts_tensor *in[2] = {a, mask};
     ts_status st = ts__check_inputs("masked_fill", 2, in);
     if (st)

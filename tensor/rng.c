@@ -209,6 +209,8 @@ static uint64_t get_le(const uint8_t *p, int nbytes)
 
 void ts_generator_get_state(const ts_generator *gc, uint8_t state_out[TS_GENERATOR_STATE_BYTES])
 {
+    if (!state_out)
+        return;
     const ts_generator *g = gc ? gc : ts_default_generator();
     uint64_t bits;
     uint32_t fbits;
@@ -692,6 +694,8 @@ static ts_status new_float(const char *op, ts_dtype dtype, int ndim, const int64
 
 ts_status ts_rand(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator *gen, ts_tensor **out)
 {
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "rand: out is NULL");
     ts_tensor *t;
     ts_status st = new_float("rand", dtype, ndim, shape, &t);
     if (st != TS_OK)
@@ -707,6 +711,8 @@ ts_status ts_rand(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator *
 
 ts_status ts_randn(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator *gen, ts_tensor **out)
 {
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "randn: out is NULL");
     ts_tensor *t;
     ts_status st = new_float("randn", dtype, ndim, shape, &t);
     if (st != TS_OK)

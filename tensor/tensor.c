@@ -145,6 +145,8 @@ ts_status ts_tensor_empty(ts_dtype dtype, int ndim, const int64_t *shape, ts_ten
 
 ts_status ts_tensor_full(ts_dtype dtype, int ndim, const int64_t *shape, double value, ts_tensor **out)
 {
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_full: out is NULL");
     ts_tensor *t;
     ts_status st = ts_tensor_empty(dtype, ndim, shape, &t);
     if (st)
@@ -166,6 +168,8 @@ ts_status ts_tensor_ones(ts_dtype dtype, int ndim, const int64_t *shape, ts_tens
 
 ts_status ts_tensor_from_data(ts_dtype dtype, int ndim, const int64_t *shape, const void *data, ts_tensor **out)
 {
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_from_data: out is NULL");
     ts_tensor *t;
     ts_status st = ts_tensor_empty(dtype, ndim, shape, &t);
     if (st)
@@ -188,6 +192,8 @@ ts_status ts_tensor_scalar(ts_dtype dtype, double value, ts_tensor **out)
 
 ts_status ts_tensor_arange(ts_dtype dtype, double start, double end, double step, ts_tensor **out)
 {
+    if (!out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_arange: out is NULL");
     if (step == 0 || !isfinite(start) || !isfinite(end) || !isfinite(step) || (step > 0 && end < start) ||
         (step < 0 && end > start))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_arange: cannot step from %g to %g by %g", start, end,
@@ -223,18 +229,21 @@ void ts_tensor_free(ts_tensor *t)
     ts__free(TS_MEM_TENSOR, t);
 }
 
-ts_dtype ts_tensor_dtype(const ts_tensor *t) { return t->dtype; }
-ts_device ts_tensor_device(const ts_tensor *t) { return t->device; }
-int ts_tensor_ndim(const ts_tensor *t) { return t->ndim; }
-const int64_t *ts_tensor_shape(const ts_tensor *t) { return t->shape; }
-const int64_t *ts_tensor_strides(const ts_tensor *t) { return t->strides; }
-int64_t ts_tensor_offset(const ts_tensor *t) { return t->offset; }
-int64_t ts_tensor_numel(const ts_tensor *t) { return ts__numel(t->ndim, t->shape); }
-bool ts_tensor_is_contiguous(const ts_tensor *t) { return ts__is_contiguous(t); }
-ts_storage *ts_tensor_storage(const ts_tensor *t) { return t->storage; }
+/* The accessors give a neutral value for NULL (tensor.h lists them). */
+ts_dtype ts_tensor_dtype(const ts_tensor *t) { return t ? t->dtype : TS_DTYPE_COUNT; }
+ts_device ts_tensor_device(const ts_tensor *t) { return t ? t->device : TS_DEVICE_CPU; }
+int ts_tensor_ndim(const ts_tensor *t) { return t ? t->ndim : 0; }
+const int64_t *ts_tensor_shape(const ts_tensor *t) { return t ? t->shape : NULL; }
+const int64_t *ts_tensor_strides(const ts_tensor *t) { return t ? t->strides : NULL; }
+int64_t ts_tensor_offset(const ts_tensor *t) { return t ? t->offset : 0; }
+int64_t ts_tensor_numel(const ts_tensor *t) { return t ? ts__numel(t->ndim, t->shape) : 0; }
+bool ts_tensor_is_contiguous(const ts_tensor *t) { return t && ts__is_contiguous(t); }
+ts_storage *ts_tensor_storage(const ts_tensor *t) { return t ? t->storage : NULL; }
 
 int64_t ts_tensor_size(const ts_tensor *t, int dim)
 {
+    if (!t)
+        return -1;
     if (dim < -t->ndim || dim >= t->ndim)
         return -1;
     return t->shape[dim < 0 ? dim + t->ndim : dim];
@@ -249,6 +258,8 @@ void *ts_tensor_data(const ts_tensor *t)
 
 char *ts_tensor_shape_str(const ts_tensor *t, char *buf, size_t len)
 {
+    if (!t || !buf || len == 0)
+        return NULL;
     return ts__shape_str(t->ndim, t->shape, buf, len);
 }
 
@@ -342,6 +353,9 @@ void ts__broadcast_strides(const ts_tensor *t, int ndim_out, const int64_t *shap
 
 ts_status ts_tensor_get(const ts_tensor *t, const int64_t *index, double *value_out)
 {
+    if (!t || !index || !value_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_get: %s is NULL",
+                        !t ? "the tensor" : !index ? "index" : "value_out");
     ts_status st = ts__check_inputs("ts_tensor_get", 1, (ts_tensor *const *)&t);
     if (st)
         return st;
@@ -358,8 +372,8 @@ ts_status ts_tensor_get(const ts_tensor *t, const int64_t *index, double *value_
 
 ts_status ts_tensor_item(const ts_tensor *t, double *value_out)
 {
-    if (!t)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_item: tensor is NULL");
+    if (!t || !value_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_item: %s is NULL", !t ? "the tensor" : "value_out");
     if (ts_tensor_numel(t) != 1) {
         char s[96];
         return ts_error(TS_ERR_SHAPE, "ts_tensor_item: tensor of shape %s has %lld elements, not 1",
@@ -407,6 +421,8 @@ static void copy_strided(ts_tensor *dst, const ts_tensor *src)
 
 ts_status ts_tensor_copy_to(const ts_tensor *t, void *buf, size_t nbytes)
 {
+    if (!t || !buf)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_copy_to: %s is NULL", !t ? "the tensor" : "buf");
     ts_status st = ts__check_inputs("ts_tensor_copy_to", 1, (ts_tensor *const *)&t);
     if (st)
         return st;
@@ -492,18 +508,22 @@ ts_status ts_tensor_fill_(ts_tensor *t, double value)
 
 void ts_tensor_set_shard(ts_tensor *t, void *meta)
 {
+    if (!t)
+        return;
     t->is_shard = true;
     t->dist = meta;
 }
 
 void ts_tensor_clear_shard(ts_tensor *t)
 {
+    if (!t)
+        return;
     t->is_shard = false;
     t->dist = NULL;
 }
 
-bool ts_tensor_is_shard(const ts_tensor *t) { return t->is_shard; }
-void *ts_tensor_dist_meta(const ts_tensor *t) { return t->dist; }
+bool ts_tensor_is_shard(const ts_tensor *t) { return t && t->is_shard; }
+void *ts_tensor_dist_meta(const ts_tensor *t) { return t ? t->dist : NULL; }
 
 ts_status ts_tensor_local_view(ts_tensor *t, ts_tensor **out)
 {

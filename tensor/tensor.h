@@ -124,6 +124,11 @@ TS_API ts_tensor *ts_tensor_retain(ts_tensor *t);
  * gradient it holds, if last) when it reaches zero. Accepts NULL. */
 TS_API void ts_tensor_free(ts_tensor *t);
 
+/* The accessors below return a neutral value for a NULL tensor:
+ * ts_tensor_dtype TS_DTYPE_COUNT (no dtype), ndim, numel and offset 0,
+ * size -1, shape, strides, storage, data and dist_meta NULL,
+ * is_contiguous and is_shard false, name "", shape_str NULL (also for a
+ * NULL buf or a len of 0); set_shard and clear_shard do nothing. */
 TS_API ts_dtype ts_tensor_dtype(const ts_tensor *t);
 TS_API ts_device ts_tensor_device(const ts_tensor *t);
 TS_API int ts_tensor_ndim(const ts_tensor *t);

@@ -172,6 +172,8 @@ static ts_status infer_shape(const char *op, const ts_tensor *t, int ndim, const
 
 ts_status ts_view(ts_tensor *t, int ndim, const int64_t *shape, ts_tensor **out)
 {
+    if (!out || (ndim > 0 && !shape))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "view: %s is NULL", !out ? "out" : "shape");
     ts_status st = ts__check_inputs("view", 1, &t);
     if (st)
         return st;
@@ -193,6 +195,8 @@ ts_status ts_view(ts_tensor *t, int ndim, const int64_t *shape, ts_tensor **out)
 
 ts_status ts_reshape(ts_tensor *t, int ndim, const int64_t *shape, ts_tensor **out)
 {
+    if (!out || (ndim > 0 && !shape))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "reshape: %s is NULL", !out ? "out" : "shape");
     ts_status st = ts__check_inputs("reshape", 1, &t);
     if (st)
         return st;
@@ -297,7 +301,7 @@ ts_status ts_narrow(ts_tensor *t, int dim, int64_t start, int64_t length, ts_ten
         return st;
     if (start < 0)
         start += t->shape[d];
-    if (start < 0 || length < 0 || start + length > t->shape[d])
+    if (start < 0 || length < 0 || start > t->shape[d] || length > t->shape[d] - start)
         return ts_error(TS_ERR_INDEX, "narrow: start %lld and length %lld do not fit dim %d of size %lld",
                         (long long)start, (long long)length, d, (long long)t->shape[d]);
     return ts_slice(t, d, start, start + length, 1, out);
@@ -305,6 +309,8 @@ ts_status ts_narrow(ts_tensor *t, int dim, int64_t start, int64_t length, ts_ten
 
 ts_status ts_expand(ts_tensor *t, int ndim, const int64_t *shape, ts_tensor **out)
 {
+    if (!out || (ndim > 0 && !shape))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "expand: %s is NULL", !out ? "out" : "shape");
     ts_status st = ts__check_inputs("expand", 1, &t);
     if (st)
         return st;

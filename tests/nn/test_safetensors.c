@@ -4,6 +4,7 @@
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <ftw.h>
 #include <jansson.h>
 #include <math.h>
@@ -13,6 +14,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "tests/helpers.h"
@@ -891,5 +893,394 @@ Test(nn_safetensors, module_state_dict_round_trip)
     ts_state_dict_free(loaded);
     ts_module_free(a);
     ts_module_free(b);
+    th_mem_assert_back();
+}
+
+/* ------------------------------------------------------------ temporary files */
+
+#include <sys/wait.h>
+
+#include "nn/internal.h"
+
+/* What the save hook saw of the temporary file. */
+static struct {
+    char path[512];
+    struct stat sb;
+    int lstat_rc;
+    int fail;
+} hook_seen;
+
+static int record_tmp(const char *tmp)
+{
+    snprintf(hook_seen.path, sizeof hook_seen.path, "%s", tmp);
+    hook_seen.lstat_rc = lstat(tmp, &hook_seen.sb);
+    return hook_seen.fail;
+}
+
+/* True if `name` is ".<base>.tmp.<pid>.<16 lowercase hex digits>". */
+static bool is_tmp_name(const char *name, const char *base, long pid)
+{
+    char prefix[256];
+    snprintf(prefix, sizeof prefix, ".%s.tmp.%ld.", base, pid);
+    size_t pl = strlen(prefix);
+    if (strncmp(name, prefix, pl) != 0 || strlen(name) != pl + 16)
+        return false;
+    for (const char *c = name + pl; *c; c++)
+        if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'f')))
+            return false;
+    return true;
+}
+
+Test(nn_safetensors, temporary_file_is_private_and_unpredictable_while_written)
+{
+    th_mem_mark();
+    char p[128];
+    tpath(p, sizeof p, "ckpt.safetensors");
+    ts_state_dict *sd = expected_dict();
+    umask(022);
+    ts__safetensors_save_hook = record_tmp;
+    memset(&hook_seen, 0, sizeof hook_seen);
+    TH_OK(ts_safetensors_save(p, sd, NULL, 0));
+    char first[512];
+    snprintf(first, sizeof first, "%s", hook_seen.path);
+    /* in the target's folder, hidden, with the pid and 64 random bits */
+    const char *slash = strrchr(first, '/');
+    cr_assert_not_null(slash);
+    cr_assert_eq((size_t)(slash - first), strlen(tmpdir), "temporary file %s is in %s", first, tmpdir);
+    cr_assert(strncmp(first, tmpdir, strlen(tmpdir)) == 0);
+    cr_assert(is_tmp_name(slash + 1, "ckpt.safetensors", (long)getpid()), "temporary name %s", slash + 1);
+    cr_assert_eq(hook_seen.lstat_rc, 0);
+    cr_assert(S_ISREG(hook_seen.sb.st_mode), "a regular file, not a link");
+    cr_assert_eq(hook_seen.sb.st_mode & 07777, 0600, "mode while written is %o, expected 0600",
+                 (unsigned)(hook_seen.sb.st_mode & 07777));
+    cr_assert_eq(hook_seen.sb.st_uid, geteuid());
+    /* renamed: the mode of a new file under the umask, no temporary left */
+    struct stat sb;
+    cr_assert_eq(stat(p, &sb), 0);
+    cr_assert_eq(sb.st_mode & 07777, 0644, "final mode %o under umask 022", (unsigned)(sb.st_mode & 07777));
+    cr_assert_eq(sb.st_ino, hook_seen.sb.st_ino, "the file written is the file renamed");
+    cr_assert_eq(count_dir_entries(), 1);
+    umask(027);
+    TH_OK(ts_safetensors_save(p, sd, NULL, 0));
+    cr_assert_eq(stat(p, &sb), 0);
+    cr_assert_eq(sb.st_mode & 07777, 0640, "final mode %o under umask 027", (unsigned)(sb.st_mode & 07777));
+    cr_assert_str_neq(hook_seen.path, first, "a second save picks another random name");
+    umask(022);
+    ts__safetensors_save_hook = NULL;
+    ts_state_dict_free(sd);
+    th_mem_assert_back();
+}
+
+Test(nn_safetensors, a_precreated_link_or_file_at_the_old_temporary_name_is_not_followed)
+{
+    th_mem_mark();
+    char p[128], victim[160], old_tmp[192], own[192];
+    tpath(p, sizeof p, "ckpt.safetensors");
+    snprintf(victim, sizeof victim, "%s/victim", tmpdir);
+    write_bytes(victim, "precious", 8);
+    /* another user's trap at the name the saver used to use: a link to a
+     * file of the victim's, and a world-writable file the attacker owns */
+    snprintf(old_tmp, sizeof old_tmp, "%s.tmp.%ld", p, (long)getpid());
+    cr_assert_eq(symlink(victim, old_tmp), 0, "symlink: %s", strerror(errno));
+    snprintf(own, sizeof own, "%s/.ckpt.safetensors.tmp.%ld", tmpdir, (long)getpid());
+    write_bytes(own, "", 0);
+    cr_assert_eq(chmod(own, 0666), 0);
+    struct stat own_sb;
+    cr_assert_eq(stat(own, &own_sb), 0);
+
+    ts_state_dict *sd = expected_dict(), *back;
+    TH_OK(ts_safetensors_save(p, sd, NULL, 0));
+    assert_file_is(victim, (const unsigned char *)"precious", 8);
+    struct stat sb;
+    cr_assert_eq(lstat(old_tmp, &sb), 0);
+    cr_assert(S_ISLNK(sb.st_mode), "the link is left as it was");
+    cr_assert_eq(stat(own, &sb), 0);
+    cr_assert_eq(sb.st_size, 0, "the pre-created file was not written");
+    cr_assert_eq(stat(p, &sb), 0);
+    cr_assert_neq(sb.st_ino, own_sb.st_ino, "the checkpoint is a file of the saver's own");
+    TH_OK(ts_safetensors_load(p, &back));
+    cr_assert_eq(ts_state_dict_size(back), 3);
+    ts_state_dict_free(back);
+    cr_assert_eq(count_dir_entries(), 4, "checkpoint, victim and the two traps");
+    ts_state_dict_free(sd);
+    th_mem_assert_back();
+}
+
+Test(nn_safetensors, failed_saves_leave_no_temporary_file)
+{
+    th_mem_mark();
+    char p[128];
+    size_t len;
+    unsigned char *orig = existing_file(tpath(p, sizeof p, "ckpt.safetensors"), &len);
+    ts_state_dict *sd = expected_dict();
+    /* a write failure injected once the temporary file exists */
+    ts__safetensors_save_hook = record_tmp;
+    memset(&hook_seen, 0, sizeof hook_seen);
+    hook_seen.fail = 1;
+    ts_status st = ts_safetensors_save(p, sd, NULL, 0);
+    cr_assert_eq(st, TS_ERR_IO, "%s: %s", ts_status_name(st), ts_last_error());
+    cr_assert_not_null(strstr(ts_last_error(), hook_seen.path), "%s", ts_last_error());
+    struct stat sb;
+    cr_assert_eq(lstat(hook_seen.path, &sb), -1, "%s was removed", hook_seen.path);
+    cr_assert_eq(count_dir_entries(), 1);
+    assert_file_is(p, orig, len);
+    ts__safetensors_save_hook = NULL;
+
+    /* a real write failure part way through: the file size limit */
+    ts_tensor *big;
+    TH_OK(ts_tensor_zeros(TS_F32, 1, (int64_t[]){1 << 20}, &big));
+    TH_OK(ts_state_dict_set(sd, "big", big));
+    ts_tensor_free(big);
+    struct rlimit old, lim;
+    cr_assert_eq(getrlimit(RLIMIT_FSIZE, &old), 0);
+    lim = (struct rlimit){.rlim_cur = 4096, .rlim_max = old.rlim_max};
+    signal(SIGXFSZ, SIG_IGN);
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    st = ts_safetensors_save(p, sd, NULL, 0);
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &old), 0);
+    cr_assert_eq(st, TS_ERR_IO, "%s: %s", ts_status_name(st), ts_last_error());
+    cr_assert_eq(count_dir_entries(), 1, "no temporary file after a failed write");
+    assert_file_is(p, orig, len);
+
+    /* the rename fails (the target is a folder) */
+    char d[160];
+    snprintf(d, sizeof d, "%s/adir", tmpdir);
+    cr_assert_eq(mkdir(d, 0700), 0);
+    cr_assert_eq(ts_safetensors_save(d, sd, NULL, 0), TS_ERR_IO);
+    cr_assert_eq(count_dir_entries(), 2, "ckpt.safetensors and adir only");
+    ts_state_dict_free(sd);
+    free(orig);
+    th_mem_assert_back();
+}
+
+/* A pid that has just exited (reaped), so no process has it now. */
+static pid_t dead_pid(void)
+{
+    pid_t c = fork();
+    cr_assert_geq(c, 0);
+    if (c == 0)
+        _exit(0);
+    int status;
+    cr_assert_eq(waitpid(c, &status, 0), c);
+    cr_assert_eq(kill(c, 0), -1, "pid %d is free", (int)c);
+    return c;
+}
+
+Test(nn_safetensors, stale_temporaries_of_dead_savers_are_removed_and_live_ones_kept)
+{
+    th_mem_mark();
+    char p[128], f[256];
+    tpath(p, sizeof p, "ckpt.safetensors");
+    pid_t dead = dead_pid(), live = getppid();
+    const char *hex = "0123456789abcdef";
+    /* removed: this checkpoint's pattern, dead pid */
+    char stale[256];
+    snprintf(stale, sizeof stale, "%s/.ckpt.safetensors.tmp.%d.%s", tmpdir, (int)dead, hex);
+    write_bytes(stale, "stale", 5);
+    /* kept: a live saver, another checkpoint, names off the pattern, another folder */
+    const char *keep_fmt[] = {"%s/.ckpt.safetensors.tmp.%d.%s", "%s/.other.safetensors.tmp.%d.%s",
+                              "%s/.ckpt.safetensors.tmp.%d.%s0", "%s/ckpt.safetensors.tmp.%d.%s",
+                              "%s/.ckpt.safetensors.tmp.%dx.%s"};
+    int keep_pid[] = {(int)live, (int)dead, (int)dead, (int)dead, (int)dead};
+    for (int i = 0; i < 5; i++) {
+        snprintf(f, sizeof f, keep_fmt[i], tmpdir, keep_pid[i], hex);
+        write_bytes(f, "keep", 4);
+    }
+    char sub[160];
+    snprintf(sub, sizeof sub, "%s/sub", tmpdir);
+    cr_assert_eq(mkdir(sub, 0700), 0);
+    snprintf(f, sizeof f, "%s/.ckpt.safetensors.tmp.%d.%s", sub, (int)dead, hex);
+    write_bytes(f, "keep", 4);
+
+    ts_state_dict *sd = expected_dict();
+    TH_OK(ts_safetensors_save(p, sd, NULL, 0));
+    struct stat sb;
+    cr_assert_eq(stat(stale, &sb), -1, "%s (pid %d is gone) was removed", stale, (int)dead);
+    for (int i = 0; i < 5; i++) {
+        snprintf(f, sizeof f, keep_fmt[i], tmpdir, keep_pid[i], hex);
+        cr_assert_eq(stat(f, &sb), 0, "%s is kept", f);
+    }
+    snprintf(f, sizeof f, "%s/.ckpt.safetensors.tmp.%d.%s", sub, (int)dead, hex);
+    cr_assert_eq(stat(f, &sb), 0, "%s in another folder is kept", f);
+    cr_assert_eq(count_dir_entries(), 7, "the checkpoint, five kept files and sub");
+    ts_state_dict_free(sd);
+    th_mem_assert_back();
+}
+
+/* ------------------------------------------------------------ loading */
+
+Test(nn_safetensors, loading_into_a_parameter_of_another_dtype_is_an_error)
+{
+    th_mem_mark();
+    ts_module *lin;
+    TH_OK(ts_linear_new(3, 2, true, &lin));
+    ts_state_dict *mine;
+    TH_OK(ts_module_state_dict(lin, &mine));
+    ts_tensor *w0;
+    TH_OK(ts_clone(ts_state_dict_get(mine, "weight"), &w0));
+    const ts_dtype bad[] = {TS_I32, TS_BOOL, TS_F64, TS_I64};
+    const char *bad_name[] = {"int32", "bool", "float64", "int64"};
+    for (int k = 0; k < 4; k++) {
+        /* through a file, as a checkpoint of another program would come */
+        ts_state_dict *sd;
+        TH_OK(ts_state_dict_new(&sd));
+        ts_tensor *w;
+        TH_OK(ts_tensor_zeros(bad[k], 2, (int64_t[]){2, 3}, &w));
+        TH_OK(ts_state_dict_set(sd, "weight", w));
+        TH_OK(ts_state_dict_set(sd, "bias", ts_state_dict_get(mine, "bias")));
+        ts_tensor_free(w);
+        char p[128];
+        TH_OK(ts_safetensors_save(tpath(p, sizeof p, "int.safetensors"), sd, NULL, 0));
+        ts_state_dict_free(sd);
+        TH_OK(ts_safetensors_load(p, &sd));
+        TH_FAILS(ts_module_load_state_dict(lin, sd, true), TS_ERR_DTYPE, "'weight", bad_name[k], "float32",
+                 "Linear");
+        cr_assert_null(strstr(ts_last_error(), "bias"), "only the mismatching key is named: %s", ts_last_error());
+        TH_FAILS(ts_module_load_state_dict(lin, sd, false), TS_ERR_DTYPE, "weight");
+        ts_state_dict_free(sd);
+        /* nothing was copied */
+        th_assert_close(((ts_nn_linear *)lin)->weight, w0, 0, 0);
+    }
+    ts_tensor_free(w0);
+    ts_state_dict_free(mine);
+    ts_module_free(lin);
+    th_mem_assert_back();
+}
+
+static double cpu_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+Test(nn_safetensors, name_lookup_is_constant_time_with_100k_entries)
+{
+    th_mem_mark();
+    enum { N = 100000 };
+    ts_state_dict *sd;
+    TH_OK(ts_state_dict_new(&sd));
+    ts_tensor *one = th_seq(TS_F32, 1, (int64_t[]){1}, 1.0, false);
+    uint64_t c0 = ts__state_dict_compares();
+    for (int i = 0; i < N; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "layers.%d.weight", i);
+        TH_OK(ts_state_dict_set(sd, name, one));
+    }
+    /* an O(n) lookup would make 5e9 comparisons here */
+    uint64_t c_build = ts__state_dict_compares() - c0;
+    cr_assert_lt(c_build, 4ull * N, "%llu name comparisons to build %d entries", (unsigned long long)c_build, N);
+    char p[128];
+    TH_OK(ts_safetensors_save(tpath(p, sizeof p, "many.safetensors"), sd, NULL, 0));
+    ts_state_dict *back;
+    c0 = ts__state_dict_compares();
+    double t0 = cpu_seconds();
+    TH_OK(ts_safetensors_load(p, &back));
+    double secs = cpu_seconds() - t0;
+    uint64_t c_load = ts__state_dict_compares() - c0;
+    cr_log_info("loading %d entries: %.3f s of CPU, %llu name comparisons", N, secs, (unsigned long long)c_load);
+    cr_assert_eq(ts_state_dict_size(back), N);
+    cr_assert_lt(c_load, 4ull * N, "%llu name comparisons to load %d entries", (unsigned long long)c_load, N);
+    /* CPU time, so that a loaded machine does not fail it; generous (ASan):
+     * the O(n^2) lookup took 26 s */
+    cr_assert_lt(secs, 8.0, "loading %d entries took %.1f s of CPU", N, secs);
+    c0 = ts__state_dict_compares();
+    for (int i = 0; i < N; i += 997) {
+        char name[32];
+        snprintf(name, sizeof name, "layers.%d.weight", i);
+        cr_assert_not_null(ts_state_dict_get(back, name), "%s", name);
+    }
+    cr_assert_null(ts_state_dict_get(back, "layers.100000.weight"));
+    cr_assert_eq(ts_state_dict_name(back, 12345)[7], '1');
+    cr_assert_str_eq(ts_state_dict_name(back, 12345), "layers.12345.weight");
+    cr_assert_lt(ts__state_dict_compares() - c0, 4ull * 102, "lookups stay O(1)");
+    ts_tensor_free(one);
+    ts_state_dict_free(sd);
+    ts_state_dict_free(back);
+    th_mem_assert_back();
+}
+
+Test(nn_safetensors, load_state_dict_into_a_wide_module_is_linear)
+{
+    th_mem_mark();
+    enum { L = 2000 };
+    ts_module *kids[L], *list;
+    for (int i = 0; i < L; i++)
+        TH_OK(ts_linear_new(1, 1, true, &kids[i]));
+    TH_OK(ts_module_list_new(L, kids, &list));
+    ts_state_dict *sd;
+    TH_OK(ts_module_state_dict(list, &sd));
+    uint64_t c0 = ts__state_dict_compares();
+    TH_OK(ts_module_load_state_dict(list, sd, true));
+    uint64_t c = ts__state_dict_compares() - c0;
+    cr_assert_lt(c, 8ull * 2 * L, "%llu name comparisons for %d parameters", (unsigned long long)c, 2 * L);
+    ts_state_dict_free(sd);
+    ts_module_free(list);
+    th_mem_assert_back();
+}
+
+/* Runs load with stderr sent to a file; returns what was written (free). */
+static char *stderr_of_load(const char *path, ts_state_dict **out)
+{
+    char f[160];
+    snprintf(f, sizeof f, "%s/stderr.txt", tmpdir);
+    fflush(stderr);
+    int saved = dup(2), fd = open(f, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    cr_assert_geq(fd, 0);
+    dup2(fd, 2);
+    close(fd);
+    TH_OK(ts_safetensors_load(path, out));
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    size_t len;
+    char *txt = th_read_file(f, &len);
+    cr_assert_not_null(txt);
+    char *z = realloc(txt, len + 1);
+    z[len] = '\0';
+    unlink(f);
+    return z;
+}
+
+Test(nn_safetensors, non_finite_values_load_with_a_warning_naming_the_key)
+{
+    th_mem_mark();
+    ts_log_set_level(TS_LOG_WARN);
+    ts_state_dict *sd;
+    TH_OK(ts_state_dict_new(&sd));
+    double w[6] = {1, NAN, 3, INFINITY, -INFINITY, 6}, ok[3] = {1, 2, 3};
+    ts_tensor *a = th_tensor(TS_F32, 2, (int64_t[]){2, 3}, w), *b = th_tensor(TS_F32, 1, (int64_t[]){3}, ok),
+              *h = th_tensor(TS_BF16, 2, (int64_t[]){2, 3}, w), *g = th_tensor(TS_F16, 2, (int64_t[]){2, 3}, w);
+    TH_OK(ts_state_dict_set(sd, "diverged.weight", a));
+    TH_OK(ts_state_dict_set(sd, "fine.bias", b));
+    TH_OK(ts_state_dict_set(sd, "half.bf16", h));
+    TH_OK(ts_state_dict_set(sd, "half.f16", g));
+    char p[128];
+    TH_OK(ts_safetensors_save(tpath(p, sizeof p, "nan.safetensors"), sd, NULL, 0));
+    ts_state_dict *back;
+    char *err = stderr_of_load(p, &back);
+    cr_assert_not_null(strstr(err, "tensor 'diverged.weight' holds 3 non-finite values (NaN or Inf) of 6"), "%s",
+                       err);
+    cr_assert_not_null(strstr(err, "tensor 'half.bf16' holds 3 non-finite"), "%s", err);
+    cr_assert_not_null(strstr(err, "tensor 'half.f16' holds 3 non-finite"), "%s", err);
+    cr_assert_null(strstr(err, "fine.bias"), "%s", err);
+    cr_assert_not_null(strstr(err, p), "the file is named: %s", err);
+    free(err);
+    /* loaded as they are, as PyTorch does */
+    double v[6];
+    th_vals(ts_state_dict_get(back, "diverged.weight"), v, 6);
+    cr_assert(isnan(v[1]) && isinf(v[3]) && v[0] == 1);
+    ts_state_dict_free(back);
+    /* a warning, not a failure, at the default level; silent under error */
+    ts_log_set_level(TS_LOG_ERROR);
+    err = stderr_of_load(p, &back);
+    cr_assert_str_empty(err);
+    free(err);
+    ts_state_dict_free(back);
+    ts_tensor_free(a);
+    ts_tensor_free(b);
+    ts_tensor_free(h);
+    ts_tensor_free(g);
+    ts_state_dict_free(sd);
     th_mem_assert_back();
 }

@@ -287,3 +287,61 @@ Test(tensor_errors, null_out_pointer_is_refused)
     ts_tensor_free(a);
     th_mem_assert_back();
 }
+
+Test(tensor_errors, null_arguments_are_invalid_arguments_not_crashes)
+{
+    th_mem_mark();
+    int64_t s[2] = {2, 3};
+    ts_tensor *a = th_seq(TS_F32, 2, s, 1, false), *one = th_seq(TS_F32, 0, NULL, 1, false);
+    double v = -1;
+    int64_t idx[2] = {0, 0};
+    float buf[6];
+    char str[32];
+    EXPECT_ERR(ts_tensor_item(one, NULL), TS_ERR_INVALID_ARGUMENT, "ts_tensor_item", "value_out");
+    EXPECT_ERR(ts_tensor_item(NULL, &v), TS_ERR_INVALID_ARGUMENT, "ts_tensor_item");
+    EXPECT_ERR(ts_tensor_get(a, NULL, &v), TS_ERR_INVALID_ARGUMENT, "ts_tensor_get", "index");
+    EXPECT_ERR(ts_tensor_get(a, idx, NULL), TS_ERR_INVALID_ARGUMENT, "ts_tensor_get", "value_out");
+    EXPECT_ERR(ts_tensor_get(NULL, idx, &v), TS_ERR_INVALID_ARGUMENT, "ts_tensor_get");
+    cr_assert_eq(v, -1, "nothing written");
+    EXPECT_ERR(ts_tensor_copy_to(a, NULL, sizeof buf), TS_ERR_INVALID_ARGUMENT, "ts_tensor_copy_to", "buf");
+    EXPECT_ERR(ts_tensor_copy_to(NULL, buf, sizeof buf), TS_ERR_INVALID_ARGUMENT, "ts_tensor_copy_to");
+    cr_assert_null(ts_tensor_shape_str(a, NULL, 32));
+    cr_assert_null(ts_tensor_shape_str(a, str, 0));
+    cr_assert_null(ts_tensor_shape_str(NULL, str, sizeof str));
+    cr_assert_str_eq(ts_tensor_shape_str(a, str, sizeof str), "(2, 3)");
+    /* the accessors' neutral values (tensor/tensor.h) */
+    cr_assert_eq(ts_tensor_ndim(NULL), 0);
+    cr_assert_eq(ts_tensor_numel(NULL), 0);
+    cr_assert_eq(ts_tensor_dtype(NULL), TS_DTYPE_COUNT);
+    cr_assert_null(ts_tensor_shape(NULL));
+    cr_assert_null(ts_tensor_strides(NULL));
+    cr_assert_null(ts_tensor_storage(NULL));
+    cr_assert_null(ts_tensor_data(NULL));
+    cr_assert_eq(ts_tensor_size(NULL, 0), -1);
+    cr_assert_not(ts_tensor_is_contiguous(NULL));
+    cr_assert_not(ts_tensor_is_shard(NULL));
+    ts_tensor_free(a);
+    ts_tensor_free(one);
+    th_mem_assert_back();
+}
+
+Test(tensor_errors, narrow_with_a_huge_length_is_an_index_error)
+{
+    th_mem_mark();
+    int64_t s[2] = {4, 3};
+    ts_tensor *a = th_seq(TS_F32, 2, s, 1, false), *o = NULL;
+    /* start + length overflowed int64 and passed the check */
+    EXPECT_ERR(ts_narrow(a, 0, INT64_MAX, 2, &o), TS_ERR_INDEX, "narrow", "9223372036854775807", "size 4");
+    EXPECT_ERR(ts_narrow(a, 0, 2, INT64_MAX, &o), TS_ERR_INDEX, "narrow", "9223372036854775807");
+    EXPECT_ERR(ts_narrow(a, 0, 3, INT64_MAX - 2, &o), TS_ERR_INDEX, "narrow");
+    EXPECT_ERR(ts_narrow(a, 0, 5, 0, &o), TS_ERR_INDEX, "narrow", "start 5");
+    cr_assert_null(o);
+    TH_OK(ts_narrow(a, 0, 4, 0, &o)); /* an empty slice at the end is fine, as in torch */
+    cr_assert_eq(ts_tensor_numel(o), 0);
+    ts_tensor_free(o);
+    TH_OK(ts_narrow(a, 0, -2, 2, &o));
+    cr_assert_eq(ts_tensor_shape(o)[0], 2);
+    ts_tensor_free(o);
+    ts_tensor_free(a);
+    th_mem_assert_back();
+}

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# CI step (.ci/run): builds both libFuzzer targets with clang (fuzz/build.sh)
+# and runs each for FUZZ_SECONDS (default 60) on a scratch copy of the
+# committed corpus. Prints one line per target; on a finding (crash, leak,
+# timeout, sanitizer report) prints the end of the fuzzer's log and the
+# reproducer's path and exits 1. Usage: fuzz/ci.sh [out-dir]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-build-fuzz}
+SECS=${FUZZ_SECONDS:-60}
+mkdir -p "$OUT"
+if ! fuzz/build.sh "$OUT" >"$OUT/build.log" 2>&1; then
+    tail -n 30 "$OUT/build.log"
+    echo "fuzz: building the targets failed (log: $OUT/build.log)"
+    exit 1
+fi
+status=0
+for target in safetensors store; do
+    work=$(mktemp -d "$OUT/work-$target.XXXXXX")
+    log="$OUT/fuzz_$target.log"
+    if (cd "$OUT" && "./fuzz_$target" -max_total_time="$SECS" -timeout=25 -max_len=4096 \
+            -dict="../fuzz/$target.dict" -artifact_prefix="./" -print_final_stats=1 \
+            "$(basename "$work")" "../fuzz/corpus/$target") >"$log" 2>&1; then
+        runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+        cov=$(grep -o 'cov: [0-9]*' "$log" | tail -n 1 | cut -d' ' -f2)
+        echo "fuzz_$target: ${runs:-?} runs in $SECS s, ${cov:-?} edges covered, nothing found"
+    else
+        tail -n 40 "$log"
+        echo "fuzz_$target: FOUND A BUG (log: $log; reproducer: $(ls "$OUT"/crash-* "$OUT"/leak-* "$OUT"/timeout-* "$OUT"/oom-* 2>/dev/null | head -n 1))"
+        status=1
+    fi
+    rm -rf "$work"
+done
+exit $status
