@@ -110,6 +110,9 @@ ALLOWED_NULL = {
     ('ts_mesh_get_local_rank', 'name'): 'mesh.h: NULL name is the only dim of a 1-d mesh',
     ('ts_mesh_group', 'name'): 'mesh.h: NULL name is the only dim of a 1-d mesh',
     ('ts_mesh_dim_index', 'name'): 'mesh.h: NULL name is reported as not found (-1)',
+    ('ts_mha_new_opts', 'o'): 'nn.h: NULL o means the defaults',
+    ('ts_fsdp_apply_by_type', 'count_out'): 'fully_shard.h: *count_out is optional',
+    ('ts_fsdp_apply_by_size', 'count_out'): 'fully_shard.h: *count_out is optional',
 }
 
 # Documented neutral results of non-status functions given NULL (C
@@ -219,6 +222,9 @@ FACTORY = {
     'const ts_dist_options *': '&f_dist_opts',
     'const ts_launch_options *': '&f_launch_opts',
     'const ts_encoder_layer_config *': '&f_enc_cfg',
+    'const ts_mha_options *': '&f_mha_opts',
+    'ts_param_list *': '&f_param_list',
+    'const ts_trace_arg *': 'f_trace_args',
     'const ts_gpt_config *': '&f_gpt_cfg',
     'const ts_lr_schedule *': '&f_lr',
     'const ts_allocator *': '&f_allocator',
@@ -304,6 +310,9 @@ static ts_fsdp_options f_fsdp_opts;
 static ts_dist_options f_dist_opts;
 static ts_launch_options f_launch_opts;
 static ts_encoder_layer_config f_enc_cfg;
+static ts_mha_options f_mha_opts;
+static ts_param_list f_param_list;
+static ts_trace_arg f_trace_args[1] = {{"k", NULL, 1}};
 static ts_gpt_config f_gpt_cfg;
 static ts_lr_schedule f_lr;
 static ts_allocator f_allocator;
@@ -433,6 +442,7 @@ static void setup(void)
     f_dist_opts = ts_dist_options_default();
     f_launch_opts = ts_launch_options_default();
     f_enc_cfg = ts_encoder_layer_config_default(4, 2);
+    f_mha_opts = ts_mha_options_default();
     f_gpt_cfg = ts_gpt_config_default();
 }
 
