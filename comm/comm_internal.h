@@ -14,6 +14,16 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out);
  * the transport. Bounded in time. Accepts NULL. */
 void ts__world_free(ts_comm *world);
 
+/* Sets the per-collective deadline of c's world for collectives started
+ * from now on (> 0; tests shorten it). Any thread. Ignores NULL and the
+ * one-rank group. */
+void ts__comm_set_timeout(ts_comm *c, double timeout_s);
+/* Turns the collectives' fingerprints (comm.c, "Fingerprints") on or off
+ * for collectives submitted from now on; default on, TS_COMM_CHECK=0 off.
+ * Every rank must switch at the same point of its sequence of
+ * collectives (the benchmark measures both). Any thread. */
+void ts__comm_set_check(ts_comm *c, bool on);
+
 /* The world ts_dist_init made (comm/dist.c), NULL when none; lock-free,
  * any thread. ts_comm_world() should return it when not NULL. */
 ts_comm *ts__dist_current(void);

@@ -718,6 +718,10 @@ static ts_status cma_read(ts_ucx *t, int peer, void *buf, const cma_msg *m, size
         } else if (n <= 0) {
             int e = n < 0 ? errno : EIO;
             bool dead = e == ESRCH || p->dead;
+            if (e == ESRCH && !p->dead) { /* the process is gone: as the pid watch would find */
+                p->exited = true;
+                mark_dead(t, p, UCS_ERR_CONNECTION_RESET);
+            }
             return ts_error(dead ? TS_ERR_PEER_FAILED : TS_ERR_COMM,
                             "ucx: rank %d: reading %zu bytes from rank %d (pid %d) failed after %zu: %s", t->base.rank,
                             len, peer, (int)p->pid, done, strerror(e));
@@ -828,8 +832,11 @@ static int ucx_wait_fd(ts_transport *base)
 static int ucx_failed_peer(ts_transport *base, ts_status *status_out)
 {
     ts_ucx *t = (ts_ucx *)base;
-    if (t->failed_peer >= 0 && status_out)
+    if (t->failed_peer < 0)
+        return -1;
+    if (status_out)
         *status_out = t->failed_status;
+    ts_error(t->failed_status, "%s", dead_why(&t->peers[t->failed_peer]));
     return t->failed_peer;
 }
 
