@@ -27,6 +27,9 @@
 #include "comm/comm_internal.h"
 #include "tests/helpers.h"
 
+#include <ucs/config/global_opts.h>
+#include <ucs/debug/log_def.h>
+
 static double now_s(void)
 {
     struct timespec t;
@@ -125,12 +128,53 @@ static void role_stop(void)
     _exit(s == TS_ERR_TIMEOUT ? 0 : 35);
 }
 
+/* 2 ranks call different collectives: #1 an all-gather of 8512 floats
+ * against a barrier, or (TS_TEST_FAIL_BIG=1) of 2^17 floats per rank
+ * (512 KiB: the shared-memory bypass) against 100 floats. Both must fail
+ * at once, naming both sides; each prints "desync R: <error>". */
+static void role_desync(void)
+{
+    bool big = getenv("TS_TEST_FAIL_BIG") && strcmp(getenv("TS_TEST_FAIL_BIG"), "1") == 0;
+    ts_dist_options o = ts_dist_options_default();
+    o.timeout_s = 30;
+    if (ts_dist_init(&o) != TS_OK) RFAIL(10, "ts_dist_init");
+    ts_comm *c = ts_dist_world();
+    g_rank = ts_comm_rank(c);
+    if (ts_barrier(c, NULL) != TS_OK) RFAIL(11, "barrier");
+    int64_t n = big ? (g_rank == 0 ? 1 << 17 : 100) : 8512;
+    ts_tensor *in = mk(n), *out = mk(2 * n);
+    double t0 = now_s();
+    ts_status s = !big && g_rank == 1 ? ts_barrier(c, NULL) : ts_all_gather_into_tensor(c, out, in, NULL);
+    fprintf(stderr, "desync %d: %s after %.2f s: %s\n", g_rank, ts_status_name(s), now_s() - t0, ts_last_error());
+    fflush(stderr);
+    (void)ts_dist_finalize();
+    _exit(s == TS_ERR_COMM ? 0 : 36);
+}
+
+/* 2 ranks; rank 0 has UCX log an expected-path warning and an unknown
+ * error through UCX's own logger, then exits after finalizing. */
+static void role_ucxlog(void)
+{
+    if (ts_dist_init(NULL) != TS_OK) RFAIL(10, "ts_dist_init");
+    g_rank = ts_comm_rank(ts_dist_world());
+    if (g_rank == 0) {
+        ucs_log_dispatch("uct/sm/mm/base/mm_ep.c", 42, "test", UCS_LOG_LEVEL_WARN, &ucs_global_opts.log_component,
+                         "%s", "Connection reset by remote peer");
+        ucs_log_dispatch("ucp/core/ucp_worker.c", 43, "test", UCS_LOG_LEVEL_ERROR, &ucs_global_opts.log_component,
+                         "%s", "a genuine surprise 0x1234");
+    }
+    if (ts_dist_finalize() != TS_OK) RFAIL(11, "finalize");
+    _exit(0);
+}
+
 __attribute__((constructor)) static void fail_test_role(void)
 {
     const char *role = getenv("TS_TEST_FAIL_ROLE");
     if (!role) return;
     if (strcmp(role, "die") == 0) role_die();
     if (strcmp(role, "stop") == 0) role_stop();
+    if (strcmp(role, "desync") == 0) role_desync();
+    if (strcmp(role, "ucxlog") == 0) role_ucxlog();
     fprintf(stderr, "unknown TS_TEST_FAIL_ROLE=%s\n", role);
     _exit(6);
 }
@@ -333,4 +377,63 @@ Test(comm_failures_dist, stopped_peer_deadline_names_it_and_costs_no_core, .time
     free(err);
     close(j.err_fd[0]);
     close(j.err_fd[1]);
+}
+
+/* Desynchronised collectives between processes: both ranks fail within
+ * the collective (the deadline is 30 s), naming both sides, with no UCX
+ * log line; also when the sizes take different paths (the bypass for
+ * 512 KiB against an eager message), which used to end at the deadline. */
+Test(comm_failures_dist, desync_fails_both_ranks_naming_both_sides, .timeout = 120)
+{
+    static const char *want[2][2] = {{"rank 0 runs all_gather #1 (float32, 8512)", "rank 1 runs barrier #1"},
+                                     {"rank 0 runs all_gather #1 (float32, 131072)",
+                                      "rank 1 runs all_gather #1 (float32, 100)"}};
+    for (int big = 0; big < 2; big++) {
+        setenv("TS_TEST_FAIL_BIG", big ? "1" : "0", 1);
+        job j;
+        job_start(&j, 2, "desync");
+        job_wait(&j, -1, 60);
+        char *errs[2];
+        for (int r = 0; r < 2; r++) {
+            errs[r] = th_slurp_fd(j.err_fd[r]);
+            close(j.err_fd[r]);
+            cr_log_info("big %d rank %d: %s", big, r, errs[r]);
+        }
+        for (int r = 0; r < 2; r++) {
+            char *err = errs[r];
+            cr_assert(WIFEXITED(j.status[r]) && WEXITSTATUS(j.status[r]) == 0, "big %d rank %d status 0x%x:\n%s", big,
+                      r, j.status[r], err);
+            double dt = 99;
+            const char *p = strstr(err, "desync ");
+            cr_assert(p && sscanf(p, "desync %*d: TS_ERR_COMM after %lf", &dt) == 1, "%s", err);
+            cr_assert_lt(dt, 10.0, "rank %d took %.2f s", r, dt);
+            for (int k = 0; k < 2; k++) cr_assert(strstr(err, want[big][k]), "'%s' not in:\n%s", want[big][k], err);
+            cr_assert(!has_ucx_line(err), "raw UCX log lines:\n%s", err);
+            free(err);
+        }
+    }
+}
+
+/* UCX's own ERROR/WARN lines go through our log: an expected-path one at
+ * debug level only, an unknown one as our warning; none in UCX's format. */
+Test(comm_failures_dist, ucx_log_lines_go_through_our_log, .timeout = 60)
+{
+    for (int dbg = 0; dbg < 2; dbg++) {
+        if (dbg == 1) setenv("TS_LOG_LEVEL", "debug", 1);
+        job j;
+        job_start(&j, 2, "ucxlog");
+        job_wait(&j, -1, 40);
+        char *err = th_slurp_fd(j.err_fd[0]);
+        cr_log_info("TS_LOG_LEVEL=%s: %s", dbg == 1 ? "debug" : "(default)", err);
+        cr_assert(WIFEXITED(j.status[0]) && WEXITSTATUS(j.status[0]) == 0, "status 0x%x:\n%s", j.status[0], err);
+        cr_assert(!has_ucx_line(err), "raw UCX log lines:\n%s", err);
+        cr_assert(strstr(err, "[ts WARN] ucx error (ucp_worker.c:43): a genuine surprise 0x1234"), "%s", err);
+        bool expected_shown = strstr(err, "Connection reset by remote peer") != NULL;
+        cr_assert_eq(expected_shown, dbg == 1, "expected-path line %s at TS_LOG_LEVEL=%s:\n%s",
+                     expected_shown ? "shown" : "hidden", dbg == 1 ? "debug" : "default", err);
+        free(err);
+        close(j.err_fd[0]);
+        close(j.err_fd[1]);
+        unsetenv("TS_LOG_LEVEL");
+    }
 }
