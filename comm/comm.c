@@ -8,9 +8,12 @@
  * the transport: it starts queued ops, runs their ring state machines from
  * the transfer callbacks, checks failures and deadlines, and completes
  * requests (mutex + condition variable the waiter sleeps on). It spins on
- * progress a little, then arms the transport and sleeps in poll() on the
+ * progress a little (while a caller is blocked, for up to YIELD_MAX_NS
+ * without events), then arms the transport and sleeps in poll() on the
  * submission eventfd and the transport's fd, with a 10 ms timeout while
  * ops are active so that deadlines and failure detection are noticed.
+ * Every collective also carries a fingerprint, and a rank that fails its
+ * world tells the others (see Fingerprints and Failure notices below).
  *
  * Rings (reference/DEPS-GUIDE.md §2): left = rank-1, right = rank+1.
  *  - all-gather over W blocks of a buffer: every receive is posted at
@@ -140,7 +143,8 @@ enum { PH_RS = 0, PH_AG = 1, PH_BC = 2, PH_A2A = 3, PH_P2P = 4, PH_FP = 5 };
 #define NOTICE_TAG ((uint64_t)0xffff << 32)
 /* Tag layout (comm.h): group id in bits 32..47 (transports take 48-bit
  * tags: UCX keeps the source rank above), sequence or user tag in bits
- * 8..31, step in bits 0..7. */
+ * 8..31, step in bits 0..7. Step 254 carries a collective's fingerprint;
+ * group id 0xffff (never given to a group) the failure notices. */
 #define GID_SHIFT 32
 #define GID_LIMIT ((uint64_t)1 << 16)
 #define SEQ_MASK 0xffffffu

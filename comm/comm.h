@@ -29,14 +29,16 @@
  * outlives its deadline (given when the world is made, default 300 s) fails
  * that collective and every pending and later one of the world with the
  * error (TS_ERR_PEER_FAILED naming the rank, or TS_ERR_TIMEOUT); nothing
- * hangs.
+ * hangs. Ranks that call different collectives (or the same with another
+ * dtype, count, reduce op or root) all fail within it with TS_ERR_COMM
+ * naming both sides (docs/comm-design.md).
  *
  * Tags: a message's tag is (group id << 32) | (sequence << 8) | step (48
  * bits: the transports take 48-bit tags), the sequence being the
  * collective's number in its group (24 bits, wrapping) and the step its
  * ring step (all-reduce uses steps 0..2W-3, all-to-all step 0), so
  * back-to-back collectives never cross-match. Hence W <= 128 and at most
- * 65535 groups per world (ids are not reused). Step 255 is reserved for
+ * 65534 groups per world (ids are not reused; 65535 is reserved). Step 255 is reserved for
  * point-to-point messages, whose 24-bit middle field is the user tag
  * instead of a sequence.
  *
@@ -105,7 +107,7 @@ TS_API void ts_comm_stats_reset(ts_comm *c);
  * naming them, on every member, before any exchange), and the failure of
  * the agreement all-reduce on parent. The group has its own id (agreed
  * with an all-reduce MAX of every member's next free id, so no two groups
- * sharing a pair of ranks ever share an id; at most 65535 groups per
+ * sharing a pair of ranks ever share an id; at most 65534 groups per
  * world, TS_ERR_UNSUPPORTED beyond), its own sequence numbers and counters, and runs over the
  * parent's world (same transport and communication thread). Groups of one
  * process must not be created concurrently from several threads. */
