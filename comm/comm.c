@@ -1031,9 +1031,11 @@ static void check_deadlines(world *w)
 
 /* How long a blocked caller keeps the thread progressing without events
  * before it sleeps after all (a peer that stopped, a long transfer), and
- * how long the nap grows to once nothing has happened for that long. */
+ * how long the nap grows to once nothing has happened for NAP_LONG_AFTER_NS
+ * (short against any transfer that takes that long). */
 #define YIELD_MAX_NS 5000000ull
-#define NAP_LONG_US 2000
+#define NAP_LONG_AFTER_NS 100000000ull
+#define NAP_LONG_US 1000
 
 static void *comm_thread(void *arg)
 {
@@ -1102,14 +1104,14 @@ static void *comm_thread(void *arg)
          * does so while rendezvous transfers wait on the peer), and spinning
          * on it took a core from the compute threads: nap on submissions
          * only, then progress again; the nap doubles from NAP_MIN_US to
-         * NAP_MAX_US while nothing happens (NAP_LONG_US after YIELD_MAX_NS
+         * NAP_MAX_US while nothing happens (NAP_LONG_US after NAP_LONG_AFTER_NS
          * without events), so that a long wait costs little CPU and a short
          * one little latency. A peer's death waiting out its grace period
          * keeps the timeout short too. */
         struct pollfd pfd[2] = {{.fd = w->efd, .events = POLLIN}, {.fd = t->vt->wait_fd(t), .events = POLLIN}};
         int nfd = armed && pfd[1].fd >= 0 ? 2 : 1;
         struct timespec nap = {0, nap_us * 1000L}, ten = {0, 10 * 1000000L};
-        long cap = idle >= YIELD_MAX_NS ? NAP_LONG_US : NAP_MAX_US;
+        long cap = idle >= NAP_LONG_AFTER_NS ? NAP_LONG_US : NAP_MAX_US;
         if (!armed) nap_us = nap_us * 2 > cap ? cap : nap_us * 2;
         bool watch = w->active || (w->suspect >= 0 && !w->failed);
         const struct timespec *timeout = !armed ? &nap : watch || pfd[1].fd < 0 ? &ten : NULL;
