@@ -63,6 +63,15 @@
 #define BUSY_RETRIES 16 /* arm attempts the transport may refuse before a nap */
 #define NAP_MIN_US 5     /* naps then double up to NAP_MAX_US while nothing happens */
 #define NAP_MAX_US 100
+/* dst (n bytes) = src, truncated. */
+static void copy_str(char *dst, size_t n, const char *src)
+{
+    size_t k = strlen(src);
+    if (k >= n) k = n - 1;
+    memcpy(dst, src, k);
+    dst[k] = '\0';
+}
+
 static uint64_t g_spin_ns;
 static pthread_once_t g_spin_once = PTHREAD_ONCE_INIT;
 static void spin_init(void)
@@ -698,14 +707,14 @@ static void fail_later(world *w, ts_status st, const char *msg, bool notify)
     if (w->failed || w->pend_st) return;
     w->pend_st = st;
     w->pend_notify = notify;
-    snprintf(w->pend_msg, sizeof w->pend_msg, "%s", msg);
+    copy_str(w->pend_msg, sizeof w->pend_msg, msg);
 }
 
 static void check_fp(op *o, int peer)
 {
     const fp *a = &o->mine, *b = &o->theirs[peer];
     if (memcmp(a, b, sizeof *a) == 0) return;
-    char sa[96], sb[96], msg[ERR_LEN], grp[32] = "";
+    char sa[96], sb[96], msg[ERR_LEN + 128], grp[32] = "";
     fp_str(a, sa, sizeof sa);
     fp_str(b, sb, sizeof sb);
     if (o->gid) snprintf(grp, sizeof grp, "group %llu: ", (unsigned long long)o->gid);
@@ -714,7 +723,7 @@ static void check_fp(op *o, int peer)
              me_first ? o->rank : peer, me_first ? sa : sb, me_first ? peer : o->rank, me_first ? sb : sa);
     o->fp_bad = true;
     o->err = TS_ERR_COMM;
-    snprintf(o->req->err, sizeof o->req->err, "%s", msg);
+    copy_str(o->req->err, sizeof o->req->err, msg);
     fail_later(o->req->w, TS_ERR_COMM, msg, true);
 }
 
@@ -861,7 +870,7 @@ static void send_notices(world *w, ts_status st, int culprit, const char *msg)
     ts_transport *t = w->t;
     if (!w->nout || !w->notices_posted) return;
     *w->nout = (notice){.magic = NOTICE_MAGIC, .status = st, .from = t->rank, .culprit = culprit};
-    snprintf(w->nout->msg, sizeof w->nout->msg, "%s", msg);
+    copy_str(w->nout->msg, sizeof w->nout->msg, msg);
     for (int p = 0; p < t->size; p++) {
         if (p == t->rank || p == culprit) continue;
         if (t->vt->send(t, p, w->nout, sizeof *w->nout, NOTICE_TAG, nop_cb, NULL) != TS_OK)
@@ -902,7 +911,7 @@ static void fail_world(world *w, ts_status st, const char *msg, op *src, bool no
 {
     if (w->failed) return;
     w->failed = st;
-    snprintf(w->failed_msg, sizeof w->failed_msg, "%s", msg);
+    copy_str(w->failed_msg, sizeof w->failed_msg, msg);
     if (notify) send_notices(w, st, culprit, msg);
     for (op *o = w->active; o; o = o->next) {
         if (o->finished || o == src || o->fp_bad) continue;
@@ -996,7 +1005,7 @@ static void check_peers(world *w)
     }
     ts_status st = TS_OK;
     int dead = t->vt->failed_peer(t, &st);
-    char why[ERR_LEN] = "";
+    char why[ERR_LEN - 32] = "";
     if (dead >= 0) {
         snprintf(why, sizeof why, "%s", ts_last_error());
         suspect(w, dead);
@@ -1021,7 +1030,7 @@ static void check_deadlines(world *w)
             deadline_msg(o, atomic_load(&w->deadline_s), msg, sizeof msg);
             if (!o->err || o->err == TS_ERR_PEER_FAILED) {
                 o->err = TS_ERR_TIMEOUT;
-                snprintf(o->req->err, sizeof o->req->err, "%s", msg);
+                copy_str(o->req->err, sizeof o->req->err, msg);
             }
             fail_world(w, TS_ERR_TIMEOUT, msg, o, false, -1);
             break;

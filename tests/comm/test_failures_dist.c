@@ -224,7 +224,7 @@ static void job_start(job *j, int W, const char *role)
     static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                  "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED", "UCX_LOG_LEVEL"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
-    char port[16], ws[8];
+    char port[16], ws[16];
     snprintf(port, sizeof port, "%d", free_port());
     snprintf(ws, sizeof ws, "%d", W);
     setenv("TS_TEST_FAIL_ROLE", role, 1);
@@ -235,7 +235,7 @@ static void job_start(job *j, int W, const char *role)
     j->W = W;
     char *argv[] = {self_exe(), NULL};
     for (int r = 0; r < W; r++) {
-        char rs[8];
+        char rs[16];
         snprintf(rs, sizeof rs, "%d", r);
         setenv("OMPI_COMM_WORLD_RANK", rs, 1);
         setenv("OMPI_COMM_WORLD_LOCAL_RANK", rs, 1);
@@ -298,7 +298,7 @@ static int names_other_rank(const char *text, int a, int b, int W)
 
 static void die_scenario(int W, int victim, const char *how, int run)
 {
-    char vs[8];
+    char vs[16];
     snprintf(vs, sizeof vs, "%d", victim);
     setenv("TS_TEST_FAIL_VICTIM", vs, 1);
     setenv("TS_TEST_FAIL_HOW", how, 1);
