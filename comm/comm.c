@@ -231,6 +231,10 @@ struct op {
     fp mine;
     fp *theirs;
     bool fp_bad;
+    /* forwards wait until the left neighbour's fingerprint matched (see
+     * Fingerprints): (phase << 8 | step) of those held, in order */
+    bool fp_ok;
+    int *held, nheld;
 };
 
 /* ------------------------------------------------------------------ */
@@ -544,6 +548,26 @@ static const unsigned char *src_blk(const op *o, int b)
     return o->src + (size_t)((b % o->W + o->W) % o->W) * o->block_n * ts_dtype_size(o->src_dtype);
 }
 
+/* Sends what this rank received on to the right: all-gather's step
+ * `step` (the block received at step-1), reduce-scatter's (the stage
+ * reduced at step-1), broadcast's. Held until the left neighbour's
+ * fingerprint matched this rank's, so that a rank's result only holds
+ * data that came through ranks that each checked their left neighbour:
+ * every rank then fails within the collective, not only the two around a
+ * mismatch. */
+static void do_forward(op *o, int phase, int step)
+{
+    if (phase == PH_AG) post(o, K_SEND, PH_AG, step, o->right, blk(o, o->rank - step), o->block);
+    else if (phase == PH_RS) post(o, K_SEND, PH_RS, step, o->right, o->stage[(step - 1) % 2], o->block);
+    else post(o, K_SEND, PH_BC, 0, o->right, o->buf, o->block);
+}
+
+static void forward(op *o, int phase, int step)
+{
+    if (o->fp_ok) do_forward(o, phase, step);
+    else o->held[o->nheld++] = phase << 8 | step;
+}
+
 static void rs_received(op *o, int s)
 {
     unsigned char *st = o->stage[s % 2];
@@ -554,9 +578,7 @@ static void rs_received(op *o, int s)
         return;
     }
     accumulate(st, o->acc, src_blk(o, o->rank - s - 2), o->src_dtype, o->pre, o->rop, o->block_n);
-    {
-        post(o, K_SEND, PH_RS, s + 1, o->right, st, o->block);
-    }
+    forward(o, PH_RS, s + 1);
 }
 
 /* The forward of step k (from stage[(k-1)%2]) completed: that stage takes
@@ -670,14 +692,18 @@ static void advance(op *o)
 /* ------------------------------------------------------------------ */
 
 /* Every collective (not send/recv) sends its fingerprint (kind, sequence,
- * dtype, count, reduce op, root: 16 bytes) to the ranks it receives from
- * in its ring, its right neighbour (all-to-all: every peer), with step
- * FP_STEP of its own tag, and receives its left neighbour's (all-to-all:
- * every peer's); it completes only once those arrived. A rank that finds
- * its neighbour's fingerprint differ from its own fails its world with a
- * message naming both sides and sends a notice to every peer, so every
- * rank fails within that collective. Some pair of neighbours differs
- * whenever two ranks do, so one check per rank suffices. A data receive
+ * dtype, count, reduce op, root: 16 bytes) to its right neighbour
+ * (all-to-all and broadcast: every peer), with step FP_STEP of its own
+ * tag, and receives its left neighbour's (all-to-all, broadcast: every
+ * peer's); it completes only once those arrived and matched. A rank that
+ * finds a fingerprint differ from its own fails its world with a message
+ * naming both sides and sends a notice to every peer. In the rings
+ * (all-gather, reduce-scatter, all-reduce) a rank forwards what it
+ * received only once its left neighbour's fingerprint matched (see
+ * forward()): a rank's result then only holds data that passed ranks that
+ * each checked their left neighbour, so a result completes only when all
+ * ranks agree, and every rank fails within the collective. A broadcast's
+ * data flows one way along its chain, so there every pair checks. A data receive
  * that fails first (a length mismatch) waits for the fingerprint, whose
  * message then wins. The fingerprint is a separate eager message rather
  * than a header on the data: the data goes from and to the caller's
@@ -713,7 +739,13 @@ static void fail_later(world *w, ts_status st, const char *msg, bool notify)
 static void check_fp(op *o, int peer)
 {
     const fp *a = &o->mine, *b = &o->theirs[peer];
-    if (memcmp(a, b, sizeof *a) == 0) return;
+    if (memcmp(a, b, sizeof *a) == 0) {
+        if (o->kind == TS_COLL_ALL_TO_ALL || o->kind == TS_COLL_BROADCAST) return; /* all pairs: nothing held */
+        o->fp_ok = true;
+        for (int i = 0; i < o->nheld && !o->err; i++) do_forward(o, o->held[i] >> 8, o->held[i] & 0xff);
+        o->nheld = 0;
+        return;
+    }
     char sa[96], sb[96], msg[ERR_LEN + 128], grp[32] = "";
     fp_str(a, sa, sizeof sa);
     fp_str(b, sb, sizeof sb);
@@ -730,7 +762,7 @@ static void check_fp(op *o, int peer)
 static void start_fp(op *o)
 {
     if (!o->check || o->W < 2) return;
-    if (o->kind == TS_COLL_ALL_TO_ALL) {
+    if (o->kind == TS_COLL_ALL_TO_ALL || o->kind == TS_COLL_BROADCAST) {
         for (int j = 0; j < o->W; j++)
             if (j != o->rank) post(o, K_RECV, PH_FP, 0, j, &o->theirs[j], sizeof(fp));
         for (int j = 0; j < o->W; j++)
@@ -768,13 +800,13 @@ static void on_xfer(void *arg, ts_status st)
     if (!o->err && x->kind == K_RECV) {
         int s = x->step;
         if (x->phase == PH_AG) {
-            if (s < o->W - 2) post(o, K_SEND, PH_AG, s + 1, o->right, blk(o, o->rank - s - 1), o->block);
+            if (s < o->W - 2) forward(o, PH_AG, s + 1);
             if (++o->ag_recvd == o->W - 1) o->ag_done = true;
         } else if (x->phase == PH_RS) {
             rs_received(o, s);
         } else if (x->phase == PH_BC) {
             o->bc_recvd = true;
-            if ((o->rank - o->root + o->W) % o->W < o->W - 1) post(o, K_SEND, PH_BC, 0, o->right, o->buf, o->block);
+            if ((o->rank - o->root + o->W) % o->W < o->W - 1) forward(o, PH_BC, 0);
         }
     }
     advance(o);
@@ -783,6 +815,7 @@ static void on_xfer(void *arg, ts_status st)
 static void start_op(world *w, op *o)
 {
     o->deadline_ns = ts_now_ns() + (uint64_t)(atomic_load(&w->deadline_s) * 1e9);
+    o->fp_ok = !o->check || o->W < 2 || o->kind == TS_COLL_ALL_TO_ALL || o->kind == TS_COLL_BROADCAST;
     if (o->kind == TS_COLL_BROADCAST) start_bc(o);
     else if (o->kind == TS_COLL_ALL_TO_ALL) start_a2a(o);
     else if (o->kind == TS_COLL_SEND) post(o, K_SEND, PH_P2P, 0, o->peer, o->buf, o->block);
@@ -1275,7 +1308,7 @@ static op *op_new(ts_comm *c, ts_coll_kind kind)
     /* 6 W transfer slots: (rs, ag, fp) x (send, recv) x W; then W
      * received fingerprints */
     size_t nx = (size_t)(6 * c->size);
-    xfer *x = ts__calloc(TS_MEM_COMM, 1, nx * sizeof *x + (size_t)c->size * sizeof(fp));
+    xfer *x = ts__calloc(TS_MEM_COMM, 1, nx * sizeof *x + (size_t)c->size * sizeof(fp) + (size_t)(2 * c->size) * sizeof(int));
     int *map = ts__malloc(TS_MEM_COMM, (size_t)c->size * sizeof *map);
     if (!o || !r || !x || !map) {
         ts__free(TS_MEM_COMM, o);
@@ -1296,6 +1329,7 @@ static op *op_new(ts_comm *c, ts_coll_kind kind)
     o->right = (c->rank + 1) % c->size;
     o->post = 1.0;
     o->theirs = (fp *)(void *)(x + nx);
+    o->held = (int *)(void *)(o->theirs + c->size);
     o->check = c->w && atomic_load(&c->w->check) && kind != TS_COLL_SEND && kind != TS_COLL_RECV;
     o->mine = (fp){.kind = (uint8_t)kind, .dtype = FP_NONE, .rop = FP_NONE, .root = FP_NONE};
     return o;
