@@ -27,7 +27,12 @@
  *
  * Usage (the program is the rank program):
  *   tsrun --nproc-per-node 2 bench_collectives [--iters N] [--max-mib M]
- * --iters N fixes K at every size; --max-mib M stops at M MiB (default 64). */
+ * --iters N fixes K at every size; --max-mib M stops at M MiB (default 64).
+ *
+ * The collectives' fingerprints (comm/comm.c): the 4 KiB latency of each
+ * collective with the check on and off (ts__comm_set_check, switched on
+ * every rank at the same point), in alternating rounds of 50 calls, the
+ * median over rounds; target: on/off <= 1.05. */
 #define _GNU_SOURCE
 #include <math.h>
 #include <stdio.h>
@@ -37,6 +42,7 @@
 #include <unistd.h>
 
 #include "bench/bench_common.h"
+#include "comm/comm_internal.h" /* ts__comm_set_check: the fingerprints' cost */
 #include "tensorshard.h"
 
 #define N_SIZES 8
@@ -292,6 +298,17 @@ int main(int argc, char **argv)
     for (int k = 0; k < 10; k++)
         (void)time_coll(w, COLL_AG, sizes[0], 10);
 
+    /* the fingerprints' cost at 4 KiB: rounds alternate off and on */
+    enum { FP_ROUNDS = 15 };
+    double fp_t[N_COLL][2][FP_ROUNDS];
+    for (int k = 0; k < FP_ROUNDS; k++)
+        for (int on = 0; on < 2; on++) {
+            ts__comm_set_check(w, on != 0);
+            for (int c = 0; c < N_COLL; c++)
+                fp_t[c][on][k] = time_coll(w, c, sizes[0], 50);
+        }
+    ts__comm_set_check(w, true);
+
     double t[N_COLL][N_SIZES], mc[N_SIZES];
     for (int c = 0; c < N_COLL; c++)
         for (int s = 0; s < nsizes; s++)
@@ -334,6 +351,17 @@ int main(int argc, char **argv)
                 printf("%10s %6d %11.1f %11.2f %11.2f %13.2f %11.2f %10s\n", sz, iters_for(sizes[s], fixed_iters),
                        t[c][s] * 1e6, alg, bus, m, bus / m, ur);
             }
+        }
+        printf("\ncollective fingerprints (kind, seq, dtype, count, op, root) at 4 KiB: median of %d rounds of "
+               "50 calls each, check on vs off; target on/off <= 1.05\n",
+               (int)FP_ROUNDS);
+        printf("%-28s %11s %11s %9s\n", "collective", "on (us)", "off (us)", "on/off");
+        static const char *short_names[N_COLL] = {"all_gather (out of place)", "all_gather (in place)", "reduce_scatter",
+                                                  "all_reduce"};
+        for (int c = 0; c < N_COLL; c++) {
+            double on = bench_median(fp_t[c][1], FP_ROUNDS), off = bench_median(fp_t[c][0], FP_ROUNDS);
+            printf("%-28s %11.2f %11.2f %9.3f %s\n", short_names[c], on * 1e6, off * 1e6, on / off,
+                   on / off <= 1.05 ? "ok" : ">1.05");
         }
         printf("\nucx_perftest -t tag_bw (127.0.0.1, transport ceiling; target busbw >= 0.8x from 16 MiB)\n");
         if (!have_ucx)

@@ -8,9 +8,12 @@
  * the transport: it starts queued ops, runs their ring state machines from
  * the transfer callbacks, checks failures and deadlines, and completes
  * requests (mutex + condition variable the waiter sleeps on). It spins on
- * progress a little, then arms the transport and sleeps in poll() on the
+ * progress a little (while a caller is blocked, for up to YIELD_MAX_NS
+ * without events), then arms the transport and sleeps in poll() on the
  * submission eventfd and the transport's fd, with a 10 ms timeout while
  * ops are active so that deadlines and failure detection are noticed.
+ * Every collective also carries a fingerprint, and a rank that fails its
+ * world tells the others (see Fingerprints and Failure notices below).
  *
  * Rings (reference/DEPS-GUIDE.md §2): left = rank-1, right = rank+1.
  *  - all-gather over W blocks of a buffer: every receive is posted at
@@ -61,6 +64,15 @@
 #define BUSY_RETRIES 16 /* arm attempts the transport may refuse before a nap */
 #define NAP_MIN_US 5     /* naps then double up to NAP_MAX_US while nothing happens */
 #define NAP_MAX_US 100
+/* dst (n bytes) = src, truncated. */
+static void copy_str(char *dst, size_t n, const char *src)
+{
+    size_t k = strlen(src);
+    if (k >= n) k = n - 1;
+    memcpy(dst, src, k);
+    dst[k] = '\0';
+}
+
 static uint64_t g_spin_ns;
 static pthread_once_t g_spin_once = PTHREAD_ONCE_INIT;
 static void spin_init(void)
@@ -111,19 +123,38 @@ struct world {
     double timeout_s;
     _Atomic uint64_t next_gid; /* the next group id this rank may propose */
     atomic_int waiters;        /* callers blocked in ts_request_wait */
+    _Atomic double deadline_s; /* per-collective deadline (ts__comm_set_timeout) */
+    atomic_bool check;         /* fingerprints on (TS_COMM_CHECK, ts__comm_set_check) */
     /* communication thread only */
     op *active;
     ts_status failed;
     char failed_msg[ERR_LEN];
+    /* notices (see "Failure notices" below): a receive from every peer,
+     * the one message this rank sends when it fails its world */
+    struct notice_slot *nslots;
+    struct notice *nout;
+    bool notices_posted;
+    /* a failure to act on from the loop (a notice received, a fingerprint
+     * mismatch), and a dead peer waiting for the grace period */
+    ts_status pend_st;
+    bool pend_notify;
+    char pend_msg[ERR_LEN];
+    int suspect;          /* world rank seen dead first (-1: none) */
+    uint64_t suspect_ns;  /* when (0: none) */
+    char suspect_why[ERR_LEN];
 };
 
 enum { K_SEND = 0, K_RECV = 1 };
-enum { PH_RS = 0, PH_AG = 1, PH_BC = 2, PH_A2A = 3, PH_P2P = 4 };
+enum { PH_RS = 0, PH_AG = 1, PH_BC = 2, PH_A2A = 3, PH_P2P = 4, PH_FP = 5 };
 
 #define P2P_STEP 0xffu
+#define FP_STEP 0xfeu /* a collective's fingerprint (steps 0..2W-3 <= 253 carry data) */
+/* Failure notices travel in group id 0xffff, which no group gets. */
+#define NOTICE_TAG ((uint64_t)0xffff << 32)
 /* Tag layout (comm.h): group id in bits 32..47 (transports take 48-bit
  * tags: UCX keeps the source rank above), sequence or user tag in bits
- * 8..31, step in bits 0..7. */
+ * 8..31, step in bits 0..7. Step 254 carries a collective's fingerprint;
+ * group id 0xffff (never given to a group) the failure notices. */
 #define GID_SHIFT 32
 #define GID_LIMIT ((uint64_t)1 << 16)
 #define SEQ_MASK 0xffffffu
@@ -131,7 +162,19 @@ enum { PH_RS = 0, PH_AG = 1, PH_BC = 2, PH_A2A = 3, PH_P2P = 4 };
 typedef struct xfer {
     op *o;
     int kind, phase, step;
+    int peer;  /* group rank */
+    bool live; /* posted, not completed (the deadline message lists them) */
 } xfer;
+
+/* A collective's fingerprint (16 bytes), sent to the ranks it receives
+ * from (see "Fingerprints" below). */
+typedef struct fp {
+    uint32_t seq;
+    uint8_t kind, dtype, rop, root; /* 0xff: not part of this kind */
+    uint64_t count;                 /* elements (kind's meaning; 0 for barrier) */
+} fp;
+_Static_assert(sizeof(fp) == 16, "a fingerprint is 16 bytes");
+#define FP_NONE 0xffu
 
 struct op {
     op *next;
@@ -183,6 +226,16 @@ struct op {
     uint64_t gid, submit_ns;
     uint32_t seq;
     size_t bytes;
+    /* fingerprint: this rank's, and those received (W entries, in the
+     * block behind x) */
+    bool check;
+    fp mine;
+    fp *theirs;
+    bool fp_bad;
+    /* forwards wait until the left neighbour's fingerprint matched (see
+     * Fingerprints): (phase << 8 | step) of those held, in order */
+    bool fp_ok;
+    int *held, nheld;
 };
 
 /* ------------------------------------------------------------------ */
@@ -450,19 +503,23 @@ static void on_xfer(void *arg, ts_status st);
 static void post(op *o, int kind, int phase, int step, int peer, void *buf, size_t len)
 {
     if (o->err) return;
-    xfer *x = &o->x[((phase == PH_AG ? 1 : 0) * 2 + kind) * o->W + step % o->W];
+    int slot = phase == PH_FP ? 2 : phase == PH_AG ? 1 : 0;
+    xfer *x = &o->x[(slot * 2 + kind) * o->W + (phase == PH_FP ? peer : step % o->W)];
     x->o = o;
     x->kind = kind;
     x->phase = phase;
     x->step = step;
+    x->peer = peer;
+    x->live = true;
     ts_transport *t = o->req->w->t;
-    int wire = phase == PH_AG && o->rs ? step + o->W - 1 : phase == PH_A2A ? 0 : step;
+    int wire = phase == PH_FP ? (int)FP_STEP : phase == PH_AG && o->rs ? step + o->W - 1 : phase == PH_A2A ? 0 : step;
     uint64_t tag = phase == PH_P2P ? o->tagbase : tag_of(o, wire);
     int wpeer = o->map[peer];
     o->pending++;
     ts_status s = kind == K_SEND ? t->vt->send(t, wpeer, buf, len, tag, on_xfer, x)
                                  : t->vt->recv(t, wpeer, buf, len, tag, on_xfer, x);
     if (s != TS_OK) {
+        x->live = false;
         o->pending--;
         o->err = s;
         snprintf(o->req->err, sizeof o->req->err, "%s", ts_last_error());
@@ -492,6 +549,26 @@ static const unsigned char *src_blk(const op *o, int b)
     return o->src + (size_t)((b % o->W + o->W) % o->W) * o->block_n * ts_dtype_size(o->src_dtype);
 }
 
+/* Sends what this rank received on to the right: all-gather's step
+ * `step` (the block received at step-1), reduce-scatter's (the stage
+ * reduced at step-1), broadcast's. Held until the left neighbour's
+ * fingerprint matched this rank's, so that a rank's result only holds
+ * data that came through ranks that each checked their left neighbour:
+ * every rank then fails within the collective, not only the two around a
+ * mismatch. */
+static void do_forward(op *o, int phase, int step)
+{
+    if (phase == PH_AG) post(o, K_SEND, PH_AG, step, o->right, blk(o, o->rank - step), o->block);
+    else if (phase == PH_RS) post(o, K_SEND, PH_RS, step, o->right, o->stage[(step - 1) % 2], o->block);
+    else post(o, K_SEND, PH_BC, 0, o->right, o->buf, o->block);
+}
+
+static void forward(op *o, int phase, int step)
+{
+    if (o->fp_ok) do_forward(o, phase, step);
+    else o->held[o->nheld++] = phase << 8 | step;
+}
+
 static void rs_received(op *o, int s)
 {
     unsigned char *st = o->stage[s % 2];
@@ -502,9 +579,7 @@ static void rs_received(op *o, int s)
         return;
     }
     accumulate(st, o->acc, src_blk(o, o->rank - s - 2), o->src_dtype, o->pre, o->rop, o->block_n);
-    {
-        post(o, K_SEND, PH_RS, s + 1, o->right, st, o->block);
-    }
+    forward(o, PH_RS, s + 1);
 }
 
 /* The forward of step k (from stage[(k-1)%2]) completed: that stage takes
@@ -639,16 +714,113 @@ static void finish(op *o)
 static void advance(op *o)
 {
     if (o->finished) return;
+    world *w = o->req->w;
     if (o->err) {
-        if (o->pending == 0) finish(o);
+        /* a peer failure is held until the world has named the rank that
+         * failed first (see fail_world): the transfer's own error may name
+         * a rank that only exited after failing itself */
+        if (o->pending == 0 && !(o->err == TS_ERR_PEER_FAILED && !w->failed)) finish(o);
         return;
     }
     if (o->rs && o->rs_done && o->ag && !o->ag_started && o->pending == 0) start_ag(o);
     if (o->err) {
-        if (o->pending == 0) finish(o);
+        if (o->pending == 0 && !(o->err == TS_ERR_PEER_FAILED && !w->failed)) finish(o);
         return;
     }
     if (op_done(o) && o->pending == 0) finish(o);
+}
+
+/* ------------------------------------------------------------------ */
+/* Fingerprints                                                        */
+/* ------------------------------------------------------------------ */
+
+/* Every collective (not send/recv) sends its fingerprint (kind, sequence,
+ * dtype, count, reduce op, root: 16 bytes) to its right neighbour
+ * (all-to-all and broadcast: every peer), with step FP_STEP of its own
+ * tag, and receives its left neighbour's (all-to-all, broadcast: every
+ * peer's); it completes only once those arrived and matched. A rank that
+ * finds a fingerprint differ from its own fails its world with a message
+ * naming both sides and sends a notice to every peer. In the rings
+ * (all-gather, reduce-scatter, all-reduce) a rank forwards what it
+ * received only once its left neighbour's fingerprint matched (see
+ * forward()): a rank's result then only holds data that passed ranks that
+ * each checked their left neighbour, so a result completes only when all
+ * ranks agree, and every rank fails within the collective. A broadcast's
+ * data flows one way along its chain, so there every pair checks. A data receive
+ * that fails first (a length mismatch) waits for the fingerprint, whose
+ * message then wins. The fingerprint is a separate eager message rather
+ * than a header on the data: the data goes from and to the caller's
+ * buffers without a copy, and large messages take the transport's
+ * shared-memory bypass, whose size mismatches would otherwise only end
+ * at the deadline. TS_COMM_CHECK=0 turns them off (every rank alike). */
+
+static const char *const k_rop_names[TS_REDUCE_OP_COUNT] = {"sum", "avg", "max", "min"};
+_Static_assert(TS_REDUCE_OP_COUNT == 4, "one name per reduce op");
+
+/* "all_gather #12 (float32, 8512)" */
+static void fp_str(const fp *f, char *buf, size_t n)
+{
+    const char *kind = f->kind < TS_COLL_KIND_COUNT ? k_kind_names[f->kind] : "an unknown collective";
+    int k = snprintf(buf, n, "%s #%u", kind, f->seq);
+    if (k < 0 || (size_t)k >= n || f->kind == TS_COLL_BARRIER) return;
+    k += snprintf(buf + k, n - (size_t)k, " (%s, %llu",
+                  f->dtype != FP_NONE ? ts_dtype_name((ts_dtype)f->dtype) : "-", (unsigned long long)f->count);
+    if ((size_t)k < n && f->rop != FP_NONE && f->rop < TS_REDUCE_OP_COUNT)
+        k += snprintf(buf + k, n - (size_t)k, ", %s", k_rop_names[f->rop]);
+    if ((size_t)k < n && f->root != FP_NONE) k += snprintf(buf + k, n - (size_t)k, ", root %u", f->root);
+    if ((size_t)k < n) snprintf(buf + k, n - (size_t)k, ")");
+}
+
+static void fail_later(world *w, ts_status st, const char *msg, bool notify)
+{
+    if (w->failed || w->pend_st) return;
+    w->pend_st = st;
+    w->pend_notify = notify;
+    copy_str(w->pend_msg, sizeof w->pend_msg, msg);
+}
+
+static void check_fp(op *o, int peer)
+{
+    const fp *a = &o->mine, *b = &o->theirs[peer];
+    if (memcmp(a, b, sizeof *a) == 0) {
+        if (o->kind == TS_COLL_ALL_TO_ALL || o->kind == TS_COLL_BROADCAST) return; /* all pairs: nothing held */
+        o->fp_ok = true;
+        for (int i = 0; i < o->nheld && !o->err; i++) do_forward(o, o->held[i] >> 8, o->held[i] & 0xff);
+        o->nheld = 0;
+        return;
+    }
+    char sa[96], sb[96], msg[ERR_LEN + 128], grp[32] = "";
+    fp_str(a, sa, sizeof sa);
+    fp_str(b, sb, sizeof sb);
+    if (o->gid) snprintf(grp, sizeof grp, "group %llu: ", (unsigned long long)o->gid);
+    bool me_first = o->rank < peer;
+    snprintf(msg, sizeof msg, "desynchronised collectives: %srank %d runs %s, rank %d runs %s", grp,
+             me_first ? o->rank : peer, me_first ? sa : sb, me_first ? peer : o->rank, me_first ? sb : sa);
+    o->fp_bad = true;
+    o->err = TS_ERR_COMM;
+    copy_str(o->req->err, sizeof o->req->err, msg);
+    fail_later(o->req->w, TS_ERR_COMM, msg, true);
+}
+
+static void start_fp(op *o)
+{
+    if (!o->check || o->W < 2) return;
+    if (o->kind == TS_COLL_ALL_TO_ALL || o->kind == TS_COLL_BROADCAST) {
+        for (int j = 0; j < o->W; j++)
+            if (j != o->rank) post(o, K_RECV, PH_FP, 0, j, &o->theirs[j], sizeof(fp));
+        for (int j = 0; j < o->W; j++)
+            if (j != o->rank) post(o, K_SEND, PH_FP, 0, j, &o->mine, sizeof(fp));
+        return;
+    }
+    post(o, K_RECV, PH_FP, 0, o->left, &o->theirs[o->left], sizeof(fp));
+    post(o, K_SEND, PH_FP, 0, o->right, &o->mine, sizeof(fp));
+}
+
+static void suspect(world *w, int wrank)
+{
+    if (w->suspect >= 0) return;
+    w->suspect = wrank;
+    w->suspect_ns = ts_now_ns();
 }
 
 static void on_xfer(void *arg, ts_status st)
@@ -656,21 +828,28 @@ static void on_xfer(void *arg, ts_status st)
     xfer *x = arg;
     op *o = x->o;
     o->pending--;
+    x->live = false;
     if (st != TS_OK && !o->err) {
         o->err = st;
         snprintf(o->req->err, sizeof o->req->err, "%s", ts_last_error());
+        if (st == TS_ERR_PEER_FAILED) suspect(o->req->w, o->map[x->peer]);
+    }
+    if (x->phase == PH_FP) {
+        if (st == TS_OK && x->kind == K_RECV) check_fp(o, x->peer);
+        advance(o);
+        return;
     }
     if (!o->err && x->kind == K_SEND && x->phase == PH_RS) rs_sent(o, x->step);
     if (!o->err && x->kind == K_RECV) {
         int s = x->step;
         if (x->phase == PH_AG) {
-            if (s < o->W - 2) post(o, K_SEND, PH_AG, s + 1, o->right, blk(o, o->rank - s - 1), o->block);
+            if (s < o->W - 2) forward(o, PH_AG, s + 1);
             if (++o->ag_recvd == o->W - 1) o->ag_done = true;
         } else if (x->phase == PH_RS) {
             rs_received(o, s);
         } else if (x->phase == PH_BC) {
             o->bc_recvd = true;
-            if ((o->rank - o->root + o->W) % o->W < o->W - 1) post(o, K_SEND, PH_BC, 0, o->right, o->buf, o->block);
+            if ((o->rank - o->root + o->W) % o->W < o->W - 1) forward(o, PH_BC, 0);
         }
     }
     advance(o);
@@ -678,7 +857,12 @@ static void on_xfer(void *arg, ts_status st)
 
 static void start_op(world *w, op *o)
 {
-    o->deadline_ns = ts_now_ns() + (uint64_t)(w->timeout_s * 1e9);
+    o->deadline_ns = ts_now_ns() + (uint64_t)(atomic_load(&w->deadline_s) * 1e9);
+    o->fp_ok = !o->check || o->W < 2 || o->kind == TS_COLL_ALL_TO_ALL || o->kind == TS_COLL_BROADCAST;
+    /* the fingerprint first: it then arrives before the data, and the
+     * forwards and the all-reduce's second phase, which wait for it, do
+     * not (measured: sending it after step 0 cost more at 4 KiB) */
+    start_fp(o);
     if (o->kind == TS_COLL_BROADCAST) start_bc(o);
     else if (o->kind == TS_COLL_ALL_TO_ALL) start_a2a(o);
     else if (o->kind == TS_COLL_SEND) post(o, K_SEND, PH_P2P, 0, o->peer, o->buf, o->block);
@@ -688,17 +872,128 @@ static void start_op(world *w, op *o)
     advance(o);
 }
 
-/* Fails the world: every active and later op completes with `st`. */
-static void fail_world(world *w, ts_status st, const char *msg)
+/* ------------------------------------------------------------------ */
+/* Failure notices                                                     */
+/* ------------------------------------------------------------------ */
+
+/* A rank that fails its world because a peer died (once it has named the
+ * rank that died first) or because fingerprints differ sends one notice
+ * to every other rank, which fails its own world with the same message.
+ * Every rank keeps a receive posted for a notice from each peer (tag
+ * NOTICE_TAG). This makes every survivor name the same, first-failed
+ * rank: a survivor that would otherwise first notice a rank that merely
+ * exited after failing (the pid watch checks the ranks in order) learns
+ * the real one from that rank's notice, which it sent before exiting; and
+ * a rank whose transport found a dead peer waits PEER_GRACE_NS for such a
+ * notice (or for the transport to report another death) before naming it,
+ * in worlds of 3 ranks or more. */
+#define NOTICE_MAGIC 0x5453464eu /* "NFST" */
+#define PEER_GRACE_NS 300000000ull
+
+typedef struct notice {
+    uint32_t magic;
+    int32_t status;
+    int32_t from;
+    int32_t culprit; /* the rank that failed (-1: none, e.g. a mismatch) */
+    char msg[ERR_LEN - 48];
+} notice;
+
+typedef struct notice_slot {
+    world *w;
+    int peer;
+    notice n;
+} notice_slot;
+
+static void on_notice(void *arg, ts_status st)
+{
+    notice_slot *sl = arg;
+    world *w = sl->w;
+    if (st != TS_OK || w->failed) return; /* cancelled at failure or teardown */
+    notice n = sl->n;
+    n.msg[sizeof n.msg - 1] = '\0';
+    if (n.magic != NOTICE_MAGIC || n.status >= 0 || n.from != sl->peer) {
+        ts_logf(TS_LOG_WARN, "comm: rank %d: malformed failure notice from rank %d ignored", w->comm->rank, sl->peer);
+        return;
+    }
+    char msg[ERR_LEN];
+    int k = snprintf(msg, sizeof msg, "%s%s", n.msg, n.culprit >= 0 ? " (reported by a peer)" : "");
+    (void)k; /* truncated if need be */
+    fail_later(w, (ts_status)n.status, msg, false);
+}
+
+static void nop_cb(void *arg, ts_status st)
+{
+    (void)arg;
+    (void)st;
+}
+
+static void post_notices(world *w)
+{
+    ts_transport *t = w->t;
+    w->notices_posted = true;
+    if (!w->nslots) return;
+    for (int p = 0; p < t->size; p++) {
+        if (p == t->rank) continue;
+        notice_slot *sl = &w->nslots[p];
+        sl->w = w;
+        sl->peer = p;
+        if (t->vt->recv(t, p, &sl->n, sizeof sl->n, NOTICE_TAG, on_notice, sl) != TS_OK)
+            ts_logf(TS_LOG_DEBUG, "comm: rank %d: no notice receive from rank %d: %s", t->rank, p, ts_last_error());
+    }
+}
+
+static void send_notices(world *w, ts_status st, int culprit, const char *msg)
+{
+    ts_transport *t = w->t;
+    if (!w->nout || !w->notices_posted) return;
+    *w->nout = (notice){.magic = NOTICE_MAGIC, .status = st, .from = t->rank, .culprit = culprit};
+    copy_str(w->nout->msg, sizeof w->nout->msg, msg);
+    for (int p = 0; p < t->size; p++) {
+        if (p == t->rank || p == culprit) continue;
+        if (t->vt->send(t, p, w->nout, sizeof *w->nout, NOTICE_TAG, nop_cb, NULL) != TS_OK)
+            ts_logf(TS_LOG_DEBUG, "comm: rank %d: no notice to rank %d: %s", t->rank, p, ts_last_error());
+    }
+}
+
+/* "all_gather #12 (group 3)" */
+static void op_name(const op *o, char *buf, size_t n)
+{
+    if (o->kind == TS_COLL_SEND || o->kind == TS_COLL_RECV)
+        snprintf(buf, n, "%s (tag %llu)", k_kind_names[o->kind], (unsigned long long)((o->tagbase >> 8) & SEQ_MASK));
+    else if (o->gid)
+        snprintf(buf, n, "%s #%u (group %llu)", k_kind_names[o->kind], o->seq, (unsigned long long)o->gid);
+    else
+        snprintf(buf, n, "%s #%u", k_kind_names[o->kind], o->seq);
+}
+
+/* req->err = "<op>: <msg>" */
+static void set_op_err(op *o, const char *msg)
+{
+    char name[64];
+    op_name(o, name, sizeof name);
+    size_t a = strlen(name), b = strlen(msg), n = sizeof o->req->err - 1;
+    if (a + 2 > n) a = n - 2;
+    if (a + 2 + b > n) b = n - a - 2;
+    memcpy(o->req->err, name, a);
+    memcpy(o->req->err + a, ": ", 2);
+    memmove(o->req->err + a + 2, msg, b); /* msg may be req->err's own copy */
+    o->req->err[a + 2 + b] = '\0';
+}
+
+/* Fails the world: every active and later op completes with `st`; `src`
+ * (if any) already holds its own message. A fingerprint mismatch keeps its
+ * message too. notify: send the notice to every peer (culprit: the rank
+ * that failed, -1 if none). */
+static void fail_world(world *w, ts_status st, const char *msg, op *src, bool notify, int culprit)
 {
     if (w->failed) return;
     w->failed = st;
-    snprintf(w->failed_msg, sizeof w->failed_msg, "%s", msg);
+    copy_str(w->failed_msg, sizeof w->failed_msg, msg);
+    if (notify) send_notices(w, st, culprit, msg);
     for (op *o = w->active; o; o = o->next) {
-        if (!o->finished && !o->err) {
-            o->err = st;
-            snprintf(o->req->err, sizeof o->req->err, "%s", msg);
-        }
+        if (o->finished || o == src || o->fp_bad) continue;
+        o->err = st;
+        set_op_err(o, msg);
     }
     w->t->vt->cancel_all(w->t, st);
     for (op *o = w->active; o; o = o->next) {
@@ -706,6 +1001,59 @@ static void fail_world(world *w, ts_status st, const char *msg)
         o->pending = 0; /* the transport completed or dropped everything */
         advance(o);
     }
+}
+
+/* Group rank g of `o` as the user knows it: "rank 2", or "rank 1 (world
+ * rank 2)" in a group. */
+static int peer_str(const op *o, int g, char *buf, size_t n)
+{
+    if (o->gid) return snprintf(buf, n, "rank %d (world rank %d)", g, o->map[g]);
+    return snprintf(buf, n, "rank %d", g);
+}
+
+/* The deadline message: the op and the peers it still waits to receive
+ * from; for an all-gather phase, broadcast or all-to-all also whose data
+ * it still lacks (the ranks that have not completed their part, as far as
+ * this rank can know). */
+static void deadline_msg(const op *o, double timeout_s, char *msg, size_t n)
+{
+    char name[64];
+    op_name(o, name, sizeof name);
+    int k = snprintf(msg, n, "%s on rank %d of %d passed its deadline of %.3g s", name, o->rank, o->W, timeout_s);
+    bool any = false;
+    for (int pass = 0; pass < 2; pass++) { /* fingerprints first: those peers have not entered it */
+        for (int i = 0; i < 6 * o->W && k > 0 && (size_t)k < n; i++) {
+            const xfer *x = &o->x[i];
+            if (!x->live || x->kind != K_RECV || (pass == 0) != (x->phase == PH_FP)) continue;
+            if (pass == 1) { /* a peer already named as not entered */
+                bool named = false;
+                for (int j = 0; j < 2 * o->W; j++) {
+                    const xfer *y = &o->x[4 * o->W + j];
+                    if (y->live && y->kind == K_RECV && y->peer == x->peer) named = true;
+                }
+                if (named) continue;
+            }
+            k += snprintf(msg + k, n - (size_t)k, "%s", any ? "; " : ": waiting for ");
+            any = true;
+            if ((size_t)k >= n) break;
+            k += peer_str(o, x->peer, msg + k, n - (size_t)k);
+            if ((size_t)k >= n) break;
+            int origin = -1;
+            if (x->phase == PH_AG) origin = ((o->rank - x->step - 1) % o->W + o->W) % o->W;
+            else if (x->phase == PH_BC) origin = o->root;
+            if (x->phase == PH_FP)
+                k += snprintf(msg + k, n - (size_t)k, ", which has not entered it");
+            else if (origin >= 0 && origin != x->peer) {
+                k += snprintf(msg + k, n - (size_t)k, " to forward the data of ");
+                if ((size_t)k < n) k += peer_str(o, origin, msg + k, n - (size_t)k);
+            } else if (x->phase == PH_RS)
+                k += snprintf(msg + k, n - (size_t)k, " (reduce-scatter step %d of %d)", x->step + 1, o->W - 1);
+            /* a ring waits on one peer: its first missing step says it */
+            if (x->phase != PH_FP && x->phase != PH_A2A) break;
+        }
+    }
+    if (!any && k > 0 && (size_t)k < n)
+        snprintf(msg + k, n - (size_t)k, " (no receive pending: its sends did not complete)");
 }
 
 static void sweep(world *w)
@@ -722,6 +1070,59 @@ static void sweep(world *w)
     }
 }
 
+/* The transport's dead peer, the grace period, the notices: fails the
+ * world once it knows which rank failed first (see Failure notices). */
+static void check_peers(world *w)
+{
+    ts_transport *t = w->t;
+    if (w->failed) return;
+    if (w->pend_st) {
+        fail_world(w, w->pend_st, w->pend_msg, NULL, w->pend_notify, -1);
+        return;
+    }
+    ts_status st = TS_OK;
+    int dead = t->vt->failed_peer(t, &st);
+    char why[ERR_LEN - 32] = "";
+    if (dead >= 0) {
+        snprintf(why, sizeof why, "%s", ts_last_error());
+        suspect(w, dead);
+    }
+    if (w->suspect < 0) return;
+    if (t->size > 2 && ts_now_ns() - w->suspect_ns < PEER_GRACE_NS) return;
+    char msg[ERR_LEN];
+    if (dead == w->suspect && why[0])
+        snprintf(msg, sizeof msg, "rank %d failed (%s)", dead, why);
+    else
+        snprintf(msg, sizeof msg, "rank %d failed (a transfer with it failed)", w->suspect);
+    fail_world(w, TS_ERR_PEER_FAILED, msg, NULL, true, w->suspect);
+}
+
+static void check_deadlines(world *w)
+{
+    if (w->failed || !w->active) return;
+    uint64_t now = ts_now_ns();
+    for (op *o = w->active; o; o = o->next) {
+        if (!o->finished && now > o->deadline_ns) {
+            char msg[ERR_LEN];
+            deadline_msg(o, atomic_load(&w->deadline_s), msg, sizeof msg);
+            if (!o->err || o->err == TS_ERR_PEER_FAILED) {
+                o->err = TS_ERR_TIMEOUT;
+                copy_str(o->req->err, sizeof o->req->err, msg);
+            }
+            fail_world(w, TS_ERR_TIMEOUT, msg, o, false, -1);
+            break;
+        }
+    }
+}
+
+/* How long a blocked caller keeps the thread progressing without events
+ * before it sleeps after all (a peer that stopped, a long transfer), and
+ * how long the nap grows to once nothing has happened for NAP_LONG_AFTER_NS
+ * (short against any transfer that takes that long). */
+#define YIELD_MAX_NS 5000000ull
+#define NAP_LONG_AFTER_NS 100000000ull
+#define NAP_LONG_US 1000
+
 static void *comm_thread(void *arg)
 {
     world *w = arg;
@@ -730,6 +1131,7 @@ static void *comm_thread(void *arg)
     uint64_t spin = spin_ns(), last_event = ts_now_ns();
     int busy = 0;
     long nap_us = NAP_MIN_US;
+    post_notices(w);
     for (;;) {
         pthread_mutex_lock(&w->mu);
         op *q = w->queue;
@@ -744,36 +1146,17 @@ static void *comm_thread(void *arg)
             w->active = o;
             if (w->failed) {
                 o->err = w->failed;
-                snprintf(o->req->err, sizeof o->req->err, "%s", w->failed_msg);
+                set_op_err(o, w->failed_msg);
                 finish(o);
             } else {
                 start_op(w, o);
             }
         }
         int n = t->vt->progress(t);
-        if (!w->failed) {
-            ts_status st = TS_OK;
-            int dead = t->vt->failed_peer(t, &st);
-            if (dead >= 0) {
-                char msg[ERR_LEN];
-                snprintf(msg, sizeof msg, "%s", ts_last_error());
-                fail_world(w, st ? st : TS_ERR_PEER_FAILED, msg);
-            }
-        }
-        if (!w->failed && w->active) {
-            uint64_t now = ts_now_ns();
-            for (op *o = w->active; o; o = o->next) {
-                if (!o->finished && now > o->deadline_ns) {
-                    char msg[ERR_LEN];
-                    snprintf(msg, sizeof msg, "%s #%u on rank %d of group %llu passed its deadline of %.3g s",
-                             k_kind_names[o->kind], o->seq, o->rank, (unsigned long long)o->gid, w->timeout_s);
-                    fail_world(w, TS_ERR_TIMEOUT, msg);
-                    break;
-                }
-            }
-        }
+        check_peers(w);
+        check_deadlines(w);
         if (stop) {
-            if (w->active && !w->failed) fail_world(w, TS_ERR_COMM, "the world was freed with collectives pending");
+            if (w->active && !w->failed) fail_world(w, TS_ERR_COMM, "the world was freed with collectives pending", NULL, false, -1);
             sweep(w);
             break;
         }
@@ -783,13 +1166,16 @@ static void *comm_thread(void *arg)
             nap_us = NAP_MIN_US;
             continue;
         }
-        if (ts_now_ns() - last_event < spin) continue;
+        uint64_t idle = ts_now_ns() - last_event;
+        if (idle < spin) continue;
         /* A caller blocked in ts_request_wait leaves its core idle: keep
          * progressing (yielding the core to any other runnable thread)
          * rather than sleep, since a sleeping thread's wake-up costs 50-100
          * us on a VM at every hand-off of a small collective (measured: a
-         * 4 KiB all-gather then took 90-180 us instead of 7-10). */
-        if (atomic_load(&w->waiters) > 0 && w->active) {
+         * 4 KiB all-gather then took 90-180 us instead of 7-10); but only
+         * for YIELD_MAX_NS without events: a peer that stopped (SIGSTOP)
+         * or a long transfer then costs no core. */
+        if (atomic_load(&w->waiters) > 0 && w->active && idle < YIELD_MAX_NS) {
             sched_yield();
             continue;
         }
@@ -804,15 +1190,19 @@ static void *comm_thread(void *arg)
          * does so while rendezvous transfers wait on the peer), and spinning
          * on it took a core from the compute threads: nap on submissions
          * only, then progress again; the nap doubles from NAP_MIN_US to
-         * NAP_MAX_US while nothing happens, so that a long wait costs
-         * little CPU and a short one little latency. */
+         * NAP_MAX_US while nothing happens (NAP_LONG_US after NAP_LONG_AFTER_NS
+         * without events), so that a long wait costs little CPU and a short
+         * one little latency. A peer's death waiting out its grace period
+         * keeps the timeout short too. */
         struct pollfd pfd[2] = {{.fd = w->efd, .events = POLLIN}, {.fd = t->vt->wait_fd(t), .events = POLLIN}};
         int nfd = armed && pfd[1].fd >= 0 ? 2 : 1;
         struct timespec nap = {0, nap_us * 1000L}, ten = {0, 10 * 1000000L};
-        if (!armed) nap_us = nap_us * 2 > NAP_MAX_US ? NAP_MAX_US : nap_us * 2;
-        const struct timespec *timeout = !armed ? &nap : w->active || pfd[1].fd < 0 ? &ten : NULL;
-        (void)ppoll(pfd, (nfds_t)nfd, timeout, NULL);
-        if (armed) {
+        long cap = idle >= NAP_LONG_AFTER_NS ? NAP_LONG_US : NAP_MAX_US;
+        if (!armed) nap_us = nap_us * 2 > cap ? cap : nap_us * 2;
+        bool watch = w->active || (w->suspect >= 0 && !w->failed);
+        const struct timespec *timeout = !armed ? &nap : watch || pfd[1].fd < 0 ? &ten : NULL;
+        int rc = ppoll(pfd, (nfds_t)nfd, timeout, NULL);
+        if (armed && rc > 0) { /* woken by an event (not the timeout) */
             last_event = ts_now_ns();
             nap_us = NAP_MIN_US;
         }
@@ -828,6 +1218,23 @@ static void *comm_thread(void *arg)
 /* ------------------------------------------------------------------ */
 /* Worlds                                                              */
 /* ------------------------------------------------------------------ */
+
+/* TS_COMM_CHECK=0: no fingerprints (see Fingerprints). */
+static bool check_default(void)
+{
+    const char *e = getenv("TS_COMM_CHECK");
+    return !(e && strcmp(e, "0") == 0);
+}
+
+void ts__comm_set_timeout(ts_comm *c, double timeout_s)
+{
+    if (c && c->w && timeout_s > 0) atomic_store(&c->w->deadline_s, timeout_s);
+}
+
+void ts__comm_set_check(ts_comm *c, bool on)
+{
+    if (c && c->w) atomic_store(&c->w->check, on);
+}
 
 static ts_comm g_local = {
     .w = NULL, .rank = 0, .size = 1, .gid = 0, .seq = 0, .stats_mu = PTHREAD_MUTEX_INITIALIZER,
@@ -887,6 +1294,9 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     w->comm = c;
     w->timeout_s = timeout_s > 0 ? timeout_s : 300.0;
     (void)debug_level(); /* a bad TS_DISTRIBUTED_DEBUG is a warning now */
+    atomic_init(&w->deadline_s, w->timeout_s);
+    atomic_init(&w->check, check_default());
+    w->suspect = -1;
     atomic_init(&w->next_gid, 1);
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
@@ -895,13 +1305,19 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     c->size = t->size;
     pthread_mutex_init(&c->stats_mu, NULL);
     if (t->size > 1) {
-        if (pthread_create(&w->thread, NULL, comm_thread, w) != 0) {
+        w->nslots = ts__calloc(TS_MEM_COMM, (size_t)t->size, sizeof *w->nslots);
+        w->nout = ts__calloc(TS_MEM_COMM, 1, sizeof *w->nout);
+        if (!w->nslots || !w->nout || pthread_create(&w->thread, NULL, comm_thread, w) != 0) {
+            bool mem = !w->nslots || !w->nout;
+            ts__free(TS_MEM_COMM, w->nslots);
+            ts__free(TS_MEM_COMM, w->nout);
             close(w->efd);
             pthread_mutex_destroy(&w->mu);
             pthread_cond_destroy(&w->cv);
             pthread_mutex_destroy(&c->stats_mu);
             ts__free(TS_MEM_COMM, c);
             ts__free(TS_MEM_COMM, w);
+            if (mem) return ts_error(TS_ERR_NO_MEMORY, "ts__world_new: out of memory");
             return ts_error(TS_ERR_INTERNAL, "ts__world_new: cannot start the communication thread");
         }
         w->has_thread = true;
@@ -924,7 +1340,9 @@ void ts__world_free(ts_comm *c)
         (void)wr;
         pthread_join(w->thread, NULL);
     }
-    w->t->vt->destroy(w->t);
+    w->t->vt->destroy(w->t); /* runs the notice receives' callbacks (cancelled) */
+    ts__free(TS_MEM_COMM, w->nslots);
+    ts__free(TS_MEM_COMM, w->nout);
     close(w->efd);
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
@@ -941,7 +1359,10 @@ static op *op_new(ts_comm *c, ts_coll_kind kind)
 {
     op *o = ts__calloc(TS_MEM_COMM, 1, sizeof *o);
     ts_request *r = ts__calloc(TS_MEM_COMM, 1, sizeof *r);
-    xfer *x = ts__calloc(TS_MEM_COMM, (size_t)(4 * c->size), sizeof *x);
+    /* 6 W transfer slots: (rs, ag, fp) x (send, recv) x W; then W
+     * received fingerprints */
+    size_t nx = (size_t)(6 * c->size);
+    xfer *x = ts__calloc(TS_MEM_COMM, 1, nx * sizeof *x + (size_t)c->size * sizeof(fp) + (size_t)(2 * c->size) * sizeof(int));
     int *map = ts__malloc(TS_MEM_COMM, (size_t)c->size * sizeof *map);
     if (!o || !r || !x || !map) {
         ts__free(TS_MEM_COMM, o);
@@ -961,7 +1382,19 @@ static op *op_new(ts_comm *c, ts_coll_kind kind)
     o->left = (c->rank - 1 + c->size) % c->size;
     o->right = (c->rank + 1) % c->size;
     o->post = 1.0;
+    o->theirs = (fp *)(void *)(x + nx);
+    o->held = (int *)(void *)(o->theirs + c->size);
+    o->check = c->w && atomic_load(&c->w->check) && kind != TS_COLL_SEND && kind != TS_COLL_RECV;
+    o->mine = (fp){.kind = (uint8_t)kind, .dtype = FP_NONE, .rop = FP_NONE, .root = FP_NONE};
     return o;
+}
+
+static void set_fp(op *o, ts_dtype d, int64_t count, unsigned rop, unsigned root)
+{
+    o->mine.dtype = (uint8_t)d;
+    o->mine.count = (uint64_t)count;
+    o->mine.rop = (uint8_t)rop;
+    o->mine.root = (uint8_t)root;
 }
 
 static void op_discard(op *o)
@@ -984,6 +1417,7 @@ static ts_status submit(ts_comm *c, op *o, size_t bytes, ts_request **r_out)
                      : (c->gid << GID_SHIFT) | ((uint64_t)(seq & SEQ_MASK) << 8);
     o->gid = c->gid;
     o->seq = seq;
+    o->mine.seq = seq;
     o->bytes = bytes;
     o->submit_ns = ts_now_ns();
     ts_request *r = o->req;
@@ -1044,6 +1478,7 @@ ts_status ts_all_gather_into_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, t
                         (long long)ts_tensor_numel(out), c->size, (long long)n);
     op *o = op_new(c, TS_COLL_ALL_GATHER);
     if (!o) return TS_ERR_NO_MEMORY;
+    set_fp(o, ts_tensor_dtype(in), n, FP_NONE, FP_NONE);
     o->block = (size_t)n * ts_dtype_size(ts_tensor_dtype(in));
     o->buf = ts_tensor_data(out);
     o->ag = true;
@@ -1129,6 +1564,7 @@ ts_status ts_reduce_scatter_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts
                         "%s: out overlaps in other than as in's block %d (the rank's own; in place)", fn, c->rank);
     op *o = op_new(c, TS_COLL_REDUCE_SCATTER);
     if (!o) return TS_ERR_NO_MEMORY;
+    set_fp(o, d, n, (unsigned)rop, FP_NONE);
     o->acc = acc_of(d);
     o->rop = rop;
     if (setup_rs(o, ip, d, pre_div, (size_t)n) != TS_OK) {
@@ -1154,6 +1590,7 @@ ts_status ts_all_reduce(ts_comm *c, ts_tensor *t, ts_reduce_op rop, ts_request *
     size_t n = (size_t)ts_tensor_numel(t);
     op *o = op_new(c, TS_COLL_ALL_REDUCE);
     if (!o) return TS_ERR_NO_MEMORY;
+    set_fp(o, d, (int64_t)n, (unsigned)rop, FP_NONE);
     o->acc = acc_of(d);
     o->rop = rop;
     o->ag = true;
@@ -1189,6 +1626,7 @@ ts_status ts_broadcast(ts_comm *c, ts_tensor *t, int root, ts_request **r)
     if (root < 0 || root >= c->size) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: root %d outside [0, %d)", fn, root, c->size);
     op *o = op_new(c, TS_COLL_BROADCAST);
     if (!o) return TS_ERR_NO_MEMORY;
+    set_fp(o, ts_tensor_dtype(t), ts_tensor_numel(t), FP_NONE, (unsigned)root);
     o->root = root;
     o->buf = ts_tensor_data(t);
     o->block = (size_t)ts_tensor_numel(t) * ts_dtype_size(ts_tensor_dtype(t));
@@ -1244,9 +1682,9 @@ ts_status ts_comm_new_group(ts_comm *parent, int n, const int *ranks, ts_comm **
     uint64_t gid = (uint64_t)*(int64_t *)ts_tensor_data(t);
     ts_tensor_free(t);
     if (s) return s;
-    if (gid >= GID_LIMIT)
+    if (gid >= GID_LIMIT - 1) /* 0xffff carries the failure notices */
         return ts_error(TS_ERR_UNSUPPORTED, "%s: group id %llu; the tag layout allows %llu groups", fn,
-                        (unsigned long long)gid, (unsigned long long)GID_LIMIT);
+                        (unsigned long long)gid, (unsigned long long)(GID_LIMIT - 2));
     if (w) {
         uint64_t cur = atomic_load(&w->next_gid);
         while (cur <= gid && !atomic_compare_exchange_weak(&w->next_gid, &cur, gid + 1)) {
@@ -1310,6 +1748,7 @@ ts_status ts_all_gather(ts_comm *c, int nout, ts_tensor **outs, ts_tensor *in, t
     }
     op *o = op_new(c, TS_COLL_ALL_GATHER);
     if (!o) return TS_ERR_NO_MEMORY;
+    set_fp(o, d, n, FP_NONE, FP_NONE);
     o->block = (size_t)n * ts_dtype_size(d);
     bool got = own_scratch(o, (size_t)c->size * o->block);
     o->outs = ts__malloc(TS_MEM_COMM, (size_t)c->size * sizeof *o->outs);
@@ -1340,6 +1779,7 @@ ts_status ts_all_to_all(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_request **
                         (long long)total);
     op *o = op_new(c, TS_COLL_ALL_TO_ALL);
     if (!o) return TS_ERR_NO_MEMORY;
+    set_fp(o, d, total, FP_NONE, FP_NONE);
     size_t bytes = (size_t)total * ts_dtype_size(d);
     o->block = bytes / (size_t)c->size;
     if (!own_scratch(o, bytes)) {

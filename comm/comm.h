@@ -29,10 +29,12 @@
  * outlives its deadline (given when the world is made, default 300 s) fails
  * that collective and every pending and later one of the world with the
  * error (TS_ERR_PEER_FAILED naming the rank, or TS_ERR_TIMEOUT); nothing
- * hangs.
+ * hangs. Ranks that call different collectives (or the same with another
+ * dtype, count, reduce op or root) all fail within it with TS_ERR_COMM
+ * naming both sides (docs/comm-design.md).
  *
- * Limits: at most 128 ranks per world and 65535 groups per world (the
- * message tags' layout, comm/comm_internal.h).
+ * Limits: at most 128 ranks per world and 65534 groups per world (group
+ * ids are not reused; the message tags' layout, comm/comm_internal.h).
  *
  * Dtypes: f32, f64, bf16, f16 and i64 (all-gather and broadcast also move
  * i32 and bool). bf16/f16 reductions accumulate in f32; i64 reductions in
@@ -106,7 +108,7 @@ TS_API void ts_comm_stats_reset(ts_comm *c);
  * naming them, on every member, before any exchange), and the failure of
  * the agreement all-reduce on parent. The group has its own id (agreed
  * with an all-reduce MAX of every member's next free id, so no two groups
- * sharing a pair of ranks ever share an id; at most 65535 groups per
+ * sharing a pair of ranks ever share an id; at most 65534 groups per
  * world, TS_ERR_UNSUPPORTED beyond), its own sequence numbers and counters, and runs over the
  * parent's world (same transport and communication thread). Groups of one
  * process must not be created concurrently from several threads. */

@@ -11,9 +11,10 @@
  * collective's number in its group (24 bits, wrapping) and the step its
  * ring step (all-reduce uses steps 0..2W-3, all-to-all step 0), so
  * back-to-back collectives never cross-match. Hence W <= 128 and at most
- * 65535 groups per world (ids are not reused). Step 255 is reserved for
+ * 65534 groups per world (ids are not reused). Step 255 is reserved for
  * point-to-point messages, whose 24-bit middle field is the user tag
- * instead of a sequence.
+ * instead of a sequence; step 254 carries a collective's fingerprint;
+ * group id 0xffff, which no group gets, the failure notices (comm.c).
  * transport_ucx.c adds its own bits above these 48 (its tag layout
  * comment).
  */
@@ -38,5 +39,15 @@ ts_comm *ts__world_published(void);
 /* Test hook: how often (seconds; <= 0 restores 10) a waiting rendezvous
  * of ts_dist_init says which ranks it still waits for. */
 void ts__dist_set_progress_interval(double seconds);
+
+/* Sets the per-collective deadline of c's world for collectives started
+ * from now on (> 0; tests shorten it). Any thread. Ignores NULL and the
+ * one-rank group. */
+void ts__comm_set_timeout(ts_comm *c, double timeout_s);
+/* Turns the collectives' fingerprints (comm.c, "Fingerprints") on or off
+ * for collectives submitted from now on; default on, TS_COMM_CHECK=0 off.
+ * Every rank must switch at the same point of its sequence of
+ * collectives (the benchmark measures both). Any thread. */
+void ts__comm_set_check(ts_comm *c, bool on);
 
 #endif

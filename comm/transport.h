@@ -43,7 +43,9 @@ typedef struct ts_transport_vtable {
     /* An fd that becomes readable when there is progress to make, or -1 if
      * the transport has none (then the thread sleeps with a short timeout). */
     int (*wait_fd)(ts_transport *t);
-    /* The first peer found dead (-1 if none) and its status. */
+    /* The first peer found dead (-1 if none) and its status; when one is,
+     * the error detail (ts_last_error) says why, phrased to follow "rank
+     * N failed", e.g. "its process exited". */
     int (*failed_peer)(ts_transport *t, ts_status *status_out);
     /* Completes every pending send and receive with `status` (bounded in
      * time), e.g. after a failure. */

@@ -102,7 +102,11 @@
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
 #include <ucp/api/ucp.h>
+#include <ucs/debug/log_def.h>
 #include <unistd.h>
 
 #define TS_UCX_RANK_SHIFT 48
@@ -180,6 +184,64 @@ struct ts_ucx {
     double next_pid_check;
     uint64_t cma_nonce; /* the last bypass transfer's number */
 };
+
+/* ------------------------------------------------------------ UCX's log
+ *
+ * UCX prints its ERROR and WARN lines straight to stderr, also on paths
+ * this library expects and reports itself: a peer that died or exited
+ * ("Connection reset by remote peer", endpoint timeouts), requests left
+ * behind by a failure ("was not returned to mpool"), messages that arrive
+ * for receives cancelled after a failure. Unless the user set
+ * UCX_LOG_LEVEL (then UCX prints what it was asked to), a handler pushed
+ * before the first ucp_init routes them through our own log instead: at
+ * debug level once this process has seen a peer fail or is tearing a
+ * worker down, and for the known expected-path messages; otherwise (a
+ * genuine, unexpected UCX error) as our own warning. FATAL lines go to
+ * UCX's handler as before (UCX aborts after them). */
+static atomic_bool g_ucx_trouble;  /* a peer of this process failed (sticky) */
+static atomic_int g_ucx_teardown;  /* cancel_all or destroy running */
+static pthread_once_t g_ucx_log_once = PTHREAD_ONCE_INIT;
+
+static bool expected_ucx_message(const char *m)
+{
+    static const char *const known[] = {"Connection reset", "remote peer", "Endpoint timeout", "not returned to mpool",
+                                        "Request canceled", "Message truncated", "unexpected", "Input/output error",
+                                        "No such process", "Destination is unreachable", "Broken pipe"};
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
+        if (strstr(m, known[i]))
+            return true;
+    return false;
+}
+
+static ucs_log_func_rc_t ucx_log_handler(const char *file, unsigned line, const char *function, ucs_log_level_t level,
+                                         const ucs_log_component_config_t *comp, const char *fmt, va_list ap)
+{
+    (void)function;
+    if (level == UCS_LOG_LEVEL_FATAL || level > UCS_LOG_LEVEL_WARN)
+        return UCS_LOG_FUNC_RC_CONTINUE;
+    if (comp && level > comp->log_level)
+        return UCS_LOG_FUNC_RC_STOP; /* below UCX's own threshold: it would not print it either */
+    char msg[512];
+    va_list cp;
+    va_copy(cp, ap);
+    vsnprintf(msg, sizeof msg, fmt, cp);
+    va_end(cp);
+    const char *base = file ? strrchr(file, '/') : NULL;
+    base = base ? base + 1 : file ? file : "?";
+    const char *lv = level == UCS_LOG_LEVEL_ERROR ? "error" : "warning";
+    if (atomic_load(&g_ucx_trouble) || atomic_load(&g_ucx_teardown) > 0 || expected_ucx_message(msg))
+        ts_logf(TS_LOG_DEBUG, "ucx %s (%s:%u; expected, the library reports the failure itself): %s", lv, base, line, msg);
+    else
+        ts_logf(TS_LOG_WARN, "ucx %s (%s:%u): %s", lv, base, line, msg);
+    return UCS_LOG_FUNC_RC_STOP;
+}
+
+static void ucx_log_install(void)
+{
+    if (getenv("UCX_LOG_LEVEL"))
+        return;
+    ucs_log_push_handler(ucx_log_handler);
+}
 
 /* Published with the worker address; a peer that reads it back with
  * process_vm_readv may use the shared-memory bypass towards this process. */
@@ -271,6 +333,7 @@ static void mark_dead(ts_ucx *t, ucx_peer *p, ucs_status_t status)
     p->dead = true;
     p->dead_status = status;
     t->dead_unhandled = true;
+    atomic_store(&g_ucx_trouble, true);
     if (t->failed_peer < 0) {
         t->failed_peer = p->rank;
         t->failed_status = TS_ERR_PEER_FAILED;
@@ -718,6 +781,10 @@ static ts_status cma_read(ts_ucx *t, int peer, void *buf, const cma_msg *m, size
         } else if (n <= 0) {
             int e = n < 0 ? errno : EIO;
             bool dead = e == ESRCH || p->dead;
+            if (e == ESRCH && !p->dead) { /* the process is gone: as the pid watch would find */
+                p->exited = true;
+                mark_dead(t, p, UCS_ERR_CONNECTION_RESET);
+            }
             return ts_error(dead ? TS_ERR_PEER_FAILED : TS_ERR_COMM,
                             "ucx: rank %d: reading %zu bytes from rank %d (pid %d) failed after %zu: %s", t->base.rank,
                             len, peer, (int)p->pid, done, strerror(e));
@@ -828,8 +895,11 @@ static int ucx_wait_fd(ts_transport *base)
 static int ucx_failed_peer(ts_transport *base, ts_status *status_out)
 {
     ts_ucx *t = (ts_ucx *)base;
-    if (t->failed_peer >= 0 && status_out)
+    if (t->failed_peer < 0)
+        return -1;
+    if (status_out)
         *status_out = t->failed_status;
+    ts_error(t->failed_status, "%s", dead_why(&t->peers[t->failed_peer]));
     return t->failed_peer;
 }
 
@@ -854,9 +924,19 @@ static int count_live_pending(ts_ucx *t)
     return n;
 }
 
+static void ucx_cancel_all_locked(ts_ucx *t, ts_status status);
+
 static void ucx_cancel_all(ts_transport *base, ts_status status)
 {
-    ts_ucx *t = (ts_ucx *)base;
+    atomic_fetch_add(&g_ucx_teardown, 1);
+    ucx_cancel_all_locked((ts_ucx *)base, status);
+    atomic_fetch_sub(&g_ucx_teardown, 1);
+}
+
+static void ucx_cancel_all_locked(ts_ucx *t, ts_status status)
+{
+    ts_transport *base = &t->base;
+    (void)base;
     for (ucx_op *op = t->pending.next, *nx; op != &t->pending; op = nx) {
         nx = op->next;
         if (op->orphan)
@@ -917,6 +997,7 @@ static void ucx_destroy(ts_transport *base)
         return;
     bool stuck = false;
     if (t->worker) {
+        atomic_fetch_add(&g_ucx_teardown, 1);
         run_completions(t);
         if (count_live_pending(t) > 0)
             ucx_cancel_all(base, TS_ERR_COMM);
@@ -971,6 +1052,8 @@ static void ucx_destroy(ts_transport *base)
     }
     if (t->ctx && !stuck)
         ucp_cleanup(t->ctx);
+    if (t->worker)
+        atomic_fetch_sub(&g_ucx_teardown, 1);
     for (int r = 0; t->peers && r < t->base.size; r++)
         if (t->peers[r].pidfd >= 0) {
             close(t->peers[r].pidfd);
@@ -1060,6 +1143,7 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
     ts_status s = TS_OK;
     ucs_status_t us;
     ucp_config_t *cfg = NULL;
+    pthread_once(&g_ucx_log_once, ucx_log_install);
     us = ucp_config_read(NULL, NULL, &cfg);
     if (us != UCS_OK) {
         s = ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_config_read failed: %s", rank, ucs_status_string(us));
