@@ -2052,9 +2052,13 @@ ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *s
     for (int i = 0; i < w.n && !st; i++) st = reshard(w.g[i]);
     ts_named_params np = {0};
     if (!st) st = ts__module_entries(module, true, true, false, &np); /* buffers are copied whole */
-    /* check everything first: nothing is copied on error. Key mismatches
-     * (strict) come first, then shapes, as ts_module_load_state_dict. */
-    char missing[1024] = "", unexpected[1024] = "", shapes[1024] = "";
+    /* the model's names, for the unexpected keys in O(1) each */
+    ts_state_dict *known = NULL;
+    if (!st) st = ts_state_dict_new(&known);
+    for (int i = 0; i < np.n && !st; i++) st = ts_state_dict_set(known, np.items[i].name, *np.items[i].slot);
+    /* check everything first: nothing is copied on error. Shapes, then
+     * dtypes, then (strict) key mismatches, as ts_module_load_state_dict. */
+    char missing[1024] = "", unexpected[1024] = "", shapes[1024] = "", dtypes[1024] = "";
     for (int i = 0; i < np.n && !st; i++) {
         ts_tensor *t = *np.items[i].slot, *src = ts_state_dict_get(sd, np.items[i].name);
         if (!src) {
@@ -2069,18 +2073,23 @@ ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *s
             snprintf(shapes + strlen(shapes), sizeof shapes - strlen(shapes), " '%s' is %s in the dict, %s in the model;",
                      np.items[i].name, ts_tensor_shape_str(src, a, sizeof a), ts__shape_str(nd, sh, b, sizeof b));
         }
+        ts_dtype want = ts_tensor_dtype(p ? p->S : t);
+        if (ts_tensor_dtype(src) != want)
+            snprintf(dtypes + strlen(dtypes), sizeof dtypes - strlen(dtypes), " '%s' is %s in the dict, %s in the model;",
+                     np.items[i].name, ts_dtype_name(ts_tensor_dtype(src)), ts_dtype_name(want));
     }
-    for (int i = 0; i < ts_state_dict_size(sd) && !st; i++) {
-        bool found = false;
-        for (int k = 0; k < np.n && !found; k++) found = strcmp(np.items[k].name, ts_state_dict_name(sd, i)) == 0;
-        if (!found)
+    for (int i = 0; i < ts_state_dict_size(sd) && !st; i++)
+        if (!ts_state_dict_get(known, ts_state_dict_name(sd, i)))
             snprintf(unexpected + strlen(unexpected), sizeof unexpected - strlen(unexpected), " '%s'",
                      ts_state_dict_name(sd, i));
-    }
+    ts_state_dict_free(known);
+    if (!st && *shapes) st = ts_error(TS_ERR_SHAPE, "%s:%s", fn, shapes);
+    if (!st && *dtypes)
+        st = ts_error(TS_ERR_DTYPE, "%s: dtype mismatch:%s convert the dict's tensors with ts_to_dtype first", fn,
+                      dtypes);
     if (!st && strict && (*missing || *unexpected))
         st = ts_error(TS_ERR_NOT_FOUND, "%s: missing keys:%s; unexpected keys:%s", fn, *missing ? missing : " none",
                       *unexpected ? unexpected : " none");
-    if (!st && *shapes) st = ts_error(TS_ERR_SHAPE, "%s:%s", fn, shapes);
     bool prev = ts_grad_mode_set(false);
     for (int i = 0; i < np.n && !st; i++) {
         ts_tensor *t = *np.items[i].slot, *src = ts_state_dict_get(sd, np.items[i].name);

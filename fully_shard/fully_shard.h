@@ -279,7 +279,11 @@ TS_API ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, doub
 TS_API ts_status ts_fsdp_full_state_dict(ts_module *module, bool rank0_only, ts_state_dict **out);
 /* Loads full tensors (e.g. from ts_safetensors_load) into a sharded model:
  * each rank copies its rows into its shards; non-FSDP parameters are
- * copied whole. strict as ts_module_load_state_dict; its errors. */
+ * copied whole. strict and the errors as ts_module_load_state_dict:
+ * TS_ERR_SHAPE, then TS_ERR_DTYPE (a tensor whose dtype is not the
+ * parameter's is never converted nor reinterpreted), then (strict)
+ * TS_ERR_NOT_FOUND; keys are looked up in O(1); nothing is copied on
+ * error. TS_ERR_STATE inside a forward or backward. */
 TS_API ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *sd, bool strict);
 
 #ifdef __cplusplus

@@ -507,7 +507,9 @@ ts_status ts_safetensors_load(const char *path, ts_state_dict **out)
     static const char op[] = "ts_safetensors_load";
     if (!path || !out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: a FIFO must not block the open until a writer comes (it
+     * is then refused as not a regular file); regular files ignore it. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
         return ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", op, path, strerror(errno));
     ts_status st = st_load_fd(op, path, fd, out);

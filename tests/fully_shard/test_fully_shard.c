@@ -1033,7 +1033,23 @@ static int rank_state_dict(rank_ctx *rc)
     RK_OK(rc, ts_state_dict_set(bad, "0.weight", t));
     RK_EQ(rc, ts_fsdp_load_full_state_dict(m2.root, bad, false), TS_ERR_SHAPE);
     if (!strstr(ts_last_error(), "0.weight")) return fail(rc, "message: %s", ts_last_error());
+    RK_EQ(rc, ts_fsdp_load_full_state_dict(m2.root, bad, true), TS_ERR_SHAPE);
+    /* the right shape in another dtype is refused, never reinterpreted */
+    int64_t wsh[2] = {HID, IN};
+    ts_tensor *ti = NULL, *tf = NULL;
+    RK_OK(rc, ts_tensor_zeros(TS_I32, 2, wsh, &ti));
+    RK_OK(rc, ts_state_dict_set(bad, "0.weight", ti));
+    RK_EQ(rc, ts_fsdp_load_full_state_dict(m2.root, bad, false), TS_ERR_DTYPE);
+    if (!strstr(ts_last_error(), "0.weight") || !strstr(ts_last_error(), "int32"))
+        return fail(rc, "message: %s", ts_last_error());
+    /* the right shape and dtype, but the other keys are missing (strict) */
+    RK_OK(rc, ts_tensor_zeros(TS_F32, 2, wsh, &tf));
+    RK_OK(rc, ts_state_dict_set(bad, "0.weight", tf));
     RK_EQ(rc, ts_fsdp_load_full_state_dict(m2.root, bad, true), TS_ERR_NOT_FOUND);
+    if (!strstr(ts_last_error(), "0.bias")) return fail(rc, "message: %s", ts_last_error());
+    RK_OK(rc, ts_fsdp_load_full_state_dict(m2.root, bad, false));
+    ts_tensor_free(ti);
+    ts_tensor_free(tf);
     ts_tensor_free(t);
     ts_state_dict_free(bad);
     ts_tensor_free(x), ts_tensor_free(y1), ts_tensor_free(y2), ts_tensor_free(y3);

@@ -692,6 +692,12 @@ Test(nn_safetensors, missing_or_corrupt_checkpoint_file_gives_a_clear_error)
     /* a directory */
     cr_assert_eq(ts_safetensors_load(tmpdir, &sd), TS_ERR_IO);
     cr_assert_not_null(strstr(ts_last_error(), "is a directory"), "%s", ts_last_error());
+    /* a FIFO with no writer: refused at once, not a blocked open */
+    cr_assert_eq(mkfifo(tpath(p, sizeof p, "fifo.safetensors"), 0600), 0, "mkfifo: %s", strerror(errno));
+    cr_assert_eq(ts_safetensors_load(p, &sd), TS_ERR_IO);
+    cr_assert_null(sd);
+    cr_assert_not_null(strstr(ts_last_error(), "not a regular file"), "%s", ts_last_error());
+    unlink(p);
     /* garbage: a text file */
     const char text[] = "this is not a checkpoint, just some text in a file\n";
     write_bytes(tpath(p, sizeof p, "garbage.safetensors"), text, sizeof text - 1);
