@@ -610,6 +610,79 @@ static void list_add(char *buf, size_t cap, size_t *used, bool *full, const char
     *used += (size_t)snprintf(buf + *used, cap - *used, "%s%s", *used ? ", " : "", item);
 }
 
+/* The keys a waiting call waits for in turn: the caller's own
+ * (ts_store_wait) or "<prefix>/arrived/<rank>" for ranks 0..n
+ * (ts_store_rendezvous). */
+typedef struct key_seq {
+    const char *const *keys; /* NULL: the arrival keys of `prefix` */
+    const char *prefix;
+    const char *what; /* the what of the checks after a timeout; of every wait too for arrival keys */
+    char key[TS_STORE_MAX_KEY + 1];
+} key_seq;
+
+/* Key i of q (arrival keys are written into q->key) and its length. */
+static const char *key_seq_at(key_seq *q, int i, size_t *klen_out)
+{
+    if (q->keys) {
+        *klen_out = strlen(q->keys[i]);
+        return q->keys[i];
+    }
+    *klen_out = (size_t)snprintf(q->key, sizeof q->key, "%s/arrived/%d", q->prefix, i);
+    return q->key;
+}
+
+/* Waits for the n keys of q in turn until `deadline`. When one is not set
+ * in time, checks the later ones quickly and returns TS_ERR_TIMEOUT with
+ * no message, the missing keys named in `list` (the caller's keys quoted,
+ * arrival keys by rank) and counted in *missing_out (then > 0). Any other
+ * failure returns its status with *missing_out untouched. */
+static ts_status wait_keys(ts_store *s, key_seq *q, int n, uint64_t deadline, char *list, size_t cap,
+                           int *missing_out)
+{
+    for (int i = 0; i < n; i++) {
+        size_t klen = 0;
+        const char *key = key_seq_at(q, i, &klen);
+        char what[256];
+        if (q->keys)
+            describe(what, sizeof what, "wait", key);
+        reply r;
+        ts_status st = do_wait(s, q->keys ? what : q->what, TS__STORE_OP_WAIT, key, klen, deadline, s->timeout_s,
+                               false, &r);
+        if (st == TS_OK) {
+            free(r.val);
+            continue;
+        }
+        if (st != TS_ERR_TIMEOUT || s->fd < 0)
+            return st;
+        /* Name every key still missing: this one and any later one. */
+        size_t used = 0;
+        bool full = false;
+        int missing = 0;
+        uint64_t report_deadline = ts_now_ns() + CLIENT_REPORT_NS;
+        for (int j = i; j < n; j++) {
+            int present = 0;
+            if (j != i) {
+                key = key_seq_at(q, j, &klen);
+                present = do_check(s, q->what, key, klen, report_deadline, &st);
+                if (present < 0)
+                    return st;
+            }
+            if (present)
+                continue;
+            char item[220];
+            if (q->keys)
+                snprintf(item, sizeof item, "'%.200s%s'", q->keys[j], strlen(q->keys[j]) > 200 ? "..." : "");
+            else
+                snprintf(item, sizeof item, "%d", j);
+            list_add(list, cap, &used, &full, item);
+            missing++;
+        }
+        *missing_out = missing;
+        return TS_ERR_TIMEOUT;
+    }
+    return TS_OK;
+}
+
 ts_status ts_store_wait(ts_store *s, int n, const char *const *keys)
 {
     static const char fn[] = "ts_store_wait";
@@ -624,41 +697,16 @@ ts_status ts_store_wait(ts_store *s, int n, const char *const *keys)
         if (st != TS_OK)
             return st;
     }
-    uint64_t deadline = deadline_after(s->timeout_s);
-    for (int i = 0; i < n; i++) {
-        char what[256];
-        describe(what, sizeof what, "wait", keys[i]);
-        reply r;
-        st = do_wait(s, what, TS__STORE_OP_WAIT, keys[i], strlen(keys[i]), deadline, s->timeout_s, false, &r);
-        if (st == TS_OK) {
-            free(r.val);
-            continue;
-        }
-        if (st != TS_ERR_TIMEOUT || s->fd < 0)
-            return st;
-        /* Name every key still missing: this one and any later one. */
-        char list[640] = "";
-        size_t used = 0;
-        bool full = false;
-        int missing = 0;
-        uint64_t report_deadline = ts_now_ns() + CLIENT_REPORT_NS;
-        for (int j = i; j < n; j++) {
-            int present = j == i ? 0 : do_check(s, "wait", keys[j], strlen(keys[j]), report_deadline, &st);
-            if (present < 0)
-                return st;
-            if (present)
-                continue;
-            char item[220];
-            snprintf(item, sizeof item, "'%.200s%s'", keys[j], strlen(keys[j]) > 200 ? "..." : "");
-            list_add(list, sizeof list, &used, &full, item);
-            missing++;
-        }
-        char secs[32];
-        fmt_secs(secs, sizeof secs, s->timeout_s);
-        return ts_error(TS_ERR_TIMEOUT, "store wait: %d of %d keys not set within %s s: %s (store at %s)", missing, n,
-                        secs, list, s->addr);
-    }
-    return TS_OK;
+    char list[640] = "";
+    int missing = 0;
+    key_seq q = {.keys = keys, .what = "wait"};
+    st = wait_keys(s, &q, n, deadline_after(s->timeout_s), list, sizeof list, &missing);
+    if (st != TS_ERR_TIMEOUT || !missing)
+        return st;
+    char secs[32];
+    fmt_secs(secs, sizeof secs, s->timeout_s);
+    return ts_error(TS_ERR_TIMEOUT, "store wait: %d of %d keys not set within %s s: %s (store at %s)", missing, n,
+                    secs, list, s->addr);
 }
 
 static ts_status do_add(ts_store *s, const char *what, const char *key, size_t klen, int64_t delta,
@@ -829,40 +877,14 @@ ts_status ts_store_rendezvous(ts_store *s, const char *prefix, int rank, int wor
     st = do_set(s, what, key, (size_t)klen, NULL, 0, deadline);
     if (st != TS_OK)
         return st;
-    for (int r = 0; r < world; r++) {
-        klen = snprintf(key, sizeof key, "%s/arrived/%d", prefix, r);
-        reply rep;
-        st = do_wait(s, what, TS__STORE_OP_WAIT, key, (size_t)klen, deadline, s->timeout_s, false, &rep);
-        if (st == TS_OK) {
-            free(rep.val);
-            continue;
-        }
-        if (st != TS_ERR_TIMEOUT || s->fd < 0)
-            return st;
-        char list[640] = "";
-        size_t used = 0;
-        bool full = false;
-        int missing = 0;
-        uint64_t report_deadline = ts_now_ns() + CLIENT_REPORT_NS;
-        for (int j = r; j < world; j++) {
-            int present = 0;
-            if (j != r) {
-                klen = snprintf(key, sizeof key, "%s/arrived/%d", prefix, j);
-                present = do_check(s, what, key, (size_t)klen, report_deadline, &st);
-                if (present < 0)
-                    return st;
-            }
-            if (present)
-                continue;
-            char item[16];
-            snprintf(item, sizeof item, "%d", j);
-            list_add(list, sizeof list, &used, &full, item);
-            missing++;
-        }
-        char secs[32];
-        fmt_secs(secs, sizeof secs, s->timeout_s);
-        return ts_error(TS_ERR_TIMEOUT, "%s: %s %s of %d never arrived within %s s (store at %s)", what,
-                        missing == 1 ? "rank" : "ranks", list, world, secs, s->addr);
-    }
-    return TS_OK;
+    char list[640] = "";
+    int missing = 0;
+    key_seq q = {.prefix = prefix, .what = what};
+    st = wait_keys(s, &q, world, deadline, list, sizeof list, &missing);
+    if (st != TS_ERR_TIMEOUT || !missing)
+        return st;
+    char secs[32];
+    fmt_secs(secs, sizeof secs, s->timeout_s);
+    return ts_error(TS_ERR_TIMEOUT, "%s: %s %s of %d never arrived within %s s (store at %s)", what,
+                    missing == 1 ? "rank" : "ranks", list, world, secs, s->addr);
 }
