@@ -35,6 +35,12 @@ typedef struct ts__act {
 ts_status ts__act_new(const ts_module_vtable *vt, ts_gelu_approx approx, double p, ts_module **out);
 void ts__act_free(ts_module *m);
 
+/* Grows two parallel arrays of n used entries to cap entries (elements of
+ * size_a and size_b bytes): on success *a_out and *b_out are the new
+ * arrays with the n entries copied and the old arrays a and b are freed;
+ * on failure (TS_ERR_NO_MEMORY) nothing changes and nothing is written. */
+ts_status ts__grow_pair(void *a, size_t size_a, void *b, size_t size_b, int n, int cap, void **a_out, void **b_out);
+
 /* Test hook of ts_safetensors_save: called with the temporary file's path
  * once it is created (empty, mode 0600); a non-zero return fails the save
  * as a write error would. NULL (the default) in normal use. */

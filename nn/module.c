@@ -459,6 +459,28 @@ int64_t ts_module_num_parameters(ts_module *m)
     return n;
 }
 
+/* ------------------------------------------------------------ growing tables */
+
+ts_status ts__grow_pair(void *a, size_t size_a, void *b, size_t size_b, int n, int cap, void **a_out, void **b_out)
+{
+    void *na = ts__malloc(TS_MEM_NN, (size_t)cap * size_a);
+    void *nb = ts__malloc(TS_MEM_NN, (size_t)cap * size_b);
+    if (!na || !nb) {
+        ts__free(TS_MEM_NN, na);
+        ts__free(TS_MEM_NN, nb);
+        return TS_ERR_NO_MEMORY;
+    }
+    if (n) {
+        memcpy(na, a, (size_t)n * size_a);
+        memcpy(nb, b, (size_t)n * size_b);
+    }
+    ts__free(TS_MEM_NN, a);
+    ts__free(TS_MEM_NN, b);
+    *a_out = na;
+    *b_out = nb;
+    return TS_OK;
+}
+
 /* ------------------------------------------------------------ helpers for layers */
 
 ts_status ts__module_check_inputs(ts_module *m, int n_in, int min_in, int max_in)
@@ -705,19 +727,10 @@ static ts_status print_child(void *ctx, const char *name, ts_module *child)
         return TS_OK;
     if (c->n_children == c->cap_children) {
         int cap = c->cap_children ? 2 * c->cap_children : 8;
-        const char **nn = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *nn);
-        ts_module **nc = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *nc);
-        if (!nn || !nc) {
-            ts__free(TS_MEM_NN, nn);
-            ts__free(TS_MEM_NN, nc);
+        void *nn, *nc;
+        if (ts__grow_pair(c->child_names, sizeof *c->child_names, c->children, sizeof *c->children, c->n_children,
+                          cap, &nn, &nc))
             return TS_ERR_NO_MEMORY;
-        }
-        if (c->n_children) {
-            memcpy(nn, c->child_names, (size_t)c->n_children * sizeof *nn);
-            memcpy(nc, c->children, (size_t)c->n_children * sizeof *nc);
-        }
-        ts__free(TS_MEM_NN, c->child_names);
-        ts__free(TS_MEM_NN, c->children);
         c->child_names = nn;
         c->children = nc;
         c->cap_children = cap;
@@ -740,19 +753,9 @@ static ts_status seen_add(print_seen *s, ts_module *m, const char *fqn)
 {
     if (s->n == s->cap) {
         int cap = s->cap ? 2 * s->cap : 16;
-        ts_module **nm = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *nm);
-        char **nf = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *nf);
-        if (!nm || !nf) {
-            ts__free(TS_MEM_NN, nm);
-            ts__free(TS_MEM_NN, nf);
+        void *nm, *nf;
+        if (ts__grow_pair(s->m, sizeof *s->m, s->fqn, sizeof *s->fqn, s->n, cap, &nm, &nf))
             return TS_ERR_NO_MEMORY;
-        }
-        if (s->n) {
-            memcpy(nm, s->m, (size_t)s->n * sizeof *nm);
-            memcpy(nf, s->fqn, (size_t)s->n * sizeof *nf);
-        }
-        ts__free(TS_MEM_NN, s->m);
-        ts__free(TS_MEM_NN, s->fqn);
         s->m = nm;
         s->fqn = nf;
         s->cap = cap;

@@ -109,19 +109,9 @@ ts_status ts_state_dict_set(ts_state_dict *sd, const char *name, ts_tensor *t)
             return ts_error(TS_ERR_NO_MEMORY, "ts_state_dict_set: a state dict holds at most %d entries",
                             sd->cap);
         int cap = sd->cap ? 2 * sd->cap : 16;
-        char **names = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *names);
-        ts_tensor **ts = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *ts);
-        if (!names || !ts) {
-            ts__free(TS_MEM_NN, names);
-            ts__free(TS_MEM_NN, ts);
+        void *names, *ts;
+        if (ts__grow_pair(sd->names, sizeof *sd->names, sd->tensors, sizeof *sd->tensors, sd->n, cap, &names, &ts))
             return TS_ERR_NO_MEMORY;
-        }
-        if (sd->n) {
-            memcpy(names, sd->names, (size_t)sd->n * sizeof *names);
-            memcpy(ts, sd->tensors, (size_t)sd->n * sizeof *ts);
-        }
-        ts__free(TS_MEM_NN, sd->names);
-        ts__free(TS_MEM_NN, sd->tensors);
         sd->names = names;
         sd->tensors = ts;
         int old_cap = sd->cap;
