@@ -572,30 +572,36 @@ Test(tensor_nn_ops, cross_entropy_bad_arguments)
     th_mem_assert_back();
 }
 
-/* ------------------------------------------------------------ mse_loss */
+/* ------------------------------------------------------- mse_loss, l1_loss */
 
-Test(tensor_nn_ops, mse_loss_values)
+typedef ts_status (*loss_fn)(ts_tensor *input, ts_tensor *target, ts_reduction reduction, ts_tensor **out);
+
+/* fn on a = [[1, 2], [3, 4]] and b = [[1.5, 0], [3, 7]] in f32 and f64:
+ * unreduced it gives `want` exactly (in the inputs' dtype), summed `sum`,
+ * averaged `mean` (0-dim). */
+static void check_loss_values(loss_fn fn, const double want[4], double sum, double mean)
 {
     th_mem_mark();
     int64_t s[2] = {2, 2};
     double a[4] = {1, 2, 3, 4}, b[4] = {1.5, 0, 3, 7};
-    /* squared errors 0.25, 4, 0, 9: sum 13.25, mean 3.3125 */
     for (int dt = 0; dt < 2; dt++) {
         ts_dtype d = dt ? TS_F64 : TS_F32;
         ts_tensor *x = th_tensor(d, 2, s, a), *y = th_tensor(d, 2, s, b), *o;
-        TH_OK(ts_mse_loss(x, y, TS_REDUCTION_NONE, &o));
+        TH_OK(fn(x, y, TS_REDUCTION_NONE, &o));
         th_assert_shape(o, 2, s);
-        double got[4], want[4] = {0.25, 4, 0, 9};
+        cr_assert_eq(ts_tensor_dtype(o), d);
+        double got[4];
         th_vals(o, got, 4);
         for (int i = 0; i < 4; i++)
             cr_assert_eq(got[i], want[i]);
         ts_tensor_free(o);
-        TH_OK(ts_mse_loss(x, y, TS_REDUCTION_SUM, &o));
+        TH_OK(fn(x, y, TS_REDUCTION_SUM, &o));
         cr_assert_eq(ts_tensor_ndim(o), 0);
-        cr_assert_eq(item(o), 13.25);
+        cr_assert_eq(item(o), sum);
         ts_tensor_free(o);
-        TH_OK(ts_mse_loss(x, y, TS_REDUCTION_MEAN, &o));
-        cr_assert_eq(item(o), 3.3125);
+        TH_OK(fn(x, y, TS_REDUCTION_MEAN, &o));
+        cr_assert_eq(ts_tensor_ndim(o), 0);
+        cr_assert_eq(item(o), mean);
         ts_tensor_free(o);
         ts_tensor_free(x);
         ts_tensor_free(y);
@@ -603,19 +609,28 @@ Test(tensor_nn_ops, mse_loss_values)
     th_mem_assert_back();
 }
 
-static ts_status gc_mse(ts_tensor **in, ts_tensor **out, void *ctx)
+typedef struct loss_case {
+    loss_fn fn;
+    ts_reduction reduction;
+} loss_case;
+
+static ts_status gc_loss(ts_tensor **in, ts_tensor **out, void *ctx)
 {
-    return ts_mse_loss(in[0], in[1], *(const ts_reduction *)ctx, out);
+    const loss_case *c = ctx;
+    return c->fn(in[0], in[1], c->reduction, out);
 }
 
-Test(tensor_nn_ops, mse_loss_gradcheck)
+/* Gradcheck of fn for both inputs, with every reduction. The difference
+ * of the inputs is 1.7 * th_seq's values: at least 0.07 from 0 (where
+ * |x| is not differentiable), far above the step 1e-6. */
+static void check_loss_gradcheck(loss_fn fn)
 {
     th_mem_mark();
     int64_t s[2] = {3, 4};
     for (int r = 0; r < 3; r++) {
         ts_tensor *in[2] = {th_seq(TS_F64, 2, s, 1.0, true), th_seq(TS_F64, 2, s, -0.7, true)};
-        ts_reduction red = (ts_reduction)r;
-        th_gradcheck(gc_mse, 2, in, &red, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
+        loss_case c = {fn, (ts_reduction)r};
+        th_gradcheck(gc_loss, 2, in, &c, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
         th_assert_shape(ts_tensor_grad(in[0]), 2, s);
         th_assert_shape(ts_tensor_grad(in[1]), 2, s);
         ts_tensor_free(in[0]);
@@ -624,37 +639,20 @@ Test(tensor_nn_ops, mse_loss_gradcheck)
     th_mem_assert_back();
 }
 
-/* ------------------------------------------------------------ l1_loss */
+Test(tensor_nn_ops, mse_loss_values)
+{
+    /* squared errors 0.25, 4, 0, 9: sum 13.25, mean 3.3125 */
+    static const double want[4] = {0.25, 4, 0, 9};
+    check_loss_values(ts_mse_loss, want, 13.25, 3.3125);
+}
+
+Test(tensor_nn_ops, mse_loss_gradcheck) { check_loss_gradcheck(ts_mse_loss); }
 
 Test(tensor_nn_ops, l1_loss_values)
 {
-    th_mem_mark();
-    int64_t s[2] = {2, 2};
-    double a[4] = {1, 2, 3, 4}, b[4] = {1.5, 0, 3, 7};
     /* absolute errors 0.5, 2, 0, 3: sum 5.5, mean 1.375 */
-    for (int dt = 0; dt < 2; dt++) {
-        ts_dtype d = dt ? TS_F64 : TS_F32;
-        ts_tensor *x = th_tensor(d, 2, s, a), *y = th_tensor(d, 2, s, b), *o;
-        TH_OK(ts_l1_loss(x, y, TS_REDUCTION_NONE, &o));
-        th_assert_shape(o, 2, s);
-        cr_assert_eq(ts_tensor_dtype(o), d);
-        double got[4], want[4] = {0.5, 2, 0, 3};
-        th_vals(o, got, 4);
-        for (int i = 0; i < 4; i++)
-            cr_assert_eq(got[i], want[i]);
-        ts_tensor_free(o);
-        TH_OK(ts_l1_loss(x, y, TS_REDUCTION_SUM, &o));
-        cr_assert_eq(ts_tensor_ndim(o), 0);
-        cr_assert_eq(item(o), 5.5);
-        ts_tensor_free(o);
-        TH_OK(ts_l1_loss(x, y, TS_REDUCTION_MEAN, &o));
-        cr_assert_eq(ts_tensor_ndim(o), 0);
-        cr_assert_eq(item(o), 1.375);
-        ts_tensor_free(o);
-        ts_tensor_free(x);
-        ts_tensor_free(y);
-    }
-    th_mem_assert_back();
+    static const double want[4] = {0.5, 2, 0, 3};
+    check_loss_values(ts_l1_loss, want, 5.5, 1.375);
 }
 
 /* torch 1.13: a = [1, 2, 3] (requires grad), b = [1, 0, 5];
@@ -685,28 +683,7 @@ Test(tensor_nn_ops, l1_loss_gradient_matches_torch)
     th_mem_assert_back();
 }
 
-static ts_status gc_l1(ts_tensor **in, ts_tensor **out, void *ctx)
-{
-    return ts_l1_loss(in[0], in[1], *(const ts_reduction *)ctx, out);
-}
-
-Test(tensor_nn_ops, l1_loss_gradcheck)
-{
-    th_mem_mark();
-    int64_t s[2] = {3, 4};
-    for (int r = 0; r < 3; r++) {
-        /* the difference is 1.7 * th_seq's values: at least 0.07 from 0
-         * (|x| is not differentiable there), far above the step 1e-6 */
-        ts_tensor *in[2] = {th_seq(TS_F64, 2, s, 1.0, true), th_seq(TS_F64, 2, s, -0.7, true)};
-        ts_reduction red = (ts_reduction)r;
-        th_gradcheck(gc_l1, 2, in, &red, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
-        th_assert_shape(ts_tensor_grad(in[0]), 2, s);
-        th_assert_shape(ts_tensor_grad(in[1]), 2, s);
-        ts_tensor_free(in[0]);
-        ts_tensor_free(in[1]);
-    }
-    th_mem_assert_back();
-}
+Test(tensor_nn_ops, l1_loss_gradcheck) { check_loss_gradcheck(ts_l1_loss); }
 
 Test(tensor_nn_ops, l1_loss_bad_arguments)
 {
