@@ -6,10 +6,18 @@
 #include <criterion/criterion.h>
 #include <inttypes.h>
 #include <math.h>
+#include <netinet/in.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
+
+extern char **environ;
 
 ts_tensor *th_empty(ts_dtype dtype, int ndim, const int64_t *shape)
 {
@@ -408,4 +416,94 @@ char *th_slurp_fd(int fd)
     cr_assert_eq(got, size);
     buf[size] = '\0';
     return buf;
+}
+
+/* ------------------------------------------------ processes and ranks */
+
+double th_now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+double th_cpu_s(void)
+{
+    struct rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    return (double)u.ru_utime.tv_sec + 1e-6 * (double)u.ru_utime.tv_usec + (double)u.ru_stime.tv_sec +
+           1e-6 * (double)u.ru_stime.tv_usec;
+}
+
+char *th_self_exe(void)
+{
+    static char path[4096];
+    ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
+    cr_assert_gt(n, 0);
+    path[n] = '\0';
+    return path;
+}
+
+int th_free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t len = sizeof a;
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+void th_wait_pids(const pid_t *pids, int n, int skip, double limit_s, int *status)
+{
+    double deadline = th_now_s() + limit_s;
+    for (int r = 0; r < n; r++) {
+        if (r == skip)
+            continue;
+        pid_t got;
+        /* polling the children; bounded by limit_s */
+        while ((got = waitpid(pids[r], &status[r], WNOHANG)) == 0 && th_now_s() < deadline)
+            usleep(10000);
+        if (got != pids[r]) {
+            for (int k = 0; k < n; k++)
+                if (k >= r || k == skip) {
+                    kill(pids[k], SIGKILL);
+                    waitpid(pids[k], NULL, 0);
+                }
+            cr_assert_fail("rank %d did not finish within %.0f s", r, limit_s);
+        }
+    }
+}
+
+char **th_environ_without(const char *const *drop, size_t n_drop, size_t extra, size_t *n_out)
+{
+    size_t ne = 0;
+    while (environ[ne])
+        ne++;
+    char **envp = calloc(ne + extra + 1, sizeof *envp);
+    cr_assert_not_null(envp);
+    size_t k = 0;
+    for (size_t i = 0; i < ne; i++) {
+        bool keep = true;
+        for (size_t d = 0; d < n_drop; d++)
+            if (strncmp(environ[i], drop[d], strlen(drop[d])) == 0)
+                keep = false;
+        if (keep)
+            envp[k++] = environ[i];
+    }
+    *n_out = k;
+    return envp;
+}
+
+void th_rank_check(int code, const char *expr, ts_status s)
+{
+    if (s == TS_OK)
+        return;
+    fprintf(stderr, "%s -> %s: %s\n", expr, ts_status_name(s), ts_last_error());
+    _exit(code);
 }

@@ -4,6 +4,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <sys/types.h>
 
 #include "tensorshard.h"
 
@@ -120,5 +121,32 @@ uint32_t th_crc32(uint32_t crc, const void *p, size_t n);
 /* The CRC that the rng fixture text FILE (lines "NAME HEX", '#' comments)
  * gives for `name`; fails the test if it has none. */
 uint32_t th_fixture_crc(const char *file, const char *name);
+
+/* ------------------------------------------------ processes and ranks */
+
+/* Seconds on the monotonic clock. */
+double th_now_s(void);
+/* CPU seconds (user and system) this process has used. */
+double th_cpu_s(void);
+/* The path of this test binary (a static buffer), to start it again as a
+ * rank or a helper process. */
+char *th_self_exe(void);
+/* A TCP port on 127.0.0.1 that was free a moment ago. */
+int th_free_port(void);
+/* Waits for the n processes pids[0..n) but `skip` (-1: none), putting each
+ * wait status in status[i], until limit_s seconds from now; then kills
+ * every one not yet reaped (`skip` too), reaps them and fails the test
+ * naming the first rank that did not finish. */
+void th_wait_pids(const pid_t *pids, int n, int skip, double limit_s, int *status);
+/* A calloc'd copy of `environ` without the variables that start with one
+ * of the prefixes drop[0..n_drop) ("NAME="), with room for `extra` more
+ * entries and the NULL after them; *n_out is the number kept (where the
+ * caller appends). */
+char **th_environ_without(const char *const *drop, size_t n_drop, size_t extra, size_t *n_out);
+/* In a rank process: unless `expr` gives TS_OK, prints "EXPR -> STATUS:
+ * detail" on stderr and exits with `code` (the test reads the rank's exit
+ * code). */
+#define TH_RANK_OK(code, expr) th_rank_check((code), #expr, (expr))
+void th_rank_check(int code, const char *expr, ts_status s);
 
 #endif

@@ -14,24 +14,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <netinet/in.h>
 #include <spawn.h>
 #include <sys/mman.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "comm/comm.h"
 #include "comm/launch.h"
 #include "tests/helpers.h"
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 /* ------------------------------------------------------------ rank side */
 
@@ -249,13 +239,13 @@ static void role_kill(void)
             usleep(2000); /* mid-collective */
             FILE *f = fopen(file, "w");
             if (!f) RFAIL(31, "fopen %s", file);
-            fprintf(f, "%.9f\n", now_s());
+            fprintf(f, "%.9f\n", th_now_s());
             fclose(f);
             raise(SIGKILL);
         }
         ts_status s = ts_all_reduce(c, t, TS_REDUCE_SUM, NULL);
         if (s == TS_OK) continue;
-        double t_err = now_s();
+        double t_err = th_now_s();
         double t_kill = 0;
         FILE *f = fopen(file, "r");
         if (!f || fscanf(f, "%lf", &t_kill) != 1) RFAIL(32, "no time of death in %s", file);
@@ -264,9 +254,9 @@ static void role_kill(void)
         fprintf(stderr, "detect rank %d %s %.3f s after the kill: %s\n", g_rank, ts_status_name(s), dt,
                 ts_last_error());
         fflush(stderr);
-        double t0 = now_s();
+        double t0 = th_now_s();
         ts_status fs = ts_dist_finalize();
-        fprintf(stderr, "rank %d finalize %s in %.3f s\n", g_rank, ts_status_name(fs), now_s() - t0);
+        fprintf(stderr, "rank %d finalize %s in %.3f s\n", g_rank, ts_status_name(fs), th_now_s() - t0);
         fflush(stderr);
         if (s != TS_ERR_PEER_FAILED || !(dt < 2.0) || ts_dist_is_initialized()) _exit(33);
         fprintf(stderr, "rank %d detect-ok\n", g_rank);
@@ -288,15 +278,6 @@ __attribute__((constructor)) static void dist_test_role(void)
 
 /* ------------------------------------------------------------ test side */
 
-static char *self_exe(void)
-{
-    static char path[4096];
-    ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
-    cr_assert_gt(n, 0);
-    path[n] = '\0';
-    return path;
-}
-
 static void clear_launch_env(void)
 {
     static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -317,11 +298,11 @@ ParameterizedTest(int *world, dist, collectives, .timeout = 120)
     ts_launch_options o = ts_launch_options_default();
     o.nproc_per_node = *world;
     o.forward_signals = false;
-    char *argv[] = {self_exe(), NULL};
+    char *argv[] = {th_self_exe(), NULL};
     ts_launch_result res;
-    double t0 = now_s();
+    double t0 = th_now_s();
     TH_OK(ts_launch(&o, argv, &res));
-    fprintf(stderr, "dist/collectives W=%d: %.2f s\n", *world, now_s() - t0);
+    fprintf(stderr, "dist/collectives W=%d: %.2f s\n", *world, th_now_s() - t0);
     cr_assert_eq(res.exit_code, 0, "rank %d failed: exit %d signal %d", res.failed_rank, res.exit_code,
                  res.failed_signal);
 }
@@ -337,7 +318,7 @@ Test(dist, collectives_with_the_bypass_off_on_one_rank, .timeout = 120)
     ts_launch_options o = ts_launch_options_default();
     o.nproc_per_node = 3;
     o.forward_signals = false;
-    char *argv[] = {self_exe(), NULL};
+    char *argv[] = {th_self_exe(), NULL};
     ts_launch_result res;
     TH_OK(ts_launch(&o, argv, &res));
     unsetenv("TS_TEST_CMA_OFF_RANK");
@@ -360,10 +341,10 @@ static char *run_peer_killed(ts_launch_result *res, double *elapsed)
     o.grace_s = 15; /* the survivors ignore SIGTERM and leave by themselves */
     o.err_fd = memfd_create("ts-dist-err", MFD_CLOEXEC);
     cr_assert_geq(o.err_fd, 0);
-    char *argv[] = {self_exe(), NULL};
-    double t0 = now_s();
+    char *argv[] = {th_self_exe(), NULL};
+    double t0 = th_now_s();
     TH_OK(ts_launch(&o, argv, res));
-    *elapsed = now_s() - t0;
+    *elapsed = th_now_s() - t0;
     char *err = th_slurp_fd(o.err_fd);
     close(o.err_fd);
     unlink(file);
@@ -408,7 +389,7 @@ Test(dist, peer_killed_local_none, .timeout = 120)
     ts_launch_options o = ts_launch_options_default();
     o.nproc_per_node = 3;
     o.forward_signals = false;
-    char *argv[] = {self_exe(), NULL};
+    char *argv[] = {th_self_exe(), NULL};
     TH_OK(ts_launch(&o, argv, &res));
     cr_assert_eq(res.exit_code, 0, "rank %d failed: exit %d", res.failed_rank, res.exit_code);
     setenv("TS_UCX_ERROR_MODE", "sometimes", 1);
@@ -461,29 +442,13 @@ Test(dist, bad_env, .timeout = 30)
 
 extern char **environ;
 
-/* A port that was free a moment ago. */
-static int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    cr_assert_geq(fd, 0);
-    struct sockaddr_in a;
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-    socklen_t len = sizeof a;
-    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
 /* mpirun-style: no launcher hosts the store, so rank 0 does. */
 Test(dist, rank0_hosts_store, .timeout = 60)
 {
     clear_launch_env();
     enum { W = 3 };
     char port[16];
-    snprintf(port, sizeof port, "%d", free_port());
+    snprintf(port, sizeof port, "%d", th_free_port());
     setenv("TS_TEST_DIST_ROLE", "coll", 1);
     setenv("MASTER_PORT", port, 1);
     setenv("OMPI_COMM_WORLD_SIZE", "3", 1);
@@ -493,7 +458,7 @@ Test(dist, rank0_hosts_store, .timeout = 60)
     setenv("UCX_KEEPALIVE_INTERVAL", "1s", 0);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
     pid_t pids[W];
-    char *argv[] = {self_exe(), NULL};
+    char *argv[] = {th_self_exe(), NULL};
     for (int r = 0; r < W; r++) {
         char rs[8];
         snprintf(rs, sizeof rs, "%d", r);
@@ -501,18 +466,12 @@ Test(dist, rank0_hosts_store, .timeout = 60)
         setenv("OMPI_COMM_WORLD_LOCAL_RANK", rs, 1);
         cr_assert_eq(posix_spawn(&pids[r], argv[0], NULL, NULL, argv, environ), 0);
     }
+    int status[W];
+    th_wait_pids(pids, W, -1, 45, status);
     int failed = 0;
-    double deadline = now_s() + 45;
     for (int r = 0; r < W; r++) {
-        int st = 0;
-        pid_t got;
-        while ((got = waitpid(pids[r], &st, WNOHANG)) == 0 && now_s() < deadline) usleep(10000);
-        if (got != pids[r]) {
-            for (int k = r; k < W; k++) kill(pids[k], SIGKILL), waitpid(pids[k], NULL, 0);
-            cr_assert_fail("rank %d did not finish", r);
-        }
-        if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
-            fprintf(stderr, "rank %d: status 0x%x\n", r, st);
+        if (!WIFEXITED(status[r]) || WEXITSTATUS(status[r]) != 0) {
+            fprintf(stderr, "rank %d: status 0x%x\n", r, status[r]);
             failed++;
         }
     }

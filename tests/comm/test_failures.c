@@ -8,25 +8,8 @@
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <time.h>
 
 #include "tests/loopback_ranks.h"
-
-static double wall_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static double cpu_s(void)
-{
-    struct rusage u;
-    getrusage(RUSAGE_SELF, &u);
-    return (double)u.ru_utime.tv_sec + 1e-6 * (double)u.ru_utime.tv_usec + (double)u.ru_stime.tv_sec +
-           1e-6 * (double)u.ru_stime.tv_usec;
-}
 
 static ts_tensor *vec(ts_dtype d, int64_t n)
 {
@@ -92,11 +75,11 @@ static int rank_mismatch(th_rank *rc)
 {
     mm_case k = *(const mm_case *)rc->arg;
     TH_RK_OK(rc, ts_barrier(rc->c, NULL)); /* #0 agrees */
-    double t0 = wall_s();
+    double t0 = th_now_s();
     ts_status s = run_case(rc, k, rc->rank == rc->W - 1);
     char err[512];
     snprintf(err, sizeof err, "%s", ts_last_error());
-    double dt = wall_s() - t0;
+    double dt = th_now_s() - t0;
     if (s != TS_ERR_COMM)
         return th_rank_fail(rc, "%s mismatch -> %s (%s), want TS_ERR_COMM", k_case_names[k], ts_status_name(s), err);
     for (int i = 0; i < 2; i++)
@@ -195,11 +178,11 @@ static int rank_missing(th_rank *rc)
 {
     cpu_use *u = rc->arg;
     if (rc->rank == 1) return 0;
-    double w0 = wall_s(), c0 = cpu_s();
+    double w0 = th_now_s(), c0 = th_cpu_s();
     ts_status s = ts_barrier(rc->c, NULL);
     if (rc->rank == 0) {
-        u->wall = wall_s() - w0;
-        u->cpu = cpu_s() - c0;
+        u->wall = th_now_s() - w0;
+        u->cpu = th_cpu_s() - c0;
     }
     if (s != TS_ERR_TIMEOUT) return th_rank_fail(rc, "barrier -> %s, want TS_ERR_TIMEOUT", ts_status_name(s));
     const char *e = ts_last_error();
@@ -230,11 +213,11 @@ static int rank_setter(th_rank *rc)
 {
     ts__comm_set_timeout(rc->c, 0.3);
     if (rc->rank == 1) return 0;
-    double t0 = wall_s();
+    double t0 = th_now_s();
     ts_tensor *a = vec(TS_F32, 16);
     ts_status s = ts_all_reduce(rc->c, a, TS_REDUCE_SUM, NULL);
     ts_tensor_free(a);
-    double dt = wall_s() - t0;
+    double dt = th_now_s() - t0;
     if (s != TS_ERR_TIMEOUT) return th_rank_fail(rc, "all_reduce -> %s", ts_status_name(s));
     if (dt > 5.0) return th_rank_fail(rc, "deadline of 0.3 s fired after %.2f s", dt);
     if (!strstr(ts_last_error(), "all_reduce #0") || !strstr(ts_last_error(), "rank 1, which has not entered it"))

@@ -11,17 +11,13 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <errno.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/resource.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "comm/comm_internal.h"
@@ -29,21 +25,6 @@
 
 #include <ucs/config/global_opts.h>
 #include <ucs/debug/log_def.h>
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static double cpu_s(void)
-{
-    struct rusage u;
-    getrusage(RUSAGE_SELF, &u);
-    return (double)u.ru_utime.tv_sec + 1e-6 * (double)u.ru_utime.tv_usec + (double)u.ru_stime.tv_sec +
-           1e-6 * (double)u.ru_stime.tv_usec;
-}
 
 /* ------------------------------------------------------------ rank side */
 
@@ -119,9 +100,9 @@ static void role_stop(void)
         _exit(0); /* continued: the test is over */
     }
     usleep(100000); /* let rank 1 stop */
-    double w0 = now_s(), c0 = cpu_s();
+    double w0 = th_now_s(), c0 = th_cpu_s();
     ts_status s = ts_all_reduce(c, t, TS_REDUCE_SUM, NULL);
-    double wall = now_s() - w0, cpu = cpu_s() - c0;
+    double wall = th_now_s() - w0, cpu = th_cpu_s() - c0;
     fprintf(stderr, "stopped-peer %s after %.2f s, cpu %.3f s (%.1f%%): %s\n", ts_status_name(s), wall, cpu,
             100.0 * cpu / wall, ts_last_error());
     fflush(stderr);
@@ -143,9 +124,9 @@ static void role_desync(void)
     if (ts_barrier(c, NULL) != TS_OK) RFAIL(11, "barrier");
     int64_t n = big ? (g_rank == 0 ? 1 << 17 : 100) : 8512;
     ts_tensor *in = mk(n), *out = mk(2 * n);
-    double t0 = now_s();
+    double t0 = th_now_s();
     ts_status s = !big && g_rank == 1 ? ts_barrier(c, NULL) : ts_all_gather_into_tensor(c, out, in, NULL);
-    fprintf(stderr, "desync %d: %s after %.2f s: %s\n", g_rank, ts_status_name(s), now_s() - t0, ts_last_error());
+    fprintf(stderr, "desync %d: %s after %.2f s: %s\n", g_rank, ts_status_name(s), th_now_s() - t0, ts_last_error());
     fflush(stderr);
     (void)ts_dist_finalize();
     _exit(s == TS_ERR_COMM ? 0 : 36);
@@ -183,30 +164,6 @@ __attribute__((constructor)) static void fail_test_role(void)
 
 extern char **environ;
 
-static char *self_exe(void)
-{
-    static char path[4096];
-    ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
-    cr_assert_gt(n, 0);
-    path[n] = '\0';
-    return path;
-}
-
-static int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    cr_assert_geq(fd, 0);
-    struct sockaddr_in a;
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-    socklen_t len = sizeof a;
-    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
 #define MAXW 4
 
 typedef struct job {
@@ -225,7 +182,7 @@ static void job_start(job *j, int W, const char *role)
                                  "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED", "UCX_LOG_LEVEL"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
     char port[16], ws[16];
-    snprintf(port, sizeof port, "%d", free_port());
+    snprintf(port, sizeof port, "%d", th_free_port());
     snprintf(ws, sizeof ws, "%d", W);
     setenv("TS_TEST_FAIL_ROLE", role, 1);
     setenv("MASTER_PORT", port, 1);
@@ -233,7 +190,7 @@ static void job_start(job *j, int W, const char *role)
     setenv("OMPI_COMM_WORLD_LOCAL_SIZE", ws, 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
     j->W = W;
-    char *argv[] = {self_exe(), NULL};
+    char *argv[] = {th_self_exe(), NULL};
     for (int r = 0; r < W; r++) {
         char rs[16];
         snprintf(rs, sizeof rs, "%d", r);
@@ -251,20 +208,7 @@ static void job_start(job *j, int W, const char *role)
 }
 
 /* Waits (bounded) for every rank but `skip`; kills what is left. */
-static void job_wait(job *j, int skip, double limit_s)
-{
-    double deadline = now_s() + limit_s;
-    for (int r = 0; r < j->W; r++) {
-        if (r == skip) continue;
-        pid_t got;
-        while ((got = waitpid(j->pid[r], &j->status[r], WNOHANG)) == 0 && now_s() < deadline) usleep(10000);
-        if (got != j->pid[r]) {
-            for (int k = 0; k < j->W; k++) kill(j->pid[k], SIGKILL);
-            for (int k = 0; k < j->W; k++) waitpid(j->pid[k], NULL, 0);
-            cr_assert_fail("rank %d did not finish within %.0f s", r, limit_s);
-        }
-    }
-}
+static void job_wait(job *j, int skip, double limit_s) { th_wait_pids(j->pid, j->W, skip, limit_s, j->status); }
 
 /* A line that UCX's own logger printed: "[1700000000.123456] [host:pid:tid]
  * file.c:123 UCX  ERROR ..." */

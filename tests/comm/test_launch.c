@@ -132,22 +132,6 @@ __attribute__((constructor)) static void launch_test_role(void)
 
 /* ------------------------------------------------------------------ helpers */
 
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static char *self_exe(void)
-{
-    static char path[4096];
-    ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
-    cr_assert_gt(n, 0);
-    path[n] = '\0';
-    return path;
-}
-
 /* An anonymous file for captured output (not inherited by the ranks). */
 static int mem_fd(void)
 {
@@ -175,9 +159,9 @@ static run_out launch_sh(int n, const char *script, double grace)
     char *argv[] = {"/bin/sh", "-c", (char *)script, "rank", NULL};
     run_out r;
     memset(&r, 0, sizeof r);
-    double t0 = now_s();
+    double t0 = th_now_s();
     TH_OK(ts_launch(&o, argv, &r.res));
-    r.elapsed = now_s() - t0;
+    r.elapsed = th_now_s() - t0;
     r.out = th_slurp_fd(o.out_fd);
     r.err = th_slurp_fd(o.err_fd);
     close(o.out_fd);
@@ -210,8 +194,8 @@ static bool pid_dead(int pid)
 
 static void assert_dies_within(int pid, double seconds)
 {
-    double end = now_s() + seconds;
-    while (!pid_dead(pid) && now_s() < end)
+    double end = th_now_s() + seconds;
+    while (!pid_dead(pid) && th_now_s() < end)
         usleep(10 * 1000);
     bool dead = pid_dead(pid);
     if (!dead)
@@ -279,13 +263,13 @@ static void append(char **buf, size_t *len, const char *s, size_t n)
  * deadline passes. Returns whether `done` held (or EOF when done is NULL). */
 static bool pump(child *c, double seconds, bool (*done)(const char *out, const void *arg), const void *arg)
 {
-    double end = now_s() + seconds;
+    double end = th_now_s() + seconds;
     for (;;) {
         if (done && c->out_buf && done(c->out_buf, arg))
             return true;
         if (c->out < 0 && c->err < 0)
             return done == NULL;
-        double left = end - now_s();
+        double left = end - th_now_s();
         if (left <= 0)
             return false;
         struct pollfd pf[2] = {{.fd = c->out, .events = POLLIN}, {.fd = c->err, .events = POLLIN}};
@@ -317,13 +301,13 @@ static bool pump(child *c, double seconds, bool (*done)(const char *out, const v
 /* Waits for the child with a deadline (SIGKILL then): its wait status. */
 static int reap(child *c, double seconds)
 {
-    double end = now_s() + seconds;
+    double end = th_now_s() + seconds;
     int status = 0;
     for (;;) {
         pid_t r = waitpid(c->pid, &status, WNOHANG);
         if (r == c->pid)
             break;
-        if (now_s() > end) {
+        if (th_now_s() > end) {
             kill(c->pid, SIGKILL);
             waitpid(c->pid, &status, 0);
             cr_assert_fail("tsrun (pid %d) did not end within %.1f s", (int)c->pid, seconds);
@@ -490,7 +474,7 @@ Test(comm_launch, master_port_zero_picks_a_free_port_the_ranks_reach, .timeout =
     o.forward_signals = false;
     o.out_fd = mem_fd();
     o.err_fd = mem_fd();
-    char *argv[] = {self_exe(), NULL};
+    char *argv[] = {th_self_exe(), NULL};
     ts_launch_result res;
     TH_OK(ts_launch(&o, argv, &res));
     char *out = th_slurp_fd(o.out_fd), *err = th_slurp_fd(o.err_fd);
@@ -762,11 +746,11 @@ Test(comm_launch, tsrun_reports_the_failed_rank, .timeout = 60)
     const char *args[] = {"--nproc-per-node", "3", "--grace", "1", "/bin/sh", "-c",
                           "echo \"up $RANK\"; if [ \"$RANK\" = 2 ]; then sleep 0.2; exit 3; fi; exec sleep 30",
                           NULL};
-    double t0 = now_s();
+    double t0 = th_now_s();
     child c = spawn_tsrun(args, NULL);
     int st = reap(&c, 20);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 3, "status %d, stderr: %s", st, c.err_buf);
-    cr_assert_lt(now_s() - t0, 6.0);
+    cr_assert_lt(th_now_s() - t0, 6.0);
     cr_assert(strstr(c.err_buf, "tsrun: rank 2 exited with status 3\n"), "%s", c.err_buf);
     cr_assert(strstr(c.out_buf, "[2] up 2\n"), "%s", c.out_buf);
     child_free(&c);
@@ -791,10 +775,10 @@ Test(comm_launch, sigterm_to_tsrun_is_forwarded, .timeout = 60)
     cr_assert(pump(&c, 15, has_n_of, &w), "ranks never became ready: %s", c.out_buf ? c.out_buf : "");
     int pids[2];
     cr_assert_eq(pids_after(c.out_buf, "ready ", pids, 2), 2);
-    double t0 = now_s();
+    double t0 = th_now_s();
     kill(c.pid, SIGTERM);
     int st = reap(&c, 15);
-    double dt = now_s() - t0;
+    double dt = th_now_s() - t0;
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 143, "status %d, stderr: %s", st, c.err_buf);
     cr_assert_lt(dt, 3.0, "tsrun took %.1f s", dt);
     cr_assert(strstr(c.err_buf, "received SIGTERM"), "%s", c.err_buf);
@@ -811,14 +795,14 @@ Test(comm_launch, second_sigint_kills_at_once, .timeout = 60)
     child c = spawn_tsrun(args, NULL);
     struct want w = {"ready", 2};
     cr_assert(pump(&c, 15, has_n_of, &w), "ranks never became ready");
-    double t0 = now_s();
+    double t0 = th_now_s();
     kill(c.pid, SIGINT);
     usleep(300 * 1000);
     cr_assert_eq(waitpid(c.pid, NULL, WNOHANG), 0, "tsrun ended on the first SIGINT");
     kill(c.pid, SIGINT);
     int st = reap(&c, 15);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 130, "status %d, stderr: %s", st, c.err_buf);
-    cr_assert_lt(now_s() - t0, 5.0);
+    cr_assert_lt(th_now_s() - t0, 5.0);
     child_free(&c);
 }
 
@@ -831,7 +815,7 @@ Test(comm_launch, ranks_die_with_a_killed_launcher, .timeout = 60)
     snprintf(script, sizeof script,
              "case $RANK in 0) exec env TS_TEST_LAUNCH_ROLE=guard '%s';; 1) echo \"ready $$\"; exec sleep 30;; "
              "*) sleep 30 & echo \"ready $$ $!\"; wait;; esac",
-             self_exe());
+             th_self_exe());
     const char *args[] = {"--nproc-per-node", "3", "/bin/sh", "-c", script, NULL};
     child c = spawn_tsrun(args, NULL);
     struct want w = {"ready", 2}, g = {"guard TS_OK", 1};
@@ -1192,7 +1176,7 @@ Test(comm_launch, rank_guard_checks_the_launcher, .timeout = 30)
 /* Reads on until stderr holds n times `needle` (or 20 s passed). */
 static void pump_err(child *c, const char *needle, int n)
 {
-    for (double end = now_s() + 20; count_substr(c->err_buf ? c->err_buf : "", needle) < n && now_s() < end;)
+    for (double end = th_now_s() + 20; count_substr(c->err_buf ? c->err_buf : "", needle) < n && th_now_s() < end;)
         pump(c, 0.05, NULL, NULL);
     cr_assert_geq(count_substr(c->err_buf ? c->err_buf : "", needle), n, "stderr: %s", c->err_buf);
 }
@@ -1223,7 +1207,7 @@ ParameterizedTest(int *guard, comm_launch, lines_are_relayed_live_and_survive_si
     setenv("TS_TEST_LAUNCH_ROLE", "lines", 1);
     if (*guard)
         setenv("TS_TEST_GUARD", "1", 1);
-    const char *args[] = {"--nproc-per-node", "2", "--grace", "10", self_exe(), NULL};
+    const char *args[] = {"--nproc-per-node", "2", "--grace", "10", th_self_exe(), NULL};
     child c = spawn_tsrun(args, NULL);
     struct want w = {"blocked ", 2};
     cr_assert(pump(&c, 20, has_n_of, &w), "the ranks' lines did not come while they ran:\n%s\nstderr:\n%s",
@@ -1246,7 +1230,7 @@ Test(comm_launch, lines_of_the_survivors_are_relayed_when_a_rank_fails, .timeout
      * and 2 block; tsrun SIGTERMs them: nothing they printed is lost, and
      * rank 1's unterminated line arrives whole */
     setenv("TS_TEST_LAUNCH_ROLE", "lines", 1);
-    const char *args[] = {"--nproc-per-node", "3", "--grace", "10", self_exe(), NULL};
+    const char *args[] = {"--nproc-per-node", "3", "--grace", "10", th_self_exe(), NULL};
     child c = spawn_tsrun(args, NULL);
     struct want w = {"blocked ", 3};
     cr_assert(pump(&c, 20, has_n_of, &w), "the ranks' lines did not come while they ran:\n%s",
@@ -1255,11 +1239,11 @@ Test(comm_launch, lines_of_the_survivors_are_relayed_when_a_rank_fails, .timeout
     cr_assert(b1, "%s", c.out_buf);
     int pid1 = atoi(b1 + strlen("[1] blocked "));
     cr_assert_gt(pid1, 1);
-    double t0 = now_s();
+    double t0 = th_now_s();
     kill(pid1, SIGUSR1);
     int st = reap(&c, 15);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 3, "status %d, stderr: %s", st, c.err_buf);
-    cr_assert_lt(now_s() - t0, 5.0, "the survivors were not stopped at once");
+    cr_assert_lt(th_now_s() - t0, 5.0, "the survivors were not stopped at once");
     cr_assert(strstr(c.err_buf, "tsrun: rank 1 exited with status 3\n"), "%s", c.err_buf);
     for (int r = 0; r < 3; r++)
         assert_rank_lines(c.out_buf, "[%d] ", r);
@@ -1282,7 +1266,7 @@ static child spawn_lines(const char *const *env)
     for (int i = 0; env[i] && n < 15; i++)
         envp[n++] = (char *)env[i];
     envp[n] = NULL;
-    char *argv[] = {self_exe(), NULL};
+    char *argv[] = {th_self_exe(), NULL};
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, po[1], 1);
@@ -1304,8 +1288,8 @@ static bool stdout_is_live(const char *const *env)
     child c = spawn_lines(env);
     char err[256] = "";
     size_t got = 0;
-    double end = now_s() + 20;
-    while (!strstr(err, "blocked\n") && now_s() < end) {
+    double end = th_now_s() + 20;
+    while (!strstr(err, "blocked\n") && th_now_s() < end) {
         struct pollfd pf = {.fd = c.err, .events = POLLIN};
         if (poll(&pf, 1, 100) > 0) {
             ssize_t r = read(c.err, err + got, sizeof err - 1 - got);
@@ -1462,7 +1446,7 @@ Test(comm_launch, tsrun_standalone_is_one_node_on_a_free_port, .timeout = 60)
      * so; the ranks reach the store on the free port */
     const char *env[] = {"TS_TEST_LAUNCH_ROLE=store", NULL};
     const char *args2[] = {"--standalone", "--master-addr", "10.255.255.1", "--master-port=29517",
-                           "--nproc-per-node", "2", self_exe(), NULL};
+                           "--nproc-per-node", "2", th_self_exe(), NULL};
     st = run_tsrun(&c, args2, env);
     cr_assert(exited_with(st, 0), "status %d: %s", st, c.err_buf);
     cr_assert(strstr(c.err_buf, "--standalone: ignoring --master-addr and --master-port"), "%s", c.err_buf);
@@ -1551,7 +1535,7 @@ Test(comm_launch, tsrun_log_dir_tees_each_rank_to_a_file, .timeout = 60)
     /* live, like the terminal: written while the ranks still run; and a
      * rerun truncates */
     const char *env[] = {"TS_TEST_LAUNCH_ROLE=lines", NULL};
-    const char *args2[] = {"--nproc-per-node", "2", "--log-dir", dir, self_exe(), NULL};
+    const char *args2[] = {"--nproc-per-node", "2", "--log-dir", dir, th_self_exe(), NULL};
     c = spawn_tsrun(args2, env);
     struct want w = {"blocked ", 2};
     cr_assert(pump(&c, 20, has_n_of, &w), "%s", c.out_buf ? c.out_buf : "");

@@ -1,15 +1,12 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
-#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,8 +20,6 @@
  * rule of a multi-host job. The ranks are this binary again, in a role
  * chosen by TS_TEST_RDV_ROLE; their stderr goes to a file per rank. */
 
-static double now_s(void) { return (double)ts_now_ns() / 1e9; }
-
 /* ------------------------------------------------------------ rank side */
 
 __attribute__((constructor)) static void rdv_test_role(void)
@@ -34,7 +29,7 @@ __attribute__((constructor)) static void rdv_test_role(void)
     ts_log_set_level(TS_LOG_WARN); /* the progress line is a warning */
     const char *iv = getenv("TS_TEST_RDV_PROGRESS");
     if (iv) ts__dist_set_progress_interval(atof(iv));
-    double t0 = now_s();
+    double t0 = th_now_s();
     ts_status s = ts_dist_init(NULL);
     if (strcmp(role, "stall") == 0 && s == TS_OK) {
         /* Rank 1 joins and then never takes part; rank 0's all-reduce
@@ -46,13 +41,13 @@ __attribute__((constructor)) static void rdv_test_role(void)
         ts_tensor *x = NULL;
         int64_t shape[1] = {1024};
         if (ts_tensor_zeros(TS_F32, 1, shape, &x) != TS_OK) _exit(7);
-        double t1 = now_s();
+        double t1 = th_now_s();
         ts_status cs = ts_all_reduce(w, x, TS_REDUCE_SUM, NULL);
-        fprintf(stderr, "all_reduce %s after %.2f s: %s\n", ts_status_name(cs), now_s() - t1, ts_last_error());
+        fprintf(stderr, "all_reduce %s after %.2f s: %s\n", ts_status_name(cs), th_now_s() - t1, ts_last_error());
         fflush(stderr);
         _exit(cs == TS_ERR_TIMEOUT ? 5 : 6);
     }
-    fprintf(stderr, "init %s after %.2f s: %s\n", ts_status_name(s), now_s() - t0, s == TS_OK ? "" : ts_last_error());
+    fprintf(stderr, "init %s after %.2f s: %s\n", ts_status_name(s), th_now_s() - t0, s == TS_OK ? "" : ts_last_error());
     fflush(stderr);
     if (s != TS_OK) _exit(3);
     s = ts_dist_finalize();
@@ -62,15 +57,6 @@ __attribute__((constructor)) static void rdv_test_role(void)
 /* ------------------------------------------------------------ test side */
 
 extern char **environ;
-
-static char *self_exe(void)
-{
-    static char path[4096];
-    ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
-    cr_assert_gt(n, 0);
-    path[n] = '\0';
-    return path;
-}
 
 static void clear_launch_env(void)
 {
@@ -82,21 +68,6 @@ static void clear_launch_env(void)
     setenv("UCX_TLS", "posix,cma,self", 0);
     setenv("UCX_MM_ERROR_HANDLING", "y", 0);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
-}
-
-static int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    cr_assert_geq(fd, 0);
-    struct sockaddr_in a;
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-    socklen_t len = sizeof a;
-    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
-    close(fd);
-    return ntohs(a.sin_port);
 }
 
 typedef struct rank_proc {
@@ -124,7 +95,7 @@ static void spawn_rank(rank_proc *p, int rank, int world, const char *tag)
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_addopen(&fa, 2, p->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    char *argv[] = {self_exe(), NULL};
+    char *argv[] = {th_self_exe(), NULL};
     cr_assert_eq(posix_spawn(&p->pid, argv[0], &fa, NULL, argv, environ), 0);
     posix_spawn_file_actions_destroy(&fa);
     unsetenv("TS_TEST_RDV_ROLE");
@@ -136,11 +107,11 @@ static void wait_ranks(rank_proc *p, int n, double t0, double limit_s)
 {
     int left = n;
     for (int i = 0; i < n; i++) p[i].exited_s = -1;
-    while (left > 0 && now_s() - t0 < limit_s) {
+    while (left > 0 && th_now_s() - t0 < limit_s) {
         for (int i = 0; i < n; i++) {
             if (p[i].exited_s >= 0) continue;
             if (waitpid(p[i].pid, &p[i].status, WNOHANG) == p[i].pid) {
-                p[i].exited_s = now_s() - t0;
+                p[i].exited_s = th_now_s() - t0;
                 left--;
             }
         }
@@ -180,11 +151,11 @@ Test(comm_rendezvous, duplicate_rank_fails_every_rank, .timeout = 120)
 {
     clear_launch_env();
     char port[16];
-    snprintf(port, sizeof port, "%d", free_port());
+    snprintf(port, sizeof port, "%d", th_free_port());
     setenv("MASTER_PORT", port, 1);
     setenv("TS_DIST_TIMEOUT", "60", 1);
     rank_proc p[3];
-    double t0 = now_s();
+    double t0 = th_now_s();
     spawn_rank(&p[0], 0, 3, "dup");
     spawn_rank(&p[1], 1, 3, "dup");
     spawn_rank(&p[2], 1, 3, "dup"); /* RANK 1 again; rank 2 is missing */
@@ -199,11 +170,11 @@ Test(comm_rendezvous, inconsistent_world_size_fails_every_rank, .timeout = 120)
 {
     clear_launch_env();
     char port[16];
-    snprintf(port, sizeof port, "%d", free_port());
+    snprintf(port, sizeof port, "%d", th_free_port());
     setenv("MASTER_PORT", port, 1);
     setenv("TS_DIST_TIMEOUT", "60", 1);
     rank_proc p[3];
-    double t0 = now_s();
+    double t0 = th_now_s();
     spawn_rank(&p[0], 0, 2, "ws"); /* WORLD_SIZE 2 ... */
     spawn_rank(&p[1], 1, 3, "ws"); /* ... and 3 */
     spawn_rank(&p[2], 2, 3, "ws");
@@ -241,7 +212,7 @@ Test(comm_rendezvous, rank_killed_before_the_rendezvous_fails_the_others_at_once
     int st;
     cr_assert_eq(waitpid(victim.pid, &st, 0), victim.pid);
     unlink(victim.log);
-    double t0 = now_s();
+    double t0 = th_now_s();
     spawn_rank(&p[0], 0, 3, "kill");
     spawn_rank(&p[1], 1, 3, "kill");
     wait_ranks(p, 2, t0, 100);
@@ -257,12 +228,12 @@ Test(comm_rendezvous, waiting_rendezvous_names_the_missing_ranks_until_the_deadl
 {
     clear_launch_env();
     char port[16];
-    snprintf(port, sizeof port, "%d", free_port());
+    snprintf(port, sizeof port, "%d", th_free_port());
     setenv("MASTER_PORT", port, 1);
     setenv("TS_DIST_TIMEOUT", "2.5", 1); /* the rendezvous deadline, from the environment */
     setenv("TS_TEST_RDV_PROGRESS", "0.5", 1);
     rank_proc p[1];
-    double t0 = now_s();
+    double t0 = th_now_s();
     spawn_rank(&p[0], 0, 3, "wait"); /* ranks 1 and 2 never come */
     wait_ranks(p, 1, t0, 60);
     unsetenv("TS_TEST_RDV_PROGRESS");
@@ -311,13 +282,13 @@ Test(comm_rendezvous, ranks_on_several_hosts_need_a_token, .timeout = 30)
         char rs[8];
         snprintf(rs, sizeof rs, "%d", r);
         setenv("OMPI_COMM_WORLD_RANK", rs, 1);
-        double t0 = now_s();
+        double t0 = th_now_s();
         ts_status s = ts_dist_init(NULL);
         cr_assert_eq(s, TS_ERR_INVALID_ARGUMENT, "rank %d: %s: %s", r, ts_status_name(s), ts_last_error());
         cr_assert(strstr(ts_last_error(), "TS_STORE_TOKEN") && strstr(ts_last_error(), "several hosts") &&
                       strstr(ts_last_error(), "mpirun -x"),
                   "%s", ts_last_error());
-        cr_assert_lt(now_s() - t0, 1.0);
+        cr_assert_lt(th_now_s() - t0, 1.0);
     }
     clear_launch_env();
 }
@@ -326,12 +297,12 @@ Test(comm_rendezvous, dist_timeout_sets_the_collective_deadline, .timeout = 120)
 {
     clear_launch_env();
     char port[16];
-    snprintf(port, sizeof port, "%d", free_port());
+    snprintf(port, sizeof port, "%d", th_free_port());
     setenv("MASTER_PORT", port, 1);
     setenv("TS_DIST_TIMEOUT", "2", 1);
     setenv("TS_TEST_RDV_WANT_ROLE", "stall", 1);
     rank_proc p[2];
-    double t0 = now_s();
+    double t0 = th_now_s();
     spawn_rank(&p[0], 0, 2, "stall");
     spawn_rank(&p[1], 1, 2, "stall");
     unsetenv("TS_TEST_RDV_WANT_ROLE");
