@@ -81,17 +81,8 @@ static child spawn_role(const char *role, int n, const char *const *env)
 {
     static const char *const drop[] = {"TS_TRACE=", "RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "OMPI_COMM_WORLD_RANK=",
                                        "SLURM_PROCID=", "TS_TEST_TRACE_ROLE=", "TS_LOG_LEVEL="};
-    size_t ne = 0;
-    while (environ[ne]) ne++;
-    char **envp = calloc(ne + (size_t)n + 3, sizeof *envp);
-    cr_assert_not_null(envp);
-    size_t k = 0;
-    for (size_t i = 0; i < ne; i++) {
-        bool keep = true;
-        for (size_t d = 0; d < sizeof drop / sizeof drop[0]; d++)
-            if (strncmp(environ[i], drop[d], strlen(drop[d])) == 0) keep = false;
-        if (keep) envp[k++] = environ[i];
-    }
+    size_t k;
+    char **envp = th_environ_without(drop, sizeof drop / sizeof drop[0], (size_t)n + 2, &k);
     char rolev[64];
     snprintf(rolev, sizeof rolev, "TS_TEST_TRACE_ROLE=%s", role);
     envp[k++] = rolev;
@@ -107,10 +98,7 @@ static child spawn_role(const char *role, int n, const char *const *env)
     posix_spawn_file_actions_adddup2(&fa, pi[0], 0);
     posix_spawn_file_actions_adddup2(&fa, po[1], 1);
     posix_spawn_file_actions_adddup2(&fa, pe[1], 2);
-    char exe[4096];
-    ssize_t l = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    cr_assert_gt(l, 0);
-    exe[l] = '\0';
+    char *exe = th_self_exe();
     char *argv[] = {exe, NULL};
     child c = {.out = po[0], .err = pe[0], .in = pi[1]};
     cr_assert_eq(posix_spawn(&c.pid, exe, &fa, NULL, argv, envp), 0);

@@ -19,31 +19,22 @@
 
 /* ------------------------------------------------------------ rank side */
 
-#define RCHECK(code, expr)                                                                 \
-    do {                                                                                   \
-        ts_status s_ = (expr);                                                             \
-        if (s_) {                                                                          \
-            fprintf(stderr, "%s -> %s: %s\n", #expr, ts_status_name(s_), ts_last_error()); \
-            _exit(code);                                                                   \
-        }                                                                                  \
-    } while (0)
-
 static void rank_main(void)
 {
-    RCHECK(10, ts_dist_init(NULL));
+    TH_RANK_OK(10, ts_dist_init(NULL));
     ts_comm *w = ts_dist_world();
     int64_t n = 4;
     ts_tensor *t;
-    RCHECK(11, ts_tensor_full(TS_F32, 1, &n, 1.0, &t));
-    RCHECK(12, ts_all_reduce(w, t, TS_REDUCE_SUM, NULL));
-    RCHECK(12, ts_all_reduce(w, t, TS_REDUCE_SUM, NULL));
+    TH_RANK_OK(11, ts_tensor_full(TS_F32, 1, &n, 1.0, &t));
+    TH_RANK_OK(12, ts_all_reduce(w, t, TS_REDUCE_SUM, NULL));
+    TH_RANK_OK(12, ts_all_reduce(w, t, TS_REDUCE_SUM, NULL));
     int both[2] = {0, 1};
     ts_comm *g;
-    RCHECK(13, ts_comm_new_group(w, 2, both, &g));
-    RCHECK(14, ts_broadcast(g, t, 0, NULL));
+    TH_RANK_OK(13, ts_comm_new_group(w, 2, both, &g));
+    TH_RANK_OK(14, ts_broadcast(g, t, 0, NULL));
     ts_comm_free(g);
     ts_tensor_free(t);
-    RCHECK(15, ts_dist_finalize());
+    TH_RANK_OK(15, ts_dist_finalize());
     fflush(stderr);
     _exit(0);
 }
@@ -68,10 +59,6 @@ static char *run_ranks(const char *value)
     setenv("TS_LOG_LEVEL", "info", 1); /* the ranks' */
     ts_log_set_level(TS_LOG_ERROR);     /* this process's own */
     setenv("TS_TEST_DEBUG_ROLE", "1", 1);
-    char exe[4096];
-    ssize_t l = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    cr_assert_gt(l, 0);
-    exe[l] = '\0';
     ts_launch_options o = ts_launch_options_default();
     o.nproc_per_node = 2;
     o.forward_signals = false;
@@ -79,7 +66,7 @@ static char *run_ranks(const char *value)
     o.err_fd = memfd_create("ts-debug-err", MFD_CLOEXEC);
     cr_assert_geq(o.out_fd, 0);
     cr_assert_geq(o.err_fd, 0);
-    char *argv[] = {exe, NULL};
+    char *argv[] = {th_self_exe(), NULL};
     ts_launch_result res;
     TH_OK(ts_launch(&o, argv, &res));
     unsetenv("TS_TEST_DEBUG_ROLE");

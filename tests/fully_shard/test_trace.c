@@ -39,58 +39,49 @@ extern char **environ;
 
 /* ------------------------------------------------------------ rank side */
 
-#define RCHECK(code, expr)                                                                          \
-    do {                                                                                            \
-        ts_status s_ = (expr);                                                                      \
-        if (s_) {                                                                                   \
-            fprintf(stderr, "%s -> %s: %s\n", #expr, ts_status_name(s_), ts_last_error());          \
-            _exit(code);                                                                            \
-        }                                                                                           \
-    } while (0)
-
 /* wait: after the iterations and a barrier, says "ready" and waits for
  * tsrun to stop the job (the trace must be flushed by the SIGTERM). */
 static void rank_main(bool wait)
 {
-    RCHECK(10, ts_dist_init(NULL));
+    TH_RANK_OK(10, ts_dist_init(NULL));
     ts_manual_seed(0);
     ts_module *blocks[BLOCKS], *top[BLOCKS + 1], *model;
     for (int b = 0; b < BLOCKS; b++) {
         ts_module *k[3];
-        RCHECK(11, ts_linear_new(8, 8, true, &k[0]));
-        RCHECK(11, ts_relu_new(&k[1]));
-        RCHECK(11, ts_linear_new(8, 8, true, &k[2]));
-        RCHECK(11, ts_sequential_new(3, k, &blocks[b]));
+        TH_RANK_OK(11, ts_linear_new(8, 8, true, &k[0]));
+        TH_RANK_OK(11, ts_relu_new(&k[1]));
+        TH_RANK_OK(11, ts_linear_new(8, 8, true, &k[2]));
+        TH_RANK_OK(11, ts_sequential_new(3, k, &blocks[b]));
         top[b] = blocks[b];
     }
-    RCHECK(12, ts_linear_new(8, 4, true, &top[BLOCKS]));
-    RCHECK(12, ts_sequential_new(BLOCKS + 1, top, &model));
-    RCHECK(13, ts_fully_shard_each(BLOCKS, blocks, NULL));
-    RCHECK(13, ts_fully_shard(model, NULL));
+    TH_RANK_OK(12, ts_linear_new(8, 4, true, &top[BLOCKS]));
+    TH_RANK_OK(12, ts_sequential_new(BLOCKS + 1, top, &model));
+    TH_RANK_OK(13, ts_fully_shard_each(BLOCKS, blocks, NULL));
+    TH_RANK_OK(13, ts_fully_shard(model, NULL));
     ts_named_params np;
-    RCHECK(14, ts_module_named_parameters(model, &np));
+    TH_RANK_OK(14, ts_module_named_parameters(model, &np));
     ts_tensor *ps[16];
     if (np.n > 16) _exit(14);
     for (int i = 0; i < np.n; i++) ps[i] = *np.items[i].slot;
     ts_sgd_options so = ts_sgd_options_default();
     so.lr = 0.1;
     ts_optim *opt;
-    RCHECK(15, ts_sgd_new(np.n, ps, &so, &opt));
+    TH_RANK_OK(15, ts_sgd_new(np.n, ps, &so, &opt));
     int64_t xs[2] = {4, 8};
     for (int it = 0; it < ITERS; it++) {
         ts_tensor *x, *out, *loss;
-        RCHECK(16, ts_randn(TS_F32, 2, xs, NULL, &x));
-        RCHECK(16, ts_module_call1(model, x, &out));
-        RCHECK(16, ts_sum(out, 0, NULL, false, &loss));
-        RCHECK(17, ts_backward(loss, NULL, false));
-        RCHECK(18, ts_optim_step(opt));
+        TH_RANK_OK(16, ts_randn(TS_F32, 2, xs, NULL, &x));
+        TH_RANK_OK(16, ts_module_call1(model, x, &out));
+        TH_RANK_OK(16, ts_sum(out, 0, NULL, false, &loss));
+        TH_RANK_OK(17, ts_backward(loss, NULL, false));
+        TH_RANK_OK(18, ts_optim_step(opt));
         ts_optim_zero_grad(opt, true);
         ts_tensor_free(x);
         ts_tensor_free(out);
         ts_tensor_free(loss);
     }
     if (wait) {
-        RCHECK(20, ts_barrier(ts_dist_world(), NULL));
+        TH_RANK_OK(20, ts_barrier(ts_dist_world(), NULL));
         printf("ready\n");
         fflush(stdout);
         for (;;) pause();
@@ -98,7 +89,7 @@ static void rank_main(bool wait)
     ts_optim_free(opt);
     ts_named_params_free(&np);
     ts_module_free(model);
-    RCHECK(19, ts_dist_finalize());
+    TH_RANK_OK(19, ts_dist_finalize());
     exit(0); /* the trace is flushed at exit */
 }
 
@@ -115,26 +106,14 @@ __attribute__((constructor)) static void trace_rank_role(void)
  * not NULL, else with stderr into a memfd (*err_fd). */
 static pid_t start_job(const char *trace, const char *role, int *out_fd, int *err_fd)
 {
-    char exe[4096], tsrun[4096];
-    ssize_t l = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    cr_assert_gt(l, 0);
-    exe[l] = '\0';
+    char *exe = th_self_exe(), tsrun[4096];
     snprintf(tsrun, sizeof tsrun, "%s/tools/tsrun", TS_BUILD_DIR);
     cr_assert_eq(access(tsrun, X_OK), 0, "%s is not built", tsrun);
     static const char *const drop[] = {"TS_TRACE=", "RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
                                        "MASTER_ADDR=", "MASTER_PORT=", "OMPI_COMM_WORLD_RANK=", "SLURM_PROCID=",
                                        "TS_LAUNCHER_PID=", "TS_STORE_HOSTED="};
-    size_t ne = 0;
-    while (environ[ne]) ne++;
-    char **envp = calloc(ne + 3, sizeof *envp);
-    cr_assert_not_null(envp);
-    size_t k = 0;
-    for (size_t i = 0; i < ne; i++) {
-        bool keep = true;
-        for (size_t d = 0; d < sizeof drop / sizeof drop[0]; d++)
-            if (strncmp(environ[i], drop[d], strlen(drop[d])) == 0) keep = false;
-        if (keep) envp[k++] = environ[i];
-    }
+    size_t k;
+    char **envp = th_environ_without(drop, sizeof drop / sizeof drop[0], 2, &k);
     char tv[4400];
     snprintf(tv, sizeof tv, "TS_TRACE=%s", trace);
     envp[k++] = tv;
