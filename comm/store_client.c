@@ -102,6 +102,18 @@ static int wait_fd(int fd, short events, uint64_t deadline)
     }
 }
 
+/* After a non-blocking send or receive on fd failed: 1 to try again
+ * (interrupted, or fd is ready for `events` again); 0: the deadline
+ * passed; -1: a real error (errno). */
+static int io_retry(int fd, short events, uint64_t deadline)
+{
+    if (errno == EINTR)
+        return 1;
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+        return wait_fd(fd, events, deadline);
+    return -1;
+}
+
 static ts_status io_timeout(ts_store *s, const char *what, uint64_t started, uint64_t deadline)
 {
     char secs[32];
@@ -119,15 +131,11 @@ static ts_status send_all(ts_store *s, const char *what, struct iovec *iov, int 
         m.msg_iovlen = (size_t)cnt;
         ssize_t w = sendmsg(s->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (w < 0) {
-            if (errno == EINTR)
+            int r = io_retry(s->fd, POLLOUT, deadline);
+            if (r == 0)
+                return io_timeout(s, what, started, deadline);
+            if (r > 0)
                 continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                int r = wait_fd(s->fd, POLLOUT, deadline);
-                if (r == 0)
-                    return io_timeout(s, what, started, deadline);
-                if (r > 0)
-                    continue;
-            }
             int e = errno;
             lose_connection(s);
             s->peer_closed = e == ECONNRESET || e == EPIPE;
@@ -165,15 +173,11 @@ static ts_status recv_all(ts_store *s, const char *what, void *buf, size_t n, ui
             return ts_error(TS_ERR_COMM, "store %s: the store at %s closed the connection%s", what, s->addr,
                             hello ? " before answering" : "");
         }
-        if (errno == EINTR)
+        int w = io_retry(s->fd, POLLIN, deadline);
+        if (w == 0)
+            return io_timeout(s, what, started, deadline);
+        if (w > 0)
             continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            int w = wait_fd(s->fd, POLLIN, deadline);
-            if (w == 0)
-                return io_timeout(s, what, started, deadline);
-            if (w > 0)
-                continue;
-        }
         int e = errno;
         lose_connection(s);
         s->peer_closed = e == ECONNRESET;
