@@ -282,6 +282,13 @@ static ts_status check_key(const char *fn, const char *key, size_t *klen_out)
     return TS_OK;
 }
 
+/* check_client, then check_key. */
+static ts_status check_client_key(const char *fn, const ts_store *s, const char *key, size_t *klen_out)
+{
+    ts_status st = check_client(fn, s);
+    return st == TS_OK ? check_key(fn, key, klen_out) : st;
+}
+
 static ts_status check_value(const char *fn, const char *name, const void *v, size_t n)
 {
     if (!v && n)
@@ -508,9 +515,7 @@ ts_status ts_store_set(ts_store *s, const char *key, const void *value, size_t l
 {
     static const char fn[] = "ts_store_set";
     size_t klen = 0;
-    ts_status st = check_client(fn, s);
-    if (st == TS_OK)
-        st = check_key(fn, key, &klen);
+    ts_status st = check_client_key(fn, s, key, &klen);
     if (st == TS_OK)
         st = check_value(fn, "value", value, len);
     if (st != TS_OK)
@@ -548,9 +553,7 @@ ts_status ts_store_get(ts_store *s, const char *key, void **value_out, size_t *l
 {
     static const char fn[] = "ts_store_get";
     size_t klen = 0;
-    ts_status st = check_client(fn, s);
-    if (st == TS_OK)
-        st = check_key(fn, key, &klen);
+    ts_status st = check_client_key(fn, s, key, &klen);
     if (st == TS_OK && (!value_out || !len_out))
         st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: value_out and len_out are required", fn);
     if (st != TS_OK)
@@ -585,9 +588,7 @@ ts_status ts_store_check(ts_store *s, const char *key)
 {
     static const char fn[] = "ts_store_check";
     size_t klen = 0;
-    ts_status st = check_client(fn, s);
-    if (st == TS_OK)
-        st = check_key(fn, key, &klen);
+    ts_status st = check_client_key(fn, s, key, &klen);
     if (st != TS_OK)
         return st;
     char what[256];
@@ -737,9 +738,7 @@ ts_status ts_store_add(ts_store *s, const char *key, int64_t delta, int64_t *val
 {
     static const char fn[] = "ts_store_add";
     size_t klen = 0;
-    ts_status st = check_client(fn, s);
-    if (st == TS_OK)
-        st = check_key(fn, key, &klen);
+    ts_status st = check_client_key(fn, s, key, &klen);
     if (st != TS_OK)
         return st;
     char what[256];
@@ -752,9 +751,7 @@ ts_status ts_store_compare_set(ts_store *s, const char *key, const void *expecte
 {
     static const char fn[] = "ts_store_compare_set";
     size_t klen = 0;
-    ts_status st = check_client(fn, s);
-    if (st == TS_OK)
-        st = check_key(fn, key, &klen);
+    ts_status st = check_client_key(fn, s, key, &klen);
     if (st == TS_OK)
         st = check_value(fn, "expected", expected, expected_len);
     if (st == TS_OK)
@@ -785,9 +782,7 @@ ts_status ts_store_delete(ts_store *s, const char *key, bool *deleted_out)
 {
     static const char fn[] = "ts_store_delete";
     size_t klen = 0;
-    ts_status st = check_client(fn, s);
-    if (st == TS_OK)
-        st = check_key(fn, key, &klen);
+    ts_status st = check_client_key(fn, s, key, &klen);
     if (st != TS_OK)
         return st;
     char what[256];
