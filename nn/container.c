@@ -89,6 +89,14 @@ static ts_status container_new(const ts_module_vtable *vt, int n, ts_module *con
     c->n = n;
     if (n)
         memcpy(c->children, children, (size_t)n * sizeof *children);
+    /* a child in several slots is owned once per slot: container_free
+     * frees every slot */
+    for (int i = 1; i < n; i++)
+        for (int j = 0; j < i; j++)
+            if (children[j] == children[i]) {
+                ts_module_retain(children[i]);
+                break;
+            }
     *out = &c->base;
     return TS_OK;
 }

@@ -39,6 +39,7 @@ ts_status ts_module_init(ts_module *m, const ts_module_vtable *vt)
     m->vtable = NULL;
     m->training = true;
     m->ext = NULL;
+    m->extra_refs = 0;
     ts_status st = ts__module_vtable_check("ts_module_init", vt);
     if (st)
         return st;
@@ -137,8 +138,19 @@ ts_status ts_module_call_method(ts_module *m, const char *name, int n_in, ts_ten
 
 void ts_module_free(ts_module *m)
 {
+    if (m && m->extra_refs > 0) {
+        m->extra_refs--;
+        return;
+    }
     if (m && m->vtable && m->vtable->free)
         m->vtable->free(m);
+}
+
+ts_module *ts_module_retain(ts_module *m)
+{
+    if (m)
+        m->extra_refs++;
+    return m;
 }
 
 /* ------------------------------------------------------------ traversal */

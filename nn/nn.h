@@ -111,6 +111,7 @@ struct ts_module {
     const ts_module_vtable *vtable;
     bool training;  /* train mode (default true, as in PyTorch) */
     void *ext;      /* owned by upper layers (fully_shard state); NULL here */
+    int extra_refs; /* owners beyond the first (ts_module_retain); 0 after init */
 };
 
 /* Initialises the base of a module struct the caller allocated (training
@@ -138,8 +139,16 @@ TS_API ts_status ts_module_call_method(ts_module *m, const char *name, int n_in,
 /* Type name ("Linear", or "LinearFSDPModule" once rewritten); "(null)" for
  * NULL, "(no vtable)" or "(unnamed type)" for a module that has none. */
 TS_API const char *ts_module_type_name(const ts_module *m);
-/* Frees the module (NULL is accepted). */
+/* Drops one owner's reference: frees the module (its parameters and
+ * children) when it was the last one. NULL is accepted. */
 TS_API void ts_module_free(ts_module *m);
+/* Adds an owner: a module that two parents hold (a block shared by two
+ * containers, as a PyTorch module may be the child of several) is
+ * retained once per extra parent, so that each parent's free drops one
+ * reference and the last one frees it. A container given the same child
+ * in several slots (Sequential(l, l)) retains it itself. Returns m (NULL
+ * for NULL). Not thread-safe against a concurrent free of m. */
+TS_API ts_module *ts_module_retain(ts_module *m);
 
 /* Sets training mode on the module and every descendant. */
 TS_API void ts_module_train(ts_module *m, bool training);

@@ -645,3 +645,33 @@ Test(nn_module, print_shared_module_once)
     ts_named_params_free(&p);
     ts_module_free(&t->base);
 }
+
+/* A module in several slots of one container (nn.Sequential(l, l)) and a
+ * module shared by two parents (retained once for the second): it is
+ * freed once, by the last owner, and counted once among the parameters. */
+Test(nn_module, shared_children_are_freed_once)
+{
+    th_mem_mark();
+    ts_module *l = NULL, *twice = NULL;
+    TH_OK(ts_linear_new(3, 3, false, &l));
+    TH_OK(ts_sequential_new(2, (ts_module *[]){l, l}, &twice));
+    cr_assert_eq(ts_module_num_parameters(twice), 9, "the shared weight counts once");
+    int64_t sh[2] = {2, 3};
+    ts_tensor *x = NULL, *y = NULL;
+    TH_OK(ts_tensor_ones(TS_F32, 2, sh, &x));
+    TH_OK(ts_module_call1(twice, x, &y));
+    ts_tensor_free(y);
+    ts_module_free(twice); /* frees l once: the allocator's check aborts on a second free */
+
+    ts_module *shared = NULL, *a = NULL, *b = NULL;
+    TH_OK(ts_linear_new(3, 3, true, &shared));
+    TH_OK(ts_sequential_new(1, (ts_module *[]){shared}, &a));
+    TH_OK(ts_sequential_new(1, (ts_module *[]){ts_module_retain(shared)}, &b));
+    ts_module_free(a);
+    TH_OK(ts_module_call1(b, x, &y)); /* still alive: b holds a reference */
+    ts_tensor_free(y);
+    ts_module_free(b);
+    ts_tensor_free(x);
+    cr_assert_null(ts_module_retain(NULL));
+    th_mem_assert_back();
+}
