@@ -58,7 +58,6 @@ ALLOWED_NULL = {
     ('ts__free_raw', 'ptr'): 'free functions accept NULL',
     ('ts_storage_free', 's'): 'free functions accept NULL',
     ('ts_tensor_retain', 't'): 'documented to return NULL for NULL',
-    ('ts_module_retain', 'm'): 'documented to return NULL for NULL',
     ('ts_backward', 'grad'): 'NULL gradient means ones for a scalar, as loss.backward()',
     ('ts_comm_new_group', 'ranks'): 'NULL ranks with n = 0 ... (see header)',
     ('ts_max_dim', 'indices_out'): 'the indices are optional',
