@@ -389,6 +389,22 @@ Test(fully_shard_usability, fully_shard_before_dist_init, .timeout = 60)
     TH_OK(ts_linear_new(4, 4, true, &lin));
     TH_FAILS(ts_fully_shard(lin, NULL), TS_ERR_STATE, "rank 1 of 2", "ts_dist_init has not been called");
     cr_assert(!ts_module_is_fsdp(lin));
+    /* mpirun's variables without MASTER_PORT (which ts_dist_init would
+     * need): still several ranks, still refused, and the reason said */
+    unsetenv("RANK");
+    unsetenv("WORLD_SIZE");
+    unsetenv("MASTER_PORT");
+    setenv("OMPI_COMM_WORLD_RANK", "0", 1);
+    setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+    setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0", 1);
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+    TH_FAILS(ts_fully_shard(lin, NULL), TS_ERR_STATE, "OMPI_COMM_WORLD_SIZE=2", "ts_dist_init has not been called");
+    cr_assert(!ts_module_is_fsdp(lin));
+    unsetenv("OMPI_COMM_WORLD_RANK");
+    unsetenv("OMPI_COMM_WORLD_SIZE");
+    unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    setenv("MASTER_PORT", "29555", 1);
     /* one rank said by the launcher: nothing to say */
     setenv("RANK", "0", 1);
     setenv("WORLD_SIZE", "1", 1);
