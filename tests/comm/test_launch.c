@@ -1721,16 +1721,19 @@ Test(comm_launch, tsrun_token_comes_from_the_environment_or_a_file_never_argv, .
         child_free(&c);
     }
 
-    /* bad token files: missing, empty, two lines, a directory */
-    char missing[4300], empty[4300], two[4300];
+    /* bad token files: missing, empty, two lines, a directory, a FIFO
+     * without a writer (refused at once, not a blocked open) */
+    char missing[4300], empty[4300], two[4300], fifo[4300];
     snprintf(missing, sizeof missing, "%s/missing", tmp);
     snprintf(empty, sizeof empty, "%s/empty", tmp);
     snprintf(two, sizeof two, "%s/two", tmp);
+    snprintf(fifo, sizeof fifo, "%s/fifo", tmp);
     write_text(empty, "\n", 0600);
     write_text(two, "a\nb\n", 0600);
-    const char *files[] = {missing, empty, two, tmp};
-    const char *why[] = {"No such file", "one line", "one line", "not a regular file"};
-    for (int i = 0; i < 4; i++) {
+    cr_assert_eq(mkfifo(fifo, 0600), 0, "mkfifo %s: %s", fifo, strerror(errno));
+    const char *files[] = {missing, empty, two, tmp, fifo};
+    const char *why[] = {"No such file", "one line", "one line", "not a regular file", "not a regular file"};
+    for (int i = 0; i < 5; i++) {
         const char *a[] = {"--token-file", files[i], "/bin/true", NULL};
         int st = run_tsrun(&c, a, NULL);
         cr_assert(exited_with(st, 2), "%s: status %d", files[i], st);

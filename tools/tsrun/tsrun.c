@@ -47,7 +47,7 @@ static void usage(FILE *f)
           "  --master-port PORT  the store's port; 0 picks a free one (default 0;\n"
           "                      several nodes need a fixed port)\n"
           "  --run-id ID         job id (default: generated)\n"
-          "  --token-file F      read the store token from the first line of file F\n"
+          "  --token-file F      read the store token from file F (one line)\n"
           "                      (default: $TS_STORE_TOKEN, else generated; several\n"
           "                      nodes need the same token on every node). There is\n"
           "                      no --token: a command line is visible to all in ps.\n"
@@ -96,11 +96,12 @@ static int cores(void)
     return n < 1 ? 1 : n > 4096 ? 4096 : (int)n;
 }
 
-/* The token from the first line of `path` (a trailing newline dropped).
- * Returns NULL after a message on stderr. */
+/* The token: the file's one line (a trailing newline dropped). Returns
+ * NULL after a message on stderr. O_NONBLOCK: a FIFO must not block the
+ * open until a writer comes (it is refused as not a regular file). */
 static const char *read_token_file(const char *path, char *buf, size_t cap)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0) {
         fprintf(stderr, "tsrun: cannot read the token file '%s': %s\n", path, strerror(errno));
