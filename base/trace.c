@@ -450,10 +450,17 @@ ts_status ts_trace_start(const char *path)
     return TS_OK;
 }
 
+/* A program that links the static library and defines this symbol as
+ * non-zero (tsrun: TS_TRACE is its ranks', not its own) is never traced
+ * from the environment, so it neither creates nor warns about a file. */
+extern const int ts__trace_env_ignored __attribute__((weak));
+
 /* Early (priority 101), so that a program's own constructors run traced. */
 __attribute__((constructor(101))) static void trace_from_env(void)
 {
     g_rank = env_rank();
+    if (&ts__trace_env_ignored && ts__trace_env_ignored)
+        return;
     const char *p = getenv("TS_TRACE");
     if (!p || !*p)
         return;

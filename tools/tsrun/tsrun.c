@@ -156,11 +156,14 @@ static const char *signame(int sig)
     return buf;
 }
 
+/* TS_TRACE is the ranks' (each writes its own file): the launcher records
+ * none, leaves no file and says nothing about it (base/trace.c reads this
+ * before main). */
+extern const int ts__trace_env_ignored;
+const int ts__trace_env_ignored = 1;
+
 int main(int argc, char **argv)
 {
-    /* TS_TRACE is the ranks' (each writes its own file): the launcher
-     * records none and leaves no file of its own (base/base.h) */
-    ts_trace_stop(false);
     ts_launch_options o = ts_launch_options_default();
     bool standalone = false, addr_set = false, port_set = false, nnodes_set = false, node_rank_set = false;
     const char *token_file = NULL;
