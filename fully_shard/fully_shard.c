@@ -45,6 +45,7 @@
 #include "nn/internal.h"
 #include "tensor/internal.h"
 
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -2426,7 +2427,11 @@ ts_status ts_fsdp_summary(ts_module *module, FILE *f)
 {
     if (!module || !f)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_summary: NULL %s", module ? "FILE" : "module");
-    return write_summary(module, f);
+    ts_status st = write_summary(module, f);
+    /* flushed, so that a full disk or a closed pipe is this call's error */
+    if (!st && (fflush(f) != 0 || ferror(f)))
+        st = ts_error(TS_ERR_IO, "ts_fsdp_summary: writing failed: %s", strerror(errno));
+    return st;
 }
 
 ts_status ts_fsdp_summary_str(ts_module *module, char *buf, size_t cap, size_t *len_out)

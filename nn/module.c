@@ -3,6 +3,7 @@
 #define _GNU_SOURCE
 #include "nn/internal.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -904,8 +905,9 @@ ts_status ts_module_print(ts_module *m, FILE *f)
     ts_status st = render("ts_module_print", m, &b);
     if (st)
         return st;
-    if (b.n && fwrite(b.p, 1, b.n, f) != b.n)
-        st = ts_error(TS_ERR_IO, "ts_module_print: writing %zu bytes failed", b.n);
+    /* flushed, so that a full disk or a closed pipe is this call's error */
+    if ((b.n && fwrite(b.p, 1, b.n, f) != b.n) || fflush(f) != 0 || ferror(f))
+        st = ts_error(TS_ERR_IO, "ts_module_print: writing %zu bytes failed: %s", b.n, strerror(errno));
     ts__free(TS_MEM_NN, b.p);
     return st;
 }

@@ -494,3 +494,17 @@ Test(fully_shard_usability, parameters_outside_every_group_warn, .timeout = 60)
     cr_assert_null(strstr(log, "outside every FSDP group"), "ignored parameters are outside on purpose:\n%s", log);
     free(log);
 }
+
+/* ts_fsdp_summary to a full device is TS_ERR_IO, not a silent success. */
+Test(fully_shard_usability, summary_to_a_full_device_is_an_io_error)
+{
+    FILE *f = fopen("/dev/full", "w");
+    if (!f)
+        cr_skip_test("no /dev/full here");
+    ts_module *l = NULL;
+    TH_OK(ts_linear_new(3, 3, true, &l));
+    TH_OK(ts_fully_shard(l, NULL));
+    TH_FAILS(ts_fsdp_summary(l, f), TS_ERR_IO, "ts_fsdp_summary", "No space left");
+    fclose(f);
+    ts_module_free(l);
+}

@@ -675,3 +675,16 @@ Test(nn_module, shared_children_are_freed_once)
     cr_assert_null(ts_module_retain(NULL));
     th_mem_assert_back();
 }
+
+/* ts_module_print to a full device is TS_ERR_IO, not a silent success. */
+Test(nn_module, print_to_a_full_device_is_an_io_error)
+{
+    FILE *f = fopen("/dev/full", "w");
+    if (!f)
+        cr_skip_test("no /dev/full here");
+    ts_module *l = NULL;
+    TH_OK(ts_linear_new(3, 3, true, &l));
+    TH_FAILS(ts_module_print(l, f), TS_ERR_IO, "ts_module_print", "No space left");
+    fclose(f);
+    ts_module_free(l);
+}
