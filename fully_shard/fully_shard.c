@@ -2342,8 +2342,9 @@ static ts_status write_summary(ts_module *module, FILE *f)
     }
     char mesh[128] = "(none)";
     if (gw.n) mesh_str(gw.g[0]->mesh, mesh, sizeof mesh);
-    fprintf(f, "FSDP summary of %s (rank %d of mesh %s): %d FSDP modules, %d groups, %d parameters (%lld elements)\n",
-            ts_module_type_name(module), rank, mesh, w.n, gw.n, np.n, (long long)total);
+    fprintf(f, "FSDP summary of %s (rank %d of mesh %s): %d FSDP module%s, %d group%s, %d parameter%s (%lld elements)\n",
+            ts_module_type_name(module), rank, mesh, w.n, w.n == 1 ? "" : "s", gw.n, gw.n == 1 ? "" : "s", np.n,
+            np.n == 1 ? "" : "s", (long long)total);
     double rank_bytes = 0;
     int in_groups = 0;
     for (int i = 0; i < gw.n; i++) {

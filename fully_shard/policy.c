@@ -121,15 +121,31 @@ ts_status ts_fsdp_apply_by_type(ts_module *root, const char *type_name, const ts
     tree_list l;
     int *order;
     if ((st = list_post_order(fn, root, &l, &order))) return st;
-    int count = 0;
+    int count = 0, matched = 0;
     for (int k = 0; k < l.n && !st; k++) {
         int i = order[k];
         ts_module *m = l.e[i].m;
-        if (i == 0 || ts_module_is_fsdp(m) || strcmp(own_type(m), type_name) != 0) continue;
+        if (i == 0 || strcmp(own_type(m), type_name) != 0) continue;
+        matched++;
+        if (ts_module_is_fsdp(m)) continue;
         if ((st = ts_fully_shard(m, options)))
             ts_error(st, "%s: sharding '%s' (%s): %s", fn, l.e[i].fqn, type_name, ts_last_error());
         else
             count++;
+    }
+    if (!st && !matched) {
+        /* not an error (a policy may match nothing), but a typo would
+         * silently leave everything to the root: say which types exist */
+        char types[512] = "";
+        size_t len = 0;
+        for (int i = 1; i < l.n && len < sizeof types; i++) {
+            const char *t = own_type(l.e[i].m);
+            if (strstr(types, t)) continue;
+            int w = snprintf(types + len, sizeof types - len, "%s%s", len ? ", " : "", t);
+            len += w > 0 ? (size_t)w : 0;
+        }
+        ts_logf(TS_LOG_WARN, "%s: no module below the root has type '%s' (types below it: %s); nothing was sharded",
+                fn, type_name, len ? types : "none");
     }
     ts__free(TS_MEM_NN, order);
     tree_list_free(&l);

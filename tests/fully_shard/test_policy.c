@@ -12,6 +12,7 @@
 
 #include "fully_shard/fully_shard.h"
 #include "tests/helpers.h"
+#include "tests/log_capture.h"
 
 /* ------------------------------------------------ a Block type of its own */
 
@@ -161,8 +162,17 @@ Test(fully_shard_policy, by_type_without_a_match_reports_zero)
 {
     ts_module *m = seed_model();
     int count = -1;
-    TH_OK(ts_fsdp_apply_by_type(m, "TransformerEncoderLayer", NULL, &count));
+    /* not an error, but a warning that names the types there are (a typo
+     * would otherwise leave everything to the root without a word) */
+    th_log_capture c;
+    th_log_capture_begin(&c, TS_LOG_WARN);
+    ts_status st = ts_fsdp_apply_by_type(m, "TransformerEncoderLayer", NULL, &count);
+    char *log = th_log_capture_end(&c);
+    TH_OK(st);
     cr_expect_eq(count, 0);
+    cr_expect(strstr(log, "no module below the root has type 'TransformerEncoderLayer'") && strstr(log, "Linear"),
+              "%s", log);
+    free(log);
     TH_OK(ts_fsdp_apply_by_type(m, "TransformerEncoderLayer", NULL, NULL)); /* count is optional */
     cr_expect_eq(fsdp_modules(m), 0);
     /* the root's own type matches: still not sharded by the policy */
