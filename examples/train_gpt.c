@@ -420,7 +420,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < params.n; i++) local += ts_tensor_numel(plist[i]);
     printf("model: GPT %d layers, %d heads, d_model %d; fully_shard over %d rank%s (%s): %lld parameter elements "
            "on rank 0\n",
-           layers, heads, dim, W, W > 1 ? "s" : "", W > 1 ? "tsrun world" : "one-rank mesh", (long long)local);
+           layers, heads, dim, W, W > 1 ? "s" : "", W > 1 ? "distributed world" : "one-rank mesh", (long long)local);
 
     int64_t *ids = malloc((size_t)batch * (size_t)seq * sizeof *ids), *tg = malloc((size_t)batch * (size_t)seq * sizeof *tg);
     if (!ids || !tg) return 1;

@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=$PWD
 BUILD=${1:-build-install}
-PREFIX=$(mktemp -d /tmp/ts-prefix.XXXXXX)
-WORK=$(mktemp -d /tmp/ts-outside.XXXXXX)
+PREFIX=$(mktemp -d "${TMPDIR:-/tmp}/ts-prefix.XXXXXX")
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/ts-outside.XXXXXX")
 trap 'rm -rf "$PREFIX" "$WORK"' EXIT
 
 if [ ! -f "$BUILD/build.ninja" ]; then
