@@ -113,11 +113,13 @@ static void role_stop(void)
  * blocks: UCX's rendezvous, which a stopped receiver never takes); rank 0
  * stops itself (SIGSTOP) at the 20th, before calling it
  * (TS_TEST_FAIL_STOP_US=-1) or that many microseconds after submitting
- * it. The survivors' deadline is TS_TEST_FAIL_DEADLINE s; each prints
- * "stopped3 R: <status>: <error>", finalizes and prints "finalized R". */
+ * it (TS_TEST_FAIL_HOW=kill: SIGKILL instead). The survivors' deadline
+ * is TS_TEST_FAIL_DEADLINE s; each prints "stopped3 R: <status>: <error>",
+ * finalizes and prints "finalized R". */
 static void role_stop3(void)
 {
     int stop_us = atoi(getenv("TS_TEST_FAIL_STOP_US"));
+    bool kill = getenv("TS_TEST_FAIL_HOW") && strcmp(getenv("TS_TEST_FAIL_HOW"), "kill") == 0;
     ts_dist_options o = ts_dist_options_default();
     o.timeout_s = 30;
     if (ts_dist_init(&o) != TS_OK) RFAIL(10, "ts_dist_init");
@@ -133,7 +135,7 @@ static void role_stop3(void)
                 if (ts_all_gather_into_tensor(c, out, in, &r) != TS_OK) RFAIL(30, "submit");
                 usleep((useconds_t)stop_us);
             }
-            raise(SIGSTOP);
+            raise(kill ? SIGKILL : SIGSTOP);
             _exit(0); /* continued: the test is over */
         }
         ts_status s = ts_all_gather_into_tensor(c, out, in, NULL);
@@ -143,7 +145,7 @@ static void role_stop3(void)
         (void)ts_dist_finalize();
         fprintf(stderr, "finalized %d\n", g_rank);
         fflush(stderr);
-        _exit(s == TS_ERR_TIMEOUT ? 0 : 37);
+        _exit(s == (kill ? TS_ERR_PEER_FAILED : TS_ERR_TIMEOUT) ? 0 : 37);
     }
     RFAIL(38, "no failure seen");
 }
@@ -408,10 +410,12 @@ Test(comm_failures_dist, stopped_peer_deadline_names_it_and_costs_no_core, .time
  * its upstream neighbour), finalize returns, and no survivor's stderr has
  * a raw UCX line or a warning of ours about UCX transfers (the abandoned
  * ones are the expected aftermath, at debug level). */
-Test(comm_failures_dist, stopped_rank_of_three_named_by_every_survivor, .timeout = 180)
+static void stop3_scenario(const char *how)
 {
     static const char *stops[] = {"-1", "0", "300", "3000"};
+    bool kill_it = strcmp(how, "kill") == 0;
     setenv("TS_TEST_FAIL_DEADLINE", "2", 1);
+    setenv("TS_TEST_FAIL_HOW", how, 1);
     for (size_t k = 0; k < sizeof stops / sizeof stops[0]; k++) {
         setenv("TS_TEST_FAIL_STOP_US", stops[k], 1);
         job j;
@@ -428,26 +432,33 @@ Test(comm_failures_dist, stopped_rank_of_three_named_by_every_survivor, .timeout
                 free(err);
                 continue;
             }
-            cr_log_info("stop %s us, rank %d: %s", stops[k], r, err);
-            cr_assert(WIFEXITED(j.status[r]) && WEXITSTATUS(j.status[r]) == 0, "stop %s: survivor %d status 0x%x:\n%s",
-                      stops[k], r, j.status[r], err);
+            cr_log_info("%s %s us, rank %d: %s", how, stops[k], r, err);
+            cr_assert(WIFEXITED(j.status[r]) && WEXITSTATUS(j.status[r]) == 0, "%s %s: survivor %d status 0x%x:\n%s",
+                      how, stops[k], r, j.status[r], err);
             char line[64], fin[32];
-            snprintf(line, sizeof line, "stopped3 %d: TS_ERR_TIMEOUT: ", r);
+            snprintf(line, sizeof line, "stopped3 %d: %s: ", r, kill_it ? "TS_ERR_PEER_FAILED" : "TS_ERR_TIMEOUT");
             snprintf(fin, sizeof fin, "finalized %d", r);
             const char *at = strstr(err, line);
-            cr_assert(at && strstr(err, fin), "stop %s: survivor %d:\n%s", stops[k], r, err);
+            cr_assert(at && strstr(err, fin), "%s %s: survivor %d:\n%s", how, stops[k], r, err);
             const char *eol = strchr(at, '\n');
             char msg[1024];
             snprintf(msg, sizeof msg, "%.*s", (int)(eol ? (size_t)(eol - at) : strlen(at)), at + strlen(line));
-            cr_assert(strstr(msg, "all_gather #") && strstr(msg, "passed its deadline"), "stop %s: %s", stops[k], msg);
-            cr_assert(names_rank(msg, 0), "stop %s: survivor %d does not name the stopped rank 0: %s", stops[k], r,
-                      msg);
-            cr_assert(!has_ucx_line(err), "stop %s: survivor %d has raw UCX log lines:\n%s", stops[k], r, err);
-            cr_assert(!has_ts_ucx_warn(err), "stop %s: survivor %d warns about UCX transfers:\n%s", stops[k], r, err);
+            cr_assert(strstr(msg, "all_gather #") && strstr(msg, kill_it ? "rank 0 failed" : "passed its deadline"),
+                      "%s %s: %s", how, stops[k], msg);
+            cr_assert(names_rank(msg, 0), "%s %s: survivor %d does not name rank 0: %s", how, stops[k], r, msg);
+            cr_assert(!has_ucx_line(err), "%s %s: survivor %d has raw UCX log lines:\n%s", how, stops[k], r, err);
+            cr_assert(!has_ts_ucx_warn(err), "%s %s: survivor %d warns about UCX transfers:\n%s", how, stops[k], r,
+                      err);
             free(err);
         }
     }
 }
+
+Test(comm_failures_dist, stopped_rank_of_three_named_by_every_survivor, .timeout = 180) { stop3_scenario("stop"); }
+
+/* The same with rank 0 SIGKILLed: every survivor names it as failed, with
+ * no warning of ours about the transfers abandoned after it. */
+Test(comm_failures_dist, killed_rank_0_in_all_gathers_no_transfer_warnings, .timeout = 120) { stop3_scenario("kill"); }
 
 /* Desynchronised collectives between processes: both ranks fail within
  * the collective (the deadline is 30 s), naming both sides, with no UCX
