@@ -1014,7 +1014,9 @@ static int peer_str(const op *o, int g, char *buf, size_t n)
 /* The deadline message: the op and the peers it still waits to receive
  * from; for an all-gather phase, broadcast or all-to-all also whose data
  * it still lacks (the ranks that have not completed their part, as far as
- * this rank can know). */
+ * this rank can know); then the ranks its unfinished sends go to (with no
+ * receive pending, those are the ones it waits for), so that every
+ * deadline names a rank. */
 static void deadline_msg(const op *o, double timeout_s, char *msg, size_t n)
 {
     char name[64];
@@ -1052,8 +1054,43 @@ static void deadline_msg(const op *o, double timeout_s, char *msg, size_t n)
             if (x->phase != PH_FP && x->phase != PH_A2A) break;
         }
     }
-    if (!any && k > 0 && (size_t)k < n)
-        snprintf(msg + k, n - (size_t)k, " (no receive pending: its sends did not complete)");
+    if (k <= 0 || (size_t)k >= n) return;
+    /* the ranks its unfinished sends go to (a stopped rank does not take a
+     * rendezvous send), each once and not one named for a receive: a rank
+     * that waits for its upstream neighbour, itself stuck, still names the
+     * stopped rank downstream */
+    int named = 0, first = -1;
+    for (int i = 0; i < 6 * o->W && (size_t)k < n; i++) {
+        const xfer *x = &o->x[i];
+        if (!x->live || x->kind != K_SEND) continue;
+        bool seen = false;
+        for (int j = 0; j < 6 * o->W; j++) {
+            const xfer *y = &o->x[j];
+            if (y->live && y->peer == x->peer && ((y->kind == K_SEND && j < i) || (y->kind == K_RECV && any)))
+                seen = true;
+        }
+        if (seen) continue;
+        k += snprintf(msg + k, n - (size_t)k, "%s", named ? ", " : any ? "; its sends to " : ": waiting for ");
+        if ((size_t)k < n) k += peer_str(o, x->peer, msg + k, n - (size_t)k);
+        if (!named++) first = x->peer;
+    }
+    if ((size_t)k >= n) return;
+    if (any) {
+        if (named) snprintf(msg + k, n - (size_t)k, " did not complete");
+    } else if (named == 1) {
+        k += snprintf(msg + k, n - (size_t)k, " (its sends to ");
+        if ((size_t)k < n) k += peer_str(o, first, msg + k, n - (size_t)k);
+        if ((size_t)k < n) snprintf(msg + k, n - (size_t)k, " did not complete)");
+    } else if (named > 1) {
+        snprintf(msg + k, n - (size_t)k, " (its sends to them did not complete)");
+    } else {
+        /* nothing in flight: the ring's upstream rank (a point-to-point
+         * op's peer) is the one whose data or completion it lacks */
+        int up = o->kind == TS_COLL_SEND || o->kind == TS_COLL_RECV ? o->peer : o->left;
+        k += snprintf(msg + k, n - (size_t)k, ": waiting for ");
+        if ((size_t)k < n) k += peer_str(o, up, msg + k, n - (size_t)k);
+        if ((size_t)k < n) snprintf(msg + k, n - (size_t)k, " (no transfer pending on this rank)");
+    }
 }
 
 static void sweep(world *w)

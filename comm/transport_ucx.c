@@ -180,10 +180,23 @@ struct ts_ucx {
     int npending;
     int failed_peer;
     ts_status failed_status;
+    /* the caller failed its world (cancel_all: a dead peer, a deadline, a
+     * mismatch); TS_OK while it has not */
+    ts_status world_failed;
     bool dead_unhandled;
     double next_pid_check;
     uint64_t cma_nonce; /* the last bypass transfer's number */
 };
+
+/* The level of this transport's own teardown lines (transfers abandoned,
+ * a worker leaked): once the world failed or a peer died these are the
+ * expected aftermath (a healthy peer that abandoned its side, a stopped
+ * or dead one), which the caller's own error already explains, so debug;
+ * in a world that had not failed they are a genuine surprise: warn. */
+static ts_log_level teardown_level(const ts_ucx *t)
+{
+    return t->world_failed != TS_OK || t->failed_peer >= 0 ? TS_LOG_DEBUG : TS_LOG_WARN;
+}
 
 /* ------------------------------------------------------------ UCX's log
  *
@@ -819,7 +832,7 @@ static void rx_ctrl(void *arg, ts_status st)
         cma_ack a = {m.nonce, st};
         if (!t->peers[y->peer].dead &&
             send_raw(t, y->peer, NULL, sizeof a, y->tag, TS_UCX_ACK, y->len, &a, NULL, NULL) != TS_OK)
-            ts_logf(TS_LOG_WARN, "ucx: rank %d: could not acknowledge %zu bytes to rank %d: %s; it will wait until "
+            ts_logf(teardown_level(t), "ucx: rank %d: could not acknowledge %zu bytes to rank %d: %s; it will wait until "
                     "its deadline", t->base.rank, y->len, y->peer, ts_last_error());
         if (st)
             ts_error(st, "%s", err);
@@ -928,8 +941,11 @@ static void ucx_cancel_all_locked(ts_ucx *t, ts_status status);
 
 static void ucx_cancel_all(ts_transport *base, ts_status status)
 {
+    ts_ucx *t = (ts_ucx *)base;
+    if (t->world_failed == TS_OK)
+        t->world_failed = status != TS_OK ? status : TS_ERR_COMM;
     atomic_fetch_add(&g_ucx_teardown, 1);
-    ucx_cancel_all_locked((ts_ucx *)base, status);
+    ucx_cancel_all_locked(t, status);
     atomic_fetch_sub(&g_ucx_teardown, 1);
 }
 
@@ -973,7 +989,7 @@ static void ucx_cancel_all_locked(ts_ucx *t, ts_status status)
             continue;
         op->orphan = true;
         op->notify = true;
-        ts_logf(TS_LOG_WARN, "ucx: rank %d: %s of %zu bytes %s rank %d still held by UCX after %.1f s; abandoned",
+        ts_logf(teardown_level(t), "ucx: rank %d: %s of %zu bytes %s rank %d still held by UCX after %.1f s; abandoned",
                 t->base.rank, op->is_recv ? "receive" : "send", op->ulen ? op->ulen : op->len,
                 op->is_recv ? "from" : "to", op->peer, bound);
         /* a bypass acknowledgement receive kept past the cancellation (its
@@ -1000,7 +1016,7 @@ static void ucx_destroy(ts_transport *base)
         atomic_fetch_add(&g_ucx_teardown, 1);
         run_completions(t);
         if (count_live_pending(t) > 0)
-            ucx_cancel_all(base, TS_ERR_COMM);
+            ucx_cancel_all_locked(t, TS_ERR_COMM); /* the teardown count is held */
         /* Force-close every endpoint (local and immediate; PEER mode makes
          * that safe with data in flight), then wait for the closes. A
          * NONE-mode endpoint to a live peer is flush-closed instead. */
@@ -1044,7 +1060,7 @@ static void ucx_destroy(ts_transport *base)
         if (!drain(t, now_s() + 0.5))
             stuck = true;
         if (stuck) {
-            ts_logf(TS_LOG_WARN, "ucx: rank %d: requests still held by UCX at destroy; leaking the worker",
+            ts_logf(teardown_level(t), "ucx: rank %d: requests still held by UCX at destroy; leaking the worker",
                     t->base.rank);
         } else {
             ucp_worker_destroy(t->worker);

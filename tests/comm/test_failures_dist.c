@@ -109,6 +109,47 @@ static void role_stop(void)
     _exit(s == TS_ERR_TIMEOUT ? 0 : 35);
 }
 
+/* 3 ranks loop over all-gathers of 16922 floats per rank (67688-byte
+ * blocks: UCX's rendezvous, which a stopped receiver never takes); rank 0
+ * stops itself (SIGSTOP) at the 20th, before calling it
+ * (TS_TEST_FAIL_STOP_US=-1) or that many microseconds after submitting
+ * it (TS_TEST_FAIL_HOW=kill: SIGKILL instead). The survivors' deadline
+ * is TS_TEST_FAIL_DEADLINE s; each prints "stopped3 R: <status>: <error>",
+ * finalizes and prints "finalized R". */
+static void role_stop3(void)
+{
+    int stop_us = atoi(getenv("TS_TEST_FAIL_STOP_US"));
+    bool kill = getenv("TS_TEST_FAIL_HOW") && strcmp(getenv("TS_TEST_FAIL_HOW"), "kill") == 0;
+    ts_dist_options o = ts_dist_options_default();
+    o.timeout_s = 30;
+    if (ts_dist_init(&o) != TS_OK) RFAIL(10, "ts_dist_init");
+    ts_comm *c = ts_dist_world();
+    g_rank = ts_comm_rank(c);
+    ts__comm_set_timeout(c, atof(getenv("TS_TEST_FAIL_DEADLINE")));
+    int W = ts_comm_size(c);
+    ts_tensor *in = mk(16922), *out = mk(16922 * (int64_t)W);
+    for (int it = 0; it < 1000; it++) {
+        if (g_rank == 0 && it == 20) {
+            if (stop_us >= 0) {
+                ts_request *r = NULL;
+                if (ts_all_gather_into_tensor(c, out, in, &r) != TS_OK) RFAIL(30, "submit");
+                usleep((useconds_t)stop_us);
+            }
+            raise(kill ? SIGKILL : SIGSTOP);
+            _exit(0); /* continued: the test is over */
+        }
+        ts_status s = ts_all_gather_into_tensor(c, out, in, NULL);
+        if (s == TS_OK) continue;
+        fprintf(stderr, "stopped3 %d: %s: %s\n", g_rank, ts_status_name(s), ts_last_error());
+        fflush(stderr);
+        (void)ts_dist_finalize();
+        fprintf(stderr, "finalized %d\n", g_rank);
+        fflush(stderr);
+        _exit(s == (kill ? TS_ERR_PEER_FAILED : TS_ERR_TIMEOUT) ? 0 : 37);
+    }
+    RFAIL(38, "no failure seen");
+}
+
 /* 2 ranks call different collectives: #1 an all-gather of 8512 floats
  * against a barrier, or (TS_TEST_FAIL_BIG=1) of 2^17 floats per rank
  * (512 KiB: the shared-memory bypass) against 100 floats. Both must fail
@@ -154,6 +195,7 @@ __attribute__((constructor)) static void fail_test_role(void)
     if (!role) return;
     if (strcmp(role, "die") == 0) role_die();
     if (strcmp(role, "stop") == 0) role_stop();
+    if (strcmp(role, "stop3") == 0) role_stop3();
     if (strcmp(role, "desync") == 0) role_desync();
     if (strcmp(role, "ucxlog") == 0) role_ucxlog();
     fprintf(stderr, "unknown TS_TEST_FAIL_ROLE=%s\n", role);
@@ -227,6 +269,20 @@ static bool has_ucx_line(const char *text)
     return false;
 }
 
+/* Whether the library's own UCX transport warned ("[ts WARN] ucx:"): on
+ * the expected path after a failure its lines are debug level. */
+static bool has_ts_ucx_warn(const char *text) { return strstr(text, "[ts WARN] ucx:") != NULL; }
+
+/* Whether `text` names "rank N" with N exactly `r` (not "rank 10"). */
+static bool names_rank(const char *text, int r)
+{
+    char want[16];
+    snprintf(want, sizeof want, "rank %d", r);
+    for (const char *p = strstr(text, want); p; p = strstr(p + 1, want))
+        if (!(p[strlen(want)] >= '0' && p[strlen(want)] <= '9')) return true;
+    return false;
+}
+
 /* Whether `text` names "rank N" for some N not in {a, b}. */
 static int names_other_rank(const char *text, int a, int b, int W)
 {
@@ -240,6 +296,23 @@ static int names_other_rank(const char *text, int a, int b, int W)
     return -1;
 }
 
+/* TS_LOG_LEVEL for the ranks (meson sets error, which would hide the
+ * warnings the tests look for); returns the old value to restore. */
+static char *log_level_push(const char *level)
+{
+    const char *was = getenv("TS_LOG_LEVEL");
+    char *saved = was ? strdup(was) : NULL;
+    setenv("TS_LOG_LEVEL", level, 1);
+    return saved;
+}
+
+static void log_level_pop(char *saved)
+{
+    if (saved) setenv("TS_LOG_LEVEL", saved, 1);
+    else unsetenv("TS_LOG_LEVEL");
+    free(saved);
+}
+
 static void die_scenario(int W, int victim, const char *how, int run)
 {
     char vs[16];
@@ -247,7 +320,9 @@ static void die_scenario(int W, int victim, const char *how, int run)
     setenv("TS_TEST_FAIL_VICTIM", vs, 1);
     setenv("TS_TEST_FAIL_HOW", how, 1);
     job j;
+    char *saved = log_level_push("warn");
     job_start(&j, W, "die");
+    log_level_pop(saved);
     job_wait(&j, -1, 60);
     for (int r = 0; r < W; r++) {
         char *err = th_slurp_fd(j.err_fd[r]);
@@ -271,13 +346,16 @@ static void die_scenario(int W, int victim, const char *how, int run)
         cr_assert_eq(other, -1, "W=%d run %d (%s rank %d): survivor %d also names rank %d:\n%s", W, run, how, victim,
                      r, other, err);
         cr_assert(!has_ucx_line(err), "W=%d run %d: survivor %d's stderr has raw UCX log lines:\n%s", W, run, r, err);
+        cr_assert(!has_ts_ucx_warn(err), "W=%d run %d (%s rank %d): survivor %d warns about UCX transfers:\n%s", W,
+                  run, how, victim, r, err);
         free(err);
     }
 }
 
 /* 3 and 4 ranks, one SIGKILLed mid-collective, several times each (the
  * victim varies, rank 0 excepted: it hosts the store): every survivor's
- * error names it and no other rank, and no UCX log line is printed. */
+ * error names it and no other rank, and no UCX log line, nor a warning of
+ * our own about UCX transfers, is printed (at TS_LOG_LEVEL=warn). */
 Test(comm_failures_dist, killed_rank_named_by_every_survivor, .timeout = 240)
 {
     for (int run = 0; run < 3; run++) {
@@ -300,7 +378,9 @@ Test(comm_failures_dist, stopped_peer_deadline_names_it_and_costs_no_core, .time
 {
     setenv("TS_TEST_FAIL_DEADLINE", "2", 1);
     job j;
+    char *saved = log_level_push("warn");
     job_start(&j, 2, "stop");
+    log_level_pop(saved);
     job_wait(&j, 1, 40);
     kill(j.pid[1], SIGKILL);
     waitpid(j.pid[1], NULL, 0);
@@ -318,10 +398,67 @@ Test(comm_failures_dist, stopped_peer_deadline_names_it_and_costs_no_core, .time
      * leaves room for a loaded machine */
     cr_assert_lt(cpu, 0.2 * wall, "%.3f s of CPU in %.2f s of waiting", cpu, wall);
     cr_assert(!has_ucx_line(err), "raw UCX log lines:\n%s", err);
+    cr_assert(!has_ts_ucx_warn(err), "a warning about UCX transfers after the deadline:\n%s", err);
     free(err);
     close(j.err_fd[0]);
     close(j.err_fd[1]);
 }
+
+/* 3 ranks, rank 0 (the store's host) SIGSTOPped in a loop of all-gathers,
+ * before its 20th or at several points within it: every survivor's
+ * deadline (2 s) names rank 0 (the one it waits for, directly or through
+ * its upstream neighbour), finalize returns, and no survivor's stderr has
+ * a raw UCX line or a warning of ours about UCX transfers (the abandoned
+ * ones are the expected aftermath, at debug level). */
+static void stop3_scenario(const char *how)
+{
+    static const char *stops[] = {"-1", "0", "300", "3000"};
+    bool kill_it = strcmp(how, "kill") == 0;
+    setenv("TS_TEST_FAIL_DEADLINE", "2", 1);
+    setenv("TS_TEST_FAIL_HOW", how, 1);
+    for (size_t k = 0; k < sizeof stops / sizeof stops[0]; k++) {
+        setenv("TS_TEST_FAIL_STOP_US", stops[k], 1);
+        job j;
+        char *saved = log_level_push("warn");
+        job_start(&j, 3, "stop3");
+        log_level_pop(saved);
+        job_wait(&j, 0, 60);
+        kill(j.pid[0], SIGKILL);
+        waitpid(j.pid[0], NULL, 0);
+        for (int r = 0; r < 3; r++) {
+            char *err = th_slurp_fd(j.err_fd[r]);
+            close(j.err_fd[r]);
+            if (r == 0) {
+                free(err);
+                continue;
+            }
+            cr_log_info("%s %s us, rank %d: %s", how, stops[k], r, err);
+            cr_assert(WIFEXITED(j.status[r]) && WEXITSTATUS(j.status[r]) == 0, "%s %s: survivor %d status 0x%x:\n%s",
+                      how, stops[k], r, j.status[r], err);
+            char line[64], fin[32];
+            snprintf(line, sizeof line, "stopped3 %d: %s: ", r, kill_it ? "TS_ERR_PEER_FAILED" : "TS_ERR_TIMEOUT");
+            snprintf(fin, sizeof fin, "finalized %d", r);
+            const char *at = strstr(err, line);
+            cr_assert(at && strstr(err, fin), "%s %s: survivor %d:\n%s", how, stops[k], r, err);
+            const char *eol = strchr(at, '\n');
+            char msg[1024];
+            snprintf(msg, sizeof msg, "%.*s", (int)(eol ? (size_t)(eol - at) : strlen(at)), at + strlen(line));
+            cr_assert(strstr(msg, "all_gather #") && strstr(msg, kill_it ? "rank 0 failed" : "passed its deadline"),
+                      "%s %s: %s", how, stops[k], msg);
+            cr_assert(names_rank(msg, 0), "%s %s: survivor %d does not name rank 0: %s", how, stops[k], r, msg);
+            cr_assert(!has_ucx_line(err), "%s %s: survivor %d has raw UCX log lines:\n%s", how, stops[k], r, err);
+            cr_assert(!has_ts_ucx_warn(err), "%s %s: survivor %d warns about UCX transfers:\n%s", how, stops[k], r,
+                      err);
+            free(err);
+        }
+    }
+}
+
+Test(comm_failures_dist, stopped_rank_of_three_named_by_every_survivor, .timeout = 180) { stop3_scenario("stop"); }
+
+/* The same with rank 0 SIGKILLed: every survivor names it as failed, with
+ * no warning of ours about the transfers abandoned after it. */
+Test(comm_failures_dist, killed_rank_0_in_all_gathers_no_transfer_warnings, .timeout = 120) { stop3_scenario("kill"); }
 
 /* Desynchronised collectives between processes: both ranks fail within
  * the collective (the deadline is 30 s), naming both sides, with no UCX
