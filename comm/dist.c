@@ -35,6 +35,13 @@
  * fails the others at once, naming it. The loop waits on those pidfds
  * (poll, 50 ms plus 1 ms per 8 ranks) between rounds and says at warn
  * level, every g_progress_s (10 s), which ranks it still waits for.
+ * Under a launcher that hosts the store (tsrun), the loop also reads the
+ * exits it records (TS_LAUNCH_EXITS_KEY, comm/launch.h): a rank that exits
+ * before the rendezvous completes, even with status 0 and before it
+ * arrived, fails the others at once, naming it and its status.
+ * Without a launcher, a second RANK 0 finds MASTER_PORT taken by the
+ * first one's store: it connects there as a client and, finding RANK 0
+ * claimed, reports the duplicate through the error key (port_taken).
  * Known limit: when every rank of the smaller WORLD_SIZE arrives and
  * leaves before any rank of a larger one arrives, only the latecomers
  * fail (the others see a consistent world and go on).
@@ -54,6 +61,7 @@
 #include "comm/comm_internal.h"
 #include "comm/launch.h"
 #include "comm/store.h"
+#include "comm/store_internal.h"
 #include "comm/transport.h"
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -77,6 +85,8 @@ typedef struct rdv_peer {
     int pid;
     int pidfd; /* -1: not on this host, or not watchable */
     char host[64];
+    bool exited; /* its launcher recorded its exit (TS_LAUNCH_EXIT_KEY) */
+    int exit_code, exit_signal, exit_pid;
 } rdv_peer;
 
 /* Identifies this host and pid namespace: pids compare only within it. */
@@ -120,6 +130,23 @@ static ts_status rdv_fail(ts_store *st, const char *prefix, ts_status s, const c
     return ts_error(s, "%s", msg);
 }
 
+/* The duplicate-RANK message: `claim` (len bytes) is the first claimant's
+ * "<pid> <host id> <host name>"; `how` (may be "") ends it. */
+static void duplicate_rank_msg(char *msg, size_t cap, int rank, const void *claim, size_t len, int pid,
+                               const char *me_host, int world, const char *how)
+{
+    int opid = 0;
+    char oid[RDV_MAX_ID] = "?", ohost[64] = "?";
+    char *txt = strndup(claim, len);
+    if (txt)
+        sscanf(txt, "%d %159s %63s", &opid, oid, ohost);
+    free(txt);
+    snprintf(msg, cap,
+             "ts_dist_init: duplicate RANK %d: claimed by pid %d on %s and by pid %d on %s (WORLD_SIZE %d); "
+             "every process needs its own RANK in 0..%d%s",
+             rank, opid, ohost, pid, me_host, world, world - 1, how);
+}
+
 static void list_ranks(char *out, size_t cap, const rdv_peer *peers, int world)
 {
     size_t used = 0;
@@ -138,11 +165,61 @@ static void list_ranks(char *out, size_t cap, const rdv_peer *peers, int world)
         snprintf(out + used, cap - used, " and %d more", missing - listed);
 }
 
-/* All W ranks meet: duplicate RANKs, inconsistent WORLD_SIZEs and ranks of
- * this host that exit meanwhile are errors on every rank that is still
- * waiting (see the top of this file). Bounded by timeout_s. */
-static ts_status join_world_inner(ts_store *st, const char *prefix, int rank, int world, double timeout_s,
-                                  int *max_world)
+/* Reads the exits the launcher recorded since the last call (`exits_read`
+ * of them read so far) into peers[]; counts the newly exited ranks other
+ * than this one in *nexited. */
+static ts_status read_exits(ts_store *st, const char *run_id, int rank, int world, rdv_peer *peers,
+                           int64_t *exits_read, int *nexited)
+{
+    char key[TS_LAUNCH_MAX_STR + 64];
+    snprintf(key, sizeof key, TS_LAUNCH_EXITS_KEY, run_id);
+    int64_t n = 0;
+    ts_status s = ts_store_add(st, key, 0, &n);
+    while (s == TS_OK && *exits_read < n) {
+        snprintf(key, sizeof key, TS_LAUNCH_EXIT_KEY, run_id, (long long)(*exits_read + 1));
+        if (ts_store_check(st, key) != TS_OK)
+            break; /* counted but not set yet: next round */
+        void *v = NULL;
+        size_t len = 0;
+        s = ts_store_get(st, key, &v, &len);
+        if (s != TS_OK)
+            break;
+        ++*exits_read;
+        int r = -1, code = 0, sig = 0, epid = 0;
+        char *txt = strndup(v, len);
+        free(v);
+        if (txt)
+            sscanf(txt, "%d %d %d %d", &r, &code, &sig, &epid);
+        free(txt);
+        if (r < 0 || r >= world || r == rank || peers[r].exited)
+            continue; /* another job's numbering cannot reach here; ignore what is not a peer */
+        peers[r].exited = true;
+        peers[r].exit_code = code;
+        peers[r].exit_signal = sig;
+        peers[r].exit_pid = epid;
+        ++*nexited;
+    }
+    return s;
+}
+
+/* "status 3" or "signal 9 (SIGKILL)" */
+static void exit_how(char *out, size_t cap, const rdv_peer *p)
+{
+    if (p->exit_signal > 0) {
+        const char *name = sigabbrev_np(p->exit_signal);
+        snprintf(out, cap, "signal %d%s%s%s", p->exit_signal, name ? " (SIG" : "", name ? name : "", name ? ")" : "");
+    } else {
+        snprintf(out, cap, "status %d", p->exit_code);
+    }
+}
+
+/* All W ranks meet: duplicate RANKs, inconsistent WORLD_SIZEs, ranks of
+ * this host that exit meanwhile and ranks whose launcher recorded their
+ * exit (run_id not NULL: the launcher's TS_LAUNCH_EXIT_KEY records) are
+ * errors on every rank that is still waiting (see the top of this file).
+ * Bounded by timeout_s. */
+static ts_status join_world_inner(ts_store *st, const char *prefix, const char *run_id, int rank, int world,
+                                  double timeout_s, int *max_world)
 {
     char me_id[RDV_MAX_ID], me_host[64];
     host_id(me_id, sizeof me_id);
@@ -161,17 +238,8 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, int rank, in
         return s;
     bool mine = glen == strlen(val) && memcmp(got, val, glen) == 0;
     if (!mine) {
-        int opid = 0;
-        char oid[RDV_MAX_ID] = "?", ohost[64] = "?";
-        char *txt = strndup(got, glen);
-        if (txt)
-            sscanf(txt, "%d %159s %63s", &opid, oid, ohost);
-        free(txt);
+        duplicate_rank_msg(msg, sizeof msg, rank, got, glen, pid, me_host, world, "");
         free(got);
-        snprintf(msg, sizeof msg,
-                 "ts_dist_init: duplicate RANK %d: claimed by pid %d on %s and by pid %d on %s (WORLD_SIZE %d); "
-                 "every process needs its own RANK in 0..%d",
-                 rank, opid, ohost, pid, me_host, world, world - 1);
         return rdv_fail(st, prefix, TS_ERR_INVALID_ARGUMENT, msg);
     }
     free(got);
@@ -200,8 +268,8 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, int rank, in
     }
     for (int r = 0; r < world; r++)
         peers[r].pidfd = -1;
-    int nseen = 0, npfd = 0;
-    int64_t read_upto = 0;
+    int nseen = 0, npfd = 0, nexited = 0;
+    int64_t read_upto = 0, exits_read = 0;
     double t0 = (double)ts_now_ns() / 1e9, next_note = t0 + g_progress_s;
     s = TS_OK;
     int gone = -1; /* a local rank whose pidfd fired */
@@ -231,6 +299,13 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, int rank, in
                      peers[gone].pid, peers[gone].host, world);
             s = rdv_fail(st, prefix, TS_ERR_PEER_FAILED, msg);
             break;
+        }
+        /* Exits the launcher saw, read before the arrivals: a rank's
+         * arrival is in the store before its exit is. */
+        if (run_id) {
+            s = read_exits(st, run_id, rank, world, peers, &exits_read, &nexited);
+            if (s != TS_OK)
+                break;
         }
         /* New arrivals. */
         int64_t count = 0;
@@ -300,21 +375,43 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, int rank, in
         }
         if (nseen == world)
             break;
+        for (int r = 0; nexited > 0 && r < world; r++) {
+            if (!peers[r].exited)
+                continue;
+            char how[64];
+            exit_how(how, sizeof how, &peers[r]);
+            if (peers[r].seen)
+                snprintf(msg, sizeof msg,
+                         "ts_dist_init: rank %d (pid %d on %s) exited before the rendezvous of %d ranks completed "
+                         "(%s, seen by its launcher)",
+                         r, peers[r].pid, peers[r].host, world, how);
+            else
+                snprintf(msg, sizeof msg,
+                         "ts_dist_init: rank %d exited (%s) before joining the rendezvous of %d ranks (pid %d, seen "
+                         "by its launcher; %d of %d had arrived)",
+                         r, how, world, peers[r].exit_pid, nseen, world);
+            s = rdv_fail(st, prefix, TS_ERR_PEER_FAILED, msg);
+            break;
+        }
+        if (s != TS_OK)
+            break;
         double now = (double)ts_now_ns() / 1e9;
         if (now - t0 >= timeout_s) {
             char missing[200];
             list_ranks(missing, sizeof missing, peers, world);
             s = ts_error(TS_ERR_TIMEOUT,
                          "ts_dist_init: rendezvous '%s': rank %d waited %.1f s (the deadline; " TS_DIST_TIMEOUT_ENV
-                         " sets it) for ranks %s of %d, which never arrived",
-                         prefix, rank, now - t0, missing, world);
+                         " sets it) for rank(s) [%s], which never arrived (%d of %d arrived)",
+                         prefix, rank, now - t0, missing, nseen, world);
             break;
         }
         if (now >= next_note) {
             char missing[200];
             list_ranks(missing, sizeof missing, peers, world);
-            ts_logf(TS_LOG_WARN, "rank %d: rendezvous: still waiting for ranks %s of %d after %.0f s (deadline %.0f s)",
-                    rank, missing, world, now - t0, timeout_s);
+            ts_logf(TS_LOG_WARN,
+                    "rank %d: rendezvous: still waiting for rank(s) [%s] (%d of %d arrived) after %.0f s (deadline "
+                    "%.0f s)",
+                    rank, missing, nseen, world, now - t0, timeout_s);
             next_note = now + g_progress_s;
         }
         /* Wait on the local ranks' pidfds between rounds. */
@@ -332,10 +429,11 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, int rank, in
     return s;
 }
 
-static ts_status join_world(ts_store *st, const char *prefix, int rank, int world, double timeout_s, bool hosting)
+static ts_status join_world(ts_store *st, const char *prefix, const char *run_id, int rank, int world,
+                            double timeout_s, bool hosting)
 {
     int max_world = world;
-    ts_status s = join_world_inner(st, prefix, rank, world, timeout_s, &max_world);
+    ts_status s = join_world_inner(st, prefix, run_id, rank, world, timeout_s, &max_world);
     if (s != TS_OK && s != TS_ERR_TIMEOUT && s != TS_ERR_COMM) {
         /* Count this rank out; the rank hosting the store keeps it up
          * (at most 5 s) until every rank that arrived, and as many as the
@@ -357,6 +455,55 @@ static ts_status join_world(ts_store *st, const char *prefix, int rank, int worl
         s = ts_error(s, "%s", err);
     }
     return s;
+}
+
+/* Rank 0 cannot host the store: MASTER_PORT is taken (the detail of
+ * ts_store_server_start is the last error). When a store of this job
+ * answers there and RANK 0 is claimed in it, this process is a second
+ * RANK 0: it reports that through the job's error key, so that every rank
+ * fails at once naming both pids, and counts itself out (join_world).
+ * Otherwise another program holds the port. Bounded by 5 s (or timeout_s
+ * when shorter) for the connection and 5 s more for the claim. */
+static ts_status port_taken(const ts_rank_env *e, const char *prefix, double timeout_s)
+{
+    char listen_err[400], why[400], msg[512];
+    snprintf(listen_err, sizeof listen_err, "%s", ts_last_error());
+    double probe_s = timeout_s < 5.0 ? timeout_s : 5.0;
+    ts_store *c = NULL;
+    ts_status s = ts_store_connect(e->master_addr, e->master_port, e->token, probe_s, &c);
+    if (s != TS_OK) {
+        snprintf(why, sizeof why, "%s", ts_last_error());
+        return ts_error(TS_ERR_IO,
+                        "ts_dist_init: rank 0 cannot host the store: %s: another program holds MASTER_PORT %d (no "
+                        "tensorshard store of this job answers there: %s); stop it or choose another MASTER_PORT",
+                        listen_err, e->master_port, why);
+    }
+    ts_store_set_timeout(c, probe_s);
+    char key[3 * TS_LAUNCH_MAX_STR + 64];
+    snprintf(key, sizeof key, "%s/rdv/claim/0", prefix);
+    void *got = NULL;
+    size_t glen = 0;
+    s = ts_store_get(c, key, &got, &glen);
+    if (s != TS_OK) {
+        snprintf(why, sizeof why, "%s", ts_last_error());
+        ts_store_close(c);
+        return ts_error(TS_ERR_IO,
+                        "ts_dist_init: rank 0 cannot host the store: %s: a tensorshard store answers on MASTER_PORT %d "
+                        "but no RANK 0 of this job claimed its rank there (%s): another job's store holds the port; "
+                        "choose another MASTER_PORT",
+                        listen_err, e->master_port, why);
+    }
+    char me_host[64], how[96];
+    host_name(me_host, sizeof me_host);
+    snprintf(how, sizeof how, " (the second found MASTER_PORT %d held by the first one's store)", e->master_port);
+    duplicate_rank_msg(msg, sizeof msg, 0, got, glen, (int)getpid(), me_host, e->world_size, how);
+    free(got);
+    s = rdv_fail(c, prefix, TS_ERR_INVALID_ARGUMENT, msg);
+    /* counted out, so that the hosting rank 0 need not wait for this one */
+    snprintf(key, sizeof key, "%s/rdv/failed", prefix);
+    (void)ts_store_add(c, key, 1, NULL);
+    ts_store_close(c);
+    return ts_error(s, "%s", msg);
 }
 
 /* TS_DIST_TIMEOUT, when set, overrides the option (seconds, > 0). */
@@ -472,12 +619,16 @@ static ts_status init_locked(const ts_dist_options *o)
     snprintf(g_prefix, sizeof g_prefix, "dist/%s/%u", env.run_id, epoch);
     if (!env.store_hosted && env.rank == 0) {
         s = ts_store_server_start(env.master_addr, env.master_port, env.token, &g_server);
+        if (s != TS_OK && ts__store_server_listen_error() == UV_EADDRINUSE)
+            s = port_taken(&env, g_prefix, timeout_s);
         if (s != TS_OK) return s;
     }
     s = ts_store_connect(env.master_addr, env.master_port, env.token, timeout_s, &g_store);
     if (s != TS_OK) goto fail;
     ts_store_set_timeout(g_store, timeout_s);
-    s = join_world(g_store, g_prefix, env.rank, env.world_size, timeout_s, g_server != NULL);
+    /* a launcher that hosts the store records the ranks' exits in it */
+    s = join_world(g_store, g_prefix, env.store_hosted ? env.run_id : NULL, env.rank, env.world_size, timeout_s,
+                   g_server != NULL);
     if (s != TS_OK) goto fail;
     ts_transport *t = NULL;
     s = ts__ucx_transport_new(g_store, g_prefix, env.rank, env.world_size, timeout_s, &t);

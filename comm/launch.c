@@ -78,6 +78,8 @@ struct launcher {
     int failed_rank, failed_code, failed_signal, received_signal;
     bool out_dead, err_dead;
     int watchdog_fd; /* write end of the watchdog's pipe; -1 when none */
+    ts_store *store; /* node 0: a client of its own store, recording exits; NULL when none */
+    const char *run_id;
     char *line;
     size_t line_cap;
     char rbuf[READ_CHUNK];
@@ -397,6 +399,31 @@ static void on_drain(uv_timer_t *t)
     maybe_finish(L);
 }
 
+/* Records a rank's exit in the store (TS_LAUNCH_EXITS_KEY, launch.h), so
+ * that a rendezvous waiting for it fails at once. The store runs on its
+ * own thread, so these blocking calls are answered at once; should it
+ * fail, the client is dropped and the job goes on without the records. */
+static void record_exit(launcher *L, const rank_proc *rp, int64_t exit_status, int term_signal)
+{
+    if (!L->store)
+        return;
+    char key[TS_LAUNCH_MAX_STR + 64], val[96];
+    snprintf(key, sizeof key, TS_LAUNCH_EXITS_KEY, L->run_id);
+    int64_t n = 0;
+    ts_status s = ts_store_add(L->store, key, 1, &n);
+    if (s == TS_OK) {
+        snprintf(key, sizeof key, TS_LAUNCH_EXIT_KEY, L->run_id, (long long)n);
+        snprintf(val, sizeof val, "%d %lld %d %d", rp->rank, (long long)exit_status, term_signal, rp->pid);
+        s = ts_store_set(L->store, key, val, strlen(val));
+    }
+    if (s != TS_OK) {
+        ts_logf(TS_LOG_WARN, "ts_launch: cannot record the exit of rank %d in the store: %s", rp->rank,
+                ts_last_error());
+        ts_store_close(L->store);
+        L->store = NULL;
+    }
+}
+
 static void on_proc_exit(uv_process_t *p, int64_t exit_status, int term_signal)
 {
     rank_proc *rp = p->data;
@@ -407,6 +434,7 @@ static void on_proc_exit(uv_process_t *p, int64_t exit_status, int term_signal)
     kill(-(pid_t)rp->pid, SIGKILL);
     watchdog_tell(L, -(int32_t)rp->pid);
     uv_close((uv_handle_t *)p, NULL);
+    record_exit(L, rp, exit_status, term_signal);
     bool failed = exit_status != 0 || term_signal != 0;
     if (failed && !L->stopping) {
         L->failed_rank = rp->rank;
@@ -859,6 +887,14 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
         if ((s = ts_store_server_start(ip, o->master_port, token, &server)))
             goto out;
         port = ts_store_server_port(server);
+        /* the launcher's own client, recording the ranks' exits */
+        L->run_id = run_id;
+        if (ts_store_connect(ip, port, token, 5.0, &L->store) == TS_OK)
+            ts_store_set_timeout(L->store, 5.0);
+        else
+            ts_logf(TS_LOG_WARN, "ts_launch: cannot connect to its own store (%s); a rank that exits before the "
+                                 "rendezvous will not be reported to the others",
+                    ts_last_error());
     }
     if ((s = build_env(&env, o, port, token, run_id)))
         goto out;
@@ -921,6 +957,7 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
             *result_out = res;
     }
 out:
+    ts_store_close(L->store);
     ts_store_server_stop(server);
     watchdog_stop(L, watchdog);
     for (int i = 0; L->ranks && i < L->n; i++) {

@@ -116,6 +116,16 @@ typedef struct ts_launch_result {
  * of a log file is refused (O_NOFOLLOW). A write error on a log file stops
  * that file (one warning on err_fd), not the job.
  *
+ * Exits in the store: node 0 records the exit of each of its ranks (any
+ * status, as soon as it is reaped) in the store it hosts: it adds one to
+ * the counter TS_LAUNCH_EXITS_KEY and sets TS_LAUNCH_EXIT_KEY (the run id
+ * and that ticket n) to "<rank> <exit status> <signal> <pid>" (signal 0
+ * when it exited). A rendezvous (ts_dist_init) that still waits for that
+ * rank fails at once on every rank, naming it, rather than at its
+ * deadline. Known limit: the launchers of other nodes host no store and
+ * record nothing, so there only the deadline (or the failure of a rank
+ * that exits non-zero, which stops the job) ends the wait.
+ *
  * Ending: when a rank exits non-zero or is killed, every other rank's
  * process group gets SIGTERM, then SIGKILL after grace_s. When a rank
  * exits, its process group gets SIGKILL (leftover children would hold its
@@ -149,6 +159,10 @@ typedef enum ts_launch_source {
 TS_API const char *ts_launch_source_name(ts_launch_source s);
 
 #define TS_LAUNCH_MAX_STR 256
+/* The store keys of the ranks' exits (see ts_launch): printf formats of
+ * the run id, and of the run id and the ticket (long long). */
+#define TS_LAUNCH_EXITS_KEY "tsrun/%s/exits"
+#define TS_LAUNCH_EXIT_KEY "tsrun/%s/exit/%lld"
 
 typedef struct ts_rank_env {
     ts_launch_source source;

@@ -195,4 +195,10 @@ void ts__store_server_get_stats(const ts_store_server *s, ts__store_server_stats
  * TS_STORE_MAX_PENDING. Not thread-safe against concurrent starts. */
 void ts__store_server_set_limits(unsigned hello_timeout_ms, unsigned max_pending);
 
+/* The libuv error (UV_EADDRINUSE, UV_EACCES, ...) with which the calling
+ * thread's last ts_store_server_start failed to bind or listen; 0 when it
+ * succeeded or failed for another reason. Lets ts_dist_init tell "the
+ * port is taken" from other failures without parsing the message. */
+int ts__store_server_listen_error(void);
+
 #endif /* TS_STORE_INTERNAL_H */

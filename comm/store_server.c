@@ -66,6 +66,9 @@ struct srv_conn {
 
 static unsigned g_hello_timeout_ms; /* ts__store_server_set_limits; 0: the default */
 static unsigned g_max_pending;
+static _Thread_local int tl_listen_error; /* ts__store_server_listen_error */
+
+int ts__store_server_listen_error(void) { return tl_listen_error; }
 
 void ts__store_server_set_limits(unsigned hello_timeout_ms, unsigned max_pending)
 {
@@ -513,6 +516,7 @@ static void server_free(ts_store_server *srv, bool loop_ready)
 
 ts_status ts_store_server_start(const char *host, int port, const char *token, ts_store_server **out)
 {
+    tl_listen_error = 0;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_store_server_start: out is NULL");
     if (port < 0 || port > 65535)
@@ -590,6 +594,8 @@ ts_status ts_store_server_start(const char *host, int port, const char *token, t
         }
     }
     if (rc < 0) {
+        if (strcmp(step, "bind") == 0 || strcmp(step, "listen") == 0)
+            tl_listen_error = rc;
         st = ts_error(TS_ERR_IO, "store: cannot listen on %s (%s): %s (%s)", srv->addr, step, uv_strerror(rc),
                       uv_err_name(rc));
         server_free(srv, true);

@@ -1,12 +1,15 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,10 +18,17 @@
 #include "tests/helpers.h"
 
 /* ts_dist_init's rendezvous with ranks started by hand (no launcher):
- * duplicate RANKs, inconsistent WORLD_SIZEs, a rank that dies before the
- * rendezvous completes, the progress line, TS_DIST_TIMEOUT, and the token
- * rule of a multi-host job. The ranks are this binary again, in a role
- * chosen by TS_TEST_RDV_ROLE; their stderr goes to a file per rank. */
+ * duplicate RANKs (rank 0 too), inconsistent WORLD_SIZEs, a rank that
+ * dies before the rendezvous completes, a MASTER_PORT held by another
+ * program, the progress line, TS_DIST_TIMEOUT, and the token rule of a
+ * multi-host job; and under tsrun, a rank that exits with status 0 before
+ * it joins. The ranks are this binary again, in a role chosen by
+ * TS_TEST_RDV_ROLE; their stderr goes to a file per rank. */
+
+#ifndef TS_BUILD_DIR
+#error "TS_BUILD_DIR must name the build root (tests/meson.build defines it)"
+#endif
+#define TSRUN TS_BUILD_DIR "/tools/tsrun"
 
 /* ------------------------------------------------------------ rank side */
 
@@ -29,6 +39,9 @@ __attribute__((constructor)) static void rdv_test_role(void)
     ts_log_set_level(TS_LOG_WARN); /* the progress line is a warning */
     const char *iv = getenv("TS_TEST_RDV_PROGRESS");
     if (iv) ts__dist_set_progress_interval(atof(iv));
+    const char *rk = getenv("RANK");
+    if (strcmp(role, "exit1") == 0 && rk && strcmp(rk, "1") == 0)
+        _exit(0); /* rank 1 leaves at once, with status 0, before the rendezvous */
     double t0 = th_now_s();
     ts_status s = ts_dist_init(NULL);
     if (strcmp(role, "stall") == 0 && s == TS_OK) {
@@ -166,6 +179,70 @@ Test(comm_rendezvous, duplicate_rank_fails_every_rank, .timeout = 120)
     }
 }
 
+Test(comm_rendezvous, duplicate_rank_0_fails_every_rank, .timeout = 120)
+{
+    /* The second RANK 0 cannot listen on MASTER_PORT: it finds the first
+     * one's store there, RANK 0 claimed in it, and reports the duplicate
+     * to every rank. */
+    clear_launch_env();
+    char port[16];
+    snprintf(port, sizeof port, "%d", th_free_port());
+    setenv("MASTER_PORT", port, 1);
+    setenv("TS_DIST_TIMEOUT", "60", 1);
+    rank_proc p[3];
+    double t0 = th_now_s();
+    spawn_rank(&p[0], 0, 3, "dup0");
+    spawn_rank(&p[1], 0, 3, "dup0"); /* RANK 0 again; rank 2 is missing */
+    spawn_rank(&p[2], 1, 3, "dup0");
+    wait_ranks(p, 3, t0, 90);
+    char pid0[32], pid1[32];
+    snprintf(pid0, sizeof pid0, "pid %d ", (int)p[0].pid);
+    snprintf(pid1, sizeof pid1, "pid %d ", (int)p[1].pid);
+    for (int i = 0; i < 3; i++) {
+        char log[sizeof p[i].log];
+        snprintf(log, sizeof log, "%s", p[i].log);
+        FILE *f = fopen(log, "r");
+        cr_assert_not_null(f, "%s", log);
+        char text[4096];
+        size_t n = fread(text, 1, sizeof text - 1, f);
+        text[n] = '\0';
+        fclose(f);
+        cr_assert(strstr(text, pid0) && strstr(text, pid1), "process %d: want '%s' and '%s' in:\n%s", i, pid0, pid1,
+                  text);
+        expect_failed_with(p, i, "duplicate RANK 0: claimed by pid", "RANK in 0..2");
+        cr_assert_lt(p[i].exited_s, 20.0, "process %d took %.1f s (the deadline is 60 s)", i, p[i].exited_s);
+    }
+}
+
+Test(comm_rendezvous, master_port_held_by_another_program_is_named, .timeout = 60)
+{
+    /* A plain socket listens on MASTER_PORT and never answers: rank 0
+     * keeps the EADDRINUSE detail and says another program holds it. */
+    clear_launch_env();
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    cr_assert_eq(listen(fd, 8), 0);
+    socklen_t len = sizeof a;
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    char port[16], want[64];
+    snprintf(port, sizeof port, "%d", ntohs(a.sin_port));
+    snprintf(want, sizeof want, "another program holds MASTER_PORT %s", port);
+    setenv("MASTER_PORT", port, 1);
+    setenv("TS_DIST_TIMEOUT", "30", 1);
+    rank_proc p[1];
+    double t0 = th_now_s();
+    spawn_rank(&p[0], 0, 2, "held");
+    wait_ranks(p, 1, t0, 50);
+    close(fd);
+    expect_failed_with(p, 0, "(EADDRINUSE)", want);
+    cr_assert_lt(p[0].exited_s, 15.0, "rank 0 took %.1f s (the probe is bounded by 5 s)", p[0].exited_s);
+}
+
 Test(comm_rendezvous, inconsistent_world_size_fails_every_rank, .timeout = 120)
 {
     clear_launch_env();
@@ -240,9 +317,10 @@ Test(comm_rendezvous, waiting_rendezvous_names_the_missing_ranks_until_the_deadl
     char *log = slurp(p[0].log);
     cr_assert(WIFEXITED(p[0].status) && WEXITSTATUS(p[0].status) == 3, "status 0x%x:\n%s", p[0].status, log);
     int lines = 0;
-    for (const char *q = log; (q = strstr(q, "still waiting for ranks 1, 2 of 3")); q++) lines++;
+    for (const char *q = log; (q = strstr(q, "still waiting for rank(s) [1, 2] (1 of 3 arrived)")); q++) lines++;
     cr_assert_geq(lines, 2, "%d progress lines in:\n%s", lines, log);
-    cr_assert(strstr(log, "TS_ERR_TIMEOUT") && strstr(log, "ranks 1, 2 of 3") && strstr(log, "TS_DIST_TIMEOUT"),
+    cr_assert(strstr(log, "TS_ERR_TIMEOUT") && strstr(log, "rank(s) [1, 2], which never arrived (1 of 3 arrived)") &&
+                  strstr(log, "TS_DIST_TIMEOUT"),
               "%s", log);
     cr_assert(p[0].exited_s > 2.0 && p[0].exited_s < 15.0, "failed after %.1f s, the deadline is 2.5 s",
               p[0].exited_s);
@@ -318,4 +396,55 @@ Test(comm_rendezvous, dist_timeout_sets_the_collective_deadline, .timeout = 120)
     sscanf(line, "all_reduce TS_ERR_TIMEOUT after %lf", &dt);
     cr_assert(dt > 1.5 && dt < 10.0, "the all-reduce timed out after %.2f s; TS_DIST_TIMEOUT is 2 s:\n%s", dt, log);
     cr_log_info("%s", line);
+}
+
+Test(comm_rendezvous, rank_exiting_0_under_tsrun_before_joining_fails_the_others_at_once, .timeout = 120)
+{
+    /* tsrun records every rank's exit in its store; rank 1 exits with
+     * status 0 before it publishes anything, and ranks 0 and 2 fail at
+     * once naming it (not at the 60 s deadline, blaming nobody). */
+    clear_launch_env();
+    setenv("TS_DIST_TIMEOUT", "60", 1);
+    setenv("TS_TEST_RDV_ROLE", "exit1", 1);
+    setenv("TS_TEST_RDV_PROGRESS", "0.5", 1); /* a progress line would show a wait */
+    const char *tmp = getenv("TMPDIR");
+    char log[256];
+    snprintf(log, sizeof log, "%s/rdv-tsrun-%d.log", tmp && *tmp ? tmp : "/tmp", (int)getpid());
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    char *argv[] = {TSRUN, "--nproc-per-node", "3", "--grace", "1", th_self_exe(), NULL};
+    rank_proc p[1];
+    snprintf(p[0].log, sizeof p[0].log, "%s", log);
+    double t0 = th_now_s();
+    cr_assert_eq(posix_spawn(&p[0].pid, argv[0], &fa, NULL, argv, environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    unsetenv("TS_TEST_RDV_ROLE");
+    unsetenv("TS_TEST_RDV_PROGRESS");
+    wait_ranks(p, 1, t0, 90);
+    char *out = slurp(log);
+    cr_assert(WIFEXITED(p[0].status) && WEXITSTATUS(p[0].status) == 3, "tsrun: status 0x%x:\n%s", p[0].status, out);
+    /* The rank tsrun names failed first and says why; tsrun then stops
+     * the other one, which may or may not have printed its line yet: any
+     * line it did print names rank 1 too. */
+    int failed = -1;
+    const char *last = strstr(out, "tsrun: rank ");
+    cr_assert(last && sscanf(last, "tsrun: rank %d exited with status 3", &failed) == 1 && (failed == 0 || failed == 2),
+              "%s", out);
+    for (int r = 0; r <= 2; r += 2) {
+        char want[64];
+        snprintf(want, sizeof want, "[%d] init ", r);
+        const char *line = strstr(out, want);
+        cr_assert(line || r != failed, "rank %d, which tsrun names, printed no init line:\n%s", r, out);
+        if (!line) continue;
+        const char *eol = strchr(line, '\n');
+        const char *named = strstr(line, "rank 1 exited (status 0) before joining the rendezvous of 3 ranks");
+        cr_assert(strncmp(line + strlen(want), "TS_ERR_PEER_FAILED after ", 25) == 0 && named && (!eol || named < eol),
+                  "rank %d: want TS_ERR_PEER_FAILED naming rank 1 in:\n%s", r, out);
+    }
+    cr_assert_null(strstr(out, "[1] "), "rank 1 printed something:\n%s", out);
+    cr_assert_null(strstr(out, "still waiting"), "%s", out);
+    cr_assert_lt(p[0].exited_s, 20.0, "tsrun took %.1f s (the deadline is 60 s):\n%s", p[0].exited_s, out);
+    cr_log_info("tsrun exited after %.2f s:\n%s", p[0].exited_s, out);
 }
