@@ -85,8 +85,10 @@ static void run(ts_reshard_policy policy, const char *label)
     ts_module_free(model);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    /* no flags: --help prints this, anything else is refused (exit 2) */
+    ex_parse_flags(argc, argv, "Seed 001: the all-gathers and reduce-scatters of one step of three sharded blocks, with reshard_after_forward true and false. Run under tsrun --nproc-per-node 2.", NULL, 0);
     CHECK(ts_launch_rank_guard());
     CHECK(ts_dist_init(NULL));
     run(TS_RESHARD_TRUE, "True");

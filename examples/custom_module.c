@@ -264,8 +264,10 @@ done:
     return st;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    /* no flags: --help prints this, anything else is refused (exit 2) */
+    ex_parse_flags(argc, argv, "A user-defined module type (a residual block with a child, a parameter and a buffer), printed, summarised, sharded bottom-up and trained with AdamW. Alone, or under tsrun.", NULL, 0);
     CHECK(ts_launch_rank_guard());
     CHECK(ts_dist_init(NULL)); /* the world from tsrun (or mpirun, srun); one rank alone */
     int rank = ts_comm_rank(ts_dist_world()), world = ts_comm_size(ts_dist_world());

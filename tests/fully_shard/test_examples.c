@@ -441,6 +441,28 @@ Test(fully_shard_examples, help_prints_usage_and_exits_zero, .timeout = 60)
     free(err);
 }
 
+/* The examples without flags still answer --help (usage, exit 0) and
+ * refuse anything else (exit 2), instead of running with it ignored. */
+Test(fully_shard_examples, examples_without_flags_take_help_and_refuse_the_rest, .timeout = 60)
+{
+    const char *progs[] = {"unit_wrapped", "collective_counts", "uneven", "custom_module",
+                           "contract_smoke", "sharded_step", "wrap_policies"};
+    for (size_t i = 0; i < sizeof progs / sizeof *progs; i++) {
+        const char *h[] = {"--help"};
+        char *err, *out = run_expect(progs[i], 0, 1, h, &err);
+        char want[64];
+        snprintf(want, sizeof want, "usage: %s", progs[i]);
+        cr_expect(strstr(out, want) == out, "%s --help printed:\n%s", progs[i], out);
+        free(out);
+        free(err);
+        const char *b[] = {"--bogus"};
+        out = run_expect(progs[i], 2, 1, b, &err);
+        cr_expect(strstr(err, "unknown flag '--bogus'"), "%s --bogus said:\n%s", progs[i], err);
+        free(out);
+        free(err);
+    }
+}
+
 Test(fully_shard_examples, numbers_are_parsed_strictly, .timeout = 60)
 {
     struct {
