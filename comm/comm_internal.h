@@ -36,6 +36,12 @@ void ts__world_free(ts_comm *world);
 void ts__world_publish(ts_comm *w);
 ts_comm *ts__world_published(void);
 
+/* The world size the launcher's variables claim (ts_launch_env's reading),
+ * even when they are incomplete (mpirun's without MASTER_PORT): 0 when
+ * none says one, or when it could not be read. Leaves ts_last_error() as it
+ * was. (comm/launch_env.c) */
+int ts__launch_env_world_size(void);
+
 /* Test hook: how often (seconds; <= 0 restores 10) a waiting rendezvous
  * of ts_dist_init says which ranks it still waits for. */
 void ts__dist_set_progress_interval(double seconds);

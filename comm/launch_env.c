@@ -6,6 +6,7 @@
  */
 #define _GNU_SOURCE
 #include "comm/launch.h"
+#include "comm/comm_internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -176,52 +177,51 @@ static ts_status env_str(const char *name, char *out, const char *dflt)
     return TS_OK;
 }
 
-ts_status ts_launch_env(ts_rank_env *env_out)
+/* ts_launch_env's work on a zeroed *e, which keeps what was read before an
+ * error (ts__launch_env_world_size needs the world size of incomplete
+ * variables). */
+static ts_status parse_env(ts_rank_env *e)
 {
-    if (!env_out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: env_out is NULL");
-    ts_rank_env e;
-    memset(&e, 0, sizeof e);
     ts_status s;
     const char *rank_v, *size_v, *lrank_v, *lsize_v;
     const int big = 1 << 24;
     bool set1, set2;
     if (getenv("RANK") || getenv("WORLD_SIZE")) {
-        e.source = TS_LAUNCH_SOURCE_TSRUN;
+        e->source = TS_LAUNCH_SOURCE_TSRUN;
         rank_v = "RANK", size_v = "WORLD_SIZE", lrank_v = "LOCAL_RANK", lsize_v = "LOCAL_WORLD_SIZE";
         const char *why = "tsrun and torchrun set RANK and WORLD_SIZE together";
-        if ((s = env_int_req(rank_v, 0, big, &e.rank, why)) ||
-            (s = env_int_req(size_v, 1, big, &e.world_size, why)))
+        if ((s = env_int_req(rank_v, 0, big, &e->rank, why)) ||
+            (s = env_int_req(size_v, 1, big, &e->world_size, why)))
             return s;
-        if ((s = env_int(lrank_v, 0, big, &e.local_rank, &set1)) ||
-            (s = env_int(lsize_v, 1, big, &e.local_world_size, &set2)))
+        if ((s = env_int(lrank_v, 0, big, &e->local_rank, &set1)) ||
+            (s = env_int(lsize_v, 1, big, &e->local_world_size, &set2)))
             return s;
         if (set1 != set2)
             return ts_error(TS_ERR_INVALID_ARGUMENT,
                             "ts_launch_env: %s is set but %s is not (set both, or neither for one node)",
                             set1 ? lrank_v : lsize_v, set1 ? lsize_v : lrank_v);
         if (!set1) {
-            e.local_rank = e.rank;
-            e.local_world_size = e.world_size;
+            e->local_rank = e->rank;
+            e->local_world_size = e->world_size;
         }
     } else if (getenv("OMPI_COMM_WORLD_RANK") || getenv("OMPI_COMM_WORLD_SIZE")) {
-        e.source = TS_LAUNCH_SOURCE_OMPI;
+        e->source = TS_LAUNCH_SOURCE_OMPI;
         rank_v = "OMPI_COMM_WORLD_RANK", size_v = "OMPI_COMM_WORLD_SIZE";
         lrank_v = "OMPI_COMM_WORLD_LOCAL_RANK", lsize_v = "OMPI_COMM_WORLD_LOCAL_SIZE";
         const char *why = "mpirun (Open MPI) sets all four OMPI_COMM_WORLD_ variables";
-        if ((s = env_int_req(rank_v, 0, big, &e.rank, why)) ||
-            (s = env_int_req(size_v, 1, big, &e.world_size, why)) ||
-            (s = env_int_req(lrank_v, 0, big, &e.local_rank, why)) ||
-            (s = env_int_req(lsize_v, 1, big, &e.local_world_size, why)))
+        if ((s = env_int_req(rank_v, 0, big, &e->rank, why)) ||
+            (s = env_int_req(size_v, 1, big, &e->world_size, why)) ||
+            (s = env_int_req(lrank_v, 0, big, &e->local_rank, why)) ||
+            (s = env_int_req(lsize_v, 1, big, &e->local_world_size, why)))
             return s;
     } else if (getenv("SLURM_PROCID")) {
-        e.source = TS_LAUNCH_SOURCE_SLURM;
+        e->source = TS_LAUNCH_SOURCE_SLURM;
         rank_v = "SLURM_PROCID", lrank_v = "SLURM_LOCALID";
         size_v = getenv("SLURM_NTASKS") || !getenv("SLURM_NPROCS") ? "SLURM_NTASKS" : "SLURM_NPROCS";
         const char *why = "srun sets it for every task";
-        if ((s = env_int_req(rank_v, 0, big, &e.rank, why)) ||
-            (s = env_int_req(size_v, 1, big, &e.world_size, why)) ||
-            (s = env_int_req(lrank_v, 0, big, &e.local_rank, why)))
+        if ((s = env_int_req(rank_v, 0, big, &e->rank, why)) ||
+            (s = env_int_req(size_v, 1, big, &e->world_size, why)) ||
+            (s = env_int_req(lrank_v, 0, big, &e->local_rank, why)))
             return s;
         static const char *const per_node[] = {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
                                                "SLURM_NTASKS_PER_NODE"};
@@ -251,46 +251,46 @@ ts_status ts_launch_env(ts_rank_env *env_out)
         if (n == 0)
             return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s='%s' has no entry for SLURM_NODEID=%d",
                             lsize_v, spec, node);
-        e.local_world_size = n;
+        e->local_world_size = n;
     } else {
         return ts_error(TS_ERR_NOT_FOUND,
                         "ts_launch_env: no launcher variables: neither RANK/WORLD_SIZE (tsrun, torchrun), "
                         "OMPI_COMM_WORLD_RANK (mpirun) nor SLURM_PROCID (srun) is set");
     }
-    if (e.rank >= e.world_size)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d is not below %s=%d", rank_v, e.rank,
-                        size_v, e.world_size);
-    if (e.local_rank >= e.local_world_size)
+    if (e->rank >= e->world_size)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d is not below %s=%d", rank_v, e->rank,
+                        size_v, e->world_size);
+    if (e->local_rank >= e->local_world_size)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d is not below %s=%d", lrank_v,
-                        e.local_rank, lsize_v, e.local_world_size);
-    if (e.local_world_size > e.world_size)
+                        e->local_rank, lsize_v, e->local_world_size);
+    if (e->local_world_size > e->world_size)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d exceeds %s=%d", lsize_v,
-                        e.local_world_size, size_v, e.world_size);
+                        e->local_world_size, size_v, e->world_size);
 
     /* the store's address */
-    if ((s = env_int("MASTER_PORT", 1, 65535, &e.master_port, &set1)))
+    if ((s = env_int("MASTER_PORT", 1, 65535, &e->master_port, &set1)))
         return s;
-    if (!set1 && e.world_size > 1)
+    if (!set1 && e->world_size > 1)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "ts_launch_env: MASTER_PORT is not set (%s=%d ranks need the store's port; tsrun sets "
-                        "it, under mpirun or srun export it, e.g. MASTER_PORT=29500)",
-                        size_v, e.world_size);
+                        "it, under mpirun or srun export it, e->g. MASTER_PORT=29500)",
+                        size_v, e->world_size);
     const char *addr = getenv("MASTER_ADDR");
     if (addr && *addr) {
-        if ((s = env_str("MASTER_ADDR", e.master_addr, "")))
+        if ((s = env_str("MASTER_ADDR", e->master_addr, "")))
             return s;
-    } else if (e.world_size == 1 || e.local_world_size == e.world_size) {
-        snprintf(e.master_addr, sizeof e.master_addr, "127.0.0.1");
+    } else if (e->world_size == 1 || e->local_world_size == e->world_size) {
+        snprintf(e->master_addr, sizeof e->master_addr, "127.0.0.1");
     } else {
         bool found = false;
         const char *list_v = NULL;
-        if (e.source == TS_LAUNCH_SOURCE_SLURM) {
+        if (e->source == TS_LAUNCH_SOURCE_SLURM) {
             static const char *const lists[] = {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"};
             for (int i = 0; i < 3 && !list_v; i++)
                 if (getenv(lists[i]))
                     list_v = lists[i];
             if (list_v)
-                found = slurm_first_host(getenv(list_v), e.master_addr, sizeof e.master_addr);
+                found = slurm_first_host(getenv(list_v), e->master_addr, sizeof e->master_addr);
         }
         if (!found) {
             if (list_v)
@@ -301,25 +301,51 @@ ts_status ts_launch_env(ts_rank_env *env_out)
             return ts_error(TS_ERR_INVALID_ARGUMENT,
                             "ts_launch_env: MASTER_ADDR is not set and the ranks span several nodes "
                             "(%s=%d of %s=%d); export MASTER_ADDR=<host of rank 0>",
-                            lsize_v, e.local_world_size, size_v, e.world_size);
+                            lsize_v, e->local_world_size, size_v, e->world_size);
         }
     }
-    if ((s = env_str("TS_STORE_TOKEN", e.token, "")))
+    if ((s = env_str("TS_STORE_TOKEN", e->token, "")))
         return s;
     if (getenv("TS_RUN_ID")) {
-        if ((s = env_str("TS_RUN_ID", e.run_id, "")))
+        if ((s = env_str("TS_RUN_ID", e->run_id, "")))
             return s;
-    } else if (e.source == TS_LAUNCH_SOURCE_SLURM && getenv("SLURM_JOB_ID")) {
+    } else if (e->source == TS_LAUNCH_SOURCE_SLURM && getenv("SLURM_JOB_ID")) {
         const char *step = getenv("SLURM_STEP_ID");
-        snprintf(e.run_id, sizeof e.run_id, "slurm-%.100s%s%.100s", getenv("SLURM_JOB_ID"), step ? "." : "",
+        snprintf(e->run_id, sizeof e->run_id, "slurm-%.100s%s%.100s", getenv("SLURM_JOB_ID"), step ? "." : "",
                  step ? step : "");
     }
     const char *hosted = getenv("TS_STORE_HOSTED");
-    e.store_hosted = hosted && strcmp(hosted, "1") == 0;
-    if ((s = env_int("TS_LAUNCHER_PID", 1, INT_MAX, &e.launcher_pid, &set1)))
+    e->store_hosted = hosted && strcmp(hosted, "1") == 0;
+    if ((s = env_int("TS_LAUNCHER_PID", 1, INT_MAX, &e->launcher_pid, &set1)))
         return s;
-    *env_out = e;
     return TS_OK;
+}
+
+ts_status ts_launch_env(ts_rank_env *env_out)
+{
+    if (!env_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: env_out is NULL");
+    ts_rank_env e;
+    memset(&e, 0, sizeof e);
+    ts_status s = parse_env(&e);
+    if (!s)
+        *env_out = e;
+    return s;
+}
+
+int ts__launch_env_world_size(void)
+{
+    ts_rank_env e;
+    memset(&e, 0, sizeof e);
+    ts_status saved = ts_last_status();
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", ts_last_error());
+    parse_env(&e);
+    if (saved)
+        ts_error(saved, "%s", msg);
+    else
+        ts_clear_error();
+    return e.world_size;
 }
 
 /* The parent of `pid` from /proc, or -1. */

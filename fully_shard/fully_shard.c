@@ -40,6 +40,7 @@
 
 #include "comm/comm.h"
 #include "comm/launch.h"
+#include "comm/comm_internal.h"
 #include "optim/internal.h"
 #include "mesh/internal.h"
 #include "nn/internal.h"
@@ -298,35 +299,29 @@ static ts_status check_world_started(const char *fn, const ts_fsdp_options *o)
     char saved[1024];
     ts_status saved_st = ts_last_status();
     snprintf(saved, sizeof saved, "%s", ts_last_error());
-    ts_status st = ts_launch_env(&env);
-    if (st) {
-        /* The variables are incomplete (say mpirun's without MASTER_PORT):
-         * ts_dist_init would say what is missing, and a launcher that says
-         * several ranks still means every rank would train alone. */
-        char why[512];
-        snprintf(why, sizeof why, "%s", ts_last_error());
-        static const char *const sizes[] = {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"};
-        for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
-            const char *v = getenv(sizes[i]);
-            char *end = NULL;
-            long n = v ? strtol(v, &end, 10) : 0;
-            if (v && end != v && *end == '\0' && n > 1)
-                return ts_error(TS_ERR_STATE,
-                                "%s: %s=%ld says this process is one of %ld ranks, but ts_dist_init has not been "
-                                "called (and would fail: %s): sharding over a one-rank world would make every rank "
-                                "train alone; call ts_dist_init(NULL) before ts_fully_shard",
-                                fn, sizes[i], n, n, why);
-        }
-        if (saved_st) ts_error(saved_st, "%s", saved); /* no launcher: nothing to say */
-        else ts_clear_error();
-        return TS_OK;
+    if (ts_launch_env(&env) == TS_OK) {
+        if (env.world_size <= 1) return TS_OK;
+        return ts_error(TS_ERR_STATE,
+                        "%s: the launcher (%s) started this process as rank %d of %d, but ts_dist_init has not been "
+                        "called: sharding over a one-rank world would make every rank train alone; call "
+                        "ts_dist_init(NULL) before ts_fully_shard (and before making a mesh)",
+                        fn, ts_launch_source_name(env.source), env.rank, env.world_size);
     }
-    if (env.world_size <= 1) return TS_OK;
-    return ts_error(TS_ERR_STATE,
-                    "%s: the launcher (%s) started this process as rank %d of %d, but ts_dist_init has not been "
-                    "called: sharding over a one-rank world would make every rank train alone; call "
-                    "ts_dist_init(NULL) before ts_fully_shard (and before making a mesh)",
-                    fn, ts_launch_source_name(env.source), env.rank, env.world_size);
+    /* The variables are incomplete (say mpirun's without MASTER_PORT):
+     * ts_dist_init would say what is missing, and a launcher that says
+     * several ranks still means every rank would train alone. */
+    char why[512];
+    snprintf(why, sizeof why, "%s", ts_last_error());
+    int claimed = ts__launch_env_world_size();
+    if (claimed > 1)
+        return ts_error(TS_ERR_STATE,
+                        "%s: the launcher's variables say this process is one of %d ranks, but ts_dist_init has not "
+                        "been called (and would fail: %s): sharding over a one-rank world would make every rank "
+                        "train alone; call ts_dist_init(NULL) before ts_fully_shard",
+                        fn, claimed, why);
+    if (saved_st) ts_error(saved_st, "%s", saved); /* no launcher: nothing to say */
+    else ts_clear_error();
+    return TS_OK;
 }
 
 /* Called by every optimizer step before it changes anything (optim's

@@ -140,7 +140,9 @@ ts_status ts_fsdp_apply_by_type(ts_module *root, const char *type_name, const ts
         size_t len = 0;
         for (int i = 1; i < l.n && len < sizeof types; i++) {
             const char *t = own_type(l.e[i].m);
-            if (strstr(types, t)) continue;
+            bool seen = false;
+            for (int j = 1; j < i && !seen; j++) seen = strcmp(own_type(l.e[j].m), t) == 0;
+            if (seen) continue;
             int w = snprintf(types + len, sizeof types - len, "%s%s", len ? ", " : "", t);
             len += w > 0 ? (size_t)w : 0;
         }

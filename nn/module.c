@@ -520,18 +520,26 @@ ts_status ts__module_check_last_dim(ts_module *m, const char *what, ts_tensor *x
     return TS_OK;
 }
 
-ts_status ts__param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+/* Makes *tp (just made, with status st) a leaf that requires grad in
+ * *out; frees it on error. (A pointer: the argument order of the call that
+ * makes it is unspecified.) */
+static ts_status as_param(ts_status st, ts_tensor **tp, ts_tensor **out)
 {
-    ts_tensor *t;
-    ts_status st = ts_tensor_empty(dtype, ndim, shape, &t);
     if (st)
         return st;
+    ts_tensor *t = *tp;
     if ((st = ts_tensor_set_requires_grad(t, true))) {
         ts_tensor_free(t);
         return st;
     }
     *out = t;
     return TS_OK;
+}
+
+ts_status ts__param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+{
+    ts_tensor *t = NULL;
+    return as_param(ts_tensor_empty(dtype, ndim, shape, &t), &t, out);
 }
 
 /* ------------------------------------------------------------ parameter-free layers */
@@ -561,16 +569,8 @@ ts_status ts_param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor
     if (!ts_dtype_is_float(dtype))
         return ts_error(TS_ERR_DTYPE, "ts_param_new: a parameter must be floating-point to require grad, not %s",
                         ts_dtype_name(dtype));
-    ts_tensor *t;
-    ts_status st = ts_tensor_zeros(dtype, ndim, shape, &t);
-    if (st)
-        return st;
-    if ((st = ts_tensor_set_requires_grad(t, true))) {
-        ts_tensor_free(t);
-        return st;
-    }
-    *out = t;
-    return TS_OK;
+    ts_tensor *t = NULL;
+    return as_param(ts_tensor_zeros(dtype, ndim, shape, &t), &t, out);
 }
 
 typedef struct slot_find {
