@@ -130,7 +130,10 @@ char *ts__shape_str(int ndim, const int64_t *shape, char *buf, size_t len);
 /* Checks every tensor input of an op: not NULL, storage not released, not
  * a shard. Records an error naming the op and the tensor. */
 ts_status ts__check_inputs(const char *op, int n, ts_tensor *const *inputs);
+/* float32 or float64 (ops not yet written for the 16-bit dtypes). */
 ts_status ts__check_float(const char *op, const ts_tensor *t);
+/* Any floating dtype: float32, float64, bfloat16, float16. */
+ts_status ts__check_floating(const char *op, const ts_tensor *t);
 ts_status ts__check_same_dtype(const char *op, const ts_tensor *a, const ts_tensor *b);
 /* Broadcast shape of a and b (PyTorch's rule); TS_ERR_SHAPE naming op. */
 ts_status ts__broadcast_shape(const char *op, int na, const int64_t *sa, int nb, const int64_t *sb, int *nout,

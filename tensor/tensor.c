@@ -312,6 +312,14 @@ ts_status ts__check_float(const char *op, const ts_tensor *t)
     return TS_OK;
 }
 
+ts_status ts__check_floating(const char *op, const ts_tensor *t)
+{
+    if (!ts_dtype_is_float(t->dtype))
+        return ts_error(TS_ERR_DTYPE, "%s: dtype %s is not supported (a floating dtype expected: float32, "
+                                      "float64, bfloat16 or float16)", op, ts_dtype_name(t->dtype));
+    return TS_OK;
+}
+
 ts_status ts__check_same_dtype(const char *op, const ts_tensor *a, const ts_tensor *b)
 {
     if (a->dtype != b->dtype)
