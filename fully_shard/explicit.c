@@ -101,7 +101,7 @@ struct ts_fsdp_summon {
 bool ts__fsdp_busy(fsdp_group **g, int n)
 {
     for (int i = 0; i < n; i++)
-        if (g[i]->in_forward || g[i]->rs_req) return true;
+        if (g[i]->training == FSDP_FORWARD || g[i]->rs_req) return true;
     return ts_autograd_in_backward();
 }
 
@@ -124,7 +124,7 @@ ts_status ts_fsdp_summon_full_params(ts_module *module, bool writeback, ts_fsdp_
         return TS_ERR_NO_MEMORY;
     }
     for (int i = 0; i < w.n && !st; i++) {
-        was[i] = w.g[i]->state == G_SHARDED;
+        was[i] = w.g[i]->sharded_state == FSDP_SHARDED;
         if (!(st = ts__fsdp_unshard(w.g[i]))) st = ts__fsdp_wait_unshard(w.g[i]);
     }
     for (int i = 0; i < w.n; i++) ts__fsdp_group_retain(w.g[i]);
@@ -156,7 +156,7 @@ ts_status ts_fsdp_summon_end(ts_fsdp_summon *s)
     ts_status st = TS_OK;
     for (int i = 0; i < s->n; i++) {
         fsdp_group *g = s->g[i];
-        if (s->writeback && g->state == G_UNSHARDED) write_back(g);
+        if (s->writeback && g->sharded_state == FSDP_UNSHARDED) write_back(g);
         if (s->was_sharded[i]) {
             ts_status s2 = ts__fsdp_reshard(g);
             if (!st) st = s2;

@@ -82,7 +82,23 @@ typedef struct fsdp_param {
     bool in_reduce;     /* its gradient is in the reduce-scatter in flight */
 } fsdp_param;
 
-enum { G_SHARDED = 0, G_UNSHARDING, G_UNSHARDED };
+/* Where a group's parameters are (PyTorch's ShardedState, plus the
+ * all-gather in flight of an asynchronous unshard). */
+typedef enum fsdp_sharded_state {
+    FSDP_SHARDED = 0, /* only the shards exist; the slots hold S, U's storage is released */
+    FSDP_UNSHARDING,  /* the all-gather is in flight (ag_buf, ag_req); the slots still hold S */
+    FSDP_UNSHARDED,   /* the full parameters U are copied out and in the slots */
+} fsdp_sharded_state;
+
+/* What a group, or a root's context, is doing (PyTorch's TrainingState). */
+typedef enum fsdp_training_state {
+    FSDP_IDLE = 0,      /* none of the below: between iterations, or between a group's forward and backward */
+    FSDP_FORWARD,       /* group: from its modules' first pre-forward in this iteration to its reshard point */
+    FSDP_PRE_BACKWARD,  /* group: unsharded for its modules' backward; context: a backward went through a
+                           marker and has not ended (its end-of-backward callback has not run) */
+    FSDP_POST_BACKWARD, /* group: its gradients are packed and their reduce-scatter issued, until the
+                           end of the backward */
+} fsdp_training_state;
 
 struct fsdp_group {
     atomic_int refs;
@@ -97,7 +113,7 @@ struct fsdp_group {
     int W, rank;
     int64_t shard_numel, numel, local_numel;
     ts_tensor *sharded;  /* 1-d, shard_numel */
-    int state;
+    fsdp_sharded_state sharded_state;
     ts_tensor *ag_buf;   /* W * shard_numel while unsharding */
     ts_request *ag_req;
     ts_tensor *rs_in, *rs_out;
@@ -107,7 +123,7 @@ struct fsdp_group {
     int every_n, fwd_since_reshard;
     int n_states;          /* modules sharing the group */
     int ran_forward;       /* distinct modules of the group run in this forward */
-    bool in_forward;       /* between the group's first pre-forward and its reshard point */
+    fsdp_training_state training; /* IDLE, FORWARD, PRE_BACKWARD or POST_BACKWARD */
     char fqn[FQN_MAX];
 };
 
@@ -138,7 +154,7 @@ struct fsdp_ctx {
     fsdp_state *iter_root;  /* the state whose forward started this iteration */
     fsdp_group *rs_pending; /* the reduce-scatter in flight */
     bool final_queued;
-    bool bwd_running;       /* a backward went through a marker and has not ended */
+    fsdp_training_state training; /* IDLE, or PRE_BACKWARD from a backward's first marker to its end */
     bool implicit_fwd, implicit_bwd;
     ts_status bwd_error;
 };

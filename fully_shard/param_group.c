@@ -162,7 +162,7 @@ static void set_slots(fsdp_group *g, bool unsharded)
 /* Issues the group's all-gather (no-op unless sharded). */
 ts_status ts__fsdp_unshard(fsdp_group *g)
 {
-    if (!g || g->state != G_SHARDED) return TS_OK;
+    if (!g || g->sharded_state != FSDP_SHARDED) return TS_OK;
     ts__fsdp_event("unshard", g->fqn);
     int64_t n = g->shard_numel * g->W;
     ts_status st = ts_tensor_empty(g->dtype, 1, &n, &g->ag_buf);
@@ -172,7 +172,7 @@ ts_status ts__fsdp_unshard(fsdp_group *g)
         g->ag_buf = NULL;
         return st;
     }
-    g->state = G_UNSHARDING;
+    g->sharded_state = FSDP_UNSHARDING;
     return TS_OK;
 }
 
@@ -180,7 +180,7 @@ ts_status ts__fsdp_unshard(fsdp_group *g)
  * unsharded tensor, which then fills the slots. */
 ts_status ts__fsdp_wait_unshard(fsdp_group *g)
 {
-    if (!g || g->state != G_UNSHARDING) return TS_OK;
+    if (!g || g->sharded_state != FSDP_UNSHARDING) return TS_OK;
     TS_TRACE_BEGIN(tw);
     ts_status st = ts_request_wait(g->ag_req);
     TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
@@ -196,10 +196,10 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
     TS_TRACE_END(tc, "fsdp.copy_out", "copy");
     if (st) {
         for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
-        g->state = G_SHARDED;
+        g->sharded_state = FSDP_SHARDED;
         return st;
     }
-    g->state = G_UNSHARDED;
+    g->sharded_state = FSDP_UNSHARDED;
     set_slots(g, true);
     return TS_OK;
 }
@@ -207,14 +207,14 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
 /* Frees the unsharded parameters; the shards go back into the slots. */
 ts_status ts__fsdp_reshard(fsdp_group *g)
 {
-    if (!g || g->state == G_SHARDED) return TS_OK;
+    if (!g || g->sharded_state == FSDP_SHARDED) return TS_OK;
     ts_status st = TS_OK;
-    if (g->state == G_UNSHARDING) st = ts__fsdp_wait_unshard(g);
-    if (g->state != G_UNSHARDED) return st;
+    if (g->sharded_state == FSDP_UNSHARDING) st = ts__fsdp_wait_unshard(g);
+    if (g->sharded_state != FSDP_UNSHARDED) return st;
     ts__fsdp_event("reshard", g->fqn);
     set_slots(g, false);
     for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
-    g->state = G_SHARDED;
+    g->sharded_state = FSDP_SHARDED;
     g->fwd_since_reshard = 0;
     return st;
 }
@@ -354,6 +354,7 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
         ts__fsdp_discard_reduce(g);
         return st;
     }
+    g->training = FSDP_POST_BACKWARD;
     if (ctx) ctx->rs_pending = g;
     else st = ts__fsdp_finish_reduce(g);
     ts__fsdp_trace_hook(t_hook, "fsdp.post_backward", g->fqn, g);

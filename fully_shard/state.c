@@ -262,7 +262,7 @@ static ts_status pre_backward_fn(void *vs, int n, ts_tensor **grads)
     if (live) return live;
     fsdp_ctx *c = s->ctx;
     ts_status st = TS_OK;
-    c->bwd_running = true;
+    c->training = FSDP_PRE_BACKWARD;
     if (!c->final_queued) {
         if ((st = ts_autograd_queue_callback(final_callback, c))) return st;
         c->final_queued = true;
@@ -272,7 +272,8 @@ static ts_status pre_backward_fn(void *vs, int n, ts_tensor **grads)
     TS_TRACE_BEGIN(t_hook);
     if (g) {
         if ((st = ts__fsdp_unshard(g)) || (st = ts__fsdp_wait_unshard(g))) return st;
-        }
+        g->training = FSDP_PRE_BACKWARD;
+    }
     /* backward prefetch */
     if (s->explicit_bwd) {
         for (int i = 0; i < s->n_bwd_prefetch && !st; i++)
@@ -334,10 +335,11 @@ static ts_status final_callback(void *vctx)
         if (!st) st = s2;
         s2 = ts__fsdp_reshard(g); /* reshard after backward, as PyTorch; drops unused prefetches */
         if (!st) st = s2;
+        g->training = FSDP_IDLE;
     }
     c->n_post_fwd = 0;
     c->final_queued = false;
-    c->bwd_running = false;
+    c->training = FSDP_IDLE;
     return st;
 }
 
@@ -389,7 +391,7 @@ static ts_status forward_prefetch(fsdp_ctx *c, fsdp_state *s)
     }
     if (!c->implicit_fwd || c->fwd_pos >= c->n_prev_fwd_order) return TS_OK;
     fsdp_group *next = c->prev_fwd_order[c->fwd_pos];
-    return next->in_forward ? TS_OK : ts__fsdp_unshard(next);
+    return next->training == FSDP_FORWARD ? TS_OK : ts__fsdp_unshard(next);
 }
 
 static void prefetch_advance(fsdp_ctx *c, fsdp_group *g)
@@ -415,12 +417,12 @@ static void root_post_forward(fsdp_ctx *c)
     for (int i = 0; i < c->n_states; i++) {
         fsdp_group *g = c->states[i]->group;
         if (!g) continue;
-        if (g->state == G_UNSHARDING) (void)ts__fsdp_wait_unshard(g);
-        if (g->in_forward) {
+        if (g->sharded_state == FSDP_UNSHARDING) (void)ts__fsdp_wait_unshard(g);
+        if (g->training == FSDP_FORWARD) {
             ts_logf(TS_LOG_WARN, "fully_shard: %d of the %d modules of the group '%s' ran forward in this iteration",
                     g->ran_forward, g->n_states, g->fqn);
             g->ran_forward = 0;
-            g->in_forward = false;
+            g->training = FSDP_IDLE;
             (void)apply_policy(g);
         }
         if (no_grad) (void)ts__fsdp_reshard(g);
@@ -440,12 +442,12 @@ static void recover_failed_backward(fsdp_ctx *c)
         ts__fsdp_discard_reduce(g);
         for (int k = 0; k < g->n; k++) (void)ts_tensor_set_grad(g->params[k].U, NULL);
         g->ran_forward = 0;
-        g->in_forward = false;
+        g->training = FSDP_IDLE;
         (void)ts__fsdp_reshard(g);
     }
     c->rs_pending = NULL;
     c->n_post_fwd = 0;
-    c->bwd_running = false;
+    c->training = FSDP_IDLE;
 }
 
 /* Post-forward of a group: a grouped call's group reshards after the last
@@ -460,7 +462,7 @@ static ts_status post_forward_reshard(fsdp_state *s, fsdp_group *g)
         if (g->ran_forward < g->n_states) return TS_OK;
     }
     g->ran_forward = 0;
-    g->in_forward = false;
+    g->training = FSDP_IDLE;
     return apply_policy(g);
 }
 
@@ -503,7 +505,7 @@ static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *
             c->cap_prev_fwd_order = cap;
         }
         c->fwd_pos = 0;
-        if (c->bwd_running || c->rs_pending) recover_failed_backward(c);
+        if (c->training != FSDP_IDLE || c->rs_pending) recover_failed_backward(c);
         c->final_queued = false;
         for (int i = 0; i < c->n_states; i++) c->states[i]->ran = false;
     }
@@ -512,8 +514,8 @@ static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *
     ts_tensor *in2[TS_MODULE_MAX_IO];
     bool wrapped = false;
     if (g) {
-        bool first = !g->in_forward; /* the group's first module in this iteration */
-        g->in_forward = true;
+        bool first = g->training != FSDP_FORWARD; /* the group's first module in this iteration */
+        g->training = FSDP_FORWARD;
         if ((st = ts__fsdp_unshard(g)) || (st = ts__fsdp_wait_unshard(g))) goto fail;
             if (first) {
             if (!order_push(&c->fwd_order, &c->n_fwd_order, &c->cap_fwd_order, g)) {
@@ -565,9 +567,9 @@ fail:
         /* leave the group as the policy would after a forward */
         char msg[1024];
         snprintf(msg, sizeof msg, "%s", ts_last_error());
-        if (g && g->in_forward) {
+        if (g && g->training == FSDP_FORWARD) {
             g->ran_forward = 0;
-            g->in_forward = false;
+            g->training = FSDP_IDLE;
             if (g->policy != TS_RESHARD_FALSE) (void)ts__fsdp_reshard(g);
         }
         if (iter_root) root_post_forward(c);
