@@ -20,7 +20,9 @@
  *    shard, with a DTensor), the unsharded leaf U (its own storage,
  *    released while sharded, so autograd's saved references to it stay
  *    valid), and its geometry: rows, row_numel, chunk rows c = ceil(rows/W),
- *    local rows, and its offset in the per-rank (padded) shard.
+ *    local rows, its offset in the per-rank (padded) shard, and for each
+ *    shard rank the rows it holds and where they sit in the all-gather and
+ *    reduce-scatter buffers (fsdp_chunk, computed once at group creation).
  *  - fsdp_group: the parameters sharded by one call (one all-gather, one
  *    reduce-scatter), the shard group (and the replicate group for HSDP),
  *    the sharded buffer (shard_numel elements: each parameter padded to c
@@ -64,6 +66,14 @@ typedef struct fsdp_state fsdp_state;
 typedef struct fsdp_group fsdp_group;
 typedef struct fsdp_ctx fsdp_ctx;
 
+/* The rows of a parameter that one shard rank holds (ts_chunk_range),
+ * computed once when its group is built. */
+typedef struct fsdp_chunk {
+    int64_t row0, rows; /* the rows [row0, row0 + rows) of the full parameter (rows <= c) */
+    int64_t buf_off;    /* where the chunk starts in the W-block buffers (the all-gather output, the
+                           reduce-scatter input), in elements: r * shard_numel + off */
+} fsdp_chunk;
+
 typedef struct fsdp_param {
     char *fqn;          /* name relative to the sharded module (messages) */
     ts_tensor ***slots; /* every slot holding the parameter */
@@ -78,6 +88,7 @@ typedef struct fsdp_param {
     int64_t c;          /* chunk rows: ceil(rows / W) */
     int64_t local_rows; /* this rank's real rows */
     int64_t off;        /* offset in the per-rank shard (elements) */
+    fsdp_chunk *chunks; /* per shard rank r (W of them): the rows it holds */
     bool requires_grad;
     bool in_reduce;     /* its gradient is in the reduce-scatter in flight */
 } fsdp_param;

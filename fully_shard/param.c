@@ -23,22 +23,24 @@ ts_status ts__fsdp_param_init(fsdp_param *p, const fsdp_group *g, const ts_tenso
     p->numel = ts_tensor_numel(t);
     p->row_numel = p->rows ? p->numel / p->rows : 0;
     p->c = (p->rows + g->W - 1) / g->W;
-    int64_t start, len;
-    ts_chunk_range(p->rows, g->W, g->rank, &start, &len);
-    p->local_rows = len;
+    p->chunks = ts__calloc(TS_MEM_NN, (size_t)g->W, sizeof *p->chunks);
+    if (!p->chunks) return TS_ERR_NO_MEMORY;
+    for (int r = 0; r < g->W; r++) ts_chunk_range(p->rows, g->W, r, &p->chunks[r].row0, &p->chunks[r].rows);
+    p->local_rows = p->chunks[g->rank].rows;
     p->off = g->shard_numel;
     p->requires_grad = ts_tensor_requires_grad(t);
     p->fqn = ts__strdup(TS_MEM_NN, fqn);
     return p->fqn ? TS_OK : TS_ERR_NO_MEMORY;
 }
 
-/* Copies this rank's rows of t into the group's sharded buffer and makes
- * the sharded leaf S (a view of them, with its DTensor) and the unsharded
- * leaf U (storage released). Grad mode is off. */
+/* Once the group's shard size is known: places the chunks in the W-block
+ * buffers, copies this rank's rows of t into the group's sharded buffer
+ * and makes the sharded leaf S (a view of them, with its DTensor) and the
+ * unsharded leaf U (storage released). Grad mode is off. */
 ts_status ts__fsdp_param_make_shard(fsdp_param *p, fsdp_group *g, ts_tensor *t)
 {
-    int64_t start, len;
-    ts_chunk_range(p->rows, g->W, g->rank, &start, &len);
+    for (int r = 0; r < g->W; r++) p->chunks[r].buf_off = (int64_t)r * g->shard_numel + p->off;
+    int64_t start = p->chunks[g->rank].row0, len = p->chunks[g->rank].rows;
     ts_tensor *src = NULL;
     ts_status st = ts_contiguous(t, &src);
     if (st) return st;
@@ -70,6 +72,7 @@ ts_status ts__fsdp_param_make_shard(fsdp_param *p, fsdp_group *g, ts_tensor *t)
 void ts__fsdp_param_fini(fsdp_param *p)
 {
     ts__free(TS_MEM_NN, p->fqn);
+    ts__free(TS_MEM_NN, p->chunks);
     ts__free(TS_MEM_NN, p->slots);
     ts__free(TS_MEM_NN, p->slot_owner);
     ts_dtensor_free(p->dt);
@@ -102,11 +105,9 @@ ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsi
     unsigned char *u = ts_tensor_data(p->U);
     size_t rb = (size_t)p->row_numel * g->es;
     for (int r = 0; r < g->W; r++) {
-        int64_t start, len;
-        ts_chunk_range(p->rows, g->W, r, &start, &len);
-        if (len > 0)
-            memcpy(u + (size_t)start * rb, ag + ((size_t)r * (size_t)g->shard_numel + (size_t)p->off) * g->es,
-                   (size_t)len * rb);
+        const fsdp_chunk *ch = &p->chunks[r];
+        if (ch->rows > 0)
+            memcpy(u + (size_t)ch->row0 * rb, ag + (size_t)ch->buf_off * g->es, (size_t)ch->rows * rb);
     }
     return TS_OK;
 }
@@ -119,12 +120,9 @@ ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned 
     /* zeros where no gradient row lands: the padding rows, or the whole
      * segment of a parameter without gradient */
     for (int r = 0; r < g->W; r++) {
-        int64_t start, len;
-        ts_chunk_range(p->rows, g->W, r, &start, &len);
-        if (!gr) len = 0;
+        int64_t len = gr ? p->chunks[r].rows : 0;
         if (len < p->c)
-            memset(in + ((size_t)r * (size_t)g->shard_numel + (size_t)p->off) * g->es + (size_t)len * rb, 0,
-                   (size_t)(p->c - len) * rb);
+            memset(in + (size_t)p->chunks[r].buf_off * g->es + (size_t)len * rb, 0, (size_t)(p->c - len) * rb);
     }
     if (!gr) return TS_OK;
     ts_tensor *cg = NULL;
@@ -134,11 +132,9 @@ ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned 
     if (st) return st;
     const unsigned char *src = ts_tensor_data(cg);
     for (int r = 0; r < g->W; r++) {
-        int64_t start, len;
-        ts_chunk_range(p->rows, g->W, r, &start, &len);
-        if (len > 0)
-            memcpy(in + ((size_t)r * (size_t)g->shard_numel + (size_t)p->off) * g->es, src + (size_t)start * rb,
-                   (size_t)len * rb);
+        const fsdp_chunk *ch = &p->chunks[r];
+        if (ch->rows > 0)
+            memcpy(in + (size_t)ch->buf_off * g->es, src + (size_t)ch->row0 * rb, (size_t)ch->rows * rb);
     }
     ts_tensor_free(cg);
     return TS_OK;
@@ -148,24 +144,22 @@ ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned 
 void ts__fsdp_param_write_back(fsdp_param *p, const fsdp_group *g)
 {
     unsigned char *sh = ts_tensor_data(g->sharded);
-    int64_t start, len;
-    ts_chunk_range(p->rows, g->W, g->rank, &start, &len);
+    const fsdp_chunk *ch = &p->chunks[g->rank];
     size_t rb = (size_t)p->row_numel * g->es;
-    if (len > 0)
-        memcpy(sh + (size_t)p->off * g->es, (const unsigned char *)ts_tensor_data(p->U) + (size_t)start * rb,
-               (size_t)len * rb);
+    if (ch->rows > 0)
+        memcpy(sh + (size_t)p->off * g->es, (const unsigned char *)ts_tensor_data(p->U) + (size_t)ch->row0 * rb,
+               (size_t)ch->rows * rb);
 }
 
 /* Copies this rank's rows of the full tensor src (checked: p's shape and
  * dtype) into the shard. Grad mode is off. */
 ts_status ts__fsdp_param_load_rows(fsdp_param *p, const fsdp_group *g, ts_tensor *src)
 {
-    int64_t start, len;
-    ts_chunk_range(p->rows, g->W, g->rank, &start, &len);
-    if (len == 0) return TS_OK;
+    const fsdp_chunk *ch = &p->chunks[g->rank];
+    if (ch->rows == 0) return TS_OK;
     ts_tensor *rows = NULL, *lv = NULL;
     ts_status st;
-    if (!(st = ts_narrow(src, 0, start, len, &rows)) && !(st = ts_tensor_local_view(p->S, &lv)))
+    if (!(st = ts_narrow(src, 0, ch->row0, ch->rows, &rows)) && !(st = ts_tensor_local_view(p->S, &lv)))
         st = ts_tensor_copy_(lv, rows);
     ts_tensor_free(rows);
     ts_tensor_free(lv);
