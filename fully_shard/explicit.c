@@ -98,23 +98,32 @@ struct ts_fsdp_summon {
     bool writeback;
 };
 
-bool ts__fsdp_busy(fsdp_group **g, int n)
+/* Inside a forward or backward of one of g[0..n), or a reduction pending. */
+static bool busy(fsdp_group **g, int n)
 {
     for (int i = 0; i < n; i++)
         if (g[i]->training == FSDP_FORWARD || g[i]->rs_req) return true;
     return ts_autograd_in_backward();
 }
 
+ts_status ts__fsdp_idle_groups(const char *fn, ts_module *m, groups_walk *w)
+{
+    ts_status st = ts__fsdp_subtree_groups(m, w);
+    if (st) return st;
+    if (busy(w->g, w->n)) {
+        ts__free(TS_MEM_NN, w->g);
+        w->g = NULL;
+        return ts_error(TS_ERR_STATE, "%s: not inside a forward or backward", fn);
+    }
+    return TS_OK;
+}
+
 ts_status ts_fsdp_summon_full_params(ts_module *module, bool writeback, ts_fsdp_summon **out)
 {
     if (!module || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_summon_full_params: NULL argument");
     groups_walk w;
-    ts_status st = ts__fsdp_subtree_groups(module, &w);
+    ts_status st = ts__fsdp_idle_groups("ts_fsdp_summon_full_params", module, &w);
     if (st) return st;
-    if (ts__fsdp_busy(w.g, w.n)) {
-        ts__free(TS_MEM_NN, w.g);
-        return ts_error(TS_ERR_STATE, "ts_fsdp_summon_full_params: not inside a forward or backward");
-    }
     ts_fsdp_summon *s = ts__calloc(TS_MEM_NN, 1, sizeof *s);
     bool *was = ts__calloc(TS_MEM_NN, (size_t)(w.n ? w.n : 1), sizeof *was);
     if (!s || !was) {

@@ -244,8 +244,9 @@ typedef struct groups_walk {
 } groups_walk;
 
 ts_status ts__fsdp_subtree_groups(ts_module *m, groups_walk *w);
-/* Inside a forward or backward of one of g[0..n), or a reduction pending. */
-bool ts__fsdp_busy(fsdp_group **g, int n);
+/* The groups of m's subtree (w->g owned by the caller), or TS_ERR_STATE
+ * (naming fn) when called inside a forward or backward of one of them. */
+ts_status ts__fsdp_idle_groups(const char *fn, ts_module *m, groups_walk *w);
 
 /* state_dict.c */
 fsdp_param *ts__fsdp_find_param(groups_walk *w, const ts_tensor *t, fsdp_group **g_out);

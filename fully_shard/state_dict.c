@@ -35,12 +35,8 @@ ts_status ts_fsdp_full_state_dict(ts_module *module, bool rank0_only, ts_state_d
 {
     if (!module || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_full_state_dict: NULL argument");
     groups_walk w;
-    ts_status st = ts__fsdp_subtree_groups(module, &w);
+    ts_status st = ts__fsdp_idle_groups("ts_fsdp_full_state_dict", module, &w);
     if (st) return st;
-    if (ts__fsdp_busy(w.g, w.n)) {
-        ts__free(TS_MEM_NN, w.g);
-        return ts_error(TS_ERR_STATE, "ts_fsdp_full_state_dict: not inside a forward or backward");
-    }
     bool keep = true;
     if (rank0_only)
         keep = w.n ? ts_comm_rank(w.g[0]->pg) == 0 && (!w.g[0]->rg || ts_comm_rank(w.g[0]->rg) == 0)
@@ -104,12 +100,8 @@ ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *s
     static const char fn[] = "ts_fsdp_load_full_state_dict";
     if (!module || !sd) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
     groups_walk w;
-    ts_status st = ts__fsdp_subtree_groups(module, &w);
+    ts_status st = ts__fsdp_idle_groups(fn, module, &w);
     if (st) return st;
-    if (ts__fsdp_busy(w.g, w.n)) {
-        ts__free(TS_MEM_NN, w.g);
-        return ts_error(TS_ERR_STATE, "%s: not inside a forward or backward", fn);
-    }
     for (int i = 0; i < w.n && !st; i++) st = ts__fsdp_reshard(w.g[i]);
     ts_named_params np = {0};
     if (!st) st = ts__module_entries(module, true, true, false, &np); /* buffers are copied whole */
