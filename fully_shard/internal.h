@@ -167,13 +167,11 @@ struct fsdp_ctx {
     bool final_queued;
     fsdp_training_state training; /* IDLE, or PRE_BACKWARD from a backward's first marker to its end */
     bool implicit_fwd, implicit_bwd;
-    ts_status bwd_error;
 };
 
 /* ------------------------------------------------------------------ */
-/* Collecting what a call manages (fully_shard.c)                      */
+/* Collecting what a call manages (fully_shard.c)                     */
 /* ------------------------------------------------------------------ */
-
 
 typedef struct pcand {
     ts_tensor *t;       /* the parameter tensor */
@@ -194,7 +192,7 @@ typedef struct collect {
 } collect;
 
 /* ------------------------------------------------------------------ */
-/* Shared functions                                                    */
+/* Shared functions                                                   */
 /* ------------------------------------------------------------------ */
 
 /* fully_shard.c: events, the registries, growing arrays */
