@@ -1,5 +1,9 @@
 /* Neural-network ops: layer_norm, embedding, cross_entropy, mse_loss,
- * dropout. */
+ * dropout, and the bfloat16 / float16 softmax rows. In the 16-bit dtypes
+ * each op computes in float32 and rounds its result once to the tensor's
+ * dtype (torch 1.13's CPU kernels accumulate so); where torch's composite
+ * rounds between steps (embedding's backward, dropout's noise, the loss
+ * gradient), the same steps round here. */
 #define _GNU_SOURCE
 #include "tensor/fastmath.h"
 #include "tensor/half_ops.h"

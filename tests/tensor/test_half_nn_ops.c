@@ -401,6 +401,62 @@ Test(tensor_half_nn_ops, softmax_matches_f32_rounded)
     }
 }
 
+/* The softmax / log_softmax backward along `dim` of a (4, 3, 5) tensor,
+ * in double, from the 16-bit output y and cotangent g as they are (the
+ * formulas of the op's backward), into a float32 tensor. */
+static ts_tensor *softmax_bw_naive(ts_tensor *yh, ts_tensor *gh, int dim, bool lg)
+{
+    double y[60], g[60], o[60];
+    th_vals(yh, y, 60);
+    th_vals(gh, g, 60);
+    const int64_t sh[3] = {4, 3, 5}, st[3] = {15, 5, 1};
+    int a = dim == 0 ? 1 : 0, b = 2; /* the other two dims */
+    for (int64_t i = 0; i < sh[a]; i++)
+        for (int64_t j = 0; j < sh[b]; j++) {
+            int64_t base = i * st[a] + j * st[b];
+            double s = 0;
+            for (int64_t k = 0; k < sh[dim]; k++)
+                s += lg ? g[base + k * st[dim]] : g[base + k * st[dim]] * y[base + k * st[dim]];
+            for (int64_t k = 0; k < sh[dim]; k++) {
+                int64_t e = base + k * st[dim];
+                o[e] = lg ? g[e] - exp(y[e]) * s : y[e] * (g[e] - s);
+            }
+        }
+    return th_tensor(TS_F32, 3, sh, o);
+}
+
+/* Over a dim that is not the last (the rows are gathered by a transposed
+ * copy, then put back): the forward is still the f32 result rounded; the
+ * backward is its formula on the rounded y, rounded once (within 1: float
+ * against double arithmetic). Against the f32 run's gradient it may
+ * differ much more where y is near 1 and g - sum(g y) cancels. */
+Test(tensor_half_nn_ops, softmax_over_other_dims_matches_f32_rounded)
+{
+    int64_t shape[3] = {4, 3, 5};
+    for (int i = 0; i < 2; i++)
+        for (int dim = 0; dim < 2; dim++)
+            for (int lg = 0; lg < 2; lg++) {
+                ts_tensor *x0 = th_seq(TS_F32, 3, shape, 4.0, false), *xh = to(x0, HALVES[i]), *x32 = to(xh, TS_F32);
+                ts_tensor *c0 = th_seq(TS_F32, 3, shape, -1.0, false), *ch = to(c0, HALVES[i]), *c32 = to(ch, TS_F32);
+                TH_OK(ts_tensor_set_requires_grad(xh, true));
+                TH_OK(ts_tensor_set_requires_grad(x32, true));
+                ts_tensor *yh, *y32;
+                TH_OK(lg ? ts_log_softmax(xh, dim, &yh) : ts_softmax(xh, dim, &yh));
+                TH_OK(lg ? ts_log_softmax(x32, dim, &y32) : ts_softmax(x32, dim, &y32));
+                TH_OK(ts_backward(yh, ch, false));
+                TH_OK(ts_backward(y32, c32, false));
+                char what[96];
+                snprintf(what, sizeof what, "%s dim %d y", lg ? "log_softmax" : "softmax", dim);
+                expect_close(what, HALVES[i], yh, y32, 0);
+                snprintf(what, sizeof what, "%s dim %d gx", lg ? "log_softmax" : "softmax", dim);
+                ts_tensor *ref = softmax_bw_naive(yh, ch, dim, lg);
+                expect_close(what, HALVES[i], ts_tensor_grad(xh), ref, 1);
+                ts_tensor *t[9] = {x0, xh, x32, c0, ch, c32, yh, y32, ref};
+                for (int k = 0; k < 9; k++)
+                    ts_tensor_free(t[k]);
+            }
+}
+
 /* torch 1.13's bf16 softmax is the float softmax rounded (same bits,
  * measured); its log_softmax and both backwards round intermediates in
  * bf16 vectors (products and partial sums, in an order set by the CPU's
