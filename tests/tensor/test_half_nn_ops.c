@@ -506,6 +506,39 @@ Test(tensor_half_nn_ops, cross_entropy_matches_f32_rounded)
         check_vs_f32("cross_entropy", HALVES[i], ulps);
 }
 
+/* Reductions none and sum (the mean is above): per-row losses are the
+ * negated log-probabilities, which are the f32 ones rounded (same bits);
+ * the sum and the gradients carry lp's rounding as above. */
+Test(tensor_half_nn_ops, cross_entropy_none_and_sum_match_f32_rounded)
+{
+    int64_t ls[2] = {5, 7}, ts_[1] = {5};
+    double tv[5] = {0, 6, -100, 3, 3};
+    for (int i = 0; i < 2; i++)
+        for (int red = 0; red < 2; red++) {
+            ts_reduction r = red ? TS_REDUCTION_SUM : TS_REDUCTION_NONE;
+            ts_tensor *l0 = th_seq(TS_F32, 2, ls, 3.0, false), *lh = to(l0, HALVES[i]), *l32 = to(lh, TS_F32);
+            ts_tensor *t = th_tensor(TS_I64, 1, ts_, tv);
+            TH_OK(ts_tensor_set_requires_grad(lh, true));
+            TH_OK(ts_tensor_set_requires_grad(l32, true));
+            ts_tensor *yh, *y32, *gh = NULL, *g32 = NULL;
+            TH_OK(ts_cross_entropy(lh, t, -100, r, &yh));
+            TH_OK(ts_cross_entropy(l32, t, -100, r, &y32));
+            if (!red) {
+                double gv[5] = {0.5, -1.25, 2.0, 0.75, 3.0};
+                g32 = th_tensor(TS_F32, 1, ts_, gv);
+                gh = to(g32, HALVES[i]);
+            }
+            TH_OK(ts_backward(yh, gh, false));
+            TH_OK(ts_backward(y32, g32, false));
+            expect_close(red ? "cross_entropy sum loss" : "cross_entropy none losses", HALVES[i], yh, y32, red ? 2 : 0);
+            expect_close(red ? "cross_entropy sum gx" : "cross_entropy none gx", HALVES[i], ts_tensor_grad(lh),
+                         ts_tensor_grad(l32), 2);
+            ts_tensor *all[8] = {l0, lh, l32, t, yh, y32, gh, g32};
+            for (int k = 0; k < 8; k++)
+                ts_tensor_free(all[k]);
+        }
+}
+
 /* torch: bf16 log_softmax (intermediates rounded, see softmax), nll_loss
  * and their backward in bf16 (measured: loss the same bits, gx 0.67). */
 Test(tensor_half_nn_ops, cross_entropy_bf16_matches_torch)
