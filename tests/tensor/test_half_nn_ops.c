@@ -7,7 +7,7 @@
  *     agree bit for bit; see each check);
  *   - in bfloat16 (and float16 for embedding, the only one of these ops
  *     torch 1.13 has on the CPU in float16) against torch 1.13's CPU
- *     results, tests/fixtures/half/ops.bin, written by
+ *     results, tests/fixtures/half/nn/ops.bin, written by
  *     tools/reference/make_half_nn.py (its docstring has the exact calls).
  *
  * The inputs are the fixture's (bfloat16 values, converted exactly to
@@ -51,7 +51,7 @@ static void fx_open(fixture *f, const char *group)
 {
     char path[1024];
     json_error_t err;
-    snprintf(path, sizeof path, "%s/half/index.json", TS_FIXTURES_DIR);
+    snprintf(path, sizeof path, "%s/half/nn/index.json", TS_FIXTURES_DIR);
     f->root = json_load_file(path, 0, &err);
     cr_assert(f->root != NULL, "%s:%d: %s", path, err.line, err.text);
     json_t *g;
@@ -63,7 +63,7 @@ static void fx_open(fixture *f, const char *group)
             f->group = g;
     }
     cr_assert(f->group != NULL, "no group '%s' in %s", group, path);
-    snprintf(path, sizeof path, "%s/half/%s", TS_FIXTURES_DIR, json_string_value(json_object_get(f->group, "file")));
+    snprintf(path, sizeof path, "%s/half/nn/%s", TS_FIXTURES_DIR, json_string_value(json_object_get(f->group, "file")));
     f->blob = th_read_file(path, &f->len);
 }
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Write the bfloat16 / float16 fixtures of tests/fixtures/half/ from torch
+"""Write the bfloat16 / float16 nn fixtures of tests/fixtures/half/nn/ from torch
 1.13 (CPU), for tests/tensor/test_half_nn_ops.c and tests/nn/test_half_parity.c.
 
 usage: /usr/bin/python3 tools/reference/make_half_nn.py [OUTDIR]
        (Debian 12's system python3 with the python3-torch package, 1.13;
-        OUTDIR defaults to tests/fixtures/half beside this script's repo)
+        OUTDIR defaults to tests/fixtures/half/nn beside this script's repo,
+        a directory of its own beside the other 16-bit fixtures)
 
 Two groups, each NAME.bin (raw little-endian values of the tensors listed
 for NAME in index.json, C order, concatenated: bfloat16 and float16 as
@@ -64,7 +65,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import models  # noqa: E402
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "..", "..", "tests", "fixtures", "half")
+OUT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "..", "..", "tests", "fixtures", "half", "nn")
 SEED = 1010
 DROP_SEED = 2020
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
