@@ -26,6 +26,7 @@ typedef enum bop {
     B_POW_BW,      /* x * p * y^(p-1), y = input */
     B_ABS_BW,      /* x * sign(y), y = input (sign(0) = sign(NaN) = 0, as torch's sgn) */
     B_EQ,          /* bool output */
+    B_NE, B_LT, B_LE, B_GT, B_GE, /* bool output */
     B_COUNT
 } bop;
 
@@ -37,7 +38,7 @@ typedef enum uop {
 static const char *const bop_names[B_COUNT] = {"add", "sub", "mul", "div", "div_backward", "relu_backward",
                                                "tanh_backward", "sigmoid_backward", "sqrt_backward",
                                                "rsqrt_backward", "gelu_backward", "gelu_backward", "pow_backward",
-                                               "abs_backward", "eq"};
+                                               "abs_backward", "eq", "ne", "lt", "le", "gt", "ge"};
 static const char *const uop_names[U_COUNT] = {"neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu",
                                                "gelu", "gelu", "add_scalar", "mul_scalar", "div_scalar", "rsub_scalar",
                                                "pow_scalar", "abs"};
@@ -78,6 +79,11 @@ static inline __attribute__((always_inline)) double bin_d(bop op, double x, doub
     case B_POW_BW: return p == 0.0 ? 0.0 : x * p * pow(y, p - 1.0);
     case B_ABS_BW: return x * (double)((y > 0) - (y < 0));
     case B_EQ: return x == y;
+    case B_NE: return x != y;
+    case B_LT: return x < y;
+    case B_LE: return x <= y;
+    case B_GT: return x > y;
+    case B_GE: return x >= y;
     case B_COUNT: break;
     }
     return 0;
@@ -109,8 +115,7 @@ static inline __attribute__((always_inline)) float bin_f(bop op, float x, float 
     }
     case B_POW_BW: return p == 0.0f ? 0.0f : x * p * powf(y, p - 1.0f);
     case B_ABS_BW: return x * (float)((y > 0) - (y < 0));
-    case B_EQ: return x == y;
-    case B_COUNT: break;
+    case B_EQ: case B_NE: case B_LT: case B_LE: case B_GT: case B_GE: case B_COUNT: break;
     }
     return 0;
 }
@@ -295,7 +300,8 @@ __attribute__((target_clones("avx2", "default"))) static void bin_dispatch_f32(b
     case B_GELU_TANH_BW: bin_loop_f32(B_GELU_TANH_BW, g, o, a, b, p); break;
     case B_POW_BW: bin_loop_f32(B_POW_BW, g, o, a, b, p); break;
     case B_ABS_BW: bin_loop_f32(B_ABS_BW, g, o, a, b, p); break;
-    case B_EQ: case B_COUNT: TS_ASSERT(!"no f32 loop for this op");
+    case B_EQ: case B_NE: case B_LT: case B_LE: case B_GT: case B_GE: case B_COUNT:
+        TS_ASSERT(!"no f32 loop for this op");
     }
 }
 
@@ -328,7 +334,8 @@ static void bin_dispatch_h(bop op, ts_dtype dt, const bgeom *g, uint16_t *o, con
     case B_GELU_TANH_BW: bin_loop_h(B_GELU_TANH_BW, dt, g, o, a, b, p); break;
     case B_POW_BW: bin_loop_h(B_POW_BW, dt, g, o, a, b, p); break;
     case B_ABS_BW: bin_loop_h(B_ABS_BW, dt, g, o, a, b, p); break;
-    case B_EQ: case B_COUNT: TS_ASSERT(!"no 16-bit loop for this op");
+    case B_EQ: case B_NE: case B_LT: case B_LE: case B_GT: case B_GE: case B_COUNT:
+        TS_ASSERT(!"no 16-bit loop for this op");
     }
 }
 
@@ -354,7 +361,8 @@ static ts_status binary_kernel(bop op, ts_tensor *a, ts_tensor *b, double p, ts_
     p = scalar_in(a->dtype, p);
     if ((st = ts__broadcast_shape(name, a->ndim, a->shape, b->ndim, b->shape, &g.nd, g.shape)))
         return st;
-    ts_dtype od = op == B_EQ ? TS_BOOL : a->dtype;
+    bool cmp = op >= B_EQ;
+    ts_dtype od = cmp ? TS_BOOL : a->dtype;
     ts_tensor *o;
     if ((st = ts__tensor_new(od, g.nd, g.shape, &o)))
         return st;
@@ -364,7 +372,7 @@ static ts_status binary_kernel(bop op, ts_tensor *a, ts_tensor *b, double p, ts_
     if (ts__numel(g.nd, g.shape) > 0) {
         void *od_p = ts_tensor_data(o);
         const void *ap = ts_tensor_data(a), *bp = ts_tensor_data(b);
-        if (ts__use_reference_kernels || op == B_EQ || a->dtype != b->dtype ||
+        if (ts__use_reference_kernels || cmp || a->dtype != b->dtype ||
             (a->dtype != TS_F32 && a->dtype != TS_F64 && !ts__is_half(a->dtype)))
             bin_loop_ref(op, &g, od, od_p, a->dtype, ap, b->dtype, bp, p);
         else if (ts__is_half(a->dtype))
@@ -684,29 +692,36 @@ ts_status ts_sub(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return binary_op
 ts_status ts_mul(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return binary_op(B_MUL, a, b, out); }
 ts_status ts_div(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return binary_op(B_DIV, a, b, out); }
 
-ts_status ts_eq(ts_tensor *a, ts_tensor *b, ts_tensor **out)
+static ts_status compare_op(bop op, ts_tensor *a, ts_tensor *b, ts_tensor **out)
 {
     ts_tensor *in[2] = {a, b};
-    ts_status st = ts__check_inputs("eq", 2, in);
+    ts_status st = ts__check_inputs(bop_names[op], 2, in);
     if (st)
         return st;
     if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "eq: out is NULL");
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", bop_names[op]);
     if (a->dtype == b->dtype)
-        return binary_kernel(B_EQ, a, b, 0, out);
+        return binary_kernel(op, a, b, 0, out);
     /* compared in the common dtype, as torch.eq does (int64 2^24 + 1 and
      * float32 2^24 are equal once both are float32) */
     ts_tensor *ca, *cb;
     bool grad = ts_grad_mode_set(false);
-    st = promote_operands("eq", a, b, false, &ca, &cb);
+    st = promote_operands(bop_names[op], a, b, false, &ca, &cb);
     ts_grad_mode_set(grad);
     if (st)
         return st;
-    st = binary_kernel(B_EQ, ca, cb, 0, out);
+    st = binary_kernel(op, ca, cb, 0, out);
     ts_tensor_free(ca);
     ts_tensor_free(cb);
     return st;
 }
+
+ts_status ts_eq(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_EQ, a, b, out); }
+ts_status ts_ne(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_NE, a, b, out); }
+ts_status ts_lt(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_LT, a, b, out); }
+ts_status ts_le(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_LE, a, b, out); }
+ts_status ts_gt(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_GT, a, b, out); }
+ts_status ts_ge(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_GE, a, b, out); }
 
 /* ----------------------------------------------------- unary ops */
 
