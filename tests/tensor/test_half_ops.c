@@ -456,3 +456,320 @@ static void check_dtype(ts_dtype dt)
 
 Test(tensor_half_ops, bfloat16_against_float32_and_torch) { check_dtype(TS_BF16); }
 Test(tensor_half_ops, float16_against_float32_and_torch) { check_dtype(TS_F16); }
+
+/* ------------------------------------------------------------ promotion */
+
+/* result dtype of ts_add(a, b) for a of shape (2,) or () and b likewise */
+static ts_dtype add_dtype(ts_dtype da, bool a0d, ts_dtype db, bool b0d)
+{
+    int64_t s[1] = {2};
+    ts_tensor *a, *b, *o;
+    TH_OK(ts_tensor_ones(da, a0d ? 0 : 1, s, &a));
+    TH_OK(ts_tensor_ones(db, b0d ? 0 : 1, s, &b));
+    TH_OK(ts_add(a, b, &o));
+    ts_dtype r = ts_tensor_dtype(o);
+    ts_tensor_free(a);
+    ts_tensor_free(b);
+    ts_tensor_free(o);
+    return r;
+}
+
+Test(tensor_half_ops, type_promotion_follows_torch_result_type)
+{
+    th_mem_mark();
+    /* each row: torch.result_type of the two operands (checked with torch
+     * 1.13: bf16 + f16 -> f32; bf16 (n) + f32 () -> bf16; bf16 () + f16 (n)
+     * -> f16; f64 () + f16 (n) -> f16; f64 (n) + f16 (n) -> f64) */
+    static const struct {
+        ts_dtype a;
+        bool a0;
+        ts_dtype b;
+        bool b0;
+        ts_dtype want;
+    } rows[] = {
+        {TS_BF16, false, TS_F16, false, TS_F32}, {TS_BF16, false, TS_F32, false, TS_F32},
+        {TS_F16, false, TS_F32, false, TS_F32},  {TS_BF16, false, TS_F32, true, TS_BF16},
+        {TS_BF16, true, TS_F16, false, TS_F16},  {TS_F64, true, TS_F16, false, TS_F16},
+        {TS_F64, false, TS_F16, false, TS_F64},  {TS_F32, false, TS_F64, false, TS_F64},
+        {TS_I64, false, TS_BF16, false, TS_BF16}, {TS_I64, false, TS_F32, true, TS_F32},
+        {TS_BOOL, false, TS_F16, true, TS_F16},  {TS_BF16, true, TS_F16, true, TS_F32},
+    };
+    for (size_t k = 0; k < sizeof rows / sizeof *rows; k++) {
+        ts_dtype got = add_dtype(rows[k].a, rows[k].a0, rows[k].b, rows[k].b0);
+        cr_assert_eq(got, rows[k].want, "row %zu: %s%s + %s%s gave %s, torch gives %s", k, ts_dtype_name(rows[k].a),
+                     rows[k].a0 ? " 0-d" : "", ts_dtype_name(rows[k].b), rows[k].b0 ? " 0-d" : "",
+                     ts_dtype_name(got), ts_dtype_name(rows[k].want));
+        /* symmetric */
+        cr_assert_eq(add_dtype(rows[k].b, rows[k].b0, rows[k].a, rows[k].a0), rows[k].want, "row %zu swapped", k);
+    }
+    th_mem_assert_back();
+}
+
+Test(tensor_half_ops, mixed_operands_compute_in_the_promoted_dtype_and_grads_keep_their_dtypes)
+{
+    th_mem_mark();
+    fx f = fx_open();
+    ts_tensor *xb = fx_tensor(&f, "bfloat16.in.x"), *yh = fx_tensor(&f, "float16.in.y");
+    TH_OK(ts_tensor_set_requires_grad(xb, true));
+    TH_OK(ts_tensor_set_requires_grad(yh, true));
+    ts_tensor *o;
+    TH_OK(ts_mul(xb, yh, &o)); /* bf16 * f16 -> f32 */
+    cr_assert_eq(ts_tensor_dtype(o), TS_F32);
+    ts_tensor *xf = cast(xb, TS_F32), *yf = cast(yh, TS_F32), *want;
+    TH_OK(ts_mul(xf, yf, &want));
+    expect_match(EXACT, "bf16 * f16 vs f32 * f32", o, want, NULL);
+    ts_tensor *s;
+    TH_OK(ts_sum(o, 0, NULL, false, &s));
+    TH_OK(ts_backward(s, NULL, false));
+    /* d/dx = y (f32), cast back to bf16: round(y) in bf16 */
+    ts_tensor *gx = ts_tensor_grad(xb), *gy = ts_tensor_grad(yh);
+    cr_assert_eq(ts_tensor_dtype(gx), TS_BF16, "grad of the bf16 operand is %s", ts_dtype_name(ts_tensor_dtype(gx)));
+    cr_assert_eq(ts_tensor_dtype(gy), TS_F16, "grad of the f16 operand is %s", ts_dtype_name(ts_tensor_dtype(gy)));
+    ts_tensor *wx = cast(yf, TS_BF16), *wy = cast(xf, TS_F16);
+    expect_match(EXACT, "grad x", gx, wx, NULL);
+    expect_match(EXACT, "grad y", gy, wy, NULL);
+    ts_tensor *objs[] = {xb, yh, o, xf, yf, want, s, wx, wy};
+    for (size_t i = 0; i < sizeof objs / sizeof *objs; i++)
+        ts_tensor_free(objs[i]);
+    fx_close(&f);
+    th_mem_assert_back();
+}
+
+Test(tensor_half_ops, zero_dim_operand_of_the_same_category_keeps_the_dtype)
+{
+    th_mem_mark();
+    int64_t s[1] = {4};
+    double v[4] = {1.0, 1.00390625, -3.0, 0.3};
+    ts_tensor *x = th_tensor(TS_BF16, 1, s, v), *c, *o, *w;
+    TH_OK(ts_tensor_scalar(TS_F32, 0.1, &c));
+    TH_OK(ts_add(x, c, &o));
+    cr_assert_eq(ts_tensor_dtype(o), TS_BF16);
+    /* the 0-d float32 operand is converted to bf16 first, as torch does */
+    TH_OK(ts_add_scalar(x, 0.1, &w));
+    expect_match(EXACT, "bf16 + f32 0-d vs bf16 + 0.1", o, w, NULL);
+    ts_tensor_free(x);
+    ts_tensor_free(c);
+    ts_tensor_free(o);
+    ts_tensor_free(w);
+    th_mem_assert_back();
+}
+
+/* ------------------------------------------------------------ casts */
+
+Test(tensor_half_ops, to_dtype_backward_casts_the_gradient_back)
+{
+    th_mem_mark();
+    static const ts_dtype from[] = {TS_F32, TS_F32, TS_BF16, TS_F16, TS_F64, TS_BF16, TS_F64};
+    static const ts_dtype to[] = {TS_BF16, TS_F16, TS_F32, TS_F32, TS_BF16, TS_F16, TS_F16};
+    int64_t s[1] = {5};
+    double v[5] = {1.0, -0.3, 1.0 + 0x1p-9, 65504.0, 1e-6};
+    for (size_t k = 0; k < sizeof from / sizeof *from; k++) {
+        ts_tensor *x = th_tensor(from[k], 1, s, v), *y, *g, *w;
+        TH_OK(ts_tensor_set_requires_grad(x, true));
+        TH_OK(ts_to_dtype(x, to[k], &y));
+        cr_assert_eq(ts_tensor_dtype(y), to[k]);
+        /* values: PyTorch's conversion (through float32 to 16 bits) */
+        double got[5], want[5];
+        th_vals(y, got, 5);
+        for (int i = 0; i < 5; i++) {
+            double xi;
+            TH_OK(ts_tensor_get(x, (int64_t[]){i}, &xi));
+            float f = (float)xi;
+            want[i] = to[k] == TS_BF16 ? ts_bf16_to_f32(ts_f32_to_bf16(f))
+                      : to[k] == TS_F16 ? ts_f16_to_f32(ts_f32_to_f16(f))
+                                        : xi;
+            cr_assert(got[i] == want[i], "%s -> %s element %d: %.9g, expected %.9g", ts_dtype_name(from[k]),
+                      ts_dtype_name(to[k]), i, got[i], want[i]);
+        }
+        double gv[5] = {0.5, 3.0, 1.0 + 0x1p-12, -2.0, 0.125};
+        g = th_tensor(to[k], 1, s, gv);
+        TH_OK(ts_backward(y, g, false));
+        ts_tensor *gx = ts_tensor_grad(x);
+        cr_assert_eq(ts_tensor_dtype(gx), from[k], "%s -> %s: gradient dtype %s", ts_dtype_name(from[k]),
+                     ts_dtype_name(to[k]), ts_dtype_name(ts_tensor_dtype(gx)));
+        w = cast(g, from[k]);
+        expect_match(EXACT, "to_dtype gradient", gx, w, NULL);
+        ts_tensor_free(x);
+        ts_tensor_free(y);
+        ts_tensor_free(g);
+        ts_tensor_free(w);
+    }
+    th_mem_assert_back();
+}
+
+Test(tensor_half_ops, copy_across_dtypes_and_strided_copies)
+{
+    th_mem_mark();
+    int64_t s[2] = {3, 5};
+    ts_tensor *x = th_seq(TS_F32, 2, s, 3.0, false);
+    for (int d = 0; d < 2; d++) {
+        ts_dtype dt = d ? TS_F16 : TS_BF16;
+        ts_tensor *h = th_empty(dt, 2, s), *w = cast(x, dt);
+        TH_OK(ts_tensor_copy_(h, x)); /* contiguous f32 -> 16-bit */
+        expect_match(EXACT, "copy_ f32 -> 16-bit", h, w, NULL);
+        /* strided: a transposed 16-bit view copied into f64 and back */
+        ts_tensor *t, *tc, *d64, *back;
+        TH_OK(ts_transpose(h, 0, 1, &t));
+        TH_OK(ts_contiguous(t, &tc));
+        int64_t s2[2] = {5, 3};
+        d64 = th_empty(TS_F64, 2, s2);
+        TH_OK(ts_tensor_copy_(d64, t));
+        back = th_empty(dt, 2, s2);
+        TH_OK(ts_tensor_copy_(back, d64));
+        expect_match(EXACT, "16-bit -> f64 -> 16-bit through a transposed view", back, tc, NULL);
+        /* fill rounds the value once */
+        TH_OK(ts_tensor_fill_(back, 0.1));
+        double v;
+        TH_OK(ts_tensor_get(back, (int64_t[]){4, 2}, &v));
+        double want = dt == TS_BF16 ? ts_bf16_to_f32(ts_f32_to_bf16(0.1f)) : ts_f16_to_f32(ts_f32_to_f16(0.1f));
+        cr_assert(v == want, "fill_: %.9g, expected %.9g", v, want);
+        ts_tensor *objs[] = {h, w, t, tc, d64, back};
+        for (size_t i = 0; i < sizeof objs / sizeof *objs; i++)
+            ts_tensor_free(objs[i]);
+    }
+    ts_tensor_free(x);
+    th_mem_assert_back();
+}
+
+/* ------------------------------------------------------------ autograd */
+
+Test(tensor_half_ops, bf16_leaf_gradients_accumulate_in_bf16)
+{
+    th_mem_mark();
+    int64_t s[1] = {3};
+    double xv[3] = {1.0, -2.0, 0.3};
+    ts_tensor *x = th_tensor(TS_BF16, 1, s, xv);
+    TH_OK(ts_tensor_set_requires_grad(x, true));
+    /* y = x * 1.0078125 + x * 3 (both exact in bf16): the two gradients
+     * meet inside the graph and are summed in bf16, 4.0078125 rounding to
+     * 4 (the ulp at 4 is 2^-5); a float32 accumulator would hold
+     * 4.0078125, and 8.015625 after the second backward */
+    for (int pass = 0; pass < 2; pass++) {
+        ts_tensor *a, *b, *y, *l;
+        TH_OK(ts_mul_scalar(x, 1.0078125, &a));
+        TH_OK(ts_mul_scalar(x, 3.0, &b));
+        TH_OK(ts_add(a, b, &y));
+        TH_OK(ts_sum(y, 0, NULL, false, &l));
+        TH_OK(ts_backward(l, NULL, false));
+        ts_tensor_free(a);
+        ts_tensor_free(b);
+        ts_tensor_free(y);
+        ts_tensor_free(l);
+    }
+    ts_tensor *g = ts_tensor_grad(x);
+    cr_assert_eq(ts_tensor_dtype(g), TS_BF16);
+    /* the second backward adds 4 in place: 8 */
+    double gv[3];
+    th_vals(g, gv, 3);
+    for (int i = 0; i < 3; i++)
+        cr_assert(gv[i] == 8.0, "grad[%d] = %.9g, expected 8 (bf16 accumulation)", i, gv[i]);
+    ts_tensor_free(x);
+    th_mem_assert_back();
+}
+
+/* ------------------------------------------------------------ layouts */
+
+Test(tensor_half_ops, strided_and_broadcast_inputs_give_the_contiguous_bits)
+{
+    th_mem_mark();
+    int64_t s[2] = {6, 7};
+    for (int d = 0; d < 2; d++) {
+        ts_dtype dt = d ? TS_F16 : TS_BF16;
+        ts_tensor *a32 = th_seq(TS_F32, 2, s, 2.0, false), *a = cast(a32, dt), *at, *atc, *o1, *o2;
+        TH_OK(ts_transpose(a, 0, 1, &at));
+        TH_OK(ts_contiguous(at, &atc));
+        ts_status (*un[])(ts_tensor *, ts_tensor **) = {ts_exp, ts_tanh, ts_sigmoid, ts_relu, ts_neg};
+        for (size_t k = 0; k < sizeof un / sizeof *un; k++) {
+            TH_OK(un[k](at, &o1));
+            TH_OK(un[k](atc, &o2));
+            expect_match(EXACT, "unary on a transposed view", o1, o2, NULL);
+            ts_tensor_free(o1);
+            ts_tensor_free(o2);
+        }
+        /* binary: transposed view times a broadcast row */
+        int64_t rs[2] = {1, 6};
+        ts_tensor *r32 = th_seq(TS_F32, 2, rs, 1.0, false), *r = cast(r32, dt), *r32c;
+        TH_OK(ts_mul(at, r, &o1));
+        TH_OK(ts_mul(atc, r, &o2));
+        expect_match(EXACT, "mul transposed x broadcast", o1, o2, NULL);
+        ts_tensor *at32;
+        TH_OK(ts_transpose(a32, 0, 1, &at32));
+        r32c = cast(r, TS_F32);
+        ts_tensor *ax = cast(at, TS_F32), *w32, *w;
+        TH_OK(ts_mul(ax, r32c, &w32));
+        w = cast(w32, dt);
+        expect_match(EXACT, "mul vs float32 rounded", o1, w, NULL);
+        ts_tensor *objs[] = {a32, a, at, atc, o1, o2, r32, r, r32c, at32, ax, w32, w};
+        for (size_t i = 0; i < sizeof objs / sizeof *objs; i++)
+            ts_tensor_free(objs[i]);
+    }
+    th_mem_assert_back();
+}
+
+Test(tensor_half_ops, comparisons_in_the_promoted_dtype)
+{
+    th_mem_mark();
+    int64_t s[1] = {4};
+    double av[4] = {1.0, 2.0, NAN, -1.0}, bv[4] = {1.0, 1.0, 1.0, 0.0};
+    ts_tensor *a = th_tensor(TS_BF16, 1, s, av), *b = th_tensor(TS_F16, 1, s, bv), *o;
+    static const struct {
+        ts_status (*fn)(ts_tensor *, ts_tensor *, ts_tensor **);
+        const char *name;
+        double want[4];
+    } cmp[] = {
+        {ts_eq, "eq", {1, 0, 0, 0}}, {ts_ne, "ne", {0, 1, 1, 1}}, {ts_lt, "lt", {0, 0, 0, 1}},
+        {ts_le, "le", {1, 0, 0, 1}}, {ts_gt, "gt", {0, 1, 0, 0}}, {ts_ge, "ge", {1, 1, 0, 0}},
+    };
+    for (size_t k = 0; k < sizeof cmp / sizeof *cmp; k++) {
+        TH_OK(cmp[k].fn(a, b, &o));
+        cr_assert_eq(ts_tensor_dtype(o), TS_BOOL);
+        double got[4];
+        th_vals(o, got, 4);
+        for (int i = 0; i < 4; i++)
+            cr_assert(got[i] == cmp[k].want[i], "%s[%d] = %g, expected %g", cmp[k].name, i, got[i], cmp[k].want[i]);
+        ts_tensor_free(o);
+    }
+    /* int64 2^24 + 1 against float32 2^24: equal in float32 (torch.eq) */
+    int64_t one[1] = {1};
+    double iv[1] = {16777217.0}, fv[1] = {16777216.0};
+    ts_tensor *i = th_tensor(TS_I64, 1, one, iv), *fl = th_tensor(TS_F32, 1, one, fv);
+    TH_OK(ts_eq(i, fl, &o));
+    double e;
+    TH_OK(ts_tensor_item(o, &e));
+    cr_assert(e == 1.0, "int64 2^24+1 == float32 2^24 must hold after promotion");
+    ts_tensor_free(o);
+    ts_tensor_free(i);
+    ts_tensor_free(fl);
+    ts_tensor_free(a);
+    ts_tensor_free(b);
+    th_mem_assert_back();
+}
+
+/* ------------------------------------------------------------ errors */
+
+Test(tensor_half_ops, unsupported_combinations_name_the_dtypes)
+{
+    th_mem_mark();
+    int64_t s[1] = {3};
+    double v[3] = {1, 2, 3};
+    ts_tensor *b = th_tensor(TS_BF16, 1, s, v), *h = th_tensor(TS_F16, 1, s, v), *i = th_tensor(TS_I64, 1, s, v),
+              *i32 = th_tensor(TS_I32, 1, s, v), *bo = th_tensor(TS_BOOL, 1, s, v), *o = NULL;
+    TH_FAILS(ts_add(i, i32, &o), TS_ERR_DTYPE, "add", "int64", "int32");
+    TH_FAILS(ts_mul(bo, bo, &o), TS_ERR_DTYPE, "mul", "bool");
+    TH_FAILS(ts_div(i, bo, &o), TS_ERR_DTYPE, "div", "int64", "bool");
+    TH_FAILS(ts_exp(i32, &o), TS_ERR_DTYPE, "exp", "int32");
+    TH_FAILS(ts_mean(i, 0, NULL, false, &o), TS_ERR_DTYPE, "mean", "int64");
+    TH_FAILS(ts_amax(bo, 0, NULL, false, &o), TS_ERR_DTYPE, "amax", "bool");
+    TH_FAILS(ts_max_dim(i, 0, false, &o, NULL), TS_ERR_DTYPE, "max", "int64");
+    ts_tensor *two[2] = {b, h};
+    TH_FAILS(ts_cat(2, two, 0, &o), TS_ERR_DTYPE, "cat", "bfloat16", "float16");
+    ts_tensor *c;
+    TH_OK(ts_gt(b, h, &c));
+    TH_FAILS(ts_where(c, b, h, &o), TS_ERR_DTYPE, "where", "bfloat16", "float16");
+    TH_FAILS(ts_masked_fill(b, h, 0.0, &o), TS_ERR_DTYPE, "masked_fill", "float16");
+    cr_assert_null(o, "out written on failure");
+    ts_tensor *objs[] = {b, h, i, i32, bo, c};
+    for (size_t k = 0; k < sizeof objs / sizeof *objs; k++)
+        ts_tensor_free(objs[k]);
+    th_mem_assert_back();
+}
