@@ -254,7 +254,10 @@ static inline __attribute__((always_inline)) void bin_loop_h(bop op, ts_dtype dt
     do {
         uint16_t *restrict oo = o + offs[0];
         const uint16_t *restrict aa = a + offs[1], *restrict bb = b + offs[2];
-        if (dt == TS_BF16)
+        if (dt == TS_BF16 && sa == 1 && sb == 1)
+            for (int64_t i = 0; i < n; i++)
+                oo[i] = ts__f32_to_bf16(bin_f(op, ts__bf16_to_f32(aa[i]), ts__bf16_to_f32(bb[i]), p));
+        else if (dt == TS_BF16)
             for (int64_t i = 0; i < n; i++)
                 oo[i] = ts__f32_to_bf16(bin_f(op, ts__bf16_to_f32(aa[i * sa]), ts__bf16_to_f32(bb[i * sb]), p));
         else
@@ -316,7 +319,7 @@ static void bin_dispatch_f64(bop op, const bgeom *g, double *o, const double *a,
     }
 }
 
-static void bin_dispatch_h(bop op, ts_dtype dt, const bgeom *g, uint16_t *o, const uint16_t *a, const uint16_t *b,
+__attribute__((target_clones("avx2", "default"))) static void bin_dispatch_h(bop op, ts_dtype dt, const bgeom *g, uint16_t *o, const uint16_t *a, const uint16_t *b,
                            float p)
 {
     switch (op) {
@@ -427,7 +430,7 @@ static inline __attribute__((always_inline)) void un_loop_h(uop op, ts_dtype dt,
             o[i] = ts_f32_to_f16(un_f(op, ts_f16_to_f32(a[i]), p));
 }
 
-static void un_dispatch_h(uop op, ts_dtype dt, int64_t n, uint16_t *o, const uint16_t *a, float p)
+__attribute__((target_clones("avx2", "default"))) static void un_dispatch_h(uop op, ts_dtype dt, int64_t n, uint16_t *o, const uint16_t *a, float p)
 {
     switch (op) {
     case U_NEG: un_loop_h(U_NEG, dt, n, o, a, p); break;

@@ -7,8 +7,8 @@
  * accumulation into 16-bit leaves, and the dtype errors.
  *
  * Comparison classes (the `fwd32`, `bwd32`, `torch_fwd`, `torch_bwd` fields
- * of a case; u = 2^-8 for bf16, 2^-11 for f16, the largest relative
- * spacing of the dtype, so one rounding is at most u/2 * |value|):
+ * of a case; u = 2^-8 for bf16, 2^-11 for f16, the unit roundoff: one
+ * rounding to the dtype changes a value v by at most u |v|):
  *  EXACT  bit for bit. Every forward against both references except the
  *         ones listed below; every backward whose formula reads only the
  *         16-bit inputs (relu, gelu, log, abs, pow 2, add/sub/mul, the
@@ -17,8 +17,8 @@
  *         (the floor covers results near 0 that cancel).
  *         - vs the float32 run, backward of ops whose gradient reads a
  *           saved 16-bit tensor that the float32 run has unrounded: exp,
- *           sqrt (rounded output, one u/2 plus the result's u/2: REL2),
- *           rsqrt (the rounded output cubed, 3 u/2 + u/2: REL4), div's
+ *           sqrt (the rounded output, u, plus the result's rounding, u:
+ *           REL2), rsqrt (the rounded output cubed, 3u + u: REL4), div's
  *           gradient for b (g/b rounded, times the rounded output: REL4),
  *           mul/div with a broadcast b (products rounded before the sum
  *           over 3 rows: up to 3 such terms plus the sum's rounding, REL8).
@@ -35,7 +35,7 @@
  *  COTk   |got - want| <= k u (|want| + |g|), g the cotangent element: the
  *         backward of tanh and sigmoid reads the rounded output y in
  *         g (1 - y^2) and g y (1 - y), where the cancellation makes the
- *         error absolute, |g| |dh/dy| |y| u/2 <= |g| u (COT2); gelu(tanh)'s
+ *         error absolute, |g| |dh/dy| |y| u <= 2 |g| u (COT2); gelu(tanh)'s
  *         backward against torch's stepwise version: COT8.
  *  NONE   not compared (torch 1.13 has no CPU kernel for that float16 op:
  *         the fixture index says "unsupported", which the test checks).
@@ -771,5 +771,46 @@ Test(tensor_half_ops, unsupported_combinations_name_the_dtypes)
     ts_tensor *objs[] = {b, h, i, i32, bo, c};
     for (size_t k = 0; k < sizeof objs / sizeof *objs; k++)
         ts_tensor_free(objs[k]);
+    th_mem_assert_back();
+}
+
+/* ------------------------------------------------------------ reference kernels */
+
+static ts_status run_case_fn(ts_tensor **in, ts_tensor **out, void *ctx)
+{
+    const hcase *c = ctx;
+    return c->fn(in, out);
+}
+
+/* The typed 16-bit loops against the reference kernels (through double,
+ * rounded to float32, then to the dtype). Both round a value within u of
+ * the exact result once more to the dtype, so they differ by at most one
+ * ulp (2u relative) in the forward; the backward formulas compose two such
+ * steps on the saved tensors: 4u relative, and 4u absolute for gradients
+ * that cancel near 0 (the cotangent and the inputs are O(1)). */
+Test(tensor_half_ops, typed_loops_agree_with_the_reference_kernels)
+{
+    th_mem_mark();
+    fx f = fx_open();
+    for (int d = 0; d < 2; d++) {
+        ts_dtype dt = d ? TS_F16 : TS_BF16;
+        double u = relative_ulp(dt);
+        scalar_dtype = dt;
+        for (int k = 0; k < N_CASES; k++) {
+            const hcase *c = &cases[k];
+            if (strcmp(c->cot, "g") != 0 || strcmp(c->name, "where") == 0 || strcmp(c->name, "masked_fill") == 0)
+                continue; /* the elementwise ops */
+            ts_tensor *in[2];
+            char nm[96];
+            for (int i = 0; i < c->n; i++) {
+                snprintf(nm, sizeof nm, "%s.in.%s", ts_dtype_name(dt), c->in[i]);
+                in[i] = fx_tensor(&f, nm);
+            }
+            th_assert_kernels_agree(run_case_fn, c->n, in, (void *)c, 0.8, 2 * u, 2 * u, 4 * u, 4 * u);
+            for (int i = 0; i < c->n; i++)
+                ts_tensor_free(in[i]);
+        }
+    }
+    fx_close(&f);
     th_mem_assert_back();
 }
