@@ -243,7 +243,8 @@ TS_API ts_status ts_detach(ts_tensor *t, ts_tensor **out);
  * f32 () is f32. Arithmetic needs a floating common dtype: otherwise
  * TS_ERR_DTYPE naming both dtypes and the result. Comparisons accept every
  * dtype. Ops outside this group (cat, where, matmul, ...) require equal
- * dtypes and fail with TS_ERR_DTYPE naming both. */
+ * dtypes and fail with TS_ERR_DTYPE naming both (torch 1.13 promotes in
+ * cat and where; here the cast is the caller's, with ts_to_dtype). */
 TS_API ts_status ts_add(ts_tensor *a, ts_tensor *b, ts_tensor **out);
 TS_API ts_status ts_sub(ts_tensor *a, ts_tensor *b, ts_tensor **out);
 TS_API ts_status ts_mul(ts_tensor *a, ts_tensor *b, ts_tensor **out);
