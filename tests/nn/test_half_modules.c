@@ -1,6 +1,7 @@
 /* Modules in bfloat16 and float16: ts_module_to_dtype (PyTorch's
  * model.to(dtype)) and the layers' forward in the dtype of their
- * parameters, with a clear error for an input of another dtype. */
+ * parameters (Linear, LayerNorm, Embedding, MultiheadAttention, Dropout,
+ * GELU, ReLU, Tanh), with a clear error for an input of another dtype. */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <math.h>
@@ -278,6 +279,46 @@ Test(nn_half_modules, layers_forward_in_their_dtype)
         ts_tensor_free(x32);
         ts_tensor_free(xh);
         ts_tensor_free(xr);
+    }
+}
+
+/* ------------------------------------------------ activations */
+
+/* GELU (both approximations), ReLU and Tanh modules take bf16 and f16
+ * inputs and give their ops' results in that dtype, forward and backward. */
+Test(nn_half_modules, activation_modules_in_bf16_and_f16)
+{
+    int64_t shape[2] = {3, 7};
+    for (int i = 0; i < 2; i++) {
+        ts_dtype dt = i ? TS_F16 : TS_BF16;
+        ts_module *mods[4];
+        TH_OK(ts_gelu_new(TS_GELU_NONE, &mods[0]));
+        TH_OK(ts_gelu_new(TS_GELU_TANH, &mods[1]));
+        TH_OK(ts_relu_new(&mods[2]));
+        TH_OK(ts_tanh_new(&mods[3]));
+        for (int k = 0; k < 4; k++) {
+            ts_tensor *x32 = th_seq(TS_F32, 2, shape, 3.0, false), *x, *y, *yo;
+            TH_OK(ts_to_dtype(x32, dt, &x));
+            TH_OK(ts_tensor_set_requires_grad(x, true));
+            TH_OK(ts_module_call1(mods[k], x, &y));
+            cr_assert_eq(ts_tensor_dtype(y), dt, "%s: output %s", ts_module_type_name(mods[k]),
+                         ts_dtype_name(ts_tensor_dtype(y)));
+            bool prev = ts_grad_mode_set(false);
+            TH_OK(k < 2 ? ts_gelu(x, k ? TS_GELU_TANH : TS_GELU_NONE, &yo) : k == 2 ? ts_relu(x, &yo) : ts_tanh(x, &yo));
+            ts_grad_mode_set(prev);
+            expect_same_bits(ts_module_type_name(mods[k]), y, yo);
+            ts_tensor *g;
+            TH_OK(ts_tensor_full(dt, 2, shape, 1.0, &g));
+            TH_OK(ts_backward(y, g, false));
+            cr_assert(ts_tensor_grad(x) != NULL && ts_tensor_dtype(ts_tensor_grad(x)) == dt);
+            ts_tensor_free(g);
+            ts_tensor_free(x32);
+            ts_tensor_free(x);
+            ts_tensor_free(y);
+            ts_tensor_free(yo);
+        }
+        for (int k = 0; k < 4; k++)
+            ts_module_free(mods[k]);
     }
 }
 
