@@ -20,7 +20,11 @@ bool ts__optim_avx2_active(void);
  * - ts__optim_grad_norm: torch.norm(g, 2) of one float32 or float64
  *   gradient (any strides; a float32 result is exact as a double), the
  *   bits of torch 1.13's CPU kernel (tensor/kernels.h's ts__buf_norm2_*).
- *   TS_ERR_NO_MEMORY for a non-contiguous one without memory to gather.
+ *   A bfloat16 / float16 gradient (fully_shard's, which ts_clip_grad_norm
+ *   does not take) is converted to float32, exactly, and normed as
+ *   float32 (torch accumulates these in float too; its order for them is
+ *   not reproduced). TS_ERR_NO_MEMORY without memory to gather a
+ *   non-contiguous gradient or convert a 16-bit one.
  * - ts__optim_total_norm: torch.norm(torch.stack(norms), 2) of n
  *   per-gradient norms, the stack float64 if any_f64, else float32 (each
  *   norm rounded to float first); 0 for n == 0. TS_ERR_NO_MEMORY.

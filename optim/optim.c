@@ -976,21 +976,30 @@ ts_status ts__optim_grad_norm(const ts_tensor *gc, double *norm_out)
     ts_tensor *g = (ts_tensor *)(uintptr_t)gc;
     int64_t n = ts_tensor_numel(g);
     ts_dtype dt = ts_tensor_dtype(g);
-    TS_ASSERT(dt == TS_F32 || dt == TS_F64);
+    TS_ASSERT(dt == TS_F32 || dt == TS_F64 || dt == TS_BF16 || dt == TS_F16);
     if (n == 0) {
         *norm_out = 0;
         return TS_OK;
     }
+    bool half = dt == TS_BF16 || dt == TS_F16, gather = !ts_tensor_is_contiguous(g);
+    size_t es = ts_dtype_size(dt);
+    /* one block: the gathered gradient, then (16-bit) its float32 values */
     void *tmp = NULL;
+    if ((gather || half) &&
+        !(tmp = ts__malloc(TS_MEM_NN, (size_t)n * ((gather ? es : 0) + (half ? sizeof(float) : 0)))))
+        return TS_ERR_NO_MEMORY;
     const void *x = ts_tensor_data(g);
-    if (!ts_tensor_is_contiguous(g)) {
-        if (!(tmp = ts__malloc(TS_MEM_NN, (size_t)n * ts_dtype_size(dt))))
-            return TS_ERR_NO_MEMORY;
-        gather_k k = {ts_dtype_size(dt), tmp};
+    if (gather) {
+        gather_k k = {es, tmp};
         walk_rows(g, g, gather_row, &k);
         x = tmp;
     }
-    *norm_out = dt == TS_F32 ? (double)ts__buf_norm2_f32_on(norm_path(), x, n) : ts__buf_norm2_f64_on(norm_path(), x, n);
+    if (half) {
+        float *f = (float *)((unsigned char *)tmp + (gather ? (size_t)n * es : 0));
+        ts__buf_convert(TS_F32, f, dt, x, n);
+        x = f;
+    }
+    *norm_out = dt == TS_F64 ? ts__buf_norm2_f64_on(norm_path(), x, n) : (double)ts__buf_norm2_f32_on(norm_path(), x, n);
     ts__free(TS_MEM_NN, tmp);
     return TS_OK;
 }
