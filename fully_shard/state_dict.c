@@ -243,16 +243,14 @@ ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *tot
             ts_tensor *gr = NULL;
             loc[b + k] = 0;
             if ((st = clip_grad_of(fn, g->params[k].fqn, g->params[k].S, &gr)) || !gr) continue;
-            any_f64 |= ts_tensor_dtype(gr) == TS_F64;
             if ((st = ts__optim_grad_norm(gr, &loc[b + k]))) break;
             r[k] = loc[b + k] * loc[b + k];
             r[g->n + k] = 1;
         }
         if (!st && ts_comm_size(g->pg) > 1) st = ts_all_reduce(g->pg, red[i], TS_REDUCE_SUM, NULL);
     }
-    /* the norms in named_parameters() order (a float64 gradient on any
-     * rank of a group makes its sum float64 everywhere: the all-reduced
-     * dtype flag is not needed, since groups hold one dtype) */
+    /* the norms in named_parameters() order; a group's gradients have its
+     * dtype, so whether the stack is float64 is the same on every rank */
     int nn = 0;
     for (int i = 0; i < np.n && !st; i++) {
         ts_tensor *t = *np.items[i].slot;
@@ -270,6 +268,7 @@ ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *tot
         int k = (int)(p - g->params);
         const double *r = ts_tensor_data(red[gi]);
         if (r[g->n + k] == 0) continue; /* no rank has a gradient for it */
+        any_f64 |= g->dtype == TS_F64;
         norms[nn++] = ts_comm_size(g->pg) > 1 ? sqrt(r[k]) : loc[base[gi] + k];
     }
     double total = 0;
