@@ -10,8 +10,8 @@
 extern bool ts__optim_use_reference;
 
 /* True when the AVX2 build of the kernels is used (x86-64 CPU with AVX2
- * and FMA, the hook above off, and TS_KERNELS not "scalar": see
- * tensor/kernels.h). */
+ * and FMA, and the hook above off). The clipping norms are tensor/kernels.h's
+ * and follow its path (TS_KERNELS) unless the hook is on. */
 bool ts__optim_avx2_active(void);
 
 /* clip_grad_norm's pieces, shared with fully_shard's

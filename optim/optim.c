@@ -57,7 +57,7 @@ bool ts__optim_avx2_active(void)
     if (ts__optim_use_reference)
         return false;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && ts__kpath_active() != TS__KPATH_SCALAR;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
     return false;
 #endif

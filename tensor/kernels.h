@@ -25,8 +25,9 @@
  *
  * TS_KERNELS=scalar|avx2|avx512|avx512bf16 (read once, when a kernel is
  * first used) caps the path: TS_KERNELS=scalar makes every kernel here
- * (and optim's update kernels) run the plain C build, which is how CI
- * tests the reference on every machine. A name the CPU cannot run gives
+ * run the plain C build, so that the whole library can be run on the
+ * reference on any machine (.ci/run runs the unit suites so once; the
+ * tests also call every path directly). A name the CPU cannot run gives
  * the best path it can, with a warning; an unknown name a warning and
  * the default. Tests use ts__kpath_force() instead.
  */
