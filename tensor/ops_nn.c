@@ -402,15 +402,13 @@ static ts_status embedding_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     } else if (ts__is_half(gw->dtype)) {
         /* PyTorch's embedding_dense_backward_cpu: grad_weight[k].add_(
          * grad[r]) for each index in order, so every partial sum of a row
-         * hit several times is rounded to the 16-bit dtype */
-        ts_dtype dt = gw->dtype;
-        uint16_t *w = ts_tensor_data(gw);
-        const uint16_t *gp = ts_tensor_data(gc);
+         * hit several times is rounded to the 16-bit dtype (ts__buf_add: each
+         * element through f32, rounded once) */
+        size_t row = (size_t)dim * ts_dtype_size(gw->dtype);
+        char *w = ts_tensor_data(gw);
+        const char *gp = ts_tensor_data(gc);
         for (int64_t r = 0; r < cnt; r++)
-            for (int64_t i = 0; i < dim; i++) {
-                uint16_t *wi = &w[ip[r] * dim + i];
-                *wi = ts__f32_to_half(dt, ts__half_to_f32(dt, *wi) + ts__half_to_f32(dt, gp[r * dim + i]));
-            }
+            ts__buf_add(gw->dtype, w + (size_t)ip[r] * row, gp + (size_t)r * row, dim);
     } else {
         double *w = ts_tensor_data(gw);
         const double *gp = ts_tensor_data(gc);
