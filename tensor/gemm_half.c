@@ -218,7 +218,7 @@ static void scratch_put(scratch *s)
 
 /* ---------------------------------------------------------- sgemm path */
 
-/* Floats per converted block (16 MiB each). */
+/* Floats per converted block of A (16 MiB; B's may be twice that). */
 #define BLK_FLOATS ((int64_t)4 << 20)
 
 /* dst = src (rows, cols) in float32, in the source's layout: row-major
@@ -259,8 +259,10 @@ static bool gemm_sgemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint1
                        const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c, int64_t rsc,
                        int64_t csc)
 {
-    int64_t nc = BLK_FLOATS / k, mc = BLK_FLOATS / k;
-    nc = nc < 64 ? 64 : nc > 4096 ? 4096 : nc;
+    /* B's block as wide as the budget allows (all of n for the Linear
+     * shapes: A is then converted once), A's as tall */
+    int64_t nc = 2 * BLK_FLOATS / k, mc = 2 * BLK_FLOATS / k;
+    nc = nc < 64 ? 64 : nc;
     mc = mc < 64 ? 64 : mc > 1024 ? 1024 : mc;
     nc = nc > n ? n : nc;
     mc = mc > m ? m : mc;
