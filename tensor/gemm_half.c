@@ -82,13 +82,28 @@ ts__hgemm_kernel ts__hgemm_choose(const ts__cpu_info *c)
     return TS__HGEMM_SGEMM;
 }
 
+/* cpuid once: it traps to the hypervisor in a virtual machine (7% of a
+ * 512 x 512 x 512 product when queried per product). */
+static pthread_once_t cpu_once = PTHREAD_ONCE_INIT;
+static ts__cpu_info cpu_here;
+
+static void query_cpu(void)
+{
+    ts__cpu_info_query(&cpu_here);
+}
+
+static const ts__cpu_info *this_cpu(void)
+{
+    pthread_once(&cpu_once, query_cpu);
+    return &cpu_here;
+}
+
 static pthread_once_t active_once = PTHREAD_ONCE_INIT;
 static ts__hgemm_kernel active_kernel = TS__HGEMM_SGEMM;
 
 static void choose_active(void)
 {
-    ts__cpu_info cpu;
-    ts__cpu_info_query(&cpu);
+    ts__cpu_info cpu = *this_cpu();
     ts__hgemm_kernel chosen = ts__hgemm_choose(&cpu);
     const char *env = getenv("TS_BF16_GEMM_KERNEL");
     const char *why = "chosen from cpuid";
@@ -369,11 +384,38 @@ static void pack_panel(const uint16_t *x, int64_t rows, int64_t k, int64_t rs, i
             dst[p * width + i] = pair_at(x, rows, k, rs, cs, r0 + i, p0 + p);
 }
 
+#define TS__AVX512BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* ts__f32_to_bf16 on 16 lanes (the same formula: round to nearest even on
+ * the bits, NaN to 0x7FC0), so that the tile stored straight from the
+ * registers equals what store_c would write. */
+TS__AVX512BF16_TARGET static inline __m256i f32x16_to_bf16(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, lsb), _mm512_set1_epi32(0x7FFF)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* acc + beta * out (beta != 0), rounded into 16 bf16 at out. */
+TS__AVX512BF16_TARGET static inline void store_bf16x16(uint16_t *out, __m512 acc, float beta)
+{
+    if (beta != 0.0f) {
+        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)out));
+        __m512 cv = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(beta), cv));
+    }
+    _mm256_storeu_si256((__m256i *)out, f32x16_to_bf16(acc));
+}
+
 /* c (MR x NR, row stride ldc) = (first ? 0 : c) + A-panel B-panel over
- * kc2 pairs. */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void
-ukr_bf16(int64_t kc2, const uint32_t *restrict ap, const uint32_t *restrict bp, float *restrict c, int64_t ldc,
-         bool first)
+ * kc2 pairs; with `out` (the last pc step of a full tile of a C with unit
+ * column stride), the tile goes instead to out (row stride ldo) as
+ * round(sum + beta * out), skipping the float32 block. */
+TS__AVX512BF16_TARGET static void ukr_bf16(int64_t kc2, const uint32_t *restrict ap, const uint32_t *restrict bp,
+                                           float *restrict c, int64_t ldc, bool first, uint16_t *out, int64_t ldo,
+                                           float beta)
 {
     __m512 acc[MR][2];
     for (int i = 0; i < MR; i++) {
@@ -389,6 +431,13 @@ ukr_bf16(int64_t kc2, const uint32_t *restrict ap, const uint32_t *restrict bp, 
             acc[i][0] = _mm512_dpbf16_ps(acc[i][0], av, b0);
             acc[i][1] = _mm512_dpbf16_ps(acc[i][1], av, b1);
         }
+    }
+    if (out) {
+        for (int i = 0; i < MR; i++) {
+            store_bf16x16(out + i * ldo, acc[i][0], beta);
+            store_bf16x16(out + i * ldo + 16, acc[i][1], beta);
+        }
+        return;
     }
     for (int i = 0; i < MR; i++) {
         _mm512_storeu_ps(c + i * ldc, acc[i][0]);
@@ -435,18 +484,36 @@ static void bf16_run(bf16_job *j, int t)
             pthread_barrier_wait(j->bar);
         for (int64_t ic = r_begin; ic < r_end; ic += MC) {
             int64_t mb = r_end - ic < MC ? r_end - ic : MC, mpan = (mb + MR - 1) / MR;
+            /* full tiles of a C with unit column stride are rounded and
+             * stored by the micro-kernel at the last pc step; the rest
+             * (edge tiles, other C layouts) goes through cb and store_c */
+            bool fuse = j->csc == 1;
+            int64_t mfull = fuse ? mb / MR : 0, nfull = fuse ? nb / NR : 0;
+            uint16_t *cblk = j->c + ic * j->rsc + jc * j->csc;
             for (int64_t pc = 0; pc < kp; pc += KC2) {
                 int64_t np = kp - pc < KC2 ? kp - pc : KC2;
+                bool last = pc + KC2 >= kp;
                 for (int64_t r = 0; r < mpan; r++)
                     pack_panel(j->a + ic * j->rsa, mb, k, j->rsa, j->csa, r * MR, pc, np, MR, ap + r * KC2 * MR);
                 for (int64_t q = 0; q < npan; q++) {
                     const uint32_t *bq = j->bp + q * kp * NR + pc * NR;
-                    for (int64_t r = 0; r < mpan; r++)
-                        ukr_bf16(np, ap + r * KC2 * MR, bq, cb + r * MR * NC + q * NR, NC, pc == 0);
+                    for (int64_t r = 0; r < mpan; r++) {
+                        bool direct = last && r < mfull && q < nfull;
+                        ukr_bf16(np, ap + r * KC2 * MR, bq, cb + r * MR * NC + q * NR, NC, pc == 0,
+                                 direct ? cblk + r * MR * j->rsc + q * NR : NULL, j->rsc, j->beta);
+                    }
                 }
             }
-            store_c(TS_BF16, mb, nb, cb, NC, j->beta, j->c + ic * j->rsc + jc * j->csc, j->rsc, j->csc,
-                    j->th[t].rowbuf);
+            if (!fuse || mfull * nfull == 0) {
+                store_c(TS_BF16, mb, nb, cb, NC, j->beta, cblk, j->rsc, j->csc, j->th[t].rowbuf);
+            } else {
+                int64_t mf = mfull * MR, nf = nfull * NR;
+                if (nf < nb) /* right edge of the full rows */
+                    store_c(TS_BF16, mf, nb - nf, cb + nf, NC, j->beta, cblk + nf, j->rsc, 1, j->th[t].rowbuf);
+                if (mf < mb) /* bottom edge, all columns */
+                    store_c(TS_BF16, mb - mf, nb, cb + mf * NC, NC, j->beta, cblk + mf * j->rsc, j->rsc, 1,
+                            j->th[t].rowbuf);
+            }
         }
     }
 }
@@ -528,9 +595,7 @@ void ts__gemm_half_with(ts__hgemm_kernel kern, ts_dtype dt, int64_t m, int64_t n
     bool done = false;
 #if TS__HAVE_AVX512BF16_KERNEL
     if (kern == TS__HGEMM_AVX512BF16 && dt == TS_BF16) {
-        ts__cpu_info cpu;
-        ts__cpu_info_query(&cpu);
-        if (ts__hgemm_kernel_runnable(kern, &cpu))
+        if (ts__hgemm_kernel_runnable(kern, this_cpu()))
             done = gemm_avx512bf16(m, n, k, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
         else
             done = gemm_sgemm(dt, m, n, k, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);

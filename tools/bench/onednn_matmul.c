@@ -1,17 +1,25 @@
 /*
  * onednn_matmul: GFLOP/s of Debian's oneDNN (libdnnl 2.6.3, the version
- * PyTorch 1.13 bundles as MKL-DNN) bf16 matmul primitive, f32 output as
- * well as bf16 output, on bench_matmul's shapes. It is the measurement
- * behind docs/bf16-matmul.md's choice not to link oneDNN; it is not built
- * by meson (the library has no oneDNN dependency). Build and run:
+ * PyTorch 1.13 bundles as MKL-DNN) bf16 matmul primitive beside the
+ * library's ts_matmul in bfloat16, on bench_matmul's shapes, the two
+ * alternating repetition by repetition on the same values so that other
+ * load on the machine hits both alike. It is the measurement behind
+ * docs/bf16-matmul.md's choice about oneDNN; it is not built by meson (the
+ * library has no oneDNN dependency). Build (after ninja -C build) and run:
  *
- *   cc -O2 -std=c11 tools/bench/onednn_matmul.c -o onednn_matmul -ldnnl
- *   OMP_NUM_THREADS=1 ./onednn_matmul 7
+ *   cc -O2 -std=c11 -I. tools/bench/onednn_matmul.c -o onednn_matmul \
+ *      build/libtensorshard.a -ldnnl -lblis -ljansson -luv \
+ *      $(pkg-config --libs ucx) -lm -lpthread
+ *   OMP_NUM_THREADS=1 TS_NUM_THREADS=1 ./onednn_matmul 11
  *
- * Prints, per shape, the median GFLOP/s of REPS timed runs after warm-up
- * and the implementation oneDNN chose (e.g. brg:avx512_core_bf16).
+ * Prints, per shape, the median and the best GFLOP/s of REPS timed runs
+ * after warm-up, and the implementation oneDNN chose (e.g.
+ * brg:avx512_core_bf16). The bf16-output rows are the ones to compare
+ * with the library's bf16 matmul (one rounding of a float32 sum).
  */
 #define _GNU_SOURCE
+#include "tensorshard.h"
+
 #include <oneapi/dnnl/dnnl.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -39,6 +47,22 @@ static int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
+}
+
+/* A bf16 tensor (rows, cols) over a copy of x with strides (rs, cs), one
+ * of them 1: a transposed view when rs == 1. */
+static ts_tensor *lib_view(const uint16_t *x, int64_t rows, int64_t cols, int64_t rs, int64_t cs)
+{
+    ts_tensor *t, *v;
+    int64_t shape[2] = {cs == 1 ? rows : cols, cs == 1 ? cols : rows};
+    if (ts_tensor_from_data(TS_BF16, 2, shape, x, &t) != TS_OK)
+        exit(2);
+    if (cs == 1)
+        return t;
+    if (ts_transpose(t, 0, 1, &v) != TS_OK)
+        exit(2);
+    ts_tensor_free(t);
+    return v;
 }
 
 /* C (m, n) = A (m, k) B (k, n); A and B given by strides, as bench_matmul
@@ -73,18 +97,31 @@ static void one(const char *name, int64_t m, int64_t n, int64_t k, int64_t rsa, 
     CHECK(dnnl_memory_create(&mb, &bmd, eng, b));
     CHECK(dnnl_memory_create(&mc, &cmd, eng, c));
     dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}};
-    double t[101];
+    ts_tensor *la = lib_view(a, m, k, rsa, csa), *lb = lib_view(b, k, n, rsb, csb);
+    double t[101], tl[101];
     for (int i = 0; i < reps + 2; i++) {
         double t0 = now_s();
         CHECK(dnnl_primitive_execute(prim, st, 3, args));
         CHECK(dnnl_stream_wait(st));
-        if (i >= 2)
-            t[i - 2] = now_s() - t0;
+        double t1 = now_s();
+        ts_tensor *o;
+        if (ts_matmul(la, lb, &o) != TS_OK)
+            exit(2);
+        double t2 = now_s();
+        ts_tensor_free(o);
+        if (i >= 2) {
+            t[i - 2] = t1 - t0;
+            tl[i - 2] = t2 - t1;
+        }
     }
+    ts_tensor_free(la);
+    ts_tensor_free(lb);
     qsort(t, (size_t)reps, sizeof *t, cmp_double);
-    double g = 2.0 * (double)m * (double)n * (double)k / t[reps / 2] * 1e-9;
-    printf("%-26s %6ld %6ld %6ld  %s out  %8.1f GFLOP/s  (%s)\n", name, (long)m, (long)n, (long)k,
-           cdt == dnnl_bf16 ? "bf16" : "f32 ", g, impl);
+    qsort(tl, (size_t)reps, sizeof *tl, cmp_double);
+    double f = 2.0 * (double)m * (double)n * (double)k * 1e-9;
+    printf("%-26s %6ld %6ld %6ld  %s out  onednn %6.1f (best %6.1f)  lib %6.1f (best %6.1f)  lib/onednn %.3f  (%s)\n",
+           name, (long)m, (long)n, (long)k, cdt == dnnl_bf16 ? "bf16" : "f32 ", f / t[reps / 2], f / t[0],
+           f / tl[reps / 2], f / tl[0], t[reps / 2] / tl[reps / 2], impl);
     fflush(stdout);
     dnnl_memory_destroy(ma);
     dnnl_memory_destroy(mb);
@@ -106,9 +143,10 @@ int main(int argc, char **argv)
     CHECK(dnnl_engine_create(&eng, dnnl_cpu, 0));
     CHECK(dnnl_stream_create(&st, eng, dnnl_stream_default_flags));
     const dnnl_version_t *v = dnnl_version();
-    printf("oneDNN %d.%d.%d, bf16 matmul, median of %d\n", v->major, v->minor, v->patch, reps);
+    printf("oneDNN %d.%d.%d against tensorshard '%s', bf16 matmul, GFLOP/s, median (best) of %d\n", v->major,
+           v->minor, v->patch, ts_bf16_gemm_kernel_name(), reps);
     int64_t M = 8192, K = 768, N = 3072;
-    for (int o = 0; o < 2; o++) {
+    for (int o = 0; o < 1; o++) { /* bf16 output only: what ts_matmul gives */
         dnnl_data_type_t cdt = o ? dnnl_f32 : dnnl_bf16;
         one("linear fwd  x @ W^T", M, N, K, K, 1, 1, K, cdt, reps, eng, st);
         one("linear bwd dX = dY @ W", M, K, N, N, 1, K, 1, cdt, reps, eng, st);
