@@ -332,6 +332,7 @@ static bool gemm_sgemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint1
 #define KC2 256 /* k pairs per pc step (512 values of k) */
 #define MC (MR * 12)
 #define NC 1024
+#define MAX_THREADS 64
 
 /* The bf16 pair (x[row, 2p], x[row, 2p+1]) of a (rows, k) operand as one
  * word (low half first), zero outside. */
@@ -454,11 +455,18 @@ typedef struct bf16_job {
     int nt;
     uint32_t *bp; /* shared packed B block: (NC / NR) micro-panels of kp x NR words */
     pthread_barrier_t *bar;
+    /* the start gate: helpers wait until the thread count is final */
+    pthread_mutex_t gate_mu;
+    pthread_cond_t gate_cv;
+    bool go;
     struct bf16_thread {
+        struct bf16_job *job;
+        int index;
         uint32_t *ap; /* MC x KC2 pairs */
         float *cbuf;  /* MC x NC float32 */
         float *rowbuf;
-    } th[2];
+        scratch sa, sc, sr;
+    } th[MAX_THREADS];
 } bf16_job;
 
 static void bf16_run(bf16_job *j, int t)
@@ -520,7 +528,13 @@ static void bf16_run(bf16_job *j, int t)
 
 static void *bf16_thread_main(void *arg)
 {
-    bf16_run(arg, 1);
+    struct bf16_thread *th = arg;
+    bf16_job *j = th->job;
+    pthread_mutex_lock(&j->gate_mu);
+    while (!j->go)
+        pthread_cond_wait(&j->gate_cv, &j->gate_mu);
+    pthread_mutex_unlock(&j->gate_mu);
+    bf16_run(j, th->index);
     return NULL;
 }
 
@@ -528,54 +542,74 @@ static bool gemm_avx512bf16(int64_t m, int64_t n, int64_t k, const uint16_t *a, 
                             const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c, int64_t rsc,
                             int64_t csc)
 {
-    bf16_job j = {.m = m, .n = n, .k = k, .a = a, .b = b, .rsa = rsa, .csa = csa, .rsb = rsb, .csb = csb,
-                  .rsc = rsc, .csc = csc, .beta = beta, .c = c};
-    /* threads as the sgemm path has them (ts_get_num_threads), at most 2
-     * here, and one for products too small to pay for a thread */
-    int nt = ts_get_num_threads() >= 2 ? 2 : 1;
-    if ((double)m * (double)n * (double)k < 4e6 || m < 2 * MR)
-        nt = 1;
-    j.nt = nt;
-    int64_t kp = (k + 1) / 2, nb = n < NC ? n : NC, npan = (nb + NR - 1) / NR;
-    scratch sb, sa[2], sc[2], sr[2];
-    memset(sa, 0, sizeof sa);
-    memset(sc, 0, sizeof sc);
-    memset(sr, 0, sizeof sr);
-    if (!scratch_get(&sb, (size_t)(npan * kp * NR) * sizeof(uint32_t)))
+    bf16_job *j = ts__calloc(TS_MEM_OTHER, 1, sizeof *j);
+    if (!j)
         return false;
-    bool ok = true;
-    for (int t = 0; t < nt && ok; t++) {
-        ok = scratch_get(&sa[t], (size_t)(MC * KC2) * sizeof(uint32_t)) &&
-             scratch_get(&sc[t], (size_t)(MC * NC) * sizeof(float));
-        if (ok && beta != 0.0f && csc == 1)
-            scratch_get(&sr[t], (size_t)NC * sizeof(float));
-        j.th[t] = (struct bf16_thread){sa[t].p, sc[t].p, sr[t].p};
+    *j = (bf16_job){.m = m, .n = n, .k = k, .a = a, .b = b, .rsa = rsa, .csa = csa, .rsb = rsb, .csb = csb,
+                    .rsc = rsc, .csc = csc, .beta = beta, .c = c};
+    /* threads as the sgemm path has them (ts_get_num_threads), one per
+     * 2 MR rows at most, and one for products too small to pay for a
+     * thread */
+    int nt = ts_get_num_threads();
+    nt = nt > MAX_THREADS ? MAX_THREADS : nt;
+    if ((double)m * (double)n * (double)k < 4e6)
+        nt = 1;
+    while (nt > 1 && m < (int64_t)nt * 2 * MR)
+        nt--;
+    int64_t kp = (k + 1) / 2, nb = n < NC ? n : NC, npan = (nb + NR - 1) / NR;
+    scratch sb;
+    bool ok = scratch_get(&sb, (size_t)(npan * kp * NR) * sizeof(uint32_t));
+    int got = 0;
+    for (; ok && got < nt; got++) {
+        struct bf16_thread *th = &j->th[got];
+        th->job = j;
+        th->index = got;
+        ok = scratch_get(&th->sa, (size_t)(MC * KC2) * sizeof(uint32_t));
+        if (ok && !(ok = scratch_get(&th->sc, (size_t)(MC * NC) * sizeof(float))))
+            scratch_put(&th->sa);
+        if (!ok)
+            break;
+        if (beta != 0.0f && csc == 1 && !scratch_get(&th->sr, (size_t)NC * sizeof(float)))
+            th->sr.p = NULL; /* optional: store_c goes element-wise without it */
+        th->ap = th->sa.p;
+        th->cbuf = th->sc.p;
+        th->rowbuf = th->sr.p;
     }
     pthread_barrier_t bar;
-    pthread_t tid;
-    if (ok && nt == 2) {
-        pthread_barrier_init(&bar, NULL, 2);
-        j.bar = &bar;
-        if (pthread_create(&tid, NULL, bf16_thread_main, &j) != 0) {
-            pthread_barrier_destroy(&bar);
-            j.nt = 1; /* one thread does it all */
-            nt = 1;
-        }
-    }
+    pthread_t tid[MAX_THREADS];
     if (ok) {
-        j.bp = sb.p;
-        bf16_run(&j, 0);
-        if (nt == 2) {
-            pthread_join(tid, NULL);
-            pthread_barrier_destroy(&bar);
+        j->bp = sb.p;
+        pthread_mutex_init(&j->gate_mu, NULL);
+        pthread_cond_init(&j->gate_cv, NULL);
+        /* helpers start at the gate; if one cannot be created, fewer
+         * threads share the rows (the count is fixed before any work) */
+        int started = 1;
+        while (started < nt && pthread_create(&tid[started], NULL, bf16_thread_main, &j->th[started]) == 0)
+            started++;
+        j->nt = started;
+        if (started > 1) {
+            pthread_barrier_init(&bar, NULL, (unsigned)started);
+            j->bar = &bar;
         }
+        pthread_mutex_lock(&j->gate_mu);
+        j->go = true;
+        pthread_cond_broadcast(&j->gate_cv);
+        pthread_mutex_unlock(&j->gate_mu);
+        bf16_run(j, 0);
+        for (int i = 1; i < started; i++)
+            pthread_join(tid[i], NULL);
+        if (started > 1)
+            pthread_barrier_destroy(&bar);
+        pthread_cond_destroy(&j->gate_cv);
+        pthread_mutex_destroy(&j->gate_mu);
     }
     scratch_put(&sb);
-    for (int t = 0; t < 2; t++) {
-        scratch_put(&sa[t]);
-        scratch_put(&sc[t]);
-        scratch_put(&sr[t]);
+    for (int t = 0; t < got; t++) {
+        scratch_put(&j->th[t].sa);
+        scratch_put(&j->th[t].sc);
+        scratch_put(&j->th[t].sr);
     }
+    ts__free(TS_MEM_OTHER, j);
     return ok;
 }
 #endif
