@@ -73,6 +73,7 @@ void ts__cpu_info_query(ts__cpu_info *out)
     out->fma3 = c & (1u << 12);
     bool osxsave = c & (1u << 27);
     out->avx = c & (1u << 28);
+    out->f16c = c & (1u << 29);
 
     if (osxsave) {
         /* XGETBV with ecx = 0 reads XCR0 (the state the OS saves on a
@@ -97,8 +98,7 @@ void ts__cpu_info_query(ts__cpu_info *out)
         out->avx512vl = b & (1u << 31);
         out->amx_bf16 = d & (1u << 22);
         out->amx_tile = d & (1u << 24);
-        unsigned max_sub = a;
-        if (max_sub >= 1) {
+        if (a >= 1) {
             __cpuid_count(7, 1, a, b, c, d);
             out->avx512bf16 = a & (1u << 5);
         }
