@@ -448,17 +448,21 @@ Test(tensor_matmul_half, linear_backward_matches_f32_backward_rounded)
     ts_dtype dts[2] = {TS_BF16, TS_F16};
     for (int d = 0; d < 2; d++) {
         ts_dtype dt = dts[d];
-        int64_t sx[3] = {3, 11, 24}, sw[2] = {17, 24}, sg[3] = {3, 11, 17};
+        int64_t sx[3] = {3, 11, 24}, sw[2] = {17, 24}, sb[1] = {17}, sg[3] = {3, 11, 17};
         ts_tensor *x = half_tensor(dt, 3, sx, 11, true), *w = half_tensor(dt, 2, sw, 12, true),
-                  *g = half_tensor(dt, 3, sg, 13, false);
-        ts_tensor *xf = upcast(x), *wf = upcast(w), *gf = upcast(g), *o, *of;
-        TH_OK(ts_linear(x, w, NULL, &o));
+                  *bias = half_tensor(dt, 1, sb, 14, true), *g = half_tensor(dt, 3, sg, 13, false);
+        ts_tensor *xf = upcast(x), *wf = upcast(w), *bf = upcast(bias), *gf = upcast(g), *o, *of;
+        TH_OK(ts_linear(x, w, bias, &o));
         TH_OK(ts_backward(o, g, false));
-        TH_OK(ts_linear(xf, wf, NULL, &of));
+        TH_OK(ts_linear(xf, wf, bf, &of));
         TH_OK(ts_backward(of, gf, false));
-        /* dX = G W sums over out = 17; dW = G^T X over the 33 rows */
+        /* dX = G W sums over out = 17; dW = G^T X and d(bias) = sum of G's
+         * rows over the 33 rows */
         assert_grad("linear dX", ts_tensor_grad(x), ts_tensor_grad(xf), 17, 1.0);
         assert_grad("linear dW", ts_tensor_grad(w), ts_tensor_grad(wf), 33, 1.0);
+        assert_grad("linear dbias", ts_tensor_grad(bias), ts_tensor_grad(bf), 33, 1.0);
+        ts_tensor_free(bias);
+        ts_tensor_free(bf);
         ts_tensor *all[] = {x, w, g, xf, wf, gf, o, of};
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
             ts_tensor_free(all[i]);
