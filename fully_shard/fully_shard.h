@@ -85,6 +85,26 @@ typedef enum ts_reshard_policy {
     TS_RESHARD_EVERY_N,  /* reshard after every N-th forward (reshard_every_n) */
 } ts_reshard_policy;
 
+/* CPUOffloadPolicy (FSDP2's CPUOffloadPolicy; fully_shard/offload.c). The
+ * sharded parameters, their gradients and therefore the optimizer state
+ * live in host memory, pinned (base.h, "Pinned host memory") when
+ * pin_memory is true; before each all-gather the host shard is copied to
+ * the compute device (the all-gather's input), and after each
+ * reduce-scatter the reduced gradient is copied back to the host and
+ * accumulated into the host shard's gradient, where the optimizer steps.
+ * On the CPU device, which is host memory, offload changes only where
+ * the shard and gradient bytes live (pinned blocks instead of the caching
+ * pool) and adds those two staging copies. Not built yet: ts_fully_shard
+ * refuses a policy with TS_ERR_UNSUPPORTED. */
+typedef struct ts_offload_policy {
+    /* Pin the host shards and gradients (default true); false keeps them
+     * in pageable memory (PyTorch: synchronous copies, no pinned memory). */
+    bool pin_memory;
+} ts_offload_policy;
+
+/* The defaults: pin_memory true. */
+TS_API ts_offload_policy ts_offload_policy_default(void);
+
 typedef struct ts_fsdp_options {
     /* The mesh to shard over (borrowed): 1-d (shard) or 2-d (replicate,
      * shard: HSDP, gradients all-reduced over dim 0). NULL: the world as a
@@ -103,7 +123,10 @@ typedef struct ts_fsdp_options {
     /* Reserved for the mixed-precision and CPU-offload policies of a later
      * issue; must be NULL (TS_ERR_UNSUPPORTED otherwise). */
     const void *mp_policy;
-    const void *offload_policy;
+    /* CPU offload of the shards, their gradients and the optimizer state
+     * (ts_offload_policy above; borrowed, read during the call); NULL: no
+     * offload (FSDP2's OffloadPolicy()). */
+    const ts_offload_policy *offload_policy;
 } ts_fsdp_options;
 
 /* Defaults: the world's mesh, TS_RESHARD_AUTO, nothing ignored. */
