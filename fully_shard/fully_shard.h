@@ -94,8 +94,15 @@ typedef enum ts_reshard_policy {
  * accumulated into the host shard's gradient, where the optimizer steps.
  * On the CPU device, which is host memory, offload changes only where
  * the shard and gradient bytes live (pinned blocks instead of the caching
- * pool) and adds those two staging copies. Not built yet: ts_fully_shard
- * refuses a policy with TS_ERR_UNSUPPORTED. */
+ * pool) and adds those two staging copies, which are real copies,
+ * counted by ts_fsdp_offload_stats_get; training results are
+ * bit-identical to training without offload. As in FSDP2 the policy is
+ * per call: groups sharded without one are not offloaded. Every
+ * parameter must be on the CPU device (TS_ERR_INVALID_ARGUMENT naming the
+ * others; TS_DEVICE_CPU is the only device today). With offload, a
+ * shard's gradient is a view of its group's host gradient buffer (made
+ * once, reused every step; a gradient still held elsewhere when the next
+ * one comes keeps its values: the group starts a new buffer then). */
 typedef struct ts_offload_policy {
     /* Pin the host shards and gradients (default true); false keeps them
      * in pageable memory (PyTorch: synchronous copies, no pinned memory). */
@@ -197,6 +204,22 @@ TS_API const ts_module_vtable *ts_fsdp_original_vtable(const ts_module *m);
 /* The DTensor (Shard(0) over the group's mesh, the global shape) of a
  * sharded parameter tensor, borrowed; NULL if t is not one. */
 TS_API const ts_dtensor *ts_fsdp_param_dtensor(const ts_tensor *t);
+
+/* What CPU offload did in module's subtree (each FSDP group once):
+ * groups that offload (and how many pin), the staging copies made so far
+ * (H2D: host shard to the all-gather's device buffer before each
+ * all-gather; D2H: reduced gradient back to the host after each
+ * reduce-scatter) and their bytes, and the bytes of the host blocks the
+ * offloaded groups hold (sharded buffers, host gradient and staging
+ * buffers), with the part in pinned blocks. Zeros for a tree without
+ * offload. TS_ERR_INVALID_ARGUMENT for NULL. Not collective. */
+typedef struct ts_fsdp_offload_stats {
+    int groups, pinned_groups;
+    uint64_t h2d_copies, h2d_bytes;
+    uint64_t d2h_copies, d2h_bytes;
+    size_t host_bytes, pinned_bytes;
+} ts_fsdp_offload_stats;
+TS_API ts_status ts_fsdp_offload_stats_get(ts_module *module, ts_fsdp_offload_stats *out);
 
 /* Facts about the group fully_shard made for `module` (not its
  * children's). */
