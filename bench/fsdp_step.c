@@ -17,6 +17,17 @@
  * nothing hidden; above 1: FSDP's own work, the copy-out and packing, on
  * top). On shared memory the transfers are copies made by the ranks' CPUs,
  * so with fewer than 2 cores per rank they cannot overlap the compute.
+ *   offload    fsdp with CPUOffloadPolicy on every group (pinned host shards
+ *              and gradients: the staging copies before each all-gather and
+ *              after each reduce-scatter, fully_shard.h);
+ *   offload-nopin  the same with pin_memory false.
+ * The offload table compares them with fsdp in the same run: step time
+ * and its ratio (the target is 1.05 at most), bytes per step (given to the
+ * collectives, and copied host-to-device and device-to-host), the
+ * storage peak, the part of it that is the offloaded groups' host blocks
+ * (the shards and the host gradient buffers, which offload keeps for the
+ * whole step: on a GPU that memory would be off the device) and the
+ * pinned bytes.
  * Memory: the peak of tensor storage (TS_MEM_STORAGE) during the steps of
  * each mode, and the bytes of parameters this rank holds. Rank 0 also
  * prints where fully_shard's own time goes (its TS_TRACE spans: waiting
@@ -40,8 +51,16 @@ typedef struct cfg {
     int steps, layers, dim, heads, seq, batch, vocab;
 } cfg;
 
-enum { LOCAL, FSDP, FSDP_NOPF, N_MODES };
-static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf"};
+enum { LOCAL, FSDP, FSDP_NOPF, OFFLOAD, OFFLOAD_NOPIN, N_MODES };
+static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf", "offload", "offload-nopin"};
+
+/* Per mode, besides the step time: bytes per step given to the
+ * collectives and staged by offload, the pinned bytes at the end. */
+typedef struct mode_bytes {
+    double coll, h2d, d2h;
+    size_t pinned, host;
+} mode_bytes;
+static mode_bytes g_bytes[N_MODES];
 
 static ts_module *build(const cfg *c, int mode)
 {
@@ -52,15 +71,20 @@ static ts_module *build(const cfg *c, int mode)
     ts_module *m;
     CHECK(ts_gpt_new(&g, &m));
     if (mode == LOCAL) return m;
+    ts_offload_policy op = ts_offload_policy_default();
+    op.pin_memory = mode == OFFLOAD;
+    ts_fsdp_options fo = ts_fsdp_options_default();
+    if (mode == OFFLOAD || mode == OFFLOAD_NOPIN) fo.offload_policy = &op;
     for (int l = 0; l < c->layers; l++) {
         char name[32];
         ts_module *b;
         snprintf(name, sizeof name, "blocks.%d", l);
         CHECK(ts_module_get_submodule(m, name, &b));
-        CHECK(ts_fully_shard(b, NULL));
+        CHECK(ts_fully_shard(b, &fo));
     }
-    CHECK(ts_fully_shard(m, NULL));
-    CHECK(ts_fsdp_set_implicit_prefetch(m, mode == FSDP, mode == FSDP));
+    CHECK(ts_fully_shard(m, &fo));
+    bool pf = mode != FSDP_NOPF;
+    CHECK(ts_fsdp_set_implicit_prefetch(m, pf, pf));
     return m;
 }
 
@@ -92,8 +116,14 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
     double t[64];
     int n = c->steps > 64 ? 64 : c->steps;
     ts_comm *w = ts_dist_world();
+    ts_comm_counters k0, k1;
+    ts_fsdp_offload_stats o0 = {0}, o1 = {0};
     for (int s = -2; s < n; s++) {
-        if (s == 0) ts_mem_reset_peak();
+        if (s == 0) {
+            ts_mem_reset_peak();
+            ts_comm_stats(w, &k0);
+            CHECK(ts_fsdp_offload_stats_get(m, &o0));
+        }
         CHECK(ts_barrier(w, NULL));
         double t0 = bench_now_s();
         ts_tensor *logits, *flat, *loss;
@@ -107,6 +137,16 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
         ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
     }
     *peak = ts_mem_peak_bytes(TS_MEM_STORAGE);
+    ts_comm_stats(w, &k1);
+    CHECK(ts_fsdp_offload_stats_get(m, &o1));
+    mode_bytes *mb = &g_bytes[mode];
+    mb->coll = 0;
+    for (int k = 0; k < TS_COLL_KIND_COUNT; k++)
+        if (k != TS_COLL_BARRIER) mb->coll += (double)(k1.bytes[k] - k0.bytes[k]) / n;
+    mb->h2d = (double)(o1.h2d_bytes - o0.h2d_bytes) / n;
+    mb->d2h = (double)(o1.d2h_bytes - o0.d2h_bytes) / n;
+    mb->pinned = ts_mem_live_bytes(TS_MEM_PINNED);
+    mb->host = o1.host_bytes;
     if (mode == FSDP && rank == 0) { /* where fully_shard's own time goes, per step (rank 0) */
         static const char *spans[] = {"fsdp.wait_all_gather", "fsdp.copy_out", "fsdp.pack_grads", "fsdp.wait_reduce",
                                       "fsdp.grad_into_shards"};
@@ -197,10 +237,24 @@ int main(int argc, char **argv)
                "TS_UCX_ERROR_MODE=%s\n",
                W, c.layers, c.dim, c.heads, c.seq, c.batch,
                getenv("TS_UCX_ERROR_MODE") ? getenv("TS_UCX_ERROR_MODE") : "peer");
-        printf("%-10s %11s %10s %16s %16s\n", "mode", "step ms", "vs local", "peak storage MiB", "param MiB/rank");
+        printf("%-14s %11s %10s %16s %16s\n", "mode", "step ms", "vs local", "peak storage MiB", "param MiB/rank");
         for (int m = 0; m < N_MODES; m++)
-            printf("%-10s %11.2f %10.3f %16.2f %16.2f\n", mode_names[m], t[m] * 1e3, t[m] / t[LOCAL],
+            printf("%-14s %11.2f %10.3f %16.2f %16.2f\n", mode_names[m], t[m] * 1e3, t[m] / t[LOCAL],
                    (double)peak[m] / 1048576.0, (double)pbytes[m] / 1048576.0);
+        printf("offload against fsdp, same run (rank 0; bytes per step: given to the collectives, copied "
+               "host-to-device before all-gathers, device-to-host after reduce-scatters):\n");
+        printf("%-14s %9s %9s %9s %9s %9s %17s %14s %11s\n", "mode", "step ms", "vs fsdp", "coll MiB", "h2d MiB",
+               "d2h MiB", "peak storage MiB", "of it host MiB", "pinned MiB");
+        static const int rows[3] = {FSDP, OFFLOAD, OFFLOAD_NOPIN};
+        for (int i = 0; i < 3; i++) {
+            int m = rows[i];
+            printf("%-14s %9.2f %9.3f %9.3f %9.3f %9.3f %17.2f %14.2f %11.3f\n", mode_names[m], t[m] * 1e3,
+                   t[m] / t[FSDP], g_bytes[m].coll / 1048576.0, g_bytes[m].h2d / 1048576.0,
+                   g_bytes[m].d2h / 1048576.0, (double)peak[m] / 1048576.0, (double)g_bytes[m].host / 1048576.0,
+                   (double)g_bytes[m].pinned / 1048576.0);
+        }
+        printf("offload / fsdp step time: %.3f (pinned), %.3f (pageable); target <= 1.05\n", t[OFFLOAD] / t[FSDP],
+               t[OFFLOAD_NOPIN] / t[FSDP]);
         double exposed = t[FSDP] - t[LOCAL], exposed_nopf = t[FSDP_NOPF] - t[LOCAL];
         printf("comm alone (the step's collectives, blocking, back to back): %.2f ms\n", comm * 1e3);
         printf("exposed (fsdp - local): prefetch on %.2f ms (%.2f x comm alone), off %.2f ms (%.2f x comm alone)\n",
