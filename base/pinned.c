@@ -11,8 +11,8 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 typedef struct pin_block {
@@ -60,10 +60,17 @@ static void deregister_block(pin_block *b)
     b->handle = NULL;
 }
 
+/* mlock(2) and munlock(2) through syscall(): AddressSanitizer intercepts
+ * the libc wrappers and makes them no-ops that report success, which
+ * would hide a too-low RLIMIT_MEMLOCK (and lock nothing) in sanitized
+ * builds. */
+static int sys_mlock(void *p, size_t len) { return (int)syscall(SYS_mlock, p, len); }
+static int sys_munlock(void *p, size_t len) { return (int)syscall(SYS_munlock, p, len); }
+
 /* mlock, or the warning that says why not (once at warn level). */
 static bool lock_block(void *p, size_t len)
 {
-    if (mlock(p, len) == 0) return true;
+    if (sys_mlock(p, len) == 0) return true;
     int e = errno;
     struct rlimit rl = {0, 0};
     char lim[64];
@@ -122,7 +129,7 @@ void ts__pinned_free(void *p, size_t block_bytes)
     *pp = b->next;
     deregister_block(b);
     if (b->locked) {
-        munlock(p, b->len);
+        sys_munlock(p, b->len);
         atomic_fetch_sub(&g_locked, b->len);
     }
     pthread_mutex_unlock(&g_mu);
