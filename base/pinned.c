@@ -11,6 +11,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -23,6 +24,8 @@ typedef struct pin_block {
     bool registered;
     void *handle; /* the registrar's */
 } pin_block;
+
+#define HUGE_BYTES ((size_t)2 << 20)
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pin_block *g_blocks;
@@ -100,7 +103,13 @@ void *ts__pinned_alloc(size_t size, size_t *block_bytes_out)
     size_t cb = (size ? size + pg - 1 : pg) / pg * pg;
     pin_block *b = ts__calloc(TS_MEM_OTHER, 1, sizeof *b);
     if (!b) return NULL;
-    void *p = ts__malloc_raw(TS_MEM_PINNED, cb, pg);
+    /* as the tensor pool's blocks (tensor/pool.c): 2 MiB and more are
+     * 2 MiB-aligned and advised as huge pages, before mlock faults them in */
+    size_t align = cb >= HUGE_BYTES ? HUGE_BYTES : pg;
+    void *p = ts__malloc_raw(TS_MEM_PINNED, cb, align);
+#ifdef MADV_HUGEPAGE
+    if (p && align == HUGE_BYTES) madvise(p, cb, MADV_HUGEPAGE); /* advice only */
+#endif
     if (!p) {
         ts__free(TS_MEM_OTHER, b);
         return NULL;

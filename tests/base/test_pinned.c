@@ -239,3 +239,15 @@ Test(base_pinned, registrar_registers_each_block_once, .timeout = 30)
     cr_assert_eq(g.regs, 0);
     th_mem_assert_back();
 }
+
+Test(base_pinned, large_blocks_are_huge_page_aligned, .timeout = 30)
+{
+    th_mem_mark();
+    int64_t n = (3 << 20) / 4; /* 3 MiB */
+    ts_tensor *t = th_empty(TS_F32, 1, &n);
+    TH_OK(ts_storage_pin(ts_tensor_storage(t)));
+    cr_assert_eq((uintptr_t)ts_tensor_data(t) % ((size_t)2 << 20), 0, "2 MiB-aligned, as the pool's large blocks");
+    memset(ts_tensor_data(t), 1, (size_t)n * 4);
+    ts_tensor_free(t);
+    th_mem_assert_back();
+}
