@@ -127,8 +127,8 @@ typedef struct ts_fsdp_options {
      * outside every group. */
     ts_tensor *const *ignored_params;
     int n_ignored_params;
-    /* Reserved for the mixed-precision and CPU-offload policies of a later
-     * issue; must be NULL (TS_ERR_UNSUPPORTED otherwise). */
+    /* Reserved for the mixed-precision policy of a later issue; must be
+     * NULL (TS_ERR_UNSUPPORTED otherwise). */
     const void *mp_policy;
     /* CPU offload of the shards, their gradients and the optimizer state
      * (ts_offload_policy above; borrowed, read during the call); NULL: no
@@ -149,8 +149,9 @@ TS_API ts_fsdp_options ts_fsdp_options_default(void);
  * neither 1 nor 2 dims or one that does not match the initialized world, a
  * 0-d parameter, a parameter already managed by another group (a tied
  * weight sharded in a separate call: shard the modules together with
- * ts_fully_shard_group), parameters of different dtypes in one group;
- * TS_ERR_UNSUPPORTED for a policy; TS_ERR_NO_MEMORY. */
+ * ts_fully_shard_group), parameters of different dtypes in one group,
+ * with an offload policy a parameter not on the CPU device;
+ * TS_ERR_UNSUPPORTED for a mixed-precision policy; TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_fully_shard(ts_module *module, const ts_fsdp_options *options);
 /* Shards each of modules[0..n) with its own group, in order (seed 003's
  * list form): the same as n calls. Stops at the first error (earlier
