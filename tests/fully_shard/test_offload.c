@@ -358,3 +358,48 @@ Test(fully_shard_offload, defaults_and_errors, .timeout = 30)
     cr_assert_geq(s.pinned_bytes, 20 * sizeof(float));
     ts_module_free(lin);
 }
+
+/* Loading a full state dict writes into the host shards (which stay
+ * pinned), and an explicit unshard reads them: the full parameters are
+ * the loaded ones. */
+static int rank_load(rank_ctx *rc)
+{
+    off_arg a = {.steps = 1, .accum = 1, .pin = true, .policy = TS_RESHARD_AUTO};
+    ts_mesh *mesh = make_mesh(rc, false);
+    if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
+    ts_offload_policy pol = ts_offload_policy_default();
+    mlp ref, off;
+    RK_OK(rc, mlp_new(mesh, &a, NULL, &ref));
+    RK_OK(rc, mlp_new(mesh, &a, &pol, &off));
+    int64_t rows = ROWS / rc->W;
+    ts_tensor *x = batch(rc->rank * rows, rows, IN, xval), *y = batch(rc->rank * rows, rows, OUT, yval);
+    RK_OK(rc, fwd_bwd(&ref, x, y)); /* the reference moves away from the initial weights */
+    RK_OK(rc, ts_optim_step(ref.opt));
+    ts_state_dict *sd = NULL;
+    RK_OK(rc, ts_fsdp_full_state_dict(ref.root, false, &sd));
+    RK_OK(rc, ts_fsdp_load_full_state_dict(off.root, sd, true));
+    for (int i = 0; i < NP; i++) {
+        if (!ts_tensor_is_pinned(off.ps[i])) return fail(rc, "parameter %d is not pinned after loading", i);
+        if (same_bits(rc, "loaded shard", i, ref.ps[i], off.ps[i])) return 1;
+    }
+    RK_OK(rc, ts_fsdp_unshard(off.lin[1], false, NULL));
+    ts_tensor *w = NULL;
+    RK_OK(rc, ts_module_get_parameter(off.lin[1], "weight", &w));
+    if (ts_tensor_numel(w) != HID * HID) return fail(rc, "the unsharded weight has %lld elements",
+                                                          (long long)ts_tensor_numel(w));
+    if (same_bits(rc, "unsharded weight", 0, ts_state_dict_get(sd, "2.weight"), w)) return 1;
+    RK_OK(rc, ts_fsdp_reshard(off.lin[1]));
+    ts_state_dict_free(sd);
+    ts_tensor_free(x);
+    ts_tensor_free(y);
+    mlp_free(&ref);
+    mlp_free(&off);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard_offload, load_full_state_dict_and_explicit_unshard, .timeout = 60)
+{
+    run_world(2, rank_load, NULL);
+    run_world(4, rank_load, NULL);
+}
