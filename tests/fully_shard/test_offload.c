@@ -356,6 +356,10 @@ Test(fully_shard_offload, defaults_and_errors, .timeout = 30)
     cr_assert_eq(s.groups, 1);
     cr_assert_eq(s.pinned_groups, 1);
     cr_assert_geq(s.pinned_bytes, 20 * sizeof(float));
+    char text[4096];
+    size_t len = 0;
+    TH_OK(ts_fsdp_summary_str(lin, text, sizeof text, &len));
+    cr_assert_not_null(strstr(text, "\n  offload: cpu, pinned (host shards and gradients;"), "%s", text);
     ts_module_free(lin);
 }
 
