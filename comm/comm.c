@@ -1198,7 +1198,7 @@ static void run_tasks(world *w)
 
 static void run_on_thread(world *w, void (*fn)(ts_transport *t, void *arg), void *arg)
 {
-    if (!w->has_thread) {
+    if (!w->has_thread || pthread_equal(pthread_self(), w->thread)) { /* on the thread already: at once */
         fn(w->t, arg);
         return;
     }
