@@ -187,7 +187,7 @@ void ts_mem_reset_peak(void)
 const char *ts_mem_tag_name(ts_mem_tag tag)
 {
     static const char *const names[TS_MEM_TAG_COUNT] = {"other", "tensor", "storage", "pool",
-                                                        "autograd", "comm", "nn"};
+                                                        "autograd", "comm", "nn", "pinned"};
     if ((unsigned)tag >= TS_MEM_TAG_COUNT)
         return "invalid";
     return names[tag];

@@ -156,6 +156,7 @@ typedef enum ts_mem_tag {
     TS_MEM_AUTOGRAD, /* autograd nodes and their bookkeeping */
     TS_MEM_COMM,     /* communication layer */
     TS_MEM_NN,       /* modules and optimizers */
+    TS_MEM_PINNED,   /* pinned host blocks (ts_storage_pin; also under TS_MEM_STORAGE while a storage holds them) */
     TS_MEM_TAG_COUNT
 } ts_mem_tag;
 
@@ -181,6 +182,50 @@ TS_API size_t ts_mem_peak_bytes(ts_mem_tag tag);
 TS_API void ts_mem_reset_peak(void);
 /* Name of a tag ("storage"); static string. */
 TS_API const char *ts_mem_tag_name(ts_mem_tag tag);
+
+/*
+ * Pinned host memory. A pinned block is page-aligned and page-rounded (so
+ * that two blocks never share a page that one of them would unlock),
+ * locked in RAM with mlock (CUDA's cudaHostAlloc, PyTorch's pin_memory()
+ * on a CPU machine), and registered once with the communication
+ * transport's memory map when a transport that has one is running (UCX:
+ * ucp_mem_map), so that transfers from or to it pass that registration
+ * instead of having the transport register the buffer on each transfer.
+ * An mlock that fails (RLIMIT_MEMLOCK too low, no CAP_IPC_LOCK) is never
+ * an error: the block stays pageable, and the first such failure logs a
+ * warning naming the limit and the bytes (later ones log at debug level).
+ * Accounting: ts_mem_live_bytes(TS_MEM_PINNED) and ts_mem_peak_bytes
+ * (TS_MEM_PINNED) are the bytes of pinned blocks (locked or not);
+ * ts_mem_locked_bytes() the part that mlock actually locked.
+ */
+/* Bytes of pinned blocks that mlock locked (<= ts_mem_live_bytes(TS_MEM_PINNED)). */
+TS_API size_t ts_mem_locked_bytes(void);
+/* Internal (tensor/storage.c, comm/): a pinned block of at least `size`
+ * bytes (the rounded size in *block_bytes_out); NULL and TS_ERR_NO_MEMORY
+ * when it cannot be allocated (never because mlock failed), NULL and
+ * TS_ERR_INVALID_ARGUMENT for a NULL block_bytes_out. */
+TS_API void *ts__pinned_alloc(size_t size, size_t *block_bytes_out);
+/* Deregisters, unlocks and frees a block from ts__pinned_alloc (NULL accepted). */
+TS_API void ts__pinned_free(void *p, size_t block_bytes);
+/* True when p is the start of a pinned block that mlock locked. */
+TS_API bool ts__pinned_is_locked(const void *p);
+/* The registrar the communication layer installs while a transport with a
+ * memory map runs: reg registers [addr, addr + len) and returns a handle
+ * (TS_OK) or an error (then the block is used unregistered, with a debug
+ * line); dereg releases a handle. Installing registers every block pinned
+ * so far; clearing (ts__pin_registrar_clear with the installer's ctx)
+ * deregisters them all. One at a time: TS_ERR_ALREADY while another is
+ * installed. Both run with the pinned-block table locked: they must not
+ * pin or unpin. */
+typedef struct ts__pin_registrar {
+    ts_status (*reg)(void *ctx, void *addr, size_t len, void **handle_out);
+    void (*dereg)(void *ctx, void *handle);
+    void *ctx;
+} ts__pin_registrar;
+TS_API ts_status ts__pin_registrar_set(const ts__pin_registrar *r);
+TS_API void ts__pin_registrar_clear(void *ctx);
+/* Pinned blocks that hold a registration now (tests). */
+TS_API int ts__pinned_registered_count(void);
 
 /* Library-internal allocation helpers (exported for the upper layers and
  * tests; alignment 64). ts__malloc returns NULL and records

@@ -17,6 +17,19 @@
  * nothing hidden; above 1: FSDP's own work, the copy-out and packing, on
  * top). On shared memory the transfers are copies made by the ranks' CPUs,
  * so with fewer than 2 cores per rank they cannot overlap the compute.
+ *   offload    fsdp with CPUOffloadPolicy on every group (pinned host shards
+ *              and gradients: the staging copies before each all-gather and
+ *              after each reduce-scatter, fully_shard.h);
+ *   offload-nopin  the same with pin_memory false.
+ * The offload table compares them with fsdp in the same run: step time
+ * (the three run once more with their steps interleaved, so that a
+ * changing machine load slows them alike) and its ratio (the target is
+ * 1.05 at most), bytes per step (given to the
+ * collectives, and copied host-to-device and device-to-host), the
+ * storage peak, the part of it that is the offloaded groups' host blocks
+ * (the shards and the host gradient buffers, which offload keeps for the
+ * whole step: on a GPU that memory would be off the device) and the
+ * pinned bytes.
  * Memory: the peak of tensor storage (TS_MEM_STORAGE) during the steps of
  * each mode, and the bytes of parameters this rank holds. Rank 0 also
  * prints where fully_shard's own time goes (its TS_TRACE spans: waiting
@@ -40,8 +53,16 @@ typedef struct cfg {
     int steps, layers, dim, heads, seq, batch, vocab;
 } cfg;
 
-enum { LOCAL, FSDP, FSDP_NOPF, N_MODES };
-static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf"};
+enum { LOCAL, FSDP, FSDP_NOPF, OFFLOAD, OFFLOAD_NOPIN, N_MODES };
+static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf", "offload", "offload-nopin"};
+
+/* Per mode, besides the step time: bytes per step given to the
+ * collectives and staged by offload, the pinned bytes at the end. */
+typedef struct mode_bytes {
+    double coll, h2d, d2h;
+    size_t pinned, host;
+} mode_bytes;
+static mode_bytes g_bytes[N_MODES];
 
 static ts_module *build(const cfg *c, int mode)
 {
@@ -52,15 +73,20 @@ static ts_module *build(const cfg *c, int mode)
     ts_module *m;
     CHECK(ts_gpt_new(&g, &m));
     if (mode == LOCAL) return m;
+    ts_offload_policy op = ts_offload_policy_default();
+    op.pin_memory = mode == OFFLOAD;
+    ts_fsdp_options fo = ts_fsdp_options_default();
+    if (mode == OFFLOAD || mode == OFFLOAD_NOPIN) fo.offload_policy = &op;
     for (int l = 0; l < c->layers; l++) {
         char name[32];
         ts_module *b;
         snprintf(name, sizeof name, "blocks.%d", l);
         CHECK(ts_module_get_submodule(m, name, &b));
-        CHECK(ts_fully_shard(b, NULL));
+        CHECK(ts_fully_shard(b, &fo));
     }
-    CHECK(ts_fully_shard(m, NULL));
-    CHECK(ts_fsdp_set_implicit_prefetch(m, mode == FSDP, mode == FSDP));
+    CHECK(ts_fully_shard(m, &fo));
+    bool pf = mode != FSDP_NOPF;
+    CHECK(ts_fsdp_set_implicit_prefetch(m, pf, pf));
     return m;
 }
 
@@ -92,8 +118,14 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
     double t[64];
     int n = c->steps > 64 ? 64 : c->steps;
     ts_comm *w = ts_dist_world();
+    ts_comm_counters k0, k1;
+    ts_fsdp_offload_stats o0 = {0}, o1 = {0};
     for (int s = -2; s < n; s++) {
-        if (s == 0) ts_mem_reset_peak();
+        if (s == 0) {
+            ts_mem_reset_peak();
+            ts_comm_stats(w, &k0);
+            CHECK(ts_fsdp_offload_stats_get(m, &o0));
+        }
         CHECK(ts_barrier(w, NULL));
         double t0 = bench_now_s();
         ts_tensor *logits, *flat, *loss;
@@ -107,6 +139,16 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
         ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
     }
     *peak = ts_mem_peak_bytes(TS_MEM_STORAGE);
+    ts_comm_stats(w, &k1);
+    CHECK(ts_fsdp_offload_stats_get(m, &o1));
+    mode_bytes *mb = &g_bytes[mode];
+    mb->coll = 0;
+    for (int k = 0; k < TS_COLL_KIND_COUNT; k++)
+        if (k != TS_COLL_BARRIER) mb->coll += (double)(k1.bytes[k] - k0.bytes[k]) / n;
+    mb->h2d = (double)(o1.h2d_bytes - o0.h2d_bytes) / n;
+    mb->d2h = (double)(o1.d2h_bytes - o0.d2h_bytes) / n;
+    mb->pinned = ts_mem_live_bytes(TS_MEM_PINNED);
+    mb->host = o1.host_bytes;
     if (mode == FSDP && rank == 0) { /* where fully_shard's own time goes, per step (rank 0) */
         static const char *spans[] = {"fsdp.wait_all_gather", "fsdp.copy_out", "fsdp.pack_grads", "fsdp.wait_reduce",
                                       "fsdp.grad_into_shards"};
@@ -120,6 +162,69 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
     ts_named_params_free(&np);
     ts_module_free(m);
     return bench_median(t, n);
+}
+
+/* fsdp, offload and offload-nopin again, their steps interleaved (the
+ * order rotating every step), so that a machine whose load changes during
+ * the run slows them alike: the ratio of their medians is what the
+ * offload table reports. */
+typedef struct runner {
+    ts_module *m;
+    ts_optim *opt;
+    ts_tensor **ps;
+} runner;
+
+static void runner_new(const cfg *c, int mode, runner *r)
+{
+    r->m = build(c, mode);
+    ts_named_params np;
+    CHECK(ts_module_named_parameters(r->m, &np));
+    r->ps = malloc((size_t)np.n * sizeof *r->ps);
+    for (int i = 0; i < np.n; i++) r->ps[i] = *np.items[i].slot;
+    ts_adam_options ao = ts_adamw_options_default();
+    CHECK(ts_adamw_new(np.n, r->ps, &ao, &r->opt));
+    ts_named_params_free(&np);
+}
+
+static void run_interleaved(const cfg *c, int rank, int nm, const int *modes, double *t_out)
+{
+    runner r[3];
+    for (int k = 0; k < nm; k++) runner_new(c, modes[k], &r[k]);
+    int64_t is[2] = {c->batch, c->seq}, fs[2] = {(int64_t)c->batch * c->seq, c->vocab}, tsz[1] = {fs[0]};
+    ts_tensor *ids, *tg;
+    CHECK(ts_tensor_empty(TS_I64, 2, is, &ids));
+    CHECK(ts_tensor_empty(TS_I64, 1, tsz, &tg));
+    int64_t *a = ts_tensor_data(ids), *b = ts_tensor_data(tg);
+    for (int64_t i = 0; i < fs[0]; i++) {
+        a[i] = (i * 7 + rank * 13) % c->vocab;
+        b[i] = (i * 11 + rank * 5) % c->vocab;
+    }
+    double t[3][64];
+    int n = c->steps > 64 ? 64 : c->steps;
+    ts_comm *w = ts_dist_world();
+    for (int s = -2; s < n; s++) {
+        for (int j = 0; j < nm; j++) {
+            int k = (j + (s + 2)) % nm;
+            CHECK(ts_barrier(w, NULL));
+            double t0 = bench_now_s();
+            ts_tensor *logits, *flat, *loss;
+            CHECK(ts_module_call1(r[k].m, ids, &logits));
+            CHECK(ts_reshape(logits, 2, fs, &flat));
+            CHECK(ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss));
+            CHECK(ts_backward(loss, NULL, false));
+            CHECK(ts_optim_step(r[k].opt));
+            ts_optim_zero_grad(r[k].opt, true);
+            if (s >= 0) t[k][s] = bench_now_s() - t0;
+            ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
+        }
+    }
+    for (int k = 0; k < nm; k++) {
+        t_out[k] = bench_median(t[k], n);
+        ts_optim_free(r[k].opt);
+        free(r[k].ps);
+        ts_module_free(r[k].m);
+    }
+    ts_tensor_free(ids), ts_tensor_free(tg);
 }
 
 /* The collectives of one FSDP step, run alone, blocking, back to back. */
@@ -192,15 +297,32 @@ int main(int argc, char **argv)
     int64_t pbytes[N_MODES];
     for (int m = 0; m < N_MODES; m++) t[m] = run_mode(&c, m, rank, &peak[m], &pbytes[m]);
     double comm = run_comm(&c);
+    static const int off_modes[3] = {FSDP, OFFLOAD, OFFLOAD_NOPIN};
+    double ti[3];
+    run_interleaved(&c, rank, 3, off_modes, ti);
     if (rank == 0) {
         printf("bench_fsdp_step: %d ranks, GPT %d layers, d %d, %d heads, seq %d, batch %d per rank, AdamW; "
                "TS_UCX_ERROR_MODE=%s\n",
                W, c.layers, c.dim, c.heads, c.seq, c.batch,
                getenv("TS_UCX_ERROR_MODE") ? getenv("TS_UCX_ERROR_MODE") : "peer");
-        printf("%-10s %11s %10s %16s %16s\n", "mode", "step ms", "vs local", "peak storage MiB", "param MiB/rank");
+        printf("%-14s %11s %10s %16s %16s\n", "mode", "step ms", "vs local", "peak storage MiB", "param MiB/rank");
         for (int m = 0; m < N_MODES; m++)
-            printf("%-10s %11.2f %10.3f %16.2f %16.2f\n", mode_names[m], t[m] * 1e3, t[m] / t[LOCAL],
+            printf("%-14s %11.2f %10.3f %16.2f %16.2f\n", mode_names[m], t[m] * 1e3, t[m] / t[LOCAL],
                    (double)peak[m] / 1048576.0, (double)pbytes[m] / 1048576.0);
+        printf("offload against fsdp, same run (rank 0; step ms: medians of the three run again with their "
+               "steps interleaved; bytes per step: given to the collectives, copied host-to-device before "
+               "all-gathers, device-to-host after reduce-scatters):\n");
+        printf("%-14s %9s %9s %9s %9s %9s %17s %14s %11s\n", "mode", "step ms", "vs fsdp", "coll MiB", "h2d MiB",
+               "d2h MiB", "peak storage MiB", "of it host MiB", "pinned MiB");
+        for (int i = 0; i < 3; i++) {
+            int m = off_modes[i];
+            printf("%-14s %9.2f %9.3f %9.3f %9.3f %9.3f %17.2f %14.2f %11.3f\n", mode_names[m], ti[i] * 1e3,
+                   ti[i] / ti[0], g_bytes[m].coll / 1048576.0, g_bytes[m].h2d / 1048576.0,
+                   g_bytes[m].d2h / 1048576.0, (double)peak[m] / 1048576.0, (double)g_bytes[m].host / 1048576.0,
+                   (double)g_bytes[m].pinned / 1048576.0);
+        }
+        printf("offload / fsdp step time (interleaved): %.3f (pinned), %.3f (pageable); target <= 1.05\n",
+               ti[1] / ti[0], ti[2] / ti[0]);
         double exposed = t[FSDP] - t[LOCAL], exposed_nopf = t[FSDP_NOPF] - t[LOCAL];
         printf("comm alone (the step's collectives, blocking, back to back): %.2f ms\n", comm * 1e3);
         printf("exposed (fsdp - local): prefetch on %.2f ms (%.2f x comm alone), off %.2f ms (%.2f x comm alone)\n",

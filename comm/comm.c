@@ -143,6 +143,9 @@ struct world {
     int suspect;          /* world rank seen dead first (-1: none) */
     uint64_t suspect_ns;  /* when (0: none) */
     char suspect_why[ERR_LEN];
+    /* calls to run on the communication thread (run_on_thread), under mu */
+    struct world_task *tasks;
+    bool registrar; /* this world registers pinned memory (base.h) */
 };
 
 enum { K_SEND = 0, K_RECV = 1 };
@@ -1067,6 +1070,98 @@ static void check_deadlines(world *w)
 #define NAP_LONG_AFTER_NS 100000000ull
 #define NAP_LONG_US 1000
 
+/* ------------------------------------------------------------------ */
+/* Calls on the communication thread: pinned-memory registration       */
+/* ------------------------------------------------------------------ */
+
+/* The transport belongs to the communication thread (transport.h), so a
+ * registration of pinned memory (base.h's registrar, installed while a
+ * world over a transport with a memory map lives) is handed to it and
+ * waited for: the thread runs queued tasks between its rounds of
+ * progress. */
+typedef struct world_task {
+    struct world_task *next;
+    void (*fn)(ts_transport *t, void *arg);
+    void *arg;
+    bool done;
+} world_task;
+
+static void run_tasks(world *w)
+{
+    pthread_mutex_lock(&w->mu);
+    world_task *q = w->tasks;
+    w->tasks = NULL;
+    pthread_mutex_unlock(&w->mu);
+    while (q) {
+        world_task *k = q;
+        q = q->next;
+        k->fn(w->t, k->arg);
+        pthread_mutex_lock(&w->mu);
+        k->done = true;
+        pthread_cond_broadcast(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+    }
+}
+
+static void run_on_thread(world *w, void (*fn)(ts_transport *t, void *arg), void *arg)
+{
+    if (!w->has_thread || pthread_equal(pthread_self(), w->thread)) { /* on the thread already: at once */
+        fn(w->t, arg);
+        return;
+    }
+    world_task k = {NULL, fn, arg, false};
+    pthread_mutex_lock(&w->mu);
+    k.next = w->tasks;
+    w->tasks = &k;
+    pthread_mutex_unlock(&w->mu);
+    uint64_t one = 1;
+    ssize_t wr = write(w->efd, &one, sizeof one);
+    (void)wr;
+    pthread_mutex_lock(&w->mu);
+    while (!k.done) pthread_cond_wait(&w->cv, &w->mu);
+    pthread_mutex_unlock(&w->mu);
+}
+
+typedef struct reg_call {
+    void *addr;
+    size_t len;
+    void *handle;
+    ts_status st;
+    char err[ERR_LEN];
+} reg_call;
+
+static void do_register(ts_transport *t, void *arg)
+{
+    reg_call *c = arg;
+    c->st = t->vt->mem_register(t, c->addr, c->len, &c->handle);
+    if (c->st) snprintf(c->err, sizeof c->err, "%s", ts_last_error());
+}
+
+static void do_deregister(ts_transport *t, void *arg) { t->vt->mem_deregister(t, ((reg_call *)arg)->handle); }
+
+static ts_status pin_register(void *ctx, void *addr, size_t len, void **handle_out)
+{
+    reg_call c = {.addr = addr, .len = len};
+    run_on_thread(ctx, do_register, &c);
+    if (c.st) return ts_error(c.st, "%s", c.err);
+    *handle_out = c.handle;
+    return TS_OK;
+}
+
+static void pin_deregister(void *ctx, void *handle)
+{
+    reg_call c = {.handle = handle};
+    run_on_thread(ctx, do_deregister, &c);
+}
+
+void ts__comm_xfer_stats(ts_comm *c, uint64_t *posted_out, uint64_t *registered_out)
+{
+    uint64_t p = 0, r = 0;
+    if (c && c->w && c->w->t->vt->xfer_stats) c->w->t->vt->xfer_stats(c->w->t, &p, &r);
+    if (posted_out) *posted_out = p;
+    if (registered_out) *registered_out = r;
+}
+
 static void *comm_thread(void *arg)
 {
     world *w = arg;
@@ -1096,6 +1191,7 @@ static void *comm_thread(void *arg)
                 start_op(w, o);
             }
         }
+        run_tasks(w);
         int n = t->vt->progress(t);
         check_peers(w);
         check_deadlines(w);
@@ -1266,6 +1362,13 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
         }
         w->has_thread = true;
     }
+    /* the first world over a transport with a memory map registers the
+     * pinned memory of the process (base.h) from now on */
+    if (t->vt->mem_register && t->vt->mem_deregister) {
+        ts__pin_registrar r = {pin_register, pin_deregister, w};
+        w->registrar = ts__pin_registrar_set(&r) == TS_OK;
+        if (!w->registrar) ts_clear_error();
+    }
     *world_out = c;
     return TS_OK;
 }
@@ -1275,6 +1378,7 @@ void ts__world_free(ts_comm *c)
     if (!c || c == &g_local) return;
     log_summary(c);
     world *w = c->w;
+    if (w->registrar) ts__pin_registrar_clear(w); /* while the thread still runs the deregistrations */
     if (w->has_thread) {
         pthread_mutex_lock(&w->mu);
         w->stop = true;

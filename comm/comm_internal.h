@@ -56,4 +56,10 @@ void ts__comm_set_timeout(ts_comm *c, double timeout_s);
  * collectives (the benchmark measures both). Any thread. */
 void ts__comm_set_check(ts_comm *c, bool on);
 
+/* The sends and receives c's world's transport posted with a buffer of
+ * their own, and how many passed a registration of pinned memory
+ * (transport.h, xfer_stats); zeros when the transport counts none (the
+ * loopback) or for the one-rank group. Any thread. */
+void ts__comm_xfer_stats(ts_comm *c, uint64_t *posted_out, uint64_t *registered_out);
+
 #endif

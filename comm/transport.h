@@ -52,6 +52,19 @@ typedef struct ts_transport_vtable {
     void (*cancel_all)(ts_transport *t, ts_status status);
     /* Frees the transport; bounded in time even with dead peers. */
     void (*destroy)(ts_transport *t);
+    /* Optional (NULL: the transport has no memory map; the loopback's).
+     * Registers [addr, addr + len) with the transport's memory map once
+     * (UCX: ucp_mem_map), so that every later send or receive whose buffer
+     * lies inside it passes that registration (UCX: the memh) instead of
+     * the transport registering the buffer per transfer; *handle_out is
+     * given back to mem_deregister before the memory is freed. Called on
+     * the driving thread (comm.c runs pinned-memory registrations there). */
+    ts_status (*mem_register)(ts_transport *t, void *addr, size_t len, void **handle_out);
+    void (*mem_deregister)(ts_transport *t, void *handle);
+    /* Optional: the sends and receives posted so far with a buffer of
+     * their own (not the bypass's small control messages) and how many of
+     * them passed a registration. Any thread. */
+    void (*xfer_stats)(ts_transport *t, uint64_t *posted_out, uint64_t *registered_out);
 } ts_transport_vtable;
 
 struct ts_transport {

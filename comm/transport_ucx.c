@@ -186,7 +186,47 @@ struct ts_ucx {
     bool dead_unhandled;
     double next_pid_check;
     uint64_t cma_nonce; /* the last bypass transfer's number */
+    /* memory registered once (mem_register: pinned host memory), sorted
+     * by address; driving thread only */
+    struct ucx_region *regions;
+    int n_regions, cap_regions;
+    _Atomic uint64_t xfers, xfers_memh; /* xfer_stats */
 };
+
+/* ------------------------------------------------------- registrations
+ *
+ * Pinned host memory (base.h) is mapped once with ucp_mem_map and its
+ * memh passed with every send or receive whose buffer lies inside it
+ * (UCX 1.13 accepts a memh that covers the buffer, measured; a memh of
+ * another buffer fails the transfer with "mismatched memory handle"),
+ * so that UCX does not register (or look up its registration cache for)
+ * that buffer on each transfer. On shared memory the registration is
+ * trivial (posix, sysv, cma); on RDMA networks it is what zero-copy
+ * needs. */
+typedef struct ucx_region {
+    uintptr_t addr;
+    size_t len;
+    ucp_mem_h memh;
+} ucx_region;
+
+/* The region that holds [buf, buf + len), or NULL. */
+static ucp_mem_h region_memh(const ts_ucx *t, const void *buf, size_t len)
+{
+    uintptr_t b = (uintptr_t)buf;
+    int lo = 0, hi = t->n_regions - 1, at = -1;
+    while (lo <= hi) { /* the last region starting at or below b */
+        int mid = (lo + hi) / 2;
+        if (t->regions[mid].addr <= b) {
+            at = mid;
+            lo = mid + 1;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    if (at < 0 || b - t->regions[at].addr > t->regions[at].len || len > t->regions[at].len - (b - t->regions[at].addr))
+        return NULL;
+    return t->regions[at].memh;
+}
 
 /* The level of this transport's own teardown lines (transfers abandoned,
  * a worker leaked): once the world failed or a peer died these are the
@@ -540,6 +580,19 @@ static ucx_op *op_new(ts_ucx *t, int peer, size_t len, uint64_t tag, bool is_rec
     return op;
 }
 
+/* A transfer with a buffer of its own: passes the memh of the registered
+ * region that holds it, if one does, and counts it (xfer_stats). */
+static void count_xfer(ts_ucx *t, ucp_request_param_t *prm, const void *buf, size_t len)
+{
+    atomic_fetch_add_explicit(&t->xfers, 1, memory_order_relaxed);
+    ucp_mem_h mh = t->n_regions ? region_memh(t, buf, len) : NULL;
+    if (!mh)
+        return;
+    prm->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    prm->memh = mh;
+    atomic_fetch_add_explicit(&t->xfers_memh, 1, memory_order_relaxed);
+}
+
 /* One UCX send (xbits: 0, or TS_UCX_CTRL / TS_UCX_ACK for the bypass).
  * buf NULL: send len (<= 32) bytes of `inl`, copied into the op. */
 static ts_status send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uint64_t tag, uint64_t xbits,
@@ -560,6 +613,8 @@ static ts_status send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uint
         .user_data = op,
         .datatype = ucp_dt_make_contig(1),
     };
+    if (buf != op->inl && len)
+        count_xfer(t, &prm, buf, len);
     ucp_tag_t utag = (((uint64_t)t->base.rank << TS_UCX_RANK_SHIFT) ^ tag) | xbits;
     pending_add(t, op);
     void *r = ucp_tag_send_nbx(t->peers[peer].ep, buf, len, utag, &prm);
@@ -602,6 +657,8 @@ static ts_status recv_raw(ts_ucx *t, int peer, void *buf, size_t len, uint64_t t
         .user_data = op,
         .datatype = ucp_dt_make_contig(1),
     };
+    if (buf != op->inl && len)
+        count_xfer(t, &prm, buf, len);
     ucp_tag_t utag = (((uint64_t)peer << TS_UCX_RANK_SHIFT) ^ tag) | xbits;
     pending_add(t, op);
     void *r = ucp_tag_recv_nbx(t->worker, buf, len, utag, ~(ucp_tag_t)0, &prm);
@@ -1066,8 +1123,14 @@ static void ucx_destroy(ts_transport *base)
             ucp_worker_destroy(t->worker);
         }
     }
-    if (t->ctx && !stuck)
+    if (t->ctx && !stuck) {
+        for (int i = 0; i < t->n_regions; i++) /* comm.c deregisters first; whatever is left */
+            ucp_mem_unmap(t->ctx, t->regions[i].memh);
+        t->n_regions = 0;
         ucp_cleanup(t->ctx);
+    }
+    if (!stuck)
+        ts__free(TS_MEM_COMM, t->regions);
     if (t->worker)
         atomic_fetch_sub(&g_ucx_teardown, 1);
     for (int r = 0; t->peers && r < t->base.size; r++)
@@ -1081,6 +1144,63 @@ static void ucx_destroy(ts_transport *base)
     }
 }
 
+static ts_status ucx_mem_register(ts_transport *base, void *addr, size_t len, void **handle_out)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    if (!addr || !len || !handle_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: mem_register: NULL or empty region (%p, %zu bytes)", addr, len);
+    if (t->n_regions == t->cap_regions) {
+        int cap = t->cap_regions ? 2 * t->cap_regions : 16;
+        ucx_region *nr = ts__calloc(TS_MEM_COMM, (size_t)cap, sizeof *nr);
+        if (!nr)
+            return ts_error(TS_ERR_NO_MEMORY, "ucx: mem_register: out of memory");
+        if (t->n_regions)
+            memcpy(nr, t->regions, (size_t)t->n_regions * sizeof *nr);
+        ts__free(TS_MEM_COMM, t->regions);
+        t->regions = nr;
+        t->cap_regions = cap;
+    }
+    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                               .address = addr,
+                               .length = len};
+    ucp_mem_h mh = NULL;
+    ucs_status_t us = ucp_mem_map(t->ctx, &mp, &mh);
+    if (us != UCS_OK)
+        return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_mem_map of %zu bytes at %p failed: %s", t->base.rank, len,
+                        addr, ucs_status_string(us));
+    int at = t->n_regions;
+    while (at > 0 && t->regions[at - 1].addr > (uintptr_t)addr) {
+        t->regions[at] = t->regions[at - 1];
+        at--;
+    }
+    t->regions[at] = (ucx_region){(uintptr_t)addr, len, mh};
+    t->n_regions++;
+    *handle_out = mh;
+    return TS_OK;
+}
+
+static void ucx_mem_deregister(ts_transport *base, void *handle)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    for (int i = 0; i < t->n_regions; i++) {
+        if (t->regions[i].memh != handle)
+            continue;
+        ucp_mem_unmap(t->ctx, t->regions[i].memh);
+        memmove(&t->regions[i], &t->regions[i + 1], (size_t)(t->n_regions - i - 1) * sizeof *t->regions);
+        t->n_regions--;
+        return;
+    }
+}
+
+static void ucx_xfer_stats(ts_transport *base, uint64_t *posted_out, uint64_t *registered_out)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    if (posted_out)
+        *posted_out = atomic_load_explicit(&t->xfers, memory_order_relaxed);
+    if (registered_out)
+        *registered_out = atomic_load_explicit(&t->xfers_memh, memory_order_relaxed);
+}
+
 static const ts_transport_vtable ucx_vtable = {
     .name = "ucx",
     .send = ucx_send,
@@ -1091,6 +1211,9 @@ static const ts_transport_vtable ucx_vtable = {
     .failed_peer = ucx_failed_peer,
     .cancel_all = ucx_cancel_all,
     .destroy = ucx_destroy,
+    .mem_register = ucx_mem_register,
+    .mem_deregister = ucx_mem_deregister,
+    .xfer_stats = ucx_xfer_stats,
 };
 
 /* ------------------------------------------------------------- create */

@@ -12,6 +12,10 @@
  *        [--batch B] [--seq T] [--layers L] [--heads H] [--dim D] [--lr LR]
  *        [--seed S] [--save FILE.safetensors] [--load FILE.safetensors]
  *        [--sample N [--temperature T] [--prompt TEXT]]    (--help: all flags)
+ *        [--offload cpu [--pin-memory 0|1]]
+ * --offload cpu shards every group with CPUOffloadPolicy (pinned host
+ * shards and gradients unless --pin-memory 0) and prints, at the end, its
+ * staging copies per step and the host bytes it holds.
  * --load starts from a full state dict saved by --save (every rank reads
  * the file and keeps its rows); the sizes (--seq, --layers, --heads,
  * --dim) and the vocabulary are the checkpoint's (its metadata records
@@ -189,6 +193,8 @@ int main(int argc, char **argv)
     int steps = 300, batch = 8, seq = 64, layers = 2, heads = 4, dim = 64, sample = 0;
     double lr = 3e-3, temperature = 0;
     uint64_t seed = 1337;
+    const char *offload = "none";
+    int pin_memory = 1;
     ex_flag flags[] = {
         {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
@@ -204,6 +210,8 @@ int main(int argc, char **argv)
         {"--sample", "N", EX_FLAG_INT, &sample, 1, 1 << 20, false, "with --load: generate N characters instead of training", false},
         {"--temperature", "T", EX_FLAG_DOUBLE, &temperature, 0, 100, false, "--sample: 0 picks the likeliest character, above 0 samples", false},
         {"--prompt", "TEXT", EX_FLAG_STRING, &prompt, 0, 0, false, "--sample: the text to continue (default: the corpus's first character)", false},
+        {"--offload", "none|cpu", EX_FLAG_STRING, &offload, 0, 0, false, "cpu: CPUOffloadPolicy on every group (host shards, gradients, optimizer state)", false},
+        {"--pin-memory", "0|1", EX_FLAG_INT, &pin_memory, 0, 1, false, "--offload cpu: pin the host shards and gradients", false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
     ex_parse_flags(argc, argv,
@@ -211,6 +219,15 @@ int main(int argc, char **argv)
                    "or on the ranks of tsrun --nproc-per-node N; or, with --load FILE --sample N, generates text.",
                    flags, NFLAGS);
     bool sample_flags = ex_flag_given(flags, NFLAGS, "--temperature") || ex_flag_given(flags, NFLAGS, "--prompt");
+    if (strcmp(offload, "none") != 0 && strcmp(offload, "cpu") != 0) {
+        fprintf(stderr, "train_gpt: --offload '%s' (must be none or cpu)\n", offload);
+        return 2;
+    }
+    bool offload_cpu = strcmp(offload, "cpu") == 0;
+    if (!offload_cpu && ex_flag_given(flags, NFLAGS, "--pin-memory")) {
+        fprintf(stderr, "train_gpt: --pin-memory goes with --offload cpu\n");
+        return 2;
+    }
     if (sample && !load) {
         fprintf(stderr, "train_gpt: --sample needs --load FILE (a checkpoint written by --save)\n");
         return 2;
@@ -364,14 +381,18 @@ int main(int argc, char **argv)
     ts_module *model;
     CHECK(ts_gpt_new(&cfg, &model));
     /* bottom-up: each block its own group, then the root takes the rest */
+    ts_fsdp_options fo = ts_fsdp_options_default();
+    ts_offload_policy op = ts_offload_policy_default();
+    op.pin_memory = pin_memory != 0;
+    if (offload_cpu) fo.offload_policy = &op;
     for (int l = 0; l < layers; l++) {
         char name[32];
         ts_module *block;
         snprintf(name, sizeof name, "blocks.%d", l);
         CHECK(ts_module_get_submodule(model, name, &block));
-        CHECK(ts_fully_shard(block, NULL));
+        CHECK(ts_fully_shard(block, &fo));
     }
-    CHECK(ts_fully_shard(model, NULL));
+    CHECK(ts_fully_shard(model, &fo));
     if (rank == 0) CHECK(ts_fsdp_summary(model, stdout)); /* the sharding layout, once */
     if (load) {
         ts_state_dict *sd;
@@ -504,6 +525,18 @@ int main(int argc, char **argv)
         }
     }
     print_comm_summary(world, step, W);
+    if (offload_cpu && step > 0) {
+        ts_fsdp_offload_stats os;
+        CHECK(ts_fsdp_offload_stats_get(model, &os));
+        char b1[32], b2[32], b3[32], b4[32], b5[32];
+        printf("offload (cpu, %s): %d groups; per step %.1f host-to-device copies (%s) before all-gathers, %.1f "
+               "device-to-host copies (%s) of reduced gradients; host blocks %s, pinned %s (%s locked)\n",
+               op.pin_memory ? "pinned" : "pageable", os.groups, (double)os.h2d_copies / step,
+               ex_fmt_bytes((double)os.h2d_bytes / step, b1, sizeof b1), (double)os.d2h_copies / step,
+               ex_fmt_bytes((double)os.d2h_bytes / step, b2, sizeof b2), ex_fmt_bytes((double)os.host_bytes, b3, sizeof b3),
+               ex_fmt_bytes((double)os.pinned_bytes, b4, sizeof b4),
+               ex_fmt_bytes((double)ts_mem_locked_bytes(), b5, sizeof b5));
+    }
     if (!rc) {
         printf("loss %.4f -> %.4f (uniform guess: %.4f)\n", first, last, log((double)vocab));
         if (save) { /* gathered on rank 0 only, then written there */

@@ -405,9 +405,8 @@ static ts_status check_options(const char *fn, const ts_fsdp_options *o)
                         o->reshard_every_n);
     if (o->n_ignored_params < 0 || (o->n_ignored_params && !o->ignored_params))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d ignored parameters but no list", fn, o->n_ignored_params);
-    if (o->mp_policy || o->offload_policy)
-        return ts_error(TS_ERR_UNSUPPORTED,
-                        "%s: the mixed-precision and CPU-offload policies are not built yet (pass NULL)", fn);
+    if (o->mp_policy)
+        return ts_error(TS_ERR_UNSUPPORTED, "%s: the mixed-precision policy is not built yet (pass NULL)", fn);
     if (o->mesh) {
         int nd = ts_mesh_ndim(o->mesh);
         if (nd != 1 && nd != 2)

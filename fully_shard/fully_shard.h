@@ -85,6 +85,33 @@ typedef enum ts_reshard_policy {
     TS_RESHARD_EVERY_N,  /* reshard after every N-th forward (reshard_every_n) */
 } ts_reshard_policy;
 
+/* CPUOffloadPolicy (FSDP2's CPUOffloadPolicy; fully_shard/offload.c). The
+ * sharded parameters, their gradients and therefore the optimizer state
+ * live in host memory, pinned (base.h, "Pinned host memory") when
+ * pin_memory is true; before each all-gather the host shard is copied to
+ * the compute device (the all-gather's input), and after each
+ * reduce-scatter the reduced gradient is copied back to the host and
+ * accumulated into the host shard's gradient, where the optimizer steps.
+ * On the CPU device, which is host memory, offload changes only where
+ * the shard and gradient bytes live (pinned blocks instead of the caching
+ * pool) and adds those two staging copies, which are real copies,
+ * counted by ts_fsdp_offload_stats_get; training results are
+ * bit-identical to training without offload. As in FSDP2 the policy is
+ * per call: groups sharded without one are not offloaded. Every
+ * parameter must be on the CPU device (TS_ERR_INVALID_ARGUMENT naming the
+ * others; TS_DEVICE_CPU is the only device today). With offload, a
+ * shard's gradient is a view of its group's host gradient buffer (made
+ * once, reused every step; a gradient still held elsewhere when the next
+ * one comes keeps its values: the group starts a new buffer then). */
+typedef struct ts_offload_policy {
+    /* Pin the host shards and gradients (default true); false keeps them
+     * in pageable memory (PyTorch: synchronous copies, no pinned memory). */
+    bool pin_memory;
+} ts_offload_policy;
+
+/* The defaults: pin_memory true. */
+TS_API ts_offload_policy ts_offload_policy_default(void);
+
 typedef struct ts_fsdp_options {
     /* The mesh to shard over (borrowed): 1-d (shard) or 2-d (replicate,
      * shard: HSDP, gradients all-reduced over dim 0). NULL: the world as a
@@ -100,10 +127,13 @@ typedef struct ts_fsdp_options {
      * outside every group. */
     ts_tensor *const *ignored_params;
     int n_ignored_params;
-    /* Reserved for the mixed-precision and CPU-offload policies of a later
-     * issue; must be NULL (TS_ERR_UNSUPPORTED otherwise). */
+    /* Reserved for the mixed-precision policy of a later issue; must be
+     * NULL (TS_ERR_UNSUPPORTED otherwise). */
     const void *mp_policy;
-    const void *offload_policy;
+    /* CPU offload of the shards, their gradients and the optimizer state
+     * (ts_offload_policy above; borrowed, read during the call); NULL: no
+     * offload (FSDP2's OffloadPolicy()). */
+    const ts_offload_policy *offload_policy;
 } ts_fsdp_options;
 
 /* Defaults: the world's mesh, TS_RESHARD_AUTO, nothing ignored. */
@@ -119,8 +149,9 @@ TS_API ts_fsdp_options ts_fsdp_options_default(void);
  * neither 1 nor 2 dims or one that does not match the initialized world, a
  * 0-d parameter, a parameter already managed by another group (a tied
  * weight sharded in a separate call: shard the modules together with
- * ts_fully_shard_group), parameters of different dtypes in one group;
- * TS_ERR_UNSUPPORTED for a policy; TS_ERR_NO_MEMORY. */
+ * ts_fully_shard_group), parameters of different dtypes in one group,
+ * with an offload policy a parameter not on the CPU device;
+ * TS_ERR_UNSUPPORTED for a mixed-precision policy; TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_fully_shard(ts_module *module, const ts_fsdp_options *options);
 /* Shards each of modules[0..n) with its own group, in order (seed 003's
  * list form): the same as n calls. Stops at the first error (earlier
@@ -174,6 +205,22 @@ TS_API const ts_module_vtable *ts_fsdp_original_vtable(const ts_module *m);
 /* The DTensor (Shard(0) over the group's mesh, the global shape) of a
  * sharded parameter tensor, borrowed; NULL if t is not one. */
 TS_API const ts_dtensor *ts_fsdp_param_dtensor(const ts_tensor *t);
+
+/* What CPU offload did in module's subtree (each FSDP group once):
+ * groups that offload (and how many pin), the staging copies made so far
+ * (H2D: host shard to the all-gather's device buffer before each
+ * all-gather; D2H: reduced gradient back to the host after each
+ * reduce-scatter) and their bytes, and the bytes of the host blocks the
+ * offloaded groups hold (sharded buffers, host gradient and staging
+ * buffers), with the part in pinned blocks. Zeros for a tree without
+ * offload. TS_ERR_INVALID_ARGUMENT for NULL. Not collective. */
+typedef struct ts_fsdp_offload_stats {
+    int groups, pinned_groups;
+    uint64_t h2d_copies, h2d_bytes;
+    uint64_t d2h_copies, d2h_bytes;
+    size_t host_bytes, pinned_bytes;
+} ts_fsdp_offload_stats;
+TS_API ts_status ts_fsdp_offload_stats_get(ts_module *module, ts_fsdp_offload_stats *out);
 
 /* Facts about the group fully_shard made for `module` (not its
  * children's). */

@@ -53,6 +53,7 @@
 #define TS_FULLY_SHARD_INTERNAL_H
 
 #include "fully_shard/fully_shard.h"
+#include "fully_shard/offload_internal.h"
 
 #include "comm/comm.h"
 
@@ -136,6 +137,7 @@ struct fsdp_group {
     int ran_forward;       /* distinct modules of the group run in this forward */
     fsdp_training_state training; /* IDLE, FORWARD, PRE_BACKWARD or POST_BACKWARD */
     char fqn[FQN_MAX];
+    ts__offload off;     /* CPUOffloadPolicy (offload_internal.h); off.on false without one */
 };
 
 struct fsdp_state {

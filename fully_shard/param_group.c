@@ -36,6 +36,7 @@ void ts__fsdp_group_free(fsdp_group *g)
     for (int i = 0; i < g->n; i++) ts__fsdp_param_fini(&g->params[i]);
     ts__free(TS_MEM_NN, g->params);
     ts_tensor_free(g->sharded);
+    ts__offload_fini(&g->off);
     ts_mesh_free(g->owned_mesh);
     ts__free(TS_MEM_NN, g);
 }
@@ -143,6 +144,7 @@ ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *
     bool prev = ts_grad_mode_set(false);
     for (int i = 0; i < c->n && !st; i++) st = ts__fsdp_param_make_shard(&g->params[i], g, c->c[i].t);
     ts_grad_mode_set(prev);
+    if (!st && o->offload_policy) st = ts__fsdp_offload_init(g, o->offload_policy, fn);
     if (st) goto fail;
     *out = g;
     return TS_OK;
@@ -168,7 +170,11 @@ ts_status ts__fsdp_unshard(fsdp_group *g)
     int64_t n = g->shard_numel * g->W;
     ts_status st = ts_tensor_empty(g->dtype, 1, &n, &g->ag_buf);
     if (st) return st;
-    if ((st = ts_all_gather_into_tensor(g->pg, g->ag_buf, g->sharded, &g->ag_req))) {
+    ts_tensor *in = g->sharded; /* with offload: the host shard's copy on the device */
+    if (g->off.on && (st = ts__fsdp_offload_copy_in(g, &in))) in = NULL;
+    if (in) st = ts_all_gather_into_tensor(g->pg, g->ag_buf, in, &g->ag_req);
+    if (in != g->sharded) ts_tensor_free(in);
+    if (st) {
         ts_tensor_free(g->ag_buf);
         g->ag_buf = NULL;
         return st;
@@ -235,6 +241,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     g->rs_req = NULL;
     if (!st && g->rg && ts_comm_size(g->rg) > 1) st = ts_all_reduce(g->rg, g->rs_out, TS_REDUCE_AVG, NULL);
     TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
+    if (!st && g->off.on) st = ts__fsdp_offload_grads_out(g); /* to the host shard gradients */
     TS_TRACE_BEGIN(ta);
     const unsigned char *out = st ? NULL : ts_tensor_data(g->rs_out);
     for (int i = 0; i < g->n && !st; i++) {

@@ -161,6 +161,10 @@ static ts_status write_summary(ts_module *module, FILE *f)
         fprintf(f, "  per rank: %lld elements (%lld of them padding on this rank, %lld over all ranks), %s sharded; "
                    "%s while unsharded\n",
                 (long long)g->shard_numel, (long long)(g->shard_numel - g->local_numel), (long long)pad_all, b1, b2);
+        if (g->off.on)
+            fprintf(f, "  offload: cpu, %s (host shards and gradients; copied to the device before each all-gather, "
+                       "gradients back after each reduce-scatter)\n",
+                    g->off.pin ? "pinned" : "pageable");
         fprintf(f, "  %-40s %-16s %-16s %-16s %s\n", "parameter", "full", "local shard", "padded shard", "padding");
         for (int k = 0; k < g->n; k++) {
             const fsdp_param *p = &g->params[k];

@@ -16,6 +16,7 @@ struct ts_storage {
     void *data;      /* NULL while released */
     size_t block_bytes; /* size of the pool block behind data */
     bool released;
+    bool pinned;     /* data is a pinned block (ts__pinned_alloc), not a pool block */
 };
 
 /* New storage of nbytes from the caching pool (contents undefined). */

@@ -497,6 +497,37 @@ ts_status ts_tensor_copy_to(const ts_tensor *t, void *buf, size_t nbytes)
     return TS_OK;
 }
 
+ts_status ts_tensor_pin_memory(const ts_tensor *t, ts_tensor **out)
+{
+    if (!t || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_pin_memory: %s is NULL", !t ? "the tensor" : "out");
+    if (t->storage && t->storage->pinned && !t->storage->released) {
+        *out = ts_tensor_retain((ts_tensor *)(uintptr_t)t);
+        return TS_OK;
+    }
+    ts_tensor *p = NULL;
+    ts_status st = ts__tensor_new(t->dtype, t->ndim, t->shape, &p);
+    /* release, mark pinned, restore: the new tensor's bytes go straight
+     * into a pinned block without a copy of the pool block */
+    if (!st)
+        st = ts_storage_release(p->storage);
+    if (!st)
+        st = ts_storage_pin(p->storage);
+    if (!st)
+        st = ts_storage_restore(p->storage);
+    if (!st)
+        st = ts_tensor_copy_to(t, p->storage->data, (size_t)ts_tensor_numel(p) * ts_dtype_size(p->dtype));
+    if (st) {
+        ts_tensor_free(p);
+        return st;
+    }
+    p->device = t->device;
+    *out = p;
+    return TS_OK;
+}
+
+bool ts_tensor_is_pinned(const ts_tensor *t) { return t && t->storage && t->storage->pinned; }
+
 ts_status ts__copy_into(const char *op, ts_tensor *dst, const ts_tensor *src)
 {
     int nout;

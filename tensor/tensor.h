@@ -92,6 +92,18 @@ TS_API ts_status ts_storage_restore(ts_storage *s);
 /* Raw bytes of a storage; NULL while released. Borrowed. */
 TS_API void *ts_storage_data(ts_storage *s);
 
+/* Pins the storage's bytes (base.h, "Pinned host memory"): moves them into
+ * a page-aligned block locked with mlock and registered once with the
+ * transport's memory map; every tensor over the storage stays valid and
+ * sees the same values. The block is unlocked, deregistered and freed when
+ * the storage is freed; a pinned storage that is released and restored
+ * gets a pinned block again. A failing mlock (RLIMIT_MEMLOCK) is a warning,
+ * not an error. Pinning a pinned storage is a no-op. TS_ERR_INVALID_ARGUMENT
+ * for NULL, TS_ERR_NO_MEMORY. Not while another thread uses the storage. */
+TS_API ts_status ts_storage_pin(ts_storage *s);
+/* True when the storage's bytes are (or, while released, will be) a pinned block. */
+TS_API bool ts_storage_is_pinned(const ts_storage *s);
+
 /* Tensor memory comes from a caching pool that keeps freed blocks for
  * reuse (first touches of fresh pages are slow). This returns every cached
  * block to the system; call it between phases, not inside a step. */
@@ -117,6 +129,15 @@ TS_API ts_status ts_tensor_from_data(ts_dtype dtype, int ndim, const int64_t *sh
 TS_API ts_status ts_tensor_scalar(ts_dtype dtype, double value, ts_tensor **out);
 /* New 1-d tensor [start, start + step, ...) below `end`. */
 TS_API ts_status ts_tensor_arange(ts_dtype dtype, double start, double end, double step, ts_tensor **out);
+
+/* PyTorch's t.pin_memory(): a new contiguous tensor with t's values in
+ * pinned storage (ts_storage_pin), or a new reference to t itself when its
+ * storage is pinned already. No autograd history (a detached copy). The
+ * caller owns *out. TS_ERR_INVALID_ARGUMENT for NULL, TS_ERR_RELEASED,
+ * TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_tensor_pin_memory(const ts_tensor *t, ts_tensor **out);
+/* PyTorch's t.is_pinned(): true when t's storage is pinned (false for NULL). */
+TS_API bool ts_tensor_is_pinned(const ts_tensor *t);
 
 /* Adds a reference; returns `t`. */
 TS_API ts_tensor *ts_tensor_retain(ts_tensor *t);

@@ -213,6 +213,7 @@ FACTORY = {
     'ts_fsdp_summon **': 'f_summon_outs',
     'ts_comm_counters *': '&f_counters',
     'ts_fsdp_group_info *': '&f_group_info',
+    'ts_fsdp_offload_stats *': '&f_offload_stats',
     'ts_rank_env *': '&f_rank_env',
     'ts_launch_result *': '&f_launch_result',
     'ts_named_params *': '&f_named',
@@ -301,6 +302,7 @@ static ts_fsdp_unshard_handle *f_handle_outs[8];
 static ts_fsdp_summon *f_summon_outs[8];
 static ts_comm_counters f_counters;
 static ts_fsdp_group_info f_group_info;
+static ts_fsdp_offload_stats f_offload_stats;
 static ts_rank_env f_rank_env;
 static ts_launch_result f_launch_result;
 static ts_named_params f_named;

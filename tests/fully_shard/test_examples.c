@@ -948,3 +948,35 @@ Test(fully_shard_examples, custom_module_alone_and_on_two_ranks, .timeout = 120)
     free(two);
     free(alone);
 }
+
+/* train_gpt --offload cpu (CPUOffloadPolicy on every group) trains
+ * exactly as without it, pinned or not, and says what it staged; the
+ * flags are checked. */
+Test(fully_shard_examples, train_gpt_offload_trains_the_same, .timeout = 180)
+{
+    const char *a0[] = {"--steps", "8"};
+    const char *a1[] = {"--steps", "8", "--offload", "cpu"};
+    const char *a2[] = {"--steps", "8", "--offload", "cpu", "--pin-memory", "0"};
+    char *out0 = run_example_args("train_gpt", 2, 2, a0);
+    char *out1 = run_example_args("train_gpt", 2, 4, a1);
+    char *out2 = run_example_args("train_gpt", 2, 6, a2);
+    const char *l0 = strstr(out0, "[0] loss "), *l1 = strstr(out1, "[0] loss "), *l2 = strstr(out2, "[0] loss ");
+    cr_assert(l0 && l1 && l2, "no loss line:\n%s\n%s\n%s", out0, out1, out2);
+    size_t n0 = strcspn(l0, "\n");
+    cr_assert(strncmp(l0, l1, n0) == 0 && strncmp(l0, l2, n0) == 0, "losses differ:\n%.*s\n%.*s\n%.*s", (int)n0, l0,
+              (int)strcspn(l1, "\n"), l1, (int)strcspn(l2, "\n"), l2);
+    cr_assert_null(strstr(out0, "offload ("), "%s", out0);
+    cr_assert_not_null(strstr(out1, "[0] offload (cpu, pinned): 3 groups; per step 5.0 host-to-device copies"), "%s",
+                       out1);
+    cr_assert_not_null(strstr(out2, "[0] offload (cpu, pageable): 3 groups"), "%s", out2);
+    cr_assert_not_null(strstr(out2, "pinned 0.0 B"), "%s", out2);
+    free(out0);
+    free(out1);
+    free(out2);
+    const char *bad[] = {"--offload", "gpu"};
+    const char *w1[] = {"--offload 'gpu'", "none or cpu", NULL};
+    expect_refused("train_gpt", 2, bad, w1);
+    const char *nopin[] = {"--pin-memory", "0"};
+    const char *w2[] = {"--pin-memory goes with --offload cpu", NULL};
+    expect_refused("train_gpt", 2, nopin, w2);
+}

@@ -1,0 +1,220 @@
+/*
+ * CPUOffloadPolicy (fully_shard.h; FSDP2-NOTES.md §2.12), mapped to a CPU
+ * device. In FSDP2 the sharded parameters and gradients of an offloaded
+ * group live in (pinned) CPU memory: the copy-in of each all-gather first
+ * copies the shard to the GPU (H2D), the reduced gradient is copied back
+ * (D2H) and accumulated on the CPU, and the optimizer steps there. Here
+ * the compute device is the CPU, so "host" and "device" are the same
+ * memory; what offload changes is where the host-side bytes live and
+ * which copies run:
+ *  - the sharded buffer (every parameter's shard is a view of it) is
+ *    pinned when pin_memory (base.h, "Pinned host memory");
+ *  - before the all-gather, the host shard is copied into this rank's
+ *    block of the all-gather output (the device buffer), which then is
+ *    the collective's input (without offload the collective copies the
+ *    shard there itself);
+ *  - the reduced gradient (device) is copied into the host gradient
+ *    buffer (one per group, pinned when pin_memory, made once and reused;
+ *    each shard's .grad is a view of its segment) or, when the shard has
+ *    a gradient already (accumulation), into a host staging buffer that
+ *    is then added into it;
+ *  - the optimizer steps on the host shards and host gradients; its state
+ *    is made from them, in host memory.
+ * The copies are plain memcpy's of the same bytes, so training with and
+ * without offload is bit-identical. They are counted per group
+ * (ts_fsdp_offload_stats_get) and traced ("fsdp.h2d", "fsdp.d2h").
+ */
+#define _GNU_SOURCE
+#include "fully_shard/internal.h"
+
+#include "tensor/internal.h"
+
+#include <string.h>
+
+ts_offload_policy ts_offload_policy_default(void) { return (ts_offload_policy){.pin_memory = true}; }
+
+/* ------------------------------------------------------------------ */
+/* Staging copies and host buffers                                    */
+/* ------------------------------------------------------------------ */
+
+static void staged(const char *name, uint64_t *copies, uint64_t *total, void *dst, const void *src, size_t bytes)
+{
+    TS_TRACE_BEGIN(t0);
+    if (bytes) memcpy(dst, src, bytes);
+    TS_TRACE_END(t0, name, "copy");
+    (*copies)++;
+    *total += bytes;
+}
+
+void ts__offload_h2d(ts__offload *o, void *dev_dst, const void *host_src, size_t bytes)
+{
+    staged("fsdp.h2d", &o->h2d_copies, &o->h2d_bytes, dev_dst, host_src, bytes);
+}
+
+void ts__offload_d2h(ts__offload *o, void *host_dst, const void *dev_src, size_t bytes)
+{
+    staged("fsdp.d2h", &o->d2h_copies, &o->d2h_bytes, host_dst, dev_src, bytes);
+}
+
+ts_status ts__offload_place(const ts__offload *o, ts_tensor *host)
+{
+    if (!o->pin || !host) return TS_OK;
+    return ts_storage_pin(ts_tensor_storage(host));
+}
+
+ts_status ts__offload_host_buffer(const ts__offload *o, ts_dtype dtype, int64_t n, ts_tensor **out)
+{
+    ts_tensor *t = NULL;
+    ts_status st = ts_tensor_empty(dtype, 1, &n, &t);
+    if (st) return st;
+    if (o->pin) {
+        /* released first: the pinned block is the only one allocated */
+        ts_storage *s = ts_tensor_storage(t);
+        if (!(st = ts_storage_release(s)) && !(st = ts_storage_pin(s))) st = ts_storage_restore(s);
+        if (st) {
+            ts_tensor_free(t);
+            return st;
+        }
+    }
+    *out = t;
+    return TS_OK;
+}
+
+void ts__offload_fini(ts__offload *o)
+{
+    ts_tensor_free(o->grad_host);
+    ts_tensor_free(o->stage);
+    o->grad_host = o->stage = NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* The group's steps                                                  */
+/* ------------------------------------------------------------------ */
+
+static const char *device_name(ts_device d) { return d == TS_DEVICE_CPU ? "cpu" : "unknown"; }
+
+ts_status ts__fsdp_offload_init(fsdp_group *g, const ts_offload_policy *policy, const char *fn)
+{
+    /* FSDP2's _validate_cpu_offload_params: every parameter on the CPU.
+     * TS_DEVICE_CPU is the only device today, so this holds for every
+     * tensor the library makes; the check is here for the next device. */
+    char bad[1024] = "";
+    size_t used = 0;
+    for (int i = 0; i < g->n; i++) {
+        ts_device d = ts_tensor_device(g->params[i].S);
+        if (d == TS_DEVICE_CPU) continue;
+        int k = snprintf(bad + used, sizeof bad - used, "%s('%s', %s)", used ? ", " : "", g->params[i].fqn,
+                         device_name(d));
+        if (k > 0) used = used + (size_t)k < sizeof bad ? used + (size_t)k : sizeof bad - 1;
+    }
+    if (used)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "%s: FSDP parameters should be materialized on CPU when enabling CPU offloading; found "
+                        "parameters on a non-CPU device: [%s]",
+                        fn, bad);
+    if (!g->n) return TS_OK; /* a call that took no parameter makes no group */
+    g->off.on = true;
+    g->off.pin = policy->pin_memory;
+    return ts__offload_place(&g->off, g->sharded);
+}
+
+ts_status ts__fsdp_offload_copy_in(fsdp_group *g, ts_tensor **in_out)
+{
+    ts_tensor *own = NULL;
+    int64_t n = g->shard_numel;
+    ts_status st = ts__tensor_alias(g->ag_buf, 1, &n, (const int64_t[]){1}, g->ag_buf->offset + (int64_t)g->rank * n,
+                                    &own);
+    if (st) return st;
+    ts__offload_h2d(&g->off, ts_tensor_data(own), ts_tensor_data(g->sharded), (size_t)n * g->es);
+    *in_out = own;
+    return TS_OK;
+}
+
+/* The host gradient buffer, made once per group. A view of it that
+ * something outside the shards' .grad still holds (a gradient kept after
+ * zero_grad(set_to_none)) keeps the values it had: the group then starts
+ * a new buffer rather than write over them. */
+static ts_status grad_host(fsdp_group *g)
+{
+    ts__offload *o = &g->off;
+    if (o->grad_host) {
+        ts_storage *s = ts_tensor_storage(o->grad_host);
+        int held = 0;
+        for (int i = 0; i < g->n; i++) {
+            ts_tensor *gr = ts_tensor_grad(g->params[i].S);
+            if (gr && ts_tensor_storage(gr) == s) held++;
+        }
+        if (atomic_load(&s->refcount) <= 1 + held) return TS_OK;
+        ts_tensor_free(o->grad_host);
+        o->grad_host = NULL;
+    }
+    return ts__offload_host_buffer(o, g->dtype, g->shard_numel, &o->grad_host);
+}
+
+ts_status ts__fsdp_offload_grads_out(fsdp_group *g)
+{
+    const unsigned char *dev = ts_tensor_data(g->rs_out);
+    bool staging = false;
+    ts_status st = TS_OK;
+    for (int i = 0; i < g->n && !st; i++) {
+        fsdp_param *p = &g->params[i];
+        if (!p->in_reduce) continue;
+        size_t off = (size_t)p->off * g->es, bytes = (size_t)(p->local_rows * p->row_numel) * g->es;
+        ts_tensor *gr = ts_tensor_grad(p->S);
+        if (gr) { /* accumulate: to the host, then added by the caller */
+            if (!g->off.stage && (st = ts__offload_host_buffer(&g->off, g->dtype, g->shard_numel, &g->off.stage)))
+                break;
+            ts__offload_d2h(&g->off, (unsigned char *)ts_tensor_data(g->off.stage) + off, dev + off, bytes);
+            staging = true;
+            continue;
+        }
+        if ((st = grad_host(g))) break;
+        ts__offload_d2h(&g->off, (unsigned char *)ts_tensor_data(g->off.grad_host) + off, dev + off, bytes);
+        int64_t strides[TS_MAX_DIMS];
+        ts__contiguous_strides(p->ndim, ts_tensor_shape(p->S), strides);
+        ts_tensor *view = NULL;
+        if ((st = ts__tensor_alias(g->off.grad_host, p->ndim, ts_tensor_shape(p->S), strides,
+                                   g->off.grad_host->offset + p->off, &view)))
+            break;
+        st = ts_tensor_set_grad(p->S, view);
+        ts_tensor_free(view);
+        p->in_reduce = false;
+    }
+    if (!st && staging) { /* the caller adds the rest from the host copy */
+        ts_tensor_free(g->rs_out);
+        g->rs_out = ts_tensor_retain(g->off.stage);
+    }
+    return st;
+}
+
+/* ------------------------------------------------------------------ */
+/* Statistics                                                         */
+/* ------------------------------------------------------------------ */
+
+static size_t block_bytes(const ts_tensor *t) { return t ? ts_tensor_storage(t)->block_bytes : 0; }
+
+ts_status ts_fsdp_offload_stats_get(ts_module *module, ts_fsdp_offload_stats *out)
+{
+    if (!module || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_offload_stats_get: %s is NULL", !module ? "module" : "out");
+    groups_walk w = {0};
+    ts_status st = ts__fsdp_subtree_groups(module, &w);
+    if (st) return st;
+    ts_fsdp_offload_stats s = {0};
+    for (int i = 0; i < w.n; i++) {
+        const fsdp_group *g = w.g[i];
+        if (!g->off.on) continue;
+        s.groups++;
+        s.pinned_groups += g->off.pin;
+        s.h2d_copies += g->off.h2d_copies;
+        s.h2d_bytes += g->off.h2d_bytes;
+        s.d2h_copies += g->off.d2h_copies;
+        s.d2h_bytes += g->off.d2h_bytes;
+        size_t host = block_bytes(g->sharded) + block_bytes(g->off.grad_host) + block_bytes(g->off.stage);
+        s.host_bytes += host;
+        if (g->off.pin) s.pinned_bytes += host;
+    }
+    ts__free(TS_MEM_NN, w.g);
+    *out = s;
+    return TS_OK;
+}
