@@ -85,6 +85,49 @@ typedef enum ts_reshard_policy {
     TS_RESHARD_EVERY_N,  /* reshard after every N-th forward (reshard_every_n) */
 } ts_reshard_policy;
 
+/* ------------------------------------------------------ mixed precision
+ * (fully_shard/mp_policy.c) FSDP2's MixedPrecisionPolicy: module-level
+ * mixed precision, set per fully_shard call (a child may have its own
+ * policy inside a parent's: an f32 child under a bf16 parent):
+ *   - the sharded parameter keeps its dtype (f32 master weights: the
+ *     optimizer steps on them as without a policy, no extra copy);
+ *   - param_dtype: the shard is cast to it before the all-gather (a bf16
+ *     all-gather moves half the bytes of an f32 one), and the unsharded
+ *     parameters, the forward and backward compute and the unsharded
+ *     gradients are in it;
+ *   - reduce_dtype: the gradients are converted to it for the
+ *     reduce-scatter (and HSDP's all-reduce) and land, converted back, in
+ *     the shard's gradient (the parameter's own dtype); keep: reduce in
+ *     param_dtype;
+ *   - output_dtype: floating outputs of the module's forward are cast to
+ *     it after forward;
+ *   - cast_forward_inputs: floating inputs of the module's forward are cast
+ *     to param_dtype before it (when param_dtype is set).
+ * A dtype equal to the one it would replace (param_dtype equal to the
+ * parameter's dtype, reduce_dtype equal to param_dtype) adds no cast,
+ * decided at the group's first forward as FSDP2's lazy init; integer
+ * tensors are never cast. Buffers are never cast (FSDP2). */
+
+/* The value of a ts_mp_policy dtype field that means "keep" (PyTorch's
+ * None): no cast. Not a dtype of any tensor. */
+#define TS_DTYPE_KEEP ((ts_dtype)0x7f)
+
+typedef struct ts_mp_policy {
+    ts_dtype param_dtype;     /* TS_F32, TS_F64, TS_BF16, TS_F16 or TS_DTYPE_KEEP (default) */
+    ts_dtype reduce_dtype;    /* as param_dtype; TS_DTYPE_KEEP: param_dtype's (default) */
+    ts_dtype output_dtype;    /* as param_dtype; TS_DTYPE_KEEP: outputs as computed (default) */
+    bool cast_forward_inputs; /* default true */
+} ts_mp_policy;
+
+/* Every dtype TS_DTYPE_KEEP, cast_forward_inputs true: a policy that
+ * changes nothing. */
+TS_API ts_mp_policy ts_mp_policy_default(void);
+/* Checks a policy (ts_fully_shard does the same): TS_ERR_INVALID_ARGUMENT
+ * for NULL or a field that is neither a ts_dtype nor TS_DTYPE_KEEP (a
+ * policy zeroed by memset is valid: all float32); TS_ERR_DTYPE for an
+ * integer or bool dtype. Each message names the field and the value. */
+TS_API ts_status ts_mp_policy_check(const ts_mp_policy *policy);
+
 typedef struct ts_fsdp_options {
     /* The mesh to shard over (borrowed): 1-d (shard) or 2-d (replicate,
      * shard: HSDP, gradients all-reduced over dim 0). NULL: the world as a
@@ -100,9 +143,11 @@ typedef struct ts_fsdp_options {
      * outside every group. */
     ts_tensor *const *ignored_params;
     int n_ignored_params;
-    /* Reserved for the mixed-precision and CPU-offload policies of a later
-     * issue; must be NULL (TS_ERR_UNSUPPORTED otherwise). */
-    const void *mp_policy;
+    /* Mixed precision for this call's group (borrowed, copied by
+     * ts_fully_shard); NULL: none, as ts_mp_policy_default(). */
+    const ts_mp_policy *mp_policy;
+    /* Reserved for the CPU-offload policy of a later issue; must be NULL
+     * (TS_ERR_UNSUPPORTED otherwise). */
     const void *offload_policy;
 } ts_fsdp_options;
 
