@@ -1,0 +1,255 @@
+/*
+ * fully_shard's internals: the objects the files of fully_shard/ share
+ * and the ts__fsdp_* functions they call in one another (DESIGN.md D5, D6;
+ * FSDP2-NOTES.md §2). The files mirror PyTorch's _composable/fsdp/:
+ *  - fully_shard.c (_fully_shard.py): the API, argument checks, collecting
+ *    a call's parameters, the registries, events;
+ *  - state.c (_fsdp_state.py): the vtable rewrite, lazy init and root, the
+ *    forward wrapper, the autograd markers, prefetch;
+ *  - param_group.c (_fsdp_param_group.py): one group's lifecycle: unshard,
+ *    wait, reshard, post-backward, reduce;
+ *  - param.c (_fsdp_param.py): one parameter's geometry and its copies;
+ *  - explicit.c: unshard/reshard handles, summon, forward methods, the
+ *    prefetch setters; state_dict.c: full state dicts, gradient clipping;
+ *    summary.c: ts_module_print's line and ts_fsdp_summary.
+ *
+ * Objects
+ *  - fsdp_param: one parameter of a group: its slots (every slot of the
+ *    managed modules that held the tensor: tied weights inside a group),
+ *    the sharded leaf S (a view of the group's sharded buffer, marked as a
+ *    shard, with a DTensor), the unsharded leaf U (its own storage,
+ *    released while sharded, so autograd's saved references to it stay
+ *    valid), and its geometry: rows, row_numel, chunk rows c = ceil(rows/W),
+ *    local rows, its offset in the per-rank (padded) shard, and for each
+ *    shard rank the rows it holds and where they sit in the all-gather and
+ *    reduce-scatter buffers (fsdp_chunk, computed once at group creation).
+ *  - fsdp_group: the parameters sharded by one call (one all-gather, one
+ *    reduce-scatter), the shard group (and the replicate group for HSDP),
+ *    the sharded buffer (shard_numel elements: each parameter padded to c
+ *    rows), the all-gather in flight and the reduce-scatter in flight.
+ *  - fsdp_state: one per FSDP module (module->ext); points to its group
+ *    (several states share one group for ts_fully_shard_group) and to the
+ *    root's fsdp_ctx, made at the root's first forward.
+ *  - fsdp_ctx: per root: the states under it (pre-order), the post-forward
+ *    order of this iteration and the forward order of the last one (for
+ *    prefetch), the reduce-scatter in flight, backward bookkeeping.
+ *
+ * Buffers: the all-gather output is W blocks of shard_numel; block r holds
+ * rank r's padded shard of every parameter in group order, so parameter
+ * p's rows [r*c, r*c + c) sit at r*shard_numel + off_p; copy-out moves the
+ * real rows into U (DESIGN.md D6). The reduce-scatter input is packed the
+ * same way from the U gradients (copy-in, zero padding), reduced with AVG
+ * over the shard group, and each parameter's segment of the output is
+ * added into S's gradient.
+ *
+ * Lifetimes: states and groups are reference counted: the module holds its
+ * state, the autograd markers of a forward hold the state they serve, and
+ * states hold their group. A module freed while a graph that went through
+ * it is alive makes that graph's FSDP markers fail with TS_ERR_STATE.
+ * Slots own a reference to what they hold (S or U); the param holds its
+ * own references to both.
+ */
+#ifndef TS_FULLY_SHARD_INTERNAL_H
+#define TS_FULLY_SHARD_INTERNAL_H
+
+#include "fully_shard/fully_shard.h"
+
+#include "comm/comm.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#define FQN_MAX 512
+
+typedef struct fsdp_state fsdp_state;
+typedef struct fsdp_group fsdp_group;
+typedef struct fsdp_ctx fsdp_ctx;
+
+/* The rows of a parameter that one shard rank holds (ts_chunk_range),
+ * computed once when its group is built. */
+typedef struct fsdp_chunk {
+    int64_t row0, rows; /* the rows [row0, row0 + rows) of the full parameter (rows <= c) */
+    int64_t buf_off;    /* where the chunk starts in the W-block buffers (the all-gather output, the
+                           reduce-scatter input), in elements: r * shard_numel + off */
+} fsdp_chunk;
+
+typedef struct fsdp_param {
+    char *fqn;          /* name relative to the sharded module (messages) */
+    ts_tensor ***slots; /* every slot holding the parameter */
+    int *slot_owner;    /* per slot: the index of its module in the call */
+    int n_slots;
+    ts_tensor *S;       /* sharded leaf (retained) */
+    ts_tensor *U;       /* unsharded leaf (retained), storage released while sharded */
+    ts_dtensor *dt;     /* S's DTensor (owned) */
+    int ndim;
+    int64_t shape[TS_MAX_DIMS];
+    int64_t rows, row_numel, numel;
+    int64_t c;          /* chunk rows: ceil(rows / W) */
+    int64_t local_rows; /* this rank's real rows */
+    int64_t off;        /* offset in the per-rank shard (elements) */
+    fsdp_chunk *chunks; /* per shard rank r (W of them): the rows it holds */
+    bool requires_grad;
+    bool in_reduce;     /* its gradient is in the reduce-scatter in flight */
+} fsdp_param;
+
+/* Where a group's parameters are (PyTorch's ShardedState, plus the
+ * all-gather in flight of an asynchronous unshard). */
+typedef enum fsdp_sharded_state {
+    FSDP_SHARDED = 0, /* only the shards exist; the slots hold S, U's storage is released */
+    FSDP_UNSHARDING,  /* the all-gather is in flight (ag_buf, ag_req); the slots still hold S */
+    FSDP_UNSHARDED,   /* the full parameters U are copied out and in the slots */
+} fsdp_sharded_state;
+
+/* What a group, or a root's context, is doing (PyTorch's TrainingState). */
+typedef enum fsdp_training_state {
+    FSDP_IDLE = 0,      /* none of the below: between iterations, or between a group's forward and backward */
+    FSDP_FORWARD,       /* group: from its modules' first pre-forward in this iteration to its reshard point */
+    FSDP_PRE_BACKWARD,  /* group: unsharded for its modules' backward; context: a backward went through a
+                           marker and has not ended (its end-of-backward callback has not run) */
+    FSDP_POST_BACKWARD, /* group: its gradients are packed and their reduce-scatter issued, until the
+                           end of the backward */
+} fsdp_training_state;
+
+struct fsdp_group {
+    atomic_int refs;
+    fsdp_param *params;
+    int n;
+    ts_dtype dtype;
+    size_t es;
+    ts_mesh *mesh;      /* borrowed, or owned_mesh */
+    ts_mesh *owned_mesh;
+    ts_comm *pg;        /* the shard group */
+    ts_comm *rg;        /* HSDP: the replicate group (NULL otherwise) */
+    int W, rank;
+    int64_t shard_numel, numel, local_numel;
+    ts_tensor *sharded;  /* 1-d, shard_numel */
+    fsdp_sharded_state sharded_state;
+    ts_tensor *ag_buf;   /* W * shard_numel while unsharding */
+    ts_request *ag_req;
+    ts_tensor *rs_in, *rs_out;
+    ts_request *rs_req;
+    ts_reshard_policy policy; /* resolved at lazy init (AUTO -> TRUE / FALSE) */
+    ts_reshard_policy user_policy;
+    int every_n, fwd_since_reshard;
+    int n_states;          /* modules sharing the group */
+    int ran_forward;       /* distinct modules of the group run in this forward */
+    fsdp_training_state training; /* IDLE, FORWARD, PRE_BACKWARD or POST_BACKWARD */
+    char fqn[FQN_MAX];
+};
+
+struct fsdp_state {
+    atomic_int refs;
+    ts_module *module;  /* NULL once the module was freed */
+    const ts_module_vtable *orig_vt;
+    fsdp_group *group;  /* retained; NULL when the call took no parameter */
+    fsdp_ctx *ctx;      /* the root's (borrowed; owned by the root: ctx->root == this) */
+    char fqn[FQN_MAX];
+    bool *method_wrapped; /* per named method of orig_vt: wrapped by ts_fsdp_register_forward_method */
+    bool ran;           /* ran forward in this iteration (grouped calls count modules once) */
+    int index;          /* its place among the modules of its call */
+    fsdp_state **fwd_prefetch, **bwd_prefetch; /* explicit lists (retained) */
+    int n_fwd_prefetch, n_bwd_prefetch;
+    bool explicit_fwd, explicit_bwd;
+};
+
+struct fsdp_ctx {
+    fsdp_state *root;
+    fsdp_state **states; /* pre-order, retained */
+    int n_states, cap_states;
+    fsdp_group **post_fwd; /* this iteration's post-forward order (multiplicity) */
+    int n_post_fwd, cap_post_fwd;
+    fsdp_group **fwd_order, **prev_fwd_order; /* pre-forward order: this and last iteration */
+    int n_fwd_order, cap_fwd_order, n_prev_fwd_order, cap_prev_fwd_order;
+    int fwd_pos;            /* next position in prev_fwd_order */
+    fsdp_state *iter_root;  /* the state whose forward started this iteration */
+    fsdp_group *rs_pending; /* the reduce-scatter in flight */
+    bool final_queued;
+    fsdp_training_state training; /* IDLE, or PRE_BACKWARD from a backward's first marker to its end */
+    bool implicit_fwd, implicit_bwd;
+};
+
+/* ------------------------------------------------------------------ */
+/* Collecting what a call manages (fully_shard.c)                     */
+/* ------------------------------------------------------------------ */
+
+typedef struct pcand {
+    ts_tensor *t;       /* the parameter tensor */
+    ts_tensor ***slots;
+    int *owners;        /* per slot: the index of the module in the call */
+    int n_slots, cap_slots, cap_owners;
+    char fqn[FQN_MAX];  /* first name */
+} pcand;
+
+typedef struct collect {
+    pcand *c;
+    int n, cap;
+    ts_module **seen;   /* modules visited (each once) */
+    int n_seen, cap_seen;
+    const ts_fsdp_options *o;
+    char prefix[FQN_MAX];
+    int top;            /* the index of the module being walked in the call */
+} collect;
+
+/* ------------------------------------------------------------------ */
+/* Shared functions                                                   */
+/* ------------------------------------------------------------------ */
+
+/* fully_shard.c: events, the registries, growing arrays */
+void ts__fsdp_event(const char *what, const char *fqn);
+void ts__fsdp_trace_hook(uint64_t t0, const char *name, const char *fqn, const fsdp_group *g);
+/* Writes into other (cap bytes) the name of the group parameter t was
+ * replaced by and returns true when an FSDP group already manages t. */
+bool ts__fsdp_reg_owner(const ts_tensor *t, char *other, size_t cap);
+void ts__fsdp_reg_drop_group(fsdp_group *g);
+void ts__fsdp_ign_drop_state(const fsdp_state *s);
+bool ts__fsdp_grow(void **arr, int *cap, int need, size_t elem);
+
+/* state.c: the FSDP vtables, states, lazy init */
+ts_status ts__fsdp_vtable(const ts_module_vtable *orig, const ts_module_vtable **out);
+fsdp_state *ts__fsdp_state_of(const ts_module *m);
+fsdp_state *ts__fsdp_state_retain(fsdp_state *s);
+void ts__fsdp_state_release(fsdp_state *s);
+ts_status ts__fsdp_lazy_init(fsdp_state *st);
+
+/* param_group.c: one group's lifecycle */
+ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *o, int n_states, fsdp_group **out);
+void ts__fsdp_group_free(fsdp_group *g);
+fsdp_group *ts__fsdp_group_retain(fsdp_group *g);
+void ts__fsdp_group_release(fsdp_group *g);
+ts_status ts__fsdp_unshard(fsdp_group *g);
+ts_status ts__fsdp_wait_unshard(fsdp_group *g);
+ts_status ts__fsdp_reshard(fsdp_group *g);
+ts_status ts__fsdp_finish_reduce(fsdp_group *g);
+void ts__fsdp_discard_reduce(fsdp_group *g);
+ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g);
+
+/* param.c: one parameter's geometry and copies */
+ts_status ts__fsdp_param_init(fsdp_param *p, const fsdp_group *g, const ts_tensor *t, const char *fqn);
+ts_status ts__fsdp_param_make_shard(fsdp_param *p, fsdp_group *g, ts_tensor *t);
+void ts__fsdp_param_fini(fsdp_param *p);
+void ts__fsdp_swap_slot(ts_tensor **slot, ts_tensor *t);
+void ts__fsdp_param_set_slots(fsdp_param *p, bool unsharded);
+ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsigned char *ag);
+ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned char *in, ts_tensor *gr);
+void ts__fsdp_param_write_back(fsdp_param *p, const fsdp_group *g);
+ts_status ts__fsdp_param_load_rows(fsdp_param *p, const fsdp_group *g, ts_tensor *src);
+
+/* explicit.c: the distinct groups of a subtree's FSDP modules, pre-order */
+typedef struct groups_walk {
+    fsdp_group **g;
+    int n, cap;
+} groups_walk;
+
+ts_status ts__fsdp_subtree_groups(ts_module *m, groups_walk *w);
+/* The groups of m's subtree (w->g owned by the caller), or TS_ERR_STATE
+ * (naming fn) when called inside a forward or backward of one of them. */
+ts_status ts__fsdp_idle_groups(const char *fn, ts_module *m, groups_walk *w);
+
+/* state_dict.c */
+fsdp_param *ts__fsdp_find_param(groups_walk *w, const ts_tensor *t, fsdp_group **g_out);
+
+/* summary.c */
+int ts__fsdp_extra_repr(const ts_module *m, char *buf, size_t cap);
+
+#endif

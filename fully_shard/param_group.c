@@ -1,0 +1,362 @@
+/*
+ * One FSDP parameter group's lifecycle (PyTorch's _fsdp_param_group.py):
+ * building it from a call's parameters (the sharded buffer, the mesh's shard
+ * and replicate groups), its reference count, unshard (the all-gather),
+ * wait (copy-out into the unsharded parameters), reshard, and the gradient
+ * reduction: post-backward packs the unsharded gradients and issues the
+ * reduce-scatter (and HSDP's all-reduce), whose result is added into the
+ * shards' gradients.
+ */
+#include "fully_shard/internal.h"
+
+#include "comm/comm.h"
+#include "tensor/internal.h"
+
+#include <string.h>
+
+/* ------------------------------------------------------------------ */
+/* Reference counts                                                   */
+/* ------------------------------------------------------------------ */
+
+void ts__fsdp_group_free(fsdp_group *g)
+{
+    ts__fsdp_reg_drop_group(g);
+    if (g->ag_req) {
+        (void)ts_request_wait(g->ag_req);
+        ts_request_free(g->ag_req);
+    }
+    if (g->rs_req) {
+        (void)ts_request_wait(g->rs_req);
+        ts_request_free(g->rs_req);
+    }
+    ts_tensor_free(g->ag_buf);
+    ts_tensor_free(g->rs_in);
+    ts_tensor_free(g->rs_out);
+    for (int i = 0; i < g->n; i++) ts__fsdp_param_fini(&g->params[i]);
+    ts__free(TS_MEM_NN, g->params);
+    ts_tensor_free(g->sharded);
+    ts_mesh_free(g->owned_mesh);
+    ts__free(TS_MEM_NN, g);
+}
+
+fsdp_group *ts__fsdp_group_retain(fsdp_group *g)
+{
+    if (g) atomic_fetch_add(&g->refs, 1);
+    return g;
+}
+
+void ts__fsdp_group_release(fsdp_group *g)
+{
+    if (g && atomic_fetch_sub(&g->refs, 1) == 1) ts__fsdp_group_free(g);
+}
+
+/* ------------------------------------------------------------------ */
+/* Building a group                                                   */
+/* ------------------------------------------------------------------ */
+
+static bool is_float(ts_dtype d) { return d == TS_F32 || d == TS_F64 || d == TS_BF16 || d == TS_F16; }
+
+/* Builds the group of the collected parameters (nothing changes on
+ * error). */
+ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *o, int n_states, fsdp_group **out)
+{
+    fsdp_group *g = ts__calloc(TS_MEM_NN, 1, sizeof *g);
+    if (!g) return TS_ERR_NO_MEMORY;
+    atomic_init(&g->refs, 1);
+    g->user_policy = o->reshard_after_forward;
+    g->every_n = o->reshard_every_n;
+    g->n_states = n_states;
+    ts_status st = TS_OK;
+    if (o->mesh) {
+        g->mesh = o->mesh;
+    } else {
+        ts_comm *w = ts_dist_world();
+        int64_t shape[1] = {ts_comm_size(w)};
+        const char *names[1] = {"dp"};
+        if ((st = ts_mesh_new(w, "cpu", 1, shape, names, &g->owned_mesh))) goto fail;
+        g->mesh = g->owned_mesh;
+    }
+    if (ts_mesh_ndim(g->mesh) == 1) {
+        g->pg = ts_mesh_group(g->mesh, NULL);
+    } else {
+        g->pg = ts_mesh_group(g->mesh, ts_mesh_dim_name(g->mesh, 1));
+        g->rg = ts_mesh_group(g->mesh, ts_mesh_dim_name(g->mesh, 0));
+    }
+    if (!g->pg || (ts_mesh_ndim(g->mesh) == 2 && !g->rg)) {
+        st = ts_error(TS_ERR_INTERNAL, "%s: the mesh has no group for this rank", fn);
+        goto fail;
+    }
+    g->W = ts_comm_size(g->pg);
+    g->rank = ts_comm_rank(g->pg);
+    g->n = c->n;
+    if (c->n) {
+        g->params = ts__calloc(TS_MEM_NN, (size_t)c->n, sizeof *g->params);
+        if (!g->params) {
+            st = TS_ERR_NO_MEMORY;
+            goto fail;
+        }
+    }
+    /* geometry and checks */
+    for (int i = 0; i < c->n; i++) {
+        ts_tensor *t = c->c[i].t;
+        fsdp_param *p = &g->params[i];
+        char other[FQN_MAX] = "";
+        if (ts__fsdp_reg_owner(t, other, sizeof other) || ts_tensor_is_shard(t)) {
+            st = ts_error(TS_ERR_INVALID_ARGUMENT,
+                          "%s: parameter '%s' is shared with a parameter already managed by another FSDP group%s%s%s; "
+                          "for shared (tied) parameters, shard the modules that use it in one call "
+                          "(ts_fully_shard_group) so that they form one group",
+                          fn, c->c[i].fqn, *other ? " ('" : "", other, *other ? "')" : "");
+            goto fail;
+        }
+        if (ts_tensor_ndim(t) < 1) {
+            st = ts_error(TS_ERR_INVALID_ARGUMENT,
+                          "%s: fully_shard does not support 0-d parameters; make '%s' a 1-d tensor of one element", fn,
+                          c->c[i].fqn);
+            goto fail;
+        }
+        if (!is_float(ts_tensor_dtype(t))) {
+            st = ts_error(TS_ERR_DTYPE, "%s: parameter '%s' is %s; only floating-point parameters can be sharded", fn,
+                          c->c[i].fqn, ts_dtype_name(ts_tensor_dtype(t)));
+            goto fail;
+        }
+        if (i > 0 && ts_tensor_dtype(t) != g->dtype) {
+            st = ts_error(TS_ERR_DTYPE, "%s: one group needs one dtype: '%s' is %s, '%s' is %s", fn, c->c[0].fqn,
+                          ts_dtype_name(g->dtype), c->c[i].fqn, ts_dtype_name(ts_tensor_dtype(t)));
+            goto fail;
+        }
+        if (!ts_tensor_data(t) && ts_tensor_numel(t) > 0) {
+            st = ts_error(TS_ERR_RELEASED, "%s: the storage of parameter '%s' is released", fn, c->c[i].fqn);
+            goto fail;
+        }
+        g->dtype = ts_tensor_dtype(t);
+        if ((st = ts__fsdp_param_init(p, g, t, c->c[i].fqn))) goto fail;
+        g->shard_numel += p->c * p->row_numel;
+        g->numel += p->numel;
+        g->local_numel += p->local_rows * p->row_numel;
+    }
+    g->es = c->n ? ts_dtype_size(g->dtype) : 4;
+    /* the sharded buffer, zero padded, and the shards as views of it */
+    int64_t sn = g->shard_numel;
+    if ((st = ts_tensor_zeros(c->n ? g->dtype : TS_F32, 1, &sn, &g->sharded))) goto fail;
+    bool prev = ts_grad_mode_set(false);
+    for (int i = 0; i < c->n && !st; i++) st = ts__fsdp_param_make_shard(&g->params[i], g, c->c[i].t);
+    ts_grad_mode_set(prev);
+    if (st) goto fail;
+    *out = g;
+    return TS_OK;
+fail:
+    ts__fsdp_group_free(g);
+    return st;
+}
+
+/* ------------------------------------------------------------------ */
+/* Unshard, reshard                                                   */
+/* ------------------------------------------------------------------ */
+
+static void set_slots(fsdp_group *g, bool unsharded)
+{
+    for (int i = 0; i < g->n; i++) ts__fsdp_param_set_slots(&g->params[i], unsharded);
+}
+
+/* Issues the group's all-gather (no-op unless sharded). */
+ts_status ts__fsdp_unshard(fsdp_group *g)
+{
+    if (!g || g->sharded_state != FSDP_SHARDED) return TS_OK;
+    ts__fsdp_event("unshard", g->fqn);
+    int64_t n = g->shard_numel * g->W;
+    ts_status st = ts_tensor_empty(g->dtype, 1, &n, &g->ag_buf);
+    if (st) return st;
+    if ((st = ts_all_gather_into_tensor(g->pg, g->ag_buf, g->sharded, &g->ag_req))) {
+        ts_tensor_free(g->ag_buf);
+        g->ag_buf = NULL;
+        return st;
+    }
+    g->sharded_state = FSDP_UNSHARDING;
+    return TS_OK;
+}
+
+/* Waits for the all-gather and copies each parameter's rows out into its
+ * unsharded tensor, which then fills the slots. */
+ts_status ts__fsdp_wait_unshard(fsdp_group *g)
+{
+    if (!g || g->sharded_state != FSDP_UNSHARDING) return TS_OK;
+    TS_TRACE_BEGIN(tw);
+    ts_status st = ts_request_wait(g->ag_req);
+    TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
+    ts_request_free(g->ag_req);
+    g->ag_req = NULL;
+    TS_TRACE_BEGIN(tc);
+    if (!st) {
+        const unsigned char *ag = ts_tensor_data(g->ag_buf);
+        for (int i = 0; i < g->n && !st; i++) st = ts__fsdp_param_copy_out(&g->params[i], g, ag);
+    }
+    ts_tensor_free(g->ag_buf);
+    g->ag_buf = NULL;
+    TS_TRACE_END(tc, "fsdp.copy_out", "copy");
+    if (st) {
+        for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
+        g->sharded_state = FSDP_SHARDED;
+        return st;
+    }
+    g->sharded_state = FSDP_UNSHARDED;
+    set_slots(g, true);
+    return TS_OK;
+}
+
+/* Frees the unsharded parameters; the shards go back into the slots. */
+ts_status ts__fsdp_reshard(fsdp_group *g)
+{
+    if (!g || g->sharded_state == FSDP_SHARDED) return TS_OK;
+    ts_status st = TS_OK;
+    if (g->sharded_state == FSDP_UNSHARDING) st = ts__fsdp_wait_unshard(g);
+    if (g->sharded_state != FSDP_UNSHARDED) return st;
+    ts__fsdp_event("reshard", g->fqn);
+    set_slots(g, false);
+    for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
+    g->sharded_state = FSDP_SHARDED;
+    g->fwd_since_reshard = 0;
+    return st;
+}
+
+/* ------------------------------------------------------------------ */
+/* Gradient reduction                                                 */
+/* ------------------------------------------------------------------ */
+
+static void add_into(void *dst, const void *src, int64_t n, ts_dtype d)
+{
+    switch (d) {
+    case TS_F32: {
+        float *a = dst;
+        const float *b = src;
+        for (int64_t i = 0; i < n; i++) a[i] += b[i];
+        break;
+    }
+    case TS_F64: {
+        double *a = dst;
+        const double *b = src;
+        for (int64_t i = 0; i < n; i++) a[i] += b[i];
+        break;
+    }
+    case TS_BF16: {
+        uint16_t *a = dst;
+        const uint16_t *b = src;
+        for (int64_t i = 0; i < n; i++) a[i] = ts_f32_to_bf16(ts_bf16_to_f32(a[i]) + ts_bf16_to_f32(b[i]));
+        break;
+    }
+    case TS_F16: {
+        uint16_t *a = dst;
+        const uint16_t *b = src;
+        for (int64_t i = 0; i < n; i++) a[i] = ts_f32_to_f16(ts_f16_to_f32(a[i]) + ts_f16_to_f32(b[i]));
+        break;
+    }
+    default: break;
+    }
+}
+
+/* Waits for the group's reduce-scatter (and HSDP all-reduce) and adds each
+ * parameter's segment into its shard's gradient. */
+ts_status ts__fsdp_finish_reduce(fsdp_group *g)
+{
+    if (!g || !g->rs_req) return TS_OK;
+    TS_TRACE_BEGIN(tw);
+    ts_status st = ts_request_wait(g->rs_req);
+    ts_request_free(g->rs_req);
+    g->rs_req = NULL;
+    if (!st && g->rg && ts_comm_size(g->rg) > 1) st = ts_all_reduce(g->rg, g->rs_out, TS_REDUCE_AVG, NULL);
+    TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
+    TS_TRACE_BEGIN(ta);
+    const unsigned char *out = st ? NULL : ts_tensor_data(g->rs_out);
+    for (int i = 0; i < g->n && !st; i++) {
+        fsdp_param *p = &g->params[i];
+        if (!p->in_reduce) continue; /* no gradient flowed to it: it keeps none (or its own) */
+        p->in_reduce = false;
+        const unsigned char *seg = out + (size_t)p->off * g->es;
+        int64_t ln = p->local_rows * p->row_numel;
+        ts_tensor *gr = ts_tensor_grad(p->S);
+        if (gr && ts_tensor_is_contiguous(gr) && ts_tensor_data(gr)) {
+            add_into(ts_tensor_data(gr), seg, ln, g->dtype);
+        } else {
+            ts_tensor *ng = NULL;
+            const int64_t *sh = ts_tensor_shape(p->S);
+            if ((st = ts_tensor_from_data(g->dtype, p->ndim, sh, seg, &ng))) break;
+            if (gr) { /* a non-contiguous gradient the user set: add the old one */
+                ts_tensor *sum = NULL;
+                bool prev = ts_grad_mode_set(false);
+                st = ts_add(ng, gr, &sum);
+                ts_grad_mode_set(prev);
+                ts_tensor_free(ng);
+                if (st) break;
+                ng = sum;
+            }
+            st = ts_tensor_set_grad(p->S, ng);
+            ts_tensor_free(ng);
+        }
+    }
+    for (int i = 0; i < g->n; i++) g->params[i].in_reduce = false;
+    ts_tensor_free(g->rs_in);
+    ts_tensor_free(g->rs_out);
+    g->rs_in = g->rs_out = NULL;
+    TS_TRACE_END(ta, "fsdp.grad_into_shards", "copy");
+    return st;
+}
+
+/* Drops a reduction without applying it (after a failed backward). */
+void ts__fsdp_discard_reduce(fsdp_group *g)
+{
+    if (g->rs_req) {
+        (void)ts_request_wait(g->rs_req);
+        ts_request_free(g->rs_req);
+        g->rs_req = NULL;
+    }
+    for (int i = 0; i < g->n; i++) g->params[i].in_reduce = false;
+    ts_tensor_free(g->rs_in);
+    ts_tensor_free(g->rs_out);
+    g->rs_in = g->rs_out = NULL;
+}
+
+/* Post-backward of a group: packs the unsharded gradients (copy-in),
+ * drops them, reshards, and issues the reduce-scatter, keeping one in
+ * flight per root (the previous one is finished first). */
+ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
+{
+    bool any = false;
+    for (int i = 0; i < g->n; i++)
+        if (g->params[i].requires_grad && ts_tensor_grad(g->params[i].U)) any = true;
+    if (!any) return ts__fsdp_reshard(g);
+    TS_TRACE_BEGIN(t_hook);
+    ts_status st = TS_OK;
+    if (ctx && ctx->rs_pending) {
+        st = ts__fsdp_finish_reduce(ctx->rs_pending);
+        ctx->rs_pending = NULL;
+        if (st) return st;
+    }
+    if (g->rs_req && (st = ts__fsdp_finish_reduce(g))) return st;
+    ts__fsdp_event("post_backward", g->fqn);
+    TS_TRACE_BEGIN(tp);
+    int64_t n_in = g->shard_numel * g->W, n_out = g->shard_numel;
+    if ((st = ts_tensor_empty(g->dtype, 1, &n_in, &g->rs_in)) || (st = ts_tensor_empty(g->dtype, 1, &n_out, &g->rs_out))) {
+        ts__fsdp_discard_reduce(g);
+        return st;
+    }
+    unsigned char *in = ts_tensor_data(g->rs_in);
+    for (int i = 0; i < g->n && !st; i++) {
+        fsdp_param *p = &g->params[i];
+        ts_tensor *gr = p->requires_grad ? ts_tensor_grad(p->U) : NULL;
+        p->in_reduce = gr != NULL;
+        if ((st = ts__fsdp_param_pack_grad(p, g, in, gr))) break;
+        if (gr) (void)ts_tensor_set_grad(p->U, NULL);
+    }
+    TS_TRACE_END(tp, "fsdp.pack_grads", "copy");
+    if (!st) st = ts__fsdp_reshard(g);
+    if (!st) st = ts_reduce_scatter_tensor(g->pg, g->rs_out, g->rs_in, TS_REDUCE_AVG, 1.0, 1.0, &g->rs_req);
+    if (st) {
+        ts__fsdp_discard_reduce(g);
+        return st;
+    }
+    g->training = FSDP_POST_BACKWARD;
+    if (ctx) ctx->rs_pending = g;
+    else st = ts__fsdp_finish_reduce(g);
+    ts__fsdp_trace_hook(t_hook, "fsdp.post_backward", g->fqn, g);
+    return st;
+}

@@ -1,0 +1,246 @@
+/*
+ * Describing the sharding: the FSDP vtable's extra_repr (the line
+ * ts_module_print shows for an FSDP module) and ts_fsdp_summary, per group
+ * and per parameter: full, local and padded shapes, bytes per rank.
+ */
+#define _GNU_SOURCE
+#include "fully_shard/internal.h"
+
+#include "comm/comm.h"
+#include "nn/internal.h"
+#include "tensor/internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* is_root < 0: not known yet (before the first forward, for print) */
+static void policy_str(const fsdp_group *g, bool resolved, int is_root, char *buf, size_t cap)
+{
+    ts_reshard_policy p = resolved ? g->policy : g->user_policy;
+    const char *note = "";
+    if (!resolved && p == TS_RESHARD_AUTO && is_root < 0) {
+        snprintf(buf, cap, "auto (false for the root, true for the others)");
+        return;
+    }
+    if (!resolved && p == TS_RESHARD_AUTO) {
+        p = is_root ? TS_RESHARD_FALSE : TS_RESHARD_TRUE;
+        note = is_root ? " (auto: the root keeps its parameters)" : " (auto)";
+    }
+    if (p == TS_RESHARD_EVERY_N && g->every_n == 1) p = TS_RESHARD_TRUE;
+    switch (p) {
+    case TS_RESHARD_FALSE: snprintf(buf, cap, "false%s", note); break;
+    case TS_RESHARD_EVERY_N: snprintf(buf, cap, "every %d forwards%s", g->every_n, note); break;
+    case TS_RESHARD_AUTO: snprintf(buf, cap, "auto"); break;
+    default: snprintf(buf, cap, "true%s", note); break;
+    }
+}
+
+static void mesh_str(const ts_mesh *mesh, char *buf, size_t cap)
+{
+    size_t n = 0;
+    buf[0] = '\0';
+    for (int d = 0; d < ts_mesh_ndim(mesh) && n < cap; d++) {
+        int k = snprintf(buf + n, cap - n, "%s%s=%lld", d ? ", " : "(", ts_mesh_dim_name(mesh, d),
+                         (long long)ts_mesh_dim_size(mesh, d));
+        n += k > 0 ? (size_t)k : 0;
+    }
+    if (n < cap) snprintf(buf + n, cap - n, ")");
+}
+
+static void bytes_str(double b, char *buf, size_t cap)
+{
+    if (b < 1024) snprintf(buf, cap, "%.0f B", b);
+    else if (b < 1024.0 * 1024) snprintf(buf, cap, "%.1f KiB", b / 1024);
+    else if (b < 1024.0 * 1024 * 1024) snprintf(buf, cap, "%.1f MiB", b / (1024.0 * 1024));
+    else snprintf(buf, cap, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+}
+
+/* The FSDP vtable's extra_repr: the original's, then this module's group. */
+int ts__fsdp_extra_repr(const ts_module *m, char *buf, size_t cap)
+{
+    const fsdp_state *s = m->ext;
+    char own[512] = "";
+    if (s->orig_vt->extra_repr && s->orig_vt->extra_repr(m, own, sizeof own) < 0) own[0] = '\0';
+    const char *sep = own[0] ? "; " : "";
+    const fsdp_group *g = s->group;
+    if (!g) return snprintf(buf, cap, "%s%sFSDP: no parameters of its own", own, sep);
+    char pol[96], mesh[128];
+    policy_str(g, s->ctx != NULL, s->ctx ? s->ctx->root == s : -1, pol, sizeof pol);
+    mesh_str(g->mesh, mesh, sizeof mesh);
+    char shared[64] = "";
+    if (g->n_states > 1) snprintf(shared, sizeof shared, ", shared by %d modules", g->n_states);
+    return snprintf(buf, cap,
+                    "%s%sFSDP: %d param%s, %lld elements, %lld per rank + %lld padding in all, mesh %s, reshard "
+                    "after forward: %s%s",
+                    own, sep, g->n, g->n == 1 ? "" : "s", (long long)g->numel, (long long)g->shard_numel,
+                    (long long)(g->shard_numel * g->W - g->numel), mesh, pol, shared);
+}
+
+/* The FSDP modules of a subtree and their names, in pre-order. */
+typedef struct summary_walk {
+    fsdp_state **s;
+    char **fqn;
+    int n, cap_s, cap_fqn;
+} summary_walk;
+
+static ts_status summary_each(void *vc, const char *fqn, ts_module *m)
+{
+    summary_walk *w = vc;
+    fsdp_state *s = ts__fsdp_state_of(m);
+    if (!s) return TS_OK;
+    if (!ts__fsdp_grow((void **)&w->s, &w->cap_s, w->n + 1, sizeof *w->s) ||
+        !ts__fsdp_grow((void **)&w->fqn, &w->cap_fqn, w->n + 1, sizeof *w->fqn))
+        return TS_ERR_NO_MEMORY;
+    if (!(w->fqn[w->n] = ts__strdup(TS_MEM_NN, fqn))) return TS_ERR_NO_MEMORY;
+    w->s[w->n++] = s;
+    return TS_OK;
+}
+
+static void summary_walk_free(summary_walk *w)
+{
+    for (int i = 0; i < w->n; i++) ts__free(TS_MEM_NN, w->fqn[i]);
+    ts__free(TS_MEM_NN, w->fqn);
+    ts__free(TS_MEM_NN, w->s);
+}
+
+static const char *param_name(const ts_named_params *np, const fsdp_param *p)
+{
+    for (int i = 0; i < np->n; i++)
+        if (*np->items[i].slot == p->S || *np->items[i].slot == p->U) return np->items[i].name;
+    return p->fqn;
+}
+
+static ts_status write_summary(ts_module *module, FILE *f)
+{
+    summary_walk w = {0};
+    ts_named_params np = {0}, nb = {0};
+    groups_walk gw = {0};
+    ts_status st = ts_module_named_modules(module, summary_each, &w);
+    if (!st) st = ts__fsdp_subtree_groups(module, &gw);
+    if (!st) st = ts_module_named_parameters(module, &np);
+    if (!st) st = ts_module_named_buffers(module, &nb);
+    if (st) goto done;
+    int rank = gw.n ? ts_comm_rank(gw.g[0]->pg) : 0;
+    int64_t total = 0;
+    for (int i = 0; i < np.n; i++) { /* full sizes: a shard counts as its whole parameter */
+        const fsdp_param *p = ts__fsdp_find_param(&gw, *np.items[i].slot, NULL);
+        total += p ? p->numel : ts_tensor_numel(*np.items[i].slot);
+    }
+    char mesh[128] = "(none)";
+    if (gw.n) mesh_str(gw.g[0]->mesh, mesh, sizeof mesh);
+    fprintf(f, "FSDP summary of %s (rank %d of mesh %s): %d FSDP module%s, %d group%s, %d parameter%s (%lld elements)\n",
+            ts_module_type_name(module), rank, mesh, w.n, w.n == 1 ? "" : "s", gw.n, gw.n == 1 ? "" : "s", np.n,
+            np.n == 1 ? "" : "s", (long long)total);
+    double rank_bytes = 0;
+    int in_groups = 0;
+    for (int i = 0; i < gw.n; i++) {
+        const fsdp_group *g = gw.g[i];
+        char names[FQN_MAX] = "";
+        const char *type = "";
+        bool root = false, resolved = false;
+        for (int k = 0; k < w.n; k++) {
+            if (w.s[k]->group != g) continue;
+            size_t l = strlen(names);
+            snprintf(names + l, sizeof names - l, "%s'%s'", l ? ", " : "", w.fqn[k]);
+            if (!*type) type = ts_module_type_name(w.s[k]->module);
+            if (w.s[k]->ctx) resolved = true;
+            if (w.s[k]->module == module || (w.s[k]->ctx && w.s[k]->ctx->root == w.s[k])) root = true;
+        }
+        char pol[96], gm[128], b1[32], b2[32];
+        policy_str(g, resolved, root, pol, sizeof pol);
+        mesh_str(g->mesh, gm, sizeof gm);
+        int64_t pad_all = g->shard_numel * g->W - g->numel;
+        bytes_str((double)g->shard_numel * (double)g->es, b1, sizeof b1);
+        bytes_str((double)g->shard_numel * (double)g->W * (double)g->es, b2, sizeof b2);
+        rank_bytes += (double)g->shard_numel * (double)g->es;
+        in_groups += g->n;
+        fprintf(f, "group %s (%s): %d param%s, %lld elements, %s, mesh %s, reshard after forward: %s\n", names, type,
+                g->n, g->n == 1 ? "" : "s", (long long)g->numel, ts_dtype_name(g->dtype), gm, pol);
+        fprintf(f, "  per rank: %lld elements (%lld of them padding on this rank, %lld over all ranks), %s sharded; "
+                   "%s while unsharded\n",
+                (long long)g->shard_numel, (long long)(g->shard_numel - g->local_numel), (long long)pad_all, b1, b2);
+        fprintf(f, "  %-40s %-16s %-16s %-16s %s\n", "parameter", "full", "local shard", "padded shard", "padding");
+        for (int k = 0; k < g->n; k++) {
+            const fsdp_param *p = &g->params[k];
+            char full[96], local[96], padded[96];
+            int64_t sh[TS_MAX_DIMS];
+            memcpy(sh, p->shape, sizeof sh);
+            ts__shape_str(p->ndim, p->shape, full, sizeof full);
+            sh[0] = p->local_rows;
+            ts__shape_str(p->ndim, sh, local, sizeof local);
+            sh[0] = p->c;
+            ts__shape_str(p->ndim, sh, padded, sizeof padded);
+            fprintf(f, "  %-40s %-16s %-16s %-16s %lld\n", param_name(&np, p), full, local, padded,
+                    (long long)((p->c - p->local_rows) * p->row_numel));
+        }
+    }
+    /* parameters outside every group: replicated, whole, on every rank */
+    int n_out = 0;
+    int64_t out_numel = 0;
+    double out_bytes = 0;
+    for (int i = 0; i < np.n; i++) {
+        ts_tensor *t = *np.items[i].slot;
+        if (ts__fsdp_find_param(&gw, t, NULL)) continue;
+        n_out++;
+        out_numel += ts_tensor_numel(t);
+        out_bytes += (double)ts_tensor_numel(t) * (double)ts_dtype_size(ts_tensor_dtype(t));
+    }
+    char b[32];
+    bytes_str(out_bytes, b, sizeof b);
+    fprintf(f, "outside every group (not sharded, whole on every rank): %d parameter%s, %lld elements, %s%s", n_out,
+            n_out == 1 ? "" : "s", (long long)out_numel, b, n_out ? ":" : "");
+    for (int i = 0, k = 0; i < np.n && k < 8; i++)
+        if (!ts__fsdp_find_param(&gw, *np.items[i].slot, NULL)) fprintf(f, " %s", np.items[i].name), k++;
+    fprintf(f, "%s\n", n_out > 8 ? " ..." : "");
+    double buf_bytes = 0;
+    for (int i = 0; i < nb.n; i++)
+        buf_bytes += (double)ts_tensor_numel(*nb.items[i].slot) * (double)ts_dtype_size(ts_tensor_dtype(*nb.items[i].slot));
+    bytes_str(buf_bytes, b, sizeof b);
+    fprintf(f, "buffers (never sharded, whole on every rank): %d, %s\n", nb.n, b);
+    char rb[32];
+    bytes_str(rank_bytes + out_bytes + buf_bytes, rb, sizeof rb);
+    fprintf(f, "this rank holds %s of parameters and buffers (%d parameters in groups, %d outside)\n", rb, in_groups,
+            n_out);
+    if (ferror(f)) st = ts_error(TS_ERR_IO, "ts_fsdp_summary: writing the summary failed");
+done:
+    summary_walk_free(&w);
+    ts__free(TS_MEM_NN, gw.g);
+    ts_named_params_free(&np);
+    ts_named_params_free(&nb);
+    return st;
+}
+
+ts_status ts_fsdp_summary(ts_module *module, FILE *f)
+{
+    if (!module || !f)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_summary: NULL %s", module ? "FILE" : "module");
+    ts_status st = write_summary(module, f);
+    /* flushed, so that a full disk or a closed pipe is this call's error */
+    if (!st && (fflush(f) != 0 || ferror(f)))
+        st = ts_error(TS_ERR_IO, "ts_fsdp_summary: writing failed: %s", strerror(errno));
+    return st;
+}
+
+ts_status ts_fsdp_summary_str(ts_module *module, char *buf, size_t cap, size_t *len_out)
+{
+    if (!module || !len_out || (cap && !buf))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_summary_str: NULL argument");
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) return ts_error(TS_ERR_NO_MEMORY, "ts_fsdp_summary_str: open_memstream failed");
+    ts_status st = write_summary(module, f);
+    if (fclose(f) && !st) st = ts_error(TS_ERR_NO_MEMORY, "ts_fsdp_summary_str: out of memory");
+    if (!st) {
+        if (cap) {
+            size_t n = len < cap - 1 ? len : cap - 1;
+            memcpy(buf, text, n);
+            buf[n] = '\0';
+        }
+        *len_out = len;
+    }
+    free(text);
+    return st;
+}
