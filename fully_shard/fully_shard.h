@@ -104,9 +104,14 @@ typedef enum ts_reshard_policy {
  *   - cast_forward_inputs: floating inputs of the module's forward are cast
  *     to param_dtype before it (when param_dtype is set).
  * A dtype equal to the one it would replace (param_dtype equal to the
- * parameter's dtype, reduce_dtype equal to param_dtype) adds no cast,
- * decided at the group's first forward as FSDP2's lazy init; integer
- * tensors are never cast. Buffers are never cast (FSDP2). */
+ * parameter's dtype, reduce_dtype equal to param_dtype) adds no cast
+ * (decided when fully_shard builds the group: a group's dtypes cannot
+ * change afterwards); integer tensors (token ids) are never cast, and a
+ * group's parameters are all floating. Buffers are never cast (FSDP2).
+ * ts_fsdp_full_state_dict gathers the shards in their own dtype (the
+ * float32 masters, not param_dtype); ts_fsdp_summon_full_params gives
+ * the unsharded parameters in param_dtype and refuses writeback when they
+ * differ from the shards' dtype (it would round the masters). */
 
 /* The value of a ts_mp_policy dtype field that means "keep" (PyTorch's
  * None): no cast. Not a dtype of any tensor. */
@@ -165,7 +170,9 @@ TS_API ts_fsdp_options ts_fsdp_options_default(void);
  * 0-d parameter, a parameter already managed by another group (a tied
  * weight sharded in a separate call: shard the modules together with
  * ts_fully_shard_group), parameters of different dtypes in one group;
- * TS_ERR_UNSUPPORTED for a policy; TS_ERR_NO_MEMORY. */
+ * ts_mp_policy_check's errors for a bad mp_policy (TS_ERR_DTYPE for an
+ * integer dtype, TS_ERR_INVALID_ARGUMENT for a value that is no dtype);
+ * TS_ERR_UNSUPPORTED for an offload policy; TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_fully_shard(ts_module *module, const ts_fsdp_options *options);
 /* Shards each of modules[0..n) with its own group, in order (seed 003's
  * list form): the same as n calls. Stops at the first error (earlier
@@ -275,7 +282,9 @@ TS_API ts_status ts_fsdp_reshard(ts_module *module);
  * ts_fsdp_summon_end. With writeback, the end copies each full parameter's
  * rows back into this rank's shard (so edits made while summoned are
  * kept; every rank should make the same edits). Not inside a forward or
- * backward (TS_ERR_STATE). The handle is owned by the caller; _end frees it. */
+ * backward (TS_ERR_STATE). Writeback on a group whose mixed-precision
+ * policy gathers in another dtype than its shards' is TS_ERR_UNSUPPORTED.
+ * The handle is owned by the caller; _end frees it. */
 typedef struct ts_fsdp_summon ts_fsdp_summon;
 TS_API ts_status ts_fsdp_summon_full_params(ts_module *module, bool writeback, ts_fsdp_summon **out);
 TS_API ts_status ts_fsdp_summon_end(ts_fsdp_summon *s);
