@@ -948,3 +948,41 @@ Test(fully_shard_examples, custom_module_alone_and_on_two_ranks, .timeout = 120)
     free(two);
     free(alone);
 }
+
+/* train_gpt's "bytes per step" line: the bytes all-gathered and
+ * reduce-scattered per step on rank 0. */
+static void gpt_bytes(const char *out, double *ag, double *rs)
+{
+    const char *l = strstr(out, "[0] bytes per step on rank 0: all-gathered ");
+    cr_assert(l, "no bytes line:\n%s", out);
+    const char *a = strchr(l, '('), *r = a ? strstr(a, "reduce-scattered ") : NULL;
+    cr_assert(a && r && sscanf(a, "(%lf bytes)", ag) == 1, "bytes line: %.200s", l);
+    r = strchr(r, '(');
+    cr_assert(r && sscanf(r, "(%lf bytes)", rs) == 1, "bytes line: %.200s", l);
+}
+
+/* --reduce-dtype bf16 halves the bytes reduce-scattered per step and keeps
+ * the all-gathered ones (float32 compute); a dtype that is not one of
+ * bf16, f16, f32 is refused with exit 2. */
+Test(fully_shard_examples, train_gpt_reduce_dtype, .timeout = 180)
+{
+    const char *a32[] = {"--steps", "2", "--layers", "1", "--dim", "32"};
+    char *out = run_example_args("train_gpt", 2, 6, a32);
+    double ag32, rs32, ag, rs;
+    gpt_bytes(out, &ag32, &rs32);
+    cr_assert(strstr(out, "param dtype float32, reduce dtype float32"), "%s", out);
+    free(out);
+    const char *a16[] = {"--steps", "2", "--layers", "1", "--dim", "32", "--reduce-dtype", "bf16"};
+    out = run_example_args("train_gpt", 2, 8, a16);
+    gpt_bytes(out, &ag, &rs);
+    cr_assert(strstr(out, "param dtype float32, reduce dtype bfloat16"), "%s", out);
+    cr_assert_eq(ag, ag32, "all-gathered %g, float32 %g", ag, ag32);
+    cr_assert_eq(rs * 2, rs32, "reduce-scattered %g, float32 %g", rs, rs32);
+    free(out);
+    const char *bad[] = {"--param-dtype", "f64"};
+    const char *want[] = {"--param-dtype 'f64' is not one of bf16, f16, f32", NULL};
+    expect_refused("train_gpt", 2, bad, want);
+    const char *bad2[] = {"--reduce-dtype", "int8"};
+    const char *want2[] = {"--reduce-dtype 'int8' is not one of bf16, f16, f32", NULL};
+    expect_refused("train_gpt", 2, bad2, want2);
+}
