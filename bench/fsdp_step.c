@@ -9,6 +9,11 @@
  *   fsdp       fully_shard (each block a group, then the root), implicit
  *              forward and backward prefetch on (the default);
  *   fsdp-nopf  the same with the implicit prefetch off;
+ *   fsdp-bf16  fsdp with ts_mp_policy param_dtype bfloat16, reduce_dtype
+ *              float32 (float32 master weights and AdamW; logits cast to
+ *              float32 for the loss), against fsdp: the step time ratio
+ *              and the bytes all-gathered and reduce-scattered per step
+ *              (the all-gathers carry exactly half the bytes);
  *   comm       the step's collectives run alone, back to back and blocking
  *              (2 all-gathers per block group, 1 for the root, which stays
  *              unsharded after forward, and 1 reduce-scatter per group):
@@ -40,8 +45,10 @@ typedef struct cfg {
     int steps, layers, dim, heads, seq, batch, vocab;
 } cfg;
 
-enum { LOCAL, FSDP, FSDP_NOPF, N_MODES };
-static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf"};
+enum { LOCAL, FSDP, FSDP_NOPF, FSDP_BF16, N_MODES };
+static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf", "fsdp-bf16"};
+/* per mode: bytes given to all-gathers and reduce-scatters per step (rank 0's counters) */
+static double g_ag_bytes[N_MODES], g_rs_bytes[N_MODES];
 
 static ts_module *build(const cfg *c, int mode)
 {
@@ -52,15 +59,20 @@ static ts_module *build(const cfg *c, int mode)
     ts_module *m;
     CHECK(ts_gpt_new(&g, &m));
     if (mode == LOCAL) return m;
+    ts_mp_policy mp = ts_mp_policy_default();
+    mp.param_dtype = TS_BF16;
+    mp.reduce_dtype = TS_F32;
+    ts_fsdp_options fo = ts_fsdp_options_default();
+    if (mode == FSDP_BF16) fo.mp_policy = &mp;
     for (int l = 0; l < c->layers; l++) {
         char name[32];
         ts_module *b;
         snprintf(name, sizeof name, "blocks.%d", l);
         CHECK(ts_module_get_submodule(m, name, &b));
-        CHECK(ts_fully_shard(b, NULL));
+        CHECK(ts_fully_shard(b, &fo));
     }
-    CHECK(ts_fully_shard(m, NULL));
-    CHECK(ts_fsdp_set_implicit_prefetch(m, mode == FSDP, mode == FSDP));
+    CHECK(ts_fully_shard(m, &fo));
+    CHECK(ts_fsdp_set_implicit_prefetch(m, mode != FSDP_NOPF, mode != FSDP_NOPF));
     return m;
 }
 
@@ -94,10 +106,17 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
     ts_comm *w = ts_dist_world();
     for (int s = -2; s < n; s++) {
         if (s == 0) ts_mem_reset_peak();
+        if (s == 0) ts_comm_stats_reset(w);
         CHECK(ts_barrier(w, NULL));
         double t0 = bench_now_s();
         ts_tensor *logits, *flat, *loss;
         CHECK(ts_module_call1(m, ids, &logits));
+        if (ts_tensor_dtype(logits) != TS_F32) { /* the loss in float32, as torchtitan's pred.float() */
+            ts_tensor *l32;
+            CHECK(ts_to_dtype(logits, TS_F32, &l32));
+            ts_tensor_free(logits);
+            logits = l32;
+        }
         CHECK(ts_reshape(logits, 2, fs, &flat));
         CHECK(ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss));
         CHECK(ts_backward(loss, NULL, false));
@@ -107,6 +126,10 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
         ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
     }
     *peak = ts_mem_peak_bytes(TS_MEM_STORAGE);
+    ts_comm_counters cc;
+    ts_comm_stats(w, &cc);
+    g_ag_bytes[mode] = (double)cc.bytes[TS_COLL_ALL_GATHER] / n;
+    g_rs_bytes[mode] = (double)cc.bytes[TS_COLL_REDUCE_SCATTER] / n;
     if (mode == FSDP && rank == 0) { /* where fully_shard's own time goes, per step (rank 0) */
         static const char *spans[] = {"fsdp.wait_all_gather", "fsdp.copy_out", "fsdp.pack_grads", "fsdp.wait_reduce",
                                       "fsdp.grad_into_shards"};
@@ -205,6 +228,14 @@ int main(int argc, char **argv)
         printf("comm alone (the step's collectives, blocking, back to back): %.2f ms\n", comm * 1e3);
         printf("exposed (fsdp - local): prefetch on %.2f ms (%.2f x comm alone), off %.2f ms (%.2f x comm alone)\n",
                exposed * 1e3, exposed / comm, exposed_nopf * 1e3, exposed_nopf / comm);
+        printf("%-10s %16s %16s\n", "mode", "all-gather B/step", "red-scatter B/step");
+        for (int m = FSDP; m < N_MODES; m++)
+            printf("%-10s %16.0f %16.0f\n", mode_names[m], g_ag_bytes[m], g_rs_bytes[m]);
+        printf("bf16 (f32 reduce) vs f32: step %.3f x (target <= 0.65 with AVX512-BF16, <= 1.05 AVX2 only), "
+               "all-gather bytes %.4f x (target 0.5), reduce-scatter bytes %.4f x, peak storage %.3f x; CPU: %s\n",
+               t[FSDP_BF16] / t[FSDP], g_ag_bytes[FSDP_BF16] / g_ag_bytes[FSDP],
+               g_rs_bytes[FSDP_BF16] / g_rs_bytes[FSDP], (double)peak[FSDP_BF16] / (double)peak[FSDP],
+               __builtin_cpu_supports("avx512bf16") ? "avx512bf16" : __builtin_cpu_supports("avx2") ? "avx2, no avx512bf16" : "no avx2");
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         printf("cores per rank: %.1f%s\n", (double)cores / W,
                (double)cores / W < 2 ? " (shared-memory transfers are copies made by the ranks' own CPUs, so with "
