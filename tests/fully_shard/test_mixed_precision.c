@@ -624,6 +624,12 @@ static int rank_state_dict(rank_ctx *rc)
         if (memcmp(ts_tensor_data(a), ts_tensor_data(b), (size_t)ts_tensor_numel(b) * 4))
             return fail(rc, "'%s' changed by a load", ts_state_dict_name(want, i));
     }
+    /* the summary names the policy's dtypes and the unsharded bytes in bfloat16 */
+    char buf[8192];
+    size_t len = 0;
+    RK_OK(rc, ts_fsdp_summary_str(root, buf, sizeof buf, &len));
+    if (!strstr(buf, "mixed precision: all-gather and compute in bfloat16, gradients reduced in bfloat16"))
+        return fail(rc, "summary:\n%s", buf);
     /* summon with writeback would round the master weights: refused */
     ts_fsdp_summon *s = NULL;
     RK_EQ(rc, ts_fsdp_summon_full_params(root, true, &s), TS_ERR_UNSUPPORTED);
