@@ -135,6 +135,11 @@ ts_status ts__check_float(const char *op, const ts_tensor *t);
 /* Any floating dtype: float32, float64, bfloat16, float16. */
 ts_status ts__check_floating(const char *op, const ts_tensor *t);
 ts_status ts__check_same_dtype(const char *op, const ts_tensor *a, const ts_tensor *b);
+/* torch.result_type(a, b): the dtype PyTorch's type promotion gives two
+ * tensor operands (see "Type promotion" in tensor.h). */
+ts_dtype ts__result_type(const ts_tensor *a, const ts_tensor *b);
+/* torch.promote_types(a, b). */
+ts_dtype ts__promote_types(ts_dtype a, ts_dtype b);
 /* Broadcast shape of a and b (PyTorch's rule); TS_ERR_SHAPE naming op. */
 ts_status ts__broadcast_shape(const char *op, int na, const int64_t *sa, int nb, const int64_t *sb, int *nout,
                               int64_t *sout);

@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include "tensor/fastmath.h"
 #include "tensor/internal.h"
+#include "tensor/kernels.h"
 
 #include <math.h>
 #include <string.h>
@@ -25,6 +26,7 @@ typedef enum bop {
     B_POW_BW,      /* x * p * y^(p-1), y = input */
     B_ABS_BW,      /* x * sign(y), y = input (sign(0) = sign(NaN) = 0, as torch's sgn) */
     B_EQ,          /* bool output */
+    B_NE, B_LT, B_LE, B_GT, B_GE, /* bool output */
     B_COUNT
 } bop;
 
@@ -36,7 +38,7 @@ typedef enum uop {
 static const char *const bop_names[B_COUNT] = {"add", "sub", "mul", "div", "div_backward", "relu_backward",
                                                "tanh_backward", "sigmoid_backward", "sqrt_backward",
                                                "rsqrt_backward", "gelu_backward", "gelu_backward", "pow_backward",
-                                               "abs_backward", "eq"};
+                                               "abs_backward", "eq", "ne", "lt", "le", "gt", "ge"};
 static const char *const uop_names[U_COUNT] = {"neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu",
                                                "gelu", "gelu", "add_scalar", "mul_scalar", "div_scalar", "rsub_scalar",
                                                "pow_scalar", "abs"};
@@ -77,6 +79,11 @@ static inline __attribute__((always_inline)) double bin_d(bop op, double x, doub
     case B_POW_BW: return p == 0.0 ? 0.0 : x * p * pow(y, p - 1.0);
     case B_ABS_BW: return x * (double)((y > 0) - (y < 0));
     case B_EQ: return x == y;
+    case B_NE: return x != y;
+    case B_LT: return x < y;
+    case B_LE: return x <= y;
+    case B_GT: return x > y;
+    case B_GE: return x >= y;
     case B_COUNT: break;
     }
     return 0;
@@ -108,8 +115,7 @@ static inline __attribute__((always_inline)) float bin_f(bop op, float x, float 
     }
     case B_POW_BW: return p == 0.0f ? 0.0f : x * p * powf(y, p - 1.0f);
     case B_ABS_BW: return x * (float)((y > 0) - (y < 0));
-    case B_EQ: return x == y;
-    case B_COUNT: break;
+    case B_EQ: case B_NE: case B_LT: case B_LE: case B_GT: case B_GE: case B_COUNT: break;
     }
     return 0;
 }
@@ -220,6 +226,46 @@ static inline __attribute__((always_inline)) void bin_loop_f64(bop op, const bge
     } while (ts__next_outer(nd, g->shape, idx, 3, str, offs));
 }
 
+/* The 16-bit dtypes (PyTorch's CPU semantics for bfloat16 and float16):
+ * each element is loaded as float, computed by the float32 formula of
+ * bin_f / un_f and rounded once to the dtype, so a result equals the
+ * float32 op on the upcast inputs, rounded. */
+static inline __attribute__((always_inline)) float ld_h(ts_dtype d, const uint16_t *p, int64_t i)
+{
+    return d == TS_BF16 ? ts__bf16_to_f32(p[i]) : ts_f16_to_f32(p[i]);
+}
+
+static inline __attribute__((always_inline)) void st_h(ts_dtype d, uint16_t *p, int64_t i, float v)
+{
+    p[i] = d == TS_BF16 ? ts__f32_to_bf16(v) : ts_f32_to_f16(v);
+}
+
+static inline __attribute__((always_inline)) void bin_loop_h(bop op, ts_dtype dt, const bgeom *g, uint16_t *o,
+                                                            const uint16_t *a, const uint16_t *b, float p)
+{
+    int nd = g->nd;
+    if (nd == 0) {
+        st_h(dt, o, 0, bin_f(op, ld_h(dt, a, 0), ld_h(dt, b, 0), p));
+        return;
+    }
+    int64_t idx[TS_MAX_DIMS] = {0}, offs[3] = {0, 0, 0}, str[3][TS_MAX_DIMS];
+    memcpy(str, g->str, sizeof str);
+    int64_t n = g->shape[nd - 1], sa = str[1][nd - 1], sb = str[2][nd - 1];
+    do {
+        uint16_t *restrict oo = o + offs[0];
+        const uint16_t *restrict aa = a + offs[1], *restrict bb = b + offs[2];
+        if (dt == TS_BF16 && sa == 1 && sb == 1)
+            for (int64_t i = 0; i < n; i++)
+                oo[i] = ts__f32_to_bf16(bin_f(op, ts__bf16_to_f32(aa[i]), ts__bf16_to_f32(bb[i]), p));
+        else if (dt == TS_BF16)
+            for (int64_t i = 0; i < n; i++)
+                oo[i] = ts__f32_to_bf16(bin_f(op, ts__bf16_to_f32(aa[i * sa]), ts__bf16_to_f32(bb[i * sb]), p));
+        else
+            for (int64_t i = 0; i < n; i++)
+                oo[i] = ts_f32_to_f16(bin_f(op, ts_f16_to_f32(aa[i * sa]), ts_f16_to_f32(bb[i * sb]), p));
+    } while (ts__next_outer(nd, g->shape, idx, 3, str, offs));
+}
+
 /* Reference: any dtypes, through double. */
 static void bin_loop_ref(bop op, const bgeom *g, ts_dtype od, void *o, ts_dtype ad, const void *a, ts_dtype bd,
                          const void *b, double p)
@@ -257,7 +303,8 @@ __attribute__((target_clones("avx2", "default"))) static void bin_dispatch_f32(b
     case B_GELU_TANH_BW: bin_loop_f32(B_GELU_TANH_BW, g, o, a, b, p); break;
     case B_POW_BW: bin_loop_f32(B_POW_BW, g, o, a, b, p); break;
     case B_ABS_BW: bin_loop_f32(B_ABS_BW, g, o, a, b, p); break;
-    case B_EQ: case B_COUNT: TS_ASSERT(!"no f32 loop for this op");
+    case B_EQ: case B_NE: case B_LT: case B_LE: case B_GT: case B_GE: case B_COUNT:
+        TS_ASSERT(!"no f32 loop for this op");
     }
 }
 
@@ -272,15 +319,53 @@ static void bin_dispatch_f64(bop op, const bgeom *g, double *o, const double *a,
     }
 }
 
+__attribute__((target_clones("avx2", "default"))) static void bin_dispatch_h(bop op, ts_dtype dt, const bgeom *g, uint16_t *o, const uint16_t *a, const uint16_t *b,
+                           float p)
+{
+    switch (op) {
+    case B_ADD: bin_loop_h(B_ADD, dt, g, o, a, b, p); break;
+    case B_SUB: bin_loop_h(B_SUB, dt, g, o, a, b, p); break;
+    case B_MUL: bin_loop_h(B_MUL, dt, g, o, a, b, p); break;
+    case B_DIV: bin_loop_h(B_DIV, dt, g, o, a, b, p); break;
+    case B_DIV_BW_B: bin_loop_h(B_DIV_BW_B, dt, g, o, a, b, p); break;
+    case B_RELU_BW: bin_loop_h(B_RELU_BW, dt, g, o, a, b, p); break;
+    case B_TANH_BW: bin_loop_h(B_TANH_BW, dt, g, o, a, b, p); break;
+    case B_SIGMOID_BW: bin_loop_h(B_SIGMOID_BW, dt, g, o, a, b, p); break;
+    case B_SQRT_BW: bin_loop_h(B_SQRT_BW, dt, g, o, a, b, p); break;
+    case B_RSQRT_BW: bin_loop_h(B_RSQRT_BW, dt, g, o, a, b, p); break;
+    case B_GELU_BW: bin_loop_h(B_GELU_BW, dt, g, o, a, b, p); break;
+    case B_GELU_TANH_BW: bin_loop_h(B_GELU_TANH_BW, dt, g, o, a, b, p); break;
+    case B_POW_BW: bin_loop_h(B_POW_BW, dt, g, o, a, b, p); break;
+    case B_ABS_BW: bin_loop_h(B_ABS_BW, dt, g, o, a, b, p); break;
+    case B_EQ: case B_NE: case B_LT: case B_LE: case B_GT: case B_GE: case B_COUNT:
+        TS_ASSERT(!"no 16-bit loop for this op");
+    }
+}
+
+/* A scalar operand of an op on a tensor of dtype d, as PyTorch 1.13 treats
+ * a Python number: a "wrapped number" converted to the tensor's dtype
+ * first (for bf16/f16 the scalar is rounded to the dtype; measured with
+ * torch 1.13: bf16 `x * 0.1` is round(x * bf16(0.1)) bit for bit). */
+static double scalar_in(ts_dtype d, double p)
+{
+    if (d == TS_BF16)
+        return ts__bf16_to_f32(ts__f32_to_bf16((float)p));
+    if (d == TS_F16)
+        return ts_f16_to_f32(ts_f32_to_f16((float)p));
+    return p;
+}
+
 /* out = op(a, b) broadcast; no autograd. */
 static ts_status binary_kernel(bop op, ts_tensor *a, ts_tensor *b, double p, ts_tensor **out)
 {
     const char *name = bop_names[op];
     ts_status st;
     bgeom g;
+    p = scalar_in(a->dtype, p);
     if ((st = ts__broadcast_shape(name, a->ndim, a->shape, b->ndim, b->shape, &g.nd, g.shape)))
         return st;
-    ts_dtype od = op == B_EQ ? TS_BOOL : a->dtype;
+    bool cmp = op >= B_EQ;
+    ts_dtype od = cmp ? TS_BOOL : a->dtype;
     ts_tensor *o;
     if ((st = ts__tensor_new(od, g.nd, g.shape, &o)))
         return st;
@@ -290,9 +375,11 @@ static ts_status binary_kernel(bop op, ts_tensor *a, ts_tensor *b, double p, ts_
     if (ts__numel(g.nd, g.shape) > 0) {
         void *od_p = ts_tensor_data(o);
         const void *ap = ts_tensor_data(a), *bp = ts_tensor_data(b);
-        if (ts__use_reference_kernels || op == B_EQ || a->dtype != b->dtype ||
-            (a->dtype != TS_F32 && a->dtype != TS_F64))
+        if (ts__use_reference_kernels || cmp || a->dtype != b->dtype ||
+            (a->dtype != TS_F32 && a->dtype != TS_F64 && !ts__is_half(a->dtype)))
             bin_loop_ref(op, &g, od, od_p, a->dtype, ap, b->dtype, bp, p);
+        else if (ts__is_half(a->dtype))
+            bin_dispatch_h(op, a->dtype, &g, od_p, ap, bp, (float)p);
         else if (a->dtype == TS_F32)
             bin_dispatch_f32(op, &g, od_p, ap, bp, (float)p);
         else
@@ -332,9 +419,56 @@ __attribute__((target_clones("avx2", "default"))) static void un_dispatch_f32(uo
     }
 }
 
+static inline __attribute__((always_inline)) void un_loop_h(uop op, ts_dtype dt, int64_t n, uint16_t *restrict o,
+                                                           const uint16_t *restrict a, float p)
+{
+    if (dt == TS_BF16)
+        for (int64_t i = 0; i < n; i++)
+            o[i] = ts__f32_to_bf16(un_f(op, ts__bf16_to_f32(a[i]), p));
+    else
+        for (int64_t i = 0; i < n; i++)
+            o[i] = ts_f32_to_f16(un_f(op, ts_f16_to_f32(a[i]), p));
+}
+
+__attribute__((target_clones("avx2", "default"))) static void un_dispatch_h(uop op, ts_dtype dt, int64_t n, uint16_t *o, const uint16_t *a, float p)
+{
+    switch (op) {
+    case U_NEG: un_loop_h(U_NEG, dt, n, o, a, p); break;
+    case U_EXP: un_loop_h(U_EXP, dt, n, o, a, p); break;
+    case U_LOG: un_loop_h(U_LOG, dt, n, o, a, p); break;
+    case U_SQRT: un_loop_h(U_SQRT, dt, n, o, a, p); break;
+    case U_RSQRT: un_loop_h(U_RSQRT, dt, n, o, a, p); break;
+    case U_TANH: un_loop_h(U_TANH, dt, n, o, a, p); break;
+    case U_SIGMOID: un_loop_h(U_SIGMOID, dt, n, o, a, p); break;
+    case U_RELU: un_loop_h(U_RELU, dt, n, o, a, p); break;
+    case U_GELU: un_loop_h(U_GELU, dt, n, o, a, p); break;
+    case U_GELU_TANH: un_loop_h(U_GELU_TANH, dt, n, o, a, p); break;
+    case U_ADD_S: un_loop_h(U_ADD_S, dt, n, o, a, p); break;
+    case U_MUL_S: un_loop_h(U_MUL_S, dt, n, o, a, p); break;
+    case U_DIV_S: un_loop_h(U_DIV_S, dt, n, o, a, p); break;
+    case U_RSUB_S: un_loop_h(U_RSUB_S, dt, n, o, a, p); break;
+    case U_POW_S: un_loop_h(U_POW_S, dt, n, o, a, p); break;
+    case U_ABS: un_loop_h(U_ABS, dt, n, o, a, p); break;
+    case U_COUNT: break;
+    }
+}
+
 /* out = op(a); no autograd. */
 static ts_status unary_kernel(uop op, ts_tensor *a, double p, ts_tensor **out)
 {
+    p = scalar_in(a->dtype, p);
+    if (ts__is_half(a->dtype) && !ts__use_reference_kernels && !ts__is_contiguous(a)) {
+        /* the 16-bit loops read contiguous inputs: copy first, so that a
+         * strided input gives the same bits as a contiguous one */
+        ts_tensor *c = NULL;
+        bool grad = ts_grad_mode_set(false);
+        ts_status st = ts_contiguous(a, &c);
+        ts_grad_mode_set(grad);
+        if (!st)
+            st = unary_kernel(op, c, p, out);
+        ts_tensor_free(c);
+        return st;
+    }
     ts_tensor *o;
     ts_status st = ts__tensor_new(a->dtype, a->ndim, a->shape, &o);
     if (st)
@@ -343,6 +477,8 @@ static ts_status unary_kernel(uop op, ts_tensor *a, double p, ts_tensor **out)
     if (n > 0) {
         if (!ts__use_reference_kernels && a->dtype == TS_F32 && ts__is_contiguous(a)) {
             un_dispatch_f32(op, n, ts_tensor_data(o), ts_tensor_data(a), (float)p);
+        } else if (!ts__use_reference_kernels && ts__is_half(a->dtype)) {
+            un_dispatch_h(op, a->dtype, n, ts_tensor_data(o), ts_tensor_data(a), (float)p);
         } else {
             /* reference: any layout, through double */
             bgeom g;
@@ -475,16 +611,61 @@ static ts_status div_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     return st;
 }
 
+/* Converts the operands of a binary op to their common dtype (PyTorch's
+ * type promotion, ts__result_type) with recorded casts, so that gradients
+ * flow back in each operand's own dtype. *ca and *cb are new references. */
+static ts_status promote_operands(const char *name, ts_tensor *a, ts_tensor *b, bool floating, ts_tensor **ca,
+                                  ts_tensor **cb)
+{
+    ts_dtype rt = ts__result_type(a, b);
+    if (floating && !ts_dtype_is_float(rt)) {
+        if (a->dtype == b->dtype)
+            return ts_error(TS_ERR_DTYPE, "%s: dtype %s is not supported (a floating dtype is needed: float32, "
+                                          "float64, bfloat16 or float16; cast with ts_to_dtype)", name,
+                            ts_dtype_name(a->dtype));
+        return ts_error(TS_ERR_DTYPE, "%s: dtypes %s and %s promote to %s, which is not supported (a floating "
+                                      "dtype is needed: float32, float64, bfloat16 or float16)", name,
+                        ts_dtype_name(a->dtype), ts_dtype_name(b->dtype), ts_dtype_name(rt));
+    }
+    ts_status st = ts_to_dtype(a, rt, ca);
+    if (st)
+        return st;
+    if ((st = ts_to_dtype(b, rt, cb))) {
+        ts_tensor_free(*ca);
+        return st;
+    }
+    return TS_OK;
+}
+
+static ts_status binary_op_same(bop op, ts_tensor *a, ts_tensor *b, ts_tensor **out);
+
 static ts_status binary_op(bop op, ts_tensor *a, ts_tensor *b, ts_tensor **out)
 {
     const char *name = bop_names[op];
     ts_tensor *in[2] = {a, b};
     ts_status st;
-    if ((st = ts__check_inputs(name, 2, in)) || (st = ts__check_same_dtype(name, a, b)) ||
-        (st = ts__check_float(name, a)))
+    if ((st = ts__check_inputs(name, 2, in)))
         return st;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
+    if (a->dtype == b->dtype)
+        return binary_op_same(op, a, b, out);
+    ts_tensor *ca, *cb;
+    if ((st = promote_operands(name, a, b, true, &ca, &cb)))
+        return st;
+    st = binary_op_same(op, ca, cb, out);
+    ts_tensor_free(ca);
+    ts_tensor_free(cb);
+    return st;
+}
+
+static ts_status binary_op_same(bop op, ts_tensor *a, ts_tensor *b, ts_tensor **out)
+{
+    const char *name = bop_names[op];
+    ts_tensor *in[2] = {a, b};
+    ts_status st;
+    if ((st = ts__check_floating(name, a)))
+        return st;
     ts_tensor *o;
     if ((st = binary_kernel(op, a, b, 0, &o)))
         return st;
@@ -514,16 +695,36 @@ ts_status ts_sub(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return binary_op
 ts_status ts_mul(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return binary_op(B_MUL, a, b, out); }
 ts_status ts_div(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return binary_op(B_DIV, a, b, out); }
 
-ts_status ts_eq(ts_tensor *a, ts_tensor *b, ts_tensor **out)
+static ts_status compare_op(bop op, ts_tensor *a, ts_tensor *b, ts_tensor **out)
 {
     ts_tensor *in[2] = {a, b};
-    ts_status st = ts__check_inputs("eq", 2, in);
+    ts_status st = ts__check_inputs(bop_names[op], 2, in);
     if (st)
         return st;
     if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "eq: out is NULL");
-    return binary_kernel(B_EQ, a, b, 0, out);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", bop_names[op]);
+    if (a->dtype == b->dtype)
+        return binary_kernel(op, a, b, 0, out);
+    /* compared in the common dtype, as torch.eq does (int64 2^24 + 1 and
+     * float32 2^24 are equal once both are float32) */
+    ts_tensor *ca, *cb;
+    bool grad = ts_grad_mode_set(false);
+    st = promote_operands(bop_names[op], a, b, false, &ca, &cb);
+    ts_grad_mode_set(grad);
+    if (st)
+        return st;
+    st = binary_kernel(op, ca, cb, 0, out);
+    ts_tensor_free(ca);
+    ts_tensor_free(cb);
+    return st;
 }
+
+ts_status ts_eq(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_EQ, a, b, out); }
+ts_status ts_ne(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_NE, a, b, out); }
+ts_status ts_lt(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_LT, a, b, out); }
+ts_status ts_le(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_LE, a, b, out); }
+ts_status ts_gt(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_GT, a, b, out); }
+ts_status ts_ge(ts_tensor *a, ts_tensor *b, ts_tensor **out) { return compare_op(B_GE, a, b, out); }
 
 /* ----------------------------------------------------- unary ops */
 
@@ -558,7 +759,7 @@ static ts_status unary_op(uop op, ts_tensor *a, double p, ts_tensor **out)
 {
     const char *name = uop_names[op];
     ts_status st;
-    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_float(name, a)))
+    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_floating(name, a)))
         return st;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);

@@ -2,6 +2,7 @@
 #define _GNU_SOURCE
 #include "tensor/fastmath.h"
 #include "tensor/internal.h"
+#include "tensor/kernels.h"
 
 #include <math.h>
 #include <string.h>
@@ -47,7 +48,13 @@ static void reduced_shapes(const ts_tensor *a, const bool *mask, int64_t *kshape
 enum red { R_SUM, R_MAX };
 
 /* Reduces a over masked dims into a keepdim-shaped output of a's dtype,
- * accumulating in double (sums of f32 stay accurate over long rows). */
+ * accumulating in double (sums of f32 stay accurate over long rows). The
+ * 16-bit dtypes use the same accumulator and are rounded to float32, then
+ * to their dtype: the result is the float32 sum of the upcast values
+ * rounded to the dtype, bit for bit (PyTorch accumulates bf16/f16 sums in
+ * float32 and rounds once; its float32 cascade and this double sum agree
+ * after rounding to 8 or 11 significant bits except on ties of the
+ * second rounding, which the tests did not meet against torch 1.13). */
 static ts_status reduce_kernel(enum red kind, ts_tensor *a, const bool *mask, ts_tensor **out)
 {
     int64_t kshape[TS_MAX_DIMS], oshape[TS_MAX_DIMS];
@@ -76,9 +83,25 @@ static ts_status reduce_kernel(enum red kind, ts_tensor *a, const bool *mask, ts
         const void *ap = ts_tensor_data(a);
         int64_t n = a->shape[nd - 1], sa = str[0][nd - 1], so = str[1][nd - 1];
         bool f32 = a->dtype == TS_F32 && !ts__use_reference_kernels;
+        bool half = ts__is_half(a->dtype) && !ts__use_reference_kernels && kind == R_SUM;
         do {
             double *ac = acc + offs[1];
-            if (f32 && kind == R_SUM && so == 0) {
+            if (half && a->dtype == TS_BF16) {
+                const uint16_t *x = (const uint16_t *)ap + offs[0];
+                if (so == 0) {
+                    double s = 0;
+                    for (int64_t i = 0; i < n; i++)
+                        s += ts__bf16_to_f32(x[i * sa]);
+                    ac[0] += s;
+                } else {
+                    for (int64_t i = 0; i < n; i++)
+                        ac[i * so] += ts__bf16_to_f32(x[i * sa]);
+                }
+            } else if (half) {
+                const uint16_t *x = (const uint16_t *)ap + offs[0];
+                for (int64_t i = 0; i < n; i++)
+                    ac[i * so] += ts_f16_to_f32(x[i * sa]);
+            } else if (f32 && kind == R_SUM && so == 0) {
                 const float *x = (const float *)ap + offs[0];
                 double s = 0;
                 for (int64_t i = 0; i < n; i++)
@@ -175,7 +198,12 @@ static ts_status sum_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         gin[0] = st ? NULL : full;
         return st;
     }
-    st = ts_mul_scalar(full, n->dargs[0], &gin[0]);
+    /* mean: torch's mean_backward divides by the count, which for the
+     * 16-bit dtypes is a wrapped number rounded to the dtype */
+    if (ts__is_half(full->dtype))
+        st = ts_div_scalar(full, n->dargs[1], &gin[0]);
+    else
+        st = ts_mul_scalar(full, n->dargs[0], &gin[0]);
     ts_tensor_free(full);
     return st;
 }
@@ -224,7 +252,7 @@ static ts_status reduce_op(const char *name, enum red kind, bool mean, ts_tensor
                            bool keepdim, ts_tensor **out)
 {
     ts_status st;
-    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_float(name, a)))
+    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_floating(name, a)))
         return st;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
@@ -263,6 +291,7 @@ static ts_status reduce_op(const char *name, enum red kind, bool mean, ts_tensor
         for (int i = 0; i < a->ndim; i++)
             n->iargs[8] |= (int64_t)mask[i] << i;
         n->dargs[0] = mean ? 1.0 / (double)count : 1.0;
+        n->dargs[1] = (double)count;
         if (kind == R_MAX) {
             int64_t kshape[TS_MAX_DIMS], oshape[TS_MAX_DIMS], str[TS_MAX_DIMS];
             int ond;
@@ -340,7 +369,7 @@ static ts_status max_dim_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 ts_status ts_max_dim(ts_tensor *a, int dim, bool keepdim, ts_tensor **values_out, ts_tensor **indices_out)
 {
     ts_status st;
-    if ((st = ts__check_inputs("max", 1, &a)) || (st = ts__check_float("max", a)))
+    if ((st = ts__check_inputs("max", 1, &a)) || (st = ts__check_floating("max", a)))
         return st;
     if (!values_out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "max: values_out is NULL");

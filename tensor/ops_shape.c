@@ -263,6 +263,12 @@ ts_status ts_where(ts_tensor *cond, ts_tensor *a, ts_tensor *b, ts_tensor **out)
                 const uint8_t *c = cp + oc;
                 for (int64_t i = 0; i < inner; i++)
                     of[i] = c[i * ic] ? af[i * ia] : bf[i * ib];
+            } else if (es == 2) {
+                const uint16_t *ah = (const uint16_t *)ap + oa, *bh = (const uint16_t *)bp + ob;
+                uint16_t *oh = (uint16_t *)op_ + base;
+                const uint8_t *c = cp + oc;
+                for (int64_t i = 0; i < inner; i++)
+                    oh[i] = c[i * ic] ? ah[i * ia] : bh[i * ib];
             } else {
                 for (int64_t i = 0; i < inner; i++)
                     memcpy(op_ + (base + i) * es, cp[oc + i * ic] ? ap + (oa + i * ia) * es : bp + (ob + i * ib) * es,

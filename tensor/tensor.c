@@ -1,5 +1,6 @@
 #define _GNU_SOURCE
 #include "tensor/internal.h"
+#include "tensor/kernels.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -328,6 +329,47 @@ ts_status ts__check_same_dtype(const char *op, const ts_tensor *a, const ts_tens
     return TS_OK;
 }
 
+/* 0 bool, 1 integer, 2 floating: PyTorch's categories. */
+static int dtype_category(ts_dtype d)
+{
+    return d == TS_BOOL ? 0 : ts_dtype_is_float(d) ? 2 : 1;
+}
+
+ts_dtype ts__promote_types(ts_dtype a, ts_dtype b)
+{
+    if (a == b)
+        return a;
+    int ca = dtype_category(a), cb = dtype_category(b);
+    if (ca != cb)
+        return ca > cb ? a : b;
+    if (ca == 2) {
+        if (a == TS_F64 || b == TS_F64)
+            return TS_F64;
+        return TS_F32; /* f32 with a 16-bit dtype, or bf16 with f16 */
+    }
+    return TS_I64; /* int32 with int64 */
+}
+
+/* c10's combine_categories: a higher-priority result wins unless the
+ * lower one is of a higher category. */
+static ts_dtype combine_categories(ts_dtype higher, ts_dtype lower)
+{
+    if (ts_dtype_is_float(higher))
+        return higher;
+    if (higher == TS_BOOL || ts_dtype_is_float(lower))
+        return ts__promote_types(higher, lower);
+    return higher;
+}
+
+ts_dtype ts__result_type(const ts_tensor *a, const ts_tensor *b)
+{
+    bool za = a->ndim == 0, zb = b->ndim == 0;
+    if (za == zb)
+        return ts__promote_types(a->dtype, b->dtype);
+    const ts_tensor *dim = za ? b : a, *zero = za ? a : b;
+    return combine_categories(dim->dtype, zero->dtype);
+}
+
 ts_status ts__broadcast_shape(const char *op, int na, const int64_t *sa, int nb, const int64_t *sb, int *nout,
                               int64_t *sout)
 {
@@ -403,6 +445,10 @@ static void copy_strided(ts_tensor *dst, const ts_tensor *src)
     if (dst->dtype == src->dtype && ts__is_contiguous(dst) && ts__is_contiguous(src) &&
         ts_tensor_numel(src) == n) {
         memmove(dp, sp, (size_t)n * ts_dtype_size(dst->dtype));
+        return;
+    }
+    if (ts__is_contiguous(dst) && ts__is_contiguous(src) && ts_tensor_numel(src) == n) {
+        ts__buf_convert(dst->dtype, dp, src->dtype, sp, n);
         return;
     }
     int nd = dst->ndim;

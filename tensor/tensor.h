@@ -217,8 +217,34 @@ TS_API ts_status ts_clone(ts_tensor *t, ts_tensor **out);
 TS_API ts_status ts_detach(ts_tensor *t, ts_tensor **out);
 
 /* -------------------------------------------------------------------- ops */
-/* Elementwise binary ops broadcast by PyTorch's rules; both operands must
- * have the same dtype (f32 or f64 for arithmetic). */
+/* Elementwise binary ops broadcast by PyTorch's rules.
+ *
+ * 16-bit dtypes (bfloat16, float16), PyTorch's CPU semantics: every
+ * elementwise op (the arithmetic, scalar and unary ops below, their
+ * gradients) loads each element as float32, computes in float32 and rounds
+ * the result once to the dtype, so it equals the float32 op on the upcast
+ * inputs, rounded. A double scalar `s` is first converted to the tensor's
+ * dtype, as PyTorch converts a Python number (a "wrapped number"): bf16
+ * `x * 0.1` multiplies by bf16(0.1). Reductions (sum, mean, amax, max)
+ * accumulate at least in float32 and round to the dtype; mean is, as in
+ * torch 1.13, the rounded sum divided by the element count taken as a
+ * scalar of the dtype. Gradients of a 16-bit tensor have its dtype.
+ * Differences from torch 1.13 (whose bf16 kernels round some
+ * intermediates: gelu(tanh), pow(x, 3), and most backward formulas):
+ * within a few ulps, listed in tests/tensor/test_half_ops.c.
+ *
+ * Type promotion (torch.result_type): operands of different dtypes are
+ * converted (differentiably, gradients flow back in each operand's dtype)
+ * to a common dtype before the op. Categories bool < integer < floating;
+ * within floating, float64 > float32 > {bfloat16, float16}, and bfloat16
+ * with float16 gives float32; int32 with int64 gives int64. A 0-d tensor
+ * takes part only if it is of a higher category than the tensors with
+ * dims: bf16 (n) + f32 () is bf16, bf16 (n) + f32 (n) is f32, int64 (n) +
+ * f32 () is f32. Arithmetic needs a floating common dtype: otherwise
+ * TS_ERR_DTYPE naming both dtypes and the result. Comparisons accept every
+ * dtype. Ops outside this group (cat, where, matmul, ...) require equal
+ * dtypes and fail with TS_ERR_DTYPE naming both (torch 1.13 promotes in
+ * cat and where; here the cast is the caller's, with ts_to_dtype). */
 TS_API ts_status ts_add(ts_tensor *a, ts_tensor *b, ts_tensor **out);
 TS_API ts_status ts_sub(ts_tensor *a, ts_tensor *b, ts_tensor **out);
 TS_API ts_status ts_mul(ts_tensor *a, ts_tensor *b, ts_tensor **out);
@@ -322,10 +348,21 @@ TS_API ts_status ts_where(ts_tensor *cond, ts_tensor *a, ts_tensor *b, ts_tensor
 /* a with `value` where mask (bool, broadcastable to a) is true. */
 TS_API ts_status ts_masked_fill(ts_tensor *a, ts_tensor *mask, double value, ts_tensor **out);
 /* Copy converted to `dtype` (a new reference to `a` if it already has it).
- * Differentiable between floating dtypes. */
+ * Differentiable between floating dtypes: the gradient is converted back
+ * to a's dtype (so a bf16 leaf cast to float32 gets a bf16 gradient).
+ * Conversions are PyTorch's: to bf16/f16 rounded to nearest even (from
+ * float64 through float32, as c10 does), to integers truncated. */
 TS_API ts_status ts_to_dtype(ts_tensor *a, ts_dtype dtype, ts_tensor **out);
 /* Elementwise a == b / a < b as bool (not differentiable). */
 TS_API ts_status ts_eq(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+/* a != b, a < b, a <= b, a > b, a >= b as bool (not differentiable),
+ * broadcasting, compared in the promoted dtype (as torch.lt & co.); NaN
+ * compares unequal to everything. */
+TS_API ts_status ts_ne(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+TS_API ts_status ts_lt(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+TS_API ts_status ts_le(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+TS_API ts_status ts_gt(ts_tensor *a, ts_tensor *b, ts_tensor **out);
+TS_API ts_status ts_ge(ts_tensor *a, ts_tensor *b, ts_tensor **out);
 /* Lower-triangular bool mask (n, n) with ones where col <= row + diagonal. */
 TS_API ts_status ts_tril_mask(int64_t n, int64_t diagonal, ts_tensor **out);
 

@@ -42,7 +42,11 @@ Test(tensor_errors, dtype_mismatch_names_both_dtypes)
     ts_tensor *a = th_seq(TS_F32, 1, s, 1, false), *b = th_seq(TS_F64, 1, s, 1, false), *o = NULL;
     double iv[3] = {1, 2, 3};
     ts_tensor *i = th_tensor(TS_I64, 1, s, iv);
-    EXPECT_ERR(ts_add(a, b, &o), TS_ERR_DTYPE, "add", "float32", "float64");
+    /* float32 + float64 promotes (PyTorch's rule, tests/tensor/test_half_ops.c);
+     * int64 + bool promotes to int64, which arithmetic refuses */
+    ts_tensor *bo = th_tensor(TS_BOOL, 1, s, iv);
+    EXPECT_ERR(ts_add(i, bo, &o), TS_ERR_DTYPE, "add", "int64", "bool");
+    ts_tensor_free(bo);
     EXPECT_ERR(ts_matmul(a, b, &o), TS_ERR_DTYPE, "matmul", "float32", "float64");
     /* integers are not arithmetic dtypes here */
     EXPECT_ERR(ts_sub(i, i, &o), TS_ERR_DTYPE, "sub", "int64");
