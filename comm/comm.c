@@ -38,6 +38,7 @@
  */
 #include "comm/comm_internal.h"
 #include "tensor/internal.h" /* the caching pool for scratch blocks */
+#include "tensor/kernels.h"  /* the per-dtype buffer kernels of the reductions */
 
 #include <errno.h>
 #include <math.h>
@@ -244,129 +245,38 @@ struct op {
 
 static bool reducible(ts_dtype d) { return d == TS_F32 || d == TS_F64 || d == TS_BF16 || d == TS_F16 || d == TS_I64; }
 
-static ts_dtype acc_of(ts_dtype d)
+/* The buffer kernels' element operation of a reduce op (AVG sums; the
+ * division comes with the post factor). */
+static ts__buf_op buf_op(ts_reduce_op rop)
 {
-    switch (d) {
-    case TS_F64: return TS_F64;
-    case TS_I64: return TS_I64;
-    default: return TS_F32;
+    switch (rop) {
+    case TS_REDUCE_MAX: return TS__BUF_MAX;
+    case TS_REDUCE_MIN: return TS__BUF_MIN;
+    default: return TS__BUF_SUM;
     }
 }
 
-/* dst[i] (acc) = src[i] / div, converted. */
+/* dst[i] (acc) = src[i] / div, converted (the division in acc, after the
+ * conversion: tensor/kernels.h's ts__buf_div). */
 static void load_acc(void *dst, ts_dtype acc, const void *src, ts_dtype d, size_t n, double div)
 {
-    switch (d) {
-    case TS_F32: {
-        const float *s = src;
-        float *o = dst;
-        float f = (float)div;
-        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? s[i] / f : s[i];
-        break;
-    }
-    case TS_BF16:
-    case TS_F16: {
-        const uint16_t *s = src;
-        float *o = dst;
-        float f = (float)div;
-        for (size_t i = 0; i < n; i++) {
-            float v = d == TS_BF16 ? ts_bf16_to_f32(s[i]) : ts_f16_to_f32(s[i]);
-            o[i] = div != 1.0 ? v / f : v;
-        }
-        break;
-    }
-    case TS_F64: {
-        const double *s = src;
-        double *o = dst;
-        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? s[i] / div : s[i];
-        break;
-    }
-    case TS_I64: {
-        const int64_t *s = src;
-        int64_t *o = dst;
-        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? (int64_t)((double)s[i] / div) : s[i];
-        break;
-    }
-    default: TS_ASSERT(0);
-    }
-    (void)acc;
+    ts__buf_convert(acc, dst, d, src, (int64_t)n);
+    ts__buf_div(acc, dst, (int64_t)n, div);
 }
 
-/* dst[i] = src[i] (acc) / div, converted to d. */
-static void store_acc(void *dst, ts_dtype d, const void *src, size_t n, double div)
+/* dst[i] = src[i] (acc) / div, converted to d (the division in acc,
+ * before the conversion; src is divided in place). */
+static void store_acc(void *dst, ts_dtype d, void *src, size_t n, double div)
 {
-    switch (d) {
-    case TS_F32: {
-        const float *s = src;
-        float *o = dst;
-        float f = (float)div;
-        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? s[i] / f : s[i];
-        break;
-    }
-    case TS_BF16:
-    case TS_F16: {
-        const float *s = src;
-        uint16_t *o = dst;
-        float f = (float)div;
-        for (size_t i = 0; i < n; i++) {
-            float v = div != 1.0 ? s[i] / f : s[i];
-            o[i] = d == TS_BF16 ? ts_f32_to_bf16(v) : ts_f32_to_f16(v);
-        }
-        break;
-    }
-    case TS_F64: {
-        const double *s = src;
-        double *o = dst;
-        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? s[i] / div : s[i];
-        break;
-    }
-    case TS_I64: {
-        const int64_t *s = src;
-        int64_t *o = dst;
-        for (size_t i = 0; i < n; i++) o[i] = div != 1.0 ? (int64_t)((double)s[i] / div) : s[i];
-        break;
-    }
-    default: TS_ASSERT(0);
-    }
+    ts_dtype acc = ts__acc_dtype(d);
+    ts__buf_div(acc, src, (int64_t)n, div);
+    ts__buf_convert(d, dst, acc, src, (int64_t)n);
 }
 
 /* dst = dst op src, n accumulation elements (AVG sums). */
 static void reduce_into(void *dst, const void *src, ts_dtype acc, ts_reduce_op rop, size_t n)
 {
-    switch (acc) {
-    case TS_F32: {
-        float *a = dst;
-        const float *b = src;
-        if (rop == TS_REDUCE_SUM || rop == TS_REDUCE_AVG) { /* the hot loop, vectorized */
-            for (size_t i = 0; i < n; i++) a[i] += b[i];
-            break;
-        }
-        for (size_t i = 0; i < n; i++)
-            a[i] = rop == TS_REDUCE_MAX ? (b[i] > a[i] || isnan(b[i]) ? b[i] : a[i])
-                 : rop == TS_REDUCE_MIN ? (b[i] < a[i] || isnan(b[i]) ? b[i] : a[i])
-                                        : a[i] + b[i];
-        break;
-    }
-    case TS_F64: {
-        double *a = dst;
-        const double *b = src;
-        for (size_t i = 0; i < n; i++)
-            a[i] = rop == TS_REDUCE_MAX ? (b[i] > a[i] || isnan(b[i]) ? b[i] : a[i])
-                 : rop == TS_REDUCE_MIN ? (b[i] < a[i] || isnan(b[i]) ? b[i] : a[i])
-                                        : a[i] + b[i];
-        break;
-    }
-    case TS_I64: {
-        int64_t *a = dst;
-        const int64_t *b = src;
-        for (size_t i = 0; i < n; i++)
-            a[i] = rop == TS_REDUCE_MAX ? (b[i] > a[i] ? b[i] : a[i])
-                 : rop == TS_REDUCE_MIN ? (b[i] < a[i] ? b[i] : a[i])
-                                        : (int64_t)((uint64_t)a[i] + (uint64_t)b[i]);
-        break;
-    }
-    default: TS_ASSERT(0);
-    }
+    ts__buf_reduce(acc, buf_op(rop), dst, dst, src, (int64_t)n);
 }
 
 #define CHUNK 2048 /* elements converted at a time through a stack buffer */
@@ -393,11 +303,8 @@ static void accumulate(void *acc, ts_dtype ad, const void *src, ts_dtype sd, dou
 static void reduce_store(void *out, ts_dtype od, const void *part, ts_dtype ad, const void *src, ts_dtype sd,
                          double pre, ts_reduce_op rop, double post, size_t n)
 {
-    if (od == TS_F32 && ad == TS_F32 && sd == TS_F32 && pre == 1.0 && post == 1.0 &&
-        (rop == TS_REDUCE_SUM || rop == TS_REDUCE_AVG)) {
-        float *o = out;
-        const float *a = part, *b = src;
-        for (size_t i = 0; i < n; i++) o[i] = a[i] + b[i];
+    if (od == ad && sd == ad && pre == 1.0 && post == 1.0) {
+        ts__buf_reduce(ad, buf_op(rop), out, part, src, (int64_t)n);
         return;
     }
     _Alignas(64) unsigned char tmp[CHUNK * 8];
@@ -1602,7 +1509,7 @@ ts_status ts_reduce_scatter_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts
     op *o = op_new(c, TS_COLL_REDUCE_SCATTER);
     if (!o) return TS_ERR_NO_MEMORY;
     set_fp(o, d, n, (unsigned)rop, FP_NONE);
-    o->acc = acc_of(d);
+    o->acc = ts__acc_dtype(d);
     o->rop = rop;
     if (setup_rs(o, ip, d, pre_div, (size_t)n) != TS_OK) {
         op_discard(o);
@@ -1628,7 +1535,7 @@ ts_status ts_all_reduce(ts_comm *c, ts_tensor *t, ts_reduce_op rop, ts_request *
     op *o = op_new(c, TS_COLL_ALL_REDUCE);
     if (!o) return TS_ERR_NO_MEMORY;
     set_fp(o, d, (int64_t)n, (unsigned)rop, FP_NONE);
-    o->acc = acc_of(d);
+    o->acc = ts__acc_dtype(d);
     o->rop = rop;
     o->ag = true;
     size_t W = (size_t)c->size, bn = (n + W - 1) / W, es = ts_dtype_size(o->acc);

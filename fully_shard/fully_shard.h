@@ -314,12 +314,18 @@ TS_API void ts_fsdp_set_event_hook(ts_fsdp_event_fn fn, void *ctx);
 
 /* clip_grad_norm over a sharded model (torch.nn.utils.clip_grad_norm_ on
  * FSDP2's DTensor gradients): the total 2-norm of every gradient of the
- * module tree, each shard counted once (sums of squares all-reduced over
- * each group's shard ranks; parameters outside groups are counted as they
- * are), then every gradient multiplied by max_norm / (total + 1e-6) when
- * that is below 1. Collective. Writes the total norm. A non-finite total
- * returns TS_ERR_INVALID_ARGUMENT and changes nothing; TS_ERR_INVALID_ARGUMENT
- * for max_norm < 0 or NaN and NULL arguments; collective errors. */
+ * module tree, as ts_clip_grad_norm computes it (torch's norm of each
+ * gradient, then of the stacked norms), each sharded gradient's norm
+ * being sqrt of the sum over its shard ranks of the squared local norms
+ * (one float64 all-reduce per group; parameters outside groups are counted
+ * as they are); then every gradient is multiplied by
+ * max_norm / (total + 1e-6) when that is below 1. On one rank the result
+ * and the clipped gradients are ts_clip_grad_norm's bits. Collective.
+ * Writes the total norm. A non-finite total returns
+ * TS_ERR_INVALID_ARGUMENT and changes nothing; TS_ERR_INVALID_ARGUMENT
+ * for max_norm < 0 or NaN and NULL arguments; TS_ERR_DTYPE for a gradient
+ * that is not float32, float64, bfloat16 or float16; TS_ERR_RELEASED for
+ * a released gradient; collective errors. */
 TS_API ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *total_norm_out);
 
 /* ----------------------------------------------------- state dicts */

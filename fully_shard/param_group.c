@@ -247,37 +247,6 @@ ts_status ts__fsdp_reshard(fsdp_group *g)
 /* Gradient reduction                                                 */
 /* ------------------------------------------------------------------ */
 
-static void add_into(void *dst, const void *src, int64_t n, ts_dtype d)
-{
-    switch (d) {
-    case TS_F32: {
-        float *a = dst;
-        const float *b = src;
-        for (int64_t i = 0; i < n; i++) a[i] += b[i];
-        break;
-    }
-    case TS_F64: {
-        double *a = dst;
-        const double *b = src;
-        for (int64_t i = 0; i < n; i++) a[i] += b[i];
-        break;
-    }
-    case TS_BF16: {
-        uint16_t *a = dst;
-        const uint16_t *b = src;
-        for (int64_t i = 0; i < n; i++) a[i] = ts_f32_to_bf16(ts_bf16_to_f32(a[i]) + ts_bf16_to_f32(b[i]));
-        break;
-    }
-    case TS_F16: {
-        uint16_t *a = dst;
-        const uint16_t *b = src;
-        for (int64_t i = 0; i < n; i++) a[i] = ts_f32_to_f16(ts_f16_to_f32(a[i]) + ts_f16_to_f32(b[i]));
-        break;
-    }
-    default: break;
-    }
-}
-
 /* Waits for the group's reduce-scatter (and HSDP all-reduce) and adds each
  * parameter's segment into its shard's gradient. */
 ts_status ts__fsdp_finish_reduce(fsdp_group *g)
@@ -303,7 +272,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
         int64_t ln = p->local_rows * p->row_numel;
         ts_tensor *gr = ts_tensor_grad(p->S);
         if (gr && ts_tensor_is_contiguous(gr) && ts_tensor_data(gr)) {
-            add_into(ts_tensor_data(gr), seg, ln, g->dtype);
+            ts__buf_add(g->dtype, ts_tensor_data(gr), seg, ln); /* gr += seg */
         } else {
             ts_tensor *ng = NULL;
             const int64_t *sh = ts_tensor_shape(p->S);

@@ -8,6 +8,7 @@
 
 #include "comm/comm.h"
 #include "nn/internal.h"
+#include "optim/internal.h" /* clip_grad_norm's torch-exact pieces */
 #include "tensor/internal.h"
 
 #include <math.h>
@@ -173,26 +174,46 @@ ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *s
 /* Gradient clipping                                                  */
 /* ------------------------------------------------------------------ */
 
-static double sum_squares(const ts_tensor *g)
+/* torch.nn.utils.clip_grad_norm_ over FSDP2's DTensor gradients, built
+ * from optim's pieces (optim/internal.h) so that on one rank it computes
+ * what ts_clip_grad_norm computes on the same gradients, to the bit:
+ * - each parameter of the module tree that has a gradient gives one norm,
+ *   in named_parameters() order: torch.norm of its gradient
+ *   (ts__optim_grad_norm: torch's float32 order). For a sharded parameter
+ *   whose shard group has W > 1 ranks it is sqrt(sum over the W ranks of
+ *   local_norm^2): each rank's norm of its rows, squared in float64 (exact
+ *   for a float32 norm), the W squares summed by one float64 all-reduce
+ *   per group (comm's ring, reduce-scatter then all-gather, so every rank
+ *   gets the same bits; the W terms are added in ring order, W - 1
+ *   float64 roundings), then sqrt in float64. PyTorch's DTensor does the
+ *   same in the gradient's dtype (_NormPartial: local norm ** 2
+ *   all-reduced, then ** 0.5); the float64 sum is nearer the exact value.
+ *   A parameter counts when any rank of its group has a gradient for it
+ *   (the same all-reduce counts them), so every rank stacks the same
+ *   norms. On a one-rank group the local norm is the norm (no all-reduce);
+ * - the total is torch.norm(torch.stack(norms)) (ts__optim_total_norm;
+ *   float64 if any gradient is), the coefficient ts__optim_clip_coef, and
+ *   every gradient (the shards', and those of parameters outside groups,
+ *   counted as they are) is scaled in place by ts__optim_scale_grad when
+ *   the coefficient is below 1.
+ * On W > 1 ranks the norms differ from the unsharded ones by the rounding
+ * of the float32 sums of squares (tests/fully_shard/test_clip.c derives
+ * the bound it tests). */
+
+/* The gradient of t if it has one this function can norm; errors name the
+ * parameter. */
+static ts_status clip_grad_of(const char *fn, const char *name, ts_tensor *t, ts_tensor **gr_out)
 {
-    ts_tensor *c = NULL;
-    if (ts_contiguous((ts_tensor *)g, &c)) return NAN;
-    double s = 0;
-    int64_t n = ts_tensor_numel(c);
-    const void *p = ts_tensor_data(c);
-    for (int64_t i = 0; i < n; i++) {
-        double v;
-        switch (ts_tensor_dtype(c)) {
-        case TS_F32: v = ((const float *)p)[i]; break;
-        case TS_F64: v = ((const double *)p)[i]; break;
-        case TS_BF16: v = ts_bf16_to_f32(((const uint16_t *)p)[i]); break;
-        case TS_F16: v = ts_f16_to_f32(((const uint16_t *)p)[i]); break;
-        default: v = NAN;
-        }
-        s += v * v;
-    }
-    ts_tensor_free(c);
-    return s;
+    ts_tensor *gr = ts_tensor_grad(t);
+    *gr_out = gr;
+    if (!gr) return TS_OK;
+    ts_dtype d = ts_tensor_dtype(gr);
+    if (d != TS_F32 && d != TS_F64 && d != TS_BF16 && d != TS_F16)
+        return ts_error(TS_ERR_DTYPE, "%s: the gradient of %s has dtype %s; float32, float64, bfloat16 or float16 expected",
+                        fn, name, ts_dtype_name(d));
+    if (ts_tensor_numel(gr) > 0 && !ts_tensor_data(gr))
+        return ts_error(TS_ERR_RELEASED, "%s: the gradient of %s has released storage", fn, name);
+    return TS_OK;
 }
 
 ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *total_norm_out)
@@ -204,52 +225,76 @@ ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *tot
     ts_status st = ts__fsdp_subtree_groups(module, &w);
     if (st) return st;
     ts_named_params np = {0};
-    double total = 0;
-    /* each group's shards: local sum, then summed over its shard ranks */
-    for (int i = 0; i < w.n && !st; i++) {
+    st = ts_module_named_parameters(module, &np);
+    /* per group i, from base[i]: each parameter's local norm (loc) and,
+     * summed over the shard group, its squared local norm and the number
+     * of ranks with a gradient for it (red[i], 2 n float64) */
+    int total_n = 0;
+    for (int i = 0; i < w.n; i++) total_n += w.g[i]->n;
+    int *base = ts__malloc(TS_MEM_NN, (size_t)(w.n + 1) * sizeof *base);
+    double *loc = ts__malloc(TS_MEM_NN, (size_t)(total_n + 1) * sizeof *loc);
+    double *norms = ts__malloc(TS_MEM_NN, (size_t)(np.n + 1) * sizeof *norms);
+    ts_tensor **red = ts__calloc(TS_MEM_NN, (size_t)(w.n + 1), sizeof *red);
+    if (!st && (!base || !loc || !norms || !red)) st = TS_ERR_NO_MEMORY;
+    bool any_f64 = false;
+    for (int i = 0, b = 0; i < w.n && !st; b += w.g[i]->n, i++) {
         fsdp_group *g = w.g[i];
-        double local = 0;
-        for (int k = 0; k < g->n; k++) {
-            ts_tensor *gr = ts_tensor_grad(g->params[k].S);
-            if (gr) local += sum_squares(gr);
+        base[i] = b;
+        int64_t two_n = 2 * (int64_t)g->n;
+        if ((st = ts_tensor_zeros(TS_F64, 1, &two_n, &red[i]))) break;
+        double *r = ts_tensor_data(red[i]);
+        for (int k = 0; k < g->n && !st; k++) {
+            ts_tensor *gr = NULL;
+            loc[b + k] = 0;
+            if ((st = clip_grad_of(fn, g->params[k].fqn, g->params[k].S, &gr)) || !gr) continue;
+            if ((st = ts__optim_grad_norm(gr, &loc[b + k]))) break;
+            r[k] = loc[b + k] * loc[b + k];
+            r[g->n + k] = 1;
         }
-        int64_t one = 1;
-        ts_tensor *t = NULL;
-        if ((st = ts_tensor_full(TS_F64, 1, &one, local, &t))) break;
-        if (!(st = ts_all_reduce(g->pg, t, TS_REDUCE_SUM, NULL))) total += *(double *)ts_tensor_data(t);
-        ts_tensor_free(t);
+        if (!st && ts_comm_size(g->pg) > 1) st = ts_all_reduce(g->pg, red[i], TS_REDUCE_SUM, NULL);
     }
-    /* parameters outside every group (ignored ones): counted as they are */
-    if (!st) st = ts_module_named_parameters(module, &np);
+    /* the norms in named_parameters() order; a group's gradients have its
+     * dtype, so whether the stack is float64 is the same on every rank */
+    int nn = 0;
     for (int i = 0; i < np.n && !st; i++) {
         ts_tensor *t = *np.items[i].slot;
-        if (ts__fsdp_find_param(&w, t, NULL)) continue;
-        ts_tensor *gr = ts_tensor_grad(t);
-        if (gr) total += sum_squares(gr);
+        fsdp_group *g = NULL;
+        fsdp_param *p = ts__fsdp_find_param(&w, t, &g);
+        if (!p) { /* outside every group: counted as it is */
+            ts_tensor *gr = NULL;
+            if ((st = clip_grad_of(fn, np.items[i].name, t, &gr)) || !gr) continue;
+            any_f64 |= ts_tensor_dtype(gr) == TS_F64;
+            st = ts__optim_grad_norm(gr, &norms[nn++]);
+            continue;
+        }
+        int gi = 0;
+        while (w.g[gi] != g) gi++;
+        int k = (int)(p - g->params);
+        const double *r = ts_tensor_data(red[gi]);
+        if (r[g->n + k] == 0) continue; /* no rank has a gradient for it */
+        any_f64 |= g->dtype == TS_F64;
+        norms[nn++] = ts_comm_size(g->pg) > 1 ? sqrt(r[k]) : loc[base[gi] + k];
     }
+    double total = 0;
+    if (!st) st = ts__optim_total_norm(nn, norms, any_f64, &total);
     if (!st) {
-        total = sqrt(total);
         *total_norm_out = total;
         if (!isfinite(total))
             st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the total gradient norm is %g; gradients left unchanged", fn,
                           total);
     }
-    double coef = max_norm / (total + 1e-6);
-    if (!st && coef < 1.0) {
-        bool prev = ts_grad_mode_set(false);
-        for (int i = 0; i < np.n && !st; i++) {
-            ts_tensor *t = *np.items[i].slot;
-            fsdp_param *p = ts__fsdp_find_param(&w, t, NULL);
-            ts_tensor *gr = ts_tensor_grad(p ? p->S : t);
-            if (!gr) continue;
-            ts_tensor *sc = NULL;
-            if (!(st = ts_mul_scalar(gr, coef, &sc))) {
-                st = ts_tensor_copy_(gr, sc);
-                ts_tensor_free(sc);
-            }
-        }
-        ts_grad_mode_set(prev);
+    double coef = st ? 1.0 : ts__optim_clip_coef(total, max_norm, any_f64);
+    for (int i = 0; i < np.n && !st && coef < 1.0; i++) {
+        ts_tensor *t = *np.items[i].slot;
+        fsdp_param *p = ts__fsdp_find_param(&w, t, NULL);
+        ts_tensor *gr = ts_tensor_grad(p ? p->S : t);
+        if (gr) ts__optim_scale_grad(gr, coef);
     }
+    for (int i = 0; red && i < w.n; i++) ts_tensor_free(red[i]);
+    ts__free(TS_MEM_NN, red);
+    ts__free(TS_MEM_NN, norms);
+    ts__free(TS_MEM_NN, loc);
+    ts__free(TS_MEM_NN, base);
     ts_named_params_free(&np);
     ts__free(TS_MEM_NN, w.g);
     return st;

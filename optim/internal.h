@@ -10,8 +10,32 @@
 extern bool ts__optim_use_reference;
 
 /* True when the AVX2 build of the kernels is used (x86-64 CPU with AVX2
- * and FMA, and the hook above off). */
+ * and FMA, and the hook above off). The clipping norms are tensor/kernels.h's
+ * and follow its path (TS_KERNELS) unless the hook is on. */
 bool ts__optim_avx2_active(void);
+
+/* clip_grad_norm's pieces, shared with fully_shard's
+ * ts_fsdp_clip_grad_norm so that sharded and unsharded clipping compute
+ * the same numbers (ts_clip_grad_norm is these four in a row):
+ * - ts__optim_grad_norm: torch.norm(g, 2) of one float32 or float64
+ *   gradient (any strides; a float32 result is exact as a double), the
+ *   bits of torch 1.13's CPU kernel (tensor/kernels.h's ts__buf_norm2_*).
+ *   A bfloat16 / float16 gradient (fully_shard's, which ts_clip_grad_norm
+ *   does not take) is converted to float32, exactly, and normed as
+ *   float32 (torch accumulates these in float too; its order for them is
+ *   not reproduced). TS_ERR_NO_MEMORY without memory to gather a
+ *   non-contiguous gradient or convert a 16-bit one.
+ * - ts__optim_total_norm: torch.norm(torch.stack(norms), 2) of n
+ *   per-gradient norms, the stack float64 if any_f64, else float32 (each
+ *   norm rounded to float first); 0 for n == 0. TS_ERR_NO_MEMORY.
+ * - ts__optim_clip_coef: max_norm / (total + 1e-6) as torch rounds it
+ *   (Tensor.__rdiv__ in the stack's dtype); the caller clips when < 1.
+ * - ts__optim_scale_grad: g.mul_(coef) in g's dtype (f32 multiplies by
+ *   (float)coef; f64, bf16, f16 as tensor/kernels.h's ts__buf_scale). */
+ts_status ts__optim_grad_norm(const ts_tensor *g, double *norm_out);
+ts_status ts__optim_total_norm(int n, const double *norms, bool any_f64, double *total_out);
+double ts__optim_clip_coef(double total, double max_norm, bool any_f64);
+void ts__optim_scale_grad(ts_tensor *g, double coef);
 
 /* A check an upper layer (fully_shard) installs: called by every
  * ts_optim_step, before anything changes, with the optimizer's name

@@ -33,6 +33,7 @@
  */
 #define _GNU_SOURCE
 #include "optim/internal.h"
+#include "tensor/kernels.h"
 
 #include <math.h>
 #include <stdatomic.h>
@@ -932,151 +933,115 @@ double ts_lr_at(const ts_lr_schedule *s, int64_t step)
 
 /* --------------------------------------------------------------- clipping */
 
-/* torch.norm(g, 2) of a contiguous float32 tensor: ATen's
- * norm_kernel_tensor_iterator_impl last-dim path with AVX2 vectors: 8 lane
- * accumulators (acc = fma(x, x, acc) per lane over the 8-aligned prefix),
- * summed lane 0 + 1 + ... + 7, then the tail of t = n % 8 elements as GCC
- * compiled `buffer[0] += x * x`: its first 4 * (t / 4) elements with the
- * squares rounded separately (a 4-wide vectorised square, then in-order
- * adds), the rest fused (fma(x, x, acc)); then sqrt. Measured bit-exact
- * against torch 1.13 for every size 1 to 80 and for sizes up to 70001
- * with any thread count (tests/fixtures/optim/norms_f32.bin). */
-OPT_INLINE float norm_body_f32(const float *x, int64_t n)
-{
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t d = 0, m = n - n % 8, v4 = m + (n - m) / 4 * 4;
-    for (; d < m; d += 8)
-        for (int l = 0; l < 8; l++)
-            acc[l] = fmaf(x[d + l], x[d + l], acc[l]);
-    float b = acc[0];
-    for (int l = 1; l < 8; l++)
-        b = b + acc[l];
-    for (; d < v4; d++)
-        b = b + x[d] * x[d];
-    for (; d < n; d++)
-        b = fmaf(x[d], x[d], b);
-    return sqrtf(b);
-}
-
-/* torch.norm(g, 2) of a float64 tensor: the general reduction, one
- * accumulator acc = fma(x, x, acc) in order, then sqrt (bit-exact against
- * torch running on one thread; torch splits tensors above 32768 elements
- * between its threads, which changes the last bits). */
-OPT_INLINE double norm_body_f64(const double *x, int64_t n)
-{
-    double b = 0;
-    for (int64_t d = 0; d < n; d++)
-        b = fma(x[d], x[d], b);
-    return sqrt(b);
-}
-
-static float norm_f32_ref(const float *x, int64_t n) { return norm_body_f32(x, n); }
-static double norm_f64_ref(const double *x, int64_t n) { return norm_body_f64(x, n); }
-
-#if OPT_HAVE_AVX2_BUILD
-/* The same lanes in one AVX register; the lane sum and tail as above. */
-OPT_AVX2_TARGET static float norm_f32_avx2(const float *x, int64_t n)
-{
-    int64_t m = n - n % 8;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < m; d += 8) {
-        __m256 v = _mm256_loadu_ps(x + d);
-        acc = _mm256_fmadd_ps(v, v, acc);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    float b = lanes[0];
-    for (int l = 1; l < 8; l++)
-        b = b + lanes[l];
-    int64_t d = m, v4 = m + (n - m) / 4 * 4;
-    for (; d < v4; d++)
-        b = b + x[d] * x[d];
-    for (; d < n; d++)
-        b = fmaf(x[d], x[d], b);
-    return sqrtf(b);
-}
-
-OPT_AVX2_TARGET static double norm_f64_avx2(const double *x, int64_t n) { return norm_body_f64(x, n); }
-#endif
-
-static float norm_f32(const float *x, int64_t n)
-{
-#if OPT_HAVE_AVX2_BUILD
-    if (ts__optim_avx2_active())
-        return norm_f32_avx2(x, n);
-#endif
-    return norm_f32_ref(x, n);
-}
-
-static double norm_f64(const double *x, int64_t n)
-{
-#if OPT_HAVE_AVX2_BUILD
-    if (ts__optim_avx2_active())
-        return norm_f64_avx2(x, n);
-#endif
-    return norm_f64_ref(x, n);
-}
+/* torch.norm(g, 2) of contiguous buffers: tensor/kernels.h's
+ * ts__buf_norm2_f32 / _f64 (torch 1.13's CPU kernels to the bit), on the
+ * scalar build when the reference hook is on. */
+static ts__kpath norm_path(void) { return ts__optim_use_reference ? TS__KPATH_SCALAR : ts__kpath_active(); }
 
 /* Row callbacks for clipping (walk_rows over the gradient with itself):
  * gather a strided gradient into the contiguous buffer at k, and scale in
  * place by the coefficient at k. */
-static void gather_f32(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
+typedef struct gather_k {
+    size_t es;
+    unsigned char *dst;
+} gather_k;
+
+static void gather_row(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
 {
     (void)g, (void)sg;
-    float *dst = *(float *const *)k + lin;
-    const float *src = p;
+    const gather_k *gk = k;
+    size_t es = gk->es;
+    unsigned char *dst = gk->dst + (size_t)lin * es;
+    const unsigned char *src = p;
     for (int64_t i = 0; i < n; i++)
-        dst[i] = src[i * sp];
+        memcpy(dst + (size_t)i * es, src + (size_t)(i * sp) * es, es);
 }
 
-static void gather_f64(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
-{
-    (void)g, (void)sg;
-    double *dst = *(double *const *)k + lin;
-    const double *src = p;
-    for (int64_t i = 0; i < n; i++)
-        dst[i] = src[i * sp];
-}
+typedef struct scale_k {
+    ts_dtype dt;
+    double coef;
+} scale_k;
 
-static void scale_f32(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
+static void scale_row(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
 {
     (void)g, (void)sg, (void)lin;
-    const float c = (float)*(const double *)k;
-    float *x = p;
+    const scale_k *s = k;
+    if (sp == 1) {
+        ts__buf_scale(s->dt, p, n, s->coef);
+        return;
+    }
+    size_t es = ts_dtype_size(s->dt);
     for (int64_t i = 0; i < n; i++)
-        x[i * sp] = x[i * sp] * c;
+        ts__buf_scale(s->dt, (unsigned char *)p + (size_t)(i * sp) * es, 1, s->coef);
 }
 
-static void scale_f64(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
+ts_status ts__optim_grad_norm(const ts_tensor *gc, double *norm_out)
 {
-    (void)g, (void)sg, (void)lin;
-    const double c = *(const double *)k;
-    double *x = p;
-    for (int64_t i = 0; i < n; i++)
-        x[i * sp] = x[i * sp] * c;
-}
-
-/* torch.norm(g, 2) of one gradient, as a double (exact for a float32
- * result). Non-contiguous gradients are first gathered in row-major order. */
-static ts_status grad_norm(ts_tensor *g, double *out)
-{
+    ts_tensor *g = (ts_tensor *)(uintptr_t)gc;
     int64_t n = ts_tensor_numel(g);
-    bool f32 = ts_tensor_dtype(g) == TS_F32;
+    ts_dtype dt = ts_tensor_dtype(g);
+    TS_ASSERT(dt == TS_F32 || dt == TS_F64 || dt == TS_BF16 || dt == TS_F16);
     if (n == 0) {
-        *out = 0;
+        *norm_out = 0;
         return TS_OK;
     }
+    bool half = dt == TS_BF16 || dt == TS_F16, gather = !ts_tensor_is_contiguous(g);
+    size_t es = ts_dtype_size(dt);
+    /* one block: the gathered gradient, then (16-bit) its float32 values */
     void *tmp = NULL;
+    if ((gather || half) &&
+        !(tmp = ts__malloc(TS_MEM_NN, (size_t)n * ((gather ? es : 0) + (half ? sizeof(float) : 0)))))
+        return TS_ERR_NO_MEMORY;
     const void *x = ts_tensor_data(g);
-    if (!ts_tensor_is_contiguous(g)) {
-        if (!(tmp = ts__malloc(TS_MEM_NN, (size_t)n * ts_dtype_size(ts_tensor_dtype(g)))))
-            return TS_ERR_NO_MEMORY;
-        walk_rows(g, g, f32 ? gather_f32 : gather_f64, &tmp);
+    if (gather) {
+        gather_k k = {es, tmp};
+        walk_rows(g, g, gather_row, &k);
         x = tmp;
     }
-    *out = f32 ? (double)norm_f32(x, n) : norm_f64(x, n);
+    if (half) {
+        float *f = (float *)((unsigned char *)tmp + (gather ? (size_t)n * es : 0));
+        ts__buf_convert(TS_F32, f, dt, x, n);
+        x = f;
+    }
+    *norm_out = dt == TS_F64 ? ts__buf_norm2_f64_on(norm_path(), x, n) : (double)ts__buf_norm2_f32_on(norm_path(), x, n);
     ts__free(TS_MEM_NN, tmp);
     return TS_OK;
+}
+
+ts_status ts__optim_total_norm(int n, const double *norms, bool any_f64, double *total_out)
+{
+    if (n <= 0) {
+        *total_out = 0;
+        return TS_OK;
+    }
+    if (any_f64) {
+        *total_out = ts__buf_norm2_f64_on(norm_path(), norms, n);
+        return TS_OK;
+    }
+    float *n32 = ts__malloc(TS_MEM_NN, (size_t)n * sizeof *n32);
+    if (!n32)
+        return TS_ERR_NO_MEMORY;
+    for (int i = 0; i < n; i++)
+        n32[i] = (float)norms[i];
+    *total_out = (double)ts__buf_norm2_f32_on(norm_path(), n32, n);
+    ts__free(TS_MEM_NN, n32);
+    return TS_OK;
+}
+
+double ts__optim_clip_coef(double total, double max_norm, bool any_f64)
+{
+    /* clip_coef = max_norm / (total_norm + 1e-6), i.e. Tensor.__rdiv__:
+     * (total + 1e-6).reciprocal() * max_norm, in the stack's dtype */
+    if (any_f64)
+        return (1.0 / (total + 1e-6)) * max_norm;
+    float t = (float)total + (float)1e-6;
+    return (double)((1.0f / t) * (float)max_norm);
+}
+
+void ts__optim_scale_grad(ts_tensor *g, double coef)
+{
+    scale_k k = {ts_tensor_dtype(g), coef};
+    walk_rows(g, g, scale_row, &k);
 }
 
 ts_status ts_clip_grad_norm(int n, ts_tensor *const *params, double max_norm, double *total_norm_out)
@@ -1112,21 +1077,18 @@ ts_status ts_clip_grad_norm(int n, ts_tensor *const *params, double max_norm, do
     }
     /* torch.norm(torch.stack([torch.norm(g, 2) for g in grads]), 2): the
      * stack is float64 if any gradient is, else float32 */
-    double *norms = ts__malloc(TS_MEM_NN, (size_t)ng * (sizeof(double) + sizeof(float)));
+    double *norms = ts__malloc(TS_MEM_NN, (size_t)ng * sizeof(double));
     if (!norms)
         return TS_ERR_NO_MEMORY;
-    float *norms32 = (float *)(norms + ng);
     ts_status st = TS_OK;
     for (int i = 0, j = 0; i < n && !st; i++) {
         ts_tensor *g = ts_tensor_grad(params[i]);
-        if (g && !(st = grad_norm(g, &norms[j]))) {
-            norms32[j] = (float)norms[j];
+        if (g && !(st = ts__optim_grad_norm(g, &norms[j])))
             j++;
-        }
     }
     double total = 0;
     if (!st)
-        total = any_f64 ? norm_f64(norms, ng) : (double)norm_f32(norms32, ng);
+        st = ts__optim_total_norm(ng, norms, any_f64, &total);
     ts__free(TS_MEM_NN, norms);
     if (st)
         return st;
@@ -1134,22 +1096,14 @@ ts_status ts_clip_grad_norm(int n, ts_tensor *const *params, double max_norm, do
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "%s: the total norm of order 2 of the gradients is non-finite (%g), so it cannot be "
                         "clipped; the gradients were left unchanged", who, total);
-    /* clip_coef = max_norm / (total_norm + 1e-6), i.e. Tensor.__rdiv__:
-     * (total + 1e-6).reciprocal() * max_norm; clamp(max=1.0); grads are
-     * multiplied by it. Multiplying by exactly 1.0 changes nothing, so
-     * that case is skipped. */
-    double coef;
-    if (any_f64) {
-        coef = (1.0 / (total + 1e-6)) * max_norm;
-    } else {
-        float t = (float)total + (float)1e-6;
-        coef = (double)((1.0f / t) * (float)max_norm);
-    }
+    /* grads are multiplied by min(clip_coef, 1); multiplying by exactly
+     * 1.0 changes nothing, so that case is skipped. */
+    double coef = ts__optim_clip_coef(total, max_norm, any_f64);
     if (coef < 1.0) {
         for (int i = 0; i < n; i++) {
             ts_tensor *g = ts_tensor_grad(params[i]);
             if (g)
-                walk_rows(g, g, ts_tensor_dtype(g) == TS_F32 ? scale_f32 : scale_f64, &coef);
+                ts__optim_scale_grad(g, coef);
         }
     }
     *total_norm_out = total;

@@ -73,6 +73,7 @@ void ts__cpu_info_query(ts__cpu_info *out)
     out->fma3 = c & (1u << 12);
     bool osxsave = c & (1u << 27);
     out->avx = c & (1u << 28);
+    out->f16c = c & (1u << 29);
 
     if (osxsave) {
         /* XGETBV with ecx = 0 reads XCR0 (the state the OS saves on a
@@ -94,6 +95,10 @@ void ts__cpu_info_query(ts__cpu_info *out)
         out->avx512cd = b & (1u << 28);
         out->avx512bw = b & (1u << 30);
         out->avx512vl = b & (1u << 31);
+        if (a >= 1) {
+            __cpuid_count(7, 1, a, b, c, d);
+            out->avx512bf16 = a & (1u << 5);
+        }
     }
     if (__get_cpuid(0x80000000u, &a, &b, &c, &d) && a >= 0x80000001u) {
         __get_cpuid(0x80000001u, &a, &b, &c, &d);

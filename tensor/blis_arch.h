@@ -28,6 +28,7 @@ typedef struct ts__cpu_info {
     bool avx512f, avx512dq, avx512cd, avx512bw, avx512vl, avx512pf, avx512er;
     bool os_ymm; /* XCR0 bits 1-2: SSE and AVX state */
     bool os_zmm; /* XCR0 bits 1-2 and 5-7: also opmask and zmm state */
+    bool f16c, avx512bf16; /* for tensor/kernels.c's conversion paths */
 } ts__cpu_info;
 
 /* Fills `out` from cpuid on this machine (all false off x86). */

@@ -240,6 +240,25 @@ static inline __attribute__((always_inline)) void st_h(ts_dtype d, uint16_t *p, 
     p[i] = d == TS_BF16 ? ts__f32_to_bf16(v) : ts_f32_to_f16(v);
 }
 
+/* float16 goes through float blocks converted by the vectorised
+ * ts__buf_convert (the scalar f16 conversions are branchy and not inlined:
+ * 20-40x slower than float32 per element); the bits are the same. */
+enum { H_BLOCK = 256 };
+
+static inline void ld_block_f16(float *d, const uint16_t *p, int64_t stride, int64_t m)
+{
+    if (stride == 1) {
+        ts__buf_convert(TS_F32, d, TS_F16, p, m);
+    } else if (stride == 0) {
+        float v = ts_f16_to_f32(p[0]);
+        for (int64_t i = 0; i < m; i++)
+            d[i] = v;
+    } else {
+        for (int64_t i = 0; i < m; i++)
+            d[i] = ts_f16_to_f32(p[i * stride]);
+    }
+}
+
 static inline __attribute__((always_inline)) void bin_loop_h(bop op, ts_dtype dt, const bgeom *g, uint16_t *o,
                                                             const uint16_t *a, const uint16_t *b, float p)
 {
@@ -261,8 +280,15 @@ static inline __attribute__((always_inline)) void bin_loop_h(bop op, ts_dtype dt
             for (int64_t i = 0; i < n; i++)
                 oo[i] = ts__f32_to_bf16(bin_f(op, ts__bf16_to_f32(aa[i * sa]), ts__bf16_to_f32(bb[i * sb]), p));
         else
-            for (int64_t i = 0; i < n; i++)
-                oo[i] = ts_f32_to_f16(bin_f(op, ts_f16_to_f32(aa[i * sa]), ts_f16_to_f32(bb[i * sb]), p));
+            for (int64_t i0 = 0; i0 < n; i0 += H_BLOCK) {
+                int64_t m = n - i0 < H_BLOCK ? n - i0 : H_BLOCK;
+                float fa[H_BLOCK], fb[H_BLOCK];
+                ld_block_f16(fa, aa + i0 * sa, sa, m);
+                ld_block_f16(fb, bb + i0 * sb, sb, m);
+                for (int64_t i = 0; i < m; i++)
+                    fa[i] = bin_f(op, fa[i], fb[i], p);
+                ts__buf_convert(TS_F16, oo + i0, TS_F32, fa, m);
+            }
     } while (ts__next_outer(nd, g->shape, idx, 3, str, offs));
 }
 
@@ -426,8 +452,14 @@ static inline __attribute__((always_inline)) void un_loop_h(uop op, ts_dtype dt,
         for (int64_t i = 0; i < n; i++)
             o[i] = ts__f32_to_bf16(un_f(op, ts__bf16_to_f32(a[i]), p));
     else
-        for (int64_t i = 0; i < n; i++)
-            o[i] = ts_f32_to_f16(un_f(op, ts_f16_to_f32(a[i]), p));
+        for (int64_t i0 = 0; i0 < n; i0 += H_BLOCK) {
+            int64_t m = n - i0 < H_BLOCK ? n - i0 : H_BLOCK;
+            float f[H_BLOCK];
+            ts__buf_convert(TS_F32, f, TS_F16, a + i0, m);
+            for (int64_t i = 0; i < m; i++)
+                f[i] = un_f(op, f[i], p);
+            ts__buf_convert(TS_F16, o + i0, TS_F32, f, m);
+        }
 }
 
 __attribute__((target_clones("avx2", "default"))) static void un_dispatch_h(uop op, ts_dtype dt, int64_t n, uint16_t *o, const uint16_t *a, float p)

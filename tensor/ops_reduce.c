@@ -97,6 +97,24 @@ static ts_status reduce_kernel(enum red kind, ts_tensor *a, const bool *mask, ts
                     for (int64_t i = 0; i < n; i++)
                         ac[i * so] += ts__bf16_to_f32(x[i * sa]);
                 }
+            } else if (half && sa == 1) {
+                /* float16 in float blocks from the vectorised conversion
+                 * (the scalar one is branchy and not inlined) */
+                const uint16_t *x = (const uint16_t *)ap + offs[0];
+                float f[256];
+                for (int64_t i0 = 0; i0 < n; i0 += 256) {
+                    int64_t m = n - i0 < 256 ? n - i0 : 256;
+                    ts__buf_convert(TS_F32, f, TS_F16, x + i0, m);
+                    if (so == 0) {
+                        double t = 0;
+                        for (int64_t i = 0; i < m; i++)
+                            t += f[i];
+                        ac[0] += t;
+                    } else {
+                        for (int64_t i = 0; i < m; i++)
+                            ac[(i0 + i) * so] += f[i];
+                    }
+                }
             } else if (half) {
                 const uint16_t *x = (const uint16_t *)ap + offs[0];
                 for (int64_t i = 0; i < n; i++)
