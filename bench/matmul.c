@@ -5,6 +5,16 @@
  * x (M, K) @ W^T with W (N, K), its two backward products dX = dY @ W and
  * dW = dY^T @ X (M = 8192, K = 768, N = 3072), and square 512, 1024, 2048.
  *
+ * bfloat16: the same products with every operand in bfloat16 (ts_matmul
+ * on bf16 tensors: float32 accumulation, one rounding), beside the float32
+ * figure (ratio bf16/f32) and beside PyTorch 1.13's bfloat16 torch.matmul
+ * on the same shapes, measured by tools/bench/torch_matmul.py (Debian's
+ * /usr/bin/python3) in the same run, once per thread count before the
+ * products. The input values are bfloat16 numbers in both dtypes, so the
+ * bf16 result is checked against the float32 one (within the bf16
+ * rounding of the result). TS_BF16_GEMM_KERNEL=sgemm measures the
+ * fallback that CPUs without AVX512_BF16 run.
+ *
  * Each figure is the median of several timed repetitions after a warm-up.
  * The library's and raw BLIS's repetitions alternate (and which of the two
  * goes first alternates too), so that drift in clock speed or in other
@@ -14,13 +24,14 @@
  * SSE multiply and add) with 16 (12 for ymm) independent accumulators, run
  * on every thread at once.
  *
- * Usage: bench_matmul [--quick] [--reps N] [--threads LIST] [--best]
+ * Usage: bench_matmul [--quick] [--reps N] [--threads LIST] [--best] [--no-torch]
  *   --quick         fewer repetitions (about 2x shorter)
  *   --reps N        timed repetitions per shape (default 7, 3 with --quick)
  *   --threads LIST  comma-separated thread counts (default 1,2)
  *   --best          report the fastest repetition instead of the median
  *                   (what the hardware can do when other load comes and
  *                   goes; the targets are about medians)
+ *   --no-torch      skip PyTorch's bfloat16 figures
  * Exit status 1 if the library's result differs from raw BLIS's.
  */
 #define _GNU_SOURCE
@@ -34,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static double now_s(void)
 {
@@ -273,8 +285,23 @@ static ts_tensor *filled(int64_t rows, int64_t cols, uint32_t seed)
     uint32_t s = seed * 2654435761u + 1;
     for (int64_t i = 0; i < rows * cols; i++) {
         s = s * 1664525u + 1013904223u;
-        p[i] = (float)((s >> 8) & 0xFFFF) / 65536.0f - 0.5f;
+        /* bfloat16 numbers, so the f32 and bf16 products take equal inputs */
+        p[i] = ts_bf16_to_f32(ts_f32_to_bf16((float)((s >> 8) & 0xFFFF) / 65536.0f - 0.5f));
     }
+    return t;
+}
+
+/* The same values in bfloat16 (exact). */
+static ts_tensor *to_bf16(ts_tensor *f)
+{
+    int64_t n = ts_tensor_numel(f);
+    uint16_t *h = malloc((size_t)n * sizeof *h);
+    const float *p = ts_tensor_data(f);
+    for (int64_t i = 0; i < n; i++)
+        h[i] = ts_f32_to_bf16(p[i]);
+    ts_tensor *t;
+    check(ts_tensor_from_data(TS_BF16, ts_tensor_ndim(f), ts_tensor_shape(f), h, &t), "ts_tensor_from_data");
+    free(h);
     return t;
 }
 
@@ -283,13 +310,15 @@ static ts_tensor *filled(int64_t rows, int64_t cols, uint32_t seed)
  * (views included) and as raw pointers with strides. */
 typedef struct problem {
     ts_tensor *a, *b;  /* operands as ts_matmul gets them (may be views) */
+    ts_tensor *ha, *hb; /* the same in bfloat16 */
     ts_tensor *c_blis; /* raw BLIS output, (m, n) contiguous */
     int64_t m, n, k;
     float *pa, *pb;
     int64_t rsa, csa, rsb, csb;
 } problem;
 
-static problem setup(const shape *sh, ts_tensor *X, ts_tensor *W, ts_tensor *dY, ts_tensor *S1, ts_tensor *S2)
+static problem setup(const shape *sh, ts_tensor *X, ts_tensor *W, ts_tensor *dY, ts_tensor *S1, ts_tensor *S2,
+                     ts_tensor *hX, ts_tensor *hW, ts_tensor *hdY, ts_tensor *hS1, ts_tensor *hS2)
 {
     problem p;
     memset(&p, 0, sizeof p);
@@ -298,21 +327,29 @@ static problem setup(const shape *sh, ts_tensor *X, ts_tensor *W, ts_tensor *dY,
     case OP_FWD: /* x (M, K) @ W^T, W (N, K): W^T is W's strides swapped */
         p.a = ts_tensor_retain(X);
         check(ts_transpose(W, 0, 1, &p.b), "ts_transpose");
+        p.ha = ts_tensor_retain(hX);
+        check(ts_transpose(hW, 0, 1, &p.hb), "ts_transpose");
         p.m = M, p.n = N, p.k = K;
         break;
     case OP_DX: /* dY (M, N) @ W (N, K) */
         p.a = ts_tensor_retain(dY);
         p.b = ts_tensor_retain(W);
+        p.ha = ts_tensor_retain(hdY);
+        p.hb = ts_tensor_retain(hW);
         p.m = M, p.n = K, p.k = N;
         break;
     case OP_DW: /* dY^T (N, M) @ X (M, K) */
         check(ts_transpose(dY, 0, 1, &p.a), "ts_transpose");
         p.b = ts_tensor_retain(X);
+        check(ts_transpose(hdY, 0, 1, &p.ha), "ts_transpose");
+        p.hb = ts_tensor_retain(hX);
         p.m = N, p.n = K, p.k = M;
         break;
     case OP_SQUARE:
         p.a = ts_tensor_retain(S1);
         p.b = ts_tensor_retain(S2);
+        p.ha = ts_tensor_retain(hS1);
+        p.hb = ts_tensor_retain(hS2);
         p.m = p.n = p.k = M;
         break;
     }
@@ -325,11 +362,11 @@ static problem setup(const shape *sh, ts_tensor *X, ts_tensor *W, ts_tensor *dY,
     return p;
 }
 
-static double run_lib(const problem *p, ts_tensor **keep)
+static double run_lib(const problem *p, bool half, ts_tensor **keep)
 {
     ts_tensor *out;
     double t0 = now_s();
-    check(ts_matmul(p->a, p->b, &out), "ts_matmul");
+    check(ts_matmul(half ? p->ha : p->a, half ? p->hb : p->b, &out), "ts_matmul");
     double t = now_s() - t0;
     if (keep) {
         ts_tensor_free(*keep);
@@ -358,9 +395,11 @@ static double rel_diff(ts_tensor *lib, ts_tensor *blis, int64_t m, int64_t n)
     ts_tensor *cl;
     check(ts_contiguous(lib, &cl), "ts_contiguous");
     const float *x = ts_tensor_data(cl), *y = ts_tensor_data(blis);
+    const uint16_t *xh = ts_tensor_data(cl);
+    bool half = ts_tensor_dtype(cl) == TS_BF16;
     double md = 0.0, mx = 0.0;
     for (int64_t i = 0; i < m * n; i++) {
-        double d = fabs((double)x[i] - (double)y[i]);
+        double d = fabs((half ? (double)ts_bf16_to_f32(xh[i]) : (double)x[i]) - (double)y[i]);
         if (!(d <= md))
             md = d;
         if (fabs((double)y[i]) > mx)
@@ -386,19 +425,53 @@ static double load_average(void)
 
 static void usage(void)
 {
-    fprintf(stderr, "usage: bench_matmul [--quick] [--reps N] [--threads LIST] [--best]\n");
+    fprintf(stderr, "usage: bench_matmul [--quick] [--reps N] [--threads LIST] [--best] [--no-torch]\n");
     exit(2);
+}
+
+/* PyTorch's bfloat16 GFLOP/s per shape (index into shapes[]), or -1 each
+ * when python3 with torch is absent; returns false then. */
+static bool torch_bf16(int threads, int reps, double *gflops)
+{
+    for (int s = 0; s < N_SHAPES; s++)
+        gflops[s] = -1;
+    if (access("/usr/bin/python3", X_OK) != 0 || system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0)
+        return false;
+    static const char *const tags[N_SHAPES] = {"fwd", "dx", "dw", "sq512", "sq1024", "sq2048"};
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "env BLIS_ARCH_TYPE=%s MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 "
+             "OMP_NUM_THREADS=%d BLIS_NUM_THREADS=%d /usr/bin/python3 %s/tools/bench/torch_matmul.py %d %d bf16",
+             strcmp(ts_blis_arch_name(), "skx") == 0 ? "0" : "\"$BLIS_ARCH_TYPE\"", threads, threads,
+             TS_SOURCE_DIR, threads, reps);
+    FILE *f = popen(cmd, "r");
+    if (!f)
+        return false;
+    char line[256], tag[32], dt[16];
+    double g;
+    bool any = false;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "torch %31s %15s %lf", tag, dt, &g) == 3 && strcmp(dt, "bf16") == 0)
+            for (int s = 0; s < N_SHAPES; s++)
+                if (strcmp(tag, tags[s]) == 0) {
+                    gflops[s] = g;
+                    any = true;
+                }
+    pclose(f);
+    return any;
 }
 
 int main(int argc, char **argv)
 {
-    bool quick = false;
+    bool quick = false, use_torch = true;
     int reps = 0;
     int threads[16] = {1, 2};
     int n_threads = 2;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0) {
             quick = true;
+        } else if (strcmp(argv[i], "--no-torch") == 0) {
+            use_torch = false;
         } else if (strcmp(argv[i], "--best") == 0) {
             use_best = true;
         } else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
@@ -432,14 +505,19 @@ int main(int argc, char **argv)
            user_arch ? "BLIS_ARCH_TYPE was set to " : "chosen by the library from cpuid",
            user_arch ? user_arch_copy : "");
     printf("FMA peak kernel: %s\n", pk.desc);
+    printf("bfloat16 kernel: '%s' (TS_BF16_GEMM_KERNEL=%s)\n", ts_bf16_gemm_kernel_name(),
+           getenv("TS_BF16_GEMM_KERNEL") ? getenv("TS_BF16_GEMM_KERNEL") : "unset, auto");
 
     int64_t M = shapes[0].M, K = shapes[0].K, N = shapes[0].N;
     ts_tensor *X = filled(M, K, 1), *W = filled(N, K, 2), *dY = filled(M, N, 3);
-    ts_tensor *sq[2][3];
+    ts_tensor *hX = to_bf16(X), *hW = to_bf16(W), *hdY = to_bf16(dY);
+    ts_tensor *sq[2][3], *hsq[2][3];
     for (int s = 0; s < 3; s++) {
         int64_t n = 512 << s;
         sq[0][s] = filled(n, n, (uint32_t)(10 + s));
         sq[1][s] = filled(n, n, (uint32_t)(20 + s));
+        hsq[0][s] = to_bf16(sq[0][s]);
+        hsq[1][s] = to_bf16(sq[1][s]);
     }
 
     int status = 0;
@@ -447,18 +525,26 @@ int main(int argc, char **argv)
     double load0 = load_average();
     printf("load average at start %.2f%s\n", load0,
            load0 > 0.5 ? " (other processes are running: figures, above all at 2 threads, will be low)" : "");
-    printf("\n%-3s %-26s %6s %6s %6s %9s %9s %9s %8s %8s %s\n", "thr", "product", "m", "n", "k", "lib", "blis",
-           "peak", "lib/", "lib/", "check");
-    printf("%-3s %-26s %6s %6s %6s %9s %9s %9s %8s %8s\n", "", "", "", "", "", "GFLOP/s", "GFLOP/s", "GFLOP/s",
-           "blis", "peak");
+    printf("\n%-3s %-26s %6s %6s %6s %9s %9s %9s %8s %8s %9s %8s %9s %8s %s\n", "thr", "product", "m", "n", "k",
+           "lib f32", "blis", "peak", "lib/", "lib/", "lib bf16", "bf16/", "torch", "bf16/", "check");
+    printf("%-3s %-26s %6s %6s %6s %9s %9s %9s %8s %8s %9s %8s %9s %8s\n", "", "", "", "", "", "GFLOP/s",
+           "GFLOP/s", "GFLOP/s", "blis", "peak", "GFLOP/s", "f32", "bf16", "torch");
     for (int ti = 0; ti < n_threads; ti++) {
         int nt = threads[ti];
+        double torch_g[N_SHAPES];
+        bool have_torch = use_torch && torch_bf16(nt, reps ? reps : quick ? 3 : 7, torch_g);
+        if (!use_torch)
+            for (int s = 0; s < N_SHAPES; s++)
+                torch_g[s] = -1;
+        else if (!have_torch)
+            printf("(%d thread%s: no /usr/bin/python3 with torch here, or it failed: no torch figures)\n", nt,
+                   nt == 1 ? "" : "s");
         ts_set_num_threads(nt);
         long peak_iters = peak_calibrate(pk, 0.05);
         for (int s = 0; s < N_SHAPES; s++) {
             const shape *sh = &shapes[s];
             int si = sh->op == OP_SQUARE ? (sh->M == 512 ? 0 : sh->M == 1024 ? 1 : 2) : 0;
-            problem p = setup(sh, X, W, dY, sq[0][si], sq[1][si]);
+            problem p = setup(sh, X, W, dY, sq[0][si], sq[1][si], hX, hW, hdY, hsq[0][si], hsq[1][si]);
             int r = reps ? reps : quick ? 3 : 7;
             int warm = sh->large ? 2 : 5;
             /* the peak just before and just after the products (as
@@ -471,47 +557,67 @@ int main(int argc, char **argv)
              * block, which goes back to the caching pool after each run
              * and is reused by the next (no fresh pages in timed runs) */
             for (int w = 0; w < warm; w++) {
-                run_lib(&p, NULL);
+                run_lib(&p, false, NULL);
                 run_blis(&p);
+                run_lib(&p, true, NULL);
             }
-            ts_tensor *lib_out = NULL;
-            double tl[101], tb[101];
+            ts_tensor *lib_out = NULL, *half_out = NULL;
+            double tl[101], tb[101], th[101];
             for (int i = 0; i < r; i++) {
                 /* which goes first alternates: the first of a pair ran
                  * a few per cent slower on the small squares here */
                 if (i % 2)
                     tb[i] = run_blis(&p);
-                tl[i] = run_lib(&p, i == r - 1 ? &lib_out : NULL);
+                tl[i] = run_lib(&p, false, i == r - 1 ? &lib_out : NULL);
+                th[i] = run_lib(&p, true, i == r - 1 ? &half_out : NULL);
                 if (i % 2 == 0)
                     tb[i] = run_blis(&p);
             }
             for (int i = 3; i < 6; i++)
                 tp[i] = 1.0 / peak_once(pk, peak_iters, nt);
             double flops = 2.0 * (double)p.m * (double)p.n * (double)p.k;
-            double gl = flops / median(tl, r) * 1e-9, gb = flops / median(tb, r) * 1e-9;
+            double gl = flops / median(tl, r) * 1e-9, gb = flops / median(tb, r) * 1e-9,
+                   gh = flops / median(th, r) * 1e-9;
             double peak = 1.0 / median(tp, 6);
             double d = rel_diff(lib_out, p.c_blis, p.m, p.n);
             /* the same BLIS call on the same data: equal up to how BLIS
              * splits the work (f32 rounding of a length-k sum) */
             bool ok = d <= 1e-4;
-            if (!ok)
+            /* bf16: the same inputs; the result rounded to bf16 (2^-9
+             * relative) plus the f32 reordering, relative to max |C| */
+            double dh = rel_diff(half_out, p.c_blis, p.m, p.n);
+            bool ok_h = dh <= 1.0 / 256;
+            if (!ok || !ok_h)
                 status = 1;
-            printf("%-3d %-26s %6ld %6ld %6ld %9.1f %9.1f %9.1f %8.3f %8.3f %s\n", nt, sh->name, (long)p.m,
-                   (long)p.n, (long)p.k, gl, gb, peak, gl / gb, gl / peak, ok ? "ok" : "DIFFERS");
+            char tcol[16], tratio[16];
+            snprintf(tcol, sizeof tcol, torch_g[s] > 0 ? "%.1f" : "-", torch_g[s]);
+            snprintf(tratio, sizeof tratio, torch_g[s] > 0 ? "%.3f" : "-", gh / torch_g[s]);
+            printf("%-3d %-26s %6ld %6ld %6ld %9.1f %9.1f %9.1f %8.3f %8.3f %9.1f %8.3f %9s %8s %s\n", nt,
+                   sh->name, (long)p.m, (long)p.n, (long)p.k, gl, gb, peak, gl / gb, gl / peak, gh, gh / gl, tcol,
+                   tratio, ok && ok_h ? "ok" : !ok ? "DIFFERS" : "BF16 DIFFERS");
             fflush(stdout);
             ts_tensor_free(lib_out);
+            ts_tensor_free(half_out);
+            ts_tensor_free(p.ha);
+            ts_tensor_free(p.hb);
             ts_tensor_free(p.a);
             ts_tensor_free(p.b);
             ts_tensor_free(p.c_blis);
         }
     }
     printf("\ntargets at 1 thread: lib/blis >= 0.95 on every product, lib/peak >= 0.70 on the Linear shapes "
-           "and square 2048\n(%s; %.0f s; load average at end %.2f)\n",
+           "and square 2048;\nbf16/f32 >= 1.8 on AVX512-BF16 CPUs, >= 0.85 on AVX2-only ones (the sgemm kernel)\n"
+           "(%s; %.0f s; load average at end %.2f)\n",
            use_best ? "fastest repetitions" : "medians", now_s() - t_start, load_average());
     for (int s = 0; s < 3; s++) {
         ts_tensor_free(sq[0][s]);
         ts_tensor_free(sq[1][s]);
+        ts_tensor_free(hsq[0][s]);
+        ts_tensor_free(hsq[1][s]);
     }
+    ts_tensor_free(hX);
+    ts_tensor_free(hW);
+    ts_tensor_free(hdY);
     ts_tensor_free(X);
     ts_tensor_free(W);
     ts_tensor_free(dY);

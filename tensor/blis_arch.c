@@ -83,6 +83,7 @@ void ts__cpu_info_query(ts__cpu_info *out)
         (void)xcr0_hi;
         out->os_ymm = (xcr0_lo & 0x6) == 0x6;
         out->os_zmm = (xcr0_lo & 0xE6) == 0xE6;
+        out->os_amx = (xcr0_lo & 0x60000u) == 0x60000u;
     }
 
     if (max_leaf >= 7) {
@@ -95,6 +96,8 @@ void ts__cpu_info_query(ts__cpu_info *out)
         out->avx512cd = b & (1u << 28);
         out->avx512bw = b & (1u << 30);
         out->avx512vl = b & (1u << 31);
+        out->amx_bf16 = d & (1u << 22);
+        out->amx_tile = d & (1u << 24);
         if (a >= 1) {
             __cpuid_count(7, 1, a, b, c, d);
             out->avx512bf16 = a & (1u << 5);

@@ -29,6 +29,8 @@ typedef struct ts__cpu_info {
     bool os_ymm; /* XCR0 bits 1-2: SSE and AVX state */
     bool os_zmm; /* XCR0 bits 1-2 and 5-7: also opmask and zmm state */
     bool f16c, avx512bf16; /* for tensor/kernels.c's conversion paths */
+    bool amx_bf16, amx_tile; /* AMX-BF16, AMX-TILE: cpuid 7.0 edx bits 22, 24 */
+    bool os_amx;             /* XCR0 bits 17-18: tile config and tile data state */
 } ts__cpu_info;
 
 /* Fills `out` from cpuid on this machine (all false off x86). */

@@ -226,6 +226,12 @@ void ts__gemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64
 typedef void (*ts_gemm_observer_fn)(ts_dtype dt, int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t csa, int64_t rsb,
                                     int64_t csb, double beta);
 extern ts_gemm_observer_fn ts__gemm_observer;
+/* C = A B + beta C in bfloat16 or float16 (dt), float32 accumulation and
+ * one rounding per element; the kernel chosen from cpuid or
+ * TS_BF16_GEMM_KERNEL (tensor/gemm_half.h), the reference when
+ * ts__use_reference_kernels is set. */
+void ts__gemm_half(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa,
+                   const void *b, int64_t rsb, int64_t csb, float beta, void *c, int64_t rsc, int64_t csc);
 /* Test hook: when true, ops use the reference kernels. */
 extern bool ts__use_reference_kernels;
 

@@ -17,6 +17,8 @@ void ts__gemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64
     TS_TRACE_BEGIN(t0);
     if (dt == TS_F32)
         ts__gemm_f32(m, n, k, 1.0f, a, rsa, csa, b, rsb, csb, (float)beta, c, rsc, csc);
+    else if (dt == TS_BF16 || dt == TS_F16)
+        ts__gemm_half(dt, m, n, k, a, rsa, csa, b, rsb, csb, (float)beta, c, rsc, csc);
     else
         ts__gemm_f64(m, n, k, 1.0, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
     TS_TRACE_END(t0, "matmul", "compute");
@@ -220,7 +222,7 @@ ts_status ts_matmul(ts_tensor *a, ts_tensor *b, ts_tensor **out)
     ts_tensor *in[2] = {a, b};
     ts_status st;
     if ((st = ts__check_inputs("matmul", 2, in)) || (st = ts__check_same_dtype("matmul", a, b)) ||
-        (st = ts__check_float("matmul", a)))
+        (st = ts__check_floating("matmul", a)))
         return st;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "matmul: out is NULL");
@@ -313,7 +315,7 @@ ts_status ts_linear(ts_tensor *x, ts_tensor *w, ts_tensor *b, ts_tensor **out)
     int nin = b ? 3 : 2;
     ts_status st;
     if ((st = ts__check_inputs("linear", nin, in)) || (st = ts__check_same_dtype("linear", x, w)) ||
-        (b && (st = ts__check_same_dtype("linear", x, b))) || (st = ts__check_float("linear", x)))
+        (b && (st = ts__check_same_dtype("linear", x, b))) || (st = ts__check_floating("linear", x)))
         return st;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "linear: out is NULL");

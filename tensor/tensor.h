@@ -494,6 +494,19 @@ TS_API int ts_get_num_threads(void);
  * using BLIS directly anywhere else in the process: BLIS reads the
  * variable only once. */
 TS_API const char *ts_blis_arch_name(void);
+/* The kernel bfloat16 matrix products use ("avx512bf16" or "sgemm"; a
+ * static string; float16 always uses "sgemm"). Every bfloat16 or float16
+ * product sums in float32 and rounds each output element once (PyTorch's
+ * CPU semantics). "avx512bf16" is a blocked kernel built on vdpbf16ps,
+ * chosen on CPUs with AVX512_BF16 (and OS zmm support), AMX CPUs
+ * included: no AMX kernel is built; "sgemm" converts blocks of the
+ * operands to float32 while packing them and multiplies them with BLIS's
+ * sgemm, on every CPU. The environment variable TS_BF16_GEMM_KERNEL
+ * (read once, at the first bfloat16 product) forces one: "sgemm" (so that
+ * tests cover the fallback on any machine), "avx512bf16" (ignored with a
+ * warning where the CPU lacks it), or "auto" (the default). The choice is
+ * logged at info level. Any thread may call this. */
+TS_API const char *ts_bf16_gemm_kernel_name(void);
 
 #ifdef __cplusplus
 }
