@@ -317,7 +317,62 @@ static mp_case uniform(int W, bool hsdp, ts_dtype param, ts_dtype reduce, double
 
 /* ---------------------------------------- bf16 compute (test_compute_dtype) */
 
+Test(fully_shard_mixed_precision, bf16_one_rank, .timeout = 120)
+{
+    mp_case k = uniform(1, false, TS_BF16, KEEP, 0);
+    run_case(&k);
+}
+
+Test(fully_shard_mixed_precision, bf16_two_ranks, .timeout = 120)
+{
+    mp_case k = uniform(2, false, TS_BF16, KEEP, 0);
+    run_case(&k);
+}
+
+Test(fully_shard_mixed_precision, bf16_four_ranks, .timeout = 120)
+{
+    mp_case k = uniform(4, false, TS_BF16, KEEP, 0);
+    run_case(&k);
+}
+
+Test(fully_shard_mixed_precision, bf16_reshard_false_and_every_2, .timeout = 120)
+{
+    mp_case k = uniform(2, false, TS_BF16, KEEP, 0);
+    k.reshard = TS_RESHARD_FALSE;
+    run_case(&k);
+    k.reshard = TS_RESHARD_EVERY_N;
+    k.every_n = 2;
+    run_case(&k);
+}
+
+/* HSDP reduces twice (reduce-scatter over the shard dim, then all-reduce
+ * over the replicate dim), each rounding to bfloat16; the reference does
+ * the same two reductions, so this is exact too. */
+Test(fully_shard_mixed_precision, bf16_hsdp_2x2, .timeout = 120)
+{
+    mp_case k = uniform(4, true, TS_BF16, KEEP, 0);
+    run_case(&k);
+}
+
 /* ---------------------------------------- reduce dtype (test_reduce_dtype) */
+
+Test(fully_shard_mixed_precision, bf16_params_f32_reduce_two_ranks, .timeout = 120)
+{
+    mp_case k = uniform(2, false, TS_BF16, TS_F32, 0);
+    run_case(&k);
+}
+
+Test(fully_shard_mixed_precision, bf16_params_f32_reduce_four_ranks, .timeout = 120)
+{
+    mp_case k = uniform(4, false, TS_BF16, TS_F32, 0);
+    run_case(&k);
+}
+
+Test(fully_shard_mixed_precision, bf16_params_f32_reduce_hsdp_2x2, .timeout = 120)
+{
+    mp_case k = uniform(4, true, TS_BF16, TS_F32, 0);
+    run_case(&k);
+}
 
 /* _test_reduce_dtype_bf16_reduce: float32 compute, bfloat16 reduction */
 Test(fully_shard_mixed_precision, f32_params_bf16_reduce_four_ranks, .timeout = 120)
@@ -376,6 +431,27 @@ Test(fully_shard_mixed_precision, output_dtype_casts_the_outputs, .timeout = 120
 {
     mp_case k = uniform(2, false, KEEP, KEEP, 0);
     k.root.output_dtype = TS_F64;
+    run_case(&k);
+}
+
+/* A float32 child inside a bfloat16 parent (test_float16_on_one_submodule
+ * the other way round): the middle Linear keeps float32 parameters,
+ * casts its bfloat16 inputs up (cast_forward_inputs) and its outputs back
+ * down (output_dtype). */
+Test(fully_shard_mixed_precision, f32_child_under_bf16_parent, .timeout = 120)
+{
+    mp_case k = uniform(2, false, TS_BF16, KEEP, 0);
+    k.lin[1] = pol(TS_F32, KEEP, TS_BF16);
+    run_case(&k);
+}
+
+/* test_float16_on_one_submodule: a float32 model with one float16
+ * Linear, which casts its inputs down and (output_dtype) its outputs back
+ * up for the float32 layers after it. */
+Test(fully_shard_mixed_precision, f16_child_under_f32_parent, .timeout = 120)
+{
+    mp_case k = uniform(2, false, KEEP, KEEP, 0);
+    k.lin[1] = pol(TS_F16, KEEP, TS_F32);
     run_case(&k);
 }
 
@@ -554,6 +630,24 @@ Test(fully_shard_mixed_precision, all_gather_bytes_follow_param_dtype, .timeout 
     cr_assert_eq(r16.rs * 2, f32.rs);
 }
 
+/* The same for the 16-bit compute dtypes: bfloat16's all-gather moves
+ * exactly half of float32's bytes (issue 10's target), and so does its
+ * reduce-scatter unless reduce_dtype is float32. */
+Test(fully_shard_mixed_precision, bf16_all_gather_moves_half_the_bytes, .timeout = 120)
+{
+    bytes_case f32 = bytes_of(2, KEEP, KEEP);
+    bytes_case bf = bytes_of(2, TS_BF16, TS_F32);
+    cr_assert_eq(bf.ag * 2, f32.ag, "bfloat16 all-gather %llu bytes, float32 %llu", (unsigned long long)bf.ag,
+                 (unsigned long long)f32.ag);
+    cr_assert_eq(bf.rs, f32.rs);
+    bytes_case bfk = bytes_of(2, TS_BF16, KEEP);
+    cr_assert_eq(bfk.ag * 2, f32.ag);
+    cr_assert_eq(bfk.rs * 2, f32.rs);
+    bytes_case h = bytes_of(2, TS_F16, KEEP);
+    cr_assert_eq(h.ag * 2, f32.ag);
+    cr_assert_eq(h.rs * 2, f32.rs);
+}
+
 /* ---------------------------------------- errors */
 
 static int rank_invalid(rank_ctx *rc)
@@ -589,6 +683,80 @@ Test(fully_shard_mixed_precision, invalid_policies_are_clear_errors, .timeout = 
 }
 
 /* ---------------------------------------- fp16 with the grad scaler */
+
+/* test_gradient_scaler: float16 compute, float32 master weights and
+ * reduction, ts_grad_scaler over the ranks. In step 1, rank 1's input
+ * holds an inf: its gradients overflow, every rank skips the step (one
+ * all-reduce of the flag), the weights stay and the scale halves; the
+ * other steps step. */
+static int rank_fp16_scaler(rank_ctx *rc)
+{
+    ts_module *root, *lin[3];
+    RK_OK(rc, mlp_new(7, &root, lin));
+    ts_mp_policy p = pol(TS_F16, TS_F32, KEEP);
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.mp_policy = &p;
+    for (int i = 0; i < 3; i++) RK_OK(rc, ts_fully_shard(lin[i], &o));
+    RK_OK(rc, ts_fully_shard(root, &o));
+    ts_named_params np;
+    RK_OK(rc, ts_module_named_parameters(root, &np));
+    ts_tensor *ps[8];
+    for (int i = 0; i < np.n; i++) ps[i] = *np.items[i].slot;
+    ts_sgd_options so = ts_sgd_options_default();
+    so.lr = 0.05;
+    ts_optim *opt = NULL;
+    RK_OK(rc, ts_sgd_new(np.n, ps, &so, &opt));
+    ts_grad_scaler_options sco = ts_grad_scaler_options_default();
+    sco.group = rc->c;
+    sco.init_scale = 1024.0;
+    ts_grad_scaler *sc = NULL;
+    RK_OK(rc, ts_grad_scaler_new(&sco, &sc));
+    for (int step = 0; step < 3; step++) {
+        ts_tensor *x = batch(rc->rank * 4, 4, step == 1 && rc->rank == 1 ? INFINITY : 0.0);
+        ts_tensor *out = NULL, *loss = NULL, *scaled = NULL;
+        RK_OK(rc, ts_module_call1(root, x, &out));
+        RK_EQ(rc, ts_tensor_dtype(out), TS_F16);
+        RK_OK(rc, ts_sum(out, 0, NULL, false, &loss));
+        RK_OK(rc, ts_grad_scaler_scale(sc, loss, &scaled));
+        RK_EQ(rc, ts_tensor_dtype(scaled), TS_F16);
+        RK_OK(rc, ts_backward(scaled, NULL, false));
+        ts_state_dict *before = NULL;
+        RK_OK(rc, ts_fsdp_full_state_dict(root, false, &before));
+        bool stepped = false;
+        RK_OK(rc, ts_grad_scaler_step(sc, opt, &stepped));
+        RK_EQ(rc, stepped, step != 1);
+        ts_state_dict *after = NULL;
+        RK_OK(rc, ts_fsdp_full_state_dict(root, false, &after));
+        int changed = 0;
+        for (int i = 0; i < ts_state_dict_size(before); i++) {
+            ts_tensor *a = ts_state_dict_get(before, ts_state_dict_name(before, i));
+            ts_tensor *b = ts_state_dict_get(after, ts_state_dict_name(before, i));
+            changed += memcmp(ts_tensor_data(a), ts_tensor_data(b), (size_t)ts_tensor_numel(a) * 4) != 0;
+        }
+        if (step == 1) RK_EQ(rc, changed, 0);
+        else if (changed == 0) return fail(rc, "step %d changed no weight", step);
+        RK_OK(rc, ts_grad_scaler_update(sc));
+        RK_EQ(rc, ts_grad_scaler_get_scale(sc), step == 0 ? 1024.0 : 512.0);
+        ts_optim_zero_grad(opt, true);
+        ts_state_dict_free(before);
+        ts_state_dict_free(after);
+        ts_tensor_free(x);
+        ts_tensor_free(out);
+        ts_tensor_free(loss);
+        ts_tensor_free(scaled);
+    }
+    RK_EQ(rc, ts_optim_step_count(opt), 2);
+    ts_grad_scaler_free(sc);
+    ts_optim_free(opt);
+    ts_named_params_free(&np);
+    ts_module_free(root);
+    return 0;
+}
+
+Test(fully_shard_mixed_precision, fp16_scaler_skips_the_step_with_inf, .timeout = 120)
+{
+    th_run_world(2, rank_fp16_scaler, NULL, 60.0);
+}
 
 /* ---------------------------------------- state dicts under a policy */
 
