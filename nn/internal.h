@@ -17,6 +17,11 @@ ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt);
 ts_status ts__module_check_inputs(ts_module *m, int n_in, int min_in, int max_in);
 /* TS_ERR_SHAPE unless x has >= min_ndim dims and last size `want` */
 ts_status ts__module_check_last_dim(ts_module *m, const char *what, ts_tensor *x, int min_ndim, int64_t want);
+/* TS_ERR_DTYPE naming the module type and both dtypes when input x
+ * (called `what`) and parameter p (`pname`) differ in dtype, as torch's
+ * layers refuse them (matmul: "mat1 and mat2 must have the same dtype";
+ * layer_norm: "expected scalar type"); OK when either is NULL */
+ts_status ts__module_check_dtype(ts_module *m, const char *what, ts_tensor *x, const char *pname, ts_tensor *p);
 /* A new uninitialised f32 leaf that requires grad */
 ts_status ts__param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
 /* Bool (T, T), true above the diagonal: torch.triu(ones, 1), the causal

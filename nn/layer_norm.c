@@ -10,6 +10,8 @@ static ts_status layer_norm_forward(ts_module *m, int n_in, ts_tensor *const *in
     ts_status st = ts__module_check_inputs(m, n_in, 1, 1);
     if (!st)
         st = ts__module_check_last_dim(m, "input", in[0], 1, l->dim);
+    if (!st)
+        st = ts__module_check_dtype(m, "input", in[0], "weight", l->weight);
     if (!st && !(st = ts_layer_norm(in[0], 1, l->weight, l->bias, l->eps, &out[0])))
         *n_out = 1;
     return st;

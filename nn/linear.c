@@ -12,6 +12,8 @@ static ts_status linear_forward(ts_module *m, int n_in, ts_tensor *const *in, in
     if (!st)
         st = ts__module_check_last_dim(m, "input", in[0], 1, l->in_features);
     if (!st)
+        st = ts__module_check_dtype(m, "input", in[0], "weight", l->weight);
+    if (!st)
         st = ts_linear(in[0], l->weight, l->bias, &out[0]);
     if (!st)
         *n_out = 1;

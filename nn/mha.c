@@ -51,7 +51,8 @@ static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *
     ts_tensor *q_in = in[0], *k_in = in[1], *v_in = in[2], *mask = n_in > 3 ? in[3] : NULL;
     static const char *const what[3] = {"query", "key", "value"};
     for (int i = 0; i < 3; i++)
-        if ((st = ts__module_check_last_dim(m, what[i], in[i], 3, E)))
+        if ((st = ts__module_check_last_dim(m, what[i], in[i], 3, E)) ||
+            (st = ts__module_check_dtype(m, what[i], in[i], "in_proj_weight", a->in_proj_weight)))
             return st;
     /* the batch and the sequence dims of the inputs */
     int bd = a->batch_first ? 0 : 1, sd = 1 - bd;

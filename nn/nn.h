@@ -241,6 +241,20 @@ TS_API void ts_module_zero_grad(ts_module *m, bool set_to_none);
 /* Number of parameter elements (each tensor once). */
 TS_API int64_t ts_module_num_parameters(ts_module *m);
 
+/* Converts every floating parameter and buffer of the tree to `dtype`, as
+ * PyTorch's model.to(dtype): each slot then holds a new leaf with the
+ * converted values, the same name and requires_grad, and its .grad
+ * converted too; a tensor in several slots (tied weights) stays one
+ * tensor; integer and bool buffers are kept. Slots already in `dtype` are
+ * left alone. Call it before building an optimizer (one built earlier
+ * holds the old tensors) and before ts_fully_shard. Layers then compute in
+ * `dtype` and take inputs of that dtype. Errors (nothing is changed):
+ * TS_ERR_INVALID_ARGUMENT for NULL m or an invalid dtype; TS_ERR_DTYPE for
+ * a non-floating dtype (PyTorch's Module.to refuses them too);
+ * TS_ERR_SHARDED if a slot holds a shard (after ts_fully_shard);
+ * TS_ERR_RELEASED for a released tensor; TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_module_to_dtype(ts_module *m, ts_dtype dtype);
+
 /* The module tree as PyTorch's repr prints it, with each module's own
  * parameter and buffer shapes (non-float32 dtypes named; "[shard]" marks
  * a slot that holds this rank's shard) and, for an FSDP module, its group

@@ -6,10 +6,146 @@
  * and elementwise passes whose memory traffic was a third of the
  * non-matmul time of a transformer step. */
 #define _GNU_SOURCE
+#include "tensor/half_ops.h"
 #include "tensor/internal.h"
 
 #include <math.h>
 #include <string.h>
+
+/* ------------------------------------------------ bfloat16 / float16 */
+
+/* In the 16-bit dtypes the op follows torch 1.13's F.multi_head_attention_
+ * forward op by op, each op computing in float and rounding its result
+ * once to the dtype, as PyTorch's CPU kernels do:
+ *     qs = q / sqrt(hd)                 (the scalar rounded to the dtype)
+ *     A  = baddbmm(mask, qs, k^T)       (float accumulation, rounded)
+ *     P  = softmax(A)                   (ts__softmax_rows_half)
+ *     W  = P * noise                    (dropout: noise round(1/round(1-p)))
+ *     O  = bmm(W, v)
+ * and the backward is the chain of those ops' backward formulas, each
+ * rounded. The matrix products run in float32 (ts__gemm) over float copies
+ * of the head's slices. */
+
+/* rows x cols floats from a 16-bit matrix with row stride rs (elements)
+ * and unit column stride. */
+static void load_rows(ts_dtype dt, float *dst, const char *src, int64_t rs, int64_t rows, int64_t cols)
+{
+    size_t es = ts_dtype_size(dt);
+    for (int64_t r = 0; r < rows; r++)
+        ts__buf_convert(TS_F32, dst + r * cols, dt, src + (size_t)(r * rs) * es, cols);
+}
+
+/* The inverse: rows x cols floats rounded into a 16-bit matrix. */
+static void store_rows(ts_dtype dt, char *dst, int64_t rs, const float *src, int64_t rows, int64_t cols)
+{
+    size_t es = ts_dtype_size(dt);
+    for (int64_t r = 0; r < rows; r++)
+        ts__buf_convert(dt, dst + (size_t)(r * rs) * es, TS_F32, src + r * cols, cols);
+}
+
+/* qs (T, hd) = round(q / s) for the head at qbh (row stride rs). */
+static void load_q_scaled(ts_dtype dt, float *qs, const char *qbh, int64_t rs, int64_t T, int64_t hd, float s)
+{
+    load_rows(dt, qs, qbh, rs, T, hd);
+    for (int64_t i = 0; i < T * hd; i++)
+        qs[i] = ts__round_half(dt, qs[i] / s);
+}
+
+static ts_status attention_half_forward(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t H, const uint8_t *mp,
+                                        ts_tensor *P, ts_tensor *D, ts_tensor *o)
+{
+    ts_dtype dt = q->dtype;
+    int64_t B = q->shape[0], T = q->shape[1], S = k->shape[1], E = q->shape[2], hd = E / H, TS_ = T * S;
+    size_t es = ts_dtype_size(dt);
+    float sdiv = ts__round_half(dt, (float)sqrt((double)hd));
+    float *buf = ts__malloc(TS_MEM_OTHER, (size_t)(2 * T * hd + 2 * S * hd + TS_ + 1) * sizeof *buf);
+    if (!buf)
+        return TS_ERR_NO_MEMORY;
+    float *qf = buf, *kf = qf + T * hd, *vf = kf + S * hd, *wf = vf + S * hd, *of = wf + TS_;
+    const char *qp = ts_tensor_data(q), *kp = ts_tensor_data(k), *vp = ts_tensor_data(v);
+    char *Pp = ts_tensor_data(P), *op_ = ts_tensor_data(o);
+    const uint16_t *Dp = D ? ts_tensor_data(D) : NULL;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            load_q_scaled(dt, qf, qp + (size_t)(b * q->strides[0] + h * hd) * es, q->strides[1], T, hd, sdiv);
+            load_rows(dt, kf, kp + (size_t)(b * k->strides[0] + h * hd) * es, k->strides[1], S, hd);
+            load_rows(dt, vf, vp + (size_t)(b * v->strides[0] + h * hd) * es, v->strides[1], S, hd);
+            /* A (T, S) = qs @ k^T, rounded, -inf where masked */
+            ts__gemm(TS_F32, T, S, hd, qf, hd, 1, kf, 1, hd, 0.0, wf, S, 1);
+            for (int64_t i = 0; i < TS_; i++)
+                wf[i] = mp && mp[i] ? -INFINITY : wf[i];
+            uint16_t *Pbh = (uint16_t *)(void *)(Pp + (size_t)((b * H + h) * TS_) * es);
+            store_rows(dt, (char *)Pbh, S, wf, T, S);
+            ts__softmax_rows_half(dt, Pbh, Pbh, T, S, false);
+            load_rows(dt, wf, (const char *)Pbh, S, T, S);
+            if (Dp) {
+                const uint16_t *Dbh = Dp + (b * H + h) * TS_;
+                for (int64_t i = 0; i < TS_; i++)
+                    wf[i] = ts__round_half(dt, wf[i] * ts__half_to_f32(dt, Dbh[i]));
+            }
+            /* O (T, hd) = W @ v, rounded into the head's columns */
+            ts__gemm(TS_F32, T, hd, S, wf, S, 1, vf, hd, 1, 0.0, of, hd, 1);
+            store_rows(dt, op_ + (size_t)(b * T * E + h * hd) * es, E, of, T, hd);
+        }
+    ts__free(TS_MEM_OTHER, buf);
+    return TS_OK;
+}
+
+static ts_status attention_half_backward(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t H, ts_tensor *P,
+                                         ts_tensor *D, ts_tensor *go, ts_tensor *dq, ts_tensor *dk, ts_tensor *dv)
+{
+    ts_dtype dt = q->dtype;
+    int64_t B = q->shape[0], T = q->shape[1], S = k->shape[1], E = q->shape[2], hd = E / H, TS_ = T * S;
+    size_t es = ts_dtype_size(dt);
+    float sdiv = ts__round_half(dt, (float)sqrt((double)hd));
+    size_t nf = (size_t)(3 * T * hd + 4 * S * hd + 2 * TS_ + 1);
+    float *buf = ts__malloc(TS_MEM_OTHER, nf * sizeof *buf + (size_t)(TS_ + 1) * sizeof(uint16_t));
+    if (!buf)
+        return TS_ERR_NO_MEMORY;
+    float *qf = buf, *kf = qf + T * hd, *vf = kf + S * hd, *gf = vf + S * hd, *wf = gf + T * hd, *dwf = wf + TS_;
+    float *dqf = dwf + TS_, *dkf = dqf + T * hd, *dvf = dkf + S * hd;
+    uint16_t *dsh = (uint16_t *)(void *)(buf + nf);
+    const char *qp = ts_tensor_data(q), *kp = ts_tensor_data(k), *vp = ts_tensor_data(v), *gp = ts_tensor_data(go);
+    const char *Pp = ts_tensor_data(P);
+    const uint16_t *Dp = D ? ts_tensor_data(D) : NULL;
+    char *dqp = ts_tensor_data(dq), *dkp = ts_tensor_data(dk), *dvp = ts_tensor_data(dv);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            load_q_scaled(dt, qf, qp + (size_t)(b * q->strides[0] + h * hd) * es, q->strides[1], T, hd, sdiv);
+            load_rows(dt, kf, kp + (size_t)(b * k->strides[0] + h * hd) * es, k->strides[1], S, hd);
+            load_rows(dt, vf, vp + (size_t)(b * v->strides[0] + h * hd) * es, v->strides[1], S, hd);
+            load_rows(dt, gf, gp + (size_t)(b * T * E + h * hd) * es, E, T, hd);
+            const char *Pbh = Pp + (size_t)((b * H + h) * TS_) * es;
+            const uint16_t *Dbh = Dp ? Dp + (b * H + h) * TS_ : NULL;
+            load_rows(dt, wf, Pbh, S, T, S);
+            if (Dbh)
+                for (int64_t i = 0; i < TS_; i++)
+                    wf[i] = ts__round_half(dt, wf[i] * ts__half_to_f32(dt, Dbh[i]));
+            /* bmm(W, v): dv (S, hd) = W^T @ dO, dW (T, S) = dO @ v^T */
+            ts__gemm(TS_F32, S, hd, T, wf, 1, S, gf, hd, 1, 0.0, dvf, hd, 1);
+            store_rows(dt, dvp + (size_t)(b * S * E + h * hd) * es, E, dvf, S, hd);
+            ts__gemm(TS_F32, T, S, hd, gf, hd, 1, vf, 1, hd, 0.0, dwf, S, 1);
+            ts__round_half_buf(dt, dwf, TS_);
+            /* dropout: dP = dW * noise */
+            if (Dbh)
+                for (int64_t i = 0; i < TS_; i++)
+                    dwf[i] = ts__round_half(dt, dwf[i] * ts__half_to_f32(dt, Dbh[i]));
+            /* softmax: dA = P * (dP - sum(dP * P)) */
+            store_rows(dt, (char *)dsh, S, dwf, T, S);
+            ts__softmax_bw_rows_half(dt, dsh, Pbh, dsh, T, S, false);
+            load_rows(dt, dwf, (const char *)dsh, S, T, S);
+            /* baddbmm(mask, qs, k^T): dqs (T, hd) = dA @ k, dk (S, hd) = dA^T @ qs */
+            ts__gemm(TS_F32, T, hd, S, dwf, S, 1, kf, hd, 1, 0.0, dqf, hd, 1);
+            ts__gemm(TS_F32, S, hd, T, dwf, 1, S, qf, hd, 1, 0.0, dkf, hd, 1);
+            store_rows(dt, dkp + (size_t)(b * S * E + h * hd) * es, E, dkf, S, hd);
+            /* qs = q / s: dq = round(dqs) / s, rounded */
+            for (int64_t i = 0; i < T * hd; i++)
+                dqf[i] = ts__round_half(dt, dqf[i]) / sdiv;
+            store_rows(dt, dqp + (size_t)(b * T * E + h * hd) * es, E, dqf, T, hd);
+        }
+    ts__free(TS_MEM_OTHER, buf);
+    return TS_OK;
+}
 
 /* Node layout: saved[0..2] = q, k, v; saved[3] = probabilities P
  * (B, H, T, S) before dropout; saved[4] = the dropout scale mask D (0 or
@@ -37,6 +173,11 @@ static ts_status attention_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         st = ts__tensor_new(dt, 2, ps, &pd);
     if (st)
         goto done;
+    if (ts__is_half(dt)) {
+        if ((st = attention_half_backward(q, k, v, H, P, D, go, dq, dk, dv)))
+            goto done;
+        goto grads;
+    }
     const char *qp = ts_tensor_data(q), *kp = ts_tensor_data(k), *vp = ts_tensor_data(v), *gp = ts_tensor_data(go);
     const char *Pp = ts_tensor_data(P), *Dp = D ? ts_tensor_data(D) : NULL;
     char *dqp = ts_tensor_data(dq), *dkp = ts_tensor_data(dk), *dvp = ts_tensor_data(dv), *dpp = ts_tensor_data(dp);
@@ -87,6 +228,7 @@ static ts_status attention_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
             ts__gemm(dt, S, hd, T, dpp, 1, S, qbh, q->strides[1], q->strides[2], 0.0, dkp + (b * S * E + h * hd) * es,
                      E, 1);
         }
+grads:
     gin[0] = dq;
     gin[1] = dk;
     gin[2] = dv;
@@ -108,7 +250,7 @@ ts_status ts_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t num_hea
     ts_tensor *in[3] = {q, k, v};
     ts_status st;
     if ((st = ts__check_inputs(op, 3, in)) || (mask && (st = ts__check_inputs(op, 1, &mask))) ||
-        (st = ts__check_float(op, q)) || (st = ts__check_same_dtype(op, q, k)) || (st = ts__check_same_dtype(op, q, v)))
+        (st = ts__check_floating(op, q)) || (st = ts__check_same_dtype(op, q, k)) || (st = ts__check_same_dtype(op, q, v)))
         return st;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", op);
@@ -141,6 +283,14 @@ ts_status ts_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t num_hea
     if ((st = ts__tensor_new(dt, 3, os, &o)) || (st = ts__tensor_new(dt, 4, pshape, &P)))
         goto fail;
     bool drop = training && dropout_p > 0;
+    if (ts__is_half(dt)) {
+        if (mask && (st = ts_contiguous(mask, &mc)))
+            goto fail;
+        if ((drop && (st = ts__dropout_noise_half(dt, 4, pshape, dropout_p, gen, &D))) ||
+            (st = attention_half_forward(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, P, D, o)))
+            goto fail;
+        goto record;
+    }
     if (drop) {
         /* PyTorch: F.dropout over the (B*H, T, S) weights: bernoulli(1-p)
          * in row-major order, scaled by 1/(1-p) */
@@ -198,6 +348,7 @@ ts_status ts_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t num_hea
             /* out[b, :, h*hd:(h+1)*hd] (T, hd) = weights (T, S) @ v (S, hd) */
             ts__gemm(dt, T, hd, S, weights, S, 1, vbh, v->strides[1], 1, 0.0, op_ + (b * T * E + h * hd) * es, E, 1);
         }
+record:
     ts_tensor_free(W);
     W = NULL;
     ts_tensor_free(mc);

@@ -1,10 +1,77 @@
 /* Neural-network ops: layer_norm, embedding, cross_entropy, mse_loss,
- * dropout. */
+ * dropout, and the bfloat16 / float16 softmax rows. In the 16-bit dtypes
+ * each op computes in float32 and rounds its result once to the tensor's
+ * dtype (torch 1.13's CPU kernels accumulate so); where torch's composite
+ * rounds between steps (embedding's backward, dropout's noise, the loss
+ * gradient), the same steps round here. */
 #define _GNU_SOURCE
+#include "tensor/fastmath.h"
+#include "tensor/half_ops.h"
 #include "tensor/internal.h"
 
 #include <math.h>
 #include <string.h>
+
+/* ----------------------------------------------------- softmax rows, 16-bit */
+
+/* The bfloat16 / float16 rows of softmax and log_softmax (ops_reduce.c's
+ * softmax_op and ops_attention.c call them): the f32 row kernel's
+ * arithmetic (ts__exp_f32, the sum in double) on the values read as
+ * float, each result rounded once to dt, so the output is the f32 softmax
+ * of the same values rounded (torch 1.13's bf16 softmax gives the same
+ * bits; its log_softmax rounds intermediates and differs by an ulp on some
+ * elements). x == y is allowed. */
+void ts__softmax_rows_half(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n, bool log_form)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = (const uint16_t *)x + r * n;
+        uint16_t *yr = (uint16_t *)y + r * n;
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+            float v = ts__half_to_f32(dt, xr[i]);
+            mx = v > mx ? v : mx;
+        }
+        if (mx == -INFINITY)
+            mx = 0;
+        double s = 0;
+        for (int64_t i = 0; i < n; i++)
+            s += ts__exp_f32(ts__half_to_f32(dt, xr[i]) - mx);
+        if (log_form) {
+            float ls = (float)log(s);
+            for (int64_t i = 0; i < n; i++)
+                yr[i] = ts__f32_to_half(dt, (ts__half_to_f32(dt, xr[i]) - mx) - ls);
+        } else {
+            float inv = (float)(1.0 / s);
+            for (int64_t i = 0; i < n; i++)
+                yr[i] = ts__f32_to_half(dt, ts__exp_f32(ts__half_to_f32(dt, xr[i]) - mx) * inv);
+        }
+    }
+}
+
+/* Their backward, as the f32 rows: softmax gx = y * (g - sum(g * y)),
+ * log_softmax gx = g - exp(y) * sum(g), sums in double over float terms,
+ * each result rounded once to dt. gx == g is allowed. */
+void ts__softmax_bw_rows_half(ts_dtype dt, const void *g, const void *y, void *gx, int64_t rows, int64_t n,
+                              bool log_form)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gr = (const uint16_t *)g + r * n, *yr = (const uint16_t *)y + r * n;
+        uint16_t *o = (uint16_t *)gx + r * n;
+        double s = 0;
+        if (log_form) {
+            for (int64_t i = 0; i < n; i++)
+                s += ts__half_to_f32(dt, gr[i]);
+            for (int64_t i = 0; i < n; i++)
+                o[i] = ts__f32_to_half(dt, ts__half_to_f32(dt, gr[i]) -
+                                               ts__exp_f32(ts__half_to_f32(dt, yr[i])) * (float)s);
+        } else {
+            for (int64_t i = 0; i < n; i++)
+                s += ts__half_to_f32(dt, gr[i]) * ts__half_to_f32(dt, yr[i]);
+            for (int64_t i = 0; i < n; i++)
+                o[i] = ts__f32_to_half(dt, ts__half_to_f32(dt, yr[i]) * (ts__half_to_f32(dt, gr[i]) - (float)s));
+        }
+    }
+}
 
 /* ----------------------------------------------------- layer_norm */
 
@@ -107,14 +174,35 @@ static ts_status layer_norm_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     }
     gb = gw ? gw + D : NULL;
     void *gxp = gx ? ts_tensor_data(gx) : NULL;
-    if (dt == TS_F32 && !ts__use_reference_kernels) {
+    if (ts__is_half(dt)) {
+        /* bfloat16 / float16: the f32 row kernel over float copies of x,
+         * g and w (PyTorch's CPU kernel accumulates in float), each result
+         * rounded once to dt */
+        float *buf = ts__malloc(TS_MEM_OTHER, (size_t)(4 * D + 1) * sizeof *buf);
+        if (!buf) {
+            st = TS_ERR_NO_MEMORY;
+            goto out;
+        }
+        float *xf = buf, *gf = buf + D, *wf = wp ? buf + 2 * D : NULL, *gxf = buf + 3 * D;
+        size_t es = ts_dtype_size(dt);
+        if (wf)
+            ts__buf_convert(TS_F32, wf, dt, wp, D);
+        for (int64_t r = 0; r < R; r++) {
+            ts__buf_convert(TS_F32, xf, dt, (const char *)xp + (size_t)(r * D) * es, D);
+            ts__buf_convert(TS_F32, gf, dt, (const char *)gp + (size_t)(r * D) * es, D);
+            layer_norm_bw_row_f32(xf, gf, wf, (float)mp[r], (float)rp[r], D, gx ? gxf : NULL, gw, gb);
+            if (gx)
+                ts__buf_convert(dt, (char *)gxp + (size_t)(r * D) * es, TS_F32, gxf, D);
+        }
+        ts__free(TS_MEM_OTHER, buf);
+    } else if (dt == TS_F32 && !ts__use_reference_kernels) {
         const float *xf = xp, *gf = gp, *wf = wp;
         float *gxf = gxp;
         for (int64_t r = 0; r < R; r++)
             layer_norm_bw_row_f32(xf + r * D, gf + r * D, wf, (float)mp[r], (float)rp[r], D, gxf ? gxf + r * D : NULL,
                                   gw, gb);
     }
-    for (int64_t r = 0; r < R && !(dt == TS_F32 && !ts__use_reference_kernels); r++) {
+    for (int64_t r = 0; r < R && !ts__is_half(dt) && !(dt == TS_F32 && !ts__use_reference_kernels); r++) {
         double mu = mp[r], rs = rp[r], s1 = 0, s2 = 0;
         for (int64_t i = 0; i < D; i++) {
             double xh = (ts__load(dt, xp, r * D + i) - mu) * rs;
@@ -141,13 +229,13 @@ static ts_status layer_norm_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         if ((st = ts__tensor_new(dt, pnd, pshape, &gin[1])))
             goto out;
         for (int64_t i = 0; i < D; i++)
-            ts__store(dt, ts_tensor_data(gin[1]), i, gw[i]);
+            ts__store(dt, ts_tensor_data(gin[1]), i, ts__is_half(dt) ? (double)(float)gw[i] : gw[i]);
     }
     if (need_b) {
         if ((st = ts__tensor_new(dt, pnd, pshape, &gin[2])))
             goto out;
         for (int64_t i = 0; i < D; i++)
-            ts__store(dt, ts_tensor_data(gin[2]), i, gb[i]);
+            ts__store(dt, ts_tensor_data(gin[2]), i, ts__is_half(dt) ? (double)(float)gb[i] : gb[i]);
     }
     gin[0] = gx;
     gx = NULL;
@@ -164,7 +252,7 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
     ts_tensor *in[3] = {x, weight, bias};
     ts_status st;
     if ((st = ts__check_inputs("layer_norm", 1, &x)) || (weight && (st = ts__check_inputs("layer_norm", 1, &weight))) ||
-        (bias && (st = ts__check_inputs("layer_norm", 1, &bias))) || (st = ts__check_float("layer_norm", x)))
+        (bias && (st = ts__check_inputs("layer_norm", 1, &bias))) || (st = ts__check_floating("layer_norm", x)))
         return st;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "layer_norm: out is NULL");
@@ -201,7 +289,31 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
         (st = ts__tensor_new(TS_F64, 1, rs, &rstd)))
         goto fail;
     double *mp = ts_tensor_data(mean), *rp = ts_tensor_data(rstd);
-    if (x->dtype == TS_F32 && !ts__use_reference_kernels) {
+    if (ts__is_half(x->dtype)) {
+        /* bfloat16 / float16 as PyTorch's CPU kernel: mean, rstd and the
+         * affine map in float (the f32 row kernel over float copies),
+         * the output rounded once to the input's dtype */
+        ts_dtype dt = x->dtype;
+        size_t es = ts_dtype_size(dt);
+        float *buf = ts__malloc(TS_MEM_OTHER, (size_t)(4 * D + 1) * sizeof *buf);
+        if (!buf) {
+            st = TS_ERR_NO_MEMORY;
+            goto fail;
+        }
+        float *xf = buf, *yf = buf + D, *wf = wc ? buf + 2 * D : NULL, *bf = bc ? buf + 3 * D : NULL;
+        if (wf)
+            ts__buf_convert(TS_F32, wf, dt, ts_tensor_data(wc), D);
+        if (bf)
+            ts__buf_convert(TS_F32, bf, dt, ts_tensor_data(bc), D);
+        const char *xp = ts_tensor_data(xc);
+        char *op_ = ts_tensor_data(o);
+        for (int64_t r = 0; r < R; r++) {
+            ts__buf_convert(TS_F32, xf, dt, xp + (size_t)(r * D) * es, D);
+            layer_norm_row_f32(xf, wf, bf, D, eps, yf, &mp[r], &rp[r]);
+            ts__buf_convert(dt, op_ + (size_t)(r * D) * es, TS_F32, yf, D);
+        }
+        ts__free(TS_MEM_OTHER, buf);
+    } else if (x->dtype == TS_F32 && !ts__use_reference_kernels) {
         const float *xp = ts_tensor_data(xc), *wp = wc ? ts_tensor_data(wc) : NULL, *bp = bc ? ts_tensor_data(bc) : NULL;
         float *op_ = ts_tensor_data(o);
         for (int64_t r = 0; r < R; r++)
@@ -287,6 +399,16 @@ static ts_status embedding_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         for (int64_t r = 0; r < cnt; r++)
             for (int64_t i = 0; i < dim; i++)
                 w[ip[r] * dim + i] += gp[r * dim + i];
+    } else if (ts__is_half(gw->dtype)) {
+        /* PyTorch's embedding_dense_backward_cpu: grad_weight[k].add_(
+         * grad[r]) for each index in order, so every partial sum of a row
+         * hit several times is rounded to the 16-bit dtype (ts__buf_add: each
+         * element through f32, rounded once) */
+        size_t row = (size_t)dim * ts_dtype_size(gw->dtype);
+        char *w = ts_tensor_data(gw);
+        const char *gp = ts_tensor_data(gc);
+        for (int64_t r = 0; r < cnt; r++)
+            ts__buf_add(gw->dtype, w + (size_t)ip[r] * row, gp + (size_t)r * row, dim);
     } else {
         double *w = ts_tensor_data(gw);
         const double *gp = ts_tensor_data(gc);
@@ -303,7 +425,7 @@ ts_status ts_embedding(ts_tensor *weight, ts_tensor *indices, ts_tensor **out)
 {
     ts_tensor *in[2] = {weight, indices};
     ts_status st;
-    if ((st = ts__check_inputs("embedding", 2, in)) || (st = ts__check_float("embedding", weight)))
+    if ((st = ts__check_inputs("embedding", 2, in)) || (st = ts__check_floating("embedding", weight)))
         return st;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "embedding: out is NULL");
@@ -390,7 +512,19 @@ static ts_status cross_entropy_backward(ts_node *n, ts_tensor **g, ts_tensor **g
     ts_dtype dt = lp->dtype;
     const void *lpp = ts_tensor_data(lp), *gp = ts_tensor_data(gc);
     void *gxp = ts_tensor_data(gx);
-    for (int64_t i = 0; i < N; i++) {
+    for (int64_t i = 0; i < N && ts__is_half(dt); i++) {
+        /* PyTorch: nll_loss_backward writes -g (times 1/count for mean,
+         * rounded to dt) at the target, then log_softmax_backward
+         * g_c - exp(lp_c) * sum(g), in float, rounded once to dt */
+        float gi = red == TS_REDUCTION_NONE ? (float)ts__load(dt, gp, i)
+                                            : ts__round_half(dt, (float)(ts__load(dt, gp, 0) * n->dargs[0]));
+        bool ign = t[i] == ignore;
+        const uint16_t *lr = (const uint16_t *)lpp + i * C;
+        uint16_t *gr = (uint16_t *)gxp + i * C;
+        for (int64_t c = 0; c < C; c++)
+            gr[c] = ts__f32_to_half(dt, ign ? 0.0f : gi * (expf(ts__half_to_f32(dt, lr[c])) - (c == t[i] ? 1.0f : 0.0f)));
+    }
+    for (int64_t i = 0; i < N && !ts__is_half(dt); i++) {
         double gi = red == TS_REDUCTION_NONE ? ts__load(dt, gp, i) : ts__load(dt, gp, 0) * n->dargs[0];
         bool ign = t[i] == ignore;
         for (int64_t c = 0; c < C; c++) {
@@ -408,7 +542,7 @@ ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore
 {
     ts_tensor *in[2] = {logits, targets};
     ts_status st;
-    if ((st = ts__check_inputs("cross_entropy", 2, in)) || (st = ts__check_float("cross_entropy", logits)))
+    if ((st = ts__check_inputs("cross_entropy", 2, in)) || (st = ts__check_floating("cross_entropy", logits)))
         return st;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "cross_entropy: out is NULL");
@@ -554,10 +688,95 @@ ts_status ts_l1_loss(ts_tensor *input, ts_tensor *target, ts_reduction reduction
 
 /* ----------------------------------------------------- dropout */
 
+/* bfloat16 / float16 dropout, as torch 1.13's CPU _dropout in that dtype:
+ * noise = empty_like(x).bernoulli_(1 - p) (the same draws, in the same
+ * order, as for float32: the mask is drawn into a float32 tensor and
+ * converted), noise.div_(1 - p) (a scalar division in the tensor's dtype:
+ * the scalar is rounded to it, the quotient computed in float and rounded),
+ * out = x * noise rounded once; the backward is mul's, g * noise rounded.
+ * saved[0] = noise (a's dtype, contiguous). */
+static ts_status dropout_half_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
+{
+    ts_tensor *noise = n->saved[0], *gc, *gx;
+    ts_status st = ts_contiguous(g[0], &gc);
+    if (st)
+        return st;
+    if ((st = ts__tensor_new(noise->dtype, noise->ndim, noise->shape, &gx))) {
+        ts_tensor_free(gc);
+        return st;
+    }
+    ts_dtype dt = noise->dtype;
+    const uint16_t *gp = ts_tensor_data(gc), *np_ = ts_tensor_data(noise);
+    uint16_t *o = ts_tensor_data(gx);
+    for (int64_t i = 0, cnt = ts_tensor_numel(gx); i < cnt; i++)
+        o[i] = ts__f32_to_half(dt, ts__half_to_f32(dt, gp[i]) * ts__half_to_f32(dt, np_[i]));
+    ts_tensor_free(gc);
+    gin[0] = gx;
+    return TS_OK;
+}
+
+ts_status ts__dropout_noise_half(ts_dtype dt, int ndim, const int64_t *shape, double p, ts_generator *gen,
+                                 ts_tensor **out)
+{
+    ts_tensor *mask = NULL, *noise = NULL;
+    /* p == 1: zeros without drawing (PyTorch: input * zeros({})) */
+    ts_status st = p == 1.0 ? ts_tensor_zeros(TS_F32, ndim, shape, &mask) : ts__tensor_new(TS_F32, ndim, shape, &mask);
+    if (!st && p != 1.0)
+        st = ts_bernoulli_(mask, 1.0 - p, gen);
+    if (!st)
+        st = ts__tensor_new(dt, ndim, shape, &noise);
+    if (!st) {
+        uint16_t keep = ts__f32_to_half(dt, 1.0f / ts__round_half(dt, (float)(1.0 - p)));
+        const float *mp = ts_tensor_data(mask);
+        uint16_t *np_ = ts_tensor_data(noise);
+        for (int64_t i = 0, cnt = ts_tensor_numel(noise); i < cnt; i++)
+            np_[i] = mp[i] != 0.0f ? keep : 0;
+        *out = noise;
+    }
+    ts_tensor_free(mask);
+    return st;
+}
+
+static ts_status dropout_half(ts_tensor *a, double p, ts_generator *gen, ts_tensor **out)
+{
+    ts_dtype dt = a->dtype;
+    ts_tensor *noise = NULL, *ac = NULL, *o = NULL;
+    ts_status st;
+    bool grad = ts_grad_mode_set(false);
+    st = ts_contiguous(a, &ac);
+    ts_grad_mode_set(grad);
+    if (st || (st = ts__dropout_noise_half(dt, a->ndim, a->shape, p, gen, &noise)) ||
+        (st = ts__tensor_new(dt, a->ndim, a->shape, &o)))
+        goto done;
+    const uint16_t *xp = ts_tensor_data(ac), *np_ = ts_tensor_data(noise);
+    uint16_t *op_ = ts_tensor_data(o);
+    for (int64_t i = 0, cnt = ts_tensor_numel(o); i < cnt; i++)
+        op_[i] = ts__f32_to_half(dt, ts__half_to_f32(dt, xp[i]) * ts__half_to_f32(dt, np_[i]));
+    if (ts__needs_grad(1, &a)) {
+        ts_node *n = ts__node_new("dropout", dropout_half_backward, 1, &a, 1);
+        if (!n) {
+            st = TS_ERR_NO_MEMORY;
+            goto done;
+        }
+        ts_tensor *keep_o = o;
+        o = NULL; /* ts__record1 frees it on failure */
+        if ((st = ts__record1(n, keep_o, noise, NULL)))
+            goto done;
+        o = keep_o;
+    }
+    *out = o;
+    o = NULL;
+done:
+    ts_tensor_free(noise);
+    ts_tensor_free(ac);
+    ts_tensor_free(o);
+    return st;
+}
+
 ts_status ts_dropout(ts_tensor *a, double p, bool training, ts_generator *gen, ts_tensor **out)
 {
     ts_status st;
-    if ((st = ts__check_inputs("dropout", 1, &a)) || (st = ts__check_float("dropout", a)))
+    if ((st = ts__check_inputs("dropout", 1, &a)) || (st = ts__check_floating("dropout", a)))
         return st;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "dropout: out is NULL");
@@ -567,6 +786,8 @@ ts_status ts_dropout(ts_tensor *a, double p, bool training, ts_generator *gen, t
         *out = ts_tensor_retain(a);
         return TS_OK;
     }
+    if (ts__is_half(a->dtype))
+        return dropout_half(a, p, gen, out);
     if (p == 1.0) {
         ts_tensor *z;
         if ((st = ts_tensor_zeros(a->dtype, a->ndim, a->shape, &z)))

@@ -1,6 +1,7 @@
 /* Reductions (sum, mean, amax, max over a dim) and softmax / log_softmax. */
 #define _GNU_SOURCE
 #include "tensor/fastmath.h"
+#include "tensor/half_ops.h"
 #include "tensor/internal.h"
 #include "tensor/kernels.h"
 
@@ -537,6 +538,10 @@ static void softmax_rows_ref(ts_dtype dt, const void *x, void *y, int64_t rows, 
 static void softmax_bw_rows(ts_dtype dt, const void *g, const void *y, void *gx, int64_t rows, int64_t n,
                             bool log_form)
 {
+    if (ts__is_half(dt)) {
+        ts__softmax_bw_rows_half(dt, g, y, gx, rows, n, log_form);
+        return;
+    }
     if (dt == TS_F32 && !ts__use_reference_kernels) {
         const float *gf = g, *yf = y;
         float *o = gx;
@@ -631,7 +636,7 @@ static ts_status softmax_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 static ts_status softmax_op(const char *name, bool log_form, ts_tensor *a, int dim, ts_tensor **out)
 {
     ts_status st;
-    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_float(name, a)))
+    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_floating(name, a)))
         return st;
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
@@ -651,7 +656,9 @@ static ts_status softmax_op(const char *name, bool log_form, ts_tensor *a, int d
             ts_tensor_free(al);
             return st;
         }
-        if (al->dtype == TS_F32 && !ts__use_reference_kernels)
+        if (ts__is_half(al->dtype))
+            ts__softmax_rows_half(al->dtype, ts_tensor_data(al), ts_tensor_data(yl), rows, n, log_form);
+        else if (al->dtype == TS_F32 && !ts__use_reference_kernels)
             softmax_rows_f32(ts_tensor_data(al), ts_tensor_data(yl), rows, n, log_form);
         else
             softmax_rows_ref(al->dtype, ts_tensor_data(al), ts_tensor_data(yl), rows, n, log_form);
@@ -783,7 +790,9 @@ done:
 
 void ts__softmax_rows(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n)
 {
-    if (dt == TS_F32 && !ts__use_reference_kernels)
+    if (ts__is_half(dt))
+        ts__softmax_rows_half(dt, x, y, rows, n, false);
+    else if (dt == TS_F32 && !ts__use_reference_kernels)
         softmax_rows_f32(x, y, rows, n, false);
     else
         softmax_rows_ref(dt, x, y, rows, n, false);
