@@ -546,6 +546,8 @@ Test(fully_shard_mixed_precision, integer_inputs_are_never_cast, .timeout = 60)
 {
     ts_dtype d = TS_F64;
     th_run_world(2, rank_integer_inputs, &d, 30.0);
+    d = TS_BF16;
+    th_run_world(2, rank_integer_inputs, &d, 30.0);
 }
 
 /* ---------------------------------------- bytes on the wire */
