@@ -13,5 +13,6 @@
 #include "mesh/mesh.h"
 #include "dtensor/dtensor.h"
 #include "fully_shard/fully_shard.h"
+#include "fully_shard/grad_scaler.h"
 
 #endif

@@ -9,6 +9,11 @@
  *   fsdp       fully_shard (each block a group, then the root), implicit
  *              forward and backward prefetch on (the default);
  *   fsdp-nopf  the same with the implicit prefetch off;
+ *   fsdp-bf16  fsdp with ts_mp_policy param_dtype bfloat16, reduce_dtype
+ *              float32 (float32 master weights and AdamW; logits cast to
+ *              float32 for the loss), against fsdp: the step time ratio
+ *              and the bytes all-gathered and reduce-scattered per step
+ *              (the all-gathers carry exactly half the bytes);
  *   comm       the step's collectives run alone, back to back and blocking
  *              (2 all-gathers per block group, 1 for the root, which stays
  *              unsharded after forward, and 1 reduce-scatter per group):
@@ -53,13 +58,14 @@ typedef struct cfg {
     int steps, layers, dim, heads, seq, batch, vocab;
 } cfg;
 
-enum { LOCAL, FSDP, FSDP_NOPF, OFFLOAD, OFFLOAD_NOPIN, N_MODES };
-static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf", "offload", "offload-nopin"};
+enum { LOCAL, FSDP, FSDP_NOPF, FSDP_BF16, OFFLOAD, OFFLOAD_NOPIN, N_MODES };
+static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf", "fsdp-bf16", "offload", "offload-nopin"};
 
 /* Per mode, besides the step time: bytes per step given to the
- * collectives and staged by offload, the pinned bytes at the end. */
+ * collectives (all of them; the all-gathers; the reduce-scatters) and
+ * staged by offload, the pinned bytes at the end (rank 0's counters). */
 typedef struct mode_bytes {
-    double coll, h2d, d2h;
+    double coll, ag, rs, h2d, d2h;
     size_t pinned, host;
 } mode_bytes;
 static mode_bytes g_bytes[N_MODES];
@@ -75,8 +81,12 @@ static ts_module *build(const cfg *c, int mode)
     if (mode == LOCAL) return m;
     ts_offload_policy op = ts_offload_policy_default();
     op.pin_memory = mode == OFFLOAD;
+    ts_mp_policy mp = ts_mp_policy_default();
+    mp.param_dtype = TS_BF16;
+    mp.reduce_dtype = TS_F32;
     ts_fsdp_options fo = ts_fsdp_options_default();
     if (mode == OFFLOAD || mode == OFFLOAD_NOPIN) fo.offload_policy = &op;
+    if (mode == FSDP_BF16) fo.mp_policy = &mp;
     for (int l = 0; l < c->layers; l++) {
         char name[32];
         ts_module *b;
@@ -130,6 +140,12 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
         double t0 = bench_now_s();
         ts_tensor *logits, *flat, *loss;
         CHECK(ts_module_call1(m, ids, &logits));
+        if (ts_tensor_dtype(logits) != TS_F32) { /* the loss in float32, as torchtitan's pred.float() */
+            ts_tensor *l32;
+            CHECK(ts_to_dtype(logits, TS_F32, &l32));
+            ts_tensor_free(logits);
+            logits = l32;
+        }
         CHECK(ts_reshape(logits, 2, fs, &flat));
         CHECK(ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss));
         CHECK(ts_backward(loss, NULL, false));
@@ -145,6 +161,8 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
     mb->coll = 0;
     for (int k = 0; k < TS_COLL_KIND_COUNT; k++)
         if (k != TS_COLL_BARRIER) mb->coll += (double)(k1.bytes[k] - k0.bytes[k]) / n;
+    mb->ag = (double)(k1.bytes[TS_COLL_ALL_GATHER] - k0.bytes[TS_COLL_ALL_GATHER]) / n;
+    mb->rs = (double)(k1.bytes[TS_COLL_REDUCE_SCATTER] - k0.bytes[TS_COLL_REDUCE_SCATTER]) / n;
     mb->h2d = (double)(o1.h2d_bytes - o0.h2d_bytes) / n;
     mb->d2h = (double)(o1.d2h_bytes - o0.d2h_bytes) / n;
     mb->pinned = ts_mem_live_bytes(TS_MEM_PINNED);
@@ -188,7 +206,8 @@ static void runner_new(const cfg *c, int mode, runner *r)
 
 static void run_interleaved(const cfg *c, int rank, int nm, const int *modes, double *t_out)
 {
-    runner r[3];
+    runner r[4];
+    if (nm > 4) nm = 4;
     for (int k = 0; k < nm; k++) runner_new(c, modes[k], &r[k]);
     int64_t is[2] = {c->batch, c->seq}, fs[2] = {(int64_t)c->batch * c->seq, c->vocab}, tsz[1] = {fs[0]};
     ts_tensor *ids, *tg;
@@ -199,7 +218,7 @@ static void run_interleaved(const cfg *c, int rank, int nm, const int *modes, do
         a[i] = (i * 7 + rank * 13) % c->vocab;
         b[i] = (i * 11 + rank * 5) % c->vocab;
     }
-    double t[3][64];
+    double t[4][64];
     int n = c->steps > 64 ? 64 : c->steps;
     ts_comm *w = ts_dist_world();
     for (int s = -2; s < n; s++) {
@@ -209,6 +228,12 @@ static void run_interleaved(const cfg *c, int rank, int nm, const int *modes, do
             double t0 = bench_now_s();
             ts_tensor *logits, *flat, *loss;
             CHECK(ts_module_call1(r[k].m, ids, &logits));
+            if (ts_tensor_dtype(logits) != TS_F32) { /* the loss in float32, as in run_mode */
+                ts_tensor *l32;
+                CHECK(ts_to_dtype(logits, TS_F32, &l32));
+                ts_tensor_free(logits);
+                logits = l32;
+            }
             CHECK(ts_reshape(logits, 2, fs, &flat));
             CHECK(ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss));
             CHECK(ts_backward(loss, NULL, false));
@@ -297,9 +322,11 @@ int main(int argc, char **argv)
     int64_t pbytes[N_MODES];
     for (int m = 0; m < N_MODES; m++) t[m] = run_mode(&c, m, rank, &peak[m], &pbytes[m]);
     double comm = run_comm(&c);
-    static const int off_modes[3] = {FSDP, OFFLOAD, OFFLOAD_NOPIN};
-    double ti[3];
-    run_interleaved(&c, rank, 3, off_modes, ti);
+    /* the policies' rows against fsdp again, their steps interleaved (the
+     * load on a shared machine drifts between the runs above) */
+    static const int off_modes[4] = {FSDP, OFFLOAD, OFFLOAD_NOPIN, FSDP_BF16};
+    double ti[4];
+    run_interleaved(&c, rank, 4, off_modes, ti);
     if (rank == 0) {
         printf("bench_fsdp_step: %d ranks, GPT %d layers, d %d, %d heads, seq %d, batch %d per rank, AdamW; "
                "TS_UCX_ERROR_MODE=%s\n",
@@ -327,6 +354,15 @@ int main(int argc, char **argv)
         printf("comm alone (the step's collectives, blocking, back to back): %.2f ms\n", comm * 1e3);
         printf("exposed (fsdp - local): prefetch on %.2f ms (%.2f x comm alone), off %.2f ms (%.2f x comm alone)\n",
                exposed * 1e3, exposed / comm, exposed_nopf * 1e3, exposed_nopf / comm);
+        printf("%-10s %16s %16s\n", "mode", "all-gather B/step", "red-scatter B/step");
+        for (int m = FSDP; m < N_MODES; m++)
+            printf("%-10s %16.0f %16.0f\n", mode_names[m], g_bytes[m].ag, g_bytes[m].rs);
+        printf("bf16 (f32 reduce) vs f32: step %.3f x (interleaved; target <= 0.65 with AVX512-BF16, <= 1.05 AVX2 "
+               "only), all-gather bytes %.4f x (target 0.5), reduce-scatter bytes %.4f x, peak storage %.3f x; CPU: "
+               "%s\n",
+               ti[3] / ti[0], g_bytes[FSDP_BF16].ag / g_bytes[FSDP].ag, g_bytes[FSDP_BF16].rs / g_bytes[FSDP].rs,
+               (double)peak[FSDP_BF16] / (double)peak[FSDP],
+               __builtin_cpu_supports("avx512bf16") ? "avx512bf16" : __builtin_cpu_supports("avx2") ? "avx2, no avx512bf16" : "no avx2");
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         printf("cores per rank: %.1f%s\n", (double)cores / W,
                (double)cores / W < 2 ? " (shared-memory transfers are copies made by the ranks' own CPUs, so with "

@@ -16,6 +16,14 @@
  * --offload cpu shards every group with CPUOffloadPolicy (pinned host
  * shards and gradients unless --pin-memory 0) and prints, at the end, its
  * staging copies per step and the host bytes it holds.
+ *        [--param-dtype bf16|f16|f32] [--reduce-dtype bf16|f16|f32]
+ * --param-dtype and --reduce-dtype give every FSDP group the
+ * mixed-precision policy (ts_mp_policy): all-gather, forward and backward
+ * in the param dtype, gradients reduced in the reduce dtype (default: the
+ * param dtype), float32 master weights and AdamW; the logits are cast to
+ * float32 for the loss; f16 adds a ts_grad_scaler (steps with inf/NaN
+ * gradients are skipped). The end prints the bytes all-gathered and
+ * reduce-scattered per step.
  * --load starts from a full state dict saved by --save (every rank reads
  * the file and keeps its rows); the sizes (--seq, --layers, --heads,
  * --dim) and the vocabulary are the checkpoint's (its metadata records
@@ -147,6 +155,16 @@ static void print_comm_summary(ts_comm *world, int steps, int W)
            ex_fmt_bytes(sent / steps, b2, sizeof b2));
 }
 
+/* The dtype named by a --param-dtype / --reduce-dtype value (bf16, f16,
+ * f32, or their PyTorch names); TS_DTYPE_COUNT for anything else. */
+static ts_dtype parse_dtype(const char *s)
+{
+    if (!strcmp(s, "bf16") || !strcmp(s, "bfloat16")) return TS_BF16;
+    if (!strcmp(s, "f16") || !strcmp(s, "fp16") || !strcmp(s, "float16")) return TS_F16;
+    if (!strcmp(s, "f32") || !strcmp(s, "fp32") || !strcmp(s, "float32")) return TS_F32;
+    return TS_DTYPE_COUNT;
+}
+
 /* The value of `key` in the "__metadata__" of a safetensors file that
  * --save wrote (its values hold no escapes): 1 with the value in buf when
  * found, 0 when absent or not readable as such (the loader then says what
@@ -190,6 +208,7 @@ int main(int argc, char **argv)
 {
     ts_launch_rank_guard();
     const char *data = NULL, *save = NULL, *load = NULL, *prompt = NULL;
+    const char *param_dtype_s = NULL, *reduce_dtype_s = NULL;
     int steps = 300, batch = 8, seq = 64, layers = 2, heads = 4, dim = 64, sample = 0;
     double lr = 3e-3, temperature = 0;
     uint64_t seed = 1337;
@@ -212,6 +231,8 @@ int main(int argc, char **argv)
         {"--prompt", "TEXT", EX_FLAG_STRING, &prompt, 0, 0, false, "--sample: the text to continue (default: the corpus's first character)", false},
         {"--offload", "none|cpu", EX_FLAG_STRING, &offload, 0, 0, false, "cpu: CPUOffloadPolicy on every group (host shards, gradients, optimizer state)", false},
         {"--pin-memory", "0|1", EX_FLAG_INT, &pin_memory, 0, 1, false, "--offload cpu: pin the host shards and gradients", false},
+        {"--param-dtype", "bf16|f16|f32", EX_FLAG_STRING, &param_dtype_s, 0, 0, false, "mixed precision: all-gather and compute in this dtype (float32 master weights)", false},
+        {"--reduce-dtype", "bf16|f16|f32", EX_FLAG_STRING, &reduce_dtype_s, 0, 0, false, "mixed precision: reduce the gradients in this dtype (default: the param dtype)", false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
     ex_parse_flags(argc, argv,
@@ -243,6 +264,18 @@ int main(int argc, char **argv)
     /* Files before anything else: a FIFO or a directory is refused rather
      * than read, a checkpoint folder that cannot be written before the
      * training it would lose. */
+    ts_mp_policy mp = ts_mp_policy_default();
+    if (param_dtype_s && (mp.param_dtype = parse_dtype(param_dtype_s)) == TS_DTYPE_COUNT) {
+        fprintf(stderr, "train_gpt: --param-dtype '%s' is not one of bf16, f16, f32\n", param_dtype_s);
+        return 2;
+    }
+    if (reduce_dtype_s && (mp.reduce_dtype = parse_dtype(reduce_dtype_s)) == TS_DTYPE_COUNT) {
+        fprintf(stderr, "train_gpt: --reduce-dtype '%s' is not one of bf16, f16, f32\n", reduce_dtype_s);
+        return 2;
+    }
+    ts_fsdp_options fso = ts_fsdp_options_default();
+    if (param_dtype_s || reduce_dtype_s) fso.mp_policy = &mp;
+    bool half = mp.param_dtype == TS_BF16 || mp.param_dtype == TS_F16;
     if (load && ex_check_regular("train_gpt", "--load", load)) return 2;
     if (save && ex_check_writable("train_gpt", "--save", save)) return 2;
 
@@ -381,18 +414,17 @@ int main(int argc, char **argv)
     ts_module *model;
     CHECK(ts_gpt_new(&cfg, &model));
     /* bottom-up: each block its own group, then the root takes the rest */
-    ts_fsdp_options fo = ts_fsdp_options_default();
     ts_offload_policy op = ts_offload_policy_default();
     op.pin_memory = pin_memory != 0;
-    if (offload_cpu) fo.offload_policy = &op;
+    if (offload_cpu) fso.offload_policy = &op;
     for (int l = 0; l < layers; l++) {
         char name[32];
         ts_module *block;
         snprintf(name, sizeof name, "blocks.%d", l);
         CHECK(ts_module_get_submodule(model, name, &block));
-        CHECK(ts_fully_shard(block, &fo));
+        CHECK(ts_fully_shard(block, &fso));
     }
-    CHECK(ts_fully_shard(model, &fo));
+    CHECK(ts_fully_shard(model, &fso));
     if (rank == 0) CHECK(ts_fsdp_summary(model, stdout)); /* the sharding layout, once */
     if (load) {
         ts_state_dict *sd;
@@ -437,6 +469,9 @@ int main(int argc, char **argv)
     ts_optim *opt;
     CHECK(ts_adamw_new(params.n, plist, &ao, &opt));
     ts_lr_schedule sched = {TS_LR_WARMUP_COSINE, lr, steps / 10 + 1, steps, lr / 10};
+    ts_grad_scaler *scaler = NULL; /* float16 needs loss scaling */
+    if (mp.param_dtype == TS_F16) CHECK(ts_grad_scaler_new(NULL, &scaler));
+    int skipped = 0;
     int64_t local = 0;
     for (int i = 0; i < params.n; i++) local += ts_tensor_numel(plist[i]);
     printf("model: GPT %d layers, %d heads, d_model %d; fully_shard over %d rank%s (%s): %lld parameter elements "
@@ -465,12 +500,27 @@ int main(int argc, char **argv)
         CHECK(ts_tensor_from_data(TS_I64, 2, is, ids, &x));
         CHECK(ts_tensor_from_data(TS_I64, 1, ts_, tg, &y));
         CHECK(ts_module_call1(model, x, &logits));
+        if (half) { /* the loss in float32, as torchtitan's pred.float() */
+            ts_tensor *l32;
+            CHECK(ts_to_dtype(logits, TS_F32, &l32));
+            ts_tensor_free(logits);
+            logits = l32;
+        }
         int64_t fs[2] = {(int64_t)batch * seq, vocab};
         CHECK(ts_reshape(logits, 2, fs, &flat));
         CHECK(ts_cross_entropy(flat, y, -100, TS_REDUCTION_MEAN, &loss));
-        CHECK(ts_backward(loss, NULL, false));
+        if (scaler) {
+            ts_tensor *scaled;
+            CHECK(ts_grad_scaler_scale(scaler, loss, &scaled));
+            CHECK(ts_backward(scaled, NULL, false));
+            ts_tensor_free(scaled);
+            CHECK(ts_grad_scaler_unscale(scaler, opt)); /* before clipping, as PyTorch's recipe */
+        } else {
+            CHECK(ts_backward(loss, NULL, false));
+        }
         double gn;
-        ts_status cs = ts_fsdp_clip_grad_norm(model, 1.0, &gn);
+        bool overflow = scaler && ts_grad_scaler_found_inf(scaler, opt); /* the same on every rank */
+        ts_status cs = overflow ? TS_OK : ts_fsdp_clip_grad_norm(model, 1.0, &gn);
         if (cs) { /* a non-finite gradient norm: the same on every rank */
             fprintf(stderr, "train_gpt: step %d: %s\n", step + 1, ts_last_error());
             ts_tensor_free(x);
@@ -483,7 +533,14 @@ int main(int argc, char **argv)
             break;
         }
         ts_optim_set_lr(opt, ts_lr_at(&sched, step));
-        CHECK(ts_optim_step(opt));
+        if (scaler) {
+            bool stepped;
+            CHECK(ts_grad_scaler_step(scaler, opt, &stepped));
+            CHECK(ts_grad_scaler_update(scaler));
+            skipped += !stepped;
+        } else {
+            CHECK(ts_optim_step(opt));
+        }
         ts_optim_zero_grad(opt, true);
         double l;
         {
@@ -537,6 +594,26 @@ int main(int argc, char **argv)
                ex_fmt_bytes((double)os.pinned_bytes, b4, sizeof b4),
                ex_fmt_bytes((double)ts_mem_locked_bytes(), b5, sizeof b5));
     }
+    {
+        /* what the policy changes on the wire: the all-gathers carry the
+         * param dtype, the reduce-scatters the reduce dtype */
+        ts_comm_counters cc;
+        ts_comm_stats(world, &cc);
+        char b1[32], b2[32];
+        int n = step > 0 ? step : 1;
+        printf("bytes per step on rank 0: all-gathered %s (%.0f bytes), reduce-scattered %s (%.0f bytes); param dtype "
+               "%s, reduce dtype %s\n",
+               ex_fmt_bytes((double)cc.bytes[TS_COLL_ALL_GATHER] / n, b1, sizeof b1),
+               (double)cc.bytes[TS_COLL_ALL_GATHER] / n,
+               ex_fmt_bytes((double)cc.bytes[TS_COLL_REDUCE_SCATTER] / n, b2, sizeof b2),
+               (double)cc.bytes[TS_COLL_REDUCE_SCATTER] / n,
+               mp.param_dtype == TS_DTYPE_KEEP ? "float32" : ts_dtype_name(mp.param_dtype),
+               ts_dtype_name(mp.reduce_dtype != TS_DTYPE_KEEP ? mp.reduce_dtype
+                             : mp.param_dtype != TS_DTYPE_KEEP ? mp.param_dtype : TS_F32));
+        if (scaler)
+            printf("grad scaler: %d of %d steps skipped (inf/NaN gradients), final scale %g\n", skipped, step,
+                   ts_grad_scaler_get_scale(scaler));
+    }
     if (!rc) {
         printf("loss %.4f -> %.4f (uniform guess: %.4f)\n", first, last, log((double)vocab));
         if (save) { /* gathered on rank 0 only, then written there */
@@ -557,6 +634,7 @@ int main(int argc, char **argv)
     }
     fflush(stdout);
     ts_generator_free(data_rng);
+    ts_grad_scaler_free(scaler);
     ts_optim_free(opt);
     free(plist);
     ts_named_params_free(&params);

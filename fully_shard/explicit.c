@@ -124,6 +124,16 @@ ts_status ts_fsdp_summon_full_params(ts_module *module, bool writeback, ts_fsdp_
     groups_walk w;
     ts_status st = ts__fsdp_idle_groups("ts_fsdp_summon_full_params", module, &w);
     if (st) return st;
+    for (int i = 0; i < w.n && writeback; i++)
+        if (w.g[i]->udtype != w.g[i]->dtype) {
+            st = ts_error(TS_ERR_UNSUPPORTED,
+                          "ts_fsdp_summon_full_params: writeback under a mixed-precision policy would round the %s "
+                          "shards of '%s' to their %s unsharded copies; summon without writeback, or change the "
+                          "shards (ts_fsdp_load_full_state_dict)",
+                          ts_dtype_name(w.g[i]->dtype), w.g[i]->fqn, ts_dtype_name(w.g[i]->udtype));
+            ts__free(TS_MEM_NN, w.g);
+            return st;
+        }
     ts_fsdp_summon *s = ts__calloc(TS_MEM_NN, 1, sizeof *s);
     bool *was = ts__calloc(TS_MEM_NN, (size_t)(w.n ? w.n : 1), sizeof *was);
     if (!s || !was) {

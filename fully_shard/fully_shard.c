@@ -405,8 +405,14 @@ static ts_status check_options(const char *fn, const ts_fsdp_options *o)
                         o->reshard_every_n);
     if (o->n_ignored_params < 0 || (o->n_ignored_params && !o->ignored_params))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d ignored parameters but no list", fn, o->n_ignored_params);
-    if (o->mp_policy)
-        return ts_error(TS_ERR_UNSUPPORTED, "%s: the mixed-precision policy is not built yet (pass NULL)", fn);
+    if (o->mp_policy) {
+        ts_status st = ts_mp_policy_check(o->mp_policy);
+        if (st) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", ts_last_error());
+            return ts_error(st, "%s: %s", fn, msg);
+        }
+    }
     if (o->mesh) {
         int nd = ts_mesh_ndim(o->mesh);
         if (nd != 1 && nd != 2)
@@ -515,6 +521,7 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         s->orig_vt = modules[i]->vtable;
         s->group = have_params ? ts__fsdp_group_retain(g) : NULL;
         s->index = i;
+        s->mp = o.mp_policy ? *o.mp_policy : ts_mp_policy_default();
         snprintf(s->fqn, sizeof s->fqn, "%s", ts_module_type_name(modules[i]));
         modules[i]->ext = s;
         modules[i]->vtable = vts[i];

@@ -112,6 +112,54 @@ typedef struct ts_offload_policy {
 /* The defaults: pin_memory true. */
 TS_API ts_offload_policy ts_offload_policy_default(void);
 
+/* ------------------------------------------------------ mixed precision
+ * (fully_shard/mp_policy.c) FSDP2's MixedPrecisionPolicy: module-level
+ * mixed precision, set per fully_shard call (a child may have its own
+ * policy inside a parent's: an f32 child under a bf16 parent):
+ *   - the sharded parameter keeps its dtype (f32 master weights: the
+ *     optimizer steps on them as without a policy, no extra copy);
+ *   - param_dtype: the shard is cast to it before the all-gather (a bf16
+ *     all-gather moves half the bytes of an f32 one), and the unsharded
+ *     parameters, the forward and backward compute and the unsharded
+ *     gradients are in it;
+ *   - reduce_dtype: the gradients are converted to it for the
+ *     reduce-scatter (and HSDP's all-reduce) and land, converted back, in
+ *     the shard's gradient (the parameter's own dtype); keep: reduce in
+ *     param_dtype;
+ *   - output_dtype: floating outputs of the module's forward are cast to
+ *     it after forward;
+ *   - cast_forward_inputs: floating inputs of the module's forward are cast
+ *     to param_dtype before it (when param_dtype is set).
+ * A dtype equal to the one it would replace (param_dtype equal to the
+ * parameter's dtype, reduce_dtype equal to param_dtype) adds no cast
+ * (decided when fully_shard builds the group: a group's dtypes cannot
+ * change afterwards); integer tensors (token ids) are never cast, and a
+ * group's parameters are all floating. Buffers are never cast (FSDP2).
+ * ts_fsdp_full_state_dict gathers the shards in their own dtype (the
+ * float32 masters, not param_dtype); ts_fsdp_summon_full_params gives
+ * the unsharded parameters in param_dtype and refuses writeback when they
+ * differ from the shards' dtype (it would round the masters). */
+
+/* The value of a ts_mp_policy dtype field that means "keep" (PyTorch's
+ * None): no cast. Not a dtype of any tensor. */
+#define TS_DTYPE_KEEP ((ts_dtype)0x7f)
+
+typedef struct ts_mp_policy {
+    ts_dtype param_dtype;     /* TS_F32, TS_F64, TS_BF16, TS_F16 or TS_DTYPE_KEEP (default) */
+    ts_dtype reduce_dtype;    /* as param_dtype; TS_DTYPE_KEEP: param_dtype's (default) */
+    ts_dtype output_dtype;    /* as param_dtype; TS_DTYPE_KEEP: outputs as computed (default) */
+    bool cast_forward_inputs; /* default true */
+} ts_mp_policy;
+
+/* Every dtype TS_DTYPE_KEEP, cast_forward_inputs true: a policy that
+ * changes nothing. */
+TS_API ts_mp_policy ts_mp_policy_default(void);
+/* Checks a policy (ts_fully_shard does the same): TS_ERR_INVALID_ARGUMENT
+ * for NULL or a field that is neither a ts_dtype nor TS_DTYPE_KEEP (a
+ * policy zeroed by memset is valid: all float32); TS_ERR_DTYPE for an
+ * integer or bool dtype. Each message names the field and the value. */
+TS_API ts_status ts_mp_policy_check(const ts_mp_policy *policy);
+
 typedef struct ts_fsdp_options {
     /* The mesh to shard over (borrowed): 1-d (shard) or 2-d (replicate,
      * shard: HSDP, gradients all-reduced over dim 0). NULL: the world as a
@@ -127,9 +175,9 @@ typedef struct ts_fsdp_options {
      * outside every group. */
     ts_tensor *const *ignored_params;
     int n_ignored_params;
-    /* Reserved for the mixed-precision policy of a later issue; must be
-     * NULL (TS_ERR_UNSUPPORTED otherwise). */
-    const void *mp_policy;
+    /* Mixed precision for this call's group (borrowed, copied by
+     * ts_fully_shard); NULL: none, as ts_mp_policy_default(). */
+    const ts_mp_policy *mp_policy;
     /* CPU offload of the shards, their gradients and the optimizer state
      * (ts_offload_policy above; borrowed, read during the call); NULL: no
      * offload (FSDP2's OffloadPolicy()). */
@@ -151,7 +199,9 @@ TS_API ts_fsdp_options ts_fsdp_options_default(void);
  * weight sharded in a separate call: shard the modules together with
  * ts_fully_shard_group), parameters of different dtypes in one group,
  * with an offload policy a parameter not on the CPU device;
- * TS_ERR_UNSUPPORTED for a mixed-precision policy; TS_ERR_NO_MEMORY. */
+ * ts_mp_policy_check's errors for a bad mp_policy (TS_ERR_DTYPE for an
+ * integer dtype, TS_ERR_INVALID_ARGUMENT for a value that is no dtype);
+ * TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_fully_shard(ts_module *module, const ts_fsdp_options *options);
 /* Shards each of modules[0..n) with its own group, in order (seed 003's
  * list form): the same as n calls. Stops at the first error (earlier
@@ -277,7 +327,9 @@ TS_API ts_status ts_fsdp_reshard(ts_module *module);
  * ts_fsdp_summon_end. With writeback, the end copies each full parameter's
  * rows back into this rank's shard (so edits made while summoned are
  * kept; every rank should make the same edits). Not inside a forward or
- * backward (TS_ERR_STATE). The handle is owned by the caller; _end frees it. */
+ * backward (TS_ERR_STATE). Writeback on a group whose mixed-precision
+ * policy gathers in another dtype than its shards' is TS_ERR_UNSUPPORTED.
+ * The handle is owned by the caller; _end frees it. */
 typedef struct ts_fsdp_summon ts_fsdp_summon;
 TS_API ts_status ts_fsdp_summon_full_params(ts_module *module, bool writeback, ts_fsdp_summon **out);
 TS_API ts_status ts_fsdp_summon_end(ts_fsdp_summon *s);

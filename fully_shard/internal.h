@@ -138,6 +138,13 @@ struct fsdp_group {
     fsdp_training_state training; /* IDLE, FORWARD, PRE_BACKWARD or POST_BACKWARD */
     char fqn[FQN_MAX];
     ts__offload off;     /* CPUOffloadPolicy (offload_internal.h); off.on false without one */
+    /* mixed precision (ts_mp_policy), resolved when the group is made:
+     * udtype is the all-gather's and the unsharded parameters' dtype
+     * (param_dtype, or dtype: no cast), rdtype the reduce-scatter's and
+     * HSDP all-reduce's (reduce_dtype, or udtype); ues, res their sizes */
+    ts_dtype udtype, rdtype;
+    size_t ues, res;
+    ts_tensor *ag_in;    /* the shard cast to udtype, while its all-gather is in flight */
 };
 
 struct fsdp_state {
@@ -153,6 +160,7 @@ struct fsdp_state {
     fsdp_state **fwd_prefetch, **bwd_prefetch; /* explicit lists (retained) */
     int n_fwd_prefetch, n_bwd_prefetch;
     bool explicit_fwd, explicit_bwd;
+    ts_mp_policy mp;    /* the call's policy (ts_mp_policy_default() for none): the input and output casts */
 };
 
 struct fsdp_ctx {
@@ -225,6 +233,10 @@ ts_status ts__fsdp_reshard(fsdp_group *g);
 ts_status ts__fsdp_finish_reduce(fsdp_group *g);
 void ts__fsdp_discard_reduce(fsdp_group *g);
 ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g);
+/* All-gathers the group's shards in their own dtype (not the policy's
+ * param_dtype) and, when keep, makes each parameter's full tensor
+ * full[0..n) (new references). Collective over the shard group. */
+ts_status ts__fsdp_gather_full(fsdp_group *g, bool keep, ts_tensor **full);
 
 /* param.c: one parameter's geometry and copies */
 ts_status ts__fsdp_param_init(fsdp_param *p, const fsdp_group *g, const ts_tensor *t, const char *fqn);

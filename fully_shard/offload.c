@@ -28,6 +28,7 @@
 #include "fully_shard/internal.h"
 
 #include "tensor/internal.h"
+#include "tensor/kernels.h"
 
 #include <string.h>
 
@@ -49,6 +50,16 @@ static void staged(const char *name, uint64_t *copies, uint64_t *total, void *ds
 void ts__offload_h2d(ts__offload *o, void *dev_dst, const void *host_src, size_t bytes)
 {
     staged("fsdp.h2d", &o->h2d_copies, &o->h2d_bytes, dev_dst, host_src, bytes);
+}
+
+void ts__offload_h2d_cast(ts__offload *o, void *dev_dst, ts_dtype dev_dtype, const void *host_src, ts_dtype host_dtype,
+                          int64_t n)
+{
+    TS_TRACE_BEGIN(t0);
+    ts__buf_convert(dev_dtype, dev_dst, host_dtype, host_src, n);
+    TS_TRACE_END(t0, "fsdp.h2d", "copy");
+    o->h2d_copies++;
+    o->h2d_bytes += (uint64_t)n * ts_dtype_size(dev_dtype);
 }
 
 void ts__offload_d2h(ts__offload *o, void *host_dst, const void *dev_src, size_t bytes)
@@ -120,8 +131,15 @@ ts_status ts__fsdp_offload_init(fsdp_group *g, const ts_offload_policy *policy, 
 
 ts_status ts__fsdp_offload_copy_in(fsdp_group *g, ts_tensor **in_out)
 {
-    ts_tensor *own = NULL;
     int64_t n = g->shard_numel;
+    if (g->udtype != g->dtype) { /* mixed precision: the copy casts on its way to the device */
+        ts_status st = ts_tensor_empty(g->udtype, 1, &n, &g->ag_in);
+        if (st) return st;
+        ts__offload_h2d_cast(&g->off, ts_tensor_data(g->ag_in), g->udtype, ts_tensor_data(g->sharded), g->dtype, n);
+        *in_out = g->ag_in;
+        return TS_OK;
+    }
+    ts_tensor *own = NULL;
     ts_status st = ts__tensor_alias(g->ag_buf, 1, &n, (const int64_t[]){1}, g->ag_buf->offset + (int64_t)g->rank * n,
                                     &own);
     if (st) return st;

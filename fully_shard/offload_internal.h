@@ -27,6 +27,11 @@ typedef struct ts__offload {
  * ("fsdp.h2d", "fsdp.d2h", cat "copy"). */
 void ts__offload_h2d(ts__offload *o, void *dev_dst, const void *host_src, size_t bytes);
 void ts__offload_d2h(ts__offload *o, void *host_dst, const void *dev_src, size_t bytes);
+/* The H2D copy under a mixed-precision policy: n elements converted from
+ * the host shard's dtype to the all-gather's on their way (one pass, as
+ * FSDP2's copy then cast); counts the bytes written to the device. */
+void ts__offload_h2d_cast(ts__offload *o, void *dev_dst, ts_dtype dev_dtype, const void *host_src, ts_dtype host_dtype,
+                          int64_t n);
 /* A new 1-d host buffer of n elements for the group (pinned when o->pin). */
 ts_status ts__offload_host_buffer(const ts__offload *o, ts_dtype dtype, int64_t n, ts_tensor **out);
 /* Makes an existing host buffer pinned when o->pin (the sharded parameters). */
@@ -43,7 +48,9 @@ void ts__offload_fini(ts__offload *o);
  *  - ts__fsdp_offload_copy_in: before the all-gather: copies the host
  *    shard into this rank's block of the all-gather output (H2D) and
  *    returns that block as the all-gather's input (*in_out, a new
- *    reference the caller frees);
+ *    reference the caller frees); under a mixed-precision policy it casts
+ *    the shard into g->ag_in instead (H2D with the cast) and returns
+ *    g->ag_in itself (owned by the group until the all-gather ends);
  *  - ts__fsdp_offload_grads_out: after the reduce-scatter (and HSDP's
  *    all-reduce): copies each reduced gradient segment to the host (D2H):
  *    straight into the host gradient buffer, whose segment becomes the

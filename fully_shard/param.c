@@ -10,6 +10,7 @@
 #include "fully_shard/internal.h"
 
 #include "tensor/internal.h"
+#include "tensor/kernels.h"
 
 #include <string.h>
 
@@ -55,7 +56,7 @@ ts_status ts__fsdp_param_make_shard(fsdp_param *p, fsdp_group *g, ts_tensor *t)
     int64_t lstrides[TS_MAX_DIMS];
     ts__contiguous_strides(p->ndim, lshape, lstrides);
     if ((st = ts__tensor_alias(g->sharded, p->ndim, lshape, lstrides, g->sharded->offset + p->off, &p->S))) return st;
-    if ((st = ts__tensor_new(g->dtype, p->ndim, p->shape, &p->U))) return st;
+    if ((st = ts__tensor_new(g->udtype, p->ndim, p->shape, &p->U))) return st;
     if ((st = ts_storage_release(ts_tensor_storage(p->U)))) return st;
     if (p->requires_grad) {
         if ((st = ts_tensor_set_requires_grad(p->S, true))) return st;
@@ -97,26 +98,27 @@ void ts__fsdp_param_set_slots(fsdp_param *p, bool unsharded)
 }
 
 /* Restores U's storage and copies its real rows out of the all-gather
- * output ag (W blocks of shard_numel). */
+ * output ag (W blocks of shard_numel, in U's dtype: the group's udtype). */
 ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsigned char *ag)
 {
     ts_status st = ts_storage_restore(ts_tensor_storage(p->U));
     if (st) return st;
     unsigned char *u = ts_tensor_data(p->U);
-    size_t rb = (size_t)p->row_numel * g->es;
+    size_t rb = (size_t)p->row_numel * g->ues;
     for (int r = 0; r < g->W; r++) {
         const fsdp_chunk *ch = &p->chunks[r];
         if (ch->rows > 0)
-            memcpy(u + (size_t)ch->row0 * rb, ag + (size_t)ch->buf_off * g->es, (size_t)ch->rows * rb);
+            memcpy(u + (size_t)ch->row0 * rb, ag + (size_t)ch->buf_off * g->ues, (size_t)ch->rows * rb);
     }
     return TS_OK;
 }
 
 /* Packs gradient gr (U's, or NULL: zeros) into the reduce-scatter input
- * `in` (W blocks of shard_numel), zero padded. */
+ * `in` (W blocks of shard_numel, in the group's rdtype: converted from
+ * gr's dtype when they differ), zero padded. */
 ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned char *in, ts_tensor *gr)
 {
-    size_t rb = (size_t)p->row_numel * g->es;
+    size_t rb = (size_t)p->row_numel * g->res;
     /* zeros where no gradient row lands: the padding rows, or the whole
      * segment of a parameter without gradient */
     for (int r = 0; r < g->W; r++) {
@@ -131,24 +133,28 @@ ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned 
     ts_grad_mode_set(prev);
     if (st) return st;
     const unsigned char *src = ts_tensor_data(cg);
+    ts_dtype gd = ts_tensor_dtype(cg);
+    size_t gb = (size_t)p->row_numel * ts_dtype_size(gd);
     for (int r = 0; r < g->W; r++) {
         const fsdp_chunk *ch = &p->chunks[r];
         if (ch->rows > 0)
-            memcpy(in + (size_t)ch->buf_off * g->es, src + (size_t)ch->row0 * rb, (size_t)ch->rows * rb);
+            ts__buf_convert(g->rdtype, in + (size_t)ch->buf_off * g->res, gd, src + (size_t)ch->row0 * gb,
+                            ch->rows * p->row_numel);
     }
     ts_tensor_free(cg);
     return TS_OK;
 }
 
-/* Copies the rows of U that this rank holds back into its shard. */
+/* Copies the rows of U that this rank holds back into its shard
+ * (converted from udtype to the shard's dtype when they differ). */
 void ts__fsdp_param_write_back(fsdp_param *p, const fsdp_group *g)
 {
     unsigned char *sh = ts_tensor_data(g->sharded);
     const fsdp_chunk *ch = &p->chunks[g->rank];
-    size_t rb = (size_t)p->row_numel * g->es;
+    size_t rb = (size_t)p->row_numel * g->ues;
     if (ch->rows > 0)
-        memcpy(sh + (size_t)p->off * g->es, (const unsigned char *)ts_tensor_data(p->U) + (size_t)ch->row0 * rb,
-               (size_t)ch->rows * rb);
+        ts__buf_convert(g->dtype, sh + (size_t)p->off * g->es, g->udtype,
+                        (const unsigned char *)ts_tensor_data(p->U) + (size_t)ch->row0 * rb, ch->rows * p->row_numel);
 }
 
 /* Copies this rank's rows of the full tensor src (checked: p's shape and

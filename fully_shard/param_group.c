@@ -31,6 +31,7 @@ void ts__fsdp_group_free(fsdp_group *g)
         ts_request_free(g->rs_req);
     }
     ts_tensor_free(g->ag_buf);
+    ts_tensor_free(g->ag_in);
     ts_tensor_free(g->rs_in);
     ts_tensor_free(g->rs_out);
     for (int i = 0; i < g->n; i++) ts__fsdp_param_fini(&g->params[i]);
@@ -138,6 +139,13 @@ ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *
         g->local_numel += p->local_rows * p->row_numel;
     }
     g->es = c->n ? ts_dtype_size(g->dtype) : 4;
+    /* the policy's dtypes; equal dtypes mean no cast (FSDP2's
+     * init_dtype_attrs). Every parameter of a group is floating. */
+    const ts_mp_policy *mp = o->mp_policy;
+    g->udtype = mp && c->n && mp->param_dtype != TS_DTYPE_KEEP ? mp->param_dtype : g->dtype;
+    g->rdtype = mp && c->n && mp->reduce_dtype != TS_DTYPE_KEEP ? mp->reduce_dtype : g->udtype;
+    g->ues = ts_dtype_size(g->udtype);
+    g->res = ts_dtype_size(g->rdtype);
     /* the sharded buffer, zero padded, and the shards as views of it */
     int64_t sn = g->shard_numel;
     if ((st = ts_tensor_zeros(c->n ? g->dtype : TS_F32, 1, &sn, &g->sharded))) goto fail;
@@ -162,21 +170,31 @@ static void set_slots(fsdp_group *g, bool unsharded)
     for (int i = 0; i < g->n; i++) ts__fsdp_param_set_slots(&g->params[i], unsharded);
 }
 
-/* Issues the group's all-gather (no-op unless sharded). */
+/* Issues the group's all-gather (no-op unless sharded): of the shard
+ * itself, or of its copy cast to param_dtype (ag_in, kept until the
+ * all-gather completes). */
 ts_status ts__fsdp_unshard(fsdp_group *g)
 {
     if (!g || g->sharded_state != FSDP_SHARDED) return TS_OK;
     ts__fsdp_event("unshard", g->fqn);
     int64_t n = g->shard_numel * g->W;
-    ts_status st = ts_tensor_empty(g->dtype, 1, &n, &g->ag_buf);
+    ts_status st = ts_tensor_empty(g->udtype, 1, &n, &g->ag_buf);
     if (st) return st;
-    ts_tensor *in = g->sharded; /* with offload: the host shard's copy on the device */
-    if (g->off.on && (st = ts__fsdp_offload_copy_in(g, &in))) in = NULL;
-    if (in) st = ts_all_gather_into_tensor(g->pg, g->ag_buf, in, &g->ag_req);
-    if (in != g->sharded) ts_tensor_free(in);
+    ts_tensor *in = g->sharded, *alias = NULL;
+    if (g->off.on) { /* the host shard copied to the device: into ag_buf's block, or cast into ag_in */
+        if (!(st = ts__fsdp_offload_copy_in(g, &alias))) in = alias;
+    } else if (g->udtype != g->dtype) {
+        if (!(st = ts_tensor_empty(g->udtype, 1, &g->shard_numel, &g->ag_in))) {
+            ts__buf_convert(g->udtype, ts_tensor_data(g->ag_in), g->dtype, ts_tensor_data(g->sharded), g->shard_numel);
+            in = g->ag_in;
+        }
+    }
+    if (!st) st = ts_all_gather_into_tensor(g->pg, g->ag_buf, in, &g->ag_req);
+    if (alias != g->ag_in) ts_tensor_free(alias);
     if (st) {
         ts_tensor_free(g->ag_buf);
-        g->ag_buf = NULL;
+        ts_tensor_free(g->ag_in);
+        g->ag_buf = g->ag_in = NULL;
         return st;
     }
     g->sharded_state = FSDP_UNSHARDING;
@@ -193,6 +211,8 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
     TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
     ts_request_free(g->ag_req);
     g->ag_req = NULL;
+    ts_tensor_free(g->ag_in);
+    g->ag_in = NULL;
     TS_TRACE_BEGIN(tc);
     if (!st) {
         const unsigned char *ag = ts_tensor_data(g->ag_buf);
@@ -241,6 +261,16 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     g->rs_req = NULL;
     if (!st && g->rg && ts_comm_size(g->rg) > 1) st = ts_all_reduce(g->rg, g->rs_out, TS_REDUCE_AVG, NULL);
     TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
+    /* reduced in rdtype; the shards' gradients are in their own dtype
+     * (FSDP2: cast back, then, with offload, copied to the host) */
+    if (!st && g->rdtype != g->dtype) {
+        ts_tensor *conv = NULL;
+        if (!(st = ts_tensor_empty(g->dtype, 1, &g->shard_numel, &conv))) {
+            ts__buf_convert(g->dtype, ts_tensor_data(conv), g->rdtype, ts_tensor_data(g->rs_out), g->shard_numel);
+            ts_tensor_free(g->rs_out);
+            g->rs_out = conv;
+        }
+    }
     if (!st && g->off.on) st = ts__fsdp_offload_grads_out(g); /* to the host shard gradients */
     TS_TRACE_BEGIN(ta);
     const unsigned char *out = st ? NULL : ts_tensor_data(g->rs_out);
@@ -312,7 +342,7 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
     ts__fsdp_event("post_backward", g->fqn);
     TS_TRACE_BEGIN(tp);
     int64_t n_in = g->shard_numel * g->W, n_out = g->shard_numel;
-    if ((st = ts_tensor_empty(g->dtype, 1, &n_in, &g->rs_in)) || (st = ts_tensor_empty(g->dtype, 1, &n_out, &g->rs_out))) {
+    if ((st = ts_tensor_empty(g->rdtype, 1, &n_in, &g->rs_in)) || (st = ts_tensor_empty(g->rdtype, 1, &n_out, &g->rs_out))) {
         ts__fsdp_discard_reduce(g);
         return st;
     }
@@ -335,5 +365,35 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
     if (ctx) ctx->rs_pending = g;
     else st = ts__fsdp_finish_reduce(g);
     ts__fsdp_trace_hook(t_hook, "fsdp.post_backward", g->fqn, g);
+    return st;
+}
+
+/* ------------------------------------------------------------------ */
+/* Gathering in the parameters' own dtype                              */
+/* ------------------------------------------------------------------ */
+
+ts_status ts__fsdp_gather_full(fsdp_group *g, bool keep, ts_tensor **full)
+{
+    int64_t n = g->shard_numel * g->W;
+    ts_tensor *ag = NULL;
+    ts_status st = ts_tensor_empty(g->dtype, 1, &n, &ag);
+    if (st) return st;
+    if ((st = ts_all_gather_into_tensor(g->pg, ag, g->sharded, NULL))) {
+        ts_tensor_free(ag);
+        return st;
+    }
+    const unsigned char *src = ts_tensor_data(ag);
+    for (int k = 0; k < g->n && keep && !st; k++) {
+        fsdp_param *p = &g->params[k];
+        if ((st = ts_tensor_empty(g->dtype, p->ndim, p->shape, &full[k]))) break;
+        unsigned char *dst = ts_tensor_data(full[k]);
+        size_t rb = (size_t)p->row_numel * g->es;
+        for (int r = 0; r < g->W; r++) {
+            const fsdp_chunk *ch = &p->chunks[r];
+            if (ch->rows > 0)
+                memcpy(dst + (size_t)ch->row0 * rb, src + (size_t)ch->buf_off * g->es, (size_t)ch->rows * rb);
+        }
+    }
+    ts_tensor_free(ag);
     return st;
 }

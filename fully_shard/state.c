@@ -477,8 +477,8 @@ static ts_status apply_policy(fsdp_group *g)
     }
 }
 
-static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *const *in, int *n_out,
-                           ts_tensor **out)
+static ts_status fsdp_call_hooks(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *const *in, int *n_out,
+                                 ts_tensor **out)
 {
     ts_module *m = s->module;
     ts_status st = ts__fsdp_lazy_init(s);
@@ -576,6 +576,57 @@ fail:
         ts_error(st, "%s", msg);
     }
     return st;
+}
+
+/* t[i] (new references) = in[i] cast to d when floating and of another
+ * dtype, else in[i] itself (PyTorch's _cast_fp_tensor). */
+static ts_status cast_floating(ts_dtype d, int n, ts_tensor *const *in, ts_tensor **t)
+{
+    ts_status st = TS_OK;
+    for (int i = 0; i < n; i++) {
+        ts_dtype di = in[i] ? ts_tensor_dtype(in[i]) : TS_DTYPE_COUNT;
+        if (!st && in[i] && ts_dtype_is_float(di) && di != d)
+            st = ts_to_dtype(in[i], d, &t[i]);
+        else
+            t[i] = ts_tensor_retain(in[i]);
+        if (st) t[i] = NULL;
+    }
+    if (st)
+        for (int i = 0; i < n; i++) ts_tensor_free(t[i]);
+    return st;
+}
+
+/* The module's forward with the FSDP hooks and the mixed-precision casts
+ * around them, in FSDP2's order: the inputs are cast to param_dtype
+ * before the pre-forward (so the post-backward marker sees the cast
+ * inputs), the outputs to output_dtype after the post-forward. */
+static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *const *in, int *n_out,
+                           ts_tensor **out)
+{
+    const ts_mp_policy *mp = &s->mp;
+    ts_tensor *cin[TS_MODULE_MAX_IO];
+    bool cast_in = mp->cast_forward_inputs && mp->param_dtype != TS_DTYPE_KEEP && n_in > 0;
+    ts_status st;
+    if (cast_in) {
+        if (n_in > TS_MODULE_MAX_IO)
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_call: %d inputs (at most %d)", n_in, TS_MODULE_MAX_IO);
+        if ((st = cast_floating(mp->param_dtype, n_in, in, cin))) return st;
+    }
+    st = fsdp_call_hooks(s, fn, n_in, cast_in ? cin : in, n_out, out);
+    if (cast_in)
+        for (int i = 0; i < n_in; i++) ts_tensor_free(cin[i]);
+    if (st || mp->output_dtype == TS_DTYPE_KEEP || *n_out <= 0) return st;
+    ts_tensor *cout[TS_MODULE_MAX_IO];
+    if ((st = cast_floating(mp->output_dtype, *n_out, out, cout))) {
+        for (int i = 0; i < *n_out; i++) ts_tensor_free(out[i]);
+        *n_out = 0;
+        return st;
+    }
+    for (int i = 0; i < *n_out; i++) {
+        ts_tensor_free(out[i]);
+        out[i] = cout[i];
+    }
+    return TS_OK;
 }
 
 static ts_status fsdp_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)

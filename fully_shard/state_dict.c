@@ -55,6 +55,10 @@ ts_status ts_fsdp_full_state_dict(ts_module *module, bool rank0_only, ts_state_d
     /* gather every group (collective, same order on every rank) */
     for (int i = 0, at = 0; i < w.n && !st; at += w.g[i]->n, i++) {
         fsdp_group *g = w.g[i];
+        if (g->udtype != g->dtype) { /* the unsharded parameters are in param_dtype: gather the masters */
+            st = ts__fsdp_gather_full(g, keep, &full[at]);
+            continue;
+        }
         bool was_sharded = g->sharded_state == FSDP_SHARDED;
         if ((st = ts__fsdp_unshard(g)) || (st = ts__fsdp_wait_unshard(g))) break;
         for (int k = 0; k < g->n && !st && keep; k++)

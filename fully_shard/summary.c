@@ -153,11 +153,14 @@ static ts_status write_summary(ts_module *module, FILE *f)
         mesh_str(g->mesh, gm, sizeof gm);
         int64_t pad_all = g->shard_numel * g->W - g->numel;
         bytes_str((double)g->shard_numel * (double)g->es, b1, sizeof b1);
-        bytes_str((double)g->shard_numel * (double)g->W * (double)g->es, b2, sizeof b2);
+        bytes_str((double)g->shard_numel * (double)g->W * (double)g->ues, b2, sizeof b2); /* in param_dtype */
         rank_bytes += (double)g->shard_numel * (double)g->es;
         in_groups += g->n;
         fprintf(f, "group %s (%s): %d param%s, %lld elements, %s, mesh %s, reshard after forward: %s\n", names, type,
                 g->n, g->n == 1 ? "" : "s", (long long)g->numel, ts_dtype_name(g->dtype), gm, pol);
+        if (g->udtype != g->dtype || g->rdtype != g->dtype)
+            fprintf(f, "  mixed precision: all-gather and compute in %s, gradients reduced in %s\n",
+                    ts_dtype_name(g->udtype), ts_dtype_name(g->rdtype));
         fprintf(f, "  per rank: %lld elements (%lld of them padding on this rank, %lld over all ranks), %s sharded; "
                    "%s while unsharded\n",
                 (long long)g->shard_numel, (long long)(g->shard_numel - g->local_numel), (long long)pad_all, b1, b2);

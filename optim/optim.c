@@ -859,6 +859,10 @@ void ts_optim_set_lr(ts_optim *o, double lr)
 
 int64_t ts_optim_step_count(const ts_optim *o) { return o ? o->steps : 0; }
 
+int ts_optim_num_params(const ts_optim *o) { return o ? o->n : 0; }
+
+ts_tensor *ts_optim_param(const ts_optim *o, int i) { return o && i >= 0 && i < o->n ? o->params[i] : NULL; }
+
 /* The slot of state `name` for this optimizer, NULL if it has none. */
 static ts_tensor **state_slot(ts_optim *o, int i, const char *name)
 {

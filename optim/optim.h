@@ -94,6 +94,11 @@ TS_API double ts_optim_get_lr(const ts_optim *o);
 TS_API void ts_optim_set_lr(ts_optim *o, double lr);
 /* Number of completed ts_optim_step calls. */
 TS_API int64_t ts_optim_step_count(const ts_optim *o);
+/* The number of parameters the optimizer was made with (0 for NULL), and
+ * parameter i of them (borrowed; NULL for NULL or i out of range), as
+ * torch's optimizer.param_groups[0]["params"]. */
+TS_API int ts_optim_num_params(const ts_optim *o);
+TS_API ts_tensor *ts_optim_param(const ts_optim *o, int i);
 /* Borrowed per-parameter state tensors, as in torch's optimizer.state[p]:
  * SGD with momentum: "momentum_buffer"; Adam/AdamW: "step" (0-d float32,
  * the number of steps this parameter took), "exp_avg", "exp_avg_sq", and

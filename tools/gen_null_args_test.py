@@ -57,6 +57,7 @@ ALLOWED_NULL = {
     ('ts__free', 'ptr'): 'free functions accept NULL',
     ('ts__free_raw', 'ptr'): 'free functions accept NULL',
     ('ts_storage_free', 's'): 'free functions accept NULL',
+    ('ts_grad_scaler_free', 's'): 'free functions accept NULL',
     ('ts_tensor_retain', 't'): 'documented to return NULL for NULL',
     ('ts_backward', 'grad'): 'NULL gradient means ones for a scalar, as loss.backward()',
     ('ts_comm_new_group', 'ranks'): 'NULL ranks with n = 0 ... (see header)',
@@ -113,6 +114,7 @@ ALLOWED_NULL = {
     ('ts_mha_new_opts', 'o'): 'nn.h: NULL o means the defaults',
     ('ts_fsdp_apply_by_type', 'count_out'): 'fully_shard.h: *count_out is optional',
     ('ts_fsdp_apply_by_size', 'count_out'): 'fully_shard.h: *count_out is optional',
+    ('ts_grad_scaler_step', 'stepped_out'): 'grad_scaler.h: *stepped_out is optional',
 }
 
 # Documented neutral results of non-status functions given NULL (C
@@ -138,6 +140,7 @@ NEUTRAL = {
     'ts_container_size': '0',
     'ts_optim_step_count': '0',
     'ts_trace_total_ns': '0',
+    'ts_grad_scaler_get_scale': '1.0',
 }
 
 # Value expressions for non-pointer parameters (default: (T){0}, or 1 for
@@ -242,6 +245,11 @@ FACTORY = {
     'const char **': '(const char **)f_char_ptrs',
     'const ts_fsdp_group_info *': '&f_group_info',
     'ts_fsdp_group_info **': 'f_ptrs',
+    'ts_grad_scaler *': 'f_scaler()',
+    'const ts_grad_scaler *': 'f_scaler()',
+    'ts_grad_scaler **': 'f_scaler_outs',
+    'const ts_grad_scaler_options *': '&f_scaler_opts',
+    'const ts_mp_policy *': '&f_mp_policy',
 }
 
 FN_TYPES = {'ts_module_each_fn', 'ts_fsdp_event_fn', 'ts_abort_fn', 'ts_autograd_backward_fn',
@@ -272,6 +280,10 @@ static ts_dtensor *g_dtensor;
 static ts_store_server *g_server;
 static ts_store *g_store;
 static ts_request *g_request;
+static ts_grad_scaler *g_scaler;
+static ts_grad_scaler *f_scaler_outs[8];
+static ts_grad_scaler_options f_scaler_opts;
+static ts_mp_policy f_mp_policy;
 
 static ts_placement f_placements[4];
 static const char *f_str = "/nonexistent/ts_null_args";
@@ -434,6 +446,13 @@ static ts_request *f_request(void)
     return g_request;
 }
 
+static ts_grad_scaler *f_scaler(void)
+{
+    if (!g_scaler)
+        F_OK(ts_grad_scaler_new(NULL, &g_scaler));
+    return g_scaler;
+}
+
 static void setup(void)
 {
     for (int i = 0; i < 4; i++)
@@ -446,6 +465,8 @@ static void setup(void)
     f_enc_cfg = ts_encoder_layer_config_default(4, 2);
     f_mha_opts = ts_mha_options_default();
     f_gpt_cfg = ts_gpt_config_default();
+    f_scaler_opts = ts_grad_scaler_options_default();
+    f_mp_policy = ts_mp_policy_default();
 }
 
 #define FREE_OUTS(arr, fn)                                \
@@ -470,6 +491,9 @@ static void teardown(void)
     FREE_OUTS(f_gen_outs, ts_generator_free);
     FREE_OUTS(f_store_outs, ts_store_close);
     FREE_OUTS(f_server_outs, ts_store_server_stop);
+    FREE_OUTS(f_scaler_outs, ts_grad_scaler_free);
+    ts_grad_scaler_free(g_scaler);
+    g_scaler = NULL;
     ts_request_free(g_request);
     ts_store_close(g_store);
     ts_store_server_stop(g_server);

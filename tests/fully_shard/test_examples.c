@@ -980,3 +980,69 @@ Test(fully_shard_examples, train_gpt_offload_trains_the_same, .timeout = 180)
     const char *w2[] = {"--pin-memory goes with --offload cpu", NULL};
     expect_refused("train_gpt", 2, nopin, w2);
 }
+
+/* train_gpt's "bytes per step" line: the bytes all-gathered and
+ * reduce-scattered per step on rank 0. */
+static void gpt_bytes(const char *out, double *ag, double *rs)
+{
+    const char *l = strstr(out, "[0] bytes per step on rank 0: all-gathered ");
+    cr_assert(l, "no bytes line:\n%s", out);
+    const char *a = strchr(l, '('), *r = a ? strstr(a, "reduce-scattered ") : NULL;
+    cr_assert(a && r && sscanf(a, "(%lf bytes)", ag) == 1, "bytes line: %.200s", l);
+    r = strchr(r, '(');
+    cr_assert(r && sscanf(r, "(%lf bytes)", rs) == 1, "bytes line: %.200s", l);
+}
+
+/* --reduce-dtype bf16 halves the bytes reduce-scattered per step and keeps
+ * the all-gathered ones (float32 compute); a dtype that is not one of
+ * bf16, f16, f32 is refused with exit 2. */
+Test(fully_shard_examples, train_gpt_reduce_dtype, .timeout = 180)
+{
+    const char *a32[] = {"--steps", "2", "--layers", "1", "--dim", "32"};
+    char *out = run_example_args("train_gpt", 2, 6, a32);
+    double ag32, rs32, ag, rs;
+    gpt_bytes(out, &ag32, &rs32);
+    cr_assert(strstr(out, "param dtype float32, reduce dtype float32"), "%s", out);
+    free(out);
+    const char *a16[] = {"--steps", "2", "--layers", "1", "--dim", "32", "--reduce-dtype", "bf16"};
+    out = run_example_args("train_gpt", 2, 8, a16);
+    gpt_bytes(out, &ag, &rs);
+    cr_assert(strstr(out, "param dtype float32, reduce dtype bfloat16"), "%s", out);
+    cr_assert_eq(ag, ag32, "all-gathered %g, float32 %g", ag, ag32);
+    cr_assert_eq(rs * 2, rs32, "reduce-scattered %g, float32 %g", rs, rs32);
+    free(out);
+    const char *bad[] = {"--param-dtype", "f64"};
+    const char *want[] = {"--param-dtype 'f64' is not one of bf16, f16, f32", NULL};
+    expect_refused("train_gpt", 2, bad, want);
+    const char *bad2[] = {"--reduce-dtype", "int8"};
+    const char *want2[] = {"--reduce-dtype 'int8' is not one of bf16, f16, f32", NULL};
+    expect_refused("train_gpt", 2, bad2, want2);
+}
+
+/* --param-dtype bf16 --reduce-dtype f32: the all-gathers carry exactly
+ * half the bytes of float32 and the reduce-scatters the same; with f16
+ * the grad scaler reports its steps; both train. */
+Test(fully_shard_examples, train_gpt_bf16_halves_all_gather_bytes, .timeout = 240)
+{
+    const char *a32[] = {"--steps", "2", "--layers", "1", "--dim", "32"};
+    char *out = run_example_args("train_gpt", 2, 6, a32);
+    double ag32, rs32, ag, rs;
+    gpt_bytes(out, &ag32, &rs32);
+    free(out);
+    const char *abf[] = {"--steps", "2", "--layers", "1", "--dim", "32", "--param-dtype", "bf16", "--reduce-dtype", "f32"};
+    out = run_example_args("train_gpt", 2, 10, abf);
+    gpt_bytes(out, &ag, &rs);
+    cr_assert(strstr(out, "param dtype bfloat16, reduce dtype float32"), "%s", out);
+    cr_assert_eq(ag * 2, ag32, "all-gathered %g, float32 %g", ag, ag32);
+    cr_assert_eq(rs, rs32, "reduce-scattered %g, float32 %g", rs, rs32);
+    cr_assert(strstr(out, "mixed precision: all-gather and compute in bfloat16, gradients reduced in float32"), "%s",
+              out);
+    free(out);
+    const char *a16[] = {"--steps", "3", "--layers", "1", "--dim", "32", "--param-dtype", "f16"};
+    out = run_example_args("train_gpt", 2, 8, a16);
+    gpt_bytes(out, &ag, &rs);
+    cr_assert_eq(ag * 2, ag32);
+    cr_assert_eq(rs * 2, rs32);
+    cr_assert(strstr(out, "[0] grad scaler: "), "%s", out);
+    free(out);
+}

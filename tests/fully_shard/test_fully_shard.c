@@ -623,8 +623,10 @@ static int rank_errors(rank_ctx *rc)
     RK_EQ(rc, ts_fully_shard(a, &bad), TS_ERR_INVALID_ARGUMENT);
     if (!strstr(ts_last_error(), "N >= 1")) return fail(rc, "message: %s", ts_last_error());
     bad = o;
-    bad.mp_policy = &o;
-    RK_EQ(rc, ts_fully_shard(a, &bad), TS_ERR_UNSUPPORTED);
+    ts_mp_policy bad_mp = ts_mp_policy_default();
+    bad_mp.param_dtype = TS_I64;
+    bad.mp_policy = &bad_mp;
+    RK_EQ(rc, ts_fully_shard(a, &bad), TS_ERR_DTYPE);
     RK_EQ(rc, ts_module_is_fsdp(a), 0);
     RK_EQ(rc, ts_fully_shard(NULL, &o), TS_ERR_INVALID_ARGUMENT);
     /* a 3-d mesh */
