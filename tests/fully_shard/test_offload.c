@@ -51,6 +51,7 @@ typedef struct off_arg {
     bool hsdp;              /* a 2-d (replicate, shard) mesh at W = 4 */
     bool keep_grads;        /* zero_grad(set_to_none = false): gradients exist at every reduction */
     bool adam;              /* AdamW (two state tensors per parameter) instead of SGD with momentum */
+    bool bf16;              /* both models under a mixed-precision policy (bf16 compute, f32 reduce and output) */
     ts_reshard_policy policy;
 } off_arg;
 
@@ -89,6 +90,11 @@ static ts_status mlp_new(ts_mesh *mesh, const off_arg *a, const ts_offload_polic
     o.mesh = mesh;
     o.reshard_after_forward = a->policy;
     o.offload_policy = pol;
+    ts_mp_policy mp = ts_mp_policy_default();
+    mp.param_dtype = TS_BF16;
+    mp.reduce_dtype = TS_F32;
+    mp.output_dtype = TS_F32;
+    if (a->bf16) o.mp_policy = &mp;
     if ((st = ts_fully_shard_each(3, m->lin, &o)) || (st = ts_fully_shard(m->root, &o))) return st;
     ts_named_params np;
     if ((st = ts_module_named_parameters(m->root, &np))) return st;
@@ -226,8 +232,13 @@ static int rank_parity(rank_ctx *rc)
         shard_bytes += (uint64_t)gi.shard_numel * 4;
         local_bytes += (uint64_t)gi.local_numel * 4;
     }
-    RK_EQ(rc, os.h2d_copies, (uint64_t)pairs * 3 * gathers + 3);
-    RK_EQ(rc, os.h2d_bytes, ((uint64_t)pairs * gathers + 1) * shard_bytes);
+    /* under the bf16 policy the copies before the training all-gathers
+     * cast to bf16 on their way (half the bytes), and the full state dict
+     * gathers the float32 masters straight from the host shards (not
+     * through the unshard path: no staging copy) */
+    int sd = a->bf16 ? 0 : 1;
+    RK_EQ(rc, os.h2d_copies, (uint64_t)pairs * 3 * gathers + 3 * sd);
+    RK_EQ(rc, os.h2d_bytes, (uint64_t)pairs * gathers * shard_bytes / (a->bf16 ? 2 : 1) + sd * shard_bytes);
     RK_EQ(rc, os.d2h_copies, (uint64_t)pairs * NP);
     RK_EQ(rc, os.d2h_bytes, (uint64_t)pairs * local_bytes);
     /* host blocks: the sharded buffers and the host gradient buffers (and
@@ -273,6 +284,21 @@ Test(fully_shard_offload, gradient_accumulation_equals_without_offload, .timeout
     run_world(4, rank_parity, &a);
     a.pin = true;
     run_world(1, rank_parity, &a);
+}
+
+/* With a mixed-precision policy as well (bf16 all-gathers and compute,
+ * f32 reduction): offload still changes no bit. */
+Test(fully_shard_offload, with_a_bf16_policy_equals_the_policy_without_offload, .timeout = 240)
+{
+    off_arg a = {.steps = 3, .accum = 1, .pin = true, .bf16 = true, .policy = TS_RESHARD_AUTO};
+    for (int W = 1; W <= 4; W *= 2) run_world(W, rank_parity, &a);
+    a.pin = false;
+    a.accum = 2;
+    a.keep_grads = true;
+    run_world(2, rank_parity, &a);
+    a.hsdp = true;
+    a.accum = 1;
+    run_world(4, rank_parity, &a);
 }
 
 Test(fully_shard_offload, hsdp_on_a_2x2_mesh_equals_without_offload, .timeout = 120)
