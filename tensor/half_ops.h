@@ -38,8 +38,13 @@ static inline void ts__round_half_buf(ts_dtype d, float *x, int64_t n)
 
 /* Softmax (log_form false) or log_softmax over the rows of a contiguous
  * (rows, n) bfloat16 / float16 buffer, and their backward
- * (tensor/ops_nn.c). */
+ * (tensor/ops_nn.c). ts__softmax_rows_half (tensor/ops_reduce.c) runs
+ * the float32 row kernel on each row converted to float and rounds the
+ * result once; ts__softmax_rows_half_ref is the same arithmetic element by
+ * element (the reference kernels, and the fallback when no row buffer can
+ * be had): both give the float32 run rounded, bit for bit. */
 void ts__softmax_rows_half(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n, bool log_form);
+void ts__softmax_rows_half_ref(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n, bool log_form);
 void ts__softmax_bw_rows_half(ts_dtype dt, const void *g, const void *y, void *gx, int64_t rows, int64_t n,
                               bool log_form);
 

@@ -21,7 +21,7 @@
  * of the same values rounded (torch 1.13's bf16 softmax gives the same
  * bits; its log_softmax rounds intermediates and differs by an ulp on some
  * elements). x == y is allowed. */
-void ts__softmax_rows_half(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n, bool log_form)
+void ts__softmax_rows_half_ref(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n, bool log_form)
 {
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = (const uint16_t *)x + r * n;
