@@ -507,3 +507,79 @@ void th_rank_check(int code, const char *expr, ts_status s)
     fprintf(stderr, "%s -> %s: %s\n", expr, ts_status_name(s), ts_last_error());
     _exit(code);
 }
+
+/* ------------------------------------------------ half-precision nn fixtures */
+
+void th_half_fx_open(th_half_fx *f, const char *group)
+{
+    char path[1024];
+    json_error_t err;
+    snprintf(path, sizeof path, "%s/half/nn/index.json", TS_FIXTURES_DIR);
+    f->root = json_load_file(path, 0, &err);
+    cr_assert(f->root != NULL, "%s:%d: %s", path, err.line, err.text);
+    json_t *g;
+    size_t i;
+    f->group = NULL;
+    json_array_foreach(json_object_get(f->root, "groups"), i, g)
+    {
+        if (!strcmp(json_string_value(json_object_get(g, "name")), group))
+            f->group = g;
+    }
+    cr_assert(f->group != NULL, "no group '%s' in %s", group, path);
+    snprintf(path, sizeof path, "%s/half/nn/%s", TS_FIXTURES_DIR, json_string_value(json_object_get(f->group, "file")));
+    f->blob = th_read_file(path, &f->len);
+}
+
+void th_half_fx_close(th_half_fx *f)
+{
+    json_decref(f->root);
+    free(f->blob);
+}
+
+static ts_dtype half_fx_dtype(const char *name)
+{
+    static const struct {
+        const char *name;
+        ts_dtype dt;
+    } tab[] = {{"bfloat16", TS_BF16}, {"float16", TS_F16}, {"float32", TS_F32}, {"int64", TS_I64}};
+    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
+        if (!strcmp(tab[i].name, name))
+            return tab[i].dt;
+    cr_assert_fail("fixture dtype '%s' unknown", name);
+    return TS_F32;
+}
+
+static size_t half_fx_size(json_t *obj, const char *key)
+{
+    json_t *v = json_object_get(obj, key);
+    cr_assert(json_is_integer(v), "fixture: '%s' is not an integer", key);
+    return (size_t)json_integer_value(v);
+}
+
+ts_tensor *th_half_fx_tensor(const th_half_fx *f, const char *name)
+{
+    json_t *e = NULL, *x;
+    size_t i;
+    json_array_foreach(json_object_get(f->group, "tensors"), i, x)
+    {
+        if (!strcmp(json_string_value(json_object_get(x, "name")), name))
+            e = x;
+    }
+    cr_assert(e != NULL, "fixture has no tensor '%s'", name);
+    ts_dtype dt = half_fx_dtype(json_string_value(json_object_get(e, "dtype")));
+    json_t *sh = json_object_get(e, "shape");
+    int nd = (int)json_array_size(sh);
+    int64_t shape[TS_MAX_DIMS];
+    size_t numel = 1;
+    cr_assert(nd <= TS_MAX_DIMS);
+    for (int d = 0; d < nd; d++) {
+        shape[d] = (int64_t)json_integer_value(json_array_get(sh, (size_t)d));
+        numel *= (size_t)shape[d];
+    }
+    size_t off = half_fx_size(e, "offset"), nb = half_fx_size(e, "nbytes");
+    cr_assert_eq(nb, numel * ts_dtype_size(dt), "fixture tensor '%s': size mismatch", name);
+    cr_assert(off + nb <= f->len, "fixture tensor '%s' lies outside the file", name);
+    ts_tensor *t;
+    TH_OK(ts_tensor_from_data(dt, nd, shape, f->blob + off, &t));
+    return t;
+}

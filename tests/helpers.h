@@ -2,6 +2,7 @@
 #ifndef TS_TEST_HELPERS_H
 #define TS_TEST_HELPERS_H
 
+#include <jansson.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/types.h>
@@ -148,5 +149,23 @@ char **th_environ_without(const char *const *drop, size_t n_drop, size_t extra, 
  * code). */
 #define TH_RANK_OK(code, expr) th_rank_check((code), #expr, (expr))
 void th_rank_check(int code, const char *expr, ts_status s);
+
+/* ------------------------------------------------ half-precision nn fixtures */
+
+/* One group of tests/fixtures/half/nn/index.json and its blob of tensors
+ * (group is borrowed from root). th_half_fx_open loads the index and the
+ * group's blob and fails the test when either or the group is missing;
+ * th_half_fx_close frees both. th_half_fx_tensor returns a new tensor (the
+ * caller frees it) with the dtype, shape and bytes of the group's tensor
+ * `name`; it fails the test when the tensor is missing, its dtype unknown,
+ * its offset or size not integers, or its bytes outside the blob. */
+typedef struct th_half_fx {
+    json_t *root, *group;
+    uint8_t *blob;
+    size_t len;
+} th_half_fx;
+void th_half_fx_open(th_half_fx *f, const char *group);
+void th_half_fx_close(th_half_fx *f);
+ts_tensor *th_half_fx_tensor(const th_half_fx *f, const char *name);
 
 #endif
