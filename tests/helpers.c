@@ -549,11 +549,11 @@ static ts_dtype half_fx_dtype(const char *name)
     return TS_F32;
 }
 
-static size_t half_fx_size(json_t *obj, const char *key)
+int64_t th_json_int(json_t *obj, const char *key)
 {
     json_t *v = json_object_get(obj, key);
     cr_assert(json_is_integer(v), "fixture: '%s' is not an integer", key);
-    return (size_t)json_integer_value(v);
+    return (int64_t)json_integer_value(v);
 }
 
 ts_tensor *th_half_fx_tensor(const th_half_fx *f, const char *name)
@@ -576,7 +576,7 @@ ts_tensor *th_half_fx_tensor(const th_half_fx *f, const char *name)
         shape[d] = (int64_t)json_integer_value(json_array_get(sh, (size_t)d));
         numel *= (size_t)shape[d];
     }
-    size_t off = half_fx_size(e, "offset"), nb = half_fx_size(e, "nbytes");
+    size_t off = (size_t)th_json_int(e, "offset"), nb = (size_t)th_json_int(e, "nbytes");
     cr_assert_eq(nb, numel * ts_dtype_size(dt), "fixture tensor '%s': size mismatch", name);
     cr_assert(off + nb <= f->len, "fixture tensor '%s' lies outside the file", name);
     ts_tensor *t;

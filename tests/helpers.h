@@ -152,6 +152,10 @@ void th_rank_check(int code, const char *expr, ts_status s);
 
 /* ------------------------------------------------ half-precision nn fixtures */
 
+/* The integer member `key` of a fixture's JSON object; fails the test when
+ * it is missing or not an integer. */
+int64_t th_json_int(json_t *obj, const char *key);
+
 /* One group of tests/fixtures/half/nn/index.json and its blob of tensors
  * (group is borrowed from root). th_half_fx_open loads the index and the
  * group's blob and fails the test when either or the group is missing;

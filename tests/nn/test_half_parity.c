@@ -61,13 +61,6 @@
 
 /* The fixtures are loaded by th_half_fx_open() of tests/helpers.c. */
 
-static int64_t fx_int(json_t *obj, const char *key)
-{
-    json_t *v = json_object_get(obj, key);
-    cr_assert(json_is_integer(v), "fixture: '%s' is not an integer", key);
-    return (int64_t)json_integer_value(v);
-}
-
 /* A new tensor with the fixture's tensor `name`; this group holds int64,
  * bfloat16 and float32 tensors only. */
 static ts_tensor *fx_tensor(const th_half_fx *f, const char *name)
@@ -155,14 +148,14 @@ static ts_module *build(const th_half_fx *f)
 {
     json_t *c = json_object_get(f->group, "config");
     ts_gpt_config cfg = ts_gpt_config_default();
-    cfg.vocab_size = fx_int(c, "vocab_size");
-    cfg.block_size = fx_int(c, "block_size");
-    cfg.n_layer = fx_int(c, "n_layer");
-    cfg.n_head = fx_int(c, "n_head");
-    cfg.d_model = fx_int(c, "d_model");
+    cfg.vocab_size = th_json_int(c, "vocab_size");
+    cfg.block_size = th_json_int(c, "block_size");
+    cfg.n_layer = th_json_int(c, "n_layer");
+    cfg.n_head = th_json_int(c, "n_head");
+    cfg.d_model = th_json_int(c, "d_model");
     cfg.dropout = json_real_value(json_object_get(c, "dropout"));
     cfg.tie_weights = json_is_true(json_object_get(c, "tie_weights"));
-    ts_manual_seed((uint64_t)fx_int(f->group, "seed"));
+    ts_manual_seed((uint64_t)th_json_int(f->group, "seed"));
     ts_module *m;
     TH_OK(ts_gpt_new(&cfg, &m));
     ts_module_train(m, true);
@@ -175,10 +168,10 @@ static ts_module *build(const th_half_fx *f)
 static void make_batch(const th_half_fx *f, ts_tensor **idx, ts_tensor **targets)
 {
     json_t *c = json_object_get(f->group, "config");
-    int64_t B = fx_int(c, "batch"), T = fx_int(c, "seq"), shape[2] = {B, T + 1};
-    ts_manual_seed((uint64_t)fx_int(f->group, "input_seed"));
+    int64_t B = th_json_int(c, "batch"), T = th_json_int(c, "seq"), shape[2] = {B, T + 1};
+    ts_manual_seed((uint64_t)th_json_int(f->group, "input_seed"));
     ts_tensor *seq, *v;
-    TH_OK(ts_randint(0, fx_int(c, "vocab_size"), 2, shape, NULL, &seq));
+    TH_OK(ts_randint(0, th_json_int(c, "vocab_size"), 2, shape, NULL, &seq));
     TH_OK(ts_slice(seq, 1, 0, T, 1, &v));
     TH_OK(ts_contiguous(v, idx));
     ts_tensor_free(v);
