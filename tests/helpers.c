@@ -583,3 +583,17 @@ ts_tensor *th_half_fx_tensor(const th_half_fx *f, const char *name)
     TH_OK(ts_tensor_from_data(dt, nd, shape, f->blob + off, &t));
     return t;
 }
+
+float th_f32_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint32_t th_f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}

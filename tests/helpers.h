@@ -64,6 +64,10 @@ void th_vals(const ts_tensor *t, double *buf, int64_t n);
 double *th_vals_new(const ts_tensor *t);
 /* Asserts t has ndim dims of sizes shape, naming the first that differs. */
 void th_assert_shape(const ts_tensor *t, int ndim, const int64_t *shape);
+/* The float32 whose bits are u, and the bits of f (bit casts). */
+float th_f32_of(uint32_t u);
+uint32_t th_f32_bits(float f);
+
 /* A tiny linear congruential generator: advances *st, returns its top 24 bits. */
 uint32_t th_lcg(uint32_t *st);
 /* Runs fn (forward, then backward of th_seq(out's dtype and shape,
