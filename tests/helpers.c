@@ -6,6 +6,7 @@
 #include <criterion/criterion.h>
 #include <inttypes.h>
 #include <math.h>
+#include <stdarg.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
@@ -505,6 +506,18 @@ void th_rank_check(int code, const char *expr, ts_status s)
     if (s == TS_OK)
         return;
     fprintf(stderr, "%s -> %s: %s\n", expr, ts_status_name(s), ts_last_error());
+    _exit(code);
+}
+
+void th_rank_exit(int rank, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "rank %d: ", rank);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, " (%s)\n", ts_last_error());
+    fflush(stderr);
     _exit(code);
 }
 

@@ -153,6 +153,9 @@ char **th_environ_without(const char *const *drop, size_t n_drop, size_t extra, 
  * code). */
 #define TH_RANK_OK(code, expr) th_rank_check((code), #expr, (expr))
 void th_rank_check(int code, const char *expr, ts_status s);
+/* In a rank process: prints "rank RANK: MESSAGE (last error)" on stderr
+ * (MESSAGE formatted from fmt) and exits with `code`. */
+_Noreturn void th_rank_exit(int rank, int code, const char *fmt, ...) TS_PRINTF(3, 4);
 
 /* ------------------------------------------------ half-precision nn fixtures */
 

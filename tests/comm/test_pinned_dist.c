@@ -22,14 +22,7 @@
 
 static int g_rank = -1;
 
-#define RFAIL(code, ...)                                                   \
-    do {                                                                   \
-        fprintf(stderr, "rank %d: ", g_rank);                              \
-        fprintf(stderr, __VA_ARGS__);                                      \
-        fprintf(stderr, " (%s)\n", ts_last_error());                       \
-        fflush(stderr);                                                    \
-        _exit(code);                                                       \
-    } while (0)
+#define RFAIL(code, ...) th_rank_exit(g_rank, (code), __VA_ARGS__)
 
 static float val(int r, int64_t i) { return (float)(r * 1000 + (i % 997)); }
 
