@@ -148,6 +148,9 @@ void th_wait_pids(const pid_t *pids, int n, int skip, double limit_s, int *statu
  * entries and the NULL after them; *n_out is the number kept (where the
  * caller appends). */
 char **th_environ_without(const char *const *drop, size_t n_drop, size_t extra, size_t *n_out);
+/* Unsets the variables a launcher or scheduler sets for a rank (RANK,
+ * WORLD_SIZE, MASTER_ADDR, ...), so a test starts from none of them. */
+void th_clear_launch_env(void);
 /* In a rank process: unless `expr` gives TS_OK, prints "EXPR -> STATUS:
  * detail" on stderr and exits with `code` (the test reads the rank's exit
  * code). */
