@@ -6,6 +6,7 @@
 #include <criterion/criterion.h>
 #include <inttypes.h>
 #include <math.h>
+#include <stdarg.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
@@ -506,4 +507,113 @@ void th_rank_check(int code, const char *expr, ts_status s)
         return;
     fprintf(stderr, "%s -> %s: %s\n", expr, ts_status_name(s), ts_last_error());
     _exit(code);
+}
+
+void th_rank_exit(int rank, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "rank %d: ", rank);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, " (%s)\n", ts_last_error());
+    fflush(stderr);
+    _exit(code);
+}
+
+/* ------------------------------------------------ half-precision nn fixtures */
+
+void th_half_fx_open(th_half_fx *f, const char *group)
+{
+    char path[1024];
+    json_error_t err;
+    snprintf(path, sizeof path, "%s/half/nn/index.json", TS_FIXTURES_DIR);
+    f->root = json_load_file(path, 0, &err);
+    cr_assert(f->root != NULL, "%s:%d: %s", path, err.line, err.text);
+    json_t *g;
+    size_t i;
+    f->group = NULL;
+    json_array_foreach(json_object_get(f->root, "groups"), i, g)
+    {
+        if (!strcmp(json_string_value(json_object_get(g, "name")), group))
+            f->group = g;
+    }
+    cr_assert(f->group != NULL, "no group '%s' in %s", group, path);
+    snprintf(path, sizeof path, "%s/half/nn/%s", TS_FIXTURES_DIR, json_string_value(json_object_get(f->group, "file")));
+    f->blob = th_read_file(path, &f->len);
+}
+
+void th_half_fx_close(th_half_fx *f)
+{
+    json_decref(f->root);
+    free(f->blob);
+}
+
+static ts_dtype half_fx_dtype(const char *name)
+{
+    static const struct {
+        const char *name;
+        ts_dtype dt;
+    } tab[] = {{"bfloat16", TS_BF16}, {"float16", TS_F16}, {"float32", TS_F32}, {"int64", TS_I64}};
+    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
+        if (!strcmp(tab[i].name, name))
+            return tab[i].dt;
+    cr_assert_fail("fixture dtype '%s' unknown", name);
+    return TS_F32;
+}
+
+int64_t th_json_int(json_t *obj, const char *key)
+{
+    json_t *v = json_object_get(obj, key);
+    cr_assert(json_is_integer(v), "fixture: '%s' is not an integer", key);
+    return (int64_t)json_integer_value(v);
+}
+
+ts_tensor *th_half_fx_tensor(const th_half_fx *f, const char *name)
+{
+    json_t *e = NULL, *x;
+    size_t i;
+    json_array_foreach(json_object_get(f->group, "tensors"), i, x)
+    {
+        if (!strcmp(json_string_value(json_object_get(x, "name")), name))
+            e = x;
+    }
+    cr_assert(e != NULL, "fixture has no tensor '%s'", name);
+    ts_dtype dt = half_fx_dtype(json_string_value(json_object_get(e, "dtype")));
+    json_t *sh = json_object_get(e, "shape");
+    int nd = (int)json_array_size(sh);
+    int64_t shape[TS_MAX_DIMS];
+    size_t numel = 1;
+    cr_assert(nd <= TS_MAX_DIMS);
+    for (int d = 0; d < nd; d++) {
+        shape[d] = (int64_t)json_integer_value(json_array_get(sh, (size_t)d));
+        numel *= (size_t)shape[d];
+    }
+    size_t off = (size_t)th_json_int(e, "offset"), nb = (size_t)th_json_int(e, "nbytes");
+    cr_assert_eq(nb, numel * ts_dtype_size(dt), "fixture tensor '%s': size mismatch", name);
+    cr_assert(off + nb <= f->len, "fixture tensor '%s' lies outside the file", name);
+    ts_tensor *t;
+    TH_OK(ts_tensor_from_data(dt, nd, shape, f->blob + off, &t));
+    return t;
+}
+
+float th_f32_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint32_t th_f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+void th_clear_launch_env(void)
+{
+    static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                 "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
 }

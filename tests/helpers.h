@@ -2,6 +2,7 @@
 #ifndef TS_TEST_HELPERS_H
 #define TS_TEST_HELPERS_H
 
+#include <jansson.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/types.h>
@@ -63,6 +64,10 @@ void th_vals(const ts_tensor *t, double *buf, int64_t n);
 double *th_vals_new(const ts_tensor *t);
 /* Asserts t has ndim dims of sizes shape, naming the first that differs. */
 void th_assert_shape(const ts_tensor *t, int ndim, const int64_t *shape);
+/* The float32 whose bits are u, and the bits of f (bit casts). */
+float th_f32_of(uint32_t u);
+uint32_t th_f32_bits(float f);
+
 /* A tiny linear congruential generator: advances *st, returns its top 24 bits. */
 uint32_t th_lcg(uint32_t *st);
 /* Runs fn (forward, then backward of th_seq(out's dtype and shape,
@@ -143,10 +148,38 @@ void th_wait_pids(const pid_t *pids, int n, int skip, double limit_s, int *statu
  * entries and the NULL after them; *n_out is the number kept (where the
  * caller appends). */
 char **th_environ_without(const char *const *drop, size_t n_drop, size_t extra, size_t *n_out);
+/* Unsets the variables a launcher or scheduler sets for a rank (RANK,
+ * WORLD_SIZE, MASTER_ADDR, ...), so a test starts from none of them. */
+void th_clear_launch_env(void);
 /* In a rank process: unless `expr` gives TS_OK, prints "EXPR -> STATUS:
  * detail" on stderr and exits with `code` (the test reads the rank's exit
  * code). */
 #define TH_RANK_OK(code, expr) th_rank_check((code), #expr, (expr))
 void th_rank_check(int code, const char *expr, ts_status s);
+/* In a rank process: prints "rank RANK: MESSAGE (last error)" on stderr
+ * (MESSAGE formatted from fmt) and exits with `code`. */
+_Noreturn void th_rank_exit(int rank, int code, const char *fmt, ...) TS_PRINTF(3, 4);
+
+/* ------------------------------------------------ half-precision nn fixtures */
+
+/* The integer member `key` of a fixture's JSON object; fails the test when
+ * it is missing or not an integer. */
+int64_t th_json_int(json_t *obj, const char *key);
+
+/* One group of tests/fixtures/half/nn/index.json and its blob of tensors
+ * (group is borrowed from root). th_half_fx_open loads the index and the
+ * group's blob and fails the test when either or the group is missing;
+ * th_half_fx_close frees both. th_half_fx_tensor returns a new tensor (the
+ * caller frees it) with the dtype, shape and bytes of the group's tensor
+ * `name`; it fails the test when the tensor is missing, its dtype unknown,
+ * its offset or size not integers, or its bytes outside the blob. */
+typedef struct th_half_fx {
+    json_t *root, *group;
+    uint8_t *blob;
+    size_t len;
+} th_half_fx;
+void th_half_fx_open(th_half_fx *f, const char *group);
+void th_half_fx_close(th_half_fx *f);
+ts_tensor *th_half_fx_tensor(const th_half_fx *f, const char *name);
 
 #endif

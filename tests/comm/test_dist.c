@@ -27,14 +27,7 @@
 
 static int g_rank = -1;
 
-#define RFAIL(code, ...)                                                   \
-    do {                                                                   \
-        fprintf(stderr, "rank %d: ", g_rank);                              \
-        fprintf(stderr, __VA_ARGS__);                                      \
-        fprintf(stderr, " (%s)\n", ts_last_error());                       \
-        fflush(stderr);                                                    \
-        _exit(code);                                                       \
-    } while (0)
+#define RFAIL(code, ...) th_rank_exit(g_rank, (code), __VA_ARGS__)
 
 static double get(const void *p, ts_dtype d, size_t i)
 {
@@ -278,13 +271,6 @@ __attribute__((constructor)) static void dist_test_role(void)
 
 /* ------------------------------------------------------------ test side */
 
-static void clear_launch_env(void)
-{
-    static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                 "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED"};
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
-}
-
 ParameterizedTestParameters(dist, collectives)
 {
     static int sizes[] = {1, 2, 3, 4};
@@ -293,7 +279,7 @@ ParameterizedTestParameters(dist, collectives)
 
 ParameterizedTest(int *world, dist, collectives, .timeout = 120)
 {
-    clear_launch_env();
+    th_clear_launch_env();
     setenv("TS_TEST_DIST_ROLE", "coll", 1);
     ts_launch_options o = ts_launch_options_default();
     o.nproc_per_node = *world;
@@ -312,7 +298,7 @@ ParameterizedTest(int *world, dist, collectives, .timeout = 120)
  * the others through the bypass), and the results are right. */
 Test(dist, collectives_with_the_bypass_off_on_one_rank, .timeout = 120)
 {
-    clear_launch_env();
+    th_clear_launch_env();
     setenv("TS_TEST_DIST_ROLE", "coll", 1);
     setenv("TS_TEST_CMA_OFF_RANK", "1", 1);
     ts_launch_options o = ts_launch_options_default();
@@ -357,7 +343,7 @@ static char *run_peer_killed(ts_launch_result *res, double *elapsed)
  * otherwise), and the launcher must name rank 2 and SIGKILL. */
 Test(dist, peer_killed, .timeout = 120)
 {
-    clear_launch_env();
+    th_clear_launch_env();
     ts_launch_result res;
     double el = 0;
     char *err = run_peer_killed(&res, &el);
@@ -375,7 +361,7 @@ Test(dist, peer_killed, .timeout = 120)
  * in time, and teardown stays bounded. The collectives pass in that mode. */
 Test(dist, peer_killed_local_none, .timeout = 120)
 {
-    clear_launch_env();
+    th_clear_launch_env();
     setenv("TS_UCX_ERROR_MODE", "local-none", 1);
     ts_launch_result res;
     double el = 0;
@@ -401,7 +387,7 @@ Test(dist, peer_killed_local_none, .timeout = 120)
 /* A process started alone: a one-rank world, no store, no UCX. */
 Test(dist, alone, .timeout = 30)
 {
-    clear_launch_env();
+    th_clear_launch_env();
     cr_assert(!ts_dist_is_initialized());
     cr_assert_eq(ts_dist_finalize(), TS_ERR_STATE);
     TH_OK(ts_dist_init(NULL));
@@ -428,7 +414,7 @@ Test(dist, alone, .timeout = 30)
 
 Test(dist, bad_env, .timeout = 30)
 {
-    clear_launch_env();
+    th_clear_launch_env();
     setenv("RANK", "5", 1);
     setenv("WORLD_SIZE", "2", 1);
     setenv("MASTER_PORT", "29500", 1);
@@ -445,7 +431,7 @@ extern char **environ;
 /* mpirun-style: no launcher hosts the store, so rank 0 does. */
 Test(dist, rank0_hosts_store, .timeout = 60)
 {
-    clear_launch_env();
+    th_clear_launch_env();
     enum { W = 3 };
     char port[16];
     snprintf(port, sizeof port, "%d", th_free_port());

@@ -30,14 +30,7 @@
 
 static int g_rank = -1;
 
-#define RFAIL(code, ...)                                   \
-    do {                                                   \
-        fprintf(stderr, "rank %d: ", g_rank);              \
-        fprintf(stderr, __VA_ARGS__);                      \
-        fprintf(stderr, " (%s)\n", ts_last_error());       \
-        fflush(stderr);                                    \
-        _exit(code);                                       \
-    } while (0)
+#define RFAIL(code, ...) th_rank_exit(g_rank, (code), __VA_ARGS__)
 
 static ts_tensor *mk(int64_t n)
 {

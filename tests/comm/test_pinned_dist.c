@@ -22,14 +22,7 @@
 
 static int g_rank = -1;
 
-#define RFAIL(code, ...)                                                   \
-    do {                                                                   \
-        fprintf(stderr, "rank %d: ", g_rank);                              \
-        fprintf(stderr, __VA_ARGS__);                                      \
-        fprintf(stderr, " (%s)\n", ts_last_error());                       \
-        fflush(stderr);                                                    \
-        _exit(code);                                                       \
-    } while (0)
+#define RFAIL(code, ...) th_rank_exit(g_rank, (code), __VA_ARGS__)
 
 static float val(int r, int64_t i) { return (float)(r * 1000 + (i % 997)); }
 
@@ -118,16 +111,9 @@ __attribute__((constructor)) static void pinned_test_role(void)
     _exit(6);
 }
 
-static void clear_launch_env(void)
-{
-    static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                 "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED"};
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
-}
-
 static void launch(int W)
 {
-    clear_launch_env();
+    th_clear_launch_env();
     setenv("TS_TEST_PINNED_ROLE", "pinned", 1);
     ts_launch_options o = ts_launch_options_default();
     o.nproc_per_node = W;

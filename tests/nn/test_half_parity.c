@@ -59,73 +59,15 @@
 
 /* ------------------------------------------------------------ fixtures */
 
-typedef struct fixture {
-    json_t *root, *group;
-    uint8_t *blob;
-    size_t len;
-} fixture;
+/* The fixtures are loaded by th_half_fx_open() of tests/helpers.c. */
 
-static void fx_open(fixture *f)
+/* A new tensor with the fixture's tensor `name`; this group holds int64,
+ * bfloat16 and float32 tensors only. */
+static ts_tensor *fx_tensor(const th_half_fx *f, const char *name)
 {
-    char path[1024];
-    json_error_t err;
-    snprintf(path, sizeof path, "%s/half/nn/index.json", TS_FIXTURES_DIR);
-    f->root = json_load_file(path, 0, &err);
-    cr_assert(f->root != NULL, "%s:%d: %s", path, err.line, err.text);
-    json_t *g;
-    size_t i;
-    f->group = NULL;
-    json_array_foreach(json_object_get(f->root, "groups"), i, g)
-    {
-        if (!strcmp(json_string_value(json_object_get(g, "name")), "gpt_bf16"))
-            f->group = g;
-    }
-    cr_assert(f->group != NULL, "no group gpt_bf16 in %s", path);
-    snprintf(path, sizeof path, "%s/half/nn/%s", TS_FIXTURES_DIR, json_string_value(json_object_get(f->group, "file")));
-    f->blob = th_read_file(path, &f->len);
-}
-
-static void fx_close(fixture *f)
-{
-    json_decref(f->root);
-    free(f->blob);
-}
-
-static int64_t fx_int(json_t *obj, const char *key)
-{
-    json_t *v = json_object_get(obj, key);
-    cr_assert(json_is_integer(v), "fixture: '%s' is not an integer", key);
-    return (int64_t)json_integer_value(v);
-}
-
-/* A new tensor with the fixture's tensor `name`. */
-static ts_tensor *fx_tensor(const fixture *f, const char *name)
-{
-    json_t *e = NULL, *x;
-    size_t i;
-    json_array_foreach(json_object_get(f->group, "tensors"), i, x)
-    {
-        if (!strcmp(json_string_value(json_object_get(x, "name")), name))
-            e = x;
-    }
-    cr_assert(e != NULL, "fixture has no tensor '%s'", name);
-    const char *dn = json_string_value(json_object_get(e, "dtype"));
-    ts_dtype dt = !strcmp(dn, "int64") ? TS_I64 : !strcmp(dn, "bfloat16") ? TS_BF16 : TS_F32;
-    cr_assert(!strcmp(dn, "int64") || !strcmp(dn, "bfloat16") || !strcmp(dn, "float32"), "dtype %s", dn);
-    json_t *sh = json_object_get(e, "shape");
-    int nd = (int)json_array_size(sh);
-    int64_t shape[TS_MAX_DIMS];
-    size_t numel = 1;
-    cr_assert(nd <= TS_MAX_DIMS);
-    for (int d = 0; d < nd; d++) {
-        shape[d] = (int64_t)json_integer_value(json_array_get(sh, (size_t)d));
-        numel *= (size_t)shape[d];
-    }
-    size_t off = (size_t)fx_int(e, "offset"), nb = (size_t)fx_int(e, "nbytes");
-    cr_assert_eq(nb, numel * ts_dtype_size(dt), "fixture tensor '%s': size mismatch", name);
-    cr_assert(off + nb <= f->len, "fixture tensor '%s' lies outside the file", name);
-    ts_tensor *t;
-    TH_OK(ts_tensor_from_data(dt, nd, shape, f->blob + off, &t));
+    ts_tensor *t = th_half_fx_tensor(f, name);
+    ts_dtype dt = ts_tensor_dtype(t);
+    cr_assert(dt == TS_I64 || dt == TS_BF16 || dt == TS_F32, "dtype %s", ts_dtype_name(dt));
     return t;
 }
 
@@ -202,18 +144,18 @@ static double expect_close(const char *what, ts_tensor *got, ts_tensor *ref, dou
 
 /* Our GPT after ts_manual_seed(seed), in train mode (dropout 0), then
  * ts_module_to_dtype(bf16): torch's m.train(); m.to(torch.bfloat16). */
-static ts_module *build(const fixture *f)
+static ts_module *build(const th_half_fx *f)
 {
     json_t *c = json_object_get(f->group, "config");
     ts_gpt_config cfg = ts_gpt_config_default();
-    cfg.vocab_size = fx_int(c, "vocab_size");
-    cfg.block_size = fx_int(c, "block_size");
-    cfg.n_layer = fx_int(c, "n_layer");
-    cfg.n_head = fx_int(c, "n_head");
-    cfg.d_model = fx_int(c, "d_model");
+    cfg.vocab_size = th_json_int(c, "vocab_size");
+    cfg.block_size = th_json_int(c, "block_size");
+    cfg.n_layer = th_json_int(c, "n_layer");
+    cfg.n_head = th_json_int(c, "n_head");
+    cfg.d_model = th_json_int(c, "d_model");
     cfg.dropout = json_real_value(json_object_get(c, "dropout"));
     cfg.tie_weights = json_is_true(json_object_get(c, "tie_weights"));
-    ts_manual_seed((uint64_t)fx_int(f->group, "seed"));
+    ts_manual_seed((uint64_t)th_json_int(f->group, "seed"));
     ts_module *m;
     TH_OK(ts_gpt_new(&cfg, &m));
     ts_module_train(m, true);
@@ -223,13 +165,13 @@ static ts_module *build(const fixture *f)
 
 /* seq = torch.randint(0, vocab, (B, T + 1)) after manual_seed(input_seed);
  * idx = seq[:, :-1]; targets = seq[:, 1:]; checked bit for bit. */
-static void make_batch(const fixture *f, ts_tensor **idx, ts_tensor **targets)
+static void make_batch(const th_half_fx *f, ts_tensor **idx, ts_tensor **targets)
 {
     json_t *c = json_object_get(f->group, "config");
-    int64_t B = fx_int(c, "batch"), T = fx_int(c, "seq"), shape[2] = {B, T + 1};
-    ts_manual_seed((uint64_t)fx_int(f->group, "input_seed"));
+    int64_t B = th_json_int(c, "batch"), T = th_json_int(c, "seq"), shape[2] = {B, T + 1};
+    ts_manual_seed((uint64_t)th_json_int(f->group, "input_seed"));
     ts_tensor *seq, *v;
-    TH_OK(ts_randint(0, fx_int(c, "vocab_size"), 2, shape, NULL, &seq));
+    TH_OK(ts_randint(0, th_json_int(c, "vocab_size"), 2, shape, NULL, &seq));
     TH_OK(ts_slice(seq, 1, 0, T, 1, &v));
     TH_OK(ts_contiguous(v, idx));
     ts_tensor_free(v);
@@ -246,8 +188,8 @@ static void make_batch(const fixture *f, ts_tensor **idx, ts_tensor **targets)
 
 Test(nn_half_parity, gpt_bf16_params_bit_exact)
 {
-    fixture f;
-    fx_open(&f);
+    th_half_fx f;
+    th_half_fx_open(&f, "gpt_bf16");
     ts_module *m = build(&f);
     ts_named_params np;
     TH_OK(ts_module_named_parameters(m, &np));
@@ -264,13 +206,13 @@ Test(nn_half_parity, gpt_bf16_params_bit_exact)
     }
     ts_named_params_free(&np);
     ts_module_free(m);
-    fx_close(&f);
+    th_half_fx_close(&f);
 }
 
 Test(nn_half_parity, gpt_bf16_forward_loss_and_gradients)
 {
-    fixture f;
-    fx_open(&f);
+    th_half_fx f;
+    th_half_fx_open(&f, "gpt_bf16");
     th_mem_mark();
     ts_module *m = build(&f);
     ts_tensor *idx, *targets, *logits, *l2, *t1, *loss;
@@ -310,7 +252,7 @@ Test(nn_half_parity, gpt_bf16_forward_loss_and_gradients)
     ts_tensor_free(targets);
     ts_module_free(m);
     th_mem_assert_back();
-    fx_close(&f);
+    th_half_fx_close(&f);
 }
 
 /* ------------------------------------------------------------ encoder */

@@ -115,13 +115,6 @@ static void fx_close(fixture *f)
     free(f->blob);
 }
 
-static int64_t fx_int(json_t *obj, const char *key)
-{
-    json_t *v = json_object_get(obj, key);
-    cr_assert(json_is_integer(v), "fixture: '%s' is not an integer", key);
-    return (int64_t)json_integer_value(v);
-}
-
 static json_t *fx_config(const fixture *f) { return json_object_get(f->model, "config"); }
 
 /* The tensor entry `name`, or NULL. */
@@ -155,8 +148,8 @@ static const void *fx_raw(const fixture *f, const char *name, ts_dtype *dtype, i
         shape[i] = (int64_t)json_integer_value(dim);
         numel *= (size_t)shape[i];
     }
-    int64_t off = fx_int(e, "offset");
-    *nbytes = (size_t)fx_int(e, "nbytes");
+    int64_t off = th_json_int(e, "offset");
+    *nbytes = (size_t)th_json_int(e, "nbytes");
     cr_assert_eq(*nbytes, numel * ts_dtype_size(*dtype), "fixture tensor '%s': size mismatch", name);
     cr_assert(off >= 0 && (size_t)off + *nbytes <= f->len, "fixture tensor '%s' lies outside the file", name);
     return f->blob + off;
@@ -253,7 +246,7 @@ static ts_module *build(const fixture *f)
     json_t *c = fx_config(f);
     const char *kind = json_string_value(json_object_get(c, "kind"));
     ts_module *m = NULL;
-    ts_manual_seed((uint64_t)fx_int(f->model, "seed"));
+    ts_manual_seed((uint64_t)th_json_int(f->model, "seed"));
     if (!strcmp(kind, "mlp")) {
         json_t *sz = json_object_get(c, "sizes");
         int64_t a = (int64_t)json_integer_value(json_array_get(sz, 0));
@@ -265,20 +258,20 @@ static ts_module *build(const fixture *f)
         TH_OK(ts_linear_new(b, o, true, &kids[2]));
         TH_OK(ts_sequential_new(3, kids, &m));
     } else if (!strcmp(kind, "encoder")) {
-        ts_encoder_layer_config cfg = ts_encoder_layer_config_default(fx_int(c, "d_model"), fx_int(c, "nhead"));
-        cfg.dim_feedforward = fx_int(c, "dim_feedforward");
+        ts_encoder_layer_config cfg = ts_encoder_layer_config_default(th_json_int(c, "d_model"), th_json_int(c, "nhead"));
+        cfg.dim_feedforward = th_json_int(c, "dim_feedforward");
         cfg.dropout = 0.0;
         cfg.norm_first = json_is_true(json_object_get(c, "norm_first"));
         cfg.gelu = json_is_true(json_object_get(c, "gelu"));
         cfg.batch_first = true; /* the fixtures' layers are batch_first=True, inputs (B, T, d) */
-        TH_OK(ts_transformer_encoder_new(&cfg, (int)fx_int(c, "num_layers"), &m));
+        TH_OK(ts_transformer_encoder_new(&cfg, (int)th_json_int(c, "num_layers"), &m));
     } else if (!strcmp(kind, "gpt")) {
         ts_gpt_config cfg = ts_gpt_config_default();
-        cfg.vocab_size = fx_int(c, "vocab_size");
-        cfg.block_size = fx_int(c, "block_size");
-        cfg.n_layer = fx_int(c, "n_layer");
-        cfg.n_head = fx_int(c, "n_head");
-        cfg.d_model = fx_int(c, "d_model");
+        cfg.vocab_size = th_json_int(c, "vocab_size");
+        cfg.block_size = th_json_int(c, "block_size");
+        cfg.n_layer = th_json_int(c, "n_layer");
+        cfg.n_head = th_json_int(c, "n_head");
+        cfg.d_model = th_json_int(c, "d_model");
         cfg.dropout = json_real_value(json_object_get(c, "dropout"));
         cfg.tie_weights = json_is_true(json_object_get(c, "tie_weights"));
         TH_OK(ts_gpt_new(&cfg, &m));
@@ -304,13 +297,13 @@ typedef struct batch {
 static batch make_batch(const fixture *f)
 {
     batch b = {0};
-    ts_manual_seed((uint64_t)fx_int(f->model, "input_seed"));
+    ts_manual_seed((uint64_t)th_json_int(f->model, "input_seed"));
     if (is_gpt(f)) {
         /* seq = torch.randint(0, vocab, (B, T + 1)); idx = seq[:, :-1]; targets = seq[:, 1:] */
         json_t *c = fx_config(f);
-        int64_t B = fx_int(c, "batch"), T = fx_int(c, "seq"), shape[2] = {B, T + 1};
+        int64_t B = th_json_int(c, "batch"), T = th_json_int(c, "seq"), shape[2] = {B, T + 1};
         ts_tensor *seq, *v;
-        TH_OK(ts_randint(0, fx_int(c, "vocab_size"), 2, shape, NULL, &seq));
+        TH_OK(ts_randint(0, th_json_int(c, "vocab_size"), 2, shape, NULL, &seq));
         TH_OK(ts_slice(seq, 1, 0, T, 1, &v));
         TH_OK(ts_contiguous(v, &b.x));
         ts_tensor_free(v);

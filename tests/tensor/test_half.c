@@ -32,20 +32,6 @@ static uint32_t rd32(const uint8_t *p)
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-static float f32_of(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint32_t bits_of(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
 /* CRC-32 (th_crc32) continued from `crc` over v's little-endian bytes. */
 static uint32_t crc_u16(uint32_t crc, uint16_t v)
 {
@@ -75,7 +61,7 @@ Test(tensor_half, f32_to_bf16_and_f16_match_torch)
     const uint8_t *in = buf, *bf = buf + 4 * n, *hf = buf + 6 * n;
     for (size_t i = 0; i < n; i++) {
         uint32_t x = rd32(in + 4 * i);
-        uint16_t b = ts_f32_to_bf16(f32_of(x)), h = ts_f32_to_f16(f32_of(x));
+        uint16_t b = ts_f32_to_bf16(th_f32_of(x)), h = ts_f32_to_f16(th_f32_of(x));
         cr_assert_eq(b, rd16(bf + 2 * i), "bf16(0x%08" PRIx32 ") = 0x%04x, torch 0x%04x", x, b, rd16(bf + 2 * i));
         cr_assert_eq(h, rd16(hf + 2 * i), "f16(0x%08" PRIx32 ") = 0x%04x, torch 0x%04x", x, h, rd16(hf + 2 * i));
     }
@@ -91,7 +77,7 @@ Test(tensor_half, sixteen_bit_patterns_to_f32_match_torch)
     const uint8_t *in = buf, *fh = buf + 2 * n, *fb = buf + 6 * n;
     for (size_t i = 0; i < n; i++) {
         uint16_t x = rd16(in + 2 * i);
-        uint32_t h = bits_of(ts_f16_to_f32(x)), b = bits_of(ts_bf16_to_f32(x));
+        uint32_t h = th_f32_bits(ts_f16_to_f32(x)), b = th_f32_bits(ts_bf16_to_f32(x));
         cr_assert_eq(h, rd32(fh + 4 * i), "f16 0x%04x -> 0x%08" PRIx32 ", torch 0x%08" PRIx32, x, h, rd32(fh + 4 * i));
         cr_assert_eq(b, rd32(fb + 4 * i), "bf16 0x%04x -> 0x%08" PRIx32 ", torch 0x%08" PRIx32, x, b, rd32(fb + 4 * i));
     }
@@ -102,8 +88,8 @@ Test(tensor_half, every_sixteen_bit_pattern_matches_torch_crc)
 {
     uint32_t ch = 0, cb = 0;
     for (uint32_t x = 0; x < 65536; x++) {
-        ch = crc_u32(ch, bits_of(ts_f16_to_f32((uint16_t)x)));
-        cb = crc_u32(cb, bits_of(ts_bf16_to_f32((uint16_t)x)));
+        ch = crc_u32(ch, th_f32_bits(ts_f16_to_f32((uint16_t)x)));
+        cb = crc_u32(cb, th_f32_bits(ts_bf16_to_f32((uint16_t)x)));
     }
     cr_assert_eq(ch, torch_crc("f16_to_f32_all"), "f16 -> f32 over all patterns: crc 0x%08" PRIx32, ch);
     cr_assert_eq(cb, torch_crc("bf16_to_f32_all"), "bf16 -> f32 over all patterns: crc 0x%08" PRIx32, cb);
@@ -114,7 +100,7 @@ Test(tensor_half, f32_sweep_matches_torch_crc)
     /* float32 patterns (k * 0x9E3779B1) mod 2^32 for k < 2^24 */
     uint32_t cb = 0, ch = 0;
     for (uint32_t k = 0; k < (1u << 24); k++) {
-        float f = f32_of(k * 0x9E3779B1u);
+        float f = th_f32_of(k * 0x9E3779B1u);
         cb = crc_u16(cb, ts_f32_to_bf16(f));
         ch = crc_u16(ch, ts_f32_to_f16(f));
     }
@@ -138,9 +124,9 @@ Test(tensor_half, round_trips_and_nan)
             cr_assert_eq(ts_f32_to_bf16(ts_bf16_to_f32(h)), 0x7FC0, "bf16 NaN 0x%04x", h);
     }
     /* c10: every NaN is 0x7FC0 in bf16 (sign and payload dropped); f16 keeps the sign */
-    cr_assert_eq(ts_f32_to_bf16(f32_of(0xFFC00000u)), 0x7FC0);
-    cr_assert_eq(ts_f32_to_bf16(f32_of(0x7FFF8000u)), 0x7FC0);
-    cr_assert_eq(ts_f32_to_f16(f32_of(0xFFC00001u)), 0xFE00);
+    cr_assert_eq(ts_f32_to_bf16(th_f32_of(0xFFC00000u)), 0x7FC0);
+    cr_assert_eq(ts_f32_to_bf16(th_f32_of(0x7FFF8000u)), 0x7FC0);
+    cr_assert_eq(ts_f32_to_f16(th_f32_of(0xFFC00001u)), 0xFE00);
     cr_assert_eq(ts_f32_to_bf16(-0.0f), 0x8000);
     cr_assert_eq(ts_f32_to_f16(-0.0f), 0x8000);
     cr_assert_eq(ts_f32_to_bf16(1.0f), 0x3F80);
@@ -155,19 +141,19 @@ Test(tensor_half, results_do_not_depend_on_the_rounding_mode)
     uint16_t b[10], h[10];
     uint32_t fb[10], fh[10];
     for (int i = 0; i < 10; i++) {
-        b[i] = ts_f32_to_bf16(f32_of(xs[i]));
-        h[i] = ts_f32_to_f16(f32_of(xs[i]));
-        fb[i] = bits_of(ts_bf16_to_f32((uint16_t)xs[i]));
-        fh[i] = bits_of(ts_f16_to_f32((uint16_t)xs[i]));
+        b[i] = ts_f32_to_bf16(th_f32_of(xs[i]));
+        h[i] = ts_f32_to_f16(th_f32_of(xs[i]));
+        fb[i] = th_f32_bits(ts_bf16_to_f32((uint16_t)xs[i]));
+        fh[i] = th_f32_bits(ts_f16_to_f32((uint16_t)xs[i]));
     }
     static const int modes[] = {FE_UPWARD, FE_DOWNWARD, FE_TOWARDZERO};
     for (int m = 0; m < 3; m++) {
         cr_assert_eq(fesetround(modes[m]), 0);
         for (int i = 0; i < 10; i++) {
-            cr_assert_eq(ts_f32_to_bf16(f32_of(xs[i])), b[i]);
-            cr_assert_eq(ts_f32_to_f16(f32_of(xs[i])), h[i]);
-            cr_assert_eq(bits_of(ts_bf16_to_f32((uint16_t)xs[i])), fb[i]);
-            cr_assert_eq(bits_of(ts_f16_to_f32((uint16_t)xs[i])), fh[i]);
+            cr_assert_eq(ts_f32_to_bf16(th_f32_of(xs[i])), b[i]);
+            cr_assert_eq(ts_f32_to_f16(th_f32_of(xs[i])), h[i]);
+            cr_assert_eq(th_f32_bits(ts_bf16_to_f32((uint16_t)xs[i])), fb[i]);
+            cr_assert_eq(th_f32_bits(ts_f16_to_f32((uint16_t)xs[i])), fh[i]);
         }
     }
     fesetround(FE_TONEAREST);

@@ -41,80 +41,7 @@
 
 /* ------------------------------------------------------------ fixtures */
 
-typedef struct fixture {
-    json_t *root, *group; /* group borrowed from root */
-    uint8_t *blob;
-    size_t len;
-} fixture;
-
-static void fx_open(fixture *f, const char *group)
-{
-    char path[1024];
-    json_error_t err;
-    snprintf(path, sizeof path, "%s/half/nn/index.json", TS_FIXTURES_DIR);
-    f->root = json_load_file(path, 0, &err);
-    cr_assert(f->root != NULL, "%s:%d: %s", path, err.line, err.text);
-    json_t *g;
-    size_t i;
-    f->group = NULL;
-    json_array_foreach(json_object_get(f->root, "groups"), i, g)
-    {
-        if (!strcmp(json_string_value(json_object_get(g, "name")), group))
-            f->group = g;
-    }
-    cr_assert(f->group != NULL, "no group '%s' in %s", group, path);
-    snprintf(path, sizeof path, "%s/half/nn/%s", TS_FIXTURES_DIR, json_string_value(json_object_get(f->group, "file")));
-    f->blob = th_read_file(path, &f->len);
-}
-
-static void fx_close(fixture *f)
-{
-    json_decref(f->root);
-    free(f->blob);
-}
-
-static ts_dtype dtype_of(const char *name)
-{
-    static const struct {
-        const char *name;
-        ts_dtype dt;
-    } tab[] = {{"bfloat16", TS_BF16}, {"float16", TS_F16}, {"float32", TS_F32}, {"int64", TS_I64}};
-    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
-        if (!strcmp(tab[i].name, name))
-            return tab[i].dt;
-    cr_assert_fail("fixture dtype '%s' unknown", name);
-    return TS_F32;
-}
-
-/* A new tensor with the fixture's tensor `name` (its dtype and shape). */
-static ts_tensor *fx_tensor(const fixture *f, const char *name)
-{
-    json_t *e = NULL, *x;
-    size_t i;
-    json_array_foreach(json_object_get(f->group, "tensors"), i, x)
-    {
-        if (!strcmp(json_string_value(json_object_get(x, "name")), name))
-            e = x;
-    }
-    cr_assert(e != NULL, "fixture has no tensor '%s'", name);
-    ts_dtype dt = dtype_of(json_string_value(json_object_get(e, "dtype")));
-    json_t *sh = json_object_get(e, "shape");
-    int nd = (int)json_array_size(sh);
-    int64_t shape[TS_MAX_DIMS];
-    size_t numel = 1;
-    cr_assert(nd <= TS_MAX_DIMS);
-    for (int d = 0; d < nd; d++) {
-        shape[d] = (int64_t)json_integer_value(json_array_get(sh, (size_t)d));
-        numel *= (size_t)shape[d];
-    }
-    size_t off = (size_t)json_integer_value(json_object_get(e, "offset"));
-    size_t nb = (size_t)json_integer_value(json_object_get(e, "nbytes"));
-    cr_assert_eq(nb, numel * ts_dtype_size(dt), "fixture tensor '%s': size mismatch", name);
-    cr_assert(off + nb <= f->len, "fixture tensor '%s' lies outside the file", name);
-    ts_tensor *t;
-    TH_OK(ts_tensor_from_data(dt, nd, shape, f->blob + off, &t));
-    return t;
-}
+/* The fixtures are loaded by th_half_fx_open() of tests/helpers.c. */
 
 /* ------------------------------------------------------------ checks */
 
@@ -265,17 +192,17 @@ static const op_case *find_case(const char *name)
 }
 
 /* The fixture tensor "<case>.<tag>.<what>". */
-static ts_tensor *case_tensor(const fixture *f, const op_case *c, const char *tag, const char *what)
+static ts_tensor *case_tensor(const th_half_fx *f, const op_case *c, const char *tag, const char *what)
 {
     char name[128];
     snprintf(name, sizeof name, "%s.%s.%s", c->name, tag, what);
-    return fx_tensor(f, name);
+    return th_half_fx_tensor(f, name);
 }
 
 /* Runs case c in dtype dt on the fixture's inputs (floating ones converted
  * to dt) with its upstream gradient (converted too): res[0] the output,
  * res[1..] the gradients. */
-static void run_case(const fixture *f, const op_case *c, const char *tag, ts_dtype dt, ts_tensor **res)
+static void run_case(const th_half_fx *f, const op_case *c, const char *tag, ts_dtype dt, ts_tensor **res)
 {
     ts_tensor *in[MAX_IN] = {0};
     for (int i = 0; i < c->n_in; i++) {
@@ -326,8 +253,8 @@ static void free_res(ts_tensor **res, int n)
  * ulps[j] is the limit of result j (output, then gradients). */
 static void check_vs_f32(const char *name, ts_dtype dt, const double *ulps)
 {
-    fixture f;
-    fx_open(&f, "ops");
+    th_half_fx f;
+    th_half_fx_open(&f, "ops");
     const op_case *c = find_case(name);
     ts_tensor *half[MAX_OUT], *full[MAX_OUT];
     run_case(&f, c, "bf16", dt, half);
@@ -339,15 +266,15 @@ static void check_vs_f32(const char *name, ts_dtype dt, const double *ulps)
     }
     free_res(half, c->n_out);
     free_res(full, c->n_out);
-    fx_close(&f);
+    th_half_fx_close(&f);
 }
 
 /* Case `name` against torch 1.13's results of the fixture (tag "bf16" or
  * "f16"). */
 static void check_vs_torch(const char *name, const char *tag, ts_dtype dt, const double *ulps)
 {
-    fixture f;
-    fx_open(&f, "ops");
+    th_half_fx f;
+    th_half_fx_open(&f, "ops");
     const op_case *c = find_case(name);
     ts_tensor *res[MAX_OUT];
     run_case(&f, c, tag, dt, res);
@@ -359,7 +286,7 @@ static void check_vs_torch(const char *name, const char *tag, ts_dtype dt, const
         ts_tensor_free(ref);
     }
     free_res(res, c->n_out);
-    fx_close(&f);
+    th_half_fx_close(&f);
 }
 
 static const ts_dtype HALVES[2] = {TS_BF16, TS_F16};

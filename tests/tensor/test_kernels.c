@@ -15,20 +15,6 @@
 #include "tensor/kernels.h"
 #include "tests/helpers.h"
 
-static float f32_of(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint32_t bits_of(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
 static void skip_unless(ts__kpath p)
 {
     if (!ts__kpath_supported(p))
@@ -51,12 +37,12 @@ static float *f32_patterns(int64_t *n_out)
     uint32_t rng = 12345;
     for (uint32_t h = 0; h < 65536; h++) {
         for (int64_t j = 0; j < nl - 1; j++)
-            v[k++] = f32_of(h << 16 | lows[j]);
+            v[k++] = th_f32_of(h << 16 | lows[j]);
         rng = rng * 1664525u + 1013904223u;
-        v[k++] = f32_of(h << 16 | (rng >> 16));
+        v[k++] = th_f32_of(h << 16 | (rng >> 16));
     }
     for (uint32_t i = 0; i < (1u << 24); i++)
-        v[k++] = f32_of(i * 255u + (i >> 8));
+        v[k++] = th_f32_of(i * 255u + (i >> 8));
     for (int i = 0; i < 4096; i++) {
         rng = rng * 1664525u + 1013904223u;
         uint32_t u = rng;
@@ -65,7 +51,7 @@ static float *f32_patterns(int64_t *n_out)
         case 1: u &= 0x807FFFFFu; break;                     /* subnormal or zero */
         default: break;                                      /* anything */
         }
-        v[k++] = f32_of(u);
+        v[k++] = th_f32_of(u);
     }
     cr_assert_eq(k, n);
     *n_out = n;
@@ -85,7 +71,7 @@ static void check_from_f32(ts__kpath p, ts_dtype dd)
         uint16_t want = dd == TS_BF16 ? ts_f32_to_bf16(src[i]) : ts_f32_to_f16(src[i]);
         if (got[i] != want)
             cr_assert_fail("%s path, f32 0x%08x -> %s: 0x%04x, scalar 0x%04x (index %lld)", ts__kpath_name(p),
-                           bits_of(src[i]), ts_dtype_name(dd), got[i], want, (long long)i);
+                           th_f32_bits(src[i]), ts_dtype_name(dd), got[i], want, (long long)i);
     }
     free(got);
     free(src);
@@ -104,9 +90,9 @@ static void check_to_f32(ts__kpath p, ts_dtype sd)
     ts__buf_convert_on(p, TS_F32, got, sd, src, N);
     for (int i = 0; i < N; i++) {
         float want = sd == TS_BF16 ? ts_bf16_to_f32(src[i]) : ts_f16_to_f32(src[i]);
-        if (bits_of(got[i]) != bits_of(want))
+        if (th_f32_bits(got[i]) != th_f32_bits(want))
             cr_assert_fail("%s path, %s 0x%04x -> f32: 0x%08x, scalar 0x%08x", ts__kpath_name(p), ts_dtype_name(sd),
-                           src[i], bits_of(got[i]), bits_of(want));
+                           src[i], th_f32_bits(got[i]), th_f32_bits(want));
     }
     free(got);
     free(src);
@@ -128,7 +114,7 @@ static void check_lengths(ts__kpath p)
                 for (int i = 0; i < MAXN + 2 * PAD + 4; i++) {
                     /* some NaNs and subnormals among normals */
                     uint32_t u = (uint32_t)i * 2654435761u;
-                    f[i] = i % 11 == 3 ? NAN : i % 13 == 5 ? f32_of(u & 0x807FFFFFu) : f32_of(u % 0x7F000000u) - 1;
+                    f[i] = i % 11 == 3 ? NAN : i % 13 == 5 ? th_f32_of(u & 0x807FFFFFu) : th_f32_of(u % 0x7F000000u) - 1;
                     h[i] = 0xABCD;
                     back[i] = -7.0f;
                 }
@@ -144,7 +130,7 @@ static void check_lengths(ts__kpath p)
                         float wb = d == TS_BF16 ? ts_bf16_to_f32(want) : ts_f16_to_f32(want);
                         cr_assert_eq(hs[j], want, "%s %s n %lld offset %d element %lld", ts__kpath_name(p),
                                      ts_dtype_name(d), (long long)n, off, (long long)j);
-                        cr_assert_eq(bits_of(bs[j]), bits_of(wb));
+                        cr_assert_eq(th_f32_bits(bs[j]), th_f32_bits(wb));
                     } else {
                         cr_assert_eq(h[i], 0xABCD, "%s wrote outside: n %lld offset %d index %d",
                                      ts__kpath_name(p), (long long)n, off, i);
@@ -265,7 +251,7 @@ Test(tensor_kernels, reduce_matches_element_loops)
         for (int i = 0; i < N; i++) {
             float wf = ref_op_f32((ts__buf_op)op, fa[i], fb[i]);
             double wd = ref_op_f64((ts__buf_op)op, da[i], db[i]);
-            cr_assert(isnan(wf) ? isnan(fo[i]) : bits_of(fo[i]) == bits_of(wf), "f32 op %d at %d", op, i);
+            cr_assert(isnan(wf) ? isnan(fo[i]) : th_f32_bits(fo[i]) == th_f32_bits(wf), "f32 op %d at %d", op, i);
             cr_assert(isnan(wd) ? isnan(dout[i]) : memcmp(&dout[i], &wd, 8) == 0, "f64 op %d at %d", op, i);
             int64_t wi = op == TS__BUF_SUM ? (int64_t)((uint64_t)ia[i] + (uint64_t)ib[i])
                        : op == TS__BUF_MAX ? (ia[i] > ib[i] ? ia[i] : ib[i])
@@ -277,7 +263,7 @@ Test(tensor_kernels, reduce_matches_element_loops)
         ts__buf_reduce(TS_F32, (ts__buf_op)op, fo, fo, fb, N);
         for (int i = 0; i < N; i++) {
             float wf = ref_op_f32((ts__buf_op)op, fa[i], fb[i]);
-            cr_assert(isnan(wf) ? isnan(fo[i]) : bits_of(fo[i]) == bits_of(wf));
+            cr_assert(isnan(wf) ? isnan(fo[i]) : th_f32_bits(fo[i]) == th_f32_bits(wf));
         }
         static const ts_dtype halves[2] = {TS_BF16, TS_F16};
         for (int hd = 0; hd < 2; hd++) {
@@ -327,7 +313,7 @@ Test(tensor_kernels, div_and_scale)
     for (int i = 0; i < N; i++) {
         float wf = f[i] / (float)div;
         double wd = d[i] / div;
-        cr_assert(isnan(wf) ? isnan(f2[i]) : bits_of(f2[i]) == bits_of(wf));
+        cr_assert(isnan(wf) ? isnan(f2[i]) : th_f32_bits(f2[i]) == th_f32_bits(wf));
         cr_assert(isnan(wd) ? isnan(d2[i]) : d2[i] == wd);
         cr_assert_eq(iv2[i], (int64_t)((double)iv[i] / div));
     }
@@ -340,7 +326,7 @@ Test(tensor_kernels, div_and_scale)
     ts__buf_scale(TS_F64, d2, N, c);
     for (int i = 0; i < N; i++) {
         float wf = f[i] * (float)c;
-        cr_assert(isnan(wf) ? isnan(f2[i]) : bits_of(f2[i]) == bits_of(wf));
+        cr_assert(isnan(wf) ? isnan(f2[i]) : th_f32_bits(f2[i]) == th_f32_bits(wf));
         cr_assert(isnan(d[i]) ? isnan(d2[i]) : d2[i] == d[i] * c);
     }
     static const ts_dtype halves[2] = {TS_BF16, TS_F16};
@@ -384,7 +370,7 @@ Test(tensor_kernels, norms_agree_across_paths)
         for (int64_t n = 0; n <= 200 || n == N; n = n == 200 ? N : n + 1) {
             float a = ts__buf_norm2_f32_on((ts__kpath)p, x, n);
             float r = ts__buf_norm2_f32_on(TS__KPATH_SCALAR, x, n);
-            cr_assert_eq(bits_of(a), bits_of(r), "%s norm of %lld f32", ts__kpath_name((ts__kpath)p), (long long)n);
+            cr_assert_eq(th_f32_bits(a), th_f32_bits(r), "%s norm of %lld f32", ts__kpath_name((ts__kpath)p), (long long)n);
             double b = ts__buf_norm2_f64_on((ts__kpath)p, y, n);
             double s = ts__buf_norm2_f64_on(TS__KPATH_SCALAR, y, n);
             cr_assert_eq(b, s, "%s norm of %lld f64", ts__kpath_name((ts__kpath)p), (long long)n);
@@ -396,7 +382,7 @@ Test(tensor_kernels, norms_agree_across_paths)
     float seq = 0;
     for (int i = 0; i < N; i++)
         seq = fmaf(x[i], x[i], seq);
-    cr_assert_neq(bits_of(sqrtf(seq)), bits_of(ts__buf_norm2_f32(x, N)));
+    cr_assert_neq(th_f32_bits(sqrtf(seq)), th_f32_bits(ts__buf_norm2_f32(x, N)));
     cr_assert_geq(npaths, 1);
     cr_assert_eq(ts__buf_norm2_f32(x, 0), 0.0f);
 }
