@@ -100,6 +100,40 @@ static ts_module *build(const cfg *c, int mode)
     return m;
 }
 
+/* The token ids and targets of one rank's batch (the same every step). */
+static void make_batch(const cfg *c, int rank, ts_tensor **ids, ts_tensor **tg)
+{
+    int64_t is[2] = {c->batch, c->seq}, tsz[1] = {(int64_t)c->batch * c->seq};
+    CHECK(ts_tensor_empty(TS_I64, 2, is, ids));
+    CHECK(ts_tensor_empty(TS_I64, 1, tsz, tg));
+    int64_t *a = ts_tensor_data(*ids), *b = ts_tensor_data(*tg);
+    for (int64_t i = 0; i < tsz[0]; i++) {
+        a[i] = (i * 7 + rank * 13) % c->vocab;
+        b[i] = (i * 11 + rank * 5) % c->vocab;
+    }
+}
+
+/* One training step: forward, the loss in float32 (as torchtitan's
+ * pred.float() under a bf16 policy), backward, AdamW, zero_grad. */
+static void train_step(const cfg *c, ts_module *m, ts_optim *opt, ts_tensor *ids, ts_tensor *tg)
+{
+    int64_t fs[2] = {(int64_t)c->batch * c->seq, c->vocab};
+    ts_tensor *logits, *flat, *loss;
+    CHECK(ts_module_call1(m, ids, &logits));
+    if (ts_tensor_dtype(logits) != TS_F32) {
+        ts_tensor *l32;
+        CHECK(ts_to_dtype(logits, TS_F32, &l32));
+        ts_tensor_free(logits);
+        logits = l32;
+    }
+    CHECK(ts_reshape(logits, 2, fs, &flat));
+    CHECK(ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss));
+    CHECK(ts_backward(loss, NULL, false));
+    CHECK(ts_optim_step(opt));
+    ts_optim_zero_grad(opt, true);
+    ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
+}
+
 /* Median step seconds; *peak the storage peak during the steps, *pbytes
  * the parameter bytes this rank holds. */
 static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *pbytes)
@@ -116,15 +150,8 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
     ts_adam_options ao = ts_adamw_options_default();
     ts_optim *opt;
     CHECK(ts_adamw_new(np.n, ps, &ao, &opt));
-    int64_t is[2] = {c->batch, c->seq}, fs[2] = {(int64_t)c->batch * c->seq, c->vocab}, tsz[1] = {fs[0]};
     ts_tensor *ids, *tg;
-    CHECK(ts_tensor_empty(TS_I64, 2, is, &ids));
-    CHECK(ts_tensor_empty(TS_I64, 1, tsz, &tg));
-    int64_t *a = ts_tensor_data(ids), *b = ts_tensor_data(tg);
-    for (int64_t i = 0; i < fs[0]; i++) {
-        a[i] = (i * 7 + rank * 13) % c->vocab;
-        b[i] = (i * 11 + rank * 5) % c->vocab;
-    }
+    make_batch(c, rank, &ids, &tg);
     double t[64];
     int n = c->steps > 64 ? 64 : c->steps;
     ts_comm *w = ts_dist_world();
@@ -138,21 +165,8 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
         }
         CHECK(ts_barrier(w, NULL));
         double t0 = bench_now_s();
-        ts_tensor *logits, *flat, *loss;
-        CHECK(ts_module_call1(m, ids, &logits));
-        if (ts_tensor_dtype(logits) != TS_F32) { /* the loss in float32, as torchtitan's pred.float() */
-            ts_tensor *l32;
-            CHECK(ts_to_dtype(logits, TS_F32, &l32));
-            ts_tensor_free(logits);
-            logits = l32;
-        }
-        CHECK(ts_reshape(logits, 2, fs, &flat));
-        CHECK(ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss));
-        CHECK(ts_backward(loss, NULL, false));
-        CHECK(ts_optim_step(opt));
-        ts_optim_zero_grad(opt, true);
+        train_step(c, m, opt, ids, tg);
         if (s >= 0) t[s] = bench_now_s() - t0;
-        ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
     }
     *peak = ts_mem_peak_bytes(TS_MEM_STORAGE);
     ts_comm_stats(w, &k1);
@@ -209,15 +223,8 @@ static void run_interleaved(const cfg *c, int rank, int nm, const int *modes, do
     runner r[4];
     if (nm > 4) nm = 4;
     for (int k = 0; k < nm; k++) runner_new(c, modes[k], &r[k]);
-    int64_t is[2] = {c->batch, c->seq}, fs[2] = {(int64_t)c->batch * c->seq, c->vocab}, tsz[1] = {fs[0]};
     ts_tensor *ids, *tg;
-    CHECK(ts_tensor_empty(TS_I64, 2, is, &ids));
-    CHECK(ts_tensor_empty(TS_I64, 1, tsz, &tg));
-    int64_t *a = ts_tensor_data(ids), *b = ts_tensor_data(tg);
-    for (int64_t i = 0; i < fs[0]; i++) {
-        a[i] = (i * 7 + rank * 13) % c->vocab;
-        b[i] = (i * 11 + rank * 5) % c->vocab;
-    }
+    make_batch(c, rank, &ids, &tg);
     double t[4][64];
     int n = c->steps > 64 ? 64 : c->steps;
     ts_comm *w = ts_dist_world();
@@ -226,21 +233,8 @@ static void run_interleaved(const cfg *c, int rank, int nm, const int *modes, do
             int k = (j + (s + 2)) % nm;
             CHECK(ts_barrier(w, NULL));
             double t0 = bench_now_s();
-            ts_tensor *logits, *flat, *loss;
-            CHECK(ts_module_call1(r[k].m, ids, &logits));
-            if (ts_tensor_dtype(logits) != TS_F32) { /* the loss in float32, as in run_mode */
-                ts_tensor *l32;
-                CHECK(ts_to_dtype(logits, TS_F32, &l32));
-                ts_tensor_free(logits);
-                logits = l32;
-            }
-            CHECK(ts_reshape(logits, 2, fs, &flat));
-            CHECK(ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss));
-            CHECK(ts_backward(loss, NULL, false));
-            CHECK(ts_optim_step(r[k].opt));
-            ts_optim_zero_grad(r[k].opt, true);
+            train_step(c, r[k].m, r[k].opt, ids, tg);
             if (s >= 0) t[k][s] = bench_now_s() - t0;
-            ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
         }
     }
     for (int k = 0; k < nm; k++) {
