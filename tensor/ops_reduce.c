@@ -6,7 +6,6 @@
 #include "tensor/kernels.h"
 
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 
@@ -525,10 +524,10 @@ __attribute__((target_clones("avx2", "default"))) static void softmax_rows_f32(c
 void ts__softmax_rows_half(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n, bool log_form)
 {
     float stack[2 * 512];
-    float *in = n <= 512 ? stack : malloc((size_t)n * 2 * sizeof *in);
+    float *in = n <= 512 ? stack : ts__malloc(TS_MEM_OTHER, (size_t)n * 2 * sizeof *in);
     if (!in || ts__use_reference_kernels) {
         if (in && in != stack)
-            free(in);
+            ts__free(TS_MEM_OTHER, in);
         ts__softmax_rows_half_ref(dt, x, y, rows, n, log_form);
         return;
     }
@@ -539,7 +538,7 @@ void ts__softmax_rows_half(ts_dtype dt, const void *x, void *y, int64_t rows, in
         ts__buf_convert(dt, (uint16_t *)y + r * n, TS_F32, out, n);
     }
     if (in != stack)
-        free(in);
+        ts__free(TS_MEM_OTHER, in);
 }
 
 static void softmax_rows_ref(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n, bool log_form)
