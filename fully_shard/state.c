@@ -22,6 +22,7 @@
 
 static ts_status fsdp_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out);
 static void fsdp_free(ts_module *m);
+static ts_status fsdp_rebase(ts_module *m, const ts_module_vtable *inner);
 static ts_status fsdp_call(fsdp_state *st, ts_module_fn fn, int n_in, ts_tensor *const *in, int *n_out,
                            ts_tensor **out);
 
@@ -35,6 +36,22 @@ static ts_status fsdp_call_method(ts_module *m, int k, int n_in, ts_tensor *cons
     ts_module_fn fn = st->orig_vt->methods[k].fn;
     if (!st->method_wrapped || !st->method_wrapped[k]) return fn(m, n_in, in, n_out, out);
     return fsdp_call(st, fn, n_in, in, n_out, out);
+}
+
+/* The rebase slot (ts_checkpoint_module after fully_shard): m's FSDP
+ * vtable becomes the one extending `inner`, which extends the original. */
+static ts_status fsdp_rebase(ts_module *m, const ts_module_vtable *inner)
+{
+    fsdp_state *s = m->ext;
+    if (!s || !inner || inner->base != s->orig_vt)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "fully_shard: %s can only be re-based onto a vtable extending %s",
+                        ts_module_type_name(m), s ? s->orig_vt->type_name : "its original");
+    const ts_module_vtable *vt = NULL;
+    ts_status st = ts__fsdp_vtable(inner, &vt);
+    if (st) return st;
+    s->orig_vt = inner;
+    m->vtable = vt;
+    return TS_OK;
 }
 
 /* The FSDP vtables made so far, one per original vtable; the array grows
@@ -99,6 +116,7 @@ ts_status ts__fsdp_vtable(const ts_module_vtable *orig, const ts_module_vtable *
     vt->base = orig;
     vt->extra_repr = ts__fsdp_extra_repr;
     vt->call_method = fsdp_call_method;
+    vt->rebase = fsdp_rebase;
     g_vts[g_n_vts++] = (vt_entry){orig, vt};
     *out = vt;
     vt = NULL, name = NULL;
