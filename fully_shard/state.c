@@ -503,9 +503,36 @@ static ts_status fsdp_call_hooks(fsdp_state *s, ts_module_fn fn, int n_in, ts_te
     if (st) return st;
     fsdp_ctx *c = s->ctx;
     fsdp_group *g = s->group;
-    if (ts_autograd_in_backward()) { /* activation checkpointing's recompute */
+    if (ts_autograd_in_backward()) {
+        /* activation checkpointing's recompute of a checkpointed module
+         * that holds this one (ts_checkpoint_module): its forward ran
+         * without grad, so none of this module's backward hooks exist;
+         * they go on the recomputed graph, whose backward runs next, so
+         * that the group is unsharded for it and its gradients are
+         * reduce-scattered (and the group resharded) as soon as they are
+         * complete, not at the end of the whole backward. No forward
+         * bookkeeping (order, prefetch, reshard policy), as PyTorch's
+         * pre-forward in PRE_BACKWARD. */
         if (g && ((st = ts__fsdp_unshard(g)) || (st = ts__fsdp_wait_unshard(g)))) return st;
-        return fn(m, n_in, in, n_out, out);
+        bool hooks = g && ts_grad_mode_enabled();
+        ts_tensor *rin[TS_MODULE_MAX_IO];
+        bool rw = hooks && n_in > 0 && n_in <= TS_MODULE_MAX_IO && any_requires_grad(n_in, in);
+        if (rw && (st = wrap_marker(n_in, in, post_backward_fn, s, rin))) return st;
+        st = fn(m, n_in, rw ? rin : in, n_out, out);
+        if (rw)
+            for (int i = 0; i < n_in; i++) ts_tensor_free(rin[i]);
+        if (st || !hooks || *n_out <= 0 || !any_requires_grad(*n_out, out)) return st;
+        ts_tensor *rout[TS_MODULE_MAX_IO];
+        if ((st = wrap_marker(*n_out, out, pre_backward_fn, s, rout))) {
+            for (int i = 0; i < *n_out; i++) ts_tensor_free(out[i]);
+            *n_out = 0;
+            return st;
+        }
+        for (int i = 0; i < *n_out; i++) {
+            ts_tensor_free(out[i]);
+            out[i] = rout[i];
+        }
+        return TS_OK;
     }
     bool iter_root = false;
     if (!c->iter_root) {
