@@ -630,6 +630,8 @@ int main(int argc, char **argv)
         }
     }
     print_comm_summary(world, step, W);
+    if (accum_log) /* exact, to compare the accumulation modes */
+        printf("accum: peak tensor storage %zu bytes on this rank\n", ts_mem_peak_bytes(TS_MEM_STORAGE));
     if (offload_cpu && step > 0) {
         ts_fsdp_offload_stats os;
         CHECK(ts_fsdp_offload_stats_get(model, &os));
