@@ -55,6 +55,7 @@ typedef struct acc_arg {
     bool rab;                /* FSDP2's reshard_after_backward: false sets it to is_last on the flagged modules */
     ts_reshard_policy raf;   /* reshard_after_forward of every call (AUTO: FSDP2's True, the root stays) */
     bool bf16;               /* mixed precision: bf16 compute, f32 reduce */
+    bool bf16_reduce;        /* mixed precision: f32 compute, bf16 reduce (narrower than the parameters) */
     bool offload;            /* CPU offload policy */
     bool counts;             /* check FSDP2's collective count formulas */
     double rtol, atol;       /* shard gradients and parameters against the one-batch reference */
@@ -131,6 +132,9 @@ static ts_status model_new(ts_mesh *mesh, const acc_arg *a, model *m)
     mp.reduce_dtype = TS_F32;
     mp.output_dtype = TS_F32;
     if (a->bf16) o.mp_policy = &mp;
+    ts_mp_policy narrow = ts_mp_policy_default();
+    narrow.reduce_dtype = TS_BF16;
+    if (a->bf16_reduce) o.mp_policy = &narrow;
     ts_offload_policy off = ts_offload_policy_default();
     if (a->offload) o.offload_policy = &off;
     if ((st = ts_fully_shard_each(NMLP, m->mlp, &o)) || (st = ts_fully_shard(m->root, &o))) return st;
@@ -425,6 +429,29 @@ Test(fully_shard_accumulation, no_sync_accumulates_in_reduce_dtype)
         a.mode2 = MODE_SYNC;
         a.rtol2 = 1e-5, a.atol2 = 1e-9;
         run_world(W, rank_accum, &a);
+    }
+}
+
+/* A reduce dtype narrower than the parameters' (f32 shards, bf16
+ * reduce-scatter) on 4 ranks, where H = 10 rows leave padding: the
+ * reduce-scatter input is in bf16 elements, and its padding rows must be
+ * zeroed at bf16 offsets (they were zeroed at f32 offsets, past the end of
+ * the buffer for the last ranks' blocks). No sync accumulates in bf16 here
+ * (the reduce dtype, as FSDP2), sync every microbatch in f32 after each
+ * bf16 reduction; the one-batch reference reduces in bf16 too. Each
+ * rank's gradient (terms up to about 1e-3) is rounded to bf16 (2^-8
+ * relative) before a sum over ranks that partly cancels, and no sync adds
+ * K more bf16 roundings: differences of a few 1e-5 absolute (measured
+ * 4.6e-5 on an element of 6.9e-4): atol 1e-4, rtol 3e-2. A lost
+ * microbatch moves the largest gradients (about 1e-3) by more. */
+Test(fully_shard_accumulation, narrow_reduce_dtype_with_padding)
+{
+    for (int md = MODE_SYNC; md <= MODE_ALL; md++) {
+        acc_arg a = f32_arg(2, (mode)md);
+        a.iters = 1;
+        a.bf16_reduce = true;
+        a.rtol = 3e-2, a.atol = 1e-4;
+        run_world(4, rank_accum, &a);
     }
 }
 
