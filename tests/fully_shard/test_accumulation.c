@@ -610,6 +610,61 @@ static int rank_not_last(rank_ctx *rc)
     return 0;
 }
 
+/* FSDP2's test_1f1b_microbatching, simplified: reshard_after_forward
+ * false; microbatch 0 forward, microbatch 1 forward, then both backwards,
+ * the first with sync off and is_last_backward false, the second the last
+ * (and reshard_after_backward false until it): the gradients equal one
+ * batch of both microbatches' rows, and after the last backward every
+ * parameter is sharded again. */
+static int rank_two_forwards(rank_ctx *rc)
+{
+    ts_mesh *mesh = make_mesh(rc, false);
+    if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
+    acc_arg a = f32_arg(2, MODE_SYNC);
+    a.raf = TS_RESHARD_FALSE;
+    model ref, m;
+    RK_OK(rc, model_new(mesh, &a, &ref));
+    RK_OK(rc, model_new(mesh, &a, &m));
+    int64_t base = (int64_t)rc->rank * 4;
+    RK_OK(rc, fwd_bwd(&ref, base, 4, 1.0));
+    ts_tensor *loss[2] = {0};
+    for (int k = 0; k < 2; k++) {
+        ts_tensor *x = batch(base + 2 * k, 2, xval), *y = batch(base + 2 * k, 2, yval), *o = NULL, *l = NULL;
+        RK_OK(rc, ts_module_call1(m.root, x, &o));
+        RK_OK(rc, ts_mse_loss(o, y, TS_REDUCTION_MEAN, &l));
+        RK_OK(rc, ts_mul_scalar(l, 0.5, &loss[k]));
+        ts_tensor_free(x);
+        ts_tensor_free(y);
+        ts_tensor_free(o);
+        ts_tensor_free(l);
+    }
+    for (int k = 0; k < 2; k++) {
+        RK_OK(rc, ts_fsdp_set_requires_gradient_sync(m.root, k == 1, true));
+        RK_OK(rc, ts_fsdp_set_is_last_backward(m.root, k == 1));
+        RK_OK(rc, ts_fsdp_set_reshard_after_backward(m.root, k == 1, true));
+        RK_OK(rc, ts_backward(loss[k], NULL, false));
+        ts_tensor_free(loss[k]);
+    }
+    for (int i = 0; i < NP; i++)
+        if (close_to(rc, "gradient", 0, i, ts_tensor_grad(ref.ps[i]), ts_tensor_grad(m.ps[i]), F32_RTOL, F32_ATOL))
+            return 1;
+    ts_named_params np;
+    RK_OK(rc, ts_module_named_parameters(m.root, &np));
+    int sharded = 0;
+    for (int i = 0; i < np.n; i++) sharded += ts_tensor_is_shard(*np.items[i].slot);
+    ts_named_params_free(&np);
+    RK_EQ(rc, sharded, NP);
+    model_free(&ref);
+    model_free(&m);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard_accumulation, two_forwards_then_two_backwards)
+{
+    run_world(2, rank_two_forwards, NULL);
+}
+
 Test(fully_shard_accumulation, is_last_backward_false_keeps_pending)
 {
     run_world(2, rank_not_last, NULL);
