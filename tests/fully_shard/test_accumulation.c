@@ -56,6 +56,7 @@ typedef struct acc_arg {
     ts_reshard_policy raf;   /* reshard_after_forward of every call (AUTO: FSDP2's True, the root stays) */
     bool bf16;               /* mixed precision: bf16 compute, f32 reduce */
     bool bf16_reduce;        /* mixed precision: f32 compute, bf16 reduce (narrower than the parameters) */
+    bool f16_reduce;         /* mixed precision: f32 compute, f16 reduce */
     bool offload;            /* CPU offload policy */
     bool counts;             /* check FSDP2's collective count formulas */
     double rtol, atol;       /* shard gradients and parameters against the one-batch reference */
@@ -135,6 +136,9 @@ static ts_status model_new(ts_mesh *mesh, const acc_arg *a, model *m)
     ts_mp_policy narrow = ts_mp_policy_default();
     narrow.reduce_dtype = TS_BF16;
     if (a->bf16_reduce) o.mp_policy = &narrow;
+    ts_mp_policy half = ts_mp_policy_default();
+    half.reduce_dtype = TS_F16;
+    if (a->f16_reduce) o.mp_policy = &half;
     ts_offload_policy off = ts_offload_policy_default();
     if (a->offload) o.offload_policy = &off;
     if ((st = ts_fully_shard_each(NMLP, m->mlp, &o)) || (st = ts_fully_shard(m->root, &o))) return st;
@@ -532,6 +536,58 @@ Test(fully_shard_accumulation, divide_factor_and_force_sum)
             }
     div_arg d = {.factor = 2, .rtol = 1e-6, .atol = 1e-7}; /* factor == the shard group's size */
     run_world(2, rank_divide, &d);
+}
+
+/* FSDP2 splits a float16 reduction's division (about sqrt(W) before the
+ * sum, the rest after) because NCCL sums in float16; our collectives sum
+ * float16 in float32 (ts__acc_dtype) and divide before rounding back, so
+ * AVG cannot overflow where the average fits: gradients whose average is
+ * 2e4 (the loss scaled so), where a float16 sum of 4 ranks (8e4) would be
+ * infinite, come out finite. The values are then the float32 reduction's
+ * to float16 rounding: each rank's gradient rounded (2^-11 relative),
+ * summed with partial cancellation: a few units of float16's spacing at
+ * 2e4 (16): atol 1e2, rtol 1e-2. */
+static int rank_f16_overflow(rank_ctx *rc)
+{
+    ts_mesh *mesh = make_mesh(rc, false);
+    if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
+    acc_arg a = f32_arg(1, MODE_SYNC), h = a;
+    h.f16_reduce = true;
+    model ref, m;
+    RK_OK(rc, model_new(mesh, &a, &ref));
+    RK_OK(rc, model_new(mesh, &h, &m));
+    int64_t base = (int64_t)rc->rank * 3;
+    RK_OK(rc, fwd_bwd(&ref, base, 3, 1.0));
+    double mx = 0;
+    for (int i = 0; i < NP; i++) {
+        const float *g = ts_tensor_data(ts_tensor_grad(ref.ps[i]));
+        for (int64_t k = 0; k < ts_tensor_numel(ref.ps[i]); k++) mx = fmax(mx, fabs((double)g[k]));
+    }
+    int64_t one = 1;
+    ts_tensor *t = NULL;
+    RK_OK(rc, ts_tensor_full(TS_F64, 1, &one, mx, &t));
+    RK_OK(rc, ts_all_reduce(rc->c, t, TS_REDUCE_MAX, NULL));
+    mx = *(double *)ts_tensor_data(t);
+    ts_tensor_free(t);
+    double scale = 2e4 / mx;
+    ts_optim_zero_grad(ref.opt, true);
+    RK_OK(rc, fwd_bwd(&ref, base, 3, scale));
+    RK_OK(rc, fwd_bwd(&m, base, 3, scale));
+    for (int i = 0; i < NP; i++) {
+        const float *g = ts_tensor_data(ts_tensor_grad(m.ps[i]));
+        for (int64_t k = 0; k < ts_tensor_numel(m.ps[i]); k++)
+            if (!isfinite(g[k])) return fail(rc, "gradient %d[%lld] is %g after the float16 reduction", i, (long long)k, g[k]);
+        if (close_to(rc, "gradient", 0, i, ts_tensor_grad(ref.ps[i]), ts_tensor_grad(m.ps[i]), 1e-2, 1e2)) return 1;
+    }
+    model_free(&ref);
+    model_free(&m);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard_accumulation, f16_reduce_does_not_overflow)
+{
+    run_world(4, rank_f16_overflow, NULL);
 }
 
 /* ------------------------------------------------------------------ */
