@@ -39,8 +39,10 @@
  * p's rows [r*c, r*c + c) sit at r*shard_numel + off_p; copy-out moves the
  * real rows into U (DESIGN.md D6). The reduce-scatter input is packed the
  * same way from the U gradients (copy-in, zero padding), reduced with AVG
- * over the shard group, and each parameter's segment of the output is
- * added into S's gradient.
+ * over the shard group (or as ts__fsdp_reduce_plan says under a divide
+ * factor or force-sum), and each parameter's segment of the output is
+ * added into S's gradient. Without gradient sync (accum.c) the U
+ * gradients stay (or move to acc in rdtype) until a backward with sync.
  *
  * Lifetimes: states and groups are reference counted: the module holds its
  * state, the autograd markers of a forward hold the state they serve, and
