@@ -27,6 +27,13 @@
  * float32 for the loss; f16 adds a ts_grad_scaler (steps with inf/NaN
  * gradients are skipped). The end prints the bytes all-gathered and
  * reduce-scattered per step.
+ *        [--accum K [--accum-mode nosync|sync]]
+ * --accum K makes each optimizer step K microbatches of --batch sequences
+ * (each loss scaled by 1/K; the same sequences as --accum 1 --batch K*B):
+ * nosync (default) turns gradient sync off on the first K-1
+ * (ts_fsdp_set_requires_gradient_sync), sync reduce-scatters every one;
+ * it prints the gradient memory each mode holds and, per step, the loss
+ * and gradient norm to 9 digits.
  * --load starts from a full state dict saved by --save (every rank reads
  * the file and keeps its rows); the sizes (--seq, --layers, --heads,
  * --dim) and the vocabulary are the checkpoint's (its metadata records
@@ -217,6 +224,8 @@ int main(int argc, char **argv)
     uint64_t seed = 1337;
     const char *offload = "none";
     int pin_memory = 1;
+    int accum = 1; /* gradient accumulation: microbatches per step */
+    const char *accum_mode = "nosync";
     ex_flag flags[] = {
         {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
@@ -236,6 +245,8 @@ int main(int argc, char **argv)
         {"--pin-memory", "0|1", EX_FLAG_INT, &pin_memory, 0, 1, false, "--offload cpu: pin the host shards and gradients", false},
         {"--param-dtype", "bf16|f16|f32", EX_FLAG_STRING, &param_dtype_s, 0, 0, false, "mixed precision: all-gather and compute in this dtype (float32 master weights)", false},
         {"--reduce-dtype", "bf16|f16|f32", EX_FLAG_STRING, &reduce_dtype_s, 0, 0, false, "mixed precision: reduce the gradients in this dtype (default: the param dtype)", false},
+        {"--accum", "K", EX_FLAG_INT, &accum, 1, 1 << 16, false, "gradient accumulation: K microbatches of --batch sequences per optimizer step", false},
+        {"--accum-mode", "nosync|sync", EX_FLAG_STRING, &accum_mode, 0, 0, false, "--accum: nosync reduces once, on the last microbatch (more memory); sync reduce-scatters every microbatch", false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
     bool ckpt_act = false; /* a switch without value: taken out before the flags are parsed */
@@ -256,6 +267,11 @@ int main(int argc, char **argv)
         return 2;
     }
     bool offload_cpu = strcmp(offload, "cpu") == 0;
+    if (strcmp(accum_mode, "nosync") != 0 && strcmp(accum_mode, "sync") != 0) {
+        fprintf(stderr, "train_gpt: --accum-mode '%s' (must be nosync or sync)\n", accum_mode);
+        return 2;
+    }
+    bool accum_log = ex_flag_given(flags, NFLAGS, "--accum"), accum_nosync = strcmp(accum_mode, "nosync") == 0;
     if (!offload_cpu && ex_flag_given(flags, NFLAGS, "--pin-memory")) {
         fprintf(stderr, "train_gpt: --pin-memory goes with --offload cpu\n");
         return 2;
@@ -480,6 +496,15 @@ int main(int argc, char **argv)
     ao.weight_decay = 0.01;
     ts_optim *opt;
     CHECK(ts_adamw_new(params.n, plist, &ao, &opt));
+    if (accum > 1) { /* what each accumulation mode costs (ts_fsdp_accumulation_memory) */
+        ts_fsdp_accum_memory am;
+        CHECK(ts_fsdp_accumulation_memory(model, &am));
+        char b1[32], b2[32];
+        printf("gradient accumulation: %d microbatches of %d per step, %s; per rank: sharded gradients %s, no sync "
+               "holds %s more (unsharded gradients)\n",
+               accum, batch, accum_nosync ? "no sync until the last" : "reduce-scatter every microbatch",
+               ex_fmt_bytes((double)am.sync_bytes, b1, sizeof b1), ex_fmt_bytes((double)am.no_sync_bytes, b2, sizeof b2));
+    }
     ts_lr_schedule sched = {TS_LR_WARMUP_COSINE, lr, steps / 10 + 1, steps, lr / 10};
     ts_grad_scaler *scaler = NULL; /* float16 needs loss scaling */
     if (mp.param_dtype == TS_F16) CHECK(ts_grad_scaler_new(NULL, &scaler));
@@ -490,7 +515,8 @@ int main(int argc, char **argv)
            "on rank 0\n",
            layers, heads, dim, W, W > 1 ? "s" : "", W > 1 ? "distributed world" : "one-rank mesh", (long long)local);
 
-    int64_t *ids = malloc((size_t)batch * (size_t)seq * sizeof *ids), *tg = malloc((size_t)batch * (size_t)seq * sizeof *tg);
+    size_t n_ids = (size_t)accum * (size_t)batch * (size_t)seq;
+    int64_t *ids = malloc(n_ids * sizeof *ids), *tg = malloc(n_ids * sizeof *tg);
     if (!ids || !tg) return 1;
     ts_generator *data_rng;
     CHECK(ts_generator_new(seed + 1 + (uint64_t)rank, &data_rng)); /* each rank its own batches */
@@ -500,7 +526,7 @@ int main(int argc, char **argv)
     ts_comm_stats_reset(world); /* count the training loop's collectives only */
     int step;
     for (step = 0; step < steps; step++) {
-        for (int b = 0; b < batch; b++) {
+        for (int b = 0; b < accum * batch; b++) { /* the same sequences as --accum 1 --batch K*B */
             size_t start = ts_generator_random(data_rng) % (len - (size_t)seq - 1);
             for (int t = 0; t < seq; t++) {
                 ids[b * seq + t] = map[(unsigned char)text[start + (size_t)t]];
@@ -509,28 +535,49 @@ int main(int argc, char **argv)
         }
         int64_t is[2] = {batch, seq}, ts_[1] = {(int64_t)batch * seq};
         ts_tensor *x, *y, *logits, *flat, *loss;
-        CHECK(ts_tensor_from_data(TS_I64, 2, is, ids, &x));
-        CHECK(ts_tensor_from_data(TS_I64, 1, ts_, tg, &y));
-        CHECK(ts_module_call1(model, x, &logits));
-        if (half) { /* the loss in float32, as torchtitan's pred.float() */
-            ts_tensor *l32;
-            CHECK(ts_to_dtype(logits, TS_F32, &l32));
-            ts_tensor_free(logits);
-            logits = l32;
+        double lsum = 0;
+        for (int k = 0; k < accum; k++) { /* microbatch k: sequences [k B, (k + 1) B), its mean loss / K */
+            if (accum > 1 && accum_nosync) CHECK(ts_fsdp_set_requires_gradient_sync(model, k == accum - 1, true));
+            size_t at = (size_t)k * (size_t)batch * (size_t)seq;
+            CHECK(ts_tensor_from_data(TS_I64, 2, is, ids + at, &x));
+            CHECK(ts_tensor_from_data(TS_I64, 1, ts_, tg + at, &y));
+            CHECK(ts_module_call1(model, x, &logits));
+            if (half) { /* the loss in float32, as torchtitan's pred.float() */
+                ts_tensor *l32;
+                CHECK(ts_to_dtype(logits, TS_F32, &l32));
+                ts_tensor_free(logits);
+                logits = l32;
+            }
+            int64_t fs[2] = {(int64_t)batch * seq, vocab};
+            CHECK(ts_reshape(logits, 2, fs, &flat));
+            CHECK(ts_cross_entropy(flat, y, -100, TS_REDUCTION_MEAN, &loss));
+            double lk;
+            CHECK(ts_tensor_item(loss, &lk));
+            lsum += lk;
+            if (accum > 1) {
+                ts_tensor *lk_scaled;
+                CHECK(ts_mul_scalar(loss, 1.0 / accum, &lk_scaled));
+                ts_tensor_free(loss);
+                loss = lk_scaled;
+            }
+            if (scaler) {
+                ts_tensor *scaled;
+                CHECK(ts_grad_scaler_scale(scaler, loss, &scaled));
+                CHECK(ts_backward(scaled, NULL, false));
+                ts_tensor_free(scaled);
+            } else {
+                CHECK(ts_backward(loss, NULL, false));
+            }
+            if (k < accum - 1) {
+                ts_tensor_free(x);
+                ts_tensor_free(y);
+                ts_tensor_free(logits);
+                ts_tensor_free(flat);
+                ts_tensor_free(loss);
+            }
         }
-        int64_t fs[2] = {(int64_t)batch * seq, vocab};
-        CHECK(ts_reshape(logits, 2, fs, &flat));
-        CHECK(ts_cross_entropy(flat, y, -100, TS_REDUCTION_MEAN, &loss));
-        if (scaler) {
-            ts_tensor *scaled;
-            CHECK(ts_grad_scaler_scale(scaler, loss, &scaled));
-            CHECK(ts_backward(scaled, NULL, false));
-            ts_tensor_free(scaled);
-            CHECK(ts_grad_scaler_unscale(scaler, opt)); /* before clipping, as PyTorch's recipe */
-        } else {
-            CHECK(ts_backward(loss, NULL, false));
-        }
-        double gn;
+        if (scaler) CHECK(ts_grad_scaler_unscale(scaler, opt)); /* before clipping, as PyTorch's recipe */
+        double gn = 0;
         bool overflow = scaler && ts_grad_scaler_found_inf(scaler, opt); /* the same on every rank */
         ts_status cs = overflow ? TS_OK : ts_fsdp_clip_grad_norm(model, 1.0, &gn);
         if (cs) { /* a non-finite gradient norm: the same on every rank */
@@ -559,7 +606,7 @@ int main(int argc, char **argv)
             /* the loss averaged over the ranks, for the log */
             int64_t one = 1;
             ts_tensor *lt;
-            CHECK(ts_tensor_item(loss, &l));
+            l = lsum / accum; /* the mean over the step's microbatches */
             CHECK(ts_tensor_full(TS_F64, 1, &one, l, &lt));
             CHECK(ts_all_reduce(world, lt, TS_REDUCE_AVG, NULL));
             CHECK(ts_tensor_item(lt, &l));
@@ -581,7 +628,8 @@ int main(int argc, char **argv)
         last = l;
         window += l;
         window_n++;
-        tokens += (int64_t)batch * seq * W;
+        tokens += (int64_t)accum * batch * seq * W;
+        if (accum_log) printf("accum step %d: loss %.9g grad norm %.9g\n", step + 1, l, overflow ? NAN : gn);
         int every = steps >= 20 ? steps / 20 : 1;
         if ((step + 1) % every == 0 || step == 0) {
             double el = ex_now() - t0;
@@ -594,6 +642,8 @@ int main(int argc, char **argv)
         }
     }
     print_comm_summary(world, step, W);
+    if (accum_log) /* exact, to compare the accumulation modes */
+        printf("accum: peak tensor storage %zu bytes on this rank\n", ts_mem_peak_bytes(TS_MEM_STORAGE));
     if (offload_cpu && step > 0) {
         ts_fsdp_offload_stats os;
         CHECK(ts_fsdp_offload_stats_get(model, &os));

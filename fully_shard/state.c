@@ -230,6 +230,7 @@ ts_status ts__fsdp_lazy_init(fsdp_state *st)
     if (!c) return TS_ERR_NO_MEMORY;
     c->root = st;
     c->implicit_fwd = c->implicit_bwd = true;
+    c->not_last_backward = st->not_last_backward;
     st->ctx = c;
     init_walk w = {c};
     ts_status s = ts_module_named_modules(st->module, init_each, &w);
@@ -329,8 +330,9 @@ static void marker_release(void *vs) { ts__fsdp_state_release(vs); }
 
 /* End of the backward (queued by the first pre-backward): the
  * post-backward of every group that still holds unsharded gradients (its
- * inputs needed no grad), in reverse order; then every reduction is
- * finished and every group resharded. */
+ * inputs needed no grad), in reverse order; then, on the last backward
+ * (ts_fsdp_set_is_last_backward), every reduction is finished; every group
+ * is resharded unless its reshard_after_backward is false. */
 static ts_status final_callback(void *vctx)
 {
     fsdp_ctx *c = vctx;
@@ -341,7 +343,8 @@ static ts_status final_callback(void *vctx)
         ts_status s2 = ts__fsdp_post_backward(c, g);
         if (!st) st = s2;
     }
-    if (c->rs_pending) {
+    bool last = !c->not_last_backward;
+    if (last && c->rs_pending) {
         ts_status s2 = ts__fsdp_finish_reduce(c->rs_pending);
         c->rs_pending = NULL;
         if (!st) st = s2;
@@ -349,13 +352,16 @@ static ts_status final_callback(void *vctx)
     for (int i = 0; i < c->n_states; i++) {
         fsdp_group *g = c->states[i]->group;
         if (!g) continue;
-        ts_status s2 = ts__fsdp_finish_reduce(g);
+        ts_status s2 = last ? ts__fsdp_finish_reduce(g) : TS_OK;
         if (!st) st = s2;
-        s2 = ts__fsdp_reshard(g); /* reshard after backward, as PyTorch; drops unused prefetches */
+        /* reshard after backward, as PyTorch (drops unused prefetches); a
+         * group kept unsharded gets its prefetch completed */
+        s2 = g->reshard_after_backward ? ts__fsdp_reshard(g) : ts__fsdp_wait_unshard(g);
         if (!st) st = s2;
         g->training = FSDP_IDLE;
     }
-    c->n_post_fwd = 0;
+    if (last) c->n_post_fwd = 0;
+    c->hold_pending = !last && c->rs_pending;
     c->final_queued = false;
     c->training = FSDP_IDLE;
     return st;
@@ -458,7 +464,7 @@ static void recover_failed_backward(fsdp_ctx *c)
         fsdp_group *g = c->states[i]->group;
         if (!g) continue;
         ts__fsdp_discard_reduce(g);
-        for (int k = 0; k < g->n; k++) (void)ts_tensor_set_grad(g->params[k].U, NULL);
+        ts__fsdp_drop_unreduced(g); /* with the gradients microbatches without sync kept */
         g->ran_forward = 0;
         g->training = FSDP_IDLE;
         (void)ts__fsdp_reshard(g);
@@ -550,7 +556,7 @@ static ts_status fsdp_call_hooks(fsdp_state *s, ts_module_fn fn, int n_in, ts_te
             c->cap_prev_fwd_order = cap;
         }
         c->fwd_pos = 0;
-        if (c->training != FSDP_IDLE || c->rs_pending) recover_failed_backward(c);
+        if (c->training != FSDP_IDLE || (c->rs_pending && !c->hold_pending)) recover_failed_backward(c);
         c->final_queued = false;
         for (int i = 0; i < c->n_states; i++) c->states[i]->ran = false;
     }

@@ -217,6 +217,7 @@ FACTORY = {
     'ts_comm_counters *': '&f_counters',
     'ts_fsdp_group_info *': '&f_group_info',
     'ts_fsdp_offload_stats *': '&f_offload_stats',
+    'ts_fsdp_accum_memory *': '&f_accum_memory',
     'ts_rank_env *': '&f_rank_env',
     'ts_launch_result *': '&f_launch_result',
     'ts_named_params *': '&f_named',
@@ -315,6 +316,7 @@ static ts_fsdp_summon *f_summon_outs[8];
 static ts_comm_counters f_counters;
 static ts_fsdp_group_info f_group_info;
 static ts_fsdp_offload_stats f_offload_stats;
+static ts_fsdp_accum_memory f_accum_memory;
 static ts_rank_env f_rank_env;
 static ts_launch_result f_launch_result;
 static ts_named_params f_named;
