@@ -1001,3 +1001,131 @@ Test(checkpoint, killed_saves_leave_a_loadable_checkpoint, .timeout = 120)
     rm_rf(dir);
     free(dir);
 }
+
+/* ------------------------------------------------------------ full files, streamed */
+
+typedef struct full_arg {
+    const char *path, *path_ref;
+    int mode; /* 0: save the full file and the reference; 1: load it and compare */
+    ts_state_dict *want; /* mode 1: the file's tensors (read by the test) */
+} full_arg;
+
+static int full_rank(th_rank *rc)
+{
+    full_arg *a = rc->arg;
+    model_t m;
+    const char *meta[2] = {"model", "tiny-mlp"};
+    if (a->mode == 0) {
+        TH_RK_OK(rc, build(rc->c, MESH_1D, OPT_ADAMW, 11, 5, &m));
+        TH_RK_OK(rc, train_step(&m));
+        TH_RK_OK(rc, ts_ckpt_save_full(a->path, m.root, meta, 1));
+        ts_state_dict *sd = NULL;
+        TH_RK_OK(rc, ts_fsdp_full_state_dict(m.root, true, &sd));
+        if (rc->rank == 0) TH_RK_OK(rc, ts_safetensors_save(a->path_ref, sd, meta, 1));
+        ts_state_dict_free(sd);
+    } else {
+        TH_RK_OK(rc, build(rc->c, MESH_1D, OPT_ADAMW, 12, 5, &m));
+        TH_RK_OK(rc, ts_ckpt_load_full(a->path, m.root, true));
+        ts_state_dict *sd = NULL;
+        TH_RK_OK(rc, ts_fsdp_full_state_dict(m.root, false, &sd));
+        TH_RK_EQ(rc, ts_state_dict_size(sd), ts_state_dict_size(a->want));
+        for (int i = 0; i < ts_state_dict_size(sd); i++) {
+            ts_tensor *x = ts_state_dict_tensor(sd, i), *y = ts_state_dict_get(a->want, ts_state_dict_name(sd, i));
+            if (!y || ts_tensor_numel(x) != ts_tensor_numel(y) ||
+                memcmp(ts_tensor_data(x), ts_tensor_data(y), (size_t)ts_tensor_numel(x) * ts_dtype_size(ts_tensor_dtype(x))))
+                return th_rank_fail(rc, "%s differs after ts_ckpt_load_full", ts_state_dict_name(sd, i));
+        }
+        ts_state_dict_free(sd);
+        /* errors: shape (another model), strict keys (no buffer), nothing changed */
+        model_t m2;
+        TH_RK_OK(rc, build(rc->c, MESH_1D, OPT_NONE, 13, 6, &m2));
+        TH_RK_EQ(rc, ts_ckpt_load_full(a->path, m2.root, true), TS_ERR_SHAPE);
+        model_free(&m2);
+        g_no_buffer = true;
+        TH_RK_OK(rc, build(rc->c, MESH_1D, OPT_NONE, 13, 5, &m2));
+        g_no_buffer = false;
+        TH_RK_EQ(rc, ts_ckpt_load_full(a->path, m2.root, true), TS_ERR_NOT_FOUND);
+        if (!strstr(ts_last_error(), "5.offset")) return th_rank_fail(rc, "message: %s", ts_last_error());
+        TH_RK_OK(rc, ts_ckpt_load_full(a->path, m2.root, false));
+        model_free(&m2);
+    }
+    model_free(&m);
+    return 0;
+}
+
+Test(checkpoint, full_file_streamed_equals_full_state_dict, .timeout = 60)
+{
+    char *dir = tmp_dir(), p1[300], p2[300];
+    snprintf(p1, sizeof p1, "%s/full.safetensors", dir);
+    snprintf(p2, sizeof p2, "%s/ref.safetensors", dir);
+    full_arg a = {.path = p1, .path_ref = p2, .mode = 0};
+    th_run_world(3, full_rank, &a, 30);
+    size_t n1, n2;
+    void *b1 = slurp(p1, &n1), *b2 = slurp(p2, &n2);
+    cr_assert_eq(n1, n2, "ts_ckpt_save_full wrote %zu bytes, ts_safetensors_save of the full state dict %zu", n1, n2);
+    cr_assert(memcmp(b1, b2, n1) == 0, "the files differ");
+    free(b1);
+    free(b2);
+    /* loaded on 2 and on 4 ranks: ts_fsdp_full_state_dict gives the file's tensors */
+    a.mode = 1;
+    TH_OK(ts_safetensors_load(p1, &a.want));
+    th_run_world(2, full_rank, &a, 30);
+    th_run_world(4, full_rank, &a, 30);
+    ts_state_dict_free(a.want);
+    unlink(p1);
+    unlink(p2);
+    rm_rf(dir);
+    free(dir);
+}
+
+/* A model of 6 Linear(64, 64): 6 weights of 16 KiB. */
+static ts_status wide_model(ts_module **out)
+{
+    ts_manual_seed(21);
+    ts_module *c[6] = {0};
+    ts_status st = TS_OK;
+    for (int i = 0; i < 6 && !st; i++) st = ts_linear_new(64, 64, true, &c[i]);
+    if (!st) st = ts_sequential_new(6, c, out);
+    if (st)
+        for (int i = 0; i < 6; i++) ts_module_free(c[i]);
+    if (!st) st = ts_fsdp_apply_by_type(*out, "Linear", NULL, NULL);
+    if (!st) st = ts_fully_shard(*out, NULL);
+    return st;
+}
+
+Test(checkpoint, full_file_peak_memory_is_one_tensor, .timeout = 60)
+{
+    char *dir = tmp_dir(), path[300];
+    snprintf(path, sizeof path, "%s/wide.safetensors", dir);
+    ts_module *m = NULL, *m2 = NULL;
+    TH_OK(wide_model(&m));
+    TH_OK(wide_model(&m2));
+    const size_t model_bytes = 6 * (64 * 64 + 64) * 4, largest = 64 * 64 * 4;
+    size_t base = ts_mem_live_bytes(TS_MEM_STORAGE);
+    ts_mem_reset_peak();
+    TH_OK(ts_ckpt_save_full(path, m, NULL, 0));
+    size_t save_extra = ts_mem_peak_bytes(TS_MEM_STORAGE) - base;
+    base = ts_mem_live_bytes(TS_MEM_STORAGE);
+    ts_mem_reset_peak();
+    TH_OK(ts_ckpt_load_full(path, m2, true));
+    size_t load_extra = ts_mem_peak_bytes(TS_MEM_STORAGE) - base;
+    cr_log_info("full file: model %zu bytes, largest tensor %zu; peak extra tensor memory: save %zu, load %zu", model_bytes,
+                largest, save_extra, load_extra);
+    cr_assert(save_extra <= largest + 1024, "save: %zu extra bytes, one tensor is %zu", save_extra, largest);
+    cr_assert(load_extra <= largest + 1024, "load: %zu extra bytes, one tensor is %zu", load_extra, largest);
+    cr_assert(model_bytes >= 6 * largest);
+    /* the loaded model equals the saved one */
+    ts_state_dict *a = NULL, *b = NULL;
+    TH_OK(ts_fsdp_full_state_dict(m, false, &a));
+    TH_OK(ts_fsdp_full_state_dict(m2, false, &b));
+    for (int i = 0; i < ts_state_dict_size(a); i++)
+        cr_assert(memcmp(ts_tensor_data(ts_state_dict_tensor(a, i)), ts_tensor_data(ts_state_dict_tensor(b, i)),
+                         (size_t)ts_tensor_numel(ts_state_dict_tensor(a, i)) * 4) == 0);
+    ts_state_dict_free(a);
+    ts_state_dict_free(b);
+    ts_module_free(m);
+    ts_module_free(m2);
+    unlink(path);
+    rm_rf(dir);
+    free(dir);
+}
