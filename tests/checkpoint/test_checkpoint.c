@@ -1129,3 +1129,55 @@ Test(checkpoint, full_file_peak_memory_is_one_tensor, .timeout = 60)
     rm_rf(dir);
     free(dir);
 }
+
+/* ------------------------------------------------------------ the index parser */
+
+Test(checkpoint, index_parser_rejects_malformed_indexes)
+{
+    static const char good[] =
+        "{\"format\":\"tensorshard-dcp\",\"version\":1,\"save_id\":\"ab\",\"world\":2,"
+        "\"files\":[{\"name\":\"a\",\"rank\":0,\"size\":100},{\"name\":\"b\",\"rank\":1,\"size\":100}],"
+        "\"tensors\":{\"w\":{\"kind\":\"model\",\"dtype\":\"F32\",\"shape\":[3,2],\"pieces\":["
+        "{\"file\":0,\"rank\":0,\"row\":0,\"rows\":2,\"offset\":8,\"length\":16},"
+        "{\"file\":1,\"rank\":1,\"row\":2,\"rows\":1,\"offset\":8,\"length\":8}]}}}";
+    ts__ckpt_index *ix = NULL;
+    TH_OK(ts__ckpt_index_parse("good", good, strlen(good), &ix));
+    const ts__ckpt_tensor *t = ts__ckpt_index_find(ix, "w");
+    cr_assert(t && t->n_pieces == 2 && t->rows == 3 && t->row_bytes == 8);
+    cr_assert_null(ts__ckpt_index_find(ix, "v"));
+    ts__ckpt_index_free(ix);
+    /* each a change of `good`, and a word the message must hold */
+    static const struct {
+        const char *from, *to, *needle;
+    } bad[] = {
+        {"\"rows\":1,\"offset\":8", "\"rows\":2,\"offset\":8", "outside"},       /* rows past the end */
+        {"\"row\":2,", "\"row\":1,", "overlap"},                                   /* rows 1-2 twice */
+        {"\"row\":2,\"rows\":1", "\"row\":2,\"rows\":0", "0 rows"},              /* a gap / an empty piece */
+        {"\"length\":8}", "\"length\":9}", "length"},                              /* bytes for its rows */
+        {"\"offset\":8,\"length\":8", "\"offset\":96,\"length\":8", "outside file"}, /* past the file's size */
+        {"\"file\":1", "\"file\":2", "file 2"},                                    /* no such file */
+        {"\"F32\"", "\"F8\"", "dtype"},
+        {"\"model\"", "\"weights\"", "kind"},
+        {"\"name\":\"a\"", "\"name\":\"../a\"", "plain file name"},
+        {"\"version\":1", "\"version\":2", "version"},
+        {"\"world\":2", "\"world\":0", "world"},
+        {"[3,2]", "[3,-2]", "shape"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char buf[1024];
+        const char *at = strstr(good, bad[i].from);
+        cr_assert(at, "case %zu: '%s' not in the good index", i, bad[i].from);
+        snprintf(buf, sizeof buf, "%.*s%s%s", (int)(at - good), good, bad[i].to, at + strlen(bad[i].from));
+        ix = NULL;
+        ts_status st = ts__ckpt_index_parse("bad", buf, strlen(buf), &ix);
+        cr_assert_eq(st, TS_ERR_FORMAT, "case %zu (%s): %s", i, bad[i].to, ts_status_name(st));
+        cr_assert_null(ix);
+        cr_assert(strstr(ts_last_error(), bad[i].needle), "case %zu: '%s' not in '%s'", i, bad[i].needle, ts_last_error());
+    }
+    /* truncated at every length */
+    for (size_t n = 0; n < strlen(good); n++) {
+        ix = NULL;
+        cr_assert_eq(ts__ckpt_index_parse("cut", good, n, &ix), TS_ERR_FORMAT, "cut at %zu", n);
+        cr_assert_null(ix);
+    }
+}
