@@ -1181,3 +1181,65 @@ Test(checkpoint, index_parser_rejects_malformed_indexes)
         cr_assert_null(ix);
     }
 }
+
+/* ------------------------------------------------------------ one process, no world */
+
+Test(checkpoint, unsharded_model_round_trip_and_save_errors, .timeout = 60)
+{
+    char *dir = tmp_dir(), ck[300];
+    snprintf(ck, sizeof ck, "%s/ck", dir);
+    model_t a, b, other;
+    TH_OK(build(NULL, MESH_NONE, OPT_SGD_MOM, 31, 5, &a));
+    TH_OK(train_step(&a));
+    TH_OK(train_step(&a));
+    ts_ckpt_options o = ts_ckpt_options_default();
+    o.optim = a.opt;
+    TH_OK(ts_ckpt_save(ck, a.root, &o));
+    TH_OK(build(NULL, MESH_NONE, OPT_SGD_MOM, 32, 5, &b));
+    o.optim = b.opt;
+    ts_ckpt_info info;
+    TH_OK(ts_ckpt_load(ck, b.root, &o, &info));
+    cr_assert_eq(info.saved_world, 1);
+    cr_assert_eq(info.optim_steps, 2);
+    snap sa, sb;
+    snap_init(&sa);
+    snap_init(&sb);
+    TH_OK(snap_take(&sa, 0, &a));
+    TH_OK(snap_take(&sb, 0, &b));
+    snap_assert_equal(&sa, &sb, 0, "unsharded round trip");
+    /* the next steps agree too (SGD's momentum buffers were restored) */
+    TH_OK(train_step(&a));
+    TH_OK(train_step(&b));
+    snap_fini(&sa);
+    snap_fini(&sb);
+    snap_init(&sa);
+    snap_init(&sb);
+    TH_OK(snap_take(&sa, 0, &a));
+    TH_OK(snap_take(&sb, 0, &b));
+    snap_assert_equal(&sa, &sb, 0, "unsharded, one step after the load");
+    snap_fini(&sa);
+    snap_fini(&sb);
+    /* save errors: an optimizer over other tensors; a folder that is a file */
+    TH_OK(build(NULL, MESH_NONE, OPT_ADAMW, 33, 5, &other));
+    o.optim = other.opt;
+    cr_assert_eq(ts_ckpt_save(ck, a.root, &o), TS_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(ts_last_error(), "not a parameter of the model"), "%s", ts_last_error());
+    char file[320];
+    snprintf(file, sizeof file, "%s/plain", dir);
+    spit(file, "x", 1);
+    o.optim = a.opt;
+    cr_assert_eq(ts_ckpt_save(file, a.root, &o), TS_ERR_IO);
+    cr_assert(strstr(ts_last_error(), "plain"), "%s", ts_last_error());
+    unlink(file);
+    /* metadata of a folder without it, and of no folder */
+    char *v = NULL;
+    cr_assert_eq(ts_ckpt_metadata(ck, "model", &v), TS_ERR_NOT_FOUND);
+    cr_assert_eq(ts_ckpt_metadata(file, "model", &v), TS_ERR_IO);
+    cr_assert_null(v);
+    model_free(&a);
+    model_free(&b);
+    model_free(&other);
+    rm_rf(ck);
+    rm_rf(dir);
+    free(dir);
+}
