@@ -86,7 +86,8 @@ typedef struct ts_ckpt_info {
     int loaded_world;       /* ranks that loaded it */
     bool rank_extra_loaded; /* saved_world == loaded_world: rank extras were filled */
     int64_t optim_steps;    /* the optimizer's step count at save (0 without one) */
-    uint64_t bytes_read;    /* bytes this rank read from the files */
+    uint64_t bytes_read;    /* tensor bytes this rank read from the files: the rows it owns and the
+                               replicated tensors (file headers and the index not counted) */
 } ts_ckpt_info;
 
 /* Saves model (a module tree, sharded with fully_shard or not; one-rank
