@@ -95,7 +95,7 @@ static void model_free(model_t *m)
  * Each Linear is sharded with its own group; the last bias is ignored
  * (outside every group: replicated, saved once by rank 0). */
 static bool g_ignore_bias = true; /* the test's settings for build() */
-static bool g_no_buffer = false;
+static _Thread_local bool g_no_buffer = false; /* per rank thread */
 
 static ts_status build(ts_comm *world, int mesh_kind, int optkind, uint64_t seed, int64_t hid2, model_t *m)
 {
