@@ -96,6 +96,7 @@ static void model_free(model_t *m)
  * (outside every group: replicated, saved once by rank 0). */
 static bool g_ignore_bias = true; /* the test's settings for build() */
 static _Thread_local bool g_no_buffer = false; /* per rank thread */
+static _Thread_local bool g_f64 = false;      /* the model in float64 */
 
 static ts_status build(ts_comm *world, int mesh_kind, int optkind, uint64_t seed, int64_t hid2, model_t *m)
 {
@@ -116,6 +117,10 @@ static ts_status build(ts_comm *world, int mesh_kind, int optkind, uint64_t seed
     if (!st) st = ts_sequential_new(g_no_buffer ? 5 : 6, c, &m->root);
     if (st) {
         for (int i = 0; i < 6; i++) ts_module_free(c[i]);
+        return st;
+    }
+    if (g_f64 && (st = ts_module_to_dtype(m->root, TS_F64))) {
+        ts_module_free(m->root);
         return st;
     }
     if (mesh_kind != MESH_NONE) {
@@ -646,7 +651,7 @@ Test(checkpoint, index_agrees_with_files, .timeout = 60)
 /* ------------------------------------------------------------ errors */
 
 enum { E_NO_DIR, E_NO_FILE, E_TRUNCATED, E_BAD_INDEX, E_SHAPE, E_DTYPE, E_MISSING_EXTRA, E_UNEXPECTED, E_SGD_INTO_ADAMW,
-       E_NONSTRICT_UNEXPECTED, E_COUNT };
+       E_NONSTRICT_UNEXPECTED, E_DTYPE_MODEL, E_COUNT };
 
 typedef struct err_arg {
     const char *dir;
@@ -662,8 +667,10 @@ static int err_rank(th_rank *rc)
     model_t m;
     g_no_buffer = a->kind == E_UNEXPECTED || a->kind == E_NONSTRICT_UNEXPECTED;
     int64_t hid2 = a->kind == E_SHAPE ? 6 : 5;
+    g_f64 = a->kind == E_DTYPE_MODEL;
     TH_RK_OK(rc, build(rc->c, MESH_1D, OPT_ADAMW, 77, hid2, &m));
-    TH_RK_OK(rc, train_step(&m));
+    g_f64 = false;
+    if (a->kind != E_DTYPE_MODEL) TH_RK_OK(rc, train_step(&m)); /* its inputs are float32 */
     ts_state_dict *ex = NULL, *rex = NULL;
     TH_RK_OK(rc, make_extras(rc->rank, &ex, &rex, 0));
     if (a->kind == E_DTYPE) { /* the checkpoint's data_step is int64 */
@@ -767,6 +774,7 @@ Test(checkpoint, errors_leave_the_model_unchanged, .timeout = 120)
         {E_UNEXPECTED, TS_ERR_NOT_FOUND, "5.offset"},
         {E_SGD_INTO_ADAMW, TS_ERR_INVALID_ARGUMENT, "SGD"},
         {E_NONSTRICT_UNEXPECTED, TS_OK, ""},
+        {E_DTYPE_MODEL, TS_ERR_DTYPE, "'0.weight' is float32 in the checkpoint, float64 here"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         if (cases[i].kind == E_NO_FILE) cr_assert_eq(unlink(f1), 0);
