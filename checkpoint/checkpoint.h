@@ -1,0 +1,149 @@
+/*
+ * checkpoint: distributed checkpoints in the style of PyTorch's
+ * torch.distributed.checkpoint (DCP) with FSDP2 state dicts
+ * (FSDP2-NOTES.md §2.14), plus streaming full-state files.
+ *
+ * A sharded checkpoint is a folder:
+ *   - one safetensors file per rank that holds data, with that rank's
+ *     local rows of every sharded tensor it writes (a dim-0 shard of a
+ *     parameter, or of an optimizer state of the parameter's shape) under
+ *     the tensor's key; a tensor replicated over some ranks (a parameter
+ *     outside every FSDP group, a buffer, an HSDP shard on the replicas of
+ *     mesh dim 0, a 0-d "step") is written once, by the lowest rank that
+ *     holds it;
+ *   - one index, "index.json" (JSON, jansson), written by rank 0 after
+ *     every rank's file is durable, naming the files and, per key, its
+ *     dtype, global shape, placements and every saved piece (file, first
+ *     global row, rows, byte offset and length in the file).
+ * Saving gathers nothing: no rank holds more than its own shards. Loading
+ * reads the index, and each rank reads (pread) only the byte ranges of the
+ * rows it owns now, from whichever files hold them: a checkpoint saved on
+ * W ranks loads on any W' and on another mesh (HSDP 2x2 to a 1-d mesh of
+ * 2, 4 ranks to 3, 1 to 4, uneven chunks both ways).
+ *
+ * Keys: parameters and buffers under their FQNs, unchanged by
+ * fully_shard ("layers.0.linear1.weight"); optimizer state as torch's
+ * get_optimizer_state_dict flattens it: "optim.state.<fqn>.exp_avg",
+ * "optim.state.<fqn>.exp_avg_sq", "optim.state.<fqn>.step" (0-d float32),
+ * "optim.state.<fqn>.momentum_buffer", "optim.state.<fqn>.max_exp_avg_sq",
+ * sharded like the parameter they belong to; extras under
+ * "extra.<name>" (replicated) and "rank_extra.<name>" (one per rank).
+ *
+ * Atomicity: files first, index last. Every file is written under a name
+ * unique to this save, fsync'ed; rank 0 then writes the index to a
+ * temporary name, fsyncs it, renames it over "index.json" and fsyncs the
+ * folder; files no index names any more are removed after that. A crash at
+ * any point leaves the previous checkpoint in the folder loadable.
+ *
+ * Collective: every rank of the model's mesh (the world) calls save and
+ * load with the same folder, on a file system every rank sees (the local
+ * disk for one host). Threads: one at a time per model.
+ */
+#ifndef TS_CHECKPOINT_H
+#define TS_CHECKPOINT_H
+
+#include "base/base.h"
+#include "fully_shard/fully_shard.h"
+#include "nn/nn.h"
+#include "optim/optim.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ts_ckpt_options {
+    /* The optimizer over the model's parameters (after fully_shard): its
+     * state is saved and loaded with the model, keyed by parameter FQN.
+     * NULL: the model only. Loading into an optimizer of another kind than
+     * the one saved (SGD into AdamW) is TS_ERR_INVALID_ARGUMENT naming
+     * both; its hyperparameters are recorded and not checked (a resumed
+     * run may change them). Its step count is saved and restored. */
+    ts_optim *optim;
+    /* Tensors every rank holds with equal values (a step counter, the data
+     * generator's state): saved once, loaded on every rank. On load, the
+     * dict's tensors are filled in place (shape and dtype must match). */
+    const ts_state_dict *extra;
+    /* Tensors of this rank only (its RNG state): every rank saves its own.
+     * On load they are filled when the checkpoint was saved by the same
+     * world size, and left as they are otherwise (ts_ckpt_info says which). */
+    const ts_state_dict *rank_extra;
+    /* Key/value string pairs (n_metadata pairs: metadata[2i], [2i+1])
+     * recorded in the index and in every file's safetensors __metadata__. */
+    const char *const *metadata;
+    int n_metadata;
+    /* Load only: every key of the model (and of the optimizer, and the
+     * extras) must be in the checkpoint, and every model key of the
+     * checkpoint in the model (default true). */
+    bool strict;
+} ts_ckpt_options;
+
+/* No optimizer, no extras, no metadata, strict. */
+TS_API ts_ckpt_options ts_ckpt_options_default(void);
+
+/* What a load found. */
+typedef struct ts_ckpt_info {
+    int saved_world;        /* ranks that saved it */
+    int loaded_world;       /* ranks that loaded it */
+    bool rank_extra_loaded; /* saved_world == loaded_world: rank extras were filled */
+    int64_t optim_steps;    /* the optimizer's step count at save (0 without one) */
+    uint64_t bytes_read;    /* tensor bytes this rank read from the files: the rows it owns and the
+                               replicated tensors (file headers and the index not counted) */
+} ts_ckpt_info;
+
+/* Saves model (a module tree, sharded with fully_shard or not; one-rank
+ * trees too) and the options' optimizer and extras (options NULL: the
+ * defaults, the model only) into folder dir
+ * (created if missing, mode 0777 under the umask). Collective. On any
+ * rank's failure every rank returns the error and the previous checkpoint
+ * in dir stays loadable. Errors: TS_ERR_INVALID_ARGUMENT for NULL
+ * arguments, an optimizer holding a tensor that is not one of the model's
+ * parameters, or two extras with one name; TS_ERR_STATE inside a forward
+ * or backward; TS_ERR_IO naming the path and the system error;
+ * TS_ERR_NO_MEMORY; collective errors. */
+TS_API ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options *options);
+
+/* Loads dir into model (and the options' optimizer and extras; options
+ * NULL: the defaults), in place:
+ * each rank reads the rows its shards own now, whatever the world size and
+ * mesh that saved it. Collective. Nothing is changed on error. Errors:
+ * TS_ERR_IO (dir or a file missing or unreadable, naming the path);
+ * TS_ERR_FORMAT (an index or a file malformed, truncated or not agreeing
+ * with each other, naming the file and what is wrong); TS_ERR_SHAPE and
+ * TS_ERR_DTYPE naming the key with both shapes or dtypes;
+ * TS_ERR_NOT_FOUND (strict) with the missing and unexpected keys;
+ * TS_ERR_INVALID_ARGUMENT as for save and for an optimizer of another
+ * kind; TS_ERR_STATE inside a forward or backward; collective errors.
+ * info_out (may be NULL) is written on success. */
+TS_API ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options *options,
+                              ts_ckpt_info *info_out);
+
+/* The value of metadata key `key` in dir's index, as a new string (free
+ * it with free()); for reading a model's configuration before building
+ * it. Not collective. TS_ERR_NOT_FOUND names the key; TS_ERR_IO,
+ * TS_ERR_FORMAT as ts_ckpt_load. */
+TS_API ts_status ts_ckpt_metadata(const char *dir, const char *key, char **value_out);
+
+/* Writes the full (unsharded) model to one safetensors file (torch's
+ * get_model_state_dict(full_state_dict=True) saved with safetensors):
+ * one tensor at a time is all-gathered and handed to rank 0, which
+ * streams it into the file (peak extra memory: the largest tensor, on
+ * rank 0 only). The file is written atomically as ts_safetensors_save
+ * writes it, with metadata in __metadata__. Collective. Errors as
+ * ts_ckpt_save. */
+TS_API ts_status ts_ckpt_save_full(const char *path, ts_module *model, const char *const *metadata,
+                                   int n_metadata);
+
+/* Loads a full safetensors file (ts_ckpt_save_full's, ts_safetensors_save's
+ * or PyTorch's) into a sharded model: the header is read once, then for
+ * each parameter and buffer this rank reads only the rows it owns (pread),
+ * one tensor at a time (peak extra memory: one tensor's local rows, never
+ * the model; PyTorch's pytorch#149640). strict, and the errors, as
+ * ts_fsdp_load_full_state_dict, plus TS_ERR_IO and TS_ERR_FORMAT as
+ * ts_safetensors_load. Collective only in that every rank must call it
+ * (no communication). */
+TS_API ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TS_CHECKPOINT_H */
