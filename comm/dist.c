@@ -28,7 +28,10 @@
  *   arrival/<n>  "<rank> <world> <pid> <host id> <host name>", so every rank
  *                reads each arrival once, in order (O(W) per rank);
  *   error        the first error any rank found (compare-and-set from
- *                empty): every rank polls it and fails with it.
+ *                empty): every rank polls it and fails with it;
+ *   failed       a counter of the processes that have the error, or died
+ *                (out/<rank>/<pid>/<host id>, set once, counts each once):
+ *                the store's host waits for it (hold_store_for_error).
  * Every rank checks each arrival against its own WORLD_SIZE and, for the
  * arrivals on its own host (same boot id and pid namespace), watches the
  * process through a pidfd: one that exits before the rendezvous completes
@@ -131,6 +134,29 @@ static ts_status rdv_fail(ts_store *st, const char *prefix, ts_status s, const c
     snprintf(val, sizeof val, "%d %s", (int)s, msg);
     (void)ts_store_compare_set(st, key, "", 0, val, strlen(val), NULL, NULL);
     return ts_error(s, "%s", msg);
+}
+
+/* Counts a process out of a failed rendezvous ("<prefix>/rdv/failed",
+ * which the store's host reads: hold_store_for_error), at most once per
+ * process: the process itself once it has the error, or, for a rank of
+ * this host that died (it will never read the error), the rank that found
+ * it dead. `rank`, `pid` and `id` (host id) name the process counted out. */
+static void rdv_count_out(ts_store *st, const char *prefix, int rank, int pid, const char *id)
+{
+    char key[3 * TS_LAUNCH_MAX_STR + RDV_MAX_ID + 64], me[RDV_MAX_ID + 32], me_id[RDV_MAX_ID];
+    snprintf(key, sizeof key, "%s/rdv/out/%d/%d/%s", prefix, rank, pid, id);
+    host_id(me_id, sizeof me_id);
+    snprintf(me, sizeof me, "%d %s", (int)getpid(), me_id);
+    void *got = NULL;
+    size_t glen = 0;
+    if (ts_store_compare_set(st, key, "", 0, me, strlen(me), &got, &glen) != TS_OK)
+        return;
+    bool first = glen == strlen(me) && memcmp(got, me, glen) == 0;
+    free(got);
+    if (first) {
+        snprintf(key, sizeof key, "%s/rdv/failed", prefix);
+        (void)ts_store_add(st, key, 1, NULL);
+    }
 }
 
 /* The duplicate-RANK message: `claim` (len bytes) is the first claimant's
@@ -301,6 +327,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
                      "ts_dist_init: rank %d (pid %d on %s) exited before the rendezvous of %d ranks completed", gone,
                      peers[gone].pid, peers[gone].host, world);
             s = rdv_fail(st, prefix, TS_ERR_PEER_FAILED, msg);
+            rdv_count_out(st, prefix, gone, peers[gone].pid, me_id);
             break;
         }
         /* Exits the launcher saw, read before the arrivals: a rank's
@@ -355,6 +382,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
                              "completed",
                              ar, apid, ahost, world);
                     s = rdv_fail(st, prefix, TS_ERR_PEER_FAILED, msg);
+                    rdv_count_out(st, prefix, ar, apid, me_id);
                     break;
                 }
                 if (fd >= 0) {
@@ -432,8 +460,8 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
 
 /* The store host's failure path: keeps the store up until every process
  * that joined the failed rendezvous has counted itself out under
- * "<prefix>/rdv/failed" (join_world, port_taken), that is has read the
- * error, or for RDV_ERROR_GRACE_S, whichever comes first. Every process
+ * "<prefix>/rdv/failed" (rdv_count_out), that is has read the error or
+ * died, or for RDV_ERROR_GRACE_S, whichever comes first. Every process
  * means every rank that arrived and, for a rank that has not connected
  * yet, as many as the largest WORLD_SIZE that any arrival announced (read
  * here from the arrivals themselves: this rank may have read the error
@@ -487,9 +515,9 @@ static ts_status join_world(ts_store *st, const char *prefix, const char *run_id
          * so that they report it rather than a lost store. */
         char err[600];
         snprintf(err, sizeof err, "%s", ts_last_error());
-        char fkey[3 * TS_LAUNCH_MAX_STR + 64];
-        snprintf(fkey, sizeof fkey, "%s/rdv/failed", prefix);
-        (void)ts_store_add(st, fkey, 1, NULL);
+        char me_id[RDV_MAX_ID];
+        host_id(me_id, sizeof me_id);
+        rdv_count_out(st, prefix, rank, (int)getpid(), me_id);
         if (hosting)
             hold_store_for_error(st, prefix, world);
         s = ts_error(s, "%s", err);
@@ -540,8 +568,9 @@ static ts_status port_taken(const ts_rank_env *e, const char *prefix, double tim
     free(got);
     s = rdv_fail(c, prefix, TS_ERR_INVALID_ARGUMENT, msg);
     /* counted out, so that the hosting rank 0 need not wait for this one */
-    snprintf(key, sizeof key, "%s/rdv/failed", prefix);
-    (void)ts_store_add(c, key, 1, NULL);
+    char me_id[RDV_MAX_ID];
+    host_id(me_id, sizeof me_id);
+    rdv_count_out(c, prefix, 0, (int)getpid(), me_id);
     ts_store_close(c);
     return ts_error(s, "%s", msg);
 }

@@ -311,6 +311,46 @@ Test(comm_rendezvous, rank_connecting_after_the_error_is_recorded_still_reads_it
     cr_assert_lt(p0[0].exited_s, 45.0, "rank 0 took %.1f s", p0[0].exited_s);
 }
 
+Test(comm_rendezvous, rank_0_hosting_the_store_counts_a_dead_rank_out, .timeout = 120)
+{
+    /* Rank 0 hosts the store; rank 2 arrives and is killed; rank 1 starts
+     * after that. Rank 0 finds rank 2 dead and counts it out of the failed
+     * rendezvous (it will never read the error), so rank 0 leaves as soon
+     * as rank 1 has read the error, not after its 5 s grace. */
+    clear_launch_env();
+    int port = th_free_port();
+    char ports[16];
+    snprintf(ports, sizeof ports, "%d", port);
+    setenv("MASTER_PORT", ports, 1);
+    setenv("TS_RUN_ID", "rdvdead", 1);
+    setenv("TS_DIST_TIMEOUT", "30", 1);
+    rank_proc p0[1], p1[1], victim;
+    double t0 = th_now_s();
+    spawn_rank(&p0[0], 0, 3, "dead");
+    spawn_rank(&victim, 2, 3, "dead");
+    ts_store *c = NULL;
+    TH_OK(ts_store_connect(NULL, port, NULL, 30.0, &c)); /* rank 0's store (retries until it listens) */
+    ts_store_set_timeout(c, 30.0);
+    void *v = NULL;
+    size_t n = 0;
+    TH_OK(ts_store_get(c, "dist/rdvdead/0/rdv/arrival/2", &v, &n)); /* ranks 0 and 2 have arrived */
+    free(v);
+    ts_store_close(c);
+    kill(victim.pid, SIGKILL);
+    int st;
+    cr_assert_eq(waitpid(victim.pid, &st, 0), victim.pid);
+    unlink(victim.log);
+    double t1 = th_now_s();
+    spawn_rank(&p1[0], 1, 3, "dead");
+    wait_ranks(p1, 1, t1, 60);
+    wait_ranks(p0, 1, t0, 60);
+    expect_failed_with(p1, 0, "rank 2 (pid", "exited before the rendezvous");
+    expect_failed_with(p0, 0, "rank 2 (pid", "exited before the rendezvous");
+    double gap = (t0 + p0[0].exited_s) - (t1 + p1[0].exited_s);
+    cr_assert_lt(gap, 2.5, "rank 0 left %.2f s after rank 1 (the grace is 5 s)", gap);
+    cr_log_info("rank 0 left %.2f s after rank 1", gap);
+}
+
 Test(comm_rendezvous, rank_killed_before_the_rendezvous_fails_the_others_at_once, .timeout = 120)
 {
     clear_launch_env();
