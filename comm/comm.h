@@ -199,7 +199,10 @@ TS_API ts_dist_options ts_dist_options_default(void);
  * between processes is TS_ERR_INVALID_ARGUMENT on every rank still
  * waiting, naming the ranks, pids, hosts and values; a rank of this host
  * that exits before the rendezvous completes (watched through its pidfd)
- * is TS_ERR_PEER_FAILED on the others at once, naming it. A process
+ * is TS_ERR_PEER_FAILED on the others at once, naming it. Rank 0, when it
+ * hosts the store, returns such an error only once the other ranks have
+ * read it too (at most 5 s later), so that a late rank reports it rather
+ * than a refused connection. A process
  * started alone (no launcher variables) or a world of size 1 gets a
  * one-rank world. Errors: TS_ERR_INVALID_ARGUMENT for a TS_DIST_TIMEOUT
  * that is not a number of seconds in (0, 30 days], for ranks on several

@@ -28,7 +28,10 @@
  *   arrival/<n>  "<rank> <world> <pid> <host id> <host name>", so every rank
  *                reads each arrival once, in order (O(W) per rank);
  *   error        the first error any rank found (compare-and-set from
- *                empty): every rank polls it and fails with it.
+ *                empty): every rank polls it and fails with it;
+ *   failed       a counter of the processes that have the error, or died
+ *                (out/<rank>/<pid>/<host id>, set once, counts each once):
+ *                the store's host waits for it (hold_store_for_error).
  * Every rank checks each arrival against its own WORLD_SIZE and, for the
  * arrivals on its own host (same boot id and pid namespace), watches the
  * process through a pidfd: one that exits before the rendezvous completes
@@ -42,6 +45,9 @@
  * Without a launcher, a second RANK 0 finds MASTER_PORT taken by the
  * first one's store: it connects there as a client and, finding RANK 0
  * claimed, reports the duplicate through the error key (port_taken).
+ * When rank 0 hosts the store (no launcher) and the rendezvous fails, it
+ * keeps the store up until every process that joined it has read the
+ * error (hold_store_for_error, at most RDV_ERROR_GRACE_S).
  * Known limit: when every rank of the smaller WORLD_SIZE arrives and
  * leaves before any rank of a larger one arrives, only the latecomers
  * fail (the others see a consistent world and go on).
@@ -128,6 +134,29 @@ static ts_status rdv_fail(ts_store *st, const char *prefix, ts_status s, const c
     snprintf(val, sizeof val, "%d %s", (int)s, msg);
     (void)ts_store_compare_set(st, key, "", 0, val, strlen(val), NULL, NULL);
     return ts_error(s, "%s", msg);
+}
+
+/* Counts a process out of a failed rendezvous ("<prefix>/rdv/failed",
+ * which the store's host reads: hold_store_for_error), at most once per
+ * process: the process itself once it has the error, or, for a rank of
+ * this host that died (it will never read the error), the rank that found
+ * it dead. `rank`, `pid` and `id` (host id) name the process counted out. */
+static void rdv_count_out(ts_store *st, const char *prefix, int rank, int pid, const char *id)
+{
+    char key[3 * TS_LAUNCH_MAX_STR + RDV_MAX_ID + 64], me[RDV_MAX_ID + 32], me_id[RDV_MAX_ID];
+    snprintf(key, sizeof key, "%s/rdv/out/%d/%d/%s", prefix, rank, pid, id);
+    host_id(me_id, sizeof me_id);
+    snprintf(me, sizeof me, "%d %s", (int)getpid(), me_id);
+    void *got = NULL;
+    size_t glen = 0;
+    if (ts_store_compare_set(st, key, "", 0, me, strlen(me), &got, &glen) != TS_OK)
+        return;
+    bool first = glen == strlen(me) && memcmp(got, me, glen) == 0;
+    free(got);
+    if (first) {
+        snprintf(key, sizeof key, "%s/rdv/failed", prefix);
+        (void)ts_store_add(st, key, 1, NULL);
+    }
 }
 
 /* The duplicate-RANK message: `claim` (len bytes) is the first claimant's
@@ -219,7 +248,7 @@ static void exit_how(char *out, size_t cap, const rdv_peer *p)
  * errors on every rank that is still waiting (see the top of this file).
  * Bounded by timeout_s. */
 static ts_status join_world_inner(ts_store *st, const char *prefix, const char *run_id, int rank, int world,
-                                  double timeout_s, int *max_world)
+                                  double timeout_s)
 {
     char me_id[RDV_MAX_ID], me_host[64];
     host_id(me_id, sizeof me_id);
@@ -298,6 +327,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
                      "ts_dist_init: rank %d (pid %d on %s) exited before the rendezvous of %d ranks completed", gone,
                      peers[gone].pid, peers[gone].host, world);
             s = rdv_fail(st, prefix, TS_ERR_PEER_FAILED, msg);
+            rdv_count_out(st, prefix, gone, peers[gone].pid, me_id);
             break;
         }
         /* Exits the launcher saw, read before the arrivals: a rank's
@@ -330,8 +360,6 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
             if (txt)
                 sscanf(txt, "%d %d %d %159s %63s", &ar, &aw, &apid, aid, ahost);
             free(txt);
-            if (aw > *max_world)
-                *max_world = aw;
             if (aw != world) {
                 snprintf(msg, sizeof msg,
                          "ts_dist_init: inconsistent WORLD_SIZE: rank %d (pid %d on %s) has WORLD_SIZE %d, rank %d "
@@ -354,6 +382,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
                              "completed",
                              ar, apid, ahost, world);
                     s = rdv_fail(st, prefix, TS_ERR_PEER_FAILED, msg);
+                    rdv_count_out(st, prefix, ar, apid, me_id);
                     break;
                 }
                 if (fd >= 0) {
@@ -429,29 +458,68 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
     return s;
 }
 
+/* The store host's failure path: keeps the store up until every process
+ * that joined the failed rendezvous has counted itself out under
+ * "<prefix>/rdv/failed" (rdv_count_out), that is has read the error or
+ * died, or for RDV_ERROR_GRACE_S, whichever comes first. Every process
+ * means every rank that arrived and, for a rank that has not connected
+ * yet, as many as the largest WORLD_SIZE that any arrival announced (read
+ * here from the arrivals themselves: this rank may have read the error
+ * before the arrival that disagrees with it, and a late rank of a larger
+ * world would otherwise find the store gone and wait for its own deadline
+ * on "connection refused"). */
+#define RDV_ERROR_GRACE_S 5.0
+static void hold_store_for_error(ts_store *st, const char *prefix, int world)
+{
+    char fkey[3 * TS_LAUNCH_MAX_STR + 64], akey[3 * TS_LAUNCH_MAX_STR + 64], key[3 * TS_LAUNCH_MAX_STR + 64];
+    snprintf(fkey, sizeof fkey, "%s/rdv/failed", prefix);
+    snprintf(akey, sizeof akey, "%s/rdv/arrivals", prefix);
+    int64_t failed = 0, arrived = 0, read_upto = 0;
+    int max_world = world;
+    uint64_t until = ts_now_ns() + (uint64_t)(RDV_ERROR_GRACE_S * 1e9);
+    while (ts_now_ns() < until) {
+        if (ts_store_add(st, akey, 0, &arrived) != TS_OK)
+            return;
+        while (read_upto < arrived) {
+            snprintf(key, sizeof key, "%s/rdv/arrival/%lld", prefix, (long long)(read_upto + 1));
+            if (ts_store_check(st, key) != TS_OK)
+                break; /* added but not set yet: next round */
+            void *av = NULL;
+            size_t alen = 0;
+            if (ts_store_get(st, key, &av, &alen) != TS_OK)
+                return;
+            read_upto++;
+            int ar = -1, aw = -1;
+            char *txt = strndup(av, alen);
+            free(av);
+            if (txt && sscanf(txt, "%d %d", &ar, &aw) == 2 && aw > max_world)
+                max_world = aw; /* ts_launch_env bounded it on that rank */
+            free(txt);
+        }
+        if (ts_store_add(st, fkey, 0, &failed) != TS_OK)
+            return;
+        if (read_upto == arrived && failed >= arrived && failed >= max_world)
+            return; /* everybody has read the error */
+        struct timespec nap = {0, 20000000}; /* 20 ms: the others are reading the error */
+        nanosleep(&nap, NULL);
+    }
+}
+
 static ts_status join_world(ts_store *st, const char *prefix, const char *run_id, int rank, int world,
                             double timeout_s, bool hosting)
 {
-    int max_world = world;
-    ts_status s = join_world_inner(st, prefix, run_id, rank, world, timeout_s, &max_world);
+    ts_status s = join_world_inner(st, prefix, run_id, rank, world, timeout_s);
     if (s != TS_OK && s != TS_ERR_TIMEOUT && s != TS_ERR_COMM) {
         /* Count this rank out; the rank hosting the store keeps it up
-         * (at most 5 s) until every rank that arrived, and as many as the
-         * largest WORLD_SIZE seen, have read the error, so that they
-         * report it rather than a lost store. */
+         * until the others have read the error too (hold_store_for_error),
+         * so that they report it rather than a lost store. */
         char err[600];
         snprintf(err, sizeof err, "%s", ts_last_error());
-        char fkey[3 * TS_LAUNCH_MAX_STR + 64], akey[3 * TS_LAUNCH_MAX_STR + 64];
-        snprintf(fkey, sizeof fkey, "%s/rdv/failed", prefix);
-        snprintf(akey, sizeof akey, "%s/rdv/arrivals", prefix);
-        int64_t failed = 0, arrived = 0;
-        (void)ts_store_add(st, fkey, 1, &failed);
-        uint64_t until = ts_now_ns() + 5000000000ull;
-        while (hosting && ts_now_ns() < until && ts_store_add(st, akey, 0, &arrived) == TS_OK &&
-               ts_store_add(st, fkey, 0, &failed) == TS_OK && (failed < arrived || failed < max_world)) {
-            struct timespec nap = {0, 20000000}; /* 20 ms: the others are reading the error */
-            nanosleep(&nap, NULL);
-        }
+        char me_id[RDV_MAX_ID];
+        host_id(me_id, sizeof me_id);
+        rdv_count_out(st, prefix, rank, (int)getpid(), me_id);
+        if (hosting)
+            hold_store_for_error(st, prefix, world);
         s = ts_error(s, "%s", err);
     }
     return s;
@@ -500,8 +568,9 @@ static ts_status port_taken(const ts_rank_env *e, const char *prefix, double tim
     free(got);
     s = rdv_fail(c, prefix, TS_ERR_INVALID_ARGUMENT, msg);
     /* counted out, so that the hosting rank 0 need not wait for this one */
-    snprintf(key, sizeof key, "%s/rdv/failed", prefix);
-    (void)ts_store_add(c, key, 1, NULL);
+    char me_id[RDV_MAX_ID];
+    host_id(me_id, sizeof me_id);
+    rdv_count_out(c, prefix, 0, (int)getpid(), me_id);
     ts_store_close(c);
     return ts_error(s, "%s", msg);
 }

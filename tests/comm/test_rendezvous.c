@@ -20,7 +20,8 @@
 /* ts_dist_init's rendezvous with ranks started by hand (no launcher):
  * duplicate RANKs (rank 0 too), inconsistent WORLD_SIZEs, a rank that
  * dies before the rendezvous completes, a MASTER_PORT held by another
- * program, the progress line, TS_DIST_TIMEOUT, and the token rule of a
+ * program, a rank that connects only after the error was recorded, the
+ * progress line, TS_DIST_TIMEOUT, and the token rule of a
  * multi-host job; and under tsrun, a rank that exits with status 0 before
  * it joins. The ranks are this binary again, in a role chosen by
  * TS_TEST_RDV_ROLE; their stderr goes to a file per rank. */
@@ -212,6 +213,12 @@ Test(comm_rendezvous, duplicate_rank_0_fails_every_rank, .timeout = 120)
         expect_failed_with(p, i, "duplicate RANK 0: claimed by pid", "RANK in 0..2");
         cr_assert_lt(p[i].exited_s, 20.0, "process %d took %.1f s (the deadline is 60 s)", i, p[i].exited_s);
     }
+    /* The second RANK 0 counts itself out in the store, so rank 0, which
+     * hosts it, leaves as soon as rank 1 has read the error too, not after
+     * its 5 s grace for ranks that never come. */
+    double others = p[1].exited_s > p[2].exited_s ? p[1].exited_s : p[2].exited_s;
+    cr_assert_lt(p[0].exited_s - others, 2.5, "rank 0 left %.2f s after the others (the grace is 5 s)",
+                 p[0].exited_s - others);
 }
 
 Test(comm_rendezvous, master_port_held_by_another_program_is_named, .timeout = 60)
@@ -260,6 +267,88 @@ Test(comm_rendezvous, inconsistent_world_size_fails_every_rank, .timeout = 120)
         expect_failed_with(p, i, "inconsistent WORLD_SIZE", "has WORLD_SIZE");
         cr_assert_lt(p[i].exited_s, 20.0, "process %d took %.1f s (the deadline is 60 s)", i, p[i].exited_s);
     }
+}
+
+Test(comm_rendezvous, rank_connecting_after_the_error_is_recorded_still_reads_it, .timeout = 120)
+{
+    /* Rank 0 (WORLD_SIZE 2) hosts the store; rank 2 (WORLD_SIZE 3)
+     * arrives after it, finds the inconsistency and records it, and rank
+     * 0 then usually reads the recorded error before rank 2's arrival.
+     * Rank 1 (WORLD_SIZE 3) starts only once rank 2 has failed and exited:
+     * rank 0 must keep the store up until rank 1 too has read the error
+     * (every rank of the largest WORLD_SIZE announced), so that rank 1
+     * fails at once naming the problem instead of meeting a closed port
+     * until its deadline. */
+    clear_launch_env();
+    int port = th_free_port();
+    char ports[16];
+    snprintf(ports, sizeof ports, "%d", port);
+    setenv("MASTER_PORT", ports, 1);
+    setenv("TS_RUN_ID", "rdvlate", 1);
+    setenv("TS_DIST_TIMEOUT", "30", 1);
+    rank_proc p0[1], p1[1], p2[1];
+    double t0 = th_now_s();
+    spawn_rank(&p0[0], 0, 2, "late");
+    ts_store *c = NULL;
+    TH_OK(ts_store_connect(NULL, port, NULL, 30.0, &c)); /* rank 0's store (retries until it listens) */
+    ts_store_set_timeout(c, 30.0);
+    void *v = NULL;
+    size_t n = 0;
+    TH_OK(ts_store_get(c, "dist/rdvlate/0/rdv/arrival/1", &v, &n)); /* rank 0 has arrived */
+    cr_assert(n >= 4 && memcmp(v, "0 2 ", 4) == 0, "arrival 1 is '%.*s', not rank 0's", (int)n, (char *)v);
+    free(v);
+    ts_store_close(c);
+    spawn_rank(&p2[0], 2, 3, "late");
+    wait_ranks(p2, 1, t0, 60); /* rank 2 has failed and left */
+    expect_failed_with(p2, 0, "inconsistent WORLD_SIZE", "has WORLD_SIZE");
+    double t1 = th_now_s();
+    spawn_rank(&p1[0], 1, 3, "late");
+    wait_ranks(p1, 1, t1, 60);
+    wait_ranks(p0, 1, t0, 60);
+    expect_failed_with(p1, 0, "inconsistent WORLD_SIZE", "has WORLD_SIZE");
+    expect_failed_with(p0, 0, "inconsistent WORLD_SIZE", "has WORLD_SIZE");
+    cr_assert_lt(p1[0].exited_s, 15.0, "rank 1 failed %.1f s after it started (the deadline is 30 s)", p1[0].exited_s);
+    cr_assert_lt(p0[0].exited_s, 45.0, "rank 0 took %.1f s", p0[0].exited_s);
+}
+
+Test(comm_rendezvous, rank_0_hosting_the_store_counts_a_dead_rank_out, .timeout = 120)
+{
+    /* Rank 0 hosts the store; rank 2 arrives and is killed; rank 1 starts
+     * after that. Rank 0 finds rank 2 dead and counts it out of the failed
+     * rendezvous (it will never read the error), so rank 0 leaves as soon
+     * as rank 1 has read the error, not after its 5 s grace. */
+    clear_launch_env();
+    int port = th_free_port();
+    char ports[16];
+    snprintf(ports, sizeof ports, "%d", port);
+    setenv("MASTER_PORT", ports, 1);
+    setenv("TS_RUN_ID", "rdvdead", 1);
+    setenv("TS_DIST_TIMEOUT", "30", 1);
+    rank_proc p0[1], p1[1], victim;
+    double t0 = th_now_s();
+    spawn_rank(&p0[0], 0, 3, "dead");
+    spawn_rank(&victim, 2, 3, "dead");
+    ts_store *c = NULL;
+    TH_OK(ts_store_connect(NULL, port, NULL, 30.0, &c)); /* rank 0's store (retries until it listens) */
+    ts_store_set_timeout(c, 30.0);
+    void *v = NULL;
+    size_t n = 0;
+    TH_OK(ts_store_get(c, "dist/rdvdead/0/rdv/arrival/2", &v, &n)); /* ranks 0 and 2 have arrived */
+    free(v);
+    ts_store_close(c);
+    kill(victim.pid, SIGKILL);
+    int st;
+    cr_assert_eq(waitpid(victim.pid, &st, 0), victim.pid);
+    unlink(victim.log);
+    double t1 = th_now_s();
+    spawn_rank(&p1[0], 1, 3, "dead");
+    wait_ranks(p1, 1, t1, 60);
+    wait_ranks(p0, 1, t0, 60);
+    expect_failed_with(p1, 0, "rank 2 (pid", "exited before the rendezvous");
+    expect_failed_with(p0, 0, "rank 2 (pid", "exited before the rendezvous");
+    double gap = (t0 + p0[0].exited_s) - (t1 + p1[0].exited_s);
+    cr_assert_lt(gap, 2.5, "rank 0 left %.2f s after rank 1 (the grace is 5 s)", gap);
+    cr_log_info("rank 0 left %.2f s after rank 1", gap);
 }
 
 Test(comm_rendezvous, rank_killed_before_the_rendezvous_fails_the_others_at_once, .timeout = 120)
