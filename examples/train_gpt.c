@@ -853,7 +853,7 @@ int main(int argc, char **argv)
         for (int i = 0; i < vocab; i++) snprintf(vocab_rec + 2 * i, 3, "%02x", (unsigned char)chars[i]);
         vocab_rec[2 * vocab] = '\0';
     }
-    const char *ckpt_meta[10] = {"train_gpt.config", config_rec, "train_gpt.vocab", vocab_rec,
+    const char *ckpt_meta[8] = {"train_gpt.config", config_rec, "train_gpt.vocab", vocab_rec,
                                  "train_gpt.flags",  flag_rec,   "train_gpt.text",  text_id};
     ts_generator *data_rng; /* one data order for all ranks (--global-batch), or each rank its own */
     CHECK(ts_generator_new(global_batch ? seed + 1 : seed + 1 + (uint64_t)rank, &data_rng));
