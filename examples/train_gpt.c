@@ -51,8 +51,9 @@
  * with a time limit: --save it, then --resume it).
  * --save-full FILE writes the full (unsharded) model as one safetensors
  * file, for PyTorch users (tools/reference/models.py).
- * --load starts from a full state dict saved by --save-full (every rank
- * reads the file and keeps its rows); the sizes (--seq, --layers, --heads,
+ * --load starts from a full state dict saved by --save-full (or by
+ * PyTorch: every rank reads the rows it keeps, one tensor at a time, with
+ * ts_ckpt_load_full); the sizes (--seq, --layers, --heads,
  * --dim) and the vocabulary are the checkpoint's (its metadata records
  * them; sizes given must agree, the text must use its characters).
  * --load F --sample N does not train: it generates N characters after the
@@ -72,6 +73,10 @@
 #pragma weak ts_ckpt_save
 #pragma weak ts_ckpt_load
 #pragma weak ts_ckpt_metadata
+/* The streaming full-file paths, used when present (else the full state
+ * dict, gathered on rank 0 or read whole by every rank). */
+#pragma weak ts_ckpt_save_full
+#pragma weak ts_ckpt_load_full
 
 static bool ckpt_built(void)
 {
@@ -252,6 +257,22 @@ static int checkpoint_meta(const char *path, const char *key, char *buf, size_t 
     free(hdr);
     close(fd);
     return found;
+}
+
+/* The parameters and buffers of the model: the tensors of a full file. */
+static int model_tensors(ts_module *m)
+{
+    ts_named_params p, b;
+    int n = 0;
+    if (!ts_module_named_parameters(m, &p)) {
+        n += p.n;
+        ts_named_params_free(&p);
+    }
+    if (!ts_module_named_buffers(m, &b)) {
+        n += b.n;
+        ts_named_params_free(&b);
+    }
+    return n;
 }
 
 /* Fills map/chars from a hex vocabulary ("61622e": 'a', 'b', '.');
@@ -781,23 +802,27 @@ int main(int argc, char **argv)
     CHECK(ts_fully_shard(model, &fso));
     if (rank == 0) CHECK(ts_fsdp_summary(model, stdout)); /* the sharding layout, once */
     if (load) {
-        ts_state_dict *sd;
-        CHECK(ts_safetensors_load(load, &sd));
-        ts_status st = ts_fsdp_load_full_state_dict(model, sd, true);
+        ts_status st;
+        if (ts_ckpt_load_full) { /* streaming: each rank reads its rows, one tensor at a time */
+            st = ts_ckpt_load_full(load, model, true);
+        } else { /* the whole file on every rank, then its rows kept */
+            ts_state_dict *sd = NULL;
+            st = ts_safetensors_load(load, &sd);
+            if (!st) st = ts_fsdp_load_full_state_dict(model, sd, true);
+            ts_state_dict_free(sd);
+        }
         if (st) {
             fprintf(stderr,
-                    "train_gpt: --load '%s' does not fit this model: %s\n(give the --data, --seq, --layers, --heads "
-                    "and --dim it was trained with)\n",
-                    load, ts_last_error());
-            ts_state_dict_free(sd);
+                    "train_gpt: --load '%s' cannot be loaded into this model: %s: %s\n(give the --data, --seq, "
+                    "--layers, --heads and --dim it was trained with)\n",
+                    load, ts_status_name(st), ts_last_error());
             ts_module_free(model);
             free(prompt_ids);
             free(text);
             ts_dist_finalize();
             return 1;
         }
-        printf("loaded %d tensors from %s\n", ts_state_dict_size(sd), load);
-        ts_state_dict_free(sd);
+        printf("loaded %d tensors from %s\n", model_tensors(model), load);
     }
     char mb[32];
     printf("memory estimate: %.0f parameters, about %s per rank (%d rank%s)\n", me.params,
@@ -1059,11 +1084,14 @@ int main(int argc, char **argv)
         if (save)
             CHECK(save_sharded(save, model, opt, scaler, skipped, data_rng, &rs, step, first, window, window_n,
                                last, ckpt_meta, 4));
-        if (save_full) { /* gathered on rank 0 only, then written there */
+        /* the sizes and the vocabulary (ckpt_meta's first 2 pairs), for --load and --sample */
+        if (save_full && ts_ckpt_save_full) { /* streamed to rank 0 one tensor at a time */
+            CHECK(ts_ckpt_save_full(save_full, model, ckpt_meta, 2));
+            printf("saved %d full tensors to %s\n", model_tensors(model), save_full);
+        } else if (save_full) { /* the whole model gathered on rank 0, then written there */
             ts_state_dict *sd;
             CHECK(ts_fsdp_full_state_dict(model, true, &sd));
             if (rank == 0) {
-                /* the sizes and the vocabulary, for --load and --sample */
                 CHECK(ts_safetensors_save(save_full, sd, ckpt_meta, 2));
                 printf("saved %d full tensors to %s\n", ts_state_dict_size(sd), save_full);
             }
