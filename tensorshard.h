@@ -14,5 +14,6 @@
 #include "dtensor/dtensor.h"
 #include "fully_shard/fully_shard.h"
 #include "fully_shard/grad_scaler.h"
+#include "checkpoint/checkpoint.h"
 
 #endif

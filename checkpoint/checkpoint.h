@@ -90,7 +90,8 @@ typedef struct ts_ckpt_info {
 } ts_ckpt_info;
 
 /* Saves model (a module tree, sharded with fully_shard or not; one-rank
- * trees too) and the options' optimizer and extras into folder dir
+ * trees too) and the options' optimizer and extras (options NULL: the
+ * defaults, the model only) into folder dir
  * (created if missing, mode 0777 under the umask). Collective. On any
  * rank's failure every rank returns the error and the previous checkpoint
  * in dir stays loadable. Errors: TS_ERR_INVALID_ARGUMENT for NULL
@@ -100,7 +101,8 @@ typedef struct ts_ckpt_info {
  * TS_ERR_NO_MEMORY; collective errors. */
 TS_API ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options *options);
 
-/* Loads dir into model (and the options' optimizer and extras), in place:
+/* Loads dir into model (and the options' optimizer and extras; options
+ * NULL: the defaults), in place:
  * each rank reads the rows its shards own now, whatever the world size and
  * mesh that saved it. Collective. Nothing is changed on error. Errors:
  * TS_ERR_IO (dir or a file missing or unreadable, naming the path);

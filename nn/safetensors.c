@@ -52,7 +52,7 @@ static const char *const st_dtype_names[] = {
 _Static_assert(sizeof st_dtype_names / sizeof st_dtype_names[0] == TS_DTYPE_COUNT,
                "one safetensors name per ts_dtype");
 
-static bool st_dtype_from_name(const char *s, ts_dtype *out)
+bool ts__st_dtype_from_name(const char *s, ts_dtype *out)
 {
     for (int d = 0; d < TS_DTYPE_COUNT; d++)
         if (strcmp(st_dtype_names[d], s) == 0) {
@@ -60,6 +60,11 @@ static bool st_dtype_from_name(const char *s, ts_dtype *out)
             return true;
         }
     return false;
+}
+
+const char *ts__st_dtype_name(ts_dtype d)
+{
+    return (unsigned)d < TS_DTYPE_COUNT ? st_dtype_names[d] : "?";
 }
 
 /* ------------------------------------------------------------ parsing */
@@ -79,25 +84,13 @@ static char *st_shape_str(int ndim, const int64_t *shape, char *buf, size_t len)
     return buf;
 }
 
-/* One validated tensor entry of a header. The name is borrowed from the
- * parsed JSON. */
-typedef struct st_entry {
-    const char *name;
-    ts_dtype dtype;
-    int ndim;
-    int64_t shape[TS_MAX_DIMS];
-    uint64_t begin, end;
-} st_entry;
+/* One validated tensor entry of a header, and a parsed header: the JSON
+ * (which owns the names) and the entries in header order
+ * (nn/internal.h, shared with checkpoint/). */
+typedef ts__st_entry st_entry;
+typedef ts__st_header st_header;
 
-/* A parsed header: the JSON (which owns the names) and the entries in
- * header order. */
-typedef struct st_header {
-    json_t *root;
-    st_entry *entries;
-    size_t n;
-} st_header;
-
-static void st_header_fini(st_header *h)
+void ts__st_header_fini(st_header *h)
 {
     json_decref(h->root);
     ts__free(TS_MEM_NN, h->entries);
@@ -176,7 +169,7 @@ static ts_status st_parse_entry(const char *op, const char *src, const char *nam
     if (!json_is_string(dt))
         return ts_error(TS_ERR_FORMAT, "%s: '%s': key '%.*s': \"dtype\" is missing or not a string", op, src, W,
                         name);
-    if (!st_dtype_from_name(json_string_value(dt), &e->dtype))
+    if (!ts__st_dtype_from_name(json_string_value(dt), &e->dtype))
         return ts_error(TS_ERR_FORMAT,
                         "%s: '%s': key '%.*s': dtype '%.32s' is unknown or not supported (supported: F32, F64, "
                         "BF16, F16, I64, I32, BOOL)",
@@ -316,7 +309,7 @@ static ts_status st_parse_header(const char *op, const char *src, const char *hd
     if (cap) {
         h.entries = ts__malloc(TS_MEM_NN, cap * sizeof *h.entries);
         if (!h.entries) {
-            st_header_fini(&h);
+            ts__st_header_fini(&h);
             return TS_ERR_NO_MEMORY;
         }
     }
@@ -336,7 +329,7 @@ static ts_status st_parse_header(const char *op, const char *src, const char *hd
     if (!st)
         st = st_check_cover(op, src, &h, data_len);
     if (st) {
-        st_header_fini(&h);
+        ts__st_header_fini(&h);
         return st;
     }
     *out = h;
@@ -393,7 +386,7 @@ ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out
     const unsigned char *buf = b + 8 + n;
     ts_state_dict *sd;
     if ((st = ts_state_dict_new(&sd))) {
-        st_header_fini(&h);
+        ts__st_header_fini(&h);
         return st;
     }
     for (size_t i = 0; i < h.n && !st; i++) {
@@ -405,7 +398,7 @@ ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out
             ts_tensor_free(t);
         }
     }
-    st_header_fini(&h);
+    ts__st_header_fini(&h);
     if (st) {
         ts_state_dict_free(sd);
         return st;
@@ -434,8 +427,8 @@ static ssize_t st_pread_full(int fd, void *buf, size_t n, uint64_t off)
 }
 
 /* Reads n bytes at `off` or fails naming what. */
-static ts_status st_read_at(const char *op, const char *path, int fd, void *buf, size_t n, uint64_t off,
-                            const char *what)
+ts_status ts__st_read_at(const char *op, const char *path, int fd, void *buf, size_t n, uint64_t off,
+                         const char *what)
 {
     ssize_t r = st_pread_full(fd, buf, n, off);
     if (r < 0)
@@ -447,7 +440,7 @@ static ts_status st_read_at(const char *op, const char *path, int fd, void *buf,
     return TS_OK;
 }
 
-static ts_status st_load_fd(const char *op, const char *path, int fd, ts_state_dict **out)
+ts_status ts__st_read_header(const char *op, const char *path, int fd, st_header *out)
 {
     struct stat sb;
     if (fstat(fd, &sb) != 0)
@@ -459,7 +452,7 @@ static ts_status st_load_fd(const char *op, const char *path, int fd, ts_state_d
     uint64_t total = (uint64_t)sb.st_size;
     unsigned char prefix[8] = {0};
     ts_status st;
-    if (total >= 8 && (st = st_read_at(op, path, fd, prefix, 8, 0, "the header length")))
+    if (total >= 8 && (st = ts__st_read_at(op, path, fd, prefix, 8, 0, "the header length")))
         return st;
     uint64_t n;
     if ((st = st_check_prefix(op, path, total, prefix, &n)))
@@ -468,14 +461,27 @@ static ts_status st_load_fd(const char *op, const char *path, int fd, ts_state_d
     if ((st = st_header_bytes(op, path, n, &hdr)))
         return st;
     st_header h;
-    if (!(st = st_read_at(op, path, fd, hdr, (size_t)n, 8, "the header")))
+    if (!(st = ts__st_read_at(op, path, fd, hdr, (size_t)n, 8, "the header")))
         st = st_parse_header(op, path, hdr, (size_t)n, total - 8 - n, &h);
     ts__free(TS_MEM_NN, hdr);
     if (st)
         return st;
+    h.data_start = 8 + n;
+    h.file_size = total;
+    *out = h;
+    return TS_OK;
+}
+
+static ts_status st_load_fd(const char *op, const char *path, int fd, ts_state_dict **out)
+{
+    st_header h;
+    ts_status st = ts__st_read_header(op, path, fd, &h);
+    if (st)
+        return st;
+    uint64_t n = h.data_start - 8;
     ts_state_dict *sd;
     if ((st = ts_state_dict_new(&sd))) {
-        st_header_fini(&h);
+        ts__st_header_fini(&h);
         return st;
     }
     for (size_t i = 0; i < h.n && !st; i++) {
@@ -486,14 +492,14 @@ static ts_status st_load_fd(const char *op, const char *path, int fd, ts_state_d
         char what[ST_NAME_MAX_SHOWN + 32];
         snprintf(what, sizeof what, "tensor '%s'", e->name);
         if (e->end > e->begin)
-            st = st_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin), 8 + n + e->begin, what);
+            st = ts__st_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin), 8 + n + e->begin, what);
         if (!st) {
             st_warn_nonfinite(op, path, e->name, t);
             st = ts_state_dict_set(sd, e->name, t);
         }
         ts_tensor_free(t);
     }
-    st_header_fini(&h);
+    ts__st_header_fini(&h);
     if (st) {
         ts_state_dict_free(sd);
         return st;

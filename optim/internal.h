@@ -45,4 +45,14 @@ void ts__optim_scale_grad(ts_tensor *g, double coef);
 typedef ts_status (*ts__optim_param_check_fn)(const char *who, int n, ts_tensor *const *params, bool first_step);
 void ts__optim_set_param_check(ts__optim_param_check_fn fn);
 
+/* For checkpoints (checkpoint/): the optimizer's kind as torch names its
+ * class ("SGD", "Adam", "AdamW"); the names of the per-parameter states
+ * it keeps, in the order torch's state dict lists them, written to
+ * names_out (room for 4; returns how many: SGD 1 with momentum, else 0;
+ * Adam(W) 3, 4 with amsgrad); and setting the completed-step count
+ * (ts_optim_step_count) when a checkpoint is loaded. */
+const char *ts__optim_kind_name(const ts_optim *o);
+int ts__optim_state_names(const ts_optim *o, const char *names_out[4]);
+void ts__optim_set_step_count(ts_optim *o, int64_t steps);
+
 #endif

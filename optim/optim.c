@@ -859,6 +859,26 @@ void ts_optim_set_lr(ts_optim *o, double lr)
 
 int64_t ts_optim_step_count(const ts_optim *o) { return o ? o->steps : 0; }
 
+const char *ts__optim_kind_name(const ts_optim *o) { return kind_names[o->kind]; }
+
+int ts__optim_state_names(const ts_optim *o, const char *names_out[4])
+{
+    int n = 0;
+    if (o->kind == OPT_SGD) {
+        if (has_momentum_state(o))
+            names_out[n++] = "momentum_buffer";
+        return n;
+    }
+    names_out[n++] = "step";
+    names_out[n++] = "exp_avg";
+    names_out[n++] = "exp_avg_sq";
+    if (o->adam.amsgrad)
+        names_out[n++] = "max_exp_avg_sq";
+    return n;
+}
+
+void ts__optim_set_step_count(ts_optim *o, int64_t steps) { o->steps = steps; }
+
 int ts_optim_num_params(const ts_optim *o) { return o ? o->n : 0; }
 
 ts_tensor *ts_optim_param(const ts_optim *o, int i) { return o && i >= 0 && i < o->n ? o->params[i] : NULL; }

@@ -115,6 +115,10 @@ ALLOWED_NULL = {
     ('ts_fsdp_apply_by_type', 'count_out'): 'fully_shard.h: *count_out is optional',
     ('ts_fsdp_apply_by_size', 'count_out'): 'fully_shard.h: *count_out is optional',
     ('ts_grad_scaler_step', 'stepped_out'): 'grad_scaler.h: *stepped_out is optional',
+    ('ts_ckpt_save', 'options'): 'checkpoint.h: NULL options are the defaults',
+    ('ts_ckpt_load', 'options'): 'checkpoint.h: NULL options are the defaults',
+    ('ts_ckpt_load', 'info_out'): 'checkpoint.h: info_out may be NULL',
+    ('ts_ckpt_save_full', 'metadata'): 'checkpoint.h: metadata may be NULL when n_metadata is 0',
 }
 
 # Documented neutral results of non-status functions given NULL (C
@@ -217,6 +221,8 @@ FACTORY = {
     'ts_comm_counters *': '&f_counters',
     'ts_fsdp_group_info *': '&f_group_info',
     'ts_fsdp_offload_stats *': '&f_offload_stats',
+    'ts_ckpt_info *': '&f_ckpt_info',
+    'const ts_ckpt_options *': '&f_ckpt_opts',
     'ts_rank_env *': '&f_rank_env',
     'ts_launch_result *': '&f_launch_result',
     'ts_named_params *': '&f_named',
@@ -315,6 +321,8 @@ static ts_fsdp_summon *f_summon_outs[8];
 static ts_comm_counters f_counters;
 static ts_fsdp_group_info f_group_info;
 static ts_fsdp_offload_stats f_offload_stats;
+static ts_ckpt_info f_ckpt_info;
+static ts_ckpt_options f_ckpt_opts = {.strict = true};
 static ts_rank_env f_rank_env;
 static ts_launch_result f_launch_result;
 static ts_named_params f_named;

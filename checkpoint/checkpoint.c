@@ -1,0 +1,971 @@
+/* Sharded checkpoints (checkpoint/checkpoint.h; docs/checkpoint.md).
+ *
+ * Save: every rank lists what it holds (ck_item: a key, its global shape,
+ * the rows of dim 0 it holds, whether it writes them) and writes the
+ * pieces it is the lowest holder of into its own safetensors file with
+ * ts_safetensors_save (temporary name, fsync, rename, folder fsync); the
+ * file's __metadata__ "ts_ckpt" says, per key, its kind, global shape,
+ * first row and placements. After a status all-reduce (every file
+ * durable), rank 0 reads the files' headers, builds the index, writes it
+ * to a temporary name, fsyncs, renames it over index.json, fsyncs the
+ * folder, and only then removes the files no index names any more.
+ *
+ * Load: every rank parses the index (checkpoint/index.c), checks keys,
+ * dtypes and shapes against what it holds, reads into temporaries the
+ * byte ranges of the rows it owns now (pread, checking each file's size
+ * and header against the index), agrees with the other ranks that every
+ * rank succeeded, and only then copies into the model, optimizer and
+ * extras. */
+#define _GNU_SOURCE
+#include "checkpoint/internal.h"
+
+#include "comm/comm.h"
+#include "fully_shard/internal.h"
+#include "mesh/internal.h"
+#include "nn/internal.h"
+#include "optim/internal.h"
+#include "tensor/internal.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define CK_INDEX "index.json"
+#define CK_META_KEY "ts_ckpt"
+#define CK_SHOWN 200
+
+void (*ts__ckpt_crash_hook)(const char *point, int rank);
+
+static void crash_point(const char *point, int rank)
+{
+    if (ts__ckpt_crash_hook) ts__ckpt_crash_hook(point, rank);
+}
+
+ts_ckpt_options ts_ckpt_options_default(void) { return (ts_ckpt_options){.strict = true}; }
+
+static const char *const kind_names[] = {"model", "optim", "extra", "rank_extra"};
+
+/* ------------------------------------------------------------ items */
+
+/* One tensor this rank saves or loads. */
+typedef struct ck_item {
+    char *key;
+    ts__ckpt_kind kind;
+    ts_tensor *t;         /* the tensor (a shard S, a parameter, buffer, state or extra; borrowed); NULL: an
+                             optimizer state not created yet */
+    ts_dtype dtype;
+    int ndim;
+    int64_t shape[TS_MAX_DIMS]; /* global */
+    int64_t row0, rows;   /* the rows of dim 0 this rank holds (0-d: 0, 1) */
+    bool sharded;         /* t is a shard of a group parameter */
+    bool writes;          /* this rank is the lowest holder of these rows */
+    char placements[96];  /* "Shard(0)" or "Replicate(),Shard(0)" */
+    int opt_index;        /* optimizer states: the parameter's index */
+    const char *opt_state;
+    ts_tensor *tmp;       /* load: the rows read */
+} ck_item;
+
+typedef struct ck_list {
+    ck_item *it;
+    int n, cap;
+} ck_list;
+
+static void ck_list_free(ck_list *l)
+{
+    for (int i = 0; i < l->n; i++) {
+        ts__free(TS_MEM_OTHER, l->it[i].key);
+        ts_tensor_free(l->it[i].tmp);
+    }
+    ts__free(TS_MEM_OTHER, l->it);
+    memset(l, 0, sizeof *l);
+}
+
+static ck_item *ck_add(ck_list *l, const char *prefix, const char *name, const char *suffix)
+{
+    if (l->n == l->cap) {
+        int cap = l->cap ? 2 * l->cap : 32;
+        ck_item *p = ts__calloc(TS_MEM_OTHER, (size_t)cap, sizeof *p);
+        if (!p) return NULL;
+        if (l->n) memcpy(p, l->it, (size_t)l->n * sizeof *p);
+        ts__free(TS_MEM_OTHER, l->it);
+        l->it = p;
+        l->cap = cap;
+    }
+    size_t len = strlen(prefix) + strlen(name) + strlen(suffix) + 1;
+    char *key = ts__malloc(TS_MEM_OTHER, len);
+    if (!key) return NULL;
+    snprintf(key, len, "%s%s%s", prefix, name, suffix);
+    ck_item *it = &l->it[l->n++];
+    memset(it, 0, sizeof *it);
+    it->key = key;
+    it->opt_index = -1;
+    return it;
+}
+
+/* Fills the geometry of an item that is (like) the tensor t of the model:
+ * a group parameter's shard (p non-NULL) or a whole tensor. */
+static void ck_geometry(ck_item *it, const fsdp_param *p, const fsdp_group *g, const ts_tensor *t, int wrank)
+{
+    if (p) {
+        it->ndim = p->ndim;
+        memcpy(it->shape, p->shape, sizeof it->shape);
+        it->row0 = p->chunks[g->rank].row0;
+        it->rows = p->chunks[g->rank].rows;
+        it->sharded = true;
+        it->writes = it->rows > 0 && (!g->rg || ts_comm_rank(g->rg) == 0);
+        const ts_placement *pl = ts_dtensor_placements(p->dt);
+        int nd = ts_mesh_ndim(ts_dtensor_mesh(p->dt));
+        it->placements[0] = '\0';
+        for (int d = 0; d < nd; d++) {
+            char b[32];
+            size_t used = strlen(it->placements);
+            snprintf(it->placements + used, sizeof it->placements - used, "%s%s", d ? "," : "",
+                     ts_placement_str(pl[d], b, sizeof b));
+        }
+        return;
+    }
+    it->ndim = ts_tensor_ndim(t);
+    memcpy(it->shape, ts_tensor_shape(t), (size_t)it->ndim * sizeof(int64_t));
+    it->row0 = 0;
+    it->rows = it->ndim ? it->shape[0] : 1;
+    it->sharded = false;
+    it->writes = wrank == 0;
+    snprintf(it->placements, sizeof it->placements, "Replicate()");
+}
+
+/* The world of the model: the one its groups' meshes were made over, or
+ * the initialized world (a one-rank group without one). */
+static ts_comm *ck_world(const groups_walk *w) { return w->n ? ts__mesh_world(w->g[0]->mesh) : ts_dist_world(); }
+
+typedef struct ck_ctx {
+    const char *op;
+    ts_module *model;
+    const ts_ckpt_options *o;
+    groups_walk w;
+    ts_named_params np;
+    ts_comm *world;
+    int rank, W;
+    ck_list items;
+} ck_ctx;
+
+static void ck_ctx_fini(ck_ctx *c)
+{
+    ck_list_free(&c->items);
+    ts_named_params_free(&c->np);
+    ts__free(TS_MEM_NN, c->w.g);
+}
+
+/* Lists everything this rank saves (loading false: only the optimizer
+ * states that exist) or loads (loading: every state the optimizer keeps,
+ * t NULL where not created yet). */
+static ts_status ck_collect(ck_ctx *c, bool loading)
+{
+    const char *op = c->op;
+    ts_status st = ts__fsdp_idle_groups(op, c->model, &c->w);
+    if (st) return st;
+    c->world = ck_world(&c->w);
+    c->rank = ts_comm_rank(c->world);
+    c->W = ts_comm_size(c->world);
+    if ((st = ts__module_entries(c->model, true, true, false, &c->np))) return st;
+    /* the model */
+    for (int i = 0; i < c->np.n; i++) {
+        ts_tensor *t = *c->np.items[i].slot;
+        fsdp_group *g = NULL;
+        fsdp_param *p = ts__fsdp_find_param(&c->w, t, &g);
+        ck_item *it = ck_add(&c->items, "", c->np.items[i].name, "");
+        if (!it) return TS_ERR_NO_MEMORY;
+        it->kind = TS__CKPT_MODEL;
+        it->t = p ? p->S : t;
+        it->dtype = ts_tensor_dtype(it->t);
+        ck_geometry(it, p, g, t, c->rank);
+    }
+    /* the optimizer, keyed by its parameters' first names */
+    ts_optim *o = c->o ? c->o->optim : NULL;
+    for (int i = 0; o && i < ts_optim_num_params(o); i++) {
+        ts_tensor *pt = ts_optim_param(o, i);
+        int at = -1;
+        for (int k = 0; k < c->np.n && at < 0; k++) {
+            ts_tensor *t = *c->np.items[k].slot;
+            fsdp_param *p = ts__fsdp_find_param(&c->w, t, NULL);
+            if (t == pt || (p && p->S == pt)) at = k;
+        }
+        if (at < 0 || c->np.items[at].is_buffer)
+            return ts_error(TS_ERR_INVALID_ARGUMENT,
+                            "%s: the optimizer's parameter %d (shape %s) is not a parameter of the model (build the "
+                            "optimizer from the model's parameters after fully_shard)",
+                            op, i, ts_tensor_shape_str(pt, (char[96]){0}, 96));
+        fsdp_group *g = NULL;
+        fsdp_param *p = ts__fsdp_find_param(&c->w, *c->np.items[at].slot, &g);
+        const char *names[4];
+        int ns = ts__optim_state_names(o, names);
+        for (int s = 0; s < ns; s++) {
+            ts_tensor *state = ts_optim_state(o, i, names[s]);
+            if (!state && !loading) continue;
+            char suffix[64];
+            snprintf(suffix, sizeof suffix, ".%s", names[s]);
+            ck_item *it = ck_add(&c->items, "optim.state.", c->np.items[at].name, suffix);
+            if (!it) return TS_ERR_NO_MEMORY;
+            it->kind = TS__CKPT_OPTIM;
+            it->t = state;
+            it->opt_index = i;
+            it->opt_state = names[s];
+            if (!strcmp(names[s], "step")) { /* 0-d float32, the same on every rank */
+                it->dtype = TS_F32;
+                it->ndim = 0;
+                it->row0 = 0;
+                it->rows = 1;
+                it->writes = c->rank == 0;
+                snprintf(it->placements, sizeof it->placements, "Replicate()");
+            } else {
+                it->dtype = ts_tensor_dtype(pt);
+                ck_geometry(it, p, g, *c->np.items[at].slot, c->rank);
+            }
+        }
+    }
+    /* the extras */
+    const ts_state_dict *ex = c->o ? c->o->extra : NULL, *rex = c->o ? c->o->rank_extra : NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        const ts_state_dict *sd = pass ? rex : ex;
+        for (int i = 0; sd && i < ts_state_dict_size(sd); i++) {
+            const char *name = ts_state_dict_name(sd, i);
+            if (pass && ex && ts_state_dict_get(ex, name))
+                return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%.*s' is both an extra and a rank extra", op, CK_SHOWN,
+                                name);
+            ts_tensor *t = ts_state_dict_tensor(sd, i);
+            if (ts_tensor_is_shard(t))
+                return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: extra '%.*s' is a shard; give plain tensors", op, CK_SHOWN,
+                                name);
+            ck_item *it = ck_add(&c->items, pass ? "rank_extra." : "extra.", name, "");
+            if (!it) return TS_ERR_NO_MEMORY;
+            it->kind = pass ? TS__CKPT_RANK_EXTRA : TS__CKPT_EXTRA;
+            it->t = t;
+            it->dtype = ts_tensor_dtype(t);
+            ck_geometry(it, NULL, NULL, t, c->rank);
+            if (pass) it->writes = true;
+        }
+    }
+    return TS_OK;
+}
+
+/* ------------------------------------------------------------ collectives */
+
+/* Every rank's status and a value: returns the most negative status of all
+ * ranks (this rank's own, with its message, when it failed), and the
+ * maximum of the values in *val. Without communication on one rank. */
+static ts_status ck_agree(ck_ctx *c, ts_status mine, int64_t *val)
+{
+    if (c->W <= 1) return mine;
+    int64_t two = 2;
+    ts_tensor *t = NULL;
+    ts_status st = ts_tensor_zeros(TS_I64, 1, &two, &t);
+    if (st) return st; /* the others then time out in the all-reduce: nothing better is possible */
+    int64_t *d = ts_tensor_data(t);
+    d[0] = -(int64_t)mine;
+    d[1] = val ? *val : 0;
+    st = ts_all_reduce(c->world, t, TS_REDUCE_MAX, NULL);
+    ts_status agreed = st ? st : (ts_status)(-d[0]);
+    if (!st && val) *val = d[1];
+    ts_tensor_free(t);
+    if (st) return st;
+    if (mine == agreed) return mine;
+    if (mine) return ts_error(agreed, "%s: rank %d failed (%s: %s) and another rank with %s", c->op, c->rank,
+                              ts_status_name(mine), ts_last_error(), ts_status_name(agreed));
+    return ts_error(agreed, "%s: another rank failed with %s (its message is in its log and ts_last_error); nothing "
+                            "changed on rank %d",
+                    c->op, ts_status_name(agreed), c->rank);
+}
+
+/* ------------------------------------------------------------ paths */
+
+static char *path_join(const char *dir, const char *name)
+{
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = ts__malloc(TS_MEM_OTHER, n);
+    if (p) snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+static void rank_file_name(char *buf, size_t len, int rank, uint64_t id)
+{
+    snprintf(buf, len, "rank%05d-%016llx.safetensors", rank, (unsigned long long)id);
+}
+
+/* Is name one of ours ("rankNNNNN-<16 hex>.safetensors", or a temporary
+ * of one or of the index)? */
+static bool ck_our_file(const char *name)
+{
+    if (!strncmp(name, "." CK_INDEX ".tmp.", strlen("." CK_INDEX ".tmp."))) return true;
+    const char *s = name[0] == '.' ? name + 1 : name;
+    unsigned r;
+    char hex[17];
+    int used = 0;
+    if (sscanf(s, "rank%5u-%16[0-9a-f]%n", &r, hex, &used) != 2 || strlen(hex) != 16) return false;
+    return !strncmp(s + used, ".safetensors", strlen(".safetensors"));
+}
+
+static ts_status ck_mkdir(const char *op, const char *dir)
+{
+    struct stat sb;
+    if (stat(dir, &sb) == 0) {
+        if (!S_ISDIR(sb.st_mode)) return ts_error(TS_ERR_IO, "%s: '%s' exists and is not a folder", op, dir);
+        return TS_OK;
+    }
+    if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+        return ts_error(TS_ERR_IO, "%s: cannot create the folder '%s': %s", op, dir, strerror(errno));
+    return TS_OK;
+}
+
+static ts_status ck_sync_dir(const char *op, const char *dir)
+{
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return ts_error(TS_ERR_IO, "%s: cannot open the folder '%s' to sync it: %s", op, dir, strerror(errno));
+    ts_status st = TS_OK;
+    if (fsync(fd) != 0 && errno != EINVAL && errno != ENOTSUP)
+        st = ts_error(TS_ERR_IO, "%s: syncing the folder '%s' failed: %s", op, dir, strerror(errno));
+    close(fd);
+    return st;
+}
+
+static ts_status ck_read_small_file(const char *op, const char *path, char **buf_out, size_t *len_out)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", op, path, strerror(errno));
+    struct stat sb;
+    ts_status st = TS_OK;
+    char *buf = NULL;
+    if (fstat(fd, &sb) != 0) st = ts_error(TS_ERR_IO, "%s: cannot stat '%s': %s", op, path, strerror(errno));
+    else if (!S_ISREG(sb.st_mode)) st = ts_error(TS_ERR_IO, "%s: '%s' is not a regular file", op, path);
+    else if ((uint64_t)sb.st_size > ((uint64_t)1 << 31))
+        st = ts_error(TS_ERR_FORMAT, "%s: '%s' has %lld bytes, more than an index may have", op, path,
+                      (long long)sb.st_size);
+    else if (!(buf = ts__malloc(TS_MEM_OTHER, (size_t)sb.st_size + 1))) st = TS_ERR_NO_MEMORY;
+    else st = ts__st_read_at(op, path, fd, buf, (size_t)sb.st_size, 0, "the index");
+    close(fd);
+    if (st) {
+        ts__free(TS_MEM_OTHER, buf);
+        return st;
+    }
+    *buf_out = buf;
+    *len_out = (size_t)sb.st_size;
+    return TS_OK;
+}
+
+static ts_status ck_load_index(const char *op, const char *dir, ts__ckpt_index **out)
+{
+    struct stat sb;
+    if (stat(dir, &sb) != 0) return ts_error(TS_ERR_IO, "%s: cannot open the checkpoint folder '%s': %s", op, dir, strerror(errno));
+    char *path = path_join(dir, CK_INDEX);
+    if (!path) return TS_ERR_NO_MEMORY;
+    char *buf = NULL;
+    size_t len = 0;
+    ts_status st = ck_read_small_file(op, path, &buf, &len);
+    if (!st) st = ts__ckpt_index_parse(path, buf, len, out);
+    ts__free(TS_MEM_OTHER, buf);
+    ts__free(TS_MEM_OTHER, path);
+    return st;
+}
+
+/* ------------------------------------------------------------ save */
+
+static ts_status ck_random_id(uint64_t *out)
+{
+    uint64_t v = 0;
+    size_t got = 0;
+    while (got < sizeof v) {
+        ssize_t r = getrandom((char *)&v + got, sizeof v - got, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return ts_error(TS_ERR_IO, "ts_ckpt_save: getrandom failed: %s", strerror(errno));
+        got += (size_t)r;
+    }
+    *out = (v & 0x7fffffffffffffffull) | 1; /* positive: it goes through a MAX all-reduce */
+    return TS_OK;
+}
+
+static json_t *shape_json(int ndim, const int64_t *shape)
+{
+    json_t *a = json_array();
+    for (int d = 0; a && d < ndim; d++)
+        if (json_array_append_new(a, json_integer((json_int_t)shape[d])) != 0) {
+            json_decref(a);
+            return NULL;
+        }
+    return a;
+}
+
+static json_t *placements_json(const char *s)
+{
+    json_t *a = json_array();
+    char buf[96];
+    snprintf(buf, sizeof buf, "%s", s);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); a && tok; tok = strtok_r(NULL, ",", &save))
+        if (json_array_append_new(a, json_string(tok)) != 0) {
+            json_decref(a);
+            return NULL;
+        }
+    return a;
+}
+
+/* Writes this rank's file (every piece it writes; a rank with none writes
+ * none) and sets *wrote. */
+static ts_status ck_write_rank_file(ck_ctx *c, const char *dir, uint64_t id, bool *wrote)
+{
+    const char *op = c->op;
+    ts_state_dict *sd = NULL;
+    json_t *desc = json_object(), *pieces = json_object();
+    char *mjson = NULL, *path = NULL;
+    const char **meta = NULL;
+    ts_status st = ts_state_dict_new(&sd);
+    if (!st && (!desc || !pieces || json_object_set(desc, "pieces", pieces) != 0)) st = TS_ERR_NO_MEMORY;
+    char idhex[17];
+    snprintf(idhex, sizeof idhex, "%016llx", (unsigned long long)id);
+    if (!st && (json_object_set_new(desc, "rank", json_integer(c->rank)) || json_object_set_new(desc, "world", json_integer(c->W)) ||
+                json_object_set_new(desc, "save_id", json_string(idhex))))
+        st = TS_ERR_NO_MEMORY;
+    int nw = 0;
+    for (int i = 0; i < c->items.n && !st; i++) {
+        ck_item *it = &c->items.it[i];
+        if (!it->writes || ts_state_dict_get(sd, it->key)) continue; /* a tied weight's second name is its own key */
+        ts_tensor *lv = NULL;
+        if ((st = ts_tensor_local_view(it->t, &lv))) break;
+        st = ts_state_dict_set(sd, it->key, lv);
+        ts_tensor_free(lv);
+        if (st) break;
+        json_t *e = json_object(), *sh = shape_json(it->ndim, it->shape), *pl = placements_json(it->placements);
+        bool ok = e && sh && pl && !json_object_set_new(e, "kind", json_string(kind_names[it->kind])) &&
+                  !json_object_set(e, "shape", sh) && !json_object_set(e, "placements", pl) &&
+                  !json_object_set_new(e, "row", json_integer((json_int_t)it->row0));
+        json_decref(sh);
+        json_decref(pl);
+        if (!ok || json_object_set_new(pieces, it->key, e) != 0) {
+            if (!ok) json_decref(e);
+            st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: key '%.*s' cannot be written to JSON (not valid UTF-8?)", op,
+                          CK_SHOWN, it->key);
+        }
+        nw++;
+    }
+    json_decref(pieces);
+    *wrote = false;
+    if (!st && nw) {
+        mjson = json_dumps(desc, JSON_COMPACT);
+        int nm = c->o ? c->o->n_metadata : 0;
+        meta = ts__calloc(TS_MEM_OTHER, (size_t)(2 * nm + 2), sizeof *meta);
+        char name[64];
+        rank_file_name(name, sizeof name, c->rank, id);
+        path = path_join(dir, name);
+        if (!mjson || !meta || !path) st = TS_ERR_NO_MEMORY;
+        for (int i = 0; !st && i < 2 * nm; i++) meta[i] = c->o->metadata[i];
+        if (!st) {
+            meta[2 * nm] = CK_META_KEY;
+            meta[2 * nm + 1] = mjson;
+            st = ts_safetensors_save(path, sd, meta, nm + 1);
+            *wrote = !st;
+        }
+    }
+    free(mjson);
+    ts__free(TS_MEM_OTHER, meta);
+    ts__free(TS_MEM_OTHER, path);
+    json_decref(desc);
+    ts_state_dict_free(sd);
+    return st;
+}
+
+/* Rank 0: reads every rank's file header and builds the index. */
+static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t **out)
+{
+    const char *op = c->op;
+    char idhex[17];
+    snprintf(idhex, sizeof idhex, "%016llx", (unsigned long long)id);
+    json_t *root = json_object(), *files = json_array(), *tensors = json_object(), *meta = json_object();
+    ts_status st = root && files && tensors && meta ? TS_OK : TS_ERR_NO_MEMORY;
+    if (!st && (json_object_set_new(root, "format", json_string("tensorshard-dcp")) ||
+                json_object_set_new(root, "version", json_integer(1)) ||
+                json_object_set_new(root, "save_id", json_string(idhex)) ||
+                json_object_set_new(root, "world", json_integer(c->W)) || json_object_set(root, "metadata", meta) ||
+                json_object_set(root, "files", files) || json_object_set(root, "tensors", tensors)))
+        st = TS_ERR_NO_MEMORY;
+    for (int i = 0; !st && c->o && i < c->o->n_metadata; i++) {
+        const char *k = c->o->metadata[2 * i], *v = c->o->metadata[2 * i + 1];
+        json_t *js = json_string(v);
+        if (!js || json_object_set_new(meta, k, js) != 0)
+            st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: metadata pair %d is not valid UTF-8", op, i);
+    }
+    ts_optim *o = c->o ? c->o->optim : NULL;
+    if (!st && o) {
+        json_t *oj = json_object();
+        if (!oj || json_object_set_new(oj, "kind", json_string(ts__optim_kind_name(o))) ||
+            json_object_set_new(oj, "steps", json_integer((json_int_t)ts_optim_step_count(o))) ||
+            json_object_set_new(root, "optim", oj))
+            st = TS_ERR_NO_MEMORY;
+    }
+    int nfiles = 0;
+    for (int r = 0; r < c->W && !st; r++) {
+        char name[64];
+        rank_file_name(name, sizeof name, r, id);
+        char *path = path_join(dir, name);
+        if (!path) {
+            st = TS_ERR_NO_MEMORY;
+            break;
+        }
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            if (errno != ENOENT) st = ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", op, path, strerror(errno));
+            ts__free(TS_MEM_OTHER, path);
+            continue; /* a rank with nothing to write */
+        }
+        ts__st_header h;
+        st = ts__st_read_header(op, path, fd, &h);
+        close(fd);
+        if (st) {
+            ts__free(TS_MEM_OTHER, path);
+            break;
+        }
+        json_t *m = json_object_get(json_object_get(h.root, "__metadata__"), CK_META_KEY);
+        json_t *desc = json_is_string(m) ? json_loads(json_string_value(m), 0, NULL) : NULL;
+        json_t *dp = json_object_get(desc, "pieces");
+        if (!json_is_object(dp)) st = ts_error(TS_ERR_FORMAT, "%s: '%s' lacks its " CK_META_KEY " metadata", op, path);
+        json_t *fj = json_object();
+        if (!st && (!fj || json_object_set_new(fj, "name", json_string(name)) || json_object_set_new(fj, "rank", json_integer(r)) ||
+                    json_object_set_new(fj, "size", json_integer((json_int_t)h.file_size)) || json_array_append(files, fj)))
+            st = TS_ERR_NO_MEMORY;
+        json_decref(fj);
+        for (size_t k = 0; k < h.n && !st; k++) {
+            const ts__st_entry *e = &h.entries[k];
+            json_t *pd = json_object_get(dp, e->name), *tj = json_object_get(tensors, e->name);
+            if (!pd) {
+                st = ts_error(TS_ERR_FORMAT, "%s: '%s': tensor '%s' is not described in its metadata", op, path, e->name);
+                break;
+            }
+            if (!tj) {
+                tj = json_object();
+                if (!tj || json_object_set(tj, "kind", json_object_get(pd, "kind")) ||
+                    json_object_set_new(tj, "dtype", json_string(ts__st_dtype_name(e->dtype))) ||
+                    json_object_set(tj, "shape", json_object_get(pd, "shape")) ||
+                    json_object_set(tj, "placements", json_object_get(pd, "placements")) ||
+                    json_object_set_new(tj, "pieces", json_array()) || json_object_set_new(tensors, e->name, tj)) {
+                    st = TS_ERR_NO_MEMORY;
+                    break;
+                }
+            } else if (strcmp(json_string_value(json_object_get(tj, "dtype")), ts__st_dtype_name(e->dtype)) ||
+                       !json_equal(json_object_get(tj, "shape"), json_object_get(pd, "shape"))) {
+                st = ts_error(TS_ERR_STATE, "%s: ranks disagree on the dtype or shape of '%s' (%s)", op, e->name, path);
+                break;
+            }
+            json_t *pj = json_object();
+            if (!pj || json_object_set_new(pj, "file", json_integer(nfiles)) || json_object_set_new(pj, "rank", json_integer(r)) ||
+                json_object_set(pj, "row", json_object_get(pd, "row")) ||
+                json_object_set_new(pj, "rows", json_integer((json_int_t)(e->ndim ? e->shape[0] : 1))) ||
+                json_object_set_new(pj, "offset", json_integer((json_int_t)(h.data_start + e->begin))) ||
+                json_object_set_new(pj, "length", json_integer((json_int_t)(e->end - e->begin))) ||
+                json_array_append_new(json_object_get(tj, "pieces"), pj))
+                st = TS_ERR_NO_MEMORY;
+        }
+        json_decref(desc);
+        ts__st_header_fini(&h);
+        ts__free(TS_MEM_OTHER, path);
+        nfiles++;
+    }
+    json_decref(files);
+    json_decref(tensors);
+    json_decref(meta);
+    if (st) {
+        json_decref(root);
+        return st;
+    }
+    *out = root;
+    return TS_OK;
+}
+
+/* Rank 0: writes the index atomically (temporary, fsync, rename, folder
+ * fsync). *renamed tells whether the new index is in place. */
+static ts_status ck_commit_index(ck_ctx *c, const char *dir, json_t *root, uint64_t id, bool *renamed)
+{
+    const char *op = c->op;
+    *renamed = false;
+    char *text = json_dumps(root, JSON_INDENT(1) | JSON_PRESERVE_ORDER);
+    if (!text) return ts_error(TS_ERR_NO_MEMORY, "%s: cannot serialise the index", op);
+    char tname[64];
+    snprintf(tname, sizeof tname, "." CK_INDEX ".tmp.%016llx", (unsigned long long)id);
+    char *tmp = path_join(dir, tname), *final = path_join(dir, CK_INDEX);
+    ts_status st = tmp && final ? TS_OK : TS_ERR_NO_MEMORY;
+    int fd = -1;
+    if (!st && (fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644)) < 0)
+        st = ts_error(TS_ERR_IO, "%s: cannot create '%s': %s", op, tmp, strerror(errno));
+    size_t len = strlen(text), done = 0;
+    while (!st && done < len) {
+        ssize_t w = write(fd, text + done, len - done);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) st = ts_error(TS_ERR_IO, "%s: writing '%s': %s", op, tmp, w < 0 ? strerror(errno) : "no progress");
+        else done += (size_t)w;
+    }
+    if (!st) crash_point("index_tmp", c->rank);
+    if (!st && fsync(fd) != 0) st = ts_error(TS_ERR_IO, "%s: fsync of '%s' failed: %s", op, tmp, strerror(errno));
+    if (fd >= 0 && close(fd) != 0 && !st) st = ts_error(TS_ERR_IO, "%s: closing '%s': %s", op, tmp, strerror(errno));
+    if (!st) crash_point("index_synced", c->rank);
+    if (!st && rename(tmp, final) != 0)
+        st = ts_error(TS_ERR_IO, "%s: cannot rename '%s' to '%s': %s", op, tmp, final, strerror(errno));
+    if (!st) {
+        *renamed = true;
+        crash_point("index_renamed", c->rank);
+        st = ck_sync_dir(op, dir);
+    } else if (tmp) {
+        unlink(tmp);
+    }
+    free(text);
+    ts__free(TS_MEM_OTHER, tmp);
+    ts__free(TS_MEM_OTHER, final);
+    return st;
+}
+
+/* Rank 0, after the new index is durable: removes our files (rank files
+ * and temporaries) that the index does not name. Best effort. */
+static void ck_cleanup(const char *dir, const json_t *index)
+{
+    DIR *d = opendir(dir);
+    if (!d) return;
+    const json_t *files = json_object_get(index, "files");
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        if (!ck_our_file(de->d_name)) continue;
+        bool keep = false;
+        for (size_t i = 0; i < json_array_size(files) && !keep; i++)
+            keep = !strcmp(json_string_value(json_object_get(json_array_get(files, i), "name")), de->d_name);
+        if (!keep) unlinkat(dirfd(d), de->d_name, 0);
+    }
+    closedir(d);
+}
+
+static ts_status ck_check_common(const char *op, const char *dir, ts_module *model, const ts_ckpt_options *o)
+{
+    if (!dir || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    if (!dir[0]) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the folder name is empty", op);
+    if (o && (o->n_metadata < 0 || (o->n_metadata > 0 && !o->metadata)))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d metadata pairs with %s list", op, o->n_metadata,
+                        o->metadata ? "a" : "a NULL");
+    for (int i = 0; o && i < 2 * o->n_metadata; i++)
+        if (!o->metadata[i]) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: metadata entry %d is NULL", op, i);
+    return TS_OK;
+}
+
+ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options *options)
+{
+    ck_ctx c = {.op = "ts_ckpt_save", .model = model, .o = options};
+    ts_status st = ck_check_common(c.op, dir, model, options);
+    if (st) return st;
+    st = ck_collect(&c, false);
+    if (!c.world) { /* the groups could not be listed: nothing collective is possible */
+        ck_ctx_fini(&c);
+        return st;
+    }
+    if (!st && c.rank == 0) st = ck_mkdir(c.op, dir);
+    /* agree, and take rank 0's id for this save's file names */
+    int64_t id = 0;
+    if (!st && c.rank == 0) {
+        uint64_t r = 0;
+        st = ck_random_id(&r);
+        id = (int64_t)r;
+    }
+    if (c.W > 1 || st) st = ck_agree(&c, st, &id);
+    bool wrote = false;
+    if (!st) {
+        crash_point("file_begin", c.rank);
+        st = ck_write_rank_file(&c, dir, (uint64_t)id, &wrote);
+        if (!st) crash_point("file_done", c.rank);
+    }
+    st = ck_agree(&c, st, NULL);
+    /* rank 0: the index; tell the others whether it is in place */
+    int64_t renamed = 0;
+    json_t *index = NULL;
+    if (!st && c.rank == 0) {
+        bool rn = false;
+        st = ck_build_index(&c, dir, (uint64_t)id, &index);
+        if (!st) st = ck_commit_index(&c, dir, index, (uint64_t)id, &rn);
+        renamed = rn;
+    }
+    if (c.W > 1) {
+        ts_status s2 = ck_agree(&c, st, &renamed);
+        if (!st) st = s2;
+    }
+    if (st && !renamed && wrote) { /* the old index stays: our new file is garbage */
+        char name[64];
+        rank_file_name(name, sizeof name, c.rank, (uint64_t)id);
+        char *path = path_join(dir, name);
+        if (path) unlink(path);
+        ts__free(TS_MEM_OTHER, path);
+    }
+    if (!st && c.rank == 0) {
+        crash_point("dir_synced", c.rank);
+        ck_cleanup(dir, index);
+        crash_point("cleaned", c.rank);
+    }
+    json_decref(index);
+    ck_ctx_fini(&c);
+    return st;
+}
+
+/* ------------------------------------------------------------ load */
+
+typedef struct ck_reader {
+    const char *op;
+    const char *dir;
+    const ts__ckpt_index *ix;
+    int *fds;                 /* per file, -1 until opened */
+    ts__st_header *hdrs;      /* per file, read when opened */
+    uint64_t bytes;
+} ck_reader;
+
+static ts_status ck_open(ck_reader *r, int f)
+{
+    if (r->fds[f] >= 0) return TS_OK;
+    char *path = path_join(r->dir, r->ix->files[f].name);
+    if (!path) return TS_ERR_NO_MEMORY;
+    ts_status st = TS_OK;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) st = ts_error(TS_ERR_IO, "%s: cannot open '%s', named by the index: %s", r->op, path, strerror(errno));
+    if (!st && !(st = ts__st_read_header(r->op, path, fd, &r->hdrs[f])) && r->hdrs[f].file_size != r->ix->files[f].size) {
+        st = ts_error(TS_ERR_FORMAT, "%s: '%s' has %llu bytes but the index records %llu (truncated or replaced)", r->op,
+                      path, (unsigned long long)r->hdrs[f].file_size, (unsigned long long)r->ix->files[f].size);
+        ts__st_header_fini(&r->hdrs[f]);
+    }
+    ts__free(TS_MEM_OTHER, path);
+    if (st) {
+        if (fd >= 0) close(fd);
+        return st;
+    }
+    r->fds[f] = fd;
+    return TS_OK;
+}
+
+/* Checks a piece against its file's header: the same key, dtype, rows
+ * and byte range. */
+static ts_status ck_check_piece(ck_reader *r, const ts__ckpt_tensor *t, const ts__ckpt_piece *p)
+{
+    const ts__st_header *h = &r->hdrs[p->file];
+    for (size_t k = 0; k < h->n; k++) {
+        const ts__st_entry *e = &h->entries[k];
+        if (strcmp(e->name, t->key)) continue;
+        int64_t rows = e->ndim ? e->shape[0] : 1;
+        bool same_cols = e->ndim == t->ndim;
+        for (int d = 1; same_cols && d < e->ndim; d++) same_cols = e->shape[d] == t->shape[d];
+        if (e->dtype != t->dtype || !same_cols || rows != p->rows || h->data_start + e->begin != p->offset ||
+            e->end - e->begin != p->length)
+            return ts_error(TS_ERR_FORMAT,
+                            "%s: '%s/%s': tensor '%.*s' (%s, %lld rows, bytes [%llu, +%llu)) does not agree with the "
+                            "index (%s, %lld rows, bytes [%llu, +%llu))",
+                            r->op, r->dir, r->ix->files[p->file].name, CK_SHOWN, t->key, ts__st_dtype_name(e->dtype),
+                            (long long)rows, (unsigned long long)(h->data_start + e->begin),
+                            (unsigned long long)(e->end - e->begin), ts__st_dtype_name(t->dtype), (long long)p->rows,
+                            (unsigned long long)p->offset, (unsigned long long)p->length);
+        return TS_OK;
+    }
+    return ts_error(TS_ERR_FORMAT, "%s: '%s/%s' holds no tensor '%.*s', which the index says it holds", r->op, r->dir,
+                    r->ix->files[p->file].name, CK_SHOWN, t->key);
+}
+
+/* Reads rows [row0, row0 + rows) of t (whose rank_only >= 0: that rank's
+ * piece) into dst (contiguous). */
+static ts_status ck_read_rows(ck_reader *r, const ts__ckpt_tensor *t, int64_t row0, int64_t rows, int rank_only,
+                              unsigned char *dst)
+{
+    int64_t got = 0;
+    for (int k = 0; k < t->n_pieces; k++) {
+        const ts__ckpt_piece *p = &t->pieces[k];
+        if (rank_only >= 0 && p->rank != rank_only) continue;
+        int64_t a = row0 > p->row ? row0 : p->row, b = row0 + rows < p->row + p->rows ? row0 + rows : p->row + p->rows;
+        if (a >= b) continue;
+        ts_status st = ck_open(r, p->file);
+        if (!st) st = ck_check_piece(r, t, p);
+        size_t n = (size_t)((uint64_t)(b - a) * t->row_bytes);
+        char what[CK_SHOWN + 40];
+        snprintf(what, sizeof what, "rows of '%.*s'", CK_SHOWN, t->key);
+        if (!st && n)
+            st = ts__st_read_at(r->op, r->ix->files[p->file].name, r->fds[p->file],
+                                dst + (uint64_t)(a - row0) * t->row_bytes,
+                                n, p->offset + (uint64_t)(a - p->row) * t->row_bytes, what);
+        if (st) return st;
+        r->bytes += n;
+        got += b - a;
+    }
+    if (got != rows && t->row_bytes)
+        return ts_error(TS_ERR_FORMAT, "%s: the checkpoint holds %lld of the %lld rows of '%.*s' this rank needs", r->op,
+                        (long long)got, (long long)rows, CK_SHOWN, t->key);
+    return TS_OK;
+}
+
+static void append(char *buf, size_t cap, const char *fmt, const char *a, const char *b, const char *c2)
+{
+    size_t n = strlen(buf);
+    if (n + 1 < cap) snprintf(buf + n, cap - n, fmt, a, b, c2);
+}
+
+#define shape_str ts__shape_str
+
+ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options *options, ts_ckpt_info *info_out)
+{
+    ck_ctx c = {.op = "ts_ckpt_load", .model = model, .o = options};
+    ts_status st = ck_check_common(c.op, dir, model, options);
+    if (st) return st;
+    bool strict = options ? options->strict : true;
+    st = ck_collect(&c, true);
+    if (!c.world) {
+        ck_ctx_fini(&c);
+        return st;
+    }
+    for (int i = 0; i < c.w.n && !st; i++) st = ts__fsdp_reshard(c.w.g[i]);
+    ts__ckpt_index *ix = NULL;
+    if (!st) st = ck_load_index(c.op, dir, &ix);
+    ts_optim *o = options ? options->optim : NULL;
+    if (!st && o && ix->has_optim && strcmp(ix->optim_kind, ts__optim_kind_name(o)) != 0)
+        st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s' holds the state of a %.40s optimizer; the optimizer given is %s",
+                      c.op, dir, ix->optim_kind, ts__optim_kind_name(o));
+    if (!st && o && !ix->has_optim && strict)
+        st = ts_error(TS_ERR_NOT_FOUND, "%s: '%s' holds no optimizer state (saved without one); load with strict false "
+                                        "to load the model only",
+                      c.op, dir);
+    bool same_world = ix && ix->world == c.W;
+    /* match keys; shapes, then dtypes, then (strict) missing and unexpected keys */
+    char shapes[1024] = "", dtypes[1024] = "", missing[1024] = "", unexpected[1024] = "";
+    const ts__ckpt_tensor **found = NULL;
+    if (!st && c.items.n && !(found = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *found))) st = TS_ERR_NO_MEMORY;
+    for (int i = 0; i < c.items.n && !st; i++) {
+        ck_item *it = &c.items.it[i];
+        const ts__ckpt_tensor *t = ts__ckpt_index_find(ix, it->key);
+        if (it->kind == TS__CKPT_OPTIM && !ix->has_optim) continue;
+        if (it->kind == TS__CKPT_RANK_EXTRA && !same_world) continue;
+        if (!t || t->kind != it->kind) {
+            /* an optimizer parameter without any saved state had no state at save: it keeps none */
+            bool any = false;
+            if (it->kind == TS__CKPT_OPTIM) {
+                const char *names[4];
+                int ns = ts__optim_state_names(o, names);
+                const char *dot = strrchr(it->key, '.');
+                for (int s = 0; s < ns && !any; s++) {
+                    char k2[FQN_MAX + 64];
+                    snprintf(k2, sizeof k2, "%.*s.%s", (int)(dot - it->key), it->key, names[s]);
+                    any = ts__ckpt_index_find(ix, k2) != NULL;
+                }
+                if (!any) continue;
+            }
+            append(missing, sizeof missing, " '%s'%s%s", it->key, "", "");
+            continue;
+        }
+        char a[128], b[128];
+        if (t->ndim != it->ndim || memcmp(t->shape, it->shape, (size_t)t->ndim * sizeof(int64_t)) != 0)
+            append(shapes, sizeof shapes, " '%s' is %s in the checkpoint, %s here;", it->key,
+                   shape_str(t->ndim, t->shape, a, sizeof a), shape_str(it->ndim, it->shape, b, sizeof b));
+        else if (t->dtype != it->dtype)
+            append(dtypes, sizeof dtypes, " '%s' is %s in the checkpoint, %s here;", it->key, ts_dtype_name(t->dtype),
+                   ts_dtype_name(it->dtype));
+        else
+            found[i] = t;
+        if (it->kind == TS__CKPT_RANK_EXTRA) {
+            bool mine = false;
+            for (int k = 0; k < t->n_pieces; k++) mine |= t->pieces[k].rank == c.rank;
+            if (!mine) {
+                found[i] = NULL;
+                append(missing, sizeof missing, " '%s' (of rank %s)%s", it->key, c.rank == 0 ? "0" : "this", "");
+            }
+        }
+    }
+    /* model keys of the checkpoint the model does not have */
+    for (int k = 0; !st && k < ix->n_tensors; k++) {
+        const ts__ckpt_tensor *t = &ix->tensors[k];
+        if (t->kind != TS__CKPT_MODEL) continue;
+        bool have = false;
+        for (int i = 0; i < c.items.n && !have; i++) have = !strcmp(c.items.it[i].key, t->key);
+        if (!have) append(unexpected, sizeof unexpected, " '%s'%s%s", t->key, "", "");
+    }
+    if (!st && *shapes) st = ts_error(TS_ERR_SHAPE, "%s: '%s': shape mismatch:%s", c.op, dir, shapes);
+    if (!st && *dtypes) st = ts_error(TS_ERR_DTYPE, "%s: '%s': dtype mismatch:%s", c.op, dir, dtypes);
+    if (!st && strict && (*missing || *unexpected))
+        st = ts_error(TS_ERR_NOT_FOUND, "%s: '%s': missing keys:%s; unexpected keys:%s", c.op, dir,
+                      *missing ? missing : " none", *unexpected ? unexpected : " none");
+    /* read this rank's rows into temporaries */
+    ck_reader rd = {.op = c.op, .dir = dir, .ix = ix};
+    if (!st && ix->n_files) {
+        rd.fds = ts__malloc(TS_MEM_OTHER, (size_t)ix->n_files * sizeof *rd.fds);
+        rd.hdrs = ts__calloc(TS_MEM_OTHER, (size_t)ix->n_files, sizeof *rd.hdrs);
+        if (!rd.fds || !rd.hdrs) st = TS_ERR_NO_MEMORY;
+        for (int f = 0; rd.fds && f < ix->n_files; f++) rd.fds[f] = -1;
+    }
+    for (int i = 0; i < c.items.n && !st; i++) {
+        ck_item *it = &c.items.it[i];
+        const ts__ckpt_tensor *t = found[i];
+        if (!t) continue;
+        int64_t shape[TS_MAX_DIMS];
+        memcpy(shape, it->shape, sizeof shape);
+        if (it->ndim) shape[0] = it->rows;
+        if ((st = ts_tensor_empty(it->dtype, it->ndim, shape, &it->tmp))) break;
+        st = ck_read_rows(&rd, t, it->row0, it->rows, it->kind == TS__CKPT_RANK_EXTRA ? c.rank : -1,
+                          ts_tensor_data(it->tmp));
+    }
+    for (int f = 0; rd.fds && f < ix->n_files; f++)
+        if (rd.fds[f] >= 0) {
+            close(rd.fds[f]);
+            ts__st_header_fini(&rd.hdrs[f]);
+        }
+    ts__free(TS_MEM_OTHER, rd.fds);
+    ts__free(TS_MEM_OTHER, rd.hdrs);
+    st = ck_agree(&c, st, NULL);
+    /* every rank read everything: copy in */
+    bool prev = ts_grad_mode_set(false);
+    for (int i = 0; i < c.items.n && !st; i++) {
+        ck_item *it = &c.items.it[i];
+        if (!it->tmp) continue;
+        ts_tensor *dst = it->t, *lv = NULL;
+        if (it->kind == TS__CKPT_OPTIM && (st = ts_optim_state_create(o, it->opt_index, it->opt_state, &dst))) break;
+        if (!(st = ts_tensor_local_view(dst, &lv))) st = ts_tensor_copy_(lv, it->tmp);
+        ts_tensor_free(lv);
+    }
+    ts_grad_mode_set(prev);
+    if (!st && o && ix->has_optim) ts__optim_set_step_count(o, ix->optim_steps);
+    if (!st && info_out)
+        *info_out = (ts_ckpt_info){.saved_world = ix->world,
+                                   .loaded_world = c.W,
+                                   .rank_extra_loaded = same_world && options && options->rank_extra,
+                                   .optim_steps = ix->has_optim ? ix->optim_steps : 0,
+                                   .bytes_read = rd.bytes};
+    ts__free(TS_MEM_OTHER, found);
+    ts__ckpt_index_free(ix);
+    ck_ctx_fini(&c);
+    return st;
+}
+
+ts_status ts_ckpt_metadata(const char *dir, const char *key, char **value_out)
+{
+    static const char op[] = "ts_ckpt_metadata";
+    if (!dir || !key || !value_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    ts__ckpt_index *ix = NULL;
+    ts_status st = ck_load_index(op, dir, &ix);
+    if (st) return st;
+    const json_t *v = ix->metadata ? json_object_get(ix->metadata, key) : NULL;
+    if (!v) st = ts_error(TS_ERR_NOT_FOUND, "%s: '%s' has no metadata key '%.*s'", op, dir, CK_SHOWN, key);
+    char *s = NULL;
+    if (!st && !(s = strdup(json_string_value(v)))) st = TS_ERR_NO_MEMORY;
+    ts__ckpt_index_free(ix);
+    if (!st) *value_out = s;
+    return st;
+}
+
+/* ------------------------------------------------------------ full files */
+
+ts_status ts_ckpt_save_full(const char *path, ts_module *model, const char *const *metadata, int n_metadata)
+{
+    if (!path || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_ckpt_save_full: NULL argument");
+    (void)metadata;
+    (void)n_metadata;
+    return ts_error(TS_ERR_UNSUPPORTED, "ts_ckpt_save_full: not built yet on this branch");
+}
+
+ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
+{
+    if (!path || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_ckpt_load_full: NULL argument");
+    (void)strict;
+    return ts_error(TS_ERR_UNSUPPORTED, "ts_ckpt_load_full: not built yet on this branch");
+}

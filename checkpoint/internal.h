@@ -1,0 +1,78 @@
+/* Internal pieces of the checkpoint layer (not installed): the index
+ * parser (shared with the fuzz target fuzz/fuzz_ckpt_index.c and the
+ * tests) and the crash-point hook of the atomicity tests. */
+#ifndef TS_CHECKPOINT_INTERNAL_H
+#define TS_CHECKPOINT_INTERNAL_H
+
+#include "checkpoint/checkpoint.h"
+
+/* What a key of the index holds. */
+typedef enum ts__ckpt_kind {
+    TS__CKPT_MODEL = 0, /* a parameter or buffer */
+    TS__CKPT_OPTIM,     /* "optim.state.<fqn>.<name>" */
+    TS__CKPT_EXTRA,     /* "extra.<name>": replicated */
+    TS__CKPT_RANK_EXTRA, /* "rank_extra.<name>": one piece per saving rank */
+    TS__CKPT_KIND_COUNT
+} ts__ckpt_kind;
+
+/* One saved piece of a tensor: rows [row, row + rows) of dim 0 (a 0-d
+ * tensor is one row) in file `file` (an index into the files), at byte
+ * `offset` of the file (absolute), `length` bytes; `rank` saved it. */
+typedef struct ts__ckpt_piece {
+    int file, rank;
+    int64_t row, rows;
+    uint64_t offset, length;
+} ts__ckpt_piece;
+
+typedef struct ts__ckpt_tensor {
+    const char *key; /* borrowed from the index's JSON */
+    ts__ckpt_kind kind;
+    ts_dtype dtype;
+    int ndim;
+    int64_t shape[TS_MAX_DIMS];
+    int64_t rows;       /* shape[0], 1 for 0-d */
+    uint64_t row_bytes; /* bytes of one row */
+    ts__ckpt_piece *pieces;
+    int n_pieces;
+} ts__ckpt_tensor;
+
+typedef struct ts__ckpt_file {
+    const char *name; /* borrowed; a plain file name inside the folder */
+    int rank;
+    uint64_t size;
+} ts__ckpt_file;
+
+typedef struct ts__ckpt_index {
+    struct json_t *root;
+    int world;
+    const char *save_id;
+    bool has_optim;
+    const char *optim_kind;
+    int64_t optim_steps;
+    struct json_t *metadata; /* borrowed from root; NULL when absent */
+    ts__ckpt_file *files;
+    int n_files;
+    ts__ckpt_tensor *tensors; /* sorted by key */
+    int n_tensors;
+} ts__ckpt_index;
+
+/* Parses and validates an index (len bytes at buf; src names it in
+ * messages): the JSON's structure and types, every file name a plain name,
+ * every piece inside its file's recorded size with the length its rows
+ * need, and the pieces of every tensor (but rank extras) covering its rows
+ * exactly once. TS_ERR_FORMAT naming src and the problem, TS_ERR_NO_MEMORY.
+ * *out (free with ts__ckpt_index_free) is written on success. */
+ts_status ts__ckpt_index_parse(const char *src, const char *buf, size_t len, ts__ckpt_index **out);
+void ts__ckpt_index_free(ts__ckpt_index *ix);
+/* The tensor of key `key`, or NULL (binary search). */
+const ts__ckpt_tensor *ts__ckpt_index_find(const ts__ckpt_index *ix, const char *key);
+
+/* Test hook: when set, ts_ckpt_save calls it at each crash point with the
+ * point's name and the calling rank (the atomicity tests kill the process
+ * there): "file_begin" (before this rank's file), "file_done" (its file
+ * durable), "index_tmp" (rank 0: the temporary index written, not synced),
+ * "index_synced" (before the rename), "index_renamed" (before the folder
+ * sync), "dir_synced" (before removing old files), "cleaned". */
+extern void (*ts__ckpt_crash_hook)(const char *point, int rank);
+
+#endif
