@@ -65,24 +65,6 @@
 #include "common.h"
 #include "checkpoint/checkpoint.h"
 
-/* Sharded checkpoints (--save DIR, --resume DIR) come from checkpoint/,
- * which another branch builds: until it is linked in, these references
- * are NULL and the flags say so (TS_ERR_UNSUPPORTED) instead of the
- * program failing to link. */
-#pragma weak ts_ckpt_options_default
-#pragma weak ts_ckpt_save
-#pragma weak ts_ckpt_load
-#pragma weak ts_ckpt_metadata
-/* The streaming full-file paths, used when present (else the full state
- * dict, gathered on rank 0 or read whole by every rank). */
-#pragma weak ts_ckpt_save_full
-#pragma weak ts_ckpt_load_full
-
-static bool ckpt_built(void)
-{
-    return ts_ckpt_options_default && ts_ckpt_save && ts_ckpt_load && ts_ckpt_metadata;
-}
-
 /* Rough memory need of one rank, bytes, in float32: the rank's shards of
  * the parameters, their gradients and AdamW's two moments; the groups
  * gathered at once (the root, which stays gathered through the forward,
@@ -518,12 +500,6 @@ int main(int argc, char **argv)
                         "ranks G/W sequences)\n", batch, global_batch);
         return 2;
     }
-    if ((save || resume) && !ckpt_built()) {
-        fprintf(stderr, "train_gpt: %s: %s: sharded checkpoints (checkpoint/checkpoint.h) are not built into this "
-                        "library; --save-full FILE and --load FILE write and read full files\n",
-                save ? "--save" : "--resume", ts_status_name(TS_ERR_UNSUPPORTED));
-        return 2;
-    }
     /* Files before anything else: a FIFO or a directory is refused rather
      * than read, a checkpoint folder that cannot be written before the
      * training it would lose. */
@@ -802,10 +778,11 @@ int main(int argc, char **argv)
     CHECK(ts_fully_shard(model, &fso));
     if (rank == 0) CHECK(ts_fsdp_summary(model, stdout)); /* the sharding layout, once */
     if (load) {
-        ts_status st;
-        if (ts_ckpt_load_full) { /* streaming: each rank reads its rows, one tensor at a time */
-            st = ts_ckpt_load_full(load, model, true);
-        } else { /* the whole file on every rank, then its rows kept */
+        /* streaming: each rank reads its rows, one tensor at a time; where
+         * checkpoint/ does not stream yet (TS_ERR_UNSUPPORTED), the whole
+         * file on every rank, then its rows kept */
+        ts_status st = ts_ckpt_load_full(load, model, true);
+        if (st == TS_ERR_UNSUPPORTED) {
             ts_state_dict *sd = NULL;
             st = ts_safetensors_load(load, &sd);
             if (!st) st = ts_fsdp_load_full_state_dict(model, sd, true);
@@ -1085,10 +1062,13 @@ int main(int argc, char **argv)
             CHECK(save_sharded(save, model, opt, scaler, skipped, data_rng, &rs, step, first, window, window_n,
                                last, ckpt_meta, 4));
         /* the sizes and the vocabulary (ckpt_meta's first 2 pairs), for --load and --sample */
-        if (save_full && ts_ckpt_save_full) { /* streamed to rank 0 one tensor at a time */
-            CHECK(ts_ckpt_save_full(save_full, model, ckpt_meta, 2));
+        /* streamed to rank 0 one tensor at a time; where checkpoint/ does
+         * not stream yet (TS_ERR_UNSUPPORTED), the whole model gathered on
+         * rank 0, then written there */
+        ts_status sf = save_full ? ts_ckpt_save_full(save_full, model, ckpt_meta, 2) : TS_OK;
+        if (save_full && sf == TS_OK) {
             printf("saved %d full tensors to %s\n", model_tensors(model), save_full);
-        } else if (save_full) { /* the whole model gathered on rank 0, then written there */
+        } else if (save_full && sf == TS_ERR_UNSUPPORTED) {
             ts_state_dict *sd;
             CHECK(ts_fsdp_full_state_dict(model, true, &sd));
             if (rank == 0) {
@@ -1096,6 +1076,8 @@ int main(int argc, char **argv)
                 printf("saved %d full tensors to %s\n", ts_state_dict_size(sd), save_full);
             }
             ts_state_dict_free(sd);
+        } else if (save_full) {
+            CHECK(sf);
         }
     }
 done:
