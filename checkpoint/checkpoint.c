@@ -70,6 +70,8 @@ typedef struct ck_item {
     int opt_index;        /* optimizer states: the parameter's index */
     const char *opt_state;
     ts_tensor *tmp;       /* load: the rows read */
+    fsdp_param *p;        /* sharded: its group parameter and group */
+    fsdp_group *g;
 } ck_item;
 
 typedef struct ck_list {
@@ -183,6 +185,8 @@ static ts_status ck_collect(ck_ctx *c, bool loading)
         if (!it) return TS_ERR_NO_MEMORY;
         it->kind = TS__CKPT_MODEL;
         it->t = p ? p->S : t;
+        it->p = p;
+        it->g = g;
         it->dtype = ts_tensor_dtype(it->t);
         ck_geometry(it, p, g, t, c->rank);
     }
@@ -957,15 +961,153 @@ ts_status ts_ckpt_metadata(const char *dir, const char *key, char **value_out)
 
 ts_status ts_ckpt_save_full(const char *path, ts_module *model, const char *const *metadata, int n_metadata)
 {
-    if (!path || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_ckpt_save_full: NULL argument");
-    (void)metadata;
-    (void)n_metadata;
-    return ts_error(TS_ERR_UNSUPPORTED, "ts_ckpt_save_full: not built yet on this branch");
+    ck_ctx c = {.op = "ts_ckpt_save_full", .model = model};
+    if (!path || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", c.op);
+    if (n_metadata < 0 || (n_metadata > 0 && !metadata))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d metadata pairs with %s list", c.op, n_metadata,
+                        metadata ? "a" : "a NULL");
+    ts_status st = ck_collect(&c, false);
+    if (!c.world) {
+        ck_ctx_fini(&c);
+        return st;
+    }
+    /* rank 0 writes the header of every tensor, then streams them in */
+    ts__st_stream *s = NULL;
+    ts__st_desc *descs = NULL;
+    if (!st && c.rank == 0) {
+        if (c.items.n && !(descs = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *descs))) st = TS_ERR_NO_MEMORY;
+        for (int i = 0; !st && i < c.items.n; i++)
+            descs[i] = (ts__st_desc){c.items.it[i].key, c.items.it[i].dtype, c.items.it[i].ndim, c.items.it[i].shape};
+        if (!st) st = ts__st_stream_open(c.op, path, c.items.n, descs, metadata, n_metadata, &s);
+        ts__free(TS_MEM_OTHER, descs);
+    }
+    st = ck_agree(&c, st, NULL);
+    ts_status wst = TS_OK; /* rank 0's write status: it keeps receiving after a failed write */
+    for (int i = 0; i < c.items.n && !st; i++) {
+        ck_item *it = &c.items.it[i];
+        ts_tensor *lv = NULL, *full = NULL;
+        if (!it->sharded) {
+            if (c.rank == 0 && !wst && !(wst = ts_tensor_local_view(it->t, &lv))) wst = ts__st_stream_put(s, lv);
+            ts_tensor_free(lv);
+            continue;
+        }
+        fsdp_group *g = it->g;
+        if (g->rg && ts_comm_rank(g->rg) != 0) continue; /* HSDP: replica 0 sends */
+        int pr = ts_comm_rank(g->pg), pw = ts_comm_size(g->pg);
+        if (pr != 0) { /* this rank's rows to the shard group's rank 0, which is world rank 0 */
+            if (it->rows > 0 && !(st = ts_tensor_local_view(it->t, &lv))) st = ts_send(g->pg, lv, 0, i, NULL);
+            ts_tensor_free(lv);
+            continue;
+        }
+        if ((st = ts_tensor_empty(it->dtype, it->ndim, it->shape, &full))) break;
+        for (int r = 0; r < pw && !st; r++) {
+            const fsdp_chunk *ch = &it->p->chunks[r];
+            if (ch->rows == 0) continue;
+            ts_tensor *rows = NULL;
+            if (!(st = ts_narrow(full, 0, ch->row0, ch->rows, &rows))) {
+                if (r == 0) {
+                    if (!(st = ts_tensor_local_view(it->t, &lv))) st = ts_tensor_copy_(rows, lv);
+                    ts_tensor_free(lv);
+                    lv = NULL;
+                } else {
+                    st = ts_recv(g->pg, rows, r, i, NULL);
+                }
+            }
+            ts_tensor_free(rows);
+        }
+        if (!st && !wst) wst = ts__st_stream_put(s, full);
+        ts_tensor_free(full);
+    }
+    if (c.rank == 0 && s) {
+        if (!st && !wst) wst = ts__st_stream_commit(s);
+        else ts__st_stream_abort(s);
+    }
+    if (!st) st = wst;
+    st = ck_agree(&c, st, NULL);
+    ck_ctx_fini(&c);
+    return st;
+}
+
+static int cmp_entry_name(const void *a, const void *b)
+{
+    return strcmp((*(const ts__st_entry *const *)a)->name, (*(const ts__st_entry *const *)b)->name);
 }
 
 ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
 {
-    if (!path || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_ckpt_load_full: NULL argument");
-    (void)strict;
-    return ts_error(TS_ERR_UNSUPPORTED, "ts_ckpt_load_full: not built yet on this branch");
+    ck_ctx c = {.op = "ts_ckpt_load_full", .model = model};
+    if (!path || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", c.op);
+    ts_status st = ck_collect(&c, true);
+    for (int i = 0; i < c.w.n && !st; i++) st = ts__fsdp_reshard(c.w.g[i]);
+    int fd = -1;
+    ts__st_header h = {0};
+    bool have_h = false;
+    if (!st && (fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK)) < 0)
+        st = ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", c.op, path, strerror(errno));
+    if (!st) have_h = !(st = ts__st_read_header(c.op, path, fd, &h));
+    /* the file's names, sorted, for lookups */
+    const ts__st_entry **byname = NULL;
+    if (!st && h.n && !(byname = ts__malloc(TS_MEM_OTHER, h.n * sizeof *byname))) st = TS_ERR_NO_MEMORY;
+    for (size_t k = 0; !st && k < h.n; k++) byname[k] = &h.entries[k];
+    if (!st && h.n > 1) qsort(byname, h.n, sizeof *byname, cmp_entry_name);
+    const ts__st_entry **found = NULL;
+    if (!st && c.items.n && !(found = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *found))) st = TS_ERR_NO_MEMORY;
+    char shapes[1024] = "", dtypes[1024] = "", missing[1024] = "", unexpected[1024] = "";
+    for (int i = 0; i < c.items.n && !st; i++) {
+        ck_item *it = &c.items.it[i];
+        ts__st_entry probe = {.name = it->key};
+        const ts__st_entry *pp = &probe, **e = h.n ? bsearch(&pp, byname, h.n, sizeof *byname, cmp_entry_name) : NULL;
+        if (!e) {
+            append(missing, sizeof missing, " '%s'%s%s", it->key, "", "");
+            continue;
+        }
+        char a[128], b[128];
+        if ((*e)->ndim != it->ndim || memcmp((*e)->shape, it->shape, (size_t)it->ndim * sizeof(int64_t)) != 0)
+            append(shapes, sizeof shapes, " '%s' is %s in the file, %s in the model;", it->key,
+                   shape_str((*e)->ndim, (*e)->shape, a, sizeof a), shape_str(it->ndim, it->shape, b, sizeof b));
+        else if ((*e)->dtype != it->dtype)
+            append(dtypes, sizeof dtypes, " '%s' is %s in the file, %s in the model;", it->key,
+                   ts_dtype_name((*e)->dtype), ts_dtype_name(it->dtype));
+        else
+            found[i] = *e;
+    }
+    for (size_t k = 0; !st && k < h.n; k++) {
+        bool have = false;
+        for (int i = 0; i < c.items.n && !have; i++) have = !strcmp(c.items.it[i].key, h.entries[k].name);
+        if (!have) append(unexpected, sizeof unexpected, " '%s'%s%s", h.entries[k].name, "", "");
+    }
+    if (!st && *shapes) st = ts_error(TS_ERR_SHAPE, "%s: '%s':%s", c.op, path, shapes);
+    if (!st && *dtypes)
+        st = ts_error(TS_ERR_DTYPE, "%s: '%s': dtype mismatch:%s convert the file's tensors first", c.op, path, dtypes);
+    if (!st && strict && (*missing || *unexpected))
+        st = ts_error(TS_ERR_NOT_FOUND, "%s: '%s': missing keys:%s; unexpected keys:%s", c.op, path,
+                      *missing ? missing : " none", *unexpected ? unexpected : " none");
+    /* one tensor at a time: this rank's rows into a temporary, then in */
+    bool prev = ts_grad_mode_set(false);
+    for (int i = 0; i < c.items.n && !st; i++) {
+        ck_item *it = &c.items.it[i];
+        const ts__st_entry *e = found[i];
+        if (!e) continue;
+        int64_t shape[TS_MAX_DIMS];
+        memcpy(shape, it->shape, sizeof shape);
+        if (it->ndim) shape[0] = it->rows;
+        ts_tensor *tmp = NULL, *lv = NULL;
+        if ((st = ts_tensor_empty(it->dtype, it->ndim, shape, &tmp))) break;
+        uint64_t total_rows = it->ndim ? (uint64_t)it->shape[0] : 1;
+        uint64_t row_bytes = total_rows ? (e->end - e->begin) / total_rows : 0;
+        size_t n = (size_t)(row_bytes * (uint64_t)it->rows);
+        char what[CK_SHOWN + 40];
+        snprintf(what, sizeof what, "rows of '%.*s'", CK_SHOWN, it->key);
+        if (n) st = ts__st_read_at(c.op, path, fd, ts_tensor_data(tmp), n, h.data_start + e->begin + row_bytes * (uint64_t)it->row0, what);
+        if (!st && !(st = ts_tensor_local_view(it->t, &lv))) st = ts_tensor_copy_(lv, tmp);
+        ts_tensor_free(lv);
+        ts_tensor_free(tmp);
+    }
+    ts_grad_mode_set(prev);
+    ts__free(TS_MEM_OTHER, found);
+    ts__free(TS_MEM_OTHER, byname);
+    if (have_h) ts__st_header_fini(&h);
+    if (fd >= 0) close(fd);
+    ck_ctx_fini(&c);
+    return st;
 }

@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 CFLAGS=(-std=c11 -g -O1 -fno-omit-frame-pointer -ffp-contract=off -fno-math-errno
         -fsanitize=address,undefined -fno-sanitize-recover=undefined
         -Wall -Wextra -Wno-unused-parameter -I.)
-lib_sources=(base/*.c tensor/*.c nn/*.c optim/*.c comm/*.c)
+lib_sources=(base/*.c tensor/*.c nn/*.c optim/*.c comm/*.c mesh/*.c dtensor/*.c fully_shard/*.c checkpoint/*.c)
 # shellcheck disable=SC2207
 dep_cflags=($(pkg-config --cflags ucx libuv jansson))
 # shellcheck disable=SC2207
@@ -29,7 +29,7 @@ objs=()
 for src in "${lib_sources[@]}"; do
     objs+=("$OUT/obj/$(echo "$src" | tr / _).o")
 done
-for target in safetensors store; do
+for target in safetensors store ckpt_index; do
     "$CC" "${CFLAGS[@]}" -fsanitize=fuzzer "${dep_cflags[@]}" "fuzz/fuzz_$target.c" "${objs[@]}" \
         -o "$OUT/fuzz_$target" "${dep_libs[@]}" -lblis -lm -lpthread
     echo "built $OUT/fuzz_$target"

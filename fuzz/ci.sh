@@ -15,7 +15,7 @@ if ! fuzz/build.sh "$OUT" >"$OUT/build.log" 2>&1; then
     exit 1
 fi
 status=0
-for target in safetensors store; do
+for target in safetensors store ckpt_index; do
     work=$(mktemp -d "$OUT/work-$target.XXXXXX")
     log="$OUT/fuzz_$target.log"
     if (cd "$OUT" && "./fuzz_$target" -max_total_time="$SECS" -timeout=25 -max_len=4096 \

@@ -83,6 +83,28 @@ ts_status ts__st_read_at(const char *op, const char *path, int fd, void *buf, si
 const char *ts__st_dtype_name(ts_dtype d);
 bool ts__st_dtype_from_name(const char *s, ts_dtype *out);
 
+/* Streaming writer of a safetensors file (ts_safetensors_save is built on
+ * it, so the bytes are the same): _open checks the names and metadata as
+ * ts_safetensors_save does, writes the header of the n tensors described
+ * (name, dtype, shape; copied) to a new temporary file next to path;
+ * _put writes the next tensor's data (its dtype and element count must
+ * be the description's: TS_ERR_SHAPE); _commit flushes, fsyncs, renames
+ * the file to path, syncs the folder and frees the stream (also on
+ * error, when the temporary file is removed); _abort removes it and frees
+ * (NULL accepted). Errors as ts_safetensors_save. */
+typedef struct ts__st_desc {
+    const char *name;
+    ts_dtype dtype;
+    int ndim;
+    const int64_t *shape;
+} ts__st_desc;
+typedef struct ts__st_stream ts__st_stream;
+ts_status ts__st_stream_open(const char *op, const char *path, int n, const ts__st_desc *descs,
+                             const char *const *metadata, int n_meta, ts__st_stream **out);
+ts_status ts__st_stream_put(ts__st_stream *s, const ts_tensor *t);
+ts_status ts__st_stream_commit(ts__st_stream *s);
+void ts__st_stream_abort(ts__st_stream *s);
+
 /* Name comparisons made by state-dict lookups since the process started
  * (tests check that a lookup costs O(1) of them). */
 uint64_t ts__state_dict_compares(void);

@@ -576,8 +576,8 @@ static int st_put(st_writer *w, const void *p, size_t n)
 
 /* Builds the JSON header (without padding) in insertion order and checks
  * every name and tensor. Writes a new JSON object into root_out. */
-static ts_status st_build_header(const char *op, const char *path, const ts_state_dict *sd,
-                                 const char *const *metadata, int n_meta, json_t **root_out)
+static ts_status st_build_header(const char *op, const char *path, int n, const ts__st_desc *descs,
+                                 const ts_state_dict *sd, const char *const *metadata, int n_meta, json_t **root_out)
 {
     const int W = ST_NAME_MAX_SHOWN;
     json_t *root = json_object();
@@ -605,9 +605,9 @@ static ts_status st_build_header(const char *op, const char *path, const ts_stat
         }
     }
     uint64_t off = 0;
-    for (int i = 0; i < ts_state_dict_size(sd) && !st; i++) {
-        const char *name = ts_state_dict_name(sd, i);
-        ts_tensor *t = ts_state_dict_tensor(sd, i);
+    for (int i = 0; i < n && !st; i++) {
+        const char *name = descs[i].name;
+        ts_tensor *t = sd ? ts_state_dict_tensor(sd, i) : NULL;
         if (name[0] == '\0') {
             st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': entry %d has an empty name", op, path, i);
             break;
@@ -617,23 +617,25 @@ static ts_status st_build_header(const char *op, const char *path, const ts_stat
                           op, path);
             break;
         }
-        if (ts_tensor_is_shard(t)) {
+        if (t && ts_tensor_is_shard(t)) {
             st = ts_error(TS_ERR_SHARDED,
                           "%s: '%s': tensor '%.*s' is a shard; save full tensors or local views (ts_tensor_local_view)",
                           op, path, W, name);
             break;
         }
-        if (ts_storage_is_released(ts_tensor_storage(t))) {
+        if (t && ts_storage_is_released(ts_tensor_storage(t))) {
             st = ts_error(TS_ERR_RELEASED, "%s: '%s': tensor '%.*s' has released storage; restore it first", op,
                           path, W, name);
             break;
         }
-        uint64_t nbytes = (uint64_t)ts_tensor_numel(t) * ts_dtype_size(ts_tensor_dtype(t));
+        uint64_t nbytes = (uint64_t)ts_dtype_size(descs[i].dtype);
+        for (int d = 0; d < descs[i].ndim; d++)
+            nbytes *= (uint64_t)descs[i].shape[d];
         json_t *e = json_object(), *shape = json_array(), *offs = json_array();
         bool ok = e && shape && offs;
-        ok = ok && json_object_set_new(e, "dtype", json_string(st_dtype_names[ts_tensor_dtype(t)])) == 0;
-        for (int d = 0; ok && d < ts_tensor_ndim(t); d++)
-            ok = json_array_append_new(shape, json_integer((json_int_t)ts_tensor_shape(t)[d])) == 0;
+        ok = ok && json_object_set_new(e, "dtype", json_string(st_dtype_names[descs[i].dtype])) == 0;
+        for (int d = 0; ok && d < descs[i].ndim; d++)
+            ok = json_array_append_new(shape, json_integer((json_int_t)descs[i].shape[d])) == 0;
         ok = ok && json_array_append_new(offs, json_integer((json_int_t)off)) == 0 &&
              json_array_append_new(offs, json_integer((json_int_t)(off + nbytes))) == 0;
         ok = ok && json_object_set(e, "shape", shape) == 0 && json_object_set(e, "data_offsets", offs) == 0;
@@ -655,58 +657,6 @@ static ts_status st_build_header(const char *op, const char *path, const ts_stat
     }
     *root_out = root;
     return TS_OK;
-}
-
-/* Writes the file's bytes to fd: length, padded header, data. */
-static ts_status st_write_all(const char *op, const char *path, const char *tmp, int fd, const char *hdr,
-                              size_t hlen, const ts_state_dict *sd)
-{
-    st_writer w = {.fd = fd};
-    w.buf = ts__malloc(TS_MEM_NN, ST_WBUF);
-    if (!w.buf)
-        return ts_error(TS_ERR_NO_MEMORY, "%s: '%s': no memory for the write buffer", op, path);
-    ts_status st = TS_OK;
-    unsigned char prefix[8];
-    for (int i = 0; i < 8; i++)
-        prefix[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
-    int rc = st_put(&w, prefix, 8);
-    if (!rc)
-        rc = st_put(&w, hdr, hlen);
-    for (int i = 0; i < ts_state_dict_size(sd) && !rc && !st; i++) {
-        ts_tensor *t = ts_state_dict_tensor(sd, i);
-        size_t nbytes = (size_t)ts_tensor_numel(t) * ts_dtype_size(ts_tensor_dtype(t));
-        if (!nbytes)
-            continue;
-        if (ts_tensor_is_contiguous(t)) {
-            rc = st_put(&w, ts_tensor_data(t), nbytes);
-            continue;
-        }
-        /* row-major copy of a strided tensor: through the write buffer
-         * when it fits, else through a buffer of its own */
-        void *tmpbuf = NULL, *dst;
-        if (nbytes <= ST_WBUF) {
-            if (w.used + nbytes > ST_WBUF && (rc = st_flush(&w)))
-                break;
-            dst = w.buf + w.used;
-        } else if (!(dst = tmpbuf = ts__malloc(TS_MEM_NN, nbytes))) {
-            st = ts_error(TS_ERR_NO_MEMORY, "%s: '%s': no memory to copy tensor '%s' (%zu bytes)", op, path,
-                          ts_state_dict_name(sd, i), nbytes);
-            break;
-        }
-        if (!(st = ts_tensor_copy_to(t, dst, nbytes))) {
-            if (tmpbuf)
-                rc = st_put(&w, tmpbuf, nbytes);
-            else
-                w.used += nbytes;
-        }
-        ts__free(TS_MEM_NN, tmpbuf);
-    }
-    if (!rc && !st)
-        rc = st_flush(&w);
-    if (rc && !st)
-        st = ts_error(TS_ERR_IO, "%s: writing '%s' (temporary file '%s'): %s", op, path, tmp, strerror(errno));
-    ts__free(TS_MEM_NN, w.buf);
-    return st;
 }
 
 /* The folder and the last component of `path` ("." for a bare name, "/"
@@ -883,11 +833,49 @@ static ts_status st_create_tmp(const char *op, const char *path, const char *dir
     return ts_error(TS_ERR_IO, "%s: 16 random temporary file names for '%s' in '%s' all exist", op, path, dir);
 }
 
-ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const char *const *metadata, int n_meta)
+/* ------------------------------------------------------------ streaming writer */
+
+struct ts__st_stream {
+    const char *op;
+    char *path, *dir, *tmp;
+    int fd;
+    int n, next;             /* tensors in the header, the next one to write */
+    ts__st_desc *descs;      /* names and shapes copied */
+    char **names;
+    int64_t *shapes;         /* n * TS_MAX_DIMS */
+    st_writer w;
+    ts_status failed;        /* a write already failed (the rest is skipped) */
+};
+
+static void st_stream_free(ts__st_stream *s)
 {
-    static const char op[] = "ts_safetensors_save";
-    if (!path || !sd)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    for (int i = 0; s->names && i < s->n; i++)
+        ts__free(TS_MEM_NN, s->names[i]);
+    ts__free(TS_MEM_NN, s->names);
+    ts__free(TS_MEM_NN, s->descs);
+    ts__free(TS_MEM_NN, s->shapes);
+    ts__free(TS_MEM_NN, s->w.buf);
+    ts__free(TS_MEM_NN, s->path);
+    ts__free(TS_MEM_NN, s->dir);
+    ts__free(TS_MEM_NN, s->tmp);
+    ts__free(TS_MEM_NN, s);
+}
+
+void ts__st_stream_abort(ts__st_stream *s)
+{
+    if (!s)
+        return;
+    if (s->fd >= 0)
+        close(s->fd);
+    if (s->tmp)
+        unlink(s->tmp);
+    st_stream_free(s);
+}
+
+static ts_status st_stream_open(const char *op, const char *path, int n, const ts__st_desc *descs,
+                                const ts_state_dict *sd, const char *const *metadata, int n_meta,
+                                ts__st_stream **out)
+{
     if (path[0] == '\0')
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the path is empty", op);
     if (n_meta < 0 || (n_meta > 0 && !metadata))
@@ -898,7 +886,7 @@ ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const c
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s' ends with '/': give a file name", op, path);
 
     json_t *root = NULL;
-    ts_status st = st_build_header(op, path, sd, metadata, n_meta, &root);
+    ts_status st = st_build_header(op, path, n, descs, sd, metadata, n_meta, &root);
     if (st)
         return st;
     /* compact JSON, then spaces up to a multiple of 8 bytes */
@@ -913,42 +901,172 @@ ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const c
     json_decref(root);
     memset(hdr + jlen, ' ', hlen - jlen);
 
-    char *dir = NULL, *base = NULL, *tmp = NULL;
-    if ((st = st_split_path(path, &dir, &base))) {
+    ts__st_stream *s = ts__calloc(TS_MEM_NN, 1, sizeof *s);
+    if (!s) {
         ts__free(TS_MEM_NN, hdr);
+        return TS_ERR_NO_MEMORY;
+    }
+    s->op = op;
+    s->fd = -1;
+    s->n = n;
+    char *base = NULL;
+    if (!(s->path = ts__strdup(TS_MEM_NN, path)))
+        st = TS_ERR_NO_MEMORY;
+    if (!st && n) {
+        s->descs = ts__calloc(TS_MEM_NN, (size_t)n, sizeof *s->descs);
+        s->names = ts__calloc(TS_MEM_NN, (size_t)n, sizeof *s->names);
+        s->shapes = ts__calloc(TS_MEM_NN, (size_t)n * TS_MAX_DIMS, sizeof *s->shapes);
+        if (!s->descs || !s->names || !s->shapes)
+            st = TS_ERR_NO_MEMORY;
+        for (int i = 0; i < n && !st; i++) {
+            if (!(s->names[i] = ts__strdup(TS_MEM_NN, descs[i].name))) {
+                st = TS_ERR_NO_MEMORY;
+                break;
+            }
+            memcpy(s->shapes + (size_t)i * TS_MAX_DIMS, descs[i].shape, (size_t)descs[i].ndim * sizeof(int64_t));
+            s->descs[i] = (ts__st_desc){s->names[i], descs[i].dtype, descs[i].ndim, s->shapes + (size_t)i * TS_MAX_DIMS};
+        }
+    }
+    if (!st && !(s->w.buf = ts__malloc(TS_MEM_NN, ST_WBUF)))
+        st = ts_error(TS_ERR_NO_MEMORY, "%s: '%s': no memory for the write buffer", op, path);
+    if (!st)
+        st = st_split_path(path, &s->dir, &base);
+    if (!st) {
+        st_clean_stale(s->dir, base);
+        /* mode 0600 while it is written; the usual mode (0666 under the
+         * umask) only just before the rename */
+        st = st_create_tmp(op, path, s->dir, base, &s->tmp, &s->fd);
+    }
+    ts__free(TS_MEM_NN, base);
+    if (!st && ts__safetensors_save_hook && ts__safetensors_save_hook(s->tmp) != 0)
+        st = ts_error(TS_ERR_IO, "%s: writing '%s' (temporary file '%s'): failure injected by a test hook", op, path,
+                      s->tmp);
+    if (!st) {
+        s->w.fd = s->fd;
+        unsigned char prefix[8];
+        for (int i = 0; i < 8; i++)
+            prefix[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
+        if (st_put(&s->w, prefix, 8) || st_put(&s->w, hdr, hlen))
+            st = ts_error(TS_ERR_IO, "%s: writing '%s' (temporary file '%s'): %s", op, path, s->tmp, strerror(errno));
+    }
+    ts__free(TS_MEM_NN, hdr);
+    if (st) {
+        ts__st_stream_abort(s);
         return st;
     }
-    st_clean_stale(dir, base);
-    /* mode 0600 while it is written; the usual mode (0666 under the
-     * umask) only just before the rename */
-    int fd = -1;
-    if ((st = st_create_tmp(op, path, dir, base, &tmp, &fd)))
-        goto done;
-    if (ts__safetensors_save_hook && ts__safetensors_save_hook(tmp) != 0)
-        st = ts_error(TS_ERR_IO, "%s: writing '%s' (temporary file '%s'): failure injected by a test hook", op,
-                      path, tmp);
-    if (!st)
-        st = st_write_all(op, path, tmp, fd, hdr, hlen, sd);
-    if (!st && fchmod(fd, st_file_mode()) != 0)
-        st = ts_error(TS_ERR_IO, "%s: setting the mode of the temporary file '%s' for '%s' failed: %s", op, tmp,
-                      path, strerror(errno));
-    if (!st && fsync(fd) != 0)
-        st = ts_error(TS_ERR_IO, "%s: fsync of the temporary file '%s' for '%s' failed: %s", op, tmp, path,
-                      strerror(errno));
-    if (close(fd) != 0 && !st)
-        st = ts_error(TS_ERR_IO, "%s: closing the temporary file '%s' for '%s' failed: %s", op, tmp, path,
-                      strerror(errno));
-    if (!st && rename(tmp, path) != 0)
-        st = ts_error(TS_ERR_IO, "%s: cannot rename '%s' to '%s': %s", op, tmp, path, strerror(errno));
-    if (st) {
-        unlink(tmp);
-        goto done;
+    *out = s;
+    return TS_OK;
+}
+
+ts_status ts__st_stream_open(const char *op, const char *path, int n, const ts__st_desc *descs,
+                             const char *const *metadata, int n_meta, ts__st_stream **out)
+{
+    return st_stream_open(op, path, n, descs, NULL, metadata, n_meta, out);
+}
+
+ts_status ts__st_stream_put(ts__st_stream *s, const ts_tensor *t)
+{
+    const char *op = s->op;
+    if (s->failed)
+        return s->failed;
+    if (s->next >= s->n)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': more tensors than the %d of the header", op, s->path, s->n);
+    const ts__st_desc *d = &s->descs[s->next];
+    int64_t numel = 1;
+    for (int k = 0; k < d->ndim; k++)
+        numel *= d->shape[k];
+    if (ts_tensor_dtype(t) != d->dtype || ts_tensor_numel(t) != numel)
+        return s->failed = ts_error(TS_ERR_SHAPE,
+                                    "%s: '%s': tensor %d ('%.*s') has dtype %s and %lld elements; the header says %s "
+                                    "and %lld",
+                                    op, s->path, s->next, ST_NAME_MAX_SHOWN, d->name, ts_dtype_name(ts_tensor_dtype(t)),
+                                    (long long)ts_tensor_numel(t), ts_dtype_name(d->dtype), (long long)numel);
+    s->next++;
+    st_writer *w = &s->w;
+    size_t nbytes = (size_t)numel * ts_dtype_size(d->dtype);
+    ts_status st = TS_OK;
+    int rc = 0;
+    if (!nbytes)
+        return TS_OK;
+    if (ts_tensor_is_contiguous(t)) {
+        rc = st_put(w, ts_tensor_data(t), nbytes);
+    } else {
+        /* row-major copy of a strided tensor: through the write buffer
+         * when it fits, else through a buffer of its own */
+        void *tmpbuf = NULL, *dst = NULL;
+        if (nbytes <= ST_WBUF) {
+            if (w->used + nbytes > ST_WBUF)
+                rc = st_flush(w);
+            dst = w->buf + w->used;
+        } else if (!(dst = tmpbuf = ts__malloc(TS_MEM_NN, nbytes))) {
+            st = ts_error(TS_ERR_NO_MEMORY, "%s: '%s': no memory to copy tensor '%s' (%zu bytes)", op, s->path,
+                          d->name, nbytes);
+        }
+        if (!rc && !st && !(st = ts_tensor_copy_to(t, dst, nbytes))) {
+            if (tmpbuf)
+                rc = st_put(w, tmpbuf, nbytes);
+            else
+                w->used += nbytes;
+        }
+        ts__free(TS_MEM_NN, tmpbuf);
     }
-    st = st_sync_dir(op, path, dir);
-done:
-    ts__free(TS_MEM_NN, tmp);
-    ts__free(TS_MEM_NN, dir);
-    ts__free(TS_MEM_NN, base);
-    ts__free(TS_MEM_NN, hdr);
+    if (rc && !st)
+        st = ts_error(TS_ERR_IO, "%s: writing '%s' (temporary file '%s'): %s", op, s->path, s->tmp, strerror(errno));
+    return s->failed = st;
+}
+
+ts_status ts__st_stream_commit(ts__st_stream *s)
+{
+    const char *op = s->op;
+    ts_status st = s->failed;
+    if (!st && s->next != s->n)
+        st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': %d of the header's %d tensors were written", op, s->path,
+                      s->next, s->n);
+    if (!st && st_flush(&s->w) != 0)
+        st = ts_error(TS_ERR_IO, "%s: writing '%s' (temporary file '%s'): %s", op, s->path, s->tmp, strerror(errno));
+    if (!st && fchmod(s->fd, st_file_mode()) != 0)
+        st = ts_error(TS_ERR_IO, "%s: setting the mode of the temporary file '%s' for '%s' failed: %s", op, s->tmp,
+                      s->path, strerror(errno));
+    if (!st && fsync(s->fd) != 0)
+        st = ts_error(TS_ERR_IO, "%s: fsync of the temporary file '%s' for '%s' failed: %s", op, s->tmp, s->path,
+                      strerror(errno));
+    int fd = s->fd;
+    s->fd = -1;
+    if (close(fd) != 0 && !st)
+        st = ts_error(TS_ERR_IO, "%s: closing the temporary file '%s' for '%s' failed: %s", op, s->tmp, s->path,
+                      strerror(errno));
+    if (!st && rename(s->tmp, s->path) != 0)
+        st = ts_error(TS_ERR_IO, "%s: cannot rename '%s' to '%s': %s", op, s->tmp, s->path, strerror(errno));
+    if (st) {
+        ts__st_stream_abort(s);
+        return st;
+    }
+    st = st_sync_dir(op, s->path, s->dir);
+    st_stream_free(s);
     return st;
+}
+
+ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const char *const *metadata, int n_meta)
+{
+    static const char op[] = "ts_safetensors_save";
+    if (!path || !sd)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    int n = ts_state_dict_size(sd);
+    ts__st_desc *descs = n ? ts__calloc(TS_MEM_NN, (size_t)n, sizeof *descs) : NULL;
+    if (n && !descs)
+        return TS_ERR_NO_MEMORY;
+    for (int i = 0; i < n; i++) {
+        ts_tensor *t = ts_state_dict_tensor(sd, i);
+        descs[i] = (ts__st_desc){ts_state_dict_name(sd, i), ts_tensor_dtype(t), ts_tensor_ndim(t), ts_tensor_shape(t)};
+    }
+    ts__st_stream *s = NULL;
+    ts_status st = st_stream_open(op, path, n, descs, sd, metadata, n_meta, &s);
+    ts__free(TS_MEM_NN, descs);
+    for (int i = 0; i < n && !st; i++)
+        st = ts__st_stream_put(s, ts_state_dict_tensor(sd, i));
+    if (st) {
+        ts__st_stream_abort(s);
+        return st;
+    }
+    return ts__st_stream_commit(s);
 }
