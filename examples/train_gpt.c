@@ -14,7 +14,10 @@
  *        [--save DIR [--save-every N]] [--resume DIR]
  *        [--save-full FILE.safetensors] [--load FILE.safetensors]
  *        [--sample N [--temperature T] [--prompt TEXT]]    (--help: all flags)
- *        [--offload cpu [--pin-memory 0|1]]
+ *        [--offload cpu [--pin-memory 0|1]] [--checkpoint-activations]
+ * --checkpoint-activations checkpoints every block (ts_checkpoint_module
+ * before ts_fully_shard): the backward recomputes each block's forward
+ * instead of keeping its activations (same losses, lower peak).
  * --offload cpu shards every group with CPUOffloadPolicy (pinned host
  * shards and gradients unless --pin-memory 0) and prints, at the end, its
  * staging copies per step and the host bytes it holds.
@@ -26,6 +29,13 @@
  * float32 for the loss; f16 adds a ts_grad_scaler (steps with inf/NaN
  * gradients are skipped). The end prints the bytes all-gathered and
  * reduce-scattered per step.
+ *        [--accum K [--accum-mode nosync|sync]]
+ * --accum K makes each optimizer step K microbatches of --batch sequences
+ * (each loss scaled by 1/K; the same sequences as --accum 1 --batch K*B):
+ * nosync (default) turns gradient sync off on the first K-1
+ * (ts_fsdp_set_requires_gradient_sync), sync reduce-scatters every one;
+ * it prints the gradient memory each mode holds and, per step, the loss
+ * and gradient norm to 9 digits.
  * --global-batch G: one data-order generator, the same on every rank,
  * draws G sequences per step and rank r trains on its G/W of them (G a
  * multiple of the world size W), so that W ranks and W' ranks train on
@@ -39,7 +49,8 @@
  * position, every rank's RNG state and the data order, and the f16 grad
  * scaler's scale. The checkpoint records the flags that shape the model
  * and the training (--seq --layers --heads --dim --param-dtype
- * --reduce-dtype --lr --steps --seed --batch --global-batch) and the
+ * --reduce-dtype --lr --steps --seed --batch --global-batch --accum
+ * --accum-mode) and the
  * text's length and hash; --resume takes those not given, and refuses
  * one given with another value (naming the flag and both values): a
  * changed --lr or --steps would move the schedule, so it is refused
@@ -377,6 +388,24 @@ typedef struct rec_flag {
     char value[64];
 } rec_flag;
 
+static bool is_dtype_flag(const ex_flag *fl)
+{
+    return !strcmp(fl->name, "--param-dtype") || !strcmp(fl->name, "--reduce-dtype");
+}
+
+/* A recorded flag's value as "train_gpt.flags" holds it: numbers exactly
+ * (%.17g for doubles), dtypes by their short name or "none", other
+ * strings as given. */
+static void rec_value(const ex_flag *fl, char *buf, size_t cap)
+{
+    const char *str = fl->kind == EX_FLAG_STRING ? *(const char *const *)fl->value : NULL;
+    if (fl->kind == EX_FLAG_INT) snprintf(buf, cap, "%d", *(const int *)fl->value);
+    else if (fl->kind == EX_FLAG_U64) snprintf(buf, cap, "%llu", (unsigned long long)*(const uint64_t *)fl->value);
+    else if (fl->kind == EX_FLAG_DOUBLE) snprintf(buf, cap, "%.17g", *(const double *)fl->value);
+    else if (is_dtype_flag(fl)) snprintf(buf, cap, "%s", str ? mp_name(parse_dtype(str)) : "none");
+    else snprintf(buf, cap, "%s", str ? str : "none");
+}
+
 /* The value of flag `name` in a "train_gpt.flags" string, into buf; false
  * when absent. */
 static bool saved_flag(const char *flags, const char *name, char *buf, size_t cap)
@@ -434,6 +463,8 @@ int main(int argc, char **argv)
     uint64_t seed = 1337;
     const char *offload = "none";
     int pin_memory = 1;
+    int accum = 1; /* gradient accumulation: microbatches per step */
+    const char *accum_mode = "nosync";
     ex_flag flags[] = {
         {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
@@ -458,11 +489,21 @@ int main(int argc, char **argv)
         {"--pin-memory", "0|1", EX_FLAG_INT, &pin_memory, 0, 1, false, "--offload cpu: pin the host shards and gradients", false},
         {"--param-dtype", "bf16|f16|f32", EX_FLAG_STRING, &param_dtype_s, 0, 0, false, "mixed precision: all-gather and compute in this dtype (float32 master weights)", false},
         {"--reduce-dtype", "bf16|f16|f32", EX_FLAG_STRING, &reduce_dtype_s, 0, 0, false, "mixed precision: reduce the gradients in this dtype (default: the param dtype)", false},
+        {"--accum", "K", EX_FLAG_INT, &accum, 1, 1 << 16, false, "gradient accumulation: K microbatches of --batch sequences per optimizer step", false},
+        {"--accum-mode", "nosync|sync", EX_FLAG_STRING, &accum_mode, 0, 0, false, "--accum: nosync reduces once, on the last microbatch (more memory); sync reduce-scatters every microbatch", false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
+    bool ckpt_act = false; /* a switch without value: taken out before the flags are parsed */
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--checkpoint-activations")) {
+            ckpt_act = true;
+            memmove(&argv[i], &argv[i + 1], (size_t)(argc - i) * sizeof *argv);
+            argc--, i--;
+        }
     ex_parse_flags(argc, argv,
                    "Trains a character-level GPT with fully_shard (one FSDP group per block, then the root), alone\n"
-                   "or on the ranks of tsrun --nproc-per-node N; or, with --load FILE --sample N, generates text.",
+                   "or on the ranks of tsrun --nproc-per-node N; or, with --load FILE --sample N, generates text.\n"
+                   "--checkpoint-activations (no value): checkpoint every block (recompute in backward).",
                    flags, NFLAGS);
     bool sample_flags = ex_flag_given(flags, NFLAGS, "--temperature") || ex_flag_given(flags, NFLAGS, "--prompt");
     if (strcmp(offload, "none") != 0 && strcmp(offload, "cpu") != 0) {
@@ -470,6 +511,10 @@ int main(int argc, char **argv)
         return 2;
     }
     bool offload_cpu = strcmp(offload, "cpu") == 0;
+    if (strcmp(accum_mode, "nosync") != 0 && strcmp(accum_mode, "sync") != 0) {
+        fprintf(stderr, "train_gpt: --accum-mode '%s' (must be nosync or sync)\n", accum_mode);
+        return 2;
+    }
     if (!offload_cpu && ex_flag_given(flags, NFLAGS, "--pin-memory")) {
         fprintf(stderr, "train_gpt: --pin-memory goes with --offload cpu\n");
         return 2;
@@ -519,8 +564,9 @@ int main(int argc, char **argv)
     /* The flags that shape the model, the schedule and the data order, as
      * a --save records them ("--heads=4 --lr=0.003 ..."): --resume takes
      * those not given and refuses those given otherwise. */
-    static const char *const recorded[] = {"--seq",  "--layers", "--heads", "--dim",   "--param-dtype", "--reduce-dtype",
-                                           "--lr",   "--steps",  "--seed",  "--batch", "--global-batch"};
+    static const char *const recorded[] = {"--seq",   "--layers",       "--heads", "--dim",       "--param-dtype",
+                                           "--reduce-dtype", "--lr", "--steps", "--seed", "--batch",
+                                           "--global-batch", "--accum", "--accum-mode"};
     enum { NREC = sizeof recorded / sizeof recorded[0] };
     char *saved_flags = NULL, *saved_text = NULL, *saved_vocab = NULL;
     if (resume) {
@@ -554,12 +600,7 @@ int main(int argc, char **argv)
                 free(saved_vocab);
                 return 2;
             }
-            if (fl->kind == EX_FLAG_INT) snprintf(now, sizeof now, "%d", *(int *)fl->value);
-            else if (fl->kind == EX_FLAG_U64) snprintf(now, sizeof now, "%llu", (unsigned long long)*(uint64_t *)fl->value);
-            else if (fl->kind == EX_FLAG_DOUBLE) snprintf(now, sizeof now, "%.17g", *(double *)fl->value);
-            else snprintf(now, sizeof now, "%s", *(const char **)fl->value ? *(const char **)fl->value : "none");
-            if (fl->kind == EX_FLAG_STRING && strcmp(now, "none") != 0) /* a dtype, by its short name */
-                snprintf(now, sizeof now, "%s", mp_name(parse_dtype(now)));
+            rec_value(fl, now, sizeof now);
             if (!strcmp(now, was)) continue;
             if (fl->given) {
                 fprintf(stderr, "train_gpt: %s %s, but --resume '%s' was saved with %s %s%s\n", fl->name, now, resume,
@@ -572,10 +613,10 @@ int main(int argc, char **argv)
                 free(saved_vocab);
                 return 2;
             }
-            bool off = (fl->kind == EX_FLAG_STRING && !strcmp(was, "none")) ||
+            bool off = (is_dtype_flag(fl) && !strcmp(was, "none")) ||
                        (!strcmp(fl->name, "--global-batch") && !strcmp(was, "0"));
             if (off) {
-                if (fl->kind == EX_FLAG_STRING) *(const char **)fl->value = NULL;
+                if (is_dtype_flag(fl)) *(const char **)fl->value = NULL;
                 else *(int *)fl->value = 0;
             } else if (ex_parse_value("train_gpt", fl, was)) {
                 fprintf(stderr, "train_gpt: --resume '%s': the value it records for %s is not valid\n", resume,
@@ -593,6 +634,13 @@ int main(int argc, char **argv)
         if (param_dtype_s && (mp.param_dtype = parse_dtype(param_dtype_s)) == TS_DTYPE_COUNT) return 2;
         if (reduce_dtype_s && (mp.reduce_dtype = parse_dtype(reduce_dtype_s)) == TS_DTYPE_COUNT) return 2;
     }
+    if (strcmp(accum_mode, "nosync") != 0 && strcmp(accum_mode, "sync") != 0) { /* a --resume's, checked again */
+        fprintf(stderr, "train_gpt: --resume '%s' records --accum-mode '%s' (must be nosync or sync)\n", resume,
+                accum_mode);
+        return 2;
+    }
+    /* a resumed run of --accum K prints the accum lines too */
+    bool accum_log = ex_flag_given(flags, NFLAGS, "--accum") || accum > 1, accum_nosync = !strcmp(accum_mode, "nosync");
     ts_fsdp_options fso = ts_fsdp_options_default();
     if (param_dtype_s || reduce_dtype_s) fso.mp_policy = &mp;
     bool half = mp.param_dtype == TS_BF16 || mp.param_dtype == TS_F16;
@@ -773,6 +821,7 @@ int main(int argc, char **argv)
         ts_module *block;
         snprintf(name, sizeof name, "blocks.%d", l);
         CHECK(ts_module_get_submodule(model, name, &block));
+        if (ckpt_act) CHECK(ts_checkpoint_module(block));
         CHECK(ts_fully_shard(block, &fso));
     }
     CHECK(ts_fully_shard(model, &fso));
@@ -824,6 +873,15 @@ int main(int argc, char **argv)
     ao.weight_decay = 0.01;
     ts_optim *opt;
     CHECK(ts_adamw_new(params.n, plist, &ao, &opt));
+    if (accum > 1) { /* what each accumulation mode costs (ts_fsdp_accumulation_memory) */
+        ts_fsdp_accum_memory am;
+        CHECK(ts_fsdp_accumulation_memory(model, &am));
+        char b1[32], b2[32];
+        printf("gradient accumulation: %d microbatches of %d per step, %s; per rank: sharded gradients %s, no sync "
+               "holds %s more (unsharded gradients)\n",
+               accum, B, accum_nosync ? "no sync until the last" : "reduce-scatter every microbatch",
+               ex_fmt_bytes((double)am.sync_bytes, b1, sizeof b1), ex_fmt_bytes((double)am.no_sync_bytes, b2, sizeof b2));
+    }
     ts_lr_schedule sched = {TS_LR_WARMUP_COSINE, lr, steps / 10 + 1, steps, lr / 10};
     ts_grad_scaler *scaler = NULL; /* float16 needs loss scaling */
     if (mp.param_dtype == TS_F16) CHECK(ts_grad_scaler_new(NULL, &scaler));
@@ -839,17 +897,9 @@ int main(int argc, char **argv)
             const ex_flag *fl = NULL;
             for (int k = 0; k < NFLAGS; k++)
                 if (!strcmp(flags[k].name, recorded[i])) fl = &flags[k];
-            n += (size_t)snprintf(flag_rec + n, sizeof flag_rec - n, "%s%s=", i ? " " : "", fl->name);
-            if (fl->kind == EX_FLAG_INT) n += (size_t)snprintf(flag_rec + n, sizeof flag_rec - n, "%d", *(int *)fl->value);
-            else if (fl->kind == EX_FLAG_U64)
-                n += (size_t)snprintf(flag_rec + n, sizeof flag_rec - n, "%llu",
-                                      (unsigned long long)*(uint64_t *)fl->value);
-            else if (fl->kind == EX_FLAG_DOUBLE)
-                n += (size_t)snprintf(flag_rec + n, sizeof flag_rec - n, "%.17g", *(double *)fl->value);
-            else
-                n += (size_t)snprintf(flag_rec + n, sizeof flag_rec - n, "%s",
-                                      *(const char **)fl->value ? mp_name(parse_dtype(*(const char **)fl->value))
-                                                                : "none");
+            char v[64];
+            rec_value(fl, v, sizeof v);
+            n += (size_t)snprintf(flag_rec + n, sizeof flag_rec - n, "%s%s=%s", i ? " " : "", fl->name, v);
         }
         snprintf(config_rec, sizeof config_rec, "seq=%d layers=%d heads=%d dim=%d", seq, layers, heads, dim);
         for (int i = 0; i < vocab; i++) snprintf(vocab_rec + 2 * i, 3, "%02x", (unsigned char)chars[i]);
@@ -913,20 +963,24 @@ int main(int argc, char **argv)
            "on rank 0\n",
            layers, heads, dim, W, W > 1 ? "s" : "", W > 1 ? "distributed world" : "one-rank mesh", (long long)local);
 
-    ids = malloc((size_t)B * (size_t)seq * sizeof *ids);
-    tg = malloc((size_t)B * (size_t)seq * sizeof *tg);
+    size_t n_ids = (size_t)accum * (size_t)B * (size_t)seq;
+    ids = malloc(n_ids * sizeof *ids);
+    tg = malloc(n_ids * sizeof *tg);
     if (!ids || !tg) return 1;
     double t0 = ex_now();
     int64_t tokens = 0;
     ts_comm_stats_reset(world); /* count the training loop's collectives only */
     int end = stop_after && stop_after < steps ? stop_after : steps;
     for (step = start; step < end; step++) {
-        /* --global-batch: every rank draws all G starts and keeps its G/W */
-        int draws = global_batch ? global_batch : B, mine = global_batch ? rank * B : 0;
-        for (int g = 0; g < draws; g++) {
+        /* each microbatch: --global-batch, every rank draws all G starts
+         * and keeps its G/W; else its own B (the same sequences as
+         * --accum 1 --batch K*B) */
+        int per = global_batch ? global_batch : B, mine = global_batch ? rank * B : 0;
+        for (int g = 0; g < accum * per; g++) {
             size_t at = ts_generator_random(data_rng) % (len - (size_t)seq - 1);
-            int b = g - mine;
+            int b = g % per - mine;
             if (b < 0 || b >= B) continue;
+            b += g / per * B;
             for (int t = 0; t < seq; t++) {
                 ids[b * seq + t] = map[(unsigned char)text[at + (size_t)t]];
                 tg[b * seq + t] = map[(unsigned char)text[at + (size_t)t + 1]];
@@ -934,28 +988,49 @@ int main(int argc, char **argv)
         }
         int64_t is[2] = {B, seq}, ts_[1] = {(int64_t)B * seq};
         ts_tensor *x, *y, *logits, *flat, *loss;
-        CHECK(ts_tensor_from_data(TS_I64, 2, is, ids, &x));
-        CHECK(ts_tensor_from_data(TS_I64, 1, ts_, tg, &y));
-        CHECK(ts_module_call1(model, x, &logits));
-        if (half) { /* the loss in float32, as torchtitan's pred.float() */
-            ts_tensor *l32;
-            CHECK(ts_to_dtype(logits, TS_F32, &l32));
-            ts_tensor_free(logits);
-            logits = l32;
+        double lsum = 0;
+        for (int k = 0; k < accum; k++) { /* microbatch k: sequences [k B, (k + 1) B), its mean loss / K */
+            if (accum > 1 && accum_nosync) CHECK(ts_fsdp_set_requires_gradient_sync(model, k == accum - 1, true));
+            size_t at = (size_t)k * (size_t)B * (size_t)seq;
+            CHECK(ts_tensor_from_data(TS_I64, 2, is, ids + at, &x));
+            CHECK(ts_tensor_from_data(TS_I64, 1, ts_, tg + at, &y));
+            CHECK(ts_module_call1(model, x, &logits));
+            if (half) { /* the loss in float32, as torchtitan's pred.float() */
+                ts_tensor *l32;
+                CHECK(ts_to_dtype(logits, TS_F32, &l32));
+                ts_tensor_free(logits);
+                logits = l32;
+            }
+            int64_t fs[2] = {(int64_t)B * seq, vocab};
+            CHECK(ts_reshape(logits, 2, fs, &flat));
+            CHECK(ts_cross_entropy(flat, y, -100, TS_REDUCTION_MEAN, &loss));
+            double lk;
+            CHECK(ts_tensor_item(loss, &lk));
+            lsum += lk;
+            if (accum > 1) {
+                ts_tensor *lk_scaled;
+                CHECK(ts_mul_scalar(loss, 1.0 / accum, &lk_scaled));
+                ts_tensor_free(loss);
+                loss = lk_scaled;
+            }
+            if (scaler) {
+                ts_tensor *scaled;
+                CHECK(ts_grad_scaler_scale(scaler, loss, &scaled));
+                CHECK(ts_backward(scaled, NULL, false));
+                ts_tensor_free(scaled);
+            } else {
+                CHECK(ts_backward(loss, NULL, false));
+            }
+            if (k < accum - 1) {
+                ts_tensor_free(x);
+                ts_tensor_free(y);
+                ts_tensor_free(logits);
+                ts_tensor_free(flat);
+                ts_tensor_free(loss);
+            }
         }
-        int64_t fs[2] = {(int64_t)B * seq, vocab};
-        CHECK(ts_reshape(logits, 2, fs, &flat));
-        CHECK(ts_cross_entropy(flat, y, -100, TS_REDUCTION_MEAN, &loss));
-        if (scaler) {
-            ts_tensor *scaled;
-            CHECK(ts_grad_scaler_scale(scaler, loss, &scaled));
-            CHECK(ts_backward(scaled, NULL, false));
-            ts_tensor_free(scaled);
-            CHECK(ts_grad_scaler_unscale(scaler, opt)); /* before clipping, as PyTorch's recipe */
-        } else {
-            CHECK(ts_backward(loss, NULL, false));
-        }
-        double gn;
+        if (scaler) CHECK(ts_grad_scaler_unscale(scaler, opt)); /* before clipping, as PyTorch's recipe */
+        double gn = 0;
         bool overflow = scaler && ts_grad_scaler_found_inf(scaler, opt); /* the same on every rank */
         ts_status cs = overflow ? TS_OK : ts_fsdp_clip_grad_norm(model, 1.0, &gn);
         if (cs) { /* a non-finite gradient norm: the same on every rank */
@@ -984,7 +1059,7 @@ int main(int argc, char **argv)
             /* the loss averaged over the ranks, for the log */
             int64_t one = 1;
             ts_tensor *lt;
-            CHECK(ts_tensor_item(loss, &l));
+            l = lsum / accum; /* the mean over the step's microbatches */
             CHECK(ts_tensor_full(TS_F64, 1, &one, l, &lt));
             CHECK(ts_all_reduce(world, lt, TS_REDUCE_AVG, NULL));
             CHECK(ts_tensor_item(lt, &l));
@@ -1006,7 +1081,8 @@ int main(int argc, char **argv)
         last = l;
         window += l;
         window_n++;
-        tokens += (int64_t)B * seq * W;
+        tokens += (int64_t)accum * B * seq * W;
+        if (accum_log) printf("accum step %d: loss %.9g grad norm %.9g\n", step + 1, l, overflow ? NAN : gn);
         int every = steps >= 20 ? steps / 20 : 1;
         if ((step + 1) % every == 0 || step == 0) {
             double el = ex_now() - t0;
@@ -1023,6 +1099,8 @@ int main(int argc, char **argv)
     }
     int ran = step - start; /* steps this process took */
     print_comm_summary(world, ran > 0 ? ran : 1, W);
+    if (accum_log) /* exact, to compare the accumulation modes */
+        printf("accum: peak tensor storage %zu bytes on this rank\n", ts_mem_peak_bytes(TS_MEM_STORAGE));
     if (offload_cpu && ran > 0) {
         ts_fsdp_offload_stats os;
         CHECK(ts_fsdp_offload_stats_get(model, &os));

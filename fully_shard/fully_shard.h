@@ -348,6 +348,90 @@ TS_API ts_status ts_fsdp_set_modules_to_backward_prefetch(ts_module *module, int
  * FSDP module under the root `module` (both on by default). */
 TS_API ts_status ts_fsdp_set_implicit_prefetch(ts_module *module, bool forward, bool backward);
 
+/* ------------------------------------ gradient accumulation, microbatches
+ * (fully_shard/accum.c; FSDP2's FSDPModule methods, FSDP2-NOTES.md §1.3,
+ * §2.5, §2.6, §2.13). By default every backward reduce-scatters each
+ * group's gradients and adds them into the shards' .grad, so K backwards
+ * without zeroing accumulate ("sync every microbatch": the least memory,
+ * K reductions). The two ways to accumulate over K microbatches:
+ *
+ *   // no sync: unsharded gradients kept, one reduction at the end
+ *   for (k = 0; k < K; k++) {
+ *       ts_fsdp_set_requires_gradient_sync(model, k == K - 1, true);
+ *       loss_k = mean loss of microbatch k, times 1/K; ts_backward(loss_k);
+ *   }
+ *   ts_optim_step(opt); ts_optim_zero_grad(opt);
+ *
+ * Without sync, each group keeps its full (unsharded) gradients from the
+ * first microbatch's backward until the reduction of the last: on a model
+ * sharded over W ranks that is about W times the sharded gradients
+ * (ts_fsdp_accumulation_memory; the summary prints it). Under a
+ * mixed-precision policy whose reduce_dtype differs from param_dtype the
+ * kept gradients are summed in reduce_dtype, as FSDP2's
+ * unsharded_accumulated_grad. Any thread that runs the model; not
+ * collective (every rank must set the same flags, since they decide which
+ * collectives run). Each returns TS_ERR_INVALID_ARGUMENT, naming the
+ * module's type, when module is NULL or not an FSDP module. */
+
+/* Whether the next backwards reduce this module's group (and with
+ * recurse, the group of every FSDP module below it) across ranks. false:
+ * no reduce-scatter and no all-reduce; the unsharded gradients accumulate
+ * locally until a backward with sync reduces them all at once. */
+TS_API ts_status ts_fsdp_set_requires_gradient_sync(ts_module *module, bool sync, bool recurse);
+/* HSDP (a 2-d mesh): false reduce-scatters every backward but skips the
+ * all-reduce over the replicate dimension; the reduce-scattered shards are
+ * summed across microbatches (reduce_dtype, one shard per group) and
+ * all-reduced with the next reduction that all-reduces. On a 1-d mesh (or
+ * a replicate dimension of 1) it is accepted and changes nothing, as in
+ * FSDP2. */
+TS_API ts_status ts_fsdp_set_requires_all_reduce(ts_module *module, bool all_reduce, bool recurse);
+/* Whether a group reshards at the end of its backward (default true).
+ * false keeps the full parameters until the next reshard: with
+ * reshard_after_forward TS_RESHARD_FALSE the next microbatch's forward and
+ * backward all-gather nothing. Set it back to true on the last microbatch,
+ * since the optimizer step changes the shards, not the full copies. */
+TS_API ts_status ts_fsdp_set_reshard_after_backward(ts_module *module, bool reshard, bool recurse);
+/* Whether the next backward through the root is the last of the step
+ * (default true). false: its end leaves the reduction still in flight
+ * (the last group's reduce-scatter: its gradients reach the shards during
+ * the next backward, or at the end of the next backward that is the last)
+ * and keeps the backward-prefetch order (pipelining, several backwards
+ * per forward). Call it on the root (before or after its first forward);
+ * a non-root module before the first forward sets only its own state.
+ * Do not step the optimizer before a last backward. */
+TS_API ts_status ts_fsdp_set_is_last_backward(ts_module *module, bool is_last);
+/* Gradients of this module's group (not recursive, as FSDP2) become the
+ * sum over every rank (shard and replicate) divided by factor instead of
+ * the average: factor 1 sums; a global token count normalizes by tokens.
+ * The reduce-scatter divides each input by factor and sums (FSDP2's
+ * PREMUL_SUM; AVG when factor is the shard group's size), the HSDP
+ * all-reduce sums. TS_ERR_INVALID_ARGUMENT for factor <= 0, NaN or
+ * infinite (nothing changes). */
+TS_API ts_status ts_fsdp_set_gradient_divide_factor(ts_module *module, double factor);
+/* This module's group (not recursive) reduces with SUM collectives only
+ * and divides once at the end (by the divide factor, or by the number of
+ * ranks to average), for transports whose fast paths only sum. Same values
+ * as the default within rounding. */
+TS_API ts_status ts_fsdp_set_force_sum_reduction_for_comms(ts_module *module, bool enable);
+
+/* The gradient memory of each accumulation mode, per rank, for the FSDP
+ * groups of module's subtree (each group once). */
+typedef struct ts_fsdp_accum_memory {
+    /* sync every microbatch: the shards' gradients (this rank's real
+     * elements, in the parameters' dtype), which one batch needs too */
+    size_t sync_bytes;
+    /* no sync: added on top of sync_bytes: every group's unsharded
+     * gradients, full size, in param_dtype (reduce_dtype when a
+     * mixed-precision policy reduces in another dtype), held from the
+     * first microbatch's backward to the last one's reduction */
+    size_t no_sync_bytes;
+    /* HSDP with requires_all_reduce false: the partial sums of the
+     * reduce-scattered shards (reduce dtype) */
+    size_t partial_bytes;
+} ts_fsdp_accum_memory;
+/* Fills *out. TS_ERR_INVALID_ARGUMENT for NULL arguments. Not collective. */
+TS_API ts_status ts_fsdp_accumulation_memory(ts_module *module, ts_fsdp_accum_memory *out);
+
 /* Observer of the FSDP lifecycle (tests, logging): called on the calling
  * thread with event "unshard" (an all-gather is issued), "reshard",
  * "pre_forward", "post_forward", "pre_backward" or "post_backward" (a

@@ -39,8 +39,10 @@
  * p's rows [r*c, r*c + c) sit at r*shard_numel + off_p; copy-out moves the
  * real rows into U (DESIGN.md D6). The reduce-scatter input is packed the
  * same way from the U gradients (copy-in, zero padding), reduced with AVG
- * over the shard group, and each parameter's segment of the output is
- * added into S's gradient.
+ * over the shard group (or as ts__fsdp_reduce_plan says under a divide
+ * factor or force-sum), and each parameter's segment of the output is
+ * added into S's gradient. Without gradient sync (accum.c) the U
+ * gradients stay (or move to acc in rdtype) until a backward with sync.
  *
  * Lifetimes: states and groups are reference counted: the module holds its
  * state, the autograd markers of a forward hold the state they serve, and
@@ -92,6 +94,12 @@ typedef struct fsdp_param {
     fsdp_chunk *chunks; /* per shard rank r (W of them): the rows it holds */
     bool requires_grad;
     bool in_reduce;     /* its gradient is in the reduce-scatter in flight */
+    bool in_partial;    /* its gradient is in the group's partial (HSDP, requires_all_reduce false) */
+    /* no gradient sync under a reduce dtype other than the gradient's: the
+     * unsharded gradient accumulated in rdtype (full shape, owned), FSDP2's
+     * unsharded_accumulated_grad; NULL otherwise (the gradient then stays
+     * on U, where autograd accumulates) */
+    ts_tensor *acc;
 } fsdp_param;
 
 /* Where a group's parameters are (PyTorch's ShardedState, plus the
@@ -145,7 +153,31 @@ struct fsdp_group {
     ts_dtype udtype, rdtype;
     size_t ues, res;
     ts_tensor *ag_in;    /* the shard cast to udtype, while its all-gather is in flight */
+    /* the microbatching controls (fully_shard/accum.c; FSDP2's
+     * FSDPParamGroup.reduce_grads, all_reduce_grads,
+     * reshard_after_backward, gradient_divide_factor,
+     * force_sum_reduction_for_comms) */
+    bool reduce_grads;           /* requires_gradient_sync (default true) */
+    bool all_reduce_grads;       /* requires_all_reduce: HSDP's all-reduce (default true) */
+    bool reshard_after_backward; /* default true */
+    bool force_sum;              /* SUM collectives, divided after the last one */
+    double divide_factor;        /* 0: none set (average over the ranks) */
+    /* HSDP with requires_all_reduce false: the reduce-scattered gradients
+     * summed over microbatches (rdtype, shard_numel), all-reduced with the
+     * next reduction that all-reduces */
+    ts_tensor *partial;
+    /* how the reduction in flight was issued (ts__fsdp_reduce_plan) */
+    ts_reduce_op ar_op;
+    double post_div;             /* after the HSDP all-reduce (1: none) */
 };
+
+/* The collectives of a group's gradient reduction (FSDP2's
+ * _get_gradient_divide_factors, FSDP2-NOTES.md §2.6). */
+typedef struct fsdp_reduce_plan {
+    ts_reduce_op rs_op, ar_op;
+    double rs_pre, rs_post; /* the reduce-scatter's pre_div and post_div */
+    double post;            /* divided after the HSDP all-reduce (1: none) */
+} fsdp_reduce_plan;
 
 struct fsdp_state {
     atomic_int refs;
@@ -161,6 +193,7 @@ struct fsdp_state {
     int n_fwd_prefetch, n_bwd_prefetch;
     bool explicit_fwd, explicit_bwd;
     ts_mp_policy mp;    /* the call's policy (ts_mp_policy_default() for none): the input and output casts */
+    bool not_last_backward; /* ts_fsdp_set_is_last_backward(false) before lazy init: copied into the root's ctx */
 };
 
 struct fsdp_ctx {
@@ -177,6 +210,9 @@ struct fsdp_ctx {
     bool final_queued;
     fsdp_training_state training; /* IDLE, or PRE_BACKWARD from a backward's first marker to its end */
     bool implicit_fwd, implicit_bwd;
+    bool not_last_backward; /* ts_fsdp_set_is_last_backward(false): the end of backward leaves the
+                               reduction in flight and the post-forward order for the next backward */
+    bool hold_pending;      /* rs_pending was kept on purpose by such a backward */
 };
 
 /* ------------------------------------------------------------------ */
@@ -233,6 +269,11 @@ ts_status ts__fsdp_reshard(fsdp_group *g);
 ts_status ts__fsdp_finish_reduce(fsdp_group *g);
 void ts__fsdp_discard_reduce(fsdp_group *g);
 ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g);
+/* The collectives and divisions for the group's next reduction. */
+fsdp_reduce_plan ts__fsdp_reduce_plan(const fsdp_group *g);
+/* Drops what microbatches without sync left unreduced: every parameter's
+ * acc and U gradient, and the group's partial. */
+void ts__fsdp_drop_unreduced(fsdp_group *g);
 /* All-gathers the group's shards in their own dtype (not the policy's
  * param_dtype) and, when keep, makes each parameter's full tensor
  * full[0..n) (new references). Collective over the shard group. */

@@ -80,6 +80,7 @@ void ts__fsdp_param_fini(fsdp_param *p)
     if (p->S) ts_tensor_clear_shard(p->S);
     ts_tensor_free(p->S);
     ts_tensor_free(p->U);
+    ts_tensor_free(p->acc);
 }
 
 void ts__fsdp_swap_slot(ts_tensor **slot, ts_tensor *t)
@@ -124,7 +125,7 @@ ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned 
     for (int r = 0; r < g->W; r++) {
         int64_t len = gr ? p->chunks[r].rows : 0;
         if (len < p->c)
-            memset(in + (size_t)p->chunks[r].buf_off * g->es + (size_t)len * rb, 0, (size_t)(p->c - len) * rb);
+            memset(in + (size_t)p->chunks[r].buf_off * g->res + (size_t)len * rb, 0, (size_t)(p->c - len) * rb);
     }
     if (!gr) return TS_OK;
     ts_tensor *cg = NULL;

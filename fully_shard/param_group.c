@@ -34,6 +34,7 @@ void ts__fsdp_group_free(fsdp_group *g)
     ts_tensor_free(g->ag_in);
     ts_tensor_free(g->rs_in);
     ts_tensor_free(g->rs_out);
+    ts_tensor_free(g->partial);
     for (int i = 0; i < g->n; i++) ts__fsdp_param_fini(&g->params[i]);
     ts__free(TS_MEM_NN, g->params);
     ts_tensor_free(g->sharded);
@@ -69,6 +70,9 @@ ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *
     g->user_policy = o->reshard_after_forward;
     g->every_n = o->reshard_every_n;
     g->n_states = n_states;
+    g->reduce_grads = g->all_reduce_grads = g->reshard_after_backward = true;
+    g->ar_op = TS_REDUCE_AVG;
+    g->post_div = 1.0;
     ts_status st = TS_OK;
     if (o->mesh) {
         g->mesh = o->mesh;
@@ -250,8 +254,32 @@ ts_status ts__fsdp_reshard(fsdp_group *g)
 /* Gradient reduction                                                 */
 /* ------------------------------------------------------------------ */
 
-/* Waits for the group's reduce-scatter (and HSDP all-reduce) and adds each
- * parameter's segment into its shard's gradient. */
+static bool is_hsdp(const fsdp_group *g) { return g->rg && ts_comm_size(g->rg) > 1; }
+
+fsdp_reduce_plan ts__fsdp_reduce_plan(const fsdp_group *g)
+{
+    int n_rs = g->W, n_ar = is_hsdp(g) ? ts_comm_size(g->rg) : 1;
+    double n = (double)n_rs * n_ar, f = g->divide_factor;
+    fsdp_reduce_plan p = {TS_REDUCE_AVG, TS_REDUCE_AVG, 1.0, 1.0, 1.0};
+    if (g->force_sum) { /* SUM only, one division at the end: by f, or by N to average */
+        p.rs_op = p.ar_op = TS_REDUCE_SUM;
+        double d = f > 0 ? f : n;
+        if (n_ar > 1) p.post = d;
+        else p.rs_post = d;
+    } else if (f > 0) { /* sum over every rank / f */
+        p.ar_op = TS_REDUCE_SUM;
+        if (f != (double)n_rs) {
+            p.rs_op = TS_REDUCE_SUM; /* FSDP2's PREMUL_SUM(1/f): each input divided by f, then summed */
+            p.rs_pre = f;
+        }
+    }
+    return p;
+}
+
+/* Waits for the group's reduce-scatter and, under HSDP, either keeps its
+ * output in the partial sum (requires_all_reduce false) or all-reduces it
+ * (with the partial sum added first); then adds each parameter's segment
+ * into its shard's gradient. */
 ts_status ts__fsdp_finish_reduce(fsdp_group *g)
 {
     if (!g || !g->rs_req) return TS_OK;
@@ -259,7 +287,36 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     ts_status st = ts_request_wait(g->rs_req);
     ts_request_free(g->rs_req);
     g->rs_req = NULL;
-    if (!st && g->rg && ts_comm_size(g->rg) > 1) st = ts_all_reduce(g->rg, g->rs_out, TS_REDUCE_AVG, NULL);
+    if (!st && is_hsdp(g) && !g->all_reduce_grads) { /* partial: no all-reduce, nothing into the shards yet */
+        if (g->partial) {
+            ts__buf_add(g->rdtype, ts_tensor_data(g->partial), ts_tensor_data(g->rs_out), g->shard_numel);
+        } else {
+            g->partial = g->rs_out;
+            g->rs_out = NULL;
+        }
+        for (int i = 0; i < g->n; i++) {
+            g->params[i].in_partial |= g->params[i].in_reduce;
+            g->params[i].in_reduce = false;
+        }
+        ts_tensor_free(g->rs_in);
+        ts_tensor_free(g->rs_out);
+        g->rs_in = g->rs_out = NULL;
+        TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
+        return TS_OK;
+    }
+    if (!st && is_hsdp(g)) {
+        if (g->partial) { /* the microbatches reduce-scattered without all-reduce */
+            ts__buf_add(g->rdtype, ts_tensor_data(g->rs_out), ts_tensor_data(g->partial), g->shard_numel);
+            ts_tensor_free(g->partial);
+            g->partial = NULL;
+            for (int i = 0; i < g->n; i++) {
+                g->params[i].in_reduce |= g->params[i].in_partial;
+                g->params[i].in_partial = false;
+            }
+        }
+        st = ts_all_reduce(g->rg, g->rs_out, g->ar_op, NULL);
+        if (!st && g->post_div != 1.0) ts__buf_div(g->rdtype, ts_tensor_data(g->rs_out), g->shard_numel, g->post_div);
+    }
     TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
     /* reduced in rdtype; the shards' gradients are in their own dtype
      * (FSDP2: cast back, then, with offload, copied to the host) */
@@ -322,17 +379,101 @@ void ts__fsdp_discard_reduce(fsdp_group *g)
     g->rs_in = g->rs_out = NULL;
 }
 
-/* Post-backward of a group: packs the unsharded gradients (copy-in),
- * drops them, reshards, and issues the reduce-scatter, keeping one in
- * flight per root (the previous one is finished first). */
+/* dst (rdtype, contiguous) += src converted to dst's dtype. */
+static ts_status add_converted(ts_tensor *dst, ts_tensor *src)
+{
+    ts_tensor *cg = NULL, *tmp = NULL;
+    bool prev = ts_grad_mode_set(false);
+    ts_status st = ts_contiguous(src, &cg);
+    ts_grad_mode_set(prev);
+    if (st) return st;
+    ts_dtype d = ts_tensor_dtype(dst);
+    int64_t n = ts_tensor_numel(dst);
+    const void *from = ts_tensor_data(cg);
+    if (ts_tensor_dtype(cg) != d) {
+        if ((st = ts_tensor_empty(d, 1, &n, &tmp))) goto done;
+        ts__buf_convert(d, ts_tensor_data(tmp), ts_tensor_dtype(cg), from, n);
+        from = ts_tensor_data(tmp);
+    }
+    ts__buf_add(d, ts_tensor_data(dst), from, n);
+done:
+    ts_tensor_free(cg);
+    ts_tensor_free(tmp);
+    return st;
+}
+
+/* FSDP2's accumulate_unsharded_grad_if_needed: a gradient accumulated in
+ * rdtype by earlier microbatches takes U's new one. */
+static ts_status accumulate_unsharded(fsdp_param *p)
+{
+    ts_tensor *gr = p->requires_grad ? ts_tensor_grad(p->U) : NULL;
+    if (!gr || !p->acc) return TS_OK;
+    ts_status st = add_converted(p->acc, gr);
+    if (!st) (void)ts_tensor_set_grad(p->U, NULL);
+    return st;
+}
+
+/* FSDP2's to_accumulated_grad_if_needed (no sync): U's gradient moves to
+ * acc in rdtype when its own dtype is another (bf16 compute, f32 reduce),
+ * so that the microbatches are summed in rdtype. */
+static ts_status to_accumulated(fsdp_param *p, const fsdp_group *g)
+{
+    ts_tensor *gr = p->requires_grad ? ts_tensor_grad(p->U) : NULL;
+    if (!gr || p->acc || ts_tensor_dtype(gr) == g->rdtype) return TS_OK;
+    bool prev = ts_grad_mode_set(false);
+    ts_tensor *cg = NULL;
+    ts_status st = ts_contiguous(gr, &cg);
+    if (!st) st = ts_tensor_empty(g->rdtype, p->ndim, p->shape, &p->acc);
+    ts_grad_mode_set(prev);
+    if (!st) {
+        ts__buf_convert(g->rdtype, ts_tensor_data(p->acc), ts_tensor_dtype(cg), ts_tensor_data(cg), p->numel);
+        (void)ts_tensor_set_grad(p->U, NULL);
+    }
+    ts_tensor_free(cg);
+    return st;
+}
+
+void ts__fsdp_drop_unreduced(fsdp_group *g)
+{
+    for (int k = 0; k < g->n; k++) {
+        (void)ts_tensor_set_grad(g->params[k].U, NULL);
+        ts_tensor_free(g->params[k].acc);
+        g->params[k].acc = NULL;
+        g->params[k].in_partial = false;
+    }
+    ts_tensor_free(g->partial);
+    g->partial = NULL;
+}
+
+static ts_status reshard_after_backward(fsdp_group *g)
+{
+    if (g->reshard_after_backward) return ts__fsdp_reshard(g);
+    return ts__fsdp_wait_unshard(g); /* stays unsharded (an all-gather in flight is completed) */
+}
+
+/* Post-backward of a group: without gradient sync, keeps the unsharded
+ * gradients (in rdtype) for a later microbatch; otherwise packs them
+ * (copy-in), drops them, reshards (per reshard_after_backward), and issues
+ * the reduce-scatter, keeping one in flight per root (the previous one is
+ * finished first). */
 ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
 {
     bool any = false;
-    for (int i = 0; i < g->n; i++)
-        if (g->params[i].requires_grad && ts_tensor_grad(g->params[i].U)) any = true;
-    if (!any) return ts__fsdp_reshard(g);
-    TS_TRACE_BEGIN(t_hook);
     ts_status st = TS_OK;
+    for (int i = 0; i < g->n && !st; i++) {
+        fsdp_param *p = &g->params[i];
+        st = accumulate_unsharded(p);
+        if (p->acc || (p->requires_grad && ts_tensor_grad(p->U))) any = true;
+    }
+    if (st) return st;
+    if (!any) return reshard_after_backward(g);
+    if (!g->reduce_grads) { /* no sync: no communication, the gradients stay for the next microbatch */
+        for (int i = 0; i < g->n && !st; i++) st = to_accumulated(&g->params[i], g);
+        if (!st) st = reshard_after_backward(g);
+        g->training = FSDP_POST_BACKWARD;
+        return st;
+    }
+    TS_TRACE_BEGIN(t_hook);
     if (ctx && ctx->rs_pending) {
         st = ts__fsdp_finish_reduce(ctx->rs_pending);
         ctx->rs_pending = NULL;
@@ -349,18 +490,27 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
     unsigned char *in = ts_tensor_data(g->rs_in);
     for (int i = 0; i < g->n && !st; i++) {
         fsdp_param *p = &g->params[i];
-        ts_tensor *gr = p->requires_grad ? ts_tensor_grad(p->U) : NULL;
+        ts_tensor *gr = p->acc ? p->acc : p->requires_grad ? ts_tensor_grad(p->U) : NULL;
         p->in_reduce = gr != NULL;
         if ((st = ts__fsdp_param_pack_grad(p, g, in, gr))) break;
-        if (gr) (void)ts_tensor_set_grad(p->U, NULL);
+        if (p->acc) {
+            ts_tensor_free(p->acc);
+            p->acc = NULL;
+        } else if (gr) {
+            (void)ts_tensor_set_grad(p->U, NULL);
+        }
     }
     TS_TRACE_END(tp, "fsdp.pack_grads", "copy");
-    if (!st) st = ts__fsdp_reshard(g);
-    if (!st) st = ts_reduce_scatter_tensor(g->pg, g->rs_out, g->rs_in, TS_REDUCE_AVG, 1.0, 1.0, &g->rs_req);
+    if (!st) st = reshard_after_backward(g);
+    fsdp_reduce_plan plan = ts__fsdp_reduce_plan(g);
+    if (!st)
+        st = ts_reduce_scatter_tensor(g->pg, g->rs_out, g->rs_in, plan.rs_op, plan.rs_pre, plan.rs_post, &g->rs_req);
     if (st) {
         ts__fsdp_discard_reduce(g);
         return st;
     }
+    g->ar_op = plan.ar_op;
+    g->post_div = plan.post;
     g->training = FSDP_POST_BACKWARD;
     if (ctx) ctx->rs_pending = g;
     else st = ts__fsdp_finish_reduce(g);

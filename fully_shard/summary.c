@@ -210,6 +210,19 @@ static ts_status write_summary(ts_module *module, FILE *f)
     bytes_str(rank_bytes + out_bytes + buf_bytes, rb, sizeof rb);
     fprintf(f, "this rank holds %s of parameters and buffers (%d parameters in groups, %d outside)\n", rb, in_groups,
             n_out);
+    if (gw.n) {
+        ts_fsdp_accum_memory am;
+        if ((st = ts_fsdp_accumulation_memory(module, &am))) goto done;
+        char sb[32], nb2[32], pb[32];
+        bytes_str((double)am.sync_bytes, sb, sizeof sb);
+        bytes_str((double)am.no_sync_bytes, nb2, sizeof nb2);
+        bytes_str((double)am.partial_bytes, pb, sizeof pb);
+        fprintf(f, "gradient accumulation per rank: sync every microbatch +%s (the sharded gradients), no sync +%s more "
+                   "(unsharded gradients of every group held across microbatches, %.1fx the sharded)",
+                sb, nb2, am.sync_bytes ? (double)am.no_sync_bytes / (double)am.sync_bytes : 0.0);
+        if (am.partial_bytes) fprintf(f, ", HSDP without all-reduce +%s (partial sums)", pb);
+        fprintf(f, "\n");
+    }
     if (ferror(f)) st = ts_error(TS_ERR_IO, "ts_fsdp_summary: writing the summary failed");
 done:
     summary_walk_free(&w);

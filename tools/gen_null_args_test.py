@@ -223,6 +223,7 @@ FACTORY = {
     'ts_fsdp_offload_stats *': '&f_offload_stats',
     'ts_ckpt_info *': '&f_ckpt_info',
     'const ts_ckpt_options *': '&f_ckpt_opts',
+    'ts_fsdp_accum_memory *': '&f_accum_memory',
     'ts_rank_env *': '&f_rank_env',
     'ts_launch_result *': '&f_launch_result',
     'ts_named_params *': '&f_named',
@@ -323,6 +324,7 @@ static ts_fsdp_group_info f_group_info;
 static ts_fsdp_offload_stats f_offload_stats;
 static ts_ckpt_info f_ckpt_info;
 static ts_ckpt_options f_ckpt_opts = {.strict = true};
+static ts_fsdp_accum_memory f_accum_memory;
 static ts_rank_env f_rank_env;
 static ts_launch_result f_launch_result;
 static ts_named_params f_named;
