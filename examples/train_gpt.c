@@ -827,16 +827,8 @@ int main(int argc, char **argv)
     CHECK(ts_fully_shard(model, &fso));
     if (rank == 0) CHECK(ts_fsdp_summary(model, stdout)); /* the sharding layout, once */
     if (load) {
-        /* streaming: each rank reads its rows, one tensor at a time; where
-         * checkpoint/ does not stream yet (TS_ERR_UNSUPPORTED), the whole
-         * file on every rank, then its rows kept */
+        /* streaming: each rank reads its rows, one tensor at a time */
         ts_status st = ts_ckpt_load_full(load, model, true);
-        if (st == TS_ERR_UNSUPPORTED) {
-            ts_state_dict *sd = NULL;
-            st = ts_safetensors_load(load, &sd);
-            if (!st) st = ts_fsdp_load_full_state_dict(model, sd, true);
-            ts_state_dict_free(sd);
-        }
         if (st) {
             fprintf(stderr,
                     "train_gpt: --load '%s' cannot be loaded into this model: %s: %s\n(give the --data, --seq, "
@@ -1139,23 +1131,10 @@ int main(int argc, char **argv)
         if (save)
             CHECK(save_sharded(save, model, opt, scaler, skipped, data_rng, &rs, step, first, window, window_n,
                                last, ckpt_meta, 4));
-        /* the sizes and the vocabulary (ckpt_meta's first 2 pairs), for --load and --sample */
-        /* streamed to rank 0 one tensor at a time; where checkpoint/ does
-         * not stream yet (TS_ERR_UNSUPPORTED), the whole model gathered on
-         * rank 0, then written there */
-        ts_status sf = save_full ? ts_ckpt_save_full(save_full, model, ckpt_meta, 2) : TS_OK;
-        if (save_full && sf == TS_OK) {
+        if (save_full) { /* streamed to rank 0 one tensor at a time, with the sizes and the vocabulary
+                          * (ckpt_meta's first 2 pairs) for --load and --sample */
+            CHECK(ts_ckpt_save_full(save_full, model, ckpt_meta, 2));
             printf("saved %d full tensors to %s\n", model_tensors(model), save_full);
-        } else if (save_full && sf == TS_ERR_UNSUPPORTED) {
-            ts_state_dict *sd;
-            CHECK(ts_fsdp_full_state_dict(model, true, &sd));
-            if (rank == 0) {
-                CHECK(ts_safetensors_save(save_full, sd, ckpt_meta, 2));
-                printf("saved %d full tensors to %s\n", ts_state_dict_size(sd), save_full);
-            }
-            ts_state_dict_free(sd);
-        } else if (save_full) {
-            CHECK(sf);
         }
     }
 done:
