@@ -932,9 +932,15 @@ int main(int argc, char **argv)
             rc = 1;
             goto done;
         }
-        if (scaler) { /* the scale; the growth tracker cannot be set through the API and restarts at 0 */
+        if (scaler) { /* the scale and the good steps towards its next growth */
             skipped = (int)gv[2];
-            CHECK(ts_grad_scaler_update_to(scaler, gv[0]));
+            st = ts_grad_scaler_load_state(scaler, gv[0], (int64_t)gv[1]);
+            if (st) {
+                fprintf(stderr, "train_gpt: --resume '%s': its grad scaler state does not fit: %s\n", resume,
+                        ts_last_error());
+                rc = 1;
+                goto done;
+            }
         }
         bool same_world = info.rank_extra_loaded;
         if (same_world) CHECK(ts_generator_set_state(ts_default_generator(), (const uint8_t *)ts_tensor_data(rs.rng)));
@@ -1122,8 +1128,8 @@ int main(int argc, char **argv)
                ts_dtype_name(mp.reduce_dtype != TS_DTYPE_KEEP ? mp.reduce_dtype
                              : mp.param_dtype != TS_DTYPE_KEEP ? mp.param_dtype : TS_F32));
         if (scaler)
-            printf("grad scaler: %d of %d steps skipped (inf/NaN gradients), final scale %g\n", skipped, step,
-                   ts_grad_scaler_get_scale(scaler));
+            printf("grad scaler: %d of %d steps skipped (inf/NaN gradients), final scale %g, growth tracker %lld\n",
+                   skipped, step, ts_grad_scaler_get_scale(scaler), (long long)ts_grad_scaler_growth_tracker(scaler));
     }
     if (!rc) {
         if (step < steps) printf("stopped after step %d of %d (--stop-after)\n", step, steps);

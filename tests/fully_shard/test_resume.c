@@ -379,7 +379,8 @@ Test(fully_shard_resume, resume_on_another_world_size, .timeout = 120)
 
 /* float16 mixed precision (a ts_grad_scaler): 6 steps straight, and 3,
  * save, resume for 3, give the same final parameters byte for byte and
- * the same scaler line (its scale and the steps it skipped come back). */
+ * the same scaler line (its scale, growth tracker and the steps it skipped
+ * come back). */
 Test(fully_shard_resume, resume_is_bitwise_with_the_f16_grad_scaler, .timeout = 120)
 {
     char dir[256], full_a[256], full_c[256];
@@ -394,6 +395,7 @@ Test(fully_shard_resume, resume_is_bitwise_with_the_f16_grad_scaler, .timeout = 
     const char *ga = strstr(oa, "[0] grad scaler: "), *gc = strstr(oc, "[0] grad scaler: ");
     cr_assert(ga && gc, "%s\n%s", oa, oc);
     cr_expect(strncmp(ga, gc, (size_t)(strchr(ga, '\n') - ga)) == 0, "scaler lines differ:\n%s\n%s", ga, gc);
+    cr_expect(strstr(ga, "final scale 65536, growth tracker 6\n"), "6 good steps, no growth yet:\n%s", ga);
     cr_expect(strstr(oc, "param dtype float16"), "the resumed run took the policy from the checkpoint:\n%s", oc);
     expect_same_file(full_a, full_c);
     free(oa);
