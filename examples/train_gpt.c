@@ -47,8 +47,8 @@
  * start of training, so a resumed run stops where an uninterrupted one
  * does and prints the same loss lines), the learning-rate schedule's
  * position, every rank's RNG state and the data order, and the f16 grad
- * scaler's scale. The checkpoint records the flags that shape the model
- * and the training (--seq --layers --heads --dim --param-dtype
+ * scaler's scale and growth tracker. The checkpoint records the flags that
+ * shape the model and the training (--seq --layers --heads --dim --param-dtype
  * --reduce-dtype --lr --steps --seed --batch --global-batch --accum
  * --accum-mode) and the
  * text's length and hash; --resume takes those not given, and refuses
