@@ -9,8 +9,10 @@
  * they were given per step.
  *
  * Usage: [tsrun --nproc-per-node N] train_gpt [--data FILE] [--steps N]
- *        [--batch B] [--seq T] [--layers L] [--heads H] [--dim D] [--lr LR]
- *        [--seed S] [--save FILE.safetensors] [--load FILE.safetensors]
+ *        [--batch B | --global-batch G] [--seq T] [--layers L] [--heads H]
+ *        [--dim D] [--lr LR] [--seed S]
+ *        [--save DIR [--save-every N]] [--resume DIR]
+ *        [--save-full FILE.safetensors] [--load FILE.safetensors]
  *        [--sample N [--temperature T] [--prompt TEXT]]    (--help: all flags)
  *        [--offload cpu [--pin-memory 0|1]] [--checkpoint-activations]
  * --checkpoint-activations checkpoints every block (ts_checkpoint_module
@@ -34,15 +36,45 @@
  * (ts_fsdp_set_requires_gradient_sync), sync reduce-scatters every one;
  * it prints the gradient memory each mode holds and, per step, the loss
  * and gradient norm to 9 digits.
- * --load starts from a full state dict saved by --save (every rank reads
- * the file and keeps its rows); the sizes (--seq, --layers, --heads,
+ * --global-batch G: one data-order generator, the same on every rank,
+ * draws G sequences per step and rank r trains on its G/W of them (G a
+ * multiple of the world size W), so that W ranks and W' ranks train on
+ * the same data (without it each rank draws its own --batch sequences).
+ * --save DIR writes a sharded checkpoint (checkpoint/checkpoint.h: one
+ * safetensors file per rank and an index) at the end and, with
+ * --save-every N, after every N steps; --resume DIR continues one
+ * exactly: the model, AdamW's state, the step (--steps N counts from the
+ * start of training, so a resumed run stops where an uninterrupted one
+ * does and prints the same loss lines), the learning-rate schedule's
+ * position, every rank's RNG state and the data order, and the f16 grad
+ * scaler's scale and growth tracker. The checkpoint records the flags that
+ * shape the model and the training (--seq --layers --heads --dim --param-dtype
+ * --reduce-dtype --lr --steps --seed --batch --global-batch --accum
+ * --accum-mode) and the
+ * text's length and hash; --resume takes those not given, and refuses
+ * one given with another value (naming the flag and both values): a
+ * changed --lr or --steps would move the schedule, so it is refused
+ * rather than silently resumed inexactly (to train on with a new
+ * schedule, --load a --save-full file). On another world size the
+ * per-rank RNG states (and, without --global-batch, the per-rank data
+ * order) cannot carry over: they start afresh and a line says so.
+ * --stop-after K ends the run after step K of the --steps schedule (a job
+ * with a time limit: --save it, then --resume it).
+ * --save-full FILE writes the full (unsharded) model as one safetensors
+ * file, for PyTorch users (tools/reference/models.py).
+ * --load starts from a full state dict saved by --save-full (or by
+ * PyTorch: every rank reads the rows it keeps, one tensor at a time, with
+ * ts_ckpt_load_full); the sizes (--seq, --layers, --heads,
  * --dim) and the vocabulary are the checkpoint's (its metadata records
  * them; sizes given must agree, the text must use its characters).
  * --load F --sample N does not train: it generates N characters after the
  * prompt, greedily or, with --temperature, by sampling (--seed).
  * Exit status: 0 for a run that completed, 2 for bad flags or a size that
- * cannot fit in memory, 1 for a failure (the message says which). */
+ * cannot fit in memory (and for a --resume folder that is missing, holds
+ * no readable index, or disagrees with a flag), 1 for a failure (the
+ * message says which; a checkpoint whose files cannot be loaded is one). */
 #include "common.h"
+#include "checkpoint/checkpoint.h"
 
 /* Rough memory need of one rank, bytes, in float32: the rank's shards of
  * the parameters, their gradients and AdamW's two moments; the groups
@@ -175,6 +207,12 @@ static ts_dtype parse_dtype(const char *s)
     return TS_DTYPE_COUNT;
 }
 
+/* The short name of a policy dtype for the checkpoint's metadata. */
+static const char *mp_name(ts_dtype d)
+{
+    return d == TS_BF16 ? "bf16" : d == TS_F16 ? "f16" : d == TS_F32 ? "f32" : "none";
+}
+
 /* The value of `key` in the "__metadata__" of a safetensors file that
  * --save wrote (its values hold no escapes): 1 with the value in buf when
  * found, 0 when absent or not readable as such (the loader then says what
@@ -214,12 +252,213 @@ static int checkpoint_meta(const char *path, const char *key, char *buf, size_t 
     return found;
 }
 
+/* The parameters and buffers of the model: the tensors of a full file. */
+static int model_tensors(ts_module *m)
+{
+    ts_named_params p, b;
+    int n = 0;
+    if (!ts_module_named_parameters(m, &p)) {
+        n += p.n;
+        ts_named_params_free(&p);
+    }
+    if (!ts_module_named_buffers(m, &b)) {
+        n += b.n;
+        ts_named_params_free(&b);
+    }
+    return n;
+}
+
+/* Fills map/chars from a hex vocabulary ("61622e": 'a', 'b', '.');
+ * returns the vocabulary size, or 0 (map all -1) when it is not one. */
+static int vocab_from_hex(const char *hex, int map[256], char chars[256])
+{
+    int vocab = 0;
+    size_t hl = strlen(hex);
+    for (int k = 0; k < 256; k++) map[k] = -1;
+    if (hl % 2) return 0;
+    for (size_t i = 0; i + 1 < hl; i += 2) {
+        unsigned c;
+        if (sscanf(hex + i, "%2x", &c) != 1 || map[c] >= 0) {
+            for (int k = 0; k < 256; k++) map[k] = -1;
+            return 0;
+        }
+        chars[vocab] = (char)c;
+        map[c] = vocab++;
+    }
+    return vocab;
+}
+
+/* FNV-1a of the training text: a resume checks that it trains on the
+ * same text as the run it continues. */
+static uint64_t text_hash(const char *text, size_t len)
+{
+    uint64_t h = 14695981039346656037ull;
+    for (size_t i = 0; i < len; i++) h = (h ^ (unsigned char)text[i]) * 1099511628211ull;
+    return h;
+}
+
+/* Checks, before any work, that a checkpoint folder can be written at
+ * `path` (given to `flag`): either it is a folder that accepts a new file,
+ * or it does not exist and its parent folder does (probed by creating and
+ * removing a file). 0, or -1 after printing why. */
+static int check_writable_dir(const char *flag, const char *path)
+{
+    struct stat sb;
+    char probe[4200];
+    if (stat(path, &sb) == 0) {
+        if (!S_ISDIR(sb.st_mode)) {
+            fprintf(stderr, "train_gpt: %s '%s' is not a folder (a sharded checkpoint is a folder; --save-full "
+                            "FILE writes one file)\n", flag, path);
+            return -1;
+        }
+        snprintf(probe, sizeof probe, "%s/.train_gpt-write-check-XXXXXX", path);
+        int fd = mkstemp(probe);
+        if (fd < 0) {
+            fprintf(stderr, "train_gpt: %s '%s': the folder is not writable: %s\n", flag, path, strerror(errno));
+            return -1;
+        }
+        close(fd);
+        unlink(probe);
+        return 0;
+    }
+    if (errno != ENOENT) {
+        fprintf(stderr, "train_gpt: %s '%s': %s\n", flag, path, strerror(errno));
+        return -1;
+    }
+    char file[4200]; /* the folder to create, checked as a new file in its parent */
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--; /* "a/b/" is "a/b" */
+    snprintf(file, sizeof file, "%.*s", (int)n, path);
+    return ex_check_writable("train_gpt", flag, file);
+}
+
+/* The state of the training loop that a checkpoint carries besides the
+ * model and AdamW ("extra.<name>", the same on every rank, and
+ * "rank_extra.<name>", each rank's own); every value is kept in a tensor
+ * of its own, written before a save and read after a load. RNG states are
+ * their 5056 bytes (torch.get_rng_state()'s layout) in 632 int64s. */
+enum { RNG_WORDS = TS_GENERATOR_STATE_BYTES / 8 };
+typedef struct run_state {
+    ts_state_dict *extra, *rank_extra;
+    ts_tensor *step;      /* int64 (1): optimizer steps taken (the schedule's position) */
+    ts_tensor *first;     /* float64 (1): the first step's loss, for the final line */
+    ts_tensor *window;    /* float64 (3): the sum and count of losses since the last printed line, the last loss */
+    ts_tensor *scaler;    /* float64 (3): f16 grad scaler: scale, growth tracker, steps skipped */
+    ts_tensor *data_rng;  /* int64 (632): the data-order generator (extra with --global-batch, else rank_extra) */
+    ts_tensor *rng;       /* int64 (632): this rank's default generator (dropout) */
+} run_state;
+
+static ts_status run_state_new(bool global_data, bool with_scaler, run_state *rs)
+{
+    memset(rs, 0, sizeof *rs);
+    int64_t one = 1, three = 3, words = RNG_WORDS;
+    ts_status st;
+    if ((st = ts_state_dict_new(&rs->extra)) || (st = ts_state_dict_new(&rs->rank_extra)) ||
+        (st = ts_tensor_zeros(TS_I64, 1, &one, &rs->step)) || (st = ts_tensor_zeros(TS_F64, 1, &one, &rs->first)) ||
+        (st = ts_tensor_zeros(TS_F64, 1, &three, &rs->window)) ||
+        (st = ts_tensor_zeros(TS_F64, 1, &three, &rs->scaler)) ||
+        (st = ts_tensor_zeros(TS_I64, 1, &words, &rs->data_rng)) ||
+        (st = ts_tensor_zeros(TS_I64, 1, &words, &rs->rng)))
+        return st;
+    if ((st = ts_state_dict_set(rs->extra, "step", rs->step)) || (st = ts_state_dict_set(rs->extra, "first_loss", rs->first)) ||
+        (st = ts_state_dict_set(rs->extra, "loss_window", rs->window)) ||
+        (with_scaler && (st = ts_state_dict_set(rs->extra, "grad_scaler", rs->scaler))) ||
+        (st = ts_state_dict_set(global_data ? rs->extra : rs->rank_extra, "data_rng", rs->data_rng)) ||
+        (st = ts_state_dict_set(rs->rank_extra, "rng", rs->rng)))
+        return st;
+    return TS_OK;
+}
+
+static void run_state_free(run_state *rs)
+{
+    ts_state_dict_free(rs->extra);
+    ts_state_dict_free(rs->rank_extra);
+    ts_tensor_free(rs->step);
+    ts_tensor_free(rs->first);
+    ts_tensor_free(rs->window);
+    ts_tensor_free(rs->scaler);
+    ts_tensor_free(rs->data_rng);
+    ts_tensor_free(rs->rng);
+}
+
+/* One recorded flag: its name in the checkpoint's "train_gpt.flags"
+ * metadata ("--heads=4 --dim=64 ..."), and the value as this run has it. */
+typedef struct rec_flag {
+    const char *name;
+    char value[64];
+} rec_flag;
+
+static bool is_dtype_flag(const ex_flag *fl)
+{
+    return !strcmp(fl->name, "--param-dtype") || !strcmp(fl->name, "--reduce-dtype");
+}
+
+/* A recorded flag's value as "train_gpt.flags" holds it: numbers exactly
+ * (%.17g for doubles), dtypes by their short name or "none", other
+ * strings as given. */
+static void rec_value(const ex_flag *fl, char *buf, size_t cap)
+{
+    const char *str = fl->kind == EX_FLAG_STRING ? *(const char *const *)fl->value : NULL;
+    if (fl->kind == EX_FLAG_INT) snprintf(buf, cap, "%d", *(const int *)fl->value);
+    else if (fl->kind == EX_FLAG_U64) snprintf(buf, cap, "%llu", (unsigned long long)*(const uint64_t *)fl->value);
+    else if (fl->kind == EX_FLAG_DOUBLE) snprintf(buf, cap, "%.17g", *(const double *)fl->value);
+    else if (is_dtype_flag(fl)) snprintf(buf, cap, "%s", str ? mp_name(parse_dtype(str)) : "none");
+    else snprintf(buf, cap, "%s", str ? str : "none");
+}
+
+/* The value of flag `name` in a "train_gpt.flags" string, into buf; false
+ * when absent. */
+static bool saved_flag(const char *flags, const char *name, char *buf, size_t cap)
+{
+    size_t n = strlen(name);
+    for (const char *p = flags; (p = strstr(p, name)); p += n) {
+        if ((p != flags && p[-1] != ' ') || p[n] != '=') continue;
+        const char *v = p + n + 1, *end = strchr(v, ' ');
+        size_t len = end ? (size_t)(end - v) : strlen(v);
+        if (len >= cap) return false;
+        memcpy(buf, v, len);
+        buf[len] = '\0';
+        return true;
+    }
+    return false;
+}
+
+/* Writes the sharded checkpoint of step `step` into dir: the model,
+ * AdamW, and the run state (the loop's counters, the scaler, every rank's
+ * RNG states), with the metadata --resume checks. Collective. */
+static ts_status save_sharded(const char *dir, ts_module *model, ts_optim *opt, const ts_grad_scaler *scaler,
+                              int skipped, const ts_generator *data_rng, run_state *rs, int step, double first,
+                              double window, int window_n, double last, const char *const *meta, int n_meta)
+{
+    *(int64_t *)ts_tensor_data(rs->step) = step;
+    *(double *)ts_tensor_data(rs->first) = first;
+    double *w = ts_tensor_data(rs->window), *g = ts_tensor_data(rs->scaler);
+    w[0] = window;
+    w[1] = window_n;
+    w[2] = last;
+    g[0] = ts_grad_scaler_get_scale(scaler);
+    g[1] = (double)ts_grad_scaler_growth_tracker(scaler);
+    g[2] = skipped;
+    ts_generator_get_state(data_rng, ts_tensor_data(rs->data_rng));
+    ts_generator_get_state(ts_default_generator(), ts_tensor_data(rs->rng));
+    ts_ckpt_options co = ts_ckpt_options_default();
+    co.optim = opt;
+    co.extra = rs->extra;
+    co.rank_extra = rs->rank_extra;
+    co.metadata = meta;
+    co.n_metadata = n_meta;
+    ts_status st = ts_ckpt_save(dir, model, &co);
+    if (!st) printf("saved a sharded checkpoint of step %d to %s\n", step, dir);
+    return st;
+}
+
 int main(int argc, char **argv)
 {
     ts_launch_rank_guard();
-    const char *data = NULL, *save = NULL, *load = NULL, *prompt = NULL;
+    const char *data = NULL, *save = NULL, *save_full = NULL, *resume = NULL, *load = NULL, *prompt = NULL;
     const char *param_dtype_s = NULL, *reduce_dtype_s = NULL;
-    int steps = 300, batch = 8, seq = 64, layers = 2, heads = 4, dim = 64, sample = 0;
+    int steps = 300, batch = 8, global_batch = 0, seq = 64, layers = 2, heads = 4, dim = 64, sample = 0;
+    int save_every = 0, stop_after = 0;
     double lr = 3e-3, temperature = 0;
     uint64_t seed = 1337;
     const char *offload = "none";
@@ -230,14 +469,19 @@ int main(int argc, char **argv)
         {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
         {"--batch", "B", EX_FLAG_INT, &batch, 1, 1 << 20, false, "sequences per rank and step", false},
+        {"--global-batch", "G", EX_FLAG_INT, &global_batch, 1, 1 << 20, false, "sequences per step from one data order shared by the ranks, G/W each (instead of --batch)", false},
         {"--seq", "T", EX_FLAG_INT, &seq, 2, 1 << 20, false, "characters per sequence (the context length)", false},
         {"--layers", "L", EX_FLAG_INT, &layers, 1, 1 << 16, false, "transformer blocks", false},
         {"--heads", "H", EX_FLAG_INT, &heads, 1, 1 << 16, false, "attention heads (dividing --dim)", false},
         {"--dim", "D", EX_FLAG_INT, &dim, 1, 1 << 24, false, "model width", false},
         {"--lr", "LR", EX_FLAG_DOUBLE, &lr, 0, 10, true, "peak learning rate (warmup, then cosine to LR/10)", false},
         {"--seed", "S", EX_FLAG_U64, &seed, 0, 18446744073709551615.0, false, "initialization, batches and sampling", false},
-        {"--save", "FILE", EX_FLAG_STRING, &save, 0, 0, false, "write a full checkpoint (safetensors) from rank 0 at the end", false},
-        {"--load", "FILE", EX_FLAG_STRING, &load, 0, 0, false, "start from a checkpoint written by --save", false},
+        {"--save", "DIR", EX_FLAG_STRING, &save, 0, 0, false, "write a sharded checkpoint (a folder) at the end", false},
+        {"--save-every", "N", EX_FLAG_INT, &save_every, 1, INT_MAX, false, "with --save: also after every N steps", false},
+        {"--stop-after", "K", EX_FLAG_INT, &stop_after, 1, INT_MAX, false, "end this run after step K of --steps (the schedule still spans --steps; --save, then --resume)", false},
+        {"--resume", "DIR", EX_FLAG_STRING, &resume, 0, 0, false, "continue exactly from a sharded checkpoint written by --save", false},
+        {"--save-full", "FILE", EX_FLAG_STRING, &save_full, 0, 0, false, "write the full model (one safetensors file, for PyTorch) at the end", false},
+        {"--load", "FILE", EX_FLAG_STRING, &load, 0, 0, false, "start from a full checkpoint written by --save-full", false},
         {"--sample", "N", EX_FLAG_INT, &sample, 1, 1 << 20, false, "with --load: generate N characters instead of training", false},
         {"--temperature", "T", EX_FLAG_DOUBLE, &temperature, 0, 100, false, "--sample: 0 picks the likeliest character, above 0 samples", false},
         {"--prompt", "TEXT", EX_FLAG_STRING, &prompt, 0, 0, false, "--sample: the text to continue (default: the corpus's first character)", false},
@@ -271,21 +515,34 @@ int main(int argc, char **argv)
         fprintf(stderr, "train_gpt: --accum-mode '%s' (must be nosync or sync)\n", accum_mode);
         return 2;
     }
-    bool accum_log = ex_flag_given(flags, NFLAGS, "--accum"), accum_nosync = strcmp(accum_mode, "nosync") == 0;
     if (!offload_cpu && ex_flag_given(flags, NFLAGS, "--pin-memory")) {
         fprintf(stderr, "train_gpt: --pin-memory goes with --offload cpu\n");
         return 2;
     }
     if (sample && !load) {
-        fprintf(stderr, "train_gpt: --sample needs --load FILE (a checkpoint written by --save)\n");
+        fprintf(stderr, "train_gpt: --sample needs --load FILE (a checkpoint written by --save-full)\n");
         return 2;
     }
     if (sample_flags && !sample) {
         fprintf(stderr, "train_gpt: --temperature and --prompt go with --sample N\n");
         return 2;
     }
-    if (sample && save) {
-        fprintf(stderr, "train_gpt: --sample does not train, so there is nothing to --save\n");
+    if (sample && (save || save_full || resume)) {
+        fprintf(stderr, "train_gpt: --sample does not train, so there is nothing to %s\n",
+                resume ? "--resume" : save ? "--save" : "--save-full");
+        return 2;
+    }
+    if (save_every && !save) {
+        fprintf(stderr, "train_gpt: --save-every %d needs --save DIR (the folder to write)\n", save_every);
+        return 2;
+    }
+    if (resume && load) {
+        fprintf(stderr, "train_gpt: --resume continues a run and --load starts one from a full file: give one\n");
+        return 2;
+    }
+    if (global_batch && ex_flag_given(flags, NFLAGS, "--batch")) {
+        fprintf(stderr, "train_gpt: --batch %d and --global-batch %d: give one (--global-batch G gives each of W "
+                        "ranks G/W sequences)\n", batch, global_batch);
         return 2;
     }
     /* Files before anything else: a FIFO or a directory is refused rather
@@ -300,11 +557,93 @@ int main(int argc, char **argv)
         fprintf(stderr, "train_gpt: --reduce-dtype '%s' is not one of bf16, f16, f32\n", reduce_dtype_s);
         return 2;
     }
+    if (load && ex_check_regular("train_gpt", "--load", load)) return 2;
+    if (save_full && ex_check_writable("train_gpt", "--save-full", save_full)) return 2;
+    if (save && check_writable_dir("--save", save)) return 2;
+
+    /* The flags that shape the model, the schedule and the data order, as
+     * a --save records them ("--heads=4 --lr=0.003 ..."): --resume takes
+     * those not given and refuses those given otherwise. */
+    static const char *const recorded[] = {"--seq",   "--layers",       "--heads", "--dim",       "--param-dtype",
+                                           "--reduce-dtype", "--lr", "--steps", "--seed", "--batch",
+                                           "--global-batch", "--accum", "--accum-mode"};
+    enum { NREC = sizeof recorded / sizeof recorded[0] };
+    char *saved_flags = NULL, *saved_text = NULL, *saved_vocab = NULL;
+    if (resume) {
+        struct stat sb;
+        if (stat(resume, &sb) != 0 || !S_ISDIR(sb.st_mode)) {
+            fprintf(stderr, "train_gpt: --resume '%s': %s\n", resume,
+                    stat(resume, &sb) != 0 ? strerror(errno) : "is not a folder (a checkpoint written by --save DIR)");
+            return 2;
+        }
+        ts_status st = ts_ckpt_metadata(resume, "train_gpt.flags", &saved_flags);
+        if (!st) st = ts_ckpt_metadata(resume, "train_gpt.text", &saved_text);
+        if (!st) st = ts_ckpt_metadata(resume, "train_gpt.vocab", &saved_vocab);
+        if (st) {
+            fprintf(stderr, "train_gpt: --resume '%s' is not a checkpoint of train_gpt --save: %s: %s\n", resume,
+                    ts_status_name(st), ts_last_error());
+            free(saved_flags);
+            free(saved_text);
+            return 2;
+        }
+        for (int i = 0; i < NREC; i++) {
+            ex_flag *fl = NULL;
+            for (int k = 0; k < NFLAGS; k++)
+                if (!strcmp(flags[k].name, recorded[i])) fl = &flags[k];
+            static char adopted[NREC][64]; /* adopted strings outlive main's use of them */
+            char *was = adopted[i], now[64];
+            if (!saved_flag(saved_flags, fl->name, was, sizeof adopted[i])) {
+                fprintf(stderr, "train_gpt: --resume '%s': its metadata does not record %s ('%s')\n", resume,
+                        fl->name, saved_flags);
+                free(saved_flags);
+                free(saved_text);
+                free(saved_vocab);
+                return 2;
+            }
+            rec_value(fl, now, sizeof now);
+            if (!strcmp(now, was)) continue;
+            if (fl->given) {
+                fprintf(stderr, "train_gpt: %s %s, but --resume '%s' was saved with %s %s%s\n", fl->name, now, resume,
+                        fl->name, was,
+                        !strcmp(fl->name, "--lr") || !strcmp(fl->name, "--steps")
+                            ? " (the learning-rate schedule would change; --load a --save-full file to start a new one)"
+                            : "");
+                free(saved_flags);
+                free(saved_text);
+                free(saved_vocab);
+                return 2;
+            }
+            bool off = (is_dtype_flag(fl) && !strcmp(was, "none")) ||
+                       (!strcmp(fl->name, "--global-batch") && !strcmp(was, "0"));
+            if (off) {
+                if (is_dtype_flag(fl)) *(const char **)fl->value = NULL;
+                else *(int *)fl->value = 0;
+            } else if (ex_parse_value("train_gpt", fl, was)) {
+                fprintf(stderr, "train_gpt: --resume '%s': the value it records for %s is not valid\n", resume,
+                        fl->name);
+                free(saved_flags);
+                free(saved_text);
+                free(saved_vocab);
+                return 2;
+            }
+        }
+        free(saved_flags);
+        saved_flags = NULL;
+        /* adopted dtypes */
+        mp = ts_mp_policy_default();
+        if (param_dtype_s && (mp.param_dtype = parse_dtype(param_dtype_s)) == TS_DTYPE_COUNT) return 2;
+        if (reduce_dtype_s && (mp.reduce_dtype = parse_dtype(reduce_dtype_s)) == TS_DTYPE_COUNT) return 2;
+    }
+    if (strcmp(accum_mode, "nosync") != 0 && strcmp(accum_mode, "sync") != 0) { /* a --resume's, checked again */
+        fprintf(stderr, "train_gpt: --resume '%s' records --accum-mode '%s' (must be nosync or sync)\n", resume,
+                accum_mode);
+        return 2;
+    }
+    /* a resumed run of --accum K prints the accum lines too */
+    bool accum_log = ex_flag_given(flags, NFLAGS, "--accum") || accum > 1, accum_nosync = !strcmp(accum_mode, "nosync");
     ts_fsdp_options fso = ts_fsdp_options_default();
     if (param_dtype_s || reduce_dtype_s) fso.mp_policy = &mp;
     bool half = mp.param_dtype == TS_BF16 || mp.param_dtype == TS_F16;
-    if (load && ex_check_regular("train_gpt", "--load", load)) return 2;
-    if (save && ex_check_writable("train_gpt", "--save", save)) return 2;
 
     /* A checkpoint written by --save carries its sizes and vocabulary:
      * sizes not given on the command line are taken from it, sizes given
@@ -342,6 +681,15 @@ int main(int argc, char **argv)
             map[c] = vocab++;
         }
     }
+    if (resume && (vocab = vocab_from_hex(saved_vocab, map, chars)) == 0) {
+        fprintf(stderr, "train_gpt: --resume '%s': its vocabulary ('%s') is not one --save writes\n", resume,
+                saved_vocab);
+        free(saved_flags);
+        free(saved_text);
+        free(saved_vocab);
+        return 2;
+    }
+    free(saved_vocab);
     if (dim % heads) {
         fprintf(stderr, "train_gpt: --dim %d is not a multiple of --heads %d\n", dim, heads);
         return 2;
@@ -366,15 +714,28 @@ int main(int argc, char **argv)
             if (ckpt_vocab) {
                 fprintf(stderr,
                         "train_gpt: %s has the character 0x%02x at offset %zu, which is not in the vocabulary of "
-                        "--load '%s'\n",
-                        data ? data : "the built-in corpus", c, i, load);
+                        "%s '%s'\n",
+                        data ? data : "the built-in corpus", c, i, resume ? "--resume" : "--load", resume ? resume : load);
                 free(text);
+                free(saved_text);
                 return 2;
             }
             chars[vocab] = (char)c;
             map[c] = vocab++;
         }
     }
+    char text_id[64] = ""; /* the text's length and hash, recorded by --save */
+    if (text) snprintf(text_id, sizeof text_id, "%zu:%016llx", len, (unsigned long long)text_hash(text, len));
+    if (resume && strcmp(text_id, saved_text) != 0) {
+        fprintf(stderr,
+                "train_gpt: --resume '%s' trained on another text (characters:hash %s; %s is %s): give the --data "
+                "it was trained on\n",
+                resume, saved_text, data ? data : "the built-in corpus", text_id);
+        free(text);
+        free(saved_text);
+        return 2;
+    }
+    free(saved_text);
 
     /* the prompt, in ids, before anything is built */
     int64_t *prompt_ids = NULL;
@@ -403,7 +764,18 @@ int main(int argc, char **argv)
         W = env.world_size;
         local_W = env.local_world_size;
     }
-    mem_estimate me = estimate_memory(vocab, seq, layers, heads, dim, sample ? 1 : batch, W);
+    int B = batch; /* this rank's sequences per step */
+    if (global_batch) {
+        if (global_batch % W) {
+            fprintf(stderr, "train_gpt: --global-batch %d is not a multiple of the %d ranks (each takes G/W)\n",
+                    global_batch, W);
+            free(prompt_ids);
+            free(text);
+            return 2;
+        }
+        B = global_batch / W;
+    }
+    mem_estimate me = estimate_memory(vocab, seq, layers, heads, dim, sample ? 1 : B, W);
     double phys = ex_physical_memory();
     if (phys > 0 && me.per_rank * local_W > phys) {
         char b[6][32];
@@ -455,23 +827,20 @@ int main(int argc, char **argv)
     CHECK(ts_fully_shard(model, &fso));
     if (rank == 0) CHECK(ts_fsdp_summary(model, stdout)); /* the sharding layout, once */
     if (load) {
-        ts_state_dict *sd;
-        CHECK(ts_safetensors_load(load, &sd));
-        ts_status st = ts_fsdp_load_full_state_dict(model, sd, true);
+        /* streaming: each rank reads its rows, one tensor at a time */
+        ts_status st = ts_ckpt_load_full(load, model, true);
         if (st) {
             fprintf(stderr,
-                    "train_gpt: --load '%s' does not fit this model: %s\n(give the --data, --seq, --layers, --heads "
-                    "and --dim it was trained with)\n",
-                    load, ts_last_error());
-            ts_state_dict_free(sd);
+                    "train_gpt: --load '%s' cannot be loaded into this model: %s: %s\n(give the --data, --seq, "
+                    "--layers, --heads and --dim it was trained with)\n",
+                    load, ts_status_name(st), ts_last_error());
             ts_module_free(model);
             free(prompt_ids);
             free(text);
             ts_dist_finalize();
             return 1;
         }
-        printf("loaded %d tensors from %s\n", ts_state_dict_size(sd), load);
-        ts_state_dict_free(sd);
+        printf("loaded %d tensors from %s\n", model_tensors(model), load);
     }
     char mb[32];
     printf("memory estimate: %.0f parameters, about %s per rank (%d rank%s)\n", me.params,
@@ -502,43 +871,125 @@ int main(int argc, char **argv)
         char b1[32], b2[32];
         printf("gradient accumulation: %d microbatches of %d per step, %s; per rank: sharded gradients %s, no sync "
                "holds %s more (unsharded gradients)\n",
-               accum, batch, accum_nosync ? "no sync until the last" : "reduce-scatter every microbatch",
+               accum, B, accum_nosync ? "no sync until the last" : "reduce-scatter every microbatch",
                ex_fmt_bytes((double)am.sync_bytes, b1, sizeof b1), ex_fmt_bytes((double)am.no_sync_bytes, b2, sizeof b2));
     }
     ts_lr_schedule sched = {TS_LR_WARMUP_COSINE, lr, steps / 10 + 1, steps, lr / 10};
     ts_grad_scaler *scaler = NULL; /* float16 needs loss scaling */
     if (mp.param_dtype == TS_F16) CHECK(ts_grad_scaler_new(NULL, &scaler));
     int skipped = 0;
+
+    /* what a checkpoint carries besides the model and AdamW */
+    run_state rs;
+    CHECK(run_state_new(global_batch > 0, scaler != NULL, &rs));
+    char flag_rec[1024], config_rec[128], vocab_rec[2 * 256 + 1];
+    {
+        size_t n = 0;
+        for (int i = 0; i < NREC; i++) {
+            const ex_flag *fl = NULL;
+            for (int k = 0; k < NFLAGS; k++)
+                if (!strcmp(flags[k].name, recorded[i])) fl = &flags[k];
+            char v[64];
+            rec_value(fl, v, sizeof v);
+            n += (size_t)snprintf(flag_rec + n, sizeof flag_rec - n, "%s%s=%s", i ? " " : "", fl->name, v);
+        }
+        snprintf(config_rec, sizeof config_rec, "seq=%d layers=%d heads=%d dim=%d", seq, layers, heads, dim);
+        for (int i = 0; i < vocab; i++) snprintf(vocab_rec + 2 * i, 3, "%02x", (unsigned char)chars[i]);
+        vocab_rec[2 * vocab] = '\0';
+    }
+    const char *ckpt_meta[8] = {"train_gpt.config", config_rec, "train_gpt.vocab", vocab_rec,
+                                 "train_gpt.flags",  flag_rec,   "train_gpt.text",  text_id};
+    ts_generator *data_rng; /* one data order for all ranks (--global-batch), or each rank its own */
+    CHECK(ts_generator_new(global_batch ? seed + 1 : seed + 1 + (uint64_t)rank, &data_rng));
+    int start = 0, rc = 0; /* the step this run starts at */
+    int64_t *ids = NULL, *tg = NULL;
+    int step = 0;
+    double first = 0, last = 0, window = 0;
+    int window_n = 0;
+    if (resume) {
+        ts_ckpt_options co = ts_ckpt_options_default();
+        co.optim = opt;
+        co.extra = rs.extra;
+        co.rank_extra = rs.rank_extra;
+        ts_ckpt_info info;
+        ts_status st = ts_ckpt_load(resume, model, &co, &info);
+        if (st) {
+            fprintf(stderr, "train_gpt: --resume '%s' cannot be loaded: %s: %s\n", resume, ts_status_name(st),
+                    ts_last_error());
+            rc = 1;
+            goto done;
+        }
+        const int64_t *sv = ts_tensor_data(rs.step);
+        const double *fv = ts_tensor_data(rs.first), *wv = ts_tensor_data(rs.window), *gv = ts_tensor_data(rs.scaler);
+        start = (int)sv[0];
+        first = fv[0];
+        window = wv[0];
+        window_n = (int)wv[1];
+        last = wv[2];
+        if (start < 0 || start > steps || window_n < 0 || window_n > start) {
+            fprintf(stderr, "train_gpt: --resume '%s': its step %d (%d losses since the last line) does not fit "
+                            "--steps %d\n", resume, start, window_n, steps);
+            rc = 1;
+            goto done;
+        }
+        if (scaler) { /* the scale and the good steps towards its next growth */
+            skipped = (int)gv[2];
+            st = ts_grad_scaler_load_state(scaler, gv[0], (int64_t)gv[1]);
+            if (st) {
+                fprintf(stderr, "train_gpt: --resume '%s': its grad scaler state does not fit: %s\n", resume,
+                        ts_last_error());
+                rc = 1;
+                goto done;
+            }
+        }
+        bool same_world = info.rank_extra_loaded;
+        if (same_world) CHECK(ts_generator_set_state(ts_default_generator(), (const uint8_t *)ts_tensor_data(rs.rng)));
+        if (global_batch || same_world)
+            CHECK(ts_generator_set_state(data_rng, (const uint8_t *)ts_tensor_data(rs.data_rng)));
+        else /* each rank's own order cannot carry over to another world size: a fresh one, not a repeat of step 0's */
+            ts_generator_manual_seed(data_rng, seed + 1 + (uint64_t)rank + 0x9E3779B97F4A7C15ull * (uint64_t)start);
+        printf("resumed from %s at step %d of %d (saved on %d rank%s, loaded on %d)\n", resume, start, steps,
+               info.saved_world, info.saved_world > 1 ? "s" : "", info.loaded_world);
+        if (!same_world)
+            printf("note: another world size: each rank's RNG state%s starts afresh%s\n",
+                   global_batch ? "" : " and its data order",
+                   global_batch ? " (the data order is --global-batch's, restored)" : " (--global-batch keeps the data order)");
+    }
     int64_t local = 0;
     for (int i = 0; i < params.n; i++) local += ts_tensor_numel(plist[i]);
     printf("model: GPT %d layers, %d heads, d_model %d; fully_shard over %d rank%s (%s): %lld parameter elements "
            "on rank 0\n",
            layers, heads, dim, W, W > 1 ? "s" : "", W > 1 ? "distributed world" : "one-rank mesh", (long long)local);
 
-    size_t n_ids = (size_t)accum * (size_t)batch * (size_t)seq;
-    int64_t *ids = malloc(n_ids * sizeof *ids), *tg = malloc(n_ids * sizeof *tg);
+    size_t n_ids = (size_t)accum * (size_t)B * (size_t)seq;
+    ids = malloc(n_ids * sizeof *ids);
+    tg = malloc(n_ids * sizeof *tg);
     if (!ids || !tg) return 1;
-    ts_generator *data_rng;
-    CHECK(ts_generator_new(seed + 1 + (uint64_t)rank, &data_rng)); /* each rank its own batches */
-    double t0 = ex_now(), first = 0, last = 0, window = 0;
-    int window_n = 0, rc = 0;
+    double t0 = ex_now();
     int64_t tokens = 0;
     ts_comm_stats_reset(world); /* count the training loop's collectives only */
-    int step;
-    for (step = 0; step < steps; step++) {
-        for (int b = 0; b < accum * batch; b++) { /* the same sequences as --accum 1 --batch K*B */
-            size_t start = ts_generator_random(data_rng) % (len - (size_t)seq - 1);
+    int end = stop_after && stop_after < steps ? stop_after : steps;
+    for (step = start; step < end; step++) {
+        /* each microbatch: --global-batch, every rank draws all G starts
+         * and keeps its G/W; else its own B (the same sequences as
+         * --accum 1 --batch K*B) */
+        int per = global_batch ? global_batch : B, mine = global_batch ? rank * B : 0;
+        for (int g = 0; g < accum * per; g++) {
+            size_t at = ts_generator_random(data_rng) % (len - (size_t)seq - 1);
+            int b = g % per - mine;
+            if (b < 0 || b >= B) continue;
+            b += g / per * B;
             for (int t = 0; t < seq; t++) {
-                ids[b * seq + t] = map[(unsigned char)text[start + (size_t)t]];
-                tg[b * seq + t] = map[(unsigned char)text[start + (size_t)t + 1]];
+                ids[b * seq + t] = map[(unsigned char)text[at + (size_t)t]];
+                tg[b * seq + t] = map[(unsigned char)text[at + (size_t)t + 1]];
             }
         }
-        int64_t is[2] = {batch, seq}, ts_[1] = {(int64_t)batch * seq};
+        int64_t is[2] = {B, seq}, ts_[1] = {(int64_t)B * seq};
         ts_tensor *x, *y, *logits, *flat, *loss;
         double lsum = 0;
         for (int k = 0; k < accum; k++) { /* microbatch k: sequences [k B, (k + 1) B), its mean loss / K */
             if (accum > 1 && accum_nosync) CHECK(ts_fsdp_set_requires_gradient_sync(model, k == accum - 1, true));
-            size_t at = (size_t)k * (size_t)batch * (size_t)seq;
+            size_t at = (size_t)k * (size_t)B * (size_t)seq;
             CHECK(ts_tensor_from_data(TS_I64, 2, is, ids + at, &x));
             CHECK(ts_tensor_from_data(TS_I64, 1, ts_, tg + at, &y));
             CHECK(ts_module_call1(model, x, &logits));
@@ -548,7 +999,7 @@ int main(int argc, char **argv)
                 ts_tensor_free(logits);
                 logits = l32;
             }
-            int64_t fs[2] = {(int64_t)batch * seq, vocab};
+            int64_t fs[2] = {(int64_t)B * seq, vocab};
             CHECK(ts_reshape(logits, 2, fs, &flat));
             CHECK(ts_cross_entropy(flat, y, -100, TS_REDUCTION_MEAN, &loss));
             double lk;
@@ -628,7 +1079,7 @@ int main(int argc, char **argv)
         last = l;
         window += l;
         window_n++;
-        tokens += (int64_t)accum * batch * seq * W;
+        tokens += (int64_t)accum * B * seq * W;
         if (accum_log) printf("accum step %d: loss %.9g grad norm %.9g\n", step + 1, l, overflow ? NAN : gn);
         int every = steps >= 20 ? steps / 20 : 1;
         if ((step + 1) % every == 0 || step == 0) {
@@ -640,19 +1091,23 @@ int main(int argc, char **argv)
             window = 0;
             window_n = 0;
         }
+        if (save && save_every && (step + 1) % save_every == 0 && step + 1 < end)
+            CHECK(save_sharded(save, model, opt, scaler, skipped, data_rng, &rs, step + 1, first, window, window_n,
+                               last, ckpt_meta, 4));
     }
-    print_comm_summary(world, step, W);
+    int ran = step - start; /* steps this process took */
+    print_comm_summary(world, ran > 0 ? ran : 1, W);
     if (accum_log) /* exact, to compare the accumulation modes */
         printf("accum: peak tensor storage %zu bytes on this rank\n", ts_mem_peak_bytes(TS_MEM_STORAGE));
-    if (offload_cpu && step > 0) {
+    if (offload_cpu && ran > 0) {
         ts_fsdp_offload_stats os;
         CHECK(ts_fsdp_offload_stats_get(model, &os));
         char b1[32], b2[32], b3[32], b4[32], b5[32];
         printf("offload (cpu, %s): %d groups; per step %.1f host-to-device copies (%s) before all-gathers, %.1f "
                "device-to-host copies (%s) of reduced gradients; host blocks %s, pinned %s (%s locked)\n",
-               op.pin_memory ? "pinned" : "pageable", os.groups, (double)os.h2d_copies / step,
-               ex_fmt_bytes((double)os.h2d_bytes / step, b1, sizeof b1), (double)os.d2h_copies / step,
-               ex_fmt_bytes((double)os.d2h_bytes / step, b2, sizeof b2), ex_fmt_bytes((double)os.host_bytes, b3, sizeof b3),
+               op.pin_memory ? "pinned" : "pageable", os.groups, (double)os.h2d_copies / ran,
+               ex_fmt_bytes((double)os.h2d_bytes / ran, b1, sizeof b1), (double)os.d2h_copies / ran,
+               ex_fmt_bytes((double)os.d2h_bytes / ran, b2, sizeof b2), ex_fmt_bytes((double)os.host_bytes, b3, sizeof b3),
                ex_fmt_bytes((double)os.pinned_bytes, b4, sizeof b4),
                ex_fmt_bytes((double)ts_mem_locked_bytes(), b5, sizeof b5));
     }
@@ -662,7 +1117,7 @@ int main(int argc, char **argv)
         ts_comm_counters cc;
         ts_comm_stats(world, &cc);
         char b1[32], b2[32];
-        int n = step > 0 ? step : 1;
+        int n = ran > 0 ? ran : 1;
         printf("bytes per step on rank 0: all-gathered %s (%.0f bytes), reduce-scattered %s (%.0f bytes); param dtype "
                "%s, reduce dtype %s\n",
                ex_fmt_bytes((double)cc.bytes[TS_COLL_ALL_GATHER] / n, b1, sizeof b1),
@@ -673,29 +1128,25 @@ int main(int argc, char **argv)
                ts_dtype_name(mp.reduce_dtype != TS_DTYPE_KEEP ? mp.reduce_dtype
                              : mp.param_dtype != TS_DTYPE_KEEP ? mp.param_dtype : TS_F32));
         if (scaler)
-            printf("grad scaler: %d of %d steps skipped (inf/NaN gradients), final scale %g\n", skipped, step,
-                   ts_grad_scaler_get_scale(scaler));
+            printf("grad scaler: %d of %d steps skipped (inf/NaN gradients), final scale %g, growth tracker %lld\n",
+                   skipped, step, ts_grad_scaler_get_scale(scaler), (long long)ts_grad_scaler_growth_tracker(scaler));
     }
     if (!rc) {
+        if (step < steps) printf("stopped after step %d of %d (--stop-after)\n", step, steps);
         printf("loss %.4f -> %.4f (uniform guess: %.4f)\n", first, last, log((double)vocab));
-        if (save) { /* gathered on rank 0 only, then written there */
-            ts_state_dict *sd;
-            CHECK(ts_fsdp_full_state_dict(model, true, &sd));
-            if (rank == 0) {
-                /* the sizes and the vocabulary, for --load and --sample */
-                char cfgs[128], hex[2 * 256 + 1];
-                snprintf(cfgs, sizeof cfgs, "seq=%d layers=%d heads=%d dim=%d", seq, layers, heads, dim);
-                for (int i = 0; i < vocab; i++) snprintf(hex + 2 * i, 3, "%02x", (unsigned char)chars[i]);
-                hex[2 * vocab] = '\0';
-                const char *meta[4] = {"train_gpt.config", cfgs, "train_gpt.vocab", hex};
-                CHECK(ts_safetensors_save(save, sd, meta, 2));
-                printf("saved %d full tensors to %s\n", ts_state_dict_size(sd), save);
-            }
-            ts_state_dict_free(sd);
+        if (save)
+            CHECK(save_sharded(save, model, opt, scaler, skipped, data_rng, &rs, step, first, window, window_n,
+                               last, ckpt_meta, 4));
+        if (save_full) { /* streamed to rank 0 one tensor at a time, with the sizes and the vocabulary
+                          * (ckpt_meta's first 2 pairs) for --load and --sample */
+            CHECK(ts_ckpt_save_full(save_full, model, ckpt_meta, 2));
+            printf("saved %d full tensors to %s\n", model_tensors(model), save_full);
         }
     }
+done:
     fflush(stdout);
     ts_generator_free(data_rng);
+    run_state_free(&rs);
     ts_grad_scaler_free(scaler);
     ts_optim_free(opt);
     free(plist);

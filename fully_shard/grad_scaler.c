@@ -284,3 +284,19 @@ ts_status ts_grad_scaler_update_to(ts_grad_scaler *s, double new_scale)
     forget(s);
     return TS_OK;
 }
+
+ts_status ts_grad_scaler_load_state(ts_grad_scaler *s, double scale, int64_t growth_tracker)
+{
+    const char *fn = "ts_grad_scaler_load_state";
+    if (!s) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: scaler is NULL", fn);
+    if (!s->opt.enabled) return TS_OK;
+    if (!(isfinite(scale) && scale > 0 && (float)scale > 0 && isfinite((float)scale)))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: scale %g must be finite and > 0 (as a float32)", fn, scale);
+    if (growth_tracker < 0 || growth_tracker >= s->opt.growth_interval)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: growth_tracker %lld is not in [0, growth_interval %lld)", fn,
+                        (long long)growth_tracker, (long long)s->opt.growth_interval);
+    s->scale = (float)scale;
+    s->growth_tracker = growth_tracker;
+    forget(s);
+    return TS_OK;
+}

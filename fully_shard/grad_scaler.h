@@ -105,6 +105,15 @@ TS_API ts_status ts_grad_scaler_update(ts_grad_scaler *s);
  * nothing. */
 TS_API ts_status ts_grad_scaler_update_to(ts_grad_scaler *s, double new_scale);
 
+/* torch's GradScaler.load_state_dict({"scale", "_growth_tracker"}), for
+ * a resumed training: sets the scale (rounded to float32) and the count of
+ * good steps towards the next growth, as ts_grad_scaler_get_scale and
+ * ts_grad_scaler_growth_tracker returned them when the state was saved;
+ * forgets the optimizers. TS_ERR_INVALID_ARGUMENT (naming the value)
+ * unless scale is finite and > 0 and 0 <= growth_tracker <
+ * growth_interval. Disabled: nothing. */
+TS_API ts_status ts_grad_scaler_load_state(ts_grad_scaler *s, double scale, int64_t growth_tracker);
+
 /* The current scale (1 when disabled or s is NULL, as torch's
  * get_scale()). */
 TS_API double ts_grad_scaler_get_scale(const ts_grad_scaler *s);

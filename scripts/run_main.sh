@@ -4,7 +4,7 @@
 # transformer block one FSDP group, the root another; AdamW, warmup +
 # cosine, clip_grad_norm over the shards, a built-in grammar corpus).
 # TS_NPROC sets the number of ranks (default 2). Arguments go to train_gpt
-# (--steps, --data FILE, --save FILE.safetensors, ...).
+# (--steps, --data FILE, --save DIR, --resume DIR, --save-full FILE.safetensors, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

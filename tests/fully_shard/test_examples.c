@@ -241,12 +241,13 @@ Test(fully_shard_examples, mesh_not_matching_the_world, .timeout = 90)
 
 /* The main job's program on 2 ranks: the loss falls; a full checkpoint
  * saved on rank 0 and loaded back by both ranks resumes where it ended
- * (the resumed first loss is within 10% of the saved run's last). */
+ * (the resumed first loss is within 10% of the saved run's last; an
+ * exact resume is --save DIR / --resume DIR, tests/fully_shard/test_resume.c). */
 Test(fully_shard_examples, train_gpt_checkpoint_round_trip, .timeout = 120)
 {
     char path[128];
     snprintf(path, sizeof path, "/tmp/ts-test-gpt-%d.safetensors", (int)getpid());
-    const char *a1[] = {"--steps", "60", "--save", path};
+    const char *a1[] = {"--steps", "60", "--save-full", path};
     char *out = run_example_args("train_gpt", 2, 4, a1);
     double first = 0, last = 0;
     const char *l = strstr(out, "[0] loss ");
@@ -562,14 +563,14 @@ Test(fully_shard_examples, numbers_are_parsed_strictly, .timeout = 60)
 
 Test(fully_shard_examples, save_folder_is_checked_before_training, .timeout = 60)
 {
-    const char *a1[] = {"--save", "/nonexistent-ts-folder/ckpt.safetensors"};
-    const char *w1[] = {"--save", "'/nonexistent-ts-folder'", "does not exist", NULL};
+    const char *a1[] = {"--save-full", "/nonexistent-ts-folder/ckpt.safetensors"};
+    const char *w1[] = {"--save-full", "'/nonexistent-ts-folder'", "does not exist", NULL};
     expect_refused("train_gpt", 2, a1, w1);
-    const char *a2[] = {"--save", "/tmp"};
-    const char *w2[] = {"--save '/tmp' is a directory", NULL};
+    const char *a2[] = {"--save-full", "/tmp"};
+    const char *w2[] = {"--save-full '/tmp' is a directory", NULL};
     expect_refused("train_gpt", 2, a2, w2);
     /* /proc takes no new files, even from root */
-    const char *a3[] = {"--save", "/proc/ckpt.safetensors"};
+    const char *a3[] = {"--save-full", "/proc/ckpt.safetensors"};
     const char *w3[] = {"'/proc' is not writable", NULL};
     expect_refused("train_gpt", 2, a3, w3);
     /* a folder that is a file */
@@ -580,7 +581,7 @@ Test(fully_shard_examples, save_folder_is_checked_before_training, .timeout = 60
     fclose(f);
     char save[160];
     snprintf(save, sizeof save, "%s/ckpt.safetensors", path);
-    const char *a4[] = {"--save", save};
+    const char *a4[] = {"--save-full", save};
     const char *w4[] = {"is not a folder", NULL};
     expect_refused("train_gpt", 2, a4, w4);
     unlink(path);
@@ -697,7 +698,7 @@ Test(fully_shard_examples, sample_from_a_checkpoint_and_comm_summary, .timeout =
 {
     char path[128];
     snprintf(path, sizeof path, "/tmp/ts-test-sample-%d.safetensors", (int)getpid());
-    const char *t[] = {"--steps", "30", "--save", path};
+    const char *t[] = {"--steps", "30", "--save-full", path};
     char *out = run_example_args("train_gpt", 2, 4, t);
     const char *cs = strstr(out, "[0] collectives per step on rank 0 of 2: ");
     cr_assert(cs, "no summary line:\n%s", out);
@@ -754,7 +755,7 @@ Test(fully_shard_examples, sample_from_a_checkpoint_and_comm_summary, .timeout =
     unlink(path);
 }
 
-/* --save records the sizes and the vocabulary: --load takes them (no size
+/* --save-full records the sizes and the vocabulary: --load takes them (no size
  * flags needed to sample), refuses a size given differently and a text
  * with characters outside the vocabulary. */
 Test(fully_shard_examples, checkpoint_carries_sizes_and_vocabulary, .timeout = 120)
@@ -762,7 +763,7 @@ Test(fully_shard_examples, checkpoint_carries_sizes_and_vocabulary, .timeout = 1
     char path[128], text[128];
     snprintf(path, sizeof path, "/tmp/ts-test-meta-%d.safetensors", (int)getpid());
     snprintf(text, sizeof text, "/tmp/ts-test-meta-%d.txt", (int)getpid());
-    const char *t[] = {"--steps", "2", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--save", path};
+    const char *t[] = {"--steps", "2", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--save-full", path};
     char *err, *out = run_expect("train_gpt", 0, 12, t, &err);
     free(out);
     free(err);
@@ -1122,8 +1123,8 @@ Test(fully_shard_examples, train_gpt_checkpoint_activations_trains_the_same, .ti
     char p0[96], p1[96];
     snprintf(p0, sizeof p0, "/tmp/ts-test-ac0-%d.safetensors", (int)getpid());
     snprintf(p1, sizeof p1, "/tmp/ts-test-ac1-%d.safetensors", (int)getpid());
-    const char *a0[] = {"--steps", "6", "--save", p0};
-    const char *a1[] = {"--steps", "6", "--checkpoint-activations", "--save", p1};
+    const char *a0[] = {"--steps", "6", "--save-full", p0};
+    const char *a1[] = {"--steps", "6", "--checkpoint-activations", "--save-full", p1};
     char *out0 = run_example_args("train_gpt", 2, 4, a0);
     char *out1 = run_example_args("train_gpt", 2, 5, a1);
     int s0[8], s1[8], k0[8], k1[8];

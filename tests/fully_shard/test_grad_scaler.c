@@ -360,6 +360,41 @@ Test(fully_shard_grad_scaler, update_to_sets_the_scale)
     ts_grad_scaler_free(s);
 }
 
+/* load_state restores what get_scale and growth_tracker returned: a
+ * scaler saved one good step before a growth grows on the next good
+ * step, as the uninterrupted one does; values no scaler can hold are
+ * refused, naming them, and leave it unchanged. */
+Test(fully_shard_grad_scaler, load_state_restores_scale_and_tracker)
+{
+    ts_grad_scaler_options o = ts_grad_scaler_options_default();
+    o.init_scale = 8.0;
+    o.growth_interval = 3;
+    o.growth_factor = 4.0;
+    ts_grad_scaler *s = NULL;
+    TH_OK(ts_grad_scaler_new(&o, &s));
+    TH_OK(ts_grad_scaler_load_state(s, 2.0, 2));
+    cr_assert_eq(ts_grad_scaler_get_scale(s), 2.0);
+    cr_assert_eq(ts_grad_scaler_growth_tracker(s), 2);
+    double pv[2] = {1, 2}, gv[2] = {1, 2};
+    ts_tensor *p = param_with_grad(TS_F32, 2, pv, gv);
+    ts_optim *opt = sgd(1, &p, 0.1);
+    TH_OK(ts_grad_scaler_step(s, opt, NULL));
+    TH_OK(ts_grad_scaler_update(s));
+    cr_assert_eq(ts_grad_scaler_get_scale(s), 8.0, "the third good step grows the scale: %g",
+                 ts_grad_scaler_get_scale(s));
+    cr_assert_eq(ts_grad_scaler_growth_tracker(s), 0);
+    cr_assert_eq(ts_grad_scaler_load_state(s, 1.0, 3), TS_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(ts_last_error(), "growth_tracker 3 is not in [0, growth_interval 3)"), "%s", ts_last_error());
+    cr_assert_eq(ts_grad_scaler_load_state(s, 1.0, -1), TS_ERR_INVALID_ARGUMENT);
+    cr_assert_eq(ts_grad_scaler_load_state(s, INFINITY, 0), TS_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(ts_last_error(), "scale inf"), "%s", ts_last_error());
+    cr_assert_eq(ts_grad_scaler_get_scale(s), 8.0);
+    cr_assert_eq(ts_grad_scaler_growth_tracker(s), 0);
+    ts_optim_free(opt);
+    ts_tensor_free(p);
+    ts_grad_scaler_free(s);
+}
+
 /* ------------------------------------------------------ two ranks */
 
 /* ShardedGradScaler's all-reduce: only rank 1's shard holds an inf, and
