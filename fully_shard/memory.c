@@ -18,6 +18,7 @@
 #include "fully_shard/internal.h"
 
 #include "nn/internal.h"
+#include "tensor/gemm_half.h"
 #include "tensor/internal.h"
 
 #include <stdlib.h>
@@ -37,6 +38,7 @@ typedef struct mgin {
     bool alias;
     int dest, slot; /* the producer node and its output slot (-1: none) */
     int leaf;       /* a parameter (-1: none) */
+    int64_t scratch; /* pool blocks the op takes and frees right after making this gradient (a 16-bit product's) */
 } mgin;
 
 typedef struct mnode {
@@ -56,9 +58,10 @@ typedef struct mparam {
 
 typedef struct mgroup {
     int64_t u, ag, ag_in, staging, rs_in, rs_out, conv, sgrad;
+    int64_t rs_scratch; /* the reduce-scatter's own stages (comm/comm.c setup_rs), held until it is waited on */
     bool reshard, offload;
     int state; /* 0 sharded, 1 all-gather in flight, 2 unsharded */
-    int u_buf, ag_buf, ag_in_buf, staging_buf, rs_in_buf, rs_out_buf;
+    int u_buf, ag_buf, ag_in_buf, staging_buf, rs_in_buf, rs_out_buf, rs_scratch_buf;
     bool has_sgrad;
 } mgroup;
 
@@ -77,6 +80,7 @@ typedef struct msim {
     /* the step */
     int64_t B, T, R;   /* batch, sequence (1 for 2-d inputs), rows B*T */
     size_t ces;        /* compute dtype size (param_dtype) */
+    ts_dtype half;     /* the 16-bit compute dtype (TS_BF16, TS_F16) when ces is 2 */
     size_t es;         /* parameters' own dtype size */
     int W;
     bool prefetch_fwd, prefetch_bwd, ckpt;
@@ -170,7 +174,7 @@ static void node_gin(msim *s, int n, int64_t bytes, bool alias, const mval *v, i
     if (n < 0) return;
     if (v && v->node < 0 && leaf < 0) return; /* no gradient flows there */
     mnode *nd = &s->n[n];
-    nd->g[nd->ng++] = (mgin){bytes, alias, v ? v->node : -1, v ? v->slot : 0, leaf};
+    nd->g[nd->ng++] = (mgin){bytes, alias, v ? v->node : -1, v ? v->slot : 0, leaf, 0};
 }
 
 static int param_new(msim *s, int group)
@@ -241,6 +245,7 @@ static void g_finish_reduce(msim *s)
         }
         g->has_sgrad = true;
     }
+    bunref(s, g->rs_scratch_buf);
     bunref(s, g->rs_in_buf);
     bunref(s, g->rs_out_buf);
 }
@@ -264,6 +269,7 @@ static void g_post_backward(msim *s, int gi)
         p->grad = -1;
     }
     g_reshard(s, gi);
+    g->rs_scratch_buf = g->rs_scratch ? balloc(s, g->rs_scratch) : -1;
     s->pending = gi;
 }
 
@@ -282,16 +288,31 @@ static void v_free(msim *s, mval *v)
 
 static bool needs_grad(const mval *x, bool has_params) { return has_params || x->node >= 0; }
 
+/* The scratch of a matrix product (m, n, k) in the compute dtype: the
+ * 16-bit kernels take theirs from the pool, float32 BLIS none. */
+static int64_t gemm_scratch(const msim *s, int64_t m, int64_t n, int64_t k, bool beta)
+{
+    if (s->ces != 2) return 0;
+    return (int64_t)ts__gemm_half_scratch_bytes(s->half, m, n, k, beta);
+}
+
 /* Linear(in -> out): saves its input (and the weight, which is the
- * group's unsharded parameter); backward: gx (rows, in), gw, gb. */
+ * group's unsharded parameter); backward: gx (rows, in) = g W, then
+ * gw = g^T x, gb. */
 static mval op_linear(msim *s, const mval *x, int64_t in, int64_t out, bool bias, int pw, int pb)
 {
     mval o = v_new(s, out, s->ces);
+    btransient(s, gemm_scratch(s, s->R, out, in, bias));
     if (!needs_grad(x, pw >= 0)) return o;
     int n = node_new(s);
+    if (n < 0) return o;
     node_save(s, n, x->buf);
     node_gin(s, n, s->R * in * (int64_t)s->ces, false, x, -1);
-    if (pw >= 0) node_gin(s, n, out * in * (int64_t)s->ces, false, NULL, pw);
+    if (x->node >= 0) s->n[n].g[s->n[n].ng - 1].scratch = gemm_scratch(s, s->R, in, out, false);
+    if (pw >= 0) {
+        node_gin(s, n, out * in * (int64_t)s->ces, false, NULL, pw);
+        s->n[n].g[s->n[n].ng - 1].scratch = gemm_scratch(s, out, in, s->R, false);
+    }
     if (bias && pb >= 0) node_gin(s, n, out * (int64_t)s->ces, false, NULL, pb);
     o.node = n;
     return o;
@@ -456,7 +477,7 @@ static void run_node(msim *s, int i)
     for (int k = 0; k < nd->ng; k++) {
         mgin *g = &nd->g[k];
         made[k] = g->alias ? bref(s, nd->grad[0]) : balloc(s, g->bytes);
-        if (g->alias && made[k] < 0) made[k] = -1;
+        btransient(s, g->scratch);
     }
     btransient(s, nd->scratch);
     for (int k = 0; k < nd->ng; k++) {
@@ -584,9 +605,12 @@ static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, siz
     g->rs_in = pool_bytes(W * shard * (int64_t)res);
     g->rs_out = pool_bytes(shard * (int64_t)res);
     g->conv = res != es ? pool_bytes(shard * (int64_t)es) : 0;
+    /* ring stages: min(W - 1, 2) blocks in the accumulation dtype (float32 for 16-bit), one more to convert */
+    int64_t acc = res == 8 ? 8 : 4, nstage = W - 1 < 2 ? W - 1 : 2;
+    g->rs_scratch = W > 1 ? pool_bytes((nstage + (res == 2 ? 1 : 0)) * shard * acc) : 0;
     g->offload = offload;
     g->sgrad = offload ? 0 : sg;
-    g->u_buf = g->ag_buf = g->ag_in_buf = g->staging_buf = g->rs_in_buf = g->rs_out_buf = -1;
+    g->u_buf = g->ag_buf = g->ag_in_buf = g->staging_buf = g->rs_in_buf = g->rs_out_buf = g->rs_scratch_buf = -1;
     *param = pool_bytes(shard * (int64_t)es);
     *optim = opt;
     /* with offload the shards' gradients are views of one host buffer, kept */
@@ -821,11 +845,12 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, bool ckpt, bo
     s->W = sharded && rg ? rg->W : o->world_size;
     bool off = false;
     if (sharded && rg) {
-        s->es = rg->es, s->ces = rg->ues;
+        s->es = rg->es, s->ces = rg->ues, s->half = rg->udtype;
         off = rg->off.on;
     } else {
         s->es = 4;
         s->ces = o->param_dtype == TS_DTYPE_KEEP ? 4 : ts_dtype_size(o->param_dtype);
+        s->half = o->param_dtype;
     }
     size_t res = sharded && rg ? rg->res : s->ces;
     int64_t p1, o1, g1;
@@ -909,7 +934,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, bool ckpt, bo
         if (w->L) {
             msim b1;
             memset(&b1, 0, sizeof b1);
-            b1.B = B, b1.T = T, b1.R = B * T, b1.ces = s->ces, b1.es = s->es, b1.pending = -1;
+            b1.B = B, b1.T = T, b1.R = B * T, b1.ces = s->ces, b1.es = s->es, b1.pending = -1, b1.half = s->half;
             mblock one = bk[0];
             for (int k = 0; k < 12; k++) one.params[k] = -1;
             int dn = node_new(&b1);
