@@ -351,8 +351,20 @@ static mval op_act(msim *s, const mval *x, bool save_out)
     return o;
 }
 
-/* Dropout: identity (a new reference) in eval or with p 0; else a new
- * output and the saved mask of the same size. */
+/* The dropout mask of n elements (ts_dropout, attention): float32 draws
+ * then the 16-bit noise for 16-bit dtypes (the noise kept), or the draws
+ * then the scaled mask (the scaled one kept). */
+static int dropout_mask(msim *s, int64_t n)
+{
+    int draws = balloc(s, n * (s->ces == 2 ? 4 : (int64_t)s->ces));
+    int mask = balloc(s, n * (int64_t)s->ces);
+    bunref(s, draws);
+    return mask;
+}
+
+/* Dropout: identity (a new reference) in eval or with p 0; else the
+ * mask, a new output (x * mask) and a node that saves x and the mask in
+ * float32 (mul's operands), the mask alone in 16 bits. */
 static mval op_dropout(msim *s, const mval *x, double p, bool training)
 {
     if (!training || p == 0.0) {
@@ -360,10 +372,11 @@ static mval op_dropout(msim *s, const mval *x, double p, bool training)
         bref(s, o.buf);
         return o;
     }
+    int mask = dropout_mask(s, s->R * x->cols);
     mval o = v_new(s, x->cols, s->ces);
-    int mask = balloc(s, s->R * x->cols * (int64_t)s->ces);
     if (needs_grad(x, false)) {
         int n = node_new(s);
+        if (s->ces != 2) node_save(s, n, x->buf);
         node_save(s, n, mask);
         node_gin(s, n, s->R * x->cols * (int64_t)s->ces, false, x, -1);
         o.node = n;
@@ -519,8 +532,8 @@ static mval mha_forward(msim *s, const mblock *bk, const mval *x)
     mval o = v_new(s, d, s->ces);
     int P = balloc(s, pbytes), D = -1;
     if (bk->training && bk->attn_p > 0) {
-        D = balloc(s, pbytes);
-        btransient(s, s->T * s->T * (int64_t)s->ces);
+        D = dropout_mask(s, pbytes / (int64_t)s->ces);
+        if (s->ces != 2) btransient(s, s->T * s->T * (int64_t)s->ces); /* the weights P * D of one head */
     }
     if (split >= 0) {
         int n = node_new(s);

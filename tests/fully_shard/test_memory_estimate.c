@@ -135,21 +135,35 @@ Test(fully_shard_memory_estimate, components_exact_on_4_ranks_uneven, .timeout =
 /* The predicted peak of a GPT step (one rank, no world: fully_shard on
  * the one-rank mesh) against the measured peak of TS_MEM_STORAGE, after
  * a warm-up step as the benchmark does: within 10% (the issue's bound). */
-static void peak_case(bool prefetch)
+typedef struct peak_opts {
+    bool prefetch, bf16, tied;
+    double dropout;
+    ts_reshard_policy policy;
+} peak_opts;
+
+static void peak_case(peak_opts po)
 {
+    bool prefetch = po.prefetch;
     ts_gpt_config g = ts_gpt_config_default();
     g.vocab_size = 32, g.block_size = 64, g.n_layer = 3, g.n_head = 4, g.d_model = 64;
+    g.dropout = po.dropout, g.tie_weights = po.tied;
     ts_manual_seed(1);
     ts_module *m;
     cr_assert_eq(ts_gpt_new(&g, &m), TS_OK);
+    ts_fsdp_options fo = ts_fsdp_options_default();
+    ts_mp_policy mp = ts_mp_policy_default();
+    mp.param_dtype = TS_BF16, mp.reduce_dtype = TS_F32;
+    if (po.bf16) fo.mp_policy = &mp;
+    fo.reshard_after_forward = po.policy;
     for (int l = 0; l < g.n_layer; l++) {
         char name[32];
         ts_module *b;
         snprintf(name, sizeof name, "blocks.%d", l);
         cr_assert_eq(ts_module_get_submodule(m, name, &b), TS_OK);
-        cr_assert_eq(ts_fully_shard(b, NULL), TS_OK, "%s", ts_last_error());
+        cr_assert_eq(ts_fully_shard(b, &fo), TS_OK, "%s", ts_last_error());
     }
-    cr_assert_eq(ts_fully_shard(m, NULL), TS_OK);
+    fo.reshard_after_forward = TS_RESHARD_AUTO;
+    cr_assert_eq(ts_fully_shard(m, &fo), TS_OK, "%s", ts_last_error());
     cr_assert_eq(ts_fsdp_set_implicit_prefetch(m, prefetch, prefetch), TS_OK);
     ts_named_params np;
     cr_assert_eq(ts_module_named_parameters(m, &np), TS_OK);
@@ -172,6 +186,12 @@ static void peak_case(bool prefetch)
         }
         ts_tensor *logits, *flat, *loss;
         cr_assert_eq(ts_module_call1(m, ids, &logits), TS_OK);
+        if (ts_tensor_dtype(logits) != TS_F32) { /* the loss in float32, as the benchmark */
+            ts_tensor *l32;
+            cr_assert_eq(ts_to_dtype(logits, TS_F32, &l32), TS_OK);
+            ts_tensor_free(logits);
+            logits = l32;
+        }
         cr_assert_eq(ts_reshape(logits, 2, fs, &flat), TS_OK);
         cr_assert_eq(ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss), TS_OK);
         cr_assert_eq(ts_backward(loss, NULL, false), TS_OK);
@@ -186,7 +206,8 @@ static void peak_case(bool prefetch)
     ts_fsdp_memory_report r;
     cr_assert_eq(ts_fsdp_memory_estimate(m, &mo, &r), TS_OK, "%s", ts_last_error());
     double ratio = (double)r.peak_bytes / (double)measured;
-    cr_log_info("prefetch %d: predicted %zu, measured %zu, ratio %.4f", prefetch, r.peak_bytes, measured, ratio);
+    cr_log_info("prefetch %d bf16 %d dropout %g tied %d policy %d: predicted %zu, measured %zu, ratio %.4f", prefetch,
+                po.bf16, po.dropout, po.tied, (int)po.policy, r.peak_bytes, measured, ratio);
     cr_expect(ratio > 0.9 && ratio < 1.1, "predicted %zu against measured %zu: ratio %.4f", r.peak_bytes, measured, ratio);
     /* checkpointed blocks keep less */
     mo.checkpoint_blocks = true;
@@ -200,8 +221,25 @@ static void peak_case(bool prefetch)
     ts_module_free(m);
 }
 
-Test(fully_shard_memory_estimate, gpt_step_peak_within_10_percent, .timeout = 60) { peak_case(true); }
-Test(fully_shard_memory_estimate, gpt_step_peak_without_prefetch, .timeout = 60) { peak_case(false); }
+Test(fully_shard_memory_estimate, gpt_step_peak_within_10_percent, .timeout = 60) { peak_case((peak_opts){.prefetch = true}); }
+Test(fully_shard_memory_estimate, gpt_step_peak_without_prefetch, .timeout = 60) { peak_case((peak_opts){.prefetch = false}); }
+Test(fully_shard_memory_estimate, gpt_step_peak_bf16, .timeout = 60) { peak_case((peak_opts){.prefetch = true, .bf16 = true}); }
+Test(fully_shard_memory_estimate, gpt_step_peak_dropout, .timeout = 60)
+{
+    peak_case((peak_opts){.prefetch = true, .dropout = 0.1}); /* attention and MLP masks, the embeddings' dropout */
+}
+Test(fully_shard_memory_estimate, gpt_step_peak_bf16_dropout, .timeout = 60)
+{
+    peak_case((peak_opts){.prefetch = true, .bf16 = true, .dropout = 0.1});
+}
+Test(fully_shard_memory_estimate, gpt_step_peak_tied_weights, .timeout = 60)
+{
+    peak_case((peak_opts){.prefetch = true, .tied = true}); /* the head's weight is the embedding's, in the root's group */
+}
+Test(fully_shard_memory_estimate, gpt_step_peak_blocks_stay_unsharded, .timeout = 60)
+{
+    peak_case((peak_opts){.prefetch = true, .policy = TS_RESHARD_FALSE});
+}
 
 /* The same model not sharded yet, with world_size 1: the same prediction
  * as once it is sharded on one rank. */
