@@ -26,6 +26,9 @@
  *              and gradients: the staging copies before each all-gather and
  *              after each reduce-scatter, fully_shard.h);
  *   offload-nopin  the same with pin_memory false.
+ *   fsdp-ac    fsdp with every block checkpointed (ts_checkpoint_module
+ *              before ts_fully_shard): its peak storage and step time
+ *              against fsdp (the step time interleaved with fsdp's).
  * The offload table compares them with fsdp in the same run: step time
  * (the three run once more with their steps interleaved, so that a
  * changing machine load slows them alike) and its ratio (the target is
@@ -58,8 +61,9 @@ typedef struct cfg {
     int steps, layers, dim, heads, seq, batch, vocab;
 } cfg;
 
-enum { LOCAL, FSDP, FSDP_NOPF, FSDP_BF16, OFFLOAD, OFFLOAD_NOPIN, N_MODES };
-static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf", "fsdp-bf16", "offload", "offload-nopin"};
+enum { LOCAL, FSDP, FSDP_NOPF, FSDP_BF16, OFFLOAD, OFFLOAD_NOPIN, FSDP_AC, N_MODES };
+static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf", "fsdp-bf16", "offload", "offload-nopin",
+                                          "fsdp-ac"};
 
 /* Per mode, besides the step time: bytes per step given to the
  * collectives (all of them; the all-gathers; the reduce-scatters) and
@@ -93,6 +97,7 @@ static ts_module *build(const cfg *c, int mode)
         ts_module *b;
         snprintf(name, sizeof name, "blocks.%d", l);
         CHECK(ts_module_get_submodule(m, name, &b));
+        if (mode == FSDP_AC) CHECK(ts_checkpoint_module(b));
         CHECK(ts_fully_shard(b, &fo));
     }
     CHECK(ts_fully_shard(m, &fo));
@@ -226,12 +231,12 @@ static void runner_new(const cfg *c, int mode, runner *r)
 
 static void run_interleaved(const cfg *c, int rank, int nm, const int *modes, double *t_out)
 {
-    runner r[4];
-    if (nm > 4) nm = 4;
+    runner r[5];
+    if (nm > 5) nm = 5;
     for (int k = 0; k < nm; k++) runner_new(c, modes[k], &r[k]);
     ts_tensor *ids, *tg;
     make_batch(c, rank, &ids, &tg);
-    double t[4][64];
+    double t[5][64];
     int n = c->steps > 64 ? 64 : c->steps;
     ts_comm *w = ts_dist_world();
     for (int s = -2; s < n; s++) {
@@ -324,9 +329,9 @@ int main(int argc, char **argv)
     double comm = run_comm(&c);
     /* the policies' rows against fsdp again, their steps interleaved (the
      * load on a shared machine drifts between the runs above) */
-    static const int off_modes[4] = {FSDP, OFFLOAD, OFFLOAD_NOPIN, FSDP_BF16};
-    double ti[4];
-    run_interleaved(&c, rank, 4, off_modes, ti);
+    static const int off_modes[5] = {FSDP, OFFLOAD, OFFLOAD_NOPIN, FSDP_BF16, FSDP_AC};
+    double ti[5];
+    run_interleaved(&c, rank, 5, off_modes, ti);
     if (rank == 0) {
         printf("bench_fsdp_step: %d ranks, GPT %d layers, d %d, %d heads, seq %d, batch %d per rank, AdamW; "
                "TS_UCX_ERROR_MODE=%s\n",
@@ -374,6 +379,9 @@ int main(int argc, char **argv)
                ti[3] / ti[0], g_bytes[FSDP_BF16].ag / g_bytes[FSDP].ag, g_bytes[FSDP_BF16].rs / g_bytes[FSDP].rs,
                (double)peak[FSDP_BF16] / (double)peak[FSDP],
                __builtin_cpu_supports("avx512bf16") ? "avx512bf16" : __builtin_cpu_supports("avx2") ? "avx2, no avx512bf16" : "no avx2");
+        printf("fsdp-ac (every block checkpointed) vs fsdp: peak storage %.2f MiB vs %.2f MiB (%.3f x), step %.2f ms vs "
+               "%.2f ms (%.3f x, interleaved)\n", (double)peak[FSDP_AC] / 1048576.0, (double)peak[FSDP] / 1048576.0,
+               (double)peak[FSDP_AC] / (double)peak[FSDP], ti[4] * 1e3, ti[0] * 1e3, ti[4] / ti[0]);
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         printf("cores per rank: %.1f%s\n", (double)cores / W,
                (double)cores / W < 2 ? " (shared-memory transfers are copies made by the ranks' own CPUs, so with "

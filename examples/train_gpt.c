@@ -12,7 +12,10 @@
  *        [--batch B] [--seq T] [--layers L] [--heads H] [--dim D] [--lr LR]
  *        [--seed S] [--save FILE.safetensors] [--load FILE.safetensors]
  *        [--sample N [--temperature T] [--prompt TEXT]]    (--help: all flags)
- *        [--offload cpu [--pin-memory 0|1]]
+ *        [--offload cpu [--pin-memory 0|1]] [--checkpoint-activations]
+ * --checkpoint-activations checkpoints every block (ts_checkpoint_module
+ * before ts_fully_shard): the backward recomputes each block's forward
+ * instead of keeping its activations (same losses, lower peak).
  * --offload cpu shards every group with CPUOffloadPolicy (pinned host
  * shards and gradients unless --pin-memory 0) and prints, at the end, its
  * staging copies per step and the host bytes it holds.
@@ -235,9 +238,17 @@ int main(int argc, char **argv)
         {"--reduce-dtype", "bf16|f16|f32", EX_FLAG_STRING, &reduce_dtype_s, 0, 0, false, "mixed precision: reduce the gradients in this dtype (default: the param dtype)", false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
+    bool ckpt_act = false; /* a switch without value: taken out before the flags are parsed */
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--checkpoint-activations")) {
+            ckpt_act = true;
+            memmove(&argv[i], &argv[i + 1], (size_t)(argc - i) * sizeof *argv);
+            argc--, i--;
+        }
     ex_parse_flags(argc, argv,
                    "Trains a character-level GPT with fully_shard (one FSDP group per block, then the root), alone\n"
-                   "or on the ranks of tsrun --nproc-per-node N; or, with --load FILE --sample N, generates text.",
+                   "or on the ranks of tsrun --nproc-per-node N; or, with --load FILE --sample N, generates text.\n"
+                   "--checkpoint-activations (no value): checkpoint every block (recompute in backward).",
                    flags, NFLAGS);
     bool sample_flags = ex_flag_given(flags, NFLAGS, "--temperature") || ex_flag_given(flags, NFLAGS, "--prompt");
     if (strcmp(offload, "none") != 0 && strcmp(offload, "cpu") != 0) {
@@ -422,6 +433,7 @@ int main(int argc, char **argv)
         ts_module *block;
         snprintf(name, sizeof name, "blocks.%d", l);
         CHECK(ts_module_get_submodule(model, name, &block));
+        if (ckpt_act) CHECK(ts_checkpoint_module(block));
         CHECK(ts_fully_shard(block, &fso));
     }
     CHECK(ts_fully_shard(model, &fso));

@@ -58,10 +58,12 @@ static bool is_ancestor(const char *a, const char *b)
     return strncmp(a, b, n) == 0 && b[n] == '.';
 }
 
-/* The type a module had before fully_shard rewrote it ("" if unnamed). */
+/* The type a module had before fully_shard (or ts_checkpoint_module)
+ * rewrote it ("" if unnamed). */
 static const char *own_type(const ts_module *m)
 {
-    const ts_module_vtable *vt = ts_module_is_fsdp(m) ? ts_fsdp_original_vtable(m) : m->vtable;
+    const ts_module_vtable *vt = m->vtable;
+    while (vt && vt->base) vt = vt->base;
     return vt && vt->type_name ? vt->type_name : "";
 }
 

@@ -22,6 +22,7 @@
 
 static ts_status fsdp_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out);
 static void fsdp_free(ts_module *m);
+static ts_status fsdp_rebase(ts_module *m, const ts_module_vtable *inner);
 static ts_status fsdp_call(fsdp_state *st, ts_module_fn fn, int n_in, ts_tensor *const *in, int *n_out,
                            ts_tensor **out);
 
@@ -35,6 +36,22 @@ static ts_status fsdp_call_method(ts_module *m, int k, int n_in, ts_tensor *cons
     ts_module_fn fn = st->orig_vt->methods[k].fn;
     if (!st->method_wrapped || !st->method_wrapped[k]) return fn(m, n_in, in, n_out, out);
     return fsdp_call(st, fn, n_in, in, n_out, out);
+}
+
+/* The rebase slot (ts_checkpoint_module after fully_shard): m's FSDP
+ * vtable becomes the one extending `inner`, which extends the original. */
+static ts_status fsdp_rebase(ts_module *m, const ts_module_vtable *inner)
+{
+    fsdp_state *s = m->ext;
+    if (!s || !inner || inner->base != s->orig_vt)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "fully_shard: %s can only be re-based onto a vtable extending %s",
+                        ts_module_type_name(m), s ? s->orig_vt->type_name : "its original");
+    const ts_module_vtable *vt = NULL;
+    ts_status st = ts__fsdp_vtable(inner, &vt);
+    if (st) return st;
+    s->orig_vt = inner;
+    m->vtable = vt;
+    return TS_OK;
 }
 
 /* The FSDP vtables made so far, one per original vtable; the array grows
@@ -99,6 +116,7 @@ ts_status ts__fsdp_vtable(const ts_module_vtable *orig, const ts_module_vtable *
     vt->base = orig;
     vt->extra_repr = ts__fsdp_extra_repr;
     vt->call_method = fsdp_call_method;
+    vt->rebase = fsdp_rebase;
     g_vts[g_n_vts++] = (vt_entry){orig, vt};
     *out = vt;
     vt = NULL, name = NULL;
@@ -485,9 +503,36 @@ static ts_status fsdp_call_hooks(fsdp_state *s, ts_module_fn fn, int n_in, ts_te
     if (st) return st;
     fsdp_ctx *c = s->ctx;
     fsdp_group *g = s->group;
-    if (ts_autograd_in_backward()) { /* activation checkpointing's recompute */
+    if (ts_autograd_in_backward()) {
+        /* activation checkpointing's recompute of a checkpointed module
+         * that holds this one (ts_checkpoint_module): its forward ran
+         * without grad, so none of this module's backward hooks exist;
+         * they go on the recomputed graph, whose backward runs next, so
+         * that the group is unsharded for it and its gradients are
+         * reduce-scattered (and the group resharded) as soon as they are
+         * complete, not at the end of the whole backward. No forward
+         * bookkeeping (order, prefetch, reshard policy), as PyTorch's
+         * pre-forward in PRE_BACKWARD. */
         if (g && ((st = ts__fsdp_unshard(g)) || (st = ts__fsdp_wait_unshard(g)))) return st;
-        return fn(m, n_in, in, n_out, out);
+        bool hooks = g && ts_grad_mode_enabled();
+        ts_tensor *rin[TS_MODULE_MAX_IO];
+        bool rw = hooks && n_in > 0 && n_in <= TS_MODULE_MAX_IO && any_requires_grad(n_in, in);
+        if (rw && (st = wrap_marker(n_in, in, post_backward_fn, s, rin))) return st;
+        st = fn(m, n_in, rw ? rin : in, n_out, out);
+        if (rw)
+            for (int i = 0; i < n_in; i++) ts_tensor_free(rin[i]);
+        if (st || !hooks || *n_out <= 0 || !any_requires_grad(*n_out, out)) return st;
+        ts_tensor *rout[TS_MODULE_MAX_IO];
+        if ((st = wrap_marker(*n_out, out, pre_backward_fn, s, rout))) {
+            for (int i = 0; i < *n_out; i++) ts_tensor_free(out[i]);
+            *n_out = 0;
+            return st;
+        }
+        for (int i = 0; i < *n_out; i++) {
+            ts_tensor_free(out[i]);
+            out[i] = rout[i];
+        }
+        return TS_OK;
     }
     bool iter_root = false;
     if (!c->iter_root) {

@@ -104,6 +104,13 @@ typedef struct ts_module_vtable {
      * of the method in `methods`, instead of methods[i].fn. */
     ts_status (*call_method)(ts_module *m, int index, int n_in, ts_tensor *const *in, int *n_out,
                              ts_tensor **out);
+    /* Optional, for vtables made by an upper layer: makes module m (whose
+     * vtable is this one) extend `inner` instead of its current base, where
+     * inner itself extends that base, by switching m to this layer's
+     * vtable for inner. ts_checkpoint_module uses it to slide
+     * "<Type>Checkpointed" under fully_shard's "<Type>FSDPModule". NULL:
+     * the layer cannot be re-based (ts_checkpoint_module then fails). */
+    ts_status (*rebase)(ts_module *m, const struct ts_module_vtable *inner);
 } ts_module_vtable;
 
 /* The base every module struct starts with. */
@@ -281,6 +288,49 @@ TS_API ts_status ts_module_to_dtype(ts_module *m, ts_dtype dtype);
  * arguments, TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_module_print(ts_module *m, FILE *f);
 TS_API ts_status ts_module_repr(ts_module *m, char *buf, size_t cap, size_t *len_out);
+
+/* ------------------------------------------------------------ activation checkpointing */
+
+/* Activation checkpointing of a module, in place (PyTorch's non-reentrant
+ * torch.utils.checkpoint applied to it, as checkpoint_wrapper or the
+ * composable checkpoint(module) do). When the module is called with grad
+ * enabled, its forward runs without recording a graph and keeps only its
+ * inputs (references to them) and the default generator's state; its
+ * floating outputs carry one autograd node. That node's backward (a) sets
+ * the default generator to the state it had at the forward (dropout draws
+ * the same masks) and puts the current state back afterwards, (b) runs the
+ * forward again with grad enabled on detached inputs that require grad as
+ * the originals did, and (c) runs the backward of that recomputed graph
+ * with the outputs' gradients, inside the backward now running:
+ * parameters' .grad accumulate as without checkpointing and the inputs'
+ * gradients flow on. Gradients are bitwise those without checkpointing.
+ * With grad disabled, or when neither the inputs nor the parameters
+ * require grad, the call is the plain forward.
+ *
+ * The module's vtable becomes "<Type>Checkpointed" (extending its own;
+ * same address, parameter names and FQNs: no "_checkpoint_wrapped_module."
+ * prefix as PyTorch's checkpoint_wrapper adds). It composes with
+ * fully_shard in either order, with the same result: checkpoint then
+ * ts_fully_shard gives "<Type>CheckpointedFSDPModule"; ts_fully_shard then
+ * checkpoint re-bases the FSDP vtable onto the Checkpointed one (through
+ * its rebase slot), which gives the same. fully_shard's hooks thus run
+ * outside the checkpoint: the pre-backward all-gather happens before the
+ * recompute, and the post-backward reduce-scatter after its backward.
+ * Named extra methods are not checkpointed. Modules inside the
+ * checkpointed one are called again in the recompute (their hooks run
+ * twice). Nested checkpointed modules work (each recompute recomputes
+ * the inner one again in its backward).
+ *
+ * Errors (the module unchanged): TS_ERR_INVALID_ARGUMENT for NULL or a
+ * module without vtable; TS_ERR_ALREADY when it is checkpointed already;
+ * TS_ERR_UNSUPPORTED for a module without forward (ModuleList: checkpoint
+ * its modules), or rewritten by an upper layer that cannot be re-based
+ * (no rebase slot, or two layers deep). A failure in the recompute or its
+ * backward fails the ts_backward running, naming the module; the module
+ * stays usable. Same thread rules as the module. */
+TS_API ts_status ts_checkpoint_module(ts_module *m);
+/* True when ts_checkpoint_module was applied to m (false for NULL). */
+TS_API bool ts_module_is_checkpointed(const ts_module *m);
 
 /* ------------------------------------------------------------ state dicts */
 

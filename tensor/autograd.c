@@ -485,6 +485,47 @@ ts_status ts_backward(ts_tensor *root, ts_tensor *grad, bool retain_graph)
     return st ? st : cb;
 }
 
+/* A backward started inside a node's backward (activation checkpointing's
+ * recompute): runs the graph reachable from the roots with their
+ * gradients, accumulating into leaves' .grad. It shares the outer
+ * backward's state: the callbacks it queues run when the outer backward
+ * ends, and nodes of the outer graph it reaches (they have a grad_buf
+ * already) are not run here: their gradients wait in their grad_buf for the
+ * outer run, as any other input gradient. */
+ts_status ts__backward_nested(int n, ts_tensor *const *roots, ts_tensor *const *grads)
+{
+    if (!tl_in_backward)
+        return ts_error(TS_ERR_STATE, "backward (nested): no backward is running on this thread");
+    node_vec order = {0};
+    ts_status st = TS_OK;
+    for (int i = 0; i < n && !st; i++) {
+        ts_tensor *r = roots[i];
+        if (!r || !grads[i] || !r->requires_grad)
+            continue;
+        if ((st = check_grad_fits("backward (nested)", r, grads[i])))
+            break;
+        if (r->grad_fn && !r->grad_fn->grad_buf)
+            st = collect(r->grad_fn, &order);
+    }
+    if (!st) {
+        qsort(order.v, (size_t)order.n, sizeof *order.v, by_seq_desc);
+        for (int i = 0; i < n && !st; i++) {
+            ts_tensor *r = roots[i];
+            if (!r || !grads[i] || !r->requires_grad)
+                continue;
+            if (r->grad_fn)
+                st = ts__accumulate(&r->grad_fn->grad_buf[r->output_index], grads[i]);
+            else
+                st = accumulate_leaf(r, grads[i]);
+        }
+        for (int k = 0; k < order.n && !st; k++)
+            st = run_node(order.v[k], false);
+    }
+    drop_grad_bufs(&order);
+    ts__free(TS_MEM_AUTOGRAD, order.v);
+    return st;
+}
+
 ts_status ts_autograd_queue_callback(ts_autograd_callback_fn fn, void *ctx)
 {
     if (!fn)

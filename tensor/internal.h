@@ -76,6 +76,15 @@ struct ts_node {
     int pending;
 };
 
+/* Runs a backward from n roots (NULL roots or grads are skipped) inside
+ * the backward now running on this thread (a node's backward that
+ * recomputes and differentiates a subgraph: activation checkpointing).
+ * Accumulates into leaves' .grad; callbacks it queues run at the end of
+ * the outer backward. TS_ERR_STATE outside a backward; TS_ERR_SHAPE or
+ * TS_ERR_DTYPE when a gradient does not fit its root; errors of the
+ * nodes. Saved tensors of the nodes it runs are released. */
+ts_status ts__backward_nested(int n, ts_tensor *const *roots, ts_tensor *const *grads);
+
 /* True when an op with these inputs must record a node (grad mode on and
  * some input requires grad). */
 bool ts__needs_grad(int n, ts_tensor *const *inputs);

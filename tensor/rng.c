@@ -125,10 +125,22 @@ static void default_gen_init(void)
     gen_seed(&default_gen, TS__DEFAULT_SEED);
 }
 
+/* A thread's own default (ts_generator_set_thread_default), else NULL. */
+static _Thread_local ts_generator *tl_default;
+
 ts_generator *ts_default_generator(void)
 {
+    if (tl_default)
+        return tl_default;
     call_once(&default_once, default_gen_init);
     return &default_gen;
+}
+
+ts_generator *ts_generator_set_thread_default(ts_generator *g)
+{
+    ts_generator *prev = tl_default;
+    tl_default = g;
+    return prev;
 }
 
 static ts_generator *gen_or_default(ts_generator *g)

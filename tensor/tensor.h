@@ -445,8 +445,15 @@ TS_API bool ts_autograd_in_backward(void);
  * 67280421310721; ts_generator_free ignores it. */
 
 TS_API void ts_manual_seed(uint64_t seed);
-/* The process-wide default generator (borrowed). */
+/* The default generator (borrowed): the calling thread's own when
+ * ts_generator_set_thread_default gave it one, else the process-wide one. */
 TS_API ts_generator *ts_default_generator(void);
+/* Makes g (borrowed: it must outlive its use; NULL: back to the
+ * process-wide one) the default generator of the calling thread, as a
+ * rank simulated by a thread has its own default generator like a rank
+ * process; ts_manual_seed and every function given gen NULL then use it.
+ * Returns the thread's previous own default (NULL if none). */
+TS_API ts_generator *ts_generator_set_thread_default(ts_generator *g);
 /* A new generator seeded with `seed`; free with ts_generator_free. */
 TS_API ts_status ts_generator_new(uint64_t seed, ts_generator **out);
 TS_API void ts_generator_free(ts_generator *g);

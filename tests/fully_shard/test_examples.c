@@ -1046,3 +1046,44 @@ Test(fully_shard_examples, train_gpt_bf16_halves_all_gather_bytes, .timeout = 24
     cr_assert(strstr(out, "[0] grad scaler: "), "%s", out);
     free(out);
 }
+
+/* The last "peak tensors X MiB" of rank 0's step lines. */
+static double gpt_last_peak(const char *out)
+{
+    double peak = -1;
+    for (const char *l = out; (l = strstr(l, "[0] step ")); l++) {
+        const char *p = strstr(l, "peak tensors ");
+        const char *nl = strchr(l, '\n');
+        if (p && (!nl || p < nl)) cr_assert_eq(sscanf(p, "peak tensors %lf", &peak), 1, "%.200s", l);
+    }
+    cr_assert_geq(peak, 0, "no peak in the step lines:\n%s", out);
+    return peak;
+}
+
+/* train_gpt --checkpoint-activations (every block checkpointed, then
+ * sharded) on 2 ranks trains bit for bit as without: the same loss lines
+ * and the same weights saved at the end (byte-identical files); its
+ * storage peak is lower. */
+Test(fully_shard_examples, train_gpt_checkpoint_activations_trains_the_same, .timeout = 180)
+{
+    char p0[96], p1[96];
+    snprintf(p0, sizeof p0, "/tmp/ts-test-ac0-%d.safetensors", (int)getpid());
+    snprintf(p1, sizeof p1, "/tmp/ts-test-ac1-%d.safetensors", (int)getpid());
+    const char *a0[] = {"--steps", "6", "--save", p0};
+    const char *a1[] = {"--steps", "6", "--checkpoint-activations", "--save", p1};
+    char *out0 = run_example_args("train_gpt", 2, 4, a0);
+    char *out1 = run_example_args("train_gpt", 2, 5, a1);
+    int s0[8], s1[8], k0[8], k1[8];
+    double l0[8], l1[8], m0[8], m1[8];
+    int n0 = step_lines(out0, 8, s0, k0, l0, m0), n1 = step_lines(out1, 8, s1, k1, l1, m1);
+    cr_assert(n0 >= 6 && n0 == n1, "%d and %d step lines:\n%s\n%s", n0, n1, out0, out1);
+    for (int i = 0; i < n0; i++) cr_assert_eq(l0[i], l1[i], "line %d: loss %.4f without, %.4f with", i, l0[i], l1[i]);
+    size_t len0, len1;
+    char *f0 = th_read_file(p0, &len0), *f1 = th_read_file(p1, &len1);
+    cr_assert(len0 == len1 && memcmp(f0, f1, len0) == 0, "the weights after 6 steps differ with checkpointing");
+    double pk0 = gpt_last_peak(out0), pk1 = gpt_last_peak(out1);
+    cr_log_info("train_gpt peak tensors: %.1f MiB without, %.1f MiB with --checkpoint-activations", pk0, pk1);
+    cr_assert_lt(pk1, pk0, "peak %.1f MiB with checkpointing, %.1f MiB without", pk1, pk0);
+    free(f0), free(f1), free(out0), free(out1);
+    unlink(p0), unlink(p1);
+}
