@@ -422,7 +422,10 @@ typedef struct ts_fsdp_memory_options {
     int input_ndim;
     int64_t input_shape[TS_MAX_DIMS];
     ts_fsdp_optim_kind optim;       /* default TS_FSDP_OPTIM_ADAM */
-    bool checkpoint_blocks;         /* every block activation-checkpointed (ts_checkpoint_module) */
+    /* Predict the peak with every block activation-checkpointed
+     * (ts_checkpoint_module); false: the blocks as they are (those
+     * ts_checkpoint_module made checkpointed, and no others). */
+    bool checkpoint_blocks;
     /* For a model not sharded yet (ignored for a sharded one, whose groups,
      * meshes, policies and prefetch settings are read): the ranks it will
      * be sharded over (default 1), each GPT block its own group and the
@@ -454,7 +457,7 @@ typedef struct ts_fsdp_memory_report {
     size_t forward_peak_bytes; /* the storage peak during forward */
     size_t backward_peak_bytes;/* the storage peak during backward */
     size_t peak_bytes;         /* the step's peak: the larger of the two and of the optimizer step */
-    bool checkpointed;         /* the peaks above are for checkpointed blocks */
+    bool checkpointed;         /* the peaks above are with checkpointed blocks (all, or those the model has) */
 } ts_fsdp_memory_report;
 
 /* Predicts the per-rank storage of one training step of `model` on an

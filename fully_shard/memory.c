@@ -84,6 +84,7 @@ typedef struct msim {
     size_t es;         /* parameters' own dtype size */
     int W;
     bool prefetch_fwd, prefetch_bwd, ckpt;
+    bool no_grad;      /* a checkpointed forward: ops record nothing */
     int pending;       /* group whose reduce-scatter is in flight (-1) */
     int *order;        /* post-forward order of the groups (each once) */
     int n_order;
@@ -145,6 +146,7 @@ typedef struct mval {
     int node; /* the node that made it (-1: no grad) */
     int slot;
     int64_t cols; /* last dim; rows are s->R */
+    int leaf1;    /* a leaf whose .grad collects its gradient: its parameter id + 1 (0: none) */
 } mval;
 
 static int node_new(msim *s)
@@ -172,9 +174,10 @@ static void node_save(msim *s, int n, int buf)
 static void node_gin(msim *s, int n, int64_t bytes, bool alias, const mval *v, int leaf)
 {
     if (n < 0) return;
-    if (v && v->node < 0 && leaf < 0) return; /* no gradient flows there */
+    if (v && v->node < 0 && v->leaf1) leaf = v->leaf1 - 1; /* a leaf input (a checkpoint's recompute) */
+    if (v && v->node < 0 && leaf < 0) return;             /* no gradient flows there */
     mnode *nd = &s->n[n];
-    nd->g[nd->ng++] = (mgin){bytes, alias, v ? v->node : -1, v ? v->slot : 0, leaf, 0};
+    nd->g[nd->ng++] = (mgin){bytes, alias, v && v->node >= 0 ? v->node : -1, v ? v->slot : 0, leaf, 0};
 }
 
 static int param_new(msim *s, int group)
@@ -277,7 +280,7 @@ static void g_post_backward(msim *s, int gi)
 
 static mval v_new(msim *s, int64_t cols, size_t es)
 {
-    return (mval){balloc(s, s->R * cols * (int64_t)es), -1, 0, cols};
+    return (mval){balloc(s, s->R * cols * (int64_t)es), -1, 0, cols, 0};
 }
 
 static void v_free(msim *s, mval *v)
@@ -286,7 +289,10 @@ static void v_free(msim *s, mval *v)
     v->buf = -1;
 }
 
-static bool needs_grad(const mval *x, bool has_params) { return has_params || x->node >= 0; }
+static bool needs_grad(const msim *s, const mval *x, bool has_params)
+{
+    return !s->no_grad && (has_params || x->node >= 0 || x->leaf1);
+}
 
 /* The scratch of a matrix product (m, n, k) in the compute dtype: the
  * 16-bit kernels take theirs from the pool, float32 BLIS none. */
@@ -303,7 +309,7 @@ static mval op_linear(msim *s, const mval *x, int64_t in, int64_t out, bool bias
 {
     mval o = v_new(s, out, s->ces);
     btransient(s, gemm_scratch(s, s->R, out, in, bias));
-    if (!needs_grad(x, pw >= 0)) return o;
+    if (!needs_grad(s, x, pw >= 0)) return o;
     int n = node_new(s);
     if (n < 0) return o;
     node_save(s, n, x->buf);
@@ -323,7 +329,7 @@ static mval op_layer_norm(msim *s, const mval *x, int64_t d, int pw, int pb)
 {
     mval o = v_new(s, d, s->ces);
     int mean = balloc(s, s->R * 8), rstd = balloc(s, s->R * 8);
-    if (needs_grad(x, pw >= 0)) {
+    if (needs_grad(s, x, pw >= 0)) {
         int n = node_new(s);
         node_save(s, n, x->buf);
         node_save(s, n, mean);
@@ -343,7 +349,7 @@ static mval op_layer_norm(msim *s, const mval *x, int64_t d, int pw, int pb)
 static mval op_act(msim *s, const mval *x, bool save_out)
 {
     mval o = v_new(s, x->cols, s->ces);
-    if (!needs_grad(x, false)) return o;
+    if (!needs_grad(s, x, false)) return o;
     int n = node_new(s);
     node_save(s, n, save_out ? o.buf : x->buf);
     node_gin(s, n, s->R * x->cols * (int64_t)s->ces, false, x, -1);
@@ -374,7 +380,7 @@ static mval op_dropout(msim *s, const mval *x, double p, bool training)
     }
     int mask = dropout_mask(s, s->R * x->cols);
     mval o = v_new(s, x->cols, s->ces);
-    if (needs_grad(x, false)) {
+    if (needs_grad(s, x, false)) {
         int n = node_new(s);
         if (s->ces != 2) node_save(s, n, x->buf);
         node_save(s, n, mask);
@@ -390,7 +396,7 @@ static mval op_dropout(msim *s, const mval *x, double p, bool training)
 static mval op_add(msim *s, const mval *a, const mval *b)
 {
     mval o = v_new(s, a->cols, s->ces);
-    if (a->node < 0 && b->node < 0) return o;
+    if (!needs_grad(s, a, false) && !needs_grad(s, b, false)) return o;
     int n = node_new(s);
     node_gin(s, n, 0, true, a, -1);
     node_gin(s, n, 0, true, b, -1);
@@ -428,6 +434,7 @@ static void accumulate(msim *s, int *slot, int buf)
 }
 
 static void run_node(msim *s, int i);
+static int param_new(msim *s, int group);
 
 /* Backward of a checkpointed block: its forward again (the block's
  * group is already unsharded by its pre-backward marker), then its
@@ -441,36 +448,36 @@ struct mblock {
     bool training;
     int params[12]; /* ln1 w b, in_proj w b, out_proj w b, ln2 w b, fc1 w b, fc2 w b */
     int group;
+    bool ckpt;      /* checkpointed (ts_checkpoint_module, or the options say every block) */
 };
 static mblock *g_blocks; /* the walk's blocks (set in ts_fsdp_memory_estimate) */
 
+/* The checkpoint node's backward (nn/checkpoint.c): the block's forward
+ * again with grad on an alias of the saved input (a leaf whose .grad
+ * collects the input's gradient), the backward of that graph at once
+ * (its nodes released as they run), then the input's gradient passed
+ * on. The block's group is unsharded by its pre-backward marker. */
 static void run_ckpt(msim *s, int i)
 {
     mnode *nd = &s->n[i];
     const mblock *bk = &g_blocks[nd->ckpt_block];
-    int first = s->nn;
-    /* the saved input, as a value whose gradient flows to the checkpoint node's input */
-    mval x = {nd->saved[0], -1, 0, bk->d};
-    int in_node = node_new(s); /* collects the recomputed graph's input gradient */
-    if (in_node < 0) return;
-    x.node = in_node;
-    bref(s, x.buf);
+    int first = s->nn, leaf = param_new(s, -1);
+    if (leaf < 0) return;
+    mval x = {bref(s, nd->saved[0]), -1, 0, bk->d, leaf + 1};
     mval y = block_forward(s, bk, &x);
     v_free(s, &x);
     nd = &s->n[i];
-    /* the output's gradient: the checkpoint node's */
-    if (y.node >= 0) {
-        s->n[y.node].grad[y.slot] = nd->grad[0];
-        nd->grad[0] = -1;
+    if (y.node >= 0) { /* the output's gradient: the checkpoint node's */
+        s->n[y.node].grad[y.slot] = bref(s, nd->grad[0]);
     }
     v_free(s, &y);
-    for (int k = s->nn - 1; k > in_node; k--) run_node(s, k);
-    /* the input gradient passes to the checkpoint node's input */
-    nd = &s->n[i];
-    int gin = s->n[in_node].grad[0];
-    s->n[in_node].grad[0] = -1;
-    nd->grad[0] = gin;
+    for (int k = s->nn - 1; k >= first && !s->err; k--) run_node(s, k);
     s->nn = first;
+    /* the input's gradient replaces the node's own, for its alias gin */
+    nd = &s->n[i];
+    bunref(s, nd->grad[0]);
+    nd->grad[0] = s->p[leaf].grad;
+    s->np--;
 }
 
 static void run_node(msim *s, int i)
@@ -525,7 +532,7 @@ static mval mha_forward(msim *s, const mblock *bk, const mval *x)
     int64_t d = bk->d, H = bk->H, pbytes = s->B * H * s->T * s->T * (int64_t)s->ces;
     mval qkv = op_linear(s, x, d, 3 * d, true, bk->params[2], bk->params[3]);
     int split = -1;
-    if (qkv.node >= 0) {
+    if (qkv.node >= 0 && !s->no_grad) {
         split = node_new(s);
         node_gin(s, split, s->R * 3 * d * (int64_t)s->ces, false, &qkv, -1);
     }
@@ -541,7 +548,7 @@ static mval mha_forward(msim *s, const mblock *bk, const mval *x)
         node_save(s, n, P);
         node_save(s, n, D);
         for (int k = 0; k < 3; k++) {
-            mval part = {qkv.buf, split, k, d};
+            mval part = {qkv.buf, split, k, d, 0};
             node_gin(s, n, s->R * d * (int64_t)s->ces, false, &part, -1);
         }
         o.node = n;
@@ -575,9 +582,11 @@ static mval block_forward(msim *s, const mblock *bk, const mval *x)
 
 /* ------------------------------------------------------------ the model */
 
+/* The layer's own type under fully_shard's and checkpointing's vtables. */
 static const char *type_of(const ts_module *m)
 {
-    const ts_module_vtable *vt = ts_module_is_fsdp(m) ? ts_fsdp_original_vtable(m) : m->vtable;
+    const ts_module_vtable *vt = m->vtable;
+    while (vt->base) vt = vt->base;
     return vt->type_name;
 }
 
@@ -730,7 +739,7 @@ static void gpt_step(msim *s, gpt_run *r)
         tok.node = n;
     }
     int ar = balloc(s, s->T * 8);
-    mval pos = {balloc(s, s->T * d * (int64_t)s->ces), -1, 0, d};
+    mval pos = {balloc(s, s->T * d * (int64_t)s->ces), -1, 0, d, 0};
     {
         int n = node_new(s);
         node_save(s, n, ar);
@@ -758,15 +767,13 @@ static void gpt_step(msim *s, gpt_run *r)
         if (!own) bref(s, xin.buf);
         v_free(s, &x);
         mval y;
-        if (s->ckpt) { /* keeps only the block's input: the forward runs without a graph */
-            int first = s->nn;
-            mval xc = {xin.buf, -1, 0, d};
-            y = block_forward(s, bk, &xc);
-            for (int k = first; k < s->nn; k++)
-                for (int j = 0; j < s->n[k].ns; j++) bunref(s, s->n[k].saved[j]);
-            s->nn = first;
+        if (s->ckpt || bk->ckpt) { /* keeps only the block's inputs (x and the mask): the forward records nothing */
+            s->no_grad = true;
+            y = block_forward(s, bk, &xin);
+            s->no_grad = false;
             int n = node_new(s);
             node_save(s, n, xin.buf);
+            node_save(s, n, mask);
             s->n[n].hook = HOOK_CKPT;
             s->n[n].ckpt_block = l;
             node_gin(s, n, 0, true, &xin, -1);
@@ -835,13 +842,14 @@ typedef struct setup {
 } setup;
 
 /* One run of the step (ckpt or not); fills the report's peaks. */
-static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, bool ckpt, bool sharded, ts_module *model,
+/* ckpt: 0 no block checkpointed, 1 every block, 2 the blocks ts_checkpoint_module made so. */
+static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, bool sharded, ts_module *model,
                      int64_t B, int64_t T, ts_fsdp_memory_report *rep, int64_t *act_out, int64_t *block_act_out)
 {
     msim S;
     memset(&S, 0, sizeof S);
     msim *s = &S;
-    s->B = B, s->T = T, s->R = B * T, s->pending = -1, s->ckpt = ckpt;
+    s->B = B, s->T = T, s->R = B * T, s->pending = -1, s->ckpt = ckpt == 1;
     mblock *bk = calloc((size_t)(w->L ? w->L : 1), sizeof *bk);
     s->g = calloc((size_t)w->L + 1, sizeof *s->g);
     s->order = calloc((size_t)w->L + 1, sizeof *s->order);
@@ -893,6 +901,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, bool ckpt, bo
         dr = ts_container_size(mlp) == 4 ? ts_container_child(mlp, 3) : NULL;
         bk[l].d = w->d, bk[l].H = a->num_heads, bk[l].attn_p = a->dropout, bk[l].training = w->training;
         bk[l].mlp_p = dr && !strcmp(type_of(dr), "Dropout") ? ((ts__act *)dr)->p : 0.0;
+        bk[l].ckpt = ckpt == 1 || (ckpt == 2 && ts_module_is_checkpointed(w->blocks[l]));
         if (sharded && fg == rg) fg = NULL;
         if (sharded && !fg) {
             bk[l].group = 0;
@@ -951,7 +960,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, bool ckpt, bo
             mblock one = bk[0];
             for (int k = 0; k < 12; k++) one.params[k] = -1;
             int dn = node_new(&b1);
-            mval xin = {balloc(&b1, b1.R * w->d * (int64_t)b1.ces), dn, 0, w->d};
+            mval xin = {balloc(&b1, b1.R * w->d * (int64_t)b1.ces), dn, 0, w->d, 0};
             int64_t l0 = b1.live;
             mval y = block_forward(&b1, &one, &xin);
             *block_act_out = b1.err ? 0 : b1.live - l0;
@@ -1002,20 +1011,24 @@ ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options
             if (ts_module_is_fsdp(w.blocks[l]))
                 st = ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate: blocks.%d is sharded but the root is not: call "
                                                   "ts_fully_shard(model) last (as FSDP2 users do) before estimating", l);
-    ts_fsdp_memory_report rep, rc;
+    ts_fsdp_memory_report rep, rc, ra;
     memset(&rep, 0, sizeof rep);
     memset(&rc, 0, sizeof rc);
-    int64_t act = 0, act_c = 0, blk = 0, blk_c = 0;
-    if (!st) st = run(&w, o, false, sharded, model, o->input_shape[0], o->input_shape[1], &rep, &act, &blk);
-    if (!st) st = run(&w, o, true, sharded, model, o->input_shape[0], o->input_shape[1], &rc, &act_c, &blk_c);
+    memset(&ra, 0, sizeof ra);
+    int64_t act = 0, act_c = 0, act_a = 0, blk = 0, blk_c = 0, blk_a = 0;
+    bool any = false; /* blocks checkpointed by ts_checkpoint_module */
+    for (int l = 0; l < w.L; l++) any |= ts_module_is_checkpointed(w.blocks[l]);
+    int64_t B = o->input_shape[0], T = o->input_shape[1];
+    if (!st) st = run(&w, o, 0, sharded, model, B, T, &rep, &act, &blk);
+    if (!st) st = run(&w, o, 1, sharded, model, B, T, &rc, &act_c, &blk_c);
+    if (!st && any && !o->checkpoint_blocks) st = run(&w, o, 2, sharded, model, B, T, &ra, &act_a, &blk_a);
     free(w.blocks);
     if (st) return st;
-    if (o->checkpoint_blocks) {
-        rep.forward_peak_bytes = rc.forward_peak_bytes;
-        rep.backward_peak_bytes = rc.backward_peak_bytes;
-        rep.peak_bytes = rc.peak_bytes;
-    }
-    rep.checkpointed = o->checkpoint_blocks;
+    const ts_fsdp_memory_report *pk = o->checkpoint_blocks ? &rc : any ? &ra : &rep;
+    rep.forward_peak_bytes = pk->forward_peak_bytes;
+    rep.backward_peak_bytes = pk->backward_peak_bytes;
+    rep.peak_bytes = pk->peak_bytes;
+    rep.checkpointed = o->checkpoint_blocks || any;
     rep.block_act_bytes = (size_t)blk;
     rep.act_bytes = (size_t)act;
     rep.act_ckpt_bytes = (size_t)act_c;
