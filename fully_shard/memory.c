@@ -86,6 +86,8 @@ typedef struct msim {
     bool prefetch_fwd, prefetch_bwd, ckpt;
     bool no_grad;      /* a checkpointed forward: ops record nothing */
     int pending;       /* group whose reduce-scatter is in flight (-1) */
+    int *deferred;     /* buffers released when the graph is freed (checkpoint inputs) */
+    int n_deferred, cap_deferred;
     int *order;        /* post-forward order of the groups (each once) */
     int n_order;
 } msim;
@@ -470,8 +472,8 @@ static void run_ckpt(msim *s, int i)
     if (y.node >= 0) { /* the output's gradient: the checkpoint node's */
         s->n[y.node].grad[y.slot] = bref(s, nd->grad[0]);
     }
-    v_free(s, &y);
     for (int k = s->nn - 1; k >= first && !s->err; k--) run_node(s, k);
+    v_free(s, &y); /* the recomputed output is held until its backward ends */
     s->nn = first;
     /* the input's gradient replaces the node's own, for its alias gin */
     nd = &s->n[i];
@@ -505,8 +507,14 @@ static void run_node(msim *s, int i)
         if (made[k] < 0) continue;
         if (g->leaf >= 0) {
             mparam *p = &s->p[g->leaf];
-            if (p->grad < 0) p->grad = made[k];
-            else bunref(s, made[k]); /* added in place */
+            if (p->grad >= 0) {
+                bunref(s, made[k]); /* added in place */
+            } else if (s->b[made[k]].refs > 1) { /* another handle sees it (an alias): .grad is a copy */
+                p->grad = balloc(s, s->b[made[k]].bytes);
+                bunref(s, made[k]);
+            } else {
+                p->grad = made[k];
+            }
         } else if (g->dest >= 0) {
             accumulate(s, &s->n[g->dest].grad[g->slot], made[k]);
         } else {
@@ -517,7 +525,17 @@ static void run_node(msim *s, int i)
         bunref(s, nd->grad[k]);
         nd->grad[k] = -1;
     }
-    for (int k = 0; k < nd->ns; k++) bunref(s, nd->saved[k]);
+    /* a checkpoint node keeps its inputs in its context, which lives as
+     * long as the node: until the caller frees the graph (the loss) */
+    for (int k = 0; k < nd->ns; k++) {
+        if (nd->hook != HOOK_CKPT) {
+            bunref(s, nd->saved[k]);
+        } else if (grow((void **)&s->deferred, &s->cap_deferred, s->n_deferred + 1, sizeof *s->deferred)) {
+            s->deferred[s->n_deferred++] = nd->saved[k];
+        } else {
+            s->err = TS_ERR_NO_MEMORY;
+        }
+    }
     nd->ns = 0;
 }
 
@@ -823,7 +841,9 @@ static void gpt_step(msim *s, gpt_run *r)
     g_finish_reduce(s);
     for (int i = 0; i < s->ng; i++) g_reshard(s, i);
     bunref(s, loss);
-    v_free(s, &out); /* the caller's logits, freed after the optimizer step */
+    v_free(s, &out); /* the caller's logits and loss, freed after the optimizer step, and the graph with them */
+    for (int i = 0; i < s->n_deferred; i++) bunref(s, s->deferred[i]);
+    s->n_deferred = 0;
     r->bwd_peak = s->peak;
 }
 
@@ -970,7 +990,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
         }
     }
     g_blocks = NULL;
-    free(bk), free(s->g), free(s->order), free(fgs), free(s->b), free(s->n), free(s->p);
+    free(bk), free(s->g), free(s->order), free(fgs), free(s->b), free(s->n), free(s->p), free(s->deferred);
     return st;
 }
 
