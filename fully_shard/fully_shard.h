@@ -458,6 +458,7 @@ typedef struct ts_fsdp_memory_report {
     size_t backward_peak_bytes;/* the storage peak during backward */
     size_t peak_bytes;         /* the step's peak: the larger of the two and of the optimizer step */
     bool checkpointed;         /* the peaks above are with checkpointed blocks (all, or those the model has) */
+    int64_t n_params;          /* elements of the full parameters (a tied weight once) */
 } ts_fsdp_memory_report;
 
 /* Predicts the per-rank storage of one training step of `model` on an
@@ -472,6 +473,14 @@ typedef struct ts_fsdp_memory_report {
  * and its name), TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options *o,
                                          ts_fsdp_memory_report *out);
+/* The same for a GPT not built yet (nothing is allocated but the
+ * estimate's own bookkeeping): the model ts_gpt_new(cfg) would make, in
+ * train mode, sharded as o's world_size, prefetch and param_dtype say
+ * (each block its own group, the root the rest). Errors as above, and
+ * TS_ERR_INVALID_ARGUMENT for a config ts_gpt_new would refuse (naming
+ * its sizes). */
+TS_API ts_status ts_fsdp_memory_estimate_gpt(const ts_gpt_config *cfg, const ts_fsdp_memory_options *o,
+                                             ts_fsdp_memory_report *out);
 
 #ifdef __cplusplus
 }

@@ -657,14 +657,25 @@ static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, siz
     *sgrad_out = offload ? pool_bytes(shard * (int64_t)es) : sg;
 }
 
+typedef struct wblock {
+    int64_t H;
+    double attn_p, mlp_p;
+    bool ckpt;       /* made checkpointed by ts_checkpoint_module */
+    bool fsdp;       /* an FSDP module */
+    fsdp_group *fg;  /* its own group (NULL: none) */
+} wblock;
+
 typedef struct gpt_walk {
     ts_module *tok, *pos, *drop, *ln_f, *head;
-    ts_module **blocks; /* the Block modules */
+    ts_module **blocks; /* the Block modules (NULL for a walk made from a config) */
+    wblock *wb;         /* per block: what the estimate needs */
     int L;
     int64_t V, d, Tmax;
     double emb_p;
     bool tied, training;
 } gpt_walk;
+
+static fsdp_group *own_group(ts_module *m);
 
 static ts_status gpt_shapes(ts_module *model, gpt_walk *w)
 {
@@ -681,7 +692,8 @@ static ts_status gpt_shapes(ts_module *model, gpt_walk *w)
     w->tied = ((ts_nn_linear *)w->head)->weight == te->weight;
     w->L = ts_container_size(list);
     w->blocks = calloc((size_t)(w->L ? w->L : 1), sizeof *w->blocks);
-    if (!w->blocks) return TS_ERR_NO_MEMORY;
+    w->wb = calloc((size_t)(w->L ? w->L : 1), sizeof *w->wb);
+    if (!w->blocks || !w->wb) return TS_ERR_NO_MEMORY;
     for (int l = 0; l < w->L; l++) {
         ts_module *b = ts_container_child(list, l), *x;
         char where[48];
@@ -689,10 +701,19 @@ static ts_status gpt_shapes(ts_module *model, gpt_walk *w)
         if (strcmp(type_of(b), "Block"))
             return ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate: module 'blocks.%d' is a %s, expected Block", l,
                             type_of(b));
-        if ((st = child(b, "ln1", "LayerNorm", where, &x)) || (st = child(b, "attn", "MultiheadAttention", where, &x)) ||
-            (st = child(b, "ln2", "LayerNorm", where, &x)) || (st = child(b, "mlp", "Sequential", where, &x)))
+        ts_module *attn, *mlp;
+        if ((st = child(b, "ln1", "LayerNorm", where, &x)) || (st = child(b, "attn", "MultiheadAttention", where, &attn)) ||
+            (st = child(b, "ln2", "LayerNorm", where, &x)) || (st = child(b, "mlp", "Sequential", where, &mlp)))
             return st;
         w->blocks[l] = b;
+        ts_module *dr = ts_container_size(mlp) == 4 ? ts_container_child(mlp, 3) : NULL;
+        wblock *wb = &w->wb[l];
+        wb->H = ((ts_nn_mha *)attn)->num_heads;
+        wb->attn_p = ((ts_nn_mha *)attn)->dropout;
+        wb->mlp_p = dr && !strcmp(type_of(dr), "Dropout") ? ((ts__act *)dr)->p : 0.0;
+        wb->ckpt = ts_module_is_checkpointed(b);
+        wb->fsdp = ts_module_is_fsdp(b);
+        wb->fg = own_group(b);
     }
     return TS_OK;
 }
@@ -911,17 +932,10 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
     }
     param += p1, optim += o1, sgrad += g1;
     for (int l = 0; l < w->L && !st; l++) {
-        fsdp_group *fg = sharded ? own_group(w->blocks[l]) : NULL;
-        ts_nn_mha *a = (ts_nn_mha *)((ts_module *)NULL);
-        ts_module *am, *mlp, *dr;
-        if ((st = ts_module_get_submodule(w->blocks[l], "attn", &am)) ||
-            (st = ts_module_get_submodule(w->blocks[l], "mlp", &mlp)))
-            break;
-        a = (ts_nn_mha *)am;
-        dr = ts_container_size(mlp) == 4 ? ts_container_child(mlp, 3) : NULL;
-        bk[l].d = w->d, bk[l].H = a->num_heads, bk[l].attn_p = a->dropout, bk[l].training = w->training;
-        bk[l].mlp_p = dr && !strcmp(type_of(dr), "Dropout") ? ((ts__act *)dr)->p : 0.0;
-        bk[l].ckpt = ckpt == 1 || (ckpt == 2 && ts_module_is_checkpointed(w->blocks[l]));
+        fsdp_group *fg = sharded ? w->wb[l].fg : NULL;
+        bk[l].d = w->d, bk[l].H = w->wb[l].H, bk[l].attn_p = w->wb[l].attn_p, bk[l].training = w->training;
+        bk[l].mlp_p = w->wb[l].mlp_p;
+        bk[l].ckpt = ckpt == 1 || (ckpt == 2 && w->wb[l].ckpt);
         if (sharded && fg == rg) fg = NULL;
         if (sharded && !fg) {
             bk[l].group = 0;
@@ -994,55 +1008,25 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
     return st;
 }
 
-ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options *o, ts_fsdp_memory_report *out)
+/* The estimate from a walk (of a model, or of a config). */
+static ts_status estimate_walk(gpt_walk *w, const ts_fsdp_memory_options *o, bool sharded, ts_module *model,
+                               ts_fsdp_memory_report *out)
 {
-    if (!model || !o || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate: model %p, options %p and out %p must not be NULL",
-                        (void *)model, (const void *)o, (void *)out);
-    if ((unsigned)o->optim > TS_FSDP_OPTIM_ADAM)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate: optim %d is not a ts_fsdp_optim_kind", (int)o->optim);
-    const char *type = type_of(model);
-    if (strcmp(type, "GPT"))
-        return ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate: the model's type %s is not one it knows (GPT: "
-                                            "nn/gpt.c); per-module rules for other types are not built", type);
-    if (o->input_ndim != 2 || o->input_shape[0] < 1 || o->input_shape[1] < 1)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate: a GPT's input is (B, T) token ids with B, T >= 1; "
-                                                "got %d dims (%lld, %lld)", o->input_ndim,
-                        (long long)(o->input_ndim > 0 ? o->input_shape[0] : 0),
-                        (long long)(o->input_ndim > 1 ? o->input_shape[1] : 0));
-    bool sharded = ts_module_is_fsdp(model);
-    if (!sharded && (o->world_size < 1 || (o->param_dtype != TS_DTYPE_KEEP && !ts_dtype_is_float(o->param_dtype))))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate: world_size %d must be >= 1 and param_dtype a "
-                                                "floating dtype or TS_DTYPE_KEEP (got %d)", o->world_size, (int)o->param_dtype);
-    gpt_walk w;
-    memset(&w, 0, sizeof w);
-    ts_status st = gpt_shapes(model, &w);
-    if (!st && o->input_shape[1] > w.Tmax)
-        st = ts_error(TS_ERR_SHAPE, "ts_fsdp_memory_estimate: sequence length %lld is longer than the GPT's block_size %lld",
-                      (long long)o->input_shape[1], (long long)w.Tmax);
-    if (!st && sharded) {
-        /* the root's group must exist when the blocks are sharded (the layout of fully_shard.h's example) */
-        fsdp_state *rs = ts__fsdp_state_of(model);
-        if (!rs)
-            st = ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate: the GPT is sharded without its root");
-    }
-    if (!st && !sharded)
-        for (int l = 0; l < w.L && !st; l++)
-            if (ts_module_is_fsdp(w.blocks[l]))
-                st = ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate: blocks.%d is sharded but the root is not: call "
-                                                  "ts_fully_shard(model) last (as FSDP2 users do) before estimating", l);
+    ts_status st = TS_OK;
+    if (o->input_shape[1] > w->Tmax)
+        return ts_error(TS_ERR_SHAPE, "ts_fsdp_memory_estimate: sequence length %lld is longer than the GPT's block_size "
+                                      "%lld", (long long)o->input_shape[1], (long long)w->Tmax);
     ts_fsdp_memory_report rep, rc, ra;
     memset(&rep, 0, sizeof rep);
     memset(&rc, 0, sizeof rc);
     memset(&ra, 0, sizeof ra);
     int64_t act = 0, act_c = 0, act_a = 0, blk = 0, blk_c = 0, blk_a = 0;
     bool any = false; /* blocks checkpointed by ts_checkpoint_module */
-    for (int l = 0; l < w.L; l++) any |= ts_module_is_checkpointed(w.blocks[l]);
+    for (int l = 0; l < w->L; l++) any |= w->wb[l].ckpt;
     int64_t B = o->input_shape[0], T = o->input_shape[1];
-    if (!st) st = run(&w, o, 0, sharded, model, B, T, &rep, &act, &blk);
-    if (!st) st = run(&w, o, 1, sharded, model, B, T, &rc, &act_c, &blk_c);
-    if (!st && any && !o->checkpoint_blocks) st = run(&w, o, 2, sharded, model, B, T, &ra, &act_a, &blk_a);
-    free(w.blocks);
+    if (!st) st = run(w, o, 0, sharded, model, B, T, &rep, &act, &blk);
+    if (!st) st = run(w, o, 1, sharded, model, B, T, &rc, &act_c, &blk_c);
+    if (!st && any && !o->checkpoint_blocks) st = run(w, o, 2, sharded, model, B, T, &ra, &act_a, &blk_a);
     if (st) return st;
     const ts_fsdp_memory_report *pk = o->checkpoint_blocks ? &rc : any ? &ra : &rep;
     rep.forward_peak_bytes = pk->forward_peak_bytes;
@@ -1052,6 +1036,83 @@ ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options
     rep.block_act_bytes = (size_t)blk;
     rep.act_bytes = (size_t)act;
     rep.act_ckpt_bytes = (size_t)act_c;
+    int64_t block = 12 * w->d * w->d + 13 * w->d;
+    rep.n_params = (int64_t)w->L * block + (w->tied ? 1 : 2) * w->V * w->d + w->Tmax * w->d + 2 * w->d;
     *out = rep;
     return TS_OK;
+}
+
+static ts_status check_options(const ts_fsdp_memory_options *o)
+{
+    if ((unsigned)o->optim > TS_FSDP_OPTIM_ADAM)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate: optim %d is not a ts_fsdp_optim_kind", (int)o->optim);
+    if (o->input_ndim != 2 || o->input_shape[0] < 1 || o->input_shape[1] < 1)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate: a GPT's input is (B, T) token ids with B, T >= 1; "
+                                                "got %d dims (%lld, %lld)", o->input_ndim,
+                        (long long)(o->input_ndim > 0 ? o->input_shape[0] : 0),
+                        (long long)(o->input_ndim > 1 ? o->input_shape[1] : 0));
+    return TS_OK;
+}
+
+static ts_status check_unsharded(const ts_fsdp_memory_options *o)
+{
+    if (o->world_size < 1 || (o->param_dtype != TS_DTYPE_KEEP && o->param_dtype != TS_F32 &&
+                              o->param_dtype != TS_BF16 && o->param_dtype != TS_F16))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate: world_size %d must be >= 1 and param_dtype "
+                                                "f32, bf16, f16 or TS_DTYPE_KEEP (got %d)", o->world_size, (int)o->param_dtype);
+    return TS_OK;
+}
+
+ts_status ts_fsdp_memory_estimate_gpt(const ts_gpt_config *cfg, const ts_fsdp_memory_options *o,
+                                      ts_fsdp_memory_report *out)
+{
+    if (!cfg || !o || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate_gpt: config %p, options %p and out %p must not be "
+                                                "NULL", (const void *)cfg, (const void *)o, (void *)out);
+    if (cfg->vocab_size <= 0 || cfg->block_size <= 0 || cfg->n_layer < 0 || cfg->n_layer > 4096 || cfg->n_head <= 0 ||
+        cfg->d_model <= 0 || cfg->d_model % cfg->n_head || !(cfg->dropout >= 0 && cfg->dropout < 1))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate_gpt: invalid config (vocab %lld, block %lld, "
+                                                "layers %lld, heads %lld, d_model %lld, dropout %g)",
+                        (long long)cfg->vocab_size, (long long)cfg->block_size, (long long)cfg->n_layer,
+                        (long long)cfg->n_head, (long long)cfg->d_model, cfg->dropout);
+    ts_status st;
+    if ((st = check_options(o)) || (st = check_unsharded(o))) return st;
+    gpt_walk w;
+    memset(&w, 0, sizeof w);
+    w.L = (int)cfg->n_layer, w.V = cfg->vocab_size, w.d = cfg->d_model, w.Tmax = cfg->block_size;
+    w.emb_p = cfg->dropout, w.tied = cfg->tie_weights, w.training = true;
+    w.wb = calloc((size_t)(w.L ? w.L : 1), sizeof *w.wb);
+    if (!w.wb) return TS_ERR_NO_MEMORY;
+    for (int l = 0; l < w.L; l++) w.wb[l] = (wblock){cfg->n_head, cfg->dropout, cfg->dropout, false, false, NULL};
+    st = estimate_walk(&w, o, false, NULL, out);
+    free(w.wb);
+    return st;
+}
+
+ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options *o, ts_fsdp_memory_report *out)
+{
+    if (!model || !o || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate: model %p, options %p and out %p must not be NULL",
+                        (void *)model, (const void *)o, (void *)out);
+    ts_status cs = check_options(o);
+    if (cs) return cs;
+    const char *type = type_of(model);
+    if (strcmp(type, "GPT"))
+        return ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate: the model's type %s is not one it knows (GPT: "
+                                            "nn/gpt.c); per-module rules for other types are not built", type);
+    bool sharded = ts_module_is_fsdp(model);
+    if (!sharded && (cs = check_unsharded(o))) return cs;
+    gpt_walk w;
+    memset(&w, 0, sizeof w);
+    ts_status st = gpt_shapes(model, &w);
+    if (!st && sharded && !ts__fsdp_state_of(model))
+        st = ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate: the GPT is sharded without its root");
+    for (int l = 0; l < w.L && !st && !sharded; l++)
+        if (w.wb[l].fsdp)
+            st = ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate: blocks.%d is sharded but the root is not: call "
+                                              "ts_fully_shard(model) last (as FSDP2 users do) before estimating", l);
+    if (!st) st = estimate_walk(&w, o, sharded, model, out);
+    free(w.blocks);
+    free(w.wb);
+    return st;
 }

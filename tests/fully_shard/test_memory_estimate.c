@@ -310,3 +310,27 @@ Test(fully_shard_memory_estimate, errors_name_the_problem, .timeout = 30)
     ts_module_free(lin);
     ts_module_free(gpt);
 }
+
+/* From a config alone (nothing built): the same report as from the model
+ * ts_gpt_new(cfg) makes, for several ranks, bf16 and dropout. */
+Test(fully_shard_memory_estimate, from_config_equals_from_model, .timeout = 30)
+{
+    ts_gpt_config g = small_cfg();
+    g.dropout = 0.1, g.tie_weights = true;
+    ts_module *m;
+    cr_assert_eq(ts_gpt_new(&g, &m), TS_OK);
+    ts_fsdp_memory_options mo = ts_fsdp_memory_options_default();
+    mo.input_ndim = 2, mo.input_shape[0] = 3, mo.input_shape[1] = 10;
+    mo.world_size = 3, mo.param_dtype = TS_BF16;
+    ts_fsdp_memory_report a, b;
+    cr_assert_eq(ts_fsdp_memory_estimate(m, &mo, &a), TS_OK, "%s", ts_last_error());
+    cr_assert_eq(ts_fsdp_memory_estimate_gpt(&g, &mo, &b), TS_OK, "%s", ts_last_error());
+    cr_expect_eq(memcmp(&a, &b, sizeof a), 0, "peak %zu vs %zu, params %zu vs %zu", a.peak_bytes, b.peak_bytes,
+                 a.param_bytes, b.param_bytes);
+    /* the parameter count: 2 blocks of 12 d^2 + 13 d, the tied embedding once, positions, ln_f */
+    cr_expect_eq(b.n_params, 2 * (12 * 144 + 13 * 12) + 7 * 12 + 10 * 12 + 24);
+    g.n_head = 5; /* 12 is not a multiple of 5 */
+    cr_expect_eq(ts_fsdp_memory_estimate_gpt(&g, &mo, &b), TS_ERR_INVALID_ARGUMENT);
+    cr_expect(strstr(ts_last_error(), "heads 5") != NULL, "%s", ts_last_error());
+    ts_module_free(m);
+}
