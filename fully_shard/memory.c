@@ -23,6 +23,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------ pool model */
 
@@ -625,7 +626,7 @@ typedef struct gshape {
 } gshape;
 
 static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, size_t es, size_t ues, size_t res,
-                        bool offload, ts_fsdp_optim_kind ok, int64_t *param, int64_t *optim, int64_t *sgrad_out)
+                        bool offload, bool pin, ts_fsdp_optim_kind ok, int64_t *param, int64_t *optim, int64_t *sgrad_out)
 {
     int64_t shard = 0, u = 0, sg = 0, opt = 0;
     for (int i = 0; i < n; i++) {
@@ -651,10 +652,20 @@ static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, siz
     g->offload = offload;
     g->sgrad = offload ? 0 : sg;
     g->u_buf = g->ag_buf = g->ag_in_buf = g->staging_buf = g->rs_in_buf = g->rs_out_buf = g->rs_scratch_buf = -1;
-    *param = pool_bytes(shard * (int64_t)es);
+    /* offloaded with pin_memory: the sharded buffer and the host gradient
+     * buffer are pinned blocks, rounded to pages (base/pinned.c), not pool blocks */
+    int64_t host = shard * (int64_t)es;
+    if (offload && pin) {
+        int64_t pg = (int64_t)sysconf(_SC_PAGESIZE);
+        pg = pg > 0 ? pg : 4096;
+        host = host ? (host + pg - 1) / pg * pg : pg;
+    } else {
+        host = pool_bytes(host);
+    }
+    *param = host;
     *optim = opt;
     /* with offload the shards' gradients are views of one host buffer, kept */
-    *sgrad_out = offload ? pool_bytes(shard * (int64_t)es) : sg;
+    *sgrad_out = offload ? host : sg;
 }
 
 typedef struct wblock {
@@ -735,7 +746,7 @@ static void group_from_fsdp(mgroup *g, const fsdp_group *fg, bool offload, ts_fs
     gshape *use = heap ? heap : ps;
     if (heap) n = fg->n;
     for (int i = 0; i < n; i++) use[i] = (gshape){fg->params[i].rows, fg->params[i].row_numel};
-    group_sizes(g, n, use, fg->W, fg->rank, fg->es, fg->ues, fg->res, offload, ok, param, optim, sgrad);
+    group_sizes(g, n, use, fg->W, fg->rank, fg->es, fg->ues, fg->res, offload, fg->off.pin, ok, param, optim, sgrad);
     free(heap);
 }
 
@@ -926,7 +937,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
         s->prefetch_bwd = rs && rs->ctx ? rs->ctx->implicit_bwd : true;
     } else {
         gshape ps[5] = {{w->V, w->d}, {w->Tmax, w->d}, {w->d, 1}, {w->d, 1}, {w->V, w->d}};
-        group_sizes(&s->g[0], w->tied ? 4 : 5, ps, s->W, 0, s->es, s->ces, s->ces, false, o->optim, &p1, &o1, &g1);
+        group_sizes(&s->g[0], w->tied ? 4 : 5, ps, s->W, 0, s->es, s->ces, s->ces, false, false, o->optim, &p1, &o1, &g1);
         s->g[0].reshard = false;
         s->prefetch_fwd = s->prefetch_bwd = o->prefetch;
     }
@@ -948,7 +959,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
             } else {
                 gshape ps[12];
                 block_shapes(w->d, ps);
-                group_sizes(&s->g[gi], 12, ps, s->W, 0, s->es, s->ces, res, false, o->optim, &p1, &o1, &g1);
+                group_sizes(&s->g[gi], 12, ps, s->W, 0, s->es, s->ces, res, false, false, o->optim, &p1, &o1, &g1);
                 s->g[gi].reshard = true;
             }
             param += p1, optim += o1, sgrad += g1;

@@ -137,6 +137,7 @@ Test(fully_shard_memory_estimate, components_exact_on_4_ranks_uneven, .timeout =
  * a warm-up step as the benchmark does: within 10% (the issue's bound). */
 typedef struct peak_opts {
     bool prefetch, bf16, tied, ckpt;
+    int offload; /* 0 none, 1 pinned, 2 pageable */
     double dropout;
     ts_reshard_policy policy;
 } peak_opts;
@@ -154,6 +155,9 @@ static void peak_case(peak_opts po)
     ts_mp_policy mp = ts_mp_policy_default();
     mp.param_dtype = TS_BF16, mp.reduce_dtype = TS_F32;
     if (po.bf16) fo.mp_policy = &mp;
+    ts_offload_policy op = ts_offload_policy_default();
+    op.pin_memory = po.offload == 1;
+    if (po.offload) fo.offload_policy = &op;
     fo.reshard_after_forward = po.policy;
     for (int l = 0; l < g.n_layer; l++) {
         char name[32];
@@ -207,8 +211,9 @@ static void peak_case(peak_opts po)
     ts_fsdp_memory_report r;
     cr_assert_eq(ts_fsdp_memory_estimate(m, &mo, &r), TS_OK, "%s", ts_last_error());
     double ratio = (double)r.peak_bytes / (double)measured;
-    cr_log_info("prefetch %d bf16 %d dropout %g tied %d policy %d ckpt %d: predicted %zu, measured %zu, ratio %.4f",
-                prefetch, po.bf16, po.dropout, po.tied, (int)po.policy, po.ckpt, r.peak_bytes, measured, ratio);
+    cr_log_info("prefetch %d bf16 %d dropout %g tied %d policy %d ckpt %d offload %d: predicted %zu, measured %zu, "
+                "ratio %.4f", prefetch, po.bf16, po.dropout, po.tied, (int)po.policy, po.ckpt, po.offload, r.peak_bytes,
+                measured, ratio);
     cr_expect_eq(r.checkpointed, po.ckpt);
     cr_expect(ratio > 0.9 && ratio < 1.1, "predicted %zu against measured %zu: ratio %.4f", r.peak_bytes, measured, ratio);
     /* checkpointed blocks keep less (asked of a model whose blocks are not) */
@@ -245,6 +250,14 @@ Test(fully_shard_memory_estimate, gpt_step_peak_checkpointed_blocks, .timeout = 
 Test(fully_shard_memory_estimate, gpt_step_peak_checkpointed_bf16_dropout, .timeout = 60)
 {
     peak_case((peak_opts){.prefetch = true, .ckpt = true, .bf16 = true, .dropout = 0.1});
+}
+Test(fully_shard_memory_estimate, gpt_step_peak_offload_pinned, .timeout = 60)
+{
+    peak_case((peak_opts){.prefetch = true, .offload = 1}); /* host shards and gradients in pinned, page-rounded blocks */
+}
+Test(fully_shard_memory_estimate, gpt_step_peak_offload_pageable, .timeout = 60)
+{
+    peak_case((peak_opts){.prefetch = true, .offload = 2});
 }
 Test(fully_shard_memory_estimate, gpt_step_peak_blocks_stay_unsharded, .timeout = 60)
 {
