@@ -39,7 +39,9 @@
  * whole step: on a GPU that memory would be off the device) and the
  * pinned bytes.
  * Memory: the peak of tensor storage (TS_MEM_STORAGE) during the steps of
- * each mode, and the bytes of parameters this rank holds. Rank 0 also
+ * each mode, and the bytes of parameters this rank holds; per sharded mode
+ * also ts_fsdp_memory_estimate's prediction of that peak, the ratio, and
+ * its terms (docs/fully_shard.md, "Memory"). Rank 0 also
  * prints where fully_shard's own time goes (its TS_TRACE spans: waiting
  * for all-gathers, copy-out, packing gradients, waiting for
  * reduce-scatters, adding them into the shards' gradients).
