@@ -87,6 +87,7 @@ typedef struct msim {
     bool prefetch_fwd, prefetch_bwd, ckpt;
     bool no_grad;      /* a checkpointed forward: ops record nothing */
     int pending;       /* group whose reduce-scatter is in flight (-1) */
+    const struct mblock *blocks; /* the GPT's blocks (a checkpoint node recomputes blocks[ckpt_block]) */
     int *deferred;     /* buffers released when the graph is freed (checkpoint inputs) */
     int n_deferred, cap_deferred;
     int *order;        /* post-forward order of the groups (each once) */
@@ -439,9 +440,7 @@ static void accumulate(msim *s, int *slot, int buf)
 static void run_node(msim *s, int i);
 static int param_new(msim *s, int group);
 
-/* Backward of a checkpointed block: its forward again (the block's
- * group is already unsharded by its pre-backward marker), then its
- * nodes' backward at once. */
+/* One GPT block as the estimate sees it. */
 typedef struct mblock mblock;
 static mval block_forward(msim *s, const mblock *bk, const mval *x);
 
@@ -453,7 +452,6 @@ struct mblock {
     int group;
     bool ckpt;      /* checkpointed (ts_checkpoint_module, or the options say every block) */
 };
-static mblock *g_blocks; /* the walk's blocks (set in ts_fsdp_memory_estimate) */
 
 /* The checkpoint node's backward (nn/checkpoint.c): the block's forward
  * again with grad on an alias of the saved input (a leaf whose .grad
@@ -463,7 +461,7 @@ static mblock *g_blocks; /* the walk's blocks (set in ts_fsdp_memory_estimate) *
 static void run_ckpt(msim *s, int i)
 {
     mnode *nd = &s->n[i];
-    const mblock *bk = &g_blocks[nd->ckpt_block];
+    const mblock *bk = &s->blocks[nd->ckpt_block];
     int first = s->nn, leaf = param_new(s, -1);
     if (leaf < 0) return;
     mval x = {bref(s, nd->saved[0]), -1, 0, bk->d, leaf + 1};
@@ -905,9 +903,8 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
     mblock *bk = calloc((size_t)(w->L ? w->L : 1), sizeof *bk);
     s->g = calloc((size_t)w->L + 1, sizeof *s->g);
     s->order = calloc((size_t)w->L + 1, sizeof *s->order);
-    fsdp_group **fgs = calloc((size_t)w->L + 1, sizeof *fgs);
-    if (!bk || !s->g || !s->order || !fgs) {
-        free(bk), free(s->g), free(s->order), free(fgs);
+    if (!bk || !s->g || !s->order) {
+        free(bk), free(s->g), free(s->order);
         return TS_ERR_NO_MEMORY;
     }
     ts_status st = TS_OK;
@@ -977,12 +974,10 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
         s->live = param + optim;
     s->peak = s->live;
     int64_t base = s->live;
-    g_blocks = bk;
+    s->blocks = bk;
     if (!st && !s->err) gpt_step(s, &r);
     if (!st) st = s->err;
     if (!st) {
-        int64_t held = 0; /* what the groups hold at the end of forward: not activations */
-        (void)held;
         *act_out = r.act_live - base - s->g[0].u * (s->g[0].reshard ? 0 : 1);
         rep->param_bytes = (size_t)param;
         rep->grad_bytes = (size_t)sgrad;
@@ -1014,8 +1009,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
             rep->block_act_ckpt_bytes = (size_t)pool_bytes(B * T * w->d * (int64_t)s->ces);
         }
     }
-    g_blocks = NULL;
-    free(bk), free(s->g), free(s->order), free(fgs), free(s->b), free(s->n), free(s->p), free(s->deferred);
+    free(bk), free(s->g), free(s->order), free(s->b), free(s->n), free(s->p), free(s->deferred);
     return st;
 }
 
