@@ -235,6 +235,24 @@ static int rank_errors(th_rank *rc)
     if (!strstr(ts_last_error(), "already checkpointed")) return th_rank_fail(rc, "message: %s", ts_last_error());
     TH_RK_EQ(rc, ts_fully_shard(lin, &o), TS_ERR_ALREADY);
     ts_module_free(lin);
+    /* the wrap policy by type finds checkpointed blocks by their own type */
+    ts_generator *gen = NULL;
+    TH_RK_OK(rc, ts_generator_new(1, &gen));
+    ts_generator_set_thread_default(gen); /* gpt_build seeds this thread's own */
+    ts_module *g = NULL, *b = NULL;
+    TH_RK_OK(rc, gpt_build(&g));
+    for (int l = 0; l < L; l++) {
+        TH_RK_OK(rc, block_of(g, l, &b));
+        TH_RK_OK(rc, ts_checkpoint_module(b));
+    }
+    int n = 0;
+    TH_RK_OK(rc, ts_fsdp_apply_by_type(g, "Block", &o, &n));
+    TH_RK_EQ(rc, n, L);
+    if (strcmp(ts_module_type_name(b), "BlockCheckpointedFSDPModule") != 0)
+        return th_rank_fail(rc, "blocks.%d is a %s", L - 1, ts_module_type_name(b));
+    ts_module_free(g);
+    ts_generator_set_thread_default(NULL);
+    ts_generator_free(gen);
     ts_mesh_free(mesh);
     return 0;
 }

@@ -393,3 +393,32 @@ Test(nn_checkpoint, failed_recompute_leaves_module_usable)
     }
     th_mem_assert_back();
 }
+
+/* retain_graph: a second backward through a checkpointed module recomputes
+ * again and adds the same gradients, as without checkpointing. */
+Test(nn_checkpoint, retain_graph_backward_twice)
+{
+    th_mem_mark();
+    {
+        ts_module *ref = gpt(1, 16, 8, 0.1), *m = gpt(1, 16, 8, 0.1);
+        checkpoint_blocks(m, 1);
+        ts_tensor *ids, *tgt;
+        batch(2, 2, 8, &ids, &tgt);
+        ts_module *mods[2] = {ref, m};
+        for (int k = 0; k < 2; k++) {
+            ts_tensor *logits, *flat, *loss;
+            int64_t sh[2] = {-1, V};
+            ts_manual_seed(3);
+            TH_OK(ts_module_call1(mods[k], ids, &logits));
+            TH_OK(ts_reshape(logits, 2, sh, &flat));
+            TH_OK(ts_cross_entropy(flat, tgt, -100, TS_REDUCTION_MEAN, &loss));
+            TH_OK(ts_backward(loss, NULL, true));
+            TH_OK(ts_backward(loss, NULL, false));
+            ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
+        }
+        assert_grads_equal(ref, m, "two backwards");
+        ts_tensor_free(ids), ts_tensor_free(tgt);
+        ts_module_free(ref), ts_module_free(m);
+    }
+    th_mem_assert_back();
+}
