@@ -109,6 +109,15 @@ static int components_rank(th_rank *rc)
     TH_RK_EQ(rc, r.param_bytes, param);
     TH_RK_EQ(rc, r.grad_bytes, grad);
     TH_RK_EQ(rc, r.optim_bytes, optim);
+    /* SGD with momentum: one buffer of the shard's rows per parameter (as the gradient's); plain SGD: none */
+    ts_fsdp_memory_report rs;
+    mo.optim = TS_FSDP_OPTIM_SGD_MOMENTUM;
+    TH_RK_OK(rc, ts_fsdp_memory_estimate(m, &mo, &rs));
+    TH_RK_EQ(rc, rs.optim_bytes, grad);
+    mo.optim = TS_FSDP_OPTIM_SGD;
+    TH_RK_OK(rc, ts_fsdp_memory_estimate(m, &mo, &rs));
+    TH_RK_EQ(rc, rs.optim_bytes, 0);
+    TH_RK_EQ(rc, rs.peak_bytes + optim, r.peak_bytes); /* the state is live through the whole step */
     TH_RK_EQ(rc, r.group_bytes, group);
     TH_RK_EQ(rc, r.n_blocks, 2);
     TH_RK_EQ(rc, r.groups_in_flight, 2);
