@@ -400,14 +400,18 @@ TS_API ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_
  * module by module with the input's shape; each op's forward outputs,
  * what autograd saves for its backward (Linear its input, GELU its input,
  * LayerNorm its input and float64 mean and rstd, attention the packed
- * q/k/v and the probabilities, dropout with p > 0 its mask,
+ * q/k/v and the probabilities, dropout with p > 0 its input and mask,
  * cross-entropy its log-softmax) and the gradients its backward makes
  * are played on a model of the pool, with fully_shard's all-gather and
  * unsharded buffers, prefetch, reshard, reduce-scatter buffers and
  * shard gradients at the points where the hooks make and free them
- * (docs/fully_shard.md, "Memory"). Supported module types: GPT (with its
- * Block, MultiheadAttention), Sequential, Linear, LayerNorm, GELU, ReLU,
- * Tanh, Dropout, Embedding; any other is TS_ERR_UNSUPPORTED naming it. */
+ * (docs/fully_shard.md, "Memory"). The step is the usual loop: logits
+ * cast to float32 for the loss when a policy computes in 16 bits; the
+ * caller's ids and targets are not counted. Supported models: the GPT of
+ * nn/gpt.c in the layout ts_gpt_new makes (Block, MultiheadAttention,
+ * LayerNorm, Linear, GELU, Dropout, Embedding), sharded or not, its
+ * blocks checkpointed or not; any other model or module type is
+ * TS_ERR_UNSUPPORTED naming it. */
 
 typedef enum ts_fsdp_optim_kind {
     TS_FSDP_OPTIM_NONE = 0,     /* no optimizer state */
