@@ -39,7 +39,9 @@
  * whole step: on a GPU that memory would be off the device) and the
  * pinned bytes.
  * Memory: the peak of tensor storage (TS_MEM_STORAGE) during the steps of
- * each mode, and the bytes of parameters this rank holds. Rank 0 also
+ * each mode, and the bytes of parameters this rank holds; per sharded mode
+ * also ts_fsdp_memory_estimate's prediction of that peak, the ratio, and
+ * its terms (docs/fully_shard.md, "Memory"). Rank 0 also
  * prints where fully_shard's own time goes (its TS_TRACE spans: waiting
  * for all-gathers, copy-out, packing gradients, waiting for
  * reduce-scatters, adding them into the shards' gradients).
@@ -73,6 +75,7 @@ typedef struct mode_bytes {
     size_t pinned, host;
 } mode_bytes;
 static mode_bytes g_bytes[N_MODES];
+static ts_fsdp_memory_report g_pred[N_MODES]; /* ts_fsdp_memory_estimate per mode (zeros for local) */
 
 static ts_module *build(const cfg *c, int mode)
 {
@@ -174,6 +177,11 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
         if (s >= 0) t[s] = bench_now_s() - t0;
     }
     *peak = ts_mem_peak_bytes(TS_MEM_STORAGE);
+    if (mode != LOCAL) {
+        ts_fsdp_memory_options mo = ts_fsdp_memory_options_default();
+        mo.input_ndim = 2, mo.input_shape[0] = c->batch, mo.input_shape[1] = c->seq;
+        CHECK(ts_fsdp_memory_estimate(m, &mo, &g_pred[mode]));
+    }
     ts_comm_stats(w, &k1);
     CHECK(ts_fsdp_offload_stats_get(m, &o1));
     mode_bytes *mb = &g_bytes[mode];
@@ -335,6 +343,17 @@ int main(int argc, char **argv)
         for (int m = 0; m < N_MODES; m++)
             printf("%-14s %11.2f %10.3f %16.2f %16.2f\n", mode_names[m], t[m] * 1e3, t[m] / t[LOCAL],
                    (double)peak[m] / 1048576.0, (double)pbytes[m] / 1048576.0);
+        printf("memory per rank, predicted (ts_fsdp_memory_estimate) against measured (peak storage), MiB:\n%-14s %9s "
+               "%9s %6s %7s %7s %7s %7s %7s %9s\n", "mode", "predicted", "measured", "ratio", "params", "grads", "optim",
+               "group", "acts", "acts ckpt");
+        for (int m = FSDP; m < N_MODES; m++) {
+            const ts_fsdp_memory_report *p = &g_pred[m];
+            printf("%-14s %9.2f %9.2f %6.3f %7.2f %7.2f %7.2f %4.2fx%d %7.2f %9.2f\n", mode_names[m],
+                   p->peak_bytes / 1048576.0, peak[m] / 1048576.0, (double)p->peak_bytes / (double)peak[m],
+                   p->param_bytes / 1048576.0, p->grad_bytes / 1048576.0, p->optim_bytes / 1048576.0,
+                   p->group_bytes / 1048576.0, p->groups_in_flight, p->act_bytes / 1048576.0,
+                   p->act_ckpt_bytes / 1048576.0);
+        }
         printf("offload against fsdp, same run (rank 0; step ms: medians of the three run again with their "
                "steps interleaved; bytes per step: given to the collectives, copied host-to-device before "
                "all-gathers, device-to-host after reduce-scatters):\n");

@@ -76,28 +76,6 @@
 #include "common.h"
 #include "checkpoint/checkpoint.h"
 
-/* Rough memory need of one rank, bytes, in float32: the rank's shards of
- * the parameters, their gradients and AdamW's two moments; the groups
- * gathered at once (the root, which stays gathered through the forward,
- * the running block and the prefetched one, with their full gradients in
- * backward); the activations autograd keeps (per block about 20 (B, T, d)
- * tensors and 3 (B, H, T, T) attention maps; the logits and the
- * cross-entropy's softmax, 3 (B, T, V)). */
-typedef struct mem_estimate {
-    double params, per_rank, shards, gathered, activations;
-} mem_estimate;
-
-static mem_estimate estimate_memory(double V, double T, double L, double H, double d, double B, double W)
-{
-    mem_estimate e;
-    double block = 12 * d * d + 13 * d, root = 2 * V * d + T * d + 2 * d;
-    e.params = L * block + root;
-    e.shards = 4.0 * 4.0 * e.params / W; /* parameter, gradient, exp_avg, exp_avg_sq */
-    e.gathered = 4.0 * 2.0 * (root + 2 * block);
-    e.activations = 4.0 * (L * (20 * B * T * d + 3 * B * H * T * T) + 3 * B * T * V);
-    e.per_rank = e.shards + e.gathered + e.activations;
-    return e;
-}
 
 /* The next character's id from the last row of logits (V): the argmax
  * (first of equals) at temperature 0, else a draw from
@@ -775,17 +753,28 @@ int main(int argc, char **argv)
         }
         B = global_batch / W;
     }
-    mem_estimate me = estimate_memory(vocab, seq, layers, heads, dim, sample ? 1 : B, W);
+    /* per rank, from ts_fsdp_memory_estimate_gpt (fully_shard.h): the peak of one step */
+    ts_gpt_config ecfg = ts_gpt_config_default();
+    ecfg.vocab_size = vocab, ecfg.block_size = seq, ecfg.n_layer = layers, ecfg.n_head = heads, ecfg.d_model = dim;
+    ts_fsdp_memory_options emo = ts_fsdp_memory_options_default();
+    emo.input_ndim = 2, emo.input_shape[0] = sample ? 1 : B, emo.input_shape[1] = seq;
+    emo.world_size = W, emo.checkpoint_blocks = ckpt_act;
+    if (param_dtype_s) emo.param_dtype = mp.param_dtype;
+    ts_fsdp_memory_report me;
+    CHECK(ts_fsdp_memory_estimate_gpt(&ecfg, &emo, &me));
     double phys = ex_physical_memory();
-    if (phys > 0 && me.per_rank * local_W > phys) {
+    if (phys > 0 && (double)me.peak_bytes * local_W > phys) {
         char b[6][32];
         fprintf(stderr,
                 "train_gpt: this model cannot fit in memory: %.3g parameters need about %s per rank (shards of the "
                 "parameters, gradients and AdamW state %s, gathered groups %s, activations %s) x %d rank%s on this "
                 "node = %s, more than the %s of physical memory\n",
-                me.params, ex_fmt_bytes(me.per_rank, b[0], 32), ex_fmt_bytes(me.shards, b[1], 32),
-                ex_fmt_bytes(me.gathered, b[2], 32), ex_fmt_bytes(me.activations, b[3], 32), local_W,
-                local_W > 1 ? "s" : "", ex_fmt_bytes(me.per_rank * local_W, b[4], 32), ex_fmt_bytes(phys, b[5], 32));
+                (double)me.n_params, ex_fmt_bytes((double)me.peak_bytes, b[0], 32),
+                ex_fmt_bytes((double)(me.param_bytes + me.grad_bytes + me.optim_bytes), b[1], 32),
+                ex_fmt_bytes((double)me.group_bytes * me.groups_in_flight, b[2], 32),
+                ex_fmt_bytes((double)(me.checkpointed ? me.act_ckpt_bytes : me.act_bytes), b[3], 32), local_W,
+                local_W > 1 ? "s" : "", ex_fmt_bytes((double)me.peak_bytes * local_W, b[4], 32),
+                ex_fmt_bytes(phys, b[5], 32));
         free(prompt_ids);
         free(text);
         return 2;
@@ -842,9 +831,11 @@ int main(int argc, char **argv)
         }
         printf("loaded %d tensors from %s\n", model_tensors(model), load);
     }
+    /* the estimate again from the sharded model itself (its groups, policies and checkpointed blocks) */
     char mb[32];
-    printf("memory estimate: %.0f parameters, about %s per rank (%d rank%s)\n", me.params,
-           ex_fmt_bytes(me.per_rank, mb, sizeof mb), W, W > 1 ? "s" : "");
+    CHECK(ts_fsdp_memory_estimate(model, &emo, &me));
+    printf("memory estimate: %lld parameters, about %s per rank (%d rank%s)\n", (long long)me.n_params,
+           ex_fmt_bytes((double)me.peak_bytes, mb, sizeof mb), W, W > 1 ? "s" : "");
 
     if (sample) {
         int rc = generate(model, chars, vocab, seq, prompt_ids, n_prompt, sample, temperature, seed);

@@ -475,6 +475,101 @@ TS_API ts_status ts_fsdp_full_state_dict(ts_module *module, bool rank0_only, ts_
  * error. TS_ERR_STATE inside a forward or backward. */
 TS_API ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *sd, bool strict);
 
+/* ------------------------------------------------------------ memory
+ * (fully_shard/memory.c) What one training step (forward, cross-entropy
+ * loss, backward, optimizer step, zero_grad(set_to_none)) holds per rank
+ * in tensor storage (TS_MEM_STORAGE: the caching pool's blocks, each
+ * rounded up to its size class), predicted before running it: DeepSpeed's
+ * estimate_zero3_* idea, for this library's ops. The model is walked
+ * module by module with the input's shape; each op's forward outputs,
+ * what autograd saves for its backward (Linear its input, GELU its input,
+ * LayerNorm its input and float64 mean and rstd, attention the packed
+ * q/k/v and the probabilities, dropout with p > 0 its input and mask,
+ * cross-entropy its log-softmax) and the gradients its backward makes
+ * are played on a model of the pool, with fully_shard's all-gather and
+ * unsharded buffers, prefetch, reshard, reduce-scatter buffers and
+ * shard gradients at the points where the hooks make and free them
+ * (docs/fully_shard.md, "Memory"). The step is the usual loop: logits
+ * cast to float32 for the loss when a policy computes in 16 bits; the
+ * caller's ids and targets are not counted. Supported models: the GPT of
+ * nn/gpt.c in the layout ts_gpt_new makes (Block, MultiheadAttention,
+ * LayerNorm, Linear, GELU, Dropout, Embedding), sharded or not, its
+ * blocks checkpointed or not; any other model or module type is
+ * TS_ERR_UNSUPPORTED naming it. */
+
+typedef enum ts_fsdp_optim_kind {
+    TS_FSDP_OPTIM_NONE = 0,     /* no optimizer state */
+    TS_FSDP_OPTIM_SGD,          /* plain SGD: no state */
+    TS_FSDP_OPTIM_SGD_MOMENTUM, /* one momentum buffer per parameter */
+    TS_FSDP_OPTIM_ADAM,         /* Adam/AdamW: exp_avg, exp_avg_sq and a 0-d step per parameter */
+} ts_fsdp_optim_kind;
+
+typedef struct ts_fsdp_memory_options {
+    /* The input's shape: (B, T) token ids for a GPT, (B, in) or (B, T, in)
+     * for a Sequential. */
+    int input_ndim;
+    int64_t input_shape[TS_MAX_DIMS];
+    ts_fsdp_optim_kind optim;       /* default TS_FSDP_OPTIM_ADAM */
+    /* Predict the peak with every block activation-checkpointed
+     * (ts_checkpoint_module); false: the blocks as they are (those
+     * ts_checkpoint_module made checkpointed, and no others). */
+    bool checkpoint_blocks;
+    /* For a model not sharded yet (ignored for a sharded one, whose groups,
+     * meshes, policies and prefetch settings are read): the ranks it will
+     * be sharded over (default 1), each GPT block its own group and the
+     * root the rest (as ts_fsdp_apply_by_type(model, "Block") then
+     * ts_fully_shard(model)), implicit prefetch on or off (default on),
+     * and the param_dtype of a mixed-precision policy (TS_DTYPE_KEEP:
+     * none, the default). */
+    int world_size;
+    bool prefetch;
+    ts_dtype param_dtype;
+} ts_fsdp_memory_options;
+
+/* Defaults as above; input_ndim 0 (the caller must give the shape). */
+TS_API ts_fsdp_memory_options ts_fsdp_memory_options_default(void);
+
+/* The prediction, bytes per rank (pool blocks, rounded as the pool rounds). */
+typedef struct ts_fsdp_memory_report {
+    size_t param_bytes;        /* sharded parameters (the groups' sharded buffers; whole parameters outside groups) */
+    size_t grad_bytes;         /* the shards' gradients after backward */
+    size_t optim_bytes;        /* optimizer state */
+    size_t group_bytes;        /* the largest group while unsharded (its full parameters, in param_dtype) */
+    size_t all_gather_bytes;   /* the largest all-gather output buffer (the padded group) */
+    int groups_in_flight;      /* groups unsharded at once at the peak: the one computing and the one prefetched */
+    int n_blocks;              /* GPT blocks (0 for other models) */
+    size_t block_act_bytes;    /* what one block keeps for backward */
+    size_t block_act_ckpt_bytes; /* the same, checkpointed: its input only */
+    size_t act_bytes;          /* everything the forward keeps for backward (blocks, embeddings, head, loss) */
+    size_t act_ckpt_bytes;     /* the same with every block checkpointed */
+    size_t forward_peak_bytes; /* the storage peak during forward */
+    size_t backward_peak_bytes;/* the storage peak during backward */
+    size_t peak_bytes;         /* the step's peak: the larger of the two and of the optimizer step */
+    bool checkpointed;         /* the peaks above are with checkpointed blocks (all, or those the model has) */
+    int64_t n_params;          /* elements of the full parameters (a tied weight once) */
+} ts_fsdp_memory_report;
+
+/* Predicts the per-rank storage of one training step of `model` on an
+ * input of o->input_shape (see above for what a step is and which module
+ * types are known). Works on a model sharded with ts_fully_shard (from its
+ * groups: dtype, padding, mesh size, reshard policy, mixed precision,
+ * offload, implicit prefetch) or on one not sharded yet (from o's
+ * world_size, prefetch and param_dtype). Not collective; changes nothing.
+ * Writes *out only on success. TS_ERR_INVALID_ARGUMENT for NULL or a bad
+ * shape (naming it), TS_ERR_SHAPE when the shape does not fit the model,
+ * TS_ERR_UNSUPPORTED for a module type it does not know (naming the type
+ * and its name), TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options *o,
+                                         ts_fsdp_memory_report *out);
+/* The same for a GPT not built yet (nothing is allocated but the
+ * estimate's own bookkeeping): the model ts_gpt_new(cfg) would make, in
+ * train mode, sharded as o's world_size, prefetch and param_dtype say
+ * (each block its own group, the root the rest). Errors as above, and
+ * TS_ERR_INVALID_ARGUMENT for a config ts_gpt_new would refuse (naming
+ * its sizes). */
+TS_API ts_status ts_fsdp_memory_estimate_gpt(const ts_gpt_config *cfg, const ts_fsdp_memory_options *o,
+                                             ts_fsdp_memory_report *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -616,6 +616,37 @@ static bool gemm_avx512bf16(int64_t m, int64_t n, int64_t k, const uint16_t *a, 
 
 /* ------------------------------------------------------------ dispatch */
 
+size_t ts__gemm_half_scratch_bytes(ts_dtype dt, int64_t m, int64_t n, int64_t k, bool beta)
+{
+    if (ts__use_reference_kernels || m <= 0 || n <= 0 || k <= 0)
+        return 0;
+#if TS__HAVE_AVX512BF16_KERNEL
+    if (dt == TS_BF16 && ts__hgemm_active() == TS__HGEMM_AVX512BF16 &&
+        ts__hgemm_kernel_runnable(TS__HGEMM_AVX512BF16, this_cpu())) {
+        int nt = ts_get_num_threads();
+        nt = nt > MAX_THREADS ? MAX_THREADS : nt;
+        if ((double)m * (double)n * (double)k < 4e6)
+            nt = 1;
+        while (nt > 1 && m < (int64_t)nt * 2 * MR)
+            nt--;
+        int64_t kp = (k + 1) / 2, nb = n < NC ? n : NC, npan = (nb + NR - 1) / NR;
+        size_t per = ts__pool_block_bytes((size_t)(MC * KC2) * sizeof(uint32_t)) +
+                     ts__pool_block_bytes((size_t)(MC * NC) * sizeof(float)) +
+                     (beta ? ts__pool_block_bytes((size_t)NC * sizeof(float)) : 0);
+        return ts__pool_block_bytes((size_t)(npan * kp * NR) * sizeof(uint32_t)) + (size_t)nt * per;
+    }
+#endif
+    int64_t nc = 2 * BLK_FLOATS / k, mc = 2 * BLK_FLOATS / k;
+    nc = nc < 64 ? 64 : nc;
+    mc = mc < 64 ? 64 : mc > 1024 ? 1024 : mc;
+    nc = nc > n ? n : nc;
+    mc = mc > m ? m : mc;
+    return ts__pool_block_bytes((size_t)(mc * k) * sizeof(float)) + ts__pool_block_bytes((size_t)(nc * k) * sizeof(float)) +
+           ts__pool_block_bytes((size_t)(mc * nc) * sizeof(float)) +
+           (beta ? ts__pool_block_bytes((size_t)nc * sizeof(float)) : 0);
+}
+
+
 void ts__gemm_half_with(ts__hgemm_kernel kern, ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint16_t *a,
                         int64_t rsa, int64_t csa, const uint16_t *b, int64_t rsb, int64_t csb, float beta,
                         uint16_t *c, int64_t rsc, int64_t csc)

@@ -28,6 +28,10 @@ void ts__storage_release_ref(ts_storage *s);
  * by ts__pool_empty_cache(). Thread-safe. */
 void *ts__pool_alloc(size_t nbytes, size_t *block_bytes_out);
 void ts__pool_free(void *p, size_t block_bytes);
+/* The bytes of the block ts__pool_alloc(nbytes) hands out (its size
+ * class: what TS_MEM_STORAGE counts); nbytes itself when it is too large
+ * for any class. fully_shard's memory estimate rounds with it. */
+size_t ts__pool_block_bytes(size_t nbytes);
 
 /* ------------------------------------------------------------- autograd */
 

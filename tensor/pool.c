@@ -63,6 +63,12 @@ static void class_bytes(int c, size_t *cb)
     *cb = base + (size_t)j * (base >> 3);
 }
 
+size_t ts__pool_block_bytes(size_t nbytes)
+{
+    size_t cb;
+    return size_class(nbytes ? nbytes : 1, &cb) < 0 ? nbytes : cb;
+}
+
 void *ts__pool_alloc(size_t nbytes, size_t *block_bytes_out)
 {
     size_t cb;

@@ -257,6 +257,8 @@ FACTORY = {
     'ts_grad_scaler **': 'f_scaler_outs',
     'const ts_grad_scaler_options *': '&f_scaler_opts',
     'const ts_mp_policy *': '&f_mp_policy',
+    'const ts_fsdp_memory_options *': '&f_mem_opts',
+    'ts_fsdp_memory_report *': '&f_mem_report',
 }
 
 FN_TYPES = {'ts_module_each_fn', 'ts_fsdp_event_fn', 'ts_abort_fn', 'ts_autograd_backward_fn',
@@ -338,6 +340,8 @@ static ts_mha_options f_mha_opts;
 static ts_param_list f_param_list;
 static ts_trace_arg f_trace_args[1] = {{"k", NULL, 1}};
 static ts_gpt_config f_gpt_cfg;
+static ts_fsdp_memory_options f_mem_opts;
+static ts_fsdp_memory_report f_mem_report;
 static ts_lr_schedule f_lr;
 static ts_allocator f_allocator;
 static ts_module_visitor f_visitor;
@@ -475,6 +479,8 @@ static void setup(void)
     f_enc_cfg = ts_encoder_layer_config_default(4, 2);
     f_mha_opts = ts_mha_options_default();
     f_gpt_cfg = ts_gpt_config_default();
+    f_mem_opts = ts_fsdp_memory_options_default();
+    f_mem_opts.input_ndim = 2, f_mem_opts.input_shape[0] = 1, f_mem_opts.input_shape[1] = 4;
     f_scaler_opts = ts_grad_scaler_options_default();
     f_mp_policy = ts_mp_policy_default();
 }
