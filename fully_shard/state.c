@@ -95,6 +95,16 @@ const ts_module_vtable *ts_fsdp_original_vtable(const ts_module *m)
 
 fsdp_state *ts__fsdp_state_of(const ts_module *m) { return ts_module_is_fsdp(m) ? m->ext : NULL; }
 
+ts_status ts__fsdp_need_state(const char *fn, ts_module *m, fsdp_state **out)
+{
+    fsdp_state *s = ts__fsdp_state_of(m);
+    if (!s)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is not an FSDP module (call ts_fully_shard first)", fn,
+                        m ? ts_module_type_name(m) : "NULL");
+    *out = s;
+    return TS_OK;
+}
+
 static void ctx_free(fsdp_ctx *c);
 
 /* ------------------------------------------------------------------ */
