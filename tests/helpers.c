@@ -677,3 +677,23 @@ ts_status th_flaky_new(th_flaky **out)
     *out = f;
     return TS_OK;
 }
+
+ts_status th_param_slots(ts_module *m, int n, ts_tensor **ps)
+{
+    ts_named_params np;
+    ts_status st = ts_module_named_parameters(m, &np);
+    if (st) return st;
+    if (np.n != n) st = ts_error(TS_ERR_INTERNAL, "%d parameters, expected %d", np.n, n);
+    for (int i = 0; i < np.n && i < n; i++) ps[i] = *np.items[i].slot;
+    ts_named_params_free(&np);
+    return st;
+}
+
+void th_launch_self(int W, ts_launch_result *res)
+{
+    ts_launch_options o = ts_launch_options_default();
+    o.nproc_per_node = W;
+    o.forward_signals = false;
+    char *argv[] = {th_self_exe(), NULL};
+    TH_OK(ts_launch(&o, argv, res));
+}

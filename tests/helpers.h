@@ -158,6 +158,11 @@ char **th_job_environ(size_t extra, size_t *n_out);
 /* Unsets the variables a launcher or scheduler sets for a rank (RANK,
  * WORLD_SIZE, MASTER_ADDR, ...), so a test starts from none of them. */
 void th_clear_launch_env(void);
+/* Runs this test binary (th_self_exe) on W local ranks with ts_launch,
+ * signals not forwarded and output inherited, and waits for them: their
+ * result in *res; asserts that ts_launch itself returned TS_OK. Call
+ * th_clear_launch_env and set the ranks' role variables first. */
+void th_launch_self(int W, ts_launch_result *res);
 /* In a rank process: unless `expr` gives TS_OK, prints "EXPR -> STATUS:
  * detail" on stderr and exits with `code` (the test reads the rank's exit
  * code). */
@@ -197,6 +202,10 @@ double th_yval(int64_t r, int64_t j);
  * (rows, cols), owned by the caller (ts_tensor_free); NULL when it cannot
  * be allocated (ts_last_error() says why). */
 ts_tensor *th_batch(int64_t row0, int64_t rows, int64_t cols, double (*f)(int64_t, int64_t));
+/* m's n parameters, in ts_module_named_parameters order, into ps
+ * (borrowed); TS_ERR_INTERNAL naming both counts when m has another
+ * number of them (ps then holds the first min(count, n)). */
+ts_status th_param_slots(ts_module *m, int n, ts_tensor **ps);
 
 /* "Flaky", a test module around one child Linear(4, 4) "fc" (its
  * parameters drawn from the default generator): its forward calls fc, but

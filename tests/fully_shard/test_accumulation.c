@@ -113,12 +113,7 @@ static ts_status model_new(ts_mesh *mesh, const acc_arg *a, model *m)
     ts_offload_policy off = ts_offload_policy_default();
     if (a->offload) o.offload_policy = &off;
     if ((st = ts_fully_shard_each(NMLP, m->mlp, &o)) || (st = ts_fully_shard(m->root, &o))) return st;
-    ts_named_params np;
-    if ((st = ts_module_named_parameters(m->root, &np))) return st;
-    if (np.n != NP) st = ts_error(TS_ERR_INTERNAL, "%d parameters, expected %d", np.n, NP);
-    for (int i = 0; i < np.n && i < NP; i++) m->ps[i] = *np.items[i].slot;
-    ts_named_params_free(&np);
-    if (st) return st;
+    if ((st = th_param_slots(m->root, NP, m->ps))) return st;
     ts_sgd_options so = ts_sgd_options_default();
     so.lr = 0.05;
     so.momentum = 0.9;

@@ -83,12 +83,7 @@ static ts_status mlp_new(ts_mesh *mesh, const off_arg *a, const ts_offload_polic
     mp.output_dtype = TS_F32;
     if (a->bf16) o.mp_policy = &mp;
     if ((st = ts_fully_shard_each(3, m->lin, &o)) || (st = ts_fully_shard(m->root, &o))) return st;
-    ts_named_params np;
-    if ((st = ts_module_named_parameters(m->root, &np))) return st;
-    if (np.n != NP) st = ts_error(TS_ERR_INTERNAL, "%d parameters, expected %d", np.n, NP);
-    for (int i = 0; i < np.n && i < NP; i++) m->ps[i] = *np.items[i].slot;
-    ts_named_params_free(&np);
-    if (st) return st;
+    if ((st = th_param_slots(m->root, NP, m->ps))) return st;
     if (a->adam) {
         ts_adam_options ao = ts_adamw_options_default();
         ao.lr = 0.01;
