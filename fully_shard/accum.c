@@ -12,16 +12,6 @@
 
 #include <math.h>
 
-static ts_status need_state(const char *fn, ts_module *m, fsdp_state **out)
-{
-    fsdp_state *s = ts__fsdp_state_of(m);
-    if (!s)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is not an FSDP module (call ts_fully_shard first)", fn,
-                        m ? ts_module_type_name(m) : "NULL");
-    *out = s;
-    return TS_OK;
-}
-
 typedef enum group_flag { FLAG_SYNC, FLAG_ALL_REDUCE, FLAG_RESHARD_AFTER_BACKWARD } group_flag;
 
 static void set_flag(fsdp_group *g, group_flag which, bool v)
@@ -39,7 +29,7 @@ static void set_flag(fsdp_group *g, group_flag which, bool v)
 static ts_status set_group_flag(const char *fn, ts_module *module, group_flag which, bool v, bool recurse)
 {
     fsdp_state *s = NULL;
-    ts_status st = need_state(fn, module, &s);
+    ts_status st = ts__fsdp_need_state(fn, module, &s);
     if (st) return st;
     if (!recurse) {
         set_flag(s->group, which, v);
@@ -70,7 +60,7 @@ ts_status ts_fsdp_set_reshard_after_backward(ts_module *module, bool reshard, bo
 ts_status ts_fsdp_set_is_last_backward(ts_module *module, bool is_last)
 {
     fsdp_state *s = NULL;
-    ts_status st = need_state("ts_fsdp_set_is_last_backward", module, &s);
+    ts_status st = ts__fsdp_need_state("ts_fsdp_set_is_last_backward", module, &s);
     if (st) return st;
     s->not_last_backward = !is_last;
     if (s->ctx) s->ctx->not_last_backward = !is_last;
@@ -80,7 +70,7 @@ ts_status ts_fsdp_set_is_last_backward(ts_module *module, bool is_last)
 ts_status ts_fsdp_set_gradient_divide_factor(ts_module *module, double factor)
 {
     fsdp_state *s = NULL;
-    ts_status st = need_state("ts_fsdp_set_gradient_divide_factor", module, &s);
+    ts_status st = ts__fsdp_need_state("ts_fsdp_set_gradient_divide_factor", module, &s);
     if (st) return st;
     if (!isfinite(factor) || factor <= 0)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
@@ -92,7 +82,7 @@ ts_status ts_fsdp_set_gradient_divide_factor(ts_module *module, double factor)
 ts_status ts_fsdp_set_force_sum_reduction_for_comms(ts_module *module, bool enable)
 {
     fsdp_state *s = NULL;
-    ts_status st = need_state("ts_fsdp_set_force_sum_reduction_for_comms", module, &s);
+    ts_status st = ts__fsdp_need_state("ts_fsdp_set_force_sum_reduction_for_comms", module, &s);
     if (st) return st;
     if (s->group) s->group->force_sum = enable;
     return TS_OK;

@@ -19,20 +19,10 @@ struct ts_fsdp_unshard_handle {
     fsdp_group *g;
 };
 
-static ts_status need_state(const char *fn, ts_module *m, fsdp_state **out)
-{
-    fsdp_state *s = ts__fsdp_state_of(m);
-    if (!s)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is not an FSDP module (call ts_fully_shard first)", fn,
-                        m ? ts_module_type_name(m) : "NULL");
-    *out = s;
-    return TS_OK;
-}
-
 ts_status ts_fsdp_unshard(ts_module *module, bool async, ts_fsdp_unshard_handle **handle)
 {
     fsdp_state *s = NULL;
-    ts_status st = need_state("ts_fsdp_unshard", module, &s);
+    ts_status st = ts__fsdp_need_state("ts_fsdp_unshard", module, &s);
     if (st) return st;
     if (handle) *handle = NULL;
     if (async && !handle) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_unshard: async needs a handle pointer");
@@ -62,7 +52,7 @@ ts_status ts_fsdp_unshard_wait(ts_fsdp_unshard_handle *h)
 ts_status ts_fsdp_reshard(ts_module *module)
 {
     fsdp_state *s = NULL;
-    ts_status st = need_state("ts_fsdp_reshard", module, &s);
+    ts_status st = ts__fsdp_need_state("ts_fsdp_reshard", module, &s);
     return st ? st : ts__fsdp_reshard(s->group);
 }
 
@@ -195,7 +185,7 @@ ts_status ts_fsdp_summon_end(ts_fsdp_summon *s)
 ts_status ts_fsdp_register_forward_method(ts_module *module, const char *name)
 {
     fsdp_state *s = NULL;
-    ts_status st = need_state("ts_fsdp_register_forward_method", module, &s);
+    ts_status st = ts__fsdp_need_state("ts_fsdp_register_forward_method", module, &s);
     if (st) return st;
     if (!name) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_register_forward_method: NULL name");
     for (int i = 0; i < s->orig_vt->n_methods; i++)
@@ -210,7 +200,7 @@ ts_status ts_fsdp_register_forward_method(ts_module *module, const char *name)
 static ts_status set_prefetch(const char *fn, ts_module *module, int n, ts_module *const *modules, bool fwd)
 {
     fsdp_state *s = NULL;
-    ts_status st = need_state(fn, module, &s);
+    ts_status st = ts__fsdp_need_state(fn, module, &s);
     if (st) return st;
     if (n < 0 || (n && !modules)) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d modules but no list", fn, n);
     fsdp_state **list = n ? ts__calloc(TS_MEM_NN, (size_t)n, sizeof *list) : NULL;
@@ -249,7 +239,7 @@ ts_status ts_fsdp_set_modules_to_backward_prefetch(ts_module *module, int n, ts_
 ts_status ts_fsdp_set_implicit_prefetch(ts_module *module, bool forward, bool backward)
 {
     fsdp_state *s = NULL;
-    ts_status st = need_state("ts_fsdp_set_implicit_prefetch", module, &s);
+    ts_status st = ts__fsdp_need_state("ts_fsdp_set_implicit_prefetch", module, &s);
     if (st || (st = ts__fsdp_lazy_init(s))) return st;
     s->ctx->implicit_fwd = forward;
     s->ctx->implicit_bwd = backward;

@@ -254,6 +254,9 @@ bool ts__fsdp_grow(void **arr, int *cap, int need, size_t elem);
 /* state.c: the FSDP vtables, states, lazy init */
 ts_status ts__fsdp_vtable(const ts_module_vtable *orig, const ts_module_vtable **out);
 fsdp_state *ts__fsdp_state_of(const ts_module *m);
+/* Writes m's state (borrowed) to *out; TS_ERR_INVALID_ARGUMENT (prefixed
+ * with fn, naming m's type) when m is not an FSDP module. */
+ts_status ts__fsdp_need_state(const char *fn, ts_module *m, fsdp_state **out);
 fsdp_state *ts__fsdp_state_retain(fsdp_state *s);
 void ts__fsdp_state_release(fsdp_state *s);
 ts_status ts__fsdp_lazy_init(fsdp_state *st);

@@ -54,19 +54,24 @@ static ts_status fsdp_rebase(ts_module *m, const ts_module_vtable *inner)
     return TS_OK;
 }
 
-/* The FSDP vtables made so far, one per original vtable; the array grows
- * (no limit on module types). */
-typedef struct vt_entry {
-    const ts_module_vtable *orig;
-    ts_module_vtable *vt;
-} vt_entry;
-
-static pthread_mutex_t g_vt_mu = PTHREAD_MUTEX_INITIALIZER;
-static vt_entry *g_vts;
-static int g_n_vts, g_cap_vts;
-
 /* Every FSDP vtable, and only those, has fsdp_forward as its forward. */
 static bool is_fsdp_vt(const ts_module_vtable *vt) { return vt && vt->base && vt->forward == fsdp_forward; }
+
+/* The FSDP slots of vt extending orig: the original's names and
+ * functions, called through call_method. */
+static void fsdp_fill(ts_module_vtable *vt, const ts_module_vtable *orig)
+{
+    (void)orig;
+    vt->forward = fsdp_forward;
+    vt->free = fsdp_free;
+    vt->extra_repr = ts__fsdp_extra_repr;
+    vt->call_method = fsdp_call_method;
+    vt->rebase = fsdp_rebase;
+}
+
+/* The FSDP vtables made so far, one per original vtable (no limit on
+ * module types). */
+static ts__vt_cache g_vts = TS__VT_CACHE_INIT("fully_shard", "FSDPModule", fsdp_fill);
 
 /* The cached FSDP vtable extending orig (made once per original vtable and
  * kept for the life of the process). */
@@ -78,53 +83,7 @@ ts_status ts__fsdp_vtable(const ts_module_vtable *orig, const ts_module_vtable *
         return ts_error(TS_ERR_UNSUPPORTED,
                         "fully_shard: %s has its own method dispatcher (call_method); fully_shard cannot wrap it",
                         orig->type_name);
-    pthread_mutex_lock(&g_vt_mu);
-    for (int i = 0; i < g_n_vts; i++)
-        if (g_vts[i].orig == orig) {
-            *out = g_vts[i].vt;
-            pthread_mutex_unlock(&g_vt_mu);
-            return TS_OK;
-        }
-    ts_status st = TS_OK;
-    ts_module_vtable *vt = NULL;
-    char *name = NULL;
-    if (g_n_vts == g_cap_vts) {
-        int cap = g_cap_vts ? 2 * g_cap_vts : 16;
-        vt_entry *grown = realloc(g_vts, (size_t)cap * sizeof *grown);
-        if (!grown) {
-            st = ts_error(TS_ERR_NO_MEMORY, "fully_shard: out of memory (the table of %d module types)", g_n_vts);
-            goto done;
-        }
-        g_vts = grown;
-        g_cap_vts = cap;
-    }
-    size_t len = strlen(orig->type_name) + sizeof "FSDPModule";
-    vt = calloc(1, sizeof *vt);
-    name = malloc(len);
-    if (!vt || !name) {
-        st = ts_error(TS_ERR_NO_MEMORY, "fully_shard: out of memory");
-        goto done;
-    }
-    snprintf(name, len, "%sFSDPModule", orig->type_name);
-    vt->type_name = name;
-    vt->forward = fsdp_forward;
-    vt->visit = orig->visit;
-    vt->free = fsdp_free;
-    /* the original's names and functions; calls go through call_method */
-    vt->methods = orig->methods;
-    vt->n_methods = orig->n_methods;
-    vt->base = orig;
-    vt->extra_repr = ts__fsdp_extra_repr;
-    vt->call_method = fsdp_call_method;
-    vt->rebase = fsdp_rebase;
-    g_vts[g_n_vts++] = (vt_entry){orig, vt};
-    *out = vt;
-    vt = NULL, name = NULL;
-done:
-    pthread_mutex_unlock(&g_vt_mu);
-    free(vt);
-    free(name);
-    return st;
+    return ts__vt_cache_get(&g_vts, orig, out);
 }
 
 bool ts_module_is_fsdp(const ts_module *m) { return m && is_fsdp_vt(m->vtable) && m->ext; }
@@ -135,6 +94,16 @@ const ts_module_vtable *ts_fsdp_original_vtable(const ts_module *m)
 }
 
 fsdp_state *ts__fsdp_state_of(const ts_module *m) { return ts_module_is_fsdp(m) ? m->ext : NULL; }
+
+ts_status ts__fsdp_need_state(const char *fn, ts_module *m, fsdp_state **out)
+{
+    fsdp_state *s = ts__fsdp_state_of(m);
+    if (!s)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is not an FSDP module (call ts_fully_shard first)", fn,
+                        m ? ts_module_type_name(m) : "NULL");
+    *out = s;
+    return TS_OK;
+}
 
 static void ctx_free(fsdp_ctx *c);
 

@@ -29,15 +29,6 @@ static void ckpt_free(ts_module *m);
 
 /* ------------------------------------------------------------ vtables */
 
-typedef struct ckpt_vt_entry {
-    const ts_module_vtable *orig;
-    ts_module_vtable *vt;
-} ckpt_vt_entry;
-
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static ckpt_vt_entry *g_vts;
-static int g_n, g_cap;
-
 static bool is_ckpt_vt(const ts_module_vtable *vt) { return vt && vt->base && vt->forward == ckpt_forward; }
 
 /* The Checkpointed vtable in m's chain, or NULL. */
@@ -49,55 +40,23 @@ static const ts_module_vtable *find_ckpt_vt(const ts_module *m)
     return NULL;
 }
 
+/* The Checkpointed slots of vt extending orig: named methods run as they
+ * are, not checkpointed. */
+static void ckpt_fill(ts_module_vtable *vt, const ts_module_vtable *orig)
+{
+    vt->forward = ckpt_forward;
+    vt->free = ckpt_free;
+    vt->extra_repr = orig->extra_repr;
+    vt->call_method = orig->call_method;
+}
+
+static ts__vt_cache g_vts = TS__VT_CACHE_INIT("ts_checkpoint_module", "Checkpointed", ckpt_fill);
+
 /* The "<Type>Checkpointed" vtable extending orig, made once per original
  * vtable and kept for the life of the process. */
 static ts_status ckpt_vtable(const ts_module_vtable *orig, const ts_module_vtable **out)
 {
-    pthread_mutex_lock(&g_mu);
-    for (int i = 0; i < g_n; i++)
-        if (g_vts[i].orig == orig) {
-            *out = g_vts[i].vt;
-            pthread_mutex_unlock(&g_mu);
-            return TS_OK;
-        }
-    ts_status st = TS_OK;
-    ts_module_vtable *vt = NULL;
-    char *name = NULL;
-    if (g_n == g_cap) {
-        int cap = g_cap ? 2 * g_cap : 16;
-        ckpt_vt_entry *grown = realloc(g_vts, (size_t)cap * sizeof *grown);
-        if (!grown) {
-            st = ts_error(TS_ERR_NO_MEMORY, "ts_checkpoint_module: out of memory (the table of %d module types)", g_n);
-            goto done;
-        }
-        g_vts = grown;
-        g_cap = cap;
-    }
-    size_t len = strlen(orig->type_name) + sizeof "Checkpointed";
-    vt = calloc(1, sizeof *vt);
-    name = malloc(len);
-    if (!vt || !name) {
-        st = ts_error(TS_ERR_NO_MEMORY, "ts_checkpoint_module: out of memory");
-        goto done;
-    }
-    snprintf(name, len, "%sCheckpointed", orig->type_name);
-    vt->type_name = name;
-    vt->forward = ckpt_forward;
-    vt->visit = orig->visit;
-    vt->free = ckpt_free;
-    vt->methods = orig->methods; /* named methods run as they are, not checkpointed */
-    vt->n_methods = orig->n_methods;
-    vt->base = orig;
-    vt->extra_repr = orig->extra_repr;
-    vt->call_method = orig->call_method;
-    g_vts[g_n++] = (ckpt_vt_entry){orig, vt};
-    *out = vt;
-    vt = NULL, name = NULL;
-done:
-    pthread_mutex_unlock(&g_mu);
-    free(vt);
-    free(name);
-    return st;
+    return ts__vt_cache_get(&g_vts, orig, out);
 }
 
 bool ts_module_is_checkpointed(const ts_module *m) { return find_ckpt_vt(m) != NULL; }

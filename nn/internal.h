@@ -4,6 +4,8 @@
 
 #include "nn/nn.h"
 
+#include <pthread.h>
+
 /* named parameters with (dedup) or without duplicates */
 ts_status ts__module_params(ts_module *m, bool dedup, ts_named_params *out);
 /* parameters and/or buffers in state-dict order (per module: parameters,
@@ -29,6 +31,29 @@ ts_status ts__param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tenso
 ts_status ts__causal_mask(int64_t T, ts_tensor **out);
 /* Copies every parameter value of src into dst (same architecture). */
 ts_status ts__module_copy_params(ts_module *dst, ts_module *src);
+
+/* A process-wide cache of the vtables an upper layer makes to extend
+ * module types ("<Type><suffix>": nn/checkpoint.c's "Checkpointed",
+ * fully_shard's "FSDPModule"), one per original vtable, made on first use
+ * and kept for the life of the process. Declare one per layer as a static
+ * initialised with TS__VT_CACHE_INIT. */
+struct ts__vt_cache_entry;
+typedef struct ts__vt_cache {
+    pthread_mutex_t mu;
+    const char *op;     /* prefix of error messages: "fully_shard" */
+    const char *suffix; /* appended to the original type name */
+    /* sets the layer's slots of the new vtable vt extending orig (forward,
+     * free and whatever else the layer changes); type_name, base, visit,
+     * methods and n_methods are set before it is called */
+    void (*fill)(ts_module_vtable *vt, const ts_module_vtable *orig);
+    struct ts__vt_cache_entry *entries;
+    int n, cap;
+} ts__vt_cache;
+#define TS__VT_CACHE_INIT(op, suffix, fill) {PTHREAD_MUTEX_INITIALIZER, (op), (suffix), (fill), NULL, 0, 0}
+/* The vtable of cache c extending orig (made and cached on first call,
+ * owned by the cache): *out written on success. TS_ERR_NO_MEMORY (prefixed
+ * with c->op) when it cannot be made; orig is not checked here. */
+ts_status ts__vt_cache_get(ts__vt_cache *c, const ts_module_vtable *orig, const ts_module_vtable **out);
 
 /* The parameter-free layers (ReLU, Tanh, GELU, Dropout): one struct, a
  * vtable each (nn/relu.c, nn/tanh.c, nn/gelu.c, nn/dropout.c). */

@@ -4,8 +4,61 @@
 #include "nn/internal.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+struct ts__vt_cache_entry {
+    const ts_module_vtable *orig;
+    ts_module_vtable *vt;
+};
+
+ts_status ts__vt_cache_get(ts__vt_cache *c, const ts_module_vtable *orig, const ts_module_vtable **out)
+{
+    pthread_mutex_lock(&c->mu);
+    for (int i = 0; i < c->n; i++)
+        if (c->entries[i].orig == orig) {
+            *out = c->entries[i].vt;
+            pthread_mutex_unlock(&c->mu);
+            return TS_OK;
+        }
+    ts_status st = TS_OK;
+    ts_module_vtable *vt = NULL;
+    char *name = NULL;
+    if (c->n == c->cap) {
+        int cap = c->cap ? 2 * c->cap : 16;
+        struct ts__vt_cache_entry *grown = realloc(c->entries, (size_t)cap * sizeof *grown);
+        if (!grown) {
+            st = ts_error(TS_ERR_NO_MEMORY, "%s: out of memory (the table of %d module types)", c->op, c->n);
+            goto done;
+        }
+        c->entries = grown;
+        c->cap = cap;
+    }
+    size_t len = strlen(orig->type_name) + strlen(c->suffix) + 1;
+    vt = calloc(1, sizeof *vt);
+    name = malloc(len);
+    if (!vt || !name) {
+        st = ts_error(TS_ERR_NO_MEMORY, "%s: out of memory", c->op);
+        goto done;
+    }
+    snprintf(name, len, "%s%s", orig->type_name, c->suffix);
+    vt->type_name = name;
+    vt->base = orig;
+    vt->visit = orig->visit;
+    vt->methods = orig->methods; /* the original's names and functions */
+    vt->n_methods = orig->n_methods;
+    c->fill(vt, orig);
+    c->entries[c->n++] = (struct ts__vt_cache_entry){orig, vt};
+    *out = vt;
+    vt = NULL, name = NULL;
+done:
+    pthread_mutex_unlock(&c->mu);
+    free(vt);
+    free(name);
+    return st;
+}
 
 ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt)
 {

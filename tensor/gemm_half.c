@@ -538,6 +538,21 @@ static void *bf16_thread_main(void *arg)
     return NULL;
 }
 
+/* The threads of an (m, n, k) bf16 product, as the sgemm path has them
+ * (ts_get_num_threads): one per 2 MR rows at most, and one for products
+ * too small to pay for a thread. gemm_avx512bf16 runs with them and
+ * ts__gemm_half_scratch_bytes counts their scratch. */
+static int bf16_threads(int64_t m, int64_t n, int64_t k)
+{
+    int nt = ts_get_num_threads();
+    nt = nt > MAX_THREADS ? MAX_THREADS : nt;
+    if ((double)m * (double)n * (double)k < 4e6)
+        nt = 1;
+    while (nt > 1 && m < (int64_t)nt * 2 * MR)
+        nt--;
+    return nt;
+}
+
 static bool gemm_avx512bf16(int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t rsa, int64_t csa,
                             const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c, int64_t rsc,
                             int64_t csc)
@@ -547,15 +562,7 @@ static bool gemm_avx512bf16(int64_t m, int64_t n, int64_t k, const uint16_t *a, 
         return false;
     *j = (bf16_job){.m = m, .n = n, .k = k, .a = a, .b = b, .rsa = rsa, .csa = csa, .rsb = rsb, .csb = csb,
                     .rsc = rsc, .csc = csc, .beta = beta, .c = c};
-    /* threads as the sgemm path has them (ts_get_num_threads), one per
-     * 2 MR rows at most, and one for products too small to pay for a
-     * thread */
-    int nt = ts_get_num_threads();
-    nt = nt > MAX_THREADS ? MAX_THREADS : nt;
-    if ((double)m * (double)n * (double)k < 4e6)
-        nt = 1;
-    while (nt > 1 && m < (int64_t)nt * 2 * MR)
-        nt--;
+    int nt = bf16_threads(m, n, k);
     int64_t kp = (k + 1) / 2, nb = n < NC ? n : NC, npan = (nb + NR - 1) / NR;
     scratch sb;
     bool ok = scratch_get(&sb, (size_t)(npan * kp * NR) * sizeof(uint32_t));
@@ -623,12 +630,7 @@ size_t ts__gemm_half_scratch_bytes(ts_dtype dt, int64_t m, int64_t n, int64_t k,
 #if TS__HAVE_AVX512BF16_KERNEL
     if (dt == TS_BF16 && ts__hgemm_active() == TS__HGEMM_AVX512BF16 &&
         ts__hgemm_kernel_runnable(TS__HGEMM_AVX512BF16, this_cpu())) {
-        int nt = ts_get_num_threads();
-        nt = nt > MAX_THREADS ? MAX_THREADS : nt;
-        if ((double)m * (double)n * (double)k < 4e6)
-            nt = 1;
-        while (nt > 1 && m < (int64_t)nt * 2 * MR)
-            nt--;
+        int nt = bf16_threads(m, n, k);
         int64_t kp = (k + 1) / 2, nb = n < NC ? n : NC, npan = (nb + NR - 1) / NR;
         size_t per = ts__pool_block_bytes((size_t)(MC * KC2) * sizeof(uint32_t)) +
                      ts__pool_block_bytes((size_t)(MC * NC) * sizeof(float)) +

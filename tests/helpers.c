@@ -501,6 +501,14 @@ char **th_environ_without(const char *const *drop, size_t n_drop, size_t extra, 
     return envp;
 }
 
+char **th_job_environ(size_t extra, size_t *n_out)
+{
+    static const char *const drop[] = {"TS_TRACE=", "RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
+                                       "MASTER_ADDR=", "MASTER_PORT=", "OMPI_COMM_WORLD_RANK=", "SLURM_PROCID=",
+                                       "TS_LAUNCHER_PID=", "TS_STORE_HOSTED="};
+    return th_environ_without(drop, sizeof drop / sizeof drop[0], extra, n_out);
+}
+
 void th_rank_check(int code, const char *expr, ts_status s)
 {
     if (s == TS_OK)
@@ -616,4 +624,76 @@ void th_clear_launch_env(void)
     static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                  "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
+}
+
+double th_xval(int64_t r, int64_t j) { return sin(0.37 * (double)(r * 7 + j) + 0.1); }
+double th_yval(int64_t r, int64_t j) { return cos(0.23 * (double)(r * 5 + j)); }
+
+ts_tensor *th_batch(int64_t row0, int64_t rows, int64_t cols, double (*f)(int64_t, int64_t))
+{
+    int64_t shape[2] = {rows, cols};
+    ts_tensor *t = NULL;
+    if (ts_tensor_empty(TS_F32, 2, shape, &t)) return NULL;
+    float *p = ts_tensor_data(t);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < cols; j++) p[r * cols + j] = (float)f(row0 + r, j);
+    return t;
+}
+
+static ts_status flaky_forward(ts_module *mm, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
+{
+    th_flaky *f = (th_flaky *)mm;
+    if (++f->calls == f->fail_at) return ts_error(TS_ERR_STATE, "Flaky: injected failure at call %d", f->calls);
+    return ts_module_call(f->fc, n_in, in, n_out, out);
+}
+
+static ts_status flaky_visit(ts_module *mm, const ts_module_visitor *v)
+{
+    return v->child ? v->child(v->ctx, "fc", ((th_flaky *)mm)->fc) : TS_OK;
+}
+
+static void flaky_free(ts_module *mm)
+{
+    ts_module_free(((th_flaky *)mm)->fc);
+    free(mm);
+}
+
+static const ts_module_vtable flaky_vt = {
+    .type_name = "Flaky", .forward = flaky_forward, .visit = flaky_visit, .free = flaky_free};
+
+ts_status th_flaky_new(th_flaky **out)
+{
+    th_flaky *f = calloc(1, sizeof *f);
+    if (!f) return ts_error(TS_ERR_NO_MEMORY, "th_flaky_new: out of memory");
+    ts_status st = ts_module_init(&f->base, &flaky_vt);
+    if (st) {
+        free(f);
+        return st;
+    }
+    if ((st = ts_linear_new(4, 4, true, &f->fc))) {
+        ts_module_free(&f->base);
+        return st;
+    }
+    *out = f;
+    return TS_OK;
+}
+
+ts_status th_param_slots(ts_module *m, int n, ts_tensor **ps)
+{
+    ts_named_params np;
+    ts_status st = ts_module_named_parameters(m, &np);
+    if (st) return st;
+    if (np.n != n) st = ts_error(TS_ERR_INTERNAL, "%d parameters, expected %d", np.n, n);
+    for (int i = 0; i < np.n && i < n; i++) ps[i] = *np.items[i].slot;
+    ts_named_params_free(&np);
+    return st;
+}
+
+void th_launch_self(int W, ts_launch_result *res)
+{
+    ts_launch_options o = ts_launch_options_default();
+    o.nproc_per_node = W;
+    o.forward_signals = false;
+    char *argv[] = {th_self_exe(), NULL};
+    TH_OK(ts_launch(&o, argv, res));
 }

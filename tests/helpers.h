@@ -148,9 +148,21 @@ void th_wait_pids(const pid_t *pids, int n, int skip, double limit_s, int *statu
  * entries and the NULL after them; *n_out is the number kept (where the
  * caller appends). */
 char **th_environ_without(const char *const *drop, size_t n_drop, size_t extra, size_t *n_out);
+/* th_environ_without for a job a test starts with tools/tsrun: environ
+ * without the variables that would make the job take itself for (part of)
+ * another launch or trace (TS_TRACE, RANK, WORLD_SIZE, LOCAL_RANK,
+ * LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, OMPI_COMM_WORLD_RANK,
+ * SLURM_PROCID, TS_LAUNCHER_PID, TS_STORE_HOSTED), room for `extra` more
+ * entries; the caller frees it. */
+char **th_job_environ(size_t extra, size_t *n_out);
 /* Unsets the variables a launcher or scheduler sets for a rank (RANK,
  * WORLD_SIZE, MASTER_ADDR, ...), so a test starts from none of them. */
 void th_clear_launch_env(void);
+/* Runs this test binary (th_self_exe) on W local ranks with ts_launch,
+ * signals not forwarded and output inherited, and waits for them: their
+ * result in *res; asserts that ts_launch itself returned TS_OK. Call
+ * th_clear_launch_env and set the ranks' role variables first. */
+void th_launch_self(int W, ts_launch_result *res);
 /* In a rank process: unless `expr` gives TS_OK, prints "EXPR -> STATUS:
  * detail" on stderr and exits with `code` (the test reads the rank's exit
  * code). */
@@ -181,5 +193,32 @@ typedef struct th_half_fx {
 void th_half_fx_open(th_half_fx *f, const char *group);
 void th_half_fx_close(th_half_fx *f);
 ts_tensor *th_half_fx_tensor(const th_half_fx *f, const char *name);
+
+/* The fully_shard suites' deterministic data: element (r, j) of a fixed
+ * global input batch (th_xval, about sin) and target batch (th_yval). */
+double th_xval(int64_t r, int64_t j);
+double th_yval(int64_t r, int64_t j);
+/* Rows [row0, row0 + rows) of the global batch f as a new f32 tensor
+ * (rows, cols), owned by the caller (ts_tensor_free); NULL when it cannot
+ * be allocated (ts_last_error() says why). */
+ts_tensor *th_batch(int64_t row0, int64_t rows, int64_t cols, double (*f)(int64_t, int64_t));
+/* m's n parameters, in ts_module_named_parameters order, into ps
+ * (borrowed); TS_ERR_INTERNAL naming both counts when m has another
+ * number of them (ps then holds the first min(count, n)). */
+ts_status th_param_slots(ts_module *m, int n, ts_tensor **ps);
+
+/* "Flaky", a test module around one child Linear(4, 4) "fc" (its
+ * parameters drawn from the default generator): its forward calls fc, but
+ * fails with TS_ERR_STATE ("Flaky: injected failure at call N") at call
+ * number fail_at (0: never), to make a recompute or a step fail. */
+typedef struct th_flaky {
+    ts_module base;
+    ts_module *fc;
+    int calls, fail_at;
+} th_flaky;
+/* A new Flaky module with fail_at 0, owned by the caller (ts_module_free);
+ * the status of the allocation, ts_module_init or ts_linear_new that
+ * failed, nothing made then. */
+ts_status th_flaky_new(th_flaky **out);
 
 #endif

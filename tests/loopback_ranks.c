@@ -52,3 +52,18 @@ void th_run_world(int W, th_rank_fn fn, void *arg, double timeout_s)
     for (int i = 0; i < W; i++)
         cr_assert_eq(rc[i].err[0], '\0', "W=%d: %s", W, rc[i].err);
 }
+
+ts_mesh *th_rank_mesh(th_rank *rc, bool hsdp)
+{
+    ts_mesh *mesh = NULL;
+    if (hsdp) {
+        int64_t shape[2] = {2, rc->W / 2};
+        const char *names[2] = {"replicate", "shard"};
+        if (ts_mesh_new(rc->c, "cpu", 2, shape, names, &mesh)) return NULL;
+    } else {
+        int64_t shape[1] = {rc->W};
+        const char *names[1] = {"dp"};
+        if (ts_mesh_new(rc->c, "cpu", 1, shape, names, &mesh)) return NULL;
+    }
+    return mesh;
+}

@@ -43,4 +43,10 @@ int th_rank_fail(th_rank *rc, const char *fmt, ...) TS_PRINTF(2, 3);
  * collective deadline; asserts that no rank failed. */
 void th_run_world(int W, th_rank_fn fn, void *arg, double timeout_s);
 
+/* The rank's device mesh over its whole world: 1-d ("dp") of W ranks, or
+ * with hsdp the 2-d ("replicate", "shard") mesh of shape (2, W/2). Owned by
+ * the caller (ts_mesh_free); NULL when ts_mesh_new fails (ts_last_error()
+ * says why). */
+ts_mesh *th_rank_mesh(th_rank *rc, bool hsdp);
+
 #endif

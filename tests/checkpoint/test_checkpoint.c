@@ -357,6 +357,22 @@ static ts_status make_extras(int rank, ts_state_dict **ex, ts_state_dict **rex, 
     return st;
 }
 
+/* The end of saver and loader: snapshots m into a->at and, when a->next
+ * is set, trains one more step and snapshots it there; then frees the
+ * extras and the model. */
+static int snap_and_free(th_rank *rc, const run_arg *a, model_t *m, ts_state_dict *ex, ts_state_dict *rex)
+{
+    TH_RK_OK(rc, snap_take(a->at, rc->rank, m));
+    if (a->next) {
+        TH_RK_OK(rc, train_step(m));
+        TH_RK_OK(rc, snap_take(a->next, rc->rank, m));
+    }
+    ts_state_dict_free(ex);
+    ts_state_dict_free(rex);
+    model_free(m);
+    return 0;
+}
+
 static int saver(th_rank *rc)
 {
     run_arg *a = rc->arg;
@@ -373,15 +389,7 @@ static int saver(th_rank *rc)
     o.metadata = meta;
     o.n_metadata = 2;
     TH_RK_OK(rc, ts_ckpt_save(a->dir, m.root, &o));
-    TH_RK_OK(rc, snap_take(a->at, rc->rank, &m));
-    if (a->next) {
-        TH_RK_OK(rc, train_step(&m));
-        TH_RK_OK(rc, snap_take(a->next, rc->rank, &m));
-    }
-    ts_state_dict_free(ex);
-    ts_state_dict_free(rex);
-    model_free(&m);
-    return 0;
+    return snap_and_free(rc, a, &m, ex, rex);
 }
 
 /* The bytes this rank must read: the local rows of every sharded tensor,
@@ -426,15 +434,7 @@ static int loader(th_rank *rc)
     TH_RK_OK(rc, ts_ckpt_metadata(a->dir, "model", &v));
     if (strcmp(v, "tiny-mlp")) return th_rank_fail(rc, "metadata 'model' is '%s'", v);
     free(v);
-    TH_RK_OK(rc, snap_take(a->at, rc->rank, &m));
-    if (a->next) {
-        TH_RK_OK(rc, train_step(&m));
-        TH_RK_OK(rc, snap_take(a->next, rc->rank, &m));
-    }
-    ts_state_dict_free(ex);
-    ts_state_dict_free(rex);
-    model_free(&m);
-    return 0;
+    return snap_and_free(rc, a, &m, ex, rex);
 }
 
 static char *tmp_dir(void)

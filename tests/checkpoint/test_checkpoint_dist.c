@@ -137,12 +137,8 @@ static void launch(const char *role, int W, const char *dir)
     th_clear_launch_env();
     setenv("TS_TEST_CKPT_ROLE", role, 1);
     setenv("TS_TEST_CKPT_DIR", dir, 1);
-    ts_launch_options o = ts_launch_options_default();
-    o.nproc_per_node = W;
-    o.forward_signals = false;
-    char *argv[] = {th_self_exe(), NULL};
     ts_launch_result res;
-    TH_OK(ts_launch(&o, argv, &res));
+    th_launch_self(W, &res);
     unsetenv("TS_TEST_CKPT_ROLE");
     cr_assert_eq(res.exit_code, 0, "%s on %d ranks: rank %d failed: exit %d signal %d", role, W, res.failed_rank,
                  res.exit_code, res.failed_signal);

@@ -115,12 +115,8 @@ static void launch(int W)
 {
     th_clear_launch_env();
     setenv("TS_TEST_PINNED_ROLE", "pinned", 1);
-    ts_launch_options o = ts_launch_options_default();
-    o.nproc_per_node = W;
-    o.forward_signals = false;
-    char *argv[] = {th_self_exe(), NULL};
     ts_launch_result res;
-    TH_OK(ts_launch(&o, argv, &res));
+    th_launch_self(W, &res);
     unsetenv("TS_TEST_PINNED_ROLE");
     cr_assert_eq(res.exit_code, 0, "rank %d failed: exit %d signal %d", res.failed_rank, res.exit_code,
                  res.failed_signal);

@@ -84,6 +84,21 @@ static void clear_launch_env(void)
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
 }
 
+/* A fresh launch environment for ranks this test spawns: clear_launch_env,
+ * then MASTER_PORT a free port (returned), TS_RUN_ID run_id (unless NULL)
+ * and TS_DIST_TIMEOUT timeout (seconds, as text). */
+static int rdv_env(const char *run_id, const char *timeout)
+{
+    clear_launch_env();
+    int port = th_free_port();
+    char ports[16];
+    snprintf(ports, sizeof ports, "%d", port);
+    setenv("MASTER_PORT", ports, 1);
+    if (run_id) setenv("TS_RUN_ID", run_id, 1);
+    setenv("TS_DIST_TIMEOUT", timeout, 1);
+    return port;
+}
+
 typedef struct rank_proc {
     pid_t pid;
     char log[256];
@@ -163,11 +178,7 @@ static void expect_failed_with(rank_proc *p, int i, const char *a, const char *b
 
 Test(comm_rendezvous, duplicate_rank_fails_every_rank, .timeout = 120)
 {
-    clear_launch_env();
-    char port[16];
-    snprintf(port, sizeof port, "%d", th_free_port());
-    setenv("MASTER_PORT", port, 1);
-    setenv("TS_DIST_TIMEOUT", "60", 1);
+    rdv_env(NULL, "60");
     rank_proc p[3];
     double t0 = th_now_s();
     spawn_rank(&p[0], 0, 3, "dup");
@@ -185,11 +196,7 @@ Test(comm_rendezvous, duplicate_rank_0_fails_every_rank, .timeout = 120)
     /* The second RANK 0 cannot listen on MASTER_PORT: it finds the first
      * one's store there, RANK 0 claimed in it, and reports the duplicate
      * to every rank. */
-    clear_launch_env();
-    char port[16];
-    snprintf(port, sizeof port, "%d", th_free_port());
-    setenv("MASTER_PORT", port, 1);
-    setenv("TS_DIST_TIMEOUT", "60", 1);
+    rdv_env(NULL, "60");
     rank_proc p[3];
     double t0 = th_now_s();
     spawn_rank(&p[0], 0, 3, "dup0");
@@ -252,11 +259,7 @@ Test(comm_rendezvous, master_port_held_by_another_program_is_named, .timeout = 6
 
 Test(comm_rendezvous, inconsistent_world_size_fails_every_rank, .timeout = 120)
 {
-    clear_launch_env();
-    char port[16];
-    snprintf(port, sizeof port, "%d", th_free_port());
-    setenv("MASTER_PORT", port, 1);
-    setenv("TS_DIST_TIMEOUT", "60", 1);
+    rdv_env(NULL, "60");
     rank_proc p[3];
     double t0 = th_now_s();
     spawn_rank(&p[0], 0, 2, "ws"); /* WORLD_SIZE 2 ... */
@@ -279,13 +282,7 @@ Test(comm_rendezvous, rank_connecting_after_the_error_is_recorded_still_reads_it
      * (every rank of the largest WORLD_SIZE announced), so that rank 1
      * fails at once naming the problem instead of meeting a closed port
      * until its deadline. */
-    clear_launch_env();
-    int port = th_free_port();
-    char ports[16];
-    snprintf(ports, sizeof ports, "%d", port);
-    setenv("MASTER_PORT", ports, 1);
-    setenv("TS_RUN_ID", "rdvlate", 1);
-    setenv("TS_DIST_TIMEOUT", "30", 1);
+    int port = rdv_env("rdvlate", "30");
     rank_proc p0[1], p1[1], p2[1];
     double t0 = th_now_s();
     spawn_rank(&p0[0], 0, 2, "late");
@@ -317,13 +314,7 @@ Test(comm_rendezvous, rank_0_hosting_the_store_counts_a_dead_rank_out, .timeout 
      * after that. Rank 0 finds rank 2 dead and counts it out of the failed
      * rendezvous (it will never read the error), so rank 0 leaves as soon
      * as rank 1 has read the error, not after its 5 s grace. */
-    clear_launch_env();
-    int port = th_free_port();
-    char ports[16];
-    snprintf(ports, sizeof ports, "%d", port);
-    setenv("MASTER_PORT", ports, 1);
-    setenv("TS_RUN_ID", "rdvdead", 1);
-    setenv("TS_DIST_TIMEOUT", "30", 1);
+    int port = rdv_env("rdvdead", "30");
     rank_proc p0[1], p1[1], victim;
     double t0 = th_now_s();
     spawn_rank(&p0[0], 0, 3, "dead");
@@ -392,11 +383,7 @@ Test(comm_rendezvous, rank_killed_before_the_rendezvous_fails_the_others_at_once
 
 Test(comm_rendezvous, waiting_rendezvous_names_the_missing_ranks_until_the_deadline, .timeout = 120)
 {
-    clear_launch_env();
-    char port[16];
-    snprintf(port, sizeof port, "%d", th_free_port());
-    setenv("MASTER_PORT", port, 1);
-    setenv("TS_DIST_TIMEOUT", "2.5", 1); /* the rendezvous deadline, from the environment */
+    rdv_env(NULL, "2.5"); /* the rendezvous deadline, from the environment */
     setenv("TS_TEST_RDV_PROGRESS", "0.5", 1);
     rank_proc p[1];
     double t0 = th_now_s();
@@ -462,11 +449,7 @@ Test(comm_rendezvous, ranks_on_several_hosts_need_a_token, .timeout = 30)
 
 Test(comm_rendezvous, dist_timeout_sets_the_collective_deadline, .timeout = 120)
 {
-    clear_launch_env();
-    char port[16];
-    snprintf(port, sizeof port, "%d", th_free_port());
-    setenv("MASTER_PORT", port, 1);
-    setenv("TS_DIST_TIMEOUT", "2", 1);
+    rdv_env(NULL, "2");
     setenv("TS_TEST_RDV_WANT_ROLE", "stall", 1);
     rank_proc p[2];
     double t0 = th_now_s();

@@ -74,35 +74,6 @@ typedef struct model {
     ts_optim *opt;
 } model;
 
-static double xval(int64_t r, int64_t j) { return sin(0.37 * (double)(r * 7 + j) + 0.1); }
-static double yval(int64_t r, int64_t j) { return cos(0.23 * (double)(r * 5 + j)); }
-
-/* rows [row0, row0 + rows) of the global data */
-static ts_tensor *batch(int64_t row0, int64_t rows, double (*f)(int64_t, int64_t))
-{
-    int64_t shape[2] = {rows, D};
-    ts_tensor *t = NULL;
-    if (ts_tensor_empty(TS_F32, 2, shape, &t)) return NULL;
-    float *p = ts_tensor_data(t);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < D; j++) p[r * D + j] = (float)f(row0 + r, j);
-    return t;
-}
-
-static ts_mesh *make_mesh(rank_ctx *rc, bool hsdp)
-{
-    ts_mesh *mesh = NULL;
-    if (hsdp) {
-        int64_t shape[2] = {2, rc->W / 2};
-        const char *names[2] = {"replicate", "shard"};
-        if (ts_mesh_new(rc->c, "cpu", 2, shape, names, &mesh)) return NULL;
-    } else {
-        int64_t shape[1] = {rc->W};
-        const char *names[1] = {"dp"};
-        if (ts_mesh_new(rc->c, "cpu", 1, shape, names, &mesh)) return NULL;
-    }
-    return mesh;
-}
 
 /* Sequential(Linear(D, D), MLP, MLP, MLP), MLP = Sequential(Linear(D, H),
  * Tanh, Linear(H, D)); each MLP sharded, then the root (which takes the
@@ -142,12 +113,7 @@ static ts_status model_new(ts_mesh *mesh, const acc_arg *a, model *m)
     ts_offload_policy off = ts_offload_policy_default();
     if (a->offload) o.offload_policy = &off;
     if ((st = ts_fully_shard_each(NMLP, m->mlp, &o)) || (st = ts_fully_shard(m->root, &o))) return st;
-    ts_named_params np;
-    if ((st = ts_module_named_parameters(m->root, &np))) return st;
-    if (np.n != NP) st = ts_error(TS_ERR_INTERNAL, "%d parameters, expected %d", np.n, NP);
-    for (int i = 0; i < np.n && i < NP; i++) m->ps[i] = *np.items[i].slot;
-    ts_named_params_free(&np);
-    if (st) return st;
+    if ((st = th_param_slots(m->root, NP, m->ps))) return st;
     ts_sgd_options so = ts_sgd_options_default();
     so.lr = 0.05;
     so.momentum = 0.9;
@@ -164,7 +130,7 @@ static void model_free(model *m)
  * loss being their mean squared error times scale. */
 static ts_status fwd_bwd(model *m, int64_t row0, int64_t rows, double scale)
 {
-    ts_tensor *x = batch(row0, rows, xval), *y = batch(row0, rows, yval);
+    ts_tensor *x = th_batch(row0, rows, D, th_xval), *y = th_batch(row0, rows, D, th_yval);
     ts_tensor *o = NULL, *loss = NULL, *sl = NULL;
     ts_status st = x && y ? TS_OK : TS_ERR_NO_MEMORY;
     if (!st) st = ts_module_call1(m->root, x, &o);
@@ -278,7 +244,7 @@ static int accumulate(rank_ctx *rc, const acc_arg *a, model *m, mode md, ts_mesh
 static int rank_accum(rank_ctx *rc)
 {
     const acc_arg *a = rc->arg;
-    ts_mesh *mesh = make_mesh(rc, a->hsdp);
+    ts_mesh *mesh = th_rank_mesh(rc, a->hsdp);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     model ref, m, m2;
     RK_OK(rc, model_new(mesh, a, &ref));
@@ -489,7 +455,7 @@ typedef struct div_arg {
 static int rank_divide(rank_ctx *rc)
 {
     const div_arg *d = rc->arg;
-    ts_mesh *mesh = make_mesh(rc, d->hsdp);
+    ts_mesh *mesh = th_rank_mesh(rc, d->hsdp);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     acc_arg a = f32_arg(1, MODE_SYNC);
     a.hsdp = d->hsdp;
@@ -549,7 +515,7 @@ Test(fully_shard_accumulation, divide_factor_and_force_sum)
  * 2e4 (16): atol 1e2, rtol 1e-2. */
 static int rank_f16_overflow(rank_ctx *rc)
 {
-    ts_mesh *mesh = make_mesh(rc, false);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     acc_arg a = f32_arg(1, MODE_SYNC), h = a;
     h.f16_reduce = true;
@@ -600,7 +566,7 @@ Test(fully_shard_accumulation, f16_reduce_does_not_overflow)
  * leaves everything sharded after it. */
 static int rank_no_regather(rank_ctx *rc)
 {
-    ts_mesh *mesh = make_mesh(rc, false);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     acc_arg a = f32_arg(4, MODE_ALL);
     a.raf = TS_RESHARD_FALSE;
@@ -640,7 +606,7 @@ Test(fully_shard_accumulation, reshard_after_backward_false_no_regather)
  * with the default. */
 static int rank_not_last(rank_ctx *rc)
 {
-    ts_mesh *mesh = make_mesh(rc, false);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     acc_arg a = f32_arg(2, MODE_SYNC);
     model ref, m;
@@ -674,7 +640,7 @@ static int rank_not_last(rank_ctx *rc)
  * parameter is sharded again. */
 static int rank_two_forwards(rank_ctx *rc)
 {
-    ts_mesh *mesh = make_mesh(rc, false);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     acc_arg a = f32_arg(2, MODE_SYNC);
     a.raf = TS_RESHARD_FALSE;
@@ -685,7 +651,7 @@ static int rank_two_forwards(rank_ctx *rc)
     RK_OK(rc, fwd_bwd(&ref, base, 4, 1.0));
     ts_tensor *loss[2] = {0};
     for (int k = 0; k < 2; k++) {
-        ts_tensor *x = batch(base + 2 * k, 2, xval), *y = batch(base + 2 * k, 2, yval), *o = NULL, *l = NULL;
+        ts_tensor *x = th_batch(base + 2 * k, 2, D, th_xval), *y = th_batch(base + 2 * k, 2, D, th_yval), *o = NULL, *l = NULL;
         RK_OK(rc, ts_module_call1(m.root, x, &o));
         RK_OK(rc, ts_mse_loss(o, y, TS_REDUCTION_MEAN, &l));
         RK_OK(rc, ts_mul_scalar(l, 0.5, &loss[k]));
@@ -762,7 +728,7 @@ Test(fully_shard_accumulation, errors)
 static int rank_memory(rank_ctx *rc)
 {
     const acc_arg *a = rc->arg;
-    ts_mesh *mesh = make_mesh(rc, a->hsdp);
+    ts_mesh *mesh = th_rank_mesh(rc, a->hsdp);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     model m;
     RK_OK(rc, model_new(mesh, a, &m));

@@ -129,10 +129,8 @@ static int rank_parity(th_rank *rc)
     ts_generator *gen = NULL;
     TH_RK_OK(rc, ts_generator_new(1, &gen));
     ts_generator_set_thread_default(gen);
-    int64_t shape[1] = {rc->W};
-    const char *dims[1] = {"dp"};
-    ts_mesh *mesh = NULL;
-    TH_RK_OK(rc, ts_mesh_new(rc->c, "cpu", 1, shape, dims, &mesh));
+    ts_mesh *mesh = th_rank_mesh(rc, false);
+    if (!mesh) return th_rank_fail(rc, "mesh: %s", ts_last_error());
     ts_module *ref = NULL, *m = NULL;
     TH_RK_OK(rc, gpt_build(&ref));
     TH_RK_OK(rc, gpt_build(&m));
@@ -218,10 +216,8 @@ Test(fully_shard_checkpoint, checkpointed_root_holding_sharded_blocks, .timeout 
  * TS_ERR_ALREADY in either order, and the module keeps its type. */
 static int rank_errors(th_rank *rc)
 {
-    int64_t shape[1] = {rc->W};
-    const char *dims[1] = {"dp"};
-    ts_mesh *mesh = NULL;
-    TH_RK_OK(rc, ts_mesh_new(rc->c, "cpu", 1, shape, dims, &mesh));
+    ts_mesh *mesh = th_rank_mesh(rc, false);
+    if (!mesh) return th_rank_fail(rc, "mesh: %s", ts_last_error());
     ts_fsdp_options o = ts_fsdp_options_default();
     o.mesh = mesh;
     ts_module *lin = NULL;
@@ -261,51 +257,15 @@ Test(fully_shard_checkpoint, errors_after_fully_shard, .timeout = 60) { th_run_w
 
 /* ------------------------------------------------ a recompute that fails */
 
-typedef struct flaky {
-    ts_module base;
-    ts_module *fc;
-    int calls, fail_at; /* the forward fails at call number fail_at (0: never) */
-} flaky;
-
-static ts_status flaky_forward(ts_module *mm, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
-{
-    flaky *f = (flaky *)mm;
-    if (++f->calls == f->fail_at) return ts_error(TS_ERR_STATE, "Flaky: injected failure at call %d", f->calls);
-    return ts_module_call(f->fc, n_in, in, n_out, out);
-}
-
-static ts_status flaky_visit(ts_module *mm, const ts_module_visitor *v)
-{
-    return v->child ? v->child(v->ctx, "fc", ((flaky *)mm)->fc) : TS_OK;
-}
-
-static void flaky_free(ts_module *mm)
-{
-    ts_module_free(((flaky *)mm)->fc);
-    free(mm);
-}
-
-static const ts_module_vtable flaky_vt = {
-    .type_name = "Flaky", .forward = flaky_forward, .visit = flaky_visit, .free = flaky_free};
-
 /* Sequential(Flaky(Linear(4, 4)), Flaky(Linear(4, 4))), the same
  * parameters on every rank */
-static ts_status flaky_model(ts_module **root, flaky **f)
+static ts_status flaky_model(ts_module **root, th_flaky **f)
 {
     ts_manual_seed(8);
     ts_module *k[2] = {0};
     ts_status st = TS_OK;
-    for (int i = 0; i < 2 && !st; i++) {
-        flaky *x = calloc(1, sizeof *x);
-        if (!x) return TS_ERR_NO_MEMORY;
-        if ((st = ts_module_init(&x->base, &flaky_vt))) {
-            free(x);
-            break;
-        }
-        k[i] = &x->base;
-        f[i] = x;
-        st = ts_linear_new(4, 4, true, &x->fc);
-    }
+    for (int i = 0; i < 2 && !st; i++)
+        if (!(st = th_flaky_new(&f[i]))) k[i] = &f[i]->base;
     if (!st) st = ts_sequential_new(2, k, root);
     if (st)
         for (int i = 0; i < 2; i++) ts_module_free(k[i]);
@@ -333,14 +293,12 @@ static int rank_failure(th_rank *rc)
     ts_generator *gen = NULL;
     TH_RK_OK(rc, ts_generator_new(1, &gen));
     ts_generator_set_thread_default(gen);
-    int64_t shape[1] = {rc->W};
-    const char *dims[1] = {"dp"};
-    ts_mesh *mesh = NULL;
-    TH_RK_OK(rc, ts_mesh_new(rc->c, "cpu", 1, shape, dims, &mesh));
+    ts_mesh *mesh = th_rank_mesh(rc, false);
+    if (!mesh) return th_rank_fail(rc, "mesh: %s", ts_last_error());
     ts_fsdp_options o = ts_fsdp_options_default();
     o.mesh = mesh;
     ts_module *m = NULL, *ref = NULL;
-    flaky *f[2], *rf[2];
+    th_flaky *f[2], *rf[2];
     TH_RK_OK(rc, flaky_model(&m, f));
     TH_RK_OK(rc, flaky_model(&ref, rf));
     for (int i = 0; i < 2; i++) {

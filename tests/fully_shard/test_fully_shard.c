@@ -49,21 +49,6 @@ static ts_status mlp_new(uint64_t seed, int64_t in, int64_t hid, int64_t out, ml
     return TS_OK;
 }
 
-/* A rank's deterministic data: x (rows, in), y (rows, out), rows
- * [row0, row0 + rows) of a fixed global batch. */
-static double xval(int64_t r, int64_t j) { return sin(0.37 * (double)(r * 7 + j) + 0.1); }
-static double yval(int64_t r, int64_t j) { return cos(0.23 * (double)(r * 5 + j)); }
-
-static ts_tensor *batch(int64_t row0, int64_t rows, int64_t cols, double (*f)(int64_t, int64_t))
-{
-    int64_t shape[2] = {rows, cols};
-    ts_tensor *t = NULL;
-    if (ts_tensor_empty(TS_F32, 2, shape, &t)) return NULL;
-    float *p = ts_tensor_data(t);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < cols; j++) p[r * cols + j] = (float)f(row0 + r, j);
-    return t;
-}
 
 static ts_status mse(ts_module *m, ts_tensor *x, ts_tensor *y, ts_tensor **loss)
 {
@@ -73,15 +58,6 @@ static ts_status mse(ts_module *m, ts_tensor *x, ts_tensor *y, ts_tensor **loss)
     st = ts_mse_loss(o, y, TS_REDUCTION_MEAN, loss);
     ts_tensor_free(o);
     return st;
-}
-
-static ts_mesh *mesh1(rank_ctx *rc)
-{
-    int64_t shape[1] = {rc->W};
-    const char *names[1] = {"dp"};
-    ts_mesh *m = NULL;
-    if (ts_mesh_new(rc->c, "cpu", 1, shape, names, &m)) return NULL;
-    return m;
 }
 
 static int close_to(rank_ctx *rc, const char *what, const float *got, const float *want, int64_t n, double tol)
@@ -158,7 +134,7 @@ Test(fully_shard, one_rank_without_world, .timeout = 60)
  * data (seed 003's "sharded step, verified"). */
 static int rank_sharded_step(rank_ctx *rc)
 {
-    ts_mesh *mesh = mesh1(rc);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     ts_module *ref = NULL, *model = NULL;
     pthread_mutex_lock(&g_build_mu);
@@ -169,7 +145,7 @@ static int rank_sharded_step(rank_ctx *rc)
     pthread_mutex_unlock(&g_build_mu);
     RK_OK(rc, s1);
     RK_OK(rc, s2);
-    ts_tensor *x = batch(0, 4, 8, xval);
+    ts_tensor *x = th_batch(0, 4, 8, th_xval);
     ts_fsdp_options o = ts_fsdp_options_default();
     o.mesh = mesh;
     RK_OK(rc, ts_fully_shard(model, &o));
@@ -285,7 +261,7 @@ static ts_status train_reference(int steps, float *ref, int64_t cap, int64_t *n_
     for (int i = 0; i < np.n; i++) ps[i] = *np.items[i].slot;
     ts_optim *opt = NULL;
     if ((st = make_optim(np.n, ps, &opt))) return st;
-    ts_tensor *x = batch(0, ROWS, IN, xval), *y = batch(0, ROWS, OUT, yval);
+    ts_tensor *x = th_batch(0, ROWS, IN, th_xval), *y = th_batch(0, ROWS, OUT, th_yval);
     for (int s = 0; s < steps && !st; s++) {
         ts_tensor *loss = NULL;
         ts_optim_zero_grad(opt, true);
@@ -322,7 +298,7 @@ static int rank_train(rank_ctx *rc)
         int64_t shape[2] = {2, rc->W / 2};
         const char *names[2] = {"replicate", "shard"};
         RK_OK(rc, ts_mesh_new(rc->c, "cpu", 2, shape, names, &mesh));
-    } else if (!(mesh = mesh1(rc))) {
+    } else if (!(mesh = th_rank_mesh(rc, false))) {
         return fail(rc, "mesh: %s", ts_last_error());
     }
     mlp m;
@@ -343,7 +319,7 @@ static int rank_train(rank_ctx *rc)
     /* the data-parallel rank: its slice of the global batch */
     int dp = rc->rank, ndp = rc->W;
     int64_t rows = ROWS / ndp;
-    ts_tensor *x = batch(dp * rows, rows, IN, xval), *y = batch(dp * rows, rows, OUT, yval);
+    ts_tensor *x = th_batch(dp * rows, rows, IN, th_xval), *y = th_batch(dp * rows, rows, OUT, th_yval);
     for (int s = 0; s < a->steps; s++) {
         ts_tensor *loss = NULL;
         ts_optim_zero_grad(opt, true);
@@ -425,7 +401,7 @@ static ts_status count_fsdp(void *ctx, const char *fqn, ts_module *m)
 static int rank_counts(rank_ctx *rc)
 {
     const ts_reshard_policy *pol = rc->arg;
-    ts_mesh *mesh = mesh1(rc);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     ts_module *root = NULL, *blocks[3];
     RK_OK(rc, blocks_new(&root, blocks));
     ts_fsdp_options o = ts_fsdp_options_default();
@@ -504,7 +480,7 @@ static int rank_events(rank_ctx *rc)
 {
     const ev_arg *a = rc->arg;
     tl_rank = rc->rank;
-    ts_mesh *mesh = mesh1(rc);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     ts_module *blocks[3], *inner = NULL, *root = NULL, *c[3] = {0};
     RK_OK(rc, blocks_new(&inner, blocks));
     pthread_mutex_lock(&g_build_mu);
@@ -610,7 +586,7 @@ static ts_status lin_pair(uint64_t seed, ts_module **a, ts_module **b)
 
 static int rank_errors(rank_ctx *rc)
 {
-    ts_mesh *mesh = mesh1(rc);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     ts_fsdp_options o = ts_fsdp_options_default();
     o.mesh = mesh;
     o.reshard_after_forward = TS_RESHARD_TRUE;
@@ -646,14 +622,14 @@ static int rank_errors(rank_ctx *rc)
     RK_EQ(rc, ts_fully_shard(a, &o), TS_ERR_ALREADY);
     if (!strstr(ts_last_error(), "fully_shard has already been applied")) return fail(rc, "message: %s", ts_last_error());
     /* the layer's own forward on sharded parameters */
-    ts_tensor *x = batch(0, 2, 8, xval), *outs[TS_MODULE_MAX_IO];
+    ts_tensor *x = th_batch(0, 2, 8, th_xval), *outs[TS_MODULE_MAX_IO];
     int n = 0;
     ts_status s = ts_fsdp_original_vtable(a)->forward(a, 1, &x, &n, outs);
     RK_EQ(rc, s, TS_ERR_SHARDED);
     if (!strstr(ts_last_error(), "ts_module_call")) return fail(rc, "message: %s", ts_last_error());
     /* inputs of a wrong shape: the layer's error, and the module still
      * works afterwards */
-    ts_tensor *xw = batch(0, 2, 5, xval), *y = NULL;
+    ts_tensor *xw = th_batch(0, 2, 5, th_xval), *y = NULL;
     RK_EQ(rc, ts_module_call1(a, xw, &y), TS_ERR_SHAPE);
     int64_t start, len;
     ts_chunk_range(8, rc->W, rc->rank, &start, &len);
@@ -698,7 +674,7 @@ Test(fully_shard, errors, .timeout = 60)
  * an unsharded model. */
 static int rank_tied(rank_ctx *rc)
 {
-    ts_mesh *mesh = mesh1(rc);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     ts_module *a = NULL, *b = NULL, *ra = NULL, *rb = NULL;
     RK_OK(rc, lin_pair(3, &a, &b));
     RK_OK(rc, lin_pair(3, &ra, &rb));
@@ -717,7 +693,7 @@ static int rank_tied(rank_ctx *rc)
     ts_fsdp_group_info gi;
     RK_OK(rc, ts_fsdp_group_info_get(a, &gi));
     RK_EQ(rc, gi.n_params, 3); /* the weight once, two biases */
-    ts_tensor *x = batch(0, 3, 8, xval);
+    ts_tensor *x = th_batch(0, 3, 8, th_xval);
     ts_module *mods[2] = {a, b}, *refs[2] = {ra, rb};
     for (int k = 0; k < 2; k++) {
         ts_module **ms = k ? refs : mods;
@@ -759,7 +735,7 @@ Test(fully_shard, tied_weights_in_one_group, .timeout = 60)
  * backwards until zeroed. */
 static int rank_every_n(rank_ctx *rc)
 {
-    ts_mesh *mesh = mesh1(rc);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     ts_module *a = NULL, *ref = NULL;
     RK_OK(rc, lin_pair(4, &a, &ref));
     ts_module_free(ref);
@@ -776,7 +752,7 @@ static int rank_every_n(rank_ctx *rc)
     ts_nn_linear *la = (ts_nn_linear *)a, *lr = (ts_nn_linear *)ref;
     int64_t start, len;
     ts_chunk_range(8, rc->W, rc->rank, &start, &len);
-    ts_tensor *x1 = batch(0, 2, 8, xval), *x2 = batch(5, 3, 8, xval);
+    ts_tensor *x1 = th_batch(0, 2, 8, th_xval), *x2 = th_batch(5, 3, 8, th_xval);
     ts_comm *g = ts_mesh_group(mesh, NULL);
     for (int pass = 0; pass < 2; pass++) {
         ts_comm_stats_reset(g);
@@ -833,7 +809,7 @@ Test(fully_shard, reshard_every_n_forwards_and_accumulation, .timeout = 60)
 
 static int rank_uneven(rank_ctx *rc)
 {
-    ts_mesh *mesh = mesh1(rc);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     ts_module *a = NULL;
     pthread_mutex_lock(&g_build_mu);
     ts_manual_seed(5);
@@ -853,7 +829,7 @@ static int rank_uneven(rank_ctx *rc)
     RK_EQ(rc, ts_tensor_size(l->weight, 0), rc->rank < 3 ? 1 : 0);
     RK_EQ(rc, ts_tensor_size(l->weight, 1), 3);
     RK_EQ(rc, gi.local_numel, rc->rank < 3 ? 3 : 0);
-    ts_tensor *x = batch(0, 2, 3, xval), *y = NULL, *s = NULL;
+    ts_tensor *x = th_batch(0, 2, 3, th_xval), *y = NULL, *s = NULL;
     RK_OK(rc, ts_module_call1(a, x, &y));
     RK_OK(rc, ts_sum(y, 0, NULL, false, &s));
     RK_OK(rc, ts_backward(s, NULL, false));
@@ -922,7 +898,7 @@ static ts_module *scale_new(void)
 
 static int rank_explicit(rank_ctx *rc)
 {
-    ts_mesh *mesh = mesh1(rc);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     ts_fsdp_options o = ts_fsdp_options_default();
     o.mesh = mesh;
     o.reshard_after_forward = TS_RESHARD_TRUE;
@@ -993,7 +969,7 @@ Test(fully_shard, explicit_unshard_summon_and_forward_method, .timeout = 60)
 
 static int rank_state_dict(rank_ctx *rc)
 {
-    ts_mesh *mesh = mesh1(rc);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     mlp m, plain, m2;
     RK_OK(rc, mlp_new(11, IN, HID, OUT, &m));
     RK_OK(rc, mlp_new(99, IN, HID, OUT, &plain));
@@ -1020,7 +996,7 @@ static int rank_state_dict(rank_ctx *rc)
     RK_OK(rc, ts_module_load_state_dict(plain.root, back, true));
     /* and into another sharded model */
     RK_OK(rc, ts_fsdp_load_full_state_dict(m2.root, back, true));
-    ts_tensor *x = batch(0, 4, IN, xval), *y1 = NULL, *y2 = NULL, *y3 = NULL;
+    ts_tensor *x = th_batch(0, 4, IN, th_xval), *y1 = NULL, *y2 = NULL, *y3 = NULL;
     RK_OK(rc, ts_module_call1(m.root, x, &y1));
     RK_OK(rc, ts_module_call1(plain.root, x, &y2));
     RK_OK(rc, ts_module_call1(m2.root, x, &y3));
@@ -1134,7 +1110,7 @@ static ts_status params_of(ts_module *m, ts_tensor **ps, int *n)
  * head) is sharded. */
 static int rank_gpt(rank_ctx *rc)
 {
-    ts_mesh *mesh = mesh1(rc);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     ts_module *ref = NULL, *m = NULL;
     RK_OK(rc, gpt_build(&ref));
     RK_OK(rc, gpt_build(&m));
@@ -1212,7 +1188,7 @@ Test(fully_shard, tied_gpt_training_on_w_ranks_equals_one_process, .timeout = 24
  * this rank's own (not averaged), and the rest is sharded as usual. */
 static int rank_ignored(rank_ctx *rc)
 {
-    ts_mesh *mesh = mesh1(rc);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     ts_module *a = NULL, *ref = NULL;
     RK_OK(rc, lin_pair(6, &a, &ref));
     ts_module_free(ref);
@@ -1229,7 +1205,7 @@ static int rank_ignored(rank_ctx *rc)
     RK_EQ(rc, ts_tensor_size(l->bias, 0), 8);
     if (ts_tensor_is_shard(l->bias) || l->bias != bias) return fail(rc, "the ignored bias was replaced");
     /* rank r sums r + 1 rows: the bias gradient is r + 1, the rank's own */
-    ts_tensor *x = batch(0, rc->rank + 1, 8, xval), *y = NULL, *sum = NULL;
+    ts_tensor *x = th_batch(0, rc->rank + 1, 8, th_xval), *y = NULL, *sum = NULL;
     RK_OK(rc, ts_module_call1(a, x, &y));
     RK_OK(rc, ts_sum(y, 0, NULL, false, &sum));
     RK_OK(rc, ts_backward(sum, NULL, false));

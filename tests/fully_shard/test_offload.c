@@ -55,19 +55,6 @@ typedef struct off_arg {
     ts_reshard_policy policy;
 } off_arg;
 
-static double xval(int64_t r, int64_t j) { return sin(0.37 * (double)(r * 7 + j) + 0.1); }
-static double yval(int64_t r, int64_t j) { return cos(0.23 * (double)(r * 5 + j)); }
-
-static ts_tensor *batch(int64_t row0, int64_t rows, int64_t cols, double (*f)(int64_t, int64_t))
-{
-    int64_t shape[2] = {rows, cols};
-    ts_tensor *t = NULL;
-    if (ts_tensor_empty(TS_F32, 2, shape, &t)) return NULL;
-    float *p = ts_tensor_data(t);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < cols; j++) p[r * cols + j] = (float)f(row0 + r, j);
-    return t;
-}
 
 /* The model, sharded (each Linear its own group, then the root) with the
  * policy (NULL: no offload), and its optimizer. */
@@ -96,12 +83,7 @@ static ts_status mlp_new(ts_mesh *mesh, const off_arg *a, const ts_offload_polic
     mp.output_dtype = TS_F32;
     if (a->bf16) o.mp_policy = &mp;
     if ((st = ts_fully_shard_each(3, m->lin, &o)) || (st = ts_fully_shard(m->root, &o))) return st;
-    ts_named_params np;
-    if ((st = ts_module_named_parameters(m->root, &np))) return st;
-    if (np.n != NP) st = ts_error(TS_ERR_INTERNAL, "%d parameters, expected %d", np.n, NP);
-    for (int i = 0; i < np.n && i < NP; i++) m->ps[i] = *np.items[i].slot;
-    ts_named_params_free(&np);
-    if (st) return st;
+    if ((st = th_param_slots(m->root, NP, m->ps))) return st;
     if (a->adam) {
         ts_adam_options ao = ts_adamw_options_default();
         ao.lr = 0.01;
@@ -148,28 +130,13 @@ static int same_bits(rank_ctx *rc, const char *what, int i, const ts_tensor *a, 
     return 0;
 }
 
-static ts_mesh *make_mesh(rank_ctx *rc, bool hsdp)
-{
-    ts_mesh *mesh = NULL;
-    if (hsdp) {
-        int64_t shape[2] = {2, rc->W / 2};
-        const char *names[2] = {"replicate", "shard"};
-        if (ts_mesh_new(rc->c, "cpu", 2, shape, names, &mesh)) return NULL;
-    } else {
-        int64_t shape[1] = {rc->W};
-        const char *names[1] = {"dp"};
-        if (ts_mesh_new(rc->c, "cpu", 1, shape, names, &mesh)) return NULL;
-    }
-    return mesh;
-}
-
 /* The same training with and without the policy, side by side on each
  * rank: after every backward the shard gradients, and after every step
  * the shards, are equal to the bit; then the full state dicts are. */
 static int rank_parity(rank_ctx *rc)
 {
     const off_arg *a = rc->arg;
-    ts_mesh *mesh = make_mesh(rc, a->hsdp);
+    ts_mesh *mesh = th_rank_mesh(rc, a->hsdp);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     ts_offload_policy pol = ts_offload_policy_default();
     pol.pin_memory = a->pin;
@@ -178,7 +145,7 @@ static int rank_parity(rank_ctx *rc)
     RK_OK(rc, mlp_new(mesh, a, &pol, &off));
     pol.pin_memory = !a->pin; /* read during the call only */
     int64_t rows = ROWS / rc->W;
-    ts_tensor *x = batch(rc->rank * rows, rows, IN, xval), *y = batch(rc->rank * rows, rows, OUT, yval);
+    ts_tensor *x = th_batch(rc->rank * rows, rows, IN, th_xval), *y = th_batch(rc->rank * rows, rows, OUT, th_yval);
     for (int s = 0; s < a->steps; s++) {
         for (int k = 0; k < a->accum; k++) {
             RK_OK(rc, fwd_bwd(&ref, x, y));
@@ -316,7 +283,7 @@ Test(fully_shard_offload, hsdp_on_a_2x2_mesh_equals_without_offload, .timeout = 
 static int rank_memory(rank_ctx *rc)
 {
     const off_arg *a = rc->arg;
-    ts_mesh *mesh = make_mesh(rc, false);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     size_t pinned0 = ts_mem_live_bytes(TS_MEM_PINNED);
     ts_offload_policy pol = ts_offload_policy_default();
@@ -328,7 +295,7 @@ static int rank_memory(rank_ctx *rc)
     RK_EQ(rc, ts_mem_live_bytes(TS_MEM_PINNED) - pinned0, os.pinned_bytes);
     size_t shards = os.host_bytes; /* the sharded buffers alone, before any gradient */
     RK_EQ(rc, os.pinned_bytes, a->pin ? shards : 0);
-    ts_tensor *x = batch(0, ROWS, IN, xval), *y = batch(0, ROWS, OUT, yval);
+    ts_tensor *x = th_batch(0, ROWS, IN, th_xval), *y = th_batch(0, ROWS, OUT, th_yval);
     RK_OK(rc, fwd_bwd(&off, x, y));
     RK_OK(rc, ts_fsdp_offload_stats_get(off.root, &os));
     RK_EQ(rc, ts_mem_live_bytes(TS_MEM_PINNED) - pinned0, os.pinned_bytes);
@@ -395,14 +362,14 @@ Test(fully_shard_offload, defaults_and_errors, .timeout = 30)
 static int rank_load(rank_ctx *rc)
 {
     off_arg a = {.steps = 1, .accum = 1, .pin = true, .policy = TS_RESHARD_AUTO};
-    ts_mesh *mesh = make_mesh(rc, false);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     ts_offload_policy pol = ts_offload_policy_default();
     mlp ref, off;
     RK_OK(rc, mlp_new(mesh, &a, NULL, &ref));
     RK_OK(rc, mlp_new(mesh, &a, &pol, &off));
     int64_t rows = ROWS / rc->W;
-    ts_tensor *x = batch(rc->rank * rows, rows, IN, xval), *y = batch(rc->rank * rows, rows, OUT, yval);
+    ts_tensor *x = th_batch(rc->rank * rows, rows, IN, th_xval), *y = th_batch(rc->rank * rows, rows, OUT, th_yval);
     RK_OK(rc, fwd_bwd(&ref, x, y)); /* the reference moves away from the initial weights */
     RK_OK(rc, ts_optim_step(ref.opt));
     ts_state_dict *sd = NULL;

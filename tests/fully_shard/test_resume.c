@@ -186,6 +186,38 @@ static void rm_tree(const char *path)
     cr_expect_eq(system(cmd), 0, "%s", cmd);
 }
 
+/* The runs of a resume test and their files: a straight run that saves
+ * its final parameters to full_a (output oa), a run that stops early and
+ * saves a checkpoint to dir (ob), and a run that resumes dir and saves
+ * its final parameters to full_c (oc). */
+typedef struct resume_case {
+    char dir[256], full_a[256], full_c[256];
+    char *oa, *ob, *oc;
+} resume_case;
+
+/* r's paths for a test called name; no output yet. */
+static void resume_paths(resume_case *r, const char *name)
+{
+    char what[200];
+    tmp_path(r->dir, sizeof r->dir, name);
+    snprintf(what, sizeof what, "%s-a.safetensors", name);
+    tmp_path(r->full_a, sizeof r->full_a, what);
+    snprintf(what, sizeof what, "%s-c.safetensors", name);
+    tmp_path(r->full_c, sizeof r->full_c, what);
+    r->oa = r->ob = r->oc = NULL;
+}
+
+/* Frees r's outputs and removes its files. */
+static void resume_done(resume_case *r)
+{
+    free(r->oa);
+    free(r->ob);
+    free(r->oc);
+    rm_tree(r->dir);
+    unlink(r->full_a);
+    unlink(r->full_c);
+}
+
 /* The whole of a file, malloc'd, its size in *n. */
 static char *slurp(const char *path, size_t *n)
 {
@@ -251,49 +283,58 @@ static void max_param_diff(const char *pa, const char *pb, double *diff_out, dou
  * checkpoint. */
 Test(fully_shard_resume, resume_is_bitwise_on_the_same_world_size, .timeout = 120)
 {
-    char dir[256], full_a[256], full_c[256];
-    tmp_path(dir, sizeof dir, "same");
-    tmp_path(full_a, sizeof full_a, "same-a.safetensors");
-    tmp_path(full_c, sizeof full_c, "same-c.safetensors");
-    const char *a[] = {TINY, "--batch", "4", "--steps", "40", "--save-full", full_a, NULL};
-    const char *b[] = {TINY, "--batch", "4", "--steps", "40", "--stop-after", "5", "--save", dir, "--save-every", "2",
+    resume_case r;
+    resume_paths(&r, "same");
+    const char *a[] = {TINY, "--batch", "4", "--steps", "40", "--save-full", r.full_a, NULL};
+    const char *b[] = {TINY, "--batch", "4", "--steps", "40", "--stop-after", "5", "--save", r.dir, "--save-every", "2",
                        NULL};
-    const char *c[] = {"--resume", dir, "--save-full", full_c, NULL};
-    char *oa = run_ok(2, a), *ob = run_ok(2, b), *oc = run_ok(2, c);
-    cr_expect(strstr(ob, "[0] saved a sharded checkpoint of step 2 to ") &&
-                  strstr(ob, "[0] saved a sharded checkpoint of step 4 to ") &&
-                  strstr(ob, "[0] saved a sharded checkpoint of step 5 to ") && strstr(ob, "stopped after step 5 of 40"),
-              "%s", ob);
-    cr_expect(strstr(oc, "[0] resumed from ") && strstr(oc, " at step 5 of 40 (saved on 2 ranks, loaded on 2)"), "%s",
-              oc);
+    const char *c[] = {"--resume", r.dir, "--save-full", r.full_c, NULL};
+    r.oa = run_ok(2, a), r.ob = run_ok(2, b), r.oc = run_ok(2, c);
+    cr_expect(strstr(r.ob, "[0] saved a sharded checkpoint of step 2 to ") &&
+                  strstr(r.ob, "[0] saved a sharded checkpoint of step 4 to ") &&
+                  strstr(r.ob, "[0] saved a sharded checkpoint of step 5 to ") &&
+                  strstr(r.ob, "stopped after step 5 of 40"),
+              "%s", r.ob);
+    cr_expect(strstr(r.oc, "[0] resumed from ") && strstr(r.oc, " at step 5 of 40 (saved on 2 ranks, loaded on 2)"),
+              "%s", r.oc);
     char *la[MAX_STEPS + 1], *lb[MAX_STEPS + 1], *lc[MAX_STEPS + 1];
-    step_lines(oa, la);
-    step_lines(ob, lb);
-    step_lines(oc, lc);
+    step_lines(r.oa, la);
+    step_lines(r.ob, lb);
+    step_lines(r.oc, lc);
     int compared = 0;
     for (int s = 1; s <= 40; s++) {
         char *other = s <= 5 ? lb[s] : lc[s];
         cr_expect_null(s <= 5 ? lc[s] : lb[s], "step %d printed by the wrong run", s);
         if (!la[s] && !other) continue;
         cr_assert(la[s] && other, "step %d: straight '%s', interrupted '%s'\n%s\n%s", s, la[s] ? la[s] : "none",
-                  other ? other : "none", oa, oc);
+                  other ? other : "none", r.oa, r.oc);
         cr_expect_str_eq(la[s], other, "step %d", s);
         compared++;
     }
     cr_expect_eq(compared, 21, "a line at step 1 and every 2 steps");
-    const char *fa = strstr(oa, "[0] loss "), *fc = strstr(oc, "[0] loss ");
+    const char *fa = strstr(r.oa, "[0] loss "), *fc = strstr(r.oc, "[0] loss ");
     cr_assert(fa && fc);
     cr_expect(strncmp(fa, fc, (size_t)(strchr(fa, '\n') - fa)) == 0, "final lines differ:\n%s\n%s", fa, fc);
-    expect_same_file(full_a, full_c);
+    expect_same_file(r.full_a, r.full_c);
     free_lines(la);
     free_lines(lb);
     free_lines(lc);
-    free(oa);
-    free(ob);
-    free(oc);
-    rm_tree(dir);
-    unlink(full_a);
-    unlink(full_c);
+    resume_done(&r);
+}
+
+/* The largest |difference| of the losses that the step lines la and lc
+ * (of outputs oa and oc) print for steps first..last; asserts each has
+ * them. */
+static double worst_loss_diff(char **la, char **lc, int first, int last, const char *oa, const char *oc)
+{
+    double worst = 0;
+    for (int s = first; s <= last; s++) {
+        double x, y;
+        cr_assert(la[s] && lc[s], "step %d:\n%s\n%s", s, oa, oc);
+        cr_assert(sscanf(la[s], "step %*d loss %lf", &x) == 1 && sscanf(lc[s], "step %*d loss %lf", &y) == 1);
+        worst = fmax(worst, fabs(x - y));
+    }
+    return worst;
 }
 
 /* --global-batch 4: 12 steps straight on 2 ranks, and 6 steps on 2 ranks
@@ -321,60 +362,41 @@ Test(fully_shard_resume, resume_is_bitwise_on_the_same_world_size, .timeout = 12
  * reduction-order effect, 4x below one missing step. */
 Test(fully_shard_resume, resume_on_another_world_size, .timeout = 120)
 {
-    char dir[256], full_a[256], full_c[256];
-    tmp_path(dir, sizeof dir, "other");
-    tmp_path(full_a, sizeof full_a, "other-a.safetensors");
-    tmp_path(full_c, sizeof full_c, "other-c.safetensors");
-    const char *a[] = {TINY, "--global-batch", "4", "--steps", "12", "--save-full", full_a, NULL};
-    const char *b[] = {TINY, "--global-batch", "4", "--steps", "12", "--stop-after", "6", "--save", dir, NULL};
-    const char *c[] = {"--resume", dir, "--save-full", full_c, NULL};
-    char *oa = run_ok(2, a), *ob = run_ok(2, b), *oc = run_ok(1, c);
-    cr_expect(strstr(oc, "at step 6 of 12 (saved on 2 ranks, loaded on 1)") &&
-                  strstr(oc, "note: another world size: each rank's RNG state starts afresh (the data order is "
+    resume_case r;
+    resume_paths(&r, "other");
+    const char *a[] = {TINY, "--global-batch", "4", "--steps", "12", "--save-full", r.full_a, NULL};
+    const char *b[] = {TINY, "--global-batch", "4", "--steps", "12", "--stop-after", "6", "--save", r.dir, NULL};
+    const char *c[] = {"--resume", r.dir, "--save-full", r.full_c, NULL};
+    r.oa = run_ok(2, a), r.ob = run_ok(2, b), r.oc = run_ok(1, c);
+    cr_expect(strstr(r.oc, "at step 6 of 12 (saved on 2 ranks, loaded on 1)") &&
+                  strstr(r.oc, "note: another world size: each rank's RNG state starts afresh (the data order is "
                              "--global-batch's, restored)"),
-              "%s", oc);
+              "%s", r.oc);
     char *la[MAX_STEPS + 1], *lc[MAX_STEPS + 1];
-    step_lines(oa, la);
-    step_lines(oc, lc);
-    double worst = 0;
-    for (int s = 7; s <= 12; s++) {
-        double x, y;
-        cr_assert(la[s] && lc[s], "step %d:\n%s\n%s", s, oa, oc);
-        cr_assert(sscanf(la[s], "step %*d loss %lf", &x) == 1 && sscanf(lc[s], "step %*d loss %lf", &y) == 1);
-        worst = fmax(worst, fabs(x - y));
-    }
+    step_lines(r.oa, la);
+    step_lines(r.oc, lc);
+    double worst = worst_loss_diff(la, lc, 7, 12, r.oa, r.oc);
     cr_expect_leq(worst, 1.01e-4, "a loss moved by %g", worst);
     double diff, mag;
-    max_param_diff(full_a, full_c, &diff, &mag);
+    max_param_diff(r.full_a, r.full_c, &diff, &mag);
     cr_expect_leq(diff, 1e-4, "a parameter moved by %g (largest |parameter| %g)", diff, mag);
     cr_expect_gt(mag, 0.05, "the parameters are not a model's: largest |x| %g", mag);
     fprintf(stderr, "resume 2 -> 1 ranks: losses within %g, parameters within %g (largest |parameter| %g)\n", worst,
             diff, mag);
     free_lines(lc);
-    free(oc);
+    free(r.oc);
     /* and on 4 ranks (one sequence each): the checkpoint's 2 shards split in 4 */
-    oc = run_ok(4, c);
-    cr_expect(strstr(oc, "at step 6 of 12 (saved on 2 ranks, loaded on 4)"), "%s", oc);
-    step_lines(oc, lc);
-    worst = 0;
-    for (int s = 7; s <= 12; s++) {
-        double x, y;
-        cr_assert(la[s] && lc[s], "step %d:\n%s\n%s", s, oa, oc);
-        cr_assert(sscanf(la[s], "step %*d loss %lf", &x) == 1 && sscanf(lc[s], "step %*d loss %lf", &y) == 1);
-        worst = fmax(worst, fabs(x - y));
-    }
+    r.oc = run_ok(4, c);
+    cr_expect(strstr(r.oc, "at step 6 of 12 (saved on 2 ranks, loaded on 4)"), "%s", r.oc);
+    step_lines(r.oc, lc);
+    worst = worst_loss_diff(la, lc, 7, 12, r.oa, r.oc);
     cr_expect_leq(worst, 1.01e-4, "4 ranks: a loss moved by %g", worst);
-    max_param_diff(full_a, full_c, &diff, &mag);
+    max_param_diff(r.full_a, r.full_c, &diff, &mag);
     cr_expect_leq(diff, 1e-4, "4 ranks: a parameter moved by %g (largest |parameter| %g)", diff, mag);
     fprintf(stderr, "resume 2 -> 4 ranks: losses within %g, parameters within %g\n", worst, diff);
     free_lines(la);
     free_lines(lc);
-    free(oa);
-    free(ob);
-    free(oc);
-    rm_tree(dir);
-    unlink(full_a);
-    unlink(full_c);
+    resume_done(&r);
 }
 
 /* float16 mixed precision (a ts_grad_scaler): 6 steps straight, and 3,
@@ -383,27 +405,20 @@ Test(fully_shard_resume, resume_on_another_world_size, .timeout = 120)
  * come back). */
 Test(fully_shard_resume, resume_is_bitwise_with_the_f16_grad_scaler, .timeout = 120)
 {
-    char dir[256], full_a[256], full_c[256];
-    tmp_path(dir, sizeof dir, "f16");
-    tmp_path(full_a, sizeof full_a, "f16-a.safetensors");
-    tmp_path(full_c, sizeof full_c, "f16-c.safetensors");
-    const char *a[] = {TINY, "--batch", "4", "--param-dtype", "f16", "--steps", "6", "--save-full", full_a, NULL};
-    const char *b[] = {TINY, "--batch", "4", "--param-dtype", "f16", "--steps", "6", "--stop-after", "3", "--save", dir,
-                       NULL};
-    const char *c[] = {"--resume", dir, "--save-full", full_c, NULL};
-    char *oa = run_ok(2, a), *ob = run_ok(2, b), *oc = run_ok(2, c);
-    const char *ga = strstr(oa, "[0] grad scaler: "), *gc = strstr(oc, "[0] grad scaler: ");
-    cr_assert(ga && gc, "%s\n%s", oa, oc);
+    resume_case r;
+    resume_paths(&r, "f16");
+    const char *a[] = {TINY, "--batch", "4", "--param-dtype", "f16", "--steps", "6", "--save-full", r.full_a, NULL};
+    const char *b[] = {TINY, "--batch", "4", "--param-dtype", "f16", "--steps", "6", "--stop-after", "3", "--save",
+                       r.dir, NULL};
+    const char *c[] = {"--resume", r.dir, "--save-full", r.full_c, NULL};
+    r.oa = run_ok(2, a), r.ob = run_ok(2, b), r.oc = run_ok(2, c);
+    const char *ga = strstr(r.oa, "[0] grad scaler: "), *gc = strstr(r.oc, "[0] grad scaler: ");
+    cr_assert(ga && gc, "%s\n%s", r.oa, r.oc);
     cr_expect(strncmp(ga, gc, (size_t)(strchr(ga, '\n') - ga)) == 0, "scaler lines differ:\n%s\n%s", ga, gc);
     cr_expect(strstr(ga, "final scale 65536, growth tracker 6\n"), "6 good steps, no growth yet:\n%s", ga);
-    cr_expect(strstr(oc, "param dtype float16"), "the resumed run took the policy from the checkpoint:\n%s", oc);
-    expect_same_file(full_a, full_c);
-    free(oa);
-    free(ob);
-    free(oc);
-    rm_tree(dir);
-    unlink(full_a);
-    unlink(full_c);
+    cr_expect(strstr(r.oc, "param dtype float16"), "the resumed run took the policy from the checkpoint:\n%s", r.oc);
+    expect_same_file(r.full_a, r.full_c);
+    resume_done(&r);
 }
 
 /* What --resume refuses, each naming the flag or the file: a checkpoint of
@@ -484,29 +499,23 @@ Test(fully_shard_resume, resume_refuses_what_does_not_fit, .timeout = 120)
  * from the checkpoint and refuses another mode. */
 Test(fully_shard_resume, resume_is_bitwise_with_gradient_accumulation, .timeout = 120)
 {
-    char dir[256], full_a[256], full_c[256];
-    tmp_path(dir, sizeof dir, "accum");
-    tmp_path(full_a, sizeof full_a, "accum-a.safetensors");
-    tmp_path(full_c, sizeof full_c, "accum-c.safetensors");
-    const char *a[] = {TINY, "--batch", "2", "--accum", "2", "--steps", "6", "--save-full", full_a, NULL};
-    const char *b[] = {TINY, "--batch", "2", "--accum", "2", "--steps", "6", "--stop-after", "3", "--save", dir, NULL};
-    const char *c[] = {"--resume", dir, "--save-full", full_c, NULL};
-    char *oa = run_ok(2, a), *ob = run_ok(2, b), *oc = run_ok(2, c);
+    resume_case r;
+    resume_paths(&r, "accum");
+    const char *a[] = {TINY, "--batch", "2", "--accum", "2", "--steps", "6", "--save-full", r.full_a, NULL};
+    const char *b[] = {TINY, "--batch", "2", "--accum", "2", "--steps", "6", "--stop-after", "3", "--save", r.dir,
+                       NULL};
+    const char *c[] = {"--resume", r.dir, "--save-full", r.full_c, NULL};
+    r.oa = run_ok(2, a), r.ob = run_ok(2, b), r.oc = run_ok(2, c);
     for (int s = 1; s <= 6; s++) {
         char key[48];
         snprintf(key, sizeof key, "[0] accum step %d: ", s);
-        const char *x = strstr(oa, key), *y = strstr(s <= 3 ? ob : oc, key);
-        cr_assert(x && y, "no '%s' line:\n%s\n%s\n%s", key, oa, ob, oc);
+        const char *x = strstr(r.oa, key), *y = strstr(s <= 3 ? r.ob : r.oc, key);
+        cr_assert(x && y, "no '%s' line:\n%s\n%s\n%s", key, r.oa, r.ob, r.oc);
         cr_expect(strncmp(x, y, (size_t)(strchr(x, '\n') - x)) == 0, "step %d:\n%.80s\n%.80s", s, x, y);
     }
-    expect_same_file(full_a, full_c);
-    const char *m[] = {"--resume", dir, "--accum-mode", "sync", NULL};
+    expect_same_file(r.full_a, r.full_c);
+    const char *m[] = {"--resume", r.dir, "--accum-mode", "sync", NULL};
     const char *wm[] = {"--accum-mode sync, but --resume", "saved with --accum-mode nosync", NULL};
     expect_exit(2, 1, m, wm);
-    free(oa);
-    free(ob);
-    free(oc);
-    rm_tree(dir);
-    unlink(full_a);
-    unlink(full_c);
+    resume_done(&r);
 }

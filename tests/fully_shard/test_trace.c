@@ -109,11 +109,8 @@ static pid_t start_job(const char *trace, const char *role, int *out_fd, int *er
     char *exe = th_self_exe(), tsrun[4096];
     snprintf(tsrun, sizeof tsrun, "%s/tools/tsrun", TS_BUILD_DIR);
     cr_assert_eq(access(tsrun, X_OK), 0, "%s is not built", tsrun);
-    static const char *const drop[] = {"TS_TRACE=", "RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
-                                       "MASTER_ADDR=", "MASTER_PORT=", "OMPI_COMM_WORLD_RANK=", "SLURM_PROCID=",
-                                       "TS_LAUNCHER_PID=", "TS_STORE_HOSTED="};
     size_t k;
-    char **envp = th_environ_without(drop, sizeof drop / sizeof drop[0], 2, &k);
+    char **envp = th_job_environ(2, &k);
     char tv[4400];
     snprintf(tv, sizeof tv, "TS_TRACE=%s", trace);
     envp[k++] = tv;

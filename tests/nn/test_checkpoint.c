@@ -315,40 +315,11 @@ Test(nn_checkpoint, no_grad_is_the_plain_forward)
 
 /* ------------------------------------------------ a recompute that fails */
 
-typedef struct flaky {
-    ts_module base;
-    ts_module *fc;
-    int calls, fail_at; /* the forward fails at call number fail_at (0: never) */
-} flaky;
-
-static ts_status flaky_forward(ts_module *mm, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
-{
-    flaky *f = (flaky *)mm;
-    if (++f->calls == f->fail_at) return ts_error(TS_ERR_STATE, "Flaky: injected failure at call %d", f->calls);
-    return ts_module_call(f->fc, n_in, in, n_out, out);
-}
-
-static ts_status flaky_visit(ts_module *mm, const ts_module_visitor *v)
-{
-    return v->child ? v->child(v->ctx, "fc", ((flaky *)mm)->fc) : TS_OK;
-}
-
-static void flaky_free(ts_module *mm)
-{
-    ts_module_free(((flaky *)mm)->fc);
-    free(mm);
-}
-
-static const ts_module_vtable flaky_vt = {
-    .type_name = "Flaky", .forward = flaky_forward, .visit = flaky_visit, .free = flaky_free};
-
 static ts_module *flaky_new(void)
 {
-    flaky *f = calloc(1, sizeof *f);
-    cr_assert_not_null(f);
-    TH_OK(ts_module_init(&f->base, &flaky_vt));
+    th_flaky *f = NULL;
     ts_manual_seed(8);
-    TH_OK(ts_linear_new(4, 4, true, &f->fc));
+    TH_OK(th_flaky_new(&f));
     return &f->base;
 }
 
@@ -363,7 +334,7 @@ Test(nn_checkpoint, failed_recompute_leaves_module_usable)
         TH_OK(ts_checkpoint_module(m));
         int64_t sh[2] = {3, 4};
         ts_tensor *x = th_seq(TS_F32, 2, sh, 1.0, true), *y, *s;
-        ((flaky *)m)->fail_at = 2; /* the recompute */
+        ((th_flaky *)m)->fail_at = 2; /* the recompute */
         TH_OK(ts_module_call1(m, x, &y));
         TH_OK(ts_sum(y, 0, NULL, false, &s));
         static uint8_t g1[TS_GENERATOR_STATE_BYTES], g2[TS_GENERATOR_STATE_BYTES];
@@ -376,7 +347,7 @@ Test(nn_checkpoint, failed_recompute_leaves_module_usable)
         /* usable: the next forward and backward work and are right */
         ts_module_zero_grad(m, true);
         ts_tensor_zero_grad(x, true);
-        ((flaky *)m)->fail_at = 0;
+        ((th_flaky *)m)->fail_at = 0;
         TH_OK(ts_module_call1(m, x, &y));
         TH_OK(ts_sum(y, 0, NULL, false, &s));
         TH_OK(ts_backward(s, NULL, false));
