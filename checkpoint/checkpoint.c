@@ -287,6 +287,21 @@ static ts_status ck_agree(ck_ctx *c, ts_status mine, int64_t *val)
                     c->op, ts_status_name(agreed), c->rank);
 }
 
+/* The sum over the ranks of v (after every rank succeeded). */
+static ts_status ck_sum(ck_ctx *c, int64_t *v)
+{
+    if (c->W <= 1) return TS_OK;
+    int64_t one = 1;
+    ts_tensor *t = NULL;
+    ts_status st = ts_tensor_zeros(TS_I64, 1, &one, &t);
+    if (st) return st;
+    ((int64_t *)ts_tensor_data(t))[0] = *v;
+    st = ts_all_reduce(c->world, t, TS_REDUCE_SUM, NULL);
+    if (!st) *v = ((int64_t *)ts_tensor_data(t))[0];
+    ts_tensor_free(t);
+    return st;
+}
+
 /* ------------------------------------------------------------ paths */
 
 static char *path_join(const char *dir, const char *name)
@@ -638,6 +653,26 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
     return TS_OK;
 }
 
+/* Rank 0: parses the index built, as a load will, before it replaces the
+ * previous one: a save never commits an index that cannot be loaded. */
+static ts_status ck_validate_index(ck_ctx *c, const char *dir, const json_t *root)
+{
+    char *text = json_dumps(root, JSON_COMPACT);
+    if (!text) return ts_error(TS_ERR_NO_MEMORY, "%s: cannot serialise the index", c->op);
+    ts__ckpt_index *ix = NULL;
+    ts_status st = ts__ckpt_index_parse(dir, text, strlen(text), &ix);
+    free(text);
+    ts__ckpt_index_free(ix);
+    if (st) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", ts_last_error());
+        return ts_error(TS_ERR_STATE, "%s: the files the ranks wrote do not make a whole checkpoint (was every rank "
+                                      "given the same folder?); the previous checkpoint is kept: %s",
+                        c->op, why);
+    }
+    return TS_OK;
+}
+
 /* Rank 0: writes the index atomically (temporary, fsync, rename, folder
  * fsync). *renamed tells whether the new index is in place. */
 static ts_status ck_commit_index(ck_ctx *c, const char *dir, json_t *root, uint64_t id, bool *renamed)
@@ -737,12 +772,23 @@ ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options 
         if (!st) crash_point("file_done", c.rank);
     }
     st = ck_agree(&c, st, NULL);
+    int64_t n_wrote = wrote;
+    if (!st) st = ck_sum(&c, &n_wrote);
     /* rank 0: the index; tell the others whether it is in place */
     int64_t renamed = 0;
     json_t *index = NULL;
     if (!st && c.rank == 0) {
         bool rn = false;
         st = ck_build_index(&c, dir, (uint64_t)id, &index);
+        /* every file written must be in it, and it must be a whole checkpoint (a rank given another folder
+         * wrote its file there: rank 0 does not see it) */
+        size_t seen = index ? json_array_size(json_object_get(index, "files")) : 0;
+        if (!st && (int64_t)seen != n_wrote)
+            st = ts_error(TS_ERR_STATE,
+                          "%s: %lld ranks wrote a file but rank 0 finds %zu in '%s': every rank must be given the same "
+                          "folder (on a file system every rank sees); the previous checkpoint is kept",
+                          c.op, (long long)n_wrote, seen, dir);
+        if (!st) st = ck_validate_index(&c, dir, index);
         if (!st) st = ck_commit_index(&c, dir, index, (uint64_t)id, &rn);
         renamed = rn;
     }

@@ -1551,3 +1551,56 @@ Test(checkpoint, odd_metadata_round_trips, .timeout = 60)
     rm_rf(dir);
     free(dir);
 }
+
+/* Ranks given different folders: rank 1 wrote its file into its own
+ * folder, rank 0 did not find it (read as "a rank with nothing to write")
+ * and replaced the good checkpoint with an index lacking rank 1's rows.
+ * Now every rank fails and the previous checkpoint stays. */
+typedef struct split_arg {
+    const char *dir0, *dir1;
+    ts_status st[2];
+    char msg[2][600];
+} split_arg;
+
+static int split_saver(th_rank *rc)
+{
+    split_arg *a = rc->arg;
+    model_t m;
+    TH_RK_OK(rc, build(rc->c, MESH_1D, OPT_ADAMW, 51, 5, &m));
+    TH_RK_OK(rc, train_step(&m));
+    ts_ckpt_options o = ts_ckpt_options_default();
+    o.optim = m.opt;
+    a->st[rc->rank] = ts_ckpt_save(rc->rank ? a->dir1 : a->dir0, m.root, &o);
+    snprintf(a->msg[rc->rank], sizeof a->msg[rc->rank], "%s", ts_last_error());
+    model_free(&m);
+    return 0;
+}
+
+Test(checkpoint, ranks_given_different_folders_fail_and_keep_the_checkpoint, .timeout = 60)
+{
+    char *dir = tmp_dir(), other[300];
+    snprintf(other, sizeof other, "%s/other", dir);
+    cr_assert_eq(mkdir(other, 0777), 0);
+    snap s;
+    snap_init(&s);
+    run_arg sa = {.dir = dir, .mesh_kind = MESH_1D, .optkind = OPT_ADAMW, .steps = 1, .seed = 5, .at = &s};
+    th_run_world(2, saver, &sa, 30);
+    char ip[400];
+    snprintf(ip, sizeof ip, "%s/index.json", dir);
+    size_t n_before, n_after;
+    void *before = slurp(ip, &n_before);
+    split_arg a = {.dir0 = dir, .dir1 = other};
+    th_run_world(2, split_saver, &a, 30);
+    cr_assert_eq(a.st[0], TS_ERR_STATE, "rank 0: %s", a.msg[0]);
+    cr_assert_eq(a.st[1], TS_ERR_STATE, "rank 1: %s", a.msg[1]);
+    cr_assert(strstr(a.msg[0], "same folder"), "%s", a.msg[0]);
+    void *after = slurp(ip, &n_after);
+    cr_assert(n_before == n_after && !memcmp(before, after, n_before), "the index was replaced");
+    cr_assert_eq(count_files(other), 0, "rank 1's file was left in its folder");
+    free(before);
+    free(after);
+    snap_fini(&s);
+    rmdir(other);
+    rm_rf(dir);
+    free(dir);
+}
