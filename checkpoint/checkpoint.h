@@ -14,7 +14,9 @@
  *   - one index, "index.json" (JSON, jansson), written by rank 0 after
  *     every rank's file is durable, naming the files and, per key, its
  *     dtype, global shape, placements and every saved piece (file, first
- *     global row, rows, byte offset and length in the file).
+ *     global row, rows, byte offset and length in the file, and a 64-bit
+ *     checksum of its bytes that a load checks when it reads the piece
+ *     whole).
  * Saving gathers nothing: no rank holds more than its own shards. Loading
  * reads the index, and each rank reads (pread) only the byte ranges of the
  * rows it owns now, from whichever files hold them: a checkpoint saved on
@@ -113,7 +115,8 @@ TS_API ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_o
  * mesh that saved it. Collective. Nothing is changed on error. Errors:
  * TS_ERR_IO (dir or a file missing or unreadable, naming the path);
  * TS_ERR_FORMAT (an index or a file malformed, truncated or not agreeing
- * with each other, naming the file and what is wrong); TS_ERR_SHAPE and
+ * with each other, or a piece read whole whose bytes do not match the
+ * checksum the index records, naming the file and what is wrong); TS_ERR_SHAPE and
  * TS_ERR_DTYPE naming the key with both shapes or dtypes;
  * TS_ERR_NOT_FOUND (strict) with the missing and unexpected keys;
  * TS_ERR_INVALID_ARGUMENT as for save and for an optimizer of another
