@@ -895,7 +895,7 @@ static ts_status ck_read_rows(ck_reader *r, const ts__ckpt_tensor *t, int64_t ro
                                 n, p->offset + (uint64_t)(a - p->row) * t->row_bytes, what);
         /* a piece read whole is checked against its checksum (a piece read in part, when
          * resharding, is not: that would need the rest of its bytes) */
-        if (!st && p->has_hash && a == p->row && b == p->row + p->rows) {
+        if (!st && n && p->has_hash && a == p->row && b == p->row + p->rows) {
             uint64_t h = ts__ckpt_hash(dst + (uint64_t)(a - row0) * t->row_bytes, n);
             if (h != p->hash)
                 st = ts_error(TS_ERR_FORMAT,
