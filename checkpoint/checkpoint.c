@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -286,6 +287,21 @@ static ts_status ck_agree(ck_ctx *c, ts_status mine, int64_t *val)
                     c->op, ts_status_name(agreed), c->rank);
 }
 
+/* The sum over the ranks of v (after every rank succeeded). */
+static ts_status ck_sum(ck_ctx *c, int64_t *v)
+{
+    if (c->W <= 1) return TS_OK;
+    int64_t one = 1;
+    ts_tensor *t = NULL;
+    ts_status st = ts_tensor_zeros(TS_I64, 1, &one, &t);
+    if (st) return st;
+    ((int64_t *)ts_tensor_data(t))[0] = *v;
+    st = ts_all_reduce(c->world, t, TS_REDUCE_SUM, NULL);
+    if (!st) *v = ((int64_t *)ts_tensor_data(t))[0];
+    ts_tensor_free(t);
+    return st;
+}
+
 /* ------------------------------------------------------------ paths */
 
 static char *path_join(const char *dir, const char *name)
@@ -323,6 +339,29 @@ static ts_status ck_mkdir(const char *op, const char *dir)
     }
     if (mkdir(dir, 0777) != 0 && errno != EEXIST)
         return ts_error(TS_ERR_IO, "%s: cannot create the folder '%s': %s", op, dir, strerror(errno));
+    return TS_OK;
+}
+
+/* Rank 0: takes the folder's save lock: flock on the folder itself
+ * (exclusive, not waiting; no file is added). Two saves into one folder
+ * at once would each remove the files of the other that its index does
+ * not name. A file system without flock (an old NFS) saves unlocked. */
+static ts_status ck_lock(const char *op, const char *dir, int *fd_out)
+{
+    *fd_out = -1;
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return ts_error(TS_ERR_IO, "%s: cannot open the folder '%s': %s", op, dir, strerror(errno));
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        close(fd);
+        if (e == EWOULDBLOCK)
+            return ts_error(TS_ERR_STATE,
+                            "%s: another save into '%s' is under way (it holds the folder's lock); saves into one "
+                            "folder must not overlap (each would remove the other's files)",
+                            op, dir);
+        return TS_OK; /* no locks here: unlocked, as before */
+    }
+    *fd_out = fd;
     return TS_OK;
 }
 
@@ -441,10 +480,19 @@ static ts_status ck_write_rank_file(ck_ctx *c, const char *dir, uint64_t id, boo
         st = ts_state_dict_set(sd, it->key, lv);
         ts_tensor_free(lv);
         if (st) break;
+        /* the checksum of the bytes the file will hold (a local view of rows is contiguous; a
+         * strided one, which safetensors writes compacted, gets none) */
+        char hhex[17] = "";
+        ts_tensor *hv = ts_state_dict_get(sd, it->key);
+        if (hv && ts_tensor_is_contiguous(hv))
+            snprintf(hhex, sizeof hhex, "%016llx",
+                     (unsigned long long)ts__ckpt_hash(ts_tensor_data(hv), (size_t)ts_tensor_numel(hv) *
+                                                                              ts_dtype_size(ts_tensor_dtype(hv))));
         json_t *e = json_object(), *sh = shape_json(it->ndim, it->shape), *pl = placements_json(it->placements);
         bool ok = e && sh && pl && !json_object_set_new(e, "kind", json_string(kind_names[it->kind])) &&
                   !json_object_set(e, "shape", sh) && !json_object_set(e, "placements", pl) &&
-                  !json_object_set_new(e, "row", json_integer((json_int_t)it->row0));
+                  !json_object_set_new(e, "row", json_integer((json_int_t)it->row0)) &&
+                  (!hhex[0] || !json_object_set_new(e, "hash", json_string(hhex)));
         json_decref(sh);
         json_decref(pl);
         if (!ok || json_object_set_new(pieces, it->key, e) != 0) {
@@ -502,11 +550,29 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
     }
     ts_optim *o = c->o ? c->o->optim : NULL;
     if (!st && o) {
-        json_t *oj = json_object();
-        if (!oj || json_object_set_new(oj, "kind", json_string(ts__optim_kind_name(o))) ||
-            json_object_set_new(oj, "steps", json_integer((json_int_t)ts_optim_step_count(o))) ||
-            json_object_set_new(root, "optim", oj))
-            st = TS_ERR_NO_MEMORY;
+        /* the hyperparameters as torch's state dict has them: "param_groups": [{"lr": ..., "betas": [..]}] */
+        ts__optim_hparams hp;
+        ts__optim_hparams_get(o, &hp);
+        json_t *oj = json_object(), *groups = json_array(), *gj = json_object();
+        bool bad = !oj || !groups || !gj || json_object_set_new(oj, "kind", json_string(ts__optim_kind_name(o))) ||
+                   json_object_set_new(oj, "steps", json_integer((json_int_t)ts_optim_step_count(o))) ||
+                   json_object_set_new(gj, "lr", json_real(hp.lr)) ||
+                   json_object_set_new(gj, "weight_decay", json_real(hp.weight_decay)) ||
+                   json_object_set_new(gj, "maximize", json_boolean(hp.maximize));
+        if (!bad && hp.sgd)
+            bad = json_object_set_new(gj, "momentum", json_real(hp.momentum)) ||
+                  json_object_set_new(gj, "dampening", json_real(hp.dampening)) ||
+                  json_object_set_new(gj, "nesterov", json_boolean(hp.nesterov));
+        else if (!bad)
+            bad = json_object_set_new(gj, "betas", json_pack("[ff]", hp.beta1, hp.beta2)) ||
+                  json_object_set_new(gj, "eps", json_real(hp.eps)) ||
+                  json_object_set_new(gj, "amsgrad", json_boolean(hp.amsgrad));
+        if (!bad) bad = json_array_append(groups, gj) || json_object_set(oj, "param_groups", groups) ||
+                        json_object_set(root, "optim", oj);
+        json_decref(gj);
+        json_decref(groups);
+        json_decref(oj);
+        if (bad) st = TS_ERR_NO_MEMORY;
     }
     int nfiles = 0;
     for (int r = 0; r < c->W && !st; r++) {
@@ -567,6 +633,7 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
                 json_object_set_new(pj, "rows", json_integer((json_int_t)(e->ndim ? e->shape[0] : 1))) ||
                 json_object_set_new(pj, "offset", json_integer((json_int_t)(h.data_start + e->begin))) ||
                 json_object_set_new(pj, "length", json_integer((json_int_t)(e->end - e->begin))) ||
+                (json_object_get(pd, "hash") && json_object_set(pj, "hash", json_object_get(pd, "hash"))) ||
                 json_array_append_new(json_object_get(tj, "pieces"), pj))
                 st = TS_ERR_NO_MEMORY;
         }
@@ -583,6 +650,26 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
         return st;
     }
     *out = root;
+    return TS_OK;
+}
+
+/* Rank 0: parses the index built, as a load will, before it replaces the
+ * previous one: a save never commits an index that cannot be loaded. */
+static ts_status ck_validate_index(ck_ctx *c, const char *dir, const json_t *root)
+{
+    char *text = json_dumps(root, JSON_COMPACT);
+    if (!text) return ts_error(TS_ERR_NO_MEMORY, "%s: cannot serialise the index", c->op);
+    ts__ckpt_index *ix = NULL;
+    ts_status st = ts__ckpt_index_parse(dir, text, strlen(text), &ix);
+    free(text);
+    ts__ckpt_index_free(ix);
+    if (st) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", ts_last_error());
+        return ts_error(TS_ERR_STATE, "%s: the files the ranks wrote do not make a whole checkpoint (was every rank "
+                                      "given the same folder?); the previous checkpoint is kept: %s",
+                        c->op, why);
+    }
     return TS_OK;
 }
 
@@ -668,6 +755,8 @@ ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options 
         return st;
     }
     if (!st && c.rank == 0) st = ck_mkdir(c.op, dir);
+    int lock_fd = -1;
+    if (!st && c.rank == 0) st = ck_lock(c.op, dir, &lock_fd);
     /* agree, and take rank 0's id for this save's file names */
     int64_t id = 0;
     if (!st && c.rank == 0) {
@@ -683,12 +772,23 @@ ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options 
         if (!st) crash_point("file_done", c.rank);
     }
     st = ck_agree(&c, st, NULL);
+    int64_t n_wrote = wrote;
+    if (!st) st = ck_sum(&c, &n_wrote);
     /* rank 0: the index; tell the others whether it is in place */
     int64_t renamed = 0;
     json_t *index = NULL;
     if (!st && c.rank == 0) {
         bool rn = false;
         st = ck_build_index(&c, dir, (uint64_t)id, &index);
+        /* every file written must be in it, and it must be a whole checkpoint (a rank given another folder
+         * wrote its file there: rank 0 does not see it) */
+        size_t seen = index ? json_array_size(json_object_get(index, "files")) : 0;
+        if (!st && (int64_t)seen != n_wrote)
+            st = ts_error(TS_ERR_STATE,
+                          "%s: %lld ranks wrote a file but rank 0 finds %zu in '%s': every rank must be given the same "
+                          "folder (on a file system every rank sees); the previous checkpoint is kept",
+                          c.op, (long long)n_wrote, seen, dir);
+        if (!st) st = ck_validate_index(&c, dir, index);
         if (!st) st = ck_commit_index(&c, dir, index, (uint64_t)id, &rn);
         renamed = rn;
     }
@@ -709,6 +809,7 @@ ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options 
         crash_point("cleaned", c.rank);
     }
     json_decref(index);
+    if (lock_fd >= 0) close(lock_fd); /* releases the lock */
     ck_ctx_fini(&c);
     return st;
 }
@@ -792,6 +893,18 @@ static ts_status ck_read_rows(ck_reader *r, const ts__ckpt_tensor *t, int64_t ro
             st = ts__st_read_at(r->op, r->ix->files[p->file].name, r->fds[p->file],
                                 dst + (uint64_t)(a - row0) * t->row_bytes,
                                 n, p->offset + (uint64_t)(a - p->row) * t->row_bytes, what);
+        /* a piece read whole is checked against its checksum (a piece read in part, when
+         * resharding, is not: that would need the rest of its bytes) */
+        if (!st && n && p->has_hash && a == p->row && b == p->row + p->rows) {
+            uint64_t h = ts__ckpt_hash(dst + (uint64_t)(a - row0) * t->row_bytes, n);
+            if (h != p->hash)
+                st = ts_error(TS_ERR_FORMAT,
+                              "%s: '%s/%s': the %zu bytes of '%.*s' (rows [%lld, %lld), at byte %llu) have checksum "
+                              "%016llx, but the index records %016llx: the file is corrupted",
+                              r->op, r->dir, r->ix->files[p->file].name, n, CK_SHOWN, t->key, (long long)a,
+                              (long long)b, (unsigned long long)p->offset, (unsigned long long)h,
+                              (unsigned long long)p->hash);
+        }
         if (st) return st;
         r->bytes += n;
         got += b - a;

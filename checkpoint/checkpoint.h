@@ -14,7 +14,9 @@
  *   - one index, "index.json" (JSON, jansson), written by rank 0 after
  *     every rank's file is durable, naming the files and, per key, its
  *     dtype, global shape, placements and every saved piece (file, first
- *     global row, rows, byte offset and length in the file).
+ *     global row, rows, byte offset and length in the file, and a 64-bit
+ *     checksum of its bytes that a load checks when it reads the piece
+ *     whole).
  * Saving gathers nothing: no rank holds more than its own shards. Loading
  * reads the index, and each rank reads (pread) only the byte ranges of the
  * rows it owns now, from whichever files hold them: a checkpoint saved on
@@ -56,8 +58,11 @@ typedef struct ts_ckpt_options {
      * state is saved and loaded with the model, keyed by parameter FQN.
      * NULL: the model only. Loading into an optimizer of another kind than
      * the one saved (SGD into AdamW) is TS_ERR_INVALID_ARGUMENT naming
-     * both; its hyperparameters are recorded and not checked (a resumed
-     * run may change them). Its step count is saved and restored. */
+     * both; its hyperparameters are recorded in the index ("optim":
+     * "param_groups": [{"lr", "betas", "eps", "weight_decay", ...}], as
+     * torch's state dict names them; lr the current one) and not checked
+     * or restored (a resumed run may change them). Its step count is
+     * saved and restored. */
     ts_optim *optim;
     /* Tensors every rank holds with equal values (a step counter, the data
      * generator's state): saved once, loaded on every rank. On load, the
@@ -98,8 +103,10 @@ typedef struct ts_ckpt_info {
  * in dir stays loadable. Errors: TS_ERR_INVALID_ARGUMENT for NULL
  * arguments, an optimizer holding a tensor that is not one of the model's
  * parameters, or two extras with one name; TS_ERR_STATE inside a forward
- * or backward; TS_ERR_IO naming the path and the system error;
- * TS_ERR_NO_MEMORY; collective errors. */
+ * or backward, or when another save into dir is under way (rank 0 holds
+ * an exclusive flock on the folder for the whole save: overlapping saves
+ * into one folder would remove each other's files); TS_ERR_IO naming the
+ * path and the system error; TS_ERR_NO_MEMORY; collective errors. */
 TS_API ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options *options);
 
 /* Loads dir into model (and the options' optimizer and extras; options
@@ -108,7 +115,8 @@ TS_API ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_o
  * mesh that saved it. Collective. Nothing is changed on error. Errors:
  * TS_ERR_IO (dir or a file missing or unreadable, naming the path);
  * TS_ERR_FORMAT (an index or a file malformed, truncated or not agreeing
- * with each other, naming the file and what is wrong); TS_ERR_SHAPE and
+ * with each other, or a piece read whole whose bytes do not match the
+ * checksum the index records, naming the file and what is wrong); TS_ERR_SHAPE and
  * TS_ERR_DTYPE naming the key with both shapes or dtypes;
  * TS_ERR_NOT_FOUND (strict) with the missing and unexpected keys;
  * TS_ERR_INVALID_ARGUMENT as for save and for an optimizer of another

@@ -8,7 +8,8 @@
  *    "tensors": {"<key>": {"kind": "model", "dtype": "F32", "shape": [9, 4],
  *                          "placements": ["Shard(0)"],
  *                          "pieces": [{"file": 0, "rank": 0, "row": 0, "rows": 3,
- *                                      "offset": 136, "length": 48}]}}}
+ *                                      "offset": 136, "length": 48,
+ *                                      "hash": "<16 hex>"}]}}}            (hash optional)
  *
  * Everything a loader later trusts is checked here, so that a malformed
  * or truncated index is TS_ERR_FORMAT with a message, never a crash. */
@@ -32,6 +33,53 @@ void ts__ckpt_index_free(ts__ckpt_index *ix)
     ts__free(TS_MEM_OTHER, ix->files);
     json_decref(ix->root);
     ts__free(TS_MEM_OTHER, ix);
+}
+
+#define CK_P1 0x9E3779B97F4A7C15ull
+#define CK_P2 0xC2B2AE3D27D4EB4Full
+#define CK_P3 0x165667B19E3779F9ull
+
+static uint64_t ck_mix(uint64_t h, uint64_t w)
+{
+    h ^= w * CK_P2;
+    h = (h << 31) | (h >> 33);
+    return h * CK_P1;
+}
+
+static uint64_t ck_word(const unsigned char *b) /* little-endian on every host */
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t w;
+    memcpy(&w, b, sizeof w);
+    return w;
+#else
+    uint64_t w = 0;
+    for (int i = 7; i >= 0; i--) w = (w << 8) | b[i];
+    return w;
+#endif
+}
+
+uint64_t ts__ckpt_hash(const void *data, size_t n)
+{
+    const unsigned char *b = data;
+    uint64_t l[4] = {CK_P1 + CK_P2, CK_P2, 0, 0 - CK_P1};
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++) l[k] = ck_mix(l[k], ck_word(b + i + 8 * k));
+    uint64_t h = (uint64_t)n * CK_P3;
+    for (int k = 0; k < 4; k++) h = ck_mix(h, l[k]);
+    for (; i + 8 <= n; i += 8) h = ck_mix(h, ck_word(b + i));
+    if (i < n) {
+        unsigned char tail[8] = {0};
+        memcpy(tail, b + i, n - i);
+        h = ck_mix(h, ck_word(tail) ^ (uint64_t)(n - i));
+    }
+    h ^= h >> 33;
+    h *= CK_P2;
+    h ^= h >> 29;
+    h *= CK_P3;
+    h ^= h >> 32;
+    return h;
 }
 
 static bool js_uint(const json_t *v, uint64_t *out)
@@ -133,7 +181,19 @@ static ts_status parse_piece(const char *src, const char *key, size_t k, const j
                         "of %llu bytes",
                         src, CK_SHOWN, key, k, (unsigned long long)off, (unsigned long long)len, ix->files[file].name,
                         (unsigned long long)fsz);
-    *p = (ts__ckpt_piece){(int)file, (int)rank, (int64_t)row, (int64_t)rows, off, len};
+    *p = (ts__ckpt_piece){(int)file, (int)rank, (int64_t)row, (int64_t)rows, off, len, false, 0};
+    const json_t *hj = json_object_get(pj, "hash");
+    if (hj) {
+        const char *hs = json_string_value(hj);
+        char *end = NULL;
+        if (!hs || strlen(hs) != 16 || strspn(hs, "0123456789abcdef") != 16)
+            return ts_error(TS_ERR_FORMAT,
+                            "checkpoint index '%s': key '%.*s': piece %zu has a \"hash\" that is not 16 lowercase "
+                            "hex digits",
+                            src, CK_SHOWN, key, k);
+        p->hash = strtoull(hs, &end, 16);
+        p->has_hash = true;
+    }
     return TS_OK;
 }
 

@@ -22,6 +22,8 @@ typedef struct ts__ckpt_piece {
     int file, rank;
     int64_t row, rows;
     uint64_t offset, length;
+    bool has_hash;  /* the index records "hash" (checkpoints before it do not) */
+    uint64_t hash;  /* ts__ckpt_hash of the piece's length bytes */
 } ts__ckpt_piece;
 
 typedef struct ts__ckpt_tensor {
@@ -55,6 +57,12 @@ typedef struct ts__ckpt_index {
     ts__ckpt_tensor *tensors; /* sorted by key */
     int n_tensors;
 } ts__ckpt_index;
+
+/* A 64-bit checksum of n bytes (four lanes of little-endian 64-bit words,
+ * multiply-rotate mixing; not cryptographic): the "hash" of a piece in the
+ * index, checked when a load reads the whole piece. docs/checkpoint.md
+ * gives the algorithm for other readers. */
+uint64_t ts__ckpt_hash(const void *data, size_t n);
 
 /* Parses and validates an index (len bytes at buf; src names it in
  * messages): the JSON's structure and types, every file name a plain name,

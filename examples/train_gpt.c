@@ -945,6 +945,12 @@ int main(int argc, char **argv)
             printf("note: another world size: each rank's RNG state%s starts afresh%s\n",
                    global_batch ? "" : " and its data order",
                    global_batch ? " (the data order is --global-batch's, restored)" : " (--global-batch keeps the data order)");
+        if (!same_world && !global_batch) /* --batch is per rank: the global batch follows the world size */
+            printf("note: --batch %d is per rank: each step now averages %lld sequences (%d ranks x %d%s), not the %lld "
+                   "of the %d ranks that saved it; the learning rate is unchanged (save with --global-batch G to keep "
+                   "the batch)\n",
+                   B, (long long)W * B * accum, W, B, accum > 1 ? " x --accum" : "",
+                   (long long)info.saved_world * B * accum, info.saved_world);
     }
     int64_t local = 0;
     for (int i = 0; i < params.n; i++) local += ts_tensor_numel(plist[i]);

@@ -55,4 +55,16 @@ const char *ts__optim_kind_name(const ts_optim *o);
 int ts__optim_state_names(const ts_optim *o, const char *names_out[4]);
 void ts__optim_set_step_count(ts_optim *o, int64_t steps);
 
+/* The hyperparameters of o (torch's param_groups[0] entries), for a
+ * checkpoint's index: lr is the current one (ts_optim_get_lr); sgd is
+ * true for SGD (then momentum, dampening, weight_decay, nesterov,
+ * maximize are its), false for Adam / AdamW (beta1, beta2, eps,
+ * weight_decay, amsgrad, maximize). */
+typedef struct ts__optim_hparams {
+    bool sgd;
+    double lr, momentum, dampening, weight_decay, beta1, beta2, eps;
+    bool nesterov, amsgrad, maximize;
+} ts__optim_hparams;
+void ts__optim_hparams_get(const ts_optim *o, ts__optim_hparams *out);
+
 #endif

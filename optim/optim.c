@@ -861,6 +861,27 @@ int64_t ts_optim_step_count(const ts_optim *o) { return o ? o->steps : 0; }
 
 const char *ts__optim_kind_name(const ts_optim *o) { return kind_names[o->kind]; }
 
+void ts__optim_hparams_get(const ts_optim *o, ts__optim_hparams *out)
+{
+    memset(out, 0, sizeof *out);
+    out->lr = o->lr;
+    if (o->kind == OPT_SGD) {
+        out->sgd = true;
+        out->momentum = o->sgd.momentum;
+        out->dampening = o->sgd.dampening;
+        out->weight_decay = o->sgd.weight_decay;
+        out->nesterov = o->sgd.nesterov;
+        out->maximize = o->sgd.maximize;
+        return;
+    }
+    out->beta1 = o->adam.beta1;
+    out->beta2 = o->adam.beta2;
+    out->eps = o->adam.eps;
+    out->weight_decay = o->adam.weight_decay;
+    out->amsgrad = o->adam.amsgrad;
+    out->maximize = o->adam.maximize;
+}
+
 int ts__optim_state_names(const ts_optim *o, const char *names_out[4])
 {
     int n = 0;

@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -27,6 +28,7 @@
 
 #include "checkpoint/internal.h"
 #include "nn/internal.h"
+#include "optim/internal.h"
 #include "tests/loopback_ranks.h"
 
 /* ------------------------------------------------------------ a model with a buffer */
@@ -1317,6 +1319,288 @@ Test(checkpoint, full_file_peak_memory_on_two_ranks, .timeout = 60)
     cr_assert(a.load_extra <= largest + 1024, "load: %zu extra bytes, one tensor is %zu", a.load_extra, largest);
     cr_assert(a.save_extra * 4 < model_bytes && a.load_extra * 4 < model_bytes);
     unlink(path);
+    rm_rf(dir);
+    free(dir);
+}
+
+/* ------------------------------------------------------------ review: checksums, hyperparameters, locks, metadata */
+
+/* A one-rank checkpoint of an AdamW model in dir/ck (created); *m is the model saved. */
+static void save_one(const char *ck, int optkind, uint64_t seed, model_t *m)
+{
+    TH_OK(build(NULL, MESH_NONE, optkind, seed, 5, m));
+    TH_OK(train_step(m));
+    ts_ckpt_options o = ts_ckpt_options_default();
+    o.optim = m->opt;
+    TH_OK(ts_ckpt_save(ck, m->root, &o));
+}
+
+/* The index's piece 0 of key: its file's path, offset and length. */
+static void piece_of(const char *dir, const char *key, char *path, size_t cap, uint64_t *off, uint64_t *len)
+{
+    char ip[512];
+    snprintf(ip, sizeof ip, "%s/index.json", dir);
+    json_t *ix = json_load_file(ip, 0, NULL);
+    cr_assert(ix);
+    json_t *p = json_array_get(json_object_get(json_object_get(json_object_get(ix, "tensors"), key), "pieces"), 0);
+    cr_assert(p, "no piece of '%s'", key);
+    json_t *f = json_array_get(json_object_get(ix, "files"), (size_t)json_integer_value(json_object_get(p, "file")));
+    snprintf(path, cap, "%s/%s", dir, json_string_value(json_object_get(f, "name")));
+    *off = (uint64_t)json_integer_value(json_object_get(p, "offset"));
+    *len = (uint64_t)json_integer_value(json_object_get(p, "length"));
+    json_decref(ix);
+}
+
+/* One flipped bit inside a tensor's bytes (the file's size, header and
+ * index intact) was loaded silently: each piece's checksum is now in the
+ * index and checked, and the model is left unchanged. */
+Test(checkpoint, corrupted_tensor_byte_is_detected, .timeout = 60)
+{
+    char *dir = tmp_dir(), ck[300];
+    snprintf(ck, sizeof ck, "%s/ck", dir);
+    model_t a, b;
+    save_one(ck, OPT_ADAMW, 41, &a);
+    static const char *const keys[] = {"2.weight", "optim.state.0.weight.exp_avg_sq"};
+    for (int k = 0; k < 2; k++) {
+        char path[700];
+        uint64_t off, len;
+        piece_of(ck, keys[k], path, sizeof path, &off, &len);
+        size_t n;
+        unsigned char *bytes = slurp(path, &n);
+        cr_assert(off + len <= n);
+        bytes[off + len / 2] ^= 0x10;
+        spit(path, bytes, n);
+        TH_OK(build(NULL, MESH_NONE, OPT_ADAMW, 42, 5, &b));
+        snap before, after;
+        snap_init(&before);
+        snap_init(&after);
+        TH_OK(snap_take(&before, 0, &b));
+        ts_ckpt_options o = ts_ckpt_options_default();
+        o.optim = b.opt;
+        cr_assert_eq(ts_ckpt_load(ck, b.root, &o, NULL), TS_ERR_FORMAT, "a flipped bit in '%s' loaded", keys[k]);
+        cr_assert(strstr(ts_last_error(), keys[k]) && strstr(ts_last_error(), "corrupted"), "%s", ts_last_error());
+        TH_OK(snap_take(&after, 0, &b));
+        snap_assert_equal(&before, &after, 0, "a load of a corrupted file");
+        /* the byte put back: it loads, equal to the model saved */
+        bytes[off + len / 2] ^= 0x10;
+        spit(path, bytes, n);
+        free(bytes);
+        TH_OK(ts_ckpt_load(ck, b.root, &o, NULL));
+        snap sa, sb;
+        snap_init(&sa);
+        snap_init(&sb);
+        TH_OK(snap_take(&sa, 0, &a));
+        TH_OK(snap_take(&sb, 0, &b));
+        snap_assert_equal(&sa, &sb, 0, "the repaired checkpoint");
+        snap_fini(&sa);
+        snap_fini(&sb);
+        snap_fini(&before);
+        snap_fini(&after);
+        model_free(&b);
+    }
+    model_free(&a);
+    rm_rf(ck);
+    rm_rf(dir);
+    free(dir);
+}
+
+/* The header said the optimizer's hyperparameters are recorded; the index
+ * held only its kind and step count. */
+Test(checkpoint, optimizer_hyperparameters_are_in_the_index, .timeout = 60)
+{
+    char *dir = tmp_dir(), ck[300];
+    snprintf(ck, sizeof ck, "%s/ck", dir);
+    for (int k = 0; k < 2; k++) {
+        model_t a;
+        int kind = k ? OPT_SGD_MOM : OPT_ADAMW;
+        TH_OK(build(NULL, MESH_NONE, kind, 43, 5, &a));
+        TH_OK(train_step(&a));
+        ts_optim_set_lr(a.opt, 0.0123);
+        ts_ckpt_options o = ts_ckpt_options_default();
+        o.optim = a.opt;
+        TH_OK(ts_ckpt_save(ck, a.root, &o));
+        char ip[400];
+        snprintf(ip, sizeof ip, "%s/index.json", ck);
+        json_t *ix = json_load_file(ip, 0, NULL);
+        cr_assert(ix);
+        json_t *oj = json_object_get(ix, "optim");
+        json_t *g = json_array_get(json_object_get(oj, "param_groups"), 0);
+        cr_assert(json_is_object(g), "no optim.param_groups[0] in the index");
+        cr_assert_eq(json_real_value(json_object_get(g, "lr")), 0.0123);
+        ts__optim_hparams hp;
+        ts__optim_hparams_get(a.opt, &hp);
+        cr_assert_eq(json_real_value(json_object_get(g, "weight_decay")), hp.weight_decay);
+        if (k) {
+            cr_assert_str_eq(json_string_value(json_object_get(oj, "kind")), "SGD");
+            cr_assert_gt(hp.momentum, 0);
+            cr_assert_eq(json_real_value(json_object_get(g, "momentum")), hp.momentum);
+            cr_assert(json_is_boolean(json_object_get(g, "nesterov")));
+        } else {
+            cr_assert_str_eq(json_string_value(json_object_get(oj, "kind")), "AdamW");
+            json_t *betas = json_object_get(g, "betas");
+            cr_assert_eq(json_array_size(betas), 2);
+            cr_assert_eq(json_real_value(json_array_get(betas, 0)), hp.beta1);
+            cr_assert_eq(json_real_value(json_array_get(betas, 1)), hp.beta2);
+            cr_assert_eq(json_real_value(json_object_get(g, "eps")), hp.eps);
+            cr_assert(json_is_false(json_object_get(g, "amsgrad")));
+        }
+        json_decref(ix);
+        model_free(&a);
+    }
+    rm_rf(ck);
+    rm_rf(dir);
+    free(dir);
+}
+
+/* Two saves into one folder at once removed each other's new files (each
+ * one's cleanup keeps only what its own index names): a second save while
+ * one holds the folder is refused, and the checkpoint in it stays. */
+Test(checkpoint, overlapping_save_into_one_folder_is_refused, .timeout = 60)
+{
+    char *dir = tmp_dir(), ck[300];
+    snprintf(ck, sizeof ck, "%s/ck", dir);
+    model_t a, b;
+    save_one(ck, OPT_ADAMW, 44, &a);
+    TH_OK(build(NULL, MESH_NONE, OPT_ADAMW, 45, 5, &b));
+    int fd = open(ck, O_RDONLY | O_DIRECTORY);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(flock(fd, LOCK_EX | LOCK_NB), 0); /* as a save in progress holds it */
+    ts_ckpt_options o = ts_ckpt_options_default();
+    o.optim = b.opt;
+    cr_assert_eq(ts_ckpt_save(ck, b.root, &o), TS_ERR_STATE);
+    cr_assert(strstr(ts_last_error(), "under way") && strstr(ts_last_error(), ck), "%s", ts_last_error());
+    cr_assert_eq(count_files(ck), 2, "the refused save left files: %d", count_files(ck));
+    close(fd);
+    /* the checkpoint is a's; and with the lock free the save goes through */
+    model_t c;
+    TH_OK(build(NULL, MESH_NONE, OPT_ADAMW, 46, 5, &c));
+    o.optim = c.opt;
+    TH_OK(ts_ckpt_load(ck, c.root, &o, NULL));
+    snap sa, sc;
+    snap_init(&sa);
+    snap_init(&sc);
+    TH_OK(snap_take(&sa, 0, &a));
+    TH_OK(snap_take(&sc, 0, &c));
+    snap_assert_equal(&sa, &sc, 0, "the checkpoint after a refused save");
+    snap_fini(&sa);
+    snap_fini(&sc);
+    o.optim = b.opt;
+    TH_OK(ts_ckpt_save(ck, b.root, &o));
+    model_free(&a);
+    model_free(&b);
+    model_free(&c);
+    rm_rf(ck);
+    rm_rf(dir);
+    free(dir);
+}
+
+/* Metadata with quotes, backslashes, newlines, control characters and
+ * non-ASCII round-trips through the index and every file's __metadata__;
+ * a value that is not UTF-8 is refused and the old checkpoint stays. */
+Test(checkpoint, odd_metadata_round_trips, .timeout = 60)
+{
+    char *dir = tmp_dir(), ck[300];
+    snprintf(ck, sizeof ck, "%s/ck", dir);
+    model_t a;
+    save_one(ck, OPT_ADAMW, 47, &a);
+    static const char odd_key[] = "vocab \"q\"\n", odd_val[] = "a\"b\\c\nd\te\x01 \xc3\xa9 \xe6\xbc\xa2 {\"x\": 1}";
+    char big[70000];
+    memset(big, 'z', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    const char *meta[4] = {odd_key, odd_val, "big", big};
+    ts_ckpt_options o = ts_ckpt_options_default();
+    o.optim = a.opt;
+    o.metadata = meta;
+    o.n_metadata = 2;
+    TH_OK(ts_ckpt_save(ck, a.root, &o));
+    char *v = NULL;
+    TH_OK(ts_ckpt_metadata(ck, odd_key, &v));
+    cr_assert_str_eq(v, odd_val);
+    free(v);
+    TH_OK(ts_ckpt_metadata(ck, "big", &v));
+    cr_assert_eq(strlen(v), sizeof big - 1);
+    free(v);
+    /* every file's header is valid JSON with the same value */
+    char path[700];
+    uint64_t off, len;
+    piece_of(ck, "0.weight", path, sizeof path, &off, &len);
+    uint64_t ds, sz;
+    json_t *h = read_st_header(path, &ds, &sz);
+    cr_assert(h, "the file's header is not valid JSON");
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(h, "__metadata__"), odd_key)), odd_val);
+    json_decref(h);
+    model_t b;
+    TH_OK(build(NULL, MESH_NONE, OPT_ADAMW, 48, 5, &b));
+    ts_ckpt_options lo = ts_ckpt_options_default();
+    lo.optim = b.opt;
+    TH_OK(ts_ckpt_load(ck, b.root, &lo, NULL));
+    /* not UTF-8: refused, naming the pair; the checkpoint above stays */
+    const char *bad[2] = {"vocab", "\xff\xfe"};
+    o.metadata = bad;
+    o.n_metadata = 1;
+    cr_assert_eq(ts_ckpt_save(ck, a.root, &o), TS_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(ts_last_error(), "UTF-8"), "%s", ts_last_error());
+    TH_OK(ts_ckpt_metadata(ck, odd_key, &v));
+    cr_assert_str_eq(v, odd_val);
+    free(v);
+    TH_OK(ts_ckpt_load(ck, b.root, &lo, NULL));
+    cr_assert_eq(count_files(ck), 2, "files left by the refused save: %d", count_files(ck));
+    model_free(&a);
+    model_free(&b);
+    rm_rf(ck);
+    rm_rf(dir);
+    free(dir);
+}
+
+/* Ranks given different folders: rank 1 wrote its file into its own
+ * folder, rank 0 did not find it (read as "a rank with nothing to write")
+ * and replaced the good checkpoint with an index lacking rank 1's rows.
+ * Now every rank fails and the previous checkpoint stays. */
+typedef struct split_arg {
+    const char *dir0, *dir1;
+    ts_status st[2];
+    char msg[2][600];
+} split_arg;
+
+static int split_saver(th_rank *rc)
+{
+    split_arg *a = rc->arg;
+    model_t m;
+    TH_RK_OK(rc, build(rc->c, MESH_1D, OPT_ADAMW, 51, 5, &m));
+    TH_RK_OK(rc, train_step(&m));
+    ts_ckpt_options o = ts_ckpt_options_default();
+    o.optim = m.opt;
+    a->st[rc->rank] = ts_ckpt_save(rc->rank ? a->dir1 : a->dir0, m.root, &o);
+    snprintf(a->msg[rc->rank], sizeof a->msg[rc->rank], "%s", ts_last_error());
+    model_free(&m);
+    return 0;
+}
+
+Test(checkpoint, ranks_given_different_folders_fail_and_keep_the_checkpoint, .timeout = 60)
+{
+    char *dir = tmp_dir(), other[300];
+    snprintf(other, sizeof other, "%s/other", dir);
+    cr_assert_eq(mkdir(other, 0777), 0);
+    snap s;
+    snap_init(&s);
+    run_arg sa = {.dir = dir, .mesh_kind = MESH_1D, .optkind = OPT_ADAMW, .steps = 1, .seed = 5, .at = &s};
+    th_run_world(2, saver, &sa, 30);
+    char ip[400];
+    snprintf(ip, sizeof ip, "%s/index.json", dir);
+    size_t n_before, n_after;
+    void *before = slurp(ip, &n_before);
+    split_arg a = {.dir0 = dir, .dir1 = other};
+    th_run_world(2, split_saver, &a, 30);
+    cr_assert_eq(a.st[0], TS_ERR_STATE, "rank 0: %s", a.msg[0]);
+    cr_assert_eq(a.st[1], TS_ERR_STATE, "rank 1: %s", a.msg[1]);
+    cr_assert(strstr(a.msg[0], "same folder"), "%s", a.msg[0]);
+    void *after = slurp(ip, &n_after);
+    cr_assert(n_before == n_after && !memcmp(before, after, n_before), "the index was replaced");
+    cr_assert_eq(count_files(other), 0, "rank 1's file was left in its folder");
+    free(before);
+    free(after);
+    snap_fini(&s);
+    rmdir(other);
     rm_rf(dir);
     free(dir);
 }

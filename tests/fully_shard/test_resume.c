@@ -399,6 +399,26 @@ Test(fully_shard_resume, resume_on_another_world_size, .timeout = 120)
     resume_done(&r);
 }
 
+/* Without --global-batch, --batch is per rank: a resume on another world
+ * size trains on another global batch. It said only that the data order
+ * starts afresh; it now says the batch changes, with both sizes. */
+Test(fully_shard_resume, another_world_size_without_global_batch_says_the_batch_changes, .timeout = 60)
+{
+    char dir[256];
+    tmp_path(dir, sizeof dir, "perrank");
+    const char *b[] = {TINY, "--batch", "3", "--steps", "4", "--stop-after", "2", "--save", dir, NULL};
+    const char *c[] = {"--resume", dir, NULL};
+    char *ob = run_ok(2, b), *oc = run_ok(1, c), *od = run_ok(2, c);
+    cr_expect(strstr(oc, "note: --batch 3 is per rank: each step now averages 3 sequences (1 ranks x 3), not the 6 of "
+                         "the 2 ranks that saved it"),
+              "%s", oc);
+    cr_expect(!strstr(od, "is per rank"), "the same world size: no note expected\n%s", od);
+    free(ob);
+    free(oc);
+    free(od);
+    rm_tree(dir);
+}
+
 /* float16 mixed precision (a ts_grad_scaler): 6 steps straight, and 3,
  * save, resume for 3, give the same final parameters byte for byte and
  * the same scaler line (its scale, growth tracker and the steps it skipped

@@ -10,7 +10,7 @@ The checkpoint (checkpoint/checkpoint.h, docs/checkpoint.md) is a folder:
 index.json names the files ("files": [{"name", "rank"}]) and, for every
 key, its dtype, global shape and the pieces of it that each rank's
 safetensors file holds ("pieces": [{"file": index, "rank", "row", "rows",
-"offset" from the file's start, "length"}]). This script
+"offset" from the file's start, "length", "hash"}]). This script
 reads the index, assembles each full tensor from its pieces (the bytes
 through torch.frombuffer: Debian 12's torch 1.13 has no safetensors
 module), loads the model's keys into GPT(...) built from the sizes in the
@@ -18,7 +18,8 @@ checkpoint's metadata (strict: every parameter, nothing else), and
 rebuilds the next batch from the data-order generator's state that the
 checkpoint carries (mt19937, the 5056-byte torch.get_rng_state() layout):
 the text is --data FILE, or the built-in grammar corpus, regenerated here
-and checked against the length and hash the checkpoint records.
+and checked against the length and hash the checkpoint records. Each
+piece's bytes are checked against its "hash" (when the index has one).
 
 Prints:
     checkpoint DIR: step K of N, saved on W ranks, P parameters (...)
@@ -54,6 +55,42 @@ def fail(msg):
 
 
 # ------------------------------------------------------------ the index
+
+M64 = (1 << 64) - 1
+P1, P2, P3 = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
+
+
+def _mix(h, w):
+    h ^= (w * P2) & M64
+    h = ((h << 31) | (h >> 33)) & M64
+    return (h * P1) & M64
+
+
+def piece_hash(b):
+    """The checksum of a piece's bytes that the index records as "hash"
+    (docs/checkpoint.md; checkpoint/index.c's ts__ckpt_hash)."""
+    n = len(b)
+    nb = n // 32 * 32
+    words = struct.unpack(f"<{nb // 8}Q", b[:nb])
+    lanes = [(P1 + P2) & M64, P2, 0, (-P1) & M64]
+    for i in range(0, len(words), 4):
+        for k in range(4):
+            lanes[k] = _mix(lanes[k], words[i + k])
+    h = (n * P3) & M64
+    for k in range(4):
+        h = _mix(h, lanes[k])
+    i = nb
+    while i + 8 <= n:
+        h = _mix(h, struct.unpack_from("<Q", b, i)[0])
+        i += 8
+    if i < n:
+        h = _mix(h, int.from_bytes(b[i:] + bytes(8 - (n - i)), "little") ^ (n - i))
+    h ^= h >> 33
+    h = (h * P2) & M64
+    h ^= h >> 29
+    h = (h * P3) & M64
+    return h ^ (h >> 32)
+
 
 
 class Checkpoint:
@@ -93,6 +130,9 @@ class Checkpoint:
             raw = f.read(p["length"])
         if len(raw) != p["length"]:
             fail(f"{path}: {p['length']} bytes at {off} run past the end of the file")
+        if "hash" in p and f"{piece_hash(raw):016x}" != p["hash"]:
+            fail(f"{path}: the {len(raw)} bytes at {off} have checksum {piece_hash(raw):016x}, but the index "
+                 f"records {p['hash']}: the file is corrupted")
         if not raw:
             return torch.empty((0,) + tuple(tail), dtype=dtype)
         return torch.frombuffer(bytearray(raw), dtype=dtype).reshape((p["rows"],) + tuple(tail))
