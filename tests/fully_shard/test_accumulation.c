@@ -660,6 +660,12 @@ static int rank_not_last(rank_ctx *rc)
         if (ts_tensor_grad(m.ps[i])) return fail(rc, "parameter %d got its gradient before the last backward", i);
     for (int i = 2; i < NP; i++)
         if (!ts_tensor_grad(m.ps[i])) return fail(rc, "parameter %d has no gradient after the backward", i);
+    char buf[8192];
+    size_t len = 0;
+    RK_OK(rc, ts_fsdp_summary_str(m.root, buf, sizeof buf, &len));
+    if (!strstr(buf, "gradient sync off on 0 of 4 groups; 0 B of unreduced gradients held") ||
+        !strstr(buf, "; 1 reduction in flight (is_last_backward false"))
+        return fail(rc, "the summary with a reduction in flight:\n%s", buf);
     RK_OK(rc, ts_fsdp_set_is_last_backward(m.root, true));
     RK_OK(rc, fwd_bwd(&m, base + 2, 2, 0.5));
     for (int i = 0; i < NP; i++)
@@ -876,6 +882,12 @@ static int rank_step_between(rank_ctx *rc)
         if (ts_tensor_grad(m.ps[i])) return fail(rc, "parameter %d has a sharded gradient after a no-sync backward", i);
         memcpy(before[i], ts_tensor_data(m.ps[i]), (size_t)ts_tensor_numel(m.ps[i]) * sizeof(float));
     }
+    char buf[8192];
+    size_t len = 0;
+    RK_OK(rc, ts_fsdp_summary_str(m.root, buf, sizeof buf, &len));
+    if (!strstr(buf, "gradient accumulation now: gradient sync off on 4 of 4 groups") ||
+        !strstr(buf, "of unreduced gradients held") || strstr(buf, "in flight"))
+        return fail(rc, "the summary after a no-sync backward:\n%s", buf);
     RK_OK(rc, ts_optim_step(m.opt));
     for (int i = 0; i < NP; i++)
         if (memcmp(before[i], ts_tensor_data(m.ps[i]), (size_t)ts_tensor_numel(m.ps[i]) * sizeof(float)))
@@ -883,6 +895,8 @@ static int rank_step_between(rank_ctx *rc)
     ts_optim_zero_grad(m.opt, sa->set_to_none);
     RK_OK(rc, ts_fsdp_set_requires_gradient_sync(m.root, true, true));
     RK_OK(rc, fwd_bwd(&m, base + 2, 2, 0.5));
+    RK_OK(rc, ts_fsdp_summary_str(m.root, buf, sizeof buf, &len));
+    if (strstr(buf, "gradient accumulation now")) return fail(rc, "the summary after a synced backward:\n%s", buf);
     for (int i = 0; i < NP; i++) {
         if (close_to(rc, "gradient", 0, i, ts_tensor_grad(m2.ps[i]), ts_tensor_grad(m.ps[i]), 0, 0)) return 1;
         if (close_to(rc, "gradient", 0, i, ts_tensor_grad(ref.ps[i]), ts_tensor_grad(m.ps[i]), rtol, atol)) return 1;
