@@ -910,9 +910,9 @@ static int rank_step_between(rank_ctx *rc)
 
 Test(fully_shard_accumulation, step_and_zero_grad_between_no_sync_microbatches)
 {
-    seq_arg v[4] = {{.set_to_none = true}, {.set_to_none = false}, {.bf16 = true, .set_to_none = true},
-                    {.offload = true, .set_to_none = true}};
-    for (int i = 0; i < 4; i++) run_world(2, rank_step_between, &v[i]);
+    seq_arg v[5] = {{.set_to_none = true}, {.set_to_none = false}, {.bf16 = true, .set_to_none = true},
+                    {.offload = true, .set_to_none = true}, {.bf16 = true, .offload = true, .set_to_none = false}};
+    for (int i = 0; i < 5; i++) run_world(2, rank_step_between, &v[i]);
 }
 
 /* clip_grad_norm after K microbatches in either mode, and after backwards
@@ -957,4 +957,59 @@ Test(fully_shard_accumulation, clip_grad_norm_after_microbatches)
             a.mode2 = nl ? MODE_ALL : MODE_SYNC; /* MODE_ALL here: is_last_backward false on every microbatch */
             run_world(2, rank_clip, &a);
         }
+}
+
+/* The controls set inside a backward (from a node's backward, here the
+ * first to run): as FSDP2, each group's post-backward reads the flag when
+ * it runs, so sync turned off there makes the whole backward a no-sync
+ * one, and the next backward (sync on) reduces both microbatches. */
+typedef struct toggle_ctx {
+    ts_module *root;
+    bool sync;
+} toggle_ctx;
+
+static ts_status toggle_backward(void *vc, int n, ts_tensor **g)
+{
+    (void)n, (void)g;
+    toggle_ctx *t = vc;
+    return ts_fsdp_set_requires_gradient_sync(t->root, t->sync, true);
+}
+
+static int rank_toggle_mid_backward(rank_ctx *rc)
+{
+    ts_mesh *mesh = make_mesh(rc, false);
+    if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
+    acc_arg a = f32_arg(2, MODE_SYNC);
+    model ref, m;
+    RK_OK(rc, model_new(mesh, &a, &ref));
+    RK_OK(rc, model_new(mesh, &a, &m));
+    int64_t base = (int64_t)rc->rank * 4;
+    RK_OK(rc, fwd_bwd(&ref, base, 4, 1.0));
+    for (int k = 0; k < 2; k++) {
+        toggle_ctx t = {m.root, k == 1};
+        ts_tensor *x = batch(base + 2 * k, 2, xval), *y = batch(base + 2 * k, 2, yval), *o = NULL, *ow = NULL;
+        ts_tensor *l = NULL, *sl = NULL;
+        RK_OK(rc, ts_module_call1(m.root, x, &o));
+        RK_OK(rc, ts_autograd_custom(1, &o, toggle_backward, &t, NULL, &ow));
+        RK_OK(rc, ts_mse_loss(ow, y, TS_REDUCTION_MEAN, &l));
+        RK_OK(rc, ts_mul_scalar(l, 0.5, &sl));
+        RK_OK(rc, ts_backward(sl, NULL, false));
+        ts_tensor_free(x), ts_tensor_free(y), ts_tensor_free(o), ts_tensor_free(ow), ts_tensor_free(l);
+        ts_tensor_free(sl);
+        if (k == 0)
+            for (int i = 0; i < NP; i++)
+                if (ts_tensor_grad(m.ps[i])) return fail(rc, "parameter %d reduced with sync turned off", i);
+    }
+    for (int i = 0; i < NP; i++)
+        if (close_to(rc, "gradient", 0, i, ts_tensor_grad(ref.ps[i]), ts_tensor_grad(m.ps[i]), F32_RTOL, F32_ATOL))
+            return 1;
+    model_free(&ref);
+    model_free(&m);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard_accumulation, sync_set_inside_the_backward)
+{
+    run_world(2, rank_toggle_mid_backward, NULL);
 }
