@@ -295,7 +295,12 @@ TS_API ts_status ts_fsdp_group_info_get(const ts_module *module, ts_fsdp_group_i
  * and a line per parameter: FQN, full shape, this rank's local shard
  * shape, the padded shard shape, this rank's padding elements; then the
  * parameters outside every group (whole on every rank), the buffers
- * (never sharded), and what this rank holds in all. Works on a module
+ * (never sharded), and what this rank holds in all; then what gradient
+ * accumulation costs per rank in each mode (ts_fsdp_accumulation_memory)
+ * and, between microbatches, a "gradient accumulation now" line: the
+ * groups whose gradient sync is off, the unreduced (unsharded) gradients
+ * held for the next synced backward, which an optimizer step now would
+ * not see, and reductions left in flight. Works on a module
  * that is not (or not all) sharded. Not collective: call it on rank 0 to
  * print it once. ts_fsdp_summary writes to f (TS_ERR_IO when writing
  * fails); ts_fsdp_summary_str into buf (capacity cap, NUL-terminated,

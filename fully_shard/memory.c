@@ -88,8 +88,6 @@ typedef struct msim {
     bool no_grad;      /* a checkpointed forward: ops record nothing */
     int pending;       /* group whose reduce-scatter is in flight (-1) */
     const struct mblock *blocks; /* the GPT's blocks (a checkpoint node recomputes blocks[ckpt_block]) */
-    int *deferred;     /* buffers released when the graph is freed (checkpoint inputs) */
-    int n_deferred, cap_deferred;
     int *order;        /* post-forward order of the groups (each once) */
     int n_order;
 } msim;
@@ -524,17 +522,10 @@ static void run_node(msim *s, int i)
         bunref(s, nd->grad[k]);
         nd->grad[k] = -1;
     }
-    /* a checkpoint node keeps its inputs in its context, which lives as
-     * long as the node: until the caller frees the graph (the loss) */
-    for (int k = 0; k < nd->ns; k++) {
-        if (nd->hook != HOOK_CKPT) {
-            bunref(s, nd->saved[k]);
-        } else if (grow((void **)&s->deferred, &s->cap_deferred, s->n_deferred + 1, sizeof *s->deferred)) {
-            s->deferred[s->n_deferred++] = nd->saved[k];
-        } else {
-            s->err = TS_ERR_NO_MEMORY;
-        }
-    }
+    /* saved tensors go once the node has run; a checkpoint node's context
+     * (the block's inputs) with them, as a backward without retain_graph
+     * releases it (nn/checkpoint.c, ts_node.ctx_is_saved) */
+    for (int k = 0; k < nd->ns; k++) bunref(s, nd->saved[k]);
     nd->ns = 0;
 }
 
@@ -872,8 +863,6 @@ static void gpt_step(msim *s, gpt_run *r)
     for (int i = 0; i < s->ng; i++) g_reshard(s, i);
     bunref(s, loss);
     v_free(s, &out); /* the caller's logits and loss, freed after the optimizer step, and the graph with them */
-    for (int i = 0; i < s->n_deferred; i++) bunref(s, s->deferred[i]);
-    s->n_deferred = 0;
     r->bwd_peak = s->peak;
 }
 
@@ -1009,7 +998,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
             rep->block_act_ckpt_bytes = (size_t)pool_bytes(B * T * w->d * (int64_t)s->ces);
         }
     }
-    free(bk), free(s->g), free(s->order), free(s->b), free(s->n), free(s->p), free(s->deferred);
+    free(bk), free(s->g), free(s->order), free(s->b), free(s->n), free(s->p);
     return st;
 }
 

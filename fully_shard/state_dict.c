@@ -224,6 +224,21 @@ ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *tot
     groups_walk w;
     ts_status st = ts__fsdp_subtree_groups(module, &w);
     if (st) return st;
+    /* a reduction a backward left in flight (ts_fsdp_set_is_last_backward
+     * false) lands in the shards' gradients first: FSDP2 has assigned it
+     * to .grad when its backward ends, so its clip_grad_norm_ counts it;
+     * measured without it the norm and the clipped gradients were wrong,
+     * and the gradient landing later was not clipped */
+    for (int i = 0; i < w.n && !st; i++) st = ts__fsdp_finish_reduce(w.g[i]);
+    fsdp_state *ms = ts__fsdp_state_of(module);
+    if (ms && ms->ctx && ms->ctx->rs_pending && !ms->ctx->rs_pending->rs_req) {
+        ms->ctx->rs_pending = NULL;
+        ms->ctx->hold_pending = false;
+    }
+    if (st) {
+        ts__free(TS_MEM_NN, w.g);
+        return st;
+    }
     ts_named_params np = {0};
     st = ts_module_named_parameters(module, &np);
     /* per group i, from base[i]: each parameter's local norm (loc) and,

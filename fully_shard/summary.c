@@ -222,6 +222,30 @@ static ts_status write_summary(ts_module *module, FILE *f)
                 sb, nb2, am.sync_bytes ? (double)am.no_sync_bytes / (double)am.sync_bytes : 0.0);
         if (am.partial_bytes) fprintf(f, ", HSDP without all-reduce +%s (partial sums)", pb);
         fprintf(f, "\n");
+        /* the state between microbatches: what a step now would not see */
+        int off = 0, in_flight = 0;
+        double held = 0;
+        for (int i = 0; i < gw.n; i++) {
+            const fsdp_group *g = gw.g[i];
+            off += !g->reduce_grads;
+            in_flight += g->rs_req != NULL;
+            for (int k = 0; k < g->n; k++) {
+                const fsdp_param *p = &g->params[k];
+                const ts_tensor *gr = p->acc ? p->acc : p->requires_grad ? ts_tensor_grad(p->U) : NULL;
+                if (gr) held += (double)ts_tensor_numel(gr) * (double)ts_dtype_size(ts_tensor_dtype(gr));
+            }
+        }
+        if (off || held > 0 || in_flight) {
+            char hb[32];
+            bytes_str(held, hb, sizeof hb);
+            fprintf(f, "gradient accumulation now: gradient sync off on %d of %d groups; %s of unreduced gradients held "
+                       "(the next backward with sync on reduces them; an optimizer step before it does not see them)",
+                    off, gw.n, hb);
+            if (in_flight)
+                fprintf(f, "; %d reduction%s in flight (is_last_backward false: it lands in the next backward)",
+                        in_flight, in_flight == 1 ? "" : "s");
+            fprintf(f, "\n");
+        }
     }
     if (ferror(f)) st = ts_error(TS_ERR_IO, "ts_fsdp_summary: writing the summary failed");
 done:

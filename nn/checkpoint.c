@@ -7,6 +7,9 @@
  * forward with grad enabled and that generator state (dropout draws the
  * same masks), then differentiates the recomputed graph inside the
  * backward (ts__backward_nested) and hands back the inputs' gradients.
+ * The node's context (the inputs, the module reference) goes as soon as
+ * that backward has run without retain_graph (ts_node.ctx_is_saved), not
+ * when the caller frees the graph.
  *
  * A checkpointed module's vtable is "<Type>Checkpointed", extending the
  * type's own (ts_module_vtable.base). It sits under any vtable an upper
@@ -247,6 +250,7 @@ static ts_status ckpt_forward(ts_module *m, int n_in, ts_tensor *const *in, int 
     }
     node->ctx = c;
     node->ctx_free = ctx_free;
+    node->ctx_is_saved = true; /* the inputs go when the node's backward has run (unless retain_graph) */
     for (int q = 0; q < k; q++) {
         ts__node_set_output(node, q, al[q]);
         ts_tensor_free(o[c->out_map[q]]);

@@ -304,7 +304,10 @@ TS_API ts_status ts_module_repr(ts_module *m, char *buf, size_t cap, size_t *len
  * with the outputs' gradients, inside the backward now running:
  * parameters' .grad accumulate as without checkpointing and the inputs'
  * gradients flow on. Gradients are bitwise those without checkpointing.
- * With grad disabled, or when neither the inputs nor the parameters
+ * The node releases the inputs it holds (and its reference to the module)
+ * as soon as its backward has run, unless that ts_backward had
+ * retain_graph: a second backward through it is then TS_ERR_AUTOGRAD, as
+ * through any released node. With grad disabled, or when neither the inputs nor the parameters
  * require grad, the call is the plain forward.
  *
  * The module's vtable becomes "<Type>Checkpointed" (extending its own;

@@ -398,6 +398,11 @@ static ts_status run_node(ts_node *n, bool retain_graph)
     }
     if (!retain_graph && n->backward) {
         release_saved(n);
+        if (n->ctx_is_saved && n->ctx_free) { /* a second backward is refused (collect) */
+            n->ctx_free(n->ctx);
+            n->ctx = NULL;
+            n->ctx_free = NULL;
+        }
         n->released = true;
     }
     return st;

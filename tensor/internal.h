@@ -70,6 +70,9 @@ struct ts_node {
     int64_t iargs[TS_MAX_DIMS * 2];
     void *ctx;               /* custom nodes */
     void (*ctx_free)(void *ctx);
+    bool ctx_is_saved;       /* ctx holds saved state (a checkpoint's inputs): freed with
+                              * the saved tensors when a backward without retain_graph
+                              * has run the node, not when the node is freed */
     bool released;           /* saved tensors dropped by a backward */
     /* set during a backward */
     ts_tensor **grad_buf;    /* n_outputs accumulating gradients */

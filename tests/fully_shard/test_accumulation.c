@@ -58,6 +58,7 @@ typedef struct acc_arg {
     bool bf16_reduce;        /* mixed precision: f32 compute, bf16 reduce (narrower than the parameters) */
     bool f16_reduce;         /* mixed precision: f32 compute, f16 reduce */
     bool offload;            /* CPU offload policy */
+    bool ckpt;               /* every MLP checkpointed (ts_checkpoint_module) before it is sharded */
     bool counts;             /* check FSDP2's collective count formulas */
     double rtol, atol;       /* shard gradients and parameters against the one-batch reference */
     /* a second accumulation run whose gradients must match the first's
@@ -96,6 +97,8 @@ static ts_status model_new(ts_mesh *mesh, const acc_arg *a, model *m)
     pthread_mutex_unlock(&g_build_mu);
     if (st) return st;
     for (int i = 0; i < NMLP; i++) m->mlp[i] = c[1 + i];
+    for (int i = 0; i < NMLP && a->ckpt && !st; i++) st = ts_checkpoint_module(m->mlp[i]);
+    if (st) return st;
     ts_fsdp_options o = ts_fsdp_options_default();
     o.mesh = mesh;
     o.reshard_after_forward = a->raf;
@@ -249,7 +252,9 @@ static int rank_accum(rank_ctx *rc)
     model ref, m, m2;
     RK_OK(rc, model_new(mesh, a, &ref));
     RK_OK(rc, model_new(mesh, a, &m));
-    if (a->vs_mode) RK_OK(rc, model_new(mesh, a, &m2));
+    acc_arg a2 = *a;
+    a2.ckpt = false; /* the second run is never checkpointed: checkpointing changes no bit */
+    if (a->vs_mode) RK_OK(rc, model_new(mesh, &a2, &m2));
     for (int it = 0; it < a->iters; it++) {
         int64_t base = ((int64_t)it * rc->W + rc->rank) * a->K * a->B;
         RK_OK(rc, fwd_bwd(&ref, base, (int64_t)a->K * a->B, 1.0));
@@ -621,6 +626,12 @@ static int rank_not_last(rank_ctx *rc)
         if (ts_tensor_grad(m.ps[i])) return fail(rc, "parameter %d got its gradient before the last backward", i);
     for (int i = 2; i < NP; i++)
         if (!ts_tensor_grad(m.ps[i])) return fail(rc, "parameter %d has no gradient after the backward", i);
+    char buf[8192];
+    size_t len = 0;
+    RK_OK(rc, ts_fsdp_summary_str(m.root, buf, sizeof buf, &len));
+    if (!strstr(buf, "gradient sync off on 0 of 4 groups; 0 B of unreduced gradients held") ||
+        !strstr(buf, "; 1 reduction in flight (is_last_backward false"))
+        return fail(rc, "the summary with a reduction in flight:\n%s", buf);
     RK_OK(rc, ts_fsdp_set_is_last_backward(m.root, true));
     RK_OK(rc, fwd_bwd(&m, base + 2, 2, 0.5));
     for (int i = 0; i < NP; i++)
@@ -770,4 +781,201 @@ Test(fully_shard_accumulation, memory_figures)
     a.hsdp = true;
     a.bf16 = true;
     run_world(4, rank_memory, &a);
+}
+
+/* ------------------------------------------------------------------ */
+/* A user's sequences of calls                                         */
+/* ------------------------------------------------------------------ */
+
+/* Checkpointed MLPs (the recompute inside the backward) accumulate as the
+ * plain ones, in both modes, with bf16 compute and with offload. */
+Test(fully_shard_accumulation, checkpointed_blocks)
+{
+    for (int md = MODE_SYNC; md <= MODE_ALL; md++) {
+        acc_arg a = f32_arg(2, (mode)md);
+        a.ckpt = true;
+        run_world(2, rank_accum, &a);
+        a.offload = true;
+        run_world(2, rank_accum, &a);
+        a.offload = false;
+        /* bf16 compute: loosely against the one-batch reference (2
+         * microbatches of bf16 rounding), bit for bit against the same
+         * run without checkpointing */
+        a.bf16 = true;
+        a.iters = 1;
+        a.rtol = 1, a.atol = 1e-4;
+        a.vs_mode = true, a.mode2 = (mode)md, a.rtol2 = 0, a.atol2 = 0;
+        run_world(2, rank_accum, &a);
+    }
+}
+
+typedef struct seq_arg {
+    bool bf16, offload;
+    bool set_to_none; /* the zero_grad between the two microbatches */
+} seq_arg;
+
+/* FSDP2: a backward with set_requires_gradient_sync(false) reduces
+ * nothing and leaves the sharded gradients as they were (none here), so an
+ * optimizer step then changes nothing; the unsharded gradients it kept are
+ * not the optimizer's (it holds the shards), so zero_grad does not drop
+ * them, and the next synced backward reduces both microbatches. */
+static int rank_step_between(rank_ctx *rc)
+{
+    const seq_arg *sa = rc->arg;
+    ts_mesh *mesh = make_mesh(rc, false);
+    if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
+    acc_arg a = f32_arg(2, MODE_ALL);
+    a.bf16 = sa->bf16, a.offload = sa->offload;
+    /* bf16 compute: against the reference only loosely (2 microbatches of
+     * bf16 rounding, see no_sync_accumulates_in_reduce_dtype); exactly
+     * against m2 */
+    double rtol = sa->bf16 ? 1 : F32_RTOL, atol = sa->bf16 ? 1e-4 : F32_ATOL;
+    model ref, m, m2;
+    RK_OK(rc, model_new(mesh, &a, &ref));
+    RK_OK(rc, model_new(mesh, &a, &m));
+    RK_OK(rc, model_new(mesh, &a, &m2));
+    int64_t base = (int64_t)rc->rank * 4;
+    RK_OK(rc, fwd_bwd(&ref, base, 4, 1.0));
+    /* m2: the same two microbatches without the step and zero_grad between */
+    RK_OK(rc, ts_fsdp_set_requires_gradient_sync(m2.root, false, true));
+    RK_OK(rc, fwd_bwd(&m2, base, 2, 0.5));
+    RK_OK(rc, ts_fsdp_set_requires_gradient_sync(m2.root, true, true));
+    RK_OK(rc, fwd_bwd(&m2, base + 2, 2, 0.5));
+    RK_OK(rc, ts_fsdp_set_requires_gradient_sync(m.root, false, true));
+    RK_OK(rc, fwd_bwd(&m, base, 2, 0.5));
+    float before[NP][64];
+    for (int i = 0; i < NP; i++) {
+        if (ts_tensor_grad(m.ps[i])) return fail(rc, "parameter %d has a sharded gradient after a no-sync backward", i);
+        memcpy(before[i], ts_tensor_data(m.ps[i]), (size_t)ts_tensor_numel(m.ps[i]) * sizeof(float));
+    }
+    char buf[8192];
+    size_t len = 0;
+    RK_OK(rc, ts_fsdp_summary_str(m.root, buf, sizeof buf, &len));
+    if (!strstr(buf, "gradient accumulation now: gradient sync off on 4 of 4 groups") ||
+        !strstr(buf, "of unreduced gradients held") || strstr(buf, "in flight"))
+        return fail(rc, "the summary after a no-sync backward:\n%s", buf);
+    RK_OK(rc, ts_optim_step(m.opt));
+    for (int i = 0; i < NP; i++)
+        if (memcmp(before[i], ts_tensor_data(m.ps[i]), (size_t)ts_tensor_numel(m.ps[i]) * sizeof(float)))
+            return fail(rc, "parameter %d changed in a step after a no-sync backward", i);
+    ts_optim_zero_grad(m.opt, sa->set_to_none);
+    RK_OK(rc, ts_fsdp_set_requires_gradient_sync(m.root, true, true));
+    RK_OK(rc, fwd_bwd(&m, base + 2, 2, 0.5));
+    RK_OK(rc, ts_fsdp_summary_str(m.root, buf, sizeof buf, &len));
+    if (strstr(buf, "gradient accumulation now")) return fail(rc, "the summary after a synced backward:\n%s", buf);
+    for (int i = 0; i < NP; i++) {
+        if (close_to(rc, "gradient", 0, i, ts_tensor_grad(m2.ps[i]), ts_tensor_grad(m.ps[i]), 0, 0)) return 1;
+        if (close_to(rc, "gradient", 0, i, ts_tensor_grad(ref.ps[i]), ts_tensor_grad(m.ps[i]), rtol, atol)) return 1;
+    }
+    model_free(&ref);
+    model_free(&m);
+    model_free(&m2);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard_accumulation, step_and_zero_grad_between_no_sync_microbatches)
+{
+    seq_arg v[5] = {{.set_to_none = true}, {.set_to_none = false}, {.bf16 = true, .set_to_none = true},
+                    {.offload = true, .set_to_none = true}, {.bf16 = true, .offload = true, .set_to_none = false}};
+    for (int i = 0; i < 5; i++) run_world(2, rank_step_between, &v[i]);
+}
+
+/* clip_grad_norm after K microbatches in either mode, and after backwards
+ * that left their last reduction in flight (is_last_backward false on
+ * every microbatch), equals the one-batch reference's: the total norm and
+ * the clipped gradients (in flight, the root's reduction was left out of
+ * the norm and landed unclipped afterwards). */
+static int rank_clip(rank_ctx *rc)
+{
+    const acc_arg *a = rc->arg;
+    ts_mesh *mesh = make_mesh(rc, false);
+    if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
+    model ref, m;
+    RK_OK(rc, model_new(mesh, a, &ref));
+    RK_OK(rc, model_new(mesh, a, &m));
+    int64_t base = (int64_t)rc->rank * a->K * a->B;
+    RK_OK(rc, fwd_bwd(&ref, base, (int64_t)a->K * a->B, 1.0));
+    for (int k = 0; k < a->K; k++) {
+        RK_OK(rc, set_flags(&m, a, a->mode, k == a->K - 1));
+        if (a->mode2 == MODE_ALL) RK_OK(rc, ts_fsdp_set_is_last_backward(m.root, false));
+        RK_OK(rc, fwd_bwd(&m, base + (int64_t)k * a->B, a->B, 1.0 / a->K));
+    }
+    double tr = 0, tm = 0;
+    RK_OK(rc, ts_fsdp_clip_grad_norm(ref.root, 1e-3, &tr));
+    RK_OK(rc, ts_fsdp_clip_grad_norm(m.root, 1e-3, &tm));
+    if (!(fabs(tr - tm) <= 1e-4 * tr)) return fail(rc, "total norm %.9g, reference %.9g", tm, tr);
+    for (int i = 0; i < NP; i++)
+        if (close_to(rc, "clipped gradient", 0, i, ts_tensor_grad(ref.ps[i]), ts_tensor_grad(m.ps[i]), F32_RTOL,
+                     F32_ATOL))
+            return 1;
+    model_free(&ref);
+    model_free(&m);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard_accumulation, clip_grad_norm_after_microbatches)
+{
+    for (int md = MODE_SYNC; md <= MODE_ALL; md++)
+        for (int nl = 0; nl < 2; nl++) {
+            acc_arg a = f32_arg(2, (mode)md);
+            a.mode2 = nl ? MODE_ALL : MODE_SYNC; /* MODE_ALL here: is_last_backward false on every microbatch */
+            run_world(2, rank_clip, &a);
+        }
+}
+
+/* The controls set inside a backward (from a node's backward, here the
+ * first to run): as FSDP2, each group's post-backward reads the flag when
+ * it runs, so sync turned off there makes the whole backward a no-sync
+ * one, and the next backward (sync on) reduces both microbatches. */
+typedef struct toggle_ctx {
+    ts_module *root;
+    bool sync;
+} toggle_ctx;
+
+static ts_status toggle_backward(void *vc, int n, ts_tensor **g)
+{
+    (void)n, (void)g;
+    toggle_ctx *t = vc;
+    return ts_fsdp_set_requires_gradient_sync(t->root, t->sync, true);
+}
+
+static int rank_toggle_mid_backward(rank_ctx *rc)
+{
+    ts_mesh *mesh = make_mesh(rc, false);
+    if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
+    acc_arg a = f32_arg(2, MODE_SYNC);
+    model ref, m;
+    RK_OK(rc, model_new(mesh, &a, &ref));
+    RK_OK(rc, model_new(mesh, &a, &m));
+    int64_t base = (int64_t)rc->rank * 4;
+    RK_OK(rc, fwd_bwd(&ref, base, 4, 1.0));
+    for (int k = 0; k < 2; k++) {
+        toggle_ctx t = {m.root, k == 1};
+        ts_tensor *x = batch(base + 2 * k, 2, xval), *y = batch(base + 2 * k, 2, yval), *o = NULL, *ow = NULL;
+        ts_tensor *l = NULL, *sl = NULL;
+        RK_OK(rc, ts_module_call1(m.root, x, &o));
+        RK_OK(rc, ts_autograd_custom(1, &o, toggle_backward, &t, NULL, &ow));
+        RK_OK(rc, ts_mse_loss(ow, y, TS_REDUCTION_MEAN, &l));
+        RK_OK(rc, ts_mul_scalar(l, 0.5, &sl));
+        RK_OK(rc, ts_backward(sl, NULL, false));
+        ts_tensor_free(x), ts_tensor_free(y), ts_tensor_free(o), ts_tensor_free(ow), ts_tensor_free(l);
+        ts_tensor_free(sl);
+        if (k == 0)
+            for (int i = 0; i < NP; i++)
+                if (ts_tensor_grad(m.ps[i])) return fail(rc, "parameter %d reduced with sync turned off", i);
+    }
+    for (int i = 0; i < NP; i++)
+        if (close_to(rc, "gradient", 0, i, ts_tensor_grad(ref.ps[i]), ts_tensor_grad(m.ps[i]), F32_RTOL, F32_ATOL))
+            return 1;
+    model_free(&ref);
+    model_free(&m);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard_accumulation, sync_set_inside_the_backward)
+{
+    run_world(2, rank_toggle_mid_backward, NULL);
 }

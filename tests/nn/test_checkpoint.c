@@ -393,3 +393,42 @@ Test(nn_checkpoint, retain_graph_backward_twice)
     }
     th_mem_assert_back();
 }
+
+/* The checkpoint node's context (the block's inputs, the module reference)
+ * goes when the node's backward has run, not when the caller frees the
+ * loss: with the loss still held after backward (as through an optimizer
+ * step), nothing of the 4 blocks' inputs stays alive. A second backward
+ * through the released graph is refused as for any other node. */
+Test(nn_checkpoint, inputs_released_after_backward)
+{
+    th_mem_mark();
+    {
+        const int L = 4;
+        const int64_t B = 4, T = 16, d = 32;
+        ts_module *m = gpt(L, d, T, 0.1);
+        checkpoint_blocks(m, L);
+        ts_tensor *ids, *tgt;
+        batch(1, B, T, &ids, &tgt);
+        for (int step = 0; step < 2; step++) { /* the second with .grad buffers already made */
+            ts_tensor *logits, *flat, *loss;
+            int64_t sh[2] = {-1, V};
+            TH_OK(ts_module_call1(m, ids, &logits));
+            TH_OK(ts_reshape(logits, 2, sh, &flat));
+            TH_OK(ts_cross_entropy(flat, tgt, -100, TS_REDUCTION_MEAN, &loss));
+            ts_tensor_free(logits), ts_tensor_free(flat);
+            TH_OK(ts_backward(loss, NULL, false));
+            size_t held = ts_mem_live_bytes(TS_MEM_STORAGE);
+            ts_status st = ts_backward(loss, NULL, false);
+            cr_assert_eq(st, TS_ERR_AUTOGRAD, "second backward: %s", ts_status_str(st));
+            cr_assert(strstr(ts_last_error(), "second time"), "%s", ts_last_error());
+            ts_tensor_free(loss);
+            size_t after = ts_mem_live_bytes(TS_MEM_STORAGE);
+            /* before the fix the loss held L block inputs of B*T*d floats */
+            cr_assert_lt(held - after, (size_t)(B * T * d) * sizeof(float),
+                         "step %d: the loss held %zu bytes of storage after backward", step, held - after);
+        }
+        ts_tensor_free(ids), ts_tensor_free(tgt);
+        ts_module_free(m);
+    }
+    th_mem_assert_back();
+}
