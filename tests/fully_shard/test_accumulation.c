@@ -822,7 +822,7 @@ typedef struct seq_arg {
 static int rank_step_between(rank_ctx *rc)
 {
     const seq_arg *sa = rc->arg;
-    ts_mesh *mesh = make_mesh(rc, false);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     acc_arg a = f32_arg(2, MODE_ALL);
     a.bf16 = sa->bf16, a.offload = sa->offload;
@@ -889,7 +889,7 @@ Test(fully_shard_accumulation, step_and_zero_grad_between_no_sync_microbatches)
 static int rank_clip(rank_ctx *rc)
 {
     const acc_arg *a = rc->arg;
-    ts_mesh *mesh = make_mesh(rc, false);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     model ref, m;
     RK_OK(rc, model_new(mesh, a, &ref));
@@ -943,7 +943,7 @@ static ts_status toggle_backward(void *vc, int n, ts_tensor **g)
 
 static int rank_toggle_mid_backward(rank_ctx *rc)
 {
-    ts_mesh *mesh = make_mesh(rc, false);
+    ts_mesh *mesh = th_rank_mesh(rc, false);
     if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
     acc_arg a = f32_arg(2, MODE_SYNC);
     model ref, m;
@@ -953,7 +953,7 @@ static int rank_toggle_mid_backward(rank_ctx *rc)
     RK_OK(rc, fwd_bwd(&ref, base, 4, 1.0));
     for (int k = 0; k < 2; k++) {
         toggle_ctx t = {m.root, k == 1};
-        ts_tensor *x = batch(base + 2 * k, 2, xval), *y = batch(base + 2 * k, 2, yval), *o = NULL, *ow = NULL;
+        ts_tensor *x = th_batch(base + 2 * k, 2, D, th_xval), *y = th_batch(base + 2 * k, 2, D, th_yval), *o = NULL, *ow = NULL;
         ts_tensor *l = NULL, *sl = NULL;
         RK_OK(rc, ts_module_call1(m.root, x, &o));
         RK_OK(rc, ts_autograd_custom(1, &o, toggle_backward, &t, NULL, &ow));
