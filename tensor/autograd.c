@@ -82,11 +82,19 @@ ts_node *ts__node_new(const char *name, ts_node_backward_fn backward, int n_inpu
 
 void ts__node_retain(ts_node *n) { atomic_fetch_add_explicit(&n->refcount, 1, memory_order_relaxed); }
 
+/* Drops what a node saved for its backward: its saved tensors, and its
+ * context when the context is itself saved state (a checkpoint's inputs:
+ * a second backward through the node is then refused by collect). */
 static void release_saved(ts_node *n)
 {
     for (int i = 0; i < TS_NODE_MAX_SAVED; i++) {
         ts_tensor_free(n->saved[i]);
         n->saved[i] = NULL;
+    }
+    if (n->ctx_is_saved && n->ctx_free) {
+        n->ctx_free(n->ctx);
+        n->ctx = NULL;
+        n->ctx_free = NULL;
     }
 }
 
@@ -398,11 +406,6 @@ static ts_status run_node(ts_node *n, bool retain_graph)
     }
     if (!retain_graph && n->backward) {
         release_saved(n);
-        if (n->ctx_is_saved && n->ctx_free) { /* a second backward is refused (collect) */
-            n->ctx_free(n->ctx);
-            n->ctx = NULL;
-            n->ctx_free = NULL;
-        }
         n->released = true;
     }
     return st;
