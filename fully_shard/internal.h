@@ -260,6 +260,13 @@ ts_status ts__fsdp_need_state(const char *fn, ts_module *m, fsdp_state **out);
 fsdp_state *ts__fsdp_state_retain(fsdp_state *s);
 void ts__fsdp_state_release(fsdp_state *s);
 ts_status ts__fsdp_lazy_init(fsdp_state *st);
+/* The reshard policy the group has once lazy init resolves it (AUTO: false
+ * for the root's group, true for the others; every 1 forward: true), also
+ * before that, without changing the group (state.c). */
+ts_reshard_policy ts__fsdp_resolved_policy(const fsdp_group *g, bool root);
+/* The type a module had before fully_shard (or ts_checkpoint_module)
+ * rewrote it ("" if unnamed) (policy.c). */
+const char *ts__fsdp_own_type(const ts_module *m);
 
 /* param_group.c: one group's lifecycle */
 ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *o, int n_states, fsdp_group **out);

@@ -590,21 +590,14 @@ static mval block_forward(msim *s, const mblock *bk, const mval *x)
 
 /* ------------------------------------------------------------ the model */
 
-/* The layer's own type under fully_shard's and checkpointing's vtables. */
-static const char *type_of(const ts_module *m)
-{
-    const ts_module_vtable *vt = m->vtable;
-    while (vt->base) vt = vt->base;
-    return vt->type_name;
-}
 
 static ts_status child(ts_module *m, const char *name, const char *type, const char *where, ts_module **out)
 {
     ts_status st = ts_module_get_submodule(m, name, out);
     if (st) return st;
-    if (type && strcmp(type_of(*out), type))
+    if (type && strcmp(ts__fsdp_own_type(*out), type))
         return ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate: module '%s%s' is a %s, expected %s (the only layout "
-                                            "it knows in a %s)", where, name, type_of(*out), type, type_of(m));
+                                            "it knows in a %s)", where, name, ts__fsdp_own_type(*out), type, ts__fsdp_own_type(m));
     return TS_OK;
 }
 
@@ -698,9 +691,9 @@ static ts_status gpt_shapes(ts_module *model, gpt_walk *w)
         ts_module *b = ts_container_child(list, l), *x;
         char where[48];
         snprintf(where, sizeof where, "blocks.%d.", l);
-        if (strcmp(type_of(b), "Block"))
+        if (strcmp(ts__fsdp_own_type(b), "Block"))
             return ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate: module 'blocks.%d' is a %s, expected Block", l,
-                            type_of(b));
+                            ts__fsdp_own_type(b));
         ts_module *attn, *mlp;
         if ((st = child(b, "ln1", "LayerNorm", where, &x)) || (st = child(b, "attn", "MultiheadAttention", where, &attn)) ||
             (st = child(b, "ln2", "LayerNorm", where, &x)) || (st = child(b, "mlp", "Sequential", where, &mlp)))
@@ -710,7 +703,7 @@ static ts_status gpt_shapes(ts_module *model, gpt_walk *w)
         wblock *wb = &w->wb[l];
         wb->H = ((ts_nn_mha *)attn)->num_heads;
         wb->attn_p = ((ts_nn_mha *)attn)->dropout;
-        wb->mlp_p = dr && !strcmp(type_of(dr), "Dropout") ? ((ts__act *)dr)->p : 0.0;
+        wb->mlp_p = dr && !strcmp(ts__fsdp_own_type(dr), "Dropout") ? ((ts__act *)dr)->p : 0.0;
         wb->ckpt = ts_module_is_checkpointed(b);
         wb->fsdp = ts_module_is_fsdp(b);
         wb->fg = own_group(b);
@@ -873,13 +866,6 @@ static void block_shapes(int64_t d, gshape *ps)
     memcpy(ps, b, sizeof b);
 }
 
-typedef struct setup {
-    int W;
-    size_t es, ues, res;
-    bool prefetch_fwd, prefetch_bwd;
-    int64_t persistent, param, optim, sgrad;
-} setup;
-
 /* One run of the step (ckpt or not); fills the report's peaks. */
 /* ckpt: 0 no block checkpointed, 1 every block, 2 the blocks ts_checkpoint_module made so. */
 static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, bool sharded, ts_module *model,
@@ -916,9 +902,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
     if (sharded && rg) {
         group_from_fsdp(&s->g[0], rg, rg->off.on, o->optim, &p1, &o1, &g1);
         fsdp_state *rs = ts__fsdp_state_of(model);
-        s->g[0].reshard = rg->policy == TS_RESHARD_TRUE || rg->policy == TS_RESHARD_EVERY_N ||
-                          (rg->policy == TS_RESHARD_AUTO && rg->user_policy != TS_RESHARD_AUTO &&
-                           rg->user_policy != TS_RESHARD_FALSE);
+        s->g[0].reshard = ts__fsdp_resolved_policy(rg, true) != TS_RESHARD_FALSE;
         s->prefetch_fwd = rs && rs->ctx ? rs->ctx->implicit_fwd : true;
         s->prefetch_bwd = rs && rs->ctx ? rs->ctx->implicit_bwd : true;
     } else {
@@ -941,7 +925,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
             bk[l].group = gi;
             if (fg) {
                 group_from_fsdp(&s->g[gi], fg, fg->off.on, o->optim, &p1, &o1, &g1);
-                s->g[gi].reshard = fg->policy != TS_RESHARD_FALSE;
+                s->g[gi].reshard = ts__fsdp_resolved_policy(fg, false) != TS_RESHARD_FALSE;
             } else {
                 gshape ps[12];
                 block_shapes(w->d, ps);
@@ -1090,7 +1074,7 @@ ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options
                         (void *)model, (const void *)o, (void *)out);
     ts_status cs = check_options(o);
     if (cs) return cs;
-    const char *type = type_of(model);
+    const char *type = ts__fsdp_own_type(model);
     if (strcmp(type, "GPT"))
         return ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate: the model's type %s is not one it knows (GPT: "
                                             "nn/gpt.c); per-module rules for other types are not built", type);

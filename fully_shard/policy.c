@@ -7,6 +7,7 @@
  * ts_fully_shard(root), as FSDP2 users end with fully_shard(model).
  */
 #include "fully_shard/fully_shard.h"
+#include "fully_shard/internal.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -60,7 +61,7 @@ static bool is_ancestor(const char *a, const char *b)
 
 /* The type a module had before fully_shard (or ts_checkpoint_module)
  * rewrote it ("" if unnamed). */
-static const char *own_type(const ts_module *m)
+const char *ts__fsdp_own_type(const ts_module *m)
 {
     const ts_module_vtable *vt = m->vtable;
     while (vt && vt->base) vt = vt->base;
@@ -127,7 +128,7 @@ ts_status ts_fsdp_apply_by_type(ts_module *root, const char *type_name, const ts
     for (int k = 0; k < l.n && !st; k++) {
         int i = order[k];
         ts_module *m = l.e[i].m;
-        if (i == 0 || strcmp(own_type(m), type_name) != 0) continue;
+        if (i == 0 || strcmp(ts__fsdp_own_type(m), type_name) != 0) continue;
         matched++;
         if (ts_module_is_fsdp(m)) continue;
         if ((st = ts_fully_shard(m, options)))
@@ -141,9 +142,9 @@ ts_status ts_fsdp_apply_by_type(ts_module *root, const char *type_name, const ts
         char types[512] = "";
         size_t len = 0;
         for (int i = 1; i < l.n && len < sizeof types; i++) {
-            const char *t = own_type(l.e[i].m);
+            const char *t = ts__fsdp_own_type(l.e[i].m);
             bool seen = false;
-            for (int j = 1; j < i && !seen; j++) seen = strcmp(own_type(l.e[j].m), t) == 0;
+            for (int j = 1; j < i && !seen; j++) seen = strcmp(ts__fsdp_own_type(l.e[j].m), t) == 0;
             if (seen) continue;
             int w = snprintf(types + len, sizeof types - len, "%s%s", len ? ", " : "", t);
             len += w > 0 ? (size_t)w : 0;
@@ -194,19 +195,19 @@ ts_status ts_fsdp_apply_by_size(ts_module *root, int64_t min_params, const ts_fs
     bool *inside_leaf = ts__calloc(TS_MEM_NN, (size_t)l.n, sizeof *inside_leaf);
     if (!inside_leaf) st = TS_ERR_NO_MEMORY;
     for (int i = 0; i < l.n && !st; i++) {
-        if (strcmp(own_type(l.e[i].m), "MultiheadAttention") != 0) continue;
+        if (strcmp(ts__fsdp_own_type(l.e[i].m), "MultiheadAttention") != 0) continue;
         for (int j = i + 1; j < l.n && is_ancestor(l.e[i].fqn, l.e[j].fqn); j++) inside_leaf[j] = true;
     }
     int count = 0;
     for (int k = 0; k < l.n && !st; k++) {
         int i = order[k];
         ts_module *m = l.e[i].m;
-        if (i == 0 || inside_leaf[i] || ts_module_is_fsdp(m) || strcmp(own_type(m), "ModuleList") == 0) continue;
+        if (i == 0 || inside_leaf[i] || ts_module_is_fsdp(m) || strcmp(ts__fsdp_own_type(m), "ModuleList") == 0) continue;
         int64_t n;
         if ((st = free_numel(m, options, &n))) break;
         if (n < min_params) continue;
         if ((st = ts_fully_shard(m, options)))
-            ts_error(st, "%s: sharding '%s' (%s, %lld parameters left): %s", fn, l.e[i].fqn, own_type(m),
+            ts_error(st, "%s: sharding '%s' (%s, %lld parameters left): %s", fn, l.e[i].fqn, ts__fsdp_own_type(m),
                      (long long)n, ts_last_error());
         else
             count++;

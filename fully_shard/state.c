@@ -184,13 +184,15 @@ static void name_groups(fsdp_ctx *c)
     }
 }
 
-static void resolve_policy(fsdp_group *g, bool root)
+ts_reshard_policy ts__fsdp_resolved_policy(const fsdp_group *g, bool root)
 {
     ts_reshard_policy p = g->user_policy;
     if (p == TS_RESHARD_AUTO) p = root ? TS_RESHARD_FALSE : TS_RESHARD_TRUE;
     if (p == TS_RESHARD_EVERY_N && g->every_n == 1) p = TS_RESHARD_TRUE;
-    g->policy = p;
+    return p;
 }
+
+static void resolve_policy(fsdp_group *g, bool root) { g->policy = ts__fsdp_resolved_policy(g, root); }
 
 ts_status ts__fsdp_lazy_init(fsdp_state *st)
 {
