@@ -195,19 +195,16 @@ static ts_status ck_collect(ck_ctx *c, bool loading)
     ts_optim *o = c->o ? c->o->optim : NULL;
     for (int i = 0; o && i < ts_optim_num_params(o); i++) {
         ts_tensor *pt = ts_optim_param(o, i);
-        int at = -1;
-        for (int k = 0; k < c->np.n && at < 0; k++) {
-            ts_tensor *t = *c->np.items[k].slot;
-            fsdp_param *p = ts__fsdp_find_param(&c->w, t, NULL);
-            if (t == pt || (p && p->S == pt)) at = k;
-        }
+        int at = -1; /* model item k is np.items[k], its shard (or tensor) already found above */
+        for (int k = 0; k < c->np.n && at < 0; k++)
+            if (*c->np.items[k].slot == pt || c->items.it[k].t == pt) at = k;
         if (at < 0 || c->np.items[at].is_buffer)
             return ts_error(TS_ERR_INVALID_ARGUMENT,
                             "%s: the optimizer's parameter %d (shape %s) is not a parameter of the model (build the "
                             "optimizer from the model's parameters after fully_shard)",
                             op, i, ts_tensor_shape_str(pt, (char[96]){0}, 96));
-        fsdp_group *g = NULL;
-        fsdp_param *p = ts__fsdp_find_param(&c->w, *c->np.items[at].slot, &g);
+        fsdp_group *g = c->items.it[at].g; /* copied: ck_add below may move the items */
+        fsdp_param *p = c->items.it[at].p;
         const char *names[4];
         int ns = ts__optim_state_names(o, names);
         for (int s = 0; s < ns; s++) {
