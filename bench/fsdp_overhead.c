@@ -35,9 +35,11 @@
  * Targets (issue 12): whole <= 40 us, host < 20 us per group at W = 2.
  *
  * Usage: tsrun --nproc-per-node 2 bench_fsdp_overhead [--groups G]
- *        [--steps N] [--rounds R]
+ *        [--steps N] [--rounds R] [--persist NUMEL]
  *        bench_fsdp_overhead [...]   (W = 1, no launcher: the one-rank world)
-*/
+ * --persist NUMEL sets ts_fsdp_options.persist_threshold_numel for the
+ * sharded model (0, the default: off); above 272 every Linear's weight and
+ * bias stay replicated: no all-gather, one all-reduce per step. */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -53,6 +55,7 @@
 
 typedef struct cfg {
     int groups, steps, rounds;
+    int64_t persist;
 } cfg;
 
 typedef struct model {
@@ -68,6 +71,7 @@ static void model_new(const cfg *c, bool fsdp, model *out)
     CHECK(ts_sequential_new(c->groups, lin, &out->m));
     if (fsdp) {
         ts_fsdp_options o = ts_fsdp_options_default();
+        o.persist_threshold_numel = c->persist;
         for (int i = 0; i < c->groups; i++) CHECK(ts_fully_shard(lin[i], &o));
         CHECK(ts_fully_shard(out->m, &o));
     }
@@ -140,7 +144,7 @@ static void usage(const char *argv0)
 {
     fprintf(stderr,
             "usage: [tsrun --nproc-per-node 2] %s [--groups G (1..4096)] [--steps N (1..%d)] [--rounds R (1..%d)]"
-            "\n",
+            " [--persist NUMEL (>= 0)]\n",
             argv0, MAX_STEPS, MAX_ROUNDS);
 }
 
@@ -156,13 +160,14 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--groups")) c.groups = (int)v;
         else if (!strcmp(argv[i], "--steps")) c.steps = (int)v;
         else if (!strcmp(argv[i], "--rounds")) c.rounds = (int)v;
+        else if (!strcmp(argv[i], "--persist")) c.persist = v;
         else {
             usage(argv[0]);
             return 2;
         }
     }
     if (c.groups < 1 || c.groups > 4096 || c.steps < 1 || c.steps > MAX_STEPS || c.rounds < 1 ||
-        c.rounds > MAX_ROUNDS) {
+        c.rounds > MAX_ROUNDS || c.persist < 0) {
         usage(argv[0]);
         return 2;
     }
@@ -244,8 +249,9 @@ int main(int argc, char **argv)
     double hooks_us = bench_median(r_hooks, c.rounds) / c.groups * 1e6;
     double whole_us = bench_median(whole_r, c.rounds) * 1e6, host_us = bench_median(r_host, c.rounds) / c.groups * 1e6;
     if (rank == 0) {
-        printf("bench_fsdp_overhead: %d ranks, %d groups of Linear(%d, %d), SGD, batch (%d, %d); %d rounds of %d steps (medians of the rounds' medians; local and fsdp interleaved)\n",
-               W, c.groups, DIM, DIM, BATCH, DIM, c.rounds, c.steps);
+        printf("bench_fsdp_overhead: %d ranks, %d groups of Linear(%d, %d), SGD, batch (%d, %d), persist threshold "
+               "%lld; %d rounds of %d steps (medians of the rounds' medians; local and fsdp interleaved)\n",
+               W, c.groups, DIM, DIM, BATCH, DIM, (long long)c.persist, c.rounds, c.steps);
         printf("step: local %.3f ms, fsdp %.3f ms (%.2fx), traced fsdp %.3f ms\n", local_ms, fsdp_ms,
                fsdp_ms / local_ms, traced_ms);
         if (!traced_outside)

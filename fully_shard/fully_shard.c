@@ -55,11 +55,15 @@ void ts__fsdp_trace_hook(uint64_t t0, const char *name, const char *fqn, const f
 /* A parameter tensor that fully_shard replaced but that something else
  * still holds (another module's slot: a tied weight outside the call) is
  * kept here, retained, so that a later call finding it can say that it is
- * shared with an existing group. */
+ * shared with an existing group. A persistent parameter (below the
+ * persistence threshold, still the module's own tensor) is kept here too,
+ * marked persist, for the same diagnosis and so that the optimizer's check
+ * counts it as managed. */
 typedef struct reg_entry {
     ts_tensor *t;
     fsdp_group *g;
     char fqn[FQN_MAX];
+    bool persist;
 } reg_entry;
 
 static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -73,7 +77,7 @@ static const reg_entry *reg_find(const ts_tensor *t)
     return NULL;
 }
 
-static void reg_add(ts_tensor *t, fsdp_group *g, const char *fqn)
+static void reg_add(ts_tensor *t, fsdp_group *g, const char *fqn, bool persist)
 {
     pthread_mutex_lock(&g_reg_mu);
     if (g_reg_n == g_reg_cap) {
@@ -89,8 +93,18 @@ static void reg_add(ts_tensor *t, fsdp_group *g, const char *fqn)
     reg_entry *e = &g_reg[g_reg_n++];
     e->t = ts_tensor_retain(t);
     e->g = g;
+    e->persist = persist;
     snprintf(e->fqn, sizeof e->fqn, "%s", fqn);
     pthread_mutex_unlock(&g_reg_mu);
+}
+
+bool ts__fsdp_is_persistent(const ts_tensor *t)
+{
+    pthread_mutex_lock(&g_reg_mu);
+    const reg_entry *e = reg_find(t);
+    bool p = e && e->persist;
+    pthread_mutex_unlock(&g_reg_mu);
+    return p;
 }
 
 bool ts__fsdp_reg_owner(const ts_tensor *t, char *other, size_t cap)
@@ -227,7 +241,7 @@ static ts_status optim_check(const char *who, int n, ts_tensor *const *params, b
     int n_stale = 0;
     for (int i = 0; i < n && g_reg_n; i++) {
         const reg_entry *e = reg_find(params[i]);
-        if (!e) continue;
+        if (!e || e->persist) continue; /* a persistent parameter is still the module's */
         if (stale < 0) {
             stale = i;
             snprintf(stale_fqn, sizeof stale_fqn, "%s", e->fqn);
@@ -246,7 +260,8 @@ static ts_status optim_check(const char *who, int n, ts_tensor *const *params, b
             }
             bool ign = false;
             for (int k = 0; k < g_ign_n && !ign; k++) ign = g_ign[k].t == params[i];
-            if (ign) continue;
+            const reg_entry *e = g_reg_n ? reg_find(params[i]) : NULL;
+            if (ign || (e && e->persist)) continue; /* ignored, or persistent (reduced by fully_shard) */
             if (first_outside < 0) first_outside = i;
             n_outside++;
         }
@@ -403,6 +418,10 @@ static ts_status check_options(const char *fn, const ts_fsdp_options *o)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "%s: reshard_after_forward every N forwards needs N >= 1 (reshard_every_n = %d)", fn,
                         o->reshard_every_n);
+    if (o->persist_threshold_numel < 0)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "%s: persist_threshold_numel must be >= 0 (0: off), got %lld", fn,
+                        (long long)o->persist_threshold_numel);
     if (o->n_ignored_params < 0 || (o->n_ignored_params && !o->ignored_params))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d ignored parameters but no list", fn, o->n_ignored_params);
     if (o->mp_policy) {
@@ -479,7 +498,15 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         st = walk_managed(&c, modules[i]);
     }
     fsdp_group *g = NULL;
+    fsdp_persist *persist = NULL;
+    int n_persist = 0;
+    if (!st) st = ts__fsdp_persist_take(fn, &c, &o, &persist, &n_persist);
     if (!st) st = ts__fsdp_group_new(fn, &c, &o, n, &g);
+    if (!st) {
+        g->persist = persist; /* moved: freed with the group */
+        g->n_persist = n_persist;
+        persist = NULL;
+    }
     for (int i = 0; i < n && !st; i++) {
         states[i] = ts__calloc(TS_MEM_NN, 1, sizeof *states[i]);
         int nm = modules[i]->vtable->n_methods;
@@ -495,6 +522,7 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         ts__free(TS_MEM_NN, vts);
         ts__free(TS_MEM_NN, states);
         if (g) ts__fsdp_group_free(g);
+        ts__fsdp_persist_free(persist, n_persist);
         collect_free(&c);
         return st;
     }
@@ -510,10 +538,13 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         for (int k = 0; k < p->n_slots; k++) ts__fsdp_swap_slot(p->slots[k], p->S);
         /* still held elsewhere (a tied weight outside the call, or the
          * user): remember it, so that sharding it again is diagnosed */
-        if (atomic_load(&orig->refcount) > 1) reg_add(orig, g, p->fqn);
+        if (atomic_load(&orig->refcount) > 1) reg_add(orig, g, p->fqn, false);
         ts_tensor_free(orig);
     }
-    bool have_params = g->n > 0;
+    /* the persistent parameters stay in their slots; remembered so that
+     * another call finding them says so, and the optimizer counts them */
+    for (int i = 0; i < g->n_persist; i++) reg_add(g->persist[i].t, g, g->persist[i].fqn, true);
+    bool have_params = g->n > 0 || g->n_persist > 0;
     for (int i = 0; i < n; i++) {
         fsdp_state *s = states[i];
         atomic_init(&s->refs, 1);
@@ -574,5 +605,7 @@ ts_status ts_fsdp_group_info_get(const ts_module *module, ts_fsdp_group_info *ou
     out->padded_numel = g->shard_numel * g->W;
     out->padding = out->padded_numel - g->numel;
     out->local_numel = g->local_numel;
+    out->n_persistent = g->n_persist;
+    for (int i = 0; i < g->n_persist; i++) out->persistent_numel += ts_tensor_numel(g->persist[i].t);
     return TS_OK;
 }
