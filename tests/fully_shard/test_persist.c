@@ -51,6 +51,7 @@ typedef struct run_arg {
     bool force_sum;
     bool bf16_reduce; /* mp_policy reduce_dtype bfloat16 (parameters and compute f32) */
     bool rank_inputs; /* the ranks see different data (the default), else the same */
+    bool clip;        /* ts_fsdp_clip_grad_norm(0.05) before each step (it clips: the norms are larger) */
 } run_arg;
 
 typedef struct model {
@@ -134,6 +135,9 @@ static ts_status train(th_rank *rc, const run_arg *a, model *m)
         } else {
             st = fwd_bwd(m, base);
         }
+        double norm = 0;
+        if (!st && a->clip) st = ts_fsdp_clip_grad_norm(m->root, 0.05, &norm);
+        if (!st && a->clip && !(norm > 0.05)) st = ts_error(TS_ERR_INTERNAL, "total norm %g: nothing clipped", norm);
         if (!st) st = ts_optim_step(m->opt);
         ts_optim_zero_grad(m->opt, true);
     }
@@ -242,12 +246,13 @@ static void run_equal(int W, run_arg a, double rtol)
 
 static const run_arg k_plain = {.rank_inputs = true};
 
-Test(fully_shard_persist, equals_threshold_off_2_ranks, .timeout = 60) { run_equal(2, k_plain, 0); }
 /* On 4 ranks the ring all-reduce adds a segment's 4 contributions in
  * another order than the reduce-scatter does for the same rows: within
  * reduction order (a few float32 ulps after 3 steps; seen: 1e-7
  * relative), not bitwise. */
 #define RTOL_ORDER 1e-5
+
+Test(fully_shard_persist, equals_threshold_off_2_ranks, .timeout = 60) { run_equal(2, k_plain, 0); }
 Test(fully_shard_persist, equals_threshold_off_4_ranks, .timeout = 60) { run_equal(4, k_plain, RTOL_ORDER); }
 Test(fully_shard_persist, equals_threshold_off_hsdp_2x2, .timeout = 60)
 {
@@ -275,6 +280,16 @@ Test(fully_shard_persist, gradient_divide_factor, .timeout = 60)
     run_arg a = k_plain;
     a.divide = 3.0;
     run_equal(4, a, RTOL_ORDER);
+}
+Test(fully_shard_persist, clip_grad_norm, .timeout = 60)
+{
+    /* persistent gradients count once (replicated), sharded ones summed
+     * over the shards: the same total norm up to rounding (a whole
+     * parameter's norm against the root of its shards' summed squares),
+     * so the same clipped step within RTOL_ORDER */
+    run_arg a = k_plain;
+    a.clip = true;
+    run_equal(2, a, RTOL_ORDER);
 }
 Test(fully_shard_persist, bf16_reduce_dtype, .timeout = 60)
 {
@@ -363,6 +378,17 @@ static int rank_ckpt(th_rank *rc)
     RK_OK(rc, ts_ckpt_load(ca->dir, off.root, &co, NULL));
     int bad = compare_full(rc, &on, &src, 0, "loaded (threshold 40) vs saved");
     if (!bad) bad = compare_full(rc, &off, &src, 0, "loaded (threshold off) vs saved");
+    /* and through a full state dict into a fresh model with the threshold */
+    if (!bad) {
+        model fresh;
+        ts_state_dict *sd = NULL;
+        RK_OK(rc, model_new(mesh, &a, TH_MIXED, &fresh));
+        RK_OK(rc, ts_fsdp_full_state_dict(src.root, false, &sd));
+        RK_OK(rc, ts_fsdp_load_full_state_dict(fresh.root, sd, true));
+        ts_state_dict_free(sd);
+        bad = compare_full(rc, &fresh, &src, 0, "full state dict loaded vs saved");
+        model_free(&fresh);
+    }
     /* the same next step from the restored optimizer state */
     if (!bad) {
         RK_OK(rc, train(rc, &a, &src));
