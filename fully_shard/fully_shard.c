@@ -55,45 +55,52 @@ void ts__fsdp_trace_hook(uint64_t t0, const char *name, const char *fqn, const f
 /* A parameter tensor that fully_shard replaced but that something else
  * still holds (another module's slot: a tied weight outside the call) is
  * kept here, retained, so that a later call finding it can say that it is
- * shared with an existing group. A persistent parameter (below the
- * persistence threshold, still the module's own tensor) is kept here too,
- * marked persist, for the same diagnosis and so that the optimizer's check
- * counts it as managed. */
+ * shared with an existing group. Persistent parameters (below the
+ * persistence threshold, still the modules' own tensors) are kept in a
+ * list of their own, for the same diagnosis and so that the optimizer's
+ * check counts them as managed; apart, because the optimizer looks every
+ * parameter up in the first list at every step (that list is usually
+ * empty; the persistent one can hold every parameter of the model). */
 typedef struct reg_entry {
     ts_tensor *t;
     fsdp_group *g;
     char fqn[FQN_MAX];
-    bool persist;
 } reg_entry;
 
-static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER;
-static reg_entry *g_reg;
-static int g_reg_n, g_reg_cap;
+typedef struct reg_list {
+    reg_entry *e;
+    int n, cap;
+} reg_list;
 
-static const reg_entry *reg_find(const ts_tensor *t)
+static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER;
+static reg_list g_reg, g_pers; /* replaced tensors; persistent parameters */
+
+static const reg_entry *reg_find_in(const reg_list *l, const ts_tensor *t)
 {
-    for (int i = 0; i < g_reg_n; i++)
-        if (g_reg[i].t == t) return &g_reg[i];
+    for (int i = 0; i < l->n; i++)
+        if (l->e[i].t == t) return &l->e[i];
     return NULL;
 }
+
+static const reg_entry *reg_find(const ts_tensor *t) { return reg_find_in(&g_reg, t); }
 
 static void reg_add(ts_tensor *t, fsdp_group *g, const char *fqn, bool persist)
 {
     pthread_mutex_lock(&g_reg_mu);
-    if (g_reg_n == g_reg_cap) {
-        int cap = g_reg_cap ? 2 * g_reg_cap : 16;
-        reg_entry *n = realloc(g_reg, (size_t)cap * sizeof *n);
+    reg_list *l = persist ? &g_pers : &g_reg;
+    if (l->n == l->cap) {
+        int cap = l->cap ? 2 * l->cap : 16;
+        reg_entry *n = realloc(l->e, (size_t)cap * sizeof *n);
         if (!n) {
             pthread_mutex_unlock(&g_reg_mu);
             return; /* only costs the later diagnosis */
         }
-        g_reg = n;
-        g_reg_cap = cap;
+        l->e = n;
+        l->cap = cap;
     }
-    reg_entry *e = &g_reg[g_reg_n++];
+    reg_entry *e = &l->e[l->n++];
     e->t = ts_tensor_retain(t);
     e->g = g;
-    e->persist = persist;
     snprintf(e->fqn, sizeof e->fqn, "%s", fqn);
     pthread_mutex_unlock(&g_reg_mu);
 }
@@ -101,8 +108,7 @@ static void reg_add(ts_tensor *t, fsdp_group *g, const char *fqn, bool persist)
 bool ts__fsdp_is_persistent(const ts_tensor *t)
 {
     pthread_mutex_lock(&g_reg_mu);
-    const reg_entry *e = reg_find(t);
-    bool p = e && e->persist;
+    bool p = reg_find_in(&g_pers, t) != NULL;
     pthread_mutex_unlock(&g_reg_mu);
     return p;
 }
@@ -111,25 +117,31 @@ bool ts__fsdp_reg_owner(const ts_tensor *t, char *other, size_t cap)
 {
     pthread_mutex_lock(&g_reg_mu);
     const reg_entry *e = reg_find(t);
+    if (!e) e = reg_find_in(&g_pers, t);
     if (e) snprintf(other, cap, "%s", e->fqn);
     pthread_mutex_unlock(&g_reg_mu);
     return e != NULL;
 }
 
+static void reg_drop_in(reg_list *l, const fsdp_group *g)
+{
+    int k = 0;
+    for (int i = 0; i < l->n; i++) {
+        if (l->e[i].g == g) ts_tensor_free(l->e[i].t);
+        else l->e[k++] = l->e[i];
+    }
+    l->n = k;
+    if (!l->n) {
+        free(l->e);
+        *l = (reg_list){0};
+    }
+}
+
 void ts__fsdp_reg_drop_group(fsdp_group *g)
 {
     pthread_mutex_lock(&g_reg_mu);
-    int k = 0;
-    for (int i = 0; i < g_reg_n; i++) {
-        if (g_reg[i].g == g) ts_tensor_free(g_reg[i].t);
-        else g_reg[k++] = g_reg[i];
-    }
-    g_reg_n = k;
-    if (!g_reg_n) {
-        free(g_reg);
-        g_reg = NULL;
-        g_reg_cap = 0;
-    }
+    reg_drop_in(&g_reg, g);
+    reg_drop_in(&g_pers, g);
     pthread_mutex_unlock(&g_reg_mu);
 }
 
@@ -239,9 +251,9 @@ static ts_status optim_check(const char *who, int n, ts_tensor *const *params, b
     int stale = -1;
     char stale_fqn[FQN_MAX] = "";
     int n_stale = 0;
-    for (int i = 0; i < n && g_reg_n; i++) {
+    for (int i = 0; i < n && g_reg.n; i++) {
         const reg_entry *e = reg_find(params[i]);
-        if (!e || e->persist) continue; /* a persistent parameter is still the module's */
+        if (!e) continue;
         if (stale < 0) {
             stale = i;
             snprintf(stale_fqn, sizeof stale_fqn, "%s", e->fqn);
@@ -260,8 +272,7 @@ static ts_status optim_check(const char *who, int n, ts_tensor *const *params, b
             }
             bool ign = false;
             for (int k = 0; k < g_ign_n && !ign; k++) ign = g_ign[k].t == params[i];
-            const reg_entry *e = g_reg_n ? reg_find(params[i]) : NULL;
-            if (ign || (e && e->persist)) continue; /* ignored, or persistent (reduced by fully_shard) */
+            if (ign || reg_find_in(&g_pers, params[i])) continue; /* ignored, or persistent (reduced by fully_shard) */
             if (first_outside < 0) first_outside = i;
             n_outside++;
         }

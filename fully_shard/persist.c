@@ -284,6 +284,16 @@ ts_status ts__fsdp_persist_issue(fsdp_ctx *c)
     return st;
 }
 
+/* True when g (a parameter's .grad) is a contiguous tensor of its own
+ * storage that only the parameter holds (the one autograd accumulated):
+ * the reduced gradient can be written over it. */
+static bool only_holder(const ts_tensor *g)
+{
+    return atomic_load(&g->refcount) == 1 && atomic_load(&g->storage->refcount) == 1 && ts_tensor_is_contiguous(g) &&
+           g->offset == 0 && ts_tensor_data(g) &&
+           ts_tensor_numel(g) * (int64_t)ts_dtype_size(g->dtype) == (int64_t)g->storage->nbytes;
+}
+
 /* b's reduced gradients onto its parameters (plus what was set aside). */
 static ts_status unpack(fsdp_pbucket *b)
 {
@@ -294,10 +304,14 @@ static ts_status unpack(fsdp_pbucket *b)
         pb_entry *e = &b->e[i];
         fsdp_persist *p = e->p;
         if (!e->had) continue;
-        ts_tensor *t = p->t, *ng = NULL;
+        ts_tensor *t = p->t, *ng = NULL, *gr = ts_tensor_grad(t);
         ts_dtype d = ts_tensor_dtype(t);
         int64_t ne = ts_tensor_numel(t);
-        if ((st = ts_tensor_empty(d, ts_tensor_ndim(t), ts_tensor_shape(t), &ng))) break;
+        if (gr && only_holder(gr)) { /* the local gradient nobody else sees: overwritten in place */
+            ng = ts_tensor_retain(gr);
+        } else if ((st = ts_tensor_empty(d, ts_tensor_ndim(t), ts_tensor_shape(t), &ng))) {
+            break;
+        }
         ts__buf_convert(d, ts_tensor_data(ng), b->rdtype, buf + (size_t)e->off * es, ne);
         if (p->reduced) { /* the gradient of earlier backwards, already reduced */
             ts_tensor *cr = NULL;
