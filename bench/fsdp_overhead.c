@@ -35,8 +35,11 @@
  * Targets (issue 12): whole <= 40 us, host < 20 us per group at W = 2.
  *
  * Usage: tsrun --nproc-per-node 2 bench_fsdp_overhead [--groups G]
- *        [--steps N] [--rounds R] [--persist NUMEL]
+ *        [--steps N] [--rounds R] [--persist NUMEL] [--only local|fsdp]
  *        bench_fsdp_overhead [...]   (W = 1, no launcher: the one-rank world)
+ * --only local|fsdp runs only that model's steps, untraced, and prints
+ * nothing but the step time (for profilers: callgrind's instruction
+ * counts of the two runs give the cost per group exactly).
  * --persist NUMEL sets ts_fsdp_options.persist_threshold_numel for the
  * sharded model (0, the default: off); above 272 every Linear's weight and
  * bias stay replicated: no all-gather, one all-reduce per step. */
@@ -56,6 +59,7 @@
 typedef struct cfg {
     int groups, steps, rounds;
     int64_t persist;
+    int only; /* 0 both; 1 local only; 2 fsdp only */
 } cfg;
 
 typedef struct model {
@@ -144,7 +148,7 @@ static void usage(const char *argv0)
 {
     fprintf(stderr,
             "usage: [tsrun --nproc-per-node 2] %s [--groups G (1..4096)] [--steps N (1..%d)] [--rounds R (1..%d)]"
-            " [--persist NUMEL (>= 0)]\n",
+            " [--persist NUMEL (>= 0)] [--only local|fsdp]\n",
             argv0, MAX_STEPS, MAX_ROUNDS);
 }
 
@@ -161,6 +165,8 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--steps")) c.steps = (int)v;
         else if (!strcmp(argv[i], "--rounds")) c.rounds = (int)v;
         else if (!strcmp(argv[i], "--persist")) c.persist = v;
+        else if (!strcmp(argv[i], "--only") && !strcmp(argv[i + 1], "local")) c.only = 1;
+        else if (!strcmp(argv[i], "--only") && !strcmp(argv[i + 1], "fsdp")) c.only = 2;
         else {
             usage(argv[0]);
             return 2;
@@ -188,6 +194,20 @@ int main(int argc, char **argv)
 
     double r_local[MAX_ROUNDS], r_fsdp[MAX_ROUNDS], r_traced[MAX_ROUNDS], r_wait[MAX_ROUNDS], r_hooks[MAX_ROUNDS];
     double r_host[MAX_ROUNDS];
+    if (c.only) { /* one model's steps alone, for a profiler */
+        model *m = c.only == 1 ? &local : &fsdp;
+        double t[MAX_STEPS];
+        for (int s = -2; s < c.steps; s++) {
+            CHECK(ts_barrier(w, NULL));
+            double t0 = bench_now_s();
+            train_step(m, x);
+            if (s >= 0) t[s] = bench_now_s() - t0;
+        }
+        if (rank == 0)
+            printf("bench_fsdp_overhead --only %s: %d ranks, %d groups, %d steps: median step %.3f ms\n",
+                   c.only == 1 ? "local" : "fsdp", W, c.groups, c.steps, bench_median(t, c.steps) * 1e3);
+        c.rounds = 0;
+    }
     double calls_per_step[TS_COLL_KIND_COUNT] = {0};
     for (int r = 0; r < c.rounds; r++) {
         double tl[MAX_STEPS], tf[MAX_STEPS], tt[MAX_STEPS], wt[MAX_STEPS], ht[MAX_STEPS], hs[MAX_STEPS];
@@ -233,6 +253,13 @@ int main(int argc, char **argv)
                    "%.1f us/group, host %.1f us/group\n",
                    r, r_local[r] * 1e3, r_fsdp[r] * 1e3, r_traced[r] * 1e3, r_wait[r] * 1e3, r_hooks[r] * 1e3,
                    (r_fsdp[r] - r_local[r]) / c.groups * 1e6, r_host[r] / c.groups * 1e6);
+    }
+    if (!c.rounds) {
+        ts_tensor_free(x);
+        model_free(&fsdp);
+        model_free(&local);
+        if (launched) CHECK(ts_dist_finalize());
+        return 0;
     }
     ts_fsdp_group_info gi;
     ts_module *first;
