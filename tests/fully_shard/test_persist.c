@@ -22,6 +22,7 @@
 #include "checkpoint/checkpoint.h"
 #include "fully_shard/fully_shard.h"
 #include "optim/optim.h"
+#include "tests/log_capture.h"
 #include "tests/loopback_ranks.h"
 
 #define RK_OK TH_RK_OK
@@ -344,7 +345,14 @@ static int rank_counts(th_rank *rc)
 
 Test(fully_shard_persist, one_all_reduce_per_step_no_all_gather_for_persistent_groups, .timeout = 60)
 {
+    /* and the optimizer over them does not take the persistent
+     * parameters for ones left outside every group */
+    th_log_capture c;
+    th_log_capture_begin(&c, TS_LOG_WARN);
     th_run_world(2, rank_counts, NULL, 60.0);
+    char *log = th_log_capture_end(&c);
+    cr_assert_null(strstr(log, "outside every FSDP group"), "persistent parameters are managed:\n%s", log);
+    free(log);
 }
 
 /* ------------------------------------------------------------------ */
