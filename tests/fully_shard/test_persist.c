@@ -537,3 +537,25 @@ Test(fully_shard_persist, bad_values, .timeout = 30)
     cr_assert_eq(gi.n_params, 1);
     ts_module_free(lin);
 }
+
+/* fsdp_apply_by_size counts persistent parameters as taken by their group
+ * (one rank: the world's one-rank mesh). */
+Test(fully_shard_persist, size_policy_counts_persistent_as_taken, .timeout = 30)
+{
+    ts_module *l1 = NULL, *l2 = NULL, *a = NULL, *root = NULL;
+    TH_OK(ts_linear_new(D, D, true, &l1));
+    TH_OK(ts_linear_new(D, D, true, &l2));
+    TH_OK(ts_sequential_new(1, &l1, &a));
+    ts_module *kids[2] = {a, l2};
+    TH_OK(ts_sequential_new(2, kids, &root));
+    ts_fsdp_options o = ts_fsdp_options_default();
+    o.persist_threshold_numel = 100; /* both of l1's parameters */
+    TH_OK(ts_fully_shard(l1, &o));
+    int count = -1;
+    TH_OK(ts_fsdp_apply_by_size(root, D * D + D, NULL, &count));
+    /* a's subtree has nothing left (l1's 42 elements are persistent); l2's 42 reach the size */
+    cr_assert_eq(count, 1);
+    cr_assert(!ts_module_is_fsdp(a));
+    cr_assert(ts_module_is_fsdp(l2));
+    ts_module_free(root);
+}
