@@ -55,67 +55,93 @@ void ts__fsdp_trace_hook(uint64_t t0, const char *name, const char *fqn, const f
 /* A parameter tensor that fully_shard replaced but that something else
  * still holds (another module's slot: a tied weight outside the call) is
  * kept here, retained, so that a later call finding it can say that it is
- * shared with an existing group. */
+ * shared with an existing group. Persistent parameters (below the
+ * persistence threshold, still the modules' own tensors) are kept in a
+ * list of their own, for the same diagnosis and so that the optimizer's
+ * check counts them as managed; apart, because the optimizer looks every
+ * parameter up in the first list at every step (that list is usually
+ * empty; the persistent one can hold every parameter of the model). */
 typedef struct reg_entry {
     ts_tensor *t;
     fsdp_group *g;
     char fqn[FQN_MAX];
 } reg_entry;
 
-static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER;
-static reg_entry *g_reg;
-static int g_reg_n, g_reg_cap;
+typedef struct reg_list {
+    reg_entry *e;
+    int n, cap;
+} reg_list;
 
-static const reg_entry *reg_find(const ts_tensor *t)
+static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER;
+static reg_list g_reg, g_pers; /* replaced tensors; persistent parameters */
+
+static const reg_entry *reg_find_in(const reg_list *l, const ts_tensor *t)
 {
-    for (int i = 0; i < g_reg_n; i++)
-        if (g_reg[i].t == t) return &g_reg[i];
+    for (int i = 0; i < l->n; i++)
+        if (l->e[i].t == t) return &l->e[i];
     return NULL;
 }
 
-static void reg_add(ts_tensor *t, fsdp_group *g, const char *fqn)
+static const reg_entry *reg_find(const ts_tensor *t) { return reg_find_in(&g_reg, t); }
+
+static void reg_add(ts_tensor *t, fsdp_group *g, const char *fqn, bool persist)
 {
     pthread_mutex_lock(&g_reg_mu);
-    if (g_reg_n == g_reg_cap) {
-        int cap = g_reg_cap ? 2 * g_reg_cap : 16;
-        reg_entry *n = realloc(g_reg, (size_t)cap * sizeof *n);
+    reg_list *l = persist ? &g_pers : &g_reg;
+    if (l->n == l->cap) {
+        int cap = l->cap ? 2 * l->cap : 16;
+        reg_entry *n = realloc(l->e, (size_t)cap * sizeof *n);
         if (!n) {
             pthread_mutex_unlock(&g_reg_mu);
             return; /* only costs the later diagnosis */
         }
-        g_reg = n;
-        g_reg_cap = cap;
+        l->e = n;
+        l->cap = cap;
     }
-    reg_entry *e = &g_reg[g_reg_n++];
+    reg_entry *e = &l->e[l->n++];
     e->t = ts_tensor_retain(t);
     e->g = g;
     snprintf(e->fqn, sizeof e->fqn, "%s", fqn);
     pthread_mutex_unlock(&g_reg_mu);
 }
 
+bool ts__fsdp_is_persistent(const ts_tensor *t)
+{
+    pthread_mutex_lock(&g_reg_mu);
+    bool p = reg_find_in(&g_pers, t) != NULL;
+    pthread_mutex_unlock(&g_reg_mu);
+    return p;
+}
+
 bool ts__fsdp_reg_owner(const ts_tensor *t, char *other, size_t cap)
 {
     pthread_mutex_lock(&g_reg_mu);
     const reg_entry *e = reg_find(t);
+    if (!e) e = reg_find_in(&g_pers, t);
     if (e) snprintf(other, cap, "%s", e->fqn);
     pthread_mutex_unlock(&g_reg_mu);
     return e != NULL;
 }
 
+static void reg_drop_in(reg_list *l, const fsdp_group *g)
+{
+    int k = 0;
+    for (int i = 0; i < l->n; i++) {
+        if (l->e[i].g == g) ts_tensor_free(l->e[i].t);
+        else l->e[k++] = l->e[i];
+    }
+    l->n = k;
+    if (!l->n) {
+        free(l->e);
+        *l = (reg_list){0};
+    }
+}
+
 void ts__fsdp_reg_drop_group(fsdp_group *g)
 {
     pthread_mutex_lock(&g_reg_mu);
-    int k = 0;
-    for (int i = 0; i < g_reg_n; i++) {
-        if (g_reg[i].g == g) ts_tensor_free(g_reg[i].t);
-        else g_reg[k++] = g_reg[i];
-    }
-    g_reg_n = k;
-    if (!g_reg_n) {
-        free(g_reg);
-        g_reg = NULL;
-        g_reg_cap = 0;
-    }
+    reg_drop_in(&g_reg, g);
+    reg_drop_in(&g_pers, g);
     pthread_mutex_unlock(&g_reg_mu);
 }
 
@@ -225,7 +251,7 @@ static ts_status optim_check(const char *who, int n, ts_tensor *const *params, b
     int stale = -1;
     char stale_fqn[FQN_MAX] = "";
     int n_stale = 0;
-    for (int i = 0; i < n && g_reg_n; i++) {
+    for (int i = 0; i < n && g_reg.n; i++) {
         const reg_entry *e = reg_find(params[i]);
         if (!e) continue;
         if (stale < 0) {
@@ -246,7 +272,7 @@ static ts_status optim_check(const char *who, int n, ts_tensor *const *params, b
             }
             bool ign = false;
             for (int k = 0; k < g_ign_n && !ign; k++) ign = g_ign[k].t == params[i];
-            if (ign) continue;
+            if (ign || reg_find_in(&g_pers, params[i])) continue; /* ignored, or persistent (reduced by fully_shard) */
             if (first_outside < 0) first_outside = i;
             n_outside++;
         }
@@ -403,6 +429,10 @@ static ts_status check_options(const char *fn, const ts_fsdp_options *o)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "%s: reshard_after_forward every N forwards needs N >= 1 (reshard_every_n = %d)", fn,
                         o->reshard_every_n);
+    if (o->persist_threshold_numel < 0)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "%s: persist_threshold_numel must be >= 0 (0: off), got %lld", fn,
+                        (long long)o->persist_threshold_numel);
     if (o->n_ignored_params < 0 || (o->n_ignored_params && !o->ignored_params))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d ignored parameters but no list", fn, o->n_ignored_params);
     if (o->mp_policy) {
@@ -479,7 +509,15 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         st = walk_managed(&c, modules[i]);
     }
     fsdp_group *g = NULL;
+    fsdp_persist *persist = NULL;
+    int n_persist = 0;
+    if (!st) st = ts__fsdp_persist_take(fn, &c, &o, &persist, &n_persist);
     if (!st) st = ts__fsdp_group_new(fn, &c, &o, n, &g);
+    if (!st) {
+        g->persist = persist; /* moved: freed with the group */
+        g->n_persist = n_persist;
+        persist = NULL;
+    }
     for (int i = 0; i < n && !st; i++) {
         states[i] = ts__calloc(TS_MEM_NN, 1, sizeof *states[i]);
         int nm = modules[i]->vtable->n_methods;
@@ -495,6 +533,7 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         ts__free(TS_MEM_NN, vts);
         ts__free(TS_MEM_NN, states);
         if (g) ts__fsdp_group_free(g);
+        ts__fsdp_persist_free(persist, n_persist);
         collect_free(&c);
         return st;
     }
@@ -510,10 +549,13 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         for (int k = 0; k < p->n_slots; k++) ts__fsdp_swap_slot(p->slots[k], p->S);
         /* still held elsewhere (a tied weight outside the call, or the
          * user): remember it, so that sharding it again is diagnosed */
-        if (atomic_load(&orig->refcount) > 1) reg_add(orig, g, p->fqn);
+        if (atomic_load(&orig->refcount) > 1) reg_add(orig, g, p->fqn, false);
         ts_tensor_free(orig);
     }
-    bool have_params = g->n > 0;
+    /* the persistent parameters stay in their slots; remembered so that
+     * another call finding them says so, and the optimizer counts them */
+    for (int i = 0; i < g->n_persist; i++) reg_add(g->persist[i].t, g, g->persist[i].fqn, true);
+    bool have_params = g->n > 0 || g->n_persist > 0;
     for (int i = 0; i < n; i++) {
         fsdp_state *s = states[i];
         atomic_init(&s->refs, 1);
@@ -574,5 +616,7 @@ ts_status ts_fsdp_group_info_get(const ts_module *module, ts_fsdp_group_info *ou
     out->padded_numel = g->shard_numel * g->W;
     out->padding = out->padded_numel - g->numel;
     out->local_numel = g->local_numel;
+    out->n_persistent = g->n_persist;
+    for (int i = 0; i < g->n_persist; i++) out->persistent_numel += ts_tensor_numel(g->persist[i].t);
     return TS_OK;
 }

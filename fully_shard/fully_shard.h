@@ -182,9 +182,27 @@ typedef struct ts_fsdp_options {
      * (ts_offload_policy above; borrowed, read during the call); NULL: no
      * offload (FSDP2's OffloadPolicy()). */
     const ts_offload_policy *offload_policy;
+    /* Persistence threshold (DeepSpeed's stage3_param_persistence_threshold):
+     * the call's parameters with fewer elements than this stay whole
+     * (replicated) in their slots on every rank instead of being sharded:
+     * never all-gathered, their optimizer state replicated with them. At the
+     * end of each backward that reduces gradients, the gradients of every
+     * persistent parameter under the root are all-reduced together in one
+     * bucket (one collective per step for the whole model; one per reduce
+     * dtype and reduction plan when calls differ), averaged like a shard's
+     * (the mesh's ranks; gradient_divide_factor, force_sum, the
+     * mp_policy's reduce_dtype and requires_gradient_sync /
+     * requires_all_reduce of the call's module apply). A call whose
+     * parameters are all persistent issues no all-gather. 0 (the
+     * default): off. Negative: TS_ERR_INVALID_ARGUMENT. Not built
+     * (TS_ERR_UNSUPPORTED at ts_fully_shard): a persistent parameter under
+     * an mp_policy whose param_dtype differs from its dtype, or under an
+     * offload policy. */
+    int64_t persist_threshold_numel;
 } ts_fsdp_options;
 
-/* Defaults: the world's mesh, TS_RESHARD_AUTO, nothing ignored. */
+/* Defaults: the world's mesh, TS_RESHARD_AUTO, nothing ignored, no
+ * persistence threshold. */
 TS_API ts_fsdp_options ts_fsdp_options_default(void);
 
 /* Shards `module` in place as described above; NULL options: defaults.
@@ -282,6 +300,8 @@ typedef struct ts_fsdp_group_info {
     int64_t padded_numel;  /* shard_numel * shard_world */
     int64_t padding;       /* padded_numel - numel */
     int64_t local_numel;   /* real (unpadded) elements this rank holds */
+    int n_persistent;      /* parameters below persist_threshold_numel: whole on every rank, not in the above */
+    int64_t persistent_numel; /* their elements */
 } ts_fsdp_group_info;
 /* TS_ERR_INVALID_ARGUMENT when module is not an FSDP module. */
 TS_API ts_status ts_fsdp_group_info_get(const ts_module *module, ts_fsdp_group_info *out);

@@ -102,6 +102,24 @@ typedef struct fsdp_param {
     ts_tensor *acc;
 } fsdp_param;
 
+/* A parameter with fewer elements than the call's
+ * persist_threshold_numel (DeepSpeed's stage3_param_persistence_threshold;
+ * persist.c): left whole in its slots on every rank, outside the group's
+ * buffers (never all-gathered), its gradient all-reduced at the end of the
+ * backward together with every other persistent parameter under the root
+ * (one bucket per reduce dtype and reduction plan, usually one). The group
+ * keeps the microbatching flags that decide when that happens. */
+typedef struct fsdp_persist {
+    ts_tensor *t;       /* the parameter (retained); stays in its slots */
+    char *fqn;          /* its name relative to the sharded module (owned) */
+    ts_dtype rdtype;    /* the dtype its gradient is reduced in (reduce_dtype, or its own) */
+    /* the gradient the last reduction set (retained): found still on t at
+     * the next backward, it is moved to `reduced` so that only the new
+     * local gradient is reduced, then added back */
+    ts_tensor *mine;
+    ts_tensor *reduced;
+} fsdp_persist;
+
 /* Where a group's parameters are (PyTorch's ShardedState, plus the
  * all-gather in flight of an asynchronous unshard). */
 typedef enum fsdp_sharded_state {
@@ -169,6 +187,12 @@ struct fsdp_group {
     /* how the reduction in flight was issued (ts__fsdp_reduce_plan) */
     ts_reduce_op ar_op;
     double post_div;             /* after the HSDP all-reduce (1: none) */
+    /* the call's parameters below persist_threshold_numel (persist.c);
+     * params[0..n) are the sharded ones only, so a group may have n == 0
+     * and only persistent parameters: it then issues no all-gather */
+    fsdp_persist *persist;
+    int n_persist;
+    unsigned persist_mark;       /* persist.c: the bucket walk that last visited the group */
 };
 
 /* The collectives of a group's gradient reduction (FSDP2's
@@ -213,6 +237,8 @@ struct fsdp_ctx {
     bool not_last_backward; /* ts_fsdp_set_is_last_backward(false): the end of backward leaves the
                                reduction in flight and the post-forward order for the next backward */
     bool hold_pending;      /* rs_pending was kept on purpose by such a backward */
+    struct fsdp_pbuckets *pb; /* persist.c: the persistent gradients' all-reduces in flight (NULL: none) */
+    unsigned persist_walk;    /* persist.c: the id of the last walk over the groups */
 };
 
 /* ------------------------------------------------------------------ */
@@ -247,6 +273,8 @@ void ts__fsdp_trace_hook(uint64_t t0, const char *name, const char *fqn, const f
 /* Writes into other (cap bytes) the name of the group parameter t was
  * replaced by and returns true when an FSDP group already manages t. */
 bool ts__fsdp_reg_owner(const ts_tensor *t, char *other, size_t cap);
+/* True when t is a persistent parameter of some group (persist.c). */
+bool ts__fsdp_is_persistent(const ts_tensor *t);
 void ts__fsdp_reg_drop_group(fsdp_group *g);
 void ts__fsdp_ign_drop_state(const fsdp_state *s);
 bool ts__fsdp_grow(void **arr, int *cap, int need, size_t elem);
@@ -313,6 +341,33 @@ ts_status ts__fsdp_idle_groups(const char *fn, ts_module *m, groups_walk *w);
 
 /* state_dict.c */
 fsdp_param *ts__fsdp_find_param(groups_walk *w, const ts_tensor *t, fsdp_group **g_out);
+
+/* persist.c: parameters below the persistence threshold */
+/* Moves the candidates of c with fewer than o->persist_threshold_numel
+ * elements (and requiring nothing else) out of c into *out (n_out of them,
+ * owned; NULL and 0 when none or the threshold is off). Checks them as
+ * group_new checks sharded ones (dtype, released storage, another group's
+ * parameter) and that no mixed-precision param_dtype or offload policy
+ * applies to them (TS_ERR_UNSUPPORTED). Nothing changes on error. */
+ts_status ts__fsdp_persist_take(const char *fn, collect *c, const ts_fsdp_options *o, fsdp_persist **out,
+                                int *n_out);
+void ts__fsdp_persist_free(fsdp_persist *p, int n);
+/* The first pre-backward marker of a backward: a persistent parameter
+ * whose gradient is still the one the last reduction set moves it aside. */
+void ts__fsdp_persist_begin_backward(fsdp_ctx *c);
+/* The end of a backward: packs the persistent parameters' gradients of
+ * every group that reduces now (gradient sync on; under HSDP also the
+ * all-reduce) into one bucket and issues its all-reduce (shard group). */
+ts_status ts__fsdp_persist_issue(fsdp_ctx *c);
+/* Waits for the bucket (then, under HSDP, all-reduces it over the
+ * replicate group) and sets the reduced gradients (plus what was moved
+ * aside). */
+ts_status ts__fsdp_persist_finish(fsdp_ctx *c);
+/* A failed backward: drops the bucket and the new local gradients of the
+ * persistent parameters, restores what was moved aside. */
+void ts__fsdp_persist_discard(fsdp_ctx *c);
+/* The persistent parameter t of a group of w (NULL if none). */
+fsdp_persist *ts__fsdp_find_persist(groups_walk *w, const ts_tensor *t);
 
 /* summary.c */
 int ts__fsdp_extra_repr(const ts_module *m, char *buf, size_t cap);

@@ -730,6 +730,18 @@ static void group_from_fsdp(mgroup *g, const fsdp_group *fg, bool offload, ts_fs
     for (int i = 0; i < n; i++) use[i] = (gshape){fg->params[i].rows, fg->params[i].row_numel};
     group_sizes(g, n, use, fg->W, fg->rank, fg->es, fg->ues, fg->res, offload, fg->off.pin, ok, param, optim, sgrad);
     free(heap);
+    /* persistent parameters (persist.c): whole on every rank, and so are
+     * their gradients and optimizer state (their one all-reduce bucket at
+     * the end of the backward is not counted) */
+    for (int i = 0; i < fg->n_persist; i++) {
+        const ts_tensor *t = fg->persist[i].t;
+        int64_t b = pool_bytes(ts_tensor_numel(t) * (int64_t)ts_dtype_size(ts_tensor_dtype(t)));
+        *param += b;
+        *sgrad += b;
+        if (!offload) g->sgrad += b;
+        if (ok == TS_FSDP_OPTIM_SGD_MOMENTUM) *optim += b;
+        if (ok == TS_FSDP_OPTIM_ADAM) *optim += 2 * b + pool_bytes(4);
+    }
 }
 
 ts_fsdp_memory_options ts_fsdp_memory_options_default(void)

@@ -37,6 +37,7 @@ void ts__fsdp_group_free(fsdp_group *g)
     ts_tensor_free(g->partial);
     for (int i = 0; i < g->n; i++) ts__fsdp_param_fini(&g->params[i]);
     ts__free(TS_MEM_NN, g->params);
+    ts__fsdp_persist_free(g->persist, g->n_persist);
     ts_tensor_free(g->sharded);
     ts__offload_fini(&g->off);
     ts_mesh_free(g->owned_mesh);
@@ -179,7 +180,7 @@ static void set_slots(fsdp_group *g, bool unsharded)
  * all-gather completes). */
 ts_status ts__fsdp_unshard(fsdp_group *g)
 {
-    if (!g || g->sharded_state != FSDP_SHARDED) return TS_OK;
+    if (!g || g->sharded_state != FSDP_SHARDED || g->n == 0) return TS_OK; /* n == 0: only persistent params */
     ts__fsdp_event("unshard", g->fqn);
     int64_t n = g->shard_numel * g->W;
     ts_status st = ts_tensor_empty(g->udtype, 1, &n, &g->ag_buf);
@@ -524,6 +525,7 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
 
 ts_status ts__fsdp_gather_full(fsdp_group *g, bool keep, ts_tensor **full)
 {
+    if (g->n == 0) return TS_OK; /* only persistent parameters: whole already */
     int64_t n = g->shard_numel * g->W;
     ts_tensor *ag = NULL;
     ts_status st = ts_tensor_empty(g->dtype, 1, &n, &ag);

@@ -168,7 +168,8 @@ static ts_status free_numel(ts_module *m, const ts_fsdp_options *o, int64_t *out
     int64_t n = 0;
     for (int i = 0; i < np.n; i++) {
         ts_tensor *t = *np.items[i].slot;
-        if (!t || ts_fsdp_param_dtensor(t)) continue; /* a shard: some group has it */
+        /* a shard, or a persistent parameter: some group has it */
+        if (!t || ts_fsdp_param_dtensor(t) || ts__fsdp_is_persistent(t)) continue;
         bool ignored = false;
         for (int j = 0; o && j < o->n_ignored_params && !ignored; j++) ignored = o->ignored_params[j] == t;
         if (!ignored) n += ts_tensor_numel(t);

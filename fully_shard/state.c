@@ -234,6 +234,11 @@ static bool order_push(fsdp_group ***arr, int *n, int *cap, fsdp_group *g)
     return true;
 }
 
+/* The state's group when it has sharded parameters: a group of only
+ * persistent parameters (persist.c) needs no unshard, no post-backward
+ * marker and no place in the prefetch orders. */
+static inline fsdp_group *sharded_group(const fsdp_state *s) { return s->group && s->group->n ? s->group : NULL; }
+
 /* TS_ERR_STATE when the marker's module was freed while its graph lived. */
 static ts_status marker_live(const fsdp_state *s)
 {
@@ -256,8 +261,9 @@ static ts_status pre_backward_fn(void *vs, int n, ts_tensor **grads)
     if (!c->final_queued) {
         if ((st = ts_autograd_queue_callback(final_callback, c))) return st;
         c->final_queued = true;
+        ts__fsdp_persist_begin_backward(c); /* before any gradient reaches a persistent parameter */
     }
-    fsdp_group *g = s->group;
+    fsdp_group *g = sharded_group(s);
     ts__fsdp_event("pre_backward", s->fqn);
     TS_TRACE_BEGIN(t_hook);
     if (g) {
@@ -314,6 +320,11 @@ static ts_status final_callback(void *vctx)
         ts_status s2 = ts__fsdp_post_backward(c, g);
         if (!st) st = s2;
     }
+    /* the persistent parameters' one all-reduce, in flight while the last
+     * reduce-scatters finish */
+    bool persist = !st;
+    if (persist) st = ts__fsdp_persist_issue(c);
+    else ts__fsdp_persist_discard(c); /* as a failed backward: the aside gradients back, the local ones dropped */
     bool last = !c->not_last_backward;
     if (last && c->rs_pending) {
         ts_status s2 = ts__fsdp_finish_reduce(c->rs_pending);
@@ -330,6 +341,10 @@ static ts_status final_callback(void *vctx)
         s2 = g->reshard_after_backward ? ts__fsdp_reshard(g) : ts__fsdp_wait_unshard(g);
         if (!st) st = s2;
         g->training = FSDP_IDLE;
+    }
+    if (persist) {
+        ts_status s2 = ts__fsdp_persist_finish(c);
+        if (!st) st = s2;
     }
     if (last) c->n_post_fwd = 0;
     c->hold_pending = !last && c->rs_pending;
@@ -440,6 +455,7 @@ static void recover_failed_backward(fsdp_ctx *c)
         g->training = FSDP_IDLE;
         (void)ts__fsdp_reshard(g);
     }
+    ts__fsdp_persist_discard(c);
     c->rs_pending = NULL;
     c->n_post_fwd = 0;
     c->training = FSDP_IDLE;
@@ -479,7 +495,7 @@ static ts_status fsdp_call_hooks(fsdp_state *s, ts_module_fn fn, int n_in, ts_te
     ts_status st = ts__fsdp_lazy_init(s);
     if (st) return st;
     fsdp_ctx *c = s->ctx;
-    fsdp_group *g = s->group;
+    fsdp_group *g = sharded_group(s);
     if (ts_autograd_in_backward()) {
         /* activation checkpointing's recompute of a checkpointed module
          * that holds this one (ts_checkpoint_module): its forward ran

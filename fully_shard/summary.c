@@ -168,6 +168,28 @@ static ts_status write_summary(ts_module *module, FILE *f)
             fprintf(f, "  offload: cpu, %s (host shards and gradients; copied to the device before each all-gather, "
                        "gradients back after each reduce-scatter)\n",
                     g->off.pin ? "pinned" : "pageable");
+        if (g->n_persist) {
+            int64_t pn = 0;
+            double pbytes = 0;
+            for (int k = 0; k < g->n_persist; k++) {
+                pn += ts_tensor_numel(g->persist[k].t);
+                pbytes += (double)ts_tensor_numel(g->persist[k].t) * (double)ts_dtype_size(ts_tensor_dtype(g->persist[k].t));
+            }
+            char pb[32];
+            bytes_str(pbytes, pb, sizeof pb);
+            rank_bytes += pbytes;
+            in_groups += g->n_persist;
+            fprintf(f, "  persistent (below the threshold: whole on every rank, gradients all-reduced in one bucket per "
+                       "step): %d param%s, %lld elements, %s:", g->n_persist, g->n_persist == 1 ? "" : "s",
+                    (long long)pn, pb);
+            for (int k = 0; k < g->n_persist; k++) {
+                char full[96];
+                ts__shape_str(ts_tensor_ndim(g->persist[k].t), ts_tensor_shape(g->persist[k].t), full, sizeof full);
+                fprintf(f, " %s %s", g->persist[k].fqn, full);
+            }
+            fprintf(f, "\n");
+        }
+        if (!g->n) continue;
         fprintf(f, "  %-40s %-16s %-16s %-16s %s\n", "parameter", "full", "local shard", "padded shard", "padding");
         for (int k = 0; k < g->n; k++) {
             const fsdp_param *p = &g->params[k];
@@ -189,7 +211,7 @@ static ts_status write_summary(ts_module *module, FILE *f)
     double out_bytes = 0;
     for (int i = 0; i < np.n; i++) {
         ts_tensor *t = *np.items[i].slot;
-        if (ts__fsdp_find_param(&gw, t, NULL)) continue;
+        if (ts__fsdp_find_param(&gw, t, NULL) || ts__fsdp_find_persist(&gw, t)) continue;
         n_out++;
         out_numel += ts_tensor_numel(t);
         out_bytes += (double)ts_tensor_numel(t) * (double)ts_dtype_size(ts_tensor_dtype(t));
@@ -199,7 +221,8 @@ static ts_status write_summary(ts_module *module, FILE *f)
     fprintf(f, "outside every group (not sharded, whole on every rank): %d parameter%s, %lld elements, %s%s", n_out,
             n_out == 1 ? "" : "s", (long long)out_numel, b, n_out ? ":" : "");
     for (int i = 0, k = 0; i < np.n && k < 8; i++)
-        if (!ts__fsdp_find_param(&gw, *np.items[i].slot, NULL)) fprintf(f, " %s", np.items[i].name), k++;
+        if (!ts__fsdp_find_param(&gw, *np.items[i].slot, NULL) && !ts__fsdp_find_persist(&gw, *np.items[i].slot))
+            fprintf(f, " %s", np.items[i].name), k++;
     fprintf(f, "%s\n", n_out > 8 ? " ..." : "");
     double buf_bytes = 0;
     for (int i = 0; i < nb.n; i++)
