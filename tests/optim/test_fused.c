@@ -18,12 +18,17 @@
  * the point here; the NaN itself must match). */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <unistd.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "checkpoint/checkpoint.h"
 #include "fully_shard/fully_shard.h"
 #include "optim/internal.h"
 #include "tensor/internal.h"
@@ -484,111 +489,182 @@ Test(optim_fused, bad_gradient_changes_nothing)
 /* ------------------------------------------------------------ fully_shard */
 
 /* Sequential(Linear(8, 16), Tanh, Linear(16, 6)) sharded as one group over
- * W ranks, AdamW fused and per-parameter on two copies (same init, same
- * batches), 3 steps: the shards are the same bits. With the offload
- * policy the shards' gradients are views of one host buffer, so the fused
- * step makes fewer kernel calls than there are parameters; with
- * param_dtype bfloat16 the optimizer updates the float32 master shards. */
+ * W ranks, AdamW fused and per-parameter on copies (same init, same
+ * batches): the shards are the same bits after every step. With the
+ * offload policy the shards' gradients are views of one host buffer, so
+ * the fused step makes fewer kernel calls than there are parameters; with
+ * param_dtype bfloat16 the optimizer updates the float32 master shards.
+ * Checkpoints: a fused optimizer's state saved with ts_ckpt_save loads
+ * into a per-parameter one and the other way round, and both go on to the
+ * same bits. */
 typedef struct fs_arg {
-    int mode; /* 0 plain, 1 offload, 2 bf16 params */
+    int mode; /* 0 plain, 1 offload, 2 bf16 params, 3 checkpoint cross-load */
+    char dir[2][128];
 } fs_arg;
+
+typedef struct fs_model {
+    ts_module *m;
+    ts_optim *o;
+    ts_named_params np;
+} fs_model;
 
 static pthread_mutex_t g_build_mu = PTHREAD_MUTEX_INITIALIZER;
 
-static ts_status fs_model(ts_module **out)
+static ts_status fs_new(ts_mesh *mesh, int mode, bool fused, fs_model *f)
 {
     ts_module *c[3] = {0};
+    memset(f, 0, sizeof *f);
     pthread_mutex_lock(&g_build_mu);
     ts_manual_seed(11);
     ts_status st = ts_linear_new(8, 16, true, &c[0]);
     if (!st) st = ts_tanh_new(&c[1]);
     if (!st) st = ts_linear_new(16, 6, true, &c[2]);
-    if (!st) st = ts_sequential_new(3, c, out);
+    if (!st) st = ts_sequential_new(3, c, &f->m);
     pthread_mutex_unlock(&g_build_mu);
+    if (st) return st;
+    ts_offload_policy op = ts_offload_policy_default();
+    ts_mp_policy mp = ts_mp_policy_default();
+    mp.param_dtype = TS_BF16;
+    mp.reduce_dtype = TS_F32;
+    ts_fsdp_options fo = ts_fsdp_options_default();
+    fo.mesh = mesh;
+    if (mode == 1) fo.offload_policy = &op;
+    if (mode == 2) fo.mp_policy = &mp;
+    if ((st = ts_fully_shard(f->m, &fo)) || (st = ts_module_named_parameters(f->m, &f->np))) return st;
+    ts_tensor *ps[8];
+    for (int i = 0; i < f->np.n; i++) ps[i] = *f->np.items[i].slot;
+    ts_adam_options ao = ts_adamw_options_default();
+    ao.lr = 0.05;
+    ao.fused = fused;
+    return ts_adamw_new(f->np.n, ps, &ao, &f->o);
+}
+
+static void fs_free(fs_model *f)
+{
+    ts_optim_free(f->o);
+    ts_named_params_free(&f->np);
+    ts_module_free(f->m);
+}
+
+static ts_status fs_step(fs_model *f, int rank, int s)
+{
+    int64_t xs[2] = {5, 8};
+    ts_tensor *x = NULL, *y = NULL, *sq = NULL, *loss = NULL;
+    ts_status st = ts_tensor_empty(TS_F32, 2, xs, &x);
+    if (!st) {
+        float *xp = ts_tensor_data(x);
+        for (int k = 0; k < 40; k++) xp[k] = (float)sin(0.3 * k + rank + 0.5 * s);
+        st = ts_module_call1(f->m, x, &y);
+    }
+    if (!st) st = ts_mul(y, y, &sq);
+    if (!st) st = ts_sum(sq, 0, NULL, false, &loss);
+    if (!st) st = ts_backward(loss, NULL, false);
+    if (!st) st = ts_optim_step(f->o);
+    ts_optim_zero_grad(f->o, true);
+    ts_tensor_free(x), ts_tensor_free(y), ts_tensor_free(sq), ts_tensor_free(loss);
     return st;
+}
+
+/* 0 if every shard of a and b is the same bits, else th_rank_fail. */
+static int fs_same(th_rank *rc, const fs_model *a, const fs_model *b, const char *what, int s)
+{
+    for (int i = 0; i < a->np.n; i++) {
+        ts_tensor *la = NULL, *lb = NULL;
+        TH_RK_OK(rc, ts_tensor_local_view(*a->np.items[i].slot, &la));
+        TH_RK_OK(rc, ts_tensor_local_view(*b->np.items[i].slot, &lb));
+        if (ts_tensor_dtype(la) != TS_F32) return th_rank_fail(rc, "shard %d is not float32", i);
+        int64_t n = ts_tensor_numel(la);
+        bool same = !n || memcmp(ts_tensor_data(la), ts_tensor_data(lb), (size_t)n * 4) == 0;
+        ts_tensor_free(la), ts_tensor_free(lb);
+        if (!same) return th_rank_fail(rc, "%s, step %d: shard of %s differs", what, s, a->np.items[i].name);
+    }
+    return 0;
 }
 
 static int fs_rank(th_rank *rc)
 {
     const fs_arg *a = rc->arg;
-    ts_module *m[2] = {0};
-    ts_optim *o[2] = {0};
-    ts_named_params np[2];
+    fs_model f[4];
     ts_mesh *mesh = th_rank_mesh(rc, false);
     if (!mesh) return th_rank_fail(rc, "mesh: %s", ts_last_error());
-    ts_offload_policy op = ts_offload_policy_default();
-    ts_mp_policy mp = ts_mp_policy_default();
-    mp.param_dtype = TS_BF16;
-    mp.reduce_dtype = TS_F32;
-    for (int v = 0; v < 2; v++) {
-        TH_RK_OK(rc, fs_model(&m[v]));
-        ts_fsdp_options fo = ts_fsdp_options_default();
-        fo.mesh = mesh;
-        if (a->mode == 1) fo.offload_policy = &op;
-        if (a->mode == 2) fo.mp_policy = &mp;
-        TH_RK_OK(rc, ts_fully_shard(m[v], &fo));
-        TH_RK_OK(rc, ts_module_named_parameters(m[v], &np[v]));
-        ts_tensor *ps[8];
-        for (int i = 0; i < np[v].n; i++) ps[i] = *np[v].items[i].slot;
-        ts_adam_options ao = ts_adamw_options_default();
-        ao.lr = 0.05;
-        ao.fused = v == 1;
-        TH_RK_OK(rc, ts_adamw_new(np[v].n, ps, &ao, &o[v]));
+    TH_RK_OK(rc, fs_new(mesh, a->mode, false, &f[0]));
+    TH_RK_OK(rc, fs_new(mesh, a->mode, true, &f[1]));
+    int steps = a->mode == 3 ? 2 : 3;
+    for (int s = 0; s < steps; s++) {
+        TH_RK_OK(rc, fs_step(&f[0], rc->rank, s));
+        TH_RK_OK(rc, fs_step(&f[1], rc->rank, s));
+        if (fs_same(rc, &f[0], &f[1], "fused against per-parameter", s)) return 1;
     }
-    int64_t xs[2] = {5, 8};
-    for (int s = 0; s < 3; s++) {
-        for (int v = 0; v < 2; v++) {
-            ts_tensor *x = NULL, *y = NULL, *sq = NULL, *loss = NULL;
-            TH_RK_OK(rc, ts_tensor_empty(TS_F32, 2, xs, &x));
-            float *xp = ts_tensor_data(x);
-            for (int k = 0; k < 40; k++) xp[k] = (float)sin(0.3 * k + rc->rank + 0.5 * s);
-            TH_RK_OK(rc, ts_module_call1(m[v], x, &y));
-            TH_RK_OK(rc, ts_mul(y, y, &sq));
-            TH_RK_OK(rc, ts_sum(sq, 0, NULL, false, &loss));
-            TH_RK_OK(rc, ts_backward(loss, NULL, false));
-            TH_RK_OK(rc, ts_optim_step(o[v]));
-            ts_optim_zero_grad(o[v], true);
-            ts_tensor_free(x), ts_tensor_free(y), ts_tensor_free(sq), ts_tensor_free(loss);
+    int calls = ts__optim_fused_calls(f[1].o);
+    if (calls < 1 || calls > f[1].np.n) return th_rank_fail(rc, "fused calls %d for %d parameters", calls, f[1].np.n);
+    if (a->mode == 1 && calls >= f[1].np.n)
+        return th_rank_fail(rc, "offload: gradients in one buffer, yet %d calls for %d parameters", calls, f[1].np.n);
+    if (a->mode == 3) {
+        /* f[1] (fused) saved, loaded by f[2] (per-parameter); f[0] saved,
+         * loaded by f[3] (fused); all four go on alike */
+        for (int k = 0; k < 2; k++) {
+            ts_ckpt_options co = ts_ckpt_options_default();
+            co.optim = f[1 - k].o;
+            TH_RK_OK(rc, ts_ckpt_save(a->dir[k], f[1 - k].m, &co));
+            TH_RK_OK(rc, fs_new(mesh, 0, k == 1, &f[2 + k]));
+            co.optim = f[2 + k].o;
+            TH_RK_OK(rc, ts_ckpt_load(a->dir[k], f[2 + k].m, &co, NULL));
+            TH_RK_EQ(rc, ts_optim_step_count(f[2 + k].o), steps);
         }
-        for (int i = 0; i < np[0].n; i++) {
-            ts_tensor *la = NULL, *lb = NULL;
-            TH_RK_OK(rc, ts_tensor_local_view(*np[0].items[i].slot, &la));
-            TH_RK_OK(rc, ts_tensor_local_view(*np[1].items[i].slot, &lb));
-            if (ts_tensor_dtype(la) != TS_F32) return th_rank_fail(rc, "shard %d is not float32", i);
-            int64_t n = ts_tensor_numel(la);
-            if (n && memcmp(ts_tensor_data(la), ts_tensor_data(lb), (size_t)n * 4) != 0)
-                return th_rank_fail(rc, "mode %d step %d: shard of %s differs fused / per-parameter", a->mode, s,
-                                    np[0].items[i].name);
-            ts_tensor_free(la), ts_tensor_free(lb);
+        for (int s = steps; s < steps + 2; s++) {
+            for (int k = 0; k < 4; k++) TH_RK_OK(rc, fs_step(&f[k], rc->rank, s));
+            if (fs_same(rc, &f[0], &f[1], "fused against per-parameter", s) ||
+                fs_same(rc, &f[0], &f[2], "per-parameter loaded from fused", s) ||
+                fs_same(rc, &f[0], &f[3], "fused loaded from per-parameter", s))
+                return 1;
         }
+        fs_free(&f[2]);
+        fs_free(&f[3]);
     }
-    int calls = ts__optim_fused_calls(o[1]);
-    if (calls < 1 || calls > np[1].n) return th_rank_fail(rc, "fused calls %d for %d parameters", calls, np[1].n);
-    if (a->mode == 1 && calls >= np[1].n)
-        return th_rank_fail(rc, "offload: gradients in one buffer, yet %d calls for %d parameters", calls, np[1].n);
-    for (int v = 0; v < 2; v++) {
-        ts_optim_free(o[v]);
-        ts_named_params_free(&np[v]);
-        ts_module_free(m[v]);
-    }
+    fs_free(&f[0]);
+    fs_free(&f[1]);
     ts_mesh_free(mesh);
     return 0;
 }
 
 Test(optim_fused, fully_shard_two_ranks_same_shards, .timeout = 60)
 {
-    fs_arg a = {0};
+    fs_arg a = {.mode = 0};
     th_run_world(2, fs_rank, &a, 30.0);
 }
 
 Test(optim_fused, fully_shard_offload_one_run_per_gradient_buffer, .timeout = 60)
 {
-    fs_arg a = {1};
+    fs_arg a = {.mode = 1};
     th_run_world(2, fs_rank, &a, 30.0);
 }
 
 Test(optim_fused, fully_shard_bf16_params_float32_master, .timeout = 60)
 {
-    fs_arg a = {2};
+    fs_arg a = {.mode = 2};
     th_run_world(2, fs_rank, &a, 30.0);
+}
+
+static void rm_rf(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *de;
+    while ((de = readdir(d)))
+        if (strcmp(de->d_name, ".") && strcmp(de->d_name, "..")) unlinkat(dirfd(d), de->d_name, 0);
+    closedir(d);
+    rmdir(dir);
+}
+
+Test(optim_fused, checkpoint_state_loads_across_fused_and_per_parameter, .timeout = 60)
+{
+    char base[] = "/tmp/ts_fused_test.XXXXXX";
+    cr_assert(mkdtemp(base), "mkdtemp: %s", strerror(errno));
+    fs_arg a = {.mode = 3};
+    snprintf(a.dir[0], sizeof a.dir[0], "%s/fused", base);
+    snprintf(a.dir[1], sizeof a.dir[1], "%s/plain", base);
+    th_run_world(2, fs_rank, &a, 30.0);
+    rm_rf(a.dir[0]);
+    rm_rf(a.dir[1]);
+    rmdir(base);
 }
