@@ -46,8 +46,18 @@
  * for all-gathers, copy-out, packing gradients, waiting for
  * reduce-scatters, adding them into the shards' gradients).
  *
+ * Then, in one alternating run (run_vs): per step, local and fsdp with the
+ * per-parameter AdamW and local-fused and fsdp-fused with the fused one
+ * (ts_adam_options.fused), in a rotating order, then one step of torch
+ * 1.13 DDP over gloo on the same GPT, batch and ranks for each bucket size
+ * (tools/bench/torch_ddp_step.py, started by rank 0; the other ranks wait
+ * at the next barrier): the median step and ts_optim_step time of each,
+ * 'fsdp / local' (target <= 1.03) and 'fsdp / ddp' (target <= 0.80), or
+ * why DDP did not run (no torch in /usr/bin/python3). docs/optim.md.
+ *
  * Usage: tsrun --nproc-per-node 2 bench_fsdp_step [--steps N] [--layers L]
- *        [--dim D] [--heads H] [--seq T] [--batch B]
+ *        [--dim D] [--heads H] [--seq T] [--batch B] [--no-ddp]
+ *        [--ddp-bucket-mb 1,25] [--only-vs (the alternating run alone)]
  * Defaults: 9 steps, 4 layers, d 256, 4 heads, seq 128, batch 4 per rank. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -296,8 +306,8 @@ typedef struct ddp_proc {
     FILE *in, *out;
 } ddp_proc;
 
-static const char *g_ddp_buckets = "4";
-enum { DDP_LINE_S = 120 }; /* --ddp-bucket-mb: torch_ddp_step.py's --bucket-mb */
+static const char *g_ddp_buckets = "1,25"; /* --ddp-bucket-mb: torch_ddp_step.py's --bucket-mb */
+enum { DDP_LINE_S = 120 };                  /* the longest wait for one DDP step's times, seconds */
 
 /* Why DDP cannot run here, or NULL if it can. */
 static const char *ddp_unavailable(void)
@@ -556,7 +566,7 @@ int main(int argc, char **argv)
     if ((argc - 1) % 2 || c.steps < 1 || c.layers < 1 || c.dim < c.heads || c.dim % c.heads || c.seq < 2 ||
         c.batch < 1) {
         fprintf(stderr, "usage: tsrun --nproc-per-node 2 %s [--steps N] [--layers L] [--dim D] [--heads H] "
-                        "[--seq T] [--batch B] [--no-ddp] [--ddp-bucket-mb 4[,25,...]] [--only-vs]\n", argv[0]);
+                        "[--seq T] [--batch B] [--no-ddp] [--ddp-bucket-mb 1,25] [--only-vs]\n", argv[0]);
         return 2;
     }
     CHECK(ts_dist_init(NULL));

@@ -34,7 +34,7 @@ this to alternate DDP rounds with its own.
 
 Usage: /usr/bin/python3 torch_ddp_step.py [--nproc 2] [--steps 9] [--warmup 2]
        [--layers 4] [--dim 256] [--heads 4] [--seq 128] [--batch 4]
-       [--vocab 64] [--bucket-mb 4[,B...]] [--foreach 1[,0]] [--static-graph 1[,0]]
+       [--vocab 64] [--bucket-mb 1[,B...]] [--foreach 1[,0]] [--static-graph 1[,0]]
        [--serve]
 """
 import argparse
@@ -68,7 +68,7 @@ def parse():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--bucket-mb", default="4")
+    p.add_argument("--bucket-mb", default="1")
     p.add_argument("--foreach", default="1")
     p.add_argument("--static-graph", default="1")
     p.add_argument("--serve", action="store_true")
