@@ -1122,13 +1122,15 @@ static bool run_extends(const ts_optim *o, const fused_run *r, bool f32, const u
 }
 
 /* The fused step: every parameter with a gradient, in order; contiguous
- * ones join the open run when they continue it in memory, else start a
- * new one; non-contiguous ones are walked by rows as without fused. Each
+ * ones join the open run of their dtype when they continue it in memory,
+ * else start a new one (updates of different parameters are independent,
+ * so their order does not matter); non-contiguous ones are walked by rows
+ * as without fused. Each
  * element is computed by the same kernel with the same arguments as in
  * the per-parameter step, so the bits are the same. */
 static void fused_step(ts_optim *o)
 {
-    fused_run r = {0};
+    fused_run runs[2] = {{0}}; /* the open run of float32 and of float64 parameters */
     o->last_calls = 0;
     for (int i = 0; i < o->n; i++) {
         opt_param *pp = &o->p[i];
@@ -1154,14 +1156,16 @@ static void fused_step(ts_optim *o)
         }
         unsigned char *p = ts_tensor_data(pp->local);
         const unsigned char *gd = ts_tensor_data(g);
-        if (run_extends(o, &r, f32, p, gd, &sk, &ak)) {
-            r.n += n;
+        fused_run *r = &runs[f32 ? 0 : 1];
+        if (run_extends(o, r, f32, p, gd, &sk, &ak)) {
+            r->n += n;
             continue;
         }
-        run_flush(o, &r);
-        r = (fused_run){.open = true, .f32 = f32, .n = n, .es = f32 ? 4 : 8, .p = p, .g = gd, .sk = sk, .ak = ak};
+        run_flush(o, r);
+        *r = (fused_run){.open = true, .f32 = f32, .n = n, .es = f32 ? 4 : 8, .p = p, .g = gd, .sk = sk, .ak = ak};
     }
-    run_flush(o, &r);
+    run_flush(o, &runs[0]);
+    run_flush(o, &runs[1]);
 }
 
 ts_status ts_optim_step(ts_optim *o)

@@ -668,3 +668,83 @@ Test(optim_fused, checkpoint_state_loads_across_fused_and_per_parameter, .timeou
     rm_rf(a.dir[1]);
     rmdir(base);
 }
+
+/* Parameters of both dtypes in one optimizer (one state buffer per dtype,
+ * a run never crossing dtypes), and one with only empty parameters. */
+Test(optim_fused, mixed_dtypes_and_only_empty_parameters)
+{
+    th_mem_mark();
+    static const ts_dtype dts[4] = {TS_F32, TS_F64, TS_F32, TS_F64};
+    static const int64_t ns[4] = {19, 9, 33, 0};
+    ts_tensor *p[2][4], *g[2][4], *flat[2][2], *gflat[2][2];
+    ts_optim *o[2];
+    for (int v = 0; v < 2; v++) {
+        /* the f32 ones adjacent in one buffer, the f64 ones in another */
+        int64_t n32 = ns[0] + ns[2], n64 = ns[1] + ns[3], one = 1;
+        TH_OK(ts_tensor_full(TS_F32, 1, &n32, 0.5, &flat[v][0]));
+        TH_OK(ts_tensor_full(TS_F64, 1, &n64, -0.25, &flat[v][1]));
+        TH_OK(ts_tensor_zeros(TS_F32, 1, &n32, &gflat[v][0]));
+        TH_OK(ts_tensor_zeros(TS_F64, 1, &n64, &gflat[v][1]));
+        int64_t off[2] = {0, 0};
+        for (int i = 0; i < 4; i++) {
+            int d = dts[i] == TS_F64;
+            TH_OK(ts__tensor_alias(flat[v][d], 1, &ns[i], &one, off[d], &p[v][i]));
+            TH_OK(ts__tensor_alias(gflat[v][d], 1, &ns[i], &one, off[d], &g[v][i]));
+            off[d] += ns[i];
+            TH_OK(ts_tensor_set_requires_grad(p[v][i], true));
+        }
+        ts_adam_options ao = ts_adam_options_default();
+        ao.weight_decay = 0.1, ao.amsgrad = true, ao.fused = v == 1;
+        TH_OK(ts_adam_new(4, p[v], &ao, &o[v]));
+    }
+    for (int s = 0; s < 4; s++) {
+        for (int v = 0; v < 2; v++) {
+            for (int i = 0; i < 4; i++) {
+                for (int64_t k = 0; k < ns[i]; k++) put(dts[i], ts_tensor_data(g[v][i]), k, gval(i, k, s));
+                TH_OK(ts_tensor_set_grad(p[v][i], g[v][i]));
+            }
+            TH_OK(ts_optim_step(o[v]));
+        }
+        for (int d = 0; d < 2; d++) {
+            ts_dtype dt = d ? TS_F64 : TS_F32;
+            for (int64_t k = 0; k < ts_tensor_numel(flat[0][d]); k++)
+                cr_assert(same_bits(dt, ts_tensor_data(flat[0][d]), ts_tensor_data(flat[1][d]), k),
+                          "step %d, %s element %lld", s, ts_dtype_name(dt), (long long)k);
+        }
+        /* f32 params 0 and 2 (data and gradients adjacent) are one run
+         * though param 1 comes between them, f64 param 1 another, the
+         * empty one none */
+        cr_assert_eq(ts__optim_fused_calls(o[1]), 2, "calls %d", ts__optim_fused_calls(o[1]));
+    }
+    for (int v = 0; v < 2; v++) {
+        ts_optim_free(o[v]);
+        for (int i = 0; i < 4; i++) ts_tensor_free(p[v][i]), ts_tensor_free(g[v][i]);
+        ts_tensor_free(flat[v][0]), ts_tensor_free(flat[v][1]);
+        ts_tensor_free(gflat[v][0]), ts_tensor_free(gflat[v][1]);
+    }
+    /* only empty parameters: the state buffers are empty, steps count */
+    int64_t zero = 0;
+    ts_tensor *e[2];
+    for (int i = 0; i < 2; i++) {
+        TH_OK(ts_tensor_zeros(TS_F32, 1, &zero, &e[i]));
+        TH_OK(ts_tensor_set_requires_grad(e[i], true));
+        ts_tensor *eg = NULL;
+        TH_OK(ts_tensor_zeros(TS_F32, 1, &zero, &eg));
+        TH_OK(ts_tensor_set_grad(e[i], eg));
+        ts_tensor_free(eg);
+    }
+    ts_adam_options ao = ts_adamw_options_default();
+    ao.fused = true;
+    ts_optim *oe = NULL;
+    TH_OK(ts_adamw_new(2, e, &ao, &oe));
+    TH_OK(ts_optim_step(oe));
+    TH_OK(ts_optim_step(oe));
+    cr_assert_eq(ts__optim_fused_calls(oe), 0);
+    double st;
+    TH_OK(ts_tensor_item(ts_optim_state(oe, 1, "step"), &st));
+    cr_assert_eq(st, 2.0);
+    cr_assert_eq(ts_tensor_numel(ts_optim_state(oe, 0, "exp_avg")), 0);
+    ts_optim_free(oe);
+    ts_tensor_free(e[0]), ts_tensor_free(e[1]);
+    th_mem_assert_back();
+}
