@@ -307,7 +307,7 @@ typedef struct ddp_proc {
 } ddp_proc;
 
 static const char *g_ddp_buckets = "1,25"; /* --ddp-bucket-mb: torch_ddp_step.py's --bucket-mb */
-enum { DDP_LINE_S = 120 };                  /* the longest wait for one DDP step's times, seconds */
+enum { DDP_POLL_S = 20 };                   /* rank 0 tells the others how DDP is doing this often, s */
 
 /* Why DDP cannot run here, or NULL if it can. */
 static const char *ddp_unavailable(void)
@@ -361,37 +361,60 @@ static bool ddp_start(const cfg *c, int W, ddp_proc *d)
     return d->in && d->out;
 }
 
-/* One DDP step of each bucket size: writes their times (ms, in the order
- * of --ddp-bucket-mb) to ms_out; returns how many, 0 if DDP failed. */
-static int ddp_step(ddp_proc *d, double *ms_out, int max, char labels[][64])
+/* One DDP step of each bucket size, collective: rank 0 asks for it and
+ * reads the times (ms, in the order of --ddp-bucket-mb) into ms_out (with
+ * ready, it waits for the line saying DDP has started and warmed up);
+ * between waits of at most DDP_POLL_S it broadcasts how far it is (0
+ * waiting, 1 done, -1 failed: no answer within limit_s, or DDP ended), so
+ * that the other ranks, waiting in that broadcast, learn the outcome and
+ * no collective outlasts its deadline however long torch takes to start.
+ * Returns the number of times read on every rank, 0 if DDP failed. */
+static int ddp_step(ts_comm *w, int rank, ddp_proc *d, bool ready, double limit_s, double *ms_out, int max,
+                    char labels[][64])
 {
-    if (fprintf(d->in, "run 1\n") < 0 || fflush(d->in) != 0) return 0;
-    int n = 0;
-    char line[256];
     int want = 1;
-    for (const char *q = g_ddp_buckets; *q; q++) want += *q == ',';
-    /* each line within DDP_LINE_S (the first includes torch's start-up and
-     * warm-up), so that a DDP that hangs cannot outlast the other ranks'
-     * barrier deadline */
-    while (n < want && n < max) {
-        struct pollfd pfd = {.fd = fileno(d->out), .events = POLLIN};
-        int rc;
-        do rc = poll(&pfd, 1, DDP_LINE_S * 1000);
-        while (rc < 0 && errno == EINTR);
-        if (rc <= 0) {
-            fprintf(stderr, "bench_fsdp_step: torch DDP gave no step time within %d s\n", DDP_LINE_S);
-            break;
+    for (const char *q = g_ddp_buckets; *q && !ready; q++) want += *q == ',';
+    if (want > max) want = max;
+    int n = 0;
+    bool failed = rank == 0 && !ready && (fprintf(d->in, "run 1\n") < 0 || fflush(d->in) != 0);
+    double t0 = bench_now_s();
+    int64_t one = 1;
+    ts_tensor *state;
+    CHECK(ts_tensor_zeros(TS_I64, 1, &one, &state));
+    int64_t *sv = ts_tensor_data(state);
+    for (;;) {
+        if (rank == 0 && !failed) {
+            struct pollfd pfd = {.fd = fileno(d->out), .events = POLLIN};
+            int rc;
+            do rc = poll(&pfd, 1, DDP_POLL_S * 1000);
+            while (rc < 0 && errno == EINTR);
+            char line[256];
+            if (rc > 0) {
+                if (!fgets(line, sizeof line, d->out)) {
+                    failed = true;
+                } else {
+                    double med, best;
+                    char lab[64] = "";
+                    if (ready) {
+                        n += strncmp(line, "ddp_ready", 9) == 0;
+                    } else if (sscanf(line, "ddp_step_ms %lf %lf %63[^\n]", &med, &best, lab) >= 2) {
+                        ms_out[n] = med;
+                        snprintf(labels[n], 64, "%s", lab);
+                        n++;
+                    }
+                }
+            } else if (rc < 0 || bench_now_s() - t0 > limit_s) {
+                fprintf(stderr, "bench_fsdp_step: torch DDP gave no step time within %.0f s\n", limit_s);
+                failed = true;
+            }
+            *sv = failed ? -1 : n >= want ? 1 : 0;
         }
-        if (!fgets(line, sizeof line, d->out)) break;
-        double med, best;
-        char lab[64] = "";
-        if (sscanf(line, "ddp_step_ms %lf %lf %63[^\n]", &med, &best, lab) >= 2) {
-            ms_out[n] = med;
-            snprintf(labels[n], 64, "%s", lab);
-            n++;
-        }
+        CHECK(ts_broadcast(w, state, 0, NULL));
+        if (*sv != 0) break;
     }
-    return n == want ? n : 0;
+    int got = *sv == 1 ? want : 0;
+    ts_tensor_free(state);
+    return got;
 }
 
 /* Ends DDP: "quit" when it is well (it then exits), else its process
@@ -455,6 +478,14 @@ static void run_vs(const cfg *c, int rank, int W, bool with_ddp, vs_result *res)
     CHECK(ts_broadcast(w, flag, 0, NULL));
     bool ddp = *(int64_t *)ts_tensor_data(flag) != 0;
     ts_tensor_free(flag);
+    double ms[VS_DDP_MAX] = {0};
+    /* torch's start-up and warm-up before any step is timed, so that it
+     * takes no core from them */
+    if (ddp && !ddp_step(w, rank, &d, true, 900.0, ms, VS_DDP_MAX, res->ddp_label)) {
+        if (rank == 0) fprintf(stderr, "bench_fsdp_step: torch DDP did not start; leaving it out\n");
+        res->ddp_why = "torch_ddp_step.py did not start (its messages are above)";
+        ddp = false;
+    }
     int n_ddp = 0;
     for (int s = -2; s < n; s++) {
         for (int j = 0; j < VS_N; j++) {
@@ -465,19 +496,15 @@ static void run_vs(const cfg *c, int rank, int W, bool with_ddp, vs_result *res)
             if (s >= 0) t[k][s] = bench_now_s() - t0, o[k][s] = g_last_opt_s;
         }
         if (s >= 0 && ddp) { /* the DDP warm-up steps ran when it started */
-            CHECK(ts_barrier(w, NULL));
-            if (rank == 0) {
-                double ms[VS_DDP_MAX];
-                int got = ddp_step(&d, ms, VS_DDP_MAX, res->ddp_label);
-                if (!got) {
-                    fprintf(stderr, "bench_fsdp_step: torch DDP stopped answering; leaving it out\n");
-                    res->ddp_why = "torch_ddp_step.py failed (its messages are above)";
-                    ddp = false;
-                    n_ddp = 0;
-                } else {
-                    n_ddp = got;
-                    for (int b = 0; b < got; b++) dd[b][s] = ms[b] * 1e-3;
-                }
+            int got = ddp_step(w, rank, &d, false, 300.0, ms, VS_DDP_MAX, res->ddp_label);
+            if (!got) {
+                if (rank == 0) fprintf(stderr, "bench_fsdp_step: torch DDP stopped answering; leaving it out\n");
+                res->ddp_why = "torch_ddp_step.py failed (its messages are above)";
+                ddp = false;
+                n_ddp = 0;
+            } else {
+                n_ddp = got;
+                for (int b = 0; b < got; b++) dd[b][s] = ms[b] * 1e-3;
             }
         }
     }

@@ -27,8 +27,8 @@ Output, rank 0, one line per configuration and round:
 lists (e.g. --bucket-mb 1,4,25 --foreach 0,1): one DDP model per
 combination, their steps interleaved (the order rotating every step) so
 that a machine whose load drifts slows them alike.
---serve: after the warm-up steps, rank 0 reads lines from stdin: "run N"
-runs N timed steps of every configuration and prints their lines
+--serve: after the warm-up steps, rank 0 prints "ddp_ready" and reads
+lines from stdin: "run N" runs N timed steps of every configuration and prints their lines
 (flushed); "quit" or end of input ends every rank. bench/fsdp_step uses
 this to alternate DDP rounds with its own.
 
@@ -151,6 +151,8 @@ def rank_main(a, rank, world):
         run_steps(cfgs, a.steps, x, y, a, True)
         report(cfgs, rank)
     else:
+        if rank == 0:
+            print("ddp_ready", flush=True)
         cmd = torch.zeros(1, dtype=torch.int64)
         while True:
             if rank == 0:
