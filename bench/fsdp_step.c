@@ -358,6 +358,9 @@ static bool ddp_start(const cfg *c, int W, ddp_proc *d)
     d->pid = pid;
     d->in = fdopen(to[1], "w");
     d->out = fdopen(from[0], "r");
+    /* unbuffered: ddp_step polls the descriptor before each line, and a
+     * line read ahead into a stdio buffer would leave it waiting */
+    if (d->out) setvbuf(d->out, NULL, _IONBF, 0);
     return d->in && d->out;
 }
 
