@@ -320,40 +320,62 @@ static const char *ddp_unavailable(void)
 
 static bool ddp_start(const cfg *c, int W, ddp_proc *d)
 {
-    char script[1024], a[9][32];
+    /* everything the child needs is made here: between fork and exec a
+     * threaded process may only make async-signal-safe calls */
+    char script[1024], a[7][32], blis[32] = "BLIS_ARCH_TYPE=0";
     snprintf(script, sizeof script, "%s/tools/bench/torch_ddp_step.py", TS_SOURCE_DIR);
+    snprintf(a[0], 32, "%d", W), snprintf(a[1], 32, "%d", c->layers), snprintf(a[2], 32, "%d", c->dim);
+    snprintf(a[3], 32, "%d", c->heads), snprintf(a[4], 32, "%d", c->seq), snprintf(a[5], 32, "%d", c->batch);
+    snprintf(a[6], 32, "%d", c->vocab);
+    char *argv[] = {"/usr/bin/python3", script, "--serve", "--warmup", "2", "--nproc", a[0], "--layers", a[1],
+                    "--dim", a[2], "--heads", a[3], "--seq", a[4], "--batch", a[5], "--vocab", a[6], "--bucket-mb",
+                    (char *)g_ddp_buckets, NULL};
+    static const char *drop[] = {"RANK=", "LOCAL_RANK=", "WORLD_SIZE=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=",
+                                 "MASTER_PORT=", "GROUP_RANK=", "ROLE_RANK=", "MALLOC_MMAP_THRESHOLD_=",
+                                 "MALLOC_TRIM_THRESHOLD_=", "BLIS_ARCH_TYPE="};
+    size_t ne = 0;
+    while (environ[ne]) ne++;
+    char **envp = malloc((ne + 4) * sizeof *envp);
+    if (!envp) return false;
+    size_t k = 0;
+    bool skx = strcmp(ts_blis_arch_name(), "skx") == 0;
+    for (size_t i = 0; i < ne; i++) {
+        bool keep = true;
+        for (size_t j = 0; j < sizeof drop / sizeof *drop && keep; j++)
+            keep = strncmp(environ[i], drop[j], strlen(drop[j])) != 0 ||
+                   (!skx && !strcmp(drop[j], "BLIS_ARCH_TYPE=")); /* ours, unless BLIS runs skx here */
+        if (keep) envp[k++] = environ[i];
+    }
+    envp[k++] = "MALLOC_MMAP_THRESHOLD_=33554432";
+    envp[k++] = "MALLOC_TRIM_THRESHOLD_=4294967296";
+    if (skx) envp[k++] = blis;
+    envp[k] = NULL;
     int to[2], from[2];
-    if (pipe(to) != 0) return false;
+    if (pipe(to) != 0) {
+        free(envp);
+        return false;
+    }
     if (pipe(from) != 0) {
         close(to[0]), close(to[1]);
+        free(envp);
         return false;
     }
     fflush(stdout);
     pid_t pid = fork();
-    if (pid < 0) {
-        close(to[0]), close(to[1]), close(from[0]), close(from[1]);
-        return false;
-    }
     if (pid == 0) {
         setpgid(0, 0); /* its own process group, with the ranks it starts: ddp_stop can end them all */
         dup2(to[0], 0);
         dup2(from[1], 1);
         close(to[0]), close(to[1]), close(from[0]), close(from[1]);
-        static const char *drop[] = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                     "MASTER_PORT", "GROUP_RANK", "ROLE_RANK"};
-        for (size_t i = 0; i < sizeof drop / sizeof *drop; i++) unsetenv(drop[i]);
-        if (strcmp(ts_blis_arch_name(), "skx") == 0) setenv("BLIS_ARCH_TYPE", "0", 1);
-        setenv("MALLOC_MMAP_THRESHOLD_", "33554432", 1);
-        setenv("MALLOC_TRIM_THRESHOLD_", "4294967296", 1);
-        snprintf(a[0], 32, "%d", W), snprintf(a[1], 32, "%d", c->layers), snprintf(a[2], 32, "%d", c->dim);
-        snprintf(a[3], 32, "%d", c->heads), snprintf(a[4], 32, "%d", c->seq), snprintf(a[5], 32, "%d", c->batch);
-        snprintf(a[6], 32, "%d", c->vocab);
-        execl("/usr/bin/python3", "/usr/bin/python3", script, "--serve", "--warmup", "2", "--nproc", a[0], "--layers", a[1],
-              "--dim", a[2], "--heads", a[3], "--seq", a[4], "--batch", a[5], "--vocab", a[6], "--bucket-mb",
-              g_ddp_buckets, (char *)NULL);
+        execve(argv[0], argv, envp);
         _exit(127);
     }
+    free(envp);
     close(to[0]), close(from[1]);
+    if (pid < 0) {
+        close(to[1]), close(from[0]);
+        return false;
+    }
     setpgid(pid, pid);
     d->pid = pid;
     d->in = fdopen(to[1], "w");
