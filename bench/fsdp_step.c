@@ -46,17 +46,32 @@
  * for all-gathers, copy-out, packing gradients, waiting for
  * reduce-scatters, adding them into the shards' gradients).
  *
+ * Then, in one alternating run (run_vs): per step, local and fsdp with the
+ * per-parameter AdamW and local-fused and fsdp-fused with the fused one
+ * (ts_adam_options.fused), in a rotating order, then one step of torch
+ * 1.13 DDP over gloo on the same GPT, batch and ranks for each bucket size
+ * (tools/bench/torch_ddp_step.py, started by rank 0; the other ranks wait
+ * at the next barrier): the median step and ts_optim_step time of each,
+ * 'fsdp / local' (target <= 1.03) and 'fsdp / ddp' (target <= 0.80), or
+ * why DDP did not run (no torch in /usr/bin/python3). docs/optim.md.
+ *
  * Usage: tsrun --nproc-per-node 2 bench_fsdp_step [--steps N] [--layers L]
- *        [--dim D] [--heads H] [--seq T] [--batch B]
+ *        [--dim D] [--heads H] [--seq T] [--batch B] [--no-ddp]
+ *        [--ddp-bucket-mb 1,25] [--only-vs (the alternating run alone)]
  * Defaults: 9 steps, 4 layers, d 256, 4 heads, seq 128, batch 4 per rank. */
 #define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "bench/bench_common.h"
+#include "optim/internal.h"
 #include "tensorshard.h"
 
 typedef struct cfg {
@@ -121,6 +136,16 @@ static void make_batch(const cfg *c, int rank, ts_tensor **ids, ts_tensor **tg)
     }
 }
 
+static double g_last_opt_s; /* the last train_step's ts_optim_step, seconds */
+
+/* AdamW with the defaults over the n parameters, fused or per parameter. */
+static void make_adamw(int n, ts_tensor **ps, bool fused, ts_optim **out)
+{
+    ts_adam_options ao = ts_adamw_options_default();
+    ao.fused = fused;
+    CHECK(ts_adamw_new(n, ps, &ao, out));
+}
+
 /* One training step: forward, the loss in float32 (as torchtitan's
  * pred.float() under a bf16 policy), backward, AdamW, zero_grad. */
 static void train_step(const cfg *c, ts_module *m, ts_optim *opt, ts_tensor *ids, ts_tensor *tg)
@@ -137,7 +162,9 @@ static void train_step(const cfg *c, ts_module *m, ts_optim *opt, ts_tensor *ids
     CHECK(ts_reshape(logits, 2, fs, &flat));
     CHECK(ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss));
     CHECK(ts_backward(loss, NULL, false));
+    double t0 = bench_now_s();
     CHECK(ts_optim_step(opt));
+    g_last_opt_s = bench_now_s() - t0;
     ts_optim_zero_grad(opt, true);
     ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
 }
@@ -155,9 +182,8 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
         ps[i] = *np.items[i].slot;
         *pbytes += ts_tensor_numel(ps[i]) * 4;
     }
-    ts_adam_options ao = ts_adamw_options_default();
     ts_optim *opt;
-    CHECK(ts_adamw_new(np.n, ps, &ao, &opt));
+    make_adamw(np.n, ps, false, &opt);
     ts_tensor *ids, *tg;
     make_batch(c, rank, &ids, &tg);
     double t[64];
@@ -219,16 +245,24 @@ typedef struct runner {
     ts_tensor **ps;
 } runner;
 
-static void runner_new(const cfg *c, int mode, runner *r)
+static void runner_new_opt(const cfg *c, int mode, bool fused, runner *r)
 {
     r->m = build(c, mode);
     ts_named_params np;
     CHECK(ts_module_named_parameters(r->m, &np));
     r->ps = malloc((size_t)np.n * sizeof *r->ps);
     for (int i = 0; i < np.n; i++) r->ps[i] = *np.items[i].slot;
-    ts_adam_options ao = ts_adamw_options_default();
-    CHECK(ts_adamw_new(np.n, r->ps, &ao, &r->opt));
+    make_adamw(np.n, r->ps, fused, &r->opt);
     ts_named_params_free(&np);
+}
+
+static void runner_new(const cfg *c, int mode, runner *r) { runner_new_opt(c, mode, false, r); }
+
+static void runner_free(runner *r)
+{
+    ts_optim_free(r->opt);
+    free(r->ps);
+    ts_module_free(r->m);
 }
 
 static void run_interleaved(const cfg *c, int rank, int nm, const int *modes, double *t_out)
@@ -252,10 +286,261 @@ static void run_interleaved(const cfg *c, int rank, int nm, const int *modes, do
     }
     for (int k = 0; k < nm; k++) {
         t_out[k] = bench_median(t[k], n);
-        ts_optim_free(r[k].opt);
-        free(r[k].ps);
-        ts_module_free(r[k].m);
+        runner_free(&r[k]);
     }
+    ts_tensor_free(ids), ts_tensor_free(tg);
+}
+
+/* ------------------------------------------------------------ torch DDP */
+
+/* torch 1.13 DDP over gloo on the same GPT, batch and ranks
+ * (tools/bench/torch_ddp_step.py --serve: it starts its W local ranks, one
+ * thread each, and runs a step of each bucket size whenever told), started
+ * by rank 0 with a pipe each way. Set up as tools/bench/torch_train_step.py
+ * runs torch at its fastest (reference/DEPS-GUIDE.md §7): BLIS's AVX-512
+ * kernels where ours use them, glibc's malloc thresholds raised; the
+ * launcher's RANK / WORLD_SIZE / MASTER_* are removed from its environment
+ * so that it starts its own ranks. */
+typedef struct ddp_proc {
+    pid_t pid;
+    FILE *in, *out;
+} ddp_proc;
+
+static const char *g_ddp_buckets = "1,25"; /* --ddp-bucket-mb: torch_ddp_step.py's --bucket-mb */
+enum { DDP_POLL_S = 20 };                   /* rank 0 tells the others how DDP is doing this often, s */
+
+/* Why DDP cannot run here, or NULL if it can. */
+static const char *ddp_unavailable(void)
+{
+    if (access("/usr/bin/python3", X_OK) != 0) return "no /usr/bin/python3";
+    if (system("/usr/bin/python3 -c 'import torch.distributed' 2>/dev/null") != 0)
+        return "/usr/bin/python3 has no torch (Debian's python3-torch)";
+    return NULL;
+}
+
+static bool ddp_start(const cfg *c, int W, ddp_proc *d)
+{
+    /* everything the child needs is made here: between fork and exec a
+     * threaded process may only make async-signal-safe calls */
+    char script[1024], a[7][32], blis[32] = "BLIS_ARCH_TYPE=0";
+    snprintf(script, sizeof script, "%s/tools/bench/torch_ddp_step.py", TS_SOURCE_DIR);
+    snprintf(a[0], 32, "%d", W), snprintf(a[1], 32, "%d", c->layers), snprintf(a[2], 32, "%d", c->dim);
+    snprintf(a[3], 32, "%d", c->heads), snprintf(a[4], 32, "%d", c->seq), snprintf(a[5], 32, "%d", c->batch);
+    snprintf(a[6], 32, "%d", c->vocab);
+    char *argv[] = {"/usr/bin/python3", script, "--serve", "--warmup", "2", "--nproc", a[0], "--layers", a[1],
+                    "--dim", a[2], "--heads", a[3], "--seq", a[4], "--batch", a[5], "--vocab", a[6], "--bucket-mb",
+                    (char *)g_ddp_buckets, NULL};
+    static const char *drop[] = {"RANK=", "LOCAL_RANK=", "WORLD_SIZE=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=",
+                                 "MASTER_PORT=", "GROUP_RANK=", "ROLE_RANK=", "MALLOC_MMAP_THRESHOLD_=",
+                                 "MALLOC_TRIM_THRESHOLD_=", "BLIS_ARCH_TYPE="};
+    size_t ne = 0;
+    while (environ[ne]) ne++;
+    char **envp = malloc((ne + 4) * sizeof *envp);
+    if (!envp) return false;
+    size_t k = 0;
+    bool skx = strcmp(ts_blis_arch_name(), "skx") == 0;
+    for (size_t i = 0; i < ne; i++) {
+        bool keep = true;
+        for (size_t j = 0; j < sizeof drop / sizeof *drop && keep; j++)
+            keep = strncmp(environ[i], drop[j], strlen(drop[j])) != 0 ||
+                   (!skx && !strcmp(drop[j], "BLIS_ARCH_TYPE=")); /* ours, unless BLIS runs skx here */
+        if (keep) envp[k++] = environ[i];
+    }
+    envp[k++] = "MALLOC_MMAP_THRESHOLD_=33554432";
+    envp[k++] = "MALLOC_TRIM_THRESHOLD_=4294967296";
+    if (skx) envp[k++] = blis;
+    envp[k] = NULL;
+    int to[2], from[2];
+    if (pipe(to) != 0) {
+        free(envp);
+        return false;
+    }
+    if (pipe(from) != 0) {
+        close(to[0]), close(to[1]);
+        free(envp);
+        return false;
+    }
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        setpgid(0, 0); /* its own process group, with the ranks it starts: ddp_stop can end them all */
+        dup2(to[0], 0);
+        dup2(from[1], 1);
+        close(to[0]), close(to[1]), close(from[0]), close(from[1]);
+        execve(argv[0], argv, envp);
+        _exit(127);
+    }
+    free(envp);
+    close(to[0]), close(from[1]);
+    if (pid < 0) {
+        close(to[1]), close(from[0]);
+        return false;
+    }
+    setpgid(pid, pid);
+    d->pid = pid;
+    d->in = fdopen(to[1], "w");
+    d->out = fdopen(from[0], "r");
+    /* unbuffered: ddp_step polls the descriptor before each line, and a
+     * line read ahead into a stdio buffer would leave it waiting */
+    if (d->out) setvbuf(d->out, NULL, _IONBF, 0);
+    return d->in && d->out;
+}
+
+/* One DDP step of each bucket size, collective: rank 0 asks for it and
+ * reads the times (ms, in the order of --ddp-bucket-mb) into ms_out (with
+ * ready, it waits for the line saying DDP has started and warmed up);
+ * between waits of at most DDP_POLL_S it broadcasts how far it is (0
+ * waiting, 1 done, -1 failed: no answer within limit_s, or DDP ended), so
+ * that the other ranks, waiting in that broadcast, learn the outcome and
+ * no collective outlasts its deadline however long torch takes to start.
+ * Returns the number of times read on every rank, 0 if DDP failed. */
+static int ddp_step(ts_comm *w, int rank, ddp_proc *d, bool ready, double limit_s, double *ms_out, int max,
+                    char labels[][64])
+{
+    int want = 1;
+    for (const char *q = g_ddp_buckets; *q && !ready; q++) want += *q == ',';
+    if (want > max) want = max;
+    int n = 0;
+    bool failed = rank == 0 && !ready && (fprintf(d->in, "run 1\n") < 0 || fflush(d->in) != 0);
+    double t0 = bench_now_s();
+    int64_t one = 1;
+    ts_tensor *state;
+    CHECK(ts_tensor_zeros(TS_I64, 1, &one, &state));
+    int64_t *sv = ts_tensor_data(state);
+    for (;;) {
+        if (rank == 0 && !failed) {
+            struct pollfd pfd = {.fd = fileno(d->out), .events = POLLIN};
+            int rc;
+            do rc = poll(&pfd, 1, DDP_POLL_S * 1000);
+            while (rc < 0 && errno == EINTR);
+            char line[256];
+            if (rc > 0) {
+                if (!fgets(line, sizeof line, d->out)) {
+                    failed = true;
+                } else {
+                    double med, best;
+                    char lab[64] = "";
+                    if (ready) {
+                        n += strncmp(line, "ddp_ready", 9) == 0;
+                    } else if (sscanf(line, "ddp_step_ms %lf %lf %63[^\n]", &med, &best, lab) >= 2) {
+                        ms_out[n] = med;
+                        snprintf(labels[n], 64, "%s", lab);
+                        n++;
+                    }
+                }
+            } else if (rc < 0 || bench_now_s() - t0 > limit_s) {
+                fprintf(stderr, "bench_fsdp_step: torch DDP gave no step time within %.0f s\n", limit_s);
+                failed = true;
+            }
+            *sv = failed ? -1 : n >= want ? 1 : 0;
+        }
+        CHECK(ts_broadcast(w, state, 0, NULL));
+        if (*sv != 0) break;
+    }
+    int got = *sv == 1 ? want : 0;
+    ts_tensor_free(state);
+    return got;
+}
+
+/* Ends DDP: "quit" when it is well (it then exits), else its process
+ * group is killed. */
+static void ddp_stop(ddp_proc *d, bool well)
+{
+    if (!well && d->pid > 0) kill(-d->pid, SIGKILL);
+    if (d->in) {
+        signal(SIGPIPE, SIG_IGN);
+        fprintf(d->in, "quit\n");
+        fclose(d->in);
+    }
+    if (d->out) fclose(d->out);
+    int status;
+    if (d->pid > 0) waitpid(d->pid, &status, 0);
+    d->in = d->out = NULL;
+    d->pid = 0;
+}
+
+/* The optimizer's share and the step against DDP, in one alternating run:
+ * per step, each of local, fsdp (per-parameter AdamW), local-fused and
+ * fsdp-fused (the fused AdamW) in a rotating order, then (rank 0) one DDP
+ * step of each bucket size while the other ranks wait at the next
+ * barrier. Medians of the steps and of ts_optim_step's time in them. */
+enum { VS_LOCAL, VS_FSDP, VS_LOCAL_FUSED, VS_FSDP_FUSED, VS_N, VS_DDP_MAX = 8 };
+static const char *vs_names[VS_N] = {"local", "fsdp", "local-fused", "fsdp-fused"};
+
+typedef struct vs_result {
+    double step[VS_N], opt[VS_N]; /* medians, seconds */
+    int n_ddp;                    /* bucket sizes timed (0: DDP did not run) */
+    double ddp[VS_DDP_MAX];       /* medians, seconds */
+    char ddp_label[VS_DDP_MAX][64];
+    const char *ddp_why;          /* why not, when n_ddp is 0 */
+} vs_result;
+
+static void run_vs(const cfg *c, int rank, int W, bool with_ddp, vs_result *res)
+{
+    runner r[VS_N];
+    runner_new_opt(c, LOCAL, false, &r[VS_LOCAL]);
+    runner_new_opt(c, FSDP, false, &r[VS_FSDP]);
+    runner_new_opt(c, LOCAL, true, &r[VS_LOCAL_FUSED]);
+    runner_new_opt(c, FSDP, true, &r[VS_FSDP_FUSED]);
+    ts_tensor *ids, *tg;
+    make_batch(c, rank, &ids, &tg);
+    int n = c->steps > 64 ? 64 : c->steps;
+    double t[VS_N][64], o[VS_N][64], dd[VS_DDP_MAX][64];
+    ts_comm *w = ts_dist_world();
+    memset(res, 0, sizeof *res);
+    /* rank 0 decides whether DDP runs and tells the others */
+    int64_t one = 1;
+    ts_tensor *flag;
+    CHECK(ts_tensor_zeros(TS_I64, 1, &one, &flag));
+    ddp_proc d = {0};
+    if (rank == 0 && with_ddp) {
+        res->ddp_why = ddp_unavailable();
+        if (!res->ddp_why && !ddp_start(c, W, &d)) res->ddp_why = "could not start tools/bench/torch_ddp_step.py";
+        if (!res->ddp_why) *(int64_t *)ts_tensor_data(flag) = 1;
+    } else if (!with_ddp) {
+        res->ddp_why = "--no-ddp";
+    }
+    CHECK(ts_broadcast(w, flag, 0, NULL));
+    bool ddp = *(int64_t *)ts_tensor_data(flag) != 0;
+    ts_tensor_free(flag);
+    double ms[VS_DDP_MAX] = {0};
+    /* torch's start-up and warm-up before any step is timed, so that it
+     * takes no core from them */
+    if (ddp && !ddp_step(w, rank, &d, true, 900.0, ms, VS_DDP_MAX, res->ddp_label)) {
+        if (rank == 0) fprintf(stderr, "bench_fsdp_step: torch DDP did not start; leaving it out\n");
+        res->ddp_why = "torch_ddp_step.py did not start (its messages are above)";
+        ddp = false;
+    }
+    int n_ddp = 0;
+    for (int s = -2; s < n; s++) {
+        for (int j = 0; j < VS_N; j++) {
+            int k = (j + (s + 2)) % VS_N;
+            CHECK(ts_barrier(w, NULL));
+            double t0 = bench_now_s();
+            train_step(c, r[k].m, r[k].opt, ids, tg);
+            if (s >= 0) t[k][s] = bench_now_s() - t0, o[k][s] = g_last_opt_s;
+        }
+        if (s >= 0 && ddp) { /* the DDP warm-up steps ran when it started */
+            int got = ddp_step(w, rank, &d, false, 300.0, ms, VS_DDP_MAX, res->ddp_label);
+            if (!got) {
+                if (rank == 0) fprintf(stderr, "bench_fsdp_step: torch DDP stopped answering; leaving it out\n");
+                res->ddp_why = "torch_ddp_step.py failed (its messages are above)";
+                ddp = false;
+                n_ddp = 0;
+            } else {
+                n_ddp = got;
+                for (int b = 0; b < got; b++) dd[b][s] = ms[b] * 1e-3;
+            }
+        }
+    }
+    if (rank == 0 && d.pid) ddp_stop(&d, ddp);
+    for (int k = 0; k < VS_N; k++) {
+        res->step[k] = bench_median(t[k], n);
+        res->opt[k] = bench_median(o[k], n);
+        runner_free(&r[k]);
+    }
+    res->n_ddp = ddp ? n_ddp : 0;
+    for (int b = 0; b < res->n_ddp; b++) res->ddp[b] = bench_median(dd[b], n);
     ts_tensor_free(ids), ts_tensor_free(tg);
 }
 
@@ -302,6 +587,21 @@ int main(int argc, char **argv)
 {
     ts_launch_rank_guard();
     cfg c = {.steps = 9, .layers = 4, .dim = 256, .heads = 4, .seq = 128, .batch = 4, .vocab = 64};
+    bool with_ddp = true, only_vs = false;
+    for (int i = 1; i < argc; i++) { /* the flags without a value, taken out of argv */
+        bool drop = true;
+        if (!strcmp(argv[i], "--no-ddp")) with_ddp = false;
+        else if (!strcmp(argv[i], "--only-vs")) only_vs = true;
+        else if (!strcmp(argv[i], "--ddp-bucket-mb") && i + 1 < argc) {
+            g_ddp_buckets = argv[i + 1];
+            memmove(&argv[i], &argv[i + 1], (size_t)(argc - i - 1) * sizeof *argv);
+            argc--;
+        } else drop = false;
+        if (drop) {
+            memmove(&argv[i], &argv[i + 1], (size_t)(argc - i - 1) * sizeof *argv);
+            argc--, i--;
+        }
+    }
     for (int i = 1; i + 1 < argc; i += 2) {
         int v = atoi(argv[i + 1]);
         if (!strcmp(argv[i], "--steps")) c.steps = v;
@@ -318,27 +618,33 @@ int main(int argc, char **argv)
     if ((argc - 1) % 2 || c.steps < 1 || c.layers < 1 || c.dim < c.heads || c.dim % c.heads || c.seq < 2 ||
         c.batch < 1) {
         fprintf(stderr, "usage: tsrun --nproc-per-node 2 %s [--steps N] [--layers L] [--dim D] [--heads H] "
-                        "[--seq T] [--batch B]\n", argv[0]);
+                        "[--seq T] [--batch B] [--no-ddp] [--ddp-bucket-mb 1,25] [--only-vs]\n", argv[0]);
         return 2;
     }
     CHECK(ts_dist_init(NULL));
     if (!ts_trace_enabled()) CHECK(ts_trace_start("/dev/null")); /* for the breakdown; never flushed */
     int rank = ts_comm_rank(ts_dist_world()), W = ts_comm_size(ts_dist_world());
-    double t[N_MODES];
-    size_t peak[N_MODES];
-    int64_t pbytes[N_MODES];
-    for (int m = 0; m < N_MODES; m++) t[m] = run_mode(&c, m, rank, &peak[m], &pbytes[m]);
-    double comm = run_comm(&c);
-    /* the policies' rows against fsdp again, their steps interleaved (the
-     * load on a shared machine drifts between the runs above) */
+    double t[N_MODES] = {0};
+    size_t peak[N_MODES] = {0};
+    int64_t pbytes[N_MODES] = {0};
+    double comm = 0, ti[5] = {0};
     static const int off_modes[5] = {FSDP, OFFLOAD, OFFLOAD_NOPIN, FSDP_BF16, FSDP_AC};
-    double ti[5];
-    run_interleaved(&c, rank, 5, off_modes, ti);
+    if (!only_vs) {
+        for (int m = 0; m < N_MODES; m++) t[m] = run_mode(&c, m, rank, &peak[m], &pbytes[m]);
+        comm = run_comm(&c);
+        /* the policies' rows against fsdp again, their steps interleaved (the
+         * load on a shared machine drifts between the runs above) */
+        run_interleaved(&c, rank, 5, off_modes, ti);
+    }
+    vs_result vs;
+    run_vs(&c, rank, W, with_ddp, &vs);
     if (rank == 0) {
         printf("bench_fsdp_step: %d ranks, GPT %d layers, d %d, %d heads, seq %d, batch %d per rank, AdamW; "
                "TS_UCX_ERROR_MODE=%s\n",
                W, c.layers, c.dim, c.heads, c.seq, c.batch,
                getenv("TS_UCX_ERROR_MODE") ? getenv("TS_UCX_ERROR_MODE") : "peer");
+    }
+    if (rank == 0 && !only_vs) {
         printf("%-14s %11s %10s %16s %16s\n", "mode", "step ms", "vs local", "peak storage MiB", "param MiB/rank");
         for (int m = 0; m < N_MODES; m++)
             printf("%-14s %11.2f %10.3f %16.2f %16.2f\n", mode_names[m], t[m] * 1e3, t[m] / t[LOCAL],
@@ -390,6 +696,32 @@ int main(int argc, char **argv)
                                        "fewer than 2 cores per rank they take compute time and cannot be hidden: "
                                        "prefetch hides waiting, not copying)"
                                      : "");
+    }
+    if (rank == 0) {
+        printf("optimizer and DDP, same run (rank 0; medians of %d steps; per step, the four modes in a rotating "
+               "order, then one torch DDP step of each bucket size, the other ranks waiting):\n", c.steps);
+        printf("%-24s %9s %9s %9s %9s\n", "mode", "step ms", "vs local", "optim ms", "optim %");
+        for (int k = 0; k < VS_N; k++)
+            printf("%-24s %9.2f %9.3f %9.2f %8.1f%%\n", vs_names[k], vs.step[k] * 1e3, vs.step[k] / vs.step[VS_LOCAL],
+                   vs.opt[k] * 1e3, 100 * vs.opt[k] / vs.step[k]);
+        int best = 0;
+        for (int b = 0; b < vs.n_ddp; b++) {
+            printf("%-24s %9.2f %9.3f %19s (%s)\n", "ddp", vs.ddp[b] * 1e3, vs.ddp[b] / vs.step[VS_LOCAL], "",
+                   vs.ddp_label[b]);
+            if (vs.ddp[b] < vs.ddp[best]) best = b;
+        }
+        printf("AdamW step (ts_optim_step), kernels %s: per-parameter %.2f ms (%.1f%% of the fsdp step), fused %.2f ms "
+               "(%.1f%% of fsdp-fused); fused / per-parameter %.3f\n", ts__optim_update_path_name(),
+               vs.opt[VS_FSDP] * 1e3, 100 * vs.opt[VS_FSDP] / vs.step[VS_FSDP], vs.opt[VS_FSDP_FUSED] * 1e3,
+               100 * vs.opt[VS_FSDP_FUSED] / vs.step[VS_FSDP_FUSED], vs.opt[VS_FSDP_FUSED] / vs.opt[VS_FSDP]);
+        int f = vs.step[VS_FSDP_FUSED] < vs.step[VS_FSDP] ? VS_FSDP_FUSED : VS_FSDP;
+        printf("fsdp / local: %.3f (%s / %s; target <= 1.03)\n", vs.step[f] / vs.step[f == VS_FSDP ? VS_LOCAL : VS_LOCAL_FUSED],
+               vs_names[f], vs_names[f == VS_FSDP ? VS_LOCAL : VS_LOCAL_FUSED]);
+        if (vs.n_ddp)
+            printf("fsdp / ddp: %.3f (%s against torch 1.13 DDP over gloo, %s, %d ranks, one thread each; target <= "
+                   "0.80)\n", vs.step[f] / vs.ddp[best], vs_names[f], vs.ddp_label[best], W);
+        else
+            printf("fsdp / ddp: not measured: %s\n", vs.ddp_why ? vs.ddp_why : "DDP did not run");
     }
     CHECK(ts_dist_finalize());
     return 0;

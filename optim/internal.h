@@ -9,10 +9,15 @@
  * give bit-identical results; tests compare them. */
 extern bool ts__optim_use_reference;
 
-/* True when the AVX2 build of the kernels is used (x86-64 CPU with AVX2
- * and FMA, and the hook above off). The clipping norms are tensor/kernels.h's
- * and follow its path (TS_KERNELS) unless the hook is on. */
+/* True when a vector build (AVX2 or AVX-512) of the update kernels is
+ * used: tensor/kernels.h's active path is avx2 or above (the CPU has it,
+ * TS_KERNELS and ts__kpath_force allow it) and the hook above is off. The
+ * clipping norms are tensor/kernels.h's and follow the same path. */
 bool ts__optim_avx2_active(void);
+/* The build of the update kernels a step uses now: "scalar", "avx2" or
+ * "avx512" (tensor/kernels.h's active path, capped by TS_KERNELS and
+ * ts__kpath_force; "scalar" with the hook above on). */
+const char *ts__optim_update_path_name(void);
 
 /* clip_grad_norm's pieces, shared with fully_shard's
  * ts_fsdp_clip_grad_norm so that sharded and unsharded clipping compute
@@ -36,6 +41,12 @@ ts_status ts__optim_grad_norm(const ts_tensor *g, double *norm_out);
 ts_status ts__optim_total_norm(int n, const double *norms, bool any_f64, double *total_out);
 double ts__optim_clip_coef(double total, double max_norm, bool any_f64);
 void ts__optim_scale_grad(ts_tensor *g, double coef);
+
+/* Test and bench hook: how many kernel calls the last step of a fused
+ * optimizer made (one per run of adjacent parameters, one per strided
+ * parameter; 0 before its first step); -1 for NULL or an optimizer made
+ * without fused. */
+int ts__optim_fused_calls(const ts_optim *o);
 
 /* A check an upper layer (fully_shard) installs: called by every
  * ts_optim_step, before anything changes, with the optimizer's name

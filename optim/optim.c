@@ -33,6 +33,7 @@
  */
 #define _GNU_SOURCE
 #include "optim/internal.h"
+#include "tensor/internal.h"
 #include "tensor/kernels.h"
 
 #include <math.h>
@@ -44,6 +45,7 @@
 #include <immintrin.h>
 #define OPT_HAVE_AVX2_BUILD 1
 #define OPT_AVX2_TARGET __attribute__((target("avx2,fma")))
+#define OPT_AVX512_TARGET __attribute__((target("avx512f,avx2,fma")))
 #else
 #define OPT_HAVE_AVX2_BUILD 0
 #endif
@@ -51,16 +53,24 @@
 
 bool ts__optim_use_reference = false;
 
-bool ts__optim_avx2_active(void)
+/* The build of the update kernels this step uses: tensor/kernels.h's
+ * active path (the CPU's best, capped by TS_KERNELS and ts__kpath_force),
+ * the scalar reference when the test hook is on. */
+static ts__kpath update_path(void)
 {
 #if OPT_HAVE_AVX2_BUILD
-    if (ts__optim_use_reference)
-        return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return ts__optim_use_reference ? TS__KPATH_SCALAR : ts__kpath_active();
 #else
-    return false;
+    return TS__KPATH_SCALAR;
 #endif
+}
+
+bool ts__optim_avx2_active(void) { return update_path() >= TS__KPATH_AVX2; }
+
+const char *ts__optim_update_path_name(void)
+{
+    ts__kpath p = update_path();
+    return p >= TS__KPATH_AVX512 ? "avx512" : ts__kpath_name(p);
 }
 
 /* ---------------------------------------------------------------- options */
@@ -108,6 +118,9 @@ struct ts_optim {
     ts_sgd_options sgd;
     ts_adam_options adam;
     int64_t steps;
+    bool fused;           /* the options' fused: state in one buffer per dtype, runs updated at once */
+    bool arenas;          /* fused: every parameter's state views exist */
+    int last_calls;       /* fused: kernel calls (runs and strided parameters) of the last step */
 };
 
 /* "parameter 3 ('fc.weight')" or "parameter 3" */
@@ -211,6 +224,7 @@ ts_status ts_sgd_new(int n, ts_tensor *const *params, const ts_sgd_options *opts
         return st;
     opt->sgd = o;
     opt->lr = o.lr;
+    opt->fused = o.fused;
     *out = opt;
     return TS_OK;
 }
@@ -239,6 +253,7 @@ static ts_status adam_new(opt_kind kind, int n, ts_tensor *const *params, const 
         return st;
     opt->adam = o;
     opt->lr = o.lr;
+    opt->fused = o.fused;
     *out = opt;
     return TS_OK;
 }
@@ -286,11 +301,90 @@ void ts__optim_set_param_check(ts__optim_param_check_fn fn) { atomic_store(&g_pa
 
 static bool has_momentum_state(const ts_optim *o) { return o->kind == OPT_SGD && o->sgd.momentum != 0; }
 
+/* The slots of the element-wise states this optimizer keeps for pp
+ * (momentum_buffer; or exp_avg, exp_avg_sq and max_exp_avg_sq with
+ * amsgrad), written to slots_out; returns how many. */
+static int elementwise_slots(const ts_optim *o, opt_param *pp, ts_tensor **slots_out[3])
+{
+    int n = 0;
+    if (o->kind == OPT_SGD) {
+        if (o->sgd.momentum != 0)
+            slots_out[n++] = &pp->momentum_buffer;
+        return n;
+    }
+    slots_out[n++] = &pp->exp_avg;
+    slots_out[n++] = &pp->exp_avg_sq;
+    if (o->adam.amsgrad)
+        slots_out[n++] = &pp->max_exp_avg_sq;
+    return n;
+}
+
+/* fused: one zeroed buffer per element-wise state and dtype holding that
+ * state of every parameter of the dtype, in parameter order, and each
+ * parameter's state a contiguous view of it in its local shape. Made once,
+ * before any state exists (the first alloc_state), so that no state is
+ * lost; on failure nothing is left allocated. */
+static ts_status alloc_arenas(ts_optim *o)
+{
+    static const ts_dtype dts[2] = {TS_F32, TS_F64};
+    ts_status st = TS_OK;
+    for (int d = 0; d < 2 && !st; d++) {
+        int64_t total = 0;
+        bool any = false;
+        for (int i = 0; i < o->n; i++)
+            if (ts_tensor_dtype(o->p[i].local) == dts[d]) {
+                total += ts_tensor_numel(o->p[i].local);
+                any = true;
+            }
+        if (!any)
+            continue;
+        ts_tensor **probe[3];
+        int ns = elementwise_slots(o, &o->p[0], probe);
+        for (int s = 0; s < ns && !st; s++) {
+            ts_tensor *arena = NULL;
+            if ((st = ts_tensor_zeros(dts[d], 1, &total, &arena)))
+                break;
+            int64_t off = 0;
+            for (int i = 0; i < o->n && !st; i++) {
+                opt_param *pp = &o->p[i];
+                if (ts_tensor_dtype(pp->local) != dts[d])
+                    continue;
+                ts_tensor **slots[3];
+                elementwise_slots(o, pp, slots);
+                int nd = ts_tensor_ndim(pp->local);
+                int64_t strides[TS_MAX_DIMS];
+                ts__contiguous_strides(nd, ts_tensor_shape(pp->local), strides);
+                st = ts__tensor_alias(arena, nd, ts_tensor_shape(pp->local), strides, off, slots[s]);
+                off += ts_tensor_numel(pp->local);
+            }
+            ts_tensor_free(arena); /* the views keep the storage */
+        }
+    }
+    if (st) {
+        for (int i = 0; i < o->n; i++) {
+            ts_tensor **slots[3];
+            int ns = elementwise_slots(o, &o->p[i], slots);
+            for (int s = 0; s < ns; s++) {
+                ts_tensor_free(*slots[s]);
+                *slots[s] = NULL;
+            }
+        }
+        return st;
+    }
+    o->arenas = true;
+    return TS_OK;
+}
+
 /* Allocates parameter i's state as torch's first step does (zeros, step 0)
  * unless allocated already. Does not mark it ready. */
 static ts_status alloc_state(ts_optim *o, int i)
 {
     opt_param *pp = &o->p[i];
+    if (o->fused && !o->arenas) {
+        ts_status ast = alloc_arenas(o);
+        if (ast)
+            return ast;
+    }
     ts_tensor *t = pp->local;
     ts_dtype dt = ts_tensor_dtype(t);
     int nd = ts_tensor_ndim(t);
@@ -710,10 +804,185 @@ OPT_AVX2_TARGET static void adam_f64_avx2(const void *kv, int64_t n, void *p, in
 }
 #endif
 
+#if OPT_HAVE_AVX2_BUILD
+/* The AVX-512 build: the AVX2 build's operations on sixteen floats (eight
+ * doubles), the row's last partial vector under a mask (lanes past the
+ * end are neither loaded nor stored), so a contiguous row is done with
+ * vector instructions only; strided rows go through the scalar bodies.
+ * Each instruction rounds as its scalar counterpart, so the bits are the
+ * reference's. The sign flip of maximize is an integer xor (AVX-512F has
+ * no float xor). */
+OPT_AVX512_TARGET static inline __m512 neg512_ps(__m512 x)
+{
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+}
+
+OPT_AVX512_TARGET static inline __m512d neg512_pd(__m512d x)
+{
+    return _mm512_castsi512_pd(
+        _mm512_xor_si512(_mm512_castpd_si512(x), _mm512_set1_epi64((long long)0x8000000000000000ull)));
+}
+
+OPT_AVX512_TARGET static void sgd_vec512_f32(const sgd_k *k, int64_t n, float *p, const float *g, float *buf)
+{
+    const __m512 wd = _mm512_set1_ps((float)k->wd), m = _mm512_set1_ps((float)k->momentum),
+                 damp1 = _mm512_set1_ps((float)k->damp1), nlr = _mm512_set1_ps((float)-k->lr);
+    const bool has_wd = k->wd != 0, has_m = k->momentum != 0;
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 mk = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 d = _mm512_maskz_loadu_ps(mk, g + i), pv = _mm512_maskz_loadu_ps(mk, p + i);
+        if (k->maximize)
+            d = neg512_ps(d);
+        if (has_wd)
+            d = _mm512_fmadd_ps(pv, wd, d);
+        if (has_m) {
+            __m512 b = k->first ? d : _mm512_fmadd_ps(d, damp1, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, buf + i), m));
+            _mm512_mask_storeu_ps(buf + i, mk, b);
+            d = k->nesterov ? _mm512_fmadd_ps(b, m, d) : b;
+        }
+        _mm512_mask_storeu_ps(p + i, mk, _mm512_fmadd_ps(d, nlr, pv));
+    }
+}
+
+OPT_AVX512_TARGET static void sgd_vec512_f64(const sgd_k *k, int64_t n, double *p, const double *g, double *buf)
+{
+    const __m512d wd = _mm512_set1_pd(k->wd), m = _mm512_set1_pd(k->momentum), damp1 = _mm512_set1_pd(k->damp1),
+                  nlr = _mm512_set1_pd(-k->lr);
+    const bool has_wd = k->wd != 0, has_m = k->momentum != 0;
+    for (int64_t i = 0; i < n; i += 8) {
+        __mmask8 mk = n - i >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - i)) - 1u);
+        __m512d d = _mm512_maskz_loadu_pd(mk, g + i), pv = _mm512_maskz_loadu_pd(mk, p + i);
+        if (k->maximize)
+            d = neg512_pd(d);
+        if (has_wd)
+            d = _mm512_fmadd_pd(pv, wd, d);
+        if (has_m) {
+            __m512d b = k->first ? d : _mm512_fmadd_pd(d, damp1, _mm512_mul_pd(_mm512_maskz_loadu_pd(mk, buf + i), m));
+            _mm512_mask_storeu_pd(buf + i, mk, b);
+            d = k->nesterov ? _mm512_fmadd_pd(b, m, d) : b;
+        }
+        _mm512_mask_storeu_pd(p + i, mk, _mm512_fmadd_pd(d, nlr, pv));
+    }
+}
+
+/* torch.maximum as in the AVX2 build: _mm512_max_ps(v, x) is (v > x ? v :
+ * x), and lanes where either is NaN take NaN. */
+OPT_AVX512_TARGET static void adam_vec512_f32(const adam_k *k, int64_t n, float *p, const float *g, float *m,
+                                              float *v, float *mx)
+{
+    const __m512 wd = _mm512_set1_ps((float)k->wd), decay = _mm512_set1_ps((float)k->decay),
+                 b1 = _mm512_set1_ps((float)k->beta1), omb1 = _mm512_set1_ps((float)k->omb1),
+                 b2 = _mm512_set1_ps((float)k->beta2), omb2 = _mm512_set1_ps((float)k->omb2),
+                 bc = _mm512_set1_ps((float)k->bc2_sqrt), eps = _mm512_set1_ps((float)k->eps),
+                 nss = _mm512_set1_ps((float)k->neg_step_size), qnan = _mm512_set1_ps(NAN);
+    const bool l2 = !k->adamw && k->wd != 0;
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 mk = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 gi = _mm512_maskz_loadu_ps(mk, g + i), pi = _mm512_maskz_loadu_ps(mk, p + i);
+        if (k->maximize)
+            gi = neg512_ps(gi);
+        if (k->adamw)
+            pi = _mm512_mul_ps(pi, decay);
+        else if (l2)
+            gi = _mm512_fmadd_ps(pi, wd, gi);
+        __m512 mi = _mm512_fmadd_ps(gi, omb1, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, m + i), b1));
+        __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, gi), gi, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, v + i), b2));
+        _mm512_mask_storeu_ps(m + i, mk, mi);
+        _mm512_mask_storeu_ps(v + i, mk, vi);
+        __m512 s = vi;
+        if (k->amsgrad) {
+            __m512 x = _mm512_maskz_loadu_ps(mk, mx + i);
+            s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vi, _CMP_UNORD_Q), _mm512_max_ps(vi, x), qnan);
+            _mm512_mask_storeu_ps(mx + i, mk, s);
+        }
+        __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(s), bc), eps);
+        _mm512_mask_storeu_ps(p + i, mk, _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(nss, mi), denom)));
+    }
+}
+
+OPT_AVX512_TARGET static void adam_vec512_f64(const adam_k *k, int64_t n, double *p, const double *g, double *m,
+                                              double *v, double *mx)
+{
+    const __m512d wd = _mm512_set1_pd(k->wd), decay = _mm512_set1_pd(k->decay), b1 = _mm512_set1_pd(k->beta1),
+                  omb1 = _mm512_set1_pd(k->omb1), b2 = _mm512_set1_pd(k->beta2), omb2 = _mm512_set1_pd(k->omb2),
+                  bc = _mm512_set1_pd(k->bc2_sqrt), eps = _mm512_set1_pd(k->eps),
+                  nss = _mm512_set1_pd(k->neg_step_size), qnan = _mm512_set1_pd((double)NAN);
+    const bool l2 = !k->adamw && k->wd != 0;
+    for (int64_t i = 0; i < n; i += 8) {
+        __mmask8 mk = n - i >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - i)) - 1u);
+        __m512d gi = _mm512_maskz_loadu_pd(mk, g + i), pi = _mm512_maskz_loadu_pd(mk, p + i);
+        if (k->maximize)
+            gi = neg512_pd(gi);
+        if (k->adamw)
+            pi = _mm512_mul_pd(pi, decay);
+        else if (l2)
+            gi = _mm512_fmadd_pd(pi, wd, gi);
+        __m512d mi = _mm512_fmadd_pd(gi, omb1, _mm512_mul_pd(_mm512_maskz_loadu_pd(mk, m + i), b1));
+        __m512d vi =
+            _mm512_fmadd_pd(_mm512_mul_pd(omb2, gi), gi, _mm512_mul_pd(_mm512_maskz_loadu_pd(mk, v + i), b2));
+        _mm512_mask_storeu_pd(m + i, mk, mi);
+        _mm512_mask_storeu_pd(v + i, mk, vi);
+        __m512d s = vi;
+        if (k->amsgrad) {
+            __m512d x = _mm512_maskz_loadu_pd(mk, mx + i);
+            s = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(x, vi, _CMP_UNORD_Q), _mm512_max_pd(vi, x), qnan);
+            _mm512_mask_storeu_pd(mx + i, mk, s);
+        }
+        __m512d denom = _mm512_add_pd(_mm512_div_pd(_mm512_sqrt_pd(s), bc), eps);
+        _mm512_mask_storeu_pd(p + i, mk, _mm512_add_pd(pi, _mm512_div_pd(_mm512_mul_pd(nss, mi), denom)));
+    }
+}
+
+OPT_AVX512_TARGET static void sgd_f32_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
+                                             int64_t sg, int64_t lin)
+{
+    const sgd_k *k = kv;
+    if (sp == 1 && sg == 1)
+        sgd_vec512_f32(k, n, p, g, k->buf ? (float *)k->buf + lin : NULL);
+    else
+        sgd_row_f32(kv, n, p, sp, g, sg, lin);
+}
+
+OPT_AVX512_TARGET static void sgd_f64_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
+                                             int64_t sg, int64_t lin)
+{
+    const sgd_k *k = kv;
+    if (sp == 1 && sg == 1)
+        sgd_vec512_f64(k, n, p, g, k->buf ? (double *)k->buf + lin : NULL);
+    else
+        sgd_row_f64(kv, n, p, sp, g, sg, lin);
+}
+
+OPT_AVX512_TARGET static void adam_f32_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
+                                              int64_t sg, int64_t lin)
+{
+    const adam_k *k = kv;
+    if (sp == 1 && sg == 1)
+        adam_vec512_f32(k, n, p, g, (float *)k->exp_avg + lin, (float *)k->exp_avg_sq + lin,
+                        k->max_exp_avg_sq ? (float *)k->max_exp_avg_sq + lin : NULL);
+    else
+        adam_row_f32(kv, n, p, sp, g, sg, lin);
+}
+
+OPT_AVX512_TARGET static void adam_f64_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
+                                              int64_t sg, int64_t lin)
+{
+    const adam_k *k = kv;
+    if (sp == 1 && sg == 1)
+        adam_vec512_f64(k, n, p, g, (double *)k->exp_avg + lin, (double *)k->exp_avg_sq + lin,
+                        k->max_exp_avg_sq ? (double *)k->max_exp_avg_sq + lin : NULL);
+    else
+        adam_row_f64(kv, n, p, sp, g, sg, lin);
+}
+#endif
+
 static row_fn sgd_kernel(bool f32)
 {
 #if OPT_HAVE_AVX2_BUILD
-    if (ts__optim_avx2_active())
+    ts__kpath path = update_path();
+    if (path >= TS__KPATH_AVX512)
+        return f32 ? sgd_f32_avx512 : sgd_f64_avx512;
+    if (path == TS__KPATH_AVX2)
         return f32 ? sgd_f32_avx2 : sgd_f64_avx2;
 #endif
     return f32 ? sgd_f32_ref : sgd_f64_ref;
@@ -722,7 +991,10 @@ static row_fn sgd_kernel(bool f32)
 static row_fn adam_kernel(bool f32)
 {
 #if OPT_HAVE_AVX2_BUILD
-    if (ts__optim_avx2_active())
+    ts__kpath path = update_path();
+    if (path >= TS__KPATH_AVX512)
+        return f32 ? adam_f32_avx512 : adam_f64_avx512;
+    if (path == TS__KPATH_AVX2)
         return f32 ? adam_f32_avx2 : adam_f64_avx2;
 #endif
     return f32 ? adam_f32_ref : adam_f64_ref;
@@ -754,17 +1026,18 @@ static ts_status check_grad(const ts_optim *o, int i, const ts_tensor *g)
     return TS_OK;
 }
 
-static void sgd_update(ts_optim *o, opt_param *pp, ts_tensor *g)
+/* The SGD kernel's arguments for parameter pp's update this step. */
+static sgd_k sgd_args(const ts_optim *o, const opt_param *pp)
 {
     const ts_sgd_options *s = &o->sgd;
-    sgd_k k = {.lr = o->lr, .wd = s->weight_decay, .momentum = s->momentum, .damp1 = 1.0 - s->dampening,
-               .nesterov = s->nesterov, .maximize = s->maximize, .first = !pp->ready,
-               .buf = pp->momentum_buffer ? ts_tensor_data(pp->momentum_buffer) : NULL};
-    walk_rows(pp->local, g, sgd_kernel(ts_tensor_dtype(pp->local) == TS_F32), &k);
-    pp->ready = true;
+    return (sgd_k){.lr = o->lr, .wd = s->weight_decay, .momentum = s->momentum, .damp1 = 1.0 - s->dampening,
+                   .nesterov = s->nesterov, .maximize = s->maximize, .first = !pp->ready,
+                   .buf = pp->momentum_buffer ? ts_tensor_data(pp->momentum_buffer) : NULL};
 }
 
-static void adam_update(ts_optim *o, opt_param *pp, ts_tensor *g)
+/* Counts parameter pp's step (its "step" state += 1, a float32 as torch's)
+ * and returns the Adam kernel's arguments for it. */
+static adam_k adam_args(const ts_optim *o, opt_param *pp)
 {
     const ts_adam_options *a = &o->adam;
     /* step_t += 1 (a float32 tensor); step = step_t.item() */
@@ -775,15 +1048,124 @@ static void adam_update(ts_optim *o, opt_param *pp, ts_tensor *g)
      * step_size = lr / bias_correction1; math.sqrt(bias_correction2) */
     double bc1 = 1.0 - pow(a->beta1, step), bc2 = 1.0 - pow(a->beta2, step);
     double step_size = o->lr / bc1;
-    adam_k k = {.wd = o->kind == OPT_ADAM ? a->weight_decay : 0.0,
-                .decay = 1.0 - o->lr * a->weight_decay,
-                .beta1 = a->beta1, .omb1 = 1.0 - a->beta1, .beta2 = a->beta2, .omb2 = 1.0 - a->beta2,
-                .bc2_sqrt = sqrt(bc2), .eps = a->eps, .neg_step_size = -step_size,
-                .adamw = o->kind == OPT_ADAMW, .amsgrad = a->amsgrad, .maximize = a->maximize,
-                .exp_avg = ts_tensor_data(pp->exp_avg), .exp_avg_sq = ts_tensor_data(pp->exp_avg_sq),
-                .max_exp_avg_sq = pp->max_exp_avg_sq ? ts_tensor_data(pp->max_exp_avg_sq) : NULL};
+    return (adam_k){.wd = o->kind == OPT_ADAM ? a->weight_decay : 0.0,
+                    .decay = 1.0 - o->lr * a->weight_decay,
+                    .beta1 = a->beta1, .omb1 = 1.0 - a->beta1, .beta2 = a->beta2, .omb2 = 1.0 - a->beta2,
+                    .bc2_sqrt = sqrt(bc2), .eps = a->eps, .neg_step_size = -step_size,
+                    .adamw = o->kind == OPT_ADAMW, .amsgrad = a->amsgrad, .maximize = a->maximize,
+                    .exp_avg = ts_tensor_data(pp->exp_avg), .exp_avg_sq = ts_tensor_data(pp->exp_avg_sq),
+                    .max_exp_avg_sq = pp->max_exp_avg_sq ? ts_tensor_data(pp->max_exp_avg_sq) : NULL};
+}
+
+static void sgd_update(ts_optim *o, opt_param *pp, ts_tensor *g)
+{
+    sgd_k k = sgd_args(o, pp);
+    walk_rows(pp->local, g, sgd_kernel(ts_tensor_dtype(pp->local) == TS_F32), &k);
+    pp->ready = true;
+}
+
+static void adam_update(ts_optim *o, opt_param *pp, ts_tensor *g)
+{
+    adam_k k = adam_args(o, pp);
     walk_rows(pp->local, g, adam_kernel(ts_tensor_dtype(pp->local) == TS_F32), &k);
     pp->ready = true;
+}
+
+/* ------------------------------------------------------------ fused step */
+
+/* A run of parameters updated by one kernel call: the first one's kernel
+ * arguments (its state pointers and, for Adam, its step's bias
+ * corrections, which every parameter of the run shares), its data and
+ * gradient, and the run's element count. */
+typedef struct fused_run {
+    bool open, f32;
+    int64_t n;
+    size_t es;
+    unsigned char *p;
+    const unsigned char *g;
+    sgd_k sk;
+    adam_k ak;
+} fused_run;
+
+static void run_flush(ts_optim *o, fused_run *r)
+{
+    if (!r->open)
+        return;
+    o->last_calls++;
+    if (o->kind == OPT_SGD)
+        sgd_kernel(r->f32)(&r->sk, r->n, r->p, 1, r->g, 1, 0);
+    else
+        adam_kernel(r->f32)(&r->ak, r->n, r->p, 1, r->g, 1, 0);
+    r->open = false;
+}
+
+/* a + n elements of size es == b, for possibly NULL pointers */
+static bool adjacent(const void *a, int64_t n, size_t es, const void *b)
+{
+    return a && b && (const unsigned char *)a + (size_t)n * es == (const unsigned char *)b;
+}
+
+/* True if parameter pp (kernel arguments sk / ak, data p, gradient g) is
+ * where run r ends in every buffer (data, gradient, each state) and takes
+ * the same kernel arguments but for those pointers. */
+static bool run_extends(const ts_optim *o, const fused_run *r, bool f32, const unsigned char *p,
+                        const unsigned char *g, const sgd_k *sk, const adam_k *ak)
+{
+    if (!r->open || r->f32 != f32 || !adjacent(r->p, r->n, r->es, p) || !adjacent(r->g, r->n, r->es, g))
+        return false;
+    if (o->kind == OPT_SGD)
+        return r->sk.first == sk->first && (!sk->buf || adjacent(r->sk.buf, r->n, r->es, sk->buf));
+    return r->ak.bc2_sqrt == ak->bc2_sqrt && r->ak.neg_step_size == ak->neg_step_size &&
+           adjacent(r->ak.exp_avg, r->n, r->es, ak->exp_avg) &&
+           adjacent(r->ak.exp_avg_sq, r->n, r->es, ak->exp_avg_sq) &&
+           (!ak->max_exp_avg_sq || adjacent(r->ak.max_exp_avg_sq, r->n, r->es, ak->max_exp_avg_sq));
+}
+
+/* The fused step: every parameter with a gradient, in order; contiguous
+ * ones join the open run of their dtype when they continue it in memory,
+ * else start a new one (updates of different parameters are independent,
+ * so their order does not matter); non-contiguous ones are walked by rows
+ * as without fused. Each
+ * element is computed by the same kernel with the same arguments as in
+ * the per-parameter step, so the bits are the same. */
+static void fused_step(ts_optim *o)
+{
+    fused_run runs[2] = {{0}}; /* the open run of float32 and of float64 parameters */
+    o->last_calls = 0;
+    for (int i = 0; i < o->n; i++) {
+        opt_param *pp = &o->p[i];
+        ts_tensor *g = ts_tensor_grad(pp->param);
+        if (!g)
+            continue;
+        sgd_k sk = {0};
+        adam_k ak = {0};
+        if (o->kind == OPT_SGD)
+            sk = sgd_args(o, pp);
+        else
+            ak = adam_args(o, pp);
+        pp->ready = true;
+        int64_t n = ts_tensor_numel(pp->local);
+        if (n == 0)
+            continue;
+        bool f32 = ts_tensor_dtype(pp->local) == TS_F32;
+        if (!ts_tensor_is_contiguous(pp->local) || !ts_tensor_is_contiguous(g)) {
+            walk_rows(pp->local, g, o->kind == OPT_SGD ? sgd_kernel(f32) : adam_kernel(f32),
+                      o->kind == OPT_SGD ? (const void *)&sk : (const void *)&ak);
+            o->last_calls++;
+            continue;
+        }
+        unsigned char *p = ts_tensor_data(pp->local);
+        const unsigned char *gd = ts_tensor_data(g);
+        fused_run *r = &runs[f32 ? 0 : 1];
+        if (run_extends(o, r, f32, p, gd, &sk, &ak)) {
+            r->n += n;
+            continue;
+        }
+        run_flush(o, r);
+        *r = (fused_run){.open = true, .f32 = f32, .n = n, .es = f32 ? 4 : 8, .p = p, .g = gd, .sk = sk, .ak = ak};
+    }
+    run_flush(o, &runs[0]);
+    run_flush(o, &runs[1]);
 }
 
 ts_status ts_optim_step(ts_optim *o)
@@ -817,7 +1199,9 @@ ts_status ts_optim_step(ts_optim *o)
         if (ts_tensor_grad(o->p[i].param) && (st = alloc_state(o, i)))
             return st;
     TS_TRACE_BEGIN(t0);
-    for (int i = 0; i < o->n; i++) {
+    if (o->fused)
+        fused_step(o);
+    for (int i = 0; i < o->n && !o->fused; i++) {
         opt_param *pp = &o->p[i];
         ts_tensor *g = ts_tensor_grad(pp->param);
         if (!g)
@@ -899,6 +1283,8 @@ int ts__optim_state_names(const ts_optim *o, const char *names_out[4])
 }
 
 void ts__optim_set_step_count(ts_optim *o, int64_t steps) { o->steps = steps; }
+
+int ts__optim_fused_calls(const ts_optim *o) { return o && o->fused ? o->last_calls : -1; }
 
 int ts_optim_num_params(const ts_optim *o) { return o ? o->n : 0; }
 

@@ -47,6 +47,7 @@ typedef struct ts_sgd_options {
     double weight_decay;  /* >= 0, L2 added to the gradient; default 0 */
     bool nesterov;        /* false (needs momentum > 0 and dampening 0) */
     bool maximize;        /* false */
+    bool fused;           /* false; true: the fused multi-tensor step (below) */
 } ts_sgd_options;
 TS_API ts_sgd_options ts_sgd_options_default(void);
 
@@ -58,9 +59,24 @@ typedef struct ts_adam_options {
     double weight_decay;  /* Adam: 0 (L2 added to the gradient); AdamW: 1e-2 (decoupled) */
     bool amsgrad;         /* false */
     bool maximize;        /* false */
+    bool fused;           /* false; true: the fused multi-tensor step (below) */
 } ts_adam_options;
 TS_API ts_adam_options ts_adam_options_default(void);
 TS_API ts_adam_options ts_adamw_options_default(void);
+
+/* fused (torch's fused=True, on the CPU): the optimizer keeps each state
+ * ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer") of all
+ * its parameters of one dtype in one contiguous buffer, laid out in the
+ * order the parameters were given (each parameter's state is a contiguous
+ * view of it, with the same names, shapes and first-step presence as
+ * without fused, so checkpoints are the same), allocated whole at the
+ * first step; and a step updates each run of parameters whose data,
+ * gradients and state are adjacent in memory (parameters that are views
+ * of one buffer, such as an FSDP group's shards without padding, with
+ * gradients that are views of one buffer, and the same step count) by one
+ * call of the vectorized kernel (AVX-512, AVX2 or scalar as tensor/
+ * kernels.h chooses at run time), the others one by one. The values are
+ * bit-identical to fused false for every option. */
 
 /* New optimizers over n >= 1 parameters, which must be distinct leaf tensors
  * that require grad, of dtype f32 or f64 (they may be shard-marked). `o`
