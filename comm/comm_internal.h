@@ -20,7 +20,9 @@
  */
 
 /* Creates a world (group id 0) over `t`, taking ownership of it, and
- * starts its communication thread, which alone drives `t` from now on.
+ * starts its communication thread; from now on `t` is driven only under
+ * the world's progress lock (by that thread, or by a caller waiting on a
+ * request: comm.c).
  * timeout_s is the per-collective deadline (<= 0: 300 s). A world of size
  * 1 runs its collectives on the caller's thread. */
 ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out);

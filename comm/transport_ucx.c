@@ -2,8 +2,10 @@
 /*
  * The UCX transport (transport.h; reference/DEPS-GUIDE.md §1).
  *
- * One UCP context (TAG + WAKEUP) and one worker in UCS_THREAD_MODE_SINGLE,
- * owned by the thread that created it. Unset UCX_TLS, UCX_MM_ERROR_HANDLING
+ * One UCP context (TAG + WAKEUP) and one worker in
+ * UCS_THREAD_MODE_SERIALIZED: driven by one thread at a time, whichever
+ * holds the world's progress lock (comm.c: a caller waiting on a request,
+ * or the communication thread). Unset UCX_TLS, UCX_MM_ERROR_HANDLING
  * and UCX_KEEPALIVE_INTERVAL get the launcher's defaults (setenv before
  * ucp_config_read). Every rank connects to every rank (itself included)
  * with UCP_ERR_HANDLING_MODE_PEER.
@@ -1303,7 +1305,7 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
     }
     ucp_worker_params_t wp = {
         .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
-        .thread_mode = UCS_THREAD_MODE_SINGLE,
+        .thread_mode = UCS_THREAD_MODE_SERIALIZED, /* several threads, one at a time (comm.c's progress lock) */
     };
     us = ucp_worker_create(t->ctx, &wp, &t->worker);
     if (us != UCS_OK) {
