@@ -145,6 +145,8 @@ struct world {
     pthread_mutex_t prog_mu;
     atomic_int driving; /* callers driving progress in ts_request_wait */
     atomic_bool parked; /* the communication thread waits for them to leave */
+    atomic_int live;    /* ops submitted and not finished */
+    atomic_bool traced; /* spans wait in `traces` */
     /* under prog_mu */
     op *active;
     ts_status failed;
@@ -166,6 +168,9 @@ struct world {
      * the communication thread records on its own track */
     struct trace_rec *traces;
     bool registrar; /* this world registers pinned memory (base.h) */
+    /* blocks of finished ops (op_free), under mu */
+    op *op_cache;
+    int n_cached;
 };
 
 enum { K_SEND = 0, K_RECV = 1 };
@@ -202,6 +207,7 @@ _Static_assert(sizeof(fp) == 16, "a fingerprint is 16 bytes");
 
 struct op {
     op *next;
+    world *w; /* NULL: the one-rank group without a world */
     ts_request *req;
     ts_coll_kind kind;
     int W, rank, left, right, root;
@@ -241,8 +247,8 @@ struct op {
     ts_dtype out_dtype;
     size_t out_n;      /* elements to write */
     double post;       /* divide by (1: none) */
-    xfer *x;           /* (phase 0/1) x (send/recv) x W */
-    int *map;          /* group rank -> world rank (W entries, owned) */
+    xfer *x;           /* (phase 0/1/fp) x (send/recv) x W (in the op's block) */
+    int *map;          /* group rank -> world rank (W entries, in the op's block) */
     unsigned char **outs; /* list all-gather: W output blocks (owned array) */
     unsigned char *a2a_out; /* all-to-all: the output (W blocks) */
     int peer;          /* send / recv: the group rank */
@@ -407,14 +413,36 @@ void ts_request_free(ts_request *r)
 /* Ops on the communication thread                                     */
 /* ------------------------------------------------------------------ */
 
+/* An op and what it indexes by rank are one block: 6 W transfer slots
+ * ((rs, ag, fp) x (send, recv) x W), W received fingerprints, 2 W held
+ * forwards, the W-entry rank map. A world keeps up to OP_CACHE blocks of
+ * finished ops (sized for the world; its groups are no larger) for the
+ * next ops, under mu: a small collective otherwise spent about as long in
+ * the allocator as on the wire. */
+#define OP_CACHE 64
+
+static size_t op_block_bytes(int W)
+{
+    return sizeof(op) + (size_t)(6 * W) * sizeof(xfer) + (size_t)W * sizeof(fp) + (size_t)(3 * W) * sizeof(int);
+}
+
 static void op_free(op *o)
 {
     if (o->scratch) ts__pool_free(o->scratch, o->scratch_bytes);
     else if (o->owned) ts__free(TS_MEM_COMM, o->buf);
     if (o->sscratch) ts__pool_free(o->sscratch, o->sscratch_bytes);
-    ts__free(TS_MEM_COMM, o->x);
-    ts__free(TS_MEM_COMM, o->map);
     ts__free(TS_MEM_COMM, o->outs);
+    world *w = o->w;
+    if (w) {
+        pthread_mutex_lock(&w->mu);
+        if (w->n_cached < OP_CACHE) {
+            o->next = w->op_cache;
+            w->op_cache = o;
+            w->n_cached++;
+            o = NULL;
+        }
+        pthread_mutex_unlock(&w->mu);
+    }
     ts__free(TS_MEM_COMM, o);
 }
 
@@ -651,6 +679,7 @@ static void trace_op(world *w, const op *o, ts_status st)
     *d = k;
     d->next = w->traces;
     w->traces = d;
+    atomic_store(&w->traced, true);
 }
 
 /* On the communication thread, under prog_mu: records the spans drivers
@@ -659,6 +688,7 @@ static void flush_traces(world *w)
 {
     trace_rec *d = w->traces;
     w->traces = NULL;
+    atomic_store(&w->traced, false);
     while (d) {
         trace_rec *n = d->next;
         trace_rec_emit(d);
@@ -675,6 +705,7 @@ static void finish(op *o)
     o->finished = true;
     log_detail(o, st);
     trace_op(w, o, st);
+    atomic_fetch_sub(&w->live, 1);
     complete_req(w, o->req, st, o->req->err);
 }
 
@@ -1132,6 +1163,7 @@ static void check_deadlines(world *w)
  * its core to any other runnable thread between rounds (on a machine with
  * fewer cores than threads, another rank's compute). */
 #define DRIVE_HOT_NS 50000ull
+#define DRIVE_BATCH 16
 
 /* ------------------------------------------------------------------ */
 /* The progress lock                                                   */
@@ -1168,9 +1200,10 @@ static void wake_thread(world *w)
 
 /* One round of progress, under prog_mu: starts the queued ops, progresses
  * the transport (the ops' state machines run in its callbacks), checks
- * failures and deadlines, frees finished ops. Returns the events handled,
+ * failures and (if `timers`: a clock read, which a driver spares most of
+ * its rounds) deadlines, frees finished ops. Returns the events handled,
  * ops started included. */
-static int round_locked(world *w)
+static int round_locked(world *w, bool timers)
 {
     int n = 0;
     if (!w->notices_posted) post_notices(w);
@@ -1197,7 +1230,7 @@ static int round_locked(world *w)
     }
     n += w->t->vt->progress(w->t);
     check_peers(w);
-    check_deadlines(w);
+    if (timers) check_deadlines(w);
     sweep(w);
     return n;
 }
@@ -1289,33 +1322,51 @@ static void drive(world *w, ts_request *r)
     if (saved_st != TS_OK) copy_str(saved, sizeof saved, ts_last_error());
     atomic_fetch_add(&w->driving, 1);
     uint64_t start = ts_now_ns(), last = start;
-    bool ops_left = false, traces_left = false;
-    while (!atomic_load_explicit(&r->done, memory_order_acquire)) {
-        if (prog_trylock(w)) {
-            int n = round_locked(w);
-            ops_left = w->active != NULL;
-            traces_left = w->traces != NULL;
-            prog_unlock(w);
-            if (n > 0) last = ts_now_ns();
-            if (atomic_load_explicit(&r->done, memory_order_acquire)) break;
+    bool held = false, fresh = false, hot = true;
+    /* The lock is kept across rounds (released every DRIVE_BATCH rounds
+     * for another driver, and around each yield), and the clock read
+     * once per DRIVE_BATCH rounds: a clock read costs about as much as
+     * an empty round (85 ns on a VM). */
+    for (unsigned k = 1; !atomic_load_explicit(&r->done, memory_order_acquire); k++) {
+        if (!held) held = prog_trylock(w);
+        if (held && round_locked(w, k % DRIVE_BATCH == 0) > 0) fresh = true;
+        if (atomic_load_explicit(&r->done, memory_order_acquire)) break;
+        if (k % DRIVE_BATCH == 0) {
+            uint64_t now = ts_now_ns();
+            if (fresh) last = now;
+            else if (now - last >= DRIVE_IDLE_NS) break;
+            fresh = false;
+            hot = now - start < DRIVE_HOT_NS;
+            if (held && hot) {
+                prog_unlock(w);
+                held = false;
+            }
         }
-        uint64_t now = ts_now_ns();
-        if (now - last >= DRIVE_IDLE_NS) break;
-        if (now - start < DRIVE_HOT_NS) cpu_relax();
-        else sched_yield();
+        if (hot) {
+            cpu_relax();
+        } else {
+            if (held) prog_unlock(w);
+            held = false;
+            sched_yield();
+        }
     }
+    if (held) prog_unlock(w);
     bool done = atomic_load(&r->done) != 0;
     atomic_fetch_sub(&w->driving, 1);
     /* hand over: the request itself, ops left to a parked thread, spans
      * to record on its track (it may sleep without a timeout) */
-    if (!done || traces_left || (ops_left && atomic_load(&w->parked))) wake_thread(w);
+    if (!done || atomic_load(&w->traced) || (atomic_load(&w->live) > 0 && atomic_load(&w->parked))) wake_thread(w);
     if (!done) {
         pthread_mutex_lock(&w->mu);
         while (!atomic_load(&r->done)) pthread_cond_wait(&w->cv, &w->mu);
         pthread_mutex_unlock(&w->mu);
     }
-    if (saved_st != TS_OK) ts_error(saved_st, "%s", saved);
-    else if (ts_last_status() != TS_OK) ts_clear_error();
+    /* only when it changed: formatting it again costs a microsecond */
+    if (saved_st != TS_OK) {
+        if (ts_last_status() != saved_st || strcmp(ts_last_error(), saved) != 0) ts_error(saved_st, "%s", saved);
+    } else if (ts_last_status() != TS_OK) {
+        ts_clear_error();
+    }
 }
 
 /* ------------------------------------------------------------------ */
@@ -1363,7 +1414,7 @@ static void *comm_thread(void *arg)
             continue;
         }
         prog_lock(w);
-        int n = round_locked(w);
+        int n = round_locked(w, true);
         flush_traces(w);
         if (stop) {
             if (w->active && !w->failed) fail_world(w, TS_ERR_COMM, "the world was freed with collectives pending", NULL, false, -1);
@@ -1509,6 +1560,8 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     atomic_init(&w->stop, false);
     atomic_init(&w->driving, 0);
     atomic_init(&w->parked, false);
+    atomic_init(&w->live, 0);
+    atomic_init(&w->traced, false);
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     pthread_mutex_init(&w->prog_mu, NULL);
@@ -1559,6 +1612,11 @@ void ts__world_free(ts_comm *c)
     }
     w->t->vt->destroy(w->t); /* runs the notice receives' callbacks (cancelled) */
     flush_traces(w);         /* none left by the thread's last round; a thread-less world's */
+    while (w->op_cache) {
+        op *o = w->op_cache;
+        w->op_cache = o->next;
+        ts__free(TS_MEM_COMM, o);
+    }
     ts__free(TS_MEM_COMM, w->nslots);
     ts__free(TS_MEM_COMM, w->nout);
     close(w->efd);
@@ -1576,33 +1634,40 @@ void ts__world_free(ts_comm *c)
 
 static op *op_new(ts_comm *c, ts_coll_kind kind)
 {
-    op *o = ts__calloc(TS_MEM_COMM, 1, sizeof *o);
+    world *w = c->w;
+    op *o = NULL;
+    if (w) { /* a cached block (op_free), sized for the world */
+        pthread_mutex_lock(&w->mu);
+        if ((o = w->op_cache)) {
+            w->op_cache = o->next;
+            w->n_cached--;
+        }
+        pthread_mutex_unlock(&w->mu);
+    }
+    if (o) memset(o, 0, op_block_bytes(c->size));
+    else o = ts__calloc(TS_MEM_COMM, 1, op_block_bytes(w ? w->t->size : c->size));
     ts_request *r = ts__calloc(TS_MEM_COMM, 1, sizeof *r);
-    /* 6 W transfer slots: (rs, ag, fp) x (send, recv) x W; then W
-     * received fingerprints */
-    size_t nx = (size_t)(6 * c->size);
-    xfer *x = ts__calloc(TS_MEM_COMM, 1, nx * sizeof *x + (size_t)c->size * sizeof(fp) + (size_t)(2 * c->size) * sizeof(int));
-    int *map = ts__malloc(TS_MEM_COMM, (size_t)c->size * sizeof *map);
-    if (!o || !r || !x || !map) {
+    if (!o || !r) {
         ts__free(TS_MEM_COMM, o);
         ts__free(TS_MEM_COMM, r);
-        ts__free(TS_MEM_COMM, x);
-        ts__free(TS_MEM_COMM, map);
         return NULL;
     }
-    for (int i = 0; i < c->size; i++) map[i] = c->map ? c->map[i] : i;
-    r->w = c->w;
-    o->req = r;
+    size_t nx = (size_t)(6 * c->size);
+    xfer *x = (xfer *)(void *)(o + 1);
+    o->w = w;
     o->x = x;
-    o->map = map;
+    o->theirs = (fp *)(void *)(x + nx);
+    o->held = (int *)(void *)(o->theirs + c->size);
+    o->map = o->held + 2 * c->size;
+    for (int i = 0; i < c->size; i++) o->map[i] = c->map ? c->map[i] : i;
+    r->w = w;
+    o->req = r;
     o->kind = kind;
     o->W = c->size;
     o->rank = c->rank;
     o->left = (c->rank - 1 + c->size) % c->size;
     o->right = (c->rank + 1) % c->size;
     o->post = 1.0;
-    o->theirs = (fp *)(void *)(x + nx);
-    o->held = (int *)(void *)(o->theirs + c->size);
     o->check = c->w && atomic_load(&c->w->check) && kind != TS_COLL_SEND && kind != TS_COLL_RECV;
     o->mine = (fp){.kind = (uint8_t)kind, .dtype = FP_NONE, .rop = FP_NONE, .root = FP_NONE};
     return o;
@@ -1649,6 +1714,7 @@ static ts_status submit(ts_comm *c, op *o, size_t bytes, ts_request **r_out)
         complete_req(NULL, r, st, NULL);
         op_free(o);
     } else {
+        atomic_fetch_add(&w->live, 1);
         pthread_mutex_lock(&w->mu);
         o->next = NULL;
         if (w->queue_tail) w->queue_tail->next = o;
