@@ -64,4 +64,11 @@ void ts__comm_set_check(ts_comm *c, bool on);
  * loopback) or for the one-rank group. Any thread. */
 void ts__comm_xfer_stats(ts_comm *c, uint64_t *posted_out, uint64_t *registered_out);
 
+/* How many collectives of c's world (its groups' included) a caller
+ * driving progress in ts_request_wait finished, and how many its
+ * communication thread finished (comm.c, "Driving"): blocking collectives
+ * should be the callers', asynchronous ones left behind the thread's.
+ * Zeros for the one-rank group. Any thread. */
+void ts__comm_progress_stats(ts_comm *c, uint64_t *by_callers_out, uint64_t *by_thread_out);
+
 #endif
