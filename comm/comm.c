@@ -19,7 +19,7 @@
  *  - the world's communication thread keeps asynchronous requests moving
  *    while the caller computes, without the caller calling into the
  *    library. It stays off the lock while a caller drives (it "parks" on
- *    the submission eventfd; the last driver wakes it when ops are left),
+ *    the submission eventfd; a driver that leaves ops behind wakes it),
  *    spins on progress a little after its last event (TS_COMM_SPIN_US),
  *    then arms the transport and sleeps in poll() on the submission
  *    eventfd and the transport's fd, with a 10 ms timeout while ops are
@@ -144,7 +144,6 @@ struct world {
      * the transport and touches everything below */
     pthread_mutex_t prog_mu;
     atomic_int driving; /* callers driving progress in ts_request_wait */
-    atomic_bool parked; /* the communication thread waits for them to leave */
     atomic_int live;    /* ops submitted and not finished */
     atomic_bool traced; /* spans wait in `traces` */
     /* ops finished by driving callers / by the thread (ts__comm_progress_stats) */
@@ -1327,7 +1326,7 @@ static inline void cpu_relax(void)
  * holds the lock progresses every op of the world, so several callers
  * waiting at once take turns, and one's round may complete another's
  * request. While any caller drives, the communication thread parks (see
- * park); the last driver to leave wakes it when ops are left for it. */
+ * park); a driver that leaves ops behind wakes it. */
 static void drive(world *w, ts_request *r)
 {
     /* the rounds run other ops' callbacks, which record their errors on
@@ -1368,9 +1367,11 @@ static void drive(world *w, ts_request *r)
     if (held) prog_unlock(w);
     bool done = atomic_load(&r->done) != 0;
     atomic_fetch_sub(&w->driving, 1);
-    /* hand over: the request itself, ops left to a parked thread, spans
-     * to record on its track (it may sleep without a timeout) */
-    if (!done || atomic_load(&w->traced) || (atomic_load(&w->live) > 0 && atomic_load(&w->parked))) wake_thread(w);
+    /* hand over: the request itself, ops left behind (the thread may be
+     * parked, or asleep on a worker armed before this caller's rounds,
+     * which need not signal again: it would wait for its 10 ms timeout),
+     * spans to record on its track (it may sleep without a timeout) */
+    if (!done || atomic_load(&w->live) > 0 || atomic_load(&w->traced)) wake_thread(w);
     if (!done) {
         pthread_mutex_lock(&w->mu);
         while (!atomic_load(&r->done)) pthread_cond_wait(&w->cv, &w->mu);
@@ -1389,15 +1390,11 @@ static void drive(world *w, ts_request *r)
 /* ------------------------------------------------------------------ */
 
 /* While callers drive, the thread stays off the lock: it sleeps on the
- * submission eventfd, which the last driver writes when it leaves ops
- * behind (10 ms at most: the check is repeated). `parked` is set before
- * `driving` is read again, and a leaving driver decrements `driving`
- * before it reads `parked` (both sequentially consistent), so one of the
- * two sees the other: the thread never sleeps on a driver that has left
- * without waking it. */
+ * submission eventfd, which a driver writes when it leaves ops behind
+ * (after it decremented `driving`: the eventfd then stays readable for a
+ * thread that parks late), and at most 10 ms (the check is repeated). */
 static void park(world *w)
 {
-    atomic_store(&w->parked, true);
     if (atomic_load(&w->driving) > 0 && !atomic_load(&w->stop)) {
         struct pollfd p = {.fd = w->efd, .events = POLLIN};
         struct timespec ten = {0, 10 * 1000000L};
@@ -1407,7 +1404,6 @@ static void park(world *w)
             (void)rd;
         }
     }
-    atomic_store(&w->parked, false);
 }
 
 static void *comm_thread(void *arg)
@@ -1574,7 +1570,6 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     atomic_init(&w->queued, false);
     atomic_init(&w->stop, false);
     atomic_init(&w->driving, 0);
-    atomic_init(&w->parked, false);
     atomic_init(&w->live, 0);
     atomic_init(&w->traced, false);
     atomic_init(&w->by_callers, 0);
