@@ -109,10 +109,11 @@ static double time_coll(ts_comm *w, int kind, int64_t size, int iters)
     return bench_median(t, iters);
 }
 
-/* A barrier that waits without a blocked caller: a blocked caller makes the
- * communication thread poll without sleeping (comm/comm.c), which would
- * take a core from rank 0's memcpy, ucx_perftest and mpirun measurements.
- * Polling the request with a sleep lets the thread nap instead. */
+/* A barrier that waits without a blocked caller: a blocked caller drives
+ * progress itself, polling for up to 5 ms without events (comm/comm.c,
+ * "Driving"), which would take a core from rank 0's memcpy, ucx_perftest
+ * and mpirun measurements. Polling the request with a sleep lets the
+ * communication thread complete it and nap instead. */
 static void quiet_barrier(ts_comm *w)
 {
     ts_request *r = NULL;

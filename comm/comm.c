@@ -2,16 +2,30 @@
 /*
  * Worlds, requests and the ring collectives (comm.h).
  *
- * Threads: the caller (compute) thread validates arguments, converts the
- * input into the op's working buffer, and pushes the op on the world's
- * queue (mutex + eventfd). The world's communication thread alone drives
- * the transport: it starts queued ops, runs their ring state machines from
- * the transfer callbacks, checks failures and deadlines, and completes
- * requests (mutex + condition variable the waiter sleeps on). It spins on
- * progress a little (while a caller is blocked, for up to YIELD_MAX_NS
- * without events), then arms the transport and sleeps in poll() on the
- * submission eventfd and the transport's fd, with a 10 ms timeout while
- * ops are active so that deadlines and failure detection are noticed.
+ * Threads and the progress lock: the caller (compute) thread validates
+ * arguments, converts the input into the op's working buffer, and pushes
+ * the op on the world's queue (mutex + eventfd). Whichever thread holds
+ * the world's progress lock (prog_mu) drives the transport: it starts
+ * queued ops, runs their ring state machines from the transfer callbacks,
+ * checks failures and deadlines, and completes requests (mutex +
+ * condition variable a sleeping waiter waits on). Two kinds of thread take
+ * it:
+ *  - a caller in ts_request_wait (every blocking collective waits there)
+ *    drives progress itself: it takes the lock, starts its op, and spins
+ *    on progress until its request completes, so that a small collective
+ *    costs no thread hand-off (each one 5-100 us on a VM). It gives up
+ *    after DRIVE_IDLE_NS without events (a stopped peer, a long transfer),
+ *    wakes the communication thread and sleeps on the condition variable.
+ *  - the world's communication thread keeps asynchronous requests moving
+ *    while the caller computes, without the caller calling into the
+ *    library. It stays off the lock while a caller drives (it "parks" on
+ *    the submission eventfd; a driver that leaves ops behind wakes it),
+ *    spins on progress a little after its last event (TS_COMM_SPIN_US),
+ *    then arms the transport and sleeps in poll() on the submission
+ *    eventfd and the transport's fd, with a 10 ms timeout while ops are
+ *    active so that deadlines and failure detection are noticed. It never
+ *    spins while the caller computes (that took a core from compute: a
+ *    2-rank FSDP step ran 2.3 times slower).
  * Every collective also carries a fingerprint, and a rank that fails its
  * world tells the others (see Fingerprints and Failure notices below).
  *
@@ -56,11 +70,11 @@
 
 #define ERR_LEN 256
 /* How long the communication thread keeps polling the transport after its
- * last event before it sleeps in poll(), and how long a waiter checks its
- * request before it sleeps on the condition variable: TS_COMM_SPIN_US
- * (default 50; 0 sleeps at once). Sleeping costs a wake-up of several
- * microseconds per hand-off; spinning costs a core, which on a machine
- * with fewer cores than threads delays the other ranks. */
+ * last event before it sleeps in poll(): TS_COMM_SPIN_US (default 50; 0
+ * sleeps at once). Sleeping costs a wake-up of several microseconds per
+ * hand-off; spinning costs a core, which on a machine with fewer cores
+ * than threads delays the other ranks. (A caller waiting in
+ * ts_request_wait drives progress itself: see DRIVE_IDLE_NS.) */
 #define SPIN_US_DEFAULT 50
 #define BUSY_RETRIES 16 /* arm attempts the transport may refuse before a nap */
 #define NAP_MIN_US 5     /* naps then double up to NAP_MAX_US while nothing happens */
@@ -116,17 +130,25 @@ struct world {
     ts_comm *comm;
     pthread_t thread;
     bool has_thread;
-    pthread_mutex_t mu; /* queue, stop, request completion */
+    pthread_mutex_t mu; /* queue, request completion */
     pthread_cond_t cv;
     int efd;
     op *queue, *queue_tail;
-    bool stop;
+    atomic_bool queued; /* queue not empty (a hint read without mu) */
+    atomic_bool stop;
     double timeout_s;
     _Atomic uint64_t next_gid; /* the next group id this rank may propose */
-    atomic_int waiters;        /* callers blocked in ts_request_wait */
     _Atomic double deadline_s; /* per-collective deadline (ts__comm_set_timeout) */
     atomic_bool check;         /* fingerprints on (TS_COMM_CHECK, ts__comm_set_check) */
-    /* communication thread only */
+    /* the progress lock (see the top of the file): its holder alone calls
+     * the transport and touches everything below */
+    pthread_mutex_t prog_mu;
+    atomic_int driving; /* callers driving progress in ts_request_wait */
+    atomic_int live;    /* ops submitted and not finished */
+    atomic_bool traced; /* spans wait in `traces` */
+    /* ops finished by driving callers / by the thread (ts__comm_progress_stats) */
+    _Atomic uint64_t by_callers, by_thread;
+    /* under prog_mu */
     op *active;
     ts_status failed;
     char failed_msg[ERR_LEN];
@@ -143,9 +165,13 @@ struct world {
     int suspect;          /* world rank seen dead first (-1: none) */
     uint64_t suspect_ns;  /* when (0: none) */
     char suspect_why[ERR_LEN];
-    /* calls to run on the communication thread (run_on_thread), under mu */
-    struct world_task *tasks;
+    /* TS_TRACE: spans of collectives finished by a driving caller, which
+     * the communication thread records on its own track */
+    struct trace_rec *traces;
     bool registrar; /* this world registers pinned memory (base.h) */
+    /* blocks of finished ops (op_free), under mu */
+    op *op_cache;
+    int n_cached;
 };
 
 enum { K_SEND = 0, K_RECV = 1 };
@@ -182,6 +208,7 @@ _Static_assert(sizeof(fp) == 16, "a fingerprint is 16 bytes");
 
 struct op {
     op *next;
+    world *w; /* NULL: the one-rank group without a world */
     ts_request *req;
     ts_coll_kind kind;
     int W, rank, left, right, root;
@@ -221,8 +248,8 @@ struct op {
     ts_dtype out_dtype;
     size_t out_n;      /* elements to write */
     double post;       /* divide by (1: none) */
-    xfer *x;           /* (phase 0/1) x (send/recv) x W */
-    int *map;          /* group rank -> world rank (W entries, owned) */
+    xfer *x;           /* (phase 0/1/fp) x (send/recv) x W (in the op's block) */
+    int *map;          /* group rank -> world rank (W entries, in the op's block) */
     unsigned char **outs; /* list all-gather: W output blocks (owned array) */
     unsigned char *a2a_out; /* all-to-all: the output (W blocks) */
     int peer;          /* send / recv: the group rank */
@@ -351,18 +378,12 @@ static void complete_req(world *w, ts_request *r, ts_status st, const char *msg)
     }
 }
 
+static void drive(world *w, ts_request *r);
+
 ts_status ts_request_wait(ts_request *r)
 {
     if (!r) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_request_wait: NULL request");
-    if (!atomic_load(&r->done)) {
-        /* a blocked caller tells the communication thread to favour
-         * latency over CPU (see the thread's loop) */
-        atomic_fetch_add(&r->w->waiters, 1);
-        pthread_mutex_lock(&r->w->mu);
-        while (!atomic_load(&r->done)) pthread_cond_wait(&r->w->cv, &r->w->mu);
-        pthread_mutex_unlock(&r->w->mu);
-        atomic_fetch_sub(&r->w->waiters, 1);
-    }
+    if (!atomic_load(&r->done)) drive(r->w, r); /* progress on this thread (see "Driving") */
     if (r->status != TS_OK) return ts_error(r->status, "%s", r->err);
     return TS_OK;
 }
@@ -393,14 +414,36 @@ void ts_request_free(ts_request *r)
 /* Ops on the communication thread                                     */
 /* ------------------------------------------------------------------ */
 
+/* An op and what it indexes by rank are one block: 6 W transfer slots
+ * ((rs, ag, fp) x (send, recv) x W), W received fingerprints, 2 W held
+ * forwards, the W-entry rank map. A world keeps up to OP_CACHE blocks of
+ * finished ops (sized for the world; its groups are no larger) for the
+ * next ops, under mu: a small collective otherwise spent about as long in
+ * the allocator as on the wire. */
+#define OP_CACHE 64
+
+static size_t op_block_bytes(int W)
+{
+    return sizeof(op) + (size_t)(6 * W) * sizeof(xfer) + (size_t)W * sizeof(fp) + (size_t)(3 * W) * sizeof(int);
+}
+
 static void op_free(op *o)
 {
     if (o->scratch) ts__pool_free(o->scratch, o->scratch_bytes);
     else if (o->owned) ts__free(TS_MEM_COMM, o->buf);
     if (o->sscratch) ts__pool_free(o->sscratch, o->sscratch_bytes);
-    ts__free(TS_MEM_COMM, o->x);
-    ts__free(TS_MEM_COMM, o->map);
     ts__free(TS_MEM_COMM, o->outs);
+    world *w = o->w;
+    if (w) {
+        pthread_mutex_lock(&w->mu);
+        if (w->n_cached < OP_CACHE) {
+            o->next = w->op_cache;
+            w->op_cache = o;
+            w->n_cached++;
+            o = NULL;
+        }
+        pthread_mutex_unlock(&w->mu);
+    }
     ts__free(TS_MEM_COMM, o);
 }
 
@@ -600,14 +643,59 @@ static void finalize(op *o)
 }
 
 /* TS_TRACE: the collective's span on the communication thread's track,
- * from submission to completion (base/base.h lists the args). */
-static void trace_op(const op *o, ts_status st)
+ * from submission to completion (base/base.h lists the args). A span
+ * finished by a driving caller is kept (under prog_mu) until the
+ * communication thread records it on its own track (flush_traces). */
+typedef struct trace_rec {
+    struct trace_rec *next;
+    ts_coll_kind kind;
+    size_t bytes;
+    uint64_t gid, start_ns, end_ns;
+    uint32_t seq;
+    int rank;
+    ts_status st;
+} trace_rec;
+
+/* The world whose communication thread this thread is (NULL: none). */
+static _Thread_local world *tl_comm_world;
+
+static void trace_rec_emit(const trace_rec *k)
+{
+    ts_trace_arg a[6] = {{"kind", k_kind_names[k->kind], 0},     {"bytes", NULL, (int64_t)k->bytes},
+                         {"group", NULL, (int64_t)k->gid},       {"seq", NULL, (int64_t)k->seq},
+                         {"rank", NULL, k->rank},                {"status", ts_status_name(k->st), 0}};
+    ts_trace_span_args(k_kind_names[k->kind], "comm", k->start_ns, k->end_ns, 6, a);
+}
+
+static void trace_op(world *w, const op *o, ts_status st)
 {
     if (!ts_trace_enabled()) return;
-    ts_trace_arg a[6] = {{"kind", k_kind_names[o->kind], 0},     {"bytes", NULL, (int64_t)o->bytes},
-                         {"group", NULL, (int64_t)o->gid},       {"seq", NULL, (int64_t)o->seq},
-                         {"rank", NULL, o->rank},                {"status", ts_status_name(st), 0}};
-    ts_trace_span_args(k_kind_names[o->kind], "comm", o->submit_ns, ts_now_ns(), 6, a);
+    trace_rec k = {NULL, o->kind, o->bytes, o->gid, o->submit_ns, ts_now_ns(), o->seq, o->rank, st};
+    if (tl_comm_world == w) {
+        trace_rec_emit(&k);
+        return;
+    }
+    trace_rec *d = malloc(sizeof *d); /* as base/trace.c's own records: outside the counted allocator */
+    if (!d) return;                    /* tracing drops what it cannot hold */
+    *d = k;
+    d->next = w->traces;
+    w->traces = d;
+    atomic_store(&w->traced, true);
+}
+
+/* On the communication thread, under prog_mu: records the spans drivers
+ * left. */
+static void flush_traces(world *w)
+{
+    trace_rec *d = w->traces;
+    w->traces = NULL;
+    atomic_store(&w->traced, false);
+    while (d) {
+        trace_rec *n = d->next;
+        trace_rec_emit(d);
+        free(d);
+        d = n;
+    }
 }
 
 static void finish(op *o)
@@ -617,7 +705,9 @@ static void finish(op *o)
     if (st == TS_OK) finalize(o);
     o->finished = true;
     log_detail(o, st);
-    trace_op(o, st);
+    trace_op(w, o, st);
+    atomic_fetch_add_explicit(tl_comm_world == w ? &w->by_thread : &w->by_callers, 1, memory_order_relaxed);
+    atomic_fetch_sub(&w->live, 1);
     complete_req(w, o->req, st, o->req->err);
 }
 
@@ -1062,64 +1152,113 @@ static void check_deadlines(world *w)
     }
 }
 
-/* How long a blocked caller keeps the thread progressing without events
- * before it sleeps after all (a peer that stopped, a long transfer), and
- * how long the nap grows to once nothing has happened for NAP_LONG_AFTER_NS
- * (short against any transfer that takes that long). */
-#define YIELD_MAX_NS 5000000ull
+/* How long the communication thread's nap grows to once nothing has
+ * happened for NAP_LONG_AFTER_NS (short against any transfer that takes
+ * that long). */
 #define NAP_LONG_AFTER_NS 100000000ull
 #define NAP_LONG_US 1000
+/* How long a caller in ts_request_wait drives progress without events
+ * before it sleeps after all (a peer that stopped, a long transfer): it
+ * then costs no core, and the communication thread takes over. */
+#define DRIVE_IDLE_NS 5000000ull
+/* A driver polls without a pause for its first DRIVE_HOT_NS (a 4 KiB
+ * collective takes 2-4 us), then yields its core to any other runnable
+ * thread between rounds. On a loaded machine the scheduler often puts
+ * both ranks' drivers on one core, where each exchange waits for the
+ * other to yield: measured with both ranks on one core (taskset), a 4 KiB
+ * all-reduce took a median 17-86 us with a 5 us window against 0.8-2 ms
+ * with 50 us, and the same on separate cores (3.4-4.4 us at 4 KiB, 9-10
+ * us at 64 KiB, 113-148 us at 1 MiB) whatever the window. */
+#define DRIVE_HOT_NS 10000ull
+#define DRIVE_BATCH 16
 
 /* ------------------------------------------------------------------ */
-/* Calls on the communication thread: pinned-memory registration       */
+/* The progress lock                                                   */
 /* ------------------------------------------------------------------ */
 
-/* The transport belongs to the communication thread (transport.h), so a
- * registration of pinned memory (base.h's registrar, installed while a
- * world over a transport with a memory map lives) is handed to it and
- * waited for: the thread runs queued tasks between its rounds of
- * progress. */
-typedef struct world_task {
-    struct world_task *next;
-    void (*fn)(ts_transport *t, void *arg);
-    void *arg;
-    bool done;
-} world_task;
+/* The world whose progress lock this thread holds (NULL: none). */
+static _Thread_local world *tl_holding;
 
-static void run_tasks(world *w)
+static void prog_lock(world *w)
 {
-    pthread_mutex_lock(&w->mu);
-    world_task *q = w->tasks;
-    w->tasks = NULL;
-    pthread_mutex_unlock(&w->mu);
-    while (q) {
-        world_task *k = q;
-        q = q->next;
-        k->fn(w->t, k->arg);
-        pthread_mutex_lock(&w->mu);
-        k->done = true;
-        pthread_cond_broadcast(&w->cv);
-        pthread_mutex_unlock(&w->mu);
-    }
+    pthread_mutex_lock(&w->prog_mu);
+    tl_holding = w;
 }
 
-static void run_on_thread(world *w, void (*fn)(ts_transport *t, void *arg), void *arg)
+static bool prog_trylock(world *w)
 {
-    if (!w->has_thread || pthread_equal(pthread_self(), w->thread)) { /* on the thread already: at once */
+    if (pthread_mutex_trylock(&w->prog_mu) != 0) return false;
+    tl_holding = w;
+    return true;
+}
+
+static void prog_unlock(world *w)
+{
+    tl_holding = NULL;
+    pthread_mutex_unlock(&w->prog_mu);
+}
+
+static void wake_thread(world *w)
+{
+    uint64_t one = 1;
+    ssize_t wr = write(w->efd, &one, sizeof one);
+    (void)wr; /* EAGAIN: the counter is non-zero already */
+}
+
+/* One round of progress, under prog_mu: starts the queued ops, progresses
+ * the transport (the ops' state machines run in its callbacks), checks
+ * failures and (if `timers`: a clock read, which a driver spares most of
+ * its rounds) deadlines, frees finished ops. Returns the events handled,
+ * ops started included. */
+static int round_locked(world *w, bool timers)
+{
+    int n = 0;
+    if (!w->notices_posted) post_notices(w);
+    if (atomic_load_explicit(&w->queued, memory_order_acquire)) {
+        pthread_mutex_lock(&w->mu);
+        op *q = w->queue;
+        w->queue = w->queue_tail = NULL;
+        atomic_store_explicit(&w->queued, false, memory_order_relaxed);
+        pthread_mutex_unlock(&w->mu);
+        while (q) {
+            op *o = q;
+            q = q->next;
+            o->next = w->active;
+            w->active = o;
+            n++;
+            if (w->failed) {
+                o->err = w->failed;
+                set_op_err(o, w->failed_msg);
+                finish(o);
+            } else {
+                start_op(w, o);
+            }
+        }
+    }
+    n += w->t->vt->progress(w->t);
+    check_peers(w);
+    if (timers) check_deadlines(w);
+    sweep(w);
+    return n;
+}
+
+/* ------------------------------------------------------------------ */
+/* Pinned-memory registration                                          */
+/* ------------------------------------------------------------------ */
+
+/* The transport belongs to the holder of the progress lock
+ * (transport.h), so a registration of pinned memory (base.h's registrar,
+ * installed while a world over a transport with a memory map lives) runs
+ * under it, on the calling thread. */
+static void run_locked(world *w, void (*fn)(ts_transport *t, void *arg), void *arg)
+{
+    if (tl_holding == w) { /* inside a round already */
         fn(w->t, arg);
         return;
     }
-    world_task k = {NULL, fn, arg, false};
-    pthread_mutex_lock(&w->mu);
-    k.next = w->tasks;
-    w->tasks = &k;
-    pthread_mutex_unlock(&w->mu);
-    uint64_t one = 1;
-    ssize_t wr = write(w->efd, &one, sizeof one);
-    (void)wr;
-    pthread_mutex_lock(&w->mu);
-    while (!k.done) pthread_cond_wait(&w->cv, &w->mu);
-    pthread_mutex_unlock(&w->mu);
+    prog_lock(w);
+    fn(w->t, arg);
+    prog_unlock(w);
 }
 
 typedef struct reg_call {
@@ -1142,7 +1281,7 @@ static void do_deregister(ts_transport *t, void *arg) { t->vt->mem_deregister(t,
 static ts_status pin_register(void *ctx, void *addr, size_t len, void **handle_out)
 {
     reg_call c = {.addr = addr, .len = len};
-    run_on_thread(ctx, do_register, &c);
+    run_locked(ctx, do_register, &c);
     if (c.st) return ts_error(c.st, "%s", c.err);
     *handle_out = c.handle;
     return TS_OK;
@@ -1151,7 +1290,14 @@ static ts_status pin_register(void *ctx, void *addr, size_t len, void **handle_o
 static void pin_deregister(void *ctx, void *handle)
 {
     reg_call c = {.handle = handle};
-    run_on_thread(ctx, do_deregister, &c);
+    run_locked(ctx, do_deregister, &c);
+}
+
+void ts__comm_progress_stats(ts_comm *c, uint64_t *by_callers_out, uint64_t *by_thread_out)
+{
+    world *w = c ? c->w : NULL;
+    if (by_callers_out) *by_callers_out = w ? atomic_load(&w->by_callers) : 0;
+    if (by_thread_out) *by_thread_out = w ? atomic_load(&w->by_thread) : 0;
 }
 
 void ts__comm_xfer_stats(ts_comm *c, uint64_t *posted_out, uint64_t *registered_out)
@@ -1162,64 +1308,147 @@ void ts__comm_xfer_stats(ts_comm *c, uint64_t *posted_out, uint64_t *registered_
     if (registered_out) *registered_out = r;
 }
 
+/* ------------------------------------------------------------------ */
+/* Driving                                                             */
+/* ------------------------------------------------------------------ */
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* ts_request_wait on a pending request: the caller runs rounds of
+ * progress itself (see the top of the file) until the request completes,
+ * or until DRIVE_IDLE_NS pass without events; then it hands over to the
+ * communication thread and sleeps on the condition variable. Whoever
+ * holds the lock progresses every op of the world, so several callers
+ * waiting at once take turns, and one's round may complete another's
+ * request. While any caller drives, the communication thread parks (see
+ * park); a driver that leaves ops behind wakes it. */
+static void drive(world *w, ts_request *r)
+{
+    /* the rounds run other ops' callbacks, which record their errors on
+     * this thread: the caller's own last error is kept */
+    ts_status saved_st = ts_last_status();
+    char saved[ERR_LEN];
+    if (saved_st != TS_OK) copy_str(saved, sizeof saved, ts_last_error());
+    atomic_fetch_add(&w->driving, 1);
+    uint64_t start = ts_now_ns(), last = start;
+    bool held = false, fresh = false, hot = true;
+    /* The lock is kept across rounds (released every DRIVE_BATCH rounds
+     * for another driver, and around each yield), and the clock read
+     * once per DRIVE_BATCH rounds: a clock read costs about as much as
+     * an empty round (85 ns on a VM). */
+    for (unsigned k = 1; !atomic_load_explicit(&r->done, memory_order_acquire); k++) {
+        if (!held) held = prog_trylock(w);
+        if (held && round_locked(w, k % DRIVE_BATCH == 0) > 0) fresh = true;
+        if (atomic_load_explicit(&r->done, memory_order_acquire)) break;
+        if (k % DRIVE_BATCH == 0) {
+            uint64_t now = ts_now_ns();
+            if (fresh) last = now;
+            else if (now - last >= DRIVE_IDLE_NS) break;
+            fresh = false;
+            hot = now - start < DRIVE_HOT_NS;
+            if (held && hot) {
+                prog_unlock(w);
+                held = false;
+            }
+        }
+        if (hot) {
+            cpu_relax();
+        } else {
+            if (held) prog_unlock(w);
+            held = false;
+            sched_yield();
+        }
+    }
+    if (held) prog_unlock(w);
+    bool done = atomic_load(&r->done) != 0;
+    atomic_fetch_sub(&w->driving, 1);
+    /* hand over: the request itself, ops left behind (the thread may be
+     * parked, or asleep on a worker armed before this caller's rounds,
+     * which need not signal again: it would wait for its 10 ms timeout),
+     * spans to record on its track (it may sleep without a timeout) */
+    if (!done || atomic_load(&w->live) > 0 || atomic_load(&w->traced)) wake_thread(w);
+    if (!done) {
+        pthread_mutex_lock(&w->mu);
+        while (!atomic_load(&r->done)) pthread_cond_wait(&w->cv, &w->mu);
+        pthread_mutex_unlock(&w->mu);
+    }
+    /* only when it changed: formatting it again costs a microsecond */
+    if (saved_st != TS_OK) {
+        if (ts_last_status() != saved_st || strcmp(ts_last_error(), saved) != 0) ts_error(saved_st, "%s", saved);
+    } else if (ts_last_status() != TS_OK) {
+        ts_clear_error();
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* The communication thread                                            */
+/* ------------------------------------------------------------------ */
+
+/* While callers drive, the thread stays off the lock: it sleeps on the
+ * submission eventfd, which a driver writes when it leaves ops behind
+ * (after it decremented `driving`: the eventfd then stays readable for a
+ * thread that parks late), and at most 10 ms (the check is repeated). */
+static void park(world *w)
+{
+    if (atomic_load(&w->driving) > 0 && !atomic_load(&w->stop)) {
+        struct pollfd p = {.fd = w->efd, .events = POLLIN};
+        struct timespec ten = {0, 10 * 1000000L};
+        if (ppoll(&p, 1, &ten, NULL) > 0 && (p.revents & POLLIN)) {
+            uint64_t cnt;
+            ssize_t rd = read(w->efd, &cnt, sizeof cnt);
+            (void)rd;
+        }
+    }
+}
+
 static void *comm_thread(void *arg)
 {
     world *w = arg;
+    tl_comm_world = w;
     ts_trace_thread_name("comm");
     ts_transport *t = w->t;
     uint64_t spin = spin_ns(), last_event = ts_now_ns();
     int busy = 0;
     long nap_us = NAP_MIN_US;
-    post_notices(w);
     for (;;) {
-        pthread_mutex_lock(&w->mu);
-        op *q = w->queue;
-        w->queue = w->queue_tail = NULL;
-        bool stop = w->stop;
-        pthread_mutex_unlock(&w->mu);
-        if (q) last_event = ts_now_ns();
-        while (q) {
-            op *o = q;
-            q = q->next;
-            o->next = w->active;
-            w->active = o;
-            if (w->failed) {
-                o->err = w->failed;
-                set_op_err(o, w->failed_msg);
-                finish(o);
-            } else {
-                start_op(w, o);
-            }
+        bool stop = atomic_load(&w->stop);
+        if (!stop && atomic_load(&w->driving) > 0) {
+            park(w);
+            last_event = ts_now_ns(); /* the drivers were busy: spin a little first */
+            nap_us = NAP_MIN_US;
+            busy = 0;
+            continue;
         }
-        run_tasks(w);
-        int n = t->vt->progress(t);
-        check_peers(w);
-        check_deadlines(w);
+        prog_lock(w);
+        int n = round_locked(w, true);
+        flush_traces(w);
         if (stop) {
             if (w->active && !w->failed) fail_world(w, TS_ERR_COMM, "the world was freed with collectives pending", NULL, false, -1);
             sweep(w);
+            flush_traces(w);
+            prog_unlock(w);
             break;
         }
-        sweep(w);
         if (n > 0) {
+            prog_unlock(w);
             last_event = ts_now_ns();
             nap_us = NAP_MIN_US;
             continue;
         }
         uint64_t idle = ts_now_ns() - last_event;
-        if (idle < spin) continue;
-        /* A caller blocked in ts_request_wait leaves its core idle: keep
-         * progressing (yielding the core to any other runnable thread)
-         * rather than sleep, since a sleeping thread's wake-up costs 50-100
-         * us on a VM at every hand-off of a small collective (measured: a
-         * 4 KiB all-gather then took 90-180 us instead of 7-10); but only
-         * for YIELD_MAX_NS without events: a peer that stopped (SIGSTOP)
-         * or a long transfer then costs no core. */
-        if (atomic_load(&w->waiters) > 0 && w->active && idle < YIELD_MAX_NS) {
-            sched_yield();
+        if (idle < spin) {
+            prog_unlock(w);
             continue;
         }
         bool armed = t->vt->arm(t) != TS_ERR_ALREADY;
+        bool watch = w->active || (w->suspect >= 0 && !w->failed);
+        int tfd = t->vt->wait_fd(t);
+        prog_unlock(w);
         /* not armed: nap, below, after a few retries */
         if (!armed && ++busy < BUSY_RETRIES) continue;
         busy = 0;
@@ -1233,13 +1462,13 @@ static void *comm_thread(void *arg)
          * NAP_MAX_US while nothing happens (NAP_LONG_US after NAP_LONG_AFTER_NS
          * without events), so that a long wait costs little CPU and a short
          * one little latency. A peer's death waiting out its grace period
-         * keeps the timeout short too. */
-        struct pollfd pfd[2] = {{.fd = w->efd, .events = POLLIN}, {.fd = t->vt->wait_fd(t), .events = POLLIN}};
+         * keeps the timeout short too. A driver that arrives meanwhile
+         * takes the lock at once; one that gives up writes the eventfd. */
+        struct pollfd pfd[2] = {{.fd = w->efd, .events = POLLIN}, {.fd = tfd, .events = POLLIN}};
         int nfd = armed && pfd[1].fd >= 0 ? 2 : 1;
         struct timespec nap = {0, nap_us * 1000L}, ten = {0, 10 * 1000000L};
         long cap = idle >= NAP_LONG_AFTER_NS ? NAP_LONG_US : NAP_MAX_US;
         if (!armed) nap_us = nap_us * 2 > cap ? cap : nap_us * 2;
-        bool watch = w->active || (w->suspect >= 0 && !w->failed);
         const struct timespec *timeout = !armed ? &nap : watch || pfd[1].fd < 0 ? &ten : NULL;
         int rc = ppoll(pfd, (nfds_t)nfd, timeout, NULL);
         if (armed && rc > 0) { /* woken by an event (not the timeout) */
@@ -1338,8 +1567,16 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     atomic_init(&w->check, check_default());
     w->suspect = -1;
     atomic_init(&w->next_gid, 1);
+    atomic_init(&w->queued, false);
+    atomic_init(&w->stop, false);
+    atomic_init(&w->driving, 0);
+    atomic_init(&w->live, 0);
+    atomic_init(&w->traced, false);
+    atomic_init(&w->by_callers, 0);
+    atomic_init(&w->by_thread, 0);
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
+    pthread_mutex_init(&w->prog_mu, NULL);
     c->w = w;
     c->rank = t->rank;
     c->size = t->size;
@@ -1354,6 +1591,7 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
             close(w->efd);
             pthread_mutex_destroy(&w->mu);
             pthread_cond_destroy(&w->cv);
+            pthread_mutex_destroy(&w->prog_mu);
             pthread_mutex_destroy(&c->stats_mu);
             ts__free(TS_MEM_COMM, c);
             ts__free(TS_MEM_COMM, w);
@@ -1380,20 +1618,23 @@ void ts__world_free(ts_comm *c)
     world *w = c->w;
     if (w->registrar) ts__pin_registrar_clear(w); /* while the thread still runs the deregistrations */
     if (w->has_thread) {
-        pthread_mutex_lock(&w->mu);
-        w->stop = true;
-        pthread_mutex_unlock(&w->mu);
-        uint64_t one = 1;
-        ssize_t wr = write(w->efd, &one, sizeof one);
-        (void)wr;
+        atomic_store(&w->stop, true);
+        wake_thread(w);
         pthread_join(w->thread, NULL);
     }
     w->t->vt->destroy(w->t); /* runs the notice receives' callbacks (cancelled) */
+    flush_traces(w);         /* none left by the thread's last round; a thread-less world's */
+    while (w->op_cache) {
+        op *o = w->op_cache;
+        w->op_cache = o->next;
+        ts__free(TS_MEM_COMM, o);
+    }
     ts__free(TS_MEM_COMM, w->nslots);
     ts__free(TS_MEM_COMM, w->nout);
     close(w->efd);
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
+    pthread_mutex_destroy(&w->prog_mu);
     pthread_mutex_destroy(&c->stats_mu);
     ts__free(TS_MEM_COMM, w);
     ts__free(TS_MEM_COMM, c);
@@ -1405,33 +1646,40 @@ void ts__world_free(ts_comm *c)
 
 static op *op_new(ts_comm *c, ts_coll_kind kind)
 {
-    op *o = ts__calloc(TS_MEM_COMM, 1, sizeof *o);
+    world *w = c->w;
+    op *o = NULL;
+    if (w) { /* a cached block (op_free), sized for the world */
+        pthread_mutex_lock(&w->mu);
+        if ((o = w->op_cache)) {
+            w->op_cache = o->next;
+            w->n_cached--;
+        }
+        pthread_mutex_unlock(&w->mu);
+    }
+    if (o) memset(o, 0, op_block_bytes(c->size));
+    else o = ts__calloc(TS_MEM_COMM, 1, op_block_bytes(w ? w->t->size : c->size));
     ts_request *r = ts__calloc(TS_MEM_COMM, 1, sizeof *r);
-    /* 6 W transfer slots: (rs, ag, fp) x (send, recv) x W; then W
-     * received fingerprints */
-    size_t nx = (size_t)(6 * c->size);
-    xfer *x = ts__calloc(TS_MEM_COMM, 1, nx * sizeof *x + (size_t)c->size * sizeof(fp) + (size_t)(2 * c->size) * sizeof(int));
-    int *map = ts__malloc(TS_MEM_COMM, (size_t)c->size * sizeof *map);
-    if (!o || !r || !x || !map) {
+    if (!o || !r) {
         ts__free(TS_MEM_COMM, o);
         ts__free(TS_MEM_COMM, r);
-        ts__free(TS_MEM_COMM, x);
-        ts__free(TS_MEM_COMM, map);
         return NULL;
     }
-    for (int i = 0; i < c->size; i++) map[i] = c->map ? c->map[i] : i;
-    r->w = c->w;
-    o->req = r;
+    size_t nx = (size_t)(6 * c->size);
+    xfer *x = (xfer *)(void *)(o + 1);
+    o->w = w;
     o->x = x;
-    o->map = map;
+    o->theirs = (fp *)(void *)(x + nx);
+    o->held = (int *)(void *)(o->theirs + c->size);
+    o->map = o->held + 2 * c->size;
+    for (int i = 0; i < c->size; i++) o->map[i] = c->map ? c->map[i] : i;
+    r->w = w;
+    o->req = r;
     o->kind = kind;
     o->W = c->size;
     o->rank = c->rank;
     o->left = (c->rank - 1 + c->size) % c->size;
     o->right = (c->rank + 1) % c->size;
     o->post = 1.0;
-    o->theirs = (fp *)(void *)(x + nx);
-    o->held = (int *)(void *)(o->theirs + c->size);
     o->check = c->w && atomic_load(&c->w->check) && kind != TS_COLL_SEND && kind != TS_COLL_RECV;
     o->mine = (fp){.kind = (uint8_t)kind, .dtype = FP_NONE, .rop = FP_NONE, .root = FP_NONE};
     return o;
@@ -1478,15 +1726,18 @@ static ts_status submit(ts_comm *c, op *o, size_t bytes, ts_request **r_out)
         complete_req(NULL, r, st, NULL);
         op_free(o);
     } else {
+        atomic_fetch_add(&w->live, 1);
         pthread_mutex_lock(&w->mu);
         o->next = NULL;
         if (w->queue_tail) w->queue_tail->next = o;
         else w->queue = o;
         w->queue_tail = o;
+        atomic_store_explicit(&w->queued, true, memory_order_release);
         pthread_mutex_unlock(&w->mu);
-        uint64_t one = 1;
-        ssize_t wr = write(w->efd, &one, sizeof one);
-        (void)wr;
+        /* an asynchronous op wakes the communication thread, which starts
+         * it while the caller goes on; a blocking one is started by its
+         * caller, who drives progress in ts_request_wait below */
+        if (r_out) wake_thread(w);
     }
     if (r_out) {
         *r_out = r;

@@ -2,12 +2,15 @@
  * Process groups, requests and collectives (DESIGN.md D7,
  * docs/comm-design.md).
  *
- * A world is the set of ranks that run one job. Each world has one
- * communication thread that owns its transport: collectives are submitted
- * to it through a queue, run there as ring state machines, and complete
- * requests that the caller waits on. Progress continues while the caller
- * computes, without the caller calling into the library. Several worlds
- * may live in one process (tests run N loopback ranks as threads).
+ * A world is the set of ranks that run one job. Collectives are submitted
+ * through a queue and run as ring state machines by whichever thread
+ * holds the world's progress lock: a caller waiting on a request
+ * (ts_request_wait, which every blocking collective calls) drives them
+ * itself, so that a small collective costs no thread hand-off; the
+ * world's communication thread runs them otherwise, so that progress
+ * continues while the caller computes, without the caller calling into
+ * the library. Several worlds may live in one process (tests run N
+ * loopback ranks as threads).
  *
  * Without an initialized world, ts_comm_world() is a one-rank group: every
  * collective is a local copy. ts_dist_init makes the world from the
@@ -118,9 +121,16 @@ TS_API ts_status ts_comm_new_group(ts_comm *parent, int n, const int *ranks, ts_
  * world is freed with the world). */
 TS_API void ts_comm_free(ts_comm *c);
 
-/* Waits until the collective completes; returns its status. */
+/* Waits until the collective completes; returns its status. The calling
+ * thread drives the world's progress meanwhile (every pending collective
+ * of the world, not only r's), polling for up to 5 ms without events,
+ * then sleeping while the communication thread takes over; the wait ends
+ * at the latest at the collective's deadline (TS_ERR_TIMEOUT). Leaves
+ * ts_last_error() as it was when the collective succeeds. Any thread;
+ * several may wait at once. */
 TS_API ts_status ts_request_wait(ts_request *r);
-/* Sets *done_out without blocking; returns TS_OK (the collective's own
+/* Sets *done_out without blocking and without making progress (the
+ * communication thread does); returns TS_OK (the collective's own
  * status comes from ts_request_status or ts_request_wait). */
 TS_API ts_status ts_request_test(ts_request *r, bool *done_out);
 /* The collective's status; TS_ERR_STATE while it is pending. */

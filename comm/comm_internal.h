@@ -20,7 +20,9 @@
  */
 
 /* Creates a world (group id 0) over `t`, taking ownership of it, and
- * starts its communication thread, which alone drives `t` from now on.
+ * starts its communication thread; from now on `t` is driven only under
+ * the world's progress lock (by that thread, or by a caller waiting on a
+ * request: comm.c).
  * timeout_s is the per-collective deadline (<= 0: 300 s). A world of size
  * 1 runs its collectives on the caller's thread. */
 ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out);
@@ -61,5 +63,12 @@ void ts__comm_set_check(ts_comm *c, bool on);
  * (transport.h, xfer_stats); zeros when the transport counts none (the
  * loopback) or for the one-rank group. Any thread. */
 void ts__comm_xfer_stats(ts_comm *c, uint64_t *posted_out, uint64_t *registered_out);
+
+/* How many collectives of c's world (its groups' included) a caller
+ * driving progress in ts_request_wait finished, and how many its
+ * communication thread finished (comm.c, "Driving"): blocking collectives
+ * should be the callers', asynchronous ones left behind the thread's.
+ * Zeros for the one-rank group. Any thread. */
+void ts__comm_progress_stats(ts_comm *c, uint64_t *by_callers_out, uint64_t *by_thread_out);
 
 #endif

@@ -3,9 +3,11 @@
  * docs/comm-design.md). Not installed.
  *
  * A transport moves tagged byte messages between the ranks of one world.
- * It is driven by ONE thread (the communication thread): every function
- * below except create/destroy is called only from that thread, and the
- * completion callbacks run inside progress() on it.
+ * It is driven by one thread at a time: every function below except
+ * create/destroy (and xfer_stats) is called only by the holder of the
+ * world's progress lock (comm.c: a caller waiting on a request, or the
+ * communication thread), and the completion callbacks run inside
+ * progress() on that thread.
  *
  * Matching: a receive posted for (peer, tag) completes with the message
  * that peer sent with that tag; messages with the same (peer, tag) match
@@ -58,7 +60,8 @@ typedef struct ts_transport_vtable {
      * lies inside it passes that registration (UCX: the memh) instead of
      * the transport registering the buffer per transfer; *handle_out is
      * given back to mem_deregister before the memory is freed. Called on
-     * the driving thread (comm.c runs pinned-memory registrations there). */
+     * the driving thread (comm.c runs pinned-memory registrations under
+     * the progress lock). */
     ts_status (*mem_register)(ts_transport *t, void *addr, size_t len, void **handle_out);
     void (*mem_deregister)(ts_transport *t, void *handle);
     /* Optional: the sends and receives posted so far with a buffer of
@@ -89,10 +92,10 @@ void ts__loopback_kill(ts_loopback_fabric *f, int rank, double detect_s);
 /* ----------------------------------------------------------- UCX */
 
 typedef struct ts_store ts_store;
-/* Creates this rank's UCX worker (SINGLE thread mode, TAG + WAKEUP), puts
- * its address in the store under "<prefix>/ucx/<rank>", connects to every
- * peer with PEER error handling, and waits (timeout_s) until all have
- * published. Must be called from the thread that will drive it. */
+/* Creates this rank's UCX worker (SERIALIZED thread mode: any thread, one
+ * at a time; TAG + WAKEUP), puts its address in the store under
+ * "<prefix>/ucx/<rank>", connects to every peer with PEER error handling,
+ * and waits (timeout_s) until all have published. */
 ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, int size, double timeout_s,
                                 ts_transport **out);
 

@@ -2,8 +2,10 @@
 /*
  * The UCX transport (transport.h; reference/DEPS-GUIDE.md §1).
  *
- * One UCP context (TAG + WAKEUP) and one worker in UCS_THREAD_MODE_SINGLE,
- * owned by the thread that created it. Unset UCX_TLS, UCX_MM_ERROR_HANDLING
+ * One UCP context (TAG + WAKEUP) and one worker in
+ * UCS_THREAD_MODE_SERIALIZED: driven by one thread at a time, whichever
+ * holds the world's progress lock (comm.c: a caller waiting on a request,
+ * or the communication thread). Unset UCX_TLS, UCX_MM_ERROR_HANDLING
  * and UCX_KEEPALIVE_INTERVAL get the launcher's defaults (setenv before
  * ucp_config_read). Every rank connects to every rank (itself included)
  * with UCP_ERR_HANDLING_MODE_PEER.
@@ -185,6 +187,9 @@ struct ts_ucx {
     ts_status world_failed;
     bool dead_unhandled;
     double next_pid_check;
+    unsigned pid_tick; /* progress calls; the pid watch reads the clock every 16th */
+    ucx_op *free_ops;  /* finished ops kept for the next transfers (op_release) */
+    int n_free;
     uint64_t cma_nonce; /* the last bypass transfer's number */
     /* memory registered once (mem_register: pinned host memory), sorted
      * by address; driving thread only */
@@ -473,6 +478,8 @@ static ts_status op_status(ts_ucx *t, ucx_op *op)
                     t->base.rank, what, op->len, dir, op->peer, op->tag, ucs_status_string(op->ucs));
 }
 
+static void op_release(ts_ucx *t, ucx_op *op);
+
 /* Runs the completed queue; returns how many user callbacks ran. */
 static int run_completions(ts_ucx *t)
 {
@@ -491,7 +498,7 @@ static int run_completions(ts_ucx *t)
             if (op->cb)
                 op->cb(op->arg, s);
         }
-        ts__free(TS_MEM_COMM, op);
+        op_release(t, op);
     }
     return n;
 }
@@ -564,11 +571,32 @@ static ts_status check_args(ts_ucx *t, const char *what, int peer, const void *b
     return TS_OK;
 }
 
+/* Finished ops are kept for the next transfers (at most TS_UCX_OP_CACHE;
+ * destroy frees them): a small collective otherwise spent about as long
+ * in the allocator (64-byte aligned blocks) as on the wire. */
+#define TS_UCX_OP_CACHE 64
+
+static void op_release(ts_ucx *t, ucx_op *op)
+{
+    if (t->n_free < TS_UCX_OP_CACHE) {
+        op->next = t->free_ops;
+        t->free_ops = op;
+        t->n_free++;
+        return;
+    }
+    ts__free(TS_MEM_COMM, op);
+}
+
 static ucx_op *op_new(ts_ucx *t, int peer, size_t len, uint64_t tag, bool is_recv, ts_xfer_cb cb, void *arg)
 {
-    ucx_op *op = ts__calloc(TS_MEM_COMM, 1, sizeof *op);
-    if (!op)
+    ucx_op *op = t->free_ops;
+    if (op) {
+        t->free_ops = op->next;
+        t->n_free--;
+        memset(op, 0, sizeof *op);
+    } else if (!(op = ts__calloc(TS_MEM_COMM, 1, sizeof *op))) {
         return NULL;
+    }
     op->t = t;
     op->peer = peer;
     op->len = len;
@@ -621,7 +649,7 @@ static ts_status send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uint
     if (UCS_PTR_IS_ERR(r)) {
         ucs_status_t us = UCS_PTR_STATUS(r);
         pending_remove(t, op);
-        ts__free(TS_MEM_COMM, op);
+        op_release(t, op);
         return ts_error(t->peers[peer].dead ? TS_ERR_PEER_FAILED : TS_ERR_COMM,
                         "ucx: rank %d: send of %zu bytes to rank %d (tag 0x%" PRIx64 ") failed: %s", t->base.rank,
                         ulen ? ulen : len, peer, tag, ucs_status_string(us));
@@ -665,7 +693,7 @@ static ts_status recv_raw(ts_ucx *t, int peer, void *buf, size_t len, uint64_t t
     if (UCS_PTR_IS_ERR(r)) {
         ucs_status_t us = UCS_PTR_STATUS(r);
         pending_remove(t, op);
-        ts__free(TS_MEM_COMM, op);
+        op_release(t, op);
         if (op_out)
             *op_out = NULL;
         return ts_error(TS_ERR_COMM, "ucx: rank %d: receive of %zu bytes from rank %d (tag 0x%" PRIx64
@@ -938,7 +966,11 @@ static int ucx_progress(ts_transport *base)
 {
     ts_ucx *t = (ts_ucx *)base;
     int n = (int)ucp_worker_progress(t->worker);
-    check_peer_pids(t);
+    /* a caller spinning on progress calls this every few hundred ns: the
+     * clock read of the pid watch (85 ns on a VM) only every 16th call
+     * (arm, before every sleep, always checks) */
+    if (++t->pid_tick % 16 == 0)
+        check_peer_pids(t);
     n += handle_dead_peers(t);
     return n + run_completions(t);
 }
@@ -1133,6 +1165,12 @@ static void ucx_destroy(ts_transport *base)
         ts__free(TS_MEM_COMM, t->regions);
     if (t->worker)
         atomic_fetch_sub(&g_ucx_teardown, 1);
+    while (t->free_ops) { /* UCX holds none of these */
+        ucx_op *op = t->free_ops;
+        t->free_ops = op->next;
+        ts__free(TS_MEM_COMM, op);
+    }
+    t->n_free = 0;
     for (int r = 0; t->peers && r < t->base.size; r++)
         if (t->peers[r].pidfd >= 0) {
             close(t->peers[r].pidfd);
@@ -1303,7 +1341,7 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
     }
     ucp_worker_params_t wp = {
         .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
-        .thread_mode = UCS_THREAD_MODE_SINGLE,
+        .thread_mode = UCS_THREAD_MODE_SERIALIZED, /* several threads, one at a time (comm.c's progress lock) */
     };
     us = ucp_worker_create(t->ctx, &wp, &t->worker);
     if (us != UCS_OK) {
