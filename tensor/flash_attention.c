@@ -36,12 +36,17 @@ enum { BLK_OPEN = 0, BLK_MIXED = 1, BLK_SKIP = 2 };
  *     maximum mn = max(m, max s), P = exp(s - mn) in place, l = l *
  *     exp(m - mn) + sum P, alpha = exp(m - mn) (1 and P = 0 for a row
  *     still wholly masked);
- * probs_rows: the backward's P = exp(scale * S - lse) in place. */
+ * probs_rows: the backward's P = exp(scale * S - lse) in place;
+ * transpose: xt (hd, S) = x (S, hd) (row stride rs) transposed;
+ * mask_tile: the br x bc scores (row stride BC) to -inf where the mask
+ *     bytes (row stride S) are nonzero. */
 typedef struct kops {
     void (*mm)(int64_t m, int64_t n, int64_t K, const float *A, int64_t rsa, int64_t csa, const float *B,
                int64_t rsb, float *C, int64_t rsc, bool acc);
     void (*softmax_rows)(float *S, int br, int bc, float scale, float *m, float *l, float *alpha);
     void (*probs_rows)(float *S, int br, int bc, float scale, const float *lse);
+    void (*transpose)(float *xt, const float *x, int64_t rs, int64_t S, int64_t hd);
+    void (*mask_tile)(float *St, int br, int bc, const uint8_t *mk, int64_t S);
 } kops;
 
 /* ------------------------------------------------------------- scalar */
@@ -95,7 +100,24 @@ static void probs_rows_scalar(float *S, int br, int bc, float scale, const float
             S[i * BC + j] = ts__exp_f32(S[i * BC + j] * scale - lse[i]);
 }
 
-static const kops k_scalar = {mm_scalar, softmax_rows_scalar, probs_rows_scalar};
+static void transpose_scalar(float *xt, const float *x, int64_t rs, int64_t S, int64_t hd)
+{
+    for (int64_t s0 = 0; s0 < S; s0 += 8) {
+        int64_t s1 = s0 + 8 < S ? s0 + 8 : S;
+        for (int64_t d = 0; d < hd; d++)
+            for (int64_t s = s0; s < s1; s++)
+                xt[d * S + s] = x[s * rs + d];
+    }
+}
+
+static void mask_tile_scalar(float *St, int br, int bc, const uint8_t *mk, int64_t S)
+{
+    for (int i = 0; i < br; i++)
+        for (int j = 0; j < bc; j++)
+            St[i * BC + j] = mk[i * S + j] ? -INFINITY : St[i * BC + j];
+}
+
+static const kops k_scalar = {mm_scalar, softmax_rows_scalar, probs_rows_scalar, transpose_scalar, mask_tile_scalar};
 
 #if F_X86
 /* ---------------------------------------------------------- AVX-512F */
@@ -243,7 +265,7 @@ F_AVX512 static void probs_rows_avx512(float *S, int br, int bc, float scale, co
     }
 }
 
-static const kops k_avx512 = {mm_avx512, softmax_rows_avx512, probs_rows_avx512};
+
 
 /* --------------------------------------------------------- AVX2 + FMA */
 
@@ -421,20 +443,81 @@ F_AVX2 static void probs_rows_avx2(float *S, int br, int bc, float scale, const 
     }
 }
 
-static const kops k_avx2 = {mm_avx2, softmax_rows_avx2, probs_rows_avx2};
+/* dst[d * ds + s] = src[s * rs + d] for an 8 x 8 block. */
+F_AVX2 static F_INLINE void tr8x8(float *dst, int64_t ds, const float *src, int64_t rs)
+{
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm256_loadu_ps(src + i * rs);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ds, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ds, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
+F_AVX2 static void transpose_avx2(float *xt, const float *x, int64_t rs, int64_t S, int64_t hd)
+{
+    int64_t s8 = S / 8 * 8, d8 = hd / 8 * 8;
+    for (int64_t s0 = 0; s0 < s8; s0 += 8)
+        for (int64_t d0 = 0; d0 < d8; d0 += 8)
+            tr8x8(xt + d0 * S + s0, S, x + s0 * rs + d0, rs);
+    for (int64_t d = d8; d < hd; d++) /* the columns right of the 8 x 8 blocks */
+        for (int64_t s = 0; s < s8; s++)
+            xt[d * S + s] = x[s * rs + d];
+    for (int64_t s = s8; s < S; s++) /* the rows below them */
+        for (int64_t d = 0; d < hd; d++)
+            xt[d * S + s] = x[s * rs + d];
+}
+
+F_AVX2 static void mask_tile_avx2(float *St, int br, int bc, const uint8_t *mk, int64_t S)
+{
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i zero = _mm256_setzero_si256();
+    for (int i = 0; i < br; i++) {
+        float *r = St + i * BC;
+        const uint8_t *m = mk + i * S;
+        int j = 0;
+        for (; j + 8 <= bc; j += 8) {
+            __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(m + j)));
+            __m256 sel = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_cmpeq_epi32(b, zero), _mm256_set1_epi32(-1)));
+            _mm256_storeu_ps(r + j, _mm256_blendv_ps(_mm256_loadu_ps(r + j), ninf, sel));
+        }
+        for (; j < bc; j++)
+            r[j] = m[j] ? -INFINITY : r[j];
+    }
+}
+
+F_AVX512 static void mask_tile_avx512(float *St, int br, int bc, const uint8_t *mk, int64_t S)
+{
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int i = 0; i < br; i++) {
+        float *r = St + i * BC;
+        const uint8_t *m = mk + i * S;
+        int j = 0;
+        for (; j + 16 <= bc; j += 16) {
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(m + j)));
+            __mmask16 k = _mm512_test_epi32_mask(b, b);
+            _mm512_mask_storeu_ps(r + j, k, ninf);
+        }
+        for (; j < bc; j++)
+            r[j] = m[j] ? -INFINITY : r[j];
+    }
+}
+
+static const kops k_avx2 = {mm_avx2, softmax_rows_avx2, probs_rows_avx2, transpose_avx2, mask_tile_avx2};
+static const kops k_avx512 = {mm_avx512, softmax_rows_avx512, probs_rows_avx512, transpose_avx2, mask_tile_avx512};
 #endif
 
-static const kops *ops_for(ts__kpath p)
-{
-#if F_X86
-    if (p >= TS__KPATH_AVX512)
-        return &k_avx512;
-    if (p == TS__KPATH_AVX2)
-        return &k_avx2;
-#endif
-    (void)p;
-    return &k_scalar;
-}
 
 /* ------------------------------------------------------------- common */
 
@@ -496,28 +579,29 @@ static uint8_t *classify(const uint8_t *mask, int64_t T, int64_t S, int64_t nqb,
     return cls;
 }
 
-/* Scores under the mask to -inf (a mixed block's tile). */
-static void mask_tile(float *St, int br, int bc, const uint8_t *mk, int64_t S)
+
+/* sum a[i] * b[i] over n, in 16 partial sums (so that it vectorises
+ * without reassociation), then the tail. */
+static F_INLINE float dot16(const float *a, const float *b, int64_t n)
 {
-    for (int i = 0; i < br; i++)
-        for (int j = 0; j < bc; j++)
-            if (mk[i * S + j])
-                St[i * BC + j] = -INFINITY;
+    float acc[16] = {0}, s = 0.0f;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++)
+            acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < 16; l++)
+        s += acc[l];
+    for (; i < n; i++)
+        s += a[i] * b[i];
+    return s;
 }
 
-/* xt (hd, S) = the head's rows x (S, hd) (row stride rs) transposed. */
-static void transpose(float *xt, const float *x, int64_t rs, int64_t S, int64_t hd)
-{
-    for (int64_t s0 = 0; s0 < S; s0 += 8) {
-        int64_t s1 = s0 + 8 < S ? s0 + 8 : S;
-        for (int64_t d = 0; d < hd; d++)
-            for (int64_t s = s0; s < s1; s++)
-                xt[d * S + s] = x[s * rs + d];
-    }
-}
+typedef struct job job;
+/* One (b, h) pair, forward or backward, on one path. */
+typedef void (*head_fn)(const job *j, float *w, int64_t b, int64_t h);
 
-typedef struct job {
-    const kops *k;
+struct job {
+    head_fn head;
     const ts__flash_problem *pr;
     const uint8_t *cls;
     int64_t nqb, nkb;
@@ -527,18 +611,17 @@ typedef struct job {
     float *dq, *dk, *dv;
     int nt;
     atomic_int failed;
-} job;
+};
 
-static void forward_head(const job *j, float *w, int64_t b, int64_t h)
+static F_INLINE void forward_head(const kops *k, const job *j, float *w, int64_t b, int64_t h)
 {
     const ts__flash_problem *pr = j->pr;
-    const kops *k = j->k;
     int64_t T = pr->T, S = pr->S, hd = pr->hd, E = pr->H * hd;
     const float *q = pr->q + b * pr->q_sb + h * hd, *kk = pr->k + b * pr->k_sb + h * hd,
                 *v = pr->v + b * pr->v_sb + h * hd;
     float *o = j->o + b * T * E + h * hd, *lse = j->lse + (b * pr->H + h) * T;
     float *Kt = w, *St = Kt + hd * S, *Oa = St + BR * BC, *m = Oa + BR * hd, *l = m + BR, *alpha = l + BR;
-    transpose(Kt, kk, pr->k_st, S, hd);
+    k->transpose(Kt, kk, pr->k_st, S, hd);
     for (int64_t qi = 0; qi < j->nqb; qi++) {
         int64_t t0 = qi * BR;
         int br = (int)(T - t0 < BR ? T - t0 : BR);
@@ -555,7 +638,7 @@ static void forward_head(const job *j, float *w, int64_t b, int64_t h)
             int bc = (int)(S - s0 < BC ? S - s0 : BC);
             k->mm(br, bc, hd, q + t0 * pr->q_st, pr->q_st, 1, Kt + s0, S, St, BC, false);
             if (c == BLK_MIXED)
-                mask_tile(St, br, bc, pr->mask + t0 * S + s0, S);
+                k->mask_tile(St, br, bc, pr->mask + t0 * S + s0, S);
             k->softmax_rows(St, br, bc, pr->scale, m, l, alpha);
             for (int i = 0; i < br; i++)
                 if (alpha[i] != 1.0f)
@@ -573,10 +656,9 @@ static void forward_head(const job *j, float *w, int64_t b, int64_t h)
     }
 }
 
-static void backward_head(const job *j, float *w, int64_t b, int64_t h)
+static F_INLINE void backward_head(const kops *k, const job *j, float *w, int64_t b, int64_t h)
 {
     const ts__flash_problem *pr = j->pr;
-    const kops *k = j->k;
     int64_t T = pr->T, S = pr->S, hd = pr->hd, E = pr->H * hd;
     const float *q = pr->q + b * pr->q_sb + h * hd, *kk = pr->k + b * pr->k_sb + h * hd,
                 *v = pr->v + b * pr->v_sb + h * hd;
@@ -585,14 +667,10 @@ static void backward_head(const job *j, float *w, int64_t b, int64_t h)
     float *dq = j->dq + b * T * E + h * hd, *dk = j->dk + b * S * E + h * hd, *dv = j->dv + b * S * E + h * hd;
     float *Kt = w, *Vt = Kt + hd * S, *Pt = Vt + hd * S, *dPt = Pt + BR * BC, *D = dPt + BR * BC;
     float scale = pr->scale;
-    transpose(Kt, kk, pr->k_st, S, hd);
-    transpose(Vt, v, pr->v_st, S, hd);
-    for (int64_t t = 0; t < T; t++) {
-        float s = 0.0f;
-        for (int64_t d = 0; d < hd; d++)
-            s += go[t * E + d] * o[t * E + d];
-        D[t] = s;
-    }
+    k->transpose(Kt, kk, pr->k_st, S, hd);
+    k->transpose(Vt, v, pr->v_st, S, hd);
+    for (int64_t t = 0; t < T; t++)
+        D[t] = dot16(go + t * E, o + t * E, hd);
     for (int64_t kj = 0; kj < j->nkb; kj++) {
         int64_t s0 = kj * BC;
         int bc = (int)(S - s0 < BC ? S - s0 : BC);
@@ -605,7 +683,7 @@ static void backward_head(const job *j, float *w, int64_t b, int64_t h)
             /* P = exp(scale q k^T - lse), 0 under the mask */
             k->mm(br, bc, hd, q + t0 * pr->q_st, pr->q_st, 1, Kt + s0, S, Pt, BC, false);
             if (c == BLK_MIXED)
-                mask_tile(Pt, br, bc, pr->mask + t0 * S + s0, S);
+                k->mask_tile(Pt, br, bc, pr->mask + t0 * S + s0, S);
             k->probs_rows(Pt, br, bc, scale, lse + t0);
             /* dV += P^T dO */
             k->mm(bc, hd, br, Pt, 1, BC, go + t0 * E, E, dv + s0 * E, E, true);
@@ -621,6 +699,47 @@ static void backward_head(const job *j, float *w, int64_t b, int64_t h)
             k->mm(bc, hd, br, dPt, 1, BC, q + t0 * pr->q_st, pr->q_st, dk + s0 * E, E, true);
         }
     }
+}
+
+/* Each path's head functions: the blocks' loops and elementwise passes
+ * are inlined into a function compiled for the path's instruction set
+ * (so that they vectorise with it), calling its kernels directly. */
+static void head_scalar(const job *j, float *w, int64_t b, int64_t h)
+{
+    if (j->backward)
+        backward_head(&k_scalar, j, w, b, h);
+    else
+        forward_head(&k_scalar, j, w, b, h);
+}
+
+#if F_X86
+F_AVX2 static void head_avx2(const job *j, float *w, int64_t b, int64_t h)
+{
+    if (j->backward)
+        backward_head(&k_avx2, j, w, b, h);
+    else
+        forward_head(&k_avx2, j, w, b, h);
+}
+
+F_AVX512 static void head_avx512(const job *j, float *w, int64_t b, int64_t h)
+{
+    if (j->backward)
+        backward_head(&k_avx512, j, w, b, h);
+    else
+        forward_head(&k_avx512, j, w, b, h);
+}
+#endif
+
+static head_fn head_for(ts__kpath p)
+{
+#if F_X86
+    if (p >= TS__KPATH_AVX512)
+        return head_avx512;
+    if (p == TS__KPATH_AVX2)
+        return head_avx2;
+#endif
+    (void)p;
+    return head_scalar;
 }
 
 /* Floats of one worker's scratch. */
@@ -646,12 +765,8 @@ static void *worker_main(void *arg)
         atomic_store(&j->failed, 1);
         return NULL;
     }
-    for (int64_t p = wk->index; p < pr->B * pr->H; p += j->nt) {
-        if (j->backward)
-            backward_head(j, w, p / pr->H, p % pr->H);
-        else
-            forward_head(j, w, p / pr->H, p % pr->H);
-    }
+    for (int64_t p = wk->index; p < pr->B * pr->H; p += j->nt)
+        j->head(j, w, p / pr->H, p % pr->H);
     ts__free(TS_MEM_OTHER, w);
     return NULL;
 }
@@ -702,7 +817,7 @@ static ts_status run(job *j)
 
 ts_status ts__flash_forward(ts__kpath p, const ts__flash_problem *pr, float *o, float *lse)
 {
-    job j = {.k = ops_for(p), .pr = pr, .o = o, .lse = lse};
+    job j = {.head = head_for(p), .pr = pr, .o = o, .lse = lse};
     return run(&j);
 }
 
@@ -713,7 +828,7 @@ ts_status ts__flash_backward(ts__kpath p, const ts__flash_problem *pr, const flo
     memset(dq, 0, (size_t)(pr->B * pr->T * E) * sizeof *dq);
     memset(dk, 0, (size_t)(pr->B * pr->S * E) * sizeof *dk);
     memset(dv, 0, (size_t)(pr->B * pr->S * E) * sizeof *dv);
-    job j = {.k = ops_for(p), .pr = pr, .o = (float *)o, .lse = (float *)lse, .go = go, .dq = dq, .dk = dk,
+    job j = {.head = head_for(p), .pr = pr, .o = (float *)o, .lse = (float *)lse, .go = go, .dq = dq, .dk = dk,
              .dv = dv, .backward = true};
     return run(&j);
 }
