@@ -387,7 +387,7 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
     bool drop = training && dropout_p > 0;
     /* float32 without dropout: the fused kernel, unless a row is wholly
      * masked (NaN rows: the reference path gives PyTorch's NaNs) */
-    if (dt == TS_F32 && !drop && ts__flash_enabled()) {
+    if (dt == TS_F32 && !drop && T > 0 && S > 0 && ts__flash_enabled()) {
         if (mask && (st = ts_contiguous(mask, &mc)))
             return st;
         if (ts__flash_mask_ok(mc ? ts_tensor_data(mc) : NULL, T, S)) {
