@@ -13,11 +13,12 @@
  *   - the attention op alone at the model's shapes (forward and backward,
  *     causal mask, q, k, v strided views of one packed projection as in
  *     MultiheadAttention), its unfused reference path against the fused
- *     kernel (tensor/flash_attention.h), the two interleaved rep by rep.
+ *     kernel (tensor/flash_attention.h), the two interleaved rep by rep
+ *     (--no-alone skips it).
  * TS_ATTENTION=reference runs the whole step on the unfused path.
  * Targets at 1 thread: raw sgemm >= 70% of the step; step <= 0.8 x PyTorch.
  *
- * Usage: bench_train_step [--threads 1,2] [--steps N] [--warmup N] [--no-torch]
+ * Usage: bench_train_step [--threads 1,2] [--steps N] [--warmup N] [--no-torch] [--no-alone]
  *        [--layers L --dim D --heads H --seq T --batch B --vocab V] */
 #define _GNU_SOURCE
 #include <blis.h>
@@ -265,10 +266,11 @@ int main(int argc, char **argv)
 {
     cfg c = {.vocab = 64, .layers = 4, .dim = 256, .heads = 4, .seq = 128, .batch = 8};
     int steps = 7, warmup = 2, threads[4] = {1, 2}, n_threads = 2;
-    bool use_torch = true;
+    bool use_torch = true, alone = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
         if (!strcmp(a, "--no-torch")) { use_torch = false; continue; }
+        if (!strcmp(a, "--no-alone")) { alone = false; continue; }
         if (!strcmp(a, "--threads")) {
             n_threads = 0;
             for (char *s = strtok((char *)v, ","); s && n_threads < 4; s = strtok(NULL, ","))
@@ -282,7 +284,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--batch")) c.batch = atoll(v);
         else if (!strcmp(a, "--vocab")) c.vocab = atoll(v);
         else {
-            fprintf(stderr, "usage: %s [--threads 1,2] [--steps N] [--warmup N] [--no-torch] [--layers L] [--dim D] "
+            fprintf(stderr, "usage: %s [--threads 1,2] [--steps N] [--warmup N] [--no-torch] [--no-alone] [--layers L] [--dim D] "
                             "[--heads H] [--seq T] [--batch B] [--vocab V]\n", argv[0]);
             return 2;
         }
@@ -317,6 +319,8 @@ int main(int argc, char **argv)
         printf("        (%d matrix products, %.2f GFLOP per step: %.1f GFLOP/s in raw sgemm)\n", r.n_products, r.gflop,
                r.gflop / (r.sgemm_ms * 1e-3));
         double ref_ms, fused_ms;
+        if (!alone)
+            continue;
         attention_alone(&c, threads[t], steps * 4 * (int)c.layers, &ref_ms, &fused_ms);
         printf("        attention alone (B %lld, T %lld, E %lld, %lld heads, causal; forward + backward, median of %d "
                "interleaved): reference %.3f ms, fused %.3f ms (%.2fx)\n", (long long)c.batch, (long long)c.seq,
