@@ -6,11 +6,19 @@
  *   - the time raw bli_sgemm takes for exactly this step's list of matrix
  *     products (recorded from the step, replayed on fresh buffers with the
  *     same shapes and transposes), and its share of the step,
+ *   - the time inside the attention op, forward and backward (trace spans
+ *     "attention" and "attention_backward"), and its share of the step,
  *   - PyTorch's time for the same model, batch and AdamW step, run in this
- *     same session (when /usr/bin/python3 has torch), and the ratio.
+ *     same session (when /usr/bin/python3 has torch), and the ratio,
+ *   - the attention op alone at the model's shapes (forward and backward,
+ *     causal mask, q, k, v strided views of one packed projection as in
+ *     MultiheadAttention), its unfused reference path against the fused
+ *     kernel (tensor/flash_attention.h), the two interleaved rep by rep
+ *     (--no-alone skips it).
+ * TS_ATTENTION=reference runs the whole step on the unfused path.
  * Targets at 1 thread: raw sgemm >= 70% of the step; step <= 0.8 x PyTorch.
  *
- * Usage: bench_train_step [--threads 1,2] [--steps N] [--warmup N] [--no-torch]
+ * Usage: bench_train_step [--threads 1,2] [--steps N] [--warmup N] [--no-torch] [--no-alone]
  *        [--layers L --dim D --heads H --seq T --batch B --vocab V] */
 #define _GNU_SOURCE
 #include <blis.h>
@@ -21,6 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tensor/flash_attention.h"
 #include "tensor/internal.h"
 #include "bench/bench_common.h"
 #include "tensorshard.h"
@@ -101,7 +110,7 @@ typedef struct cfg {
 } cfg;
 
 typedef struct result {
-    double step_ms, best_ms, matmul_ms, sgemm_ms;
+    double step_ms, best_ms, matmul_ms, sgemm_ms, attn_ms;
     int n_products;
     double gflop;
 } result;
@@ -132,7 +141,7 @@ static result run(const cfg *c, int threads, int steps, int warmup)
     CHECK(ts_randint(0, c->vocab, 1, ys, NULL, &y));
     char trace_path[64];
     snprintf(trace_path, sizeof trace_path, "/tmp/ts_bench_trace_%d.json", (int)getpid());
-    double times[256], mm[256];
+    double times[256], mm[256], at[256];
     steps = steps > 256 ? 256 : steps;
     n_prods = 0;
     for (int s = 0; s < warmup + steps; s++) {
@@ -152,11 +161,13 @@ static result run(const cfg *c, int threads, int steps, int warmup)
         double t1 = now_ms();
         if (getenv("TS_BENCH_POOL")) fprintf(stderr, "step %d pool %zu MiB cached %zu MiB\n", s, ts_mem_live_bytes(TS_MEM_POOL) >> 20, ts_pool_cached_bytes() >> 20);
         double matmul = (double)ts_trace_total_ns("matmul") * 1e-6;
+        double attn = (double)(ts_trace_total_ns("attention") + ts_trace_total_ns("attention_backward")) * 1e-6;
         ts_trace_stop(false);
         recording = false;
         if (s >= warmup) {
             times[s - warmup] = t1 - t0;
             mm[s - warmup] = matmul;
+            at[s - warmup] = attn;
         }
     }
     result r = {0};
@@ -167,6 +178,7 @@ static result run(const cfg *c, int threads, int steps, int warmup)
     for (int i = 1; i < steps; i++)
         r.best_ms = sorted[i] < r.best_ms ? sorted[i] : r.best_ms;
     r.matmul_ms = bench_median(mm, steps);
+    r.attn_ms = bench_median(at, steps);
     r.n_products = n_prods;
     for (int i = 0; i < n_prods; i++)
         r.gflop += 2e-9 * (double)prods[i].m * (double)prods[i].n * (double)prods[i].k;
@@ -180,6 +192,50 @@ static result run(const cfg *c, int threads, int steps, int warmup)
     ts_module_free(model);
     ts_pool_empty_cache();
     return r;
+}
+
+/* The attention op alone at the model's shapes, forward and backward:
+ * medians over `reps` of the reference path and of the fused kernel,
+ * timed alternately (so that other load on the machine hits both). */
+static void attention_alone(const cfg *c, int threads, int reps, double *ref_ms, double *fused_ms)
+{
+    ts_set_num_threads(threads);
+    int64_t ps[3] = {c->batch, c->seq, 3 * c->dim};
+    ts_tensor *qkv, *parts[3], *keep, *f, *mask;
+    int np;
+    ts_manual_seed(3);
+    CHECK(ts_randn(TS_F32, 3, ps, NULL, &qkv));
+    CHECK(ts_tensor_set_requires_grad(qkv, true));
+    CHECK(ts_tril_mask(c->seq, 0, &keep));
+    CHECK(ts_tensor_full(TS_BOOL, 0, NULL, 0.0, &f));
+    CHECK(ts_eq(keep, f, &mask));
+    double t[2][64];
+    reps = reps > 64 ? 64 : reps;
+    for (int r = 0; r < reps + 1; r++)
+        for (int mode = 0; mode < 2; mode++) {
+            ts__flash_force(mode);
+            CHECK(ts_chunk(qkv, 3, 2, 3, parts, &np));
+            double t0 = now_ms();
+            ts_tensor *o, *g;
+            CHECK(ts_attention(parts[0], parts[1], parts[2], c->heads, mask, 0.0, true, NULL, &o));
+            CHECK(ts_tensor_full(TS_F32, 3, ts_tensor_shape(o), 1e-3, &g));
+            CHECK(ts_backward(o, g, false));
+            double t1 = now_ms();
+            ts_tensor_free(o);
+            ts_tensor_free(g);
+            ts_tensor_set_grad(qkv, NULL);
+            for (int i = 0; i < 3; i++)
+                ts_tensor_free(parts[i]);
+            if (r > 0)
+                t[mode][r - 1] = t1 - t0;
+        }
+    ts__flash_force(-1);
+    *ref_ms = bench_median(t[0], reps);
+    *fused_ms = bench_median(t[1], reps);
+    ts_tensor_free(qkv);
+    ts_tensor_free(keep);
+    ts_tensor_free(f);
+    ts_tensor_free(mask);
 }
 
 /* Runs the PyTorch twin; returns its median step in ms, or -1. */
@@ -210,10 +266,11 @@ int main(int argc, char **argv)
 {
     cfg c = {.vocab = 64, .layers = 4, .dim = 256, .heads = 4, .seq = 128, .batch = 8};
     int steps = 7, warmup = 2, threads[4] = {1, 2}, n_threads = 2;
-    bool use_torch = true;
+    bool use_torch = true, alone = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
         if (!strcmp(a, "--no-torch")) { use_torch = false; continue; }
+        if (!strcmp(a, "--no-alone")) { alone = false; continue; }
         if (!strcmp(a, "--threads")) {
             n_threads = 0;
             for (char *s = strtok((char *)v, ","); s && n_threads < 4; s = strtok(NULL, ","))
@@ -227,7 +284,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--batch")) c.batch = atoll(v);
         else if (!strcmp(a, "--vocab")) c.vocab = atoll(v);
         else {
-            fprintf(stderr, "usage: %s [--threads 1,2] [--steps N] [--warmup N] [--no-torch] [--layers L] [--dim D] "
+            fprintf(stderr, "usage: %s [--threads 1,2] [--steps N] [--warmup N] [--no-torch] [--no-alone] [--layers L] [--dim D] "
                             "[--heads H] [--seq T] [--batch B] [--vocab V]\n", argv[0]);
             return 2;
         }
@@ -244,8 +301,10 @@ int main(int argc, char **argv)
            (long long)c.layers, (long long)c.dim, (long long)c.heads, (long long)c.seq, (long long)c.batch,
            (long long)c.vocab, ts_blis_arch_name());
     printf("median of %d steps after %d warm-up steps; times in ms\n\n", steps, warmup);
-    printf("%7s %9s %9s %9s %7s %9s %9s %10s %9s %9s\n", "threads", "step", "best", "matmul", "share", "rest",
-           "sgemm", "sgemm/step", "torch", "step/torch");
+    printf("attention: %s path\n", ts__flash_enabled() ? "fused (TS_ATTENTION=reference for the unfused one)"
+                                                     : "reference (TS_ATTENTION=reference)");
+    printf("%7s %9s %9s %9s %7s %9s %9s %10s %9s %7s %9s %9s\n", "threads", "step", "best", "matmul", "share", "rest",
+           "sgemm", "sgemm/step", "attn", "share", "torch", "step/torch");
     for (int t = 0; t < n_threads; t++) {
         result r = run(&c, threads[t], steps, warmup);
         double tt = use_torch ? torch_step(&c, threads[t], steps, warmup, script) : -1;
@@ -254,11 +313,18 @@ int main(int argc, char **argv)
             snprintf(tbuf, sizeof tbuf, "%.1f", tt);
             snprintf(rbuf, sizeof rbuf, "%.3f", r.step_ms / tt);
         }
-        printf("%7d %9.1f %9.1f %9.1f %6.1f%% %9.1f %9.1f %10.3f %9s %9s\n", threads[t], r.step_ms, r.best_ms,
-               r.matmul_ms, 100 * r.matmul_ms / r.step_ms, r.step_ms - r.matmul_ms, r.sgemm_ms, r.sgemm_ms / r.step_ms,
-               tbuf, rbuf);
+        printf("%7d %9.1f %9.1f %9.1f %6.1f%% %9.1f %9.1f %10.3f %9.1f %6.1f%% %9s %9s\n", threads[t], r.step_ms,
+               r.best_ms, r.matmul_ms, 100 * r.matmul_ms / r.step_ms, r.step_ms - r.matmul_ms, r.sgemm_ms,
+               r.sgemm_ms / r.step_ms, r.attn_ms, 100 * r.attn_ms / r.step_ms, tbuf, rbuf);
         printf("        (%d matrix products, %.2f GFLOP per step: %.1f GFLOP/s in raw sgemm)\n", r.n_products, r.gflop,
                r.gflop / (r.sgemm_ms * 1e-3));
+        double ref_ms, fused_ms;
+        if (!alone)
+            continue;
+        attention_alone(&c, threads[t], steps * 4 * (int)c.layers, &ref_ms, &fused_ms);
+        printf("        attention alone (B %lld, T %lld, E %lld, %lld heads, causal; forward + backward, median of %d "
+               "interleaved): reference %.3f ms, fused %.3f ms (%.2fx)\n", (long long)c.batch, (long long)c.seq,
+               (long long)c.dim, (long long)c.heads, steps * 4 * (int)c.layers, ref_ms, fused_ms, ref_ms / fused_ms);
     }
     printf("\ntargets at 1 thread: sgemm/step >= 0.70, step/torch <= 0.80\n");
     return 0;

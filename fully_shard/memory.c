@@ -18,6 +18,7 @@
 #include "fully_shard/internal.h"
 
 #include "nn/internal.h"
+#include "tensor/flash_attention.h"
 #include "tensor/gemm_half.h"
 #include "tensor/internal.h"
 
@@ -534,10 +535,14 @@ static void run_node(msim *s, int i)
 /* MultiheadAttention on one input x (self-attention): the packed
  * projection (rows, 3d), three chunks (a split node), the attention core
  * (saves q/k/v, the probabilities (B, H, T, T) and, with dropout, its
- * mask), the output projection. */
+ * mask; on the fused float32 kernel, tensor/flash_attention.h, its output
+ * and the log-sum-exp (B, H, T) instead), the output projection. */
 static mval mha_forward(msim *s, const mblock *bk, const mval *x)
 {
     int64_t d = bk->d, H = bk->H, pbytes = s->B * H * s->T * s->T * (int64_t)s->ces;
+    bool fused = s->ces == 4 && !(bk->training && bk->attn_p > 0) && ts__flash_enabled();
+    if (fused)
+        pbytes = s->B * H * s->T * 4;
     mval qkv = op_linear(s, x, d, 3 * d, true, bk->params[2], bk->params[3]);
     int split = -1;
     if (qkv.node >= 0 && !s->no_grad) {
@@ -555,6 +560,8 @@ static mval mha_forward(msim *s, const mblock *bk, const mval *x)
         node_save(s, n, qkv.buf);
         node_save(s, n, P);
         node_save(s, n, D);
+        if (fused)
+            node_save(s, n, o.buf);
         for (int k = 0; k < 3; k++) {
             mval part = {qkv.buf, split, k, d, 0};
             node_gin(s, n, s->R * d * (int64_t)s->ces, false, &part, -1);

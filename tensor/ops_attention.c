@@ -6,6 +6,7 @@
  * and elementwise passes whose memory traffic was a third of the
  * non-matmul time of a transformer step. */
 #define _GNU_SOURCE
+#include "tensor/flash_attention.h"
 #include "tensor/half_ops.h"
 #include "tensor/internal.h"
 
@@ -151,7 +152,7 @@ static ts_status attention_half_backward(ts_tensor *q, ts_tensor *k, ts_tensor *
  * (B, H, T, S) before dropout; saved[4] = the dropout scale mask D (0 or
  * 1/(1-p)) or NULL. iargs[0] = H; dargs[0] = scale. */
 
-static ts_status attention_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
+static ts_status attention_backward_impl(ts_node *n, ts_tensor **g, ts_tensor **gin)
 {
     ts_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *P = n->saved[3], *D = n->saved[4];
     int64_t H = n->iargs[0], B = q->shape[0], T = q->shape[1], S = k->shape[1], E = q->shape[2], hd = E / H;
@@ -243,8 +244,111 @@ done:
     return st;
 }
 
-ts_status ts_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t num_heads, ts_tensor *mask, double dropout_p,
-                       bool training, ts_generator *gen, ts_tensor **out)
+/* Both backward rules run in an "attention_backward" trace span (the
+ * benchmarks' attention share). */
+static ts_status attention_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
+{
+    TS_TRACE_BEGIN(t0);
+    ts_status st = attention_backward_impl(n, g, gin);
+    TS_TRACE_END(t0, "attention_backward", "compute");
+    return st;
+}
+
+/* ------------------------------------------------------ fused float32 */
+
+/* The fused kernel's problem over q, k, v (float32, unit last stride). */
+static ts__flash_problem flash_problem(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t H, const uint8_t *mask,
+                                       double scale)
+{
+    return (ts__flash_problem){.B = q->shape[0], .H = H, .T = q->shape[1], .S = k->shape[1], .hd = q->shape[2] / H,
+                               .q = ts_tensor_data(q), .k = ts_tensor_data(k), .v = ts_tensor_data(v),
+                               .q_sb = q->strides[0], .q_st = q->strides[1], .k_sb = k->strides[0],
+                               .k_st = k->strides[1], .v_sb = v->strides[0], .v_st = v->strides[1], .mask = mask,
+                               .scale = (float)scale};
+}
+
+/* Node layout of the fused path: saved[0..2] = q, k, v; saved[3] = the
+ * output O (B, T, E); saved[4] = the log-sum-exp (B, H, T); saved[5] =
+ * the contiguous mask or NULL. iargs[0] = H; dargs[0] = scale. */
+static ts_status flash_backward_impl(ts_node *n, ts_tensor **g, ts_tensor **gin)
+{
+    ts_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *o = n->saved[3], *lse = n->saved[4],
+              *mc = n->saved[5];
+    int64_t H = n->iargs[0], B = q->shape[0], T = q->shape[1], S = k->shape[1], E = q->shape[2];
+    ts_tensor *go = NULL, *dq = NULL, *dk = NULL, *dv = NULL;
+    int64_t qs[3] = {B, T, E}, ks[3] = {B, S, E};
+    ts_status st = ts_contiguous(g[0], &go);
+    if (!st)
+        st = ts__tensor_new(TS_F32, 3, qs, &dq);
+    if (!st)
+        st = ts__tensor_new(TS_F32, 3, ks, &dk);
+    if (!st)
+        st = ts__tensor_new(TS_F32, 3, ks, &dv);
+    if (!st) {
+        ts__flash_problem pr = flash_problem(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, n->dargs[0]);
+        st = ts__flash_backward(ts__kpath_active(), &pr, ts_tensor_data(o), ts_tensor_data(lse), ts_tensor_data(go),
+                                ts_tensor_data(dq), ts_tensor_data(dk), ts_tensor_data(dv));
+    }
+    if (!st) {
+        gin[0] = dq;
+        gin[1] = dk;
+        gin[2] = dv;
+        dq = dk = dv = NULL;
+    }
+    ts_tensor_free(go);
+    ts_tensor_free(dq);
+    ts_tensor_free(dk);
+    ts_tensor_free(dv);
+    return st;
+}
+
+static ts_status flash_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
+{
+    TS_TRACE_BEGIN(t0);
+    ts_status st = flash_backward_impl(n, g, gin);
+    TS_TRACE_END(t0, "attention_backward", "compute");
+    return st;
+}
+
+/* ts_attention on the fused kernel (float32, no dropout); mc is the
+ * contiguous mask or NULL. */
+static ts_status flash_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t H, ts_tensor *mc, double scale,
+                                 ts_tensor **out)
+{
+    int64_t B = q->shape[0], T = q->shape[1], E = q->shape[2], os[3] = {B, T, E}, ls[3] = {B, H, T};
+    ts_tensor *o = NULL, *lse = NULL, *in[3] = {q, k, v};
+    ts_status st;
+    if ((st = ts__tensor_new(TS_F32, 3, os, &o)) || (st = ts__tensor_new(TS_F32, 3, ls, &lse)))
+        goto fail;
+    ts__flash_problem pr = flash_problem(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, scale);
+    if ((st = ts__flash_forward(ts__kpath_active(), &pr, ts_tensor_data(o), ts_tensor_data(lse))))
+        goto fail;
+    if (ts__needs_grad(3, in)) {
+        ts_node *n = ts__node_new("attention", flash_backward, 3, in, 1);
+        if (!n) {
+            st = TS_ERR_NO_MEMORY;
+            goto fail;
+        }
+        n->iargs[0] = H;
+        n->dargs[0] = scale;
+        if (!(st = ts__node_save(n, 0, q)) && !(st = ts__node_save(n, 1, k)) && !(st = ts__node_save(n, 2, v)) &&
+            !(st = ts__node_save(n, 3, o)) && !(st = ts__node_save(n, 4, lse)) && !(st = ts__node_save(n, 5, mc)))
+            ts__node_set_output(n, 0, o);
+        ts__node_free(n);
+        if (st)
+            goto fail;
+    }
+    ts_tensor_free(lse);
+    *out = o;
+    return TS_OK;
+fail:
+    ts_tensor_free(o);
+    ts_tensor_free(lse);
+    return st;
+}
+
+static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t num_heads, ts_tensor *mask,
+                                double dropout_p, bool training, ts_generator *gen, ts_tensor **out)
 {
     const char *op = "attention";
     ts_tensor *in[3] = {q, k, v};
@@ -280,9 +384,22 @@ ts_status ts_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t num_hea
     int64_t es = (int64_t)ts_dtype_size(dt);
     int64_t os[3] = {B, T, E}, pshape[4] = {B, H, T, S};
     ts_tensor *o = NULL, *P = NULL, *D = NULL, *W = NULL, *mc = NULL;
+    bool drop = training && dropout_p > 0;
+    /* float32 without dropout: the fused kernel, unless a row is wholly
+     * masked (NaN rows: the reference path gives PyTorch's NaNs) */
+    if (dt == TS_F32 && !drop && T > 0 && S > 0 && ts__flash_enabled()) {
+        if (mask && (st = ts_contiguous(mask, &mc)))
+            return st;
+        if (ts__flash_mask_ok(mc ? ts_tensor_data(mc) : NULL, T, S)) {
+            st = flash_attention(q, k, v, H, mc, scale, out);
+            ts_tensor_free(mc);
+            return st;
+        }
+        ts_tensor_free(mc);
+        mc = NULL;
+    }
     if ((st = ts__tensor_new(dt, 3, os, &o)) || (st = ts__tensor_new(dt, 4, pshape, &P)))
         goto fail;
-    bool drop = training && dropout_p > 0;
     if (ts__is_half(dt)) {
         if (mask && (st = ts_contiguous(mask, &mc)))
             goto fail;
@@ -378,5 +495,15 @@ fail:
     ts_tensor_free(D);
     ts_tensor_free(W);
     ts_tensor_free(mc);
+    return st;
+}
+
+/* The op in an "attention" trace span (the benchmarks' attention share). */
+ts_status ts_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t num_heads, ts_tensor *mask, double dropout_p,
+                       bool training, ts_generator *gen, ts_tensor **out)
+{
+    TS_TRACE_BEGIN(t0);
+    ts_status st = attention_impl(q, k, v, num_heads, mask, dropout_p, training, gen, out);
+    TS_TRACE_END(t0, "attention", "compute");
     return st;
 }

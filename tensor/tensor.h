@@ -319,7 +319,15 @@ TS_API ts_status ts_scaled_masked_softmax(ts_tensor *scores, ts_tensor *mask, do
  * without copies); per head h of num_heads, softmax(q_h k_h^T / sqrt(E/H)
  * with -inf where the bool mask (T, S) is true), dropout on the weights
  * when training (PyTorch's RNG stream over (B*H, T, S)), times v_h; out
- * (B, T, E) with the heads side by side. Differentiable in q, k and v. */
+ * (B, T, E) with the heads side by side. Differentiable in q, k and v.
+ * In float32 without dropout (eval, or p == 0) it runs a fused kernel
+ * (FlashAttention-2 style: no (T, S) score matrix in memory; keeps only
+ * the output and a log-sum-exp (B, H, T) for backward, which recomputes
+ * the weights; within a float32 rounding bound of the unfused path, not
+ * bitwise; docs/attention.md), unless a row of the mask is wholly true
+ * (NaN rows, as PyTorch) or TS_ATTENTION=reference. The out tensor is a
+ * new reference. TS_ERR_SHAPE, TS_ERR_INVALID_ARGUMENT (heads, dropout),
+ * TS_ERR_NOT_VIEWABLE (last stride not 1), TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t num_heads, ts_tensor *mask,
                               double dropout_p, bool training, ts_generator *gen, ts_tensor **out);
 

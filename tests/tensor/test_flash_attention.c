@@ -1,0 +1,335 @@
+/* The fused float32 attention (tensor/flash_attention.h) against
+ * ts_attention's unfused reference path, forward and gradients, on every
+ * kernel path the CPU runs (the others say 'skipped'); finite-difference
+ * gradients; the cases that fall back to the reference path. */
+#define _GNU_SOURCE
+#include <criterion/criterion.h>
+#include <math.h>
+#include <string.h>
+
+#include "tensor/flash_attention.h"
+#include "tensor/kernels.h"
+#include "tests/helpers.h"
+
+/* mask kinds */
+enum { M_NONE, M_CAUSAL, M_RANDOM };
+
+typedef struct acase {
+    int64_t B, T, S, E, H;
+    int mask;
+    double amp;  /* inputs uniform in [-amp, amp) */
+    bool packed; /* q, k, v strided views of one (B, T, 3E) projection (needs T == S) */
+} acase;
+
+/* Shapes: the benchmark's head (128 x 128 x 64), T not a multiple of the
+ * 32-row block, T != S, head dims 8 to 128 (not multiples of the vector
+ * widths too), 1 head and several, peaked softmaxes (amp 3: scores up to
+ * ~25, so the running maximum moves and rescales the accumulator). */
+static const acase cases[] = {
+    {2, 128, 128, 256, 4, M_CAUSAL, 1.0, true}, {1, 37, 37, 24, 1, M_CAUSAL, 1.0, true},
+    {2, 45, 70, 40, 5, M_NONE, 1.0, false},     {1, 33, 33, 256, 2, M_CAUSAL, 1.0, true},
+    {2, 50, 50, 200, 2, M_RANDOM, 3.0, true},   {1, 7, 3, 12, 3, M_NONE, 3.0, false},
+    {1, 65, 65, 36, 3, M_NONE, 3.0, true},
+};
+
+static ts_tensor *uniform(int ndim, const int64_t *shape, double amp, uint32_t seed)
+{
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++)
+        n *= shape[i];
+    float *d = malloc((size_t)n * sizeof *d);
+    uint32_t st = seed;
+    for (int64_t i = 0; i < n; i++)
+        d[i] = (float)(amp * (2.0 * th_lcg(&st) / 16777216.0 - 1.0));
+    ts_tensor *t;
+    TH_OK(ts_tensor_from_data(TS_F32, ndim, shape, d, &t));
+    free(d);
+    return t;
+}
+
+/* (T, S) bool mask; M_RANDOM masks about a third, never a whole row. */
+static ts_tensor *make_mask(int kind, int64_t T, int64_t S)
+{
+    if (kind == M_NONE)
+        return NULL;
+    uint8_t *m = malloc((size_t)(T * S));
+    uint32_t st = 99;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t s = 0; s < S; s++)
+            m[t * S + s] = kind == M_CAUSAL ? s > t : (s != t % S && th_lcg(&st) % 3 == 0);
+    int64_t ms[2] = {T, S};
+    ts_tensor *mask;
+    TH_OK(ts_tensor_from_data(TS_BOOL, 2, ms, m, &mask));
+    free(m);
+    return mask;
+}
+
+typedef struct result {
+    ts_tensor *out, *g[3]; /* output; gradients of q, k, v (or of the packed input in g[0]) */
+} result;
+
+static void result_free(result *r)
+{
+    ts_tensor_free(r->out);
+    for (int i = 0; i < 3; i++)
+        ts_tensor_free(r->g[i]);
+}
+
+/* Forward and backward of ts_attention with the fused kernel on (fused)
+ * or off, with cotangent cot. */
+static result run_case(const acase *c, bool fused, ts_tensor *mask, ts_tensor *cot)
+{
+    result r = {0};
+    ts__flash_force(fused);
+    ts_tensor *in[3] = {0}, *leaf[3] = {0}, *qkv = NULL;
+    int nl = 0;
+    if (c->packed) {
+        int64_t ps[3] = {c->B, c->T, 3 * c->E};
+        qkv = uniform(3, ps, c->amp, 7);
+        TH_OK(ts_tensor_set_requires_grad(qkv, true));
+        int np;
+        TH_OK(ts_chunk(qkv, 3, 2, 3, in, &np));
+        leaf[nl++] = qkv;
+    } else {
+        int64_t qs[3] = {c->B, c->T, c->E}, ks[3] = {c->B, c->S, c->E};
+        in[0] = uniform(3, qs, c->amp, 1);
+        in[1] = uniform(3, ks, c->amp, 2);
+        in[2] = uniform(3, ks, 1.0, 3);
+        for (int i = 0; i < 3; i++) {
+            TH_OK(ts_tensor_set_requires_grad(in[i], true));
+            leaf[nl++] = ts_tensor_retain(in[i]);
+        }
+    }
+    TH_OK(ts_attention(in[0], in[1], in[2], c->H, mask, 0.0, true, NULL, &r.out));
+    TH_OK(ts_backward(r.out, cot, false));
+    for (int i = 0; i < nl; i++)
+        r.g[i] = ts_tensor_retain(ts_tensor_grad(leaf[i]));
+    for (int i = 0; i < 3; i++) {
+        ts_tensor_free(in[i]);
+        ts_tensor_free(leaf[i]);
+    }
+    ts__flash_force(-1);
+    return r;
+}
+
+static double max_abs(const ts_tensor *t)
+{
+    double *v = th_vals_new(t), m = 0;
+    for (int64_t i = 0; i < ts_tensor_numel(t); i++)
+        m = fabs(v[i]) > m ? fabs(v[i]) : m;
+    free(v);
+    return m;
+}
+
+/* Tolerance. Each output element is a sum of rounded float32 products:
+ * scores over hd terms, then (forward) the probability-weighted sum over
+ * S keys, or (backward) dP over hd, D over hd and sums over T or S. The
+ * fused kernel and the reference sum in different orders, the fused one
+ * adds the online rescalings (one multiply per key block) and its exp is
+ * ts__exp_f32 (0.93 ulp) where the reference's softmax row kernel has its
+ * own; each path is within gamma_n = n u (u = 2^-24, n = S + T + hd + 8
+ * rounding steps in a chain) of the exact value times the sum of the
+ * terms' magnitudes, and those sums are bounded by a few times the largest
+ * result (softmax weights are in [0, 1] and sum to 1; inputs are O(1)).
+ * So |fused - reference| <= 2 gamma_n * 8 * max|reference|; a wrong
+ * kernel is off by O(max|reference|). Measured errors are 10x to 100x
+ * below this bound. */
+static void assert_close_tol(const ts_tensor *a, const ts_tensor *b, const acase *c, const char *what)
+{
+    double n = (double)(c->S + c->T + c->E / c->H + 8), u = 0x1p-24;
+    double tol = 2.0 * n * u * 8.0 * max_abs(b);
+    double *x = th_vals_new(a), *y = th_vals_new(b), worst = 0;
+    int64_t at = -1;
+    for (int64_t i = 0; i < ts_tensor_numel(b); i++) {
+        double e = fabs(x[i] - y[i]);
+        if (!(e <= worst)) {
+            worst = e;
+            at = i;
+        }
+    }
+    cr_assert(worst <= tol, "%s (B %lld T %lld S %lld E %lld H %lld mask %d): |fused - reference| %g at %lld "
+                            "(%g vs %g) > tolerance %g",
+              what, (long long)c->B, (long long)c->T, (long long)c->S, (long long)c->E, (long long)c->H, c->mask,
+              worst, (long long)at, at >= 0 ? x[at] : 0.0, at >= 0 ? y[at] : 0.0, tol);
+    if (getenv("TS_TEST_VERBOSE"))
+        cr_log_info("%s B %lld T %lld E %lld: worst %g, tolerance %g (%.3f)", what, (long long)c->B, (long long)c->T,
+                    (long long)c->E, worst, tol, worst / tol);
+    free(x);
+    free(y);
+}
+
+static void check_path(ts__kpath p)
+{
+    if (!ts__kpath_supported(p))
+        cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(p));
+    ts__kpath_force(p);
+    if (ts__kpath_active() != p)
+        cr_skip_test("skipped: TS_KERNELS caps the kernels below the %s path", ts__kpath_name(p));
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        const acase *c = &cases[ci];
+        ts_tensor *mask = make_mask(c->mask, c->T, c->S);
+        int64_t os[3] = {c->B, c->T, c->E};
+        ts_tensor *cot = uniform(3, os, 1.0, 5);
+        result f = run_case(c, true, mask, cot), r = run_case(c, false, mask, cot);
+        assert_close_tol(f.out, r.out, c, "output");
+        static const char *const gn[3] = {"grad q", "grad k", "grad v"};
+        for (int i = 0; i < 3 && r.g[i]; i++)
+            assert_close_tol(f.g[i], r.g[i], c, c->packed ? "grad of the packed qkv" : gn[i]);
+        result_free(&f);
+        result_free(&r);
+        ts_tensor_free(mask);
+        ts_tensor_free(cot);
+    }
+    ts__kpath_force(-1);
+}
+
+Test(tensor_flash_attention, scalar_path_matches_the_reference) { check_path(TS__KPATH_SCALAR); }
+Test(tensor_flash_attention, avx2_path_matches_the_reference) { check_path(TS__KPATH_AVX2); }
+Test(tensor_flash_attention, avx512_path_matches_the_reference) { check_path(TS__KPATH_AVX512); }
+
+/* sum(out * cot) in double */
+static double loss_of(ts_tensor *const *in, int64_t H, ts_tensor *mask, const double *cot)
+{
+    ts_tensor *o;
+    bool prev = ts_grad_mode_set(false);
+    TH_OK(ts_attention(in[0], in[1], in[2], H, mask, 0.0, true, NULL, &o));
+    ts_grad_mode_set(prev);
+    double *v = th_vals_new(o), s = 0;
+    for (int64_t i = 0; i < ts_tensor_numel(o); i++)
+        s += v[i] * cot[i];
+    free(v);
+    ts_tensor_free(o);
+    return s;
+}
+
+/* Central differences in float32: step 1e-2 on inputs of size ~1 has a
+ * truncation error ~ h^2 |f'''| / 6 ~ 1e-5 and a rounding error ~
+ * u |L| / h ~ 6e-8 * 10 / 1e-2 ~ 6e-5 per derivative, so 1e-3 absolute
+ * plus 1e-2 relative is loose for float32 and still far below the O(1)
+ * error of a wrong gradient. */
+static void finite_differences(ts__kpath p)
+{
+    if (!ts__kpath_supported(p))
+        cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(p));
+    ts__kpath_force(p);
+    if (ts__kpath_active() != p)
+        cr_skip_test("skipped: TS_KERNELS caps the kernels below the %s path", ts__kpath_name(p));
+    ts__flash_force(1);
+    int64_t B = 1, T = 37, E = 8, H = 2, s3[3] = {B, T, E};
+    for (int causal = 0; causal < 2; causal++) {
+        ts_tensor *mask = causal ? make_mask(M_CAUSAL, T, T) : NULL, *in[3], *cot = uniform(3, s3, 1.0, 9), *o;
+        for (int i = 0; i < 3; i++) {
+            in[i] = uniform(3, s3, 1.0, 11 + (uint32_t)i);
+            TH_OK(ts_tensor_set_requires_grad(in[i], true));
+        }
+        TH_OK(ts_attention(in[0], in[1], in[2], H, mask, 0.0, true, NULL, &o));
+        TH_OK(ts_backward(o, cot, false));
+        double *cv = th_vals_new(cot);
+        for (int i = 0; i < 3; i++) {
+            double *g = th_vals_new(ts_tensor_grad(in[i]));
+            float *x = ts_tensor_data(in[i]);
+            for (int64_t e = 0; e < B * T * E; e++) {
+                float x0 = x[e], h = 1e-2f;
+                x[e] = x0 + h;
+                double lp = loss_of(in, H, mask, cv);
+                x[e] = x0 - h;
+                double lm = loss_of(in, H, mask, cv);
+                x[e] = x0;
+                double fd = (lp - lm) / (2.0 * (double)h);
+                cr_assert(fabs(fd - g[e]) <= 1e-3 + 1e-2 * fabs(fd),
+                          "%s path, causal %d, input %d element %lld: finite difference %g, gradient %g",
+                          ts__kpath_name(p), causal, i, (long long)e, fd, g[e]);
+            }
+            free(g);
+        }
+        free(cv);
+        for (int i = 0; i < 3; i++)
+            ts_tensor_free(in[i]);
+        ts_tensor_free(o);
+        ts_tensor_free(cot);
+        ts_tensor_free(mask);
+    }
+    ts__flash_force(-1);
+    ts__kpath_force(-1);
+}
+
+Test(tensor_flash_attention, scalar_gradients_match_finite_differences) { finite_differences(TS__KPATH_SCALAR); }
+Test(tensor_flash_attention, avx2_gradients_match_finite_differences) { finite_differences(TS__KPATH_AVX2); }
+Test(tensor_flash_attention, avx512_gradients_match_finite_differences) { finite_differences(TS__KPATH_AVX512); }
+
+/* A wholly masked row is NaN (PyTorch's softmax of all -inf), which the
+ * fused kernel leaves to the reference path: the same bits either way,
+ * NaN in that row only. Dropout in training and float64 take the
+ * reference path too (the same bits with the fused kernel on or off). */
+Test(tensor_flash_attention, unsupported_cases_fall_back_to_the_reference)
+{
+    th_mem_mark();
+    int64_t s[3] = {2, 6, 8}, ms[2] = {6, 6};
+    uint8_t m[36] = {0};
+    for (int j = 0; j < 6; j++)
+        m[2 * 6 + j] = 1; /* row 2 sees nothing */
+    cr_assert(!ts__flash_mask_ok(m, 6, 6));
+    cr_assert(ts__flash_mask_ok(NULL, 6, 6));
+    ts_tensor *mask, *q = uniform(3, s, 1.0, 1), *k = uniform(3, s, 1.0, 2), *v = uniform(3, s, 1.0, 3);
+    TH_OK(ts_tensor_from_data(TS_BOOL, 2, ms, m, &mask));
+    ts_tensor *a[2], *d[2], *e[2];
+    for (int fused = 0; fused < 2; fused++) {
+        ts__flash_force(fused);
+        TH_OK(ts_attention(q, k, v, 2, mask, 0.0, true, NULL, &a[fused]));
+        ts_manual_seed(5);
+        TH_OK(ts_attention(q, k, v, 2, NULL, 0.3, true, NULL, &d[fused]));
+        ts_tensor *q64, *k64, *v64;
+        TH_OK(ts_to_dtype(q, TS_F64, &q64));
+        TH_OK(ts_to_dtype(k, TS_F64, &k64));
+        TH_OK(ts_to_dtype(v, TS_F64, &v64));
+        TH_OK(ts_attention(q64, k64, v64, 2, NULL, 0.0, true, NULL, &e[fused]));
+        ts_tensor_free(q64);
+        ts_tensor_free(k64);
+        ts_tensor_free(v64);
+    }
+    ts__flash_force(-1);
+    double *x = th_vals_new(a[0]), *y = th_vals_new(a[1]);
+    for (int64_t i = 0; i < 2 * 6 * 8; i++) {
+        bool row2 = (i / 8) % 6 == 2;
+        cr_assert(row2 ? isnan(x[i]) : isfinite(x[i]), "element %lld: %g", (long long)i, x[i]);
+        cr_assert(memcmp(&x[i], &y[i], sizeof x[i]) == 0, "element %lld: %g vs %g", (long long)i, x[i], y[i]);
+    }
+    free(x);
+    free(y);
+    th_assert_close(d[1], d[0], 0, 0);
+    th_assert_close(e[1], e[0], 0, 0);
+    ts_tensor *all[] = {mask, q, k, v, a[0], a[1], d[0], d[1], e[0], e[1]};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        ts_tensor_free(all[i]);
+    th_mem_assert_back();
+}
+
+/* The fused path saves O and the log-sum-exp, not the (B, H, T, S)
+ * probabilities: after the forward, the graph holds less memory. */
+Test(tensor_flash_attention, saves_no_score_matrix)
+{
+    int64_t ps[3] = {2, 128, 3 * 64};
+    ts_tensor *mask = make_mask(M_CAUSAL, 128, 128);
+    size_t held[2];
+    for (int fused = 0; fused < 2; fused++) {
+        ts__flash_force(fused);
+        ts_tensor *qkv = uniform(3, ps, 1.0, 4), *in[3], *o;
+        TH_OK(ts_tensor_set_requires_grad(qkv, true));
+        int np;
+        TH_OK(ts_chunk(qkv, 3, 2, 3, in, &np));
+        size_t before = ts_mem_live_bytes(TS_MEM_STORAGE);
+        TH_OK(ts_attention(in[0], in[1], in[2], 2, mask, 0.0, true, NULL, &o));
+        held[fused] = ts_mem_live_bytes(TS_MEM_STORAGE) - before;
+        ts_tensor_free(o);
+        for (int i = 0; i < 3; i++)
+            ts_tensor_free(in[i]);
+        ts_tensor_free(qkv);
+    }
+    ts__flash_force(-1);
+    /* reference: O (2*128*64 floats) + P (2*2*128*128 floats) = 320 KiB;
+     * fused: O + lse (2*2*128 floats) = 66 KiB */
+    size_t o_bytes = 2 * 128 * 64 * 4, p_bytes = 2 * 2 * 128 * 128 * 4, lse_bytes = 2 * 2 * 128 * 4;
+    cr_assert_geq(held[0], o_bytes + p_bytes, "reference held %zu bytes", held[0]);
+    cr_assert_leq(held[1], o_bytes + lse_bytes + 16384, "fused held %zu bytes", held[1]);
+    ts_tensor_free(mask);
+}
