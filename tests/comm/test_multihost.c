@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -600,3 +601,158 @@ Test(comm_multihost, fully_shard_on_two_hosts_equals_one_process, .timeout = 90)
  * all-gather) is in the host's shard group, every all-reduce in the
  * cross-host replicate group. */
 Test(comm_multihost, hsdp_shards_within_hosts_and_replicates_across, .timeout = 90) { train_case(true); }
+
+/* The pids (this machine's numbering) of the ranks on host `host`: the
+ * processes of its network namespace that run this binary. */
+static int host_rank_pids(const hosts *h, int host, pid_t *pids, int cap)
+{
+    char ns[64], path[80], exe[4096];
+    snprintf(ns, sizeof ns, "/run/netns/%s-h%d", h->name, host);
+    struct stat want;
+    cr_assert_eq(stat(ns, &want), 0, "%s: %s", ns, strerror(errno));
+    const char *self = th_self_exe();
+    int n = 0;
+    DIR *d = opendir("/proc");
+    cr_assert_not_null(d);
+    for (struct dirent *e; (e = readdir(d)) && n < cap;) {
+        int pid = atoi(e->d_name);
+        if (pid <= 0 || pid == (int)getpid())
+            continue;
+        struct stat st;
+        snprintf(path, sizeof path, "/proc/%d/ns/net", pid);
+        if (stat(path, &st) != 0 || st.st_ino != want.st_ino || st.st_dev != want.st_dev)
+            continue;
+        snprintf(path, sizeof path, "/proc/%d/exe", pid);
+        ssize_t k = readlink(path, exe, sizeof exe - 1);
+        if (k <= 0)
+            continue;
+        exe[k] = '\0';
+        if (strcmp(exe, self) == 0)
+            pids[n++] = pid;
+    }
+    closedir(d);
+    return n;
+}
+
+/* Every rank of host 1 is SIGKILLed mid-training (a host lost): host 0's
+ * ranks fail with TS_ERR_PEER_FAILED naming a rank of host 1, and host
+ * 0's tsrun exits non-zero, within 2 s of the kill. */
+Test(comm_multihost, a_host_whose_ranks_are_killed_fails_the_other_within_2s, .timeout = 90)
+{
+    hosts h;
+    hosts_up(&h);
+    char *env[] = {"TS_TEST_MH_ROLE=kill", "TS_STORE_TOKEN=" TOKEN, NULL};
+    int fds[2];
+    pid_t pids[2];
+    for (int r = 0; r < 2; r++) {
+        fds[r] = memfd_create("mh-host", MFD_CLOEXEC);
+        cr_assert_geq(fds[r], 0);
+        char *argv[] = {TSRUN, "--nnodes", "2", "--node-rank", r ? "1" : "0", "--nproc-per-node", "2",
+                        "--master-addr", HOST0, "--master-port", PORT, th_self_exe(), NULL};
+        pids[r] = host_run(&h, r, env, fds[r], -1, argv);
+    }
+    /* training is under way once rank 0 says "steady" */
+    double until = th_now_s() + 60;
+    bool steady = false;
+    while (!steady && th_now_s() < until) {
+        char buf[4096];
+        ssize_t k = pread(fds[0], buf, sizeof buf - 1, 0);
+        buf[k > 0 ? k : 0] = '\0';
+        steady = strstr(buf, "[0] steady") != NULL;
+        if (!steady)
+            usleep(20000);
+    }
+    cr_assert(steady, "rank 0 did not train 3 steps within 60 s");
+    pid_t victims[8];
+    int nv = host_rank_pids(&h, 1, victims, 8);
+    cr_assert_eq(nv, 2, "%d ranks found on host 1, expected 2", nv);
+    double t0 = th_now_s();
+    for (int i = 0; i < nv; i++)
+        kill(victims[i], SIGKILL);
+    int st[2];
+    th_wait_pids(pids, 1, -1, 30, st); /* host 0 */
+    double took = th_now_s() - t0;
+    th_wait_pids(pids + 1, 1, -1, 30, st + 1);
+    char *out[2];
+    for (int r = 0; r < 2; r++) {
+        out[r] = th_slurp_fd(fds[r]);
+        close(fds[r]);
+        fprintf(stderr, "---- host %d (status 0x%x)\n%s", r, st[r], out[r]);
+    }
+    hosts_down(&h);
+    fprintf(stderr, "host 0 ended %.3f s after the kill\n", took);
+    cr_assert(WIFEXITED(st[0]) && WEXITSTATUS(st[0]) != 0, "host 0's tsrun: status 0x%x", st[0]);
+    cr_assert(WIFEXITED(st[1]) && WEXITSTATUS(st[1]) == 128 + SIGKILL, "host 1's tsrun: status 0x%x", st[1]);
+    for (int r = 0; r < 2; r++) {
+        char want[64];
+        snprintf(want, sizeof want, "[%d] survivor %d: TS_ERR_PEER_FAILED", r, r);
+        const char *line = strstr(out[0], want);
+        cr_assert_not_null(line, "host 0 lacks '%s'", want);
+        size_t len = strcspn(line, "\n");
+        char *l = strndup(line, len);
+        cr_assert(strstr(l, "rank 2") || strstr(l, "rank 3"), "rank %d's error names neither rank 2 nor 3: %s", r, l);
+        free(l);
+    }
+    cr_assert_not_null(strstr(out[0], "tsrun: rank"), "host 0's tsrun names no rank");
+    cr_assert_lt(took, 2.0, "host 0 ended %.2f s after host 1's ranks were killed (limit 2 s)", took);
+    free(out[0]);
+    free(out[1]);
+}
+
+/* Host 0 runs a store; a client on host 1 is refused without the token
+ * and with a wrong one, and served with it; a store without a token
+ * refuses host 1 outright (it serves only its own host: the client's
+ * socket is not in host 0's /proc/net/tcp, although it is the same user). */
+static void store_case(const char *server_token, const char *const *client_tokens, const char *const *want, int n)
+{
+    hosts h;
+    hosts_up(&h);
+    char tok_env[96];
+    snprintf(tok_env, sizeof tok_env, "TS_TEST_MH_STORE_TOKEN=%s", server_token);
+    char *senv[] = {"TS_TEST_MH_ROLE=store_server", tok_env, NULL};
+    int sfd = memfd_create("mh-server", MFD_CLOEXEC), p[2];
+    cr_assert_geq(sfd, 0);
+    cr_assert_eq(pipe2(p, O_CLOEXEC), 0);
+    char *sargv[] = {th_self_exe(), NULL};
+    pid_t server = host_run(&h, 0, senv, sfd, p[0], sargv);
+    close(p[0]);
+    for (int i = 0; i < n; i++) {
+        char cenv_tok[96];
+        snprintf(cenv_tok, sizeof cenv_tok, "TS_TEST_MH_CLIENT_TOKEN=%s", client_tokens[i]);
+        char *cenv[] = {"TS_TEST_MH_ROLE=store_client", cenv_tok, NULL};
+        int cfd = memfd_create("mh-client", MFD_CLOEXEC);
+        cr_assert_geq(cfd, 0);
+        pid_t client = host_run(&h, 1, cenv, cfd, -1, sargv);
+        int st = 0;
+        th_wait_pids(&client, 1, -1, 30, &st);
+        char *out = th_slurp_fd(cfd);
+        close(cfd);
+        fprintf(stderr, "client with token '%s': %s", client_tokens[i], out);
+        cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "client: status 0x%x: %s", st, out);
+        cr_assert_not_null(strstr(out, want[i]), "client with token '%s': expected '%s', got: %s", client_tokens[i],
+                           want[i], out);
+        free(out);
+    }
+    close(p[1]); /* the server stops */
+    int st = 0;
+    th_wait_pids(&server, 1, -1, 30, &st);
+    char *sout = th_slurp_fd(sfd);
+    close(sfd);
+    hosts_down(&h);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "server: status 0x%x: %s", st, sout);
+    free(sout);
+}
+
+Test(comm_multihost, the_store_refuses_the_other_host_without_the_token, .timeout = 90)
+{
+    const char *toks[3] = {"", "not-" TOKEN, TOKEN};
+    const char *want[3] = {"client: TS_ERR_COMM", "client: TS_ERR_COMM", "get k: TS_OK: v"};
+    store_case(TOKEN, toks, want, 3);
+}
+
+Test(comm_multihost, a_store_without_a_token_refuses_the_other_host, .timeout = 90)
+{
+    const char *toks[1] = {""};
+    const char *want[1] = {"client: TS_ERR_COMM"};
+    store_case("", toks, want, 1);
+}
