@@ -14,6 +14,9 @@
 #   netns_hosts.sh down NAME         kill every process of the hosts, remove them
 #   netns_hosts.sh reap              remove the hosts of runs whose process is
 #                                    gone (names ts<anything>-p<pid>-...)
+#   netns_hosts.sh agent NAME-hI CMD OpenMPI's rsh agent: run the shell command
+#                                    CMD on that host (mpirun --mca
+#                                    plm_rsh_agent "netns_hosts.sh agent")
 #
 # A host runs its commands in its network namespace and in IPC, pid and
 # mount namespaces of its own (unshare), as a machine of its own would:
@@ -122,6 +125,14 @@ run() {
     exec ip netns exec "$name-h$i" unshare --ipc --pid --fork --kill-child --mount-proc "$@"
 }
 
+# OpenMPI's rsh agent (mpirun --mca plm_rsh_agent "netns_hosts.sh agent"):
+# $1 a host's namespace (NAME-h<i>), the rest the shell command to run there
+agent() {
+    local ns=$1
+    shift
+    exec ip netns exec "$ns" unshare --ipc --pid --fork --kill-child --mount-proc /bin/sh -c "$*"
+}
+
 reap() {
     local ns pid
     for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^ts[A-Za-z0-9]*-p[0-9]+-' || true); do
@@ -138,6 +149,7 @@ run) [ $# -ge 4 ] || { echo "usage: $0 run NAME I CMD..." >&2; exit 2; }; shift;
 addr) [ $# -eq 2 ] || { echo "usage: $0 addr I" >&2; exit 2; }; echo "$SUBNET.$(($2 + 1))" ;;
 pids) [ $# -eq 3 ] || { echo "usage: $0 pids NAME I" >&2; exit 2; }; ip netns pids "$2-h$3" ;;
 down) [ $# -eq 2 ] || { echo "usage: $0 down NAME" >&2; exit 2; }; down "$2" ;;
+agent) [ $# -ge 3 ] || { echo "usage: $0 agent NAME-h<i> CMD..." >&2; exit 2; }; shift; agent "$@" ;;
 reap) reap ;;
-*) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+*) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac
