@@ -971,7 +971,19 @@ static int ucx_failed_peer(ts_transport *base, ts_status *status_out)
         return -1;
     if (status_out)
         *status_out = t->failed_status;
-    ts_error(t->failed_status, "%s", dead_why(&t->peers[t->failed_peer]));
+    /* the others found dead by now too (a lost host takes all its ranks):
+     * "...; ranks 2, 3 failed too" */
+    char also[160] = "";
+    size_t used = 0;
+    int more = 0;
+    for (int r = 0; r < t->base.size && used + 16 < sizeof also; r++)
+        if (r != t->failed_peer && t->peers[r].dead)
+            used += (size_t)snprintf(also + used, sizeof also - used, "%s%d", more++ ? ", " : "", r);
+    if (more)
+        ts_error(t->failed_status, "%s; rank%s %s failed too", dead_why(&t->peers[t->failed_peer]),
+                 more > 1 ? "s" : "", also);
+    else
+        ts_error(t->failed_status, "%s", dead_why(&t->peers[t->failed_peer]));
     return t->failed_peer;
 }
 
