@@ -55,7 +55,7 @@
 #include <unistd.h>
 
 #include "bench/bench_common.h"
-#include "comm/comm_internal.h" /* ts__comm_set_check: the fingerprints' cost */
+#include "comm/comm_internal.h" /* ts__comm_set_check: the fingerprints' cost; ts__comm_set_timeout */
 #include "tensorshard.h"
 
 #define N_SIZES 8
@@ -377,7 +377,9 @@ int main(int argc, char **argv)
             mc[s] = time_memcpy(sizes[s], iters_for(sizes[s], fixed_iters));
 
     /* The UCX ceiling and OpenMPI (below), while the other ranks wait in
-     * quiet_barrier at the end. */
+     * quiet_barrier at the end: for up to an hour (two mpirun runs across
+     * hosts under load took more than ts_dist_init's 300 s). */
+    ts__comm_set_timeout(w, 3600.0);
     double ucx[N_SIZES];
     bool have_ucx = rank == 0 && on_path("ucx_perftest") && (g_nodes == 1 || (netns_name() && netns_script()));
     for (int s = 0; s < nsizes; s++)
