@@ -1235,7 +1235,7 @@ static const ts_transport_vtable ucx_vtable = {
 /* This host's identity for the same-host decisions (the bypass, the pid
  * watch): "<boot id>/<pid namespace>/<network namespace>", NUL-padded to
  * TS_UCX_HOST_LEN. Not the host name: two network namespaces of one
- * machine (tests/comm/netns_hosts.h), containers and cloned machines share
+ * machine (scripts/netns_hosts.sh), containers and cloned machines share
  * theirs. The boot id tells kernels apart, the pid namespace says whether
  * the peer's pid means the same process here, and the network namespace
  * makes each address a host of its own, as the launcher sees it (nodes
