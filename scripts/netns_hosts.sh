@@ -126,11 +126,15 @@ run() {
 }
 
 # OpenMPI's rsh agent (mpirun --mca plm_rsh_agent "netns_hosts.sh agent"):
-# $1 a host's namespace (NAME-h<i>), the rest the shell command to run there
+# $1 a host's namespace (NAME-h<i>), the rest the shell command to run there.
+# With a host name of its own (a UTS namespace): OpenMPI's daemons name
+# their node by it, and two daemons of one name fail MPI_Init with 2
+# processes per host ("getting local rank failed").
 agent() {
     local ns=$1
     shift
-    exec ip netns exec "$ns" unshare --ipc --pid --fork --kill-child --mount-proc /bin/sh -c "$*"
+    exec ip netns exec "$ns" unshare --ipc --pid --uts --fork --kill-child --mount-proc \
+        /bin/sh -c 'hostname "$0" && eval "$*"' "$ns" "$*"
 }
 
 reap() {
