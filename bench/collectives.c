@@ -38,9 +38,10 @@
  * namespaces and netns_hosts.sh as its rsh agent (TS_BENCH_NETNS names
  * the hosts, TS_BENCH_NETNS_SCRIPT the script; both set by
  * bench_two_hosts.sh), TCP on 10.213.0.0/24 only, in two configurations:
- * ob1 with btl tcp,self (vader, its shared memory, crashes mpirun across
- * the namespaces with OpenMPI 4.1.4) and pml ucx; mpi_yield_when_idle so
- * that the oversubscribed ranks do not spin one another out.
+ * ob1 with btl tcp,self (vader, its shared memory, crashed mpirun across
+ * the namespaces with OpenMPI 4.1.4 when both hosts' daemons had the same
+ * host name) and pml ucx; mpi_yield_when_idle so that the oversubscribed
+ * ranks do not spin one another out.
  *
  * The collectives' fingerprints (comm/comm.c): the 4 KiB latency of each
  * collective with the check on and off (ts__comm_set_check, switched on
