@@ -29,6 +29,20 @@
  *   tsrun --nproc-per-node 2 bench_collectives [--iters N] [--max-mib M]
  * --iters N fixes K at every size; --max-mib M stops at M MiB (default 64).
  *
+ * Two hosts (scripts/bench_two_hosts.sh; docs/multihost.md): the same
+ * program under `tsrun --nnodes 2` on each of two hosts made of network
+ * namespaces (scripts/netns_hosts.sh), UCX over TCP between them. When
+ * the ranks span hosts the table says so, ucx_perftest runs between the
+ * hosts (server on rank 0's host, client on host 1's, UCX_TLS=tcp) and
+ * OpenMPI runs over the same namespaces: mpirun --host with the hosts'
+ * namespaces and netns_hosts.sh as its rsh agent (TS_BENCH_NETNS names
+ * the hosts, TS_BENCH_NETNS_SCRIPT the script; both set by
+ * bench_two_hosts.sh), TCP on 10.213.0.0/24 only, in two configurations:
+ * ob1 with btl tcp,self (vader, its shared memory, crashed mpirun across
+ * the namespaces with OpenMPI 4.1.4 when both hosts' daemons had the same
+ * host name) and pml ucx; mpi_yield_when_idle so that the oversubscribed
+ * ranks do not spin one another out.
+ *
  * The collectives' fingerprints (comm/comm.c): the 4 KiB latency of each
  * collective with the check on and off (ts__comm_set_check, switched on
  * every rank at the same point), in alternating rounds of 50 calls, the
@@ -42,7 +56,7 @@
 #include <unistd.h>
 
 #include "bench/bench_common.h"
-#include "comm/comm_internal.h" /* ts__comm_set_check: the fingerprints' cost */
+#include "comm/comm_internal.h" /* ts__comm_set_check: the fingerprints' cost; ts__comm_set_timeout */
 #include "tensorshard.h"
 
 #define N_SIZES 8
@@ -78,6 +92,13 @@ static bool on_path(const char *prog)
     free(copy);
     return found;
 }
+
+/* Ranks on several hosts: the hosts' count and ranks per host (from the
+ * launcher's environment); g_nodes 1 on one host. */
+static int g_nodes = 1, g_per_node = 1;
+/* The simulated hosts (bench_two_hosts.sh), or NULL. */
+static const char *netns_name(void) { return g_nodes > 1 ? getenv("TS_BENCH_NETNS") : NULL; }
+static const char *netns_script(void) { return getenv("TS_BENCH_NETNS_SCRIPT"); }
 
 /* Median seconds of one collective of `size` bytes (convention above). */
 static double time_coll(ts_comm *w, int kind, int64_t size, int iters)
@@ -153,8 +174,16 @@ static double time_memcpy(int64_t size, int iters)
 static double ucx_tag_bw(int64_t size, int port)
 {
     int n = size >= (16 << 20) ? 200 : 1000;
-    char cmd[1024];
-    snprintf(cmd, sizeof cmd,
+    char cmd[2048];
+    if (netns_name() && netns_script()) /* server here (host 0), client on host 1, over TCP */
+        snprintf(cmd, sizeof cmd,
+                 "export UCX_TLS=tcp; "
+                 "timeout 60 ucx_perftest -t tag_bw -s %lld -n %d -w 20 -f -p %d >/dev/null 2>&1 & "
+                 "sleep 0.5; timeout 60 '%s' run '%s' 1 ucx_perftest 10.213.0.1 -t tag_bw -s %lld -n %d -w 20 -f "
+                 "-p %d 2>/dev/null; wait",
+                 (long long)size, n, port, netns_script(), netns_name(), (long long)size, n, port);
+    else
+        snprintf(cmd, sizeof cmd,
              "export UCX_TLS=\"${UCX_TLS:-posix,cma,self}\"; "
              "timeout 60 ucx_perftest -t tag_bw -s %lld -n %d -w 20 -f -p %d >/dev/null 2>&1 & "
              "sleep 0.5; timeout 60 ucx_perftest 127.0.0.1 -t tag_bw -s %lld -n %d -w 20 -f -p %d 2>/dev/null; wait",
@@ -185,11 +214,26 @@ static const int mpi_of_coll[N_COLL] = {MPI_AG, MPI_AG_IP, MPI_RS, MPI_AR};
 static bool run_mpi(const char *self_dir, const char *mca, int ws, int fixed_iters, int64_t max_mib,
                     double t[N_MPI][N_SIZES])
 {
-    char iters[32] = "", cmd[8192];
+    char iters[32] = "", cmd[8192], hosts[1024] = "";
     if (fixed_iters > 0)
         snprintf(iters, sizeof iters, " --iters %d", fixed_iters);
-    snprintf(cmd, sizeof cmd, "timeout 300 mpirun %s -np %d %s '%s/bench_collectives_mpi' --max-mib %lld%s 2>/dev/null",
-             geteuid() == 0 ? "--allow-run-as-root" : "", ws, mca, self_dir, (long long)max_mib, iters);
+    if (netns_name() && netns_script()) {
+        /* every host through the agent (mpirun's own namespace is host 0's) */
+        size_t used = (size_t)snprintf(hosts, sizeof hosts, "--host ");
+        for (int h = 0; h < g_nodes && used < sizeof hosts; h++)
+            used += (size_t)snprintf(hosts + used, sizeof hosts - used, "%s%s-h%d:%d", h ? "," : "", netns_name(), h,
+                                     g_per_node);
+        if (used < sizeof hosts)
+            snprintf(hosts + used, sizeof hosts - used,
+                     " --mca plm_rsh_agent '%s agent' --mca btl_tcp_if_include 10.213.0.0/24 --mca oob_tcp_if_include "
+                     "10.213.0.0/24 --mca mpi_yield_when_idle 1",
+                     netns_script());
+    }
+    /* across hosts, 120 s per configuration: the other ranks wait in a
+     * barrier whose deadline is ts_dist_init's (300 s) */
+    snprintf(cmd, sizeof cmd, "timeout %d mpirun %s %s -np %d %s '%s/bench_collectives_mpi' --max-mib %lld%s 2>/dev/null",
+             hosts[0] ? 120 : 300, geteuid() == 0 ? "--allow-run-as-root" : "", hosts, ws, mca, self_dir,
+             (long long)max_mib, iters);
     FILE *f = popen(cmd, "r");
     if (!f)
         return false;
@@ -234,7 +278,17 @@ static void print_mpi(int ws, int nsizes, int fixed_iters, int64_t max_mib, doub
                                   : "bench_collectives_mpi was not built (meson found no MPI)");
         return;
     }
-    static const char *cfg_mca[2] = {"", "--mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any"};
+    if (g_nodes > 1 && !(netns_name() && netns_script())) {
+        printf("\nMPI comparison skipped: the ranks span %d hosts and mpirun needs to reach them; "
+               "scripts/bench_two_hosts.sh runs it over its namespaces (TS_BENCH_NETNS, TS_BENCH_NETNS_SCRIPT)\n",
+               g_nodes);
+        return;
+    }
+    static const char *cfg_local[2] = {"", "--mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any"};
+    static const char *cfg_hosts[2] = {"--mca pml ob1 --mca btl tcp,self",
+                                       "--mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any "
+                                       "-x UCX_TLS=posix,cma,self,tcp"};
+    const char *const *cfg_mca = g_nodes > 1 ? cfg_hosts : cfg_local;
     double mt[2][N_MPI][N_SIZES];
     bool ok[2];
     for (int c = 0; c < 2; c++) {
@@ -243,7 +297,8 @@ static void print_mpi(int ws, int nsizes, int fixed_iters, int64_t max_mib, doub
                 mt[c][k][s] = -1;
         ok[c] = run_mpi(self, cfg_mca[c], ws, fixed_iters, max_mib, mt[c]);
     }
-    printf("\nOpenMPI (mpirun -np %d, bench_collectives_mpi; ob1 = default pml, ucx = %s): %s%s\n", ws, cfg_mca[1],
+    printf("\nOpenMPI (mpirun -np %d%s, bench_collectives_mpi; ob1 = %s, ucx = %s): %s%s\n", ws,
+           g_nodes > 1 ? " over the same hosts" : "", g_nodes > 1 ? cfg_mca[0] : "default pml", cfg_mca[1],
            ok[0] ? "" : "ob1 FAILED ", ok[1] ? "" : "ucx FAILED");
     printf("target from 1 MiB: our busbw >= OpenMPI's best busbw (ratio >= 1)\n");
     for (int c = 0; c < N_COLL; c++) {
@@ -285,6 +340,11 @@ int main(int argc, char **argv)
         }
     }
     CHECK(ts_dist_init(NULL));
+    ts_rank_env env;
+    if (ts_launch_env(&env) == TS_OK && env.local_world_size < env.world_size) {
+        g_per_node = env.local_world_size;
+        g_nodes = env.world_size / env.local_world_size;
+    }
     ts_comm *w = ts_dist_world();
     int rank = ts_comm_rank(w), ws = ts_comm_size(w);
     int nsizes = 0;
@@ -319,9 +379,11 @@ int main(int argc, char **argv)
             mc[s] = time_memcpy(sizes[s], iters_for(sizes[s], fixed_iters));
 
     /* The UCX ceiling and OpenMPI (below), while the other ranks wait in
-     * quiet_barrier at the end. */
+     * quiet_barrier at the end: for up to an hour (two mpirun runs across
+     * hosts under load took more than ts_dist_init's 300 s). */
+    ts__comm_set_timeout(w, 3600.0);
     double ucx[N_SIZES];
-    bool have_ucx = rank == 0 && on_path("ucx_perftest");
+    bool have_ucx = rank == 0 && on_path("ucx_perftest") && (g_nodes == 1 || (netns_name() && netns_script()));
     for (int s = 0; s < nsizes; s++)
         ucx[s] = -1;
     if (have_ucx)
@@ -331,9 +393,13 @@ int main(int argc, char **argv)
 
     if (rank == 0) {
         const char *tls = getenv("UCX_TLS"), *em = getenv("TS_UCX_ERROR_MODE");
-        printf("bench_collectives: %d ranks, UCX_TLS=%s, TS_UCX_ERROR_MODE=%s, f32, size = largest buffer "
+        char where[96] = "";
+        if (g_nodes > 1)
+            snprintf(where, sizeof where, " on %d hosts x %d (TCP between hosts%s)", g_nodes, g_per_node,
+                     g_per_node > 1 ? ", shared memory within" : "");
+        printf("bench_collectives: %d ranks%s, UCX_TLS=%s, TS_UCX_ERROR_MODE=%s, f32, size = largest buffer "
                "(nccl-tests convention)\n",
-               ws, tls ? tls : "(unset)", em && *em ? em : "peer");
+               ws, where, tls ? tls : "(unset)", em && *em ? em : "peer");
         printf("busbw = algbw * (W-1)/W (all_gather, reduce_scatter), * 2(W-1)/W (all_reduce); GB/s = 1e9 B/s\n");
         for (int c = 0; c < N_COLL; c++) {
             double f = c == COLL_AR ? 2.0 * (ws - 1) / ws : (double)(ws - 1) / ws;
@@ -364,9 +430,11 @@ int main(int argc, char **argv)
             printf("%-28s %11.2f %11.2f %9.3f %s\n", short_names[c], on * 1e6, off * 1e6, on / off,
                    on / off <= 1.05 ? "ok" : ">1.05");
         }
-        printf("\nucx_perftest -t tag_bw (127.0.0.1, transport ceiling; target busbw >= 0.8x from 16 MiB)\n");
+        printf("\nucx_perftest -t tag_bw (%s, transport ceiling; target busbw >= 0.8x from 16 MiB)\n",
+               netns_name() && netns_script() ? "host 0 to host 1, UCX_TLS=tcp" : "127.0.0.1");
         if (!have_ucx)
-            printf("  skipped: ucx_perftest not found on PATH (Debian package ucx-utils)\n");
+            printf("  skipped: %s\n", g_nodes > 1 ? "the ranks span hosts and no TS_BENCH_NETNS says how to reach them"
+                                                   : "ucx_perftest not found on PATH (Debian package ucx-utils)");
         else
             for (int s = 0; s < nsizes; s++)
                 if (sizes[s] >= (1 << 20)) {

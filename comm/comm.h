@@ -224,14 +224,23 @@ TS_API ts_dist_options ts_dist_options_default(void);
 TS_API ts_status ts_dist_init(const ts_dist_options *o);
 /* (On success every rank logs one info-level line, TS_LOG_LEVEL=info:
  * "ts_dist_init: rank 1 of 2, local rank 1 of 2, transport ucx, store
- * 127.0.0.1:29500 (hosted by the launcher; launcher tsrun/torchrun)".) */
+ * 127.0.0.1:29500 (hosted by the launcher; launcher tsrun/torchrun)", and
+ * the UCX transport one more naming the peers on this host and on others:
+ * "ucx: rank 0: same host: [1(bypass)]; other hosts: [2 3]". A host is a
+ * kernel (boot id), pid namespace and network namespace, not a host name:
+ * peers on other hosts go through the network, never through shared
+ * memory or the bypass; docs/multihost.md.) */
 TS_API bool ts_dist_is_initialized(void);
 /* The initialized world; the one-rank group (ts_comm_world()) otherwise. */
 TS_API ts_comm *ts_dist_world(void);
 /* Barrier (collective and through the store), frees the world (bounded in
- * time, also after a peer failure) and closes the store. Returns the
- * barrier's status (the world is freed either way); TS_ERR_STATE when not
- * initialized. Afterwards ts_dist_world() is the one-rank group. */
+ * time, also after a peer failure) and closes the store. The process
+ * that keeps the store up waits for every rank's last store call first:
+ * rank 0 when it hosts the store (mpirun, srun), and rank 0 under a
+ * launcher whose ranks span several nodes (node 0's tsrun hosts the store
+ * and ends with its own ranks). Returns the barrier's status (the world
+ * is freed either way); TS_ERR_STATE when not initialized. Afterwards
+ * ts_dist_world() is the one-rank group. */
 TS_API ts_status ts_dist_finalize(void);
 
 #ifdef __cplusplus

@@ -74,6 +74,11 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static ts_comm *g_world;                /* NULL when not initialized (under g_mu) */
 static ts_store *g_store;               /* NULL for a world of one rank */
 static ts_store_server *g_server;       /* rank 0 when no launcher hosts the store */
+/* Rank 0 under a launcher that hosts the store for ranks on several
+ * nodes: node 0's launcher (and its store) ends when its own ranks have
+ * exited, so rank 0 waits at ts_dist_finalize until every rank has made
+ * its last store call, as the hosting rank 0 does without a launcher. */
+static bool g_hold_for_nodes;
 static ts_loopback_fabric *g_fabric;    /* the one-rank world's */
 static char g_prefix[3 * TS_LAUNCH_MAX_STR];
 static unsigned g_epoch;                /* inits so far: each gets its own store keys */
@@ -707,6 +712,7 @@ static ts_status init_locked(const ts_dist_options *o)
         t->vt->destroy(t);
         goto fail;
     }
+    g_hold_for_nodes = env.store_hosted && env.rank == 0 && env.local_world_size < env.world_size;
     log_init(&env, "ucx");
     return TS_OK;
 fail:
@@ -751,14 +757,17 @@ ts_status ts_dist_finalize(void)
         s = ts_store_barrier(g_store, name, ts_comm_size(w));
     }
     /* When rank 0 hosts the store (mpirun, srun), it stops the server
-     * only after every other rank has left its last store call. */
+     * only after every other rank has left its last store call; under a
+     * launcher whose ranks span several nodes, rank 0 waits the same way,
+     * which keeps node 0's launcher, and with it the store, up for the
+     * ranks of the other nodes (g_hold_for_nodes). */
     if (s == TS_OK && g_store) {
         int W = ts_comm_size(w), R = ts_comm_rank(w);
         char key[sizeof g_prefix + 32];
         if (R != 0 && !g_server) {
             snprintf(key, sizeof key, "%s/left/%d", g_prefix, R);
             s = ts_store_set(g_store, key, "", 0);
-        } else if (g_server && W > 1) {
+        } else if ((g_server || g_hold_for_nodes) && W > 1) {
             char(*keys)[sizeof key] = calloc((size_t)W - 1, sizeof key);
             const char **kp = calloc((size_t)W - 1, sizeof *kp);
             if (keys && kp) {
@@ -785,6 +794,7 @@ ts_status ts_dist_finalize(void)
     g_store = NULL;
     ts_store_server_stop(g_server);
     g_server = NULL;
+    g_hold_for_nodes = false;
     pthread_mutex_unlock(&g_mu);
     if (s != TS_OK) return ts_error(s, "ts_dist_finalize: %s", err);
     return TS_OK;

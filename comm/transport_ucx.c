@@ -14,7 +14,9 @@
  *     u32 magic "TSUX" | i32 pid | char host[64] (NUL-padded) | worker address
  * in native byte order (a UCX address only means something to the same
  * build anyway). The pid and host let same-host peers watch each other's
- * process (see Failures).
+ * process (see Failures). host is host_id() (boot id, pid and network
+ * namespace), not the host name, which hosts may share; TS_LOG_LEVEL=info
+ * shows each rank's verdict (log_hosts).
  *
  * Tag packing. ucp_tag_recv_nbx is not bound to an endpoint, so the source
  * rank travels in the tag: the 64-bit UCX tag is
@@ -164,7 +166,7 @@ typedef struct ucx_peer {
     int pidfd; /* same-host peer's process (pidfd_open), -1 if none */
     bool exited; /* found dead by its pidfd rather than by UCX */
     bool none_mode; /* endpoint in UCP_ERR_HANDLING_MODE_NONE (TS_UCX_ERROR_MODE=local-none) */
-    bool same_host; /* on this host (by host name), self excluded */
+    bool same_host; /* on this host (host_id: kernel, pid and network namespace), self excluded */
     pid_t pid;      /* same-host peer's process */
     uint64_t cookie_addr, cookie; /* its published cookie (the bypass's identity check) */
     bool cma_recv;  /* this rank reads the peer's large messages (bypass) */
@@ -1001,7 +1003,19 @@ static int ucx_failed_peer(ts_transport *base, ts_status *status_out)
         return -1;
     if (status_out)
         *status_out = t->failed_status;
-    ts_error(t->failed_status, "%s", dead_why(&t->peers[t->failed_peer]));
+    /* the others found dead by now too (a lost host takes all its ranks):
+     * "...; ranks 2, 3 failed too" */
+    char also[160] = "";
+    size_t used = 0;
+    int more = 0;
+    for (int r = 0; r < t->base.size && used + 16 < sizeof also; r++)
+        if (r != t->failed_peer && t->peers[r].dead)
+            used += (size_t)snprintf(also + used, sizeof also - used, "%s%d", more++ ? ", " : "", r);
+    if (more)
+        ts_error(t->failed_status, "%s; rank%s %s failed too", dead_why(&t->peers[t->failed_peer]),
+                 more > 1 ? "s" : "", also);
+    else
+        ts_error(t->failed_status, "%s", dead_why(&t->peers[t->failed_peer]));
     return t->failed_peer;
 }
 
@@ -1256,10 +1270,66 @@ static const ts_transport_vtable ucx_vtable = {
 
 /* ------------------------------------------------------------- create */
 
+/* This host's identity for the same-host decisions (the bypass, the pid
+ * watch): "<boot id>/<pid namespace>/<network namespace>", NUL-padded to
+ * TS_UCX_HOST_LEN. Not the host name: two network namespaces of one
+ * machine (scripts/netns_hosts.sh), containers and cloned machines share
+ * theirs. The boot id tells kernels apart, the pid namespace says whether
+ * the peer's pid means the same process here, and the network namespace
+ * makes each address a host of its own, as the launcher sees it (nodes
+ * with their own --master-addr), so that traffic between them goes over
+ * the network as it would between machines. */
+static void host_id(char *out, size_t n)
+{
+    char boot[40] = "?", pidns[32] = "?", netns[32] = "?";
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "re");
+    if (f) {
+        if (!fgets(boot, sizeof boot, f))
+            snprintf(boot, sizeof boot, "?");
+        fclose(f);
+        boot[strcspn(boot, "\n")] = '\0';
+    }
+    ssize_t k = readlink("/proc/self/ns/pid", pidns, sizeof pidns - 1);
+    pidns[k > 0 ? k : 0] = '\0';
+    k = readlink("/proc/self/ns/net", netns, sizeof netns - 1);
+    netns[k > 0 ? k : 0] = '\0';
+    memset(out, 0, n);
+    /* "pid:[4026531836]" -> "4026531836" */
+    const char *p = strchr(pidns, '['), *q = strchr(netns, '[');
+    snprintf(out, n, "%.36s/%.*s/%.*s", boot, p ? (int)strcspn(p + 1, "]") : 1, p ? p + 1 : "?",
+             q ? (int)strcspn(q + 1, "]") : 1, q ? q + 1 : "?");
+}
+
 static void env_default(const char *name, const char *value)
 {
     if (!getenv(name))
         setenv(name, value, 0);
+}
+
+/* One info-level line per rank: which peers share its host (shared
+ * memory, the pid watch; "bypass" when large messages take it both ways)
+ * and which are on other hosts (the network). */
+static void log_hosts(const ts_ucx *t)
+{
+    if (!TS_LOG_ENABLED(TS_LOG_INFO))
+        return;
+    char same[512] = "", other[512] = "";
+    size_t ns = 0, no = 0;
+    for (int r = 0; r < t->base.size; r++) {
+        if (r == t->base.rank)
+            continue;
+        const ucx_peer *p = &t->peers[r];
+        char *buf = p->same_host ? same : other;
+        size_t *used = p->same_host ? &ns : &no;
+        if (*used + 24 >= sizeof same) {
+            if (*used + 4 < sizeof same)
+                *used += (size_t)snprintf(buf + *used, sizeof same - *used, " ...");
+            continue;
+        }
+        *used += (size_t)snprintf(buf + *used, sizeof same - *used, "%s%d%s", *used ? " " : "", r,
+                                  p->same_host && p->cma_recv && p->cma_send ? "(bypass)" : "");
+    }
+    ts_logf(TS_LOG_INFO, "ucx: rank %d: same host: [%s]; other hosts: [%s]", t->base.rank, same, other);
 }
 
 ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, int size, double timeout_s,
@@ -1375,7 +1445,7 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
         goto fail;
     }
     char host[TS_UCX_HOST_LEN] = {0};
-    gethostname(host, sizeof host - 1);
+    host_id(host, sizeof host);
     uint32_t magic = TS_UCX_MAGIC;
     int32_t pid = (int32_t)getpid();
     memcpy(val, &magic, 4);
@@ -1504,6 +1574,7 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
         t->peers[r].cma_recv = t->peers[r].cma_recv && cma_on && vals[0];
         t->peers[r].cma_send = vals[1] && cma_on;
     }
+    log_hosts(t);
     *out = &t->base;
     return TS_OK;
 
