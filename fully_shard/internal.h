@@ -178,6 +178,7 @@ struct fsdp_group {
      * the gradients it reads kept in rs_src (n, owned) until it completes;
      * dsegs (n) and dcounts (n x W elements per rank) are made once. */
     bool copy_free;              /* from ts__fsdp_copy_free() when the group is made */
+    uint64_t n_direct;           /* collectives that took the copy-free path (not the packed fallback) */
     ts__direct *ag_direct, *rs_direct;
     ts_tensor **rs_src;
     ts__dseg *dsegs;

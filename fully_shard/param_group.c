@@ -307,6 +307,7 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
     TS_TRACE_BEGIN(tw);
     if (g->ag_direct) { /* copy-free: the reads land in U */
         ts_status st = ts__direct_wait(g->ag_direct);
+        g->n_direct += ts__direct_was_direct(g->ag_direct);
         ts__direct_free(g->ag_direct);
         g->ag_direct = NULL;
         ts_tensor_free(g->ag_in);
@@ -397,6 +398,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     ts_status st;
     if (g->rs_direct) { /* copy-free: this rank's rows read and summed into rs_out */
         st = ts__direct_wait(g->rs_direct);
+        g->n_direct += ts__direct_was_direct(g->rs_direct);
         ts__direct_free(g->rs_direct);
         g->rs_direct = NULL;
         drop_rs_src(g);
