@@ -44,6 +44,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -75,6 +76,18 @@ struct ts__direct {
     int64_t *starts; /* nseg x W: where part j starts in full (elements) */
     ts_tensor *desc_in, *desc_out;
     ts_request *desc_req;
+    int channel;
+    uint64_t gid, t_call;
+    uint32_t seq;
+    /* the data's move (move(), on the channel's worker or in the wait) */
+    ts__direct *qnext;
+    bool queued;
+    atomic_bool moved;
+    bool agreed;   /* every rank runs this collective on this layout */
+    bool readable; /* every rank can read every peer: the copy-free path */
+    ts_status move_st;
+    char move_err[ERRLEN];
+    /* the wait */
     bool waited, direct;
     ts_status status;
     char err[ERRLEN];
@@ -125,8 +138,10 @@ static void req_free_parts(ts__direct *r)
     ts__free(TS_MEM_COMM, r);
 }
 
-static ts_status start(const char *fn, int kind, ts_comm *c, ts_dtype d, const void *shard_in, void *shard_out,
-                       int64_t shard_numel, int nseg, const ts__dseg *segs, ts_reduce_op rop, double pre, double post, ts__direct **out)
+static bool enqueue(ts__direct *r);
+
+static ts_status start(const char *fn, int kind, int channel, ts_comm *c, ts_dtype d, const void *shard_in,
+                       void *shard_out, int64_t shard_numel, int nseg, const ts__dseg *segs, ts_reduce_op rop, double pre, double post, ts__direct **out)
 {
     if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL out", fn);
     *out = NULL;
@@ -221,6 +236,10 @@ static ts_status start(const char *fn, int kind, ts_comm *c, ts_dtype d, const v
         dd[HDR + 2 * k + 1] = (int64_t)r->segs[k].dtype;
     }
     (void)es;
+    r->channel = channel;
+    r->gid = ts__comm_gid(c);
+    r->seq = ts__comm_next_seq(c);
+    r->t_call = ts_now_ns();
     if ((st = ts_all_gather_into_tensor(c, r->desc_out, r->desc_in, &r->desc_req))) {
         req_free_parts(r);
         return st;
@@ -229,6 +248,7 @@ static ts_status start(const char *fn, int kind, ts_comm *c, ts_dtype d, const v
     ts__comm_count(c, TS_COLL_ALL_GATHER, -1, -nd * 8);
     if (kind == K_AG) ts__comm_count(c, TS_COLL_ALL_GATHER, 1, shard_numel * (int64_t)ts_dtype_size(d));
     else ts__comm_count(c, TS_COLL_REDUCE_SCATTER, 1, (int64_t)W * shard_numel * (int64_t)ts_dtype_size(d));
+    r->queued = enqueue(r); /* else the wait moves the data */
     *out = r;
     return TS_OK;
 }
@@ -236,12 +256,12 @@ static ts_status start(const char *fn, int kind, ts_comm *c, ts_dtype d, const v
 ts_status ts__direct_all_gather(ts_comm *c, ts_dtype d, const void *shard, int64_t shard_numel, int nseg,
                                 const ts__dseg *segs, ts__direct **out)
 {
-    return start("ts__direct_all_gather", K_AG, c, d, shard, NULL, shard_numel, nseg, segs, TS_REDUCE_SUM, 1.0, 1.0,
-                 out);
+    return start("ts__direct_all_gather", K_AG, 0, c, d, shard, NULL, shard_numel, nseg, segs, TS_REDUCE_SUM, 1.0,
+                 1.0, out);
 }
 
 ts_status ts__direct_reduce_scatter(ts_comm *c, ts_dtype d, void *shard, int64_t shard_numel, int nseg,
-                                    const ts__dseg *segs, ts_reduce_op rop, double pre, double post,
+                                    const ts__dseg *segs, ts_reduce_op rop, double pre, double post, int channel,
                                     ts__direct **out)
 {
     static const char fn[] = "ts__direct_reduce_scatter";
@@ -252,7 +272,9 @@ ts_status ts__direct_reduce_scatter(ts_comm *c, ts_dtype d, void *shard, int64_t
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: divide factors must be finite and > 0 (%g, %g)", fn, pre, post);
     if ((rop == TS_REDUCE_MAX || rop == TS_REDUCE_MIN) && (pre != 1.0 || post != 1.0))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: MAX and MIN take no divide factors", fn);
-    return start(fn, K_RS, c, d, NULL, shard, shard_numel, nseg, segs, rop, pre, post, out);
+    if (channel != 0 && channel != 1)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: channel %d (0: shared, 1: the reductions' own)", fn, channel);
+    return start(fn, K_RS, channel, c, d, NULL, shard, shard_numel, nseg, segs, rop, pre, post, out);
 }
 
 /* ------------------------------------------------------------ reads */
@@ -492,12 +514,19 @@ static void desc_str(const int64_t *d, char *buf, size_t n)
              (unsigned long long)h, (int)((d[1] >> 8) & 0xff), pre, post);
 }
 
-static ts_status run(ts__direct *r)
+/* The data's move: finishes the exchange, checks that every rank runs the
+ * same collective, and, on the copy-free path, reads (its outcome in
+ * move_st; the wait acknowledges). Runs on the channel's worker (or in
+ * the wait); issues no collective of the group, so that the group's
+ * collectives stay in the callers' order. */
+static void move(ts__direct *r)
 {
     ts_status st = ts_request_wait(r->desc_req);
-    ts_request_free(r->desc_req);
-    r->desc_req = NULL;
-    if (st) return st;
+    if (st) {
+        r->move_st = st;
+        snprintf(r->move_err, sizeof r->move_err, "%s", ts_last_error());
+        return;
+    }
     int nd = (int)ts_tensor_numel(r->desc_in);
     const int64_t *all = ts_tensor_data(r->desc_out), *mine = ts_tensor_data(r->desc_in);
     bool readable = true;
@@ -508,38 +537,132 @@ static ts_status run(ts__direct *r)
             char a[160], b[160];
             desc_str(mine, a, sizeof a);
             desc_str(d, b, sizeof b);
-            return ts_error(TS_ERR_COMM, "desynchronised collectives: rank %d runs %s, rank %d runs %s", r->rank, a, j, b);
+            r->move_st = ts_error(TS_ERR_COMM, "desynchronised collectives: rank %d runs %s, rank %d runs %s", r->rank, a,
+                                  j, b);
+            snprintf(r->move_err, sizeof r->move_err, "%s", ts_last_error());
+            return;
         }
         if (!((d[1] >> 16) & 1)) readable = false;
     }
-    if (!readable || r->W == 1) {
-        if (r->W == 1 && r->kind == K_RS) { /* one rank: the ring's local conversion, as below with W = 1 */
-            int bad = -1;
-            return rs_direct(r, all, nd, &bad);
-        }
-        if (r->W == 1) {
-            int bad = -1;
-            return ag_direct(r, all, nd, &bad);
-        }
-        return packed(r);
-    }
+    r->agreed = true;
+    r->readable = readable || r->W == 1;
+    if (!r->readable) return; /* the packed fallback, in the wait */
     int bad = -1;
-    ts_status rst = r->kind == K_AG ? ag_direct(r, all, nd, &bad) : rs_direct(r, all, nd, &bad);
-    char why[ERRLEN] = "";
-    if (rst) snprintf(why, sizeof why, "%s", ts_last_error());
+    st = r->kind == K_AG ? ag_direct(r, all, nd, &bad) : rs_direct(r, all, nd, &bad);
+    r->move_st = st;
+    if (st) snprintf(r->move_err, sizeof r->move_err, "%s", ts_last_error());
+    if (ts_trace_enabled() && r->W > 1) { /* the collective's span, as comm.c's ring collectives have */
+        int64_t bytes = (r->kind == K_AG ? 1 : r->W) * r->shard_numel * (int64_t)ts_dtype_size(r->d);
+        ts_trace_arg a[6] = {{"kind", kind_name(r->kind), 0}, {"bytes", NULL, bytes},
+                             {"group", NULL, (int64_t)r->gid}, {"seq", NULL, (int64_t)r->seq},
+                             {"rank", NULL, r->rank},          {"status", ts_status_name(st), 0}};
+        ts_trace_span_args(kind_name(r->kind), "comm", r->t_call, ts_now_ns(), 6, a);
+    }
+}
+
+/* ------------------------------------------------------------ channels
+ *
+ * One worker thread per channel and process, started at the first
+ * collective on it and kept for the process's life (blocked on its
+ * condition variable when idle): it moves the data of the collectives
+ * queued on its channel, in call order, while their callers compute; a
+ * wait blocks until its collective was moved. Channel 0 is shared (a
+ * reduce-scatter queued before an all-gather moves first, as collectives
+ * on one NCCL communicator), channel 1 serves reductions given their own
+ * (ts_fsdp_set_separate_reduce_scatter_group). */
+typedef struct worker {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    ts__direct *head, *tail;
+    bool started, failed;
+} worker;
+
+static worker g_workers[2] = {
+    {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, false, false},
+    {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, false, false},
+};
+
+static void *worker_main(void *arg)
+{
+    worker *w = arg;
+    ts_trace_thread_name(w == &g_workers[0] ? "comm-direct" : "comm-direct-rs");
+    for (;;) {
+        pthread_mutex_lock(&w->mu);
+        while (!w->head) pthread_cond_wait(&w->cv, &w->mu);
+        ts__direct *r = w->head;
+        w->head = r->qnext;
+        if (!w->head) w->tail = NULL;
+        pthread_mutex_unlock(&w->mu);
+        move(r);
+        pthread_mutex_lock(&w->mu);
+        atomic_store(&r->moved, true);
+        pthread_cond_broadcast(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+    }
+    return NULL;
+}
+
+/* Queues r on its channel's worker (started here the first time); false
+ * when no worker could be started (the wait then moves the data). */
+static bool enqueue(ts__direct *r)
+{
+    worker *w = &g_workers[r->channel];
+    pthread_mutex_lock(&w->mu);
+    if (!w->started && !w->failed) {
+        pthread_t th;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&th, &at, worker_main, w) == 0) w->started = true;
+        else w->failed = true;
+        pthread_attr_destroy(&at);
+    }
+    if (!w->started) {
+        pthread_mutex_unlock(&w->mu);
+        return false;
+    }
+    r->qnext = NULL;
+    if (w->tail) w->tail->qnext = r;
+    else w->head = r;
+    w->tail = r;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    return true;
+}
+
+/* The wait's part, on the caller's thread (the group's collectives in
+ * call order): the acknowledgement, or the packed fallback. */
+static ts_status finish(ts__direct *r)
+{
+    if (r->queued) {
+        worker *w = &g_workers[r->channel];
+        pthread_mutex_lock(&w->mu);
+        while (!atomic_load(&r->moved)) pthread_cond_wait(&w->cv, &w->mu);
+        pthread_mutex_unlock(&w->mu);
+    } else {
+        move(r);
+        atomic_store(&r->moved, true);
+    }
+    ts_request_free(r->desc_req);
+    r->desc_req = NULL;
+    if (!r->agreed) return ts_error(r->move_st, "%s", r->move_err); /* every rank knows: no acknowledgement */
+    if (r->W == 1) return r->move_st ? ts_error(r->move_st, "%s", r->move_err) : TS_OK;
+    if (!r->readable) return packed(r);
     /* every reader done (and who failed): nobody's buffers change before */
     int64_t one = 1;
     ts_tensor *flag = NULL;
-    if ((st = ts_tensor_empty(TS_I64, 1, &one, &flag))) return st;
-    *(int64_t *)ts_tensor_data(flag) = rst ? r->rank + 1 : 0;
+    ts_status st = ts_tensor_empty(TS_I64, 1, &one, &flag);
+    if (st) return st;
+    *(int64_t *)ts_tensor_data(flag) = r->move_st ? r->rank + 1 : 0;
     st = ts_all_reduce(r->c, flag, TS_REDUCE_MAX, NULL);
     ts__comm_count(r->c, TS_COLL_ALL_REDUCE, -1, -8);
     int64_t failed = *(int64_t *)ts_tensor_data(flag);
     ts_tensor_free(flag);
     if (st) return st;
-    if (rst) return ts_error(rst, "%s", why);
-    if (failed) return ts_error(TS_ERR_COMM, "direct %s: rank %lld failed to read its peers' data", kind_name(r->kind),
-                                (long long)(failed - 1));
+    if (r->move_st) return ts_error(r->move_st, "%s", r->move_err);
+    if (failed)
+        return ts_error(TS_ERR_COMM, "direct %s: rank %lld failed to read its peers' data", kind_name(r->kind),
+                        (long long)(failed - 1));
     r->direct = true;
     return TS_OK;
 }
@@ -549,12 +672,14 @@ ts_status ts__direct_wait(ts__direct *r)
     if (!r) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__direct_wait: NULL request");
     if (!r->waited) {
         r->waited = true;
-        r->status = run(r);
+        r->status = finish(r);
         if (r->status) snprintf(r->err, sizeof r->err, "%s", ts_last_error());
     }
     if (r->status) return ts_error(r->status, "%s", r->err);
     return TS_OK;
 }
+
+bool ts__direct_done(const ts__direct *r) { return r && atomic_load(&r->moved); }
 
 bool ts__direct_was_direct(const ts__direct *r) { return r && r->direct; }
 

@@ -46,7 +46,18 @@
  * disagree all fail with TS_ERR_COMM naming both sides, as the ring
  * collectives do. Deadlines and peer failures are the group's.
  *
- * One thread per request; the data moves on the thread that waits.
+ * Threads: the call and the wait run on the caller's thread and issue
+ * the group's collectives (the exchange, the acknowledgement, the packed
+ * fallback) in call order. The reads run on a worker thread per channel
+ * and process ("comm-direct", started at the first call), in call order,
+ * from the exchange's completion on, while the caller computes; the wait
+ * blocks until they are done. Channel 0 serves every all-gather and, by
+ * default, the reduce-scatters (a reduce-scatter called before an
+ * all-gather is moved first, as on one NCCL communicator); channel 1
+ * ("comm-direct-rs") serves reduce-scatters given their own, so that
+ * they and the all-gathers move at the same time (FSDP2's separate
+ * reduce-scatter group: give them a group of their own as well). Without
+ * a worker (pthread_create failed) the wait moves the data.
  */
 #ifndef TS_COMM_COLL_DIRECT_H
 #define TS_COMM_COLL_DIRECT_H
@@ -72,21 +83,26 @@ typedef struct ts__dseg {
  * *out is owned by the caller (ts__direct_free). Caller's thread. */
 ts_status ts__direct_all_gather(ts_comm *c, ts_dtype d, const void *shard, int64_t shard_numel, int nseg,
                                 const ts__dseg *segs, ts__direct **out);
-/* Starts the reduce-scatter of the segments' sources into `shard`
+/* Starts the reduce-scatter of the segments' sources into `shard` on
+ * channel 0 or 1 (see the top)
  * (shard_numel elements of dtype d: f32, f64, bf16, f16; accumulated in
  * ts__acc_dtype(d); elements no part covers are left alone), with every
  * input divided by pre before and the result by post after (AVG also by
  * W), as ts_reduce_scatter_tensor. Counted as one reduce-scatter of W x
- * shard_numel elements of d. Errors as above, plus TS_ERR_DTYPE and the
- * reduce op / divisor checks of comm.h. */
+ * shard_numel elements of d. Errors as above, plus TS_ERR_DTYPE, the
+ * reduce op / divisor checks of comm.h and a channel other than 0 or 1. */
 ts_status ts__direct_reduce_scatter(ts_comm *c, ts_dtype d, void *shard, int64_t shard_numel, int nseg,
-                                    const ts__dseg *segs, ts_reduce_op rop, double pre, double post,
+                                    const ts__dseg *segs, ts_reduce_op rop, double pre, double post, int channel,
                                     ts__direct **out);
 /* Runs the collective to its end (the reads, or the packed fallback) and
  * returns its status (the same on later calls): TS_ERR_COMM for
  * disagreeing ranks or a failed read (on every rank, naming the rank),
  * the group's TS_ERR_PEER_FAILED / TS_ERR_TIMEOUT, TS_ERR_NO_MEMORY. */
 ts_status ts__direct_wait(ts__direct *r);
+/* Whether the collective's data has moved (the reads finished, or the
+ * exchange found the packed fallback or an error), without blocking; its
+ * wait still acknowledges (and runs the fallback). */
+bool ts__direct_done(const ts__direct *r);
 /* Whether the collective took the copy-free path (false before the wait
  * and for the packed fallback). */
 bool ts__direct_was_direct(const ts__direct *r);

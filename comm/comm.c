@@ -1163,6 +1163,17 @@ void ts__comm_count(ts_comm *c, ts_coll_kind kind, int64_t calls, int64_t bytes)
     pthread_mutex_unlock(&c->stats_mu);
 }
 
+uint64_t ts__comm_gid(const ts_comm *c) { return c ? c->gid : 0; }
+
+uint32_t ts__comm_next_seq(ts_comm *c)
+{
+    if (!c) return 0;
+    pthread_mutex_lock(&c->stats_mu);
+    uint32_t s = c->seq;
+    pthread_mutex_unlock(&c->stats_mu);
+    return s;
+}
+
 int ts__comm_world_rank(const ts_comm *c, int r) { return c && c->map ? c->map[r] : r; }
 
 int ts__comm_peer_pid(ts_comm *c, int peer)

@@ -73,6 +73,11 @@ int ts__comm_peer_pid(ts_comm *c, int peer);
  * collective of their kind, not as the small ones they are made of. Any
  * thread. */
 void ts__comm_count(ts_comm *c, ts_coll_kind kind, int64_t calls, int64_t bytes);
+/* c's group id, and the sequence number its next collective will take
+ * (for the direct collectives' trace spans, which carry them as the ring
+ * collectives' do). Any thread. */
+uint64_t ts__comm_gid(const ts_comm *c);
+uint32_t ts__comm_next_seq(ts_comm *c);
 /* The world rank of group rank `r` of c (r itself for a world). */
 int ts__comm_world_rank(const ts_comm *c, int r);
 

@@ -180,6 +180,10 @@ struct fsdp_group {
     bool copy_free;              /* from ts__fsdp_copy_free() when the group is made */
     uint64_t n_direct;           /* collectives that took the copy-free path (not the packed fallback) */
     ts__direct *ag_direct, *rs_direct;
+    /* ts_fsdp_set_separate_reduce_scatter_group: the reductions' own group
+     * (the shard group's ranks, owned; NULL: they share pg); a copy-free
+     * reduce-scatter on it moves on the reductions' own channel. */
+    ts_comm *rsg;
     ts_tensor **rs_src;
     ts__dseg *dsegs;
     int64_t *dcounts;

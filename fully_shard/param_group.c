@@ -82,6 +82,7 @@ void ts__fsdp_group_free(fsdp_group *g)
     }
     ts__direct_free(g->ag_direct);
     ts__direct_free(g->rs_direct);
+    ts_comm_free(g->rsg);
     drop_rs_src(g);
     ts__free(TS_MEM_NN, g->rs_src);
     ts__free(TS_MEM_NN, g->dsegs);
@@ -617,8 +618,8 @@ static ts_status reduce_direct(fsdp_group *g)
     if (!st) st = reshard_after_backward(g);
     fsdp_reduce_plan plan = ts__fsdp_reduce_plan(g);
     if (!st)
-        st = ts__direct_reduce_scatter(g->pg, g->rdtype, out, g->shard_numel, g->n, g->dsegs, plan.rs_op, plan.rs_pre, plan.rs_post,
-                                       &g->rs_direct);
+        st = ts__direct_reduce_scatter(g->rsg ? g->rsg : g->pg, g->rdtype, out, g->shard_numel, g->n, g->dsegs, plan.rs_op, plan.rs_pre, plan.rs_post,
+                                       g->rsg ? 1 : 0, &g->rs_direct);
     if (st) {
         ts__fsdp_discard_reduce(g);
         return st;
@@ -691,7 +692,7 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
     if (!st) st = reshard_after_backward(g);
     fsdp_reduce_plan plan = ts__fsdp_reduce_plan(g);
     if (!st)
-        st = ts_reduce_scatter_tensor(g->pg, g->rs_out, g->rs_in, plan.rs_op, plan.rs_pre, plan.rs_post, &g->rs_req);
+        st = ts_reduce_scatter_tensor(g->rsg ? g->rsg : g->pg, g->rs_out, g->rs_in, plan.rs_op, plan.rs_pre, plan.rs_post, &g->rs_req);
     if (st) {
         ts__fsdp_discard_reduce(g);
         return st;
@@ -732,5 +733,38 @@ ts_status ts__fsdp_gather_full(fsdp_group *g, bool keep, ts_tensor **full)
         }
     }
     ts_tensor_free(ag);
+    return st;
+}
+
+/* ------------------------------------------------------------------ */
+/* A separate reduce-scatter group                                    */
+/* ------------------------------------------------------------------ */
+
+ts_status ts_fsdp_set_separate_reduce_scatter_group(ts_module *module, bool enable)
+{
+    static const char fn[] = "ts_fsdp_set_separate_reduce_scatter_group";
+    if (!module) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL module", fn);
+    fsdp_state *s = NULL;
+    ts_status st = ts__fsdp_need_state(fn, module, &s);
+    if (st) return st;
+    groups_walk w = {0};
+    if ((st = ts__fsdp_idle_groups(fn, module, &w))) return st;
+    for (int i = 0; i < w.n && !st; i++) {
+        fsdp_group *g = w.g[i];
+        if (enable && !g->rsg && g->W > 1) {
+            int *ranks = ts__malloc(TS_MEM_NN, (size_t)g->W * sizeof *ranks);
+            if (!ranks) {
+                st = TS_ERR_NO_MEMORY;
+                break;
+            }
+            for (int j = 0; j < g->W; j++) ranks[j] = j;
+            st = ts_comm_new_group(g->pg, g->W, ranks, &g->rsg);
+            ts__free(TS_MEM_NN, ranks);
+        } else if (!enable && g->rsg) {
+            ts_comm_free(g->rsg);
+            g->rsg = NULL;
+        }
+    }
+    ts__free(TS_MEM_NN, w.g);
     return st;
 }

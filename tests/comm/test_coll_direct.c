@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include "comm/coll_direct.h"
@@ -162,7 +163,7 @@ static unsigned char *run_rs(ts_comm *c, const layout *L, const rs_cfg *cf, bool
     unsigned char *out = calloc((size_t)L->shard_numel + 1, oes);
     ts__direct_set_enabled(direct);
     ts__direct *r = NULL;
-    ROK(30, ts__direct_reduce_scatter(c, cf->out, out, L->shard_numel, NSEG, segs, cf->op, cf->pre, cf->post, &r));
+    ROK(30, ts__direct_reduce_scatter(c, cf->out, out, L->shard_numel, NSEG, segs, cf->op, cf->pre, cf->post, 0, &r));
     ROK(31, ts__direct_wait(r));
     if (ts__direct_was_direct(r) != (direct && expect_direct && L->W > 1))
         RFAIL(32, "reduce_scatter took the %s path", ts__direct_was_direct(r) ? "direct" : "packed");
@@ -230,6 +231,52 @@ static void rs_case(ts_comm *c, const layout *L, const rs_cfg *cf, bool expect_d
     free(ref);
 }
 
+/* A reduce-scatter on a group and channel of its own moves while the
+ * all-gathers of the main group go on in another order on another rank:
+ * rank 0 calls the reduce-scatter first, then all-gathers and waits for
+ * them; the other ranks all-gather first and call the reduce-scatter
+ * only then. On the shared channel rank 0's all-gather would queue
+ * behind a reduce-scatter whose exchange waits for ranks that wait for
+ * that all-gather (a deadlock until the deadline); on channel 1 it
+ * completes, with the reference's bits. */
+static void separate_channel(ts_comm *c, const layout *L, bool expect_direct)
+{
+    int W = L->W;
+    int ranks[16];
+    for (int j = 0; j < W; j++) ranks[j] = j;
+    ts_comm *rsg = NULL;
+    ROK(60, ts_comm_new_group(c, W, ranks, &rsg));
+    rs_cfg cf = {TS_F32, TS_F32, TS_REDUCE_AVG, 1.0, 1.0, -1};
+    ts__dseg segs[NSEG];
+    memcpy(segs, L->segs, sizeof segs);
+    void *src[NSEG];
+    for (int k = 0; k < NSEG; k++) {
+        src[k] = malloc((size_t)L->full_numel[k] * 4);
+        fill(src[k], TS_F32, L->full_numel[k], L->me, k, 0);
+        segs[k].full = src[k];
+    }
+    unsigned char *out = calloc((size_t)L->shard_numel + 1, 4);
+    ts__direct *rs = NULL;
+    if (L->me == 0) ROK(61, ts__direct_reduce_scatter(rsg, TS_F32, out, L->shard_numel, NSEG, segs, cf.op, 1, 1, 1, &rs));
+    ag_case(c, L, TS_F32, expect_direct); /* the main group meanwhile */
+    if (L->me != 0) ROK(62, ts__direct_reduce_scatter(rsg, TS_F32, out, L->shard_numel, NSEG, segs, cf.op, 1, 1, 1, &rs));
+    double t0 = th_now_s();
+    while (!ts__direct_done(rs) && th_now_s() - t0 < 20) sched_yield();
+    if (!ts__direct_done(rs)) RFAIL(64, "the reduce-scatter on its own channel did not move in 20 s");
+    ROK(66, ts__direct_wait(rs));
+    if (ts__direct_was_direct(rs) != (expect_direct && W > 1)) RFAIL(68, "took the wrong path");
+    unsigned char *ref = ref_rs(c, L, &cf);
+    for (int k = 0; k < NSEG; k++) {
+        size_t at = (size_t)L->off[k] * 4, nb = (size_t)L->counts[k][L->me] * 4;
+        if (memcmp(out + at, ref + at, nb)) RFAIL(69, "separate channel: segment %d differs from the reference", k);
+    }
+    ts__direct_free(rs);
+    free(out);
+    for (int k = 0; k < NSEG; k++) free(src[k]);
+    free(ref);
+    ts_comm_free(rsg);
+}
+
 /* ------------------------------------------------------------ the ranks */
 
 static void role_coll(bool expect_direct)
@@ -258,6 +305,7 @@ static void role_coll(bool expect_direct)
         {TS_F32, TS_F32, TS_REDUCE_MAX, 1.0, 1.0, -1},
     };
     for (size_t i = 0; i < sizeof cfgs / sizeof cfgs[0]; i++) rs_case(c, &L, &cfgs[i], expect_direct);
+    separate_channel(c, &L, expect_direct);
     /* ranks that disagree: rank 0 runs another layout; every rank fails
      * naming both, and the group still works afterwards */
     layout L2;
@@ -278,7 +326,7 @@ static void role_coll(bool expect_direct)
     /* a reduce-scatter against an all-gather (same descriptor length when
      * no segments): named on every rank */
     if (me == 0) ROK(52, ts__direct_all_gather(c, TS_F32, sh, 0, 0, NULL, &r));
-    else ROK(53, ts__direct_reduce_scatter(c, TS_F32, sh, 0, 0, NULL, TS_REDUCE_SUM, 1, 1, &r));
+    else ROK(53, ts__direct_reduce_scatter(c, TS_F32, sh, 0, 0, NULL, TS_REDUCE_SUM, 1, 1, 0, &r));
     st = ts__direct_wait(r);
     if (st != TS_ERR_COMM || !strstr(ts_last_error(), "all_gather") || !strstr(ts_last_error(), "reduce_scatter"))
         RFAIL(54, "all_gather against reduce_scatter: status %s (%s)", ts_status_str(st), ts_last_error());
@@ -289,9 +337,9 @@ static void role_coll(bool expect_direct)
     ts__dseg bad = {NULL, TS_F32, 0, neg};
     if (ts__direct_all_gather(c, TS_F32, NULL, 100, 1, &bad, &r) != TS_ERR_INVALID_ARGUMENT || r)
         RFAIL(55, "negative count accepted");
-    if (ts__direct_reduce_scatter(c, TS_I64, NULL, 0, 0, NULL, TS_REDUCE_SUM, 1, 1, &r) != TS_ERR_DTYPE)
+    if (ts__direct_reduce_scatter(c, TS_I64, NULL, 0, 0, NULL, TS_REDUCE_SUM, 1, 1, 0, &r) != TS_ERR_DTYPE)
         RFAIL(56, "i64 output accepted");
-    if (ts__direct_reduce_scatter(c, TS_F32, NULL, 0, 0, NULL, TS_REDUCE_MAX, 2, 1, &r) != TS_ERR_INVALID_ARGUMENT)
+    if (ts__direct_reduce_scatter(c, TS_F32, NULL, 0, 0, NULL, TS_REDUCE_MAX, 2, 1, 0, &r) != TS_ERR_INVALID_ARGUMENT)
         RFAIL(57, "MAX with a divisor accepted");
     int64_t far[16] = {0};
     far[W - 1] = 5;

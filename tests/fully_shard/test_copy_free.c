@@ -46,6 +46,7 @@ typedef struct mlp {
 typedef struct cf_arg {
     int steps, accum;
     bool adam, bf16, bf16_reduce, offload, hsdp, keep_grads, no_sync, expect_direct;
+    bool separate; /* ts_fsdp_set_separate_reduce_scatter_group on the copy-free model */
     ts_reshard_policy policy;
 } cf_arg;
 
@@ -125,6 +126,11 @@ static int rank_parity(rank_ctx *rc)
     mlp cf, ref;
     RK_OK(rc, mlp_new(mesh, a, true, &cf));
     RK_OK(rc, mlp_new(mesh, a, false, &ref));
+    if (a->separate) {
+        RK_OK(rc, ts_fsdp_set_separate_reduce_scatter_group(cf.root, true));
+        for (int l = 0; l < 3; l++)
+            if (!ts__fsdp_state_of(cf.lin[l])->group->rsg) return fail(rc, "group %d has no reduce-scatter group", l);
+    }
     int64_t rows = ROWS / rc->W;
     for (int s = 0; s < a->steps; s++) {
         for (int k = 0; k < a->accum; k++) {
@@ -220,4 +226,19 @@ Test(fully_shard_copy_free, falls_back_to_the_packed_ring_when_peers_cannot_be_r
     cf_arg a = {.steps = 3, .accum = 1, .bf16 = true, .policy = TS_RESHARD_AUTO, .expect_direct = false};
     th_run_world(3, rank_parity, &a, 60.0);
     unsetenv("TS_LOOPBACK_DIRECT");
+}
+
+/* Reductions on a group of their own (their reads and sums on a thread
+ * of their own while the backward goes on): the same bits. */
+Test(fully_shard_copy_free, a_separate_reduce_scatter_group_changes_no_bit, .timeout = 120)
+{
+    cf_arg a = {.steps = 3, .accum = 1, .separate = true, .policy = TS_RESHARD_AUTO};
+    run(2, a);
+    a.bf16 = true;
+    a.hsdp = true;
+    run(4, a);
+    a.hsdp = false;
+    a.no_sync = true;
+    a.accum = 2;
+    run(3, a);
 }
