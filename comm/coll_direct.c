@@ -2,20 +2,21 @@
 /*
  * Copy-free collectives over segment lists (coll_direct.h).
  *
- * A call checks its arguments, builds this rank's descriptor (below) and
- * starts its all-gather on the group; the wait finishes that exchange,
- * checks that every rank runs the same collective on the same layout,
- * and then either
- *  - reads (every rank announced it can read every peer): with
- *    process_vm_readv, the peers' parts straight into this rank's
- *    segments (all-gather), or this rank's part of every peer's source
- *    in pieces of PIECE elements, each converted and added into an
- *    accumulation piece in the ring's order (reduce-scatter); then one
- *    all-reduce (MAX) of this rank's read failure (its rank + 1, 0: none)
- *    lets every rank return the same status, and lets none change its
- *    buffers before every reader is done;
- *  - or runs the packed fallback: packs the same data into a W-block
- *    buffer and runs the ring collective of comm.h on it.
+ * A call checks its arguments, builds this rank's descriptor (below),
+ * starts its all-gather on the group and queues the collective on its
+ * channel's worker thread (see "channels"), which finishes that
+ * exchange, checks that every rank runs the same collective on the same
+ * layout, and then, when every rank announced it can read every peer,
+ * reads with process_vm_readv: the peers' parts straight into this
+ * rank's segments (all-gather), or this rank's part of every peer's
+ * source in pieces of PIECE elements, each converted and added into an
+ * accumulation piece in the ring's order (reduce-scatter). The wait, on
+ * the caller's thread, blocks until then and issues the rest of the
+ * group's collectives in call order: one all-reduce (MAX) of this rank's
+ * read failure (its rank + 1, 0: none), which lets every rank return the
+ * same status and none change its buffers before every reader is done;
+ * or, when some rank cannot read, the packed fallback (the same data
+ * packed into a W-block buffer and the ring collective of comm.h).
  *
  * Summation order (comm.c's ring): block b of a reduce-scatter starts at
  * rank b+1 and passes ranks b+2, ..., b+W-1 before rank b adds its own
