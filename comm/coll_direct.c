@@ -11,12 +11,14 @@
  * rank's segments (all-gather), or this rank's part of every peer's
  * source in pieces of PIECE elements, each converted and added into an
  * accumulation piece in the ring's order (reduce-scatter). The wait, on
- * the caller's thread, blocks until then and issues the rest of the
- * group's collectives in call order: one all-reduce (MAX) of this rank's
- * read failure (its rank + 1, 0: none), which lets every rank return the
- * same status and none change its buffers before every reader is done;
- * or, when some rank cannot read, the packed fallback (the same data
- * packed into a W-block buffer and the ring collective of comm.h).
+ * the caller's thread, blocks until then and collects the peers'
+ * acknowledgements, which the worker sent as soon as its reads were done
+ * (point to point, this rank's read failure: its rank + 1, 0: none;
+ * tagged with the exchange's sequence number), so that every rank
+ * returns the same status and none changes its buffers before every
+ * reader is done; or, when some rank cannot read, it runs the packed
+ * fallback (the same data packed into a W-block buffer and the ring
+ * collective of comm.h) in call order.
  *
  * Summation order (comm.c's ring): block b of a reduce-scatter starts at
  * rank b+1 and passes ranks b+2, ..., b+W-1 before rank b adds its own
@@ -88,6 +90,12 @@ struct ts__direct {
     bool readable; /* every rank can read every peer: the copy-free path */
     ts_status move_st;
     char move_err[ERRLEN];
+    /* the acknowledgements (copy-free path): this rank's status to every
+     * peer and theirs (rank + 1 of a failed reader, 0: none), point to
+     * point with the exchange's sequence number as tag, sent as soon as
+     * the reads are done */
+    ts_tensor *ack_out, *ack_in; /* 1 and W int64 */
+    ts_request **ack_req;        /* 2W: sends, receives */
     /* the wait */
     bool waited, direct;
     ts_status status;
@@ -130,6 +138,10 @@ static uint64_t mix(uint64_t h, uint64_t v)
 
 static void req_free_parts(ts__direct *r)
 {
+    for (int i = 0; r->ack_req && i < 2 * r->W; i++) ts_request_free(r->ack_req[i]);
+    ts__free(TS_MEM_COMM, r->ack_req);
+    ts_tensor_free(r->ack_out);
+    ts_tensor_free(r->ack_in);
     ts_request_free(r->desc_req);
     ts_tensor_free(r->desc_in);
     ts_tensor_free(r->desc_out);
@@ -552,6 +564,31 @@ static void move(ts__direct *r)
     st = r->kind == K_AG ? ag_direct(r, all, nd, &bad) : rs_direct(r, all, nd, &bad);
     r->move_st = st;
     if (st) snprintf(r->move_err, sizeof r->move_err, "%s", ts_last_error());
+    if (r->W > 1) { /* done reading: tell every peer now, not at the wait (no rendezvous of the waits) */
+        int64_t one = 1, W = r->W;
+        int tag = (int)(r->seq & TS_P2P_TAG_MAX);
+        r->ack_req = ts__calloc(TS_MEM_COMM, (size_t)(2 * W), sizeof *r->ack_req);
+        ts_status ast = r->ack_req ? TS_OK : TS_ERR_NO_MEMORY;
+        if (!ast) ast = ts_tensor_empty(TS_I64, 1, &one, &r->ack_out);
+        if (!ast) ast = ts_tensor_zeros(TS_I64, 1, &W, &r->ack_in);
+        if (!ast) *(int64_t *)ts_tensor_data(r->ack_out) = st ? r->rank + 1 : 0;
+        for (int j = 0; j < r->W && !ast; j++) {
+            if (j == r->rank) continue;
+            ts_tensor *slot = NULL;
+            if ((ast = ts_narrow(r->ack_in, 0, j, 1, &slot))) break;
+            ast = ts_recv(r->c, slot, j, tag, &r->ack_req[r->W + j]);
+            ts_tensor_free(slot);
+            if (!ast) ast = ts_send(r->c, r->ack_out, j, tag, &r->ack_req[j]);
+            if (!ast) { /* counted as part of this collective, not as point-to-point traffic */
+                ts__comm_count(r->c, TS_COLL_RECV, -1, -8);
+                ts__comm_count(r->c, TS_COLL_SEND, -1, -8);
+            }
+        }
+        if (ast && !r->move_st) {
+            r->move_st = ast;
+            snprintf(r->move_err, sizeof r->move_err, "%s", ts_last_error());
+        }
+    }
     if (ts_trace_enabled() && r->W > 1) { /* the collective's span, as comm.c's ring collectives have */
         int64_t bytes = (r->kind == K_AG ? 1 : r->W) * r->shard_numel * (int64_t)ts_dtype_size(r->d);
         ts_trace_arg a[6] = {{"kind", kind_name(r->kind), 0}, {"bytes", NULL, bytes},
@@ -650,17 +687,20 @@ static ts_status finish(ts__direct *r)
     if (r->W == 1) return r->move_st ? ts_error(r->move_st, "%s", r->move_err) : TS_OK;
     if (!r->readable) return packed(r);
     /* every reader done (and who failed): nobody's buffers change before */
-    int64_t one = 1;
-    ts_tensor *flag = NULL;
-    ts_status st = ts_tensor_empty(TS_I64, 1, &one, &flag);
-    if (st) return st;
-    *(int64_t *)ts_tensor_data(flag) = r->move_st ? r->rank + 1 : 0;
-    st = ts_all_reduce(r->c, flag, TS_REDUCE_MAX, NULL);
-    ts__comm_count(r->c, TS_COLL_ALL_REDUCE, -1, -8);
-    int64_t failed = *(int64_t *)ts_tensor_data(flag);
-    ts_tensor_free(flag);
-    if (st) return st;
+    ts_status st = TS_OK;
+    int64_t failed = 0;
+    for (int i = 0; r->ack_req && i < 2 * r->W; i++) {
+        if (!r->ack_req[i]) continue;
+        ts_status s2 = ts_request_wait(r->ack_req[i]);
+        if (s2 && !st) st = s2;
+    }
+    if (!r->ack_req && !r->move_st) st = ts_error(TS_ERR_INTERNAL, "direct %s: no acknowledgements", kind_name(r->kind));
+    for (int j = 0; !st && r->ack_in && j < r->W; j++) {
+        int64_t v = ((const int64_t *)ts_tensor_data(r->ack_in))[j];
+        if (v > failed) failed = v;
+    }
     if (r->move_st) return ts_error(r->move_st, "%s", r->move_err);
+    if (st) return st;
     if (failed)
         return ts_error(TS_ERR_COMM, "direct %s: rank %lld failed to read its peers' data", kind_name(r->kind),
                         (long long)(failed - 1));

@@ -28,9 +28,10 @@
  * ranks exchange their buffers' addresses in one small all-gather and
  * each reads what it needs with process_vm_readv, straight into its
  * tensors (the reduce-scatter in pieces of a few KiB that it adds into
- * its output as they arrive); one small all-reduce then tells every rank
- * that every reader finished (or which one failed), after which the
- * buffers may change. Where any pair of the group cannot (another host,
+ * its output as they arrive); each then tells every peer, point to point
+ * (user tags of the group: the exchange's sequence number), that it
+ * finished reading (or failed), and a wait returns once every peer has:
+ * the buffers may change then. Where any pair of the group cannot (another host,
  * CMA refused or off, the loopback transport), every rank of the group
  * falls back to the packed ring collective over the same data: bitwise
  * the same result, decided from the exchanged addresses, so all ranks
