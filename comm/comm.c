@@ -1300,6 +1300,34 @@ void ts__comm_progress_stats(ts_comm *c, uint64_t *by_callers_out, uint64_t *by_
     if (by_thread_out) *by_thread_out = w ? atomic_load(&w->by_thread) : 0;
 }
 
+void ts__comm_count(ts_comm *c, ts_coll_kind kind, int64_t calls, int64_t bytes)
+{
+    if (!c || (unsigned)kind >= TS_COLL_KIND_COUNT) return;
+    pthread_mutex_lock(&c->stats_mu);
+    c->stats.calls[kind] += (uint64_t)calls;
+    c->stats.bytes[kind] += (uint64_t)bytes;
+    pthread_mutex_unlock(&c->stats_mu);
+}
+
+uint64_t ts__comm_gid(const ts_comm *c) { return c ? c->gid : 0; }
+
+uint32_t ts__comm_next_seq(ts_comm *c)
+{
+    if (!c) return 0;
+    pthread_mutex_lock(&c->stats_mu);
+    uint32_t s = c->seq;
+    pthread_mutex_unlock(&c->stats_mu);
+    return s;
+}
+
+int ts__comm_world_rank(const ts_comm *c, int r) { return c && c->map ? c->map[r] : r; }
+
+int ts__comm_peer_pid(ts_comm *c, int peer)
+{
+    if (!c || !c->w || peer < 0 || peer >= c->size || peer == c->rank || !c->w->t->vt->peer_pid) return 0;
+    return c->w->t->vt->peer_pid(c->w->t, ts__comm_world_rank(c, peer));
+}
+
 void ts__comm_xfer_stats(ts_comm *c, uint64_t *posted_out, uint64_t *registered_out)
 {
     uint64_t p = 0, r = 0;

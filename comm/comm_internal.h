@@ -70,5 +70,23 @@ void ts__comm_xfer_stats(ts_comm *c, uint64_t *posted_out, uint64_t *registered_
  * should be the callers', asynchronous ones left behind the thread's.
  * Zeros for the one-rank group. Any thread. */
 void ts__comm_progress_stats(ts_comm *c, uint64_t *by_callers_out, uint64_t *by_thread_out);
+/* The process id of group rank `peer` of c when this process may read
+ * its memory with process_vm_readv (the transport's peer_pid: same host,
+ * cross-memory attach permitted both ways and not turned off), 0
+ * otherwise (another host, the loopback transport, the one-rank group,
+ * the caller itself). Any thread. (comm/coll_direct.c) */
+int ts__comm_peer_pid(ts_comm *c, int peer);
+/* Adds calls and bytes (either may be negative) to c's counters of
+ * `kind` (comm.h, ts_comm_stats): the direct collectives count as one
+ * collective of their kind, not as the small ones they are made of. Any
+ * thread. */
+void ts__comm_count(ts_comm *c, ts_coll_kind kind, int64_t calls, int64_t bytes);
+/* c's group id, and the sequence number its next collective will take
+ * (for the direct collectives' trace spans, which carry them as the ring
+ * collectives' do). Any thread. */
+uint64_t ts__comm_gid(const ts_comm *c);
+uint32_t ts__comm_next_seq(ts_comm *c);
+/* The world rank of group rank `r` of c (r itself for a world). */
+int ts__comm_world_rank(const ts_comm *c, int r);
 
 #endif

@@ -68,6 +68,13 @@ typedef struct ts_transport_vtable {
      * their own (not the bypass's small control messages) and how many of
      * them passed a registration. Any thread. */
     void (*xfer_stats)(ts_transport *t, uint64_t *posted_out, uint64_t *registered_out);
+    /* Optional (NULL: never): the process id of world rank `peer` when
+     * this rank may read that process's memory with process_vm_readv
+     * (same host, the check at connection passed both ways, TS_UCX_CMA
+     * not 0 on either side); 0 otherwise, and for the rank itself. Fixed
+     * at creation: any thread (comm/coll_direct.c reads from the caller's
+     * thread). */
+    int (*peer_pid)(ts_transport *t, int peer);
 } ts_transport_vtable;
 
 struct ts_transport {

@@ -22,6 +22,12 @@
  * (ready times, detection) are noticed at the next progress(); arm()
  * reports TS_ERR_ALREADY while any are due, and the driving thread polls
  * with a finite timeout.
+ *
+ * The direct collectives (coll_direct.h) read peers' memory with
+ * process_vm_readv; here every rank is this process, so peer_pid gives
+ * this process's id for every peer and the tests' ranks take the same
+ * copy-free path as processes of one host (TS_LOOPBACK_DIRECT=0, read at
+ * each call, turns it off: the packed fallback).
  */
 #include "comm/transport.h"
 
@@ -29,6 +35,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -422,6 +429,13 @@ static void lb_destroy(ts_transport *t)
     ts__free(TS_MEM_COMM, t);
 }
 
+static int lb_peer_pid(ts_transport *t, int peer)
+{
+    const char *e = getenv("TS_LOOPBACK_DIRECT");
+    if (peer < 0 || peer >= t->size || peer == t->rank || (e && strcmp(e, "0") == 0)) return 0;
+    return (int)getpid();
+}
+
 static const ts_transport_vtable lb_vtable = {
     .name = "loopback",
     .send = lb_send,
@@ -432,6 +446,7 @@ static const ts_transport_vtable lb_vtable = {
     .failed_peer = lb_failed_peer,
     .cancel_all = lb_cancel_all,
     .destroy = lb_destroy,
+    .peer_pid = lb_peer_pid,
 };
 
 ts_status ts__loopback_fabric_new(int size, ts_loopback_fabric **out)

@@ -1253,6 +1253,17 @@ static void ucx_xfer_stats(ts_transport *base, uint64_t *posted_out, uint64_t *r
         *registered_out = atomic_load_explicit(&t->xfers_memh, memory_order_relaxed);
 }
 
+/* The direct collectives' test (transport.h, peer_pid): the same
+ * agreement as the bypass's, in both directions. */
+static int ucx_peer_pid(ts_transport *base, int peer)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    if (peer < 0 || peer >= t->base.size || peer == t->base.rank)
+        return 0;
+    const ucx_peer *p = &t->peers[peer];
+    return p->same_host && p->cma_recv && p->cma_send ? (int)p->pid : 0;
+}
+
 static const ts_transport_vtable ucx_vtable = {
     .name = "ucx",
     .send = ucx_send,
@@ -1266,6 +1277,7 @@ static const ts_transport_vtable ucx_vtable = {
     .mem_register = ucx_mem_register,
     .mem_deregister = ucx_mem_deregister,
     .xfer_stats = ucx_xfer_stats,
+    .peer_pid = ucx_peer_pid,
 };
 
 /* ------------------------------------------------------------- create */

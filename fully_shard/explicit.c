@@ -92,7 +92,7 @@ struct ts_fsdp_summon {
 static bool busy(fsdp_group **g, int n)
 {
     for (int i = 0; i < n; i++)
-        if (g[i]->training == FSDP_FORWARD || g[i]->rs_req) return true;
+        if (g[i]->training == FSDP_FORWARD || ts__fsdp_reduce_in_flight(g[i])) return true;
     return ts_autograd_in_backward();
 }
 

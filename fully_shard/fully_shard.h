@@ -439,6 +439,23 @@ TS_API ts_status ts_fsdp_set_gradient_divide_factor(ts_module *module, double fa
  * as the default within rounding. */
 TS_API ts_status ts_fsdp_set_force_sum_reduction_for_comms(ts_module *module, bool enable);
 
+/* FSDP2's set_separate_reduce_scatter_group: gives the gradient
+ * reductions of every FSDP group in module's subtree a process group of
+ * their own (the shard group's ranks; enable false goes back to sharing
+ * the shard group), so that a reduce-scatter and the next all-gathers
+ * progress at the same time instead of one after the other: a copy-free
+ * reduce-scatter (the default on one host, DESIGN.md D6) then reads and
+ * sums on a thread of its own from the post-backward that issues it to
+ * the wait that needs it, while the backward computes; the packed ring
+ * runs on the communication thread either way. Same results to the bit.
+ * Collective over the shard groups: every rank calls it, in the same
+ * order relative to its other collectives, outside a forward or
+ * backward and with no reduction in flight. Each group made costs one
+ * group id (comm.h: at most 65534). Errors: TS_ERR_INVALID_ARGUMENT
+ * (NULL, not an FSDP module), TS_ERR_STATE (inside a forward or
+ * backward, or a reduction in flight), ts_comm_new_group's. */
+TS_API ts_status ts_fsdp_set_separate_reduce_scatter_group(ts_module *module, bool enable);
+
 /* The gradient memory of each accumulation mode, per rank, for the FSDP
  * groups of module's subtree (each group once). */
 typedef struct ts_fsdp_accum_memory {

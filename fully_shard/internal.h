@@ -58,6 +58,7 @@
 #include "fully_shard/offload_internal.h"
 
 #include "comm/comm.h"
+#include "comm/coll_direct.h"
 
 #include <stdatomic.h>
 #include <stdint.h>
@@ -193,6 +194,23 @@ struct fsdp_group {
     fsdp_persist *persist;
     int n_persist;
     unsigned persist_mark;       /* persist.c: the bucket walk that last visited the group */
+    /* copy-free collectives (comm/coll_direct.h; param_group.c): the
+     * all-gather reads the peers' rows straight into the U tensors, the
+     * reduce-scatter this rank's rows of the peers' U gradients straight
+     * into rs_out (no ag_buf, no copy-out, no rs_in). In flight: ag_direct
+     * (instead of ag_buf/ag_req), rs_direct (instead of rs_in/rs_req) with
+     * the gradients it reads kept in rs_src (n, owned) until it completes;
+     * dsegs (n) and dcounts (n x W elements per rank) are made once. */
+    bool copy_free;              /* from ts__fsdp_copy_free() when the group is made */
+    uint64_t n_direct;           /* collectives that took the copy-free path (not the packed fallback) */
+    ts__direct *ag_direct, *rs_direct;
+    /* ts_fsdp_set_separate_reduce_scatter_group: the reductions' own group
+     * (the shard group's ranks, owned; NULL: they share pg); a copy-free
+     * reduce-scatter on it moves on the reductions' own channel. */
+    ts_comm *rsg;
+    ts_tensor **rs_src;
+    ts__dseg *dsegs;
+    int64_t *dcounts;
 };
 
 /* The collectives of a group's gradient reduction (FSDP2's
@@ -307,6 +325,16 @@ ts_status ts__fsdp_reshard(fsdp_group *g);
 ts_status ts__fsdp_finish_reduce(fsdp_group *g);
 void ts__fsdp_discard_reduce(fsdp_group *g);
 ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g);
+/* Whether groups made from now on use the copy-free collectives
+ * (comm/coll_direct.h; g->copy_free): TS_FSDP_COPY_FREE=0 selects the
+ * packed path (all-gather buffer and copy-out, packed reduce-scatter
+ * input), the reference the tests compare against; default on. The
+ * internal switch (1 on, 0 off, -1 back to the environment) must agree
+ * on every rank when a group is made. Any thread. */
+bool ts__fsdp_copy_free(void);
+void ts__fsdp_set_copy_free(int on);
+/* A reduction of g is in flight (packed or copy-free). */
+bool ts__fsdp_reduce_in_flight(const fsdp_group *g);
 /* The collectives and divisions for the group's next reduction. */
 fsdp_reduce_plan ts__fsdp_reduce_plan(const fsdp_group *g);
 /* Drops what microbatches without sync left unreduced: every parameter's

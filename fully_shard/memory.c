@@ -56,12 +56,15 @@ typedef struct mnode {
 typedef struct mparam {
     int group;
     int grad; /* buffer of the unsharded gradient, -1 */
+    int held; /* copy-free: the gradient the reduce-scatter in flight reads, -1 */
 } mparam;
 
 typedef struct mgroup {
     int64_t u, ag, ag_in, staging, rs_in, rs_out, conv, sgrad;
     int64_t rs_scratch; /* the reduce-scatter's own stages (comm/comm.c setup_rs), held until it is waited on */
     bool reshard, offload;
+    bool cf; /* copy-free collectives (param_group.c): no all-gather buffer, no packed input, the
+                gradients kept until the reduce-scatter is waited on, U filled in place */
     int state; /* 0 sharded, 1 all-gather in flight, 2 unsharded */
     int u_buf, ag_buf, ag_in_buf, staging_buf, rs_in_buf, rs_out_buf, rs_scratch_buf;
     bool has_sgrad;
@@ -189,11 +192,22 @@ static int param_new(msim *s, int group)
         s->err = TS_ERR_NO_MEMORY;
         return -1;
     }
-    s->p[s->np] = (mparam){group, -1};
+    s->p[s->np] = (mparam){group, -1, -1};
     return s->np++;
 }
 
 /* ------------------------------------------------------------ groups */
+
+/* The full parameters: one block each, summed. */
+static void u_alloc(msim *s, mgroup *g)
+{
+    g->u_buf = balloc(s, 0);
+    if (g->u_buf >= 0) {
+        s->b[g->u_buf].bytes = g->u;
+        s->live += g->u - pool_bytes(0);
+        if (s->live > s->peak) s->peak = s->live;
+    }
+}
 
 static void g_unshard(msim *s, int gi)
 {
@@ -202,7 +216,8 @@ static void g_unshard(msim *s, int gi)
     if (g->state) return;
     g->staging_buf = g->offload ? balloc(s, g->staging) : -1;
     g->ag_in_buf = g->ag_in ? balloc(s, g->ag_in) : -1;
-    g->ag_buf = balloc(s, g->ag);
+    g->ag_buf = g->cf ? -1 : balloc(s, g->ag);
+    if (g->cf) u_alloc(s, g); /* read into in place */
     g->state = 1;
 }
 
@@ -212,12 +227,7 @@ static void g_wait(msim *s, int gi)
     mgroup *g = &s->g[gi];
     if (!g->state) g_unshard(s, gi);
     if (g->state == 1) {
-        g->u_buf = balloc(s, 0);
-        if (g->u_buf >= 0) { /* the full parameters: one block each, summed */
-            s->b[g->u_buf].bytes = g->u;
-            s->live += g->u - pool_bytes(0);
-            if (s->live > s->peak) s->peak = s->live;
-        }
+        if (!g->cf) u_alloc(s, g);
         bunref(s, g->ag_buf);
         bunref(s, g->ag_in_buf);
         bunref(s, g->staging_buf);
@@ -236,6 +246,11 @@ static void g_finish_reduce(msim *s)
 {
     if (s->pending < 0) return;
     mgroup *g = &s->g[s->pending];
+    for (int i = 0; i < s->np; i++) /* copy-free: the gradients the peers read */
+        if (s->p[i].group == s->pending && s->p[i].held >= 0) {
+            bunref(s, s->p[i].held);
+            s->p[i].held = -1;
+        }
     s->pending = -1;
     if (g->conv) { /* reduced in reduce_dtype: converted back to the parameters' dtype */
         int c = balloc(s, g->conv);
@@ -266,12 +281,13 @@ static void g_post_backward(msim *s, int gi)
         return;
     }
     g_finish_reduce(s);
-    g->rs_in_buf = balloc(s, g->rs_in);
+    g->rs_in_buf = g->cf ? -1 : balloc(s, g->rs_in);
     g->rs_out_buf = balloc(s, g->rs_out);
     for (int i = 0; i < s->np; i++) {
         mparam *p = &s->p[i];
         if (p->group != gi) continue;
-        bunref(s, p->grad);
+        if (g->cf) p->held = p->grad; /* read by the peers until the wait */
+        else bunref(s, p->grad);
         p->grad = -1;
     }
     g_reshard(s, gi);
@@ -631,13 +647,15 @@ static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, siz
     memset(g, 0, sizeof *g);
     g->u = u;
     g->ag = pool_bytes(W * shard * (int64_t)ues);
-    g->ag_in = ues != es ? pool_bytes(shard * (int64_t)ues) : 0;
+    g->cf = ts__fsdp_copy_free();
+    /* copy-free with offload: the shard copied to the device (ag_in) is what the peers read */
+    g->ag_in = ues != es || (g->cf && offload) ? pool_bytes(shard * (int64_t)ues) : 0;
     g->rs_in = pool_bytes(W * shard * (int64_t)res);
     g->rs_out = pool_bytes(shard * (int64_t)res);
     g->conv = res != es ? pool_bytes(shard * (int64_t)es) : 0;
     /* ring stages: min(W - 1, 2) blocks in the accumulation dtype (float32 for 16-bit), one more to convert */
     int64_t acc = res == 8 ? 8 : 4, nstage = W - 1 < 2 ? W - 1 : 2;
-    g->rs_scratch = W > 1 ? pool_bytes((nstage + (res == 2 ? 1 : 0)) * shard * acc) : 0;
+    g->rs_scratch = W > 1 && !g->cf ? pool_bytes((nstage + (res == 2 ? 1 : 0)) * shard * acc) : 0;
     g->offload = offload;
     g->sgrad = offload ? 0 : sg;
     g->u_buf = g->ag_buf = g->ag_in_buf = g->staging_buf = g->rs_in_buf = g->rs_out_buf = g->rs_scratch_buf = -1;

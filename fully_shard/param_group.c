@@ -5,7 +5,12 @@
  * wait (copy-out into the unsharded parameters), reshard, and the gradient
  * reduction: post-backward packs the unsharded gradients and issues the
  * reduce-scatter (and HSDP's all-reduce), whose result is added into the
- * shards' gradients.
+ * shards' gradients. On one host (and by default) both collectives are
+ * copy-free (comm/coll_direct.h): the all-gather reads the peers' rows
+ * straight into the unsharded parameters and the reduce-scatter reads
+ * this rank's rows of the peers' unsharded gradients, summing them
+ * straight into its output, bitwise the packed path's result, which
+ * TS_FSDP_COPY_FREE=0 (or ts__fsdp_set_copy_free) keeps selectable.
  */
 #include "fully_shard/internal.h"
 
@@ -13,7 +18,52 @@
 #include "tensor/internal.h"
 #include "tensor/kernels.h"
 
+#include <stdlib.h>
 #include <string.h>
+
+/* ------------------------------------------------------------------ */
+/* The copy-free switch                                               */
+/* ------------------------------------------------------------------ */
+
+static atomic_int g_copy_free = -1; /* -1: from TS_FSDP_COPY_FREE */
+
+void ts__fsdp_set_copy_free(int on) { atomic_store(&g_copy_free, on < 0 ? -1 : on ? 1 : 0); }
+
+bool ts__fsdp_copy_free(void)
+{
+    int v = atomic_load(&g_copy_free);
+    if (v >= 0) return v != 0;
+    const char *e = getenv("TS_FSDP_COPY_FREE");
+    return !(e && strcmp(e, "0") == 0);
+}
+
+bool ts__fsdp_reduce_in_flight(const fsdp_group *g) { return g && (g->rs_req || g->rs_direct); }
+
+/* The segment lists of the copy-free collectives, made once: parameter i's
+ * part for rank j is its chunk's rows (counts in elements). */
+static ts_status direct_segs(fsdp_group *g)
+{
+    if (g->dsegs) return TS_OK;
+    size_t n = (size_t)(g->n ? g->n : 1);
+    g->dsegs = ts__calloc(TS_MEM_NN, n, sizeof *g->dsegs);
+    g->dcounts = ts__calloc(TS_MEM_NN, n * (size_t)g->W, sizeof *g->dcounts);
+    g->rs_src = ts__calloc(TS_MEM_NN, n, sizeof *g->rs_src);
+    if (!g->dsegs || !g->dcounts || !g->rs_src) return TS_ERR_NO_MEMORY;
+    for (int i = 0; i < g->n; i++) {
+        const fsdp_param *p = &g->params[i];
+        for (int j = 0; j < g->W; j++) g->dcounts[(size_t)i * g->W + j] = p->chunks[j].rows * p->row_numel;
+        g->dsegs[i] = (ts__dseg){NULL, g->udtype, p->off, g->dcounts + (size_t)i * g->W};
+    }
+    return TS_OK;
+}
+
+static void drop_rs_src(fsdp_group *g)
+{
+    for (int i = 0; g->rs_src && i < g->n; i++) {
+        ts_tensor_free(g->rs_src[i]);
+        g->rs_src[i] = NULL;
+    }
+}
 
 /* ------------------------------------------------------------------ */
 /* Reference counts                                                   */
@@ -30,6 +80,13 @@ void ts__fsdp_group_free(fsdp_group *g)
         (void)ts_request_wait(g->rs_req);
         ts_request_free(g->rs_req);
     }
+    ts__direct_free(g->ag_direct);
+    ts__direct_free(g->rs_direct);
+    ts_comm_free(g->rsg);
+    drop_rs_src(g);
+    ts__free(TS_MEM_NN, g->rs_src);
+    ts__free(TS_MEM_NN, g->dsegs);
+    ts__free(TS_MEM_NN, g->dcounts);
     ts_tensor_free(g->ag_buf);
     ts_tensor_free(g->ag_in);
     ts_tensor_free(g->rs_in);
@@ -74,6 +131,7 @@ ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *
     g->reduce_grads = g->all_reduce_grads = g->reshard_after_backward = true;
     g->ar_op = TS_REDUCE_AVG;
     g->post_div = 1.0;
+    g->copy_free = ts__fsdp_copy_free();
     ts_status st = TS_OK;
     if (o->mesh) {
         g->mesh = o->mesh;
@@ -178,10 +236,47 @@ static void set_slots(fsdp_group *g, bool unsharded)
 /* Issues the group's all-gather (no-op unless sharded): of the shard
  * itself, or of its copy cast to param_dtype (ag_in, kept until the
  * all-gather completes). */
+/* The copy-free all-gather: U's storage back, the peers' rows read into
+ * it when waited (the input is the shard, or its copy in udtype / on the
+ * device, ag_in, which the peers read until then). */
+static ts_status unshard_direct(fsdp_group *g)
+{
+    ts_status st = direct_segs(g);
+    const void *in = ts_tensor_data(g->sharded);
+    if (!st && g->off.on && g->udtype != g->dtype) {
+        ts_tensor *alias = NULL;
+        if (!(st = ts__fsdp_offload_copy_in(g, &alias))) in = ts_tensor_data(g->ag_in); /* cast into ag_in */
+    } else if (!st && g->off.on) { /* the host shard to the device (counted as offload's H2D copy) */
+        if (!(st = ts_tensor_empty(g->udtype, 1, &g->shard_numel, &g->ag_in))) {
+            ts__offload_h2d(&g->off, ts_tensor_data(g->ag_in), ts_tensor_data(g->sharded), (size_t)g->shard_numel * g->es);
+            in = ts_tensor_data(g->ag_in);
+        }
+    } else if (!st && g->udtype != g->dtype) {
+        if (!(st = ts_tensor_empty(g->udtype, 1, &g->shard_numel, &g->ag_in))) {
+            ts__buf_convert(g->udtype, ts_tensor_data(g->ag_in), g->dtype, ts_tensor_data(g->sharded), g->shard_numel);
+            in = ts_tensor_data(g->ag_in);
+        }
+    }
+    for (int i = 0; i < g->n && !st; i++) {
+        if ((st = ts_storage_restore(ts_tensor_storage(g->params[i].U)))) break;
+        g->dsegs[i].full = ts_tensor_data(g->params[i].U);
+    }
+    if (!st) st = ts__direct_all_gather(g->pg, g->udtype, in, g->shard_numel, g->n, g->dsegs, &g->ag_direct);
+    if (st) {
+        for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
+        ts_tensor_free(g->ag_in);
+        g->ag_in = NULL;
+        return st;
+    }
+    g->sharded_state = FSDP_UNSHARDING;
+    return TS_OK;
+}
+
 ts_status ts__fsdp_unshard(fsdp_group *g)
 {
     if (!g || g->sharded_state != FSDP_SHARDED || g->n == 0) return TS_OK; /* n == 0: only persistent params */
     ts__fsdp_event("unshard", g->fqn);
+    if (g->copy_free) return unshard_direct(g);
     int64_t n = g->shard_numel * g->W;
     ts_status st = ts_tensor_empty(g->udtype, 1, &n, &g->ag_buf);
     if (st) return st;
@@ -212,6 +307,23 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
 {
     if (!g || g->sharded_state != FSDP_UNSHARDING) return TS_OK;
     TS_TRACE_BEGIN(tw);
+    if (g->ag_direct) { /* copy-free: the reads land in U */
+        ts_status st = ts__direct_wait(g->ag_direct);
+        g->n_direct += ts__direct_was_direct(g->ag_direct);
+        ts__direct_free(g->ag_direct);
+        g->ag_direct = NULL;
+        ts_tensor_free(g->ag_in);
+        g->ag_in = NULL;
+        TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
+        if (st) {
+            for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
+            g->sharded_state = FSDP_SHARDED;
+            return st;
+        }
+        g->sharded_state = FSDP_UNSHARDED;
+        set_slots(g, true);
+        return TS_OK;
+    }
     ts_status st = ts_request_wait(g->ag_req);
     TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
     ts_request_free(g->ag_req);
@@ -283,11 +395,20 @@ fsdp_reduce_plan ts__fsdp_reduce_plan(const fsdp_group *g)
  * into its shard's gradient. */
 ts_status ts__fsdp_finish_reduce(fsdp_group *g)
 {
-    if (!g || !g->rs_req) return TS_OK;
+    if (!ts__fsdp_reduce_in_flight(g)) return TS_OK;
     TS_TRACE_BEGIN(tw);
-    ts_status st = ts_request_wait(g->rs_req);
-    ts_request_free(g->rs_req);
-    g->rs_req = NULL;
+    ts_status st;
+    if (g->rs_direct) { /* copy-free: this rank's rows read and summed into rs_out */
+        st = ts__direct_wait(g->rs_direct);
+        g->n_direct += ts__direct_was_direct(g->rs_direct);
+        ts__direct_free(g->rs_direct);
+        g->rs_direct = NULL;
+        drop_rs_src(g);
+    } else {
+        st = ts_request_wait(g->rs_req);
+        ts_request_free(g->rs_req);
+        g->rs_req = NULL;
+    }
     if (!st && is_hsdp(g) && !g->all_reduce_grads) { /* partial: no all-reduce, nothing into the shards yet */
         if (g->partial) {
             ts__buf_add(g->rdtype, ts_tensor_data(g->partial), ts_tensor_data(g->rs_out), g->shard_numel);
@@ -374,6 +495,9 @@ void ts__fsdp_discard_reduce(fsdp_group *g)
         ts_request_free(g->rs_req);
         g->rs_req = NULL;
     }
+    ts__direct_free(g->rs_direct);
+    g->rs_direct = NULL;
+    drop_rs_src(g);
     for (int i = 0; i < g->n; i++) g->params[i].in_reduce = false;
     ts_tensor_free(g->rs_in);
     ts_tensor_free(g->rs_out);
@@ -452,6 +576,60 @@ static ts_status reshard_after_backward(fsdp_group *g)
     return ts__fsdp_wait_unshard(g); /* stays unsharded (an all-gather in flight is completed) */
 }
 
+/* The copy-free reduce-scatter of post-backward: each parameter's
+ * gradient (acc in rdtype, or U's, made contiguous; NULL: zeros) is kept
+ * in rs_src for the peers to read until the reduction completes; its
+ * padding rows of rs_out are zeroed (the packed path reduces zeros
+ * there). Then the gradients leave U and the group reshards, as in the
+ * packed path. */
+static ts_status reduce_direct(fsdp_group *g)
+{
+    ts_status st = direct_segs(g);
+    int64_t n_out = g->shard_numel;
+    if (!st) st = ts_tensor_empty(g->rdtype, 1, &n_out, &g->rs_out);
+    if (st) {
+        ts__fsdp_discard_reduce(g);
+        return st;
+    }
+    unsigned char *out = ts_tensor_data(g->rs_out);
+    for (int i = 0; i < g->n && !st; i++) {
+        fsdp_param *p = &g->params[i];
+        if (p->local_rows < p->c)
+            memset(out + (size_t)(p->off + p->local_rows * p->row_numel) * g->res, 0,
+                   (size_t)((p->c - p->local_rows) * p->row_numel) * g->res);
+        ts_tensor *gr = p->acc ? p->acc : p->requires_grad ? ts_tensor_grad(p->U) : NULL;
+        p->in_reduce = gr != NULL;
+        g->dsegs[i].full = NULL;
+        g->dsegs[i].dtype = g->rdtype;
+        if (gr) {
+            bool prev = ts_grad_mode_set(false);
+            st = ts_contiguous(gr, &g->rs_src[i]);
+            ts_grad_mode_set(prev);
+            if (st) break;
+            g->dsegs[i].full = ts_tensor_data(g->rs_src[i]);
+            g->dsegs[i].dtype = ts_tensor_dtype(g->rs_src[i]);
+        }
+        if (p->acc) {
+            ts_tensor_free(p->acc);
+            p->acc = NULL;
+        } else if (gr) {
+            (void)ts_tensor_set_grad(p->U, NULL);
+        }
+    }
+    if (!st) st = reshard_after_backward(g);
+    fsdp_reduce_plan plan = ts__fsdp_reduce_plan(g);
+    if (!st)
+        st = ts__direct_reduce_scatter(g->rsg ? g->rsg : g->pg, g->rdtype, out, g->shard_numel, g->n, g->dsegs, plan.rs_op, plan.rs_pre, plan.rs_post,
+                                       g->rsg ? 1 : 0, &g->rs_direct);
+    if (st) {
+        ts__fsdp_discard_reduce(g);
+        return st;
+    }
+    g->ar_op = plan.ar_op;
+    g->post_div = plan.post;
+    return TS_OK;
+}
+
 /* Post-backward of a group: without gradient sync, keeps the unsharded
  * gradients (in rdtype) for a later microbatch; otherwise packs them
  * (copy-in), drops them, reshards (per reshard_after_backward), and issues
@@ -480,8 +658,18 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
         ctx->rs_pending = NULL;
         if (st) return st;
     }
-    if (g->rs_req && (st = ts__fsdp_finish_reduce(g))) return st;
+    if (ts__fsdp_reduce_in_flight(g) && (st = ts__fsdp_finish_reduce(g))) return st;
     ts__fsdp_event("post_backward", g->fqn);
+    if (g->copy_free) {
+        st = reduce_direct(g);
+        if (!st) g->training = FSDP_POST_BACKWARD;
+        if (!st) {
+            if (ctx) ctx->rs_pending = g;
+            else st = ts__fsdp_finish_reduce(g);
+        }
+        ts__fsdp_trace_hook(t_hook, "fsdp.post_backward", g->fqn, g);
+        return st;
+    }
     TS_TRACE_BEGIN(tp);
     int64_t n_in = g->shard_numel * g->W, n_out = g->shard_numel;
     if ((st = ts_tensor_empty(g->rdtype, 1, &n_in, &g->rs_in)) || (st = ts_tensor_empty(g->rdtype, 1, &n_out, &g->rs_out))) {
@@ -505,7 +693,7 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
     if (!st) st = reshard_after_backward(g);
     fsdp_reduce_plan plan = ts__fsdp_reduce_plan(g);
     if (!st)
-        st = ts_reduce_scatter_tensor(g->pg, g->rs_out, g->rs_in, plan.rs_op, plan.rs_pre, plan.rs_post, &g->rs_req);
+        st = ts_reduce_scatter_tensor(g->rsg ? g->rsg : g->pg, g->rs_out, g->rs_in, plan.rs_op, plan.rs_pre, plan.rs_post, &g->rs_req);
     if (st) {
         ts__fsdp_discard_reduce(g);
         return st;
@@ -547,5 +735,38 @@ ts_status ts__fsdp_gather_full(fsdp_group *g, bool keep, ts_tensor **full)
         }
     }
     ts_tensor_free(ag);
+    return st;
+}
+
+/* ------------------------------------------------------------------ */
+/* A separate reduce-scatter group                                    */
+/* ------------------------------------------------------------------ */
+
+ts_status ts_fsdp_set_separate_reduce_scatter_group(ts_module *module, bool enable)
+{
+    static const char fn[] = "ts_fsdp_set_separate_reduce_scatter_group";
+    if (!module) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL module", fn);
+    fsdp_state *s = NULL;
+    ts_status st = ts__fsdp_need_state(fn, module, &s);
+    if (st) return st;
+    groups_walk w = {0};
+    if ((st = ts__fsdp_idle_groups(fn, module, &w))) return st;
+    for (int i = 0; i < w.n && !st; i++) {
+        fsdp_group *g = w.g[i];
+        if (enable && !g->rsg && g->W > 1) {
+            int *ranks = ts__malloc(TS_MEM_NN, (size_t)g->W * sizeof *ranks);
+            if (!ranks) {
+                st = TS_ERR_NO_MEMORY;
+                break;
+            }
+            for (int j = 0; j < g->W; j++) ranks[j] = j;
+            st = ts_comm_new_group(g->pg, g->W, ranks, &g->rsg);
+            ts__free(TS_MEM_NN, ranks);
+        } else if (!enable && g->rsg) {
+            ts_comm_free(g->rsg);
+            g->rsg = NULL;
+        }
+    }
+    ts__free(TS_MEM_NN, w.g);
     return st;
 }

@@ -231,7 +231,7 @@ ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *tot
      * and the gradient landing later was not clipped */
     for (int i = 0; i < w.n && !st; i++) st = ts__fsdp_finish_reduce(w.g[i]);
     fsdp_state *ms = ts__fsdp_state_of(module);
-    if (ms && ms->ctx && ms->ctx->rs_pending && !ms->ctx->rs_pending->rs_req) {
+    if (ms && ms->ctx && ms->ctx->rs_pending && !ts__fsdp_reduce_in_flight(ms->ctx->rs_pending)) {
         ms->ctx->rs_pending = NULL;
         ms->ctx->hold_pending = false;
     }

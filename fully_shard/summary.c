@@ -251,7 +251,7 @@ static ts_status write_summary(ts_module *module, FILE *f)
         for (int i = 0; i < gw.n; i++) {
             const fsdp_group *g = gw.g[i];
             off += !g->reduce_grads;
-            in_flight += g->rs_req != NULL;
+            in_flight += ts__fsdp_reduce_in_flight(g);
             for (int k = 0; k < g->n; k++) {
                 const fsdp_param *p = &g->params[k];
                 const ts_tensor *gr = p->acc ? p->acc : p->requires_grad ? ts_tensor_grad(p->U) : NULL;
