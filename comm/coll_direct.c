@@ -261,7 +261,7 @@ static ts_status start(const char *fn, int kind, int channel, ts_comm *c, ts_dty
     ts__comm_count(c, TS_COLL_ALL_GATHER, -1, -nd * 8);
     if (kind == K_AG) ts__comm_count(c, TS_COLL_ALL_GATHER, 1, shard_numel * (int64_t)ts_dtype_size(d));
     else ts__comm_count(c, TS_COLL_REDUCE_SCATTER, 1, (int64_t)W * shard_numel * (int64_t)ts_dtype_size(d));
-    r->queued = enqueue(r); /* else the wait moves the data */
+    r->queued = W > 1 && enqueue(r); /* else the wait moves the data (one rank: a local copy, no hand-off) */
     *out = r;
     return TS_OK;
 }

@@ -325,13 +325,16 @@ ts_status ts__fsdp_reshard(fsdp_group *g);
 ts_status ts__fsdp_finish_reduce(fsdp_group *g);
 void ts__fsdp_discard_reduce(fsdp_group *g);
 ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g);
-/* Whether groups made from now on use the copy-free collectives
- * (comm/coll_direct.h; g->copy_free): TS_FSDP_COPY_FREE=0 selects the
- * packed path (all-gather buffer and copy-out, packed reduce-scatter
- * input), the reference the tests compare against; default on. The
- * internal switch (1 on, 0 off, -1 back to the environment) must agree
- * on every rank when a group is made. Any thread. */
-bool ts__fsdp_copy_free(void);
+/* Whether a group of W ranks whose all-gather output is unsharded_bytes,
+ * made from now on, uses the copy-free collectives (comm/coll_direct.h;
+ * g->copy_free): TS_FSDP_COPY_FREE=0 selects the packed path (all-gather
+ * buffer and copy-out, packed reduce-scatter input), the reference the
+ * tests compare against, =1 the copy-free path for every group; by
+ * default groups of 256 KiB and more on more than one rank go copy-free
+ * (below that the direct collective's fixed cost exceeds the copies it
+ * saves). The internal switch (1 on, 0 off, -1 back to the environment)
+ * must agree on every rank when a group is made. Any thread. */
+bool ts__fsdp_copy_free(int W, int64_t unsharded_bytes);
 void ts__fsdp_set_copy_free(int on);
 /* A reduction of g is in flight (packed or copy-free). */
 bool ts__fsdp_reduce_in_flight(const fsdp_group *g);

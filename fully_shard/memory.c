@@ -647,7 +647,7 @@ static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, siz
     memset(g, 0, sizeof *g);
     g->u = u;
     g->ag = pool_bytes(W * shard * (int64_t)ues);
-    g->cf = ts__fsdp_copy_free();
+    g->cf = ts__fsdp_copy_free(W, W * shard * (int64_t)ues);
     /* copy-free with offload: the shard copied to the device (ag_in) is what the peers read */
     g->ag_in = ues != es || (g->cf && offload) ? pool_bytes(shard * (int64_t)ues) : 0;
     g->rs_in = pool_bytes(W * shard * (int64_t)res);

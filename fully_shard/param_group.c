@@ -29,12 +29,22 @@ static atomic_int g_copy_free = -1; /* -1: from TS_FSDP_COPY_FREE */
 
 void ts__fsdp_set_copy_free(int on) { atomic_store(&g_copy_free, on < 0 ? -1 : on ? 1 : 0); }
 
-bool ts__fsdp_copy_free(void)
+/* A direct collective costs a descriptor exchange, a hand-off to its
+ * worker and W - 1 acknowledgements whatever its size: about what a
+ * copy of this many bytes costs here (the UCX transport's single-copy
+ * bypass starts at the same size). Below it the packed path's one
+ * small ring collective is cheaper: a model of 256 Linear(16, 16)
+ * groups took 14x its unsharded step copy-free (bench_fsdp_overhead). */
+#define COPY_FREE_MIN_BYTES ((int64_t)256 << 10)
+
+bool ts__fsdp_copy_free(int W, int64_t unsharded_bytes)
 {
     int v = atomic_load(&g_copy_free);
     if (v >= 0) return v != 0;
     const char *e = getenv("TS_FSDP_COPY_FREE");
-    return !(e && strcmp(e, "0") == 0);
+    if (e && strcmp(e, "0") == 0) return false;
+    if (e && strcmp(e, "1") == 0) return true;
+    return W > 1 && unsharded_bytes >= COPY_FREE_MIN_BYTES;
 }
 
 bool ts__fsdp_reduce_in_flight(const fsdp_group *g) { return g && (g->rs_req || g->rs_direct); }
@@ -131,7 +141,6 @@ ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *
     g->reduce_grads = g->all_reduce_grads = g->reshard_after_backward = true;
     g->ar_op = TS_REDUCE_AVG;
     g->post_div = 1.0;
-    g->copy_free = ts__fsdp_copy_free();
     ts_status st = TS_OK;
     if (o->mesh) {
         g->mesh = o->mesh;
@@ -209,6 +218,7 @@ ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *
     g->rdtype = mp && c->n && mp->reduce_dtype != TS_DTYPE_KEEP ? mp->reduce_dtype : g->udtype;
     g->ues = ts_dtype_size(g->udtype);
     g->res = ts_dtype_size(g->rdtype);
+    g->copy_free = ts__fsdp_copy_free(g->W, g->shard_numel * g->W * (int64_t)g->ues);
     /* the sharded buffer, zero padded, and the shards as views of it */
     int64_t sn = g->shard_numel;
     if ((st = ts_tensor_zeros(c->n ? g->dtype : TS_F32, 1, &sn, &g->sharded))) goto fail;
