@@ -697,3 +697,23 @@ void th_launch_self(int W, ts_launch_result *res)
     char *argv[] = {th_self_exe(), NULL};
     TH_OK(ts_launch(&o, argv, res));
 }
+
+pthread_mutex_t th_build_mu = PTHREAD_MUTEX_INITIALIZER;
+
+ts_status th_mlp3_new(uint64_t seed, int64_t in, int64_t h1, int64_t h2, int64_t out, ts_module **root,
+                      ts_module *lin[3])
+{
+    pthread_mutex_lock(&th_build_mu);
+    ts_manual_seed(seed);
+    ts_module *c[5] = {0};
+    ts_status st = ts_linear_new(in, h1, true, &c[0]);
+    if (!st) st = ts_tanh_new(&c[1]);
+    if (!st) st = ts_linear_new(h1, h2, true, &c[2]);
+    if (!st) st = ts_tanh_new(&c[3]);
+    if (!st) st = ts_linear_new(h2, out, true, &c[4]);
+    if (!st) st = ts_sequential_new(5, c, root);
+    pthread_mutex_unlock(&th_build_mu);
+    if (st) return st;
+    lin[0] = c[0], lin[1] = c[2], lin[2] = c[4];
+    return TS_OK;
+}

@@ -3,11 +3,21 @@
 #define TS_TEST_HELPERS_H
 
 #include <jansson.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/types.h>
 
 #include "tensorshard.h"
+
+/* Held by a simulated rank thread while it seeds the global generator
+ * and builds its model, so that every rank draws the same weights. */
+extern pthread_mutex_t th_build_mu;
+/* Sequential(Linear(in, h1), Tanh, Linear(h1, h2), Tanh, Linear(h2, out)),
+ * with biases, built after ts_manual_seed(seed) under th_build_mu: the
+ * root in *root (the caller frees it), its three Linears in lin. */
+ts_status th_mlp3_new(uint64_t seed, int64_t in, int64_t h1, int64_t h2, int64_t out, ts_module **root,
+                      ts_module *lin[3]);
 
 /* A new uninitialized tensor (ts_tensor_empty), asserting success. */
 ts_tensor *th_empty(ts_dtype dtype, int ndim, const int64_t *shape);

@@ -29,7 +29,6 @@ typedef th_rank rank_ctx;
 #define fail th_rank_fail
 #define RK_OK TH_RK_OK
 
-static pthread_mutex_t g_build_mu = PTHREAD_MUTEX_INITIALIZER;
 
 #define IN 6
 #define HID 9 /* over 4 ranks: 3, 3, 3, 0 rows */
@@ -53,18 +52,8 @@ typedef struct cf_arg {
 static ts_status mlp_new(ts_mesh *mesh, const cf_arg *a, bool copy_free, mlp *m)
 {
     memset(m, 0, sizeof *m);
-    pthread_mutex_lock(&g_build_mu);
-    ts_manual_seed(5);
-    ts_module *c[5] = {0};
-    ts_status st = ts_linear_new(IN, HID, true, &c[0]);
-    if (!st) st = ts_tanh_new(&c[1]);
-    if (!st) st = ts_linear_new(HID, HID, true, &c[2]);
-    if (!st) st = ts_tanh_new(&c[3]);
-    if (!st) st = ts_linear_new(HID, OUT, true, &c[4]);
-    if (!st) st = ts_sequential_new(5, c, &m->root);
-    pthread_mutex_unlock(&g_build_mu);
+    ts_status st = th_mlp3_new(5, IN, HID, HID, OUT, &m->root, m->lin);
     if (st) return st;
-    m->lin[0] = c[0], m->lin[1] = c[2], m->lin[2] = c[4];
     ts_fsdp_options o = ts_fsdp_options_default();
     o.mesh = mesh;
     o.reshard_after_forward = a->policy;

@@ -27,7 +27,6 @@ typedef th_rank rank_ctx;
 #define RK_OK TH_RK_OK
 #define RK_EQ TH_RK_EQ
 
-static pthread_mutex_t g_build_mu = PTHREAD_MUTEX_INITIALIZER;
 static void run_world(int W, th_rank_fn fn, void *arg) { th_run_world(W, fn, arg, 60.0); }
 
 #define IN 6
@@ -61,18 +60,8 @@ typedef struct off_arg {
 static ts_status mlp_new(ts_mesh *mesh, const off_arg *a, const ts_offload_policy *pol, mlp *m)
 {
     memset(m, 0, sizeof *m);
-    pthread_mutex_lock(&g_build_mu);
-    ts_manual_seed(11);
-    ts_module *c[5] = {0};
-    ts_status st = ts_linear_new(IN, HID, true, &c[0]);
-    if (!st) st = ts_tanh_new(&c[1]);
-    if (!st) st = ts_linear_new(HID, HID, true, &c[2]);
-    if (!st) st = ts_tanh_new(&c[3]);
-    if (!st) st = ts_linear_new(HID, OUT, true, &c[4]);
-    if (!st) st = ts_sequential_new(5, c, &m->root);
-    pthread_mutex_unlock(&g_build_mu);
+    ts_status st = th_mlp3_new(11, IN, HID, HID, OUT, &m->root, m->lin);
     if (st) return st;
-    m->lin[0] = c[0], m->lin[1] = c[2], m->lin[2] = c[4];
     ts_fsdp_options o = ts_fsdp_options_default();
     o.mesh = mesh;
     o.reshard_after_forward = a->policy;

@@ -28,7 +28,6 @@
 #define RK_OK TH_RK_OK
 #define RK_EQ TH_RK_EQ
 
-static pthread_mutex_t g_build_mu = PTHREAD_MUTEX_INITIALIZER;
 
 #define D 6
 #define H 10
@@ -68,18 +67,8 @@ typedef struct model {
 static ts_status model_new(ts_mesh *mesh, const run_arg *a, int64_t threshold, model *m)
 {
     memset(m, 0, sizeof *m);
-    pthread_mutex_lock(&g_build_mu);
-    ts_manual_seed(11);
-    ts_module *c[5] = {0};
-    ts_status st = ts_linear_new(D, D, true, &c[0]);
-    if (!st) st = ts_tanh_new(&c[1]);
-    if (!st) st = ts_linear_new(D, H, true, &c[2]);
-    if (!st) st = ts_tanh_new(&c[3]);
-    if (!st) st = ts_linear_new(H, D, true, &c[4]);
-    if (!st) st = ts_sequential_new(5, c, &m->root);
-    pthread_mutex_unlock(&g_build_mu);
+    ts_status st = th_mlp3_new(11, D, D, H, D, &m->root, m->lin);
     if (st) return st;
-    m->lin[0] = c[0], m->lin[1] = c[2], m->lin[2] = c[4];
     ts_fsdp_options o = ts_fsdp_options_default();
     o.mesh = mesh;
     o.persist_threshold_numel = threshold;
@@ -430,10 +419,10 @@ static int rank_memory(th_rank *rc)
     int64_t persistent = 0;
     for (int k = 0; k < 2; k++) {
         ts_module *m = NULL;
-        pthread_mutex_lock(&g_build_mu);
+        pthread_mutex_lock(&th_build_mu);
         ts_manual_seed(1);
         ts_status st = ts_gpt_new(&cfg, &m);
-        pthread_mutex_unlock(&g_build_mu);
+        pthread_mutex_unlock(&th_build_mu);
         RK_OK(rc, st);
         ts_fsdp_options o = ts_fsdp_options_default();
         o.mesh = mesh;
