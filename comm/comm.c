@@ -88,20 +88,40 @@ static void copy_str(char *dst, size_t n, const char *src)
     dst[k] = '\0';
 }
 
-static uint64_t g_spin_ns;
+/* How long the communication thread leaves progress to the callers after
+ * a caller last ran a round of it (an asynchronous submission starts its
+ * op itself; a waiting caller drives) before it takes over:
+ * TS_COMM_TAKEOVER_US (default 200; 0: the thread takes over at once and
+ * is woken by every asynchronous submission). Meanwhile the thread sleeps on
+ * submissions only, not on the transport, so that a collective its caller
+ * waits for soon (FSDP's prefetches of small groups) costs no hand-off
+ * and no thread competing with the ranks' compute threads for the cores;
+ * an op nobody drives is taken over after at most that delay. */
+#define TAKEOVER_US_DEFAULT 200
+static uint64_t g_spin_ns, g_takeover_ns;
 static pthread_once_t g_spin_once = PTHREAD_ONCE_INIT;
+static uint64_t env_us(const char *name, double dflt)
+{
+    const char *e = getenv(name);
+    char *end = NULL;
+    double us = e && *e ? strtod(e, &end) : dflt;
+    if (!e || !*e || *end || !(us >= 0) || us > 1e6) us = dflt;
+    return (uint64_t)(us * 1e3);
+}
 static void spin_init(void)
 {
-    const char *e = getenv("TS_COMM_SPIN_US");
-    char *end = NULL;
-    double us = e && *e ? strtod(e, &end) : SPIN_US_DEFAULT;
-    if (!e || !*e || *end || !(us >= 0) || us > 1e6) us = SPIN_US_DEFAULT;
-    g_spin_ns = (uint64_t)(us * 1e3);
+    g_spin_ns = env_us("TS_COMM_SPIN_US", SPIN_US_DEFAULT);
+    g_takeover_ns = env_us("TS_COMM_TAKEOVER_US", TAKEOVER_US_DEFAULT);
 }
 static uint64_t spin_ns(void)
 {
     pthread_once(&g_spin_once, spin_init);
     return g_spin_ns;
+}
+static uint64_t takeover_ns(void)
+{
+    pthread_once(&g_spin_once, spin_init);
+    return g_takeover_ns;
 }
 
 typedef struct world world;
@@ -146,6 +166,9 @@ struct world {
     atomic_int driving; /* callers driving progress in ts_request_wait */
     atomic_int live;    /* ops submitted and not finished */
     atomic_bool traced; /* spans wait in `traces` */
+    _Atomic uint64_t caller_ns; /* when a caller last ran a round (0: never); see takeover_ns */
+    atomic_bool sleeping;       /* the thread sleeps without a timeout */
+    atomic_bool deferring;      /* the thread sleeps until its take-over (takeover_sleep) */
     /* ops finished by driving callers / by the thread (ts__comm_progress_stats) */
     _Atomic uint64_t by_callers, by_thread;
     /* under prog_mu */
@@ -1375,6 +1398,7 @@ static void drive(world *w, ts_request *r)
         if (atomic_load_explicit(&r->done, memory_order_acquire)) break;
         if (k % DRIVE_BATCH == 0) {
             uint64_t now = ts_now_ns();
+            atomic_store_explicit(&w->caller_ns, now, memory_order_relaxed);
             if (fresh) last = now;
             else if (now - last >= DRIVE_IDLE_NS) break;
             fresh = false;
@@ -1393,13 +1417,15 @@ static void drive(world *w, ts_request *r)
         }
     }
     if (held) prog_unlock(w);
+    atomic_store_explicit(&w->caller_ns, ts_now_ns(), memory_order_relaxed);
     bool done = atomic_load(&r->done) != 0;
     atomic_fetch_sub(&w->driving, 1);
     /* hand over: the request itself, ops left behind (the thread may be
      * parked, or asleep on a worker armed before this caller's rounds,
-     * which need not signal again: it would wait for its 10 ms timeout),
+     * which need not signal again: it would wait for its 10 ms timeout;
+     * a thread waiting for its take-over looks at them by itself, soon),
      * spans to record on its track (it may sleep without a timeout) */
-    if (!done || atomic_load(&w->live) > 0 || atomic_load(&w->traced)) wake_thread(w);
+    if (!done || atomic_load(&w->traced) || (atomic_load(&w->live) > 0 && !atomic_load(&w->deferring))) wake_thread(w);
     if (!done) {
         pthread_mutex_lock(&w->mu);
         while (!atomic_load(&r->done)) pthread_cond_wait(&w->cv, &w->mu);
@@ -1434,6 +1460,23 @@ static void park(world *w)
     }
 }
 
+/* Before the take-over (takeover_ns): the thread sleeps `ns` on
+ * submissions only (a stop, or a driver handing its request over, ends
+ * it), then looks again. */
+static void takeover_sleep(world *w, uint64_t ns)
+{
+    struct pollfd p = {.fd = w->efd, .events = POLLIN};
+    struct timespec ts = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+    atomic_store(&w->deferring, true);
+    int rc = ppoll(&p, 1, &ts, NULL);
+    atomic_store(&w->deferring, false);
+    if (rc > 0 && (p.revents & POLLIN)) {
+        uint64_t cnt;
+        ssize_t rd = read(w->efd, &cnt, sizeof cnt);
+        (void)rd;
+    }
+}
+
 static void *comm_thread(void *arg)
 {
     world *w = arg;
@@ -1443,8 +1486,16 @@ static void *comm_thread(void *arg)
     uint64_t spin = spin_ns(), last_event = ts_now_ns();
     int busy = 0;
     long nap_us = NAP_MIN_US;
+    uint64_t takeover = takeover_ns();
     for (;;) {
         bool stop = atomic_load(&w->stop);
+        if (!stop && takeover > 0) { /* a caller ran a round lately: leave progress to the callers */
+            uint64_t now = ts_now_ns(), lc = atomic_load_explicit(&w->caller_ns, memory_order_relaxed);
+            if (lc && now - lc < takeover) {
+                takeover_sleep(w, takeover - (now - lc));
+                continue;
+            }
+        }
         if (!stop && atomic_load(&w->driving) > 0) {
             park(w);
             last_event = ts_now_ns(); /* the drivers were busy: spin a little first */
@@ -1476,6 +1527,9 @@ static void *comm_thread(void *arg)
         bool armed = t->vt->arm(t) != TS_ERR_ALREADY;
         bool watch = w->active || (w->suspect >= 0 && !w->failed);
         int tfd = t->vt->wait_fd(t);
+        /* about to sleep without a timeout: set under the lock, so that a
+         * caller who starts an op after this round (submit) sees it */
+        if (armed && !watch && tfd >= 0) atomic_store(&w->sleeping, true);
         prog_unlock(w);
         /* not armed: nap, below, after a few retries */
         if (!armed && ++busy < BUSY_RETRIES) continue;
@@ -1499,6 +1553,7 @@ static void *comm_thread(void *arg)
         if (!armed) nap_us = nap_us * 2 > cap ? cap : nap_us * 2;
         const struct timespec *timeout = !armed ? &nap : watch || pfd[1].fd < 0 ? &ten : NULL;
         int rc = ppoll(pfd, (nfds_t)nfd, timeout, NULL);
+        atomic_store(&w->sleeping, false);
         if (armed && rc > 0) { /* woken by an event (not the timeout) */
             last_event = ts_now_ns();
             nap_us = NAP_MIN_US;
@@ -1600,6 +1655,9 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     atomic_init(&w->driving, 0);
     atomic_init(&w->live, 0);
     atomic_init(&w->traced, false);
+    atomic_init(&w->caller_ns, 0);
+    atomic_init(&w->sleeping, false);
+    atomic_init(&w->deferring, false);
     atomic_init(&w->by_callers, 0);
     atomic_init(&w->by_thread, 0);
     pthread_mutex_init(&w->mu, NULL);
@@ -1762,10 +1820,24 @@ static ts_status submit(ts_comm *c, op *o, size_t bytes, ts_request **r_out)
         w->queue_tail = o;
         atomic_store_explicit(&w->queued, true, memory_order_release);
         pthread_mutex_unlock(&w->mu);
-        /* an asynchronous op wakes the communication thread, which starts
-         * it while the caller goes on; a blocking one is started by its
-         * caller, who drives progress in ts_request_wait below */
-        if (r_out) wake_thread(w);
+        /* A blocking op is started by its caller, who drives progress in
+         * ts_request_wait below. An asynchronous one is started here too
+         * (its receives and first sends posted, with one round of
+         * progress) when the progress lock is free: the communication
+         * thread, which takes over ops no caller drives after a delay
+         * (takeover_ns), then need not be woken, unless it sleeps without
+         * a timeout (no op was pending) and would not look at this one.
+         * When the lock is busy the thread is woken to start it. */
+        if (r_out) {
+            bool started = false;
+            if (takeover_ns() > 0 && prog_trylock(w)) {
+                (void)round_locked(w, false);
+                prog_unlock(w);
+                atomic_store_explicit(&w->caller_ns, ts_now_ns(), memory_order_relaxed);
+                started = true;
+            }
+            if (!started || atomic_load(&w->sleeping)) wake_thread(w);
+        }
     }
     if (r_out) {
         *r_out = r;

@@ -95,7 +95,7 @@ Test(comm_progress, blocking_collectives_are_finished_by_their_caller, .timeout 
  * leaves; the other ranks join the all-gather only 30 ms after the
  * all-reduce, while rank 0 sleeps without calling the library. Its
  * communication thread alone completes it (ts_request_test, which does no
- * progress, sees it done), on every rank. */
+ * progress, sees it done); every rank sees it done without waiting. */
 static int rank_handover(rank_ctx *rc)
 {
     int ranks[TH_MAXW];
@@ -121,7 +121,9 @@ static int rank_handover(rank_ctx *rc)
     RK_OK(rc, ts_request_status(r));
     if (check_gather(rc, "all_gather left to the thread", out, n)) return 1;
     ts__comm_progress_stats(rc->c, &c1, &t1);
-    if (t1 - t0 < 1)
+    /* rank 0 left its all-gather behind: its thread finished it; the late
+     * ranks may finish theirs in the round that starts it at submission */
+    if (rc->rank == 0 && t1 - t0 < 1)
         return fail(rc, "the communication thread finished none of the collectives (callers %llu)",
                     (unsigned long long)(c1 - c0));
     RK_OK(rc, ts_request_wait(r));
