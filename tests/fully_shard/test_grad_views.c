@@ -20,7 +20,9 @@
  *    kernel call (ts__optim_fused_calls against the runs the layout has);
  *  - a gradient tensor the caller keeps after zero_grad(set_to_none) is
  *    not written by later backwards; one the caller sets is accumulated
- *    into (it is the gradient), with the separate add.
+ *    into (it is the gradient), with the separate add;
+ *  - a reduction a backward that is not the last leaves in flight does
+ *    not write into the gradients.
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
@@ -409,6 +411,53 @@ static int rank_user_refs(rank_ctx *rc)
     mlp_free(&ref);
     ts_mesh_free(mesh);
     return 0;
+}
+
+/* A backward that is not the last (ts_fsdp_set_is_last_backward(false))
+ * leaves its last reduction in flight while the caller goes on: none of
+ * its reductions adds into the gradients in the collective (they are
+ * added when finished), and the held one lands in the next backward;
+ * the packed path's bits throughout. */
+static int rank_not_last(rank_ctx *rc)
+{
+    ts_mesh *mesh = th_rank_mesh(rc, false);
+    if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
+    gv_arg a = {.adam = true};
+    mlp cf, ref;
+    RK_OK(rc, mlp_new(mesh, &a, true, &cf));
+    RK_OK(rc, mlp_new(mesh, &a, false, &ref));
+    int64_t rows = ROWS / rc->W;
+    mlp *ms[2] = {&cf, &ref};
+    for (int k = 0; k < 3; k++) {
+        for (int j = 0; j < 2; j++) {
+            RK_OK(rc, ts_fsdp_set_is_last_backward(ms[j]->root, k != 1));
+            RK_OK(rc, fwd_bwd(ms[j], rc->rank * rows + k, rows));
+        }
+        if (k == 1) {
+            const fsdp_ctx *c = ts__fsdp_state_of(cf.root)->ctx;
+            if (!c || !c->rs_pending || !ts__fsdp_reduce_in_flight(c->rs_pending))
+                return fail(rc, "no reduction left in flight by a backward that is not the last");
+            if (c->rs_pending->rs_add) return fail(rc, "the reduction left in flight adds into the gradients");
+            TH_RK_EQ(rc, sum_counter(&cf, 0), 0);
+        } else {
+            for (int i = 0; i < NP; i++)
+                if (same_bits(rc, "gradient", k, i, ts_tensor_grad(cf.ps[i]), ts_tensor_grad(ref.ps[i]))) return 1;
+        }
+    }
+    TH_RK_EQ(rc, sum_counter(&cf, 0), 3); /* the third backward's, into the views */
+    RK_OK(rc, ts_optim_step(cf.opt));
+    RK_OK(rc, ts_optim_step(ref.opt));
+    for (int i = 0; i < NP; i++)
+        if (same_bits(rc, "parameter", 3, i, cf.ps[i], ref.ps[i])) return 1;
+    mlp_free(&cf);
+    mlp_free(&ref);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard_grad_views, a_backward_that_is_not_the_last_adds_separately, .timeout = 120)
+{
+    th_run_world(2, rank_not_last, NULL, 60.0);
 }
 
 Test(fully_shard_grad_views, gradients_the_caller_holds_or_sets, .timeout = 120)
