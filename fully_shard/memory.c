@@ -63,6 +63,7 @@ typedef struct mgroup {
     int64_t u, ag, ag_in, staging, rs_in, rs_out, conv;
     int64_t sgrad; /* the persistent parameters' gradients (one block each, summed); the sharded ones' are
                       views of the reduction's output (rs_out, or conv), which stays */
+    bool sharded;  /* the group has sharded parameters (it reduces; their gradients view its output) */
     int64_t rs_scratch; /* the reduce-scatter's own stages (comm/comm.c setup_rs), held until it is waited on */
     bool reshard, offload;
     bool cf; /* copy-free collectives (param_group.c): no all-gather buffer, no packed input, the
@@ -259,7 +260,7 @@ static void g_finish_reduce(msim *s)
         bunref(s, g->rs_out_buf);
         g->rs_out_buf = c;
     }
-    bool views = !g->has_sgrad && !g->offload; /* the shards' new gradients: views of the output, kept */
+    bool views = g->sharded && !g->has_sgrad && !g->offload; /* the shards' new gradients: views of the output, kept */
     if (!g->has_sgrad && !g->offload && g->sgrad) {
         int sg = balloc(s, 0); /* the persistent parameters' gradients: one block each (sgrad: their sum) */
         if (sg >= 0) {
@@ -664,6 +665,7 @@ static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, siz
     g->rs_scratch = W > 1 && !g->cf ? pool_bytes((nstage + (res == 2 ? 1 : 0)) * shard * acc) : 0;
     g->offload = offload;
     g->sgrad = 0;
+    g->sharded = n > 0;
     g->u_buf = g->ag_buf = g->ag_in_buf = g->staging_buf = g->rs_in_buf = g->rs_out_buf = g->rs_scratch_buf = -1;
     /* offloaded with pin_memory: the sharded buffer and the host gradient
      * buffer are pinned blocks, rounded to pages (base/pinned.c), not pool blocks */
