@@ -62,6 +62,7 @@ typedef struct gv_arg {
     bool offload, hsdp;
     bool keep_grads;     /* zero_grad(set_to_none = false) between steps */
     bool expect_add;     /* the copy-free model's accumulations are added by the collective */
+    bool separate;       /* the copy-free model's reductions on a group and channel of their own */
 } gv_arg;
 
 static ts_status mlp_new(ts_mesh *mesh, const gv_arg *a, bool copy_free, mlp *m)
@@ -197,6 +198,7 @@ static int rank_parity(rank_ctx *rc)
     mlp cf, ref;
     RK_OK(rc, mlp_new(mesh, a, true, &cf));
     RK_OK(rc, mlp_new(mesh, a, false, &ref));
+    if (a->separate) RK_OK(rc, ts_fsdp_set_separate_reduce_scatter_group(cf.root, true));
     int64_t rows = ROWS / rc->W;
     uint64_t accumulations = 0; /* reductions per group that met existing gradients */
     for (int s = 0; s < a->steps; s++) {
@@ -269,6 +271,9 @@ Test(fully_shard_grad_views, synced_accumulation_adds_in_the_collective, .timeou
     gv_arg a = {.steps = 2, .accum = 3, .adam = true, .expect_add = true};
     run(2, a);
     run(3, a);
+    a.separate = true; /* the adding reductions on their own channel, while the all-gathers move */
+    run(3, a);
+    a.separate = false;
     a.keep_grads = true; /* zero_grad(set_to_none = false): zeroed in place, then added into */
     a.accum = 1;
     a.steps = 3;
