@@ -295,7 +295,8 @@ TS_API void ts_logf(ts_log_level level, const char *fmt, ...) TS_PRINTF(2, 3);
  * "fsdp.post_backward" (args: the module's "fqn" and its "group") and
  * inside them "fsdp.wait_all_gather", "fsdp.wait_reduce" (cat "wait"),
  * "fsdp.copy_out", "fsdp.pack_grads", "fsdp.grad_into_shards" (cat
- * "copy"); on the communication thread one span per collective, from its
+ * "copy"; the last only when a reduction is added into existing shard
+ * gradients in a separate pass); on the communication thread one span per collective, from its
  * submission to its completion, named by its kind ("all_gather",
  * "reduce_scatter", ...; cat "comm"; args: kind, bytes, group, seq, rank,
  * status).

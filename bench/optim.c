@@ -8,8 +8,9 @@
  *
  * The parameters are views of one flat buffer, as an FSDP group's shards
  * without padding; their gradients either separate tensors (fully_shard
- * without offload: one kernel call per parameter) or views of one flat
- * buffer in the same layout (fully_shard with offload, or any flat
+ * before its gradients became views of the reduction's output: one kernel
+ * call per parameter) or views of one flat buffer in the same layout
+ * (fully_shard's gradients now, with or without offload, or any flat
  * gradient buffer: one call for all). The row "per-param avx2" is the
  * optimizer as it was before issue 12 (AVX2 per parameter).
  *

@@ -72,6 +72,7 @@ struct ts__direct {
     double pre, post;
     const unsigned char *shard_in; /* all-gather */
     unsigned char *shard_out;      /* reduce-scatter */
+    bool add;                      /* reduce-scatter: the result is added into shard_out (ts__direct_reduce_scatter_add) */
     int nseg;
     int64_t shard_numel;
     dseg *segs;
@@ -154,7 +155,8 @@ static void req_free_parts(ts__direct *r)
 static bool enqueue(ts__direct *r);
 
 static ts_status start(const char *fn, int kind, int channel, ts_comm *c, ts_dtype d, const void *shard_in,
-                       void *shard_out, int64_t shard_numel, int nseg, const ts__dseg *segs, ts_reduce_op rop, double pre, double post, ts__direct **out)
+                       void *shard_out, bool add, int64_t shard_numel, int nseg, const ts__dseg *segs, ts_reduce_op rop,
+                       double pre, double post, ts__direct **out)
 {
     if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL out", fn);
     *out = NULL;
@@ -204,6 +206,7 @@ static ts_status start(const char *fn, int kind, int channel, ts_comm *c, ts_dty
     r->post = post;
     r->shard_in = shard_in;
     r->shard_out = shard_out;
+    r->add = add;
     r->nseg = nseg;
     r->shard_numel = shard_numel;
     size_t nc = (size_t)(nseg ? nseg : 1) * (size_t)W;
@@ -269,15 +272,14 @@ static ts_status start(const char *fn, int kind, int channel, ts_comm *c, ts_dty
 ts_status ts__direct_all_gather(ts_comm *c, ts_dtype d, const void *shard, int64_t shard_numel, int nseg,
                                 const ts__dseg *segs, ts__direct **out)
 {
-    return start("ts__direct_all_gather", K_AG, 0, c, d, shard, NULL, shard_numel, nseg, segs, TS_REDUCE_SUM, 1.0,
-                 1.0, out);
+    return start("ts__direct_all_gather", K_AG, 0, c, d, shard, NULL, false, shard_numel, nseg, segs, TS_REDUCE_SUM,
+                 1.0, 1.0, out);
 }
 
-ts_status ts__direct_reduce_scatter(ts_comm *c, ts_dtype d, void *shard, int64_t shard_numel, int nseg,
-                                    const ts__dseg *segs, ts_reduce_op rop, double pre, double post, int channel,
-                                    ts__direct **out)
+static ts_status start_rs(const char *fn, bool add, ts_comm *c, ts_dtype d, void *shard, int64_t shard_numel,
+                          int nseg, const ts__dseg *segs, ts_reduce_op rop, double pre, double post, int channel,
+                          ts__direct **out)
 {
-    static const char fn[] = "ts__direct_reduce_scatter";
     if (out) *out = NULL;
     if (!reducible(d)) return ts_error(TS_ERR_DTYPE, "%s: cannot reduce into %s", fn, ts_dtype_name(d));
     if ((unsigned)rop >= TS_REDUCE_OP_COUNT) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: bad reduce op %d", fn, (int)rop);
@@ -287,7 +289,23 @@ ts_status ts__direct_reduce_scatter(ts_comm *c, ts_dtype d, void *shard, int64_t
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: MAX and MIN take no divide factors", fn);
     if (channel != 0 && channel != 1)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: channel %d (0: shared, 1: the reductions' own)", fn, channel);
-    return start(fn, K_RS, channel, c, d, NULL, shard, shard_numel, nseg, segs, rop, pre, post, out);
+    return start(fn, K_RS, channel, c, d, NULL, shard, add, shard_numel, nseg, segs, rop, pre, post, out);
+}
+
+ts_status ts__direct_reduce_scatter(ts_comm *c, ts_dtype d, void *shard, int64_t shard_numel, int nseg,
+                                    const ts__dseg *segs, ts_reduce_op rop, double pre, double post, int channel,
+                                    ts__direct **out)
+{
+    return start_rs("ts__direct_reduce_scatter", false, c, d, shard, shard_numel, nseg, segs, rop, pre, post, channel,
+                    out);
+}
+
+ts_status ts__direct_reduce_scatter_add(ts_comm *c, ts_dtype d, void *shard, int64_t shard_numel, int nseg,
+                                        const ts__dseg *segs, ts_reduce_op rop, double pre, double post, int channel,
+                                        ts__direct **out)
+{
+    return start_rs("ts__direct_reduce_scatter_add", true, c, d, shard, shard_numel, nseg, segs, rop, pre, post,
+                    channel, out);
 }
 
 /* ------------------------------------------------------------ reads */
@@ -373,7 +391,8 @@ static ts_status ag_direct(ts__direct *r, const int64_t *desc, int nd, int *bad_
 }
 
 /* Reduce-scatter: this rank's part of every segment, summed in the ring's
- * order piece by piece (see the top). */
+ * order piece by piece (see the top); each finished piece is written into
+ * the output, or (r->add) added into it. */
 static ts_status rs_direct(ts__direct *r, const int64_t *desc, int nd, int *bad_peer)
 {
     ts_dtype rd = r->d, ad = ts__acc_dtype(rd);
@@ -437,7 +456,14 @@ static ts_status rs_direct(ts__direct *r, const int64_t *desc, int nd, int *bad_
             }
             if (st) break;
             ts__buf_div(ad, acc, m, post);
-            ts__buf_convert(rd, out + (size_t)i * res, ad, acc, m);
+            if (!r->add) {
+                ts__buf_convert(rd, out + (size_t)i * res, ad, acc, m);
+            } else if (rd == ad) { /* the finished piece added into out: out + sum, as a separate add would */
+                ts__buf_add(rd, out + (size_t)i * res, acc, m);
+            } else { /* rounded to the output dtype first, as the separate add's operand is */
+                ts__buf_convert(rd, cbuf, ad, acc, m);
+                ts__buf_add(rd, out + (size_t)i * res, cbuf, m);
+            }
         }
     }
     (void)aes;
@@ -500,8 +526,11 @@ static ts_status packed(ts__direct *r)
         if (st) goto done;
         const unsigned char *q = ts_tensor_data(out);
         for (int k = 0; k < r->nseg; k++) {
-            size_t b = (size_t)cnt(r, k, me) * es;
-            if (b) memcpy(r->shard_out + (size_t)r->segs[k].shard_off * es, q, b);
+            int64_t c = cnt(r, k, me);
+            size_t b = (size_t)c * es;
+            unsigned char *dst = r->shard_out + (size_t)r->segs[k].shard_off * es;
+            if (b && r->add) ts__buf_add(r->d, dst, q, c);
+            else if (b) memcpy(dst, q, b);
             q += b;
         }
     }

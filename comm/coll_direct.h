@@ -95,6 +95,20 @@ ts_status ts__direct_all_gather(ts_comm *c, ts_dtype d, const void *shard, int64
 ts_status ts__direct_reduce_scatter(ts_comm *c, ts_dtype d, void *shard, int64_t shard_numel, int nseg,
                                     const ts__dseg *segs, ts_reduce_op rop, double pre, double post, int channel,
                                     ts__direct **out);
+/* The same collective, accumulating: each piece of this rank's part,
+ * once its reduction over every rank is complete (divided by post and
+ * rounded to d), is added into the shard's elements there, shard[i] =
+ * shard[i] + result[i] with tensor/kernels.h's ts__buf_add in d: the
+ * bits of ts__direct_reduce_scatter into a separate buffer followed by a
+ * ts__buf_add of it, without that buffer or that second pass (the packed
+ * fallback adds its result the same way). The parts of the shard must
+ * hold values of d. Purely local: ranks may mix the two forms in one
+ * collective. Same arguments and errors as ts__direct_reduce_scatter;
+ * a failure after the reads started (a peer's read failing, a dead
+ * peer) may leave some pieces added. */
+ts_status ts__direct_reduce_scatter_add(ts_comm *c, ts_dtype d, void *shard, int64_t shard_numel, int nseg,
+                                        const ts__dseg *segs, ts_reduce_op rop, double pre, double post, int channel,
+                                        ts__direct **out);
 /* Runs the collective to its end (the reads, or the packed fallback) and
  * returns its status (the same on later calls): TS_ERR_COMM for
  * disagreeing ranks or a failed read (on every rank, naming the rank),

@@ -101,7 +101,7 @@ ts_status ts_fsdp_accumulation_memory(ts_module *module, ts_fsdp_accum_memory *o
         /* the gradient the unsharded parameters get (udtype), or the
          * reduce dtype it is accumulated in when that is another */
         size_t acc_es = g->rdtype != g->udtype ? g->res : g->ues;
-        m.sync_bytes += (size_t)g->local_numel * g->es;
+        m.sync_bytes += (size_t)g->shard_numel * g->es; /* views of one output in the shard layout */
         m.no_sync_bytes += (size_t)g->numel * acc_es;
         if (g->rg && ts_comm_size(g->rg) > 1) m.partial_bytes += (size_t)g->shard_numel * g->res;
     }

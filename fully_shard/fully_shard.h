@@ -459,8 +459,9 @@ TS_API ts_status ts_fsdp_set_separate_reduce_scatter_group(ts_module *module, bo
 /* The gradient memory of each accumulation mode, per rank, for the FSDP
  * groups of module's subtree (each group once). */
 typedef struct ts_fsdp_accum_memory {
-    /* sync every microbatch: the shards' gradients (this rank's real
-     * elements, in the parameters' dtype), which one batch needs too */
+    /* sync every microbatch: the shards' gradients (in the parameters'
+     * dtype; views of one buffer per group in the shard layout, so this
+     * rank's padded shard elements), which one batch needs too */
     size_t sync_bytes;
     /* no sync: added on top of sync_bytes: every group's unsharded
      * gradients, full size, in param_dtype (reduce_dtype when a

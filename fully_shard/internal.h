@@ -40,9 +40,12 @@
  * real rows into U (DESIGN.md D6). The reduce-scatter input is packed the
  * same way from the U gradients (copy-in, zero padding), reduced with AVG
  * over the shard group (or as ts__fsdp_reduce_plan says under a divide
- * factor or force-sum), and each parameter's segment of the output is
- * added into S's gradient. Without gradient sync (accum.c) the U
- * gradients stay (or move to acc in rdtype) until a backward with sync.
+ * factor or force-sum), and each parameter's segment of the output
+ * becomes S's gradient as a view of it (or is added into the gradient S
+ * has; on the copy-free path, when those gradients are such views, the
+ * reduce-scatter adds into them itself). Without gradient sync (accum.c)
+ * the U gradients stay (or move to acc in rdtype) until a backward with
+ * sync.
  *
  * Lifetimes: states and groups are reference counted: the module holds its
  * state, the autograd markers of a forward hold the state they serve, and
@@ -211,6 +214,18 @@ struct fsdp_group {
     ts_tensor **rs_src;
     ts__dseg *dsegs;
     int64_t *dcounts;
+    /* the shard gradients (param_group.c, finish_reduce): a parameter
+     * without one gets a view of the reduction's output (rs_out, or its
+     * cast) at its offset, so that a group's gradients share one storage
+     * in the shard layout; a later reduction on the copy-free path adds
+     * straight into those views (rs_add: rs_out is then an alias of their
+     * storage and the collective is ts__direct_reduce_scatter_add), other
+     * cases add each segment into the existing gradient in a separate
+     * pass. Counted for tests and benchmarks: reductions the collective
+     * added in (n_rs_add), segments added by the separate pass
+     * (n_grad_adds), gradients made as views (n_grad_views). */
+    bool rs_add;
+    uint64_t n_rs_add, n_grad_adds, n_grad_views;
 };
 
 /* The collectives of a group's gradient reduction (FSDP2's

@@ -60,7 +60,10 @@ typedef struct mparam {
 } mparam;
 
 typedef struct mgroup {
-    int64_t u, ag, ag_in, staging, rs_in, rs_out, conv, sgrad;
+    int64_t u, ag, ag_in, staging, rs_in, rs_out, conv;
+    int64_t sgrad; /* the persistent parameters' gradients (one block each, summed); the sharded ones' are
+                      views of the reduction's output (rs_out, or conv), which stays */
+    bool sharded;  /* the group has sharded parameters (it reduces; their gradients view its output) */
     int64_t rs_scratch; /* the reduce-scatter's own stages (comm/comm.c setup_rs), held until it is waited on */
     bool reshard, offload;
     bool cf; /* copy-free collectives (param_group.c): no all-gather buffer, no packed input, the
@@ -257,18 +260,20 @@ static void g_finish_reduce(msim *s)
         bunref(s, g->rs_out_buf);
         g->rs_out_buf = c;
     }
-    if (!g->has_sgrad && !g->offload) {
-        int sg = balloc(s, 0); /* the shards' gradients: one block each (sgrad: their sum) */
+    bool views = g->sharded && !g->has_sgrad && !g->offload; /* the shards' new gradients: views of the output, kept */
+    if (!g->has_sgrad && !g->offload && g->sgrad) {
+        int sg = balloc(s, 0); /* the persistent parameters' gradients: one block each (sgrad: their sum) */
         if (sg >= 0) {
             s->b[sg].bytes = g->sgrad;
             s->live += g->sgrad - pool_bytes(0);
             if (s->live > s->peak) s->peak = s->live;
         }
-        g->has_sgrad = true;
     }
+    if (!g->offload) g->has_sgrad = true;
     bunref(s, g->rs_scratch_buf);
     bunref(s, g->rs_in_buf);
-    bunref(s, g->rs_out_buf);
+    if (!views) bunref(s, g->rs_out_buf); /* with offload copied to the host; else added into the gradients */
+    g->rs_out_buf = g->rs_scratch_buf = g->rs_in_buf = -1;
 }
 
 static void g_post_backward(msim *s, int gi)
@@ -633,17 +638,19 @@ typedef struct gshape {
 static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, size_t es, size_t ues, size_t res,
                         bool offload, bool pin, ts_fsdp_optim_kind ok, int64_t *param, int64_t *optim, int64_t *sgrad_out)
 {
-    int64_t shard = 0, u = 0, sg = 0, opt = 0;
+    int64_t shard = 0, u = 0, opt = 0;
     for (int i = 0; i < n; i++) {
         int64_t c = (ps[i].rows + W - 1) / W, r0 = c * rank;
         int64_t lr = ps[i].rows - r0 < 0 ? 0 : ps[i].rows - r0 < c ? ps[i].rows - r0 : c;
         shard += c * ps[i].row_numel;
         u += pool_bytes(ps[i].rows * ps[i].row_numel * (int64_t)ues);
         int64_t local = pool_bytes(lr * ps[i].row_numel * (int64_t)es);
-        sg += local;
         if (ok == TS_FSDP_OPTIM_SGD_MOMENTUM) opt += local;
         if (ok == TS_FSDP_OPTIM_ADAM) opt += 2 * local + pool_bytes(4);
     }
+    /* the shards' gradients: views of the reduction's output in the
+     * parameters' dtype (rs_out, or conv after a cast), padding included */
+    int64_t sg = n ? pool_bytes(shard * (int64_t)es) : 0;
     memset(g, 0, sizeof *g);
     g->u = u;
     g->ag = pool_bytes(W * shard * (int64_t)ues);
@@ -657,7 +664,8 @@ static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, siz
     int64_t acc = res == 8 ? 8 : 4, nstage = W - 1 < 2 ? W - 1 : 2;
     g->rs_scratch = W > 1 && !g->cf ? pool_bytes((nstage + (res == 2 ? 1 : 0)) * shard * acc) : 0;
     g->offload = offload;
-    g->sgrad = offload ? 0 : sg;
+    g->sgrad = 0;
+    g->sharded = n > 0;
     g->u_buf = g->ag_buf = g->ag_in_buf = g->staging_buf = g->rs_in_buf = g->rs_out_buf = g->rs_scratch_buf = -1;
     /* offloaded with pin_memory: the sharded buffer and the host gradient
      * buffer are pinned blocks, rounded to pages (base/pinned.c), not pool blocks */

@@ -196,6 +196,7 @@ ts_status ts__fsdp_offload_grads_out(fsdp_group *g)
             break;
         st = ts_tensor_set_grad(p->S, view);
         ts_tensor_free(view);
+        g->n_grad_views++;
         p->in_reduce = false;
     }
     if (!st && staging) { /* the caller adds the rest from the host copy */

@@ -399,10 +399,26 @@ fsdp_reduce_plan ts__fsdp_reduce_plan(const fsdp_group *g)
     return p;
 }
 
+/* A view of the reduced output `out` (1-d, the shard layout) at
+ * parameter p's segment, in the shard's shape: the new gradient of a
+ * shard that has none (FSDP2's new_sharded_grad as a view of
+ * reduce_output). The padding rows after it are simply not viewed. */
+static ts_status grad_view(const fsdp_param *p, ts_tensor *out, ts_tensor **view_out)
+{
+    int64_t strides[TS_MAX_DIMS];
+    ts__contiguous_strides(p->ndim, ts_tensor_shape(p->S), strides);
+    return ts__tensor_alias(out, p->ndim, ts_tensor_shape(p->S), strides, out->offset + p->off, view_out);
+}
+
 /* Waits for the group's reduce-scatter and, under HSDP, either keeps its
  * output in the partial sum (requires_all_reduce false) or all-reduces it
- * (with the partial sum added first); then adds each parameter's segment
- * into its shard's gradient. */
+ * (with the partial sum added first); then each parameter's segment
+ * becomes its shard's gradient, a view of the output (no gradient yet), or
+ * is added into the gradient it has (the separate add: after a cast, an
+ * HSDP all-reduce, an offload copy, on the packed path, or into
+ * gradients that are not this group's views; accumulate_target). A
+ * reduction that added straight into the gradients (g->rs_add) has
+ * nothing left to do. */
 ts_status ts__fsdp_finish_reduce(fsdp_group *g)
 {
     if (!ts__fsdp_reduce_in_flight(g)) return TS_OK;
@@ -418,6 +434,15 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
         st = ts_request_wait(g->rs_req);
         ts_request_free(g->rs_req);
         g->rs_req = NULL;
+    }
+    if (g->rs_add) { /* added into the shard gradients by the collective, piece by piece: done */
+        g->rs_add = false;
+        if (!st) g->n_rs_add++;
+        for (int i = 0; i < g->n; i++) g->params[i].in_reduce = false;
+        ts_tensor_free(g->rs_out);
+        g->rs_out = NULL;
+        TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
+        return st;
     }
     if (!st && is_hsdp(g) && !g->all_reduce_grads) { /* partial: no all-reduce, nothing into the shards yet */
         if (g->partial) {
@@ -462,6 +487,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     }
     if (!st && g->off.on) st = ts__fsdp_offload_grads_out(g); /* to the host shard gradients */
     TS_TRACE_BEGIN(ta);
+    bool copied = false; /* a pass over the data: the span is recorded only then */
     const unsigned char *out = st ? NULL : ts_tensor_data(g->rs_out);
     for (int i = 0; i < g->n && !st; i++) {
         fsdp_param *p = &g->params[i];
@@ -470,30 +496,34 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
         const unsigned char *seg = out + (size_t)p->off * g->es;
         int64_t ln = p->local_rows * p->row_numel;
         ts_tensor *gr = ts_tensor_grad(p->S);
-        if (gr && ts_tensor_is_contiguous(gr) && ts_tensor_data(gr)) {
-            ts__buf_add(g->dtype, ts_tensor_data(gr), seg, ln); /* gr += seg */
-        } else {
-            ts_tensor *ng = NULL;
-            const int64_t *sh = ts_tensor_shape(p->S);
-            if ((st = ts_tensor_from_data(g->dtype, p->ndim, sh, seg, &ng))) break;
-            if (gr) { /* a non-contiguous gradient the user set: add the old one */
-                ts_tensor *sum = NULL;
-                bool prev = ts_grad_mode_set(false);
-                st = ts_add(ng, gr, &sum);
-                ts_grad_mode_set(prev);
-                ts_tensor_free(ng);
-                if (st) break;
-                ng = sum;
-            }
-            st = ts_tensor_set_grad(p->S, ng);
+        if (!gr) { /* its gradient is a view of the output, which lives as long as a view does */
+            ts_tensor *view = NULL;
+            if ((st = grad_view(p, g->rs_out, &view))) break;
+            st = ts_tensor_set_grad(p->S, view);
+            ts_tensor_free(view);
+            g->n_grad_views++;
+        } else if (ts_tensor_is_contiguous(gr) && ts_tensor_data(gr)) {
+            ts__buf_add(g->dtype, ts_tensor_data(gr), seg, ln); /* gr += seg: the separate add */
+            g->n_grad_adds++;
+            copied = true;
+        } else { /* a non-contiguous gradient the user set: a new one, the old added */
+            g->n_grad_adds++;
+            copied = true;
+            ts_tensor *ng = NULL, *sum = NULL;
+            if ((st = ts_tensor_from_data(g->dtype, p->ndim, ts_tensor_shape(p->S), seg, &ng))) break;
+            bool prev = ts_grad_mode_set(false);
+            st = ts_add(ng, gr, &sum);
+            ts_grad_mode_set(prev);
             ts_tensor_free(ng);
+            if (!st) st = ts_tensor_set_grad(p->S, sum);
+            ts_tensor_free(sum);
         }
     }
     for (int i = 0; i < g->n; i++) g->params[i].in_reduce = false;
     ts_tensor_free(g->rs_in);
-    ts_tensor_free(g->rs_out);
+    ts_tensor_free(g->rs_out); /* the views made above keep its storage */
     g->rs_in = g->rs_out = NULL;
-    TS_TRACE_END(ta, "fsdp.grad_into_shards", "copy");
+    if (copied) TS_TRACE_END(ta, "fsdp.grad_into_shards", "copy");
     return st;
 }
 
@@ -505,8 +535,9 @@ void ts__fsdp_discard_reduce(fsdp_group *g)
         ts_request_free(g->rs_req);
         g->rs_req = NULL;
     }
-    ts__direct_free(g->rs_direct);
+    ts__direct_free(g->rs_direct); /* an accumulating one (rs_add) has added into the gradients by now */
     g->rs_direct = NULL;
+    g->rs_add = false;
     drop_rs_src(g);
     for (int i = 0; i < g->n; i++) g->params[i].in_reduce = false;
     ts_tensor_free(g->rs_in);
@@ -586,27 +617,60 @@ static ts_status reshard_after_backward(fsdp_group *g)
     return ts__fsdp_wait_unshard(g); /* stays unsharded (an all-gather in flight is completed) */
 }
 
+/* Whether the reduction about to be issued can add straight into the
+ * shard gradients (ts__direct_reduce_scatter_add, no output buffer and no
+ * separate add): returns a 1-d alias of shard_numel elements over their
+ * storage, in the shard layout (a new reference: g->rs_out), or NULL for
+ * the separate add. Only when nothing stands between the reduce-scatter
+ * and the gradients: the reduce dtype is the parameters' (no cast), no
+ * HSDP all-reduce, no offload copy; on the last backward (a reduction a
+ * backward leaves in flight, ts_fsdp_set_is_last_backward(false), must
+ * not write into gradients the caller may read or zero before it lands);
+ * and every parameter takes part (the separate add skips one without an
+ * unsharded gradient now, whose segment still holds the peers' sums) and
+ * has as shard gradient a contiguous tensor of one storage (the same for
+ * all, not one the sources live in) at its own offset of the shard
+ * layout, the layout covered by the storage: the views finish_reduce
+ * made. The collective then writes each parameter's own elements only,
+ * which is what the separate add would write, with the same bits. */
+static ts_tensor *accumulate_target(fsdp_group *g, const fsdp_ctx *ctx)
+{
+    if (g->n == 0 || g->rdtype != g->dtype || is_hsdp(g) || g->partial || g->off.on || (ctx && ctx->not_last_backward))
+        return NULL;
+    const ts_tensor *g0 = ts_tensor_grad(g->params[0].S);
+    if (!g0) return NULL;
+    const ts_storage *s = g0->storage;
+    int64_t base = g0->offset - g->params[0].off;
+    if (base < 0 || !s->data || (size_t)(base + g->shard_numel) * g->es > s->nbytes) return NULL;
+    for (int i = 0; i < g->n; i++) {
+        const fsdp_param *p = &g->params[i];
+        const ts_tensor *gr = ts_tensor_grad(p->S);
+        if (!p->in_reduce || !gr || gr->storage != s || gr->offset != base + p->off || !ts_tensor_is_contiguous(gr))
+            return NULL;
+        if (g->rs_src[i] && g->rs_src[i]->storage == s) return NULL;
+    }
+    int64_t n = g->shard_numel;
+    ts_tensor *alias = NULL;
+    if (ts__tensor_alias(g0, 1, &n, (const int64_t[]){1}, base, &alias)) return NULL; /* out of memory: the separate add */
+    return alias;
+}
+
 /* The copy-free reduce-scatter of post-backward: each parameter's
  * gradient (acc in rdtype, or U's, made contiguous; NULL: zeros) is kept
- * in rs_src for the peers to read until the reduction completes; its
- * padding rows of rs_out are zeroed (the packed path reduces zeros
- * there). Then the gradients leave U and the group reshards, as in the
- * packed path. */
-static ts_status reduce_direct(fsdp_group *g)
+ * in rs_src for the peers to read until the reduction completes. Its
+ * output is a new rs_out whose padding rows are zeroed (the packed path
+ * reduces zeros there), or, when accumulate_target allows, the shard
+ * gradients themselves, into which the collective adds. Then the
+ * gradients leave U and the group reshards, as in the packed path. */
+static ts_status reduce_direct(fsdp_ctx *ctx, fsdp_group *g)
 {
     ts_status st = direct_segs(g);
-    int64_t n_out = g->shard_numel;
-    if (!st) st = ts_tensor_empty(g->rdtype, 1, &n_out, &g->rs_out);
     if (st) {
         ts__fsdp_discard_reduce(g);
         return st;
     }
-    unsigned char *out = ts_tensor_data(g->rs_out);
     for (int i = 0; i < g->n && !st; i++) {
         fsdp_param *p = &g->params[i];
-        if (p->local_rows < p->c)
-            memset(out + (size_t)(p->off + p->local_rows * p->row_numel) * g->res, 0,
-                   (size_t)((p->c - p->local_rows) * p->row_numel) * g->res);
         ts_tensor *gr = p->acc ? p->acc : p->requires_grad ? ts_tensor_grad(p->U) : NULL;
         p->in_reduce = gr != NULL;
         g->dsegs[i].full = NULL;
@@ -626,11 +690,26 @@ static ts_status reduce_direct(fsdp_group *g)
             (void)ts_tensor_set_grad(p->U, NULL);
         }
     }
+    if (!st) {
+        g->rs_out = accumulate_target(g, ctx);
+        g->rs_add = g->rs_out != NULL;
+        int64_t n_out = g->shard_numel;
+        if (!g->rs_add && !(st = ts_tensor_empty(g->rdtype, 1, &n_out, &g->rs_out))) {
+            unsigned char *o = ts_tensor_data(g->rs_out);
+            for (int i = 0; i < g->n; i++) {
+                const fsdp_param *p = &g->params[i];
+                if (p->local_rows < p->c)
+                    memset(o + (size_t)(p->off + p->local_rows * p->row_numel) * g->res, 0,
+                           (size_t)((p->c - p->local_rows) * p->row_numel) * g->res);
+            }
+        }
+    }
     if (!st) st = reshard_after_backward(g);
     fsdp_reduce_plan plan = ts__fsdp_reduce_plan(g);
     if (!st)
-        st = ts__direct_reduce_scatter(g->rsg ? g->rsg : g->pg, g->rdtype, out, g->shard_numel, g->n, g->dsegs, plan.rs_op, plan.rs_pre, plan.rs_post,
-                                       g->rsg ? 1 : 0, &g->rs_direct);
+        st = (g->rs_add ? ts__direct_reduce_scatter_add : ts__direct_reduce_scatter)(
+            g->rsg ? g->rsg : g->pg, g->rdtype, ts_tensor_data(g->rs_out), g->shard_numel, g->n, g->dsegs, plan.rs_op,
+            plan.rs_pre, plan.rs_post, g->rsg ? 1 : 0, &g->rs_direct);
     if (st) {
         ts__fsdp_discard_reduce(g);
         return st;
@@ -671,7 +750,7 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
     if (ts__fsdp_reduce_in_flight(g) && (st = ts__fsdp_finish_reduce(g))) return st;
     ts__fsdp_event("post_backward", g->fqn);
     if (g->copy_free) {
-        st = reduce_direct(g);
+        st = reduce_direct(ctx, g);
         if (!st) g->training = FSDP_POST_BACKWARD;
         if (!st) {
             if (ctx) ctx->rs_pending = g;

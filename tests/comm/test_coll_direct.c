@@ -6,7 +6,9 @@
  * ranks, a segment smaller than the world leaving trailing ranks empty),
  * f32 and bf16 (bf16 reduced in f32), SUM, AVG, MAX and divisors; a source
  * missing on one rank (zeros); ranks that run different collectives or
- * layouts all fail naming both; with cross-memory attach refused
+ * layouts all fail naming both; the accumulating form
+ * (ts__direct_reduce_scatter_add) bitwise the plain one followed by a
+ * separate add, padding untouched; with cross-memory attach refused
  * (TS_UCX_CMA=0) the packed path gives the same results. This binary is
  * its own rank program (TS_TEST_DIRECT_ROLE, handled by a constructor
  * before Criterion starts); ranks report through their exit code.
@@ -147,8 +149,19 @@ typedef struct rs_cfg {
     int missing; /* rank whose segment 1 source is NULL (-1: none) */
 } rs_cfg;
 
-/* Runs the reduce-scatter (direct or packed) into a new shard buffer. */
-static unsigned char *run_rs(ts_comm *c, const layout *L, const rs_cfg *cf, bool direct, bool expect_direct)
+/* What the accumulating form finds in the shard before it adds: distinct
+ * values everywhere (padding included), of the output dtype. */
+static unsigned char *rs_init(const layout *L, ts_dtype d)
+{
+    unsigned char *out = calloc((size_t)L->shard_numel + 1, ts_dtype_size(d));
+    fill(out, d, L->shard_numel, L->me + 5, 7, 0);
+    return out;
+}
+
+/* Runs the reduce-scatter (direct or packed) into a new shard buffer; with
+ * add, the accumulating form (ts__direct_reduce_scatter_add) into a shard
+ * that holds rs_init's values. */
+static unsigned char *run_rs(ts_comm *c, const layout *L, const rs_cfg *cf, bool direct, bool expect_direct, bool add)
 {
     size_t ses = ts_dtype_size(cf->src), oes = ts_dtype_size(cf->out);
     ts__dseg segs[NSEG];
@@ -160,10 +173,11 @@ static unsigned char *run_rs(ts_comm *c, const layout *L, const rs_cfg *cf, bool
         segs[k].full = k == 1 && cf->missing == L->me ? NULL : src[k];
         segs[k].dtype = cf->src;
     }
-    unsigned char *out = calloc((size_t)L->shard_numel + 1, oes);
+    unsigned char *out = add ? rs_init(L, cf->out) : calloc((size_t)L->shard_numel + 1, oes);
     ts__direct_set_enabled(direct);
     ts__direct *r = NULL;
-    ROK(30, ts__direct_reduce_scatter(c, cf->out, out, L->shard_numel, NSEG, segs, cf->op, cf->pre, cf->post, 0, &r));
+    ROK(30, (add ? ts__direct_reduce_scatter_add : ts__direct_reduce_scatter)(c, cf->out, out, L->shard_numel, NSEG, segs,
+                                                                             cf->op, cf->pre, cf->post, 0, &r));
     ROK(31, ts__direct_wait(r));
     if (ts__direct_was_direct(r) != (direct && expect_direct && L->W > 1))
         RFAIL(32, "reduce_scatter took the %s path", ts__direct_was_direct(r) ? "direct" : "packed");
@@ -204,7 +218,8 @@ static unsigned char *ref_rs(ts_comm *c, const layout *L, const rs_cfg *cf)
 
 static void rs_case(ts_comm *c, const layout *L, const rs_cfg *cf, bool expect_direct)
 {
-    unsigned char *a = run_rs(c, L, cf, true, expect_direct), *b = run_rs(c, L, cf, false, false), *ref = ref_rs(c, L, cf);
+    unsigned char *a = run_rs(c, L, cf, true, expect_direct, false), *b = run_rs(c, L, cf, false, false, false),
+                  *ref = ref_rs(c, L, cf);
     size_t oes = ts_dtype_size(cf->out);
     for (int k = 0; k < NSEG; k++) {
         size_t at = (size_t)L->off[k] * oes, nb = (size_t)L->counts[k][L->me] * oes;
@@ -225,6 +240,23 @@ static void rs_case(ts_comm *c, const layout *L, const rs_cfg *cf, bool expect_d
         float got;
         memcpy(&got, a + (size_t)L->off[0] * 4, 4);
         if (fabsf(got - acc) > 1e-4f * fabsf(acc) + 1e-5f) RFAIL(44, "sum %g, want %g", got, acc);
+    }
+    /* the accumulating form, direct and packed: each part is what was
+     * there plus the reference's result, added by ts__buf_add as a
+     * separate pass would, to the bit; the padding is left alone */
+    if (cf->op == TS_REDUCE_SUM || cf->op == TS_REDUCE_AVG) {
+        unsigned char *aa = run_rs(c, L, cf, true, expect_direct, true), *ab = run_rs(c, L, cf, false, false, true);
+        unsigned char *want = rs_init(L, cf->out);
+        for (int k = 0; k < NSEG; k++)
+            ts__buf_add(cf->out, want + (size_t)L->off[k] * oes, ref + (size_t)L->off[k] * oes, L->counts[k][L->me]);
+        if (memcmp(aa, want, (size_t)L->shard_numel * oes) || memcmp(ab, want, (size_t)L->shard_numel * oes))
+            RFAIL(45, "accumulating reduce_scatter (%s from %s, op %d): direct %s, packed %s the separate add",
+                  ts_dtype_name(cf->out), ts_dtype_name(cf->src), (int)cf->op,
+                  memcmp(aa, want, (size_t)L->shard_numel * oes) ? "differs from" : "equals",
+                  memcmp(ab, want, (size_t)L->shard_numel * oes) ? "differs from" : "equals");
+        free(aa);
+        free(ab);
+        free(want);
     }
     free(a);
     free(b);

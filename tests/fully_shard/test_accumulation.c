@@ -732,8 +732,9 @@ Test(fully_shard_accumulation, errors)
 }
 
 /* The memory each mode costs, as ts_fsdp_accumulation_memory and the
- * summary report it, on 4 ranks and 2 x 2: sync = this rank's shard
- * elements * 4 bytes, no sync = every full gradient * 4 bytes (bf16 compute
+ * summary report it, on 4 ranks and 2 x 2: sync = this rank's padded
+ * shard elements * 4 bytes (the gradients are views of one buffer per
+ * group in the shard layout), no sync = every full gradient * 4 bytes (bf16 compute
  * with an f32 reduce: still 4, the reduce dtype), partial = the padded
  * shard * 4 bytes under HSDP only. */
 static int rank_memory(rank_ctx *rc)
@@ -755,7 +756,9 @@ static int rank_memory(rank_ctx *rc)
         padded += gi.shard_numel;
     }
     RK_EQ(rc, full, (D * D + D) + NMLP * (D * H + H + H * D + D));
-    RK_EQ(rc, am.sync_bytes, local * 4);
+    RK_EQ(rc, am.sync_bytes, padded * 4);
+    if (local > padded) return fail(rc, "%lld real shard elements, more than the %lld padded", (long long)local,
+                                    (long long)padded);
     RK_EQ(rc, am.no_sync_bytes, full * 4);
     RK_EQ(rc, am.partial_bytes, a->hsdp ? padded * 4 : 0);
     char buf[8192];

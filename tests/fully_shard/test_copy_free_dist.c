@@ -6,7 +6,9 @@
  * (--save-full, safetensors) are the same bytes: f32 on 2 and 3 ranks
  * (uneven rows: a width of 36 over 3 ranks is not a multiple of rows per
  * rank everywhere), bf16 mixed precision with a float32 reduction, CPU
- * offload, accumulation without sync. With cross-memory attach refused
+ * offload, accumulation without sync and with it (the copy-free
+ * reductions then add into the shard gradients themselves). With
+ * cross-memory attach refused
  * (TS_UCX_CMA=0) the copy-free groups fall back to the ring: same bytes.
  */
 #define _GNU_SOURCE
@@ -94,6 +96,17 @@ Test(fully_shard_copy_free_dist, bf16_offload_and_accumulation, .timeout = 240)
     const char *off[] = {"--offload", "cpu", NULL};
     same_model(2, off);
     const char *acc[] = {"--accum", "2", "--accum-mode", "nosync", "--param-dtype", "bf16", "--reduce-dtype", "f32", NULL};
+    same_model(3, acc);
+}
+
+/* Microbatches with sync: each reduction after the first of a step adds
+ * into the shard gradients, which are views of the first one's output, in
+ * the copy-free reduce-scatter itself (ts__direct_reduce_scatter_add,
+ * across processes); the packed path adds in a separate pass: same bytes. */
+Test(fully_shard_copy_free_dist, synced_accumulation, .timeout = 240)
+{
+    const char *acc[] = {"--accum", "3", "--accum-mode", "sync", NULL};
+    same_model(2, acc);
     same_model(3, acc);
 }
 

@@ -50,8 +50,9 @@ static size_t pb(size_t n) { return ts__pool_block_bytes(n); }
 
 /* On each rank: the predicted parameter, gradient, optimizer and group
  * bytes equal what the sharded model's tensors hold after one AdamW step
- * (pool blocks: the groups' sharded buffers, each shard's gradient and
- * state tensors). */
+ * (pool blocks: the groups' sharded buffers, the storages of the shards'
+ * gradients, each counted once (a group's gradients are views of one
+ * buffer), the state tensors). */
 static int components_rank(th_rank *rc)
 {
     ts_mesh *mesh = NULL;
@@ -62,7 +63,7 @@ static int components_rank(th_rank *rc)
     ts_fsdp_memory_report r;
     TH_RK_OK(rc, ts_fsdp_memory_estimate(m, &mo, &r));
     /* the truth from the tensors: sharded buffers per group, gradients and state per parameter */
-    size_t param = 0, grad = 0, optim = 0, group = 0;
+    size_t param = 0, grad = 0, optim = 0, group = 0, per_param = 0;
     const char *groups[3] = {"", "blocks.0", "blocks.1"};
     for (int i = 0; i < 3; i++) {
         ts_module *g = m;
@@ -99,21 +100,31 @@ static int components_rank(th_rank *rc)
     TH_RK_OK(rc, ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss));
     TH_RK_OK(rc, ts_backward(loss, NULL, false));
     TH_RK_OK(rc, ts_optim_step(opt));
+    ts_storage *seen[64];
+    int n_seen = 0;
     for (int i = 0; i < np.n; i++) {
         ts_tensor *g = ts_tensor_grad(ps[i]);
         size_t local = (size_t)ts_tensor_numel(ps[i]) * 4;
         if (!g) return th_rank_fail(rc, "%s has no gradient", np.items[i].name);
-        grad += pb(local);
+        ts_storage *gs = ts_tensor_storage(g);
+        int k = 0;
+        while (k < n_seen && seen[k] != gs) k++;
+        if (k == n_seen) {
+            seen[n_seen++] = gs;
+            grad += gs->block_bytes;
+        }
+        per_param += pb(local);
         optim += 2 * pb(local) + pb(4); /* exp_avg, exp_avg_sq, the 0-d step */
     }
+    TH_RK_EQ(rc, n_seen, 3); /* one gradient storage per group */
     TH_RK_EQ(rc, r.param_bytes, param);
     TH_RK_EQ(rc, r.grad_bytes, grad);
     TH_RK_EQ(rc, r.optim_bytes, optim);
-    /* SGD with momentum: one buffer of the shard's rows per parameter (as the gradient's); plain SGD: none */
+    /* SGD with momentum: one buffer of the shard's rows per parameter; plain SGD: none */
     ts_fsdp_memory_report rs;
     mo.optim = TS_FSDP_OPTIM_SGD_MOMENTUM;
     TH_RK_OK(rc, ts_fsdp_memory_estimate(m, &mo, &rs));
-    TH_RK_EQ(rc, rs.optim_bytes, grad);
+    TH_RK_EQ(rc, rs.optim_bytes, per_param);
     mo.optim = TS_FSDP_OPTIM_SGD;
     TH_RK_OK(rc, ts_fsdp_memory_estimate(m, &mo, &rs));
     TH_RK_EQ(rc, rs.optim_bytes, 0);
