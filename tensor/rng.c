@@ -692,6 +692,66 @@ ts_status ts_bernoulli_(ts_tensor *t, double p, ts_generator *gen)
     return TS_OK;
 }
 
+/* n tempered mt19937 outputs into out, in the order mt_random would return
+ * them, leaving the generator as n calls of mt_random would: the words
+ * still untwisted in the state (left - 1 of them) are tempered in one
+ * loop that the compiler vectorises, then the state is twisted as
+ * mt_random twists it (after a twist there, left = MT_N and next = 1 once
+ * the first word is out; here left = MT_N + 1 and next = 0 before it). */
+static void mt_fill(ts_generator *g, uint32_t *out, int64_t n)
+{
+    while (n > 0) {
+        if (g->left <= 1) {
+            mt_next_state(g);
+            g->left = MT_N + 1;
+        }
+        int64_t k = g->left - 1 < n ? g->left - 1 : n;
+        const uint32_t *src = g->mt + g->next;
+        for (int64_t i = 0; i < k; i++) {
+            uint32_t y = src[i];
+            y ^= y >> 11;
+            y ^= (y << 7) & UINT32_C(0x9D2C5680);
+            y ^= (y << 15) & UINT32_C(0xEFC60000);
+            y ^= y >> 18;
+            out[i] = y;
+        }
+        g->next += (uint32_t)k;
+        g->left -= (int32_t)k;
+        out += k;
+        n -= k;
+    }
+}
+
+/* ts_bernoulli_'s draws as bits (internal.h). An element is 1 when
+ * U53 < p, U53 = x * 2^-53 with x = random64 & (2^53 - 1) an integer below
+ * 2^53, so exactly representable. Scaling both sides by 2^53 is exact for
+ * p in [0, 1] (a power of two, no overflow), so U53 < p <=> x < P with
+ * P = p * 2^53 (a double <= 2^53), and for an integer x, x < P <=> x <
+ * ceil(P): the test below is ts_bernoulli_'s, in integers. */
+void ts__rng_bernoulli_bits(ts_generator *gen, double p, int64_t rows, int64_t cols, int64_t row_words,
+                            uint32_t *bits)
+{
+    ts_generator *g = gen_or_default(gen);
+    uint64_t thr = (uint64_t)ceil(p * 0x1p53);
+    enum { CHUNK = 512 }; /* elements per batch of words */
+    uint32_t w[2 * CHUNK];
+    memset(bits, 0, (size_t)(rows * row_words) * sizeof *bits);
+    int64_t n = rows * cols, r = 0, c = 0;
+    while (n > 0) {
+        int64_t m = n < CHUNK ? n : CHUNK;
+        mt_fill(g, w, 2 * m);
+        for (int64_t i = 0; i < m; i++) {
+            uint64_t x = (((uint64_t)w[2 * i] << 32) | w[2 * i + 1]) & ((UINT64_C(1) << 53) - 1);
+            bits[r * row_words + (c >> 5)] |= (uint32_t)(x < thr) << (c & 31);
+            if (++c == cols) {
+                c = 0;
+                r++;
+            }
+        }
+        n -= m;
+    }
+}
+
 /* ------------------------------------------------------------ new tensors */
 
 static ts_status new_float(const char *op, ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
