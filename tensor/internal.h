@@ -263,5 +263,10 @@ double ts__rng_u53(ts_generator *g);
  * thread's default generator. p must be in [0, 1] (asserted by callers). */
 void ts__rng_bernoulli_bits(ts_generator *gen, double p, int64_t rows, int64_t cols, int64_t row_words,
                             uint32_t *bits);
+/* The same on kernel path kpath (a ts__kpath, tensor/kernels.h, that the
+ * CPU supports); ts__rng_bernoulli_bits takes ts__kpath_active(). Every
+ * path gives the same bits and generator state (integer operations only). */
+void ts__rng_bernoulli_bits_on(int kpath, ts_generator *gen, double p, int64_t rows, int64_t cols,
+                               int64_t row_words, uint32_t *bits);
 
 #endif

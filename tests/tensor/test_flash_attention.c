@@ -442,15 +442,18 @@ Test(tensor_flash_attention, saves_no_score_matrix)
     ts_tensor_free(mask);
 }
 
-/* The keep bits are ts_bernoulli_'s draws: for a (rows, cols) float
- * tensor and the same generator state, bit (r, c) is element (r, c), and
- * the generator ends in the same state. Columns below, at and across the
- * 32-bit words, more words than one mt19937 block (624) so that the twist
- * falls inside a batch, a generator part-way through a block, and p at
- * both ends and in between (p * 2^53 an integer or not). */
-Test(tensor_flash_attention, keep_bits_are_the_bernoulli_draws)
+/* The keep bits are ts_bernoulli_'s draws, on each kernel path: for a
+ * (rows, cols) float tensor and the same generator state, bit (r, c) is
+ * element (r, c), and the generator ends in the same state. Columns
+ * below, at and across the 32-bit words and the 1024-element batches,
+ * more words than one mt19937 block (624) so that twists fall inside
+ * batches, a generator part-way through a block, and p at both ends and
+ * in between (p * 2^53 an integer or not). */
+static void keep_bits_check(ts__kpath path)
 {
-    static const int64_t shapes[][2] = {{1, 1}, {3, 5}, {7, 32}, {5, 33}, {9, 70}, {4, 700}, {40, 37}};
+    if (!ts__kpath_supported(path))
+        cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(path));
+    static const int64_t shapes[][2] = {{1, 1}, {3, 5}, {7, 32}, {5, 33}, {9, 70}, {4, 700}, {40, 37}, {3, 2100}};
     static const double ps[] = {0.0, 1.0, 0.5, 0.9, 0.1, 0.75, 1.0 - 0x1p-40, 0x1p-50, 0.3};
     uint8_t s1[TS_GENERATOR_STATE_BYTES], s2[TS_GENERATOR_STATE_BYTES];
     ts_generator *ga, *gb;
@@ -472,7 +475,7 @@ Test(tensor_flash_attention, keep_bits_are_the_bernoulli_draws)
             TH_OK(ts_bernoulli_(t, ps[pi], ga));
             uint32_t *bits = malloc((size_t)(R * W) * sizeof *bits);
             memset(bits, 0xA5, (size_t)(R * W) * sizeof *bits);
-            ts__rng_bernoulli_bits(gb, ps[pi], R, C, W, bits);
+            ts__rng_bernoulli_bits_on((int)path, gb, ps[pi], R, C, W, bits);
             const float *v = ts_tensor_data(t);
             int64_t ones = 0;
             for (int64_t r = 0; r < R; r++) {
@@ -500,6 +503,10 @@ Test(tensor_flash_attention, keep_bits_are_the_bernoulli_draws)
     ts_generator_free(ga);
     ts_generator_free(gb);
 }
+
+Test(tensor_flash_attention, scalar_keep_bits_are_the_bernoulli_draws) { keep_bits_check(TS__KPATH_SCALAR); }
+Test(tensor_flash_attention, avx2_keep_bits_are_the_bernoulli_draws) { keep_bits_check(TS__KPATH_AVX2); }
+Test(tensor_flash_attention, avx512_keep_bits_are_the_bernoulli_draws) { keep_bits_check(TS__KPATH_AVX512); }
 
 /* Training with p = 0 is no dropout, and eval mode ignores p: the fused
  * kernel gives the same bits as without dropout and draws nothing. */
