@@ -148,7 +148,9 @@ static ts_status attention_half_backward(ts_tensor *q, ts_tensor *k, ts_tensor *
     return TS_OK;
 }
 
-/* Node layout: saved[0..2] = q, k, v; saved[3] = probabilities P
+/* The reference path (every dtype; float32 takes the fused kernel
+ * below unless a row is wholly masked or TS_ATTENTION=reference).
+ * Node layout: saved[0..2] = q, k, v; saved[3] = probabilities P
  * (B, H, T, S) before dropout; saved[4] = the dropout scale mask D (0 or
  * 1/(1-p)) or NULL. iargs[0] = H; dargs[0] = scale. */
 
