@@ -5,7 +5,8 @@
  * fused kernel (keep mask drawn in bits, tensor/flash_attention.h), and
  * the fused kernel without dropout as the floor; plus the two ways of
  * drawing the mask alone. Every variant runs once per rep, in turn, so
- * that load from elsewhere on the machine hits them alike; the table has
+ * that load from elsewhere on the machine hits them alike (in a new
+ * random order each rep); the table has
  * medians of wall time and of process CPU time (the latter is less
  * disturbed by other processes at 1 thread).
  *
@@ -39,12 +40,13 @@ typedef struct opts {
     bool causal;
 } opts;
 
-enum { V_REF_FB, V_FUSED_FB, V_FUSED_NODROP_FB, V_REF_F, V_FUSED_F, V_DRAW_FLOAT, V_DRAW_BITS, V_COUNT };
+enum { V_REF_FB, V_FUSED_FB, V_FUSED_NODROP_FB, V_REF_F, V_FUSED_F, V_FUSED_NODROP_F, V_DRAW_FLOAT, V_DRAW_BITS, V_COUNT };
 
 static const char *const names[V_COUNT] = {
     "reference, dropout: forward + backward", "fused, dropout: forward + backward",
     "fused, no dropout: forward + backward",  "reference, dropout: forward",
-    "fused, dropout: forward",                "mask draw: bernoulli_ float (B,H,T,S)",
+    "fused, dropout: forward",                "fused, no dropout: forward",
+    "mask draw: bernoulli_ float (B,H,T,S)",
     "mask draw: keep bits (B,H,T,S)",
 };
 
@@ -60,7 +62,7 @@ static void run_variant(int v, const opts *o, ts_tensor *qkv, ts_tensor *mask, t
         return;
     }
     bool fused = v != V_REF_FB && v != V_REF_F, backward = v <= V_FUSED_NODROP_FB;
-    double p = v == V_FUSED_NODROP_FB ? 0.0 : o->p;
+    double p = v == V_FUSED_NODROP_FB || v == V_FUSED_NODROP_F ? 0.0 : o->p;
     ts__flash_force(fused);
     ts_tensor *parts[3], *out, *g;
     int np;
@@ -135,8 +137,23 @@ int main(int argc, char **argv)
         wall[v] = malloc((size_t)o.reps * sizeof(double));
         cpu[v] = malloc((size_t)o.reps * sizeof(double));
     }
-    for (int r = -2; r < o.reps; r++) /* two warm-up rounds */
-        for (int v = 0; v < V_COUNT; v++) {
+    /* two warm-up rounds; each round runs the variants in a new random
+     * order, so that none always runs right after the same one (at 2
+     * threads the reference path's BLIS threads keep spinning in OpenMP
+     * for a while after it returns and slow whatever runs next) */
+    uint32_t lcg = 12345;
+    int order[V_COUNT];
+    for (int r = -2; r < o.reps; r++) {
+        for (int i = 0; i < V_COUNT; i++)
+            order[i] = i;
+        for (int i = V_COUNT - 1; i > 0; i--) {
+            lcg = lcg * 1664525u + 1013904223u;
+            int j = (int)((lcg >> 8) % (uint32_t)(i + 1)), t = order[i];
+            order[i] = order[j];
+            order[j] = t;
+        }
+        for (int i = 0; i < V_COUNT; i++) {
+            int v = order[i];
             double w0 = bench_now_s(), c0 = cpu_s();
             run_variant(v, &o, qkv, mask, noise, bits);
             double w1 = bench_now_s(), c1 = cpu_s();
@@ -145,6 +162,7 @@ int main(int argc, char **argv)
                 cpu[v][r] = (c1 - c0) * 1e3;
             }
         }
+    }
     printf("attention with dropout %g: B %lld, T %lld, E %lld, %lld heads, %s, %d thread(s), kernels %s; median of %d "
            "interleaved reps, ms\n\n", o.p, (long long)o.B, (long long)o.T, (long long)o.E, (long long)o.H,
            o.causal ? "causal" : "no mask", o.threads, ts__kpath_name(ts__kpath_active()), o.reps);
