@@ -442,49 +442,66 @@ Test(tensor_flash_attention, saves_no_score_matrix)
     ts_tensor_free(mask);
 }
 
-/* The keep bits are ts_bernoulli_'s draws, on each kernel path: for a
- * (rows, cols) float tensor and the same generator state, bit (r, c) is
- * element (r, c), and the generator ends in the same state. Columns
+/* bernoulli(p) by SPEC §7 (reference/torch-rng/SPEC.md), written out:
+ * per element two words of the generator, the first the high half,
+ * U53 = (x & (2^53 - 1)) * 2^-53, 1 when U53 < p. */
+static int spec_bernoulli(ts_generator *g, double p)
+{
+    uint64_t hi = ts_generator_random(g), lo = ts_generator_random(g);
+    uint64_t x = ((hi << 32) | lo) & ((UINT64_C(1) << 53) - 1);
+    return (double)x * 0x1p-53 < p;
+}
+
+/* The keep bits, and ts_bernoulli_ over a contiguous tensor (both
+ * batched, in 8 or 16 lanes on the vector paths), are SPEC §7's draws on
+ * each kernel path: bit (r, c) and element (r, c) are the draw of element
+ * r * cols + c, and all three generators end in the same state. Columns
  * below, at and across the 32-bit words and the 1024-element batches,
  * more words than one mt19937 block (624) so that twists fall inside
- * batches, a generator part-way through a block, and p at both ends and
- * in between (p * 2^53 an integer or not). */
+ * batches, generators part-way through a block, and p at both ends and in
+ * between (p * 2^53 an integer or not). (tests/tensor/test_rng.c checks
+ * ts_bernoulli_ against torch's own draws on the active path.) */
 static void keep_bits_check(ts__kpath path)
 {
     if (!ts__kpath_supported(path))
         cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(path));
+    ts__kpath_force(path);
     static const int64_t shapes[][2] = {{1, 1}, {3, 5}, {7, 32}, {5, 33}, {9, 70}, {4, 700}, {40, 37}, {3, 2100}};
     static const double ps[] = {0.0, 1.0, 0.5, 0.9, 0.1, 0.75, 1.0 - 0x1p-40, 0x1p-50, 0.3};
-    uint8_t s1[TS_GENERATOR_STATE_BYTES], s2[TS_GENERATOR_STATE_BYTES];
-    ts_generator *ga, *gb;
+    uint8_t s1[TS_GENERATOR_STATE_BYTES], s2[TS_GENERATOR_STATE_BYTES], s3[TS_GENERATOR_STATE_BYTES];
+    ts_generator *ga, *gb, *gc;
     TH_OK(ts_generator_new(0, &ga));
     TH_OK(ts_generator_new(0, &gb));
+    TH_OK(ts_generator_new(0, &gc));
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
         for (size_t pi = 0; pi < sizeof ps / sizeof *ps; pi++) {
             int64_t R = shapes[si][0], C = shapes[si][1], W = (C + 31) / 32 + (int64_t)(pi % 2);
             uint64_t seed = 31 * si + pi;
-            ts_generator_manual_seed(ga, seed);
-            ts_generator_manual_seed(gb, seed);
-            for (size_t w = 0; w < 3 * si + pi; w++) { /* part-way through a block */
-                (void)ts_generator_random(ga);
-                (void)ts_generator_random(gb);
+            ts_generator *gs[3] = {ga, gb, gc};
+            for (int i = 0; i < 3; i++) {
+                ts_generator_manual_seed(gs[i], seed);
+                for (size_t w = 0; w < 3 * si + pi; w++) /* part-way through a block */
+                    (void)ts_generator_random(gs[i]);
             }
-            ts_tensor *t;
-            int64_t sh[2] = {R, C};
-            TH_OK(ts_tensor_empty(TS_F32, 2, sh, &t));
-            TH_OK(ts_bernoulli_(t, ps[pi], ga));
             uint32_t *bits = malloc((size_t)(R * W) * sizeof *bits);
             memset(bits, 0xA5, (size_t)(R * W) * sizeof *bits);
             ts__rng_bernoulli_bits_on((int)path, gb, ps[pi], R, C, W, bits);
-            const float *v = ts_tensor_data(t);
+            ts_tensor *t;
+            int64_t sh[2] = {R, C};
+            TH_OK(ts_tensor_empty(pi % 3 == 2 ? TS_F64 : TS_F32, 2, sh, &t));
+            TH_OK(ts_bernoulli_(t, ps[pi], gc));
+            double *v = th_vals_new(t);
             int64_t ones = 0;
             for (int64_t r = 0; r < R; r++) {
                 for (int64_t c = 0; c < C; c++) {
-                    int bit = (bits[r * W + c / 32] >> (c % 32)) & 1;
-                    ones += bit;
-                    cr_assert_eq(bit, v[r * C + c] == 1.0f, "shape (%lld, %lld) p %g: element (%lld, %lld) is %g, "
-                                 "bit %d", (long long)R, (long long)C, ps[pi], (long long)r, (long long)c,
-                                 (double)v[r * C + c], bit);
+                    int want = spec_bernoulli(ga, ps[pi]), bit = (bits[r * W + c / 32] >> (c % 32)) & 1;
+                    ones += want;
+                    cr_assert_eq(bit, want, "%s path, shape (%lld, %lld) p %g: bit (%lld, %lld) is %d, the draw %d",
+                                 ts__kpath_name(path), (long long)R, (long long)C, ps[pi], (long long)r, (long long)c,
+                                 bit, want);
+                    cr_assert_eq(v[r * C + c], (double)want, "%s path, shape (%lld, %lld) p %g: bernoulli_ element "
+                                 "(%lld, %lld) is %g, the draw %d", ts__kpath_name(path), (long long)R, (long long)C,
+                                 ps[pi], (long long)r, (long long)c, v[r * C + c], want);
                 }
                 for (int64_t c = C; c < 32 * W; c++)
                     cr_assert_eq((bits[r * W + c / 32] >> (c % 32)) & 1, 0u, "padding bit %lld of row %lld is set",
@@ -494,19 +511,25 @@ static void keep_bits_check(ts__kpath path)
                 cr_assert_eq(ones, ps[pi] == 1.0 ? R * C : 0);
             ts_generator_get_state(ga, s1);
             ts_generator_get_state(gb, s2);
-            cr_assert(memcmp(s1, s2, sizeof s1) == 0, "shape (%lld, %lld) p %g: the generators' states differ",
+            ts_generator_get_state(gc, s3);
+            cr_assert(memcmp(s1, s2, sizeof s1) == 0 && memcmp(s1, s3, sizeof s1) == 0,
+                      "%s path, shape (%lld, %lld) p %g: the generators' states differ", ts__kpath_name(path),
                       (long long)R, (long long)C, ps[pi]);
-            cr_assert_eq(ts_generator_random(ga), ts_generator_random(gb));
+            uint32_t next = ts_generator_random(ga);
+            cr_assert(ts_generator_random(gb) == next && ts_generator_random(gc) == next);
+            free(v);
             free(bits);
             ts_tensor_free(t);
         }
     ts_generator_free(ga);
     ts_generator_free(gb);
+    ts_generator_free(gc);
+    ts__kpath_force(-1);
 }
 
-Test(tensor_flash_attention, scalar_keep_bits_are_the_bernoulli_draws) { keep_bits_check(TS__KPATH_SCALAR); }
-Test(tensor_flash_attention, avx2_keep_bits_are_the_bernoulli_draws) { keep_bits_check(TS__KPATH_AVX2); }
-Test(tensor_flash_attention, avx512_keep_bits_are_the_bernoulli_draws) { keep_bits_check(TS__KPATH_AVX512); }
+Test(tensor_flash_attention, scalar_keep_bits_and_bernoulli_are_the_spec_draws) { keep_bits_check(TS__KPATH_SCALAR); }
+Test(tensor_flash_attention, avx2_keep_bits_and_bernoulli_are_the_spec_draws) { keep_bits_check(TS__KPATH_AVX2); }
+Test(tensor_flash_attention, avx512_keep_bits_and_bernoulli_are_the_spec_draws) { keep_bits_check(TS__KPATH_AVX512); }
 
 /* Training with p = 0 is no dropout, and eval mode ignores p: the fused
  * kernel gives the same bits as without dropout and draws nothing. */
