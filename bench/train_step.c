@@ -15,11 +15,15 @@
  *     MultiheadAttention), its unfused reference path against the fused
  *     kernel (tensor/flash_attention.h), the two interleaved rep by rep
  *     (--no-alone skips it).
+ * --dropout P sets the GPT's dropout (embeddings, attention weights, MLP;
+ * default 0) in the step, in PyTorch's twin and in the attention alone,
+ * which then draws the attention dropout mask every rep (the reference
+ * path its (B, H, T, T) noise tensor, the fused kernel its keep bits).
  * TS_ATTENTION=reference runs the whole step on the unfused path.
  * Targets at 1 thread: raw sgemm >= 70% of the step; step <= 0.8 x PyTorch.
  *
  * Usage: bench_train_step [--threads 1,2] [--steps N] [--warmup N] [--no-torch] [--no-alone]
- *        [--layers L --dim D --heads H --seq T --batch B --vocab V] */
+ *        [--layers L --dim D --heads H --seq T --batch B --vocab V] [--dropout P] */
 #define _GNU_SOURCE
 #include <blis.h>
 #include <math.h>
@@ -107,6 +111,7 @@ static double replay_sgemm(int reps)
 
 typedef struct cfg {
     int64_t vocab, layers, dim, heads, seq, batch;
+    double dropout;
 } cfg;
 
 typedef struct result {
@@ -125,6 +130,7 @@ static result run(const cfg *c, int threads, int steps, int warmup)
     g.n_layer = c->layers;
     g.n_head = c->heads;
     g.d_model = c->dim;
+    g.dropout = c->dropout;
     ts_module *model;
     CHECK(ts_gpt_new(&g, &model));
     ts_named_params p;
@@ -217,7 +223,7 @@ static void attention_alone(const cfg *c, int threads, int reps, double *ref_ms,
             CHECK(ts_chunk(qkv, 3, 2, 3, parts, &np));
             double t0 = now_ms();
             ts_tensor *o, *g;
-            CHECK(ts_attention(parts[0], parts[1], parts[2], c->heads, mask, 0.0, true, NULL, &o));
+            CHECK(ts_attention(parts[0], parts[1], parts[2], c->heads, mask, c->dropout, true, NULL, &o));
             CHECK(ts_tensor_full(TS_F32, 3, ts_tensor_shape(o), 1e-3, &g));
             CHECK(ts_backward(o, g, false));
             double t1 = now_ms();
@@ -246,10 +252,10 @@ static double torch_step(const cfg *c, int threads, int steps, int warmup, const
     char cmd[2048];
     snprintf(cmd, sizeof cmd,
              "env BLIS_ARCH_TYPE=%s MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 "
-             "OMP_NUM_THREADS=%d BLIS_NUM_THREADS=%d /usr/bin/python3 %s %d %d %d %lld %lld %lld %lld %lld %lld %lld",
+             "OMP_NUM_THREADS=%d BLIS_NUM_THREADS=%d /usr/bin/python3 %s %d %d %d %lld %lld %lld %lld %lld %lld %lld %.17g",
              strcmp(ts_blis_arch_name(), "skx") == 0 ? "0" : "\"$BLIS_ARCH_TYPE\"", threads, threads, script, threads,
              steps, warmup, (long long)c->vocab, (long long)c->seq, (long long)c->layers, (long long)c->heads,
-             (long long)c->dim, (long long)c->batch, (long long)c->seq);
+             (long long)c->dim, (long long)c->batch, (long long)c->seq, c->dropout);
     FILE *f = popen(cmd, "r");
     if (!f)
         return -1;
@@ -264,7 +270,7 @@ static double torch_step(const cfg *c, int threads, int steps, int warmup, const
 
 int main(int argc, char **argv)
 {
-    cfg c = {.vocab = 64, .layers = 4, .dim = 256, .heads = 4, .seq = 128, .batch = 8};
+    cfg c = {.vocab = 64, .layers = 4, .dim = 256, .heads = 4, .seq = 128, .batch = 8, .dropout = 0.0};
     int steps = 7, warmup = 2, threads[4] = {1, 2}, n_threads = 2;
     bool use_torch = true, alone = true;
     for (int i = 1; i < argc; i++) {
@@ -283,9 +289,16 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--seq")) c.seq = atoll(v);
         else if (!strcmp(a, "--batch")) c.batch = atoll(v);
         else if (!strcmp(a, "--vocab")) c.vocab = atoll(v);
-        else {
+        else if (!strcmp(a, "--dropout")) {
+            char *end;
+            c.dropout = strtod(v, &end);
+            if (!*v || *end || !(c.dropout >= 0 && c.dropout < 1)) {
+                fprintf(stderr, "--dropout '%s' is not a probability in [0, 1)\n", v);
+                return 2;
+            }
+        } else {
             fprintf(stderr, "usage: %s [--threads 1,2] [--steps N] [--warmup N] [--no-torch] [--no-alone] [--layers L] [--dim D] "
-                            "[--heads H] [--seq T] [--batch B] [--vocab V]\n", argv[0]);
+                            "[--heads H] [--seq T] [--batch B] [--vocab V] [--dropout P]\n", argv[0]);
             return 2;
         }
         i++;
@@ -297,9 +310,9 @@ int main(int argc, char **argv)
     char script[1024];
     snprintf(script, sizeof script, "%s/tools/bench/torch_train_step.py", TS_SOURCE_DIR);
     ts__gemm_observer = observe;
-    printf("GPT %lld layers, d_model %lld, %lld heads, seq %lld, batch %lld, vocab %lld; AdamW; BLIS kernels: %s\n",
-           (long long)c.layers, (long long)c.dim, (long long)c.heads, (long long)c.seq, (long long)c.batch,
-           (long long)c.vocab, ts_blis_arch_name());
+    printf("GPT %lld layers, d_model %lld, %lld heads, seq %lld, batch %lld, vocab %lld, dropout %g; AdamW; BLIS "
+           "kernels: %s\n", (long long)c.layers, (long long)c.dim, (long long)c.heads, (long long)c.seq,
+           (long long)c.batch, (long long)c.vocab, c.dropout, ts_blis_arch_name());
     printf("median of %d steps after %d warm-up steps; times in ms\n\n", steps, warmup);
     printf("attention: %s path\n", ts__flash_enabled() ? "fused (TS_ATTENTION=reference for the unfused one)"
                                                      : "reference (TS_ATTENTION=reference)");
@@ -322,9 +335,10 @@ int main(int argc, char **argv)
         if (!alone)
             continue;
         attention_alone(&c, threads[t], steps * 4 * (int)c.layers, &ref_ms, &fused_ms);
-        printf("        attention alone (B %lld, T %lld, E %lld, %lld heads, causal; forward + backward, median of %d "
-               "interleaved): reference %.3f ms, fused %.3f ms (%.2fx)\n", (long long)c.batch, (long long)c.seq,
-               (long long)c.dim, (long long)c.heads, steps * 4 * (int)c.layers, ref_ms, fused_ms, ref_ms / fused_ms);
+        printf("        attention alone (B %lld, T %lld, E %lld, %lld heads, causal, dropout %g; forward + backward, median "
+               "of %d interleaved): reference %.3f ms, fused %.3f ms (%.2fx)\n", (long long)c.batch, (long long)c.seq,
+               (long long)c.dim, (long long)c.heads, c.dropout, steps * 4 * (int)c.layers, ref_ms, fused_ms,
+               ref_ms / fused_ms);
     }
     printf("\ntargets at 1 thread: sgemm/step >= 0.70, step/torch <= 0.80\n");
     return 0;

@@ -556,12 +556,14 @@ static void run_node(msim *s, int i)
 /* MultiheadAttention on one input x (self-attention): the packed
  * projection (rows, 3d), three chunks (a split node), the attention core
  * (saves q/k/v, the probabilities (B, H, T, T) and, with dropout, its
- * mask; on the fused float32 kernel, tensor/flash_attention.h, its output
- * and the log-sum-exp (B, H, T) instead), the output projection. */
+ * mask; on the fused float32 kernel, tensor/flash_attention.h, its output,
+ * the log-sum-exp (B, H, T) and, with dropout, the keep mask in bits
+ * (B, H, T, TS__FLASH_KEEP_WORDS(T)) int32 instead), the output
+ * projection. */
 static mval mha_forward(msim *s, const mblock *bk, const mval *x)
 {
     int64_t d = bk->d, H = bk->H, pbytes = s->B * H * s->T * s->T * (int64_t)s->ces;
-    bool fused = s->ces == 4 && !(bk->training && bk->attn_p > 0) && ts__flash_enabled();
+    bool fused = s->ces == 4 && ts__flash_enabled();
     if (fused)
         pbytes = s->B * H * s->T * 4;
     mval qkv = op_linear(s, x, d, 3 * d, true, bk->params[2], bk->params[3]);
@@ -572,7 +574,9 @@ static mval mha_forward(msim *s, const mblock *bk, const mval *x)
     }
     mval o = v_new(s, d, s->ces);
     int P = balloc(s, pbytes), D = -1;
-    if (bk->training && bk->attn_p > 0) {
+    if (bk->training && bk->attn_p > 0 && fused) {
+        D = balloc(s, s->B * H * s->T * TS__FLASH_KEEP_WORDS(s->T) * 4);
+    } else if (bk->training && bk->attn_p > 0) {
         D = dropout_mask(s, pbytes / (int64_t)s->ces);
         if (s->ces != 2) btransient(s, s->T * s->T * (int64_t)s->ces); /* the weights P * D of one head */
     }

@@ -596,6 +596,19 @@ static F_INLINE float dot16(const float *a, const float *b, int64_t n)
     return s;
 }
 
+/* Dropout on a br x bc tile of probabilities (row stride BC): entries
+ * whose keep bit is 0 (bit jj of row i's word kz[i * kw]) become 0. The
+ * kept ones are scaled once per row later (by the output's 1/l). */
+static F_INLINE void drop_tile(float *St, int br, int bc, const uint32_t *kz, int64_t kw)
+{
+    for (int i = 0; i < br; i++) {
+        uint32_t wd = kz[i * kw];
+        float *r = St + i * BC;
+        for (int jj = 0; jj < bc; jj++)
+            r[jj] = (wd >> jj) & 1u ? r[jj] : 0.0f;
+    }
+}
+
 typedef struct job job;
 /* One (b, h) pair, forward or backward, on one path. */
 typedef void (*head_fn)(const job *j, float *w, int64_t b, int64_t h);
@@ -621,6 +634,8 @@ static F_INLINE void forward_head(const kops *k, const job *j, float *w, int64_t
                 *v = pr->v + b * pr->v_sb + h * hd;
     float *o = j->o + b * T * E + h * hd, *lse = j->lse + (b * pr->H + h) * T;
     float *Kt = w, *St = Kt + hd * S, *Oa = St + BR * BC, *m = Oa + BR * hd, *l = m + BR, *alpha = l + BR;
+    int64_t kw = TS__FLASH_KEEP_WORDS(S);
+    const uint32_t *kz = pr->keep ? pr->keep + (b * pr->H + h) * T * kw : NULL;
     k->transpose(Kt, kk, pr->k_st, S, hd);
     for (int64_t qi = 0; qi < j->nqb; qi++) {
         int64_t t0 = qi * BR;
@@ -640,6 +655,8 @@ static F_INLINE void forward_head(const kops *k, const job *j, float *w, int64_t
             if (c == BLK_MIXED)
                 k->mask_tile(St, br, bc, pr->mask + t0 * S + s0, S);
             k->softmax_rows(St, br, bc, pr->scale, m, l, alpha);
+            if (kz) /* after the sum: l normalises over every key */
+                drop_tile(St, br, bc, kz + t0 * kw + kj, kw);
             for (int i = 0; i < br; i++)
                 if (alpha[i] != 1.0f)
                     for (int64_t d = 0; d < hd; d++)
@@ -647,7 +664,7 @@ static F_INLINE void forward_head(const kops *k, const job *j, float *w, int64_t
             k->mm(br, hd, bc, St, BC, 1, v + s0 * pr->v_st, pr->v_st, Oa, hd, true);
         }
         for (int i = 0; i < br; i++) {
-            float inv = 1.0f / l[i];
+            float inv = kz ? pr->drop_scale / l[i] : 1.0f / l[i];
             float *orow = o + (t0 + i) * E;
             for (int64_t d = 0; d < hd; d++)
                 orow[d] = Oa[i * hd + d] * inv;
@@ -666,7 +683,9 @@ static F_INLINE void backward_head(const kops *k, const job *j, float *w, int64_
     const float *lse = j->lse + (b * pr->H + h) * T;
     float *dq = j->dq + b * T * E + h * hd, *dk = j->dk + b * S * E + h * hd, *dv = j->dv + b * S * E + h * hd;
     float *Kt = w, *Vt = Kt + hd * S, *Pt = Vt + hd * S, *dPt = Pt + BR * BC, *D = dPt + BR * BC;
-    float scale = pr->scale;
+    float scale = pr->scale, ds = pr->drop_scale;
+    int64_t kw = TS__FLASH_KEEP_WORDS(S);
+    const uint32_t *kz = pr->keep ? pr->keep + (b * pr->H + h) * T * kw : NULL;
     k->transpose(Kt, kk, pr->k_st, S, hd);
     k->transpose(Vt, v, pr->v_st, S, hd);
     for (int64_t t = 0; t < T; t++)
@@ -685,14 +704,33 @@ static F_INLINE void backward_head(const kops *k, const job *j, float *w, int64_
             if (c == BLK_MIXED)
                 k->mask_tile(Pt, br, bc, pr->mask + t0 * S + s0, S);
             k->probs_rows(Pt, br, bc, scale, lse + t0);
-            /* dV += P^T dO */
-            k->mm(bc, hd, br, Pt, 1, BC, go + t0 * E, E, dv + s0 * E, E, true);
-            /* dP = dO V^T; dS = scale * P * (dP - D) */
-            k->mm(br, bc, hd, go + t0 * E, E, 1, Vt + s0, S, dPt, BC, false);
-            for (int i = 0; i < br; i++) {
-                float Di = D[t0 + i];
-                for (int jj = 0; jj < bc; jj++)
-                    dPt[i * BC + jj] = Pt[i * BC + jj] * (dPt[i * BC + jj] - Di) * scale;
+            if (!kz) {
+                /* dV += P^T dO */
+                k->mm(bc, hd, br, Pt, 1, BC, go + t0 * E, E, dv + s0 * E, E, true);
+                /* dP = dO V^T; dS = scale * P * (dP - D) */
+                k->mm(br, bc, hd, go + t0 * E, E, 1, Vt + s0, S, dPt, BC, false);
+                for (int i = 0; i < br; i++) {
+                    float Di = D[t0 + i];
+                    for (int jj = 0; jj < bc; jj++)
+                        dPt[i * BC + jj] = Pt[i * BC + jj] * (dPt[i * BC + jj] - Di) * scale;
+                }
+            } else {
+                /* dropout, Z the keep bits scaled by ds: dP = (dO V^T) o Z,
+                 * dS = scale * P * (dP - D), then P becomes W = P o Z for
+                 * dV += W^T dO */
+                k->mm(br, bc, hd, go + t0 * E, E, 1, Vt + s0, S, dPt, BC, false);
+                for (int i = 0; i < br; i++) {
+                    float Di = D[t0 + i];
+                    uint32_t wd = kz[(t0 + i) * kw + kj];
+                    float *pr_ = Pt + i * BC, *dr = dPt + i * BC;
+                    for (int jj = 0; jj < bc; jj++) {
+                        bool keep = (wd >> jj) & 1u;
+                        float p = pr_[jj];
+                        dr[jj] = p * ((keep ? dr[jj] * ds : 0.0f) - Di) * scale;
+                        pr_[jj] = keep ? p * ds : 0.0f;
+                    }
+                }
+                k->mm(bc, hd, br, Pt, 1, BC, go + t0 * E, E, dv + s0 * E, E, true);
             }
             /* dQ += dS K; dK += dS^T Q */
             k->mm(br, hd, bc, dPt, BC, 1, kk + s0 * pr->k_st, pr->k_st, dq + t0 * E, E, true);

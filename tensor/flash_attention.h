@@ -13,6 +13,14 @@
  * dV += P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ += scale dS K,
  * dK += scale dS^T Q (Dao, "FlashAttention-2", 2023, Algorithm 2).
  *
+ * Dropout (training, p > 0) multiplies the probabilities by a keep mask Z
+ * scaled by 1/(1-p), drawn beforehand in bits (PyTorch's bernoulli draws,
+ * ts__rng_bernoulli_bits): the forward zeroes the dropped probabilities of
+ * each tile after the online softmax's sum (the normalisation is over all
+ * keys) and scales the output by 1/(1-p); the backward uses W = P o Z
+ * scaled for dV += W^T dO and dP = (dO V^T) o Z scaled, with D =
+ * rowsum(dO o O) of the dropped output and dS = P o (dP - D) as before.
+ *
  * A bool mask (T, S) (true = may not attend, PyTorch's attn_mask) is
  * classified once per call into block pairs that are all visible, all
  * masked (skipped: a causal mask skips the blocks above the diagonal) or
@@ -38,16 +46,28 @@
 #define TS__FLASH_BR 32 /* query rows per block */
 #define TS__FLASH_BC 32 /* keys per block */
 
+/* 32-bit words per query row of a dropout keep mask over S keys: one
+ * word per key block. */
+#define TS__FLASH_KEEP_WORDS(S) (((S) + TS__FLASH_BC - 1) / TS__FLASH_BC)
+
 /* One attention problem: q (B, T, E), k and v (B, S, E) with element
  * strides (batch, row; unit column stride), head h at columns
  * [h*hd, (h+1)*hd); mask (T, S) contiguous bytes (nonzero = masked) or
- * NULL; scale multiplies the scores (1/sqrt(hd)). */
+ * NULL; scale multiplies the scores (1/sqrt(hd)).
+ * Dropout on the probabilities: keep NULL (none), or the keep mask
+ * (B, H, T, S) in bits, B*H*T rows of TS__FLASH_KEEP_WORDS(S) words,
+ * key s of a row at bit s % 32 of word s / 32 (1 = kept; what
+ * ts__rng_bernoulli_bits writes); a kept probability is multiplied by
+ * drop_scale (1/(1-p)), a dropped one is 0. The log-sum-exp stays the
+ * one of the probabilities before dropout. */
 typedef struct ts__flash_problem {
     int64_t B, H, T, S, hd;
     const float *q, *k, *v;
     int64_t q_sb, q_st, k_sb, k_st, v_sb, v_st;
     const uint8_t *mask;
     float scale;
+    const uint32_t *keep;
+    float drop_scale;
 } ts__flash_problem;
 
 /* True when every row of the (T, S) mask has at least one visible key
@@ -66,7 +86,7 @@ ts_status ts__flash_backward(ts__kpath p, const ts__flash_problem *pr, const flo
                              const float *go, float *dq, float *dk, float *dv);
 
 /* Whether ts_attention takes the fused kernel where it applies (float32,
- * no dropout in training, no wholly masked row): TS_ATTENTION=reference
+ * no wholly masked row): TS_ATTENTION=reference
  * (read once) or ts__flash_force(0) sends every call to the unfused
  * reference path, TS_ATTENTION=fused (the default) or ts__flash_force(1)
  * to the fused one; ts__flash_force(-1) removes the test override.

@@ -51,7 +51,7 @@ typedef struct ts_edge {
  * the gradient is zero. */
 typedef ts_status (*ts_node_backward_fn)(ts_node *n, ts_tensor **grad_outs, ts_tensor **grad_ins);
 
-#define TS_NODE_MAX_SAVED 6
+#define TS_NODE_MAX_SAVED 7
 
 struct ts_node {
     atomic_int refcount;
@@ -254,5 +254,19 @@ extern bool ts__use_reference_kernels;
 
 /* Generator internals, for dropout. */
 double ts__rng_u53(ts_generator *g);
+/* bernoulli(p) over a contiguous (rows, cols) tensor, packed into bits:
+ * draws exactly what ts_bernoulli_(t, p, gen) draws for such a tensor, in
+ * the same order (row-major, two mt19937 words per element: U53 < p), and
+ * leaves the generator in the same state; element (r, c) is bit c % 32 of
+ * bits[r * row_words + c / 32] (1 = the bernoulli draw is 1). row_words
+ * >= ceil(cols / 32); the unused bits of a row are 0. gen NULL: the
+ * thread's default generator. p must be in [0, 1] (asserted by callers). */
+void ts__rng_bernoulli_bits(ts_generator *gen, double p, int64_t rows, int64_t cols, int64_t row_words,
+                            uint32_t *bits);
+/* The same on kernel path kpath (a ts__kpath, tensor/kernels.h, that the
+ * CPU supports); ts__rng_bernoulli_bits takes ts__kpath_active(). Every
+ * path gives the same bits and generator state (integer operations only). */
+void ts__rng_bernoulli_bits_on(int kpath, ts_generator *gen, double p, int64_t rows, int64_t cols,
+                               int64_t row_words, uint32_t *bits);
 
 #endif

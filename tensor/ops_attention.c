@@ -148,7 +148,9 @@ static ts_status attention_half_backward(ts_tensor *q, ts_tensor *k, ts_tensor *
     return TS_OK;
 }
 
-/* Node layout: saved[0..2] = q, k, v; saved[3] = probabilities P
+/* The reference path (every dtype; float32 takes the fused kernel
+ * below unless a row is wholly masked or TS_ATTENTION=reference).
+ * Node layout: saved[0..2] = q, k, v; saved[3] = probabilities P
  * (B, H, T, S) before dropout; saved[4] = the dropout scale mask D (0 or
  * 1/(1-p)) or NULL. iargs[0] = H; dargs[0] = scale. */
 
@@ -256,24 +258,28 @@ static ts_status attention_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 
 /* ------------------------------------------------------ fused float32 */
 
-/* The fused kernel's problem over q, k, v (float32, unit last stride). */
+/* The fused kernel's problem over q, k, v (float32, unit last stride);
+ * keep: the dropout keep bits (an int32 tensor (B, H, T,
+ * TS__FLASH_KEEP_WORDS(S))) or NULL, drop_scale 1/(1-p). */
 static ts__flash_problem flash_problem(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t H, const uint8_t *mask,
-                                       double scale)
+                                       double scale, ts_tensor *keep, float drop_scale)
 {
     return (ts__flash_problem){.B = q->shape[0], .H = H, .T = q->shape[1], .S = k->shape[1], .hd = q->shape[2] / H,
                                .q = ts_tensor_data(q), .k = ts_tensor_data(k), .v = ts_tensor_data(v),
                                .q_sb = q->strides[0], .q_st = q->strides[1], .k_sb = k->strides[0],
                                .k_st = k->strides[1], .v_sb = v->strides[0], .v_st = v->strides[1], .mask = mask,
-                               .scale = (float)scale};
+                               .scale = (float)scale, .keep = keep ? ts_tensor_data(keep) : NULL,
+                               .drop_scale = drop_scale};
 }
 
 /* Node layout of the fused path: saved[0..2] = q, k, v; saved[3] = the
  * output O (B, T, E); saved[4] = the log-sum-exp (B, H, T); saved[5] =
- * the contiguous mask or NULL. iargs[0] = H; dargs[0] = scale. */
+ * the contiguous mask or NULL; saved[6] = the dropout keep bits or NULL.
+ * iargs[0] = H; dargs[0] = scale, dargs[1] = the dropout scale. */
 static ts_status flash_backward_impl(ts_node *n, ts_tensor **g, ts_tensor **gin)
 {
     ts_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *o = n->saved[3], *lse = n->saved[4],
-              *mc = n->saved[5];
+              *mc = n->saved[5], *keep = n->saved[6];
     int64_t H = n->iargs[0], B = q->shape[0], T = q->shape[1], S = k->shape[1], E = q->shape[2];
     ts_tensor *go = NULL, *dq = NULL, *dk = NULL, *dv = NULL;
     int64_t qs[3] = {B, T, E}, ks[3] = {B, S, E};
@@ -285,7 +291,8 @@ static ts_status flash_backward_impl(ts_node *n, ts_tensor **g, ts_tensor **gin)
     if (!st)
         st = ts__tensor_new(TS_F32, 3, ks, &dv);
     if (!st) {
-        ts__flash_problem pr = flash_problem(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, n->dargs[0]);
+        ts__flash_problem pr =
+            flash_problem(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, n->dargs[0], keep, (float)n->dargs[1]);
         st = ts__flash_backward(ts__kpath_active(), &pr, ts_tensor_data(o), ts_tensor_data(lse), ts_tensor_data(go),
                                 ts_tensor_data(dq), ts_tensor_data(dk), ts_tensor_data(dv));
     }
@@ -310,17 +317,28 @@ static ts_status flash_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     return st;
 }
 
-/* ts_attention on the fused kernel (float32, no dropout); mc is the
- * contiguous mask or NULL. */
+/* ts_attention on the fused kernel (float32); mc is the contiguous mask
+ * or NULL. With dropout (drop_p > 0) the keep mask is drawn first, as
+ * the reference path draws its noise: bernoulli(1 - p) over (B, H, T, S)
+ * in row-major order from gen, each kept weight scaled by
+ * 1 / (float)(1 - p) (ts_div_scalar's float32 division). */
 static ts_status flash_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t H, ts_tensor *mc, double scale,
-                                 ts_tensor **out)
+                                 double drop_p, ts_generator *gen, ts_tensor **out)
 {
-    int64_t B = q->shape[0], T = q->shape[1], E = q->shape[2], os[3] = {B, T, E}, ls[3] = {B, H, T};
-    ts_tensor *o = NULL, *lse = NULL, *in[3] = {q, k, v};
+    int64_t B = q->shape[0], T = q->shape[1], S = k->shape[1], E = q->shape[2], os[3] = {B, T, E},
+            ls[3] = {B, H, T}, ks[4] = {B, H, T, TS__FLASH_KEEP_WORDS(S)};
+    ts_tensor *o = NULL, *lse = NULL, *keep = NULL, *in[3] = {q, k, v};
+    float ds = 1.0f;
     ts_status st;
     if ((st = ts__tensor_new(TS_F32, 3, os, &o)) || (st = ts__tensor_new(TS_F32, 3, ls, &lse)))
         goto fail;
-    ts__flash_problem pr = flash_problem(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, scale);
+    if (drop_p > 0) {
+        if ((st = ts__tensor_new(TS_I32, 4, ks, &keep)))
+            goto fail;
+        ts__rng_bernoulli_bits(gen, 1.0 - drop_p, B * H * T, S, ks[3], ts_tensor_data(keep));
+        ds = 1.0f / (float)(1.0 - drop_p);
+    }
+    ts__flash_problem pr = flash_problem(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, scale, keep, ds);
     if ((st = ts__flash_forward(ts__kpath_active(), &pr, ts_tensor_data(o), ts_tensor_data(lse))))
         goto fail;
     if (ts__needs_grad(3, in)) {
@@ -331,19 +349,23 @@ static ts_status flash_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64
         }
         n->iargs[0] = H;
         n->dargs[0] = scale;
+        n->dargs[1] = ds;
         if (!(st = ts__node_save(n, 0, q)) && !(st = ts__node_save(n, 1, k)) && !(st = ts__node_save(n, 2, v)) &&
-            !(st = ts__node_save(n, 3, o)) && !(st = ts__node_save(n, 4, lse)) && !(st = ts__node_save(n, 5, mc)))
+            !(st = ts__node_save(n, 3, o)) && !(st = ts__node_save(n, 4, lse)) && !(st = ts__node_save(n, 5, mc)) &&
+            !(st = ts__node_save(n, 6, keep)))
             ts__node_set_output(n, 0, o);
         ts__node_free(n);
         if (st)
             goto fail;
     }
     ts_tensor_free(lse);
+    ts_tensor_free(keep);
     *out = o;
     return TS_OK;
 fail:
     ts_tensor_free(o);
     ts_tensor_free(lse);
+    ts_tensor_free(keep);
     return st;
 }
 
@@ -385,13 +407,13 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
     int64_t os[3] = {B, T, E}, pshape[4] = {B, H, T, S};
     ts_tensor *o = NULL, *P = NULL, *D = NULL, *W = NULL, *mc = NULL;
     bool drop = training && dropout_p > 0;
-    /* float32 without dropout: the fused kernel, unless a row is wholly
-     * masked (NaN rows: the reference path gives PyTorch's NaNs) */
-    if (dt == TS_F32 && !drop && T > 0 && S > 0 && ts__flash_enabled()) {
+    /* float32, with or without dropout: the fused kernel, unless a row is
+     * wholly masked (NaN rows: the reference path gives PyTorch's NaNs) */
+    if (dt == TS_F32 && T > 0 && S > 0 && ts__flash_enabled()) {
         if (mask && (st = ts_contiguous(mask, &mc)))
             return st;
         if (ts__flash_mask_ok(mc ? ts_tensor_data(mc) : NULL, T, S)) {
-            st = flash_attention(q, k, v, H, mc, scale, out);
+            st = flash_attention(q, k, v, H, mc, scale, drop ? dropout_p : 0.0, gen, out);
             ts_tensor_free(mc);
             return st;
         }

@@ -17,6 +17,7 @@
  * creation of the default generator is thread-safe.
  */
 #include "tensor/internal.h"
+#include "tensor/kernels.h"
 
 #include <float.h>
 #include <math.h>
@@ -665,7 +666,12 @@ ts_status ts_normal_(ts_tensor *t, double mean, double std, ts_generator *gen)
     return TS_OK;
 }
 
-/* The non-MKL kernel (SPEC §7): element = U53 < p, two draws each. */
+static void bernoulli_dense(int kpath, ts_generator *g, ts_dtype dt, void *data, int64_t n, double p);
+
+/* The non-MKL kernel (SPEC §7): element = U53 < p, two draws each. A
+ * contiguous tensor takes the batched draws of bernoulli_dense (the same
+ * numbers, in 8 or 16 lanes on the avx2 and avx512 paths); any other
+ * visits its elements in TensorIterator order one by one. */
 ts_status ts_bernoulli_(ts_tensor *t, double p, ts_generator *gen)
 {
     void *data;
@@ -677,9 +683,13 @@ ts_status ts_bernoulli_(ts_tensor *t, double p, ts_generator *gen)
     if (!data)
         return TS_OK;
     ts_generator *g = gen_or_default(gen);
+    int64_t n = tensor_numel(t);
+    if (is_dense_contiguous(t)) {
+        bernoulli_dense((int)ts__kpath_active(), g, t->dtype, data, n, p);
+        return TS_OK;
+    }
     elem_iter it;
     elem_iter_init(&it, t);
-    int64_t n = tensor_numel(t);
     if (t->dtype == TS_F32) {
         float *q = data;
         for (int64_t i = 0; i < n; i++)
@@ -690,6 +700,268 @@ ts_status ts_bernoulli_(ts_tensor *t, double p, ts_generator *gen)
             q[elem_iter_next(&it)] = u53(g) < p ? 1.0 : 0.0;
     }
     return TS_OK;
+}
+
+/* ------------------------------------------- bernoulli draws as bits */
+
+/* The keep masks of attention dropout draw two mt19937 words per element
+ * of a (B, H, T, S) tensor, so the generator's own speed matters there:
+ * the twist, the tempering and the comparison run in 8 (AVX2) or 16
+ * (AVX-512F) lanes on the paths that have them (tensor/kernels.h). All
+ * integer operations: every path gives the same bits. */
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define R_X86 1
+#define R_AVX2 __attribute__((target("avx2")))
+#define R_AVX512 __attribute__((target("avx512f,avx2")))
+#else
+#define R_X86 0
+#endif
+
+/* U53 < p as an integer test: x = random64 & (2^53 - 1) is below 2^53,
+ * U53 = x * 2^-53 exactly, and scaling both sides by 2^53 is exact for p
+ * in [0, 1] (a power of two, no overflow), so U53 < p <=> x < P, P = p *
+ * 2^53 (a double <= 2^53), and for an integer x, x < P <=> x < ceil(P). */
+static uint64_t u53_threshold(double p) { return (uint64_t)ceil(p * 0x1p53); }
+
+#define MASK53 ((UINT64_C(1) << 53) - 1)
+
+typedef struct bits_ops {
+    void (*twist)(uint32_t *mt);                                /* mt_next_state's loops */
+    void (*temper)(uint32_t *out, const uint32_t *src, int64_t n); /* mt_random's tempering */
+    uint32_t (*pack)(const uint32_t *w, uint64_t thr);          /* 32 elements from 64 words */
+} bits_ops;
+
+static void twist_scalar(uint32_t *p)
+{
+    int k;
+    for (k = 0; k < MT_N - MT_M; k++)
+        p[k] = p[k + MT_M] ^ mt_twist(p[k], p[k + 1]);
+    for (; k < MT_N - 1; k++)
+        p[k] = p[k + MT_M - MT_N] ^ mt_twist(p[k], p[k + 1]);
+    p[MT_N - 1] = p[MT_M - 1] ^ mt_twist(p[MT_N - 1], p[0]);
+}
+
+static void temper_scalar(uint32_t *out, const uint32_t *src, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t y = src[i];
+        y ^= y >> 11;
+        y ^= (y << 7) & UINT32_C(0x9D2C5680);
+        y ^= (y << 15) & UINT32_C(0xEFC60000);
+        y ^= y >> 18;
+        out[i] = y;
+    }
+}
+
+static uint32_t pack_scalar(const uint32_t *w, uint64_t thr)
+{
+    uint32_t out = 0;
+    for (int i = 0; i < 32; i++) {
+        uint64_t x = (((uint64_t)w[2 * i] << 32) | w[2 * i + 1]) & MASK53;
+        out |= (uint32_t)(x < thr) << i;
+    }
+    return out;
+}
+
+static const bits_ops bits_scalar = {twist_scalar, temper_scalar, pack_scalar};
+
+#if R_X86
+/* The twist in 8 lanes: for k < 227 every operand is an old word (k + 1
+ * and k + 397 not yet rewritten); from 227 on, p[k - 227] is a new one,
+ * written at least 227 > 8 words earlier. */
+R_AVX2 static void twist_avx2(uint32_t *p)
+{
+    const __m256i um = _mm256_set1_epi32((int)MT_UMASK), lm = _mm256_set1_epi32((int)MT_LMASK),
+                  one = _mm256_set1_epi32(1), ma = _mm256_set1_epi32((int)MT_MATRIX_A), zero = _mm256_setzero_si256();
+    int k = 0;
+    for (int part = 0; part < 2; part++) {
+        int end = part == 0 ? MT_N - MT_M : MT_N - 1, off = part == 0 ? MT_M : MT_M - MT_N;
+        for (; k + 8 <= end; k += 8) {
+            __m256i u = _mm256_loadu_si256((const __m256i *)(const void *)(p + k));
+            __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(p + k + 1));
+            __m256i s = _mm256_loadu_si256((const __m256i *)(const void *)(p + k + off));
+            __m256i y = _mm256_srli_epi32(_mm256_or_si256(_mm256_and_si256(u, um), _mm256_and_si256(v, lm)), 1);
+            __m256i mag = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_and_si256(v, one), zero), ma);
+            _mm256_storeu_si256((__m256i *)(void *)(p + k), _mm256_xor_si256(_mm256_xor_si256(s, y), mag));
+        }
+        for (; k < end; k++)
+            p[k] = p[k + off] ^ mt_twist(p[k], p[k + 1]);
+    }
+    p[MT_N - 1] = p[MT_M - 1] ^ mt_twist(p[MT_N - 1], p[0]);
+}
+
+R_AVX2 static void temper_avx2(uint32_t *out, const uint32_t *src, int64_t n)
+{
+    const __m256i b = _mm256_set1_epi32((int)UINT32_C(0x9D2C5680)), c = _mm256_set1_epi32((int)UINT32_C(0xEFC60000));
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i y = _mm256_loadu_si256((const __m256i *)(const void *)(src + i));
+        y = _mm256_xor_si256(y, _mm256_srli_epi32(y, 11));
+        y = _mm256_xor_si256(y, _mm256_and_si256(_mm256_slli_epi32(y, 7), b));
+        y = _mm256_xor_si256(y, _mm256_and_si256(_mm256_slli_epi32(y, 15), c));
+        y = _mm256_xor_si256(y, _mm256_srli_epi32(y, 18));
+        _mm256_storeu_si256((__m256i *)(void *)(out + i), y);
+    }
+    temper_scalar(out + i, src + i, n - i);
+}
+
+/* x and the threshold are below 2^63, so the signed compare is exact. */
+R_AVX2 static uint32_t pack_avx2(const uint32_t *w, uint64_t thr)
+{
+    const __m256i m53 = _mm256_set1_epi64x((long long)MASK53), t = _mm256_set1_epi64x((long long)thr);
+    uint32_t out = 0;
+    for (int g = 0; g < 8; g++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(w + 8 * g));
+        __m256i x = _mm256_and_si256(_mm256_shuffle_epi32(v, 0xB1), m53); /* (w[2i] << 32) | w[2i+1] */
+        out |= (uint32_t)_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(t, x))) << (4 * g);
+    }
+    return out;
+}
+
+R_AVX512 static void twist_avx512(uint32_t *p)
+{
+    const __m512i um = _mm512_set1_epi32((int)MT_UMASK), lm = _mm512_set1_epi32((int)MT_LMASK),
+                  one = _mm512_set1_epi32(1), ma = _mm512_set1_epi32((int)MT_MATRIX_A);
+    int k = 0;
+    for (int part = 0; part < 2; part++) {
+        int end = part == 0 ? MT_N - MT_M : MT_N - 1, off = part == 0 ? MT_M : MT_M - MT_N;
+        for (; k + 16 <= end; k += 16) {
+            __m512i u = _mm512_loadu_si512(p + k), v = _mm512_loadu_si512(p + k + 1),
+                    s = _mm512_loadu_si512(p + k + off);
+            __m512i y = _mm512_srli_epi32(_mm512_or_si512(_mm512_and_si512(u, um), _mm512_and_si512(v, lm)), 1);
+            __m512i mag = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(v, one), ma);
+            _mm512_storeu_si512(p + k, _mm512_xor_si512(_mm512_xor_si512(s, y), mag));
+        }
+        for (; k < end; k++)
+            p[k] = p[k + off] ^ mt_twist(p[k], p[k + 1]);
+    }
+    p[MT_N - 1] = p[MT_M - 1] ^ mt_twist(p[MT_N - 1], p[0]);
+}
+
+R_AVX512 static void temper_avx512(uint32_t *out, const uint32_t *src, int64_t n)
+{
+    const __m512i b = _mm512_set1_epi32((int)UINT32_C(0x9D2C5680)), c = _mm512_set1_epi32((int)UINT32_C(0xEFC60000));
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512i y = _mm512_loadu_si512(src + i);
+        y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 11));
+        y = _mm512_xor_si512(y, _mm512_and_si512(_mm512_slli_epi32(y, 7), b));
+        y = _mm512_xor_si512(y, _mm512_and_si512(_mm512_slli_epi32(y, 15), c));
+        y = _mm512_xor_si512(y, _mm512_srli_epi32(y, 18));
+        _mm512_storeu_si512(out + i, y);
+    }
+    temper_scalar(out + i, src + i, n - i);
+}
+
+R_AVX512 static uint32_t pack_avx512(const uint32_t *w, uint64_t thr)
+{
+    const __m512i m53 = _mm512_set1_epi64((long long)MASK53), t = _mm512_set1_epi64((long long)thr);
+    uint32_t out = 0;
+    for (int g = 0; g < 4; g++) {
+        __m512i x = _mm512_and_si512(_mm512_rol_epi64(_mm512_loadu_si512(w + 16 * g), 32), m53);
+        out |= (uint32_t)_mm512_cmplt_epu64_mask(x, t) << (8 * g);
+    }
+    return out;
+}
+
+static const bits_ops bits_avx2 = {twist_avx2, temper_avx2, pack_avx2};
+static const bits_ops bits_avx512 = {twist_avx512, temper_avx512, pack_avx512};
+#endif
+
+/* n tempered mt19937 outputs into out, in the order mt_random returns
+ * them, leaving the generator as n calls of mt_random would: the words
+ * still untwisted in the state (left - 1 of them) are tempered in one
+ * pass, then the state is twisted as mt_random twists it (there, after a
+ * twist, left = MT_N and next = 1 once the first word is out; here left =
+ * MT_N + 1 and next = 0 before it). */
+static void mt_fill(const bits_ops *ops, ts_generator *g, uint32_t *out, int64_t n)
+{
+    while (n > 0) {
+        if (g->left <= 1) {
+            ops->twist(g->mt);
+            g->left = MT_N + 1;
+            g->next = 0;
+        }
+        int64_t k = g->left - 1 < n ? g->left - 1 : n;
+        ops->temper(out, g->mt + g->next, k);
+        g->next += (uint32_t)k;
+        g->left -= (int32_t)k;
+        out += k;
+        n -= k;
+    }
+}
+
+/* Row by row, in chunks of CHUNK elements (a multiple of 32, so that a
+ * chunk starts at a word of the row): 2 words per element, 32 elements
+ * packed per word. The words past a row's end in the last group are
+ * stale or zero; their bits are cleared. */
+static const bits_ops *bits_ops_for(int kpath)
+{
+#if R_X86
+    if (kpath >= TS__KPATH_AVX512)
+        return &bits_avx512;
+    if (kpath == TS__KPATH_AVX2)
+        return &bits_avx2;
+#endif
+    (void)kpath;
+    return &bits_scalar;
+}
+
+enum { CHUNK = 1024 };                         /* elements per batch of words */
+static _Thread_local uint32_t bits_words[2 * CHUNK]; /* zero at first, then stale words */
+
+void ts__rng_bernoulli_bits_on(int kpath, ts_generator *gen, double p, int64_t rows, int64_t cols,
+                               int64_t row_words, uint32_t *bits)
+{
+    const bits_ops *ops = bits_ops_for(kpath);
+    ts_generator *g = gen_or_default(gen);
+    uint64_t thr = u53_threshold(p);
+    uint32_t *w = bits_words;
+    memset(bits, 0, (size_t)(rows * row_words) * sizeof *bits);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c0 = 0; c0 < cols; c0 += CHUNK) {
+            int64_t m = cols - c0 < CHUNK ? cols - c0 : CHUNK;
+            mt_fill(ops, g, w, 2 * m);
+            uint32_t *row = bits + r * row_words + c0 / 32;
+            for (int64_t j = 0; j < m; j += 32) {
+                uint32_t wd = ops->pack(w + 2 * j, thr);
+                row[j / 32] = m - j >= 32 ? wd : wd & ((UINT32_C(1) << (m - j)) - 1u);
+            }
+        }
+}
+
+void ts__rng_bernoulli_bits(ts_generator *gen, double p, int64_t rows, int64_t cols, int64_t row_words,
+                            uint32_t *bits)
+{
+    ts__rng_bernoulli_bits_on((int)ts__kpath_active(), gen, p, rows, cols, row_words, bits);
+}
+
+/* ts_bernoulli_ over n contiguous elements (float32 or float64) on kernel
+ * path kpath: the bits above, expanded to 1 and 0, batch by batch. */
+static void bernoulli_dense(int kpath, ts_generator *g, ts_dtype dt, void *data, int64_t n, double p)
+{
+    const bits_ops *ops = bits_ops_for(kpath);
+    uint64_t thr = u53_threshold(p);
+    uint32_t *w = bits_words;
+    for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+        int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
+        mt_fill(ops, g, w, 2 * m);
+        for (int64_t j = 0; j < m; j += 32) {
+            uint32_t wd = ops->pack(w + 2 * j, thr);
+            int k = m - j < 32 ? (int)(m - j) : 32;
+            if (dt == TS_F32) {
+                float *o = (float *)data + i0 + j;
+                for (int i = 0; i < k; i++)
+                    o[i] = (float)((wd >> i) & 1u);
+            } else {
+                double *o = (double *)data + i0 + j;
+                for (int i = 0; i < k; i++)
+                    o[i] = (double)((wd >> i) & 1u);
+            }
+        }
+    }
 }
 
 /* ------------------------------------------------------------ new tensors */

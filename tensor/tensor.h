@@ -320,12 +320,14 @@ TS_API ts_status ts_scaled_masked_softmax(ts_tensor *scores, ts_tensor *mask, do
  * with -inf where the bool mask (T, S) is true), dropout on the weights
  * when training (PyTorch's RNG stream over (B*H, T, S)), times v_h; out
  * (B, T, E) with the heads side by side. Differentiable in q, k and v.
- * In float32 without dropout (eval, or p == 0) it runs a fused kernel
- * (FlashAttention-2 style: no (T, S) score matrix in memory; keeps only
- * the output and a log-sum-exp (B, H, T) for backward, which recomputes
- * the weights; within a float32 rounding bound of the unfused path, not
- * bitwise; docs/attention.md), unless a row of the mask is wholly true
- * (NaN rows, as PyTorch) or TS_ATTENTION=reference. The out tensor is a
+ * In float32 it runs a fused kernel (FlashAttention-2 style: no (T, S)
+ * score matrix in memory; keeps only the output and a log-sum-exp
+ * (B, H, T) for backward, which recomputes the weights, plus with dropout
+ * the keep mask in bits, drawn as the unfused path draws its noise (the
+ * same weights dropped, the generator left in the same state); within a
+ * float32 rounding bound of the unfused path, not bitwise;
+ * docs/attention.md), unless a row of the mask is wholly true (NaN rows,
+ * as PyTorch) or TS_ATTENTION=reference. The out tensor is a
  * new reference. TS_ERR_SHAPE, TS_ERR_INVALID_ARGUMENT (heads, dropout),
  * TS_ERR_NOT_VIEWABLE (last stride not 1), TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t num_heads, ts_tensor *mask,

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "tensor/flash_attention.h"
+#include "tensor/internal.h"
 #include "tensor/kernels.h"
 #include "tests/helpers.h"
 
@@ -66,6 +67,7 @@ static ts_tensor *make_mask(int kind, int64_t T, int64_t S)
 
 typedef struct result {
     ts_tensor *out, *g[3]; /* output; gradients of q, k, v (or of the packed input in g[0]) */
+    uint8_t gen_state[TS_GENERATOR_STATE_BYTES]; /* the generator's state after the forward (dropout runs) */
 } result;
 
 static void result_free(result *r)
@@ -76,8 +78,9 @@ static void result_free(result *r)
 }
 
 /* Forward and backward of ts_attention with the fused kernel on (fused)
- * or off, with cotangent cot. */
-static result run_case(const acase *c, bool fused, ts_tensor *mask, ts_tensor *cot)
+ * or off, with cotangent cot; attention dropout p in training, drawn from
+ * a generator seeded with drop_seed. */
+static result run_case_p(const acase *c, bool fused, ts_tensor *mask, ts_tensor *cot, double p, uint64_t drop_seed)
 {
     result r = {0};
     ts__flash_force(fused);
@@ -100,7 +103,11 @@ static result run_case(const acase *c, bool fused, ts_tensor *mask, ts_tensor *c
             leaf[nl++] = ts_tensor_retain(in[i]);
         }
     }
-    TH_OK(ts_attention(in[0], in[1], in[2], c->H, mask, 0.0, true, NULL, &r.out));
+    ts_generator *gen;
+    TH_OK(ts_generator_new(drop_seed, &gen));
+    TH_OK(ts_attention(in[0], in[1], in[2], c->H, mask, p, true, gen, &r.out));
+    ts_generator_get_state(gen, r.gen_state);
+    ts_generator_free(gen);
     TH_OK(ts_backward(r.out, cot, false));
     for (int i = 0; i < nl; i++)
         r.g[i] = ts_tensor_retain(ts_tensor_grad(leaf[i]));
@@ -110,6 +117,11 @@ static result run_case(const acase *c, bool fused, ts_tensor *mask, ts_tensor *c
     }
     ts__flash_force(-1);
     return r;
+}
+
+static result run_case(const acase *c, bool fused, ts_tensor *mask, ts_tensor *cot)
+{
+    return run_case_p(c, fused, mask, cot, 0.0, 0);
 }
 
 static double max_abs(const ts_tensor *t)
@@ -134,10 +146,16 @@ static double max_abs(const ts_tensor *t)
  * So |fused - reference| <= 2 gamma_n * 8 * max|reference|; a wrong
  * kernel is off by O(max|reference|). Measured errors are 10x to 100x
  * below this bound. */
-static void assert_close_tol(const ts_tensor *a, const ts_tensor *b, const acase *c, const char *what)
+/* With attention dropout p > 0 the weights are P o Z / (1 - p): each in
+ * [0, 1/(1-p)], their row sums at most 1/(1-p), so the terms' magnitude
+ * sums grow by at most ds = 1/(1-p); both paths add one rounded multiply
+ * per weight (the reference P * D, the fused P * ds in the backward) and
+ * the fused one a rounded ds / l per row: n + 2 steps, times ds. */
+static void assert_close_tol(const ts_tensor *a, const ts_tensor *b, const acase *c, const char *what, double p)
 {
-    double n = (double)(c->S + c->T + c->E / c->H + 8), u = 0x1p-24;
-    double tol = 2.0 * n * u * 8.0 * max_abs(b);
+    double ds = 1.0 / (1.0 - p);
+    double n = (double)(c->S + c->T + c->E / c->H + 8 + (p > 0 ? 2 : 0)), u = 0x1p-24;
+    double tol = 2.0 * n * u * 8.0 * ds * max_abs(b);
     double *x = th_vals_new(a), *y = th_vals_new(b), worst = 0;
     int64_t at = -1;
     for (int64_t i = 0; i < ts_tensor_numel(b); i++) {
@@ -147,13 +165,13 @@ static void assert_close_tol(const ts_tensor *a, const ts_tensor *b, const acase
             at = i;
         }
     }
-    cr_assert(worst <= tol, "%s (B %lld T %lld S %lld E %lld H %lld mask %d): |fused - reference| %g at %lld "
-                            "(%g vs %g) > tolerance %g",
-              what, (long long)c->B, (long long)c->T, (long long)c->S, (long long)c->E, (long long)c->H, c->mask,
+    cr_assert(worst <= tol, "%s (B %lld T %lld S %lld E %lld H %lld mask %d dropout %g): |fused - reference| %g at "
+                            "%lld (%g vs %g) > tolerance %g",
+              what, (long long)c->B, (long long)c->T, (long long)c->S, (long long)c->E, (long long)c->H, c->mask, p,
               worst, (long long)at, at >= 0 ? x[at] : 0.0, at >= 0 ? y[at] : 0.0, tol);
     if (getenv("TS_TEST_VERBOSE"))
-        cr_log_info("%s B %lld T %lld E %lld: worst %g, tolerance %g (%.3f)", what, (long long)c->B, (long long)c->T,
-                    (long long)c->E, worst, tol, worst / tol);
+        cr_log_info("%s B %lld T %lld S %lld E %lld dropout %g: worst %g, tolerance %g (%.3f)", what, (long long)c->B,
+                    (long long)c->T, (long long)c->S, (long long)c->E, p, worst, tol, worst / tol);
     free(x);
     free(y);
 }
@@ -171,10 +189,10 @@ static void check_path(ts__kpath p)
         int64_t os[3] = {c->B, c->T, c->E};
         ts_tensor *cot = uniform(3, os, 1.0, 5);
         result f = run_case(c, true, mask, cot), r = run_case(c, false, mask, cot);
-        assert_close_tol(f.out, r.out, c, "output");
+        assert_close_tol(f.out, r.out, c, "output", 0.0);
         static const char *const gn[3] = {"grad q", "grad k", "grad v"};
         for (int i = 0; i < 3 && r.g[i]; i++)
-            assert_close_tol(f.g[i], r.g[i], c, c->packed ? "grad of the packed qkv" : gn[i]);
+            assert_close_tol(f.g[i], r.g[i], c, c->packed ? "grad of the packed qkv" : gn[i], 0.0);
         result_free(&f);
         result_free(&r);
         ts_tensor_free(mask);
@@ -187,12 +205,65 @@ Test(tensor_flash_attention, scalar_path_matches_the_reference) { check_path(TS_
 Test(tensor_flash_attention, avx2_path_matches_the_reference) { check_path(TS__KPATH_AVX2); }
 Test(tensor_flash_attention, avx512_path_matches_the_reference) { check_path(TS__KPATH_AVX512); }
 
-/* sum(out * cot) in double */
-static double loss_of(ts_tensor *const *in, int64_t H, ts_tensor *mask, const double *cot)
+/* Attention dropout in training: every case above (causal and not, T not
+ * a multiple of 32, T != S, 1 to 5 heads, packed views), p 0.1 or 0.5,
+ * the fused kernel against the reference path from generators seeded
+ * alike: the reference draws the (B, H, T, S) noise tensor with
+ * ts_bernoulli_, the fused kernel its bits; the same draws select the
+ * same weights, so the outputs and gradients agree within the rounding
+ * tolerance (a mask off by one element moves the output by O(1/S) of its
+ * size, far above it), and both leave the generator in the same state. */
+static void check_path_dropout(ts__kpath p)
+{
+    if (!ts__kpath_supported(p))
+        cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(p));
+    ts__kpath_force(p);
+    if (ts__kpath_active() != p)
+        cr_skip_test("skipped: TS_KERNELS caps the kernels below the %s path", ts__kpath_name(p));
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        const acase *c = &cases[ci];
+        double dp = ci % 2 ? 0.5 : 0.1;
+        uint64_t seed = 1000 + ci;
+        ts_tensor *mask = make_mask(c->mask, c->T, c->S);
+        int64_t os[3] = {c->B, c->T, c->E};
+        ts_tensor *cot = uniform(3, os, 1.0, 5);
+        result f = run_case_p(c, true, mask, cot, dp, seed), r = run_case_p(c, false, mask, cot, dp, seed);
+        result nd = run_case(c, true, mask, cot);
+        assert_close_tol(f.out, r.out, c, "output with dropout", dp);
+        static const char *const gn[3] = {"grad q", "grad k", "grad v"};
+        for (int i = 0; i < 3 && r.g[i]; i++)
+            assert_close_tol(f.g[i], r.g[i], c, c->packed ? "grad of the packed qkv with dropout" : gn[i], dp);
+        cr_assert(memcmp(f.gen_state, r.gen_state, sizeof f.gen_state) == 0,
+                  "case %zu: the generator's state after the fused forward differs from the reference path's", ci);
+        /* the dropout did something: without it the output is elsewhere */
+        double *x = th_vals_new(f.out), *y = th_vals_new(nd.out), diff = 0;
+        for (int64_t i = 0; i < ts_tensor_numel(f.out); i++)
+            diff = fmax(diff, fabs(x[i] - y[i]));
+        cr_assert(diff > 1e-3 * max_abs(nd.out), "case %zu: dropout %g changed the output by only %g", ci, dp, diff);
+        free(x);
+        free(y);
+        result_free(&f);
+        result_free(&r);
+        result_free(&nd);
+        ts_tensor_free(mask);
+        ts_tensor_free(cot);
+    }
+    ts__kpath_force(-1);
+}
+
+Test(tensor_flash_attention, scalar_path_with_dropout_matches_the_reference) { check_path_dropout(TS__KPATH_SCALAR); }
+Test(tensor_flash_attention, avx2_path_with_dropout_matches_the_reference) { check_path_dropout(TS__KPATH_AVX2); }
+Test(tensor_flash_attention, avx512_path_with_dropout_matches_the_reference) { check_path_dropout(TS__KPATH_AVX512); }
+
+/* sum(out * cot) in double; with dropout p > 0 the generator is seeded
+ * with seed first, so that every call draws the same keep mask. */
+static double loss_of(ts_tensor *const *in, int64_t H, ts_tensor *mask, const double *cot, double p, ts_generator *gen,
+                      uint64_t seed)
 {
     ts_tensor *o;
     bool prev = ts_grad_mode_set(false);
-    TH_OK(ts_attention(in[0], in[1], in[2], H, mask, 0.0, true, NULL, &o));
+    ts_generator_manual_seed(gen, seed);
+    TH_OK(ts_attention(in[0], in[1], in[2], H, mask, p, true, gen, &o));
     ts_grad_mode_set(prev);
     double *v = th_vals_new(o), s = 0;
     for (int64_t i = 0; i < ts_tensor_numel(o); i++)
@@ -207,7 +278,7 @@ static double loss_of(ts_tensor *const *in, int64_t H, ts_tensor *mask, const do
  * u |L| / h ~ 6e-8 * 10 / 1e-2 ~ 6e-5 per derivative, so 1e-3 absolute
  * plus 1e-2 relative is loose for float32 and still far below the O(1)
  * error of a wrong gradient. */
-static void finite_differences(ts__kpath p)
+static void finite_differences(ts__kpath p, double dp)
 {
     if (!ts__kpath_supported(p))
         cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(p));
@@ -216,13 +287,17 @@ static void finite_differences(ts__kpath p)
         cr_skip_test("skipped: TS_KERNELS caps the kernels below the %s path", ts__kpath_name(p));
     ts__flash_force(1);
     int64_t B = 1, T = 37, E = 8, H = 2, s3[3] = {B, T, E};
+    ts_generator *gen;
+    TH_OK(ts_generator_new(0, &gen));
     for (int causal = 0; causal < 2; causal++) {
+        uint64_t seed = 77 + (uint64_t)causal;
         ts_tensor *mask = causal ? make_mask(M_CAUSAL, T, T) : NULL, *in[3], *cot = uniform(3, s3, 1.0, 9), *o;
         for (int i = 0; i < 3; i++) {
             in[i] = uniform(3, s3, 1.0, 11 + (uint32_t)i);
             TH_OK(ts_tensor_set_requires_grad(in[i], true));
         }
-        TH_OK(ts_attention(in[0], in[1], in[2], H, mask, 0.0, true, NULL, &o));
+        ts_generator_manual_seed(gen, seed);
+        TH_OK(ts_attention(in[0], in[1], in[2], H, mask, dp, true, gen, &o));
         TH_OK(ts_backward(o, cot, false));
         double *cv = th_vals_new(cot);
         for (int i = 0; i < 3; i++) {
@@ -231,14 +306,14 @@ static void finite_differences(ts__kpath p)
             for (int64_t e = 0; e < B * T * E; e++) {
                 float x0 = x[e], h = 1e-2f;
                 x[e] = x0 + h;
-                double lp = loss_of(in, H, mask, cv);
+                double lp = loss_of(in, H, mask, cv, dp, gen, seed);
                 x[e] = x0 - h;
-                double lm = loss_of(in, H, mask, cv);
+                double lm = loss_of(in, H, mask, cv, dp, gen, seed);
                 x[e] = x0;
                 double fd = (lp - lm) / (2.0 * (double)h);
                 cr_assert(fabs(fd - g[e]) <= 1e-3 + 1e-2 * fabs(fd),
-                          "%s path, causal %d, input %d element %lld: finite difference %g, gradient %g",
-                          ts__kpath_name(p), causal, i, (long long)e, fd, g[e]);
+                          "%s path, dropout %g, causal %d, input %d element %lld: finite difference %g, gradient %g",
+                          ts__kpath_name(p), dp, causal, i, (long long)e, fd, g[e]);
             }
             free(g);
         }
@@ -249,18 +324,35 @@ static void finite_differences(ts__kpath p)
         ts_tensor_free(cot);
         ts_tensor_free(mask);
     }
+    ts_generator_free(gen);
     ts__flash_force(-1);
     ts__kpath_force(-1);
 }
 
-Test(tensor_flash_attention, scalar_gradients_match_finite_differences) { finite_differences(TS__KPATH_SCALAR); }
-Test(tensor_flash_attention, avx2_gradients_match_finite_differences) { finite_differences(TS__KPATH_AVX2); }
-Test(tensor_flash_attention, avx512_gradients_match_finite_differences) { finite_differences(TS__KPATH_AVX512); }
+Test(tensor_flash_attention, scalar_gradients_match_finite_differences) { finite_differences(TS__KPATH_SCALAR, 0.0); }
+Test(tensor_flash_attention, avx2_gradients_match_finite_differences) { finite_differences(TS__KPATH_AVX2, 0.0); }
+Test(tensor_flash_attention, avx512_gradients_match_finite_differences) { finite_differences(TS__KPATH_AVX512, 0.0); }
+
+/* With dropout 0.3 and the keep mask fixed (the generator reseeded before
+ * every forward): the gradient of a fixed mask's function. */
+Test(tensor_flash_attention, scalar_dropout_gradients_match_finite_differences)
+{
+    finite_differences(TS__KPATH_SCALAR, 0.3);
+}
+Test(tensor_flash_attention, avx2_dropout_gradients_match_finite_differences)
+{
+    finite_differences(TS__KPATH_AVX2, 0.3);
+}
+Test(tensor_flash_attention, avx512_dropout_gradients_match_finite_differences)
+{
+    finite_differences(TS__KPATH_AVX512, 0.3);
+}
 
 /* A wholly masked row is NaN (PyTorch's softmax of all -inf), which the
  * fused kernel leaves to the reference path: the same bits either way,
- * NaN in that row only. Dropout in training and float64 take the
- * reference path too (the same bits with the fused kernel on or off). */
+ * NaN in that row only, with dropout in training too (the reference path
+ * then draws the noise, the same draws). float64 takes the reference path
+ * too (the same bits with the fused kernel on or off). */
 Test(tensor_flash_attention, unsupported_cases_fall_back_to_the_reference)
 {
     th_mem_mark();
@@ -277,7 +369,7 @@ Test(tensor_flash_attention, unsupported_cases_fall_back_to_the_reference)
         ts__flash_force(fused);
         TH_OK(ts_attention(q, k, v, 2, mask, 0.0, true, NULL, &a[fused]));
         ts_manual_seed(5);
-        TH_OK(ts_attention(q, k, v, 2, NULL, 0.3, true, NULL, &d[fused]));
+        TH_OK(ts_attention(q, k, v, 2, mask, 0.3, true, NULL, &d[fused]));
         ts_tensor *q64, *k64, *v64;
         TH_OK(ts_to_dtype(q, TS_F64, &q64));
         TH_OK(ts_to_dtype(k, TS_F64, &k64));
@@ -296,7 +388,12 @@ Test(tensor_flash_attention, unsupported_cases_fall_back_to_the_reference)
     }
     free(x);
     free(y);
-    th_assert_close(d[1], d[0], 0, 0);
+    x = th_vals_new(d[0]);
+    y = th_vals_new(d[1]);
+    for (int64_t i = 0; i < 2 * 6 * 8; i++)
+        cr_assert(memcmp(&x[i], &y[i], sizeof x[i]) == 0, "dropout, element %lld: %g vs %g", (long long)i, x[i], y[i]);
+    free(x);
+    free(y);
     th_assert_close(e[1], e[0], 0, 0);
     ts_tensor *all[] = {mask, q, k, v, a[0], a[1], d[0], d[1], e[0], e[1]};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++)
@@ -310,14 +407,18 @@ Test(tensor_flash_attention, saves_no_score_matrix)
 {
     int64_t ps[3] = {2, 128, 3 * 64};
     ts_tensor *mask = make_mask(M_CAUSAL, 128, 128);
-    size_t held[2];
+    size_t held[2], held_drop[2];
     for (int fused = 0; fused < 2; fused++) {
         ts__flash_force(fused);
-        ts_tensor *qkv = uniform(3, ps, 1.0, 4), *in[3], *o;
+        ts_tensor *qkv = uniform(3, ps, 1.0, 4), *in[3], *o, *od;
         TH_OK(ts_tensor_set_requires_grad(qkv, true));
         int np;
         TH_OK(ts_chunk(qkv, 3, 2, 3, in, &np));
         size_t before = ts_mem_live_bytes(TS_MEM_STORAGE);
+        TH_OK(ts_attention(in[0], in[1], in[2], 2, mask, 0.1, true, NULL, &od));
+        held_drop[fused] = ts_mem_live_bytes(TS_MEM_STORAGE) - before;
+        ts_tensor_free(od);
+        before = ts_mem_live_bytes(TS_MEM_STORAGE);
         TH_OK(ts_attention(in[0], in[1], in[2], 2, mask, 0.0, true, NULL, &o));
         held[fused] = ts_mem_live_bytes(TS_MEM_STORAGE) - before;
         ts_tensor_free(o);
@@ -331,5 +432,134 @@ Test(tensor_flash_attention, saves_no_score_matrix)
     size_t o_bytes = 2 * 128 * 64 * 4, p_bytes = 2 * 2 * 128 * 128 * 4, lse_bytes = 2 * 2 * 128 * 4;
     cr_assert_geq(held[0], o_bytes + p_bytes, "reference held %zu bytes", held[0]);
     cr_assert_leq(held[1], o_bytes + lse_bytes + 16384, "fused held %zu bytes", held[1]);
+    /* with dropout the reference path also keeps the noise D (as many
+     * floats as P); the fused one the keep bits, 2*2*128 rows of 4 words
+     * = 8 KiB */
+    size_t keep_bytes = 2 * 2 * 128 * 4 * 4;
+    cr_assert_geq(held_drop[0], o_bytes + 2 * p_bytes, "reference with dropout held %zu bytes", held_drop[0]);
+    cr_assert_leq(held_drop[1], o_bytes + lse_bytes + keep_bytes + 16384, "fused with dropout held %zu bytes",
+                  held_drop[1]);
     ts_tensor_free(mask);
+}
+
+/* bernoulli(p) by SPEC §7 (reference/torch-rng/SPEC.md), written out:
+ * per element two words of the generator, the first the high half,
+ * U53 = (x & (2^53 - 1)) * 2^-53, 1 when U53 < p. */
+static int spec_bernoulli(ts_generator *g, double p)
+{
+    uint64_t hi = ts_generator_random(g), lo = ts_generator_random(g);
+    uint64_t x = ((hi << 32) | lo) & ((UINT64_C(1) << 53) - 1);
+    return (double)x * 0x1p-53 < p;
+}
+
+/* The keep bits, and ts_bernoulli_ over a contiguous tensor (both
+ * batched, in 8 or 16 lanes on the vector paths), are SPEC §7's draws on
+ * each kernel path: bit (r, c) and element (r, c) are the draw of element
+ * r * cols + c, and all three generators end in the same state. Columns
+ * below, at and across the 32-bit words and the 1024-element batches,
+ * more words than one mt19937 block (624) so that twists fall inside
+ * batches, generators part-way through a block, and p at both ends and in
+ * between (p * 2^53 an integer or not). (tests/tensor/test_rng.c checks
+ * ts_bernoulli_ against torch's own draws on the active path.) */
+static void keep_bits_check(ts__kpath path)
+{
+    if (!ts__kpath_supported(path))
+        cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(path));
+    ts__kpath_force(path);
+    static const int64_t shapes[][2] = {{1, 1}, {3, 5}, {7, 32}, {5, 33}, {9, 70}, {4, 700}, {40, 37}, {3, 2100}};
+    static const double ps[] = {0.0, 1.0, 0.5, 0.9, 0.1, 0.75, 1.0 - 0x1p-40, 0x1p-50, 0.3};
+    uint8_t s1[TS_GENERATOR_STATE_BYTES], s2[TS_GENERATOR_STATE_BYTES], s3[TS_GENERATOR_STATE_BYTES];
+    ts_generator *ga, *gb, *gc;
+    TH_OK(ts_generator_new(0, &ga));
+    TH_OK(ts_generator_new(0, &gb));
+    TH_OK(ts_generator_new(0, &gc));
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
+        for (size_t pi = 0; pi < sizeof ps / sizeof *ps; pi++) {
+            int64_t R = shapes[si][0], C = shapes[si][1], W = (C + 31) / 32 + (int64_t)(pi % 2);
+            uint64_t seed = 31 * si + pi;
+            ts_generator *gs[3] = {ga, gb, gc};
+            for (int i = 0; i < 3; i++) {
+                ts_generator_manual_seed(gs[i], seed);
+                for (size_t w = 0; w < 3 * si + pi; w++) /* part-way through a block */
+                    (void)ts_generator_random(gs[i]);
+            }
+            uint32_t *bits = malloc((size_t)(R * W) * sizeof *bits);
+            memset(bits, 0xA5, (size_t)(R * W) * sizeof *bits);
+            ts__rng_bernoulli_bits_on((int)path, gb, ps[pi], R, C, W, bits);
+            ts_tensor *t;
+            int64_t sh[2] = {R, C};
+            TH_OK(ts_tensor_empty(pi % 3 == 2 ? TS_F64 : TS_F32, 2, sh, &t));
+            TH_OK(ts_bernoulli_(t, ps[pi], gc));
+            double *v = th_vals_new(t);
+            int64_t ones = 0;
+            for (int64_t r = 0; r < R; r++) {
+                for (int64_t c = 0; c < C; c++) {
+                    int want = spec_bernoulli(ga, ps[pi]), bit = (bits[r * W + c / 32] >> (c % 32)) & 1;
+                    ones += want;
+                    cr_assert_eq(bit, want, "%s path, shape (%lld, %lld) p %g: bit (%lld, %lld) is %d, the draw %d",
+                                 ts__kpath_name(path), (long long)R, (long long)C, ps[pi], (long long)r, (long long)c,
+                                 bit, want);
+                    cr_assert_eq(v[r * C + c], (double)want, "%s path, shape (%lld, %lld) p %g: bernoulli_ element "
+                                 "(%lld, %lld) is %g, the draw %d", ts__kpath_name(path), (long long)R, (long long)C,
+                                 ps[pi], (long long)r, (long long)c, v[r * C + c], want);
+                }
+                for (int64_t c = C; c < 32 * W; c++)
+                    cr_assert_eq((bits[r * W + c / 32] >> (c % 32)) & 1, 0u, "padding bit %lld of row %lld is set",
+                                 (long long)c, (long long)r);
+            }
+            if (ps[pi] == 0.0 || ps[pi] == 1.0)
+                cr_assert_eq(ones, ps[pi] == 1.0 ? R * C : 0);
+            ts_generator_get_state(ga, s1);
+            ts_generator_get_state(gb, s2);
+            ts_generator_get_state(gc, s3);
+            cr_assert(memcmp(s1, s2, sizeof s1) == 0 && memcmp(s1, s3, sizeof s1) == 0,
+                      "%s path, shape (%lld, %lld) p %g: the generators' states differ", ts__kpath_name(path),
+                      (long long)R, (long long)C, ps[pi]);
+            uint32_t next = ts_generator_random(ga);
+            cr_assert(ts_generator_random(gb) == next && ts_generator_random(gc) == next);
+            free(v);
+            free(bits);
+            ts_tensor_free(t);
+        }
+    ts_generator_free(ga);
+    ts_generator_free(gb);
+    ts_generator_free(gc);
+    ts__kpath_force(-1);
+}
+
+Test(tensor_flash_attention, scalar_keep_bits_and_bernoulli_are_the_spec_draws) { keep_bits_check(TS__KPATH_SCALAR); }
+Test(tensor_flash_attention, avx2_keep_bits_and_bernoulli_are_the_spec_draws) { keep_bits_check(TS__KPATH_AVX2); }
+Test(tensor_flash_attention, avx512_keep_bits_and_bernoulli_are_the_spec_draws) { keep_bits_check(TS__KPATH_AVX512); }
+
+/* Training with p = 0 is no dropout, and eval mode ignores p: the fused
+ * kernel gives the same bits as without dropout and draws nothing. */
+Test(tensor_flash_attention, no_dropout_at_p0_or_in_eval)
+{
+    int64_t s[3] = {2, 45, 24}, ks[3] = {2, 40, 24};
+    ts_tensor *mask = make_mask(M_RANDOM, 45, 40);
+    ts_tensor *q = uniform(3, s, 1.0, 1), *k = uniform(3, ks, 1.0, 2), *v = uniform(3, ks, 1.0, 3), *o[3];
+    ts_generator *g;
+    TH_OK(ts_generator_new(3, &g));
+    uint8_t before[TS_GENERATOR_STATE_BYTES], after[TS_GENERATOR_STATE_BYTES];
+    ts_generator_get_state(g, before);
+    ts__flash_force(1);
+    TH_OK(ts_attention(q, k, v, 3, mask, 0.0, false, g, &o[0])); /* eval, no dropout */
+    TH_OK(ts_attention(q, k, v, 3, mask, 0.0, true, g, &o[1]));  /* training, p = 0 */
+    TH_OK(ts_attention(q, k, v, 3, mask, 0.4, false, g, &o[2]));  /* eval, p = 0.4 */
+    ts__flash_force(-1);
+    ts_generator_get_state(g, after);
+    cr_assert(memcmp(before, after, sizeof before) == 0, "no draws without dropout");
+    double *x = th_vals_new(o[0]);
+    for (int i = 1; i < 3; i++) {
+        double *y = th_vals_new(o[i]);
+        for (int64_t e = 0; e < ts_tensor_numel(o[0]); e++)
+            cr_assert(memcmp(&x[e], &y[e], sizeof x[e]) == 0, "call %d element %lld: %g vs %g", i, (long long)e,
+                      y[e], x[e]);
+        free(y);
+    }
+    free(x);
+    ts_tensor *all[] = {mask, q, k, v, o[0], o[1], o[2]};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        ts_tensor_free(all[i]);
+    ts_generator_free(g);
 }

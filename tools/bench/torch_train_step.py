@@ -7,7 +7,8 @@ BLIS_ARCH_TYPE (AVX-512 CPUs), MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
 OMP_NUM_THREADS and BLIS_NUM_THREADS; this script sets torch.set_num_threads.
 
 Prints one line: "torch_step_ms MEDIAN BEST" (milliseconds).
-Usage: /usr/bin/python3 torch_train_step.py THREADS STEPS WARMUP VOCAB BLOCK LAYERS HEADS DIM BATCH SEQ
+Usage: /usr/bin/python3 torch_train_step.py THREADS STEPS WARMUP VOCAB BLOCK LAYERS HEADS DIM BATCH SEQ [DROPOUT]
+(DROPOUT: the GPT's dropout, default 0.)
 """
 import os
 import statistics
@@ -22,9 +23,10 @@ from models import GPT  # noqa: E402
 
 def main():
     threads, steps, warmup, vocab, block, layers, heads, dim, batch, seq = map(int, sys.argv[1:11])
+    dropout = float(sys.argv[11]) if len(sys.argv) > 11 else 0.0
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = GPT(vocab, block, layers, heads, dim)
+    model = GPT(vocab, block, layers, heads, dim, dropout)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
