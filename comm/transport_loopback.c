@@ -57,10 +57,21 @@ typedef struct lb_op {
     uint64_t tag;
     void *buf;
     size_t len;
+    size_t *len_out; /* recv_upto: the received length (NULL: len exactly) */
     ts_xfer_cb cb;
     void *arg;
     ts_status status;
 } lb_op;
+
+/* Whether a message of mlen bytes completes receive r (recv_upto: any
+ * length up to r->len, written to *r->len_out); copies it if so. */
+static bool deliver(lb_op *r, const void *data, size_t mlen)
+{
+    if (r->len_out ? mlen > r->len : mlen != r->len) return false;
+    if (r->len_out) *r->len_out = mlen;
+    if (mlen) memcpy(r->buf, data, mlen);
+    return true;
+}
 
 typedef struct lb_box {
     lb_msg *msgs, *msgs_tail;     /* unexpected messages, arrival order */
@@ -78,6 +89,7 @@ struct ts_loopback_fabric {
     uint64_t *delay_ns;  /* per sender */
     uint64_t *kill_ns;   /* 0: alive; else the time its death is detected */
     bool *killed;        /* kill() was called */
+    uint64_t nsent;      /* messages sent (ts__loopback_sent) */
 };
 
 typedef struct lb_transport {
@@ -157,12 +169,7 @@ static int match_locked(ts_loopback_fabric *f, int rank, uint64_t now)
         if (prev_r) prev_r->next = next;
         else b->recvs = next;
         if (b->recvs_tail == r) b->recvs_tail = prev_r;
-        ts_status st = TS_OK;
-        if (m->len != r->len) {
-            st = TS_ERR_COMM;
-        } else if (m->len) {
-            memcpy(r->buf, m->data, m->len);
-        }
+        ts_status st = deliver(r, m->data, m->len) ? TS_OK : TS_ERR_COMM;
         ts__free(TS_MEM_COMM, m->data);
         ts__free(TS_MEM_COMM, m);
         complete_locked(f, rank, r, st);
@@ -225,6 +232,7 @@ static ts_status lb_send(ts_transport *t, int peer, const void *buf, size_t len,
     lb_op *op = new_op(peer, tag, (void *)(uintptr_t)buf, len, cb, arg);
     if (!op) return TS_ERR_NO_MEMORY;
     pthread_mutex_lock(&f->mu);
+    f->nsent++;
     uint64_t now = ts_now_ns();
     int dead;
     if (link_dead(f, me, peer, now, &dead)) {
@@ -251,9 +259,7 @@ static ts_status lb_send(ts_transport *t, int peer, const void *buf, size_t len,
                 if (prev) prev->next = r->next;
                 else d->recvs = r->next;
                 if (d->recvs_tail == r) d->recvs_tail = prev;
-                ts_status st = TS_OK;
-                if (r->len != len) st = TS_ERR_COMM;
-                else if (len) memcpy(r->buf, buf, len);
+                ts_status st = deliver(r, buf, len) ? TS_OK : TS_ERR_COMM;
                 complete_locked(f, peer, r, st);
                 complete_locked(f, me, op, TS_OK);
                 pthread_mutex_unlock(&f->mu);
@@ -283,7 +289,8 @@ static ts_status lb_send(ts_transport *t, int peer, const void *buf, size_t len,
     return TS_OK;
 }
 
-static ts_status lb_recv(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
+static ts_status lb_recv_upto(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb,
+                             void *arg, size_t *len_out)
 {
     ts_loopback_fabric *f = ((lb_transport *)t)->f;
     ts_status s = check_peer(t, peer);
@@ -291,6 +298,7 @@ static ts_status lb_recv(ts_transport *t, int peer, void *buf, size_t len, uint6
     int me = t->rank;
     lb_op *op = new_op(peer, tag, buf, len, cb, arg);
     if (!op) return TS_ERR_NO_MEMORY;
+    op->len_out = len_out;
     pthread_mutex_lock(&f->mu);
     uint64_t now = ts_now_ns();
     int dead;
@@ -302,6 +310,11 @@ static ts_status lb_recv(ts_transport *t, int peer, void *buf, size_t len, uint6
     }
     pthread_mutex_unlock(&f->mu);
     return TS_OK;
+}
+
+static ts_status lb_recv(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
+{
+    return lb_recv_upto(t, peer, buf, len, tag, cb, arg, NULL);
 }
 
 static int lb_progress(ts_transport *t)
@@ -330,8 +343,9 @@ static int lb_progress(ts_transport *t)
             pthread_mutex_unlock(&f->mu);
             peer_failed(dead);
         } else if (st == TS_ERR_COMM) {
-            ts_error(TS_ERR_COMM, "loopback: receive of %zu bytes from rank %d (tag %#llx) got a message of another length",
-                     done->len, done->peer, (unsigned long long)done->tag);
+            ts_error(TS_ERR_COMM, "loopback: receive of %s%zu bytes from rank %d (tag %#llx) got a message of %s length",
+                     done->len_out ? "up to " : "", done->len, done->peer, (unsigned long long)done->tag,
+                     done->len_out ? "a greater" : "another");
         }
         if (done->cb) done->cb(done->arg, st);
         ts__free(TS_MEM_COMM, done);
@@ -447,6 +461,7 @@ static const ts_transport_vtable lb_vtable = {
     .cancel_all = lb_cancel_all,
     .destroy = lb_destroy,
     .peer_pid = lb_peer_pid,
+    .recv_upto = lb_recv_upto,
 };
 
 ts_status ts__loopback_fabric_new(int size, ts_loopback_fabric **out)
@@ -561,4 +576,12 @@ void ts__loopback_kill(ts_loopback_fabric *f, int rank, double detect_s)
         signal_box(b);
     }
     pthread_mutex_unlock(&f->mu);
+}
+
+uint64_t ts__loopback_sent(ts_loopback_fabric *f)
+{
+    pthread_mutex_lock(&f->mu);
+    uint64_t n = f->nsent;
+    pthread_mutex_unlock(&f->mu);
+    return n;
 }

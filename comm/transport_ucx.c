@@ -37,7 +37,8 @@
  * UCP_OP_ATTR_FLAG_NO_IMM_CMPL, so recv_cb always runs (inside
  * ucp_tag_recv_nbx when the message was already here) and reports the
  * received length, which must equal the posted one (TS_ERR_COMM naming
- * both; a longer message is UCX's "Message truncated").
+ * both; a longer message is UCX's "Message truncated"), or for recv_upto
+ * be at most the posted one.
  *
  * Failures. The endpoint error callback only records (peer, status): the
  * first failure is what failed_peer() reports. Same-host peers are also
@@ -150,6 +151,7 @@ struct ucx_op {
     uint64_t tag;
     ucs_status_t ucs;
     size_t rlen; /* received length */
+    size_t *len_out; /* recv_upto: where the received length goes (NULL: len exactly) */
     size_t ulen; /* shared-memory bypass: the bytes of the transfer this message serves (0: none) */
     uint64_t xbits; /* 0, TS_UCX_CTRL or TS_UCX_ACK */
     /* the bypass's control and acknowledgement payloads live in the op, so
@@ -463,6 +465,10 @@ static ts_status op_status(ts_ucx *t, ucx_op *op)
                         t->base.rank, what, op->len, dir, op->peer, op->tag);
     }
     if (op->ucs == UCS_OK) {
+        if (op->is_recv && op->len_out && op->rlen <= op->len) {
+            *op->len_out = op->rlen;
+            return TS_OK;
+        }
         if (op->is_recv && op->rlen != op->len)
             return ts_error(TS_ERR_COMM, "ucx: rank %d: receive from rank %d (tag 0x%" PRIx64
                             "): got %zu bytes, expected %zu", t->base.rank, op->peer, op->tag, op->rlen, op->len);
@@ -964,6 +970,25 @@ static ts_status ucx_recv(ts_transport *base, int peer, void *buf, size_t len, u
     return recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg, NULL);
 }
 
+/* A receive of at most len bytes (transport.h): never the bypass, which
+ * needs the exact length on both sides. */
+static ts_status ucx_recv_upto(ts_transport *base, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb,
+                               void *arg, size_t *len_out)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    ts_status s = check_args(t, "recv", peer, buf, len, tag);
+    if (s != TS_OK)
+        return s;
+    if (len >= TS_UCX_CMA_MIN || !len_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: rank %d: recv_upto of %zu bytes from rank %d: %s",
+                        t->base.rank, len, peer, len_out ? "at least the bypass's 256 KiB" : "NULL len_out");
+    ucx_op *op = NULL;
+    s = recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg, &op);
+    if (s == TS_OK && op)
+        op->len_out = len_out; /* read by op_status, from progress: never before this */
+    return s;
+}
+
 static int ucx_progress(ts_transport *base)
 {
     ts_ucx *t = (ts_ucx *)base;
@@ -1278,6 +1303,7 @@ static const ts_transport_vtable ucx_vtable = {
     .mem_deregister = ucx_mem_deregister,
     .xfer_stats = ucx_xfer_stats,
     .peer_pid = ucx_peer_pid,
+    .recv_upto = ucx_recv_upto,
 };
 
 /* ------------------------------------------------------------- create */
