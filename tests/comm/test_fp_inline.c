@@ -147,20 +147,24 @@ static ts_status run_coll(ts_comm *c, int k, ts_dtype d, int64_t n, unsigned cha
 static const ts_dtype k_dtypes[] = {TS_F32, TS_F64, TS_BF16, TS_F16, TS_I64, TS_I32, TS_BOOL};
 #define NDT ((int)(sizeof k_dtypes / sizeof k_dtypes[0]))
 
-/* Per-rank block sizes in elements around T_INLINE for a dtype of es
- * bytes: empty, small, just under, at, just over (the reductions' blocks
- * are in the accumulation dtype: bf16 and f16 blocks are twice as many
- * bytes, which moves them across too). */
-static int sizes_for(size_t es, int64_t out[6])
+/* Per-rank block sizes in elements around the thresholds for a dtype of
+ * es bytes (T_INLINE for a reduction's block, half of it for an
+ * all-gather's): empty, small, just under, at, just over each (the
+ * reductions' blocks are in the accumulation dtype: bf16 and f16 blocks
+ * are twice as many bytes, which moves them across too). */
+static int sizes_for(size_t es, int64_t out[9])
 {
     int64_t t = T_INLINE / (int64_t)es;
-    out[0] = 0;
-    out[1] = 3;
-    out[2] = t - 1;
-    out[3] = t;
-    out[4] = t + 1;
-    out[5] = 2 * t + 5;
-    return 6;
+    int n = 0;
+    out[n++] = 0;
+    out[n++] = 3;
+    for (int64_t c = t / 2; c <= t; c += t / 2) {
+        out[n++] = c - 1;
+        out[n++] = c;
+        out[n++] = c + 1;
+    }
+    out[n++] = 2 * t + 5;
+    return n;
 }
 
 /* Every collective, dtype and size three ways on c: inline (threshold
@@ -170,7 +174,7 @@ static int check_results(th_rank *rc, ts_comm *c, const char *where)
 {
     for (int di = 0; di < NDT; di++) {
         ts_dtype d = k_dtypes[di];
-        int64_t ns[6];
+        int64_t ns[9];
         int nn = sizes_for(ts_dtype_size(d), ns);
         for (int si = 0; si < nn; si++)
             for (int k = 0; k < C_COUNT; k++) {
@@ -266,8 +270,10 @@ Test(comm_fp_inline, inline_saves_one_message_per_rank_and_collective, .timeout 
         for (int ci = 0; ci < 3; ci++)
             for (int mode = 0; mode < 3; mode++)
                 for (int big = 0; big < 2; big++) {
-                    /* f32 blocks of 64 or T_INLINE / 4 + 1 elements (all-reduce: n W + 1 elements, blocks of n + 1) */
-                    msg_case mc = {.coll = colls[ci], .mode = mode, .n = big ? T_INLINE / 4 + 1 : 16};
+                    /* f32 blocks of 16 or T_INLINE / 4 + 1 elements (all-reduce: n W + 1 elements, blocks of
+                     * n + 1); an all-gather's inline up to T_INLINE / 8 */
+                    int64_t n_big = colls[ci] == C_AG ? T_INLINE / 8 + 1 : T_INLINE / 4 + 1;
+                    msg_case mc = {.coll = colls[ci], .mode = mode, .n = big ? n_big : 16};
                     meet_init(W);
                     th_run_world(W, rank_messages, &mc, 30.0);
                     meet_fini();
@@ -361,12 +367,13 @@ Test(comm_fp_inline, mismatch_apart_against_inline, .timeout = 120)
     run_mismatches(T_INLINE, 16);
 }
 
-/* Both inline, the odd rank's message longer than the others' block
+/* Both inline (f32 blocks of 64 and 128 bytes, under an all-gather's
+ * threshold too), the odd rank's message longer than the others' block
  * (and shorter): the receive takes any length up to the cap. */
 Test(comm_fp_inline, mismatch_both_inline_of_other_lengths, .timeout = 120)
 {
-    run_mismatches(16, T_INLINE / 4);
-    run_mismatches(T_INLINE / 4, 16);
+    run_mismatches(16, T_INLINE / 8);
+    run_mismatches(T_INLINE / 8, 16);
 }
 
 /* Both apart, the odd rank's data message longer than the others'
