@@ -49,9 +49,9 @@
  * median over rounds; target: on/off <= 1.05. Then the inline blocks'
  * threshold (comm.c, "Fingerprints"): per-rank blocks of 1 to 16 KiB with
  * the step-0 block inside the fingerprint's message and apart
- * (ts__comm_set_fp_inline 16 KiB, its cap, under which an all-gather's
- * blocks up to 8 KiB go inline; and 0), alternating rounds of 30 calls,
- * the median over rounds: inline/apart < 1 where inlining pays. */
+ * (ts__comm_set_fp_inline 16 KiB, its cap, and 0), alternating rounds of
+ * 30 calls, the median over rounds: inline/apart < 1 where inlining
+ * pays. */
 #define _GNU_SOURCE
 #include <math.h>
 #include <stdio.h>

@@ -237,18 +237,17 @@ typedef struct fp {
 } fp;
 _Static_assert(sizeof(fp) == 16, "a fingerprint is 16 bytes");
 #define FP_NONE 0xffu
-/* A ring's step-0 block travels in its fingerprint's message when the
- * bytes that costs to copy are at most TS_COMM_FP_INLINE (default
- * FP_INLINE_DEFAULT, at most FP_INLINE_CAP; see fp_inline). The op's fpbuf holds the received message
- * (fingerprint at FPB_RECV - 16, block at FPB_RECV: up to FP_INLINE_CAP
- * bytes whatever this rank's block, since a peer's may differ) and the
- * sent one (fingerprint at FPB_SEND - 16, block at FPB_SEND); the blocks
- * are 64-byte aligned. */
+/* A ring's step-0 block travels in its fingerprint's message when it is
+ * at most TS_COMM_FP_INLINE bytes (default FP_INLINE_DEFAULT, at most
+ * FP_INLINE_CAP; see fp_inline). The op's fpbuf holds the received
+ * message (fingerprint at FPB_RECV - 16, block at FPB_RECV, 64-byte
+ * aligned: up to FP_INLINE_CAP bytes whatever this rank's block, since a
+ * peer's may differ; an all-gather receives its block in its slot and
+ * only what lies beyond it here). */
 #define FP_INLINE_CAP ((size_t)16 << 10)
-#define FP_INLINE_DEFAULT ((size_t)12 << 10)
+#define FP_INLINE_DEFAULT ((size_t)16 << 10)
 #define FPB_RECV ((size_t)64)
-#define FPB_SEND (FPB_RECV + FP_INLINE_CAP + 64)
-#define FPB_BYTES (FPB_SEND + FP_INLINE_CAP)
+#define FPB_BYTES (FPB_RECV + FP_INLINE_CAP)
 
 struct op {
     op *next;
@@ -506,8 +505,10 @@ static unsigned char *blk(op *o, int b) { return o->buf + (size_t)((b % o->W + o
 static void on_xfer(void *arg, ts_status st);
 
 /* Posts one transfer of o; len_out non-NULL: a receive of at most len
- * bytes (transport.h, recv_upto), its length written there. */
-static void post_x(op *o, int kind, int phase, int step, int peer, void *buf, size_t len, size_t *len_out)
+ * bytes (transport.h, recv_upto), its length written there; iov
+ * non-NULL: of the niov pieces instead of buf (sendv, recvv_upto). */
+static void post_xv(op *o, int kind, int phase, int step, int peer, void *buf, size_t len, size_t *len_out,
+                    const ts_iov *iov, int niov)
 {
     if (o->err) return;
     int slot = phase == PH_FP ? 2 : phase == PH_AG ? 1 : 0;
@@ -523,15 +524,25 @@ static void post_x(op *o, int kind, int phase, int step, int peer, void *buf, si
     uint64_t tag = phase == PH_P2P ? o->tagbase : tag_of(o, wire);
     int wpeer = o->map[peer];
     o->pending++;
-    ts_status s = kind == K_SEND ? t->vt->send(t, wpeer, buf, len, tag, on_xfer, x)
-                  : len_out      ? t->vt->recv_upto(t, wpeer, buf, len, tag, on_xfer, x, len_out)
-                                 : t->vt->recv(t, wpeer, buf, len, tag, on_xfer, x);
+    ts_status s;
+    if (iov)
+        s = kind == K_SEND ? t->vt->sendv(t, wpeer, iov, niov, tag, on_xfer, x)
+                           : t->vt->recvv_upto(t, wpeer, iov, niov, tag, on_xfer, x, len_out);
+    else
+        s = kind == K_SEND ? t->vt->send(t, wpeer, buf, len, tag, on_xfer, x)
+            : len_out      ? t->vt->recv_upto(t, wpeer, buf, len, tag, on_xfer, x, len_out)
+                           : t->vt->recv(t, wpeer, buf, len, tag, on_xfer, x);
     if (s != TS_OK) {
         x->live = false;
         o->pending--;
         o->err = s;
         snprintf(o->req->err, sizeof o->req->err, "%s", ts_last_error());
     }
+}
+
+static void post_x(op *o, int kind, int phase, int step, int peer, void *buf, size_t len, size_t *len_out)
+{
+    post_xv(o, kind, phase, step, peer, buf, len, len_out, NULL, 0);
 }
 
 static void post(op *o, int kind, int phase, int step, int peer, void *buf, size_t len)
@@ -812,12 +823,14 @@ static void advance(op *o)
  *
  * Inline blocks. A separate 16-byte message cost about 0.3 us per small
  * collective (8-16% of a 4 KiB all-gather), so a ring whose step-0 block
- * is small (fp_inline: TS_COMM_FP_INLINE bytes, 12 KiB by default, for a
- * reduction's block; half that for an all-gather's) sends that block in
- * its fingerprint's message, [fingerprint | block], and no step-0 data
- * message; the receiver checks the fingerprint before it uses or forwards
- * the block (all-gather: copied to its slot; reduce-scatter: the message
- * lands in front of staging block 0, which is then reduced in place).
+ * is small (fp_inline: at most TS_COMM_FP_INLINE bytes, 16 KiB by
+ * default) sends that block in its fingerprint's message, [fingerprint |
+ * block], and no step-0 data message: sent as two pieces (the
+ * fingerprint, the block where it lies: sendv). The receiver checks the
+ * fingerprint before it uses or forwards the block: an all-gather
+ * receives the message as pieces, the block straight into its slot
+ * (recvv_upto); a reduce-scatter receives it in front of staging block 0,
+ * which is then reduced in place.
  * Larger blocks go from and to the caller's buffers without a copy, and
  * their fingerprint stays alone. A fingerprint message is therefore 16
  * bytes or 16 plus a block of at most FP_INLINE_CAP, and every
@@ -857,20 +870,20 @@ static size_t env_fp_inline(void)
 }
 
 /* Whether o (a ring, its block set) sends its step-0 block with its
- * fingerprint: when the bytes it copies for that, twice its block for an
- * all-gather (into the message, out of it into the slot) and once for a
- * reduce-scatter or all-reduce (into the message; received in place),
- * are at most the threshold. Measured (bench_collectives' "fingerprint
- * inline blocks", 2 ranks, UCX shared memory): inline saves 10-15% up to
- * 4 KiB blocks; an all-gather breaks even at 6-8 KiB and loses 3-6% at
- * 8-16 KiB, while the reductions still save 3-5% at 12 KiB. */
+ * fingerprint: when the block is at most the threshold. Measured
+ * (bench_collectives' "fingerprint inline blocks", 2 ranks, UCX shared
+ * memory, a loaded machine): inline saves 10-20% up to 2 KiB blocks and
+ * 5-12% at 8-16 KiB, for every ring kind, once no block is copied (the
+ * message is sent and received as pieces: sendv, recvv_upto). With the
+ * block copied into and out of the message, an all-gather lost 3-6% from
+ * 8 KiB. */
 static bool fp_inline(const op *o)
 {
-    if (!o->check || o->W < 2 || !o->fpbuf || !o->w->t->vt->recv_upto || o->kind == TS_COLL_BROADCAST ||
-        o->kind == TS_COLL_ALL_TO_ALL)
+    const ts_transport_vtable *vt = o->check ? o->w->t->vt : NULL;
+    if (!o->check || o->W < 2 || !o->fpbuf || !vt->recv_upto || !vt->sendv || !vt->recvv_upto ||
+        o->kind == TS_COLL_BROADCAST || o->kind == TS_COLL_ALL_TO_ALL)
         return false;
-    size_t copied = o->rs ? o->block : 2 * o->block;
-    return copied <= atomic_load_explicit(&o->w->fp_inline, memory_order_relaxed);
+    return o->block <= atomic_load_explicit(&o->w->fp_inline, memory_order_relaxed);
 }
 
 static const char *const k_rop_names[TS_REDUCE_OP_COUNT] = {"sum", "avg", "max", "min"};
@@ -929,11 +942,18 @@ static void check_fp(op *o, int peer)
 
 /* The left's fingerprint message goes to fpbuf (any length up to an
  * inline block of FP_INLINE_CAP), the other peers' (all-to-all,
- * broadcast) straight to theirs[]. */
+ * broadcast) straight to theirs[]. An inline all-gather's block goes
+ * straight to its slot (what a longer message holds beyond it, to
+ * fpbuf). */
 static void post_fp_left(op *o)
 {
     o->fp_upto = o->fpbuf && o->req->w->t->vt->recv_upto;
-    if (o->fp_upto)
+    if (o->inl && !o->rs) {
+        ts_iov v[3] = {{o->fpbuf + FPB_RECV - sizeof(fp), sizeof(fp)},
+                       {blk(o, o->rank - 1), o->block},
+                       {o->fpbuf + FPB_RECV, FP_INLINE_CAP - o->block}};
+        post_xv(o, K_RECV, PH_FP, 0, o->left, NULL, 0, &o->fp_rlen, v, 3);
+    } else if (o->fp_upto)
         post_x(o, K_RECV, PH_FP, 0, o->left, o->fpbuf + FPB_RECV - sizeof(fp), sizeof(fp) + FP_INLINE_CAP,
                &o->fp_rlen);
     else
@@ -952,9 +972,9 @@ static void start_fp(op *o)
         return;
     }
     post_fp_left(o);
-    if (o->inl) { /* [fingerprint | block]: the block was put at FPB_SEND when the op was made */
-        memcpy(o->fpbuf + FPB_SEND - sizeof(fp), &o->mine, sizeof(fp));
-        post(o, K_SEND, PH_FP, 0, o->right, o->fpbuf + FPB_SEND - sizeof(fp), sizeof(fp) + o->block);
+    if (o->inl) { /* [fingerprint | block], from where the block is */
+        ts_iov v[2] = {{&o->mine, sizeof(fp)}, {o->rs ? o->send0 : blk(o, o->rank), o->block}};
+        post_xv(o, K_SEND, PH_FP, 0, o->right, NULL, 0, NULL, v, 2);
     } else {
         post(o, K_SEND, PH_FP, 0, o->right, &o->mine, sizeof(fp));
     }
@@ -988,8 +1008,7 @@ static void fp_left_received(op *o)
         rs_received(o, 0);
         return;
     }
-    memcpy(blk(o, o->rank - 1), o->fpbuf + FPB_RECV, o->block);
-    if (o->W > 2) forward(o, PH_AG, 1);
+    if (o->W > 2) forward(o, PH_AG, 1); /* the block is in its slot */
     if (++o->ag_recvd == o->W - 1) o->ag_done = true;
 }
 
@@ -2038,11 +2057,7 @@ static ts_status check_comm(const char *fn, const ts_comm *c)
 
 /* An all-gather (its own block in place) sends that block with its
  * fingerprint when it is small enough (see Fingerprints). */
-static void set_inline_ag(op *o)
-{
-    if (!(o->inl = fp_inline(o))) return;
-    if (o->block) memcpy(o->fpbuf + FPB_SEND, blk(o, o->rank), o->block);
-}
+static void set_inline_ag(op *o) { o->inl = fp_inline(o); }
 
 ts_status ts_all_gather_into_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_request **r)
 {
@@ -2112,17 +2127,20 @@ static ts_status setup_rs(op *o, const void *src, ts_dtype sd, double pre, size_
     bool convert = sd != o->acc || pre != 1.0;
     if ((o->inl = fp_inline(o))) {
         /* step 0 travels with the fingerprints (see Fingerprints): its
-         * block is received in front of staging block 0 and sent from
-         * behind this rank's fingerprint */
-        o->stage[0] = o->stage[1] = o->fpbuf + FPB_RECV;
-        if (o->W > 2) {
-            o->sscratch = scratch(o->block, &o->sscratch_bytes);
+         * block is received in front of staging block 0, in fpbuf */
+        int extra = (o->W > 2) + convert;
+        if (extra) {
+            o->sscratch = scratch((size_t)extra * o->block, &o->sscratch_bytes);
             if (!o->sscratch) return TS_ERR_NO_MEMORY;
-            o->stage[1] = o->sscratch;
         }
-        o->send0 = o->fpbuf + FPB_SEND;
-        if (convert) convert_through(o->send0, o->acc, src_blk(o, o->rank - 1), sd, o->acc, pre, 1.0, block_n);
-        else if (o->block) memcpy(o->send0, src_blk(o, o->rank - 1), o->block);
+        o->stage[0] = o->stage[1] = o->fpbuf + FPB_RECV;
+        if (o->W > 2) o->stage[1] = o->sscratch;
+        if (convert) {
+            o->send0 = o->sscratch + (o->W > 2 ? o->block : 0);
+            convert_through(o->send0, o->acc, src_blk(o, o->rank - 1), sd, o->acc, pre, 1.0, block_n);
+        } else {
+            o->send0 = (unsigned char *)(uintptr_t)src_blk(o, o->rank - 1);
+        }
         return TS_OK;
     }
     int nstage = o->W - 1 < 2 ? o->W - 1 : 2;

@@ -57,12 +57,11 @@ void ts__comm_set_timeout(ts_comm *c, double timeout_s);
  * Every rank must switch at the same point of its sequence of
  * collectives (the benchmark measures both). Any thread. */
 void ts__comm_set_check(ts_comm *c, bool on);
-/* Sets the threshold (bytes, capped at 16 KiB) under which a ring of c's
- * world sends its step-0 block inside its fingerprint's message rather
- * than in a message of its own (comm.c, "Fingerprints": inline blocks;
- * a reduction's block up to the threshold, an all-gather's up to half
- * of it), for collectives submitted from now on; default
- * TS_COMM_FP_INLINE, else 12 KiB; 0 never.
+/* Sets the largest step-0 block (bytes, capped at 16 KiB) that a ring of
+ * c's world sends inside its fingerprint's message rather than in a
+ * message of its own (comm.c, "Fingerprints": inline blocks), for
+ * collectives submitted from now on; default TS_COMM_FP_INLINE, else
+ * 16 KiB; 0 never.
  * Ranks that differ fail the collectives of a size between their values
  * with TS_ERR_COMM saying so, as ranks whose TS_COMM_FP_INLINE differ do.
  * Any thread. Ignores NULL and the one-rank group. */

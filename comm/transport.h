@@ -24,6 +24,13 @@
 
 typedef struct ts_transport ts_transport;
 
+/* One piece of a message of several (sendv, recvv_upto). */
+typedef struct ts_iov {
+    void *buf;
+    size_t len;
+} ts_iov;
+#define TS_IOV_MAX 3
+
 /* Completion of one posted send or receive: TS_OK, or the error (a dead
  * peer: TS_ERR_PEER_FAILED naming it; cancelled: TS_ERR_COMM). */
 typedef void (*ts_xfer_cb)(void *arg, ts_status status);
@@ -86,6 +93,15 @@ typedef struct ts_transport_vtable {
      * a data block of another size (see comm.c, "Fingerprints"). */
     ts_status (*recv_upto)(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg,
                            size_t *len_out);
+    /* Optional (NULL: not supported; comm.c then copies the pieces
+     * together): send() of one message made of n (1..TS_IOV_MAX) pieces
+     * in order, and recv_upto() into n pieces filled in order (a message
+     * of at most their total; *len_out its length). The array may go when
+     * the call returns; the pieces' memory stays until the callback. Under
+     * 256 KiB in all (never UCX's bypass). */
+    ts_status (*sendv)(ts_transport *t, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb, void *arg);
+    ts_status (*recvv_upto)(ts_transport *t, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb,
+                            void *arg, size_t *len_out);
 } ts_transport_vtable;
 
 struct ts_transport {

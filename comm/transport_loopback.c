@@ -58,6 +58,8 @@ typedef struct lb_op {
     void *buf;
     size_t len;
     size_t *len_out; /* recv_upto: the received length (NULL: len exactly) */
+    ts_iov iov[TS_IOV_MAX]; /* recvv_upto: the pieces (niov > 0; len their total) */
+    int niov;
     ts_xfer_cb cb;
     void *arg;
     ts_status status;
@@ -69,7 +71,17 @@ static bool deliver(lb_op *r, const void *data, size_t mlen)
 {
     if (r->len_out ? mlen > r->len : mlen != r->len) return false;
     if (r->len_out) *r->len_out = mlen;
-    if (mlen) memcpy(r->buf, data, mlen);
+    if (!r->niov) {
+        if (mlen) memcpy(r->buf, data, mlen);
+        return true;
+    }
+    const unsigned char *p = data;
+    for (int i = 0; i < r->niov && mlen; i++) {
+        size_t k = mlen < r->iov[i].len ? mlen : r->iov[i].len;
+        if (k) memcpy(r->iov[i].buf, p, k);
+        p += k;
+        mlen -= k;
+    }
     return true;
 }
 
@@ -317,6 +329,55 @@ static ts_status lb_recv(ts_transport *t, int peer, void *buf, size_t len, uint6
     return lb_recv_upto(t, peer, buf, len, tag, cb, arg, NULL);
 }
 
+static ts_status lb_recvv_upto(ts_transport *t, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb,
+                               void *arg, size_t *len_out)
+{
+    if (n < 1 || n > TS_IOV_MAX || !len_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "loopback: recvv_upto of %d pieces (1..%d) with%s len_out", n,
+                        TS_IOV_MAX, len_out ? "" : "out");
+    ts_loopback_fabric *f = ((lb_transport *)t)->f;
+    ts_status s = check_peer(t, peer);
+    if (s) return s;
+    int me = t->rank;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += iov[i].len;
+    lb_op *op = new_op(peer, tag, iov[0].buf, total, cb, arg);
+    if (!op) return TS_ERR_NO_MEMORY;
+    op->len_out = len_out;
+    memcpy(op->iov, iov, (size_t)n * sizeof *iov);
+    op->niov = n;
+    pthread_mutex_lock(&f->mu);
+    uint64_t now = ts_now_ns();
+    int dead;
+    if (link_dead(f, me, peer, now, &dead)) {
+        complete_locked(f, me, op, TS_ERR_PEER_FAILED);
+    } else {
+        PUSH(f->box[me].recvs, f->box[me].recvs_tail, op);
+        if (!link_cut(f, me, peer)) match_locked(f, me, now);
+    }
+    pthread_mutex_unlock(&f->mu);
+    return TS_OK;
+}
+
+/* The pieces gathered into one buffer, sent as one message. */
+static ts_status lb_sendv(ts_transport *t, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb, void *arg)
+{
+    if (n < 1 || n > TS_IOV_MAX)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "loopback: sendv of %d pieces (1..%d)", n, TS_IOV_MAX);
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += iov[i].len;
+    unsigned char *g = ts__malloc(TS_MEM_COMM, total ? total : 1);
+    if (!g) return TS_ERR_NO_MEMORY;
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        if (iov[i].len) memcpy(g + off, iov[i].buf, iov[i].len);
+        off += iov[i].len;
+    }
+    ts_status s = lb_send(t, peer, g, total, tag, cb, arg); /* copies the bytes, or never reads them (a cut link) */
+    ts__free(TS_MEM_COMM, g);
+    return s;
+}
+
 static int lb_progress(ts_transport *t)
 {
     ts_loopback_fabric *f = ((lb_transport *)t)->f;
@@ -462,6 +523,8 @@ static const ts_transport_vtable lb_vtable = {
     .destroy = lb_destroy,
     .peer_pid = lb_peer_pid,
     .recv_upto = lb_recv_upto,
+    .sendv = lb_sendv,
+    .recvv_upto = lb_recvv_upto,
 };
 
 ts_status ts__loopback_fabric_new(int size, ts_loopback_fabric **out)

@@ -152,12 +152,12 @@ static void role_desync(void)
     /* TS_TEST_FAIL_BIG: 0 (the kinds differ), 1 (bypass against inline),
      * 2, 3, 4 (counts against each other: both blocks inline, rank 1's
      * message the longer; rank 0's apart, rank 1's inline just under
-     * comm.c's default threshold for an all-gather, 6 KiB; both apart,
-     * rank 0's message the longer) */
+     * comm.c's default threshold, 16 KiB; both apart, rank 0's message
+     * the longer) */
     const char *bs = getenv("TS_TEST_FAIL_BIG");
     int mode = bs ? atoi(bs) : 0;
     bool big = mode != 0;
-    static const int64_t counts[5][2] = {{8512, 8512}, {1 << 17, 100}, {100, 700}, {2000, 1500}, {8000, 6000}};
+    static const int64_t counts[5][2] = {{8512, 8512}, {1 << 17, 100}, {100, 700}, {5000, 4000}, {8000, 6000}};
     ts_dist_options o = ts_dist_options_default();
     o.timeout_s = 30;
     if (ts_dist_init(&o) != TS_OK) RFAIL(10, "ts_dist_init");
@@ -465,8 +465,8 @@ Test(comm_failures_dist, killed_rank_0_in_all_gathers_no_transfer_warnings, .tim
  * the collective (the deadline is 30 s), naming both sides, with no UCX
  * log line; also when the sizes take different paths (the bypass for
  * 512 KiB against an eager message), which used to end at the deadline,
- * and across the fingerprints' inline threshold (comm.c: an all-gather's
- * blocks up to 6 KiB) and UCX's receive of any length up to the cap. */
+ * and across the fingerprints' inline threshold (comm.c: blocks up to
+ * 16 KiB) and UCX's receive of any length up to it. */
 Test(comm_failures_dist, desync_fails_both_ranks_naming_both_sides, .timeout = 120)
 {
     static const char *want[5][2] = {{"rank 0 runs all_gather #1 (float32, 8512)", "rank 1 runs barrier #1"},
@@ -474,8 +474,8 @@ Test(comm_failures_dist, desync_fails_both_ranks_naming_both_sides, .timeout = 1
                                       "rank 1 runs all_gather #1 (float32, 100)"},
                                      {"rank 0 runs all_gather #1 (float32, 100)",
                                       "rank 1 runs all_gather #1 (float32, 700)"},
-                                     {"rank 0 runs all_gather #1 (float32, 2000)",
-                                      "rank 1 runs all_gather #1 (float32, 1500)"},
+                                     {"rank 0 runs all_gather #1 (float32, 5000)",
+                                      "rank 1 runs all_gather #1 (float32, 4000)"},
                                      {"rank 0 runs all_gather #1 (float32, 8000)",
                                       "rank 1 runs all_gather #1 (float32, 6000)"}};
     for (int big = 0; big < 5; big++) {

@@ -147,11 +147,10 @@ static ts_status run_coll(ts_comm *c, int k, ts_dtype d, int64_t n, unsigned cha
 static const ts_dtype k_dtypes[] = {TS_F32, TS_F64, TS_BF16, TS_F16, TS_I64, TS_I32, TS_BOOL};
 #define NDT ((int)(sizeof k_dtypes / sizeof k_dtypes[0]))
 
-/* Per-rank block sizes in elements around the thresholds for a dtype of
- * es bytes (T_INLINE for a reduction's block, half of it for an
- * all-gather's): empty, small, just under, at, just over each (the
- * reductions' blocks are in the accumulation dtype: bf16 and f16 blocks
- * are twice as many bytes, which moves them across too). */
+/* Per-rank block sizes in elements around the threshold (and half of it)
+ * for a dtype of es bytes: empty, small, just under, at, just over each
+ * (the reductions' blocks are in the accumulation dtype: bf16 and f16
+ * blocks are twice as many bytes, which moves them across too). */
 static int sizes_for(size_t es, int64_t out[9])
 {
     int64_t t = T_INLINE / (int64_t)es;
@@ -271,9 +270,8 @@ Test(comm_fp_inline, inline_saves_one_message_per_rank_and_collective, .timeout 
             for (int mode = 0; mode < 3; mode++)
                 for (int big = 0; big < 2; big++) {
                     /* f32 blocks of 16 or T_INLINE / 4 + 1 elements (all-reduce: n W + 1 elements, blocks of
-                     * n + 1); an all-gather's inline up to T_INLINE / 8 */
-                    int64_t n_big = colls[ci] == C_AG ? T_INLINE / 8 + 1 : T_INLINE / 4 + 1;
-                    msg_case mc = {.coll = colls[ci], .mode = mode, .n = big ? n_big : 16};
+                     * n + 1) */
+                    msg_case mc = {.coll = colls[ci], .mode = mode, .n = big ? T_INLINE / 4 + 1 : 16};
                     meet_init(W);
                     th_run_world(W, rank_messages, &mc, 30.0);
                     meet_fini();
@@ -367,9 +365,10 @@ Test(comm_fp_inline, mismatch_apart_against_inline, .timeout = 120)
     run_mismatches(T_INLINE, 16);
 }
 
-/* Both inline (f32 blocks of 64 and 128 bytes, under an all-gather's
- * threshold too), the odd rank's message longer than the others' block
- * (and shorter): the receive takes any length up to the cap. */
+/* Both inline (f32 blocks of 64 and 128 bytes), the odd rank's message
+ * longer than the others' block (and shorter): the receive takes any
+ * length up to the cap (an all-gather's beyond its slot into the op's
+ * buffer). */
 Test(comm_fp_inline, mismatch_both_inline_of_other_lengths, .timeout = 120)
 {
     run_mismatches(16, T_INLINE / 8);

@@ -69,9 +69,10 @@ static void role_pinned(void)
     uint64_t p, r;
     /* 1000 floats: UCX's eager path; 20000 (80 KB): UCX's rendezvous. A
      * 4000-byte block goes inside the fingerprint's message by default
-     * (comm.c, "Fingerprints": inline blocks), copied through the op's
-     * own buffer: step 0 is then no transfer of the pinned block. With
-     * inline blocks off (every rank alike) each step is one. */
+     * (comm.c, "Fingerprints": inline blocks), sent and received as
+     * pieces, which pass no registration: step 0 is then no transfer of
+     * the pinned block alone. With inline blocks off (every rank alike)
+     * each step is one. */
     ts__comm_set_fp_inline(c, 0);
     gather(c, early, 1000, &p, &r);
     if (r < 2 * (uint64_t)(W - 1)) RFAIL(13, "pinned 4000-byte all-gather: %llu of %llu transfers registered",
@@ -80,7 +81,7 @@ static void role_pinned(void)
             (unsigned long long)r, (unsigned long long)p);
     /* inline (the default): right, and the later steps' transfers (W > 2)
      * still pass the registration */
-    ts__comm_set_fp_inline(c, 12 << 10);
+    ts__comm_set_fp_inline(c, 16 << 10);
     gather(c, early, 1000, &p, &r);
     if (r < 2 * (uint64_t)(W - 2) || p < 2 * (uint64_t)(W - 1))
         RFAIL(27, "pinned 4000-byte all-gather, inline: %llu of %llu transfers registered", (unsigned long long)r,
