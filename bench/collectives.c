@@ -46,7 +46,12 @@
  * The collectives' fingerprints (comm/comm.c): the 4 KiB latency of each
  * collective with the check on and off (ts__comm_set_check, switched on
  * every rank at the same point), in alternating rounds of 50 calls, the
- * median over rounds; target: on/off <= 1.05. */
+ * median over rounds; target: on/off <= 1.05. Then the inline blocks'
+ * threshold (comm.c, "Fingerprints"): per-rank blocks of 1 to 16 KiB with
+ * the step-0 block inside the fingerprint's message and apart
+ * (ts__comm_set_fp_inline 16 KiB, its cap, and 0), alternating rounds of
+ * 30 calls, the median over rounds: inline/apart < 1 where inlining
+ * pays. */
 #define _GNU_SOURCE
 #include <math.h>
 #include <stdio.h>
@@ -378,6 +383,20 @@ int main(int argc, char **argv)
         for (int s = 0; s < nsizes; s++)
             mc[s] = time_memcpy(sizes[s], iters_for(sizes[s], fixed_iters));
 
+    /* the inline threshold: rounds alternate apart and inline (last, so
+     * that the tables above ran with TS_COMM_FP_INLINE's threshold) */
+    enum { IN_ROUNDS = 15, N_BLK = 7 };
+    static const int blk_kib[N_BLK] = {1, 2, 4, 6, 8, 12, 16};
+    static const int in_colls[3] = {COLL_AG_IP, COLL_RS, COLL_AR};
+    double in_t[3][N_BLK][2][IN_ROUNDS];
+    for (int k = 0; k < IN_ROUNDS; k++)
+        for (int b = 0; b < N_BLK; b++)
+            for (int on = 0; on < 2; on++) {
+                ts__comm_set_fp_inline(w, on ? (size_t)16 << 10 : 0);
+                for (int c = 0; c < 3; c++)
+                    in_t[c][b][on][k] = time_coll(w, in_colls[c], (int64_t)blk_kib[b] * 1024 * ws, 30);
+            }
+
     /* The UCX ceiling and OpenMPI (below), while the other ranks wait in
      * quiet_barrier at the end: for up to an hour (two mpirun runs across
      * hosts under load took more than ts_dist_init's 300 s). */
@@ -429,6 +448,26 @@ int main(int argc, char **argv)
             double on = bench_median(fp_t[c][1], FP_ROUNDS), off = bench_median(fp_t[c][0], FP_ROUNDS);
             printf("%-28s %11.2f %11.2f %9.3f %s\n", short_names[c], on * 1e6, off * 1e6, on / off,
                    on / off <= 1.05 ? "ok" : ">1.05");
+        }
+        printf("\nfingerprint inline blocks: per-rank block (size = block x %d), median of %d rounds of 30 calls, "
+               "step-0 block inside the fingerprint's message vs apart (default threshold: the largest block "
+               "where inline/apart < 1)\n",
+               ws, (int)IN_ROUNDS);
+        printf("%8s", "block");
+        static const char *in_names[3] = {"all_gather (in place)", "reduce_scatter", "all_reduce"};
+        for (int c = 0; c < 3; c++)
+            printf(" %33s", in_names[c]);
+        printf("\n%8s", "");
+        for (int c = 0; c < 3; c++)
+            printf(" %10s %10s %11s", "inline us", "apart us", "inline/apart");
+        printf("\n");
+        for (int b = 0; b < N_BLK; b++) {
+            printf("%5d KiB", blk_kib[b]);
+            for (int c = 0; c < 3; c++) {
+                double a = bench_median(in_t[c][b][1], IN_ROUNDS), p = bench_median(in_t[c][b][0], IN_ROUNDS);
+                printf(" %10.2f %10.2f %11.3f ", a * 1e6, p * 1e6, a / p);
+            }
+            printf("\n");
         }
         printf("\nucx_perftest -t tag_bw (%s, transport ceiling; target busbw >= 0.8x from 16 MiB)\n",
                netns_name() && netns_script() ? "host 0 to host 1, UCX_TLS=tcp" : "127.0.0.1");

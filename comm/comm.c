@@ -99,6 +99,8 @@ static void copy_str(char *dst, size_t n, const char *src)
  * an op nobody drives is taken over after at most that delay. */
 #define TAKEOVER_US_DEFAULT 200
 static uint64_t g_spin_ns, g_takeover_ns;
+static size_t g_fp_inline; /* TS_COMM_FP_INLINE (see Fingerprints) */
+static size_t env_fp_inline(void);
 static pthread_once_t g_spin_once = PTHREAD_ONCE_INIT;
 static uint64_t env_us(const char *name, double dflt)
 {
@@ -112,6 +114,7 @@ static void spin_init(void)
 {
     g_spin_ns = env_us("TS_COMM_SPIN_US", SPIN_US_DEFAULT);
     g_takeover_ns = env_us("TS_COMM_TAKEOVER_US", TAKEOVER_US_DEFAULT);
+    g_fp_inline = env_fp_inline();
 }
 static uint64_t spin_ns(void)
 {
@@ -122,6 +125,11 @@ static uint64_t takeover_ns(void)
 {
     pthread_once(&g_spin_once, spin_init);
     return g_takeover_ns;
+}
+static size_t fp_inline_max(void)
+{
+    pthread_once(&g_spin_once, spin_init);
+    return g_fp_inline;
 }
 
 typedef struct world world;
@@ -160,6 +168,7 @@ struct world {
     _Atomic uint64_t next_gid; /* the next group id this rank may propose */
     _Atomic double deadline_s; /* per-collective deadline (ts__comm_set_timeout) */
     atomic_bool check;         /* fingerprints on (TS_COMM_CHECK, ts__comm_set_check) */
+    _Atomic size_t fp_inline;  /* inline blocks up to (TS_COMM_FP_INLINE, ts__comm_set_fp_inline) */
     /* the progress lock (see the top of the file): its holder alone calls
      * the transport and touches everything below */
     pthread_mutex_t prog_mu;
@@ -228,6 +237,17 @@ typedef struct fp {
 } fp;
 _Static_assert(sizeof(fp) == 16, "a fingerprint is 16 bytes");
 #define FP_NONE 0xffu
+/* A ring's step-0 block travels in its fingerprint's message when it is
+ * at most TS_COMM_FP_INLINE bytes (default FP_INLINE_DEFAULT, at most
+ * FP_INLINE_CAP; see fp_inline). The op's fpbuf holds the received
+ * message (fingerprint at FPB_RECV - 16, block at FPB_RECV, 64-byte
+ * aligned: up to FP_INLINE_CAP bytes whatever this rank's block, since a
+ * peer's may differ; an all-gather receives its block in its slot and
+ * only what lies beyond it here). */
+#define FP_INLINE_CAP ((size_t)16 << 10)
+#define FP_INLINE_DEFAULT ((size_t)16 << 10)
+#define FPB_RECV ((size_t)64)
+#define FPB_BYTES (FPB_RECV + FP_INLINE_CAP)
 
 struct op {
     op *next;
@@ -290,6 +310,13 @@ struct op {
      * Fingerprints): (phase << 8 | step) of those held, in order */
     bool fp_ok;
     int *held, nheld;
+    /* the fingerprint messages' buffer (FPB_*; kept with the op's block
+     * in the world's cache), the left's message's length, whether it was
+     * received there (recv_upto), and whether this op's step-0 block
+     * travels with its fingerprint (inline) */
+    unsigned char *fpbuf;
+    size_t fp_rlen;
+    bool fp_upto, inl;
 };
 
 /* ------------------------------------------------------------------ */
@@ -467,6 +494,7 @@ static void op_free(op *o)
         }
         pthread_mutex_unlock(&w->mu);
     }
+    if (o) ts__free(TS_MEM_COMM, o->fpbuf);
     ts__free(TS_MEM_COMM, o);
 }
 
@@ -476,7 +504,11 @@ static unsigned char *blk(op *o, int b) { return o->buf + (size_t)((b % o->W + o
 
 static void on_xfer(void *arg, ts_status st);
 
-static void post(op *o, int kind, int phase, int step, int peer, void *buf, size_t len)
+/* Posts one transfer of o; len_out non-NULL: a receive of at most len
+ * bytes (transport.h, recv_upto), its length written there; iov
+ * non-NULL: of the niov pieces instead of buf (sendv, recvv_upto). */
+static void post_xv(op *o, int kind, int phase, int step, int peer, void *buf, size_t len, size_t *len_out,
+                    const ts_iov *iov, int niov)
 {
     if (o->err) return;
     int slot = phase == PH_FP ? 2 : phase == PH_AG ? 1 : 0;
@@ -492,8 +524,14 @@ static void post(op *o, int kind, int phase, int step, int peer, void *buf, size
     uint64_t tag = phase == PH_P2P ? o->tagbase : tag_of(o, wire);
     int wpeer = o->map[peer];
     o->pending++;
-    ts_status s = kind == K_SEND ? t->vt->send(t, wpeer, buf, len, tag, on_xfer, x)
-                                 : t->vt->recv(t, wpeer, buf, len, tag, on_xfer, x);
+    ts_status s;
+    if (iov)
+        s = kind == K_SEND ? t->vt->sendv(t, wpeer, iov, niov, tag, on_xfer, x)
+                           : t->vt->recvv_upto(t, wpeer, iov, niov, tag, on_xfer, x, len_out);
+    else
+        s = kind == K_SEND ? t->vt->send(t, wpeer, buf, len, tag, on_xfer, x)
+            : len_out      ? t->vt->recv_upto(t, wpeer, buf, len, tag, on_xfer, x, len_out)
+                           : t->vt->recv(t, wpeer, buf, len, tag, on_xfer, x);
     if (s != TS_OK) {
         x->live = false;
         o->pending--;
@@ -502,11 +540,23 @@ static void post(op *o, int kind, int phase, int step, int peer, void *buf, size
     }
 }
 
+static void post_x(op *o, int kind, int phase, int step, int peer, void *buf, size_t len, size_t *len_out)
+{
+    post_xv(o, kind, phase, step, peer, buf, len, len_out, NULL, 0);
+}
+
+static void post(op *o, int kind, int phase, int step, int peer, void *buf, size_t len)
+{
+    post_x(o, kind, phase, step, peer, buf, len, NULL);
+}
+
+/* (An inline all-gather's step 0 travels with the fingerprints.) */
 static void start_ag(op *o)
 {
     o->ag_started = true;
-    for (int s = 0; s < o->W - 1; s++) post(o, K_RECV, PH_AG, s, o->left, blk(o, o->rank - s - 1), o->block);
-    post(o, K_SEND, PH_AG, 0, o->right, blk(o, o->rank), o->block);
+    bool inl = o->inl && !o->rs;
+    for (int s = inl; s < o->W - 1; s++) post(o, K_RECV, PH_AG, s, o->left, blk(o, o->rank - s - 1), o->block);
+    if (!inl) post(o, K_SEND, PH_AG, 0, o->right, blk(o, o->rank), o->block);
 }
 
 /* Reduce-scatter phase (see the top of the file): step s receives the
@@ -516,8 +566,8 @@ static void start_ag(op *o)
  * (send0). A stage is received into again once its forward completed. */
 static void start_rs(op *o)
 {
-    for (int s = 0; s < 2 && s < o->W - 1; s++) post(o, K_RECV, PH_RS, s, o->left, o->stage[s], o->block);
-    post(o, K_SEND, PH_RS, 0, o->right, o->send0, o->block);
+    for (int s = o->inl; s < 2 && s < o->W - 1; s++) post(o, K_RECV, PH_RS, s, o->left, o->stage[s], o->block);
+    if (!o->inl) post(o, K_SEND, PH_RS, 0, o->right, o->send0, o->block);
 }
 
 static const unsigned char *src_blk(const op *o, int b)
@@ -764,18 +814,77 @@ static void advance(op *o)
  * peer's); it completes only once those arrived and matched. A rank that
  * finds a fingerprint differ from its own fails its world with a message
  * naming both sides and sends a notice to every peer. In the rings
- * (all-gather, reduce-scatter, all-reduce) a rank forwards what it
- * received only once its left neighbour's fingerprint matched (see
+ * (all-gather, reduce-scatter, all-reduce, barrier) a rank forwards what
+ * it received only once its left neighbour's fingerprint matched (see
  * forward()): a rank's result then only holds data that passed ranks that
  * each checked their left neighbour, so a result completes only when all
  * ranks agree, and every rank fails within the collective. A broadcast's
- * data flows one way along its chain, so there every pair checks. A data receive
- * that fails first (a length mismatch) waits for the fingerprint, whose
- * message then wins. The fingerprint is a separate eager message rather
- * than a header on the data: the data goes from and to the caller's
- * buffers without a copy, and large messages take the transport's
- * shared-memory bypass, whose size mismatches would otherwise only end
- * at the deadline. TS_COMM_CHECK=0 turns them off (every rank alike). */
+ * data flows one way along its chain, so there every pair checks.
+ *
+ * Inline blocks. A separate 16-byte message cost about 0.3 us per small
+ * collective (8-16% of a 4 KiB all-gather), so a ring whose step-0 block
+ * is small (fp_inline: at most TS_COMM_FP_INLINE bytes, 16 KiB by
+ * default) sends that block in its fingerprint's message, [fingerprint |
+ * block], and no step-0 data message: sent as two pieces (the
+ * fingerprint, the block where it lies: sendv). The receiver checks the
+ * fingerprint before it uses or forwards the block: an all-gather
+ * receives the message as pieces, the block straight into its slot
+ * (recvv_upto); a reduce-scatter receives it in front of staging block 0,
+ * which is then reduced in place.
+ * Larger blocks go from and to the caller's buffers without a copy, and
+ * their fingerprint stays alone. A fingerprint message is therefore 16
+ * bytes or 16 plus a block of at most FP_INLINE_CAP, and every
+ * fingerprint receive from the left accepts any of these lengths (the
+ * transport's recv_upto): whatever the two sides' sizes, the receiver
+ * reads the sender's fingerprint, so a mismatch across the threshold (one
+ * block under it, the other over) is caught by the fingerprint like any
+ * other, on the rank that receives it, and the others learn it from its
+ * notice. (A receive of the exact length would fail with a length error
+ * instead, leaving the rank without the peer's fingerprint; and a message
+ * of 256 KiB or more takes UCX's shared-memory bypass, which never meets
+ * a receive of another size.) Only the left can send a longer message:
+ * the rings send to the right alone, broadcast and all-to-all only 16
+ * bytes. When fingerprints match, the lengths do too, unless the ranks'
+ * TS_COMM_FP_INLINE differ, which fails the collective saying so.
+ *
+ * A data receive that fails first (a length mismatch) waits for the
+ * fingerprint, whose message then wins; large messages take the
+ * transport's shared-memory bypass, whose size mismatches would otherwise
+ * only end at the deadline. TS_COMM_CHECK=0 turns fingerprints off (every
+ * rank alike), and with them the inline blocks. */
+
+/* TS_COMM_FP_INLINE: bytes (0 keeps every fingerprint apart; at most
+ * FP_INLINE_CAP). Must be the same on every rank. */
+static size_t env_fp_inline(void)
+{
+    const char *e = getenv("TS_COMM_FP_INLINE");
+    char *end = NULL;
+    double b = e && *e ? strtod(e, &end) : -1;
+    if (!e || !*e || *end || !(b >= 0) || b > (double)FP_INLINE_CAP) {
+        if (e && *e)
+            ts_logf(TS_LOG_WARN, "TS_COMM_FP_INLINE=%s is not a byte count in [0, %zu]; using %zu", e,
+                    (size_t)FP_INLINE_CAP, (size_t)FP_INLINE_DEFAULT);
+        return FP_INLINE_DEFAULT;
+    }
+    return (size_t)b;
+}
+
+/* Whether o (a ring, its block set) sends its step-0 block with its
+ * fingerprint: when the block is at most the threshold. Measured
+ * (bench_collectives' "fingerprint inline blocks", 2 ranks, UCX shared
+ * memory, a loaded machine): inline saves 10-20% up to 2 KiB blocks and
+ * 5-12% at 8-16 KiB, for every ring kind, once no block is copied (the
+ * message is sent and received as pieces: sendv, recvv_upto). With the
+ * block copied into and out of the message, an all-gather lost 3-6% from
+ * 8 KiB. */
+static bool fp_inline(const op *o)
+{
+    const ts_transport_vtable *vt = o->check ? o->w->t->vt : NULL;
+    if (!o->check || o->W < 2 || !o->fpbuf || !vt->recv_upto || !vt->sendv || !vt->recvv_upto ||
+        o->kind == TS_COLL_BROADCAST || o->kind == TS_COLL_ALL_TO_ALL)
+        return false;
+    return o->block <= atomic_load_explicit(&o->w->fp_inline, memory_order_relaxed);
+}
 
 static const char *const k_rop_names[TS_REDUCE_OP_COUNT] = {"sum", "avg", "max", "min"};
 _Static_assert(TS_REDUCE_OP_COUNT == 4, "one name per reduce op");
@@ -802,6 +911,15 @@ static void fail_later(world *w, ts_status st, const char *msg, bool notify)
     copy_str(w->pend_msg, sizeof w->pend_msg, msg);
 }
 
+/* Fails o (and its world, with notices) with msg, as a mismatch does. */
+static void fp_fail(op *o, const char *msg)
+{
+    o->fp_bad = true;
+    o->err = TS_ERR_COMM;
+    copy_str(o->req->err, sizeof o->req->err, msg);
+    fail_later(o->req->w, TS_ERR_COMM, msg, true);
+}
+
 static void check_fp(op *o, int peer)
 {
     const fp *a = &o->mine, *b = &o->theirs[peer];
@@ -819,24 +937,79 @@ static void check_fp(op *o, int peer)
     bool me_first = o->rank < peer;
     snprintf(msg, sizeof msg, "desynchronised collectives: %srank %d runs %s, rank %d runs %s", grp,
              me_first ? o->rank : peer, me_first ? sa : sb, me_first ? peer : o->rank, me_first ? sb : sa);
-    o->fp_bad = true;
-    o->err = TS_ERR_COMM;
-    copy_str(o->req->err, sizeof o->req->err, msg);
-    fail_later(o->req->w, TS_ERR_COMM, msg, true);
+    fp_fail(o, msg);
+}
+
+/* The left's fingerprint message goes to fpbuf (any length up to an
+ * inline block of FP_INLINE_CAP), the other peers' (all-to-all,
+ * broadcast) straight to theirs[]. An inline all-gather's block goes
+ * straight to its slot (what a longer message holds beyond it, to
+ * fpbuf). */
+static void post_fp_left(op *o)
+{
+    o->fp_upto = o->fpbuf && o->req->w->t->vt->recv_upto;
+    if (o->inl && !o->rs) {
+        ts_iov v[3] = {{o->fpbuf + FPB_RECV - sizeof(fp), sizeof(fp)},
+                       {blk(o, o->rank - 1), o->block},
+                       {o->fpbuf + FPB_RECV, FP_INLINE_CAP - o->block}};
+        post_xv(o, K_RECV, PH_FP, 0, o->left, NULL, 0, &o->fp_rlen, v, 3);
+    } else if (o->fp_upto)
+        post_x(o, K_RECV, PH_FP, 0, o->left, o->fpbuf + FPB_RECV - sizeof(fp), sizeof(fp) + FP_INLINE_CAP,
+               &o->fp_rlen);
+    else
+        post(o, K_RECV, PH_FP, 0, o->left, &o->theirs[o->left], sizeof(fp));
 }
 
 static void start_fp(op *o)
 {
     if (!o->check || o->W < 2) return;
     if (o->kind == TS_COLL_ALL_TO_ALL || o->kind == TS_COLL_BROADCAST) {
+        post_fp_left(o);
         for (int j = 0; j < o->W; j++)
-            if (j != o->rank) post(o, K_RECV, PH_FP, 0, j, &o->theirs[j], sizeof(fp));
+            if (j != o->rank && j != o->left) post(o, K_RECV, PH_FP, 0, j, &o->theirs[j], sizeof(fp));
         for (int j = 0; j < o->W; j++)
             if (j != o->rank) post(o, K_SEND, PH_FP, 0, j, &o->mine, sizeof(fp));
         return;
     }
-    post(o, K_RECV, PH_FP, 0, o->left, &o->theirs[o->left], sizeof(fp));
-    post(o, K_SEND, PH_FP, 0, o->right, &o->mine, sizeof(fp));
+    post_fp_left(o);
+    if (o->inl) { /* [fingerprint | block], from where the block is */
+        ts_iov v[2] = {{&o->mine, sizeof(fp)}, {o->rs ? o->send0 : blk(o, o->rank), o->block}};
+        post_xv(o, K_SEND, PH_FP, 0, o->right, NULL, 0, NULL, v, 2);
+    } else {
+        post(o, K_SEND, PH_FP, 0, o->right, &o->mine, sizeof(fp));
+    }
+}
+
+/* The left's fingerprint message arrived (in fpbuf): checks it and, for
+ * an inline ring, takes its block as step 0's receive. */
+static void fp_left_received(op *o)
+{
+    char msg[ERR_LEN], grp[32] = "";
+    if (o->gid) snprintf(grp, sizeof grp, "group %llu: ", (unsigned long long)o->gid);
+    if (o->fp_rlen < sizeof(fp)) {
+        snprintf(msg, sizeof msg, "%srank %d sent rank %d a fingerprint of %zu bytes (want at least %zu)", grp,
+                 o->left, o->rank, o->fp_rlen, sizeof(fp));
+        fp_fail(o, msg);
+        return;
+    }
+    memcpy(&o->theirs[o->left], o->fpbuf + FPB_RECV - sizeof(fp), sizeof(fp));
+    check_fp(o, o->left);
+    if (o->err) return;
+    size_t want = o->inl ? o->block : 0, got = o->fp_rlen - sizeof(fp);
+    if (got != want) { /* the same collective: the ranks' TS_COMM_FP_INLINE differ */
+        snprintf(msg, sizeof msg,
+                 "%srank %d sent %zu bytes of data with its fingerprint, rank %d expected %zu: is TS_COMM_FP_INLINE "
+                 "the same on every rank?", grp, o->left, got, o->rank, want);
+        fp_fail(o, msg);
+        return;
+    }
+    if (!o->inl) return;
+    if (o->rs) { /* the block landed in staging block 0 */
+        rs_received(o, 0);
+        return;
+    }
+    if (o->W > 2) forward(o, PH_AG, 1); /* the block is in its slot */
+    if (++o->ag_recvd == o->W - 1) o->ag_done = true;
 }
 
 static void suspect(world *w, int wrank)
@@ -858,7 +1031,10 @@ static void on_xfer(void *arg, ts_status st)
         if (st == TS_ERR_PEER_FAILED) suspect(o->req->w, o->map[x->peer]);
     }
     if (x->phase == PH_FP) {
-        if (st == TS_OK && x->kind == K_RECV) check_fp(o, x->peer);
+        if (st == TS_OK && x->kind == K_RECV) {
+            if (x->peer == o->left && o->fp_upto) fp_left_received(o);
+            else check_fp(o, x->peer);
+        }
         advance(o);
         return;
     }
@@ -1588,6 +1764,11 @@ void ts__comm_set_check(ts_comm *c, bool on)
     if (c && c->w) atomic_store(&c->w->check, on);
 }
 
+void ts__comm_set_fp_inline(ts_comm *c, size_t bytes)
+{
+    if (c && c->w) atomic_store(&c->w->fp_inline, bytes < FP_INLINE_CAP ? bytes : FP_INLINE_CAP);
+}
+
 static ts_comm g_local = {
     .w = NULL, .rank = 0, .size = 1, .gid = 0, .seq = 0, .stats_mu = PTHREAD_MUTEX_INITIALIZER,
 };
@@ -1648,6 +1829,7 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     (void)debug_level(); /* a bad TS_DISTRIBUTED_DEBUG is a warning now */
     atomic_init(&w->deadline_s, w->timeout_s);
     atomic_init(&w->check, check_default());
+    atomic_init(&w->fp_inline, fp_inline_max());
     w->suspect = -1;
     atomic_init(&w->next_gid, 1);
     atomic_init(&w->queued, false);
@@ -1713,6 +1895,7 @@ void ts__world_free(ts_comm *c)
     while (w->op_cache) {
         op *o = w->op_cache;
         w->op_cache = o->next;
+        ts__free(TS_MEM_COMM, o->fpbuf);
         ts__free(TS_MEM_COMM, o);
     }
     ts__free(TS_MEM_COMM, w->nslots);
@@ -1742,14 +1925,23 @@ static op *op_new(ts_comm *c, ts_coll_kind kind)
         }
         pthread_mutex_unlock(&w->mu);
     }
-    if (o) memset(o, 0, op_block_bytes(c->size));
-    else o = ts__calloc(TS_MEM_COMM, 1, op_block_bytes(w ? w->t->size : c->size));
+    unsigned char *fpbuf = NULL; /* a cached op keeps its fingerprint buffer */
+    if (o) {
+        fpbuf = o->fpbuf;
+        memset(o, 0, op_block_bytes(c->size));
+    } else {
+        o = ts__calloc(TS_MEM_COMM, 1, op_block_bytes(w ? w->t->size : c->size));
+    }
+    bool check = w && atomic_load(&w->check) && kind != TS_COLL_SEND && kind != TS_COLL_RECV;
+    if (o && check && c->size >= 2 && !fpbuf) fpbuf = ts__malloc(TS_MEM_COMM, FPB_BYTES);
     ts_request *r = ts__calloc(TS_MEM_COMM, 1, sizeof *r);
-    if (!o || !r) {
+    if (!o || !r || (check && c->size >= 2 && !fpbuf)) {
+        ts__free(TS_MEM_COMM, fpbuf);
         ts__free(TS_MEM_COMM, o);
         ts__free(TS_MEM_COMM, r);
         return NULL;
     }
+    o->fpbuf = fpbuf;
     size_t nx = (size_t)(6 * c->size);
     xfer *x = (xfer *)(void *)(o + 1);
     o->w = w;
@@ -1766,7 +1958,7 @@ static op *op_new(ts_comm *c, ts_coll_kind kind)
     o->left = (c->rank - 1 + c->size) % c->size;
     o->right = (c->rank + 1) % c->size;
     o->post = 1.0;
-    o->check = c->w && atomic_load(&c->w->check) && kind != TS_COLL_SEND && kind != TS_COLL_RECV;
+    o->check = check;
     o->mine = (fp){.kind = (uint8_t)kind, .dtype = FP_NONE, .rop = FP_NONE, .root = FP_NONE};
     return o;
 }
@@ -1863,6 +2055,10 @@ static ts_status check_comm(const char *fn, const ts_comm *c)
     return TS_OK;
 }
 
+/* An all-gather (its own block in place) sends that block with its
+ * fingerprint when it is small enough (see Fingerprints). */
+static void set_inline_ag(op *o) { o->inl = fp_inline(o); }
+
 ts_status ts_all_gather_into_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_request **r)
 {
     static const char fn[] = "ts_all_gather_into_tensor";
@@ -1883,6 +2079,7 @@ ts_status ts_all_gather_into_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, t
     o->ag = true;
     if (o->block && blk(o, c->rank) != (unsigned char *)ts_tensor_data(in))
         memmove(blk(o, c->rank), ts_tensor_data(in), o->block);
+    set_inline_ag(o);
     return submit(c, o, o->block, r);
 }
 
@@ -1928,6 +2125,24 @@ static ts_status setup_rs(op *o, const void *src, ts_dtype sd, double pre, size_
     o->block = block_n * es;
     if (o->W == 1) return TS_OK;
     bool convert = sd != o->acc || pre != 1.0;
+    if ((o->inl = fp_inline(o))) {
+        /* step 0 travels with the fingerprints (see Fingerprints): its
+         * block is received in front of staging block 0, in fpbuf */
+        int extra = (o->W > 2) + convert;
+        if (extra) {
+            o->sscratch = scratch((size_t)extra * o->block, &o->sscratch_bytes);
+            if (!o->sscratch) return TS_ERR_NO_MEMORY;
+        }
+        o->stage[0] = o->stage[1] = o->fpbuf + FPB_RECV;
+        if (o->W > 2) o->stage[1] = o->sscratch;
+        if (convert) {
+            o->send0 = o->sscratch + (o->W > 2 ? o->block : 0);
+            convert_through(o->send0, o->acc, src_blk(o, o->rank - 1), sd, o->acc, pre, 1.0, block_n);
+        } else {
+            o->send0 = (unsigned char *)(uintptr_t)src_blk(o, o->rank - 1);
+        }
+        return TS_OK;
+    }
     int nstage = o->W - 1 < 2 ? o->W - 1 : 2;
     o->sscratch = scratch((size_t)(nstage + convert) * o->block, &o->sscratch_bytes);
     if (!o->sscratch) return TS_ERR_NO_MEMORY;
@@ -2047,6 +2262,7 @@ ts_status ts_barrier(ts_comm *c, ts_request **r)
         op_discard(o);
         return TS_ERR_NO_MEMORY;
     }
+    set_inline_ag(o);
     return submit(c, o, 0, r);
 }
 
@@ -2158,6 +2374,7 @@ ts_status ts_all_gather(ts_comm *c, int nout, ts_tensor **outs, ts_tensor *in, t
     for (int i = 0; i < nout; i++) o->outs[i] = ts_tensor_data(outs[i]);
     o->ag = true;
     if (o->block) memcpy(blk(o, c->rank), ts_tensor_data(in), o->block);
+    set_inline_ag(o);
     return submit(c, o, o->block, r);
 }
 

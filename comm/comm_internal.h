@@ -57,6 +57,15 @@ void ts__comm_set_timeout(ts_comm *c, double timeout_s);
  * Every rank must switch at the same point of its sequence of
  * collectives (the benchmark measures both). Any thread. */
 void ts__comm_set_check(ts_comm *c, bool on);
+/* Sets the largest step-0 block (bytes, capped at 16 KiB) that a ring of
+ * c's world sends inside its fingerprint's message rather than in a
+ * message of its own (comm.c, "Fingerprints": inline blocks), for
+ * collectives submitted from now on; default TS_COMM_FP_INLINE, else
+ * 16 KiB; 0 never.
+ * Ranks that differ fail the collectives of a size between their values
+ * with TS_ERR_COMM saying so, as ranks whose TS_COMM_FP_INLINE differ do.
+ * Any thread. Ignores NULL and the one-rank group. */
+void ts__comm_set_fp_inline(ts_comm *c, size_t bytes);
 
 /* The sends and receives c's world's transport posted with a buffer of
  * their own, and how many passed a registration of pinned memory

@@ -15,7 +15,7 @@
  * collective sequence number, step, chunk) in it, so back-to-back
  * collectives never cross-match. A message may arrive before its receive
  * is posted (the transport buffers it). The receive length must equal the
- * sent length (TS_ERR_COMM otherwise).
+ * sent length (TS_ERR_COMM otherwise), except for recv_upto's receives.
  */
 #ifndef TS_COMM_TRANSPORT_H
 #define TS_COMM_TRANSPORT_H
@@ -23,6 +23,13 @@
 #include "base/base.h"
 
 typedef struct ts_transport ts_transport;
+
+/* One piece of a message of several (sendv, recvv_upto). */
+typedef struct ts_iov {
+    void *buf;
+    size_t len;
+} ts_iov;
+#define TS_IOV_MAX 3
 
 /* Completion of one posted send or receive: TS_OK, or the error (a dead
  * peer: TS_ERR_PEER_FAILED naming it; cancelled: TS_ERR_COMM). */
@@ -75,6 +82,26 @@ typedef struct ts_transport_vtable {
      * at creation: any thread (comm/coll_direct.c reads from the caller's
      * thread). */
     int (*peer_pid)(ts_transport *t, int peer);
+    /* Optional (NULL: not supported; comm.c then keeps every fingerprint
+     * apart from the data): a receive like recv() that also accepts a
+     * message shorter than len, for messages under the sizes that take
+     * another path (UCX's bypass: len < 256 KiB). The received length is
+     * written to *len_out (which must stay valid until the callback)
+     * before the callback runs with TS_OK; a message longer than len
+     * fails it with TS_ERR_COMM, *len_out then unspecified. comm.c's
+     * fingerprint receives use it: a peer's fingerprint message may carry
+     * a data block of another size (see comm.c, "Fingerprints"). */
+    ts_status (*recv_upto)(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg,
+                           size_t *len_out);
+    /* Optional (NULL: not supported; comm.c then copies the pieces
+     * together): send() of one message made of n (1..TS_IOV_MAX) pieces
+     * in order, and recv_upto() into n pieces filled in order (a message
+     * of at most their total; *len_out its length). The array may go when
+     * the call returns; the pieces' memory stays until the callback. Under
+     * 256 KiB in all (never UCX's bypass). */
+    ts_status (*sendv)(ts_transport *t, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb, void *arg);
+    ts_status (*recvv_upto)(ts_transport *t, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb,
+                            void *arg, size_t *len_out);
 } ts_transport_vtable;
 
 struct ts_transport {
@@ -95,6 +122,9 @@ ts_status ts__loopback_transport_new(ts_loopback_fabric *f, int rank, ts_transpo
  * with it after detect_s). */
 void ts__loopback_set_delay(ts_loopback_fabric *f, int rank, double delay_s);
 void ts__loopback_kill(ts_loopback_fabric *f, int rank, double detect_s);
+/* Test hook: how many messages the fabric's transports have sent so far
+ * (all ranks; every send counts, whatever became of it). Any thread. */
+uint64_t ts__loopback_sent(ts_loopback_fabric *f);
 
 /* ----------------------------------------------------------- UCX */
 

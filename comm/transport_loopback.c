@@ -57,10 +57,33 @@ typedef struct lb_op {
     uint64_t tag;
     void *buf;
     size_t len;
+    size_t *len_out; /* recv_upto: the received length (NULL: len exactly) */
+    ts_iov iov[TS_IOV_MAX]; /* recvv_upto: the pieces (niov > 0; len their total) */
+    int niov;
     ts_xfer_cb cb;
     void *arg;
     ts_status status;
 } lb_op;
+
+/* Whether a message of mlen bytes completes receive r (recv_upto: any
+ * length up to r->len, written to *r->len_out); copies it if so. */
+static bool deliver(lb_op *r, const void *data, size_t mlen)
+{
+    if (r->len_out ? mlen > r->len : mlen != r->len) return false;
+    if (r->len_out) *r->len_out = mlen;
+    if (!r->niov) {
+        if (mlen) memcpy(r->buf, data, mlen);
+        return true;
+    }
+    const unsigned char *p = data;
+    for (int i = 0; i < r->niov && mlen; i++) {
+        size_t k = mlen < r->iov[i].len ? mlen : r->iov[i].len;
+        if (k) memcpy(r->iov[i].buf, p, k);
+        p += k;
+        mlen -= k;
+    }
+    return true;
+}
 
 typedef struct lb_box {
     lb_msg *msgs, *msgs_tail;     /* unexpected messages, arrival order */
@@ -78,6 +101,7 @@ struct ts_loopback_fabric {
     uint64_t *delay_ns;  /* per sender */
     uint64_t *kill_ns;   /* 0: alive; else the time its death is detected */
     bool *killed;        /* kill() was called */
+    uint64_t nsent;      /* messages sent (ts__loopback_sent) */
 };
 
 typedef struct lb_transport {
@@ -157,12 +181,7 @@ static int match_locked(ts_loopback_fabric *f, int rank, uint64_t now)
         if (prev_r) prev_r->next = next;
         else b->recvs = next;
         if (b->recvs_tail == r) b->recvs_tail = prev_r;
-        ts_status st = TS_OK;
-        if (m->len != r->len) {
-            st = TS_ERR_COMM;
-        } else if (m->len) {
-            memcpy(r->buf, m->data, m->len);
-        }
+        ts_status st = deliver(r, m->data, m->len) ? TS_OK : TS_ERR_COMM;
         ts__free(TS_MEM_COMM, m->data);
         ts__free(TS_MEM_COMM, m);
         complete_locked(f, rank, r, st);
@@ -225,6 +244,7 @@ static ts_status lb_send(ts_transport *t, int peer, const void *buf, size_t len,
     lb_op *op = new_op(peer, tag, (void *)(uintptr_t)buf, len, cb, arg);
     if (!op) return TS_ERR_NO_MEMORY;
     pthread_mutex_lock(&f->mu);
+    f->nsent++;
     uint64_t now = ts_now_ns();
     int dead;
     if (link_dead(f, me, peer, now, &dead)) {
@@ -251,9 +271,7 @@ static ts_status lb_send(ts_transport *t, int peer, const void *buf, size_t len,
                 if (prev) prev->next = r->next;
                 else d->recvs = r->next;
                 if (d->recvs_tail == r) d->recvs_tail = prev;
-                ts_status st = TS_OK;
-                if (r->len != len) st = TS_ERR_COMM;
-                else if (len) memcpy(r->buf, buf, len);
+                ts_status st = deliver(r, buf, len) ? TS_OK : TS_ERR_COMM;
                 complete_locked(f, peer, r, st);
                 complete_locked(f, me, op, TS_OK);
                 pthread_mutex_unlock(&f->mu);
@@ -283,7 +301,8 @@ static ts_status lb_send(ts_transport *t, int peer, const void *buf, size_t len,
     return TS_OK;
 }
 
-static ts_status lb_recv(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
+static ts_status lb_recv_upto(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb,
+                             void *arg, size_t *len_out)
 {
     ts_loopback_fabric *f = ((lb_transport *)t)->f;
     ts_status s = check_peer(t, peer);
@@ -291,6 +310,7 @@ static ts_status lb_recv(ts_transport *t, int peer, void *buf, size_t len, uint6
     int me = t->rank;
     lb_op *op = new_op(peer, tag, buf, len, cb, arg);
     if (!op) return TS_ERR_NO_MEMORY;
+    op->len_out = len_out;
     pthread_mutex_lock(&f->mu);
     uint64_t now = ts_now_ns();
     int dead;
@@ -302,6 +322,60 @@ static ts_status lb_recv(ts_transport *t, int peer, void *buf, size_t len, uint6
     }
     pthread_mutex_unlock(&f->mu);
     return TS_OK;
+}
+
+static ts_status lb_recv(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
+{
+    return lb_recv_upto(t, peer, buf, len, tag, cb, arg, NULL);
+}
+
+static ts_status lb_recvv_upto(ts_transport *t, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb,
+                               void *arg, size_t *len_out)
+{
+    if (n < 1 || n > TS_IOV_MAX || !len_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "loopback: recvv_upto of %d pieces (1..%d) with%s len_out", n,
+                        TS_IOV_MAX, len_out ? "" : "out");
+    ts_loopback_fabric *f = ((lb_transport *)t)->f;
+    ts_status s = check_peer(t, peer);
+    if (s) return s;
+    int me = t->rank;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += iov[i].len;
+    lb_op *op = new_op(peer, tag, iov[0].buf, total, cb, arg);
+    if (!op) return TS_ERR_NO_MEMORY;
+    op->len_out = len_out;
+    memcpy(op->iov, iov, (size_t)n * sizeof *iov);
+    op->niov = n;
+    pthread_mutex_lock(&f->mu);
+    uint64_t now = ts_now_ns();
+    int dead;
+    if (link_dead(f, me, peer, now, &dead)) {
+        complete_locked(f, me, op, TS_ERR_PEER_FAILED);
+    } else {
+        PUSH(f->box[me].recvs, f->box[me].recvs_tail, op);
+        if (!link_cut(f, me, peer)) match_locked(f, me, now);
+    }
+    pthread_mutex_unlock(&f->mu);
+    return TS_OK;
+}
+
+/* The pieces gathered into one buffer, sent as one message. */
+static ts_status lb_sendv(ts_transport *t, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb, void *arg)
+{
+    if (n < 1 || n > TS_IOV_MAX)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "loopback: sendv of %d pieces (1..%d)", n, TS_IOV_MAX);
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += iov[i].len;
+    unsigned char *g = ts__malloc(TS_MEM_COMM, total ? total : 1);
+    if (!g) return TS_ERR_NO_MEMORY;
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        if (iov[i].len) memcpy(g + off, iov[i].buf, iov[i].len);
+        off += iov[i].len;
+    }
+    ts_status s = lb_send(t, peer, g, total, tag, cb, arg); /* copies the bytes, or never reads them (a cut link) */
+    ts__free(TS_MEM_COMM, g);
+    return s;
 }
 
 static int lb_progress(ts_transport *t)
@@ -330,8 +404,9 @@ static int lb_progress(ts_transport *t)
             pthread_mutex_unlock(&f->mu);
             peer_failed(dead);
         } else if (st == TS_ERR_COMM) {
-            ts_error(TS_ERR_COMM, "loopback: receive of %zu bytes from rank %d (tag %#llx) got a message of another length",
-                     done->len, done->peer, (unsigned long long)done->tag);
+            ts_error(TS_ERR_COMM, "loopback: receive of %s%zu bytes from rank %d (tag %#llx) got a message of %s length",
+                     done->len_out ? "up to " : "", done->len, done->peer, (unsigned long long)done->tag,
+                     done->len_out ? "a greater" : "another");
         }
         if (done->cb) done->cb(done->arg, st);
         ts__free(TS_MEM_COMM, done);
@@ -447,6 +522,9 @@ static const ts_transport_vtable lb_vtable = {
     .cancel_all = lb_cancel_all,
     .destroy = lb_destroy,
     .peer_pid = lb_peer_pid,
+    .recv_upto = lb_recv_upto,
+    .sendv = lb_sendv,
+    .recvv_upto = lb_recvv_upto,
 };
 
 ts_status ts__loopback_fabric_new(int size, ts_loopback_fabric **out)
@@ -561,4 +639,12 @@ void ts__loopback_kill(ts_loopback_fabric *f, int rank, double detect_s)
         signal_box(b);
     }
     pthread_mutex_unlock(&f->mu);
+}
+
+uint64_t ts__loopback_sent(ts_loopback_fabric *f)
+{
+    pthread_mutex_lock(&f->mu);
+    uint64_t n = f->nsent;
+    pthread_mutex_unlock(&f->mu);
+    return n;
 }

@@ -37,7 +37,8 @@
  * UCP_OP_ATTR_FLAG_NO_IMM_CMPL, so recv_cb always runs (inside
  * ucp_tag_recv_nbx when the message was already here) and reports the
  * received length, which must equal the posted one (TS_ERR_COMM naming
- * both; a longer message is UCX's "Message truncated").
+ * both; a longer message is UCX's "Message truncated"), or for recv_upto
+ * be at most the posted one.
  *
  * Failures. The endpoint error callback only records (peer, status): the
  * first failure is what failed_peer() reports. Same-host peers are also
@@ -150,6 +151,7 @@ struct ucx_op {
     uint64_t tag;
     ucs_status_t ucs;
     size_t rlen; /* received length */
+    size_t *len_out; /* recv_upto: where the received length goes (NULL: len exactly) */
     size_t ulen; /* shared-memory bypass: the bytes of the transfer this message serves (0: none) */
     uint64_t xbits; /* 0, TS_UCX_CTRL or TS_UCX_ACK */
     /* the bypass's control and acknowledgement payloads live in the op, so
@@ -463,6 +465,10 @@ static ts_status op_status(ts_ucx *t, ucx_op *op)
                         t->base.rank, what, op->len, dir, op->peer, op->tag);
     }
     if (op->ucs == UCS_OK) {
+        if (op->is_recv && op->len_out && op->rlen <= op->len) {
+            *op->len_out = op->rlen;
+            return TS_OK;
+        }
         if (op->is_recv && op->rlen != op->len)
             return ts_error(TS_ERR_COMM, "ucx: rank %d: receive from rank %d (tag 0x%" PRIx64
                             "): got %zu bytes, expected %zu", t->base.rank, op->peer, op->tag, op->rlen, op->len);
@@ -964,6 +970,95 @@ static ts_status ucx_recv(ts_transport *base, int peer, void *buf, size_t len, u
     return recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg, NULL);
 }
 
+/* A receive of at most len bytes (transport.h): never the bypass, which
+ * needs the exact length on both sides. */
+static ts_status ucx_recv_upto(ts_transport *base, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb,
+                               void *arg, size_t *len_out)
+{
+    ts_ucx *t = (ts_ucx *)base;
+    ts_status s = check_args(t, "recv", peer, buf, len, tag);
+    if (s != TS_OK)
+        return s;
+    if (len >= TS_UCX_CMA_MIN || !len_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: rank %d: recv_upto of %zu bytes from rank %d: %s",
+                        t->base.rank, len, peer, len_out ? "at least the bypass's 256 KiB" : "NULL len_out");
+    ucx_op *op = NULL;
+    s = recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg, &op);
+    if (s == TS_OK && op)
+        op->len_out = len_out; /* read by op_status, from progress: never before this */
+    return s;
+}
+
+_Static_assert(sizeof(ucp_dt_iov_t) == sizeof(ts_iov) && TS_IOV_MAX * sizeof(ucp_dt_iov_t) <= 48,
+               "the pieces of a message fit an op's inline buffer");
+
+/* sendv / recvv_upto (transport.h): UCX's iov datatype over the pieces,
+ * whose list lives in the op's inline buffer for as long as UCX holds
+ * the op. Never the bypass. */
+static ts_status ucx_xferv(ts_ucx *t, bool is_recv, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb,
+                           void *arg, size_t *len_out)
+{
+    const char *what = is_recv ? "recvv" : "sendv";
+    if (n < 1 || n > TS_IOV_MAX)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: %s of %d pieces (1..%d)", what, n, TS_IOV_MAX);
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += iov[i].len;
+    ts_status s = check_args(t, what, peer, iov[0].buf ? iov[0].buf : (void *)iov, total, tag);
+    if (s != TS_OK)
+        return s;
+    if (total >= TS_UCX_CMA_MIN || (is_recv && !len_out))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: rank %d: %s of %zu bytes with rank %d: %s", t->base.rank, what,
+                        total, peer, len_out || !is_recv ? "at least the bypass's 256 KiB" : "NULL len_out");
+    ucx_op *op = op_new(t, peer, total, tag, is_recv, cb, arg);
+    if (!op)
+        return ts_error(TS_ERR_NO_MEMORY, "ucx: %s: out of memory", what);
+    ucp_dt_iov_t *v = (ucp_dt_iov_t *)(void *)op->inl;
+    for (int i = 0; i < n; i++)
+        v[i] = (ucp_dt_iov_t){.buffer = iov[i].buf, .length = iov[i].len};
+    op->len_out = is_recv ? len_out : NULL;
+    atomic_fetch_add_explicit(&t->xfers, 1, memory_order_relaxed);
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE |
+                        (is_recv ? UCP_OP_ATTR_FLAG_NO_IMM_CMPL : 0),
+        .user_data = op,
+        .datatype = ucp_dt_make_iov(),
+    };
+    if (is_recv)
+        prm.cb.recv = recv_cb;
+    else
+        prm.cb.send = send_cb;
+    ucp_tag_t utag = ((uint64_t)(is_recv ? peer : t->base.rank) << TS_UCX_RANK_SHIFT) ^ tag;
+    pending_add(t, op);
+    void *r = is_recv ? ucp_tag_recv_nbx(t->worker, v, (size_t)n, utag, ~(ucp_tag_t)0, &prm)
+                      : ucp_tag_send_nbx(t->peers[peer].ep, v, (size_t)n, utag, &prm);
+    if (UCS_PTR_IS_ERR(r)) {
+        ucs_status_t us = UCS_PTR_STATUS(r);
+        pending_remove(t, op);
+        op_release(t, op);
+        return ts_error(!is_recv && t->peers[peer].dead ? TS_ERR_PEER_FAILED : TS_ERR_COMM,
+                        "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 ") failed: %s", t->base.rank, what,
+                        total, is_recv ? "from" : "to", peer, tag, ucs_status_string(us));
+    }
+    if (r == NULL)
+        op_finished(op, UCS_OK, total); /* a send done in place (a receive is never, with NO_IMM_CMPL) */
+    else
+        op->req = r;
+    return TS_OK;
+}
+
+static ts_status ucx_sendv(ts_transport *base, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb,
+                           void *arg)
+{
+    return ucx_xferv((ts_ucx *)base, false, peer, iov, n, tag, cb, arg, NULL);
+}
+
+static ts_status ucx_recvv_upto(ts_transport *base, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb,
+                                void *arg, size_t *len_out)
+{
+    return ucx_xferv((ts_ucx *)base, true, peer, iov, n, tag, cb, arg, len_out);
+}
+
 static int ucx_progress(ts_transport *base)
 {
     ts_ucx *t = (ts_ucx *)base;
@@ -1278,6 +1373,9 @@ static const ts_transport_vtable ucx_vtable = {
     .mem_deregister = ucx_mem_deregister,
     .xfer_stats = ucx_xfer_stats,
     .peer_pid = ucx_peer_pid,
+    .recv_upto = ucx_recv_upto,
+    .sendv = ucx_sendv,
+    .recvv_upto = ucx_recvv_upto,
 };
 
 /* ------------------------------------------------------------- create */

@@ -149,14 +149,22 @@ static void role_stop3(void)
  * at once, naming both sides; each prints "desync R: <error>". */
 static void role_desync(void)
 {
-    bool big = getenv("TS_TEST_FAIL_BIG") && strcmp(getenv("TS_TEST_FAIL_BIG"), "1") == 0;
+    /* TS_TEST_FAIL_BIG: 0 (the kinds differ), 1 (bypass against inline),
+     * 2, 3, 4 (counts against each other: both blocks inline, rank 1's
+     * message the longer; rank 0's apart, rank 1's inline just under
+     * comm.c's default threshold, 16 KiB; both apart, rank 0's message
+     * the longer) */
+    const char *bs = getenv("TS_TEST_FAIL_BIG");
+    int mode = bs ? atoi(bs) : 0;
+    bool big = mode != 0;
+    static const int64_t counts[5][2] = {{8512, 8512}, {1 << 17, 100}, {100, 700}, {5000, 4000}, {8000, 6000}};
     ts_dist_options o = ts_dist_options_default();
     o.timeout_s = 30;
     if (ts_dist_init(&o) != TS_OK) RFAIL(10, "ts_dist_init");
     ts_comm *c = ts_dist_world();
     g_rank = ts_comm_rank(c);
     if (ts_barrier(c, NULL) != TS_OK) RFAIL(11, "barrier");
-    int64_t n = big ? (g_rank == 0 ? 1 << 17 : 100) : 8512;
+    int64_t n = counts[mode < 0 || mode > 4 ? 0 : mode][g_rank != 0];
     ts_tensor *in = mk(n), *out = mk(2 * n);
     double t0 = th_now_s();
     ts_status s = !big && g_rank == 1 ? ts_barrier(c, NULL) : ts_all_gather_into_tensor(c, out, in, NULL);
@@ -456,14 +464,24 @@ Test(comm_failures_dist, killed_rank_0_in_all_gathers_no_transfer_warnings, .tim
 /* Desynchronised collectives between processes: both ranks fail within
  * the collective (the deadline is 30 s), naming both sides, with no UCX
  * log line; also when the sizes take different paths (the bypass for
- * 512 KiB against an eager message), which used to end at the deadline. */
+ * 512 KiB against an eager message), which used to end at the deadline,
+ * and across the fingerprints' inline threshold (comm.c: blocks up to
+ * 16 KiB) and UCX's receive of any length up to it. */
 Test(comm_failures_dist, desync_fails_both_ranks_naming_both_sides, .timeout = 120)
 {
-    static const char *want[2][2] = {{"rank 0 runs all_gather #1 (float32, 8512)", "rank 1 runs barrier #1"},
+    static const char *want[5][2] = {{"rank 0 runs all_gather #1 (float32, 8512)", "rank 1 runs barrier #1"},
                                      {"rank 0 runs all_gather #1 (float32, 131072)",
-                                      "rank 1 runs all_gather #1 (float32, 100)"}};
-    for (int big = 0; big < 2; big++) {
-        setenv("TS_TEST_FAIL_BIG", big ? "1" : "0", 1);
+                                      "rank 1 runs all_gather #1 (float32, 100)"},
+                                     {"rank 0 runs all_gather #1 (float32, 100)",
+                                      "rank 1 runs all_gather #1 (float32, 700)"},
+                                     {"rank 0 runs all_gather #1 (float32, 5000)",
+                                      "rank 1 runs all_gather #1 (float32, 4000)"},
+                                     {"rank 0 runs all_gather #1 (float32, 8000)",
+                                      "rank 1 runs all_gather #1 (float32, 6000)"}};
+    for (int big = 0; big < 5; big++) {
+        char bs[8];
+        snprintf(bs, sizeof bs, "%d", big);
+        setenv("TS_TEST_FAIL_BIG", bs, 1);
         job j;
         job_start(&j, 2, "desync");
         job_wait(&j, -1, 60);

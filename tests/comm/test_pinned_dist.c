@@ -67,12 +67,25 @@ static void role_pinned(void)
     int W = ts_comm_size(c);
     if (ts__pinned_registered_count() != 1) RFAIL(12, "%d blocks registered at init, want 1", ts__pinned_registered_count());
     uint64_t p, r;
-    /* 1000 floats: UCX's eager path; 20000 (80 KB): UCX's rendezvous */
+    /* 1000 floats: UCX's eager path; 20000 (80 KB): UCX's rendezvous. A
+     * 4000-byte block goes inside the fingerprint's message by default
+     * (comm.c, "Fingerprints": inline blocks), sent and received as
+     * pieces, which pass no registration: step 0 is then no transfer of
+     * the pinned block alone. With inline blocks off (every rank alike)
+     * each step is one. */
+    ts__comm_set_fp_inline(c, 0);
     gather(c, early, 1000, &p, &r);
     if (r < 2 * (uint64_t)(W - 1)) RFAIL(13, "pinned 4000-byte all-gather: %llu of %llu transfers registered",
                                          (unsigned long long)r, (unsigned long long)p);
     fprintf(stderr, "rank %d: pinned 4 KB all-gather: %llu of %llu transfers passed the registration\n", g_rank,
             (unsigned long long)r, (unsigned long long)p);
+    /* inline (the default): right, and the later steps' transfers (W > 2)
+     * still pass the registration */
+    ts__comm_set_fp_inline(c, 16 << 10);
+    gather(c, early, 1000, &p, &r);
+    if (r < 2 * (uint64_t)(W - 2) || p < 2 * (uint64_t)(W - 1))
+        RFAIL(27, "pinned 4000-byte all-gather, inline: %llu of %llu transfers registered", (unsigned long long)r,
+              (unsigned long long)p);
     ts_tensor *mid = pinned_empty(20000 * (int64_t)W);
     if (ts__pinned_registered_count() != 2) RFAIL(14, "%d blocks registered, want 2", ts__pinned_registered_count());
     gather(c, mid, 20000, &p, &r);
