@@ -2,7 +2,9 @@
 #include <criterion/criterion.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -435,15 +437,23 @@ Test(comm_collectives, counters_per_group, .timeout = 60)
 /* ------------------------------------------------------------------ */
 
 /* Rank W-1 dies after a first barrier; the survivors' next collectives
- * fail with TS_ERR_PEER_FAILED naming it, well within the deadline. */
+ * fail with TS_ERR_PEER_FAILED naming it, well within the deadline. It
+ * dies only once every survivor has left that barrier: a rank may leave a
+ * barrier before its messages to the others were received, and a kill
+ * drops those (on a loaded machine the survivors' first barrier then
+ * failed instead of the collectives after it). */
+static atomic_int g_left_first_barrier;
 static int rank_killed(rank_ctx *rc)
 {
     RK_OK(rc, ts_barrier(rc->c, NULL));
     int dead = rc->W - 1;
     if (rc->rank == dead) {
+        double t0 = wall_s();
+        while (atomic_load(&g_left_first_barrier) < rc->W - 1 && wall_s() - t0 < 5.0) sched_yield();
         ts__loopback_kill(rc->f, dead, 0.2);
         return 0;
     }
+    atomic_fetch_add(&g_left_first_barrier, 1);
     ts_tensor *t = vec(rc, TS_F32, 64, rs_val, rc->rank);
     double t0 = wall_s();
     ts_request *r = NULL;
@@ -471,7 +481,10 @@ Test(comm_collectives, killed_rank_fails_survivors, .timeout = 60)
 {
     th_mem_mark();
     g_timeout = 10.0;
-    for (int W = 2; W <= 4; W++) run_world(W, rank_killed, NULL);
+    for (int W = 2; W <= 4; W++) {
+        atomic_store(&g_left_first_barrier, 0);
+        run_world(W, rank_killed, NULL);
+    }
     g_timeout = 30.0;
     th_mem_assert_back();
 }
