@@ -55,8 +55,13 @@
  * 'fsdp / local' (target <= 1.03) and 'fsdp / ddp' (target <= 0.80), or
  * why DDP did not run (no torch in /usr/bin/python3). docs/optim.md.
  *
+ * --hsdp R shards every sharded mode over a 2-d (replicate R, shard W/R)
+ * mesh instead of all W ranks (HSDP: with --nnodes R, the all-gathers and
+ * reduce-scatters stay within a host and only the gradients' all-reduce
+ * crosses; scripts/bench_two_hosts.sh --step passes it on).
+ *
  * Usage: tsrun --nproc-per-node 2 bench_fsdp_step [--steps N] [--layers L]
- *        [--dim D] [--heads H] [--seq T] [--batch B] [--no-ddp]
+ *        [--dim D] [--heads H] [--seq T] [--batch B] [--hsdp R] [--no-ddp]
  *        [--ddp-bucket-mb 1,25] [--only-vs (the alternating run alone)]
  * Defaults: 9 steps, 4 layers, d 256, 4 heads, seq 128, batch 4 per rank. */
 #define _GNU_SOURCE
@@ -91,6 +96,7 @@ typedef struct mode_bytes {
 } mode_bytes;
 static mode_bytes g_bytes[N_MODES];
 static ts_fsdp_memory_report g_pred[N_MODES]; /* ts_fsdp_memory_estimate per mode (zeros for local) */
+static ts_mesh *g_mesh; /* --hsdp R: the (replicate R, shard W/R) mesh every sharded mode uses; NULL: 1-d */
 
 static ts_module *build(const cfg *c, int mode)
 {
@@ -107,6 +113,7 @@ static ts_module *build(const cfg *c, int mode)
     mp.param_dtype = TS_BF16;
     mp.reduce_dtype = TS_F32;
     ts_fsdp_options fo = ts_fsdp_options_default();
+    fo.mesh = g_mesh;
     if (mode == OFFLOAD || mode == OFFLOAD_NOPIN) fo.offload_policy = &op;
     if (mode == FSDP_BF16) fo.mp_policy = &mp;
     for (int l = 0; l < c->layers; l++) {
@@ -588,6 +595,7 @@ int main(int argc, char **argv)
     ts_launch_rank_guard();
     cfg c = {.steps = 9, .layers = 4, .dim = 256, .heads = 4, .seq = 128, .batch = 4, .vocab = 64};
     bool with_ddp = true, only_vs = false;
+    int hsdp = 1;
     for (int i = 1; i < argc; i++) { /* the flags without a value, taken out of argv */
         bool drop = true;
         if (!strcmp(argv[i], "--no-ddp")) with_ddp = false;
@@ -610,20 +618,30 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--heads")) c.heads = v;
         else if (!strcmp(argv[i], "--seq")) c.seq = v;
         else if (!strcmp(argv[i], "--batch")) c.batch = v;
+        else if (!strcmp(argv[i], "--hsdp")) hsdp = v;
         else {
             fprintf(stderr, "unknown flag %s\n", argv[i]);
             return 2;
         }
     }
     if ((argc - 1) % 2 || c.steps < 1 || c.layers < 1 || c.dim < c.heads || c.dim % c.heads || c.seq < 2 ||
-        c.batch < 1) {
+        c.batch < 1 || hsdp < 1) {
         fprintf(stderr, "usage: tsrun --nproc-per-node 2 %s [--steps N] [--layers L] [--dim D] [--heads H] "
-                        "[--seq T] [--batch B] [--no-ddp] [--ddp-bucket-mb 1,25] [--only-vs]\n", argv[0]);
+                        "[--seq T] [--batch B] [--hsdp R] [--no-ddp] [--ddp-bucket-mb 1,25] [--only-vs]\n", argv[0]);
         return 2;
     }
     CHECK(ts_dist_init(NULL));
     if (!ts_trace_enabled()) CHECK(ts_trace_start("/dev/null")); /* for the breakdown; never flushed */
     int rank = ts_comm_rank(ts_dist_world()), W = ts_comm_size(ts_dist_world());
+    if (hsdp > 1) { /* HSDP: replicate over R (the hosts, with --nnodes R), shard within */
+        if (W % hsdp) {
+            fprintf(stderr, "--hsdp %d: the %d ranks do not split into %d replicas\n", hsdp, W, hsdp);
+            return 2;
+        }
+        int64_t shape[2] = {hsdp, W / hsdp};
+        static const char *const names[2] = {"replicate", "shard"};
+        CHECK(ts_mesh_new(ts_dist_world(), "cpu", 2, shape, names, &g_mesh));
+    }
     double t[N_MODES] = {0};
     size_t peak[N_MODES] = {0};
     int64_t pbytes[N_MODES] = {0};
@@ -639,9 +657,10 @@ int main(int argc, char **argv)
     vs_result vs;
     run_vs(&c, rank, W, with_ddp, &vs);
     if (rank == 0) {
-        printf("bench_fsdp_step: %d ranks, GPT %d layers, d %d, %d heads, seq %d, batch %d per rank, AdamW; "
+        printf("bench_fsdp_step: %d ranks%s, GPT %d layers, d %d, %d heads, seq %d, batch %d per rank, AdamW; "
                "TS_UCX_ERROR_MODE=%s\n",
-               W, c.layers, c.dim, c.heads, c.seq, c.batch,
+               W, g_mesh ? " (HSDP: replicate x shard mesh of --hsdp; comm alone stays 1-d)" : "", c.layers, c.dim,
+               c.heads, c.seq, c.batch,
                getenv("TS_UCX_ERROR_MODE") ? getenv("TS_UCX_ERROR_MODE") : "peer");
     }
     if (rank == 0 && !only_vs) {
@@ -723,6 +742,7 @@ int main(int argc, char **argv)
         else
             printf("fsdp / ddp: not measured: %s\n", vs.ddp_why ? vs.ddp_why : "DDP did not run");
     }
+    ts_mesh_free(g_mesh);
     CHECK(ts_dist_finalize());
     return 0;
 }

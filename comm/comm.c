@@ -16,10 +16,16 @@
  *    costs no thread hand-off (each one 5-100 us on a VM). It gives up
  *    after DRIVE_IDLE_NS without events (a stopped peer, a long transfer),
  *    wakes the communication thread and sleeps on the condition variable.
+ *  - a caller submitting an asynchronous op starts it the same way when
+ *    the lock is free (one round: its receives and first sends posted)
+ *    and goes on without waking the communication thread;
  *  - the world's communication thread keeps asynchronous requests moving
  *    while the caller computes, without the caller calling into the
- *    library. It stays off the lock while a caller drives (it "parks" on
- *    the submission eventfd; a driver that leaves ops behind wakes it),
+ *    library. It takes them over only after TS_COMM_TAKEOVER_US without
+ *    a caller's round (see takeover_ns), so that a collective waited for
+ *    soon costs no hand-off. It stays off the lock while a caller
+ *    drives (it "parks" on the submission eventfd; a driver that leaves
+ *    ops behind wakes it),
  *    spins on progress a little after its last event (TS_COMM_SPIN_US),
  *    then arms the transport and sleeps in poll() on the submission
  *    eventfd and the transport's fd, with a 10 ms timeout while ops are
@@ -883,7 +889,8 @@ static bool fp_inline(const op *o)
     if (!o->check || o->W < 2 || !o->fpbuf || !vt->recv_upto || !vt->sendv || !vt->recvv_upto ||
         o->kind == TS_COLL_BROADCAST || o->kind == TS_COLL_ALL_TO_ALL)
         return false;
-    return o->block <= atomic_load_explicit(&o->w->fp_inline, memory_order_relaxed);
+    size_t limit = atomic_load_explicit(&o->w->fp_inline, memory_order_relaxed);
+    return limit > 0 && o->block <= limit; /* 0: never, not even an empty block */
 }
 
 static const char *const k_rop_names[TS_REDUCE_OP_COUNT] = {"sum", "avg", "max", "min"};
@@ -1546,6 +1553,29 @@ static inline void cpu_relax(void)
 #endif
 }
 
+/* A caller's last error, kept across rounds of progress on its thread:
+ * the rounds run other ops' callbacks, which record their errors there. */
+typedef struct saved_err {
+    ts_status st;
+    char msg[ERR_LEN];
+} saved_err;
+
+static void err_save(saved_err *e)
+{
+    e->st = ts_last_status();
+    if (e->st != TS_OK) copy_str(e->msg, sizeof e->msg, ts_last_error());
+}
+
+/* only when it changed: formatting it again costs a microsecond */
+static void err_restore(const saved_err *e)
+{
+    if (e->st != TS_OK) {
+        if (ts_last_status() != e->st || strcmp(ts_last_error(), e->msg) != 0) ts_error(e->st, "%s", e->msg);
+    } else if (ts_last_status() != TS_OK) {
+        ts_clear_error();
+    }
+}
+
 /* ts_request_wait on a pending request: the caller runs rounds of
  * progress itself (see the top of the file) until the request completes,
  * or until DRIVE_IDLE_NS pass without events; then it hands over to the
@@ -1556,11 +1586,8 @@ static inline void cpu_relax(void)
  * park); a driver that leaves ops behind wakes it. */
 static void drive(world *w, ts_request *r)
 {
-    /* the rounds run other ops' callbacks, which record their errors on
-     * this thread: the caller's own last error is kept */
-    ts_status saved_st = ts_last_status();
-    char saved[ERR_LEN];
-    if (saved_st != TS_OK) copy_str(saved, sizeof saved, ts_last_error());
+    saved_err saved;
+    err_save(&saved); /* the caller's own last error is kept */
     atomic_fetch_add(&w->driving, 1);
     uint64_t start = ts_now_ns(), last = start;
     bool held = false, fresh = false, hot = true;
@@ -1593,8 +1620,10 @@ static void drive(world *w, ts_request *r)
         }
     }
     if (held) prog_unlock(w);
-    atomic_store_explicit(&w->caller_ns, ts_now_ns(), memory_order_relaxed);
     bool done = atomic_load(&r->done) != 0;
+    /* done: the thread keeps off a while more (the caller may wait again
+     * soon); given up: the thread takes over now, not after its delay */
+    atomic_store_explicit(&w->caller_ns, done ? ts_now_ns() : 0, memory_order_relaxed);
     atomic_fetch_sub(&w->driving, 1);
     /* hand over: the request itself, ops left behind (the thread may be
      * parked, or asleep on a worker armed before this caller's rounds,
@@ -1607,12 +1636,7 @@ static void drive(world *w, ts_request *r)
         while (!atomic_load(&r->done)) pthread_cond_wait(&w->cv, &w->mu);
         pthread_mutex_unlock(&w->mu);
     }
-    /* only when it changed: formatting it again costs a microsecond */
-    if (saved_st != TS_OK) {
-        if (ts_last_status() != saved_st || strcmp(ts_last_error(), saved) != 0) ts_error(saved_st, "%s", saved);
-    } else if (ts_last_status() != TS_OK) {
-        ts_clear_error();
-    }
+    err_restore(&saved);
 }
 
 /* ------------------------------------------------------------------ */
@@ -2023,8 +2047,11 @@ static ts_status submit(ts_comm *c, op *o, size_t bytes, ts_request **r_out)
         if (r_out) {
             bool started = false;
             if (takeover_ns() > 0 && prog_trylock(w)) {
+                saved_err saved;
+                err_save(&saved);
                 (void)round_locked(w, false);
                 prog_unlock(w);
+                err_restore(&saved);
                 atomic_store_explicit(&w->caller_ns, ts_now_ns(), memory_order_relaxed);
                 started = true;
             }

@@ -438,7 +438,26 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     if (g->rs_add) { /* added into the shard gradients by the collective, piece by piece: done */
         g->rs_add = false;
         if (!st) g->n_rs_add++;
-        for (int i = 0; i < g->n; i++) g->params[i].in_reduce = false;
+        /* failed part way: some pieces may be in; the gradients are
+         * dropped (set to none) rather than left holding part of it */
+        int dropped = 0;
+        for (int i = 0; i < g->n; i++) {
+            fsdp_param *p = &g->params[i];
+            if (st && p->in_reduce && ts_tensor_grad(p->S)) {
+                (void)ts_tensor_set_grad(p->S, NULL);
+                dropped++;
+            }
+            p->in_reduce = false;
+        }
+        if (dropped) {
+            char why[256];
+            snprintf(why, sizeof why, "%s", ts_last_error());
+            ts_logf(TS_LOG_WARN,
+                    "fully_shard: group '%s': the gradient reduction adding into %d shard gradient%s failed part way; "
+                    "they are dropped (set to none)",
+                    g->fqn, dropped, dropped == 1 ? "" : "s");
+            st = ts_error(st, "%s", why);
+        }
         ts_tensor_free(g->rs_out);
         g->rs_out = NULL;
         TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
@@ -527,7 +546,9 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     return st;
 }
 
-/* Drops a reduction without applying it (after a failed backward). */
+/* Drops a reduction without applying it (after a failed backward); an
+ * accumulating one that already added into the shard gradients drops
+ * those gradients too, with a warning. */
 void ts__fsdp_discard_reduce(fsdp_group *g)
 {
     if (g->rs_req) {
@@ -535,11 +556,29 @@ void ts__fsdp_discard_reduce(fsdp_group *g)
         ts_request_free(g->rs_req);
         g->rs_req = NULL;
     }
-    ts__direct_free(g->rs_direct); /* an accumulating one (rs_add) has added into the gradients by now */
+    /* an accumulating one (rs_add) has added into the gradients by the
+     * end of its wait, all of it or, if it failed, some pieces: those
+     * gradients now hold part of a reduction that is dropped, and are
+     * dropped with it, said so (not left silently mixed) */
+    bool added = g->rs_add && g->rs_direct;
+    ts__direct_free(g->rs_direct);
     g->rs_direct = NULL;
     g->rs_add = false;
     drop_rs_src(g);
-    for (int i = 0; i < g->n; i++) g->params[i].in_reduce = false;
+    int dropped = 0;
+    for (int i = 0; i < g->n; i++) {
+        fsdp_param *p = &g->params[i];
+        if (added && p->in_reduce && ts_tensor_grad(p->S)) {
+            (void)ts_tensor_set_grad(p->S, NULL);
+            dropped++;
+        }
+        p->in_reduce = false;
+    }
+    if (dropped)
+        ts_logf(TS_LOG_WARN,
+                "fully_shard: group '%s': a dropped gradient reduction had been adding into the shard gradients of %d "
+                "parameter%s; those gradients are dropped too (set to none)",
+                g->fqn, dropped, dropped == 1 ? "" : "s");
     ts_tensor_free(g->rs_in);
     ts_tensor_free(g->rs_out);
     g->rs_in = g->rs_out = NULL;

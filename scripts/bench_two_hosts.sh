@@ -9,12 +9,14 @@
 #   scripts/bench_two_hosts.sh [BUILDDIR] [-- bench_collectives flags]
 # e.g. scripts/bench_two_hosts.sh build -- --max-mib 16
 #
-#   scripts/bench_two_hosts.sh --step [BUILDDIR] [ROUNDS]
+#   scripts/bench_two_hosts.sh --step [BUILDDIR] [ROUNDS] [-- bench_fsdp_step flags]
 # instead: the GPT training step on 2 hosts x 2 ranks, bench_fsdp_step
 # (its "fsdp" row) against torch 1.13 DDP over gloo on the same model and
 # batch (tools/bench/torch_ddp_step.py with torchrun-style variables, one
 # process per rank, gloo on the hosts' veth), ROUNDS times alternately
 # (default 2), and the ratio of the medians (issue 12 §5: target <= 0.80).
+# `-- --hsdp 2` shards over a (2 hosts, 2 ranks) mesh instead of all 4
+# ranks (HSDP: only the gradients' all-reduce crosses the hosts).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 step=0
@@ -32,18 +34,21 @@ TS_STORE_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 export TS_BENCH_NETNS="$name" TS_BENCH_NETNS_SCRIPT="$here/netns_hosts.sh"
 
 if [ "$step" = 1 ]; then
-    rounds=${1:-2}
+    rounds=2
+    if [[ "${1:-}" =~ ^[0-9]+$ ]]; then rounds=$1; shift; fi
+    [ "${1:-}" = "--" ] && shift
+    extra=("$@")
     ddp=${TS_BENCH_DDP_SCRIPT:-$here/../tools/bench/torch_ddp_step.py}  # the opt branch adds it
     fsdp_ms=() ddp_ms=()
     for ((k = 0; k < rounds; k++)); do
         echo "==== round $((k + 1)) of $rounds: bench_fsdp_step, 2 hosts x 2 ranks"
         "$here/netns_hosts.sh" run "$name" 1 timeout 1800 "$build/tools/tsrun" --nnodes 2 --node-rank 1 \
             --nproc-per-node 2 --master-addr 10.213.0.1 --master-port 29500 "$build/bench/bench_fsdp_step" \
-            >/dev/null 2>&1 &
+            "${extra[@]}" >/dev/null 2>&1 &
         other=$!
         out=$("$here/netns_hosts.sh" run "$name" 0 timeout 1800 "$build/tools/tsrun" --nnodes 2 --node-rank 0 \
             --nproc-per-node 2 --master-addr 10.213.0.1 --master-port 29500 --no-prefix \
-            "$build/bench/bench_fsdp_step" 2>&1) || true
+            "$build/bench/bench_fsdp_step" "${extra[@]}" 2>&1) || true
         wait "$other" || true
         echo "$out"
         ms=$(printf '%s\n' "$out" | awk '$1 == "fsdp" && $2 ~ /^[0-9.]+$/ {print $2; exit}')

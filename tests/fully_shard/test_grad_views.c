@@ -22,7 +22,9 @@
  *    not written by later backwards; one the caller sets is accumulated
  *    into (it is the gradient), with the separate add;
  *  - a reduction a backward that is not the last leaves in flight does
- *    not write into the gradients.
+ *    not write into the gradients;
+ *  - an accumulating reduction dropped after a failed backward drops the
+ *    gradients it had been adding into (set to none), not left mixed.
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
@@ -469,4 +471,77 @@ Test(fully_shard_grad_views, gradients_the_caller_holds_or_sets, .timeout = 120)
 {
     th_run_world(2, rank_user_refs, NULL, 60.0);
     th_run_world(3, rank_user_refs, NULL, 60.0);
+}
+
+/* A backward that fails after the last group's accumulating reduction
+ * was issued (the input's own backward fails, after every group's
+ * post-backward): the next forward drops that reduction, and with it the
+ * gradients it had added into (they would hold part of the failed
+ * backward), while the groups whose reductions finished keep theirs; the
+ * step after that trains again. */
+static ts_status fail_backward(void *ctx, int n, ts_tensor **g)
+{
+    (void)ctx, (void)n, (void)g;
+    return ts_error(TS_ERR_INTERNAL, "injected backward failure");
+}
+
+static int rank_failed_add(rank_ctx *rc)
+{
+    ts_mesh *mesh = th_rank_mesh(rc, false);
+    if (!mesh) return fail(rc, "mesh: %s", ts_last_error());
+    gv_arg a = {0};
+    mlp cf;
+    RK_OK(rc, mlp_new(mesh, &a, true, &cf));
+    int64_t rows = ROWS / rc->W;
+    RK_OK(rc, fwd_bwd(&cf, rc->rank * rows, rows)); /* the gradients are views now */
+    /* no zero_grad: the next backward adds into them, in the collective */
+    ts_tensor *x = th_batch(rc->rank * rows + 1, rows, IN, th_xval), *xf = NULL, *o = NULL, *loss = NULL;
+    RK_OK(rc, ts_tensor_set_requires_grad(x, true));
+    RK_OK(rc, ts_autograd_custom(1, &x, fail_backward, NULL, NULL, &xf));
+    RK_OK(rc, ts_module_call1(cf.root, xf, &o));
+    ts_tensor *y = th_batch(rc->rank * rows + 1, rows, OUT, th_yval);
+    RK_OK(rc, ts_mse_loss(o, y, TS_REDUCTION_MEAN, &loss));
+    if (ts_backward(loss, NULL, false) != TS_ERR_INTERNAL) return fail(rc, "the injected failure did not fail backward");
+    const fsdp_ctx *c = ts__fsdp_state_of(cf.root)->ctx;
+    if (!c || !c->rs_pending || !c->rs_pending->rs_add)
+        return fail(rc, "no accumulating reduction left in flight by the failed backward");
+    const fsdp_group *pending = c->rs_pending;
+    ts_tensor_free(o);
+    ts_tensor_free(loss);
+    o = loss = NULL;
+    /* the next forward cleans up: the pending group's gradients go */
+    ts_tensor *x2 = th_batch(rc->rank * rows + 2, rows, IN, th_xval);
+    RK_OK(rc, ts_module_call1(cf.root, x2, &o));
+    int dropped = 0, kept = 0;
+    for (int l = 0; l < 3; l++) {
+        const fsdp_group *g = group_of(&cf, l);
+        for (int i = 0; i < NP; i++) {
+            int li = i / 2; /* ps: weight and bias of lin[0], lin[1], lin[2] */
+            if (li != l) continue;
+            bool has = ts_tensor_grad(cf.ps[i]) != NULL;
+            if (g == pending && has) return fail(rc, "parameter %d kept a gradient the dropped reduction added into", i);
+            if (g != pending && !has) return fail(rc, "parameter %d of a finished group lost its gradient", i);
+            dropped += g == pending, kept += g != pending;
+        }
+    }
+    if (!dropped || !kept) return fail(rc, "dropped %d, kept %d gradients", dropped, kept);
+    ts_tensor_free(o);
+    o = NULL;
+    ts_optim_zero_grad(cf.opt, true); /* and training goes on */
+    RK_OK(rc, fwd_bwd(&cf, rc->rank * rows + 3, rows));
+    for (int i = 0; i < NP; i++)
+        if (!ts_tensor_grad(cf.ps[i])) return fail(rc, "parameter %d has no gradient after the next backward", i);
+    RK_OK(rc, ts_optim_step(cf.opt));
+    ts_tensor_free(x);
+    ts_tensor_free(xf);
+    ts_tensor_free(x2);
+    ts_tensor_free(y);
+    mlp_free(&cf);
+    ts_mesh_free(mesh);
+    return 0;
+}
+
+Test(fully_shard_grad_views, a_dropped_accumulating_reduction_drops_its_gradients, .timeout = 120)
+{
+    th_run_world(2, rank_failed_add, NULL, 60.0);
 }

@@ -110,6 +110,8 @@ static int components_rank(th_rank *rc)
         int k = 0;
         while (k < n_seen && seen[k] != gs) k++;
         if (k == n_seen) {
+            if (n_seen == (int)(sizeof seen / sizeof seen[0]))
+                return th_rank_fail(rc, "more than %d gradient storages", n_seen);
             seen[n_seen++] = gs;
             grad += gs->block_bytes;
         }
