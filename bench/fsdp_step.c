@@ -95,8 +95,22 @@ typedef struct mode_bytes {
     size_t pinned, host;
 } mode_bytes;
 static mode_bytes g_bytes[N_MODES];
-static ts_fsdp_memory_report g_pred[N_MODES]; /* ts_fsdp_memory_estimate per mode (zeros for local) */
+
 static ts_mesh *g_mesh; /* --hsdp R: the (replicate R, shard W/R) mesh every sharded mode uses; NULL: 1-d */
+
+/* The world's collective counters, plus the HSDP mesh's groups' (each
+ * group counts its own). */
+static void coll_stats(ts_comm_counters *k)
+{
+    ts_comm_stats(ts_dist_world(), k);
+    static const char *const dims[2] = {"replicate", "shard"};
+    for (int d = 0; g_mesh && d < 2; d++) {
+        ts_comm_counters g;
+        ts_comm_stats(ts_mesh_group(g_mesh, dims[d]), &g);
+        for (int i = 0; i < TS_COLL_KIND_COUNT; i++) k->calls[i] += g.calls[i], k->bytes[i] += g.bytes[i];
+    }
+}
+static ts_fsdp_memory_report g_pred[N_MODES]; /* ts_fsdp_memory_estimate per mode (zeros for local) */
 
 static ts_module *build(const cfg *c, int mode)
 {
@@ -201,7 +215,7 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
     for (int s = -2; s < n; s++) {
         if (s == 0) {
             ts_mem_reset_peak();
-            ts_comm_stats(w, &k0);
+            coll_stats(&k0);
             CHECK(ts_fsdp_offload_stats_get(m, &o0));
         }
         CHECK(ts_barrier(w, NULL));
@@ -215,7 +229,7 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
         mo.input_ndim = 2, mo.input_shape[0] = c->batch, mo.input_shape[1] = c->seq;
         CHECK(ts_fsdp_memory_estimate(m, &mo, &g_pred[mode]));
     }
-    ts_comm_stats(w, &k1);
+    coll_stats(&k1);
     CHECK(ts_fsdp_offload_stats_get(m, &o1));
     mode_bytes *mb = &g_bytes[mode];
     mb->coll = 0;
