@@ -7,6 +7,8 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
+#include <sys/mman.h>
+#include <spawn.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
@@ -623,6 +625,38 @@ void th_clear_launch_env(void)
 {
     static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                  "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
+}
+
+void th_spawn_mpi_ranks(int W, const char *role_var, const char *role, pid_t *pid, int *err_fd)
+{
+    th_clear_launch_env();
+    unsetenv("UCX_LOG_LEVEL");
+    char port[16], ws[16];
+    snprintf(port, sizeof port, "%d", th_free_port());
+    snprintf(ws, sizeof ws, "%d", W);
+    setenv(role_var, role, 1);
+    setenv("MASTER_PORT", port, 1);
+    setenv("OMPI_COMM_WORLD_SIZE", ws, 1);
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", ws, 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
+    char *argv[] = {th_self_exe(), NULL};
+    for (int r = 0; r < W; r++) {
+        char rs[16];
+        snprintf(rs, sizeof rs, "%d", r);
+        setenv("OMPI_COMM_WORLD_RANK", rs, 1);
+        setenv("OMPI_COMM_WORLD_LOCAL_RANK", rs, 1);
+        err_fd[r] = memfd_create("ts-rank-err", MFD_CLOEXEC);
+        cr_assert_geq(err_fd[r], 0);
+        posix_spawn_file_actions_t fa;
+        posix_spawn_file_actions_init(&fa);
+        posix_spawn_file_actions_adddup2(&fa, err_fd[r], 2);
+        cr_assert_eq(posix_spawn(&pid[r], argv[0], &fa, NULL, argv, environ), 0);
+        posix_spawn_file_actions_destroy(&fa);
+    }
+    unsetenv(role_var);
+    static const char *const vars[] = {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
+                                       "OMPI_COMM_WORLD_LOCAL_SIZE", "MASTER_PORT"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
 }
 

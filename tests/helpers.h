@@ -168,6 +168,13 @@ char **th_job_environ(size_t extra, size_t *n_out);
 /* Unsets the variables a launcher or scheduler sets for a rank (RANK,
  * WORLD_SIZE, MASTER_ADDR, ...), so a test starts from none of them. */
 void th_clear_launch_env(void);
+/* Starts W ranks of this test binary mpirun-style, without a launcher
+ * (OMPI_COMM_WORLD_* variables; rank 0 hosts the store on a free
+ * MASTER_PORT), with role_var=role in their environment and each rank's
+ * stderr in a memfd: pid[r] and err_fd[r] (the caller closes it). Clears
+ * the launch variables and UCX_LOG_LEVEL first (the library decides what
+ * UCX prints), and unsets what it set after. */
+void th_spawn_mpi_ranks(int W, const char *role_var, const char *role, pid_t *pid, int *err_fd);
 /* Runs this test binary (th_self_exe) on W local ranks with ts_launch,
  * signals not forwarded and output inherited, and waits for them: their
  * result in *res; asserts that ts_launch itself returned TS_OK. Call

@@ -12,11 +12,9 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <signal.h>
-#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -205,8 +203,6 @@ __attribute__((constructor)) static void fail_test_role(void)
 
 /* ------------------------------------------------------------ test side */
 
-extern char **environ;
-
 #define MAXW 4
 
 typedef struct job {
@@ -221,33 +217,8 @@ typedef struct job {
  * decides what UCX prints. */
 static void job_start(job *j, int W, const char *role)
 {
-    static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                 "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED", "UCX_LOG_LEVEL"};
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
-    char port[16], ws[16];
-    snprintf(port, sizeof port, "%d", th_free_port());
-    snprintf(ws, sizeof ws, "%d", W);
-    setenv("TS_TEST_FAIL_ROLE", role, 1);
-    setenv("MASTER_PORT", port, 1);
-    setenv("OMPI_COMM_WORLD_SIZE", ws, 1);
-    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", ws, 1);
-    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
     j->W = W;
-    char *argv[] = {th_self_exe(), NULL};
-    for (int r = 0; r < W; r++) {
-        char rs[16];
-        snprintf(rs, sizeof rs, "%d", r);
-        setenv("OMPI_COMM_WORLD_RANK", rs, 1);
-        setenv("OMPI_COMM_WORLD_LOCAL_RANK", rs, 1);
-        j->err_fd[r] = memfd_create("ts-fail-err", MFD_CLOEXEC);
-        cr_assert_geq(j->err_fd[r], 0);
-        posix_spawn_file_actions_t fa;
-        posix_spawn_file_actions_init(&fa);
-        posix_spawn_file_actions_adddup2(&fa, j->err_fd[r], 2);
-        cr_assert_eq(posix_spawn(&j->pid[r], argv[0], &fa, NULL, argv, environ), 0);
-        posix_spawn_file_actions_destroy(&fa);
-    }
-    unsetenv("TS_TEST_FAIL_ROLE");
+    th_spawn_mpi_ranks(W, "TS_TEST_FAIL_ROLE", role, j->pid, j->err_fd);
 }
 
 /* Waits (bounded) for every rank but `skip`; kills what is left. */

@@ -15,11 +15,9 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <signal.h>
-#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -172,8 +170,6 @@ __attribute__((constructor)) static void progress_test_role(void)
 
 /* ------------------------------------------------------------ test side */
 
-extern char **environ;
-
 typedef struct job {
     pid_t pid[2];
     int err_fd[2];
@@ -184,33 +180,7 @@ typedef struct job {
  * with its stderr in a memfd. */
 static void job_start(job *j, const char *role)
 {
-    th_clear_launch_env();
-    unsetenv("UCX_LOG_LEVEL");
-    char port[16];
-    snprintf(port, sizeof port, "%d", th_free_port());
-    setenv("TS_TEST_PROGRESS_ROLE", role, 1);
-    setenv("MASTER_PORT", port, 1);
-    setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
-    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
-    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
-    char *argv[] = {th_self_exe(), NULL};
-    for (int r = 0; r < 2; r++) {
-        char rs[16];
-        snprintf(rs, sizeof rs, "%d", r);
-        setenv("OMPI_COMM_WORLD_RANK", rs, 1);
-        setenv("OMPI_COMM_WORLD_LOCAL_RANK", rs, 1);
-        j->err_fd[r] = memfd_create("ts-progress-err", MFD_CLOEXEC);
-        cr_assert_geq(j->err_fd[r], 0);
-        posix_spawn_file_actions_t fa;
-        posix_spawn_file_actions_init(&fa);
-        posix_spawn_file_actions_adddup2(&fa, j->err_fd[r], 2);
-        cr_assert_eq(posix_spawn(&j->pid[r], argv[0], &fa, NULL, argv, environ), 0);
-        posix_spawn_file_actions_destroy(&fa);
-    }
-    unsetenv("TS_TEST_PROGRESS_ROLE");
-    static const char *const vars[] = {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
-                                       "OMPI_COMM_WORLD_LOCAL_SIZE", "MASTER_PORT"};
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
+    th_spawn_mpi_ranks(2, "TS_TEST_PROGRESS_ROLE", role, j->pid, j->err_fd);
 }
 
 Test(comm_progress_dist, async_collective_left_by_a_driving_caller_completes_on_the_thread, .timeout = 90)
