@@ -301,6 +301,22 @@ static ts_status lb_send(ts_transport *t, int peer, const void *buf, size_t len,
     return TS_OK;
 }
 
+/* Posts receive `op` in rank me's box (matched at once if its message is
+ * there), or fails it at once if its peer is dead. */
+static void post_recv(ts_loopback_fabric *f, int me, lb_op *op)
+{
+    pthread_mutex_lock(&f->mu);
+    uint64_t now = ts_now_ns();
+    int dead;
+    if (link_dead(f, me, op->peer, now, &dead)) {
+        complete_locked(f, me, op, TS_ERR_PEER_FAILED);
+    } else {
+        PUSH(f->box[me].recvs, f->box[me].recvs_tail, op);
+        if (!link_cut(f, me, op->peer)) match_locked(f, me, now);
+    }
+    pthread_mutex_unlock(&f->mu);
+}
+
 static ts_status lb_recv_upto(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb,
                              void *arg, size_t *len_out)
 {
@@ -311,16 +327,7 @@ static ts_status lb_recv_upto(ts_transport *t, int peer, void *buf, size_t len, 
     lb_op *op = new_op(peer, tag, buf, len, cb, arg);
     if (!op) return TS_ERR_NO_MEMORY;
     op->len_out = len_out;
-    pthread_mutex_lock(&f->mu);
-    uint64_t now = ts_now_ns();
-    int dead;
-    if (link_dead(f, me, peer, now, &dead)) {
-        complete_locked(f, me, op, TS_ERR_PEER_FAILED);
-    } else {
-        PUSH(f->box[me].recvs, f->box[me].recvs_tail, op);
-        if (!link_cut(f, me, peer)) match_locked(f, me, now);
-    }
-    pthread_mutex_unlock(&f->mu);
+    post_recv(f, me, op);
     return TS_OK;
 }
 
@@ -346,16 +353,7 @@ static ts_status lb_recvv_upto(ts_transport *t, int peer, const ts_iov *iov, int
     op->len_out = len_out;
     memcpy(op->iov, iov, (size_t)n * sizeof *iov);
     op->niov = n;
-    pthread_mutex_lock(&f->mu);
-    uint64_t now = ts_now_ns();
-    int dead;
-    if (link_dead(f, me, peer, now, &dead)) {
-        complete_locked(f, me, op, TS_ERR_PEER_FAILED);
-    } else {
-        PUSH(f->box[me].recvs, f->box[me].recvs_tail, op);
-        if (!link_cut(f, me, peer)) match_locked(f, me, now);
-    }
-    pthread_mutex_unlock(&f->mu);
+    post_recv(f, me, op);
     return TS_OK;
 }
 

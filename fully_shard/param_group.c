@@ -311,6 +311,21 @@ ts_status ts__fsdp_unshard(fsdp_group *g)
     return TS_OK;
 }
 
+/* The end of an unshard: on failure the unsharded storage is released and
+ * the group stays sharded; else the unsharded parameters go into the
+ * slots. Returns st. */
+static ts_status unshard_done(fsdp_group *g, ts_status st)
+{
+    if (st) {
+        for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
+        g->sharded_state = FSDP_SHARDED;
+        return st;
+    }
+    g->sharded_state = FSDP_UNSHARDED;
+    set_slots(g, true);
+    return TS_OK;
+}
+
 /* Waits for the all-gather and copies each parameter's rows out into its
  * unsharded tensor, which then fills the slots. */
 ts_status ts__fsdp_wait_unshard(fsdp_group *g)
@@ -325,14 +340,7 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
         ts_tensor_free(g->ag_in);
         g->ag_in = NULL;
         TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
-        if (st) {
-            for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
-            g->sharded_state = FSDP_SHARDED;
-            return st;
-        }
-        g->sharded_state = FSDP_UNSHARDED;
-        set_slots(g, true);
-        return TS_OK;
+        return unshard_done(g, st);
     }
     ts_status st = ts_request_wait(g->ag_req);
     TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
@@ -348,14 +356,7 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
     ts_tensor_free(g->ag_buf);
     g->ag_buf = NULL;
     TS_TRACE_END(tc, "fsdp.copy_out", "copy");
-    if (st) {
-        for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
-        g->sharded_state = FSDP_SHARDED;
-        return st;
-    }
-    g->sharded_state = FSDP_UNSHARDED;
-    set_slots(g, true);
-    return TS_OK;
+    return unshard_done(g, st);
 }
 
 /* Frees the unsharded parameters; the shards go back into the slots. */
