@@ -19,6 +19,25 @@ int th_rank_fail(th_rank *rc, const char *fmt, ...)
     return 1;
 }
 
+int th_rank_same_bits(th_rank *rc, const ts_tensor *a, const ts_tensor *b, const char *what, ...)
+{
+    if (!a && !b) return 0;
+    char w[160];
+    va_list ap;
+    va_start(ap, what);
+    vsnprintf(w, sizeof w, what, ap);
+    va_end(ap);
+    if (!a || !b) return th_rank_fail(rc, "%s: only one of the two exists", w);
+    if (ts_tensor_numel(a) != ts_tensor_numel(b) || ts_tensor_dtype(a) != ts_tensor_dtype(b))
+        return th_rank_fail(rc, "%s: shapes or dtypes differ", w);
+    size_t es = ts_dtype_size(ts_tensor_dtype(a));
+    const unsigned char *pa = ts_tensor_data(a), *pb = ts_tensor_data(b);
+    for (int64_t k = 0; k < ts_tensor_numel(a); k++)
+        if (memcmp(pa + (size_t)k * es, pb + (size_t)k * es, es))
+            return th_rank_fail(rc, "%s: the bits differ at element %lld", w, (long long)k);
+    return 0;
+}
+
 static void *rank_main(void *arg)
 {
     th_rank *rc = arg;

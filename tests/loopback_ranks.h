@@ -28,6 +28,11 @@ struct th_rank {
 /* Records "rank r/W: <message>" as this rank's first failure; returns 1. */
 int th_rank_fail(th_rank *rc, const char *fmt, ...) TS_PRINTF(2, 3);
 
+/* 0 when a and b are both NULL or hold the same bits (numel, dtype and
+ * data); else records "<what>: ..." (what: printf-style) naming the first
+ * differing element, and returns 1. */
+int th_rank_same_bits(th_rank *rc, const ts_tensor *a, const ts_tensor *b, const char *what, ...) TS_PRINTF(4, 5);
+
 #define TH_RK_OK(rc, expr)                                                                                       \
     do {                                                                                                         \
         ts_status s_ = (expr);                                                                                   \

@@ -91,13 +91,7 @@ static ts_status fwd_bwd(mlp *m, ts_tensor *x, ts_tensor *y)
 
 static int same_bits(rank_ctx *rc, const char *what, int s, int i, const ts_tensor *a, const ts_tensor *b)
 {
-    if (!a || !b) return a == b ? 0 : fail(rc, "step %d %s %d: only one of the two exists", s, what, i);
-    size_t nb = (size_t)ts_tensor_numel(a) * ts_dtype_size(ts_tensor_dtype(a));
-    if (ts_tensor_numel(a) != ts_tensor_numel(b) || ts_tensor_dtype(a) != ts_tensor_dtype(b))
-        return fail(rc, "step %d %s %d: shapes or dtypes differ", s, what, i);
-    if (nb && memcmp(ts_tensor_data(a), ts_tensor_data(b), nb))
-        return fail(rc, "step %d %s %d: copy-free and packed differ", s, what, i);
-    return 0;
+    return th_rank_same_bits(rc, a, b, "step %d %s %d", s, what, i);
 }
 
 static uint64_t n_direct(const mlp *m)

@@ -121,13 +121,7 @@ static ts_status fwd_bwd(mlp *m, int64_t row0, int64_t rows)
 
 static int same_bits(rank_ctx *rc, const char *what, int s, int i, const ts_tensor *a, const ts_tensor *b)
 {
-    if (!a || !b) return a == b ? 0 : fail(rc, "step %d %s %d: only one of the two exists", s, what, i);
-    size_t nb = (size_t)ts_tensor_numel(a) * ts_dtype_size(ts_tensor_dtype(a));
-    if (ts_tensor_numel(a) != ts_tensor_numel(b) || ts_tensor_dtype(a) != ts_tensor_dtype(b))
-        return fail(rc, "step %d %s %d: shapes or dtypes differ", s, what, i);
-    if (nb && memcmp(ts_tensor_data(a), ts_tensor_data(b), nb))
-        return fail(rc, "step %d %s %d: the bits differ", s, what, i);
-    return 0;
+    return th_rank_same_bits(rc, a, b, "step %d %s %d", s, what, i);
 }
 
 /* Every group's shard gradients are views of one storage, each at its
