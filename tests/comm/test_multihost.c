@@ -541,6 +541,20 @@ static void run_job(const hosts *h, char *const env[], double limit_s, int code[
     }
 }
 
+/* Both hosts' jobs exited 0 and each of their two ranks printed
+ * "<tag> <rank>". */
+static void expect_each_rank(const int code[2], char *const out[2], const char *tag)
+{
+    for (int r = 0; r < 2; r++) {
+        cr_assert_eq(code[r], 0, "host %d: status %d", r, code[r]);
+        for (int k = 0; k < 2; k++) {
+            char want[48];
+            snprintf(want, sizeof want, "%s %d", tag, 2 * r + k);
+            cr_assert_not_null(strstr(out[r], want), "host %d lacks '%s'", r, want);
+        }
+    }
+}
+
 Test(comm_multihost, collectives_on_two_hosts_of_two_ranks, .timeout = 90)
 {
     hosts h;
@@ -550,14 +564,7 @@ Test(comm_multihost, collectives_on_two_hosts_of_two_ranks, .timeout = 90)
     char *out[2];
     run_job(&h, env, 60, code, out);
     hosts_down(&h);
-    for (int r = 0; r < 2; r++) {
-        cr_assert_eq(code[r], 0, "host %d: status %d", r, code[r]);
-        for (int k = 0; k < 2; k++) {
-            char want[32];
-            snprintf(want, sizeof want, "coll-ok %d", 2 * r + k);
-            cr_assert_not_null(strstr(out[r], want), "host %d lacks '%s'", r, want);
-        }
-    }
+    expect_each_rank(code, out, "coll-ok");
     /* each rank takes its host's other rank for a same-host peer (shared
      * memory and the bypass) and the other host's ranks for remote ones,
      * although both hosts have the same host name */
@@ -580,16 +587,8 @@ static void train_case(bool hsdp)
     char *out[2];
     run_job(&h, env, 60, code, out);
     hosts_down(&h);
-    for (int r = 0; r < 2; r++) {
-        cr_assert_eq(code[r], 0, "host %d: status %d", r, code[r]);
-        for (int k = 0; k < 2; k++) {
-            char want[32];
-            snprintf(want, sizeof want, "train-ok %d", 2 * r + k);
-            cr_assert_not_null(strstr(out[r], want), "host %d lacks '%s'", r, want);
-            snprintf(want, sizeof want, "hsdp rank %d", 2 * r + k);
-            cr_assert(!hsdp || strstr(out[r], want), "host %d lacks '%s'", r, want);
-        }
-    }
+    expect_each_rank(code, out, "train-ok");
+    if (hsdp) expect_each_rank(code, out, "hsdp rank");
     free(out[0]);
     free(out[1]);
 }
