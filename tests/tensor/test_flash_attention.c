@@ -176,23 +176,37 @@ static void assert_close_tol(const ts_tensor *a, const ts_tensor *b, const acase
     free(y);
 }
 
-static void check_path(ts__kpath p)
+/* Runs the test on kernel path p (ts__kpath_force), or skips it where the
+ * CPU or TS_KERNELS does not allow that path. */
+static void force_path_or_skip(ts__kpath p)
 {
     if (!ts__kpath_supported(p))
         cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(p));
     ts__kpath_force(p);
     if (ts__kpath_active() != p)
         cr_skip_test("skipped: TS_KERNELS caps the kernels below the %s path", ts__kpath_name(p));
+}
+
+/* The fused result f against the reference r: the output and each input's
+ * gradient within assert_close_tol's bound for dropout p. */
+static void assert_results_close(const result *f, const result *r, const acase *c, double p)
+{
+    static const char *const gn[3] = {"grad q", "grad k", "grad v"};
+    const char *packed = p > 0 ? "grad of the packed qkv with dropout" : "grad of the packed qkv";
+    assert_close_tol(f->out, r->out, c, p > 0 ? "output with dropout" : "output", p);
+    for (int i = 0; i < 3 && r->g[i]; i++) assert_close_tol(f->g[i], r->g[i], c, c->packed ? packed : gn[i], p);
+}
+
+static void check_path(ts__kpath p)
+{
+    force_path_or_skip(p);
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
         const acase *c = &cases[ci];
         ts_tensor *mask = make_mask(c->mask, c->T, c->S);
         int64_t os[3] = {c->B, c->T, c->E};
         ts_tensor *cot = uniform(3, os, 1.0, 5);
         result f = run_case(c, true, mask, cot), r = run_case(c, false, mask, cot);
-        assert_close_tol(f.out, r.out, c, "output", 0.0);
-        static const char *const gn[3] = {"grad q", "grad k", "grad v"};
-        for (int i = 0; i < 3 && r.g[i]; i++)
-            assert_close_tol(f.g[i], r.g[i], c, c->packed ? "grad of the packed qkv" : gn[i], 0.0);
+        assert_results_close(&f, &r, c, 0.0);
         result_free(&f);
         result_free(&r);
         ts_tensor_free(mask);
@@ -215,11 +229,7 @@ Test(tensor_flash_attention, avx512_path_matches_the_reference) { check_path(TS_
  * size, far above it), and both leave the generator in the same state. */
 static void check_path_dropout(ts__kpath p)
 {
-    if (!ts__kpath_supported(p))
-        cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(p));
-    ts__kpath_force(p);
-    if (ts__kpath_active() != p)
-        cr_skip_test("skipped: TS_KERNELS caps the kernels below the %s path", ts__kpath_name(p));
+    force_path_or_skip(p);
     for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
         const acase *c = &cases[ci];
         double dp = ci % 2 ? 0.5 : 0.1;
@@ -229,10 +239,7 @@ static void check_path_dropout(ts__kpath p)
         ts_tensor *cot = uniform(3, os, 1.0, 5);
         result f = run_case_p(c, true, mask, cot, dp, seed), r = run_case_p(c, false, mask, cot, dp, seed);
         result nd = run_case(c, true, mask, cot);
-        assert_close_tol(f.out, r.out, c, "output with dropout", dp);
-        static const char *const gn[3] = {"grad q", "grad k", "grad v"};
-        for (int i = 0; i < 3 && r.g[i]; i++)
-            assert_close_tol(f.g[i], r.g[i], c, c->packed ? "grad of the packed qkv with dropout" : gn[i], dp);
+        assert_results_close(&f, &r, c, dp);
         cr_assert(memcmp(f.gen_state, r.gen_state, sizeof f.gen_state) == 0,
                   "case %zu: the generator's state after the fused forward differs from the reference path's", ci);
         /* the dropout did something: without it the output is elsewhere */
@@ -280,11 +287,7 @@ static double loss_of(ts_tensor *const *in, int64_t H, ts_tensor *mask, const do
  * error of a wrong gradient. */
 static void finite_differences(ts__kpath p, double dp)
 {
-    if (!ts__kpath_supported(p))
-        cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(p));
-    ts__kpath_force(p);
-    if (ts__kpath_active() != p)
-        cr_skip_test("skipped: TS_KERNELS caps the kernels below the %s path", ts__kpath_name(p));
+    force_path_or_skip(p);
     ts__flash_force(1);
     int64_t B = 1, T = 37, E = 8, H = 2, s3[3] = {B, T, E};
     ts_generator *gen;
