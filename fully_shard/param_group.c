@@ -411,6 +411,26 @@ static ts_status grad_view(const fsdp_param *p, ts_tensor *out, ts_tensor **view
     return ts__tensor_alias(out, p->ndim, ts_tensor_shape(p->S), strides, out->offset + p->off, view_out);
 }
 
+/* The parameters leave the reduction (in_reduce cleared). With drop, the
+ * shard gradients it was adding into are dropped (set to none), and a
+ * warning names the group and `why`. Returns how many were dropped. */
+static int end_reduce(fsdp_group *g, bool drop, const char *why)
+{
+    int dropped = 0;
+    for (int i = 0; i < g->n; i++) {
+        fsdp_param *p = &g->params[i];
+        if (drop && p->in_reduce && ts_tensor_grad(p->S)) {
+            (void)ts_tensor_set_grad(p->S, NULL);
+            dropped++;
+        }
+        p->in_reduce = false;
+    }
+    if (dropped)
+        ts_logf(TS_LOG_WARN, "fully_shard: group '%s': %s; %d shard gradient%s dropped (set to none)", g->fqn, why,
+                dropped, dropped == 1 ? " is" : "s are");
+    return dropped;
+}
+
 /* Waits for the group's reduce-scatter and, under HSDP, either keeps its
  * output in the partial sum (requires_all_reduce false) or all-reduces it
  * (with the partial sum added first); then each parameter's segment
@@ -441,24 +461,10 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
         if (!st) g->n_rs_add++;
         /* failed part way: some pieces may be in; the gradients are
          * dropped (set to none) rather than left holding part of it */
-        int dropped = 0;
-        for (int i = 0; i < g->n; i++) {
-            fsdp_param *p = &g->params[i];
-            if (st && p->in_reduce && ts_tensor_grad(p->S)) {
-                (void)ts_tensor_set_grad(p->S, NULL);
-                dropped++;
-            }
-            p->in_reduce = false;
-        }
-        if (dropped) {
-            char why[256];
-            snprintf(why, sizeof why, "%s", ts_last_error());
-            ts_logf(TS_LOG_WARN,
-                    "fully_shard: group '%s': the gradient reduction adding into %d shard gradient%s failed part way; "
-                    "they are dropped (set to none)",
-                    g->fqn, dropped, dropped == 1 ? "" : "s");
-            st = ts_error(st, "%s", why);
-        }
+        char err[256];
+        snprintf(err, sizeof err, "%s", st ? ts_last_error() : "");
+        if (end_reduce(g, st != TS_OK, "a gradient reduction adding into the shard gradients failed part way"))
+            st = ts_error(st, "%s", err); /* the caller's error, not the drop's */
         ts_tensor_free(g->rs_out);
         g->rs_out = NULL;
         TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
@@ -539,7 +545,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
             ts_tensor_free(sum);
         }
     }
-    for (int i = 0; i < g->n; i++) g->params[i].in_reduce = false;
+    (void)end_reduce(g, false, NULL);
     ts_tensor_free(g->rs_in);
     ts_tensor_free(g->rs_out); /* the views made above keep its storage */
     g->rs_in = g->rs_out = NULL;
@@ -566,20 +572,7 @@ void ts__fsdp_discard_reduce(fsdp_group *g)
     g->rs_direct = NULL;
     g->rs_add = false;
     drop_rs_src(g);
-    int dropped = 0;
-    for (int i = 0; i < g->n; i++) {
-        fsdp_param *p = &g->params[i];
-        if (added && p->in_reduce && ts_tensor_grad(p->S)) {
-            (void)ts_tensor_set_grad(p->S, NULL);
-            dropped++;
-        }
-        p->in_reduce = false;
-    }
-    if (dropped)
-        ts_logf(TS_LOG_WARN,
-                "fully_shard: group '%s': a dropped gradient reduction had been adding into the shard gradients of %d "
-                "parameter%s; those gradients are dropped too (set to none)",
-                g->fqn, dropped, dropped == 1 ? "" : "s");
+    (void)end_reduce(g, added, "a dropped gradient reduction had been adding into the shard gradients");
     ts_tensor_free(g->rs_in);
     ts_tensor_free(g->rs_out);
     g->rs_in = g->rs_out = NULL;
