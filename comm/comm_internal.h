@@ -44,6 +44,11 @@ ts_comm *ts__world_published(void);
  * was. (comm/launch_env.c) */
 int ts__launch_env_world_size(void);
 
+/* This kernel's boot id and the links of this process's pid and network
+ * namespaces ("pid:[4026531836]"), each "?" where it cannot be read: what
+ * tells hosts apart (comm/launch_env.c). */
+void ts__host_parts(char *boot, size_t nb, char *pidns, size_t np, char *netns, size_t nn);
+
 /* Test hook: how often (seconds; <= 0 restores 10) a waiting rendezvous
  * of ts_dist_init says which ranks it still waits for. */
 void ts__dist_set_progress_interval(double seconds);

@@ -103,16 +103,8 @@ typedef struct rdv_peer {
 /* Identifies this host and pid namespace: pids compare only within it. */
 static void host_id(char *out, size_t n)
 {
-    char boot[64] = "?", ns[64] = "?";
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "re");
-    if (f) {
-        if (!fgets(boot, sizeof boot, f))
-            snprintf(boot, sizeof boot, "?");
-        fclose(f);
-        boot[strcspn(boot, "\n")] = '\0';
-    }
-    ssize_t k = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
-    ns[k > 0 ? k : 0] = '\0';
+    char boot[64], ns[64], net[64];
+    ts__host_parts(boot, sizeof boot, ns, sizeof ns, net, sizeof net);
     for (char *p = ns; *p; p++)
         if (*p == ' ')
             *p = '_';

@@ -333,6 +333,30 @@ ts_status ts_launch_env(ts_rank_env *env_out)
     return s;
 }
 
+/* The link /proc/self/ns/<name> into out (n bytes), "?" if unreadable. */
+static void ns_link(const char *name, char *out, size_t n)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/ns/%s", name);
+    ssize_t k = readlink(path, out, n - 1);
+    if (k <= 0) k = (ssize_t)snprintf(out, n, "?");
+    out[k] = '\0';
+}
+
+void ts__host_parts(char *boot, size_t nb, char *pidns, size_t np, char *netns, size_t nn)
+{
+    snprintf(boot, nb, "?");
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "re");
+    if (f) {
+        if (!fgets(boot, (int)nb, f))
+            snprintf(boot, nb, "?");
+        fclose(f);
+        boot[strcspn(boot, "\n")] = '\0';
+    }
+    ns_link("pid", pidns, np);
+    ns_link("net", netns, nn);
+}
+
 int ts__launch_env_world_size(void)
 {
     ts_rank_env e;

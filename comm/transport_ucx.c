@@ -97,6 +97,7 @@
  */
 #include "comm/transport.h"
 #include "comm/store.h"
+#include "comm/comm_internal.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -1391,18 +1392,8 @@ static const ts_transport_vtable ucx_vtable = {
  * the network as it would between machines. */
 static void host_id(char *out, size_t n)
 {
-    char boot[40] = "?", pidns[32] = "?", netns[32] = "?";
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "re");
-    if (f) {
-        if (!fgets(boot, sizeof boot, f))
-            snprintf(boot, sizeof boot, "?");
-        fclose(f);
-        boot[strcspn(boot, "\n")] = '\0';
-    }
-    ssize_t k = readlink("/proc/self/ns/pid", pidns, sizeof pidns - 1);
-    pidns[k > 0 ? k : 0] = '\0';
-    k = readlink("/proc/self/ns/net", netns, sizeof netns - 1);
-    netns[k > 0 ? k : 0] = '\0';
+    char boot[40], pidns[32], netns[32];
+    ts__host_parts(boot, sizeof boot, pidns, sizeof pidns, netns, sizeof netns);
     memset(out, 0, n);
     /* "pid:[4026531836]" -> "4026531836" */
     const char *p = strchr(pidns, '['), *q = strchr(netns, '[');
