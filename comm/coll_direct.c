@@ -310,6 +310,20 @@ ts_status ts__direct_reduce_scatter_add(ts_comm *c, ts_dtype d, void *shard, int
 
 /* ------------------------------------------------------------ reads */
 
+/* Consumes `bytes` from the list v from entry i on; returns the first
+ * entry with bytes left. */
+static size_t iov_advance(struct iovec *v, size_t i, size_t bytes)
+{
+    while (bytes) {
+        size_t k = bytes < v[i].iov_len ? bytes : v[i].iov_len;
+        v[i].iov_base = (char *)v[i].iov_base + k;
+        v[i].iov_len -= k;
+        bytes -= k;
+        if (!v[i].iov_len) i++;
+    }
+    return i;
+}
+
 /* Reads the remote list into the local list (equal total bytes) from
  * process pid, IOV_MAX entries at a time, resuming after short reads. */
 static int cma_read(pid_t pid, struct iovec *l, size_t nl, struct iovec *rv, size_t nr)
@@ -331,20 +345,8 @@ static int cma_read(pid_t pid, struct iovec *l, size_t nl, struct iovec *rv, siz
             return errno;
         }
         if (n == 0) return EIO;
-        for (size_t left = (size_t)n; left;) { /* advance the local side */
-            size_t k = left < l[li].iov_len ? left : l[li].iov_len;
-            l[li].iov_base = (char *)l[li].iov_base + k;
-            l[li].iov_len -= k;
-            left -= k;
-            if (!l[li].iov_len) li++;
-        }
-        for (size_t left = (size_t)n; left;) { /* and the remote side */
-            size_t k = left < rv[ri].iov_len ? left : rv[ri].iov_len;
-            rv[ri].iov_base = (char *)rv[ri].iov_base + k;
-            rv[ri].iov_len -= k;
-            left -= k;
-            if (!rv[ri].iov_len) ri++;
-        }
+        li = iov_advance(l, li, (size_t)n);
+        ri = iov_advance(rv, ri, (size_t)n);
     }
     return 0;
 }
