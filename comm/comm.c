@@ -1903,6 +1903,17 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     return TS_OK;
 }
 
+void ts__world_fail(ts_comm *c, ts_status st, const char *msg)
+{
+    if (!c || c == &g_local || !c->w || st >= 0) return;
+    world *w = c->w;
+    prog_lock(w);
+    fail_later(w, st, msg, false);
+    if (!w->has_thread) check_peers(w); /* nobody else runs a round */
+    prog_unlock(w);
+    if (w->has_thread) wake_thread(w);
+}
+
 void ts__world_free(ts_comm *c)
 {
     if (!c || c == &g_local) return;
