@@ -48,6 +48,12 @@
  * When rank 0 hosts the store (no launcher) and the rendezvous fails, it
  * keeps the store up until every process that joined it has read the
  * error (hold_store_for_error, at most RDV_ERROR_GRACE_S).
+ * A client the store rejected for a wrong token (TS_STORE_REJECTED_KEY,
+ * set by the store itself) fails the rendezvous at once on every rank,
+ * naming its address, and is counted out (it will never arrive). After
+ * the rendezvous, a watch thread per rank fails the world if an error is
+ * recorded late (a duplicate RANK that started after the others met: see
+ * "the watch" below).
  * Known limit: when every rank of the smaller WORLD_SIZE arrives and
  * leaves before any rank of a larger one arrives, only the latecomers
  * fail (the others see a consistent world and go on).
@@ -727,6 +733,26 @@ static void watch_stop(ts_store *st)
     free(wt);
 }
 
+/* Gives the world a store client of its own, through which a rank whose
+ * collective passes its deadline names the ranks that never entered it
+ * (comm.c, "Who never entered"), and, under tsrun, records the first for
+ * the launcher's last line. Without one (the connection failed) the
+ * deadline messages say what each rank sees, with a warning. */
+static void attach_store(const ts_rank_env *e, const char *prefix, ts_comm *world)
+{
+    ts_store *c = NULL;
+    if (ts_store_connect(e->master_addr, e->master_port, e->token, 30.0, &c) != TS_OK) {
+        ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: deadlines will not name hung ranks from the store: %s", e->rank,
+                ts_last_error());
+        return;
+    }
+    char hung[TS_LAUNCH_MAX_STR + 32] = "";
+    if (e->store_hosted && e->run_id[0])
+        snprintf(hung, sizeof hung, TS_LAUNCH_HUNG_KEY, e->run_id);
+    if (ts__world_attach_store(world, c, prefix, hung) != TS_OK)
+        ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: %s", e->rank, ts_last_error());
+}
+
 /* TS_DIST_TIMEOUT, when set, overrides the option (seconds, > 0). */
 static ts_status timeout_from_env(double *timeout_s)
 {
@@ -878,6 +904,7 @@ static ts_status init_locked(const ts_dist_options *o)
         goto fail;
     }
     g_hold_for_nodes = env.store_hosted && env.rank == 0 && env.local_world_size < env.world_size;
+    attach_store(&env, g_prefix, g_world);
     watch_start(&env, g_prefix, g_world);
     log_init(&env, "ucx");
     return TS_OK;
