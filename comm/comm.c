@@ -1368,7 +1368,10 @@ static void check_peers(world *w)
  * the launcher (TS_LAUNCH_HUNG_KEY), whose last line names it. Store
  * calls are bounded by STORE_CALL_S (a fraction of the deadline); a
  * store that does not answer (its host is the hung rank) or fails is
- * dropped and the deadline message says what this rank alone sees. */
+ * dropped and the deadline message says what this rank alone sees.
+ * Known limit: a rank that entered more than half the deadline after the
+ * one whose deadline passes has not recorded its entry yet, and is named
+ * with the rank that never entered. */
 #define STORE_CALL_S 2.0
 
 static void store_drop(world *w)
@@ -1452,8 +1455,8 @@ static bool hung_msg(world *w, const op *o, double timeout_s, char *msg, size_t 
         if ((size_t)m < n) m += peer_str(o, missing[i], msg + m, n - (size_t)m);
     }
     if (m > 0 && (size_t)m < n)
-        snprintf(msg + m, n - (size_t)m, ", which %s not entered it (the store shows the other ranks in it)",
-                 k == 1 ? "has" : "have");
+        snprintf(msg + m, n - (size_t)m, ", which %s not entered it (%s)", k == 1 ? "has" : "have",
+                 k + 1 < o->W ? "the store shows the other ranks in it" : "as the store shows");
     *culprit_out = o->map[missing[0]];
     ts__free(TS_MEM_COMM, missing);
     return true;

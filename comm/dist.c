@@ -955,25 +955,22 @@ ts_status ts_dist_finalize(void)
     if (s != TS_OK && g_store)
         ts_store_set_timeout(g_store, WATCH_POLL_S); /* only the wake and the close follow */
     watch_stop(g_store);
-    if (s == TS_OK && g_store) {
-        char key[sizeof g_prefix + 16];
-        snprintf(key, sizeof key, "%s/rdv/error", g_prefix);
-        ts_status code = TS_OK;
-        char *err = read_rdv_error(g_store, key, &code);
-        if (err) {
-            s = ts_error(code, "%s (found after the rendezvous; reported to rank %d)", err, ts_comm_rank(w));
-            free(err);
-        }
-    }
     /* When rank 0 hosts the store (mpirun, srun), it stops the server
      * only after every other rank has left its last store call; under a
      * launcher whose ranks span several nodes, rank 0 waits the same way,
      * which keeps node 0's launcher, and with it the store, up for the
-     * ranks of the other nodes (g_hold_for_nodes). */
+     * ranks of the other nodes (g_hold_for_nodes). The other ranks read
+     * the error key before they leave, rank 0 after they all have: an
+     * error found there (a late duplicate RANK) fails finalize, and a
+     * rank that finds one still leaves, so that rank 0 is not held. */
     if (s == TS_OK && g_store) {
         int W = ts_comm_size(w), R = ts_comm_rank(w);
         char key[sizeof g_prefix + 32];
+        ts_status late = TS_OK;
+        char *lerr = NULL;
         if (R != 0 && !g_server) {
+            snprintf(key, sizeof key, "%s/rdv/error", g_prefix);
+            lerr = read_rdv_error(g_store, key, &late);
             snprintf(key, sizeof key, "%s/left/%d", g_prefix, R);
             s = ts_store_set(g_store, key, "", 0);
         } else if ((g_server || g_hold_for_nodes) && W > 1) {
@@ -988,6 +985,14 @@ ts_status ts_dist_finalize(void)
             }
             free(keys);
             free(kp);
+        }
+        if (!lerr && s == TS_OK) {
+            snprintf(key, sizeof key, "%s/rdv/error", g_prefix);
+            lerr = read_rdv_error(g_store, key, &late);
+        }
+        if (lerr) {
+            s = ts_error(late, "%s (found after the rendezvous; reported to rank %d)", lerr, R);
+            free(lerr);
         }
     }
     char err[512] = "";
