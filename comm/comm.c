@@ -57,6 +57,7 @@
  * when it posts; rings and steps are in group ranks.
  */
 #include "comm/comm_internal.h"
+#include "comm/store.h"
 #include "tensor/internal.h" /* the caching pool for scratch blocks */
 #include "tensor/kernels.h"  /* the per-dtype buffer kernels of the reductions */
 
@@ -203,6 +204,12 @@ struct world {
     int suspect;          /* world rank seen dead first (-1: none) */
     uint64_t suspect_ns;  /* when (0: none) */
     char suspect_why[ERR_LEN];
+    /* hung-peer diagnosis through the store (see "Who never entered"):
+     * the world's own client (NULL: none, or it failed), its key prefix,
+     * and the launcher's key for the rank found hung ("": none) */
+    ts_store *store;
+    char store_prefix[800];
+    char hung_key[320];
     /* TS_TRACE: spans of collectives finished by a driving caller, which
      * the communication thread records on its own track */
     struct trace_rec *traces;
@@ -323,6 +330,7 @@ struct op {
     unsigned char *fpbuf;
     size_t fp_rlen;
     bool fp_upto, inl;
+    bool noted; /* its entry is recorded in the store (Who never entered) */
 };
 
 /* ------------------------------------------------------------------ */
@@ -1340,23 +1348,155 @@ static void check_peers(world *w)
     fail_world(w, TS_ERR_PEER_FAILED, msg, NULL, true, w->suspect);
 }
 
+/* ------------------------------------------------------------------ */
+/* Who never entered                                                   */
+/* ------------------------------------------------------------------ */
+
+/* A rank that never enters a collective (stopped, sleeping, stuck in its
+ * own code) shows in the deadline messages of its ring neighbours only:
+ * the others wait on a survivor that itself waits, and each would name
+ * the rank it waits on. With a store (ts__world_attach_store), a rank
+ * whose collective is still pending half way to its deadline records
+ * that it entered it ("<prefix>/entered/<gid>/<world rank>" = its
+ * sequence number: one store call per collective that lasts that long,
+ * none for the others). At the deadline the rank reads the group's
+ * records: the ranks that have not recorded this collective (or a later
+ * one) are the ones that never entered it. It names them, sends the
+ * message to every other rank as a failure notice (so all survivors
+ * report the same ranks, even those whose deadline comes later or who
+ * would first see the reporter exit), and records the first of them for
+ * the launcher (TS_LAUNCH_HUNG_KEY), whose last line names it. Store
+ * calls are bounded by STORE_CALL_S (a fraction of the deadline); a
+ * store that does not answer (its host is the hung rank) or fails is
+ * dropped and the deadline message says what this rank alone sees.
+ * Known limit: a rank that entered more than half the deadline after the
+ * one whose deadline passes has not recorded its entry yet, and is named
+ * with the rank that never entered. */
+#define STORE_CALL_S 2.0
+
+static void store_drop(world *w)
+{
+    ts_logf(TS_LOG_DEBUG, "comm: rank %d: no hung-peer records in the store from now on: %s", w->comm->rank,
+            ts_last_error());
+    ts_store_close(w->store);
+    w->store = NULL;
+}
+
+static void store_bound(world *w)
+{
+    double d = atomic_load(&w->deadline_s) / 4;
+    ts_store_set_timeout(w->store, d < STORE_CALL_S ? d : STORE_CALL_S);
+}
+
+static bool collective(const op *o) { return o->kind != TS_COLL_SEND && o->kind != TS_COLL_RECV; }
+
+static void note_entry(world *w, op *o)
+{
+    o->noted = true;
+    if (!w->store || !collective(o)) return;
+    char key[sizeof w->store_prefix + 64], val[16];
+    snprintf(key, sizeof key, "%s/entered/%llu/%d", w->store_prefix, (unsigned long long)o->gid, o->map[o->rank]);
+    snprintf(val, sizeof val, "%u", o->seq);
+    store_bound(w);
+    if (ts_store_set(w->store, key, val, strlen(val)) != TS_OK) store_drop(w);
+}
+
+/* The group ranks of o that have not recorded o (or a later collective
+ * of its group) in the store, into `out` (at most o->W); -1 when the
+ * store cannot tell. */
+static int not_entered(world *w, const op *o, int *out)
+{
+    if (!w->store || !collective(o)) return -1;
+    store_bound(w);
+    int n = 0;
+    for (int g = 0; g < o->W; g++) {
+        if (g == o->rank) continue;
+        char key[sizeof w->store_prefix + 64];
+        snprintf(key, sizeof key, "%s/entered/%llu/%d", w->store_prefix, (unsigned long long)o->gid, o->map[g]);
+        ts_status st = ts_store_check(w->store, key);
+        if (st == TS_ERR_NOT_FOUND) {
+            out[n++] = g;
+            continue;
+        }
+        void *v = NULL;
+        size_t len = 0;
+        if (st == TS_OK) st = ts_store_get(w->store, key, &v, &len);
+        if (st != TS_OK) {
+            store_drop(w);
+            return -1;
+        }
+        char txt[16];
+        snprintf(txt, sizeof txt, "%.*s", (int)(len < sizeof txt - 1 ? len : sizeof txt - 1), (const char *)v);
+        free(v);
+        unsigned seq = (unsigned)strtoul(txt, NULL, 10);
+        if ((int32_t)(seq - o->seq) < 0) out[n++] = g; /* an earlier one: not this one */
+    }
+    return n;
+}
+
+/* The deadline message when the store names the ranks that never
+ * entered; false (msg untouched) when it cannot. *culprit_out: the first
+ * one's world rank. */
+static bool hung_msg(world *w, const op *o, double timeout_s, char *msg, size_t n, int *culprit_out)
+{
+    int *missing = ts__malloc(TS_MEM_COMM, (size_t)o->W * sizeof *missing);
+    if (!missing) return false;
+    int k = not_entered(w, o, missing);
+    if (k <= 0) {
+        ts__free(TS_MEM_COMM, missing);
+        return false;
+    }
+    char name[64];
+    op_name(o, name, sizeof name);
+    int m = snprintf(msg, n, "%s on rank %d of %d passed its deadline of %.3g s: waiting for ", name, o->rank, o->W,
+                     timeout_s);
+    for (int i = 0; i < k && m > 0 && (size_t)m < n; i++) {
+        if (i) m += snprintf(msg + m, n - (size_t)m, i + 1 == k ? " and " : ", ");
+        if ((size_t)m < n) m += peer_str(o, missing[i], msg + m, n - (size_t)m);
+    }
+    if (m > 0 && (size_t)m < n)
+        snprintf(msg + m, n - (size_t)m, ", which %s not entered it (%s)", k == 1 ? "has" : "have",
+                 k + 1 < o->W ? "the store shows the other ranks in it" : "as the store shows");
+    *culprit_out = o->map[missing[0]];
+    ts__free(TS_MEM_COMM, missing);
+    return true;
+}
+
+/* Records the hung rank for the launcher: the first rank to find one
+ * wins (compare-and-set from empty). */
+static void note_hung(world *w, const op *o, int culprit)
+{
+    if (!w->store || !w->hung_key[0]) return;
+    char val[96], name[64];
+    op_name(o, name, sizeof name);
+    snprintf(val, sizeof val, "%d %s", culprit, name);
+    if (ts_store_compare_set(w->store, w->hung_key, "", 0, val, strlen(val), NULL, NULL) != TS_OK) store_drop(w);
+}
+
 static void check_deadlines(world *w)
 {
     if (w->failed || !w->active) return;
     uint64_t now = ts_now_ns();
+    double dl = atomic_load(&w->deadline_s);
+    uint64_t half = (uint64_t)(dl * 0.5e9);
     for (op *o = w->active; o; o = o->next) {
+        if (!o->finished && !o->noted && w->store && now + half > o->deadline_ns) note_entry(w, o);
         if (!o->finished && now > o->deadline_ns) {
             char msg[ERR_LEN];
-            deadline_msg(o, atomic_load(&w->deadline_s), msg, sizeof msg);
+            int culprit = -1;
+            bool named = hung_msg(w, o, dl, msg, sizeof msg, &culprit);
+            if (!named) deadline_msg(o, dl, msg, sizeof msg);
             if (!o->err || o->err == TS_ERR_PEER_FAILED) {
                 o->err = TS_ERR_TIMEOUT;
                 copy_str(o->req->err, sizeof o->req->err, msg);
             }
-            fail_world(w, TS_ERR_TIMEOUT, msg, o, false, -1);
+            if (named) note_hung(w, o, culprit);
+            fail_world(w, TS_ERR_TIMEOUT, msg, o, named, culprit);
             break;
         }
     }
 }
+
 
 /* How long the communication thread's nap grows to once nothing has
  * happened for NAP_LONG_AFTER_NS (short against any transfer that takes
@@ -1903,6 +2043,33 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     return TS_OK;
 }
 
+void ts__world_fail(ts_comm *c, ts_status st, const char *msg)
+{
+    if (!c || c == &g_local || !c->w || st >= 0) return;
+    world *w = c->w;
+    prog_lock(w);
+    fail_later(w, st, msg, false);
+    if (!w->has_thread) check_peers(w); /* nobody else runs a round */
+    prog_unlock(w);
+    if (w->has_thread) wake_thread(w);
+}
+
+ts_status ts__world_attach_store(ts_comm *c, ts_store *client, const char *prefix, const char *hung_key)
+{
+    if (!c || c == &g_local || !c->w || !client || !prefix) {
+        ts_store_close(client);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__world_attach_store: no world, client or prefix");
+    }
+    world *w = c->w;
+    prog_lock(w);
+    ts_store_close(w->store);
+    w->store = client;
+    copy_str(w->store_prefix, sizeof w->store_prefix, prefix);
+    copy_str(w->hung_key, sizeof w->hung_key, hung_key ? hung_key : "");
+    prog_unlock(w);
+    return TS_OK;
+}
+
 void ts__world_free(ts_comm *c)
 {
     if (!c || c == &g_local) return;
@@ -1915,6 +2082,7 @@ void ts__world_free(ts_comm *c)
         pthread_join(w->thread, NULL);
     }
     w->t->vt->destroy(w->t); /* runs the notice receives' callbacks (cancelled) */
+    ts_store_close(w->store);
     flush_traces(w);         /* none left by the thread's last round; a thread-less world's */
     while (w->op_cache) {
         op *o = w->op_cache;

@@ -32,7 +32,8 @@
  * outlives its deadline (given when the world is made, default 300 s) fails
  * that collective and every pending and later one of the world with the
  * error (TS_ERR_PEER_FAILED naming the rank, or TS_ERR_TIMEOUT); nothing
- * hangs. Ranks that call different collectives (or the same with another
+ * hangs. In a world of ts_dist_init, a deadline names the ranks that never
+ * entered the collective (read from the store), on every rank alike. Ranks that call different collectives (or the same with another
  * dtype, count, reduce op or root) all fail within it with TS_ERR_COMM
  * naming both sides (docs/comm-design.md).
  *
@@ -209,7 +210,13 @@ TS_API ts_dist_options ts_dist_options_default(void);
  * between processes is TS_ERR_INVALID_ARGUMENT on every rank still
  * waiting, naming the ranks, pids, hosts and values; a rank of this host
  * that exits before the rendezvous completes (watched through its pidfd)
- * is TS_ERR_PEER_FAILED on the others at once, naming it. Rank 0, when it
+ * is TS_ERR_PEER_FAILED on the others at once, naming it; a client the
+ * store rejected for a wrong token is TS_ERR_INVALID_ARGUMENT on every
+ * rank still waiting, naming its address. A duplicate RANK that starts
+ * after the rendezvous fails the world's collectives (and
+ * ts_dist_finalize) on every rank with that error. A store that cannot be
+ * reached within the deadline is TS_ERR_TIMEOUT saying where it should be
+ * (rank 0, or node 0's tsrun, may not have started). Rank 0, when it
  * hosts the store, returns such an error only once the other ranks have
  * read it too (at most 5 s later), so that a late rank reports it rather
  * than a refused connection. A process

@@ -30,6 +30,22 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out);
  * the transport. Bounded in time. Accepts NULL. */
 void ts__world_free(ts_comm *world);
 
+/* Fails `world` from outside its collectives (ts_dist_init's watch of
+ * the store: a duplicate RANK found after the rendezvous): every pending
+ * and later collective of the world and its groups completes with `st`
+ * (< 0) and `msg`, as after a peer's failure notice. Any thread; no
+ * effect on NULL, the one-rank group or a world that has failed already. */
+void ts__world_fail(ts_comm *world, ts_status st, const char *msg);
+
+/* Gives `world` a store client of its own (ownership passes, even on
+ * error; closed by ts__world_free) for naming the ranks that never
+ * entered a collective whose deadline passed (comm.c, "Who never
+ * entered"): keys go under `prefix`; `hung_key` (NULL or "": none) is
+ * where the first rank that finds such a rank records "<world rank>
+ * <collective>" for the launcher (TS_LAUNCH_HUNG_KEY). Any thread.
+ * TS_ERR_INVALID_ARGUMENT for a NULL or one-rank world, client or prefix. */
+ts_status ts__world_attach_store(ts_comm *world, struct ts_store *client, const char *prefix, const char *hung_key);
+
 /* The world ts_comm_world() returns, owned by comm.c: ts_dist_init
  * (comm/dist.c) publishes the world it made and NULL when it is finalized;
  * ts_comm_world() returns the published world, the one-rank group while

@@ -48,6 +48,12 @@
  * When rank 0 hosts the store (no launcher) and the rendezvous fails, it
  * keeps the store up until every process that joined it has read the
  * error (hold_store_for_error, at most RDV_ERROR_GRACE_S).
+ * A client the store rejected for a wrong token (TS_STORE_REJECTED_KEY,
+ * set by the store itself) fails the rendezvous at once on every rank,
+ * naming its address, and is counted out (it will never arrive). After
+ * the rendezvous, a watch thread per rank fails the world if an error is
+ * recorded late (a duplicate RANK that started after the others met: see
+ * "the watch" below).
  * Known limit: when every rank of the smaller WORLD_SIZE arrives and
  * leaves before any rank of a larger one arrives, only the latecomers
  * fail (the others see a consistent world and go on).
@@ -57,6 +63,7 @@
 #include <math.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -123,13 +130,24 @@ static void host_name(char *out, size_t n)
 
 /* Records the first error of the rendezvous for every rank and returns
  * `s` with `msg` as this rank's detail. */
-static ts_status rdv_fail(ts_store *st, const char *prefix, ts_status s, const char *msg)
+static ts_status rdv_fail(ts_store *st, const char *prefix, int world, ts_status s, const char *msg)
 {
     char key[3 * TS_LAUNCH_MAX_STR + 32];
     snprintf(key, sizeof key, "%s/rdv/error", prefix);
     char val[600];
     snprintf(val, sizeof val, "%d %s", (int)s, msg);
-    (void)ts_store_compare_set(st, key, "", 0, val, strlen(val), NULL, NULL);
+    void *got = NULL;
+    size_t glen = 0;
+    if (ts_store_compare_set(st, key, "", 0, val, strlen(val), &got, &glen) == TS_OK && glen == strlen(val) &&
+        memcmp(got, val, glen) == 0) {
+        /* the first error: wake the ranks past the rendezvous (watch_main) */
+        for (int r = 0; r < world; r++) {
+            snprintf(key, sizeof key, "%s/rdv/wake/%d", prefix, r);
+            if (ts_store_set(st, key, "", 0) != TS_OK)
+                break;
+        }
+    }
+    free(got);
     return ts_error(s, "%s", msg);
 }
 
@@ -266,7 +284,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
     if (!mine) {
         duplicate_rank_msg(msg, sizeof msg, rank, got, glen, pid, me_host, world, "");
         free(got);
-        return rdv_fail(st, prefix, TS_ERR_INVALID_ARGUMENT, msg);
+        return rdv_fail(st, prefix, world, TS_ERR_INVALID_ARGUMENT, msg);
     }
     free(got);
 
@@ -319,11 +337,37 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
             }
             break;
         }
+        /* A client the store rejected for a wrong token is a rank that
+         * will never arrive (it failed at once): say so now. */
+        if (ts_store_check(st, TS_STORE_REJECTED_KEY) == TS_OK) {
+            void *rv = NULL;
+            size_t rlen = 0;
+            s = ts_store_get(st, TS_STORE_REJECTED_KEY, &rv, &rlen);
+            if (s != TS_OK)
+                break;
+            char missing[200];
+            list_ranks(missing, sizeof missing, peers, world);
+            snprintf(msg, sizeof msg,
+                     "ts_dist_init: the store rejected a client from %.*s for a wrong token: every rank needs the "
+                     "same " TS_STORE_TOKEN_ENV " (rank(s) [%s] of %d had not arrived)",
+                     (int)(rlen < 64 ? rlen : 64), (const char *)rv, missing, world);
+            /* counted out as the process it was, so that the store's host
+             * need not wait for it (hold_store_for_error) */
+            char who[96];
+            snprintf(who, sizeof who, "%.*s", (int)(rlen < 64 ? rlen : 64), (const char *)rv);
+            for (char *q = who; *q; q++)
+                if (*q == '/' || *q == ' ')
+                    *q = '_';
+            free(rv);
+            s = rdv_fail(st, prefix, world, TS_ERR_INVALID_ARGUMENT, msg);
+            rdv_count_out(st, prefix, -1, 0, who);
+            break;
+        }
         if (gone >= 0) {
             snprintf(msg, sizeof msg,
                      "ts_dist_init: rank %d (pid %d on %s) exited before the rendezvous of %d ranks completed", gone,
                      peers[gone].pid, peers[gone].host, world);
-            s = rdv_fail(st, prefix, TS_ERR_PEER_FAILED, msg);
+            s = rdv_fail(st, prefix, world, TS_ERR_PEER_FAILED, msg);
             rdv_count_out(st, prefix, gone, peers[gone].pid, me_id);
             break;
         }
@@ -362,7 +406,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
                          "ts_dist_init: inconsistent WORLD_SIZE: rank %d (pid %d on %s) has WORLD_SIZE %d, rank %d "
                          "(pid %d on %s) has %d; every process needs the same WORLD_SIZE",
                          ar, apid, ahost, aw, rank, pid, me_host, world);
-                s = rdv_fail(st, prefix, TS_ERR_INVALID_ARGUMENT, msg);
+                s = rdv_fail(st, prefix, world, TS_ERR_INVALID_ARGUMENT, msg);
                 break;
             }
             if (ar < 0 || ar >= world || peers[ar].seen)
@@ -378,7 +422,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
                              "ts_dist_init: rank %d (pid %d on %s) exited before the rendezvous of %d ranks "
                              "completed",
                              ar, apid, ahost, world);
-                    s = rdv_fail(st, prefix, TS_ERR_PEER_FAILED, msg);
+                    s = rdv_fail(st, prefix, world, TS_ERR_PEER_FAILED, msg);
                     rdv_count_out(st, prefix, ar, apid, me_id);
                     break;
                 }
@@ -396,7 +440,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
                      "ts_dist_init: %lld processes joined a world of WORLD_SIZE %d: a RANK or WORLD_SIZE is wrong "
                      "somewhere",
                      (long long)count, world);
-            s = rdv_fail(st, prefix, TS_ERR_INVALID_ARGUMENT, msg);
+            s = rdv_fail(st, prefix, world, TS_ERR_INVALID_ARGUMENT, msg);
             break;
         }
         if (nseen == world)
@@ -416,7 +460,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
                          "ts_dist_init: rank %d exited (%s) before joining the rendezvous of %d ranks (pid %d, seen "
                          "by its launcher; %d of %d had arrived)",
                          r, how, world, peers[r].exit_pid, nseen, world);
-            s = rdv_fail(st, prefix, TS_ERR_PEER_FAILED, msg);
+            s = rdv_fail(st, prefix, world, TS_ERR_PEER_FAILED, msg);
             break;
         }
         if (s != TS_OK)
@@ -563,13 +607,150 @@ static ts_status port_taken(const ts_rank_env *e, const char *prefix, double tim
     snprintf(how, sizeof how, " (the second found MASTER_PORT %d held by the first one's store)", e->master_port);
     duplicate_rank_msg(msg, sizeof msg, 0, got, glen, (int)getpid(), me_host, e->world_size, how);
     free(got);
-    s = rdv_fail(c, prefix, TS_ERR_INVALID_ARGUMENT, msg);
+    s = rdv_fail(c, prefix, e->world_size, TS_ERR_INVALID_ARGUMENT, msg);
     /* counted out, so that the hosting rank 0 need not wait for this one */
     char me_id[RDV_MAX_ID];
     host_id(me_id, sizeof me_id);
     rdv_count_out(c, prefix, 0, (int)getpid(), me_id);
     ts_store_close(c);
     return ts_error(s, "%s", msg);
+}
+
+/* ------------------------------------------------------------ the watch */
+
+/* After the rendezvous: a process that claims a rank of this world late
+ * (a duplicate RANK that starts after the others have met) records the
+ * error under "<prefix>/rdv/error" and sets "<prefix>/rdv/wake/<r>" for
+ * every rank r (rdv_fail). Each rank's watch thread waits on its own wake
+ * key through a client of its own (the store answers it at once when the
+ * key is set; it asks again every WATCH_POLL_S so that a store that
+ * stopped answering cannot hold it longer) and, woken by an error, fails
+ * the world with it (ts__world_fail): the collectives of every rank fail,
+ * naming the duplicate. ts_dist_finalize sets this rank's wake key to
+ * end it, then reads the error key once more. */
+#define WATCH_POLL_S 2.0
+
+typedef struct watch {
+    pthread_t thread;
+    ts_store *client;
+    ts_comm *world;
+    int rank;
+    atomic_bool stop;
+    char wake_key[3 * TS_LAUNCH_MAX_STR + 48], error_key[3 * TS_LAUNCH_MAX_STR + 32];
+} watch;
+static watch *g_watch;
+
+/* The recorded rendezvous error as "<status> <message>": *code_out and
+ * the message (malloc'd), or NULL when none is recorded. */
+static char *read_rdv_error(ts_store *st, const char *key, ts_status *code_out)
+{
+    if (ts_store_check(st, key) != TS_OK)
+        return NULL;
+    void *ev = NULL;
+    size_t elen = 0;
+    if (ts_store_get(st, key, &ev, &elen) != TS_OK)
+        return NULL;
+    char *txt = strndup(ev, elen);
+    free(ev);
+    if (!txt)
+        return NULL;
+    int code = (int)TS_ERR_INVALID_ARGUMENT, off = 0;
+    if (sscanf(txt, "%d %n", &code, &off) < 1 || code >= 0)
+        code = (int)TS_ERR_INVALID_ARGUMENT, off = 0;
+    memmove(txt, txt + off, strlen(txt + off) + 1);
+    *code_out = (ts_status)code;
+    return txt;
+}
+
+static void *watch_main(void *arg)
+{
+    watch *wt = arg;
+    ts_trace_thread_name("dist-watch");
+    while (!atomic_load(&wt->stop)) {
+        void *v = NULL;
+        size_t len = 0;
+        ts_status s = ts_store_get(wt->client, wt->wake_key, &v, &len);
+        if (s == TS_ERR_TIMEOUT)
+            continue;
+        free(v);
+        if (s != TS_OK)
+            break; /* the store is gone: the job is ending */
+        ts_status code = TS_OK;
+        char *err = read_rdv_error(wt->client, wt->error_key, &code);
+        if (err) {
+            char msg[700];
+            snprintf(msg, sizeof msg, "%s (found after the rendezvous; reported to rank %d)", err, wt->rank);
+            ts__world_fail(wt->world, code, msg);
+            free(err);
+        }
+        break;
+    }
+    return NULL;
+}
+
+/* Starts the watch of `world` (rank `rank`); without one (no memory, no
+ * second connection) the job runs unwatched, with a warning. */
+static void watch_start(const ts_rank_env *e, const char *prefix, ts_comm *world)
+{
+    watch *wt = calloc(1, sizeof *wt);
+    if (!wt)
+        return;
+    wt->world = world;
+    wt->rank = e->rank;
+    atomic_init(&wt->stop, false);
+    snprintf(wt->wake_key, sizeof wt->wake_key, "%s/rdv/wake/%d", prefix, e->rank);
+    snprintf(wt->error_key, sizeof wt->error_key, "%s/rdv/error", prefix);
+    if (ts_store_connect(e->master_addr, e->master_port, e->token, 30.0, &wt->client) != TS_OK) {
+        ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: no watch of the store (a late duplicate RANK goes unseen): %s",
+                e->rank, ts_last_error());
+        free(wt);
+        return;
+    }
+    ts_store_set_timeout(wt->client, WATCH_POLL_S);
+    if (pthread_create(&wt->thread, NULL, watch_main, wt) != 0) {
+        ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: no watch of the store: cannot start its thread", e->rank);
+        ts_store_close(wt->client);
+        free(wt);
+        return;
+    }
+    g_watch = wt;
+}
+
+/* Ends the watch: wakes it through `st` (the caller's client; NULL or a
+ * store that does not answer: the watch ends by itself within
+ * WATCH_POLL_S and a second) and joins it. */
+static void watch_stop(ts_store *st)
+{
+    watch *wt = g_watch;
+    if (!wt)
+        return;
+    g_watch = NULL;
+    atomic_store(&wt->stop, true);
+    if (st)
+        (void)ts_store_set(st, wt->wake_key, "", 0);
+    pthread_join(wt->thread, NULL);
+    ts_store_close(wt->client);
+    free(wt);
+}
+
+/* Gives the world a store client of its own, through which a rank whose
+ * collective passes its deadline names the ranks that never entered it
+ * (comm.c, "Who never entered"), and, under tsrun, records the first for
+ * the launcher's last line. Without one (the connection failed) the
+ * deadline messages say what each rank sees, with a warning. */
+static void attach_store(const ts_rank_env *e, const char *prefix, ts_comm *world)
+{
+    ts_store *c = NULL;
+    if (ts_store_connect(e->master_addr, e->master_port, e->token, 30.0, &c) != TS_OK) {
+        ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: deadlines will not name hung ranks from the store: %s", e->rank,
+                ts_last_error());
+        return;
+    }
+    char hung[TS_LAUNCH_MAX_STR + 32] = "";
+    if (e->store_hosted && e->run_id[0])
+        snprintf(hung, sizeof hung, TS_LAUNCH_HUNG_KEY, e->run_id);
+    if (ts__world_attach_store(world, c, prefix, hung) != TS_OK)
+        ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: %s", e->rank, ts_last_error());
 }
 
 /* TS_DIST_TIMEOUT, when set, overrides the option (seconds, > 0). */
@@ -690,6 +871,24 @@ static ts_status init_locked(const ts_dist_options *o)
         if (s != TS_OK) return s;
     }
     s = ts_store_connect(env.master_addr, env.master_port, env.token, timeout_s, &g_store);
+    if (s == TS_ERR_TIMEOUT && !g_server) {
+        /* Nothing answered there for the whole deadline (connection
+         * refused, retried until then): name the host that should. */
+        char why[400];
+        snprintf(why, sizeof why, "%s", ts_last_error());
+        if (env.store_hosted)
+            s = ts_error(s,
+                         "ts_dist_init: rank %d: the store of tsrun on node 0 at %s:%d is not reachable (%s): node 0's "
+                         "tsrun may not have started (retried for %.3g s, the rendezvous deadline; " TS_DIST_TIMEOUT_ENV
+                         " sets it)",
+                         env.rank, env.master_addr, env.master_port, why, timeout_s);
+        else
+            s = ts_error(s,
+                         "ts_dist_init: rank %d: the store on rank 0 at %s:%d is not reachable (%s): rank 0 may not "
+                         "have started (retried for %.3g s, the rendezvous deadline; " TS_DIST_TIMEOUT_ENV
+                         " sets it; MASTER_ADDR and MASTER_PORT name it)",
+                         env.rank, env.master_addr, env.master_port, why, timeout_s);
+    }
     if (s != TS_OK) goto fail;
     ts_store_set_timeout(g_store, timeout_s);
     /* a launcher that hosts the store records the ranks' exits in it */
@@ -705,6 +904,8 @@ static ts_status init_locked(const ts_dist_options *o)
         goto fail;
     }
     g_hold_for_nodes = env.store_hosted && env.rank == 0 && env.local_world_size < env.world_size;
+    attach_store(&env, g_prefix, g_world);
+    watch_start(&env, g_prefix, g_world);
     log_init(&env, "ucx");
     return TS_OK;
 fail:
@@ -748,15 +949,28 @@ ts_status ts_dist_finalize(void)
         snprintf(name, sizeof name, "%s/finalize", g_prefix);
         s = ts_store_barrier(g_store, name, ts_comm_size(w));
     }
+    /* The watch ends (a failed world may have stopped the store's host:
+     * then the wake is not answered and the watch ends by itself); a
+     * duplicate RANK recorded meanwhile fails finalize on every rank. */
+    if (s != TS_OK && g_store)
+        ts_store_set_timeout(g_store, WATCH_POLL_S); /* only the wake and the close follow */
+    watch_stop(g_store);
     /* When rank 0 hosts the store (mpirun, srun), it stops the server
      * only after every other rank has left its last store call; under a
      * launcher whose ranks span several nodes, rank 0 waits the same way,
      * which keeps node 0's launcher, and with it the store, up for the
-     * ranks of the other nodes (g_hold_for_nodes). */
+     * ranks of the other nodes (g_hold_for_nodes). The other ranks read
+     * the error key before they leave, rank 0 after they all have: an
+     * error found there (a late duplicate RANK) fails finalize, and a
+     * rank that finds one still leaves, so that rank 0 is not held. */
     if (s == TS_OK && g_store) {
         int W = ts_comm_size(w), R = ts_comm_rank(w);
         char key[sizeof g_prefix + 32];
+        ts_status late = TS_OK;
+        char *lerr = NULL;
         if (R != 0 && !g_server) {
+            snprintf(key, sizeof key, "%s/rdv/error", g_prefix);
+            lerr = read_rdv_error(g_store, key, &late);
             snprintf(key, sizeof key, "%s/left/%d", g_prefix, R);
             s = ts_store_set(g_store, key, "", 0);
         } else if ((g_server || g_hold_for_nodes) && W > 1) {
@@ -771,6 +985,14 @@ ts_status ts_dist_finalize(void)
             }
             free(keys);
             free(kp);
+        }
+        if (!lerr && s == TS_OK) {
+            snprintf(key, sizeof key, "%s/rdv/error", g_prefix);
+            lerr = read_rdv_error(g_store, key, &late);
+        }
+        if (lerr) {
+            s = ts_error(late, "%s (found after the rendezvous; reported to rank %d)", lerr, R);
+            free(lerr);
         }
     }
     char err[512] = "";

@@ -424,6 +424,30 @@ static void record_exit(launcher *L, const rank_proc *rp, int64_t exit_status, i
     }
 }
 
+/* The rank the others found hung (TS_LAUNCH_HUNG_KEY), if one of them
+ * recorded it before exiting. */
+static void read_hung(launcher *L, ts_launch_result *res)
+{
+    if (!L->store)
+        return;
+    char key[TS_LAUNCH_MAX_STR + 64];
+    snprintf(key, sizeof key, TS_LAUNCH_HUNG_KEY, L->run_id);
+    if (ts_store_check(L->store, key) != TS_OK)
+        return;
+    void *v = NULL;
+    size_t len = 0;
+    if (ts_store_get(L->store, key, &v, &len) != TS_OK)
+        return;
+    char txt[128];
+    snprintf(txt, sizeof txt, "%.*s", (int)(len < sizeof txt - 1 ? len : sizeof txt - 1), (const char *)v);
+    free(v);
+    int r = -1, off = 0;
+    if (sscanf(txt, "%d %n", &r, &off) < 1 || r < 0 || r >= L->o->nnodes * L->o->nproc_per_node)
+        return;
+    res->hung_rank = r;
+    snprintf(res->hung_collective, sizeof res->hung_collective, "%s", txt + off);
+}
+
 static void on_proc_exit(uv_process_t *p, int64_t exit_status, int term_signal)
 {
     rank_proc *rp = p->data;
@@ -949,6 +973,9 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
             .received_signal = L->received_signal,
             .master_port = port,
         };
+        res.hung_rank = -1;
+        if (L->failed_rank >= 0)
+            read_hung(L, &res);
         if (L->failed_rank >= 0)
             res.exit_code = L->failed_code;
         else if (L->received_signal)

@@ -78,6 +78,10 @@ typedef struct ts_launch_result {
     int failed_signal;   /* signal that killed it, 0 if it exited */
     int received_signal; /* SIGINT/SIGTERM/SIGHUP the launcher caught and forwarded, 0 if none */
     int master_port;     /* the store's port (the one picked when master_port was 0) */
+    int hung_rank;       /* the rank the others' deadlines found had never entered a collective
+                          * (TS_LAUNCH_HUNG_KEY; node 0 only), -1 if none: the cause of the
+                          * failure, whichever rank exited first */
+    char hung_collective[64]; /* that collective ("all_reduce #5"), "" if none */
 } ts_launch_result;
 
 /* Starts the ranks of this node running argv[0] (searched in PATH) with argv
@@ -163,6 +167,11 @@ TS_API const char *ts_launch_source_name(ts_launch_source s);
  * the run id, and of the run id and the ticket (long long). */
 #define TS_LAUNCH_EXITS_KEY "tsrun/%s/exits"
 #define TS_LAUNCH_EXIT_KEY "tsrun/%s/exit/%lld"
+/* The key (printf format of the run id) where the first rank whose
+ * collective passed its deadline records the rank that never entered it,
+ * as "<rank> <collective>" ("2 all_reduce #5"); ts_launch reads it into
+ * ts_launch_result.hung_rank. */
+#define TS_LAUNCH_HUNG_KEY "tsrun/%s/hung"
 
 typedef struct ts_rank_env {
     ts_launch_source source;

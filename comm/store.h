@@ -4,7 +4,8 @@
  *
  * The wire protocol is internal (comm/store_internal.h). A client's first
  * message carries the job's token (compared in constant time); a wrong
- * token, an unknown request, a malformed or oversized one (key over
+ * token (recorded under TS_STORE_REJECTED_KEY), an unknown request, a
+ * malformed or oversized one (key over
  * TS_STORE_MAX_KEY, value over TS_STORE_MAX_VALUE, token over
  * TS_STORE_MAX_TOKEN), or a request sent while a get/wait of the same
  * connection is still pending drops the client; the server logs why (warn
@@ -55,6 +56,11 @@ extern "C" {
 #define TS_STORE_HELLO_TIMEOUT_MS 5000
 /* ...and at most this many connections may be waiting to present it. */
 #define TS_STORE_MAX_PENDING 1024
+/* Key under which the server records the address ("127.0.0.1:40312") of
+ * the last client it rejected for a wrong token, so that the job can say
+ * so (ts_dist_init's rendezvous fails at once naming it). Set by the
+ * server only; a client may read it like any key. */
+#define TS_STORE_REJECTED_KEY "ts.store/rejected-token"
 /* Environment variable a client reads its token from when given NULL
  * (the launcher sets it for every rank). */
 #define TS_STORE_TOKEN_ENV "TS_STORE_TOKEN"

@@ -523,6 +523,13 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
                         TS__STORE_PROTOCOL);
         if (!token_ok(core, val, vlen)) {
             answer(core, c, TS__STORE_ST_BAD_TOKEN, NULL, 0, TS__STORE_PROTOCOL); /* then dropped */
+            /* Recorded for the job (store.h: TS_STORE_REJECTED_KEY): a
+             * rendezvous waiting for the rejected rank fails at once. Out
+             * of memory, it is only logged. */
+            static const char rk[] = TS_STORE_REJECTED_KEY;
+            entry *re = table_put(core, (const unsigned char *)rk, sizeof rk - 1, c->peer, strlen(c->peer));
+            if (re)
+                wake(core, re);
             return drop(c, TS_LOG_WARN, "wrong token");
         }
         c->authed = true;

@@ -64,6 +64,27 @@ __attribute__((constructor)) static void rdv_test_role(void)
     fprintf(stderr, "init %s after %.2f s: %s\n", ts_status_name(s), th_now_s() - t0, s == TS_OK ? "" : ts_last_error());
     fflush(stderr);
     if (s != TS_OK) _exit(3);
+    if (strcmp(role, "train") == 0) {
+        /* Barriers until one fails (a duplicate RANK that starts after
+         * the rendezvous); 3000 of them (a minute or more) bound the
+         * run. */
+        ts_comm *w = ts_dist_world();
+        for (int i = 0; i < 3000; i++) {
+            ts_status bs = ts_barrier(w, NULL);
+            if (bs == TS_OK) {
+                usleep(20000);
+                continue;
+            }
+            fprintf(stderr, "train %s at barrier %d: %s\n", ts_status_name(bs), i, ts_last_error());
+            fflush(stderr);
+            (void)ts_dist_finalize();
+            _exit(8);
+        }
+        s = ts_dist_finalize();
+        fprintf(stderr, "finalize %s: %s\n", ts_status_name(s), s == TS_OK ? "" : ts_last_error());
+        fflush(stderr);
+        _exit(s == TS_OK ? 0 : 4);
+    }
     s = ts_dist_finalize();
     _exit(s == TS_OK ? 0 : 4);
 }
@@ -189,6 +210,80 @@ Test(comm_rendezvous, duplicate_rank_fails_every_rank, .timeout = 120)
         expect_failed_with(p, i, "duplicate RANK 1", "claimed by pid");
         cr_assert_lt(p[i].exited_s, 20.0, "process %d took %.1f s (the deadline is 60 s)", i, p[i].exited_s);
     }
+}
+
+/* Waits (bounded) until the log of `p` shows a line with `what`. */
+static void wait_for_line(const rank_proc *p, const char *what, double limit_s)
+{
+    double t0 = th_now_s();
+    for (;;) {
+        size_t n = 0;
+        char *text = th_read_file(p->log, &n);
+        bool seen = text && strstr(text, what);
+        free(text);
+        if (seen) return;
+        cr_assert_lt(th_now_s() - t0, limit_s, "no '%s' in %s after %.0f s", what, p->log, limit_s);
+        usleep(20000);
+    }
+}
+
+Test(comm_rendezvous, duplicate_rank_after_the_rendezvous_fails_every_rank, .timeout = 150)
+{
+    /* Ranks 0 and 1 meet and run barriers; a second RANK 1 starts only
+     * then. It fails at its claim, and so must the two others (at their
+     * next barrier), naming the duplicate: none of them exits 0. */
+    rdv_env(NULL, "60");
+    setenv("TS_TEST_RDV_WANT_ROLE", "train", 1);
+    rank_proc p[3];
+    double t0 = th_now_s();
+    spawn_rank(&p[0], 0, 2, "latedup");
+    spawn_rank(&p[1], 1, 2, "latedup");
+    unsetenv("TS_TEST_RDV_WANT_ROLE");
+    wait_for_line(&p[0], "init TS_OK", 60);
+    wait_for_line(&p[1], "init TS_OK", 60);
+    spawn_rank(&p[2], 1, 2, "latedup"); /* RANK 1 again */
+    wait_ranks(p, 3, t0, 120);
+    for (int i = 0; i < 3; i++) {
+        char *log = slurp(p[i].log);
+        cr_log_info("process %d: status 0x%x after %.2f s:\n%s", i, p[i].status, p[i].exited_s, log);
+        cr_assert(WIFEXITED(p[i].status) && WEXITSTATUS(p[i].status) != 0, "process %d exited 0x%x:\n%s", i,
+                  p[i].status, log);
+        cr_assert(strstr(log, "duplicate RANK 1: claimed by pid"), "process %d does not name the duplicate:\n%s", i,
+                  log);
+    }
+}
+
+Test(comm_rendezvous, wrong_token_fails_the_rendezvous_at_once_naming_it, .timeout = 120)
+{
+    /* Rank 1's token differs from rank 0's: the store rejects it (it
+     * fails at once), and rank 0 fails at once too saying why, not at the
+     * 30 s deadline with "never arrived". */
+    rdv_env(NULL, "30");
+    rank_proc p[2];
+    double t0 = th_now_s();
+    setenv("TS_STORE_TOKEN", "right-token", 1);
+    spawn_rank(&p[0], 0, 2, "token");
+    setenv("TS_STORE_TOKEN", "wrong-token", 1);
+    spawn_rank(&p[1], 1, 2, "token");
+    unsetenv("TS_STORE_TOKEN");
+    wait_ranks(p, 2, t0, 90);
+    expect_failed_with(p, 1, "rejected", "token");
+    expect_failed_with(p, 0, "the store rejected a client from 127.0.0.1:", "for a wrong token");
+    cr_assert_lt(p[0].exited_s, 15.0, "rank 0 took %.1f s (the deadline is 30 s)", p[0].exited_s);
+}
+
+Test(comm_rendezvous, missing_store_names_rank_0, .timeout = 60)
+{
+    /* Rank 0 never starts: rank 1 retries until its deadline, then says
+     * where the store should be and that rank 0 may not have started. */
+    int port = rdv_env(NULL, "1.5");
+    rank_proc p[1];
+    double t0 = th_now_s();
+    spawn_rank(&p[0], 1, 2, "nostore");
+    wait_ranks(p, 1, t0, 40);
+    char want[96];
+    snprintf(want, sizeof want, "the store on rank 0 at 127.0.0.1:%d is not reachable (", port);
+    expect_failed_with(p, 0, want, "rank 0 may not have started");
 }
 
 Test(comm_rendezvous, duplicate_rank_0_fails_every_rank, .timeout = 120)

@@ -293,7 +293,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "tsrun: %s\n", ts_last_error());
         return s == TS_ERR_INVALID_ARGUMENT ? 2 : 1;
     }
-    if (res.failed_rank >= 0) {
+    if (res.failed_rank >= 0 && res.hung_rank >= 0) {
+        /* the ranks that exited timed out waiting for this one: it is the
+         * cause, whichever of them exited first */
+        fprintf(stderr, "tsrun: rank %d hung: it never entered %s, where the other ranks passed their deadline "
+                        "(exit status %d, that of the first to stop)\n",
+                res.hung_rank, res.hung_collective[0] ? res.hung_collective : "a collective", res.exit_code);
+    } else if (res.failed_rank >= 0) {
         if (res.failed_signal)
             fprintf(stderr, "tsrun: rank %d killed by signal %s\n", res.failed_rank, signame(res.failed_signal));
         else
