@@ -303,6 +303,15 @@ TS_API void ts_logf(ts_log_level level, const char *fmt, ...) TS_PRINTF(2, 3);
  * second signal does at once). A program that installs its own handler
  * afterwards replaces that; ts_trace_stop removes it.
  *
+ * A flush replaces the file atomically: the trace is written into a
+ * temporary file of a random name in the file's folder, created with
+ * O_CREAT | O_EXCL | O_NOFOLLOW and mode 0600 (ts__tmp_create: a file or
+ * symbolic link another user planted in a shared folder is never opened
+ * or followed), given mode 0644 under the umask and renamed over the
+ * file; a symbolic link at the file's own name is replaced, not followed.
+ * Only a character device or FIFO the path itself names (/dev/null) is
+ * written straight into.
+ *
  * Spans recorded by the library: "forward" (the outermost ts_module_call),
  * "backward" (ts_backward), "optimizer.step", "matmul"; fully_shard's
  * "fsdp.pre_forward", "fsdp.post_forward", "fsdp.pre_backward",
