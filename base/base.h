@@ -246,7 +246,8 @@ TS_API void ts__free_raw(ts_mem_tag tag, void *ptr, size_t size);
  * `target` (the file it will be renamed to) and `op` name it in messages.
  * *tmp_out (free with ts__free(tag, ...)) and *fd_out (open for writing)
  * are written on success; the caller removes the file on every failure.
- * TS_ERR_IO naming the path and the system error; TS_ERR_NO_MEMORY. */
+ * TS_ERR_IO naming the path and the system error; TS_ERR_NO_MEMORY;
+ * TS_ERR_INVALID_ARGUMENT for a NULL argument. */
 #define TS__TMP_INFIX ".tmp."
 TS_API ts_status ts__tmp_create(ts_mem_tag tag, const char *op, const char *dir, const char *base, const char *target,
                                 char **tmp_out, int *fd_out);

@@ -40,6 +40,8 @@ static ts_status random_u64(const char *op, uint64_t *out)
 ts_status ts__tmp_create(ts_mem_tag tag, const char *op, const char *dir, const char *base, const char *target,
                          char **tmp_out, int *fd_out)
 {
+    if (!op || !dir || !base || !target || !tmp_out || !fd_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__tmp_create: NULL argument");
     size_t tlen = strlen(dir) + strlen(base) + 64;
     char *tmp = ts__malloc(tag, tlen);
     if (!tmp)
