@@ -752,14 +752,17 @@ static ts_status ck_commit_index(ck_ctx *c, const char *dir, json_t *root, bool 
 
 /* Rank 0, after the new index is durable: removes our files (rank files
  * and temporaries) that the index does not name: names of our patterns
- * that are regular files of this process's user (a file or link another
- * user planted under such a name in a shared folder is left alone). Best
- * effort. */
+ * that are regular files with the owner of the index just written (this
+ * process's user, or the user a file server maps it to, as NFS's
+ * root_squash does); a file or link another user planted under such a
+ * name in a shared folder is left alone. Best effort. */
 static void ck_cleanup(const char *dir, const json_t *index)
 {
     DIR *d = opendir(dir);
     if (!d) return;
     const json_t *files = json_object_get(index, "files");
+    struct stat ib;
+    uid_t owner = fstatat(dirfd(d), CK_INDEX, &ib, AT_SYMLINK_NOFOLLOW) == 0 ? ib.st_uid : geteuid();
     struct dirent *de;
     while ((de = readdir(d))) {
         if (!ck_our_file(de->d_name)) continue;
@@ -768,7 +771,7 @@ static void ck_cleanup(const char *dir, const json_t *index)
             keep = !strcmp(json_string_value(json_object_get(json_array_get(files, i), "name")), de->d_name);
         struct stat sb;
         if (!keep && fstatat(dirfd(d), de->d_name, &sb, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(sb.st_mode) &&
-            sb.st_uid == geteuid())
+            sb.st_uid == owner)
             unlinkat(dirfd(d), de->d_name, 0);
     }
     closedir(d);
