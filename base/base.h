@@ -239,6 +239,21 @@ TS_API char *ts__strdup(ts_mem_tag tag, const char *s);
  * size and passes it back to ts__free_raw. For pools of large blocks. */
 TS_API void *ts__malloc_raw(ts_mem_tag tag, size_t size, size_t align);
 TS_API void ts__free_raw(ts_mem_tag tag, void *ptr, size_t size);
+/* Files: the exclusive temporary file of an atomic write (base/file.c).
+ * Creates "<dir>/.<base>.tmp.<pid>.<16 random hex digits>" with
+ * O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC and mode 0600, retrying on a
+ * name that exists (a planted file or symbolic link is never opened).
+ * `target` (the file it will be renamed to) and `op` name it in messages.
+ * *tmp_out (free with ts__free(tag, ...)) and *fd_out (open for writing)
+ * are written on success; the caller removes the file on every failure.
+ * TS_ERR_IO naming the path and the system error; TS_ERR_NO_MEMORY;
+ * TS_ERR_INVALID_ARGUMENT for a NULL argument. */
+#define TS__TMP_INFIX ".tmp."
+TS_API ts_status ts__tmp_create(ts_mem_tag tag, const char *op, const char *dir, const char *base, const char *target,
+                                char **tmp_out, int *fd_out);
+/* The mode to give a file the library writes: max_mode (0644 for every
+ * file it writes) less the process's umask. */
+TS_API unsigned ts__file_mode(unsigned max_mode);
 /* Adjusts a tag's live count for memory that is handed out from a cache
  * (the tensor pool counts blocks in use under TS_MEM_STORAGE). */
 TS_API void ts__mem_count(ts_mem_tag tag, size_t bytes, bool add);
@@ -288,6 +303,15 @@ TS_API void ts_logf(ts_log_level level, const char *fmt, ...) TS_PRINTF(2, 3);
  * thread, which flushes, then lets the signal take its default action (a
  * second signal does at once). A program that installs its own handler
  * afterwards replaces that; ts_trace_stop removes it.
+ *
+ * A flush replaces the file atomically: the trace is written into a
+ * temporary file of a random name in the file's folder, created with
+ * O_CREAT | O_EXCL | O_NOFOLLOW and mode 0600 (ts__tmp_create: a file or
+ * symbolic link another user planted in a shared folder is never opened
+ * or followed), given mode 0644 under the umask and renamed over the
+ * file; a symbolic link at the file's own name is replaced, not followed.
+ * Only a character device or FIFO the path itself names (/dev/null) is
+ * written straight into.
  *
  * Spans recorded by the library: "forward" (the outermost ts_module_call),
  * "backward" (ts_backward), "optimizer.step", "matmul"; fully_shard's

@@ -582,30 +582,56 @@ static bool thread_events(json_t *events, thread_buf *b, int pid)
     return ok;
 }
 
-/* Writes root to path: through a temporary file and a rename for a
- * regular file (or a new one), straight into anything else (/dev/null). */
+/* Writes root to path. A character device or FIFO (/dev/null) that path
+ * itself names is written straight into; anything else (a regular file, a
+ * new name, a symbolic link) is replaced: root is written into a temporary
+ * file of a random name in path's folder, created exclusively without
+ * following links, mode 0600 (ts__tmp_create; a file or link another user
+ * planted is never opened), given mode 0644 under the umask and renamed
+ * over path. The temporary is removed on every failure. */
 static ts_status write_json(json_t *root, const char *path)
 {
+    static const char op[] = "ts_trace_flush";
     struct stat sb;
     size_t flags = JSON_COMPACT | JSON_REAL_PRECISION(15);
-    if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) {
-        if (json_dump_file(root, path, flags) != 0)
-            return ts_error(TS_ERR_IO, "ts_trace_flush: cannot write trace file '%s': %s", path, strerror(errno));
+    if (lstat(path, &sb) == 0 && (S_ISCHR(sb.st_mode) || S_ISFIFO(sb.st_mode))) {
+        int fd = open(path, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+        if (fd < 0)
+            return ts_error(TS_ERR_IO, "%s: cannot open trace file '%s': %s", op, path, strerror(errno));
+        int rc = json_dumpfd(root, fd, flags);
+        int e = errno;
+        close(fd);
+        if (rc != 0)
+            return ts_error(TS_ERR_IO, "%s: cannot write trace file '%s': %s", op, path, strerror(e));
         return TS_OK;
     }
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-    if (json_dump_file(root, tmp, flags) != 0) {
-        int e = errno;
+    const char *slash = strrchr(path, '/');
+    char dir[4096];
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == path)
+        snprintf(dir, sizeof dir, "/");
+    else
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    char *tmp = NULL;
+    int fd = -1;
+    ts_status st = ts__tmp_create(TS_MEM_OTHER, op, dir, slash ? slash + 1 : path, path, &tmp, &fd);
+    if (st)
+        return st;
+    if (json_dumpfd(root, fd, flags) != 0)
+        st = ts_error(TS_ERR_IO, "%s: cannot write trace file '%s' (temporary '%s'): %s", op, path, tmp,
+                      strerror(errno));
+    if (!st && fchmod(fd, (mode_t)ts__file_mode(0644)) != 0)
+        st = ts_error(TS_ERR_IO, "%s: setting the mode of '%s' failed: %s", op, tmp, strerror(errno));
+    if (close(fd) != 0 && !st)
+        st = ts_error(TS_ERR_IO, "%s: cannot write trace file '%s' (temporary '%s'): %s", op, path, tmp,
+                      strerror(errno));
+    if (!st && rename(tmp, path) != 0)
+        st = ts_error(TS_ERR_IO, "%s: cannot rename '%s' to '%s': %s", op, tmp, path, strerror(errno));
+    if (st)
         unlink(tmp);
-        return ts_error(TS_ERR_IO, "ts_trace_flush: cannot write trace file '%s': %s", tmp, strerror(e));
-    }
-    if (rename(tmp, path) != 0) {
-        int e = errno;
-        unlink(tmp);
-        return ts_error(TS_ERR_IO, "ts_trace_flush: cannot rename '%s' to '%s': %s", tmp, path, strerror(e));
-    }
-    return TS_OK;
+    ts__free(TS_MEM_OTHER, tmp);
+    return st;
 }
 
 ts_status ts_trace_flush(void)

@@ -373,10 +373,29 @@ static ts_status ck_sync_dir(const char *op, const char *dir)
     return st;
 }
 
+/* Opens a file of a checkpoint folder for reading, without following a
+ * symbolic link: a checkpoint is a folder of regular files, and a link
+ * inside it (to a file of another user, or outside the folder) is refused.
+ * Returns the descriptor, or -1 with the error recorded in *st. */
+static int ck_open_file(const char *op, const char *path, const char *what, ts_status *st)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+    if (fd >= 0) return fd;
+    struct stat sb;
+    if (errno == ELOOP || (lstat(path, &sb) == 0 && S_ISLNK(sb.st_mode)))
+        *st = ts_error(TS_ERR_IO, "%s: '%s'%s is a symbolic link; a checkpoint is a folder of regular files and links in "
+                                  "it are not followed",
+                       op, path, what);
+    else
+        *st = ts_error(TS_ERR_IO, "%s: cannot open '%s'%s: %s", op, path, what, strerror(errno));
+    return -1;
+}
+
 static ts_status ck_read_small_file(const char *op, const char *path, char **buf_out, size_t *len_out)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) return ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", op, path, strerror(errno));
+    ts_status ost = TS_OK;
+    int fd = ck_open_file(op, path, "", &ost);
+    if (fd < 0) return ost;
     struct stat sb;
     ts_status st = TS_OK;
     char *buf = NULL;
@@ -452,6 +471,22 @@ static json_t *placements_json(const char *s)
     return a;
 }
 
+/* ts__ckpt_hash of the bytes of t in row-major order (as safetensors writes them). */
+static ts_status ck_piece_hash(const ts_tensor *t, uint64_t *out)
+{
+    size_t n = (size_t)ts_tensor_numel(t) * ts_dtype_size(ts_tensor_dtype(t));
+    if (ts_tensor_is_contiguous(t)) {
+        *out = ts__ckpt_hash(ts_tensor_data(t), n);
+        return TS_OK;
+    }
+    void *buf = ts__malloc(TS_MEM_OTHER, n ? n : 1);
+    if (!buf) return TS_ERR_NO_MEMORY;
+    ts_status st = ts_tensor_copy_to(t, buf, n);
+    if (!st) *out = ts__ckpt_hash(buf, n);
+    ts__free(TS_MEM_OTHER, buf);
+    return st;
+}
+
 /* Writes this rank's file (every piece it writes; a rank with none writes
  * none) and sets *wrote. */
 static ts_status ck_write_rank_file(ck_ctx *c, const char *dir, uint64_t id, bool *wrote)
@@ -477,19 +512,18 @@ static ts_status ck_write_rank_file(ck_ctx *c, const char *dir, uint64_t id, boo
         st = ts_state_dict_set(sd, it->key, lv);
         ts_tensor_free(lv);
         if (st) break;
-        /* the checksum of the bytes the file will hold (a local view of rows is contiguous; a
-         * strided one, which safetensors writes compacted, gets none) */
+        /* the checksum of the bytes the file will hold: a strided tensor (an extra given as a
+         * view), which safetensors writes compacted, is hashed compacted too (index version 2:
+         * every piece has one) */
         char hhex[17] = "";
-        ts_tensor *hv = ts_state_dict_get(sd, it->key);
-        if (hv && ts_tensor_is_contiguous(hv))
-            snprintf(hhex, sizeof hhex, "%016llx",
-                     (unsigned long long)ts__ckpt_hash(ts_tensor_data(hv), (size_t)ts_tensor_numel(hv) *
-                                                                              ts_dtype_size(ts_tensor_dtype(hv))));
+        uint64_t hash = 0;
+        if ((st = ck_piece_hash(ts_state_dict_get(sd, it->key), &hash))) break;
+        snprintf(hhex, sizeof hhex, "%016llx", (unsigned long long)hash);
         json_t *e = json_object(), *sh = shape_json(it->ndim, it->shape), *pl = placements_json(it->placements);
         bool ok = e && sh && pl && !json_object_set_new(e, "kind", json_string(kind_names[it->kind])) &&
                   !json_object_set(e, "shape", sh) && !json_object_set(e, "placements", pl) &&
                   !json_object_set_new(e, "row", json_integer((json_int_t)it->row0)) &&
-                  (!hhex[0] || !json_object_set_new(e, "hash", json_string(hhex)));
+                  !json_object_set_new(e, "hash", json_string(hhex));
         json_decref(sh);
         json_decref(pl);
         if (!ok || json_object_set_new(pieces, it->key, e) != 0) {
@@ -509,7 +543,10 @@ static ts_status ck_write_rank_file(ck_ctx *c, const char *dir, uint64_t id, boo
         rank_file_name(name, sizeof name, c->rank, id);
         path = path_join(dir, name);
         if (!mjson || !meta || !path) st = TS_ERR_NO_MEMORY;
-        for (int i = 0; !st && i < 2 * nm; i++) meta[i] = c->o->metadata[i];
+        for (int i = 0; !st && i < nm; i++) {
+            meta[2 * i] = c->o->metadata[i].key;
+            meta[2 * i + 1] = c->o->metadata[i].value;
+        }
         if (!st) {
             meta[2 * nm] = CK_META_KEY;
             meta[2 * nm + 1] = mjson;
@@ -534,13 +571,13 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
     json_t *root = json_object(), *files = json_array(), *tensors = json_object(), *meta = json_object();
     ts_status st = root && files && tensors && meta ? TS_OK : TS_ERR_NO_MEMORY;
     if (!st && (json_object_set_new(root, "format", json_string("tensorshard-dcp")) ||
-                json_object_set_new(root, "version", json_integer(1)) ||
+                json_object_set_new(root, "version", json_integer(TS__CKPT_INDEX_VERSION)) ||
                 json_object_set_new(root, "save_id", json_string(idhex)) ||
                 json_object_set_new(root, "world", json_integer(c->W)) || json_object_set(root, "metadata", meta) ||
                 json_object_set(root, "files", files) || json_object_set(root, "tensors", tensors)))
         st = TS_ERR_NO_MEMORY;
     for (int i = 0; !st && c->o && i < c->o->n_metadata; i++) {
-        const char *k = c->o->metadata[2 * i], *v = c->o->metadata[2 * i + 1];
+        const char *k = c->o->metadata[i].key, *v = c->o->metadata[i].value;
         json_t *js = json_string(v);
         if (!js || json_object_set_new(meta, k, js) != 0)
             st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: metadata pair %d is not valid UTF-8", op, i);
@@ -580,7 +617,7 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
             st = TS_ERR_NO_MEMORY;
             break;
         }
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
         if (fd < 0) {
             if (errno != ENOENT) st = ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", op, path, strerror(errno));
             ts__free(TS_MEM_OTHER, path);
@@ -670,21 +707,21 @@ static ts_status ck_validate_index(ck_ctx *c, const char *dir, const json_t *roo
     return TS_OK;
 }
 
-/* Rank 0: writes the index atomically (temporary, fsync, rename, folder
- * fsync). *renamed tells whether the new index is in place. */
-static ts_status ck_commit_index(ck_ctx *c, const char *dir, json_t *root, uint64_t id, bool *renamed)
+/* Rank 0: writes the index atomically: a temporary file of a random
+ * name created exclusively, without following links, mode 0600
+ * (ts__tmp_create), given mode 0644 under the umask, fsync'ed, renamed
+ * over index.json, folder fsync'ed. The temporary is removed on every
+ * failure. *renamed tells whether the new index is in place. */
+static ts_status ck_commit_index(ck_ctx *c, const char *dir, json_t *root, bool *renamed)
 {
     const char *op = c->op;
     *renamed = false;
     char *text = json_dumps(root, JSON_INDENT(1) | JSON_PRESERVE_ORDER);
     if (!text) return ts_error(TS_ERR_NO_MEMORY, "%s: cannot serialise the index", op);
-    char tname[64];
-    snprintf(tname, sizeof tname, "." CK_INDEX ".tmp.%016llx", (unsigned long long)id);
-    char *tmp = path_join(dir, tname), *final = path_join(dir, CK_INDEX);
-    ts_status st = tmp && final ? TS_OK : TS_ERR_NO_MEMORY;
+    char *final = path_join(dir, CK_INDEX), *tmp = NULL;
+    ts_status st = final ? TS_OK : TS_ERR_NO_MEMORY;
     int fd = -1;
-    if (!st && (fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644)) < 0)
-        st = ts_error(TS_ERR_IO, "%s: cannot create '%s': %s", op, tmp, strerror(errno));
+    if (!st) st = ts__tmp_create(TS_MEM_OTHER, op, dir, CK_INDEX, final, &tmp, &fd);
     size_t len = strlen(text), done = 0;
     while (!st && done < len) {
         ssize_t w = write(fd, text + done, len - done);
@@ -693,6 +730,8 @@ static ts_status ck_commit_index(ck_ctx *c, const char *dir, json_t *root, uint6
         else done += (size_t)w;
     }
     if (!st) crash_point("index_tmp", c->rank);
+    if (!st && fchmod(fd, (mode_t)ts__file_mode(0644)) != 0)
+        st = ts_error(TS_ERR_IO, "%s: setting the mode of '%s' failed: %s", op, tmp, strerror(errno));
     if (!st && fsync(fd) != 0) st = ts_error(TS_ERR_IO, "%s: fsync of '%s' failed: %s", op, tmp, strerror(errno));
     if (fd >= 0 && close(fd) != 0 && !st) st = ts_error(TS_ERR_IO, "%s: closing '%s': %s", op, tmp, strerror(errno));
     if (!st) crash_point("index_synced", c->rank);
@@ -712,33 +751,78 @@ static ts_status ck_commit_index(ck_ctx *c, const char *dir, json_t *root, uint6
 }
 
 /* Rank 0, after the new index is durable: removes our files (rank files
- * and temporaries) that the index does not name. Best effort. */
+ * and temporaries) that the index does not name: names of our patterns
+ * that are regular files with the owner of the index just written (this
+ * process's user, or the user a file server maps it to, as NFS's
+ * root_squash does); a file or link another user planted under such a
+ * name in a shared folder is left alone. Best effort. */
 static void ck_cleanup(const char *dir, const json_t *index)
 {
     DIR *d = opendir(dir);
     if (!d) return;
     const json_t *files = json_object_get(index, "files");
+    struct stat ib;
+    uid_t owner = fstatat(dirfd(d), CK_INDEX, &ib, AT_SYMLINK_NOFOLLOW) == 0 ? ib.st_uid : geteuid();
     struct dirent *de;
     while ((de = readdir(d))) {
         if (!ck_our_file(de->d_name)) continue;
         bool keep = false;
         for (size_t i = 0; i < json_array_size(files) && !keep; i++)
             keep = !strcmp(json_string_value(json_object_get(json_array_get(files, i), "name")), de->d_name);
-        if (!keep) unlinkat(dirfd(d), de->d_name, 0);
+        struct stat sb;
+        if (!keep && fstatat(dirfd(d), de->d_name, &sb, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(sb.st_mode) &&
+            sb.st_uid == owner)
+            unlinkat(dirfd(d), de->d_name, 0);
     }
     closedir(d);
+}
+
+static int cmp_meta_key(const void *a, const void *b)
+{
+    return strcmp((*(const ts_ckpt_meta *const *)a)->key, (*(const ts_ckpt_meta *const *)b)->key);
+}
+
+/* The metadata pairs given (ts_ckpt_meta): a count and a list that agree,
+ * no NULL or empty key, no NULL value, no key twice, and (reserved: a
+ * sharded save's files) not our own record's key. UTF-8 is checked where
+ * the strings become JSON. */
+static ts_status ck_check_meta(const char *op, const ts_ckpt_meta *meta, int n, bool reserved)
+{
+    if (n < 0 || (n > 0 && !meta))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d metadata pairs with %s list", op, n, meta ? "a" : "a NULL");
+    for (int i = 0; i < n; i++) {
+        if (!meta[i].key || !meta[i].value)
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: metadata pair %d of %d has a NULL %s", op, i, n,
+                            meta[i].key ? "value" : "key");
+        if (!meta[i].key[0])
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: metadata pair %d of %d has an empty key", op, i, n);
+        if (reserved && !strcmp(meta[i].key, CK_META_KEY))
+            return ts_error(TS_ERR_INVALID_ARGUMENT,
+                            "%s: metadata pair %d has the key '" CK_META_KEY "', reserved for the checkpoint's own "
+                            "record in every file",
+                            op, i);
+    }
+    if (n < 2) return TS_OK;
+    const ts_ckpt_meta **by_key = ts__malloc(TS_MEM_OTHER, (size_t)n * sizeof *by_key);
+    if (!by_key) return TS_ERR_NO_MEMORY;
+    for (int i = 0; i < n; i++) by_key[i] = &meta[i];
+    qsort(by_key, (size_t)n, sizeof *by_key, cmp_meta_key);
+    ts_status st = TS_OK;
+    for (int i = 1; i < n && !st; i++)
+        if (!strcmp(by_key[i - 1]->key, by_key[i]->key)) {
+            int a = (int)(by_key[i - 1] - meta), b = (int)(by_key[i] - meta);
+            st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: metadata pairs %d and %d both have the key '%.*s'", op,
+                          a < b ? a : b, a < b ? b : a, CK_SHOWN, by_key[i]->key);
+        }
+    ts__free(TS_MEM_OTHER, by_key);
+    return st;
 }
 
 static ts_status ck_check_common(const char *op, const char *dir, ts_module *model, const ts_ckpt_options *o)
 {
     if (!dir || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
     if (!dir[0]) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the folder name is empty", op);
-    if (o && (o->n_metadata < 0 || (o->n_metadata > 0 && !o->metadata)))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d metadata pairs with %s list", op, o->n_metadata,
-                        o->metadata ? "a" : "a NULL");
-    for (int i = 0; o && i < 2 * o->n_metadata; i++)
-        if (!o->metadata[i]) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: metadata entry %d is NULL", op, i);
-    return TS_OK;
+    return o ? ck_check_meta(op, o->metadata, o->n_metadata, true) : TS_OK;
 }
 
 ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options *options)
@@ -786,7 +870,7 @@ ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options 
                           "folder (on a file system every rank sees); the previous checkpoint is kept",
                           c.op, (long long)n_wrote, seen, dir);
         if (!st) st = ck_validate_index(&c, dir, index);
-        if (!st) st = ck_commit_index(&c, dir, index, (uint64_t)id, &rn);
+        if (!st) st = ck_commit_index(&c, dir, index, &rn);
         renamed = rn;
     }
     if (c.W > 1) {
@@ -822,18 +906,48 @@ typedef struct ck_reader {
     uint64_t bytes;
 } ck_reader;
 
+/* The file's own record (its "ts_ckpt" metadata: the world, rank and
+ * save id it was written by) agrees with the index: an index whose
+ * "world" or file list was edited, or a rank file of another save, is
+ * refused before any of its bytes are used. */
+static ts_status ck_check_file_desc(ck_reader *r, int f, const char *path)
+{
+    const ts__ckpt_file *fi = &r->ix->files[f];
+    json_t *m = json_object_get(json_object_get(r->hdrs[f].root, "__metadata__"), CK_META_KEY);
+    json_t *desc = json_is_string(m) ? json_loads(json_string_value(m), 0, NULL) : NULL;
+    json_t *w = json_object_get(desc, "world"), *rk = json_object_get(desc, "rank"), *sid = json_object_get(desc, "save_id");
+    ts_status st = TS_OK;
+    if (!json_is_integer(w) || !json_is_integer(rk) || !json_is_string(sid))
+        st = ts_error(TS_ERR_FORMAT, "%s: '%s' lacks its " CK_META_KEY " record (\"world\", \"rank\", \"save_id\"): not a "
+                                     "file of a checkpoint",
+                      r->op, path);
+    else if (json_integer_value(w) != r->ix->world)
+        st = ts_error(TS_ERR_FORMAT, "%s: the index's \"world\" is %d, but '%s' was written by a world of %lld", r->op,
+                      r->ix->world, path, (long long)json_integer_value(w));
+    else if (json_integer_value(rk) != fi->rank)
+        st = ts_error(TS_ERR_FORMAT, "%s: the index gives '%s' \"rank\" %d, but rank %lld wrote it", r->op, path,
+                      fi->rank, (long long)json_integer_value(rk));
+    else if (strcmp(json_string_value(sid), r->ix->save_id) != 0)
+        st = ts_error(TS_ERR_FORMAT, "%s: the index's \"save_id\" is '%.40s', but '%s' belongs to save '%.40s'", r->op,
+                      r->ix->save_id, path, json_string_value(sid));
+    json_decref(desc);
+    return st;
+}
+
 static ts_status ck_open(ck_reader *r, int f)
 {
     if (r->fds[f] >= 0) return TS_OK;
     char *path = path_join(r->dir, r->ix->files[f].name);
     if (!path) return TS_ERR_NO_MEMORY;
     ts_status st = TS_OK;
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) st = ts_error(TS_ERR_IO, "%s: cannot open '%s', named by the index: %s", r->op, path, strerror(errno));
-    if (!st && !(st = ts__st_read_header(r->op, path, fd, &r->hdrs[f])) && r->hdrs[f].file_size != r->ix->files[f].size) {
-        st = ts_error(TS_ERR_FORMAT, "%s: '%s' has %llu bytes but the index records %llu (truncated or replaced)", r->op,
-                      path, (unsigned long long)r->hdrs[f].file_size, (unsigned long long)r->ix->files[f].size);
-        ts__st_header_fini(&r->hdrs[f]);
+    int fd = ck_open_file(r->op, path, ", named by the index,", &st);
+    if (fd >= 0 && !(st = ts__st_read_header(r->op, path, fd, &r->hdrs[f]))) {
+        if (r->hdrs[f].file_size != r->ix->files[f].size)
+            st = ts_error(TS_ERR_FORMAT, "%s: '%s' has %llu bytes but the index records %llu (truncated or replaced)",
+                          r->op, path, (unsigned long long)r->hdrs[f].file_size,
+                          (unsigned long long)r->ix->files[f].size);
+        if (!st) st = ck_check_file_desc(r, f, path);
+        if (st) ts__st_header_fini(&r->hdrs[f]);
     }
     ts__free(TS_MEM_OTHER, path);
     if (st) {
@@ -1069,18 +1183,20 @@ ts_status ts_ckpt_metadata(const char *dir, const char *key, char **value_out)
 
 /* ------------------------------------------------------------ full files */
 
-ts_status ts_ckpt_save_full(const char *path, ts_module *model, const char *const *metadata, int n_metadata)
+ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_meta *metadata, int n_metadata)
 {
     ck_ctx c = {.op = "ts_ckpt_save_full", .model = model};
     if (!path || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", c.op);
-    if (n_metadata < 0 || (n_metadata > 0 && !metadata))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d metadata pairs with %s list", c.op, n_metadata,
-                        metadata ? "a" : "a NULL");
+    /* checked on every rank; a rank's bad list fails every rank at the first agreement below */
+    ts_status mst = ck_check_meta(c.op, metadata, n_metadata, false);
+    char why[512] = "";
+    if (mst) snprintf(why, sizeof why, "%s", ts_last_error());
     ts_status st = ck_collect(&c, false);
     if (!c.world) {
         ck_ctx_fini(&c);
-        return st;
+        return mst ? ts_error(mst, "%s", why) : st;
     }
+    if (!st && mst) st = ts_error(mst, "%s", why);
     /* rank 0 writes the header of every tensor, then streams them in */
     ts__st_stream *s = NULL;
     ts__st_desc *descs = NULL;
@@ -1088,7 +1204,15 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const char *cons
         if (c.items.n && !(descs = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *descs))) st = TS_ERR_NO_MEMORY;
         for (int i = 0; !st && i < c.items.n; i++)
             descs[i] = (ts__st_desc){c.items.it[i].key, c.items.it[i].dtype, c.items.it[i].ndim, c.items.it[i].shape};
-        if (!st) st = ts__st_stream_open(c.op, path, c.items.n, descs, metadata, n_metadata, &s);
+        const char **flat = NULL; /* the pairs as safetensors takes them: key, value, key, ... */
+        if (!st && n_metadata && !(flat = ts__calloc(TS_MEM_OTHER, 2 * (size_t)n_metadata, sizeof *flat)))
+            st = TS_ERR_NO_MEMORY;
+        for (int i = 0; !st && i < n_metadata; i++) {
+            flat[2 * i] = metadata[i].key;
+            flat[2 * i + 1] = metadata[i].value;
+        }
+        if (!st) st = ts__st_stream_open(c.op, path, c.items.n, descs, flat, n_metadata, &s);
+        ts__free(TS_MEM_OTHER, flat);
         ts__free(TS_MEM_OTHER, descs);
     }
     st = ck_agree(&c, st, NULL);

@@ -53,6 +53,21 @@
 extern "C" {
 #endif
 
+/* One metadata pair (a model's configuration, a tokenizer's name): a
+ * key and its value, both NUL-terminated UTF-8 strings, borrowed for the
+ * call. An array of them with its length is what ts_ckpt_options and
+ * ts_ckpt_save_full take:
+ *   ts_ckpt_meta meta[] = {{"n_layer", "12"}, {"vocab", "gpt2"}};
+ *   o.metadata = meta; o.n_metadata = sizeof meta / sizeof meta[0];
+ * A NULL key or value, an empty key, a key given twice or a string that
+ * is not UTF-8 is TS_ERR_INVALID_ARGUMENT naming the pair's index; for
+ * ts_ckpt_save and ts_ckpt_load the key "ts_ckpt" is reserved (the
+ * checkpoint's own record in every file). */
+typedef struct ts_ckpt_meta {
+    const char *key;
+    const char *value;
+} ts_ckpt_meta;
+
 typedef struct ts_ckpt_options {
     /* The optimizer over the model's parameters (after fully_shard): its
      * state is saved and loaded with the model, keyed by parameter FQN.
@@ -72,9 +87,10 @@ typedef struct ts_ckpt_options {
      * On load they are filled when the checkpoint was saved by the same
      * world size, and left as they are otherwise (ts_ckpt_info says which). */
     const ts_state_dict *rank_extra;
-    /* Key/value string pairs (n_metadata pairs: metadata[2i], [2i+1])
-     * recorded in the index and in every file's safetensors __metadata__. */
-    const char *const *metadata;
+    /* n_metadata key/value pairs (ts_ckpt_meta; NULL with 0), recorded in
+     * the index (read back with ts_ckpt_metadata) and in every file's
+     * safetensors __metadata__. */
+    const ts_ckpt_meta *metadata;
     int n_metadata;
     /* Load only: every key of the model (and of the optimizer, and the
      * extras) must be in the checkpoint, and every model key of the
@@ -136,10 +152,12 @@ TS_API ts_status ts_ckpt_metadata(const char *dir, const char *key, char **value
  * one tensor at a time is all-gathered and handed to rank 0, which
  * streams it into the file (peak extra memory: the largest tensor, on
  * rank 0 only). The file is written atomically as ts_safetensors_save
- * writes it, with metadata in __metadata__. Collective. Errors as
- * ts_ckpt_save. */
-TS_API ts_status ts_ckpt_save_full(const char *path, ts_module *model, const char *const *metadata,
-                                   int n_metadata);
+ * writes it (mode 0644 under the umask at most), with the n_metadata
+ * pairs of `metadata` (ts_ckpt_meta; NULL with 0) in __metadata__; they
+ * are checked on every rank before anything is communicated or written.
+ * Collective. Errors as ts_ckpt_save, and TS_ERR_INVALID_ARGUMENT for
+ * metadata as ts_ckpt_meta describes. */
+TS_API ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_meta *metadata, int n_metadata);
 
 /* Loads a full safetensors file (ts_ckpt_save_full's, ts_safetensors_save's
  * or PyTorch's) into a sharded model: the header is read once, then for

@@ -1,7 +1,7 @@
 /* The index of a sharded checkpoint ("index.json"): parsing and
  * validation (checkpoint/internal.h). Format (docs/checkpoint.md):
  *
- *   {"format": "tensorshard-dcp", "version": 1, "save_id": "<16 hex>",
+ *   {"format": "tensorshard-dcp", "version": 2, "save_id": "<16 hex>",
  *    "world": W, "metadata": {"k": "v"},
  *    "optim": {"kind": "AdamW", "steps": 12},            (optional)
  *    "files": [{"name": "rank00000-<id>.safetensors", "rank": 0, "size": 1234}],
@@ -9,7 +9,7 @@
  *                          "placements": ["Shard(0)"],
  *                          "pieces": [{"file": 0, "rank": 0, "row": 0, "rows": 3,
  *                                      "offset": 136, "length": 48,
- *                                      "hash": "<16 hex>"}]}}}            (hash optional)
+ *                                      "hash": "<16 hex>"}]}}}  (version 1: hash optional)
  *
  * Everything a loader later trusts is checked here, so that a malformed
  * or truncated index is TS_ERR_FORMAT with a message, never a crash. */
@@ -136,10 +136,17 @@ static ts_status parse_files(const char *src, const json_t *files, ts__ckpt_inde
         if (rank >= (uint64_t)ix->world)
             return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': file %zu ('%s') has rank %llu, not below the world %d",
                             src, i, json_string_value(name), (unsigned long long)rank, ix->world);
-        for (size_t j = 0; j < i; j++)
+        for (size_t j = 0; j < i; j++) {
             if (!strcmp(ix->files[j].name, json_string_value(name)))
                 return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': file '%s' is listed twice", src,
                                 json_string_value(name));
+            if (ix->files[j].rank == (int)rank) /* each rank writes one file: world >= the files listed */
+                return ts_error(TS_ERR_FORMAT,
+                                "checkpoint index '%s': files %zu ('%s') and %zu ('%s') both have \"rank\" %llu; each "
+                                "rank of the world (%d) writes one file",
+                                src, j, ix->files[j].name, i, json_string_value(name), (unsigned long long)rank,
+                                ix->world);
+        }
         ix->files[i] = (ts__ckpt_file){json_string_value(name), (int)rank, size};
         ix->n_files = (int)i + 1;
     }
@@ -197,6 +204,72 @@ static ts_status parse_piece(const char *src, const char *key, size_t k, const j
     return TS_OK;
 }
 
+/* A JSON value as short text for a message ("\"x\"", "1e300", "[]"). */
+static void js_show(const json_t *v, char *buf, size_t cap)
+{
+    char *s = v ? json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT) : NULL;
+    snprintf(buf, cap, "%.60s%s", s ? s : "(missing)", s && strlen(s) > 60 ? "..." : "");
+    free(s);
+}
+
+/* "placements": one entry per mesh dim of the tensor's DTensor, as
+ * ts_placement_str writes them: "Replicate()" or "Shard(d)". The pieces
+ * are rows of dim 0, so the one Shard a tensor may have is Shard(0) of a
+ * tensor of at least one dim, and extras (replicated, or one per rank)
+ * have none. *shard_dim is 0 for Shard(0), -1 when all are Replicate(). */
+static ts_status parse_placements(const char *src, const char *key, const json_t *pl, const ts__ckpt_tensor *t,
+                                  int *shard_dim)
+{
+    const int W = CK_SHOWN;
+    char shown[80];
+    *shard_dim = -1;
+    size_t n = json_array_size(pl);
+    if (!json_is_array(pl) || n == 0 || n > TS_MESH_MAX_DIMS) {
+        js_show(pl, shown, sizeof shown);
+        return ts_error(TS_ERR_FORMAT,
+                        "checkpoint index '%s': key '%.*s': \"placements\" is %s, not an array of 1 to %d placements",
+                        src, W, key, shown, TS_MESH_MAX_DIMS);
+    }
+    for (size_t i = 0; i < n; i++) {
+        const json_t *e = json_array_get(pl, i);
+        const char *s = json_string_value(e);
+        long long dim = -1;
+        if (s && !strcmp(s, "Replicate()")) continue;
+        if (s && !strncmp(s, "Shard(", 6)) { /* Shard(<decimal>): up to 18 digits, no overflow */
+            const char *d = s + 6;
+            size_t nd = strspn(d, "0123456789");
+            if (nd >= 1 && nd <= 18 && !strcmp(d + nd, ")") && (nd == 1 || d[0] != '0')) dim = strtoll(d, NULL, 10);
+        }
+        js_show(e, shown, sizeof shown);
+        if (dim < 0)
+            return ts_error(TS_ERR_FORMAT,
+                            "checkpoint index '%s': key '%.*s': \"placements\" entry %zu is %s, not \"Replicate()\" "
+                            "or \"Shard(<dim>)\"",
+                            src, W, key, i, shown);
+        if (dim >= t->ndim)
+            return ts_error(TS_ERR_FORMAT,
+                            "checkpoint index '%s': key '%.*s': \"placements\" entry %zu is %s, but the tensor has %d "
+                            "dims",
+                            src, W, key, i, shown, t->ndim);
+        if (dim != 0)
+            return ts_error(TS_ERR_FORMAT,
+                            "checkpoint index '%s': key '%.*s': \"placements\" entry %zu is %s, but the pieces hold "
+                            "rows of dim 0 (Shard(0))",
+                            src, W, key, i, shown);
+        if (*shard_dim >= 0)
+            return ts_error(TS_ERR_FORMAT,
+                            "checkpoint index '%s': key '%.*s': \"placements\" entry %zu is a second Shard (%s)", src,
+                            W, key, i, shown);
+        if (t->kind == TS__CKPT_EXTRA || t->kind == TS__CKPT_RANK_EXTRA)
+            return ts_error(TS_ERR_FORMAT,
+                            "checkpoint index '%s': key '%.*s': \"placements\" entry %zu is %s, but an extra is "
+                            "never sharded",
+                            src, W, key, i, shown);
+        *shard_dim = 0;
+    }
+    return TS_OK;
+}
+
 static ts_status parse_tensor(const char *src, const char *key, const json_t *v, const ts__ckpt_index *ix,
                               ts__ckpt_tensor *t)
 {
@@ -221,8 +294,6 @@ static ts_status parse_tensor(const char *src, const char *key, const json_t *v,
     if (!json_is_array(sh) || json_array_size(sh) > TS_MAX_DIMS)
         return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': \"shape\" is missing, not an array or has more than %d dims",
                         src, W, key, TS_MAX_DIMS);
-    if (pl && !json_is_array(pl))
-        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': \"placements\" is not an array", src, W, key);
     t->ndim = (int)json_array_size(sh);
     uint64_t numel = 1, span = 1;
     bool ovf = false;
@@ -244,6 +315,9 @@ static ts_status parse_tensor(const char *src, const char *key, const json_t *v,
     uint64_t per_row = 1;
     for (int d = 1; d < t->ndim; d++) per_row *= (uint64_t)t->shape[d];
     t->row_bytes = per_row * ts_dtype_size(t->dtype);
+    int shard_dim = -1;
+    ts_status pst = parse_placements(src, key, pl, t, &shard_dim);
+    if (pst) return pst;
     if (!json_is_array(pieces))
         return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': \"pieces\" is missing or not an array", src, W,
                         key);
@@ -285,6 +359,40 @@ static ts_status parse_tensor(const char *src, const char *key, const json_t *v,
     if (pos != t->rows && t->row_bytes)
         return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': the pieces cover %lld of its %lld rows", src, W,
                         key, (long long)pos, (long long)t->rows);
+    /* a replicated tensor is written once, by the lowest rank holding it */
+    if (shard_dim < 0 && t->n_pieces > 1)
+        return ts_error(TS_ERR_FORMAT,
+                        "checkpoint index '%s': key '%.*s': \"placements\" has no Shard, but the tensor is saved in "
+                        "%d pieces (a replicated tensor is one piece)",
+                        src, W, key, t->n_pieces);
+    return TS_OK;
+}
+
+/* Version 2: every piece has a "hash". Version 1 (written before the
+ * checksums, then with them): no piece has one, or every piece of a model
+ * or optimizer tensor has one (the version-1 writer left it out only for
+ * extras given as strided views). A piece without its hash among hashed
+ * ones would be read unchecked: a removed "hash" and a corrupted byte
+ * loaded silently. */
+static ts_status check_hashes(const char *src, const ts__ckpt_index *ix)
+{
+    bool any = false;
+    for (int i = 0; i < ix->n_tensors && !any; i++)
+        for (int k = 0; k < ix->tensors[i].n_pieces && !any; k++) any = ix->tensors[i].pieces[k].has_hash;
+    if (ix->version < 2 && !any) return TS_OK;
+    for (int i = 0; i < ix->n_tensors; i++) {
+        const ts__ckpt_tensor *t = &ix->tensors[i];
+        if (ix->version < 2 && (t->kind == TS__CKPT_EXTRA || t->kind == TS__CKPT_RANK_EXTRA)) continue;
+        for (int k = 0; k < t->n_pieces; k++)
+            if (!t->pieces[k].has_hash)
+                return ts_error(TS_ERR_FORMAT,
+                                "checkpoint index '%s': key '%.*s': the piece of rows [%lld, %lld) (rank %d) has no "
+                                "\"hash\"; %s",
+                                src, CK_SHOWN, t->key, (long long)t->pieces[k].row,
+                                (long long)(t->pieces[k].row + t->pieces[k].rows), t->pieces[k].rank,
+                                ix->version >= 2 ? "every piece of a version 2 index has one"
+                                                 : "the other pieces of this version 1 index have one");
+    }
     return TS_OK;
 }
 
@@ -311,8 +419,14 @@ ts_status ts__ckpt_index_parse(const char *src, const char *buf, size_t len, ts_
         st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s' is JSON but not an object", src);
     else if (!json_is_string(fmt) || strcmp(json_string_value(fmt), "tensorshard-dcp") != 0)
         st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s': \"format\" is not \"tensorshard-dcp\"", src);
-    else if (!js_uint(ver, &version) || version != 1)
-        st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s': \"version\" is missing or not 1 (the only version known)", src);
+    else if (!js_uint(ver, &version) || version < TS__CKPT_INDEX_VERSION_MIN || version > TS__CKPT_INDEX_VERSION) {
+        char shown[80];
+        js_show(ver, shown, sizeof shown);
+        st = ts_error(TS_ERR_FORMAT,
+                      "checkpoint index '%s': \"version\" is %s; this code loads versions %d to %d (a newer "
+                      "tensorshard wrote it?)",
+                      src, shown, TS__CKPT_INDEX_VERSION_MIN, TS__CKPT_INDEX_VERSION);
+    }
     else if (!js_uint(json_object_get(root, "world"), &world) || world < 1 || world > 1000000)
         st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s': \"world\" is missing or not an integer in [1, 1000000]", src);
     else if (!json_is_string(sid))
@@ -340,6 +454,7 @@ ts_status ts__ckpt_index_parse(const char *src, const char *buf, size_t len, ts_
         }
     }
     if (!st) {
+        ix->version = (int)version;
         ix->world = (int)world;
         ix->save_id = json_string_value(sid);
         st = parse_files(src, json_object_get(root, "files"), ix);
@@ -358,6 +473,7 @@ ts_status ts__ckpt_index_parse(const char *src, const char *buf, size_t len, ts_
         }
         if (!st && ix->n_tensors > 1) qsort(ix->tensors, (size_t)ix->n_tensors, sizeof *ix->tensors, cmp_tensor);
     }
+    if (!st) st = check_hashes(src, ix);
     if (st) {
         ts__ckpt_index_free(ix);
         return st;

@@ -44,8 +44,16 @@ typedef struct ts__ckpt_file {
     uint64_t size;
 } ts__ckpt_file;
 
+/* The index version this code writes, and the versions it loads
+ * (docs/checkpoint.md, "Index versions"): 1, written before every piece
+ * had a checksum (its pieces may lack "hash"), and 2, whose every piece
+ * has one. */
+#define TS__CKPT_INDEX_VERSION 2
+#define TS__CKPT_INDEX_VERSION_MIN 1
+
 typedef struct ts__ckpt_index {
     struct json_t *root;
+    int version;
     int world;
     const char *save_id;
     bool has_optim;
@@ -65,10 +73,13 @@ typedef struct ts__ckpt_index {
 uint64_t ts__ckpt_hash(const void *data, size_t n);
 
 /* Parses and validates an index (len bytes at buf; src names it in
- * messages): the JSON's structure and types, every file name a plain name,
+ * messages): the JSON's structure and types, the version (1 or 2), every
+ * file name a plain name and every file's rank below "world" and its own,
  * every piece inside its file's recorded size with the length its rows
- * need, and the pieces of every tensor (but rank extras) covering its rows
- * exactly once. TS_ERR_FORMAT naming src and the problem, TS_ERR_NO_MEMORY.
+ * need, the pieces of every tensor (but rank extras) covering its rows
+ * exactly once, the placements parsed ("Shard(0)", "Replicate()") and
+ * agreeing with the pieces, and the checksums (version 2: every piece has
+ * one; version 1: none, or every piece of a model or optimizer tensor). TS_ERR_FORMAT naming src and the problem, TS_ERR_NO_MEMORY.
  * *out (free with ts__ckpt_index_free) is written on success. */
 ts_status ts__ckpt_index_parse(const char *src, const char *buf, size_t len, ts__ckpt_index **out);
 void ts__ckpt_index_free(ts__ckpt_index *ix);

@@ -406,7 +406,7 @@ static bool saved_flag(const char *flags, const char *name, char *buf, size_t ca
  * RNG states), with the metadata --resume checks. Collective. */
 static ts_status save_sharded(const char *dir, ts_module *model, ts_optim *opt, const ts_grad_scaler *scaler,
                               int skipped, const ts_generator *data_rng, run_state *rs, int step, double first,
-                              double window, int window_n, double last, const char *const *meta, int n_meta)
+                              double window, int window_n, double last, const ts_ckpt_meta *meta, int n_meta)
 {
     *(int64_t *)ts_tensor_data(rs->step) = step;
     *(double *)ts_tensor_data(rs->first) = first;
@@ -888,8 +888,11 @@ int main(int argc, char **argv)
         for (int i = 0; i < vocab; i++) snprintf(vocab_rec + 2 * i, 3, "%02x", (unsigned char)chars[i]);
         vocab_rec[2 * vocab] = '\0';
     }
-    const char *ckpt_meta[8] = {"train_gpt.config", config_rec, "train_gpt.vocab", vocab_rec,
-                                 "train_gpt.flags",  flag_rec,   "train_gpt.text",  text_id};
+    const ts_ckpt_meta ckpt_meta[] = {{"train_gpt.config", config_rec},
+                                      {"train_gpt.vocab", vocab_rec},
+                                      {"train_gpt.flags", flag_rec},
+                                      {"train_gpt.text", text_id}};
+    const int n_ckpt_meta = (int)(sizeof ckpt_meta / sizeof ckpt_meta[0]);
     ts_generator *data_rng; /* one data order for all ranks (--global-batch), or each rank its own */
     CHECK(ts_generator_new(global_batch ? seed + 1 : seed + 1 + (uint64_t)rank, &data_rng));
     int start = 0, rc = 0; /* the step this run starts at */
@@ -1090,7 +1093,7 @@ int main(int argc, char **argv)
         }
         if (save && save_every && (step + 1) % save_every == 0 && step + 1 < end)
             CHECK(save_sharded(save, model, opt, scaler, skipped, data_rng, &rs, step + 1, first, window, window_n,
-                               last, ckpt_meta, 4));
+                               last, ckpt_meta, n_ckpt_meta));
     }
     int ran = step - start; /* steps this process took */
     print_comm_summary(world, ran > 0 ? ran : 1, W);
@@ -1133,7 +1136,7 @@ int main(int argc, char **argv)
         printf("loss %.4f -> %.4f (uniform guess: %.4f)\n", first, last, log((double)vocab));
         if (save)
             CHECK(save_sharded(save, model, opt, scaler, skipped, data_rng, &rs, step, first, window, window_n,
-                               last, ckpt_meta, 4));
+                               last, ckpt_meta, n_ckpt_meta));
         if (save_full) { /* streamed to rank 0 one tensor at a time, with the sizes and the vocabulary
                           * (ckpt_meta's first 2 pairs) for --load and --sample */
             CHECK(ts_ckpt_save_full(save_full, model, ckpt_meta, 2));

@@ -29,6 +29,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         /* what a parse promises the loader: files in range, pieces inside
          * their files with the length their rows need, rows covered once */
         if (ix->world < 1) fail("world < 1", "");
+        if (ix->version < TS__CKPT_INDEX_VERSION_MIN || ix->version > TS__CKPT_INDEX_VERSION) fail("version", "");
+        for (int f = 0; f < ix->n_files; f++)
+            for (int g = 0; g < f; g++)
+                if (ix->files[f].rank == ix->files[g].rank) fail("two files of one rank", ix->files[f].name);
         for (int i = 0; i < ix->n_tensors; i++) {
             const ts__ckpt_tensor *t = &ix->tensors[i];
             if (i && strcmp(ix->tensors[i - 1].key, t->key) >= 0) fail("keys not sorted", t->key);
@@ -41,6 +45,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                     fail("piece outside its file", t->key);
                 if (p->length != (uint64_t)p->rows * t->row_bytes) fail("length", t->key);
                 if (p->row < 0 || p->rows < 0 || p->row + p->rows > t->rows) fail("rows", t->key);
+                if (ix->version >= 2 && !p->has_hash) fail("a version 2 piece without a hash", t->key);
                 covered += p->rows;
             }
             if (t->kind != TS__CKPT_RANK_EXTRA && t->row_bytes && covered != t->rows) fail("coverage", t->key);

@@ -371,8 +371,8 @@ TS_API ts_status ts_module_load_state_dict(ts_module *m, const ts_state_dict *sd
  * length, JSON header with dtype/shape/data_offsets, raw data), atomically:
  * a temporary file ".<name>.tmp.<pid>.<16 random hex digits>" in the same
  * folder, created with O_CREAT | O_EXCL | O_NOFOLLOW and mode 0600 while it
- * is written, then given the mode of a new file (0666 under the umask),
- * fsync'ed, renamed over `path`, and the folder fsync'ed. The temporary
+ * is written, then given mode 0644 less the process's umask (never more
+ * than 0644: 0644 under umask 022 or 0, 0600 under 077), fsync'ed, renamed over `path`, and the folder fsync'ed. The temporary
  * file is removed on every failure. Temporary files of `path` left in that
  * folder by savers whose pid no longer runs are removed first (only names
  * of that exact pattern; pids are read in this process's pid namespace,

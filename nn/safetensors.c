@@ -705,27 +705,10 @@ static ts_status st_sync_dir(const char *op, const char *path, const char *dir)
  * target's folder: hidden, unpredictable (64 random bits), and with the
  * saver's pid so that the leftovers of a saver that died can be told from
  * the files of one still writing. */
-#define ST_TMP_INFIX ".tmp."
+#define ST_TMP_INFIX TS__TMP_INFIX
 #define ST_TMP_RAND_HEX 16
 
 int (*ts__safetensors_save_hook)(const char *tmp_path);
-
-static ts_status st_random_u64(uint64_t *out)
-{
-    uint64_t v = 0;
-    size_t got = 0;
-    while (got < sizeof v) {
-        ssize_t r = getrandom((char *)&v + got, sizeof v - got, 0);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0)
-            return ts_error(TS_ERR_IO, "ts_safetensors_save: getrandom for a temporary file name failed: %s",
-                            strerror(errno));
-        got += (size_t)r;
-    }
-    *out = v;
-    return TS_OK;
-}
 
 /* If `name` is ".<base>.tmp.<pid>.<hex>", the pid; else 0. */
 static long st_tmp_pid(const char *name, const char *base)
@@ -776,61 +759,6 @@ static void st_clean_stale(const char *dir, const char *base)
                     de->d_name, pid);
     }
     closedir(d);
-}
-
-/* The mode a file created with 0666 gets under the process umask, read
- * from /proc/self/status (umask() itself would change it for every thread
- * for a moment); 0644 if it cannot be read. */
-static mode_t st_file_mode(void)
-{
-    mode_t mask = 022;
-    FILE *f = fopen("/proc/self/status", "re");
-    if (f) {
-        char line[128];
-        while (fgets(line, sizeof line, f)) {
-            unsigned m;
-            if (sscanf(line, "Umask: %o", &m) == 1) {
-                mask = (mode_t)m & 0777;
-                break;
-            }
-        }
-        fclose(f);
-    }
-    return (mode_t)0666 & ~mask;
-}
-
-/* Creates the temporary file with O_CREAT | O_EXCL | O_NOFOLLOW and mode
- * 0600 under a fresh random name; retries on a (very unlikely) clash. */
-static ts_status st_create_tmp(const char *op, const char *path, const char *dir, const char *base, char **tmp_out,
-                               int *fd_out)
-{
-    size_t tlen = strlen(dir) + strlen(base) + 64;
-    char *tmp = ts__malloc(TS_MEM_NN, tlen);
-    if (!tmp)
-        return TS_ERR_NO_MEMORY;
-    for (int attempt = 0; attempt < 16; attempt++) {
-        uint64_t r = 0;
-        ts_status st = st_random_u64(&r);
-        if (st) {
-            ts__free(TS_MEM_NN, tmp);
-            return st;
-        }
-        snprintf(tmp, tlen, "%s/.%s" ST_TMP_INFIX "%ld.%016llx", dir, base, (long)getpid(), (unsigned long long)r);
-        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-        if (fd >= 0) {
-            *tmp_out = tmp;
-            *fd_out = fd;
-            return TS_OK;
-        }
-        if (errno != EEXIST) {
-            ts_status e = ts_error(TS_ERR_IO, "%s: cannot create the temporary file '%s' for '%s': %s", op, tmp,
-                                   path, strerror(errno));
-            ts__free(TS_MEM_NN, tmp);
-            return e;
-        }
-    }
-    ts__free(TS_MEM_NN, tmp);
-    return ts_error(TS_ERR_IO, "%s: 16 random temporary file names for '%s' in '%s' all exist", op, path, dir);
 }
 
 /* ------------------------------------------------------------ streaming writer */
@@ -933,9 +861,9 @@ static ts_status st_stream_open(const char *op, const char *path, int n, const t
         st = st_split_path(path, &s->dir, &base);
     if (!st) {
         st_clean_stale(s->dir, base);
-        /* mode 0600 while it is written; the usual mode (0666 under the
-         * umask) only just before the rename */
-        st = st_create_tmp(op, path, s->dir, base, &s->tmp, &s->fd);
+        /* mode 0600 while it is written; 0644 under the umask only just
+         * before the rename */
+        st = ts__tmp_create(TS_MEM_NN, op, s->dir, base, path, &s->tmp, &s->fd);
     }
     ts__free(TS_MEM_NN, base);
     if (!st && ts__safetensors_save_hook && ts__safetensors_save_hook(s->tmp) != 0)
@@ -1024,7 +952,7 @@ ts_status ts__st_stream_commit(ts__st_stream *s)
                       s->next, s->n);
     if (!st && st_flush(&s->w) != 0)
         st = ts_error(TS_ERR_IO, "%s: writing '%s' (temporary file '%s'): %s", op, s->path, s->tmp, strerror(errno));
-    if (!st && fchmod(s->fd, st_file_mode()) != 0)
+    if (!st && fchmod(s->fd, (mode_t)ts__file_mode(0644)) != 0)
         st = ts_error(TS_ERR_IO, "%s: setting the mode of the temporary file '%s' for '%s' failed: %s", op, s->tmp,
                       s->path, strerror(errno));
     if (!st && fsync(s->fd) != 0)

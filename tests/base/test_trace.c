@@ -8,6 +8,7 @@
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -481,4 +482,64 @@ Test(base_trace, dev_null_stays_a_device)
     struct stat sb;
     cr_assert_eq(stat("/dev/null", &sb), 0);
     cr_assert(S_ISCHR(sb.st_mode), "/dev/null is no longer a character device");
+}
+
+/* The flush wrote "<path>.tmp.<pid>" with json_dump_file, which truncates
+ * and follows a symbolic link: a link planted under that name (a shared
+ * folder without the sticky bit, or fs.protected_symlinks=0) made a root
+ * process overwrite a root-only file outside the folder. The temporary
+ * now has a random name, created exclusively without following links:
+ * the link's target is untouched, the trace replaces `path`, no temporary
+ * is left, and the file is 0644 at most under the umask. */
+Test(base_trace, planted_temporary_link_is_not_followed)
+{
+    char shared[] = "/tmp/ts_trace_shared.XXXXXX", outside[] = "/tmp/ts_trace_outside.XXXXXX";
+    cr_assert(mkdtemp(shared) && mkdtemp(outside));
+    cr_assert_eq(chmod(shared, 0777), 0); /* world-writable, not sticky */
+    char path[200], target[200], planted[240];
+    snprintf(path, sizeof path, "%s/trace.json", shared);
+    snprintf(target, sizeof target, "%s/root-only", outside);
+    FILE *f = fopen(target, "w");
+    cr_assert(f);
+    fputs("root only\n", f);
+    fclose(f);
+    cr_assert_eq(chmod(target, 0600), 0);
+    snprintf(planted, sizeof planted, "%s.tmp.%d", path, (int)getpid());
+    cr_assert_eq(symlink(target, planted), 0);
+    mode_t old = umask(0);
+    TH_OK(ts_trace_start(path));
+    uint64_t t = ts_now_ns();
+    ts_trace_span("x", "test", t, t + 10);
+    ts_status st = ts_trace_flush();
+    umask(old);
+    TH_OK(st);
+    TH_OK(ts_trace_stop(false));
+    char buf[64] = "";
+    f = fopen(target, "r");
+    cr_assert(f);
+    cr_assert(fgets(buf, sizeof buf, f));
+    fclose(f);
+    cr_assert_str_eq(buf, "root only\n", "the planted link's target was overwritten: '%.40s'", buf);
+    struct stat sb;
+    cr_assert_eq(lstat(path, &sb), 0);
+    cr_assert(S_ISREG(sb.st_mode));
+    cr_assert_eq(sb.st_mode & 07777, 0644, "trace file mode %o under umask 0", (unsigned)(sb.st_mode & 07777));
+    json_t *root = json_load_file(path, 0, NULL);
+    cr_assert(root && json_is_array(json_object_get(root, "traceEvents")), "the trace file is not a trace");
+    json_decref(root);
+    cr_assert_eq(lstat(planted, &sb), 0);
+    cr_assert(S_ISLNK(sb.st_mode), "the planted link was replaced");
+    int others = 0; /* the trace's own temporaries: none left */
+    DIR *d = opendir(shared);
+    cr_assert(d);
+    for (struct dirent *de; (de = readdir(d));)
+        others += strcmp(de->d_name, ".") && strcmp(de->d_name, "..") && strcmp(de->d_name, "trace.json") &&
+                  strcmp(de->d_name, strrchr(planted, '/') + 1);
+    closedir(d);
+    cr_assert_eq(others, 0, "%d files left in the folder", others);
+    unlink(planted);
+    unlink(path);
+    unlink(target);
+    rmdir(shared);
+    rmdir(outside);
 }

@@ -387,7 +387,7 @@ static int saver(th_rank *rc)
     o.optim = m.opt;
     o.extra = ex;
     o.rank_extra = rex;
-    const char *meta[4] = {"model", "tiny-mlp", "note", "seed"};
+    const ts_ckpt_meta meta[2] = {{"model", "tiny-mlp"}, {"note", "seed"}};
     o.metadata = meta;
     o.n_metadata = 2;
     TH_RK_OK(rc, ts_ckpt_save(a->dir, m.root, &o));
@@ -1025,10 +1025,11 @@ static int full_rank(th_rank *rc)
     full_arg *a = rc->arg;
     model_t m;
     const char *meta[2] = {"model", "tiny-mlp"};
+    const ts_ckpt_meta cmeta[1] = {{"model", "tiny-mlp"}};
     if (a->mode == 0) {
         TH_RK_OK(rc, build(rc->c, MESH_1D, OPT_ADAMW, 11, 5, &m));
         TH_RK_OK(rc, train_step(&m));
-        TH_RK_OK(rc, ts_ckpt_save_full(a->path, m.root, meta, 1));
+        TH_RK_OK(rc, ts_ckpt_save_full(a->path, m.root, cmeta, 1));
         ts_state_dict *sd = NULL;
         TH_RK_OK(rc, ts_fsdp_full_state_dict(m.root, true, &sd));
         if (rc->rank == 0) TH_RK_OK(rc, ts_safetensors_save(a->path_ref, sd, meta, 1));
@@ -1147,7 +1148,7 @@ Test(checkpoint, index_parser_rejects_malformed_indexes)
     static const char good[] =
         "{\"format\":\"tensorshard-dcp\",\"version\":1,\"save_id\":\"ab\",\"world\":2,"
         "\"files\":[{\"name\":\"a\",\"rank\":0,\"size\":100},{\"name\":\"b\",\"rank\":1,\"size\":100}],"
-        "\"tensors\":{\"w\":{\"kind\":\"model\",\"dtype\":\"F32\",\"shape\":[3,2],\"pieces\":["
+        "\"tensors\":{\"w\":{\"kind\":\"model\",\"dtype\":\"F32\",\"shape\":[3,2],\"placements\":[\"Shard(0)\"],\"pieces\":["
         "{\"file\":0,\"rank\":0,\"row\":0,\"rows\":2,\"offset\":8,\"length\":16},"
         "{\"file\":1,\"rank\":1,\"row\":2,\"rows\":1,\"offset\":8,\"length\":8}]}}}";
     ts__ckpt_index *ix = NULL;
@@ -1169,7 +1170,7 @@ Test(checkpoint, index_parser_rejects_malformed_indexes)
         {"\"F32\"", "\"F8\"", "dtype"},
         {"\"model\"", "\"weights\"", "kind"},
         {"\"name\":\"a\"", "\"name\":\"../a\"", "plain file name"},
-        {"\"version\":1", "\"version\":2", "version"},
+        {"\"version\":1", "\"version\":3", "version"}, /* 1 and 2 load (docs/checkpoint.md) */
         {"\"world\":2", "\"world\":0", "world"},
         {"[3,2]", "[3,-2]", "shape"},
     };
@@ -1507,7 +1508,7 @@ Test(checkpoint, odd_metadata_round_trips, .timeout = 60)
     char big[70000];
     memset(big, 'z', sizeof big - 1);
     big[sizeof big - 1] = '\0';
-    const char *meta[4] = {odd_key, odd_val, "big", big};
+    const ts_ckpt_meta meta[2] = {{odd_key, odd_val}, {"big", big}};
     ts_ckpt_options o = ts_ckpt_options_default();
     o.optim = a.opt;
     o.metadata = meta;
@@ -1535,7 +1536,7 @@ Test(checkpoint, odd_metadata_round_trips, .timeout = 60)
     lo.optim = b.opt;
     TH_OK(ts_ckpt_load(ck, b.root, &lo, NULL));
     /* not UTF-8: refused, naming the pair; the checkpoint above stays */
-    const char *bad[2] = {"vocab", "\xff\xfe"};
+    const ts_ckpt_meta bad[1] = {{"vocab", "\xff\xfe"}};
     o.metadata = bad;
     o.n_metadata = 1;
     cr_assert_eq(ts_ckpt_save(ck, a.root, &o), TS_ERR_INVALID_ARGUMENT);

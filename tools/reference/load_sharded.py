@@ -112,6 +112,9 @@ class Checkpoint:
         self.metadata = self.index.get("metadata", {})
         self.files = [f["name"] for f in self.index.get("files", [])]
         self.world = int(self.index.get("world", 1))
+        self.version = self.index.get("version")
+        if self.version not in (1, 2):  # docs/checkpoint.md, "Index versions"
+            fail(f"{path}: \"version\" is {self.version!r}; this reader knows 1 and 2")
 
     def meta(self, key):
         if key not in self.metadata:
@@ -130,6 +133,8 @@ class Checkpoint:
             raw = f.read(p["length"])
         if len(raw) != p["length"]:
             fail(f"{path}: {p['length']} bytes at {off} run past the end of the file")
+        if "hash" not in p and self.version >= 2:
+            fail(f"{path}: a piece of a version 2 index has no \"hash\"")
         if "hash" in p and f"{piece_hash(raw):016x}" != p["hash"]:
             fail(f"{path}: the {len(raw)} bytes at {off} have checksum {piece_hash(raw):016x}, but the index "
                  f"records {p['hash']}: the file is corrupted")
