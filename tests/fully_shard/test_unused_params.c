@@ -179,6 +179,7 @@ typedef struct ucase {
     bool hsdp, copy_free, bf16, offload, persist;
     int mb;           /* microbatches of one step */
     bool nosync;      /* microbatches before the last without gradient sync (else each synced) */
+    bool ar_last;     /* HSDP: microbatches before the last reduce-scatter without all-reduce (partial sums) */
     unsigned skip[MAXMB][TH_MAXW][NB]; /* per microbatch, rank, branch */
 } ucase;
 
@@ -268,6 +269,7 @@ static int rank_case(th_rank *rc)
     for (int mb = 0; mb < u->mb; mb++) {
         bool sync = !u->nosync || mb == u->mb - 1;
         GO(ts_fsdp_set_requires_gradient_sync(m.root, sync, true));
+        GO(ts_fsdp_set_requires_all_reduce(m.root, !u->ar_last || mb == u->mb - 1, true));
         GO(fwd_bwd(&m, u, mb, rc->rank));
     }
     int Ws = u->hsdp ? rc->W / 2 : rc->W, srank = rc->rank % Ws;
@@ -403,6 +405,21 @@ Test(fully_shard_unused_params, accumulation_without_sync, .timeout = 120)
     run_both(u);
     u.hsdp = true; /* and HSDP's partial sums */
     u.W = 4;
+    run_both(u);
+}
+
+/* HSDP with requires_all_reduce false before the last microbatch: the
+ * reduce-scattered partial sums remember that a parameter had a gradient
+ * in an earlier microbatch (branch 1's gain: only rank 0's first), and
+ * the final all-reduce carries that across the replicas. */
+Test(fully_shard_unused_params, hsdp_partial_sums, .timeout = 120)
+{
+    ucase u = {.W = 4, .hsdp = true, .mb = 3, .ar_last = true};
+    for (int mb = 0; mb < 3; mb++) {
+        u.skip[mb][3][0] = SKIP_GAIN;
+        for (int r = 0; r < 4; r++) u.skip[mb][r][1] = mb == 0 && r == 0 ? 0 : SKIP_GAIN;
+    }
+    u.skip[1][2][1] = SKIP_ALL;
     run_both(u);
 }
 
