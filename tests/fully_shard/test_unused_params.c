@@ -13,7 +13,7 @@
  * move a parameter with any gradient) leaves it untouched. On 2 and 4
  * ranks (uneven rows: 6 over 4 leaves rank 3 empty), HSDP 2x2, the packed
  * and the copy-free reduce-scatter, accumulation without sync and with
- * it, bf16 parameters with a float32 reduction, CPU offload and the
+ * it, HSDP's partial sums (requires_all_reduce false), bf16 parameters with a float32 reduction, CPU offload and the
  * persistent parameters' bucket.
  */
 #define _GNU_SOURCE
