@@ -755,6 +755,16 @@ bool ts__direct_done(const ts__direct *r) { return r && atomic_load(&r->moved); 
 
 bool ts__direct_was_direct(const ts__direct *r) { return r && r->direct; }
 
+bool ts__direct_sourced(const ts__direct *r, int k)
+{
+    if (!r || r->kind != K_RS || !r->waited || r->status || !r->agreed || k < 0 || k >= r->nseg) return false;
+    int nd = (int)ts_tensor_numel(r->desc_in);
+    const int64_t *all = ts_tensor_data(r->desc_out);
+    for (int j = 0; j < r->W; j++)
+        if (all[(size_t)j * nd + HDR + 2 * k]) return true;
+    return false;
+}
+
 void ts__direct_free(ts__direct *r)
 {
     if (!r) return;

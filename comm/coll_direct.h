@@ -121,6 +121,14 @@ bool ts__direct_done(const ts__direct *r);
 /* Whether the collective took the copy-free path (false before the wait
  * and for the packed fallback). */
 bool ts__direct_was_direct(const ts__direct *r);
+/* After a successful ts__direct_wait of a reduce-scatter: whether some
+ * rank of the group gave segment k a source (a non-NULL `full`), read
+ * from the exchanged descriptors, so that every rank gets the same
+ * answer without another message; false for k out of range, an
+ * all-gather, or before a successful wait. fully_shard tells a
+ * parameter that no rank has a gradient for (it keeps none) from one
+ * that only some ranks have (every rank gets the reduction). */
+bool ts__direct_sourced(const ts__direct *r, int k);
 /* Waits if needed, then frees. Accepts NULL. */
 void ts__direct_free(ts__direct *r);
 

@@ -19,6 +19,15 @@
  *
  *     build/tools/tsrun --nproc-per-node 2 build/examples/custom_module
  *
+ * With --skip-gain-rank R, rank R's blocks skip their gain (y = x +
+ * tanh(fc(x))): its backward gives gain no gradient, while the other
+ * ranks' do. Every rank's shard of gain still trains (the other ranks'
+ * gradients averaged with zeros for rank R: docs/fully_shard.md, "Unused
+ * parameters"); each rank then prints how many of its rows of 1.gain
+ * moved from their initial 0.5:
+ *
+ *     build/tools/tsrun --nproc-per-node 2 build/examples/custom_module --skip-gain-rank 1
+ *
  * The ownership rules it follows (nn/nn.h, base/base.h):
  *   - every tensor a function will own starts as NULL, so that one cleanup
  *     label can free all of them on every path (ts_tensor_free(NULL) and
@@ -43,6 +52,7 @@ typedef struct residual_block {
     ts_tensor *gain;                /* parameter "gain": (dim,) */
     ts_tensor *num_batches_tracked; /* buffer: int64, 0-d */
     int64_t dim;
+    bool skip_gain;                 /* y = x + tanh(fc(x)): gain unused (--skip-gain-rank) */
 } residual_block;
 
 static ts_status block_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
@@ -56,7 +66,10 @@ static ts_status block_forward(ts_module *m, int n_in, ts_tensor *const *in, int
     ts_tensor *h = NULL, *a = NULL, *g = NULL, *y = NULL; /* everything this call owns, NULL until made */
     TS_TRY_GOTO(st, ts_module_call1(b->fc, in[0], &h), done);
     TS_TRY_GOTO(st, ts_tanh(h, &a), done);
-    TS_TRY_GOTO(st, ts_mul(a, b->gain, &g), done); /* read the slot now: it holds the gathered gain */
+    if (b->skip_gain)
+        g = ts_tensor_retain(a); /* this rank's backward gives gain no gradient */
+    else
+        TS_TRY_GOTO(st, ts_mul(a, b->gain, &g), done); /* read the slot now: it holds the gathered gain */
     TS_TRY_GOTO(st, ts_add(in[0], g, &y), done);
     if (m->training)
         ((int64_t *)ts_tensor_data(b->num_batches_tracked))[0] += 1;
@@ -179,7 +192,7 @@ static ts_status find_blocks(void *ctx, const char *fqn, ts_module *m)
     return TS_OK;
 }
 
-static ts_status run(int rank, int world)
+static ts_status run(int rank, int world, int skip_gain_rank)
 {
     ts_status st;
     ts_module *model = NULL, *k[4] = {NULL, NULL, NULL, NULL};
@@ -202,6 +215,8 @@ static ts_status run(int rank, int world)
      * own, then the root takes what is left (the two Linears) */
     collect_blocks blocks = {.n = 0};
     TS_TRY_GOTO(st, ts_module_named_modules(model, find_blocks, &blocks), done);
+    for (int i = 0; i < blocks.n; i++)
+        ((residual_block *)blocks.m[i])->skip_gain = rank == skip_gain_rank;
     TS_TRY_GOTO(st, ts_fully_shard_each(blocks.n, blocks.m, NULL), done);
     TS_TRY_GOTO(st, ts_fully_shard(model, NULL), done);
     if (rank == 0) {
@@ -249,6 +264,15 @@ static ts_status run(int rank, int world)
     double count = 0;
     TS_TRY_GOTO(st, ts_tensor_item(nbt, &count), done);
     printf("rank %d: 2.num_batches_tracked = %.0f\n", rank, count);
+    if (skip_gain_rank >= 0) { /* this rank's rows of 1.gain (its shard: plain floats) */
+        TS_TRY_GOTO(st, ts_module_get_parameter(model, "1.gain", &gain), done);
+        const float *gv = ts_tensor_data(gain);
+        int64_t n = ts_tensor_numel(gain), moved = 0;
+        for (int64_t i = 0; i < n; i++)
+            moved += gv[i] != 0.5f;
+        printf("rank %d: 1.gain rows trained %lld of %lld%s\n", rank, (long long)moved, (long long)n,
+               rank == skip_gain_rank ? " (this rank skips gain)" : "");
+    }
     fflush(stdout);
 done:
     ts_tensor_free(pred);
@@ -267,11 +291,16 @@ done:
 int main(int argc, char **argv)
 {
     /* no flags: --help prints this, anything else is refused (exit 2) */
-    ex_parse_flags(argc, argv, "A user-defined module type (a residual block with a child, a parameter and a buffer), printed, summarised, sharded bottom-up and trained with AdamW. Alone, or under tsrun.", NULL, 0);
+    int skip_gain_rank = -1;
+    ex_flag flags[] = {
+        {"--skip-gain-rank", "R", EX_FLAG_INT, &skip_gain_rank, -1, 1 << 20, false,
+         "this rank's blocks do not use gain (its backward gives it no gradient; -1: none)", false},
+    };
+    ex_parse_flags(argc, argv, "A user-defined module type (a residual block with a child, a parameter and a buffer), printed, summarised, sharded bottom-up and trained with AdamW. Alone, or under tsrun.", flags, 1);
     CHECK(ts_launch_rank_guard());
     CHECK(ts_dist_init(NULL)); /* the world from tsrun (or mpirun, srun); one rank alone */
     int rank = ts_comm_rank(ts_dist_world()), world = ts_comm_size(ts_dist_world());
-    ts_status st = run(rank, world);
+    ts_status st = run(rank, world, skip_gain_rank);
     if (st)
         fprintf(stderr, "rank %d: error: %s: %s\n", rank, ts_status_name(st), ts_last_error());
     fflush(stdout);

@@ -16,7 +16,11 @@
  *     reshard_after_forward), all-gathers again before its backward, and
  *     reduce-scatters the gradients into the shards' .grad afterwards
  *     (averaged over the shard ranks; accumulating across backwards until
- *     zeroed).
+ *     zeroed). A parameter some ranks' backward gave no gradient counts
+ *     as zeros there: every rank's shard gets the average when any rank
+ *     had a gradient for it, and none when no rank did (DDP's
+ *     find_unused_parameters; docs/fully_shard.md, "Unused parameters").
+ *     Every rank must still run each FSDP module's forward and backward.
  *
  * A group is gathered with one all-gather and reduced with one
  * reduce-scatter; each parameter's segment of the communication buffers is

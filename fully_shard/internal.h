@@ -38,7 +38,9 @@
  * rank r's padded shard of every parameter in group order, so parameter
  * p's rows [r*c, r*c + c) sit at r*shard_numel + off_p; copy-out moves the
  * real rows into U (DESIGN.md D6). The reduce-scatter input is packed the
- * same way from the U gradients (copy-in, zero padding), reduced with AVG
+ * same way from the U gradients (copy-in, zero padding; each block then
+ * followed by one flag per parameter, nonzero where this rank has a
+ * gradient: param_group.c's [Note: unused parameters]), reduced with AVG
  * over the shard group (or as ts__fsdp_reduce_plan says under a divide
  * factor or force-sum), and each parameter's segment of the output
  * becomes S's gradient as a view of it (or is added into the gradient S
@@ -77,8 +79,9 @@ typedef struct fsdp_ctx fsdp_ctx;
  * computed once when its group is built. */
 typedef struct fsdp_chunk {
     int64_t row0, rows; /* the rows [row0, row0 + rows) of the full parameter (rows <= c) */
-    int64_t buf_off;    /* where the chunk starts in the W-block buffers (the all-gather output, the
-                           reduce-scatter input), in elements: r * shard_numel + off */
+    int64_t buf_off;    /* where the chunk starts in the all-gather output (W blocks), in elements:
+                           r * shard_numel + off (the reduce-scatter input's blocks are longer: the
+                           flags follow each, param_group.c) */
 } fsdp_chunk;
 
 typedef struct fsdp_param {
@@ -97,7 +100,9 @@ typedef struct fsdp_param {
     int64_t off;        /* offset in the per-rank shard (elements) */
     fsdp_chunk *chunks; /* per shard rank r (W of them): the rows it holds */
     bool requires_grad;
-    bool in_reduce;     /* its gradient is in the reduce-scatter in flight */
+    bool in_reduce;     /* its gradient is in the reduce-scatter in flight: this rank's, until the
+                           reduction is waited on; then whether any rank had one (param_group.c,
+                           [Note: unused parameters]) */
     bool in_partial;    /* its gradient is in the group's partial (HSDP, requires_all_reduce false) */
     /* no gradient sync under a reduce dtype other than the gradient's: the
      * unsharded gradient accumulated in rdtype (full shape, owned), FSDP2's
@@ -370,7 +375,9 @@ void ts__fsdp_param_fini(fsdp_param *p);
 void ts__fsdp_swap_slot(ts_tensor **slot, ts_tensor *t);
 void ts__fsdp_param_set_slots(fsdp_param *p, bool unsharded);
 ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsigned char *ag);
-ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned char *in, ts_tensor *gr);
+/* Packs gr (NULL: zeros) into the reduce-scatter input `in`: W blocks of
+ * `block` elements (rdtype), rank r's rows at r * block + off. */
+ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned char *in, int64_t block, ts_tensor *gr);
 void ts__fsdp_param_write_back(fsdp_param *p, const fsdp_group *g);
 ts_status ts__fsdp_param_load_rows(fsdp_param *p, const fsdp_group *g, ts_tensor *src);
 

@@ -654,19 +654,22 @@ static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, siz
     }
     /* the shards' gradients: views of the reduction's output in the
      * parameters' dtype (rs_out, or conv after a cast), padding included */
-    int64_t sg = n ? pool_bytes(shard * (int64_t)es) : 0;
+    int64_t sg = n ? pool_bytes((res != es ? shard : shard + n) * (int64_t)es) : 0; /* rs_out: its flags too */
     memset(g, 0, sizeof *g);
     g->u = u;
     g->ag = pool_bytes(W * shard * (int64_t)ues);
     g->cf = ts__fsdp_copy_free(W, W * shard * (int64_t)ues);
     /* copy-free with offload: the shard copied to the device (ag_in) is what the peers read */
     g->ag_in = ues != es || (g->cf && offload) ? pool_bytes(shard * (int64_t)ues) : 0;
-    g->rs_in = pool_bytes(W * shard * (int64_t)res);
-    g->rs_out = pool_bytes(shard * (int64_t)res);
+    /* the reduction's blocks: the shard layout, then a flag per parameter
+     * (param_group.c, [Note: unused parameters]) */
+    int64_t rs_block = n ? shard + n : 0;
+    g->rs_in = pool_bytes(W * rs_block * (int64_t)res);
+    g->rs_out = pool_bytes(rs_block * (int64_t)res);
     g->conv = res != es ? pool_bytes(shard * (int64_t)es) : 0;
     /* ring stages: min(W - 1, 2) blocks in the accumulation dtype (float32 for 16-bit), one more to convert */
     int64_t acc = res == 8 ? 8 : 4, nstage = W - 1 < 2 ? W - 1 : 2;
-    g->rs_scratch = W > 1 && !g->cf ? pool_bytes((nstage + (res == 2 ? 1 : 0)) * shard * acc) : 0;
+    g->rs_scratch = W > 1 && !g->cf ? pool_bytes((nstage + (res == 2 ? 1 : 0)) * rs_block * acc) : 0;
     g->offload = offload;
     g->sgrad = 0;
     g->sharded = n > 0;

@@ -117,7 +117,7 @@ ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsi
 /* Packs gradient gr (U's, or NULL: zeros) into the reduce-scatter input
  * `in` (W blocks of shard_numel, in the group's rdtype: converted from
  * gr's dtype when they differ), zero padded. */
-ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned char *in, ts_tensor *gr)
+ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned char *in, int64_t block, ts_tensor *gr)
 {
     size_t rb = (size_t)p->row_numel * g->res;
     /* zeros where no gradient row lands: the padding rows, or the whole
@@ -125,7 +125,7 @@ ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned 
     for (int r = 0; r < g->W; r++) {
         int64_t len = gr ? p->chunks[r].rows : 0;
         if (len < p->c)
-            memset(in + (size_t)p->chunks[r].buf_off * g->res + (size_t)len * rb, 0, (size_t)(p->c - len) * rb);
+            memset(in + (size_t)(r * block + p->off) * g->res + (size_t)len * rb, 0, (size_t)(p->c - len) * rb);
     }
     if (!gr) return TS_OK;
     ts_tensor *cg = NULL;
@@ -139,7 +139,7 @@ ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned 
     for (int r = 0; r < g->W; r++) {
         const fsdp_chunk *ch = &p->chunks[r];
         if (ch->rows > 0)
-            ts__buf_convert(g->rdtype, in + (size_t)ch->buf_off * g->res, gd, src + (size_t)ch->row0 * gb,
+            ts__buf_convert(g->rdtype, in + (size_t)(r * block + p->off) * g->res, gd, src + (size_t)ch->row0 * gb,
                             ch->rows * p->row_numel);
     }
     ts_tensor_free(cg);

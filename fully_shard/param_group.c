@@ -18,6 +18,7 @@
 #include "tensor/internal.h"
 #include "tensor/kernels.h"
 
+#include <float.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -380,6 +381,63 @@ ts_status ts__fsdp_reshard(fsdp_group *g)
 
 static bool is_hsdp(const fsdp_group *g) { return g->rg && ts_comm_size(g->rg) > 1; }
 
+/* [Note: unused parameters]
+ * A rank whose backward gave a parameter no gradient (a branch it did not
+ * take, an expert its tokens skipped) still takes part in its group's
+ * reduction with zeros there, and every rank then agrees on whether any
+ * rank of the group (under HSDP: of the shard and replicate groups) had
+ * a gradient for it: if one did, every rank's shard gets the reduced
+ * gradient, the average over all ranks with that rank's contribution
+ * zero (DDP's find_unused_parameters, FSDP2's zero-fill); if none did,
+ * no rank gets one (the optimizer skips it). The agreement costs no
+ * collective of its own: the copy-free reduce-scatter reads it from the
+ * descriptors its ranks exchange anyway (a NULL source:
+ * ts__direct_sourced); the packed one, the HSDP all-reduce and the
+ * persistent parameters' bucket carry one flag element per parameter
+ * after the data (rs_numel), reduced with it: nonzero where a rank had
+ * a gradient. A group whose pre-backward ran reduces even when this rank
+ * has no gradient in it at all (ts__fsdp_post_backward), so that the
+ * ranks' collectives stay matched. */
+
+/* The reduction's output: the shard layout, then a flag per parameter. */
+static int64_t rs_numel(const fsdp_group *g) { return g->shard_numel + g->n; }
+
+/* A flag's value: what the reduce-scatter divides an element by
+ * (ts__fsdp_reduce_plan; AVG also by W), so that a flag comes out as the
+ * number of ranks that had a gradient, kept finite in d (a larger value
+ * only makes the result larger, never zero). */
+static double flag_value(const fsdp_group *g, const fsdp_reduce_plan *plan)
+{
+    double v = plan->rs_pre * plan->rs_post * (plan->rs_op == TS_REDUCE_AVG ? g->W : 1);
+    double cap = g->rdtype == TS_F16 ? 32768.0 : g->rdtype == TS_F64 ? DBL_MAX / 4 : FLT_MAX / 4;
+    return v < 1.0 ? 1.0 : v > cap ? cap : v;
+}
+
+static void put_flag(ts_dtype d, unsigned char *at, double v) { ts__buf_convert(d, at, TS_F64, &v, 1); }
+
+static bool flag_set(ts_dtype d, const unsigned char *at)
+{
+    double v = 0;
+    ts__buf_convert(TS_F64, &v, d, at, 1);
+    return v != 0;
+}
+
+/* Writes each parameter's flag (v where in_reduce, else 0) after the
+ * shard layout at `base`. */
+static void put_flags(const fsdp_group *g, unsigned char *base, double v)
+{
+    for (int i = 0; i < g->n; i++)
+        put_flag(g->rdtype, base + (size_t)(g->shard_numel + i) * g->res, g->params[i].in_reduce ? v : 0.0);
+}
+
+/* in_reduce from the flags after the shard layout of `base`: whether any
+ * rank had a gradient. */
+static void read_flags(fsdp_group *g, const unsigned char *base)
+{
+    for (int i = 0; i < g->n; i++)
+        g->params[i].in_reduce = flag_set(g->rdtype, base + (size_t)(g->shard_numel + i) * g->res);
+}
+
 fsdp_reduce_plan ts__fsdp_reduce_plan(const fsdp_group *g)
 {
     int n_rs = g->W, n_ar = is_hsdp(g) ? ts_comm_size(g->rg) : 1;
@@ -448,6 +506,8 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     if (g->rs_direct) { /* copy-free: this rank's rows read and summed into rs_out */
         st = ts__direct_wait(g->rs_direct);
         g->n_direct += ts__direct_was_direct(g->rs_direct);
+        /* whether any rank had a gradient: from the exchanged sources */
+        for (int i = 0; !st && i < g->n; i++) g->params[i].in_reduce = ts__direct_sourced(g->rs_direct, i);
         ts__direct_free(g->rs_direct);
         g->rs_direct = NULL;
         drop_rs_src(g);
@@ -455,6 +515,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
         st = ts_request_wait(g->rs_req);
         ts_request_free(g->rs_req);
         g->rs_req = NULL;
+        if (!st) read_flags(g, ts_tensor_data(g->rs_out)); /* summed over the ranks with the data */
     }
     if (g->rs_add) { /* added into the shard gradients by the collective, piece by piece: done */
         g->rs_add = false;
@@ -497,7 +558,10 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
                 g->params[i].in_partial = false;
             }
         }
+        /* the flags across the replicas, with the data (AVG keeps them nonzero) */
+        put_flags(g, ts_tensor_data(g->rs_out), 1.0);
         st = ts_all_reduce(g->rg, g->rs_out, g->ar_op, NULL);
+        if (!st) read_flags(g, ts_tensor_data(g->rs_out));
         if (!st && g->post_div != 1.0) ts__buf_div(g->rdtype, ts_tensor_data(g->rs_out), g->shard_numel, g->post_div);
     }
     TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
@@ -517,7 +581,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     const unsigned char *out = st ? NULL : ts_tensor_data(g->rs_out);
     for (int i = 0; i < g->n && !st; i++) {
         fsdp_param *p = &g->params[i];
-        if (!p->in_reduce) continue; /* no gradient flowed to it: it keeps none (or its own) */
+        if (!p->in_reduce) continue; /* no rank had a gradient for it: it keeps none (or its own) */
         p->in_reduce = false;
         const unsigned char *seg = out + (size_t)p->off * g->es;
         int64_t ln = p->local_rows * p->row_numel;
@@ -726,7 +790,7 @@ static ts_status reduce_direct(fsdp_ctx *ctx, fsdp_group *g)
     if (!st) {
         g->rs_out = accumulate_target(g, ctx);
         g->rs_add = g->rs_out != NULL;
-        int64_t n_out = g->shard_numel;
+        int64_t n_out = rs_numel(g); /* the flags' place after the shard layout (HSDP's all-reduce carries them) */
         if (!g->rs_add && !(st = ts_tensor_empty(g->rdtype, 1, &n_out, &g->rs_out))) {
             unsigned char *o = ts_tensor_data(g->rs_out);
             for (int i = 0; i < g->n; i++) {
@@ -759,15 +823,20 @@ static ts_status reduce_direct(fsdp_ctx *ctx, fsdp_group *g)
  * finished first). */
 ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
 {
-    bool any = false;
+    bool any = false, trainable = false;
     ts_status st = TS_OK;
     for (int i = 0; i < g->n && !st; i++) {
         fsdp_param *p = &g->params[i];
         st = accumulate_unsharded(p);
         if (p->acc || (p->requires_grad && ts_tensor_grad(p->U))) any = true;
+        trainable |= p->requires_grad;
     }
     if (st) return st;
-    if (!any) return reshard_after_backward(g);
+    /* without a gradient here, the group still reduces (zeros) when its
+     * backward ran, as it did on its peers, which may have gradients
+     * ([Note: unused parameters]); otherwise (no backward through it, or
+     * its post-backward already ran) there is nothing to reduce */
+    if (!any && !(trainable && g->training == FSDP_PRE_BACKWARD)) return reshard_after_backward(g);
     if (!g->reduce_grads) { /* no sync: no communication, the gradients stay for the next microbatch */
         for (int i = 0; i < g->n && !st; i++) st = to_accumulated(&g->params[i], g);
         if (!st) st = reshard_after_backward(g);
@@ -793,7 +862,8 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
         return st;
     }
     TS_TRACE_BEGIN(tp);
-    int64_t n_in = g->shard_numel * g->W, n_out = g->shard_numel;
+    /* W blocks of the shard layout, each followed by the flags */
+    int64_t n_out = rs_numel(g), n_in = n_out * g->W;
     if ((st = ts_tensor_empty(g->rdtype, 1, &n_in, &g->rs_in)) || (st = ts_tensor_empty(g->rdtype, 1, &n_out, &g->rs_out))) {
         ts__fsdp_discard_reduce(g);
         return st;
@@ -803,7 +873,7 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
         fsdp_param *p = &g->params[i];
         ts_tensor *gr = p->acc ? p->acc : p->requires_grad ? ts_tensor_grad(p->U) : NULL;
         p->in_reduce = gr != NULL;
-        if ((st = ts__fsdp_param_pack_grad(p, g, in, gr))) break;
+        if ((st = ts__fsdp_param_pack_grad(p, g, in, n_out, gr))) break;
         if (p->acc) {
             ts_tensor_free(p->acc);
             p->acc = NULL;
@@ -811,9 +881,13 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
             (void)ts_tensor_set_grad(p->U, NULL);
         }
     }
+    fsdp_reduce_plan plan = ts__fsdp_reduce_plan(g);
+    if (!st) {
+        double v = flag_value(g, &plan);
+        for (int r = 0; r < g->W; r++) put_flags(g, in + (size_t)(r * n_out) * g->res, v);
+    }
     TS_TRACE_END(tp, "fsdp.pack_grads", "copy");
     if (!st) st = reshard_after_backward(g);
-    fsdp_reduce_plan plan = ts__fsdp_reduce_plan(g);
     if (!st)
         st = ts_reduce_scatter_tensor(g->rsg ? g->rsg : g->pg, g->rs_out, g->rs_in, plan.rs_op, plan.rs_pre, plan.rs_post, &g->rs_req);
     if (st) {

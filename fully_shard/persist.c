@@ -17,6 +17,12 @@
  * same sum). Between backwards the gradient the last reduction set is kept
  * aside while the next backward accumulates (only the new local part is
  * reduced, then the two are added, as a shard's gradient is accumulated).
+ *
+ * A parameter a rank has no gradient for is packed as zeros, and after
+ * the data the bucket carries one flag per parameter (1 where this rank
+ * had a gradient), reduced with it: every rank sets the reduced gradient
+ * where any rank had one and none where no rank did (param_group.c's
+ * [Note: unused parameters]).
  */
 #include "fully_shard/internal.h"
 
@@ -126,7 +132,8 @@ fsdp_persist *ts__fsdp_find_persist(groups_walk *w, const ts_tensor *t)
 typedef struct pb_entry {
     fsdp_persist *p;
     int64_t off;  /* in the bucket, elements */
-    bool had;     /* it had a local gradient (the others are packed as zeros and get none) */
+    bool had;     /* it had a local gradient (else packed as zeros); after the reduction: some rank had one
+                     (the others get none) */
 } pb_entry;
 
 typedef struct fsdp_pbucket {
@@ -135,7 +142,7 @@ typedef struct fsdp_pbucket {
     fsdp_reduce_plan plan;
     pb_entry *e;
     int n, cap;
-    int64_t numel;
+    int64_t numel; /* the gradients' elements; the buffer has n more: the flags */
     ts_tensor *buf;
     ts_request *req;
 } fsdp_pbucket;
@@ -238,10 +245,10 @@ static ts_status add_group(fsdp_ctx *c, fsdp_group *g)
 }
 
 /* Packs the local gradients of b's parameters into its buffer (rdtype;
- * zeros for a parameter without one). */
+ * zeros for a parameter without one), then the flags. */
 static ts_status pack(fsdp_pbucket *b)
 {
-    int64_t n = b->numel;
+    int64_t n = b->numel + b->n;
     ts_status st = ts_tensor_empty(b->rdtype, 1, &n, &b->buf);
     if (st) return st;
     unsigned char *buf = ts_tensor_data(b->buf);
@@ -251,6 +258,8 @@ static ts_status pack(fsdp_pbucket *b)
         ts_tensor *gr = ts_tensor_grad(e->p->t);
         int64_t ne = ts_tensor_numel(e->p->t);
         e->had = gr != NULL;
+        double flag = e->had ? 1.0 : 0.0;
+        ts__buf_convert(b->rdtype, buf + (size_t)(b->numel + i) * es, TS_F64, &flag, 1);
         if (!gr) {
             memset(buf + (size_t)e->off * es, 0, (size_t)ne * es);
             continue;
@@ -372,6 +381,11 @@ ts_status ts__fsdp_persist_finish(fsdp_ctx *c)
             if (!st && b->plan.post != 1.0) ts__buf_div(b->rdtype, x, b->numel, b->plan.post);
         }
         TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
+        for (int k = 0; !st && k < b->n; k++) { /* any rank's flag: nonzero after SUM or AVG */
+            double f = 0;
+            ts__buf_convert(TS_F64, &f, b->rdtype, (const unsigned char *)x + (size_t)(b->numel + k) * ts_dtype_size(b->rdtype), 1);
+            b->e[k].had = f != 0;
+        }
         if (!st) st = unpack(b);
     }
     if (st) {

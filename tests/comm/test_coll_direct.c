@@ -5,7 +5,8 @@
  * must give, bitwise, on 2, 3 and 4 ranks; uneven rows (9 rows over 4
  * ranks, a segment smaller than the world leaving trailing ranks empty),
  * f32 and bf16 (bf16 reduced in f32), SUM, AVG, MAX and divisors; a source
- * missing on one rank (zeros); ranks that run different collectives or
+ * missing on one rank (zeros) or on all (zeros, and ts__direct_sourced
+ * says so on every rank); ranks that run different collectives or
  * layouts all fail naming both; the accumulating form
  * (ts__direct_reduce_scatter_add) bitwise the plain one followed by a
  * separate add, padding untouched; with cross-memory attach refused
@@ -146,7 +147,7 @@ typedef struct rs_cfg {
     ts_dtype out, src;
     ts_reduce_op op;
     double pre, post;
-    int missing; /* rank whose segment 1 source is NULL (-1: none) */
+    int missing; /* rank whose segment 1 source is NULL (-1: none, -2: every rank's) */
 } rs_cfg;
 
 /* What the accumulating form finds in the shard before it adds: distinct
@@ -170,7 +171,7 @@ static unsigned char *run_rs(ts_comm *c, const layout *L, const rs_cfg *cf, bool
     for (int k = 0; k < NSEG; k++) {
         src[k] = malloc((size_t)L->full_numel[k] * ses);
         fill(src[k], cf->src, L->full_numel[k], L->me, k, 0);
-        segs[k].full = k == 1 && cf->missing == L->me ? NULL : src[k];
+        segs[k].full = k == 1 && (cf->missing == L->me || cf->missing == -2) ? NULL : src[k];
         segs[k].dtype = cf->src;
     }
     unsigned char *out = add ? rs_init(L, cf->out) : calloc((size_t)L->shard_numel + 1, oes);
@@ -181,6 +182,12 @@ static unsigned char *run_rs(ts_comm *c, const layout *L, const rs_cfg *cf, bool
     ROK(31, ts__direct_wait(r));
     if (ts__direct_was_direct(r) != (direct && expect_direct && L->W > 1))
         RFAIL(32, "reduce_scatter took the %s path", ts__direct_was_direct(r) ? "direct" : "packed");
+    /* whether some rank gave a segment a source: the same answer on every
+     * rank, from the exchange, on either path */
+    for (int k = 0; k < NSEG; k++)
+        if (ts__direct_sourced(r, k) != !(k == 1 && cf->missing == -2))
+            RFAIL(33, "segment %d (missing %d): sourced %d", k, cf->missing, (int)ts__direct_sourced(r, k));
+    if (ts__direct_sourced(r, -1) || ts__direct_sourced(r, NSEG)) RFAIL(34, "a segment out of range is sourced");
     ts__direct_free(r);
     ts__direct_set_enabled(true);
     for (int k = 0; k < NSEG; k++) free(src[k]);
@@ -197,7 +204,7 @@ static unsigned char *ref_rs(ts_comm *c, const layout *L, const rs_cfg *cf)
     ROK(40, ts_tensor_zeros(cf->out, 1, &nall, &in));
     ROK(41, ts_tensor_zeros(cf->out, 1, &n, &out));
     for (int k = 0; k < NSEG; k++) {
-        if (k == 1 && cf->missing == L->me) continue;
+        if (k == 1 && (cf->missing == L->me || cf->missing == -2)) continue;
         unsigned char *s = malloc((size_t)L->full_numel[k] * ses);
         fill(s, cf->src, L->full_numel[k], L->me, k, 0);
         int64_t at = 0;
@@ -330,6 +337,7 @@ static void role_coll(bool expect_direct)
         {TS_F32, TS_F32, TS_REDUCE_AVG, 1.0, 1.0, -1},
         {TS_F32, TS_F32, TS_REDUCE_SUM, 3.0, 2.0, W - 1},
         {TS_F32, TS_F32, TS_REDUCE_AVG, 1.5, 1.0, 0},
+        {TS_F32, TS_F32, TS_REDUCE_AVG, 1.0, 1.0, -2}, /* no rank has segment 1: zeros, and not sourced */
         {TS_F32, TS_BF16, TS_REDUCE_AVG, 1.0, 1.0, -1}, /* bf16 gradients reduced in f32 */
         {TS_BF16, TS_BF16, TS_REDUCE_SUM, 1.0, 1.0, -1}, /* bf16, accumulated in f32 */
         {TS_BF16, TS_F32, TS_REDUCE_AVG, 2.0, 1.0, 1 % W}, /* f32 sources rounded to bf16 first, as packing */

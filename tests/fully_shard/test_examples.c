@@ -1003,6 +1003,32 @@ Test(fully_shard_examples, custom_module_alone_and_on_two_ranks, .timeout = 120)
     free(alone);
 }
 
+/* examples/custom_module.c --skip-gain-rank 1 on 2 ranks: rank 1's
+ * backward gives gain no gradient, rank 0's does; both ranks' rows of
+ * gain train (rank 0's gradient averaged with rank 1's zeros), none is
+ * left at its initial 0.5 (docs/fully_shard.md, "Unused parameters"). */
+Test(fully_shard_examples, custom_module_one_rank_skips_gain, .timeout = 120)
+{
+    const char *args[] = {"--skip-gain-rank", "1"};
+    char *two = run_example_args("custom_module", 2, 2, args);
+    int steps = 0;
+    double packed = last_loss(two, &steps);
+    cr_assert_eq(steps, 20, "%s", two);
+    expect_lines(two, 0, "rank 0: 1.gain rows trained 8 of 8");
+    expect_lines(two, 1, "rank 1: 1.gain rows trained 8 of 8 (this rank skips gain)");
+    /* the copy-free reduce-scatter between the processes (its groups are
+     * below the default's size): the same sums, the same losses */
+    setenv("TS_FSDP_COPY_FREE", "1", 1);
+    char *cf = run_example_args("custom_module", 2, 2, args);
+    unsetenv("TS_FSDP_COPY_FREE");
+    double direct = last_loss(cf, &steps);
+    cr_assert_eq(steps, 20, "%s", cf);
+    cr_expect_eq(direct, packed, "copy-free %.8f, packed %.8f", direct, packed);
+    expect_lines(cf, 1, "rank 1: 1.gain rows trained 8 of 8 (this rank skips gain)");
+    free(cf);
+    free(two);
+}
+
 /* train_gpt --offload cpu (CPUOffloadPolicy on every group) trains
  * exactly as without it, pinned or not, and says what it staged; the
  * flags are checked. */

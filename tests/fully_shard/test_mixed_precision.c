@@ -609,7 +609,8 @@ static bytes_case bytes_of(int W, ts_dtype param, ts_dtype reduce)
 
 /* The all-gather moves the shard cast to param_dtype: exactly half the
  * bytes of float32 for bfloat16 and float16, twice for float64; the
- * reduce-scatter moves reduce_dtype (param_dtype by default). The MLP has
+ * reduce-scatter moves reduce_dtype (param_dtype by default), W padded
+ * shards and a flag per parameter after each. The MLP has
  * 8*16+16 + 16*16+16 + 16*4+4 = 484 elements, padded per parameter to
  * multiples of W rows. */
 Test(fully_shard_mixed_precision, all_gather_bytes_follow_param_dtype, .timeout = 120)
@@ -617,7 +618,11 @@ Test(fully_shard_mixed_precision, all_gather_bytes_follow_param_dtype, .timeout 
     bytes_case f32 = bytes_of(2, KEEP, KEEP);
     cr_assert_eq(f32.ag, 4 * 242 /* one rank's padded shard: 8*8 + 8 + 8*16 + 8 + 2*16 + 2 */,
                  "float32 all-gather %llu bytes", (unsigned long long)f32.ag);
-    cr_assert_eq(f32.rs, 2 * f32.ag, "the reduce-scatter's input is W shards");
+    /* each block of the reduce-scatter's input is a shard followed by one
+     * flag per parameter (6: whether the rank has its gradient, fully_shard
+     * [Note: unused parameters]) */
+    cr_assert_eq(f32.rs, 2 * (f32.ag + 4 * 6), "the reduce-scatter's input is W shards and their flags: %llu bytes",
+                 (unsigned long long)f32.rs);
     bytes_case f64 = bytes_of(2, TS_F64, KEEP);
     cr_assert_eq(f64.ag, 2 * f32.ag);
     cr_assert_eq(f64.rs, 2 * f32.rs);
