@@ -349,3 +349,46 @@ Test(tensor_errors, narrow_with_a_huge_length_is_an_index_error)
     ts_tensor_free(a);
     th_mem_assert_back();
 }
+
+/* A shape whose product overflows int64 is refused, naming the size; the
+ * product used to overflow (undefined behaviour) before the comparison
+ * with the input's element count. */
+Test(tensor_errors, view_and_reshape_with_huge_sizes_are_errors)
+{
+    th_mem_mark();
+    int64_t s[1] = {6};
+    ts_tensor *a = th_seq(TS_F32, 1, s, 1, false), *o = NULL;
+    int64_t huge[3] = {INT64_MAX, INT64_MAX, 0}, infer[3] = {-1, INT64_MAX, 4}, neg[2] = {3, INT64_MIN};
+    EXPECT_ERR(ts_view(a, 3, huge, &o), TS_ERR_INVALID_ARGUMENT, "view", "9223372036854775807", "overflows");
+    EXPECT_ERR(ts_reshape(a, 3, huge, &o), TS_ERR_INVALID_ARGUMENT, "reshape", "9223372036854775807");
+    EXPECT_ERR(ts_reshape(a, 3, infer, &o), TS_ERR_INVALID_ARGUMENT, "reshape", "dim 2 of size 4");
+    EXPECT_ERR(ts_view(a, 2, neg, &o), TS_ERR_INVALID_ARGUMENT, "view", "-9223372036854775808");
+    cr_assert_null(o);
+    ts_tensor_free(a);
+    th_mem_assert_back();
+}
+
+/* A step near INT64_MAX takes the first element, as torch's a[1::2**63-1];
+ * ceil((end - start) / step) and stride * step used to overflow. */
+Test(tensor_errors, slice_with_a_huge_step_takes_one_element)
+{
+    th_mem_mark();
+    int64_t s[2] = {4, 3};
+    double vals[12] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+    ts_tensor *a = th_tensor(TS_F32, 2, s, vals), *o = NULL;
+    TH_OK(ts_slice(a, 0, 1, INT64_MAX, INT64_MAX, &o));
+    cr_assert_eq(ts_tensor_ndim(o), 2);
+    cr_assert_eq(ts_tensor_shape(o)[0], 1, "rows %lld", (long long)ts_tensor_shape(o)[0]);
+    double v[3];
+    th_vals(o, v, 3);
+    cr_assert(v[0] == 3 && v[1] == 4 && v[2] == 5, "row 1 of a: %g %g %g", v[0], v[1], v[2]);
+    ts_tensor_free(o);
+    TH_OK(ts_slice(a, 1, INT64_MIN, INT64_MAX, INT64_MAX - 1, &o));
+    cr_assert_eq(ts_tensor_shape(o)[1], 1);
+    ts_tensor_free(o);
+    TH_OK(ts_slice(a, 0, 4, INT64_MAX, INT64_MAX, &o)); /* empty */
+    cr_assert_eq(ts_tensor_numel(o), 0);
+    ts_tensor_free(o);
+    ts_tensor_free(a);
+    th_mem_assert_back();
+}
