@@ -332,7 +332,7 @@ ts_status ts_masked_fill(ts_tensor *a, ts_tensor *mask, double value, ts_tensor 
                         ts__shape_str(a->ndim, a->shape, s2, sizeof s2));
     }
     ts_tensor *v;
-    if ((st = ts_tensor_full(a->dtype, 0, NULL, value, &v)))
+    if ((st = ts__check_scalar("masked_fill", a->dtype, value)) || (st = ts_tensor_full(a->dtype, 0, NULL, value, &v)))
         return st;
     st = ts_where(mask, v, a, out);
     ts_tensor_free(v);

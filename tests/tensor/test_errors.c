@@ -3,6 +3,7 @@
  * nothing is written to the output. */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
+#include <math.h>
 #include <string.h>
 
 #include "tests/helpers.h"
@@ -390,5 +391,82 @@ Test(tensor_errors, slice_with_a_huge_step_takes_one_element)
     cr_assert_eq(ts_tensor_numel(o), 0);
     ts_tensor_free(o);
     ts_tensor_free(a);
+    th_mem_assert_back();
+}
+
+/* A fill value the dtype cannot hold is refused, as torch.full, fill_ and
+ * masked_fill raise "value cannot be converted to type ... without
+ * overflow" (torch 1.13's
+ * torch.full((2,), v, dtype=...), checked with Debian's python3-torch); integer fills used to clamp NaN to 0 and infinities to
+ * the range silently. bool takes anything; floating dtypes keep NaN and
+ * infinities. */
+Test(tensor_errors, fill_values_the_dtype_cannot_hold)
+{
+    th_mem_mark();
+    int64_t s[1] = {2};
+    ts_tensor *o = NULL;
+    EXPECT_ERR(ts_tensor_full(TS_I32, 1, s, NAN, &o), TS_ERR_INVALID_ARGUMENT, "ts_tensor_full", "nan", "int32");
+    EXPECT_ERR(ts_tensor_full(TS_I32, 1, s, INFINITY, &o), TS_ERR_INVALID_ARGUMENT, "inf", "int32");
+    EXPECT_ERR(ts_tensor_full(TS_I32, 1, s, -INFINITY, &o), TS_ERR_INVALID_ARGUMENT, "-inf", "int32");
+    EXPECT_ERR(ts_tensor_full(TS_I32, 1, s, 3e9, &o), TS_ERR_INVALID_ARGUMENT, "3000000000", "int32",
+               "-2147483648 to 2147483647");
+    EXPECT_ERR(ts_tensor_full(TS_I32, 1, s, -2147483648.9, &o), TS_ERR_INVALID_ARGUMENT, "int32");
+    EXPECT_ERR(ts_tensor_full(TS_I64, 1, s, NAN, &o), TS_ERR_INVALID_ARGUMENT, "nan", "int64");
+    EXPECT_ERR(ts_tensor_full(TS_I64, 1, s, 9223372036854775808.0, &o), TS_ERR_INVALID_ARGUMENT,
+               "9223372036854775808", "int64");
+    EXPECT_ERR(ts_tensor_scalar(TS_I64, -INFINITY, &o), TS_ERR_INVALID_ARGUMENT, "-inf", "int64");
+    EXPECT_ERR(ts_tensor_full(TS_F16, 1, s, 1e10, &o), TS_ERR_INVALID_ARGUMENT, "10000000000", "float16", "65504");
+    EXPECT_ERR(ts_tensor_full(TS_BF16, 1, s, 1e300, &o), TS_ERR_INVALID_ARGUMENT, "bfloat16");
+    EXPECT_ERR(ts_tensor_full(TS_F32, 1, s, -1e300, &o), TS_ERR_INVALID_ARGUMENT, "float32");
+    cr_assert_null(o);
+    ts_tensor *a = NULL, *m = NULL;
+    TH_OK(ts_tensor_zeros(TS_I32, 1, s, &a));
+    TH_OK(ts_tensor_ones(TS_BOOL, 1, s, &m));
+    EXPECT_ERR(ts_tensor_fill_(a, NAN), TS_ERR_INVALID_ARGUMENT, "ts_tensor_fill_", "nan", "int32");
+    EXPECT_ERR(ts_masked_fill(a, m, INFINITY, &o), TS_ERR_INVALID_ARGUMENT, "masked_fill", "inf", "int32");
+    cr_assert_null(o);
+    double v[2];
+    th_vals(a, v, 2);
+    cr_assert(v[0] == 0 && v[1] == 0, "a failed fill_ changes nothing");
+    /* what torch accepts */
+    TH_OK(ts_tensor_fill_(a, 2147483647.0));
+    TH_OK(ts_tensor_fill_(a, -2.7)); /* truncates */
+    th_vals(a, v, 2);
+    cr_assert_eq(v[0], -2);
+    const ts_dtype fl[4] = {TS_F32, TS_F64, TS_BF16, TS_F16};
+    for (int i = 0; i < 4; i++) {
+        TH_OK(ts_tensor_full(fl[i], 1, s, INFINITY, &o));
+        ts_tensor_free(o);
+        TH_OK(ts_tensor_full(fl[i], 1, s, NAN, &o));
+        ts_tensor_free(o);
+    }
+    TH_OK(ts_tensor_full(TS_F16, 1, s, 65504.0, &o));
+    ts_tensor_free(o);
+    TH_OK(ts_tensor_full(TS_BOOL, 1, s, NAN, &o));
+    th_vals(o, v, 2);
+    cr_assert(v[0] == 1 && v[1] == 1, "bool(nan) is true, as in torch");
+    ts_tensor_free(o);
+    TH_OK(ts_tensor_full(TS_BOOL, 1, s, -1e300, &o));
+    ts_tensor_free(o);
+    ts_tensor_free(a);
+    ts_tensor_free(m);
+    th_mem_assert_back();
+}
+
+/* arange whose element count does not fit int64, or whose integer
+ * elements do not fit the dtype: an error (the count's conversion was
+ * undefined). */
+Test(tensor_errors, arange_beyond_int64_or_the_dtype)
+{
+    th_mem_mark();
+    ts_tensor *o = NULL;
+    EXPECT_ERR(ts_tensor_arange(TS_F32, 0, 1e300, 1, &o), TS_ERR_INVALID_ARGUMENT, "ts_tensor_arange", "1e+300");
+    EXPECT_ERR(ts_tensor_arange(TS_F32, -1e308, 1e308, 1, &o), TS_ERR_INVALID_ARGUMENT, "ts_tensor_arange");
+    EXPECT_ERR(ts_tensor_arange(TS_I32, 0, 5e9, 2e9, &o), TS_ERR_INVALID_ARGUMENT, "4000000000", "int32");
+    EXPECT_ERR(ts_tensor_arange(TS_I32, 0, NAN, 1, &o), TS_ERR_INVALID_ARGUMENT, "ts_tensor_arange");
+    cr_assert_null(o);
+    TH_OK(ts_tensor_arange(TS_I32, 0, 3e9, 1e9, &o)); /* 0, 1e9, 2e9 fit */
+    cr_assert_eq(ts_tensor_numel(o), 3);
+    ts_tensor_free(o);
     th_mem_assert_back();
 }
