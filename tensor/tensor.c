@@ -80,8 +80,11 @@ static ts_status check_shape(const char *op, ts_dtype dtype, int ndim, const int
         if (shape[i] < 0)
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: size %lld of dim %d is negative", op,
                             (long long)shape[i], i);
-        if (shape[i] && n > INT64_MAX / 16 / shape[i])
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: shape has too many elements", op);
+        if (shape[i] && n > INT64_MAX / 16 / shape[i]) {
+            char buf[96];
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: shape %s has too many elements (dim %d of size %lld)", op,
+                            ts__shape_str(ndim, shape, buf, sizeof buf), i, (long long)shape[i]);
+        }
         n *= shape[i];
     }
     return TS_OK;

@@ -513,7 +513,9 @@ typedef enum ts_fan_mode { TS_FAN_IN = 0, TS_FAN_OUT } ts_fan_mode;
  * 0.01 for torch's default, sqrt(5) for Linear's init). */
 TS_API double ts_init_calculate_gain(ts_nonlinearity nl, double param);
 /* torch.nn.init.kaiming_uniform_ / kaiming_normal_ / xavier_uniform_ /
- * xavier_normal_ (tensor of >= 2 dims; TS_ERR_SHAPE otherwise). */
+ * xavier_normal_ (tensor of >= 2 dims; TS_ERR_SHAPE otherwise).
+ * TS_ERR_INVALID_ARGUMENT for a non-finite slope `a` or gain (which would
+ * fill NaN, zeros or infinities), an unknown mode or nonlinearity. */
 TS_API ts_status ts_init_kaiming_uniform_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl,
                                           ts_generator *gen);
 TS_API ts_status ts_init_kaiming_normal_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl,

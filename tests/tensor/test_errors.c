@@ -470,3 +470,40 @@ Test(tensor_errors, arange_beyond_int64_or_the_dtype)
     ts_tensor_free(o);
     th_mem_assert_back();
 }
+
+/* Found by the generated api_bad_values test (tools/gen_null_args_test.py):
+ * tril_mask's n * n and c <= r + diagonal, and split's size + split_size - 1
+ * overflowed int64 (a crash, and undefined behaviour); kaiming's slope and
+ * xavier's gain filled NaN or infinities when not finite. */
+Test(tensor_errors, huge_or_non_finite_arguments_found_by_the_generated_test)
+{
+    th_mem_mark();
+    ts_tensor *o = NULL;
+    EXPECT_ERR(ts_tril_mask(INT64_MAX, 0, &o), TS_ERR_INVALID_ARGUMENT, "tril_mask", "9223372036854775807");
+    TH_OK(ts_tril_mask(3, INT64_MAX, &o));
+    double v[9];
+    th_vals(o, v, 9);
+    for (int i = 0; i < 9; i++)
+        cr_assert_eq(v[i], 1.0, "a huge diagonal keeps everything");
+    ts_tensor_free(o);
+    TH_OK(ts_tril_mask(3, INT64_MIN, &o));
+    th_vals(o, v, 9);
+    for (int i = 0; i < 9; i++)
+        cr_assert_eq(v[i], 0.0, "a hugely negative diagonal keeps nothing");
+    ts_tensor_free(o);
+    int64_t s[2] = {4, 3};
+    ts_tensor *a = th_seq(TS_F32, 2, s, 1, false), *outs[4] = {NULL};
+    int n = 0;
+    TH_OK(ts_split(a, INT64_MAX, 0, 4, outs, &n));
+    cr_assert_eq(n, 1, "one piece, as torch.split with a size beyond the dim");
+    cr_assert_eq(ts_tensor_shape(outs[0])[0], 4);
+    ts_tensor_free(outs[0]);
+    EXPECT_ERR(ts_init_kaiming_uniform_(a, NAN, TS_FAN_IN, TS_NL_LEAKY_RELU, NULL), TS_ERR_INVALID_ARGUMENT,
+               "kaiming_uniform_", "nan");
+    EXPECT_ERR(ts_init_kaiming_normal_(a, INFINITY, TS_FAN_IN, TS_NL_LEAKY_RELU, NULL), TS_ERR_INVALID_ARGUMENT,
+               "kaiming_normal_", "inf");
+    EXPECT_ERR(ts_init_xavier_normal_(a, INFINITY, NULL), TS_ERR_INVALID_ARGUMENT, "xavier_normal_", "gain inf");
+    EXPECT_ERR(ts_init_xavier_uniform_(a, NAN, NULL), TS_ERR_INVALID_ARGUMENT, "xavier_uniform_", "gain nan");
+    ts_tensor_free(a);
+    th_mem_assert_back();
+}
