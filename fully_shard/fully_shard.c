@@ -137,11 +137,70 @@ static void reg_drop_in(reg_list *l, const fsdp_group *g)
     }
 }
 
+/* [Note: bottom-up]
+ * A call takes the parameters of its module's subtree that no earlier call
+ * took, so children are sharded before their parents (each block, then the
+ * root). A parent sharded first has put its shards (or, for persistent
+ * parameters, kept the tensors) in its children's slots; a later call on a
+ * child then meets, in its own subtree, slots that the parent's group
+ * manages. Every slot a group manages is listed here (not retained; dropped
+ * with the group), so that this mistake is told apart from a tied weight
+ * (the same tensor in a slot that no group manages: the registry above) and
+ * the message says to shard bottom-up, naming the enclosing module. */
+typedef struct slot_entry {
+    ts_tensor *const *slot;
+    const fsdp_group *g;
+    const char *fqn; /* the parameter's name in the group (the group's own string) */
+} slot_entry;
+
+static slot_entry *g_slots;
+static int g_slots_n, g_slots_cap;
+
+static void slot_add(ts_tensor *const *slot, const fsdp_group *g, const char *fqn)
+{
+    pthread_mutex_lock(&g_reg_mu);
+    if (g_slots_n == g_slots_cap) {
+        int cap = g_slots_cap ? 2 * g_slots_cap : 64;
+        slot_entry *n = realloc(g_slots, (size_t)cap * sizeof *n);
+        if (!n) {
+            pthread_mutex_unlock(&g_reg_mu);
+            return; /* only costs the later diagnosis */
+        }
+        g_slots = n;
+        g_slots_cap = cap;
+    }
+    g_slots[g_slots_n++] = (slot_entry){slot, g, fqn};
+    pthread_mutex_unlock(&g_reg_mu);
+}
+
+bool ts__fsdp_slot_owner(ts_tensor *const *slot, char *fqn, char *type, size_t cap)
+{
+    pthread_mutex_lock(&g_reg_mu);
+    const slot_entry *e = NULL;
+    for (int i = 0; i < g_slots_n && !e; i++)
+        if (g_slots[i].slot == slot) e = &g_slots[i];
+    if (e) {
+        snprintf(fqn, cap, "%s", e->fqn);
+        snprintf(type, cap, "%s", e->g->fqn);
+    }
+    pthread_mutex_unlock(&g_reg_mu);
+    return e != NULL;
+}
+
 void ts__fsdp_reg_drop_group(fsdp_group *g)
 {
     pthread_mutex_lock(&g_reg_mu);
     reg_drop_in(&g_reg, g);
     reg_drop_in(&g_pers, g);
+    int k = 0;
+    for (int i = 0; i < g_slots_n; i++)
+        if (g_slots[i].g != g) g_slots[k++] = g_slots[i];
+    g_slots_n = k;
+    if (!g_slots_n) {
+        free(g_slots);
+        g_slots = NULL;
+        g_slots_cap = 0;
+    }
     pthread_mutex_unlock(&g_reg_mu);
 }
 
@@ -343,6 +402,13 @@ static ts_status on_param(void *vc, const char *name, ts_tensor **slot)
     int len = snprintf(fqn, sizeof fqn, "%s%s%s", c->prefix, *c->prefix ? "." : "", name);
     if (len < 0 || len >= (int)sizeof fqn)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "fully_shard: the name '%s.%s' is too long", c->prefix, name);
+    char gfqn[FQN_MAX], gtype[FQN_MAX];
+    if (ts__fsdp_slot_owner(slot, gfqn, gtype, sizeof gfqn)) /* [Note: bottom-up] */
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "%s: parameter '%s' of this %s is already sharded by the FSDP group of an enclosing %s (its "
+                        "'%s'), which was sharded first; fully_shard goes bottom-up: shard the children (this %s) "
+                        "before their parent (the %s)",
+                        c->fn, fqn, c->type, gtype, gfqn, c->type, gtype);
     pcand *p = NULL;
     for (int i = 0; i < c->n && !p; i++)
         if (c->c[i].t == *slot) p = &c->c[i];
@@ -505,6 +571,8 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
     for (int i = 0; i < n && !st; i++) {
         c.prefix[0] = '\0';
         c.top = i;
+        c.fn = fn;
+        c.type = ts_module_type_name(modules[i]);
         if (n > 1) snprintf(c.prefix, sizeof c.prefix, "[%d]", i);
         st = walk_managed(&c, modules[i]);
     }
@@ -551,10 +619,14 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
          * user): remember it, so that sharding it again is diagnosed */
         if (atomic_load(&orig->refcount) > 1) reg_add(orig, g, p->fqn, false);
         ts_tensor_free(orig);
+        for (int k = 0; k < p->n_slots; k++) slot_add(p->slots[k], g, p->fqn);
     }
     /* the persistent parameters stay in their slots; remembered so that
      * another call finding them says so, and the optimizer counts them */
-    for (int i = 0; i < g->n_persist; i++) reg_add(g->persist[i].t, g, g->persist[i].fqn, true);
+    for (int i = 0; i < g->n_persist; i++) {
+        reg_add(g->persist[i].t, g, g->persist[i].fqn, true);
+        for (int k = 0; k < g->persist[i].n_slots; k++) slot_add(g->persist[i].slots[k], g, g->persist[i].fqn);
+    }
     bool have_params = g->n > 0 || g->n_persist > 0;
     for (int i = 0; i < n; i++) {
         fsdp_state *s = states[i];

@@ -219,7 +219,8 @@ TS_API ts_fsdp_options ts_fsdp_options_default(void);
  * neither 1 nor 2 dims or one that does not match the initialized world, a
  * 0-d parameter, a parameter already managed by another group (a tied
  * weight sharded in a separate call: shard the modules together with
- * ts_fully_shard_group), parameters of different dtypes in one group,
+ * ts_fully_shard_group; or a module whose parent was sharded first: the
+ * message names both and says to shard bottom-up), parameters of different dtypes in one group,
  * with an offload policy a parameter not on the CPU device;
  * ts_mp_policy_check's errors for a bad mp_policy (TS_ERR_DTYPE for an
  * integer dtype, TS_ERR_INVALID_ARGUMENT for a value that is no dtype);

@@ -121,6 +121,8 @@ typedef struct fsdp_param {
 typedef struct fsdp_persist {
     ts_tensor *t;       /* the parameter (retained); stays in its slots */
     char *fqn;          /* its name relative to the sharded module (owned) */
+    ts_tensor ***slots; /* the slots holding it (owned array; for the slot registry) */
+    int n_slots;
     ts_dtype rdtype;    /* the dtype its gradient is reduced in (reduce_dtype, or its own) */
     /* the gradient the last reduction set (retained): found still on t at
      * the next backward, it is moved to `reduced` so that only the new
@@ -299,6 +301,8 @@ typedef struct collect {
     const ts_fsdp_options *o;
     char prefix[FQN_MAX];
     int top;            /* the index of the module being walked in the call */
+    const char *fn;     /* the API function (messages) */
+    const char *type;   /* the type of the module being walked in the call (messages) */
 } collect;
 
 /* ------------------------------------------------------------------ */
@@ -313,6 +317,11 @@ void ts__fsdp_trace_hook(uint64_t t0, const char *name, const char *fqn, const f
 bool ts__fsdp_reg_owner(const ts_tensor *t, char *other, size_t cap);
 /* True when t is a persistent parameter of some group (persist.c). */
 bool ts__fsdp_is_persistent(const ts_tensor *t);
+/* Returns true, with the name (in the group) of the parameter that slot
+ * holds written into fqn (cap bytes) and the group's module type into
+ * type, when slot is a parameter slot that group g already manages (its
+ * module's subtree contains the slot): [Note: bottom-up] in fully_shard.c. */
+bool ts__fsdp_slot_owner(ts_tensor *const *slot, char *fqn, char *type, size_t cap);
 void ts__fsdp_reg_drop_group(fsdp_group *g);
 void ts__fsdp_ign_drop_state(const fsdp_state *s);
 bool ts__fsdp_grow(void **arr, int *cap, int need, size_t elem);

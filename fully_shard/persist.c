@@ -89,11 +89,15 @@ ts_status ts__fsdp_persist_take(const char *fn, collect *c, const ts_fsdp_option
                                                                                    : ts_tensor_dtype(t);
         j++;
     }
-    /* from here nothing fails: drop them from the candidates */
+    /* from here nothing fails: drop them from the candidates, their slots
+     * moved to the persistent parameters (the slot registry reads them) */
     int w = 0;
+    j = 0;
     for (int i = 0; i < c->n; i++) {
         if (ts_tensor_numel(c->c[i].t) < thr) {
-            ts__free(TS_MEM_NN, c->c[i].slots);
+            p[j].slots = c->c[i].slots;
+            p[j].n_slots = c->c[i].n_slots;
+            j++;
             ts__free(TS_MEM_NN, c->c[i].owners);
             continue;
         }
@@ -110,6 +114,7 @@ void ts__fsdp_persist_free(fsdp_persist *p, int n)
 {
     for (int i = 0; i < n; i++) {
         ts__free(TS_MEM_NN, p[i].fqn);
+        ts__free(TS_MEM_NN, p[i].slots);
         ts_tensor_free(p[i].t);
         ts_tensor_free(p[i].mine);
         ts_tensor_free(p[i].reduced);

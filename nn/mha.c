@@ -166,6 +166,11 @@ ts_status ts_mha_new_opts(int64_t embed_dim, int64_t num_heads, const ts_mha_opt
         return ts_error(TS_ERR_INVALID_ARGUMENT, "MultiheadAttention: embed_dim %lld must be a positive multiple of "
                                                  "num_heads %lld, dropout %g in [0, 1]", (long long)embed_dim,
                         (long long)num_heads, dropout);
+    if (embed_dim > INT64_MAX / 3)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "MultiheadAttention: embed_dim %lld is too large (the (3 * embed_dim, embed_dim) in_proj_weight "
+                        "has more rows than int64 holds)",
+                        (long long)embed_dim);
     ts_nn_mha *a = ts__calloc(TS_MEM_NN, 1, sizeof *a);
     if (!a)
         return TS_ERR_NO_MEMORY;

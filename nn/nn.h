@@ -461,7 +461,8 @@ TS_API ts_mha_options ts_mha_options_default(void);
 /* A MultiheadAttention(embed_dim, num_heads, **o); NULL o: the defaults.
  * TS_ERR_INVALID_ARGUMENT names embed_dim, num_heads and dropout when
  * embed_dim is not a positive multiple of num_heads or dropout is outside
- * [0, 1]; TS_ERR_NO_MEMORY. The caller owns *out (ts_module_free). */
+ * [0, 1], and names embed_dim when 3 * embed_dim overflows int64;
+ * TS_ERR_NO_MEMORY. The caller owns *out (ts_module_free). */
 TS_API ts_status ts_mha_new_opts(int64_t embed_dim, int64_t num_heads, const ts_mha_options *o, ts_module **out);
 /* ts_mha_new_opts with batch_first false (PyTorch's default: (T, B, E)). */
 TS_API ts_status ts_mha_new(int64_t embed_dim, int64_t num_heads, double dropout, bool bias, ts_module **out);

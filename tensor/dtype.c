@@ -1,6 +1,8 @@
 #define _GNU_SOURCE
 #include "tensor/internal.h"
 
+#include <math.h>
+
 #define TS__DT_ONE(e, name, size, isf) +1
 _Static_assert((0 TS_DTYPE_TABLE(TS__DT_ONE)) == TS_DTYPE_COUNT, "dtype table and enum disagree");
 #undef TS__DT_ONE
@@ -69,6 +71,44 @@ double ts__load(ts_dtype d, const void *p, int64_t i)
     }
     TS_ASSERT(!"invalid dtype");
     return 0;
+}
+
+ts_status ts__check_scalar(const char *op, ts_dtype d, double v)
+{
+    double lo = 0, hi = 0; /* the range: lo <= v <= hi (integers: lo <= v < hi) */
+    switch (d) {
+    case TS_BOOL:
+    case TS_F64:
+    case TS_DTYPE_COUNT:
+        return TS_OK;
+    case TS_F32:
+        lo = -3.4028234663852886e38, hi = 3.4028234663852886e38;
+        break;
+    case TS_BF16:
+        lo = -3.3895313892515355e38, hi = 3.3895313892515355e38;
+        break;
+    case TS_F16:
+        lo = -65504.0, hi = 65504.0;
+        break;
+    case TS_I64:
+        lo = -9223372036854775808.0, hi = 9223372036854775808.0; /* 2^63 itself does not fit */
+        break;
+    case TS_I32:
+        lo = -2147483648.0, hi = 2147483648.0;
+        break;
+    }
+    bool isf = ts_dtype_is_float(d);
+    if (isf ? (isnan(v) || isinf(v) || (v >= lo && v <= hi)) : (v >= lo && v < hi))
+        return TS_OK;
+    if (isf)
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "%s: value %.17g cannot be converted to %s without overflow (its largest finite value is "
+                        "%.9g; pass an infinity for an infinite fill)",
+                        op, v, ts_dtype_name(d), hi);
+    long long min = d == TS_I64 ? INT64_MIN : INT32_MIN, max = d == TS_I64 ? INT64_MAX : INT32_MAX;
+    return ts_error(TS_ERR_INVALID_ARGUMENT,
+                    "%s: value %.17g cannot be converted to %s without overflow (%s holds %lld to %lld)", op, v,
+                    ts_dtype_name(d), ts_dtype_name(d), min, max);
 }
 
 /* Conversions follow PyTorch's static_cast semantics: to the reduced

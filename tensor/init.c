@@ -76,6 +76,8 @@ static ts_status kaiming_std(const char *op, ts_tensor *t, double a, ts_fan_mode
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: mode %d is neither TS_FAN_IN nor TS_FAN_OUT", op, (int)mode);
     if (!nl_valid(nl))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: unknown nonlinearity %d", op, (int)nl);
+    if (!isfinite(a)) /* the gain would be NaN (or 0 for an infinite slope): weights of NaN or zeros */
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the negative slope a = %g is not finite", op, a);
     *skip = numel_of(t) == 0;
     if (*skip)
         return TS_OK;
@@ -120,6 +122,8 @@ static ts_status xavier_std(const char *op, ts_tensor *t, double gain, double *s
     ts_status st = ts__check_inputs(op, 1, &t);
     if (st != TS_OK)
         return st;
+    if (!isfinite(gain)) /* a std of NaN or infinity: weights of NaN or infinities */
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: gain %g is not finite", op, gain);
     int64_t fan_in = 0, fan_out = 0; /* set by fans() on success */
     st = fans(op, t, &fan_in, &fan_out);
     if (st != TS_OK)

@@ -168,6 +168,16 @@ ts_status ts__copy_into(const char *op, ts_tensor *dst, const ts_tensor *src);
 /* Contiguous copy of t in `dtype`, recorded by autograd as a copy. */
 ts_status ts__copy_op(const char *name, ts_tensor *t, ts_dtype dtype, ts_tensor **out);
 
+/* TS_OK when `v` converts to dtype d without overflow, as PyTorch's
+ * checked scalar conversion (c10::checked_convert) that torch.full,
+ * Tensor.fill_ and masked_fill apply: integer dtypes refuse NaN, infinities
+ * and values outside their range (fractions truncate); floating dtypes
+ * refuse finite values beyond their largest finite value (NaN and
+ * infinities pass); bool takes anything (v != 0). Otherwise
+ * TS_ERR_INVALID_ARGUMENT naming op, the value and the dtype. d must be
+ * valid. */
+ts_status ts__check_scalar(const char *op, ts_dtype d, double v);
+
 /* Element load/store as double for any dtype. */
 double ts__load(ts_dtype d, const void *p, int64_t i);
 void ts__store(ts_dtype d, void *p, int64_t i, double v);

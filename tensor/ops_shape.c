@@ -128,7 +128,9 @@ ts_status ts_split(ts_tensor *a, int64_t split_size, int dim, int max_out, ts_te
     int64_t size = a->shape[d];
     if (split_size <= 0 && !(split_size == 0 && size == 0))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "split: split_size must be positive, got %lld", (long long)split_size);
-    int64_t pieces = size == 0 ? 1 : (size + split_size - 1) / split_size;
+    /* ceil(size / split_size) without size + split_size - 1, which
+     * overflows for a huge split_size */
+    int64_t pieces = size == 0 ? 1 : size / split_size + (size % split_size != 0);
     if (pieces > max_out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "split: dim %d of size %lld in pieces of %lld makes %lld tensors, but "
                                                  "outs has room for %d", d, (long long)size, (long long)split_size,
@@ -332,7 +334,7 @@ ts_status ts_masked_fill(ts_tensor *a, ts_tensor *mask, double value, ts_tensor 
                         ts__shape_str(a->ndim, a->shape, s2, sizeof s2));
     }
     ts_tensor *v;
-    if ((st = ts_tensor_full(a->dtype, 0, NULL, value, &v)))
+    if ((st = ts__check_scalar("masked_fill", a->dtype, value)) || (st = ts_tensor_full(a->dtype, 0, NULL, value, &v)))
         return st;
     st = ts_where(mask, v, a, out);
     ts_tensor_free(v);
@@ -343,15 +345,18 @@ ts_status ts_tril_mask(int64_t n, int64_t diagonal, ts_tensor **out)
 {
     if (n < 0 || !out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "tril_mask: size must be >= 0 (got %lld) and out non-NULL", (long long)n);
-    int64_t sh[2] = {n, n};
+    int64_t sh[2] = {n, n}, nn;
+    if (__builtin_mul_overflow(n, n, &nn))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "tril_mask: a (%lld, %lld) mask has more elements than int64 holds",
+                        (long long)n, (long long)n);
     ts_tensor *m;
-    ts_status st = ts__tensor_new(TS_BOOL, 2, sh, &m);
+    ts_status st = ts_tensor_empty(TS_BOOL, 2, sh, &m);
     if (st)
         return st;
     uint8_t *p = ts_tensor_data(m);
     for (int64_t r = 0; r < n; r++)
         for (int64_t c = 0; c < n; c++)
-            p[r * n + c] = c <= r + diagonal;
+            p[r * n + c] = c - r <= diagonal; /* c <= r + diagonal, which overflows for a huge diagonal */
     *out = m;
     return TS_OK;
 }

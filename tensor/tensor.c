@@ -80,12 +80,17 @@ static ts_status check_shape(const char *op, ts_dtype dtype, int ndim, const int
         if (shape[i] < 0)
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: size %lld of dim %d is negative", op,
                             (long long)shape[i], i);
-        if (shape[i] && n > INT64_MAX / 16 / shape[i])
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: shape has too many elements", op);
+        if (shape[i] && n > INT64_MAX / 16 / shape[i]) {
+            char buf[96];
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: shape %s has too many elements (dim %d of size %lld)", op,
+                            ts__shape_str(ndim, shape, buf, sizeof buf), i, (long long)shape[i]);
+        }
         n *= shape[i];
     }
     return TS_OK;
 }
+
+static ts_status fill(ts_tensor *t, double value);
 
 static ts_tensor *handle_new(void)
 {
@@ -149,10 +154,10 @@ ts_status ts_tensor_full(ts_dtype dtype, int ndim, const int64_t *shape, double 
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_full: out is NULL");
     ts_tensor *t;
-    ts_status st = ts_tensor_empty(dtype, ndim, shape, &t);
-    if (st)
+    ts_status st = check_shape("ts_tensor_full", dtype, ndim, shape);
+    if (st || (st = ts__check_scalar("ts_tensor_full", dtype, value)) || (st = ts__tensor_new(dtype, ndim, shape, &t)))
         return st;
-    ts_tensor_fill_(t, value);
+    fill(t, value);
     *out = t;
     return TS_OK;
 }
@@ -188,6 +193,11 @@ ts_status ts_tensor_from_data(ts_dtype dtype, int ndim, const int64_t *shape, co
 
 ts_status ts_tensor_scalar(ts_dtype dtype, double value, ts_tensor **out)
 {
+    if ((unsigned)dtype < TS_DTYPE_COUNT) {
+        ts_status st = ts__check_scalar("ts_tensor_scalar", dtype, value);
+        if (st)
+            return st;
+    }
     return ts_tensor_full(dtype, 0, NULL, value, out);
 }
 
@@ -199,11 +209,25 @@ ts_status ts_tensor_arange(ts_dtype dtype, double start, double end, double step
         (step < 0 && end > start))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_arange: cannot step from %g to %g by %g", start, end,
                         step);
-    int64_t n = (int64_t)ceil((end - start) / step);
+    /* torch's size check: the count must fit int64 (NaN fails too) */
+    double count = ceil((end - start) / step);
+    if (!(count < 9223372036854775808.0))
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_tensor_arange: %g elements from %g to %g by %g cannot be counted in int64", count, start,
+                        end, step);
+    int64_t n = (int64_t)count;
     ts_tensor *t;
     ts_status st = ts_tensor_empty(dtype, 1, &n, &t);
     if (st)
         return st;
+    /* integer elements must fit the dtype (the first and the last are the
+     * extremes) */
+    if (n && !ts_dtype_is_float(dtype) && dtype != TS_BOOL &&
+        ((st = ts__check_scalar("ts_tensor_arange", dtype, start)) ||
+         (st = ts__check_scalar("ts_tensor_arange", dtype, start + (double)(n - 1) * step)))) {
+        ts_tensor_free(t);
+        return st;
+    }
     void *d = ts_tensor_data(t);
     for (int64_t i = 0; i < n; i++)
         ts__store(dtype, d, i, start + (double)i * step);
@@ -574,8 +598,15 @@ ts_status ts_tensor_copy_(ts_tensor *dst, const ts_tensor *src)
 ts_status ts_tensor_fill_(ts_tensor *t, double value)
 {
     ts_status st = ts__check_inputs("ts_tensor_fill_", 1, &t);
-    if (st)
+    if (st || (st = ts__check_scalar("ts_tensor_fill_", t->dtype, value)))
         return st;
+    return fill(t, value);
+}
+
+/* Sets every element of t to value (checked by the caller). */
+static ts_status fill(ts_tensor *t, double value)
+{
+    ts_status st;
     int64_t n = ts_tensor_numel(t);
     if (n == 0)
         return TS_OK;

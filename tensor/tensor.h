@@ -117,7 +117,14 @@ TS_API size_t ts_pool_cached_bytes(void);
  * entries (0..TS_MAX_DIMS), each >= 0. TS_ERR_INVALID_ARGUMENT for a bad
  * ndim, a negative size or an invalid dtype; TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_tensor_empty(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
-/* New tensor filled with zeros / ones / `value` (converted to the dtype). */
+/* New tensor filled with zeros / ones / `value` (converted to the dtype).
+ * Errors as ts_tensor_empty, and TS_ERR_INVALID_ARGUMENT, naming the value
+ * and the dtype, for a value the dtype cannot hold, as torch.full raises
+ * "value cannot be converted to type ... without overflow": for int32 and
+ * int64 NaN, an infinity, or a value outside the dtype's range (fractions
+ * truncate toward zero); for a floating dtype a finite value beyond its
+ * largest finite one (1e10 in float16; NaN and infinities are kept). bool
+ * takes any value (value != 0). */
 TS_API ts_status ts_tensor_zeros(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
 TS_API ts_status ts_tensor_ones(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
 TS_API ts_status ts_tensor_full(ts_dtype dtype, int ndim, const int64_t *shape, double value, ts_tensor **out);
@@ -125,9 +132,13 @@ TS_API ts_status ts_tensor_full(ts_dtype dtype, int ndim, const int64_t *shape, 
  * given dtype, numel * ts_dtype_size(dtype) bytes). */
 TS_API ts_status ts_tensor_from_data(ts_dtype dtype, int ndim, const int64_t *shape, const void *data,
                                      ts_tensor **out);
-/* New 0-d tensor holding `value`. */
+/* New 0-d tensor holding `value`. Errors as ts_tensor_full. */
 TS_API ts_status ts_tensor_scalar(ts_dtype dtype, double value, ts_tensor **out);
-/* New 1-d tensor [start, start + step, ...) below `end`. */
+/* New 1-d tensor [start, start + step, ...) below `end`.
+ * TS_ERR_INVALID_ARGUMENT for an invalid dtype, a zero or non-finite step,
+ * a non-finite bound, a step pointing away from `end`, an element count
+ * beyond int64, or (int32, int64) an element outside the dtype's range;
+ * TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_tensor_arange(ts_dtype dtype, double start, double end, double step, ts_tensor **out);
 
 /* PyTorch's t.pin_memory(): a new contiguous tensor with t's values in
@@ -188,7 +199,9 @@ TS_API ts_status ts_tensor_copy_to(const ts_tensor *t, void *buf, size_t nbytes)
  * converting dtypes). Not recorded by autograd; refuses a dst that
  * requires grad while grad mode is on, like PyTorch's leaf check. */
 TS_API ts_status ts_tensor_copy_(ts_tensor *dst, const ts_tensor *src);
-/* Sets every element of `t` to `value` in place (not recorded). */
+/* Sets every element of `t` to `value` in place (not recorded).
+ * TS_ERR_INVALID_ARGUMENT for a value t's dtype cannot hold (as
+ * ts_tensor_full); the ts__check_inputs errors (NULL, released, shard). */
 TS_API ts_status ts_tensor_fill_(ts_tensor *t, double value);
 
 /* ------------------------------------------------------ distributed marker */
@@ -376,7 +389,9 @@ TS_API ts_status ts_split(ts_tensor *a, int64_t split_size, int dim, int max_out
 TS_API ts_status ts_chunk(ts_tensor *a, int chunks, int dim, int max_out, ts_tensor **outs, int *n_out);
 /* cond (bool) ? a : b, broadcasting all three. */
 TS_API ts_status ts_where(ts_tensor *cond, ts_tensor *a, ts_tensor *b, ts_tensor **out);
-/* a with `value` where mask (bool, broadcastable to a) is true. */
+/* a with `value` where mask (bool, broadcastable to a) is true.
+ * TS_ERR_INVALID_ARGUMENT for a value a's dtype cannot hold (as
+ * ts_tensor_full, and torch's masked_fill). */
 TS_API ts_status ts_masked_fill(ts_tensor *a, ts_tensor *mask, double value, ts_tensor **out);
 /* Copy converted to `dtype` (a new reference to `a` if it already has it).
  * Differentiable between floating dtypes: the gradient is converted back
@@ -498,7 +513,9 @@ typedef enum ts_fan_mode { TS_FAN_IN = 0, TS_FAN_OUT } ts_fan_mode;
  * 0.01 for torch's default, sqrt(5) for Linear's init). */
 TS_API double ts_init_calculate_gain(ts_nonlinearity nl, double param);
 /* torch.nn.init.kaiming_uniform_ / kaiming_normal_ / xavier_uniform_ /
- * xavier_normal_ (tensor of >= 2 dims; TS_ERR_SHAPE otherwise). */
+ * xavier_normal_ (tensor of >= 2 dims; TS_ERR_SHAPE otherwise).
+ * TS_ERR_INVALID_ARGUMENT for a non-finite slope `a` or gain (which would
+ * fill NaN, zeros or infinities), an unknown mode or nonlinearity. */
 TS_API ts_status ts_init_kaiming_uniform_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl,
                                           ts_generator *gen);
 TS_API ts_status ts_init_kaiming_normal_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl,

@@ -150,8 +150,11 @@ static ts_status infer_shape(const char *op, const ts_tensor *t, int ndim, const
             infer = i;
         } else if (shape[i] < 0) {
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid size %lld for dim %d", op, (long long)shape[i], i);
-        } else {
-            known *= shape[i];
+        } else if (__builtin_mul_overflow(known, shape[i], &known)) {
+            char s1[96];
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: shape %s has more elements than int64 holds (dim %d of "
+                                                     "size %lld overflows)",
+                            op, ts__shape_str(ndim, shape, s1, sizeof s1), i, (long long)shape[i]);
         }
         out[i] = shape[i];
     }
@@ -276,12 +279,20 @@ ts_status ts_slice(ts_tensor *t, int dim, int64_t start, int64_t end, int64_t st
         end += size;
     start = start < 0 ? 0 : start > size ? size : start;
     end = end < start ? start : end > size ? size : end;
-    int64_t len = (end - start + step - 1) / step;
+    /* ceil((end - start) / step) without forming end - start + step - 1,
+     * which overflows for a step near INT64_MAX */
+    int64_t len = (end - start) / step + ((end - start) % step != 0);
+    /* the new stride, stride * step, cannot overflow when two elements are
+     * taken (both lie in the storage); for one or none it is never used to
+     * step, and a step near INT64_MAX would overflow it: keep the stride */
+    int64_t stride;
+    if (__builtin_mul_overflow(t->strides[d], step, &stride))
+        stride = t->strides[d];
     int64_t sh[TS_MAX_DIMS], str[TS_MAX_DIMS];
     memcpy(sh, t->shape, sizeof sh);
     memcpy(str, t->strides, sizeof str);
     sh[d] = len;
-    str[d] = t->strides[d] * step;
+    str[d] = stride;
     ts_tensor *v;
     if ((st = ts__tensor_alias(t, t->ndim, sh, str, t->offset + (len ? start * t->strides[d] : 0), &v)))
         return st;

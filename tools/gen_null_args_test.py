@@ -9,6 +9,19 @@ sets ts_last_error(); one returning a pointer returns NULL; one returning a
 number or bool returns the neutral value its header documents (NEUTRAL
 below, default 0); a void function simply returns. Nothing may crash.
 
+A second suite, api_bad_values, calls every public function once for
+each argument given a value out of its range, every other argument valid
+as above: integer sizes and counts negative or huge (INT_MAX, INT64_MAX,
+SIZE_MAX), dims and indices beyond any tensor or world (99, -99), enum
+values that are none of the enum's (-1, 999), NaN and infinities where a
+float must be finite, size and dim arrays holding such values, and arrays
+of pointers with a NULL inside. Arguments are classified by type and name
+(the tables below); a ts_status function must refuse the value with an
+error status (not TS_ERR_INTERNAL) and a ts_last_error() detail; other
+functions must return without crashing. Each exception is listed with its
+reason (BAD_EXCEPT: the argument is not tried with that value; BAD_OK: the
+value is valid, or documented as clamped or neutral, so TS_OK is fine).
+
 Run by meson at build time (tests/meson.build, custom_target), so functions
 added to the headers later are covered without editing anything here. A
 pointer type without a factory below gives a failing test that says so.
@@ -264,16 +277,110 @@ FACTORY = {
 FN_TYPES = {'ts_module_each_fn', 'ts_fsdp_event_fn', 'ts_abort_fn', 'ts_autograd_backward_fn',
             'ts_autograd_callback_fn', 'ts_module_fn'}
 
+# ---------------------------------------------------------------- bad values
+
+# Integer arguments by name: counts and sizes (negative or huge is bad),
+# sizes that divide (0 is bad too), dims (beyond any tensor) and indices
+# (ranks, positions: beyond any world or list).
+SIZE_NAMES = {'n', 'ndim', 'ndims', 'len', 'size', 'cap', 'nbytes', 'max_out', 'n_in', 'nout', 'num_layers',
+              'global_ndim', 'n_meta', 'n_metadata', 'n_norm_dims', 'n_args', 'in_features', 'out_features',
+              'num_embeddings', 'embedding_dim', 'embed_dim', 'd_model', 'length', 'min_params', 'bytes',
+              'block_bytes', 'expected_len', 'desired_len', 'growth_tracker'}
+DIVISOR_NAMES = {'k', 'chunks', 'world', 'num_heads', 'nhead', 'split_size', 'align'}
+DIM_NAMES = {'dim', 'dim0', 'dim1'}
+# Integers where any value may be valid, tried at both extremes of their
+# type (offsets, bounds, steps: arithmetic on them must not overflow).
+EXTREME_NAMES = {'diagonal', 'delta', 'ignore_index', 'low', 'high', 'start', 'end', 'step', 'seed'}
+INDEX_NAMES = {'i', 'param_index', 'rank', 'src', 'dst', 'root', 'src_rank', 'port'}
+# Floating arguments that must be finite (rates, probabilities, scales,
+# bounds, timeouts).
+FINITE_NAMES = {'lr', 'eps', 'p', 'dropout', 'dropout_p', 'gain', 'std', 'mean', 'a', 'from', 'to', 'start',
+                'end', 'step', 'scale', 'new_scale', 'factor', 'pre_div', 'post_div', 'param', 'timeout_s',
+                'max_norm'}
+# Floating arguments that become elements of a tensor: tried NaN, inf and
+# 1e300 into an int32 tensor (the first tensor argument an int32 one, a
+# dtype argument TS_I32): torch raises for a value an integer cannot hold.
+INT_VALUE_NAMES = {'value', 's', 'start', 'end', 'step', 'from', 'to', 'exponent'}
+INT_VALUES = [('nan', 'NAN'), ('inf', 'INFINITY'), ('1e300', '1e300')]
+# Enum types: (T)-1 and (T)999 are none of their values.
+ENUM_TYPES = {'ts_dtype', 'ts_fan_mode', 'ts_gelu_approx', 'ts_launch_source', 'ts_log_level', 'ts_mem_tag',
+              'ts_nonlinearity', 'ts_reduce_op', 'ts_reduction', 'ts_status'}
+# Pointer arguments given a bad array: arrays of pointers with a NULL
+# inside, and size / dim arrays holding bad values.
+BAD_ARRAYS = {
+    'ts_tensor *const *': [('a NULL tensor inside', 'f_tensors_with_null()')],
+    'ts_module *const *': [('a NULL module inside', 'f_modules_with_null()')],
+    'const char *const *': [('a NULL string inside', 'f_strs_with_null')],
+    'char *const *': [('a NULL string inside', '(char *const *)f_strs_with_null')],
+    'const int64_t *': [('sizes INT64_MAX', 'f_i64_huge'), ('sizes -2', 'f_i64_neg')],
+    'const int *': [('entries 99', 'f_int_99')],
+    'const ts_placement *': [('Shard(99)', 'f_placements_shard99'), ('kind 999', 'f_placements_kind999'),
+                             ('Partial(op 999)', 'f_placements_op999')],
+}
+
+# (function, argument) pairs, or (function, argument, value label); '*'
+# matches any function. Not tried with a bad value, with the reason.
+BAD_EXCEPT = {
+    ('ts__free', 'tag'): 'frees its pointer: the factory buffer is no block of the allocator',
+    ('ts__free_raw', 'tag'): 'frees its pointer: the factory buffer is no block of the allocator',
+    ('ts__free_raw', 'size'): 'frees its pointer: the factory buffer is no block of the allocator',
+    ('ts__pinned_free', 'block_bytes'): 'frees its pointer: the factory buffer is no block of the allocator',
+    ('ts__mem_count', 'bytes'): 'internal counter: any size is counted as given',
+    ('ts__assert_fail', 'line'): 'aborts by design (internal)',
+    ('ts_set_num_threads', 'n', 'INT_MAX'): 'asks for INT_MAX threads: capped by the thread library, slow',
+    ('ts_trace_span', 'start_ns'): 'uint64_t timestamps: every value is a time',
+    ('ts_trace_span', 'end_ns'): 'uint64_t timestamps: every value is a time',
+    ('ts_trace_span_args', 'start_ns'): 'uint64_t timestamps: every value is a time',
+    ('ts_trace_span_args', 'end_ns'): 'uint64_t timestamps: every value is a time',
+    ('*', 'cap', 'SIZE_MAX'): 'a capacity beyond the buffer is the caller\'s promise, which no callee can check',
+    ('*', 'size', 'SIZE_MAX'): 'a capacity beyond the buffer is the caller\'s promise, which no callee can check',
+    ('*', 'len', 'SIZE_MAX'): 'a capacity beyond the buffer is the caller\'s promise, which no callee can check',
+}
+
+# Bad values a function accepts (TS_OK is then correct), with the reason.
+BAD_OK = {
+    ('ts_slice', 'start'): 'tensor.h: start and end are clamped, as Python slicing',
+    ('ts_slice', 'end'): 'tensor.h: start and end are clamped, as Python slicing',
+    ('ts_error', 's'): 'records and returns whatever status it is given',
+    ('*', 'timeout_s', 'inf'): 'an infinite timeout waits forever, as documented',
+    ('*', 'max_norm', 'inf'): 'clip_grad_norm: an infinite max_norm never clips (torch)',
+    ('*', 'max_out', 'INT_MAX'): 'the capacity of the caller\'s array: any size is valid',
+    ('*', 'seed', 'UINT64_MAX'): 'every 64-bit seed is valid',
+    ('ts_chunk', 'chunks', 'INT_MAX'): 'torch.chunk: more chunks than rows gives one row each',
+    ('ts_split', 'split_size', 'INT64_MAX'): 'torch.split: a size beyond the dim gives one piece',
+    ('ts_slice', 'step', 'INT64_MAX'): 'a step beyond the dim takes the first element, as a[1::2**63-1]',
+    ('ts_tril_mask', 'diagonal'): 'torch.tril: any diagonal is valid (all or nothing kept)',
+    ('ts_randint', 'low'): 'torch.randint: any bounds with low < high (the range is computed in uint64)',
+    ('ts_randint', 'high'): 'torch.randint: any bounds with low < high (the range is computed in uint64)',
+    ('ts_store_add', 'delta'): 'any delta is valid: the counter wraps in two\'s complement (store_proto.c)',
+    ('ts_distribute_tensor', 'src_rank', '-1'): 'dtensor.h: src_rank < 0 means every rank passes its full tensor',
+    ('ts_trace_rank_path', 'rank'): 'base.h: any rank is a file name (rank < 0: a process that is not a rank)',
+    ('ts_fsdp_apply_by_size', 'min_params', 'INT64_MAX'): 'a threshold no module reaches: nothing is sharded',
+    ('ts_layer_norm_new', 'dim', '99'): 'dim is the normalized size here, and 99 a valid one',
+    ('ts_normal_', 'mean'): 'torch\'s normal_ checks only std >= 0: a NaN or infinite mean fills NaN or inf',
+    ('ts_tensor_arange', 'step', '1e300 into int32'): 'with start == end the range is empty: no element to convert',
+    ('ts_normal_', 'std', 'inf'): 'torch\'s normal_ checks only std >= 0: an infinite std fills infinities',
+}
+
 PRELUDE = r'''/* Generated by tools/gen_null_args_test.py from the installed headers:
  * do not edit. Every public function, called with NULL for each pointer
  * argument in turn. */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
+#include <limits.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "tensorshard.h"
+
+/* api_bad_values asks for huge sizes: under AddressSanitizer an allocation
+ * that cannot succeed must return NULL (the library's TS_ERR_NO_MEMORY),
+ * as malloc does, not abort the test. Options given in ASAN_OPTIONS still
+ * apply. */
+const char *__asan_default_options(void);
+const char *__asan_default_options(void) { return "allocator_may_return_null=1"; }
 
 /* not every factory is used by every version of the headers */
 #pragma GCC diagnostic ignored "-Wunused-function"
@@ -346,6 +453,16 @@ static ts_lr_schedule f_lr;
 static ts_allocator f_allocator;
 static ts_module_visitor f_visitor;
 static char *f_char_ptrs[8];
+/* bad arrays (api_bad_values) */
+static const char *const f_strs_with_null[4] = {NULL, "/nonexistent/b", "/nonexistent/c", NULL};
+static int64_t f_i64_huge[8] = {INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX};
+static int64_t f_i64_neg[8] = {-2, -2, -2, -2, -2, -2, -2, -2};
+static int f_int_99[8] = {99, 99, 99, 99, 99, 99, 99, 99};
+static ts_placement f_placements_shard99[4] = {{TS_PLACEMENT_SHARD, 99, TS_REDUCE_SUM}, {TS_PLACEMENT_SHARD, 99, TS_REDUCE_SUM}};
+static ts_placement f_placements_kind999[4] = {{(ts_placement_kind)999, 0, TS_REDUCE_SUM}, {(ts_placement_kind)999, 0, TS_REDUCE_SUM}};
+static ts_placement f_placements_op999[4] = {{TS_PLACEMENT_PARTIAL, 0, (ts_reduce_op)999}, {TS_PLACEMENT_PARTIAL, 0, (ts_reduce_op)999}};
+static ts_tensor *f_null_tensors[4];
+static ts_module *f_null_modules[2];
 static FILE *g_file;
 
 /* where printing functions write: /dev/null */
@@ -376,6 +493,16 @@ static ts_tensor *f_tensor(void)
         F_OK(ts_tensor_from_data(TS_F32, 2, (int64_t[]){2, 3}, v, &g_tensor));
     }
     return g_tensor;
+}
+/* A (2, 3) int32 tensor 0..5 */
+static ts_tensor *g_tensor_i32;
+static ts_tensor *f_tensor_i32(void)
+{
+    if (!g_tensor_i32) {
+        int32_t v[6] = {0, 1, 2, 3, 4, 5};
+        F_OK(ts_tensor_from_data(TS_I32, 2, (int64_t[]){2, 3}, v, &g_tensor_i32));
+    }
+    return g_tensor_i32;
 }
 static ts_tensor *const *f_tensors(void)
 {
@@ -410,6 +537,18 @@ static ts_mesh *f_mesh(void)
     if (!g_mesh)
         F_OK(ts_mesh_new(f_world(), "cpu", 1, (int64_t[]){1}, (const char *[]){"dp"}, &g_mesh));
     return g_mesh;
+}
+/* {NULL, valid, valid, valid}: NULL first, so that a count of 1 sees it */
+static ts_tensor *const *f_tensors_with_null(void)
+{
+    for (int i = 1; i < 4; i++)
+        f_null_tensors[i] = f_tensors()[i];
+    return f_null_tensors;
+}
+static ts_module *const *f_modules_with_null(void)
+{
+    f_null_modules[1] = f_modules()[1];
+    return f_null_modules;
 }
 static ts_generator *f_gen(void)
 {
@@ -494,7 +633,8 @@ static void setup(void)
         }                                                 \
     } while (0)
 
-static void teardown(void)
+/* Frees what a call that succeeded wrote to the output factories. */
+static void release_outs(void)
 {
     FREE_OUTS(f_tensor_outs, ts_tensor_free);
     FREE_OUTS(f_module_outs, ts_module_free);
@@ -508,6 +648,11 @@ static void teardown(void)
     FREE_OUTS(f_store_outs, ts_store_close);
     FREE_OUTS(f_server_outs, ts_store_server_stop);
     FREE_OUTS(f_scaler_outs, ts_grad_scaler_free);
+}
+
+static void teardown(void)
+{
+    release_outs();
     ts_grad_scaler_free(g_scaler);
     g_scaler = NULL;
     ts_request_free(g_request);
@@ -524,6 +669,8 @@ static void teardown(void)
     for (int i = 0; i < 4; i++)
         ts_tensor_free(g_tensors[i]);
     ts_tensor_free(g_tensor);
+    ts_tensor_free(g_tensor_i32);
+    g_tensor_i32 = NULL;
     if (ts_dist_is_initialized())
         ts_dist_finalize();
     if (g_file)
@@ -531,6 +678,7 @@ static void teardown(void)
 }
 
 TestSuite(api_null_args, .init = setup, .fini = teardown, .timeout = 60);
+TestSuite(api_bad_values, .init = setup, .fini = teardown, .timeout = 60);
 
 /* A ts_status call: TS_ERR_INVALID_ARGUMENT with a message naming the
  * function. */
@@ -542,6 +690,27 @@ TestSuite(api_null_args, .init = setup, .fini = teardown, .timeout = 60);
                      fname, argname, ts_status_name(st_), ts_last_error());                                   \
         if (st_ == TS_ERR_INVALID_ARGUMENT)                                                                   \
             cr_expect(ts_last_error()[0] != '\0', "%s with %s NULL: no ts_last_error() detail", fname, argname); \
+    } while (0)
+
+/* A ts_status call given a bad value: an error status that is not
+ * TS_ERR_INTERNAL, with a detail; what a call that succeeded anyway made
+ * is freed. */
+#define EXPECT_REFUSED(fname, what, expr)                                                                    \
+    do {                                                                                                     \
+        ts_clear_error();                                                                                    \
+        ts_status st_ = (expr);                                                                              \
+        cr_expect(st_ != TS_OK && st_ != TS_ERR_INTERNAL, "%s with %s -> %s, expected an error status (%s)",  \
+                  fname, what, ts_status_name(st_), ts_last_error());                                        \
+        if (st_ != TS_OK)                                                                                    \
+            cr_expect(ts_last_error()[0] != '\0', "%s with %s: no ts_last_error() detail", fname, what);     \
+        release_outs();                                                                                      \
+    } while (0)
+/* A call that may succeed (BAD_OK) or returns no status: it returns. */
+#define EXPECT_RETURNS(expr)   \
+    do {                       \
+        ts_clear_error();      \
+        (void)(expr);          \
+        release_outs();        \
     } while (0)
 '''
 
@@ -688,6 +857,131 @@ def gen_test(ret, name, params):
     return 'Test(api_null_args, %s)\n{\n%s\n}\n' % (name, '\n'.join(body))
 
 
+def bad_match(table, fn, arg, label):
+    for key in ((fn, arg), ('*', arg), (fn, arg, label), ('*', arg, label)):
+        if key in table:
+            return True
+    return False
+
+
+INT_LIMITS = {'int': ('INT_MIN', 'INT_MAX'), 'int64_t': ('INT64_MIN', 'INT64_MAX'), 'size_t': (None, 'SIZE_MAX'),
+              'uint64_t': (None, 'UINT64_MAX')}
+
+
+def bad_values(t, a):
+    """(label, C expression) pairs of values out of range for a parameter
+    of type t named a; [] when it has no bad value."""
+    if t in BAD_ARRAYS:
+        return BAD_ARRAYS[t]
+    if t in ENUM_TYPES:
+        return [('(%s)-1' % t, '(%s)-1' % t), ('(%s)999' % t, '(%s)999' % t)]
+    if t in ('double', 'float') and a in FINITE_NAMES:
+        return [('nan', 'NAN'), ('inf', 'INFINITY'), ('-inf', '-INFINITY')]
+    if t not in INT_LIMITS:
+        return []
+    lo, hi = INT_LIMITS[t]
+    signed = lo is not None
+    if a in DIM_NAMES:
+        return [('99', '99'), ('-99', '-99'), (lo, lo)] if signed else [(hi, hi)]
+    if a in EXTREME_NAMES:
+        return ([(lo, lo)] if signed else []) + [(hi, hi)] + ([('0', '0'), ('-1', '-1')] if a == 'step' else [])
+    if a in SIZE_NAMES or a in DIVISOR_NAMES or a in INDEX_NAMES:
+        out = ([('-1', '-1')] if signed else []) + [(hi, hi)]
+        if a in DIVISOR_NAMES:
+            out.append(('0', '0'))
+        return out
+    return []
+
+
+# Results a bad-value call may allocate, freed after it (C, r_ the result).
+FREE_RESULT = {
+    'ts__malloc': 'ts__free(TS_MEM_OTHER, r_)',
+    'ts__calloc': 'ts__free(TS_MEM_OTHER, r_)',
+    'ts__strdup': 'ts__free(TS_MEM_OTHER, r_)',
+    'ts__malloc_raw': 'ts__free_raw(TS_MEM_OTHER, r_, 64)',
+    'ts__pinned_alloc': 'ts__pinned_free(r_, *f_size)',
+}
+
+
+# Counts of the entries of an array argument: a count beyond the array is
+# the caller's promise (nothing can check it), so they are not tried huge
+# when the function takes an array.
+ARRAY_COUNT_NAMES = {'n', 'n_in', 'n_args', 'n_meta', 'n_metadata'}
+ARRAY_TYPES = {'ts_tensor *const *', 'ts_module *const *', 'const char *const *', 'char *const *', 'const int *',
+               'const int64_t *', 'const ts_trace_arg *', 'const ts_placement *', 'ts_tensor **', 'const double *'}
+
+
+def gen_bad_test(ret, name, params):
+    body = []
+    has_array = any(t in ARRAY_TYPES for t, a in params)
+    for vi, (t, a) in enumerate(params):
+        if t == '...':
+            continue
+        for label, expr in bad_values(t, a):
+            if bad_match(BAD_EXCEPT, name, a, label):
+                continue
+            if has_array and a in ARRAY_COUNT_NAMES and label in ('INT_MAX', 'INT64_MAX', 'SIZE_MAX'):
+                continue
+            args = []
+            for j, (tj, aj) in enumerate(params):
+                if tj == '...':
+                    continue
+                if j == vi:
+                    args.append(expr)
+                elif is_pointer(tj):
+                    if tj not in FACTORY:
+                        return None  # the null-args test reports the missing factory
+                    args.append(FACTORY[tj])
+                elif t in ('const int64_t *', 'const int *') and aj in ('ndim', 'ndims', 'global_ndim'):
+                    args.append('(%s)2' % tj)  # two bad sizes: their product overflows
+                else:
+                    args.append(scalar_value(tj, aj))
+            call = '%s(%s)' % (name, ', '.join(args))
+            what = '%s = %s' % (a or 'argument %d' % (vi + 1), label)
+            if ret == 'ts_status' and not bad_match(BAD_OK, name, a, label):
+                body.append('    EXPECT_REFUSED("%s", "%s", %s);' % (name, what, call))
+            elif name in FREE_RESULT:
+                body.append('    {\n        void *r_ = (void *)%s;\n        if (r_)\n            %s;\n        release_outs();\n    }'
+                            % (call, FREE_RESULT[name]))
+            else:
+                body.append('    EXPECT_RETURNS(%s);' % call)
+    # values an integer tensor cannot hold
+    first_tensor = next((j for j, (tj, aj) in enumerate(params) if tj in ('ts_tensor *', 'const ts_tensor *')), None)
+    has_dtype = any(tj == 'ts_dtype' for tj, aj in params)
+    for vi, (t, a) in enumerate(params):
+        if t != 'double' or a not in INT_VALUE_NAMES or (first_tensor is None and not has_dtype):
+            continue
+        for label, expr in INT_VALUES:
+            label = '%s into int32' % label
+            if bad_match(BAD_EXCEPT, name, a, label):
+                continue
+            args = []
+            for j, (tj, aj) in enumerate(params):
+                if tj == '...':
+                    continue
+                if j == vi:
+                    args.append(expr)
+                elif j == first_tensor:
+                    args.append('f_tensor_i32()')
+                elif tj == 'ts_dtype':
+                    args.append('TS_I32')
+                elif is_pointer(tj):
+                    if tj not in FACTORY:
+                        return None
+                    args.append(FACTORY[tj])
+                else:
+                    args.append(scalar_value(tj, aj))
+            call = '%s(%s)' % (name, ', '.join(args))
+            what = '%s = %s' % (a, label)
+            if ret == 'ts_status' and not bad_match(BAD_OK, name, a, label):
+                body.append('    EXPECT_REFUSED("%s", "%s", %s);' % (name, what, call))
+            else:
+                body.append('    EXPECT_RETURNS(%s);' % call)
+    if not body:
+        return None
+    return 'Test(api_bad_values, %s)\n{\n%s\n}\n' % (name, '\n'.join(body))
+
+
 def main():
     headers, out = sys.argv[1:-1], sys.argv[-1]
     decls = parse_decls(headers)
@@ -702,6 +996,9 @@ def main():
             excluded.append('/* %s excluded: %s */' % (name, EXCLUDED[name]))
             continue
         t = gen_test(ret, name, params)
+        if t:
+            parts.append(t)
+        t = gen_bad_test(ret, name, params)
         if t:
             parts.append(t)
     parts.extend(excluded)

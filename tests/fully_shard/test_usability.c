@@ -508,3 +508,41 @@ Test(fully_shard_usability, summary_to_a_full_device_is_an_io_error)
     fclose(f);
     ts_module_free(l);
 }
+
+/* The root sharded before its children: a later call on a child meets
+ * slots the root's group manages. The message says to go bottom-up and
+ * names both modules (it used to blame tied weights); nothing changes. The
+ * same with the root's parameters persistent (below the threshold), and a
+ * real tied weight still gets the tied-weight message. */
+Test(fully_shard_usability, root_before_children_says_bottom_up, .timeout = 60)
+{
+    for (int persist = 0; persist < 2; persist++) {
+        ts_module *k[2] = {NULL, NULL}, *root = NULL;
+        TH_OK(ts_linear_new(4, 4, true, &k[0]));
+        TH_OK(ts_linear_new(4, 2, true, &k[1]));
+        TH_OK(ts_sequential_new(2, k, &root));
+        ts_fsdp_options o = ts_fsdp_options_default();
+        o.persist_threshold_numel = persist ? 1000 : 0;
+        TH_OK(ts_fully_shard(root, &o));
+        ts_tensor *w = ((ts_nn_linear *)k[1])->weight;
+        TH_FAILS(ts_fully_shard(k[1], &o), TS_ERR_INVALID_ARGUMENT, "parameter 'weight' of this Linear",
+                 "enclosing Sequential", "'1.weight'", "bottom-up", "shard the children");
+        cr_assert_null(strstr(ts_last_error(), "tied"), "%s", ts_last_error());
+        cr_assert(!ts_module_is_fsdp(k[1]));
+        cr_assert_eq(((ts_nn_linear *)k[1])->weight, w, "the slot is unchanged");
+        TH_FAILS(ts_fully_shard_group(2, k, &o), TS_ERR_INVALID_ARGUMENT, "enclosing Sequential", "'0.weight'",
+                 "bottom-up");
+        ts_module_free(root);
+    }
+    /* a tied weight across two sibling calls is still a tied weight */
+    ts_module *a = NULL, *b = NULL;
+    TH_OK(ts_linear_new(4, 4, false, &a));
+    TH_OK(ts_linear_new(4, 4, false, &b));
+    ts_tensor_free(((ts_nn_linear *)b)->weight);
+    ((ts_nn_linear *)b)->weight = ts_tensor_retain(((ts_nn_linear *)a)->weight);
+    TH_OK(ts_fully_shard(a, NULL));
+    TH_FAILS(ts_fully_shard(b, NULL), TS_ERR_INVALID_ARGUMENT, "shared", "tied", "one call");
+    cr_assert_null(strstr(ts_last_error(), "bottom-up"), "%s", ts_last_error());
+    ts_module_free(a);
+    ts_module_free(b);
+}

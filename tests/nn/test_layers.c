@@ -510,3 +510,14 @@ Test(nn_layers, gpt_dropout_fused_attention_follows_the_reference_draws)
     if (getenv("TS_TEST_VERBOSE"))
         cr_log_info("loss %.9g vs %.9g: relative %g", loss[1], loss[0], fabs(loss[1] - loss[0]) / fabs(loss[0]));
 }
+
+/* An embed_dim whose 3 * embed_dim rows overflow int64 is refused, naming
+ * it (the product used to overflow: undefined behaviour, caught by UBSan). */
+Test(nn_layers, mha_with_a_huge_embed_dim_is_an_error)
+{
+    ts_module *m = NULL;
+    ts_status st = ts_mha_new(INT64_MAX, 1, 0.0, true, &m);
+    cr_assert_eq(st, TS_ERR_INVALID_ARGUMENT, "%s: %s", ts_status_name(st), ts_last_error());
+    cr_assert_not_null(strstr(ts_last_error(), "embed_dim 9223372036854775807"), "%s", ts_last_error());
+    cr_assert_null(m);
+}

@@ -3,6 +3,7 @@
  * nothing is written to the output. */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
+#include <math.h>
 #include <string.h>
 
 #include "tests/helpers.h"
@@ -346,6 +347,163 @@ Test(tensor_errors, narrow_with_a_huge_length_is_an_index_error)
     TH_OK(ts_narrow(a, 0, -2, 2, &o));
     cr_assert_eq(ts_tensor_shape(o)[0], 2);
     ts_tensor_free(o);
+    ts_tensor_free(a);
+    th_mem_assert_back();
+}
+
+/* A shape whose product overflows int64 is refused, naming the size; the
+ * product used to overflow (undefined behaviour) before the comparison
+ * with the input's element count. */
+Test(tensor_errors, view_and_reshape_with_huge_sizes_are_errors)
+{
+    th_mem_mark();
+    int64_t s[1] = {6};
+    ts_tensor *a = th_seq(TS_F32, 1, s, 1, false), *o = NULL;
+    int64_t huge[3] = {INT64_MAX, INT64_MAX, 0}, infer[3] = {-1, INT64_MAX, 4}, neg[2] = {3, INT64_MIN};
+    EXPECT_ERR(ts_view(a, 3, huge, &o), TS_ERR_INVALID_ARGUMENT, "view", "9223372036854775807", "overflows");
+    EXPECT_ERR(ts_reshape(a, 3, huge, &o), TS_ERR_INVALID_ARGUMENT, "reshape", "9223372036854775807");
+    EXPECT_ERR(ts_reshape(a, 3, infer, &o), TS_ERR_INVALID_ARGUMENT, "reshape", "dim 2 of size 4");
+    EXPECT_ERR(ts_view(a, 2, neg, &o), TS_ERR_INVALID_ARGUMENT, "view", "-9223372036854775808");
+    cr_assert_null(o);
+    ts_tensor_free(a);
+    th_mem_assert_back();
+}
+
+/* A step near INT64_MAX takes the first element, as torch's a[1::2**63-1];
+ * ceil((end - start) / step) and stride * step used to overflow. */
+Test(tensor_errors, slice_with_a_huge_step_takes_one_element)
+{
+    th_mem_mark();
+    int64_t s[2] = {4, 3};
+    double vals[12] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+    ts_tensor *a = th_tensor(TS_F32, 2, s, vals), *o = NULL;
+    TH_OK(ts_slice(a, 0, 1, INT64_MAX, INT64_MAX, &o));
+    cr_assert_eq(ts_tensor_ndim(o), 2);
+    cr_assert_eq(ts_tensor_shape(o)[0], 1, "rows %lld", (long long)ts_tensor_shape(o)[0]);
+    double v[3];
+    th_vals(o, v, 3);
+    cr_assert(v[0] == 3 && v[1] == 4 && v[2] == 5, "row 1 of a: %g %g %g", v[0], v[1], v[2]);
+    ts_tensor_free(o);
+    TH_OK(ts_slice(a, 1, INT64_MIN, INT64_MAX, INT64_MAX - 1, &o));
+    cr_assert_eq(ts_tensor_shape(o)[1], 1);
+    ts_tensor_free(o);
+    TH_OK(ts_slice(a, 0, 4, INT64_MAX, INT64_MAX, &o)); /* empty */
+    cr_assert_eq(ts_tensor_numel(o), 0);
+    ts_tensor_free(o);
+    ts_tensor_free(a);
+    th_mem_assert_back();
+}
+
+/* A fill value the dtype cannot hold is refused, as torch.full, fill_ and
+ * masked_fill raise "value cannot be converted to type ... without
+ * overflow" (torch 1.13's
+ * torch.full((2,), v, dtype=...), checked with Debian's python3-torch); integer fills used to clamp NaN to 0 and infinities to
+ * the range silently. bool takes anything; floating dtypes keep NaN and
+ * infinities. */
+Test(tensor_errors, fill_values_the_dtype_cannot_hold)
+{
+    th_mem_mark();
+    int64_t s[1] = {2};
+    ts_tensor *o = NULL;
+    EXPECT_ERR(ts_tensor_full(TS_I32, 1, s, NAN, &o), TS_ERR_INVALID_ARGUMENT, "ts_tensor_full", "nan", "int32");
+    EXPECT_ERR(ts_tensor_full(TS_I32, 1, s, INFINITY, &o), TS_ERR_INVALID_ARGUMENT, "inf", "int32");
+    EXPECT_ERR(ts_tensor_full(TS_I32, 1, s, -INFINITY, &o), TS_ERR_INVALID_ARGUMENT, "-inf", "int32");
+    EXPECT_ERR(ts_tensor_full(TS_I32, 1, s, 3e9, &o), TS_ERR_INVALID_ARGUMENT, "3000000000", "int32",
+               "-2147483648 to 2147483647");
+    EXPECT_ERR(ts_tensor_full(TS_I32, 1, s, -2147483648.9, &o), TS_ERR_INVALID_ARGUMENT, "int32");
+    EXPECT_ERR(ts_tensor_full(TS_I64, 1, s, NAN, &o), TS_ERR_INVALID_ARGUMENT, "nan", "int64");
+    EXPECT_ERR(ts_tensor_full(TS_I64, 1, s, 9223372036854775808.0, &o), TS_ERR_INVALID_ARGUMENT,
+               "9223372036854775808", "int64");
+    EXPECT_ERR(ts_tensor_scalar(TS_I64, -INFINITY, &o), TS_ERR_INVALID_ARGUMENT, "-inf", "int64");
+    EXPECT_ERR(ts_tensor_full(TS_F16, 1, s, 1e10, &o), TS_ERR_INVALID_ARGUMENT, "10000000000", "float16", "65504");
+    EXPECT_ERR(ts_tensor_full(TS_BF16, 1, s, 1e300, &o), TS_ERR_INVALID_ARGUMENT, "bfloat16");
+    EXPECT_ERR(ts_tensor_full(TS_F32, 1, s, -1e300, &o), TS_ERR_INVALID_ARGUMENT, "float32");
+    cr_assert_null(o);
+    ts_tensor *a = NULL, *m = NULL;
+    TH_OK(ts_tensor_zeros(TS_I32, 1, s, &a));
+    TH_OK(ts_tensor_ones(TS_BOOL, 1, s, &m));
+    EXPECT_ERR(ts_tensor_fill_(a, NAN), TS_ERR_INVALID_ARGUMENT, "ts_tensor_fill_", "nan", "int32");
+    EXPECT_ERR(ts_masked_fill(a, m, INFINITY, &o), TS_ERR_INVALID_ARGUMENT, "masked_fill", "inf", "int32");
+    cr_assert_null(o);
+    double v[2];
+    th_vals(a, v, 2);
+    cr_assert(v[0] == 0 && v[1] == 0, "a failed fill_ changes nothing");
+    /* what torch accepts */
+    TH_OK(ts_tensor_fill_(a, 2147483647.0));
+    TH_OK(ts_tensor_fill_(a, -2.7)); /* truncates */
+    th_vals(a, v, 2);
+    cr_assert_eq(v[0], -2);
+    const ts_dtype fl[4] = {TS_F32, TS_F64, TS_BF16, TS_F16};
+    for (int i = 0; i < 4; i++) {
+        TH_OK(ts_tensor_full(fl[i], 1, s, INFINITY, &o));
+        ts_tensor_free(o);
+        TH_OK(ts_tensor_full(fl[i], 1, s, NAN, &o));
+        ts_tensor_free(o);
+    }
+    TH_OK(ts_tensor_full(TS_F16, 1, s, 65504.0, &o));
+    ts_tensor_free(o);
+    TH_OK(ts_tensor_full(TS_BOOL, 1, s, NAN, &o));
+    th_vals(o, v, 2);
+    cr_assert(v[0] == 1 && v[1] == 1, "bool(nan) is true, as in torch");
+    ts_tensor_free(o);
+    TH_OK(ts_tensor_full(TS_BOOL, 1, s, -1e300, &o));
+    ts_tensor_free(o);
+    ts_tensor_free(a);
+    ts_tensor_free(m);
+    th_mem_assert_back();
+}
+
+/* arange whose element count does not fit int64, or whose integer
+ * elements do not fit the dtype: an error (the count's conversion was
+ * undefined). */
+Test(tensor_errors, arange_beyond_int64_or_the_dtype)
+{
+    th_mem_mark();
+    ts_tensor *o = NULL;
+    EXPECT_ERR(ts_tensor_arange(TS_F32, 0, 1e300, 1, &o), TS_ERR_INVALID_ARGUMENT, "ts_tensor_arange", "1e+300");
+    EXPECT_ERR(ts_tensor_arange(TS_F32, -1e308, 1e308, 1, &o), TS_ERR_INVALID_ARGUMENT, "ts_tensor_arange");
+    EXPECT_ERR(ts_tensor_arange(TS_I32, 0, 5e9, 2e9, &o), TS_ERR_INVALID_ARGUMENT, "4000000000", "int32");
+    EXPECT_ERR(ts_tensor_arange(TS_I32, 0, NAN, 1, &o), TS_ERR_INVALID_ARGUMENT, "ts_tensor_arange");
+    cr_assert_null(o);
+    TH_OK(ts_tensor_arange(TS_I32, 0, 3e9, 1e9, &o)); /* 0, 1e9, 2e9 fit */
+    cr_assert_eq(ts_tensor_numel(o), 3);
+    ts_tensor_free(o);
+    th_mem_assert_back();
+}
+
+/* Found by the generated api_bad_values test (tools/gen_null_args_test.py):
+ * tril_mask's n * n and c <= r + diagonal, and split's size + split_size - 1
+ * overflowed int64 (a crash, and undefined behaviour); kaiming's slope and
+ * xavier's gain filled NaN or infinities when not finite. */
+Test(tensor_errors, huge_or_non_finite_arguments_found_by_the_generated_test)
+{
+    th_mem_mark();
+    ts_tensor *o = NULL;
+    EXPECT_ERR(ts_tril_mask(INT64_MAX, 0, &o), TS_ERR_INVALID_ARGUMENT, "tril_mask", "9223372036854775807");
+    TH_OK(ts_tril_mask(3, INT64_MAX, &o));
+    double v[9];
+    th_vals(o, v, 9);
+    for (int i = 0; i < 9; i++)
+        cr_assert_eq(v[i], 1.0, "a huge diagonal keeps everything");
+    ts_tensor_free(o);
+    TH_OK(ts_tril_mask(3, INT64_MIN, &o));
+    th_vals(o, v, 9);
+    for (int i = 0; i < 9; i++)
+        cr_assert_eq(v[i], 0.0, "a hugely negative diagonal keeps nothing");
+    ts_tensor_free(o);
+    int64_t s[2] = {4, 3};
+    ts_tensor *a = th_seq(TS_F32, 2, s, 1, false), *outs[4] = {NULL};
+    int n = 0;
+    TH_OK(ts_split(a, INT64_MAX, 0, 4, outs, &n));
+    cr_assert_eq(n, 1, "one piece, as torch.split with a size beyond the dim");
+    cr_assert_eq(ts_tensor_shape(outs[0])[0], 4);
+    ts_tensor_free(outs[0]);
+    EXPECT_ERR(ts_init_kaiming_uniform_(a, NAN, TS_FAN_IN, TS_NL_LEAKY_RELU, NULL), TS_ERR_INVALID_ARGUMENT,
+               "kaiming_uniform_", "nan");
+    EXPECT_ERR(ts_init_kaiming_normal_(a, INFINITY, TS_FAN_IN, TS_NL_LEAKY_RELU, NULL), TS_ERR_INVALID_ARGUMENT,
+               "kaiming_normal_", "inf");
+    EXPECT_ERR(ts_init_xavier_normal_(a, INFINITY, NULL), TS_ERR_INVALID_ARGUMENT, "xavier_normal_", "gain inf");
+    EXPECT_ERR(ts_init_xavier_uniform_(a, NAN, NULL), TS_ERR_INVALID_ARGUMENT, "xavier_uniform_", "gain nan");
     ts_tensor_free(a);
     th_mem_assert_back();
 }
