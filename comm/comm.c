@@ -203,6 +203,9 @@ struct world {
     char pend_msg[ERR_LEN];
     int suspect;          /* world rank seen dead first (-1: none) */
     uint64_t suspect_ns;  /* when (0: none) */
+    /* told when this rank fails its world by its own finding (ts__world_set_fail_hook) */
+    ts__world_fail_hook fail_hook;
+    void *fail_hook_arg;
     char suspect_why[ERR_LEN];
     /* hung-peer diagnosis through the store (see "Who never entered"):
      * the world's own client (NULL: none, or it failed), its key prefix,
@@ -1204,6 +1207,11 @@ static void fail_world(world *w, ts_status st, const char *msg, op *src, bool no
     w->failed = st;
     copy_str(w->failed_msg, sizeof w->failed_msg, msg);
     if (notify) send_notices(w, st, culprit, msg);
+    /* the hook (the store's notice, dist.c) runs before any request
+     * completes, so a rank that exits on the error has told the others;
+     * only for this rank's own findings: a notice (notify) or its own
+     * deadline (src, check_deadlines), not a failure it was told of */
+    if (w->fail_hook && (notify || (src && st == TS_ERR_TIMEOUT))) w->fail_hook(w->fail_hook_arg, st, culprit, msg);
     for (op *o = w->active; o; o = o->next) {
         if (o->finished || o == src || o->fp_bad) continue;
         o->err = st;
@@ -2041,6 +2049,15 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     }
     *world_out = c;
     return TS_OK;
+}
+
+void ts__world_set_fail_hook(ts_comm *c, ts__world_fail_hook hook, void *arg)
+{
+    if (!c || !c->w) return;
+    prog_lock(c->w);
+    c->w->fail_hook = hook;
+    c->w->fail_hook_arg = arg;
+    prog_unlock(c->w);
 }
 
 void ts__world_fail(ts_comm *c, ts_status st, const char *msg)

@@ -46,6 +46,18 @@ void ts__world_fail(ts_comm *world, ts_status st, const char *msg);
  * TS_ERR_INVALID_ARGUMENT for a NULL or one-rank world, client or prefix. */
 ts_status ts__world_attach_store(ts_comm *world, struct ts_store *client, const char *prefix, const char *hung_key);
 
+/* Called, under the world's progress lock and before any request
+ * completes with the error, when this rank fails its world by its own
+ * finding: a dead peer (culprit: its world rank), a fingerprint mismatch
+ * (culprit -1) or a collective's deadline (TS_ERR_TIMEOUT, culprit -1);
+ * not when it learns of another rank's failure. `msg` is the failure's
+ * message. It must not take the progress lock; it may block briefly (the
+ * failing request waits for it). */
+typedef void (*ts__world_fail_hook)(void *arg, ts_status st, int culprit, const char *msg);
+/* Installs (or with NULL removes) the hook of `world`. Any thread; ignores
+ * NULL and the one-rank group. */
+void ts__world_set_fail_hook(ts_comm *world, ts__world_fail_hook hook, void *arg);
+
 /* The world ts_comm_world() returns, owned by comm.c: ts_dist_init
  * (comm/dist.c) publishes the world it made and NULL when it is finalized;
  * ts_comm_world() returns the published world, the one-rank group while

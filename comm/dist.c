@@ -627,18 +627,91 @@ static ts_status port_taken(const ts_rank_env *e, const char *prefix, double tim
  * stopped answering cannot hold it longer) and, woken by an error, fails
  * the world with it (ts__world_fail): the collectives of every rank fail,
  * naming the duplicate. ts_dist_finalize sets this rank's wake key to
- * end it, then reads the error key once more. */
+ * end it, then reads the error key once more.
+ *
+ * Failure notices: a rank that fails its world by its own finding (a dead
+ * peer, a fingerprint mismatch, a deadline: comm_internal.h's fail hook)
+ * posts "<rank> <status> <culprit> <message>" under "<prefix>/failed"
+ * (compare-and-set from empty: the first failure wins) and, when it won,
+ * sets every other rank's wake key, all before its request completes with
+ * the error (post_failure, through a second client, each call bounded by
+ * FAIL_POST_TIMEOUT_S). A watch woken without a rendezvous error fails
+ * its world with that notice, naming the rank that posted it. The
+ * transport's notices (comm.c) reach every rank but the culprit, and only
+ * over endpoints that still work: the store reaches the rank another
+ * declared failed (a live one when that was wrong, docs/multihost.md) and
+ * ranks whose connection to the failing rank broke. */
 #define WATCH_POLL_S 2.0
+#define FAIL_POST_TIMEOUT_S 1.0
 
 typedef struct watch {
     pthread_t thread;
     ts_store *client;
+    ts_store *post; /* the fail hook's client (NULL: no notices posted) */
     ts_comm *world;
-    int rank;
+    int rank, world_size;
     atomic_bool stop;
+    char prefix[3 * TS_LAUNCH_MAX_STR];
     char wake_key[3 * TS_LAUNCH_MAX_STR + 48], error_key[3 * TS_LAUNCH_MAX_STR + 32];
+    char failed_key[3 * TS_LAUNCH_MAX_STR + 32];
 } watch;
 static watch *g_watch;
+
+/* The fail hook (comm_internal.h): posts this rank's failure and wakes
+ * the other ranks' watches. Runs under the world's progress lock. */
+static void post_failure(void *arg, ts_status st, int culprit, const char *msg)
+{
+    watch *wt = arg;
+    char val[640];
+    int n = snprintf(val, sizeof val, "%d %d %d %s", wt->rank, (int)st, culprit, msg);
+    size_t len = n < 0 ? 0 : (size_t)n >= sizeof val ? sizeof val - 1 : (size_t)n;
+    void *got = NULL;
+    size_t glen = 0;
+    ts_status s = ts_store_compare_set(wt->post, wt->failed_key, "", 0, val, len, &got, &glen);
+    bool won = s == TS_OK && glen == len && memcmp(got, val, len) == 0;
+    free(got);
+    for (int r = 0; won && r < wt->world_size; r++) {
+        if (r == wt->rank) continue;
+        char key[sizeof wt->wake_key];
+        snprintf(key, sizeof key, "%s/rdv/wake/%d", wt->prefix, r);
+        s = ts_store_set(wt->post, key, "", 0);
+        if (s != TS_OK) break;
+    }
+    if (s != TS_OK)
+        ts_logf(TS_LOG_WARN, "ts_dist: rank %d: cannot post its failure to the store: %s", wt->rank, ts_last_error());
+}
+
+/* The failure notice of another rank as this rank's message: *st_out and
+ * the message in msg; false when there is none (or it is this rank's own,
+ * or malformed). */
+static bool read_notice(watch *wt, ts_status *st_out, char *msg, size_t cap)
+{
+    if (ts_store_check(wt->client, wt->failed_key) != TS_OK)
+        return false;
+    void *v = NULL;
+    size_t n = 0;
+    if (ts_store_get(wt->client, wt->failed_key, &v, &n) != TS_OK)
+        return false;
+    char *text = strndup(v, n);
+    free(v);
+    if (!text)
+        return false;
+    int from = -1, st = 0, culprit = -1, used = 0;
+    bool ok = sscanf(text, "%d %d %d %n", &from, &st, &culprit, &used) == 3 && used > 0 && st < 0 &&
+              from != wt->rank;
+    if (ok) {
+        const char *what = text + used;
+        if (culprit == wt->rank)
+            snprintf(msg, cap, "rank %d gave up on this rank: %.500s (reported through the store)", from, what);
+        else if (culprit >= 0)
+            snprintf(msg, cap, "%.500s (reported by a peer through the store)", what);
+        else
+            snprintf(msg, cap, "rank %d failed: %.500s (reported through the store)", from, what);
+        *st_out = (ts_status)st;
+    }
+    free(text);
+    return ok;
+}
 
 /* The recorded rendezvous error as "<status> <message>": *code_out and
  * the message (malloc'd), or NULL when none is recorded. */
@@ -677,11 +750,13 @@ static void *watch_main(void *arg)
             break; /* the store is gone: the job is ending */
         ts_status code = TS_OK;
         char *err = read_rdv_error(wt->client, wt->error_key, &code);
+        char msg[700];
         if (err) {
-            char msg[700];
             snprintf(msg, sizeof msg, "%s (found after the rendezvous; reported to rank %d)", err, wt->rank);
             ts__world_fail(wt->world, code, msg);
             free(err);
+        } else if (!atomic_load(&wt->stop) && read_notice(wt, &code, msg, sizeof msg)) {
+            ts__world_fail(wt->world, code, msg);
         }
         break;
     }
@@ -697,9 +772,12 @@ static void watch_start(const ts_rank_env *e, const char *prefix, ts_comm *world
         return;
     wt->world = world;
     wt->rank = e->rank;
+    wt->world_size = e->world_size;
     atomic_init(&wt->stop, false);
+    snprintf(wt->prefix, sizeof wt->prefix, "%s", prefix);
     snprintf(wt->wake_key, sizeof wt->wake_key, "%s/rdv/wake/%d", prefix, e->rank);
     snprintf(wt->error_key, sizeof wt->error_key, "%s/rdv/error", prefix);
+    snprintf(wt->failed_key, sizeof wt->failed_key, "%s/failed", prefix);
     if (ts_store_connect(e->master_addr, e->master_port, e->token, 30.0, &wt->client) != TS_OK) {
         ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: no watch of the store (a late duplicate RANK goes unseen): %s",
                 e->rank, ts_last_error());
@@ -714,6 +792,14 @@ static void watch_start(const ts_rank_env *e, const char *prefix, ts_comm *world
         return;
     }
     g_watch = wt;
+    if (ts_store_connect(e->master_addr, e->master_port, e->token, 30.0, &wt->post) != TS_OK) {
+        ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: its failures will reach the others only over the transport: %s",
+                e->rank, ts_last_error());
+        wt->post = NULL;
+        return;
+    }
+    ts_store_set_timeout(wt->post, FAIL_POST_TIMEOUT_S);
+    ts__world_set_fail_hook(world, post_failure, wt);
 }
 
 /* Ends the watch: wakes it through `st` (the caller's client; NULL or a
@@ -725,11 +811,13 @@ static void watch_stop(ts_store *st)
     if (!wt)
         return;
     g_watch = NULL;
+    ts__world_set_fail_hook(wt->world, NULL, NULL);
     atomic_store(&wt->stop, true);
     if (st)
         (void)ts_store_set(st, wt->wake_key, "", 0);
     pthread_join(wt->thread, NULL);
     ts_store_close(wt->client);
+    ts_store_close(wt->post);
     free(wt);
 }
 

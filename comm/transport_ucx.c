@@ -101,6 +101,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1407,6 +1408,45 @@ static void env_default(const char *name, const char *value)
         setenv(name, value, 0);
 }
 
+/* The kernel's TCP keepalive on UCX's tcp sockets (UCX_TCP_KEEPIDLE,
+ * _KEEPINTVL, _KEEPCNT) reports a peer whose host stopped answering
+ * probes, which UCX 1.13 passes on as UCS_ERR_ENDPOINT_TIMEOUT (the status
+ * of every failed tcp endpoint). UCX's defaults give up after 10 s idle
+ * plus the system's probe count at 2 s (9: 28 s), and older releases
+ * after 1 s probes (UCX PR #7093 lengthened them for false failures under
+ * congestion). A silent host is what the collectives' deadline
+ * (TS_DIST_TIMEOUT) is for, so unless the user set them the probes span
+ * at least that deadline: 10 s idle, then probes every
+ * max(2 s, (T - 10) / 127) s, as many as reach T (3 to 127, the kernel's
+ * limit). Set only when UCX_TLS has tcp (otherwise UCX would warn that they
+ * are unused). A dead process's connections are reset by its kernel at
+ * once, which this does not delay. */
+static void tcp_keepalive_defaults(double timeout_s)
+{
+    const char *tls = getenv("UCX_TLS");
+    if (!tls || !(strstr(tls, "tcp") || strstr(tls, "all") || tls[0] == '^'))
+        return;
+    const double idle = 10.0;
+    double span = timeout_s > idle ? timeout_s - idle : 0.0;
+    double intvl = ceil(span / 127.0);
+    if (intvl < 2.0)
+        intvl = 2.0;
+    if (intvl > 3600.0)
+        intvl = 3600.0;
+    double cnt = ceil(span / intvl);
+    if (cnt < 3.0)
+        cnt = 3.0;
+    if (cnt > 127.0)
+        cnt = 127.0;
+    char buf[32];
+    snprintf(buf, sizeof buf, "%.0fs", idle);
+    env_default("UCX_TCP_KEEPIDLE", buf);
+    snprintf(buf, sizeof buf, "%.0fs", intvl);
+    env_default("UCX_TCP_KEEPINTVL", buf);
+    snprintf(buf, sizeof buf, "%.0f", cnt);
+    env_default("UCX_TCP_KEEPCNT", buf);
+}
+
 /* One info-level line per rank: which peers share its host (shared
  * memory, the pid watch; "bypass" when large messages take it both ways)
  * and which are on other hosts (the network). */
@@ -1464,6 +1504,7 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
     env_default("UCX_TLS", "posix,cma,self");
     env_default("UCX_MM_ERROR_HANDLING", "y");
     env_default("UCX_KEEPALIVE_INTERVAL", "1s");
+    tcp_keepalive_defaults(timeout_s);
     /* UCX_WARN_UNUSED_ENV_VARS is a libucs global option, read when the
      * library loads: setting it here is too late (and is itself then
      * reported as unused), so the launcher and the tests set it. */

@@ -8,8 +8,12 @@
  * fully_shard training on 2 x 2 equal to one process; HSDP on a 2 x 2
  * mesh that replicates across the hosts and shards within them (the
  * reduce-scatters stay on a host, only the all-reduce crosses); a host
- * whose ranks are all SIGKILLed fails the other within 2 s, naming them;
- * the store refuses a client of the other host without the token.
+ * whose ranks are all SIGKILLed fails the other within 2 s, naming them,
+ * also with a busy loop on every core; a rank that gives up on a live one
+ * fails that one within 2 s (the store's notice); training on 2 hosts x 1
+ * rank 20 times under a busy loop on every core never fails (a slow rank
+ * is not a dead one); the store refuses a client of the other host
+ * without the token.
  *
  * Needs root, `ip` (iproute2) and unshare: skipped with the reason
  * otherwise. Every case creates its namespaces under a name with this
@@ -32,10 +36,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
+#include "comm/comm_internal.h" /* ts__comm_set_timeout */
 #include "comm/store.h"
 #include "tests/helpers.h"
 
@@ -214,20 +221,21 @@ static void nodes_of(ts_comm *g, float *out)
 static void role_train(void)
 {
     bool hsdp = getenv("TS_TEST_MH_HSDP") && atoi(getenv("TS_TEST_MH_HSDP"));
+    int want_w = getenv("TS_TEST_MH_WORLD") ? atoi(getenv("TS_TEST_MH_WORLD")) : 4;
     ts_dist_options o = ts_dist_options_default();
     o.timeout_s = 60;
     ROK(10, ts_dist_init(&o));
     ts_comm *w = ts_dist_world();
     g_rank = ts_comm_rank(w);
     int W = ts_comm_size(w);
-    if (W != 4) RFAIL(11, "world of %d, expected 4", W);
+    if (W != want_w || (hsdp && W != 4)) RFAIL(11, "world of %d, expected %d", W, hsdp ? 4 : want_w);
     ts_mesh *mesh = NULL;
     if (hsdp) {
         int64_t shape[2] = {2, 2};
         const char *names[2] = {"replicate", "shard"};
         ROK(12, ts_mesh_new(w, "cpu", 2, shape, names, &mesh));
     } else {
-        int64_t shape[1] = {4};
+        int64_t shape[1] = {W};
         const char *names[1] = {"dp"};
         ROK(12, ts_mesh_new(w, "cpu", 1, shape, names, &mesh));
     }
@@ -284,8 +292,8 @@ static void role_train(void)
             double d = fabs((double)pa[k] - (double)pb[k]);
             worst = d > worst ? d : worst;
             if (!(d <= TRAIN_ATOL + TRAIN_RTOL * fabs((double)pa[k])))
-                RFAIL(18, "'%s'[%lld]: %.9g sharded on 2 x 2 vs %.9g in one process", name, (long long)k,
-                      (double)pb[k], (double)pa[k]);
+                RFAIL(18, "'%s'[%lld]: %.9g sharded on %d ranks vs %.9g in one process", name, (long long)k,
+                      (double)pb[k], W, (double)pa[k]);
         }
     }
     ts_state_dict_free(sd);
@@ -342,6 +350,45 @@ static void role_kill(void)
     RFAIL(34, "no failure seen");
 }
 
+/* Rank 1 gives up on rank 0 while rank 0 is alive but late: its barrier
+ * has a 1 s deadline, rank 0 enters collectives only 2.5 s after the
+ * world formed (lateness is the scenario, not a wait for an event). Rank
+ * 1 prints "gave-up 1: STATUS: detail" and stays alive (a rank that
+ * writes a checkpoint, or is slow to exit: its endpoints stay up, so no
+ * connection reset tells rank 0). Rank 0 runs barriers (deadline 60 s)
+ * until one fails and prints "late 0: STATUS: detail (T s)", T the
+ * seconds from its first barrier to the failure, then exits 3. */
+static void role_giveup(void)
+{
+    ts_dist_options o = ts_dist_options_default();
+    o.timeout_s = 60;
+    ROK(10, ts_dist_init(&o));
+    ts_comm *w = ts_dist_world();
+    g_rank = ts_comm_rank(w);
+    if (ts_comm_size(w) != 2) RFAIL(11, "world of %d, expected 2", ts_comm_size(w));
+    if (g_rank == 1) {
+        ts__comm_set_timeout(w, 1.0);
+        ts_status st = ts_barrier(w, NULL);
+        printf("gave-up 1: %s: %s\n", ts_status_name(st), st ? ts_last_error() : "the barrier completed");
+        fflush(stdout);
+        double until = th_now_s() + 30; /* alive; the test ends it */
+        while (th_now_s() < until)
+            pause();
+        _exit(0);
+    }
+    struct timespec late = {2, 500000000};
+    while (nanosleep(&late, &late) != 0 && errno == EINTR)
+        ;
+    double t0 = th_now_s();
+    ts_status st = TS_OK;
+    for (int i = 0; i < 1000 && st == TS_OK; i++)
+        st = ts_barrier(w, NULL);
+    printf("late 0: %s: %s (%.3f s)\n", ts_status_name(st), st ? ts_last_error() : "1000 barriers completed",
+           th_now_s() - t0);
+    fflush(stdout);
+    _exit(3);
+}
+
 /* Host 0: a store on HOST0:PORT with TS_TEST_MH_STORE_TOKEN ("" for
  * none), holding "k" = "v"; prints "ready"; stops at end of stdin. */
 static void role_store_server(void)
@@ -392,6 +439,7 @@ __attribute__((constructor)) static void rank_main(void)
     if (!strcmp(role, "coll")) role_coll();
     if (!strcmp(role, "train")) role_train();
     if (!strcmp(role, "kill")) role_kill();
+    if (!strcmp(role, "giveup")) role_giveup();
     if (!strcmp(role, "store_server")) role_store_server();
     if (!strcmp(role, "store_client")) role_store_client();
     fprintf(stderr, "unknown TS_TEST_MH_ROLE '%s'\n", role);
@@ -517,20 +565,27 @@ static pid_t host_run(const hosts *h, int host, char *const env[], int out_fd, i
     return pid;
 }
 
-/* `tsrun --nnodes 2 --node-rank R --nproc-per-node 2 --master-addr HOST0`
- * running this binary on each host, with env[]; waits for both (limit_s)
- * and returns their exit codes and outputs. */
+/* Starts `tsrun --nnodes 2 --node-rank R --nproc-per-node NPROC
+ * --master-addr HOST0` running this binary on each host, with env[],
+ * output into fds[R]. */
+static void start_job(const hosts *h, char *const env[], const char *nproc, int fds[2], pid_t pids[2])
+{
+    for (int r = 0; r < 2; r++) {
+        fds[r] = memfd_create("mh-host", MFD_CLOEXEC);
+        cr_assert_geq(fds[r], 0);
+        char *argv[] = {TSRUN, "--nnodes", "2", "--node-rank", r ? "1" : "0", "--nproc-per-node", (char *)nproc,
+                        "--master-addr", HOST0, "--master-port", PORT, th_self_exe(), NULL};
+        pids[r] = host_run(h, r, env, fds[r], -1, argv);
+    }
+}
+
+/* start_job with 2 ranks per host; waits for both (limit_s) and returns
+ * their exit codes and outputs. */
 static void run_job(const hosts *h, char *const env[], double limit_s, int code[2], char *out[2])
 {
     int fds[2];
     pid_t pids[2];
-    for (int r = 0; r < 2; r++) {
-        fds[r] = memfd_create("mh-host", MFD_CLOEXEC);
-        cr_assert_geq(fds[r], 0);
-        char *argv[] = {TSRUN, "--nnodes", "2", "--node-rank", r ? "1" : "0", "--nproc-per-node", "2",
-                        "--master-addr", HOST0, "--master-port", PORT, th_self_exe(), NULL};
-        pids[r] = host_run(h, r, env, fds[r], -1, argv);
-    }
+    start_job(h, env, "2", fds, pids);
     int st[2];
     th_wait_pids(pids, 2, -1, limit_s, st);
     for (int r = 0; r < 2; r++) {
@@ -639,10 +694,16 @@ static int host_rank_pids(const hosts *h, int host, pid_t *pids, int cap)
 /* Every rank of host 1 is SIGKILLed mid-training (a host lost): host 0's
  * ranks fail with TS_ERR_PEER_FAILED naming a rank of host 1, and host
  * 0's tsrun exits non-zero, within 2 s of the kill. */
-Test(comm_multihost, a_host_whose_ranks_are_killed_fails_the_other_within_2s, .timeout = 90)
+static int start_load(pid_t *pids, int cap);
+static void stop_load(const pid_t *pids, int n);
+
+/* with_load: a busy loop on every core throughout */
+static void kill_case(bool with_load)
 {
     hosts h;
     hosts_up(&h);
+    pid_t load[64];
+    int nload = with_load ? start_load(load, 64) : 0;
     char *env[] = {"TS_TEST_MH_ROLE=kill", "TS_STORE_TOKEN=" TOKEN, NULL};
     int fds[2];
     pid_t pids[2];
@@ -674,6 +735,7 @@ Test(comm_multihost, a_host_whose_ranks_are_killed_fails_the_other_within_2s, .t
     int st[2];
     th_wait_pids(pids, 1, -1, 30, st); /* host 0 */
     double took = th_now_s() - t0;
+    stop_load(load, nload);
     th_wait_pids(pids + 1, 1, -1, 30, st + 1);
     char *out[2];
     for (int r = 0; r < 2; r++) {
@@ -700,6 +762,12 @@ Test(comm_multihost, a_host_whose_ranks_are_killed_fails_the_other_within_2s, .t
     free(out[0]);
     free(out[1]);
 }
+
+Test(comm_multihost, a_host_whose_ranks_are_killed_fails_the_other_within_2s, .timeout = 90) { kill_case(false); }
+
+/* The same with a busy loop on every core: a real death is still seen at
+ * once under the load that must not make a live rank look dead. */
+Test(comm_multihost, a_killed_host_fails_the_other_within_2s_under_full_cpu_load, .timeout = 90) { kill_case(true); }
 
 /* Host 0 runs a store; a client on host 1 is refused without the token
  * and with a wrong one, and served with it; a store without a token
@@ -757,4 +825,114 @@ Test(comm_multihost, a_store_without_a_token_refuses_the_other_host, .timeout = 
     const char *toks[1] = {""};
     const char *want[1] = {"client: TS_ERR_COMM"};
     store_case("", toks, want, 1);
+}
+
+/* Rank 1 (host 1) gives up on rank 0 (its barrier's deadline) while rank
+ * 0 is alive and rank 1 stays alive: rank 0 fails too, at its next
+ * collective and not at its own 60 s deadline, naming rank 1, with rank
+ * 1's status (the store carries rank 1's notice: docs/multihost.md). */
+Test(comm_multihost, a_rank_that_gives_up_fails_the_other_host_within_2s, .timeout = 90)
+{
+    hosts h;
+    hosts_up(&h);
+    char *env[] = {"TS_TEST_MH_ROLE=giveup", "TS_STORE_TOKEN=" TOKEN, NULL};
+    int fds[2];
+    pid_t pids[2];
+    start_job(&h, env, "1", fds, pids);
+    int st = 0;
+    th_wait_pids(pids, 1, -1, 75, &st); /* host 0; host 1's rank stays alive */
+    hosts_down(&h);
+    int st1 = 0;
+    th_wait_pids(pids + 1, 1, -1, 10, &st1);
+    char *out[2];
+    for (int r = 0; r < 2; r++) {
+        out[r] = th_slurp_fd(fds[r]);
+        close(fds[r]);
+        fprintf(stderr, "---- host %d\n%s", r, out[r]);
+    }
+    cr_assert_not_null(strstr(out[1], "gave-up 1: TS_ERR_TIMEOUT"), "rank 1 did not give up on its deadline");
+    const char *line = strstr(out[0], "late 0: ");
+    cr_assert_not_null(line, "rank 0 printed no result");
+    char *l = strndup(line, strcspn(line, "\n"));
+    cr_assert_not_null(strstr(l, "late 0: TS_ERR_TIMEOUT"), "rank 0: %s", l);
+    cr_assert_not_null(strstr(l, "rank 1"), "rank 0's error does not name rank 1: %s", l);
+    const char *paren = strrchr(l, '(');
+    double took = paren ? atof(paren + 1) : 1e9;
+    cr_assert_lt(took, 2.0, "rank 0 failed %.2f s after entering its collectives (limit 2 s): %s", took, l);
+    free(l);
+    free(out[0]);
+    free(out[1]);
+}
+
+/* Busy loops on every core (the load of CPU training), killed with this
+ * test process (PR_SET_PDEATHSIG) and after 600 s at most (alarm). */
+static int start_load(pid_t *pids, int cap)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    if (n < 1) n = 1;
+    if (n > cap) n = cap;
+    for (long i = 0; i < n; i++) {
+        pid_t p = fork();
+        cr_assert_geq(p, 0, "fork: %s", strerror(errno));
+        if (p == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGKILL);
+            alarm(600);
+            for (volatile unsigned long k = 0;; k++)
+                ;
+        }
+        pids[i] = p;
+    }
+    return (int)n;
+}
+
+static void stop_load(const pid_t *pids, int n)
+{
+    for (int i = 0; i < n; i++) {
+        kill(pids[i], SIGKILL);
+        while (waitpid(pids[i], NULL, 0) < 0 && errno == EINTR)
+            ;
+    }
+}
+
+/* fully_shard training on 2 hosts x 1 rank, 20 times, with a busy loop
+ * on every core beside it: every run trains and checks its result (exit
+ * 0, "train-ok" from both ranks). A rank slow to get a core is not dead:
+ * no run may fail. */
+#define LOAD_RUNS 20
+Test(comm_multihost, training_under_full_cpu_load_never_declares_a_live_peer_dead, .timeout = 450)
+{
+    hosts h;
+    hosts_up(&h);
+    pid_t load[64];
+    int nload = start_load(load, 64);
+    char *env[] = {"TS_TEST_MH_ROLE=train", "TS_TEST_MH_HSDP=0", "TS_TEST_MH_WORLD=2", "TS_STORE_TOKEN=" TOKEN, NULL};
+    int failed = 0;
+    double t0 = th_now_s();
+    for (int k = 0; k < LOAD_RUNS; k++) {
+        int fds[2], st[2];
+        pid_t pids[2];
+        start_job(&h, env, "1", fds, pids);
+        th_wait_pids(pids, 2, -1, 60, st);
+        bool ok = true;
+        char *out[2];
+        for (int r = 0; r < 2; r++) {
+            out[r] = th_slurp_fd(fds[r]);
+            close(fds[r]);
+            char want[32];
+            snprintf(want, sizeof want, "train-ok %d", r);
+            ok = ok && WIFEXITED(st[r]) && WEXITSTATUS(st[r]) == 0 && strstr(out[r], want);
+        }
+        if (!ok) {
+            failed++;
+            fprintf(stderr, "---- run %d of %d failed:\n---- host 0 (status 0x%x)\n%s---- host 1 (status 0x%x)\n%s", k + 1,
+                    LOAD_RUNS, st[0], out[0], st[1], out[1]);
+        }
+        free(out[0]);
+        free(out[1]);
+    }
+    double took = th_now_s() - t0;
+    stop_load(load, nload);
+    hosts_down(&h);
+    fprintf(stderr, "%d of %d runs under %d busy loops failed (%.1f s)\n", failed, LOAD_RUNS, nload, took);
+    cr_assert_eq(failed, 0, "%d of %d runs of 2-host training under a full CPU load failed", failed, LOAD_RUNS);
 }

@@ -517,6 +517,21 @@ static int sc_bypass_abandoned(ts_transport *t, ts_store *st, const char *prefix
     return 0;
 }
 
+/* With tcp in UCX_TLS, the transport (timeout 20 s, run_rank) sets UCX's
+ * TCP keepalive so that the kernel's probes span the deadline: 10 s idle,
+ * then (20 - 10) / 2 = 5 probes 2 s apart (docs/multihost.md). */
+static int sc_tcp_keepalive(ts_transport *t, ts_store *st, const char *prefix)
+{
+    (void)t, (void)st, (void)prefix;
+    static const char *const want[3][2] = {
+        {"UCX_TCP_KEEPIDLE", "10s"}, {"UCX_TCP_KEEPINTVL", "2s"}, {"UCX_TCP_KEEPCNT", "5"}};
+    for (int i = 0; i < 3; i++) {
+        const char *v = getenv(want[i][0]);
+        if (!v || strcmp(v, want[i][1]) != 0) FAIL(30, "%s is '%s', expected '%s'", want[i][0], v ? v : "(unset)", want[i][1]);
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------- the harness */
 
 static int run_rank(int rank, int world, int port, const char *prefix, scenario_fn fn, double *destroy_s)
@@ -726,6 +741,20 @@ Test(comm_transport_ucx, cancel_all_is_bounded, .timeout = 60)
 Test(comm_transport_ucx, bypass_send_abandoned_then_read, .timeout = 60)
 {
     run_world(2, sc_bypass_abandoned, -1, 50);
+}
+
+Test(comm_transport_ucx, tcp_keepalive_spans_the_deadline, .timeout = 60)
+{
+    /* the ranks inherit these (no UCX call in the test process) */
+    char *tls = getenv("UCX_TLS") ? strdup(getenv("UCX_TLS")) : NULL;
+    setenv("UCX_TLS", "tcp,self", 1);
+    unsetenv("UCX_TCP_KEEPIDLE");
+    unsetenv("UCX_TCP_KEEPINTVL");
+    unsetenv("UCX_TCP_KEEPCNT");
+    run_world(2, sc_tcp_keepalive, -1, 50);
+    if (tls) setenv("UCX_TLS", tls, 1);
+    else unsetenv("UCX_TLS");
+    free(tls);
 }
 
 Test(comm_transport_ucx, bad_create_arguments, .timeout = 10)
