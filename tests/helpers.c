@@ -4,6 +4,9 @@
 #include "tensor/internal.h"
 
 #include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
@@ -750,4 +753,44 @@ ts_status th_mlp3_new(uint64_t seed, int64_t in, int64_t h1, int64_t h2, int64_t
     if (st) return st;
     lin[0] = c[0], lin[1] = c[2], lin[2] = c[4];
     return TS_OK;
+}
+
+char *th_tmp_dir(const char *tag)
+{
+    char *d = NULL;
+    cr_assert_geq(asprintf(&d, "/tmp/%s.XXXXXX", tag), 0);
+    cr_assert(mkdtemp(d), "mkdtemp %s: %s", d, strerror(errno));
+    return d;
+}
+
+void th_rm_rf(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *de;
+    while ((de = readdir(d)))
+        if (strcmp(de->d_name, ".") && strcmp(de->d_name, "..") && unlinkat(dirfd(d), de->d_name, 0) != 0)
+            unlinkat(dirfd(d), de->d_name, AT_REMOVEDIR);
+    closedir(d);
+    rmdir(dir);
+}
+
+ts_status th_mse_backward(ts_module *root, ts_tensor *x, ts_tensor *y)
+{
+    ts_tensor *o = NULL, *loss = NULL;
+    ts_status st = ts_module_call1(root, x, &o);
+    if (!st) st = ts_mse_loss(o, y, TS_REDUCTION_MEAN, &loss);
+    if (!st) st = ts_backward(loss, NULL, false);
+    ts_tensor_free(o);
+    ts_tensor_free(loss);
+    return st;
+}
+
+ts_status th_mse_backward_rows(ts_module *root, int64_t row0, int64_t rows, int64_t in, int64_t out)
+{
+    ts_tensor *x = th_batch(row0, rows, in, th_xval), *y = th_batch(row0, rows, out, th_yval);
+    ts_status st = x && y ? th_mse_backward(root, x, y) : TS_ERR_NO_MEMORY;
+    ts_tensor_free(x);
+    ts_tensor_free(y);
+    return st;
 }

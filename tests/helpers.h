@@ -238,4 +238,20 @@ typedef struct th_flaky {
  * failed, nothing made then. */
 ts_status th_flaky_new(th_flaky **out);
 
+/* One forward of `root` on x, the mean-squared-error loss against y and
+ * its backward (gradients accumulate into the parameters); the first
+ * failing status. x and y stay the caller's. */
+ts_status th_mse_backward(ts_module *root, ts_tensor *x, ts_tensor *y);
+/* The same on rows [row0, row0 + rows) of the global batches th_xval
+ * (in columns) and th_yval (out columns); TS_ERR_NO_MEMORY when they
+ * cannot be made. */
+ts_status th_mse_backward_rows(ts_module *root, int64_t row0, int64_t rows, int64_t in, int64_t out);
+
+/* A new folder /tmp/<tag>.XXXXXX (mkdtemp), as a malloc'd path the
+ * caller frees; the test fails when it cannot be made. */
+char *th_tmp_dir(const char *tag);
+/* Removes `dir`, its files and its empty subfolders (one level: what a
+ * checkpoint or trace test leaves). Missing: nothing happens. */
+void th_rm_rf(const char *dir);
+
 #endif

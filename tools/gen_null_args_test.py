@@ -911,6 +911,29 @@ ARRAY_TYPES = {'ts_tensor *const *', 'ts_module *const *', 'const char *const *'
                'const int64_t *', 'const ts_trace_arg *', 'const ts_placement *', 'ts_tensor **', 'const double *'}
 
 
+def bad_call_args(params, vi, expr, other):
+    """The arguments of one bad-value call: `expr` for argument vi,
+    other(j, type, name) where it gives one, a factory's object for the
+    other pointers and a valid scalar for the rest; None when a pointer
+    type has no factory."""
+    args = []
+    for j, (tj, aj) in enumerate(params):
+        if tj == '...':
+            continue
+        o = None if j == vi else other(j, tj, aj)
+        if j == vi:
+            args.append(expr)
+        elif o is not None:
+            args.append(o)
+        elif is_pointer(tj):
+            if tj not in FACTORY:
+                return None
+            args.append(FACTORY[tj])
+        else:
+            args.append(scalar_value(tj, aj))
+    return args
+
+
 def gen_bad_test(ret, name, params):
     body = []
     has_array = any(t in ARRAY_TYPES for t, a in params)
@@ -922,20 +945,13 @@ def gen_bad_test(ret, name, params):
                 continue
             if has_array and a in ARRAY_COUNT_NAMES and label in ('INT_MAX', 'INT64_MAX', 'SIZE_MAX'):
                 continue
-            args = []
-            for j, (tj, aj) in enumerate(params):
-                if tj == '...':
-                    continue
-                if j == vi:
-                    args.append(expr)
-                elif is_pointer(tj):
-                    if tj not in FACTORY:
-                        return None  # the null-args test reports the missing factory
-                    args.append(FACTORY[tj])
-                elif t in ('const int64_t *', 'const int *') and aj in ('ndim', 'ndims', 'global_ndim'):
-                    args.append('(%s)2' % tj)  # two bad sizes: their product overflows
-                else:
-                    args.append(scalar_value(tj, aj))
+            def two_sizes(j, tj, aj):  # two bad sizes: their product overflows
+                if t in ('const int64_t *', 'const int *') and not is_pointer(tj) and aj in ('ndim', 'ndims', 'global_ndim'):
+                    return '(%s)2' % tj
+                return None
+            args = bad_call_args(params, vi, expr, two_sizes)
+            if args is None:
+                return None  # the null-args test reports the missing factory
             call = '%s(%s)' % (name, ', '.join(args))
             what = '%s = %s' % (a or 'argument %d' % (vi + 1), label)
             if ret == 'ts_status' and not bad_match(BAD_OK, name, a, label):
@@ -955,22 +971,11 @@ def gen_bad_test(ret, name, params):
             label = '%s into int32' % label
             if bad_match(BAD_EXCEPT, name, a, label):
                 continue
-            args = []
-            for j, (tj, aj) in enumerate(params):
-                if tj == '...':
-                    continue
-                if j == vi:
-                    args.append(expr)
-                elif j == first_tensor:
-                    args.append('f_tensor_i32()')
-                elif tj == 'ts_dtype':
-                    args.append('TS_I32')
-                elif is_pointer(tj):
-                    if tj not in FACTORY:
-                        return None
-                    args.append(FACTORY[tj])
-                else:
-                    args.append(scalar_value(tj, aj))
+            def int32(j, tj, aj):
+                return 'f_tensor_i32()' if j == first_tensor else 'TS_I32' if tj == 'ts_dtype' else None
+            args = bad_call_args(params, vi, expr, int32)
+            if args is None:
+                return None
             call = '%s(%s)' % (name, ', '.join(args))
             what = '%s = %s' % (a, label)
             if ret == 'ts_status' and not bad_match(BAD_OK, name, a, label):

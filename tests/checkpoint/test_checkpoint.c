@@ -439,23 +439,7 @@ static int loader(th_rank *rc)
     return snap_and_free(rc, a, &m, ex, rex);
 }
 
-static char *tmp_dir(void)
-{
-    char *d = strdup("/tmp/ts_ckpt_test.XXXXXX");
-    cr_assert(mkdtemp(d), "mkdtemp: %s", strerror(errno));
-    return d;
-}
-
-static void rm_rf(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d) return;
-    struct dirent *de;
-    while ((de = readdir(d)))
-        if (strcmp(de->d_name, ".") && strcmp(de->d_name, "..")) unlinkat(dirfd(d), de->d_name, 0);
-    closedir(d);
-    rmdir(dir);
-}
+static char *tmp_dir(void) { return th_tmp_dir("ts_ckpt_test"); }
 
 /* Saves on Ws ranks, loads on Wl ranks, and compares. */
 static void reshard_case(int Ws, int ms, int Wl, int ml, int optkind)
@@ -496,8 +480,8 @@ static void reshard_case(int Ws, int ms, int Wl, int ml, int optkind)
     snap_fini(&s_next);
     snap_fini(&l_at);
     snap_fini(&l_next);
-    rm_rf(ckdir);
-    rm_rf(dir);
+    th_rm_rf(ckdir);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -646,7 +630,7 @@ Test(checkpoint, index_agrees_with_files, .timeout = 60)
     for (size_t f = 0; f < nf; f++) json_decref(hdr[f]);
     json_decref(ix);
     snap_fini(&s);
-    rm_rf(dir);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -802,8 +786,8 @@ Test(checkpoint, errors_leave_the_model_unchanged, .timeout = 120)
     free(b_ip);
     snap_fini(&s);
     snap_fini(&s2);
-    rm_rf(sgd_dir);
-    rm_rf(dir);
+    th_rm_rf(sgd_dir);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -1008,7 +992,7 @@ Test(checkpoint, killed_saves_leave_a_loadable_checkpoint, .timeout = 120)
         }
     }
     cr_log_info("random kills: %d left the previous checkpoint, %d the new one", olds, news);
-    rm_rf(dir);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -1085,7 +1069,7 @@ Test(checkpoint, full_file_streamed_equals_full_state_dict, .timeout = 60)
     ts_state_dict_free(a.want);
     unlink(p1);
     unlink(p2);
-    rm_rf(dir);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -1137,7 +1121,7 @@ Test(checkpoint, full_file_peak_memory_is_one_tensor, .timeout = 60)
     ts_module_free(m);
     ts_module_free(m2);
     unlink(path);
-    rm_rf(dir);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -1250,8 +1234,8 @@ Test(checkpoint, unsharded_model_round_trip_and_save_errors, .timeout = 60)
     model_free(&a);
     model_free(&b);
     model_free(&other);
-    rm_rf(ck);
-    rm_rf(dir);
+    th_rm_rf(ck);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -1320,7 +1304,7 @@ Test(checkpoint, full_file_peak_memory_on_two_ranks, .timeout = 60)
     cr_assert(a.load_extra <= largest + 1024, "load: %zu extra bytes, one tensor is %zu", a.load_extra, largest);
     cr_assert(a.save_extra * 4 < model_bytes && a.load_extra * 4 < model_bytes);
     unlink(path);
-    rm_rf(dir);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -1400,8 +1384,8 @@ Test(checkpoint, corrupted_tensor_byte_is_detected, .timeout = 60)
         model_free(&b);
     }
     model_free(&a);
-    rm_rf(ck);
-    rm_rf(dir);
+    th_rm_rf(ck);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -1448,8 +1432,8 @@ Test(checkpoint, optimizer_hyperparameters_are_in_the_index, .timeout = 60)
         json_decref(ix);
         model_free(&a);
     }
-    rm_rf(ck);
-    rm_rf(dir);
+    th_rm_rf(ck);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -1490,8 +1474,8 @@ Test(checkpoint, overlapping_save_into_one_folder_is_refused, .timeout = 60)
     model_free(&a);
     model_free(&b);
     model_free(&c);
-    rm_rf(ck);
-    rm_rf(dir);
+    th_rm_rf(ck);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -1548,8 +1532,8 @@ Test(checkpoint, odd_metadata_round_trips, .timeout = 60)
     cr_assert_eq(count_files(ck), 2, "files left by the refused save: %d", count_files(ck));
     model_free(&a);
     model_free(&b);
-    rm_rf(ck);
-    rm_rf(dir);
+    th_rm_rf(ck);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -1602,6 +1586,6 @@ Test(checkpoint, ranks_given_different_folders_fail_and_keep_the_checkpoint, .ti
     free(after);
     snap_fini(&s);
     rmdir(other);
-    rm_rf(dir);
+    th_rm_rf(dir);
     free(dir);
 }

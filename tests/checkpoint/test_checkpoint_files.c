@@ -23,22 +23,9 @@
 
 static char *tmp_dir(mode_t mode)
 {
-    char *d = strdup("/tmp/ts_ckpt_files.XXXXXX");
-    cr_assert(mkdtemp(d), "mkdtemp: %s", strerror(errno));
+    char *d = th_tmp_dir("ts_ckpt_files");
     cr_assert_eq(chmod(d, mode), 0);
     return d;
-}
-
-static void rm_rf(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d) return;
-    struct dirent *de;
-    while ((de = readdir(d)))
-        if (strcmp(de->d_name, ".") && strcmp(de->d_name, "..") && unlinkat(dirfd(d), de->d_name, 0) != 0)
-            unlinkat(dirfd(d), de->d_name, AT_REMOVEDIR);
-    closedir(d);
-    rmdir(dir);
 }
 
 /* Linear(4, 3), unsharded, on one rank. */
@@ -165,8 +152,8 @@ Test(checkpoint_files, planted_index_temporary_is_never_written, .timeout = 60)
     }
     ts__ckpt_crash_hook = NULL;
     ts_module_free(m);
-    rm_rf(ck);
-    rm_rf(outside);
+    th_rm_rf(ck);
+    th_rm_rf(outside);
     free(ck);
     free(outside);
 }
@@ -196,7 +183,7 @@ Test(checkpoint_files, failed_save_leaves_no_temporary, .timeout = 60)
     find_file(ck, "rank", rf, sizeof rf);
     cr_assert_str_empty(rf, "the failed save left '%s'", rf);
     ts_module_free(m);
-    rm_rf(ck);
+    th_rm_rf(ck);
     free(ck);
 }
 
@@ -237,8 +224,8 @@ Test(checkpoint_files, modes_are_0644_at_most_under_the_umask, .timeout = 60)
                      (unsigned)mode_of(ck, "index.json"));
         cr_assert_eq(mode_of(dir, "full.safetensors"), want[i], "umask %03o: full file mode %o", (unsigned)masks[i],
                      (unsigned)mode_of(dir, "full.safetensors"));
-        rm_rf(ck);
-        rm_rf(dir);
+        th_rm_rf(ck);
+        th_rm_rf(dir);
         free(dir);
     }
     ts_module_free(m);
@@ -279,7 +266,7 @@ Test(checkpoint_files, symlinked_index_or_rank_file_is_refused, .timeout = 60)
         TH_OK(ts_ckpt_load(ck, m, NULL, NULL));
     }
     ts_module_free(m);
-    rm_rf(ck);
-    rm_rf(dir);
+    th_rm_rf(ck);
+    th_rm_rf(dir);
     free(dir);
 }

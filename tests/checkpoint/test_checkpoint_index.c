@@ -19,23 +19,7 @@
 #include "checkpoint/internal.h"
 #include "tests/helpers.h"
 
-static char *tmp_dir(void)
-{
-    char *d = strdup("/tmp/ts_ckpt_index.XXXXXX");
-    cr_assert(mkdtemp(d), "mkdtemp: %s", strerror(errno));
-    return d;
-}
-
-static void rm_rf(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d) return;
-    struct dirent *de;
-    while ((de = readdir(d)))
-        if (strcmp(de->d_name, ".") && strcmp(de->d_name, "..")) unlinkat(dirfd(d), de->d_name, 0);
-    closedir(d);
-    rmdir(dir);
-}
+static char *tmp_dir(void) { return th_tmp_dir("ts_ckpt_index"); }
 
 /* Linear(4, 3) ("weight" (3, 4), "bias" (3,)) saved on one rank into a
  * fresh folder; the caller frees both. */
@@ -120,7 +104,7 @@ Test(checkpoint_index, placements_must_parse, .timeout = 60)
     TH_OK(ts_ckpt_load(dir, m, NULL, NULL));
     json_decref(good);
     ts_module_free(m);
-    rm_rf(dir);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -141,7 +125,7 @@ Test(checkpoint_index, world_must_agree_with_the_files, .timeout = 60)
     TH_OK(ts_ckpt_load(dir, m, NULL, NULL));
     json_decref(good);
     ts_module_free(m);
-    rm_rf(dir);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -212,7 +196,7 @@ Test(checkpoint_index, every_piece_has_its_hash, .timeout = 60)
     json_decref(ix);
     json_decref(good);
     ts_module_free(m);
-    rm_rf(dir);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -307,7 +291,7 @@ Test(checkpoint_index, metadata_pairs_are_checked, .timeout = 60)
     TH_OK(ts_ckpt_load(dir, m, &o, NULL));
     unlink(full);
     ts_module_free(m);
-    rm_rf(dir);
+    th_rm_rf(dir);
     free(dir);
 }
 
@@ -347,6 +331,6 @@ Test(checkpoint_index, strided_extra_is_hashed_and_loads, .timeout = 60)
     ts_tensor_free(tv);
     ts_tensor_free(base);
     ts_module_free(m);
-    rm_rf(dir);
+    th_rm_rf(dir);
     free(dir);
 }

@@ -80,13 +80,7 @@ static ts_status mlp_new(ts_mesh *mesh, const cf_arg *a, bool copy_free, mlp *m)
 
 static ts_status fwd_bwd(mlp *m, ts_tensor *x, ts_tensor *y)
 {
-    ts_tensor *o = NULL, *loss = NULL;
-    ts_status st = ts_module_call1(m->root, x, &o);
-    if (!st) st = ts_mse_loss(o, y, TS_REDUCTION_MEAN, &loss);
-    if (!st) st = ts_backward(loss, NULL, false);
-    ts_tensor_free(o);
-    ts_tensor_free(loss);
-    return st;
+    return th_mse_backward(m->root, x, y);
 }
 
 static int same_bits(rank_ctx *rc, const char *what, int s, int i, const ts_tensor *a, const ts_tensor *b)

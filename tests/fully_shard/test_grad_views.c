@@ -107,16 +107,7 @@ static fsdp_group *group_of(const mlp *m, int l) { return ts__fsdp_state_of(m->l
 
 static ts_status fwd_bwd(mlp *m, int64_t row0, int64_t rows)
 {
-    ts_tensor *x = th_batch(row0, rows, IN, th_xval), *y = th_batch(row0, rows, OUT, th_yval);
-    ts_tensor *o = NULL, *loss = NULL;
-    ts_status st = ts_module_call1(m->root, x, &o);
-    if (!st) st = ts_mse_loss(o, y, TS_REDUCTION_MEAN, &loss);
-    if (!st) st = ts_backward(loss, NULL, false);
-    ts_tensor_free(o);
-    ts_tensor_free(loss);
-    ts_tensor_free(x);
-    ts_tensor_free(y);
-    return st;
+    return th_mse_backward_rows(m->root, row0, rows, IN, OUT);
 }
 
 static int same_bits(rank_ctx *rc, const char *what, int s, int i, const ts_tensor *a, const ts_tensor *b)

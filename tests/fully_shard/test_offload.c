@@ -93,13 +93,7 @@ static void mlp_free(mlp *m)
 
 static ts_status fwd_bwd(mlp *m, ts_tensor *x, ts_tensor *y)
 {
-    ts_tensor *o = NULL, *loss = NULL;
-    ts_status st = ts_module_call1(m->root, x, &o);
-    if (!st) st = ts_mse_loss(o, y, TS_REDUCTION_MEAN, &loss);
-    if (!st) st = ts_backward(loss, NULL, false);
-    ts_tensor_free(o);
-    ts_tensor_free(loss);
-    return st;
+    return th_mse_backward(m->root, x, y);
 }
 
 /* Bitwise equality of two tensors' local data. */

@@ -96,17 +96,7 @@ static void model_free(model *m)
 /* Forward and backward of rows [row0, row0 + ROWS); loss: MSE. */
 static ts_status fwd_bwd(model *m, int64_t row0)
 {
-    ts_tensor *x = th_batch(row0, ROWS, D, th_xval), *y = th_batch(row0, ROWS, D, th_yval);
-    ts_tensor *o = NULL, *loss = NULL;
-    ts_status st = x && y ? TS_OK : TS_ERR_NO_MEMORY;
-    if (!st) st = ts_module_call1(m->root, x, &o);
-    if (!st) st = ts_mse_loss(o, y, TS_REDUCTION_MEAN, &loss);
-    if (!st) st = ts_backward(loss, NULL, false);
-    ts_tensor_free(x);
-    ts_tensor_free(y);
-    ts_tensor_free(o);
-    ts_tensor_free(loss);
-    return st;
+    return th_mse_backward_rows(m->root, row0, ROWS, D, D);
 }
 
 static ts_status train(th_rank *rc, const run_arg *a, model *m)

@@ -188,16 +188,7 @@ static ts_status fwd_bwd(model *m, const ucase *u, int mb, int r)
 {
     for (int k = 0; k < NB; k++) ((branch *)m->br[k])->skip = u->skip[mb][r][k];
     int64_t row0 = (int64_t)(mb * u->W + r) * ROWS;
-    ts_tensor *x = th_batch(row0, ROWS, D, th_xval), *y = th_batch(row0, ROWS, D, th_yval);
-    ts_tensor *o = NULL, *loss = NULL;
-    ts_status st = ts_module_call1(m->root, x, &o);
-    if (!st) st = ts_mse_loss(o, y, TS_REDUCTION_MEAN, &loss);
-    if (!st) st = ts_backward(loss, NULL, false);
-    ts_tensor_free(o);
-    ts_tensor_free(loss);
-    ts_tensor_free(x);
-    ts_tensor_free(y);
-    return st;
+    return th_mse_backward_rows(m->root, row0, ROWS, D, D);
 }
 
 /* The expected gradients: every rank's local ones summed over ranks and

@@ -645,17 +645,6 @@ Test(optim_fused, fully_shard_bf16_params_float32_master, .timeout = 60)
     th_run_world(2, fs_rank, &a, 30.0);
 }
 
-static void rm_rf(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d) return;
-    struct dirent *de;
-    while ((de = readdir(d)))
-        if (strcmp(de->d_name, ".") && strcmp(de->d_name, "..")) unlinkat(dirfd(d), de->d_name, 0);
-    closedir(d);
-    rmdir(dir);
-}
-
 Test(optim_fused, checkpoint_state_loads_across_fused_and_per_parameter, .timeout = 60)
 {
     char base[] = "/tmp/ts_fused_test.XXXXXX";
@@ -664,8 +653,8 @@ Test(optim_fused, checkpoint_state_loads_across_fused_and_per_parameter, .timeou
     snprintf(a.dir[0], sizeof a.dir[0], "%s/fused", base);
     snprintf(a.dir[1], sizeof a.dir[1], "%s/plain", base);
     th_run_world(2, fs_rank, &a, 30.0);
-    rm_rf(a.dir[0]);
-    rm_rf(a.dir[1]);
+    th_rm_rf(a.dir[0]);
+    th_rm_rf(a.dir[1]);
     rmdir(base);
 }
 
