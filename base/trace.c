@@ -404,12 +404,16 @@ static ts_status check_path(const char *path, bool *created)
         return TS_OK;
     }
     if (errno == EEXIST) {
-        /* not truncated: the old content stays until the first flush */
-        fd = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+        /* not truncated: the old content stays until the first flush.
+         * A symbolic link is not opened (its target could be a device
+         * that acts on open): the flush replaces the link itself. */
+        fd = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
         if (fd >= 0) {
             close(fd);
             return TS_OK;
         }
+        if (errno == ELOOP)
+            return TS_OK;
     }
     return ts_error(TS_ERR_IO, "ts_trace_start: cannot create trace file '%s': %s", path, strerror(errno));
 }
@@ -595,9 +599,22 @@ static ts_status write_json(json_t *root, const char *path)
     struct stat sb;
     size_t flags = JSON_COMPACT | JSON_REAL_PRECISION(15);
     if (lstat(path, &sb) == 0 && (S_ISCHR(sb.st_mode) || S_ISFIFO(sb.st_mode))) {
-        int fd = open(path, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+        /* without blocking (a FIFO nobody reads would hold the flush at
+         * exit: ENXIO instead), and checked on the descriptor itself, so
+         * that a file swapped in after lstat is not written: still a
+         * device or FIFO, this user's or root's */
+        int fd = open(path, O_WRONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
         if (fd < 0)
             return ts_error(TS_ERR_IO, "%s: cannot open trace file '%s': %s", op, path, strerror(errno));
+        if (fstat(fd, &sb) != 0 || !(S_ISCHR(sb.st_mode) || S_ISFIFO(sb.st_mode)) ||
+            (sb.st_uid != 0 && sb.st_uid != geteuid())) {
+            close(fd);
+            return ts_error(TS_ERR_IO,
+                            "%s: trace file '%s' changed while it was opened, or is a device or FIFO of another "
+                            "user (uid %u): not written",
+                            op, path, (unsigned)sb.st_uid);
+        }
+        (void)fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
         int rc = json_dumpfd(root, fd, flags);
         int e = errno;
         close(fd);

@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -542,4 +543,56 @@ Test(base_trace, planted_temporary_link_is_not_followed)
     unlink(target);
     rmdir(shared);
     rmdir(outside);
+}
+
+/* ts_trace_start opened an existing trace path for writing to check it,
+ * following a symbolic link planted there: a root rank opened the link's
+ * target (a device acts on open alone). It now leaves a link unopened
+ * (the flush replaces the link): inotify sees no open of the target. */
+Test(base_trace, start_does_not_open_a_planted_link_target, .timeout = 20)
+{
+    char *dir = th_tmp_dir("ts_trace_link");
+    char path[200], target[200];
+    snprintf(path, sizeof path, "%s/trace.json", dir);
+    snprintf(target, sizeof target, "%s/target", dir);
+    FILE *f = fopen(target, "w");
+    cr_assert(f);
+    fclose(f);
+    cr_assert_eq(symlink(target, path), 0);
+    int in = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    cr_assert_geq(in, 0, "inotify_init1: %s", strerror(errno));
+    cr_assert_geq(inotify_add_watch(in, target, IN_OPEN), 0, "inotify_add_watch: %s", strerror(errno));
+    TH_OK(ts_trace_start(path));
+    char ev[4096];
+    ssize_t n = read(in, ev, sizeof ev);
+    int e = errno;
+    TH_OK(ts_trace_stop(false));
+    close(in);
+    cr_assert(n < 0 && e == EAGAIN, "ts_trace_start opened the planted link's target (%zd bytes of events)", n);
+    th_rm_rf(dir);
+    free(dir);
+}
+
+/* A FIFO at the trace path whose reader went away held the flush (at
+ * exit too) forever in open(O_WRONLY): it now fails at once naming the
+ * file. */
+Test(base_trace, flush_into_a_fifo_nobody_reads_fails_at_once, .timeout = 20)
+{
+    char *dir = th_tmp_dir("ts_trace_fifo");
+    char path[200];
+    snprintf(path, sizeof path, "%s/trace.json", dir);
+    cr_assert_eq(mkfifo(path, 0600), 0, "mkfifo: %s", strerror(errno));
+    int rd = open(path, O_RDONLY | O_NONBLOCK); /* a reader while the trace starts, gone before the flush */
+    cr_assert_geq(rd, 0, "open the FIFO: %s", strerror(errno));
+    TH_OK(ts_trace_start(path));
+    close(rd);
+    uint64_t t0 = ts_now_ns();
+    ts_status st = ts_trace_flush();
+    double took = (double)(ts_now_ns() - t0) * 1e-9;
+    cr_assert_eq(st, TS_ERR_IO, "flush into an unread FIFO: %s", ts_status_name(st));
+    cr_assert(strstr(ts_last_error(), path), "the error does not name the file: %s", ts_last_error());
+    cr_assert_lt(took, 5.0);
+    (void)ts_trace_stop(false);
+    th_rm_rf(dir);
+    free(dir);
 }
