@@ -487,6 +487,18 @@ static ts_status ck_piece_hash(const ts_tensor *t, uint64_t *out)
     return st;
 }
 
+/* The number of pairs: n itself, or, for TS_CKPT_META_END, those before
+ * the {NULL, NULL} end (-1 when there is none within TS_CKPT_META_MAX). */
+static int ck_meta_count(const ts_ckpt_meta *meta, int n)
+{
+    if (n != TS_CKPT_META_END || !meta) return n;
+    for (int i = 0; i <= TS_CKPT_META_MAX; i++)
+        if (!meta[i].key && !meta[i].value) return i;
+    return -1;
+}
+
+static int ck_opt_meta_count(const ts_ckpt_options *o) { return o ? ck_meta_count(o->metadata, o->n_metadata) : 0; }
+
 /* Writes this rank's file (every piece it writes; a rank with none writes
  * none) and sets *wrote. */
 static ts_status ck_write_rank_file(ck_ctx *c, const char *dir, uint64_t id, bool *wrote)
@@ -537,7 +549,7 @@ static ts_status ck_write_rank_file(ck_ctx *c, const char *dir, uint64_t id, boo
     *wrote = false;
     if (!st && nw) {
         mjson = json_dumps(desc, JSON_COMPACT);
-        int nm = c->o ? c->o->n_metadata : 0;
+        int nm = ck_opt_meta_count(c->o);
         meta = ts__calloc(TS_MEM_OTHER, (size_t)(2 * nm + 2), sizeof *meta);
         char name[64];
         rank_file_name(name, sizeof name, c->rank, id);
@@ -576,7 +588,7 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
                 json_object_set_new(root, "world", json_integer(c->W)) || json_object_set(root, "metadata", meta) ||
                 json_object_set(root, "files", files) || json_object_set(root, "tensors", tensors)))
         st = TS_ERR_NO_MEMORY;
-    for (int i = 0; !st && c->o && i < c->o->n_metadata; i++) {
+    for (int i = 0, nm = ck_opt_meta_count(c->o); !st && i < nm; i++) {
         const char *k = c->o->metadata[i].key, *v = c->o->metadata[i].value;
         json_t *js = json_string(v);
         if (!js || json_object_set_new(meta, k, js) != 0)
@@ -786,10 +798,17 @@ static int cmp_meta_key(const void *a, const void *b)
  * no NULL or empty key, no NULL value, no key twice, and (reserved: a
  * sharded save's files) not our own record's key. UTF-8 is checked where
  * the strings become JSON. */
-static ts_status ck_check_meta(const char *op, const ts_ckpt_meta *meta, int n, bool reserved)
+static ts_status ck_check_meta(const char *op, const ts_ckpt_meta *meta, int n_arg, bool reserved)
 {
+    int n = ck_meta_count(meta, n_arg);
+    if (n_arg == TS_CKPT_META_END && meta && n < 0)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the metadata list has no {NULL, NULL} end within %d pairs", op,
+                        TS_CKPT_META_MAX);
     if (n < 0 || (n > 0 && !meta))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d metadata pairs with %s list", op, n, meta ? "a" : "a NULL");
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "%s: %d metadata pairs with %s list (a count, or TS_CKPT_META_END for a list ended by {NULL, "
+                        "NULL})",
+                        op, n_arg, meta ? "a" : "a NULL");
     for (int i = 0; i < n; i++) {
         if (!meta[i].key || !meta[i].value)
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: metadata pair %d of %d has a NULL %s", op, i, n,
@@ -1189,6 +1208,7 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
     if (!path || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", c.op);
     /* checked on every rank; a rank's bad list fails every rank at the first agreement below */
     ts_status mst = ck_check_meta(c.op, metadata, n_metadata, false);
+    if (!mst) n_metadata = ck_meta_count(metadata, n_metadata); /* TS_CKPT_META_END: the pairs before the end */
     char why[512] = "";
     if (mst) snprintf(why, sizeof why, "%s", ts_last_error());
     ts_status st = ck_collect(&c, false);

@@ -59,10 +59,18 @@ extern "C" {
  * ts_ckpt_save_full take:
  *   ts_ckpt_meta meta[] = {{"n_layer", "12"}, {"vocab", "gpt2"}};
  *   o.metadata = meta; o.n_metadata = sizeof meta / sizeof meta[0];
- * A NULL key or value, an empty key, a key given twice or a string that
+ * or, safer (a count that is wrong cannot be checked, and reading past
+ * the array is undefined), ended by a {NULL, NULL} pair with the count
+ * TS_CKPT_META_END:
+ *   ts_ckpt_meta meta[] = {{"n_layer", "12"}, {"vocab", "gpt2"}, {NULL, NULL}};
+ *   o.metadata = meta; o.n_metadata = TS_CKPT_META_END;
+ * (at most TS_CKPT_META_MAX pairs before the end). A NULL key or value
+ * (before the end), an empty key, a key given twice or a string that
  * is not UTF-8 is TS_ERR_INVALID_ARGUMENT naming the pair's index; for
  * ts_ckpt_save and ts_ckpt_load the key "ts_ckpt" is reserved (the
  * checkpoint's own record in every file). */
+#define TS_CKPT_META_END (-1)
+#define TS_CKPT_META_MAX 65536
 typedef struct ts_ckpt_meta {
     const char *key;
     const char *value;
@@ -87,7 +95,8 @@ typedef struct ts_ckpt_options {
      * On load they are filled when the checkpoint was saved by the same
      * world size, and left as they are otherwise (ts_ckpt_info says which). */
     const ts_state_dict *rank_extra;
-    /* n_metadata key/value pairs (ts_ckpt_meta; NULL with 0), recorded in
+    /* n_metadata key/value pairs (ts_ckpt_meta; NULL with 0; or
+     * TS_CKPT_META_END for a list ended by {NULL, NULL}), recorded in
      * the index (read back with ts_ckpt_metadata) and in every file's
      * safetensors __metadata__. */
     const ts_ckpt_meta *metadata;
@@ -153,7 +162,8 @@ TS_API ts_status ts_ckpt_metadata(const char *dir, const char *key, char **value
  * streams it into the file (peak extra memory: the largest tensor, on
  * rank 0 only). The file is written atomically as ts_safetensors_save
  * writes it (mode 0644 under the umask at most), with the n_metadata
- * pairs of `metadata` (ts_ckpt_meta; NULL with 0) in __metadata__; they
+ * pairs of `metadata` (ts_ckpt_meta; NULL with 0; TS_CKPT_META_END for
+ * a list ended by {NULL, NULL}) in __metadata__; they
  * are checked on every rank before anything is communicated or written.
  * Collective. Errors as ts_ckpt_save, and TS_ERR_INVALID_ARGUMENT for
  * metadata as ts_ckpt_meta describes. */

@@ -255,7 +255,8 @@ Test(checkpoint_index, metadata_pairs_are_checked, .timeout = 60)
         {{{"a", NULL}}, 1, "pair 0", "NULL value"},
         {{{"", "1"}}, 1, "pair 0", "empty key"},
         {{{"a", "1"}, {"b", "2"}, {"a", "3"}}, 3, "pairs 0 and 2", "'a'"},
-        {{{"a", "1"}}, -1, "-1 metadata pairs", ""},
+        {{{"a", "1"}}, -2, "-2 metadata pairs", ""},
+        {{{"a", "1"}, {"a", NULL}}, TS_CKPT_META_END, "pair 1", "NULL value"},
     };
     char full[400];
     snprintf(full, sizeof full, "%s.full.safetensors", dir);
@@ -289,6 +290,23 @@ Test(checkpoint_index, metadata_pairs_are_checked, .timeout = 60)
     cr_assert_str_eq(v, "gpt2");
     free(v);
     TH_OK(ts_ckpt_load(dir, m, &o, NULL));
+    /* a list ended by {NULL, NULL}: no count to get wrong */
+    const ts_ckpt_meta ended[3] = {{"n_layer", "24"}, {"tok", "bpe"}, {NULL, NULL}};
+    o.metadata = ended;
+    o.n_metadata = TS_CKPT_META_END;
+    TH_OK(ts_ckpt_save(dir, m, &o));
+    TH_OK(ts_ckpt_metadata(dir, "tok", &v));
+    cr_assert_str_eq(v, "bpe");
+    free(v);
+    TH_OK(ts_ckpt_save_full(full, m, ended, TS_CKPT_META_END));
+    /* one without its end within TS_CKPT_META_MAX pairs is refused, not read on */
+    ts_ckpt_meta *endless = calloc(TS_CKPT_META_MAX + 1, sizeof *endless);
+    cr_assert(endless);
+    for (int i = 0; i <= TS_CKPT_META_MAX; i++) endless[i] = (ts_ckpt_meta){"k", "v"};
+    o.metadata = endless;
+    cr_assert_eq(ts_ckpt_save(dir, m, &o), TS_ERR_INVALID_ARGUMENT);
+    cr_assert(strstr(ts_last_error(), "no {NULL, NULL} end"), "%s", ts_last_error());
+    free(endless);
     unlink(full);
     ts_module_free(m);
     th_rm_rf(dir);
