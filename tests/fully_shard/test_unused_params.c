@@ -23,6 +23,7 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -106,7 +107,11 @@ static ts_status branch_new(int k, ts_module **out)
     if (!b) return TS_ERR_NO_MEMORY;
     int64_t d = D;
     ts_status st = ts_module_init(&b->base, &branch_vt);
+    /* ts_linear_new draws its initial values (overwritten below) from the
+     * default generator, which the rank threads share: one at a time */
+    pthread_mutex_lock(&th_build_mu);
     if (!st) st = ts_linear_new(D, D, true, &b->fc);
+    pthread_mutex_unlock(&th_build_mu);
     if (!st) st = ts_param_new(TS_F32, 1, &d, &b->gain);
     if (!st) st = ts_param_new(TS_F32, 1, &d, &b->never);
     if (st) {
