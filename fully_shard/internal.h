@@ -212,6 +212,8 @@ struct fsdp_group {
      * the gradients it reads kept in rs_src (n, owned) until it completes;
      * dsegs (n) and dcounts (n x W elements per rank) are made once. */
     bool copy_free;              /* from ts__fsdp_copy_free() when the group is made */
+    bool flags_apart;            /* the reduce-scatter in flight: its flags were reduced on their own
+                                  * (they would underflow in it: [Note: unused parameters]) */
     uint64_t n_direct;           /* collectives that took the copy-free path (not the packed fallback) */
     ts__direct *ag_direct, *rs_direct;
     /* ts_fsdp_set_separate_reduce_scatter_group: the reductions' own group
@@ -317,10 +319,10 @@ void ts__fsdp_trace_hook(uint64_t t0, const char *name, const char *fqn, const f
 bool ts__fsdp_reg_owner(const ts_tensor *t, char *other, size_t cap);
 /* True when t is a persistent parameter of some group (persist.c). */
 bool ts__fsdp_is_persistent(const ts_tensor *t);
-/* Returns true, with the name (in the group) of the parameter that slot
- * holds written into fqn (cap bytes) and the group's module type into
- * type, when slot is a parameter slot that group g already manages (its
- * module's subtree contains the slot): [Note: bottom-up] in fully_shard.c. */
+/* Returns true when slot is a parameter slot that some FSDP group
+ * already manages (its module's subtree contains the slot), with the name
+ * of the parameter in that group written into fqn and the group's fqn (its
+ * module's) into type, cap bytes each: [Note: bottom-up] in fully_shard.c. */
 bool ts__fsdp_slot_owner(ts_tensor *const *slot, char *fqn, char *type, size_t cap);
 void ts__fsdp_reg_drop_group(fsdp_group *g);
 void ts__fsdp_ign_drop_state(const fsdp_state *s);

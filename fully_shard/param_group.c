@@ -395,22 +395,66 @@ static bool is_hsdp(const fsdp_group *g) { return g->rg && ts_comm_size(g->rg) >
  * ts__direct_sourced); the packed one, the HSDP all-reduce and the
  * persistent parameters' bucket carry one flag element per parameter
  * after the data (rs_numel), reduced with it: nonzero where a rank had
- * a gradient. A group whose pre-backward ran reduces even when this rank
+ * a gradient. A flag is divided like the data (by W and by a divide
+ * factor, before or after the sum: flag_value starts it at the divisor,
+ * capped to stay finite in the reduce dtype); when a divide factor is so
+ * large that the capped flag would underflow to zero (float16: above
+ * 32768 * 2^14, flags_fit), the packed reduce-scatter's flags are reduced
+ * on their own instead (reduce_flags_apart: one small float32 all-reduce,
+ * on every rank alike since the plan is the same), so that the
+ * parameter's (underflowed) gradient is not dropped. The HSDP all-reduce
+ * and the bucket never divide their flags before the sum. A group whose pre-backward ran reduces even when this rank
  * has no gradient in it at all (ts__fsdp_post_backward), so that the
  * ranks' collectives stay matched. */
 
 /* The reduction's output: the shard layout, then a flag per parameter. */
 static int64_t rs_numel(const fsdp_group *g) { return g->shard_numel + g->n; }
 
-/* A flag's value: what the reduce-scatter divides an element by
- * (ts__fsdp_reduce_plan; AVG also by W), so that a flag comes out as the
- * number of ranks that had a gradient, kept finite in d (a larger value
- * only makes the result larger, never zero). */
+/* What the reduce-scatter divides an element by (ts__fsdp_reduce_plan;
+ * AVG also by W). */
+static double flag_divisor(const fsdp_group *g, const fsdp_reduce_plan *plan)
+{
+    return plan->rs_pre * plan->rs_post * (plan->rs_op == TS_REDUCE_AVG ? g->W : 1);
+}
+
+static double flag_cap(ts_dtype d) { return d == TS_F16 ? 32768.0 : d == TS_F64 ? DBL_MAX / 4 : FLT_MAX / 4; }
+
+/* A flag's value: the divisor, so that a flag comes out as the number of
+ * ranks that had a gradient, kept finite in d (a larger value only makes
+ * the result larger, never zero). */
 static double flag_value(const fsdp_group *g, const fsdp_reduce_plan *plan)
 {
-    double v = plan->rs_pre * plan->rs_post * (plan->rs_op == TS_REDUCE_AVG ? g->W : 1);
-    double cap = g->rdtype == TS_F16 ? 32768.0 : g->rdtype == TS_F64 ? DBL_MAX / 4 : FLT_MAX / 4;
+    double v = flag_divisor(g, plan), cap = flag_cap(g->rdtype);
     return v < 1.0 ? 1.0 : v > cap ? cap : v;
+}
+
+/* Whether a flag survives the reduction: capped, it comes out as cap /
+ * divisor, which must stay at least d's smallest normal (a float16
+ * reduction with a divide factor above 32768 * 2^14, a float32 one with
+ * one above about 1e75, would give 0 there). */
+static bool flags_fit(const fsdp_group *g, const fsdp_reduce_plan *plan)
+{
+    double v = flag_divisor(g, plan), cap = flag_cap(g->rdtype);
+    double tiny = g->rdtype == TS_F16 ? 0x1p-14 : g->rdtype == TS_F64 ? DBL_MIN : FLT_MIN;
+    return v <= cap || cap / v >= tiny;
+}
+
+/* The flags reduced on their own, when they would not survive the
+ * reduce-scatter (flags_fit): a float32 SUM over c of 1 where this rank
+ * has a gradient, before the reduce-scatter, at the same point on every
+ * rank; in_reduce becomes whether any rank had one. */
+static ts_status reduce_flags_apart(ts_comm *c, fsdp_group *g)
+{
+    int64_t n = g->n;
+    ts_tensor *t = NULL;
+    ts_status st = ts_tensor_empty(TS_F32, 1, &n, &t);
+    if (st) return st;
+    float *f = ts_tensor_data(t);
+    for (int i = 0; i < g->n; i++) f[i] = g->params[i].in_reduce ? 1.0f : 0.0f;
+    st = ts_all_reduce(c, t, TS_REDUCE_SUM, NULL);
+    for (int i = 0; !st && i < g->n; i++) g->params[i].in_reduce = f[i] != 0;
+    ts_tensor_free(t);
+    return st;
 }
 
 static void put_flag(ts_dtype d, unsigned char *at, double v) { ts__buf_convert(d, at, TS_F64, &v, 1); }
@@ -515,7 +559,8 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
         st = ts_request_wait(g->rs_req);
         ts_request_free(g->rs_req);
         g->rs_req = NULL;
-        if (!st) read_flags(g, ts_tensor_data(g->rs_out)); /* summed over the ranks with the data */
+        /* summed over the ranks with the data, unless reduced apart */
+        if (!st && !g->flags_apart) read_flags(g, ts_tensor_data(g->rs_out));
     }
     if (g->rs_add) { /* added into the shard gradients by the collective, piece by piece: done */
         g->rs_add = false;
@@ -882,6 +927,8 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
         }
     }
     fsdp_reduce_plan plan = ts__fsdp_reduce_plan(g);
+    g->flags_apart = !flags_fit(g, &plan);
+    if (!st && g->flags_apart) st = reduce_flags_apart(g->rsg ? g->rsg : g->pg, g);
     if (!st) {
         double v = flag_value(g, &plan);
         for (int r = 0; r < g->W; r++) put_flags(g, in + (size_t)(r * n_out) * g->res, v);

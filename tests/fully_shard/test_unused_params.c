@@ -13,12 +13,17 @@
  * move a parameter with any gradient) leaves it untouched. On 2 and 4
  * ranks (uneven rows: 6 over 4 leaves rank 3 empty), HSDP 2x2, the packed
  * and the copy-free reduce-scatter, accumulation without sync and with
- * it, HSDP's partial sums (requires_all_reduce false), bf16 parameters with a float32 reduction, CPU offload and the
- * persistent parameters' bucket.
+ * it, HSDP's partial sums (requires_all_reduce false), bf16 parameters
+ * with a float32 reduction, CPU offload and the persistent parameters'
+ * bucket; and, flat and HSDP, bf16 and f16 reductions (16-bit flags), a
+ * gradient divide factor (the reduce-scatter's pre-division, flags
+ * included), force-sum, and a divide factor so large that an f16 flag
+ * would underflow in the reduction.
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -102,7 +107,11 @@ static ts_status branch_new(int k, ts_module **out)
     if (!b) return TS_ERR_NO_MEMORY;
     int64_t d = D;
     ts_status st = ts_module_init(&b->base, &branch_vt);
+    /* ts_linear_new draws its initial values (overwritten below) from the
+     * default generator, which the rank threads share: one at a time */
+    pthread_mutex_lock(&th_build_mu);
     if (!st) st = ts_linear_new(D, D, true, &b->fc);
+    pthread_mutex_unlock(&th_build_mu);
     if (!st) st = ts_param_new(TS_F32, 1, &d, &b->gain);
     if (!st) st = ts_param_new(TS_F32, 1, &d, &b->never);
     if (st) {
@@ -180,6 +189,10 @@ typedef struct ucase {
     int mb;           /* microbatches of one step */
     bool nosync;      /* microbatches before the last without gradient sync (else each synced) */
     bool ar_last;     /* HSDP: microbatches before the last reduce-scatter without all-reduce (partial sums) */
+    ts_dtype rd;      /* reduce_dtype with float32 parameters (0: none set) */
+    double factor;    /* ts_fsdp_set_gradient_divide_factor (0: none set) */
+    bool force_sum;   /* ts_fsdp_set_force_sum_reduction_for_comms */
+    bool any_grad;    /* only that a used parameter has a gradient (the values underflow) */
     unsigned skip[MAXMB][TH_MAXW][NB]; /* per microbatch, rank, branch */
 } ucase;
 
@@ -192,7 +205,8 @@ static ts_status fwd_bwd(model *m, const ucase *u, int mb, int r)
 }
 
 /* The expected gradients: every rank's local ones summed over ranks and
- * microbatches, divided by W (want[i] NULL: no rank had one). */
+ * microbatches, divided by W or by the divide factor (want[i] NULL: no
+ * rank had one). */
 static ts_status expected(const ucase *u, double *want[NP], int64_t numel[NP])
 {
     model m;
@@ -209,7 +223,7 @@ static ts_status expected(const ucase *u, double *want[NP], int64_t numel[NP])
             st = ts_error(TS_ERR_INTERNAL, "the reference gradient of %s is not readable", m.names[i]);
             break;
         }
-        for (int64_t e = 0; e < numel[i]; e++) want[i][e] /= u->W;
+        for (int64_t e = 0; e < numel[i]; e++) want[i][e] /= u->factor > 0 ? u->factor : u->W;
     }
     ts_module_free(m.root);
     return st;
@@ -239,6 +253,9 @@ static int rank_case(th_rank *rc)
     mp.param_dtype = TS_BF16;
     mp.reduce_dtype = TS_F32;
     if (u->bf16) o.mp_policy = &mp;
+    ts_mp_policy narrow = ts_mp_policy_default();
+    narrow.reduce_dtype = u->rd;
+    if (u->rd) o.mp_policy = &narrow;
     ts_offload_policy off = ts_offload_policy_default();
     if (u->offload) o.offload_policy = &off;
     if (u->persist) o.persist_threshold_numel = D + 1; /* gain, never and fc.bias: whole, all-reduced in the bucket */
@@ -253,6 +270,11 @@ static int rank_case(th_rank *rc)
     GO(ts_fully_shard_each(NB, m.br, &o));
     GO(ts_fully_shard(m.root, &o));
     for (int k = 0; k < NB; k++) ts__fsdp_state_of(m.br[k])->group->copy_free = u->copy_free;
+    ts_module *mods[1 + NB] = {m.root, m.br[0], m.br[1]};
+    for (int k = 0; k < 1 + NB; k++) { /* not recursive: each module's own group */
+        if (u->factor > 0) GO(ts_fsdp_set_gradient_divide_factor(mods[k], u->factor));
+        GO(ts_fsdp_set_force_sum_reduction_for_comms(mods[k], u->force_sum));
+    }
     GO(model_slots(&m));
     ts_adam_options ao = ts_adamw_options_default(); /* weight decay: a parameter stepped without a gradient moves */
     ao.lr = 0.05;
@@ -266,7 +288,10 @@ static int rank_case(th_rank *rc)
     int Ws = u->hsdp ? rc->W / 2 : rc->W, srank = rc->rank % Ws;
     /* fp32: the same sums in another order; bf16 parameters: the forward
      * and backward in bf16 (8 bits of mantissa) against float32 */
-    double tol = u->bf16 ? 3e-2 : 2e-6;
+    double tol = u->bf16 || u->rd == TS_BF16 ? 3e-2 : 2e-6;
+    /* a float16 reduction: 11 bits of mantissa for the bf16 case's 8, the
+     * same number of roundings */
+    if (u->rd == TS_F16) tol = 3e-2 / 8;
     for (int i = 0; i < NP; i++) {
         ts_tensor *p = m.ps[i], *g = ts_tensor_grad(p);
         if (!want[i]) {
@@ -284,6 +309,7 @@ static int rank_case(th_rank *rc)
             rv = th_rank_fail(rc, "%s: some rank used it, yet this rank's shard has no gradient", m.names[i]);
             goto done;
         }
+        if (u->any_grad) continue;
         int64_t rows = D, row_numel = numel[i] / D, local_rows = ts_tensor_numel(p) / row_numel;
         int64_t row0 = local_rows == rows && !ts_fsdp_param_dtensor(p) ? 0 : srank * ((rows + Ws - 1) / Ws);
         double *got = vals_new(g);
@@ -454,4 +480,75 @@ Test(fully_shard_unused_params, persistent_parameters, .timeout = 120)
     h.skip[0][2][0] = h.skip[1][2][0] = SKIP_GAIN;
     h.skip[1][3][1] = SKIP_GAIN;
     run(&h);
+}
+
+/* ------------------------------------------------------------ the reduction's settings */
+
+/* One rank skips branch 0's gain, another the whole of branch 1 (on 4
+ * ranks), and no rank uses branch 1's gain on 2: flat and HSDP, both
+ * reduce-scatter paths, and the persistent bucket. */
+static void run_settings(ucase u)
+{
+    ucase a = u;
+    a.W = 2;
+    a.mb = 1;
+    a.skip[0][1][0] = SKIP_GAIN;
+    a.skip[0][0][1] = a.skip[0][1][1] = SKIP_GAIN;
+    run_both(a);
+    ucase h = u;
+    h.W = 4;
+    h.mb = 1;
+    h.hsdp = true;
+    h.skip[0][3][0] = SKIP_GAIN;
+    h.skip[0][1][1] = SKIP_ALL;
+    run_both(h);
+    h.skip[0][0][1] = h.skip[0][2][1] = h.skip[0][3][1] = SKIP_GAIN; /* branch 1's gain: nobody's */
+    run_both(h);
+    ucase p = a;
+    p.persist = true;
+    run(&p);
+    p = h;
+    p.persist = true;
+    run(&p);
+}
+
+/* The flags themselves 16-bit. */
+Test(fully_shard_unused_params, bf16_reduce_dtype, .timeout = 300)
+{
+    run_settings((ucase){.rd = TS_BF16});
+}
+
+Test(fully_shard_unused_params, f16_reduce_dtype, .timeout = 300)
+{
+    run_settings((ucase){.rd = TS_F16});
+}
+
+/* A divide factor other than W: each input divided by it before the sum
+ * (the reduce-scatter's pre-division), flags included. */
+Test(fully_shard_unused_params, gradient_divide_factor, .timeout = 300)
+{
+    run_settings((ucase){.factor = 3.0});
+    run_settings((ucase){.factor = 0.5});
+    run_settings((ucase){.factor = 3.0, .rd = TS_F16});
+    run_settings((ucase){.factor = 3.0, .rd = TS_BF16});
+}
+
+/* SUM collectives, one division at the end (by W or by the factor). */
+Test(fully_shard_unused_params, force_sum_reduction, .timeout = 300)
+{
+    run_settings((ucase){.force_sum = true});
+    run_settings((ucase){.force_sum = true, .factor = 3.0});
+    run_settings((ucase){.force_sum = true, .rd = TS_F16});
+    run_settings((ucase){.force_sum = true, .rd = TS_BF16, .factor = 5.0});
+}
+
+/* A factor so large that a float16 flag (at most 32768 before the
+ * division) divided by it underflows to zero: the parameter one rank used
+ * still gets its (underflowed, zero) gradient on every rank rather than
+ * none, and a parameter nobody used still none. */
+Test(fully_shard_unused_params, f16_flags_survive_a_huge_divide_factor, .timeout = 300)
+{
+    run_settings((ucase){.rd = TS_F16, .factor = 1e13, .any_grad = true});
+    run_settings((ucase){.rd = TS_F16, .factor = 1e13, .force_sum = true, .any_grad = true});
+    run_settings((ucase){.rd = TS_F32, .factor = 1e200, .any_grad = true});
 }
