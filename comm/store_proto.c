@@ -523,13 +523,25 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
                         TS__STORE_PROTOCOL);
         if (!token_ok(core, val, vlen)) {
             answer(core, c, TS__STORE_ST_BAD_TOKEN, NULL, 0, TS__STORE_PROTOCOL); /* then dropped */
-            /* Recorded for the job (store.h: TS_STORE_REJECTED_KEY): a
-             * rendezvous waiting for the rejected rank fails at once. Out
-             * of memory, it is only logged. */
-            static const char rk[] = TS_STORE_REJECTED_KEY;
+            /* Recorded for the job (store.h: TS_STORE_REJECTED_KEY and
+             * TS_STORE_REJECTED_COUNT_KEY): a rendezvous that began before
+             * this rejection and still waits for a rank fails at once.
+             * Out of memory, it is only logged. */
+            static const char rk[] = TS_STORE_REJECTED_KEY, ck[] = TS_STORE_REJECTED_COUNT_KEY;
             entry *re = table_put(core, (const unsigned char *)rk, sizeof rk - 1, c->peer, strlen(c->peer));
             if (re)
                 wake(core, re);
+            entry *ce = table_find(core, (const unsigned char *)ck, sizeof ck - 1,
+                                   hash_key((const unsigned char *)ck, sizeof ck - 1));
+            if (ce && ce->vlen == 8) {
+                ts__store_wr64(ce->val, ts__store_rd64(ce->val) + 1);
+            } else {
+                unsigned char one[8];
+                ts__store_wr64(one, 1);
+                ce = table_put(core, (const unsigned char *)ck, sizeof ck - 1, one, 8);
+            }
+            if (ce)
+                wake(core, ce);
             return drop(c, TS_LOG_WARN, "wrong token");
         }
         c->authed = true;

@@ -86,6 +86,16 @@ __attribute__((constructor)) static void rdv_test_role(void)
         _exit(s == TS_OK ? 0 : 4);
     }
     s = ts_dist_finalize();
+    if (s == TS_OK && strcmp(role, "twice") == 0) {
+        /* a second world under the same (launcher's) store */
+        t0 = th_now_s();
+        s = ts_dist_init(NULL);
+        fprintf(stderr, "init2 %s after %.2f s: %s\n", ts_status_name(s), th_now_s() - t0,
+                s == TS_OK ? "" : ts_last_error());
+        fflush(stderr);
+        if (s != TS_OK) _exit(3);
+        s = ts_dist_finalize();
+    }
     _exit(s == TS_OK ? 0 : 4);
 }
 
@@ -270,6 +280,49 @@ Test(comm_rendezvous, wrong_token_fails_the_rendezvous_at_once_naming_it, .timeo
     expect_failed_with(p, 1, "rejected", "token");
     expect_failed_with(p, 0, "the store rejected a client from 127.0.0.1:", "for a wrong token");
     cr_assert_lt(p[0].exited_s, 15.0, "rank 0 took %.1f s (the deadline is 30 s)", p[0].exited_s);
+}
+
+Test(comm_rendezvous, stray_wrong_token_client_before_the_rendezvous_fails_nothing, .timeout = 120)
+{
+    /* The test hosts the store, as tsrun does (it outlives
+     * ts_dist_finalize). A client with a wrong token is rejected before
+     * the ranks start (a stray process, a port scanner that speaks the
+     * protocol): the store records it, but the 2-rank world, and a second
+     * one under the same store, still meet and finalize. */
+    clear_launch_env();
+    ts_store_server *srv = NULL;
+    TH_OK(ts_store_server_start(NULL, 0, "tok", &srv));
+    int port = ts_store_server_port(srv);
+    ts_store *bad = NULL;
+    cr_assert_eq(ts_store_connect(NULL, port, "not-the-token", 10.0, &bad), TS_ERR_COMM, "%s", ts_last_error());
+    ts_store *c = NULL;
+    TH_OK(ts_store_connect(NULL, port, "tok", 10.0, &c));
+    cr_assert_eq(ts_store_check(c, TS_STORE_REJECTED_KEY), TS_OK, "the store recorded the rejection");
+    int64_t rejected = 0;
+    TH_OK(ts_store_add(c, TS_STORE_REJECTED_COUNT_KEY, 0, &rejected));
+    cr_assert_eq(rejected, 1);
+    char ports[16];
+    snprintf(ports, sizeof ports, "%d", port);
+    setenv("MASTER_PORT", ports, 1);
+    setenv("TS_STORE_HOSTED", "1", 1);
+    setenv("TS_STORE_TOKEN", "tok", 1);
+    setenv("TS_RUN_ID", "rdvstray", 1);
+    setenv("TS_DIST_TIMEOUT", "30", 1);
+    setenv("TS_TEST_RDV_WANT_ROLE", "twice", 1);
+    rank_proc p[2];
+    double t0 = th_now_s();
+    spawn_rank(&p[0], 0, 2, "stray");
+    spawn_rank(&p[1], 1, 2, "stray");
+    unsetenv("TS_TEST_RDV_WANT_ROLE");
+    wait_ranks(p, 2, t0, 100);
+    for (int i = 0; i < 2; i++) {
+        char *log = slurp(p[i].log);
+        cr_assert(WIFEXITED(p[i].status) && WEXITSTATUS(p[i].status) == 0, "rank %d: status 0x%x; log:\n%s", i,
+                  p[i].status, log);
+        cr_assert(strstr(log, "init2 TS_OK"), "rank %d: want a second init in:\n%s", i, log);
+    }
+    ts_store_close(c);
+    ts_store_server_stop(srv);
 }
 
 Test(comm_rendezvous, missing_store_names_rank_0, .timeout = 60)
