@@ -843,6 +843,9 @@ static void *watch_main(void *arg)
         size_t len = 0;
         ts_status s = ts_store_get(wt->client, wt->wake_key, &v, &len);
         free(v);
+        char why[300] = "";
+        if (s != TS_OK)
+            snprintf(why, sizeof why, "%s", ts_last_error());
         if (s == TS_ERR_TIMEOUT && ts_store_check(wt->client, wt->wake_key) != TS_ERR_COMM) {
             lost = 0, backoff = WATCH_BACKOFF_MIN_S; /* the store answered: no wake yet */
             continue;
@@ -852,7 +855,7 @@ static void *watch_main(void *arg)
              * again, unless the watch is being stopped. */
             if (lost++ == 0 && !atomic_load(&wt->stop))
                 ts_logf(TS_LOG_WARN, "ts_dist: rank %d: the watch lost its connection to the store (%s); reconnecting",
-                        wt->rank, ts_last_error());
+                        wt->rank, why);
             ts_store_close(wt->client);
             wt->client = NULL;
             watch_pause(wt, backoff);

@@ -70,6 +70,14 @@ extern "C" {
  * (or under a launcher's store, during an earlier ts_dist_init) does not
  * fail it. Set by the server only. */
 #define TS_STORE_REJECTED_COUNT_KEY "ts.store/rejected-count"
+/* Test hook, for tests only (tests/comm/test_rendezvous.c): when this
+ * variable is "<ms>:<key>" (ms in 1..60000) as a server starts, the first
+ * get or wait of exactly <key> that server receives stalls its loop for
+ * <ms> ms (a reply that comes late, as on a loaded host) before it is
+ * served; the server then sets TS_STORE_TEST_STALLED_KEY (empty value).
+ * Anything else is ignored. Not for production use. */
+#define TS_STORE_TEST_STALL_ENV "TS_STORE_TEST_STALL"
+#define TS_STORE_TEST_STALLED_KEY "ts.store/test-stalled"
 /* Environment variable a client reads its token from when given NULL
  * (the launcher sets it for every rank). */
 #define TS_STORE_TOKEN_ENV "TS_STORE_TOKEN"
