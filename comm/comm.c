@@ -1384,8 +1384,10 @@ static void check_peers(world *w)
 
 static void store_drop(world *w)
 {
-    ts_logf(TS_LOG_DEBUG, "comm: rank %d: no hung-peer records in the store from now on: %s", w->comm->rank,
-            ts_last_error());
+    ts_logf(TS_LOG_WARN,
+            "comm: rank %d: no hung-peer records in the store from now on (deadline messages will not name the "
+            "ranks that never entered): %s",
+            w->comm->rank, ts_last_error());
     ts_store_close(w->store);
     w->store = NULL;
 }

@@ -49,8 +49,12 @@
  * keeps the store up until every process that joined it has read the
  * error (hold_store_for_error, at most RDV_ERROR_GRACE_S).
  * A client the store rejected for a wrong token (TS_STORE_REJECTED_KEY,
- * set by the store itself) fails the rendezvous at once on every rank,
- * naming its address, and is counted out (it will never arrive). After
+ * set by the store itself) after this rank's rendezvous began (the
+ * store's TS_STORE_REJECTED_COUNT_KEY grew since; a store rank 0 has just
+ * started counts from 0) fails the rendezvous at once on every rank,
+ * naming its address, and is counted out (it will never arrive). A
+ * rejection before then (a stray client, an earlier job under tsrun's
+ * store, which outlives ts_dist_finalize) does not. After
  * the rendezvous, a watch thread per rank fails the world if an error is
  * recorded late (a duplicate RANK that started after the others met: see
  * "the watch" below).
@@ -263,7 +267,7 @@ static void exit_how(char *out, size_t cap, const rdv_peer *p)
  * errors on every rank that is still waiting (see the top of this file).
  * Bounded by timeout_s. */
 static ts_status join_world_inner(ts_store *st, const char *prefix, const char *run_id, int rank, int world,
-                                  double timeout_s)
+                                  double timeout_s, bool hosting)
 {
     char me_id[RDV_MAX_ID], me_host[64];
     host_id(me_id, sizeof me_id);
@@ -271,6 +275,18 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
     int pid = (int)getpid();
     char key[3 * TS_LAUNCH_MAX_STR + 64], val[RDV_MAX_ID + 160], msg[512];
     ts_status s;
+
+    /* 0. The store's count of clients rejected for a wrong token so far:
+     * only later ones fail this rendezvous (store.h:
+     * TS_STORE_REJECTED_COUNT_KEY). A store this process has just started
+     * for this rendezvous counts from 0 (a rank rejected before this read
+     * is one of ours). Add 0 reads the counter (creating it as 0). */
+    int64_t rejected0 = 0;
+    if (!hosting) {
+        s = ts_store_add(st, TS_STORE_REJECTED_COUNT_KEY, 0, &rejected0);
+        if (s != TS_OK)
+            return s;
+    }
 
     /* 1. Claim the rank. */
     snprintf(key, sizeof key, "%s/rdv/claim/%d", prefix, rank);
@@ -339,7 +355,11 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
         }
         /* A client the store rejected for a wrong token is a rank that
          * will never arrive (it failed at once): say so now. */
-        if (ts_store_check(st, TS_STORE_REJECTED_KEY) == TS_OK) {
+        int64_t rejected = 0;
+        s = ts_store_add(st, TS_STORE_REJECTED_COUNT_KEY, 0, &rejected);
+        if (s != TS_OK)
+            break;
+        if (rejected != rejected0 && ts_store_check(st, TS_STORE_REJECTED_KEY) == TS_OK) {
             void *rv = NULL;
             size_t rlen = 0;
             s = ts_store_get(st, TS_STORE_REJECTED_KEY, &rv, &rlen);
@@ -549,7 +569,7 @@ static void hold_store_for_error(ts_store *st, const char *prefix, int world)
 static ts_status join_world(ts_store *st, const char *prefix, const char *run_id, int rank, int world,
                             double timeout_s, bool hosting)
 {
-    ts_status s = join_world_inner(st, prefix, run_id, rank, world, timeout_s);
+    ts_status s = join_world_inner(st, prefix, run_id, rank, world, timeout_s, hosting);
     if (s != TS_OK && s != TS_ERR_TIMEOUT && s != TS_ERR_COMM) {
         /* Count this rank out; the rank hosting the store keeps it up
          * until the others have read the error too (hold_store_for_error),
@@ -643,6 +663,19 @@ static ts_status port_taken(const ts_rank_env *e, const char *prefix, double tim
  * ranks whose connection to the failing rank broke. */
 #define WATCH_POLL_S 2.0
 #define FAIL_POST_TIMEOUT_S 1.0
+/* A reply the store sends late (a loaded host) costs the client its
+ * connection (store.h): the watch then reconnects, after a pause that
+ * doubles from WATCH_BACKOFF_MIN_S up to WATCH_BACKOFF_MAX_S, until it is
+ * stopped, each attempt bounded by WATCH_CONNECT_S; post_failure
+ * reconnects once (bounded by FAIL_POST_TIMEOUT_S) before it gives up. */
+#define WATCH_BACKOFF_MIN_S 0.05
+#define WATCH_BACKOFF_MAX_S 2.0
+#define WATCH_CONNECT_S 1.0
+/* The connect timeout of the optional clients (the watch's, the fail
+ * hook's, the world's for "Who never entered"): the main client has just
+ * reached the store, so a connect that takes longer means trouble, and
+ * three of them must not add minutes to ts_dist_init. */
+#define OPTIONAL_CONNECT_S 5.0
 
 typedef struct watch {
     pthread_t thread;
@@ -651,31 +684,73 @@ typedef struct watch {
     ts_comm *world;
     int rank, world_size;
     atomic_bool stop;
+    char addr[TS_LAUNCH_MAX_STR], token[TS_LAUNCH_MAX_STR]; /* to reconnect */
+    int port;
     char prefix[3 * TS_LAUNCH_MAX_STR];
     char wake_key[3 * TS_LAUNCH_MAX_STR + 48], error_key[3 * TS_LAUNCH_MAX_STR + 32];
     char failed_key[3 * TS_LAUNCH_MAX_STR + 32];
 } watch;
 static watch *g_watch;
 
+/* Replaces *c (closed) by a new connection to the store, its calls
+ * bounded by call_s; false (and *c NULL) when the connect fails. */
+static bool store_reconnect(const watch *wt, ts_store **c, double connect_s, double call_s)
+{
+    ts_store_close(*c);
+    *c = NULL;
+    if (ts_store_connect(wt->addr[0] ? wt->addr : NULL, wt->port, wt->token, connect_s, c) != TS_OK) {
+        *c = NULL;
+        return false;
+    }
+    ts_store_set_timeout(*c, call_s);
+    return true;
+}
+
+/* One attempt at posting: the compare-and-set, then (when this rank won)
+ * the wakes, from rank `from_r` on. *won says whether the notice is this
+ * rank's; *next_r where the wakes stopped. */
+static ts_status post_once(watch *wt, const char *val, size_t len, bool *won, int *next_r)
+{
+    ts_status s = TS_OK;
+    if (!*won) {
+        void *got = NULL;
+        size_t glen = 0;
+        s = ts_store_compare_set(wt->post, wt->failed_key, "", 0, val, len, &got, &glen);
+        *won = s == TS_OK && glen == len && memcmp(got, val, len) == 0;
+        free(got);
+        if (s != TS_OK || !*won)
+            return s;
+    }
+    for (; *next_r < wt->world_size; ++*next_r) {
+        if (*next_r == wt->rank) continue;
+        char key[sizeof wt->wake_key];
+        snprintf(key, sizeof key, "%s/rdv/wake/%d", wt->prefix, *next_r);
+        s = ts_store_set(wt->post, key, "", 0);
+        if (s != TS_OK) return s;
+    }
+    return TS_OK;
+}
+
 /* The fail hook (comm_internal.h): posts this rank's failure and wakes
- * the other ranks' watches. Runs under the world's progress lock. */
+ * the other ranks' watches. Runs under the world's progress lock. A lost
+ * connection (a late reply drops it: store.h) is made again once. */
 static void post_failure(void *arg, ts_status st, int culprit, const char *msg)
 {
     watch *wt = arg;
     char val[640];
     int n = snprintf(val, sizeof val, "%d %d %d %s", wt->rank, (int)st, culprit, msg);
     size_t len = n < 0 ? 0 : (size_t)n >= sizeof val ? sizeof val - 1 : (size_t)n;
-    void *got = NULL;
-    size_t glen = 0;
-    ts_status s = ts_store_compare_set(wt->post, wt->failed_key, "", 0, val, len, &got, &glen);
-    bool won = s == TS_OK && glen == len && memcmp(got, val, len) == 0;
-    free(got);
-    for (int r = 0; won && r < wt->world_size; r++) {
-        if (r == wt->rank) continue;
-        char key[sizeof wt->wake_key];
-        snprintf(key, sizeof key, "%s/rdv/wake/%d", wt->prefix, r);
-        s = ts_store_set(wt->post, key, "", 0);
-        if (s != TS_OK) break;
+    bool won = false;
+    int next_r = 0;
+    ts_status s = wt->post ? post_once(wt, val, len, &won, &next_r) : TS_ERR_COMM;
+    if (s == TS_ERR_COMM || s == TS_ERR_TIMEOUT) {
+        /* the compare-and-set may have been applied before the reply was
+         * lost: a retry then finds this rank's own value and wins again */
+        if (store_reconnect(wt, &wt->post, FAIL_POST_TIMEOUT_S, FAIL_POST_TIMEOUT_S))
+            s = post_once(wt, val, len, &won, &next_r);
+        else if (!wt->post)
+            s = ts_error(TS_ERR_COMM, "ts_dist: rank %d: cannot reconnect to the store to post its failure: %s",
+                         wt->rank, ts_last_error());
     }
     if (s != TS_OK)
         ts_logf(TS_LOG_WARN, "ts_dist: rank %d: cannot post its failure to the store: %s", wt->rank, ts_last_error());
@@ -735,19 +810,58 @@ static char *read_rdv_error(ts_store *st, const char *key, ts_status *code_out)
     return txt;
 }
 
+/* Sleeps `s` seconds, in steps of at most 50 ms, returning early when
+ * the watch is stopped. */
+static void watch_pause(watch *wt, double s)
+{
+    while (s > 0 && !atomic_load(&wt->stop)) {
+        double d = s < 0.05 ? s : 0.05;
+        struct timespec ts = {0, (long)(d * 1e9)};
+        nanosleep(&ts, NULL);
+        s -= d;
+    }
+}
+
 static void *watch_main(void *arg)
 {
     watch *wt = arg;
     ts_trace_thread_name("dist-watch");
+    double backoff = WATCH_BACKOFF_MIN_S;
+    unsigned lost = 0; /* failed calls and connects since the last good reply */
     while (!atomic_load(&wt->stop)) {
+        if (!wt->client) {
+            if (!store_reconnect(wt, &wt->client, WATCH_CONNECT_S, WATCH_POLL_S)) {
+                lost++;
+                watch_pause(wt, backoff);
+                backoff = backoff * 2 < WATCH_BACKOFF_MAX_S ? backoff * 2 : WATCH_BACKOFF_MAX_S;
+                continue;
+            }
+            ts_logf(TS_LOG_INFO, "ts_dist: rank %d: the watch reconnected to the store (after %u failed attempts)",
+                    wt->rank, lost);
+        }
         void *v = NULL;
         size_t len = 0;
         ts_status s = ts_store_get(wt->client, wt->wake_key, &v, &len);
-        if (s == TS_ERR_TIMEOUT)
-            continue;
         free(v);
+        char why[300] = "";
         if (s != TS_OK)
-            break; /* the store is gone: the job is ending */
+            snprintf(why, sizeof why, "%s", ts_last_error());
+        if (s == TS_ERR_TIMEOUT && ts_store_check(wt->client, wt->wake_key) != TS_ERR_COMM) {
+            lost = 0, backoff = WATCH_BACKOFF_MIN_S; /* the store answered: no wake yet */
+            continue;
+        }
+        if (s != TS_OK) {
+            /* The connection is gone (a late reply, a reset): make it
+             * again, unless the watch is being stopped. */
+            if (lost++ == 0 && !atomic_load(&wt->stop))
+                ts_logf(TS_LOG_WARN, "ts_dist: rank %d: the watch lost its connection to the store (%s); reconnecting",
+                        wt->rank, why);
+            ts_store_close(wt->client);
+            wt->client = NULL;
+            watch_pause(wt, backoff);
+            backoff = backoff * 2 < WATCH_BACKOFF_MAX_S ? backoff * 2 : WATCH_BACKOFF_MAX_S;
+            continue;
+        }
         ts_status code = TS_OK;
         char *err = read_rdv_error(wt->client, wt->error_key, &code);
         char msg[700];
@@ -757,6 +871,12 @@ static void *watch_main(void *arg)
             free(err);
         } else if (!atomic_load(&wt->stop) && read_notice(wt, &code, msg, sizeof msg)) {
             ts__world_fail(wt->world, code, msg);
+        } else if (!atomic_load(&wt->stop)) {
+            ts_logf(TS_LOG_WARN,
+                    "ts_dist: rank %d: the watch of the store ends before ts_dist_finalize: woken, it found no "
+                    "rendezvous error and no failure notice it could read (%s); later notices reach this rank only "
+                    "over the transport",
+                    wt->rank, ts_last_error());
         }
         break;
     }
@@ -778,7 +898,10 @@ static void watch_start(const ts_rank_env *e, const char *prefix, ts_comm *world
     snprintf(wt->wake_key, sizeof wt->wake_key, "%s/rdv/wake/%d", prefix, e->rank);
     snprintf(wt->error_key, sizeof wt->error_key, "%s/rdv/error", prefix);
     snprintf(wt->failed_key, sizeof wt->failed_key, "%s/failed", prefix);
-    if (ts_store_connect(e->master_addr, e->master_port, e->token, 30.0, &wt->client) != TS_OK) {
+    snprintf(wt->addr, sizeof wt->addr, "%s", e->master_addr);
+    snprintf(wt->token, sizeof wt->token, "%s", e->token);
+    wt->port = e->master_port;
+    if (ts_store_connect(e->master_addr, e->master_port, e->token, OPTIONAL_CONNECT_S, &wt->client) != TS_OK) {
         ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: no watch of the store (a late duplicate RANK goes unseen): %s",
                 e->rank, ts_last_error());
         free(wt);
@@ -792,7 +915,7 @@ static void watch_start(const ts_rank_env *e, const char *prefix, ts_comm *world
         return;
     }
     g_watch = wt;
-    if (ts_store_connect(e->master_addr, e->master_port, e->token, 30.0, &wt->post) != TS_OK) {
+    if (ts_store_connect(e->master_addr, e->master_port, e->token, OPTIONAL_CONNECT_S, &wt->post) != TS_OK) {
         ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: its failures will reach the others only over the transport: %s",
                 e->rank, ts_last_error());
         wt->post = NULL;
@@ -804,7 +927,8 @@ static void watch_start(const ts_rank_env *e, const char *prefix, ts_comm *world
 
 /* Ends the watch: wakes it through `st` (the caller's client; NULL or a
  * store that does not answer: the watch ends by itself within
- * WATCH_POLL_S and a second) and joins it. */
+ * WATCH_POLL_S and a second, plus WATCH_CONNECT_S when it was
+ * reconnecting) and joins it. */
 static void watch_stop(ts_store *st)
 {
     watch *wt = g_watch;
@@ -829,7 +953,7 @@ static void watch_stop(ts_store *st)
 static void attach_store(const ts_rank_env *e, const char *prefix, ts_comm *world)
 {
     ts_store *c = NULL;
-    if (ts_store_connect(e->master_addr, e->master_port, e->token, 30.0, &c) != TS_OK) {
+    if (ts_store_connect(e->master_addr, e->master_port, e->token, OPTIONAL_CONNECT_S, &c) != TS_OK) {
         ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: deadlines will not name hung ranks from the store: %s", e->rank,
                 ts_last_error());
         return;

@@ -4,7 +4,8 @@
  *
  * The wire protocol is internal (comm/store_internal.h). A client's first
  * message carries the job's token (compared in constant time); a wrong
- * token (recorded under TS_STORE_REJECTED_KEY), an unknown request, a
+ * token (recorded under TS_STORE_REJECTED_KEY and counted under
+ * TS_STORE_REJECTED_COUNT_KEY), an unknown request, a
  * malformed or oversized one (key over
  * TS_STORE_MAX_KEY, value over TS_STORE_MAX_VALUE, token over
  * TS_STORE_MAX_TOKEN), or a request sent while a get/wait of the same
@@ -61,6 +62,22 @@ extern "C" {
  * so (ts_dist_init's rendezvous fails at once naming it). Set by the
  * server only; a client may read it like any key. */
 #define TS_STORE_REJECTED_KEY "ts.store/rejected-token"
+/* Counter (8 little-endian bytes, a ts_store_add counter) of the clients
+ * the server has rejected for a wrong token since it started. The key
+ * above is never cleared and is not tied to a run, so a rendezvous reads
+ * this counter when it begins and fails only on rejections counted after
+ * that, while ranks are still missing: a stray client rejected earlier
+ * (or under a launcher's store, during an earlier ts_dist_init) does not
+ * fail it. Set by the server only. */
+#define TS_STORE_REJECTED_COUNT_KEY "ts.store/rejected-count"
+/* Test hook, for tests only (tests/comm/test_rendezvous.c): when this
+ * variable is "<ms>:<key>" (ms in 1..60000) as a server starts, the first
+ * get or wait of exactly <key> that server receives stalls its loop for
+ * <ms> ms (a reply that comes late, as on a loaded host) before it is
+ * served; the server then sets TS_STORE_TEST_STALLED_KEY (empty value).
+ * Anything else is ignored. Not for production use. */
+#define TS_STORE_TEST_STALL_ENV "TS_STORE_TEST_STALL"
+#define TS_STORE_TEST_STALLED_KEY "ts.store/test-stalled"
 /* Environment variable a client reads its token from when given NULL
  * (the launcher sets it for every rank). */
 #define TS_STORE_TOKEN_ENV "TS_STORE_TOKEN"
@@ -76,7 +93,9 @@ typedef struct ts_store ts_store;
  * accepted but only from processes of the server's own user on its own
  * host (the peer's socket must be in /proc/net/tcp or tcp6 with the
  * server's effective uid): others are refused, and their
- * ts_store_connect fails saying to set TS_STORE_TOKEN. TS_ERR_IO names the address and
+ * ts_store_connect fails saying to set TS_STORE_TOKEN. The first start
+ * raises the process's soft RLIMIT_NOFILE to its hard limit (every rank
+ * holds several connections). TS_ERR_IO names the address and
  * the system error (address in use, cannot resolve, ...);
  * TS_ERR_INVALID_ARGUMENT for a bad port, token or NULL `out`. */
 TS_API ts_status ts_store_server_start(const char *host, int port, const char *token, ts_store_server **out);

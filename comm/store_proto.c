@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 _Static_assert(TS__STORE_MAX_BODY <= UINT32_MAX, "a frame body must fit its u32 length");
 _Static_assert(TS_STORE_MAX_KEY + 64 <= 65536, "keys are small");
@@ -54,7 +55,25 @@ struct ts__store_core {
     bool warn_any;
     uint64_t warn_pending; /* suppressed since the last line */
     _Atomic uint64_t warn_lines, warn_suppressed;
+    /* Test hook (store.h: TS_STORE_TEST_STALL_ENV): the first get or wait
+     * of stall_key stalls the server for stall_ms; 0: none. */
+    unsigned stall_ms;
+    char stall_key[256];
 };
+
+/* Reads TS_STORE_TEST_STALL_ENV ("<ms>:<key>", tests only). */
+static void read_stall_hook(ts__store_core *core)
+{
+    const char *v = getenv(TS_STORE_TEST_STALL_ENV);
+    if (!v)
+        return;
+    char *end = NULL;
+    unsigned long ms = strtoul(v, &end, 10);
+    if (end == v || *end != ':' || ms == 0 || ms > 60000 || !end[1] || strlen(end + 1) >= sizeof core->stall_key)
+        return;
+    core->stall_ms = (unsigned)ms;
+    snprintf(core->stall_key, sizeof core->stall_key, "%s", end + 1);
+}
 
 void ts__store_core_warnf(ts__store_core *core, const char *fmt, ...)
 {
@@ -124,6 +143,7 @@ ts_status ts__store_core_new(const char *token, ts__store_send_fn send, void *ct
         ts__free(TS_MEM_COMM, core);
         return TS_ERR_NO_MEMORY;
     }
+    read_stall_hook(core);
     *out = core;
     return TS_OK;
 }
@@ -523,13 +543,25 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
                         TS__STORE_PROTOCOL);
         if (!token_ok(core, val, vlen)) {
             answer(core, c, TS__STORE_ST_BAD_TOKEN, NULL, 0, TS__STORE_PROTOCOL); /* then dropped */
-            /* Recorded for the job (store.h: TS_STORE_REJECTED_KEY): a
-             * rendezvous waiting for the rejected rank fails at once. Out
-             * of memory, it is only logged. */
-            static const char rk[] = TS_STORE_REJECTED_KEY;
+            /* Recorded for the job (store.h: TS_STORE_REJECTED_KEY and
+             * TS_STORE_REJECTED_COUNT_KEY): a rendezvous that began before
+             * this rejection and still waits for a rank fails at once.
+             * Out of memory, it is only logged. */
+            static const char rk[] = TS_STORE_REJECTED_KEY, ck[] = TS_STORE_REJECTED_COUNT_KEY;
             entry *re = table_put(core, (const unsigned char *)rk, sizeof rk - 1, c->peer, strlen(c->peer));
             if (re)
                 wake(core, re);
+            entry *ce = table_find(core, (const unsigned char *)ck, sizeof ck - 1,
+                                   hash_key((const unsigned char *)ck, sizeof ck - 1));
+            if (ce && ce->vlen == 8) {
+                ts__store_wr64(ce->val, ts__store_rd64(ce->val) + 1);
+            } else {
+                unsigned char one[8];
+                ts__store_wr64(one, 1);
+                ce = table_put(core, (const unsigned char *)ck, sizeof ck - 1, one, 8);
+            }
+            if (ce)
+                wake(core, ce);
             return drop(c, TS_LOG_WARN, "wrong token");
         }
         c->authed = true;
@@ -546,6 +578,18 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
 
     case TS__STORE_OP_GET:
     case TS__STORE_OP_WAIT:
+        if (core->stall_ms && klen == strlen(core->stall_key) && memcmp(key, core->stall_key, klen) == 0) {
+            /* the test hook: a loaded host, once */
+            ts_logf(TS_LOG_WARN, "store: test hook " TS_STORE_TEST_STALL_ENV ": stalling %u ms on '%s'", core->stall_ms,
+                    core->stall_key);
+            struct timespec ts = {core->stall_ms / 1000, (long)(core->stall_ms % 1000) * 1000000L};
+            nanosleep(&ts, NULL);
+            core->stall_ms = 0;
+            static const char sk[] = TS_STORE_TEST_STALLED_KEY;
+            entry *se = table_put(core, (const unsigned char *)sk, sizeof sk - 1, "", 0);
+            if (se)
+                wake(core, se);
+        }
         e = table_find(core, key, klen, hash_key(key, klen));
         if (e) {
             bool get = op == TS__STORE_OP_GET;

@@ -25,6 +25,7 @@
 #include <linux/sock_diag.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -514,6 +515,28 @@ static void server_free(ts_store_server *srv, bool loop_ready)
     ts__free(TS_MEM_COMM, srv);
 }
 
+/* Every rank holds a few connections to the store (comm/dist.c): a
+ * large job needs more descriptors than the usual soft limit of 1024, so
+ * the server raises this process's soft RLIMIT_NOFILE to its hard limit
+ * (once; a failure is only logged: the server then serves fewer). */
+static void raise_nofile(void)
+{
+    static atomic_bool done;
+    if (atomic_exchange(&done, true))
+        return;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= rl.rlim_max)
+        return;
+    rlim_t was = rl.rlim_cur;
+    rl.rlim_cur = rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+        ts_logf(TS_LOG_INFO, "store: cannot raise the open-file limit from %llu to %llu: %s", (unsigned long long)was,
+                (unsigned long long)rl.rlim_max, strerror(errno));
+    else
+        ts_logf(TS_LOG_DEBUG, "store: open-file limit raised from %llu to %llu", (unsigned long long)was,
+                (unsigned long long)rl.rlim_max);
+}
+
 ts_status ts_store_server_start(const char *host, int port, const char *token, ts_store_server **out)
 {
     tl_listen_error = 0;
@@ -528,6 +551,7 @@ ts_status ts_store_server_start(const char *host, int port, const char *token, t
         host = "127.0.0.1";
     if (strnlen(host, 256) > 255)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_store_server_start: host name longer than 255 bytes");
+    raise_nofile();
 
     char portstr[16];
     snprintf(portstr, sizeof portstr, "%d", port);

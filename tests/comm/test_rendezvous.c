@@ -86,6 +86,16 @@ __attribute__((constructor)) static void rdv_test_role(void)
         _exit(s == TS_OK ? 0 : 4);
     }
     s = ts_dist_finalize();
+    if (s == TS_OK && strcmp(role, "twice") == 0) {
+        /* a second world under the same (launcher's) store */
+        t0 = th_now_s();
+        s = ts_dist_init(NULL);
+        fprintf(stderr, "init2 %s after %.2f s: %s\n", ts_status_name(s), th_now_s() - t0,
+                s == TS_OK ? "" : ts_last_error());
+        fflush(stderr);
+        if (s != TS_OK) _exit(3);
+        s = ts_dist_finalize();
+    }
     _exit(s == TS_OK ? 0 : 4);
 }
 
@@ -253,6 +263,57 @@ Test(comm_rendezvous, duplicate_rank_after_the_rendezvous_fails_every_rank, .tim
     }
 }
 
+Test(comm_rendezvous, watch_survives_a_late_store_reply_and_still_sees_a_late_duplicate, .timeout = 150)
+{
+    /* As above, under a store the test hosts, which stalls 4.5 s on rank
+     * 0's first watch call (the test hook TS_STORE_TEST_STALL: a loaded
+     * host). The late reply costs the watches their connections (a client
+     * gives up after its 2 s poll plus 1 s); they must reconnect, so that
+     * the duplicate RANK 1 that starts after the stall fails both ranks
+     * at a barrier, naming it (a dead watch leaves it to finalize). */
+    clear_launch_env();
+    setenv(TS_STORE_TEST_STALL_ENV, "4500:dist/rdvstall/0/rdv/wake/0", 1);
+    ts_store_server *srv = NULL;
+    TH_OK(ts_store_server_start(NULL, 0, "tok", &srv));
+    unsetenv(TS_STORE_TEST_STALL_ENV);
+    int port = ts_store_server_port(srv);
+    char ports[16];
+    snprintf(ports, sizeof ports, "%d", port);
+    setenv("MASTER_PORT", ports, 1);
+    setenv("TS_STORE_HOSTED", "1", 1);
+    setenv("TS_STORE_TOKEN", "tok", 1);
+    setenv("TS_RUN_ID", "rdvstall", 1);
+    setenv("TS_DIST_TIMEOUT", "60", 1);
+    setenv("TS_TEST_RDV_WANT_ROLE", "train", 1);
+    rank_proc p[3];
+    double t0 = th_now_s();
+    spawn_rank(&p[0], 0, 2, "stall");
+    spawn_rank(&p[1], 1, 2, "stall");
+    unsetenv("TS_TEST_RDV_WANT_ROLE");
+    ts_store *c = NULL;
+    TH_OK(ts_store_connect(NULL, port, "tok", 30.0, &c));
+    ts_store_set_timeout(c, 60.0);
+    void *v = NULL;
+    size_t n = 0;
+    TH_OK(ts_store_get(c, TS_STORE_TEST_STALLED_KEY, &v, &n)); /* the stall is over */
+    free(v);
+    spawn_rank(&p[2], 1, 2, "stall"); /* RANK 1 again */
+    wait_ranks(p, 3, t0, 120);
+    for (int i = 0; i < 3; i++) {
+        char *log = slurp(p[i].log);
+        cr_log_info("process %d: status 0x%x after %.2f s:\n%s", i, p[i].status, p[i].exited_s, log);
+        cr_assert(WIFEXITED(p[i].status) && WEXITSTATUS(p[i].status) != 0, "process %d exited 0x%x:\n%s", i,
+                  p[i].status, log);
+        cr_assert(strstr(log, "duplicate RANK 1: claimed by pid"), "process %d does not name the duplicate:\n%s", i,
+                  log);
+        /* found by the watch while training, not only at finalize */
+        if (i < 2)
+            cr_assert(strstr(log, "at barrier"), "process %d did not fail at a barrier:\n%s", i, log);
+    }
+    ts_store_close(c);
+    ts_store_server_stop(srv);
+}
+
 Test(comm_rendezvous, wrong_token_fails_the_rendezvous_at_once_naming_it, .timeout = 120)
 {
     /* Rank 1's token differs from rank 0's: the store rejects it (it
@@ -270,6 +331,49 @@ Test(comm_rendezvous, wrong_token_fails_the_rendezvous_at_once_naming_it, .timeo
     expect_failed_with(p, 1, "rejected", "token");
     expect_failed_with(p, 0, "the store rejected a client from 127.0.0.1:", "for a wrong token");
     cr_assert_lt(p[0].exited_s, 15.0, "rank 0 took %.1f s (the deadline is 30 s)", p[0].exited_s);
+}
+
+Test(comm_rendezvous, stray_wrong_token_client_before_the_rendezvous_fails_nothing, .timeout = 120)
+{
+    /* The test hosts the store, as tsrun does (it outlives
+     * ts_dist_finalize). A client with a wrong token is rejected before
+     * the ranks start (a stray process, a port scanner that speaks the
+     * protocol): the store records it, but the 2-rank world, and a second
+     * one under the same store, still meet and finalize. */
+    clear_launch_env();
+    ts_store_server *srv = NULL;
+    TH_OK(ts_store_server_start(NULL, 0, "tok", &srv));
+    int port = ts_store_server_port(srv);
+    ts_store *bad = NULL;
+    cr_assert_eq(ts_store_connect(NULL, port, "not-the-token", 10.0, &bad), TS_ERR_COMM, "%s", ts_last_error());
+    ts_store *c = NULL;
+    TH_OK(ts_store_connect(NULL, port, "tok", 10.0, &c));
+    cr_assert_eq(ts_store_check(c, TS_STORE_REJECTED_KEY), TS_OK, "the store recorded the rejection");
+    int64_t rejected = 0;
+    TH_OK(ts_store_add(c, TS_STORE_REJECTED_COUNT_KEY, 0, &rejected));
+    cr_assert_eq(rejected, 1);
+    char ports[16];
+    snprintf(ports, sizeof ports, "%d", port);
+    setenv("MASTER_PORT", ports, 1);
+    setenv("TS_STORE_HOSTED", "1", 1);
+    setenv("TS_STORE_TOKEN", "tok", 1);
+    setenv("TS_RUN_ID", "rdvstray", 1);
+    setenv("TS_DIST_TIMEOUT", "30", 1);
+    setenv("TS_TEST_RDV_WANT_ROLE", "twice", 1);
+    rank_proc p[2];
+    double t0 = th_now_s();
+    spawn_rank(&p[0], 0, 2, "stray");
+    spawn_rank(&p[1], 1, 2, "stray");
+    unsetenv("TS_TEST_RDV_WANT_ROLE");
+    wait_ranks(p, 2, t0, 100);
+    for (int i = 0; i < 2; i++) {
+        char *log = slurp(p[i].log);
+        cr_assert(WIFEXITED(p[i].status) && WEXITSTATUS(p[i].status) == 0, "rank %d: status 0x%x; log:\n%s", i,
+                  p[i].status, log);
+        cr_assert(strstr(log, "init2 TS_OK"), "rank %d: want a second init in:\n%s", i, log);
+    }
+    ts_store_close(c);
+    ts_store_server_stop(srv);
 }
 
 Test(comm_rendezvous, missing_store_names_rank_0, .timeout = 60)
