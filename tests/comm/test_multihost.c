@@ -900,9 +900,9 @@ static void stop_load(const pid_t *pids, int n)
  * no run may fail. */
 #if defined(__SANITIZE_ADDRESS__)
 /* Under ASan (CI's second pass over the multirank suites) the runs are 2-3x
- * slower and this case checks memory, not liveness: 5 runs keep CI within
+ * slower and this case checks memory, not liveness: 2 runs keep CI within
  * its budget; the plain build runs all 20. */
-#define LOAD_RUNS 5
+#define LOAD_RUNS 2
 #else
 #define LOAD_RUNS 20
 #endif
