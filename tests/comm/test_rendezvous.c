@@ -118,16 +118,30 @@ static void clear_launch_env(void)
 /* A fresh launch environment for ranks this test spawns: clear_launch_env,
  * then MASTER_PORT a free port (returned), TS_RUN_ID run_id (unless NULL)
  * and TS_DIST_TIMEOUT timeout (seconds, as text). */
-static int rdv_env(const char *run_id, const char *timeout)
+static void port_env(int port, const char *run_id, const char *timeout)
 {
-    clear_launch_env();
-    int port = th_free_port();
     char ports[16];
     snprintf(ports, sizeof ports, "%d", port);
     setenv("MASTER_PORT", ports, 1);
     if (run_id) setenv("TS_RUN_ID", run_id, 1);
     setenv("TS_DIST_TIMEOUT", timeout, 1);
+}
+
+static int rdv_env(const char *run_id, const char *timeout)
+{
+    clear_launch_env();
+    int port = th_free_port();
+    port_env(port, run_id, timeout);
     return port;
+}
+
+/* The variables of ranks whose store a launcher hosts (the test's own
+ * server at `port`, token "tok"), as tsrun sets them. */
+static void hosted_env(int port, const char *run_id, const char *timeout)
+{
+    port_env(port, run_id, timeout);
+    setenv("TS_STORE_HOSTED", "1", 1);
+    setenv("TS_STORE_TOKEN", "tok", 1);
 }
 
 typedef struct rank_proc {
@@ -277,13 +291,7 @@ Test(comm_rendezvous, watch_survives_a_late_store_reply_and_still_sees_a_late_du
     TH_OK(ts_store_server_start(NULL, 0, "tok", &srv));
     unsetenv(TS_STORE_TEST_STALL_ENV);
     int port = ts_store_server_port(srv);
-    char ports[16];
-    snprintf(ports, sizeof ports, "%d", port);
-    setenv("MASTER_PORT", ports, 1);
-    setenv("TS_STORE_HOSTED", "1", 1);
-    setenv("TS_STORE_TOKEN", "tok", 1);
-    setenv("TS_RUN_ID", "rdvstall", 1);
-    setenv("TS_DIST_TIMEOUT", "60", 1);
+    hosted_env(port, "rdvstall", "60");
     setenv("TS_TEST_RDV_WANT_ROLE", "train", 1);
     rank_proc p[3];
     double t0 = th_now_s();
@@ -352,13 +360,7 @@ Test(comm_rendezvous, stray_wrong_token_client_before_the_rendezvous_fails_nothi
     int64_t rejected = 0;
     TH_OK(ts_store_add(c, TS_STORE_REJECTED_COUNT_KEY, 0, &rejected));
     cr_assert_eq(rejected, 1);
-    char ports[16];
-    snprintf(ports, sizeof ports, "%d", port);
-    setenv("MASTER_PORT", ports, 1);
-    setenv("TS_STORE_HOSTED", "1", 1);
-    setenv("TS_STORE_TOKEN", "tok", 1);
-    setenv("TS_RUN_ID", "rdvstray", 1);
-    setenv("TS_DIST_TIMEOUT", "30", 1);
+    hosted_env(port, "rdvstray", "30");
     setenv("TS_TEST_RDV_WANT_ROLE", "twice", 1);
     rank_proc p[2];
     double t0 = th_now_s();
