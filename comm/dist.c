@@ -756,19 +756,27 @@ static void post_failure(void *arg, ts_status st, int culprit, const char *msg)
         ts_logf(TS_LOG_WARN, "ts_dist: rank %d: cannot post its failure to the store: %s", wt->rank, ts_last_error());
 }
 
+/* The value of `key` as a NUL-terminated string (malloc'd), or NULL
+ * when it is not set or cannot be read. */
+static char *store_text(ts_store *st, const char *key)
+{
+    if (ts_store_check(st, key) != TS_OK)
+        return NULL;
+    void *v = NULL;
+    size_t n = 0;
+    if (ts_store_get(st, key, &v, &n) != TS_OK)
+        return NULL;
+    char *text = strndup(v, n);
+    free(v);
+    return text;
+}
+
 /* The failure notice of another rank as this rank's message: *st_out and
  * the message in msg; false when there is none (or it is this rank's own,
  * or malformed). */
 static bool read_notice(watch *wt, ts_status *st_out, char *msg, size_t cap)
 {
-    if (ts_store_check(wt->client, wt->failed_key) != TS_OK)
-        return false;
-    void *v = NULL;
-    size_t n = 0;
-    if (ts_store_get(wt->client, wt->failed_key, &v, &n) != TS_OK)
-        return false;
-    char *text = strndup(v, n);
-    free(v);
+    char *text = store_text(wt->client, wt->failed_key);
     if (!text)
         return false;
     int from = -1, st = 0, culprit = -1, used = 0;
@@ -792,14 +800,7 @@ static bool read_notice(watch *wt, ts_status *st_out, char *msg, size_t cap)
  * the message (malloc'd), or NULL when none is recorded. */
 static char *read_rdv_error(ts_store *st, const char *key, ts_status *code_out)
 {
-    if (ts_store_check(st, key) != TS_OK)
-        return NULL;
-    void *ev = NULL;
-    size_t elen = 0;
-    if (ts_store_get(st, key, &ev, &elen) != TS_OK)
-        return NULL;
-    char *txt = strndup(ev, elen);
-    free(ev);
+    char *txt = store_text(st, key);
     if (!txt)
         return NULL;
     int code = (int)TS_ERR_INVALID_ARGUMENT, off = 0;
