@@ -17,6 +17,8 @@ struct ts_storage {
     size_t block_bytes; /* size of the pool block behind data */
     bool released;
     bool pinned;     /* data is a pinned block (ts__pinned_alloc), not a pool block */
+    bool meta;       /* a meta-device storage: nbytes and no bytes ever (data NULL) until
+                      * materialized; block_bytes is what the pool would hand out */
 };
 
 /* New storage of nbytes from the caching pool (contents undefined). */

@@ -70,7 +70,11 @@ TS_API float ts_f16_to_f32(uint16_t h);
 
 #define TS_MAX_DIMS 8
 
-typedef enum ts_device { TS_DEVICE_CPU = 0 } ts_device;
+/* Where a tensor's elements live. TS_DEVICE_META tensors have a shape, a
+ * dtype and strides but no storage bytes (PyTorch's "meta" device): models
+ * are built on it to be sharded before any rank holds their weights, and
+ * the memory estimate runs a training step on it. */
+typedef enum ts_device { TS_DEVICE_CPU = 0, TS_DEVICE_META = 1 } ts_device;
 
 typedef struct ts_storage ts_storage;
 typedef struct ts_tensor ts_tensor;
