@@ -23,6 +23,9 @@ struct ts_storage {
 
 /* New storage of nbytes from the caching pool (contents undefined). */
 ts_status ts__storage_new(size_t nbytes, ts_storage **out);
+/* New meta storage of nbytes: no bytes (data NULL), meta true, block_bytes
+ * the pool's size class for nbytes. TS_ERR_NO_MEMORY for the handle. */
+ts_status ts__storage_new_meta(size_t nbytes, ts_storage **out);
 void ts__storage_retain(ts_storage *s);
 void ts__storage_release_ref(ts_storage *s);
 
@@ -134,6 +137,10 @@ struct ts_tensor {
 
 /* Allocates a contiguous tensor handle with fresh storage. */
 ts_status ts__tensor_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
+/* Allocates a contiguous meta tensor handle (ts__storage_new_meta). */
+ts_status ts__tensor_new_meta(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
+/* True when t's storage is a meta storage (no bytes). */
+static inline bool ts__is_meta(const ts_tensor *t) { return t && t->storage && t->storage->meta; }
 /* A new handle aliasing t's storage with the given geometry (no autograd). */
 ts_status ts__tensor_alias(const ts_tensor *t, int ndim, const int64_t *shape, const int64_t *strides,
                            int64_t offset, ts_tensor **out);

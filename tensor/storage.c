@@ -19,6 +19,19 @@ ts_status ts__storage_new(size_t nbytes, ts_storage **out)
     return TS_OK;
 }
 
+ts_status ts__storage_new_meta(size_t nbytes, ts_storage **out)
+{
+    ts_storage *s = ts__calloc(TS_MEM_TENSOR, 1, sizeof *s);
+    if (!s)
+        return TS_ERR_NO_MEMORY;
+    atomic_init(&s->refcount, 1);
+    s->nbytes = nbytes;
+    s->block_bytes = ts__pool_block_bytes(nbytes);
+    s->meta = true;
+    *out = s;
+    return TS_OK;
+}
+
 void ts__storage_retain(ts_storage *s) { atomic_fetch_add_explicit(&s->refcount, 1, memory_order_relaxed); }
 
 /* A storage's bytes: a pinned block (counted under TS_MEM_STORAGE too, as

@@ -119,6 +119,26 @@ ts_status ts__tensor_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tens
     return TS_OK;
 }
 
+ts_status ts__tensor_new_meta(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+{
+    ts_tensor *t = handle_new();
+    if (!t)
+        return TS_ERR_NO_MEMORY;
+    t->dtype = dtype;
+    t->device = TS_DEVICE_META;
+    t->ndim = ndim;
+    if (ndim)
+        memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
+    ts__contiguous_strides(ndim, shape, t->strides);
+    ts_status st = ts__storage_new_meta((size_t)ts__numel(ndim, shape) * ts_dtype_size(dtype), &t->storage);
+    if (st) {
+        ts__free(TS_MEM_TENSOR, t);
+        return st;
+    }
+    *out = t;
+    return TS_OK;
+}
+
 ts_status ts__tensor_alias(const ts_tensor *t, int ndim, const int64_t *shape, const int64_t *strides,
                            int64_t offset, ts_tensor **out)
 {
