@@ -41,12 +41,18 @@
  * allocates and touches 4 x CAP (it should never finish: exit 13), while
  * rank 0 blocks in the next all-reduce and prints "mem-test 0: <status>:
  * <error>" when it fails (exit 5).
+ * "wait": prints "ready" and waits to be killed.
  * "fit": prints "env <TS_MEMORY_PER_RANK>", "cgroup <its memory cgroup
  * path>" and "limit <its group's limit>", touches CAP / 4 and exits 0. */
 __attribute__((constructor)) static void mem_test_role(void)
 {
     const char *role = getenv("TS_TEST_MEM_ROLE");
     if (!role) return;
+    if (strcmp(role, "wait") == 0) { /* until killed */
+        printf("ready\n");
+        fflush(stdout);
+        for (;;) pause();
+    }
     if (strcmp(role, "fit") == 0) {
         const char *env = getenv(TS_MEMORY_PER_RANK_ENV);
         printf("env %s\n", env ? env : "(unset)");
@@ -395,4 +401,75 @@ Test(comm_launch_memory, help_lists_the_flag)
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     cr_assert(strstr(out, "--memory-per-rank SIZE"), "%s", out);
     free(out);
+}
+
+/* Starts tsrun with 2 capped ranks of role "wait" and returns once both
+ * said "ready" (the groups exist): its pid, its output in *log. */
+static pid_t start_waiting_job(char *log, size_t cap)
+{
+    th_clear_launch_env();
+    unsetenv(TS_MEMORY_PER_RANK_ENV);
+    setenv("TS_TEST_MEM_ROLE", "wait", 1);
+    const char *tmp = getenv("TMPDIR");
+    snprintf(log, cap, "%s/memcap-wait-%d.log", tmp && *tmp ? tmp : "/tmp", (int)getpid());
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    char *argv[] = {TSRUN, "--nproc-per-node", "2", "--memory-per-rank", "64M", th_self_exe(), NULL};
+    pid_t pid;
+    cr_assert_eq(posix_spawn(&pid, argv[0], &fa, NULL, argv, environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    unsetenv("TS_TEST_MEM_ROLE");
+    double t0 = th_now_s();
+    for (;;) {
+        size_t len = 0;
+        char *out = th_read_file(log, &len);
+        bool ready = out && strstr(out, "[0] ready") && strstr(out, "[1] ready");
+        free(out);
+        if (ready) break;
+        if (th_now_s() - t0 > 60) {
+            kill(pid, SIGKILL);
+            cr_assert_fail("the ranks did not start within 60 s");
+        }
+        struct timespec step = {0, 10 * 1000 * 1000};
+        nanosleep(&step, NULL);
+    }
+    return pid;
+}
+
+Test(comm_launch_memory, an_interrupted_tsrun_removes_the_groups, .timeout = 120)
+{
+    need_cgroups();
+    char log[256], dir[PATH_MAX + 64];
+    pid_t pid = start_waiting_job(log, sizeof log);
+    job_dir(pid, dir, sizeof dir);
+    cr_assert(exists(dir), "no %s while the ranks run", dir);
+    kill(pid, SIGTERM);
+    int status = 0;
+    th_wait_pids(&pid, 1, -1, 60, &status);
+    unlink(log);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM, "tsrun status 0x%x", status);
+    cr_assert(!exists(dir), "tsrun left %s behind", dir);
+}
+
+/* tsrun itself SIGKILLed: its watchdog kills the ranks and removes the
+ * groups once they have left them. */
+Test(comm_launch_memory, a_killed_tsrun_leaves_no_groups, .timeout = 120)
+{
+    need_cgroups();
+    char log[256], dir[PATH_MAX + 64];
+    pid_t pid = start_waiting_job(log, sizeof log);
+    job_dir(pid, dir, sizeof dir);
+    cr_assert(exists(dir), "no %s while the ranks run", dir);
+    kill(pid, SIGKILL);
+    int status = 0;
+    th_wait_pids(&pid, 1, -1, 60, &status);
+    unlink(log);
+    double t0 = th_now_s();
+    while (exists(dir) && th_now_s() - t0 < 30) {
+        struct timespec step = {0, 10 * 1000 * 1000};
+        nanosleep(&step, NULL);
+    }
+    cr_assert(!exists(dir), "%s is still there 30 s after tsrun was killed", dir);
 }
