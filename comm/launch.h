@@ -237,10 +237,10 @@ TS_API const char *ts_launch_source_name(ts_launch_source s);
  * Any thread. */
 TS_API ts_status ts_launch_parse_size(const char *text, int64_t *bytes_out);
 
-/* Writes `bytes` (>= 0) into buf as tsrun's messages show it: at most
- * three significant digits in the largest binary unit it fills ("1.5 GiB",
- * "64 MiB", "800 B"). Returns TS_OK; TS_ERR_INVALID_ARGUMENT when buf is
- * NULL, cap < 16 or bytes < 0. Any thread. */
+/* Writes `bytes` (0 .. 2^60) into buf as tsrun's messages show it: at
+ * most three significant digits in the largest binary unit it fills
+ * ("1.5 GiB", "64 MiB", "800 B"). Returns TS_OK; TS_ERR_INVALID_ARGUMENT
+ * when buf is NULL, cap < 16 or bytes is out of range. Any thread. */
 TS_API ts_status ts_launch_format_size(int64_t bytes, char *buf, size_t cap);
 
 typedef struct ts_rank_env {

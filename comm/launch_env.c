@@ -412,9 +412,10 @@ bad:
 
 ts_status ts_launch_format_size(int64_t bytes, char *buf, size_t cap)
 {
-    if (!buf || cap < 16 || bytes < 0)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_format_size: %s",
-                        !buf ? "buf is NULL" : cap < 16 ? "cap is below 16" : "bytes is negative");
+    if (!buf || cap < 16 || bytes < 0 || bytes > SIZE_MAX_BYTES)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_format_size: %s (bytes %lld)",
+                        !buf ? "buf is NULL" : cap < 16 ? "cap is below 16" : "bytes is not in 0 .. 2^60",
+                        (long long)bytes);
     static const char *const names[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
     int u = 0;
     double v = (double)bytes;
