@@ -176,9 +176,11 @@ typedef struct ts_launch_result {
  * (TS_LAUNCH_WORLD_KEY), whose watch threads (ts_dist_init) fail every
  * collective with TS_ERR_PEER_FAILED and that message; it then gives
  * them grace_s to fail and exit by themselves before the SIGTERM (with
- * grace_s 0, or when no world has met, the SIGTERM follows at once). Known limits: the launchers of other nodes post no notice
- * (their ranks' peers find the death over the transport); a rank killed
- * before the rendezvous completes is named by it as killed by SIGKILL.
+ * grace_s 0, or when no world has met, the SIGTERM follows at once).
+ * Known limits: the launchers of other nodes post no notice (their ranks'
+ * peers find the death over the transport); a rank killed before the
+ * rendezvous completes is named by the others' rendezvous as a rank that
+ * exited, not as over the cap.
  * Where no group can be made (no memory controller, a read-only cgroupfs,
  * no permission) ts_launch fails before starting anything, naming the
  * path and the errno.
