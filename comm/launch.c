@@ -140,12 +140,6 @@ static int write_all(int fd, const char *p, size_t n)
 
 /* ------------------------------------------------------------- watchdog */
 
-/* A process of its own session that SIGKILLs the ranks' process groups if
- * the launcher dies without saying goodbye (SIGKILL, a crash), so that
- * ranks never outlive it, even those that never call ts_launch_rank_guard,
- * and their children. The launcher tells it over a pipe: pid > 0 a rank's
- * group started, pid < 0 it ended, 0 goodbye. End of file without a
- * goodbye means the launcher is gone. */
 /* path = dir + "/rank" + decimal r, async-signal-safe; false when it
  * does not fit. */
 static bool rank_dir(char *path, size_t cap, const char *dir, int r)
@@ -173,6 +167,35 @@ static bool rank_dir(char *path, size_t cap, const char *dir, int r)
     return true;
 }
 
+/* SIGKILLs every process listed in the group's cgroup.procs (those
+ * that left the rank's process group); async-signal-safe. */
+static void kill_group_procs(const char *dir)
+{
+    char path[PATH_MAX + 16];
+    size_t n = 0;
+    for (const char *p = dir; *p && n + 1 < PATH_MAX; p++)
+        path[n++] = *p;
+    static const char tail[] = "/cgroup.procs";
+    for (size_t k = 0; k < sizeof tail; k++)
+        path[n++] = tail[k];
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    char buf[4096];
+    ssize_t got = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    long pid = 0;
+    for (ssize_t i = 0; i < got; i++) {
+        if (buf[i] >= '0' && buf[i] <= '9') {
+            pid = pid * 10 + (buf[i] - '0');
+        } else {
+            if (pid > 0)
+                kill((pid_t)pid, SIGKILL);
+            pid = 0;
+        }
+    }
+}
+
 /* The watchdog's removal of the memory cgroups of the dead launcher's
  * ranks (async-signal-safe): each once its killed processes have left
  * it, for at most about 5 s in all. */
@@ -184,12 +207,21 @@ static void watchdog_remove_groups(const char *job, int first_rank, int n)
         char path[PATH_MAX];
         if (!rank_dir(path, sizeof path, job, first_rank + i))
             continue;
-        while (rmdir(path) != 0 && errno == EBUSY && tries-- > 0)
+        while (rmdir(path) != 0 && errno == EBUSY && tries-- > 0) {
+            kill_group_procs(path);
             nanosleep(&step, NULL);
+        }
     }
     rmdir(job);
 }
 
+/* A process of its own session that SIGKILLs the ranks' process groups if
+ * the launcher dies without saying goodbye (SIGKILL, a crash), so that
+ * ranks never outlive it, even those that never call ts_launch_rank_guard,
+ * and their children. The launcher tells it over a pipe: pid > 0 a rank's
+ * group started, pid < 0 it ended, 0 goodbye. End of file without a
+ * goodbye means the launcher is gone. With memory_per_rank it then also
+ * removes the ranks' memory cgroups. */
 static void watchdog_main(int fd, int n, const char *cg_job, int first_rank)
 {
     int32_t groups[MAX_RANKS_PER_NODE] = {0};

@@ -6,7 +6,13 @@
  *
  * Exit status: 0 when every rank exited 0; the first failed rank's status
  * (128 + signal when it was killed); 128 + signal when tsrun itself was
- * told to stop; 2 for bad flags; 1 when the job could not start.
+ * told to stop; 2 for bad flags; 1 when the job could not start (also
+ * when --memory-per-rank finds no memory cgroup it may write).
+ *
+ * The last stderr line names the cause: a rank's exit or signal, a rank
+ * the others found hung, or a rank over its --memory-per-rank cap
+ * ("tsrun: rank 3 exceeded --memory-per-rank 1.5 GiB (killed by the
+ * kernel's OOM killer; peak 1.5 GiB)"; docs/memory-caps.md).
  */
 #define _GNU_SOURCE
 #include "comm/launch.h"
