@@ -2,6 +2,7 @@
  * fully qualified names, train/eval, zero_grad. */
 #define _GNU_SOURCE
 #include "nn/internal.h"
+#include "tensor/internal.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -47,6 +48,7 @@ ts_status ts__vt_cache_get(ts__vt_cache *c, const ts_module_vtable *orig, const 
     vt->type_name = name;
     vt->base = orig;
     vt->visit = orig->visit;
+    vt->reset_parameters = orig->reset_parameters; /* re-initializes the same parameters */
     vt->methods = orig->methods; /* the original's names and functions */
     vt->n_methods = orig->n_methods;
     c->fill(vt, orig);
@@ -214,6 +216,7 @@ typedef struct walk {
     ts_status (*on_param)(struct walk *w, const char *fqn, ts_tensor **slot, ts_module *owner);
     ts_status (*on_buffer)(struct walk *w, const char *fqn, ts_tensor **slot, ts_module *owner);
     ts_status (*on_module)(struct walk *w, const char *fqn, ts_module *m);
+    ts_status (*on_module_post)(struct walk *w, const char *fqn, ts_module *m); /* after its children */
     void *ctx;
     /* modules already visited (each once) */
     ts_module **seen;
@@ -292,7 +295,7 @@ static ts_status walk_module(walk *w, ts_module *m)
     if (w->on_module && (st = w->on_module(w, w->prefix, m)))
         return st;
     if (!m->vtable->visit)
-        return TS_OK;
+        return w->on_module_post ? w->on_module_post(w, w->prefix, m) : TS_OK;
     w->current = m;
     /* parameters first, then buffers, then children: PyTorch's
      * named_parameters order is the module's own _parameters, then each
@@ -305,7 +308,9 @@ static ts_status walk_module(walk *w, ts_module *m)
     if (w->on_buffer && (st = m->vtable->visit(m, &bv)))
         return st;
     ts_module_visitor cv = {NULL, visit_child, w, NULL};
-    return m->vtable->visit(m, &cv);
+    if ((st = m->vtable->visit(m, &cv)) || !w->on_module_post)
+        return st;
+    return w->on_module_post(w, w->prefix, m);
 }
 
 static ts_status run_walk(walk *w, ts_module *m)
@@ -460,6 +465,31 @@ ts_status ts_module_named_modules(ts_module *m, ts_module_each_fn fn, void *ctx)
     return run_walk(&w, m);
 }
 
+static ts_status reset_one(ts_module *m)
+{
+    return m->vtable->reset_parameters ? m->vtable->reset_parameters(m) : TS_OK;
+}
+
+static ts_status reset_post(walk *w, const char *fqn, ts_module *m)
+{
+    (void)w;
+    (void)fqn;
+    return reset_one(m);
+}
+
+ts_status ts_module_reset_parameters(ts_module *m, bool recurse)
+{
+    if (!m)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_reset_parameters: the module is NULL");
+    if (!m->vtable)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_reset_parameters: the module has no vtable "
+                                                 "(ts_module_init failed or was not called)");
+    if (!recurse)
+        return reset_one(m);
+    walk w = {.on_module_post = reset_post};
+    return run_walk(&w, m);
+}
+
 typedef struct find_ctx {
     const char *fqn;
     ts_module *found;
@@ -598,9 +628,13 @@ static ts_status as_param(ts_status st, ts_tensor **tp, ts_tensor **out)
     return TS_OK;
 }
 
+_Thread_local bool ts__param_new_meta;
+
 ts_status ts__param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
 {
     ts_tensor *t = NULL;
+    if (ts__param_new_meta)
+        return as_param(ts__tensor_new_meta(dtype, ndim, shape, &t), &t, out);
     return as_param(ts_tensor_empty(dtype, ndim, shape, &t), &t, out);
 }
 
