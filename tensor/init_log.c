@@ -103,6 +103,26 @@ ts_status ts__init_events_move(ts_storage *dst, ts_storage *src)
     return st;
 }
 
+ts_status ts__init_events_repeat(ts_storage *dst, const ts_storage *src)
+{
+    if (!dst || !src || dst == src)
+        return TS_OK;
+    ts__init_log log = {0};
+    ts_status st = log_reserve(&log, src->init_log.n);
+    if (st)
+        return st;
+    for (int i = 0; i < src->init_log.n; i++) {
+        ts__init_event ev = src->init_log.events[i];
+        if (ev.kind != TS__INIT_FILL && !ev.repeat_of)
+            ev.repeat_of = ev.seq;
+        ev.seq = (uint64_t)atomic_fetch_add(&next_seq, 1);
+        log.events[log.n++] = ev;
+    }
+    ts__init_log_fini(&dst->init_log);
+    dst->init_log = log;
+    return TS_OK;
+}
+
 void ts__init_events_clear(ts_storage *s)
 {
     if (s)
@@ -121,7 +141,7 @@ void ts__init_storage_drop(ts_storage *s)
     ts__init_log *log = &s->init_log;
     int kept = 0;
     for (int i = 0; i < log->n; i++)
-        if (log->events[i].kind != TS__INIT_FILL)
+        if (log->events[i].kind != TS__INIT_FILL && !log->events[i].repeat_of)
             log->events[kept++] = log->events[i];
     if (kept) {
         pthread_mutex_lock(&orphan_mu);
@@ -162,6 +182,70 @@ ts_status ts__init_orphans_take(uint64_t seq_begin, uint64_t seq_end, ts__init_l
 
 /* ------------------------------------------------------------- replay of a model */
 
+/* The generator states saved for repeat events: one per source seq. */
+typedef struct state_snapshot {
+    uint64_t seq;
+    bool taken;
+    uint8_t state[TS_GENERATOR_STATE_BYTES];
+} state_snapshot;
+
+typedef struct snapshots {
+    state_snapshot *items;
+    int n;
+} snapshots;
+
+static state_snapshot *snapshot_find(snapshots *s, uint64_t seq)
+{
+    for (int i = 0; i < s->n; i++)
+        if (s->items[i].seq == seq)
+            return &s->items[i];
+    return NULL;
+}
+
+/* One snapshot slot per distinct source of the targets' repeat events. */
+static ts_status snapshots_plan(snapshots *s, int n, const ts__init_target *targets)
+{
+    int cap = 0;
+    for (int i = 0; i < n; i++)
+        for (int j = 0; targets[i].log && j < targets[i].log->n; j++)
+            cap += targets[i].log->events[j].repeat_of != 0;
+    if (cap == 0)
+        return TS_OK;
+    s->items = ts__malloc(TS_MEM_OTHER, (size_t)cap * sizeof *s->items);
+    if (!s->items)
+        return ts_error(TS_ERR_NO_MEMORY, "ts__init_replay_targets: cannot allocate %d generator states", cap);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; targets[i].log && j < targets[i].log->n; j++) {
+            uint64_t src = targets[i].log->events[j].repeat_of;
+            if (src && !snapshot_find(s, src))
+                s->items[s->n++] = (state_snapshot){.seq = src};
+        }
+    return TS_OK;
+}
+
+/* A repeat: the source's draws again from the state the source started
+ * from, then the generator as it was. */
+static ts_status replay_repeat(snapshots *s, const ts__init_event *ev, const ts__init_target *t)
+{
+    state_snapshot *ss = snapshot_find(s, ev->repeat_of);
+    if (!ss || !ss->taken)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay_targets: event %llu repeats event %llu, which is "
+                        "not among the targets' events before it (replay the copied tensor's storage too)",
+                        (unsigned long long)ev->seq, (unsigned long long)ev->repeat_of);
+    uint8_t *now = ts__malloc(TS_MEM_OTHER, TS_GENERATOR_STATE_BYTES);
+    if (!now)
+        return ts_error(TS_ERR_NO_MEMORY, "ts__init_replay_targets: cannot allocate a generator state");
+    ts_generator_get_state(ev->gen, now);
+    ts_status st = ts_generator_set_state(ev->gen, ss->state);
+    ts__init_event src = *ev;
+    src.repeat_of = 0;
+    if (!st)
+        st = ts__init_replay(&src, t->elem_begin, t->elem_end, t->dst_dtype, t->dst);
+    ts_status rs = ts_generator_set_state(ev->gen, now);
+    ts__free(TS_MEM_OTHER, now);
+    return st ? st : rs;
+}
+
 ts_status ts__init_replay_targets(int n, const ts__init_target *targets)
 {
     if (n < 0 || (n > 0 && !targets))
@@ -172,7 +256,8 @@ ts_status ts__init_replay_targets(int n, const ts__init_target *targets)
     int *next = ts__calloc(TS_MEM_OTHER, (size_t)n, sizeof *next);
     if (!next)
         return ts_error(TS_ERR_NO_MEMORY, "ts__init_replay_targets: cannot allocate %d cursors", n);
-    ts_status st = TS_OK;
+    snapshots snap = {0};
+    ts_status st = snapshots_plan(&snap, n, targets);
     /* a merge of n sorted lists by seq: the smallest head each time
      * (n is a model's parameter count; its events are few per parameter) */
     for (;;) {
@@ -185,13 +270,24 @@ ts_status ts__init_replay_targets(int n, const ts__init_target *targets)
                 best_seq = l->events[next[i]].seq;
             }
         }
-        if (best < 0)
+        if (best < 0 || st)
             break;
         const ts__init_target *t = &targets[best];
-        st = ts__init_replay(&t->log->events[next[best]++], t->elem_begin, t->elem_end, t->dst_dtype, t->dst);
+        const ts__init_event *ev = &t->log->events[next[best]++];
+        if (ev->repeat_of) {
+            st = replay_repeat(&snap, ev, t);
+        } else {
+            state_snapshot *ss = snapshot_find(&snap, ev->seq);
+            if (ss) {
+                ts_generator_get_state(ev->gen, ss->state);
+                ss->taken = true;
+            }
+            st = ts__init_replay(ev, t->elem_begin, t->elem_end, t->dst_dtype, t->dst);
+        }
         if (st)
             break;
     }
+    ts__free(TS_MEM_OTHER, snap.items);
     ts__free(TS_MEM_OTHER, next);
     return st;
 }

@@ -43,6 +43,12 @@ typedef struct ts__init_event {
     int64_t shape[TS_MAX_DIMS];
     int64_t strides[TS_MAX_DIMS];
     int64_t offset;
+    /* 0, or the seq of the event this one repeats: the values of a copy
+     * of a tensor that event initialized (TransformerEncoder's
+     * deep-copied layers). Replayed from the generator state the source
+     * started from, restoring the generator afterwards: it advances
+     * nothing, as the copy drew nothing (ts__init_replay_targets only). */
+    uint64_t repeat_of;
 } ts__init_event;
 
 /* A storage's recorded events, in ascending seq. */
@@ -334,6 +340,13 @@ ts_status ts__init_log_append(ts__init_log *log, const ts__init_event *events, i
 /* Moves src's events into dst's (merged by seq); src is left with none.
  * dst == src does nothing. TS_ERR_NO_MEMORY: both unchanged. */
 ts_status ts__init_events_move(ts_storage *dst, ts_storage *src);
+/* Makes dst's events those of a copy of src's values (a deep copy made
+ * while building: TransformerEncoder's layers): dst's own events are
+ * dropped (the eager build restored the generator after drawing them) and
+ * src's are appended as repeats (repeat_of set, new seq numbers; fills
+ * are copied as they are). dst's and src's tensors must have the same
+ * geometry. TS_ERR_NO_MEMORY: dst unchanged. */
+ts_status ts__init_events_repeat(ts_storage *dst, const ts_storage *src);
 /* Frees a log's events (log itself is the caller's; NULL accepted). */
 void ts__init_log_fini(ts__init_log *log);
 /* Drops s's events (they will not be replayed). */
@@ -362,7 +375,9 @@ ts_status ts__init_orphans_take(uint64_t seq_begin, uint64_t seq_end, ts__init_l
  * ev->dtype values (512 KiB for f64), never a whole parameter.
  * TS_ERR_INVALID_ARGUMENT for NULL ev, a negative or reversed range, NULL
  * dst with a non-empty range, an unknown kind or dtype; TS_ERR_NO_MEMORY
- * for the block. The generator is not thread-safe (tensor/rng.c). */
+ * for the block, or for a repeat event (replay those through
+ * ts__init_replay_targets). The generator is not thread-safe
+ * (tensor/rng.c). */
 #define TS__INIT_REPLAY_BLOCK 65536
 ts_status ts__init_replay(const ts__init_event *ev, int64_t elem_begin, int64_t elem_end, ts_dtype dst_dtype,
                           void *dst);
@@ -378,8 +393,11 @@ typedef struct ts__init_target {
 /* Replays the events of all targets in ascending seq, interleaved across
  * targets (the order they were recorded in, so the generator advances as
  * the eager construction advanced it). Each storage must appear once (a
- * tied weight is one storage). Errors of ts__init_replay; events already
- * replayed stay written. */
+ * tied weight is one storage). A repeat event (repeat_of) is replayed from
+ * the generator state saved when its source event was replayed (one state,
+ * 5056 bytes, per source repeated), and the generator restored after it;
+ * TS_ERR_INVALID_ARGUMENT when its source is not among the targets' events.
+ * Errors of ts__init_replay; events already replayed stay written. */
 ts_status ts__init_replay_targets(int n, const ts__init_target *targets);
 
 /* Generator internals, for dropout. */

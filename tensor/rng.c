@@ -1197,6 +1197,10 @@ ts_status ts__init_replay(const ts__init_event *ev, int64_t elem_begin, int64_t 
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: event %llu (kind %d, %s, %d dims) is not a "
                         "recorded initializer", (unsigned long long)ev->seq, (int)ev->kind,
                         ts_dtype_name(ev->dtype), ev->ndim);
+    if (ev->repeat_of)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: event %llu repeats event %llu (a copy): replay it "
+                        "through ts__init_replay_targets, with its source", (unsigned long long)ev->seq,
+                        (unsigned long long)ev->repeat_of);
     int64_t n = ts__numel(ev->ndim, ev->shape);
     if (n <= 0)
         return TS_OK;

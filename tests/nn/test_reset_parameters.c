@@ -104,6 +104,12 @@ static ts_status b_gpt_tied(ts_module **o)
     c.vocab_size = 61, c.block_size = 24, c.n_layer = 2, c.n_head = 2, c.d_model = 32, c.tie_weights = true;
     return ts_gpt_new(&c, o);
 }
+static ts_status b_encoder(ts_module **o)
+{
+    ts_encoder_layer_config c = ts_encoder_layer_config_default(8, 2);
+    c.dim_feedforward = 12;
+    return ts_transformer_encoder_new(&c, 3, o);
+}
 static ts_status b_user(ts_module **o) { return scaled_new(o); }
 static ts_status b_sequential(ts_module **o)
 {
@@ -117,7 +123,9 @@ static ts_status b_sequential(ts_module **o)
 typedef struct layer_case {
     const char *name;
     build_fn build;
-    bool tied; /* a weight shared by two modules: resetting is not building */
+    /* a weight shared by two modules, or layers copied from one another:
+     * resetting is not building */
+    bool tied;
 } layer_case;
 
 static const layer_case cases[] = {
@@ -131,6 +139,7 @@ static const layer_case cases[] = {
     {"Sequential", b_sequential, false},
     {"GPT", b_gpt, false},
     {"GPT(tie_weights)", b_gpt_tied, true},
+    {"TransformerEncoder (copied layers)", b_encoder, true},
     {"user module", b_user, false},
 };
 #define N_CASES ((int)(sizeof cases / sizeof cases[0]))
@@ -302,7 +311,7 @@ Test(nn_reset_parameters, built_on_meta_and_replayed_is_eager)
         cr_assert_eq(rs.n, n, "%s: %d meta parameters, %d eager", cases[c].name, rs.n, n);
         ts__init_log orphans = {0};
         TH_OK(ts__init_orphans_take(seq0, seq1, &orphans));
-        if (cases[c].tied)
+        if (cases[c].build == b_gpt_tied)
             cr_assert_gt(orphans.n, 0, "%s: the replaced lm_head weight's draws are kept", cases[c].name);
         rs.tg[rs.n] = (ts__init_target){&orphans, 0, 0, TS_F32, NULL};
         ts_manual_seed(2024);

@@ -363,6 +363,73 @@ Test(tensor_init_replay, freed_storage_draws_still_replayed)
     ts_tensor_free(y);
 }
 
+/* A copy made while building (TransformerEncoder deep-copies its first
+ * layer: it builds the others, restores the generator, copies the values
+ * in): the copy's storage repeats the source's events. Replayed, it gets
+ * the source's values and advances nothing. */
+Test(tensor_init_replay, copies_repeat_their_source)
+{
+    int64_t s[2] = {21, 6};
+    uint8_t st[TS_GENERATOR_STATE_BYTES];
+    ts_tensor *e[3], *m[3];
+    for (int i = 0; i < 3; i++) {
+        e[i] = th_empty(TS_F32, 2, s);
+        TH_OK(ts__tensor_new_meta(TS_F32, 2, s, &m[i]));
+    }
+    ts_manual_seed(8);
+    TH_OK(ts_normal_(e[2], 0.0, 1.0, NULL)); /* 126 elements: the dense path */
+    TH_OK(ts_normal_(e[0], 0.0, 1.0, NULL));
+    TH_OK(ts_tensor_fill_(e[0], 1.0));       /* a later fill is copied too */
+    TH_OK(ts_uniform_(e[0], -1.0, 1.0, NULL));
+    ts_generator_get_state(NULL, st);
+    TH_OK(ts_uniform_(e[1], 0.0, 9.0, NULL)); /* drawn, then the state restored */
+    TH_OK(ts_generator_set_state(NULL, st));
+    TH_OK(ts_tensor_copy_(e[1], e[0]));
+    ts_tensor *v;
+    TH_OK(ts__tensor_alias(e[2], 1, (int64_t[]){5}, (int64_t[]){6}, 1, &v));
+    TH_OK(ts_normal_(v, 0.0, 1.0, NULL)); /* the scalar path: draws after the copy continue from the source */
+    ts_tensor_free(v);
+    state after = state_of(ts_default_generator());
+
+    ts_manual_seed(8);
+    TH_OK(ts_normal_(m[2], 0.0, 1.0, NULL));
+    TH_OK(ts_normal_(m[0], 0.0, 1.0, NULL));
+    TH_OK(ts_tensor_fill_(m[0], 1.0));
+    TH_OK(ts_uniform_(m[0], -1.0, 1.0, NULL));
+    TH_OK(ts_uniform_(m[1], 0.0, 9.0, NULL));
+    TH_OK(ts__init_events_repeat(m[1]->storage, m[0]->storage));
+    TH_OK(ts__tensor_alias(m[2], 1, (int64_t[]){5}, (int64_t[]){6}, 1, &v));
+    TH_OK(ts_normal_(v, 0.0, 1.0, NULL));
+    ts_tensor_free(v);
+    int n = 0;
+    const ts__init_event *ev = ts__init_events(m[1]->storage, &n);
+    cr_assert_eq(n, 3, "the copy's own uniform_ is replaced by the source's 3 events");
+    cr_assert_neq(ev[0].repeat_of, 0);
+    cr_assert_eq(ev[1].repeat_of, 0, "a fill is copied as it is");
+    float buf[8];
+    TH_FAILS(ts__init_replay(&ev[0], 0, 1, TS_F32, buf), TS_ERR_INVALID_ARGUMENT, "repeats event",
+             "ts__init_replay_targets");
+
+    const void *want[3];
+    int64_t rows[3], row_elems[3];
+    for (int i = 0; i < 3; i++) {
+        want[i] = ts_tensor_data(e[i]);
+        rows[i] = s[0];
+        row_elems[i] = s[1];
+    }
+    check_ranks(3, m, want, rows, row_elems, ts_default_generator(), 8, &after, "copy");
+
+    /* without its source among the targets, a repeat is refused */
+    float *out = malloc(126 * sizeof *out);
+    ts__init_target alone = {&m[1]->storage->init_log, 0, 126, TS_F32, out};
+    TH_FAILS(ts__init_replay_targets(1, &alone), TS_ERR_INVALID_ARGUMENT, "not among the targets");
+    free(out);
+    for (int i = 0; i < 3; i++) {
+        ts_tensor_free(e[i]);
+        ts_tensor_free(m[i]);
+    }
+}
+
 /* ------------------------------------------------------------- dtypes */
 
 /* Replaying into bf16, f16 (from f32) or f32 (from f64) gives what
