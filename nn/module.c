@@ -1022,13 +1022,35 @@ static void to_dtype_pairs_free(to_dtype_pair *pairs, int n)
     ts__free(TS_MEM_NN, pairs);
 }
 
+/* A deferred tensor converted: a new meta tensor of dtype whose storage
+ * takes t's recorded initializers ([Note: deferred init] in
+ * tensor/internal.h), still in the dtype they run in; replaying them into
+ * the new dtype converts as ts_to_dtype would have converted the values.
+ * t must own its storage whole (a parameter as the layers make them). */
+static ts_status to_dtype_meta(const char *fqn, ts_tensor *t, ts_dtype dtype, ts_tensor **out)
+{
+    int64_t n = ts_tensor_numel(t);
+    if (!ts_tensor_is_contiguous(t) || t->offset != 0 || t->storage->nbytes != (size_t)n * ts_dtype_size(t->dtype))
+        return ts_error(TS_ERR_UNSUPPORTED, "ts_module_to_dtype: '%s' is a deferred (meta) view of a larger storage; "
+                        "convert it after materializing", fqn);
+    ts_tensor *nt = NULL;
+    ts_status st = ts__tensor_new_meta(dtype, t->ndim, t->shape, &nt);
+    if (!st && (st = ts__init_events_move(nt->storage, t->storage))) {
+        ts_tensor_free(nt);
+        nt = NULL;
+    }
+    if (!st)
+        *out = nt;
+    return st;
+}
+
 /* The converted copy of t: a leaf with t's name and requires_grad, and
  * t's .grad converted too (PyTorch's Module._apply converts param.grad). */
 static ts_status to_dtype_copy(const char *fqn, ts_tensor *t, ts_dtype dtype, ts_tensor **out)
 {
     ts_tensor *nt = NULL, *g = NULL;
     bool prev = ts_grad_mode_set(false);
-    ts_status st = ts_to_dtype(t, dtype, &nt);
+    ts_status st = ts__is_meta(t) ? to_dtype_meta(fqn, t, dtype, &nt) : ts_to_dtype(t, dtype, &nt);
     if (!st && ts_tensor_requires_grad(t))
         st = ts_tensor_set_requires_grad(nt, true);
     if (!st && ts_tensor_name(t))
@@ -1040,6 +1062,8 @@ static ts_status to_dtype_copy(const char *fqn, ts_tensor *t, ts_dtype dtype, ts
     if (st) {
         char why[512];
         snprintf(why, sizeof why, "%s", ts_last_error());
+        if (nt && ts__is_meta(t)) /* t keeps its recorded initializers: t's log is empty, a hand-over */
+            ts__init_events_move(t->storage, nt->storage);
         ts_tensor_free(nt);
         return ts_error(st, "ts_module_to_dtype: converting '%s' to %s failed: %s", fqn, ts_dtype_name(dtype), why);
     }
@@ -1097,6 +1121,10 @@ ts_status ts_module_to_dtype(ts_module *m, ts_dtype dtype)
                     break;
                 }
         }
+    else /* deferred tensors take back their recorded initializers (hand-overs: cannot fail) */
+        for (int j = 0; j < np; j++)
+            if (ts__is_meta(pairs[j].old))
+                ts__init_events_move(pairs[j].old->storage, pairs[j].new_->storage);
     to_dtype_pairs_free(pairs, np);
     ts_named_params_free(&e);
     return st;

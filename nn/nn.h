@@ -289,7 +289,11 @@ TS_API int64_t ts_module_num_parameters(ts_module *m);
  * TS_ERR_INVALID_ARGUMENT for NULL m or an invalid dtype; TS_ERR_DTYPE for
  * a non-floating dtype (PyTorch's Module.to refuses them too);
  * TS_ERR_SHARDED if a slot holds a shard (after ts_fully_shard);
- * TS_ERR_RELEASED for a released tensor; TS_ERR_NO_MEMORY. */
+ * TS_ERR_RELEASED for a released tensor; TS_ERR_NO_MEMORY. On a deferred
+ * (meta) model each parameter becomes a meta tensor of `dtype` that takes
+ * over the initializers recorded on the old one (docs/deferred-init.md):
+ * materializing replays them into `dtype`, bitwise the conversion of the
+ * eager values; TS_ERR_UNSUPPORTED for a meta view of a larger storage. */
 TS_API ts_status ts_module_to_dtype(ts_module *m, ts_dtype dtype);
 
 /* The module tree as PyTorch's repr prints it, with each module's own

@@ -333,3 +333,52 @@ Test(nn_reset_parameters, built_on_meta_and_replayed_is_eager)
         ts_module_free(e);
     }
 }
+
+/* ts_module_to_dtype on a deferred model moves each parameter's events to
+ * its converted meta storage; replayed into that dtype, they give what
+ * converting the eager model gives. */
+Test(nn_reset_parameters, deferred_to_dtype_replays_in_the_new_dtype)
+{
+    ts_dtype dts[2] = {TS_BF16, TS_F16};
+    for (int d = 0; d < 2; d++) {
+        ts_module *e, *m;
+        ts_manual_seed(9);
+        TH_OK(b_gpt_tied(&e));
+        TH_OK(ts_module_to_dtype(e, dts[d]));
+        ts_manual_seed(9);
+        uint64_t seq0 = ts__init_seq_next();
+        ts__param_new_meta = true;
+        ts_status st = b_gpt_tied(&m);
+        ts__param_new_meta = false;
+        TH_OK(st);
+        TH_OK(ts_module_to_dtype(m, dts[d]));
+        uint64_t seq1 = ts__init_seq_next();
+        ts_named_params pe, pm;
+        TH_OK(ts_module_named_parameters(e, &pe));
+        TH_OK(ts_module_named_parameters(m, &pm));
+        cr_assert_eq(pe.n, pm.n);
+        cr_assert_lt(pm.n, 63);
+        ts__init_target tg[64];
+        for (int i = 0; i < pm.n; i++) {
+            ts_tensor *t = *pm.items[i].slot;
+            cr_assert(ts__is_meta(t) && ts_tensor_dtype(t) == dts[d], "%s", pm.items[i].name);
+            int64_t n = ts_tensor_numel(t);
+            tg[i] = (ts__init_target){&t->storage->init_log, 0, n, dts[d], malloc((size_t)n * 2)};
+        }
+        ts__init_log orphans = {0};
+        TH_OK(ts__init_orphans_take(seq0, seq1, &orphans));
+        tg[pm.n] = (ts__init_target){&orphans, 0, 0, dts[d], NULL};
+        ts_manual_seed(9);
+        TH_OK(ts__init_replay_targets(pm.n + 1, tg));
+        for (int i = 0; i < pm.n; i++) {
+            th_vec_expect_bytes(pm.items[i].name, dts[d], tg[i].dst, ts_tensor_data(*pe.items[i].slot),
+                                ts_tensor_numel(*pe.items[i].slot));
+            free(tg[i].dst);
+        }
+        ts__init_log_fini(&orphans);
+        ts_named_params_free(&pe);
+        ts_named_params_free(&pm);
+        ts_module_free(m);
+        ts_module_free(e);
+    }
+}
