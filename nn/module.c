@@ -666,7 +666,12 @@ ts_status ts_param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor
         return ts_error(TS_ERR_DTYPE, "ts_param_new: a parameter must be floating-point to require grad, not %s",
                         ts_dtype_name(dtype));
     ts_tensor *t = NULL;
-    return as_param(ts_tensor_zeros(dtype, ndim, shape, &t), &t, out);
+    ts_status st = ts__param_new_meta ? ts__tensor_new_meta(dtype, ndim, shape, &t) : ts_tensor_zeros(dtype, ndim, shape, &t);
+    /* deferred: the zeros are recorded, so that a parameter its module never
+     * fills materializes as zeros too ([Note: deferred init]) */
+    if (!st && ts__is_meta(t) && (st = ts_tensor_fill_(t, 0.0)))
+        ts_tensor_free(t);
+    return as_param(st, &t, out);
 }
 
 typedef struct slot_find {

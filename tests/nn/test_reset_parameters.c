@@ -21,20 +21,21 @@
 
 /* ------------------------------------------------------------- a user module type */
 
-/* A user's module: its own scale (uniform) and shift (a constant), a child
- * Linear; the constructor calls its reset_parameters. */
+/* A user's module: its own scale (uniform) and shift (a constant), a
+ * parameter it never fills (ts_param_new's zeros), a child Linear; the
+ * constructor calls its reset_parameters. */
 typedef struct scaled {
     ts_module base;
     ts_module *fc;
-    ts_tensor *scale, *shift;
+    ts_tensor *scale, *shift, *zero;
 } scaled;
 
 static ts_status scaled_visit(ts_module *m, const ts_module_visitor *v)
 {
     scaled *s = (scaled *)m;
     ts_status st = TS_OK;
-    if (v->param && !(st = v->param(v->ctx, "scale", &s->scale)))
-        st = v->param(v->ctx, "shift", &s->shift);
+    if (v->param && !(st = v->param(v->ctx, "scale", &s->scale)) && !(st = v->param(v->ctx, "shift", &s->shift)))
+        st = v->param(v->ctx, "zero", &s->zero);
     if (!st && v->child)
         st = v->child(v->ctx, "fc", s->fc);
     return st;
@@ -46,6 +47,7 @@ static void scaled_free(ts_module *m)
     ts_module_free(s->fc);
     ts_tensor_free(s->scale);
     ts_tensor_free(s->shift);
+    ts_tensor_free(s->zero);
     free(s);
 }
 
@@ -66,7 +68,8 @@ static ts_status scaled_new(ts_module **out)
     TH_OK(ts_module_init(&s->base, &scaled_vt));
     int64_t d = 37;
     ts_status st = ts_linear_new(d, 3, true, &s->fc);
-    if (!st && !(st = ts__param_new(TS_F32, 1, &d, &s->scale)) && !(st = ts__param_new(TS_F32, 1, &d, &s->shift)))
+    if (!st && !(st = ts_param_new(TS_F32, 1, &d, &s->scale)) && !(st = ts_param_new(TS_F32, 1, &d, &s->shift)) &&
+        !(st = ts_param_new(TS_F32, 2, (int64_t[]){3, 5}, &s->zero)))
         st = scaled_reset(&s->base);
     if (st) {
         scaled_free(&s->base);
@@ -198,7 +201,8 @@ Test(nn_reset_parameters, reset_after_reseed_is_building)
         ts_named_params p;
         TH_OK(ts_module_named_parameters(m, &p));
         for (int i = 0; i < p.n; i++)
-            TH_OK(ts_tensor_fill_(*p.items[i].slot, 123.0));
+            if (!strstr(p.items[i].name, "zero")) /* the user module's never-filled parameter */
+                TH_OK(ts_tensor_fill_(*p.items[i].slot, 123.0));
         ts_named_params_free(&p);
         ts_manual_seed(77);
         TH_OK(ts_module_reset_parameters(m, true));
