@@ -203,12 +203,9 @@ static ts_status print_rank_memory(ts_comm *world, const ts_fsdp_memory_report *
     v[rank * 4 + 3] = (double)me->peak_bytes;
     ts_status st = ts_all_reduce(world, t, TS_REDUCE_SUM, NULL);
     v = ts_tensor_data(t);
-    for (int r = 0; r < W && !st; r++) {
-        char b[4][32];
-        printf("rank %d: peak RSS %s, estimate %s (tensors %s, estimate %s)\n", r, ex_fmt_bytes(v[r * 4], b[0], 32),
-               ex_fmt_bytes(v[r * 4 + 1], b[1], 32), ex_fmt_bytes(v[r * 4 + 2], b[2], 32),
-               ex_fmt_bytes(v[r * 4 + 3], b[3], 32));
-    }
+    for (int r = 0; r < W && !st; r++) /* MiB with a decimal: the estimate's error shows at any size */
+        printf("rank %d: peak RSS %.1f MiB, estimate %.1f MiB (tensors %.1f MiB, estimate %.1f MiB)\n", r,
+               v[r * 4] / 1048576.0, v[r * 4 + 1] / 1048576.0, v[r * 4 + 2] / 1048576.0, v[r * 4 + 3] / 1048576.0);
     ts_tensor_free(t);
     return st;
 }
