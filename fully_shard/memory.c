@@ -1151,7 +1151,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
             mval y = block_forward(&b1, &one, &xin);
             *block_act_out = b1.err ? 0 : b1.live - l0;
             (void)y;
-            free(b1.b), free(b1.n), free(b1.p);
+            free(b1.b), free(b1.n), free(b1.p), free(b1.cls);
             rep->block_act_ckpt_bytes = (size_t)pool_bytes(B * T * w->d * (int64_t)s->ces);
         }
     }
