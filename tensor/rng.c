@@ -585,6 +585,10 @@ static ts_status fill_prepare(const char *op, ts_tensor *t, void **data_out)
                             "%s: dim %d of size %lld has stride 0, so several elements share one memory "
                             "location; fill a contiguous tensor (ts_contiguous) instead",
                             op, d, (long long)t->shape[d]);
+    if (ts__is_meta(t)) {
+        *data_out = NULL;
+        return TS_OK;
+    }
     *data_out = ts_tensor_data(t);
     if (!*data_out)
         return ts_error(TS_ERR_RELEASED, "%s: the tensor's storage is released", op);
@@ -984,6 +988,10 @@ ts_status ts_rand(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator *
     ts_status st = new_float("rand", dtype, ndim, shape, &t);
     if (st != TS_OK)
         return st;
+    if (ts__is_meta(t)) { /* a meta tensor draws nothing: the generator stays */
+        *out = t;
+        return TS_OK;
+    }
     st = ts_uniform_(t, 0.0, 1.0, gen);
     if (st != TS_OK) {
         ts_tensor_free(t);
@@ -1001,6 +1009,10 @@ ts_status ts_randn(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator 
     ts_status st = new_float("randn", dtype, ndim, shape, &t);
     if (st != TS_OK)
         return st;
+    if (ts__is_meta(t)) { /* a meta tensor draws nothing: the generator stays */
+        *out = t;
+        return TS_OK;
+    }
     st = ts_normal_(t, 0.0, 1.0, gen);
     if (st != TS_OK) {
         ts_tensor_free(t);
@@ -1024,7 +1036,7 @@ ts_status ts_randint(int64_t low, int64_t high, int ndim, const int64_t *shape, 
     ts_status st = ts_tensor_empty(TS_I64, ndim, shape, &t);
     if (st != TS_OK)
         return st;
-    int64_t n = tensor_numel(t);
+    int64_t n = ts__is_meta(t) ? 0 : tensor_numel(t); /* meta: no draw */
     int64_t *p = n ? ts_tensor_data(t) : NULL;
     ts_generator *g = gen_or_default(gen);
     uint64_t range = (uint64_t)high - (uint64_t)low;
@@ -1049,6 +1061,10 @@ ts_status ts_randperm(int64_t n, ts_generator *gen, ts_tensor **out)
     ts_status st = ts_tensor_empty(TS_I64, 1, &n, &t);
     if (st != TS_OK)
         return st;
+    if (ts__is_meta(t)) { /* a meta tensor draws nothing: the generator stays */
+        *out = t;
+        return TS_OK;
+    }
     int64_t *p = n ? ts_tensor_data(t) : NULL;
     ts_generator *g = gen_or_default(gen);
     for (int64_t i = 0; i < n; i++)
