@@ -20,7 +20,8 @@
  * TS_ERR_DTYPE (wrong or unsupported dtype), TS_ERR_INDEX (dim out of
  * range), TS_ERR_RELEASED (an input's storage is released),
  * TS_ERR_SHARDED (an input is a shard marked by an upper layer),
- * TS_ERR_NO_MEMORY.
+ * TS_ERR_STATE (an input is a meta tensor, which has no data, outside a
+ * meta scope: "meta device" below), TS_ERR_NO_MEMORY.
  */
 #ifndef TS_TENSOR_H
 #define TS_TENSOR_H

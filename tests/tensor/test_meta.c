@@ -385,7 +385,7 @@ static ts_status train(ts_module *model, ts_optim *opt, int steps, ts_tensor *x,
 
 typedef struct mlp_case {
     ts_dtype dtype;
-    bool fused;
+    bool fused, adam_amsgrad; /* AdamW, or Adam with amsgrad (a third state) */
 } mlp_case;
 
 /* Linear, GELU, Linear, cross_entropy, backward, AdamW: the model, the
@@ -409,9 +409,10 @@ static ts_status mlp_steps(void *ctx)
     if (c->dtype != TS_F32)
         TRY(ts_module_to_dtype(model, c->dtype));
     TRY(ts_module_parameters(model, &p));
-    ts_adam_options o = ts_adamw_options_default();
+    ts_adam_options o = c->adam_amsgrad ? ts_adam_options_default() : ts_adamw_options_default();
     o.fused = c->fused;
-    TRY(ts_adamw_new(p.n, p.items, &o, &opt));
+    o.amsgrad = c->adam_amsgrad;
+    TRY(c->adam_amsgrad ? ts_adam_new(p.n, p.items, &o, &opt) : ts_adamw_new(p.n, p.items, &o, &opt));
     TRY(ts_randn(c->dtype, 2, xs, NULL, &x));
     TRY(ts_randint(0, 10, 1, ts_, NULL, &tg));
     TRY(train(model, opt, 3, x, tg, 10, true));
@@ -429,12 +430,14 @@ out:
 
 Test(tensor_meta, mlp_adamw_steps_same_memory_as_cpu)
 {
-    mlp_case c = {TS_F32, false};
+    mlp_case c = {TS_F32, false, false};
     assert_same_memory("mlp f32", mlp_steps, &c);
     c.fused = true;
     assert_same_memory("mlp f32 fused", mlp_steps, &c);
     c.dtype = TS_F64;
     assert_same_memory("mlp f64 fused", mlp_steps, &c);
+    c = (mlp_case){TS_F32, true, true};
+    assert_same_memory("mlp f32, fused Adam with amsgrad", mlp_steps, &c);
 }
 
 /* A GPT (embeddings, layer_norm, causal self-attention with dropout,
