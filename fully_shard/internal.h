@@ -235,6 +235,15 @@ struct fsdp_group {
      * (n_grad_adds), gradients made as views (n_grad_views). */
     bool rs_add;
     uint64_t n_rs_add, n_grad_adds, n_grad_views;
+    /* a meta step (param_group.c, [Note: meta step]): the all-gather and
+     * the reduction in flight were skipped (no collective, no data); they
+     * complete when waited on */
+    bool ag_meta, rs_meta;
+    /* what the skipped collectives would hold from the pool until waited
+     * on (the copy-free descriptors, comm's staging scratch), as meta
+     * storages: freed when the all-gather (ag_hold) or reduction (rs_hold)
+     * completes */
+    ts_tensor *ag_hold[2], *rs_hold[3];
 };
 
 /* The collectives of a group's gradient reduction (FSDP2's
@@ -367,6 +376,12 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g);
  * must agree on every rank when a group is made. Any thread. */
 bool ts__fsdp_copy_free(int W, int64_t unsharded_bytes);
 void ts__fsdp_set_copy_free(int on);
+/* Whether g's runtime plays on the meta device ([Note: meta step] in
+ * param_group.c): the thread is in a meta scope or the group's sharded
+ * buffer is meta. Its collectives are then skipped (they complete at
+ * once), its copies move no data, and its buffers are meta storages on the
+ * thread's ledger. */
+bool ts__fsdp_group_meta(const fsdp_group *g);
 /* A reduction of g is in flight (packed or copy-free). */
 bool ts__fsdp_reduce_in_flight(const fsdp_group *g);
 /* The collectives and divisions for the group's next reduction. */

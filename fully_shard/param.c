@@ -105,6 +105,7 @@ ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsi
     ts_status st = ts_storage_restore(ts_tensor_storage(p->U));
     if (st) return st;
     unsigned char *u = ts_tensor_data(p->U);
+    if (!u || !ag) return TS_OK; /* a meta step ([Note: meta step] in param_group.c): no data */
     size_t rb = (size_t)p->row_numel * g->ues;
     for (int r = 0; r < g->W; r++) {
         const fsdp_chunk *ch = &p->chunks[r];
@@ -122,7 +123,7 @@ ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned 
     size_t rb = (size_t)p->row_numel * g->res;
     /* zeros where no gradient row lands: the padding rows, or the whole
      * segment of a parameter without gradient */
-    for (int r = 0; r < g->W; r++) {
+    for (int r = 0; in && r < g->W; r++) {
         int64_t len = gr ? p->chunks[r].rows : 0;
         if (len < p->c)
             memset(in + (size_t)(r * block + p->off) * g->res + (size_t)len * rb, 0, (size_t)(p->c - len) * rb);
@@ -136,7 +137,7 @@ ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned 
     const unsigned char *src = ts_tensor_data(cg);
     ts_dtype gd = ts_tensor_dtype(cg);
     size_t gb = (size_t)p->row_numel * ts_dtype_size(gd);
-    for (int r = 0; r < g->W; r++) {
+    for (int r = 0; in && src && r < g->W; r++) {
         const fsdp_chunk *ch = &p->chunks[r];
         if (ch->rows > 0)
             ts__buf_convert(g->rdtype, in + (size_t)(r * block + p->off) * g->res, gd, src + (size_t)ch->row0 * gb,
