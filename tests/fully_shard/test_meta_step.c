@@ -29,6 +29,7 @@ typedef struct step_opts {
     int copy_free;       /* -1 environment, 0 packed, 1 copy-free */
     bool mlp;            /* a 2-layer MLP instead of the GPT */
     bool prefetch;       /* implicit prefetch, forward and backward */
+    int64_t persist;     /* persist_threshold_numel (0: off) */
 } step_opts;
 
 typedef struct step_bytes {
@@ -49,6 +50,7 @@ static ts_module *build(const step_opts *o)
     ts_offload_policy op = ts_offload_policy_default();
     op.pin_memory = o->offload == 1;
     if (o->offload) fo.offload_policy = &op;
+    fo.persist_threshold_numel = o->persist;
     ts__fsdp_set_copy_free(o->copy_free);
     ts_module *m = NULL;
     const char *names[3];
@@ -116,6 +118,12 @@ static void swap_to_meta(ts_module *m)
     cr_assert_eq(ts__fsdp_subtree_groups(m, &w), TS_OK);
     for (int k = 0; k < w.n; k++) {
         fsdp_group *g = w.g[k];
+        for (int i = 0; i < g->n_persist; i++) { /* whole on every rank, outside the group's buffers */
+            ts_tensor *t = g->persist[i].t;
+            ts_storage *old = t->storage, *ns = meta_like(old);
+            repoint(t, old, ns);
+            ts__storage_release_ref(ns);
+        }
         if (!g->n) continue;
         ts_storage *old = g->sharded->storage, *ns = meta_like(old);
         ts__storage_retain(old); /* kept until every view moved */
@@ -263,3 +271,5 @@ Test(fully_shard_meta_step, gpt_offload_pageable) { exact("gpt offload pageable"
 Test(fully_shard_meta_step, gpt_copy_free) { exact("gpt copy-free", (step_opts){.copy_free = 1}); }
 Test(fully_shard_meta_step, gpt_copy_free_bf16_nosync) { exact("gpt copy-free bf16 nosync", (step_opts){.copy_free = 1, .bf16 = true, .microbatches = 2}); }
 Test(fully_shard_meta_step, mlp_copy_free_nosync) { exact("mlp copy-free nosync", (step_opts){.copy_free = 1, .mlp = true, .microbatches = 2}); }
+Test(fully_shard_meta_step, gpt_persist) { exact("gpt persistent small params", (step_opts){.copy_free = 0, .persist = 64}); }
+Test(fully_shard_meta_step, gpt_persist_nosync) { exact("gpt persistent nosync", (step_opts){.copy_free = 0, .persist = 64, .microbatches = 2}); }
