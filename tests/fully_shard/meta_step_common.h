@@ -24,7 +24,10 @@ typedef struct step_opts {
     bool mlp;            /* a 2-layer MLP instead of the GPT */
     bool prefetch;       /* implicit prefetch, forward and backward */
     int64_t persist;     /* persist_threshold_numel (0: off) */
+    bool hsdp;           /* HSDP over the world: mesh (W, 1), replicate x shard */
 } step_opts;
+
+static ts_mesh *g_ms_mesh; /* the HSDP mesh of the model being built (freed after it) */
 
 typedef struct step_bytes {
     size_t peak, pool; /* the step's storage peak over its start, and the pool's growth */
@@ -46,6 +49,12 @@ static inline ts_module *build(const step_opts *o)
     op.pin_memory = o->offload == 1;
     if (o->offload) fo.offload_policy = &op;
     fo.persist_threshold_numel = o->persist;
+    if (o->hsdp) {
+        int64_t shape[2] = {ts_comm_size(ts_dist_world()), 1};
+        const char *names[2] = {"replicate", "shard"};
+        MS_OK(ts_mesh_new(ts_dist_world(), "cpu", 2, shape, names, &g_ms_mesh));
+        fo.mesh = g_ms_mesh;
+    }
     ts__fsdp_set_copy_free(o->copy_free);
     ts_module *m = NULL;
     const char *names[3];
@@ -214,6 +223,8 @@ static inline step_bytes real_step(const step_opts *o)
     ts_tensor_free(x), ts_tensor_free(tg);
     ts_optim_free(opt);
     ts_module_free(m);
+    ts_mesh_free(g_ms_mesh);
+    g_ms_mesh = NULL;
     return r;
 }
 
@@ -238,6 +249,8 @@ static inline step_bytes meta_step(const step_opts *o)
     ts_tensor_free(x), ts_tensor_free(tg);
     ts_optim_free(opt);
     ts_module_free(m);
+    ts_mesh_free(g_ms_mesh);
+    g_ms_mesh = NULL;
     MS_OK(ts_device_scope_exit());
     return (step_bytes){after.peak - before.live, after.pool_peak - before.pool};
 }

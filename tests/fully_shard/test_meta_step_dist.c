@@ -62,6 +62,9 @@ static const ms_case k_cases[] = {
     {"offload-pinned", {.copy_free = 0, .offload = 1}},
     {"persist", {.copy_free = 0, .persist = 64}},
     {"mlp-packed", {.copy_free = 0, .mlp = true}},
+    {"hsdp", {.copy_free = 0, .hsdp = true}},
+    {"hsdp-bf16-nosync-x2", {.copy_free = 0, .hsdp = true, .bf16 = true, .microbatches = 2}},
+    {"hsdp-persist", {.copy_free = 0, .hsdp = true, .persist = 64}},
 };
 #define N_CASES ((int)(sizeof k_cases / sizeof k_cases[0]))
 
