@@ -25,6 +25,7 @@ typedef struct step_opts {
     bool prefetch;       /* implicit prefetch, forward and backward */
     int64_t persist;     /* persist_threshold_numel (0: off) */
     bool hsdp;           /* HSDP over the world: mesh (W, 1), replicate x shard */
+    bool explicit_pf;    /* explicit prefetch: block 0 forward-prefetches block 1, block 1 backward-prefetches block 0 */
 } step_opts;
 
 static ts_mesh *g_ms_mesh; /* the HSDP mesh of the model being built (freed after it) */
@@ -84,6 +85,13 @@ static inline ts_module *build(const step_opts *o)
     }
     fo.reshard_after_forward = TS_RESHARD_AUTO;
     MS_OK(ts_fully_shard(m, &fo));
+    if (o->explicit_pf) {
+        ts_module *b0, *b1;
+        MS_OK(ts_module_get_submodule(m, names[0], &b0));
+        MS_OK(ts_module_get_submodule(m, names[1], &b1));
+        MS_OK(ts_fsdp_set_modules_to_forward_prefetch(b0, 1, &b1));
+        MS_OK(ts_fsdp_set_modules_to_backward_prefetch(b1, 1, &b0));
+    }
     MS_OK(ts_fsdp_set_implicit_prefetch(m, o->prefetch, o->prefetch));
     ts__fsdp_set_copy_free(-1);
     return m;

@@ -46,3 +46,5 @@ Test(fully_shard_meta_step, mlp_copy_free_nosync) { exact("mlp copy-free nosync"
 Test(fully_shard_meta_step, gpt_persist) { exact("gpt persistent small params", (step_opts){.copy_free = 0, .persist = 64}); }
 Test(fully_shard_meta_step, gpt_persist_nosync) { exact("gpt persistent nosync", (step_opts){.copy_free = 0, .persist = 64, .microbatches = 2}); }
 Test(fully_shard_meta_step, gpt_bf16_reduce_bf16) { exact("gpt bf16 reduce bf16", (step_opts){.copy_free = 0, .bf16_reduce = true}); }
+Test(fully_shard_meta_step, gpt_explicit_prefetch) { exact("gpt explicit prefetch", (step_opts){.copy_free = 0, .explicit_pf = true}); }
+Test(fully_shard_meta_step, mlp_explicit_prefetch_copy_free) { exact("mlp explicit prefetch copy-free", (step_opts){.copy_free = 1, .mlp = true, .explicit_pf = true}); }

@@ -52,6 +52,8 @@ static const ms_case k_cases[] = {
     {"f32-packed", {.copy_free = 0}},
     {"f32-packed-prefetch", {.copy_free = 0, .prefetch = true}},
     {"f32-copy-free", {.copy_free = 1}},
+    {"explicit-prefetch", {.copy_free = 0, .explicit_pf = true}},
+    {"explicit-prefetch-copy-free", {.copy_free = 1, .explicit_pf = true}},
     {"bf16-packed", {.copy_free = 0, .bf16 = true}},
     {"bf16-reduce-bf16-packed", {.copy_free = 0, .bf16_reduce = true}},
     {"bf16-reduce-bf16-copy-free", {.copy_free = 1, .bf16_reduce = true}},
