@@ -103,6 +103,9 @@ typedef struct run_arg {
     bool offload;   /* offload_policy, pinned */
     bool leftover;  /* the root is not sharded: its own parameters stay outside every group */
     bool ckpt;      /* activation checkpointing on the blocks (GPT) before sharding */
+    bool ckpt_after; /* the same, after sharding */
+    bool persist;   /* persist_threshold_numel 20: the biases and norms stay whole (outside the groups' buffers) */
+    bool by_size;   /* ts_fsdp_apply_by_size(60) instead of sharding each Linear (MLP) */
     const char *dir; /* a checkpoint folder (made by the test) */
 } run_arg;
 
@@ -115,18 +118,21 @@ static ts_status shard(ts_module *root, const run_arg *a, ts_mesh *mesh)
     if (a->mp) o.mp_policy = &mp;
     ts_offload_policy off = ts_offload_policy_default();
     if (a->offload) o.offload_policy = &off;
+    if (a->persist) o.persist_threshold_numel = 20;
     ts_status st;
-    if (a->kind == M_MLP) {
+    ts_module *blocks = NULL;
+    if (a->kind != M_MLP && (st = ts_module_get_submodule(root, "blocks", &blocks))) return st;
+    if (a->kind == M_MLP && a->by_size) {
+        if ((st = ts_fsdp_apply_by_size(root, 60, &o, NULL))) return st;
+    } else if (a->kind == M_MLP) {
         for (int i = 0; i < 5; i += 2)
             if ((st = ts_fully_shard(ts_container_child(root, i), &o))) return st;
     } else {
-        if (a->ckpt) {
-            ts_module *blocks = NULL;
-            if ((st = ts_module_get_submodule(root, "blocks", &blocks))) return st;
-            for (int i = 0; i < ts_container_size(blocks); i++)
-                if ((st = ts_checkpoint_module(ts_container_child(blocks, i)))) return st;
-        }
+        for (int i = 0; a->ckpt && i < ts_container_size(blocks); i++)
+            if ((st = ts_checkpoint_module(ts_container_child(blocks, i)))) return st;
         if ((st = ts_fsdp_apply_by_type(root, "Block", &o, NULL))) return st;
+        for (int i = 0; a->ckpt_after && i < ts_container_size(blocks); i++)
+            if ((st = ts_checkpoint_module(ts_container_child(blocks, i)))) return st;
     }
     return a->leftover ? TS_OK : ts_fully_shard(root, &o);
 }
@@ -282,6 +288,8 @@ Test(fully_shard_deferred_init, load_into_meta_policies, .timeout = 120)
     run_load(2, (run_arg){.kind = M_GPT, .offload = true});
     run_load(3, (run_arg){.kind = M_GPT, .leftover = true});
     run_load(2, (run_arg){.kind = M_GPT_TIED, .ckpt = true});
+    run_load(3, (run_arg){.kind = M_GPT, .ckpt_after = true, .persist = true});
+    run_load(2, (run_arg){.kind = M_MLP, .by_size = true});
 }
 
 /* Until materialized, everything that needs the values refuses the model,
