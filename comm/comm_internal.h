@@ -58,6 +58,14 @@ typedef void (*ts__world_fail_hook)(void *arg, ts_status st, int culprit, const 
  * NULL and the one-rank group. */
 void ts__world_set_fail_hook(ts_comm *world, ts__world_fail_hook hook, void *arg);
 
+/* The keys of the failure notices (dist.c, "Failure notices"), printf
+ * formats of the world's store prefix (and a rank): the notice, set by
+ * compare-and-set from empty to "<posting rank> <status> <culprit>
+ * <message>" (posting rank -1: the launcher, for a rank its memory cgroup
+ * OOM-killed), and each rank's wake key. */
+#define TS__DIST_FAILED_KEY "%s/failed"
+#define TS__DIST_WAKE_KEY "%s/rdv/wake/%d"
+
 /* The world ts_comm_world() returns, owned by comm.c: ts_dist_init
  * (comm/dist.c) publishes the world it made and NULL when it is finalized;
  * ts_comm_world() returns the published world, the one-rank group while

@@ -724,7 +724,7 @@ static ts_status post_once(watch *wt, const char *val, size_t len, bool *won, in
     for (; *next_r < wt->world_size; ++*next_r) {
         if (*next_r == wt->rank) continue;
         char key[sizeof wt->wake_key];
-        snprintf(key, sizeof key, "%s/rdv/wake/%d", wt->prefix, *next_r);
+        snprintf(key, sizeof key, TS__DIST_WAKE_KEY, wt->prefix, *next_r);
         s = ts_store_set(wt->post, key, "", 0);
         if (s != TS_OK) return s;
     }
@@ -784,7 +784,9 @@ static bool read_notice(watch *wt, ts_status *st_out, char *msg, size_t cap)
               from != wt->rank;
     if (ok) {
         const char *what = text + used;
-        if (culprit == wt->rank)
+        if (from < 0) /* the launcher's: a rank its memory cgroup OOM-killed */
+            snprintf(msg, cap, "%.500s (reported by the launcher through the store)", what);
+        else if (culprit == wt->rank)
             snprintf(msg, cap, "rank %d gave up on this rank: %.500s (reported through the store)", from, what);
         else if (culprit >= 0)
             snprintf(msg, cap, "%.500s (reported by a peer through the store)", what);
@@ -896,9 +898,9 @@ static void watch_start(const ts_rank_env *e, const char *prefix, ts_comm *world
     wt->world_size = e->world_size;
     atomic_init(&wt->stop, false);
     snprintf(wt->prefix, sizeof wt->prefix, "%s", prefix);
-    snprintf(wt->wake_key, sizeof wt->wake_key, "%s/rdv/wake/%d", prefix, e->rank);
+    snprintf(wt->wake_key, sizeof wt->wake_key, TS__DIST_WAKE_KEY, prefix, e->rank);
     snprintf(wt->error_key, sizeof wt->error_key, "%s/rdv/error", prefix);
-    snprintf(wt->failed_key, sizeof wt->failed_key, "%s/failed", prefix);
+    snprintf(wt->failed_key, sizeof wt->failed_key, TS__DIST_FAILED_KEY, prefix);
     snprintf(wt->addr, sizeof wt->addr, "%s", e->master_addr);
     snprintf(wt->token, sizeof wt->token, "%s", e->token);
     wt->port = e->master_port;
@@ -964,6 +966,23 @@ static void attach_store(const ts_rank_env *e, const char *prefix, ts_comm *worl
         snprintf(hung, sizeof hung, TS_LAUNCH_HUNG_KEY, e->run_id);
     if (ts__world_attach_store(world, c, prefix, hung) != TS_OK)
         ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: %s", e->rank, ts_last_error());
+}
+
+/* Under a launcher that hosts the store: records this world's store
+ * prefix (TS_LAUNCH_WORLD_KEY), through which the launcher posts a failure
+ * notice of its own (a rank its memory cgroup OOM-killed). Every rank
+ * sets the same value once it has met the others, so the key is there
+ * before any rank can fail in a collective. */
+static void record_world(const ts_rank_env *e, const char *prefix)
+{
+    if (!e->store_hosted || !e->run_id[0])
+        return;
+    char key[TS_LAUNCH_MAX_STR + 32], val[sizeof g_prefix + 16];
+    snprintf(key, sizeof key, TS_LAUNCH_WORLD_KEY, e->run_id);
+    int n = snprintf(val, sizeof val, "%d %s", e->world_size, prefix);
+    if (ts_store_set(g_store, key, val, (size_t)n) != TS_OK)
+        ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: the launcher will not reach this world's ranks through the store: %s",
+                e->rank, ts_last_error());
 }
 
 /* TS_DIST_TIMEOUT, when set, overrides the option (seconds, > 0). */
@@ -1108,6 +1127,7 @@ static ts_status init_locked(const ts_dist_options *o)
     s = join_world(g_store, g_prefix, env.store_hosted ? env.run_id : NULL, env.rank, env.world_size, timeout_s,
                    g_server != NULL);
     if (s != TS_OK) goto fail;
+    record_world(&env, g_prefix);
     ts_transport *t = NULL;
     s = ts__ucx_transport_new(g_store, g_prefix, env.rank, env.world_size, timeout_s, &t);
     if (s != TS_OK) goto fail;

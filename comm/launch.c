@@ -5,7 +5,9 @@
  * buffers for whole-line output, a grace timer between SIGTERM and SIGKILL.
  */
 #define _GNU_SOURCE
+#include "comm/comm_internal.h"
 #include "comm/launch.h"
+#include "comm/launch_internal.h"
 #include "comm/store.h"
 
 #include <arpa/inet.h>
@@ -37,6 +39,8 @@ extern char **environ;
 #define MAX_NODES 65536
 #define LINE_SPLIT (64 * 1024) /* longer lines are split (a newline inserted) */
 #define READ_CHUNK (64 * 1024)
+#define MIN_MEMORY_CAP ((int64_t)1 << 20)
+#define MAX_MEMORY_CAP ((int64_t)1 << 60)
 
 /* ============================================================= launcher */
 
@@ -60,12 +64,13 @@ struct rank_proc {
     int pid;
     bool running;   /* spawned and not yet exited */
     int log_fd;     /* log_dir/rank<R>.log, -1 when none (or after a write error) */
+    bool cg_live;   /* its memory cgroup exists (memory_per_rank) */
     out_stream out, err;
 };
 
 struct launcher {
     uv_loop_t loop;
-    uv_timer_t grace, drain;
+    uv_timer_t grace, drain, notice;
     uv_signal_t sig[3];
     int nsig;
     const ts_launch_options *o;
@@ -76,6 +81,10 @@ struct launcher {
     bool stopping;  /* SIGTERM sent (failure or signal) */
     bool finishing;
     int failed_rank, failed_code, failed_signal, received_signal;
+    ts__cgroup_job *cg; /* memory_per_rank's groups; NULL without caps */
+    int oom_rank;       /* -1: none */
+    int64_t oom_peak;
+    char oom_message[256];
     bool out_dead, err_dead;
     int watchdog_fd; /* write end of the watchdog's pipe; -1 when none */
     ts_store *store; /* node 0: a client of its own store, recording exits; NULL when none */
@@ -131,13 +140,89 @@ static int write_all(int fd, const char *p, size_t n)
 
 /* ------------------------------------------------------------- watchdog */
 
+/* path = dir + "/rank" + decimal r, async-signal-safe; false when it
+ * does not fit. */
+static bool rank_dir(char *path, size_t cap, const char *dir, int r)
+{
+    size_t n = 0;
+    for (const char *p = dir; *p; p++)
+        if (n + 1 < cap)
+            path[n++] = *p;
+        else
+            return false;
+    static const char tail[] = "/rank";
+    char digits[16];
+    int nd = 0;
+    do {
+        digits[nd++] = (char)('0' + r % 10);
+        r /= 10;
+    } while (r > 0 && nd < 15);
+    if (n + sizeof tail + (size_t)nd >= cap)
+        return false;
+    for (size_t k = 0; k + 1 < sizeof tail; k++)
+        path[n++] = tail[k];
+    while (nd > 0)
+        path[n++] = digits[--nd];
+    path[n] = '\0';
+    return true;
+}
+
+/* SIGKILLs every process listed in the group's cgroup.procs (those
+ * that left the rank's process group); async-signal-safe. */
+static void kill_group_procs(const char *dir)
+{
+    char path[PATH_MAX + 16];
+    size_t n = 0;
+    for (const char *p = dir; *p && n + 1 < PATH_MAX; p++)
+        path[n++] = *p;
+    static const char tail[] = "/cgroup.procs";
+    for (size_t k = 0; k < sizeof tail; k++)
+        path[n++] = tail[k];
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    char buf[4096];
+    ssize_t got = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    long pid = 0;
+    for (ssize_t i = 0; i < got; i++) {
+        if (buf[i] >= '0' && buf[i] <= '9') {
+            pid = pid * 10 + (buf[i] - '0');
+        } else {
+            if (pid > 0)
+                kill((pid_t)pid, SIGKILL);
+            pid = 0;
+        }
+    }
+}
+
+/* The watchdog's removal of the memory cgroups of the dead launcher's
+ * ranks (async-signal-safe): each once its killed processes have left
+ * it, for at most about 5 s in all. */
+static void watchdog_remove_groups(const char *job, int first_rank, int n)
+{
+    struct timespec step = {0, 10 * 1000 * 1000};
+    int tries = 500;
+    for (int i = 0; i < n; i++) {
+        char path[PATH_MAX];
+        if (!rank_dir(path, sizeof path, job, first_rank + i))
+            continue;
+        while (rmdir(path) != 0 && errno == EBUSY && tries-- > 0) {
+            kill_group_procs(path);
+            nanosleep(&step, NULL);
+        }
+    }
+    rmdir(job);
+}
+
 /* A process of its own session that SIGKILLs the ranks' process groups if
  * the launcher dies without saying goodbye (SIGKILL, a crash), so that
  * ranks never outlive it, even those that never call ts_launch_rank_guard,
  * and their children. The launcher tells it over a pipe: pid > 0 a rank's
  * group started, pid < 0 it ended, 0 goodbye. End of file without a
- * goodbye means the launcher is gone. */
-static void watchdog_main(int fd, int n)
+ * goodbye means the launcher is gone. With memory_per_rank it then also
+ * removes the ranks' memory cgroups. */
+static void watchdog_main(int fd, int n, const char *cg_job, int first_rank)
 {
     int32_t groups[MAX_RANKS_PER_NODE] = {0};
     /* forked from a process that may have threads: only async-signal-safe
@@ -167,6 +252,8 @@ static void watchdog_main(int fd, int n)
                 for (int i = 0; i < n; i++)
                     if (groups[i] > 0)
                         kill(-(pid_t)groups[i], SIGKILL);
+                if (cg_job[0])
+                    watchdog_remove_groups(cg_job, first_rank, n);
                 _exit(0);
             }
             got += (size_t)r;
@@ -187,8 +274,10 @@ static void watchdog_main(int fd, int n)
 }
 
 /* Starts the watchdog; returns its pid (-1 when it could not start: the
- * job runs without it) and the pipe's write end. */
-static pid_t watchdog_start(int n, int *fd_out)
+ * job runs without it) and the pipe's write end. cg_job: the directory of
+ * the ranks' memory cgroups ("" when none), removed should the launcher
+ * die. */
+static pid_t watchdog_start(int n, const char *cg_job, int first_rank, int *fd_out)
 {
     *fd_out = -1;
     int p[2];
@@ -197,7 +286,7 @@ static pid_t watchdog_start(int n, int *fd_out)
     pid_t w = fork();
     if (w == 0) {
         close(p[1]);
-        watchdog_main(p[0], n);
+        watchdog_main(p[0], n, cg_job, first_rank);
         _exit(0);
     }
     close(p[0]);
@@ -381,11 +470,19 @@ static void on_grace(uv_timer_t *t)
 static void start_stopping(launcher *L, int sig)
 {
     L->stopping = true;
+    uv_timer_stop(&L->notice);
     signal_groups(L, sig);
     if (sig != SIGKILL && !uv_is_active((uv_handle_t *)&L->grace)) {
         double ms = L->o->grace_s * 1000.0;
         uv_timer_start(&L->grace, on_grace, (uint64_t)ms, 0);
     }
+}
+
+/* The window after an OOM notice is over: the ranks that have not
+ * failed and exited on it are stopped. */
+static void on_notice(uv_timer_t *t)
+{
+    start_stopping(t->data, SIGTERM);
 }
 
 static void on_drain(uv_timer_t *t)
@@ -448,6 +545,79 @@ static void read_hung(launcher *L, ts_launch_result *res)
     snprintf(res->hung_collective, sizeof res->hung_collective, "%s", txt + off);
 }
 
+/* rank R's memory cgroup (memory_per_rank) */
+static void cg_dir(const launcher *L, int rank, char *out, size_t cap)
+{
+    snprintf(out, cap, "%s/rank%d", L->cg->job, rank);
+}
+
+/* Posts the failure notice `msg` of rank `culprit` to the world the ranks
+ * formed last (TS_LAUNCH_WORLD_KEY: "<world size> <prefix>") and wakes
+ * every other rank's watch (comm/dist.c, "Failure notices"), unless a
+ * rank posted a failure of its own first. True when this notice is the
+ * world's. */
+static bool post_notice(launcher *L, int culprit, const char *msg)
+{
+    if (!L->store)
+        return false;
+    char key[3 * TS_LAUNCH_MAX_STR + 64];
+    snprintf(key, sizeof key, TS_LAUNCH_WORLD_KEY, L->run_id);
+    if (ts_store_check(L->store, key) != TS_OK)
+        return false; /* no world has met yet (the rendezvous names the exit itself) */
+    void *v = NULL;
+    size_t len = 0;
+    if (ts_store_get(L->store, key, &v, &len) != TS_OK)
+        return false;
+    char world_txt[3 * TS_LAUNCH_MAX_STR + 32];
+    snprintf(world_txt, sizeof world_txt, "%.*s", (int)(len < sizeof world_txt - 1 ? len : sizeof world_txt - 1),
+             (const char *)v);
+    free(v);
+    int world = 0, off = 0;
+    if (sscanf(world_txt, "%d %n", &world, &off) < 1 || world < 1 || off <= 0 || !world_txt[off])
+        return false;
+    const char *prefix = world_txt + off;
+    char val[640];
+    int n = snprintf(val, sizeof val, "-1 %d %d %s", (int)TS_ERR_PEER_FAILED, culprit, msg);
+    size_t vlen = n < 0 ? 0 : (size_t)n >= sizeof val ? sizeof val - 1 : (size_t)n;
+    snprintf(key, sizeof key, TS__DIST_FAILED_KEY, prefix);
+    void *got = NULL;
+    size_t glen = 0;
+    ts_status s = ts_store_compare_set(L->store, key, "", 0, val, vlen, &got, &glen);
+    bool won = s == TS_OK && glen == vlen && memcmp(got, val, vlen) == 0;
+    free(got);
+    for (int r = 0; won && r < world; r++) {
+        if (r == culprit)
+            continue;
+        snprintf(key, sizeof key, TS__DIST_WAKE_KEY, prefix, r);
+        if (ts_store_set(L->store, key, "", 0) != TS_OK)
+            won = false;
+    }
+    if (s != TS_OK)
+        ts_logf(TS_LOG_WARN, "ts_launch: cannot post the failure of rank %d to the store: %s", culprit,
+                ts_last_error());
+    return won;
+}
+
+/* Reads the rank's memory cgroup counters and removes the group. True
+ * when its failure was the kernel's OOM killer (then the message is in
+ * L->oom_message when it is the job's first failure). */
+static bool check_oom(launcher *L, rank_proc *rp, int64_t exit_status, int term_signal, int64_t *peak_out)
+{
+    *peak_out = -1;
+    if (!L->cg || !rp->cg_live)
+        return false;
+    char dir[PATH_MAX + 32];
+    cg_dir(L, rp->rank, dir, sizeof dir);
+    int64_t kills = -1, failcnt = -1;
+    ts__cgroup_counters(L->cg, dir, &kills, &failcnt, peak_out);
+    if (ts__cgroup_remove(dir) == 0)
+        rp->cg_live = false;
+    bool failed = exit_status != 0 || term_signal != 0;
+    /* without the kill counter (v1 before Linux 4.13): a SIGKILL after
+     * the usage hit the limit */
+    return failed && (kills > 0 || (kills < 0 && term_signal == SIGKILL && failcnt > 0));
+}
+
 static void on_proc_exit(uv_process_t *p, int64_t exit_status, int term_signal)
 {
     rank_proc *rp = p->data;
@@ -458,13 +628,38 @@ static void on_proc_exit(uv_process_t *p, int64_t exit_status, int term_signal)
     kill(-(pid_t)rp->pid, SIGKILL);
     watchdog_tell(L, -(int32_t)rp->pid);
     uv_close((uv_handle_t *)p, NULL);
+    int64_t peak = -1;
+    bool oom = check_oom(L, rp, exit_status, term_signal, &peak);
     record_exit(L, rp, exit_status, term_signal);
     bool failed = exit_status != 0 || term_signal != 0;
     if (failed && !L->stopping) {
         L->failed_rank = rp->rank;
         L->failed_signal = term_signal;
         L->failed_code = term_signal ? 128 + term_signal : (int)exit_status;
-        start_stopping(L, SIGTERM);
+        if (oom) {
+            char cap[32], peak_s[32] = "", how[128];
+            ts_launch_format_size(L->o->memory_per_rank, cap, sizeof cap);
+            if (peak >= 0)
+                ts_launch_format_size(peak, peak_s, sizeof peak_s);
+            if (term_signal == SIGKILL)
+                snprintf(how, sizeof how, "killed by the kernel's OOM killer");
+            else
+                snprintf(how, sizeof how, "the kernel's OOM killer killed a process of it; it %s %d",
+                         term_signal ? "died of signal" : "exited with status",
+                         term_signal ? term_signal : (int)exit_status);
+            L->oom_rank = rp->rank;
+            L->oom_peak = peak;
+            snprintf(L->oom_message, sizeof L->oom_message, "rank %d exceeded --memory-per-rank %s (%s%s%s)",
+                     rp->rank, cap, how, peak >= 0 ? "; peak " : "", peak_s);
+        }
+        if (oom && L->o->grace_s > 0 && post_notice(L, rp->rank, L->oom_message)) {
+            /* the others fail naming it (dist.c's watch) and exit by
+             * themselves; those that do not are stopped after grace_s */
+            L->stopping = true;
+            uv_timer_start(&L->notice, on_notice, (uint64_t)(L->o->grace_s * 1000.0), 0);
+        } else {
+            start_stopping(L, SIGTERM);
+        }
     }
     if (L->running == 0 && L->open_pipes > 0 && !uv_is_active((uv_handle_t *)&L->drain)) {
         /* at least a second: what the ranks wrote last is still being read */
@@ -493,6 +688,7 @@ static void maybe_finish(launcher *L)
     L->finishing = true;
     uv_close((uv_handle_t *)&L->grace, NULL);
     uv_close((uv_handle_t *)&L->drain, NULL);
+    uv_close((uv_handle_t *)&L->notice, NULL);
     for (int i = 0; i < L->nsig; i++)
         uv_close((uv_handle_t *)&L->sig[i], NULL);
 }
@@ -513,6 +709,7 @@ ts_launch_options ts_launch_options_default(void)
         .out_fd = 1,
         .err_fd = 2,
         .log_dir = NULL,
+        .memory_per_rank = 0,
     };
 }
 
@@ -602,6 +799,10 @@ static ts_status check_options(const ts_launch_options *o, char *const *argv)
                         o->grace_s);
     if (o->out_fd < 0 || o->err_fd < 0)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: out_fd and err_fd must be open descriptors");
+    if (o->memory_per_rank != 0 && (o->memory_per_rank < MIN_MEMORY_CAP || o->memory_per_rank > MAX_MEMORY_CAP))
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_launch: memory_per_rank must be 0 (no cap) or %lld (1 MiB) .. %lld (1 EiB) bytes (got "
+                        "%lld)", (long long)MIN_MEMORY_CAP, (long long)MAX_MEMORY_CAP, (long long)o->memory_per_rank);
     if (o->log_dir && (!*o->log_dir || strlen(o->log_dir) > PATH_MAX - 32))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: log_dir must be a directory path of 1..%d bytes "
                                                  "(got %zu)", PATH_MAX - 32, strlen(o->log_dir));
@@ -693,7 +894,7 @@ static ts_status bind_address(const char *addr, char *out, size_t cap)
 static const char *const launcher_vars[] = {
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "TS_STORE_TOKEN", "TS_RUN_ID", "TS_STORE_HOSTED", "TS_LAUNCHER_PID",
-    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
+    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", TS_MEMORY_PER_RANK_ENV,
 };
 
 static bool is_launcher_var(const char *entry)
@@ -780,6 +981,9 @@ static ts_status build_env(env_builder *b, const ts_launch_options *o, int port,
         (s = env_addf(b, "TS_STORE_HOSTED", "1")) ||
         (s = env_addf(b, "TS_LAUNCHER_PID", "%ld", (long)getpid())))
         return s;
+    if (o->memory_per_rank > 0 &&
+        (s = env_addf(b, TS_MEMORY_PER_RANK_ENV, "%lld", (long long)o->memory_per_rank)))
+        return s;
     /* DEPS-GUIDE §1.4, §1.10, §1.12, §5: shared memory with peer-failure
      * detection, a fast keepalive, no warnings for unused UCX variables,
      * one BLIS thread per core share */
@@ -836,11 +1040,31 @@ static int spawn_rank(launcher *L, int i, char *const *argv, char **env, char *e
     po.stdio_count = 3;
     po.stdio = stdio;
     rp->proc.data = rp;
-    int r = uv_spawn(&L->loop, &rp->proc, &po);
-    if (r != 0) {
-        snprintf(err, errcap, "ts_launch: cannot start rank %d: '%s': %s", rp->rank, argv[0], uv_strerror(r));
-        uv_close((uv_handle_t *)&rp->proc, NULL);
+    /* born in its memory cgroup: the forking thread (v2: the launcher)
+     * stands in it for the fork */
+    char dir[PATH_MAX + 32];
+    if (L->cg) {
+        cg_dir(L, rp->rank, dir, sizeof dir);
+        if (ts__cgroup_enter(L->cg, dir) != TS_OK) {
+            snprintf(err, errcap, "%s", ts_last_error());
             rp->out.open = rp->err.open = false;
+            L->open_pipes -= 2;
+            uv_close((uv_handle_t *)&rp->out.pipe, NULL);
+            uv_close((uv_handle_t *)&rp->err.pipe, NULL);
+            return -1;
+        }
+    }
+    int r = uv_spawn(&L->loop, &rp->proc, &po);
+    /* the launcher must not go on under the rank's cap: when it cannot
+     * leave the group, the job stops here */
+    bool left = !L->cg || ts__cgroup_leave(L->cg) == TS_OK;
+    if (!left)
+        snprintf(err, errcap, "%s", ts_last_error());
+    if (r != 0) {
+        if (left)
+            snprintf(err, errcap, "ts_launch: cannot start rank %d: '%s': %s", rp->rank, argv[0], uv_strerror(r));
+        uv_close((uv_handle_t *)&rp->proc, NULL);
+        rp->out.open = rp->err.open = false;
         L->open_pipes -= 2;
         uv_close((uv_handle_t *)&rp->out.pipe, NULL);
         uv_close((uv_handle_t *)&rp->err.pipe, NULL);
@@ -852,7 +1076,39 @@ static int spawn_rank(launcher *L, int i, char *const *argv, char **env, char *e
     L->running++;
     uv_read_start((uv_stream_t *)&rp->out.pipe, on_alloc, on_read);
     uv_read_start((uv_stream_t *)&rp->err.pipe, on_alloc, on_read);
-    return 0;
+    return left ? 0 : -1;
+}
+
+/* Removes the memory cgroups still there (a rank's children still
+ * exiting, a failed start) and the job's directory, waiting up to 2 s for
+ * killed processes to leave them; a group that stays is named in a
+ * warning. Keeps the last error. */
+static void remove_groups(launcher *L)
+{
+    ts_status saved = ts_last_status();
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", ts_last_error());
+    struct timespec step = {0, 10 * 1000 * 1000};
+    int tries = 200;
+    for (int i = 0; L->ranks && i < L->n; i++) {
+        if (!L->ranks[i].cg_live)
+            continue;
+        char dir[PATH_MAX + 32];
+        cg_dir(L, L->o->node_rank * L->o->nproc_per_node + i, dir, sizeof dir);
+        int e;
+        while ((e = ts__cgroup_remove(dir)) == EBUSY && tries-- > 0)
+            nanosleep(&step, NULL);
+        if (e)
+            ts_logf(TS_LOG_WARN, "ts_launch: cannot remove the memory cgroup '%s': %s", dir, strerror(e));
+        L->ranks[i].cg_live = false;
+    }
+    int e = ts__cgroup_job_remove(L->cg);
+    if (e)
+        ts_logf(TS_LOG_WARN, "ts_launch: cannot remove the memory cgroup '%s': %s", L->cg->job, strerror(e));
+    ts__free(TS_MEM_COMM, L->cg);
+    L->cg = NULL;
+    if (saved)
+        ts_error(saved, "%s", msg);
 }
 
 ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_result *result_out)
@@ -875,21 +1131,38 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
     if (o->node_rank == 0 && (s = bind_address(o->master_addr, ip, sizeof ip)))
         return s;
 
+    /* the memory cgroups' directory, before the watchdog (which removes it
+     * should the launcher die); nothing it opens stays open */
+    ts__cgroup_job *cg = NULL;
+    if (o->memory_per_rank > 0) {
+        if (!(cg = ts__calloc(TS_MEM_COMM, 1, sizeof *cg)))
+            return TS_ERR_NO_MEMORY;
+        if ((s = ts__cgroup_job_init(cg, o->memory_per_rank))) {
+            ts__free(TS_MEM_COMM, cg);
+            return s;
+        }
+    }
     /* forked first: before anything else starts threads, opens descriptors
      * or allocates memory the child would keep */
     int watchdog_fd;
-    pid_t watchdog = watchdog_start(o->nproc_per_node, &watchdog_fd);
+    pid_t watchdog = watchdog_start(o->nproc_per_node, cg ? cg->job : "", o->node_rank * o->nproc_per_node,
+                                    &watchdog_fd);
     launcher *L = ts__calloc(TS_MEM_COMM, 1, sizeof *L);
     if (!L) {
         if (watchdog > 0) {
             close(watchdog_fd);
             waitpid(watchdog, NULL, 0);
         }
+        if (cg)
+            ts__cgroup_job_remove(cg);
+        ts__free(TS_MEM_COMM, cg);
         return TS_ERR_NO_MEMORY;
     }
     L->o = o;
     L->n = o->nproc_per_node;
     L->failed_rank = -1;
+    L->oom_rank = -1;
+    L->cg = cg;
     L->watchdog_fd = watchdog_fd;
     ts_store_server *server = NULL;
     env_builder env = {0};
@@ -906,6 +1179,12 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
         L->ranks[i].log_fd = -1;
     if (o->log_dir && (s = open_logs(L)))
         goto out;
+    for (int i = 0; cg && i < L->n; i++) {
+        char dir[PATH_MAX + 32];
+        if ((s = ts__cgroup_rank_create(cg, o->node_rank * o->nproc_per_node + i, dir, sizeof dir)))
+            goto out;
+        L->ranks[i].cg_live = true;
+    }
     /* node 0 hosts the store for the whole job */
     if (o->node_rank == 0) {
         if ((s = ts_store_server_start(ip, o->master_port, token, &server)))
@@ -934,7 +1213,8 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
     }
     uv_timer_init(&L->loop, &L->grace);
     uv_timer_init(&L->loop, &L->drain);
-    L->grace.data = L->drain.data = L;
+    uv_timer_init(&L->loop, &L->notice);
+    L->grace.data = L->drain.data = L->notice.data = L;
     if (o->forward_signals) {
         static const int sigs[] = {SIGINT, SIGTERM, SIGHUP};
         for (int i = 0; i < 3; i++) {
@@ -974,6 +1254,9 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
             .master_port = port,
         };
         res.hung_rank = -1;
+        res.oom_rank = L->oom_rank;
+        res.oom_peak_bytes = L->oom_rank >= 0 ? L->oom_peak : -1;
+        snprintf(res.oom_message, sizeof res.oom_message, "%s", L->oom_rank >= 0 ? L->oom_message : "");
         if (L->failed_rank >= 0)
             read_hung(L, &res);
         if (L->failed_rank >= 0)
@@ -986,6 +1269,8 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
 out:
     ts_store_close(L->store);
     ts_store_server_stop(server);
+    if (cg)
+        remove_groups(L);
     watchdog_stop(L, watchdog);
     for (int i = 0; L->ranks && i < L->n; i++) {
         ts__free(TS_MEM_COMM, L->ranks[i].out.carry);

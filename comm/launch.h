@@ -66,6 +66,9 @@ typedef struct ts_launch_options {
     int out_fd, err_fd;      /* where the ranks' stdout and stderr go (default 1, 2) */
     const char *log_dir;     /* also copy each rank's output to log_dir/rank<R>.log (default
                               * NULL: no files); see ts_launch */
+    int64_t memory_per_rank; /* bytes: each rank runs in a memory cgroup of its own with this
+                              * limit and no swap (default 0: no cap); see "Memory caps" at
+                              * ts_launch. 1 MiB .. 1 EiB (2^60). */
 } ts_launch_options;
 
 TS_API ts_launch_options ts_launch_options_default(void);
@@ -82,6 +85,11 @@ typedef struct ts_launch_result {
                           * (TS_LAUNCH_HUNG_KEY; node 0 only), -1 if none: the cause of the
                           * failure, whichever rank exited first */
     char hung_collective[64]; /* that collective ("all_reduce #5"), "" if none */
+    int oom_rank;        /* with memory_per_rank: the global rank whose failure was the kernel's OOM
+                          * killer in its group (the first failure), -1 if none */
+    int64_t oom_peak_bytes; /* that group's peak usage in bytes, -1 when the kernel does not say */
+    char oom_message[256];  /* "rank 3 exceeded --memory-per-rank 1.5 GiB (killed by the kernel's OOM
+                             * killer; peak 1.5 GiB)", "" if none: what tsrun prints after "tsrun: " */
 } ts_launch_result;
 
 /* Starts the ranks of this node running argv[0] (searched in PATH) with argv
@@ -90,7 +98,8 @@ typedef struct ts_launch_result {
  * variables, plus:
  *   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
  *   GROUP_RANK (node_rank), GROUP_WORLD_SIZE (nnodes), TS_STORE_TOKEN,
- *   TS_RUN_ID, TS_STORE_HOSTED=1, TS_LAUNCHER_PID (the caller's pid);
+ *   TS_RUN_ID, TS_STORE_HOSTED=1, TS_LAUNCHER_PID (the caller's pid),
+ *   TS_MEMORY_PER_RANK (bytes, when memory_per_rank is set);
  *   unless already set: UCX_TLS=posix,cma,self (",tcp" added when nnodes > 1),
  *   UCX_MM_ERROR_HANDLING=y, UCX_KEEPALIVE_INTERVAL=1s,
  *   UCX_WARN_UNUSED_ENV_VARS=n, and BLIS_NUM_THREADS and TS_NUM_THREADS =
@@ -142,9 +151,45 @@ typedef struct ts_launch_result {
  * Pipes still held open by processes outside the groups (a grandchild that
  * called setsid) are abandoned max(grace_s, 1 s) after the last rank exited.
  *
+ * Memory caps (memory_per_rank > 0, tsrun --memory-per-rank): before any
+ * rank starts, the launcher creates a memory cgroup per rank of this node,
+ * <own>/tensorshard-<launcher pid>/rank<R> under the directory of its own
+ * group in the memory hierarchy: cgroup v2's memory.max = the cap and
+ * memory.swap.max = 0 where the v2 hierarchy has the memory controller in
+ * the launcher's group (it enables it in cgroup.subtree_control); else
+ * cgroup v1's memory.limit_in_bytes = the cap and
+ * memory.memsw.limit_in_bytes = the cap (or memory.swappiness = 0 where
+ * swap is not accounted). Each rank is born in its group (the launcher
+ * moves its forking thread, on v2 itself, into the group for the fork),
+ * its children with it, and the groups are removed once the ranks have
+ * been reaped (processes left in one are killed first), on every path out
+ * of ts_launch, and by the watchdog should the launcher die. The ranks
+ * get TS_MEMORY_PER_RANK=<bytes> (see ts_rank_env). A rank that fails
+ * with the OOM killer's kill counted in its group (v2 memory.events
+ * oom_kill, v1 memory.oom_control oom_kill; on kernels without that
+ * counter, SIGKILL with memory.failcnt > 0) is reported in
+ * ts_launch_result.oom_rank (tsrun prints "tsrun: rank R exceeded
+ * --memory-per-rank 1.5 GiB (killed by the kernel's OOM killer; peak
+ * 1.5 GiB)"). On node 0 the launcher also tells the other ranks: it posts
+ * a failure notice, "rank R exceeded --memory-per-rank ... (killed by the
+ * kernel's OOM killer ...)", to the world the ranks last formed
+ * (TS_LAUNCH_WORLD_KEY), whose watch threads (ts_dist_init) fail every
+ * collective with TS_ERR_PEER_FAILED and that message; it then gives
+ * them grace_s to fail and exit by themselves before the SIGTERM (with
+ * grace_s 0, or when no world has met, the SIGTERM follows at once).
+ * Known limits: the launchers of other nodes post no notice (their ranks'
+ * peers find the death over the transport); a rank killed before the
+ * rendezvous completes is named by the others' rendezvous as a rank that
+ * exited, not as over the cap.
+ * Where no group can be made (no memory controller, a read-only cgroupfs,
+ * no permission) ts_launch fails before starting anything, naming the
+ * path and the errno.
+ *
  * Returns TS_OK when the job ran (whatever its ranks' exit codes: see
  * *result_out, written only on TS_OK), TS_ERR_INVALID_ARGUMENT for bad
- * options (the detail names the option), TS_ERR_IO when the store cannot
+ * options (the detail names the option), TS_ERR_UNSUPPORTED when
+ * memory_per_rank is set and no memory cgroup controller is there,
+ * TS_ERR_IO when a memory cgroup cannot be created or written, when the store cannot
  * listen, log_dir or a log file cannot be created (the detail names the
  * path and the system error; no rank has started then) or a rank cannot be
  * started (the detail names the program and the system error; ranks
@@ -172,6 +217,33 @@ TS_API const char *ts_launch_source_name(ts_launch_source s);
  * as "<rank> <collective>" ("2 all_reduce #5"); ts_launch reads it into
  * ts_launch_result.hung_rank. */
 #define TS_LAUNCH_HUNG_KEY "tsrun/%s/hung"
+/* The key (printf format of the run id) where every rank, once the
+ * rendezvous of ts_dist_init has met, records "<world size> <store
+ * prefix of that world>", so that the launcher can post a failure notice
+ * to the ranks' watch (the OOM report of "Memory caps" at ts_launch). */
+#define TS_LAUNCH_WORLD_KEY "tsrun/%s/world"
+
+/* The variable through which ts_launch gives each rank its memory cap
+ * (memory_per_rank) in bytes; read by ts_launch_env. */
+#define TS_MEMORY_PER_RANK_ENV "TS_MEMORY_PER_RANK"
+
+/* Parses a memory size: a whole number of bytes ("1073741824", "512B"),
+ * or a number, possibly with a fraction, and a binary unit K, M, G, T, P
+ * or E (also spelled KiB, KB, k...: case-insensitive, all powers of 1024,
+ * as Docker's and Slurm's sizes), optionally separated by a space: "1.5GiB",
+ * "800M", "2G", "64 MiB". A fractional result is rounded down to a whole
+ * byte. Returns TS_OK and *bytes_out; TS_ERR_INVALID_ARGUMENT (text or
+ * bytes_out NULL, no number, an unknown unit, a negative or zero size, a
+ * fraction of a byte, or more than 1 EiB = 2^60 bytes), the detail naming
+ * the text.
+ * Any thread. */
+TS_API ts_status ts_launch_parse_size(const char *text, int64_t *bytes_out);
+
+/* Writes `bytes` (0 .. 2^60) into buf as tsrun's messages show it: at
+ * most three significant digits in the largest binary unit it fills
+ * ("1.5 GiB", "64 MiB", "800 B"). Returns TS_OK; TS_ERR_INVALID_ARGUMENT
+ * when buf is NULL, cap < 16 or bytes is out of range. Any thread. */
+TS_API ts_status ts_launch_format_size(int64_t bytes, char *buf, size_t cap);
 
 typedef struct ts_rank_env {
     ts_launch_source source;
@@ -185,6 +257,9 @@ typedef struct ts_rank_env {
     bool store_hosted;                /* true: a launcher hosts the store (TS_STORE_HOSTED=1);
                                        * false: rank 0 must host it on master_addr:master_port */
     int launcher_pid;                 /* TS_LAUNCHER_PID, 0 when unset */
+    int64_t memory_per_rank;          /* TS_MEMORY_PER_RANK: the cap this rank runs under in bytes
+                                       * (tsrun --memory-per-rank; a size as ts_launch_parse_size
+                                       * reads it), 0 when unset */
 } ts_rank_env;
 
 /* Reads this process's place in the job from the environment. The first
@@ -218,6 +293,8 @@ typedef struct ts_rank_env {
  * several hosts without a token, on every rank, saying how to set one
  * (the same secret on every rank: `mpirun -x TS_STORE_TOKEN`, or export
  * it before srun).
+ * Any source: TS_MEMORY_PER_RANK, when set, is the cap the rank runs
+ * under (memory_per_rank), read by ts_launch_parse_size.
  * Returns TS_OK and writes *env_out; TS_ERR_NOT_FOUND when no source is present
  * (a process started alone: the caller may run as world 1);
  * TS_ERR_INVALID_ARGUMENT when a value is missing, not a number, out of

@@ -318,6 +318,10 @@ static ts_status parse_env(ts_rank_env *e)
     e->store_hosted = hosted && strcmp(hosted, "1") == 0;
     if ((s = env_int("TS_LAUNCHER_PID", 1, INT_MAX, &e->launcher_pid, &set1)))
         return s;
+    const char *cap = getenv(TS_MEMORY_PER_RANK_ENV);
+    if (cap && ts_launch_parse_size(cap, &e->memory_per_rank) != TS_OK)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: " TS_MEMORY_PER_RANK_ENV "='%.64s' is not a memory "
+                        "size (bytes, or a number with a unit such as 1.5GiB)", cap);
     return TS_OK;
 }
 
@@ -331,6 +335,111 @@ ts_status ts_launch_env(ts_rank_env *env_out)
     if (!s)
         *env_out = e;
     return s;
+}
+
+/* ========================================================= memory sizes */
+
+#define SIZE_MAX_BYTES ((int64_t)1 << 60)
+
+ts_status ts_launch_parse_size(const char *text, int64_t *bytes_out)
+{
+    if (!text || !bytes_out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_parse_size: %s is NULL", text ? "bytes_out" : "text");
+    /* digits, an optional fraction, an optional space, an optional unit */
+    const char *p = text;
+    uint64_t whole = 0;
+    int digits = 0;
+    while (*p >= '0' && *p <= '9') {
+        if (whole > (uint64_t)SIZE_MAX_BYTES)
+            goto bad;
+        whole = whole * 10 + (uint64_t)(*p++ - '0');
+        digits++;
+    }
+    uint64_t frac = 0, frac_div = 1; /* up to 9 fractional digits; more are dropped */
+    if (*p == '.') {
+        p++;
+        while (*p >= '0' && *p <= '9') {
+            if (frac_div < 1000000000u) {
+                frac = frac * 10 + (uint64_t)(*p - '0');
+                frac_div *= 10;
+            }
+            p++;
+            digits++;
+        }
+    }
+    if (digits == 0)
+        goto bad;
+    if (*p == ' ')
+        p++;
+    static const char units[] = "bkmgtpe";
+    int shift = 0;
+    if (*p) {
+        const char *u = strchr(units, *p >= 'A' && *p <= 'Z' ? *p - 'A' + 'a' : *p);
+        if (!u || !*u)
+            goto bad;
+        shift = 10 * (int)(u - units);
+        p++;
+        if (shift > 0 && (*p == 'i' || *p == 'I'))
+            p++;
+        if (shift > 0 && (*p == 'b' || *p == 'B'))
+            p++;
+        if (*p)
+            goto bad;
+    }
+    if (shift == 0 && frac != 0)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_parse_size: '%.64s' is a fraction of a byte", text);
+    if (shift > 0 && whole > ((uint64_t)SIZE_MAX_BYTES >> shift))
+        goto big;
+    /* frac < 2^30: the fraction's bytes without overflow (past 2^30, to
+     * within 2^(shift - 30) bytes) */
+    int sh = shift < 30 ? shift : 30;
+    uint64_t bytes = (whole << shift) + (((frac << sh) / frac_div) << (shift - sh));
+    if (bytes > (uint64_t)SIZE_MAX_BYTES)
+        goto big;
+    if (bytes == 0)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_parse_size: '%.64s' is no memory at all (a size must be "
+                        "at least one byte)", text);
+    *bytes_out = (int64_t)bytes;
+    return TS_OK;
+big:
+    return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_parse_size: '%.64s' is more than 1 EiB", text);
+bad:
+    return ts_error(TS_ERR_INVALID_ARGUMENT,
+                    "ts_launch_parse_size: '%.64s' is not a memory size: give bytes (1073741824) or a number with a "
+                    "binary unit K, M, G, T, P or E (1.5GiB, 800M, 2G)",
+                    text);
+}
+
+ts_status ts_launch_format_size(int64_t bytes, char *buf, size_t cap)
+{
+    if (!buf || cap < 16 || bytes < 0 || bytes > SIZE_MAX_BYTES)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_format_size: %s (bytes %lld)",
+                        !buf ? "buf is NULL" : cap < 16 ? "cap is below 16" : "bytes is not in 0 .. 2^60",
+                        (long long)bytes);
+    static const char *const names[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+    int u = 0;
+    double v = (double)bytes;
+    while (u < 6 && v >= 1024.0) {
+        v /= 1024.0;
+        u++;
+    }
+    if (u == 0) {
+        snprintf(buf, cap, "%lld B", (long long)bytes);
+        return TS_OK;
+    }
+    /* three significant digits, trailing zeros dropped: 1.5 GiB, 64 MiB */
+    int decimals = v < 10.0 ? 2 : v < 100.0 ? 1 : 0;
+    char num[32];
+    snprintf(num, sizeof num, "%.*f", decimals, v);
+    if (strchr(num, '.')) {
+        size_t n = strlen(num);
+        while (num[n - 1] == '0')
+            num[--n] = '\0';
+        if (num[n - 1] == '.')
+            num[--n] = '\0';
+    }
+    snprintf(buf, cap, "%s %s", num, names[u]);
+    return TS_OK;
 }
 
 /* The link /proc/self/ns/<name> into out (n bytes), "?" if unreadable. */

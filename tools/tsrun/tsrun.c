@@ -6,7 +6,13 @@
  *
  * Exit status: 0 when every rank exited 0; the first failed rank's status
  * (128 + signal when it was killed); 128 + signal when tsrun itself was
- * told to stop; 2 for bad flags; 1 when the job could not start.
+ * told to stop; 2 for bad flags; 1 when the job could not start (also
+ * when --memory-per-rank finds no memory cgroup it may write).
+ *
+ * The last stderr line names the cause: a rank's exit or signal, a rank
+ * the others found hung, or a rank over its --memory-per-rank cap
+ * ("tsrun: rank 3 exceeded --memory-per-rank 1.5 GiB (killed by the
+ * kernel's OOM killer; peak 1.5 GiB)"; docs/memory-caps.md).
  */
 #define _GNU_SOURCE
 #include "comm/launch.h"
@@ -55,6 +61,12 @@ static void usage(FILE *f)
           "                      (created; R the global rank; stdout and stderr)\n"
           "  --grace S           seconds between SIGTERM and SIGKILL when stopping\n"
           "                      ranks (default 3)\n"
+          "  --memory-per-rank SIZE  run each rank in a memory cgroup of its own\n"
+          "                      limited to SIZE, without swap (bytes, or a binary\n"
+          "                      unit: 1.5GiB, 800M, 2G); the ranks get\n"
+          "                      TS_MEMORY_PER_RANK=<bytes>. Needs a writable memory\n"
+          "                      cgroup (cgroup v2 or v1; root); a rank the kernel's\n"
+          "                      OOM killer ends is reported as over the cap\n"
           "  --no-prefix         do not prefix output lines with \"[R] \"\n"
           "  --version           print the version and exit\n"
           "  -h, --help          this text\n"
@@ -211,7 +223,7 @@ int main(int argc, char **argv)
                        "TS_STORE_TOKEN in tsrun's environment or use --token-file FILE%s%s", "", "");
         static const char *const valued[] = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
                                              "--master-port", "--run-id", "--token-file", "--grace",
-                                             "--log-dir"};
+                                             "--log-dir", "--memory-per-rank"};
         int which = -1;
         for (int k = 0; k < (int)(sizeof valued / sizeof valued[0]); k++)
             if (strcmp(name, valued[k]) == 0)
@@ -241,6 +253,14 @@ int main(int argc, char **argv)
         case 5: o.run_id = val; ok = *val != '\0'; break;
         case 6: token_file = val; ok = *val != '\0'; break;
         case 8: o.log_dir = val; ok = *val != '\0'; break;
+        case 9:
+            if (ts_launch_parse_size(val, &o.memory_per_rank) != TS_OK)
+                return bad("bad value for --memory-per-rank: '%s': %s", val,
+                           "give bytes (1073741824) or a number with a binary unit K, M, G, T (1.5GiB, 800M, 2G)");
+            if (o.memory_per_rank < ((int64_t)1 << 20))
+                return bad("bad value for --memory-per-rank: '%s': %s", val,
+                           "a cap below 1 MiB leaves no room to start a program");
+            break;
         case 7: {
             char *end;
             errno = 0;
@@ -293,7 +313,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "tsrun: %s\n", ts_last_error());
         return s == TS_ERR_INVALID_ARGUMENT ? 2 : 1;
     }
-    if (res.failed_rank >= 0 && res.hung_rank >= 0) {
+    if (res.oom_rank >= 0) {
+        fprintf(stderr, "tsrun: %s\n", res.oom_message);
+    } else if (res.failed_rank >= 0 && res.hung_rank >= 0) {
         /* the ranks that exited timed out waiting for this one: it is the
          * cause, whichever of them exited first */
         fprintf(stderr, "tsrun: rank %d hung: it never entered %s, where the other ranks passed their deadline "
