@@ -113,12 +113,23 @@ static int block_extra_repr(const ts_module *m, char *buf, size_t cap)
     return snprintf(buf, cap, "dim=%lld", (long long)((const residual_block *)m)->dim);
 }
 
+/* PyTorch's reset_parameters: the block's OWN parameter and buffer (fc
+ * resets itself), through the fills deferred init can record and replay
+ * (docs/deferred-init.md). The constructor calls it too. */
+static ts_status block_reset(ts_module *m)
+{
+    residual_block *b = (residual_block *)m;
+    TS_TRY(ts_tensor_fill_(b->gain, 0.5));
+    return ts_tensor_fill_(b->num_batches_tracked, 0.0);
+}
+
 static const ts_module_vtable residual_block_vt = {
     .type_name = "ResidualBlock",
     .forward = block_forward,
     .visit = block_visit,
     .free = block_free,
     .extra_repr = block_extra_repr,
+    .reset_parameters = block_reset,
 };
 
 static ts_status residual_block_new(int64_t dim, ts_module **out)
@@ -131,8 +142,8 @@ static ts_status residual_block_new(int64_t dim, ts_module **out)
     b->dim = dim;
     TS_TRY_GOTO(st, ts_linear_new(dim, dim, true, &b->fc), fail);
     TS_TRY_GOTO(st, ts_param_new(TS_F32, 1, &dim, &b->gain), fail);
-    TS_TRY_GOTO(st, ts_tensor_fill_(b->gain, 0.5), fail);
     TS_TRY_GOTO(st, ts_tensor_zeros(TS_I64, 0, NULL, &b->num_batches_tracked), fail);
+    TS_TRY_GOTO(st, block_reset(&b->base), fail);
     *out = &b->base;
     return TS_OK;
 fail: /* the parts made so far; the struct itself */

@@ -31,9 +31,18 @@ static int embedding_extra_repr(const ts_module *m, char *buf, size_t cap)
     return snprintf(buf, cap, "%lld, %lld", (long long)e->num_embeddings, (long long)e->embedding_dim);
 }
 
+/* PyTorch's Embedding.reset_parameters: init.normal_(weight). */
+static ts_status embedding_reset_parameters(ts_module *m)
+{
+    bool prev = ts_grad_mode_set(false);
+    ts_status st = ts_normal_(((ts_nn_embedding *)m)->weight, 0.0, 1.0, NULL);
+    ts_grad_mode_set(prev);
+    return st;
+}
+
 static const ts_module_vtable embedding_vt = {
     .type_name = "Embedding", .forward = embedding_forward, .visit = embedding_visit, .free = embedding_free,
-    .extra_repr = embedding_extra_repr};
+    .extra_repr = embedding_extra_repr, .reset_parameters = embedding_reset_parameters};
 
 ts_status ts_embedding_new(int64_t num_embeddings, int64_t embedding_dim, ts_module **out)
 {
@@ -49,7 +58,7 @@ ts_status ts_embedding_new(int64_t num_embeddings, int64_t embedding_dim, ts_mod
     int64_t s[2] = {num_embeddings, embedding_dim};
     ts_status st = ts__param_new(TS_F32, 2, s, &e->weight);
     if (!st)
-        st = ts_normal_(e->weight, 0.0, 1.0, NULL); /* reset_parameters: init.normal_(weight) */
+        st = embedding_reset_parameters(&e->base);
     if (st) {
         embedding_free(&e->base);
         return st;

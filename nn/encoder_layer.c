@@ -10,6 +10,7 @@
  * dropout does (its mask is a contiguous empty_like of the input). */
 #define _GNU_SOURCE
 #include "nn/internal.h"
+#include "tensor/internal.h"
 
 #include <string.h>
 
@@ -220,9 +221,41 @@ ts_status ts__causal_mask(int64_t T, ts_tensor **out)
     return st;
 }
 
+/* Deferred ([Note: deferred init] in tensor/internal.h): the copy is
+ * recorded, each dst parameter's storage repeating its src twin's
+ * initializers. Parameters, then buffers, in the same order in both. */
+static ts_status copy_params_deferred(ts_module *dst, ts_module *src)
+{
+    ts_named_params a = {0}, b = {0};
+    ts_status st = ts__module_entries(src, true, true, true, &a);
+    if (!st)
+        st = ts__module_entries(dst, true, true, true, &b);
+    if (!st && a.n != b.n)
+        st = ts_error(TS_ERR_INVALID_ARGUMENT, "copying %d parameters and buffers into %d", a.n, b.n);
+    for (int i = 0; !st && i < a.n; i++) {
+        ts_tensor *from = *a.items[i].slot, *to = *b.items[i].slot;
+        if (!ts__is_meta(to) || !ts__is_meta(from) || ts_tensor_numel(to) != ts_tensor_numel(from))
+            st = ts_error(TS_ERR_INVALID_ARGUMENT, "copying '%s' of a deferred module: both must be meta tensors of "
+                          "one size", a.items[i].name);
+        else
+            st = ts__init_events_repeat(to->storage, from->storage);
+    }
+    ts_named_params_free(&a);
+    ts_named_params_free(&b);
+    return st;
+}
+
 /* Copies every parameter of src into dst (same architecture). */
 ts_status ts__module_copy_params(ts_module *dst, ts_module *src)
 {
+    ts_named_params p;
+    ts_status pst = ts_module_named_parameters(src, &p);
+    if (pst)
+        return pst;
+    bool deferred = p.n > 0 && ts__is_meta(*p.items[0].slot);
+    ts_named_params_free(&p);
+    if (deferred)
+        return copy_params_deferred(dst, src);
     ts_state_dict *sd;
     ts_status st = ts_module_state_dict(src, &sd);
     if (st)

@@ -42,9 +42,23 @@ static int layer_norm_extra_repr(const ts_module *m, char *buf, size_t cap)
                     l->weight ? "True" : "False");
 }
 
+/* PyTorch's LayerNorm.reset_parameters: ones_(weight), zeros_(bias). */
+static ts_status layer_norm_reset_parameters(ts_module *m)
+{
+    ts_nn_layer_norm *l = (ts_nn_layer_norm *)m;
+    if (!l->weight)
+        return TS_OK;
+    bool prev = ts_grad_mode_set(false);
+    ts_status st = ts_tensor_fill_(l->weight, 1.0);
+    if (!st)
+        st = ts_tensor_fill_(l->bias, 0.0);
+    ts_grad_mode_set(prev);
+    return st;
+}
+
 static const ts_module_vtable layer_norm_vt = {
     .type_name = "LayerNorm", .forward = layer_norm_forward, .visit = layer_norm_visit, .free = layer_norm_free,
-    .extra_repr = layer_norm_extra_repr};
+    .extra_repr = layer_norm_extra_repr, .reset_parameters = layer_norm_reset_parameters};
 
 ts_status ts_layer_norm_new(int64_t dim, double eps, bool elementwise_affine, ts_module **out)
 {
@@ -60,11 +74,8 @@ ts_status ts_layer_norm_new(int64_t dim, double eps, bool elementwise_affine, ts
     ts_status st = TS_OK;
     if (elementwise_affine) {
         int64_t s[1] = {dim};
-        bool prev = ts_grad_mode_set(false);
-        if (!(st = ts__param_new(TS_F32, 1, s, &l->weight)) && !(st = ts_tensor_fill_(l->weight, 1.0)) &&
-            !(st = ts__param_new(TS_F32, 1, s, &l->bias)))
-            st = ts_tensor_fill_(l->bias, 0.0);
-        ts_grad_mode_set(prev);
+        if (!(st = ts__param_new(TS_F32, 1, s, &l->weight)) && !(st = ts__param_new(TS_F32, 1, s, &l->bias)))
+            st = layer_norm_reset_parameters(&l->base);
     }
     if (st) {
         layer_norm_free(&l->base);

@@ -45,9 +45,26 @@ static int linear_extra_repr(const ts_module *m, char *buf, size_t cap)
                     (long long)l->out_features, l->bias ? "True" : "False");
 }
 
+/* PyTorch's Linear.reset_parameters: kaiming_uniform_(weight, a=sqrt(5)),
+ * then bias uniform in +-1/sqrt(fan_in) (SPEC §9: this order of draws;
+ * fan_in from the weight, 0 gives a bound of 0). */
+static ts_status linear_reset_parameters(ts_module *m)
+{
+    ts_nn_linear *l = (ts_nn_linear *)m;
+    bool prev = ts_grad_mode_set(false);
+    ts_status st = ts_init_kaiming_uniform_(l->weight, sqrt(5.0), TS_FAN_IN, TS_NL_LEAKY_RELU, NULL);
+    if (!st && l->bias) {
+        int64_t fan_in = ts_tensor_size(l->weight, 1);
+        double bound = fan_in > 0 ? 1.0 / sqrt((double)fan_in) : 0.0;
+        st = ts_uniform_(l->bias, -bound, bound, NULL);
+    }
+    ts_grad_mode_set(prev);
+    return st;
+}
+
 static const ts_module_vtable linear_vtable = {
     .type_name = "Linear", .forward = linear_forward, .visit = linear_visit, .free = linear_free,
-    .extra_repr = linear_extra_repr,
+    .extra_repr = linear_extra_repr, .reset_parameters = linear_reset_parameters,
 };
 
 ts_status ts_linear_new(int64_t in_features, int64_t out_features, bool bias, ts_module **out)
@@ -62,19 +79,11 @@ ts_status ts_linear_new(int64_t in_features, int64_t out_features, bool bias, ts
     l->in_features = in_features;
     l->out_features = out_features;
     int64_t ws[2] = {out_features, in_features}, bs[1] = {out_features};
-    /* reset_parameters: kaiming_uniform_(weight, a=sqrt(5)), then bias
-     * uniform in +-1/sqrt(fan_in) (SPEC §9: this order of draws) */
     ts_status st = ts__param_new(TS_F32, 2, ws, &l->weight);
-    bool prev = ts_grad_mode_set(false);
-    if (!st)
-        st = ts_init_kaiming_uniform_(l->weight, sqrt(5.0), TS_FAN_IN, TS_NL_LEAKY_RELU, NULL);
-    if (!st && bias) {
-        double bound = in_features > 0 ? 1.0 / sqrt((double)in_features) : 0.0;
+    if (!st && bias)
         st = ts__param_new(TS_F32, 1, bs, &l->bias);
-        if (!st)
-            st = ts_uniform_(l->bias, -bound, bound, NULL);
-    }
-    ts_grad_mode_set(prev);
+    if (!st)
+        st = linear_reset_parameters(&l->base);
     if (st) {
         linear_free(&l->base);
         return st;

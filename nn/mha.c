@@ -141,8 +141,31 @@ static void mha_free(ts_module *m)
     ts__free(TS_MEM_NN, a);
 }
 
-static const ts_module_vtable mha_vt = {
-    .type_name = "MultiheadAttention", .forward = mha_forward, .visit = mha_visit, .free = mha_free};
+/* PyTorch's MultiheadAttention._reset_parameters: xavier_uniform_
+ * (in_proj_weight), then constant_(in_proj_bias, 0) and
+ * constant_(out_proj.bias, 0). It zeroes a child's bias (out_proj's),
+ * as torch's does; out_proj's weight is out_proj's own reset (drawn
+ * before this one when building and in ts_module_reset_parameters'
+ * children-first order). */
+static ts_status mha_reset_parameters(ts_module *m)
+{
+    ts_nn_mha *a = (ts_nn_mha *)m;
+    bool prev = ts_grad_mode_set(false);
+    ts_status st = ts_init_xavier_uniform_(a->in_proj_weight, 1.0, NULL);
+    ts_tensor *out_bias = a->out_proj ? ((ts_nn_linear *)a->out_proj)->bias : NULL;
+    if (!st && a->in_proj_bias)
+        st = ts_tensor_fill_(a->in_proj_bias, 0.0);
+    if (!st && out_bias)
+        st = ts_tensor_fill_(out_bias, 0.0);
+    ts_grad_mode_set(prev);
+    return st;
+}
+
+static const ts_module_vtable mha_vt = {.type_name = "MultiheadAttention",
+                                        .forward = mha_forward,
+                                        .visit = mha_visit,
+                                        .free = mha_free,
+                                        .reset_parameters = mha_reset_parameters};
 
 ts_mha_options ts_mha_options_default(void)
 {
@@ -186,13 +209,10 @@ ts_status ts_mha_new_opts(int64_t embed_dim, int64_t num_heads, const ts_mha_opt
     ts_status st = ts_linear_new(embed_dim, embed_dim, bias, &a->out_proj);
     if (!st)
         st = ts__param_new(TS_F32, 2, ws, &a->in_proj_weight);
+    if (!st && bias)
+        st = ts__param_new(TS_F32, 1, bs, &a->in_proj_bias);
     if (!st)
-        st = ts_init_xavier_uniform_(a->in_proj_weight, 1.0, NULL);
-    bool prev = ts_grad_mode_set(false);
-    if (!st && bias && !(st = ts__param_new(TS_F32, 1, bs, &a->in_proj_bias)) &&
-        !(st = ts_tensor_fill_(a->in_proj_bias, 0.0)))
-        st = ts_tensor_fill_(((ts_nn_linear *)a->out_proj)->bias, 0.0);
-    ts_grad_mode_set(prev);
+        st = mha_reset_parameters(&a->base);
     if (st) {
         mha_free(&a->base);
         return st;

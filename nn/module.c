@@ -2,6 +2,7 @@
  * fully qualified names, train/eval, zero_grad. */
 #define _GNU_SOURCE
 #include "nn/internal.h"
+#include "tensor/internal.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -47,6 +48,7 @@ ts_status ts__vt_cache_get(ts__vt_cache *c, const ts_module_vtable *orig, const 
     vt->type_name = name;
     vt->base = orig;
     vt->visit = orig->visit;
+    vt->reset_parameters = orig->reset_parameters; /* re-initializes the same parameters */
     vt->methods = orig->methods; /* the original's names and functions */
     vt->n_methods = orig->n_methods;
     c->fill(vt, orig);
@@ -214,6 +216,7 @@ typedef struct walk {
     ts_status (*on_param)(struct walk *w, const char *fqn, ts_tensor **slot, ts_module *owner);
     ts_status (*on_buffer)(struct walk *w, const char *fqn, ts_tensor **slot, ts_module *owner);
     ts_status (*on_module)(struct walk *w, const char *fqn, ts_module *m);
+    ts_status (*on_module_post)(struct walk *w, const char *fqn, ts_module *m); /* after its children */
     void *ctx;
     /* modules already visited (each once) */
     ts_module **seen;
@@ -292,7 +295,7 @@ static ts_status walk_module(walk *w, ts_module *m)
     if (w->on_module && (st = w->on_module(w, w->prefix, m)))
         return st;
     if (!m->vtable->visit)
-        return TS_OK;
+        return w->on_module_post ? w->on_module_post(w, w->prefix, m) : TS_OK;
     w->current = m;
     /* parameters first, then buffers, then children: PyTorch's
      * named_parameters order is the module's own _parameters, then each
@@ -305,7 +308,9 @@ static ts_status walk_module(walk *w, ts_module *m)
     if (w->on_buffer && (st = m->vtable->visit(m, &bv)))
         return st;
     ts_module_visitor cv = {NULL, visit_child, w, NULL};
-    return m->vtable->visit(m, &cv);
+    if ((st = m->vtable->visit(m, &cv)) || !w->on_module_post)
+        return st;
+    return w->on_module_post(w, w->prefix, m);
 }
 
 static ts_status run_walk(walk *w, ts_module *m)
@@ -460,6 +465,31 @@ ts_status ts_module_named_modules(ts_module *m, ts_module_each_fn fn, void *ctx)
     return run_walk(&w, m);
 }
 
+static ts_status reset_one(ts_module *m)
+{
+    return m->vtable->reset_parameters ? m->vtable->reset_parameters(m) : TS_OK;
+}
+
+static ts_status reset_post(walk *w, const char *fqn, ts_module *m)
+{
+    (void)w;
+    (void)fqn;
+    return reset_one(m);
+}
+
+ts_status ts_module_reset_parameters(ts_module *m, bool recurse)
+{
+    if (!m)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_reset_parameters: the module is NULL");
+    if (!m->vtable)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_reset_parameters: the module has no vtable "
+                                                 "(ts_module_init failed or was not called)");
+    if (!recurse)
+        return reset_one(m);
+    walk w = {.on_module_post = reset_post};
+    return run_walk(&w, m);
+}
+
 typedef struct find_ctx {
     const char *fqn;
     ts_module *found;
@@ -598,9 +628,13 @@ static ts_status as_param(ts_status st, ts_tensor **tp, ts_tensor **out)
     return TS_OK;
 }
 
+_Thread_local bool ts__param_new_meta;
+
 ts_status ts__param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
 {
     ts_tensor *t = NULL;
+    if (ts__param_new_meta)
+        return as_param(ts__tensor_new_meta(dtype, ndim, shape, &t), &t, out);
     return as_param(ts_tensor_empty(dtype, ndim, shape, &t), &t, out);
 }
 
@@ -632,7 +666,12 @@ ts_status ts_param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor
         return ts_error(TS_ERR_DTYPE, "ts_param_new: a parameter must be floating-point to require grad, not %s",
                         ts_dtype_name(dtype));
     ts_tensor *t = NULL;
-    return as_param(ts_tensor_zeros(dtype, ndim, shape, &t), &t, out);
+    ts_status st = ts__param_new_meta ? ts__tensor_new_meta(dtype, ndim, shape, &t) : ts_tensor_zeros(dtype, ndim, shape, &t);
+    /* deferred: the zeros are recorded, so that a parameter its module never
+     * fills materializes as zeros too ([Note: deferred init]) */
+    if (!st && ts__is_meta(t) && (st = ts_tensor_fill_(t, 0.0)))
+        ts_tensor_free(t);
+    return as_param(st, &t, out);
 }
 
 typedef struct slot_find {
@@ -988,13 +1027,35 @@ static void to_dtype_pairs_free(to_dtype_pair *pairs, int n)
     ts__free(TS_MEM_NN, pairs);
 }
 
+/* A deferred tensor converted: a new meta tensor of dtype whose storage
+ * takes t's recorded initializers ([Note: deferred init] in
+ * tensor/internal.h), still in the dtype they run in; replaying them into
+ * the new dtype converts as ts_to_dtype would have converted the values.
+ * t must own its storage whole (a parameter as the layers make them). */
+static ts_status to_dtype_meta(const char *fqn, ts_tensor *t, ts_dtype dtype, ts_tensor **out)
+{
+    int64_t n = ts_tensor_numel(t);
+    if (!ts_tensor_is_contiguous(t) || t->offset != 0 || t->storage->nbytes != (size_t)n * ts_dtype_size(t->dtype))
+        return ts_error(TS_ERR_UNSUPPORTED, "ts_module_to_dtype: '%s' is a deferred (meta) view of a larger storage; "
+                        "convert it after materializing", fqn);
+    ts_tensor *nt = NULL;
+    ts_status st = ts__tensor_new_meta(dtype, t->ndim, t->shape, &nt);
+    if (!st && (st = ts__init_events_move(nt->storage, t->storage))) {
+        ts_tensor_free(nt);
+        nt = NULL;
+    }
+    if (!st)
+        *out = nt;
+    return st;
+}
+
 /* The converted copy of t: a leaf with t's name and requires_grad, and
  * t's .grad converted too (PyTorch's Module._apply converts param.grad). */
 static ts_status to_dtype_copy(const char *fqn, ts_tensor *t, ts_dtype dtype, ts_tensor **out)
 {
     ts_tensor *nt = NULL, *g = NULL;
     bool prev = ts_grad_mode_set(false);
-    ts_status st = ts_to_dtype(t, dtype, &nt);
+    ts_status st = ts__is_meta(t) ? to_dtype_meta(fqn, t, dtype, &nt) : ts_to_dtype(t, dtype, &nt);
     if (!st && ts_tensor_requires_grad(t))
         st = ts_tensor_set_requires_grad(nt, true);
     if (!st && ts_tensor_name(t))
@@ -1006,6 +1067,8 @@ static ts_status to_dtype_copy(const char *fqn, ts_tensor *t, ts_dtype dtype, ts
     if (st) {
         char why[512];
         snprintf(why, sizeof why, "%s", ts_last_error());
+        if (nt && ts__is_meta(t)) /* t keeps its recorded initializers: t's log is empty, a hand-over */
+            ts__init_events_move(t->storage, nt->storage);
         ts_tensor_free(nt);
         return ts_error(st, "ts_module_to_dtype: converting '%s' to %s failed: %s", fqn, ts_dtype_name(dtype), why);
     }
@@ -1063,6 +1126,10 @@ ts_status ts_module_to_dtype(ts_module *m, ts_dtype dtype)
                     break;
                 }
         }
+    else /* deferred tensors take back their recorded initializers (hand-overs: cannot fail) */
+        for (int j = 0; j < np; j++)
+            if (ts__is_meta(pairs[j].old))
+                ts__init_events_move(pairs[j].old->storage, pairs[j].new_->storage);
     to_dtype_pairs_free(pairs, np);
     ts_named_params_free(&e);
     return st;

@@ -111,6 +111,18 @@ typedef struct ts_module_vtable {
      * "<Type>Checkpointed" under fully_shard's "<Type>FSDPModule". NULL:
      * the layer cannot be re-based (ts_checkpoint_module then fails). */
     ts_status (*rebase)(ts_module *m, const struct ts_module_vtable *inner);
+    /* Optional, PyTorch's reset_parameters: re-initializes the module's OWN
+     * parameters and buffers (not its children's: ts_module_reset_parameters
+     * recurses), drawing from the default generator, and returns the
+     * status of its fills. A type's constructor should call the same
+     * function, so that building it and resetting it draw the same
+     * numbers. It must write only through ts_init_*, ts_uniform_,
+     * ts_normal_, ts_bernoulli_ and ts_tensor_fill_: those record
+     * themselves on a meta (deferred) parameter, and materializing
+     * replays them (docs/deferred-init.md). NULL: nothing to reset.
+     * Extended vtables (fully_shard's, the checkpoint wrapper's) carry the
+     * original's slot. */
+    ts_status (*reset_parameters)(ts_module *m);
 } ts_module_vtable;
 
 /* The base every module struct starts with. */
@@ -238,6 +250,24 @@ TS_API ts_status ts_module_get_buffer(ts_module *m, const char *fqn, ts_tensor *
 typedef ts_status (*ts_module_each_fn)(void *ctx, const char *fqn, ts_module *m);
 TS_API ts_status ts_module_named_modules(ts_module *m, ts_module_each_fn fn, void *ctx);
 
+/* Re-initializes m's parameters and buffers through its vtable's
+ * reset_parameters slot (NULL: nothing to do), and with recurse those of
+ * every submodule, each module once, children before their parent: the
+ * modules of ts_module_named_modules in post-order (a parent's children
+ * in visit order, each child's subtree before the next child, then the
+ * parent). That is the order nn's constructors draw in (a module builds
+ * its children, then initializes its own parameters: MultiheadAttention
+ * builds out_proj, then draws in_proj_weight and zeroes out_proj.bias),
+ * so resetting a freshly seeded tree without tied weights reproduces
+ * building it. Tied weights are reset by each owner in turn (the last
+ * wins, as in PyTorch); TransformerEncoder's layers, copies of one
+ * another when built, are reset independently (as PyTorch's are).
+ * Stops at the first error: TS_ERR_INVALID_ARGUMENT for a NULL m or a
+ * module without vtable; a slot's error (TS_ERR_SHARDED on a sharded
+ * module: materialize it instead). Caller's thread; not during a
+ * forward or backward. */
+TS_API ts_status ts_module_reset_parameters(ts_module *m, bool recurse);
+
 /* The module at fully qualified name `fqn` ("blocks.1", "" for m itself),
  * borrowed, as PyTorch's get_submodule. TS_ERR_NOT_FOUND names it;
  * TS_ERR_INVALID_ARGUMENT for NULL arguments. */
@@ -259,7 +289,11 @@ TS_API int64_t ts_module_num_parameters(ts_module *m);
  * TS_ERR_INVALID_ARGUMENT for NULL m or an invalid dtype; TS_ERR_DTYPE for
  * a non-floating dtype (PyTorch's Module.to refuses them too);
  * TS_ERR_SHARDED if a slot holds a shard (after ts_fully_shard);
- * TS_ERR_RELEASED for a released tensor; TS_ERR_NO_MEMORY. */
+ * TS_ERR_RELEASED for a released tensor; TS_ERR_NO_MEMORY. On a deferred
+ * (meta) model each parameter becomes a meta tensor of `dtype` that takes
+ * over the initializers recorded on the old one (docs/deferred-init.md):
+ * materializing replays them into `dtype`, bitwise the conversion of the
+ * eager values; TS_ERR_UNSUPPORTED for a meta view of a larger storage. */
 TS_API ts_status ts_module_to_dtype(ts_module *m, ts_dtype dtype);
 
 /* The module tree as PyTorch's repr prints it, with each module's own

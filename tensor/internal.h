@@ -10,6 +10,53 @@
 
 /* ------------------------------------------------------------- storage */
 
+/* [Note: deferred init] An initializer (ts_uniform_, ts_normal_,
+ * ts_bernoulli_, ts_tensor_fill_ and the ts_init_* built on them) given a
+ * tensor whose storage is meta checks its arguments as it always does,
+ * then records an event on the storage instead of writing or drawing:
+ * what it would have done, with which generator, in which dtype, over
+ * which elements of the storage. ts__init_replay later draws exactly the
+ * numbers the eager fill would have drawn, block by block, and keeps the
+ * elements of a range of the storage: a rank materializes its rows of a
+ * parameter bitwise equal to building it eagerly and then sharding it.
+ * docs/deferred-init.md describes the whole flow. */
+typedef enum ts__init_kind {
+    TS__INIT_UNIFORM,   /* ts_uniform_: a = from, b = to */
+    TS__INIT_NORMAL,    /* ts_normal_: a = mean, b = std */
+    TS__INIT_BERNOULLI, /* ts_bernoulli_: a = p */
+    TS__INIT_FILL,      /* ts_tensor_fill_: a = the value (no draws) */
+    TS__INIT_KIND_COUNT
+} ts__init_kind;
+
+typedef struct ts__init_event {
+    uint64_t seq;       /* process-wide recording order (ts__init_seq_next) */
+    ts__init_kind kind;
+    double a, b;        /* the fill's arguments, as given */
+    /* the generator given to the fill; NULL = the thread's default
+     * generator at replay time. An explicit generator is not owned: it
+     * must outlive the replay (materialization). */
+    ts_generator *gen;
+    ts_dtype dtype;     /* the tensor's dtype: the fill computes in it */
+    /* the geometry of the tensor the fill was given, in elements of the
+     * storage (a view: a slice of a packed weight) */
+    int ndim;
+    int64_t shape[TS_MAX_DIMS];
+    int64_t strides[TS_MAX_DIMS];
+    int64_t offset;
+    /* 0, or the seq of the event this one repeats: the values of a copy
+     * of a tensor that event initialized (TransformerEncoder's
+     * deep-copied layers). Replayed from the generator state the source
+     * started from, restoring the generator afterwards: it advances
+     * nothing, as the copy drew nothing (ts__init_replay_targets only). */
+    uint64_t repeat_of;
+} ts__init_event;
+
+/* A storage's recorded events, in ascending seq. */
+typedef struct ts__init_log {
+    ts__init_event *events;
+    int n, cap;
+} ts__init_log;
+
 struct ts_storage {
     atomic_int refcount;
     size_t nbytes;   /* size when filled */
@@ -18,7 +65,7 @@ struct ts_storage {
     bool released;
     bool pinned;     /* data is a pinned block (ts__pinned_alloc), not a pool block */
     bool meta;       /* a meta-device storage: nbytes and no bytes ever (data NULL) until
-                      * materialized; block_bytes is what the pool would hand out */
+                      * materialized; block_bytes is what the pool would hand out */    ts__init_log init_log; /* meta only: the initializers recorded on it ([Note: deferred init]) */
 };
 
 /* New storage of nbytes from the caching pool (contents undefined). */
@@ -270,6 +317,88 @@ void ts__gemm_half(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, 
                    const void *b, int64_t rsb, int64_t csb, float beta, void *c, int64_t rsc, int64_t csc);
 /* Test hook: when true, ops use the reference kernels. */
 extern bool ts__use_reference_kernels;
+
+/* ------------------------------------------ deferred init ([Note: deferred init]) */
+
+/* Records an initializer on meta tensor t's storage (the caller has
+ * checked its arguments): kind, a, b and gen as ts__init_event holds
+ * them, t's dtype and geometry, the next sequence number. Nothing is
+ * drawn. A tensor of no elements records nothing. TS_ERR_NO_MEMORY
+ * naming op. */
+ts_status ts__init_record(const char *op, const ts_tensor *t, ts__init_kind kind, double a, double b,
+                          ts_generator *gen);
+/* The sequence number the next recorded event gets (events recorded from
+ * now on have seq >= it). Thread-safe. */
+uint64_t ts__init_seq_next(void);
+/* The events recorded on s, in ascending seq, borrowed (valid until s's
+ * events change); *n_out their number (0 and NULL for none). */
+const ts__init_event *ts__init_events(const ts_storage *s, int *n_out);
+/* Appends n events to log, then keeps it in ascending seq (a merge: the
+ * events of two storages interleave by seq). TS_ERR_NO_MEMORY: log
+ * unchanged. */
+ts_status ts__init_log_append(ts__init_log *log, const ts__init_event *events, int n);
+/* Moves src's events into dst's (merged by seq); src is left with none.
+ * dst == src does nothing. TS_ERR_NO_MEMORY: both unchanged. */
+ts_status ts__init_events_move(ts_storage *dst, ts_storage *src);
+/* Makes dst's events those of a copy of src's values (a deep copy made
+ * while building: TransformerEncoder's layers): dst's own events are
+ * dropped (the eager build restored the generator after drawing them) and
+ * src's are appended as repeats (repeat_of set, new seq numbers; fills
+ * are copied as they are). dst's and src's tensors must have the same
+ * geometry. TS_ERR_NO_MEMORY: dst unchanged. */
+ts_status ts__init_events_repeat(ts_storage *dst, const ts_storage *src);
+/* Frees a log's events (log itself is the caller's; NULL accepted). */
+void ts__init_log_fini(ts__init_log *log);
+/* Drops s's events (they will not be replayed). */
+void ts__init_events_clear(ts_storage *s);
+/* Called when storage s is freed: its events that draw (all but fills)
+ * are kept in the process's orphan log, since an eager run would have
+ * drawn them too (a tied weight's first initializer, a temporary); the
+ * rest are freed. */
+void ts__init_storage_drop(ts_storage *s);
+/* Moves the orphaned events with seq in [seq_begin, seq_end) into out
+ * (merged by seq); those outside the range stay. A materializer takes
+ * the range its model was recorded in and replays them with an empty
+ * range (draw and drop). TS_ERR_NO_MEMORY: nothing moved. Thread-safe. */
+ts_status ts__init_orphans_take(uint64_t seq_begin, uint64_t seq_end, ts__init_log *out);
+
+/* Replays one event: draws from ev->gen (or the default generator)
+ * exactly the numbers the eager fill of ev's geometry draws, in the same
+ * order, leaving the generator in the same state (normal_'s tail re-draw
+ * and the scalar path's cached second value included), and writes each
+ * element whose storage offset o is in [elem_begin, elem_end) to element
+ * o - elem_begin of dst, converted from ev->dtype to dst_dtype as
+ * ts_module_to_dtype converts (f32 to bf16/f16 round to nearest even).
+ * Elements outside the range are drawn and dropped; elem_begin ==
+ * elem_end (dst may be NULL) only advances the generator. Works in blocks
+ * of TS__INIT_REPLAY_BLOCK elements: peak extra memory one block of
+ * ev->dtype values (512 KiB for f64), never a whole parameter.
+ * TS_ERR_INVALID_ARGUMENT for NULL ev, a negative or reversed range, NULL
+ * dst with a non-empty range, an unknown kind or dtype; TS_ERR_NO_MEMORY
+ * for the block, or for a repeat event (replay those through
+ * ts__init_replay_targets). The generator is not thread-safe
+ * (tensor/rng.c). */
+#define TS__INIT_REPLAY_BLOCK 65536
+ts_status ts__init_replay(const ts__init_event *ev, int64_t elem_begin, int64_t elem_end, ts_dtype dst_dtype,
+                          void *dst);
+
+/* One storage's part of a model replay: its events, the range of its
+ * elements kept and where they go (ts__init_replay's arguments). */
+typedef struct ts__init_target {
+    const ts__init_log *log;  /* NULL or empty: nothing */
+    int64_t elem_begin, elem_end;
+    ts_dtype dst_dtype;
+    void *dst;                /* elem_end - elem_begin elements of dst_dtype */
+} ts__init_target;
+/* Replays the events of all targets in ascending seq, interleaved across
+ * targets (the order they were recorded in, so the generator advances as
+ * the eager construction advanced it). Each storage must appear once (a
+ * tied weight is one storage). A repeat event (repeat_of) is replayed from
+ * the generator state saved when its source event was replayed (one state,
+ * 5056 bytes, per source repeated), and the generator restored after it;
+ * TS_ERR_INVALID_ARGUMENT when its source is not among the targets' events.
+ * Errors of ts__init_replay; events already replayed stay written. */
+ts_status ts__init_replay_targets(int n, const ts__init_target *targets);
 
 /* Generator internals, for dropout. */
 double ts__rng_u53(ts_generator *g);

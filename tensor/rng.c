@@ -502,26 +502,31 @@ typedef struct elem_iter {
     int64_t off;
 } elem_iter;
 
-static void elem_iter_init(elem_iter *it, const ts_tensor *t)
+static void elem_iter_init_geom(elem_iter *it, int ndim, const int64_t *shape, const int64_t *strides)
 {
     it->nd = 0;
     it->off = 0;
     /* innermost (last) dimension first, then a stable insertion sort by
      * stride, like TensorIterator's reorder_dimensions */
-    for (int d = t->ndim - 1; d >= 0; d--) {
-        if (t->shape[d] == 1)
+    for (int d = ndim - 1; d >= 0; d--) {
+        if (shape[d] == 1)
             continue;
         int k = it->nd++;
-        while (k > 0 && it->stride[k - 1] > t->strides[d]) {
+        while (k > 0 && it->stride[k - 1] > strides[d]) {
             it->size[k] = it->size[k - 1];
             it->stride[k] = it->stride[k - 1];
             k--;
         }
-        it->size[k] = t->shape[d];
-        it->stride[k] = t->strides[d];
+        it->size[k] = shape[d];
+        it->stride[k] = strides[d];
     }
     for (int d = 0; d < it->nd; d++)
         it->idx[d] = 0;
+}
+
+static void elem_iter_init(elem_iter *it, const ts_tensor *t)
+{
+    elem_iter_init_geom(it, t->ndim, t->shape, t->strides);
 }
 
 /* Offset of the current element, then advances. */
@@ -540,20 +545,25 @@ static inline int64_t elem_iter_next(elem_iter *it)
 
 /* torch's is_contiguous: size-1 dimensions may have any stride, and an
  * empty tensor is contiguous. */
-static bool is_dense_contiguous(const ts_tensor *t)
+static bool is_dense_contiguous_geom(int ndim, const int64_t *shape, const int64_t *strides)
 {
-    for (int d = 0; d < t->ndim; d++)
-        if (t->shape[d] == 0)
+    for (int d = 0; d < ndim; d++)
+        if (shape[d] == 0)
             return true;
     int64_t expected = 1;
-    for (int d = t->ndim - 1; d >= 0; d--) {
-        if (t->shape[d] == 1)
+    for (int d = ndim - 1; d >= 0; d--) {
+        if (shape[d] == 1)
             continue;
-        if (t->strides[d] != expected)
+        if (strides[d] != expected)
             return false;
-        expected *= t->shape[d];
+        expected *= shape[d];
     }
     return true;
+}
+
+static bool is_dense_contiguous(const ts_tensor *t)
+{
+    return is_dense_contiguous_geom(t->ndim, t->shape, t->strides);
 }
 
 static int64_t tensor_numel(const ts_tensor *t)
@@ -566,7 +576,8 @@ static int64_t tensor_numel(const ts_tensor *t)
 
 /* Common checks of the in-place fills: a usable tensor (not released, not a
  * shard), float32/float64, no two elements at one address. Sets *data_out
- * (NULL for an empty tensor). */
+ * (NULL for an empty tensor or a meta one: ts__is_meta tells them apart;
+ * the fill then records itself, [Note: deferred init]). */
 static ts_status fill_prepare(const char *op, ts_tensor *t, void **data_out)
 {
     ts_status st = ts__check_inputs(op, 1, &t);
@@ -585,6 +596,10 @@ static ts_status fill_prepare(const char *op, ts_tensor *t, void **data_out)
                             "%s: dim %d of size %lld has stride 0, so several elements share one memory "
                             "location; fill a contiguous tensor (ts_contiguous) instead",
                             op, d, (long long)t->shape[d]);
+    if (ts__is_meta(t)) {
+        *data_out = NULL;
+        return TS_OK;
+    }
     *data_out = ts_tensor_data(t);
     if (!*data_out)
         return ts_error(TS_ERR_RELEASED, "%s: the tensor's storage is released", op);
@@ -612,6 +627,8 @@ ts_status ts_uniform_(ts_tensor *t, double from, double to, ts_generator *gen)
     if (!(to - from <= max))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: to - from must be <= the largest %s, but to=%g and from=%g",
                         ts_dtype_name(t->dtype), to, from);
+    if (ts__is_meta(t))
+        return ts__init_record("uniform_", t, TS__INIT_UNIFORM, from, to, gen);
     if (!data)
         return TS_OK;
     ts_generator *g = gen_or_default(gen);
@@ -641,6 +658,8 @@ ts_status ts_normal_(ts_tensor *t, double mean, double std, ts_generator *gen)
         return st;
     if (!(std >= 0.0))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "normal_: expects std >= 0.0, but std=%g", std);
+    if (ts__is_meta(t))
+        return ts__init_record("normal_", t, TS__INIT_NORMAL, mean, std, gen);
     if (!data)
         return TS_OK;
     ts_generator *g = gen_or_default(gen);
@@ -680,6 +699,8 @@ ts_status ts_bernoulli_(ts_tensor *t, double p, ts_generator *gen)
         return st;
     if (!(p >= 0.0 && p <= 1.0))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "bernoulli_: expects p in [0, 1], but p=%g", p);
+    if (ts__is_meta(t))
+        return ts__init_record("bernoulli_", t, TS__INIT_BERNOULLI, p, 0.0, gen);
     if (!data)
         return TS_OK;
     ts_generator *g = gen_or_default(gen);
@@ -962,6 +983,244 @@ static void bernoulli_dense(int kpath, ts_generator *g, ts_dtype dt, void *data,
             }
         }
     }
+}
+
+/* ------------------------------------------------- deferred init: replay */
+
+/* ts__init_replay ([Note: deferred init] in tensor/internal.h) repeats
+ * the in-place fills above for a recorded event, block by block: the
+ * same words drawn in the same order, the same arithmetic per element, so
+ * that each element it keeps is the eager fill's element and the
+ * generator ends where the eager fill left it. The eager fill's two
+ * element orders are the replay's too: memory order (offset + i) for a
+ * dense contiguous geometry, TensorIterator order (elem_iter) otherwise. */
+
+_Static_assert(TS__INIT_REPLAY_BLOCK % 16 == 0, "a replay block holds whole normal_ chunks");
+
+/* Where a replay writes: storage offsets [begin, end) to dst. */
+typedef struct replay_sink {
+    int64_t begin, end;
+    ts_dtype src_dt, dst_dt;
+    size_t src_es, dst_es;
+    char *dst;
+} replay_sink;
+
+static bool sink_hits(const replay_sink *k, int64_t off0, int64_t m)
+{
+    return m > 0 && off0 < k->end && off0 + m > k->begin;
+}
+
+/* m values (src_dt, contiguous in vals) at storage offsets off0, off0 +
+ * 1, ...: the part in range, converted. */
+static void sink_run(const replay_sink *k, const char *vals, int64_t off0, int64_t m)
+{
+    int64_t lo = off0 > k->begin ? off0 : k->begin;
+    int64_t hi = off0 + m < k->end ? off0 + m : k->end;
+    if (lo < hi)
+        ts__buf_convert(k->dst_dt, k->dst + (size_t)(lo - k->begin) * k->dst_es, k->src_dt,
+                        vals + (size_t)(lo - off0) * k->src_es, hi - lo);
+}
+
+/* m values in the order of `it` (advanced past them), base added to its
+ * offsets: each run of consecutive offsets at once. */
+static void sink_iter(const replay_sink *k, const char *vals, elem_iter *it, int64_t base, int64_t m)
+{
+    if (m <= 0)
+        return;
+    int64_t start = 0, off0 = base + elem_iter_next(it);
+    for (int64_t j = 1; j < m; j++) {
+        int64_t o = base + elem_iter_next(it);
+        if (o == off0 + (j - start))
+            continue;
+        sink_run(k, vals + (size_t)start * k->src_es, off0, j - start);
+        start = j;
+        off0 = o;
+    }
+    sink_run(k, vals + (size_t)start * k->src_es, off0, m - start);
+}
+
+/* Advances g by k mt19937 words, as k calls of mt_random would (without
+ * tempering them). */
+static void skip_words(ts_generator *g, int64_t k)
+{
+    for (int64_t i = 0; i < k; i++) {
+        if (--g->left == 0)
+            mt_next_state(g);
+        g->next++;
+    }
+}
+
+/* uniform_ (ts_uniform_'s loops), bernoulli_ (its scalar path: the same
+ * U53 < p per element as the batched bits, which draw the same words) and
+ * the constant fill, all one value per element in the fill's order. */
+static void replay_elementwise(ts_generator *g, const ts__init_event *ev, const replay_sink *k, char *buf,
+                               int64_t n, bool dense)
+{
+    elem_iter it;
+    elem_iter_init_geom(&it, ev->ndim, ev->shape, ev->strides);
+    bool f32 = ev->dtype == TS_F32;
+    if (ev->kind == TS__INIT_FILL) { /* the value in the tensor's dtype, as ts_tensor_fill_ stores it */
+        int64_t m = n < TS__INIT_REPLAY_BLOCK ? n : TS__INIT_REPLAY_BLOCK;
+        for (int64_t i = 0; i < m; i++)
+            ts__store(ev->dtype, buf, i, ev->a);
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += TS__INIT_REPLAY_BLOCK) {
+        int64_t m = n - i0 < TS__INIT_REPLAY_BLOCK ? n - i0 : TS__INIT_REPLAY_BLOCK;
+        bool need = !dense || sink_hits(k, ev->offset + i0, m);
+        switch (ev->kind) {
+        case TS__INIT_UNIFORM:
+            if (!need) {
+                skip_words(g, f32 ? m : 2 * m);
+            } else if (f32) {
+                float *p = (float *)(void *)buf, f = (float)ev->a, range = (float)ev->b - f;
+                for (int64_t i = 0; i < m; i++)
+                    p[i] = fmaf(u24(g), range, f);
+            } else {
+                double *p = (double *)(void *)buf, range = ev->b - ev->a;
+                for (int64_t i = 0; i < m; i++)
+                    p[i] = fma(u53(g), range, ev->a);
+            }
+            break;
+        case TS__INIT_BERNOULLI:
+            if (!need) {
+                skip_words(g, 2 * m);
+            } else if (f32) {
+                float *p = (float *)(void *)buf;
+                for (int64_t i = 0; i < m; i++)
+                    p[i] = u53(g) < ev->a ? 1.0f : 0.0f;
+            } else {
+                double *p = (double *)(void *)buf;
+                for (int64_t i = 0; i < m; i++)
+                    p[i] = u53(g) < ev->a ? 1.0 : 0.0;
+            }
+            break;
+        default: /* TS__INIT_FILL: buf already holds the value */
+            break;
+        }
+        if (dense)
+            sink_run(k, buf, ev->offset + i0, m);
+        else
+            sink_iter(k, buf, &it, ev->offset, m);
+    }
+}
+
+/* normal_ on n >= 16 dense elements (normal_fill_f32/f64): all n
+ * uniforms in order, each whole 16-chunk transformed, then, when n % 16
+ * != 0, 16 fresh uniforms for the last 16 slots. A block is whole chunks;
+ * the slots from n - 16 on are written by the tail only. */
+static void replay_normal_dense(ts_generator *g, const ts__init_event *ev, const replay_sink *k, char *buf,
+                                int64_t n)
+{
+    bool f32 = ev->dtype == TS_F32;
+    int64_t tail = n % 16 ? n - 16 : n;
+    float mf = (float)ev->a, sf = (float)ev->b;
+    for (int64_t i0 = 0; i0 < n; i0 += TS__INIT_REPLAY_BLOCK) {
+        int64_t m = n - i0 < TS__INIT_REPLAY_BLOCK ? n - i0 : TS__INIT_REPLAY_BLOCK;
+        int64_t wm = (i0 + m < tail ? i0 + m : tail) - i0; /* slots this block writes */
+        if (!sink_hits(k, ev->offset + i0, wm)) {
+            skip_words(g, f32 ? m : 2 * m);
+            continue;
+        }
+        if (f32) {
+            float *d = (float *)(void *)buf;
+            for (int64_t i = 0; i < m; i++)
+                d[i] = u24(g);
+            for (int64_t b = 0; b + 16 <= m; b += 16)
+                if (sink_hits(k, ev->offset + i0 + b, 16))
+                    fill16_f32(d + b, mf, sf);
+        } else {
+            double *d = (double *)(void *)buf;
+            for (int64_t i = 0; i < m; i++)
+                d[i] = u53(g);
+            for (int64_t b = 0; b + 16 <= m; b += 16)
+                if (sink_hits(k, ev->offset + i0 + b, 16))
+                    fill16_f64(d + b, ev->a, ev->b);
+        }
+        sink_run(k, buf, ev->offset + i0, wm);
+    }
+    if (n % 16 == 0)
+        return;
+    if (f32) {
+        float *t = (float *)(void *)buf;
+        for (int i = 0; i < 16; i++)
+            t[i] = u24(g);
+        fill16_f32(t, mf, sf);
+    } else {
+        double *t = (double *)(void *)buf;
+        for (int i = 0; i < 16; i++)
+            t[i] = u53(g);
+        fill16_f64(t, ev->a, ev->b);
+    }
+    sink_run(k, buf, ev->offset + n - 16, 16);
+}
+
+/* normal_ on fewer than 16 elements or a non-dense view: normal_scalar
+ * per element in TensorIterator order (its cached second value makes
+ * every element depend on the one before: nothing is skipped). */
+static void replay_normal_scalar(ts_generator *g, const ts__init_event *ev, const replay_sink *k, char *buf,
+                                 int64_t n)
+{
+    elem_iter it;
+    elem_iter_init_geom(&it, ev->ndim, ev->shape, ev->strides);
+    for (int64_t i0 = 0; i0 < n; i0 += TS__INIT_REPLAY_BLOCK) {
+        int64_t m = n - i0 < TS__INIT_REPLAY_BLOCK ? n - i0 : TS__INIT_REPLAY_BLOCK;
+        if (ev->dtype == TS_F32) {
+            float *p = (float *)(void *)buf;
+            for (int64_t i = 0; i < m; i++)
+                p[i] = (float)normal_scalar(g, ev->a, ev->b);
+        } else {
+            double *p = (double *)(void *)buf;
+            for (int64_t i = 0; i < m; i++)
+                p[i] = normal_scalar(g, ev->a, ev->b);
+        }
+        sink_iter(k, buf, &it, ev->offset, m);
+    }
+}
+
+ts_status ts__init_replay(const ts__init_event *ev, int64_t elem_begin, int64_t elem_end, ts_dtype dst_dtype,
+                          void *dst)
+{
+    if (!ev)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: the event is NULL");
+    if (elem_begin < 0 || elem_end < elem_begin)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: range [%lld, %lld) is %s",
+                        (long long)elem_begin, (long long)elem_end, elem_begin < 0 ? "negative" : "reversed");
+    if (!dst && elem_end > elem_begin)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: dst is NULL for the %lld elements [%lld, %lld)",
+                        (long long)(elem_end - elem_begin), (long long)elem_begin, (long long)elem_end);
+    if ((unsigned)dst_dtype >= TS_DTYPE_COUNT || (unsigned)ev->dtype >= TS_DTYPE_COUNT)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: dtype %d or %d is not a dtype", (int)ev->dtype,
+                        (int)dst_dtype);
+    if ((unsigned)ev->kind >= TS__INIT_KIND_COUNT ||
+        (ev->kind != TS__INIT_FILL && ev->dtype != TS_F32 && ev->dtype != TS_F64) || ev->ndim < 0 ||
+        ev->ndim > TS_MAX_DIMS)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: event %llu (kind %d, %s, %d dims) is not a "
+                        "recorded initializer", (unsigned long long)ev->seq, (int)ev->kind,
+                        ts_dtype_name(ev->dtype), ev->ndim);
+    if (ev->repeat_of)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: event %llu repeats event %llu (a copy): replay it "
+                        "through ts__init_replay_targets, with its source", (unsigned long long)ev->seq,
+                        (unsigned long long)ev->repeat_of);
+    int64_t n = ts__numel(ev->ndim, ev->shape);
+    if (n <= 0)
+        return TS_OK;
+    size_t es = ts_dtype_size(ev->dtype);
+    int64_t bn = n < TS__INIT_REPLAY_BLOCK ? (n < 16 ? 16 : n) : TS__INIT_REPLAY_BLOCK;
+    char *buf = ts__malloc(TS_MEM_OTHER, (size_t)bn * es);
+    if (!buf)
+        return ts_error(TS_ERR_NO_MEMORY, "ts__init_replay: cannot allocate a block of %lld elements",
+                        (long long)bn);
+    replay_sink k = {elem_begin, elem_end, ev->dtype, dst_dtype, es, ts_dtype_size(dst_dtype), dst};
+    ts_generator *g = gen_or_default(ev->gen);
+    bool dense = is_dense_contiguous_geom(ev->ndim, ev->shape, ev->strides);
+    if (ev->kind != TS__INIT_NORMAL)
+        replay_elementwise(g, ev, &k, buf, n, dense);
+    else if (n >= 16 && dense)
+        replay_normal_dense(g, ev, &k, buf, n);
+    else
+        replay_normal_scalar(g, ev, &k, buf, n);
+    ts__free(TS_MEM_OTHER, buf);
+    return TS_OK;
 }
 
 /* ------------------------------------------------------------ new tensors */

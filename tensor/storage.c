@@ -63,6 +63,7 @@ void ts__storage_release_ref(ts_storage *s)
     if (!s || atomic_fetch_sub_explicit(&s->refcount, 1, memory_order_acq_rel) != 1)
         return;
     data_free(s->pinned, s->data, s->block_bytes);
+    ts__init_storage_drop(s); /* [Note: deferred init] */
     ts__free(TS_MEM_TENSOR, s);
 }
 

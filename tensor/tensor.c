@@ -620,6 +620,8 @@ ts_status ts_tensor_fill_(ts_tensor *t, double value)
     ts_status st = ts__check_inputs("ts_tensor_fill_", 1, &t);
     if (st || (st = ts__check_scalar("ts_tensor_fill_", t->dtype, value)))
         return st;
+    if (ts__is_meta(t)) /* recorded, [Note: deferred init] */
+        return ts__init_record("ts_tensor_fill_", t, TS__INIT_FILL, value, 0.0, NULL);
     return fill(t, value);
 }
 
