@@ -100,6 +100,7 @@ typedef struct mat_dst {
     int64_t begin, end;
     ts_dtype dtype;
     void *dst;
+    ts__init_log log; /* src's recorded initializers, copied before src gets bytes (owned) */
 } mat_dst;
 
 typedef struct mat_list {
@@ -107,20 +108,66 @@ typedef struct mat_list {
     int n, cap;
 } mat_list;
 
-static ts_status dst_add(mat_list *l, ts_storage *src, int64_t begin, int64_t end, ts_dtype dtype, void *dst)
+/* Adds src's destination (dst is set once the bytes exist) with a copy of
+ * its recorded initializers; a storage once (a tied weight, two tensors
+ * over one storage). */
+static ts_status dst_add(mat_list *l, ts_storage *src, int64_t begin, int64_t end, ts_dtype dtype)
 {
+    for (int k = 0; k < l->n; k++)
+        if (l->d[k].src == src) return TS_OK;
     if (!ts__fsdp_grow((void **)&l->d, &l->cap, l->n + 1, sizeof *l->d)) return TS_ERR_NO_MEMORY;
-    l->d[l->n++] = (mat_dst){src, begin, end, dtype, dst};
+    mat_dst *d = &l->d[l->n];
+    *d = (mat_dst){src, begin, end, dtype, NULL, {0}};
+    int n_ev = 0;
+    const ts__init_event *ev = ts__init_events(src, &n_ev);
+    ts_status st = n_ev ? ts__init_log_append(&d->log, ev, n_ev) : TS_OK;
+    if (st) return st;
+    l->n++;
     return TS_OK;
 }
 
-/* Replays the initializers recorded on the destinations' storages, all
- * of them in their global order. */
-static ts_status replay(const char *fn, const mat_list *l)
+static void list_free(mat_list *l)
 {
-    (void)fn;
-    (void)l;
-    return TS_OK;
+    for (int i = 0; i < l->n; i++) ts__init_log_fini(&l->d[i].log);
+    ts__free(TS_MEM_NN, l->d);
+}
+
+/* [Note: materialize order]
+ * Every recorded initializer of the model goes into one replay, sorted by
+ * sequence number (ts__init_replay_targets interleaves the storages'
+ * logs): the generator then advances as the eager construction advanced
+ * it, whichever parameter each draw lands in. The orphaned initializers of
+ * the same span (storages freed while the model was built: the first
+ * initializer of a weight then tied to another) are drawn and dropped in
+ * their place, since the eager build drew them too. A rank that holds no
+ * row of a parameter still replays its initializers over an empty range. */
+static ts_status replay(const char *fn, mat_list *l, bool draw)
+{
+    uint64_t lo = UINT64_MAX, hi = 0;
+    for (int i = 0; i < l->n; i++) {
+        const ts__init_log *g = &l->d[i].log;
+        if (!g->n) continue;
+        if (g->events[0].seq < lo) lo = g->events[0].seq;
+        if (g->events[g->n - 1].seq > hi) hi = g->events[g->n - 1].seq;
+    }
+    ts__init_log orphans = {0};
+    ts_status st = lo <= hi ? ts__init_orphans_take(lo, hi + 1, &orphans) : TS_OK;
+    ts__init_target *t = NULL;
+    if (!st && draw && !(t = ts__calloc(TS_MEM_NN, (size_t)l->n + 1, sizeof *t)))
+        st = ts_error(TS_ERR_NO_MEMORY, "%s: out of memory", fn);
+    if (!st && draw) {
+        for (int i = 0; i < l->n; i++)
+            t[i] = (ts__init_target){&l->d[i].log, l->d[i].begin, l->d[i].end, l->d[i].dtype, l->d[i].dst};
+        t[l->n] = (ts__init_target){&orphans, 0, 0, TS_F32, NULL}; /* drawn and dropped */
+        st = ts__init_replay_targets(l->n + 1, t);
+    }
+    ts__free(TS_MEM_NN, t);
+    ts__init_log_fini(&orphans);
+    /* replayed (or superseded by a load): never again, not even as orphans
+     * when their storages are freed */
+    if (!st)
+        for (int i = 0; i < l->n; i++) ts__init_events_clear(l->d[i].src);
+    return st;
 }
 
 ts_status ts__fsdp_materialize(const char *fn, ts_module *root, bool do_replay)
@@ -139,8 +186,8 @@ ts_status ts__fsdp_materialize(const char *fn, ts_module *root, bool do_replay)
             if (!p->meta_src) continue;
             const fsdp_chunk *ch = &p->chunks[g->rank];
             int64_t b = p->meta_src->offset + ch->row0 * p->row_numel;
-            st = dst_add(&l, p->meta_src->storage, b, b + ch->rows * p->row_numel, g->dtype,
-                         (unsigned char *)ts_tensor_data(p->S));
+            if (!(st = dst_add(&l, p->meta_src->storage, b, b + ch->rows * p->row_numel, g->dtype)))
+                l.d[l.n - 1].dst = ts_tensor_data(p->S);
         }
     }
     /* everything else in place, whole: parameters outside every group
@@ -150,21 +197,21 @@ ts_status ts__fsdp_materialize(const char *fn, ts_module *root, bool do_replay)
         ts_tensor *t = *np.items[i].slot;
         ts_storage *s = ts_tensor_storage(t);
         if (!ts__is_meta(t)) continue;
+        size_t es = ts_dtype_size(ts_tensor_dtype(t));
+        if ((st = dst_add(&l, s, 0, (int64_t)(s->nbytes / es), ts_tensor_dtype(t)))) break;
         if ((st = storage_materialize(fn, s, false))) break;
         t->device = TS_DEVICE_CPU;
-        size_t es = ts_dtype_size(ts_tensor_dtype(t));
-        bool seen = false; /* a storage once (two tensors over it) */
-        for (int k = 0; k < l.n && !seen; k++) seen = l.d[k].src == s;
-        if (!seen) st = dst_add(&l, s, 0, (int64_t)(s->nbytes / es), ts_tensor_dtype(t), s->data);
+        for (int k = 0; k < l.n; k++)
+            if (l.d[k].src == s && !l.d[k].dst) l.d[k].dst = s->data; /* whole, in place */
     }
-    if (!st && do_replay) st = replay(fn, &l);
+    if (!st) st = replay(fn, &l, do_replay);
     if (!st) /* initialized (or loaded next): the full meta parameters are done with */
         for (int i = 0; i < w.n; i++)
             for (int k = 0; k < w.g[i]->n; k++) {
                 ts_tensor_free(w.g[i]->params[k].meta_src);
                 w.g[i]->params[k].meta_src = NULL;
             }
-    ts__free(TS_MEM_NN, l.d);
+    list_free(&l);
     ts_named_params_free(&np);
     ts__free(TS_MEM_NN, w.g);
     return st;

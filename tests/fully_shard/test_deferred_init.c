@@ -30,12 +30,86 @@
 /* Models                                                             */
 /* ------------------------------------------------------------------ */
 
-typedef enum model_kind { M_MLP, M_GPT, M_GPT_TIED } model_kind;
+typedef enum model_kind { M_MLP, M_GPT, M_GPT_TIED, M_LINEAR, M_EMB, M_LN, M_MHA, M_ENC, M_USER } model_kind;
+
+/* A user module type with its own initializer (reset_parameters, called
+ * by its constructor): a child Linear(5, 6) "fc", a parameter "gain"
+ * (7, 3) drawn from a normal, a buffer "scale" (4) drawn from a uniform,
+ * a parameter "shift" (5) filled with 0.25. */
+typedef struct user_mod {
+    ts_module base;
+    ts_module *fc;
+    ts_tensor *gain, *shift, *scale;
+} user_mod;
+
+static ts_status user_reset(ts_module *m)
+{
+    user_mod *u = (user_mod *)m;
+    ts_status st = ts_normal_(u->gain, 0.0, 0.5, NULL);
+    if (!st) st = ts_uniform_(u->scale, -2.0, 2.0, NULL);
+    if (!st) st = ts_tensor_fill_(u->shift, 0.25);
+    return st;
+}
+
+static ts_status user_visit(ts_module *m, const ts_module_visitor *v)
+{
+    user_mod *u = (user_mod *)m;
+    ts_status st = TS_OK;
+    if (v->param && (st = v->param(v->ctx, "gain", &u->gain))) return st;
+    if (v->param && (st = v->param(v->ctx, "shift", &u->shift))) return st;
+    if (v->buffer && (st = v->buffer(v->ctx, "scale", &u->scale))) return st;
+    if (v->child && (st = v->child(v->ctx, "fc", u->fc))) return st;
+    return TS_OK;
+}
+
+static void user_free(ts_module *m)
+{
+    user_mod *u = (user_mod *)m;
+    ts_module_free(u->fc);
+    ts_tensor_free(u->gain);
+    ts_tensor_free(u->shift);
+    ts_tensor_free(u->scale);
+    free(u);
+}
+
+static const ts_module_vtable user_vt = {
+    .type_name = "UserInit", .visit = user_visit, .free = user_free, .reset_parameters = user_reset};
+
+static ts_status user_new(ts_module **out)
+{
+    user_mod *u = calloc(1, sizeof *u);
+    if (!u) return TS_ERR_NO_MEMORY;
+    ts_status st = ts_module_init(&u->base, &user_vt);
+    int64_t g[2] = {7, 3}, sh = 5, sc = 4;
+    if (!st) st = ts_linear_new(5, 6, true, &u->fc);
+    if (!st) st = ts_param_new(TS_F32, 2, g, &u->gain);
+    if (!st) st = ts_param_new(TS_F32, 1, &sh, &u->shift);
+    if (!st) st = ts_tensor_empty(TS_F32, 1, &sc, &u->scale);
+    if (!st) st = user_reset(&u->base);
+    if (st) {
+        user_free(&u->base);
+        return st;
+    }
+    *out = &u->base;
+    return TS_OK;
+}
 
 /* MLP: Sequential(Linear(6, 10), Tanh, Linear(10, 7), Tanh, Linear(7, 5)):
  * 5, 7 and 10 rows, uneven on 2, 3 and 4 ranks. GPT: 2 blocks, d 8. */
 static ts_status model_build(model_kind k, ts_module **out)
 {
+    ts_encoder_layer_config ec = ts_encoder_layer_config_default(8, 2);
+    ec.dim_feedforward = 12;
+    ec.dropout = 0.0;
+    switch (k) {
+    case M_LINEAR: return ts_linear_new(7, 9, true, out);
+    case M_EMB: return ts_embedding_new(13, 6, out);
+    case M_LN: return ts_layer_norm_new(10, 1e-5, true, out);
+    case M_MHA: return ts_mha_new(8, 2, 0.0, true, out);
+    case M_ENC: return ts_encoder_layer_new(&ec, out);
+    case M_USER: return user_new(out);
+    default: break;
+    }
     if (k == M_MLP) {
         ts_module *c[5] = {0};
         ts_status st;
@@ -121,12 +195,18 @@ static ts_status shard(ts_module *root, const run_arg *a, ts_mesh *mesh)
     if (a->persist) o.persist_threshold_numel = 20;
     ts_status st;
     ts_module *blocks = NULL;
-    if (a->kind != M_MLP && (st = ts_module_get_submodule(root, "blocks", &blocks))) return st;
+    bool gpt = a->kind == M_GPT || a->kind == M_GPT_TIED;
+    if (gpt && (st = ts_module_get_submodule(root, "blocks", &blocks))) return st;
     if (a->kind == M_MLP && a->by_size) {
         if ((st = ts_fsdp_apply_by_size(root, 60, &o, NULL))) return st;
     } else if (a->kind == M_MLP) {
         for (int i = 0; i < 5; i += 2)
             if ((st = ts_fully_shard(ts_container_child(root, i), &o))) return st;
+    } else if (a->kind == M_USER) {
+        ts_module *fc = NULL;
+        if ((st = ts_module_get_submodule(root, "fc", &fc)) || (st = ts_fully_shard(fc, &o))) return st;
+    } else if (a->kind != M_GPT && a->kind != M_GPT_TIED) {
+        /* one layer: the root's group only */
     } else {
         for (int i = 0; a->ckpt && i < ts_container_size(blocks); i++)
             if ((st = ts_checkpoint_module(ts_container_child(blocks, i)))) return st;
@@ -137,12 +217,27 @@ static ts_status shard(ts_module *root, const run_arg *a, ts_mesh *mesh)
     return a->leftover ? TS_OK : ts_fully_shard(root, &o);
 }
 
+/* The model on the meta device with its initializers recorded, as the
+ * seeded constructor would record them: built, its tensors swapped for
+ * meta ones (to_meta), then reset from the seed (every nn layer's and the
+ * user type's constructor calls its reset_parameters, so resetting draws
+ * what building draws, except for tied weights, which each owner resets:
+ * the tied GPT is only loaded into here, never compared with an eager
+ * build). */
+static ts_status build_meta(model_kind k, ts_module **out)
+{
+    ts_status st = model_build(k, out);
+    if (!st) st = to_meta(*out);
+    ts_manual_seed(SEED);
+    if (!st) st = ts_module_reset_parameters(*out, true);
+    return st;
+}
+
 /* The model built eagerly (seeded) or on the meta device, then sharded. */
 static ts_status make(th_rank *rc, const run_arg *a, ts_mesh *mesh, bool meta, ts_module **out)
 {
     ts_manual_seed(SEED);
-    ts_status st = model_build(a->kind, out);
-    if (!st && meta) st = to_meta(*out);
+    ts_status st = meta ? build_meta(a->kind, out) : model_build(a->kind, out);
     if (!st) st = shard(*out, a, mesh);
     (void)rc;
     return st;
@@ -371,4 +466,82 @@ Test(fully_shard_deferred_init, shard_allocates_nothing)
     cr_assert_eq(ts_fsdp_offload_stats_get(m, &s), TS_OK);
     cr_assert_eq(s.pinned_groups, 1);
     ts_module_free(m);
+}
+
+/* ------------------------------------------------------------------ */
+/* Deferred = eager                                                   */
+/* ------------------------------------------------------------------ */
+
+/* The model built on meta, sharded and materialized holds the bits of the
+ * one built eagerly from the same seed and sharded; the generator ends in
+ * the same state (every draw of the eager build was replayed). */
+static int body_same(th_rank *rc, const run_arg *a, ts_mesh *mesh)
+{
+    ts_module *ref = NULL, *got = NULL;
+    uint8_t g_eager[TS_GENERATOR_STATE_BYTES], g_deferred[TS_GENERATOR_STATE_BYTES];
+    RK_OK(rc, make(rc, a, mesh, false, &ref));
+    ts_generator_get_state(ts_default_generator(), g_eager);
+    RK_OK(rc, make(rc, a, mesh, true, &got));
+    int bad = any_meta(got) <= 0 ? th_rank_fail(rc, "nothing on the meta device after sharding") : 0;
+    if (!bad && ts_fsdp_materialize(got)) bad = th_rank_fail(rc, "materialize: %s", ts_last_error());
+    ts_generator_get_state(ts_default_generator(), g_deferred);
+    if (!bad && any_meta(got) != 0) bad = th_rank_fail(rc, "meta tensors after materialize");
+    if (!bad && memcmp(g_eager, g_deferred, sizeof g_eager))
+        bad = th_rank_fail(rc, "the generator's state differs after materialize");
+    if (!bad) bad = same_state(rc, ref, got, "deferred");
+    if (!bad && (a->kind == M_MLP || a->kind == M_GPT || a->kind == M_GPT_TIED) && run_step(got, a->kind))
+        bad = th_rank_fail(rc, "step: %s", ts_last_error());
+    ts_module_free(got);
+    ts_module_free(ref);
+    return bad;
+}
+
+Test(fully_shard_deferred_init, every_layer_1_to_4_ranks, .timeout = 240)
+{
+    static const model_kind kinds[] = {M_LINEAR, M_EMB, M_LN, M_MHA, M_ENC, M_USER, M_MLP, M_GPT};
+    for (int W = 1; W <= 4; W++)
+        for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) run(W, body_same, (run_arg){.kind = kinds[k]});
+}
+
+Test(fully_shard_deferred_init, hsdp_policies_ties_leftovers_checkpointing, .timeout = 240)
+{
+    run(4, body_same, (run_arg){.kind = M_GPT, .hsdp = true});
+    run(4, body_same, (run_arg){.kind = M_USER, .hsdp = true});
+    run(3, body_same, (run_arg){.kind = M_GPT, .mp = true});
+    run(3, body_same, (run_arg){.kind = M_GPT, .offload = true});
+    run(2, body_same, (run_arg){.kind = M_GPT, .leftover = true});
+    run(3, body_same, (run_arg){.kind = M_USER, .leftover = true});
+    run(2, body_same, (run_arg){.kind = M_GPT, .ckpt = true});
+    run(3, body_same, (run_arg){.kind = M_GPT, .ckpt_after = true, .persist = true});
+    run(4, body_same, (run_arg){.kind = M_MLP, .by_size = true});
+}
+
+/* A model never sharded materializes whole. */
+Test(fully_shard_deferred_init, unsharded_model_materializes_whole, .timeout = 60)
+{
+    for (int k = M_MLP; k <= M_USER; k++) {
+        if (k == M_GPT_TIED) continue;
+        ts_module *ref = NULL, *got = NULL;
+        ts_manual_seed(SEED);
+        cr_assert_eq(model_build(k, &ref), TS_OK);
+        cr_assert_eq(build_meta(k, &got), TS_OK, "%s", ts_last_error());
+        cr_assert_gt(any_meta(got), 0);
+        cr_assert_eq(ts_fsdp_materialize(got), TS_OK, "%s", ts_last_error());
+        cr_assert_eq(any_meta(got), 0);
+        ts_named_params a = {0}, b = {0};
+        cr_assert_eq(ts__module_entries(ref, true, true, true, &a), TS_OK);
+        cr_assert_eq(ts__module_entries(got, true, true, true, &b), TS_OK);
+        cr_assert_eq(a.n, b.n);
+        for (int i = 0; i < a.n; i++) {
+            const ts_tensor *x = *a.items[i].slot, *y = *b.items[i].slot;
+            cr_assert_eq(ts_tensor_numel(x), ts_tensor_numel(y));
+            cr_assert_eq(memcmp(ts_tensor_data(x), ts_tensor_data(y),
+                                (size_t)ts_tensor_numel(x) * ts_dtype_size(ts_tensor_dtype(x))),
+                         0, "kind %d: '%s' differs", k, a.items[i].name);
+        }
+        ts_named_params_free(&a);
+        ts_named_params_free(&b);
+        ts_module_free(ref);
+        ts_module_free(got);
+    }
 }
