@@ -259,6 +259,49 @@ TS_API unsigned ts__file_mode(unsigned max_mode);
 TS_API void ts__mem_count(ts_mem_tag tag, size_t bytes, bool add);
 
 /*
+ * Process memory (base/procmem.c). What the kernel counts for the whole
+ * process, beside the library's own counters above: the resident set
+ * (every page of the process in RAM: tensors, the library's code and
+ * data, UCX's buffers, BLIS's packing buffers, the C allocator's slack)
+ * and the memory cap the process runs under. docs/memory.md says how
+ * the two relate to the tensors.
+ */
+typedef struct ts_process_memory {
+    size_t rss_bytes;      /* VmRSS of /proc/self/status: resident now */
+    size_t peak_rss_bytes; /* VmHWM: the highest resident set since the process started */
+} ts_process_memory;
+/* Reads /proc/self/status into *out (written only on success). TS_ERR_IO
+ * naming the file and the system error when it cannot be opened or read
+ * (no /proc: not Linux, or /proc not mounted); TS_ERR_FORMAT when it has
+ * no VmRSS or VmHWM line in kB; TS_ERR_INVALID_ARGUMENT for NULL. */
+TS_API ts_status ts_process_memory_read(ts_process_memory *out);
+/* The same from another file in /proc/<pid>/status's format (tests). */
+TS_API ts_status ts__process_memory_parse(const char *path, ts_process_memory *out);
+
+/* The launcher's per-rank cap, in bytes (tsrun --memory-per-rank sets it
+ * for each rank it starts). */
+#define TS_MEMORY_PER_RANK_ENV "TS_MEMORY_PER_RANK"
+typedef struct ts_memory_cap {
+    size_t bytes;     /* the cap; 0: none found */
+    char source[512]; /* what set it: "TS_MEMORY_PER_RANK", or the cgroup file that holds it; "" for none */
+} ts_memory_cap;
+/* The memory cap of this process: TS_MEMORY_PER_RANK when set (a decimal
+ * number of bytes), else the smallest limit of its memory cgroup and the
+ * group's ancestors (cgroup v2's memory.max and v1's memory.limit_in_bytes
+ * of the group /proc/self/cgroup names, found under the mount
+ * /proc/self/mountinfo lists); "max" and values of 2^60 bytes and more
+ * are no cap. No cgroup, no /proc, or unreadable files: no cap (bytes 0),
+ * not an error. *out is written only on success. TS_ERR_INVALID_ARGUMENT
+ * for a TS_MEMORY_PER_RANK that is not a number of bytes above 0 (naming
+ * it) or a NULL out. */
+TS_API ts_status ts_memory_cap_read(ts_memory_cap *out);
+/* The same from given inputs (tests): env_value as TS_MEMORY_PER_RANK's
+ * value (NULL: unset), cgroup_file and mountinfo in the formats of
+ * /proc/self/cgroup and /proc/self/mountinfo (NULL: none). */
+TS_API ts_status ts__memory_cap_from(const char *env_value, const char *cgroup_file, const char *mountinfo,
+                                     ts_memory_cap *out);
+
+/*
  * Logging. The level comes from TS_LOG_LEVEL (error, warn, info, debug,
  * trace; default warn), read once; ts_log_set_level overrides it.
  */

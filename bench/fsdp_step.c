@@ -670,6 +670,25 @@ int main(int argc, char **argv)
     }
     vs_result vs;
     run_vs(&c, rank, W, with_ddp, &vs);
+    /* each rank's peak resident set (VmHWM: the whole run, every mode) beside
+     * the largest estimate of the modes (ts_fsdp_memory_estimate's
+     * rss_peak_bytes: floor + the pool; docs/memory.md), gathered in one
+     * all-reduce of a (W, 4) tensor, each rank its row */
+    ts_tensor *rss_t;
+    {
+        int64_t rs_shape[2] = {W, 4};
+        CHECK(ts_tensor_zeros(TS_F64, 2, rs_shape, &rss_t));
+        double *v = ts_tensor_data(rss_t);
+        ts_process_memory pm = {0, 0};
+        if (ts_process_memory_read(&pm)) pm.peak_rss_bytes = 0;
+        v[rank * 4] = (double)pm.peak_rss_bytes;
+        for (int m = FSDP; m < N_MODES; m++) {
+            if ((double)g_pred[m].rss_peak_bytes > v[rank * 4 + 1]) v[rank * 4 + 1] = (double)g_pred[m].rss_peak_bytes;
+            if ((double)peak[m] > v[rank * 4 + 2]) v[rank * 4 + 2] = (double)peak[m];
+            if ((double)g_pred[m].peak_bytes > v[rank * 4 + 3]) v[rank * 4 + 3] = (double)g_pred[m].peak_bytes;
+        }
+        CHECK(ts_all_reduce(ts_dist_world(), rss_t, TS_REDUCE_SUM, NULL));
+    }
     if (rank == 0) {
         printf("bench_fsdp_step: %d ranks%s, GPT %d layers, d %d, %d heads, seq %d, batch %d per rank, AdamW; "
                "TS_UCX_ERROR_MODE=%s\n",
@@ -692,6 +711,15 @@ int main(int argc, char **argv)
                    p->param_bytes / 1048576.0, p->grad_bytes / 1048576.0, p->optim_bytes / 1048576.0,
                    p->group_bytes / 1048576.0, p->groups_in_flight, p->act_bytes / 1048576.0,
                    p->act_ckpt_bytes / 1048576.0);
+        }
+        {
+            const double *v = ts_tensor_data(rss_t);
+            printf("process memory per rank (peak RSS: VmHWM over the whole run; estimate: the largest mode's "
+                   "rss_peak_bytes, floor + pool; tensors: the largest peak storage and its estimate):\n");
+            for (int r = 0; r < W; r++)
+                printf("rank %d: peak RSS %.1f MiB, estimate %.1f MiB (tensors %.1f MiB, estimate %.1f MiB)\n", r,
+                       v[r * 4] / 1048576.0, v[r * 4 + 1] / 1048576.0, v[r * 4 + 2] / 1048576.0,
+                       v[r * 4 + 3] / 1048576.0);
         }
         printf("offload against fsdp, same run (rank 0; step ms: medians of the three run again with their "
                "steps interleaved; bytes per step: given to the collectives, copied host-to-device before "
@@ -758,5 +786,6 @@ int main(int argc, char **argv)
     }
     ts_mesh_free(g_mesh);
     CHECK(ts_dist_finalize());
+    ts_tensor_free(rss_t);
     return 0;
 }

@@ -341,5 +341,13 @@ int main(int argc, char **argv)
                ref_ms / fused_ms);
     }
     printf("\ntargets at 1 thread: sgemm/step >= 0.70, step/torch <= 0.80\n");
+    {
+        /* the process (docs/memory.md): the unsharded step has no estimate
+         * (ts_fsdp_memory_estimate plays fully_shard's step) */
+        ts_process_memory pm;
+        if (ts_process_memory_read(&pm) == TS_OK)
+            printf("rank 0: peak RSS %.1f MiB (VmHWM over the whole run; tensors %.1f MiB at their peak)\n",
+                   (double)pm.peak_rss_bytes / 1048576.0, (double)ts_mem_peak_bytes(TS_MEM_STORAGE) / 1048576.0);
+    }
     return 0;
 }

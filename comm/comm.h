@@ -250,6 +250,32 @@ TS_API ts_comm *ts_dist_world(void);
  * ts_dist_world() is the one-rank group. */
 TS_API ts_status ts_dist_finalize(void);
 
+/* The process floor: the resident memory the runtime holds beyond the
+ * library's tensors (docs/memory.md): the library's and its
+ * dependencies' code and data, UCX with its endpoints and shared memory,
+ * the communication thread, the store connection, the C allocator's
+ * slack, and BLIS's float32 packing buffers (which BLIS allocates at the
+ * first product: counted from its block sizes, ts__blis_pack_bytes, not
+ * from the resident set; a product run before the measurement is in
+ * both, at most those bytes twice). Measured by ts_dist_init once its
+ * world is up (each call replaces it), or, in a process that has not
+ * called it, at the first ts_process_floor_get (and kept). The memory
+ * estimate adds it to the tensors (fully_shard.h, rss_peak_bytes). */
+typedef struct ts_process_floor {
+    size_t bytes;           /* the floor: resident_bytes - tracked_bytes + blis_pack_bytes */
+    size_t resident_bytes;  /* VmRSS at the measurement */
+    size_t tracked_bytes;   /* the library's tensor pool, pinned blocks and tensor, autograd and module handles then */
+    size_t blis_pack_bytes; /* BLIS's packing buffers (ts__blis_pack_bytes) */
+    bool at_dist_init;      /* measured by ts_dist_init (false: at the first call) */
+} ts_process_floor;
+/* Writes the floor into *out (measuring it now if nothing has).
+ * TS_ERR_IO / TS_ERR_FORMAT when /proc/self/status cannot be read
+ * (ts_process_memory_read's), TS_ERR_INVALID_ARGUMENT for NULL. Any
+ * thread. */
+TS_API ts_status ts_process_floor_get(ts_process_floor *out);
+/* ts_process_floor_get's bytes; 0 when it fails. */
+TS_API size_t ts_process_floor_bytes(void);
+
 #ifdef __cplusplus
 }
 #endif

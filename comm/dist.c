@@ -80,6 +80,7 @@
 #include "comm/store.h"
 #include "comm/store_internal.h"
 #include "comm/transport.h"
+#include "tensor/blis_arch.h"
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static ts_comm *g_world;                /* NULL when not initialized (under g_mu) */
@@ -1149,6 +1150,60 @@ fail:
     return s;
 }
 
+/* ------------------------------------------------------------ the floor
+ * What the process holds beyond the library's tensors: measured once the
+ * runtime is up (ts_dist_init's world: UCX, its endpoints and shared
+ * memory, the communication thread, the store connection), as VmRSS less
+ * the tensor pool, pinned blocks and handles then live, plus BLIS's
+ * packing buffers, which BLIS allocates only at the first product
+ * (docs/memory.md, "The floor"). */
+static pthread_mutex_t g_floor_mu = PTHREAD_MUTEX_INITIALIZER;
+static ts_process_floor g_floor;
+static bool g_floor_set;
+
+static ts_status floor_measure(bool at_init)
+{
+    ts_process_memory pm;
+    ts_status s = ts_process_memory_read(&pm);
+    if (s != TS_OK) return s;
+    ts_process_floor f;
+    memset(&f, 0, sizeof f);
+    f.resident_bytes = pm.rss_bytes;
+    f.tracked_bytes = ts_mem_live_bytes(TS_MEM_POOL) + ts_mem_live_bytes(TS_MEM_PINNED) +
+                      ts_mem_live_bytes(TS_MEM_TENSOR) + ts_mem_live_bytes(TS_MEM_AUTOGRAD) +
+                      ts_mem_live_bytes(TS_MEM_NN);
+    f.blis_pack_bytes = ts__blis_pack_bytes();
+    f.bytes = (f.resident_bytes > f.tracked_bytes ? f.resident_bytes - f.tracked_bytes : 0) + f.blis_pack_bytes;
+    f.at_dist_init = at_init;
+    pthread_mutex_lock(&g_floor_mu);
+    g_floor = f;
+    g_floor_set = true;
+    pthread_mutex_unlock(&g_floor_mu);
+    return TS_OK;
+}
+
+ts_status ts_process_floor_get(ts_process_floor *out)
+{
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_process_floor_get: out must not be NULL");
+    pthread_mutex_lock(&g_floor_mu);
+    bool set = g_floor_set;
+    pthread_mutex_unlock(&g_floor_mu);
+    if (!set) {
+        ts_status s = floor_measure(false);
+        if (s != TS_OK) return s;
+    }
+    pthread_mutex_lock(&g_floor_mu);
+    *out = g_floor;
+    pthread_mutex_unlock(&g_floor_mu);
+    return TS_OK;
+}
+
+size_t ts_process_floor_bytes(void)
+{
+    ts_process_floor f;
+    return ts_process_floor_get(&f) == TS_OK ? f.bytes : 0;
+}
+
 ts_status ts_dist_init(const ts_dist_options *o)
 {
     ts_dist_options d = ts_dist_options_default();
@@ -1162,6 +1217,8 @@ ts_status ts_dist_init(const ts_dist_options *o)
         s = init_locked(o);
     if (s == TS_OK) ts__world_publish(g_world);
     pthread_mutex_unlock(&g_mu);
+    if (s == TS_OK && floor_measure(true) != TS_OK) /* no /proc: the estimate's floor is 0 then, not an error here */
+        ts_logf(TS_LOG_DEBUG, "ts_dist_init: the process floor is not measured: %s", ts_last_error());
     return s;
 }
 

@@ -14,7 +14,7 @@
  *        [--save DIR [--save-every N]] [--resume DIR]
  *        [--save-full FILE.safetensors] [--load FILE.safetensors]
  *        [--sample N [--temperature T] [--prompt TEXT]]    (--help: all flags)
- *        [--offload cpu [--pin-memory 0|1]] [--checkpoint-activations]
+ *        [--offload cpu [--pin-memory 0|1]] [--checkpoint-activations] [--ignore-memory-cap]
  * --checkpoint-activations checkpoints every block (ts_checkpoint_module
  * before ts_fully_shard): the backward recomputes each block's forward
  * instead of keeping its activations (same losses, lower peak).
@@ -69,8 +69,16 @@
  * them; sizes given must agree, the text must use its characters).
  * --load F --sample N does not train: it generates N characters after the
  * prompt, greedily or, with --temperature, by sampling (--seed).
+ * Memory: before anything is built, the estimate of each rank's peak
+ * resident set (ts_fsdp_memory_estimate_gpt's rss_peak_bytes: the process
+ * floor, the tensors and the blocks the caching pool keeps; docs/memory.md)
+ * is compared with the cap the rank runs under, TS_MEMORY_PER_RANK (bytes;
+ * tsrun --memory-per-rank sets it) or else the process's cgroup limit: a
+ * job above it is refused with the numbers (--ignore-memory-cap runs it
+ * anyway). At the end rank 0 prints, for each rank, its peak RSS (VmHWM)
+ * beside the estimate and its tensor peak beside the tensors' estimate.
  * Exit status: 0 for a run that completed, 2 for bad flags or a size that
- * cannot fit in memory (and for a --resume folder that is missing, holds
+ * cannot fit in memory or under the memory cap (and for a --resume folder that is missing, holds
  * no readable index, or disagrees with a flag), 1 for a failure (the
  * message says which; a checkpoint whose files cannot be loaded is one). */
 #include "common.h"
@@ -173,6 +181,33 @@ static void print_comm_summary(ts_comm *world, int steps, int W)
     printf("collectives per step on rank 0 of %d: %.1f issued%s%s%s, %s given to them, %s sent by this rank\n", W,
            calls / steps, n ? " (" : "", kinds, n ? ")" : "", ex_fmt_bytes(in / steps, b1, sizeof b1),
            ex_fmt_bytes(sent / steps, b2, sizeof b2));
+}
+
+/* One line per rank on rank 0: its peak resident set (VmHWM, from the
+ * process's start) beside the estimate (floor + the pool's holding), and
+ * its tensor peak (TS_MEM_STORAGE) beside the tensors' estimate. The
+ * ranks' figures travel in one all-reduce of a (W, 4) float64 tensor,
+ * each rank filling its row. Collective. */
+static ts_status print_rank_memory(ts_comm *world, const ts_fsdp_memory_report *me)
+{
+    int W = ts_comm_size(world), rank = ts_comm_rank(world);
+    int64_t shape[2] = {W, 4};
+    ts_tensor *t;
+    TS_TRY(ts_tensor_zeros(TS_F64, 2, shape, &t));
+    double *v = ts_tensor_data(t);
+    ts_process_memory pm = {0, 0};
+    if (ts_process_memory_read(&pm)) pm.peak_rss_bytes = 0; /* no /proc: printed as 0 */
+    v[rank * 4 + 0] = (double)pm.peak_rss_bytes;
+    v[rank * 4 + 1] = (double)me->rss_peak_bytes;
+    v[rank * 4 + 2] = (double)ts_mem_peak_bytes(TS_MEM_STORAGE);
+    v[rank * 4 + 3] = (double)me->peak_bytes;
+    ts_status st = ts_all_reduce(world, t, TS_REDUCE_SUM, NULL);
+    v = ts_tensor_data(t);
+    for (int r = 0; r < W && !st; r++) /* MiB with a decimal: the estimate's error shows at any size */
+        printf("rank %d: peak RSS %.1f MiB, estimate %.1f MiB (tensors %.1f MiB, estimate %.1f MiB)\n", r,
+               v[r * 4] / 1048576.0, v[r * 4 + 1] / 1048576.0, v[r * 4 + 2] / 1048576.0, v[r * 4 + 3] / 1048576.0);
+    ts_tensor_free(t);
+    return st;
 }
 
 /* The dtype named by a --param-dtype / --reduce-dtype value (bf16, f16,
@@ -471,17 +506,19 @@ int main(int argc, char **argv)
         {"--accum-mode", "nosync|sync", EX_FLAG_STRING, &accum_mode, 0, 0, false, "--accum: nosync reduces once, on the last microbatch (more memory); sync reduce-scatters every microbatch", false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
-    bool ckpt_act = false; /* a switch without value: taken out before the flags are parsed */
+    bool ckpt_act = false, ignore_cap = false; /* switches without value: taken out before the flags are parsed */
     for (int i = 1; i < argc; i++)
-        if (!strcmp(argv[i], "--checkpoint-activations")) {
-            ckpt_act = true;
+        if (!strcmp(argv[i], "--checkpoint-activations") || !strcmp(argv[i], "--ignore-memory-cap")) {
+            *(!strcmp(argv[i], "--checkpoint-activations") ? &ckpt_act : &ignore_cap) = true;
             memmove(&argv[i], &argv[i + 1], (size_t)(argc - i) * sizeof *argv);
             argc--, i--;
         }
     ex_parse_flags(argc, argv,
                    "Trains a character-level GPT with fully_shard (one FSDP group per block, then the root), alone\n"
                    "or on the ranks of tsrun --nproc-per-node N; or, with --load FILE --sample N, generates text.\n"
-                   "--checkpoint-activations (no value): checkpoint every block (recompute in backward).",
+                   "--checkpoint-activations (no value): checkpoint every block (recompute in backward).\n"
+                   "--ignore-memory-cap (no value): run even when the estimated peak per rank exceeds the memory\n"
+                   "cap (TS_MEMORY_PER_RANK from tsrun --memory-per-rank, else the process's cgroup limit).",
                    flags, NFLAGS);
     bool sample_flags = ex_flag_given(flags, NFLAGS, "--temperature") || ex_flag_given(flags, NFLAGS, "--prompt");
     if (strcmp(offload, "none") != 0 && strcmp(offload, "cpu") != 0) {
@@ -775,6 +812,33 @@ int main(int argc, char **argv)
                 ex_fmt_bytes((double)(me.checkpointed ? me.act_ckpt_bytes : me.act_bytes), b[3], 32), local_W,
                 local_W > 1 ? "s" : "", ex_fmt_bytes((double)me.peak_bytes * local_W, b[4], 32),
                 ex_fmt_bytes(phys, b[5], 32));
+        free(prompt_ids);
+        free(text);
+        return 2;
+    }
+
+    /* The cap this rank runs under (tsrun --memory-per-rank, or the
+     * cgroup's limit): a job whose estimated peak resident set exceeds it
+     * is refused here, before anything is built (docs/memory.md). */
+    ts_memory_cap cap;
+    ts_status cst = ts_memory_cap_read(&cap);
+    if (cst) {
+        fprintf(stderr, "train_gpt: %s\n", ts_last_error());
+        free(prompt_ids);
+        free(text);
+        return 2;
+    }
+    if (cap.bytes && me.rss_peak_bytes > cap.bytes && !ignore_cap) {
+        char b[5][32];
+        bool env_cap = !strcmp(cap.source, TS_MEMORY_PER_RANK_ENV);
+        fprintf(stderr,
+                "train_gpt: the estimated peak per rank, %s (tensors %s + the pool's cached blocks %s + runtime %s), "
+                "exceeds the memory cap of %s (%s%s); use more ranks, --checkpoint-activations, --param-dtype bf16, a "
+                "smaller --batch or --seq (or --ignore-memory-cap)\n",
+                ex_fmt_bytes((double)me.rss_peak_bytes, b[0], 32), ex_fmt_bytes((double)me.peak_bytes, b[1], 32),
+                ex_fmt_bytes((double)(me.pool_peak_bytes - me.peak_bytes), b[2], 32),
+                ex_fmt_bytes((double)me.floor_bytes, b[3], 32), ex_fmt_bytes((double)cap.bytes, b[4], 32),
+                env_cap ? "--memory-per-rank / " : "the cgroup limit in ", cap.source);
         free(prompt_ids);
         free(text);
         return 2;
@@ -1142,6 +1206,7 @@ int main(int argc, char **argv)
             CHECK(ts_ckpt_save_full(save_full, model, ckpt_meta, 2));
             printf("saved %d full tensors to %s\n", model_tensors(model), save_full);
         }
+        CHECK(print_rank_memory(world, &me));
     }
 done:
     fflush(stdout);

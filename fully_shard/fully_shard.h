@@ -614,6 +614,11 @@ typedef struct ts_fsdp_memory_options {
     int world_size;
     bool prefetch;
     ts_dtype param_dtype;
+    /* Each rank built the whole model before sharding it (ts_gpt_new,
+     * then ts_fully_shard; default true): its full parameters' pool blocks
+     * stay cached after sharding (pool_peak_bytes). false for a model
+     * whose ranks never held more than their shards. */
+    bool eager_init;
 } ts_fsdp_memory_options;
 
 /* Defaults as above; input_ndim 0 (the caller must give the shape). */
@@ -637,7 +642,24 @@ typedef struct ts_fsdp_memory_report {
     size_t peak_bytes;         /* the step's peak: the larger of the two and of the optimizer step */
     bool checkpointed;         /* the peaks above are with checkpointed blocks (all, or those the model has) */
     int64_t n_params;          /* elements of the full parameters (a tied weight once) */
+    /* The whole process (docs/memory.md), from the tensors above: */
+    size_t pool_peak_bytes;    /* what the caching pool holds after start-up and the step (TS_MEM_POOL): per size
+                                  class, the most blocks of it live at once, cached free blocks included, so at
+                                  least peak_bytes; with eager_init the full parameters' blocks built at start-up
+                                  count ([Note: pool classes] in fully_shard/memory.c) */
+    size_t floor_bytes;        /* the process floor (comm.h: ts_process_floor_bytes) when estimated */
+    size_t rss_peak_bytes;     /* the predicted peak resident set (VmHWM) of the rank: floor_bytes +
+                                  pool_peak_bytes. Not counted: tensor, autograd and module handles (0.3 MiB on
+                                  GPT-2-small), the caller's own buffers (token ids), the pool's blocks' untouched
+                                  tails (counted whole: an upper bound) */
 } ts_fsdp_memory_report;
+
+/* Sets r's floor_bytes and rss_peak_bytes = floor_bytes + pool_peak_bytes
+ * (or peak_bytes if larger): the process from the tensors' prediction,
+ * for another floor than the one measured (ts_process_floor_bytes; a
+ * floor measured on another host, or 0 to compare tensors only). NULL: no
+ * effect. */
+TS_API void ts_fsdp_memory_set_floor(ts_fsdp_memory_report *r, size_t floor_bytes);
 
 /* Predicts the per-rank storage of one training step of `model` on an
  * input of o->input_shape (see above for what a step is and which module

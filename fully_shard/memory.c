@@ -31,7 +31,21 @@
 typedef struct mbuf {
     int64_t bytes;
     int refs;
+    int comp; /* -1: one pool block of `bytes`; else the group whose full parameters (u_blk) it stands for */
 } mbuf;
+
+/* [Note: pool classes] The caching pool keeps every block it ever handed
+ * out, on the free list of its size class (tensor/pool.c), and hands a
+ * cached block only to a request of the same class. So what it holds,
+ * TS_MEM_POOL, is for each class the most blocks of that class live at
+ * once so far, times the class's bytes: more than the storage peak when
+ * blocks freed in one class are followed by requests in another (the full
+ * parameters each rank builds and frees at start-up are the large case).
+ * The model counts live blocks per class beside the total, and the pool's
+ * peak is the sum over classes of each one's high-water mark. */
+typedef struct mclass {
+    int64_t bytes, live, peak;
+} mclass;
 
 enum { HOOK_NONE = 0, HOOK_PRE_BWD, HOOK_POST_BWD, HOOK_CKPT };
 
@@ -61,6 +75,11 @@ typedef struct mparam {
 
 typedef struct mgroup {
     int64_t u, ag, ag_in, staging, rs_in, rs_out, conv;
+    /* per parameter, the pool blocks ([Note: pool classes]): the unsharded one (u is their sum), the
+     * full one built before sharding (in the parameters' dtype), the local shard's (optimizer state) */
+    int64_t *u_blk, *full_blk, *local_blk;
+    int n_blk;
+    int64_t host; /* the sharded buffer's block (0: not a pool block, pinned) */
     int64_t sgrad; /* the persistent parameters' gradients (one block each, summed); the sharded ones' are
                       views of the reduction's output (rs_out, or conv), which stays */
     bool sharded;  /* the group has sharded parameters (it reduces; their gradients view its output) */
@@ -84,6 +103,8 @@ typedef struct msim {
     mgroup *g;
     int ng;
     int64_t live, peak;
+    mclass *cls; /* live blocks per pool class ([Note: pool classes]) */
+    int ncls, cap_cls;
     ts_status err;
     /* the step */
     int64_t B, T, R;   /* batch, sequence (1 for 2-d inputs), rows B*T */
@@ -113,6 +134,37 @@ static bool grow(void **a, int *cap, int need, size_t elem)
 
 static int64_t pool_bytes(int64_t raw) { return (int64_t)ts__pool_block_bytes((size_t)(raw > 0 ? raw : 0)); }
 
+/* n more (or fewer) live blocks of pool class pb. */
+static void cls_count(msim *s, int64_t pb, int64_t n)
+{
+    if (pb <= 0 || s->err) return;
+    int i = 0;
+    while (i < s->ncls && s->cls[i].bytes != pb) i++;
+    if (i == s->ncls) {
+        if (!grow((void **)&s->cls, &s->cap_cls, s->ncls + 1, sizeof *s->cls)) {
+            s->err = TS_ERR_NO_MEMORY;
+            return;
+        }
+        s->cls[s->ncls++] = (mclass){pb, 0, 0};
+    }
+    s->cls[i].live += n;
+    if (s->cls[i].live > s->cls[i].peak) s->cls[i].peak = s->cls[i].live;
+}
+
+/* What the pool holds at the end: each class's high-water mark. */
+static int64_t cls_pool(const msim *s)
+{
+    int64_t t = 0;
+    for (int i = 0; i < s->ncls; i++) t += s->cls[i].bytes * s->cls[i].peak;
+    return t;
+}
+
+static void comp_count(msim *s, int comp, int64_t n)
+{
+    const struct mgroup *g = &s->g[comp];
+    for (int k = 0; k < g->n_blk; k++) cls_count(s, g->u_blk[k], n);
+}
+
 /* A new buffer of raw bytes (one reference); -1 after an error. */
 static int balloc(msim *s, int64_t raw)
 {
@@ -122,7 +174,8 @@ static int balloc(msim *s, int64_t raw)
         return -1;
     }
     int64_t pb = pool_bytes(raw);
-    s->b[s->nb] = (mbuf){pb, 1};
+    s->b[s->nb] = (mbuf){pb, 1, -1};
+    cls_count(s, pb, 1);
     s->live += pb;
     if (s->live > s->peak) s->peak = s->live;
     return s->nb++;
@@ -137,7 +190,25 @@ static int bref(msim *s, int id)
 static void bunref(msim *s, int id)
 {
     if (id < 0) return;
-    if (--s->b[id].refs == 0) s->live -= s->b[id].bytes;
+    if (--s->b[id].refs == 0) {
+        s->live -= s->b[id].bytes;
+        if (s->b[id].comp >= 0) comp_count(s, s->b[id].comp, -1);
+        else cls_count(s, s->b[id].bytes, -1);
+    }
+}
+
+/* Buffer id (just made by balloc(s, 0)) stands for `bytes` instead: the
+ * full parameters of group comp (>= 0), or one block (-1; bytes 0: none). */
+static void bset(msim *s, int id, int64_t bytes, int comp)
+{
+    if (id < 0) return;
+    cls_count(s, s->b[id].bytes, -1);
+    s->live += bytes - s->b[id].bytes;
+    s->b[id].bytes = bytes;
+    s->b[id].comp = comp;
+    if (comp >= 0) comp_count(s, comp, 1);
+    else cls_count(s, bytes, 1);
+    if (s->live > s->peak) s->peak = s->live;
 }
 
 /* Transient buffers made and freed at once (scratch in storage). */
@@ -205,11 +276,7 @@ static int param_new(msim *s, int group)
 static void u_alloc(msim *s, mgroup *g)
 {
     g->u_buf = balloc(s, 0);
-    if (g->u_buf >= 0) {
-        s->b[g->u_buf].bytes = g->u;
-        s->live += g->u - pool_bytes(0);
-        if (s->live > s->peak) s->peak = s->live;
-    }
+    bset(s, g->u_buf, g->u, g->n_blk ? (int)(g - s->g) : -1);
 }
 
 static void g_unshard(msim *s, int gi)
@@ -263,11 +330,7 @@ static void g_finish_reduce(msim *s)
     bool views = g->sharded && !g->has_sgrad && !g->offload; /* the shards' new gradients: views of the output, kept */
     if (!g->has_sgrad && !g->offload && g->sgrad) {
         int sg = balloc(s, 0); /* the persistent parameters' gradients: one block each (sgrad: their sum) */
-        if (sg >= 0) {
-            s->b[sg].bytes = g->sgrad;
-            s->live += g->sgrad - pool_bytes(0);
-            if (s->live > s->peak) s->peak = s->live;
-        }
+        bset(s, sg, g->sgrad, -1);
     }
     if (!g->offload) g->has_sgrad = true;
     bunref(s, g->rs_scratch_buf);
@@ -657,6 +720,19 @@ static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, siz
     int64_t sg = n ? pool_bytes((res != es ? shard : shard + n) * (int64_t)es) : 0; /* rs_out: its flags too */
     memset(g, 0, sizeof *g);
     g->u = u;
+    g->u_blk = calloc((size_t)(n ? n : 1), sizeof *g->u_blk);
+    g->full_blk = calloc((size_t)(n ? n : 1), sizeof *g->full_blk);
+    g->local_blk = calloc((size_t)(n ? n : 1), sizeof *g->local_blk);
+    if (g->u_blk && g->full_blk && g->local_blk) {
+        g->n_blk = n;
+        for (int i = 0; i < n; i++) {
+            int64_t c = (ps[i].rows + W - 1) / W, r0 = c * rank;
+            int64_t lr = ps[i].rows - r0 < 0 ? 0 : ps[i].rows - r0 < c ? ps[i].rows - r0 : c;
+            g->u_blk[i] = pool_bytes(ps[i].rows * ps[i].row_numel * (int64_t)ues);
+            g->full_blk[i] = pool_bytes(ps[i].rows * ps[i].row_numel * (int64_t)es);
+            g->local_blk[i] = pool_bytes(lr * ps[i].row_numel * (int64_t)es);
+        }
+    }
     g->ag = pool_bytes(W * shard * (int64_t)ues);
     g->cf = ts__fsdp_copy_free(W, W * shard * (int64_t)ues);
     /* copy-free with offload: the shard copied to the device (ag_in) is what the peers read */
@@ -685,6 +761,7 @@ static void group_sizes(mgroup *g, int n, const gshape *ps, int W, int rank, siz
         host = pool_bytes(host);
     }
     *param = host;
+    g->host = offload && pin ? 0 : host;
     *optim = opt;
     /* with offload the shards' gradients are views of one host buffer, kept */
     *sgrad_out = offload ? host : sg;
@@ -792,7 +869,16 @@ ts_fsdp_memory_options ts_fsdp_memory_options_default(void)
     o.world_size = 1;
     o.prefetch = true;
     o.param_dtype = TS_DTYPE_KEEP;
+    o.eager_init = true;
     return o;
+}
+
+void ts_fsdp_memory_set_floor(ts_fsdp_memory_report *r, size_t floor_bytes)
+{
+    if (!r) return;
+    r->floor_bytes = floor_bytes;
+    size_t pool = r->pool_peak_bytes > r->peak_bytes ? r->pool_peak_bytes : r->peak_bytes;
+    r->rss_peak_bytes = floor_bytes + pool;
 }
 
 /* Runs one step on the model of the pool: the forward of the GPT (groups
@@ -814,7 +900,7 @@ static void gpt_step(msim *s, gpt_run *r)
     g_wait(s, r->root_g);
     if (s->prefetch_fwd && w->L) g_unshard(s, r->bk[0].group);
     int ids = balloc(s, 0); /* the caller's ids: counted outside the step */
-    s->live -= s->b[ids].bytes, s->b[ids].bytes = 0;
+    bset(s, ids, 0, -1);
     mval tok = v_new(s, d, s->ces);
     {
         int n = node_new(s);
@@ -918,6 +1004,39 @@ static void block_shapes(int64_t d, gshape *ps)
     memcpy(ps, b, sizeof b);
 }
 
+/* The pool's classes before the step ([Note: pool classes]): with
+ * o->eager_init, the start-up first: every parameter built whole (one
+ * block each), then each group sharded in turn, blocks first and the root
+ * last, as ts_fully_shard is called bottom-up: its sharded buffer made,
+ * each parameter's unsharded tensor made and released (one block at a
+ * time, fully_shard/param.c), its full parameters freed. Then the blocks
+ * live when the step starts: the sharded buffers, the optimizer state
+ * (one block per parameter shard and state, and Adam's 0-d step), and
+ * with offload the host gradient buffers. */
+static void pool_start(msim *s, const ts_fsdp_memory_options *o, bool offload)
+{
+    if (o->eager_init)
+        for (int gi = 0; gi < s->ng; gi++)
+            for (int k = 0; k < s->g[gi].n_blk; k++) cls_count(s, s->g[gi].full_blk[k], 1);
+    for (int j = 1; j <= s->ng; j++) {
+        mgroup *g = &s->g[j % s->ng]; /* groups 1.. are the blocks, 0 the root */
+        cls_count(s, g->host, 1);
+        if (offload) cls_count(s, g->host, 1); /* the host gradient buffer */
+        for (int k = 0; k < g->n_blk; k++) {
+            cls_count(s, g->u_blk[k], 1);
+            cls_count(s, g->u_blk[k], -1);
+        }
+        if (o->eager_init)
+            for (int k = 0; k < g->n_blk; k++) cls_count(s, g->full_blk[k], -1);
+    }
+    for (int gi = 0; gi < s->ng; gi++)
+        for (int k = 0; k < s->g[gi].n_blk; k++) {
+            int64_t b = s->g[gi].local_blk[k];
+            if (o->optim == TS_FSDP_OPTIM_SGD_MOMENTUM) cls_count(s, b, 1);
+            if (o->optim == TS_FSDP_OPTIM_ADAM) cls_count(s, b, 2), cls_count(s, pool_bytes(4), 1);
+        }
+}
+
 /* One run of the step (ckpt or not); fills the report's peaks. */
 /* ckpt: 0 no block checkpointed, 1 every block, 2 the blocks ts_checkpoint_module made so. */
 static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, bool sharded, ts_module *model,
@@ -993,6 +1112,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
     gpt_run r = {.w = w, .bk = bk, .root_g = 0};
     r.tok_p = param_new(s, 0), r.pos_p = param_new(s, 0), r.lnf_w = param_new(s, 0), r.lnf_b = param_new(s, 0);
     r.head_p = w->tied ? r.tok_p : param_new(s, 0);
+    pool_start(s, o, off);
     if (off) /* with offload the host gradient buffers stay */
         s->live = param + optim + sgrad;
     else
@@ -1007,6 +1127,7 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
         rep->param_bytes = (size_t)param;
         rep->grad_bytes = (size_t)sgrad;
         rep->optim_bytes = (size_t)optim;
+        rep->pool_peak_bytes = (size_t)cls_pool(s);
         rep->forward_peak_bytes = (size_t)r.fwd_peak;
         rep->backward_peak_bytes = (size_t)r.bwd_peak;
         rep->peak_bytes = (size_t)(r.fwd_peak > r.bwd_peak ? r.fwd_peak : r.bwd_peak);
@@ -1030,11 +1151,12 @@ static ts_status run(gpt_walk *w, const ts_fsdp_memory_options *o, int ckpt, boo
             mval y = block_forward(&b1, &one, &xin);
             *block_act_out = b1.err ? 0 : b1.live - l0;
             (void)y;
-            free(b1.b), free(b1.n), free(b1.p);
+            free(b1.b), free(b1.n), free(b1.p), free(b1.cls);
             rep->block_act_ckpt_bytes = (size_t)pool_bytes(B * T * w->d * (int64_t)s->ces);
         }
     }
-    free(bk), free(s->g), free(s->order), free(s->b), free(s->n), free(s->p);
+    for (int i = 0; i < s->ng; i++) free(s->g[i].u_blk), free(s->g[i].full_blk), free(s->g[i].local_blk);
+    free(bk), free(s->g), free(s->order), free(s->b), free(s->n), free(s->p), free(s->cls);
     return st;
 }
 
@@ -1062,6 +1184,8 @@ static ts_status estimate_walk(gpt_walk *w, const ts_fsdp_memory_options *o, boo
     rep.forward_peak_bytes = pk->forward_peak_bytes;
     rep.backward_peak_bytes = pk->backward_peak_bytes;
     rep.peak_bytes = pk->peak_bytes;
+    rep.pool_peak_bytes = pk->pool_peak_bytes > pk->peak_bytes ? pk->pool_peak_bytes : pk->peak_bytes;
+    ts_fsdp_memory_set_floor(&rep, ts_process_floor_bytes());
     rep.checkpointed = o->checkpoint_blocks || any;
     rep.block_act_bytes = (size_t)blk;
     rep.act_bytes = (size_t)act;

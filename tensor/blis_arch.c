@@ -423,3 +423,15 @@ int ts_get_num_threads(void)
     dim_t n = bli_thread_get_num_threads();
     return n < 1 ? 1 : n > INT_MAX ? INT_MAX : (int)n;
 }
+
+size_t ts__blis_pack_bytes(void)
+{
+    ts__blis_ensure_init();
+    cntx_t *cx = bli_gks_query_cntx();
+    if (!cx) return 0;
+    dim_t mc = bli_cntx_get_blksz_def_dt(BLIS_FLOAT, BLIS_MC, cx), kc = bli_cntx_get_blksz_def_dt(BLIS_FLOAT, BLIS_KC, cx),
+          nc = bli_cntx_get_blksz_def_dt(BLIS_FLOAT, BLIS_NC, cx);
+    dim_t threads = bli_thread_get_num_threads();
+    if (mc < 0 || kc < 0 || nc < 0) return 0;
+    return (size_t)(mc * kc + kc * nc) * sizeof(float) * (size_t)(threads < 1 ? 1 : threads);
+}

@@ -8,6 +8,7 @@
 #define TS_TENSOR_BLIS_ARCH_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 typedef enum ts__cpu_vendor {
@@ -52,5 +53,13 @@ bool ts__blis_arch_runnable(int id, const ts__cpu_info *cpu);
  * sandybridge with AVX; penryn with SSSE3; else generic. -1 if the build
  * has none of them (BLIS_ARCH_TYPE is then left alone). */
 int ts__blis_arch_choose(const ts__cpu_info *cpu);
+
+/* The bytes of BLIS's float32 packing buffers that a product touches at
+ * most: one MC x KC block of A and one KC x NC block of B per BLIS thread,
+ * from the running kernel set's block sizes (skx: 480 x 384 and
+ * 384 x 3072, 5.4 MiB a thread). BLIS allocates them at the first product
+ * and keeps them; docs/memory.md compares this with the resident set it
+ * adds. Initialises BLIS (ts__blis_ensure_init). */
+size_t ts__blis_pack_bytes(void);
 
 #endif

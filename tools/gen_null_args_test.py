@@ -108,6 +108,9 @@ ALLOWED_NULL = {
     ('*', 'mask'): 'tensor.h: the attention mask is optional',
     ('ts_linear', 'b'): 'tensor.h: the bias is optional',
     ('ts_dtensor_from_local', 'global_shape'): 'dtensor.h: NULL global shape is inferred from the local one',
+    ('ts__memory_cap_from', 'env_value'): 'base.h: NULL is TS_MEMORY_PER_RANK unset',
+    ('ts__memory_cap_from', 'cgroup_file'): 'base.h: NULL is no cgroup (no cap)',
+    ('ts__memory_cap_from', 'mountinfo'): 'base.h: NULL is no mount table (no cap)',
     ('ts_store_add', 'value_out'): 'store.h: value_out may be NULL',
     ('ts_store_delete', 'deleted_out'): 'store.h: deleted_out may be NULL',
     ('ts_store_get', 'len_out'): 'store.h: the outputs may be NULL when the value is not wanted',
@@ -238,6 +241,9 @@ FACTORY = {
     'ts_ckpt_info *': '&f_ckpt_info',
     'const ts_ckpt_options *': '&f_ckpt_opts',
     'ts_rank_env *': '&f_rank_env',
+    'ts_process_memory *': '&f_process_memory',
+    'ts_memory_cap *': '&f_memory_cap',
+    'ts_process_floor *': '&f_process_floor',
     'ts_launch_result *': '&f_launch_result',
     'ts_named_params *': '&f_named',
     'const ts_sgd_options *': '&f_sgd_opts',
@@ -435,6 +441,9 @@ static ts_fsdp_accum_memory f_accum_memory;
 static ts_ckpt_info f_ckpt_info;
 static ts_ckpt_options f_ckpt_opts = {.strict = true};
 static ts_rank_env f_rank_env;
+static ts_process_memory f_process_memory;
+static ts_memory_cap f_memory_cap;
+static ts_process_floor f_process_floor;
 static ts_launch_result f_launch_result;
 static ts_named_params f_named;
 static ts_sgd_options f_sgd_opts;

@@ -669,6 +669,54 @@ Test(fully_shard_examples, sizes_beyond_memory_are_refused_with_the_estimate, .t
     free(err);
 }
 
+/* The memory cap (docs/memory.md): below the estimated peak resident set
+ * the job is refused before anything is built (no sharding summary, no
+ * model line, no step), with the estimate, its parts and the cap; above
+ * it, or with --ignore-memory-cap, it runs and ends with each rank's peak
+ * RSS beside the estimate. */
+Test(fully_shard_examples, memory_cap_below_the_estimate_is_refused, .timeout = 60)
+{
+    const char *a[] = {"--steps", "1", "--layers", "2", "--dim", "64"};
+    setenv("TS_MEMORY_PER_RANK", "4194304", 1); /* 4 MiB: below any run's floor */
+    char *err, *out = run_expect("train_gpt", 2, 6, a, &err);
+    const char *w[] = {"the estimated peak per rank", "tensors ", "runtime ", "exceeds the memory cap of 4.0 MiB",
+                       "TS_MEMORY_PER_RANK", "use more ranks", NULL};
+    for (int i = 0; w[i]; i++) cr_expect_not_null(strstr(err, w[i]), "the message lacks '%s':\n%s", w[i], err);
+    cr_expect_null(strstr(out, "step "), "trained before refusing:\n%s", out);
+    cr_expect_null(strstr(out, "model: "), "built the model before refusing:\n%s", out);
+    cr_expect_null(strstr(out, "memory estimate: "), "sharded the model before refusing:\n%s", out);
+    free(out);
+    free(err);
+    /* a cap that is not a number of bytes */
+    setenv("TS_MEMORY_PER_RANK", "1.5G", 1);
+    out = run_expect("train_gpt", 2, 6, a, &err);
+    cr_expect_not_null(strstr(err, "TS_MEMORY_PER_RANK='1.5G'"), "%s", err);
+    free(out);
+    free(err);
+    /* overridden */
+    setenv("TS_MEMORY_PER_RANK", "4194304", 1);
+    const char *b[] = {"--steps", "1", "--layers", "2", "--dim", "64", "--ignore-memory-cap"};
+    out = run_expect("train_gpt", 0, 7, b, &err);
+    cr_expect_not_null(strstr(out, "step    1"), "%s", out);
+    free(out);
+    free(err);
+    /* a cap above the estimate: it runs, and prints the process beside the estimate */
+    setenv("TS_MEMORY_PER_RANK", "17179869184", 1); /* 16 GiB */
+    out = run_expect("train_gpt", 0, 6, a, &err);
+    unsetenv("TS_MEMORY_PER_RANK");
+    cr_expect_not_null(strstr(out, "step    1"), "%s", out);
+    const char *l = strstr(out, "rank 0: peak RSS ");
+    cr_assert_not_null(l, "no rank line:\n%s", out);
+    double rss, est, tens, test;
+    char u[4][8];
+    cr_assert_eq(sscanf(l, "rank 0: peak RSS %lf %7s estimate %lf %7s (tensors %lf %7s estimate %lf %7s", &rss, u[0], &est,
+                        u[1], &tens, u[2], &test, u[3]),
+                 8, "%.200s", l);
+    cr_expect(rss > 0 && est > 0 && tens > 0 && test > 0, "%.200s", l);
+    free(out);
+    free(err);
+}
+
 /* The text after "sample (...): N characters after the prompt\n" to the
  * end of the output (it may hold newlines), without the last newline;
  * rank 0's lines only when the output came through tsrun. Asserts that it
