@@ -340,9 +340,16 @@ static ts_status alloc_arenas(ts_optim *o)
             continue;
         ts_tensor **probe[3];
         int ns = elementwise_slots(o, &o->p[0], probe);
+        bool meta = false; /* the state is made where the parameters are (meta if any is) */
+        for (int i = 0; i < o->n; i++)
+            meta |= ts_tensor_dtype(o->p[i].local) == dts[d] && ts__is_meta(o->p[i].local);
         for (int s = 0; s < ns && !st; s++) {
             ts_tensor *arena = NULL;
-            if ((st = ts_tensor_zeros(dts[d], 1, &total, &arena)))
+            if ((st = ts_device_scope_enter(meta ? TS_DEVICE_META : TS_DEVICE_CPU)))
+                break;
+            st = ts_tensor_zeros(dts[d], 1, &total, &arena);
+            ts_device_scope_exit();
+            if (st)
                 break;
             int64_t off = 0;
             for (int i = 0; i < o->n && !st; i++) {
@@ -375,9 +382,23 @@ static ts_status alloc_arenas(ts_optim *o)
     return TS_OK;
 }
 
+static ts_status alloc_state_on(ts_optim *o, int i);
+
 /* Allocates parameter i's state as torch's first step does (zeros, step 0)
- * unless allocated already. Does not mark it ready. */
+ * unless allocated already, on the parameter's device (torch's zeros_like:
+ * meta state for a meta parameter, on its meta ledger; CPU state for a CPU
+ * parameter, inside a meta scope too). Does not mark it ready. */
 static ts_status alloc_state(ts_optim *o, int i)
+{
+    ts_status st = ts_device_scope_enter(ts__is_meta(o->p[i].local) ? TS_DEVICE_META : TS_DEVICE_CPU);
+    if (st)
+        return st;
+    st = alloc_state_on(o, i);
+    ts_device_scope_exit();
+    return st;
+}
+
+static ts_status alloc_state_on(ts_optim *o, int i)
 {
     opt_param *pp = &o->p[i];
     if (o->fused && !o->arenas) {
@@ -1017,6 +1038,21 @@ static ts_status check_grad(const ts_optim *o, int i, const ts_tensor *g)
         return ts_error(TS_ERR_SHAPE, "%s step: %s has gradient shape %s but its data has shape %s", who,
                         param_label(i, pp->param, lab, sizeof lab), ts_tensor_shape_str(g, s1, sizeof s1),
                         ts_tensor_shape_str(pp->local, s2, sizeof s2));
+    if (ts__is_meta(pp->local) || ts__is_meta(g)) {
+        /* a meta step allocates the state and computes nothing; outside a
+         * meta scope it is refused, as ops refuse meta inputs */
+        if (!ts__meta_mode())
+            return ts_error(TS_ERR_STATE, "%s step: %s%s %s is on the meta device (it has no data): materialize "
+                                          "the model or load a checkpoint first (inside ts_device_scope_enter("
+                                          "TS_DEVICE_META) a step only allocates its state)", who,
+                            ts__is_meta(pp->local) ? "" : "the gradient of ",
+                            param_label(i, pp->param, lab, sizeof lab),
+                            ts_tensor_shape_str(ts__is_meta(pp->local) ? pp->local : g, s1, sizeof s1));
+        if (ts_storage_is_released(ts_tensor_storage(pp->local)) || ts_storage_is_released(ts_tensor_storage(g)))
+            return ts_error(TS_ERR_RELEASED, "%s step: %s or its gradient has released storage", who,
+                            param_label(i, pp->param, lab, sizeof lab));
+        return TS_OK;
+    }
     if (ts_tensor_numel(pp->local) > 0 && !ts_tensor_data(pp->local))
         return ts_error(TS_ERR_RELEASED, "%s step: %s has released storage", who,
                         param_label(i, pp->param, lab, sizeof lab));
@@ -1137,6 +1173,10 @@ static void fused_step(ts_optim *o)
         ts_tensor *g = ts_tensor_grad(pp->param);
         if (!g)
             continue;
+        if (ts__is_meta(pp->local) || ts__is_meta(g)) { /* meta: state allocated, nothing to compute */
+            pp->ready = true;
+            continue;
+        }
         sgd_k sk = {0};
         adam_k ak = {0};
         if (o->kind == OPT_SGD)
@@ -1206,7 +1246,9 @@ ts_status ts_optim_step(ts_optim *o)
         ts_tensor *g = ts_tensor_grad(pp->param);
         if (!g)
             continue; /* torch skips parameters whose .grad is None */
-        if (o->kind == OPT_SGD)
+        if (ts__is_meta(pp->local) || ts__is_meta(g))
+            pp->ready = true; /* meta: state allocated, nothing to compute */
+        else if (o->kind == OPT_SGD)
             sgd_update(o, pp, g);
         else
             adam_update(o, pp, g);
@@ -1481,7 +1523,7 @@ ts_status ts_clip_grad_norm(int n, ts_tensor *const *params, double max_norm, do
     if (!(max_norm >= 0))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid max_norm %g (must be >= 0)", who, max_norm);
     int ng = 0;
-    bool any_f64 = false;
+    bool any_f64 = false, any_meta = false;
     for (int i = 0; i < n; i++) {
         if (!params[i])
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: parameter %d is NULL", who, i);
@@ -1492,13 +1534,22 @@ ts_status ts_clip_grad_norm(int n, ts_tensor *const *params, double max_norm, do
         if (dt != TS_F32 && dt != TS_F64)
             return ts_error(TS_ERR_DTYPE, "%s: the gradient of %s has dtype %s; float32 or float64 expected", who,
                             param_label(i, params[i], lab, sizeof lab), ts_dtype_name(dt));
-        if (ts_tensor_numel(g) > 0 && !ts_tensor_data(g))
+        if (ts__is_meta(g) && !ts__meta_mode()) {
+            char s1[96];
+            return ts_error(TS_ERR_STATE, "%s: the gradient of %s %s is on the meta device (it has no data): "
+                                          "materialize the model or load a checkpoint first", who,
+                            param_label(i, params[i], lab, sizeof lab), ts_tensor_shape_str(g, s1, sizeof s1));
+        }
+        any_meta |= ts__is_meta(g);
+        if (ts_tensor_numel(g) > 0 && !ts_tensor_data(g) && !ts__is_meta(g))
             return ts_error(TS_ERR_RELEASED, "%s: the gradient of %s has released storage", who,
                             param_label(i, params[i], lab, sizeof lab));
         any_f64 |= dt == TS_F64;
         ng++;
     }
-    if (ng == 0) { /* torch returns tensor(0.) and changes nothing */
+    if (ng == 0 || any_meta) {
+        /* torch returns tensor(0.) and changes nothing; meta gradients (in
+         * a meta scope) have no values: 0, and nothing is scaled */
         *total_norm_out = 0;
         return TS_OK;
     }

@@ -101,6 +101,14 @@ TS_API void ts_optim_free(ts_optim *o);
  * dtype differs), naming the parameter; TS_ERR_RELEASED (a parameter or
  * gradient storage is released); TS_ERR_NO_MEMORY (first-step state). */
 TS_API ts_status ts_optim_step(ts_optim *o);
+/* Meta parameters (docs/meta.md): a parameter's state is made on its
+ * device (as torch's zeros_like), so a meta parameter's state is meta, on
+ * the meta ledger of the stepping thread. Inside a meta scope
+ * (ts_device_scope_enter(TS_DEVICE_META)) a step over meta parameters or
+ * meta gradients allocates that state at the first step, as a CPU step
+ * does, counts the step, and computes nothing; outside one it returns
+ * TS_ERR_STATE naming the parameter ("... is on the meta device (it has no
+ * data): materialize the model or load a checkpoint first"). */
 /* Drops (set_to_none, PyTorch's default) or zeroes every parameter's grad. */
 TS_API void ts_optim_zero_grad(ts_optim *o, bool set_to_none);
 /* The learning rate the next step uses (param_groups[0]['lr']). */
@@ -175,7 +183,11 @@ TS_API double ts_lr_at(const ts_lr_schedule *s, int64_t step);
  * A non-finite total returns TS_ERR_INVALID_ARGUMENT and leaves the
  * gradients unchanged. Also TS_ERR_INVALID_ARGUMENT for max_norm < 0 or
  * NaN or a NULL parameter, TS_ERR_DTYPE for a non-float gradient,
- * TS_ERR_RELEASED, TS_ERR_NO_MEMORY. */
+ * TS_ERR_RELEASED, TS_ERR_NO_MEMORY.
+ * Meta gradients (docs/meta.md): inside a meta scope the total norm is
+ * unknown; it writes 0, scales nothing and returns TS_OK (the CPU clip
+ * takes no pool memory, so the memory a step replays is the same);
+ * outside a meta scope a meta gradient is TS_ERR_STATE naming it. */
 TS_API ts_status ts_clip_grad_norm(int n, ts_tensor *const *params, double max_norm, double *total_norm_out);
 
 #ifdef __cplusplus

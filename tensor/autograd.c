@@ -434,6 +434,8 @@ ts_status ts_backward(ts_tensor *root, ts_tensor *grad, bool retain_graph)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_backward: root tensor is NULL");
     if (tl_in_backward)
         return ts_error(TS_ERR_STATE, "ts_backward: a backward is already running on this thread");
+    if (!ts__meta_mode() && (ts__is_meta(root) || ts__is_meta(grad)))
+        return ts__meta_error("ts_backward", ts__is_meta(root) ? 0 : 1, ts__is_meta(root) ? root : grad);
     if (!root->requires_grad) {
         char s[96];
         return ts_error(TS_ERR_AUTOGRAD, "ts_backward: tensor %s does not require grad and has no grad_fn",

@@ -649,6 +649,40 @@ size_t ts__gemm_half_scratch_bytes(ts_dtype dt, int64_t m, int64_t n, int64_t k,
 }
 
 
+void ts__gemm_half_meta(ts_dtype dt, int64_t m, int64_t n, int64_t k, float beta, int64_t csc)
+{
+    /* the blocks ts__gemm_half(dt, m, n, k, ...) takes from the pool, in
+     * its order (gemm_avx512bf16 or gemm_sgemm), held together then freed */
+    if (ts__use_reference_kernels || m <= 0 || n <= 0 || k <= 0)
+        return;
+    bool row = beta != 0.0f && csc == 1;
+#if TS__HAVE_AVX512BF16_KERNEL
+    if (dt == TS_BF16 && ts__hgemm_active() == TS__HGEMM_AVX512BF16 &&
+        ts__hgemm_kernel_runnable(TS__HGEMM_AVX512BF16, this_cpu())) {
+        size_t b[1 + 3 * MAX_THREADS];
+        int nb = 0, nt = bf16_threads(m, n, k);
+        int64_t kp = (k + 1) / 2, nbk = n < NC ? n : NC, npan = (nbk + NR - 1) / NR;
+        b[nb++] = (size_t)(npan * kp * NR) * sizeof(uint32_t);
+        for (int t = 0; t < nt; t++) {
+            b[nb++] = (size_t)(MC * KC2) * sizeof(uint32_t);
+            b[nb++] = (size_t)(MC * NC) * sizeof(float);
+            if (row)
+                b[nb++] = (size_t)NC * sizeof(float);
+        }
+        ts__meta_scratch(nb, b);
+        return;
+    }
+#endif
+    int64_t nc = 2 * BLK_FLOATS / k, mc = 2 * BLK_FLOATS / k;
+    nc = nc < 64 ? 64 : nc;
+    mc = mc < 64 ? 64 : mc > 1024 ? 1024 : mc;
+    nc = nc > n ? n : nc;
+    mc = mc > m ? m : mc;
+    size_t b[4] = {(size_t)(mc * k) * sizeof(float), (size_t)(nc * k) * sizeof(float),
+                   (size_t)(mc * nc) * sizeof(float), (size_t)nc * sizeof(float)};
+    ts__meta_scratch(row ? 4 : 3, b);
+}
+
 void ts__gemm_half_with(ts__hgemm_kernel kern, ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint16_t *a,
                         int64_t rsa, int64_t csa, const uint16_t *b, int64_t rsb, int64_t csb, float beta,
                         uint16_t *c, int64_t rsc, int64_t csc)

@@ -57,5 +57,9 @@ void ts__gemm_ref_half(ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint1
  * the reference kernels. fully_shard's memory estimate adds it to a
  * 16-bit product's peak. */
 size_t ts__gemm_half_scratch_bytes(ts_dtype dt, int64_t m, int64_t n, int64_t k, bool beta);
+/* The meta device's ts__gemm_half: counts on the calling thread's meta
+ * ledger the pool scratch blocks the product (dt, m, n, k, beta, C's
+ * column stride csc) would take and give back, and computes nothing. */
+void ts__gemm_half_meta(ts_dtype dt, int64_t m, int64_t n, int64_t k, float beta, int64_t csc);
 
 #endif

@@ -65,7 +65,9 @@ struct ts_storage {
     bool released;
     bool pinned;     /* data is a pinned block (ts__pinned_alloc), not a pool block */
     bool meta;       /* a meta-device storage: nbytes and no bytes ever (data NULL) until
-                      * materialized; block_bytes is what the pool would hand out */    ts__init_log init_log; /* meta only: the initializers recorded on it ([Note: deferred init]) */
+                      * materialized; block_bytes is what the pool would hand out */
+    struct ts_meta_ledger *ledger; /* meta: the ledger that counts block_bytes (retained) */
+    ts__init_log init_log; /* meta only: the initializers recorded on it ([Note: deferred init]) */
 };
 
 /* New storage of nbytes from the caching pool (contents undefined). */
@@ -74,6 +76,36 @@ ts_status ts__storage_new(size_t nbytes, ts_storage **out);
  * the pool's size class for nbytes. TS_ERR_NO_MEMORY for the handle. */
 ts_status ts__storage_new_meta(size_t nbytes, ts_storage **out);
 void ts__storage_retain(ts_storage *s);
+
+/* ------------------------------------------------------------- meta device
+ * (tensor/meta.c; docs/meta.md) */
+
+/* True when the calling thread's default device is TS_DEVICE_META: ops
+ * then allocate their outputs (and the scratch the CPU path would take) as
+ * meta storages on the thread's ledger and compute nothing. */
+bool ts__meta_mode(void);
+/* The ledger (a model of the caching pool, one per thread) of meta
+ * storages. ts__meta_ledger_alloc counts a block of the pool's size class
+ * for nbytes (a page-rounded pinned block when s->pinned: live, not pool)
+ * on the calling thread's ledger (s keeps a reference to it) and sets
+ * s->block_bytes; TS_ERR_NO_MEMORY when the thread's ledger cannot be made.
+ * ts__meta_ledger_free counts s's block as freed (to the modeled free
+ * lists) on the ledger that counted it and sets block_bytes to 0;
+ * ts__meta_ledger_forget removes it from the ledger altogether (live and
+ * pool: materialization); ts__meta_ledger_detach drops s's reference to
+ * its ledger. Any thread. */
+ts_status ts__meta_ledger_alloc(ts_storage *s, size_t nbytes);
+void ts__meta_ledger_free(ts_storage *s);
+void ts__meta_ledger_forget(ts_storage *s);
+void ts__meta_ledger_detach(ts_storage *s);
+/* Models n pool blocks (of nbytes[i] bytes each) that a kernel takes at
+ * once and gives back (ts__pool_alloc scratch) on the calling thread's
+ * ledger. */
+void ts__meta_scratch(int n, const size_t *nbytes);
+/* Records and returns the error for meta tensor t read where data is
+ * needed: TS_ERR_STATE naming op, the input index (-1: the tensor an
+ * accessor reads), t's name and shape, and what to do. */
+ts_status ts__meta_error(const char *op, int index, const ts_tensor *t);
 void ts__storage_release_ref(ts_storage *s);
 
 /* Caching pool: blocks are kept for reuse and only returned to the system
@@ -84,6 +116,12 @@ void ts__pool_free(void *p, size_t block_bytes);
  * class: what TS_MEM_STORAGE counts); nbytes itself when it is too large
  * for any class. fully_shard's memory estimate rounds with it. */
 size_t ts__pool_block_bytes(size_t nbytes);
+/* The pool's size class of an nbytes allocation (0 <= class <
+ * TS__POOL_CLASSES) and its block bytes in *class_bytes_out; -1 when
+ * nbytes is too large for any class. The meta ledger models the free
+ * lists with it. */
+#define TS__POOL_CLASSES 512
+int ts__pool_size_class(size_t nbytes, size_t *class_bytes_out);
 
 /* ------------------------------------------------------------- autograd */
 
@@ -304,6 +342,9 @@ void ts__softmax_bw_rows(ts_dtype dt, const void *g, const void *y, void *gx, in
  * elements), reported to ts__gemm_observer and traced as "matmul". */
 void ts__gemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
               int64_t rsb, int64_t csb, double beta, void *c, int64_t rsc, int64_t csc);
+/* The meta device's ts__gemm: models on the ledger the pool scratch the
+ * product would take (16-bit dtypes), computes nothing. */
+void ts__gemm_meta(ts_dtype dt, int64_t m, int64_t n, int64_t k, double beta, int64_t csc);
 /* Benchmark hook: when set, every matrix product the ops make is reported
  * (dtype, sizes, operand strides, beta) before it runs. */
 typedef void (*ts_gemm_observer_fn)(ts_dtype dt, int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t csa, int64_t rsb,

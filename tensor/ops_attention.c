@@ -176,6 +176,8 @@ static ts_status attention_backward_impl(ts_node *n, ts_tensor **g, ts_tensor **
         st = ts__tensor_new(dt, 2, ps, &pd);
     if (st)
         goto done;
+    if (ts__meta_mode())
+        goto grads; /* meta: the gradients allocated, nothing to compute */
     if (ts__is_half(dt)) {
         if ((st = attention_half_backward(q, k, v, H, P, D, go, dq, dk, dv)))
             goto done;
@@ -290,7 +292,7 @@ static ts_status flash_backward_impl(ts_node *n, ts_tensor **g, ts_tensor **gin)
         st = ts__tensor_new(TS_F32, 3, ks, &dk);
     if (!st)
         st = ts__tensor_new(TS_F32, 3, ks, &dv);
-    if (!st) {
+    if (!st && !ts__is_meta(dq)) { /* meta: nothing to compute */
         ts__flash_problem pr =
             flash_problem(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, n->dargs[0], keep, (float)n->dargs[1]);
         st = ts__flash_backward(ts__kpath_active(), &pr, ts_tensor_data(o), ts_tensor_data(lse), ts_tensor_data(go),
@@ -335,11 +337,12 @@ static ts_status flash_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64
     if (drop_p > 0) {
         if ((st = ts__tensor_new(TS_I32, 4, ks, &keep)))
             goto fail;
-        ts__rng_bernoulli_bits(gen, 1.0 - drop_p, B * H * T, S, ks[3], ts_tensor_data(keep));
+        if (!ts__is_meta(keep)) /* meta: no draw, the generator stays */
+            ts__rng_bernoulli_bits(gen, 1.0 - drop_p, B * H * T, S, ks[3], ts_tensor_data(keep));
         ds = 1.0f / (float)(1.0 - drop_p);
     }
     ts__flash_problem pr = flash_problem(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, scale, keep, ds);
-    if ((st = ts__flash_forward(ts__kpath_active(), &pr, ts_tensor_data(o), ts_tensor_data(lse))))
+    if (!ts__is_meta(o) && (st = ts__flash_forward(ts__kpath_active(), &pr, ts_tensor_data(o), ts_tensor_data(lse))))
         goto fail;
     if (ts__needs_grad(3, in)) {
         ts_node *n = ts__node_new("attention", flash_backward, 3, in, 1);
@@ -412,6 +415,8 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
     if (dt == TS_F32 && T > 0 && S > 0 && ts__flash_enabled()) {
         if (mask && (st = ts_contiguous(mask, &mc)))
             return st;
+        /* a meta mask's rows are unknown: taken as not wholly masked (a
+         * causal mask is not) */
         if (ts__flash_mask_ok(mc ? ts_tensor_data(mc) : NULL, T, S)) {
             st = flash_attention(q, k, v, H, mc, scale, drop ? dropout_p : 0.0, gen, out);
             ts_tensor_free(mc);
@@ -426,14 +431,15 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
         if (mask && (st = ts_contiguous(mask, &mc)))
             goto fail;
         if ((drop && (st = ts__dropout_noise_half(dt, 4, pshape, dropout_p, gen, &D))) ||
-            (st = attention_half_forward(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, P, D, o)))
+            (!ts__is_meta(o) && (st = attention_half_forward(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, P, D, o))))
             goto fail;
         goto record;
     }
     if (drop) {
         /* PyTorch: F.dropout over the (B*H, T, S) weights: bernoulli(1-p)
          * in row-major order, scaled by 1/(1-p) */
-        if ((st = ts__tensor_new(dt, 4, pshape, &D)) || (st = ts_bernoulli_(D, 1.0 - dropout_p, gen)))
+        if ((st = ts__tensor_new(dt, 4, pshape, &D)) ||
+            (!ts__is_meta(D) && (st = ts_bernoulli_(D, 1.0 - dropout_p, gen)))) /* meta: no draw */
             goto fail;
         ts_tensor *scaled;
         bool prev = ts_grad_mode_set(false);
@@ -453,6 +459,8 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
     const uint8_t *mp = mc ? ts_tensor_data(mc) : NULL;
     char *Pp = ts_tensor_data(P), *op_ = ts_tensor_data(o), *Dp = D ? ts_tensor_data(D) : NULL,
          *Wp = W ? ts_tensor_data(W) : NULL;
+    if (ts__is_meta(o))
+        B = 0; /* meta: nothing to compute */
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
             const char *qbh = qp + (b * q->strides[0] + h * hd) * es;

@@ -398,7 +398,7 @@ static ts_status binary_kernel(bop op, ts_tensor *a, ts_tensor *b, double p, ts_
     memcpy(g.str[0], o->strides, sizeof o->strides);
     ts__broadcast_strides(a, g.nd, g.shape, g.str[1]);
     ts__broadcast_strides(b, g.nd, g.shape, g.str[2]);
-    if (ts__numel(g.nd, g.shape) > 0) {
+    if (ts__numel(g.nd, g.shape) > 0 && !ts__is_meta(o)) {
         void *od_p = ts_tensor_data(o);
         const void *ap = ts_tensor_data(a), *bp = ts_tensor_data(b);
         if (ts__use_reference_kernels || cmp || a->dtype != b->dtype ||
@@ -506,7 +506,7 @@ static ts_status unary_kernel(uop op, ts_tensor *a, double p, ts_tensor **out)
     if (st)
         return st;
     int64_t n = ts_tensor_numel(a);
-    if (n > 0) {
+    if (n > 0 && !ts__is_meta(o)) {
         if (!ts__use_reference_kernels && a->dtype == TS_F32 && ts__is_contiguous(a)) {
             un_dispatch_f32(op, n, ts_tensor_data(o), ts_tensor_data(a), (float)p);
         } else if (!ts__use_reference_kernels && ts__is_half(a->dtype)) {
@@ -548,7 +548,7 @@ ts_status ts__add_inplace(ts_tensor *dst, const ts_tensor *src)
         ts_tensor_numel(src) == n) {
         float *d = ts_tensor_data(dst);
         const float *s = ts_tensor_data(src);
-        for (int64_t i = 0; i < n; i++)
+        for (int64_t i = 0; i < n && d && s; i++) /* NULL: a meta operand, nothing to add */
             d[i] += s[i];
         return TS_OK;
     }

@@ -3,6 +3,7 @@
  * times a 2-d one becomes one large product when the batch folds into the
  * rows. */
 #define _GNU_SOURCE
+#include "tensor/gemm_half.h"
 #include "tensor/internal.h"
 
 #include <string.h>
@@ -22,6 +23,12 @@ void ts__gemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64
     else
         ts__gemm_f64(m, n, k, 1.0, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
     TS_TRACE_END(t0, "matmul", "compute");
+}
+
+void ts__gemm_meta(ts_dtype dt, int64_t m, int64_t n, int64_t k, double beta, int64_t csc)
+{
+    if (dt == TS_BF16 || dt == TS_F16)
+        ts__gemm_half_meta(dt, m, n, k, (float)beta, csc);
 }
 
 /* True if dims [0, nd-1) of t (batch and rows) fold into one row dim:
@@ -82,6 +89,9 @@ static ts_status mm_kernel(const char *op, ts_tensor *a, ts_tensor *b, ts_tensor
     int64_t rs_fold;
     if (batches * m * n == 0) {
         /* nothing to compute */
+    } else if (ts__is_meta(o)) {
+        /* each product of the batch takes and returns the same scratch */
+        ts__gemm_meta(a->dtype, nb == 2 && rows_fold(a, &rs_fold) ? batches * m : m, n, k, 0.0, 1);
     } else if (nb == 2 && rows_fold(a, &rs_fold)) {
         /* (batch..., m, k) @ (k, n): one product with batch*m rows */
         ts__gemm(a->dtype, batches * m, n, k, ap, rs_fold, csa, bp, rsb, csb, 0.0, op_, n, 1);
@@ -282,7 +292,10 @@ static ts_status linear_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         ts_tensor *gx;
         int64_t sh[2] = {M, K};
         if (!(st = ts__tensor_new(x->dtype, 2, sh, &gx))) {
-            ts__gemm(x->dtype, M, K, N, ts_tensor_data(gf), gf->strides[0], gf->strides[1], ts_tensor_data(w),
+            if (ts__is_meta(gx))
+                ts__gemm_meta(x->dtype, M, K, N, 0.0, 1);
+            else
+                ts__gemm(x->dtype, M, K, N, ts_tensor_data(gf), gf->strides[0], gf->strides[1], ts_tensor_data(w),
                  w->strides[0], w->strides[1], 0.0, ts_tensor_data(gx), K, 1);
             int64_t str[TS_MAX_DIMS];
             ts__contiguous_strides(x->ndim, x->shape, str);
@@ -295,7 +308,10 @@ static ts_status linear_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         ts_tensor *gw;
         int64_t sh[2] = {N, K};
         if (!(st = ts__tensor_new(x->dtype, 2, sh, &gw))) {
-            ts__gemm(x->dtype, N, K, M, ts_tensor_data(gf), gf->strides[1], gf->strides[0], ts_tensor_data(xf),
+            if (ts__is_meta(gw))
+                ts__gemm_meta(x->dtype, N, K, M, 0.0, 1);
+            else
+                ts__gemm(x->dtype, N, K, M, ts_tensor_data(gf), gf->strides[1], gf->strides[0], ts_tensor_data(xf),
                  xf->strides[0], xf->strides[1], 0.0, ts_tensor_data(gw), K, 1);
             gin[1] = gw;
         }
@@ -348,12 +364,14 @@ ts_status ts_linear(ts_tensor *x, ts_tensor *w, ts_tensor *b, ts_tensor **out)
             ts_tensor_free(o);
             return st;
         }
-        for (int64_t r = 0; r < M; r++)
+        for (int64_t r = 0; r < M && op_; r++) /* op_ NULL: a meta output */
             memcpy(op_ + (size_t)r * row, ts_tensor_data(bc), row);
         ts_tensor_free(bc);
         beta = 1.0;
     }
-    if (M * N > 0)
+    if (M * N > 0 && ts__is_meta(o))
+        ts__gemm_meta(x->dtype, M, N, K, beta, 1);
+    else if (M * N > 0)
         ts__gemm(x->dtype, M, N, K, ts_tensor_data(xf), xf->strides[0], xf->strides[1], ts_tensor_data(w), w->strides[1],
              w->strides[0], beta, op_, N, 1);
     ts_tensor_free(xf);

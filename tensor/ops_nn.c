@@ -174,7 +174,10 @@ static ts_status layer_norm_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     }
     gb = gw ? gw + D : NULL;
     void *gxp = gx ? ts_tensor_data(gx) : NULL;
-    if (ts__is_half(dt)) {
+    bool meta = ts__meta_mode(); /* the gradients are meta tensors: allocate them, compute nothing */
+    if (meta) {
+        R = 0;
+    } else if (ts__is_half(dt)) {
         /* bfloat16 / float16: the f32 row kernel over float copies of x,
          * g and w (PyTorch's CPU kernel accumulates in float), each result
          * rounded once to dt */
@@ -228,13 +231,13 @@ static ts_status layer_norm_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     if (need_w) {
         if ((st = ts__tensor_new(dt, pnd, pshape, &gin[1])))
             goto out;
-        for (int64_t i = 0; i < D; i++)
+        for (int64_t i = 0; i < D && !meta; i++)
             ts__store(dt, ts_tensor_data(gin[1]), i, ts__is_half(dt) ? (double)(float)gw[i] : gw[i]);
     }
     if (need_b) {
         if ((st = ts__tensor_new(dt, pnd, pshape, &gin[2])))
             goto out;
-        for (int64_t i = 0; i < D; i++)
+        for (int64_t i = 0; i < D && !meta; i++)
             ts__store(dt, ts_tensor_data(gin[2]), i, ts__is_half(dt) ? (double)(float)gb[i] : gb[i]);
     }
     gin[0] = gx;
@@ -289,7 +292,9 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
         (st = ts__tensor_new(TS_F64, 1, rs, &rstd)))
         goto fail;
     double *mp = ts_tensor_data(mean), *rp = ts_tensor_data(rstd);
-    if (ts__is_half(x->dtype)) {
+    if (ts__is_meta(o)) {
+        /* meta: nothing to compute */
+    } else if (ts__is_half(x->dtype)) {
         /* bfloat16 / float16 as PyTorch's CPU kernel: mean, rstd and the
          * affine map in float (the f32 row kernel over float copies),
          * the output rounded once to the input's dtype */
@@ -393,7 +398,9 @@ static ts_status embedding_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     }
     ts_tensor_fill_(gw, 0.0);
     const int64_t *ip = ts_tensor_data(idx);
-    if (gw->dtype == TS_F32) {
+    if (ts__meta_mode()) {
+        /* meta: nothing to compute */
+    } else if (gw->dtype == TS_F32) {
         float *w = ts_tensor_data(gw);
         const float *gp = ts_tensor_data(gc);
         for (int64_t r = 0; r < cnt; r++)
@@ -447,8 +454,8 @@ ts_status ts_embedding(ts_tensor *weight, ts_tensor *indices, ts_tensor **out)
     if (st)
         return st;
     int64_t num = weight->shape[0], dim = weight->shape[1], cnt = ts_tensor_numel(icc);
-    const int64_t *ip = ts_tensor_data(icc);
-    for (int64_t r = 0; r < cnt; r++)
+    const int64_t *ip = ts_tensor_data(icc); /* NULL for meta indices: their values are unknown */
+    for (int64_t r = 0; r < cnt && ip; r++)
         if (ip[r] < 0 || ip[r] >= num) {
             ts_tensor_free(icc);
             return ts_error(TS_ERR_INDEX, "embedding: index %lld at position %lld is out of range for %lld rows",
@@ -467,7 +474,7 @@ ts_status ts_embedding(ts_tensor *weight, ts_tensor *indices, ts_tensor **out)
     if ((st = ts__tensor_new(weight->dtype, indices->ndim + 1, oshape, &o)))
         goto done;
     size_t row = (size_t)dim * ts_dtype_size(weight->dtype);
-    for (int64_t r = 0; r < cnt; r++)
+    for (int64_t r = 0; r < cnt && !ts__is_meta(o); r++)
         memcpy((char *)ts_tensor_data(o) + (size_t)r * row, (char *)ts_tensor_data(wc) + (size_t)ip[r] * row, row);
     if (ts__needs_grad(1, &weight)) {
         ts_node *n = ts__node_new("embedding", embedding_backward, 1, &weight, 1);
@@ -512,6 +519,8 @@ static ts_status cross_entropy_backward(ts_node *n, ts_tensor **g, ts_tensor **g
     ts_dtype dt = lp->dtype;
     const void *lpp = ts_tensor_data(lp), *gp = ts_tensor_data(gc);
     void *gxp = ts_tensor_data(gx);
+    if (ts__is_meta(gx))
+        N = 0; /* meta: nothing to compute */
     for (int64_t i = 0; i < N && ts__is_half(dt); i++) {
         /* PyTorch: nll_loss_backward writes -g (times 1/count for mean,
          * rounded to dt) at the target, then log_softmax_backward
@@ -559,8 +568,8 @@ ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore
     ts_tensor *tc;
     if ((st = ts_contiguous(targets, &tc)))
         return st;
-    const int64_t *t = ts_tensor_data(tc);
-    for (int64_t i = 0; i < N; i++)
+    const int64_t *t = ts_tensor_data(tc); /* NULL for meta targets: their values are unknown */
+    for (int64_t i = 0; i < N && t; i++)
         if (t[i] != ignore_index && (t[i] < 0 || t[i] >= C)) {
             ts_tensor_free(tc);
             return ts_error(TS_ERR_INDEX, "cross_entropy: target %lld at position %lld is out of range for %lld "
@@ -583,7 +592,10 @@ ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore
     int64_t nshape[1] = {N};
     if ((st = reduction == TS_REDUCTION_NONE ? ts__tensor_new(dt, 1, nshape, &o) : ts__tensor_new(dt, 0, NULL, &o)))
         goto done;
-    for (int64_t i = 0; i < N; i++) {
+    bool meta = ts__is_meta(o);
+    if (meta)
+        count = N; /* the targets are unknown: the node's mean scale as if none were ignored (unused on meta) */
+    for (int64_t i = 0; i < N && !meta; i++) {
         double li = t[i] == ignore_index ? 0.0 : -ts__load(dt, lpp, i * C + t[i]);
         if (t[i] != ignore_index)
             count++;
@@ -592,7 +604,7 @@ ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore
         total += li;
     }
     double scale = reduction == TS_REDUCTION_MEAN ? 1.0 / (double)count : 1.0; /* 0 targets: NaN, as PyTorch */
-    if (reduction != TS_REDUCTION_NONE)
+    if (reduction != TS_REDUCTION_NONE && !meta)
         ts__store(dt, ts_tensor_data(o), 0, reduction == TS_REDUCTION_MEAN ? total / (double)count : total);
     if (ts__needs_grad(1, &logits)) {
         ts_node *n = ts__node_new("cross_entropy", cross_entropy_backward, 1, &logits, 1);
@@ -708,7 +720,7 @@ static ts_status dropout_half_backward(ts_node *n, ts_tensor **g, ts_tensor **gi
     ts_dtype dt = noise->dtype;
     const uint16_t *gp = ts_tensor_data(gc), *np_ = ts_tensor_data(noise);
     uint16_t *o = ts_tensor_data(gx);
-    for (int64_t i = 0, cnt = ts_tensor_numel(gx); i < cnt; i++)
+    for (int64_t i = 0, cnt = ts_tensor_numel(gx); i < cnt && o; i++) /* o NULL: meta */
         o[i] = ts__f32_to_half(dt, ts__half_to_f32(dt, gp[i]) * ts__half_to_f32(dt, np_[i]));
     ts_tensor_free(gc);
     gin[0] = gx;
@@ -721,7 +733,7 @@ ts_status ts__dropout_noise_half(ts_dtype dt, int ndim, const int64_t *shape, do
     ts_tensor *mask = NULL, *noise = NULL;
     /* p == 1: zeros without drawing (PyTorch: input * zeros({})) */
     ts_status st = p == 1.0 ? ts_tensor_zeros(TS_F32, ndim, shape, &mask) : ts__tensor_new(TS_F32, ndim, shape, &mask);
-    if (!st && p != 1.0)
+    if (!st && p != 1.0 && !ts__is_meta(mask)) /* meta: no draw, the generator stays */
         st = ts_bernoulli_(mask, 1.0 - p, gen);
     if (!st)
         st = ts__tensor_new(dt, ndim, shape, &noise);
@@ -729,7 +741,7 @@ ts_status ts__dropout_noise_half(ts_dtype dt, int ndim, const int64_t *shape, do
         uint16_t keep = ts__f32_to_half(dt, 1.0f / ts__round_half(dt, (float)(1.0 - p)));
         const float *mp = ts_tensor_data(mask);
         uint16_t *np_ = ts_tensor_data(noise);
-        for (int64_t i = 0, cnt = ts_tensor_numel(noise); i < cnt; i++)
+        for (int64_t i = 0, cnt = ts_tensor_numel(noise); i < cnt && np_; i++) /* np_ NULL: meta */
             np_[i] = mp[i] != 0.0f ? keep : 0;
         *out = noise;
     }
@@ -750,7 +762,7 @@ static ts_status dropout_half(ts_tensor *a, double p, ts_generator *gen, ts_tens
         goto done;
     const uint16_t *xp = ts_tensor_data(ac), *np_ = ts_tensor_data(noise);
     uint16_t *op_ = ts_tensor_data(o);
-    for (int64_t i = 0, cnt = ts_tensor_numel(o); i < cnt; i++)
+    for (int64_t i = 0, cnt = ts_tensor_numel(o); i < cnt && op_; i++) /* op_ NULL: meta */
         op_[i] = ts__f32_to_half(dt, ts__half_to_f32(dt, xp[i]) * ts__half_to_f32(dt, np_[i]));
     if (ts__needs_grad(1, &a)) {
         ts_node *n = ts__node_new("dropout", dropout_half_backward, 1, &a, 1);
@@ -800,7 +812,7 @@ ts_status ts_dropout(ts_tensor *a, double p, bool training, ts_generator *gen, t
     ts_tensor *mask, *scaled;
     if ((st = ts__tensor_new(a->dtype, a->ndim, a->shape, &mask)))
         return st;
-    if ((st = ts_bernoulli_(mask, 1.0 - p, gen))) {
+    if (!ts__is_meta(mask) && (st = ts_bernoulli_(mask, 1.0 - p, gen))) { /* meta: no draw */
         ts_tensor_free(mask);
         return st;
     }

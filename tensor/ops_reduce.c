@@ -65,6 +65,10 @@ static ts_status reduce_kernel(enum red kind, ts_tensor *a, const bool *mask, ts
     ts_status st = ts__tensor_new(a->dtype, a->ndim, kshape, &o);
     if (st)
         return st;
+    if (ts__is_meta(o)) {
+        *out = o;
+        return TS_OK;
+    }
     int64_t on = ts_tensor_numel(o), an = ts_tensor_numel(a);
     double *acc = ts__malloc(TS_MEM_OTHER, (size_t)(on ? on : 1) * sizeof *acc);
     if (!acc) {
@@ -367,6 +371,11 @@ static ts_status max_dim_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         ts_tensor_free(z);
         return st;
     }
+    if (ts__is_meta(z)) {
+        ts_tensor_free(gc);
+        gin[0] = z;
+        return TS_OK;
+    }
     const int64_t *ix = ts_tensor_data(idx);
     const void *gp = ts_tensor_data(gc);
     void *zp = ts_tensor_data(z);
@@ -423,7 +432,7 @@ ts_status ts_max_dim(ts_tensor *a, int dim, bool keepdim, ts_tensor **values_out
     const void *ap = ts_tensor_data(ac);
     void *vp = ts_tensor_data(v);
     int64_t *ip = ts_tensor_data(ix);
-    for (int64_t o = 0; o < outer; o++)
+    for (int64_t o = 0; o < outer && vp; o++) /* vp NULL: meta outputs */
         for (int64_t i = 0; i < inner; i++) {
             double best = ts__load(a->dtype, ap, o * size * inner + i);
             int64_t bi = 0;
@@ -650,7 +659,8 @@ static ts_status softmax_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     }
     int64_t n_ = gl->shape[gl->ndim - 1], rows = n_ ? ts_tensor_numel(gl) / n_ : 0;
     if (!(st = ts__tensor_new(gl->dtype, gl->ndim, gl->shape, &gx))) {
-        softmax_bw_rows(gl->dtype, ts_tensor_data(gl), ts_tensor_data(yl), ts_tensor_data(gx), rows, n_, log_form);
+        if (!ts__is_meta(gx))
+            softmax_bw_rows(gl->dtype, ts_tensor_data(gl), ts_tensor_data(yl), ts_tensor_data(gx), rows, n_, log_form);
         st = dim_back(gx, d, &gin[0]);
         ts_tensor_free(gx);
     }
@@ -682,7 +692,9 @@ static ts_status softmax_op(const char *name, bool log_form, ts_tensor *a, int d
             ts_tensor_free(al);
             return st;
         }
-        if (ts__is_half(al->dtype))
+        if (ts__is_meta(yl)) {
+            /* meta: nothing to compute */
+        } else if (ts__is_half(al->dtype))
             ts__softmax_rows_half(al->dtype, ts_tensor_data(al), ts_tensor_data(yl), rows, n, log_form);
         else if (al->dtype == TS_F32 && !ts__use_reference_kernels)
             softmax_rows_f32(ts_tensor_data(al), ts_tensor_data(yl), rows, n, log_form);
@@ -728,9 +740,11 @@ static ts_status masked_softmax_backward(ts_node *n, ts_tensor **g, ts_tensor **
         return st;
     int64_t s = y->shape[y->ndim - 1], rows = s ? ts_tensor_numel(y) / s : 0;
     if (!(st = ts__tensor_new(y->dtype, y->ndim, y->shape, &gx))) {
-        softmax_bw_rows(y->dtype, ts_tensor_data(gc), ts_tensor_data(y), ts_tensor_data(gx), rows, s, false);
+        bool meta = ts__is_meta(gx);
+        if (!meta)
+            softmax_bw_rows(y->dtype, ts_tensor_data(gc), ts_tensor_data(y), ts_tensor_data(gx), rows, s, false);
         double scale = n->dargs[0];
-        if (scale != 1.0) {
+        if (scale != 1.0 && !meta) {
             void *p = ts_tensor_data(gx);
             if (y->dtype == TS_F32)
                 for (int64_t i = 0; i < rows * s; i++)
@@ -774,7 +788,9 @@ ts_status ts_scaled_masked_softmax(ts_tensor *scores, ts_tensor *mask, double sc
     int64_t rows = S ? ts_tensor_numel(sc) / S : 0;
     const uint8_t *mp = mc ? ts_tensor_data(mc) : NULL;
     /* masked, scaled scores into the output, then softmax in place */
-    if (sc->dtype == TS_F32 && !ts__use_reference_kernels) {
+    if (ts__is_meta(o)) {
+        /* meta: nothing to compute */
+    } else if (sc->dtype == TS_F32 && !ts__use_reference_kernels) {
         const float *x = ts_tensor_data(sc);
         float *y = ts_tensor_data(o), fs = (float)scale;
         for (int64_t r = 0; r < rows; r++) {

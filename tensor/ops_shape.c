@@ -245,7 +245,7 @@ ts_status ts_where(ts_tensor *cond, ts_tensor *a, ts_tensor *b, ts_tensor **out)
     if ((st = ts__tensor_new(a->dtype, nd, shape, &o)))
         return st;
     int64_t n = ts_tensor_numel(o);
-    if (n > 0) {
+    if (n > 0 && !ts__is_meta(o)) {
         int64_t sc[TS_MAX_DIMS], sa[TS_MAX_DIMS], sb[TS_MAX_DIMS], idx[TS_MAX_DIMS] = {0};
         ts__broadcast_strides(cond, nd, shape, sc);
         ts__broadcast_strides(a, nd, shape, sa);
@@ -354,7 +354,7 @@ ts_status ts_tril_mask(int64_t n, int64_t diagonal, ts_tensor **out)
     if (st)
         return st;
     uint8_t *p = ts_tensor_data(m);
-    for (int64_t r = 0; r < n; r++)
+    for (int64_t r = 0; r < n && p; r++) /* p NULL: a meta mask */
         for (int64_t c = 0; c < n; c++)
             p[r * n + c] = c - r <= diagonal; /* c <= r + diagonal, which overflows for a huge diagonal */
     *out = m;

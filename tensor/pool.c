@@ -26,7 +26,7 @@ static void *block_alloc(size_t cb)
     return b;
 }
 
-#define N_CLASSES 512
+#define N_CLASSES TS__POOL_CLASSES
 
 typedef struct free_block {
     struct free_block *next;
@@ -61,6 +61,11 @@ static void class_bytes(int c, size_t *cb)
     int k = 9 + (c - 8) / 8, j = (c - 8) % 8 + 1;
     size_t base = (size_t)1 << k;
     *cb = base + (size_t)j * (base >> 3);
+}
+
+int ts__pool_size_class(size_t nbytes, size_t *class_bytes_out)
+{
+    return size_class(nbytes ? nbytes : 1, class_bytes_out);
 }
 
 size_t ts__pool_block_bytes(size_t nbytes)

@@ -1243,6 +1243,10 @@ ts_status ts_rand(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator *
     ts_status st = new_float("rand", dtype, ndim, shape, &t);
     if (st != TS_OK)
         return st;
+    if (ts__is_meta(t)) { /* a meta tensor draws nothing: the generator stays */
+        *out = t;
+        return TS_OK;
+    }
     st = ts_uniform_(t, 0.0, 1.0, gen);
     if (st != TS_OK) {
         ts_tensor_free(t);
@@ -1260,6 +1264,10 @@ ts_status ts_randn(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator 
     ts_status st = new_float("randn", dtype, ndim, shape, &t);
     if (st != TS_OK)
         return st;
+    if (ts__is_meta(t)) { /* a meta tensor draws nothing: the generator stays */
+        *out = t;
+        return TS_OK;
+    }
     st = ts_normal_(t, 0.0, 1.0, gen);
     if (st != TS_OK) {
         ts_tensor_free(t);
@@ -1283,7 +1291,7 @@ ts_status ts_randint(int64_t low, int64_t high, int ndim, const int64_t *shape, 
     ts_status st = ts_tensor_empty(TS_I64, ndim, shape, &t);
     if (st != TS_OK)
         return st;
-    int64_t n = tensor_numel(t);
+    int64_t n = ts__is_meta(t) ? 0 : tensor_numel(t); /* meta: no draw */
     int64_t *p = n ? ts_tensor_data(t) : NULL;
     ts_generator *g = gen_or_default(gen);
     uint64_t range = (uint64_t)high - (uint64_t)low;
@@ -1308,6 +1316,10 @@ ts_status ts_randperm(int64_t n, ts_generator *gen, ts_tensor **out)
     ts_status st = ts_tensor_empty(TS_I64, 1, &n, &t);
     if (st != TS_OK)
         return st;
+    if (ts__is_meta(t)) { /* a meta tensor draws nothing: the generator stays */
+        *out = t;
+        return TS_OK;
+    }
     int64_t *p = n ? ts_tensor_data(t) : NULL;
     ts_generator *g = gen_or_default(gen);
     for (int64_t i = 0; i < n; i++)

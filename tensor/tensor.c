@@ -102,6 +102,8 @@ static ts_tensor *handle_new(void)
 
 ts_status ts__tensor_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
 {
+    if (ts__meta_mode())
+        return ts__tensor_new_meta(dtype, ndim, shape, out);
     ts_tensor *t = handle_new();
     if (!t)
         return TS_ERR_NO_MEMORY;
@@ -205,7 +207,7 @@ ts_status ts_tensor_from_data(ts_dtype dtype, int ndim, const int64_t *shape, co
         ts_tensor_free(t);
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_from_data: data is NULL for %zu bytes", n);
     }
-    if (n)
+    if (n && !ts__is_meta(t)) /* a meta tensor takes the shape only */
         memcpy(ts_tensor_data(t), data, n);
     *out = t;
     return TS_OK;
@@ -249,7 +251,7 @@ ts_status ts_tensor_arange(ts_dtype dtype, double start, double end, double step
         return st;
     }
     void *d = ts_tensor_data(t);
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n && d; i++) /* d NULL: a meta tensor */
         ts__store(dtype, d, i, start + (double)i * step);
     *out = t;
     return TS_OK;
@@ -276,7 +278,9 @@ void ts_tensor_free(ts_tensor *t)
 
 /* The accessors give a neutral value for NULL (tensor.h lists them). */
 ts_dtype ts_tensor_dtype(const ts_tensor *t) { return t ? t->dtype : TS_DTYPE_COUNT; }
-ts_device ts_tensor_device(const ts_tensor *t) { return t ? t->device : TS_DEVICE_CPU; }
+/* From the storage, so that materializing a storage in place makes every
+ * tensor over it a CPU tensor. */
+ts_device ts_tensor_device(const ts_tensor *t) { return ts__is_meta(t) ? TS_DEVICE_META : TS_DEVICE_CPU; }
 int ts_tensor_ndim(const ts_tensor *t) { return t ? t->ndim : 0; }
 const int64_t *ts_tensor_shape(const ts_tensor *t) { return t ? t->shape : NULL; }
 const int64_t *ts_tensor_strides(const ts_tensor *t) { return t ? t->strides : NULL; }
@@ -296,7 +300,7 @@ int64_t ts_tensor_size(const ts_tensor *t, int dim)
 
 void *ts_tensor_data(const ts_tensor *t)
 {
-    if (!t || t->storage->released)
+    if (!t || t->storage->released || t->storage->meta)
         return NULL;
     return (char *)t->storage->data + t->offset * (int64_t)ts_dtype_size(t->dtype);
 }
@@ -324,12 +328,30 @@ const char *ts_tensor_name(const ts_tensor *t) { return t && t->name ? t->name :
 
 /* ------------------------------------------------------------ checks */
 
+/* [Note: meta initializers] The initializers write values without reading
+ * any (the random fills, fill_, the init.c schemes built on them): on a
+ * meta tensor they check their arguments and change nothing (the
+ * deferred-init work records them for replay at materialization), inside a
+ * meta scope or not. Every other op given a meta tensor outside a meta
+ * scope fails (ts__meta_error). */
+static bool is_initializer(const char *op)
+{
+    static const char *const names[] = {"uniform_", "normal_", "bernoulli_", "ts_tensor_fill_",
+                                        "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++)
+        if (strcmp(op, names[i]) == 0)
+            return true;
+    return false;
+}
+
 ts_status ts__check_inputs(const char *op, int n, ts_tensor *const *inputs)
 {
     for (int i = 0; i < n; i++) {
         const ts_tensor *t = inputs[i];
         if (!t)
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: input %d is NULL", op, i);
+        if (t->storage->meta && !ts__meta_mode() && !is_initializer(op))
+            return ts__meta_error(op, i, t);
         if (t->storage->released) {
             char s[96];
             return ts_error(TS_ERR_RELEASED, "%s: input %d%s%s%s %s has released storage (%zu bytes); restore it "
@@ -450,7 +472,8 @@ ts_status ts_tensor_get(const ts_tensor *t, const int64_t *index, double *value_
     if (!t || !index || !value_out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_get: %s is NULL",
                         !t ? "the tensor" : !index ? "index" : "value_out");
-    ts_status st = ts__check_inputs("ts_tensor_get", 1, (ts_tensor *const *)&t);
+    /* a meta tensor: the checks the CPU runs, then the error (it has no data) */
+    ts_status st = ts__is_meta(t) && !ts__meta_mode() ? TS_OK : ts__check_inputs("ts_tensor_get", 1, (ts_tensor *const *)&t);
     if (st)
         return st;
     int64_t off = 0;
@@ -460,6 +483,8 @@ ts_status ts_tensor_get(const ts_tensor *t, const int64_t *index, double *value_
                             (long long)index[i], i, (long long)t->shape[i]);
         off += index[i] * t->strides[i];
     }
+    if (ts__is_meta(t))
+        return ts__meta_error("ts_tensor_get", -1, t);
     *value_out = ts__load(t->dtype, ts_tensor_data(t), off);
     return TS_OK;
 }
@@ -474,7 +499,10 @@ ts_status ts_tensor_item(const ts_tensor *t, double *value_out)
                         ts__shape_str(t->ndim, t->shape, s, sizeof s), (long long)ts_tensor_numel(t));
     }
     int64_t zero[TS_MAX_DIMS] = {0};
-    return ts_tensor_get(t, zero, value_out);
+    ts_status st = ts_tensor_get(t, zero, value_out);
+    if (st == TS_ERR_STATE && ts__is_meta(t))
+        return ts__meta_error("ts_tensor_item", -1, t); /* named by this call */
+    return st;
 }
 
 
@@ -482,7 +510,7 @@ ts_status ts_tensor_item(const ts_tensor *t, double *value_out)
 static void copy_strided(ts_tensor *dst, const ts_tensor *src)
 {
     int64_t n = ts_tensor_numel(dst);
-    if (n == 0)
+    if (n == 0 || ts__is_meta(dst) || ts__is_meta(src)) /* meta: nothing to copy */
         return;
     char *dp = ts_tensor_data(dst);
     const char *sp = ts_tensor_data(src);
@@ -534,13 +562,16 @@ ts_status ts_tensor_copy_to(const ts_tensor *t, void *buf, size_t nbytes)
 {
     if (!t || !buf)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_copy_to: %s is NULL", !t ? "the tensor" : "buf");
-    ts_status st = ts__check_inputs("ts_tensor_copy_to", 1, (ts_tensor *const *)&t);
+    ts_status st = ts__is_meta(t) && !ts__meta_mode() ? TS_OK
+                                                       : ts__check_inputs("ts_tensor_copy_to", 1, (ts_tensor *const *)&t);
     if (st)
         return st;
     size_t want = (size_t)ts_tensor_numel(t) * ts_dtype_size(t->dtype);
     if (nbytes != want)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_copy_to: buffer has %zu bytes, tensor needs %zu", nbytes,
                         want);
+    if (ts__is_meta(t)) /* the checks the CPU runs, then the error (it has no data) */
+        return ts__meta_error("ts_tensor_copy_to", -1, t);
     ts_tensor tmp = {0};
     tmp.dtype = t->dtype;
     tmp.ndim = t->ndim;
@@ -558,6 +589,8 @@ ts_status ts_tensor_pin_memory(const ts_tensor *t, ts_tensor **out)
 {
     if (!t || !out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_pin_memory: %s is NULL", !t ? "the tensor" : "out");
+    if (ts__is_meta(t) && !ts__meta_mode())
+        return ts__meta_error("ts_tensor_pin_memory", 0, t);
     if (t->storage && t->storage->pinned && !t->storage->released) {
         *out = ts_tensor_retain((ts_tensor *)(uintptr_t)t);
         return TS_OK;
@@ -572,7 +605,7 @@ ts_status ts_tensor_pin_memory(const ts_tensor *t, ts_tensor **out)
         st = ts_storage_pin(p->storage);
     if (!st)
         st = ts_storage_restore(p->storage);
-    if (!st)
+    if (!st && !ts__is_meta(p)) /* a meta copy has no bytes to fill */
         st = ts_tensor_copy_to(t, p->storage->data, (size_t)ts_tensor_numel(p) * ts_dtype_size(p->dtype));
     if (st) {
         ts_tensor_free(p);
@@ -630,7 +663,7 @@ static ts_status fill(ts_tensor *t, double value)
 {
     ts_status st;
     int64_t n = ts_tensor_numel(t);
-    if (n == 0)
+    if (n == 0 || ts__is_meta(t))
         return TS_OK;
     if (ts__is_contiguous(t)) {
         char *d = ts_tensor_data(t);
@@ -681,4 +714,11 @@ ts_status ts_tensor_local_view(ts_tensor *t, ts_tensor **out)
     if (!t || !out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_local_view: NULL argument");
     return ts__tensor_alias(t, t->ndim, t->shape, t->strides, t->offset, out);
+}
+
+ts_status ts_tensor_materialize(ts_tensor *t)
+{
+    if (!t)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tensor_materialize: tensor is NULL");
+    return ts_storage_materialize(t->storage);
 }

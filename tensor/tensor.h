@@ -20,7 +20,8 @@
  * TS_ERR_DTYPE (wrong or unsupported dtype), TS_ERR_INDEX (dim out of
  * range), TS_ERR_RELEASED (an input's storage is released),
  * TS_ERR_SHARDED (an input is a shard marked by an upper layer),
- * TS_ERR_NO_MEMORY.
+ * TS_ERR_STATE (an input is a meta tensor, which has no data, outside a
+ * meta scope: "meta device" below), TS_ERR_NO_MEMORY.
  */
 #ifndef TS_TENSOR_H
 #define TS_TENSOR_H
@@ -88,12 +89,14 @@ TS_API bool ts_storage_is_released(const ts_storage *s);
 /* Returns the storage's bytes to the caching pool. Every tensor and
  * autograd node that refers to it stays valid; ops that read it fail with
  * TS_ERR_RELEASED until ts_storage_restore(). Releasing a released storage
- * is a no-op. */
+ * is a no-op. On a meta storage, release and restore give its block back
+ * to and take it from its meta ledger. */
 TS_API ts_status ts_storage_release(ts_storage *s);
 /* Gives a released storage bytes again (same size; contents undefined
  * until written). A no-op on a filled storage. TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_storage_restore(ts_storage *s);
-/* Raw bytes of a storage; NULL while released. Borrowed. */
+/* Raw bytes of a storage; NULL while released, and for a meta storage.
+ * Borrowed. */
 TS_API void *ts_storage_data(ts_storage *s);
 
 /* Pins the storage's bytes (base.h, "Pinned host memory"): moves them into
@@ -114,6 +117,89 @@ TS_API bool ts_storage_is_pinned(const ts_storage *s);
 TS_API void ts_pool_empty_cache(void);
 /* Bytes the pool holds in free blocks. */
 TS_API size_t ts_pool_cached_bytes(void);
+
+/* ------------------------------------------------------------ meta device */
+/* docs/meta.md. A meta tensor has a shape, a dtype, strides and a storage
+ * of known size without bytes. Models are built on it, and a training step
+ * replayed on it gives every op's output shape and dtype and the memory the
+ * caching pool would hand out, with no data computed (PyTorch's meta
+ * kernels).
+ *
+ * The default device is per thread, a stack of scopes (PyTorch's
+ * `with torch.device("meta")`):
+ *     ts_device_scope_enter(TS_DEVICE_META); ... ts_device_scope_exit();
+ * While the innermost scope of a thread is TS_DEVICE_META, every tensor the
+ * library creates on that thread is a meta tensor: ts_tensor_empty, zeros,
+ * ones, full, scalar, arange, from_data (the data is not read), ts_rand,
+ * randn, randint, randperm (nothing is drawn: the generator is not
+ * advanced), parameters (ts_param_new), every op's outputs and autograd's
+ * gradients. Ops then run every check they run on the CPU (the same
+ * errors for the same bad shapes and dtypes; checks of data values, such as
+ * an embedding index out of range, are skipped), allocate their outputs and
+ * the scratch the CPU path takes on the thread's ledger, and compute
+ * nothing; in-place ops on meta tensors change nothing. Outside a meta
+ * scope, an op, an in-place op, an optimizer step or a data accessor
+ * (ts_tensor_get, item, copy_to, the random fills) given a meta tensor
+ * fails with TS_ERR_STATE naming the op and the tensor ("'0.weight' (4, 3)
+ * is on the meta device (it has no data): materialize the model or load a
+ * checkpoint first"); ts_tensor_data and ts_storage_data return NULL for it.
+ * Views of a meta tensor are meta tensors. */
+
+/* "cpu", "meta"; "invalid" otherwise. Static. */
+TS_API const char *ts_device_name(ts_device d);
+/* Makes d the calling thread's default device until the matching
+ * ts_device_scope_exit; scopes nest (an inner CPU scope inside a meta one
+ * creates CPU tensors again). TS_ERR_INVALID_ARGUMENT for an unknown
+ * device, TS_ERR_STATE when TS_DEVICE_SCOPE_MAX_DEPTH scopes are open on
+ * the thread. */
+#define TS_DEVICE_SCOPE_MAX_DEPTH 64
+TS_API ts_status ts_device_scope_enter(ts_device d);
+/* Closes the calling thread's innermost scope. TS_ERR_STATE when none is
+ * open. */
+TS_API ts_status ts_device_scope_exit(void);
+/* The calling thread's default device: its innermost scope's, else CPU. */
+TS_API ts_device ts_default_device(void);
+
+/* The meta ledger of the calling thread ([Note: meta ledger] in
+ * tensor/meta.c): every meta storage created on the thread counts the
+ * block the caching pool would hand out for it (its size class) while it
+ * holds it, as TS_MEM_STORAGE counts real blocks, and the ledger models
+ * the pool's free lists (a freed block is cached; an allocation of its
+ * class reuses it, else the pool grows), so that it also predicts
+ * TS_MEM_POOL. Pool scratch an op takes (bfloat16 / float16 matrix
+ * products) is counted the same way. Real allocations are not counted
+ * here. A storage freed on another thread is counted on the ledger of the
+ * thread that created it. */
+typedef struct ts_meta_stats {
+    size_t live;      /* bytes of meta blocks in use (as ts_mem_live_bytes(TS_MEM_STORAGE)) */
+    size_t peak;      /* highest `live` since the thread's first meta allocation or ts_meta_reset_peak */
+    size_t pool;      /* bytes the modeled pool holds, in use and cached (as TS_MEM_POOL) */
+    size_t pool_peak; /* highest `pool` since the first allocation or ts_meta_reset_peak */
+    size_t cached;    /* bytes of the modeled free blocks (as ts_pool_cached_bytes()) */
+} ts_meta_stats;
+/* The calling thread's ledger (all zeros before its first meta tensor). */
+TS_API ts_meta_stats ts_meta_get_stats(void);
+/* Sets the calling thread's peaks to the current values (as
+ * ts_mem_reset_peak). */
+TS_API void ts_meta_reset_peak(void);
+/* Drops the modeled free blocks of the calling thread's ledger (as
+ * ts_pool_empty_cache): `pool` falls by `cached`, and `cached` is 0. */
+TS_API void ts_meta_empty_cache(void);
+/* ts_meta_empty_cache, then ts_meta_reset_peak: the starting point of a
+ * measurement. Meta storages still alive stay counted in `live`. */
+TS_API void ts_meta_reset(void);
+
+/* True when s is a meta storage (no bytes). */
+TS_API bool ts_storage_is_meta(const ts_storage *s);
+/* Gives a meta storage real bytes, zeroed, from the caching pool (a pinned
+ * block if it was pinned); it leaves its ledger (`live` and `pool` fall by
+ * its block), and every tensor over it is a CPU tensor from then on. A
+ * released meta storage becomes a released CPU storage (restore gives it
+ * bytes). A no-op on a CPU storage. TS_ERR_INVALID_ARGUMENT for NULL,
+ * TS_ERR_NO_MEMORY. Not while another thread uses the storage. */
+TS_API ts_status ts_storage_materialize(ts_storage *s);
+/* ts_storage_materialize(ts_tensor_storage(t)). */
+TS_API ts_status ts_tensor_materialize(ts_tensor *t);
 
 /* --------------------------------------------------------- tensor handles */
 
@@ -166,6 +252,8 @@ TS_API void ts_tensor_free(ts_tensor *t);
  * is_contiguous and is_shard false, name "", shape_str NULL (also for a
  * NULL buf or a len of 0); set_shard and clear_shard do nothing. */
 TS_API ts_dtype ts_tensor_dtype(const ts_tensor *t);
+/* TS_DEVICE_META while t's storage is a meta storage, else TS_DEVICE_CPU
+ * (NULL: CPU). */
 TS_API ts_device ts_tensor_device(const ts_tensor *t);
 TS_API int ts_tensor_ndim(const ts_tensor *t);
 /* Borrowed pointer to `ndim` sizes. */
@@ -180,7 +268,7 @@ TS_API bool ts_tensor_is_contiguous(const ts_tensor *t);
 /* The storage (borrowed). */
 TS_API ts_storage *ts_tensor_storage(const ts_tensor *t);
 /* Address of element 0 (storage data + offset); NULL while the storage is
- * released. Borrowed. */
+ * released, and for a meta tensor. Borrowed. */
 TS_API void *ts_tensor_data(const ts_tensor *t);
 /* Writes "(2, 3)" into buf (always NUL-terminated); returns buf. */
 TS_API char *ts_tensor_shape_str(const ts_tensor *t, char *buf, size_t len);
