@@ -64,14 +64,14 @@ bool ts__fsdp_any_meta(ts_module *root)
 static ts_status storage_materialize(const char *fn, ts_storage *s, bool pin)
 {
     if (!s->meta) return TS_OK;
-    size_t bb = 0;
-    void *d = ts__pool_alloc(s->nbytes, &bb);
-    if (!d) return ts_error(TS_ERR_NO_MEMORY, "%s: cannot allocate %zu bytes", fn, s->nbytes);
-    if (s->nbytes) memset(d, 0, s->nbytes);
-    s->data = d;
-    s->block_bytes = bb;
-    s->meta = false;
-    return pin ? ts_storage_pin(s) : TS_OK;
+    ts_status st = pin ? ts_storage_pin(s) : TS_OK; /* a meta storage pinned gets a pinned block */
+    if (!st) st = ts_storage_materialize(s);
+    if (st) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", ts_last_error());
+        return ts_error(st, "%s: %s", fn, why);
+    }
+    return TS_OK;
 }
 
 /* The bytes of a group: its sharded buffer (the host shard under an
@@ -81,8 +81,6 @@ static ts_status group_materialize(const char *fn, fsdp_group *g)
     if (!ts__is_meta(g->sharded)) return TS_OK;
     ts_status st = storage_materialize(fn, ts_tensor_storage(g->sharded), g->off.on && g->off.pin);
     if (st) return st;
-    g->sharded->device = TS_DEVICE_CPU;
-    for (int i = 0; i < g->n; i++) g->params[i].S->device = TS_DEVICE_CPU;
     return TS_OK;
 }
 
@@ -200,7 +198,6 @@ ts_status ts__fsdp_materialize(const char *fn, ts_module *root, bool do_replay)
         size_t es = ts_dtype_size(ts_tensor_dtype(t));
         if ((st = dst_add(&l, s, 0, (int64_t)(s->nbytes / es), ts_tensor_dtype(t)))) break;
         if ((st = storage_materialize(fn, s, false))) break;
-        t->device = TS_DEVICE_CPU;
         for (int k = 0; k < l.n; k++)
             if (l.d[k].src == s && !l.d[k].dst) l.d[k].dst = s->data; /* whole, in place */
     }

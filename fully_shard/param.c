@@ -46,12 +46,12 @@ static ts_status new_released(ts_dtype dtype, int ndim, const int64_t *shape, bo
         return ts_storage_release(ts_tensor_storage(*out));
     }
     if ((st = ts__tensor_new_meta(dtype, ndim, shape, out))) return st;
-    ts_storage *s = ts_tensor_storage(*out);
-    s->meta = false;
-    s->released = true;
-    s->block_bytes = 0;
-    (*out)->device = TS_DEVICE_CPU;
-    return TS_OK;
+    ts_storage *s = ts_tensor_storage(*out); /* released, then a released CPU storage: never a byte */
+    if ((st = ts_storage_release(s)) || (st = ts_storage_materialize(s))) {
+        ts_tensor_free(*out);
+        *out = NULL;
+    }
+    return st;
 }
 
 /* Once the group's shard size is known: places the chunks in the W-block
