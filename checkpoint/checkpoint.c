@@ -848,6 +848,7 @@ ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options 
 {
     ck_ctx c = {.op = "ts_ckpt_save", .model = model, .o = options};
     ts_status st = ck_check_common(c.op, dir, model, options);
+    if (!st) st = ts__fsdp_check_materialized(c.op, model); /* a model on the meta device has no values */
     if (st) return st;
     st = ck_collect(&c, false);
     if (!c.world) { /* the groups could not be listed: nothing collective is possible */
@@ -1160,6 +1161,9 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
     ts__free(TS_MEM_OTHER, rd.fds);
     ts__free(TS_MEM_OTHER, rd.hdrs);
     st = ck_agree(&c, st, NULL);
+    /* a model on the meta device (deferred init) gets its bytes here,
+     * without running its initializers: the checkpoint gives the values */
+    if (!st) st = ts__fsdp_materialize(c.op, model, false);
     /* every rank read everything: copy in */
     bool prev = ts_grad_mode_set(false);
     for (int i = 0; i < c.items.n && !st; i++) {
@@ -1206,6 +1210,8 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
 {
     ck_ctx c = {.op = "ts_ckpt_save_full", .model = model};
     if (!path || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", c.op);
+    ts_status mat = ts__fsdp_check_materialized(c.op, model); /* a model on the meta device has no values */
+    if (mat) return mat;
     /* checked on every rank; a rank's bad list fails every rank at the first agreement below */
     ts_status mst = ck_check_meta(c.op, metadata, n_metadata, false);
     if (!mst) n_metadata = ck_meta_count(metadata, n_metadata); /* TS_CKPT_META_END: the pairs before the end */
@@ -1336,6 +1342,9 @@ ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
     if (!st && strict && (*missing || *unexpected))
         st = ts_error(TS_ERR_NOT_FOUND, "%s: '%s': missing keys:%s; unexpected keys:%s", c.op, path,
                       *missing ? missing : " none", *unexpected ? unexpected : " none");
+    /* a model on the meta device (deferred init) gets its bytes here,
+     * without running its initializers: the file gives the values */
+    if (!st) st = ts__fsdp_materialize(c.op, model, false);
     /* one tensor at a time: this rank's rows into a temporary, then in */
     bool prev = ts_grad_mode_set(false);
     for (int i = 0; i < c.items.n && !st; i++) {

@@ -15,6 +15,14 @@
  *        [--save-full FILE.safetensors] [--load FILE.safetensors]
  *        [--sample N [--temperature T] [--prompt TEXT]]    (--help: all flags)
  *        [--offload cpu [--pin-memory 0|1]] [--checkpoint-activations] [--ignore-memory-cap]
+ *        [--init deferred|eager]
+ * --init deferred (the default) builds the model on the meta device
+ * (ts_device_scope_enter), shards it with no parameter bytes, then gives
+ * each rank only its rows: ts_fsdp_materialize replays the initializers
+ * (or --load fills them, with no initializer run): no rank ever holds the
+ * whole model. --init eager builds it whole on every rank and then shards
+ * it; both give the same bits (a --save-full file is the same byte for
+ * byte).
  * --checkpoint-activations checkpoints every block (ts_checkpoint_module
  * before ts_fully_shard): the backward recomputes each block's forward
  * instead of keeping its activations (same losses, lower peak).
@@ -478,6 +486,7 @@ int main(int argc, char **argv)
     int pin_memory = 1;
     int accum = 1; /* gradient accumulation: microbatches per step */
     const char *accum_mode = "nosync";
+    const char *init = "deferred";
     ex_flag flags[] = {
         {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
@@ -502,6 +511,7 @@ int main(int argc, char **argv)
         {"--pin-memory", "0|1", EX_FLAG_INT, &pin_memory, 0, 1, false, "--offload cpu: pin the host shards and gradients", false},
         {"--param-dtype", "bf16|f16|f32", EX_FLAG_STRING, &param_dtype_s, 0, 0, false, "mixed precision: all-gather and compute in this dtype (float32 master weights)", false},
         {"--reduce-dtype", "bf16|f16|f32", EX_FLAG_STRING, &reduce_dtype_s, 0, 0, false, "mixed precision: reduce the gradients in this dtype (default: the param dtype)", false},
+        {"--init", "deferred|eager", EX_FLAG_STRING, &init, 0, 0, false, "deferred: build on the meta device, shard, then materialize this rank's rows (default); eager: build whole, then shard", false},
         {"--accum", "K", EX_FLAG_INT, &accum, 1, 1 << 16, false, "gradient accumulation: K microbatches of --batch sequences per optimizer step", false},
         {"--accum-mode", "nosync|sync", EX_FLAG_STRING, &accum_mode, 0, 0, false, "--accum: nosync reduces once, on the last microbatch (more memory); sync reduce-scatters every microbatch", false},
     };
@@ -526,6 +536,11 @@ int main(int argc, char **argv)
         return 2;
     }
     bool offload_cpu = strcmp(offload, "cpu") == 0;
+    if (strcmp(init, "deferred") != 0 && strcmp(init, "eager") != 0) {
+        fprintf(stderr, "train_gpt: --init '%s' (must be deferred or eager)\n", init);
+        return 2;
+    }
+    bool deferred = strcmp(init, "deferred") == 0;
     if (strcmp(accum_mode, "nosync") != 0 && strcmp(accum_mode, "sync") != 0) {
         fprintf(stderr, "train_gpt: --accum-mode '%s' (must be nosync or sync)\n", accum_mode);
         return 2;
@@ -864,7 +879,10 @@ int main(int argc, char **argv)
     cfg.n_head = heads;
     cfg.d_model = dim;
     ts_module *model;
-    CHECK(ts_gpt_new(&cfg, &model));
+    if (deferred) CHECK(ts_device_scope_enter(TS_DEVICE_META)); /* shapes and recorded initializers, no bytes */
+    ts_status built = ts_gpt_new(&cfg, &model);
+    if (deferred) CHECK(ts_device_scope_exit());
+    CHECK(built);
     /* bottom-up: each block its own group, then the root takes the rest */
     ts_offload_policy op = ts_offload_policy_default();
     op.pin_memory = pin_memory != 0;
@@ -894,6 +912,8 @@ int main(int argc, char **argv)
             return 1;
         }
         printf("loaded %d tensors from %s\n", model_tensors(model), load);
+    } else if (deferred) { /* this rank's rows, initialized as the eager build would (the same seed) */
+        CHECK(ts_fsdp_materialize(model));
     }
     /* the estimate again from the sharded model itself (its groups, policies and checkpointed blocks) */
     char mb[32];

@@ -270,6 +270,48 @@ TS_API ts_status ts_fsdp_apply_by_type(ts_module *root, const char *type_name, c
 TS_API ts_status ts_fsdp_apply_by_size(ts_module *root, int64_t min_params, const ts_fsdp_options *options,
                                        int *count_out);
 
+/* ------------------------------------------------------ deferred init
+ * (fully_shard/materialize.c; docs/fully_shard.md, "Deferred
+ * initialization") A model built on the meta device (its parameters and
+ * buffers have a shape and a dtype and no bytes: tensor.h,
+ * TS_DEVICE_META) can be sharded as it is: ts_fully_shard and the wrap
+ * policies record the groups and make every buffer a group would own
+ * (the sharded buffer, the offloaded host shard) meta too, with no
+ * collective and no byte of parameter data. The initializers the
+ * constructors ran on the meta parameters are recorded on them, and stay
+ * with the shards. Then, before anything else:
+ *   - ts_fsdp_materialize gives every meta storage bytes and replays the
+ *     recorded initializers; or
+ *   - ts_ckpt_load, ts_ckpt_load_full or ts_fsdp_load_full_state_dict
+ *     fills the model from a checkpoint (materializing it first, without
+ *     running the initializers).
+ * Until then a forward (TS_ERR_STATE naming the first parameter or buffer
+ * still meta: "'0.weight' is on the meta device: call ts_fsdp_materialize
+ * (or load a checkpoint) first"), an unshard, a summon, a full state dict
+ * or a checkpoint save refuses the model. A group's parameters are all
+ * meta or all real (TS_ERR_INVALID_ARGUMENT naming one of each). */
+
+/* Materializes every tensor under root that is on the meta device, in
+ * place (the tensors stay the same objects: an optimizer built before
+ * keeps working): each FSDP group's shards (this rank's rows only; the
+ * padding rows zero; pinned under an offload policy with pin_memory), the
+ * parameters outside every group and the buffers (whole); works on a
+ * model never sharded too. Then the initializers recorded on the
+ * parameters and buffers (every one of the model, in the order the
+ * constructors ran them) are replayed, each drawing from its generator
+ * exactly what it would have drawn on the full tensor while this rank
+ * writes only its rows, in bounded blocks: the result is bitwise what
+ * building the model eagerly with the same generator state and then
+ * sharding it gives. Not collective (no communication: each rank fills
+ * its own rows), but every rank must call it with the same generator
+ * state, as eager initialization needs. Memory: the shards' bytes plus
+ * one replay block. A model with nothing on the meta device is left
+ * unchanged. Errors: TS_ERR_INVALID_ARGUMENT for NULL; TS_ERR_STATE
+ * inside a forward or backward; TS_ERR_NO_MEMORY (the tensors made so
+ * far stay materialized; calling it again finishes). Thread: the one
+ * that runs the model. */
+TS_API ts_status ts_fsdp_materialize(ts_module *root);
+
 /* True once fully_shard was applied to m. */
 TS_API bool ts_module_is_fsdp(const ts_module *m);
 /* The vtable fully_shard extended (NULL when m is not an FSDP module). */

@@ -109,6 +109,12 @@ typedef struct fsdp_param {
      * unsharded_accumulated_grad; NULL otherwise (the gradient then stays
      * on U, where autograd accumulates) */
     ts_tensor *acc;
+    /* deferred init (materialize.c): the full meta parameter the shard was
+     * made from (retained), until ts_fsdp_materialize or a checkpoint load
+     * gives the shard bytes: its storage carries the initializers recorded
+     * on it, of which this rank replays the elements of its rows; NULL for
+     * a parameter sharded with bytes */
+    ts_tensor *meta_src;
 } fsdp_param;
 
 /* A parameter with fewer elements than the call's
@@ -290,6 +296,7 @@ struct fsdp_ctx {
     bool hold_pending;      /* rs_pending was kept on purpose by such a backward */
     struct fsdp_pbuckets *pb; /* persist.c: the persistent gradients' all-reduces in flight (NULL: none) */
     unsigned persist_walk;    /* persist.c: the id of the last walk over the groups */
+    bool materialized;        /* a forward found nothing under the root on the meta device (materialize.c) */
 };
 
 /* ------------------------------------------------------------------ */
@@ -447,6 +454,24 @@ ts_status ts__fsdp_persist_finish(fsdp_ctx *c);
 void ts__fsdp_persist_discard(fsdp_ctx *c);
 /* The persistent parameter t of a group of w (NULL if none). */
 fsdp_persist *ts__fsdp_find_persist(groups_walk *w, const ts_tensor *t);
+
+/* materialize.c: deferred initialization (docs/fully_shard.md, "Deferred
+ * initialization") */
+/* TS_ERR_STATE (prefixed with fn) naming the first parameter or buffer of
+ * root's tree (its full name) that is still on the meta device; TS_OK when
+ * none is. */
+ts_status ts__fsdp_check_materialized(const char *fn, ts_module *root);
+/* The same for one group (its first parameter, by its name in the group). */
+ts_status ts__fsdp_group_check_materialized(const char *fn, const fsdp_group *g);
+/* Gives every meta storage under root bytes in place (zeros), the groups'
+ * sharded buffers (pinned under an offload policy with pin_memory), the
+ * parameters outside groups and the buffers; with replay, then replays
+ * their recorded initializers (ts_fsdp_materialize). Without replay the
+ * recorded initializers are dropped (a checkpoint load fills the values).
+ * A model with nothing on the meta device is left as it is. */
+ts_status ts__fsdp_materialize(const char *fn, ts_module *root, bool replay);
+/* True when some parameter or buffer under root is on the meta device. */
+bool ts__fsdp_any_meta(ts_module *root);
 
 /* summary.c */
 int ts__fsdp_extra_repr(const ts_module *m, char *buf, size_t cap);

@@ -113,7 +113,7 @@ ts_status ts__fsdp_offload_init(fsdp_group *g, const ts_offload_policy *policy, 
     size_t used = 0;
     for (int i = 0; i < g->n; i++) {
         ts_device d = ts_tensor_device(g->params[i].S);
-        if (d == TS_DEVICE_CPU) continue;
+        if (d == TS_DEVICE_CPU || ts__is_meta(g->params[i].S)) continue; /* meta: materialized on the host */
         int k = snprintf(bad + used, sizeof bad - used, "%s('%s', %s)", used ? ", " : "", g->params[i].fqn,
                          device_name(d));
         if (k > 0) used = used + (size_t)k < sizeof bad ? used + (size_t)k : sizeof bad - 1;
@@ -126,6 +126,7 @@ ts_status ts__fsdp_offload_init(fsdp_group *g, const ts_offload_policy *policy, 
     if (!g->n) return TS_OK; /* a call that took no parameter makes no group */
     g->off.on = true;
     g->off.pin = policy->pin_memory;
+    if (ts__is_meta(g->sharded)) return TS_OK; /* pinned when materialized (materialize.c) */
     return ts__offload_place(&g->off, g->sharded);
 }
 

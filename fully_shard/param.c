@@ -34,6 +34,26 @@ ts_status ts__fsdp_param_init(fsdp_param *p, const fsdp_group *g, const ts_tenso
     return p->fqn ? TS_OK : TS_ERR_NO_MEMORY;
 }
 
+/* U: a tensor whose storage is released (restored at each unshard). On a
+ * meta model it never had bytes: made as a meta handle, then marked an
+ * ordinary released CPU storage, so that sharding a model larger than the
+ * rank allocates nothing. */
+static ts_status new_released(ts_dtype dtype, int ndim, const int64_t *shape, bool meta, ts_tensor **out)
+{
+    ts_status st;
+    if (!meta) {
+        if ((st = ts__tensor_new(dtype, ndim, shape, out))) return st;
+        return ts_storage_release(ts_tensor_storage(*out));
+    }
+    if ((st = ts__tensor_new_meta(dtype, ndim, shape, out))) return st;
+    ts_storage *s = ts_tensor_storage(*out); /* released, then a released CPU storage: never a byte */
+    if ((st = ts_storage_release(s)) || (st = ts_storage_materialize(s))) {
+        ts_tensor_free(*out);
+        *out = NULL;
+    }
+    return st;
+}
+
 /* Once the group's shard size is known: places the chunks in the W-block
  * buffers, copies this rank's rows of t into the group's sharded buffer
  * and makes the sharded leaf S (a view of them, with its DTensor) and the
@@ -42,22 +62,25 @@ ts_status ts__fsdp_param_make_shard(fsdp_param *p, fsdp_group *g, ts_tensor *t)
 {
     for (int r = 0; r < g->W; r++) p->chunks[r].buf_off = (int64_t)r * g->shard_numel + p->off;
     int64_t start = p->chunks[g->rank].row0, len = p->chunks[g->rank].rows;
-    ts_tensor *src = NULL;
-    ts_status st = ts_contiguous(t, &src);
-    if (st) return st;
-    unsigned char *dst = (unsigned char *)ts_tensor_data(g->sharded) + (size_t)p->off * g->es;
-    if (len > 0)
-        memcpy(dst, (const unsigned char *)ts_tensor_data(src) + (size_t)(start * p->row_numel) * g->es,
-               (size_t)(len * p->row_numel) * g->es);
-    ts_tensor_free(src);
+    ts_status st;
+    if (ts__is_meta(t)) { /* deferred init: no bytes to copy; the full parameter keeps its initializers */
+        p->meta_src = ts_tensor_retain(t);
+    } else {
+        ts_tensor *src = NULL;
+        if ((st = ts_contiguous(t, &src))) return st;
+        unsigned char *dst = (unsigned char *)ts_tensor_data(g->sharded) + (size_t)p->off * g->es;
+        if (len > 0)
+            memcpy(dst, (const unsigned char *)ts_tensor_data(src) + (size_t)(start * p->row_numel) * g->es,
+                   (size_t)(len * p->row_numel) * g->es);
+        ts_tensor_free(src);
+    }
     int64_t lshape[TS_MAX_DIMS];
     memcpy(lshape, p->shape, sizeof lshape);
     lshape[0] = len;
     int64_t lstrides[TS_MAX_DIMS];
     ts__contiguous_strides(p->ndim, lshape, lstrides);
     if ((st = ts__tensor_alias(g->sharded, p->ndim, lshape, lstrides, g->sharded->offset + p->off, &p->S))) return st;
-    if ((st = ts__tensor_new(g->udtype, p->ndim, p->shape, &p->U))) return st;
-    if ((st = ts_storage_release(ts_tensor_storage(p->U)))) return st;
+    if ((st = new_released(g->udtype, p->ndim, p->shape, p->meta_src != NULL, &p->U))) return st;
     if (p->requires_grad) {
         if ((st = ts_tensor_set_requires_grad(p->S, true))) return st;
         if ((st = ts_tensor_set_requires_grad(p->U, true))) return st;
@@ -81,6 +104,7 @@ void ts__fsdp_param_fini(fsdp_param *p)
     ts_tensor_free(p->S);
     ts_tensor_free(p->U);
     ts_tensor_free(p->acc);
+    ts_tensor_free(p->meta_src);
 }
 
 void ts__fsdp_swap_slot(ts_tensor **slot, ts_tensor *t)

@@ -253,7 +253,22 @@ ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *
                           ts_dtype_name(g->dtype), c->c[i].fqn, ts_dtype_name(ts_tensor_dtype(t)));
             goto fail;
         }
-        if (!ts_tensor_data(t) && ts_tensor_numel(t) > 0) {
+        if (i > 0 && ts__is_meta(t) != ts__is_meta(c->c[0].t)) {
+            int m = ts__is_meta(t) ? i : 0, r = m ? 0 : i;
+            st = ts_error(TS_ERR_INVALID_ARGUMENT,
+                          "%s: parameter '%s' is on the meta device and '%s' is not: one group's parameters are all "
+                          "meta (deferred init: sharded without bytes, then ts_fsdp_materialize) or all real",
+                          fn, c->c[m].fqn, c->c[r].fqn);
+            goto fail;
+        }
+        if (ts__is_meta(t) && !ts__is_contiguous(t)) {
+            st = ts_error(TS_ERR_UNSUPPORTED,
+                          "%s: meta parameter '%s' is not contiguous: deferred init shards rows of contiguous "
+                          "parameters only (make it with ts_param_new)",
+                          fn, c->c[i].fqn);
+            goto fail;
+        }
+        if (!ts__is_meta(t) && !ts_tensor_data(t) && ts_tensor_numel(t) > 0) {
             st = ts_error(TS_ERR_RELEASED, "%s: the storage of parameter '%s' is released", fn, c->c[i].fqn);
             goto fail;
         }
@@ -272,9 +287,12 @@ ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *
     g->ues = ts_dtype_size(g->udtype);
     g->res = ts_dtype_size(g->rdtype);
     g->copy_free = ts__fsdp_copy_free(g->W, g->shard_numel * g->W * (int64_t)g->ues);
-    /* the sharded buffer, zero padded, and the shards as views of it */
+    /* the sharded buffer, zero padded, and the shards as views of it; on
+     * the meta device for meta parameters (materialize.c gives it bytes) */
     int64_t sn = g->shard_numel;
-    if ((st = ts_tensor_zeros(c->n ? g->dtype : TS_F32, 1, &sn, &g->sharded))) goto fail;
+    if (c->n && ts__is_meta(c->c[0].t)) st = ts__tensor_new_meta(g->dtype, 1, &sn, &g->sharded);
+    else st = ts_tensor_zeros(c->n ? g->dtype : TS_F32, 1, &sn, &g->sharded);
+    if (st) goto fail;
     bool prev = ts_grad_mode_set(false);
     for (int i = 0; i < c->n && !st; i++) st = ts__fsdp_param_make_shard(&g->params[i], g, c->c[i].t);
     ts_grad_mode_set(prev);
@@ -348,6 +366,8 @@ static ts_status unshard_direct(fsdp_group *g)
 ts_status ts__fsdp_unshard(fsdp_group *g)
 {
     if (!g || g->sharded_state != FSDP_SHARDED || g->n == 0) return TS_OK; /* n == 0: only persistent params */
+    ts_status mst = ts__fsdp_group_check_materialized("fully_shard: unshard", g);
+    if (mst) return mst;
     ts__fsdp_event("unshard", g->fqn);
     if (g->copy_free) return unshard_direct(g);
     bool meta = ts__fsdp_group_meta(g);
@@ -1078,6 +1098,8 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
 ts_status ts__fsdp_gather_full(fsdp_group *g, bool keep, ts_tensor **full)
 {
     if (g->n == 0) return TS_OK; /* only persistent parameters: whole already */
+    ts_status mst = ts__fsdp_group_check_materialized("fully_shard: gather", g);
+    if (mst) return mst;
     int64_t n = g->shard_numel * g->W;
     ts_tensor *ag = NULL;
     ts_status st = ts_tensor_empty(g->dtype, 1, &n, &ag);

@@ -57,7 +57,7 @@ ts_status ts__fsdp_persist_take(const char *fn, collect *c, const ts_fsdp_option
         if (!is_float(d))
             return ts_error(TS_ERR_DTYPE, "%s: parameter '%s' is %s; only floating-point parameters can be managed", fn,
                             c->c[i].fqn, ts_dtype_name(d));
-        if (!ts_tensor_data(t) && ts_tensor_numel(t) > 0)
+        if (!ts__is_meta(t) && !ts_tensor_data(t) && ts_tensor_numel(t) > 0)
             return ts_error(TS_ERR_RELEASED, "%s: the storage of parameter '%s' is released", fn, c->c[i].fqn);
         if (o->mp_policy && o->mp_policy->param_dtype != TS_DTYPE_KEEP && o->mp_policy->param_dtype != d)
             return ts_error(TS_ERR_UNSUPPORTED,

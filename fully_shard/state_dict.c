@@ -36,8 +36,9 @@ ts_status ts_fsdp_full_state_dict(ts_module *module, bool rank0_only, ts_state_d
 {
     if (!module || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_full_state_dict: NULL argument");
     groups_walk w;
-    ts_status st = ts__fsdp_idle_groups("ts_fsdp_full_state_dict", module, &w);
+    ts_status st = ts__fsdp_check_materialized("ts_fsdp_full_state_dict", module);
     if (st) return st;
+    if ((st = ts__fsdp_idle_groups("ts_fsdp_full_state_dict", module, &w))) return st;
     bool keep = true;
     if (rank0_only)
         keep = w.n ? ts_comm_rank(w.g[0]->pg) == 0 && (!w.g[0]->rg || ts_comm_rank(w.g[0]->rg) == 0)
@@ -148,6 +149,9 @@ ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *s
     if (!st && strict && (*missing || *unexpected))
         st = ts_error(TS_ERR_NOT_FOUND, "%s: missing keys:%s; unexpected keys:%s", fn, *missing ? missing : " none",
                       *unexpected ? unexpected : " none");
+    /* a model on the meta device (deferred init) gets its bytes here,
+     * without running its initializers: the dict gives the values */
+    if (!st) st = ts__fsdp_materialize(fn, module, false);
     bool prev = ts_grad_mode_set(false);
     for (int i = 0; i < np.n && !st; i++) {
         ts_tensor *t = *np.items[i].slot, *src = ts_state_dict_get(sd, np.items[i].name);

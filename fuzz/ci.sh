@@ -9,11 +9,13 @@ cd "$(dirname "$0")/.."
 OUT=${1:-build-fuzz}
 SECS=${FUZZ_SECONDS:-60}
 mkdir -p "$OUT"
+built=$(date +%s)
 if ! fuzz/build.sh "$OUT" >"$OUT/build.log" 2>&1; then
     tail -n 30 "$OUT/build.log"
     echo "fuzz: building the targets failed (log: $OUT/build.log)"
     exit 1
 fi
+echo "fuzz: targets built in $(( $(date +%s) - built )) s ($(grep -m1 'library sources reached' "$OUT/build.log" || echo 'every library source'))"
 status=0
 for target in safetensors store ckpt_index; do
     work=$(mktemp -d "$OUT/work-$target.XXXXXX")

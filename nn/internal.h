@@ -24,15 +24,8 @@ ts_status ts__module_check_last_dim(ts_module *m, const char *what, ts_tensor *x
  * layers refuse them (matmul: "mat1 and mat2 must have the same dtype";
  * layer_norm: "expected scalar type"); OK when either is NULL */
 ts_status ts__module_check_dtype(ts_module *m, const char *what, ts_tensor *x, const char *pname, ts_tensor *p);
-/* A new uninitialised f32 leaf that requires grad */
+/* A new uninitialised leaf that requires grad (meta inside a meta device scope) */
 ts_status ts__param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
-/* Test hook of deferred init, until the meta device's scope is there to
- * do it for every tensor: while set on a thread, ts__param_new and
- * ts_param_new make meta
- * parameters (no bytes), so that nn's constructors record their
- * initializers ([Note: deferred init] in tensor/internal.h) instead of
- * running them. False in normal use. */
-extern _Thread_local bool ts__param_new_meta;
 /* Bool (T, T), true above the diagonal: torch.triu(ones, 1), the causal
  * attention mask (true = may not attend). */
 ts_status ts__causal_mask(int64_t T, ts_tensor **out);

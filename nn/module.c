@@ -628,13 +628,9 @@ static ts_status as_param(ts_status st, ts_tensor **tp, ts_tensor **out)
     return TS_OK;
 }
 
-_Thread_local bool ts__param_new_meta;
-
 ts_status ts__param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
 {
-    ts_tensor *t = NULL;
-    if (ts__param_new_meta)
-        return as_param(ts__tensor_new_meta(dtype, ndim, shape, &t), &t, out);
+    ts_tensor *t = NULL; /* meta inside ts_device_scope_enter(TS_DEVICE_META) */
     return as_param(ts_tensor_empty(dtype, ndim, shape, &t), &t, out);
 }
 
@@ -666,7 +662,7 @@ ts_status ts_param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor
         return ts_error(TS_ERR_DTYPE, "ts_param_new: a parameter must be floating-point to require grad, not %s",
                         ts_dtype_name(dtype));
     ts_tensor *t = NULL;
-    ts_status st = ts__param_new_meta ? ts__tensor_new_meta(dtype, ndim, shape, &t) : ts_tensor_zeros(dtype, ndim, shape, &t);
+    ts_status st = ts_tensor_zeros(dtype, ndim, shape, &t); /* meta inside a meta device scope */
     /* deferred: the zeros are recorded, so that a parameter its module never
      * fills materializes as zeros too ([Note: deferred init]) */
     if (!st && ts__is_meta(t) && (st = ts_tensor_fill_(t, 0.0)))

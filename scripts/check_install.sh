@@ -2,6 +2,7 @@
 # Installs tensorshard into a temporary prefix and builds programs against it
 # the way an outside user would: pkg-config only, the shared library, no
 # access to the source tree. Usage: scripts/check_install.sh [build-dir]
+# (default build-install: set up with the tests off when it does not exist)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=$PWD
@@ -10,9 +11,16 @@ PREFIX=$(mktemp -d "${TMPDIR:-/tmp}/ts-prefix.XXXXXX")
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ts-outside.XXXXXX")
 trap 'rm -rf "$PREFIX" "$WORK"' EXIT
 
+# A build directory that exists already (CI passes build-ci, built and
+# tested just before) is installed from as it is: its prefix is pointed at
+# the temporary one for the install and set back afterwards, which
+# regenerates build.ninja but recompiles nothing.
 if [ ! -f "$BUILD/build.ninja" ]; then
     meson setup "$BUILD" --prefix="$PREFIX" -Dtests=disabled >/dev/null
 else
+    OLD_PREFIX=$(meson introspect "$BUILD" --buildoptions |
+        python3 -c 'import json, sys; print(next(o["value"] for o in json.load(sys.stdin) if o["name"] == "prefix"))')
+    trap '(cd "$SRC" && meson configure "$BUILD" --prefix="$OLD_PREFIX" >/dev/null); rm -rf "$PREFIX" "$WORK"' EXIT
     meson configure "$BUILD" --prefix="$PREFIX" >/dev/null
 fi
 ninja -C "$BUILD" >/dev/null

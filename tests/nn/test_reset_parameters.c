@@ -301,9 +301,9 @@ Test(nn_reset_parameters, built_on_meta_and_replayed_is_eager)
         ts_manual_seed(2024);
         state seeded = gen_state();
         uint64_t seq0 = ts__init_seq_next();
-        ts__param_new_meta = true;
+        TH_OK(ts_device_scope_enter(TS_DEVICE_META));
         ts_status st = cases[c].build(&m);
-        ts__param_new_meta = false;
+        TH_OK(ts_device_scope_exit());
         TH_OK(st);
         uint64_t seq1 = ts__init_seq_next();
         state after_meta = gen_state();
@@ -351,9 +351,9 @@ Test(nn_reset_parameters, deferred_to_dtype_replays_in_the_new_dtype)
         TH_OK(ts_module_to_dtype(e, dts[d]));
         ts_manual_seed(9);
         uint64_t seq0 = ts__init_seq_next();
-        ts__param_new_meta = true;
+        TH_OK(ts_device_scope_enter(TS_DEVICE_META));
         ts_status st = b_gpt_tied(&m);
-        ts__param_new_meta = false;
+        TH_OK(ts_device_scope_exit());
         TH_OK(st);
         TH_OK(ts_module_to_dtype(m, dts[d]));
         uint64_t seq1 = ts__init_seq_next();
