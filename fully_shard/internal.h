@@ -103,6 +103,8 @@ typedef struct fsdp_param {
     bool in_reduce;     /* its gradient is in the reduce-scatter in flight: this rank's, until the
                            reduction is waited on; then whether any rank had one (param_group.c,
                            [Note: unused parameters]) */
+    bool u_meta;        /* U's released CPU storage is taken as meta while unsharded in a meta step
+                           (param.c, ts__fsdp_param_restore_u) */
     bool in_partial;    /* its gradient is in the group's partial (HSDP, requires_all_reduce false) */
     /* no gradient sync under a reduce dtype other than the gradient's: the
      * unsharded gradient accumulated in rdtype (full shape, owned), FSDP2's
@@ -412,6 +414,10 @@ ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsi
  * `block` elements (rdtype), rank r's rows at r * block + off. */
 ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned char *in, int64_t block, ts_tensor *gr);
 void ts__fsdp_param_write_back(fsdp_param *p, const fsdp_group *g);
+/* Restores / releases U's storage (param.c): in a meta step a released
+ * CPU storage is counted on the meta ledger while unsharded. */
+ts_status ts__fsdp_param_restore_u(fsdp_param *p, const fsdp_group *g);
+void ts__fsdp_param_release_u(fsdp_param *p);
 ts_status ts__fsdp_param_load_rows(fsdp_param *p, const fsdp_group *g, ts_tensor *src);
 
 /* explicit.c: the distinct groups of a subtree's FSDP modules, pre-order */

@@ -122,11 +122,42 @@ void ts__fsdp_param_set_slots(fsdp_param *p, bool unsharded)
         if (p->slots[k]) ts__fsdp_swap_slot(p->slots[k], unsharded ? p->U : p->S);
 }
 
+/* U's storage on a deferred-init model is a released CPU storage (it
+ * never had bytes): in a meta step ([Note: meta step] in param_group.c) it
+ * is taken as meta while unsharded, so that its block is counted on the
+ * ledger and the ops on it compute nothing, and is a released CPU storage
+ * again once released. */
+ts_status ts__fsdp_param_restore_u(fsdp_param *p, const fsdp_group *g)
+{
+    ts_storage *s = ts_tensor_storage(p->U);
+    if (s->released && !s->meta && ts__fsdp_group_meta(g)) {
+        s->meta = true;
+        p->u_meta = true;
+    }
+    ts_status st = ts_storage_restore(s);
+    if (st && p->u_meta) {
+        s->meta = false;
+        p->u_meta = false;
+    }
+    return st;
+}
+
+void ts__fsdp_param_release_u(fsdp_param *p)
+{
+    ts_storage *s = ts_tensor_storage(p->U);
+    (void)ts_storage_release(s);
+    if (p->u_meta) {
+        s->meta = false;
+        ts__meta_ledger_detach(s);
+        p->u_meta = false;
+    }
+}
+
 /* Restores U's storage and copies its real rows out of the all-gather
  * output ag (W blocks of shard_numel, in U's dtype: the group's udtype). */
 ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsigned char *ag)
 {
-    ts_status st = ts_storage_restore(ts_tensor_storage(p->U));
+    ts_status st = ts__fsdp_param_restore_u(p, g);
     if (st) return st;
     unsigned char *u = ts_tensor_data(p->U);
     if (!u || !ag) return TS_OK; /* a meta step ([Note: meta step] in param_group.c): no data */

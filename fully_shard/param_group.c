@@ -342,7 +342,7 @@ static ts_status unshard_direct(fsdp_group *g)
         }
     }
     for (int i = 0; i < g->n && !st; i++) {
-        if ((st = ts_storage_restore(ts_tensor_storage(g->params[i].U)))) break;
+        if ((st = ts__fsdp_param_restore_u(&g->params[i], g))) break;
         g->dsegs[i].full = ts_tensor_data(g->params[i].U);
     }
     if (!st && meta) {
@@ -354,7 +354,7 @@ static ts_status unshard_direct(fsdp_group *g)
     if (st) {
         drop_holds(g->ag_hold, 2);
         g->ag_meta = false;
-        for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
+        for (int i = 0; i < g->n; i++) ts__fsdp_param_release_u(&g->params[i]);
         ts_tensor_free(g->ag_in);
         g->ag_in = NULL;
         return st;
@@ -366,7 +366,8 @@ static ts_status unshard_direct(fsdp_group *g)
 ts_status ts__fsdp_unshard(fsdp_group *g)
 {
     if (!g || g->sharded_state != FSDP_SHARDED || g->n == 0) return TS_OK; /* n == 0: only persistent params */
-    ts_status mst = ts__fsdp_group_check_materialized("fully_shard: unshard", g);
+    /* meta shards play only inside a meta scope ([Note: meta step]) */
+    ts_status mst = ts__meta_mode() ? TS_OK : ts__fsdp_group_check_materialized("fully_shard: unshard", g);
     if (mst) return mst;
     ts__fsdp_event("unshard", g->fqn);
     if (g->copy_free) return unshard_direct(g);
@@ -404,7 +405,7 @@ ts_status ts__fsdp_unshard(fsdp_group *g)
 static ts_status unshard_done(fsdp_group *g, ts_status st)
 {
     if (st) {
-        for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
+        for (int i = 0; i < g->n; i++) ts__fsdp_param_release_u(&g->params[i]);
         g->sharded_state = FSDP_SHARDED;
         return st;
     }
@@ -464,7 +465,7 @@ ts_status ts__fsdp_reshard(fsdp_group *g)
     if (g->sharded_state != FSDP_UNSHARDED) return st;
     ts__fsdp_event("reshard", g->fqn);
     set_slots(g, false);
-    for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
+    for (int i = 0; i < g->n; i++) ts__fsdp_param_release_u(&g->params[i]);
     g->sharded_state = FSDP_SHARDED;
     g->fwd_since_reshard = 0;
     return st;

@@ -53,7 +53,9 @@ static inline ts_module *build(const step_opts *o)
     if (o->hsdp) {
         int64_t shape[2] = {ts_comm_size(ts_dist_world()), 1};
         const char *names[2] = {"replicate", "shard"};
+        MS_OK(ts_device_scope_enter(TS_DEVICE_CPU)); /* the mesh's groups exchange real tensors */
         MS_OK(ts_mesh_new(ts_dist_world(), "cpu", 2, shape, names, &g_ms_mesh));
+        MS_OK(ts_device_scope_exit());
         fo.mesh = g_ms_mesh;
     }
     ts__fsdp_set_copy_free(o->copy_free);
@@ -95,65 +97,6 @@ static inline ts_module *build(const step_opts *o)
     MS_OK(ts_fsdp_set_implicit_prefetch(m, o->prefetch, o->prefetch));
     ts__fsdp_set_copy_free(-1);
     return m;
-}
-
-/* Points t (when it is over old) at ns. */
-static inline void repoint(ts_tensor *t, ts_storage *old, ts_storage *ns)
-{
-    if (!t || t->storage != old) return;
-    ts__storage_retain(ns);
-    t->storage = ns;
-    t->device = TS_DEVICE_META;
-    ts__storage_release_ref(old);
-}
-
-/* A meta storage like s (its size, pinned or not), released when s is. */
-static inline ts_storage *meta_like(const ts_storage *s)
-{
-    ts_storage *ns = NULL;
-    MS_OK(ts__storage_new_meta(s->nbytes, &ns));
-    if (s->pinned) { /* counted as the pinned block it is */
-        ts__meta_ledger_free(ns);
-        ns->pinned = true;
-        MS_OK(ts__meta_ledger_alloc(ns, ns->nbytes));
-    }
-    if (s->released) MS_OK(ts_storage_release(ns));
-    return ns;
-}
-
-/* What fsdpmeta's ts_fully_shard on a meta model will give: every group's
- * sharded buffer (and the shards viewing it) and unsharded parameters
- * meta, on the calling thread's ledger. */
-static inline void swap_to_meta(ts_module *m)
-{
-    groups_walk w = {0};
-    MS_OK(ts__fsdp_subtree_groups(m, &w));
-    for (int k = 0; k < w.n; k++) {
-        fsdp_group *g = w.g[k];
-        for (int i = 0; i < g->n_persist; i++) { /* whole on every rank, outside the group's buffers */
-            ts_tensor *t = g->persist[i].t;
-            ts_storage *old = t->storage, *ns = meta_like(old);
-            repoint(t, old, ns);
-            ts__storage_release_ref(ns);
-        }
-        if (!g->n) continue;
-        ts_storage *old = g->sharded->storage, *ns = meta_like(old);
-        ts__storage_retain(old); /* kept until every view moved */
-        repoint(g->sharded, old, ns);
-        for (int i = 0; i < g->n; i++) {
-            repoint(g->params[i].S, old, ns);
-            repoint(ts_dtensor_local(g->params[i].dt), old, ns);
-        }
-        ts__storage_release_ref(old);
-        ts__storage_release_ref(ns);
-        for (int i = 0; i < g->n; i++) {
-            ts_tensor *U = g->params[i].U;
-            ts_storage *uo = U->storage, *un = meta_like(uo);
-            repoint(U, uo, un);
-            ts__storage_release_ref(un);
-        }
-    }
-    ts__free(TS_MEM_NN, w.g);
 }
 
 /* ------------------------------------------------------------------ step */
@@ -238,9 +181,8 @@ static inline step_bytes real_step(const step_opts *o)
 
 static inline step_bytes meta_step(const step_opts *o)
 {
+    MS_OK(ts_device_scope_enter(TS_DEVICE_META)); /* built on meta, sharded by ts_fully_shard (no bytes) */
     ts_module *m = build(o);
-    MS_OK(ts_device_scope_enter(TS_DEVICE_META));
-    swap_to_meta(m);
     ts_optim *opt = adamw(m);
     ts_tensor *x, *tg;
     inputs(o, &x, &tg);

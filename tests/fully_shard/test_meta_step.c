@@ -6,10 +6,9 @@
  * no data, and its ledger (tensor/meta.c) gives exactly the storage peak
  * and the pool growth the same step measures on the CPU.
  *
- * Until ts_fully_shard shards a meta-built model, the test shards an eager
- * model and swaps every group's storages (the sharded buffer its shards
- * view, the unsharded parameters' released storages) for meta ones:
- * swap_to_meta below, through the internal headers. */
+ * The meta model is built inside the meta scope and sharded by
+ * ts_fully_shard (deferred init: meta shards, no bytes); the real one is
+ * built eagerly with the same options. */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <stdio.h>
