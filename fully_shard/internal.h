@@ -251,7 +251,7 @@ struct fsdp_group {
      * on (the copy-free descriptors, comm's staging scratch), as meta
      * storages: freed when the all-gather (ag_hold) or reduction (rs_hold)
      * completes */
-    ts_tensor *ag_hold[2], *rs_hold[3];
+    ts_tensor *ag_hold[4], *rs_hold[4];
 };
 
 /* The collectives of a group's gradient reduction (FSDP2's

@@ -91,12 +91,20 @@ static ts_status hold(ts_dtype d, int64_t n, ts_tensor **slot)
     return st;
 }
 
-/* The copy-free collective's descriptors (comm/coll_direct.c, start). */
+/* The copy-free collective's descriptors (comm/coll_direct.c, start),
+ * and on more than one rank its acknowledgements (move: one int64 out, W
+ * in), h[0..4). The acknowledgements are taken by the channel's worker
+ * when it has moved the data, some time between the issue and the wait:
+ * held from the issue here, the ledger's peak is the latest the real one
+ * can be (it is up to their two blocks per collective in flight lower when
+ * a worker had not got there yet). */
 static ts_status hold_descs(const fsdp_group *g, bool rs, ts_tensor **h)
 {
     int64_t nd = ts__direct_desc_numel(rs, g->n);
     ts_status st = hold(TS_I64, nd, &h[0]);
     if (!st) st = hold(TS_I64, nd * g->W, &h[1]);
+    if (!st && g->W > 1) st = hold(TS_I64, 1, &h[2]);
+    if (!st && g->W > 1) st = hold(TS_I64, g->W, &h[3]);
     return st;
 }
 
@@ -143,8 +151,8 @@ void ts__fsdp_group_free(fsdp_group *g)
     }
     ts__direct_free(g->ag_direct);
     ts__direct_free(g->rs_direct);
-    drop_holds(g->ag_hold, 2);
-    drop_holds(g->rs_hold, 3);
+    drop_holds(g->ag_hold, 4);
+    drop_holds(g->rs_hold, 4);
     ts_comm_free(g->rsg);
     drop_rs_src(g);
     ts__free(TS_MEM_NN, g->rs_src);
@@ -352,7 +360,7 @@ static ts_status unshard_direct(fsdp_group *g)
         st = ts__direct_all_gather(g->pg, g->udtype, in, g->shard_numel, g->n, g->dsegs, &g->ag_direct);
     }
     if (st) {
-        drop_holds(g->ag_hold, 2);
+        drop_holds(g->ag_hold, 4);
         g->ag_meta = false;
         for (int i = 0; i < g->n; i++) ts__fsdp_param_release_u(&g->params[i]);
         ts_tensor_free(g->ag_in);
@@ -422,7 +430,7 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
     TS_TRACE_BEGIN(tw);
     if (g->ag_meta && g->copy_free) { /* a meta step's copy-free all-gather: U is restored, nothing to move */
         g->ag_meta = false;
-        drop_holds(g->ag_hold, 2);
+        drop_holds(g->ag_hold, 4);
         ts_tensor_free(g->ag_in);
         g->ag_in = NULL;
         TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
@@ -669,7 +677,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     if (g->rs_meta) { /* a meta step: the skipped collective completes; this rank's flags stand */
         st = TS_OK;
         g->rs_meta = false;
-        drop_holds(g->rs_hold, 3);
+        drop_holds(g->rs_hold, 4);
         drop_rs_src(g);
     } else if (g->rs_direct) { /* copy-free: this rank's rows read and summed into rs_out */
         st = ts__direct_wait(g->rs_direct);
@@ -807,7 +815,7 @@ void ts__fsdp_discard_reduce(fsdp_group *g)
      * gradients now hold part of a reduction that is dropped, and are
      * dropped with it, said so (not left silently mixed) */
     g->rs_meta = false;
-    drop_holds(g->rs_hold, 3);
+    drop_holds(g->rs_hold, 4);
     bool added = g->rs_add && g->rs_direct;
     ts__direct_free(g->rs_direct);
     g->rs_direct = NULL;

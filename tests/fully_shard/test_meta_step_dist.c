@@ -2,9 +2,11 @@
  * fully_shard/param_group.c) on 2 real ranks (tsrun: each rank's pool is
  * its own process's): each rank plays a step of a sharded GPT for real,
  * measuring its TS_MEM_STORAGE peak and pool growth, then the same step on
- * meta shards inside a meta scope (no collective), and compares the
- * ledger's bytes with them. A rank whose ledger differs exits 3 naming
- * the case and both figures. */
+ * a model built on meta and sharded by ts_fully_shard, inside a meta scope
+ * (no collective), and compares the ledger's bytes with them: equal, but
+ * for the timing of a copy-free collective's acknowledgements and of comm's
+ * thread (rank_main). A rank whose ledger is off exits 3 naming the case
+ * and both figures. */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <fcntl.h>
@@ -84,7 +86,17 @@ static void rank_main(void)
         printf("rank %d %s: peak real %zu ledger %zu, pool real %zu ledger %zu\n", rank, k_cases[i].name, r.peak,
                e.peak, r.pool, e.pool);
         fflush(stdout);
-        if (r.peak != e.peak || r.pool != e.pool) {
+        /* Timing, the one place where a real run on several ranks is not
+         * deterministic: a copy-free collective's acknowledgements are
+         * taken by its channel's worker some time before the wait (the
+         * ledger holds them from the issue: param_group.c, hold_descs), up
+         * to an all-gather and a reduction in flight; and comm's thread may
+         * give a collective's scratch back to the pool after the caller's
+         * next allocation, so the real pool can grow more than the ledger's
+         * (never less). Without them, exact. */
+        int W = ts_comm_size(ts_dist_world());
+        size_t slack = k_cases[i].o.copy_free ? 2 * (ts__pool_block_bytes(8) + ts__pool_block_bytes(8 * (size_t)W)) : 0;
+        if (e.peak < r.peak || e.peak - r.peak > slack || e.pool > r.pool + slack) {
             fprintf(stderr, "rank %d %s: the ledger (peak %zu, pool %zu) differs from the real step (%zu, %zu)\n", rank,
                     k_cases[i].name, e.peak, e.pool, r.peak, r.pool);
             bad = 1;
