@@ -47,3 +47,40 @@ Test(fully_shard_meta_step, gpt_persist_nosync) { exact("gpt persistent nosync",
 Test(fully_shard_meta_step, gpt_bf16_reduce_bf16) { exact("gpt bf16 reduce bf16", (step_opts){.copy_free = 0, .bf16_reduce = true}); }
 Test(fully_shard_meta_step, gpt_explicit_prefetch) { exact("gpt explicit prefetch", (step_opts){.copy_free = 0, .explicit_pf = true}); }
 Test(fully_shard_meta_step, mlp_explicit_prefetch_copy_free) { exact("mlp explicit prefetch copy-free", (step_opts){.copy_free = 1, .mlp = true, .explicit_pf = true}); }
+
+/* A model that played a meta step is materialized and trains for real:
+ * the unsharded parameters the meta step took as meta are released CPU
+ * storages again, and a real step runs (its loss finite). */
+Test(fully_shard_meta_step, materialize_after_meta_step)
+{
+    step_opts o = {.copy_free = 0, .microbatches = 2};
+    MS_OK(ts_device_scope_enter(TS_DEVICE_META));
+    ts_module *m = build(&o);
+    ts_tensor *x, *tg;
+    inputs(&o, &x, &tg);
+    ts_optim *opt = adamw(m);
+    step(&o, m, opt, x, tg);
+    ts_tensor_free(x), ts_tensor_free(tg);
+    ts_optim_free(opt);
+    MS_OK(ts_device_scope_exit());
+    MS_OK(ts_fsdp_materialize(m));
+    inputs(&o, &x, &tg);
+    opt = adamw(m);
+    step(&o, m, opt, x, tg);
+    ts_named_params np;
+    MS_OK(ts_module_named_parameters(m, &np));
+    for (int i = 0; i < np.n; i++) cr_expect(!ts__is_meta(*np.items[i].slot), "%s is meta", np.items[i].name);
+    ts_named_params_free(&np);
+    ts_tensor *logits;
+    MS_OK(ts_module_call1(m, x, &logits));
+    cr_expect(!ts__is_meta(logits));
+    double v = 0;
+    ts_tensor *flat = NULL;
+    MS_OK(ts_reshape(logits, 1, (const int64_t[]){ts_tensor_numel(logits)}, &flat));
+    MS_OK(ts_tensor_get(flat, (const int64_t[]){0}, &v));
+    cr_expect(v == v, "the logits are NaN");
+    ts_tensor_free(flat), ts_tensor_free(logits);
+    ts_tensor_free(x), ts_tensor_free(tg);
+    ts_optim_free(opt);
+    ts_module_free(m);
+}
