@@ -82,7 +82,10 @@
  * generator (seeded --seed + 1, plus the rank without --global-batch, as
  * the text's batches are), so a GPT-2 vocabulary (50257) can be measured;
  * the model, the estimate and the memory cap follow N. The loss can only
- * fall to ln N (the uniform guess). It trains from scratch: --data, --load,
+ * fall to ln N (the uniform guess), slowly; with --data-batches K the
+ * stream starts again every K steps, so the same K batches come back and
+ * the model can learn them (K = 1: one batch, a quick check that a large
+ * model trains). It trains from scratch: --data, --load,
  * --resume, --sample, --save and --save-full are refused with it.
  * --report-json FILE: rank 0 writes, at the end, the run's figures as one
  * JSON object (the config, every step's loss, and per rank the estimate:
@@ -562,6 +565,7 @@ int main(int argc, char **argv)
     int accum = 1; /* gradient accumulation: microbatches per step */
     const char *accum_mode = "nosync";
     int rand_vocab = 0;             /* --vocab N: random token ids in [0, N) */
+    int data_batches = 0;           /* --data-batches K: with --vocab, K batches cycled (0: a fresh one every step) */
     const char *report_json = NULL; /* --report-json FILE */
     ex_flag flags[] = {
         {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
@@ -590,6 +594,7 @@ int main(int argc, char **argv)
         {"--accum", "K", EX_FLAG_INT, &accum, 1, 1 << 16, false, "gradient accumulation: K microbatches of --batch sequences per optimizer step", false},
         {"--accum-mode", "nosync|sync", EX_FLAG_STRING, &accum_mode, 0, 0, false, "--accum: nosync reduces once, on the last microbatch (more memory); sync reduce-scatters every microbatch", false},
         {"--vocab", "N", EX_FLAG_INT, &rand_vocab, 2, 1 << 24, false, "train on random token ids in [0, N) (a seeded stream) instead of text, e.g. 50257 for GPT-2's", false},
+        {"--data-batches", "K", EX_FLAG_INT, &data_batches, 1, INT_MAX, false, "with --vocab: cycle through the same K random batches (1: one batch every step, which the model can learn)", false},
         {"--report-json", "FILE", EX_FLAG_STRING, &report_json, 0, 0, false, "rank 0 writes the run's figures (estimate, peaks, step time, tokens/s per rank) as JSON at the end", false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
@@ -646,6 +651,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "train_gpt: --vocab %d trains a new model on random token ids: it does not go with %s\n",
                 rand_vocab, data ? "--data (a text has its own vocabulary)" : load ? "--load" : resume ? "--resume"
                              : sample ? "--sample" : save ? "--save" : "--save-full");
+        return 2;
+    }
+    if (data_batches && !rand_vocab) {
+        fprintf(stderr, "train_gpt: --data-batches %d goes with --vocab N (random token ids)\n", data_batches);
         return 2;
     }
     if (global_batch && ex_flag_given(flags, NFLAGS, "--batch")) {
@@ -1143,6 +1152,8 @@ int main(int argc, char **argv)
          * and keeps its G/W; else its own B (the same sequences as
          * --accum 1 --batch K*B) */
         double ts0 = ex_now();
+        if (data_batches && step % data_batches == 0) /* --data-batches K: the stream starts again */
+            ts_generator_manual_seed(data_rng, global_batch ? seed + 1 : seed + 1 + (uint64_t)rank);
         int per = global_batch ? global_batch : B, mine = global_batch ? rank * B : 0;
         for (int g = 0; g < accum * per && rand_vocab; g++) { /* --vocab: seq + 1 draws per sequence, all drawn */
             int b = g % per - mine;

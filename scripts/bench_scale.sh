@@ -12,14 +12,19 @@
 #           tsrun --memory-per-rank CAP, CAP below its unsharded training
 #           state (parameters, gradients and AdamW's two moments in f32: 16
 #           bytes a parameter), with --param-dtype bf16
-#           --checkpoint-activations, for 5 steps: the loss must fall; and
+#           --checkpoint-activations, for 5 steps on one random batch
+#           (--data-batches 1, which the model can learn): the loss must
+#           fall (last below first); and
 #           the W = 1 run under the same cap, which train_gpt must refuse up
 #           front (exit 2, "exceeds the memory cap") from its estimate.
 #
 # Prints one markdown table: per row the estimate of the peak RSS and of
 # the tensors, the tensor peak and the peak RSS (VmHWM) of the largest
 # rank, the median step time (steps after the first; the slowest rank's),
-# tokens/s (all ranks), and the step time over torch's. Every train_gpt
+# tokens/s (all ranks), and the step time over torch's. Peak learning
+# rates: 6e-4 (small), 3e-4 (medium), GPT-3's for those sizes (3e-3,
+# train_gpt's default for its character model, makes the loss of random
+# tokens climb at this size). Every train_gpt
 # rank and torch compute on --threads threads (TS_NUM_THREADS /
 # torch.set_num_threads), 1 by default: at W ranks the C side uses W cores.
 #
@@ -32,7 +37,8 @@
 # --steps N: train_gpt steps per run (default 5: the first is left out of the
 #   median); --torch-steps N: torch's timed steps after 1 warmup (default 5).
 # --medium-cap SIZE: the per-rank cap of the medium rows, bytes or tsrun's
-#   units (default: half the unsharded training state; with --quick 0.9 of it).
+#   units (default: 0.6 of the unsharded training state, 3.6 GiB: above the
+#   W = 8 estimate with eager init, 3.1 GiB; with --quick 0.9 of it).
 # --keep DIR: keep every run's log and JSON there (default: a temporary
 #   folder, removed). Exit status: 0 when every row that ran passed its
 #   check (runs completed; the medium loss fell; W = 1 refused), else 1.
@@ -81,7 +87,7 @@ if [ "$quick" = 1 ]; then
     cap_frac=0.9 small_name="quick (2 layers, d 64, seq 64, vocab 1000)" medium_name="quick medium (2 layers, d 256, seq 64, vocab 50257)"
 else
     small=(--layers 12 --dim 768 --heads 12 --seq 512 --vocab 50257) mshape=(--layers 24 --dim 1024 --heads 16 --seq 512 --vocab 50257)
-    cap_frac=0.5 small_name="GPT-2-small (12 layers, d 768, 12 heads, seq 512, vocab 50257)"
+    cap_frac=0.6 small_name="GPT-2-small (12 layers, d 768, 12 heads, seq 512, vocab 50257)"
     medium_name="GPT-2-medium (24 layers, d 1024, 16 heads, seq 512, vocab 50257)"
 fi
 export TS_NUM_THREADS=$threads
@@ -94,11 +100,12 @@ run_c() {
     local pre=()
     while [ $# -gt 0 ] && [ "$1" != "--" ]; do pre+=("$1"); shift; done
     shift
+    rm -f "$json"
     echo "bench_scale: $label: tsrun ${pre[*]} --nproc-per-node $w train_gpt $*" >&2
     timeout 7200 "$tsrun" "${pre[@]}" --nproc-per-node "$w" "$gpt" "$@" --report-json "$json" >"$log" 2>&1
 }
 
-cflags=(--batch 1 --steps "$steps")
+cflags=(--batch 1 --steps "$steps" --lr 6e-4)
 for w in $worlds; do
     j=$out/small-w$w.json l=$out/small-w$w.log
     if run_c "small W=$w" "$w" "$j" "$l" -- "${small[@]}" "${cflags[@]}"; then
@@ -115,6 +122,7 @@ if [ "$two_hosts" = 1 ]; then
         export TS_STORE_TOKEN
         TS_STORE_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
         j=$out/small-2x4.json l=$out/small-2x4.log
+        rm -f "$j"
         echo "bench_scale: small 2 hosts x 4 ranks (namespaces $ns_name)" >&2
         hostflags=(--nnodes 2 --nproc-per-node 4 --master-addr 10.213.0.1 --master-port 29500)
         "$here/netns_hosts.sh" run "$ns_name" 1 timeout 7200 "$tsrun" "${hostflags[@]}" --node-rank 1 "$gpt" \
@@ -141,7 +149,7 @@ if [ "$torch" = 1 ]; then
         tshape=$(printf '%s ' "${small[@]}")
         echo "bench_scale: torch unsharded step, $threads thread(s)" >&2
         if /usr/bin/python3 "$here/../tools/reference/torch_gpt_step.py" $tshape --batch 1 --steps "$torch_steps" \
-            --warmup 1 --threads "$threads" >"$torch_json" 2>"$out/torch.log"; then
+            --lr 6e-4 --warmup 1 --threads "$threads" >"$torch_json" 2>"$out/torch.log"; then
             rows+=("torch 1.13, unsharded|t|$torch_json|$threads thread(s)")
         else
             rows+=("torch 1.13, unsharded|s||failed: $(tail -1 "$out/torch.log")"); torch_json=""; fail=1
@@ -158,7 +166,7 @@ if [ "$medium" = 1 ]; then
     nparam=$((L * (12 * D * D + 13 * D) + 2 * V * D + T * D + 2 * D))
     state=$((16 * nparam))
     cap=${medium_cap:-$(awk -v s="$state" -v f="$cap_frac" 'BEGIN {printf "%d", s * f}')}
-    mflags=("${mshape[@]}" --batch 1 --steps "$medium_steps" --param-dtype bf16 --checkpoint-activations)
+    mflags=("${mshape[@]}" --batch 1 --steps "$medium_steps" --lr 3e-4 --data-batches 1 --param-dtype bf16 --checkpoint-activations)
     j=$out/medium-w8.json l=$out/medium-w8.log
     if run_c "medium W=8" 8 "$j" "$l" --memory-per-rank "$cap" -- "${mflags[@]}"; then
         if /usr/bin/python3 -c 'import json,sys; l=json.load(open(sys.argv[1]))["losses"]; sys.exit(0 if l[-1] < l[0] else 1)' "$j"; then
@@ -178,7 +186,7 @@ if [ "$medium" = 1 ]; then
     else
         rows+=("medium W = 1, cap|s||NOT REFUSED (exit $st): $(tail -1 "$l")"); fail=1
     fi
-    medium_line="Medium rows: $medium_name, $nparam parameters, unsharded training state $state bytes ($(awk -v s="$state" 'BEGIN {printf "%.2f", s / 1073741824}') GiB); --memory-per-rank $cap ($(awk -v s="$cap" 'BEGIN {printf "%.2f", s / 1073741824}') GiB), --param-dtype bf16 --checkpoint-activations, $medium_steps steps."
+    medium_line="Medium rows: $medium_name, $nparam parameters, unsharded training state $state bytes ($(awk -v s="$state" 'BEGIN {printf "%.2f", s / 1073741824}') GiB); --memory-per-rank $cap ($(awk -v s="$cap" 'BEGIN {printf "%.2f", s / 1073741824}') GiB), --param-dtype bf16 --checkpoint-activations --lr 3e-4 --data-batches 1 (one random batch), $medium_steps steps."
 fi
 
 # the table

@@ -1279,7 +1279,25 @@ Test(fully_shard_examples, train_gpt_bad_vocab_is_refused, .timeout = 60)
     const char *a[] = {"--vocab", "50257", "--data", "/etc/hostname"};
     const char *want[] = {"--vocab 50257", "does not go with --data", NULL};
     expect_refused("train_gpt", 4, a, want);
+    const char *c[] = {"--data-batches", "1"};
+    const char *wantc[] = {"--data-batches 1 goes with --vocab", NULL};
+    expect_refused("train_gpt", 2, c, wantc);
     const char *b[] = {"--vocab", "100", "--report-json", "/nonexistent-ts-folder/r.json"};
     const char *wantb[] = {"--report-json", "'/nonexistent-ts-folder'", NULL};
     expect_refused("train_gpt", 4, b, wantb);
+}
+
+/* --vocab N --data-batches 1: the same random batch every step, which the
+ * model learns: its loss falls well below the first step's within 8 steps
+ * (one rank; a fresh batch each step would stay near ln N). */
+Test(fully_shard_examples, train_gpt_one_random_batch_is_learnt, .timeout = 120)
+{
+    const char *a[] = {"--vocab", "64", "--data-batches", "1", "--steps", "8", "--layers", "1", "--dim", "32",
+                       "--seq", "16", "--batch", "2"};
+    char *out = run_example_args("train_gpt", 1, 14, a);
+    double first = 0, last = 0;
+    const char *l = strstr(out, "[0] loss ");
+    cr_assert(l && sscanf(l, "[0] loss %lf -> %lf", &first, &last) == 2, "no loss line:\n%s", out);
+    cr_assert_lt(last, first - 0.5, "one batch, 8 steps: %g -> %g", first, last);
+    free(out);
 }
