@@ -146,9 +146,8 @@ torch_json=""
 if [ "$torch" = 1 ]; then
     if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
         torch_json=$out/torch.json
-        tshape=$(printf '%s ' "${small[@]}")
         echo "bench_scale: torch unsharded step, $threads thread(s)" >&2
-        if /usr/bin/python3 "$here/../tools/reference/torch_gpt_step.py" $tshape --batch 1 --steps "$torch_steps" \
+        if /usr/bin/python3 "$here/../tools/reference/torch_gpt_step.py" "${small[@]}" --batch 1 --steps "$torch_steps" \
             --lr 6e-4 --warmup 1 --threads "$threads" >"$torch_json" 2>"$out/torch.log"; then
             rows+=("torch 1.13, unsharded|t|$torch_json|$threads thread(s)")
         else
