@@ -85,6 +85,21 @@
  * job above it is refused with the numbers (--ignore-memory-cap runs it
  * anyway). At the end rank 0 prints, for each rank, its peak RSS (VmHWM)
  * beside the estimate and its tensor peak beside the tensors' estimate.
+ * --vocab N trains on random token ids instead of text: each sequence is
+ * seq + 1 draws (ts_generator_random(data_rng) % N) from the data-order
+ * generator (seeded --seed + 1, plus the rank without --global-batch, as
+ * the text's batches are), so a GPT-2 vocabulary (50257) can be measured;
+ * the model, the estimate and the memory cap follow N. The loss can only
+ * fall to ln N (the uniform guess), slowly; with --data-batches K the
+ * stream starts again every K steps, so the same K batches come back and
+ * the model can learn them (K = 1: one batch, a quick check that a large
+ * model trains). It trains from scratch: --data, --load,
+ * --resume, --sample, --save and --save-full are refused with it.
+ * --report-json FILE: rank 0 writes, at the end, the run's figures as one
+ * JSON object (the config, every step's loss, and per rank the estimate:
+ * tensors, the pool's holding, the floor and the peak RSS; the tensor
+ * peak, VmHWM, the median step time over the steps after the first, and
+ * tokens/s), for scripts (scripts/bench_scale.sh).
  * Exit status: 0 for a run that completed, 2 for bad flags or a size that
  * cannot fit in memory or under the memory cap (and for a --resume folder that is missing, holds
  * no readable index, or disagrees with a flag), 1 for a failure (the
@@ -191,29 +206,100 @@ static void print_comm_summary(ts_comm *world, int steps, int W)
            ex_fmt_bytes(sent / steps, b2, sizeof b2));
 }
 
+/* What --report-json records of the run besides the figures. */
+typedef struct report_cfg {
+    int layers, dim, heads, seq, vocab, batch, accum, world;
+    int64_t n_params;
+    const char *param_dtype;
+    bool checkpoint_activations, random_tokens;
+} report_cfg;
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The median of v[0..n) (sorted in place); 0 for n = 0. */
+static double median(double *v, int n)
+{
+    if (n <= 0) return 0;
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+enum { RANK_FIGS = 8 }; /* per rank: VmHWM, RSS estimate, tensor peak, tensors' estimate, pool, floor, step, tokens/s */
+
+/* rank 0's --report-json: the config, the losses, and each rank's row of
+ * v (RANK_FIGS figures). 0, or -1 after printing why. */
+static int write_report(const char *path, const report_cfg *c, const double *v, int W, const double *losses, int n)
+{
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "train_gpt: --report-json '%s': %s\n", path, strerror(errno));
+        return -1;
+    }
+    double worst = 0; /* the slowest rank's median step sets the pace */
+    for (int r = 0; r < W; r++) worst = v[r * RANK_FIGS + 6] > worst ? v[r * RANK_FIGS + 6] : worst;
+    fprintf(f, "{\n  \"program\": \"train_gpt\",\n  \"layers\": %d, \"dim\": %d, \"heads\": %d, \"seq\": %d, "
+               "\"vocab\": %d, \"batch\": %d, \"accum\": %d, \"world_size\": %d,\n  \"n_params\": %lld, "
+               "\"param_dtype\": \"%s\", \"checkpoint_activations\": %s, \"random_tokens\": %s,\n"
+               "  \"steps\": %d, \"step_s_median_max\": %.6f, \"tokens_per_s\": %.3f,\n  \"losses\": [",
+            c->layers, c->dim, c->heads, c->seq, c->vocab, c->batch, c->accum, c->world, (long long)c->n_params,
+            c->param_dtype, c->checkpoint_activations ? "true" : "false", c->random_tokens ? "true" : "false", n,
+            worst, worst > 0 ? (double)c->accum * c->batch * c->seq * W / worst : 0.0);
+    for (int i = 0; i < n; i++) fprintf(f, "%s%.9g", i ? ", " : "", losses[i]);
+    fprintf(f, "],\n  \"ranks\": [\n");
+    for (int r = 0; r < W; r++) {
+        const double *x = v + r * RANK_FIGS;
+        fprintf(f, "    {\"rank\": %d, \"estimate_tensors_bytes\": %.0f, \"estimate_pool_bytes\": %.0f, "
+                   "\"estimate_floor_bytes\": %.0f, \"estimate_rss_bytes\": %.0f, \"tensor_peak_bytes\": %.0f, "
+                   "\"vmhwm_bytes\": %.0f, \"step_s_median\": %.6f, \"tokens_per_s\": %.3f}%s\n",
+                r, x[3], x[4], x[5], x[1], x[2], x[0], x[6], x[7], r + 1 < W ? "," : "");
+    }
+    fprintf(f, "  ]\n}\n");
+    if (fclose(f)) {
+        fprintf(stderr, "train_gpt: --report-json '%s': %s\n", path, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
 /* One line per rank on rank 0: its peak resident set (VmHWM, from the
  * process's start) beside the estimate (floor + the pool's holding), and
  * its tensor peak (TS_MEM_STORAGE) beside the tensors' estimate. The
- * ranks' figures travel in one all-reduce of a (W, 4) float64 tensor,
- * each rank filling its row. Collective. */
-static ts_status print_rank_memory(ts_comm *world, const ts_fsdp_memory_report *me)
+ * ranks' figures travel in one all-reduce of a (W, RANK_FIGS) float64
+ * tensor, each rank filling its row; with `json`, rank 0 also writes them
+ * (write_report), with the median of this rank's step times step_s[0..n)
+ * (the first left out when there are more) and its tokens/s at that pace
+ * (`tokens` per step). Collective. */
+static ts_status print_rank_memory(ts_comm *world, const ts_fsdp_memory_report *me, double *step_s,
+                                   const double *losses, int n, double tokens, const char *json, const report_cfg *c)
 {
     int W = ts_comm_size(world), rank = ts_comm_rank(world);
-    int64_t shape[2] = {W, 4};
+    int64_t shape[2] = {W, RANK_FIGS};
     ts_tensor *t;
     TS_TRY(ts_tensor_zeros(TS_F64, 2, shape, &t));
     double *v = ts_tensor_data(t);
     ts_process_memory pm = {0, 0};
     if (ts_process_memory_read(&pm)) pm.peak_rss_bytes = 0; /* no /proc: printed as 0 */
-    v[rank * 4 + 0] = (double)pm.peak_rss_bytes;
-    v[rank * 4 + 1] = (double)me->rss_peak_bytes;
-    v[rank * 4 + 2] = (double)ts_mem_peak_bytes(TS_MEM_STORAGE);
-    v[rank * 4 + 3] = (double)me->peak_bytes;
+    double med = n > 1 ? median(step_s + 1, n - 1) : median(step_s, n);
+    double *row = v + rank * RANK_FIGS;
+    row[0] = (double)pm.peak_rss_bytes;
+    row[1] = (double)me->rss_peak_bytes;
+    row[2] = (double)ts_mem_peak_bytes(TS_MEM_STORAGE);
+    row[3] = (double)me->peak_bytes;
+    row[4] = (double)me->pool_peak_bytes;
+    row[5] = (double)me->floor_bytes;
+    row[6] = med;
+    row[7] = med > 0 ? tokens / med : 0;
     ts_status st = ts_all_reduce(world, t, TS_REDUCE_SUM, NULL);
     v = ts_tensor_data(t);
     for (int r = 0; r < W && !st; r++) /* MiB with a decimal: the estimate's error shows at any size */
         printf("rank %d: peak RSS %.1f MiB, estimate %.1f MiB (tensors %.1f MiB, estimate %.1f MiB)\n", r,
-               v[r * 4] / 1048576.0, v[r * 4 + 1] / 1048576.0, v[r * 4 + 2] / 1048576.0, v[r * 4 + 3] / 1048576.0);
+               v[r * RANK_FIGS] / 1048576.0, v[r * RANK_FIGS + 1] / 1048576.0, v[r * RANK_FIGS + 2] / 1048576.0,
+               v[r * RANK_FIGS + 3] / 1048576.0);
+    if (!st && json && rank == 0 && write_report(json, c, v, W, losses, n)) st = TS_ERR_IO;
     ts_tensor_free(t);
     return st;
 }
@@ -487,6 +573,9 @@ int main(int argc, char **argv)
     int accum = 1; /* gradient accumulation: microbatches per step */
     const char *accum_mode = "nosync";
     const char *init = "deferred";
+    int rand_vocab = 0;             /* --vocab N: random token ids in [0, N) */
+    int data_batches = 0;           /* --data-batches K: with --vocab, K batches cycled (0: a fresh one every step) */
+    const char *report_json = NULL; /* --report-json FILE */
     ex_flag flags[] = {
         {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
@@ -514,6 +603,9 @@ int main(int argc, char **argv)
         {"--init", "deferred|eager", EX_FLAG_STRING, &init, 0, 0, false, "deferred: build on the meta device, shard, then materialize this rank's rows (default); eager: build whole, then shard", false},
         {"--accum", "K", EX_FLAG_INT, &accum, 1, 1 << 16, false, "gradient accumulation: K microbatches of --batch sequences per optimizer step", false},
         {"--accum-mode", "nosync|sync", EX_FLAG_STRING, &accum_mode, 0, 0, false, "--accum: nosync reduces once, on the last microbatch (more memory); sync reduce-scatters every microbatch", false},
+        {"--vocab", "N", EX_FLAG_INT, &rand_vocab, 2, 1 << 24, false, "train on random token ids in [0, N) (a seeded stream) instead of text, e.g. 50257 for GPT-2's", false},
+        {"--data-batches", "K", EX_FLAG_INT, &data_batches, 1, INT_MAX, false, "with --vocab: cycle through the same K random batches (1: one batch every step, which the model can learn)", false},
+        {"--report-json", "FILE", EX_FLAG_STRING, &report_json, 0, 0, false, "rank 0 writes the run's figures (estimate, peaks, step time, tokens/s per rank) as JSON at the end", false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
     bool ckpt_act = false, ignore_cap = false; /* switches without value: taken out before the flags are parsed */
@@ -570,6 +662,16 @@ int main(int argc, char **argv)
         fprintf(stderr, "train_gpt: --resume continues a run and --load starts one from a full file: give one\n");
         return 2;
     }
+    if (rand_vocab && (data || load || resume || sample || save || save_full)) {
+        fprintf(stderr, "train_gpt: --vocab %d trains a new model on random token ids: it does not go with %s\n",
+                rand_vocab, data ? "--data (a text has its own vocabulary)" : load ? "--load" : resume ? "--resume"
+                             : sample ? "--sample" : save ? "--save" : "--save-full");
+        return 2;
+    }
+    if (data_batches && !rand_vocab) {
+        fprintf(stderr, "train_gpt: --data-batches %d goes with --vocab N (random token ids)\n", data_batches);
+        return 2;
+    }
     if (global_batch && ex_flag_given(flags, NFLAGS, "--batch")) {
         fprintf(stderr, "train_gpt: --batch %d and --global-batch %d: give one (--global-batch G gives each of W "
                         "ranks G/W sequences)\n", batch, global_batch);
@@ -590,6 +692,7 @@ int main(int argc, char **argv)
     if (load && ex_check_regular("train_gpt", "--load", load)) return 2;
     if (save_full && ex_check_writable("train_gpt", "--save-full", save_full)) return 2;
     if (save && check_writable_dir("--save", save)) return 2;
+    if (report_json && ex_check_writable("train_gpt", "--report-json", report_json)) return 2;
 
     /* The flags that shape the model, the schedule and the data order, as
      * a --save records them ("--heads=4 --lr=0.003 ..."): --resume takes
@@ -727,7 +830,9 @@ int main(int argc, char **argv)
     bool ckpt_vocab = vocab > 0;
     size_t len = 0;
     char *text = NULL;
-    if (!(sample && ckpt_vocab)) { /* sampling from a checkpoint of ours needs no text */
+    if (rand_vocab) { /* no text: token ids drawn in the loop */
+        vocab = rand_vocab;
+    } else if (!(sample && ckpt_vocab)) { /* sampling from a checkpoint of ours needs no text */
         text = data ? ex_read_file("train_gpt", "--data", data, &len) : ex_grammar_corpus(200000, 7);
         if (!text) return data ? 2 : 1;
         if (!data) len = strlen(text);
@@ -811,6 +916,7 @@ int main(int argc, char **argv)
     ts_fsdp_memory_options emo = ts_fsdp_memory_options_default();
     emo.input_ndim = 2, emo.input_shape[0] = sample ? 1 : B, emo.input_shape[1] = seq;
     emo.world_size = W, emo.checkpoint_blocks = ckpt_act;
+    emo.eager_init = !deferred; /* a deferred start-up never holds the full model */
     if (param_dtype_s) emo.param_dtype = mp.param_dtype;
     ts_fsdp_memory_report me;
     CHECK(ts_fsdp_memory_estimate_gpt(&ecfg, &emo, &me));
@@ -865,7 +971,10 @@ int main(int argc, char **argv)
     W = ts_comm_size(world);
     if (rank != 0) /* one voice */
         if (!freopen("/dev/null", "w", stdout)) return 1;
-    if (text)
+    if (rand_vocab)
+        printf("data: random token ids in [0, %d), seeded %llu%s\n", vocab, (unsigned long long)(seed + 1),
+               global_batch ? " (one stream for all ranks)" : " + the rank");
+    else if (text)
         printf("corpus: %s, %zu characters, vocabulary %d%s\n", data ? data : "built-in grammar", len, vocab,
                ckpt_vocab ? " (the checkpoint's)" : "");
     else
@@ -969,8 +1078,9 @@ int main(int argc, char **argv)
             n += (size_t)snprintf(flag_rec + n, sizeof flag_rec - n, "%s%s=%s", i ? " " : "", fl->name, v);
         }
         snprintf(config_rec, sizeof config_rec, "seq=%d layers=%d heads=%d dim=%d", seq, layers, heads, dim);
-        for (int i = 0; i < vocab; i++) snprintf(vocab_rec + 2 * i, 3, "%02x", (unsigned char)chars[i]);
-        vocab_rec[2 * vocab] = '\0';
+        int nv = rand_vocab ? 0 : vocab; /* --vocab has no characters (and saves nothing) */
+        for (int i = 0; i < nv; i++) snprintf(vocab_rec + 2 * i, 3, "%02x", (unsigned char)chars[i]);
+        vocab_rec[2 * nv] = '\0';
     }
     const ts_ckpt_meta ckpt_meta[] = {{"train_gpt.config", config_rec},
                                       {"train_gpt.vocab", vocab_rec},
@@ -981,6 +1091,7 @@ int main(int argc, char **argv)
     CHECK(ts_generator_new(global_batch ? seed + 1 : seed + 1 + (uint64_t)rank, &data_rng));
     int start = 0, rc = 0; /* the step this run starts at */
     int64_t *ids = NULL, *tg = NULL;
+    double *step_s = NULL, *losses = NULL; /* each step's time on this rank and its loss (averaged over the ranks) */
     int step = 0;
     double first = 0, last = 0, window = 0;
     int window_n = 0;
@@ -1048,17 +1159,34 @@ int main(int argc, char **argv)
     size_t n_ids = (size_t)accum * (size_t)B * (size_t)seq;
     ids = malloc(n_ids * sizeof *ids);
     tg = malloc(n_ids * sizeof *tg);
-    if (!ids || !tg) return 1;
+    step_s = malloc((size_t)steps * sizeof *step_s);
+    losses = malloc((size_t)steps * sizeof *losses);
+    if (!ids || !tg || !step_s || !losses) return 1;
     double t0 = ex_now();
     int64_t tokens = 0;
     ts_comm_stats_reset(world); /* count the training loop's collectives only */
     int end = stop_after && stop_after < steps ? stop_after : steps;
+    report_cfg rcfg = {layers, dim, heads, seq, vocab, B, accum, W, (int64_t)me.n_params,
+                       param_dtype_s ? mp_name(mp.param_dtype) : "f32", ckpt_act, rand_vocab != 0};
     for (step = start; step < end; step++) {
         /* each microbatch: --global-batch, every rank draws all G starts
          * and keeps its G/W; else its own B (the same sequences as
          * --accum 1 --batch K*B) */
+        double ts0 = ex_now();
+        if (data_batches && step % data_batches == 0) /* --data-batches K: the stream starts again */
+            ts_generator_manual_seed(data_rng, global_batch ? seed + 1 : seed + 1 + (uint64_t)rank);
         int per = global_batch ? global_batch : B, mine = global_batch ? rank * B : 0;
-        for (int g = 0; g < accum * per; g++) {
+        for (int g = 0; g < accum * per && rand_vocab; g++) { /* --vocab: seq + 1 draws per sequence, all drawn */
+            int b = g % per - mine;
+            bool keep = b >= 0 && b < B;
+            b += g / per * B;
+            for (int t = 0; t <= seq; t++) {
+                int64_t id = (int64_t)(ts_generator_random(data_rng) % (uint32_t)rand_vocab);
+                if (keep && t < seq) ids[b * seq + t] = id;
+                if (keep && t > 0) tg[b * seq + t - 1] = id;
+            }
+        }
+        for (int g = 0; g < accum * per && !rand_vocab; g++) {
             size_t at = ts_generator_random(data_rng) % (len - (size_t)seq - 1);
             int b = g % per - mine;
             if (b < 0 || b >= B) continue;
@@ -1159,6 +1287,8 @@ int main(int argc, char **argv)
             step++;
             break;
         }
+        step_s[step] = ex_now() - ts0;
+        losses[step] = l;
         if (step == 0) first = l;
         last = l;
         window += l;
@@ -1226,7 +1356,8 @@ int main(int argc, char **argv)
             CHECK(ts_ckpt_save_full(save_full, model, ckpt_meta, 2));
             printf("saved %d full tensors to %s\n", model_tensors(model), save_full);
         }
-        CHECK(print_rank_memory(world, &me));
+        CHECK(print_rank_memory(world, &me, step_s + start, losses + start, ran, (double)accum * B * seq,
+                                report_json, &rcfg));
     }
 done:
     fflush(stdout);
@@ -1239,6 +1370,8 @@ done:
     ts_module_free(model);
     free(ids);
     free(tg);
+    free(step_s);
+    free(losses);
     free(text);
     CHECK(ts_dist_finalize());
     return rc;

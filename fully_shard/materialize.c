@@ -134,10 +134,12 @@ static void list_free(mat_list *l)
  * Every recorded initializer of the model goes into one replay, sorted by
  * sequence number (ts__init_replay_targets interleaves the storages'
  * logs): the generator then advances as the eager construction advanced
- * it, whichever parameter each draw lands in. The orphaned initializers of
- * the same span (storages freed while the model was built: the first
- * initializer of a weight then tied to another) are drawn and dropped in
- * their place, since the eager build drew them too. A rank that holds no
+ * it, whichever parameter each draw lands in. The orphaned initializers
+ * this thread recorded from the model's first event on (storages freed
+ * while the model was built: the first initializer of a weight then tied
+ * to another, which may come after the model's last kept event) are drawn
+ * and dropped in their place, since the eager build drew them too: build
+ * and materialize one deferred model at a time on a generator. A rank that holds no
  * row of a parameter still replays its initializers over an empty range. */
 static ts_status replay(const char *fn, mat_list *l, bool draw)
 {
@@ -149,7 +151,7 @@ static ts_status replay(const char *fn, mat_list *l, bool draw)
         if (g->events[g->n - 1].seq > hi) hi = g->events[g->n - 1].seq;
     }
     ts__init_log orphans = {0};
-    ts_status st = lo <= hi ? ts__init_orphans_take(lo, hi + 1, &orphans) : TS_OK;
+    ts_status st = lo <= hi ? ts__init_orphans_take(lo, ts__init_seq_next(), &orphans) : TS_OK;
     ts__init_target *t = NULL;
     if (!st && draw && !(t = ts__calloc(TS_MEM_NN, (size_t)l->n + 1, sizeof *t)))
         st = ts_error(TS_ERR_NO_MEMORY, "%s: out of memory", fn);

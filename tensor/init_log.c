@@ -68,8 +68,8 @@ ts_status ts__init_record(const char *op, const ts_tensor *t, ts__init_kind kind
     int64_t n = ts__numel(t->ndim, t->shape);
     if (n == 0)
         return TS_OK;
-    ts__init_event ev = {.kind = kind, .a = a, .b = b, .gen = gen, .dtype = t->dtype, .ndim = t->ndim,
-                         .offset = t->offset};
+    ts__init_event ev = {.kind = kind, .a = a, .b = b, .gen = gen, .owner = gen ? gen : ts_default_generator(),
+                         .dtype = t->dtype, .ndim = t->ndim, .offset = t->offset};
     memcpy(ev.shape, t->shape, sizeof ev.shape);
     memcpy(ev.strides, t->strides, sizeof ev.strides);
     ts__init_log *log = &t->storage->init_log;
@@ -158,16 +158,18 @@ ts_status ts__init_orphans_take(uint64_t seq_begin, uint64_t seq_end, ts__init_l
 {
     if (!out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_orphans_take: out is NULL");
+    const ts_generator *mine = ts_default_generator();
+#define TAKE(e) ((e)->seq >= seq_begin && (e)->seq < seq_end && ((e)->gen || (e)->owner == mine))
     pthread_mutex_lock(&orphan_mu);
     int n = 0;
     for (int i = 0; i < orphans.n; i++)
-        n += orphans.events[i].seq >= seq_begin && orphans.events[i].seq < seq_end;
+        n += TAKE(&orphans.events[i]);
     ts_status st = log_reserve(out, n);
     if (!st && n) {
         int kept = 0;
         for (int i = 0; i < orphans.n; i++) {
             const ts__init_event *e = &orphans.events[i];
-            if (e->seq >= seq_begin && e->seq < seq_end)
+            if (TAKE(e))
                 st = ts__init_log_append(out, e, 1); /* reserved: cannot fail */
             else
                 orphans.events[kept++] = *e;
@@ -177,6 +179,7 @@ ts_status ts__init_orphans_take(uint64_t seq_begin, uint64_t seq_end, ts__init_l
             ts__init_log_fini(&orphans);
     }
     pthread_mutex_unlock(&orphan_mu);
+#undef TAKE
     return st;
 }
 

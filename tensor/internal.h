@@ -36,6 +36,10 @@ typedef struct ts__init_event {
      * generator at replay time. An explicit generator is not owned: it
      * must outlive the replay (materialization). */
     ts_generator *gen;
+    /* the generator the fill would have drawn from when it was recorded
+     * (gen, or the recording thread's default generator): which thread's
+     * build an orphaned event belongs to (ts__init_orphans_take) */
+    const ts_generator *owner;
     ts_dtype dtype;     /* the tensor's dtype: the fill computes in it */
     /* the geometry of the tensor the fill was given, in elements of the
      * storage (a view: a slice of a packed weight) */
@@ -397,10 +401,14 @@ void ts__init_events_clear(ts_storage *s);
  * drawn them too (a tied weight's first initializer, a temporary); the
  * rest are freed. */
 void ts__init_storage_drop(ts_storage *s);
-/* Moves the orphaned events with seq in [seq_begin, seq_end) into out
- * (merged by seq); those outside the range stay. A materializer takes
- * the range its model was recorded in and replays them with an empty
- * range (draw and drop). TS_ERR_NO_MEMORY: nothing moved. Thread-safe. */
+/* Moves the orphaned events with seq in [seq_begin, seq_end) that the
+ * calling thread's build drew (their owner is the calling thread's
+ * default generator, or they name an explicit generator) into out
+ * (merged by seq); the others stay, so that ranks simulated by threads,
+ * each building its own model, take only their own. A materializer takes
+ * the span from its model's first event to now and replays them with an
+ * empty range (draw and drop). TS_ERR_NO_MEMORY: nothing moved.
+ * Thread-safe. */
 ts_status ts__init_orphans_take(uint64_t seq_begin, uint64_t seq_end, ts__init_log *out);
 
 /* Replays one event: draws from ev->gen (or the default generator)

@@ -103,8 +103,8 @@ static char *run_example_args(const char *prog, int nproc, int nargs, const char
     o.err_fd = memfd_create("ts-example-err", MFD_CLOEXEC);
     cr_assert_geq(o.out_fd, 0);
     cr_assert_geq(o.err_fd, 0);
-    char *argv[16] = {path};
-    cr_assert_lt(nargs, 15);
+    char *argv[24] = {path};
+    cr_assert_lt(nargs, 23);
     for (int i = 0; i < nargs; i++) argv[i + 1] = (char *)args[i];
     argv[nargs + 1] = NULL;
     ts_launch_result res;
@@ -1260,4 +1260,90 @@ Test(fully_shard_examples, train_gpt_checkpoint_activations_trains_the_same, .ti
     cr_assert_lt(pk1, pk0, "peak %.1f MiB with checkpointing, %.1f MiB without", pk1, pk0);
     free(f0), free(f1), free(out0), free(out1);
     unlink(p0), unlink(p1);
+}
+
+/* --vocab N (issue 20 §5): a tiny GPT on 2 ranks trains on random token
+ * ids in [0, 300), the model's vocabulary and its estimate follow N (the
+ * parameter count printed is that of vocabulary 300), a loss line is
+ * printed, and --report-json writes rank 0's figures: every step's loss,
+ * and for both ranks an estimate, a tensor peak, a VmHWM and a step time
+ * above 0. */
+Test(fully_shard_examples, train_gpt_random_vocab_and_report_json, .timeout = 120)
+{
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/ts-test-gpt-report-%d.json", (int)getpid());
+    unlink(path);
+    const char *a[] = {"--vocab", "300", "--steps", "3", "--layers", "1", "--dim", "16", "--heads", "2",
+                       "--seq", "8", "--batch", "2", "--report-json", path};
+    char *out = run_example_args("train_gpt", 2, 16, a);
+    cr_assert(strstr(out, "[0] data: random token ids in [0, 300)"), "%s", out);
+    /* 1 block (12 d^2 + 13 d) + tok_emb, lm_head (300 d each) + pos_emb (8 d) + ln_f (2 d), d = 16 */
+    long long want = 12 * 16 * 16 + 13 * 16 + 2 * 300 * 16 + 8 * 16 + 2 * 16;
+    char line[96];
+    snprintf(line, sizeof line, "[0] memory estimate: %lld parameters", want);
+    cr_assert(strstr(out, line), "no '%s':\n%s", line, out);
+    double first = 0, last = 0;
+    const char *l = strstr(out, "[0] loss ");
+    cr_assert(l && sscanf(l, "[0] loss %lf -> %lf", &first, &last) == 2, "no loss line:\n%s", out);
+    cr_assert(isfinite(first) && isfinite(last) && first > 0, "%g -> %g", first, last);
+    free(out);
+    json_error_t je;
+    json_t *root = json_load_file(path, 0, &je);
+    cr_assert_not_null(root, "%s: %s", path, je.text);
+    cr_expect_eq(json_integer_value(json_object_get(root, "vocab")), 300);
+    cr_expect_eq(json_integer_value(json_object_get(root, "world_size")), 2);
+    cr_expect_eq(json_integer_value(json_object_get(root, "n_params")), want);
+    json_t *losses = json_object_get(root, "losses"), *ranks = json_object_get(root, "ranks");
+    cr_assert_eq(json_array_size(losses), 3);
+    cr_expect_float_eq(json_real_value(json_array_get(losses, 0)), first, 1e-4 * first, "the first loss");
+    cr_assert_eq(json_array_size(ranks), 2);
+    static const char *keys[] = {"estimate_tensors_bytes", "estimate_rss_bytes", "tensor_peak_bytes", "vmhwm_bytes",
+                                 "step_s_median", "tokens_per_s"};
+    for (int r = 0; r < 2; r++)
+        for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) {
+            json_t *v = json_object_get(json_array_get(ranks, r), keys[k]);
+            cr_expect(json_is_number(v) && json_number_value(v) > 0, "rank %d: %s is %g", r, keys[k],
+                      json_number_value(v));
+        }
+    json_decref(root);
+    unlink(path);
+}
+
+/* A bad --vocab is refused before anything is built: not a number, below
+ * 2, above 2^24, and with a text (which has its own vocabulary). */
+Test(fully_shard_examples, train_gpt_bad_vocab_is_refused, .timeout = 60)
+{
+    static const char *vals[][2] = {{"abc", "is not an integer"}, {"1", "out of range"}, {"0", "out of range"},
+                                    {"-5", "out of range"}, {"16777217", "out of range"}};
+    for (size_t i = 0; i < sizeof vals / sizeof *vals; i++) {
+        const char *a[] = {"--vocab", vals[i][0]};
+        char quoted[32];
+        snprintf(quoted, sizeof quoted, "'%s'", vals[i][0]);
+        const char *want[] = {"--vocab", quoted, vals[i][1], NULL};
+        expect_refused("train_gpt", 2, a, want);
+    }
+    const char *a[] = {"--vocab", "50257", "--data", "/etc/hostname"};
+    const char *want[] = {"--vocab 50257", "does not go with --data", NULL};
+    expect_refused("train_gpt", 4, a, want);
+    const char *c[] = {"--data-batches", "1"};
+    const char *wantc[] = {"--data-batches 1 goes with --vocab", NULL};
+    expect_refused("train_gpt", 2, c, wantc);
+    const char *b[] = {"--vocab", "100", "--report-json", "/nonexistent-ts-folder/r.json"};
+    const char *wantb[] = {"--report-json", "'/nonexistent-ts-folder'", NULL};
+    expect_refused("train_gpt", 4, b, wantb);
+}
+
+/* --vocab N --data-batches 1: the same random batch every step, which the
+ * model learns: its loss falls well below the first step's within 8 steps
+ * (one rank; a fresh batch each step would stay near ln N). */
+Test(fully_shard_examples, train_gpt_one_random_batch_is_learnt, .timeout = 120)
+{
+    const char *a[] = {"--vocab", "64", "--data-batches", "1", "--steps", "8", "--layers", "1", "--dim", "32",
+                       "--seq", "16", "--batch", "2"};
+    char *out = run_example_args("train_gpt", 1, 14, a);
+    double first = 0, last = 0;
+    const char *l = strstr(out, "[0] loss ");
+    cr_assert(l && sscanf(l, "[0] loss %lf -> %lf", &first, &last) == 2, "no loss line:\n%s", out);
+    cr_assert_lt(last, first - 0.5, "one batch, 8 steps: %g -> %g", first, last);
+    free(out);
 }
