@@ -765,6 +765,8 @@ bool ts__direct_sourced(const ts__direct *r, int k)
     return false;
 }
 
+int64_t ts__direct_desc_numel(bool reduce_scatter, int nseg) { return HDR + (reduce_scatter ? 2 * (int64_t)nseg : 0); }
+
 void ts__direct_free(ts__direct *r)
 {
     if (!r) return;

@@ -131,6 +131,11 @@ bool ts__direct_was_direct(const ts__direct *r);
 bool ts__direct_sourced(const ts__direct *r, int k);
 /* Waits if needed, then frees. Accepts NULL. */
 void ts__direct_free(ts__direct *r);
+/* The elements (int64) of the descriptor a copy-free collective exchanges
+ * (its desc_in; desc_out holds W of them): both are taken from the pool
+ * when it is issued and given back when it is freed. fully_shard's meta
+ * step (param_group.c, [Note: meta step]) takes them as meta storages. */
+int64_t ts__direct_desc_numel(bool reduce_scatter, int nseg);
 
 /* Test hook: when false, this process announces that it cannot read its
  * peers, so that every group it is in takes the packed fallback

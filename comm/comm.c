@@ -2371,6 +2371,48 @@ static ts_status setup_rs(op *o, const void *src, ts_dtype sd, double pre, size_
     return TS_OK;
 }
 
+/* The staging scratch setup_rs takes for a reduce-scatter over a source
+ * of W blocks of block_n elements of sd (accumulated in acc): what
+ * fully_shard's meta step records (ts__comm_reduce_scatter_scratch). */
+static size_t rs_scratch_bytes(ts_comm *c, ts_dtype sd, ts_dtype acc, double pre, size_t block_n)
+{
+    if (!c || c->size < 2) return 0;
+    op *o = op_new(c, TS_COLL_REDUCE_SCATTER);
+    if (!o) return 0;
+    o->acc = acc;
+    o->block = block_n * ts_dtype_size(acc);
+    bool convert = sd != acc || pre != 1.0;
+    size_t b;
+    if (fp_inline(o)) {
+        b = (size_t)((o->W > 2) + convert) * o->block;
+    } else {
+        int nstage = o->W - 1 < 2 ? o->W - 1 : 2;
+        b = (size_t)(nstage + convert) * o->block;
+    }
+    op_discard(o);
+    return b;
+}
+
+size_t ts__comm_reduce_scatter_scratch(ts_comm *c, ts_dtype d, int64_t n, double pre_div)
+{
+    return rs_scratch_bytes(c, d, ts__acc_dtype(d), pre_div, (size_t)n);
+}
+
+int ts__comm_all_reduce_scratch(ts_comm *c, ts_dtype d, int64_t n, size_t bytes[2])
+{
+    if (!c || n < 0) return 0;
+    int k = 0;
+    ts_dtype acc = ts__acc_dtype(d);
+    size_t W = (size_t)c->size, bn = ((size_t)n + W - 1) / W, es = ts_dtype_size(acc);
+    if (!(acc == d && (size_t)n % W == 0)) {
+        size_t b = W * bn * es;
+        bytes[k++] = b ? b : 1;
+    }
+    size_t s = rs_scratch_bytes(c, acc, acc, 1.0, bn);
+    if (s) bytes[k++] = s;
+    return k;
+}
+
 ts_status ts_reduce_scatter_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_reduce_op rop, double pre_div,
                                    double post_div, ts_request **r)
 {

@@ -139,4 +139,13 @@ uint32_t ts__comm_next_seq(ts_comm *c);
 /* The world rank of group rank `r` of c (r itself for a world). */
 int ts__comm_world_rank(const ts_comm *c, int r);
 
+/* The pool scratch (bytes) a reduce-scatter of n output elements of d on c
+ * with divide factor pre_div holds while in flight (0: none, as on one
+ * rank), and the blocks an all-reduce of n elements of d takes (written
+ * to bytes, their count returned): fully_shard's meta step records them on
+ * the meta ledger (param_group.c, [Note: meta step]) without issuing the
+ * collective. Caller's thread; c not NULL. */
+size_t ts__comm_reduce_scatter_scratch(ts_comm *c, ts_dtype d, int64_t n, double pre_div);
+int ts__comm_all_reduce_scratch(ts_comm *c, ts_dtype d, int64_t n, size_t bytes[2]);
+
 #endif

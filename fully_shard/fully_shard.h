@@ -288,7 +288,11 @@ TS_API ts_status ts_fsdp_apply_by_size(ts_module *root, int64_t min_params, cons
  * Until then a forward (TS_ERR_STATE naming the first parameter or buffer
  * still meta: "'0.weight' is on the meta device: call ts_fsdp_materialize
  * (or load a checkpoint) first"), an unshard, a summon, a full state dict
- * or a checkpoint save refuses the model. A group's parameters are all
+ * or a checkpoint save refuses the model, except that inside
+ * ts_device_scope_enter(TS_DEVICE_META) a forward, backward and optimizer
+ * step run on it with no collective and no data, counting on the meta
+ * ledger what the real step takes from the pool (docs/meta.md, "fully_shard
+ * on meta shards"). A group's parameters are all
  * meta or all real (TS_ERR_INVALID_ARGUMENT naming one of each). */
 
 /* Materializes every tensor under root that is on the meta device, in

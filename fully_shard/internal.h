@@ -103,6 +103,8 @@ typedef struct fsdp_param {
     bool in_reduce;     /* its gradient is in the reduce-scatter in flight: this rank's, until the
                            reduction is waited on; then whether any rank had one (param_group.c,
                            [Note: unused parameters]) */
+    bool u_meta;        /* U's released CPU storage is taken as meta while unsharded in a meta step
+                           (param.c, ts__fsdp_param_restore_u) */
     bool in_partial;    /* its gradient is in the group's partial (HSDP, requires_all_reduce false) */
     /* no gradient sync under a reduce dtype other than the gradient's: the
      * unsharded gradient accumulated in rdtype (full shape, owned), FSDP2's
@@ -241,6 +243,15 @@ struct fsdp_group {
      * (n_grad_adds), gradients made as views (n_grad_views). */
     bool rs_add;
     uint64_t n_rs_add, n_grad_adds, n_grad_views;
+    /* a meta step (param_group.c, [Note: meta step]): the all-gather and
+     * the reduction in flight were skipped (no collective, no data); they
+     * complete when waited on */
+    bool ag_meta, rs_meta;
+    /* what the skipped collectives would hold from the pool until waited
+     * on (the copy-free descriptors, comm's staging scratch), as meta
+     * storages: freed when the all-gather (ag_hold) or reduction (rs_hold)
+     * completes */
+    ts_tensor *ag_hold[4], *rs_hold[4];
 };
 
 /* The collectives of a group's gradient reduction (FSDP2's
@@ -374,6 +385,12 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g);
  * must agree on every rank when a group is made. Any thread. */
 bool ts__fsdp_copy_free(int W, int64_t unsharded_bytes);
 void ts__fsdp_set_copy_free(int on);
+/* Whether g's runtime plays on the meta device ([Note: meta step] in
+ * param_group.c): the thread is in a meta scope or the group's sharded
+ * buffer is meta. Its collectives are then skipped (they complete at
+ * once), its copies move no data, and its buffers are meta storages on the
+ * thread's ledger. */
+bool ts__fsdp_group_meta(const fsdp_group *g);
 /* A reduction of g is in flight (packed or copy-free). */
 bool ts__fsdp_reduce_in_flight(const fsdp_group *g);
 /* The collectives and divisions for the group's next reduction. */
@@ -397,6 +414,10 @@ ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsi
  * `block` elements (rdtype), rank r's rows at r * block + off. */
 ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned char *in, int64_t block, ts_tensor *gr);
 void ts__fsdp_param_write_back(fsdp_param *p, const fsdp_group *g);
+/* Restores / releases U's storage (param.c): in a meta step a released
+ * CPU storage is counted on the meta ledger while unsharded. */
+ts_status ts__fsdp_param_restore_u(fsdp_param *p, const fsdp_group *g);
+void ts__fsdp_param_release_u(fsdp_param *p);
 ts_status ts__fsdp_param_load_rows(fsdp_param *p, const fsdp_group *g, ts_tensor *src);
 
 /* explicit.c: the distinct groups of a subtree's FSDP modules, pre-order */

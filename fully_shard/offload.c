@@ -41,7 +41,7 @@ ts_offload_policy ts_offload_policy_default(void) { return (ts_offload_policy){.
 static void staged(const char *name, uint64_t *copies, uint64_t *total, void *dst, const void *src, size_t bytes)
 {
     TS_TRACE_BEGIN(t0);
-    if (bytes) memcpy(dst, src, bytes);
+    if (bytes && dst && src) memcpy(dst, src, bytes); /* meta step: no data */
     TS_TRACE_END(t0, name, "copy");
     (*copies)++;
     *total += bytes;
@@ -56,7 +56,7 @@ void ts__offload_h2d_cast(ts__offload *o, void *dev_dst, ts_dtype dev_dtype, con
                           int64_t n)
 {
     TS_TRACE_BEGIN(t0);
-    ts__buf_convert(dev_dtype, dev_dst, host_dtype, host_src, n);
+    if (dev_dst && host_src) ts__buf_convert(dev_dtype, dev_dst, host_dtype, host_src, n); /* meta step: no data */
     TS_TRACE_END(t0, "fsdp.h2d", "copy");
     o->h2d_copies++;
     o->h2d_bytes += (uint64_t)n * ts_dtype_size(dev_dtype);
@@ -144,7 +144,7 @@ ts_status ts__fsdp_offload_copy_in(fsdp_group *g, ts_tensor **in_out)
     ts_status st = ts__tensor_alias(g->ag_buf, 1, &n, (const int64_t[]){1}, g->ag_buf->offset + (int64_t)g->rank * n,
                                     &own);
     if (st) return st;
-    ts__offload_h2d(&g->off, ts_tensor_data(own), ts_tensor_data(g->sharded), (size_t)n * g->es);
+    ts__offload_h2d(&g->off, ts_tensor_data(own), ts_tensor_data(g->sharded), (size_t)n * g->es); /* meta: no data */
     *in_out = own;
     return TS_OK;
 }
@@ -172,7 +172,7 @@ static ts_status grad_host(fsdp_group *g)
 
 ts_status ts__fsdp_offload_grads_out(fsdp_group *g)
 {
-    const unsigned char *dev = ts_tensor_data(g->rs_out);
+    const unsigned char *dev = ts_tensor_data(g->rs_out); /* NULL in a meta step: the copies move nothing */
     bool staging = false;
     ts_status st = TS_OK;
     for (int i = 0; i < g->n && !st; i++) {
@@ -183,12 +183,14 @@ ts_status ts__fsdp_offload_grads_out(fsdp_group *g)
         if (gr) { /* accumulate: to the host, then added by the caller */
             if (!g->off.stage && (st = ts__offload_host_buffer(&g->off, g->dtype, g->shard_numel, &g->off.stage)))
                 break;
-            ts__offload_d2h(&g->off, (unsigned char *)ts_tensor_data(g->off.stage) + off, dev + off, bytes);
+            unsigned char *h = ts_tensor_data(g->off.stage);
+            ts__offload_d2h(&g->off, h ? h + off : NULL, dev ? dev + off : NULL, bytes);
             staging = true;
             continue;
         }
         if ((st = grad_host(g))) break;
-        ts__offload_d2h(&g->off, (unsigned char *)ts_tensor_data(g->off.grad_host) + off, dev + off, bytes);
+        unsigned char *h = ts_tensor_data(g->off.grad_host);
+        ts__offload_d2h(&g->off, h ? h + off : NULL, dev ? dev + off : NULL, bytes);
         int64_t strides[TS_MAX_DIMS];
         ts__contiguous_strides(p->ndim, ts_tensor_shape(p->S), strides);
         ts_tensor *view = NULL;

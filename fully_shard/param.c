@@ -122,13 +122,45 @@ void ts__fsdp_param_set_slots(fsdp_param *p, bool unsharded)
         if (p->slots[k]) ts__fsdp_swap_slot(p->slots[k], unsharded ? p->U : p->S);
 }
 
+/* U's storage on a deferred-init model is a released CPU storage (it
+ * never had bytes): in a meta step ([Note: meta step] in param_group.c) it
+ * is taken as meta while unsharded, so that its block is counted on the
+ * ledger and the ops on it compute nothing, and is a released CPU storage
+ * again once released. */
+ts_status ts__fsdp_param_restore_u(fsdp_param *p, const fsdp_group *g)
+{
+    ts_storage *s = ts_tensor_storage(p->U);
+    if (s->released && !s->meta && ts__fsdp_group_meta(g)) {
+        s->meta = true;
+        p->u_meta = true;
+    }
+    ts_status st = ts_storage_restore(s);
+    if (st && p->u_meta) {
+        s->meta = false;
+        p->u_meta = false;
+    }
+    return st;
+}
+
+void ts__fsdp_param_release_u(fsdp_param *p)
+{
+    ts_storage *s = ts_tensor_storage(p->U);
+    (void)ts_storage_release(s);
+    if (p->u_meta) {
+        s->meta = false;
+        ts__meta_ledger_detach(s);
+        p->u_meta = false;
+    }
+}
+
 /* Restores U's storage and copies its real rows out of the all-gather
  * output ag (W blocks of shard_numel, in U's dtype: the group's udtype). */
 ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsigned char *ag)
 {
-    ts_status st = ts_storage_restore(ts_tensor_storage(p->U));
+    ts_status st = ts__fsdp_param_restore_u(p, g);
     if (st) return st;
     unsigned char *u = ts_tensor_data(p->U);
+    if (!u || !ag) return TS_OK; /* a meta step ([Note: meta step] in param_group.c): no data */
     size_t rb = (size_t)p->row_numel * g->ues;
     for (int r = 0; r < g->W; r++) {
         const fsdp_chunk *ch = &p->chunks[r];
@@ -146,7 +178,7 @@ ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned 
     size_t rb = (size_t)p->row_numel * g->res;
     /* zeros where no gradient row lands: the padding rows, or the whole
      * segment of a parameter without gradient */
-    for (int r = 0; r < g->W; r++) {
+    for (int r = 0; in && r < g->W; r++) {
         int64_t len = gr ? p->chunks[r].rows : 0;
         if (len < p->c)
             memset(in + (size_t)(r * block + p->off) * g->res + (size_t)len * rb, 0, (size_t)(p->c - len) * rb);
@@ -160,7 +192,7 @@ ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned 
     const unsigned char *src = ts_tensor_data(cg);
     ts_dtype gd = ts_tensor_dtype(cg);
     size_t gb = (size_t)p->row_numel * ts_dtype_size(gd);
-    for (int r = 0; r < g->W; r++) {
+    for (int r = 0; in && src && r < g->W; r++) {
         const fsdp_chunk *ch = &p->chunks[r];
         if (ch->rows > 0)
             ts__buf_convert(g->rdtype, in + (size_t)(r * block + p->off) * g->res, gd, src + (size_t)ch->row0 * gb,

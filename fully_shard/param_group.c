@@ -15,6 +15,7 @@
 #include "fully_shard/internal.h"
 
 #include "comm/comm.h"
+#include "comm/comm_internal.h"
 #include "tensor/internal.h"
 #include "tensor/kernels.h"
 
@@ -48,7 +49,64 @@ bool ts__fsdp_copy_free(int W, int64_t unsharded_bytes)
     return W > 1 && unsharded_bytes >= COPY_FREE_MIN_BYTES;
 }
 
-bool ts__fsdp_reduce_in_flight(const fsdp_group *g) { return g && (g->rs_req || g->rs_direct); }
+static void drop_holds(ts_tensor **h, int n);
+
+bool ts__fsdp_reduce_in_flight(const fsdp_group *g) { return g && (g->rs_req || g->rs_direct || g->rs_meta); }
+
+/* [Note: meta step]
+ * Inside ts_device_scope_enter(TS_DEVICE_META), or on a group whose
+ * sharded buffer is meta, a training step plays through these hooks as it
+ * runs for real, with no collective and no data: every buffer the real
+ * step takes from the pool (all-gather output, the param_dtype copy, the
+ * unsharded parameters' storages, the reduce-scatter input and output, the
+ * cast back, the copy-free path's descriptor tensors and comm's pool
+ * scratch) is taken as a meta storage at the same point and freed at the
+ * same point, so the thread's ledger (tensor/meta.c) sees the pool's
+ * allocations in the real order. A collective is skipped (ag_meta,
+ * rs_meta mark it in flight) and completes when waited on; its
+ * transport-side pool scratch is modelled with ts__meta_scratch or a meta
+ * storage held as long as the request. The unused-parameter flags are
+ * taken as "this rank's" (every rank is assumed to take the same path). */
+bool ts__fsdp_group_meta(const fsdp_group *g)
+{
+    return ts__meta_mode() || (g && g->sharded && ts__is_meta(g->sharded));
+}
+
+static void drop_holds(ts_tensor **h, int n)
+{
+    for (int i = 0; i < n; i++) {
+        ts_tensor_free(h[i]);
+        h[i] = NULL;
+    }
+}
+
+/* A meta tensor of n elements of d held in *slot (the pool block a
+ * skipped collective would hold). */
+static ts_status hold(ts_dtype d, int64_t n, ts_tensor **slot)
+{
+    bool scoped = ts__meta_mode();
+    if (!scoped && ts_device_scope_enter(TS_DEVICE_META)) return TS_ERR_INTERNAL;
+    ts_status st = ts_tensor_empty(d, 1, &n, slot);
+    if (!scoped) (void)ts_device_scope_exit();
+    return st;
+}
+
+/* The copy-free collective's descriptors (comm/coll_direct.c, start),
+ * and on more than one rank its acknowledgements (move: one int64 out, W
+ * in), h[0..4). The acknowledgements are taken by the channel's worker
+ * when it has moved the data, some time between the issue and the wait:
+ * held from the issue here, the ledger's peak is the latest the real one
+ * can be (it is up to their two blocks per collective in flight lower when
+ * a worker had not got there yet). */
+static ts_status hold_descs(const fsdp_group *g, bool rs, ts_tensor **h)
+{
+    int64_t nd = ts__direct_desc_numel(rs, g->n);
+    ts_status st = hold(TS_I64, nd, &h[0]);
+    if (!st) st = hold(TS_I64, nd * g->W, &h[1]);
+    if (!st && g->W > 1) st = hold(TS_I64, 1, &h[2]);
+    if (!st && g->W > 1) st = hold(TS_I64, g->W, &h[3]);
+    return st;
+}
 
 /* The segment lists of the copy-free collectives, made once: parameter i's
  * part for rank j is its chunk's rows (counts in elements). */
@@ -93,6 +151,8 @@ void ts__fsdp_group_free(fsdp_group *g)
     }
     ts__direct_free(g->ag_direct);
     ts__direct_free(g->rs_direct);
+    drop_holds(g->ag_hold, 4);
+    drop_holds(g->rs_hold, 4);
     ts_comm_free(g->rsg);
     drop_rs_src(g);
     ts__free(TS_MEM_NN, g->rs_src);
@@ -271,6 +331,7 @@ static void set_slots(fsdp_group *g, bool unsharded)
 static ts_status unshard_direct(fsdp_group *g)
 {
     ts_status st = direct_segs(g);
+    bool meta = ts__fsdp_group_meta(g);
     const void *in = ts_tensor_data(g->sharded);
     if (!st && g->off.on && g->udtype != g->dtype) {
         ts_tensor *alias = NULL;
@@ -282,17 +343,26 @@ static ts_status unshard_direct(fsdp_group *g)
         }
     } else if (!st && g->udtype != g->dtype) {
         if (!(st = ts_tensor_empty(g->udtype, 1, &g->shard_numel, &g->ag_in))) {
-            ts__buf_convert(g->udtype, ts_tensor_data(g->ag_in), g->dtype, ts_tensor_data(g->sharded), g->shard_numel);
+            if (!meta)
+                ts__buf_convert(g->udtype, ts_tensor_data(g->ag_in), g->dtype, ts_tensor_data(g->sharded),
+                                g->shard_numel);
             in = ts_tensor_data(g->ag_in);
         }
     }
     for (int i = 0; i < g->n && !st; i++) {
-        if ((st = ts_storage_restore(ts_tensor_storage(g->params[i].U)))) break;
+        if ((st = ts__fsdp_param_restore_u(&g->params[i], g))) break;
         g->dsegs[i].full = ts_tensor_data(g->params[i].U);
     }
-    if (!st) st = ts__direct_all_gather(g->pg, g->udtype, in, g->shard_numel, g->n, g->dsegs, &g->ag_direct);
+    if (!st && meta) {
+        st = hold_descs(g, false, g->ag_hold);
+        g->ag_meta = !st;
+    } else if (!st) {
+        st = ts__direct_all_gather(g->pg, g->udtype, in, g->shard_numel, g->n, g->dsegs, &g->ag_direct);
+    }
     if (st) {
-        for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
+        drop_holds(g->ag_hold, 4);
+        g->ag_meta = false;
+        for (int i = 0; i < g->n; i++) ts__fsdp_param_release_u(&g->params[i]);
         ts_tensor_free(g->ag_in);
         g->ag_in = NULL;
         return st;
@@ -304,10 +374,12 @@ static ts_status unshard_direct(fsdp_group *g)
 ts_status ts__fsdp_unshard(fsdp_group *g)
 {
     if (!g || g->sharded_state != FSDP_SHARDED || g->n == 0) return TS_OK; /* n == 0: only persistent params */
-    ts_status mst = ts__fsdp_group_check_materialized("fully_shard: unshard", g);
+    /* meta shards play only inside a meta scope ([Note: meta step]) */
+    ts_status mst = ts__meta_mode() ? TS_OK : ts__fsdp_group_check_materialized("fully_shard: unshard", g);
     if (mst) return mst;
     ts__fsdp_event("unshard", g->fqn);
     if (g->copy_free) return unshard_direct(g);
+    bool meta = ts__fsdp_group_meta(g);
     int64_t n = g->shard_numel * g->W;
     ts_status st = ts_tensor_empty(g->udtype, 1, &n, &g->ag_buf);
     if (st) return st;
@@ -316,11 +388,14 @@ ts_status ts__fsdp_unshard(fsdp_group *g)
         if (!(st = ts__fsdp_offload_copy_in(g, &alias))) in = alias;
     } else if (g->udtype != g->dtype) {
         if (!(st = ts_tensor_empty(g->udtype, 1, &g->shard_numel, &g->ag_in))) {
-            ts__buf_convert(g->udtype, ts_tensor_data(g->ag_in), g->dtype, ts_tensor_data(g->sharded), g->shard_numel);
+            if (!meta)
+                ts__buf_convert(g->udtype, ts_tensor_data(g->ag_in), g->dtype, ts_tensor_data(g->sharded),
+                                g->shard_numel);
             in = g->ag_in;
         }
     }
-    if (!st) st = ts_all_gather_into_tensor(g->pg, g->ag_buf, in, &g->ag_req);
+    if (!st && meta) g->ag_meta = true; /* skipped: complete when waited on */
+    else if (!st) st = ts_all_gather_into_tensor(g->pg, g->ag_buf, in, &g->ag_req);
     if (alias != g->ag_in) ts_tensor_free(alias);
     if (st) {
         ts_tensor_free(g->ag_buf);
@@ -338,7 +413,7 @@ ts_status ts__fsdp_unshard(fsdp_group *g)
 static ts_status unshard_done(fsdp_group *g, ts_status st)
 {
     if (st) {
-        for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
+        for (int i = 0; i < g->n; i++) ts__fsdp_param_release_u(&g->params[i]);
         g->sharded_state = FSDP_SHARDED;
         return st;
     }
@@ -353,6 +428,14 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
 {
     if (!g || g->sharded_state != FSDP_UNSHARDING) return TS_OK;
     TS_TRACE_BEGIN(tw);
+    if (g->ag_meta && g->copy_free) { /* a meta step's copy-free all-gather: U is restored, nothing to move */
+        g->ag_meta = false;
+        drop_holds(g->ag_hold, 4);
+        ts_tensor_free(g->ag_in);
+        g->ag_in = NULL;
+        TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
+        return unshard_done(g, TS_OK);
+    }
     if (g->ag_direct) { /* copy-free: the reads land in U */
         ts_status st = ts__direct_wait(g->ag_direct);
         g->n_direct += ts__direct_was_direct(g->ag_direct);
@@ -363,10 +446,11 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
         TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
         return unshard_done(g, st);
     }
-    ts_status st = ts_request_wait(g->ag_req);
+    ts_status st = g->ag_meta ? TS_OK : ts_request_wait(g->ag_req);
     TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
-    ts_request_free(g->ag_req);
+    if (g->ag_req) ts_request_free(g->ag_req);
     g->ag_req = NULL;
+    g->ag_meta = false;
     ts_tensor_free(g->ag_in);
     g->ag_in = NULL;
     TS_TRACE_BEGIN(tc);
@@ -389,7 +473,7 @@ ts_status ts__fsdp_reshard(fsdp_group *g)
     if (g->sharded_state != FSDP_UNSHARDED) return st;
     ts__fsdp_event("reshard", g->fqn);
     set_slots(g, false);
-    for (int i = 0; i < g->n; i++) (void)ts_storage_release(ts_tensor_storage(g->params[i].U));
+    for (int i = 0; i < g->n; i++) ts__fsdp_param_release_u(&g->params[i]);
     g->sharded_state = FSDP_SHARDED;
     g->fwd_since_reshard = 0;
     return st;
@@ -469,6 +553,10 @@ static ts_status reduce_flags_apart(ts_comm *c, fsdp_group *g)
     ts_tensor *t = NULL;
     ts_status st = ts_tensor_empty(TS_F32, 1, &n, &t);
     if (st) return st;
+    if (ts__fsdp_group_meta(g)) { /* a meta step: this rank's flags stand */
+        ts_tensor_free(t);
+        return TS_OK;
+    }
     float *f = ts_tensor_data(t);
     for (int i = 0; i < g->n; i++) f[i] = g->params[i].in_reduce ? 1.0f : 0.0f;
     st = ts_all_reduce(c, t, TS_REDUCE_SUM, NULL);
@@ -533,6 +621,24 @@ static ts_status grad_view(const fsdp_param *p, ts_tensor *out, ts_tensor **view
     return ts__tensor_alias(out, p->ndim, ts_tensor_shape(p->S), strides, out->offset + p->off, view_out);
 }
 
+/* The pool scratch comm.c's reduce-scatter of the packed path holds
+ * while it is in flight (ts__comm_reduce_scatter_scratch), held as a meta
+ * storage until the reduction completes. */
+static ts_status rs_meta_scratch(fsdp_group *g, const fsdp_reduce_plan *plan)
+{
+    size_t b = ts__comm_reduce_scatter_scratch(g->rsg ? g->rsg : g->pg, g->rdtype, rs_numel(g), plan->rs_pre);
+    return b ? hold(TS_BOOL, (int64_t)b, &g->rs_hold[0]) : TS_OK;
+}
+
+/* The scratch of HSDP's all-reduce (synchronous: taken and given back). */
+static ts_status hsdp_meta_scratch(const fsdp_group *g)
+{
+    size_t b[2];
+    int n = ts__comm_all_reduce_scratch(g->rg, g->rdtype, rs_numel(g), b);
+    ts__meta_scratch(n, b);
+    return TS_OK;
+}
+
 /* The parameters leave the reduction (in_reduce cleared). With drop, the
  * shard gradients it was adding into are dropped (set to none), and a
  * warning names the group and `why`. Returns how many were dropped. */
@@ -567,7 +673,13 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     if (!ts__fsdp_reduce_in_flight(g)) return TS_OK;
     TS_TRACE_BEGIN(tw);
     ts_status st;
-    if (g->rs_direct) { /* copy-free: this rank's rows read and summed into rs_out */
+    bool meta = ts__fsdp_group_meta(g);
+    if (g->rs_meta) { /* a meta step: the skipped collective completes; this rank's flags stand */
+        st = TS_OK;
+        g->rs_meta = false;
+        drop_holds(g->rs_hold, 4);
+        drop_rs_src(g);
+    } else if (g->rs_direct) { /* copy-free: this rank's rows read and summed into rs_out */
         st = ts__direct_wait(g->rs_direct);
         g->n_direct += ts__direct_was_direct(g->rs_direct);
         /* whether any rank had a gradient: from the exchanged sources */
@@ -598,7 +710,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     }
     if (!st && is_hsdp(g) && !g->all_reduce_grads) { /* partial: no all-reduce, nothing into the shards yet */
         if (g->partial) {
-            ts__buf_add(g->rdtype, ts_tensor_data(g->partial), ts_tensor_data(g->rs_out), g->shard_numel);
+            if (!meta) ts__buf_add(g->rdtype, ts_tensor_data(g->partial), ts_tensor_data(g->rs_out), g->shard_numel);
         } else {
             g->partial = g->rs_out;
             g->rs_out = NULL;
@@ -615,7 +727,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     }
     if (!st && is_hsdp(g)) {
         if (g->partial) { /* the microbatches reduce-scattered without all-reduce */
-            ts__buf_add(g->rdtype, ts_tensor_data(g->rs_out), ts_tensor_data(g->partial), g->shard_numel);
+            if (!meta) ts__buf_add(g->rdtype, ts_tensor_data(g->rs_out), ts_tensor_data(g->partial), g->shard_numel);
             ts_tensor_free(g->partial);
             g->partial = NULL;
             for (int i = 0; i < g->n; i++) {
@@ -624,10 +736,15 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
             }
         }
         /* the flags across the replicas, with the data (AVG keeps them nonzero) */
-        put_flags(g, ts_tensor_data(g->rs_out), 1.0);
-        st = ts_all_reduce(g->rg, g->rs_out, g->ar_op, NULL);
-        if (!st) read_flags(g, ts_tensor_data(g->rs_out));
-        if (!st && g->post_div != 1.0) ts__buf_div(g->rdtype, ts_tensor_data(g->rs_out), g->shard_numel, g->post_div);
+        if (meta) {
+            st = hsdp_meta_scratch(g);
+        } else {
+            put_flags(g, ts_tensor_data(g->rs_out), 1.0);
+            st = ts_all_reduce(g->rg, g->rs_out, g->ar_op, NULL);
+            if (!st) read_flags(g, ts_tensor_data(g->rs_out));
+            if (!st && g->post_div != 1.0)
+                ts__buf_div(g->rdtype, ts_tensor_data(g->rs_out), g->shard_numel, g->post_div);
+        }
     }
     TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
     /* reduced in rdtype; the shards' gradients are in their own dtype
@@ -635,7 +752,8 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
     if (!st && g->rdtype != g->dtype) {
         ts_tensor *conv = NULL;
         if (!(st = ts_tensor_empty(g->dtype, 1, &g->shard_numel, &conv))) {
-            ts__buf_convert(g->dtype, ts_tensor_data(conv), g->rdtype, ts_tensor_data(g->rs_out), g->shard_numel);
+            if (!meta)
+                ts__buf_convert(g->dtype, ts_tensor_data(conv), g->rdtype, ts_tensor_data(g->rs_out), g->shard_numel);
             ts_tensor_free(g->rs_out);
             g->rs_out = conv;
         }
@@ -648,7 +766,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
         fsdp_param *p = &g->params[i];
         if (!p->in_reduce) continue; /* no rank had a gradient for it: it keeps none (or its own) */
         p->in_reduce = false;
-        const unsigned char *seg = out + (size_t)p->off * g->es;
+        const unsigned char *seg = out ? out + (size_t)p->off * g->es : NULL;
         int64_t ln = p->local_rows * p->row_numel;
         ts_tensor *gr = ts_tensor_grad(p->S);
         if (!gr) { /* its gradient is a view of the output, which lives as long as a view does */
@@ -657,8 +775,8 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
             st = ts_tensor_set_grad(p->S, view);
             ts_tensor_free(view);
             g->n_grad_views++;
-        } else if (ts_tensor_is_contiguous(gr) && ts_tensor_data(gr)) {
-            ts__buf_add(g->dtype, ts_tensor_data(gr), seg, ln); /* gr += seg: the separate add */
+        } else if (ts_tensor_is_contiguous(gr) && (ts_tensor_data(gr) || (meta && ts__is_meta(gr)))) {
+            if (seg && ts_tensor_data(gr)) ts__buf_add(g->dtype, ts_tensor_data(gr), seg, ln); /* gr += seg: the separate add */
             g->n_grad_adds++;
             copied = true;
         } else { /* a non-contiguous gradient the user set: a new one, the old added */
@@ -696,6 +814,8 @@ void ts__fsdp_discard_reduce(fsdp_group *g)
      * end of its wait, all of it or, if it failed, some pieces: those
      * gradients now hold part of a reduction that is dropped, and are
      * dropped with it, said so (not left silently mixed) */
+    g->rs_meta = false;
+    drop_holds(g->rs_hold, 4);
     bool added = g->rs_add && g->rs_direct;
     ts__direct_free(g->rs_direct);
     g->rs_direct = NULL;
@@ -720,10 +840,10 @@ static ts_status add_converted(ts_tensor *dst, ts_tensor *src)
     const void *from = ts_tensor_data(cg);
     if (ts_tensor_dtype(cg) != d) {
         if ((st = ts_tensor_empty(d, 1, &n, &tmp))) goto done;
-        ts__buf_convert(d, ts_tensor_data(tmp), ts_tensor_dtype(cg), from, n);
+        if (from) ts__buf_convert(d, ts_tensor_data(tmp), ts_tensor_dtype(cg), from, n);
         from = ts_tensor_data(tmp);
     }
-    ts__buf_add(d, ts_tensor_data(dst), from, n);
+    if (from && ts_tensor_data(dst)) ts__buf_add(d, ts_tensor_data(dst), from, n); /* meta: nothing to add */
 done:
     ts_tensor_free(cg);
     ts_tensor_free(tmp);
@@ -754,7 +874,8 @@ static ts_status to_accumulated(fsdp_param *p, const fsdp_group *g)
     if (!st) st = ts_tensor_empty(g->rdtype, p->ndim, p->shape, &p->acc);
     ts_grad_mode_set(prev);
     if (!st) {
-        ts__buf_convert(g->rdtype, ts_tensor_data(p->acc), ts_tensor_dtype(cg), ts_tensor_data(cg), p->numel);
+        if (ts_tensor_data(p->acc) && ts_tensor_data(cg))
+            ts__buf_convert(g->rdtype, ts_tensor_data(p->acc), ts_tensor_dtype(cg), ts_tensor_data(cg), p->numel);
         (void)ts_tensor_set_grad(p->U, NULL);
     }
     ts_tensor_free(cg);
@@ -803,7 +924,7 @@ static ts_tensor *accumulate_target(fsdp_group *g, const fsdp_ctx *ctx)
     if (!g0) return NULL;
     const ts_storage *s = g0->storage;
     int64_t base = g0->offset - g->params[0].off;
-    if (base < 0 || !s->data || (size_t)(base + g->shard_numel) * g->es > s->nbytes) return NULL;
+    if (base < 0 || (!s->data && !s->meta) || (size_t)(base + g->shard_numel) * g->es > s->nbytes) return NULL;
     for (int i = 0; i < g->n; i++) {
         const fsdp_param *p = &g->params[i];
         const ts_tensor *gr = ts_tensor_grad(p->S);
@@ -858,7 +979,7 @@ static ts_status reduce_direct(fsdp_ctx *ctx, fsdp_group *g)
         int64_t n_out = rs_numel(g); /* the flags' place after the shard layout (HSDP's all-reduce carries them) */
         if (!g->rs_add && !(st = ts_tensor_empty(g->rdtype, 1, &n_out, &g->rs_out))) {
             unsigned char *o = ts_tensor_data(g->rs_out);
-            for (int i = 0; i < g->n; i++) {
+            for (int i = 0; o && i < g->n; i++) {
                 const fsdp_param *p = &g->params[i];
                 if (p->local_rows < p->c)
                     memset(o + (size_t)(p->off + p->local_rows * p->row_numel) * g->res, 0,
@@ -868,7 +989,10 @@ static ts_status reduce_direct(fsdp_ctx *ctx, fsdp_group *g)
     }
     if (!st) st = reshard_after_backward(g);
     fsdp_reduce_plan plan = ts__fsdp_reduce_plan(g);
-    if (!st)
+    if (!st && ts__fsdp_group_meta(g)) {
+        st = hold_descs(g, true, g->rs_hold);
+        g->rs_meta = !st;
+    } else if (!st)
         st = (g->rs_add ? ts__direct_reduce_scatter_add : ts__direct_reduce_scatter)(
             g->rsg ? g->rsg : g->pg, g->rdtype, ts_tensor_data(g->rs_out), g->shard_numel, g->n, g->dsegs, plan.rs_op,
             plan.rs_pre, plan.rs_post, g->rsg ? 1 : 0, &g->rs_direct);
@@ -949,14 +1073,20 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
     fsdp_reduce_plan plan = ts__fsdp_reduce_plan(g);
     g->flags_apart = !flags_fit(g, &plan);
     if (!st && g->flags_apart) st = reduce_flags_apart(g->rsg ? g->rsg : g->pg, g);
-    if (!st) {
+    bool meta = ts__fsdp_group_meta(g);
+    if (!st && !meta) {
         double v = flag_value(g, &plan);
         for (int r = 0; r < g->W; r++) put_flags(g, in + (size_t)(r * n_out) * g->res, v);
     }
     TS_TRACE_END(tp, "fsdp.pack_grads", "copy");
     if (!st) st = reshard_after_backward(g);
-    if (!st)
-        st = ts_reduce_scatter_tensor(g->rsg ? g->rsg : g->pg, g->rs_out, g->rs_in, plan.rs_op, plan.rs_pre, plan.rs_post, &g->rs_req);
+    if (!st && meta) {
+        st = rs_meta_scratch(g, &plan);
+        g->rs_meta = !st;
+    } else if (!st) {
+        st = ts_reduce_scatter_tensor(g->rsg ? g->rsg : g->pg, g->rs_out, g->rs_in, plan.rs_op, plan.rs_pre,
+                                      plan.rs_post, &g->rs_req);
+    }
     if (st) {
         ts__fsdp_discard_reduce(g);
         return st;

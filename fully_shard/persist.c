@@ -26,6 +26,8 @@
  */
 #include "fully_shard/internal.h"
 
+#include "comm/comm_internal.h"
+
 #include "tensor/internal.h"
 #include "tensor/kernels.h"
 
@@ -150,7 +152,35 @@ typedef struct fsdp_pbucket {
     int64_t numel; /* the gradients' elements; the buffer has n more: the flags */
     ts_tensor *buf;
     ts_request *req;
+    /* a meta step ([Note: meta step] in param_group.c): the all-reduce was
+     * skipped (in flight until finished) and the pool scratch it would
+     * hold until then is held as meta storages */
+    bool meta;
+    ts_tensor *hold[2];
 } fsdp_pbucket;
+
+static bool bucket_meta(const fsdp_pbucket *b) { return ts__meta_mode() || ts__is_meta(b->buf); }
+
+static void drop_holds(fsdp_pbucket *b)
+{
+    for (int i = 0; i < 2; i++) {
+        ts_tensor_free(b->hold[i]);
+        b->hold[i] = NULL;
+    }
+}
+
+/* The skipped all-reduce of b over c: its scratch, held as meta storages. */
+static ts_status hold_scratch(fsdp_pbucket *b, ts_comm *c)
+{
+    size_t bytes[2];
+    int n = ts__comm_all_reduce_scratch(c, b->rdtype, ts_tensor_numel(b->buf), bytes);
+    bool scoped = ts__meta_mode();
+    if (!scoped && ts_device_scope_enter(TS_DEVICE_META)) return TS_ERR_INTERNAL;
+    ts_status st = TS_OK;
+    for (int i = 0; i < n && !st; i++) st = ts_tensor_empty(TS_BOOL, 1, (const int64_t[]){(int64_t)bytes[i]}, &b->hold[i]);
+    if (!scoped) (void)ts_device_scope_exit();
+    return st;
+}
 
 struct fsdp_pbuckets {
     fsdp_pbucket *b;
@@ -175,6 +205,7 @@ static void buckets_free(fsdp_ctx *c)
             (void)ts_request_wait(b->req);
             ts_request_free(b->req);
         }
+        drop_holds(b);
         ts_tensor_free(b->buf);
         ts__free(TS_MEM_NN, b->e);
     }
@@ -256,7 +287,7 @@ static ts_status pack(fsdp_pbucket *b)
     int64_t n = b->numel + b->n;
     ts_status st = ts_tensor_empty(b->rdtype, 1, &n, &b->buf);
     if (st) return st;
-    unsigned char *buf = ts_tensor_data(b->buf);
+    unsigned char *buf = ts_tensor_data(b->buf); /* NULL in a meta step: nothing is written */
     size_t es = ts_dtype_size(b->rdtype);
     for (int i = 0; i < b->n && !st; i++) {
         pb_entry *e = &b->e[i];
@@ -264,9 +295,9 @@ static ts_status pack(fsdp_pbucket *b)
         int64_t ne = ts_tensor_numel(e->p->t);
         e->had = gr != NULL;
         double flag = e->had ? 1.0 : 0.0;
-        ts__buf_convert(b->rdtype, buf + (size_t)(b->numel + i) * es, TS_F64, &flag, 1);
+        if (buf) ts__buf_convert(b->rdtype, buf + (size_t)(b->numel + i) * es, TS_F64, &flag, 1);
         if (!gr) {
-            memset(buf + (size_t)e->off * es, 0, (size_t)ne * es);
+            if (buf) memset(buf + (size_t)e->off * es, 0, (size_t)ne * es);
             continue;
         }
         ts_tensor *cg = NULL;
@@ -274,7 +305,8 @@ static ts_status pack(fsdp_pbucket *b)
         st = ts_contiguous(gr, &cg);
         ts_grad_mode_set(prev);
         if (st) break;
-        ts__buf_convert(b->rdtype, buf + (size_t)e->off * es, ts_tensor_dtype(cg), ts_tensor_data(cg), ne);
+        if (buf && ts_tensor_data(cg))
+            ts__buf_convert(b->rdtype, buf + (size_t)e->off * es, ts_tensor_dtype(cg), ts_tensor_data(cg), ne);
         ts_tensor_free(cg);
     }
     return st;
@@ -291,6 +323,11 @@ ts_status ts__fsdp_persist_issue(fsdp_ctx *c)
         st = pack(b);
         TS_TRACE_END(tp, "fsdp.pack_persistent", "copy");
         if (st) break;
+        if (bucket_meta(b)) { /* skipped: complete when finished */
+            st = hold_scratch(b, b->pg);
+            b->meta = !st;
+            continue;
+        }
         if (b->plan.rs_pre != 1.0) ts__buf_div(b->rdtype, ts_tensor_data(b->buf), b->numel, b->plan.rs_pre);
         st = ts_all_reduce(b->pg, b->buf, b->plan.rs_op, &b->req);
     }
@@ -304,7 +341,7 @@ ts_status ts__fsdp_persist_issue(fsdp_ctx *c)
 static bool only_holder(const ts_tensor *g)
 {
     return atomic_load(&g->refcount) == 1 && atomic_load(&g->storage->refcount) == 1 && ts_tensor_is_contiguous(g) &&
-           g->offset == 0 && ts_tensor_data(g) &&
+           g->offset == 0 && (ts_tensor_data(g) || ts__is_meta(g)) &&
            ts_tensor_numel(g) * (int64_t)ts_dtype_size(g->dtype) == (int64_t)g->storage->nbytes;
 }
 
@@ -326,7 +363,7 @@ static ts_status unpack(fsdp_pbucket *b)
         } else if ((st = ts_tensor_empty(d, ts_tensor_ndim(t), ts_tensor_shape(t), &ng))) {
             break;
         }
-        ts__buf_convert(d, ts_tensor_data(ng), b->rdtype, buf + (size_t)e->off * es, ne);
+        if (buf && ts_tensor_data(ng)) ts__buf_convert(d, ts_tensor_data(ng), b->rdtype, buf + (size_t)e->off * es, ne);
         if (p->reduced) { /* the gradient of earlier backwards, already reduced */
             ts_tensor *cr = NULL;
             bool prev = ts_grad_mode_set(false);
@@ -336,7 +373,7 @@ static ts_status unpack(fsdp_pbucket *b)
                 ts_tensor_free(ng);
                 break;
             }
-            ts__buf_add(d, ts_tensor_data(ng), ts_tensor_data(cr), ne);
+            if (ts_tensor_data(ng) && ts_tensor_data(cr)) ts__buf_add(d, ts_tensor_data(ng), ts_tensor_data(cr), ne);
             ts_tensor_free(cr);
             ts_tensor_free(p->reduced);
             p->reduced = NULL;
@@ -374,6 +411,16 @@ ts_status ts__fsdp_persist_finish(fsdp_ctx *c)
     ts_status st = TS_OK;
     for (int i = 0; pb && i < pb->n && !st; i++) {
         fsdp_pbucket *b = &pb->b[i];
+        if (b->meta) { /* a meta step: the skipped all-reduce completes; this rank's flags stand */
+            b->meta = false;
+            drop_holds(b);
+            if (b->rg) {
+                size_t bytes[2];
+                ts__meta_scratch(ts__comm_all_reduce_scratch(b->rg, b->rdtype, ts_tensor_numel(b->buf), bytes), bytes);
+            }
+            st = unpack(b);
+            continue;
+        }
         if (!b->req) continue;
         TS_TRACE_BEGIN(tw);
         st = ts_request_wait(b->req);

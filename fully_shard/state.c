@@ -528,7 +528,9 @@ static ts_status fsdp_call_hooks(fsdp_state *s, ts_module_fn fn, int n_in, ts_te
         return TS_OK;
     }
     bool iter_root = false;
-    if (!c->iter_root && !c->materialized) { /* deferred init: a model still on the meta device cannot run */
+    /* deferred init: a model still on the meta device cannot run, except
+     * inside a meta scope (the meta step: param_group.c, [Note: meta step]) */
+    if (!c->iter_root && !c->materialized && !ts__meta_mode()) {
         if ((st = ts__fsdp_check_materialized("forward", c->root->module))) return st;
         c->materialized = true;
     }
