@@ -266,7 +266,7 @@ static ts_status ck_agree(ck_ctx *c, ts_status mine, int64_t *val)
     if (c->W <= 1) return mine;
     int64_t two = 2;
     ts_tensor *t = NULL;
-    ts_status st = ts_tensor_zeros(TS_I64, 1, &two, &t);
+    ts_status st = ts__tensor_new_cpu(true, TS_I64, 1, &two, &t);
     if (st) return st; /* the others then time out in the all-reduce: nothing better is possible */
     int64_t *d = ts_tensor_data(t);
     d[0] = -(int64_t)mine;
@@ -290,7 +290,7 @@ static ts_status ck_sum(ck_ctx *c, int64_t *v)
     if (c->W <= 1) return TS_OK;
     int64_t one = 1;
     ts_tensor *t = NULL;
-    ts_status st = ts_tensor_zeros(TS_I64, 1, &one, &t);
+    ts_status st = ts__tensor_new_cpu(true, TS_I64, 1, &one, &t);
     if (st) return st;
     ((int64_t *)ts_tensor_data(t))[0] = *v;
     st = ts_all_reduce(c->world, t, TS_REDUCE_SUM, NULL);
@@ -1149,7 +1149,7 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
         int64_t shape[TS_MAX_DIMS];
         memcpy(shape, it->shape, sizeof shape);
         if (it->ndim) shape[0] = it->rows;
-        if ((st = ts_tensor_empty(it->dtype, it->ndim, shape, &it->tmp))) break;
+        if ((st = ts__tensor_new_cpu(false, it->dtype, it->ndim, shape, &it->tmp))) break;
         st = ck_read_rows(&rd, t, it->row0, it->rows, it->kind == TS__CKPT_RANK_EXTRA ? c.rank : -1,
                           ts_tensor_data(it->tmp));
     }
@@ -1259,7 +1259,7 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
             ts_tensor_free(lv);
             continue;
         }
-        if ((st = ts_tensor_empty(it->dtype, it->ndim, it->shape, &full))) break;
+        if ((st = ts__tensor_new_cpu(false, it->dtype, it->ndim, it->shape, &full))) break;
         for (int r = 0; r < pw && !st; r++) {
             const fsdp_chunk *ch = &it->p->chunks[r];
             if (ch->rows == 0) continue;
@@ -1355,7 +1355,7 @@ ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
         memcpy(shape, it->shape, sizeof shape);
         if (it->ndim) shape[0] = it->rows;
         ts_tensor *tmp = NULL, *lv = NULL;
-        if ((st = ts_tensor_empty(it->dtype, it->ndim, shape, &tmp))) break;
+        if ((st = ts__tensor_new_cpu(false, it->dtype, it->ndim, shape, &tmp))) break;
         uint64_t total_rows = it->ndim ? (uint64_t)it->shape[0] : 1;
         uint64_t row_bytes = total_rows ? (e->end - e->begin) / total_rows : 0;
         size_t n = (size_t)(row_bytes * (uint64_t)it->rows);

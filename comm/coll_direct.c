@@ -38,6 +38,7 @@
 #include "comm/coll_direct.h"
 
 #include "comm/comm_internal.h"
+#include "tensor/internal.h" /* ts__tensor_new_cpu */
 #include "tensor/kernels.h"
 
 #include <errno.h>
@@ -216,8 +217,8 @@ static ts_status start(const char *fn, int kind, int channel, ts_comm *c, ts_dty
     int64_t nd = HDR + (kind == K_RS ? 2 * (int64_t)nseg : 0), nall = nd * W;
     ts_status st = TS_OK;
     if (!r->segs || !r->counts || !r->starts) st = TS_ERR_NO_MEMORY;
-    if (!st) st = ts_tensor_empty(TS_I64, 1, &nd, &r->desc_in);
-    if (!st) st = ts_tensor_empty(TS_I64, 1, &nall, &r->desc_out);
+    if (!st) st = ts__tensor_new_cpu(false, TS_I64, 1, &nd, &r->desc_in);
+    if (!st) st = ts__tensor_new_cpu(false, TS_I64, 1, &nall, &r->desc_out);
     if (st) {
         req_free_parts(r);
         return st;
@@ -494,7 +495,7 @@ static ts_status packed(ts__direct *r)
     ts_tensor *in = NULL, *out = NULL;
     ts_status st;
     if (r->kind == K_AG) {
-        if ((st = ts_tensor_zeros(r->d, 1, &block, &in)) || (st = ts_tensor_empty(r->d, 1, &nall, &out))) goto done;
+        if ((st = ts__tensor_new_cpu(true, r->d, 1, &block, &in)) || (st = ts__tensor_new_cpu(false, r->d, 1, &nall, &out))) goto done;
         unsigned char *p = ts_tensor_data(in);
         for (int k = 0; k < r->nseg; k++) {
             size_t b = (size_t)cnt(r, k, me) * es;
@@ -513,7 +514,7 @@ static ts_status packed(ts__direct *r)
             }
         }
     } else {
-        if ((st = ts_tensor_zeros(r->d, 1, &nall, &in)) || (st = ts_tensor_empty(r->d, 1, &block, &out))) goto done;
+        if ((st = ts__tensor_new_cpu(true, r->d, 1, &nall, &in)) || (st = ts__tensor_new_cpu(false, r->d, 1, &block, &out))) goto done;
         for (int j = 0; j < W; j++) {
             unsigned char *p = (unsigned char *)ts_tensor_data(in) + (size_t)j * block * es;
             for (int k = 0; k < r->nseg; k++) {
@@ -600,8 +601,8 @@ static void move(ts__direct *r)
         int tag = (int)(r->seq & TS_P2P_TAG_MAX);
         r->ack_req = ts__calloc(TS_MEM_COMM, (size_t)(2 * W), sizeof *r->ack_req);
         ts_status ast = r->ack_req ? TS_OK : TS_ERR_NO_MEMORY;
-        if (!ast) ast = ts_tensor_empty(TS_I64, 1, &one, &r->ack_out);
-        if (!ast) ast = ts_tensor_zeros(TS_I64, 1, &W, &r->ack_in);
+        if (!ast) ast = ts__tensor_new_cpu(false, TS_I64, 1, &one, &r->ack_out);
+        if (!ast) ast = ts__tensor_new_cpu(true, TS_I64, 1, &W, &r->ack_in);
         if (!ast) *(int64_t *)ts_tensor_data(r->ack_out) = st ? r->rank + 1 : 0;
         for (int j = 0; j < r->W && !ast; j++) {
             if (j == r->rank) continue;

@@ -226,6 +226,11 @@ struct ts_tensor {
 
 /* Allocates a contiguous tensor handle with fresh storage. */
 ts_status ts__tensor_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
+/* A new contiguous CPU tensor whatever the thread's default device (zeroed
+ * when zero is true): the buffers a layer reads and writes itself (a
+ * collective's agreement scalars, staging copies), which must have bytes
+ * even when called inside a meta scope. Errors as ts_tensor_empty. */
+ts_status ts__tensor_new_cpu(bool zero, ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
 /* Allocates a contiguous meta tensor handle (ts__storage_new_meta). */
 ts_status ts__tensor_new_meta(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
 /* True when t's storage is a meta storage (no bytes). */

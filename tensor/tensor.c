@@ -121,6 +121,16 @@ ts_status ts__tensor_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tens
     return TS_OK;
 }
 
+ts_status ts__tensor_new_cpu(bool zero, ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+{
+    ts_status st = ts_device_scope_enter(TS_DEVICE_CPU);
+    if (st)
+        return st;
+    st = zero ? ts_tensor_zeros(dtype, ndim, shape, out) : ts_tensor_empty(dtype, ndim, shape, out);
+    ts_status ex = ts_device_scope_exit();
+    return st ? st : ex;
+}
+
 ts_status ts__tensor_new_meta(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
 {
     ts_tensor *t = handle_new();

@@ -53,9 +53,8 @@ static inline ts_module *build(const step_opts *o)
     if (o->hsdp) {
         int64_t shape[2] = {ts_comm_size(ts_dist_world()), 1};
         const char *names[2] = {"replicate", "shard"};
-        MS_OK(ts_device_scope_enter(TS_DEVICE_CPU)); /* the mesh's groups exchange real tensors */
+        /* inside the meta scope: the mesh's groups exchange their own CPU tensors */
         MS_OK(ts_mesh_new(ts_dist_world(), "cpu", 2, shape, names, &g_ms_mesh));
-        MS_OK(ts_device_scope_exit());
         fo.mesh = g_ms_mesh;
     }
     ts__fsdp_set_copy_free(o->copy_free);
