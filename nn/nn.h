@@ -413,7 +413,8 @@ TS_API ts_status ts_module_load_state_dict(ts_module *m, const ts_state_dict *sd
  * so a saver in another container that shares the folder may lose its
  * temporary file and fail with TS_ERR_IO, never a checkpoint). `metadata` (may be NULL) is a list of n_meta
  * key/value string pairs for "__metadata__". TS_ERR_IO names the path and
- * the system error. */
+ * the system error; TS_ERR_STATE naming the key for a meta tensor (no data:
+ * materialize first), with no file left. */
 TS_API ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const char *const *metadata,
                                      int n_meta);
 /* Reads a safetensors file into a new state dict. A missing file is
@@ -422,7 +423,8 @@ TS_API ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, 
  * holding NaN or Inf load as they are (as torch.load and
  * safetensors.torch.load_file do), with one warning per such tensor that
  * names the key and the count ("... tensor 'w' holds 3 non-finite values
- * (NaN or Inf) of 12"). */
+ * (NaN or Inf) of 12"). The tensors are CPU tensors, also when called
+ * inside a meta device scope. */
 TS_API ts_status ts_safetensors_load(const char *path, ts_state_dict **out);
 /* The same, from a buffer (what the fuzz target drives). */
 TS_API ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out);

@@ -18,6 +18,7 @@
  * TS_ERR_FORMAT and a message that names the source and the key. */
 #define _GNU_SOURCE
 #include "nn/internal.h"
+#include "tensor/internal.h" /* ts__tensor_new_cpu */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -487,7 +488,8 @@ static ts_status st_load_fd(const char *op, const char *path, int fd, ts_state_d
     for (size_t i = 0; i < h.n && !st; i++) {
         const st_entry *e = &h.entries[i];
         ts_tensor *t;
-        if ((st = ts_tensor_empty(e->dtype, e->ndim, e->shape, &t)))
+        /* CPU bytes to read into, even inside a meta device scope */
+        if ((st = ts__tensor_new_cpu(false, e->dtype, e->ndim, e->shape, &t)))
             break;
         char what[ST_NAME_MAX_SHOWN + 32];
         snprintf(what, sizeof what, "tensor '%s'", e->name);
@@ -909,6 +911,11 @@ ts_status ts__st_stream_put(ts__st_stream *s, const ts_tensor *t)
                                     "and %lld",
                                     op, s->path, s->next, ST_NAME_MAX_SHOWN, d->name, ts_dtype_name(ts_tensor_dtype(t)),
                                     (long long)ts_tensor_numel(t), ts_dtype_name(d->dtype), (long long)numel);
+    if (ts_tensor_device(t) == TS_DEVICE_META)
+        return s->failed = ts_error(TS_ERR_STATE,
+                                    "%s: '%s': tensor %d ('%.*s') is on the meta device (it has no data): materialize "
+                                    "the model (ts_fsdp_materialize) or load a checkpoint first",
+                                    op, s->path, s->next, ST_NAME_MAX_SHOWN, d->name);
     s->next++;
     st_writer *w = &s->w;
     size_t nbytes = (size_t)numel * ts_dtype_size(d->dtype);

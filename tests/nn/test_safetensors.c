@@ -1290,3 +1290,41 @@ Test(nn_safetensors, non_finite_values_load_with_a_warning_naming_the_key)
     ts_state_dict_free(sd);
     th_mem_assert_back();
 }
+
+/* A meta tensor has no bytes to save: a clear error naming the key, and
+ * no file; a load inside a meta device scope still gives CPU tensors with
+ * the file's values. */
+Test(nn_safetensors, meta_tensors_are_refused_and_loads_stay_on_the_cpu)
+{
+    ts_state_dict *sd;
+    TH_OK(ts_state_dict_new(&sd));
+    double w[3] = {1, 2, 3};
+    ts_tensor *a = th_tensor(TS_F32, 1, (int64_t[]){3}, w), *m = NULL;
+    TH_OK(ts_device_scope_enter(TS_DEVICE_META));
+    TH_OK(ts_tensor_zeros(TS_F32, 2, (int64_t[]){2, 2}, &m));
+    TH_OK(ts_device_scope_exit());
+    TH_OK(ts_state_dict_set(sd, "a", a));
+    TH_OK(ts_state_dict_set(sd, "deferred.weight", m));
+    char p[128];
+    cr_assert_eq(ts_safetensors_save(tpath(p, sizeof p, "meta.safetensors"), sd, NULL, 0), TS_ERR_STATE);
+    cr_assert_not_null(strstr(ts_last_error(), "'deferred.weight'"), "%s", ts_last_error());
+    cr_assert_not_null(strstr(ts_last_error(), "meta device"), "%s", ts_last_error());
+    cr_assert_neq(access(p, F_OK), 0, "a file was left at %s", p);
+    ts_state_dict_free(sd);
+    TH_OK(ts_state_dict_new(&sd));
+    TH_OK(ts_state_dict_set(sd, "a", a));
+    TH_OK(ts_safetensors_save(p, sd, NULL, 0));
+    ts_state_dict *back = NULL;
+    TH_OK(ts_device_scope_enter(TS_DEVICE_META));
+    ts_status st = ts_safetensors_load(p, &back);
+    TH_OK(ts_device_scope_exit());
+    TH_OK(st);
+    cr_assert_eq(ts_tensor_device(ts_state_dict_get(back, "a")), TS_DEVICE_CPU);
+    double v[3];
+    th_vals(ts_state_dict_get(back, "a"), v, 3);
+    cr_assert(v[0] == 1 && v[1] == 2 && v[2] == 3);
+    ts_state_dict_free(back);
+    ts_state_dict_free(sd);
+    ts_tensor_free(a);
+    ts_tensor_free(m);
+}
