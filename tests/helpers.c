@@ -514,6 +514,38 @@ char **th_job_environ(size_t extra, size_t *n_out)
     return th_environ_without(drop, sizeof drop / sizeof drop[0], extra, n_out);
 }
 
+char *th_tsrun_self(int W, const char *role)
+{
+    char *exe = th_self_exe(), tsrun[4096], nproc[16], role_env[256], timeout[] = "TS_DIST_TIMEOUT=120";
+    snprintf(tsrun, sizeof tsrun, "%s/tools/tsrun", TS_BUILD_DIR);
+    snprintf(nproc, sizeof nproc, "%d", W);
+    snprintf(role_env, sizeof role_env, "%s", role);
+    cr_assert_eq(access(tsrun, X_OK), 0, "%s is not built", tsrun);
+    size_t k;
+    char **envp = th_job_environ(2, &k);
+    envp[k++] = role_env;
+    envp[k++] = timeout;
+    envp[k] = NULL;
+    int fd = memfd_create("ts-tsrun-out", MFD_CLOEXEC);
+    cr_assert_geq(fd, 0);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, fd, 1);
+    posix_spawn_file_actions_adddup2(&fa, fd, 2);
+    char *argv[] = {tsrun, "--nproc-per-node", nproc, exe, NULL};
+    pid_t pid;
+    cr_assert_eq(posix_spawn(&pid, tsrun, &fa, NULL, argv, envp), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    free(envp);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    char *out = th_slurp_fd(fd);
+    close(fd);
+    cr_log_info("%s", out);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "tsrun: status %d; output:\n%s", status, out);
+    return out;
+}
+
 void th_rank_check(int code, const char *expr, ts_status s)
 {
     if (s == TS_OK)

@@ -126,32 +126,7 @@ __attribute__((constructor)) static void mem_rank_role(void)
 
 Test(fully_shard_memory_estimate_dist, predicted_peak_within_10_percent_on_2_ranks, .timeout = 240)
 {
-    char *exe = th_self_exe(), tsrun[4096];
-    snprintf(tsrun, sizeof tsrun, "%s/tools/tsrun", TS_BUILD_DIR);
-    cr_assert_eq(access(tsrun, X_OK), 0, "%s is not built", tsrun);
-    size_t k;
-    char **envp = th_job_environ(2, &k);
-    char role[] = "TS_TEST_MEM_RANK=1", timeout[] = "TS_DIST_TIMEOUT=120";
-    envp[k++] = role;
-    envp[k++] = timeout;
-    envp[k] = NULL;
-    int fd = memfd_create("ts-mem-out", MFD_CLOEXEC);
-    cr_assert_geq(fd, 0);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, fd, 1);
-    posix_spawn_file_actions_adddup2(&fa, fd, 2);
-    char *argv[] = {tsrun, "--nproc-per-node", "2", exe, NULL};
-    pid_t pid;
-    cr_assert_eq(posix_spawn(&pid, tsrun, &fa, NULL, argv, envp), 0);
-    posix_spawn_file_actions_destroy(&fa);
-    free(envp);
-    int status;
-    cr_assert_eq(waitpid(pid, &status, 0), pid);
-    char *out = th_slurp_fd(fd);
-    close(fd);
-    cr_log_info("%s", out);
-    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "tsrun: status %d; output:\n%s", status, out);
+    char *out = th_tsrun_self(2, "TS_TEST_MEM_RANK=1");
     static const char *const lines[] = {"rank 0 fsdp:", "rank 1 fsdp:", "rank 0 fsdp-nopf:", "rank 1 fsdp-nopf:",
                                         "rank 0 fsdp-ac:", "rank 1 fsdp-ac:"};
     for (int i = 0; i < 6; i++) cr_expect(strstr(out, lines[i]) != NULL, "no line '%s' in:\n%s", lines[i], out);

@@ -115,32 +115,7 @@ __attribute__((constructor)) static void meta_rank_role(void)
 
 Test(fully_shard_meta_step_dist, ledger_equals_the_real_step_on_2_ranks, .timeout = 240)
 {
-    char *exe = th_self_exe(), tsrun[4096];
-    snprintf(tsrun, sizeof tsrun, "%s/tools/tsrun", TS_BUILD_DIR);
-    cr_assert_eq(access(tsrun, X_OK), 0, "%s is not built", tsrun);
-    size_t k;
-    char **envp = th_job_environ(2, &k);
-    char role[] = "TS_TEST_META_RANK=1", timeout[] = "TS_DIST_TIMEOUT=120";
-    envp[k++] = role;
-    envp[k++] = timeout;
-    envp[k] = NULL;
-    int fd = memfd_create("ts-meta-out", MFD_CLOEXEC);
-    cr_assert_geq(fd, 0);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, fd, 1);
-    posix_spawn_file_actions_adddup2(&fa, fd, 2);
-    char *argv[] = {tsrun, "--nproc-per-node", "2", exe, NULL};
-    pid_t pid;
-    cr_assert_eq(posix_spawn(&pid, tsrun, &fa, NULL, argv, envp), 0);
-    posix_spawn_file_actions_destroy(&fa);
-    free(envp);
-    int status;
-    cr_assert_eq(waitpid(pid, &status, 0), pid);
-    char *out = th_slurp_fd(fd);
-    close(fd);
-    cr_log_info("%s", out);
-    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "tsrun: status %d; output:\n%s", status, out);
+    char *out = th_tsrun_self(2, "TS_TEST_META_RANK=1");
     for (int r = 0; r < 2; r++)
         for (int i = 0; i < N_CASES; i++) {
             char line[96];
