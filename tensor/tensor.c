@@ -100,25 +100,32 @@ static ts_tensor *handle_new(void)
     return t;
 }
 
-ts_status ts__tensor_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+/* A contiguous handle over fresh storage: a pool block, or a meta storage
+ * (no bytes). */
+static ts_status tensor_new(bool meta, ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
 {
-    if (ts__meta_mode())
-        return ts__tensor_new_meta(dtype, ndim, shape, out);
     ts_tensor *t = handle_new();
     if (!t)
         return TS_ERR_NO_MEMORY;
     t->dtype = dtype;
+    t->device = meta ? TS_DEVICE_META : TS_DEVICE_CPU;
     t->ndim = ndim;
     if (ndim)
         memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
     ts__contiguous_strides(ndim, shape, t->strides);
-    ts_status st = ts__storage_new((size_t)ts__numel(ndim, shape) * ts_dtype_size(dtype), &t->storage);
+    size_t nbytes = (size_t)ts__numel(ndim, shape) * ts_dtype_size(dtype);
+    ts_status st = meta ? ts__storage_new_meta(nbytes, &t->storage) : ts__storage_new(nbytes, &t->storage);
     if (st) {
         ts__free(TS_MEM_TENSOR, t);
         return st;
     }
     *out = t;
     return TS_OK;
+}
+
+ts_status ts__tensor_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+{
+    return tensor_new(ts__meta_mode(), dtype, ndim, shape, out);
 }
 
 ts_status ts__tensor_new_cpu(bool zero, ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
@@ -133,22 +140,7 @@ ts_status ts__tensor_new_cpu(bool zero, ts_dtype dtype, int ndim, const int64_t 
 
 ts_status ts__tensor_new_meta(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
 {
-    ts_tensor *t = handle_new();
-    if (!t)
-        return TS_ERR_NO_MEMORY;
-    t->dtype = dtype;
-    t->device = TS_DEVICE_META;
-    t->ndim = ndim;
-    if (ndim)
-        memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
-    ts__contiguous_strides(ndim, shape, t->strides);
-    ts_status st = ts__storage_new_meta((size_t)ts__numel(ndim, shape) * ts_dtype_size(dtype), &t->storage);
-    if (st) {
-        ts__free(TS_MEM_TENSOR, t);
-        return st;
-    }
-    *out = t;
-    return TS_OK;
+    return tensor_new(true, dtype, ndim, shape, out);
 }
 
 ts_status ts__tensor_alias(const ts_tensor *t, int ndim, const int64_t *shape, const int64_t *strides,

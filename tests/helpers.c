@@ -514,10 +514,10 @@ char **th_job_environ(size_t extra, size_t *n_out)
     return th_environ_without(drop, sizeof drop / sizeof drop[0], extra, n_out);
 }
 
-char *th_tsrun_self(int W, const char *role)
+char *th_tsrun_self(const char *build_dir, int W, const char *role)
 {
     char *exe = th_self_exe(), tsrun[4096], nproc[16], role_env[256], timeout[] = "TS_DIST_TIMEOUT=120";
-    snprintf(tsrun, sizeof tsrun, "%s/tools/tsrun", TS_BUILD_DIR);
+    snprintf(tsrun, sizeof tsrun, "%s/tools/tsrun", build_dir);
     snprintf(nproc, sizeof nproc, "%d", W);
     snprintf(role_env, sizeof role_env, "%s", role);
     cr_assert_eq(access(tsrun, X_OK), 0, "%s is not built", tsrun);

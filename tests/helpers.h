@@ -165,12 +165,12 @@ char **th_environ_without(const char *const *drop, size_t n_drop, size_t extra, 
  * SLURM_PROCID, TS_LAUNCHER_PID, TS_STORE_HOSTED), room for `extra` more
  * entries; the caller frees it. */
 char **th_job_environ(size_t extra, size_t *n_out);
-/* Runs this test binary (th_self_exe) on W ranks under tools/tsrun
- * (TS_BUILD_DIR) with th_job_environ plus `role` ("VAR=1": the rank's
+/* Runs this test binary (th_self_exe) on W ranks under
+ * build_dir/tools/tsrun (pass TS_BUILD_DIR) with th_job_environ plus `role` ("VAR=1": the rank's
  * role variable) and TS_DIST_TIMEOUT=120, its stdout and stderr in one
  * memfd; asserts that tsrun exited 0 (printing the output otherwise) and
  * returns the output (the caller frees it). */
-char *th_tsrun_self(int W, const char *role);
+char *th_tsrun_self(const char *build_dir, int W, const char *role);
 /* Unsets the variables a launcher or scheduler sets for a rank (RANK,
  * WORLD_SIZE, MASTER_ADDR, ...), so a test starts from none of them. */
 void th_clear_launch_env(void);

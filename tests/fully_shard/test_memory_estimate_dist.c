@@ -126,7 +126,7 @@ __attribute__((constructor)) static void mem_rank_role(void)
 
 Test(fully_shard_memory_estimate_dist, predicted_peak_within_10_percent_on_2_ranks, .timeout = 240)
 {
-    char *out = th_tsrun_self(2, "TS_TEST_MEM_RANK=1");
+    char *out = th_tsrun_self(TS_BUILD_DIR, 2, "TS_TEST_MEM_RANK=1");
     static const char *const lines[] = {"rank 0 fsdp:", "rank 1 fsdp:", "rank 0 fsdp-nopf:", "rank 1 fsdp-nopf:",
                                         "rank 0 fsdp-ac:", "rank 1 fsdp-ac:"};
     for (int i = 0; i < 6; i++) cr_expect(strstr(out, lines[i]) != NULL, "no line '%s' in:\n%s", lines[i], out);

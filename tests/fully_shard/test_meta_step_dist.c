@@ -115,7 +115,7 @@ __attribute__((constructor)) static void meta_rank_role(void)
 
 Test(fully_shard_meta_step_dist, ledger_equals_the_real_step_on_2_ranks, .timeout = 240)
 {
-    char *out = th_tsrun_self(2, "TS_TEST_META_RANK=1");
+    char *out = th_tsrun_self(TS_BUILD_DIR, 2, "TS_TEST_META_RANK=1");
     for (int r = 0; r < 2; r++)
         for (int i = 0; i < N_CASES; i++) {
             char line[96];
