@@ -270,17 +270,24 @@ static void canon_strides(int64_t rows, int64_t cols, int64_t *rs, int64_t *cs)
         *cs = rows * *rs;
 }
 
+/* gemm_sgemm's block sizes: B's block as wide as the budget allows (all
+ * of n for the Linear shapes: A is then converted once), A's as tall. The
+ * scratch estimate and the meta ledger read them from here too. */
+static void sgemm_blocks(int64_t m, int64_t n, int64_t k, int64_t *mc_out, int64_t *nc_out)
+{
+    int64_t nc = 2 * BLK_FLOATS / k, mc = 2 * BLK_FLOATS / k;
+    nc = nc < 64 ? 64 : nc;
+    mc = mc < 64 ? 64 : mc > 1024 ? 1024 : mc;
+    *nc_out = nc > n ? n : nc;
+    *mc_out = mc > m ? m : mc;
+}
+
 static bool gemm_sgemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t rsa, int64_t csa,
                        const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c, int64_t rsc,
                        int64_t csc)
 {
-    /* B's block as wide as the budget allows (all of n for the Linear
-     * shapes: A is then converted once), A's as tall */
-    int64_t nc = 2 * BLK_FLOATS / k, mc = 2 * BLK_FLOATS / k;
-    nc = nc < 64 ? 64 : nc;
-    mc = mc < 64 ? 64 : mc > 1024 ? 1024 : mc;
-    nc = nc > n ? n : nc;
-    mc = mc > m ? m : mc;
+    int64_t mc, nc;
+    sgemm_blocks(m, n, k, &mc, &nc);
     scratch sa, sb, sc, sr;
     sr.p = NULL;
     if (!scratch_get(&sa, (size_t)(mc * k) * sizeof(float)))
@@ -638,11 +645,8 @@ size_t ts__gemm_half_scratch_bytes(ts_dtype dt, int64_t m, int64_t n, int64_t k,
         return ts__pool_block_bytes((size_t)(npan * kp * NR) * sizeof(uint32_t)) + (size_t)nt * per;
     }
 #endif
-    int64_t nc = 2 * BLK_FLOATS / k, mc = 2 * BLK_FLOATS / k;
-    nc = nc < 64 ? 64 : nc;
-    mc = mc < 64 ? 64 : mc > 1024 ? 1024 : mc;
-    nc = nc > n ? n : nc;
-    mc = mc > m ? m : mc;
+    int64_t mc, nc;
+    sgemm_blocks(m, n, k, &mc, &nc);
     return ts__pool_block_bytes((size_t)(mc * k) * sizeof(float)) + ts__pool_block_bytes((size_t)(nc * k) * sizeof(float)) +
            ts__pool_block_bytes((size_t)(mc * nc) * sizeof(float)) +
            (beta ? ts__pool_block_bytes((size_t)nc * sizeof(float)) : 0);
@@ -673,11 +677,8 @@ void ts__gemm_half_meta(ts_dtype dt, int64_t m, int64_t n, int64_t k, float beta
         return;
     }
 #endif
-    int64_t nc = 2 * BLK_FLOATS / k, mc = 2 * BLK_FLOATS / k;
-    nc = nc < 64 ? 64 : nc;
-    mc = mc < 64 ? 64 : mc > 1024 ? 1024 : mc;
-    nc = nc > n ? n : nc;
-    mc = mc > m ? m : mc;
+    int64_t mc, nc;
+    sgemm_blocks(m, n, k, &mc, &nc);
     size_t b[4] = {(size_t)(mc * k) * sizeof(float), (size_t)(nc * k) * sizeof(float),
                    (size_t)(mc * nc) * sizeof(float), (size_t)nc * sizeof(float)};
     ts__meta_scratch(row ? 4 : 3, b);
