@@ -37,8 +37,9 @@
 # --steps N: train_gpt steps per run (default 5: the first is left out of the
 #   median); --torch-steps N: torch's timed steps after 1 warmup (default 5).
 # --medium-cap SIZE: the per-rank cap of the medium rows, bytes or tsrun's
-#   units (default: 0.6 of the unsharded training state, 3.6 GiB: above the
-#   W = 8 estimate with eager init, 3.1 GiB; with --quick 0.9 of it).
+#   units (default: 0.33 of the unsharded training state, 2.0 GiB: above the
+#   W = 8 estimate with deferred init, 1.6 GiB, and a third of what one
+#   rank would need; with --quick 0.9 of it).
 # --keep DIR: keep every run's log and JSON there (default: a temporary
 #   folder, removed). Exit status: 0 when every row that ran passed its
 #   check (runs completed; the medium loss fell; W = 1 refused), else 1.
@@ -87,7 +88,7 @@ if [ "$quick" = 1 ]; then
     cap_frac=0.9 small_name="quick (2 layers, d 64, seq 64, vocab 1000)" medium_name="quick medium (2 layers, d 256, seq 64, vocab 50257)"
 else
     small=(--layers 12 --dim 768 --heads 12 --seq 512 --vocab 50257) mshape=(--layers 24 --dim 1024 --heads 16 --seq 512 --vocab 50257)
-    cap_frac=0.6 small_name="GPT-2-small (12 layers, d 768, 12 heads, seq 512, vocab 50257)"
+    cap_frac=0.33 small_name="GPT-2-small (12 layers, d 768, 12 heads, seq 512, vocab 50257)"
     medium_name="GPT-2-medium (24 layers, d 1024, 16 heads, seq 512, vocab 50257)"
 fi
 export TS_NUM_THREADS=$threads
@@ -165,6 +166,13 @@ if [ "$medium" = 1 ]; then
     nparam=$((L * (12 * D * D + 13 * D) + 2 * V * D + T * D + 2 * D))
     state=$((16 * nparam))
     cap=${medium_cap:-$(awk -v s="$state" -v f="$cap_frac" 'BEGIN {printf "%d", s * f}')}
+    # the cap in bytes for the table (tsrun's units: binary, K M G T, with an optional i/B)
+    cap_bytes=$(awk -v c="$cap" 'BEGIN {
+        if (!match(c, /^[0-9]+(\.[0-9]+)? ?/)) { print -1; exit }
+        n = substr(c, 1, RLENGTH) + 0; u = tolower(substr(c, RLENGTH + 1)); sub(/i?b$/, "", u)
+        k = index("kmgtpe", u); if (u != "" && (length(u) != 1 || k == 0)) { print -1; exit }
+        printf "%.0f", n * 2 ^ (10 * (u == "" ? 0 : k)) }')
+    [ "$cap_bytes" -gt 0 ] 2>/dev/null || { echo "bench_scale: --medium-cap '$cap' is not a size (bytes, or 2GiB, 1.5G, 800M)" >&2; exit 2; }
     mflags=("${mshape[@]}" --batch 1 --steps "$medium_steps" --lr 3e-4 --data-batches 1 --param-dtype bf16 --checkpoint-activations)
     j=$out/medium-w8.json l=$out/medium-w8.log
     if run_c "medium W=8" 8 "$j" "$l" --memory-per-rank "$cap" -- "${mflags[@]}"; then
@@ -185,7 +193,7 @@ if [ "$medium" = 1 ]; then
     else
         rows+=("medium W = 1, cap|s||NOT REFUSED (exit $st): $(tail -1 "$l")"); fail=1
     fi
-    medium_line="Medium rows: $medium_name, $nparam parameters, unsharded training state $state bytes ($(awk -v s="$state" 'BEGIN {printf "%.2f", s / 1073741824}') GiB); --memory-per-rank $cap ($(awk -v s="$cap" 'BEGIN {printf "%.2f", s / 1073741824}') GiB), --param-dtype bf16 --checkpoint-activations --lr 3e-4 --data-batches 1 (one random batch), $medium_steps steps."
+    medium_line="Medium rows: $medium_name, $nparam parameters, unsharded training state $state bytes ($(awk -v s="$state" 'BEGIN {printf "%.2f", s / 1073741824}') GiB); --memory-per-rank $cap ($(awk -v s="$cap_bytes" 'BEGIN {printf "%.2f", s / 1073741824}') GiB), --param-dtype bf16 --checkpoint-activations --lr 3e-4 --data-batches 1 (one random batch), $medium_steps steps."
 fi
 
 # the table
