@@ -114,6 +114,7 @@ typedef struct est {
     ts_tensor *x, *tg;
     int64_t rows;
     size_t model_bytes, param_bytes, group_bytes, ag_bytes;
+    size_t model_pinned; /* of model_bytes, pinned blocks (offload's shards): not the pool's */
     size_t *full_sizes; /* eager start-up: each parameter's full block */
     int n_full;
     int64_t n_params;
@@ -550,7 +551,9 @@ static ts_status setup(est *e)
     for (int i = 0; i < e->np.n; i++) {
         ts_tensor *t = *e->np.items[i].slot;
         if (i == 0) pdt = ts_tensor_dtype(t);
-        e->param_bytes += seen_add(&set, t);
+        size_t b = seen_add(&set, t);
+        e->param_bytes += b;
+        if (ts_storage_is_pinned(ts_tensor_storage(t))) e->model_pinned += b;
         fsdp_param *fp = ts__fsdp_find_param(&e->gw, t, NULL);
         int64_t full = fp ? fp->numel : ts_tensor_numel(t);
         e->n_params += full;
@@ -642,7 +645,7 @@ ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options
     int64_t p = pk->fwd > pk->bwd ? pk->fwd : pk->bwd;
     if (pk->opt > p) p = pk->opt;
     r.peak_bytes = nonneg(base + p);
-    r.pool_peak_bytes = nonneg(base + pk->pool);
+    r.pool_peak_bytes = nonneg(base - (int64_t)e->model_pinned + pk->pool); /* pinned blocks are not the pool's */
     if (r.pool_peak_bytes < r.peak_bytes) r.pool_peak_bytes = r.peak_bytes;
     r.checkpointed = o->checkpoint_blocks || e->any_ckpt;
     r.n_blocks = e->n_blocks;
