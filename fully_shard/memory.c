@@ -115,7 +115,7 @@ typedef struct est {
     int64_t rows;
     size_t model_bytes, param_bytes, group_bytes, ag_bytes;
     size_t model_pinned; /* of model_bytes, pinned blocks (offload's shards): not the pool's */
-    size_t *full_sizes; /* eager start-up: each parameter's full block */
+    size_t *full_sizes; /* eager start-up: the blocks the pool keeps cached after it ([Note: eager start-up]) */
     int n_full;
     int64_t n_params;
     bool any_ckpt, saved;
@@ -448,7 +448,7 @@ static ts_status play(est *e, int ckpt, run_out *r)
     if (!st) {
         ts_meta_reset();
         ts_meta_stats s0 = ts_meta_get_stats();
-        if (e->o->eager_init && e->gw.n && e->n_full) ts__meta_cache_blocks(e->n_full, e->full_sizes);
+        if (e->n_full) ts__meta_cache_blocks(e->n_full, e->full_sizes);
         int64_t live0 = (int64_t)s0.live, lb = leftovers(e);
         st = make_optim(e, &opt);
         e->stepping = true;
@@ -501,6 +501,66 @@ static ts_status find_emb(void *ctx, const char *fqn, ts_module *m)
     first_emb *f = ctx;
     if (strchr(fqn, '.')) return TS_OK;
     if (!strcmp(ts__fsdp_own_type(m), "Embedding")) f->ids = true;
+    return TS_OK;
+}
+
+/* [Note: eager start-up]
+ * With eager_init each rank built the whole model, then ts_fully_shard
+ * sharded it group by group (the blocks first, the root last, as the
+ * calls go): the group's sharded buffer made while every full parameter
+ * still lives, each parameter's unsharded tensor made and released in
+ * turn (fully_shard/param.c), then the group's full parameters freed.
+ * The pool keeps every block it handed out, per size class: what it holds
+ * afterwards is, for each class, the most blocks of it live at once. Of
+ * those, the sharded buffers are the model's own; the rest are cached
+ * blocks that the step's allocations of their classes reuse. This plays
+ * those counts and writes the cached blocks into e->full_sizes. */
+typedef struct cls_ct {
+    size_t bytes;
+    int64_t live, peak;
+} cls_ct;
+
+static void cls_add(cls_ct *c, int *n, size_t nbytes, int64_t d)
+{
+    size_t cb = ts__pool_block_bytes(nbytes);
+    int i = 0;
+    while (i < *n && c[i].bytes != cb) i++;
+    if (i == *n) c[(*n)++] = (cls_ct){cb, 0, 0};
+    c[i].live += d;
+    if (c[i].live > c[i].peak) c[i].peak = c[i].live;
+}
+
+static ts_status eager_start_up(est *e)
+{
+    int cap = 1, n = 0, nf = 0;
+    for (int i = 0; i < e->gw.n; i++) cap += 2 * e->gw.g[i]->n + 1;
+    cls_ct *c = calloc((size_t)cap, sizeof *c);
+    if (!c) return TS_ERR_NO_MEMORY;
+    fsdp_group *rg = e->root ? e->root->group : NULL;
+    for (int i = 0; i < e->gw.n; i++)
+        for (int k = 0; k < e->gw.g[i]->n; k++) cls_add(c, &n, (size_t)e->gw.g[i]->params[k].numel * e->gw.g[i]->es, 1);
+    for (int j = 0; j <= e->gw.n; j++) { /* the blocks in order, the root's group last */
+        fsdp_group *g = j < e->gw.n ? e->gw.g[j] : rg;
+        if (!g || (j < e->gw.n && g == rg)) continue;
+        if (!ts_storage_is_pinned(ts_tensor_storage(g->sharded))) cls_add(c, &n, (size_t)g->shard_numel * g->es, 1);
+        for (int k = 0; k < g->n; k++) {
+            cls_add(c, &n, (size_t)g->params[k].numel * g->ues, 1);
+            cls_add(c, &n, (size_t)g->params[k].numel * g->ues, -1);
+        }
+        for (int k = 0; k < g->n; k++) cls_add(c, &n, (size_t)g->params[k].numel * g->es, -1);
+    }
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += c[i].peak - c[i].live;
+    free(e->full_sizes);
+    e->full_sizes = calloc((size_t)(total ? total : 1), sizeof *e->full_sizes);
+    if (!e->full_sizes) {
+        free(c);
+        return TS_ERR_NO_MEMORY;
+    }
+    for (int i = 0; i < n; i++)
+        for (int64_t k = c[i].live; k < c[i].peak; k++) e->full_sizes[nf++] = c[i].bytes;
+    e->n_full = nf;
+    free(c);
     return TS_OK;
 }
 
@@ -557,7 +617,6 @@ static ts_status setup(est *e)
         fsdp_param *fp = ts__fsdp_find_param(&e->gw, t, NULL);
         int64_t full = fp ? fp->numel : ts_tensor_numel(t);
         e->n_params += full;
-        e->full_sizes[e->n_full++] = (size_t)full * ts_dtype_size(ts_tensor_dtype(t));
     }
     e->model_bytes = e->param_bytes;
     ts_named_params bufs = {0};
@@ -568,6 +627,7 @@ static ts_status setup(est *e)
     for (int i = 0; i < bufs.n; i++) e->model_bytes += seen_add(&set, *bufs.items[i].slot);
     ts_named_params_free(&bufs);
     ts__free(TS_MEM_NN, set.s);
+    if (e->o->eager_init && e->gw.n && (st = eager_start_up(e))) return st;
     if ((st = save_state(e))) return st;
     /* inside the meta scope from here: the input, the targets, the optimizer's stand-ins */
     first_emb fe = {m, false, false};
