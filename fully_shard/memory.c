@@ -490,12 +490,11 @@ static ts_status check_options(const ts_fsdp_memory_options *o)
 }
 
 typedef struct first_emb {
-    ts_module *root;
-    bool ids, decided;
+    bool ids;
 } first_emb;
 
-/* The rule for the input's dtype ([fully_shard.h]): token ids when the
- * root, or one of its direct children, is an Embedding. */
+/* The rule for the input's dtype (fully_shard.h, input_dtype): token ids
+ * when the root, or one of its direct children, is an Embedding. */
 static ts_status find_emb(void *ctx, const char *fqn, ts_module *m)
 {
     first_emb *f = ctx;
@@ -630,7 +629,7 @@ static ts_status setup(est *e)
     if (e->o->eager_init && e->gw.n && (st = eager_start_up(e))) return st;
     if ((st = save_state(e))) return st;
     /* inside the meta scope from here: the input, the targets, the optimizer's stand-ins */
-    first_emb fe = {m, false, false};
+    first_emb fe = {false};
     (void)ts_module_named_modules(m, find_emb, &fe);
     ts_dtype xd = o->input_dtype != TS_DTYPE_KEEP ? o->input_dtype : fe.ids ? TS_I64 : pdt;
     if ((st = ts_tensor_zeros(xd, o->input_ndim, o->input_shape, &e->x))) return st;
