@@ -660,3 +660,27 @@ Test(fully_shard_memory_estimate, hypothetical_sharding_equals_real_ranks, .time
     cr_expect(g3.param_bytes < g1.param_bytes / 2 && g3.peak_bytes < g1.peak_bytes, "3 ranks %zu / %zu, 1 rank %zu / %zu",
               g3.param_bytes, g3.peak_bytes, g1.param_bytes, g1.peak_bytes);
 }
+
+/* The virtual world moves no data: a collective a build function
+ * attempts on it (here a 2-d HSDP mesh, whose groups need an agreement)
+ * fails at once with TS_ERR_UNSUPPORTED naming it, and the estimate
+ * returns that; no hang. */
+static ts_status build_hsdp(void *ctx, ts_mesh *mesh, ts_module **out)
+{
+    (void)ctx, (void)out;
+    int64_t shape[2] = {2, 2};
+    const char *names[2] = {"replicate", "shard"};
+    ts_mesh *m2 = NULL;
+    ts_status st = ts_mesh_new(ts_mesh_group(mesh, "dp"), "cpu", 2, shape, names, &m2);
+    ts_mesh_free(m2);
+    return st ? st : TS_ERR_INTERNAL;
+}
+
+Test(fully_shard_memory_estimate, virtual_world_refuses_collectives, .timeout = 30)
+{
+    ts_fsdp_memory_options mo = ec_user_options();
+    mo.world_size = 4;
+    ts_fsdp_memory_report r;
+    cr_expect_eq(ts_fsdp_memory_estimate_build(build_hsdp, NULL, &mo, &r), TS_ERR_UNSUPPORTED);
+    cr_expect(strstr(ts_last_error(), "virtual communicator") != NULL, "%s", ts_last_error());
+}
