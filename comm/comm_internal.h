@@ -29,6 +29,13 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out);
 /* Fails what is still pending (TS_ERR_COMM), joins the thread, destroys
  * the transport. Bounded in time. Accepts NULL. */
 void ts__world_free(ts_comm *world);
+/* A world of `size` ranks (at most 128) of which this process is rank 0
+ * and no other exists (comm/transport_virtual.c; PyTorch's
+ * FakeProcessGroup): a 1-d mesh over it and fully_shard's meta step work,
+ * every message a collective would send fails at once with
+ * TS_ERR_UNSUPPORTED. For ts_fsdp_memory_estimate's hypothetical
+ * sharding. Free with ts__world_free. */
+ts_status ts__virtual_world_new(int size, ts_comm **world_out);
 
 /* Fails `world` from outside its collectives (ts_dist_init's watch of
  * the store: a duplicate RANK found after the rendezvous): every pending

@@ -33,10 +33,24 @@ void ts_fsdp_set_event_hook(ts_fsdp_event_fn fn, void *ctx)
     g_event_ctx = ctx;
 }
 
+/* The calling thread's observer (memory.c's estimate) and virtual world. */
+static _Thread_local ts_fsdp_event_fn tl_observer;
+static _Thread_local void *tl_observer_ctx;
+static _Thread_local ts_comm *tl_virtual_world;
+
+void ts__fsdp_set_observer(ts_fsdp_event_fn fn, void *ctx)
+{
+    tl_observer = fn;
+    tl_observer_ctx = ctx;
+}
+
+void ts__fsdp_set_virtual_world(ts_comm *world) { tl_virtual_world = world; }
+
 void ts__fsdp_event(const char *what, const char *fqn)
 {
     ts_logf(TS_LOG_DEBUG, "FSDP::%s (%s)", what, fqn);
     if (g_event_fn) g_event_fn(g_event_ctx, what, fqn);
+    if (tl_observer) tl_observer(tl_observer_ctx, what, fqn);
 }
 
 /* A hook's span in the trace (TS_TRACE), from t0 (0: not tracing) to now,
@@ -269,6 +283,7 @@ static ts_status check_world_started(const char *fn, const ts_fsdp_options *o)
 {
     if (ts_dist_is_initialized()) return TS_OK;
     if (o->mesh && ts_mesh_size(o->mesh, NULL) > 1) return TS_OK; /* a world made some other way (loopback) */
+    if (o->mesh && tl_virtual_world && ts__mesh_world(o->mesh) == tl_virtual_world) return TS_OK; /* an estimate's */
     ts_rank_env env;
     char saved[1024];
     ts_status saved_st = ts_last_status();
@@ -519,7 +534,7 @@ static ts_status check_options(const char *fn, const ts_fsdp_options *o)
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: mesh device '%s' (only cpu)", fn,
                             ts_mesh_device_type(o->mesh));
         ts_comm *w = ts__mesh_world(o->mesh);
-        if (ts_dist_is_initialized() && w != ts_dist_world())
+        if (ts_dist_is_initialized() && w != ts_dist_world() && w != tl_virtual_world)
             return ts_error(TS_ERR_INVALID_ARGUMENT,
                             "%s: the mesh (%lld ranks) was not made over the initialized world (%d ranks): make it "
                             "with ts_mesh_new after ts_dist_init",

@@ -570,27 +570,30 @@ TS_API ts_status ts_fsdp_full_state_dict(ts_module *module, bool rank0_only, ts_
 TS_API ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *sd, bool strict);
 
 /* ------------------------------------------------------------ memory
- * (fully_shard/memory.c) What one training step (forward, cross-entropy
- * loss, backward, optimizer step, zero_grad(set_to_none)) holds per rank
- * in tensor storage (TS_MEM_STORAGE: the caching pool's blocks, each
- * rounded up to its size class), predicted before running it: DeepSpeed's
- * estimate_zero3_* idea, for this library's ops. The model is walked
- * module by module with the input's shape; each op's forward outputs,
- * what autograd saves for its backward (Linear its input, GELU its input,
- * LayerNorm its input and float64 mean and rstd, attention the packed
- * q/k/v and the probabilities, dropout with p > 0 its input and mask,
- * cross-entropy its log-softmax) and the gradients its backward makes
- * are played on a model of the pool, with fully_shard's all-gather and
- * unsharded buffers, prefetch, reshard, reduce-scatter buffers and
- * shard gradients at the points where the hooks make and free them
- * (docs/fully_shard.md, "Memory"). The step is the usual loop: logits
- * cast to float32 for the loss when a policy computes in 16 bits; the
- * caller's ids and targets are not counted. Supported models: the GPT of
- * nn/gpt.c in the layout ts_gpt_new makes (Block, MultiheadAttention,
- * LayerNorm, Linear, GELU, Dropout, Embedding), sharded or not, its
- * blocks checkpointed or not; any other model or module type is
- * TS_ERR_UNSUPPORTED naming it. */
-
+ * (fully_shard/memory.c; docs/memory.md) What one training step holds per
+ * rank in tensor storage (TS_MEM_STORAGE: the caching pool's blocks, each
+ * rounded up to its size class), predicted before running it by running
+ * it: the model's own forward (every module type, user-defined ones
+ * included), a cross-entropy loss, the backward, an optimizer step and
+ * zero_grad(set_to_none) are played inside
+ * ts_device_scope_enter(TS_DEVICE_META) (docs/meta.md), where every op and
+ * every fully_shard hook (unshard, prefetch implicit and explicit,
+ * reshard after forward or every N, reduce-scatter, HSDP all-reduce,
+ * microbatch accumulation settings, persistent parameters, offload,
+ * mixed-precision casts, activation checkpointing) takes the pool blocks
+ * the real step would take, on the calling thread's meta ledger, and
+ * computes nothing ([Note: estimate by meta step] in memory.c). Two steps
+ * are played and the second is measured (the optimizer state and the
+ * prefetch order then exist, as after a warm-up step). The step is:
+ * logits = model(input); cast to float32 when 16-bit; reshaped to
+ * (rows, logits' elements / rows), rows being the input's elements for
+ * token ids and its elements over its last dim otherwise; cross-entropy
+ * against int64 targets (rows); backward; the optimizer's step over the
+ * parameters (ts_module_parameters); zero_grad(set_to_none); the logits
+ * and loss freed after that. The caller's input and targets are not
+ * counted. What is not counted: tensor, autograd and module handles, the
+ * caller's own tensors, and (for a model estimated as it is) anything
+ * outside the model the caller keeps alive. */
 typedef enum ts_fsdp_optim_kind {
     TS_FSDP_OPTIM_NONE = 0,     /* no optimizer state */
     TS_FSDP_OPTIM_SGD,          /* plain SGD: no state */
@@ -603,25 +606,41 @@ typedef struct ts_fsdp_memory_options {
      * for a Sequential. */
     int input_ndim;
     int64_t input_shape[TS_MAX_DIMS];
+    /* The input's dtype. TS_DTYPE_KEEP (the default): int64 token ids when
+     * the root or one of its direct children is an Embedding (a GPT-like
+     * model), else the dtype of the model's first parameter. */
+    ts_dtype input_dtype;
     ts_fsdp_optim_kind optim;       /* default TS_FSDP_OPTIM_ADAM */
-    /* Predict the peak with every block activation-checkpointed
-     * (ts_checkpoint_module); false: the blocks as they are (those
-     * ts_checkpoint_module made checkpointed, and no others). */
+    /* Forward/backward passes per step (gradient accumulation, default 1):
+     * with n > 1 the first n - 1 run without gradient sync (every group's
+     * ts_fsdp_set_requires_gradient_sync flag false, put back after), so
+     * the unsharded gradients are held until the last one reduces. Each
+     * pass's logits and loss are freed before the next pass's forward,
+     * the last pass's after the optimizer step. */
+    int microbatches;
+    /* Predict the peak with every block activation-checkpointed (a block:
+     * a module below the root whose ts_fully_shard call made a group of
+     * its own, not inside another block); false: the blocks as they are.
+     * The estimate checkpoints them for its own run and puts their vtables
+     * back (the model is left as it was). */
     bool checkpoint_blocks;
-    /* For a model not sharded yet (ignored for a sharded one, whose groups,
-     * meshes, policies and prefetch settings are read): the ranks it will
-     * be sharded over (default 1), each GPT block its own group and the
-     * root the rest (as ts_fsdp_apply_by_type(model, "Block") then
-     * ts_fully_shard(model)), implicit prefetch on or off (default on),
-     * and the param_dtype of a mixed-precision policy (TS_DTYPE_KEEP:
-     * none, the default). */
+    /* Hypothetical sharding, for ts_fsdp_memory_estimate_gpt and
+     * ts_fsdp_memory_estimate_build (and a GPT of ts_gpt_new not sharded
+     * yet, estimated as ts_fsdp_memory_estimate_gpt of its config): the
+     * ranks (default 1, at most 128), implicit prefetch on or off
+     * (default on) and the GPT's mixed-precision param_dtype
+     * (TS_DTYPE_KEEP: none, the default). Another model not sharded yet
+     * is estimated as it is, unsharded: world_size > 1 or a param_dtype
+     * is then TS_ERR_UNSUPPORTED. A sharded model's own groups, meshes,
+     * policies and prefetch settings are what counts; these are ignored. */
     int world_size;
     bool prefetch;
     ts_dtype param_dtype;
-    /* Each rank built the whole model before sharding it (ts_gpt_new,
-     * then ts_fully_shard; default true): its full parameters' pool blocks
-     * stay cached after sharding (pool_peak_bytes). false for a model
-     * whose ranks never held more than their shards. */
+    /* Each rank built the whole model before sharding it (default true):
+     * the full parameters' pool blocks stay cached after sharding, each in
+     * its size class (pool_peak_bytes). false for a model built deferred
+     * (on the meta device, then ts_fsdp_materialize). Ignored for a model
+     * that is not sharded. */
     bool eager_init;
 } ts_fsdp_memory_options;
 
@@ -635,13 +654,16 @@ typedef struct ts_fsdp_memory_report {
     size_t optim_bytes;        /* optimizer state */
     size_t group_bytes;        /* the largest group while unsharded (its full parameters, in param_dtype) */
     size_t all_gather_bytes;   /* the largest all-gather output buffer (the padded group) */
-    int groups_in_flight;      /* groups unsharded at once at the peak: the one computing and the one prefetched */
-    int n_blocks;              /* GPT blocks (0 for other models) */
-    size_t block_act_bytes;    /* what one block keeps for backward */
-    size_t block_act_ckpt_bytes; /* the same, checkpointed: its input only */
-    size_t act_bytes;          /* everything the forward keeps for backward (blocks, embeddings, head, loss) */
+    int groups_in_flight;      /* the most groups below the root unsharded or being all-gathered at once during
+                                  the measured step (the one computing and the one prefetched: 2 with prefetch) */
+    int n_blocks;              /* blocks: groups below the root, not nested (checkpoint_blocks); 0 unsharded */
+    size_t block_act_bytes;    /* what one block's forward adds and keeps for backward, its output included:
+                                  the mean over the blocks, measured with no block checkpointed */
+    size_t block_act_ckpt_bytes; /* the same with every block checkpointed (about its output only) */
+    size_t act_bytes;          /* what the whole forward (model, cast, loss) keeps for backward, no block
+                                  checkpointed (the unsharded groups' buffers not counted) */
     size_t act_ckpt_bytes;     /* the same with every block checkpointed */
-    size_t forward_peak_bytes; /* the storage peak during forward */
+    size_t forward_peak_bytes; /* the storage peak during forward (model's storages included) */
     size_t backward_peak_bytes;/* the storage peak during backward */
     size_t peak_bytes;         /* the step's peak: the larger of the two and of the optimizer step */
     bool checkpointed;         /* the peaks above are with checkpointed blocks (all, or those the model has) */
@@ -650,7 +672,7 @@ typedef struct ts_fsdp_memory_report {
     size_t pool_peak_bytes;    /* what the caching pool holds after start-up and the step (TS_MEM_POOL): per size
                                   class, the most blocks of it live at once, cached free blocks included, so at
                                   least peak_bytes; with eager_init the full parameters' blocks built at start-up
-                                  count ([Note: pool classes] in fully_shard/memory.c) */
+                                  count, cached in their classes (the ledger's model of the pool: docs/meta.md) */
     size_t floor_bytes;        /* the process floor (comm.h: ts_process_floor_bytes) when estimated */
     size_t rss_peak_bytes;     /* the predicted peak resident set (VmHWM) of the rank: floor_bytes +
                                   pool_peak_bytes. Not counted: tensor, autograd and module handles (0.3 MiB on
@@ -666,23 +688,54 @@ typedef struct ts_fsdp_memory_report {
 TS_API void ts_fsdp_memory_set_floor(ts_fsdp_memory_report *r, size_t floor_bytes);
 
 /* Predicts the per-rank storage of one training step of `model` on an
- * input of o->input_shape (see above for what a step is and which module
- * types are known). Works on a model sharded with ts_fully_shard (from its
- * groups: dtype, padding, mesh size, reshard policy, mixed precision,
- * offload, implicit prefetch) or on one not sharded yet (from o's
- * world_size, prefetch and param_dtype). Not collective; changes nothing.
- * Writes *out only on success. TS_ERR_INVALID_ARGUMENT for NULL or a bad
- * shape (naming it), TS_ERR_SHAPE when the shape does not fit the model,
- * TS_ERR_UNSUPPORTED for a module type it does not know (naming the type
- * and its name), TS_ERR_NO_MEMORY. */
+ * input of o->input_shape (see above for the step). Any module tree:
+ * sharded with ts_fully_shard (its groups, meshes, policies, prefetch
+ * settings and microbatch flags count, HSDP included: each rank predicts
+ * its own), or not sharded (estimated as it is; a GPT of ts_gpt_new as
+ * ts_fsdp_memory_estimate_gpt of its config); on the CPU or on the meta
+ * device (deferred, before ts_fsdp_materialize: the same report). Not
+ * collective: it runs no collective and needs no peer. Changes nothing in
+ * the model: the parameters' gradients, fully_shard's state and the
+ * blocks' vtables are as before, no generator advances (meta draws
+ * nothing), and training afterwards gives the same bits as without it.
+ * It resets the calling thread's meta ledger (ts_meta_reset) and the
+ * process-wide FSDP event hook sees its events. Writes *out only on
+ * success. Errors: TS_ERR_INVALID_ARGUMENT for NULL or bad options
+ * (naming them); TS_ERR_STATE inside a forward or backward, or when a
+ * group is unsharded, reducing or holds unsharded gradients (microbatches
+ * without gradient sync under way: estimate between steps); the model's
+ * own errors for an input it refuses (TS_ERR_SHAPE, TS_ERR_DTYPE, ...,
+ * with its message); TS_ERR_UNSUPPORTED for world_size > 1 or a
+ * param_dtype on a model that is not sharded and not a GPT;
+ * TS_ERR_NO_MEMORY. One thread at a time per model, as training. */
 TS_API ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options *o,
                                          ts_fsdp_memory_report *out);
-/* The same for a GPT not built yet (nothing is allocated but the
- * estimate's own bookkeeping): the model ts_gpt_new(cfg) would make, in
- * train mode, sharded as o's world_size, prefetch and param_dtype say
- * (each block its own group, the root the rest). Errors as above, and
+/* Builds and shards the model to estimate, for one rank of a job of
+ * o->world_size ranks: called inside a meta scope with a 1-d mesh over a
+ * virtual world of that many ranks (this process is its rank 0; no peer
+ * exists and any collective on it fails with TS_ERR_UNSUPPORTED). Give
+ * the mesh to ts_fully_shard (ts_fsdp_options.mesh; a 2-d HSDP mesh
+ * cannot be made over it). Writes the model (owned by the estimate, which
+ * frees it) to *model_out. */
+typedef ts_status (*ts_fsdp_build_fn)(void *ctx, ts_mesh *mesh, ts_module **model_out);
+/* Predicts one rank of a job of o->world_size ranks (at most 128) from one
+ * process: calls build(ctx, mesh, &model) as above (nothing real is
+ * allocated: the model is on the meta device), estimates it as
+ * ts_fsdp_memory_estimate (o's world_size and param_dtype are the
+ * build's business) and frees it. Errors: TS_ERR_INVALID_ARGUMENT for
+ * NULL or bad options, TS_ERR_UNSUPPORTED for more than 128 ranks, the
+ * build's status, ts_fsdp_memory_estimate's. */
+TS_API ts_status ts_fsdp_memory_estimate_build(ts_fsdp_build_fn build, void *ctx, const ts_fsdp_memory_options *o,
+                                               ts_fsdp_memory_report *out);
+/* The same for a GPT not built yet: the model ts_gpt_new(cfg) makes, in
+ * train mode, each block its own group and the root the rest (as
+ * ts_fsdp_apply_by_type(model, "Block") then ts_fully_shard(model)),
+ * over o->world_size ranks, with o->param_dtype as the mixed-precision
+ * param_dtype and o->prefetch as implicit prefetch, built on the meta
+ * device through ts_fsdp_memory_estimate_build. Errors as above;
  * TS_ERR_INVALID_ARGUMENT for a config ts_gpt_new would refuse (naming
- * its sizes). */
+ * its sizes) or an input that is not (B, T); TS_ERR_SHAPE for T over
+ * block_size. */
 TS_API ts_status ts_fsdp_memory_estimate_gpt(const ts_gpt_config *cfg, const ts_fsdp_memory_options *o,
                                              ts_fsdp_memory_report *out);
 

@@ -331,6 +331,14 @@ typedef struct collect {
 
 /* fully_shard.c: events, the registries, growing arrays */
 void ts__fsdp_event(const char *what, const char *fqn);
+/* The calling thread's own observer of the events above (after the
+ * process-wide hook; NULL clears): ts_fsdp_memory_estimate's measure of
+ * each block's forward (memory.c). */
+void ts__fsdp_set_observer(ts_fsdp_event_fn fn, void *ctx);
+/* Meshes over `world` (a virtual world: comm_internal.h,
+ * ts__virtual_world_new) are accepted by ts_fully_shard on the calling
+ * thread although ts_dist_init made another world (NULL clears). */
+void ts__fsdp_set_virtual_world(ts_comm *world);
 void ts__fsdp_trace_hook(uint64_t t0, const char *name, const char *fqn, const fsdp_group *g);
 /* Writes into other (cap bytes) the name of the group parameter t was
  * replaced by and returns true when an FSDP group already manages t. */

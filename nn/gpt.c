@@ -168,6 +168,17 @@ static void gpt_free(ts_module *m)
 
 static const ts_module_vtable gpt_vt = {.type_name = "GPT", .forward = gpt_forward, .visit = gpt_visit, .free = gpt_free};
 
+bool ts_gpt_get_config(const ts_module *m, ts_gpt_config *out)
+{
+    const ts_module_vtable *vt = m ? m->vtable : NULL;
+    while (vt && vt != &gpt_vt)
+        vt = vt->base; /* under fully_shard's and the checkpoint's vtables */
+    if (!vt || !out)
+        return false;
+    *out = ((const gpt *)m)->cfg;
+    return true;
+}
+
 ts_gpt_config ts_gpt_config_default(void)
 {
     return (ts_gpt_config){.vocab_size = 64, .block_size = 128, .n_layer = 4, .n_head = 4, .d_model = 256,

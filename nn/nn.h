@@ -538,6 +538,10 @@ TS_API ts_gpt_config ts_gpt_config_default(void);
  * lm_head. Forward input: int64 token ids (B, T) with T <= block_size;
  * output logits (B, T, vocab). */
 TS_API ts_status ts_gpt_new(const ts_gpt_config *cfg, ts_module **out);
+/* The config m was made with, when m is a GPT of ts_gpt_new (sharded or
+ * checkpointed too): writes *out and returns true; false for any other
+ * module (or NULL). */
+TS_API bool ts_gpt_get_config(const ts_module *m, ts_gpt_config *out);
 
 #ifdef __cplusplus
 }

@@ -106,6 +106,11 @@ void ts__meta_ledger_detach(ts_storage *s);
  * once and gives back (ts__pool_alloc scratch) on the calling thread's
  * ledger. */
 void ts__meta_scratch(int n, const size_t *nbytes);
+/* Adds n cached (free) blocks to the calling thread's ledger, one of the
+ * pool class of each nbytes[i]: the modeled pool grows by them and later
+ * allocations of their classes reuse them, as blocks a real pool keeps
+ * from before (ts_fsdp_memory_estimate's eager start-up). */
+void ts__meta_cache_blocks(int n, const size_t *nbytes);
 /* Records and returns the error for meta tensor t read where data is
  * needed: TS_ERR_STATE naming op, the input index (-1: the tensor an
  * accessor reads), t's name and shape, and what to do. */

@@ -215,6 +215,26 @@ void ts__meta_scratch(int n, const size_t *nbytes)
     pthread_mutex_unlock(&l->lock);
 }
 
+void ts__meta_cache_blocks(int n, const size_t *nbytes)
+{
+    ts_meta_ledger *l = thread_ledger(true);
+    if (!l || n <= 0)
+        return;
+    pthread_mutex_lock(&l->lock);
+    for (int i = 0; i < n; i++) {
+        size_t cb;
+        int c = ts__pool_size_class(nbytes[i], &cb);
+        if (c < 0)
+            continue; /* larger than every class: the pool does not keep it */
+        l->cached[c]++;
+        l->cached_bytes += cb;
+        l->pool += cb;
+        if (l->pool > l->pool_peak)
+            l->pool_peak = l->pool;
+    }
+    pthread_mutex_unlock(&l->lock);
+}
+
 ts_meta_stats ts_meta_get_stats(void)
 {
     ts_meta_stats r = {0};

@@ -256,6 +256,7 @@ FACTORY = {
     'ts_param_list *': '&f_param_list',
     'const ts_trace_arg *': 'f_trace_args',
     'const ts_gpt_config *': '&f_gpt_cfg',
+    'ts_gpt_config *': '&f_gpt_cfg',
     'const ts_lr_schedule *': '&f_lr',
     'const ts_allocator *': '&f_allocator',
     'ts_module_each_fn': 'f_each_fn',

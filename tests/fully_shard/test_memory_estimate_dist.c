@@ -2,10 +2,13 @@
  * small GPT sharded over both (vocabulary 33: the root's chunks are
  * uneven), measures the peak of TS_MEM_STORAGE during a step after a
  * warm-up one, and compares it with its own prediction; float32 with
- * prefetch, without prefetch, and every block checkpointed. A rank whose
- * prediction is off by more than 10% (the issue's bound) exits 3 naming
- * both; the test asserts that the job exits 0 and that every rank
- * printed its three lines. */
+ * prefetch, without prefetch, and every block checkpointed. Then the same
+ * for a user-defined module type (GatedMLP blocks, estimate_common.h):
+ * plain, HSDP over a (2, 1) mesh, reshard after every 2nd forward, 2
+ * microbatches without gradient sync, explicit prefetch. A rank whose
+ * prediction is not the measured peak (within the real run's timing,
+ * one_case) exits 3 naming both; the test asserts that the job exits 0
+ * and that every rank printed its lines. */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <fcntl.h>
@@ -19,6 +22,17 @@
 
 #include "tensorshard.h"
 #include "tests/helpers.h"
+
+#define EC_OK(expr)                                                                                   \
+    do {                                                                                              \
+        ts_status s_ = (expr);                                                                        \
+        if (s_ != TS_OK) {                                                                            \
+            fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #expr, ts_status_name(s_),     \
+                    ts_last_error());                                                                 \
+            _exit(2);                                                                                 \
+        }                                                                                             \
+    } while (0)
+#include "tests/fully_shard/estimate_common.h"
 
 #ifndef TS_BUILD_DIR
 #error "TS_BUILD_DIR (the build root, where tools/tsrun is) must be defined"
@@ -47,37 +61,13 @@ static void one_case(int rank, const char *name, bool prefetch, bool ckpt)
     }
     TH_RANK_OK(13, ts_fully_shard(m, NULL));
     TH_RANK_OK(13, ts_fsdp_set_implicit_prefetch(m, prefetch, prefetch));
-    ts_named_params np;
-    TH_RANK_OK(14, ts_module_named_parameters(m, &np));
-    ts_tensor *ps[64];
-    if (np.n > 64) _exit(14);
-    for (int i = 0; i < np.n; i++) ps[i] = *np.items[i].slot;
-    ts_adam_options ao = ts_adamw_options_default();
-    ts_optim *opt;
-    TH_RANK_OK(15, ts_adamw_new(np.n, ps, &ao, &opt));
-    int64_t is[2] = {B, T}, tsz[1] = {B * T}, fs[2] = {B * T, V};
+    ts_optim *opt = ec_adamw(m);
     ts_tensor *ids, *tg;
-    TH_RANK_OK(16, ts_tensor_empty(TS_I64, 2, is, &ids));
-    TH_RANK_OK(16, ts_tensor_empty(TS_I64, 1, tsz, &tg));
-    int64_t *a = ts_tensor_data(ids), *t = ts_tensor_data(tg);
-    for (int i = 0; i < B * T; i++) a[i] = (i * 7 + rank * 3) % V, t[i] = (i * 11 + rank) % V;
-    for (int s = 0; s < 2; s++) {
-        if (s == 1) {
-            TH_RANK_OK(17, ts_barrier(ts_dist_world(), NULL));
-            ts_mem_reset_peak();
-        }
-        ts_tensor *logits, *flat, *loss;
-        TH_RANK_OK(18, ts_module_call1(m, ids, &logits));
-        TH_RANK_OK(18, ts_reshape(logits, 2, fs, &flat));
-        TH_RANK_OK(18, ts_cross_entropy(flat, tg, -100, TS_REDUCTION_MEAN, &loss));
-        TH_RANK_OK(18, ts_backward(loss, NULL, false));
-        TH_RANK_OK(18, ts_optim_step(opt));
-        ts_optim_zero_grad(opt, true);
-        ts_tensor_free(logits), ts_tensor_free(flat), ts_tensor_free(loss);
-    }
-    /* the peak less what lives outside the step: the ids and targets, B*T int64 each (2048 bytes: a pool
-     * class exactly); the shards and the optimizer state live before it and the prediction includes them */
-    size_t measured = ts_mem_peak_bytes(TS_MEM_STORAGE) - 2 * (size_t)(B * T * 8);
+    ec_inputs(true, B, T, V, rank, &ids, &tg);
+    TH_RANK_OK(17, ts_barrier(ts_dist_world(), NULL));
+    /* the peak less the ids and targets; the shards and the optimizer state live before it and the
+     * prediction includes them */
+    size_t measured = ec_measured_peak(m, opt, ids, tg, 1);
     ts_fsdp_memory_options mo = ts_fsdp_memory_options_default();
     mo.input_ndim = 2, mo.input_shape[0] = B, mo.input_shape[1] = T;
     ts_fsdp_memory_report r;
@@ -85,25 +75,72 @@ static void one_case(int rank, const char *name, bool prefetch, bool ckpt)
     double ratio = (double)r.peak_bytes / (double)measured;
     printf("rank %d %s: predicted %zu measured %zu ratio %.4f\n", rank, name, r.peak_bytes, measured, ratio);
     fflush(stdout);
-    if (!(ratio > 0.9 && ratio < 1.1)) {
-        fprintf(stderr, "rank %d %s: predicted %zu bytes, measured %zu: ratio %.4f outside [0.9, 1.1]\n", rank, name,
-                r.peak_bytes, measured, ratio);
-        _exit(3);
-    }
-    /* checkpointed: a node's inputs go once its backward has run, and the
-     * estimate plays that. Measured is either the predicted peak (ratio
-     * 1.0000) or 104 KiB under it (1.0293), by whether a collective's
-     * buffer is still held at the peak (timing); keeping the inputs to the
-     * end of the step the estimate said 1.0175 or 1.0473 */
-    if (ckpt && !(ratio > 0.995 && ratio < 1.035)) {
+    /* the estimate plays this step: measured is the predicted peak
+     * (1.0000), or under it by the buffers of a collective that completed
+     * before the peak in the real run (timing: the reduce-scatter's
+     * stages, on the communication thread), 104 KiB with checkpointed
+     * blocks (1.0315); never more than 0.5% over (a collective's scratch
+     * given back late). The hand-kept model this replaced was held to
+     * [0.9, 1.1], checkpointed [0.995, 1.035] */
+    if (!(ratio > 0.995 && ratio < 1.035)) {
         fprintf(stderr, "rank %d %s: predicted %zu bytes, measured %zu: ratio %.4f outside [0.995, 1.035]\n", rank,
                 name, r.peak_bytes, measured, ratio);
         _exit(3);
     }
     ts_tensor_free(ids), ts_tensor_free(tg);
     ts_optim_free(opt);
-    ts_named_params_free(&np);
     ts_module_free(m);
+}
+
+typedef struct user_case {
+    const char *name;
+    ec_shard_opts so;
+    bool hsdp;
+    int microbatches;
+} user_case;
+
+static const user_case k_user[] = {
+    {"user", {.prefetch = true}, false, 1},
+    {"user-hsdp-2x1", {.prefetch = true}, true, 1},
+    {"user-reshard-every-2", {.prefetch = true, .policy = TS_RESHARD_EVERY_N, .every_n = 2}, false, 1},
+    {"user-nosync-x2", {.prefetch = true}, false, 2},
+    {"user-explicit-prefetch", {.prefetch = false, .explicit_pf = true}, false, 1},
+};
+
+/* The user module on both ranks: the estimate against the step measured. */
+static void user_one(int rank, const user_case *uc)
+{
+    ec_shard_opts so = uc->so;
+    ts_mesh *mesh = NULL;
+    if (uc->hsdp) {
+        int64_t shape[2] = {2, 1};
+        const char *names[2] = {"replicate", "shard"};
+        TH_RANK_OK(21, ts_mesh_new(ts_dist_world(), "cpu", 2, shape, names, &mesh));
+        so.mesh = mesh;
+    }
+    ts_module *m = ec_user_model(true, &so);
+    ts_fsdp_memory_options mo = ec_user_options();
+    mo.microbatches = uc->microbatches;
+    ts_fsdp_memory_report r;
+    TH_RANK_OK(22, ts_fsdp_memory_estimate(m, &mo, &r));
+    ts_optim *opt = ec_adamw(m);
+    ts_tensor *x, *tg;
+    ec_inputs(false, EC_ROWS, EC_IN, EC_CLASSES, rank, &x, &tg);
+    TH_RANK_OK(23, ts_barrier(ts_dist_world(), NULL));
+    size_t measured = ec_measured_peak(m, opt, x, tg, uc->microbatches);
+    double ratio = (double)r.peak_bytes / (double)measured;
+    printf("rank %d %s: predicted %zu measured %zu ratio %.4f\n", rank, uc->name, r.peak_bytes, measured, ratio);
+    fflush(stdout);
+    /* the same step: equal bytes, or under by a collective's buffers freed before the peak (timing, as above) */
+    if (!(ratio > 0.995 && ratio < 1.035)) {
+        fprintf(stderr, "rank %d %s: predicted %zu bytes, measured %zu: ratio %.4f outside [0.995, 1.035]\n", rank,
+                uc->name, r.peak_bytes, measured, ratio);
+        _exit(3);
+    }
+    ts_tensor_free(x), ts_tensor_free(tg);
+    ts_optim_free(opt);
+    ts_module_free(m);
+    ts_mesh_free(mesh);
 }
 
 static void rank_main(void)
@@ -113,6 +150,7 @@ static void rank_main(void)
     one_case(rank, "fsdp", true, false);
     one_case(rank, "fsdp-nopf", false, false);
     one_case(rank, "fsdp-ac", true, true);
+    for (size_t i = 0; i < sizeof k_user / sizeof k_user[0]; i++) user_one(rank, &k_user[i]);
     TH_RANK_OK(20, ts_dist_finalize());
     exit(0);
 }
@@ -130,5 +168,11 @@ Test(fully_shard_memory_estimate_dist, predicted_peak_within_10_percent_on_2_ran
     static const char *const lines[] = {"rank 0 fsdp:", "rank 1 fsdp:", "rank 0 fsdp-nopf:", "rank 1 fsdp-nopf:",
                                         "rank 0 fsdp-ac:", "rank 1 fsdp-ac:"};
     for (int i = 0; i < 6; i++) cr_expect(strstr(out, lines[i]) != NULL, "no line '%s' in:\n%s", lines[i], out);
+    for (size_t i = 0; i < sizeof k_user / sizeof k_user[0]; i++)
+        for (int r = 0; r < 2; r++) {
+            char line[96];
+            snprintf(line, sizeof line, "rank %d %s:", r, k_user[i].name);
+            cr_expect(strstr(out, line) != NULL, "no line '%s' in:\n%s", line, out);
+        }
     free(out);
 }
