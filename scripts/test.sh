@@ -12,4 +12,4 @@ else
 fi
 ninja -C "$BUILD"
 # Criterion prints a "Synthesis" line per suite; meson prints the totals.
-meson test -C "$BUILD" --print-errorlogs --num-processes 2 "${@:2}"
+meson test -C "$BUILD" --print-errorlogs --num-processes 3 "${@:2}"
