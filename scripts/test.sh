@@ -12,4 +12,6 @@ else
 fi
 ninja -C "$BUILD"
 # Criterion prints a "Synthesis" line per suite; meson prints the totals.
-meson test -C "$BUILD" --print-errorlogs --num-processes 2 "${@:2}"
+# Three suites at a time: the multi-process suites that mostly wait run
+# beside two others; the busy ones alone (tests/meson.build).
+meson test -C "$BUILD" --print-errorlogs --num-processes 3 "${@:2}"
