@@ -23,15 +23,7 @@
 #include "tensorshard.h"
 #include "tests/helpers.h"
 
-#define EC_OK(expr)                                                                                   \
-    do {                                                                                              \
-        ts_status s_ = (expr);                                                                        \
-        if (s_ != TS_OK) {                                                                            \
-            fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #expr, ts_status_name(s_),     \
-                    ts_last_error());                                                                 \
-            _exit(2);                                                                                 \
-        }                                                                                             \
-    } while (0)
+#define EC_OK(expr) TH_RANK_OK(2, expr) /* a rank process: the call, its status and message, exit 2 */
 #include "tests/fully_shard/estimate_common.h"
 
 #ifndef TS_BUILD_DIR

@@ -21,15 +21,7 @@
 #include "tensorshard.h"
 #include "tests/helpers.h"
 
-#define MS_OK(expr)                                                                              \
-    do {                                                                                         \
-        ts_status s_ = (expr);                                                                   \
-        if (s_ != TS_OK) {                                                                       \
-            fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #expr, ts_status_name(s_), \
-                    ts_last_error());                                                            \
-            _exit(2);                                                                            \
-        }                                                                                        \
-    } while (0)
+#define MS_OK(expr) TH_RANK_OK(2, expr) /* a rank process: the call, its status and message, exit 2 */
 #define MS_TRUE(cond)                                                                 \
     do {                                                                              \
         if (!(cond)) {                                                                \
