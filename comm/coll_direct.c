@@ -61,6 +61,10 @@
  * message stays large enough for the network's bandwidth. */
 #define TS_DIRECT_FALLBACK_BYTES ((size_t)16 << 20)
 #define TS_DIRECT_FALLBACK_MIN_PER_RANK ((size_t)256 << 10)
+/* Chunks of the packed fallback in flight at once, each with its buffers. */
+#ifndef FALLBACK_DEPTH
+#define FALLBACK_DEPTH 2
+#endif
 
 enum { K_AG = 1, K_RS = 2 };
 
@@ -532,8 +536,8 @@ size_t ts__direct_fallback_bytes(ts_comm *c)
      * (the ring's staging is two blocks and a converted copy, in the
      * accumulation dtype) */
     size_t chunk_bytes = (size_t)fallback_chunk(W, 2, INT64_MAX) * 2;
-    return ts__pool_block_bytes((size_t)W * chunk_bytes) + ts__pool_block_bytes(chunk_bytes) +
-           ts__comm_reduce_scatter_scratch(c, TS_BF16, (int64_t)(chunk_bytes / 2), 2.0);
+    return FALLBACK_DEPTH * (ts__pool_block_bytes((size_t)W * chunk_bytes) + ts__pool_block_bytes(chunk_bytes) +
+                             ts__comm_reduce_scatter_scratch(c, TS_BF16, (int64_t)(chunk_bytes / 2), 2.0));
 }
 
 /* Copies packed elements [lo, hi) of rank j's block between `packed`
@@ -575,32 +579,50 @@ static ts_status packed(ts__direct *r)
     size_t es = ts_dtype_size(r->d);
     int64_t chunk = fallback_chunk(W, es, block), nall = chunk * W;
     int64_t nchunk = chunk ? (block + chunk - 1) / chunk : 1;
-    ts_tensor *one = NULL, *all = NULL; /* a rank's chunk, the W-chunk buffer */
-    ts_status st;
-    if ((st = ts__tensor_new_cpu(false, r->d, 1, &chunk, &one)) || (st = ts__tensor_new_cpu(false, r->d, 1, &nall, &all)))
-        goto done;
-    unsigned char *p1 = ts_tensor_data(one), *pa = ts_tensor_data(all);
-    for (int64_t t = 0; t < nchunk; t++) {
+    int nslot = nchunk < FALLBACK_DEPTH ? (int)nchunk : FALLBACK_DEPTH;
+    /* per slot: a rank's chunk, the W-chunk buffer, the chunk's collective */
+    ts_tensor *one[FALLBACK_DEPTH] = {0}, *all[FALLBACK_DEPTH] = {0};
+    ts_request *req[FALLBACK_DEPTH] = {0};
+    ts_status st = TS_OK;
+    for (int i = 0; i < nslot && !st; i++)
+        if (!(st = ts__tensor_new_cpu(false, r->d, 1, &chunk, &one[i]))) st = ts__tensor_new_cpu(false, r->d, 1, &nall, &all[i]);
+    /* chunk t goes in slot t % nslot; its result is unpacked when the slot
+     * is needed again, or at the end, in chunk order */
+    for (int64_t t = 0; t < nchunk + nslot && !st; t++) {
+        int64_t u = t - nslot; /* the chunk whose slot t takes */
+        int i = (int)(t % nslot);
+        if (u >= 0) {
+            st = ts_request_wait(req[i]);
+            ts_request_free(req[i]);
+            req[i] = NULL;
+            if (st) break;
+            unsigned char *p1 = ts_tensor_data(one[i]), *pa = ts_tensor_data(all[i]);
+            if (r->kind == K_AG)
+                for (int j = 0; j < W; j++) packed_copy(r, j, u * chunk, (u + 1) * chunk, pa + (size_t)j * chunk * es, false);
+            else
+                packed_copy(r, me, u * chunk, (u + 1) * chunk, p1, false);
+        }
+        if (t >= nchunk) continue;
         int64_t lo = t * chunk, hi = lo + chunk;
+        unsigned char *p1 = ts_tensor_data(one[i]), *pa = ts_tensor_data(all[i]);
         if (r->kind == K_AG) {
             memset(p1, 0, (size_t)chunk * es);
             packed_copy(r, me, lo, hi, p1, true);
-            st = ts_all_gather_into_tensor(r->c, all, one, NULL);
+            st = ts_all_gather_into_tensor(r->c, all[i], one[i], &req[i]);
             ts__comm_count(r->c, TS_COLL_ALL_GATHER, -1, -chunk * (int64_t)es); /* counted at the call */
-            if (st) goto done;
-            for (int j = 0; j < W; j++) packed_copy(r, j, lo, hi, pa + (size_t)j * chunk * es, false);
         } else {
             memset(pa, 0, (size_t)nall * es);
             for (int j = 0; j < W; j++) packed_copy(r, j, lo, hi, pa + (size_t)j * chunk * es, true);
-            st = ts_reduce_scatter_tensor(r->c, one, all, r->rop, r->pre, r->post, NULL);
+            st = ts_reduce_scatter_tensor(r->c, one[i], all[i], r->rop, r->pre, r->post, &req[i]);
             ts__comm_count(r->c, TS_COLL_REDUCE_SCATTER, -1, -nall * (int64_t)es);
-            if (st) goto done;
-            packed_copy(r, me, lo, hi, p1, false);
         }
     }
-done:
-    ts_tensor_free(one);
-    ts_tensor_free(all);
+    for (int i = 0; i < nslot; i++) { /* after a failure: the chunks still in flight end before their buffers */
+        if (req[i]) (void)ts_request_wait(req[i]);
+        ts_request_free(req[i]);
+        ts_tensor_free(one[i]);
+        ts_tensor_free(all[i]);
+    }
     return st;
 }
 

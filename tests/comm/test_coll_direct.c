@@ -434,7 +434,7 @@ static void role_coll(bool expect_direct)
  * peak resident set may grow by ts__direct_fallback_bytes at most (plus
  * 8 MiB of slack for the resident set), not by the packed W-block
  * buffer (64 MiB, and 32 MiB for this rank's block, before chunking).
- * A 4 MiB chunk budget, so that the bound (about 14 MiB at 2 ranks) is
+ * A 2 MiB chunk budget, so that the bound (about 14 MiB at 2 ranks) is
  * well below the data. */
 static double vmhwm(void)
 {
@@ -451,7 +451,7 @@ static void role_bound(void)
     ROK(71, ts_dist_init(&o));
     ts_comm *c = ts_dist_world();
     int W = ts_comm_size(c), me = ts_comm_rank(c);
-    ts__direct_set_fallback_bytes((size_t)4 << 20);
+    ts__direct_set_fallback_bytes((size_t)2 << 20);
     const int64_t rows[2] = {3072, 1024}, cols = 4096; /* 48 and 16 MiB */
     int64_t counts[2][16], full_n = (rows[0] + rows[1]) * cols, shard_n = 0;
     ts__dseg segs[2];
