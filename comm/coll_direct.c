@@ -493,8 +493,10 @@ static ts_status rs_direct(ts__direct *r, const int64_t *desc, int nd, int *bad_
  * in chunks: rank j's packed block (its parts of every segment, in
  * segment order, zero padded to the largest rank's) is cut into chunks
  * of `chunk` elements, and each chunk is one ring collective over a
- * W-chunk buffer, the same buffers for every chunk (the last chunk
- * padded with zeros, so that no other size is asked of the pool). The
+ * W-chunk buffer, FALLBACK_DEPTH chunks in flight (packing and unpacking
+ * overlap the rings' steps), each slot's buffers the same for every
+ * chunk (the last chunk padded with zeros, so that no other size is
+ * asked of the pool). The
  * whole packed buffer (W x the block: 295 MiB for GPT-2-small's
  * embeddings) would stay in the caching pool for the process's life;
  * the chunks bound what the fallback adds to about
