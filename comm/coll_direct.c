@@ -17,8 +17,8 @@
  * tagged with the exchange's sequence number), so that every rank
  * returns the same status and none changes its buffers before every
  * reader is done; or, when some rank cannot read, it runs the packed
- * fallback (the same data packed into a W-block buffer and the ring
- * collective of comm.h) in call order.
+ * fallback (the same data packed into W-block buffers, a bounded chunk
+ * at a time, and the ring collective of comm.h per chunk) in call order.
  *
  * Summation order (comm.c's ring): block b of a reduce-scatter starts at
  * rank b+1 and passes ranks b+2, ..., b+W-1 before rank b adds its own
@@ -56,6 +56,15 @@
 #define HDR 8
 #define PIECE 4096 /* reduce-scatter elements per read: 16-32 KiB, stays in L1/L2 */
 #define ERRLEN 320
+/* The packed fallback's W-chunk buffer (see "fallback"): 16 MiB, or
+ * 256 KiB per rank in worlds of more than 64 ranks, so that a ring step's
+ * message stays large enough for the network's bandwidth. */
+#define TS_DIRECT_FALLBACK_BYTES ((size_t)16 << 20)
+#define TS_DIRECT_FALLBACK_MIN_PER_RANK ((size_t)256 << 10)
+/* Chunks of the packed fallback in flight at once, each with its buffers. */
+#ifndef FALLBACK_DEPTH
+#define FALLBACK_DEPTH 2
+#endif
 
 enum { K_AG = 1, K_RS = 2 };
 
@@ -478,9 +487,88 @@ static ts_status rs_direct(ts__direct *r, const int64_t *desc, int nd, int *bad_
     return st;
 }
 
-/* ------------------------------------------------------- fallback */
+/* ------------------------------------------------------- fallback
+ *
+ * The packed ring collective over the same data (some pair cannot read),
+ * in chunks: rank j's packed block (its parts of every segment, in
+ * segment order, zero padded to the largest rank's) is cut into chunks
+ * of `chunk` elements, and each chunk is one ring collective over a
+ * W-chunk buffer, FALLBACK_DEPTH chunks in flight (packing and unpacking
+ * overlap the rings' steps), each slot's buffers the same for every
+ * chunk (the last chunk padded with zeros, so that no other size is
+ * asked of the pool). The
+ * whole packed buffer (W x the block: 295 MiB for GPT-2-small's
+ * embeddings) would stay in the caching pool for the process's life;
+ * the chunks bound what the fallback adds to about
+ * ts__direct_fallback_bytes. Each element meets the same ranks in the
+ * same ring order as in one packed collective, so the results are
+ * bitwise the same. */
 
-/* The packed ring collective over the same data (some pair cannot read). */
+static atomic_size_t g_fallback_budget; /* 0: the default */
+
+void ts__direct_set_fallback_bytes(size_t bytes) { atomic_store(&g_fallback_budget, bytes); }
+
+/* The packed W-chunk buffer's bytes for a group of W ranks. */
+static size_t fallback_budget(int W)
+{
+    size_t b = atomic_load(&g_fallback_budget);
+    if (b) return b;
+    size_t min_total = (size_t)W * TS_DIRECT_FALLBACK_MIN_PER_RANK;
+    return min_total > TS_DIRECT_FALLBACK_BYTES ? min_total : TS_DIRECT_FALLBACK_BYTES;
+}
+
+/* Elements of one rank's chunk, for a per-rank block of `block`. */
+static int64_t fallback_chunk(int W, size_t es, int64_t block)
+{
+    int64_t c = (int64_t)(fallback_budget(W) / ((size_t)W * es));
+    if (c < 1) c = 1;
+    return c < block ? c : block;
+}
+
+size_t ts__direct_fallback_bytes(ts_comm *c)
+{
+    if (!c) return 0;
+    int W = ts_comm_size(c), me = ts_comm_rank(c);
+    if (W < 2) return 0;
+    bool readable = enabled();
+    for (int j = 0; j < W && readable; j++)
+        if (j != me && ts__comm_peer_pid(c, j) == 0) readable = false;
+    if (readable) return 0;
+    /* the largest case: 16-bit data reduced in float32 with a divisor
+     * (the ring's staging is two blocks and a converted copy, in the
+     * accumulation dtype) */
+    size_t chunk_bytes = (size_t)fallback_chunk(W, 2, INT64_MAX) * 2;
+    return FALLBACK_DEPTH * (ts__pool_block_bytes((size_t)W * chunk_bytes) + ts__pool_block_bytes(chunk_bytes) +
+                             ts__comm_reduce_scatter_scratch(c, TS_BF16, (int64_t)(chunk_bytes / 2), 2.0));
+}
+
+/* Copies packed elements [lo, hi) of rank j's block between `packed`
+ * (element lo at packed[0]) and the segments: to_packed: from this rank's
+ * shard (all-gather's input, j = this rank) or from each segment's source
+ * converted to d (reduce-scatter's input: zeros where it has none);
+ * else into the segments' full arrays (all-gather's output) or this
+ * rank's shard (reduce-scatter's output, added with r->add). */
+static void packed_copy(ts__direct *r, int j, int64_t lo, int64_t hi, unsigned char *packed, bool to_packed)
+{
+    size_t es = ts_dtype_size(r->d);
+    int64_t at = 0;
+    for (int k = 0; k < r->nseg && at < hi; k++) {
+        int64_t n = cnt(r, k, j), a = lo > at ? lo : at, b = hi < at + n ? hi : at + n;
+        if (a < b) {
+            const dseg *s = &r->segs[k];
+            unsigned char *p = packed + (size_t)(a - lo) * es;
+            int64_t off = a - at, m = b - a; /* into this part */
+            if (r->kind == K_AG && to_packed) memcpy(p, r->shard_in + (size_t)(s->shard_off + off) * es, (size_t)m * es);
+            else if (r->kind == K_AG) memcpy(s->full + (size_t)(beg(r, k, j) + off) * es, p, (size_t)m * es);
+            else if (to_packed && s->full)
+                ts__buf_convert(r->d, p, s->dtype, s->full + (size_t)(beg(r, k, j) + off) * ts_dtype_size(s->dtype), m);
+            else if (!to_packed && r->add) ts__buf_add(r->d, r->shard_out + (size_t)(s->shard_off + off) * es, p, m);
+            else if (!to_packed) memcpy(r->shard_out + (size_t)(s->shard_off + off) * es, p, (size_t)m * es);
+        }
+        at += n;
+    }
+}
+
 static ts_status packed(ts__direct *r)
 {
     int W = r->W, me = r->rank;
@@ -491,55 +579,52 @@ static ts_status packed(ts__direct *r)
         if (tot > block) block = tot;
     }
     size_t es = ts_dtype_size(r->d);
-    int64_t nall = block * W;
-    ts_tensor *in = NULL, *out = NULL;
-    ts_status st;
-    if (r->kind == K_AG) {
-        if ((st = ts__tensor_new_cpu(true, r->d, 1, &block, &in)) || (st = ts__tensor_new_cpu(false, r->d, 1, &nall, &out))) goto done;
-        unsigned char *p = ts_tensor_data(in);
-        for (int k = 0; k < r->nseg; k++) {
-            size_t b = (size_t)cnt(r, k, me) * es;
-            if (b) memcpy(p, r->shard_in + (size_t)r->segs[k].shard_off * es, b);
-            p += b;
+    int64_t chunk = fallback_chunk(W, es, block), nall = chunk * W;
+    int64_t nchunk = chunk ? (block + chunk - 1) / chunk : 1;
+    int nslot = nchunk < FALLBACK_DEPTH ? (int)nchunk : FALLBACK_DEPTH;
+    /* per slot: a rank's chunk, the W-chunk buffer, the chunk's collective */
+    ts_tensor *one[FALLBACK_DEPTH] = {0}, *all[FALLBACK_DEPTH] = {0};
+    ts_request *req[FALLBACK_DEPTH] = {0};
+    ts_status st = TS_OK;
+    for (int i = 0; i < nslot && !st; i++)
+        if (!(st = ts__tensor_new_cpu(false, r->d, 1, &chunk, &one[i]))) st = ts__tensor_new_cpu(false, r->d, 1, &nall, &all[i]);
+    /* chunk t goes in slot t % nslot; its result is unpacked when the slot
+     * is needed again, or at the end, in chunk order */
+    for (int64_t t = 0; t < nchunk + nslot && !st; t++) {
+        int64_t u = t - nslot; /* the chunk whose slot t takes */
+        int i = (int)(t % nslot);
+        if (u >= 0) {
+            st = ts_request_wait(req[i]);
+            ts_request_free(req[i]);
+            req[i] = NULL;
+            if (st) break;
+            unsigned char *p1 = ts_tensor_data(one[i]), *pa = ts_tensor_data(all[i]);
+            if (r->kind == K_AG)
+                for (int j = 0; j < W; j++) packed_copy(r, j, u * chunk, (u + 1) * chunk, pa + (size_t)j * chunk * es, false);
+            else
+                packed_copy(r, me, u * chunk, (u + 1) * chunk, p1, false);
         }
-        st = ts_all_gather_into_tensor(r->c, out, in, NULL);
-        ts__comm_count(r->c, TS_COLL_ALL_GATHER, -1, -block * (int64_t)es); /* counted at the call */
-        if (st) goto done;
-        for (int j = 0; j < W; j++) {
-            const unsigned char *q = (const unsigned char *)ts_tensor_data(out) + (size_t)j * block * es;
-            for (int k = 0; k < r->nseg; k++) {
-                size_t b = (size_t)cnt(r, k, j) * es;
-                if (b) memcpy(r->segs[k].full + (size_t)beg(r, k, j) * es, q, b);
-                q += b;
-            }
-        }
-    } else {
-        if ((st = ts__tensor_new_cpu(true, r->d, 1, &nall, &in)) || (st = ts__tensor_new_cpu(false, r->d, 1, &block, &out))) goto done;
-        for (int j = 0; j < W; j++) {
-            unsigned char *p = (unsigned char *)ts_tensor_data(in) + (size_t)j * block * es;
-            for (int k = 0; k < r->nseg; k++) {
-                int64_t c = cnt(r, k, j);
-                const dseg *s = &r->segs[k];
-                if (c && s->full) ts__buf_convert(r->d, p, s->dtype, s->full + (size_t)beg(r, k, j) * ts_dtype_size(s->dtype), c);
-                p += (size_t)c * es;
-            }
-        }
-        st = ts_reduce_scatter_tensor(r->c, out, in, r->rop, r->pre, r->post, NULL);
-        ts__comm_count(r->c, TS_COLL_REDUCE_SCATTER, -1, -nall * (int64_t)es);
-        if (st) goto done;
-        const unsigned char *q = ts_tensor_data(out);
-        for (int k = 0; k < r->nseg; k++) {
-            int64_t c = cnt(r, k, me);
-            size_t b = (size_t)c * es;
-            unsigned char *dst = r->shard_out + (size_t)r->segs[k].shard_off * es;
-            if (b && r->add) ts__buf_add(r->d, dst, q, c);
-            else if (b) memcpy(dst, q, b);
-            q += b;
+        if (t >= nchunk) continue;
+        int64_t lo = t * chunk, hi = lo + chunk;
+        unsigned char *p1 = ts_tensor_data(one[i]), *pa = ts_tensor_data(all[i]);
+        if (r->kind == K_AG) {
+            memset(p1, 0, (size_t)chunk * es);
+            packed_copy(r, me, lo, hi, p1, true);
+            st = ts_all_gather_into_tensor(r->c, all[i], one[i], &req[i]);
+            ts__comm_count(r->c, TS_COLL_ALL_GATHER, -1, -chunk * (int64_t)es); /* counted at the call */
+        } else {
+            memset(pa, 0, (size_t)nall * es);
+            for (int j = 0; j < W; j++) packed_copy(r, j, lo, hi, pa + (size_t)j * chunk * es, true);
+            st = ts_reduce_scatter_tensor(r->c, one[i], all[i], r->rop, r->pre, r->post, &req[i]);
+            ts__comm_count(r->c, TS_COLL_REDUCE_SCATTER, -1, -nall * (int64_t)es);
         }
     }
-done:
-    ts_tensor_free(in);
-    ts_tensor_free(out);
+    for (int i = 0; i < nslot; i++) { /* after a failure: the chunks still in flight end before their buffers */
+        if (req[i]) (void)ts_request_wait(req[i]);
+        ts_request_free(req[i]);
+        ts_tensor_free(one[i]);
+        ts_tensor_free(all[i]);
+    }
     return st;
 }
 

@@ -145,4 +145,22 @@ int64_t ts__direct_desc_numel(bool reduce_scatter, int nseg);
  * the ranks agree either way. Any thread. */
 void ts__direct_set_enabled(bool on);
 
+/* The packed fallback moves the data in chunks: each chunk is one ring
+ * collective over a buffer of W chunks of `bytes / (W x the element
+ * size)` elements (at least one), two chunks in flight, each slot's
+ * buffers the same for every chunk of a call, taken from the pool and
+ * given back at its end. Default (0):
+ * 16 MiB, or 256 KiB per rank where that is more. A test hook for chunk
+ * boundaries inside segments; every rank of a group must use the same
+ * value. Any thread. */
+void ts__direct_set_fallback_bytes(size_t bytes);
+/* What the packed fallback adds to the pool's holding on group c at
+ * most (per slot in flight, its two buffers and the ring
+ * reduce-scatter's staging, as pool blocks, for the largest case: 16-bit data reduced in float32 with a
+ * divisor), when some pair of c cannot read each other (another host,
+ * cross-memory attach refused or off, ts__direct_set_enabled(false));
+ * 0 when every collective of c takes the copy-free path or c has one
+ * rank. The process floor counts it for the world (docs/memory.md). */
+size_t ts__direct_fallback_bytes(ts_comm *c);
+
 #endif

@@ -257,15 +257,20 @@ TS_API ts_status ts_dist_finalize(void);
  * slack, and BLIS's float32 packing buffers (which BLIS allocates at the
  * first product: counted from its block sizes, ts__blis_pack_bytes, not
  * from the resident set; a product run before the measurement is in
- * both, at most those bytes twice). Measured by ts_dist_init once its
+ * both, at most those bytes twice), and, in a world whose ranks cannot
+ * all read each other's memory (ranks on other hosts), the buffers of
+ * the copy-free collectives' packed fallback (their bound: 16 MiB plus
+ * staging, kept by the tensor pool once used). Measured by ts_dist_init once its
  * world is up (each call replaces it), or, in a process that has not
  * called it, at the first ts_process_floor_get (and kept). The memory
  * estimate adds it to the tensors (fully_shard.h, rss_peak_bytes). */
 typedef struct ts_process_floor {
-    size_t bytes;           /* the floor: resident_bytes - tracked_bytes + blis_pack_bytes */
+    size_t bytes;           /* the floor: resident_bytes - tracked_bytes + blis_pack_bytes + fallback_bytes */
     size_t resident_bytes;  /* VmRSS at the measurement */
     size_t tracked_bytes;   /* the library's tensor pool, pinned blocks and tensor, autograd and module handles then */
     size_t blis_pack_bytes; /* BLIS's packing buffers (ts__blis_pack_bytes) */
+    size_t fallback_bytes;  /* the copy-free collectives' packed fallback, when some rank of the world cannot read
+                               another's memory (another host): its chunk buffers, kept in the tensor pool; else 0 */
     bool at_dist_init;      /* measured by ts_dist_init (false: at the first call) */
 } ts_process_floor;
 /* Writes the floor into *out (measuring it now if nothing has).

@@ -75,6 +75,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "comm/coll_direct.h" /* ts__direct_fallback_bytes: the floor */
 #include "comm/comm_internal.h"
 #include "comm/launch.h"
 #include "comm/store.h"
@@ -1155,8 +1156,10 @@ fail:
  * runtime is up (ts_dist_init's world: UCX, its endpoints and shared
  * memory, the communication thread, the store connection), as VmRSS less
  * the tensor pool, pinned blocks and handles then live, plus BLIS's
- * packing buffers, which BLIS allocates only at the first product
- * (docs/memory.md, "The floor"). */
+ * packing buffers, which BLIS allocates only at the first product, plus,
+ * in a world where some ranks cannot read each other's memory (other
+ * hosts), the packed fallback's chunk buffers, which its first
+ * copy-free collective leaves in the pool (docs/memory.md, "The floor"). */
 static pthread_mutex_t g_floor_mu = PTHREAD_MUTEX_INITIALIZER;
 static ts_process_floor g_floor;
 static bool g_floor_set;
@@ -1173,7 +1176,11 @@ static ts_status floor_measure(bool at_init)
                       ts_mem_live_bytes(TS_MEM_TENSOR) + ts_mem_live_bytes(TS_MEM_AUTOGRAD) +
                       ts_mem_live_bytes(TS_MEM_NN);
     f.blis_pack_bytes = ts__blis_pack_bytes();
-    f.bytes = (f.resident_bytes > f.tracked_bytes ? f.resident_bytes - f.tracked_bytes : 0) + f.blis_pack_bytes;
+    pthread_mutex_lock(&g_mu);
+    f.fallback_bytes = g_world ? ts__direct_fallback_bytes(g_world) : 0;
+    pthread_mutex_unlock(&g_mu);
+    f.bytes = (f.resident_bytes > f.tracked_bytes ? f.resident_bytes - f.tracked_bytes : 0) + f.blis_pack_bytes +
+              f.fallback_bytes;
     f.at_dist_init = at_init;
     pthread_mutex_lock(&g_floor_mu);
     g_floor = f;

@@ -10,7 +10,11 @@
  * layouts all fail naming both; the accumulating form
  * (ts__direct_reduce_scatter_add) bitwise the plain one followed by a
  * separate add, padding untouched; with cross-memory attach refused
- * (TS_UCX_CMA=0) the packed path gives the same results. This binary is
+ * (TS_UCX_CMA=0) the packed path gives the same results; the packed
+ * path in small chunks (boundaries inside segments) gives the same bits
+ * and counts as one collective; what the packed path adds to the pool
+ * and the peak RSS stays under ts__direct_fallback_bytes, which the
+ * process floor reports where the fallback can happen. This binary is
  * its own rank program (TS_TEST_DIRECT_ROLE, handled by a constructor
  * before Criterion starts); ranks report through their exit code.
  */
@@ -388,18 +392,139 @@ static void role_coll(bool expect_direct)
         !strstr(ts_last_error(), "outside the shard"))
         RFAIL(58, "a part outside the shard accepted (%s)", ts_last_error());
     free(sh);
-    /* counted as one collective of its kind with the shard's bytes */
-    ts_comm_stats_reset(c);
-    ag_case(c, &L, TS_F32, expect_direct); /* still in step: one direct and one packed all-gather */
-    ts_comm_counters cc;
-    ts_comm_stats(c, &cc);
-    if (cc.calls[TS_COLL_ALL_GATHER] != 2 || cc.bytes[TS_COLL_ALL_GATHER] != 2 * (uint64_t)L.shard_numel * 4 ||
-        cc.calls[TS_COLL_ALL_REDUCE] != 0 || cc.calls[TS_COLL_REDUCE_SCATTER] != 0)
-        RFAIL(59, "counters: all_gather %llu (%llu bytes, want 2 and %llu), all_reduce %llu, reduce_scatter %llu",
-              (unsigned long long)cc.calls[TS_COLL_ALL_GATHER], (unsigned long long)cc.bytes[TS_COLL_ALL_GATHER],
-              (unsigned long long)(2 * L.shard_numel * 4), (unsigned long long)cc.calls[TS_COLL_ALL_REDUCE],
-              (unsigned long long)cc.calls[TS_COLL_REDUCE_SCATTER]);
+    /* the packed fallback in chunks of 37 elements per rank (f32; 74 in
+     * bf16): chunk boundaries inside segments and a padded last chunk,
+     * the same bits as the reference and the copy-free path */
+    ts__direct_set_fallback_bytes((size_t)W * 37 * 4);
+    ag_case(c, &L, TS_F32, expect_direct);
+    ag_case(c, &L, TS_BF16, expect_direct);
+    for (size_t i = 0; i < sizeof cfgs / sizeof cfgs[0]; i++)
+        if (i == 2 || i == 4 || i == 5 || i == 7 || i == 9) rs_case(c, &L, &cfgs[i], expect_direct);
+    /* counted as one collective of its kind with the shard's bytes, also
+     * when the fallback moved it in chunks (then with the default) */
+    for (int pass = 0; pass < 2; pass++) {
+        ts_comm_stats_reset(c);
+        ag_case(c, &L, TS_F32, expect_direct); /* still in step: one direct and one packed all-gather */
+        ts_comm_counters cc;
+        ts_comm_stats(c, &cc);
+        if (cc.calls[TS_COLL_ALL_GATHER] != 2 || cc.bytes[TS_COLL_ALL_GATHER] != 2 * (uint64_t)L.shard_numel * 4 ||
+            cc.calls[TS_COLL_ALL_REDUCE] != 0 || cc.calls[TS_COLL_REDUCE_SCATTER] != 0)
+            RFAIL(59, "counters (pass %d): all_gather %llu (%llu bytes, want 2 and %llu), all_reduce %llu, "
+                      "reduce_scatter %llu",
+                  pass, (unsigned long long)cc.calls[TS_COLL_ALL_GATHER], (unsigned long long)cc.bytes[TS_COLL_ALL_GATHER],
+                  (unsigned long long)(2 * L.shard_numel * 4), (unsigned long long)cc.calls[TS_COLL_ALL_REDUCE],
+                  (unsigned long long)cc.calls[TS_COLL_REDUCE_SCATTER]);
+        ts__direct_set_fallback_bytes(0);
+    }
+    /* the floor counts the fallback's buffers only where it can happen */
+    ts_process_floor fl;
+    ROK(18, ts_process_floor_get(&fl));
+    if ((ts__direct_fallback_bytes(c) > 0) == expect_direct || fl.fallback_bytes != ts__direct_fallback_bytes(c))
+        RFAIL(17, "fallback bytes %zu (floor's %zu) with %s peers", ts__direct_fallback_bytes(c), fl.fallback_bytes,
+              expect_direct ? "readable" : "unreadable");
     ROK(19, ts_dist_finalize());
+    fflush(stderr);
+    _exit(0);
+}
+
+/* What the packed fallback adds to the process: ranks that cannot read
+ * each other (TS_UCX_CMA=0: as ranks on two hosts) all-gather and
+ * reduce-scatter 64 MiB (two segments, 48 and 16 MiB, float32) through
+ * it; the tensor pool, which keeps every block it ever held, and the
+ * peak resident set may grow by ts__direct_fallback_bytes at most (plus
+ * 8 MiB of slack for the resident set), not by the packed W-block
+ * buffer (64 MiB, and 32 MiB for this rank's block, before chunking).
+ * A 2 MiB chunk budget, so that the bound (about 14 MiB at 2 ranks) is
+ * well below the data. */
+static double vmhwm(void)
+{
+    ts_process_memory m;
+    ROK(70, ts_process_memory_read(&m));
+    return (double)m.peak_rss_bytes;
+}
+
+static void role_bound(void)
+{
+    g_rank = atoi(getenv("RANK") ? getenv("RANK") : "-1");
+    ts_dist_options o = ts_dist_options_default();
+    o.timeout_s = 60;
+    ROK(71, ts_dist_init(&o));
+    ts_comm *c = ts_dist_world();
+    int W = ts_comm_size(c), me = ts_comm_rank(c);
+    ts__direct_set_fallback_bytes((size_t)2 << 20);
+    const int64_t rows[2] = {3072, 1024}, cols = 4096; /* 48 and 16 MiB */
+    int64_t counts[2][16], full_n = (rows[0] + rows[1]) * cols, shard_n = 0;
+    ts__dseg segs[2];
+    float *full[2], *src[2];
+    for (int k = 0; k < 2; k++) {
+        for (int j = 0; j < W; j++) {
+            int64_t r0, n;
+            ts_chunk_range(rows[k], W, j, &r0, &n);
+            counts[k][j] = n * cols;
+        }
+        full[k] = malloc((size_t)(rows[k] * cols) * 4);
+        src[k] = malloc((size_t)(rows[k] * cols) * 4);
+        if (!full[k] || !src[k]) RFAIL(72, "out of memory");
+        for (int64_t i = 0; i < rows[k] * cols; i++) full[k][i] = src[k][i] = (float)(i % 977) + (float)me;
+        segs[k] = (ts__dseg){full[k], TS_F32, shard_n, counts[k]};
+        shard_n += (rows[k] + W - 1) / W * cols;
+    }
+    float *shard = calloc((size_t)shard_n, 4);
+    if (!shard) RFAIL(72, "out of memory");
+    for (int k = 0; k < 2; k++) { /* this rank's part of the all-gather's input */
+        int64_t b0 = 0;
+        for (int j = 0; j < me; j++) b0 += counts[k][j];
+        memcpy(shard + segs[k].shard_off, full[k] + b0, (size_t)counts[k][me] * 4);
+    }
+    size_t bound = ts__direct_fallback_bytes(c);
+    if (bound == 0 || bound * 4 > (size_t)full_n * 4)
+        RFAIL(73, "the fallback's bound is %zu bytes for %lld bytes of data", bound, (long long)(full_n * 4));
+    size_t pool0 = ts_mem_live_bytes(TS_MEM_POOL);
+    double hwm0 = vmhwm();
+    ts__direct *r = NULL;
+    ROK(74, ts__direct_all_gather(c, TS_F32, shard, shard_n, 2, segs, &r));
+    ROK(75, ts__direct_wait(r));
+    if (ts__direct_was_direct(r)) RFAIL(76, "the all-gather took the copy-free path");
+    ts__direct_free(r);
+    for (int k = 0; k < 2; k++) segs[k].full = (unsigned char *)src[k];
+    ROK(77, ts__direct_reduce_scatter(c, TS_F32, shard, shard_n, 2, segs, TS_REDUCE_SUM, 1, 1, 0, &r));
+    ROK(78, ts__direct_wait(r));
+    ts__direct_free(r);
+    size_t pool1 = ts_mem_live_bytes(TS_MEM_POOL);
+    double hwm1 = vmhwm();
+    /* the data is right: rank q's element i is i % 977 + q */
+    for (int k = 0; k < 2; k++) {
+        int64_t at = 0;
+        for (int j = 0; j < W; j++) {
+            for (int64_t i = at; i < at + counts[k][j]; i += 4093)
+                if (full[k][i] != (float)(i % 977) + (float)j) RFAIL(79, "all_gather: segment %d element %lld", k, (long long)i);
+            at += counts[k][j];
+        }
+        int64_t b0 = 0;
+        for (int j = 0; j < me; j++) b0 += counts[k][j];
+        for (int64_t i = 0; i < counts[k][me]; i += 4093) {
+            float want = 0;
+            for (int q = 0; q < W; q++) want += (float)((b0 + i) % 977) + (float)q;
+            if (fabsf(shard[segs[k].shard_off + i] - want) > 1e-3f * want)
+                RFAIL(80, "reduce_scatter: segment %d element %lld = %g, want %g", k, (long long)i,
+                      (double)shard[segs[k].shard_off + i], (double)want);
+        }
+    }
+    if (pool1 - pool0 > bound)
+        RFAIL(81, "the packed fallback grew the pool by %.1f MiB (bound %.1f MiB) for %.1f MiB of data",
+              (double)(pool1 - pool0) / 1048576.0, (double)bound / 1048576.0, (double)full_n * 4 / 1048576.0);
+    if (hwm1 - hwm0 > (double)bound + 8.0 * 1048576.0)
+        RFAIL(82, "the packed fallback grew the peak RSS by %.1f MiB (bound %.1f MiB + 8) for %.1f MiB of data",
+              (hwm1 - hwm0) / 1048576.0, (double)bound / 1048576.0, (double)full_n * 4 / 1048576.0);
+    fprintf(stderr, "rank %d: pool +%.1f MiB, VmHWM +%.1f MiB, bound %.1f MiB\n", me,
+            (double)(pool1 - pool0) / 1048576.0, (hwm1 - hwm0) / 1048576.0, (double)bound / 1048576.0);
+    ts__direct_set_fallback_bytes(0);
+    for (int k = 0; k < 2; k++) {
+        free(full[k]);
+        free(src[k]);
+    }
+    free(shard);
+    ROK(83, ts_dist_finalize());
     fflush(stderr);
     _exit(0);
 }
@@ -410,6 +535,7 @@ __attribute__((constructor)) static void direct_test_role(void)
     if (!role) return;
     if (strcmp(role, "coll") == 0) role_coll(true);
     if (strcmp(role, "refused") == 0) role_coll(false);
+    if (strcmp(role, "bound") == 0) role_bound();
     fprintf(stderr, "unknown TS_TEST_DIRECT_ROLE=%s\n", role);
     _exit(6);
 }
@@ -418,7 +544,7 @@ static void launch(int W, const char *role)
 {
     th_clear_launch_env();
     setenv("TS_TEST_DIRECT_ROLE", role, 1);
-    if (strcmp(role, "refused") == 0) setenv("TS_UCX_CMA", "0", 1);
+    if (strcmp(role, "refused") == 0 || strcmp(role, "bound") == 0) setenv("TS_UCX_CMA", "0", 1);
     ts_launch_result res;
     th_launch_self(W, &res);
     unsetenv("TS_TEST_DIRECT_ROLE");
@@ -431,3 +557,4 @@ Test(comm_coll_direct, equals_the_packed_path_bitwise_on_2_ranks, .timeout = 120
 Test(comm_coll_direct, equals_the_packed_path_bitwise_on_3_ranks, .timeout = 120) { launch(3, "coll"); }
 Test(comm_coll_direct, equals_the_packed_path_bitwise_on_4_ranks, .timeout = 120) { launch(4, "coll"); }
 Test(comm_coll_direct, falls_back_to_the_packed_path_when_cma_is_refused, .timeout = 120) { launch(3, "refused"); }
+Test(comm_coll_direct, packed_fallback_memory_is_bounded_by_its_chunks, .timeout = 120) { launch(2, "bound"); }
