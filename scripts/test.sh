@@ -12,6 +12,6 @@ else
 fi
 ninja -C "$BUILD"
 # Criterion prints a "Synthesis" line per suite; meson prints the totals.
-# Three suites at a time: the multi-process suites that mostly wait run
-# beside two others; the busy ones alone (tests/meson.build).
+# Three suites at a time: the multi-process suites, which mostly wait, run
+# beside the others (tests/meson.build).
 meson test -C "$BUILD" --print-errorlogs --num-processes 3 "${@:2}"
