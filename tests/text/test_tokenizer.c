@@ -158,6 +158,12 @@ Test(text_tokenizer, pretoken_whitespace_rules)
         {"it's", {"it", "'s"}},
         {"IT'S", {"IT", "'", "S"}},
         {"\xff\xfe a", {"\xff\xfe", " a"}},
+        /* JavaScript's \s, not Python's: U+001C..U+001F and U+0085 are
+         * not white space */
+        {"a\x1c\x1c" "b", {"a", "\x1c\x1c", "b"}},
+        {"!\xc2\x85!", {"!\xc2\x85!"}},
+        /* U+00A0 and U+3000 are */
+        {".\xc2\xa0\xc2\xa0.", {".", "\xc2\xa0", "\xc2\xa0", "."}},
     };
     for (size_t k = 0; k < sizeof c / sizeof c[0]; k++) {
         const uint8_t *s = (const uint8_t *)c[k].text;
