@@ -62,4 +62,9 @@ typedef struct ts__bytes {
 TS_API ts_status ts__tokenizer_build(ts__bytes *tokens, int32_t n_tokens, const int32_t (*merges)[2],
                                      int32_t n_merges, const char *what, ts_tokenizer **tok_out);
 
+/* Tests: pieces of at least n bytes merge through the heap (0: all,
+ * SIZE_MAX: none); and whether the vocabulary allows the heap at all. */
+TS_API void ts__tokenizer_set_heap_min_len(ts_tokenizer *t, size_t n);
+TS_API bool ts__tokenizer_heap_ordered(const ts_tokenizer *t);
+
 #endif

@@ -63,10 +63,15 @@ Test(text_tokenizer, gpt2_files_load)
     ts_tokenizer_free(t);
 }
 
-/* The ids of every corpus entry equal the reference encoder's. */
-Test(text_tokenizer, ids_equal_npm_gpt3_encoder)
+/* The ids of every corpus entry equal the reference encoder's, through
+ * GPT-2's rescan for every piece (heap_min SIZE_MAX), the heap for every
+ * piece (0), and the default (the heap for long pieces only). */
+static void ids_equal_reference(size_t heap_min)
 {
     ts_tokenizer *t = gpt2();
+    cr_assert(ts__tokenizer_heap_ordered(t), "GPT-2's merges should allow the heap");
+    if (heap_min != 1)
+        ts__tokenizer_set_heap_min_len(t, heap_min);
     json_t *c = cases();
     size_t i;
     json_t *e;
@@ -92,6 +97,42 @@ Test(text_tokenizer, ids_equal_npm_gpt3_encoder)
     cr_assert_gt(total, 1000);
     json_decref(c);
     ts_tokenizer_free(t);
+}
+
+Test(text_tokenizer, ids_equal_npm_gpt3_encoder)
+{
+    ids_equal_reference(1);
+}
+
+Test(text_tokenizer, ids_equal_npm_gpt3_encoder_rescan)
+{
+    ids_equal_reference(SIZE_MAX);
+}
+
+Test(text_tokenizer, ids_equal_npm_gpt3_encoder_heap)
+{
+    ids_equal_reference(0);
+}
+
+/* A long piece (random letters, no space) merges through the heap to the
+ * same ids as GPT-2's rescan, which is quadratic in it. */
+Test(text_tokenizer, long_piece_heap_equals_rescan)
+{
+    ts_tokenizer *t = gpt2(), *u = gpt2();
+    ts__tokenizer_set_heap_min_len(u, SIZE_MAX);
+    static char text[20000];
+    uint32_t seed = 99;
+    for (size_t i = 0; i < sizeof text; i++)
+        text[i] = (char)('a' + th_lcg(&seed) % 26);
+    int32_t *a = NULL, *b = NULL;
+    size_t na = 0, nb = 0;
+    TH_OK(ts_tokenizer_encode(t, text, sizeof text, &a, &na));
+    TH_OK(ts_tokenizer_encode(u, text, sizeof text, &b, &nb));
+    cr_assert(na == nb && memcmp(a, b, na * sizeof *a) == 0, "%zu ids against %zu", na, nb);
+    ts_tokenizer_buffer_free(a);
+    ts_tokenizer_buffer_free(b);
+    ts_tokenizer_free(t);
+    ts_tokenizer_free(u);
 }
 
 Test(text_tokenizer, corpus_round_trips)
