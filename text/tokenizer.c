@@ -1086,3 +1086,65 @@ ts_status ts_tokenizer_save(const ts_tokenizer *t, const char *vocab_path, const
     ts__free(TAG, m.p);
     return st;
 }
+
+/* ---- llm.c's token files ---- */
+
+static ts_status write_all(int fd, const void *p, size_t n, const char *path, const char *tmp)
+{
+    const char *c = p;
+    while (n) {
+        ssize_t w = write(fd, c, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return ts_error(TS_ERR_IO, "ts_tokenizer_write_bin: cannot write '%s' (temporary '%s'): %s", path, tmp,
+                            w < 0 ? strerror(errno) : "no progress");
+        c += w;
+        n -= (size_t)w;
+    }
+    return TS_OK;
+}
+
+ts_status ts_tokenizer_write_bin(const int32_t *ids, size_t n, const char *path)
+{
+    static const char op[] = "ts_tokenizer_write_bin";
+    if (!path || (!ids && n > 0))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL %s", op, !path ? "path" : "ids with n > 0");
+    if (n > INT32_MAX)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %zu tokens; the header's count holds at most %d", op, n,
+                        INT32_MAX);
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] > UINT16_MAX)
+            return ts_error(TS_ERR_INDEX, "%s: id %d at position %zu does not fit in uint16 (a vocabulary of at "
+                            "most 65536 tokens)", op, ids[i], i);
+    const char *slash = strrchr(path, '/');
+    char dir[4096];
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == path)
+        snprintf(dir, sizeof dir, "/");
+    else
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    char *tmp = NULL;
+    int fd = -1;
+    TS_TRY(ts__tmp_create(TAG, op, dir, slash ? slash + 1 : path, path, &tmp, &fd));
+    int32_t header[TS_TOKENS_BIN_HEADER_INTS] = {TS_TOKENS_BIN_MAGIC, TS_TOKENS_BIN_VERSION, (int32_t)n};
+    ts_status st = write_all(fd, header, sizeof header, path, tmp);
+    uint16_t chunk[8192];
+    for (size_t i = 0; i < n && !st;) {
+        size_t k = 0;
+        for (; k < 8192 && i < n; k++, i++)
+            chunk[k] = (uint16_t)ids[i];
+        st = write_all(fd, chunk, k * sizeof *chunk, path, tmp);
+    }
+    if (!st && fchmod(fd, (mode_t)ts__file_mode(0644)) != 0)
+        st = ts_error(TS_ERR_IO, "%s: setting the mode of '%s' failed: %s", op, tmp, strerror(errno));
+    if (close(fd) != 0 && !st)
+        st = ts_error(TS_ERR_IO, "%s: cannot write '%s' (temporary '%s'): %s", op, path, tmp, strerror(errno));
+    if (!st && rename(tmp, path) != 0)
+        st = ts_error(TS_ERR_IO, "%s: cannot rename '%s' to '%s': %s", op, tmp, path, strerror(errno));
+    if (st)
+        unlink(tmp);
+    ts__free(TAG, tmp);
+    return st;
+}

@@ -118,6 +118,22 @@ TS_API ts_status ts_tokenizer_learn(const char *text, size_t len, int32_t vocab_
  * file and the system error); TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_tokenizer_save(const ts_tokenizer *tok, const char *vocab_path, const char *merges_path);
 
+/* llm.c's token file: a header of 256 int32 (magic
+ * 20240520, version 1, the token count, the rest 0), then the tokens as
+ * uint16, both in the machine's byte order (little-endian on x86 and
+ * ARM, as llm.c writes them). */
+#define TS_TOKENS_BIN_MAGIC 20240520
+#define TS_TOKENS_BIN_VERSION 1
+#define TS_TOKENS_BIN_HEADER_INTS 256
+
+/* Writes `n` ids to `path` in llm.c's token file format, through a
+ * temporary file renamed into place (a failure leaves no partial file).
+ * Errors: TS_ERR_INVALID_ARGUMENT (NULL path, NULL ids with n > 0, more
+ * than INT32_MAX tokens); TS_ERR_INDEX (an id outside [0, 65535], which
+ * uint16 cannot hold: naming it and its position); TS_ERR_IO (naming the
+ * file and the system error); TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_tokenizer_write_bin(const int32_t *ids, size_t n, const char *path);
+
 #ifdef __cplusplus
 }
 #endif

@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "tests/helpers.h"
 #include "text/internal.h"
@@ -465,6 +467,127 @@ Test(text_tokenizer, gpt2_save_reload)
     free(mine), free(orig);
     ts_tokenizer_free(t);
     ts_tokenizer_free(u);
+    th_rm_rf(dir);
+    free(dir);
+}
+
+/* ---- llm.c's token files ---- */
+
+/* Reads a token file: asserts the header, returns the tokens (malloc'd). */
+static uint16_t *read_bin(const char *path, size_t *n_out)
+{
+    size_t len = 0;
+    uint8_t *d = th_read_file(path, &len);
+    cr_assert_not_null(d, "%s", path);
+    cr_assert_geq(len, 1024);
+    int32_t h[256];
+    memcpy(h, d, sizeof h);
+    cr_assert_eq(h[0], 20240520);
+    cr_assert_eq(h[1], 1);
+    for (int i = 3; i < 256; i++)
+        cr_assert_eq(h[i], 0, "header int %d is %d", i, h[i]);
+    cr_assert_eq(len, 1024 + 2 * (size_t)h[2], "%zu bytes for %d tokens", len, h[2]);
+    uint16_t *t = malloc(2 * (size_t)h[2] + 2);
+    memcpy(t, d + 1024, 2 * (size_t)h[2]);
+    free(d);
+    *n_out = (size_t)h[2];
+    return t;
+}
+
+Test(text_tokenizer, write_bin_llmc_format)
+{
+    char *dir = th_tmp_dir("ts_bpe_bin");
+    char p[4200];
+    snprintf(p, sizeof p, "%s/t.bin", dir);
+    int32_t ids[] = {50256, 0, 65535, 1234};
+    TH_OK(ts_tokenizer_write_bin(ids, 4, p));
+    size_t n = 0;
+    uint16_t *t = read_bin(p, &n);
+    cr_assert(n == 4 && t[0] == 50256 && t[1] == 0 && t[2] == 65535 && t[3] == 1234);
+    free(t);
+    TH_OK(ts_tokenizer_write_bin(NULL, 0, p));
+    t = read_bin(p, &n);
+    cr_assert_eq(n, 0);
+    free(t);
+    int32_t big[] = {1, 65536};
+    cr_assert_eq(ts_tokenizer_write_bin(big, 2, p), TS_ERR_INDEX);
+    cr_assert(strstr(ts_last_error(), "id 65536 at position 1"), "%s", ts_last_error());
+    t = read_bin(p, &n); /* the previous file is still whole */
+    cr_assert_eq(n, 0);
+    free(t);
+    cr_assert_eq(ts_tokenizer_write_bin(ids, 4, "/nonexistent/dir/t.bin"), TS_ERR_IO);
+    cr_assert_eq(ts_tokenizer_write_bin(NULL, 3, p), TS_ERR_INVALID_ARGUMENT);
+    th_rm_rf(dir);
+    free(dir);
+}
+
+/* The tokenize program (tools/tokenize, built beside the tests) on the
+ * fixtures' prose: the file holds <|endoftext|> and then the reference
+ * encoder's ids; with --learn it writes a vocabulary beside the file that
+ * loads and gives the same ids. */
+Test(text_tokenizer, tokenize_tool)
+{
+    char tool[4200];
+    snprintf(tool, sizeof tool, "%s", th_self_exe());
+    char *slash = strrchr(tool, '/');
+    cr_assert_not_null(slash);
+    *slash = '\0';
+    slash = strrchr(tool, '/'); /* build/tests -> build */
+    cr_assert_not_null(slash);
+    snprintf(slash, sizeof tool - (size_t)(slash - tool), "/tools/tokenize");
+    cr_assert_eq(access(tool, X_OK), 0, "%s is not built", tool);
+
+    json_t *c = cases(), *prose = NULL;
+    size_t i;
+    json_t *e;
+    json_array_foreach(c, i, e) if (!strcmp(json_string_value(json_object_get(e, "name")), "prose")) prose = e;
+    cr_assert_not_null(prose);
+    char *dir = th_tmp_dir("ts_bpe_tool");
+    char in[4200], out[4200], cmd[20000];
+    snprintf(in, sizeof in, "%s/in.txt", dir);
+    snprintf(out, sizeof out, "%s/out.bin", dir);
+    FILE *f = fopen(in, "wb");
+    json_t *text = json_object_get(prose, "text");
+    fwrite(json_string_value(text), 1, json_string_length(text), f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "'%s' --vocab '%s' --merges '%s' --eot '%s' '%s' >/dev/null", tool,
+             GPT2_DIR "/encoder.json", GPT2_DIR "/vocab.bpe", in, out);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    size_t n = 0;
+    uint16_t *t = read_bin(out, &n);
+    json_t *want = json_object_get(prose, "ids");
+    cr_assert_eq(n, json_array_size(want) + 1);
+    cr_assert_eq(t[0], 50256);
+    for (size_t k = 0; k + 1 < n; k++)
+        cr_assert_eq(t[k + 1], json_integer_value(json_array_get(want, k)), "token %zu", k);
+    free(t);
+
+    snprintf(cmd, sizeof cmd, "'%s' --learn 300 '%s' '%s' >/dev/null", tool, in, out);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    char v[4200], m[4200];
+    snprintf(v, sizeof v, "%s/out.encoder.json", dir);
+    snprintf(m, sizeof m, "%s/out.vocab.bpe", dir);
+    ts_tokenizer *tok = NULL;
+    TH_OK(ts_tokenizer_load(v, m, &tok));
+    cr_assert_eq(ts_tokenizer_vocab_size(tok), 300);
+    int32_t *ids = NULL;
+    size_t nids = 0;
+    TH_OK(ts_tokenizer_encode(tok, json_string_value(text), json_string_length(text), &ids, &nids));
+    t = read_bin(out, &n);
+    cr_assert_eq(n, nids);
+    for (size_t k = 0; k < n; k++)
+        cr_assert_eq(t[k], ids[k], "token %zu", k);
+    free(t);
+    ts_tokenizer_buffer_free(ids);
+    ts_tokenizer_free(tok);
+
+    /* a usage error and a missing vocabulary exit non-zero */
+    snprintf(cmd, sizeof cmd, "'%s' '%s' '%s' 2>/dev/null", tool, in, out);
+    cr_assert_eq(WEXITSTATUS(system(cmd)), 2);
+    snprintf(cmd, sizeof cmd, "'%s' --vocab /nonexistent.json --merges '%s' '%s' '%s' 2>/dev/null", tool,
+             GPT2_DIR "/vocab.bpe", in, out);
+    cr_assert_eq(WEXITSTATUS(system(cmd)), 1);
+    json_decref(c);
     th_rm_rf(dir);
     free(dir);
 }
