@@ -107,6 +107,9 @@ int main(int argc, char **argv)
         return 1;
     }
     ts_tokenizer *tok = NULL;
+    int32_t *ids = NULL, *all = NULL;
+    size_t n = 0;
+    int rc = 1;
     ts_status st;
     char vbuf[4096], mbuf[4096];
     if (learn) {
@@ -119,45 +122,57 @@ int main(int argc, char **argv)
             vocab = vbuf;
             merges = mbuf;
         }
-        if ((st = ts_tokenizer_learn(text, len, (int32_t)learn, &tok)))
-            return fail("learn", st);
-        if ((st = ts_tokenizer_save(tok, vocab, merges)))
-            return fail("save", st);
+        if ((st = ts_tokenizer_learn(text, len, (int32_t)learn, &tok))) {
+            fail("learn", st);
+            goto done;
+        }
+        if ((st = ts_tokenizer_save(tok, vocab, merges))) {
+            fail("save", st);
+            goto done;
+        }
         printf("learned %d tokens (%d merges) from %zu bytes: %s, %s\n", ts_tokenizer_vocab_size(tok),
                ts_tokenizer_merge_count(tok), len, vocab, merges);
     } else if ((st = ts_tokenizer_load(vocab, merges, &tok))) {
-        return fail("load", st);
+        fail("load", st);
+        goto done;
     }
     if (ts_tokenizer_vocab_size(tok) > 65536) {
         fprintf(stderr, "tokenize: the vocabulary has %d tokens; llm.c's files hold uint16 ids (at most 65536)\n",
                 ts_tokenizer_vocab_size(tok));
-        return 1;
+        goto done;
     }
-    int32_t *ids = NULL;
-    size_t n = 0;
-    if ((st = ts_tokenizer_encode(tok, text, len, &ids, &n)))
-        return fail("encode", st);
-    int32_t *all = ids;
+    if ((st = ts_tokenizer_encode(tok, text, len, &ids, &n))) {
+        fail("encode", st);
+        goto done;
+    }
+    all = ids;
     if (eot) {
         int32_t id;
-        if ((st = ts_tokenizer_token_id(tok, "<|endoftext|>", &id)))
-            return fail("--eot", st);
-        all = malloc((n + 1) * sizeof *all);
-        if (!all)
-            return fail("--eot", TS_ERR_NO_MEMORY);
+        if ((st = ts_tokenizer_token_id(tok, "<|endoftext|>", &id))) {
+            fail("--eot", st);
+            goto done;
+        }
+        if (!(all = malloc((n + 1) * sizeof *all))) {
+            fail("--eot", ts_error(TS_ERR_NO_MEMORY, "%zu tokens", n + 1));
+            goto done;
+        }
         all[0] = id;
         if (n)
             memcpy(all + 1, ids, n * sizeof *ids);
         n++;
     }
-    if ((st = ts_tokenizer_write_bin(all, n, out)))
-        return fail("write", st);
+    if ((st = ts_tokenizer_write_bin(all, n, out))) {
+        fail("write", st);
+        goto done;
+    }
     printf("%s: %zu bytes -> %zu tokens (%.2f bytes/token) -> %s\n", in, len, n, n ? (double)len / (double)n : 0.0,
            out);
+    rc = 0;
+done:
     if (all != ids)
         free(all);
     ts_tokenizer_buffer_free(ids);
     ts_tokenizer_free(tok);
     free(text);
-    return 0;
+    return rc;
 }
