@@ -215,6 +215,9 @@ static ts_status split_pieces(const uint8_t *s, size_t len, piece **pieces_out, 
         pos = end;
     }
     ts__free(TAG, slots);
+    int32_t rank[256];
+    for (int b = 0; b < 256; b++)
+        rank[b] = ts__byte_rank((uint8_t)b);
     for (uint32_t i = 0; i < n && !st; i++) {
         pieces[i].ids = ts__malloc(TAG, (size_t)pieces[i].n * sizeof(int32_t));
         if (!pieces[i].ids) {
@@ -222,7 +225,7 @@ static ts_status split_pieces(const uint8_t *s, size_t len, piece **pieces_out, 
             break;
         }
         for (uint32_t k = 0; k < pieces[i].n; k++)
-            pieces[i].ids[k] = ts__byte_rank(s[offs[i] + k]);
+            pieces[i].ids[k] = rank[s[offs[i] + k]];
     }
     ts__free(TAG, offs);
     if (st) {
