@@ -15,5 +15,6 @@
 #include "fully_shard/fully_shard.h"
 #include "fully_shard/grad_scaler.h"
 #include "checkpoint/checkpoint.h"
+#include "text/tokenizer.h"
 
 #endif
