@@ -273,6 +273,12 @@ FACTORY = {
     'const ts_fsdp_group_info *': '&f_group_info',
     'ts_fsdp_group_info **': 'f_ptrs',
     'ts_grad_scaler *': 'f_scaler()',
+    'ts_tokenizer *': 'f_tok()',
+    'const ts_tokenizer *': 'f_tok()',
+    'ts_tokenizer **': 'f_tok_outs',
+    'const int32_t *': 'f_i32',
+    'int32_t *': 'f_i32',
+    'int32_t **': 'f_i32_outs',
     'const ts_grad_scaler *': 'f_scaler()',
     'ts_grad_scaler **': 'f_scaler_outs',
     'const ts_grad_scaler_options *': '&f_scaler_opts',
@@ -609,6 +615,18 @@ static ts_request *f_request(void)
     return g_request;
 }
 
+static int32_t f_i32[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+static int32_t *f_i32_outs[8];
+static ts_tokenizer *f_tok_outs[8];
+static ts_tokenizer *g_tok;
+/* A tokenizer learned from a few bytes (GPT-2's files are not needed). */
+static ts_tokenizer *f_tok(void)
+{
+    if (!g_tok)
+        F_OK(ts_tokenizer_learn("abab abab abc", 13, 260, &g_tok));
+    return g_tok;
+}
+
 static ts_grad_scaler *f_scaler(void)
 {
     if (!g_scaler)
@@ -658,6 +676,8 @@ static void release_outs(void)
     FREE_OUTS(f_store_outs, ts_store_close);
     FREE_OUTS(f_server_outs, ts_store_server_stop);
     FREE_OUTS(f_scaler_outs, ts_grad_scaler_free);
+    FREE_OUTS(f_tok_outs, ts_tokenizer_free);
+    FREE_OUTS(f_i32_outs, ts_tokenizer_buffer_free);
 }
 
 static void teardown(void)
@@ -665,6 +685,8 @@ static void teardown(void)
     release_outs();
     ts_grad_scaler_free(g_scaler);
     g_scaler = NULL;
+    ts_tokenizer_free(g_tok);
+    g_tok = NULL;
     ts_request_free(g_request);
     ts_store_close(g_store);
     ts_store_server_stop(g_server);
