@@ -71,6 +71,21 @@ ts_status ts__tmp_create(ts_mem_tag tag, const char *op, const char *dir, const 
     return ts_error(TS_ERR_IO, "%s: 16 random temporary file names for '%s' in '%s' all exist", op, target, dir);
 }
 
+ts_status ts__tmp_create_beside(ts_mem_tag tag, const char *op, const char *path, char **tmp_out, int *fd_out)
+{
+    if (!op || !path)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__tmp_create_beside: NULL argument");
+    const char *slash = strrchr(path, '/');
+    char dir[4096];
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == path)
+        snprintf(dir, sizeof dir, "/");
+    else
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    return ts__tmp_create(tag, op, dir, slash ? slash + 1 : path, path, tmp_out, fd_out);
+}
+
 /* The umask is read from /proc/self/status: umask() itself would change
  * it for every thread for a moment. 022 if it cannot be read. */
 unsigned ts__file_mode(unsigned max_mode)

@@ -622,17 +622,9 @@ static ts_status write_json(json_t *root, const char *path)
             return ts_error(TS_ERR_IO, "%s: cannot write trace file '%s': %s", op, path, strerror(e));
         return TS_OK;
     }
-    const char *slash = strrchr(path, '/');
-    char dir[4096];
-    if (!slash)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == path)
-        snprintf(dir, sizeof dir, "/");
-    else
-        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
     char *tmp = NULL;
     int fd = -1;
-    ts_status st = ts__tmp_create(TS_MEM_OTHER, op, dir, slash ? slash + 1 : path, path, &tmp, &fd);
+    ts_status st = ts__tmp_create_beside(TS_MEM_OTHER, op, path, &tmp, &fd);
     if (st)
         return st;
     if (json_dumpfd(root, fd, flags) != 0)

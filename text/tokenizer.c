@@ -18,6 +18,7 @@
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -911,6 +912,8 @@ ts_status ts_tokenizer_decode(const ts_tokenizer *t, const int32_t *ids, size_t 
     if (!t || !bytes_out || !len_out || (!ids && n > 0))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tokenizer_decode: NULL %s",
                         !t ? "tokenizer" : !bytes_out ? "bytes_out" : !len_out ? "len_out" : "ids with n > 0");
+    if (n > (size_t)PTRDIFF_MAX / sizeof *ids)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tokenizer_decode: n %zu ids: more than any array holds", n);
     size_t total = 0;
     for (size_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= t->n_tokens)
@@ -1021,17 +1024,9 @@ static void sb_token(str_buf *b, const ts__bytes *tok, bool json)
 static ts_status write_atomic(const char *path, const str_buf *b)
 {
     static const char op[] = "ts_tokenizer_save";
-    const char *slash = strrchr(path, '/');
-    char dir[4096];
-    if (!slash)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == path)
-        snprintf(dir, sizeof dir, "/");
-    else
-        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
     char *tmp = NULL;
     int fd = -1;
-    TS_TRY(ts__tmp_create(TAG, op, dir, slash ? slash + 1 : path, path, &tmp, &fd));
+    TS_TRY(ts__tmp_create_beside(TAG, op, path, &tmp, &fd));
     ts_status st = TS_OK;
     for (size_t o = 0; o < b->n && !st;) {
         ssize_t w = write(fd, b->p + o, b->n - o);
@@ -1117,17 +1112,9 @@ ts_status ts_tokenizer_write_bin(const int32_t *ids, size_t n, const char *path)
         if (ids[i] < 0 || ids[i] > UINT16_MAX)
             return ts_error(TS_ERR_INDEX, "%s: id %d at position %zu does not fit in uint16 (a vocabulary of at "
                             "most 65536 tokens)", op, ids[i], i);
-    const char *slash = strrchr(path, '/');
-    char dir[4096];
-    if (!slash)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == path)
-        snprintf(dir, sizeof dir, "/");
-    else
-        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
     char *tmp = NULL;
     int fd = -1;
-    TS_TRY(ts__tmp_create(TAG, op, dir, slash ? slash + 1 : path, path, &tmp, &fd));
+    TS_TRY(ts__tmp_create_beside(TAG, op, path, &tmp, &fd));
     int32_t header[TS_TOKENS_BIN_HEADER_INTS] = {TS_TOKENS_BIN_MAGIC, TS_TOKENS_BIN_VERSION, (int32_t)n};
     ts_status st = write_all(fd, header, sizeof header, path, tmp);
     uint16_t chunk[8192];

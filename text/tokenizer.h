@@ -72,7 +72,7 @@ TS_API ts_status ts_tokenizer_encode(ts_tokenizer *tok, const char *text, size_t
  * it with ts_tokenizer_buffer_free. The bytes need not be UTF-8 (an id can
  * hold part of a character).
  * Errors: TS_ERR_INVALID_ARGUMENT (NULL tok or outputs, NULL ids with n >
- * 0); TS_ERR_INDEX (an id outside [0, vocab size), naming it and its
+ * 0, n more than any array holds); TS_ERR_INDEX (an id outside [0, vocab size), naming it and its
  * position); TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_tokenizer_decode(const ts_tokenizer *tok, const int32_t *ids, size_t n, char **bytes_out,
                                      size_t *len_out);

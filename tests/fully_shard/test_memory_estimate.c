@@ -229,7 +229,7 @@ static void peak_case(peak_opts po)
     ts_module_free(m);
 }
 
-Test(fully_shard_memory_estimate, gpt_step_peak_within_10_percent, .timeout = 60) { peak_case((peak_opts){.prefetch = true}); }
+Test(fully_shard_memory_estimate, gpt_step_peak_exact, .timeout = 60) { peak_case((peak_opts){.prefetch = true}); }
 Test(fully_shard_memory_estimate, gpt_step_peak_without_prefetch, .timeout = 60) { peak_case((peak_opts){.prefetch = false}); }
 Test(fully_shard_memory_estimate, gpt_step_peak_bf16, .timeout = 60) { peak_case((peak_opts){.prefetch = true, .bf16 = true}); }
 Test(fully_shard_memory_estimate, gpt_step_peak_dropout, .timeout = 60)
