@@ -109,7 +109,7 @@ const uint16_t *ts_token_file_tokens(const ts_token_file *file)
 
 const char *ts_token_file_path(const ts_token_file *file)
 {
-    return file ? file->path : "";
+    return file ? file->path : NULL;
 }
 
 uint64_t ts_token_file_hash(const ts_token_file *file)

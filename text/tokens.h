@@ -59,7 +59,7 @@ TS_API size_t ts_token_file_count(const ts_token_file *file);
  * or an empty file. */
 TS_API const uint16_t *ts_token_file_tokens(const ts_token_file *file);
 
-/* The path the file was opened with, borrowed ("" for NULL). */
+/* The path the file was opened with, borrowed (NULL for NULL). */
 TS_API const char *ts_token_file_path(const ts_token_file *file);
 
 /* FNV-1a (64 bit) over the tokens' bytes: an identity for checkpoints
