@@ -16,5 +16,6 @@
 #include "fully_shard/grad_scaler.h"
 #include "checkpoint/checkpoint.h"
 #include "text/tokenizer.h"
+#include "text/tokens.h"
 
 #endif

@@ -16,6 +16,7 @@
  *        [--sample N [--temperature T] [--prompt TEXT]]    (--help: all flags)
  *        [--offload cpu [--pin-memory 0|1]] [--checkpoint-activations] [--ignore-memory-cap]
  *        [--init deferred|eager]
+ *        [--data-tokens FILE.bin [--vocab N] [--val-every N] [--val-tokens K]]
  * --init deferred (the default) builds the model on the meta device
  * (ts_device_scope_enter), shards it with no parameter bytes, then gives
  * each rank only its rows: ts_fsdp_materialize replays the initializers
@@ -95,6 +96,17 @@
  * the model can learn them (K = 1: one batch, a quick check that a large
  * model trains). It trains from scratch: --data, --load,
  * --resume, --sample, --save and --save-full are refused with it.
+ * --data-tokens FILE.bin trains on llm.c's token file (tools/tokenize;
+ * text/tokens.h), memory-mapped, with a vocabulary of 50257 (GPT-2's) or
+ * --vocab N; an id outside it is refused, naming the id and the file. The
+ * last --val-tokens K tokens (a tenth of the file by default with
+ * --val-every) are held out; training windows are drawn from the rest by
+ * the data-order generator as for text (--global-batch: one order, each
+ * rank its slice). --val-every N prints, every N steps and at the end,
+ * the mean validation loss per token and its perplexity over the fixed
+ * validation windows, each rank evaluating its share (all-reduced). The
+ * checkpoint records the file's token count and hash, the vocabulary and
+ * --val-tokens: --resume needs the same --data-tokens.
  * --report-json FILE: rank 0 writes, at the end, the run's figures as one
  * JSON object (the config, every step's loss, and per rank the estimate:
  * tensors, the pool's holding, the floor and the peak RSS; the tensor
@@ -106,6 +118,7 @@
  * message says which; a checkpoint whose files cannot be loaded is one). */
 #include "common.h"
 #include "checkpoint/checkpoint.h"
+#include "text/tokens.h"
 
 
 /* The next character's id from the last row of logits (V): the argmax
@@ -169,6 +182,66 @@ static int generate(ts_module *model, const char *chars, int vocab, int seq, con
     free(logits);
     free(ctx);
     return 0;
+}
+
+/* The mean loss per token over the validation windows of `tf`: rank r of
+ * W evaluates windows r, r + W, ... in batches of B (inputs and targets
+ * are buffers of B x seq), without gradients and in eval mode; every rank
+ * runs the same number of forwards (the groups are gathered
+ * collectively), a rank out of windows padding its batch with targets
+ * the loss ignores; the sums of the losses and of the tokens are
+ * all-reduced, so every rank gets the mean over the whole set. Collective. */
+static ts_status validate(ts_module *model, const ts_token_file *tf, ts_comm *world, int B, int seq, int vocab,
+                          bool half, int64_t *inputs, int64_t *targets, double *loss_out)
+{
+    int W = ts_comm_size(world), rank = ts_comm_rank(world);
+    size_t n = ts_token_file_val_windows(tf), mine = n > (size_t)rank ? (n - (size_t)rank + (size_t)W - 1) / (size_t)W : 0;
+    size_t most = (n + (size_t)W - 1) / (size_t)W, rounds = (most + (size_t)B - 1) / (size_t)B;
+    double sums[2] = {0, 0}; /* the loss summed over this rank's tokens, and their count */
+    ts_status st = TS_OK;
+    bool prev = ts_grad_mode_set(false);
+    ts_module_eval(model);
+    for (size_t r = 0; r < rounds && !st; r++) {
+        for (int b = 0; b < B && !st; b++) {
+            size_t j = r * (size_t)B + (size_t)b;
+            int64_t *x = inputs + (size_t)b * (size_t)seq, *y = targets + (size_t)b * (size_t)seq;
+            if (j < mine) {
+                st = ts_token_file_val_window(tf, (size_t)rank + j * (size_t)W, x, y);
+                sums[1] += seq;
+            } else { /* padding: any ids, no target */
+                for (int t = 0; t < seq; t++) x[t] = 0, y[t] = -100;
+            }
+        }
+        int64_t is[2] = {B, seq}, ts_[1] = {(int64_t)B * seq}, fs[2] = {(int64_t)B * seq, vocab};
+        ts_tensor *x = NULL, *y = NULL, *logits = NULL, *l32 = NULL, *flat = NULL, *loss = NULL;
+        double l = 0;
+        if (!st) st = ts_tensor_from_data(TS_I64, 2, is, inputs, &x);
+        if (!st) st = ts_tensor_from_data(TS_I64, 1, ts_, targets, &y);
+        if (!st) st = ts_module_call1(model, x, &logits);
+        if (!st && half) st = ts_to_dtype(logits, TS_F32, &l32);
+        if (!st) st = ts_reshape(l32 ? l32 : logits, 2, fs, &flat);
+        if (!st) st = ts_cross_entropy(flat, y, -100, TS_REDUCTION_SUM, &loss);
+        if (!st) st = ts_tensor_item(loss, &l);
+        sums[0] += l;
+        ts_tensor_free(loss);
+        ts_tensor_free(flat);
+        ts_tensor_free(l32);
+        ts_tensor_free(logits);
+        ts_tensor_free(y);
+        ts_tensor_free(x);
+    }
+    ts_module_train(model, true);
+    ts_grad_mode_set(prev);
+    int64_t two = 2;
+    ts_tensor *t = NULL;
+    if (!st) st = ts_tensor_from_data(TS_F64, 1, &two, sums, &t);
+    if (!st) st = ts_all_reduce(world, t, TS_REDUCE_SUM, NULL);
+    if (!st) {
+        const double *v = ts_tensor_data(t);
+        *loss_out = v[0] / v[1];
+    }
+    ts_tensor_free(t);
+    return st;
 }
 
 /* One line: the collectives of one step on this rank, by kind, the bytes
@@ -576,6 +649,9 @@ int main(int argc, char **argv)
     int rand_vocab = 0;             /* --vocab N: random token ids in [0, N) */
     int data_batches = 0;           /* --data-batches K: with --vocab, K batches cycled (0: a fresh one every step) */
     const char *report_json = NULL; /* --report-json FILE */
+    const char *data_tokens = NULL; /* --data-tokens FILE.bin: llm.c's token file */
+    int val_every = 0;              /* --val-every N: validation loss every N steps */
+    int val_tokens = -1;            /* --val-tokens K: the file's last K tokens held out (-1: a tenth with --val-every) */
     ex_flag flags[] = {
         {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
@@ -603,9 +679,12 @@ int main(int argc, char **argv)
         {"--init", "deferred|eager", EX_FLAG_STRING, &init, 0, 0, false, "deferred: build on the meta device, shard, then materialize this rank's rows (default); eager: build whole, then shard", false},
         {"--accum", "K", EX_FLAG_INT, &accum, 1, 1 << 16, false, "gradient accumulation: K microbatches of --batch sequences per optimizer step", false},
         {"--accum-mode", "nosync|sync", EX_FLAG_STRING, &accum_mode, 0, 0, false, "--accum: nosync reduces once, on the last microbatch (more memory); sync reduce-scatters every microbatch", false},
-        {"--vocab", "N", EX_FLAG_INT, &rand_vocab, 2, 1 << 24, false, "train on random token ids in [0, N) (a seeded stream) instead of text, e.g. 50257 for GPT-2's", false},
+        {"--vocab", "N", EX_FLAG_INT, &rand_vocab, 2, 1 << 24, false, "train on random token ids in [0, N) (a seeded stream) instead of text, e.g. 50257 for GPT-2's; with --data-tokens: the file's vocabulary size", false},
         {"--data-batches", "K", EX_FLAG_INT, &data_batches, 1, INT_MAX, false, "with --vocab: cycle through the same K random batches (1: one batch every step, which the model can learn)", false},
         {"--report-json", "FILE", EX_FLAG_STRING, &report_json, 0, 0, false, "rank 0 writes the run's figures (estimate, peaks, step time, tokens/s per rank) as JSON at the end", false},
+        {"--data-tokens", "FILE.bin", EX_FLAG_STRING, &data_tokens, 0, 0, false, "train on llm.c's token file (tools/tokenize; vocabulary 50257, or --vocab N), memory-mapped", false},
+        {"--val-every", "N", EX_FLAG_INT, &val_every, 1, INT_MAX, false, "with --data-tokens: print the validation loss and perplexity every N steps", false},
+        {"--val-tokens", "K", EX_FLAG_INT, &val_tokens, 0, INT_MAX, false, "with --data-tokens: hold out the file's last K tokens for validation (default with --val-every: a tenth)", false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
     bool ckpt_act = false, ignore_cap = false; /* switches without value: taken out before the flags are parsed */
@@ -662,13 +741,24 @@ int main(int argc, char **argv)
         fprintf(stderr, "train_gpt: --resume continues a run and --load starts one from a full file: give one\n");
         return 2;
     }
-    if (rand_vocab && (data || load || resume || sample || save || save_full)) {
+    bool rand_mode = rand_vocab && !data_tokens; /* --vocab N alone: random ids; with --data-tokens, the file's vocabulary */
+    if (data_tokens && (data || sample)) {
+        fprintf(stderr, "train_gpt: --data-tokens '%s' does not go with %s\n", data_tokens,
+                data ? "--data (give one: a text, or a token file)" : "--sample (sampling decodes characters only)");
+        return 2;
+    }
+    if (!data_tokens && (val_every || ex_flag_given(flags, NFLAGS, "--val-tokens"))) {
+        fprintf(stderr, "train_gpt: --val-every and --val-tokens go with --data-tokens FILE.bin (a validation split "
+                        "of a token file)\n");
+        return 2;
+    }
+    if (rand_mode && (data || load || resume || sample || save || save_full)) {
         fprintf(stderr, "train_gpt: --vocab %d trains a new model on random token ids: it does not go with %s\n",
                 rand_vocab, data ? "--data (a text has its own vocabulary)" : load ? "--load" : resume ? "--resume"
                              : sample ? "--sample" : save ? "--save" : "--save-full");
         return 2;
     }
-    if (data_batches && !rand_vocab) {
+    if (data_batches && !rand_mode) {
         fprintf(stderr, "train_gpt: --data-batches %d goes with --vocab N (random token ids)\n", data_batches);
         return 2;
     }
@@ -699,7 +789,7 @@ int main(int argc, char **argv)
      * those not given and refuses those given otherwise. */
     static const char *const recorded[] = {"--seq",   "--layers",       "--heads", "--dim",       "--param-dtype",
                                            "--reduce-dtype", "--lr", "--steps", "--seed", "--batch",
-                                           "--global-batch", "--accum", "--accum-mode"};
+                                           "--global-batch", "--accum", "--accum-mode", "--val-tokens"};
     enum { NREC = sizeof recorded / sizeof recorded[0] };
     char *saved_flags = NULL, *saved_text = NULL, *saved_vocab = NULL;
     if (resume) {
@@ -725,7 +815,9 @@ int main(int argc, char **argv)
                 if (!strcmp(flags[k].name, recorded[i])) fl = &flags[k];
             static char adopted[NREC][64]; /* adopted strings outlive main's use of them */
             char *was = adopted[i], now[64];
-            if (!saved_flag(saved_flags, fl->name, was, sizeof adopted[i])) {
+            bool found = saved_flag(saved_flags, fl->name, was, sizeof adopted[i]);
+            if (!found && !strcmp(fl->name, "--val-tokens")) continue; /* recorded since token files: none before */
+            if (!found) {
                 fprintf(stderr, "train_gpt: --resume '%s': its metadata does not record %s ('%s')\n", resume,
                         fl->name, saved_flags);
                 free(saved_flags);
@@ -747,10 +839,11 @@ int main(int argc, char **argv)
                 return 2;
             }
             bool off = (is_dtype_flag(fl) && !strcmp(was, "none")) ||
-                       (!strcmp(fl->name, "--global-batch") && !strcmp(was, "0"));
+                       (!strcmp(fl->name, "--global-batch") && !strcmp(was, "0")) ||
+                       (!strcmp(fl->name, "--val-tokens") && !strcmp(was, "-1"));
             if (off) {
                 if (is_dtype_flag(fl)) *(const char **)fl->value = NULL;
-                else *(int *)fl->value = 0;
+                else *(int *)fl->value = !strcmp(fl->name, "--val-tokens") ? -1 : 0;
             } else if (ex_parse_value("train_gpt", fl, was)) {
                 fprintf(stderr, "train_gpt: --resume '%s': the value it records for %s is not valid\n", resume,
                         fl->name);
@@ -814,7 +907,28 @@ int main(int argc, char **argv)
             map[c] = vocab++;
         }
     }
-    if (resume && (vocab = vocab_from_hex(saved_vocab, map, chars)) == 0) {
+    int tok_vocab = 0; /* a resumed token-file run's vocabulary ("tokens:N") */
+    if (resume && !strncmp(saved_vocab, "tokens:", 7)) {
+        char *end;
+        long v = strtol(saved_vocab + 7, &end, 10);
+        const char *why = *end || v < 2 || v > (1 << 24) ? "is not one --save writes"
+                          : !data_tokens                ? "is a token file's: give the --data-tokens it trained on"
+                          : rand_vocab && rand_vocab != v ? "differs from --vocab"
+                                                          : NULL;
+        if (why) {
+            fprintf(stderr, "train_gpt: --resume '%s': its vocabulary ('%s') %s\n", resume, saved_vocab, why);
+            free(saved_text);
+            free(saved_vocab);
+            return 2;
+        }
+        tok_vocab = (int)v;
+    } else if (resume && data_tokens) {
+        fprintf(stderr, "train_gpt: --resume '%s' trained on characters (--data or the built-in corpus): "
+                        "--data-tokens '%s' cannot continue it\n", resume, data_tokens);
+        free(saved_text);
+        free(saved_vocab);
+        return 2;
+    } else if (resume && (vocab = vocab_from_hex(saved_vocab, map, chars)) == 0) {
         fprintf(stderr, "train_gpt: --resume '%s': its vocabulary ('%s') is not one --save writes\n", resume,
                 saved_vocab);
         free(saved_flags);
@@ -830,7 +944,30 @@ int main(int argc, char **argv)
     bool ckpt_vocab = vocab > 0;
     size_t len = 0;
     char *text = NULL;
-    if (rand_vocab) { /* no text: token ids drawn in the loop */
+    ts_token_file *tf = NULL; /* --data-tokens */
+    char text_id[64] = "";    /* the data's length and hash, recorded by --save */
+    if (data_tokens) {
+        vocab = tok_vocab ? tok_vocab : rand_vocab ? rand_vocab : 50257; /* GPT-2's by default */
+        ts_status st = ts_token_file_open(data_tokens, &tf);
+        if (!st) st = ts_token_file_check_vocab(tf, vocab);
+        if (!st && val_tokens < 0) val_tokens = val_every ? (int)(ts_token_file_count(tf) / 10) : 0;
+        if (!st) st = ts_token_file_split(tf, (size_t)val_tokens, seq);
+        if (st) {
+            fprintf(stderr, "train_gpt: --data-tokens: %s%s\n", ts_last_error(),
+                    st == TS_ERR_INDEX ? " (give the tokenizer's size with --vocab N)" : "");
+            ts_token_file_close(tf);
+            free(saved_text);
+            return 2;
+        }
+        if (val_every && !ts_token_file_val_windows(tf)) {
+            fprintf(stderr, "train_gpt: --val-every %d: no validation tokens (--val-tokens 0)\n", val_every);
+            ts_token_file_close(tf);
+            free(saved_text);
+            return 2;
+        }
+        snprintf(text_id, sizeof text_id, "tokens:%zu:%016llx", ts_token_file_count(tf),
+                 (unsigned long long)ts_token_file_hash(tf));
+    } else if (rand_vocab) { /* no text: token ids drawn in the loop */
         vocab = rand_vocab;
     } else if (!(sample && ckpt_vocab)) { /* sampling from a checkpoint of ours needs no text */
         text = data ? ex_read_file("train_gpt", "--data", data, &len) : ex_grammar_corpus(200000, 7);
@@ -859,13 +996,14 @@ int main(int argc, char **argv)
             map[c] = vocab++;
         }
     }
-    char text_id[64] = ""; /* the text's length and hash, recorded by --save */
     if (text) snprintf(text_id, sizeof text_id, "%zu:%016llx", len, (unsigned long long)text_hash(text, len));
     if (resume && strcmp(text_id, saved_text) != 0) {
         fprintf(stderr,
-                "train_gpt: --resume '%s' trained on another text (characters:hash %s; %s is %s): give the --data "
-                "it was trained on\n",
-                resume, saved_text, data ? data : "the built-in corpus", text_id);
+                "train_gpt: --resume '%s' trained on other data (length:hash %s; %s is %s): give the %s it was "
+                "trained on\n",
+                resume, saved_text, tf ? data_tokens : data ? data : "the built-in corpus", text_id,
+                tf ? "--data-tokens" : "--data");
+        ts_token_file_close(tf);
         free(text);
         free(saved_text);
         return 2;
@@ -887,6 +1025,7 @@ int main(int argc, char **argv)
                         (unsigned char)p[i]);
                 free(prompt_ids);
                 free(text);
+                ts_token_file_close(tf);
                 return 2;
             }
         }
@@ -906,6 +1045,7 @@ int main(int argc, char **argv)
                     global_batch, W);
             free(prompt_ids);
             free(text);
+            ts_token_file_close(tf);
             return 2;
         }
         B = global_batch / W;
@@ -935,6 +1075,7 @@ int main(int argc, char **argv)
                 ex_fmt_bytes(phys, b[5], 32));
         free(prompt_ids);
         free(text);
+        ts_token_file_close(tf);
         return 2;
     }
 
@@ -947,6 +1088,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "train_gpt: %s\n", ts_last_error());
         free(prompt_ids);
         free(text);
+        ts_token_file_close(tf);
         return 2;
     }
     if (cap.bytes && me.rss_peak_bytes > cap.bytes && !ignore_cap) {
@@ -962,6 +1104,7 @@ int main(int argc, char **argv)
                 env_cap ? "--memory-per-rank / " : "the cgroup limit in ", cap.source);
         free(prompt_ids);
         free(text);
+        ts_token_file_close(tf);
         return 2;
     }
 
@@ -971,7 +1114,12 @@ int main(int argc, char **argv)
     W = ts_comm_size(world);
     if (rank != 0) /* one voice */
         if (!freopen("/dev/null", "w", stdout)) return 1;
-    if (rand_vocab)
+    if (tf)
+        printf("data: %s, %zu tokens (vocabulary %d), memory-mapped: %zu for training, %zu held out for validation "
+               "(%zu windows of %d)\n",
+               data_tokens, ts_token_file_count(tf), vocab, ts_token_file_train_tokens(tf),
+               ts_token_file_count(tf) - ts_token_file_train_tokens(tf), ts_token_file_val_windows(tf), seq);
+    else if (rand_mode)
         printf("data: random token ids in [0, %d), seeded %llu%s\n", vocab, (unsigned long long)(seed + 1),
                global_batch ? " (one stream for all ranks)" : " + the rank");
     else if (text)
@@ -1017,6 +1165,7 @@ int main(int argc, char **argv)
             ts_module_free(model);
             free(prompt_ids);
             free(text);
+            ts_token_file_close(tf);
             ts_dist_finalize();
             return 1;
         }
@@ -1035,6 +1184,7 @@ int main(int argc, char **argv)
         free(prompt_ids);
         ts_module_free(model);
         free(text);
+        ts_token_file_close(tf);
         CHECK(ts_dist_finalize());
         return rc;
     }
@@ -1078,9 +1228,10 @@ int main(int argc, char **argv)
             n += (size_t)snprintf(flag_rec + n, sizeof flag_rec - n, "%s%s=%s", i ? " " : "", fl->name, v);
         }
         snprintf(config_rec, sizeof config_rec, "seq=%d layers=%d heads=%d dim=%d", seq, layers, heads, dim);
-        int nv = rand_vocab ? 0 : vocab; /* --vocab has no characters (and saves nothing) */
+        int nv = rand_vocab || tf ? 0 : vocab; /* --vocab has no characters (and saves nothing) */
         for (int i = 0; i < nv; i++) snprintf(vocab_rec + 2 * i, 3, "%02x", (unsigned char)chars[i]);
         vocab_rec[2 * nv] = '\0';
+        if (tf) snprintf(vocab_rec, sizeof vocab_rec, "tokens:%d", vocab); /* a token file's ids, not characters */
     }
     const ts_ckpt_meta ckpt_meta[] = {{"train_gpt.config", config_rec},
                                       {"train_gpt.vocab", vocab_rec},
@@ -1167,7 +1318,7 @@ int main(int argc, char **argv)
     ts_comm_stats_reset(world); /* count the training loop's collectives only */
     int end = stop_after && stop_after < steps ? stop_after : steps;
     report_cfg rcfg = {layers, dim, heads, seq, vocab, B, accum, W, (int64_t)me.n_params,
-                       param_dtype_s ? mp_name(mp.param_dtype) : "f32", ckpt_act, rand_vocab != 0};
+                       param_dtype_s ? mp_name(mp.param_dtype) : "f32", ckpt_act, rand_mode};
     for (step = start; step < end; step++) {
         /* each microbatch: --global-batch, every rank draws all G starts
          * and keeps its G/W; else its own B (the same sequences as
@@ -1176,7 +1327,7 @@ int main(int argc, char **argv)
         if (data_batches && step % data_batches == 0) /* --data-batches K: the stream starts again */
             ts_generator_manual_seed(data_rng, global_batch ? seed + 1 : seed + 1 + (uint64_t)rank);
         int per = global_batch ? global_batch : B, mine = global_batch ? rank * B : 0;
-        for (int g = 0; g < accum * per && rand_vocab; g++) { /* --vocab: seq + 1 draws per sequence, all drawn */
+        for (int g = 0; g < accum * per && rand_mode; g++) { /* --vocab: seq + 1 draws per sequence, all drawn */
             int b = g % per - mine;
             bool keep = b >= 0 && b < B;
             b += g / per * B;
@@ -1186,7 +1337,10 @@ int main(int argc, char **argv)
                 if (keep && t > 0) tg[b * seq + t - 1] = id;
             }
         }
-        for (int g = 0; g < accum * per && !rand_vocab; g++) {
+        for (int k = 0; k < accum && tf; k++) /* the same draws as the text's, from the file's training part */
+            CHECK(ts_token_file_train_batch(tf, data_rng, per, mine, B, ids + (size_t)k * B * seq,
+                                            tg + (size_t)k * B * seq));
+        for (int g = 0; g < accum * per && !rand_mode && !tf; g++) {
             size_t at = ts_generator_random(data_rng) % (len - (size_t)seq - 1);
             int b = g % per - mine;
             if (b < 0 || b >= B) continue;
@@ -1305,6 +1459,12 @@ int main(int argc, char **argv)
             window = 0;
             window_n = 0;
         }
+        if (val_every && ((step + 1) % val_every == 0 || step + 1 == end)) {
+            double vl;
+            CHECK(validate(model, tf, world, B, seq, vocab, half, ids, tg, &vl));
+            printf("step %4d  val loss %.4f  perplexity %.2f  (%zu windows of %d tokens over %d rank%s)\n", step + 1,
+                   vl, exp(vl), ts_token_file_val_windows(tf), seq, W, W > 1 ? "s" : "");
+        }
         if (save && save_every && (step + 1) % save_every == 0 && step + 1 < end)
             CHECK(save_sharded(save, model, opt, scaler, skipped, data_rng, &rs, step + 1, first, window, window_n,
                                last, ckpt_meta, n_ckpt_meta));
@@ -1373,6 +1533,7 @@ done:
     free(step_s);
     free(losses);
     free(text);
+    ts_token_file_close(tf);
     CHECK(ts_dist_finalize());
     return rc;
 }

@@ -71,6 +71,7 @@ ALLOWED_NULL = {
     ('ts__free_raw', 'ptr'): 'free functions accept NULL',
     ('ts_storage_free', 's'): 'free functions accept NULL',
     ('ts_grad_scaler_free', 's'): 'free functions accept NULL',
+    ('ts_token_file_close', 'file'): 'free functions accept NULL',
     ('ts_tensor_retain', 't'): 'documented to return NULL for NULL',
     ('ts_backward', 'grad'): 'NULL gradient means ones for a scalar, as loss.backward()',
     ('ts_comm_new_group', 'ranks'): 'NULL ranks with n = 0 ... (see header)',
@@ -276,6 +277,9 @@ FACTORY = {
     'ts_tokenizer *': 'f_tok()',
     'const ts_tokenizer *': 'f_tok()',
     'ts_tokenizer **': 'f_tok_outs',
+    'ts_token_file *': 'f_tokfile()',
+    'const ts_token_file *': 'f_tokfile()',
+    'ts_token_file **': 'f_tokfile_outs',
     'const int32_t *': 'f_i32',
     'int32_t *': 'f_i32',
     'int32_t **': 'f_i32_outs',
@@ -627,6 +631,27 @@ static ts_tokenizer *f_tok(void)
     return g_tok;
 }
 
+static ts_token_file *f_tokfile_outs[8];
+static ts_token_file *g_tokfile;
+/* A token file of 64 tokens (written to /tmp, removed once mapped), split
+ * into windows of 2 with 16 validation tokens. */
+static ts_token_file *f_tokfile(void)
+{
+    if (!g_tokfile) {
+        int32_t ids[64];
+        for (int i = 0; i < 64; i++)
+            ids[i] = i;
+        char path[64];
+        /* a name of this process's own (the address differs between processes under ASLR) */
+        snprintf(path, sizeof path, "/tmp/ts-null-args-%p.bin", (void *)&ids);
+        F_OK(ts_tokenizer_write_bin(ids, 64, path));
+        F_OK(ts_token_file_open(path, &g_tokfile));
+        remove(path);
+        F_OK(ts_token_file_split(g_tokfile, 16, 2));
+    }
+    return g_tokfile;
+}
+
 static ts_grad_scaler *f_scaler(void)
 {
     if (!g_scaler)
@@ -677,6 +702,7 @@ static void release_outs(void)
     FREE_OUTS(f_server_outs, ts_store_server_stop);
     FREE_OUTS(f_scaler_outs, ts_grad_scaler_free);
     FREE_OUTS(f_tok_outs, ts_tokenizer_free);
+    FREE_OUTS(f_tokfile_outs, ts_token_file_close);
     FREE_OUTS(f_i32_outs, ts_tokenizer_buffer_free);
 }
 
@@ -687,6 +713,8 @@ static void teardown(void)
     g_scaler = NULL;
     ts_tokenizer_free(g_tok);
     g_tok = NULL;
+    ts_token_file_close(g_tokfile);
+    g_tokfile = NULL;
     ts_request_free(g_request);
     ts_store_close(g_store);
     ts_store_server_stop(g_server);

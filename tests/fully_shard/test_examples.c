@@ -28,6 +28,7 @@
 #include "comm/launch.h"
 #include "fully_shard/fully_shard.h"
 #include "tests/helpers.h"
+#include "text/tokenizer.h"
 
 #ifndef TS_BUILD_DIR
 #error "TS_BUILD_DIR (the build root, where examples/ is) must be defined"
@@ -103,8 +104,8 @@ static char *run_example_args(const char *prog, int nproc, int nargs, const char
     o.err_fd = memfd_create("ts-example-err", MFD_CLOEXEC);
     cr_assert_geq(o.out_fd, 0);
     cr_assert_geq(o.err_fd, 0);
-    char *argv[24] = {path};
-    cr_assert_lt(nargs, 23);
+    char *argv[32] = {path};
+    cr_assert_lt(nargs, 31);
     for (int i = 0; i < nargs; i++) argv[i + 1] = (char *)args[i];
     argv[nargs + 1] = NULL;
     ts_launch_result res;
@@ -1346,4 +1347,111 @@ Test(fully_shard_examples, train_gpt_one_random_batch_is_learnt, .timeout = 120)
     cr_assert(l && sscanf(l, "[0] loss %lf -> %lf", &first, &last) == 2, "no loss line:\n%s", out);
     cr_assert_lt(last, first - 0.5, "one batch, 8 steps: %g -> %g", first, last);
     free(out);
+}
+
+/* A token file of n tokens: a permutation of 0..36 (so each token has one
+ * successor), repeated; `shift` rotates the permutation (another file). */
+static void write_token_file(const char *path, size_t n, int shift)
+{
+    static const int32_t perm[37] = {5,  17, 30, 2,  11, 24, 36, 8,  19, 1,  27, 14, 33, 6,  22, 0,  29, 12, 35,
+                                     9,  20, 3,  26, 15, 31, 7,  18, 34, 4,  23, 10, 28, 16, 32, 13, 21, 25};
+    int32_t *ids = malloc(n * sizeof *ids);
+    cr_assert(ids);
+    for (size_t i = 0; i < n; i++) ids[i] = perm[(i + (size_t)shift) % 37];
+    TH_OK(ts_tokenizer_write_bin(ids, n, path));
+    free(ids);
+}
+
+/* train_gpt --data-tokens on 2 ranks (a file made by
+ * ts_tokenizer_write_bin): the validation line at steps 20 and 40 has its
+ * format (the loss, exp of it as the perplexity, the windows of the
+ * held-out part), the validation loss and the training loss fall on the
+ * repeated corpus; an id past --vocab is refused naming the id and the
+ * file, and --resume with another token file is refused. */
+Test(fully_shard_examples, train_gpt_on_a_token_file_with_validation, .timeout = 240)
+{
+    char *dir = th_tmp_dir("ts-test-tokens-gpt");
+    char bin[512], other[512], ckpt[512];
+    snprintf(bin, sizeof bin, "%s/train.bin", dir);
+    snprintf(other, sizeof other, "%s/other.bin", dir);
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
+    write_token_file(bin, 4000, 0);
+    write_token_file(other, 4000, 5);
+    const char *a[] = {"--data-tokens", bin, "--vocab", "64", "--steps", "40", "--seq", "16", "--global-batch", "8",
+                       "--layers", "1", "--dim", "32", "--heads", "2", "--lr", "1e-2", "--val-every", "20",
+                       "--val-tokens", "400", "--save", ckpt};
+    char *out = run_example_args("train_gpt", 2, 24, a);
+    cr_assert(strstr(out, "[0] data: ") && strstr(out, "4000 tokens (vocabulary 64), memory-mapped: 3600 for "
+                                                        "training, 400 held out for validation (24 windows of 16)"),
+              "%s", out);
+    double vl[2], ppl[2];
+    for (int i = 0; i < 2; i++) {
+        char want[64];
+        snprintf(want, sizeof want, "[0] step %4d  val loss ", 20 * (i + 1));
+        const char *l = strstr(out, want);
+        size_t nw = 0;
+        int T = 0, ranks = 0;
+        cr_assert(l && sscanf(l + strlen(want), "%lf  perplexity %lf  (%zu windows of %d tokens over %d ranks)",
+                              &vl[i], &ppl[i], &nw, &T, &ranks) == 5,
+                  "no validation line for step %d:\n%s", 20 * (i + 1), out);
+        cr_assert_eq(nw, 24);
+        cr_assert_eq(T, 16);
+        cr_assert_eq(ranks, 2);
+        /* both printed rounded: perplexity to 2 decimals, the loss to 4 */
+        cr_assert_lt(fabs(ppl[i] - exp(vl[i])), 0.006 + exp(vl[i]) * 6e-5, "%g vs exp(%g)", ppl[i], vl[i]);
+    }
+    cr_assert_lt(vl[0], log(64.0), "the first validation loss %g is no better than uniform", vl[0]);
+    cr_assert_lt(vl[1], vl[0], "the validation loss did not fall: %g -> %g", vl[0], vl[1]);
+    double first = 0, last = 0;
+    const char *l = strstr(out, "[0] loss ");
+    cr_assert(l && sscanf(l, "[0] loss %lf -> %lf", &first, &last) == 2, "no loss line:\n%s", out);
+    cr_assert_lt(last, first * 0.5, "the loss did not fall: %g -> %g", first, last);
+
+    /* one rank evaluating every window gives the mean the two ranks' shares gave (the same global
+     * batches: trained alike up to the order of float sums; both printed to 4 decimals) */
+    char *alone = run_example_args("train_gpt", 1, 22, a); /* without --save */
+    double v1 = 0;
+    const char *l1 = strstr(alone, "[0] step   20  val loss ");
+    cr_assert(l1 && sscanf(l1, "[0] step   20  val loss %lf", &v1) == 1, "%s", alone);
+    cr_assert(strstr(alone, "over 1 rank)"), "%s", alone);
+    cr_assert_lt(fabs(v1 - vl[0]), 1e-3, "1 rank: %g, 2 ranks: %g", v1, vl[0]);
+    free(alone);
+
+    /* stopped after step 20 and resumed: step 40's validation line and the final loss line are the same */
+    char ckpt2[512];
+    snprintf(ckpt2, sizeof ckpt2, "%s/ckpt2", dir);
+    a[23] = ckpt2;
+    const char *stop[26];
+    memcpy(stop, a, sizeof a);
+    stop[24] = "--stop-after", stop[25] = "20";
+    char *part = run_example_args("train_gpt", 2, 26, stop);
+    free(part);
+    const char *cont[] = {"--resume", ckpt2, "--data-tokens", bin, "--val-every", "20"};
+    char *resumed = run_example_args("train_gpt", 2, 6, cont);
+    const char *lines[] = {"[0] step   40  val loss ", "[0] loss "};
+    for (int i = 0; i < 2; i++) {
+        const char *x = strstr(out, lines[i]), *y = strstr(resumed, lines[i]);
+        cr_assert(x && y, "'%s' missing:\n%s", lines[i], resumed);
+        size_t nx = strcspn(x, "\n"), ny = strcspn(y, "\n");
+        cr_assert(nx == ny && !memcmp(x, y, nx), "the resumed run differs:\n%.*s\n%.*s", (int)nx, x, (int)ny, y);
+    }
+    free(resumed);
+    free(out);
+    th_rm_rf(ckpt2);
+
+    const char *small[] = {"--data-tokens", bin, "--vocab", "30", "--steps", "2"};
+    const char *w1[] = {"id 3", bin, "vocabulary of 30", "--vocab", NULL};
+    expect_refused("train_gpt", 6, small, w1);
+    const char *res[] = {"--resume", ckpt, "--data-tokens", other, "--steps", "40"};
+    const char *w2[] = {"trained on other data", other, "--data-tokens", NULL};
+    expect_refused("train_gpt", 6, res, w2);
+    const char *nofile[] = {"--resume", ckpt, "--steps", "40"};
+    const char *w3[] = {"give the --data-tokens", NULL};
+    expect_refused("train_gpt", 4, nofile, w3);
+    const char *textval[] = {"--val-every", "5", "--steps", "2"};
+    const char *w4[] = {"--val-every and --val-tokens go with --data-tokens", NULL};
+    expect_refused("train_gpt", 4, textval, w4);
+    th_rm_rf(ckpt);
+    th_rm_rf(dir);
+    free(dir);
 }
