@@ -1021,23 +1021,26 @@ static void sb_token(str_buf *b, const ts__bytes *tok, bool json)
     }
 }
 
-static ts_status write_atomic(const char *path, const str_buf *b)
+static ts_status write_all(const char *op, int fd, const void *p, size_t n, const char *path, const char *tmp)
 {
-    static const char op[] = "ts_tokenizer_save";
-    char *tmp = NULL;
-    int fd = -1;
-    TS_TRY(ts__tmp_create_beside(TAG, op, path, &tmp, &fd));
-    ts_status st = TS_OK;
-    for (size_t o = 0; o < b->n && !st;) {
-        ssize_t w = write(fd, b->p + o, b->n - o);
+    const char *c = p;
+    while (n) {
+        ssize_t w = write(fd, c, n);
         if (w < 0 && errno == EINTR)
             continue;
         if (w <= 0)
-            st = ts_error(TS_ERR_IO, "%s: cannot write '%s' (temporary '%s'): %s", op, path, tmp,
-                          w < 0 ? strerror(errno) : "no progress");
-        else
-            o += (size_t)w;
+            return ts_error(TS_ERR_IO, "%s: cannot write '%s' (temporary '%s'): %s", op, path, tmp,
+                            w < 0 ? strerror(errno) : "no progress");
+        c += w;
+        n -= (size_t)w;
     }
+    return TS_OK;
+}
+
+/* Gives the written temporary file its mode, closes it and renames it over
+ * path; on any failure (st included) removes it. Frees tmp. */
+static ts_status finish_atomic(const char *op, int fd, char *tmp, const char *path, ts_status st)
+{
     if (!st && fchmod(fd, (mode_t)ts__file_mode(0644)) != 0)
         st = ts_error(TS_ERR_IO, "%s: setting the mode of '%s' failed: %s", op, tmp, strerror(errno));
     if (close(fd) != 0 && !st)
@@ -1048,6 +1051,15 @@ static ts_status write_atomic(const char *path, const str_buf *b)
         unlink(tmp);
     ts__free(TAG, tmp);
     return st;
+}
+
+static ts_status write_atomic(const char *path, const str_buf *b)
+{
+    static const char op[] = "ts_tokenizer_save";
+    char *tmp = NULL;
+    int fd = -1;
+    TS_TRY(ts__tmp_create_beside(TAG, op, path, &tmp, &fd));
+    return finish_atomic(op, fd, tmp, path, write_all(op, fd, b->p, b->n, path, tmp));
 }
 
 ts_status ts_tokenizer_save(const ts_tokenizer *t, const char *vocab_path, const char *merges_path)
@@ -1084,22 +1096,6 @@ ts_status ts_tokenizer_save(const ts_tokenizer *t, const char *vocab_path, const
 
 /* ---- llm.c's token files ---- */
 
-static ts_status write_all(int fd, const void *p, size_t n, const char *path, const char *tmp)
-{
-    const char *c = p;
-    while (n) {
-        ssize_t w = write(fd, c, n);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0)
-            return ts_error(TS_ERR_IO, "ts_tokenizer_write_bin: cannot write '%s' (temporary '%s'): %s", path, tmp,
-                            w < 0 ? strerror(errno) : "no progress");
-        c += w;
-        n -= (size_t)w;
-    }
-    return TS_OK;
-}
-
 ts_status ts_tokenizer_write_bin(const int32_t *ids, size_t n, const char *path)
 {
     static const char op[] = "ts_tokenizer_write_bin";
@@ -1116,22 +1112,13 @@ ts_status ts_tokenizer_write_bin(const int32_t *ids, size_t n, const char *path)
     int fd = -1;
     TS_TRY(ts__tmp_create_beside(TAG, op, path, &tmp, &fd));
     int32_t header[TS_TOKENS_BIN_HEADER_INTS] = {TS_TOKENS_BIN_MAGIC, TS_TOKENS_BIN_VERSION, (int32_t)n};
-    ts_status st = write_all(fd, header, sizeof header, path, tmp);
+    ts_status st = write_all(op, fd, header, sizeof header, path, tmp);
     uint16_t chunk[8192];
     for (size_t i = 0; i < n && !st;) {
         size_t k = 0;
         for (; k < 8192 && i < n; k++, i++)
             chunk[k] = (uint16_t)ids[i];
-        st = write_all(fd, chunk, k * sizeof *chunk, path, tmp);
+        st = write_all(op, fd, chunk, k * sizeof *chunk, path, tmp);
     }
-    if (!st && fchmod(fd, (mode_t)ts__file_mode(0644)) != 0)
-        st = ts_error(TS_ERR_IO, "%s: setting the mode of '%s' failed: %s", op, tmp, strerror(errno));
-    if (close(fd) != 0 && !st)
-        st = ts_error(TS_ERR_IO, "%s: cannot write '%s' (temporary '%s'): %s", op, path, tmp, strerror(errno));
-    if (!st && rename(tmp, path) != 0)
-        st = ts_error(TS_ERR_IO, "%s: cannot rename '%s' to '%s': %s", op, tmp, path, strerror(errno));
-    if (st)
-        unlink(tmp);
-    ts__free(TAG, tmp);
-    return st;
+    return finish_atomic(op, fd, tmp, path, st);
 }
