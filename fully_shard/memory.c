@@ -675,7 +675,18 @@ ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options
     memset(&E, 0, sizeof E);
     est *e = &E;
     e->model = model, e->o = o;
-    if ((st = ts_device_scope_enter(TS_DEVICE_META))) return st;
+    /* The step runs on a generator of its own: the checkpointed play saves
+     * and restores the thread's default generator around each recompute,
+     * and the caller's (often the process-wide one, which other threads
+     * may be drawing from) must be neither read nor written. */
+    ts_generator *own = NULL;
+    if ((st = ts_generator_new(0, &own))) return st;
+    ts_generator *callers = ts_generator_set_thread_default(own);
+    if ((st = ts_device_scope_enter(TS_DEVICE_META))) {
+        ts_generator_set_thread_default(callers);
+        ts_generator_free(own);
+        return st;
+    }
     ts__fsdp_set_observer(observe, e);
     st = setup(e);
     run_out as = {0}, ck = {0}, no = {0};
@@ -689,6 +700,8 @@ ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options
     ts__fsdp_set_observer(NULL, NULL);
     teardown(e);
     (void)ts_device_scope_exit();
+    ts_generator_set_thread_default(callers);
+    ts_generator_free(own);
     if (st) return st;
     const run_out *pk = o->checkpoint_blocks ? &ck : &as;
     int64_t base = (int64_t)e->model_bytes;

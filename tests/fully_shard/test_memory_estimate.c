@@ -9,6 +9,7 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -577,6 +578,60 @@ Test(fully_shard_memory_estimate, estimate_then_train_is_bitwise_train, .timeout
 /* A model built on the meta device and sharded (deferred, not
  * materialized) gives the report of the same model built on the CPU;
  * materialized, the same again. */
+/* The estimate reads and writes no generator of its caller's: another
+ * thread drawing from the process-wide generator all through an estimate
+ * that plays checkpointed blocks (whose recomputes save and restore the
+ * generator) ends where the same number of draws from the same seed ends.
+ * A save and restore of the shared generator would undo the other
+ * thread's draws, or read it half-advanced (an invalid state). */
+typedef struct drawer {
+    atomic_bool stop;
+    uint64_t draws;
+} drawer;
+
+static void *draw_until_stopped(void *arg)
+{
+    drawer *d = arg;
+    while (!atomic_load(&d->stop)) {
+        (void)ts_generator_random(NULL);
+        d->draws++;
+    }
+    return NULL;
+}
+
+Test(fully_shard_memory_estimate, leaves_other_threads_generator_alone, .timeout = 60)
+{
+    ts_generator *mine;
+    cr_assert_eq(ts_generator_new(11, &mine), TS_OK);
+    ts_generator *prev = ts_generator_set_thread_default(mine); /* this thread builds on its own */
+    ts_module *m = ec_user_model(true, NULL);
+    ts_fsdp_memory_options mo = ec_user_options();
+    ts_fsdp_memory_report r;
+    ts_generator_set_thread_default(NULL); /* now the process-wide one, which the drawer uses */
+    ts_manual_seed(99);
+    drawer d = {.draws = 0};
+    atomic_init(&d.stop, false);
+    pthread_t t;
+    cr_assert_eq(pthread_create(&t, NULL, draw_until_stopped, &d), 0);
+    ts_status st = TS_OK;
+    for (int k = 0; k < 4 && !st; k++) {
+        mo.checkpoint_blocks = k % 2 == 0;
+        st = ts_fsdp_memory_estimate(m, &mo, &r);
+    }
+    atomic_store(&d.stop, true);
+    pthread_join(t, NULL);
+    cr_assert_eq(st, TS_OK, "%s", ts_last_error());
+    ts_generator *ref;
+    cr_assert_eq(ts_generator_new(99, &ref), TS_OK);
+    for (uint64_t i = 0; i < d.draws; i++) (void)ts_generator_random(ref);
+    cr_log_info("the other thread drew %llu numbers during 4 estimates", (unsigned long long)d.draws);
+    cr_expect(d.draws > 0);
+    cr_expect_eq(ts_generator_random(NULL), ts_generator_random(ref), "the process-wide generator lost or gained draws");
+    ts_generator_set_thread_default(prev);
+    ts_generator_free(ref), ts_generator_free(mine);
+    ts_module_free(m);
+}
+
 Test(fully_shard_memory_estimate, meta_model_same_report_as_cpu, .timeout = 60)
 {
     ec_shard_opts so = {.prefetch = true};
