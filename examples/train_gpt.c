@@ -727,7 +727,7 @@ int main(int argc, char **argv)
     int val_every = 0;              /* --val-every N: validation loss every N steps */
     int val_tokens = -1;            /* --val-tokens K: the file's last K tokens held out (-1: a tenth with --val-every) */
     const char *init_hf = NULL;     /* --init-from-hf FILE: a Hugging Face GPT-2 file's shape and weights */
-    ts_gpt_config hf_cfg;           /* its config */
+    ts_gpt_config hf_cfg = {0};     /* its config */
     ex_flag flags[] = {
         {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
