@@ -45,7 +45,7 @@
  * HF stores it transposed (Conv1D), and its HF shape in units of the
  * config (filled by hf_plan). */
 typedef struct hf_item {
-    char ours[96], hf[96];
+    char ours[96], hf[160];
     bool transpose;
     int ndim;
     int64_t shape[2]; /* HF's */
@@ -73,38 +73,39 @@ static const struct {
 };
 enum { BLOCK_MAP_N = sizeof block_map / sizeof block_map[0] };
 
-static void item_set(hf_item *it, const char *ours, const char *hf, bool transpose, int64_t r, int64_t c)
+static void item_set(hf_item *it, const char *ours, const char *prefix, const char *hf, bool transpose, int64_t r,
+                     int64_t c)
 {
     snprintf(it->ours, sizeof it->ours, "%s", ours);
-    snprintf(it->hf, sizeof it->hf, "%s", hf);
+    snprintf(it->hf, sizeof it->hf, "%s%s", prefix, hf);
     it->transpose = transpose;
     it->ndim = c ? 2 : 1;
     it->shape[0] = r;
     it->shape[1] = c;
 }
 
-/* The tensors of a GPT of config c, in our state dict's order; with_head
- * adds lm_head.weight (an untied model's). *out is the caller's
- * (ts__free TS_MEM_OTHER). */
-static ts_status hf_plan(const ts_gpt_config *c, bool with_head, hf_item **out, int *n_out)
+/* The tensors of a GPT of config c, in our state dict's order, HF's names
+ * with prefix before each but lm_head's; with_head adds lm_head.weight
+ * (an untied model's). *out is the caller's (ts__free TS_MEM_OTHER). */
+static ts_status hf_plan(const ts_gpt_config *c, bool with_head, const char *prefix, hf_item **out, int *n_out)
 {
     int64_t d = c->d_model;
     int n = 4 + BLOCK_MAP_N * (int)c->n_layer + (with_head ? 1 : 0);
     hf_item *it = ts__calloc(TS_MEM_OTHER, (size_t)n, sizeof *it);
     if (!it) return TS_ERR_NO_MEMORY;
     int k = 0;
-    item_set(&it[k++], "tok_emb.weight", "wte.weight", false, c->vocab_size, d);
-    item_set(&it[k++], "pos_emb.weight", "wpe.weight", false, c->block_size, d);
+    item_set(&it[k++], "tok_emb.weight", prefix, "wte.weight", false, c->vocab_size, d);
+    item_set(&it[k++], "pos_emb.weight", prefix, "wpe.weight", false, c->block_size, d);
     for (int64_t l = 0; l < c->n_layer; l++)
         for (int j = 0; j < BLOCK_MAP_N; j++) {
             char ours[96], hf[96];
             snprintf(ours, sizeof ours, "blocks.%lld.%s", (long long)l, block_map[j].ours);
             snprintf(hf, sizeof hf, "h.%lld.%s", (long long)l, block_map[j].hf);
-            item_set(&it[k++], ours, hf, block_map[j].transpose, block_map[j].rows * d, block_map[j].cols * d);
+            item_set(&it[k++], ours, prefix, hf, block_map[j].transpose, block_map[j].rows * d, block_map[j].cols * d);
         }
-    item_set(&it[k++], "ln_f.weight", "ln_f.weight", false, d, 0);
-    item_set(&it[k++], "ln_f.bias", "ln_f.bias", false, d, 0);
-    if (with_head) item_set(&it[k++], "lm_head.weight", "lm_head.weight", false, c->vocab_size, d);
+    item_set(&it[k++], "ln_f.weight", prefix, "ln_f.weight", false, d, 0);
+    item_set(&it[k++], "ln_f.bias", prefix, "ln_f.bias", false, d, 0);
+    if (with_head) item_set(&it[k++], "lm_head.weight", "", "lm_head.weight", false, c->vocab_size, d);
     *out = it;
     *n_out = k;
     return TS_OK;
@@ -311,27 +312,20 @@ ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model)
     const ts__st_entry **found = NULL;
     int n = 0;
     if (!(st = file_prefix(op, path, &h, &prefix))) st = file_config(op, path, &h, prefix, &fc);
-    if (!st) st = hf_plan(&mc, !mc.tie_weights, &items, &n);
+    if (!st) st = hf_plan(&mc, !mc.tie_weights, prefix, &items, &n);
     if (!st && !(found = ts__calloc(TS_MEM_OTHER, (size_t)n, sizeof *found))) st = TS_ERR_NO_MEMORY;
     char shapes[1024] = "", dtypes[1024] = "", missing[1024] = "", unexpected[1024] = "", fdesc[160] = "";
     if (!st)
         snprintf(fdesc, sizeof fdesc, "the file has vocab %lld, n_positions %lld, d_model %lld, %lld layers",
                  (long long)fc.vocab_size, (long long)fc.block_size, (long long)fc.d_model, (long long)fc.n_layer);
-    char name[128];
     const ts__st_entry *wte = NULL, *head = NULL;
     for (int i = 0; i < n && !st; i++) {
         hf_item *it = &items[i];
-        snprintf(name, sizeof name, "%s%s", prefix, it->hf);
-        const ts__st_entry *e = find_entry(&h, "", name);
+        const ts__st_entry *e = find_entry(&h, "", it->hf);
         /* an untied model without lm_head in the file: HF ties it to wte */
-        if (!e && !strcmp(it->ours, "lm_head.weight")) {
-            if (!(e = find_entry(&h, "", "lm_head.weight"))) {
-                snprintf(name, sizeof name, "%swte.weight", prefix);
-                e = find_entry(&h, "", name);
-            }
-        }
+        if (!e && !strcmp(it->ours, "lm_head.weight")) e = find_entry(&h, prefix, "wte.weight");
         if (!e) {
-            append(missing, sizeof missing, " '%s'", name);
+            append(missing, sizeof missing, " '%s'", it->hf);
             continue;
         }
         char a[64], b[64];
@@ -362,7 +356,7 @@ ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model)
             continue;
         }
         bool mapped = false; /* a mapped tensor refused above for its shape or dtype */
-        for (int i = 0; i < n && !mapped; i++) mapped = !strcmp(items[i].hf, rest);
+        for (int i = 0; i < n && !mapped; i++) mapped = !strcmp(items[i].hf, nm);
         if (!mapped) append(unexpected, sizeof unexpected, " '%s'", nm);
     }
     if (!st && *shapes) st = ts_error(TS_ERR_SHAPE, "%s: '%s' (%s) does not fit the model:%s", op, path, fdesc, shapes);
@@ -421,16 +415,9 @@ static ts_status write_file(const char *op, const char *path, const ts_gpt_confi
 {
     hf_item *items = NULL;
     int n = 0;
-    ts_status st = hf_plan(c, !c->tie_weights, &items, &n);
-    if (st) return st;
     /* untied: GPT2LMHeadModel's names; tied: GPT2Model's (the hub's gpt2) */
-    if (!c->tie_weights)
-        for (int i = 0; i < n; i++)
-            if (strcmp(items[i].hf, "lm_head.weight") != 0) {
-                char tmp[96];
-                snprintf(tmp, sizeof tmp, HF_PREFIX "%s", items[i].hf);
-                memcpy(items[i].hf, tmp, sizeof tmp);
-            }
+    ts_status st = hf_plan(c, !c->tie_weights, c->tie_weights ? "" : HF_PREFIX, &items, &n);
+    if (st) return st;
     qsort(items, (size_t)n, sizeof *items, cmp_hf_name);
     ts__st_desc *descs = ts__calloc(TS_MEM_OTHER, (size_t)n, sizeof *descs);
     if (!descs) st = TS_ERR_NO_MEMORY;
