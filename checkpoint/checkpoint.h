@@ -179,6 +179,68 @@ TS_API ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_
  * (no communication). */
 TS_API ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict);
 
+/* ------------------------------------------------------------ Hugging Face GPT-2
+ * (checkpoint/hf_gpt2.c; docs/gpt2-weights.md) A GPT-2 safetensors file
+ * of Hugging Face's naming (GPT2Model's "wte.weight", "h.N.attn.c_attn.weight",
+ * ..., or GPT2LMHeadModel's with "transformer." before each and maybe
+ * "lm_head.weight") into and out of a GPT of ts_gpt_new: Conv1D weights
+ * (stored (in, out)) are transposed to Linear's (out, in); c_attn's fused
+ * q, k, v columns become MultiheadAttention's packed in_proj rows. */
+
+/* The config of the GPT a file holds, from its tensors' shapes: vocab and
+ * d_model from wte, block_size from wpe (n_positions), n_layer from the
+ * blocks h.0, h.1, ... present, n_head = d_model / 64 (GPT-2's head size
+ * in every published size: the head count is not in the weights; 0 when
+ * d_model is not a multiple of 64: set it), tie_weights unless the file
+ * has an lm_head.weight, gelu_approx TS_GELU_TANH, dropout 0. Reads only
+ * the header. Errors: TS_ERR_IO (the file cannot be opened or read,
+ * naming it), TS_ERR_FORMAT (not a valid safetensors file),
+ * TS_ERR_NOT_FOUND (no wte.weight: not a GPT-2 file), TS_ERR_SHAPE (wte
+ * or wpe not 2-d, or their widths differ), TS_ERR_INVALID_ARGUMENT for
+ * NULL. Any thread. */
+TS_API ts_status ts_ckpt_gpt2_config(const char *path, ts_gpt_config *cfg_out);
+
+/* Loads an HF GPT-2 file into model, a GPT of ts_gpt_new with
+ * gelu_approx TS_GELU_TANH and float32 parameters: plain, sharded with
+ * ts_fully_shard (each rank keeps its rows), or deferred (built on the
+ * meta device, sharded or not: it gets its bytes here, no initializer
+ * runs). Every tensor's name, shape and dtype is checked against the
+ * model's config before anything is changed; then each tensor is read and
+ * copied in (ts_fsdp_load_full_state_dict), one at a time (peak extra
+ * memory: one tensor, twice when transposed). A tied model takes
+ * lm_head from wte (an lm_head.weight in the file must then be wte's
+ * bits); an untied one takes the file's lm_head.weight, or wte when the
+ * file has none (HF ties them). The attention buffers h.N.attn.bias and
+ * h.N.attn.masked_bias are ignored. Errors, nothing changed: TS_ERR_IO,
+ * TS_ERR_FORMAT as ts_safetensors_load; TS_ERR_SHAPE naming each tensor
+ * whose shape is not the model's (the file's shape, the expected one, and
+ * the file's sizes); TS_ERR_DTYPE naming each tensor that is not F32;
+ * TS_ERR_NOT_FOUND listing the missing tensors and those the model has
+ * no place for (another layer count); TS_ERR_INVALID_ARGUMENT for NULL, a
+ * model that is not a GPT, an erf GELU, a tied model with a different
+ * lm_head.weight in the file; TS_ERR_STATE inside a forward or backward.
+ * A read failing after the checks (the file changed or an I/O error)
+ * leaves the tensors before it loaded. Every rank calls it (no
+ * communication). */
+TS_API ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model);
+
+/* Writes model (a GPT as ts_ckpt_load_hf_gpt2 takes; sharded or not, not
+ * meta) as an HF GPT-2 file: float32, HF's names and layouts, sorted by
+ * name as the Rust safetensors writer sorts them, metadata {"format":
+ * "pt"}, written atomically as ts_safetensors_save. A tied model is
+ * written with GPT2Model's names and no lm_head (the hub's gpt2 file);
+ * an untied one with GPT2LMHeadModel's ("transformer." before each, and
+ * lm_head.weight). A file loaded with ts_ckpt_load_hf_gpt2 and written
+ * back is the same bytes when it was written so (no attention buffers,
+ * that naming). Collective for a sharded model: the full model is
+ * gathered on rank 0 (it holds it whole, once), which writes; every rank
+ * returns rank 0's status. A plain model is written by rank 0 of the
+ * world (the only rank without one). Errors: TS_ERR_IO as
+ * ts_safetensors_save; TS_ERR_STATE for a model still on the meta device
+ * or inside a forward or backward; TS_ERR_INVALID_ARGUMENT as the load;
+ * collective errors. */
+TS_API ts_status ts_ckpt_save_hf_gpt2(const char *path, ts_module *model);
+
 #ifdef __cplusplus
 }
 #endif

@@ -17,6 +17,7 @@
  *        [--offload cpu [--pin-memory 0|1]] [--checkpoint-activations] [--ignore-memory-cap]
  *        [--init deferred|eager]
  *        [--data-tokens FILE.bin [--vocab N] [--val-every N] [--val-tokens K]]
+ *        [--init-from-hf FILE.safetensors]
  * --init deferred (the default) builds the model on the meta device
  * (ts_device_scope_enter), shards it with no parameter bytes, then gives
  * each rank only its rows: ts_fsdp_materialize replays the initializers
@@ -107,6 +108,12 @@
  * validation windows, each rank evaluating its share (all-reduced). The
  * checkpoint records the file's token count and hash, the vocabulary and
  * --val-tokens: --resume needs the same --data-tokens.
+ * --init-from-hf FILE starts from a Hugging Face GPT-2 safetensors file
+ * (checkpoint.h, ts_ckpt_load_hf_gpt2; docs/gpt2-weights.md): the model
+ * takes its shape (layers, width, vocabulary, positions, tied head, tanh
+ * GELU; --heads, else GPT-2's 64-wide heads), a conflicting --layers,
+ * --dim or --vocab is refused, and each rank reads its rows of the
+ * weights; train on --data-tokens (or --vocab N random ids).
  * --report-json FILE: rank 0 writes, at the end, the run's figures as one
  * JSON object (the config, every step's loss, and per rank the estimate:
  * tensors, the pool's holding, the floor and the peak RSS; the tensor
@@ -632,6 +639,73 @@ static ts_status save_sharded(const char *dir, ts_module *model, ts_optim *opt, 
     return st;
 }
 
+/* --init-from-hf FILE (docs/gpt2-weights.md): the model takes the shape
+ * of a Hugging Face GPT-2 file (ts_ckpt_gpt2_config: layers, width,
+ * vocabulary and positions from its tensors, the tied head and the tanh
+ * GELU), its heads being --heads or GPT-2's 64 wide. A shape flag given
+ * with another value is refused, naming both; --seq must fit the file's
+ * positions. The data must be token ids of the file's vocabulary
+ * (--data-tokens, or --vocab N random ids): characters are not. Writes
+ * *hf_out and the sizes; returns 0, or 2 after a message. */
+static int init_from_hf_flags(const char *file, const ex_flag *flags, int nflags, bool token_data, int *seq,
+                              int *layers, int *heads, int *dim, int *vocab, ts_gpt_config *hf_out)
+{
+    ts_gpt_config c;
+    ts_status st = ts_ckpt_gpt2_config(file, &c);
+    if (st) {
+        fprintf(stderr, "train_gpt: --init-from-hf '%s': %s: %s\n", file, ts_status_name(st), ts_last_error());
+        return 2;
+    }
+    if (!token_data) {
+        fprintf(stderr, "train_gpt: --init-from-hf '%s' needs token ids of its vocabulary (%lld): give --data-tokens "
+                        "FILE.bin or --vocab %lld (random ids), not characters\n",
+                file, (long long)c.vocab_size, (long long)c.vocab_size);
+        return 2;
+    }
+    static const char *const names[4] = {"--layers", "--dim", "--vocab", "--heads"};
+    int *vals[4] = {layers, dim, vocab, heads};
+    long long file_vals[4] = {c.n_layer, c.d_model, c.vocab_size, c.n_head};
+    for (int i = 0; i < 4; i++) {
+        bool given = ex_flag_given(flags, nflags, names[i]);
+        if (i == 3 && given) break; /* the head count is not in the weights: --heads is the user's to give */
+        if (given && *vals[i] != file_vals[i]) {
+            fprintf(stderr, "train_gpt: %s %d, but --init-from-hf '%s' has %s %lld (drop %s: the file sets it)\n",
+                    names[i], *vals[i], file, names[i], file_vals[i], names[i]);
+            return 2;
+        }
+        if (i == 3 && file_vals[i] == 0) {
+            fprintf(stderr, "train_gpt: --init-from-hf '%s': its width %lld is not a multiple of GPT-2's 64-wide "
+                            "heads: give --heads H\n", file, (long long)c.d_model);
+            return 2;
+        }
+        if (file_vals[i] > INT_MAX) {
+            fprintf(stderr, "train_gpt: --init-from-hf '%s': %s %lld is too large\n", file, names[i], file_vals[i]);
+            return 2;
+        }
+        *vals[i] = (int)file_vals[i];
+    }
+    if (!ex_flag_given(flags, nflags, "--seq") && *seq > c.block_size) *seq = (int)c.block_size;
+    if (*seq > c.block_size) {
+        fprintf(stderr, "train_gpt: --seq %d, but --init-from-hf '%s' has %lld positions\n", *seq, file,
+                (long long)c.block_size);
+        return 2;
+    }
+    *hf_out = c;
+    return 0;
+}
+
+/* The model's config: the flags' sizes, or a GPT-2 file's (hf) shape. */
+static ts_gpt_config model_config(const ts_gpt_config *hf, int vocab, int seq, int layers, int heads, int dim)
+{
+    ts_gpt_config c = hf ? *hf : ts_gpt_config_default();
+    c.vocab_size = vocab;
+    c.block_size = hf ? hf->block_size : seq;
+    c.n_layer = layers;
+    c.n_head = heads;
+    c.d_model = dim;
+    return c;
+}
+
 int main(int argc, char **argv)
 {
     ts_launch_rank_guard();
@@ -652,6 +726,8 @@ int main(int argc, char **argv)
     const char *data_tokens = NULL; /* --data-tokens FILE.bin: llm.c's token file */
     int val_every = 0;              /* --val-every N: validation loss every N steps */
     int val_tokens = -1;            /* --val-tokens K: the file's last K tokens held out (-1: a tenth with --val-every) */
+    const char *init_hf = NULL;     /* --init-from-hf FILE: a Hugging Face GPT-2 file's shape and weights */
+    ts_gpt_config hf_cfg = {0};     /* its config */
     ex_flag flags[] = {
         {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
@@ -685,6 +761,7 @@ int main(int argc, char **argv)
         {"--data-tokens", "FILE.bin", EX_FLAG_STRING, &data_tokens, 0, 0, false, "train on llm.c's token file (tools/tokenize; vocabulary 50257, or --vocab N), memory-mapped", false},
         {"--val-every", "N", EX_FLAG_INT, &val_every, 1, INT_MAX, false, "with --data-tokens: print the validation loss and perplexity every N steps", false},
         {"--val-tokens", "K", EX_FLAG_INT, &val_tokens, 0, INT_MAX, false, "with --data-tokens: hold out the file's last K tokens for validation (default with --val-every: a tenth)", false},
+        {"--init-from-hf", "FILE", EX_FLAG_STRING, &init_hf, 0, 0, false, "start from a Hugging Face GPT-2 safetensors file (its shape; fine-tune on --data-tokens)", false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
     bool ckpt_act = false, ignore_cap = false; /* switches without value: taken out before the flags are parsed */
@@ -767,6 +844,15 @@ int main(int argc, char **argv)
                         "ranks G/W sequences)\n", batch, global_batch);
         return 2;
     }
+    if (init_hf && (load || sample)) {
+        fprintf(stderr, "train_gpt: --init-from-hf '%s' does not go with %s\n", init_hf,
+                load ? "--load (give one file to start from)" : "--sample");
+        return 2;
+    }
+    if (init_hf && (ex_check_regular("train_gpt", "--init-from-hf", init_hf) ||
+                    init_from_hf_flags(init_hf, flags, NFLAGS, data_tokens || rand_vocab, &seq, &layers, &heads, &dim,
+                                       &rand_vocab, &hf_cfg)))
+        return 2;
     /* Files before anything else: a FIFO or a directory is refused rather
      * than read, a checkpoint folder that cannot be written before the
      * training it would lose. */
@@ -1051,8 +1137,7 @@ int main(int argc, char **argv)
         B = global_batch / W;
     }
     /* per rank, from ts_fsdp_memory_estimate_gpt (fully_shard.h): the peak of one step */
-    ts_gpt_config ecfg = ts_gpt_config_default();
-    ecfg.vocab_size = vocab, ecfg.block_size = seq, ecfg.n_layer = layers, ecfg.n_head = heads, ecfg.d_model = dim;
+    ts_gpt_config ecfg = model_config(init_hf ? &hf_cfg : NULL, vocab, seq, layers, heads, dim);
     ts_fsdp_memory_options emo = ts_fsdp_memory_options_default();
     emo.input_ndim = 2, emo.input_shape[0] = sample ? 1 : B, emo.input_shape[1] = seq;
     emo.world_size = W, emo.checkpoint_blocks = ckpt_act;
@@ -1129,12 +1214,7 @@ int main(int argc, char **argv)
         printf("vocabulary: %d characters, from %s\n", vocab, load);
 
     ts_manual_seed(seed);
-    ts_gpt_config cfg = ts_gpt_config_default();
-    cfg.vocab_size = vocab;
-    cfg.block_size = seq;
-    cfg.n_layer = layers;
-    cfg.n_head = heads;
-    cfg.d_model = dim;
+    ts_gpt_config cfg = model_config(init_hf ? &hf_cfg : NULL, vocab, seq, layers, heads, dim);
     ts_module *model;
     if (deferred) CHECK(ts_device_scope_enter(TS_DEVICE_META)); /* shapes and recorded initializers, no bytes */
     ts_status built = ts_gpt_new(&cfg, &model);
@@ -1170,6 +1250,20 @@ int main(int argc, char **argv)
             return 1;
         }
         printf("loaded %d tensors from %s\n", model_tensors(model), load);
+    } else if (init_hf && !resume) { /* each rank its rows, one tensor at a time */
+        ts_status st = ts_ckpt_load_hf_gpt2(init_hf, model);
+        if (st) {
+            fprintf(stderr, "train_gpt: --init-from-hf '%s' cannot be loaded: %s: %s\n", init_hf, ts_status_name(st),
+                    ts_last_error());
+            ts_module_free(model);
+            free(prompt_ids);
+            free(text);
+            ts_token_file_close(tf);
+            ts_dist_finalize();
+            return 1;
+        }
+        printf("GPT-2 weights: %s (%d layers, width %d, %d heads, vocabulary %d, %lld positions)\n", init_hf, layers,
+               dim, heads, vocab, (long long)cfg.block_size);
     } else if (deferred) { /* this rank's rows, initialized as the eager build would (the same seed) */
         CHECK(ts_fsdp_materialize(model));
     }

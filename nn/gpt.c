@@ -1,6 +1,8 @@
 /* A GPT-style decoder; its PyTorch twin is tools/reference/models.py:
  * tok_emb, pos_emb, drop, blocks (ln1, attn, ln2, mlp = Linear, GELU,
- * Linear, Dropout), ln_f, lm_head (bias-free, optionally tied to tok_emb). */
+ * Linear, Dropout), ln_f, lm_head (bias-free, optionally tied to tok_emb).
+ * The GELU is erf's or, with cfg.gelu_approx, the tanh approximation
+ * (Hugging Face GPT-2's; docs/gpt2-weights.md). */
 #define _GNU_SOURCE
 #include "nn/internal.h"
 
@@ -78,7 +80,7 @@ static ts_status block_new(const ts_gpt_config *c, ts_module **out)
     if (!st)
         st = ts_linear_new(c->d_model, 4 * c->d_model, true, &mlp[0]);
     if (!st)
-        st = ts_gelu_new(TS_GELU_NONE, &mlp[1]);
+        st = ts_gelu_new(c->gelu_approx, &mlp[1]);
     if (!st)
         st = ts_linear_new(4 * c->d_model, c->d_model, true, &mlp[2]);
     if (!st)
@@ -182,7 +184,7 @@ bool ts_gpt_get_config(const ts_module *m, ts_gpt_config *out)
 ts_gpt_config ts_gpt_config_default(void)
 {
     return (ts_gpt_config){.vocab_size = 64, .block_size = 128, .n_layer = 4, .n_head = 4, .d_model = 256,
-                           .dropout = 0.0, .tie_weights = false};
+                           .dropout = 0.0, .tie_weights = false, .gelu_approx = TS_GELU_NONE};
 }
 
 ts_status ts_gpt_new(const ts_gpt_config *c, ts_module **out)
@@ -193,6 +195,9 @@ ts_status ts_gpt_new(const ts_gpt_config *c, ts_module **out)
                                                  "d_model %lld: all positive, d_model a multiple of heads)",
                         c ? (long long)c->vocab_size : 0, c ? (long long)c->block_size : 0,
                         c ? (long long)c->n_layer : 0, c ? (long long)c->n_head : 0, c ? (long long)c->d_model : 0);
+    if (c->gelu_approx != TS_GELU_NONE && c->gelu_approx != TS_GELU_TANH)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "GPT: gelu_approx must be TS_GELU_NONE or TS_GELU_TANH, got %d",
+                        (int)c->gelu_approx);
     gpt *g = ts__calloc(TS_MEM_NN, 1, sizeof *g);
     ts_module **blocks = ts__calloc(TS_MEM_NN, (size_t)(c->n_layer ? c->n_layer : 1), sizeof *blocks);
     if (!g || !blocks) {

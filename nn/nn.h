@@ -530,13 +530,19 @@ typedef struct ts_gpt_config {
     int64_t vocab_size, block_size, n_layer, n_head, d_model;
     double dropout;   /* default 0.0 */
     bool tie_weights; /* lm_head.weight is tok_emb.weight (default false) */
+    /* the MLP's GELU: TS_GELU_NONE (erf, the default) or TS_GELU_TANH
+     * (GPT-2's "gelu_new"; docs/gpt2-weights.md) */
+    ts_gelu_approx gelu_approx;
 } ts_gpt_config;
 TS_API ts_gpt_config ts_gpt_config_default(void);
 
 /* A GPT-style decoder (see tools/reference/models.py for the PyTorch
  * twin): tok_emb, pos_emb, blocks.N (ln1, attn, ln2, mlp.0, mlp.2), ln_f,
  * lm_head. Forward input: int64 token ids (B, T) with T <= block_size;
- * output logits (B, T, vocab). */
+ * output logits (B, T, vocab). With gelu_approx TS_GELU_TANH and
+ * tie_weights it computes Hugging Face's GPT-2 (checkpoint.h,
+ * ts_ckpt_load_hf_gpt2). TS_ERR_INVALID_ARGUMENT for an invalid config
+ * (naming the sizes, or the gelu_approx value). */
 TS_API ts_status ts_gpt_new(const ts_gpt_config *cfg, ts_module **out);
 /* The config m was made with, when m is a GPT of ts_gpt_new (sharded or
  * checkpointed too): writes *out and returns true; false for any other

@@ -54,12 +54,13 @@ class Block(nn.Module):
     (out_proj Linear, then xavier_uniform_ of in_proj_weight), ln2, mlp
     (Linear(d, 4d), GELU, Linear(4d, d), Dropout)."""
 
-    def __init__(self, d_model, n_head, dropout):
+    def __init__(self, d_model, n_head, dropout, gelu_approx="none"):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model, eps=1e-5)
         self.attn = nn.MultiheadAttention(d_model, n_head, dropout=dropout, bias=True, batch_first=True)
         self.ln2 = nn.LayerNorm(d_model, eps=1e-5)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model),
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(approximate=gelu_approx),
+                                 nn.Linear(4 * d_model, d_model),
                                  nn.Dropout(dropout))
 
     def forward(self, x, mask):
@@ -74,15 +75,17 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """nn/gpt.c's ts_gpt_new: tok_emb, pos_emb, drop, blocks, ln_f,
     lm_head (bias-free; with tie_weights its weight is tok_emb.weight, the
-    draws of its own initialisation being consumed first, as in C)."""
+    draws of its own initialisation being consumed first, as in C).
+    gelu_approx "tanh" is cfg.gelu_approx = TS_GELU_TANH (GPT-2's)."""
 
-    def __init__(self, vocab_size, block_size, n_layer, n_head, d_model, dropout=0.0, tie_weights=False):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, d_model, dropout=0.0, tie_weights=False,
+                 gelu_approx="none"):
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(block_size, d_model)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList([Block(d_model, n_head, dropout) for _ in range(n_layer)])
+        self.blocks = nn.ModuleList([Block(d_model, n_head, dropout, gelu_approx) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(d_model, eps=1e-5)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         if tie_weights:
