@@ -9,6 +9,7 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -586,6 +587,7 @@ Test(fully_shard_memory_estimate, estimate_then_train_is_bitwise_train, .timeout
  * thread's draws, or read it half-advanced (an invalid state). */
 typedef struct drawer {
     atomic_bool stop;
+    atomic_bool started; /* set after the first draw */
     uint64_t draws;
 } drawer;
 
@@ -595,6 +597,7 @@ static void *draw_until_stopped(void *arg)
     while (!atomic_load(&d->stop)) {
         (void)ts_generator_random(NULL);
         d->draws++;
+        atomic_store(&d->started, true);
     }
     return NULL;
 }
@@ -611,8 +614,10 @@ Test(fully_shard_memory_estimate, leaves_other_threads_generator_alone, .timeout
     ts_manual_seed(99);
     drawer d = {.draws = 0};
     atomic_init(&d.stop, false);
+    atomic_init(&d.started, false);
     pthread_t t;
     cr_assert_eq(pthread_create(&t, NULL, draw_until_stopped, &d), 0);
+    while (!atomic_load(&d.started)) sched_yield(); /* drawing before the first estimate, even on a loaded machine */
     ts_status st = TS_OK;
     for (int k = 0; k < 4 && !st; k++) {
         mo.checkpoint_blocks = k % 2 == 0;
