@@ -32,7 +32,7 @@ PC=$(find "$PREFIX" -name tensorshard.pc -print -quit)
 export PKG_CONFIG_PATH=$(dirname "$PC")
 LIBDIR=$(pkg-config --variable=libdir tensorshard)
 SHARE="$PREFIX/share/tensorshard"
-for f in examples/common.h examples/unit_wrapped.c examples/train_gpt.c reference/models.py; do
+for f in examples/common.h examples/unit_wrapped.c examples/train_gpt.c examples/quickstart.c reference/models.py; do
     [ -f "$SHARE/$f" ] || { echo "check_install: $SHARE/$f is not installed" >&2; exit 1; }
 done
 [ -f "$(pkg-config --variable=includedir tensorshard)/tensorshard/tensorshard.h" ] || {
@@ -55,4 +55,9 @@ grep -q "$LIBDIR/libtensorshard.so" <<<"$deps" || {
 # Seed 000's values: rank 0's shard of layer 0 starts with -0.0037434101.
 grep -q "^\[0\] rank 0: shard of layer0 \[-0.0037434101, 0.2682217956" unit_wrapped.out || {
     echo "check_install: unit_wrapped printed:" >&2; cat unit_wrapped.out >&2; exit 1; }
+# The README's quickstart, as its "Against an installed library" line builds it.
+cc $CFLAGS "$SHARE/examples/quickstart.c" -o quickstart $LIBS
+"$PREFIX/bin/tsrun" --nproc-per-node 2 ./quickstart > quickstart.out
+grep -q "^\[1\] rank 1 step 5 loss " quickstart.out || {
+    echo "check_install: quickstart printed:" >&2; cat quickstart.out >&2; exit 1; }
 echo "check_install: OK (prefix $PREFIX, pkg-config file $PC)"
