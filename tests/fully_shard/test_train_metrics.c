@@ -364,7 +364,9 @@ Test(fully_shard_train_metrics, schedule_flags, .timeout = 120)
 }
 
 /* --resume refuses a changed --schedule or --warmup (the schedule would
- * move), names both values, and takes the saved ones when not given. */
+ * move), names both values, and takes the saved ones when not given; a
+ * checkpoint that records none (saved before the flags existed) resumes
+ * with the schedule it trained with. */
 Test(fully_shard_train_metrics, resume_keeps_the_schedule, .timeout = 120)
 {
     char dir[4096], ckpt[4200];
@@ -395,6 +397,33 @@ Test(fully_shard_train_metrics, resume_keeps_the_schedule, .timeout = 120)
     double lr = line_value(out, "[0] step    5/8  loss ", "  lr ");
     cr_expect_leq(fabs(lr - ts_lr_at(&s, 4)), 0.006 * ts_lr_at(&s, 4), "lr %g, want %g:\n%s", lr, ts_lr_at(&s, 4),
                   out);
+    free(out);
+    /* a checkpoint from before --schedule (its flags without the three):
+     * cosine with steps/10 + 1 = 1 warmup step, what it trained with, not
+     * today's default of 2 */
+    const char *e[] = {"--steps", "8", "--stop-after", "4", "--layers", "1", "--dim", "16", "--seq", "8",
+                       "--batch", "1", "--save", ckpt, NULL};
+    free(run_gpt_ok(2, e));
+    char index[4300];
+    snprintf(index, sizeof index, "%s/index.json", ckpt);
+    size_t len;
+    char *text = th_read_file(index, &len);
+    char *from = strstr(text, " --schedule="), *to = from ? strchr(from, '"') : NULL;
+    cr_assert(from && to, "no --schedule in the recorded flags:\n%s", text);
+    memmove(from, to, strlen(to) + 1);
+    FILE *f = fopen(index, "w");
+    cr_assert(f && fputs(text, f) >= 0 && fclose(f) == 0);
+    free(text);
+    out = run_gpt_ok(2, d);
+    ts_lr_schedule old = {.kind = TS_LR_WARMUP_COSINE, .base_lr = 3e-3, .warmup_steps = 1, .total_steps = 8,
+                          .min_lr = 3e-4};
+    for (int step = 5; step <= 8; step++) {
+        char pre[64];
+        snprintf(pre, sizeof pre, "[0] step %4d/8  loss ", step);
+        lr = line_value(out, pre, "  lr ");
+        cr_expect_leq(fabs(lr - ts_lr_at(&old, step - 1)), 0.006 * ts_lr_at(&old, step - 1),
+                      "step %d: lr %g, the old schedule's %g:\n%s", step, lr, ts_lr_at(&old, step - 1), out);
+    }
     free(out);
     char cmd[4400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
