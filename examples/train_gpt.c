@@ -1,6 +1,6 @@
-/* Trains a small GPT-style character model with AdamW and a warmup, then
- * a learning-rate schedule (cosine by default), on a built-in grammar corpus or any text
- * file, with fully_shard: each transformer block is one FSDP group, the
+/* Trains a small GPT-style character model with AdamW, a warmup and a
+ * learning-rate schedule (cosine by default), on a built-in grammar
+ * corpus or any text file, with fully_shard: each transformer block is one FSDP group, the
  * root (embeddings, final norm, head) another. Run alone it is one rank;
  * under tsrun (or mpirun, srun) every rank trains on its own batches and
  * the gradients are averaged, so W ranks see W times the data per step.
@@ -78,8 +78,8 @@
  * one given with another value (naming the flag and both values): a
  * changed --lr, --steps, --schedule, --warmup or --decay-fraction would
  * move the schedule (a checkpoint from before --schedule resumes with
- * cosine and steps/10 + 1 warmup steps, what it trained with), so it is refused
- * rather than silently resumed inexactly (to train on with a new
+ * cosine and steps/10 + 1 warmup steps, what it trained with), so it is
+ * refused rather than silently resumed inexactly (to train on with a new
  * schedule, --load a --save-full file). On another world size the
  * per-rank RNG states (and, without --global-batch, the per-rank data
  * order) cannot carry over: they start afresh and a line says so.
