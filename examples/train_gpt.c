@@ -764,6 +764,7 @@ static ts_status memory_max_over_ranks(ts_comm *world, double mem[3])
 static const char *fmt_duration(double s, char *buf, size_t cap)
 {
     if (!(s >= 0) || s > 1e9) snprintf(buf, cap, "?");
+    else if (s == 0) snprintf(buf, cap, "0s");
     else if (s < 0.01) snprintf(buf, cap, "%.2fms", s * 1e3);
     else if (s < 1) snprintf(buf, cap, "%.0fms", s * 1e3);
     else if (s < 10) snprintf(buf, cap, "%.2fs", s);
