@@ -1,12 +1,14 @@
-/* Trains a small GPT-style character model with AdamW and a warmup +
- * cosine learning-rate schedule, on a built-in grammar corpus or any text
- * file, with fully_shard: each transformer block is one FSDP group, the
+/* Trains a small GPT-style character model with AdamW, a warmup and a
+ * learning-rate schedule (cosine by default), on a built-in grammar
+ * corpus or any text file, with fully_shard: each transformer block is one FSDP group, the
  * root (embeddings, final norm, head) another. Run alone it is one rank;
  * under tsrun (or mpirun, srun) every rank trains on its own batches and
  * the gradients are averaged, so W ranks see W times the data per step.
- * Rank 0 prints step, loss (averaged over ranks), tokens/s (all ranks)
- * and peak memory, and at the end the collectives issued and the bytes
- * they were given per step.
+ * Rank 0 prints step N/STEPS, the loss (averaged over ranks), the lr, the
+ * time per step, the ETA, tokens/s (all ranks) and the peak memory (the
+ * maximum over the ranks), and at the end the total and mean step time,
+ * the collectives issued and the bytes they were given per step
+ * (docs/progress.md).
  *
  * Usage: [tsrun --nproc-per-node N] train_gpt [--data FILE] [--steps N]
  *        [--batch B | --global-batch G] [--seq T] [--layers L] [--heads H]
@@ -18,6 +20,18 @@
  *        [--init deferred|eager]
  *        [--data-tokens FILE.bin [--vocab N] [--val-every N] [--val-tokens K]]
  *        [--init-from-hf FILE.safetensors]
+ *        [--schedule constant|linear|cosine|wsd] [--warmup N] [--decay-fraction F]
+ *        [--metrics FILE.jsonl]
+ * --schedule: after a linear warmup of --warmup steps (default
+ * max(steps/10, min(100, steps/4)), measured in default_warmup), the lr
+ * stays at --lr (constant), or decays to --lr/10 at --steps linearly, by a
+ * cosine (the default), or warmup-stable-decay (wsd: --lr, then linear over
+ * the last --decay-fraction of the steps); optim.h's ts_lr_schedule.
+ * --metrics FILE.jsonl: rank 0 writes a JSON object per step (step, loss,
+ * lr, grad_norm, tokens_per_s, seconds, elapsed_s, peak_tensor_bytes,
+ * rss_bytes and peak_rss_bytes as maxima over the ranks, val_loss after a
+ * validation), flushed each line, appended on --resume (docs/progress.md;
+ * tools/trace_plot --metrics draws it).
  * --init deferred (the default) builds the model on the meta device
  * (ts_device_scope_enter), shards it with no parameter bytes, then gives
  * each rank only its rows: ts_fsdp_materialize replays the initializers
@@ -60,11 +74,13 @@
  * scaler's scale and growth tracker. The checkpoint records the flags that
  * shape the model and the training (--seq --layers --heads --dim --param-dtype
  * --reduce-dtype --lr --steps --seed --batch --global-batch --accum
- * --accum-mode) and the
+ * --accum-mode --schedule --warmup --decay-fraction) and the
  * text's length and hash; --resume takes those not given, and refuses
  * one given with another value (naming the flag and both values): a
- * changed --lr or --steps would move the schedule, so it is refused
- * rather than silently resumed inexactly (to train on with a new
+ * changed --lr, --steps, --schedule, --warmup or --decay-fraction would
+ * move the schedule (a checkpoint from before --schedule resumes with
+ * cosine and steps/10 + 1 warmup steps, what it trained with), so it is
+ * refused rather than silently resumed inexactly (to train on with a new
  * schedule, --load a --save-full file). On another world size the
  * per-rank RNG states (and, without --global-batch, the per-rank data
  * order) cannot carry over: they start afresh and a line says so.
@@ -126,6 +142,8 @@
 #include "common.h"
 #include "checkpoint/checkpoint.h"
 #include "text/tokens.h"
+
+#include <jansson.h>
 
 
 /* The next character's id from the last row of logits (V): the argmax
@@ -706,6 +724,218 @@ static ts_gpt_config model_config(const ts_gpt_config *hf, int vocab, int seq, i
     return c;
 }
 
+/* ------------------------------------------------ schedule and progress */
+
+/* --warmup's help, which says why the default is what it is. */
+#define WARMUP_HELP                                                                                                  \
+    "steps of linear warmup, LR/N to LR (default max(steps/10, min(100, steps/4)): at GPT-2-small's shape, "       \
+    "--layers 12 --dim 768, and LR 3e-3 the loss rose above its first value with 0 or 10 warmup steps, not with "  \
+    "25 or 50)"
+
+/* The default --warmup for a run of `steps` steps: a quarter of the run
+ * up to 100 steps, or a tenth of a longer one. Measured on a text of
+ * 278 KB (README and docs/), LR 3e-3, batch 8 x 64, losses of steps 1-4:
+ * --layers 12 --dim 768 --heads 12: warmup 0: 4.85 5.50 5.39 5.16;
+ * 10 (of 40): 4.85 4.39 4.96 5.11; 25 (of 100): 4.85 3.94 4.20 4.22;
+ * 50 (of 100): 4.85 4.10 3.59 3.80 (step 4's batch is a harder one in
+ * every run). --layers 4 --dim 512: warmup 0 stayed at 4.71 for steps
+ * 2-4 and ended 40 steps at 3.13, against 2.75-2.77 with 5, 10 or 20.
+ * --layers 4 --dim 256 did not rise with any (0 to 20). */
+static int default_warmup(int steps)
+{
+    int tenth = steps / 10, quarter = steps / 4 < 100 ? steps / 4 : 100;
+    return tenth > quarter ? tenth : quarter;
+}
+
+/* The learning-rate schedule of --schedule `name` (optim.h's kinds; every
+ * one after a linear warmup of `warmup` steps): constant at `lr`, or a
+ * linear, cosine or warmup-stable-decay (the last `fraction` of the steps)
+ * decay to lr / 10 at `steps`. 0, or 2 after printing why. */
+static int make_schedule(const char *name, int warmup, double fraction, bool fraction_given, double lr, int steps,
+                         ts_lr_schedule *out)
+{
+    static const struct {
+        const char *name;
+        ts_lr_kind kind;
+    } kinds[] = {{"constant", TS_LR_WARMUP_CONSTANT},
+                 {"linear", TS_LR_WARMUP_LINEAR},
+                 {"cosine", TS_LR_WARMUP_COSINE},
+                 {"wsd", TS_LR_WARMUP_STABLE_DECAY}};
+    int k = -1;
+    for (int i = 0; i < (int)(sizeof kinds / sizeof kinds[0]); i++)
+        if (!strcmp(name, kinds[i].name)) k = i;
+    if (k < 0) {
+        fprintf(stderr, "train_gpt: --schedule '%s' (must be constant, linear, cosine or wsd)\n", name);
+        return 2;
+    }
+    if (fraction_given && kinds[k].kind != TS_LR_WARMUP_STABLE_DECAY) {
+        fprintf(stderr, "train_gpt: --decay-fraction goes with --schedule wsd (not %s)\n", name);
+        return 2;
+    }
+    if (warmup > steps) {
+        fprintf(stderr, "train_gpt: --warmup %d is more than --steps %d\n", warmup, steps);
+        return 2;
+    }
+    ts_lr_schedule s = {.kind = kinds[k].kind, .base_lr = lr, .warmup_steps = warmup, .total_steps = steps,
+                        .min_lr = lr / 10, .decay_fraction = fraction};
+    if (ts_lr_schedule_check(&s)) {
+        fprintf(stderr, "train_gpt: --schedule %s: %s\n", name, ts_last_error());
+        return 2;
+    }
+    *out = s;
+    return 0;
+}
+
+/* Whether a recorded flag shapes the learning-rate schedule (a --resume
+ * refuses a change of one: the schedule would move). */
+static bool moves_schedule(const char *flag)
+{
+    return !strcmp(flag, "--lr") || !strcmp(flag, "--steps") || !strcmp(flag, "--schedule") ||
+           !strcmp(flag, "--warmup") || !strcmp(flag, "--decay-fraction");
+}
+
+/* A checkpoint written before --schedule and --warmup existed trained
+ * with warmup + cosine and steps / 10 + 1 warmup steps: the value it
+ * implies for `flag` (into buf), or false for a flag it implies nothing
+ * about (--decay-fraction: cosine does not read it). */
+static bool legacy_schedule_flag(const char *flag, int steps, char *buf, size_t cap)
+{
+    if (!strcmp(flag, "--schedule")) return snprintf(buf, cap, "cosine") > 0;
+    if (!strcmp(flag, "--warmup")) return snprintf(buf, cap, "%d", steps / 10 + 1) > 0;
+    return false;
+}
+
+/* What a step line and a --metrics line report of one step. */
+typedef struct step_report {
+    int step, steps;      /* the steps done (1-based), of --steps */
+    double loss, lr;      /* the loss averaged over the ranks; the lr the step used */
+    double grad_norm;     /* before clipping; NaN when not computed (an f16 step skipped for inf/NaN) */
+    double seconds;       /* the step's time on rank 0 (validation and saving not included) */
+    double tokens;        /* the step's tokens on all ranks */
+    double elapsed;       /* seconds since the training loop started (this process) */
+    double mem[3];        /* max over the ranks: peak tensor bytes, resident set now, peak resident set */
+    double val_loss;      /* NaN: no validation this step */
+} step_report;
+
+/* The maximum over the ranks of this rank's tensor peak (TS_MEM_STORAGE),
+ * resident set now and peak resident set (VmRSS, VmHWM; 0 without /proc),
+ * into mem[3]: one all-reduce of 3 doubles. Collective. */
+static ts_status memory_max_over_ranks(ts_comm *world, double mem[3])
+{
+    ts_process_memory pm = {0, 0};
+    if (ts_process_memory_read(&pm)) pm.rss_bytes = pm.peak_rss_bytes = 0;
+    double v[3] = {(double)ts_mem_peak_bytes(TS_MEM_STORAGE), (double)pm.rss_bytes, (double)pm.peak_rss_bytes};
+    int64_t three = 3;
+    ts_tensor *t = NULL;
+    ts_status st = ts_tensor_from_data(TS_F64, 1, &three, v, &t);
+    if (!st) st = ts_all_reduce(world, t, TS_REDUCE_MAX, NULL);
+    if (!st) memcpy(mem, ts_tensor_data(t), sizeof v);
+    ts_tensor_free(t);
+    return st;
+}
+
+/* A duration for people: "3.21ms", "420ms", "4.20s", "37.0s", "4m05s", "2h03m". */
+static const char *fmt_duration(double s, char *buf, size_t cap)
+{
+    if (!(s >= 0) || s > 1e9) snprintf(buf, cap, "?");
+    else if (s == 0) snprintf(buf, cap, "0s");
+    else if (s < 0.01) snprintf(buf, cap, "%.2fms", s * 1e3);
+    else if (s < 1) snprintf(buf, cap, "%.0fms", s * 1e3);
+    else if (s < 10) snprintf(buf, cap, "%.2fs", s);
+    else if (s < 60) snprintf(buf, cap, "%.1fs", s);
+    else if (s < 3600) snprintf(buf, cap, "%dm%02ds", (int)(s / 60), (int)fmod(s, 60));
+    else snprintf(buf, cap, "%dh%02dm", (int)(s / 3600), (int)fmod(s / 60, 60));
+    return buf;
+}
+
+/* A step line: "step N/STEPS  loss L  (mean of last K: M)" (the part
+ * tools/trace_plot --loss reads, and the tests compare across resumes),
+ * then the lr, the mean step time since the last line, the ETA (this
+ * run's wall time per step so far, validation included, times the steps
+ * left until `end`), the tokens/s of all ranks since the loop started,
+ * and the memory maxima over the ranks. */
+static void print_step_line(const step_report *r, int window_n, double window_mean, double window_s, int start,
+                            int end, double run_tokens, int W)
+{
+    char eta[32], per[32];
+    int done = r->step - start;
+    printf("step %4d/%d  loss %.4f  (mean of last %d: %.4f)  lr %.2e  %s/step  ETA %s  %.0f tokens/s global  "
+           "peak tensors %.1f MiB  peak rss %.1f MiB (max over %d rank%s)\n",
+           r->step, r->steps, r->loss, window_n, window_mean, r->lr, fmt_duration(window_s / window_n, per, sizeof per),
+           fmt_duration(done > 0 ? r->elapsed / done * (end - r->step) : NAN, eta, sizeof eta),
+           r->elapsed > 0 ? run_tokens / r->elapsed : 0.0, r->mem[0] / 1048576.0, r->mem[2] / 1048576.0, W,
+           W > 1 ? "s" : "");
+}
+
+/* The end's timing line: the training loop's wall time (validation and
+ * checkpoints included), the mean of this rank's step times step_s[0..n)
+ * and the tokens/s of all ranks over the loop. */
+static void print_run_time(double total, const double *step_s, int n, double tokens)
+{
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += step_s[i];
+    char b[32];
+    printf("time: %d step%s in %s (%.3f s), mean step %.4f s on rank 0, %.0f tokens/s global\n", n, n == 1 ? "" : "s",
+           fmt_duration(total, b, sizeof b), total, n > 0 ? sum / n : 0.0, total > 0 ? tokens / total : 0.0);
+}
+
+/* Rank 0 opens --metrics `path`, appending on a resume (the resumed steps'
+ * lines follow the earlier run's; a step the earlier run took after its
+ * checkpoint appears twice, the later line being the resumed run's), and
+ * every rank learns whether it could: one all-reduce, so that all stop
+ * together. *out: the file on rank 0, NULL elsewhere. TS_ERR_IO after
+ * rank 0 printed why. Collective. */
+static ts_status metrics_open(ts_comm *world, const char *path, bool append, FILE **out)
+{
+    FILE *f = NULL;
+    double failed = 0;
+    if (ts_comm_rank(world) == 0 && !(f = fopen(path, append ? "a" : "w"))) {
+        fprintf(stderr, "train_gpt: --metrics '%s': %s\n", path, strerror(errno));
+        failed = 1;
+    }
+    int64_t one = 1;
+    ts_tensor *t = NULL;
+    ts_status st = ts_tensor_from_data(TS_F64, 1, &one, &failed, &t);
+    if (!st) st = ts_all_reduce(world, t, TS_REDUCE_MAX, NULL);
+    if (!st && *(const double *)ts_tensor_data(t) > 0) st = TS_ERR_IO;
+    ts_tensor_free(t);
+    if (st && f) fclose(f);
+    *out = st ? NULL : f;
+    return st;
+}
+
+/* A JSON number, or null for NaN and infinities (JSON has none). */
+static json_t *json_number_or_null(double v)
+{
+    return isfinite(v) ? json_real(v) : json_null();
+}
+
+/* One --metrics line (rank 0): the step's object, flushed. Fields:
+ * step, loss, lr, grad_norm, tokens_per_s (the step's, all ranks),
+ * seconds, elapsed_s, peak_tensor_bytes, rss_bytes, peak_rss_bytes (max
+ * over the ranks), and val_loss when validation ran after this step. 0,
+ * or -1 after printing why. */
+static int metrics_write(FILE *f, const char *path, const step_report *r)
+{
+    json_t *o = json_object();
+    int bad = !o;
+    bad |= json_object_set_new(o, "step", json_integer(r->step));
+    bad |= json_object_set_new(o, "loss", json_number_or_null(r->loss));
+    bad |= json_object_set_new(o, "lr", json_number_or_null(r->lr));
+    bad |= json_object_set_new(o, "grad_norm", json_number_or_null(r->grad_norm));
+    bad |= json_object_set_new(o, "tokens_per_s", json_number_or_null(r->seconds > 0 ? r->tokens / r->seconds : NAN));
+    bad |= json_object_set_new(o, "seconds", json_number_or_null(r->seconds));
+    bad |= json_object_set_new(o, "elapsed_s", json_number_or_null(r->elapsed));
+    bad |= json_object_set_new(o, "peak_tensor_bytes", json_integer((json_int_t)r->mem[0]));
+    bad |= json_object_set_new(o, "rss_bytes", json_integer((json_int_t)r->mem[1]));
+    bad |= json_object_set_new(o, "peak_rss_bytes", json_integer((json_int_t)r->mem[2]));
+    if (!isnan(r->val_loss)) bad |= json_object_set_new(o, "val_loss", json_number_or_null(r->val_loss));
+    bad = bad || json_dumpf(o, f, JSON_COMPACT | JSON_PRESERVE_ORDER) || fputc('\n', f) == EOF || fflush(f);
+    json_decref(o);
+    if (bad) fprintf(stderr, "train_gpt: --metrics '%s': cannot write step %d: %s\n", path, r->step, strerror(errno));
+    return bad ? -1 : 0;
+}
+
 int main(int argc, char **argv)
 {
     ts_launch_rank_guard();
@@ -728,6 +958,10 @@ int main(int argc, char **argv)
     int val_tokens = -1;            /* --val-tokens K: the file's last K tokens held out (-1: a tenth with --val-every) */
     const char *init_hf = NULL;     /* --init-from-hf FILE: a Hugging Face GPT-2 file's shape and weights */
     ts_gpt_config hf_cfg = {0};     /* its config */
+    const char *schedule = "cosine"; /* --schedule: the lr after the warmup */
+    int warmup = -1;                 /* --warmup N (-1: default_warmup(steps)) */
+    double decay_fraction = 0.2;     /* --decay-fraction F: wsd's share of the steps that decays */
+    const char *metrics = NULL;      /* --metrics FILE.jsonl */
     ex_flag flags[] = {
         {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
@@ -737,7 +971,10 @@ int main(int argc, char **argv)
         {"--layers", "L", EX_FLAG_INT, &layers, 1, 1 << 16, false, "transformer blocks", false},
         {"--heads", "H", EX_FLAG_INT, &heads, 1, 1 << 16, false, "attention heads (dividing --dim)", false},
         {"--dim", "D", EX_FLAG_INT, &dim, 1, 1 << 24, false, "model width", false},
-        {"--lr", "LR", EX_FLAG_DOUBLE, &lr, 0, 10, true, "peak learning rate (warmup, then cosine to LR/10)", false},
+        {"--lr", "LR", EX_FLAG_DOUBLE, &lr, 0, 10, true, "peak learning rate (reached after --warmup; --schedule says what follows)", false},
+        {"--schedule", "constant|linear|cosine|wsd", EX_FLAG_STRING, &schedule, 0, 0, false, "after the warmup: LR constant, a linear or cosine decay to LR/10 at --steps, or wsd (LR, then linear to LR/10 over the last --decay-fraction of the steps)", false},
+        {"--warmup", "N", EX_FLAG_INT, &warmup, 0, INT_MAX, false, WARMUP_HELP, false},
+        {"--decay-fraction", "F", EX_FLAG_DOUBLE, &decay_fraction, 0, 1, false, "--schedule wsd: the last F of the steps decay", false},
         {"--seed", "S", EX_FLAG_U64, &seed, 0, 18446744073709551615.0, false, "initialization, batches and sampling", false},
         {"--save", "DIR", EX_FLAG_STRING, &save, 0, 0, false, "write a sharded checkpoint (a folder) at the end", false},
         {"--save-every", "N", EX_FLAG_INT, &save_every, 1, INT_MAX, false, "with --save: also after every N steps", false},
@@ -762,6 +999,7 @@ int main(int argc, char **argv)
         {"--val-every", "N", EX_FLAG_INT, &val_every, 1, INT_MAX, false, "with --data-tokens: print the validation loss and perplexity every N steps", false},
         {"--val-tokens", "K", EX_FLAG_INT, &val_tokens, 0, INT_MAX, false, "with --data-tokens: hold out the file's last K tokens for validation (default with --val-every: a tenth)", false},
         {"--init-from-hf", "FILE", EX_FLAG_STRING, &init_hf, 0, 0, false, "start from a Hugging Face GPT-2 safetensors file (its shape; fine-tune on --data-tokens)", false},
+        {"--metrics", "FILE.jsonl", EX_FLAG_STRING, &metrics, 0, 0, false, "rank 0 writes a JSON object per step (loss, lr, grad norm, tokens/s, time, memory, validation loss; tools/trace_plot --metrics plots it), appended on --resume", false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
     bool ckpt_act = false, ignore_cap = false; /* switches without value: taken out before the flags are parsed */
@@ -869,13 +1107,15 @@ int main(int argc, char **argv)
     if (save_full && ex_check_writable("train_gpt", "--save-full", save_full)) return 2;
     if (save && check_writable_dir("--save", save)) return 2;
     if (report_json && ex_check_writable("train_gpt", "--report-json", report_json)) return 2;
+    if (metrics && ex_check_writable("train_gpt", "--metrics", metrics)) return 2;
 
     /* The flags that shape the model, the schedule and the data order, as
      * a --save records them ("--heads=4 --lr=0.003 ..."): --resume takes
      * those not given and refuses those given otherwise. */
     static const char *const recorded[] = {"--seq",   "--layers",       "--heads", "--dim",       "--param-dtype",
                                            "--reduce-dtype", "--lr", "--steps", "--seed", "--batch",
-                                           "--global-batch", "--accum", "--accum-mode", "--val-tokens"};
+                                           "--global-batch", "--accum", "--accum-mode", "--val-tokens",
+                                           "--schedule", "--warmup", "--decay-fraction"};
     enum { NREC = sizeof recorded / sizeof recorded[0] };
     char *saved_flags = NULL, *saved_text = NULL, *saved_vocab = NULL;
     if (resume) {
@@ -903,6 +1143,8 @@ int main(int argc, char **argv)
             char *was = adopted[i], now[64];
             bool found = saved_flag(saved_flags, fl->name, was, sizeof adopted[i]);
             if (!found && !strcmp(fl->name, "--val-tokens")) continue; /* recorded since token files: none before */
+            if (!found && !strcmp(fl->name, "--decay-fraction")) continue; /* since --schedule: cosine before */
+            if (!found) found = legacy_schedule_flag(fl->name, steps, was, sizeof adopted[i]);
             if (!found) {
                 fprintf(stderr, "train_gpt: --resume '%s': its metadata does not record %s ('%s')\n", resume,
                         fl->name, saved_flags);
@@ -916,7 +1158,7 @@ int main(int argc, char **argv)
             if (fl->given) {
                 fprintf(stderr, "train_gpt: %s %s, but --resume '%s' was saved with %s %s%s\n", fl->name, now, resume,
                         fl->name, was,
-                        !strcmp(fl->name, "--lr") || !strcmp(fl->name, "--steps")
+                        moves_schedule(fl->name)
                             ? " (the learning-rate schedule would change; --load a --save-full file to start a new one)"
                             : "");
                 free(saved_flags);
@@ -946,6 +1188,12 @@ int main(int argc, char **argv)
         if (param_dtype_s && (mp.param_dtype = parse_dtype(param_dtype_s)) == TS_DTYPE_COUNT) return 2;
         if (reduce_dtype_s && (mp.reduce_dtype = parse_dtype(reduce_dtype_s)) == TS_DTYPE_COUNT) return 2;
     }
+    /* the schedule, with the flags a --resume adopted */
+    if (warmup < 0) warmup = default_warmup(steps);
+    ts_lr_schedule sched;
+    if (make_schedule(schedule, warmup, decay_fraction, ex_flag_given(flags, NFLAGS, "--decay-fraction"), lr, steps,
+                      &sched))
+        return 2;
     if (strcmp(accum_mode, "nosync") != 0 && strcmp(accum_mode, "sync") != 0) { /* a --resume's, checked again */
         fprintf(stderr, "train_gpt: --resume '%s' records --accum-mode '%s' (must be nosync or sync)\n", resume,
                 accum_mode);
@@ -1302,7 +1550,6 @@ int main(int argc, char **argv)
                accum, B, accum_nosync ? "no sync until the last" : "reduce-scatter every microbatch",
                ex_fmt_bytes((double)am.sync_bytes, b1, sizeof b1), ex_fmt_bytes((double)am.no_sync_bytes, b2, sizeof b2));
     }
-    ts_lr_schedule sched = {TS_LR_WARMUP_COSINE, lr, steps / 10 + 1, steps, lr / 10};
     ts_grad_scaler *scaler = NULL; /* float16 needs loss scaling */
     if (mp.param_dtype == TS_F16) CHECK(ts_grad_scaler_new(NULL, &scaler));
     int skipped = 0;
@@ -1337,6 +1584,8 @@ int main(int argc, char **argv)
     int start = 0, rc = 0; /* the step this run starts at */
     int64_t *ids = NULL, *tg = NULL;
     double *step_s = NULL, *losses = NULL; /* each step's time on this rank and its loss (averaged over the ranks) */
+    FILE *metrics_f = NULL;                /* --metrics, on rank 0 */
+    bool metrics_failed = false;
     int step = 0;
     double first = 0, last = 0, window = 0;
     int window_n = 0;
@@ -1407,7 +1656,12 @@ int main(int argc, char **argv)
     step_s = malloc((size_t)steps * sizeof *step_s);
     losses = malloc((size_t)steps * sizeof *losses);
     if (!ids || !tg || !step_s || !losses) return 1;
-    double t0 = ex_now();
+    if (metrics && metrics_open(world, metrics, resume != NULL, &metrics_f)) {
+        rc = 1;
+        goto done;
+    }
+    double t0 = ex_now(), window_s = 0; /* window_s: this run's step times since the last line */
+    int window_s_n = 0;
     int64_t tokens = 0;
     ts_comm_stats_reset(world); /* count the training loop's collectives only */
     int end = stop_after && stop_after < steps ? stop_after : steps;
@@ -1543,27 +1797,39 @@ int main(int argc, char **argv)
         window_n++;
         tokens += (int64_t)accum * B * seq * W;
         if (accum_log) printf("accum step %d: loss %.9g grad norm %.9g\n", step + 1, l, overflow ? NAN : gn);
+        window_s += step_s[step];
+        window_s_n++;
         int every = steps >= 20 ? steps / 20 : 1;
-        if ((step + 1) % every == 0 || step == 0) {
-            double el = ex_now() - t0;
-            printf("step %4d  loss %.4f  (mean of last %d: %.4f)  lr %.2e  %.0f tokens/s  peak tensors %.1f MiB  "
-                   "rss %.1f MiB\n",
-                   step + 1, l, window_n, window / window_n, ts_lr_at(&sched, step), (double)tokens / el,
-                   (double)ts_mem_peak_bytes(TS_MEM_STORAGE) / 1048576.0, ex_peak_rss_mib());
+        bool line = (step + 1) % every == 0 || step == 0;
+        step_report rep = {step + 1, steps, l, ts_lr_at(&sched, step), overflow ? NAN : gn, step_s[step],
+                           (double)accum * B * seq * W, ex_now() - t0, {0, 0, 0}, NAN};
+        if (line || metrics) /* the same steps on every rank (rank 0 alone has the file) */
+            CHECK(memory_max_over_ranks(world, rep.mem));
+        if (line) {
+            print_step_line(&rep, window_n, window / window_n, window_s / window_s_n, start, end, (double)tokens, W);
             window = 0;
             window_n = 0;
+            window_s = 0;
+            window_s_n = 0;
         }
         if (val_every && ((step + 1) % val_every == 0 || step + 1 == end)) {
             double vl;
             CHECK(validate(model, tf, world, B, seq, vocab, half, ids, tg, &vl));
             printf("step %4d  val loss %.4f  perplexity %.2f  (%zu windows of %d tokens over %d rank%s)\n", step + 1,
                    vl, exp(vl), ts_token_file_val_windows(tf), seq, W, W > 1 ? "s" : "");
+            rep.val_loss = vl;
+        }
+        if (metrics_f && metrics_write(metrics_f, metrics, &rep)) { /* rank 0 only: train on, exit 1 at the end */
+            fclose(metrics_f);
+            metrics_f = NULL;
+            metrics_failed = true;
         }
         if (save && save_every && (step + 1) % save_every == 0 && step + 1 < end)
             CHECK(save_sharded(save, model, opt, scaler, skipped, data_rng, &rs, step + 1, first, window, window_n,
                                last, ckpt_meta, n_ckpt_meta));
     }
     int ran = step - start; /* steps this process took */
+    print_run_time(ex_now() - t0, step_s + start, ran, (double)tokens);
     print_comm_summary(world, ran > 0 ? ran : 1, W);
     if (accum_log) /* exact, to compare the accumulation modes */
         printf("accum: peak tensor storage %zu bytes on this rank\n", ts_mem_peak_bytes(TS_MEM_STORAGE));
@@ -1613,7 +1879,12 @@ int main(int argc, char **argv)
         CHECK(print_rank_memory(world, &me, step_s + start, losses + start, ran, (double)accum * B * seq,
                                 report_json, &rcfg));
     }
+    if (metrics_failed) rc = rc ? rc : 1; /* after the saves: the checkpoint is still worth having */
 done:
+    if (metrics_f && fclose(metrics_f)) {
+        fprintf(stderr, "train_gpt: --metrics '%s': %s\n", metrics, strerror(errno));
+        rc = rc ? rc : 1;
+    }
     fflush(stdout);
     ts_generator_free(data_rng);
     run_state_free(&rs);

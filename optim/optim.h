@@ -143,32 +143,79 @@ TS_API ts_tensor *ts_optim_state(const ts_optim *o, int param_index, const char 
 TS_API ts_status ts_optim_state_create(ts_optim *o, int param_index, const char *name, ts_tensor **state_out);
 
 /* Learning-rate schedules: the lr to use for step `step` (0-based, the
- * number of steps already taken), in double precision:
+ * number of steps already taken), in double precision. Every kind but
+ * TS_LR_CONSTANT starts with the same linear warmup over warmup_steps W:
  *
- *   TS_LR_CONSTANT       base_lr
- *   TS_LR_WARMUP_COSINE  step < warmup_steps:
- *                            base_lr * (step + 1) / warmup_steps
- *                        (base_lr / warmup at step 0, base_lr at step
- *                        warmup - 1); otherwise, if step >= total_steps:
- *                            min_lr
- *                        otherwise, with p = (step - warmup_steps) /
- *                        (total_steps - warmup_steps), in [0, 1):
+ *     step < W:  base_lr * (step + 1) / W
+ *     (base_lr / W at step 0, base_lr at step W - 1; W = 0: no warmup)
+ *
+ * and then, with T = total_steps:
+ *
+ *   TS_LR_CONSTANT       base_lr at every step (no warmup: warmup_steps,
+ *                        total_steps and min_lr are not read)
+ *   TS_LR_WARMUP_COSINE  step >= T: min_lr; otherwise, with p = (step - W)
+ *                        / (T - W), in [0, 1):
  *                            min_lr + 0.5 * (base_lr - min_lr) * (1 + cos(pi * p))
- *                        (base_lr at step warmup_steps, falling to min_lr
- *                        at total_steps and staying there).
+ *                        (base_lr at step W, falling to min_lr at T and
+ *                        staying there)
+ *   TS_LR_WARMUP_CONSTANT  base_lr from step W on (total_steps and min_lr
+ *                        are not read)
+ *   TS_LR_WARMUP_LINEAR  step >= T: min_lr; otherwise
+ *                            min_lr + (base_lr - min_lr) * (T - step) / (T - W)
+ *                        (base_lr at step W, a straight line to min_lr at T)
+ *   TS_LR_WARMUP_STABLE_DECAY  (WSD) warmup, then base_lr, then a linear
+ *                        decay over the last D = round(decay_fraction * T)
+ *                        steps (to nearest; decay_fraction in [0, 1]),
+ *                        starting at S = max(W, T - D) (a decay longer than
+ *                        what the warmup leaves starts right after it):
+ *                            W <= step < S:  base_lr
+ *                            S <= step < T:  min_lr + (base_lr - min_lr) * (T - step) / (T - S)
+ *                            step >= T:      min_lr
+ *                        decay_fraction 1 is TS_LR_WARMUP_LINEAR; 0 holds
+ *                        base_lr until T, then min_lr.
  *
- * warmup_steps <= 0 means no warmup. A negative step counts as 0. NaN for a
- * NULL schedule or an unknown kind. Pure function, any thread. Typical use,
- * before each step: ts_optim_set_lr(o, ts_lr_at(&s, ts_optim_step_count(o))). */
-typedef enum ts_lr_kind { TS_LR_CONSTANT = 0, TS_LR_WARMUP_COSINE } ts_lr_kind;
+ * torch 1.13's schedulers give the same values (tests/optim/
+ * test_lr_schedule.c): the warmup is LinearLR(start_factor=1/W,
+ * end_factor=1, total_iters=W-1); the cosine CosineAnnealingLR(T_max=T-W,
+ * eta_min=min_lr), the linear decay LinearLR(1, min_lr/base_lr, T-W),
+ * chained after the warmup by SequentialLR(milestones=[W]).
+ *
+ * Bad input: a negative `step` counts as 0 for every kind. A schedule
+ * that ts_lr_schedule_check refuses gives NaN (never a guess), except for
+ * the two original kinds, which keep the results they always had:
+ * TS_LR_CONSTANT is base_lr whatever it is, and TS_LR_WARMUP_COSINE
+ * treats warmup_steps <= 0 as no warmup and follows the formulas above for
+ * any values (warmup_steps > total_steps: the warmup, then min_lr). NaN
+ * for a NULL schedule or an unknown kind. Pure function, any thread.
+ * Typical use, after ts_lr_schedule_check once, before each step:
+ * ts_optim_set_lr(o, ts_lr_at(&s, ts_optim_step_count(o))). */
+typedef enum ts_lr_kind {
+    TS_LR_CONSTANT = 0,
+    TS_LR_WARMUP_COSINE,
+    TS_LR_WARMUP_CONSTANT,
+    TS_LR_WARMUP_LINEAR,
+    TS_LR_WARMUP_STABLE_DECAY,
+    TS_LR_KIND_COUNT
+} ts_lr_kind;
+/* Fields are only ever appended (decay_fraction came last): initialize
+ * with designated initializers, {.kind = ..., .base_lr = ...}, and the
+ * fields not named are 0. */
 typedef struct ts_lr_schedule {
     ts_lr_kind kind;
-    double base_lr;
-    int64_t warmup_steps;  /* linear from base_lr/warmup (step 0) to base_lr */
-    int64_t total_steps;   /* cosine decay from base_lr to min_lr at total */
-    double min_lr;
+    double base_lr;        /* the peak: finite, >= 0 */
+    int64_t warmup_steps;  /* linear from base_lr/warmup (step 0) to base_lr; >= 0 */
+    int64_t total_steps;   /* the decay ends at min_lr here; >= warmup_steps */
+    double min_lr;         /* finite, >= 0 */
+    double decay_fraction; /* WSD: the last round(decay_fraction * total_steps) steps decay; in [0, 1] */
 } ts_lr_schedule;
 TS_API double ts_lr_at(const ts_lr_schedule *s, int64_t step);
+/* Checks a schedule before use: TS_OK, or TS_ERR_INVALID_ARGUMENT with
+ * ts_last_error() naming the field and its value, for a NULL schedule, an
+ * unknown kind, and, among the fields the kind reads (see ts_lr_at), a
+ * base_lr or min_lr that is NaN, infinite or negative, warmup_steps or
+ * total_steps < 0, warmup_steps > total_steps, or a decay_fraction outside
+ * [0, 1] (or NaN). Any thread. */
+TS_API ts_status ts_lr_schedule_check(const ts_lr_schedule *s);
 
 /* torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=2,
  * error_if_nonfinite=True) over the n tensors' gradients (those without a

@@ -45,6 +45,8 @@ CFLAGS="-std=c11 -Wall -Werror $(pkg-config --cflags tensorshard)"
 LIBS="$(pkg-config --libs tensorshard) -Wl,-rpath,$LIBDIR"
 cc $CFLAGS outside.c -o outside $LIBS
 cc $CFLAGS "$SHARE/examples/unit_wrapped.c" -o unit_wrapped $LIBS -lm
+# the README's recipe for train_gpt, which writes --metrics with jansson
+cc $CFLAGS $(pkg-config --cflags jansson) "$SHARE/examples/train_gpt.c" -o train_gpt $LIBS $(pkg-config --libs jansson) -lm
 # (ldd's output is captured first: grep -q closing the pipe early would fail
 # the pipeline under pipefail.)
 deps=$(ldd ./outside)

@@ -611,12 +611,12 @@ Test(fully_shard_examples, directories_and_fifos_are_refused, .timeout = 60)
     unlink(fifo);
 }
 
-/* "step N  loss L  (mean of last K: M)" lines: the step, K, L and M. */
+/* "step N/STEPS  loss L  (mean of last K: M)" lines: the step, K, L and M. */
 static int step_lines(const char *out, int max, int *step, int *k, double *loss, double *mean)
 {
     int n = 0;
     for (const char *l = out; (l = strstr(l, "step ")) && n < max; l++)
-        if (sscanf(l, "step %d loss %lf (mean of last %d: %lf)", &step[n], &loss[n], &k[n], &mean[n]) == 4) n++;
+        if (sscanf(l, "step %d/%*d loss %lf (mean of last %d: %lf)", &step[n], &loss[n], &k[n], &mean[n]) == 4) n++;
     return n;
 }
 

@@ -87,7 +87,7 @@ static void expect_exit(int want, int nproc, const char *const *args, const char
     free(err);
 }
 
-/* Rank 0's "step N  loss L  (mean of last K: M)" parts (without the
+/* Rank 0's "step N/STEPS  loss L  (mean of last K: M)" parts (without the
  * timing that follows), by step: lines[N] (malloc'd) or NULL. */
 enum { MAX_STEPS = 64 };
 static void step_lines(const char *out, char *lines[MAX_STEPS + 1])
@@ -129,7 +129,7 @@ Test(fully_shard_resume, global_batch_is_the_same_data_on_any_world_size, .timeo
     for (int s = 1; s <= 4; s++) {
         cr_assert(l1[s] && l2[s], "step %d missing:\n%s\n%s", s, o1, o2);
         double x1, x2;
-        cr_assert(sscanf(l1[s], "step %*d loss %lf", &x1) == 1 && sscanf(l2[s], "step %*d loss %lf", &x2) == 1);
+        cr_assert(sscanf(l1[s], "step %*d/%*d loss %lf", &x1) == 1 && sscanf(l2[s], "step %*d/%*d loss %lf", &x2) == 1);
         cr_expect_leq(fabs(x1 - x2), 1.01e-4, "step %d: 1 rank %s, 2 ranks %s", s, l1[s], l2[s]);
     }
     free_lines(l1);
@@ -331,7 +331,7 @@ static double worst_loss_diff(char **la, char **lc, int first, int last, const c
     for (int s = first; s <= last; s++) {
         double x, y;
         cr_assert(la[s] && lc[s], "step %d:\n%s\n%s", s, oa, oc);
-        cr_assert(sscanf(la[s], "step %*d loss %lf", &x) == 1 && sscanf(lc[s], "step %*d loss %lf", &y) == 1);
+        cr_assert(sscanf(la[s], "step %*d/%*d loss %lf", &x) == 1 && sscanf(lc[s], "step %*d/%*d loss %lf", &y) == 1);
         worst = fmax(worst, fabs(x - y));
     }
     return worst;
