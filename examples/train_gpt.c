@@ -17,6 +17,7 @@
  *        [--offload cpu [--pin-memory 0|1]] [--checkpoint-activations] [--ignore-memory-cap]
  *        [--init deferred|eager]
  *        [--data-tokens FILE.bin [--vocab N] [--val-every N] [--val-tokens K]]
+ *        [--data FILE.txt --tokenizer DIR] [--hsdp R]
  * --init deferred (the default) builds the model on the meta device
  * (ts_device_scope_enter), shards it with no parameter bytes, then gives
  * each rank only its rows: ts_fsdp_materialize replays the initializers
@@ -107,8 +108,22 @@
  * validation windows, each rank evaluating its share (all-reduced). The
  * checkpoint records the file's token count and hash, the vocabulary and
  * --val-tokens: --resume needs the same --data-tokens.
+ * --data FILE.txt --tokenizer DIR tokenizes the text at start on every
+ * rank (GPT-2's encoder.json and vocab.bpe in DIR, or the pair tools/tokenize
+ * --learn wrote there; docs/tokenizer.md, "Training on a text") into a
+ * token file in memory, then trains as --data-tokens does on the same
+ * ids (the vocabulary the tokenizer's; the checkpoint's identity that of
+ * the token file tools/tokenize would write). --load F --sample N
+ * --tokenizer DIR encodes --prompt (default <|endoftext|>) and decodes the
+ * sample through it. Without --tokenizer, --data is characters.
+ * --hsdp R shards over a 2-d mesh (replicate R, shard W/R: HSDP, the
+ * gradients reduce-scattered in a shard group, then all-reduced over the
+ * replicas); W must be a multiple of R. The losses are the 1-d mesh's up
+ * to the order of float sums; its checkpoints resume on any mesh.
  * --report-json FILE: rank 0 writes, at the end, the run's figures as one
- * JSON object (the config, every step's loss, and per rank the estimate:
+ * JSON object (the config, every step's loss, "hsdp", "tokenizer", the
+ * validations of --val-every ("val": step, loss, perplexity; "val_loss",
+ * "val_perplexity": the last), and per rank the estimate:
  * tensors, the pool's holding, the floor and the peak RSS; the tensor
  * peak, VmHWM, the median step time over the steps after the first, and
  * tokens/s), for scripts (scripts/bench_scale.sh).
@@ -869,7 +884,7 @@ int main(int argc, char **argv)
     const char *tokenizer_dir = NULL; /* --tokenizer DIR: --data tokenized at start, --sample decoded */
     int hsdp = 0;                   /* --hsdp R: a (replicate R, shard W/R) mesh (0: 1-d) */
     ex_flag flags[] = {
-        {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
+        {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file, its characters or with --tokenizer its tokens (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
         {"--batch", "B", EX_FLAG_INT, &batch, 1, 1 << 20, false, "sequences per rank and step", false},
         {"--global-batch", "G", EX_FLAG_INT, &global_batch, 1, 1 << 20, false, "sequences per step from one data order shared by the ranks, G/W each (instead of --batch)", false},
@@ -899,8 +914,8 @@ int main(int argc, char **argv)
         {"--data-batches", "K", EX_FLAG_INT, &data_batches, 1, INT_MAX, false, "with --vocab: cycle through the same K random batches (1: one batch every step, which the model can learn)", false},
         {"--report-json", "FILE", EX_FLAG_STRING, &report_json, 0, 0, false, "rank 0 writes the run's figures (estimate, peaks, step time, tokens/s per rank) as JSON at the end", false},
         {"--data-tokens", "FILE.bin", EX_FLAG_STRING, &data_tokens, 0, 0, false, "train on llm.c's token file (tools/tokenize; vocabulary 50257, or --vocab N), memory-mapped", false},
-        {"--val-every", "N", EX_FLAG_INT, &val_every, 1, INT_MAX, false, "with --data-tokens: print the validation loss and perplexity every N steps", false},
-        {"--val-tokens", "K", EX_FLAG_INT, &val_tokens, 0, INT_MAX, false, "with --data-tokens: hold out the file's last K tokens for validation (default with --val-every: a tenth)", false},
+        {"--val-every", "N", EX_FLAG_INT, &val_every, 1, INT_MAX, false, "with --data-tokens or --tokenizer: print the validation loss and perplexity every N steps", false},
+        {"--val-tokens", "K", EX_FLAG_INT, &val_tokens, 0, INT_MAX, false, "with --data-tokens or --tokenizer: hold out the last K tokens for validation (default with --val-every: a tenth)", false},
         {"--tokenizer", "DIR", EX_FLAG_STRING, &tokenizer_dir, 0, 0, false, "GPT-2 BPE files (encoder.json, vocab.bpe; or tokenize --learn's): --data is tokenized at start, --sample decoded", false},
         {"--hsdp", "R", EX_FLAG_INT, &hsdp, 1, 1 << 16, false, "HSDP: a 2-d mesh, parameters sharded over W/R ranks and replicated R times (R divides W)", false},
     };
@@ -1209,13 +1224,16 @@ int main(int argc, char **argv)
             ts_tokenizer_free(tok);
             free(saved_text);
             return 2;
+        } else { /* training needs only the ids: the tokenizer's tables go */
+            ts_tokenizer_free(tok);
+            tok = NULL;
         }
         if (!st) st = ts_token_file_check_vocab(tf, vocab);
         if (!st && val_tokens < 0) val_tokens = val_every ? (int)(ts_token_file_count(tf) / 10) : 0;
         if (!st) st = ts_token_file_split(tf, (size_t)val_tokens, seq);
         if (st) {
             fprintf(stderr, "train_gpt: %s: %s%s\n", data_tokens ? "--data-tokens" : "--data --tokenizer",
-                    ts_last_error(), st == TS_ERR_INDEX && !tok ? " (give the tokenizer's size with --vocab N)" : "");
+                    ts_last_error(), st == TS_ERR_INDEX && data_tokens ? " (give the tokenizer's size with --vocab N)" : "");
             ts_token_file_close(tf);
             ts_tokenizer_free(tok);
             free(saved_text);
@@ -1261,7 +1279,7 @@ int main(int argc, char **argv)
             map[c] = vocab++;
         }
     }
-    if (tok && vocab < tok_size) { /* ids the model has no row for */
+    if (tokenizer_dir && vocab < tok_size) { /* ids the model has no row for */
         fprintf(stderr, "train_gpt: --tokenizer '%s' has %d tokens, more than the vocabulary of %d of %s '%s'\n",
                 tokenizer_dir, tok_size, vocab, resume ? "--resume" : "--load", resume ? resume : load);
         ts_token_file_close(tf);
