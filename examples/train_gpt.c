@@ -279,8 +279,8 @@ static int load_tokenizer(const char *dir, ts_tokenizer **tok_out)
 /* --data FILE --tokenizer DIR: reads the text and encodes it whole into a
  * token file in memory (ts_token_file_from_ids: uint16, 2 bytes a token),
  * which then trains exactly as a --data-tokens file of the same ids.
- * Every rank does it on its own (docs/tokenizer.md, "Tokenizing at
- * start"): the vocabulary and the size are needed before the world
+ * Every rank does it on its own (docs/tokenizer.md, "Training on a
+ * text"): the vocabulary and the size are needed before the world
  * starts, and the ids are the same everywhere. *bytes_out and *s_out: the
  * text's size and the seconds taken. 0, or -1 after printing why. */
 static int tokenize_text(const char *path, ts_tokenizer *tok, ts_token_file **tf_out, size_t *bytes_out,
@@ -315,7 +315,7 @@ static int encode_prompt(ts_tokenizer *tok, const char *prompt, int64_t **ids_ou
     ts_status st = TS_OK;
     if (!prompt && !ts_tokenizer_token_id(tok, "<|endoftext|>", &eot)) ids = &eot, n = 1;
     else st = ts_tokenizer_encode(tok, prompt ? prompt : "\n", strlen(prompt ? prompt : "\n"), &ids, &n);
-    if (!st && (n == 0 || n > INT_MAX)) st = ts_error(TS_ERR_INVALID_ARGUMENT, "the prompt is empty");
+    if (!st && (n == 0 || n > INT_MAX)) st = ts_error(TS_ERR_INVALID_ARGUMENT, "the prompt encodes to %zu tokens", n);
     int64_t *out = st ? NULL : malloc(n * sizeof *out);
     for (size_t i = 0; out && i < n; i++) out[i] = ids[i];
     if (ids != &eot) ts_tokenizer_buffer_free(ids);
