@@ -691,6 +691,7 @@ static int debug_level(void)
     pthread_once(&g_debug_once, debug_init);
     return g_debug;
 }
+int ts__dist_debug_level(void) { return debug_level(); }
 
 /* TS_DISTRIBUTED_DEBUG=INFO (and DETAIL): a group's counters in one line
  * on stderr when it is freed. */

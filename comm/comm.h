@@ -87,7 +87,10 @@ typedef enum ts_coll_kind {
  * bytes)" (calls and bytes since the group was made or its last
  * ts_comm_stats_reset); DETAIL prints that and, when each collective
  * completes, one line: group, rank, sequence, kind, bytes, status and
- * duration. Any other value is a warning naming it, and means OFF. */
+ * duration. Any other value is a warning naming it, and means OFF.
+ * fully_shard reads the same variable: with INFO or DETAIL, each rank
+ * also prints its FSDP groups' collectives when the root module is freed
+ * (ts_fsdp_print_stats in fully_shard/fully_shard.h; docs/debugging.md). */
 typedef struct ts_comm_counters {
     uint64_t calls[TS_COLL_KIND_COUNT];
     uint64_t bytes[TS_COLL_KIND_COUNT];

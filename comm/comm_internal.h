@@ -146,6 +146,11 @@ uint32_t ts__comm_next_seq(ts_comm *c);
 /* The world rank of group rank `r` of c (r itself for a world). */
 int ts__comm_world_rank(const ts_comm *c, int r);
 
+/* TS_DISTRIBUTED_DEBUG (comm.h) as read once for the process: 0 OFF, 1
+ * INFO, 2 DETAIL (an unknown value warned about, then 0). fully_shard's
+ * per-group summary (ts_fsdp_print_stats) reads it too. Any thread. */
+int ts__dist_debug_level(void);
+
 /* The pool scratch (bytes) a reduce-scatter of n output elements of d on c
  * with divide factor pre_div holds while in flight (0: none, as on one
  * rank), and the blocks an all-reduce of n elements of d takes (written

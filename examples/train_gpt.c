@@ -32,6 +32,7 @@
  * rss_bytes and peak_rss_bytes as maxima over the ranks, val_loss after a
  * validation), flushed each line, appended on --resume (docs/progress.md;
  * tools/trace_plot --metrics draws it).
+ *        [--data FILE.txt --tokenizer DIR] [--hsdp R]
  * --init deferred (the default) builds the model on the meta device
  * (ts_device_scope_enter), shards it with no parameter bytes, then gives
  * each rank only its rows: ts_fsdp_materialize replays the initializers
@@ -130,8 +131,22 @@
  * GELU; --heads, else GPT-2's 64-wide heads), a conflicting --layers,
  * --dim or --vocab is refused, and each rank reads its rows of the
  * weights; train on --data-tokens (or --vocab N random ids).
+ * --data FILE.txt --tokenizer DIR tokenizes the text at start on every
+ * rank (GPT-2's encoder.json and vocab.bpe in DIR, or the pair tools/tokenize
+ * --learn wrote there; docs/tokenizer.md, "Training on a text") into a
+ * token file in memory, then trains as --data-tokens does on the same
+ * ids (the vocabulary the tokenizer's; the checkpoint's identity that of
+ * the token file tools/tokenize would write). --load F --sample N
+ * --tokenizer DIR encodes --prompt (default <|endoftext|>) and decodes the
+ * sample through it. Without --tokenizer, --data is characters.
+ * --hsdp R shards over a 2-d mesh (replicate R, shard W/R: HSDP, the
+ * gradients reduce-scattered in a shard group, then all-reduced over the
+ * replicas); W must be a multiple of R. The losses are the 1-d mesh's up
+ * to the order of float sums; its checkpoints resume on any mesh.
  * --report-json FILE: rank 0 writes, at the end, the run's figures as one
- * JSON object (the config, every step's loss, and per rank the estimate:
+ * JSON object (the config, every step's loss, "hsdp", "tokenizer", the
+ * validations of --val-every ("val": step, loss, perplexity; "val_loss",
+ * "val_perplexity": the last), and per rank the estimate:
  * tensors, the pool's holding, the floor and the peak RSS; the tensor
  * peak, VmHWM, the median step time over the steps after the first, and
  * tokens/s), for scripts (scripts/bench_scale.sh).
@@ -141,9 +156,11 @@
  * message says which; a checkpoint whose files cannot be loaded is one). */
 #include "common.h"
 #include "checkpoint/checkpoint.h"
+#include "text/tokenizer.h"
 #include "text/tokens.h"
 
 #include <jansson.h>
+#include <dirent.h>
 
 
 /* The next character's id from the last row of logits (V): the argmax
@@ -155,23 +172,27 @@ static int next_token(const float *logits, int V, double temperature, ts_generat
     for (int v = 1; v < V; v++)
         if (logits[v] > logits[best]) best = v;
     if (temperature <= 0) return best;
-    double sum = 0, p[256];
-    for (int v = 0; v < V; v++) sum += p[v] = exp(((double)logits[v] - logits[best]) / temperature);
+    double sum = 0;
+    for (int v = 0; v < V; v++) sum += exp(((double)logits[v] - logits[best]) / temperature);
     double u = ((double)ts_generator_random(g) + 0.5) / 4294967296.0 * sum;
-    for (int v = 0; v < V; v++) {
-        if (u < p[v]) return v;
-        u -= p[v];
+    for (int v = 0; v < V; v++) { /* the same terms again: a vocabulary of any size, no array */
+        double p = exp(((double)logits[v] - logits[best]) / temperature);
+        if (u < p) return v;
+        u -= p;
     }
     return V - 1;
 }
 
-/* Generates n characters after the prompt (already mapped to ids) with
- * the sharded model, printing them on rank 0. Every rank runs the same
+/* Generates n tokens after the prompt (already mapped to ids) with the
+ * sharded model, printing them on rank 0: characters (chars[id]), or with
+ * a tokenizer the bytes its ids decode to (drawn among its own ids only,
+ * when the model's vocabulary is larger). Every rank runs the same
  * forwards (the model's groups are gathered collectively) and draws the
  * same numbers. */
-static int generate(ts_module *model, const char *chars, int vocab, int seq, const int64_t *prompt, int n_prompt,
-                    int n, double temperature, uint64_t seed)
+static int generate(ts_module *model, const char *chars, const ts_tokenizer *tok, int vocab, int seq,
+                    const int64_t *prompt, int n_prompt, int n, double temperature, uint64_t seed)
 {
+    int draw_vocab = tok && ts_tokenizer_vocab_size(tok) < vocab ? ts_tokenizer_vocab_size(tok) : vocab;
     int64_t *ctx = malloc((size_t)(n_prompt + n) * sizeof *ctx);
     float *logits = malloc((size_t)seq * (size_t)vocab * sizeof *logits);
     ts_generator *g;
@@ -190,23 +211,188 @@ static int generate(ts_module *model, const char *chars, int vocab, int seq, con
         CHECK(ts_tensor_from_data(TS_I64, 2, shape, ctx + len - T, &x));
         CHECK(ts_module_call1(model, x, &y));
         CHECK(ts_tensor_copy_to(y, logits, (size_t)T * (size_t)vocab * sizeof *logits));
-        ctx[len++] = next_token(logits + (size_t)(T - 1) * (size_t)vocab, vocab, temperature, g);
+        ctx[len++] = next_token(logits + (size_t)(T - 1) * (size_t)vocab, draw_vocab, temperature, g);
         ts_tensor_free(y);
         ts_tensor_free(x);
     }
     ts_grad_mode_set(prev);
+    const char *what = tok ? "tokens" : "characters";
     if (temperature > 0)
-        printf("sample (temperature %g, seed %llu): %d characters after the prompt\n", temperature,
-               (unsigned long long)seed, n);
+        printf("sample (temperature %g, seed %llu): %d %s after the prompt\n", temperature, (unsigned long long)seed,
+               n, what);
     else
-        printf("sample (greedy): %d characters after the prompt\n", n);
-    for (int i = 0; i < len; i++) putchar(chars[ctx[i]]);
+        printf("sample (greedy): %d %s after the prompt\n", n, what);
+    int rc = 0;
+    if (tok) { /* the ids back to their bytes (int32 for the tokenizer) */
+        int32_t *ids32 = malloc((size_t)len * sizeof *ids32);
+        char *bytes = NULL;
+        size_t nb = 0;
+        for (int i = 0; ids32 && i < len; i++) ids32[i] = (int32_t)ctx[i];
+        ts_status st = ids32 ? ts_tokenizer_decode(tok, ids32, (size_t)len, &bytes, &nb) : TS_ERR_NO_MEMORY;
+        if (st) {
+            fprintf(stderr, "train_gpt: --sample: the ids do not decode: %s\n", ts_last_error());
+            rc = 1;
+        } else {
+            fwrite(bytes, 1, nb, stdout);
+        }
+        ts_tokenizer_buffer_free(bytes);
+        free(ids32);
+    } else {
+        for (int i = 0; i < len; i++) putchar(chars[ctx[i]]);
+    }
     putchar('\n');
     fflush(stdout);
     ts_generator_free(g);
     free(logits);
     free(ctx);
+    return rc;
+}
+
+/* --tokenizer DIR: the vocabulary and merges are DIR/encoder.json and
+ * DIR/vocab.bpe (GPT-2's names), DIR/vocab.json and DIR/merges.txt
+ * (Hugging Face's), or the one pair STEM.encoder.json and STEM.vocab.bpe
+ * in DIR that tools/tokenize --learn writes beside its output; DIR may
+ * also be that STEM itself (out/train for out/train.encoder.json). The
+ * loaded tokenizer in *tok_out; 0, or -1 after printing why. */
+static int load_tokenizer(const char *dir, ts_tokenizer **tok_out)
+{
+    static const char *const pairs[][2] = {{"encoder.json", "vocab.bpe"}, {"vocab.json", "merges.txt"}};
+    char vocab[4200] = "", merges[4200] = "";
+    for (size_t i = 0; i < sizeof pairs / sizeof pairs[0] && !*vocab; i++) {
+        snprintf(vocab, sizeof vocab, "%s/%s", dir, pairs[i][0]);
+        snprintf(merges, sizeof merges, "%s/%s", dir, pairs[i][1]);
+        if (access(vocab, R_OK) || access(merges, R_OK)) *vocab = '\0';
+    }
+    if (!*vocab) { /* a stem given whole */
+        snprintf(vocab, sizeof vocab, "%s.encoder.json", dir);
+        snprintf(merges, sizeof merges, "%s.vocab.bpe", dir);
+        if (access(vocab, R_OK) || access(merges, R_OK)) *vocab = '\0';
+    }
+    DIR *d = *vocab ? NULL : opendir(dir);
+    int found = 0;
+    for (struct dirent *e; d && (e = readdir(d));) { /* a learned pair STEM.encoder.json, STEM.vocab.bpe */
+        size_t n = strlen(e->d_name), k = strlen(".encoder.json");
+        if (n <= k || strcmp(e->d_name + n - k, ".encoder.json")) continue;
+        char v[4200], m[4200];
+        snprintf(v, sizeof v, "%s/%s", dir, e->d_name);
+        snprintf(m, sizeof m, "%s/%.*s.vocab.bpe", dir, (int)(n - k), e->d_name);
+        if (access(m, R_OK)) continue;
+        if (found++) {
+            fprintf(stderr, "train_gpt: --tokenizer '%s' holds several learned vocabularies (%s and %s): give the "
+                            "one to use as DIR/STEM\n", dir, vocab, v);
+            closedir(d);
+            return -1;
+        }
+        snprintf(vocab, sizeof vocab, "%s", v);
+        snprintf(merges, sizeof merges, "%s", m);
+    }
+    if (d) closedir(d);
+    if (!*vocab) {
+        fprintf(stderr, "train_gpt: --tokenizer '%s' holds no encoder.json and vocab.bpe (GPT-2's), no vocab.json "
+                        "and merges.txt, and no STEM.encoder.json and STEM.vocab.bpe (tools/tokenize --learn)\n", dir);
+        return -1;
+    }
+    ts_status st = ts_tokenizer_load(vocab, merges, tok_out);
+    if (st) {
+        fprintf(stderr, "train_gpt: --tokenizer '%s': %s\n", dir, ts_last_error());
+        return -1;
+    }
     return 0;
+}
+
+/* --data FILE --tokenizer DIR: reads the text and encodes it whole into a
+ * token file in memory (ts_token_file_from_ids: uint16, 2 bytes a token),
+ * which then trains exactly as a --data-tokens file of the same ids.
+ * Every rank does it on its own (docs/tokenizer.md, "Training on a
+ * text"): the vocabulary and the size are needed before the world
+ * starts, and the ids are the same everywhere. *bytes_out and *s_out: the
+ * text's size and the seconds taken. 0, or -1 after printing why. */
+static int tokenize_text(const char *path, ts_tokenizer *tok, ts_token_file **tf_out, size_t *bytes_out,
+                         double *s_out)
+{
+    double t0 = ex_now();
+    size_t len = 0;
+    char *text = ex_read_file("train_gpt", "--data", path, &len);
+    if (!text) return -1;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    ts_status st = ts_tokenizer_encode(tok, text, len, &ids, &n);
+    free(text);
+    if (!st) st = ts_token_file_from_ids(ids, n, path, tf_out);
+    ts_tokenizer_buffer_free(ids);
+    if (st) {
+        fprintf(stderr, "train_gpt: --data '%s' --tokenizer: %s\n", path, ts_last_error());
+        return -1;
+    }
+    *bytes_out = len;
+    *s_out = ex_now() - t0;
+    return 0;
+}
+
+/* --sample's prompt through the tokenizer (default: "<|endoftext|>", where
+ * GPT-2's samples start, or a newline when the vocabulary has none), as
+ * *n_out int64 ids in *ids_out (malloc'd). 0, or -1 after printing why. */
+static int encode_prompt(ts_tokenizer *tok, const char *prompt, int64_t **ids_out, int *n_out)
+{
+    int32_t eot, *ids = NULL;
+    size_t n = 0;
+    ts_status st = TS_OK;
+    if (!prompt && !ts_tokenizer_token_id(tok, "<|endoftext|>", &eot)) ids = &eot, n = 1;
+    else st = ts_tokenizer_encode(tok, prompt ? prompt : "\n", strlen(prompt ? prompt : "\n"), &ids, &n);
+    if (!st && (n == 0 || n > INT_MAX)) st = ts_error(TS_ERR_INVALID_ARGUMENT, "the prompt encodes to %zu tokens", n);
+    int64_t *out = st ? NULL : malloc(n * sizeof *out);
+    for (size_t i = 0; out && i < n; i++) out[i] = ids[i];
+    if (ids != &eot) ts_tokenizer_buffer_free(ids);
+    if (st || !out) {
+        fprintf(stderr, "train_gpt: --prompt: %s\n", st ? ts_last_error() : "out of memory");
+        return -1;
+    }
+    *ids_out = out;
+    *n_out = (int)n;
+    return 0;
+}
+
+/* --hsdp R: the 2-d mesh (replicate R, shard W/R) every group is sharded
+ * over (HSDP: each parameter sharded over the W/R ranks of a shard group,
+ * replicated over the R shard groups, gradients reduce-scattered then
+ * all-reduced); R 0: NULL, the world as a 1-d mesh. Collective. */
+static ts_status make_mesh(ts_comm *world, int replicate, ts_mesh **mesh_out)
+{
+    *mesh_out = NULL;
+    if (!replicate) return TS_OK;
+    int W = ts_comm_size(world);
+    if (W % replicate)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "--hsdp %d does not divide the world of %d ranks", replicate, W);
+    int64_t shape[2] = {replicate, W / replicate};
+    const char *names[2] = {"replicate", "shard"};
+    return ts_mesh_new(world, "cpu", 2, shape, names, mesh_out);
+}
+
+/* The process groups the run's collectives go to: the world, and under
+ * --hsdp the mesh's shard and replicate groups (n of them in out). */
+static int run_groups(ts_comm *world, const ts_mesh *mesh, ts_comm *out[3])
+{
+    ts_comm *all[3] = {world, mesh ? ts_mesh_group(mesh, "shard") : NULL, mesh ? ts_mesh_group(mesh, "replicate") : NULL};
+    int n = 0;
+    for (int i = 0; i < 3; i++) { /* a mesh over one rank is the world itself: each group once */
+        bool seen = !all[i];
+        for (int k = 0; k < n && !seen; k++) seen = out[k] == all[i];
+        if (!seen) out[n++] = all[i];
+    }
+    return n;
+}
+
+/* The counters of the run's groups (run_groups), added up. */
+static void run_counters(ts_comm *world, const ts_mesh *mesh, ts_comm_counters *out)
+{
+    ts_comm *g[3];
+    int n = run_groups(world, mesh, g);
+    memset(out, 0, sizeof *out);
+    for (int i = 0; i < n; i++) {
+        ts_comm_counters c;
+        ts_comm_stats(g[i], &c);
+        for (int k = 0; k < TS_COLL_KIND_COUNT; k++) out->calls[k] += c.calls[k], out->bytes[k] += c.bytes[k];
+    }
 }
 
 /* The mean loss per token over the validation windows of `tf`: rank r of
@@ -274,33 +460,39 @@ static ts_status validate(ts_module *model, const ts_token_file *tf, ts_comm *wo
  * for them over the rings (all-gather (W-1) x its input; reduce-scatter
  * (W-1)/W of it; all-reduce, a reduce-scatter then an all-gather, twice
  * that; broadcast and send their tensor). */
-static void print_comm_summary(ts_comm *world, int steps, int W)
+static void print_comm_summary(ts_comm *world, const ts_mesh *mesh, int steps)
 {
     static const char *names[TS_COLL_KIND_COUNT] = {"all_gather", "reduce_scatter", "all_reduce", "broadcast",
                                                     "barrier",    "all_to_all",     "send",       "recv"};
-    double sent_factor[TS_COLL_KIND_COUNT] = {0};
-    sent_factor[TS_COLL_ALL_GATHER] = W - 1;
-    sent_factor[TS_COLL_REDUCE_SCATTER] = (double)(W - 1) / W;
-    sent_factor[TS_COLL_ALL_REDUCE] = 2.0 * (W - 1) / W;
-    sent_factor[TS_COLL_BROADCAST] = W > 1 ? 1 : 0;
-    sent_factor[TS_COLL_ALL_TO_ALL] = (double)(W - 1) / W;
-    sent_factor[TS_COLL_SEND] = 1;
-    ts_comm_counters c;
-    ts_comm_stats(world, &c);
-    double calls = 0, in = 0, sent = 0;
+    ts_comm *groups[3];
+    int ng = run_groups(world, mesh, groups);
+    double calls_k[TS_COLL_KIND_COUNT] = {0}, calls = 0, in = 0, sent = 0;
+    for (int i = 0; i < ng; i++) { /* each group's bytes sent by its own size (HSDP: shard and replicate groups) */
+        double W = ts_comm_size(groups[i]);
+        double sent_factor[TS_COLL_KIND_COUNT] = {0};
+        sent_factor[TS_COLL_ALL_GATHER] = W - 1;
+        sent_factor[TS_COLL_REDUCE_SCATTER] = (W - 1) / W;
+        sent_factor[TS_COLL_ALL_REDUCE] = 2.0 * (W - 1) / W;
+        sent_factor[TS_COLL_BROADCAST] = W > 1 ? 1 : 0;
+        sent_factor[TS_COLL_ALL_TO_ALL] = (W - 1) / W;
+        sent_factor[TS_COLL_SEND] = 1;
+        ts_comm_counters c;
+        ts_comm_stats(groups[i], &c);
+        for (int k = 0; k < TS_COLL_KIND_COUNT; k++) {
+            calls_k[k] += (double)c.calls[k];
+            calls += (double)c.calls[k];
+            in += (double)c.bytes[k];
+            sent += sent_factor[k] * (double)c.bytes[k];
+        }
+    }
     char kinds[512] = "";
     size_t n = 0;
-    for (int k = 0; k < TS_COLL_KIND_COUNT; k++) {
-        if (!c.calls[k]) continue;
-        calls += (double)c.calls[k];
-        in += (double)c.bytes[k];
-        sent += sent_factor[k] * (double)c.bytes[k];
-        n += (size_t)snprintf(kinds + n, sizeof kinds - n, "%s%s %.1f", n ? ", " : "", names[k],
-                              (double)c.calls[k] / steps);
-    }
+    for (int k = 0; k < TS_COLL_KIND_COUNT; k++)
+        if (calls_k[k])
+            n += (size_t)snprintf(kinds + n, sizeof kinds - n, "%s%s %.1f", n ? ", " : "", names[k], calls_k[k] / steps);
     char b1[32], b2[32];
-    printf("collectives per step on rank 0 of %d: %.1f issued%s%s%s, %s given to them, %s sent by this rank\n", W,
-           calls / steps, n ? " (" : "", kinds, n ? ")" : "", ex_fmt_bytes(in / steps, b1, sizeof b1),
+    printf("collectives per step on rank 0 of %d: %.1f issued%s%s%s, %s given to them, %s sent by this rank\n",
+           ts_comm_size(world), calls / steps, n ? " (" : "", kinds, n ? ")" : "", ex_fmt_bytes(in / steps, b1, sizeof b1),
            ex_fmt_bytes(sent / steps, b2, sizeof b2));
 }
 
@@ -310,6 +502,11 @@ typedef struct report_cfg {
     int64_t n_params;
     const char *param_dtype;
     bool checkpoint_activations, random_tokens;
+    int hsdp;              /* --hsdp R (0: a 1-d mesh) */
+    const char *tokenizer; /* --tokenizer DIR, or NULL */
+    int n_val;             /* the validations of --val-every this run made: */
+    const int *val_step;   /* after which step */
+    const double *val_loss; /* the mean validation loss per token */
 } report_cfg;
 
 static int cmp_double(const void *a, const void *b)
@@ -327,6 +524,35 @@ static double median(double *v, int n)
 }
 
 enum { RANK_FIGS = 8 }; /* per rank: VmHWM, RSS estimate, tensor peak, tensors' estimate, pool, floor, step, tokens/s */
+
+/* --report-json's mesh, tokenizer and validation figures: "hsdp" (R, or
+ * 0), "tokenizer" (its folder, or null), and "val" (one object per
+ * validation: the step it followed, the mean loss per token and its
+ * perplexity), with "val_loss" and "val_perplexity" the last (null
+ * without validation). */
+static void write_report_data(FILE *f, const report_cfg *c)
+{
+    fprintf(f, "  \"hsdp\": %d, \"tokenizer\": ", c->hsdp);
+    if (c->tokenizer) { /* a JSON string: a path may hold quotes, backslashes, control characters */
+        fputc('"', f);
+        for (const unsigned char *p = (const unsigned char *)c->tokenizer; *p; p++)
+            if (*p == '"' || *p == '\\') fprintf(f, "\\%c", *p);
+            else if (*p < 0x20) fprintf(f, "\\u%04x", *p);
+            else fputc(*p, f);
+        fputc('"', f);
+    } else {
+        fprintf(f, "null");
+    }
+    fprintf(f, ",\n  \"val\": [");
+    for (int i = 0; i < c->n_val; i++)
+        fprintf(f, "%s{\"step\": %d, \"loss\": %.9g, \"perplexity\": %.9g}", i ? ", " : "", c->val_step[i],
+                c->val_loss[i], exp(c->val_loss[i]));
+    if (c->n_val)
+        fprintf(f, "],\n  \"val_loss\": %.9g, \"val_perplexity\": %.9g,\n", c->val_loss[c->n_val - 1],
+                exp(c->val_loss[c->n_val - 1]));
+    else
+        fprintf(f, "],\n  \"val_loss\": null, \"val_perplexity\": null,\n");
+}
 
 /* rank 0's --report-json: the config, the losses, and each rank's row of
  * v (RANK_FIGS figures). 0, or -1 after printing why. */
@@ -347,7 +573,9 @@ static int write_report(const char *path, const report_cfg *c, const double *v, 
             c->param_dtype, c->checkpoint_activations ? "true" : "false", c->random_tokens ? "true" : "false", n,
             worst, worst > 0 ? (double)c->accum * c->batch * c->seq * W / worst : 0.0);
     for (int i = 0; i < n; i++) fprintf(f, "%s%.9g", i ? ", " : "", losses[i]);
-    fprintf(f, "],\n  \"ranks\": [\n");
+    fprintf(f, "],\n");
+    write_report_data(f, c);
+    fprintf(f, "  \"ranks\": [\n");
     for (int r = 0; r < W; r++) {
         const double *x = v + r * RANK_FIGS;
         fprintf(f, "    {\"rank\": %d, \"estimate_tensors_bytes\": %.0f, \"estimate_pool_bytes\": %.0f, "
@@ -676,7 +904,7 @@ static int init_from_hf_flags(const char *file, const ex_flag *flags, int nflags
     }
     if (!token_data) {
         fprintf(stderr, "train_gpt: --init-from-hf '%s' needs token ids of its vocabulary (%lld): give --data-tokens "
-                        "FILE.bin or --vocab %lld (random ids), not characters\n",
+                        "FILE.bin, --data FILE.txt --tokenizer DIR or --vocab %lld (random ids), not characters\n",
                 file, (long long)c.vocab_size, (long long)c.vocab_size);
         return 2;
     }
@@ -962,8 +1190,10 @@ int main(int argc, char **argv)
     int warmup = -1;                 /* --warmup N (-1: default_warmup(steps)) */
     double decay_fraction = 0.2;     /* --decay-fraction F: wsd's share of the steps that decays */
     const char *metrics = NULL;      /* --metrics FILE.jsonl */
+    const char *tokenizer_dir = NULL; /* --tokenizer DIR: --data tokenized at start, --sample decoded */
+    int hsdp = 0;                   /* --hsdp R: a (replicate R, shard W/R) mesh (0: 1-d) */
     ex_flag flags[] = {
-        {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file (default: a built-in grammar corpus)", false},
+        {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file, its characters or with --tokenizer its tokens (default: a built-in grammar corpus)", false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
         {"--batch", "B", EX_FLAG_INT, &batch, 1, 1 << 20, false, "sequences per rank and step", false},
         {"--global-batch", "G", EX_FLAG_INT, &global_batch, 1, 1 << 20, false, "sequences per step from one data order shared by the ranks, G/W each (instead of --batch)", false},
@@ -996,8 +1226,10 @@ int main(int argc, char **argv)
         {"--data-batches", "K", EX_FLAG_INT, &data_batches, 1, INT_MAX, false, "with --vocab: cycle through the same K random batches (1: one batch every step, which the model can learn)", false},
         {"--report-json", "FILE", EX_FLAG_STRING, &report_json, 0, 0, false, "rank 0 writes the run's figures (estimate, peaks, step time, tokens/s per rank) as JSON at the end", false},
         {"--data-tokens", "FILE.bin", EX_FLAG_STRING, &data_tokens, 0, 0, false, "train on llm.c's token file (tools/tokenize; vocabulary 50257, or --vocab N), memory-mapped", false},
-        {"--val-every", "N", EX_FLAG_INT, &val_every, 1, INT_MAX, false, "with --data-tokens: print the validation loss and perplexity every N steps", false},
-        {"--val-tokens", "K", EX_FLAG_INT, &val_tokens, 0, INT_MAX, false, "with --data-tokens: hold out the file's last K tokens for validation (default with --val-every: a tenth)", false},
+        {"--val-every", "N", EX_FLAG_INT, &val_every, 1, INT_MAX, false, "with --data-tokens or --tokenizer: print the validation loss and perplexity every N steps", false},
+        {"--val-tokens", "K", EX_FLAG_INT, &val_tokens, 0, INT_MAX, false, "with --data-tokens or --tokenizer: hold out the last K tokens for validation (default with --val-every: a tenth)", false},
+        {"--tokenizer", "DIR", EX_FLAG_STRING, &tokenizer_dir, 0, 0, false, "GPT-2 BPE files (encoder.json, vocab.bpe; or tokenize --learn's): --data is tokenized at start, --sample decoded", false},
+        {"--hsdp", "R", EX_FLAG_INT, &hsdp, 1, 1 << 16, false, "HSDP: a 2-d mesh, parameters sharded over W/R ranks and replicated R times (R divides W)", false},
         {"--init-from-hf", "FILE", EX_FLAG_STRING, &init_hf, 0, 0, false, "start from a Hugging Face GPT-2 safetensors file (its shape; fine-tune on --data-tokens)", false},
         {"--metrics", "FILE.jsonl", EX_FLAG_STRING, &metrics, 0, 0, false, "rank 0 writes a JSON object per step (loss, lr, grad norm, tokens/s, time, memory, validation loss; tools/trace_plot --metrics plots it), appended on --resume", false},
     };
@@ -1056,15 +1288,22 @@ int main(int argc, char **argv)
         fprintf(stderr, "train_gpt: --resume continues a run and --load starts one from a full file: give one\n");
         return 2;
     }
-    bool rand_mode = rand_vocab && !data_tokens; /* --vocab N alone: random ids; with --data-tokens, the file's vocabulary */
+    bool tokens_mode = data_tokens || (data && tokenizer_dir); /* token ids: a file's, or the text's tokenized */
+    bool rand_mode = rand_vocab && !tokens_mode; /* --vocab N alone: random ids; with tokens, their vocabulary */
+    if (tokenizer_dir && (data_tokens || (!data && !sample))) {
+        fprintf(stderr, "train_gpt: --tokenizer '%s' goes with --data FILE.txt (tokenized at start) or --load FILE "
+                        "--sample N (decoded)%s\n", tokenizer_dir,
+                data_tokens ? ", not with --data-tokens (already tokenized)" : "");
+        return 2;
+    }
     if (data_tokens && (data || sample)) {
         fprintf(stderr, "train_gpt: --data-tokens '%s' does not go with %s\n", data_tokens,
                 data ? "--data (give one: a text, or a token file)" : "--sample (sampling decodes characters only)");
         return 2;
     }
-    if (!data_tokens && (val_every || ex_flag_given(flags, NFLAGS, "--val-tokens"))) {
-        fprintf(stderr, "train_gpt: --val-every and --val-tokens go with --data-tokens FILE.bin (a validation split "
-                        "of a token file)\n");
+    if (!tokens_mode && (val_every || ex_flag_given(flags, NFLAGS, "--val-tokens"))) {
+        fprintf(stderr, "train_gpt: --val-every and --val-tokens go with --data-tokens FILE.bin or --data FILE.txt "
+                        "--tokenizer DIR (a validation split of the tokens)\n");
         return 2;
     }
     if (rand_mode && (data || load || resume || sample || save || save_full)) {
@@ -1088,7 +1327,7 @@ int main(int argc, char **argv)
         return 2;
     }
     if (init_hf && (ex_check_regular("train_gpt", "--init-from-hf", init_hf) ||
-                    init_from_hf_flags(init_hf, flags, NFLAGS, data_tokens || rand_vocab, &seq, &layers, &heads, &dim,
+                    init_from_hf_flags(init_hf, flags, NFLAGS, tokens_mode || rand_vocab, &seq, &layers, &heads, &dim,
                                        &rand_vocab, &hf_cfg)))
         return 2;
     /* Files before anything else: a FIFO or a directory is refused rather
@@ -1208,7 +1447,7 @@ int main(int argc, char **argv)
     /* A checkpoint written by --save carries its sizes and vocabulary:
      * sizes not given on the command line are taken from it, sizes given
      * must agree. */
-    int map[256], vocab = 0;
+    int map[256], vocab = 0, load_tok_vocab = 0; /* a --load of token ids: its vocabulary */
     char chars[256];
     for (int i = 0; i < 256; i++) map[i] = -1;
     if (load) {
@@ -1229,6 +1468,10 @@ int main(int argc, char **argv)
             }
         }
         if ((r = checkpoint_meta(load, "train_gpt.vocab", meta, sizeof meta)) < 0) return 2;
+        if (r > 0 && !strncmp(meta, "tokens:", 7)) { /* trained on token ids: a tokenizer reads them */
+            load_tok_vocab = atoi(meta + 7);
+            r = 0;
+        }
         size_t hl = r > 0 ? strlen(meta) : 0;
         for (size_t i = 0; i + 1 < hl && hl % 2 == 0; i += 2) {
             unsigned c;
@@ -1241,12 +1484,21 @@ int main(int argc, char **argv)
             map[c] = vocab++;
         }
     }
+    if (load && sample && load_tok_vocab && !tokenizer_dir) {
+        fprintf(stderr, "train_gpt: --load '%s' was trained on token ids (a vocabulary of %d): give the --tokenizer "
+                        "DIR that made them to --sample\n", load, load_tok_vocab);
+        return 2;
+    }
+    if (load && tokenizer_dir && vocab) {
+        fprintf(stderr, "train_gpt: --load '%s' was trained on characters: --tokenizer does not go with it\n", load);
+        return 2;
+    }
     int tok_vocab = 0; /* a resumed token-file run's vocabulary ("tokens:N") */
     if (resume && !strncmp(saved_vocab, "tokens:", 7)) {
         char *end;
         long v = strtol(saved_vocab + 7, &end, 10);
         const char *why = *end || v < 2 || v > (1 << 24) ? "is not one --save writes"
-                          : !data_tokens                ? "is a token file's: give the --data-tokens it trained on"
+                          : !tokens_mode ? "is a token file's: give the --data-tokens (or --data --tokenizer) it trained on"
                           : rand_vocab && rand_vocab != v ? "differs from --vocab"
                                                           : NULL;
         if (why) {
@@ -1256,9 +1508,10 @@ int main(int argc, char **argv)
             return 2;
         }
         tok_vocab = (int)v;
-    } else if (resume && data_tokens) {
+    } else if (resume && tokens_mode) {
         fprintf(stderr, "train_gpt: --resume '%s' trained on characters (--data or the built-in corpus): "
-                        "--data-tokens '%s' cannot continue it\n", resume, data_tokens);
+                        "%s '%s' cannot continue it\n", resume, data_tokens ? "--data-tokens" : "--data --tokenizer",
+                data_tokens ? data_tokens : data);
         free(saved_text);
         free(saved_vocab);
         return 2;
@@ -1280,22 +1533,49 @@ int main(int argc, char **argv)
     char *text = NULL;
     ts_token_file *tf = NULL; /* --data-tokens */
     char text_id[64] = "";    /* the data's length and hash, recorded by --save */
-    if (data_tokens) {
-        vocab = tok_vocab ? tok_vocab : rand_vocab ? rand_vocab : 50257; /* GPT-2's by default */
-        ts_status st = ts_token_file_open(data_tokens, &tf);
+    ts_tokenizer *tok = NULL; /* --tokenizer */
+    size_t text_bytes = 0;    /* --data --tokenizer: the text's size and the seconds its encoding took */
+    double tokenize_s = 0;
+    if (tokenizer_dir && load_tokenizer(tokenizer_dir, &tok)) {
+        free(saved_text);
+        return 2;
+    }
+    int tok_size = tok ? ts_tokenizer_vocab_size(tok) : 50257; /* GPT-2's by default */
+    if (tok && rand_vocab && rand_vocab < tok_size) {
+        fprintf(stderr, "train_gpt: --vocab %d is smaller than the %d tokens of --tokenizer '%s'\n", rand_vocab,
+                tok_size, tokenizer_dir);
+        ts_tokenizer_free(tok);
+        free(saved_text);
+        return 2;
+    }
+    if (tokens_mode) {
+        vocab = tok_vocab ? tok_vocab : rand_vocab ? rand_vocab : load_tok_vocab ? load_tok_vocab : tok_size;
+        ts_status st = TS_OK;
+        if (data_tokens) {
+            st = ts_token_file_open(data_tokens, &tf);
+        } else if (tokenize_text(data, tok, &tf, &text_bytes, &tokenize_s)) {
+            ts_tokenizer_free(tok);
+            free(saved_text);
+            return 2;
+        } else { /* training needs only the ids: the tokenizer's tables go */
+            ts_tokenizer_free(tok);
+            tok = NULL;
+        }
         if (!st) st = ts_token_file_check_vocab(tf, vocab);
         if (!st && val_tokens < 0) val_tokens = val_every ? (int)(ts_token_file_count(tf) / 10) : 0;
         if (!st) st = ts_token_file_split(tf, (size_t)val_tokens, seq);
         if (st) {
-            fprintf(stderr, "train_gpt: --data-tokens: %s%s\n", ts_last_error(),
-                    st == TS_ERR_INDEX ? " (give the tokenizer's size with --vocab N)" : "");
+            fprintf(stderr, "train_gpt: %s: %s%s\n", data_tokens ? "--data-tokens" : "--data --tokenizer",
+                    ts_last_error(), st == TS_ERR_INDEX && data_tokens ? " (give the tokenizer's size with --vocab N)" : "");
             ts_token_file_close(tf);
+            ts_tokenizer_free(tok);
             free(saved_text);
             return 2;
         }
         if (val_every && !ts_token_file_val_windows(tf)) {
             fprintf(stderr, "train_gpt: --val-every %d: no validation tokens (--val-tokens 0)\n", val_every);
             ts_token_file_close(tf);
+            ts_tokenizer_free(tok);
             free(saved_text);
             return 2;
         }
@@ -1303,6 +1583,8 @@ int main(int argc, char **argv)
                  (unsigned long long)ts_token_file_hash(tf));
     } else if (rand_vocab) { /* no text: token ids drawn in the loop */
         vocab = rand_vocab;
+    } else if (sample && tok) { /* --load F --sample N --tokenizer DIR: the checkpoint's token ids */
+        vocab = load_tok_vocab ? load_tok_vocab : tok_size;
     } else if (!(sample && ckpt_vocab)) { /* sampling from a checkpoint of ours needs no text */
         text = data ? ex_read_file("train_gpt", "--data", data, &len) : ex_grammar_corpus(200000, 7);
         if (!text) return data ? 2 : 1;
@@ -1330,14 +1612,23 @@ int main(int argc, char **argv)
             map[c] = vocab++;
         }
     }
+    if (tokenizer_dir && vocab < tok_size) { /* ids the model has no row for */
+        fprintf(stderr, "train_gpt: --tokenizer '%s' has %d tokens, more than the vocabulary of %d of %s '%s'\n",
+                tokenizer_dir, tok_size, vocab, resume ? "--resume" : "--load", resume ? resume : load);
+        ts_token_file_close(tf);
+        ts_tokenizer_free(tok);
+        free(saved_text);
+        return 2;
+    }
     if (text) snprintf(text_id, sizeof text_id, "%zu:%016llx", len, (unsigned long long)text_hash(text, len));
     if (resume && strcmp(text_id, saved_text) != 0) {
         fprintf(stderr,
                 "train_gpt: --resume '%s' trained on other data (length:hash %s; %s is %s): give the %s it was "
                 "trained on\n",
-                resume, saved_text, tf ? data_tokens : data ? data : "the built-in corpus", text_id,
-                tf ? "--data-tokens" : "--data");
+                resume, saved_text, tf ? ts_token_file_path(tf) : data ? data : "the built-in corpus", text_id,
+                data_tokens ? "--data-tokens" : tf ? "--data (and --tokenizer)" : "--data");
         ts_token_file_close(tf);
+        ts_tokenizer_free(tok);
         free(text);
         free(saved_text);
         return 2;
@@ -1347,7 +1638,12 @@ int main(int argc, char **argv)
     /* the prompt, in ids, before anything is built */
     int64_t *prompt_ids = NULL;
     int n_prompt = 0;
-    if (sample) {
+    if (sample && tok) {
+        if (encode_prompt(tok, prompt, &prompt_ids, &n_prompt)) {
+            ts_tokenizer_free(tok);
+            return 2;
+        }
+    } else if (sample) {
         const char *p = prompt ? prompt : (const char[]){chars[0], '\0'}; /* the corpus's first character */
         n_prompt = (int)strlen(p);
         prompt_ids = malloc((size_t)n_prompt * sizeof *prompt_ids);
@@ -1360,6 +1656,7 @@ int main(int argc, char **argv)
                 free(prompt_ids);
                 free(text);
                 ts_token_file_close(tf);
+                ts_tokenizer_free(tok);
                 return 2;
             }
         }
@@ -1380,15 +1677,25 @@ int main(int argc, char **argv)
             free(prompt_ids);
             free(text);
             ts_token_file_close(tf);
+            ts_tokenizer_free(tok);
             return 2;
         }
         B = global_batch / W;
+    }
+    if (hsdp && W % hsdp) {
+        fprintf(stderr, "train_gpt: --hsdp %d: the world of %d rank%s is not a multiple of %d (the mesh is R x W/R: "
+                        "%d replicas of a shard group of W/R ranks)\n", hsdp, W, W > 1 ? "s" : "", hsdp, hsdp);
+        free(prompt_ids);
+        free(text);
+        ts_token_file_close(tf);
+        ts_tokenizer_free(tok);
+        return 2;
     }
     /* per rank, from ts_fsdp_memory_estimate_gpt (fully_shard.h): the peak of one step */
     ts_gpt_config ecfg = model_config(init_hf ? &hf_cfg : NULL, vocab, seq, layers, heads, dim);
     ts_fsdp_memory_options emo = ts_fsdp_memory_options_default();
     emo.input_ndim = 2, emo.input_shape[0] = sample ? 1 : B, emo.input_shape[1] = seq;
-    emo.world_size = W, emo.checkpoint_blocks = ckpt_act;
+    emo.world_size = hsdp ? W / hsdp : W, emo.checkpoint_blocks = ckpt_act; /* HSDP: sharded over W/R */
     emo.eager_init = !deferred; /* a deferred start-up never holds the full model */
     if (param_dtype_s) emo.param_dtype = mp.param_dtype;
     ts_fsdp_memory_report me;
@@ -1409,6 +1716,7 @@ int main(int argc, char **argv)
         free(prompt_ids);
         free(text);
         ts_token_file_close(tf);
+        ts_tokenizer_free(tok);
         return 2;
     }
 
@@ -1422,6 +1730,7 @@ int main(int argc, char **argv)
         free(prompt_ids);
         free(text);
         ts_token_file_close(tf);
+        ts_tokenizer_free(tok);
         return 2;
     }
     if (cap.bytes && me.rss_peak_bytes > cap.bytes && !ignore_cap) {
@@ -1438,6 +1747,7 @@ int main(int argc, char **argv)
         free(prompt_ids);
         free(text);
         ts_token_file_close(tf);
+        ts_tokenizer_free(tok);
         return 2;
     }
 
@@ -1447,7 +1757,24 @@ int main(int argc, char **argv)
     W = ts_comm_size(world);
     if (rank != 0) /* one voice */
         if (!freopen("/dev/null", "w", stdout)) return 1;
-    if (tf)
+    ts_mesh *mesh = NULL; /* --hsdp: replicate x shard; NULL: the world, 1-d */
+    if (make_mesh(world, hsdp, &mesh)) {
+        fprintf(stderr, "train_gpt: %s\n", ts_last_error());
+        free(prompt_ids);
+        free(text);
+        ts_token_file_close(tf);
+        ts_tokenizer_free(tok);
+        ts_dist_finalize();
+        return 2;
+    }
+    fso.mesh = mesh;
+    if (tf && !data_tokens)
+        printf("data: %s, %zu bytes tokenized by --tokenizer %s (vocabulary %d) in %.2f s on every rank: %zu tokens, "
+               "%zu for training, %zu held out for validation (%zu windows of %d)\n",
+               data, text_bytes, tokenizer_dir, vocab, tokenize_s, ts_token_file_count(tf),
+               ts_token_file_train_tokens(tf), ts_token_file_count(tf) - ts_token_file_train_tokens(tf),
+               ts_token_file_val_windows(tf), seq);
+    else if (tf)
         printf("data: %s, %zu tokens (vocabulary %d), memory-mapped: %zu for training, %zu held out for validation "
                "(%zu windows of %d)\n",
                data_tokens, ts_token_file_count(tf), vocab, ts_token_file_train_tokens(tf),
@@ -1458,6 +1785,8 @@ int main(int argc, char **argv)
     else if (text)
         printf("corpus: %s, %zu characters, vocabulary %d%s\n", data ? data : "built-in grammar", len, vocab,
                ckpt_vocab ? " (the checkpoint's)" : "");
+    else if (tok)
+        printf("vocabulary: %d tokens (--tokenizer %s), from %s\n", vocab, tokenizer_dir, load);
     else
         printf("vocabulary: %d characters, from %s\n", vocab, load);
 
@@ -1491,9 +1820,11 @@ int main(int argc, char **argv)
                     "--layers, --heads and --dim it was trained with)\n",
                     load, ts_status_name(st), ts_last_error());
             ts_module_free(model);
+            ts_mesh_free(mesh);
             free(prompt_ids);
             free(text);
             ts_token_file_close(tf);
+            ts_tokenizer_free(tok);
             ts_dist_finalize();
             return 1;
         }
@@ -1522,11 +1853,13 @@ int main(int argc, char **argv)
            ex_fmt_bytes((double)me.peak_bytes, mb, sizeof mb), W, W > 1 ? "s" : "");
 
     if (sample) {
-        int rc = generate(model, chars, vocab, seq, prompt_ids, n_prompt, sample, temperature, seed);
+        int rc = generate(model, chars, tok, vocab, seq, prompt_ids, n_prompt, sample, temperature, seed);
         free(prompt_ids);
         ts_module_free(model);
+        ts_mesh_free(mesh);
         free(text);
         ts_token_file_close(tf);
+        ts_tokenizer_free(tok);
         CHECK(ts_dist_finalize());
         return rc;
     }
@@ -1583,6 +1916,8 @@ int main(int argc, char **argv)
     CHECK(ts_generator_new(global_batch ? seed + 1 : seed + 1 + (uint64_t)rank, &data_rng));
     int start = 0, rc = 0; /* the step this run starts at */
     int64_t *ids = NULL, *tg = NULL;
+    int *val_step = NULL;    /* --val-every: the step of each validation and its loss */
+    double *val_loss = NULL;
     double *step_s = NULL, *losses = NULL; /* each step's time on this rank and its loss (averaged over the ranks) */
     FILE *metrics_f = NULL;                /* --metrics, on rank 0 */
     bool metrics_failed = false;
@@ -1646,9 +1981,14 @@ int main(int argc, char **argv)
     }
     int64_t local = 0;
     for (int i = 0; i < params.n; i++) local += ts_tensor_numel(plist[i]);
+    char mesh_desc[96];
+    if (mesh)
+        snprintf(mesh_desc, sizeof mesh_desc, "HSDP mesh %d x %d: replicate x shard", hsdp, W / hsdp);
+    else
+        snprintf(mesh_desc, sizeof mesh_desc, "%s", W > 1 ? "distributed world" : "one-rank mesh");
     printf("model: GPT %d layers, %d heads, d_model %d; fully_shard over %d rank%s (%s): %lld parameter elements "
            "on rank 0\n",
-           layers, heads, dim, W, W > 1 ? "s" : "", W > 1 ? "distributed world" : "one-rank mesh", (long long)local);
+           layers, heads, dim, W, W > 1 ? "s" : "", mesh_desc, (long long)local);
 
     size_t n_ids = (size_t)accum * (size_t)B * (size_t)seq;
     ids = malloc(n_ids * sizeof *ids);
@@ -1663,10 +2003,18 @@ int main(int argc, char **argv)
     double t0 = ex_now(), window_s = 0; /* window_s: this run's step times since the last line */
     int window_s_n = 0;
     int64_t tokens = 0;
-    ts_comm_stats_reset(world); /* count the training loop's collectives only */
+    ts_comm *run_g[3]; /* count the training loop's collectives only (HSDP: the mesh's groups too) */
+    for (int i = 0, ng = run_groups(world, mesh, run_g); i < ng; i++) ts_comm_stats_reset(run_g[i]);
     int end = stop_after && stop_after < steps ? stop_after : steps;
     report_cfg rcfg = {layers, dim, heads, seq, vocab, B, accum, W, (int64_t)me.n_params,
-                       param_dtype_s ? mp_name(mp.param_dtype) : "f32", ckpt_act, rand_mode};
+                       param_dtype_s ? mp_name(mp.param_dtype) : "f32", ckpt_act, rand_mode, hsdp, tokenizer_dir,
+                       0, NULL, NULL};
+    if (val_every) { /* the validations of this run, for --report-json */
+        val_step = malloc(((size_t)(end - start) / (size_t)val_every + 2) * sizeof *val_step);
+        val_loss = malloc(((size_t)(end - start) / (size_t)val_every + 2) * sizeof *val_loss);
+        if (!val_step || !val_loss) return 1;
+    }
+    rcfg.val_step = val_step, rcfg.val_loss = val_loss;
     for (step = start; step < end; step++) {
         /* each microbatch: --global-batch, every rank draws all G starts
          * and keeps its G/W; else its own B (the same sequences as
@@ -1815,6 +2163,7 @@ int main(int argc, char **argv)
         if (val_every && ((step + 1) % val_every == 0 || step + 1 == end)) {
             double vl;
             CHECK(validate(model, tf, world, B, seq, vocab, half, ids, tg, &vl));
+            val_step[rcfg.n_val] = step + 1, val_loss[rcfg.n_val++] = vl; /* for --report-json */
             printf("step %4d  val loss %.4f  perplexity %.2f  (%zu windows of %d tokens over %d rank%s)\n", step + 1,
                    vl, exp(vl), ts_token_file_val_windows(tf), seq, W, W > 1 ? "s" : "");
             rep.val_loss = vl;
@@ -1830,7 +2179,7 @@ int main(int argc, char **argv)
     }
     int ran = step - start; /* steps this process took */
     print_run_time(ex_now() - t0, step_s + start, ran, (double)tokens);
-    print_comm_summary(world, ran > 0 ? ran : 1, W);
+    print_comm_summary(world, mesh, ran > 0 ? ran : 1);
     if (accum_log) /* exact, to compare the accumulation modes */
         printf("accum: peak tensor storage %zu bytes on this rank\n", ts_mem_peak_bytes(TS_MEM_STORAGE));
     if (offload_cpu && ran > 0) {
@@ -1849,7 +2198,7 @@ int main(int argc, char **argv)
         /* what the policy changes on the wire: the all-gathers carry the
          * param dtype, the reduce-scatters the reduce dtype */
         ts_comm_counters cc;
-        ts_comm_stats(world, &cc);
+        run_counters(world, mesh, &cc);
         char b1[32], b2[32];
         int n = ran > 0 ? ran : 1;
         printf("bytes per step on rank 0: all-gathered %s (%.0f bytes), reduce-scattered %s (%.0f bytes); param dtype "
@@ -1893,12 +2242,16 @@ done:
     free(plist);
     ts_named_params_free(&params);
     ts_module_free(model);
+    ts_mesh_free(mesh);
+    free(val_step);
+    free(val_loss);
     free(ids);
     free(tg);
     free(step_s);
     free(losses);
     free(text);
     ts_token_file_close(tf);
+    ts_tokenizer_free(tok);
     CHECK(ts_dist_finalize());
     return rc;
 }

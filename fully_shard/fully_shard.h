@@ -381,6 +381,32 @@ TS_API ts_status ts_fsdp_group_info_get(const ts_module *module, ts_fsdp_group_i
 TS_API ts_status ts_fsdp_summary(ts_module *module, FILE *f);
 TS_API ts_status ts_fsdp_summary_str(ts_module *module, char *buf, size_t cap, size_t *len_out);
 
+/* What each FSDP group in module's subtree (pre-order, each group once)
+ * communicated on this rank since it was made, one line per group and a
+ * total (docs/debugging.md):
+ *   [ts fsdp] rank 1/2 group 'blocks.0' (4 parameters, 4160 elements,
+ *   mesh (dp=2)): all_gather 6 (16640 bytes, wait 0.512 ms),
+ *   reduce_scatter 3 (16640 bytes, wait 0.101 ms)
+ *   [ts fsdp] rank 1/2 total over 2 groups: ...
+ * ("(root)" for the root's group; rank and size are the world's). Counted
+ * are the collectives the FSDP lifecycle issues: the all-gathers of
+ * unshard (forward, backward, ts_fsdp_unshard, summon), the
+ * reduce-scatters of the gradients, and under HSDP the all-reduces over
+ * the replicate dim; not the gathers of full state dicts, checkpoints or
+ * clip_grad_norm's all-reduce, nor a meta step's skipped collectives.
+ * Bytes are those of the padded group (W x the per-rank shard, in the
+ * collective's dtype: param_dtype for all-gathers, reduce_dtype for
+ * reductions) per collective, except the HSDP all-reduce's: this rank's
+ * shard. Wait is the time the calling thread spent waiting for them to
+ * complete (the whole of the blocking HSDP all-reduce). With
+ * TS_DISTRIBUTED_DEBUG=INFO or DETAIL (comm.h) the same lines go to stderr
+ * when the root module (the one the forwards start at) is freed, if its
+ * groups issued any collective. Not collective. Errors:
+ * TS_ERR_INVALID_ARGUMENT for NULL arguments; TS_ERR_IO when writing to
+ * f fails; TS_ERR_NO_MEMORY. Any thread that may run the model, outside
+ * its forward and backward. */
+TS_API ts_status ts_fsdp_print_stats(ts_module *module, FILE *f);
+
 /* ----------------------------------------------------- explicit control */
 
 typedef struct ts_fsdp_unshard_handle ts_fsdp_unshard_handle;

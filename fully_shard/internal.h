@@ -157,6 +157,15 @@ typedef enum fsdp_training_state {
                            end of the backward */
 } fsdp_training_state;
 
+/* What a group's collectives of one kind did (TS_DISTRIBUTED_DEBUG,
+ * ts_fsdp_print_stats; summary.c): the calls issued (a meta step's
+ * skipped ones not counted), the bytes of their unsharded side (the
+ * padded group: W x shard_numel elements in the collective's dtype), and
+ * the time the lifecycle spent waiting for them to complete. */
+typedef struct fsdp_coll_stats {
+    uint64_t calls, bytes, wait_ns;
+} fsdp_coll_stats;
+
 struct fsdp_group {
     atomic_int refs;
     fsdp_param *params;
@@ -252,6 +261,9 @@ struct fsdp_group {
      * storages: freed when the all-gather (ag_hold) or reduction (rs_hold)
      * completes */
     ts_tensor *ag_hold[4], *rs_hold[4];
+    /* the lifecycle's all-gathers (unshard), reduce-scatters
+     * (post-backward) and HSDP all-reduces (finishing a reduction) */
+    fsdp_coll_stats ag_stats, rs_stats, ar_stats;
 };
 
 /* The collectives of a group's gradient reduction (FSDP2's
@@ -441,6 +453,11 @@ ts_status ts__fsdp_idle_groups(const char *fn, ts_module *m, groups_walk *w);
 
 /* state_dict.c */
 fsdp_param *ts__fsdp_find_param(groups_walk *w, const ts_tensor *t, fsdp_group **g_out);
+
+/* summary.c: TS_DISTRIBUTED_DEBUG=INFO (or DETAIL): the root's groups'
+ * collective figures on stderr when it is freed (nothing when they issued
+ * none, as the memory estimate's meta models). */
+void ts__fsdp_stats_at_free(ts_module *root);
 
 /* persist.c: parameters below the persistence threshold */
 /* Moves the candidates of c with fewer than o->persist_threshold_numel

@@ -317,6 +317,15 @@ fail:
 /* Unshard, reshard                                                   */
 /* ------------------------------------------------------------------ */
 
+/* One collective of the group issued, of elements of es bytes: its
+ * unsharded side is the padded group (W x shard_numel; the packed
+ * reduce-scatter's flags not counted, so both paths count alike). */
+static void count_issued(fsdp_coll_stats *s, const fsdp_group *g, size_t es)
+{
+    s->calls++;
+    s->bytes += (uint64_t)g->W * (uint64_t)g->shard_numel * es;
+}
+
 static void set_slots(fsdp_group *g, bool unsharded)
 {
     for (int i = 0; i < g->n; i++) ts__fsdp_param_set_slots(&g->params[i], unsharded);
@@ -358,6 +367,7 @@ static ts_status unshard_direct(fsdp_group *g)
         g->ag_meta = !st;
     } else if (!st) {
         st = ts__direct_all_gather(g->pg, g->udtype, in, g->shard_numel, g->n, g->dsegs, &g->ag_direct);
+        if (!st) count_issued(&g->ag_stats, g, g->ues);
     }
     if (st) {
         drop_holds(g->ag_hold, 4);
@@ -396,6 +406,7 @@ ts_status ts__fsdp_unshard(fsdp_group *g)
     }
     if (!st && meta) g->ag_meta = true; /* skipped: complete when waited on */
     else if (!st) st = ts_all_gather_into_tensor(g->pg, g->ag_buf, in, &g->ag_req);
+    if (!st && !meta) count_issued(&g->ag_stats, g, g->ues);
     if (alias != g->ag_in) ts_tensor_free(alias);
     if (st) {
         ts_tensor_free(g->ag_buf);
@@ -437,7 +448,9 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
         return unshard_done(g, TS_OK);
     }
     if (g->ag_direct) { /* copy-free: the reads land in U */
+        uint64_t t0 = ts_now_ns();
         ts_status st = ts__direct_wait(g->ag_direct);
+        g->ag_stats.wait_ns += ts_now_ns() - t0;
         g->n_direct += ts__direct_was_direct(g->ag_direct);
         ts__direct_free(g->ag_direct);
         g->ag_direct = NULL;
@@ -446,7 +459,9 @@ ts_status ts__fsdp_wait_unshard(fsdp_group *g)
         TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
         return unshard_done(g, st);
     }
+    uint64_t t0 = ts_now_ns();
     ts_status st = g->ag_meta ? TS_OK : ts_request_wait(g->ag_req);
+    if (!g->ag_meta) g->ag_stats.wait_ns += ts_now_ns() - t0;
     TS_TRACE_END(tw, "fsdp.wait_all_gather", "wait");
     if (g->ag_req) ts_request_free(g->ag_req);
     g->ag_req = NULL;
@@ -680,7 +695,9 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
         drop_holds(g->rs_hold, 4);
         drop_rs_src(g);
     } else if (g->rs_direct) { /* copy-free: this rank's rows read and summed into rs_out */
+        uint64_t t0 = ts_now_ns();
         st = ts__direct_wait(g->rs_direct);
+        g->rs_stats.wait_ns += ts_now_ns() - t0;
         g->n_direct += ts__direct_was_direct(g->rs_direct);
         /* whether any rank had a gradient: from the exchanged sources */
         for (int i = 0; !st && i < g->n; i++) g->params[i].in_reduce = ts__direct_sourced(g->rs_direct, i);
@@ -688,7 +705,9 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
         g->rs_direct = NULL;
         drop_rs_src(g);
     } else {
+        uint64_t t0 = ts_now_ns();
         st = ts_request_wait(g->rs_req);
+        g->rs_stats.wait_ns += ts_now_ns() - t0;
         ts_request_free(g->rs_req);
         g->rs_req = NULL;
         /* summed over the ranks with the data, unless reduced apart */
@@ -740,7 +759,11 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
             st = hsdp_meta_scratch(g);
         } else {
             put_flags(g, ts_tensor_data(g->rs_out), 1.0);
-            st = ts_all_reduce(g->rg, g->rs_out, g->ar_op, NULL);
+            uint64_t t0 = ts_now_ns();
+            st = ts_all_reduce(g->rg, g->rs_out, g->ar_op, NULL); /* blocking: its whole time is waited */
+            g->ar_stats.wait_ns += ts_now_ns() - t0;
+            g->ar_stats.calls++;
+            g->ar_stats.bytes += (uint64_t)g->shard_numel * g->res; /* this rank's shard, the flags not counted */
             if (!st) read_flags(g, ts_tensor_data(g->rs_out));
             if (!st && g->post_div != 1.0)
                 ts__buf_div(g->rdtype, ts_tensor_data(g->rs_out), g->shard_numel, g->post_div);
@@ -992,10 +1015,12 @@ static ts_status reduce_direct(fsdp_ctx *ctx, fsdp_group *g)
     if (!st && ts__fsdp_group_meta(g)) {
         st = hold_descs(g, true, g->rs_hold);
         g->rs_meta = !st;
-    } else if (!st)
+    } else if (!st) {
         st = (g->rs_add ? ts__direct_reduce_scatter_add : ts__direct_reduce_scatter)(
             g->rsg ? g->rsg : g->pg, g->rdtype, ts_tensor_data(g->rs_out), g->shard_numel, g->n, g->dsegs, plan.rs_op,
             plan.rs_pre, plan.rs_post, g->rsg ? 1 : 0, &g->rs_direct);
+        if (!st) count_issued(&g->rs_stats, g, g->res);
+    }
     if (st) {
         ts__fsdp_discard_reduce(g);
         return st;
@@ -1086,6 +1111,7 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
     } else if (!st) {
         st = ts_reduce_scatter_tensor(g->rsg ? g->rsg : g->pg, g->rs_out, g->rs_in, plan.rs_op, plan.rs_pre,
                                       plan.rs_post, &g->rs_req);
+        if (!st) count_issued(&g->rs_stats, g, g->res);
     }
     if (st) {
         ts__fsdp_discard_reduce(g);

@@ -685,6 +685,7 @@ static ts_status fsdp_forward(ts_module *m, int n_in, ts_tensor *const *in, int 
 static void fsdp_free(ts_module *m)
 {
     fsdp_state *s = m->ext;
+    if (s->ctx && s->ctx->root == s) ts__fsdp_stats_at_free(m); /* TS_DISTRIBUTED_DEBUG: the root's groups */
     m->vtable = s->orig_vt;
     m->ext = NULL;
     s->module = NULL;

@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -20,6 +21,7 @@ struct ts_token_file {
     char *path;
     void *map; /* the whole file, read-only (NULL for an empty map) */
     size_t map_bytes;
+    uint16_t *owned; /* ts_token_file_from_ids: the tokens, in memory (map NULL) */
     const uint16_t *tokens;
     size_t count;
     size_t train;  /* tokens [0, train) are training tokens (count until split) */
@@ -89,10 +91,42 @@ ts_status ts_token_file_open(const char *path, ts_token_file **file_out)
     return TS_OK;
 }
 
+ts_status ts_token_file_from_ids(const int32_t *ids, size_t n, const char *name, ts_token_file **file_out)
+{
+    static const char op[] = "ts_token_file_from_ids";
+    if (!name || !file_out || (!ids && n))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL %s", op, !name ? "name" : !file_out ? "file_out" : "ids");
+    if (n > (size_t)INT32_MAX)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %zu tokens, more than a token file counts (%d)", op, n,
+                        INT32_MAX);
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] > 65535)
+            return ts_error(TS_ERR_INDEX, "%s: '%s': the id %d at position %zu does not fit uint16 [0, 65535]", op,
+                            name, ids[i], i);
+    ts_token_file *f = ts__calloc(TAG, 1, sizeof *f);
+    uint16_t *t = n ? ts__malloc(TAG, n * sizeof *t) : NULL;
+    char *path = ts__strdup(TAG, name);
+    if (!f || (n && !t) || !path) {
+        ts__free(TAG, f);
+        ts__free(TAG, t);
+        ts__free(TAG, path);
+        return ts_error(TS_ERR_NO_MEMORY, "%s: '%s': %zu tokens", op, name, n);
+    }
+    for (size_t i = 0; i < n; i++) t[i] = (uint16_t)ids[i];
+    f->path = path;
+    f->owned = t;
+    f->tokens = t;
+    f->count = n;
+    f->train = n;
+    *file_out = f;
+    return TS_OK;
+}
+
 void ts_token_file_close(ts_token_file *file)
 {
     if (!file) return;
-    munmap(file->map, file->map_bytes);
+    if (file->map) munmap(file->map, file->map_bytes);
+    ts__free(TAG, file->owned);
     ts__free(TAG, file->path);
     ts__free(TAG, file);
 }

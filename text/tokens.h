@@ -49,7 +49,21 @@ typedef struct ts_token_file ts_token_file;
  * TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_token_file_open(const char *path, ts_token_file **file_out);
 
-/* Unmaps and frees (NULL accepted). */
+/* The same object made from `n` token ids in memory (a text tokenized
+ * on the fly: train_gpt --data --tokenizer) instead of a file: the ids are
+ * copied as uint16 into a buffer the object owns (2 bytes a token, freed
+ * by ts_token_file_close), and everything below behaves as for a file
+ * holding those tokens (the hash too: it equals the hash of the token
+ * file tools/tokenize writes from the same ids). `name` (copied) stands
+ * for the path in messages and ts_token_file_path. *file_out is written
+ * on success.
+ * Errors: TS_ERR_INVALID_ARGUMENT (NULL name or file_out, NULL ids with
+ * n > 0, more than INT32_MAX tokens, which a token file cannot count);
+ * TS_ERR_INDEX (an id outside [0, 65535], which uint16 cannot hold:
+ * naming it and its position); TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_token_file_from_ids(const int32_t *ids, size_t n, const char *name, ts_token_file **file_out);
+
+/* Unmaps (or frees) and frees (NULL accepted). */
 TS_API void ts_token_file_close(ts_token_file *file);
 
 /* The header's token count (0 for NULL). */

@@ -1455,3 +1455,238 @@ Test(fully_shard_examples, train_gpt_on_a_token_file_with_validation, .timeout =
     th_rm_rf(dir);
     free(dir);
 }
+
+/* ------------------------------------------------ --tokenizer, --hsdp */
+
+/* A text of about 24 KB: sentences built from a few word lists, with
+ * numbers, punctuation and newlines (what a learned BPE has to merge). */
+static void write_text(const char *path)
+{
+    static const char *who[] = {"The cat", "A robot", "Every child", "Our old dog", "Some birds"};
+    static const char *did[] = {"found", "chased", "painted", "counted", "followed"};
+    static const char *what[] = {"the red ball", "3 small boxes", "a quiet river", "the 12th letter", "its shadow"};
+    FILE *f = fopen(path, "w");
+    cr_assert(f, "%s", path);
+    for (int i = 0; i < 600; i++)
+        fprintf(f, "%s %s %s%s", who[i % 5], did[(i / 5 + i) % 5], what[(i * 7 / 3) % 5],
+                i % 4 == 3 ? ".\n" : i % 3 ? ", and " : "! ");
+    cr_assert_eq(fclose(f), 0);
+}
+
+/* The report's array of losses (n of them in *n) and the validation
+ * entries; the caller decrefs the root. */
+static json_t *load_report(const char *path)
+{
+    json_error_t je;
+    json_t *root = json_load_file(path, 0, &je);
+    cr_assert_not_null(root, "%s: %s", path, je.text);
+    return root;
+}
+
+/* train_gpt --data FILE.txt --tokenizer DIR (a vocabulary tools/tokenize
+ * --learn wrote) on 2 ranks trains on the same ids as tools/tokenize's
+ * token file with --data-tokens: every step's loss and every validation
+ * loss the same bits (--report-json's 9 digits), and the report has the
+ * validation fields: one entry per --val-every with its step, loss and
+ * exp(loss) as perplexity, and the last as val_loss / val_perplexity. */
+Test(fully_shard_examples, train_gpt_tokenizes_text_as_tools_tokenize_does, .timeout = 180)
+{
+    char *dir = th_tmp_dir("ts-test-gpt-tokenizer");
+    char txt[512], bin[512], r1[512], r2[512], vocab[16];
+    snprintf(txt, sizeof txt, "%s/corpus.txt", dir);
+    snprintf(bin, sizeof bin, "%s/learned.bin", dir);
+    snprintf(r1, sizeof r1, "%s/text.json", dir);
+    snprintf(r2, sizeof r2, "%s/tokens.json", dir);
+    write_text(txt);
+    const char *tk[] = {"--learn", "320", txt, bin};
+    char *err, *out = run_expect("../tools/tokenize", 0, 4, tk, &err);
+    int learned = 0;
+    const char *l = strstr(out, "learned ");
+    cr_assert(l && sscanf(l, "learned %d tokens", &learned) == 1 && learned > 256, "%s", out);
+    snprintf(vocab, sizeof vocab, "%d", learned);
+    free(out);
+    free(err);
+
+    const char *common[] = {"--steps", "6", "--seq", "16", "--global-batch", "8", "--layers", "1", "--dim", "32",
+                            "--heads", "2", "--val-every", "3"};
+    const char *a[24], *b[24];
+    memcpy(a, common, sizeof common);
+    memcpy(b, common, sizeof common);
+    const char *ta[] = {"--data", txt, "--tokenizer", dir, "--report-json", r1};
+    const char *tb[] = {"--data-tokens", bin, "--vocab", vocab, "--report-json", r2};
+    memcpy(a + 14, ta, sizeof ta);
+    memcpy(b + 14, tb, sizeof tb);
+    out = run_example_args("train_gpt", 2, 20, a);
+    char line[600];
+    snprintf(line, sizeof line, "[0] data: %s, ", txt);
+    cr_assert(strstr(out, line) && strstr(out, " bytes tokenized by --tokenizer ") &&
+                  strstr(out, " on every rank: "),
+              "%s", out);
+    free(out);
+    out = run_example_args("train_gpt", 2, 20, b);
+    free(out);
+    json_t *x = load_report(r1), *y = load_report(r2);
+    json_t *lx = json_object_get(x, "losses"), *ly = json_object_get(y, "losses");
+    cr_assert_eq(json_array_size(lx), 6);
+    cr_assert_eq(json_array_size(ly), 6);
+    for (size_t i = 0; i < 6; i++)
+        cr_expect_eq(json_real_value(json_array_get(lx, i)), json_real_value(json_array_get(ly, i)),
+                     "step %zu: %.9g (text) vs %.9g (token file)", i + 1, json_real_value(json_array_get(lx, i)),
+                     json_real_value(json_array_get(ly, i)));
+    cr_expect_eq(json_integer_value(json_object_get(x, "vocab")), learned, "the tokenizer's size is the vocabulary");
+    cr_expect_str_eq(json_string_value(json_object_get(x, "tokenizer")), dir);
+    cr_expect(json_is_null(json_object_get(y, "tokenizer")));
+    json_t *vx = json_object_get(x, "val"), *vy = json_object_get(y, "val");
+    cr_assert_eq(json_array_size(vx), 2, "validations after steps 3 and 6");
+    cr_assert_eq(json_array_size(vy), 2);
+    for (size_t i = 0; i < 2; i++) {
+        json_t *e = json_array_get(vx, i);
+        double loss = json_real_value(json_object_get(e, "loss")), ppl = json_real_value(json_object_get(e, "perplexity"));
+        cr_expect_eq(json_integer_value(json_object_get(e, "step")), 3 * (long long)(i + 1));
+        cr_expect(isfinite(loss) && loss > 0 && loss < log(learned) + 1, "validation loss %g", loss);
+        cr_expect_float_eq(ppl, exp(loss), 1e-6 * exp(loss), "perplexity %g, loss %g", ppl, loss);
+        cr_expect_eq(loss, json_real_value(json_object_get(json_array_get(vy, i), "loss")), "validation %zu", i);
+    }
+    cr_expect_eq(json_real_value(json_object_get(x, "val_loss")),
+                 json_real_value(json_object_get(json_array_get(vx, 1), "loss")));
+    cr_expect(json_is_number(json_object_get(x, "val_perplexity")));
+    json_decref(x);
+    json_decref(y);
+
+    /* refusals: no vocabulary in the folder, --tokenizer with a token file or without text to tokenize */
+    const char *nd[] = {"--data", txt, "--tokenizer", "/nonexistent-ts-tokenizer"};
+    const char *wnd[] = {"--tokenizer '/nonexistent-ts-tokenizer' holds no encoder.json and vocab.bpe", NULL};
+    expect_refused("train_gpt", 4, nd, wnd);
+    const char *dt[] = {"--data-tokens", bin, "--tokenizer", dir};
+    const char *wdt[] = {"not with --data-tokens", NULL};
+    expect_refused("train_gpt", 4, dt, wdt);
+    const char *al[] = {"--tokenizer", dir, "--steps", "2"};
+    const char *wal[] = {"--tokenizer", "goes with --data FILE.txt", NULL};
+    expect_refused("train_gpt", 4, al, wal);
+    th_rm_rf(dir);
+    free(dir);
+}
+
+/* The sample line's text after "N tokens after the prompt" (rank 0's). */
+static char *token_sample(const char *out, bool tsrun, int n)
+{
+    char *own = tsrun ? rank_lines(out, 0) : strdup(out);
+    cr_assert(own);
+    char head[64];
+    snprintf(head, sizeof head, "sample (greedy): %d tokens after the prompt\n", n);
+    const char *s = strstr(own, head);
+    cr_assert(s, "no '%s' in:\n%s", head, out);
+    s += strlen(head);
+    char *text = strndup(s, strcspn(s, "\n"));
+    free(own);
+    return text;
+}
+
+/* GPT-2's vocabulary (the fixtures' encoder.json and vocab.bpe): a model
+ * trained on a text through it and saved whole samples through it: the
+ * prompt encoded, the continuation decoded to text that starts with the
+ * prompt, the same greedily on one rank and two; by default from
+ * <|endoftext|>. Sampling a token model without --tokenizer is refused. */
+Test(fully_shard_examples, train_gpt_samples_text_through_the_tokenizer, .timeout = 180)
+{
+    char *dir = th_tmp_dir("ts-test-gpt-sample-bpe");
+    char txt[512], full[512];
+    snprintf(txt, sizeof txt, "%s/corpus.txt", dir);
+    snprintf(full, sizeof full, "%s/full.safetensors", dir);
+    write_text(txt);
+    const char *gpt2 = TS_FIXTURES_DIR "/gpt2";
+    const char *t[] = {"--data", txt, "--tokenizer", gpt2, "--steps", "3", "--seq", "16", "--batch", "2",
+                       "--layers", "1", "--dim", "16", "--heads", "2", "--save-full", full};
+    char *out = run_example_args("train_gpt", 2, 18, t);
+    cr_assert(strstr(out, "(vocabulary 50257)"), "%s", out);
+    free(out);
+    const char *s[] = {"--load", full, "--sample", "8", "--tokenizer", gpt2, "--prompt", "The cat"};
+    char *err;
+    out = run_expect("train_gpt", 0, 8, s, &err);
+    char *one = token_sample(out, false, 8);
+    cr_expect(strncmp(one, "The cat", 7) == 0 && strlen(one) > 7, "the sample: '%s'", one);
+    free(out);
+    free(err);
+    out = run_example_args("train_gpt", 2, 8, s);
+    char *two = token_sample(out, true, 8);
+    cr_expect_str_eq(two, one, "two ranks sampled differently from one");
+    free(out);
+    out = run_expect("train_gpt", 0, 6, s, &err); /* no --prompt */
+    char *eot = token_sample(out, false, 8);
+    cr_expect(strncmp(eot, "<|endoftext|>", 13) == 0, "the default prompt: '%s'", eot);
+    free(out);
+    free(err);
+    const char *nt[] = {"--load", full, "--sample", "8"};
+    const char *wnt[] = {"trained on token ids (a vocabulary of 50257): give the --tokenizer", NULL};
+    expect_refused("train_gpt", 4, nt, wnt);
+    free(one);
+    free(two);
+    free(eot);
+    th_rm_rf(dir);
+    free(dir);
+}
+
+/* --hsdp 2 on 4 ranks (a replicate 2 x shard 2 mesh) trains as the 1-d
+ * mesh of 4: the same global batches (--global-batch), the same average
+ * gradient, reduced in another order: the reduce-scatter averages over 2
+ * ranks and the all-reduce averages the 2 replicas' means, where the 1-d
+ * ring sums 4 in its own order (and clip_grad_norm sums other shards'
+ * squares), so the float32 sums round differently, by a few ulps
+ * (2^-24 relative each). Measured: at most 4e-8 relative over 8 steps.
+ * The bound, 1e-5, is 250 times that, while an HSDP that reduced only
+ * within a shard group (each replica its own half of the batch; measured
+ * by skipping the replicate all-reduce) moves the averaged loss by 2.4e-4
+ * relative at the second step and 1e-2 at the third. A checkpoint saved under
+ * HSDP after step 4 resumes on the 1-d mesh of 4 and continues it within
+ * the same bound. W not a multiple of R is refused. */
+Test(fully_shard_examples, train_gpt_hsdp_trains_as_the_1d_mesh_and_resumes_on_it, .timeout = 240)
+{
+    char *dir = th_tmp_dir("ts-test-gpt-hsdp");
+    char r1[512], r2[512], r3[512], ckpt[512];
+    snprintf(r1, sizeof r1, "%s/flat.json", dir);
+    snprintf(r2, sizeof r2, "%s/hsdp.json", dir);
+    snprintf(r3, sizeof r3, "%s/resumed.json", dir);
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
+    const char *a[] = {"--steps", "8", "--seq", "16", "--global-batch", "8", "--layers", "2", "--dim", "32",
+                       "--heads", "2", "--report-json", r1, "--hsdp", "2", "--save", ckpt, "--stop-after", "4"};
+    char *out = run_example_args("train_gpt", 4, 14, a);
+    cr_expect(strstr(out, "[0] model: ") && strstr(out, "(distributed world)"), "%s", out);
+    free(out);
+    a[13] = r2;
+    out = run_example_args("train_gpt", 4, 16, a);
+    cr_expect(strstr(out, "fully_shard over 4 ranks (HSDP mesh 2 x 2: replicate x shard)"), "%s", out);
+    cr_expect(strstr(out, "mesh (replicate=2, shard=2)"), "the summary's mesh:\n%s", out);
+    free(out);
+    char r4[512];
+    snprintf(r4, sizeof r4, "%s/stopped.json", dir);
+    a[13] = r4;
+    out = run_example_args("train_gpt", 4, 20, a); /* saved after step 4 */
+    free(out);
+    const char *res[] = {"--resume", ckpt, "--report-json", r3};
+    out = run_example_args("train_gpt", 4, 4, res);
+    cr_expect(strstr(out, "resumed from ") && strstr(out, "(distributed world)"), "%s", out);
+    free(out);
+    json_t *flat = load_report(r1), *hsdp = load_report(r2), *resumed = load_report(r3);
+    cr_expect_eq(json_integer_value(json_object_get(hsdp, "hsdp")), 2);
+    cr_expect_eq(json_integer_value(json_object_get(flat, "hsdp")), 0);
+    json_t *lf = json_object_get(flat, "losses"), *lh = json_object_get(hsdp, "losses"),
+           *lr = json_object_get(resumed, "losses");
+    cr_assert_eq(json_array_size(lf), 8);
+    cr_assert_eq(json_array_size(lh), 8);
+    cr_assert_eq(json_array_size(lr), 4, "the resumed run's steps 5..8");
+    for (size_t i = 0; i < 8; i++) {
+        double f = json_real_value(json_array_get(lf, i)), h = json_real_value(json_array_get(lh, i));
+        cr_expect_lt(fabs(f - h), 1e-5 * f, "step %zu: 1-d %.9g, HSDP %.9g", i + 1, f, h);
+        if (i < 4) continue;
+        double r = json_real_value(json_array_get(lr, i - 4));
+        cr_expect_lt(fabs(r - h), 1e-5 * h, "step %zu: HSDP %.9g, resumed on 1-d %.9g", i + 1, h, r);
+    }
+    json_decref(flat);
+    json_decref(hsdp);
+    json_decref(resumed);
+    const char *bad[] = {"--hsdp", "2", "--steps", "2"};
+    const char *wbad[] = {"--hsdp 2: the world of 1 rank is not a multiple of 2", NULL};
+    expect_refused("train_gpt", 4, bad, wbad);
+    th_rm_rf(dir);
+    free(dir);
+}

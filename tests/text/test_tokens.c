@@ -217,3 +217,58 @@ Test(text_tokens, two_ranks_split_one_order_and_validation_is_apart)
     for (int r = 0; r < W; r++) ts_generator_free(rank[r]);
     ts_token_file_close(f);
 }
+
+/* ts_token_file_from_ids (a text tokenized in memory) is the file that
+ * ts_tokenizer_write_bin writes from the same ids: the same tokens, hash,
+ * split and training and validation windows drawn from the same order;
+ * an id past uint16 is refused naming it and its position. */
+Test(text_tokens, ids_in_memory_behave_as_their_file)
+{
+    enum { N = 3000, T = 8, G = 6 };
+    int32_t *ids = malloc(N * sizeof *ids);
+    cr_assert(ids);
+    for (size_t i = 0; i < N; i++) ids[i] = (int32_t)(i * 7 % 1000);
+    TH_OK(ts_tokenizer_write_bin(ids, N, path));
+    ts_token_file *file = NULL, *mem = NULL;
+    TH_OK(ts_token_file_open(path, &file));
+    TH_OK(ts_token_file_from_ids(ids, N, "corpus.txt", &mem));
+    cr_assert_eq(ts_token_file_count(mem), N);
+    cr_assert_str_eq(ts_token_file_path(mem), "corpus.txt");
+    cr_assert_eq(ts_token_file_hash(mem), ts_token_file_hash(file));
+    cr_assert_eq(memcmp(ts_token_file_tokens(mem), ts_token_file_tokens(file), N * 2), 0);
+    TH_OK(ts_token_file_split(mem, 300, T));
+    TH_OK(ts_token_file_split(file, 300, T));
+    cr_assert_eq(ts_token_file_val_windows(mem), ts_token_file_val_windows(file));
+    ts_generator *a = NULL, *b = NULL;
+    TH_OK(ts_generator_new(5, &a));
+    TH_OK(ts_generator_new(5, &b));
+    int64_t x[2][G * T], y[2][G * T];
+    for (int step = 0; step < 4; step++) {
+        TH_OK(ts_token_file_train_batch(mem, a, G, 0, G, x[0], y[0]));
+        TH_OK(ts_token_file_train_batch(file, b, G, 0, G, x[1], y[1]));
+        cr_assert_eq(memcmp(x[0], x[1], sizeof x[0]), 0, "step %d's inputs", step);
+        cr_assert_eq(memcmp(y[0], y[1], sizeof y[0]), 0, "step %d's targets", step);
+    }
+    TH_OK(ts_token_file_val_window(mem, 3, x[0], y[0]));
+    TH_OK(ts_token_file_val_window(file, 3, x[1], y[1]));
+    cr_assert_eq(memcmp(x[0], x[1], T * sizeof x[0][0]), 0);
+    cr_assert_eq(memcmp(y[0], y[1], T * sizeof y[0][0]), 0);
+    ts_generator_free(a);
+    ts_generator_free(b);
+    ts_token_file_close(mem);
+    ts_token_file_close(file);
+
+    ids[17] = 70000;
+    mem = (ts_token_file *)0x1;
+    cr_assert_eq(ts_token_file_from_ids(ids, N, "corpus.txt", &mem), TS_ERR_INDEX);
+    cr_assert(strstr(ts_last_error(), "id 70000 at position 17") && strstr(ts_last_error(), "corpus.txt"), "%s",
+              ts_last_error());
+    ids[17] = -1;
+    cr_assert_eq(ts_token_file_from_ids(ids, N, "corpus.txt", &mem), TS_ERR_INDEX);
+    cr_assert_eq(mem, (ts_token_file *)0x1, "the output was written on failure");
+    TH_OK(ts_token_file_from_ids(NULL, 0, "empty", &mem));
+    cr_assert_eq(ts_token_file_count(mem), 0);
+    cr_assert_null(ts_token_file_tokens(mem));
+    ts_token_file_close(mem);
+    free(ids);
+}
