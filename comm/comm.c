@@ -697,7 +697,8 @@ int ts__dist_debug_level(void) { return debug_level(); }
  * on stderr when it is freed. */
 static void log_summary(ts_comm *c)
 {
-    if (debug_level() < DEBUG_INFO) return;
+    /* a memory estimate's virtual world and its groups are not the run's */
+    if (debug_level() < DEBUG_INFO || !strcmp(c->w->t->vt->name, "virtual")) return;
     ts_comm_counters k;
     ts_comm_stats(c, &k);
     char line[1024];

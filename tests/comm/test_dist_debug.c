@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "comm/comm.h"
+#include "comm/comm_internal.h"
 #include "comm/launch.h"
 #include "tests/helpers.h"
 
@@ -21,6 +22,9 @@
 
 static void rank_main(void)
 {
+    ts_comm *virt; /* a memory estimate's world (train_gpt estimates before it starts): not the run's, no summary */
+    TH_RANK_OK(9, ts__virtual_world_new(2, &virt));
+    ts__world_free(virt);
     TH_RANK_OK(10, ts_dist_init(NULL));
     ts_comm *w = ts_dist_world();
     int64_t n = 4;
@@ -129,6 +133,8 @@ Test(comm_dist_debug, info_prints_a_summary_per_group, .timeout = 120)
     }
     const char *detail[] = {"[ts comm] group 0", " #"};
     cr_assert_eq(lines_with(err, 2, detail), 0, "INFO prints no line per collective:\n%s", err);
+    const char *none[] = {"summary: no collectives"};
+    cr_assert_eq(lines_with(err, 1, none), 0, "a virtual world's summary printed:\n%s", err);
     free(err);
 }
 
