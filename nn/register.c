@@ -111,6 +111,8 @@ static ts_status reg_add(const char *fn, ts_module *m, const char *name, reg_kin
     ts_status st = check_name(fn, m, name);
     if (st)
         return st;
+    if ((st = check_not_sharded(fn, m, name, kind, slot)))
+        return st;
     if (m->vtable->base)
         return ts_error(TS_ERR_STATE,
                         "%s: %s was rewritten by an upper layer (ts_fully_shard or ts_checkpoint_module); declare "
@@ -119,8 +121,6 @@ static ts_status reg_add(const char *fn, ts_module *m, const char *name, reg_kin
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "%s: %s has its own visit; list '%s' there, or leave the vtable's visit NULL and declare every "
                         "slot", fn, t, name);
-    if ((st = check_not_sharded(fn, m, name, kind, slot)))
-        return st;
     for (int i = 0; m->reg && i < m->reg->n; i++) {
         const reg_entry *e = &m->reg->entries[i];
         if (strcmp(e->name, name) == 0)
