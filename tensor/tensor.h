@@ -639,6 +639,9 @@ TS_API int ts_scope_depth(void);
  *                             success); on success hands var to s; on
  *                             error returns ts_scope_fail(s, status): every
  *                             tensor of s released, the status returned.
+ *   TS_SCOPE_TRY(s, expr)     evaluates expr (a ts_status: a call that
+ *                             makes no tensor, as ts_backward); on error
+ *                             returns ts_scope_fail(s, status).
  *   TS_SCOPE_CHECK(s, cond, status, fmt, ...)
  *                             TS_CHECK for code inside a scope: if cond is
  *                             false, records the detail and returns
@@ -648,6 +651,11 @@ TS_API int ts_scope_depth(void);
     do {                                                                 \
         ts_status ts_scoped_st_ = (expr);                                \
         if (ts_scoped_st_ == TS_OK) ts_scoped_st_ = ts_scope_add((s), (var)); \
+        if (ts_scoped_st_ != TS_OK) return ts_scope_fail((s), ts_scoped_st_); \
+    } while (0)
+#define TS_SCOPE_TRY(s, expr)                                               \
+    do {                                                                    \
+        ts_status ts_scoped_st_ = (expr);                                   \
         if (ts_scoped_st_ != TS_OK) return ts_scope_fail((s), ts_scoped_st_); \
     } while (0)
 #define TS_SCOPE_CHECK(s, cond, status, ...)                                  \
