@@ -27,6 +27,8 @@
  * hands the result over. */
 #include "common.h"
 
+/* ------------------------------------------------------------ the block type */
+
 typedef struct residual_block {
     ts_module base;                 /* first member: the vtable pointer lives here */
     ts_module *fc;                  /* child "fc": Linear(dim, dim) */
@@ -75,16 +77,14 @@ static ts_status residual_block_new(int64_t dim, bool skip_gain, ts_module **out
     TS_TRY(ts_module_new(sizeof(residual_block), &block_vt, &m));
     residual_block *b = (residual_block *)m;
     b->dim = dim, b->skip_gain = skip_gain;
-    ts_status st = ts_module_register_child(m, "fc", &b->fc); /* declared, then made */
-    if (!st) st = ts_linear_new(dim, dim, true, &b->fc);
-    if (!st) st = ts_module_param_new(m, "gain", TS_F32, 1, &dim, &b->gain);
-    if (!st) st = ts_module_buffer_new(m, "num_batches_tracked", TS_I64, 0, NULL, &b->num_batches_tracked);
-    if (!st) st = block_reset(m);
-    if (st)
-        ts_module_free(m); /* frees what was declared */
-    else
-        *out = m;
-    return st;
+    /* each slot declared once, then made; an error frees what was declared */
+    TS_MODULE_TRY(m, ts_module_register_child(m, "fc", &b->fc));
+    TS_MODULE_TRY(m, ts_linear_new(dim, dim, true, &b->fc));
+    TS_MODULE_TRY(m, ts_module_param_new(m, "gain", TS_F32, 1, &dim, &b->gain));
+    TS_MODULE_TRY(m, ts_module_buffer_new(m, "num_batches_tracked", TS_I64, 0, NULL, &b->num_batches_tracked));
+    TS_MODULE_TRY(m, block_reset(m));
+    *out = m;
+    return TS_OK;
 }
 
 /* ------------------------------------------------------------ the program */
@@ -93,28 +93,12 @@ enum { IN = 4, HID = 16, BATCH = 16, STEPS = 20 };
 
 static double xval(int64_t r, int j) { return sin(0.37 * (double)(r * IN + j) + 0.1); }
 
-/* This rank's rows [row0, row0 + rows) of the fixed batch as x (rows, IN)
- * and their targets y (rows, 1), both handed to scope s. */
-static ts_status make_batch(ts_scope s, int64_t row0, int64_t rows, ts_tensor **x, ts_tensor **y)
-{
-    float xs[BATCH * IN], ys[BATCH];
-    for (int64_t r = 0; r < rows; r++) {
-        for (int j = 0; j < IN; j++)
-            xs[r * IN + j] = (float)xval(row0 + r, j);
-        double x0 = xval(row0 + r, 0), x1 = xval(row0 + r, 1), x2 = xval(row0 + r, 2), x3 = xval(row0 + r, 3);
-        ys[r] = (float)(sin(2.0 * x0) + 0.5 * x1 * x2 - 0.3 * x3 * x3);
-    }
-    TS_TRY(ts_tensor_from_data(TS_F32, 2, (int64_t[]){rows, IN}, xs, x));
-    TS_TRY(ts_scope_add(s, *x));
-    TS_TRY(ts_tensor_from_data(TS_F32, 2, (int64_t[]){rows, 1}, ys, y));
-    return ts_scope_add(s, *y);
-}
-
 /* One step; rank 0 prints the mean loss over the whole batch. */
 static ts_status train_step(ts_module *model, ts_optim *opt, ts_tensor *x, ts_tensor *y, int rank, int step)
 {
     ts_scope s = ts_scope_begin();
     ts_tensor *pred, *loss, *avg;
+    double v = 0;
     TS_SCOPED(s, pred, ts_module_call1(model, x, &pred));
     TS_SCOPED(s, loss, ts_mse_loss(pred, y, TS_REDUCTION_MEAN, &loss));
     TS_SCOPE_TRY(s, ts_backward(loss, NULL, false));
@@ -122,54 +106,37 @@ static ts_status train_step(ts_module *model, ts_optim *opt, ts_tensor *x, ts_te
     ts_optim_zero_grad(opt, true);
     TS_SCOPED(s, avg, ts_detach(loss, &avg)); /* the ranks' means, averaged */
     TS_SCOPE_TRY(s, ts_all_reduce(ts_dist_world(), avg, TS_REDUCE_AVG, NULL));
-    double v = 0;
     TS_SCOPE_TRY(s, ts_tensor_item(avg, &v));
     if (rank == 0)
         printf("step %2d loss %.8f\n", step, v);
     return ts_scope_end(s);
 }
 
-/* Shards the model, trains it and prints what each rank holds. */
-static ts_status train(ts_module *model, int rank, int world, int skip_gain_rank)
+/* Trains on this rank's rows of a fixed batch, then prints what it holds. */
+static ts_status train(ts_module *model, ts_optim *opt, int rank, int world, int skip_gain_rank)
 {
-    /* bottom-up: each ResidualBlock (its gain and its fc) a group of its
-     * own, then the root takes what is left (the two Linears) */
-    TS_TRY(ts_fsdp_apply_by_type(model, "ResidualBlock", NULL, NULL));
-    TS_TRY(ts_fully_shard(model, NULL));
-    if (rank == 0) {
-        TS_TRY(ts_module_print(model, stdout));
-        TS_TRY(ts_fsdp_summary(model, stdout));
+    int64_t rows = BATCH / world, row0 = rank * rows;
+    float xs[BATCH * IN], ys[BATCH];
+    for (int64_t r = 0; r < rows; r++) {
+        for (int j = 0; j < IN; j++)
+            xs[r * IN + j] = (float)xval(row0 + r, j);
+        double x0 = xval(row0 + r, 0), x1 = xval(row0 + r, 1), x2 = xval(row0 + r, 2), x3 = xval(row0 + r, 3);
+        ys[r] = (float)(sin(2.0 * x0) + 0.5 * x1 * x2 - 0.3 * x3 * x3);
     }
-    ts_tensor *gain, *nbt, *x, *y; /* gain and nbt borrowed from their slots */
-    char shape[64];
-    TS_TRY(ts_module_get_parameter(model, "1.gain", &gain));
-    printf("rank %d: 1.gain holds %s of (%d,)\n", rank, ts_tensor_shape_str(gain, shape, sizeof shape), HID);
-
-    /* the optimizer, after sharding, from the model's parameters (the list
-     * holds references; the optimizer takes its own) */
-    ts_param_list params;
-    ts_optim *opt = NULL;
-    TS_TRY(ts_module_parameters(model, &params));
-    ts_adam_options ao = ts_adamw_options_default();
-    ao.lr = 1e-2;
-    ts_status st = ts_adamw_new(params.n, params.items, &ao, &opt);
-    ts_param_list_free(&params);
-    TS_TRY(st);
     ts_scope s = ts_scope_begin();
-    st = make_batch(s, rank * (BATCH / world), BATCH / world, &x, &y);
-    for (int step = 0; step < STEPS && !st; step++)
-        st = train_step(model, opt, x, y, rank, step);
-    ts_optim_free(opt);
-    TS_TRY(st ? ts_scope_fail(s, st) : ts_scope_end(s)); /* the batch released */
-
+    ts_tensor *x, *y, *nbt, *gain; /* nbt and gain borrowed from their slots */
+    TS_SCOPED(s, x, ts_tensor_from_data(TS_F32, 2, (int64_t[]){rows, IN}, xs, &x));
+    TS_SCOPED(s, y, ts_tensor_from_data(TS_F32, 2, (int64_t[]){rows, 1}, ys, &y));
+    for (int step = 0; step < STEPS; step++)
+        TS_SCOPE_TRY(s, train_step(model, opt, x, y, rank, step));
     /* the buffer counted every training forward, on every rank (not
      * sharded: each rank has its own whole copy) */
     double count = 0;
-    TS_TRY(ts_module_get_buffer(model, "2.num_batches_tracked", &nbt));
-    TS_TRY(ts_tensor_item(nbt, &count));
+    TS_SCOPE_TRY(s, ts_module_get_buffer(model, "2.num_batches_tracked", &nbt));
+    TS_SCOPE_TRY(s, ts_tensor_item(nbt, &count));
     printf("rank %d: 2.num_batches_tracked = %.0f\n", rank, count);
     if (skip_gain_rank >= 0) { /* this rank's rows of 1.gain (its shard: plain floats) */
-        TS_TRY(ts_module_get_parameter(model, "1.gain", &gain));
+        TS_SCOPE_TRY(s, ts_module_get_parameter(model, "1.gain", &gain));
         const float *gv = ts_tensor_data(gain);
         int64_t n = ts_tensor_numel(gain), moved = 0;
         for (int64_t i = 0; i < n; i++)
@@ -177,8 +144,36 @@ static ts_status train(ts_module *model, int rank, int world, int skip_gain_rank
         printf("rank %d: 1.gain rows trained %lld of %lld%s\n", rank, (long long)moved, (long long)n,
                rank == skip_gain_rank ? " (this rank skips gain)" : "");
     }
-    fflush(stdout);
-    return TS_OK;
+    return ts_scope_end(s);
+}
+
+/* Shards the model bottom-up (each ResidualBlock a group of its own, then
+ * the root takes the two Linears), prints it, makes AdamW, trains. */
+static ts_status shard_and_train(ts_module *model, int rank, int world, int skip_gain_rank)
+{
+    TS_TRY(ts_fsdp_apply_by_type(model, "ResidualBlock", NULL, NULL));
+    TS_TRY(ts_fully_shard(model, NULL));
+    if (rank == 0) {
+        TS_TRY(ts_module_print(model, stdout));
+        TS_TRY(ts_fsdp_summary(model, stdout));
+    }
+    ts_tensor *gain; /* borrowed from its slot */
+    char shape[64];
+    TS_TRY(ts_module_get_parameter(model, "1.gain", &gain));
+    printf("rank %d: 1.gain holds %s of (%d,)\n", rank, ts_tensor_shape_str(gain, shape, sizeof shape), HID);
+    /* the optimizer, after sharding (the list holds references; the
+     * optimizer takes its own) */
+    ts_param_list params;
+    ts_optim *opt = NULL;
+    ts_adam_options ao = ts_adamw_options_default();
+    ao.lr = 1e-2;
+    TS_TRY(ts_module_parameters(model, &params));
+    ts_status st = ts_adamw_new(params.n, params.items, &ao, &opt);
+    ts_param_list_free(&params);
+    if (!st)
+        st = train(model, opt, rank, world, skip_gain_rank);
+    ts_optim_free(opt);
+    return st;
 }
 
 static ts_status run(int rank, int world, int skip_gain_rank)
@@ -192,12 +187,13 @@ static ts_status run(int rank, int world, int skip_gain_rank)
     if (!st) st = residual_block_new(HID, rank == skip_gain_rank, &k[2]);
     if (!st) st = ts_linear_new(HID, 1, true, &k[3]);
     if (!st) st = ts_sequential_new(4, k, &model); /* owns them from here */
-    if (st)
+    if (!st)
+        st = shard_and_train(model, rank, world, skip_gain_rank);
+    else
         for (int i = 0; i < 4; i++)
             ts_module_free(k[i]);
-    else
-        st = train(model, rank, world, skip_gain_rank);
     ts_module_free(model);
+    fflush(stdout);
     return st;
 }
 

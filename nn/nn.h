@@ -211,6 +211,29 @@ TS_API ts_status ts_module_param_new(ts_module *m, const char *name, ts_dtype dt
 TS_API ts_status ts_module_buffer_new(ts_module *m, const char *name, ts_dtype dtype, int ndim, const int64_t *shape,
                                       ts_tensor **slot);
 
+/* In a constructor, after ts_module_new: evaluates expr (a ts_status); on
+ * error frees m (ts_module_free: every slot declared so far, then the
+ * struct) and returns the status, so that a constructor has no cleanup
+ * of its own:
+ *
+ *     ts_module *m;
+ *     TS_TRY(ts_module_new(sizeof(block), &block_vt, &m));
+ *     block *b = (block *)m;
+ *     TS_MODULE_TRY(m, ts_module_register_child(m, "fc", &b->fc));
+ *     TS_MODULE_TRY(m, ts_linear_new(dim, dim, true, &b->fc));
+ *     TS_MODULE_TRY(m, ts_module_param_new(m, "gain", TS_F32, 1, &dim, &b->gain));
+ *     *out = m;
+ *     return TS_OK;
+ */
+#define TS_MODULE_TRY(m, expr)               \
+    do {                                     \
+        ts_status ts_module_try_st_ = (expr); \
+        if (ts_module_try_st_ != TS_OK) {    \
+            ts_module_free(m);               \
+            return ts_module_try_st_;        \
+        }                                    \
+    } while (0)
+
 /* Visits m's own slots and children: through the vtable's visit when it
  * has one, else the declared slots (nothing when there are none). The
  * visitor's rules are ts_module_visitor's. TS_ERR_INVALID_ARGUMENT for a
