@@ -19,10 +19,11 @@ ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt, bo
  * function" unless m's vtable has a free or the base allocated m
  * (ts_module_new). OK for NULL m or a module without vtable. */
 ts_status ts__module_check_free(const char *fn, const ts_module *m);
-/* Frees m once its last owner let go, under its original vtable: releases
- * the declared slots ([Note: declared slots] in nn/register.c), then calls
- * the vtable's free, or frees the struct the base allocated. Upper layers'
- * free slots call it after putting the original vtable back. */
+/* Frees m once its last owner let go. Under an upper layer's vtable
+ * (base set) it calls that vtable's free, which puts the vtable below back
+ * and calls this again; under the original it releases the declared slots
+ * ([Note: declared slots] in nn/register.c), then calls the vtable's free,
+ * or frees the struct the base allocated. */
 void ts__module_release(ts_module *m);
 /* TS_ERR_INVALID_ARGUMENT naming the module type unless min <= n <= max */
 ts_status ts__module_check_inputs(ts_module *m, int n_in, int min_in, int max_in);

@@ -201,12 +201,7 @@ void ts_module_free(ts_module *m)
     }
     if (!m || !m->vtable)
         return;
-    /* an upper layer's vtable (fully_shard's, the checkpoint wrapper's)
-     * puts the original back and comes back through ts__module_release */
-    if (m->vtable->base && m->vtable->free)
-        m->vtable->free(m);
-    else
-        ts__module_release(m);
+    ts__module_release(m); /* through the upper layers' free slots, if any */
 }
 
 ts_module *ts_module_retain(ts_module *m)

@@ -273,12 +273,26 @@ static ts_status failing_new(ts_module **out)
     return TS_OK;
 }
 
+/* A declared block checkpointed, then sharded (fully_shard's free puts
+ * the checkpoint's vtable back, whose free puts the block's back). */
+static void wrapped_block_free(void)
+{
+    ts_module *m = NULL;
+    TH_OK(decl_new(4, &m));
+    TH_OK(ts_checkpoint_module(m));
+    TH_OK(ts_fully_shard(m, NULL));
+    cr_assert_str_eq(ts_module_type_name(m), "BlockCheckpointedFSDPModule");
+    ts_module_free(m);
+}
+
 Test(nn_register, freeing_releases_everything)
 {
     ts_module *m = NULL;
     TH_OK(decl_new(4, &m)); /* first use: the library's one-time tables */
     ts_module_free(m);
+    wrapped_block_free();
     th_mem_mark();
+    wrapped_block_free();
     TH_OK(model_new(decl_new, &m));
     ts_module *shared = NULL;
     TH_OK(decl_new(4, &shared));
