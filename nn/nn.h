@@ -152,8 +152,8 @@ struct ts_module {
 /* Initialises the base of a module struct the caller allocated (training
  * mode, no upper-layer state), after checking the vtable. A NULL forward
  * is allowed (a container such as ModuleList; calling it is then
- * TS_ERR_UNSUPPORTED), and so is a NULL visit (no parameters, buffers or
- * children). Errors, TS_ERR_INVALID_ARGUMENT naming what is wrong: NULL m
+ * TS_ERR_UNSUPPORTED), and so is a NULL visit (the slots declared with
+ * ts_module_register_*, if any). Errors, TS_ERR_INVALID_ARGUMENT naming what is wrong: NULL m
  * or vt; a vtable without a type name (NULL or "") or without free;
  * n_methods < 0, or > 0 with methods NULL; a method without a name or
  * function, or two methods of one name. On error m->vtable is NULL:
