@@ -471,12 +471,11 @@ static ts_status walk_managed(collect *c, ts_module *m)
         if (c->seen[i] == m) return TS_OK;
     if (!ts__fsdp_grow((void **)&c->seen, &c->cap_seen, c->n_seen + 1, sizeof *c->seen)) return TS_ERR_NO_MEMORY;
     c->seen[c->n_seen++] = m;
-    if (!m->vtable->visit) return TS_OK; /* no parameters, no children */
     ts_module_visitor pv = {on_param, NULL, c, NULL};
-    ts_status st = m->vtable->visit(m, &pv);
+    ts_status st = ts_module_visit(m, &pv); /* the vtable's visit, or the declared slots */
     if (st) return st;
     ts_module_visitor cv = {NULL, on_child, c, NULL};
-    return m->vtable->visit(m, &cv);
+    return ts_module_visit(m, &cv);
 }
 
 static void collect_free(collect *c)
@@ -573,7 +572,10 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         ts__free(TS_MEM_NN, states);
         return TS_ERR_NO_MEMORY;
     }
-    for (int i = 0; i < n && !st; i++) st = ts__fsdp_vtable(modules[i]->vtable, &vts[i]);
+    for (int i = 0; i < n && !st; i++) {
+        st = ts__module_check_free("fully_shard", modules[i]);
+        if (!st) st = ts__fsdp_vtable(modules[i]->vtable, &vts[i]);
+    }
     if (st) {
         ts__free(TS_MEM_NN, vts);
         ts__free(TS_MEM_NN, states);

@@ -77,7 +77,7 @@ static ts__vt_cache g_vts = TS__VT_CACHE_INIT("fully_shard", "FSDPModule", fsdp_
  * kept for the life of the process). */
 ts_status ts__fsdp_vtable(const ts_module_vtable *orig, const ts_module_vtable **out)
 {
-    ts_status vst = ts__module_vtable_check("fully_shard", orig);
+    ts_status vst = ts__module_vtable_check("fully_shard", orig, false); /* free: ts__module_check_free */
     if (vst) return vst;
     if (orig->call_method)
         return ts_error(TS_ERR_UNSUPPORTED,
@@ -699,6 +699,6 @@ static void fsdp_free(ts_module *m)
     for (int i = 0; i < s->n_fwd_prefetch; i++) ts__fsdp_state_release(s->fwd_prefetch[i]);
     for (int i = 0; i < s->n_bwd_prefetch; i++) ts__fsdp_state_release(s->bwd_prefetch[i]);
     s->n_fwd_prefetch = s->n_bwd_prefetch = 0;
-    m->vtable->free(m);
+    ts__module_release(m);
     ts__fsdp_state_release(s);
 }

@@ -83,7 +83,9 @@ ts_status ts_checkpoint_module(ts_module *m)
                         "ts_checkpoint_module: %s extends %s and cannot be made to extend %sCheckpointed (its vtable "
                         "has no rebase); checkpoint the module before that layer rewrites it",
                         top->type_name, orig->type_name, orig->type_name);
-    ts_status st = ts__module_vtable_check("ts_checkpoint_module", orig);
+    ts_status st = ts__module_vtable_check("ts_checkpoint_module", orig, false);
+    if (!st)
+        st = ts__module_check_free("ts_checkpoint_module", m);
     if (st)
         return st;
     if (!orig->forward)
@@ -104,7 +106,7 @@ static void ckpt_free(ts_module *m)
 {
     const ts_module_vtable *vt = find_ckpt_vt(m);
     m->vtable = vt->base; /* the original's free sees its own vtable */
-    m->vtable->free(m);
+    ts__module_release(m);
 }
 
 /* ------------------------------------------------------------ forward */
@@ -164,10 +166,10 @@ static ts_status rg_child(void *vc, const char *name, ts_module *child)
 {
     (void)name;
     rg_walk *w = vc;
-    if (!child || !child->vtable || !child->vtable->visit)
+    if (!child || !child->vtable)
         return TS_OK;
     ts_module_visitor v = {.param = rg_param, .child = rg_child, .ctx = w};
-    ts_status st = child->vtable->visit(child, &v);
+    ts_status st = ts_module_visit(child, &v);
     return w->found ? TS_ERR_ALREADY : st;
 }
 

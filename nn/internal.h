@@ -12,9 +12,19 @@ ts_status ts__module_params(ts_module *m, bool dedup, ts_named_params *out);
  * buffers, then children), with or without duplicates */
 ts_status ts__module_entries(ts_module *m, bool params, bool buffers, bool dedup, ts_named_params *out);
 /* TS_ERR_INVALID_ARGUMENT (prefixed with fn) unless vt is a usable module
- * vtable: type name, visit, free, well-formed methods (ts_module_init's
- * rules) */
-ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt);
+ * vtable: type name, free (when need_free), well-formed methods
+ * (ts_module_init's rules) */
+ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt, bool need_free);
+/* TS_ERR_INVALID_ARGUMENT "<fn>: the vtable of <Type> has no free
+ * function" unless m's vtable has a free or the base allocated m
+ * (ts_module_new). OK for NULL m or a module without vtable. */
+ts_status ts__module_check_free(const char *fn, const ts_module *m);
+/* Frees m once its last owner let go. Under an upper layer's vtable
+ * (base set) it calls that vtable's free, which puts the vtable below back
+ * and calls this again; under the original it releases the declared slots
+ * ([Note: declared slots] in nn/register.c), then calls the vtable's free,
+ * or frees the struct the base allocated. */
+void ts__module_release(ts_module *m);
 /* TS_ERR_INVALID_ARGUMENT naming the module type unless min <= n <= max */
 ts_status ts__module_check_inputs(ts_module *m, int n_in, int min_in, int max_in);
 /* TS_ERR_SHAPE unless x has >= min_ndim dims and last size `want` */

@@ -62,7 +62,7 @@ done:
     return st;
 }
 
-ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt)
+ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt, bool need_free)
 {
     if (!vt)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable is NULL", fn);
@@ -70,7 +70,7 @@ ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the module vtable has no type name (set .type_name, e.g. "
                                                  "\"MyBlock\")", fn);
     const char *t = vt->type_name;
-    if (!vt->free)
+    if (need_free && !vt->free)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable of %s has no free function", fn, t);
     if (vt->n_methods < 0 || (vt->n_methods > 0 && !vt->methods))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable of %s lists %d methods but %s", fn, t,
@@ -96,7 +96,8 @@ ts_status ts_module_init(ts_module *m, const ts_module_vtable *vt)
     m->training = true;
     m->ext = NULL;
     m->extra_refs = 0;
-    ts_status st = ts__module_vtable_check("ts_module_init", vt);
+    m->reg = NULL;
+    ts_status st = ts__module_vtable_check("ts_module_init", vt, true);
     if (st)
         return st;
     m->vtable = vt;
@@ -198,8 +199,9 @@ void ts_module_free(ts_module *m)
         m->extra_refs--;
         return;
     }
-    if (m && m->vtable && m->vtable->free)
-        m->vtable->free(m);
+    if (!m || !m->vtable)
+        return;
+    ts__module_release(m); /* through the upper layers' free slots, if any */
 }
 
 ts_module *ts_module_retain(ts_module *m)
@@ -294,21 +296,19 @@ static ts_status walk_module(walk *w, ts_module *m)
     ts_status st = TS_OK;
     if (w->on_module && (st = w->on_module(w, w->prefix, m)))
         return st;
-    if (!m->vtable->visit)
-        return w->on_module_post ? w->on_module_post(w, w->prefix, m) : TS_OK;
     w->current = m;
     /* parameters first, then buffers, then children: PyTorch's
      * named_parameters order is the module's own _parameters, then each
      * child's, recursively; its state_dict has each module's parameters,
      * then its buffers, then the children's */
     ts_module_visitor pv = {visit_param, NULL, w, NULL};
-    if (w->on_param && (st = m->vtable->visit(m, &pv)))
+    if (w->on_param && (st = ts_module_visit(m, &pv)))
         return st;
     ts_module_visitor bv = {NULL, NULL, w, visit_buffer};
-    if (w->on_buffer && (st = m->vtable->visit(m, &bv)))
+    if (w->on_buffer && (st = ts_module_visit(m, &bv)))
         return st;
     ts_module_visitor cv = {NULL, visit_child, w, NULL};
-    if ((st = m->vtable->visit(m, &cv)) || !w->on_module_post)
+    if ((st = ts_module_visit(m, &cv)) || !w->on_module_post)
         return st;
     return w->on_module_post(w, w->prefix, m);
 }
@@ -724,7 +724,7 @@ static ts_status get_slot(const char *fn, ts_module *m, const char *fqn, bool bu
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the module has no vtable", fn);
     slot_find f = {dot ? dot + 1 : fqn, buffer, NULL, false};
     ts_module_visitor v = {find_param_slot, NULL, &f, find_buffer_slot};
-    ts_status st = owner->vtable->visit ? owner->vtable->visit(owner, &v) : TS_OK;
+    ts_status st = ts_module_visit(owner, &v);
     if (st)
         return st;
     if (!f.slot || !*f.slot)
@@ -907,16 +907,16 @@ static ts_status print_module(sbuf *b, print_seen *seen, ts_module *m, const cha
         er[0] = '\0';
     sbuf slots = {0};
     print_ctx c = {.b = &slots};
-    if (m->vtable->visit) {
+    {
         ts_module_visitor cv = {NULL, print_child, &c, NULL};
         ts_module_visitor pv = {print_param, NULL, &c, NULL};
         ts_module_visitor bv = {NULL, NULL, &c, print_buffer};
-        st = m->vtable->visit(m, &cv);
+        st = ts_module_visit(m, &cv);
         if (!st)
-            st = m->vtable->visit(m, &pv); /* own parameters, then buffers */
+            st = ts_module_visit(m, &pv); /* own parameters, then buffers */
         c.buffers = true;
         if (!st)
-            st = m->vtable->visit(m, &bv);
+            st = ts_module_visit(m, &bv);
     }
     if (!st)
         st = slots.st;

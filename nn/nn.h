@@ -17,15 +17,22 @@
  * ts_module_call_method for a named extra method); containers do the same
  * for their children, so that hooks installed on any module run.
  *
- * Your own module type (examples/custom_module.c is a complete one): a
- * struct whose first member is a ts_module, a static const
- * ts_module_vtable with its type name, forward, visit (its parameter and
- * buffer slots and children, in a fixed order: their names become the
- * FQNs) and free (its tensors, children and the struct), and a
- * constructor that calls ts_module_init and makes the parameters with
- * ts_param_new. In forward, initialise every local tensor to NULL, free
- * each on every path (TS_TRY_GOTO to one cleanup label), write out[] and
- * *n_out only on success, and call children through ts_module_call.
+ * Your own module type (examples/custom_module.c is a complete one,
+ * docs/custom-modules.md the guide): a struct whose first member is a
+ * ts_module and a static const ts_module_vtable with its type name and
+ * forward. The constructor makes the struct with ts_module_new and
+ * declares each parameter, buffer and child once, by name and slot
+ * (ts_module_param_new, ts_module_buffer_new, ts_module_register_*);
+ * the base derives the visit, the state-dict names, ts_module_print and
+ * the freeing from those declarations. In forward, a ts_scope
+ * (tensor/tensor.h) holds the temporaries: TS_SCOPED per op, and
+ * ts_scope_return hands the output over; call children through
+ * ts_module_call. The older way still works: a vtable with its own visit
+ * (its slots in a fixed order: their names become the FQNs) and free
+ * (its tensors, children and the struct), a struct the caller allocates
+ * and passes to ts_module_init, and forwards that initialise every local
+ * tensor to NULL and free each on every path (TS_TRY_GOTO to one cleanup
+ * label).
  *
  * Limits (each an error that says so, never a crash): a fully qualified
  * name has at most 511 characters (TS_ERR_INVALID_ARGUMENT); a call takes
@@ -82,9 +89,14 @@ typedef struct ts_module_method {
 typedef struct ts_module_vtable {
     const char *type_name;  /* "Linear" */
     ts_module_fn forward;
+    /* NULL: the slots declared with ts_module_register_* (none if none
+     * were). Call it through ts_module_visit. */
     ts_status (*visit)(ts_module *m, const ts_module_visitor *v);
     /* Frees what the module owns: its parameter tensors, children (via
-     * ts_module_free) and the struct itself. */
+     * ts_module_free) and the struct itself. The base has released the
+     * declared slots (ts_module_register_*) before it runs, and set them
+     * to NULL. May be NULL for a module made by ts_module_new: the base
+     * then frees the struct. */
     void (*free)(ts_module *m);
     const ts_module_method *methods; /* optional named extra methods */
     int n_methods;
@@ -131,19 +143,102 @@ struct ts_module {
     bool training;  /* train mode (default true, as in PyTorch) */
     void *ext;      /* owned by upper layers (fully_shard state); NULL here */
     int extra_refs; /* owners beyond the first (ts_module_retain); 0 after init */
+    /* The slots declared with ts_module_register_* and whether the base
+     * allocated the struct (ts_module_new); owned by the base, NULL after
+     * ts_module_init until the first declaration. */
+    struct ts__module_reg *reg;
 };
 
 /* Initialises the base of a module struct the caller allocated (training
  * mode, no upper-layer state), after checking the vtable. A NULL forward
  * is allowed (a container such as ModuleList; calling it is then
- * TS_ERR_UNSUPPORTED), and so is a NULL visit (no parameters, buffers or
- * children). Errors, TS_ERR_INVALID_ARGUMENT naming what is wrong: NULL m
+ * TS_ERR_UNSUPPORTED), and so is a NULL visit (the slots declared with
+ * ts_module_register_*, if any). Errors, TS_ERR_INVALID_ARGUMENT naming what is wrong: NULL m
  * or vt; a vtable without a type name (NULL or "") or without free;
  * n_methods < 0, or > 0 with methods NULL; a method without a name or
  * function, or two methods of one name. On error m->vtable is NULL:
  * calling m then fails with a message, ts_module_free(m) does nothing,
  * and the caller frees the struct itself. */
 TS_API ts_status ts_module_init(ts_module *m, const ts_module_vtable *vt);
+
+/* ------------------------------------------------------------ declared slots */
+
+/* Allocates a zeroed module struct of `size` bytes (sizeof your struct,
+ * whose first member is the ts_module) and initialises its base with vt,
+ * as ts_module_init does, except that vt->free may be NULL: the base then
+ * frees the struct itself (after the declared slots) when the last owner
+ * calls ts_module_free. *out is the caller's reference, written on
+ * success. Errors: ts_module_init's, TS_ERR_INVALID_ARGUMENT for a NULL
+ * out or a size smaller than a ts_module, TS_ERR_NO_MEMORY. Any thread. */
+TS_API ts_status ts_module_new(size_t size, const ts_module_vtable *vt, ts_module **out);
+
+/* Declares a parameter, a buffer or a child of m by name and slot,
+ * once, in m's constructor (PyTorch's register_parameter, register_buffer
+ * and add_module). The slot is a field of m's struct (its address must
+ * stay valid for m's life); it may still be NULL and be filled after the
+ * declaration (declare, then make: a failure then leaks nothing, since
+ * ts_module_free(m) releases every declared slot). From the declarations,
+ * in their order (parameters, then buffers, then children), the base
+ * derives m's visit (so FQNs, named_parameters, state dicts,
+ * ts_fully_shard, which swaps what the slots hold, ts_checkpoint_module,
+ * deferred init and ts_module_print see the slots as the layers' own) and
+ * releases them when m is freed: a tensor slot by ts_tensor_free, a child
+ * slot by ts_module_free, each then set to NULL. A slot holds one
+ * reference, owned by m. Only for types whose vtable leaves visit NULL.
+ *
+ * Errors (nothing is declared; the slot is left as it is and what it
+ * holds stays the caller's): TS_ERR_INVALID_ARGUMENT for a NULL m, name
+ * or slot, a module without vtable, a name that is empty, contains '.'
+ * or has more than 255 characters, a name m already declared (of any
+ * kind), a slot already declared, or a type with its own visit;
+ * TS_ERR_STATE when m was rewritten by an upper layer (ts_fully_shard,
+ * ts_checkpoint_module: declare everything before); TS_ERR_SHARDED when
+ * the slot or a parameter m declared before holds a shard (an enclosing
+ * module was sharded); TS_ERR_NO_MEMORY. The caller's thread, as the
+ * module's. */
+TS_API ts_status ts_module_register_param(ts_module *m, const char *name, ts_tensor **slot);
+TS_API ts_status ts_module_register_buffer(ts_module *m, const char *name, ts_tensor **slot);
+TS_API ts_status ts_module_register_child(ts_module *m, const char *name, ts_module **slot);
+
+/* Declares a parameter (ts_module_register_param) and fills its slot with
+ * a new zero-filled one of dtype and shape (ts_param_new: meta inside a
+ * meta device scope, deferred init records the zeros). Errors as the two,
+ * with nothing declared and *slot unchanged. */
+TS_API ts_status ts_module_param_new(ts_module *m, const char *name, ts_dtype dtype, int ndim, const int64_t *shape,
+                                     ts_tensor **slot);
+/* The same for a buffer: a new zero-filled tensor of any dtype that does
+ * not require grad (meta in a meta scope, its zeros recorded). */
+TS_API ts_status ts_module_buffer_new(ts_module *m, const char *name, ts_dtype dtype, int ndim, const int64_t *shape,
+                                      ts_tensor **slot);
+
+/* In a constructor, after ts_module_new: evaluates expr (a ts_status); on
+ * error frees m (ts_module_free: every slot declared so far, then the
+ * struct) and returns the status, so that a constructor has no cleanup
+ * of its own:
+ *
+ *     ts_module *m;
+ *     TS_TRY(ts_module_new(sizeof(block), &block_vt, &m));
+ *     block *b = (block *)m;
+ *     TS_MODULE_TRY(m, ts_module_register_child(m, "fc", &b->fc));
+ *     TS_MODULE_TRY(m, ts_linear_new(dim, dim, true, &b->fc));
+ *     TS_MODULE_TRY(m, ts_module_param_new(m, "gain", TS_F32, 1, &dim, &b->gain));
+ *     *out = m;
+ *     return TS_OK;
+ */
+#define TS_MODULE_TRY(m, expr)               \
+    do {                                     \
+        ts_status ts_module_try_st_ = (expr); \
+        if (ts_module_try_st_ != TS_OK) {    \
+            ts_module_free(m);               \
+            return ts_module_try_st_;        \
+        }                                    \
+    } while (0)
+
+/* Visits m's own slots and children: through the vtable's visit when it
+ * has one, else the declared slots (nothing when there are none). The
+ * visitor's rules are ts_module_visitor's. TS_ERR_INVALID_ARGUMENT for a
+ * NULL m or v or a module without vtable; a callback's status. */
+TS_API ts_status ts_module_visit(ts_module *m, const ts_module_visitor *v);
 
 /* Calls the module's forward (through its current vtable, so that hooks
  * run). TS_ERR_INVALID_ARGUMENT for NULL or too many inputs; errors of the

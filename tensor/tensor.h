@@ -554,6 +554,115 @@ TS_API ts_status ts_autograd_queue_callback(ts_autograd_callback_fn fn, void *ct
 /* True while a backward runs on this thread. */
 TS_API bool ts_autograd_in_backward(void);
 
+/* ------------------------------------------------- scopes for temporaries */
+/* A scope holds the references to a function's temporary tensors and
+ * releases them all when it ends, so that a forward reads like the math
+ * with one error path (docs/custom-modules.md):
+ *
+ *     ts_scope s = ts_scope_begin();
+ *     ts_tensor *h, *y;
+ *     TS_SCOPED(s, h, ts_tanh(x, &h));          // the scope owns h
+ *     TS_SCOPED(s, y, ts_mul(h, gain, &y));     // on error: every temporary released, the status returned
+ *     return ts_scope_return(s, 1, &y, n_out, out);   // y handed to the caller, h released
+ *
+ * A scope owns what is added to it (ts_scope_add, or TS_SCOPED after a
+ * call that wrote a new reference): each tensor added is one reference,
+ * released (ts_tensor_free) when the scope ends, unless ts_scope_keep took
+ * it back for the caller first. Nothing else changes: ops called inside
+ * a scope return new references as everywhere, and the library's own
+ * tensors are never added (only the caller adds). A variable may be
+ * rebound (TS_SCOPED(s, x, ts_add(x, y, &x)) in a loop): each value
+ * added stays owned until the end.
+ *
+ * Autograd: releasing a temporary releases its handle only. The graph
+ * holds what its backward needs by references of its own (each node holds
+ * the nodes it came from, and detached handles of the tensors it saved),
+ * so a loss computed through scoped temporaries backpropagates after the
+ * scope ended, with gradients bitwise those of the same ops without a
+ * scope (tests/tensor/test_scope.c).
+ *
+ * Scopes are per thread and nest: ts_scope_begin opens a scope inside the
+ * thread's innermost open one; ts_scope_end ends the innermost. Ending a
+ * scope while scopes opened inside it are still open (a function that
+ * returned without ending its own) ends those too, releasing their
+ * tensors, and returns TS_ERR_STATE. A scope is used on the thread that
+ * began it; using one that has ended (or another thread's) is
+ * TS_ERR_STATE. There is no limit on depth or on the tensors a scope
+ * holds. */
+typedef struct ts_scope {
+    int depth;   /* its place on the thread's stack; -1: not opened */
+    uint64_t id; /* unique over the process; 0: not opened */
+} ts_scope;
+
+/* Opens a scope on the calling thread. Never fails as a call: when the
+ * scope cannot be opened (no memory for the thread's stack), the scope
+ * returned is not open, and every call given it fails with
+ * TS_ERR_NO_MEMORY (TS_SCOPED's first call then returns that status). */
+TS_API ts_scope ts_scope_begin(void);
+/* Hands the caller's reference to t over to scope s, which releases it
+ * when it ends. On error t is released too (so that a failed hand-over
+ * leaks nothing): TS_ERR_INVALID_ARGUMENT for a NULL t, TS_ERR_STATE for
+ * a scope that has ended, TS_ERR_NO_MEMORY (also for a scope that could
+ * not be opened). */
+TS_API ts_status ts_scope_add(ts_scope s, ts_tensor *t);
+/* Takes t back from scope s for the caller, who then owns one reference
+ * to t that s will not release: the one s held when t was added to s
+ * (the most recent such, if added twice), else a new one (an input, a
+ * parameter, a tensor of another scope: as ts_tensor_retain). Errors (no
+ * reference given): TS_ERR_INVALID_ARGUMENT for a NULL t, TS_ERR_STATE
+ * for a scope that has ended, TS_ERR_NO_MEMORY for one not opened. */
+TS_API ts_status ts_scope_keep(ts_scope s, ts_tensor *t);
+/* Ends scope s: releases every tensor it holds (the last added first) and
+ * those of the scopes opened inside it that are still open. TS_ERR_STATE
+ * (after ending them) when inner scopes were still open, naming how
+ * many; TS_ERR_STATE for a scope that has ended or belongs to another
+ * thread (nothing done); TS_ERR_NO_MEMORY for one not opened. */
+TS_API ts_status ts_scope_end(ts_scope s);
+/* The error path: ends s (as ts_scope_end) and returns st, whatever it is
+ * and whatever ending reported, so that the caller sees the error that
+ * happened and ts_last_error() keeps its detail. */
+TS_API ts_status ts_scope_fail(ts_scope s, ts_status st);
+/* The success path of a function that returns n tensors: keeps ts[0..n)
+ * (ts_scope_keep), ends s, then writes out[i] = ts[i] (the caller's new
+ * references) and *n_out = n. On error nothing is written, what it kept
+ * is released, and s is ended: TS_ERR_INVALID_ARGUMENT for NULL ts (with
+ * n > 0), n_out or out, n < 0, or a NULL tensor in ts; the errors of
+ * ts_scope_keep and ts_scope_end. */
+TS_API ts_status ts_scope_return(ts_scope s, int n, ts_tensor *const *ts, int *n_out, ts_tensor **out);
+/* Scopes open on the calling thread (0 outside any). */
+TS_API int ts_scope_depth(void);
+
+/* In a function returning ts_status, with scope s open:
+ *
+ *   TS_SCOPED(s, var, expr)   evaluates expr (a call that writes a new
+ *                             reference to the ts_tensor * variable var on
+ *                             success); on success hands var to s; on
+ *                             error returns ts_scope_fail(s, status): every
+ *                             tensor of s released, the status returned.
+ *   TS_SCOPE_TRY(s, expr)     evaluates expr (a ts_status: a call that
+ *                             makes no tensor, as ts_backward); on error
+ *                             returns ts_scope_fail(s, status).
+ *   TS_SCOPE_CHECK(s, cond, status, fmt, ...)
+ *                             TS_CHECK for code inside a scope: if cond is
+ *                             false, records the detail and returns
+ *                             ts_scope_fail(s, status).
+ */
+#define TS_SCOPED(s, var, expr)                                          \
+    do {                                                                 \
+        ts_status ts_scoped_st_ = (expr);                                \
+        if (ts_scoped_st_ == TS_OK) ts_scoped_st_ = ts_scope_add((s), (var)); \
+        if (ts_scoped_st_ != TS_OK) return ts_scope_fail((s), ts_scoped_st_); \
+    } while (0)
+#define TS_SCOPE_TRY(s, expr)                                               \
+    do {                                                                    \
+        ts_status ts_scoped_st_ = (expr);                                   \
+        if (ts_scoped_st_ != TS_OK) return ts_scope_fail((s), ts_scoped_st_); \
+    } while (0)
+#define TS_SCOPE_CHECK(s, cond, status, ...)                                  \
+    do {                                                                      \
+        if (!(cond)) return ts_scope_fail((s), ts_error((status), __VA_ARGS__)); \
+    } while (0)
+
 /* -------------------------------------------------------- random numbers */
 /* Bit-exact with PyTorch 1.13's CPU generator (AVX2 kernels, the default on
  * x86-64): ts_manual_seed(s) then the same calls give the same numbers as

@@ -359,6 +359,7 @@ BAD_OK = {
     ('ts_slice', 'start'): 'tensor.h: start and end are clamped, as Python slicing',
     ('ts_slice', 'end'): 'tensor.h: start and end are clamped, as Python slicing',
     ('ts_error', 's'): 'records and returns whatever status it is given',
+    ('ts_scope_fail', 'st'): 'tensor.h: ends the scope and returns whatever status it is given',
     ('*', 'timeout_s', 'inf'): 'an infinite timeout waits forever, as documented',
     ('*', 'max_norm', 'inf'): 'clip_grad_norm: an infinite max_norm never clips (torch)',
     ('*', 'max_out', 'INT_MAX'): 'the capacity of the caller\'s array: any size is valid',
