@@ -1082,14 +1082,14 @@ static const char *fmt_duration(double s, char *buf, size_t cap)
  * run's wall time per step so far, validation included, times the steps
  * left until `end`), the tokens/s of all ranks since the loop started,
  * and the memory maxima over the ranks. */
-static void print_step_line(const step_report *r, int window_n, double window_mean, double window_s, int start,
+static void print_step_line(const step_report *r, int window_n, double window_mean, double step_s_mean, int start,
                             int end, double run_tokens, int W)
 {
     char eta[32], per[32];
     int done = r->step - start;
     printf("step %4d/%d  loss %.4f  (mean of last %d: %.4f)  lr %.2e  %s/step  ETA %s  %.0f tokens/s global  "
            "peak tensors %.1f MiB  peak rss %.1f MiB (max over %d rank%s)\n",
-           r->step, r->steps, r->loss, window_n, window_mean, r->lr, fmt_duration(window_s / window_n, per, sizeof per),
+           r->step, r->steps, r->loss, window_n, window_mean, r->lr, fmt_duration(step_s_mean, per, sizeof per),
            fmt_duration(done > 0 ? r->elapsed / done * (end - r->step) : NAN, eta, sizeof eta),
            r->elapsed > 0 ? run_tokens / r->elapsed : 0.0, r->mem[0] / 1048576.0, r->mem[2] / 1048576.0, W,
            W > 1 ? "s" : "");

@@ -221,6 +221,72 @@ Test(fully_shard_train_metrics, metrics_file_has_every_field_of_every_step, .tim
     rmdir(dir);
 }
 
+/* A duration as print_step_line writes it ("4.52ms", "212ms", "1.25s",
+ * "12.5s", "1m02s"), in seconds; its last printed digit's half in *tol. */
+static double parse_duration(const char *p, double *tol)
+{
+    char *e;
+    double v = strtod(p, &e);
+    if (!strncmp(e, "ms", 2)) {
+        *tol = v < 10 ? 0.5e-5 : 0.5e-3;
+        return v * 1e-3;
+    }
+    if (*e == 'm') {
+        *tol = 0.5;
+        return v * 60 + strtod(e + 1, NULL);
+    }
+    *tol = v < 10 ? 0.5e-2 : 0.5e-1;
+    return v;
+}
+
+/* With more steps than lines (40 steps: a line every 2), a line's s/step
+ * is the mean of the metrics' step seconds since the line before (it
+ * printed half of it: the window's mean divided by the window again). */
+Test(fully_shard_train_metrics, step_line_time_is_the_windows_mean, .timeout = 120)
+{
+    char dir[4096], tokens[4200], metrics[4200];
+    temp_dir(dir, sizeof dir);
+    snprintf(tokens, sizeof tokens, "%s/tok.bin", dir);
+    snprintf(metrics, sizeof metrics, "%s/m.jsonl", dir);
+    write_tokens(tokens, 4000);
+    const char *a[] = {"--data-tokens", tokens, "--vocab", "37", "--steps", "40", "--seq", "16", "--batch", "2",
+                       "--layers", "1", "--dim", "32", "--metrics", metrics, NULL};
+    char *out = run_gpt_ok(W, a);
+    double sec[41] = {0};
+    FILE *f = fopen(metrics, "r");
+    cr_assert_not_null(f, "no %s:\n%s", metrics, out);
+    char line[4096];
+    for (int n = 1; n <= 40 && fgets(line, sizeof line, f); n++) {
+        json_t *o = json_loads(line, 0, NULL);
+        cr_assert_not_null(o, "line %d: %s", n, line);
+        sec[n] = json_real_value(json_object_get(o, "seconds"));
+        json_decref(o);
+    }
+    fclose(f);
+    int checked = 0, prev = 0;
+    for (int n = 1; n <= 40; n++) {
+        char pre[64];
+        snprintf(pre, sizeof pre, "[0] step %4d/40  loss ", n);
+        const char *sl = strstr(out, pre);
+        if (!sl) continue;
+        const char *lr = strstr(sl, "  lr ");
+        cr_assert_not_null(lr, "%.120s", sl);
+        const char *per = strchr(lr + 5, ' ');
+        double tol, printed = parse_duration(per + 2, &tol), mean = 0;
+        for (int k = prev + 1; k <= n; k++) mean += sec[k];
+        mean /= n - prev;
+        cr_assert_leq(fabs(printed - mean), tol + 1e-9, "step %d: %.3g s/step printed, the mean of steps %d-%d is %.6g",
+                      n, printed, prev + 1, n, mean);
+        checked += n - prev > 1;
+        prev = n;
+    }
+    cr_assert_geq(checked, 10, "lines over windows of several steps: %d\n%s", checked, out);
+    free(out);
+    unlink(metrics);
+    unlink(tokens);
+    rmdir(dir);
+}
+
 /* Runs argv (NULL-terminated) with stdout and stderr into a memfd;
  * returns the wait status and the output (malloc'd). */
 static int run_capture(char *const *argv, char **out)
