@@ -40,8 +40,8 @@ typedef struct residual_block {
 
 static ts_status block_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
+    (void)n_in; /* 1: the vtable's n_inputs, checked by ts_module_call */
     residual_block *b = (residual_block *)m;
-    TS_CHECK(n_in == 1, TS_ERR_INVALID_ARGUMENT, "ResidualBlock: forward takes 1 input, got %d", n_in);
     ts_scope s = ts_scope_begin();
     ts_tensor *x = in[0], *h, *y;
     TS_SCOPED(s, h, ts_module_call1(b->fc, x, &h)); /* children through ts_module_call: their hooks run */
@@ -68,7 +68,7 @@ static int block_extra_repr(const ts_module *m, char *buf, size_t cap)
     return snprintf(buf, cap, "dim=%lld", (long long)((const residual_block *)m)->dim);
 }
 
-static const ts_module_vtable block_vt = {.type_name = "ResidualBlock", .forward = block_forward,
+static const ts_module_vtable block_vt = {.type_name = "ResidualBlock", .forward = block_forward, .n_inputs = 1,
                                           .extra_repr = block_extra_repr, .reset_parameters = block_reset};
 
 static ts_status residual_block_new(int64_t dim, bool skip_gain, ts_module **out)

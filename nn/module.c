@@ -75,6 +75,9 @@ ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt, bo
     if (vt->n_methods < 0 || (vt->n_methods > 0 && !vt->methods))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable of %s lists %d methods but %s", fn, t,
                         vt->n_methods, vt->n_methods < 0 ? "a count cannot be negative" : "methods is NULL");
+    if (vt->n_inputs < 0 || vt->n_inputs > TS_MODULE_MAX_IO)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable of %s takes n_inputs %d (0: any, else 1 to %d)", fn,
+                        t, vt->n_inputs, TS_MODULE_MAX_IO);
     for (int i = 0; i < vt->n_methods; i++) {
         const ts_module_method *mt = &vt->methods[i];
         if (!mt->name || !mt->name[0] || !mt->fn)
@@ -139,6 +142,12 @@ ts_status ts_module_call(ts_module *m, int n_in, ts_tensor *const *in, int *n_ou
     ts_status st = check_call("ts_module_call", m, n_in, in, n_out, out);
     if (st)
         return st;
+    const ts_module_vtable *own = m->vtable; /* the type's own vtable, under fully_shard's and the checkpoint's */
+    while (own->base)
+        own = own->base;
+    if (own->n_inputs > 0 && n_in != own->n_inputs)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_call: %s's forward takes %d input%s, got %d",
+                        own->type_name, own->n_inputs, own->n_inputs == 1 ? "" : "s", n_in);
     if (!m->vtable->forward)
         return ts_error(TS_ERR_UNSUPPORTED, "ts_module_call: %s has no forward", m->vtable->type_name);
     *n_out = 0;

@@ -135,6 +135,12 @@ typedef struct ts_module_vtable {
      * Extended vtables (fully_shard's, the checkpoint wrapper's) carry the
      * original's slot. */
     ts_status (*reset_parameters)(ts_module *m);
+    /* Optional: how many inputs forward takes (1 to TS_MODULE_MAX_IO).
+     * ts_module_call then refuses another count with
+     * TS_ERR_INVALID_ARGUMENT naming the type and both counts, before
+     * forward runs (also through the vtables that extend it), so forward
+     * need not check. 0: any count (forward checks, as before). */
+    int n_inputs;
 } ts_module_vtable;
 
 /* The base every module struct starts with. */

@@ -476,3 +476,50 @@ Test(nn_register, sharded_checkpointed_deferred_as_by_hand, .timeout = 60)
 {
     th_run_world(2, rank_body, NULL, TIMEOUT_S);
 }
+
+/* ------------------------------------------------------------ the vtable's input count */
+
+/* y = a + b, with no check of its own: the vtable says 2 inputs. */
+static ts_status pair_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
+{
+    (void)m, (void)n_in;
+    *n_out = 1;
+    return ts_add(in[0], in[1], &out[0]);
+}
+
+static const ts_module_vtable pair_vt = {
+    .type_name = "Pair", .forward = pair_forward, .n_inputs = 2};
+
+/* ts_module_call refuses another count than the vtable's n_inputs, naming
+ * the type and both counts, before forward runs (which would read in[1]
+ * past one input), also once checkpointed and sharded; a count out of
+ * range is refused when the type is made. */
+Test(nn_register, vtable_input_count_is_checked_for_forward)
+{
+    typedef struct pair { ts_module base; ts_tensor *w; } pair;
+    ts_module *m;
+    cr_assert_eq(ts_module_new(sizeof(pair), &pair_vt, &m), TS_OK, "%s", ts_last_error());
+    int64_t n = 3;
+    cr_assert_eq(ts_module_param_new(m, "w", TS_F32, 1, &n, &((pair *)m)->w), TS_OK, "%s", ts_last_error());
+    ts_tensor *a, *b, *outs[TS_MODULE_MAX_IO];
+    cr_assert_eq(ts_tensor_full(TS_F32, 1, &n, 2.0, &a), TS_OK);
+    cr_assert_eq(ts_tensor_full(TS_F32, 1, &n, 3.0, &b), TS_OK);
+    for (int stage = 0; stage < 3; stage++) {
+        if (stage == 1) cr_assert_eq(ts_checkpoint_module(m), TS_OK, "%s", ts_last_error());
+        if (stage == 2) cr_assert_eq(ts_fully_shard(m, NULL), TS_OK, "%s", ts_last_error());
+        int nout = -1;
+        cr_assert_eq(ts_module_call(m, 1, &a, &nout, outs), TS_ERR_INVALID_ARGUMENT, "stage %d", stage);
+        cr_expect(strstr(ts_last_error(), "Pair's forward takes 2 inputs, got 1"), "stage %d: %s", stage,
+                  ts_last_error());
+        ts_tensor *ab[2] = {a, b};
+        cr_assert_eq(ts_module_call(m, 2, ab, &nout, outs), TS_OK, "stage %d: %s", stage, ts_last_error());
+        cr_assert_eq(nout, 1);
+        cr_expect_eq(((const float *)ts_tensor_data(outs[0]))[2], 5.0f);
+        ts_tensor_free(outs[0]);
+    }
+    ts_module_free(m);
+    ts_tensor_free(a), ts_tensor_free(b);
+    static const ts_module_vtable bad_vt = {.type_name = "Bad", .forward = pair_forward, .n_inputs = -1};
+    cr_assert_eq(ts_module_new(sizeof(pair), &bad_vt, &m), TS_ERR_INVALID_ARGUMENT);
+    cr_expect(strstr(ts_last_error(), "Bad takes n_inputs -1"), "%s", ts_last_error());
+}
