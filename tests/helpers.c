@@ -767,6 +767,33 @@ void th_launch_self(int W, ts_launch_result *res)
     TH_OK(ts_launch(&o, argv, res));
 }
 
+int th_launch_capture(const char *path, int nproc, const char *const *args, ts_launch_result *res, char **out,
+                      char **err)
+{
+    th_clear_launch_env();
+    ts_launch_options o = ts_launch_options_default();
+    o.nproc_per_node = nproc;
+    o.forward_signals = false;
+    o.out_fd = memfd_create("ts-launch-out", MFD_CLOEXEC);
+    o.err_fd = memfd_create("ts-launch-err", MFD_CLOEXEC);
+    cr_assert(o.out_fd >= 0 && o.err_fd >= 0);
+    char *argv[64] = {(char *)path};
+    int n = 1;
+    for (; args && args[n - 1]; n++) {
+        cr_assert_lt(n, 63, "more than 62 arguments for %s", path);
+        argv[n] = (char *)args[n - 1];
+    }
+    argv[n] = NULL;
+    ts_launch_result r;
+    TH_OK(ts_launch(&o, argv, &r));
+    *out = th_slurp_fd(o.out_fd);
+    *err = th_slurp_fd(o.err_fd);
+    close(o.out_fd);
+    close(o.err_fd);
+    if (res) *res = r;
+    return r.exit_code;
+}
+
 pthread_mutex_t th_build_mu = PTHREAD_MUTEX_INITIALIZER;
 
 ts_status th_mlp3_new(uint64_t seed, int64_t in, int64_t h1, int64_t h2, int64_t out, ts_module **root,

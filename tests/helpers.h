@@ -186,6 +186,14 @@ void th_spawn_mpi_ranks(int W, const char *role_var, const char *role, pid_t *pi
  * result in *res; asserts that ts_launch itself returned TS_OK. Call
  * th_clear_launch_env and set the ranks' role variables first. */
 void th_launch_self(int W, ts_launch_result *res);
+/* Runs the program at `path` with the NULL-terminated args (NULL: none;
+ * at most 62) on `nproc` local ranks through ts_launch, as tsrun does
+ * (signals not forwarded), after th_clear_launch_env: returns the job's
+ * exit code, the relayed stdout and stderr ("[r] line" lines) in *out and
+ * *err (malloc'd: the caller frees them) and, when res is not NULL, the
+ * launch result. Asserts that ts_launch itself returned TS_OK. */
+int th_launch_capture(const char *path, int nproc, const char *const *args, ts_launch_result *res, char **out,
+                      char **err);
 /* In a rank process: unless `expr` gives TS_OK, prints "EXPR -> STATUS:
  * detail" on stderr and exits with `code` (the test reads the rank's exit
  * code). */

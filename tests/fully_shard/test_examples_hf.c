@@ -26,13 +26,6 @@
 
 #define MODEL TS_FIXTURES_DIR "/hf_gpt2/model.safetensors"
 
-static void clear_launch_env(void)
-{
-    static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                 "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED"};
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
-}
-
 static char *exe_path(void)
 {
     static char path[4096];
@@ -41,25 +34,13 @@ static char *exe_path(void)
     return path;
 }
 
-/* train_gpt ARGS on 2 ranks through the launcher; asserts every rank
- * exited 0; returns the relayed stdout, malloc'd. */
-static char *run_two_ranks(int nargs, const char *const *args)
+/* train_gpt ARGS (NULL-terminated) on 2 ranks through the launcher;
+ * asserts every rank exited 0; returns the relayed stdout, malloc'd. */
+static char *run_two_ranks(const char *const *args)
 {
-    clear_launch_env();
-    ts_launch_options o = ts_launch_options_default();
-    o.nproc_per_node = 2;
-    o.forward_signals = false;
-    o.out_fd = memfd_create("ts-hf-out", MFD_CLOEXEC);
-    o.err_fd = memfd_create("ts-hf-err", MFD_CLOEXEC);
-    cr_assert(o.out_fd >= 0 && o.err_fd >= 0);
-    char *argv[40] = {exe_path()};
-    cr_assert_lt(nargs, 39);
-    for (int i = 0; i < nargs; i++) argv[i + 1] = (char *)args[i];
     ts_launch_result res;
-    TH_OK(ts_launch(&o, argv, &res));
-    char *out = th_slurp_fd(o.out_fd), *err = th_slurp_fd(o.err_fd);
-    close(o.out_fd);
-    close(o.err_fd);
+    char *out, *err;
+    th_launch_capture(exe_path(), 2, args, &res, &out, &err);
     cr_assert_eq(res.exit_code, 0, "rank %d failed: exit %d signal %d\nstdout:\n%s\nstderr:\n%s", res.failed_rank,
                  res.exit_code, res.failed_signal, out, err);
     free(err);
@@ -70,7 +51,7 @@ static char *run_two_ranks(int nargs, const char *const *args)
  * (NULL-terminated) in its stderr and no training step. */
 static void expect_refused(int nargs, const char *const *args, const char *const *want)
 {
-    clear_launch_env();
+    th_clear_launch_env();
     int ofd = memfd_create("ts-hf-out", MFD_CLOEXEC), efd = memfd_create("ts-hf-err", MFD_CLOEXEC);
     cr_assert(ofd >= 0 && efd >= 0);
     char *argv[40] = {exe_path()};
@@ -123,8 +104,8 @@ Test(fully_shard_examples_hf, init_from_hf_on_two_ranks, .timeout = 120)
     snprintf(full, sizeof full, "%s/full.safetensors", dir);
     write_tokens(bin, 3000);
     const char *a[] = {"--init-from-hf", MODEL, "--heads", "4", "--data-tokens", bin, "--seq", "16",
-                       "--global-batch", "4", "--steps", "1", "--lr", "1e-30", "--save-full", full};
-    char *out = run_two_ranks(16, a);
+                       "--global-batch", "4", "--steps", "1", "--lr", "1e-30", "--save-full", full, NULL};
+    char *out = run_two_ranks(a);
     cr_assert(strstr(out, "GPT-2 weights: " MODEL " (2 layers, width 64, 4 heads, vocabulary 300, 32 positions)"),
               "%s", out);
     ts_gpt_config c;
@@ -150,8 +131,8 @@ Test(fully_shard_examples_hf, init_from_hf_on_two_ranks, .timeout = 120)
     free(out);
 
     const char *b[] = {"--init-from-hf", MODEL, "--heads", "4", "--data-tokens", bin, "--seq", "16",
-                       "--global-batch", "4", "--steps", "30", "--lr", "3e-3"};
-    out = run_two_ranks(14, b);
+                       "--global-batch", "4", "--steps", "30", "--lr", "3e-3", NULL};
+    out = run_two_ranks(b);
     double first = 0, last = 0;
     const char *l = strstr(out, "[0] loss ");
     cr_assert(l && sscanf(l, "[0] loss %lf -> %lf", &first, &last) == 2, "no loss line:\n%s", out);

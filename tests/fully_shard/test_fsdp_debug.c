@@ -75,22 +75,10 @@ static void run_ranks(const char *value, char **out, char **err)
     else unsetenv("TS_DISTRIBUTED_DEBUG");
     setenv("TS_TEST_FSDP_DEBUG_ROLE", "1", 1);
     setenv("TS_LOG_LEVEL", "warn", 1); /* the ranks' (the warning); this process's own is read already */
-    ts_launch_options o = ts_launch_options_default();
-    o.nproc_per_node = 2;
-    o.forward_signals = false;
-    o.out_fd = memfd_create("ts-fsdp-debug-out", MFD_CLOEXEC);
-    o.err_fd = memfd_create("ts-fsdp-debug-err", MFD_CLOEXEC);
-    cr_assert_geq(o.out_fd, 0);
-    cr_assert_geq(o.err_fd, 0);
-    char *argv[] = {th_self_exe(), NULL};
     ts_launch_result res;
-    TH_OK(ts_launch(&o, argv, &res));
+    th_launch_capture(th_self_exe(), 2, NULL, &res, out, err);
     unsetenv("TS_TEST_FSDP_DEBUG_ROLE");
     unsetenv("TS_DISTRIBUTED_DEBUG");
-    *out = th_slurp_fd(o.out_fd);
-    *err = th_slurp_fd(o.err_fd);
-    close(o.out_fd);
-    close(o.err_fd);
     cr_assert_eq(res.exit_code, 0, "rank %d failed: exit %d\nstdout:\n%s\nstderr:\n%s", res.failed_rank,
                  res.exit_code, *out, *err);
 }

@@ -37,23 +37,9 @@ static void quickstart_path(char *path, size_t cap)
  * ("[r] line" lines) and stderr, malloc'd. */
 static int run_ranks(int nproc, char **out, char **err)
 {
-    th_clear_launch_env();
     char path[4096];
     quickstart_path(path, sizeof path);
-    ts_launch_options o = ts_launch_options_default();
-    o.nproc_per_node = nproc;
-    o.forward_signals = false;
-    o.out_fd = memfd_create("ts-quickstart-out", MFD_CLOEXEC);
-    o.err_fd = memfd_create("ts-quickstart-err", MFD_CLOEXEC);
-    cr_assert(o.out_fd >= 0 && o.err_fd >= 0);
-    char *argv[] = {path, NULL};
-    ts_launch_result res;
-    TH_OK(ts_launch(&o, argv, &res));
-    *out = th_slurp_fd(o.out_fd);
-    *err = th_slurp_fd(o.err_fd);
-    close(o.out_fd);
-    close(o.err_fd);
-    return res.exit_code;
+    return th_launch_capture(path, nproc, NULL, NULL, out, err);
 }
 
 /* Runs the quickstart as a plain process with one argument (or none);

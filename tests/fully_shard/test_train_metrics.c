@@ -33,30 +33,10 @@
  * ("[r] line" lines), malloc'd. */
 static int run_gpt(int nproc, const char *const *args, char **out, char **err)
 {
-    th_clear_launch_env();
     char path[4096];
     snprintf(path, sizeof path, "%s/examples/train_gpt", TS_BUILD_DIR);
     cr_assert_eq(access(path, X_OK), 0, "%s is not built", path);
-    ts_launch_options o = ts_launch_options_default();
-    o.nproc_per_node = nproc;
-    o.forward_signals = false;
-    o.out_fd = memfd_create("ts-metrics-out", MFD_CLOEXEC);
-    o.err_fd = memfd_create("ts-metrics-err", MFD_CLOEXEC);
-    cr_assert(o.out_fd >= 0 && o.err_fd >= 0);
-    char *argv[40] = {path};
-    int n = 1;
-    for (; args[n - 1]; n++) {
-        cr_assert_lt(n, 39);
-        argv[n] = (char *)args[n - 1];
-    }
-    argv[n] = NULL;
-    ts_launch_result res;
-    TH_OK(ts_launch(&o, argv, &res));
-    *out = th_slurp_fd(o.out_fd);
-    *err = th_slurp_fd(o.err_fd);
-    close(o.out_fd);
-    close(o.err_fd);
-    return res.exit_code;
+    return th_launch_capture(path, nproc, args, NULL, out, err);
 }
 
 static char *run_gpt_ok(int nproc, const char *const *args)
