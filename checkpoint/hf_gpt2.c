@@ -137,15 +137,6 @@ static ts_status file_prefix(const char *op, const char *path, const ts__st_head
     return TS_OK;
 }
 
-static char *shape_str(int ndim, const int64_t *shape, char *buf, size_t cap)
-{
-    size_t n = (size_t)snprintf(buf, cap, "(");
-    for (int i = 0; i < ndim && n < cap; i++)
-        n += (size_t)snprintf(buf + n, cap - n, "%s%lld", i ? ", " : "", (long long)shape[i]);
-    if (n < cap) snprintf(buf + n, cap - n, "%s)", ndim == 1 ? "," : "");
-    return buf;
-}
-
 /* The config a file describes (see ts_ckpt_gpt2_config). */
 static ts_status file_config(const char *op, const char *path, const ts__st_header *h, const char *prefix,
                              ts_gpt_config *out)
@@ -157,11 +148,11 @@ static ts_status file_config(const char *op, const char *path, const ts__st_head
     const ts__st_entry *wpe = find_entry(h, "", name);
     if (!wte || wte->ndim != 2 || wte->shape[0] < 1 || wte->shape[1] < 1)
         return ts_error(TS_ERR_SHAPE, "%s: '%s': '%swte.weight' must be (vocab, d_model), got %s", op, path, prefix,
-                        wte ? shape_str(wte->ndim, wte->shape, s, sizeof s) : "nothing");
+                        wte ? ts__shape_str(wte->ndim, wte->shape, s, sizeof s) : "nothing");
     if (!wpe || wpe->ndim != 2 || wpe->shape[0] < 1 || wpe->shape[1] != wte->shape[1])
         return ts_error(wpe ? TS_ERR_SHAPE : TS_ERR_NOT_FOUND,
                         "%s: '%s': '%swpe.weight' must be (n_positions, %lld), got %s", op, path, prefix,
-                        (long long)wte->shape[1], wpe ? shape_str(wpe->ndim, wpe->shape, s, sizeof s) : "nothing");
+                        (long long)wte->shape[1], wpe ? ts__shape_str(wpe->ndim, wpe->shape, s, sizeof s) : "nothing");
     ts_gpt_config c = ts_gpt_config_default();
     c.vocab_size = wte->shape[0];
     c.d_model = wte->shape[1];
@@ -331,7 +322,7 @@ ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model)
         char a[64], b[64];
         if (e->ndim != it->ndim || memcmp(e->shape, it->shape, (size_t)it->ndim * sizeof(int64_t)) != 0)
             append(shapes, sizeof shapes, " '%s' is %s in the file, the model expects %s;", e->name,
-                   shape_str(e->ndim, e->shape, a, sizeof a), shape_str(it->ndim, it->shape, b, sizeof b));
+                   ts__shape_str(e->ndim, e->shape, a, sizeof a), ts__shape_str(it->ndim, it->shape, b, sizeof b));
         else if (e->dtype != TS_F32)
             append(dtypes, sizeof dtypes, " '%s' is %s;", e->name, ts__st_dtype_name(e->dtype));
         else
