@@ -160,7 +160,7 @@ typedef enum fsdp_training_state {
 } fsdp_training_state;
 
 /* What a group's collectives of one kind did (TS_DISTRIBUTED_DEBUG,
- * ts_fsdp_print_stats; summary.c): the calls issued (a meta step's
+ * ts_fsdp_print_stats; repr.c writes them): the calls issued (a meta step's
  * skipped ones not counted), the bytes of their unsharded side (the
  * padded group: W x shard_numel elements in the collective's dtype), and
  * the time the lifecycle spent waiting for them to complete. */
@@ -405,7 +405,7 @@ bool ts__fsdp_is_persistent(const ts_tensor *t);
 /* Returns true when slot is a parameter slot that some FSDP group
  * already manages (its module's subtree contains the slot), with the name
  * of the parameter in that group written into fqn and the group's fqn (its
- * module's) into type, cap bytes each: [Note: bottom-up] in fully_shard.c. */
+ * module's) into type, cap bytes each: [Note: bottom-up] in common.c. */
 bool ts__fsdp_slot_owner(ts_tensor *const *slot, char *fqn, char *type, size_t cap);
 void ts__fsdp_reg_drop_group(fsdp_group *g);
 void ts__fsdp_ign_drop_state(const fsdp_state *s);
