@@ -7,6 +7,8 @@
  * of the groups (or of the root's context); param_group.c's post-backward
  * and reduction read them, state.c's end-of-backward reads
  * is_last_backward and reshard_after_backward.
+ * Also ts_fsdp_set_separate_reduce_scatter_group.
+ * Floor 6 (internal.h, "Floors"): may call floors 1-5.
  */
 #include "fully_shard/internal.h"
 
@@ -35,7 +37,7 @@ static ts_status set_group_flag(const char *fn, ts_module *module, group_flag wh
         set_flag(s->group, which, v);
         return TS_OK;
     }
-    groups_walk w = {0};
+    ts__fsdp_groups_walk w = {0};
     if ((st = ts__fsdp_subtree_groups(module, &w))) return st;
     for (int i = 0; i < w.n; i++) set_flag(w.g[i], which, v);
     ts__free(TS_MEM_NN, w.g);
@@ -92,7 +94,7 @@ ts_status ts_fsdp_accumulation_memory(ts_module *module, ts_fsdp_accum_memory *o
 {
     if (!module || !out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_accumulation_memory: %s is NULL", module ? "out" : "module");
-    groups_walk w = {0};
+    ts__fsdp_groups_walk w = {0};
     ts_status st = ts__fsdp_subtree_groups(module, &w);
     if (st) return st;
     ts_fsdp_accum_memory m = {0};
@@ -108,4 +110,37 @@ ts_status ts_fsdp_accumulation_memory(ts_module *module, ts_fsdp_accum_memory *o
     ts__free(TS_MEM_NN, w.g);
     *out = m;
     return TS_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* A separate reduce-scatter group                                    */
+/* ------------------------------------------------------------------ */
+
+ts_status ts_fsdp_set_separate_reduce_scatter_group(ts_module *module, bool enable)
+{
+    static const char fn[] = "ts_fsdp_set_separate_reduce_scatter_group";
+    if (!module) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL module", fn);
+    fsdp_state *s = NULL;
+    ts_status st = ts__fsdp_need_state(fn, module, &s);
+    if (st) return st;
+    ts__fsdp_groups_walk w = {0};
+    if ((st = ts__fsdp_idle_groups(fn, module, &w))) return st;
+    for (int i = 0; i < w.n && !st; i++) {
+        fsdp_group *g = w.g[i];
+        if (enable && !g->rsg && g->W > 1) {
+            int *ranks = ts__malloc(TS_MEM_NN, (size_t)g->W * sizeof *ranks);
+            if (!ranks) {
+                st = TS_ERR_NO_MEMORY;
+                break;
+            }
+            for (int j = 0; j < g->W; j++) ranks[j] = j;
+            st = ts_comm_new_group(g->pg, g->W, ranks, &g->rsg);
+            ts__free(TS_MEM_NN, ranks);
+        } else if (!enable && g->rsg) {
+            ts_comm_free(g->rsg);
+            g->rsg = NULL;
+        }
+    }
+    ts__free(TS_MEM_NN, w.g);
+    return st;
 }

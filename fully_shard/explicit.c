@@ -4,6 +4,7 @@
  * parameters of a subtree (optionally writing changes back into the shards),
  * forward methods other than forward that run through the FSDP wrapper,
  * and the explicit and implicit prefetch setters.
+ * Floor 7 (internal.h, "Floors"): may call floors 1-6.
  */
 #include "fully_shard/internal.h"
 
@@ -60,27 +61,6 @@ ts_status ts_fsdp_reshard(ts_module *module)
 /* Summoning the full parameters                                      */
 /* ------------------------------------------------------------------ */
 
-static ts_status groups_each(void *vc, const char *fqn, ts_module *m)
-{
-    (void)fqn;
-    groups_walk *w = vc;
-    fsdp_state *s = ts__fsdp_state_of(m);
-    if (!s || !s->group) return TS_OK;
-    for (int i = 0; i < w->n; i++)
-        if (w->g[i] == s->group) return TS_OK;
-    if (!ts__fsdp_grow((void **)&w->g, &w->cap, w->n + 1, sizeof *w->g)) return TS_ERR_NO_MEMORY;
-    w->g[w->n++] = s->group;
-    return TS_OK;
-}
-
-ts_status ts__fsdp_subtree_groups(ts_module *m, groups_walk *w)
-{
-    memset(w, 0, sizeof *w);
-    ts_status st = ts_module_named_modules(m, groups_each, w);
-    if (st) ts__free(TS_MEM_NN, w->g);
-    return st;
-}
-
 struct ts_fsdp_summon {
     fsdp_group **g;
     bool *was_sharded;
@@ -88,30 +68,10 @@ struct ts_fsdp_summon {
     bool writeback;
 };
 
-/* Inside a forward or backward of one of g[0..n), or a reduction pending. */
-static bool busy(fsdp_group **g, int n)
-{
-    for (int i = 0; i < n; i++)
-        if (g[i]->training == FSDP_FORWARD || ts__fsdp_reduce_in_flight(g[i])) return true;
-    return ts_autograd_in_backward();
-}
-
-ts_status ts__fsdp_idle_groups(const char *fn, ts_module *m, groups_walk *w)
-{
-    ts_status st = ts__fsdp_subtree_groups(m, w);
-    if (st) return st;
-    if (busy(w->g, w->n)) {
-        ts__free(TS_MEM_NN, w->g);
-        w->g = NULL;
-        return ts_error(TS_ERR_STATE, "%s: not inside a forward or backward", fn);
-    }
-    return TS_OK;
-}
-
 ts_status ts_fsdp_summon_full_params(ts_module *module, bool writeback, ts_fsdp_summon **out)
 {
     if (!module || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_summon_full_params: NULL argument");
-    groups_walk w;
+    ts__fsdp_groups_walk w;
     ts_status st = ts__fsdp_idle_groups("ts_fsdp_summon_full_params", module, &w);
     if (st) return st;
     for (int i = 0; i < w.n && writeback; i++)

@@ -1,10 +1,10 @@
 /*
  * fully_shard: the API (fully_shard.h; DESIGN.md D5; PyTorch's _fully_shard.py):
  * argument checks, collecting the parameters of a call, building its group
- * and states and swapping the shards into the modules' slots; the event
- * hook; the registries of replaced and ignored parameters and the
- * optimizer's check over them; ts_fsdp_group_info_get.
+ * and states and swapping the shards into the modules' slots (and adding
+ * them to common.c's registries); ts_fsdp_group_info_get.
  * The objects are described in internal.h.
+ * Floor 6 (internal.h, "Floors"): may call floors 1-5.
  */
 #include "fully_shard/internal.h"
 
@@ -20,258 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ------------------------------------------------------------------ */
-/* Events                                                             */
-/* ------------------------------------------------------------------ */
-
-static ts_fsdp_event_fn g_event_fn;
-static void *g_event_ctx;
-
-void ts_fsdp_set_event_hook(ts_fsdp_event_fn fn, void *ctx)
-{
-    g_event_fn = fn;
-    g_event_ctx = ctx;
-}
-
-/* The calling thread's observer (memory.c's estimate) and virtual world. */
-static _Thread_local ts_fsdp_event_fn tl_observer;
-static _Thread_local void *tl_observer_ctx;
+/* The calling thread's virtual world (memory.c's estimate). */
 static _Thread_local ts_comm *tl_virtual_world;
 
-void ts__fsdp_set_observer(ts_fsdp_event_fn fn, void *ctx)
-{
-    tl_observer = fn;
-    tl_observer_ctx = ctx;
-}
-
 void ts__fsdp_set_virtual_world(ts_comm *world) { tl_virtual_world = world; }
-
-void ts__fsdp_event(const char *what, const char *fqn)
-{
-    ts_logf(TS_LOG_DEBUG, "FSDP::%s (%s)", what, fqn);
-    if (g_event_fn) g_event_fn(g_event_ctx, what, fqn);
-    if (tl_observer) tl_observer(tl_observer_ctx, what, fqn);
-}
-
-/* A hook's span in the trace (TS_TRACE), from t0 (0: not tracing) to now,
- * with the module's FQN and its group's. */
-void ts__fsdp_trace_hook(uint64_t t0, const char *name, const char *fqn, const fsdp_group *g)
-{
-    if (!t0) return;
-    ts_trace_arg a[2] = {{"fqn", fqn, 0}, {"group", g ? g->fqn : "", 0}};
-    ts_trace_span_args(name, "fsdp", t0, ts_now_ns(), 2, a);
-}
-
-/* ------------------------------------------------------------------ */
-/* Registry of the original tensors of sharded parameters             */
-/* ------------------------------------------------------------------ */
-
-/* A parameter tensor that fully_shard replaced but that something else
- * still holds (another module's slot: a tied weight outside the call) is
- * kept here, retained, so that a later call finding it can say that it is
- * shared with an existing group. Persistent parameters (below the
- * persistence threshold, still the modules' own tensors) are kept in a
- * list of their own, for the same diagnosis and so that the optimizer's
- * check counts them as managed; apart, because the optimizer looks every
- * parameter up in the first list at every step (that list is usually
- * empty; the persistent one can hold every parameter of the model). */
-typedef struct reg_entry {
-    ts_tensor *t;
-    fsdp_group *g;
-    char fqn[FQN_MAX];
-} reg_entry;
-
-typedef struct reg_list {
-    reg_entry *e;
-    int n, cap;
-} reg_list;
-
-static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER;
-static reg_list g_reg, g_pers; /* replaced tensors; persistent parameters */
-
-static const reg_entry *reg_find_in(const reg_list *l, const ts_tensor *t)
-{
-    for (int i = 0; i < l->n; i++)
-        if (l->e[i].t == t) return &l->e[i];
-    return NULL;
-}
-
-static const reg_entry *reg_find(const ts_tensor *t) { return reg_find_in(&g_reg, t); }
-
-static void reg_add(ts_tensor *t, fsdp_group *g, const char *fqn, bool persist)
-{
-    pthread_mutex_lock(&g_reg_mu);
-    reg_list *l = persist ? &g_pers : &g_reg;
-    if (l->n == l->cap) {
-        int cap = l->cap ? 2 * l->cap : 16;
-        reg_entry *n = realloc(l->e, (size_t)cap * sizeof *n);
-        if (!n) {
-            pthread_mutex_unlock(&g_reg_mu);
-            return; /* only costs the later diagnosis */
-        }
-        l->e = n;
-        l->cap = cap;
-    }
-    reg_entry *e = &l->e[l->n++];
-    e->t = ts_tensor_retain(t);
-    e->g = g;
-    snprintf(e->fqn, sizeof e->fqn, "%s", fqn);
-    pthread_mutex_unlock(&g_reg_mu);
-}
-
-bool ts__fsdp_is_persistent(const ts_tensor *t)
-{
-    pthread_mutex_lock(&g_reg_mu);
-    bool p = reg_find_in(&g_pers, t) != NULL;
-    pthread_mutex_unlock(&g_reg_mu);
-    return p;
-}
-
-bool ts__fsdp_reg_owner(const ts_tensor *t, char *other, size_t cap)
-{
-    pthread_mutex_lock(&g_reg_mu);
-    const reg_entry *e = reg_find(t);
-    if (!e) e = reg_find_in(&g_pers, t);
-    if (e) snprintf(other, cap, "%s", e->fqn);
-    pthread_mutex_unlock(&g_reg_mu);
-    return e != NULL;
-}
-
-static void reg_drop_in(reg_list *l, const fsdp_group *g)
-{
-    int k = 0;
-    for (int i = 0; i < l->n; i++) {
-        if (l->e[i].g == g) ts_tensor_free(l->e[i].t);
-        else l->e[k++] = l->e[i];
-    }
-    l->n = k;
-    if (!l->n) {
-        free(l->e);
-        *l = (reg_list){0};
-    }
-}
-
-/* [Note: bottom-up]
- * A call takes the parameters of its module's subtree that no earlier call
- * took, so children are sharded before their parents (each block, then the
- * root). A parent sharded first has put its shards (or, for persistent
- * parameters, kept the tensors) in its children's slots; a later call on a
- * child then meets, in its own subtree, slots that the parent's group
- * manages. Every slot a group manages is listed here (not retained; dropped
- * with the group), so that this mistake is told apart from a tied weight
- * (the same tensor in a slot that no group manages: the registry above) and
- * the message says to shard bottom-up, naming the enclosing module. */
-typedef struct slot_entry {
-    ts_tensor *const *slot;
-    const fsdp_group *g;
-    const char *fqn; /* the parameter's name in the group (the group's own string) */
-} slot_entry;
-
-static slot_entry *g_slots;
-static int g_slots_n, g_slots_cap;
-
-static void slot_add(ts_tensor *const *slot, const fsdp_group *g, const char *fqn)
-{
-    pthread_mutex_lock(&g_reg_mu);
-    if (g_slots_n == g_slots_cap) {
-        int cap = g_slots_cap ? 2 * g_slots_cap : 64;
-        slot_entry *n = realloc(g_slots, (size_t)cap * sizeof *n);
-        if (!n) {
-            pthread_mutex_unlock(&g_reg_mu);
-            return; /* only costs the later diagnosis */
-        }
-        g_slots = n;
-        g_slots_cap = cap;
-    }
-    g_slots[g_slots_n++] = (slot_entry){slot, g, fqn};
-    pthread_mutex_unlock(&g_reg_mu);
-}
-
-bool ts__fsdp_slot_owner(ts_tensor *const *slot, char *fqn, char *type, size_t cap)
-{
-    pthread_mutex_lock(&g_reg_mu);
-    const slot_entry *e = NULL;
-    for (int i = 0; i < g_slots_n && !e; i++)
-        if (g_slots[i].slot == slot) e = &g_slots[i];
-    if (e) {
-        snprintf(fqn, cap, "%s", e->fqn);
-        snprintf(type, cap, "%s", e->g->fqn);
-    }
-    pthread_mutex_unlock(&g_reg_mu);
-    return e != NULL;
-}
-
-void ts__fsdp_reg_drop_group(fsdp_group *g)
-{
-    pthread_mutex_lock(&g_reg_mu);
-    reg_drop_in(&g_reg, g);
-    reg_drop_in(&g_pers, g);
-    int k = 0;
-    for (int i = 0; i < g_slots_n; i++)
-        if (g_slots[i].g != g) g_slots[k++] = g_slots[i];
-    g_slots_n = k;
-    if (!g_slots_n) {
-        free(g_slots);
-        g_slots = NULL;
-        g_slots_cap = 0;
-    }
-    pthread_mutex_unlock(&g_reg_mu);
-}
-
-/* The parameters given as ignored_params (retained), each with the state
- * of the call that named it (dropped with that state): the optimizer's
- * check does not count them as left outside every group by mistake. */
-typedef struct ign_entry {
-    ts_tensor *t;
-    const fsdp_state *s;
-} ign_entry;
-
-static ign_entry *g_ign;
-static int g_ign_n, g_ign_cap;
-
-/* Room for n more entries (so that adding them cannot fail). */
-static bool ign_reserve(int n)
-{
-    pthread_mutex_lock(&g_reg_mu);
-    bool ok = true;
-    if (g_ign_n + n > g_ign_cap) {
-        int cap = g_ign_cap ? g_ign_cap : 16;
-        while (cap < g_ign_n + n) cap *= 2;
-        ign_entry *e = realloc(g_ign, (size_t)cap * sizeof *e);
-        if (e) {
-            g_ign = e;
-            g_ign_cap = cap;
-        } else {
-            ok = false;
-        }
-    }
-    pthread_mutex_unlock(&g_reg_mu);
-    return ok;
-}
-
-static void ign_add(ts_tensor *t, const fsdp_state *s)
-{
-    pthread_mutex_lock(&g_reg_mu);
-    if (g_ign_n < g_ign_cap) g_ign[g_ign_n++] = (ign_entry){ts_tensor_retain(t), s};
-    pthread_mutex_unlock(&g_reg_mu);
-}
-
-void ts__fsdp_ign_drop_state(const fsdp_state *s)
-{
-    pthread_mutex_lock(&g_reg_mu);
-    int k = 0;
-    for (int i = 0; i < g_ign_n; i++) {
-        if (g_ign[i].s == s) ts_tensor_free(g_ign[i].t);
-        else g_ign[k++] = g_ign[i];
-    }
-    g_ign_n = k;
-    if (!g_ign_n) {
-        free(g_ign);
-        g_ign = NULL;
-        g_ign_cap = 0;
-    }
-    pthread_mutex_unlock(&g_reg_mu);
-}
 
 /* ------------------------------------------------------------------ */
 /* Mistakes that would otherwise train silently (issue 9 §4)          */
@@ -313,94 +65,6 @@ static ts_status check_world_started(const char *fn, const ts_fsdp_options *o)
     return TS_OK;
 }
 
-/* Called by every optimizer step before it changes anything (optim's
- * hook): an optimizer over tensors fully_shard replaced fails (they are no
- * longer the module's: their gradients never come); at the first step,
- * parameters outside every FSDP group next to parameters sharded over
- * more than one rank get a warning (their gradients are not averaged: the
- * ranks' copies drift apart). */
-static ts_status optim_check(const char *who, int n, ts_tensor *const *params, bool first_step)
-{
-    pthread_mutex_lock(&g_reg_mu);
-    int stale = -1;
-    char stale_fqn[FQN_MAX] = "";
-    int n_stale = 0;
-    for (int i = 0; i < n && g_reg.n; i++) {
-        const reg_entry *e = reg_find(params[i]);
-        if (!e) continue;
-        if (stale < 0) {
-            stale = i;
-            snprintf(stale_fqn, sizeof stale_fqn, "%s", e->fqn);
-        }
-        n_stale++;
-    }
-    int n_outside = 0, first_outside = -1;
-    int64_t mesh_ranks = 1;
-    if (stale < 0 && first_step) {
-        for (int i = 0; i < n; i++) {
-            const ts_dtensor *dt = ts_fsdp_param_dtensor(params[i]);
-            if (dt) {
-                int64_t r = ts_mesh_size(ts_dtensor_mesh(dt), NULL);
-                if (r > mesh_ranks) mesh_ranks = r;
-                continue;
-            }
-            bool ign = false;
-            for (int k = 0; k < g_ign_n && !ign; k++) ign = g_ign[k].t == params[i];
-            if (ign || reg_find_in(&g_pers, params[i])) continue; /* ignored, or persistent (reduced by fully_shard) */
-            if (first_outside < 0) first_outside = i;
-            n_outside++;
-        }
-    }
-    pthread_mutex_unlock(&g_reg_mu);
-    if (stale >= 0)
-        return ts_error(TS_ERR_STATE,
-                        "%s step: %d of its %d parameters (the first: parameter %d, '%s') are no longer the model's: "
-                        "ts_fully_shard replaced them with their shards after this optimizer was built, so they "
-                        "would never get a gradient; build the optimizer after ts_fully_shard, from "
-                        "ts_module_parameters(model)",
-                        who, n_stale, n, stale, stale_fqn);
-    if (n_outside && mesh_ranks > 1) {
-        const char *name = ts_tensor_name(params[first_outside]);
-        ts_logf(TS_LOG_WARN,
-                "%s: %d of its %d parameters (the first: parameter %d%s%s%s) are outside every FSDP group while the "
-                "others are sharded over %lld ranks: their gradients are not averaged across ranks, so each rank's "
-                "copy drifts apart; shard the root too (ts_fully_shard(model) after its blocks), or pass them as "
-                "ignored_params and keep them in sync yourself",
-                who, n_outside, n, first_outside, name[0] ? " '" : "", name, name[0] ? "'" : "",
-                (long long)mesh_ranks);
-    }
-    return TS_OK;
-}
-
-static void install_optim_check(void) { ts__optim_set_param_check(optim_check); }
-
-/* ------------------------------------------------------------------ */
-/* Parameters                                                         */
-/* ------------------------------------------------------------------ */
-
-const ts_dtensor *ts_fsdp_param_dtensor(const ts_tensor *t)
-{
-    if (!t || !ts_tensor_is_shard(t)) return NULL;
-    return ts_tensor_dist_meta(t);
-}
-
-/* ------------------------------------------------------------------ */
-/* Collecting what a call manages                                     */
-/* ------------------------------------------------------------------ */
-
-bool ts__fsdp_grow(void **arr, int *cap, int need, size_t elem)
-{
-    if (need <= *cap) return true;
-    int cap2 = *cap ? *cap : 8;
-    while (cap2 < need) cap2 *= 2;
-    void *n = ts__malloc(TS_MEM_NN, (size_t)cap2 * elem);
-    if (!n) return false;
-    if (*cap) memcpy(n, *arr, (size_t)*cap * elem);
-    ts__free(TS_MEM_NN, *arr);
-    *arr = n;
-    *cap = cap2;
-    return true;
-}
 
 static bool ignored(const ts_fsdp_options *o, const ts_tensor *t)
 {
@@ -411,20 +75,20 @@ static bool ignored(const ts_fsdp_options *o, const ts_tensor *t)
 
 static ts_status on_param(void *vc, const char *name, ts_tensor **slot)
 {
-    collect *c = vc;
+    ts__fsdp_collect *c = vc;
     if (!*slot || ignored(c->o, *slot)) return TS_OK;
-    char fqn[FQN_MAX];
+    char fqn[TS__FSDP_FQN_MAX];
     int len = snprintf(fqn, sizeof fqn, "%s%s%s", c->prefix, *c->prefix ? "." : "", name);
     if (len < 0 || len >= (int)sizeof fqn)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "fully_shard: the name '%s.%s' is too long", c->prefix, name);
-    char gfqn[FQN_MAX], gtype[FQN_MAX];
+    char gfqn[TS__FSDP_FQN_MAX], gtype[TS__FSDP_FQN_MAX];
     if (ts__fsdp_slot_owner(slot, gfqn, gtype, sizeof gfqn)) /* [Note: bottom-up] */
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "%s: parameter '%s' of this %s is already sharded by the FSDP group of an enclosing %s (its "
                         "'%s'), which was sharded first; fully_shard goes bottom-up: shard the children (this %s) "
                         "before their parent (the %s)",
                         c->fn, fqn, c->type, gtype, gfqn, c->type, gtype);
-    pcand *p = NULL;
+    ts__fsdp_pcand *p = NULL;
     for (int i = 0; i < c->n && !p; i++)
         if (c->c[i].t == *slot) p = &c->c[i];
     if (!p) {
@@ -442,17 +106,17 @@ static ts_status on_param(void *vc, const char *name, ts_tensor **slot)
     return TS_OK;
 }
 
-static ts_status walk_managed(collect *c, ts_module *m);
+static ts_status walk_managed(ts__fsdp_collect *c, ts_module *m);
 
 static ts_status on_child(void *vc, const char *name, ts_module *child)
 {
-    collect *c = vc;
+    ts__fsdp_collect *c = vc;
     if (!child || ts_module_is_fsdp(child)) return TS_OK; /* sharded earlier: its own group */
     if (!child->vtable)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "fully_shard: child '%s%s%s' has no vtable (ts_module_init failed or was not called)", c->prefix,
                         *c->prefix ? "." : "", name ? name : "(null)");
-    char saved[FQN_MAX];
+    char saved[TS__FSDP_FQN_MAX];
     snprintf(saved, sizeof saved, "%s", c->prefix);
     int len = snprintf(c->prefix, sizeof c->prefix, "%s%s%s", saved, *saved ? "." : "", name);
     if (len < 0 || len >= (int)sizeof c->prefix) {
@@ -465,7 +129,7 @@ static ts_status on_child(void *vc, const char *name, ts_module *child)
 }
 
 /* Parameters come in named_parameters order (own first, then children's). */
-static ts_status walk_managed(collect *c, ts_module *m)
+static ts_status walk_managed(ts__fsdp_collect *c, ts_module *m)
 {
     for (int i = 0; i < c->n_seen; i++)
         if (c->seen[i] == m) return TS_OK;
@@ -478,7 +142,7 @@ static ts_status walk_managed(collect *c, ts_module *m)
     return ts_module_visit(m, &cv);
 }
 
-static void collect_free(collect *c)
+static void collect_free(ts__fsdp_collect *c)
 {
     for (int i = 0; i < c->n; i++) {
         ts__free(TS_MEM_NN, c->c[i].slots);
@@ -564,7 +228,7 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
     }
     if ((st = check_options(fn, &o))) return st;
     if ((st = check_world_started(fn, &o))) return st;
-    install_optim_check();
+    ts__fsdp_install_optim_check();
     const ts_module_vtable **vts = ts__calloc(TS_MEM_NN, (size_t)n, sizeof *vts);
     fsdp_state **states = ts__calloc(TS_MEM_NN, (size_t)n, sizeof *states);
     if (!vts || !states) {
@@ -582,7 +246,7 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         return st;
     }
 
-    collect c;
+    ts__fsdp_collect c;
     memset(&c, 0, sizeof c);
     c.o = &o;
     for (int i = 0; i < n && !st; i++) {
@@ -609,7 +273,7 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         if (!states[i] || (nm && !(states[i]->method_wrapped = ts__calloc(TS_MEM_NN, (size_t)nm, sizeof(bool)))))
             st = TS_ERR_NO_MEMORY;
     }
-    if (!st && !ign_reserve(o.n_ignored_params)) st = ts_error(TS_ERR_NO_MEMORY, "%s: out of memory", fn);
+    if (!st && !ts__fsdp_ign_reserve(o.n_ignored_params)) st = ts_error(TS_ERR_NO_MEMORY, "%s: out of memory", fn);
     if (st) {
         for (int i = 0; i < n; i++) {
             if (states[i]) ts__free(TS_MEM_NN, states[i]->method_wrapped);
@@ -634,15 +298,15 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
         for (int k = 0; k < p->n_slots; k++) ts__fsdp_swap_slot(p->slots[k], p->S);
         /* still held elsewhere (a tied weight outside the call, or the
          * user): remember it, so that sharding it again is diagnosed */
-        if (atomic_load(&orig->refcount) > 1) reg_add(orig, g, p->fqn, false);
+        if (atomic_load(&orig->refcount) > 1) ts__fsdp_reg_add(orig, g, p->fqn, false);
         ts_tensor_free(orig);
-        for (int k = 0; k < p->n_slots; k++) slot_add(p->slots[k], g, p->fqn);
+        for (int k = 0; k < p->n_slots; k++) ts__fsdp_slot_add(p->slots[k], g, p->fqn);
     }
     /* the persistent parameters stay in their slots; remembered so that
      * another call finding them says so, and the optimizer counts them */
     for (int i = 0; i < g->n_persist; i++) {
-        reg_add(g->persist[i].t, g, g->persist[i].fqn, true);
-        for (int k = 0; k < g->persist[i].n_slots; k++) slot_add(g->persist[i].slots[k], g, g->persist[i].fqn);
+        ts__fsdp_reg_add(g->persist[i].t, g, g->persist[i].fqn, true);
+        for (int k = 0; k < g->persist[i].n_slots; k++) ts__fsdp_slot_add(g->persist[i].slots[k], g, g->persist[i].fqn);
     }
     bool have_params = g->n > 0 || g->n_persist > 0;
     for (int i = 0; i < n; i++) {
@@ -659,7 +323,7 @@ static ts_status shard_modules(const char *fn, int n, ts_module *const *modules,
     }
     /* the ignored parameters, remembered for the optimizer's check */
     for (int i = 0; i < o.n_ignored_params; i++)
-        if (o.ignored_params[i]) ign_add(o.ignored_params[i], states[0]);
+        if (o.ignored_params[i]) ts__fsdp_ign_add(o.ignored_params[i], states[0]);
     snprintf(g->fqn, sizeof g->fqn, "%s", states[0]->fqn);
     ts__fsdp_group_release(g); /* the states hold it (or nothing did: freed) */
     collect_free(&c);

@@ -5,6 +5,7 @@
  * inv = (float)(1.0 / (double)scale) as torch's unscale_ does. Per
  * optimizer (by address) it keeps torch's OptState: READY, UNSCALED,
  * STEPPED, and the found-inf flag after the all-reduce.
+ * Floor 7 (internal.h, "Floors"): calls no other file of fully_shard/.
  */
 #include "fully_shard/grad_scaler.h"
 

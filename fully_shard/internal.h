@@ -1,17 +1,19 @@
 /*
  * fully_shard's internals: the objects the files of fully_shard/ share
  * and the ts__fsdp_* functions they call in one another (DESIGN.md D5, D6;
- * FSDP2-NOTES.md §2). The files mirror PyTorch's _composable/fsdp/:
- *  - fully_shard.c (_fully_shard.py): the API, argument checks, collecting
- *    a call's parameters, the registries, events;
- *  - state.c (_fsdp_state.py): the vtable rewrite, lazy init and root, the
- *    forward wrapper, the autograd markers, prefetch;
+ * FSDP2-NOTES.md §2). The files mirror PyTorch's _composable/fsdp/ and
+ * stand on floors, each calling only below it ("Floors" below):
+ *  - common.c (_fsdp_common.py): events, the registries, helpers;
+ *  - param.c (_fsdp_param.py): one parameter's geometry and its copies;
  *  - param_group.c (_fsdp_param_group.py): one group's lifecycle: unshard,
  *    wait, reshard, post-backward, reduce;
- *  - param.c (_fsdp_param.py): one parameter's geometry and its copies;
+ *  - state.c (_fsdp_state.py): the vtable rewrite, lazy init and root, the
+ *    forward wrapper, the autograd markers, prefetch, a subtree's groups;
+ *  - fully_shard.c (_fully_shard.py): the API, argument checks, collecting
+ *    a call's parameters;
  *  - explicit.c: unshard/reshard handles, summon, forward methods, the
  *    prefetch setters; state_dict.c: full state dicts, gradient clipping;
- *    summary.c: ts_module_print's line and ts_fsdp_summary.
+ *    summary.c: ts_fsdp_summary; repr.c: ts_module_print's line.
  *
  * Objects
  *  - fsdp_param: one parameter of a group: its slots (every slot of the
@@ -69,7 +71,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#define FQN_MAX 512
+#define TS__FSDP_FQN_MAX 512
 
 typedef struct fsdp_state fsdp_state;
 typedef struct fsdp_group fsdp_group;
@@ -158,7 +160,7 @@ typedef enum fsdp_training_state {
 } fsdp_training_state;
 
 /* What a group's collectives of one kind did (TS_DISTRIBUTED_DEBUG,
- * ts_fsdp_print_stats; summary.c): the calls issued (a meta step's
+ * ts_fsdp_print_stats; repr.c writes them): the calls issued (a meta step's
  * skipped ones not counted), the bytes of their unsharded side (the
  * padded group: W x shard_numel elements in the collective's dtype), and
  * the time the lifecycle spent waiting for them to complete. */
@@ -190,8 +192,8 @@ struct fsdp_group {
     int n_states;          /* modules sharing the group */
     int ran_forward;       /* distinct modules of the group run in this forward */
     fsdp_training_state training; /* IDLE, FORWARD, PRE_BACKWARD or POST_BACKWARD */
-    char fqn[FQN_MAX];
-    ts__offload off;     /* CPUOffloadPolicy (offload_internal.h); off.on false without one */
+    char fqn[TS__FSDP_FQN_MAX];
+    ts__fsdp_offload off;     /* CPUOffloadPolicy (offload_internal.h); off.on false without one */
     /* mixed precision (ts_mp_policy), resolved when the group is made:
      * udtype is the all-gather's and the unsharded parameters' dtype
      * (param_dtype, or dtype: no cast), rdtype the reduce-scatter's and
@@ -280,7 +282,7 @@ struct fsdp_state {
     const ts_module_vtable *orig_vt;
     fsdp_group *group;  /* retained; NULL when the call took no parameter */
     fsdp_ctx *ctx;      /* the root's (borrowed; owned by the root: ctx->root == this) */
-    char fqn[FQN_MAX];
+    char fqn[TS__FSDP_FQN_MAX];
     bool *method_wrapped; /* per named method of orig_vt: wrapped by ts_fsdp_register_forward_method */
     bool ran;           /* ran forward in this iteration (grouped calls count modules once) */
     int index;          /* its place among the modules of its call */
@@ -314,44 +316,87 @@ struct fsdp_ctx {
 };
 
 /* ------------------------------------------------------------------ */
-/* Collecting what a call manages (fully_shard.c)                     */
+/* Collecting a call's parameters (fully_shard.c); a subtree's groups  */
 /* ------------------------------------------------------------------ */
 
-typedef struct pcand {
+typedef struct ts__fsdp_pcand {
     ts_tensor *t;       /* the parameter tensor */
     ts_tensor ***slots;
     int *owners;        /* per slot: the index of the module in the call */
     int n_slots, cap_slots, cap_owners;
-    char fqn[FQN_MAX];  /* first name */
-} pcand;
+    char fqn[TS__FSDP_FQN_MAX];  /* first name */
+} ts__fsdp_pcand;
 
-typedef struct collect {
-    pcand *c;
+typedef struct ts__fsdp_collect {
+    ts__fsdp_pcand *c;
     int n, cap;
     ts_module **seen;   /* modules visited (each once) */
     int n_seen, cap_seen;
     const ts_fsdp_options *o;
-    char prefix[FQN_MAX];
+    char prefix[TS__FSDP_FQN_MAX];
     int top;            /* the index of the module being walked in the call */
     const char *fn;     /* the API function (messages) */
     const char *type;   /* the type of the module being walked in the call (messages) */
-} collect;
+} ts__fsdp_collect;
+
+/* The distinct groups of a subtree's FSDP modules (state.c, ts__fsdp_subtree_groups). */
+typedef struct ts__fsdp_groups_walk {
+    fsdp_group **g;
+    int n, cap;
+} ts__fsdp_groups_walk;
 
 /* ------------------------------------------------------------------ */
-/* Shared functions                                                   */
+/* Floors                                                             */
 /* ------------------------------------------------------------------ */
 
-/* fully_shard.c: events, the registries, growing arrays */
+/* The files of fully_shard/ stand on seven floors, in PyTorch's order
+ * (_fsdp_common, _fsdp_param, _fsdp_param_group, _fsdp_state,
+ * fully_shard): a file calls only files on floors below its own (on
+ * floors 6 and 7 also the floor-mates named in its head comment), never
+ * one above, so no two files call each other (tools/fsdp_floors.py
+ * prints the call graph from the objects and any cycle). The sections
+ * below declare what each floor offers to the floors above it.
+ *  1. helpers: common.c (events and trace spans, the registries of
+ *     replaced, persistent and ignored parameters and the optimizer's
+ *     check, growing arrays, the meta checks, a group's reduction plan),
+ *     repr.c (a group described: extra_repr, the collective figures),
+ *     mp_policy.c;
+ *  2. param.c: one parameter's geometry and copies;
+ *  3. offload.c (offload_internal.h) and persist.c;
+ *  4. param_group.c: one group's lifecycle;
+ *  5. state.c: the FSDP vtables and states, lazy init, the forward and
+ *     backward hooks, the groups of a subtree;
+ *  6. the API: materialize.c, then accum.c, state_dict.c, fully_shard.c;
+ *  7. explicit.c, policy.c, summary.c, memory.c, grad_scaler.c.
+ */
+
+/* ------------------------------------------------------------------ */
+/* Floor 1: common.c, repr.c, mp_policy.c (calls nothing above)       */
+/* ------------------------------------------------------------------ */
+
+/* common.c: events and trace spans */
 void ts__fsdp_event(const char *what, const char *fqn);
 /* The calling thread's own observer of the events above (after the
  * process-wide hook; NULL clears): ts_fsdp_memory_estimate's measure of
  * each block's forward (memory.c). */
 void ts__fsdp_set_observer(ts_fsdp_event_fn fn, void *ctx);
-/* Meshes over `world` (a virtual world: comm_internal.h,
- * ts__virtual_world_new) are accepted by ts_fully_shard on the calling
- * thread although ts_dist_init made another world (NULL clears). */
-void ts__fsdp_set_virtual_world(ts_comm *world);
 void ts__fsdp_trace_hook(uint64_t t0, const char *name, const char *fqn, const fsdp_group *g);
+
+/* common.c: the registries (replaced, persistent, ignored parameters and
+ * the slots groups manage: [Note: bottom-up] in common.c). fully_shard.c
+ * adds to them once a call can no longer fail; a group's and a state's
+ * entries go with them. */
+/* Remembers t, replaced by (or, when persist, kept as a persistent
+ * parameter of) group g under the name fqn (retained). */
+void ts__fsdp_reg_add(ts_tensor *t, fsdp_group *g, const char *fqn, bool persist);
+/* Remembers that g manages slot, under the parameter's name fqn (g's own
+ * string: not copied). */
+void ts__fsdp_slot_add(ts_tensor *const *slot, const fsdp_group *g, const char *fqn);
+/* Room for n more ignored parameters, so that ts__fsdp_ign_add cannot
+ * fail; false when out of memory. */
+bool ts__fsdp_ign_reserve(int n);
+/* Remembers t (retained) as ignored by state s's call. */
+void ts__fsdp_ign_add(ts_tensor *t, const fsdp_state *s);
 /* Writes into other (cap bytes) the name of the group parameter t was
  * replaced by and returns true when an FSDP group already manages t. */
 bool ts__fsdp_reg_owner(const ts_tensor *t, char *other, size_t cap);
@@ -360,31 +405,102 @@ bool ts__fsdp_is_persistent(const ts_tensor *t);
 /* Returns true when slot is a parameter slot that some FSDP group
  * already manages (its module's subtree contains the slot), with the name
  * of the parameter in that group written into fqn and the group's fqn (its
- * module's) into type, cap bytes each: [Note: bottom-up] in fully_shard.c. */
+ * module's) into type, cap bytes each: [Note: bottom-up] in common.c. */
 bool ts__fsdp_slot_owner(ts_tensor *const *slot, char *fqn, char *type, size_t cap);
 void ts__fsdp_reg_drop_group(fsdp_group *g);
 void ts__fsdp_ign_drop_state(const fsdp_state *s);
+/* Installs the optimizer's check over the registries (optim's hook). */
+void ts__fsdp_install_optim_check(void);
+
+/* common.c: helpers */
+/* Grows *arr (ts__malloc, TS_MEM_NN) to room for need elements of elem
+ * bytes (doubling *cap); false when out of memory (*arr unchanged). */
 bool ts__fsdp_grow(void **arr, int *cap, int need, size_t elem);
-
-/* state.c: the FSDP vtables, states, lazy init */
-ts_status ts__fsdp_vtable(const ts_module_vtable *orig, const ts_module_vtable **out);
-fsdp_state *ts__fsdp_state_of(const ts_module *m);
-/* Writes m's state (borrowed) to *out; TS_ERR_INVALID_ARGUMENT (prefixed
- * with fn, naming m's type) when m is not an FSDP module. */
-ts_status ts__fsdp_need_state(const char *fn, ts_module *m, fsdp_state **out);
-fsdp_state *ts__fsdp_state_retain(fsdp_state *s);
-void ts__fsdp_state_release(fsdp_state *s);
-ts_status ts__fsdp_lazy_init(fsdp_state *st);
-/* The reshard policy the group has once lazy init resolves it (AUTO: false
- * for the root's group, true for the others; every 1 forward: true), also
- * before that, without changing the group (state.c). */
-ts_reshard_policy ts__fsdp_resolved_policy(const fsdp_group *g, bool root);
 /* The type a module had before fully_shard (or ts_checkpoint_module)
- * rewrote it ("" if unnamed) (policy.c). */
+ * rewrote it ("" if unnamed). */
 const char *ts__fsdp_own_type(const ts_module *m);
+/* Whether g's runtime plays on the meta device ([Note: meta step] in
+ * param_group.c): the thread is in a meta scope or the group's sharded
+ * buffer is meta. Its collectives are then skipped (they complete at
+ * once), its copies move no data, and its buffers are meta storages on the
+ * thread's ledger. */
+bool ts__fsdp_group_meta(const fsdp_group *g);
+/* TS_ERR_STATE (prefixed with fn) naming the first parameter or buffer of
+ * root's tree (its full name) that is still on the meta device; TS_OK when
+ * none is. */
+ts_status ts__fsdp_check_materialized(const char *fn, ts_module *root);
+/* The same for one group (its first parameter, by its name in the group). */
+ts_status ts__fsdp_group_check_materialized(const char *fn, const fsdp_group *g);
+/* The collectives and divisions for the group's next reduction. */
+fsdp_reduce_plan ts__fsdp_reduce_plan(const fsdp_group *g);
 
-/* param_group.c: one group's lifecycle */
-ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *o, int n_states, fsdp_group **out);
+/* repr.c: a group as text */
+int ts__fsdp_extra_repr(const ts_module *m, char *buf, size_t cap);
+/* g's reshard policy (resolved, or as the user gave it; is_root < 0: not
+ * known yet, before the first forward) and a mesh as text, into buf (cap
+ * bytes). */
+void ts__fsdp_policy_str(const fsdp_group *g, bool resolved, int is_root, char *buf, size_t cap);
+void ts__fsdp_mesh_str(const ts_mesh *mesh, char *buf, size_t cap);
+/* The lines of ts_fsdp_print_stats for the groups w (fully_shard.h),
+ * written to f; false when writing failed. */
+bool ts__fsdp_print_coll_stats(const ts__fsdp_groups_walk *w, FILE *f);
+
+/* ------------------------------------------------------------------ */
+/* Floor 2: param.c (calls floor 1)                                   */
+/* ------------------------------------------------------------------ */
+
+ts_status ts__fsdp_param_init(fsdp_param *p, const fsdp_group *g, const ts_tensor *t, const char *fqn);
+ts_status ts__fsdp_param_make_shard(fsdp_param *p, fsdp_group *g, ts_tensor *t);
+void ts__fsdp_param_fini(fsdp_param *p);
+void ts__fsdp_swap_slot(ts_tensor **slot, ts_tensor *t);
+void ts__fsdp_param_set_slots(fsdp_param *p, bool unsharded);
+ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsigned char *ag);
+/* Packs gr (NULL: zeros) into the reduce-scatter input `in`: W blocks of
+ * `block` elements (rdtype), rank r's rows at r * block + off. */
+ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned char *in, int64_t block, ts_tensor *gr);
+void ts__fsdp_param_write_back(fsdp_param *p, const fsdp_group *g);
+/* Restores / releases U's storage (param.c): in a meta step a released
+ * CPU storage is counted on the meta ledger while unsharded. */
+ts_status ts__fsdp_param_restore_u(fsdp_param *p, const fsdp_group *g);
+void ts__fsdp_param_release_u(fsdp_param *p);
+ts_status ts__fsdp_param_load_rows(fsdp_param *p, const fsdp_group *g, ts_tensor *src);
+
+/* ------------------------------------------------------------------ */
+/* Floor 3: offload.c (offload_internal.h), persist.c (floors 1-2)    */
+/* ------------------------------------------------------------------ */
+
+/* persist.c: parameters below the persistence threshold */
+/* Moves the candidates of c with fewer than o->persist_threshold_numel
+ * elements (and requiring nothing else) out of c into *out (n_out of them,
+ * owned; NULL and 0 when none or the threshold is off). Checks them as
+ * group_new checks sharded ones (dtype, released storage, another group's
+ * parameter) and that no mixed-precision param_dtype or offload policy
+ * applies to them (TS_ERR_UNSUPPORTED). Nothing changes on error. */
+ts_status ts__fsdp_persist_take(const char *fn, ts__fsdp_collect *c, const ts_fsdp_options *o, fsdp_persist **out,
+                                int *n_out);
+void ts__fsdp_persist_free(fsdp_persist *p, int n);
+/* The first pre-backward marker of a backward: a persistent parameter
+ * whose gradient is still the one the last reduction set moves it aside. */
+void ts__fsdp_persist_begin_backward(fsdp_ctx *c);
+/* The end of a backward: packs the persistent parameters' gradients of
+ * every group that reduces now (gradient sync on; under HSDP also the
+ * all-reduce) into one bucket and issues its all-reduce (shard group). */
+ts_status ts__fsdp_persist_issue(fsdp_ctx *c);
+/* Waits for the bucket (then, under HSDP, all-reduces it over the
+ * replicate group) and sets the reduced gradients (plus what was moved
+ * aside). */
+ts_status ts__fsdp_persist_finish(fsdp_ctx *c);
+/* A failed backward: drops the bucket and the new local gradients of the
+ * persistent parameters, restores what was moved aside. */
+void ts__fsdp_persist_discard(fsdp_ctx *c);
+/* The persistent parameter t of a group of w (NULL if none). */
+fsdp_persist *ts__fsdp_find_persist(ts__fsdp_groups_walk *w, const ts_tensor *t);
+
+/* ------------------------------------------------------------------ */
+/* Floor 4: param_group.c (floors 1-3)                                */
+/* ------------------------------------------------------------------ */
+
+ts_status ts__fsdp_group_new(const char *fn, ts__fsdp_collect *c, const ts_fsdp_options *o, int n_states, fsdp_group **out);
 void ts__fsdp_group_free(fsdp_group *g);
 fsdp_group *ts__fsdp_group_retain(fsdp_group *g);
 void ts__fsdp_group_release(fsdp_group *g);
@@ -405,16 +521,8 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g);
  * must agree on every rank when a group is made. Any thread. */
 bool ts__fsdp_copy_free(int W, int64_t unsharded_bytes);
 void ts__fsdp_set_copy_free(int on);
-/* Whether g's runtime plays on the meta device ([Note: meta step] in
- * param_group.c): the thread is in a meta scope or the group's sharded
- * buffer is meta. Its collectives are then skipped (they complete at
- * once), its copies move no data, and its buffers are meta storages on the
- * thread's ledger. */
-bool ts__fsdp_group_meta(const fsdp_group *g);
 /* A reduction of g is in flight (packed or copy-free). */
 bool ts__fsdp_reduce_in_flight(const fsdp_group *g);
-/* The collectives and divisions for the group's next reduction. */
-fsdp_reduce_plan ts__fsdp_reduce_plan(const fsdp_group *g);
 /* Drops what microbatches without sync left unreduced: every parameter's
  * acc and U gradient, and the group's partial. */
 void ts__fsdp_drop_unreduced(fsdp_group *g);
@@ -423,77 +531,39 @@ void ts__fsdp_drop_unreduced(fsdp_group *g);
  * full[0..n) (new references). Collective over the shard group. */
 ts_status ts__fsdp_gather_full(fsdp_group *g, bool keep, ts_tensor **full);
 
-/* param.c: one parameter's geometry and copies */
-ts_status ts__fsdp_param_init(fsdp_param *p, const fsdp_group *g, const ts_tensor *t, const char *fqn);
-ts_status ts__fsdp_param_make_shard(fsdp_param *p, fsdp_group *g, ts_tensor *t);
-void ts__fsdp_param_fini(fsdp_param *p);
-void ts__fsdp_swap_slot(ts_tensor **slot, ts_tensor *t);
-void ts__fsdp_param_set_slots(fsdp_param *p, bool unsharded);
-ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsigned char *ag);
-/* Packs gr (NULL: zeros) into the reduce-scatter input `in`: W blocks of
- * `block` elements (rdtype), rank r's rows at r * block + off. */
-ts_status ts__fsdp_param_pack_grad(fsdp_param *p, const fsdp_group *g, unsigned char *in, int64_t block, ts_tensor *gr);
-void ts__fsdp_param_write_back(fsdp_param *p, const fsdp_group *g);
-/* Restores / releases U's storage (param.c): in a meta step a released
- * CPU storage is counted on the meta ledger while unsharded. */
-ts_status ts__fsdp_param_restore_u(fsdp_param *p, const fsdp_group *g);
-void ts__fsdp_param_release_u(fsdp_param *p);
-ts_status ts__fsdp_param_load_rows(fsdp_param *p, const fsdp_group *g, ts_tensor *src);
+/* ------------------------------------------------------------------ */
+/* Floor 5: state.c (floors 1-4)                                      */
+/* ------------------------------------------------------------------ */
 
-/* explicit.c: the distinct groups of a subtree's FSDP modules, pre-order */
-typedef struct groups_walk {
-    fsdp_group **g;
-    int n, cap;
-} groups_walk;
-
-ts_status ts__fsdp_subtree_groups(ts_module *m, groups_walk *w);
+ts_status ts__fsdp_vtable(const ts_module_vtable *orig, const ts_module_vtable **out);
+fsdp_state *ts__fsdp_state_of(const ts_module *m);
+/* Writes m's state (borrowed) to *out; TS_ERR_INVALID_ARGUMENT (prefixed
+ * with fn, naming m's type) when m is not an FSDP module. */
+ts_status ts__fsdp_need_state(const char *fn, ts_module *m, fsdp_state **out);
+fsdp_state *ts__fsdp_state_retain(fsdp_state *s);
+void ts__fsdp_state_release(fsdp_state *s);
+ts_status ts__fsdp_lazy_init(fsdp_state *st);
+/* The reshard policy the group has once lazy init resolves it (AUTO: false
+ * for the root's group, true for the others; every 1 forward: true), also
+ * before that, without changing the group (state.c). */
+ts_reshard_policy ts__fsdp_resolved_policy(const fsdp_group *g, bool root);
+/* The distinct groups of a subtree's FSDP modules, pre-order (w->g owned
+ * by the caller). */
+ts_status ts__fsdp_subtree_groups(ts_module *m, ts__fsdp_groups_walk *w);
 /* The groups of m's subtree (w->g owned by the caller), or TS_ERR_STATE
  * (naming fn) when called inside a forward or backward of one of them. */
-ts_status ts__fsdp_idle_groups(const char *fn, ts_module *m, groups_walk *w);
-
-/* state_dict.c */
-fsdp_param *ts__fsdp_find_param(groups_walk *w, const ts_tensor *t, fsdp_group **g_out);
-
-/* summary.c: TS_DISTRIBUTED_DEBUG=INFO (or DETAIL): the root's groups'
+ts_status ts__fsdp_idle_groups(const char *fn, ts_module *m, ts__fsdp_groups_walk *w);
+/* TS_DISTRIBUTED_DEBUG=INFO (or DETAIL): the root's groups'
  * collective figures on stderr when it is freed (nothing when they issued
  * none, as the memory estimate's meta models). */
 void ts__fsdp_stats_at_free(ts_module *root);
 
-/* persist.c: parameters below the persistence threshold */
-/* Moves the candidates of c with fewer than o->persist_threshold_numel
- * elements (and requiring nothing else) out of c into *out (n_out of them,
- * owned; NULL and 0 when none or the threshold is off). Checks them as
- * group_new checks sharded ones (dtype, released storage, another group's
- * parameter) and that no mixed-precision param_dtype or offload policy
- * applies to them (TS_ERR_UNSUPPORTED). Nothing changes on error. */
-ts_status ts__fsdp_persist_take(const char *fn, collect *c, const ts_fsdp_options *o, fsdp_persist **out,
-                                int *n_out);
-void ts__fsdp_persist_free(fsdp_persist *p, int n);
-/* The first pre-backward marker of a backward: a persistent parameter
- * whose gradient is still the one the last reduction set moves it aside. */
-void ts__fsdp_persist_begin_backward(fsdp_ctx *c);
-/* The end of a backward: packs the persistent parameters' gradients of
- * every group that reduces now (gradient sync on; under HSDP also the
- * all-reduce) into one bucket and issues its all-reduce (shard group). */
-ts_status ts__fsdp_persist_issue(fsdp_ctx *c);
-/* Waits for the bucket (then, under HSDP, all-reduces it over the
- * replicate group) and sets the reduced gradients (plus what was moved
- * aside). */
-ts_status ts__fsdp_persist_finish(fsdp_ctx *c);
-/* A failed backward: drops the bucket and the new local gradients of the
- * persistent parameters, restores what was moved aside. */
-void ts__fsdp_persist_discard(fsdp_ctx *c);
-/* The persistent parameter t of a group of w (NULL if none). */
-fsdp_persist *ts__fsdp_find_persist(groups_walk *w, const ts_tensor *t);
+/* ------------------------------------------------------------------ */
+/* Floor 6: materialize.c; accum.c, state_dict.c, fully_shard.c       */
+/* ------------------------------------------------------------------ */
 
 /* materialize.c: deferred initialization (docs/fully_shard.md, "Deferred
  * initialization") */
-/* TS_ERR_STATE (prefixed with fn) naming the first parameter or buffer of
- * root's tree (its full name) that is still on the meta device; TS_OK when
- * none is. */
-ts_status ts__fsdp_check_materialized(const char *fn, ts_module *root);
-/* The same for one group (its first parameter, by its name in the group). */
-ts_status ts__fsdp_group_check_materialized(const char *fn, const fsdp_group *g);
 /* Gives every meta storage under root bytes in place (zeros), the groups'
  * sharded buffers (pinned under an offload policy with pin_memory), the
  * parameters outside groups and the buffers; with replay, then replays
@@ -503,8 +573,22 @@ ts_status ts__fsdp_group_check_materialized(const char *fn, const fsdp_group *g)
 ts_status ts__fsdp_materialize(const char *fn, ts_module *root, bool replay);
 /* True when some parameter or buffer under root is on the meta device. */
 bool ts__fsdp_any_meta(ts_module *root);
+/* state_dict.c */
+fsdp_param *ts__fsdp_find_param(ts__fsdp_groups_walk *w, const ts_tensor *t, fsdp_group **g_out);
+/* fully_shard.c */
+/* Meshes over `world` (a virtual world: comm_internal.h,
+ * ts__virtual_world_new) are accepted by ts_fully_shard on the calling
+ * thread although ts_dist_init made another world (NULL clears). */
+void ts__fsdp_set_virtual_world(ts_comm *world);
 
-/* summary.c */
-int ts__fsdp_extra_repr(const ts_module *m, char *buf, size_t cap);
+/* Floor 7 (explicit.c, policy.c, summary.c, memory.c, grad_scaler.c,
+ * floors 1-6) offers nothing to the others. */
+
+/* ------------------------------------------------------------------ */
+/* For checkpoint/ until it reads sharding through public accessors    */
+/* (issue 22 §3): the names it used before the folder's prefix.        */
+/* ------------------------------------------------------------------ */
+#define FQN_MAX TS__FSDP_FQN_MAX
+typedef ts__fsdp_groups_walk groups_walk;
 
 #endif

@@ -8,7 +8,9 @@
  * the optimizer's references) stays the same object, and the initializers
  * recorded on the full parameters' storages are replayed into the rows
  * this rank holds. A checkpoint load materializes without the replay.
- * Also the check that refuses to run a model that still has meta tensors.
+ * (The check that refuses to run a model that still has meta tensors:
+ * common.c.)
+ * Floor 6, its first file (internal.h, "Floors"): may call floors 1-5.
  */
 #include "fully_shard/internal.h"
 
@@ -18,32 +20,8 @@
 #include <string.h>
 
 /* ------------------------------------------------------------------ */
-/* Checks                                                             */
+/* Checks (the others: common.c)                                      */
 /* ------------------------------------------------------------------ */
-
-static ts_status meta_error(const char *fn, const char *name)
-{
-    return ts_error(TS_ERR_STATE,
-                    "%s: '%s' is on the meta device: call ts_fsdp_materialize (or load a checkpoint) first", fn, name);
-}
-
-ts_status ts__fsdp_check_materialized(const char *fn, ts_module *root)
-{
-    ts_named_params np = {0};
-    ts_status st = ts__module_entries(root, true, true, true, &np);
-    for (int i = 0; i < np.n && !st; i++)
-        if (ts__is_meta(*np.items[i].slot)) st = meta_error(fn, np.items[i].name);
-    ts_named_params_free(&np);
-    return st;
-}
-
-ts_status ts__fsdp_group_check_materialized(const char *fn, const fsdp_group *g)
-{
-    if (!g->sharded || !ts__is_meta(g->sharded) || g->n == 0) return TS_OK;
-    char name[2 * FQN_MAX + 2];
-    snprintf(name, sizeof name, "%s%s%s", g->fqn, *g->fqn ? "." : "", g->params[0].fqn);
-    return meta_error(fn, name);
-}
 
 bool ts__fsdp_any_meta(ts_module *root)
 {
@@ -172,7 +150,7 @@ static ts_status replay(const char *fn, mat_list *l, bool draw)
 
 ts_status ts__fsdp_materialize(const char *fn, ts_module *root, bool do_replay)
 {
-    groups_walk w = {0};
+    ts__fsdp_groups_walk w = {0};
     ts_named_params np = {0};
     mat_list l = {0};
     ts_status st = ts__fsdp_idle_groups(fn, root, &w);

@@ -21,7 +21,10 @@
  * gradients, the reshard-every-N counters, the prefetch order) and the
  * blocks' vtables when it checkpoints them. The optimizer is the
  * estimate's own, over meta stand-ins of the parameters, so that its
- * state is meta even for a CPU model. */
+ * state is meta even for a CPU model.
+ *
+ * Floor 7 (internal.h, "Floors"): may call floors 1-6 and explicit.c
+ * (ts_fsdp_set_implicit_prefetch). */
 #define _GNU_SOURCE
 #include "fully_shard/internal.h"
 
@@ -83,13 +86,13 @@ static size_t seen_add(seen_set *set, const ts_tensor *t)
  * ts_fully_shard calls shard). */
 typedef struct blk {
     ts_module *m;
-    char fqn[FQN_MAX];
+    char fqn[TS__FSDP_FQN_MAX];
     const ts_module_vtable *vt, *orig_vt; /* as found, put back after a run that changed them */
 } blk;
 
 /* Per group, what a step leaves behind that the estimate puts back. */
 typedef struct gsave {
-    ts__offload off;
+    ts__fsdp_offload off;
     ts_tensor **mine, **reduced; /* n_persist each */
     int fwd_since_reshard;
     bool reduce_grads;
@@ -99,7 +102,7 @@ typedef struct gsave {
 typedef struct est {
     ts_module *model;
     const ts_fsdp_memory_options *o;
-    groups_walk gw;
+    ts__fsdp_groups_walk gw;
     gsave *gs;
     fsdp_state *root;
     bool had_ctx;
@@ -121,7 +124,7 @@ typedef struct est {
     bool any_ckpt, saved;
     /* the observer of a measured forward */
     bool observing, stepping;
-    char open[FQN_MAX];
+    char open[TS__FSDP_FQN_MAX];
     int64_t at_open, blk_sum;
     int blk_n, in_flight;
 } est;

@@ -2,6 +2,7 @@
  * The mixed-precision policy's value and its checks (fully_shard.h,
  * "mixed precision"; FSDP2-NOTES.md §1.2, §2.11). The casts themselves run
  * in the group's hooks.
+ * Floor 1 (internal.h, "Floors"): calls no other file of fully_shard/.
  */
 #include "fully_shard/fully_shard.h"
 

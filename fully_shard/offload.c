@@ -22,7 +22,9 @@
  *    is made from them, in host memory.
  * The copies are plain memcpy's of the same bytes, so training with and
  * without offload is bit-identical. They are counted per group
- * (ts_fsdp_offload_stats_get) and traced ("fsdp.h2d", "fsdp.d2h").
+ * (ts_fsdp_offload_stats_get, summary.c) and traced ("fsdp.h2d", "fsdp.d2h").
+ * Floor 3 (internal.h, "Floors"): may call floor 1; calls none of
+ * fully_shard/ today.
  */
 #define _GNU_SOURCE
 #include "fully_shard/internal.h"
@@ -47,12 +49,12 @@ static void staged(const char *name, uint64_t *copies, uint64_t *total, void *ds
     *total += bytes;
 }
 
-void ts__offload_h2d(ts__offload *o, void *dev_dst, const void *host_src, size_t bytes)
+void ts__fsdp_offload_h2d(ts__fsdp_offload *o, void *dev_dst, const void *host_src, size_t bytes)
 {
     staged("fsdp.h2d", &o->h2d_copies, &o->h2d_bytes, dev_dst, host_src, bytes);
 }
 
-void ts__offload_h2d_cast(ts__offload *o, void *dev_dst, ts_dtype dev_dtype, const void *host_src, ts_dtype host_dtype,
+void ts__fsdp_offload_h2d_cast(ts__fsdp_offload *o, void *dev_dst, ts_dtype dev_dtype, const void *host_src, ts_dtype host_dtype,
                           int64_t n)
 {
     TS_TRACE_BEGIN(t0);
@@ -62,18 +64,18 @@ void ts__offload_h2d_cast(ts__offload *o, void *dev_dst, ts_dtype dev_dtype, con
     o->h2d_bytes += (uint64_t)n * ts_dtype_size(dev_dtype);
 }
 
-void ts__offload_d2h(ts__offload *o, void *host_dst, const void *dev_src, size_t bytes)
+void ts__fsdp_offload_d2h(ts__fsdp_offload *o, void *host_dst, const void *dev_src, size_t bytes)
 {
     staged("fsdp.d2h", &o->d2h_copies, &o->d2h_bytes, host_dst, dev_src, bytes);
 }
 
-ts_status ts__offload_place(const ts__offload *o, ts_tensor *host)
+ts_status ts__fsdp_offload_place(const ts__fsdp_offload *o, ts_tensor *host)
 {
     if (!o->pin || !host) return TS_OK;
     return ts_storage_pin(ts_tensor_storage(host));
 }
 
-ts_status ts__offload_host_buffer(const ts__offload *o, ts_dtype dtype, int64_t n, ts_tensor **out)
+ts_status ts__fsdp_offload_host_buffer(const ts__fsdp_offload *o, ts_dtype dtype, int64_t n, ts_tensor **out)
 {
     ts_tensor *t = NULL;
     ts_status st = ts_tensor_empty(dtype, 1, &n, &t);
@@ -91,7 +93,7 @@ ts_status ts__offload_host_buffer(const ts__offload *o, ts_dtype dtype, int64_t 
     return TS_OK;
 }
 
-void ts__offload_fini(ts__offload *o)
+void ts__fsdp_offload_fini(ts__fsdp_offload *o)
 {
     ts_tensor_free(o->grad_host);
     ts_tensor_free(o->stage);
@@ -127,7 +129,7 @@ ts_status ts__fsdp_offload_init(fsdp_group *g, const ts_offload_policy *policy, 
     g->off.on = true;
     g->off.pin = policy->pin_memory;
     if (ts__is_meta(g->sharded)) return TS_OK; /* pinned when materialized (materialize.c) */
-    return ts__offload_place(&g->off, g->sharded);
+    return ts__fsdp_offload_place(&g->off, g->sharded);
 }
 
 ts_status ts__fsdp_offload_copy_in(fsdp_group *g, ts_tensor **in_out)
@@ -136,7 +138,7 @@ ts_status ts__fsdp_offload_copy_in(fsdp_group *g, ts_tensor **in_out)
     if (g->udtype != g->dtype) { /* mixed precision: the copy casts on its way to the device */
         ts_status st = ts_tensor_empty(g->udtype, 1, &n, &g->ag_in);
         if (st) return st;
-        ts__offload_h2d_cast(&g->off, ts_tensor_data(g->ag_in), g->udtype, ts_tensor_data(g->sharded), g->dtype, n);
+        ts__fsdp_offload_h2d_cast(&g->off, ts_tensor_data(g->ag_in), g->udtype, ts_tensor_data(g->sharded), g->dtype, n);
         *in_out = g->ag_in;
         return TS_OK;
     }
@@ -144,7 +146,7 @@ ts_status ts__fsdp_offload_copy_in(fsdp_group *g, ts_tensor **in_out)
     ts_status st = ts__tensor_alias(g->ag_buf, 1, &n, (const int64_t[]){1}, g->ag_buf->offset + (int64_t)g->rank * n,
                                     &own);
     if (st) return st;
-    ts__offload_h2d(&g->off, ts_tensor_data(own), ts_tensor_data(g->sharded), (size_t)n * g->es); /* meta: no data */
+    ts__fsdp_offload_h2d(&g->off, ts_tensor_data(own), ts_tensor_data(g->sharded), (size_t)n * g->es); /* meta: no data */
     *in_out = own;
     return TS_OK;
 }
@@ -155,7 +157,7 @@ ts_status ts__fsdp_offload_copy_in(fsdp_group *g, ts_tensor **in_out)
  * a new buffer rather than write over them. */
 static ts_status grad_host(fsdp_group *g)
 {
-    ts__offload *o = &g->off;
+    ts__fsdp_offload *o = &g->off;
     if (o->grad_host) {
         ts_storage *s = ts_tensor_storage(o->grad_host);
         int held = 0;
@@ -167,7 +169,7 @@ static ts_status grad_host(fsdp_group *g)
         ts_tensor_free(o->grad_host);
         o->grad_host = NULL;
     }
-    return ts__offload_host_buffer(o, g->dtype, g->shard_numel, &o->grad_host);
+    return ts__fsdp_offload_host_buffer(o, g->dtype, g->shard_numel, &o->grad_host);
 }
 
 ts_status ts__fsdp_offload_grads_out(fsdp_group *g)
@@ -181,16 +183,16 @@ ts_status ts__fsdp_offload_grads_out(fsdp_group *g)
         size_t off = (size_t)p->off * g->es, bytes = (size_t)(p->local_rows * p->row_numel) * g->es;
         ts_tensor *gr = ts_tensor_grad(p->S);
         if (gr) { /* accumulate: to the host, then added by the caller */
-            if (!g->off.stage && (st = ts__offload_host_buffer(&g->off, g->dtype, g->shard_numel, &g->off.stage)))
+            if (!g->off.stage && (st = ts__fsdp_offload_host_buffer(&g->off, g->dtype, g->shard_numel, &g->off.stage)))
                 break;
             unsigned char *h = ts_tensor_data(g->off.stage);
-            ts__offload_d2h(&g->off, h ? h + off : NULL, dev ? dev + off : NULL, bytes);
+            ts__fsdp_offload_d2h(&g->off, h ? h + off : NULL, dev ? dev + off : NULL, bytes);
             staging = true;
             continue;
         }
         if ((st = grad_host(g))) break;
         unsigned char *h = ts_tensor_data(g->off.grad_host);
-        ts__offload_d2h(&g->off, h ? h + off : NULL, dev ? dev + off : NULL, bytes);
+        ts__fsdp_offload_d2h(&g->off, h ? h + off : NULL, dev ? dev + off : NULL, bytes);
         int64_t strides[TS_MAX_DIMS];
         ts__contiguous_strides(p->ndim, ts_tensor_shape(p->S), strides);
         ts_tensor *view = NULL;
@@ -207,36 +209,4 @@ ts_status ts__fsdp_offload_grads_out(fsdp_group *g)
         g->rs_out = ts_tensor_retain(g->off.stage);
     }
     return st;
-}
-
-/* ------------------------------------------------------------------ */
-/* Statistics                                                         */
-/* ------------------------------------------------------------------ */
-
-static size_t block_bytes(const ts_tensor *t) { return t ? ts_tensor_storage(t)->block_bytes : 0; }
-
-ts_status ts_fsdp_offload_stats_get(ts_module *module, ts_fsdp_offload_stats *out)
-{
-    if (!module || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_offload_stats_get: %s is NULL", !module ? "module" : "out");
-    groups_walk w = {0};
-    ts_status st = ts__fsdp_subtree_groups(module, &w);
-    if (st) return st;
-    ts_fsdp_offload_stats s = {0};
-    for (int i = 0; i < w.n; i++) {
-        const fsdp_group *g = w.g[i];
-        if (!g->off.on) continue;
-        s.groups++;
-        s.pinned_groups += g->off.pin;
-        s.h2d_copies += g->off.h2d_copies;
-        s.h2d_bytes += g->off.h2d_bytes;
-        s.d2h_copies += g->off.d2h_copies;
-        s.d2h_bytes += g->off.d2h_bytes;
-        size_t host = block_bytes(g->sharded) + block_bytes(g->off.grad_host) + block_bytes(g->off.stage);
-        s.host_bytes += host;
-        if (g->off.pin) s.pinned_bytes += host;
-    }
-    ts__free(TS_MEM_NN, w.g);
-    *out = s;
-    return TS_OK;
 }

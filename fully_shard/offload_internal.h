@@ -5,7 +5,7 @@
 
 #include "fully_shard/fully_shard.h"
 
-typedef struct ts__offload {
+typedef struct ts__fsdp_offload {
     bool on;              /* the group was sharded with an offload policy */
     bool pin;             /* its pin_memory */
     /* the host shard gradients: one 1-d buffer of shard_numel elements
@@ -17,7 +17,7 @@ typedef struct ts__offload {
     ts_tensor *stage;
     /* the staging copies made (ts_fsdp_offload_stats) */
     uint64_t h2d_copies, h2d_bytes, d2h_copies, d2h_bytes;
-} ts__offload;
+} ts__fsdp_offload;
 
 /* The copy of a host shard to the compute device before the all-gather
  * (H2D; CUDA's cudaMemcpyAsync host-to-device, FSDP2's
@@ -25,19 +25,19 @@ typedef struct ts__offload {
  * back to the host (D2H). On TS_DEVICE_CPU both sides are host memory:
  * it is a memcpy between the two buffers, counted and traced
  * ("fsdp.h2d", "fsdp.d2h", cat "copy"). */
-void ts__offload_h2d(ts__offload *o, void *dev_dst, const void *host_src, size_t bytes);
-void ts__offload_d2h(ts__offload *o, void *host_dst, const void *dev_src, size_t bytes);
+void ts__fsdp_offload_h2d(ts__fsdp_offload *o, void *dev_dst, const void *host_src, size_t bytes);
+void ts__fsdp_offload_d2h(ts__fsdp_offload *o, void *host_dst, const void *dev_src, size_t bytes);
 /* The H2D copy under a mixed-precision policy: n elements converted from
  * the host shard's dtype to the all-gather's on their way (one pass, as
  * FSDP2's copy then cast); counts the bytes written to the device. */
-void ts__offload_h2d_cast(ts__offload *o, void *dev_dst, ts_dtype dev_dtype, const void *host_src, ts_dtype host_dtype,
+void ts__fsdp_offload_h2d_cast(ts__fsdp_offload *o, void *dev_dst, ts_dtype dev_dtype, const void *host_src, ts_dtype host_dtype,
                           int64_t n);
 /* A new 1-d host buffer of n elements for the group (pinned when o->pin). */
-ts_status ts__offload_host_buffer(const ts__offload *o, ts_dtype dtype, int64_t n, ts_tensor **out);
+ts_status ts__fsdp_offload_host_buffer(const ts__fsdp_offload *o, ts_dtype dtype, int64_t n, ts_tensor **out);
 /* Makes an existing host buffer pinned when o->pin (the sharded parameters). */
-ts_status ts__offload_place(const ts__offload *o, ts_tensor *host);
+ts_status ts__fsdp_offload_place(const ts__fsdp_offload *o, ts_tensor *host);
 /* Frees the group's offload buffers. */
-void ts__offload_fini(ts__offload *o);
+void ts__fsdp_offload_fini(ts__fsdp_offload *o);
 
 /* The group-level steps (fully_shard/offload.c), called from
  * param_group.c when g->off.on:

@@ -6,6 +6,7 @@
  * the all-gather, packing its gradient for the reduce-scatter, writing
  * changed rows back into the shard, and loading its rows from a full
  * tensor. internal.h describes the buffers' layout.
+ * Floor 2 (internal.h, "Floors"): may call floor 1 (common.c).
  */
 #include "fully_shard/internal.h"
 

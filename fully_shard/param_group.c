@@ -11,6 +11,8 @@
  * this rank's rows of the peers' unsharded gradients, summing them
  * straight into its output, bitwise the packed path's result, which
  * TS_FSDP_COPY_FREE=0 (or ts__fsdp_set_copy_free) keeps selectable.
+ * Floor 4 (internal.h, "Floors"): may call floors 1-3 (common.c,
+ * param.c, offload.c, persist.c).
  */
 #include "fully_shard/internal.h"
 
@@ -67,10 +69,7 @@ bool ts__fsdp_reduce_in_flight(const fsdp_group *g) { return g && (g->rs_req || 
  * transport-side pool scratch is modelled with ts__meta_scratch or a meta
  * storage held as long as the request. The unused-parameter flags are
  * taken as "this rank's" (every rank is assumed to take the same path). */
-bool ts__fsdp_group_meta(const fsdp_group *g)
-{
-    return ts__meta_mode() || (g && g->sharded && ts__is_meta(g->sharded));
-}
+/* ts__fsdp_group_meta (common.c) tells whether a group plays so. */
 
 static void drop_holds(ts_tensor **h, int n)
 {
@@ -167,7 +166,7 @@ void ts__fsdp_group_free(fsdp_group *g)
     ts__free(TS_MEM_NN, g->params);
     ts__fsdp_persist_free(g->persist, g->n_persist);
     ts_tensor_free(g->sharded);
-    ts__offload_fini(&g->off);
+    ts__fsdp_offload_fini(&g->off);
     ts_mesh_free(g->owned_mesh);
     ts__free(TS_MEM_NN, g);
 }
@@ -191,7 +190,7 @@ static bool is_float(ts_dtype d) { return d == TS_F32 || d == TS_F64 || d == TS_
 
 /* Builds the group of the collected parameters (nothing changes on
  * error). */
-ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *o, int n_states, fsdp_group **out)
+ts_status ts__fsdp_group_new(const char *fn, ts__fsdp_collect *c, const ts_fsdp_options *o, int n_states, fsdp_group **out)
 {
     fsdp_group *g = ts__calloc(TS_MEM_NN, 1, sizeof *g);
     if (!g) return TS_ERR_NO_MEMORY;
@@ -236,7 +235,7 @@ ts_status ts__fsdp_group_new(const char *fn, collect *c, const ts_fsdp_options *
     for (int i = 0; i < c->n; i++) {
         ts_tensor *t = c->c[i].t;
         fsdp_param *p = &g->params[i];
-        char other[FQN_MAX] = "";
+        char other[TS__FSDP_FQN_MAX] = "";
         if (ts__fsdp_reg_owner(t, other, sizeof other) || ts_tensor_is_shard(t)) {
             st = ts_error(TS_ERR_INVALID_ARGUMENT,
                           "%s: parameter '%s' is shared with a parameter already managed by another FSDP group%s%s%s; "
@@ -347,7 +346,7 @@ static ts_status unshard_direct(fsdp_group *g)
         if (!(st = ts__fsdp_offload_copy_in(g, &alias))) in = ts_tensor_data(g->ag_in); /* cast into ag_in */
     } else if (!st && g->off.on) { /* the host shard to the device (counted as offload's H2D copy) */
         if (!(st = ts_tensor_empty(g->udtype, 1, &g->shard_numel, &g->ag_in))) {
-            ts__offload_h2d(&g->off, ts_tensor_data(g->ag_in), ts_tensor_data(g->sharded), (size_t)g->shard_numel * g->es);
+            ts__fsdp_offload_h2d(&g->off, ts_tensor_data(g->ag_in), ts_tensor_data(g->sharded), (size_t)g->shard_numel * g->es);
             in = ts_tensor_data(g->ag_in);
         }
     } else if (!st && g->udtype != g->dtype) {
@@ -605,25 +604,6 @@ static void read_flags(fsdp_group *g, const unsigned char *base)
         g->params[i].in_reduce = flag_set(g->rdtype, base + (size_t)(g->shard_numel + i) * g->res);
 }
 
-fsdp_reduce_plan ts__fsdp_reduce_plan(const fsdp_group *g)
-{
-    int n_rs = g->W, n_ar = is_hsdp(g) ? ts_comm_size(g->rg) : 1;
-    double n = (double)n_rs * n_ar, f = g->divide_factor;
-    fsdp_reduce_plan p = {TS_REDUCE_AVG, TS_REDUCE_AVG, 1.0, 1.0, 1.0};
-    if (g->force_sum) { /* SUM only, one division at the end: by f, or by N to average */
-        p.rs_op = p.ar_op = TS_REDUCE_SUM;
-        double d = f > 0 ? f : n;
-        if (n_ar > 1) p.post = d;
-        else p.rs_post = d;
-    } else if (f > 0) { /* sum over every rank / f */
-        p.ar_op = TS_REDUCE_SUM;
-        if (f != (double)n_rs) {
-            p.rs_op = TS_REDUCE_SUM; /* FSDP2's PREMUL_SUM(1/f): each input divided by f, then summed */
-            p.rs_pre = f;
-        }
-    }
-    return p;
-}
 
 /* A view of the reduced output `out` (1-d, the shard layout) at
  * parameter p's segment, in the shard's shape: the new gradient of a
@@ -1156,38 +1136,5 @@ ts_status ts__fsdp_gather_full(fsdp_group *g, bool keep, ts_tensor **full)
         }
     }
     ts_tensor_free(ag);
-    return st;
-}
-
-/* ------------------------------------------------------------------ */
-/* A separate reduce-scatter group                                    */
-/* ------------------------------------------------------------------ */
-
-ts_status ts_fsdp_set_separate_reduce_scatter_group(ts_module *module, bool enable)
-{
-    static const char fn[] = "ts_fsdp_set_separate_reduce_scatter_group";
-    if (!module) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL module", fn);
-    fsdp_state *s = NULL;
-    ts_status st = ts__fsdp_need_state(fn, module, &s);
-    if (st) return st;
-    groups_walk w = {0};
-    if ((st = ts__fsdp_idle_groups(fn, module, &w))) return st;
-    for (int i = 0; i < w.n && !st; i++) {
-        fsdp_group *g = w.g[i];
-        if (enable && !g->rsg && g->W > 1) {
-            int *ranks = ts__malloc(TS_MEM_NN, (size_t)g->W * sizeof *ranks);
-            if (!ranks) {
-                st = TS_ERR_NO_MEMORY;
-                break;
-            }
-            for (int j = 0; j < g->W; j++) ranks[j] = j;
-            st = ts_comm_new_group(g->pg, g->W, ranks, &g->rsg);
-            ts__free(TS_MEM_NN, ranks);
-        } else if (!enable && g->rsg) {
-            ts_comm_free(g->rsg);
-            g->rsg = NULL;
-        }
-    }
-    ts__free(TS_MEM_NN, w.g);
     return st;
 }

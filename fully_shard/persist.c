@@ -23,6 +23,8 @@
  * had a gradient), reduced with it: every rank sets the reduced gradient
  * where any rank had one and none where no rank did (param_group.c's
  * [Note: unused parameters]).
+ * Floor 3 (internal.h, "Floors"): may call floors 1-2 (common.c: the
+ * registries, growing arrays, ts__fsdp_reduce_plan).
  */
 #include "fully_shard/internal.h"
 
@@ -35,7 +37,7 @@
 
 static bool is_float(ts_dtype d) { return d == TS_F32 || d == TS_F64 || d == TS_BF16 || d == TS_F16; }
 
-ts_status ts__fsdp_persist_take(const char *fn, collect *c, const ts_fsdp_options *o, fsdp_persist **out,
+ts_status ts__fsdp_persist_take(const char *fn, ts__fsdp_collect *c, const ts_fsdp_options *o, fsdp_persist **out,
                                 int *n_out)
 {
     *out = NULL;
@@ -46,7 +48,7 @@ ts_status ts__fsdp_persist_take(const char *fn, collect *c, const ts_fsdp_option
     for (int i = 0; i < c->n; i++) {
         ts_tensor *t = c->c[i].t;
         if (ts_tensor_numel(t) >= thr) continue;
-        char other[FQN_MAX] = "";
+        char other[TS__FSDP_FQN_MAX] = "";
         if (ts__fsdp_reg_owner(t, other, sizeof other) || ts_tensor_is_shard(t))
             return ts_error(TS_ERR_INVALID_ARGUMENT,
                             "%s: parameter '%s' is shared with a parameter already managed by another FSDP group%s%s%s; "
@@ -124,7 +126,7 @@ void ts__fsdp_persist_free(fsdp_persist *p, int n)
     ts__free(TS_MEM_NN, p);
 }
 
-fsdp_persist *ts__fsdp_find_persist(groups_walk *w, const ts_tensor *t)
+fsdp_persist *ts__fsdp_find_persist(ts__fsdp_groups_walk *w, const ts_tensor *t)
 {
     for (int i = 0; i < w->n; i++)
         for (int k = 0; k < w->g[i]->n_persist; k++)

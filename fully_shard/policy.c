@@ -5,6 +5,7 @@
  * the tree bottom-up (children before their parent, siblings in PyTorch's
  * order) and never shard the root: the caller ends with
  * ts_fully_shard(root), as FSDP2 users end with fully_shard(model).
+ * Floor 7 (internal.h, "Floors"): may call floors 1-6 (ts_fully_shard).
  */
 #include "fully_shard/fully_shard.h"
 #include "fully_shard/internal.h"
@@ -57,15 +58,6 @@ static bool is_ancestor(const char *a, const char *b)
     if (!*a) return *b != '\0';
     size_t n = strlen(a);
     return strncmp(a, b, n) == 0 && b[n] == '.';
-}
-
-/* The type a module had before fully_shard (or ts_checkpoint_module)
- * rewrote it ("" if unnamed). */
-const char *ts__fsdp_own_type(const ts_module *m)
-{
-    const ts_module_vtable *vt = m->vtable;
-    while (vt && vt->base) vt = vt->base;
-    return vt && vt->type_name ? vt->type_name : "";
 }
 
 /* Lists the tree under root in post-order (every module after its

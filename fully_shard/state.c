@@ -6,9 +6,14 @@
  * autograd markers around a module's inputs and outputs (pre- and
  * post-backward, the end-of-backward callback) and implicit and explicit
  * prefetch.
+ * Also the groups of a subtree (ts__fsdp_subtree_groups, ts__fsdp_idle_groups)
+ * and the TS_DISTRIBUTED_DEBUG figures when a root is freed.
+ * Floor 5 (internal.h, "Floors"): may call floors 1-4 (common.c, repr.c,
+ * persist.c, param_group.c).
  */
 #include "fully_shard/internal.h"
 
+#include "comm/comm_internal.h"
 #include "nn/internal.h"
 #include "tensor/internal.h"
 
@@ -701,4 +706,61 @@ static void fsdp_free(ts_module *m)
     s->n_fwd_prefetch = s->n_bwd_prefetch = 0;
     ts__module_release(m);
     ts__fsdp_state_release(s);
+}
+
+/* ------------------------------------------------------------------ */
+/* The groups of a subtree                                            */
+/* ------------------------------------------------------------------ */
+
+static ts_status groups_each(void *vc, const char *fqn, ts_module *m)
+{
+    (void)fqn;
+    ts__fsdp_groups_walk *w = vc;
+    fsdp_state *s = ts__fsdp_state_of(m);
+    if (!s || !s->group) return TS_OK;
+    for (int i = 0; i < w->n; i++)
+        if (w->g[i] == s->group) return TS_OK;
+    if (!ts__fsdp_grow((void **)&w->g, &w->cap, w->n + 1, sizeof *w->g)) return TS_ERR_NO_MEMORY;
+    w->g[w->n++] = s->group;
+    return TS_OK;
+}
+
+ts_status ts__fsdp_subtree_groups(ts_module *m, ts__fsdp_groups_walk *w)
+{
+    memset(w, 0, sizeof *w);
+    ts_status st = ts_module_named_modules(m, groups_each, w);
+    if (st) ts__free(TS_MEM_NN, w->g);
+    return st;
+}
+
+/* Inside a forward or backward of one of g[0..n), or a reduction pending. */
+static bool busy(fsdp_group **g, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (g[i]->training == FSDP_FORWARD || ts__fsdp_reduce_in_flight(g[i])) return true;
+    return ts_autograd_in_backward();
+}
+
+ts_status ts__fsdp_idle_groups(const char *fn, ts_module *m, ts__fsdp_groups_walk *w)
+{
+    ts_status st = ts__fsdp_subtree_groups(m, w);
+    if (st) return st;
+    if (busy(w->g, w->n)) {
+        ts__free(TS_MEM_NN, w->g);
+        w->g = NULL;
+        return ts_error(TS_ERR_STATE, "%s: not inside a forward or backward", fn);
+    }
+    return TS_OK;
+}
+
+/* TS_DISTRIBUTED_DEBUG: the root's groups' figures when it is freed (repr.c writes them). */
+void ts__fsdp_stats_at_free(ts_module *root)
+{
+    if (ts__dist_debug_level() < 1) return;
+    ts__fsdp_groups_walk w;
+    if (ts__fsdp_subtree_groups(root, &w)) return;
+    uint64_t calls = 0;
+    for (int i = 0; i < w.n; i++) calls += w.g[i]->ag_stats.calls + w.g[i]->rs_stats.calls + w.g[i]->ar_stats.calls;
+    if (calls) (void)ts__fsdp_print_coll_stats(&w, stderr);
+    ts__free(TS_MEM_NN, w.g);
 }

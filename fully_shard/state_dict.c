@@ -3,6 +3,7 @@
  * group's parameters whole (on every rank, or rank 0 only), loading copies
  * each rank's rows of a full tensor into its shard; and
  * ts_fsdp_clip_grad_norm over the sharded gradients.
+ * Floor 6 (internal.h, "Floors"): may call floors 1-5 and materialize.c.
  */
 #include "fully_shard/internal.h"
 
@@ -19,7 +20,7 @@
 /* State dicts                                                        */
 /* ------------------------------------------------------------------ */
 
-fsdp_param *ts__fsdp_find_param(groups_walk *w, const ts_tensor *t, fsdp_group **g_out)
+fsdp_param *ts__fsdp_find_param(ts__fsdp_groups_walk *w, const ts_tensor *t, fsdp_group **g_out)
 {
     for (int i = 0; i < w->n; i++)
         for (int k = 0; k < w->g[i]->n; k++) {
@@ -35,7 +36,7 @@ fsdp_param *ts__fsdp_find_param(groups_walk *w, const ts_tensor *t, fsdp_group *
 ts_status ts_fsdp_full_state_dict(ts_module *module, bool rank0_only, ts_state_dict **out)
 {
     if (!module || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_full_state_dict: NULL argument");
-    groups_walk w;
+    ts__fsdp_groups_walk w;
     ts_status st = ts__fsdp_check_materialized("ts_fsdp_full_state_dict", module);
     if (st) return st;
     if ((st = ts__fsdp_idle_groups("ts_fsdp_full_state_dict", module, &w))) return st;
@@ -105,7 +106,7 @@ ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *s
 {
     static const char fn[] = "ts_fsdp_load_full_state_dict";
     if (!module || !sd) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-    groups_walk w;
+    ts__fsdp_groups_walk w;
     ts_status st = ts__fsdp_idle_groups(fn, module, &w);
     if (st) return st;
     for (int i = 0; i < w.n && !st; i++) st = ts__fsdp_reshard(w.g[i]);
@@ -225,7 +226,7 @@ ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *tot
     static const char fn[] = "ts_fsdp_clip_grad_norm";
     if (!module || !total_norm_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
     if (!(max_norm >= 0)) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid max_norm %g (must be >= 0)", fn, max_norm);
-    groups_walk w;
+    ts__fsdp_groups_walk w;
     ts_status st = ts__fsdp_subtree_groups(module, &w);
     if (st) return st;
     /* a reduction a backward left in flight (ts_fsdp_set_is_last_backward

@@ -1,7 +1,9 @@
 /*
- * Describing the sharding: the FSDP vtable's extra_repr (the line
- * ts_module_print shows for an FSDP module) and ts_fsdp_summary, per group
- * and per parameter: full, local and padded shapes, bytes per rank.
+ * fully_shard's floor 7 (internal.h, "Floors"): describing the sharding:
+ * ts_fsdp_summary, per group and per parameter: full, local and padded
+ * shapes, bytes per rank; ts_fsdp_print_stats; ts_fsdp_offload_stats_get.
+ * (The FSDP vtable's extra_repr and the collective figures: repr.c.)
+ * May call: floors 1-6.
  */
 #define _GNU_SOURCE
 #include "fully_shard/internal.h"
@@ -17,67 +19,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* is_root < 0: not known yet (before the first forward, for print) */
-static void policy_str(const fsdp_group *g, bool resolved, int is_root, char *buf, size_t cap)
-{
-    ts_reshard_policy p = resolved ? g->policy : g->user_policy;
-    const char *note = "";
-    if (!resolved && p == TS_RESHARD_AUTO && is_root < 0) {
-        snprintf(buf, cap, "auto (false for the root, true for the others)");
-        return;
-    }
-    if (!resolved && p == TS_RESHARD_AUTO) {
-        p = is_root ? TS_RESHARD_FALSE : TS_RESHARD_TRUE;
-        note = is_root ? " (auto: the root keeps its parameters)" : " (auto)";
-    }
-    if (p == TS_RESHARD_EVERY_N && g->every_n == 1) p = TS_RESHARD_TRUE;
-    switch (p) {
-    case TS_RESHARD_FALSE: snprintf(buf, cap, "false%s", note); break;
-    case TS_RESHARD_EVERY_N: snprintf(buf, cap, "every %d forwards%s", g->every_n, note); break;
-    case TS_RESHARD_AUTO: snprintf(buf, cap, "auto"); break;
-    default: snprintf(buf, cap, "true%s", note); break;
-    }
-}
-
-static void mesh_str(const ts_mesh *mesh, char *buf, size_t cap)
-{
-    size_t n = 0;
-    buf[0] = '\0';
-    for (int d = 0; d < ts_mesh_ndim(mesh) && n < cap; d++) {
-        int k = snprintf(buf + n, cap - n, "%s%s=%lld", d ? ", " : "(", ts_mesh_dim_name(mesh, d),
-                         (long long)ts_mesh_dim_size(mesh, d));
-        n += k > 0 ? (size_t)k : 0;
-    }
-    if (n < cap) snprintf(buf + n, cap - n, ")");
-}
-
 static void bytes_str(double b, char *buf, size_t cap)
 {
     if (b < 1024) snprintf(buf, cap, "%.0f B", b);
     else if (b < 1024.0 * 1024) snprintf(buf, cap, "%.1f KiB", b / 1024);
     else if (b < 1024.0 * 1024 * 1024) snprintf(buf, cap, "%.1f MiB", b / (1024.0 * 1024));
     else snprintf(buf, cap, "%.2f GiB", b / (1024.0 * 1024 * 1024));
-}
-
-/* The FSDP vtable's extra_repr: the original's, then this module's group. */
-int ts__fsdp_extra_repr(const ts_module *m, char *buf, size_t cap)
-{
-    const fsdp_state *s = m->ext;
-    char own[512] = "";
-    if (s->orig_vt->extra_repr && s->orig_vt->extra_repr(m, own, sizeof own) < 0) own[0] = '\0';
-    const char *sep = own[0] ? "; " : "";
-    const fsdp_group *g = s->group;
-    if (!g) return snprintf(buf, cap, "%s%sFSDP: no parameters of its own", own, sep);
-    char pol[96], mesh[128];
-    policy_str(g, s->ctx != NULL, s->ctx ? s->ctx->root == s : -1, pol, sizeof pol);
-    mesh_str(g->mesh, mesh, sizeof mesh);
-    char shared[64] = "";
-    if (g->n_states > 1) snprintf(shared, sizeof shared, ", shared by %d modules", g->n_states);
-    return snprintf(buf, cap,
-                    "%s%sFSDP: %d param%s, %lld elements, %lld per rank + %lld padding in all, mesh %s, reshard "
-                    "after forward: %s%s",
-                    own, sep, g->n, g->n == 1 ? "" : "s", (long long)g->numel, (long long)g->shard_numel,
-                    (long long)(g->shard_numel * g->W - g->numel), mesh, pol, shared);
 }
 
 /* The FSDP modules of a subtree and their names, in pre-order. */
@@ -118,7 +65,7 @@ static ts_status write_summary(ts_module *module, FILE *f)
 {
     summary_walk w = {0};
     ts_named_params np = {0}, nb = {0};
-    groups_walk gw = {0};
+    ts__fsdp_groups_walk gw = {0};
     ts_status st = ts_module_named_modules(module, summary_each, &w);
     if (!st) st = ts__fsdp_subtree_groups(module, &gw);
     if (!st) st = ts_module_named_parameters(module, &np);
@@ -131,7 +78,7 @@ static ts_status write_summary(ts_module *module, FILE *f)
         total += p ? p->numel : ts_tensor_numel(*np.items[i].slot);
     }
     char mesh[128] = "(none)";
-    if (gw.n) mesh_str(gw.g[0]->mesh, mesh, sizeof mesh);
+    if (gw.n) ts__fsdp_mesh_str(gw.g[0]->mesh, mesh, sizeof mesh);
     fprintf(f, "FSDP summary of %s (rank %d of mesh %s): %d FSDP module%s, %d group%s, %d parameter%s (%lld elements)\n",
             ts_module_type_name(module), rank, mesh, w.n, w.n == 1 ? "" : "s", gw.n, gw.n == 1 ? "" : "s", np.n,
             np.n == 1 ? "" : "s", (long long)total);
@@ -139,7 +86,7 @@ static ts_status write_summary(ts_module *module, FILE *f)
     int in_groups = 0;
     for (int i = 0; i < gw.n; i++) {
         const fsdp_group *g = gw.g[i];
-        char names[FQN_MAX] = "";
+        char names[TS__FSDP_FQN_MAX] = "";
         const char *type = "";
         bool root = false, resolved = false;
         for (int k = 0; k < w.n; k++) {
@@ -151,8 +98,8 @@ static ts_status write_summary(ts_module *module, FILE *f)
             if (w.s[k]->module == module || (w.s[k]->ctx && w.s[k]->ctx->root == w.s[k])) root = true;
         }
         char pol[96], gm[128], b1[32], b2[32];
-        policy_str(g, resolved, root, pol, sizeof pol);
-        mesh_str(g->mesh, gm, sizeof gm);
+        ts__fsdp_policy_str(g, resolved, root, pol, sizeof pol);
+        ts__fsdp_mesh_str(g->mesh, gm, sizeof gm);
         int64_t pad_all = g->shard_numel * g->W - g->numel;
         bytes_str((double)g->shard_numel * (double)g->es, b1, sizeof b1);
         bytes_str((double)g->shard_numel * (double)g->W * (double)g->ues, b2, sizeof b2); /* in param_dtype */
@@ -315,79 +262,46 @@ ts_status ts_fsdp_summary_str(ts_module *module, char *buf, size_t cap, size_t *
 }
 
 /* ------------------------------------------------------------------ */
-/* Collective figures per group (TS_DISTRIBUTED_DEBUG)                 */
+/* Collective figures per group and offload copies (TS_DISTRIBUTED_DEBUG) */
 /* ------------------------------------------------------------------ */
-
-/* ", all_gather 6 (33280 bytes, wait 0.512 ms)" into buf at *n; nothing
- * when the kind issued none. */
-static void coll_str(char *buf, size_t cap, size_t *n, const char *kind, const fsdp_coll_stats *s)
-{
-    if (!s->calls || *n >= cap) return;
-    int k = snprintf(buf + *n, cap - *n, "%s%s %llu (%llu bytes, wait %.3f ms)", *n ? ", " : "", kind,
-                     (unsigned long long)s->calls, (unsigned long long)s->bytes, (double)s->wait_ns / 1e6);
-    *n += k > 0 ? (size_t)k : 0;
-}
-
-static void coll_add(fsdp_coll_stats *sum, const fsdp_coll_stats *s)
-{
-    sum->calls += s->calls;
-    sum->bytes += s->bytes;
-    sum->wait_ns += s->wait_ns;
-}
-
-/* The lines of ts_fsdp_print_stats for the groups w (see the header),
- * written to f; false when writing failed. */
-static bool print_stats(const groups_walk *w, FILE *f)
-{
-    ts_comm *world = w->n ? ts__mesh_world(w->g[0]->mesh) : ts_dist_world();
-    int rank = ts_comm_rank(world), size = ts_comm_size(world);
-    fsdp_coll_stats sum[3] = {{0}};
-    bool ok = true;
-    for (int i = 0; i < w->n; i++) {
-        const fsdp_group *g = w->g[i];
-        char line[1024];
-        size_t n = 0;
-        coll_str(line, sizeof line, &n, "all_gather", &g->ag_stats);
-        coll_str(line, sizeof line, &n, "reduce_scatter", &g->rs_stats);
-        coll_str(line, sizeof line, &n, "all_reduce", &g->ar_stats);
-        coll_add(&sum[0], &g->ag_stats);
-        coll_add(&sum[1], &g->rs_stats);
-        coll_add(&sum[2], &g->ar_stats);
-        char mesh[128];
-        mesh_str(g->mesh, mesh, sizeof mesh);
-        ok &= fprintf(f, "[ts fsdp] rank %d/%d group '%s' (%d parameters, %lld elements, mesh %s): %s\n", rank, size,
-                      g->fqn[0] ? g->fqn : "(root)", g->n, (long long)g->numel, mesh,
-                      n ? line : "no collectives") > 0;
-    }
-    char line[1024];
-    size_t n = 0;
-    coll_str(line, sizeof line, &n, "all_gather", &sum[0]);
-    coll_str(line, sizeof line, &n, "reduce_scatter", &sum[1]);
-    coll_str(line, sizeof line, &n, "all_reduce", &sum[2]);
-    ok &= fprintf(f, "[ts fsdp] rank %d/%d total over %d group%s: %s\n", rank, size, w->n, w->n == 1 ? "" : "s",
-                  n ? line : "no collectives") > 0;
-    return fflush(f) == 0 && ok;
-}
 
 ts_status ts_fsdp_print_stats(ts_module *module, FILE *f)
 {
     if (!module || !f)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_print_stats: %s is NULL", !module ? "module" : "f");
-    groups_walk w;
+    ts__fsdp_groups_walk w;
     ts_status st = ts__fsdp_subtree_groups(module, &w);
     if (st) return st;
-    bool ok = print_stats(&w, f);
+    bool ok = ts__fsdp_print_coll_stats(&w, f);
     ts__free(TS_MEM_NN, w.g);
     return ok ? TS_OK : ts_error(TS_ERR_IO, "ts_fsdp_print_stats: writing failed: %s", strerror(errno));
 }
 
-void ts__fsdp_stats_at_free(ts_module *root)
+/* The offload policy's copies (ts_fsdp_offload_stats_get; offload.c counts them). */
+static size_t block_bytes(const ts_tensor *t) { return t ? ts_tensor_storage(t)->block_bytes : 0; }
+
+ts_status ts_fsdp_offload_stats_get(ts_module *module, ts_fsdp_offload_stats *out)
 {
-    if (ts__dist_debug_level() < 1) return;
-    groups_walk w;
-    if (ts__fsdp_subtree_groups(root, &w)) return;
-    uint64_t calls = 0;
-    for (int i = 0; i < w.n; i++) calls += w.g[i]->ag_stats.calls + w.g[i]->rs_stats.calls + w.g[i]->ar_stats.calls;
-    if (calls) (void)print_stats(&w, stderr);
+    if (!module || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_offload_stats_get: %s is NULL", !module ? "module" : "out");
+    ts__fsdp_groups_walk w = {0};
+    ts_status st = ts__fsdp_subtree_groups(module, &w);
+    if (st) return st;
+    ts_fsdp_offload_stats s = {0};
+    for (int i = 0; i < w.n; i++) {
+        const fsdp_group *g = w.g[i];
+        if (!g->off.on) continue;
+        s.groups++;
+        s.pinned_groups += g->off.pin;
+        s.h2d_copies += g->off.h2d_copies;
+        s.h2d_bytes += g->off.h2d_bytes;
+        s.d2h_copies += g->off.d2h_copies;
+        s.d2h_bytes += g->off.d2h_bytes;
+        size_t host = block_bytes(g->sharded) + block_bytes(g->off.grad_host) + block_bytes(g->off.stage);
+        s.host_bytes += host;
+        if (g->off.pin) s.pinned_bytes += host;
+    }
     ts__free(TS_MEM_NN, w.g);
+    *out = s;
+    return TS_OK;
 }
