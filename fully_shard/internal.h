@@ -501,8 +501,6 @@ ts_status ts__fsdp_group_check_materialized(const char *fn, const fsdp_group *g)
  * recorded initializers are dropped (a checkpoint load fills the values).
  * A model with nothing on the meta device is left as it is. */
 ts_status ts__fsdp_materialize(const char *fn, ts_module *root, bool replay);
-/* True when some parameter or buffer under root is on the meta device. */
-bool ts__fsdp_any_meta(ts_module *root);
 
 /* summary.c */
 int ts__fsdp_extra_repr(const ts_module *m, char *buf, size_t cap);
