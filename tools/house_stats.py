@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Figures on the library's code, for reviews and closing notes.
 
-usage: house_stats.py [SOURCE_ROOT] [--unused]
+usage: house_stats.py [SOURCE_ROOT] [--unused] [--check]
 
 Prints, over the .c and .h files of the library folders:
   - the ten longest functions (file:line, name, lines from the line of
@@ -11,10 +11,16 @@ Prints, over the .c and .h files of the library folders:
   - every direct libc allocation call (malloc, calloc, realloc, free,
     strdup, strndup, aligned_alloc, posix_memalign) outside base/alloc.c,
     the allocator hook itself (docs/design.md#ownership): each one
-    bypasses the per-tag counters of ts_alloc_stats;
+    bypasses the per-tag counters of ts_mem_live_bytes. A call whose line
+    or the four lines above it say in a comment why it stays with libc
+    (memory a library hands over, such as json_dumps' result, or state
+    that outlives the allocator: the comment names "libc") is listed
+    apart as kept;
 with --unused, also the internal (ts__*) functions the library defines
 that no code in the repository calls (library, tests, tools, bench,
-examples, fuzz): dead code candidates.
+examples, fuzz): dead code candidates. With --check the exit status is 1
+when an allocation bypasses the hook or (with --unused) an internal
+function is called nowhere, so a test can hold the rule.
 """
 import os
 import re
@@ -151,6 +157,8 @@ def main():
     args = [a for a in sys.argv[1:] if not a.startswith('--')]
     root = args[0] if args else os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
     want_unused = '--unused' in sys.argv
+    check = '--check' in sys.argv
+    unused = []
     funcs, file_lines, allocs = [], [], []
     stripped = {}
     for path in sources(root, LAYERS):
@@ -163,8 +171,11 @@ def main():
         if path != ALLOC_HOOK:
             for m in ALLOC_RE.finditer(code):
                 line = code.count('\n', 0, m.start()) + 1
-                allocs.append((path, line, m.group(1),
-                               text.split('\n')[line - 1].strip()))
+                src_lines = text.split('\n')
+                near = '\n'.join(src_lines[max(0, line - 5):line])
+                kept = re.search(r'(/\*|//)[^\n]*libc', near) is not None or \
+                    re.search(r'libc[^\n]*\*/', near) is not None
+                allocs.append((path, line, m.group(1), src_lines[line - 1].strip(), kept))
 
     print('ten longest library functions (lines, file:line, name):')
     for lines, path, first, name in sorted(funcs, key=lambda f: (-f[0], f[1], f[2]))[:10]:
@@ -172,11 +183,17 @@ def main():
     print('ten longest library files (lines):')
     for lines, path in sorted(file_lines, key=lambda f: (-f[0], f[1]))[:10]:
         print('  %5d  %s' % (lines, path))
-    print('direct libc allocation calls outside %s: %d' % (ALLOC_HOOK, len(allocs)))
-    per_file = Counter(a[0] for a in allocs)
+    bypass = [a for a in allocs if not a[4]]
+    kept = [a for a in allocs if a[4]]
+    print('direct libc allocation calls outside %s: %d (and %d kept with libc, said why)'
+          % (ALLOC_HOOK, len(bypass), len(kept)))
+    per_file = Counter(a[0] for a in bypass)
     for path, count in sorted(per_file.items(), key=lambda x: (-x[1], x[0])):
         print('  %3d  %s' % (count, path))
-    for path, line, fn, src in allocs:
+    for path, line, fn, src, _ in bypass:
+        print('    %s:%d: %s: %s' % (path, line, fn, src[:100]))
+    print('kept with libc (a comment says why):')
+    for path, line, fn, src, _ in kept:
         print('    %s:%d: %s: %s' % (path, line, fn, src[:100]))
 
     if want_unused:
@@ -200,7 +217,8 @@ def main():
             uses = words[name] - 1 - min(protos, 1)
             if uses <= 0:
                 print('  %s:%d  %s' % (path, line, name))
-    return 0
+                unused.append(name)
+    return 1 if check and (bypass or unused) else 0
 
 
 if __name__ == '__main__':
