@@ -304,6 +304,13 @@ TS_API ts_status ts_memory_cap_read(ts_memory_cap *out);
  * /proc/self/cgroup and /proc/self/mountinfo (NULL: none). */
 TS_API ts_status ts__memory_cap_from(const char *env_value, const char *cgroup_file, const char *mountinfo,
                                      ts_memory_cap *out);
+/* The number of CPUs this process may run on: the count of its affinity
+ * mask (sched_getaffinity; taskset, cgroup cpusets and tsrun's binding
+ * shrink it), else the online processors (sysconf), at least 1. The
+ * default thread count (TS_NUM_THREADS unset: this divided by
+ * LOCAL_WORLD_SIZE) and tsrun's --nproc-per-node auto start from it. Any
+ * thread. */
+TS_API int ts_cpu_count(void);
 
 /*
  * Logging. The level comes from TS_LOG_LEVEL (error, warn, info, debug,

@@ -1,4 +1,5 @@
-/* Process memory (base/base.h: "Process memory"): the resident set from
+/* Process memory (base/base.h: "Process memory"): the CPUs the process
+ * may run on (ts_cpu_count), the resident set from
  * /proc/self/status and the memory cap the process runs under, from the
  * launcher's TS_MEMORY_PER_RANK or the process's own memory cgroup.
  *
@@ -14,9 +15,12 @@
 #include "base/base.h"
 
 #include <errno.h>
+#include <limits.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* A limit at or above this is "no limit": v1 writes 2^63 rounded down to
  * a page (9223372036854771712) for none, v2 writes "max". */
@@ -210,4 +214,16 @@ ts_status ts__memory_cap_from(const char *env_value, const char *cgroup_file, co
 ts_status ts_memory_cap_read(ts_memory_cap *out)
 {
     return ts__memory_cap_from(getenv(TS_MEMORY_PER_RANK_ENV), "/proc/self/cgroup", "/proc/self/mountinfo", out);
+}
+
+int ts_cpu_count(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0)
+            return n;
+    }
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 && n < INT_MAX ? (int)n : 1;
 }

@@ -94,6 +94,9 @@ static thread_buf *my_buf(void)
 {
     if (tl_buf)
         return tl_buf;
+    /* libc, not the hook: a thread's buffer lives as long as the process
+     * (g_bufs keeps it for a flush after the thread ended), so counted it
+     * would stay live for good and forbid ts_set_allocator */
     thread_buf *b = calloc(1, sizeof *b);
     if (!b)
         return NULL;
@@ -131,7 +134,7 @@ static span_args *args_new(int n, const ts_trace_arg *args)
     for (int i = 0; i < n; i++)
         if (args[i].str)
             bytes += strlen(args[i].str) + 1;
-    span_args *a = malloc(bytes);
+    span_args *a = ts__malloc(TS_MEM_OTHER, bytes);
     if (!a)
         return NULL;
     char *strs = (char *)&a->a[n];
@@ -166,10 +169,10 @@ void ts_trace_span_args(const char *name, const char *cat, uint64_t start_ns, ui
     span_args *a = n_args > 0 && args ? args_new(n_args, args) : NULL;
     pthread_mutex_lock(&b->lock);
     if (!b->tail || b->tail->n == SPANS_PER_CHUNK) {
-        chunk *c = malloc(sizeof *c);
+        chunk *c = ts__malloc(TS_MEM_OTHER, sizeof *c);
         if (!c) {
             pthread_mutex_unlock(&b->lock);
-            free(a);
+            ts__free(TS_MEM_OTHER, a);
             return;
         }
         c->next = NULL;
@@ -196,8 +199,8 @@ static void clear_spans_locked(void)
         for (chunk *c = b->head, *n; c; c = n) {
             n = c->next;
             for (int i = 0; i < c->n; i++)
-                free(c->spans[i].args);
-            free(c);
+                ts__free(TS_MEM_OTHER, c->spans[i].args);
+            ts__free(TS_MEM_OTHER, c);
         }
         b->head = b->tail = NULL;
         pthread_mutex_unlock(&b->lock);
@@ -426,7 +429,7 @@ ts_status ts_trace_start(const char *path)
     ts_status st = check_path(path, &created);
     if (st)
         return st;
-    char *p = strdup(path);
+    char *p = ts__strdup(TS_MEM_OTHER, path);
     if (!p) {
         if (created)
             unlink(path);
@@ -437,7 +440,7 @@ ts_status ts_trace_start(const char *path)
     bool same = g_path && strcmp(g_path, path) == 0;
     if (g_path && g_created && !g_written && !same)
         unlink(g_path); /* replaced before anything was written to it */
-    free(g_path);
+    ts__free(TS_MEM_OTHER, g_path);
     g_path = p;
     g_created = created || (same && g_created && !g_written);
     g_written = false;
@@ -517,8 +520,8 @@ static bool thread_events(json_t *events, thread_buf *b, int pid)
     size_t n = 0;
     for (chunk *c = b->head; c; c = c->next)
         n += (size_t)c->n;
-    const span **v = malloc((n ? n : 1) * sizeof *v);
-    unsigned char *lane_of = malloc(n ? n : 1);
+    const span **v = ts__malloc(TS_MEM_OTHER, (n ? n : 1) * sizeof *v);
+    unsigned char *lane_of = ts__malloc(TS_MEM_OTHER, n ? n : 1);
     lane lanes[MAX_LANES];
     memset(lanes, 0, sizeof lanes);
     int nl = 1;
@@ -544,11 +547,14 @@ static bool thread_events(json_t *events, thread_buf *b, int pid)
             lane *L = &lanes[at];
             if (L->n == L->cap) {
                 int cap = L->cap ? 2 * L->cap : 16;
-                uint64_t *e = realloc(L->ends, (size_t)cap * sizeof *e);
+                uint64_t *e = ts__malloc(TS_MEM_OTHER, (size_t)cap * sizeof *e);
                 if (!e) {
                     ok = false;
                     break;
                 }
+                if (L->n)
+                    memcpy(e, L->ends, (size_t)L->n * sizeof *e);
+                ts__free(TS_MEM_OTHER, L->ends);
                 L->ends = e;
                 L->cap = cap;
             }
@@ -580,9 +586,9 @@ static bool thread_events(json_t *events, thread_buf *b, int pid)
             ok = false;
     }
     for (int l = 0; l < MAX_LANES; l++)
-        free(lanes[l].ends);
-    free(v);
-    free(lane_of);
+        ts__free(TS_MEM_OTHER, lanes[l].ends);
+    ts__free(TS_MEM_OTHER, v);
+    ts__free(TS_MEM_OTHER, lane_of);
     return ok;
 }
 

@@ -209,7 +209,7 @@ static void js_show(const json_t *v, char *buf, size_t cap)
 {
     char *s = v ? json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT) : NULL;
     snprintf(buf, cap, "%.60s%s", s ? s : "(missing)", s && strlen(s) > 60 ? "..." : "");
-    free(s);
+    free(s); /* json_dumps allocates with jansson's allocator (libc) */
 }
 
 /* "placements": one entry per mesh dim of the tensor's DTensor, as

@@ -743,18 +743,6 @@ static ts_status random_hex(char *out, size_t nbytes)
     return TS_OK;
 }
 
-static int usable_cores(void)
-{
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0) {
-        int n = CPU_COUNT(&set);
-        if (n > 0)
-            return n;
-    }
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int)n : 1;
-}
-
 static bool valid_str(const char *s)
 {
     return s && *s && strlen(s) < TS_LAUNCH_MAX_STR && !strpbrk(s, "\n\r");
@@ -996,7 +984,7 @@ static ts_status build_env(env_builder *b, const ts_launch_options *o, int port,
         return s;
     if (!getenv("UCX_WARN_UNUSED_ENV_VARS") && (s = env_addf(b, "UCX_WARN_UNUSED_ENV_VARS", "n")))
         return s;
-    int threads = usable_cores() / o->nproc_per_node;
+    int threads = ts_cpu_count() / o->nproc_per_node;
     if (threads < 1)
         threads = 1;
     if (!getenv("BLIS_NUM_THREADS") && (s = env_addf(b, "BLIS_NUM_THREADS", "%d", threads)))

@@ -571,8 +571,6 @@ void ts__fsdp_stats_at_free(ts_module *root);
  * recorded initializers are dropped (a checkpoint load fills the values).
  * A model with nothing on the meta device is left as it is. */
 ts_status ts__fsdp_materialize(const char *fn, ts_module *root, bool replay);
-/* True when some parameter or buffer under root is on the meta device. */
-bool ts__fsdp_any_meta(ts_module *root);
 /* state_dict.c */
 fsdp_param *ts__fsdp_find_param(ts__fsdp_groups_walk *w, const ts_tensor *t, fsdp_group **g_out);
 /* fully_shard.c */

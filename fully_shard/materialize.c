@@ -20,20 +20,6 @@
 #include <string.h>
 
 /* ------------------------------------------------------------------ */
-/* Checks (the others: common.c)                                      */
-/* ------------------------------------------------------------------ */
-
-bool ts__fsdp_any_meta(ts_module *root)
-{
-    ts_named_params np = {0};
-    bool any = false;
-    if (ts__module_entries(root, true, true, true, &np)) return false;
-    for (int i = 0; i < np.n && !any; i++) any = ts__is_meta(*np.items[i].slot);
-    ts_named_params_free(&np);
-    return any;
-}
-
-/* ------------------------------------------------------------------ */
 /* Bytes                                                              */
 /* ------------------------------------------------------------------ */
 

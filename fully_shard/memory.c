@@ -228,7 +228,7 @@ static fsdp_group ***order_slot(fsdp_ctx *c, int k, int **n, int **cap)
 
 static ts_status save_state(est *e)
 {
-    e->gs = calloc((size_t)(e->gw.n ? e->gw.n : 1), sizeof *e->gs);
+    e->gs = ts__calloc(TS_MEM_OTHER, (size_t)(e->gw.n ? e->gw.n : 1), sizeof *e->gs);
     if (!e->gs) return TS_ERR_NO_MEMORY;
     for (int i = 0; i < e->gw.n; i++) {
         fsdp_group *g = e->gw.g[i];
@@ -240,8 +240,8 @@ static ts_status save_state(est *e)
         s->n_direct = g->n_direct, s->n_rs_add = g->n_rs_add, s->n_grad_adds = g->n_grad_adds;
         s->n_grad_views = g->n_grad_views;
         if (g->n_persist) {
-            s->mine = calloc((size_t)g->n_persist, sizeof *s->mine);
-            s->reduced = calloc((size_t)g->n_persist, sizeof *s->reduced);
+            s->mine = ts__calloc(TS_MEM_OTHER, (size_t)g->n_persist, sizeof *s->mine);
+            s->reduced = ts__calloc(TS_MEM_OTHER, (size_t)g->n_persist, sizeof *s->reduced);
             if (!s->mine || !s->reduced) return TS_ERR_NO_MEMORY;
             for (int k = 0; k < g->n_persist; k++) {
                 s->mine[k] = g->persist[k].mine, s->reduced[k] = g->persist[k].reduced;
@@ -257,7 +257,7 @@ static ts_status save_state(est *e)
             int *n, *cap;
             fsdp_group **a = *order_slot(c, k, &n, &cap);
             e->n_ord[k] = *n;
-            e->ord[k] = calloc((size_t)(*n ? *n : 1), sizeof(fsdp_group *));
+            e->ord[k] = ts__calloc(TS_MEM_OTHER, (size_t)(*n ? *n : 1), sizeof(fsdp_group *));
             if (!e->ord[k]) return TS_ERR_NO_MEMORY;
             if (*n) memcpy(e->ord[k], a, (size_t)*n * sizeof(fsdp_group *));
         }
@@ -294,7 +294,7 @@ static void restore_state(est *e)
                 ts_tensor_free(g->persist[k].mine), ts_tensor_free(g->persist[k].reduced);
                 g->persist[k].mine = s->mine[k], g->persist[k].reduced = s->reduced[k];
             }
-            free(s->mine), free(s->reduced);
+            ts__free(TS_MEM_OTHER, s->mine), ts__free(TS_MEM_OTHER, s->reduced);
         }
     fsdp_ctx *c = e->root ? e->root->ctx : NULL;
     if (c && e->gs) {
@@ -308,8 +308,8 @@ static void restore_state(est *e)
         }
         c->fwd_pos = e->had_ctx ? e->fwd_pos : 0;
     }
-    for (int k = 0; k < 3; k++) free(e->ord[k]), e->ord[k] = NULL;
-    free(e->gs);
+    for (int k = 0; k < 3; k++) ts__free(TS_MEM_OTHER, e->ord[k]), e->ord[k] = NULL;
+    ts__free(TS_MEM_OTHER, e->gs);
     e->gs = NULL;
 }
 
@@ -536,7 +536,7 @@ static ts_status eager_start_up(est *e)
 {
     int cap = 1, n = 0, nf = 0;
     for (int i = 0; i < e->gw.n; i++) cap += 2 * e->gw.g[i]->n + 1;
-    cls_ct *c = calloc((size_t)cap, sizeof *c);
+    cls_ct *c = ts__calloc(TS_MEM_OTHER, (size_t)cap, sizeof *c);
     if (!c) return TS_ERR_NO_MEMORY;
     fsdp_group *rg = e->root ? e->root->group : NULL;
     for (int i = 0; i < e->gw.n; i++)
@@ -553,16 +553,16 @@ static ts_status eager_start_up(est *e)
     }
     int64_t total = 0;
     for (int i = 0; i < n; i++) total += c[i].peak - c[i].live;
-    free(e->full_sizes);
-    e->full_sizes = calloc((size_t)(total ? total : 1), sizeof *e->full_sizes);
+    ts__free(TS_MEM_OTHER, e->full_sizes);
+    e->full_sizes = ts__calloc(TS_MEM_OTHER, (size_t)(total ? total : 1), sizeof *e->full_sizes);
     if (!e->full_sizes) {
-        free(c);
+        ts__free(TS_MEM_OTHER, c);
         return TS_ERR_NO_MEMORY;
     }
     for (int i = 0; i < n; i++)
         for (int64_t k = c[i].live; k < c[i].peak; k++) e->full_sizes[nf++] = c[i].bytes;
     e->n_full = nf;
-    free(c);
+    ts__free(TS_MEM_OTHER, c);
     return TS_OK;
 }
 
@@ -603,9 +603,9 @@ static ts_status setup(est *e)
                         o->param_dtype == TS_DTYPE_KEEP ? "keep" : ts_dtype_name(o->param_dtype));
     if ((st = ts_module_named_modules(m, find_block, e))) return st;
     if ((st = ts_module_named_parameters(m, &e->np)) || (st = ts_module_parameters(m, &e->pl))) return st;
-    e->saved_grad = calloc((size_t)(e->np.n ? e->np.n : 1), sizeof *e->saved_grad);
-    e->shadow = calloc((size_t)(e->pl.n ? e->pl.n : 1), sizeof *e->shadow);
-    e->full_sizes = calloc((size_t)(e->np.n ? e->np.n : 1), sizeof *e->full_sizes);
+    e->saved_grad = ts__calloc(TS_MEM_OTHER, (size_t)(e->np.n ? e->np.n : 1), sizeof *e->saved_grad);
+    e->shadow = ts__calloc(TS_MEM_OTHER, (size_t)(e->pl.n ? e->pl.n : 1), sizeof *e->shadow);
+    e->full_sizes = ts__calloc(TS_MEM_OTHER, (size_t)(e->np.n ? e->np.n : 1), sizeof *e->full_sizes);
     if (!e->saved_grad || !e->shadow || !e->full_sizes) return TS_ERR_NO_MEMORY;
     /* the model's storages: parameters (the groups' sharded buffers, whole ones outside groups) and buffers */
     seen_set set = {0};
@@ -654,7 +654,7 @@ static void teardown(est *e)
 {
     restore_state(e);
     for (int i = 0; e->shadow && i < e->pl.n; i++) ts_tensor_free(e->shadow[i]);
-    free(e->shadow), free(e->saved_grad), free(e->full_sizes);
+    ts__free(TS_MEM_OTHER, e->shadow), ts__free(TS_MEM_OTHER, e->saved_grad), ts__free(TS_MEM_OTHER, e->full_sizes);
     ts__free(TS_MEM_NN, e->blocks);
     ts__free(TS_MEM_NN, e->gw.g);
     ts_tensor_free(e->x), ts_tensor_free(e->tg);

@@ -257,7 +257,7 @@ ts_status ts_fsdp_summary_str(ts_module *module, char *buf, size_t cap, size_t *
         }
         *len_out = len;
     }
-    free(text);
+    free(text); /* open_memstream's buffer: libc's */
     return st;
 }
 

@@ -422,7 +422,7 @@ static ts_status run_callbacks(void)
     }
     /* the queue is thread-local: give it back, so that a thread that
      * ends after a backward leaks nothing */
-    free(tl_queue);
+    ts__free(TS_MEM_AUTOGRAD, tl_queue);
     tl_queue = NULL;
     tl_queue_len = tl_queue_cap = 0;
     return first;
@@ -484,7 +484,7 @@ ts_status ts_backward(ts_tensor *root, ts_tensor *grad, bool retain_graph)
     if (!st) {
         cb = run_callbacks();
     } else { /* a failed backward does not run them; drop them */
-        free(tl_queue);
+        ts__free(TS_MEM_AUTOGRAD, tl_queue);
         tl_queue = NULL;
         tl_queue_len = tl_queue_cap = 0;
     }
@@ -544,9 +544,12 @@ ts_status ts_autograd_queue_callback(ts_autograd_callback_fn fn, void *ctx)
         return ts_error(TS_ERR_STATE, "ts_autograd_queue_callback: no backward is running on this thread");
     if (tl_queue_len == tl_queue_cap) {
         int cap = tl_queue_cap ? tl_queue_cap * 2 : 16;
-        queued_cb *q = realloc(tl_queue, (size_t)cap * sizeof *q);
+        queued_cb *q = ts__malloc(TS_MEM_AUTOGRAD, (size_t)cap * sizeof *q);
         if (!q)
             return ts_error(TS_ERR_NO_MEMORY, "ts_autograd_queue_callback: out of memory");
+        if (tl_queue_len)
+            memcpy(q, tl_queue, (size_t)tl_queue_len * sizeof *q);
+        ts__free(TS_MEM_AUTOGRAD, tl_queue);
         tl_queue = q;
         tl_queue_cap = cap;
     }

@@ -325,18 +325,6 @@ static int choose_and_set_arch(void)
     return chosen;
 }
 
-static int online_cores(void)
-{
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0) {
-        int n = CPU_COUNT(&set);
-        if (n > 0)
-            return n;
-    }
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 && n < INT_MAX ? (int)n : 1;
-}
-
 /* A positive int from the environment, or 0 when unset; -1 when set to
  * something else. */
 static int env_positive_int(const char *name)
@@ -366,7 +354,7 @@ static int default_num_threads(void)
                 getenv("TS_NUM_THREADS"));
     int lws = env_positive_int("LOCAL_WORLD_SIZE");
     if (lws > 0) {
-        int cores = online_cores();
+        int cores = ts_cpu_count();
         int n = cores / lws;
         if (n < 1)
             n = 1;

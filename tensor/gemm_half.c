@@ -548,7 +548,7 @@ static void *bf16_thread_main(void *arg)
 /* The threads of an (m, n, k) bf16 product, as the sgemm path has them
  * (ts_get_num_threads): one per 2 MR rows at most, and one for products
  * too small to pay for a thread. gemm_avx512bf16 runs with them and
- * ts__gemm_half_scratch_bytes counts their scratch. */
+ * ts__gemm_half_meta counts their scratch. */
 static int bf16_threads(int64_t m, int64_t n, int64_t k)
 {
     int nt = ts_get_num_threads();
@@ -629,29 +629,6 @@ static bool gemm_avx512bf16(int64_t m, int64_t n, int64_t k, const uint16_t *a, 
 #endif
 
 /* ------------------------------------------------------------ dispatch */
-
-size_t ts__gemm_half_scratch_bytes(ts_dtype dt, int64_t m, int64_t n, int64_t k, bool beta)
-{
-    if (ts__use_reference_kernels || m <= 0 || n <= 0 || k <= 0)
-        return 0;
-#if TS__HAVE_AVX512BF16_KERNEL
-    if (dt == TS_BF16 && ts__hgemm_active() == TS__HGEMM_AVX512BF16 &&
-        ts__hgemm_kernel_runnable(TS__HGEMM_AVX512BF16, this_cpu())) {
-        int nt = bf16_threads(m, n, k);
-        int64_t kp = (k + 1) / 2, nb = n < NC ? n : NC, npan = (nb + NR - 1) / NR;
-        size_t per = ts__pool_block_bytes((size_t)(MC * KC2) * sizeof(uint32_t)) +
-                     ts__pool_block_bytes((size_t)(MC * NC) * sizeof(float)) +
-                     (beta ? ts__pool_block_bytes((size_t)NC * sizeof(float)) : 0);
-        return ts__pool_block_bytes((size_t)(npan * kp * NR) * sizeof(uint32_t)) + (size_t)nt * per;
-    }
-#endif
-    int64_t mc, nc;
-    sgemm_blocks(m, n, k, &mc, &nc);
-    return ts__pool_block_bytes((size_t)(mc * k) * sizeof(float)) + ts__pool_block_bytes((size_t)(nc * k) * sizeof(float)) +
-           ts__pool_block_bytes((size_t)(mc * nc) * sizeof(float)) +
-           (beta ? ts__pool_block_bytes((size_t)nc * sizeof(float)) : 0);
-}
-
 
 void ts__gemm_half_meta(ts_dtype dt, int64_t m, int64_t n, int64_t k, float beta, int64_t csc)
 {

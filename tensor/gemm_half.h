@@ -50,13 +50,6 @@ void ts__gemm_ref_half(ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint1
                        const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c, int64_t rsc,
                        int64_t csc);
 
-/* The pool bytes (TS_MEM_STORAGE, size classes) of the scratch blocks that
- * ts__gemm_half(dt, m, n, k, ...) holds at once with the kernel this
- * process runs: packed or converted blocks of A, B and C, and with beta
- * != 0 and unit column stride of C a row of float32 (beta says so); 0 for
- * the reference kernels. fully_shard's memory estimate adds it to a
- * 16-bit product's peak. */
-size_t ts__gemm_half_scratch_bytes(ts_dtype dt, int64_t m, int64_t n, int64_t k, bool beta);
 /* The meta device's ts__gemm_half: counts on the calling thread's meta
  * ledger the pool scratch blocks the product (dt, m, n, k, beta, C's
  * column stride csc) would take and give back, and computes nothing. */

@@ -460,7 +460,6 @@ typedef struct ts__init_target {
 ts_status ts__init_replay_targets(int n, const ts__init_target *targets);
 
 /* Generator internals, for dropout. */
-double ts__rng_u53(ts_generator *g);
 /* bernoulli(p) over a contiguous (rows, cols) tensor, packed into bits:
  * draws exactly what ts_bernoulli_(t, p, gen) draws for such a tensor, in
  * the same order (row-major, two mt19937 words per element: U53 < p), and

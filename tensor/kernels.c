@@ -577,5 +577,3 @@ double ts__buf_norm2_f64_on(ts__kpath p, const double *x, int64_t n)
 }
 
 float ts__buf_norm2_f32(const float *x, int64_t n) { return ts__buf_norm2_f32_on(ts__kpath_active(), x, n); }
-
-double ts__buf_norm2_f64(const double *x, int64_t n) { return ts__buf_norm2_f64_on(ts__kpath_active(), x, n); }

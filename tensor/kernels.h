@@ -154,11 +154,10 @@ void ts__buf_scale(ts_dtype d, void *x, int64_t n, double c);
  * rounded separately and added in order, the rest fused), then sqrt.
  * 0 for n == 0. Measured against torch (tests/fixtures/optim/). */
 float ts__buf_norm2_f32(const float *x, int64_t n);
-/* torch.norm(x, 2) of a float64 buffer: one accumulator,
- * acc = fma(x, x, acc) in order, then sqrt (torch on one thread). */
-double ts__buf_norm2_f64(const double *x, int64_t n);
 /* The same on path p (supported; the AVX paths are one AVX2+FMA build). */
 float ts__buf_norm2_f32_on(ts__kpath p, const float *x, int64_t n);
+/* torch.norm(x, 2) of a float64 buffer on path p: one accumulator,
+ * acc = fma(x, x, acc) in order, then sqrt (torch on one thread). */
 double ts__buf_norm2_f64_on(ts__kpath p, const double *x, int64_t n);
 
 #endif

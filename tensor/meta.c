@@ -86,7 +86,7 @@ static void ledger_release(ts_meta_ledger *l)
     if (!l || atomic_fetch_sub_explicit(&l->refcount, 1, memory_order_acq_rel) != 1)
         return;
     pthread_mutex_destroy(&l->lock);
-    free(l);
+    free(l); /* calloc'd by thread_ledger: libc, see there */
 }
 
 static void thread_ended(void *l) { ledger_release(l); }
@@ -99,6 +99,9 @@ static ts_meta_ledger *thread_ledger(bool make)
     if (tl_ledger || !make)
         return tl_ledger;
     pthread_once(&key_once, key_init);
+    /* libc, not the hook: the ledger lives as long as its thread (the main
+     * thread's for good), and the thread-exit destructor may run after
+     * ts_set_allocator swapped the allocator */
     ts_meta_ledger *l = calloc(1, sizeof *l);
     if (!l)
         return NULL;

@@ -183,11 +183,6 @@ uint32_t ts_generator_random(ts_generator *g)
     return mt_random(gen_or_default(g));
 }
 
-double ts__rng_u53(ts_generator *g)
-{
-    return u53(gen_or_default(g));
-}
-
 /* ------------------------------------------- state (SPEC §1.5, 5056 bytes) */
 
 enum {

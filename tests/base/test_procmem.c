@@ -3,6 +3,7 @@
  * test writes in the kernel's formats. */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -172,4 +173,24 @@ Test(base_procmem, this_process_cap_reads_without_error)
     unsetenv("TS_MEMORY_PER_RANK");
     cr_assert_eq(ts_memory_cap_read(&c), TS_OK, "%s", ts_last_error());
     cr_assert_eq(ts_memory_cap_read(NULL), TS_ERR_INVALID_ARGUMENT);
+}
+
+/* ts_cpu_count is the affinity mask's count, not the machine's: with one
+ * CPU allowed it says 1 (the default thread count and tsrun's
+ * --nproc-per-node auto rely on it). */
+Test(base_procmem, cpu_count_is_the_affinity_mask)
+{
+    cpu_set_t all;
+    cr_assert_eq(sched_getaffinity(0, sizeof all, &all), 0);
+    cr_assert_eq(ts_cpu_count(), CPU_COUNT(&all));
+    int first = 0;
+    while (!CPU_ISSET(first, &all))
+        first++;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    cr_assert_eq(sched_setaffinity(0, sizeof one, &one), 0);
+    int n = ts_cpu_count();
+    sched_setaffinity(0, sizeof all, &all);
+    cr_assert_eq(n, 1);
 }

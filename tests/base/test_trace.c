@@ -596,3 +596,28 @@ Test(base_trace, flush_into_a_fifo_nobody_reads_fails_at_once, .timeout = 20)
     th_rm_rf(dir);
     free(dir);
 }
+
+/* The trace's spans, their arguments and its file name go through the
+ * allocator hook (docs/design.md, "Ownership"): counted while tracing,
+ * given back by stop and by the next start's name. */
+Test(base_trace, spans_are_counted_by_the_allocator_hook)
+{
+    char *dir = temp_dir();
+    char *path = NULL;
+    cr_assert_gt(asprintf(&path, "%s/t.json", dir), 0);
+    ts_trace_thread_name("main"); /* the thread's own buffer (libc) exists before the mark */
+    size_t before = ts_mem_live_bytes(TS_MEM_OTHER);
+    TH_OK(ts_trace_start(path));
+    size_t started = ts_mem_live_bytes(TS_MEM_OTHER);
+    cr_assert_gt(started, before, "the trace file's name is counted");
+    ts_trace_arg args[] = {{.key = "bytes", .num = 4096}, {.key = "peer", .str = "rank 1"}};
+    for (int i = 0; i < 600; i++)
+        ts_trace_span_args("op", "test", 10 + (uint64_t)i, 20 + (uint64_t)i, 2, args);
+    cr_assert_gt(ts_mem_live_bytes(TS_MEM_OTHER), started, "spans and their args are counted");
+    TH_OK(ts_trace_stop(true));
+    cr_assert_eq(ts_mem_live_bytes(TS_MEM_OTHER), started, "stop gives the spans and the flush's scratch back");
+    unlink(path);
+    rmdir(dir);
+    free(path);
+    free(dir);
+}

@@ -390,10 +390,7 @@ ParameterizedTest(int *world, comm_launch, ranks_see_their_world, .timeout = 60)
     cr_assert_eq(r.res.exit_code, 0, "stderr: %s", r.err);
     cr_assert_eq(r.res.failed_rank, -1);
     cr_assert_gt(r.res.master_port, 0);
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0)
-        cores = CPU_COUNT(&set);
+    long cores = ts_cpu_count();
     int threads = (int)(cores / *world) < 1 ? 1 : (int)(cores / *world);
     char token[256] = "", run_id[256] = "";
     for (int rank = 0; rank < *world; rank++) {

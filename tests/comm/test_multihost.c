@@ -868,8 +868,7 @@ Test(comm_multihost, a_rank_that_gives_up_fails_the_other_host_within_2s, .timeo
  * test process (PR_SET_PDEATHSIG) and after 600 s at most (alarm). */
 static int start_load(pid_t *pids, int cap)
 {
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    if (n < 1) n = 1;
+    long n = ts_cpu_count();
     if (n > cap) n = cap;
     for (long i = 0; i < n; i++) {
         pid_t p = fork();

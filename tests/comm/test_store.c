@@ -399,18 +399,46 @@ Test(comm_store, compare_set_semantics, .timeout = 60)
     th_mem_assert_back();
 }
 
+/* Like setter, through compare-and-set on an absent key; keeps the value
+ * the call returned (what the key holds after it). */
+typedef struct {
+    setter_arg set;
+    void *after;
+    size_t after_len;
+} cas_setter_arg;
+
+static void *cas_setter(void *p)
+{
+    cas_setter_arg *a = p;
+    sleep_ms(a->set.delay_ms);
+    ts_store *c = NULL;
+    a->set.st = ts_store_connect(NULL, a->set.port, "tok", 5.0, &c);
+    if (a->set.st == TS_OK)
+        a->set.st = ts_store_compare_set(c, a->set.key, NULL, 0, a->set.val, strlen(a->set.val), &a->after,
+                                         &a->after_len);
+    ts_store_close(c);
+    return NULL;
+}
+
 Test(comm_store, compare_set_wakes_waiters, .timeout = 60)
 {
     ts_store_server *srv = start_server("tok");
     ts_store *c = connect_to(srv, "tok");
-    setter_arg a = {ts_store_server_port(srv), "woken", "v", 100, TS_ERR_INTERNAL};
+    cas_setter_arg a = {{ts_store_server_port(srv), "woken", "v", 100, TS_ERR_INTERNAL}, NULL, 0};
     pthread_t t;
-    pthread_create(&t, NULL, setter, &a);
+    pthread_create(&t, NULL, cas_setter, &a);
     void *v;
     size_t n;
     TH_OK(ts_store_get(c, "woken", &v, &n));
+    /* the waiter sees what compare-and-set set, and the call swapped */
+    cr_assert_eq(n, 1);
+    cr_assert_eq(memcmp(v, "v", 1), 0);
     free(v);
     pthread_join(t, NULL);
+    TH_OK(a.set.st);
+    cr_assert_eq(a.after_len, 1);
+    cr_assert_eq(memcmp(a.after, "v", 1), 0);
+    free(a.after);
     ts_store_close(c);
     ts_store_server_stop(srv);
 }

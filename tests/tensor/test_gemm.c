@@ -602,10 +602,7 @@ Test(tensor_gemm, threads_bad_ts_num_threads_ignored)
 Test(tensor_gemm, threads_from_local_world_size)
 {
     unsetenv("TS_NUM_THREADS");
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0)
-        cores = CPU_COUNT(&set);
+    long cores = ts_cpu_count();
     setenv("LOCAL_WORLD_SIZE", "1", 1);
     cr_assert_eq(ts_get_num_threads(), (int)cores);
 }

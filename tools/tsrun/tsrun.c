@@ -101,11 +101,8 @@ static bool parse_int(const char *s, long lo, long hi, int *out)
 /* One rank per core this process may run on (its affinity mask). */
 static int cores(void)
 {
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
-        return CPU_COUNT(&set);
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n < 1 ? 1 : n > 4096 ? 4096 : (int)n;
+    int n = ts_cpu_count();
+    return n > 4096 ? 4096 : n;
 }
 
 /* The token: the file's one line (a trailing newline dropped). Returns
