@@ -47,7 +47,7 @@ ts_status ts__causal_mask(int64_t T, ts_tensor **out);
 ts_status ts__module_copy_params(ts_module *dst, ts_module *src);
 
 /* A process-wide cache of the vtables an upper layer makes to extend
- * module types ("<Type><suffix>": nn/checkpoint.c's "Checkpointed",
+ * module types ("<Type><suffix>": nn/activation_checkpoint.c's "Checkpointed",
  * fully_shard's "FSDPModule"), one per original vtable, made on first use
  * and kept for the life of the process. Declare one per layer as a static
  * initialised with TS__VT_CACHE_INIT. */
