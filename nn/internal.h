@@ -11,6 +11,10 @@ ts_status ts__module_params(ts_module *m, bool dedup, ts_named_params *out);
 /* parameters and/or buffers in state-dict order (per module: parameters,
  * buffers, then children), with or without duplicates */
 ts_status ts__module_entries(ts_module *m, bool params, bool buffers, bool dedup, ts_named_params *out);
+/* dst = "prefix.name" ("name" when prefix is empty), the fully qualified
+ * name of a child; TS_ERR_INVALID_ARGUMENT when it needs cap bytes or more
+ * (nn/traverse.c) */
+ts_status ts__module_fqn_join(char *dst, size_t cap, const char *prefix, const char *name);
 /* TS_ERR_INVALID_ARGUMENT (prefixed with fn) unless vt is a usable module
  * vtable: type name, free (when need_free), well-formed methods
  * (ts_module_init's rules) */
@@ -43,7 +47,7 @@ ts_status ts__causal_mask(int64_t T, ts_tensor **out);
 ts_status ts__module_copy_params(ts_module *dst, ts_module *src);
 
 /* A process-wide cache of the vtables an upper layer makes to extend
- * module types ("<Type><suffix>": nn/checkpoint.c's "Checkpointed",
+ * module types ("<Type><suffix>": nn/activation_checkpoint.c's "Checkpointed",
  * fully_shard's "FSDPModule"), one per original vtable, made on first use
  * and kept for the life of the process. Declare one per layer as a static
  * initialised with TS__VT_CACHE_INIT. */

@@ -1,38 +1,16 @@
 /*
- * SGD, Adam and AdamW with PyTorch 1.13's single-tensor (foreach=False)
- * update formulas, learning-rate schedules, and clip_grad_norm_.
+ * SGD, Adam and AdamW (optim.h): the options, the optimizer object and its
+ * per-parameter state, the checks of a step and its dispatch to the
+ * kernels, and the accessors (lr, step count, state) checkpoints use.
  *
- * Bit-exactness. PyTorch runs each of its update lines as a separate op over
- * the whole tensor; every op rounds to the parameter's dtype, and Python
- * float scalars (double) are rounded to that dtype when they meet an f32
- * tensor. The Debian 12 build (GCC 12, AVX2 kernels, GNU-mode
- * -ffp-contract=fast) fuses these multiply-adds, in its vector loops and in
- * its scalar tails alike, which was measured op by op against torch 1.13
- * (tools/reference/make_optim_vectors.py fixtures; see PROVENANCE.md):
- *
- *   t.add(o, alpha=a)          fma(o, a, t)
- *   t.mul_(s)                  t * s
- *   t.addcmul_(x, y, value=v)  fma(v * x, y, t)
- *   t.addcdiv_(x, y, value=v)  t + (v * x) / y
- *   t / s, t.add_(s)           t / s, t + s
- *   s / t (Tensor.__rdiv__)    (1 / t) * s
- *   torch.maximum(a, b)        NaN if either is NaN, else std::max(a, b)
- *
- * (torch 1.13's Adam updates exp_avg with mul_(beta1).add_(grad, alpha=
- * 1 - beta1); the lerp_ form came with torch 2.0 and rounds differently.
- * Adam's per-parameter step is a float32 tensor, as in torch, so it stops
- * counting at 2^24 steps exactly where torch's does.)
- *
- * The kernels below fuse element-wise: one pass over parameter, gradient
- * and state, each element computed with exactly that sequence of roundings
- * (this file is compiled with -ffp-contract=off, so only the fmaf/fma
- * calls written here fuse). Each kernel exists as a plain scalar reference
- * (fma from libm) and, on x86-64 CPUs with AVX2 and FMA (chosen at run
- * time), as an AVX2 build doing the same operations with vector
- * intrinsics; they give identical bits (tests compare them).
+ * The other files of the layer: kernels.c (the update kernels, their
+ * bit-exactness against torch and the row walk), fused.c (the fused step),
+ * schedule.c (learning-rate schedules), clip.c (clip_grad_norm_); what
+ * they share is in optim_internal.h (the hooks for other layers are in
+ * internal.h).
  */
 #define _GNU_SOURCE
-#include "optim/internal.h"
+#include "optim/optim_internal.h"
 #include "tensor/internal.h"
 #include "tensor/kernels.h"
 
@@ -40,38 +18,6 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define OPT_HAVE_AVX2_BUILD 1
-#define OPT_AVX2_TARGET __attribute__((target("avx2,fma")))
-#define OPT_AVX512_TARGET __attribute__((target("avx512f,avx2,fma")))
-#else
-#define OPT_HAVE_AVX2_BUILD 0
-#endif
-#define OPT_INLINE static inline __attribute__((always_inline))
-
-bool ts__optim_use_reference = false;
-
-/* The build of the update kernels this step uses: tensor/kernels.h's
- * active path (the CPU's best, capped by TS_KERNELS and ts__kpath_force),
- * the scalar reference when the test hook is on. */
-static ts__kpath update_path(void)
-{
-#if OPT_HAVE_AVX2_BUILD
-    return ts__optim_use_reference ? TS__KPATH_SCALAR : ts__kpath_active();
-#else
-    return TS__KPATH_SCALAR;
-#endif
-}
-
-bool ts__optim_avx2_active(void) { return update_path() >= TS__KPATH_AVX2; }
-
-const char *ts__optim_update_path_name(void)
-{
-    ts__kpath p = update_path();
-    return p >= TS__KPATH_AVX512 ? "avx512" : ts__kpath_name(p);
-}
 
 /* ---------------------------------------------------------------- options */
 
@@ -94,37 +40,12 @@ ts_adam_options ts_adamw_options_default(void)
 
 /* ----------------------------------------------------------------- object */
 
-typedef enum opt_kind { OPT_SGD = 0, OPT_ADAM, OPT_ADAMW } opt_kind;
 
 static const char *const kind_names[] = {"SGD", "Adam", "AdamW"};
 
-typedef struct opt_param {
-    ts_tensor *param;     /* retained, as given (may be shard-marked) */
-    ts_tensor *local;     /* retained local view on param's data */
-    bool ready;           /* state exists (torch: self.state[p] not empty) */
-    ts_tensor *momentum_buffer;             /* SGD with momentum */
-    ts_tensor *exp_avg, *exp_avg_sq;        /* Adam(W) */
-    ts_tensor *max_exp_avg_sq;              /* Adam(W) amsgrad */
-    ts_tensor *step;                        /* Adam(W): 0-d f32, torch's state['step'] */
-} opt_param;
-
-struct ts_optim {
-    opt_kind kind;
-    int n;
-    opt_param *p;
-    ts_tensor **params;   /* p[i].param, in order (borrowed), for the upper layer's check */
-    bool warned_no_grad;  /* a step without any gradient was reported */
-    double lr;
-    ts_sgd_options sgd;
-    ts_adam_options adam;
-    int64_t steps;
-    bool fused;           /* the options' fused: state in one buffer per dtype, runs updated at once */
-    bool arenas;          /* fused: every parameter's state views exist */
-    int last_calls;       /* fused: kernel calls (runs and strided parameters) of the last step */
-};
 
 /* "parameter 3 ('fc.weight')" or "parameter 3" */
-static const char *param_label(int i, const ts_tensor *t, char *buf, size_t len)
+const char *ts__optim_param_label(int i, const ts_tensor *t, char *buf, size_t len)
 {
     const char *name = t ? ts_tensor_name(t) : "";
     if (name[0])
@@ -147,25 +68,25 @@ static ts_status check_params(const char *who, int n, ts_tensor *const *params)
         ts_dtype dt = ts_tensor_dtype(t);
         if (dt != TS_F32 && dt != TS_F64)
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s has dtype %s; float32 or float64 expected", who,
-                            param_label(i, t, lab, sizeof lab), ts_dtype_name(dt));
+                            ts__optim_param_label(i, t, lab, sizeof lab), ts_dtype_name(dt));
         if (!ts_tensor_requires_grad(t))
             return ts_error(TS_ERR_INVALID_ARGUMENT,
                             "%s: %s does not require grad; only tensors that require grad can be optimized", who,
-                            param_label(i, t, lab, sizeof lab));
+                            ts__optim_param_label(i, t, lab, sizeof lab));
         if (!ts_tensor_is_leaf(t))
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is not a leaf; can't optimize a non-leaf tensor", who,
-                            param_label(i, t, lab, sizeof lab));
+                            ts__optim_param_label(i, t, lab, sizeof lab));
         const int64_t *shape = ts_tensor_shape(t), *strides = ts_tensor_strides(t);
         for (int d = 0; d < ts_tensor_ndim(t); d++)
             if (shape[d] > 1 && strides[d] == 0)
                 return ts_error(TS_ERR_INVALID_ARGUMENT,
                                 "%s: %s has overlapping memory (stride 0 in dim %d, an expanded view); an in-place "
                                 "update would write one element several times", who,
-                                param_label(i, t, lab, sizeof lab), d);
+                                ts__optim_param_label(i, t, lab, sizeof lab), d);
         for (int j = 0; j < i; j++)
             if (params[j] == t)
                 return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s appears twice in the parameter list (also at %d)",
-                                who, param_label(i, t, lab, sizeof lab), j);
+                                who, ts__optim_param_label(i, t, lab, sizeof lab), j);
     }
     return TS_OK;
 }
@@ -427,600 +348,6 @@ static ts_status alloc_state_on(ts_optim *o, int i)
     return TS_OK;
 }
 
-/* ------------------------------------------------------------ row walking */
-
-/* An update kernel over one row of n elements: param row p (stride sp),
- * gradient row g (stride sg), state at linear element index `lin` (state
- * tensors are contiguous, in the parameter's row-major order). */
-typedef void (*row_fn)(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin);
-
-/* Runs fn over every innermost row of a (and b, same shape) in row-major
- * order; one call for the whole tensor when both are contiguous. */
-static void walk_rows(ts_tensor *a, const ts_tensor *b, row_fn fn, const void *k)
-{
-    int64_t numel = ts_tensor_numel(a);
-    if (numel == 0)
-        return;
-    char *pa = ts_tensor_data(a);
-    const char *pb = ts_tensor_data(b);
-    int nd = ts_tensor_ndim(a);
-    if (nd == 0 || (ts_tensor_is_contiguous(a) && ts_tensor_is_contiguous(b))) {
-        fn(k, numel, pa, 1, pb, 1, 0);
-        return;
-    }
-    const int64_t *shape = ts_tensor_shape(a), *sa = ts_tensor_strides(a), *sb = ts_tensor_strides(b);
-    size_t ea = ts_dtype_size(ts_tensor_dtype(a)), eb = ts_dtype_size(ts_tensor_dtype(b));
-    int64_t inner = shape[nd - 1], idx[TS_MAX_DIMS] = {0}, oa = 0, ob = 0, lin = 0;
-    for (;;) {
-        fn(k, inner, pa + oa * (int64_t)ea, sa[nd - 1], pb + ob * (int64_t)eb, sb[nd - 1], lin);
-        lin += inner;
-        int d = nd - 2;
-        for (; d >= 0; d--) {
-            oa += sa[d];
-            ob += sb[d];
-            if (++idx[d] < shape[d])
-                break;
-            oa -= sa[d] * shape[d];
-            ob -= sb[d] * shape[d];
-            idx[d] = 0;
-        }
-        if (d < 0)
-            return;
-    }
-}
-
-/* -------------------------------------------------------------- SGD kernel */
-
-typedef struct sgd_k {
-    double lr, wd, momentum, damp1; /* damp1 = 1 - dampening */
-    bool nesterov, maximize, first; /* first: the buffer is new (buf = d_p.clone()) */
-    void *buf;                      /* momentum buffer data or NULL */
-} sgd_k;
-
-/* torch.optim.sgd._single_tensor_sgd, one element at a time:
- *   d_p = -grad if maximize else grad
- *   if weight_decay != 0: d_p = d_p.add(param, alpha=wd)       fma(p, wd, d)
- *   if momentum != 0:
- *       buf = d_p.clone() at the first step, else
- *       buf.mul_(momentum).add_(d_p, alpha=1 - dampening)     fma(d, 1-damp, buf*m)
- *       d_p = d_p.add(buf, alpha=momentum) if nesterov else buf
- *   param.add_(d_p, alpha=-lr)                                 fma(d, -lr, p) */
-OPT_INLINE void sgd_body_f32(const sgd_k *k, int64_t n, float *p, int64_t sp, const float *g, int64_t sg,
-                             float *restrict buf)
-{
-    const float wd = (float)k->wd, m = (float)k->momentum, damp1 = (float)k->damp1, nlr = (float)-k->lr;
-    const bool has_wd = k->wd != 0, has_m = k->momentum != 0;
-    for (int64_t i = 0; i < n; i++) {
-        float d = k->maximize ? -g[i * sg] : g[i * sg];
-        if (has_wd)
-            d = fmaf(p[i * sp], wd, d);
-        if (has_m) {
-            float b = k->first ? d : fmaf(d, damp1, buf[i] * m);
-            buf[i] = b;
-            d = k->nesterov ? fmaf(b, m, d) : b;
-        }
-        p[i * sp] = fmaf(d, nlr, p[i * sp]);
-    }
-}
-
-OPT_INLINE void sgd_body_f64(const sgd_k *k, int64_t n, double *p, int64_t sp, const double *g, int64_t sg,
-                             double *restrict buf)
-{
-    const double wd = k->wd, m = k->momentum, damp1 = k->damp1, nlr = -k->lr;
-    const bool has_wd = k->wd != 0, has_m = k->momentum != 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = k->maximize ? -g[i * sg] : g[i * sg];
-        if (has_wd)
-            d = fma(p[i * sp], wd, d);
-        if (has_m) {
-            double b = k->first ? d : fma(d, damp1, buf[i] * m);
-            buf[i] = b;
-            d = k->nesterov ? fma(b, m, d) : b;
-        }
-        p[i * sp] = fma(d, nlr, p[i * sp]);
-    }
-}
-
-OPT_INLINE void sgd_row_f32(const void *kv, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
-{
-    const sgd_k *k = kv;
-    float *buf = k->buf ? (float *)k->buf + lin : NULL;
-    if (sp == 1 && sg == 1)
-        sgd_body_f32(k, n, p, 1, g, 1, buf);
-    else
-        sgd_body_f32(k, n, p, sp, g, sg, buf);
-}
-
-OPT_INLINE void sgd_row_f64(const void *kv, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
-{
-    const sgd_k *k = kv;
-    double *buf = k->buf ? (double *)k->buf + lin : NULL;
-    if (sp == 1 && sg == 1)
-        sgd_body_f64(k, n, p, 1, g, 1, buf);
-    else
-        sgd_body_f64(k, n, p, sp, g, sg, buf);
-}
-
-/* ------------------------------------------------------------- Adam kernel */
-
-typedef struct adam_k {
-    double wd;          /* Adam's L2 term (0 for AdamW) */
-    double decay;       /* AdamW: 1 - lr * weight_decay */
-    double beta1, omb1, beta2, omb2; /* omb = 1 - beta */
-    double bc2_sqrt, eps, neg_step_size;
-    bool adamw, amsgrad, maximize;
-    void *exp_avg, *exp_avg_sq, *max_exp_avg_sq;
-} adam_k;
-
-/* torch.optim.adam._single_tensor_adam / adamw._single_tensor_adamw
- * (capturable=False, differentiable=False), one element at a time:
- *   grad = -grad if maximize
- *   AdamW: param.mul_(1 - lr * weight_decay)                    p * decay
- *   Adam, weight_decay != 0: grad = grad.add(param, alpha=wd)     fma(p, wd, g)
- *   exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)              fma(g, 1-b1, m*b1)
- *   exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)  fma((1-b2)*g, g, v*b2)
- *   amsgrad: torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
- *   denom = (s.sqrt() / bias_correction2_sqrt).add_(eps)         sqrt(s) / bc + eps
- *   param.addcdiv_(exp_avg, denom, value=-step_size)              p + (-ss * m) / denom
- * with s = max_exp_avg_sq if amsgrad else exp_avg_sq. */
-OPT_INLINE void adam_body_f32(const adam_k *k, int64_t n, float *p, int64_t sp, const float *g, int64_t sg,
-                              float *restrict m, float *restrict v, float *restrict mx)
-{
-    const float wd = (float)k->wd, decay = (float)k->decay, b1 = (float)k->beta1, omb1 = (float)k->omb1,
-                b2 = (float)k->beta2, omb2 = (float)k->omb2, bc = (float)k->bc2_sqrt, eps = (float)k->eps,
-                nss = (float)k->neg_step_size;
-    const bool l2 = !k->adamw && k->wd != 0;
-    for (int64_t i = 0; i < n; i++) {
-        float gi = k->maximize ? -g[i * sg] : g[i * sg];
-        float pi = p[i * sp];
-        if (k->adamw)
-            pi = pi * decay;
-        else if (l2)
-            gi = fmaf(pi, wd, gi);
-        float mi = fmaf(gi, omb1, m[i] * b1);
-        float vi = fmaf(omb2 * gi, gi, v[i] * b2);
-        m[i] = mi;
-        v[i] = vi;
-        float s = vi;
-        if (k->amsgrad) {
-            float x = mx[i];
-            s = (isnan(x) || isnan(vi)) ? NAN : (x < vi ? vi : x);
-            mx[i] = s;
-        }
-        float denom = sqrtf(s) / bc + eps;
-        p[i * sp] = pi + (nss * mi) / denom;
-    }
-}
-
-OPT_INLINE void adam_body_f64(const adam_k *k, int64_t n, double *p, int64_t sp, const double *g, int64_t sg,
-                              double *restrict m, double *restrict v, double *restrict mx)
-{
-    const double wd = k->wd, decay = k->decay, b1 = k->beta1, omb1 = k->omb1, b2 = k->beta2, omb2 = k->omb2,
-                 bc = k->bc2_sqrt, eps = k->eps, nss = k->neg_step_size;
-    const bool l2 = !k->adamw && k->wd != 0;
-    for (int64_t i = 0; i < n; i++) {
-        double gi = k->maximize ? -g[i * sg] : g[i * sg];
-        double pi = p[i * sp];
-        if (k->adamw)
-            pi = pi * decay;
-        else if (l2)
-            gi = fma(pi, wd, gi);
-        double mi = fma(gi, omb1, m[i] * b1);
-        double vi = fma(omb2 * gi, gi, v[i] * b2);
-        m[i] = mi;
-        v[i] = vi;
-        double s = vi;
-        if (k->amsgrad) {
-            double x = mx[i];
-            s = (isnan(x) || isnan(vi)) ? (double)NAN : (x < vi ? vi : x);
-            mx[i] = s;
-        }
-        double denom = sqrt(s) / bc + eps;
-        p[i * sp] = pi + (nss * mi) / denom;
-    }
-}
-
-OPT_INLINE void adam_row_f32(const void *kv, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
-{
-    const adam_k *k = kv;
-    float *m = (float *)k->exp_avg + lin, *v = (float *)k->exp_avg_sq + lin;
-    float *mx = k->max_exp_avg_sq ? (float *)k->max_exp_avg_sq + lin : NULL;
-    if (sp == 1 && sg == 1)
-        adam_body_f32(k, n, p, 1, g, 1, m, v, mx);
-    else
-        adam_body_f32(k, n, p, sp, g, sg, m, v, mx);
-}
-
-OPT_INLINE void adam_row_f64(const void *kv, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
-{
-    const adam_k *k = kv;
-    double *m = (double *)k->exp_avg + lin, *v = (double *)k->exp_avg_sq + lin;
-    double *mx = k->max_exp_avg_sq ? (double *)k->max_exp_avg_sq + lin : NULL;
-    if (sp == 1 && sg == 1)
-        adam_body_f64(k, n, p, 1, g, 1, m, v, mx);
-    else
-        adam_body_f64(k, n, p, sp, g, sg, m, v, mx);
-}
-
-/* The plain reference build of each kernel (fma from libm). */
-static void sgd_f32_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
-{
-    sgd_row_f32(k, n, p, sp, g, sg, lin);
-}
-static void sgd_f64_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
-{
-    sgd_row_f64(k, n, p, sp, g, sg, lin);
-}
-static void adam_f32_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
-{
-    adam_row_f32(k, n, p, sp, g, sg, lin);
-}
-static void adam_f64_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
-{
-    adam_row_f64(k, n, p, sp, g, sg, lin);
-}
-#if OPT_HAVE_AVX2_BUILD
-/* The AVX2 build: the same operations, eight floats (four doubles) at a
- * time with the AVX2/FMA intrinsics (each one IEEE-rounded like its scalar
- * counterpart, so the bits are the reference's), over the contiguous part
- * of a row; the remainder and strided rows go through the scalar bodies,
- * compiled here with the FMA instruction. Each returns how many leading
- * elements it did. */
-OPT_AVX2_TARGET static int64_t sgd_vec_f32(const sgd_k *k, int64_t n, float *p, const float *g, float *buf)
-{
-    const __m256 wd = _mm256_set1_ps((float)k->wd), m = _mm256_set1_ps((float)k->momentum),
-                 damp1 = _mm256_set1_ps((float)k->damp1), nlr = _mm256_set1_ps((float)-k->lr),
-                 sign = _mm256_set1_ps(-0.0f);
-    const bool has_wd = k->wd != 0, has_m = k->momentum != 0;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 d = _mm256_loadu_ps(g + i), pv = _mm256_loadu_ps(p + i);
-        if (k->maximize)
-            d = _mm256_xor_ps(d, sign);
-        if (has_wd)
-            d = _mm256_fmadd_ps(pv, wd, d);
-        if (has_m) {
-            __m256 b = k->first ? d : _mm256_fmadd_ps(d, damp1, _mm256_mul_ps(_mm256_loadu_ps(buf + i), m));
-            _mm256_storeu_ps(buf + i, b);
-            d = k->nesterov ? _mm256_fmadd_ps(b, m, d) : b;
-        }
-        _mm256_storeu_ps(p + i, _mm256_fmadd_ps(d, nlr, pv));
-    }
-    return i;
-}
-
-OPT_AVX2_TARGET static int64_t sgd_vec_f64(const sgd_k *k, int64_t n, double *p, const double *g, double *buf)
-{
-    const __m256d wd = _mm256_set1_pd(k->wd), m = _mm256_set1_pd(k->momentum), damp1 = _mm256_set1_pd(k->damp1),
-                  nlr = _mm256_set1_pd(-k->lr), sign = _mm256_set1_pd(-0.0);
-    const bool has_wd = k->wd != 0, has_m = k->momentum != 0;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        __m256d d = _mm256_loadu_pd(g + i), pv = _mm256_loadu_pd(p + i);
-        if (k->maximize)
-            d = _mm256_xor_pd(d, sign);
-        if (has_wd)
-            d = _mm256_fmadd_pd(pv, wd, d);
-        if (has_m) {
-            __m256d b = k->first ? d : _mm256_fmadd_pd(d, damp1, _mm256_mul_pd(_mm256_loadu_pd(buf + i), m));
-            _mm256_storeu_pd(buf + i, b);
-            d = k->nesterov ? _mm256_fmadd_pd(b, m, d) : b;
-        }
-        _mm256_storeu_pd(p + i, _mm256_fmadd_pd(d, nlr, pv));
-    }
-    return i;
-}
-
-/* torch.maximum(x, v): NaN if either is NaN, else std::max(x, v), i.e.
- * (x < v ? v : x) = _mm256_max_ps(v, x). */
-OPT_AVX2_TARGET static int64_t adam_vec_f32(const adam_k *k, int64_t n, float *p, const float *g, float *m,
-                                            float *v, float *mx)
-{
-    const __m256 wd = _mm256_set1_ps((float)k->wd), decay = _mm256_set1_ps((float)k->decay),
-                 b1 = _mm256_set1_ps((float)k->beta1), omb1 = _mm256_set1_ps((float)k->omb1),
-                 b2 = _mm256_set1_ps((float)k->beta2), omb2 = _mm256_set1_ps((float)k->omb2),
-                 bc = _mm256_set1_ps((float)k->bc2_sqrt), eps = _mm256_set1_ps((float)k->eps),
-                 nss = _mm256_set1_ps((float)k->neg_step_size), sign = _mm256_set1_ps(-0.0f),
-                 qnan = _mm256_set1_ps(NAN);
-    const bool l2 = !k->adamw && k->wd != 0;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 gi = _mm256_loadu_ps(g + i), pi = _mm256_loadu_ps(p + i);
-        if (k->maximize)
-            gi = _mm256_xor_ps(gi, sign);
-        if (k->adamw)
-            pi = _mm256_mul_ps(pi, decay);
-        else if (l2)
-            gi = _mm256_fmadd_ps(pi, wd, gi);
-        __m256 mi = _mm256_fmadd_ps(gi, omb1, _mm256_mul_ps(_mm256_loadu_ps(m + i), b1));
-        __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gi), gi, _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
-        _mm256_storeu_ps(m + i, mi);
-        _mm256_storeu_ps(v + i, vi);
-        __m256 s = vi;
-        if (k->amsgrad) {
-            __m256 x = _mm256_loadu_ps(mx + i);
-            s = _mm256_blendv_ps(_mm256_max_ps(vi, x), qnan, _mm256_cmp_ps(x, vi, _CMP_UNORD_Q));
-            _mm256_storeu_ps(mx + i, s);
-        }
-        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(s), bc), eps);
-        _mm256_storeu_ps(p + i, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(nss, mi), denom)));
-    }
-    return i;
-}
-
-OPT_AVX2_TARGET static int64_t adam_vec_f64(const adam_k *k, int64_t n, double *p, const double *g, double *m,
-                                            double *v, double *mx)
-{
-    const __m256d wd = _mm256_set1_pd(k->wd), decay = _mm256_set1_pd(k->decay), b1 = _mm256_set1_pd(k->beta1),
-                  omb1 = _mm256_set1_pd(k->omb1), b2 = _mm256_set1_pd(k->beta2), omb2 = _mm256_set1_pd(k->omb2),
-                  bc = _mm256_set1_pd(k->bc2_sqrt), eps = _mm256_set1_pd(k->eps),
-                  nss = _mm256_set1_pd(k->neg_step_size), sign = _mm256_set1_pd(-0.0),
-                  qnan = _mm256_set1_pd((double)NAN);
-    const bool l2 = !k->adamw && k->wd != 0;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        __m256d gi = _mm256_loadu_pd(g + i), pi = _mm256_loadu_pd(p + i);
-        if (k->maximize)
-            gi = _mm256_xor_pd(gi, sign);
-        if (k->adamw)
-            pi = _mm256_mul_pd(pi, decay);
-        else if (l2)
-            gi = _mm256_fmadd_pd(pi, wd, gi);
-        __m256d mi = _mm256_fmadd_pd(gi, omb1, _mm256_mul_pd(_mm256_loadu_pd(m + i), b1));
-        __m256d vi = _mm256_fmadd_pd(_mm256_mul_pd(omb2, gi), gi, _mm256_mul_pd(_mm256_loadu_pd(v + i), b2));
-        _mm256_storeu_pd(m + i, mi);
-        _mm256_storeu_pd(v + i, vi);
-        __m256d s = vi;
-        if (k->amsgrad) {
-            __m256d x = _mm256_loadu_pd(mx + i);
-            s = _mm256_blendv_pd(_mm256_max_pd(vi, x), qnan, _mm256_cmp_pd(x, vi, _CMP_UNORD_Q));
-            _mm256_storeu_pd(mx + i, s);
-        }
-        __m256d denom = _mm256_add_pd(_mm256_div_pd(_mm256_sqrt_pd(s), bc), eps);
-        _mm256_storeu_pd(p + i, _mm256_add_pd(pi, _mm256_div_pd(_mm256_mul_pd(nss, mi), denom)));
-    }
-    return i;
-}
-
-OPT_AVX2_TARGET static void sgd_f32_avx2(const void *kv, int64_t n, void *p, int64_t sp, const void *g, int64_t sg,
-                                         int64_t lin)
-{
-    const sgd_k *k = kv;
-    int64_t i = 0;
-    if (sp == 1 && sg == 1)
-        i = sgd_vec_f32(k, n, p, g, k->buf ? (float *)k->buf + lin : NULL);
-    sgd_row_f32(kv, n - i, (float *)p + i * sp, sp, (const float *)g + i * sg, sg, lin + i);
-}
-
-OPT_AVX2_TARGET static void sgd_f64_avx2(const void *kv, int64_t n, void *p, int64_t sp, const void *g, int64_t sg,
-                                         int64_t lin)
-{
-    const sgd_k *k = kv;
-    int64_t i = 0;
-    if (sp == 1 && sg == 1)
-        i = sgd_vec_f64(k, n, p, g, k->buf ? (double *)k->buf + lin : NULL);
-    sgd_row_f64(kv, n - i, (double *)p + i * sp, sp, (const double *)g + i * sg, sg, lin + i);
-}
-
-OPT_AVX2_TARGET static void adam_f32_avx2(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                          int64_t sg, int64_t lin)
-{
-    const adam_k *k = kv;
-    int64_t i = 0;
-    if (sp == 1 && sg == 1)
-        i = adam_vec_f32(k, n, p, g, (float *)k->exp_avg + lin, (float *)k->exp_avg_sq + lin,
-                         k->max_exp_avg_sq ? (float *)k->max_exp_avg_sq + lin : NULL);
-    adam_row_f32(kv, n - i, (float *)p + i * sp, sp, (const float *)g + i * sg, sg, lin + i);
-}
-
-OPT_AVX2_TARGET static void adam_f64_avx2(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                          int64_t sg, int64_t lin)
-{
-    const adam_k *k = kv;
-    int64_t i = 0;
-    if (sp == 1 && sg == 1)
-        i = adam_vec_f64(k, n, p, g, (double *)k->exp_avg + lin, (double *)k->exp_avg_sq + lin,
-                         k->max_exp_avg_sq ? (double *)k->max_exp_avg_sq + lin : NULL);
-    adam_row_f64(kv, n - i, (double *)p + i * sp, sp, (const double *)g + i * sg, sg, lin + i);
-}
-#endif
-
-#if OPT_HAVE_AVX2_BUILD
-/* The AVX-512 build: the AVX2 build's operations on sixteen floats (eight
- * doubles), the row's last partial vector under a mask (lanes past the
- * end are neither loaded nor stored), so a contiguous row is done with
- * vector instructions only; strided rows go through the scalar bodies.
- * Each instruction rounds as its scalar counterpart, so the bits are the
- * reference's. The sign flip of maximize is an integer xor (AVX-512F has
- * no float xor). */
-OPT_AVX512_TARGET static inline __m512 neg512_ps(__m512 x)
-{
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
-}
-
-OPT_AVX512_TARGET static inline __m512d neg512_pd(__m512d x)
-{
-    return _mm512_castsi512_pd(
-        _mm512_xor_si512(_mm512_castpd_si512(x), _mm512_set1_epi64((long long)0x8000000000000000ull)));
-}
-
-OPT_AVX512_TARGET static void sgd_vec512_f32(const sgd_k *k, int64_t n, float *p, const float *g, float *buf)
-{
-    const __m512 wd = _mm512_set1_ps((float)k->wd), m = _mm512_set1_ps((float)k->momentum),
-                 damp1 = _mm512_set1_ps((float)k->damp1), nlr = _mm512_set1_ps((float)-k->lr);
-    const bool has_wd = k->wd != 0, has_m = k->momentum != 0;
-    for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 mk = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-        __m512 d = _mm512_maskz_loadu_ps(mk, g + i), pv = _mm512_maskz_loadu_ps(mk, p + i);
-        if (k->maximize)
-            d = neg512_ps(d);
-        if (has_wd)
-            d = _mm512_fmadd_ps(pv, wd, d);
-        if (has_m) {
-            __m512 b = k->first ? d : _mm512_fmadd_ps(d, damp1, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, buf + i), m));
-            _mm512_mask_storeu_ps(buf + i, mk, b);
-            d = k->nesterov ? _mm512_fmadd_ps(b, m, d) : b;
-        }
-        _mm512_mask_storeu_ps(p + i, mk, _mm512_fmadd_ps(d, nlr, pv));
-    }
-}
-
-OPT_AVX512_TARGET static void sgd_vec512_f64(const sgd_k *k, int64_t n, double *p, const double *g, double *buf)
-{
-    const __m512d wd = _mm512_set1_pd(k->wd), m = _mm512_set1_pd(k->momentum), damp1 = _mm512_set1_pd(k->damp1),
-                  nlr = _mm512_set1_pd(-k->lr);
-    const bool has_wd = k->wd != 0, has_m = k->momentum != 0;
-    for (int64_t i = 0; i < n; i += 8) {
-        __mmask8 mk = n - i >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - i)) - 1u);
-        __m512d d = _mm512_maskz_loadu_pd(mk, g + i), pv = _mm512_maskz_loadu_pd(mk, p + i);
-        if (k->maximize)
-            d = neg512_pd(d);
-        if (has_wd)
-            d = _mm512_fmadd_pd(pv, wd, d);
-        if (has_m) {
-            __m512d b = k->first ? d : _mm512_fmadd_pd(d, damp1, _mm512_mul_pd(_mm512_maskz_loadu_pd(mk, buf + i), m));
-            _mm512_mask_storeu_pd(buf + i, mk, b);
-            d = k->nesterov ? _mm512_fmadd_pd(b, m, d) : b;
-        }
-        _mm512_mask_storeu_pd(p + i, mk, _mm512_fmadd_pd(d, nlr, pv));
-    }
-}
-
-/* torch.maximum as in the AVX2 build: _mm512_max_ps(v, x) is (v > x ? v :
- * x), and lanes where either is NaN take NaN. */
-OPT_AVX512_TARGET static void adam_vec512_f32(const adam_k *k, int64_t n, float *p, const float *g, float *m,
-                                              float *v, float *mx)
-{
-    const __m512 wd = _mm512_set1_ps((float)k->wd), decay = _mm512_set1_ps((float)k->decay),
-                 b1 = _mm512_set1_ps((float)k->beta1), omb1 = _mm512_set1_ps((float)k->omb1),
-                 b2 = _mm512_set1_ps((float)k->beta2), omb2 = _mm512_set1_ps((float)k->omb2),
-                 bc = _mm512_set1_ps((float)k->bc2_sqrt), eps = _mm512_set1_ps((float)k->eps),
-                 nss = _mm512_set1_ps((float)k->neg_step_size), qnan = _mm512_set1_ps(NAN);
-    const bool l2 = !k->adamw && k->wd != 0;
-    for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 mk = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-        __m512 gi = _mm512_maskz_loadu_ps(mk, g + i), pi = _mm512_maskz_loadu_ps(mk, p + i);
-        if (k->maximize)
-            gi = neg512_ps(gi);
-        if (k->adamw)
-            pi = _mm512_mul_ps(pi, decay);
-        else if (l2)
-            gi = _mm512_fmadd_ps(pi, wd, gi);
-        __m512 mi = _mm512_fmadd_ps(gi, omb1, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, m + i), b1));
-        __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, gi), gi, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, v + i), b2));
-        _mm512_mask_storeu_ps(m + i, mk, mi);
-        _mm512_mask_storeu_ps(v + i, mk, vi);
-        __m512 s = vi;
-        if (k->amsgrad) {
-            __m512 x = _mm512_maskz_loadu_ps(mk, mx + i);
-            s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vi, _CMP_UNORD_Q), _mm512_max_ps(vi, x), qnan);
-            _mm512_mask_storeu_ps(mx + i, mk, s);
-        }
-        __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(s), bc), eps);
-        _mm512_mask_storeu_ps(p + i, mk, _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(nss, mi), denom)));
-    }
-}
-
-OPT_AVX512_TARGET static void adam_vec512_f64(const adam_k *k, int64_t n, double *p, const double *g, double *m,
-                                              double *v, double *mx)
-{
-    const __m512d wd = _mm512_set1_pd(k->wd), decay = _mm512_set1_pd(k->decay), b1 = _mm512_set1_pd(k->beta1),
-                  omb1 = _mm512_set1_pd(k->omb1), b2 = _mm512_set1_pd(k->beta2), omb2 = _mm512_set1_pd(k->omb2),
-                  bc = _mm512_set1_pd(k->bc2_sqrt), eps = _mm512_set1_pd(k->eps),
-                  nss = _mm512_set1_pd(k->neg_step_size), qnan = _mm512_set1_pd((double)NAN);
-    const bool l2 = !k->adamw && k->wd != 0;
-    for (int64_t i = 0; i < n; i += 8) {
-        __mmask8 mk = n - i >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - i)) - 1u);
-        __m512d gi = _mm512_maskz_loadu_pd(mk, g + i), pi = _mm512_maskz_loadu_pd(mk, p + i);
-        if (k->maximize)
-            gi = neg512_pd(gi);
-        if (k->adamw)
-            pi = _mm512_mul_pd(pi, decay);
-        else if (l2)
-            gi = _mm512_fmadd_pd(pi, wd, gi);
-        __m512d mi = _mm512_fmadd_pd(gi, omb1, _mm512_mul_pd(_mm512_maskz_loadu_pd(mk, m + i), b1));
-        __m512d vi =
-            _mm512_fmadd_pd(_mm512_mul_pd(omb2, gi), gi, _mm512_mul_pd(_mm512_maskz_loadu_pd(mk, v + i), b2));
-        _mm512_mask_storeu_pd(m + i, mk, mi);
-        _mm512_mask_storeu_pd(v + i, mk, vi);
-        __m512d s = vi;
-        if (k->amsgrad) {
-            __m512d x = _mm512_maskz_loadu_pd(mk, mx + i);
-            s = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(x, vi, _CMP_UNORD_Q), _mm512_max_pd(vi, x), qnan);
-            _mm512_mask_storeu_pd(mx + i, mk, s);
-        }
-        __m512d denom = _mm512_add_pd(_mm512_div_pd(_mm512_sqrt_pd(s), bc), eps);
-        _mm512_mask_storeu_pd(p + i, mk, _mm512_add_pd(pi, _mm512_div_pd(_mm512_mul_pd(nss, mi), denom)));
-    }
-}
-
-OPT_AVX512_TARGET static void sgd_f32_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                             int64_t sg, int64_t lin)
-{
-    const sgd_k *k = kv;
-    if (sp == 1 && sg == 1)
-        sgd_vec512_f32(k, n, p, g, k->buf ? (float *)k->buf + lin : NULL);
-    else
-        sgd_row_f32(kv, n, p, sp, g, sg, lin);
-}
-
-OPT_AVX512_TARGET static void sgd_f64_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                             int64_t sg, int64_t lin)
-{
-    const sgd_k *k = kv;
-    if (sp == 1 && sg == 1)
-        sgd_vec512_f64(k, n, p, g, k->buf ? (double *)k->buf + lin : NULL);
-    else
-        sgd_row_f64(kv, n, p, sp, g, sg, lin);
-}
-
-OPT_AVX512_TARGET static void adam_f32_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                              int64_t sg, int64_t lin)
-{
-    const adam_k *k = kv;
-    if (sp == 1 && sg == 1)
-        adam_vec512_f32(k, n, p, g, (float *)k->exp_avg + lin, (float *)k->exp_avg_sq + lin,
-                        k->max_exp_avg_sq ? (float *)k->max_exp_avg_sq + lin : NULL);
-    else
-        adam_row_f32(kv, n, p, sp, g, sg, lin);
-}
-
-OPT_AVX512_TARGET static void adam_f64_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                              int64_t sg, int64_t lin)
-{
-    const adam_k *k = kv;
-    if (sp == 1 && sg == 1)
-        adam_vec512_f64(k, n, p, g, (double *)k->exp_avg + lin, (double *)k->exp_avg_sq + lin,
-                        k->max_exp_avg_sq ? (double *)k->max_exp_avg_sq + lin : NULL);
-    else
-        adam_row_f64(kv, n, p, sp, g, sg, lin);
-}
-#endif
-
-static row_fn sgd_kernel(bool f32)
-{
-#if OPT_HAVE_AVX2_BUILD
-    ts__kpath path = update_path();
-    if (path >= TS__KPATH_AVX512)
-        return f32 ? sgd_f32_avx512 : sgd_f64_avx512;
-    if (path == TS__KPATH_AVX2)
-        return f32 ? sgd_f32_avx2 : sgd_f64_avx2;
-#endif
-    return f32 ? sgd_f32_ref : sgd_f64_ref;
-}
-
-static row_fn adam_kernel(bool f32)
-{
-#if OPT_HAVE_AVX2_BUILD
-    ts__kpath path = update_path();
-    if (path >= TS__KPATH_AVX512)
-        return f32 ? adam_f32_avx512 : adam_f64_avx512;
-    if (path == TS__KPATH_AVX2)
-        return f32 ? adam_f32_avx2 : adam_f64_avx2;
-#endif
-    return f32 ? adam_f32_ref : adam_f64_ref;
-}
-
 /* ------------------------------------------------------------------- step */
 
 static ts_status check_grad(const ts_optim *o, int i, const ts_tensor *g)
@@ -1030,13 +357,13 @@ static ts_status check_grad(const ts_optim *o, int i, const ts_tensor *g)
     char lab[160], s1[96], s2[96];
     if (ts_tensor_dtype(g) != ts_tensor_dtype(pp->local))
         return ts_error(TS_ERR_DTYPE, "%s step: %s has a %s gradient for %s data", who,
-                        param_label(i, pp->param, lab, sizeof lab), ts_dtype_name(ts_tensor_dtype(g)),
+                        ts__optim_param_label(i, pp->param, lab, sizeof lab), ts_dtype_name(ts_tensor_dtype(g)),
                         ts_dtype_name(ts_tensor_dtype(pp->local)));
     int nd = ts_tensor_ndim(g);
     if (nd != ts_tensor_ndim(pp->local) ||
         memcmp(ts_tensor_shape(g), ts_tensor_shape(pp->local), (size_t)nd * sizeof(int64_t)) != 0)
         return ts_error(TS_ERR_SHAPE, "%s step: %s has gradient shape %s but its data has shape %s", who,
-                        param_label(i, pp->param, lab, sizeof lab), ts_tensor_shape_str(g, s1, sizeof s1),
+                        ts__optim_param_label(i, pp->param, lab, sizeof lab), ts_tensor_shape_str(g, s1, sizeof s1),
                         ts_tensor_shape_str(pp->local, s2, sizeof s2));
     if (ts__is_meta(pp->local) || ts__is_meta(g)) {
         /* a meta step allocates the state and computes nothing; outside a
@@ -1046,24 +373,24 @@ static ts_status check_grad(const ts_optim *o, int i, const ts_tensor *g)
                                           "the model or load a checkpoint first (inside ts_device_scope_enter("
                                           "TS_DEVICE_META) a step only allocates its state)", who,
                             ts__is_meta(pp->local) ? "" : "the gradient of ",
-                            param_label(i, pp->param, lab, sizeof lab),
+                            ts__optim_param_label(i, pp->param, lab, sizeof lab),
                             ts_tensor_shape_str(ts__is_meta(pp->local) ? pp->local : g, s1, sizeof s1));
         if (ts_storage_is_released(ts_tensor_storage(pp->local)) || ts_storage_is_released(ts_tensor_storage(g)))
             return ts_error(TS_ERR_RELEASED, "%s step: %s or its gradient has released storage", who,
-                            param_label(i, pp->param, lab, sizeof lab));
+                            ts__optim_param_label(i, pp->param, lab, sizeof lab));
         return TS_OK;
     }
     if (ts_tensor_numel(pp->local) > 0 && !ts_tensor_data(pp->local))
         return ts_error(TS_ERR_RELEASED, "%s step: %s has released storage", who,
-                        param_label(i, pp->param, lab, sizeof lab));
+                        ts__optim_param_label(i, pp->param, lab, sizeof lab));
     if (ts_tensor_numel(g) > 0 && !ts_tensor_data(g))
         return ts_error(TS_ERR_RELEASED, "%s step: the gradient of %s has released storage", who,
-                        param_label(i, pp->param, lab, sizeof lab));
+                        ts__optim_param_label(i, pp->param, lab, sizeof lab));
     return TS_OK;
 }
 
 /* The SGD kernel's arguments for parameter pp's update this step. */
-static sgd_k sgd_args(const ts_optim *o, const opt_param *pp)
+sgd_k ts__optim_sgd_args(const ts_optim *o, const opt_param *pp)
 {
     const ts_sgd_options *s = &o->sgd;
     return (sgd_k){.lr = o->lr, .wd = s->weight_decay, .momentum = s->momentum, .damp1 = 1.0 - s->dampening,
@@ -1073,7 +400,7 @@ static sgd_k sgd_args(const ts_optim *o, const opt_param *pp)
 
 /* Counts parameter pp's step (its "step" state += 1, a float32 as torch's)
  * and returns the Adam kernel's arguments for it. */
-static adam_k adam_args(const ts_optim *o, opt_param *pp)
+adam_k ts__optim_adam_args(const ts_optim *o, opt_param *pp)
 {
     const ts_adam_options *a = &o->adam;
     /* step_t += 1 (a float32 tensor); step = step_t.item() */
@@ -1095,118 +422,18 @@ static adam_k adam_args(const ts_optim *o, opt_param *pp)
 
 static void sgd_update(ts_optim *o, opt_param *pp, ts_tensor *g)
 {
-    sgd_k k = sgd_args(o, pp);
-    walk_rows(pp->local, g, sgd_kernel(ts_tensor_dtype(pp->local) == TS_F32), &k);
+    sgd_k k = ts__optim_sgd_args(o, pp);
+    ts__optim_walk_rows(pp->local, g, ts__optim_sgd_kernel(ts_tensor_dtype(pp->local) == TS_F32), &k);
     pp->ready = true;
 }
 
 static void adam_update(ts_optim *o, opt_param *pp, ts_tensor *g)
 {
-    adam_k k = adam_args(o, pp);
-    walk_rows(pp->local, g, adam_kernel(ts_tensor_dtype(pp->local) == TS_F32), &k);
+    adam_k k = ts__optim_adam_args(o, pp);
+    ts__optim_walk_rows(pp->local, g, ts__optim_adam_kernel(ts_tensor_dtype(pp->local) == TS_F32), &k);
     pp->ready = true;
 }
 
-/* ------------------------------------------------------------ fused step */
-
-/* A run of parameters updated by one kernel call: the first one's kernel
- * arguments (its state pointers and, for Adam, its step's bias
- * corrections, which every parameter of the run shares), its data and
- * gradient, and the run's element count. */
-typedef struct fused_run {
-    bool open, f32;
-    int64_t n;
-    size_t es;
-    unsigned char *p;
-    const unsigned char *g;
-    sgd_k sk;
-    adam_k ak;
-} fused_run;
-
-static void run_flush(ts_optim *o, fused_run *r)
-{
-    if (!r->open)
-        return;
-    o->last_calls++;
-    if (o->kind == OPT_SGD)
-        sgd_kernel(r->f32)(&r->sk, r->n, r->p, 1, r->g, 1, 0);
-    else
-        adam_kernel(r->f32)(&r->ak, r->n, r->p, 1, r->g, 1, 0);
-    r->open = false;
-}
-
-/* a + n elements of size es == b, for possibly NULL pointers */
-static bool adjacent(const void *a, int64_t n, size_t es, const void *b)
-{
-    return a && b && (const unsigned char *)a + (size_t)n * es == (const unsigned char *)b;
-}
-
-/* True if parameter pp (kernel arguments sk / ak, data p, gradient g) is
- * where run r ends in every buffer (data, gradient, each state) and takes
- * the same kernel arguments but for those pointers. */
-static bool run_extends(const ts_optim *o, const fused_run *r, bool f32, const unsigned char *p,
-                        const unsigned char *g, const sgd_k *sk, const adam_k *ak)
-{
-    if (!r->open || r->f32 != f32 || !adjacent(r->p, r->n, r->es, p) || !adjacent(r->g, r->n, r->es, g))
-        return false;
-    if (o->kind == OPT_SGD)
-        return r->sk.first == sk->first && (!sk->buf || adjacent(r->sk.buf, r->n, r->es, sk->buf));
-    return r->ak.bc2_sqrt == ak->bc2_sqrt && r->ak.neg_step_size == ak->neg_step_size &&
-           adjacent(r->ak.exp_avg, r->n, r->es, ak->exp_avg) &&
-           adjacent(r->ak.exp_avg_sq, r->n, r->es, ak->exp_avg_sq) &&
-           (!ak->max_exp_avg_sq || adjacent(r->ak.max_exp_avg_sq, r->n, r->es, ak->max_exp_avg_sq));
-}
-
-/* The fused step: every parameter with a gradient, in order; contiguous
- * ones join the open run of their dtype when they continue it in memory,
- * else start a new one (updates of different parameters are independent,
- * so their order does not matter); non-contiguous ones are walked by rows
- * as without fused. Each
- * element is computed by the same kernel with the same arguments as in
- * the per-parameter step, so the bits are the same. */
-static void fused_step(ts_optim *o)
-{
-    fused_run runs[2] = {{0}}; /* the open run of float32 and of float64 parameters */
-    o->last_calls = 0;
-    for (int i = 0; i < o->n; i++) {
-        opt_param *pp = &o->p[i];
-        ts_tensor *g = ts_tensor_grad(pp->param);
-        if (!g)
-            continue;
-        if (ts__is_meta(pp->local) || ts__is_meta(g)) { /* meta: state allocated, nothing to compute */
-            pp->ready = true;
-            continue;
-        }
-        sgd_k sk = {0};
-        adam_k ak = {0};
-        if (o->kind == OPT_SGD)
-            sk = sgd_args(o, pp);
-        else
-            ak = adam_args(o, pp);
-        pp->ready = true;
-        int64_t n = ts_tensor_numel(pp->local);
-        if (n == 0)
-            continue;
-        bool f32 = ts_tensor_dtype(pp->local) == TS_F32;
-        if (!ts_tensor_is_contiguous(pp->local) || !ts_tensor_is_contiguous(g)) {
-            walk_rows(pp->local, g, o->kind == OPT_SGD ? sgd_kernel(f32) : adam_kernel(f32),
-                      o->kind == OPT_SGD ? (const void *)&sk : (const void *)&ak);
-            o->last_calls++;
-            continue;
-        }
-        unsigned char *p = ts_tensor_data(pp->local);
-        const unsigned char *gd = ts_tensor_data(g);
-        fused_run *r = &runs[f32 ? 0 : 1];
-        if (run_extends(o, r, f32, p, gd, &sk, &ak)) {
-            r->n += n;
-            continue;
-        }
-        run_flush(o, r);
-        *r = (fused_run){.open = true, .f32 = f32, .n = n, .es = f32 ? 4 : 8, .p = p, .g = gd, .sk = sk, .ak = ak};
-    }
-    run_flush(o, &runs[0]);
-    run_flush(o, &runs[1]);
-}
 
 ts_status ts_optim_step(ts_optim *o)
 {
@@ -1240,7 +467,7 @@ ts_status ts_optim_step(ts_optim *o)
             return st;
     TS_TRACE_BEGIN(t0);
     if (o->fused)
-        fused_step(o);
+        ts__optim_fused_step(o);
     for (int i = 0; i < o->n && !o->fused; i++) {
         opt_param *pp = &o->p[i];
         ts_tensor *g = ts_tensor_grad(pp->param);
@@ -1375,294 +602,3 @@ ts_status ts_optim_state_create(ts_optim *o, int param_index, const char *name, 
     return TS_OK;
 }
 
-/* ------------------------------------------------------------- schedules */
-
-static const char *const lr_kind_names[] = {"TS_LR_CONSTANT", "TS_LR_WARMUP_COSINE", "TS_LR_WARMUP_CONSTANT",
-                                             "TS_LR_WARMUP_LINEAR", "TS_LR_WARMUP_STABLE_DECAY"};
-_Static_assert(sizeof lr_kind_names / sizeof lr_kind_names[0] == TS_LR_KIND_COUNT, "a name per schedule kind");
-
-/* What a kind reads besides base_lr: the warmup; total_steps and min_lr
- * (a decay to min_lr at total_steps); decay_fraction. */
-static bool lr_has_warmup(ts_lr_kind k) { return k != TS_LR_CONSTANT; }
-static bool lr_has_decay(ts_lr_kind k)
-{
-    return k == TS_LR_WARMUP_COSINE || k == TS_LR_WARMUP_LINEAR || k == TS_LR_WARMUP_STABLE_DECAY;
-}
-
-/* Whether schedule s (not NULL) is one ts_lr_schedule_check accepts;
- * when not, and `why` is given, the reason (naming the field and value)
- * goes there. Sets no error: ts_lr_at calls it on every step. */
-static bool lr_valid(const ts_lr_schedule *s, char *why, size_t cap)
-{
-#define LR_BAD(...) (why ? (void)snprintf(why, cap, __VA_ARGS__) : (void)0, false)
-    if ((unsigned)s->kind >= TS_LR_KIND_COUNT)
-        return LR_BAD("unknown kind %d (TS_LR_CONSTANT .. TS_LR_WARMUP_STABLE_DECAY)", (int)s->kind);
-    const char *k = lr_kind_names[s->kind];
-    if (!isfinite(s->base_lr) || s->base_lr < 0)
-        return LR_BAD("%s: base_lr %g is not a finite value >= 0", k, s->base_lr);
-    if (lr_has_warmup(s->kind) && s->warmup_steps < 0)
-        return LR_BAD("%s: warmup_steps %lld is negative (0: no warmup)", k, (long long)s->warmup_steps);
-    if (lr_has_decay(s->kind)) {
-        if (!isfinite(s->min_lr) || s->min_lr < 0)
-            return LR_BAD("%s: min_lr %g is not a finite value >= 0", k, s->min_lr);
-        if (s->total_steps < 0)
-            return LR_BAD("%s: total_steps %lld is negative", k, (long long)s->total_steps);
-        if (s->warmup_steps > s->total_steps)
-            return LR_BAD("%s: warmup_steps %lld is more than total_steps %lld (the decay would end before the "
-                          "warmup does)",
-                          k, (long long)s->warmup_steps, (long long)s->total_steps);
-    }
-    if (s->kind == TS_LR_WARMUP_STABLE_DECAY && !(s->decay_fraction >= 0 && s->decay_fraction <= 1))
-        return LR_BAD("%s: decay_fraction %g is not in [0, 1]", k, s->decay_fraction);
-    return true;
-#undef LR_BAD
-}
-
-ts_status ts_lr_schedule_check(const ts_lr_schedule *s)
-{
-    if (!s)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "lr schedule: NULL schedule");
-    char why[256];
-    if (!lr_valid(s, why, sizeof why))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "lr schedule %s", why);
-    return TS_OK;
-}
-
-/* base_lr at `from`, a straight line to min_lr at `to` (from < to), min_lr
- * from `to` on. */
-static double lr_line(const ts_lr_schedule *s, int64_t step, int64_t from, int64_t to)
-{
-    if (step >= to)
-        return s->min_lr;
-    return s->min_lr + (s->base_lr - s->min_lr) * (double)(to - step) / (double)(to - from);
-}
-
-double ts_lr_at(const ts_lr_schedule *s, int64_t step)
-{
-    if (!s)
-        return NAN;
-    if (step < 0)
-        step = 0;
-    switch (s->kind) {
-    case TS_LR_CONSTANT:
-        return s->base_lr;
-    case TS_LR_WARMUP_COSINE: {
-        if (step < s->warmup_steps)
-            return s->base_lr * ((double)step + 1.0) / (double)s->warmup_steps;
-        if (step >= s->total_steps)
-            return s->min_lr;
-        int64_t w = s->warmup_steps > 0 ? s->warmup_steps : 0;
-        double progress = (double)(step - w) / (double)(s->total_steps - w);
-        const double pi = 3.14159265358979323846;
-        return s->min_lr + 0.5 * (s->base_lr - s->min_lr) * (1.0 + cos(pi * progress));
-    }
-    case TS_LR_WARMUP_CONSTANT:
-    case TS_LR_WARMUP_LINEAR:
-    case TS_LR_WARMUP_STABLE_DECAY:
-        break;
-    case TS_LR_KIND_COUNT:
-        return NAN;
-    }
-    if (!lr_valid(s, NULL, 0))
-        return NAN;
-    if (step < s->warmup_steps)
-        return s->base_lr * ((double)step + 1.0) / (double)s->warmup_steps;
-    if (s->kind == TS_LR_WARMUP_CONSTANT)
-        return s->base_lr;
-    if (s->kind == TS_LR_WARMUP_LINEAR)
-        return lr_line(s, step, s->warmup_steps, s->total_steps);
-    /* WSD: the decay over the last D steps, never into the warmup */
-    int64_t d = llround(s->decay_fraction * (double)s->total_steps);
-    int64_t start = s->total_steps - d > s->warmup_steps ? s->total_steps - d : s->warmup_steps;
-    if (step < start)
-        return s->base_lr;
-    return lr_line(s, step, start, s->total_steps);
-}
-
-/* --------------------------------------------------------------- clipping */
-
-/* torch.norm(g, 2) of contiguous buffers: tensor/kernels.h's
- * ts__buf_norm2_f32 / _f64 (torch 1.13's CPU kernels to the bit), on the
- * scalar build when the reference hook is on. */
-static ts__kpath norm_path(void) { return ts__optim_use_reference ? TS__KPATH_SCALAR : ts__kpath_active(); }
-
-/* Row callbacks for clipping (walk_rows over the gradient with itself):
- * gather a strided gradient into the contiguous buffer at k, and scale in
- * place by the coefficient at k. */
-typedef struct gather_k {
-    size_t es;
-    unsigned char *dst;
-} gather_k;
-
-static void gather_row(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
-{
-    (void)g, (void)sg;
-    const gather_k *gk = k;
-    size_t es = gk->es;
-    unsigned char *dst = gk->dst + (size_t)lin * es;
-    const unsigned char *src = p;
-    for (int64_t i = 0; i < n; i++)
-        memcpy(dst + (size_t)i * es, src + (size_t)(i * sp) * es, es);
-}
-
-typedef struct scale_k {
-    ts_dtype dt;
-    double coef;
-} scale_k;
-
-static void scale_row(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
-{
-    (void)g, (void)sg, (void)lin;
-    const scale_k *s = k;
-    if (sp == 1) {
-        ts__buf_scale(s->dt, p, n, s->coef);
-        return;
-    }
-    size_t es = ts_dtype_size(s->dt);
-    for (int64_t i = 0; i < n; i++)
-        ts__buf_scale(s->dt, (unsigned char *)p + (size_t)(i * sp) * es, 1, s->coef);
-}
-
-ts_status ts__optim_grad_norm(const ts_tensor *gc, double *norm_out)
-{
-    ts_tensor *g = (ts_tensor *)(uintptr_t)gc;
-    int64_t n = ts_tensor_numel(g);
-    ts_dtype dt = ts_tensor_dtype(g);
-    TS_ASSERT(dt == TS_F32 || dt == TS_F64 || dt == TS_BF16 || dt == TS_F16);
-    if (n == 0) {
-        *norm_out = 0;
-        return TS_OK;
-    }
-    bool half = dt == TS_BF16 || dt == TS_F16, gather = !ts_tensor_is_contiguous(g);
-    size_t es = ts_dtype_size(dt);
-    /* one block: the gathered gradient, then (16-bit) its float32 values */
-    void *tmp = NULL;
-    if ((gather || half) &&
-        !(tmp = ts__malloc(TS_MEM_NN, (size_t)n * ((gather ? es : 0) + (half ? sizeof(float) : 0)))))
-        return TS_ERR_NO_MEMORY;
-    const void *x = ts_tensor_data(g);
-    if (gather) {
-        gather_k k = {es, tmp};
-        walk_rows(g, g, gather_row, &k);
-        x = tmp;
-    }
-    if (half) {
-        float *f = (float *)((unsigned char *)tmp + (gather ? (size_t)n * es : 0));
-        ts__buf_convert(TS_F32, f, dt, x, n);
-        x = f;
-    }
-    *norm_out = dt == TS_F64 ? ts__buf_norm2_f64_on(norm_path(), x, n) : (double)ts__buf_norm2_f32_on(norm_path(), x, n);
-    ts__free(TS_MEM_NN, tmp);
-    return TS_OK;
-}
-
-ts_status ts__optim_total_norm(int n, const double *norms, bool any_f64, double *total_out)
-{
-    if (n <= 0) {
-        *total_out = 0;
-        return TS_OK;
-    }
-    if (any_f64) {
-        *total_out = ts__buf_norm2_f64_on(norm_path(), norms, n);
-        return TS_OK;
-    }
-    float *n32 = ts__malloc(TS_MEM_NN, (size_t)n * sizeof *n32);
-    if (!n32)
-        return TS_ERR_NO_MEMORY;
-    for (int i = 0; i < n; i++)
-        n32[i] = (float)norms[i];
-    *total_out = (double)ts__buf_norm2_f32_on(norm_path(), n32, n);
-    ts__free(TS_MEM_NN, n32);
-    return TS_OK;
-}
-
-double ts__optim_clip_coef(double total, double max_norm, bool any_f64)
-{
-    /* clip_coef = max_norm / (total_norm + 1e-6), i.e. Tensor.__rdiv__:
-     * (total + 1e-6).reciprocal() * max_norm, in the stack's dtype */
-    if (any_f64)
-        return (1.0 / (total + 1e-6)) * max_norm;
-    float t = (float)total + (float)1e-6;
-    return (double)((1.0f / t) * (float)max_norm);
-}
-
-void ts__optim_scale_grad(ts_tensor *g, double coef)
-{
-    scale_k k = {ts_tensor_dtype(g), coef};
-    walk_rows(g, g, scale_row, &k);
-}
-
-ts_status ts_clip_grad_norm(int n, ts_tensor *const *params, double max_norm, double *total_norm_out)
-{
-    const char *who = "clip_grad_norm";
-    char lab[160];
-    if (n < 0 || (n > 0 && !params) || !total_norm_out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: bad arguments (n = %d, params %s, total_norm_out %s)", who, n,
-                        params ? "set" : "NULL", total_norm_out ? "set" : "NULL");
-    if (!(max_norm >= 0))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid max_norm %g (must be >= 0)", who, max_norm);
-    int ng = 0;
-    bool any_f64 = false, any_meta = false;
-    for (int i = 0; i < n; i++) {
-        if (!params[i])
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: parameter %d is NULL", who, i);
-        ts_tensor *g = ts_tensor_grad(params[i]);
-        if (!g)
-            continue;
-        ts_dtype dt = ts_tensor_dtype(g);
-        if (dt != TS_F32 && dt != TS_F64)
-            return ts_error(TS_ERR_DTYPE, "%s: the gradient of %s has dtype %s; float32 or float64 expected", who,
-                            param_label(i, params[i], lab, sizeof lab), ts_dtype_name(dt));
-        if (ts__is_meta(g) && !ts__meta_mode()) {
-            char s1[96];
-            return ts_error(TS_ERR_STATE, "%s: the gradient of %s %s is on the meta device (it has no data): "
-                                          "materialize the model or load a checkpoint first", who,
-                            param_label(i, params[i], lab, sizeof lab), ts_tensor_shape_str(g, s1, sizeof s1));
-        }
-        any_meta |= ts__is_meta(g);
-        if (ts_tensor_numel(g) > 0 && !ts_tensor_data(g) && !ts__is_meta(g))
-            return ts_error(TS_ERR_RELEASED, "%s: the gradient of %s has released storage", who,
-                            param_label(i, params[i], lab, sizeof lab));
-        any_f64 |= dt == TS_F64;
-        ng++;
-    }
-    if (ng == 0 || any_meta) {
-        /* torch returns tensor(0.) and changes nothing; meta gradients (in
-         * a meta scope) have no values: 0, and nothing is scaled */
-        *total_norm_out = 0;
-        return TS_OK;
-    }
-    /* torch.norm(torch.stack([torch.norm(g, 2) for g in grads]), 2): the
-     * stack is float64 if any gradient is, else float32 */
-    double *norms = ts__malloc(TS_MEM_NN, (size_t)ng * sizeof(double));
-    if (!norms)
-        return TS_ERR_NO_MEMORY;
-    ts_status st = TS_OK;
-    for (int i = 0, j = 0; i < n && !st; i++) {
-        ts_tensor *g = ts_tensor_grad(params[i]);
-        if (g && !(st = ts__optim_grad_norm(g, &norms[j])))
-            j++;
-    }
-    double total = 0;
-    if (!st)
-        st = ts__optim_total_norm(ng, norms, any_f64, &total);
-    ts__free(TS_MEM_NN, norms);
-    if (st)
-        return st;
-    if (!isfinite(total))
-        return ts_error(TS_ERR_INVALID_ARGUMENT,
-                        "%s: the total norm of order 2 of the gradients is non-finite (%g), so it cannot be "
-                        "clipped; the gradients were left unchanged", who, total);
-    /* grads are multiplied by min(clip_coef, 1); multiplying by exactly
-     * 1.0 changes nothing, so that case is skipped. */
-    double coef = ts__optim_clip_coef(total, max_norm, any_f64);
-    if (coef < 1.0) {
-        for (int i = 0; i < n; i++) {
-            ts_tensor *g = ts_tensor_grad(params[i]);
-            if (g)
-                ts__optim_scale_grad(g, coef);
-        }
-    }
-    *total_norm_out = total;
-    return TS_OK;
-}

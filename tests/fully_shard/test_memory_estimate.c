@@ -248,7 +248,7 @@ Test(fully_shard_memory_estimate, gpt_step_peak_tied_weights, .timeout = 60)
 }
 Test(fully_shard_memory_estimate, gpt_step_peak_checkpointed_blocks, .timeout = 60)
 {
-    peak_case((peak_opts){.prefetch = true, .ckpt = true}); /* ts_checkpoint_module on every block (nn/checkpoint.c) */
+    peak_case((peak_opts){.prefetch = true, .ckpt = true}); /* ts_checkpoint_module on every block (nn/activation_checkpoint.c) */
 }
 Test(fully_shard_memory_estimate, gpt_step_peak_checkpointed_bf16_dropout, .timeout = 60)
 {

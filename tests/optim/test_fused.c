@@ -31,6 +31,7 @@
 #include "checkpoint/checkpoint.h"
 #include "fully_shard/fully_shard.h"
 #include "optim/internal.h"
+#include "optim/optim_internal.h"
 #include "tensor/internal.h"
 #include "tensor/kernels.h"
 #include "tests/helpers.h"
@@ -736,4 +737,24 @@ Test(optim_fused, mixed_dtypes_and_only_empty_parameters)
     ts_optim_free(oe);
     ts_tensor_free(e[0]), ts_tensor_free(e[1]);
     th_mem_assert_back();
+}
+
+/* Every row kernel of every path starts on a 64-byte boundary
+ * (OPT_ROW_ALIGN in optim/kernels.c): bench_optim's figures then do not
+ * move with where the linker puts the file. */
+Test(optim_fused, row_kernels_start_on_64_byte_boundaries)
+{
+    for (int path = -1; path < TS__KPATH_COUNT; path++) { /* -1: the scalar reference */
+        ts__optim_use_reference = path < 0;
+        if (path >= 0)
+            ts__kpath_force(path);
+        row_fn fns[4] = {ts__optim_sgd_kernel(true), ts__optim_sgd_kernel(false), ts__optim_adam_kernel(true),
+                         ts__optim_adam_kernel(false)};
+        ts__optim_use_reference = false;
+        ts__kpath_force(-1);
+        for (int i = 0; i < 4; i++)
+            cr_expect_eq((uintptr_t)fns[i] % 64, 0, "path %s: %s %s kernel at %p", path < 0 ? "reference" :
+                         ts__kpath_name((ts__kpath)path), i < 2 ? "SGD" : "Adam", i % 2 ? "f64" : "f32",
+                         (void *)(uintptr_t)fns[i]);
+    }
 }

@@ -2,7 +2,7 @@
  * losses and training with checkpointed modules equal those without, bit
  * for bit, with dropout drawing masks; the activations kept drop; nesting,
  * errors, and a recompute that fails. The sharded cases are in
- * tests/fully_shard/test_checkpoint_fsdp.c. */
+ * tests/fully_shard/test_activation_checkpoint_fsdp.c. */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <stdio.h>
