@@ -38,6 +38,7 @@
 #include "comm/coll_direct.h"
 
 #include "comm/comm_internal.h"
+#include "comm/xmem.h"
 #include "tensor/internal.h" /* ts__tensor_new_cpu */
 #include "tensor/kernels.h"
 
@@ -320,45 +321,11 @@ ts_status ts__direct_reduce_scatter_add(ts_comm *c, ts_dtype d, void *shard, int
 
 /* ------------------------------------------------------------ reads */
 
-/* Consumes `bytes` from the list v from entry i on; returns the first
- * entry with bytes left. */
-static size_t iov_advance(struct iovec *v, size_t i, size_t bytes)
-{
-    while (bytes) {
-        size_t k = bytes < v[i].iov_len ? bytes : v[i].iov_len;
-        v[i].iov_base = (char *)v[i].iov_base + k;
-        v[i].iov_len -= k;
-        bytes -= k;
-        if (!v[i].iov_len) i++;
-    }
-    return i;
-}
-
 /* Reads the remote list into the local list (equal total bytes) from
- * process pid, IOV_MAX entries at a time, resuming after short reads. */
+ * process pid: ts__xmem_readv (xmem.h). */
 static int cma_read(pid_t pid, struct iovec *l, size_t nl, struct iovec *rv, size_t nr)
 {
-    size_t li = 0, ri = 0;
-    while (li < nl && ri < nr) {
-        if (!l[li].iov_len) {
-            li++;
-            continue;
-        }
-        if (!rv[ri].iov_len) {
-            ri++;
-            continue;
-        }
-        size_t ln = nl - li < IOV_MAX ? nl - li : IOV_MAX, rn = nr - ri < IOV_MAX ? nr - ri : IOV_MAX;
-        ssize_t n = process_vm_readv(pid, l + li, ln, rv + ri, rn, 0);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
-        if (n == 0) return EIO;
-        li = iov_advance(l, li, (size_t)n);
-        ri = iov_advance(rv, ri, (size_t)n);
-    }
-    return 0;
+    return ts__xmem_readv(pid, l, nl, rv, nr, NULL);
 }
 
 static int64_t cnt(const ts__direct *r, int k, int j) { return r->counts[(size_t)k * r->W + j]; }

@@ -71,7 +71,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -81,6 +80,7 @@
 #include "comm/store.h"
 #include "comm/store_internal.h"
 #include "comm/transport.h"
+#include "comm/xmem.h"
 #include "tensor/blis_arch.h"
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -113,15 +113,24 @@ typedef struct rdv_peer {
     int exit_code, exit_signal, exit_pid;
 } rdv_peer;
 
-/* Identifies this host and pid namespace: pids compare only within it. */
+/* The n bytes at v as a NUL-terminated string (ts__free(TS_MEM_COMM)
+ * it), or NULL when out of memory (as strndup, which it replaces; the
+ * bytes hold no NUL in the values read here). */
+static char *text_of(const void *v, size_t n)
+{
+    char *t = ts__malloc(TS_MEM_COMM, n + 1);
+    if (!t)
+        return NULL;
+    memcpy(t, v, n);
+    t[n] = '\0';
+    return t;
+}
+
+/* Identifies this host and pid namespace: pids compare only within it
+ * (xmem.h, TS_HOST_ID_PIDS). */
 static void host_id(char *out, size_t n)
 {
-    char boot[64], ns[64], net[64];
-    ts__host_parts(boot, sizeof boot, ns, sizeof ns, net, sizeof net);
-    for (char *p = ns; *p; p++)
-        if (*p == ' ')
-            *p = '_';
-    snprintf(out, n, "%s/%s", boot, ns);
+    ts__host_id(TS_HOST_ID_PIDS, out, n);
 }
 
 static void host_name(char *out, size_t n)
@@ -153,7 +162,7 @@ static ts_status rdv_fail(ts_store *st, const char *prefix, int world, ts_status
                 break;
         }
     }
-    free(got);
+    ts_store_value_free(got);
     return ts_error(s, "%s", msg);
 }
 
@@ -173,7 +182,7 @@ static void rdv_count_out(ts_store *st, const char *prefix, int rank, int pid, c
     if (ts_store_compare_set(st, key, "", 0, me, strlen(me), &got, &glen) != TS_OK)
         return;
     bool first = glen == strlen(me) && memcmp(got, me, glen) == 0;
-    free(got);
+    ts_store_value_free(got);
     if (first) {
         snprintf(key, sizeof key, "%s/rdv/failed", prefix);
         (void)ts_store_add(st, key, 1, NULL);
@@ -187,10 +196,10 @@ static void duplicate_rank_msg(char *msg, size_t cap, int rank, const void *clai
 {
     int opid = 0;
     char oid[RDV_MAX_ID] = "?", ohost[64] = "?";
-    char *txt = strndup(claim, len);
+    char *txt = text_of(claim, len);
     if (txt)
         sscanf(txt, "%d %159s %63s", &opid, oid, ohost);
-    free(txt);
+    ts__free(TS_MEM_COMM, txt);
     snprintf(msg, cap,
              "ts_dist_init: duplicate RANK %d: claimed by pid %d on %s and by pid %d on %s (WORLD_SIZE %d); "
              "every process needs its own RANK in 0..%d%s",
@@ -236,11 +245,11 @@ static ts_status read_exits(ts_store *st, const char *run_id, int rank, int worl
             break;
         ++*exits_read;
         int r = -1, code = 0, sig = 0, epid = 0;
-        char *txt = strndup(v, len);
-        free(v);
+        char *txt = text_of(v, len);
+        ts_store_value_free(v);
         if (txt)
             sscanf(txt, "%d %d %d %d", &r, &code, &sig, &epid);
-        free(txt);
+        ts__free(TS_MEM_COMM, txt);
         if (r < 0 || r >= world || r == rank || peers[r].exited)
             continue; /* another job's numbering cannot reach here; ignore what is not a peer */
         peers[r].exited = true;
@@ -301,10 +310,10 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
     bool mine = glen == strlen(val) && memcmp(got, val, glen) == 0;
     if (!mine) {
         duplicate_rank_msg(msg, sizeof msg, rank, got, glen, pid, me_host, world, "");
-        free(got);
+        ts_store_value_free(got);
         return rdv_fail(st, prefix, world, TS_ERR_INVALID_ARGUMENT, msg);
     }
-    free(got);
+    ts_store_value_free(got);
 
     /* 2. Arrive. */
     snprintf(key, sizeof key, "%s/rdv/arrivals", prefix);
@@ -319,13 +328,13 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
         return s;
 
     /* 3. Wait for everyone, reading each arrival once. */
-    rdv_peer *peers = calloc((size_t)world, sizeof *peers);
-    struct pollfd *pfds = calloc((size_t)world, sizeof *pfds);
-    int *pfd_rank = calloc((size_t)world, sizeof *pfd_rank);
+    rdv_peer *peers = ts__calloc(TS_MEM_COMM, (size_t)world, sizeof *peers);
+    struct pollfd *pfds = ts__calloc(TS_MEM_COMM, (size_t)world, sizeof *pfds);
+    int *pfd_rank = ts__calloc(TS_MEM_COMM, (size_t)world, sizeof *pfd_rank);
     if (!peers || !pfds || !pfd_rank) {
-        free(peers);
-        free(pfds);
-        free(pfd_rank);
+        ts__free(TS_MEM_COMM, peers);
+        ts__free(TS_MEM_COMM, pfds);
+        ts__free(TS_MEM_COMM, pfd_rank);
         return ts_error(TS_ERR_NO_MEMORY, "ts_dist_init: rendezvous of %d ranks: out of memory", world);
     }
     for (int r = 0; r < world; r++)
@@ -345,13 +354,13 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
             s = ts_store_get(st, key, &ev, &elen);
             if (s == TS_OK) {
                 int code = (int)TS_ERR_INVALID_ARGUMENT, off = 0;
-                char *txt = strndup(ev, elen);
+                char *txt = text_of(ev, elen);
                 if (txt && sscanf(txt, "%d %n", &code, &off) >= 1)
                     s = ts_error((ts_status)code, "%s (reported to rank %d)", txt + off, rank);
                 else
                     s = ts_error(TS_ERR_INVALID_ARGUMENT, "ts_dist_init: the rendezvous failed on another rank");
-                free(txt);
-                free(ev);
+                ts__free(TS_MEM_COMM, txt);
+                ts_store_value_free(ev);
             }
             break;
         }
@@ -380,7 +389,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
             for (char *q = who; *q; q++)
                 if (*q == '/' || *q == ' ')
                     *q = '_';
-            free(rv);
+            ts_store_value_free(rv);
             s = rdv_fail(st, prefix, world, TS_ERR_INVALID_ARGUMENT, msg);
             rdv_count_out(st, prefix, -1, 0, who);
             break;
@@ -416,13 +425,13 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
             if (s != TS_OK)
                 break;
             read_upto++;
-            char *txt = strndup(av, alen);
-            free(av);
+            char *txt = text_of(av, alen);
+            ts_store_value_free(av);
             int ar = -1, aw = -1, apid = 0;
             char aid[RDV_MAX_ID] = "?", ahost[64] = "?";
             if (txt)
                 sscanf(txt, "%d %d %d %159s %63s", &ar, &aw, &apid, aid, ahost);
-            free(txt);
+            ts__free(TS_MEM_COMM, txt);
             if (aw != world) {
                 snprintf(msg, sizeof msg,
                          "ts_dist_init: inconsistent WORLD_SIZE: rank %d (pid %d on %s) has WORLD_SIZE %d, rank %d "
@@ -437,8 +446,8 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
             peers[ar].pid = apid;
             snprintf(peers[ar].host, sizeof peers[ar].host, "%s", ahost);
             nseen++;
-            if (ar != rank && strcmp(aid, me_id) == 0 && apid > 0) {
-                int fd = (int)syscall(SYS_pidfd_open, (pid_t)apid, 0);
+            if (ar != rank && ts__host_same(me_id, aid, sizeof aid) && apid > 0) {
+                int fd = ts__host_watch((pid_t)apid);
                 if (fd < 0 && errno == ESRCH) {
                     snprintf(msg, sizeof msg,
                              "ts_dist_init: rank %d (pid %d on %s) exited before the rendezvous of %d ranks "
@@ -515,9 +524,9 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
     for (int r = 0; r < world; r++)
         if (peers[r].pidfd >= 0)
             close(peers[r].pidfd);
-    free(peers);
-    free(pfds);
-    free(pfd_rank);
+    ts__free(TS_MEM_COMM, peers);
+    ts__free(TS_MEM_COMM, pfds);
+    ts__free(TS_MEM_COMM, pfd_rank);
     return s;
 }
 
@@ -553,11 +562,11 @@ static void hold_store_for_error(ts_store *st, const char *prefix, int world)
                 return;
             read_upto++;
             int ar = -1, aw = -1;
-            char *txt = strndup(av, alen);
-            free(av);
+            char *txt = text_of(av, alen);
+            ts_store_value_free(av);
             if (txt && sscanf(txt, "%d %d", &ar, &aw) == 2 && aw > max_world)
                 max_world = aw; /* ts_launch_env bounded it on that rank */
-            free(txt);
+            ts__free(TS_MEM_COMM, txt);
         }
         if (ts_store_add(st, fkey, 0, &failed) != TS_OK)
             return;
@@ -628,7 +637,7 @@ static ts_status port_taken(const ts_rank_env *e, const char *prefix, double tim
     host_name(me_host, sizeof me_host);
     snprintf(how, sizeof how, " (the second found MASTER_PORT %d held by the first one's store)", e->master_port);
     duplicate_rank_msg(msg, sizeof msg, 0, got, glen, (int)getpid(), me_host, e->world_size, how);
-    free(got);
+    ts_store_value_free(got);
     s = rdv_fail(c, prefix, e->world_size, TS_ERR_INVALID_ARGUMENT, msg);
     /* counted out, so that the hosting rank 0 need not wait for this one */
     char me_id[RDV_MAX_ID];
@@ -719,7 +728,7 @@ static ts_status post_once(watch *wt, const char *val, size_t len, bool *won, in
         size_t glen = 0;
         s = ts_store_compare_set(wt->post, wt->failed_key, "", 0, val, len, &got, &glen);
         *won = s == TS_OK && glen == len && memcmp(got, val, len) == 0;
-        free(got);
+        ts_store_value_free(got);
         if (s != TS_OK || !*won)
             return s;
     }
@@ -758,7 +767,7 @@ static void post_failure(void *arg, ts_status st, int culprit, const char *msg)
         ts_logf(TS_LOG_WARN, "ts_dist: rank %d: cannot post its failure to the store: %s", wt->rank, ts_last_error());
 }
 
-/* The value of `key` as a NUL-terminated string (malloc'd), or NULL
+/* The value of `key` as a NUL-terminated string (text_of), or NULL
  * when it is not set or cannot be read. */
 static char *store_text(ts_store *st, const char *key)
 {
@@ -768,8 +777,8 @@ static char *store_text(ts_store *st, const char *key)
     size_t n = 0;
     if (ts_store_get(st, key, &v, &n) != TS_OK)
         return NULL;
-    char *text = strndup(v, n);
-    free(v);
+    char *text = text_of(v, n);
+    ts_store_value_free(v);
     return text;
 }
 
@@ -796,7 +805,7 @@ static bool read_notice(watch *wt, ts_status *st_out, char *msg, size_t cap)
             snprintf(msg, cap, "rank %d failed: %.500s (reported through the store)", from, what);
         *st_out = (ts_status)st;
     }
-    free(text);
+    ts__free(TS_MEM_COMM, text);
     return ok;
 }
 
@@ -847,7 +856,7 @@ static void *watch_main(void *arg)
         void *v = NULL;
         size_t len = 0;
         ts_status s = ts_store_get(wt->client, wt->wake_key, &v, &len);
-        free(v);
+        ts_store_value_free(v);
         char why[300] = "";
         if (s != TS_OK)
             snprintf(why, sizeof why, "%s", ts_last_error());
@@ -873,7 +882,7 @@ static void *watch_main(void *arg)
         if (err) {
             snprintf(msg, sizeof msg, "%s (found after the rendezvous; reported to rank %d)", err, wt->rank);
             ts__world_fail(wt->world, code, msg);
-            free(err);
+            ts__free(TS_MEM_COMM, err);
         } else if (!atomic_load(&wt->stop) && read_notice(wt, &code, msg, sizeof msg)) {
             ts__world_fail(wt->world, code, msg);
         } else if (!atomic_load(&wt->stop)) {
@@ -892,7 +901,7 @@ static void *watch_main(void *arg)
  * second connection) the job runs unwatched, with a warning. */
 static void watch_start(const ts_rank_env *e, const char *prefix, ts_comm *world)
 {
-    watch *wt = calloc(1, sizeof *wt);
+    watch *wt = ts__calloc(TS_MEM_COMM, 1, sizeof *wt);
     if (!wt)
         return;
     wt->world = world;
@@ -909,14 +918,14 @@ static void watch_start(const ts_rank_env *e, const char *prefix, ts_comm *world
     if (ts_store_connect(e->master_addr, e->master_port, e->token, OPTIONAL_CONNECT_S, &wt->client) != TS_OK) {
         ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: no watch of the store (a late duplicate RANK goes unseen): %s",
                 e->rank, ts_last_error());
-        free(wt);
+        ts__free(TS_MEM_COMM, wt);
         return;
     }
     ts_store_set_timeout(wt->client, WATCH_POLL_S);
     if (pthread_create(&wt->thread, NULL, watch_main, wt) != 0) {
         ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: no watch of the store: cannot start its thread", e->rank);
         ts_store_close(wt->client);
-        free(wt);
+        ts__free(TS_MEM_COMM, wt);
         return;
     }
     g_watch = wt;
@@ -947,7 +956,7 @@ static void watch_stop(ts_store *st)
     pthread_join(wt->thread, NULL);
     ts_store_close(wt->client);
     ts_store_close(wt->post);
-    free(wt);
+    ts__free(TS_MEM_COMM, wt);
 }
 
 /* Gives the world a store client of its own, through which a rank whose
@@ -1271,8 +1280,8 @@ ts_status ts_dist_finalize(void)
             snprintf(key, sizeof key, "%s/left/%d", g_prefix, R);
             s = ts_store_set(g_store, key, "", 0);
         } else if ((g_server || g_hold_for_nodes) && W > 1) {
-            char(*keys)[sizeof key] = calloc((size_t)W - 1, sizeof key);
-            const char **kp = calloc((size_t)W - 1, sizeof *kp);
+            char(*keys)[sizeof key] = ts__calloc(TS_MEM_COMM, (size_t)W - 1, sizeof key);
+            const char **kp = ts__calloc(TS_MEM_COMM, (size_t)W - 1, sizeof *kp);
             if (keys && kp) {
                 for (int r = 1; r < W; r++) {
                     snprintf(keys[r - 1], sizeof key, "%s/left/%d", g_prefix, r);
@@ -1280,8 +1289,8 @@ ts_status ts_dist_finalize(void)
                 }
                 s = ts_store_wait(g_store, W - 1, kp);
             }
-            free(keys);
-            free(kp);
+            ts__free(TS_MEM_COMM, keys);
+            ts__free(TS_MEM_COMM, kp);
         }
         if (!lerr && s == TS_OK) {
             snprintf(key, sizeof key, "%s/rdv/error", g_prefix);
@@ -1289,7 +1298,7 @@ ts_status ts_dist_finalize(void)
         }
         if (lerr) {
             s = ts_error(late, "%s (found after the rendezvous; reported to rank %d)", lerr, R);
-            free(lerr);
+            ts__free(TS_MEM_COMM, lerr);
         }
     }
     char err[512] = "";

@@ -537,7 +537,7 @@ static void read_hung(launcher *L, ts_launch_result *res)
         return;
     char txt[128];
     snprintf(txt, sizeof txt, "%.*s", (int)(len < sizeof txt - 1 ? len : sizeof txt - 1), (const char *)v);
-    free(v);
+    ts_store_value_free(v);
     int r = -1, off = 0;
     if (sscanf(txt, "%d %n", &r, &off) < 1 || r < 0 || r >= L->o->nnodes * L->o->nproc_per_node)
         return;
@@ -571,7 +571,7 @@ static bool post_notice(launcher *L, int culprit, const char *msg)
     char world_txt[3 * TS_LAUNCH_MAX_STR + 32];
     snprintf(world_txt, sizeof world_txt, "%.*s", (int)(len < sizeof world_txt - 1 ? len : sizeof world_txt - 1),
              (const char *)v);
-    free(v);
+    ts_store_value_free(v);
     int world = 0, off = 0;
     if (sscanf(world_txt, "%d %n", &world, &off) < 1 || world < 1 || off <= 0 || !world_txt[off])
         return false;
@@ -584,7 +584,7 @@ static bool post_notice(launcher *L, int culprit, const char *msg)
     size_t glen = 0;
     ts_status s = ts_store_compare_set(L->store, key, "", 0, val, vlen, &got, &glen);
     bool won = s == TS_OK && glen == vlen && memcmp(got, val, vlen) == 0;
-    free(got);
+    ts_store_value_free(got);
     for (int r = 0; won && r < world; r++) {
         if (r == culprit)
             continue;

@@ -34,8 +34,9 @@
  * Lifetime rules: the server and each client are objects the library
  * allocates (ts_store_server_start / ts_store_connect) and frees
  * (ts_store_server_stop / ts_store_close); their memory is counted under
- * TS_MEM_COMM. Values returned to the caller are malloc'd copies the caller
- * frees with free() (never NULL on success, even when empty).
+ * TS_MEM_COMM. Values returned to the caller (ts_store_get,
+ * ts_store_compare_set) are copies the caller owns and releases with
+ * ts_store_value_free (never NULL on success, even when empty).
  *
  * Threads: the server runs its own libuv loop in its own thread (which
  * blocks asynchronous signals and SIGPIPE); every server function may be
@@ -131,7 +132,8 @@ TS_API void ts_store_set_timeout(ts_store *s, double timeout_s);
 /* Sets `key` to a copy of `len` bytes at `value`, waking its waiters. */
 TS_API ts_status ts_store_set(ts_store *s, const char *key, const void *value, size_t len);
 /* Blocks until `key` exists (or the timeout: TS_ERR_TIMEOUT naming the
- * key), then returns its value (malloc'd; free() it). A counter reads as
+ * key), then returns its value (the caller's; release it with
+ * ts_store_value_free). A counter reads as
  * its 8 little-endian bytes. Both outputs are required. */
 TS_API ts_status ts_store_get(ts_store *s, const char *key, void **value_out, size_t *len_out);
 /* TS_OK if the key exists now, TS_ERR_NOT_FOUND otherwise (no waiting). */
@@ -147,11 +149,16 @@ TS_API ts_status ts_store_wait(ts_store *s, int n, const char *const *keys);
 TS_API ts_status ts_store_add(ts_store *s, const char *key, int64_t delta, int64_t *value_out);
 /* Sets `key` to `desired` if its value equals `expected` (an absent key
  * matches expected_len == 0, as does a present empty value). Returns the
- * value after the call (malloc'd): `desired` when it swapped, else the
+ * value after the call (the caller's; release it with
+ * ts_store_value_free): `desired` when it swapped, else the
  * current value, or an empty value when the key is absent. `value_out`
  * and `len_out` may both be NULL when the caller does not want it. */
 TS_API ts_status ts_store_compare_set(ts_store *s, const char *key, const void *expected, size_t expected_len,
                                       const void *desired, size_t desired_len, void **value_out, size_t *len_out);
+/* Releases a value that ts_store_get or ts_store_compare_set returned.
+ * Accepts NULL. Any thread. Never free() a value: it may come from the
+ * allocator set with ts_set_allocator. */
+TS_API void ts_store_value_free(void *value);
 /* Deletes `key`; *deleted_out (may be NULL) says whether it existed.
  * Waiters on the key keep waiting. */
 TS_API ts_status ts_store_delete(ts_store *s, const char *key, bool *deleted_out);

@@ -44,10 +44,31 @@ struct ts_store {
 
 typedef struct reply {
     uint8_t status;
-    unsigned char *val; /* malloc'd, never NULL after success */
+    unsigned char *val; /* value_alloc'd, never NULL after success */
     size_t vlen;
     uint64_t arg;
 } reply;
+
+/* [Note: store values] The reply's value is the one buffer that reaches
+ * the caller (ts_store_get, ts_store_compare_set: store.h), who releases
+ * it with ts_store_value_free. These two are this file's only libc
+ * allocator calls, kept because comm/comm.c still releases a value with
+ * free(); once it calls ts_store_value_free they become
+ * ts__malloc(TS_MEM_COMM, n) and ts__free(TS_MEM_COMM, p). */
+static unsigned char *value_alloc(size_t n)
+{
+    return malloc(n); /* libc: see [Note: store values] */
+}
+
+static void value_free(void *p)
+{
+    free(p); /* libc: see [Note: store values] */
+}
+
+void ts_store_value_free(void *value)
+{
+    value_free(value);
+}
 
 static void fmt_secs(char *out, size_t n, double s)
 {
@@ -232,7 +253,7 @@ static ts_status roundtrip(ts_store *s, const char *what, uint8_t op, const char
         return ts_error(TS_ERR_COMM, "store %s: malformed answer from the store at %s (body %u, value %u, status %u)",
                         what, s->addr, body, rvlen, rh[4]);
     }
-    unsigned char *val = malloc(rvlen ? rvlen : 1);
+    unsigned char *val = value_alloc(rvlen ? rvlen : 1);
     if (!val) {
         lose_connection(s);
         return ts_error(TS_ERR_NO_MEMORY, "store %s: out of memory for an answer of %u bytes", what, rvlen);
@@ -242,7 +263,7 @@ static ts_status roundtrip(ts_store *s, const char *what, uint8_t op, const char
     if (st == TS_OK)
         st = recv_all(s, what, ra, sizeof ra, started, deadline, hello);
     if (st != TS_OK) {
-        free(val);
+        value_free(val);
         return st;
     }
     r->status = rh[4];
@@ -255,7 +276,7 @@ static ts_status roundtrip(ts_store *s, const char *what, uint8_t op, const char
 /* An answer status the caller did not expect. Frees the reply. */
 static ts_status unexpected(ts_store *s, const char *what, reply *r)
 {
-    free(r->val);
+    value_free(r->val);
     r->val = NULL;
     if (r->status == TS__STORE_ST_NO_MEMORY)
         return ts_error(TS_ERR_NO_MEMORY, "store %s: the store at %s is out of memory", what, s->addr);
@@ -361,11 +382,11 @@ static ts_status say_hello(ts_store *s, const char *token, size_t tlen, uint64_t
         return st;
     }
     if (r.status == TS__STORE_ST_OK && r.arg == TS__STORE_PROTOCOL) {
-        free(r.val);
+        value_free(r.val);
         return TS_OK;
     }
     if (r.status == TS__STORE_ST_BAD_TOKEN) {
-        free(r.val);
+        value_free(r.val);
         lose_connection(s);
         return ts_error(TS_ERR_COMM,
                         "store hello: the store at %s rejected the token (%s): every rank must use the job's "
@@ -373,7 +394,7 @@ static ts_status say_hello(ts_store *s, const char *token, size_t tlen, uint64_t
                         s->addr, tlen ? "a wrong one" : "none was given");
     }
     if (r.status == TS__STORE_ST_REFUSED) {
-        free(r.val);
+        value_free(r.val);
         lose_connection(s);
         return ts_error(TS_ERR_COMM,
                         "store hello: the store at %s has no token and serves only processes of its own user on "
@@ -507,7 +528,7 @@ static ts_status do_set(ts_store *s, const char *what, const char *key, size_t k
         return st;
     if (r.status != TS__STORE_ST_OK)
         return unexpected(s, what, &r);
-    free(r.val);
+    value_free(r.val);
     return TS_OK;
 }
 
@@ -538,7 +559,7 @@ static ts_status do_wait(ts_store *s, const char *what, uint8_t op, const char *
     if (r->status == TS__STORE_ST_OK)
         return TS_OK;
     if (r->status == TS__STORE_ST_TIMEOUT) {
-        free(r->val);
+        value_free(r->val);
         r->val = NULL;
         if (!report)
             return TS_ERR_TIMEOUT;
@@ -580,7 +601,7 @@ static int do_check(ts_store *s, const char *what, const char *key, size_t klen,
         *err = st;
         return -1;
     }
-    free(r.val);
+    value_free(r.val);
     return r.status == TS__STORE_ST_OK;
 }
 
@@ -654,7 +675,7 @@ static ts_status wait_keys(ts_store *s, key_seq *q, int n, uint64_t deadline, ch
         ts_status st = do_wait(s, q->keys ? what : q->what, TS__STORE_OP_WAIT, key, klen, deadline, s->timeout_s,
                                false, &r);
         if (st == TS_OK) {
-            free(r.val);
+            value_free(r.val);
             continue;
         }
         if (st != TS_ERR_TIMEOUT || s->fd < 0)
@@ -722,13 +743,13 @@ static ts_status do_add(ts_store *s, const char *what, const char *key, size_t k
     if (st != TS_OK)
         return st;
     if (r.status == TS__STORE_ST_NOT_COUNTER) {
-        free(r.val);
+        value_free(r.val);
         return ts_error(TS_ERR_FORMAT, "store %s: the key holds a %llu-byte value, not an 8-byte counter", what,
                         (unsigned long long)r.arg);
     }
     if (r.status != TS__STORE_ST_OK)
         return unexpected(s, what, &r);
-    free(r.val);
+    value_free(r.val);
     if (value_out)
         *value_out = (int64_t)r.arg;
     return TS_OK;
@@ -773,7 +794,7 @@ ts_status ts_store_compare_set(ts_store *s, const char *key, const void *expecte
         *value_out = r.val;
         *len_out = r.vlen;
     } else {
-        free(r.val);
+        value_free(r.val);
     }
     return TS_OK;
 }
@@ -793,7 +814,7 @@ ts_status ts_store_delete(ts_store *s, const char *key, bool *deleted_out)
         return st;
     if (r.status != TS__STORE_ST_OK)
         return unexpected(s, what, &r);
-    free(r.val);
+    value_free(r.val);
     if (deleted_out)
         *deleted_out = r.arg != 0;
     return TS_OK;
@@ -837,7 +858,7 @@ ts_status ts_store_barrier(ts_store *s, const char *name, int world)
     reply r;
     st = do_wait(s, what, TS__STORE_OP_WAIT, key, (size_t)klen, deadline, s->timeout_s, false, &r);
     if (st == TS_OK) {
-        free(r.val);
+        value_free(r.val);
         return TS_OK;
     }
     if (st != TS_ERR_TIMEOUT || s->fd < 0)

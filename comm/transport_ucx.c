@@ -10,13 +10,13 @@
  * ucp_config_read). Every rank connects to every rank (itself included)
  * with UCP_ERR_HANDLING_MODE_PEER.
  *
- * Address exchange: the store value under "<prefix>/ucx/<rank>" is
- *     u32 magic "TSUX" | i32 pid | char host[64] (NUL-padded) | worker address
- * in native byte order (a UCX address only means something to the same
- * build anyway). The pid and host let same-host peers watch each other's
- * process (see Failures). host is host_id() (boot id, pid and network
- * namespace), not the host name, which hosts may share; TS_LOG_LEVEL=info
- * shows each rank's verdict (log_hosts).
+ * Address exchange: the store value under "<prefix>/ucx/<rank>" is a
+ * ts_ucx_addr (ucx_internal.h: magic, pid, host, the bypass's cookie, then
+ * the worker address), written by ts__ucx_addr_encode and read by
+ * ts__ucx_addr_decode. The pid and host let same-host peers watch each
+ * other's process (see Failures). host is ts__host_id(TS_HOST_ID_NET) (boot
+ * id, pid and network namespace; xmem.h), not the host name, which hosts
+ * may share; TS_LOG_LEVEL=info shows each rank's verdict (log_hosts).
  *
  * Tag packing. ucp_tag_recv_nbx is not bound to an endpoint, so the source
  * rank travels in the tag: the 64-bit UCX tag is
@@ -54,38 +54,11 @@
  * progress: the driving thread must progress at least every ~100 ms (poll
  * with a timeout).
  *
- * Shared-memory bypass for large messages. In PEER error mode UCX 1.13's
- * shared-memory rendezvous costs about 22 us more per message and halves
- * the bandwidth of simultaneous transfers in both directions (a 2-rank
- * all-gather): measured against NONE mode, with the same process_vm_readv
- * traffic. So messages of TS_UCX_CMA_MIN bytes or more between processes
- * of one host do their own single-copy rendezvous over the same PEER-mode
- * endpoints: the sender sends a small control message (its buffer's
- * address and length, tag bit CTRL) and waits for an acknowledgement (tag
- * bit ACK); the receiver reads the buffer with process_vm_readv straight
- * into its own and acknowledges. Failure handling is unchanged: every
- * piece is an ordinary UCX transfer with the peer (cancelled or abandoned
- * when it dies), and a read from a dead process fails. Whether rank i can
- * read rank j is tested once, at connection, by reading a cookie that j
- * published with its address (a different pid namespace, or ptrace rules
- * that forbid it, fail the test), and published in the store, so that
- * both sides of a pair take the same path. TS_UCX_CMA=0 turns the bypass
- * off. The two flag bits are the top bits of the rank field, so worlds
- * have at most 16384 ranks. Details that keep it safe:
- *  - the acknowledgement carries the control message's nonce, so one left
- *    over from an abandoned transfer with the same tag is not taken for a
- *    later one's;
- *  - the sender keeps a "live" word holding the nonce until its send ends
- *    (acknowledged, failed or cancelled); the receiver reads it after the
- *    data, so a read that raced with an abandoned send (the buffer reused
- *    since) fails instead of delivering what the buffer held;
- *  - the first read also re-reads the peer's cookie: a dead peer's pid may
- *    name another process;
- *  - the payloads of the small messages live in the ucx_op, which is only
- *    freed when UCX gives it back;
- *  - a size mismatch between sides where one is under TS_UCX_CMA_MIN and
- *    the other not takes two paths that never meet: it ends at the
- *    caller's deadline, not with TS_ERR_COMM (comm.h says so).
+ *
+ * Shared-memory bypass for large messages (TS_UCX_CMA_MIN bytes or more
+ * between processes of one host, both ways agreed at connection):
+ * comm/ucx_shm.c, which says why and how.
+ *
  *
  * Bounded waits: cancel_all and destroy progress for at most
  * TS_UCX_DRAIN_S seconds. An op UCX does not give back in time is
@@ -95,32 +68,25 @@
  * requests are still held it skips ucp_worker_destroy and ucp_cleanup
  * (leaking them) rather than hang or free memory UCX may still use.
  */
-#include "comm/transport.h"
-#include "comm/store.h"
-#include "comm/comm_internal.h"
+#include "comm/ucx_internal.h"
+#include "comm/xmem.h"
 
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <poll.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <sys/uio.h>
 #include <time.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
-#include <ucp/api/ucp.h>
 #include <ucs/debug/log_def.h>
 #include <unistd.h>
 
-#define TS_UCX_RANK_SHIFT 48
 #define TS_UCX_MAX_SIZE (1 << 14)
-#define TS_UCX_CTRL (1ull << 62) /* shared-memory bypass: control message */
-#define TS_UCX_ACK (1ull << 63)  /* shared-memory bypass: acknowledgement */
-#define TS_UCX_CMA_MIN (256u << 10)
 #define TS_UCX_DRAIN_S 2.0
 /* After a peer's death the drain is shorter: a rendezvous receive from the
  * dead peer that UCX had already matched is never given back, and nothing
@@ -128,81 +94,13 @@
  * survivors' error (DESIGN target: under 2 s). */
 #define TS_UCX_DRAIN_DEAD_S 0.5
 #define TS_UCX_PID_CHECK_S 0.25
-#define TS_UCX_HOST_LEN 64
-/* The store value: u32 magic | i32 pid | host[TS_UCX_HOST_LEN] |
- * u64 cookie address | u64 cookie | worker address. */
-#define TS_UCX_MAGIC 0x32555354u /* "TSU2" */
-#define TS_UCX_HDR (8 + TS_UCX_HOST_LEN + 16)
 
-typedef struct ucx_op ucx_op;
-typedef struct ts_ucx ts_ucx;
-
-struct ucx_op {
-    ts_ucx *t;
-    ucx_op *prev, *next; /* pending list, or the completed queue (next only) */
-    void *req;           /* UCX request, NULL if completed in place */
-    ts_xfer_cb cb;
-    void *arg;
-    int peer;
-    bool is_recv;
-    bool orphan;      /* user callback already run; free when UCX gives it back */
-    bool cancelled;   /* ucp_request_cancel called */
-    bool notify;      /* orphaned, user callback not run yet */
-    ts_status forced; /* status to report instead of UCX's (cancel), TS_OK if none */
-    size_t len;
-    uint64_t tag;
-    ucs_status_t ucs;
-    size_t rlen; /* received length */
-    size_t *len_out; /* recv_upto: where the received length goes (NULL: len exactly) */
-    size_t ulen; /* shared-memory bypass: the bytes of the transfer this message serves (0: none) */
-    uint64_t xbits; /* 0, TS_UCX_CTRL or TS_UCX_ACK */
-    /* the bypass's control and acknowledgement payloads live in the op, so
-     * that they stay valid for as long as UCX holds the op */
-    _Alignas(8) unsigned char inl[48];
-};
-
-typedef struct ucx_peer {
-    ts_ucx *t;
-    int rank;
-    ucp_ep_h ep;
-    bool dead;
-    ucs_status_t dead_status;
-    int pidfd; /* same-host peer's process (pidfd_open), -1 if none */
-    bool exited; /* found dead by its pidfd rather than by UCX */
-    bool none_mode; /* endpoint in UCP_ERR_HANDLING_MODE_NONE (TS_UCX_ERROR_MODE=local-none) */
-    bool same_host; /* on this host (host_id: kernel, pid and network namespace), self excluded */
-    pid_t pid;      /* same-host peer's process */
-    uint64_t cookie_addr, cookie; /* its published cookie (the bypass's identity check) */
-    bool cma_recv;  /* this rank reads the peer's large messages (bypass) */
-    bool cma_send;  /* the peer reads this rank's large messages */
-} ucx_peer;
-
-struct ts_ucx {
-    ts_transport base;
-    ucp_context_h ctx;
-    ucp_worker_h worker;
-    int efd;
-    ucx_peer *peers;
-    ucx_op pending; /* sentinel of the circular pending list */
-    ucx_op *done_head, *done_tail;
-    int npending;
-    int failed_peer;
-    ts_status failed_status;
-    /* the caller failed its world (cancel_all: a dead peer, a deadline, a
-     * mismatch); TS_OK while it has not */
-    ts_status world_failed;
-    bool dead_unhandled;
-    double next_pid_check;
-    unsigned pid_tick; /* progress calls; the pid watch reads the clock every 16th */
-    ucx_op *free_ops;  /* finished ops kept for the next transfers (op_release) */
-    int n_free;
-    uint64_t cma_nonce; /* the last bypass transfer's number */
-    /* memory registered once (mem_register: pinned host memory), sorted
-     * by address; driving thread only */
-    struct ucx_region *regions;
-    int n_regions, cap_regions;
-    _Atomic uint64_t xfers, xfers_memh; /* xfer_stats */
-};
+/* The address header is its wire layout, field for field (the top). */
+_Static_assert(offsetof(ts_ucx_addr_hdr, pid) == 4 && offsetof(ts_ucx_addr_hdr, host) == 8 &&
+                   offsetof(ts_ucx_addr_hdr, cookie_addr) == 8 + TS_UCX_HOST_LEN &&
+                   offsetof(ts_ucx_addr_hdr, cookie) == 16 + TS_UCX_HOST_LEN &&
+                   sizeof(ts_ucx_addr_hdr) == 24 + TS_UCX_HOST_LEN,
+               "ts_ucx_addr_hdr has no padding");
 
 /* ------------------------------------------------------- registrations
  *
@@ -237,16 +135,6 @@ static ucp_mem_h region_memh(const ts_ucx *t, const void *buf, size_t len)
     if (at < 0 || b - t->regions[at].addr > t->regions[at].len || len > t->regions[at].len - (b - t->regions[at].addr))
         return NULL;
     return t->regions[at].memh;
-}
-
-/* The level of this transport's own teardown lines (transfers abandoned,
- * a worker leaked): once the world failed or a peer died these are the
- * expected aftermath (a healthy peer that abandoned its side, a stopped
- * or dead one), which the caller's own error already explains, so debug;
- * in a world that had not failed they are a genuine surprise: warn. */
-static ts_log_level teardown_level(const ts_ucx *t)
-{
-    return t->world_failed != TS_OK || t->failed_peer >= 0 ? TS_LOG_DEBUG : TS_LOG_WARN;
 }
 
 /* ------------------------------------------------------------ UCX's log
@@ -305,20 +193,6 @@ static void ucx_log_install(void)
     if (getenv("UCX_LOG_LEVEL"))
         return;
     ucs_log_push_handler(ucx_log_handler);
-}
-
-/* Published with the worker address; a peer that reads it back with
- * process_vm_readv may use the shared-memory bypass towards this process. */
-static uint64_t g_cma_cookie;
-
-static uint64_t cma_cookie(void)
-{
-    if (!g_cma_cookie) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        g_cma_cookie = ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 20) ^ 0x9e3779b97f4a7c15ull;
-    }
-    return g_cma_cookie;
 }
 
 static double now_s(void)
@@ -381,16 +255,14 @@ static void recv_cb(void *request, ucs_status_t status, const ucp_tag_recv_info_
     op_finished(op, status, info ? info->length : 0);
 }
 
-static void mark_dead(ts_ucx *t, ucx_peer *p, ucs_status_t status);
-
 static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 {
     (void)ep;
     ucx_peer *p = arg;
-    mark_dead(p->t, p, status);
+    ts__ucx_mark_dead(p->t, p, status);
 }
 
-static void mark_dead(ts_ucx *t, ucx_peer *p, ucs_status_t status)
+void ts__ucx_mark_dead(ts_ucx *t, ucx_peer *p, ucs_status_t status)
 {
     if (p->dead)
         return;
@@ -421,7 +293,7 @@ static void check_peer_pids(ts_ucx *t)
         struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
         if (poll(&pf, 1, 0) == 1 && (pf.revents & (POLLIN | POLLHUP | POLLERR))) {
             p->exited = true;
-            mark_dead(t, p, UCS_ERR_CONNECTION_RESET);
+            ts__ucx_mark_dead(t, p, UCS_ERR_CONNECTION_RESET);
         }
     }
 }
@@ -631,9 +503,8 @@ static void count_xfer(ts_ucx *t, ucp_request_param_t *prm, const void *buf, siz
     atomic_fetch_add_explicit(&t->xfers_memh, 1, memory_order_relaxed);
 }
 
-/* One UCX send (xbits: 0, or TS_UCX_CTRL / TS_UCX_ACK for the bypass).
- * buf NULL: send len (<= 32) bytes of `inl`, copied into the op. */
-static ts_status send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uint64_t tag, uint64_t xbits,
+/* One UCX send (ucx_internal.h). */
+ts_status ts__ucx_send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uint64_t tag, uint64_t xbits,
                           size_t ulen, const void *inl, ts_xfer_cb cb, void *arg)
 {
     ucx_op *op = op_new(t, peer, len, tag, false, cb, arg);
@@ -671,9 +542,8 @@ static ts_status send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uint
     return TS_OK;
 }
 
-/* One UCX receive (xbits as send_raw). buf NULL: into the op's `inl` (len
- * <= 32), which the callback reads through *op_out. */
-static ts_status recv_raw(ts_ucx *t, int peer, void *buf, size_t len, uint64_t tag, uint64_t xbits, size_t ulen,
+/* One UCX receive (ucx_internal.h). */
+ts_status ts__ucx_recv_raw(ts_ucx *t, int peer, void *buf, size_t len, uint64_t tag, uint64_t xbits, size_t ulen,
                           ts_xfer_cb cb, void *arg, ucx_op **op_out)
 {
     ucx_op *op = op_new(t, peer, len, tag, true, cb, arg);
@@ -716,238 +586,7 @@ static ts_status recv_raw(ts_ucx *t, int peer, void *buf, size_t len, uint64_t t
     return TS_OK;
 }
 
-/* ------------------------------------------------ shared-memory bypass */
 
-#define CMA_MAGIC 0x434d4132u /* "CMA2" */
-
-typedef struct cma_msg { /* control message: where the data is */
-    uint64_t addr, len, nonce;
-    uint64_t live_addr; /* the sender's word that holds nonce while the buffer may be read */
-    uint32_t magic, pad;
-} cma_msg;
-
-typedef struct cma_ack { /* acknowledgement: which transfer, how it went */
-    uint64_t nonce;
-    int64_t status; /* 0: read; a ts_status otherwise */
-} cma_ack;
-
-_Static_assert(sizeof(cma_msg) <= 48 && sizeof(cma_ack) <= 48, "bypass payloads fit an op's inline buffer");
-
-/* A send: the acknowledgement receive, then the control message. */
-typedef struct cma_tx {
-    ts_ucx *t;
-    ts_xfer_cb cb;
-    void *arg;
-    int peer;
-    size_t len;
-    uint64_t tag, nonce;
-    int parts;       /* pieces not finished */
-    bool suppress;   /* the caller got the error synchronously: no callback */
-    ts_status st;    /* the first piece's failure */
-    char err[256];
-    int64_t ack;     /* the receiver's status */
-    ucx_op *ack_op;  /* the acknowledgement receive in flight */
-    /* nonce while the receiver may read the buffer; cleared when the send
-     * ends, so that a receiver reading after an abandoned send (the world
-     * failed, the buffer was reused) finds out and fails instead of
-     * returning whatever the buffer holds by then */
-    volatile uint64_t live;
-} cma_tx;
-
-static void tx_finish(cma_tx *x)
-{
-    x->live = 0;
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    if (!x->suppress) {
-        ts_status s = x->st;
-        if (s)
-            ts_error(s, "%s", x->err);
-        else if (x->ack != 0)
-            s = ts_error(TS_ERR_COMM, "ucx: rank %d: rank %d could not read the %zu bytes sent to it: %s",
-                         x->t->base.rank, x->peer, x->len, ts_status_name((ts_status)x->ack));
-        if (x->cb)
-            x->cb(x->arg, s);
-    }
-    ts__free(TS_MEM_COMM, x);
-}
-
-static void tx_fail(cma_tx *x, ts_status st)
-{
-    if (st && !x->st) {
-        x->st = st;
-        snprintf(x->err, sizeof x->err, "%s", ts_last_error());
-    }
-}
-
-static void tx_sent(void *arg, ts_status st)
-{
-    cma_tx *x = arg;
-    tx_fail(x, st);
-    if (--x->parts == 0)
-        tx_finish(x);
-}
-
-static void tx_acked(void *arg, ts_status st)
-{
-    cma_tx *x = arg;
-    cma_ack a;
-    memcpy(&a, x->ack_op->inl, sizeof a);
-    x->ack_op = NULL;
-    if (!st && a.nonce != x->nonce) {
-        /* an acknowledgement left over from an abandoned transfer with the
-         * same peer and tag: not ours; wait for ours */
-        ts_status s = recv_raw(x->t, x->peer, NULL, sizeof(cma_ack), x->tag, TS_UCX_ACK, x->len, tx_acked, x,
-                               &x->ack_op);
-        if (!s)
-            return;
-        st = s;
-    }
-    tx_fail(x, st);
-    if (!st)
-        x->ack = a.status;
-    if (--x->parts == 0)
-        tx_finish(x);
-}
-
-static ts_status cma_send(ts_ucx *t, int peer, const void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
-{
-    cma_tx *x = ts__calloc(TS_MEM_COMM, 1, sizeof *x);
-    if (!x)
-        return ts_error(TS_ERR_NO_MEMORY, "ucx: send: out of memory");
-    *x = (cma_tx){.t = t, .cb = cb, .arg = arg, .peer = peer, .len = len, .tag = tag, .nonce = ++t->cma_nonce,
-                  .ack = -1, .parts = 1};
-    x->live = x->nonce;
-    /* the acknowledgement receive first: once the control message is out,
-     * the peer may read the buffer, and only its acknowledgement says when
-     * it is done */
-    ts_status s = recv_raw(t, peer, NULL, sizeof(cma_ack), tag, TS_UCX_ACK, len, tx_acked, x, &x->ack_op);
-    if (s) {
-        ts__free(TS_MEM_COMM, x);
-        return s;
-    }
-    cma_msg m = {(uint64_t)(uintptr_t)buf, len, x->nonce, (uint64_t)(uintptr_t)&x->live, CMA_MAGIC, 0};
-    x->parts = 2;
-    if ((s = send_raw(t, peer, NULL, sizeof m, tag, TS_UCX_CTRL, len, &m, tx_sent, x))) {
-        /* nothing went out: drop the acknowledgement receive; x is freed
-         * when UCX gives it back */
-        x->suppress = true;
-        x->parts = 1;
-        ucx_op *op = x->ack_op;
-        if (op && !op->cancelled) {
-            op->cancelled = true;
-            op->forced = s;
-            if (op->req)
-                ucp_request_cancel(t->worker, op->req);
-        }
-        return s;
-    }
-    return TS_OK;
-}
-
-/* A receive: the control message in, the read, the acknowledgement out. */
-typedef struct cma_rx {
-    ts_ucx *t;
-    ts_xfer_cb cb;
-    void *arg;
-    int peer;
-    void *buf;
-    size_t len;
-    uint64_t tag;
-    ucx_op *ctrl_op;
-} cma_rx;
-
-/* Reads len bytes at m->addr of the peer's process into buf, checking in
- * the same first call that the process is still the one whose cookie was
- * read at connection (a dead peer's pid may name another process). */
-static ts_status cma_read(ts_ucx *t, int peer, void *buf, const cma_msg *m, size_t len)
-{
-    ucx_peer *p = &t->peers[peer];
-    if (m->magic != CMA_MAGIC || m->len != len)
-        return ts_error(TS_ERR_COMM, "ucx: rank %d: rank %d sent %llu bytes, %zu expected (or a bad control message)",
-                        t->base.rank, peer, (unsigned long long)m->len, len);
-    uint64_t cookie = 0;
-    size_t done = 0;
-    bool checked = false;
-    while (done < len || !checked) {
-        struct iovec l[2], r[2];
-        int n_iov = 0;
-        if (!checked) {
-            l[n_iov] = (struct iovec){&cookie, 8};
-            r[n_iov++] = (struct iovec){(void *)(uintptr_t)p->cookie_addr, 8};
-        }
-        l[n_iov] = (struct iovec){(unsigned char *)buf + done, len - done};
-        r[n_iov++] = (struct iovec){(void *)(uintptr_t)(m->addr + done), len - done};
-        ssize_t n = process_vm_readv(p->pid, l, (unsigned long)n_iov, r, (unsigned long)n_iov, 0);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n > 0 && !checked) {
-            if ((size_t)n < 8 || cookie != p->cookie)
-                return ts_error(TS_ERR_PEER_FAILED, "ucx: rank %d: rank %d's process (pid %d) is gone; its %zu bytes "
-                                "cannot be read", t->base.rank, peer, (int)p->pid, len);
-            checked = true;
-            n -= 8;
-        } else if (n <= 0) {
-            int e = n < 0 ? errno : EIO;
-            bool dead = e == ESRCH || p->dead;
-            if (e == ESRCH && !p->dead) { /* the process is gone: as the pid watch would find */
-                p->exited = true;
-                mark_dead(t, p, UCS_ERR_CONNECTION_RESET);
-            }
-            return ts_error(dead ? TS_ERR_PEER_FAILED : TS_ERR_COMM,
-                            "ucx: rank %d: reading %zu bytes from rank %d (pid %d) failed after %zu: %s", t->base.rank,
-                            len, peer, (int)p->pid, done, strerror(e));
-        }
-        done += (size_t)n;
-    }
-    /* the sender still waits for this transfer (so nothing it read was
-     * reused under it): its live word holds the nonce */
-    uint64_t live = 0;
-    struct iovec ll = {&live, 8}, rl = {(void *)(uintptr_t)m->live_addr, 8};
-    ssize_t n = process_vm_readv(p->pid, &ll, 1, &rl, 1, 0);
-    if (n != 8 || live != m->nonce)
-        return ts_error(n != 8 && errno == ESRCH ? TS_ERR_PEER_FAILED : TS_ERR_COMM,
-                        "ucx: rank %d: rank %d abandoned its %zu-byte send before it was read (its world failed)",
-                        t->base.rank, peer, len);
-    return TS_OK;
-}
-
-static void rx_ctrl(void *arg, ts_status st)
-{
-    cma_rx *y = arg;
-    ts_ucx *t = y->t;
-    ts_xfer_cb cb = y->cb;
-    void *cb_arg = y->arg;
-    cma_msg m;
-    memcpy(&m, y->ctrl_op->inl, sizeof m);
-    if (!st) {
-        st = cma_read(t, y->peer, y->buf, &m, y->len);
-        char err[256];
-        snprintf(err, sizeof err, "%s", st ? ts_last_error() : "");
-        /* acknowledge: the sender's buffer is free after this */
-        cma_ack a = {m.nonce, st};
-        if (!t->peers[y->peer].dead &&
-            send_raw(t, y->peer, NULL, sizeof a, y->tag, TS_UCX_ACK, y->len, &a, NULL, NULL) != TS_OK)
-            ts_logf(teardown_level(t), "ucx: rank %d: could not acknowledge %zu bytes to rank %d: %s; it will wait until "
-                    "its deadline", t->base.rank, y->len, y->peer, ts_last_error());
-        if (st)
-            ts_error(st, "%s", err);
-    }
-    ts__free(TS_MEM_COMM, y);
-    if (cb)
-        cb(cb_arg, st);
-}
-
-static ts_status cma_recv(ts_ucx *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
-{
-    cma_rx *y = ts__calloc(TS_MEM_COMM, 1, sizeof *y);
-    if (!y)
-        return ts_error(TS_ERR_NO_MEMORY, "ucx: recv: out of memory");
-    *y = (cma_rx){.t = t, .cb = cb, .arg = arg, .peer = peer, .buf = buf, .len = len, .tag = tag};
-    ts_status s = recv_raw(t, peer, NULL, sizeof(cma_msg), tag, TS_UCX_CTRL, len, rx_ctrl, y, &y->ctrl_op);
-    if (s)
-        ts__free(TS_MEM_COMM, y);
-    return s;
-}
 
 static ts_status ucx_send(ts_transport *base, int peer, const void *buf, size_t len, uint64_t tag, ts_xfer_cb cb,
                           void *arg)
@@ -957,8 +596,8 @@ static ts_status ucx_send(ts_transport *base, int peer, const void *buf, size_t 
     if (s != TS_OK)
         return s;
     if (len >= TS_UCX_CMA_MIN && t->peers[peer].cma_send)
-        return cma_send(t, peer, buf, len, tag, cb, arg);
-    return send_raw(t, peer, buf, len, tag, 0, 0, NULL, cb, arg);
+        return ts__ucx_shm_send(t, peer, buf, len, tag, cb, arg);
+    return ts__ucx_send_raw(t, peer, buf, len, tag, 0, 0, NULL, cb, arg);
 }
 
 static ts_status ucx_recv(ts_transport *base, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
@@ -968,8 +607,8 @@ static ts_status ucx_recv(ts_transport *base, int peer, void *buf, size_t len, u
     if (s != TS_OK)
         return s;
     if (len >= TS_UCX_CMA_MIN && t->peers[peer].cma_recv)
-        return cma_recv(t, peer, buf, len, tag, cb, arg);
-    return recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg, NULL);
+        return ts__ucx_shm_recv(t, peer, buf, len, tag, cb, arg);
+    return ts__ucx_recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg, NULL);
 }
 
 /* A receive of at most len bytes (transport.h): never the bypass, which
@@ -985,7 +624,7 @@ static ts_status ucx_recv_upto(ts_transport *base, int peer, void *buf, size_t l
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: rank %d: recv_upto of %zu bytes from rank %d: %s",
                         t->base.rank, len, peer, len_out ? "at least the bypass's 256 KiB" : "NULL len_out");
     ucx_op *op = NULL;
-    s = recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg, &op);
+    s = ts__ucx_recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg, &op);
     if (s == TS_OK && op)
         op->len_out = len_out; /* read by op_status, from progress: never before this */
     return s;
@@ -1189,7 +828,7 @@ static void ucx_cancel_all_locked(ts_ucx *t, ts_status status)
             continue;
         op->orphan = true;
         op->notify = true;
-        ts_logf(teardown_level(t), "ucx: rank %d: %s of %zu bytes %s rank %d still held by UCX after %.1f s; abandoned",
+        ts_logf(ts__ucx_teardown_level(t), "ucx: rank %d: %s of %zu bytes %s rank %d still held by UCX after %.1f s; abandoned",
                 t->base.rank, op->is_recv ? "receive" : "send", op->ulen ? op->ulen : op->len,
                 op->is_recv ? "from" : "to", op->peer, bound);
         /* a bypass acknowledgement receive kept past the cancellation (its
@@ -1260,7 +899,7 @@ static void ucx_destroy(ts_transport *base)
         if (!drain(t, now_s() + 0.5))
             stuck = true;
         if (stuck) {
-            ts_logf(teardown_level(t), "ucx: rank %d: requests still held by UCX at destroy; leaking the worker",
+            ts_logf(ts__ucx_teardown_level(t), "ucx: rank %d: requests still held by UCX at destroy; leaking the worker",
                     t->base.rank);
         } else {
             ucp_worker_destroy(t->worker);
@@ -1381,26 +1020,34 @@ static const ts_transport_vtable ucx_vtable = {
 };
 
 /* ------------------------------------------------------------- create */
+/* ------------------------------------------------------- the address */
 
-/* This host's identity for the same-host decisions (the bypass, the pid
- * watch): "<boot id>/<pid namespace>/<network namespace>", NUL-padded to
- * TS_UCX_HOST_LEN. Not the host name: two network namespaces of one
- * machine (scripts/netns_hosts.sh), containers and cloned machines share
- * theirs. The boot id tells kernels apart, the pid namespace says whether
- * the peer's pid means the same process here, and the network namespace
- * makes each address a host of its own, as the launcher sees it (nodes
- * with their own --master-addr), so that traffic between them goes over
- * the network as it would between machines. */
-static void host_id(char *out, size_t n)
+size_t ts__ucx_addr_encode(const ts_ucx_addr *a, void *out, size_t cap)
 {
-    char boot[40], pidns[32], netns[32];
-    ts__host_parts(boot, sizeof boot, pidns, sizeof pidns, netns, sizeof netns);
-    memset(out, 0, n);
-    /* "pid:[4026531836]" -> "4026531836" */
-    const char *p = strchr(pidns, '['), *q = strchr(netns, '[');
-    snprintf(out, n, "%.36s/%.*s/%.*s", boot, p ? (int)strcspn(p + 1, "]") : 1, p ? p + 1 : "?",
-             q ? (int)strcspn(q + 1, "]") : 1, q ? q + 1 : "?");
+    size_t len = TS_UCX_HDR + a->worker_len;
+    if (out && cap >= len) {
+        memcpy(out, &a->hdr, TS_UCX_HDR);
+        memcpy((unsigned char *)out + TS_UCX_HDR, a->worker, a->worker_len);
+    }
+    return len;
 }
+
+ts_status ts__ucx_addr_decode(const void *val, size_t len, int rank, const char *key, ts_ucx_addr *out)
+{
+    ts_ucx_addr_hdr h;
+    if (len <= TS_UCX_HDR)
+        return ts_error(TS_ERR_FORMAT, "ucx: rank %d: the store's '%s' (%zu bytes) is not a tensorshard UCX address: "
+                        "not longer than its %zu-byte header", rank, key, len, (size_t)TS_UCX_HDR);
+    memcpy(&h, val, TS_UCX_HDR);
+    if (h.magic != TS_UCX_MAGIC)
+        return ts_error(TS_ERR_FORMAT, "ucx: rank %d: the store's '%s' (%zu bytes) is not a tensorshard UCX address: "
+                        "magic 0x%08x, expected 0x%08x", rank, key, len, (unsigned)h.magic, (unsigned)TS_UCX_MAGIC);
+    *out = (ts_ucx_addr){.hdr = h, .worker = (const unsigned char *)val + TS_UCX_HDR, .worker_len = len - TS_UCX_HDR};
+    return TS_OK;
+}
+
+/* ------------------------------------------------------------- create */
+
 
 static void env_default(const char *name, const char *value)
 {
@@ -1473,17 +1120,9 @@ static void log_hosts(const ts_ucx *t)
     ts_logf(TS_LOG_INFO, "ucx: rank %d: same host: [%s]; other hosts: [%s]", t->base.rank, same, other);
 }
 
-ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, int size, double timeout_s,
-                                ts_transport **out)
-{
-    if (!store || !prefix || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: NULL store, prefix or out");
-    if (size < 1 || size > TS_UCX_MAX_SIZE || rank < 0 || rank >= size)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: rank %d of a world of %d (1..%d ranks)", rank, size,
-                        TS_UCX_MAX_SIZE);
-    if (!(timeout_s > 0))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: timeout %g s is not positive", timeout_s);
 
+/* The knobs of one transport, read from the environment at creation. */
+typedef struct ucx_knobs {
     /* TS_UCX_ERROR_MODE: "peer" (default) puts every endpoint in PEER
      * error mode; "local-none" puts same-host peers that the pid watch
      * covers in NONE mode, which doubles shared-memory bandwidth in UCX
@@ -1492,15 +1131,42 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
      * the pid watch, and their endpoints are flush-closed (force-closed
      * only once the peer is dead), since UCX requires PEER mode on both
      * sides for a force close. */
+    bool local_none;
+    /* TS_UCX_PID_WATCH=0 turns the pidfd watch off (UCX's own detection only). */
+    bool pid_watch;
+    /* TS_UCX_CMA=0 turns the shared-memory bypass off (ucx_shm.c). */
+    bool cma_on;
+} ucx_knobs;
+
+/* Step 1: the arguments and the knobs. */
+static ts_status check_new(ts_store *store, const char *prefix, int rank, int size, double timeout_s,
+                           ts_transport **out, ucx_knobs *k)
+{
+    if (!store || !prefix || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: NULL store, prefix or out");
+    if (size < 1 || size > TS_UCX_MAX_SIZE || rank < 0 || rank >= size)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: rank %d of a world of %d (1..%d ranks)", rank, size,
+                        TS_UCX_MAX_SIZE);
+    if (!(timeout_s > 0))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: timeout %g s is not positive", timeout_s);
     const char *em = getenv("TS_UCX_ERROR_MODE");
-    bool local_none = false;
+    k->local_none = false;
     if (em && *em) {
         if (strcmp(em, "local-none") == 0)
-            local_none = true;
+            k->local_none = true;
         else if (strcmp(em, "peer") != 0)
             return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: TS_UCX_ERROR_MODE='%s' (expected 'peer' or 'local-none')", em);
     }
+    const char *pw = getenv("TS_UCX_PID_WATCH");
+    k->pid_watch = !(pw && strcmp(pw, "0") == 0);
+    const char *cm = getenv("TS_UCX_CMA");
+    k->cma_on = !(cm && strcmp(cm, "0") == 0);
+    return TS_OK;
+}
 
+/* Step 2: UCX's environment, unless the user set it. */
+static void env_defaults(double timeout_s)
+{
     env_default("UCX_TLS", "posix,cma,self");
     env_default("UCX_MM_ERROR_HANDLING", "y");
     env_default("UCX_KEEPALIVE_INTERVAL", "1s");
@@ -1508,10 +1174,15 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
     /* UCX_WARN_UNUSED_ENV_VARS is a libucs global option, read when the
      * library loads: setting it here is too late (and is itself then
      * reported as unused), so the launcher and the tests set it. */
+}
 
+/* Step 3: the transport and its peers, nothing opened yet; NULL when out
+ * of memory. */
+static ts_ucx *ucx_alloc(int rank, int size)
+{
     ts_ucx *t = ts__calloc(TS_MEM_COMM, 1, sizeof *t);
     if (!t)
-        return ts_error(TS_ERR_NO_MEMORY, "ucx: out of memory");
+        return NULL;
     t->base.vt = &ucx_vtable;
     t->base.rank = rank;
     t->base.size = size;
@@ -1521,209 +1192,188 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
     t->peers = ts__calloc(TS_MEM_COMM, (size_t)size, sizeof *t->peers);
     if (!t->peers) {
         ts__free(TS_MEM_COMM, t);
-        return ts_error(TS_ERR_NO_MEMORY, "ucx: out of memory");
+        return NULL;
     }
     for (int r = 0; r < size; r++) {
         t->peers[r].t = t;
         t->peers[r].rank = r;
         t->peers[r].pidfd = -1;
     }
+    return t;
+}
 
-    ts_status s = TS_OK;
-    ucs_status_t us;
+/* Step 4: the UCP context (TAG + WAKEUP), with UCX's log routed first. */
+static ts_status open_context(ts_ucx *t)
+{
     ucp_config_t *cfg = NULL;
     pthread_once(&g_ucx_log_once, ucx_log_install);
-    us = ucp_config_read(NULL, NULL, &cfg);
-    if (us != UCS_OK) {
-        s = ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_config_read failed: %s", rank, ucs_status_string(us));
-        goto fail;
-    }
+    ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
+    if (us != UCS_OK)
+        return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_config_read failed: %s", t->base.rank, ucs_status_string(us));
     ucp_params_t params = {
         .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_ESTIMATED_NUM_EPS,
         .features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP,
         .name = "tensorshard",
-        .estimated_num_eps = (size_t)size,
+        .estimated_num_eps = (size_t)t->base.size,
     };
     us = ucp_init(&params, cfg, &t->ctx);
     ucp_config_release(cfg);
     if (us != UCS_OK) {
         t->ctx = NULL;
-        s = ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_init failed: %s", rank, ucs_status_string(us));
-        goto fail;
+        return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_init failed: %s", t->base.rank, ucs_status_string(us));
     }
+    return TS_OK;
+}
+
+/* Step 5: the worker and its wakeup fd. */
+static ts_status open_worker(ts_ucx *t)
+{
     ucp_worker_params_t wp = {
         .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
         .thread_mode = UCS_THREAD_MODE_SERIALIZED, /* several threads, one at a time (comm.c's progress lock) */
     };
-    us = ucp_worker_create(t->ctx, &wp, &t->worker);
+    ucs_status_t us = ucp_worker_create(t->ctx, &wp, &t->worker);
     if (us != UCS_OK) {
         t->worker = NULL;
-        s = ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_create failed: %s", rank, ucs_status_string(us));
-        goto fail;
+        return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_create failed: %s", t->base.rank,
+                        ucs_status_string(us));
     }
     us = ucp_worker_get_efd(t->worker, &t->efd);
-    if (us != UCS_OK) {
-        s = ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_get_efd failed: %s", rank, ucs_status_string(us));
-        goto fail;
-    }
+    if (us != UCS_OK)
+        return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_get_efd failed: %s", t->base.rank,
+                        ucs_status_string(us));
+    return TS_OK;
+}
 
-    /* Publish our address, then fetch everyone's. */
+/* Step 6: this rank's address under "<prefix>/ucx/<rank>" (the top),
+ * with host (this process's host id) in it. */
+static ts_status publish_address(ts_ucx *t, ts_store *store, const char *prefix, const char *host)
+{
     char key[TS_STORE_MAX_KEY];
-    if ((size_t)snprintf(key, sizeof key, "%s/ucx/%d", prefix, rank) >= sizeof key) {
-        s = ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: prefix too long (%zu bytes)", strlen(prefix));
-        goto fail;
-    }
+    if ((size_t)snprintf(key, sizeof key, "%s/ucx/%d", prefix, t->base.rank) >= sizeof key)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: prefix too long (%zu bytes)", strlen(prefix));
     ucp_address_t *addr = NULL;
     size_t alen = 0;
-    us = ucp_worker_get_address(t->worker, &addr, &alen);
-    if (us != UCS_OK) {
-        s = ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_get_address failed: %s", rank, ucs_status_string(us));
-        goto fail;
-    }
-    unsigned char *val = ts__calloc(TS_MEM_COMM, 1, TS_UCX_HDR + alen);
+    ucs_status_t us = ucp_worker_get_address(t->worker, &addr, &alen);
+    if (us != UCS_OK)
+        return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_get_address failed: %s", t->base.rank,
+                        ucs_status_string(us));
+    ts_ucx_addr a = {.hdr = {.magic = TS_UCX_MAGIC,
+                             .pid = (int32_t)getpid(),
+                             .cookie_addr = ts__ucx_shm_cookie_addr(),
+                             .cookie = ts__ucx_shm_cookie()},
+                     .worker = addr,
+                     .worker_len = alen};
+    memcpy(a.hdr.host, host, TS_UCX_HOST_LEN);
+    size_t vlen = ts__ucx_addr_encode(&a, NULL, 0);
+    unsigned char *val = ts__calloc(TS_MEM_COMM, 1, vlen);
     if (!val) {
         ucp_worker_release_address(t->worker, addr);
-        s = ts_error(TS_ERR_NO_MEMORY, "ucx: out of memory");
-        goto fail;
+        return ts_error(TS_ERR_NO_MEMORY, "ucx: out of memory");
     }
-    char host[TS_UCX_HOST_LEN] = {0};
-    host_id(host, sizeof host);
-    uint32_t magic = TS_UCX_MAGIC;
-    int32_t pid = (int32_t)getpid();
-    memcpy(val, &magic, 4);
-    memcpy(val + 4, &pid, 4);
-    memcpy(val + 8, host, TS_UCX_HOST_LEN);
-    uint64_t caddr = (uint64_t)(uintptr_t)&g_cma_cookie, cval = cma_cookie();
-    memcpy(val + 8 + TS_UCX_HOST_LEN, &caddr, 8);
-    memcpy(val + 8 + TS_UCX_HOST_LEN + 8, &cval, 8);
-    memcpy(val + TS_UCX_HDR, addr, alen);
-    s = ts_store_set(store, key, val, TS_UCX_HDR + alen);
+    ts__ucx_addr_encode(&a, val, vlen);
+    ts_status s = ts_store_set(store, key, val, vlen);
     ts__free(TS_MEM_COMM, val);
     ucp_worker_release_address(t->worker, addr);
-    if (s != TS_OK)
-        goto fail;
-    /* TS_UCX_PID_WATCH=0 turns the pidfd watch off (UCX's own detection only). */
-    const char *pw = getenv("TS_UCX_PID_WATCH");
-    bool pid_watch = !(pw && strcmp(pw, "0") == 0);
-    /* TS_UCX_CMA=0 turns the shared-memory bypass off (see the top). */
-    const char *cm = getenv("TS_UCX_CMA");
-    bool cma_on = !(cm && strcmp(cm, "0") == 0);
-    /* The store client's timeout bounds the waits below (it stays set). */
+    return s;
+}
+
+/* Step 7, for peer r: its address from the store, the same-host probe
+ * (host id, then whether this rank can read it and a pidfd on it), and
+ * the endpoint. */
+static ts_status connect_peer(ts_ucx *t, ts_store *store, const char *prefix, int r, const char *host,
+                              const ucx_knobs *k, double timeout_s)
+{
+    int rank = t->base.rank;
+    ucx_peer *p = &t->peers[r];
+    char key[TS_STORE_MAX_KEY];
+    snprintf(key, sizeof key, "%s/ucx/%d", prefix, r);
+    void *v = NULL;
+    size_t vlen = 0;
+    ts_status s = ts_store_get(store, key, &v, &vlen);
+    if (s != TS_OK) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", ts_last_error());
+        return ts_error(s, "ucx: rank %d: no address from rank %d within %.1f s: %s", rank, r, timeout_s, why);
+    }
+    ts_ucx_addr a;
+    if ((s = ts__ucx_addr_decode(v, vlen, rank, key, &a)) != TS_OK) {
+        ts_store_value_free(v);
+        return s;
+    }
+    bool same_host = r != rank && ts__host_same(host, a.hdr.host, TS_UCX_HOST_LEN);
+    p->same_host = same_host;
+    p->pid = same_host ? (pid_t)a.hdr.pid : 0;
+    bool other_ns = false; /* the same host name, but another pid namespace (containers) */
+    if (same_host) /* can this rank read that process? (its published cookie) */
+        other_ns = ts__ucx_shm_probe(p, &a.hdr);
+    if (same_host && k->pid_watch && !other_ns) {
+        int fd = ts__host_watch((pid_t)a.hdr.pid);
+        if (fd >= 0)
+            p->pidfd = fd;
+        else if (errno == ESRCH) { /* gone already */
+            p->exited = true;
+            ts__ucx_mark_dead(t, p, UCS_ERR_CONNECTION_RESET);
+        }
+    }
+    p->none_mode = k->local_none && p->pidfd >= 0;
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .address = (const ucp_address_t *)a.worker,
+        .err_mode = p->none_mode ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = ep_err_cb, .arg = p},
+    };
+    ucs_status_t us = ucp_ep_create(t->worker, &ep, &p->ep);
+    ts_store_value_free(v);
+    if (us != UCS_OK) {
+        p->ep = NULL;
+        return ts_error(TS_ERR_COMM,
+                        "ucx: rank %d: cannot connect to rank %d: %s (UCX_TLS=%s; shared memory needs "
+                        "UCX_MM_ERROR_HANDLING=y for PEER error handling)",
+                        rank, r, ucs_status_string(us), getenv("UCX_TLS") ? getenv("UCX_TLS") : "");
+    }
+    return TS_OK;
+}
+
+/* Step 7: every rank (this one included), from this rank on. The store
+ * client's timeout bounds the waits (it stays set). */
+static ts_status connect_peers(ts_ucx *t, ts_store *store, const char *prefix, const char *host, const ucx_knobs *k,
+                               double timeout_s)
+{
     ts_store_set_timeout(store, timeout_s);
-    for (int i = 0; i < size; i++) {
-        int r = (rank + i) % size;
-        snprintf(key, sizeof key, "%s/ucx/%d", prefix, r);
-        void *v = NULL;
-        size_t vlen = 0;
-        s = ts_store_get(store, key, &v, &vlen);
-        if (s != TS_OK) {
-            char why[256];
-            snprintf(why, sizeof why, "%s", ts_last_error());
-            s = ts_error(s, "ucx: rank %d: no address from rank %d within %.1f s: %s", rank, r, timeout_s, why);
-            goto fail;
-        }
-        uint32_t vmagic = 0;
-        int32_t vpid = 0;
-        if (vlen > TS_UCX_HDR)
-            memcpy(&vmagic, v, 4);
-        if (vmagic != TS_UCX_MAGIC) {
-            free(v);
-            s = ts_error(TS_ERR_FORMAT, "ucx: rank %d: the store's '%s' (%zu bytes) is not a tensorshard UCX address",
-                         rank, key, vlen);
-            goto fail;
-        }
-        memcpy(&vpid, (unsigned char *)v + 4, 4);
-        bool same_host = r != rank && memcmp((unsigned char *)v + 8, host, TS_UCX_HOST_LEN) == 0;
-        t->peers[r].same_host = same_host;
-        t->peers[r].pid = same_host ? (pid_t)vpid : 0;
-        bool other_ns = false; /* the same host name, but another pid namespace (containers) */
-        if (same_host) { /* can this rank read that process? (its published cookie) */
-            uint64_t paddr, pval, got = 0;
-            memcpy(&paddr, (unsigned char *)v + 8 + TS_UCX_HOST_LEN, 8);
-            memcpy(&pval, (unsigned char *)v + 8 + TS_UCX_HOST_LEN + 8, 8);
-            t->peers[r].cookie_addr = paddr;
-            t->peers[r].cookie = pval;
-            struct iovec l = {&got, 8}, rv = {(void *)(uintptr_t)paddr, 8};
-            ssize_t n = process_vm_readv((pid_t)vpid, &l, 1, &rv, 1, 0);
-            t->peers[r].cma_recv = n == 8 && got == pval;
-            other_ns = (n == 8 && got != pval) || (n < 0 && errno == ESRCH);
-        }
-        if (same_host && pid_watch && !other_ns) {
-            int fd = (int)syscall(SYS_pidfd_open, (pid_t)vpid, 0);
-            if (fd >= 0)
-                t->peers[r].pidfd = fd;
-            else if (errno == ESRCH) { /* gone already */
-                t->peers[r].exited = true;
-                mark_dead(t, &t->peers[r], UCS_ERR_CONNECTION_RESET);
-            }
-        }
-        t->peers[r].none_mode = local_none && t->peers[r].pidfd >= 0;
-        ucp_ep_params_t ep = {
-            .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                          UCP_EP_PARAM_FIELD_ERR_HANDLER,
-            .address = (const ucp_address_t *)((unsigned char *)v + TS_UCX_HDR),
-            .err_mode = t->peers[r].none_mode ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER,
-            .err_handler = {.cb = ep_err_cb, .arg = &t->peers[r]},
-        };
-        us = ucp_ep_create(t->worker, &ep, &t->peers[r].ep);
-        free(v);
-        if (us != UCS_OK) {
-            t->peers[r].ep = NULL;
-            s = ts_error(TS_ERR_COMM,
-                         "ucx: rank %d: cannot connect to rank %d: %s (UCX_TLS=%s; shared memory needs "
-                         "UCX_MM_ERROR_HANDLING=y for PEER error handling)",
-                         rank, r, ucs_status_string(us), getenv("UCX_TLS") ? getenv("UCX_TLS") : "");
-            goto fail;
-        }
+    for (int i = 0; i < t->base.size; i++) {
+        ts_status s = connect_peer(t, store, prefix, (t->base.rank + i) % t->base.size, host, k, timeout_s);
+        if (s != TS_OK)
+            return s;
     }
-    /* Publish whether the bypass is on here and which same-host peers this
-     * rank can read; then learn the same of each peer. Direction s -> r
-     * takes the bypass when r can read s and both have it on: both sides
-     * compute exactly that, so they agree. */
-    snprintf(key, sizeof key, "%s/ucx/cmaon/%d", prefix, rank);
-    char on_c = cma_on ? '1' : '0';
-    if ((s = ts_store_set(store, key, &on_c, 1)) != TS_OK)
-        goto fail;
-    for (int r = 0; r < size; r++) {
-        if (!t->peers[r].same_host)
-            continue;
-        snprintf(key, sizeof key, "%s/ucx/cma/%d/%d", prefix, rank, r);
-        char one = t->peers[r].cma_recv && cma_on ? '1' : '0';
-        if ((s = ts_store_set(store, key, &one, 1)) != TS_OK)
-            goto fail;
-    }
-    for (int r = 0; r < size; r++) {
-        if (!t->peers[r].same_host)
-            continue;
-        bool vals[2] = {false, false};
-        for (int k = 0; k < 2; k++) {
-            if (k == 0)
-                snprintf(key, sizeof key, "%s/ucx/cmaon/%d", prefix, r);
-            else
-                snprintf(key, sizeof key, "%s/ucx/cma/%d/%d", prefix, r, rank);
-            void *v = NULL;
-            size_t vlen = 0;
-            if ((s = ts_store_get(store, key, &v, &vlen)) != TS_OK) {
-                char why[256];
-                snprintf(why, sizeof why, "%s", ts_last_error());
-                s = ts_error(s, "ucx: rank %d: no shared-memory answer from rank %d within %.1f s: %s", rank, r,
-                             timeout_s, why);
-                goto fail;
-            }
-            vals[k] = vlen == 1 && *(char *)v == '1';
-            free(v);
-        }
-        t->peers[r].cma_recv = t->peers[r].cma_recv && cma_on && vals[0];
-        t->peers[r].cma_send = vals[1] && cma_on;
+    return TS_OK;
+}
+
+ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, int size, double timeout_s,
+                                ts_transport **out)
+{
+    ucx_knobs k = {0};
+    ts_status s = check_new(store, prefix, rank, size, timeout_s, out, &k);
+    if (s != TS_OK)
+        return s;
+    env_defaults(timeout_s);
+    ts_ucx *t = ucx_alloc(rank, size);
+    if (!t)
+        return ts_error(TS_ERR_NO_MEMORY, "ucx: out of memory");
+    char host[TS_UCX_HOST_LEN];
+    ts__host_id(TS_HOST_ID_NET, host, sizeof host);
+    if ((s = open_context(t)) != TS_OK || (s = open_worker(t)) != TS_OK ||
+        (s = publish_address(t, store, prefix, host)) != TS_OK ||
+        (s = connect_peers(t, store, prefix, host, &k, timeout_s)) != TS_OK ||
+        (s = ts__ucx_shm_agree(t, store, prefix, k.cma_on, timeout_s)) != TS_OK) {
+        /* Keep the first error's detail across the teardown. */
+        char detail[512];
+        snprintf(detail, sizeof detail, "%s", ts_last_error());
+        ucx_destroy(&t->base);
+        return ts_error(s, "%s", detail);
     }
     log_hosts(t);
     *out = &t->base;
     return TS_OK;
-
-fail:;
-    /* Keep the first error's detail across the teardown. */
-    char detail[512];
-    snprintf(detail, sizeof detail, "%s", ts_last_error());
-    ucx_destroy(&t->base);
-    return ts_error(s, "%s", detail);
 }

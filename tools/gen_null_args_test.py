@@ -56,6 +56,7 @@ ALLOWED_NULL = {
     ('ts_set_abort_hook', 'fn'): 'NULL restores the default abort hook',
     ('ts_fsdp_set_event_hook', 'fn'): 'NULL removes the hook',
     ('ts_tensor_free', 't'): 'free functions accept NULL',
+    ('ts_store_value_free', 'value'): 'free functions accept NULL',
     ('ts_module_free', 'm'): 'free functions accept NULL',
     ('ts_state_dict_free', 'sd'): 'free functions accept NULL',
     ('ts_named_params_free', 'p'): 'free functions accept NULL',

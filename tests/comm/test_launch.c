@@ -74,7 +74,7 @@ static void role_store(void)
             s = ts_store_get(st, key, &v, &n);
             if (s == TS_OK && atoi(v) != r * 10)
                 s = ts_error(TS_ERR_FORMAT, "rank/%d holds %s", r, (char *)v);
-            free(v);
+            ts_store_value_free(v);
         }
         ts_store_close(st);
     }

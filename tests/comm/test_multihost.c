@@ -424,7 +424,7 @@ static void role_store_client(void)
         ts_store_set_timeout(c, 10.0);
         s = ts_store_get(c, "k", &v, &n);
         printf("get k: %s: %.*s\n", ts_status_name(s), s ? 0 : (int)n, s ? "" : (char *)v);
-        free(v);
+        ts_store_value_free(v);
         ts_store_close(c);
     }
     fflush(stdout);

@@ -304,7 +304,7 @@ Test(comm_rendezvous, watch_survives_a_late_store_reply_and_still_sees_a_late_du
     void *v = NULL;
     size_t n = 0;
     TH_OK(ts_store_get(c, TS_STORE_TEST_STALLED_KEY, &v, &n)); /* the stall is over */
-    free(v);
+    ts_store_value_free(v);
     spawn_rank(&p[2], 1, 2, "stall"); /* RANK 1 again */
     wait_ranks(p, 3, t0, 120);
     for (int i = 0; i < 3; i++) {
@@ -494,7 +494,7 @@ Test(comm_rendezvous, rank_connecting_after_the_error_is_recorded_still_reads_it
     size_t n = 0;
     TH_OK(ts_store_get(c, "dist/rdvlate/0/rdv/arrival/1", &v, &n)); /* rank 0 has arrived */
     cr_assert(n >= 4 && memcmp(v, "0 2 ", 4) == 0, "arrival 1 is '%.*s', not rank 0's", (int)n, (char *)v);
-    free(v);
+    ts_store_value_free(v);
     ts_store_close(c);
     spawn_rank(&p2[0], 2, 3, "late");
     wait_ranks(p2, 1, t0, 60); /* rank 2 has failed and left */
@@ -526,7 +526,7 @@ Test(comm_rendezvous, rank_0_hosting_the_store_counts_a_dead_rank_out, .timeout 
     void *v = NULL;
     size_t n = 0;
     TH_OK(ts_store_get(c, "dist/rdvdead/0/rdv/arrival/2", &v, &n)); /* ranks 0 and 2 have arrived */
-    free(v);
+    ts_store_value_free(v);
     ts_store_close(c);
     kill(victim.pid, SIGKILL);
     int st;
@@ -565,7 +565,7 @@ Test(comm_rendezvous, rank_killed_before_the_rendezvous_fails_the_others_at_once
     void *v = NULL;
     size_t n = 0;
     TH_OK(ts_store_get(c, "dist/rdvkill/0/rdv/arrival/1", &v, &n)); /* rank 2 has published its pid */
-    free(v);
+    ts_store_value_free(v);
     kill(victim.pid, SIGKILL);
     int st;
     cr_assert_eq(waitpid(victim.pid, &st, 0), victim.pid);

@@ -170,13 +170,13 @@ Test(comm_store, set_get_binary_values, .timeout = 60)
     TH_OK(ts_store_get(c, "bin", &v, &n));
     cr_assert_eq(n, sizeof bin);
     cr_assert_eq(memcmp(v, bin, n), 0);
-    free(v);
+    ts_store_value_free(v);
 
     TH_OK(ts_store_set(c, "empty", NULL, 0));
     TH_OK(ts_store_get(c, "empty", &v, &n));
     cr_assert_eq(n, 0);
     cr_assert_not_null(v, "an empty value is still a pointer to free");
-    free(v);
+    ts_store_value_free(v);
 
     /* Overwrite, and a value big enough to take many reads (8 MiB). */
     size_t big = 8u << 20;
@@ -187,7 +187,7 @@ Test(comm_store, set_get_binary_values, .timeout = 60)
     TH_OK(ts_store_get(c, "bin", &v, &n));
     cr_assert_eq(n, big);
     cr_assert_eq(memcmp(v, b, big), 0);
-    free(v);
+    ts_store_value_free(v);
     free(b);
 
     TH_OK(ts_store_check(c, "bin"));
@@ -236,7 +236,7 @@ Test(comm_store, get_blocks_until_another_thread_sets, .timeout = 60)
     cr_assert_eq(n, 4);
     cr_assert_eq(memcmp(v, "here", 4), 0);
     cr_assert_geq(dt, 0.15, "get returned after %.3f s, before the key was set", dt);
-    free(v);
+    ts_store_value_free(v);
     ts_store_close(c);
     ts_store_server_stop(srv);
     th_mem_assert_back();
@@ -347,7 +347,7 @@ Test(comm_store, add_from_eight_threads, .timeout = 60)
     for (int i = 7; i >= 0; i--)
         le = (int64_t)((uint64_t)le << 8 | ((unsigned char *)b)[i]);
     cr_assert_eq(le, -200);
-    free(b);
+    ts_store_value_free(b);
     TH_OK(ts_store_set(c, "text", "abc", 3));
     cr_assert_eq(ts_store_add(c, "text", 1, &v), TS_ERR_FORMAT);
     cr_assert(strstr(ts_last_error(), "3-byte"), "%s", ts_last_error());
@@ -367,32 +367,32 @@ Test(comm_store, compare_set_semantics, .timeout = 60)
     /* Absent key, non-empty expected: nothing set, empty answer. */
     TH_OK(ts_store_compare_set(c, "cas", "x", 1, "first", 5, &v, &n));
     cr_assert_eq(n, 0);
-    free(v);
+    ts_store_value_free(v);
     cr_assert_eq(ts_store_check(c, "cas"), TS_ERR_NOT_FOUND);
     /* Absent key, empty expected: set. */
     TH_OK(ts_store_compare_set(c, "cas", NULL, 0, "first", 5, &v, &n));
     cr_assert(n == 5 && memcmp(v, "first", 5) == 0);
-    free(v);
+    ts_store_value_free(v);
     /* Mismatch: unchanged, current value returned. */
     TH_OK(ts_store_compare_set(c, "cas", "nope", 4, "second", 6, &v, &n));
     cr_assert(n == 5 && memcmp(v, "first", 5) == 0);
-    free(v);
+    ts_store_value_free(v);
     /* Empty expected no longer matches a non-empty value. */
     TH_OK(ts_store_compare_set(c, "cas", NULL, 0, "second", 6, &v, &n));
     cr_assert(n == 5 && memcmp(v, "first", 5) == 0);
-    free(v);
+    ts_store_value_free(v);
     /* Match: swapped. Binary values with NULs. */
     TH_OK(ts_store_compare_set(c, "cas", "first", 5, "s\0c", 3, &v, &n));
     cr_assert(n == 3 && memcmp(v, "s\0c", 3) == 0);
-    free(v);
+    ts_store_value_free(v);
     TH_OK(ts_store_get(c, "cas", &v, &n));
     cr_assert(n == 3 && memcmp(v, "s\0c", 3) == 0);
-    free(v);
+    ts_store_value_free(v);
     /* A prefix is not equal. */
     TH_OK(ts_store_compare_set(c, "cas", "s", 1, "z", 1, NULL, NULL));
     TH_OK(ts_store_get(c, "cas", &v, &n));
     cr_assert(n == 3 && memcmp(v, "s\0c", 3) == 0);
-    free(v);
+    ts_store_value_free(v);
     cr_assert_eq(ts_store_compare_set(c, "cas", "s", 1, "z", 1, &v, NULL), TS_ERR_INVALID_ARGUMENT);
     ts_store_close(c);
     ts_store_server_stop(srv);
@@ -433,12 +433,12 @@ Test(comm_store, compare_set_wakes_waiters, .timeout = 60)
     /* the waiter sees what compare-and-set set, and the call swapped */
     cr_assert_eq(n, 1);
     cr_assert_eq(memcmp(v, "v", 1), 0);
-    free(v);
+    ts_store_value_free(v);
     pthread_join(t, NULL);
     TH_OK(a.set.st);
     cr_assert_eq(a.after_len, 1);
     cr_assert_eq(memcmp(a.after, "v", 1), 0);
-    free(a.after);
+    ts_store_value_free(a.after);
     ts_store_close(c);
     ts_store_server_stop(srv);
 }
@@ -683,7 +683,7 @@ static void assert_still_serving(ts_store *good, int round)
     size_t n;
     TH_OK(ts_store_get(good, key, &v, &n));
     cr_assert(n == 2 && memcmp(v, "ok", 2) == 0);
-    free(v);
+    ts_store_value_free(v);
 }
 
 Test(comm_store, malformed_frames_drop_only_the_sender, .timeout = 60)
@@ -871,7 +871,7 @@ static void *getter(void *p)
     a->st = ts_store_get(a->c, "never", &v, &n);
     a->took = now_s() - t0;
     snprintf(a->err, sizeof a->err, "%s", ts_last_error());
-    free(v);
+    ts_store_value_free(v);
     return NULL;
 }
 
@@ -1059,7 +1059,7 @@ Test(comm_store, many_clients_and_keys_no_leaks, .timeout = 60)
         size_t n;
         TH_OK(ts_store_get(c[(i + 5) % 16], key, &v, &n));
         cr_assert(n == strlen(val) && memcmp(v, val, n) == 0, "key %d", i);
-        free(v);
+        ts_store_value_free(v);
         if (i % 2)
             TH_OK(ts_store_delete(c[0], key, NULL));
     }
