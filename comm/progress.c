@@ -125,10 +125,12 @@ void ts__comm_wake_thread(world *w)
  * failures and (if `timers`: a clock read, which a driver spares most of
  * its rounds) deadlines, frees finished ops. Returns the events handled,
  * ops started included. */
-int ts__comm_round(world *w, bool timers)
+/* Phase of a round: the ops submitted since the last round join the
+ * active list and start (in a failed world, fail at once). Returns how
+ * many. */
+static int start_queued(world *w)
 {
     int n = 0;
-    if (!w->notices_posted) ts__comm_post_notices(w);
     if (atomic_load_explicit(&w->queued, memory_order_acquire)) {
         pthread_mutex_lock(&w->mu);
         op *q = w->queue;
@@ -150,9 +152,16 @@ int ts__comm_round(world *w, bool timers)
             }
         }
     }
-    n += w->t->vt->progress(w->t);
-    ts__comm_check_peers(w);
-    if (timers) ts__comm_check_deadlines(w);
+    return n;
+}
+
+int ts__comm_round(world *w, bool timers)
+{
+    if (!w->notices_posted) ts__comm_post_notices(w); /* once: a receive for each peer's notice */
+    int n = start_queued(w);
+    n += w->t->vt->progress(w->t);           /* the ops' state machines run in its callbacks */
+    ts__comm_check_peers(w);                  /* dead peers, notices received (ops.c) */
+    if (timers) ts__comm_check_deadlines(w); /* deadline.c */
     sweep(w);
     return n;
 }
@@ -332,92 +341,130 @@ static void takeover_sleep(world *w, uint64_t ns)
     }
 }
 
+/* The communication thread's loop state (ts__comm_thread_main). */
+typedef struct thread_loop {
+    uint64_t spin, takeover; /* TS_COMM_SPIN_US, TS_COMM_TAKEOVER_US */
+    uint64_t last_event;     /* when the thread last saw an event */
+    int busy;                /* arm attempts the transport refused in a row */
+    long nap_us;             /* the next nap while the transport cannot be armed */
+} thread_loop;
+
+/* Phase 1, the take-over delay: true (after a sleep on submissions) while
+ * a caller ran a round less than l->takeover ago, progress being left to
+ * the callers. */
+static bool defer_to_callers(world *w, const thread_loop *l)
+{
+    uint64_t now = ts_now_ns(), lc = atomic_load_explicit(&w->caller_ns, memory_order_relaxed);
+    if (lc && now - lc < l->takeover) {
+        takeover_sleep(w, l->takeover - (now - lc));
+        return true;
+    }
+    return false;
+}
+
+/* Phase 2: off the lock while callers drive (park); then spin a little
+ * first, the drivers having been busy. */
+static void park_while_driven(world *w, thread_loop *l)
+{
+    park(w);
+    l->last_event = ts_now_ns();
+    l->nap_us = NAP_MIN_US;
+    l->busy = 0;
+}
+
+/* The last round of a world being freed, under the lock, which it
+ * releases: fails what is still pending and records the spans left. */
+static void stop_locked(world *w)
+{
+    if (w->active && !w->failed)
+        ts__comm_fail_world(w, TS_ERR_COMM, "the world was freed with collectives pending", NULL, false, -1);
+    sweep(w);
+    ts__comm_flush_traces(w);
+    ts__comm_prog_unlock(w);
+}
+
+/* Phase 4, idle past the spin: arms the transport and sleeps, releasing
+ * the lock (held on entry). */
+static void thread_sleep(world *w, thread_loop *l, uint64_t idle)
+{
+    ts_transport *t = w->t;
+    bool armed = t->vt->arm(t) != TS_ERR_ALREADY;
+    bool watch = w->active || (w->suspect >= 0 && !w->failed);
+    int tfd = t->vt->wait_fd(t);
+    /* about to sleep without a timeout: set under the lock, so that a
+     * caller who starts an op after this round (submit) sees it */
+    if (armed && !watch && tfd >= 0) atomic_store(&w->sleeping, true);
+    ts__comm_prog_unlock(w);
+    /* not armed: nap, below, after a few retries */
+    if (!armed && ++l->busy < BUSY_RETRIES) return;
+    l->busy = 0;
+    /* Armed: sleep until the transport or a submission wakes us (10 ms
+     * at most while collectives are pending, for deadlines and failure
+     * checks). Not armed after BUSY_RETRIES tries: the transport keeps
+     * reporting events that its progress does not consume (UCX 1.13
+     * does so while rendezvous transfers wait on the peer), and spinning
+     * on it took a core from the compute threads: nap on submissions
+     * only, then progress again; the nap doubles from NAP_MIN_US to
+     * NAP_MAX_US while nothing happens (NAP_LONG_US after NAP_LONG_AFTER_NS
+     * without events), so that a long wait costs little CPU and a short
+     * one little latency. A peer's death waiting out its grace period
+     * keeps the timeout short too. A driver that arrives meanwhile
+     * takes the lock at once; one that gives up writes the eventfd. */
+    struct pollfd pfd[2] = {{.fd = w->efd, .events = POLLIN}, {.fd = tfd, .events = POLLIN}};
+    int nfd = armed && pfd[1].fd >= 0 ? 2 : 1;
+    struct timespec nap = {0, l->nap_us * 1000L}, ten = {0, 10 * 1000000L};
+    long cap = idle >= NAP_LONG_AFTER_NS ? NAP_LONG_US : NAP_MAX_US;
+    if (!armed) l->nap_us = l->nap_us * 2 > cap ? cap : l->nap_us * 2;
+    const struct timespec *timeout = !armed ? &nap : watch || pfd[1].fd < 0 ? &ten : NULL;
+    int rc = ppoll(pfd, (nfds_t)nfd, timeout, NULL);
+    atomic_store(&w->sleeping, false);
+    if (armed && rc > 0) { /* woken by an event (not the timeout) */
+        l->last_event = ts_now_ns();
+        l->nap_us = NAP_MIN_US;
+    }
+    uint64_t cnt;
+    if (pfd[0].revents & POLLIN) {
+        ssize_t rd = read(w->efd, &cnt, sizeof cnt);
+        (void)rd;
+    }
+}
+
+/* The loop, as phases: the take-over delay (a caller ran a round lately),
+ * parking while callers drive, a round of progress under the lock, the
+ * spin after the last event, and the sleep. */
 void *ts__comm_thread_main(void *arg)
 {
     world *w = arg;
     ts__comm_thread_world = w;
     ts_trace_thread_name("comm");
-    ts_transport *t = w->t;
-    uint64_t spin = ts__comm_spin_ns(), last_event = ts_now_ns();
-    int busy = 0;
-    long nap_us = NAP_MIN_US;
-    uint64_t takeover = ts__comm_takeover_ns();
+    thread_loop l = {.spin = ts__comm_spin_ns(), .takeover = ts__comm_takeover_ns(), .last_event = ts_now_ns(),
+                     .busy = 0, .nap_us = NAP_MIN_US};
     for (;;) {
         bool stop = atomic_load(&w->stop);
-        if (!stop && takeover > 0) { /* a caller ran a round lately: leave progress to the callers */
-            uint64_t now = ts_now_ns(), lc = atomic_load_explicit(&w->caller_ns, memory_order_relaxed);
-            if (lc && now - lc < takeover) {
-                takeover_sleep(w, takeover - (now - lc));
-                continue;
-            }
-        }
+        if (!stop && l.takeover > 0 && defer_to_callers(w, &l)) continue;
         if (!stop && atomic_load(&w->driving) > 0) {
-            park(w);
-            last_event = ts_now_ns(); /* the drivers were busy: spin a little first */
-            nap_us = NAP_MIN_US;
-            busy = 0;
+            park_while_driven(w, &l);
             continue;
         }
         ts__comm_prog_lock(w);
         int n = ts__comm_round(w, true);
         ts__comm_flush_traces(w);
         if (stop) {
-            if (w->active && !w->failed) ts__comm_fail_world(w, TS_ERR_COMM, "the world was freed with collectives pending", NULL, false, -1);
-            sweep(w);
-            ts__comm_flush_traces(w);
-            ts__comm_prog_unlock(w);
+            stop_locked(w);
             break;
         }
         if (n > 0) {
             ts__comm_prog_unlock(w);
-            last_event = ts_now_ns();
-            nap_us = NAP_MIN_US;
+            l.last_event = ts_now_ns();
+            l.nap_us = NAP_MIN_US;
             continue;
         }
-        uint64_t idle = ts_now_ns() - last_event;
-        if (idle < spin) {
+        uint64_t idle = ts_now_ns() - l.last_event;
+        if (idle < l.spin) { /* phase 3: spin */
             ts__comm_prog_unlock(w);
             continue;
         }
-        bool armed = t->vt->arm(t) != TS_ERR_ALREADY;
-        bool watch = w->active || (w->suspect >= 0 && !w->failed);
-        int tfd = t->vt->wait_fd(t);
-        /* about to sleep without a timeout: set under the lock, so that a
-         * caller who starts an op after this round (submit) sees it */
-        if (armed && !watch && tfd >= 0) atomic_store(&w->sleeping, true);
-        ts__comm_prog_unlock(w);
-        /* not armed: nap, below, after a few retries */
-        if (!armed && ++busy < BUSY_RETRIES) continue;
-        busy = 0;
-        /* Armed: sleep until the transport or a submission wakes us (10 ms
-         * at most while collectives are pending, for deadlines and failure
-         * checks). Not armed after BUSY_RETRIES tries: the transport keeps
-         * reporting events that its progress does not consume (UCX 1.13
-         * does so while rendezvous transfers wait on the peer), and spinning
-         * on it took a core from the compute threads: nap on submissions
-         * only, then progress again; the nap doubles from NAP_MIN_US to
-         * NAP_MAX_US while nothing happens (NAP_LONG_US after NAP_LONG_AFTER_NS
-         * without events), so that a long wait costs little CPU and a short
-         * one little latency. A peer's death waiting out its grace period
-         * keeps the timeout short too. A driver that arrives meanwhile
-         * takes the lock at once; one that gives up writes the eventfd. */
-        struct pollfd pfd[2] = {{.fd = w->efd, .events = POLLIN}, {.fd = tfd, .events = POLLIN}};
-        int nfd = armed && pfd[1].fd >= 0 ? 2 : 1;
-        struct timespec nap = {0, nap_us * 1000L}, ten = {0, 10 * 1000000L};
-        long cap = idle >= NAP_LONG_AFTER_NS ? NAP_LONG_US : NAP_MAX_US;
-        if (!armed) nap_us = nap_us * 2 > cap ? cap : nap_us * 2;
-        const struct timespec *timeout = !armed ? &nap : watch || pfd[1].fd < 0 ? &ten : NULL;
-        int rc = ppoll(pfd, (nfds_t)nfd, timeout, NULL);
-        atomic_store(&w->sleeping, false);
-        if (armed && rc > 0) { /* woken by an event (not the timeout) */
-            last_event = ts_now_ns();
-            nap_us = NAP_MIN_US;
-        }
-        uint64_t cnt;
-        if (pfd[0].revents & POLLIN) {
-            ssize_t rd = read(w->efd, &cnt, sizeof cnt);
-            (void)rd;
-        }
+        thread_sleep(w, &l, idle);
     }
     return NULL;
 }
