@@ -181,8 +181,8 @@ void ts__comm_trace_op(world *w, const op *o, ts_status st)
         trace_rec_emit(&k);
         return;
     }
-    trace_rec *d = malloc(sizeof *d); /* as base/trace.c's own records: outside the counted allocator */
-    if (!d) return;                    /* tracing drops what it cannot hold */
+    trace_rec *d = ts__malloc(TS_MEM_COMM, sizeof *d);
+    if (!d) return; /* tracing drops what it cannot hold */
     *d = k;
     d->next = w->traces;
     w->traces = d;
@@ -199,7 +199,7 @@ void ts__comm_flush_traces(world *w)
     while (d) {
         trace_rec *n = d->next;
         trace_rec_emit(d);
-        free(d);
+        ts__free(TS_MEM_COMM, d);
         d = n;
     }
 }
