@@ -368,14 +368,9 @@ ts_status ts_barrier(ts_comm *c, ts_request **r)
 /* Subgroups                                                           */
 /* ------------------------------------------------------------------ */
 
-ts_status ts_comm_new_group(ts_comm *parent, int n, const int *ranks, ts_comm **out)
+/* ts_comm_new_group's ranks: each in parent, none twice. */
+static ts_status check_group_ranks(const char *fn, const ts_comm *parent, int n, const int *ranks)
 {
-    static const char fn[] = "ts_comm_new_group";
-    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL out", fn);
-    *out = NULL;
-    ts_status s;
-    if ((s = check_comm(fn, parent))) return s;
-    if (n < 1 || !ranks) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: empty rank list (n = %d)", fn, n);
     int P = parent->size;
     for (int i = 0; i < n; i++)
         if (ranks[i] < 0 || ranks[i] >= P)
@@ -385,8 +380,15 @@ ts_status ts_comm_new_group(ts_comm *parent, int n, const int *ranks, ts_comm **
             if (ranks[i] == ranks[j])
                 return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: rank %d appears twice (entries %d and %d)", fn,
                                 ranks[i], j, i);
-    /* agree on the id: the largest next free id among parent's members */
+    return TS_OK;
+}
+
+/* ts_comm_new_group's id, agreed on: the largest next free id among
+ * parent's members (an all-reduce of parent), into *gid_out. */
+static ts_status agree_gid(const char *fn, ts_comm *parent, uint64_t *gid_out)
+{
     world *w = parent->w;
+    ts_status s;
     ts_tensor *t = NULL;
     int64_t one = 1;
     if ((s = ts__tensor_new_cpu(false, TS_I64, 1, &one, &t))) return s;
@@ -398,6 +400,22 @@ ts_status ts_comm_new_group(ts_comm *parent, int n, const int *ranks, ts_comm **
     if (gid >= GID_LIMIT - 1) /* 0xffff carries the failure notices */
         return ts_error(TS_ERR_UNSUPPORTED, "%s: group id %llu; the tag layout allows %llu groups", fn,
                         (unsigned long long)gid, (unsigned long long)(GID_LIMIT - 2));
+    *gid_out = gid;
+    return TS_OK;
+}
+
+ts_status ts_comm_new_group(ts_comm *parent, int n, const int *ranks, ts_comm **out)
+{
+    static const char fn[] = "ts_comm_new_group";
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL out", fn);
+    *out = NULL;
+    ts_status s;
+    if ((s = check_comm(fn, parent))) return s;
+    if (n < 1 || !ranks) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: empty rank list (n = %d)", fn, n);
+    if ((s = check_group_ranks(fn, parent, n, ranks))) return s;
+    uint64_t gid = 0;
+    if ((s = agree_gid(fn, parent, &gid))) return s;
+    world *w = parent->w;
     if (w) {
         uint64_t cur = atomic_load(&w->next_gid);
         while (cur <= gid && !atomic_compare_exchange_weak(&w->next_gid, &cur, gid + 1)) {

@@ -71,23 +71,10 @@ void ts_comm_stats_reset(ts_comm *c)
     pthread_mutex_unlock(&c->stats_mu);
 }
 
-ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
+/* ts__world_new's first step: w and c (zeroed, w's eventfd open) as a
+ * world of t's ranks, the knobs read, the locks made. */
+static void world_init(world *w, ts_comm *c, ts_transport *t, double timeout_s)
 {
-    if (!t || !world_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__world_new: NULL argument");
-    if (t->size > 128) return ts_error(TS_ERR_UNSUPPORTED, "ts__world_new: %d ranks; the tag layout allows 128", t->size);
-    ts_comm *c = ts__calloc(TS_MEM_COMM, 1, sizeof *c);
-    world *w = ts__calloc(TS_MEM_COMM, 1, sizeof *w);
-    if (!c || !w) {
-        ts__free(TS_MEM_COMM, c);
-        ts__free(TS_MEM_COMM, w);
-        return TS_ERR_NO_MEMORY;
-    }
-    w->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (w->efd < 0) {
-        ts__free(TS_MEM_COMM, c);
-        ts__free(TS_MEM_COMM, w);
-        return ts_error(TS_ERR_IO, "ts__world_new: eventfd: %s", strerror(errno));
-    }
     w->t = t;
     w->comm = c;
     w->timeout_s = timeout_s > 0 ? timeout_s : 300.0;
@@ -114,24 +101,54 @@ ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
     c->rank = t->rank;
     c->size = t->size;
     pthread_mutex_init(&c->stats_mu, NULL);
+}
+
+/* ts__world_new's second step for a world of 2 ranks or more: the notice
+ * slots and the communication thread; on failure, undoes world_init and
+ * frees w and c. */
+static ts_status world_start_thread(world *w, ts_comm *c, ts_transport *t)
+{
+    w->nslots = ts__calloc(TS_MEM_COMM, (size_t)t->size, sizeof *w->nslots);
+    w->nout = ts__calloc(TS_MEM_COMM, 1, sizeof *w->nout);
+    if (!w->nslots || !w->nout || pthread_create(&w->thread, NULL, ts__comm_thread_main, w) != 0) {
+        bool mem = !w->nslots || !w->nout;
+        ts__free(TS_MEM_COMM, w->nslots);
+        ts__free(TS_MEM_COMM, w->nout);
+        close(w->efd);
+        pthread_mutex_destroy(&w->mu);
+        pthread_cond_destroy(&w->cv);
+        pthread_mutex_destroy(&w->prog_mu);
+        pthread_mutex_destroy(&c->stats_mu);
+        ts__free(TS_MEM_COMM, c);
+        ts__free(TS_MEM_COMM, w);
+        if (mem) return ts_error(TS_ERR_NO_MEMORY, "ts__world_new: out of memory");
+        return ts_error(TS_ERR_INTERNAL, "ts__world_new: cannot start the communication thread");
+    }
+    w->has_thread = true;
+    return TS_OK;
+}
+
+ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
+{
+    if (!t || !world_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__world_new: NULL argument");
+    if (t->size > 128) return ts_error(TS_ERR_UNSUPPORTED, "ts__world_new: %d ranks; the tag layout allows 128", t->size);
+    ts_comm *c = ts__calloc(TS_MEM_COMM, 1, sizeof *c);
+    world *w = ts__calloc(TS_MEM_COMM, 1, sizeof *w);
+    if (!c || !w) {
+        ts__free(TS_MEM_COMM, c);
+        ts__free(TS_MEM_COMM, w);
+        return TS_ERR_NO_MEMORY;
+    }
+    w->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (w->efd < 0) {
+        ts__free(TS_MEM_COMM, c);
+        ts__free(TS_MEM_COMM, w);
+        return ts_error(TS_ERR_IO, "ts__world_new: eventfd: %s", strerror(errno));
+    }
+    world_init(w, c, t, timeout_s);
     if (t->size > 1) {
-        w->nslots = ts__calloc(TS_MEM_COMM, (size_t)t->size, sizeof *w->nslots);
-        w->nout = ts__calloc(TS_MEM_COMM, 1, sizeof *w->nout);
-        if (!w->nslots || !w->nout || pthread_create(&w->thread, NULL, ts__comm_thread_main, w) != 0) {
-            bool mem = !w->nslots || !w->nout;
-            ts__free(TS_MEM_COMM, w->nslots);
-            ts__free(TS_MEM_COMM, w->nout);
-            close(w->efd);
-            pthread_mutex_destroy(&w->mu);
-            pthread_cond_destroy(&w->cv);
-            pthread_mutex_destroy(&w->prog_mu);
-            pthread_mutex_destroy(&c->stats_mu);
-            ts__free(TS_MEM_COMM, c);
-            ts__free(TS_MEM_COMM, w);
-            if (mem) return ts_error(TS_ERR_NO_MEMORY, "ts__world_new: out of memory");
-            return ts_error(TS_ERR_INTERNAL, "ts__world_new: cannot start the communication thread");
-        }
-        w->has_thread = true;
+        ts_status st = world_start_thread(w, c, t);
+        if (st != TS_OK) return st;
     }
     /* the first world over a transport with a memory map registers the
      * pinned memory of the process (base.h) from now on */
