@@ -498,7 +498,7 @@ static void fp_left_received(op *o)
     if (++o->ag_recvd == o->W - 1) o->ag_done = true;
 }
 
-static void suspect(world *w, int wrank)
+void ts__comm_suspect(world *w, int wrank)
 {
     if (w->suspect >= 0) return;
     w->suspect = wrank;
@@ -514,7 +514,7 @@ static void on_xfer(void *arg, ts_status st)
     if (st != TS_OK && !o->err) {
         o->err = st;
         snprintf(o->req->err, sizeof o->req->err, "%s", ts_last_error());
-        if (st == TS_ERR_PEER_FAILED) suspect(o->req->w, o->map[x->peer]);
+        if (st == TS_ERR_PEER_FAILED) ts__comm_suspect(o->req->w, o->map[x->peer]);
     }
     if (x->phase == PH_FP) {
         if (st == TS_OK && x->kind == K_RECV) {
@@ -568,11 +568,10 @@ void ts__comm_start_op(world *w, op *o)
  * rank: a survivor that would otherwise first notice a rank that merely
  * exited after failing (the pid watch checks the ranks in order) learns
  * the real one from that rank's notice, which it sent before exiting; and
- * a rank whose transport found a dead peer waits PEER_GRACE_NS for such a
- * notice (or for the transport to report another death) before naming it,
- * in worlds of 3 ranks or more. */
+ * a rank whose transport found a dead peer waits PEER_GRACE_NS
+ * (progress.c) for such a notice (or for the transport to report another
+ * death) before naming it, in worlds of 3 ranks or more. */
 #define NOTICE_MAGIC 0x5453464eu /* "NFST" */
-#define PEER_GRACE_NS 300000000ull
 static void on_notice(void *arg, ts_status st)
 {
     notice_slot *sl = arg;
@@ -663,30 +662,4 @@ void ts__comm_fail_world(world *w, ts_status st, const char *msg, op *src, bool 
         o->pending = 0; /* the transport completed or dropped everything */
         advance(o);
     }
-}
-/* The transport's dead peer, the grace period, the notices: fails the
- * world once it knows which rank failed first (see Failure notices). */
-void ts__comm_check_peers(world *w)
-{
-    ts_transport *t = w->t;
-    if (w->failed) return;
-    if (w->pend_st) {
-        ts__comm_fail_world(w, w->pend_st, w->pend_msg, NULL, w->pend_notify, -1);
-        return;
-    }
-    ts_status st = TS_OK;
-    int dead = t->vt->failed_peer(t, &st);
-    char why[ERR_LEN - 32] = "";
-    if (dead >= 0) {
-        snprintf(why, sizeof why, "%s", ts_last_error());
-        suspect(w, dead);
-    }
-    if (w->suspect < 0) return;
-    if (t->size > 2 && ts_now_ns() - w->suspect_ns < PEER_GRACE_NS) return;
-    char msg[ERR_LEN];
-    if (dead == w->suspect && why[0])
-        snprintf(msg, sizeof msg, "rank %d failed (%s)", dead, why);
-    else
-        snprintf(msg, sizeof msg, "rank %d failed (a transfer with it failed)", w->suspect);
-    ts__comm_fail_world(w, TS_ERR_PEER_FAILED, msg, NULL, true, w->suspect);
 }

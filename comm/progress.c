@@ -120,11 +120,37 @@ void ts__comm_wake_thread(world *w)
     (void)wr; /* EAGAIN: the counter is non-zero already */
 }
 
-/* One round of progress, under prog_mu: starts the queued ops, progresses
- * the transport (the ops' state machines run in its callbacks), checks
- * failures and (if `timers`: a clock read, which a driver spares most of
- * its rounds) deadlines, frees finished ops. Returns the events handled,
- * ops started included. */
+/* How long a rank whose transport found a dead peer waits for a notice
+ * naming the rank that failed first (ops.c, "Failure notices"). */
+#define PEER_GRACE_NS 300000000ull
+
+/* The transport's dead peer, the grace period, the notices: fails the
+ * world once it knows which rank failed first (see Failure notices, ops.c). */
+void ts__comm_check_peers(world *w)
+{
+    ts_transport *t = w->t;
+    if (w->failed) return;
+    if (w->pend_st) {
+        ts__comm_fail_world(w, w->pend_st, w->pend_msg, NULL, w->pend_notify, -1);
+        return;
+    }
+    ts_status st = TS_OK;
+    int dead = t->vt->failed_peer(t, &st);
+    char why[ERR_LEN - 32] = "";
+    if (dead >= 0) {
+        snprintf(why, sizeof why, "%s", ts_last_error());
+        ts__comm_suspect(w, dead);
+    }
+    if (w->suspect < 0) return;
+    if (t->size > 2 && ts_now_ns() - w->suspect_ns < PEER_GRACE_NS) return;
+    char msg[ERR_LEN];
+    if (dead == w->suspect && why[0])
+        snprintf(msg, sizeof msg, "rank %d failed (%s)", dead, why);
+    else
+        snprintf(msg, sizeof msg, "rank %d failed (a transfer with it failed)", w->suspect);
+    ts__comm_fail_world(w, TS_ERR_PEER_FAILED, msg, NULL, true, w->suspect);
+}
+
 /* Phase of a round: the ops submitted since the last round join the
  * active list and start (in a failed world, fail at once). Returns how
  * many. */
@@ -155,12 +181,17 @@ static int start_queued(world *w)
     return n;
 }
 
+/* One round of progress, under prog_mu: starts the queued ops, progresses
+ * the transport (the ops' state machines run in its callbacks), checks
+ * failures and (if `timers`: a clock read, which a driver spares most of
+ * its rounds) deadlines, frees finished ops. Returns the events handled,
+ * ops started included. */
 int ts__comm_round(world *w, bool timers)
 {
     if (!w->notices_posted) ts__comm_post_notices(w); /* once: a receive for each peer's notice */
     int n = start_queued(w);
     n += w->t->vt->progress(w->t);           /* the ops' state machines run in its callbacks */
-    ts__comm_check_peers(w);                  /* dead peers, notices received (ops.c) */
+    ts__comm_check_peers(w);                  /* dead peers, notices received */
     if (timers) ts__comm_check_deadlines(w); /* deadline.c */
     sweep(w);
     return n;

@@ -38,7 +38,7 @@ static ts_comm g_local = {
     .w = NULL, .rank = 0, .size = 1, .gid = 0, .seq = 0, .stats_mu = PTHREAD_MUTEX_INITIALIZER,
 };
 
-/* The world ts_dist_init published (NULL when none); comm.c owns it,
+/* The world ts_dist_init published (NULL when none); world.c owns it,
  * dist.c only sets it (comm_internal.h). */
 static _Atomic(ts_comm *) g_published;
 

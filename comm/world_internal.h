@@ -7,8 +7,9 @@
  *   comm/ops.c       an op's block, its ring state machines, fingerprints
  *                    and inline blocks, failure notices
  *   comm/deadline.c  deadlines and the ranks that never entered
- *   comm/progress.c  requests, the progress lock (drive, park, take-over)
- *                    and the communication thread
+ *   comm/progress.c  requests, the progress lock (drive, park, take-over),
+ *                    a round's phases (dead peers among them) and the
+ *                    communication thread
  *   comm/world.c     worlds
  *   comm/comm.c      submission, the public collectives and groups
  *
@@ -353,7 +354,8 @@ void ts__comm_start_op(world *w, op *o);
 void ts__comm_post_notices(world *w);
 void ts__comm_set_op_err(op *o, const char *msg);
 void ts__comm_fail_world(world *w, ts_status st, const char *msg, op *src, bool notify, int culprit);
-void ts__comm_check_peers(world *w);
+/* Notes wrank as seen dead first (the grace period, see Failure notices). */
+void ts__comm_suspect(world *w, int wrank);
 
 /* deadline.c */
 void ts__comm_check_deadlines(world *w);
@@ -363,6 +365,7 @@ void ts__comm_prog_lock(world *w);
 bool ts__comm_prog_trylock(world *w);
 void ts__comm_prog_unlock(world *w);
 void ts__comm_wake_thread(world *w);
+void ts__comm_check_peers(world *w);
 int ts__comm_round(world *w, bool timers);
 void ts__comm_err_save(saved_err *e);
 void ts__comm_err_restore(const saved_err *e);
