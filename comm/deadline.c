@@ -188,7 +188,7 @@ static int not_entered(world *w, const op *o, int *out)
         }
         char txt[16];
         snprintf(txt, sizeof txt, "%.*s", (int)(len < sizeof txt - 1 ? len : sizeof txt - 1), (const char *)v);
-        free(v); /* the store client's value, malloc'd by comm/store_client.c (store.h: free() it) */
+        ts_store_value_free(v);
         unsigned seq = (unsigned)strtoul(txt, NULL, 10);
         if ((int32_t)(seq - o->seq) < 0) out[n++] = g; /* an earlier one: not this one */
     }

@@ -51,18 +51,16 @@ typedef struct reply {
 
 /* [Note: store values] The reply's value is the one buffer that reaches
  * the caller (ts_store_get, ts_store_compare_set: store.h), who releases
- * it with ts_store_value_free. These two are this file's only libc
- * allocator calls, kept because comm/comm.c still releases a value with
- * free(); once it calls ts_store_value_free they become
- * ts__malloc(TS_MEM_COMM, n) and ts__free(TS_MEM_COMM, p). */
+ * it with ts_store_value_free: through the allocator hook, counted under
+ * TS_MEM_COMM. */
 static unsigned char *value_alloc(size_t n)
 {
-    return malloc(n); /* libc: see [Note: store values] */
+    return ts__malloc(TS_MEM_COMM, n);
 }
 
 static void value_free(void *p)
 {
-    free(p); /* libc: see [Note: store values] */
+    ts__free(TS_MEM_COMM, p);
 }
 
 void ts_store_value_free(void *value)
