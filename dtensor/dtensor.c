@@ -16,6 +16,7 @@
  * PyTorch's planner does. Uneven chunks are padded to ceil(n / k) rows for
  * each collective and trimmed after; the collectives work on the dim moved
  * to the front (a transpose), so blocks are contiguous. */
+#include "base/internal.h"
 #include "dtensor/dtensor.h"
 #include "tensor/internal.h" /* ts__tensor_new_cpu */
 

@@ -2,6 +2,7 @@
 #ifndef TS_MESH_INTERNAL_H
 #define TS_MESH_INTERNAL_H
 
+#include "base/internal.h"
 #include "mesh/mesh.h"
 
 /* The world the mesh was made over (borrowed). */

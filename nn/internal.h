@@ -2,6 +2,7 @@
 #ifndef TS_NN_INTERNAL_H
 #define TS_NN_INTERNAL_H
 
+#include "base/internal.h"
 #include "nn/nn.h"
 
 #include <pthread.h>

@@ -5,6 +5,7 @@
 #ifndef TS_TENSOR_INTERNAL_H
 #define TS_TENSOR_INTERNAL_H
 
+#include "base/internal.h"
 #include "tensor/tensor.h"
 #include <stdatomic.h>
 

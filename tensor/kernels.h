@@ -34,6 +34,7 @@
 #ifndef TS_TENSOR_KERNELS_H
 #define TS_TENSOR_KERNELS_H
 
+#include "base/internal.h"
 #include "tensor/tensor.h"
 
 #include <string.h>
