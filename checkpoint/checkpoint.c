@@ -1229,7 +1229,8 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
     if (!st && c.rank == 0) {
         if (c.items.n && !(descs = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *descs))) st = TS_ERR_NO_MEMORY;
         for (int i = 0; !st && i < c.items.n; i++)
-            descs[i] = (ts__st_desc){c.items.it[i].key, c.items.it[i].dtype, c.items.it[i].ndim, c.items.it[i].shape};
+            descs[i] = (ts__st_desc){c.items.it[i].key, c.items.it[i].dtype, c.items.it[i].ndim, c.items.it[i].shape,
+                                     NULL};
         const char **flat = NULL; /* the pairs as safetensors takes them: key, value, key, ... */
         if (!st && n_metadata && !(flat = ts__calloc(TS_MEM_OTHER, 2 * (size_t)n_metadata, sizeof *flat)))
             st = TS_ERR_NO_MEMORY;

@@ -413,7 +413,7 @@ static ts_status write_file(const char *op, const char *path, const ts_gpt_confi
     ts__st_desc *descs = ts__calloc(TS_MEM_OTHER, (size_t)n, sizeof *descs);
     if (!descs) st = TS_ERR_NO_MEMORY;
     for (int i = 0; i < n && !st; i++) {
-        descs[i] = (ts__st_desc){items[i].hf, TS_F32, items[i].ndim, items[i].shape};
+        descs[i] = (ts__st_desc){items[i].hf, TS_F32, items[i].ndim, items[i].shape, NULL};
         if (!ts_state_dict_get(sd, items[i].ours))
             st = ts_error(TS_ERR_NOT_FOUND, "%s: the model has no '%s' (for '%s')", op, items[i].ours, items[i].hf);
     }
