@@ -5,7 +5,8 @@
 #include "base/internal.h"
 #include "mesh/mesh.h"
 
-/* The world the mesh was made over (borrowed). */
-ts_comm *ts__mesh_world(const ts_mesh *m);
+/* Name before the doors of issue 22 §3 (public in mesh/mesh.h); removed
+ * once tools/house_renames.sed has renamed the call sites. */
+#define ts__mesh_world ts_mesh_world
 
 #endif

@@ -17,3 +17,9 @@ s/\bts__st_stream_open\b/ts_safetensors_writer_open/g
 s/\bts__st_stream_put\b/ts_safetensors_writer_put/g
 s/\bts__st_stream_commit\b/ts_safetensors_writer_commit/g
 s/\bts__st_stream_abort\b/ts_safetensors_writer_abort/g
+#
+# tensor: public doors (tensor/tensor.h)
+s/\bts__tensor_new_cpu\b/ts_tensor_new_cpu/g
+s/\bts__shape_str\b/ts_shape_str/g
+# mesh: public door (mesh/mesh.h)
+s/\bts__mesh_world\b/ts_mesh_world/g
