@@ -58,7 +58,7 @@
  */
 #include "comm/comm_internal.h"
 #include "comm/store.h"
-#include "tensor/internal.h" /* the caching pool for scratch blocks */
+#include "tensor/kernels.h"
 #include "tensor/kernels.h"  /* the per-dtype buffer kernels of the reductions */
 
 #include <errno.h>
@@ -2549,7 +2549,7 @@ ts_status ts_comm_new_group(ts_comm *parent, int n, const int *ranks, ts_comm **
     world *w = parent->w;
     ts_tensor *t = NULL;
     int64_t one = 1;
-    if ((s = ts__tensor_new_cpu(false, TS_I64, 1, &one, &t))) return s;
+    if ((s = ts_tensor_new_cpu(false, TS_I64, 1, &one, &t))) return s;
     *(int64_t *)ts_tensor_data(t) = (int64_t)(w ? atomic_load(&w->next_gid) : 1);
     s = ts_all_reduce(parent, t, TS_REDUCE_MAX, NULL);
     uint64_t gid = (uint64_t)*(int64_t *)ts_tensor_data(t);

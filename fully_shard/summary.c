@@ -8,9 +8,9 @@
 
 #include "comm/comm.h"
 #include "comm/comm_internal.h"
-#include "mesh/internal.h"
-#include "nn/internal.h"
-#include "tensor/internal.h"
+#include "mesh/mesh.h"
+#include "nn/nn.h"
+#include "tensor/tensor.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -186,7 +186,7 @@ static ts_status write_summary(ts_module *module, FILE *f)
                     (long long)pn, pb);
             for (int k = 0; k < g->n_persist; k++) {
                 char full[96];
-                ts__shape_str(ts_tensor_ndim(g->persist[k].t), ts_tensor_shape(g->persist[k].t), full, sizeof full);
+                ts_shape_str(ts_tensor_ndim(g->persist[k].t), ts_tensor_shape(g->persist[k].t), full, sizeof full);
                 fprintf(f, " %s %s", g->persist[k].fqn, full);
             }
             fprintf(f, "\n");
@@ -198,11 +198,11 @@ static ts_status write_summary(ts_module *module, FILE *f)
             char full[96], local[96], padded[96];
             int64_t sh[TS_MAX_DIMS];
             memcpy(sh, p->shape, sizeof sh);
-            ts__shape_str(p->ndim, p->shape, full, sizeof full);
+            ts_shape_str(p->ndim, p->shape, full, sizeof full);
             sh[0] = p->local_rows;
-            ts__shape_str(p->ndim, sh, local, sizeof local);
+            ts_shape_str(p->ndim, sh, local, sizeof local);
             sh[0] = p->c;
-            ts__shape_str(p->ndim, sh, padded, sizeof padded);
+            ts_shape_str(p->ndim, sh, padded, sizeof padded);
             fprintf(f, "  %-40s %-16s %-16s %-16s %lld\n", param_name(&np, p), full, local, padded,
                     (long long)((p->c - p->local_rows) * p->row_numel));
         }
@@ -339,7 +339,7 @@ static void coll_add(fsdp_coll_stats *sum, const fsdp_coll_stats *s)
  * written to f; false when writing failed. */
 static bool print_stats(const groups_walk *w, FILE *f)
 {
-    ts_comm *world = w->n ? ts__mesh_world(w->g[0]->mesh) : ts_dist_world();
+    ts_comm *world = w->n ? ts_mesh_world(w->g[0]->mesh) : ts_dist_world();
     int rank = ts_comm_rank(world), size = ts_comm_size(world);
     fsdp_coll_stats sum[3] = {{0}};
     bool ok = true;

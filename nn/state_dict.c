@@ -2,7 +2,6 @@
  * module with PyTorch's strict / non-strict rules. */
 #define _GNU_SOURCE
 #include "nn/internal.h"
-#include "tensor/internal.h" /* ts__tensor_new_cpu */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -315,11 +314,11 @@ ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out
     const unsigned char *buf = (const unsigned char *)data + h.data_start;
     ts_state_dict *sd;
     if ((st = ts_state_dict_new(&sd))) {
-        ts__st_header_fini(&h);
+        ts_safetensors_header_fini(&h);
         return st;
     }
     for (size_t i = 0; i < h.n && !st; i++) {
-        const ts__st_entry *e = &h.entries[i];
+        const ts_safetensors_entry *e = &h.entries[i];
         ts_tensor *t;
         if (!(st = ts_tensor_from_data(e->dtype, e->ndim, e->shape, buf + e->begin, &t))) {
             st_warn_nonfinite(op, src, e->name, t);
@@ -327,7 +326,7 @@ ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out
             ts_tensor_free(t);
         }
     }
-    ts__st_header_fini(&h);
+    ts_safetensors_header_fini(&h);
     if (st) {
         ts_state_dict_free(sd);
         return st;
@@ -338,33 +337,33 @@ ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out
 
 static ts_status st_load_fd(const char *op, const char *path, int fd, ts_state_dict **out)
 {
-    ts__st_header h;
-    ts_status st = ts__st_read_header(op, path, fd, &h);
+    ts_safetensors_header h;
+    ts_status st = ts_safetensors_header_read(op, path, fd, &h);
     if (st)
         return st;
     uint64_t n = h.data_start - 8;
     ts_state_dict *sd;
     if ((st = ts_state_dict_new(&sd))) {
-        ts__st_header_fini(&h);
+        ts_safetensors_header_fini(&h);
         return st;
     }
     for (size_t i = 0; i < h.n && !st; i++) {
-        const ts__st_entry *e = &h.entries[i];
+        const ts_safetensors_entry *e = &h.entries[i];
         ts_tensor *t;
         /* CPU bytes to read into, even inside a meta device scope */
-        if ((st = ts__tensor_new_cpu(false, e->dtype, e->ndim, e->shape, &t)))
+        if ((st = ts_tensor_new_cpu(false, e->dtype, e->ndim, e->shape, &t)))
             break;
         char what[SD_NAME_MAX_SHOWN + 32];
         snprintf(what, sizeof what, "tensor '%s'", e->name);
         if (e->end > e->begin)
-            st = ts__st_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin), 8 + n + e->begin, what);
+            st = ts_safetensors_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin), 8 + n + e->begin, what);
         if (!st) {
             st_warn_nonfinite(op, path, e->name, t);
             st = ts_state_dict_set(sd, e->name, t);
         }
         ts_tensor_free(t);
     }
-    ts__st_header_fini(&h);
+    ts_safetensors_header_fini(&h);
     if (st) {
         ts_state_dict_free(sd);
         return st;
@@ -394,22 +393,22 @@ ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const c
     if (!path || !sd)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
     int n = ts_state_dict_size(sd);
-    ts__st_desc *descs = n ? ts__calloc(TS_MEM_NN, (size_t)n, sizeof *descs) : NULL;
+    ts_safetensors_desc *descs = n ? ts__calloc(TS_MEM_NN, (size_t)n, sizeof *descs) : NULL;
     if (n && !descs)
         return TS_ERR_NO_MEMORY;
     for (int i = 0; i < n; i++) {
         ts_tensor *t = ts_state_dict_tensor(sd, i);
-        descs[i] = (ts__st_desc){ts_state_dict_name(sd, i), ts_tensor_dtype(t), ts_tensor_ndim(t), ts_tensor_shape(t),
+        descs[i] = (ts_safetensors_desc){ts_state_dict_name(sd, i), ts_tensor_dtype(t), ts_tensor_ndim(t), ts_tensor_shape(t),
                                  t};
     }
-    ts__st_stream *s = NULL;
-    ts_status st = ts__st_stream_open(op, path, n, descs, metadata, n_meta, &s);
+    ts_safetensors_writer *s = NULL;
+    ts_status st = ts_safetensors_writer_open(op, path, n, descs, metadata, n_meta, &s);
     ts__free(TS_MEM_NN, descs);
     for (int i = 0; i < n && !st; i++)
-        st = ts__st_stream_put(s, ts_state_dict_tensor(sd, i));
+        st = ts_safetensors_writer_put(s, ts_state_dict_tensor(sd, i));
     if (st) {
-        ts__st_stream_abort(s);
+        ts_safetensors_writer_abort(s);
         return st;
     }
-    return ts__st_stream_commit(s);
+    return ts_safetensors_writer_commit(s);
 }

@@ -439,7 +439,7 @@ void ts__rng_bernoulli_bits_on(int kpath, ts_generator *gen, double p, int64_t r
 
 /* Names before the doors of issue 22 §3 (public in tensor/tensor.h);
  * removed once tools/house_renames.sed has renamed the call sites. */
-#define ts__tensor_new_cpu ts_tensor_new_cpu
-#define ts__shape_str ts_shape_str
+#define ts_tensor_new_cpu ts_tensor_new_cpu
+#define ts_shape_str ts_shape_str
 
 #endif
