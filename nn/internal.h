@@ -82,24 +82,6 @@ void ts__act_free(ts_module *m);
  * on failure (TS_ERR_NO_MEMORY) nothing changes and nothing is written. */
 ts_status ts__grow_pair(void *a, size_t size_a, void *b, size_t size_b, int n, int cap, void **a_out, void **b_out);
 
-/* The safetensors format's names before they became public
- * (safetensors/safetensors.h); removed once tools/house_renames.sed has
- * renamed the call sites. */
-#include "safetensors/safetensors.h"
-#define ts_safetensors_entry ts_safetensors_entry
-#define ts_safetensors_header ts_safetensors_header
-#define ts_safetensors_header_read ts_safetensors_header_read
-#define ts_safetensors_header_fini ts_safetensors_header_fini
-#define ts_safetensors_read_at ts_safetensors_read_at
-#define ts_safetensors_dtype_name ts_safetensors_dtype_name
-#define ts_safetensors_dtype_from_name ts_safetensors_dtype_from_name
-#define ts_safetensors_desc ts_safetensors_desc
-#define ts_safetensors_writer ts_safetensors_writer
-#define ts_safetensors_writer_open ts_safetensors_writer_open
-#define ts_safetensors_writer_put ts_safetensors_writer_put
-#define ts_safetensors_writer_commit ts_safetensors_writer_commit
-#define ts_safetensors_writer_abort ts_safetensors_writer_abort
-
 /* Name comparisons made by state-dict lookups since the process started
  * (tests check that a lookup costs O(1) of them). */
 uint64_t ts__state_dict_compares(void);

@@ -437,9 +437,4 @@ void ts__rng_bernoulli_bits(ts_generator *gen, double p, int64_t rows, int64_t c
 void ts__rng_bernoulli_bits_on(int kpath, ts_generator *gen, double p, int64_t rows, int64_t cols,
                                int64_t row_words, uint32_t *bits);
 
-/* Names before the doors of issue 22 §3 (public in tensor/tensor.h);
- * removed once tools/house_renames.sed has renamed the call sites. */
-#define ts_tensor_new_cpu ts_tensor_new_cpu
-#define ts_shape_str ts_shape_str
-
 #endif
