@@ -5,6 +5,7 @@
 
 #include "base/base.h"
 #include "tensor/tensor.h"
+#include "safetensors/safetensors.h"
 #include "nn/nn.h"
 #include "optim/optim.h"
 #include "comm/store.h"

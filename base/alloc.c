@@ -1,5 +1,6 @@
 #define _GNU_SOURCE
 #include "base/base.h"
+#include "base/internal.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>

@@ -11,6 +11,7 @@
  * every failure path. */
 #define _GNU_SOURCE
 #include "base/base.h"
+#include "base/internal.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -5,6 +5,7 @@
  * gradient buffer per FSDP group) and live long. */
 #define _GNU_SOURCE
 #include "base/base.h"
+#include "base/internal.h"
 
 #include <errno.h>
 #include <pthread.h>

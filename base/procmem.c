@@ -13,6 +13,7 @@
  * smallest one is the cap: a parent's limit binds its children. */
 #define _GNU_SOURCE
 #include "base/base.h"
+#include "base/internal.h"
 
 #include <errno.h>
 #include <limits.h>

@@ -19,6 +19,7 @@
  * default action at once. */
 #define _GNU_SOURCE
 #include "base/base.h"
+#include "base/internal.h"
 
 #include <errno.h>
 #include <fcntl.h>

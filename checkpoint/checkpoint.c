@@ -21,10 +21,10 @@
 
 #include "comm/comm.h"
 #include "fully_shard/internal.h"
-#include "mesh/internal.h"
+#include "mesh/mesh.h"
 #include "nn/internal.h"
 #include "optim/internal.h"
-#include "tensor/internal.h"
+#include "tensor/tensor.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -145,7 +145,7 @@ static void ck_geometry(ck_item *it, const fsdp_param *p, const fsdp_group *g, c
 
 /* The world of the model: the one its groups' meshes were made over, or
  * the initialized world (a one-rank group without one). */
-static ts_comm *ck_world(const groups_walk *w) { return w->n ? ts__mesh_world(w->g[0]->mesh) : ts_dist_world(); }
+static ts_comm *ck_world(const groups_walk *w) { return w->n ? ts_mesh_world(w->g[0]->mesh) : ts_dist_world(); }
 
 typedef struct ck_ctx {
     const char *op;
@@ -266,7 +266,7 @@ static ts_status ck_agree(ck_ctx *c, ts_status mine, int64_t *val)
     if (c->W <= 1) return mine;
     int64_t two = 2;
     ts_tensor *t = NULL;
-    ts_status st = ts__tensor_new_cpu(true, TS_I64, 1, &two, &t);
+    ts_status st = ts_tensor_new_cpu(true, TS_I64, 1, &two, &t);
     if (st) return st; /* the others then time out in the all-reduce: nothing better is possible */
     int64_t *d = ts_tensor_data(t);
     d[0] = -(int64_t)mine;
@@ -290,7 +290,7 @@ static ts_status ck_sum(ck_ctx *c, int64_t *v)
     if (c->W <= 1) return TS_OK;
     int64_t one = 1;
     ts_tensor *t = NULL;
-    ts_status st = ts__tensor_new_cpu(true, TS_I64, 1, &one, &t);
+    ts_status st = ts_tensor_new_cpu(true, TS_I64, 1, &one, &t);
     if (st) return st;
     ((int64_t *)ts_tensor_data(t))[0] = *v;
     st = ts_all_reduce(c->world, t, TS_REDUCE_SUM, NULL);
@@ -405,7 +405,7 @@ static ts_status ck_read_small_file(const char *op, const char *path, char **buf
         st = ts_error(TS_ERR_FORMAT, "%s: '%s' has %lld bytes, more than an index may have", op, path,
                       (long long)sb.st_size);
     else if (!(buf = ts__malloc(TS_MEM_OTHER, (size_t)sb.st_size + 1))) st = TS_ERR_NO_MEMORY;
-    else st = ts__st_read_at(op, path, fd, buf, (size_t)sb.st_size, 0, "the index");
+    else st = ts_safetensors_read_at(op, path, fd, buf, (size_t)sb.st_size, 0, "the index");
     close(fd);
     if (st) {
         ts__free(TS_MEM_OTHER, buf);
@@ -635,8 +635,8 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
             ts__free(TS_MEM_OTHER, path);
             continue; /* a rank with nothing to write */
         }
-        ts__st_header h;
-        st = ts__st_read_header(op, path, fd, &h);
+        ts_safetensors_header h;
+        st = ts_safetensors_header_read(op, path, fd, &h);
         close(fd);
         if (st) {
             ts__free(TS_MEM_OTHER, path);
@@ -652,7 +652,7 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
             st = TS_ERR_NO_MEMORY;
         json_decref(fj);
         for (size_t k = 0; k < h.n && !st; k++) {
-            const ts__st_entry *e = &h.entries[k];
+            const ts_safetensors_entry *e = &h.entries[k];
             json_t *pd = json_object_get(dp, e->name), *tj = json_object_get(tensors, e->name);
             if (!pd) {
                 st = ts_error(TS_ERR_FORMAT, "%s: '%s': tensor '%s' is not described in its metadata", op, path, e->name);
@@ -661,14 +661,14 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
             if (!tj) {
                 tj = json_object();
                 if (!tj || json_object_set(tj, "kind", json_object_get(pd, "kind")) ||
-                    json_object_set_new(tj, "dtype", json_string(ts__st_dtype_name(e->dtype))) ||
+                    json_object_set_new(tj, "dtype", json_string(ts_safetensors_dtype_name(e->dtype))) ||
                     json_object_set(tj, "shape", json_object_get(pd, "shape")) ||
                     json_object_set(tj, "placements", json_object_get(pd, "placements")) ||
                     json_object_set_new(tj, "pieces", json_array()) || json_object_set_new(tensors, e->name, tj)) {
                     st = TS_ERR_NO_MEMORY;
                     break;
                 }
-            } else if (strcmp(json_string_value(json_object_get(tj, "dtype")), ts__st_dtype_name(e->dtype)) ||
+            } else if (strcmp(json_string_value(json_object_get(tj, "dtype")), ts_safetensors_dtype_name(e->dtype)) ||
                        !json_equal(json_object_get(tj, "shape"), json_object_get(pd, "shape"))) {
                 st = ts_error(TS_ERR_STATE, "%s: ranks disagree on the dtype or shape of '%s' (%s)", op, e->name, path);
                 break;
@@ -684,7 +684,7 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
                 st = TS_ERR_NO_MEMORY;
         }
         json_decref(desc);
-        ts__st_header_fini(&h);
+        ts_safetensors_header_fini(&h);
         ts__free(TS_MEM_OTHER, path);
         nfiles++;
     }
@@ -922,7 +922,7 @@ typedef struct ck_reader {
     const char *dir;
     const ts__ckpt_index *ix;
     int *fds;                 /* per file, -1 until opened */
-    ts__st_header *hdrs;      /* per file, read when opened */
+    ts_safetensors_header *hdrs;      /* per file, read when opened */
     uint64_t bytes;
 } ck_reader;
 
@@ -961,13 +961,13 @@ static ts_status ck_open(ck_reader *r, int f)
     if (!path) return TS_ERR_NO_MEMORY;
     ts_status st = TS_OK;
     int fd = ck_open_file(r->op, path, ", named by the index,", &st);
-    if (fd >= 0 && !(st = ts__st_read_header(r->op, path, fd, &r->hdrs[f]))) {
+    if (fd >= 0 && !(st = ts_safetensors_header_read(r->op, path, fd, &r->hdrs[f]))) {
         if (r->hdrs[f].file_size != r->ix->files[f].size)
             st = ts_error(TS_ERR_FORMAT, "%s: '%s' has %llu bytes but the index records %llu (truncated or replaced)",
                           r->op, path, (unsigned long long)r->hdrs[f].file_size,
                           (unsigned long long)r->ix->files[f].size);
         if (!st) st = ck_check_file_desc(r, f, path);
-        if (st) ts__st_header_fini(&r->hdrs[f]);
+        if (st) ts_safetensors_header_fini(&r->hdrs[f]);
     }
     ts__free(TS_MEM_OTHER, path);
     if (st) {
@@ -982,9 +982,9 @@ static ts_status ck_open(ck_reader *r, int f)
  * and byte range. */
 static ts_status ck_check_piece(ck_reader *r, const ts__ckpt_tensor *t, const ts__ckpt_piece *p)
 {
-    const ts__st_header *h = &r->hdrs[p->file];
+    const ts_safetensors_header *h = &r->hdrs[p->file];
     for (size_t k = 0; k < h->n; k++) {
-        const ts__st_entry *e = &h->entries[k];
+        const ts_safetensors_entry *e = &h->entries[k];
         if (strcmp(e->name, t->key)) continue;
         int64_t rows = e->ndim ? e->shape[0] : 1;
         bool same_cols = e->ndim == t->ndim;
@@ -994,9 +994,9 @@ static ts_status ck_check_piece(ck_reader *r, const ts__ckpt_tensor *t, const ts
             return ts_error(TS_ERR_FORMAT,
                             "%s: '%s/%s': tensor '%.*s' (%s, %lld rows, bytes [%llu, +%llu)) does not agree with the "
                             "index (%s, %lld rows, bytes [%llu, +%llu))",
-                            r->op, r->dir, r->ix->files[p->file].name, CK_SHOWN, t->key, ts__st_dtype_name(e->dtype),
+                            r->op, r->dir, r->ix->files[p->file].name, CK_SHOWN, t->key, ts_safetensors_dtype_name(e->dtype),
                             (long long)rows, (unsigned long long)(h->data_start + e->begin),
-                            (unsigned long long)(e->end - e->begin), ts__st_dtype_name(t->dtype), (long long)p->rows,
+                            (unsigned long long)(e->end - e->begin), ts_safetensors_dtype_name(t->dtype), (long long)p->rows,
                             (unsigned long long)p->offset, (unsigned long long)p->length);
         return TS_OK;
     }
@@ -1021,7 +1021,7 @@ static ts_status ck_read_rows(ck_reader *r, const ts__ckpt_tensor *t, int64_t ro
         char what[CK_SHOWN + 40];
         snprintf(what, sizeof what, "rows of '%.*s'", CK_SHOWN, t->key);
         if (!st && n)
-            st = ts__st_read_at(r->op, r->ix->files[p->file].name, r->fds[p->file],
+            st = ts_safetensors_read_at(r->op, r->ix->files[p->file].name, r->fds[p->file],
                                 dst + (uint64_t)(a - row0) * t->row_bytes,
                                 n, p->offset + (uint64_t)(a - p->row) * t->row_bytes, what);
         /* a piece read whole is checked against its checksum (a piece read in part, when
@@ -1052,7 +1052,7 @@ static void append(char *buf, size_t cap, const char *fmt, const char *a, const 
     if (n + 1 < cap) snprintf(buf + n, cap - n, fmt, a, b, c2);
 }
 
-#define shape_str ts__shape_str
+#define shape_str ts_shape_str
 
 ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options *options, ts_ckpt_info *info_out)
 {
@@ -1149,14 +1149,14 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
         int64_t shape[TS_MAX_DIMS];
         memcpy(shape, it->shape, sizeof shape);
         if (it->ndim) shape[0] = it->rows;
-        if ((st = ts__tensor_new_cpu(false, it->dtype, it->ndim, shape, &it->tmp))) break;
+        if ((st = ts_tensor_new_cpu(false, it->dtype, it->ndim, shape, &it->tmp))) break;
         st = ck_read_rows(&rd, t, it->row0, it->rows, it->kind == TS__CKPT_RANK_EXTRA ? c.rank : -1,
                           ts_tensor_data(it->tmp));
     }
     for (int f = 0; rd.fds && f < ix->n_files; f++)
         if (rd.fds[f] >= 0) {
             close(rd.fds[f]);
-            ts__st_header_fini(&rd.hdrs[f]);
+            ts_safetensors_header_fini(&rd.hdrs[f]);
         }
     ts__free(TS_MEM_OTHER, rd.fds);
     ts__free(TS_MEM_OTHER, rd.hdrs);
@@ -1224,12 +1224,13 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
     }
     if (!st && mst) st = ts_error(mst, "%s", why);
     /* rank 0 writes the header of every tensor, then streams them in */
-    ts__st_stream *s = NULL;
-    ts__st_desc *descs = NULL;
+    ts_safetensors_writer *s = NULL;
+    ts_safetensors_desc *descs = NULL;
     if (!st && c.rank == 0) {
         if (c.items.n && !(descs = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *descs))) st = TS_ERR_NO_MEMORY;
         for (int i = 0; !st && i < c.items.n; i++)
-            descs[i] = (ts__st_desc){c.items.it[i].key, c.items.it[i].dtype, c.items.it[i].ndim, c.items.it[i].shape};
+            descs[i] = (ts_safetensors_desc){c.items.it[i].key, c.items.it[i].dtype, c.items.it[i].ndim, c.items.it[i].shape,
+                                     NULL};
         const char **flat = NULL; /* the pairs as safetensors takes them: key, value, key, ... */
         if (!st && n_metadata && !(flat = ts__calloc(TS_MEM_OTHER, 2 * (size_t)n_metadata, sizeof *flat)))
             st = TS_ERR_NO_MEMORY;
@@ -1237,7 +1238,7 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
             flat[2 * i] = metadata[i].key;
             flat[2 * i + 1] = metadata[i].value;
         }
-        if (!st) st = ts__st_stream_open(c.op, path, c.items.n, descs, flat, n_metadata, &s);
+        if (!st) st = ts_safetensors_writer_open(c.op, path, c.items.n, descs, flat, n_metadata, &s);
         ts__free(TS_MEM_OTHER, flat);
         ts__free(TS_MEM_OTHER, descs);
     }
@@ -1247,7 +1248,7 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
         ck_item *it = &c.items.it[i];
         ts_tensor *lv = NULL, *full = NULL;
         if (!it->sharded) {
-            if (c.rank == 0 && !wst && !(wst = ts_tensor_local_view(it->t, &lv))) wst = ts__st_stream_put(s, lv);
+            if (c.rank == 0 && !wst && !(wst = ts_tensor_local_view(it->t, &lv))) wst = ts_safetensors_writer_put(s, lv);
             ts_tensor_free(lv);
             continue;
         }
@@ -1259,7 +1260,7 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
             ts_tensor_free(lv);
             continue;
         }
-        if ((st = ts__tensor_new_cpu(false, it->dtype, it->ndim, it->shape, &full))) break;
+        if ((st = ts_tensor_new_cpu(false, it->dtype, it->ndim, it->shape, &full))) break;
         for (int r = 0; r < pw && !st; r++) {
             const fsdp_chunk *ch = &it->p->chunks[r];
             if (ch->rows == 0) continue;
@@ -1275,12 +1276,12 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
             }
             ts_tensor_free(rows);
         }
-        if (!st && !wst) wst = ts__st_stream_put(s, full);
+        if (!st && !wst) wst = ts_safetensors_writer_put(s, full);
         ts_tensor_free(full);
     }
     if (c.rank == 0 && s) {
-        if (!st && !wst) wst = ts__st_stream_commit(s);
-        else ts__st_stream_abort(s);
+        if (!st && !wst) wst = ts_safetensors_writer_commit(s);
+        else ts_safetensors_writer_abort(s);
     }
     if (!st) st = wst;
     st = ck_agree(&c, st, NULL);
@@ -1290,7 +1291,7 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
 
 static int cmp_entry_name(const void *a, const void *b)
 {
-    return strcmp((*(const ts__st_entry *const *)a)->name, (*(const ts__st_entry *const *)b)->name);
+    return strcmp((*(const ts_safetensors_entry *const *)a)->name, (*(const ts_safetensors_entry *const *)b)->name);
 }
 
 ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
@@ -1300,23 +1301,23 @@ ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
     ts_status st = ck_collect(&c, true);
     for (int i = 0; i < c.w.n && !st; i++) st = ts__fsdp_reshard(c.w.g[i]);
     int fd = -1;
-    ts__st_header h = {0};
+    ts_safetensors_header h = {0};
     bool have_h = false;
     if (!st && (fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK)) < 0)
         st = ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", c.op, path, strerror(errno));
-    if (!st) have_h = !(st = ts__st_read_header(c.op, path, fd, &h));
+    if (!st) have_h = !(st = ts_safetensors_header_read(c.op, path, fd, &h));
     /* the file's names, sorted, for lookups */
-    const ts__st_entry **byname = NULL;
+    const ts_safetensors_entry **byname = NULL;
     if (!st && h.n && !(byname = ts__malloc(TS_MEM_OTHER, h.n * sizeof *byname))) st = TS_ERR_NO_MEMORY;
     for (size_t k = 0; !st && k < h.n; k++) byname[k] = &h.entries[k];
     if (!st && h.n > 1) qsort(byname, h.n, sizeof *byname, cmp_entry_name);
-    const ts__st_entry **found = NULL;
+    const ts_safetensors_entry **found = NULL;
     if (!st && c.items.n && !(found = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *found))) st = TS_ERR_NO_MEMORY;
     char shapes[1024] = "", dtypes[1024] = "", missing[1024] = "", unexpected[1024] = "";
     for (int i = 0; i < c.items.n && !st; i++) {
         ck_item *it = &c.items.it[i];
-        ts__st_entry probe = {.name = it->key};
-        const ts__st_entry *pp = &probe, **e = h.n ? bsearch(&pp, byname, h.n, sizeof *byname, cmp_entry_name) : NULL;
+        ts_safetensors_entry probe = {.name = it->key};
+        const ts_safetensors_entry *pp = &probe, **e = h.n ? bsearch(&pp, byname, h.n, sizeof *byname, cmp_entry_name) : NULL;
         if (!e) {
             append(missing, sizeof missing, " '%s'%s%s", it->key, "", "");
             continue;
@@ -1349,19 +1350,19 @@ ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
     bool prev = ts_grad_mode_set(false);
     for (int i = 0; i < c.items.n && !st; i++) {
         ck_item *it = &c.items.it[i];
-        const ts__st_entry *e = found[i];
+        const ts_safetensors_entry *e = found[i];
         if (!e) continue;
         int64_t shape[TS_MAX_DIMS];
         memcpy(shape, it->shape, sizeof shape);
         if (it->ndim) shape[0] = it->rows;
         ts_tensor *tmp = NULL, *lv = NULL;
-        if ((st = ts__tensor_new_cpu(false, it->dtype, it->ndim, shape, &tmp))) break;
+        if ((st = ts_tensor_new_cpu(false, it->dtype, it->ndim, shape, &tmp))) break;
         uint64_t total_rows = it->ndim ? (uint64_t)it->shape[0] : 1;
         uint64_t row_bytes = total_rows ? (e->end - e->begin) / total_rows : 0;
         size_t n = (size_t)(row_bytes * (uint64_t)it->rows);
         char what[CK_SHOWN + 40];
         snprintf(what, sizeof what, "rows of '%.*s'", CK_SHOWN, it->key);
-        if (n) st = ts__st_read_at(c.op, path, fd, ts_tensor_data(tmp), n, h.data_start + e->begin + row_bytes * (uint64_t)it->row0, what);
+        if (n) st = ts_safetensors_read_at(c.op, path, fd, ts_tensor_data(tmp), n, h.data_start + e->begin + row_bytes * (uint64_t)it->row0, what);
         if (!st && !(st = ts_tensor_local_view(it->t, &lv))) st = ts_tensor_copy_(lv, tmp);
         ts_tensor_free(lv);
         ts_tensor_free(tmp);
@@ -1369,7 +1370,7 @@ ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
     ts_grad_mode_set(prev);
     ts__free(TS_MEM_OTHER, found);
     ts__free(TS_MEM_OTHER, byname);
-    if (have_h) ts__st_header_fini(&h);
+    if (have_h) ts_safetensors_header_fini(&h);
     if (fd >= 0) close(fd);
     ck_ctx_fini(&c);
     return st;

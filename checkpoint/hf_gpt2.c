@@ -27,9 +27,9 @@
 
 #include "comm/comm.h"
 #include "fully_shard/internal.h"
-#include "mesh/internal.h"
-#include "nn/internal.h"
-#include "tensor/internal.h"
+#include "mesh/mesh.h"
+#include "safetensors/safetensors.h"
+#include "tensor/tensor.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -115,7 +115,7 @@ static ts_status hf_plan(const ts_gpt_config *c, bool with_head, const char *pre
 
 #define HF_PREFIX "transformer."
 
-static const ts__st_entry *find_entry(const ts__st_header *h, const char *prefix, const char *name)
+static const ts_safetensors_entry *find_entry(const ts_safetensors_header *h, const char *prefix, const char *name)
 {
     size_t pl = strlen(prefix);
     for (size_t i = 0; i < h->n; i++)
@@ -125,7 +125,7 @@ static const ts__st_entry *find_entry(const ts__st_header *h, const char *prefix
 
 /* The file's naming: "" (GPT2Model's, the hub's gpt2 file) or
  * "transformer." (GPT2LMHeadModel's), from where wte.weight is. */
-static ts_status file_prefix(const char *op, const char *path, const ts__st_header *h, const char **prefix_out)
+static ts_status file_prefix(const char *op, const char *path, const ts_safetensors_header *h, const char **prefix_out)
 {
     if (find_entry(h, "", "wte.weight")) *prefix_out = "";
     else if (find_entry(h, "", HF_PREFIX "wte.weight")) *prefix_out = HF_PREFIX;
@@ -138,21 +138,21 @@ static ts_status file_prefix(const char *op, const char *path, const ts__st_head
 }
 
 /* The config a file describes (see ts_ckpt_gpt2_config). */
-static ts_status file_config(const char *op, const char *path, const ts__st_header *h, const char *prefix,
+static ts_status file_config(const char *op, const char *path, const ts_safetensors_header *h, const char *prefix,
                              ts_gpt_config *out)
 {
     char name[128], s[64];
     snprintf(name, sizeof name, "%swte.weight", prefix);
-    const ts__st_entry *wte = find_entry(h, "", name);
+    const ts_safetensors_entry *wte = find_entry(h, "", name);
     snprintf(name, sizeof name, "%swpe.weight", prefix);
-    const ts__st_entry *wpe = find_entry(h, "", name);
+    const ts_safetensors_entry *wpe = find_entry(h, "", name);
     if (!wte || wte->ndim != 2 || wte->shape[0] < 1 || wte->shape[1] < 1)
         return ts_error(TS_ERR_SHAPE, "%s: '%s': '%swte.weight' must be (vocab, d_model), got %s", op, path, prefix,
-                        wte ? ts__shape_str(wte->ndim, wte->shape, s, sizeof s) : "nothing");
+                        wte ? ts_shape_str(wte->ndim, wte->shape, s, sizeof s) : "nothing");
     if (!wpe || wpe->ndim != 2 || wpe->shape[0] < 1 || wpe->shape[1] != wte->shape[1])
         return ts_error(wpe ? TS_ERR_SHAPE : TS_ERR_NOT_FOUND,
                         "%s: '%s': '%swpe.weight' must be (n_positions, %lld), got %s", op, path, prefix,
-                        (long long)wte->shape[1], wpe ? ts__shape_str(wpe->ndim, wpe->shape, s, sizeof s) : "nothing");
+                        (long long)wte->shape[1], wpe ? ts_shape_str(wpe->ndim, wpe->shape, s, sizeof s) : "nothing");
     ts_gpt_config c = ts_gpt_config_default();
     c.vocab_size = wte->shape[0];
     c.d_model = wte->shape[1];
@@ -173,11 +173,11 @@ static ts_status file_config(const char *op, const char *path, const ts__st_head
     return TS_OK;
 }
 
-static ts_status open_header(const char *op, const char *path, int *fd_out, ts__st_header *h)
+static ts_status open_header(const char *op, const char *path, int *fd_out, ts_safetensors_header *h)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", op, path, strerror(errno));
-    ts_status st = ts__st_read_header(op, path, fd, h);
+    ts_status st = ts_safetensors_header_read(op, path, fd, h);
     if (st) {
         close(fd);
         return st;
@@ -191,13 +191,13 @@ ts_status ts_ckpt_gpt2_config(const char *path, ts_gpt_config *cfg_out)
     static const char op[] = "ts_ckpt_gpt2_config";
     if (!path || !cfg_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
     int fd = -1;
-    ts__st_header h = {0};
+    ts_safetensors_header h = {0};
     ts_status st = open_header(op, path, &fd, &h);
     if (st) return st;
     const char *prefix = "";
     ts_gpt_config c;
     if (!(st = file_prefix(op, path, &h, &prefix))) st = file_config(op, path, &h, prefix, &c);
-    ts__st_header_fini(&h);
+    ts_safetensors_header_fini(&h);
     close(fd);
     if (!st) *cfg_out = c;
     return st;
@@ -218,13 +218,13 @@ static void TS_PRINTF(3, 4) append(char *buf, size_t cap, const char *fmt, ...)
 }
 
 /* The file's tensor e as a new float32 CPU tensor of our layout. */
-static ts_status read_tensor(const char *op, const char *path, int fd, const ts__st_header *h, const ts__st_entry *e,
+static ts_status read_tensor(const char *op, const char *path, int fd, const ts_safetensors_header *h, const ts_safetensors_entry *e,
                              bool transpose, ts_tensor **out)
 {
     ts_tensor *t = NULL, *tt = NULL;
-    ts_status st = ts__tensor_new_cpu(false, e->dtype, e->ndim, e->shape, &t);
+    ts_status st = ts_tensor_new_cpu(false, e->dtype, e->ndim, e->shape, &t);
     if (!st && e->end > e->begin)
-        st = ts__st_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin), h->data_start + e->begin,
+        st = ts_safetensors_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin), h->data_start + e->begin,
                             e->name);
     if (!st && transpose) {
         ts_tensor *view = NULL;
@@ -254,8 +254,8 @@ static ts_status load_one(ts_module *model, const char *name, ts_tensor *t)
 
 /* A tied model with a file that has its own lm_head.weight: it must be
  * wte's bits, or the model cannot hold both. */
-static ts_status check_tied_head(const char *op, const char *path, int fd, const ts__st_header *h,
-                                 const ts__st_entry *wte, const ts__st_entry *head)
+static ts_status check_tied_head(const char *op, const char *path, int fd, const ts_safetensors_header *h,
+                                 const ts_safetensors_entry *wte, const ts_safetensors_entry *head)
 {
     ts_tensor *a = NULL, *b = NULL;
     ts_status st = read_tensor(op, path, fd, h, wte, false, &a);
@@ -295,12 +295,12 @@ ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model)
     ts_status st = model_config(op, model, &mc);
     if (st) return st;
     int fd = -1;
-    ts__st_header h = {0};
+    ts_safetensors_header h = {0};
     if ((st = open_header(op, path, &fd, &h))) return st;
     const char *prefix = "";
     ts_gpt_config fc = {0};
     hf_item *items = NULL;
-    const ts__st_entry **found = NULL;
+    const ts_safetensors_entry **found = NULL;
     int n = 0;
     if (!(st = file_prefix(op, path, &h, &prefix))) st = file_config(op, path, &h, prefix, &fc);
     if (!st) st = hf_plan(&mc, !mc.tie_weights, prefix, &items, &n);
@@ -309,10 +309,10 @@ ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model)
     if (!st)
         snprintf(fdesc, sizeof fdesc, "the file has vocab %lld, n_positions %lld, d_model %lld, %lld layers",
                  (long long)fc.vocab_size, (long long)fc.block_size, (long long)fc.d_model, (long long)fc.n_layer);
-    const ts__st_entry *wte = NULL, *head = NULL;
+    const ts_safetensors_entry *wte = NULL, *head = NULL;
     for (int i = 0; i < n && !st; i++) {
         hf_item *it = &items[i];
-        const ts__st_entry *e = find_entry(&h, "", it->hf);
+        const ts_safetensors_entry *e = find_entry(&h, "", it->hf);
         /* an untied model without lm_head in the file: HF ties it to wte */
         if (!e && !strcmp(it->ours, "lm_head.weight")) e = find_entry(&h, prefix, "wte.weight");
         if (!e) {
@@ -322,9 +322,9 @@ ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model)
         char a[64], b[64];
         if (e->ndim != it->ndim || memcmp(e->shape, it->shape, (size_t)it->ndim * sizeof(int64_t)) != 0)
             append(shapes, sizeof shapes, " '%s' is %s in the file, the model expects %s;", e->name,
-                   ts__shape_str(e->ndim, e->shape, a, sizeof a), ts__shape_str(it->ndim, it->shape, b, sizeof b));
+                   ts_shape_str(e->ndim, e->shape, a, sizeof a), ts_shape_str(it->ndim, it->shape, b, sizeof b));
         else if (e->dtype != TS_F32)
-            append(dtypes, sizeof dtypes, " '%s' is %s;", e->name, ts__st_dtype_name(e->dtype));
+            append(dtypes, sizeof dtypes, " '%s' is %s;", e->name, ts_safetensors_dtype_name(e->dtype));
         else
             found[i] = e;
         if (i == 0) wte = e;
@@ -372,7 +372,7 @@ ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model)
     }
     ts__free(TS_MEM_OTHER, found);
     ts__free(TS_MEM_OTHER, items);
-    ts__st_header_fini(&h);
+    ts_safetensors_header_fini(&h);
     close(fd);
     return st;
 }
@@ -390,7 +390,7 @@ static ts_status agree(const char *op, ts_comm *world, ts_status mine)
     if (!world || ts_comm_size(world) <= 1) return mine;
     int64_t one = 1;
     ts_tensor *t = NULL;
-    ts_status st = ts__tensor_new_cpu(true, TS_I64, 1, &one, &t);
+    ts_status st = ts_tensor_new_cpu(true, TS_I64, 1, &one, &t);
     if (st) return st;
     ((int64_t *)ts_tensor_data(t))[0] = -(int64_t)mine;
     st = ts_all_reduce(world, t, TS_REDUCE_MAX, NULL);
@@ -410,16 +410,16 @@ static ts_status write_file(const char *op, const char *path, const ts_gpt_confi
     ts_status st = hf_plan(c, !c->tie_weights, c->tie_weights ? "" : HF_PREFIX, &items, &n);
     if (st) return st;
     qsort(items, (size_t)n, sizeof *items, cmp_hf_name);
-    ts__st_desc *descs = ts__calloc(TS_MEM_OTHER, (size_t)n, sizeof *descs);
+    ts_safetensors_desc *descs = ts__calloc(TS_MEM_OTHER, (size_t)n, sizeof *descs);
     if (!descs) st = TS_ERR_NO_MEMORY;
     for (int i = 0; i < n && !st; i++) {
-        descs[i] = (ts__st_desc){items[i].hf, TS_F32, items[i].ndim, items[i].shape};
+        descs[i] = (ts_safetensors_desc){items[i].hf, TS_F32, items[i].ndim, items[i].shape, NULL};
         if (!ts_state_dict_get(sd, items[i].ours))
             st = ts_error(TS_ERR_NOT_FOUND, "%s: the model has no '%s' (for '%s')", op, items[i].ours, items[i].hf);
     }
     static const char *const meta[2] = {"format", "pt"};
-    ts__st_stream *s = NULL;
-    if (!st) st = ts__st_stream_open(op, path, n, descs, meta, 1, &s);
+    ts_safetensors_writer *s = NULL;
+    if (!st) st = ts_safetensors_writer_open(op, path, n, descs, meta, 1, &s);
     for (int i = 0; i < n && !st; i++) {
         ts_tensor *src = ts_state_dict_get(sd, items[i].ours), *f = NULL, *view = NULL, *out = NULL;
         if (ts_tensor_dtype(src) != TS_F32) st = ts_to_dtype(src, TS_F32, &f);
@@ -429,14 +429,14 @@ static ts_status write_file(const char *op, const char *path, const ts_gpt_confi
         } else if (!st) {
             st = ts_contiguous(f, &out);
         }
-        if (!st) st = ts__st_stream_put(s, out);
+        if (!st) st = ts_safetensors_writer_put(s, out);
         ts_tensor_free(f);
         ts_tensor_free(view);
         ts_tensor_free(out);
     }
     if (s) {
-        if (st) ts__st_stream_abort(s);
-        else st = ts__st_stream_commit(s);
+        if (st) ts_safetensors_writer_abort(s);
+        else st = ts_safetensors_writer_commit(s);
     }
     ts__free(TS_MEM_OTHER, descs);
     ts__free(TS_MEM_OTHER, items);
@@ -452,7 +452,7 @@ ts_status ts_ckpt_save_hf_gpt2(const char *path, ts_module *model)
     if (st) return st;
     groups_walk w = {0};
     if ((st = ts__fsdp_idle_groups(op, model, &w))) return st;
-    ts_comm *world = w.n ? ts__mesh_world(w.g[0]->mesh) : ts_dist_world();
+    ts_comm *world = w.n ? ts_mesh_world(w.g[0]->mesh) : ts_dist_world();
     bool sharded = w.n > 0;
     ts__free(TS_MEM_NN, w.g);
     int rank = world ? ts_comm_rank(world) : 0;

@@ -14,7 +14,7 @@
  * Everything a loader later trusts is checked here, so that a malformed
  * or truncated index is TS_ERR_FORMAT with a message, never a crash. */
 #include "checkpoint/internal.h"
-#include "nn/internal.h"
+#include "safetensors/safetensors.h"
 
 #include <jansson.h>
 #include <stdlib.h>
@@ -289,7 +289,7 @@ static ts_status parse_tensor(const char *src, const char *key, const json_t *v,
                         "rank_extra",
                         src, W, key);
     t->kind = (ts__ckpt_kind)ki;
-    if (!json_is_string(dt) || !ts__st_dtype_from_name(json_string_value(dt), &t->dtype))
+    if (!json_is_string(dt) || !ts_safetensors_dtype_from_name(json_string_value(dt), &t->dtype))
         return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': \"dtype\" is missing or unknown", src, W, key);
     if (!json_is_array(sh) || json_array_size(sh) > TS_MAX_DIMS)
         return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': \"shape\" is missing, not an array or has more than %d dims",

@@ -4,6 +4,7 @@
 #ifndef TS_CHECKPOINT_INTERNAL_H
 #define TS_CHECKPOINT_INTERNAL_H
 
+#include "base/internal.h"
 #include "checkpoint/checkpoint.h"
 
 /* What a key of the index holds. */

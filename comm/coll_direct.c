@@ -39,7 +39,7 @@
 
 #include "comm/comm_internal.h"
 #include "comm/xmem.h"
-#include "tensor/internal.h" /* ts__tensor_new_cpu */
+#include "tensor/kernels.h"
 #include "tensor/kernels.h"
 
 #include <errno.h>
@@ -227,8 +227,8 @@ static ts_status start(const char *fn, int kind, int channel, ts_comm *c, ts_dty
     int64_t nd = HDR + (kind == K_RS ? 2 * (int64_t)nseg : 0), nall = nd * W;
     ts_status st = TS_OK;
     if (!r->segs || !r->counts || !r->starts) st = TS_ERR_NO_MEMORY;
-    if (!st) st = ts__tensor_new_cpu(false, TS_I64, 1, &nd, &r->desc_in);
-    if (!st) st = ts__tensor_new_cpu(false, TS_I64, 1, &nall, &r->desc_out);
+    if (!st) st = ts_tensor_new_cpu(false, TS_I64, 1, &nd, &r->desc_in);
+    if (!st) st = ts_tensor_new_cpu(false, TS_I64, 1, &nall, &r->desc_out);
     if (st) {
         req_free_parts(r);
         return st;
@@ -554,7 +554,7 @@ static ts_status packed(ts__direct *r)
     ts_request *req[FALLBACK_DEPTH] = {0};
     ts_status st = TS_OK;
     for (int i = 0; i < nslot && !st; i++)
-        if (!(st = ts__tensor_new_cpu(false, r->d, 1, &chunk, &one[i]))) st = ts__tensor_new_cpu(false, r->d, 1, &nall, &all[i]);
+        if (!(st = ts_tensor_new_cpu(false, r->d, 1, &chunk, &one[i]))) st = ts_tensor_new_cpu(false, r->d, 1, &nall, &all[i]);
     /* chunk t goes in slot t % nslot; its result is unpacked when the slot
      * is needed again, or at the end, in chunk order */
     for (int64_t t = 0; t < nchunk + nslot && !st; t++) {
@@ -653,8 +653,8 @@ static void move(ts__direct *r)
         int tag = (int)(r->seq & TS_P2P_TAG_MAX);
         r->ack_req = ts__calloc(TS_MEM_COMM, (size_t)(2 * W), sizeof *r->ack_req);
         ts_status ast = r->ack_req ? TS_OK : TS_ERR_NO_MEMORY;
-        if (!ast) ast = ts__tensor_new_cpu(false, TS_I64, 1, &one, &r->ack_out);
-        if (!ast) ast = ts__tensor_new_cpu(true, TS_I64, 1, &W, &r->ack_in);
+        if (!ast) ast = ts_tensor_new_cpu(false, TS_I64, 1, &one, &r->ack_out);
+        if (!ast) ast = ts_tensor_new_cpu(true, TS_I64, 1, &W, &r->ack_in);
         if (!ast) *(int64_t *)ts_tensor_data(r->ack_out) = st ? r->rank + 1 : 0;
         for (int j = 0; j < r->W && !ast; j++) {
             if (j == r->rank) continue;

@@ -4,7 +4,7 @@
  * round), and groups. Calls progress.c, ops.c, reduce.c, debug.c.
  */
 #include "comm/world_internal.h"
-#include "tensor/internal.h" /* the caching pool for scratch blocks */
+#include "tensor/kernels.h"
 #include "tensor/kernels.h"  /* ts__acc_dtype */
 
 #include <math.h>
@@ -391,7 +391,7 @@ static ts_status agree_gid(const char *fn, ts_comm *parent, uint64_t *gid_out)
     ts_status s;
     ts_tensor *t = NULL;
     int64_t one = 1;
-    if ((s = ts__tensor_new_cpu(false, TS_I64, 1, &one, &t))) return s;
+    if ((s = ts_tensor_new_cpu(false, TS_I64, 1, &one, &t))) return s;
     *(int64_t *)ts_tensor_data(t) = (int64_t)(w ? atomic_load(&w->next_gid) : 1);
     s = ts_all_reduce(parent, t, TS_REDUCE_MAX, NULL);
     uint64_t gid = (uint64_t)*(int64_t *)ts_tensor_data(t);

@@ -2,6 +2,7 @@
 #ifndef TS_COMM_INTERNAL_H
 #define TS_COMM_INTERNAL_H
 
+#include "base/internal.h"
 #include "comm/comm.h"
 #include "comm/transport.h"
 

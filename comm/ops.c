@@ -9,7 +9,7 @@
  * Calls debug.c, reduce.c and the transport's vtable.
  */
 #include "comm/world_internal.h"
-#include "tensor/internal.h" /* the caching pool behind an op's scratch */
+#include "tensor/kernels.h" /* the caching pool for scratch blocks */
 
 #include <pthread.h>
 #include <stdatomic.h>

@@ -45,6 +45,7 @@
 
 #include <uv.h>
 
+#include "base/internal.h"
 #include "comm/store.h"
 
 /* Little-endian field access. */

@@ -20,6 +20,7 @@
 #ifndef TS_COMM_TRANSPORT_H
 #define TS_COMM_TRANSPORT_H
 
+#include "base/internal.h"
 #include "base/base.h"
 
 typedef struct ts_transport ts_transport;

@@ -16,8 +16,8 @@
  * PyTorch's planner does. Uneven chunks are padded to ceil(n / k) rows for
  * each collective and trimmed after; the collectives work on the dim moved
  * to the front (a transpose), so blocks are contiguous. */
+#include "base/internal.h"
 #include "dtensor/dtensor.h"
-#include "tensor/internal.h" /* ts__tensor_new_cpu */
 
 #include <stdio.h>
 #include <string.h>
@@ -177,7 +177,7 @@ static ts_comm *dim_group(const ts_mesh *m, int i) { return ts_mesh_group(m, ts_
 static ts_status copy_new(ts_tensor *t, ts_tensor **out)
 {
     ts_tensor *c = NULL;
-    ts_status st = ts__tensor_new_cpu(false, ts_tensor_dtype(t), ts_tensor_ndim(t), ts_tensor_shape(t), &c);
+    ts_status st = ts_tensor_new_cpu(false, ts_tensor_dtype(t), ts_tensor_ndim(t), ts_tensor_shape(t), &c);
     if (st == TS_OK) st = ts_tensor_copy_(c, t);
     if (st != TS_OK) {
         ts_tensor_free(c);
@@ -254,8 +254,8 @@ static ts_status fetch_from_src(ts_tensor *full, const ts_mesh *mesh, const mesh
 
     int64_t msh[1] = {META_LEN}, fsh[1] = {FLAG_LEN};
     ts_tensor *meta = NULL, *flags = NULL, *buf = NULL;
-    ts_status st = ts__tensor_new_cpu(true, TS_I64, 1, msh, &meta);
-    if (st == TS_OK) st = ts__tensor_new_cpu(true, TS_I64, 1, fsh, &flags);
+    ts_status st = ts_tensor_new_cpu(true, TS_I64, 1, msh, &meta);
+    if (st == TS_OK) st = ts_tensor_new_cpu(true, TS_I64, 1, fsh, &flags);
     if (st != TS_OK) goto done;
     int64_t *mv = ts_tensor_data(meta), *fv = ts_tensor_data(flags);
     int nd = ts_tensor_ndim(full);
@@ -278,7 +278,7 @@ static ts_status fetch_from_src(ts_tensor *full, const ts_mesh *mesh, const mesh
     ts_status local_st = TS_OK;
     char local_msg[512] = "";
     if (!bad_shape && !bad_dtype) {
-        local_st = ts__tensor_new_cpu(false, src_dt, src_nd, src_sh, &buf);
+        local_st = ts_tensor_new_cpu(false, src_dt, src_nd, src_sh, &buf);
         if (local_st == TS_OK && is_src) local_st = ts_tensor_copy_(buf, full);
         if (local_st != TS_OK) {
             snprintf(local_msg, sizeof local_msg, "%s", ts_last_error());
@@ -476,7 +476,7 @@ static ts_status padded_copy(ts_tensor *t, int64_t rows, ts_tensor **out)
     memcpy(sh, ts_tensor_shape(t), (size_t)nd * sizeof *sh);
     sh[0] = rows;
     ts_tensor *p = NULL, *head = NULL;
-    ts_status st = ts__tensor_new_cpu(true, ts_tensor_dtype(t), nd, sh, &p);
+    ts_status st = ts_tensor_new_cpu(true, ts_tensor_dtype(t), nd, sh, &p);
     if (st == TS_OK) st = ts_narrow(p, 0, 0, ts_tensor_shape(t)[0], &head);
     if (st == TS_OK) st = ts_tensor_copy_(head, t);
     ts_tensor_free(head);
@@ -527,7 +527,7 @@ static ts_status do_gather(redist_ctx *x, ts_tensor **t, int i, int d)
     int64_t sh[TS_MAX_DIMS];
     memcpy(sh, ts_tensor_shape(*t), (size_t)nd * sizeof *sh);
     sh[0] = k * c;
-    st = ts__tensor_new_cpu(false, ts_tensor_dtype(*t), nd, sh, &all);
+    st = ts_tensor_new_cpu(false, ts_tensor_dtype(*t), nd, sh, &all);
     if (st == TS_OK && ts_tensor_numel(all) > 0) {
         st = padded_copy(*t, c, &in);
         if (st == TS_OK) st = ts_all_gather_into_tensor(dim_group(x->d->mesh, i), all, in, NULL);
@@ -559,7 +559,7 @@ static ts_status do_reduce_scatter(redist_ctx *x, ts_tensor **t, int i, int d, t
     int64_t sh[TS_MAX_DIMS];
     memcpy(sh, ts_tensor_shape(*t), (size_t)nd * sizeof *sh);
     sh[0] = c;
-    st = ts__tensor_new_cpu(false, ts_tensor_dtype(*t), nd, sh, &mine);
+    st = ts_tensor_new_cpu(false, ts_tensor_dtype(*t), nd, sh, &mine);
     if (st == TS_OK && ts_tensor_numel(mine) > 0) {
         st = padded_copy(*t, k * c, &in);
         if (st == TS_OK) st = ts_reduce_scatter_tensor(dim_group(x->d->mesh, i), mine, in, op, 1.0, 1.0, NULL);

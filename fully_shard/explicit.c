@@ -8,7 +8,7 @@
  */
 #include "fully_shard/internal.h"
 
-#include "tensor/internal.h"
+#include "tensor/tensor.h"
 
 #include <string.h>
 

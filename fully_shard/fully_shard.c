@@ -11,7 +11,7 @@
 #include "comm/comm.h"
 #include "comm/launch.h"
 #include "comm/comm_internal.h"
-#include "mesh/internal.h"
+#include "mesh/mesh.h"
 #include "nn/internal.h"
 #include "optim/internal.h"
 #include "tensor/internal.h"
@@ -35,7 +35,7 @@ static ts_status check_world_started(const char *fn, const ts_fsdp_options *o)
 {
     if (ts_dist_is_initialized()) return TS_OK;
     if (o->mesh && ts_mesh_size(o->mesh, NULL) > 1) return TS_OK; /* a world made some other way (loopback) */
-    if (o->mesh && tl_virtual_world && ts__mesh_world(o->mesh) == tl_virtual_world) return TS_OK; /* an estimate's */
+    if (o->mesh && tl_virtual_world && ts_mesh_world(o->mesh) == tl_virtual_world) return TS_OK; /* an estimate's */
     ts_rank_env env;
     char saved[1024];
     ts_status saved_st = ts_last_status();
@@ -196,7 +196,7 @@ static ts_status check_options(const char *fn, const ts_fsdp_options *o)
         if (strcmp(ts_mesh_device_type(o->mesh), "cpu") != 0)
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: mesh device '%s' (only cpu)", fn,
                             ts_mesh_device_type(o->mesh));
-        ts_comm *w = ts__mesh_world(o->mesh);
+        ts_comm *w = ts_mesh_world(o->mesh);
         if (ts_dist_is_initialized() && w != ts_dist_world() && w != tl_virtual_world)
             return ts_error(TS_ERR_INVALID_ARGUMENT,
                             "%s: the mesh (%lld ranks) was not made over the initialized world (%d ranks): make it "

@@ -9,7 +9,7 @@
  */
 #include "fully_shard/grad_scaler.h"
 
-#include "tensor/internal.h"
+#include "tensor/kernels.h"
 
 #include <math.h>
 #include <string.h>

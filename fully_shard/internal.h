@@ -61,6 +61,7 @@
 #ifndef TS_FULLY_SHARD_INTERNAL_H
 #define TS_FULLY_SHARD_INTERNAL_H
 
+#include "base/internal.h"
 #include "fully_shard/fully_shard.h"
 #include "fully_shard/offload_internal.h"
 

@@ -29,8 +29,8 @@
 #include "fully_shard/internal.h"
 
 #include "comm/comm_internal.h"
-#include "mesh/internal.h"
-#include "nn/internal.h"
+#include "mesh/mesh.h"
+#include "nn/nn.h"
 #include "optim/optim.h"
 #include "tensor/internal.h"
 

@@ -95,7 +95,7 @@ static void coll_add(fsdp_coll_stats *sum, const fsdp_coll_stats *s)
  * written to f; false when writing failed. */
 bool ts__fsdp_print_coll_stats(const ts__fsdp_groups_walk *w, FILE *f)
 {
-    ts_comm *world = w->n ? ts__mesh_world(w->g[0]->mesh) : ts_dist_world();
+    ts_comm *world = w->n ? ts_mesh_world(w->g[0]->mesh) : ts_dist_world();
     int rank = ts_comm_rank(world), size = ts_comm_size(world);
     fsdp_coll_stats sum[3] = {{0}};
     bool ok = true;

@@ -10,7 +10,7 @@
 #include "comm/comm.h"
 #include "nn/internal.h"
 #include "optim/internal.h" /* clip_grad_norm's torch-exact pieces */
-#include "tensor/internal.h"
+#include "tensor/tensor.h"
 
 #include <math.h>
 #include <string.h>
@@ -131,7 +131,7 @@ ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *s
         if (ts_tensor_ndim(src) != nd || memcmp(ts_tensor_shape(src), sh, (size_t)nd * sizeof *sh) != 0) {
             char a[128], b[128];
             snprintf(shapes + strlen(shapes), sizeof shapes - strlen(shapes), " '%s' is %s in the dict, %s in the model;",
-                     np.items[i].name, ts_tensor_shape_str(src, a, sizeof a), ts__shape_str(nd, sh, b, sizeof b));
+                     np.items[i].name, ts_tensor_shape_str(src, a, sizeof a), ts_shape_str(nd, sh, b, sizeof b));
         }
         ts_dtype want = ts_tensor_dtype(p ? p->S : t);
         if (ts_tensor_dtype(src) != want)

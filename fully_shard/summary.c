@@ -10,9 +10,9 @@
 
 #include "comm/comm.h"
 #include "comm/comm_internal.h"
-#include "mesh/internal.h"
-#include "nn/internal.h"
-#include "tensor/internal.h"
+#include "mesh/mesh.h"
+#include "nn/nn.h"
+#include "tensor/internal.h" /* the storage of an offloaded shard (ts_fsdp_offload_stats_get) */
 
 #include <errno.h>
 #include <stdio.h>
@@ -133,7 +133,7 @@ static ts_status write_summary(ts_module *module, FILE *f)
                     (long long)pn, pb);
             for (int k = 0; k < g->n_persist; k++) {
                 char full[96];
-                ts__shape_str(ts_tensor_ndim(g->persist[k].t), ts_tensor_shape(g->persist[k].t), full, sizeof full);
+                ts_shape_str(ts_tensor_ndim(g->persist[k].t), ts_tensor_shape(g->persist[k].t), full, sizeof full);
                 fprintf(f, " %s %s", g->persist[k].fqn, full);
             }
             fprintf(f, "\n");
@@ -145,11 +145,11 @@ static ts_status write_summary(ts_module *module, FILE *f)
             char full[96], local[96], padded[96];
             int64_t sh[TS_MAX_DIMS];
             memcpy(sh, p->shape, sizeof sh);
-            ts__shape_str(p->ndim, p->shape, full, sizeof full);
+            ts_shape_str(p->ndim, p->shape, full, sizeof full);
             sh[0] = p->local_rows;
-            ts__shape_str(p->ndim, sh, local, sizeof local);
+            ts_shape_str(p->ndim, sh, local, sizeof local);
             sh[0] = p->c;
-            ts__shape_str(p->ndim, sh, padded, sizeof padded);
+            ts_shape_str(p->ndim, sh, padded, sizeof padded);
             fprintf(f, "  %-40s %-16s %-16s %-16s %lld\n", param_name(&np, p), full, local, padded,
                     (long long)((p->c - p->local_rows) * p->row_numel));
         }

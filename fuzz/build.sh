@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 CFLAGS=(-std=c11 -g -O1 -fno-omit-frame-pointer -ffp-contract=off -fno-math-errno
         -fsanitize=address,undefined -fno-sanitize-recover=undefined
         -Wall -Wextra -Wno-unused-parameter -I.)
-lib_sources=(base/*.c tensor/*.c nn/*.c optim/*.c comm/*.c mesh/*.c dtensor/*.c fully_shard/*.c checkpoint/*.c)
+lib_sources=(base/*.c tensor/*.c safetensors/*.c nn/*.c optim/*.c comm/*.c mesh/*.c dtensor/*.c fully_shard/*.c checkpoint/*.c)
 # shellcheck disable=SC2207
 dep_cflags=($(pkg-config --cflags ucx libuv jansson))
 # shellcheck disable=SC2207

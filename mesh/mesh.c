@@ -365,4 +365,4 @@ ts_status ts_mesh_flatten(const ts_mesh *m, int ndims, const char *const *names,
     return TS_OK;
 }
 
-ts_comm *ts__mesh_world(const ts_mesh *m) { return m ? m->world : NULL; }
+ts_comm *ts_mesh_world(const ts_mesh *m) { return m ? m->world : NULL; }

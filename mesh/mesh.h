@@ -61,6 +61,10 @@ TS_API void ts_mesh_free(ts_mesh *m);
  * device_type, dim_name and group NULL; dim_index, size, dim_size and
  * get_local_rank -1; coordinate writes nothing. */
 TS_API int ts_mesh_ndim(const ts_mesh *m);
+/* The world communicator the mesh was made over (borrowed: the mesh does
+ * not own it; the one ts_mesh_new was given, or the process world or
+ * one-rank group it took for NULL). NULL for NULL. */
+TS_API ts_comm *ts_mesh_world(const ts_mesh *m);
 /* "cpu". Borrowed, lives as long as the mesh. */
 TS_API const char *ts_mesh_device_type(const ts_mesh *m);
 /* The name of dim `dim`, borrowed; NULL (with TS_ERR_INDEX as last error)

@@ -2,6 +2,7 @@
 #ifndef TS_NN_INTERNAL_H
 #define TS_NN_INTERNAL_H
 
+#include "base/internal.h"
 #include "nn/nn.h"
 
 #include <pthread.h>
@@ -84,65 +85,6 @@ void ts__act_free(ts_module *m);
  * arrays with the n entries copied and the old arrays a and b are freed;
  * on failure (TS_ERR_NO_MEMORY) nothing changes and nothing is written. */
 ts_status ts__grow_pair(void *a, size_t size_a, void *b, size_t size_b, int n, int cap, void **a_out, void **b_out);
-
-/* Test hook of ts_safetensors_save: called with the temporary file's path
- * once it is created (empty, mode 0600); a non-zero return fails the save
- * as a write error would. NULL (the default) in normal use. */
-extern int (*ts__safetensors_save_hook)(const char *tmp_path);
-/* safetensors pieces shared with checkpoint/ (nn/safetensors.c). */
-/* One validated tensor entry of a header: name (borrowed from the header's
- * JSON), dtype, shape, and [begin, end) in the data buffer. */
-typedef struct ts__st_entry {
-    const char *name;
-    ts_dtype dtype;
-    int ndim;
-    int64_t shape[TS_MAX_DIMS];
-    uint64_t begin, end;
-} ts__st_entry;
-/* A parsed, validated header: the JSON (jansson's json_t, which owns the
- * names), the entries in header order, where the data buffer starts in
- * the file (8 + header length) and the file's size. */
-typedef struct ts__st_header {
-    struct json_t *root;
-    ts__st_entry *entries;
-    size_t n;
-    uint64_t data_start, file_size;
-} ts__st_header;
-/* Reads and validates the header of the safetensors file open as fd
- * (every check ts_safetensors_load makes, the same messages prefixed with
- * op and naming path): TS_ERR_IO, TS_ERR_FORMAT, TS_ERR_NO_MEMORY. *out
- * is owned by the caller (ts__st_header_fini) and written on success. */
-ts_status ts__st_read_header(const char *op, const char *path, int fd, ts__st_header *out);
-void ts__st_header_fini(ts__st_header *h);
-/* pread of exactly n bytes at off, TS_ERR_IO naming path and `what`
- * (short reads included). */
-ts_status ts__st_read_at(const char *op, const char *path, int fd, void *buf, size_t n, uint64_t off,
-                         const char *what);
-/* safetensors dtype names ("F32", "BF16"; "?" for no dtype) and back. */
-const char *ts__st_dtype_name(ts_dtype d);
-bool ts__st_dtype_from_name(const char *s, ts_dtype *out);
-
-/* Streaming writer of a safetensors file (ts_safetensors_save is built on
- * it, so the bytes are the same): _open checks the names and metadata as
- * ts_safetensors_save does, writes the header of the n tensors described
- * (name, dtype, shape; copied) to a new temporary file next to path;
- * _put writes the next tensor's data (its dtype and element count must
- * be the description's: TS_ERR_SHAPE); _commit flushes, fsyncs, renames
- * the file to path, syncs the folder and frees the stream (also on
- * error, when the temporary file is removed); _abort removes it and frees
- * (NULL accepted). Errors as ts_safetensors_save. */
-typedef struct ts__st_desc {
-    const char *name;
-    ts_dtype dtype;
-    int ndim;
-    const int64_t *shape;
-} ts__st_desc;
-typedef struct ts__st_stream ts__st_stream;
-ts_status ts__st_stream_open(const char *op, const char *path, int n, const ts__st_desc *descs,
-                             const char *const *metadata, int n_meta, ts__st_stream **out);
-ts_status ts__st_stream_put(ts__st_stream *s, const ts_tensor *t);
-ts_status ts__st_stream_commit(ts__st_stream *s);
-void ts__st_stream_abort(ts__st_stream *s);
 
 /* Name comparisons made by state-dict lookups since the process started
  * (tests check that a lookup costs O(1) of them). */

@@ -43,6 +43,7 @@
 #define TS_NN_H
 
 #include "tensor/tensor.h"
+#include "safetensors/safetensors.h" /* ts_safetensors_save and _load below are built on it */
 
 #include <stdio.h>
 

@@ -3,6 +3,11 @@
 #define _GNU_SOURCE
 #include "nn/internal.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <unistd.h>
+
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -267,4 +272,143 @@ ts_status ts_module_load_state_dict(ts_module *m, const ts_state_dict *sd, bool 
     ts_grad_mode_set(prev);
     ts_named_params_free(&p);
     return st;
+}
+
+/* ------------------------------------------------------------ safetensors files
+ * A state dict saved and loaded whole, through the format's writer and
+ * header reader (safetensors/safetensors.h). */
+
+/* Names and strings from a file are cut to this in messages. */
+#define SD_NAME_MAX_SHOWN 200
+
+static void st_warn_nonfinite(const char *op, const char *src, const char *name, const ts_tensor *t)
+{
+    ts_dtype dt = ts_tensor_dtype(t);
+    if (!ts_dtype_is_float(dt) || !TS_LOG_ENABLED(TS_LOG_WARN))
+        return;
+    int64_t n = ts_tensor_numel(t), bad = 0;
+    const void *d = ts_tensor_data(t);
+    for (int64_t i = 0; i < n; i++) {
+        switch (dt) {
+        case TS_F32: bad += !isfinite(((const float *)d)[i]); break;
+        case TS_F64: bad += !isfinite(((const double *)d)[i]); break;
+        case TS_BF16: bad += (((const uint16_t *)d)[i] & 0x7f80u) == 0x7f80u; break;
+        case TS_F16: bad += (((const uint16_t *)d)[i] & 0x7c00u) == 0x7c00u; break;
+        default: break;
+        }
+    }
+    if (bad)
+        ts_logf(TS_LOG_WARN, "%s: '%s': tensor '%.*s' holds %lld non-finite values (NaN or Inf) of %lld", op, src,
+                SD_NAME_MAX_SHOWN, name, (long long)bad, (long long)n);
+}
+
+ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out)
+{
+    static const char op[] = "ts_safetensors_parse", src[] = "<buffer>";
+    if ((!data && len) || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    ts_safetensors_header h;
+    ts_status st = ts_safetensors_header_parse(op, src, data, len, &h);
+    if (st)
+        return st;
+    const unsigned char *buf = (const unsigned char *)data + h.data_start;
+    ts_state_dict *sd;
+    if ((st = ts_state_dict_new(&sd))) {
+        ts_safetensors_header_fini(&h);
+        return st;
+    }
+    for (size_t i = 0; i < h.n && !st; i++) {
+        const ts_safetensors_entry *e = &h.entries[i];
+        ts_tensor *t;
+        if (!(st = ts_tensor_from_data(e->dtype, e->ndim, e->shape, buf + e->begin, &t))) {
+            st_warn_nonfinite(op, src, e->name, t);
+            st = ts_state_dict_set(sd, e->name, t);
+            ts_tensor_free(t);
+        }
+    }
+    ts_safetensors_header_fini(&h);
+    if (st) {
+        ts_state_dict_free(sd);
+        return st;
+    }
+    *out = sd;
+    return TS_OK;
+}
+
+static ts_status st_load_fd(const char *op, const char *path, int fd, ts_state_dict **out)
+{
+    ts_safetensors_header h;
+    ts_status st = ts_safetensors_header_read(op, path, fd, &h);
+    if (st)
+        return st;
+    uint64_t n = h.data_start - 8;
+    ts_state_dict *sd;
+    if ((st = ts_state_dict_new(&sd))) {
+        ts_safetensors_header_fini(&h);
+        return st;
+    }
+    for (size_t i = 0; i < h.n && !st; i++) {
+        const ts_safetensors_entry *e = &h.entries[i];
+        ts_tensor *t;
+        /* CPU bytes to read into, even inside a meta device scope */
+        if ((st = ts_tensor_new_cpu(false, e->dtype, e->ndim, e->shape, &t)))
+            break;
+        char what[SD_NAME_MAX_SHOWN + 32];
+        snprintf(what, sizeof what, "tensor '%s'", e->name);
+        if (e->end > e->begin)
+            st = ts_safetensors_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin), 8 + n + e->begin, what);
+        if (!st) {
+            st_warn_nonfinite(op, path, e->name, t);
+            st = ts_state_dict_set(sd, e->name, t);
+        }
+        ts_tensor_free(t);
+    }
+    ts_safetensors_header_fini(&h);
+    if (st) {
+        ts_state_dict_free(sd);
+        return st;
+    }
+    *out = sd;
+    return TS_OK;
+}
+
+ts_status ts_safetensors_load(const char *path, ts_state_dict **out)
+{
+    static const char op[] = "ts_safetensors_load";
+    if (!path || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    /* O_NONBLOCK: a FIFO must not block the open until a writer comes (it
+     * is then refused as not a regular file); regular files ignore it. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", op, path, strerror(errno));
+    ts_status st = st_load_fd(op, path, fd, out);
+    close(fd);
+    return st;
+}
+
+ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const char *const *metadata, int n_meta)
+{
+    static const char op[] = "ts_safetensors_save";
+    if (!path || !sd)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    int n = ts_state_dict_size(sd);
+    ts_safetensors_desc *descs = n ? ts__calloc(TS_MEM_NN, (size_t)n, sizeof *descs) : NULL;
+    if (n && !descs)
+        return TS_ERR_NO_MEMORY;
+    for (int i = 0; i < n; i++) {
+        ts_tensor *t = ts_state_dict_tensor(sd, i);
+        descs[i] = (ts_safetensors_desc){ts_state_dict_name(sd, i), ts_tensor_dtype(t), ts_tensor_ndim(t), ts_tensor_shape(t),
+                                 t};
+    }
+    ts_safetensors_writer *s = NULL;
+    ts_status st = ts_safetensors_writer_open(op, path, n, descs, metadata, n_meta, &s);
+    ts__free(TS_MEM_NN, descs);
+    for (int i = 0; i < n && !st; i++)
+        st = ts_safetensors_writer_put(s, ts_state_dict_tensor(sd, i));
+    if (st) {
+        ts_safetensors_writer_abort(s);
+        return st;
+    }
+    return ts_safetensors_writer_commit(s);
 }

@@ -2,6 +2,7 @@
 #ifndef TS_OPTIM_INTERNAL_H
 #define TS_OPTIM_INTERNAL_H
 
+#include "base/internal.h"
 #include "optim/optim.h"
 
 /* Test hook: when true, the update and norm kernels run their plain scalar

@@ -38,6 +38,14 @@ done
 [ -f "$(pkg-config --variable=includedir tensorshard)/tensorshard/tensorshard.h" ] || {
     echo "check_install: tensorshard.h is not under include/tensorshard/" >&2; exit 1; }
 
+# The installed headers are the public API: no library-internal function
+# (`ts__*`, declared in base/internal.h and each layer's internal header,
+# which are not installed) may be exported from them, nor TS_ASSERT.
+INCDIR="$(pkg-config --variable=includedir tensorshard)/tensorshard"
+if grep -rnE 'TS_API[^;(]*[ *]ts__[a-z0-9_]+ *\(|define TS_ASSERT\b' "$INCDIR"; then
+    echo "check_install: an installed header above exports a library-internal symbol" >&2; exit 1
+fi
+
 cd "$WORK"
 cp "$SRC/tests/install/outside.c" .
 # -Wl,-rpath makes the programs find the library without LD_LIBRARY_PATH.

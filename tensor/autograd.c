@@ -201,8 +201,8 @@ static ts_status check_grad_fits(const char *op, const ts_tensor *t, const ts_te
     if (g->ndim != t->ndim || memcmp(g->shape, t->shape, (size_t)t->ndim * sizeof *t->shape) != 0) {
         char s1[96], s2[96];
         return ts_error(TS_ERR_SHAPE, "%s: gradient shape %s does not match tensor%s%s%s shape %s", op,
-                        ts__shape_str(g->ndim, g->shape, s1, sizeof s1), t->name ? " '" : "",
-                        t->name ? t->name : "", t->name ? "'" : "", ts__shape_str(t->ndim, t->shape, s2, sizeof s2));
+                        ts_shape_str(g->ndim, g->shape, s1, sizeof s1), t->name ? " '" : "",
+                        t->name ? t->name : "", t->name ? "'" : "", ts_shape_str(t->ndim, t->shape, s2, sizeof s2));
     }
     return TS_OK;
 }
@@ -373,7 +373,7 @@ static ts_status run_node(ts_node *n, bool retain_graph)
             char s[96];
             return ts_error(TS_ERR_RELEASED, "backward: node '%s' saved a tensor %s whose storage is released; "
                                              "restore (unshard) it before running backward through this node",
-                            n->name, ts__shape_str(n->saved[i]->ndim, n->saved[i]->shape, s, sizeof s));
+                            n->name, ts_shape_str(n->saved[i]->ndim, n->saved[i]->shape, s, sizeof s));
         }
     /* multi-output nodes see zeros where no gradient flowed */
     for (int i = 0; i < n->n_outputs && n->n_outputs > 1; i++)
@@ -439,7 +439,7 @@ ts_status ts_backward(ts_tensor *root, ts_tensor *grad, bool retain_graph)
     if (!root->requires_grad) {
         char s[96];
         return ts_error(TS_ERR_AUTOGRAD, "ts_backward: tensor %s does not require grad and has no grad_fn",
-                        ts__shape_str(root->ndim, root->shape, s, sizeof s));
+                        ts_shape_str(root->ndim, root->shape, s, sizeof s));
     }
     ts_status st;
     if (grad) {
@@ -451,7 +451,7 @@ ts_status ts_backward(ts_tensor *root, ts_tensor *grad, bool retain_graph)
             char s[96];
             return ts_error(TS_ERR_AUTOGRAD, "ts_backward: grad can be implicitly created only for outputs with "
                                              "one element; root has shape %s (pass a gradient of that shape)",
-                            ts__shape_str(root->ndim, root->shape, s, sizeof s));
+                            ts_shape_str(root->ndim, root->shape, s, sizeof s));
         }
         if ((st = ts_tensor_ones(root->dtype, root->ndim, root->shape, &grad)))
             return st;

@@ -53,7 +53,7 @@ static ts_status fans(const char *op, const ts_tensor *t, int64_t *fan_in, int64
         return ts_error(TS_ERR_SHAPE,
                         "%s: fan in and fan out can not be computed for a tensor with fewer than 2 dimensions "
                         "(shape %s)",
-                        op, ts__shape_str(t->ndim, t->shape, buf, sizeof buf));
+                        op, ts_shape_str(t->ndim, t->shape, buf, sizeof buf));
     }
     int64_t receptive = 1;
     for (int d = 2; d < t->ndim; d++)
@@ -131,7 +131,7 @@ static ts_status xavier_std(const char *op, ts_tensor *t, double gain, double *s
     if (fan_in + fan_out == 0) {
         char buf[96];
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: fan_in + fan_out is 0 for shape %s", op,
-                        ts__shape_str(t->ndim, t->shape, buf, sizeof buf));
+                        ts_shape_str(t->ndim, t->shape, buf, sizeof buf));
     }
     *std_out = gain * sqrt(2.0 / (double)(fan_in + fan_out));
     return TS_OK;

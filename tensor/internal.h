@@ -5,6 +5,8 @@
 #ifndef TS_TENSOR_INTERNAL_H
 #define TS_TENSOR_INTERNAL_H
 
+#include "base/internal.h"
+#include "tensor/kernels.h"
 #include "tensor/tensor.h"
 #include <stdatomic.h>
 
@@ -117,20 +119,6 @@ void ts__meta_cache_blocks(int n, const size_t *nbytes);
 ts_status ts__meta_error(const char *op, int index, const ts_tensor *t);
 void ts__storage_release_ref(ts_storage *s);
 
-/* Caching pool: blocks are kept for reuse and only returned to the system
- * by ts__pool_empty_cache(). Thread-safe. */
-void *ts__pool_alloc(size_t nbytes, size_t *block_bytes_out);
-void ts__pool_free(void *p, size_t block_bytes);
-/* The bytes of the block ts__pool_alloc(nbytes) hands out (its size
- * class: what TS_MEM_STORAGE counts); nbytes itself when it is too large
- * for any class. fully_shard's memory estimate rounds with it. */
-size_t ts__pool_block_bytes(size_t nbytes);
-/* The pool's size class of an nbytes allocation (0 <= class <
- * TS__POOL_CLASSES) and its block bytes in *class_bytes_out; -1 when
- * nbytes is too large for any class. The meta ledger models the free
- * lists with it. */
-#define TS__POOL_CLASSES 512
-int ts__pool_size_class(size_t nbytes, size_t *class_bytes_out);
 
 /* ------------------------------------------------------------- autograd */
 
@@ -231,11 +219,6 @@ struct ts_tensor {
 
 /* Allocates a contiguous tensor handle with fresh storage. */
 ts_status ts__tensor_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
-/* A new contiguous CPU tensor whatever the thread's default device (zeroed
- * when zero is true): the buffers a layer reads and writes itself (a
- * collective's agreement scalars, staging copies), which must have bytes
- * even when called inside a meta scope. Errors as ts_tensor_empty. */
-ts_status ts__tensor_new_cpu(bool zero, ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
 /* Allocates a contiguous meta tensor handle (ts__storage_new_meta). */
 ts_status ts__tensor_new_meta(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
 /* True when t's storage is a meta storage (no bytes). */
@@ -243,14 +226,10 @@ static inline bool ts__is_meta(const ts_tensor *t) { return t && t->storage && t
 /* A new handle aliasing t's storage with the given geometry (no autograd). */
 ts_status ts__tensor_alias(const ts_tensor *t, int ndim, const int64_t *shape, const int64_t *strides,
                            int64_t offset, ts_tensor **out);
-/* Contiguous strides for shape. */
-void ts__contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
 int64_t ts__numel(int ndim, const int64_t *shape);
 bool ts__is_contiguous(const ts_tensor *t);
 /* Normalises a possibly negative dim; records TS_ERR_INDEX naming op. */
 ts_status ts__wrap_dim(const char *op, int dim, int ndim, int *out);
-/* "(2, 3)" */
-char *ts__shape_str(int ndim, const int64_t *shape, char *buf, size_t len);
 
 /* Checks every tensor input of an op: not NULL, storage not released, not
  * a shard. Records an error naming the op and the tensor. */
@@ -297,24 +276,6 @@ typedef struct ts_iter {
     int64_t shape[TS_MAX_DIMS];
     int64_t idx[TS_MAX_DIMS];
 } ts_iter;
-/* Advances a multi-index over dims [0, nd-1) of `shape` (the last dim is
- * the caller's inner loop) and moves each of the nops operands' offsets by
- * its strides; false once every outer index has been visited. */
-static inline bool ts__next_outer(int nd, const int64_t *shape, int64_t *idx, int nops,
-                                  int64_t (*strides)[TS_MAX_DIMS], int64_t *offs)
-{
-    for (int d = nd - 2; d >= 0; d--) {
-        if (++idx[d] < shape[d]) {
-            for (int k = 0; k < nops; k++)
-                offs[k] += strides[k][d];
-            return true;
-        }
-        for (int k = 0; k < nops; k++)
-            offs[k] -= strides[k][d] * (shape[d] - 1);
-        idx[d] = 0;
-    }
-    return false;
-}
 
 /* Strides of `t` expanded to the output shape (ndim_out >= t->ndim). */
 void ts__broadcast_strides(const ts_tensor *t, int ndim_out, const int64_t *shape_out, int64_t *strides_out);

@@ -34,6 +34,7 @@
 #ifndef TS_TENSOR_KERNELS_H
 #define TS_TENSOR_KERNELS_H
 
+#include "base/internal.h"
 #include "tensor/tensor.h"
 
 #include <string.h>
@@ -159,5 +160,46 @@ float ts__buf_norm2_f32_on(ts__kpath p, const float *x, int64_t n);
 /* torch.norm(x, 2) of a float64 buffer on path p: one accumulator,
  * acc = fma(x, x, acc) in order, then sqrt (torch on one thread). */
 double ts__buf_norm2_f64_on(ts__kpath p, const double *x, int64_t n);
+
+/* ------------------------------------------------------------ buffers
+ * The tensor layer's caching pool and the strided-loop helpers, which the
+ * buffers of comm/, optim/ and fully_shard/ use too. */
+
+/* Caching pool: blocks are kept for reuse and only returned to the system
+ * by ts__pool_empty_cache(). Thread-safe. */
+void *ts__pool_alloc(size_t nbytes, size_t *block_bytes_out);
+void ts__pool_free(void *p, size_t block_bytes);
+/* The bytes of the block ts__pool_alloc(nbytes) hands out (its size
+ * class: what TS_MEM_STORAGE counts); nbytes itself when it is too large
+ * for any class. fully_shard's memory estimate rounds with it. */
+size_t ts__pool_block_bytes(size_t nbytes);
+/* The pool's size class of an nbytes allocation (0 <= class <
+ * TS__POOL_CLASSES) and its block bytes in *class_bytes_out; -1 when
+ * nbytes is too large for any class. The meta ledger models the free
+ * lists with it. */
+#define TS__POOL_CLASSES 512
+int ts__pool_size_class(size_t nbytes, size_t *class_bytes_out);
+
+/* Contiguous strides for shape. */
+void ts__contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
+
+/* Advances a multi-index over dims [0, nd-1) of `shape` (the last dim is
+ * the caller's inner loop) and moves each of the nops operands' offsets by
+ * its strides; false once every outer index has been visited. */
+static inline bool ts__next_outer(int nd, const int64_t *shape, int64_t *idx, int nops,
+                                  int64_t (*strides)[TS_MAX_DIMS], int64_t *offs)
+{
+    for (int d = nd - 2; d >= 0; d--) {
+        if (++idx[d] < shape[d]) {
+            for (int k = 0; k < nops; k++)
+                offs[k] += strides[k][d];
+            return true;
+        }
+        for (int k = 0; k < nops; k++)
+            offs[k] -= strides[k][d] * (shape[d] - 1);
+        idx[d] = 0;
+    }
+    return false;
+}
 
 #endif

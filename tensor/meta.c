@@ -291,7 +291,7 @@ ts_status ts__meta_error(const char *op, int index, const ts_tensor *t)
         snprintf(who, sizeof who, "tensor");
     return ts_error(TS_ERR_STATE, "%s: %s%s%s%s %s is on the meta device (it has no data): materialize the model or "
                                   "load a checkpoint first%s", op, who, t->name ? " '" : "", t->name ? t->name : "",
-                    t->name ? "'" : "", ts__shape_str(t->ndim, t->shape, s, sizeof s),
+                    t->name ? "'" : "", ts_shape_str(t->ndim, t->shape, s, sizeof s),
                     index >= 0 ? " (inside ts_device_scope_enter(TS_DEVICE_META) ops compute only shapes and memory)"
                                : "");
 }

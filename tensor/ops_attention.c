@@ -387,15 +387,15 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
     if (q->ndim != 3 || k->ndim != 3 || v->ndim != 3 || k->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] ||
         k->shape[2] != q->shape[2] || v->shape[2] != q->shape[2] || v->shape[1] != k->shape[1])
         return ts_error(TS_ERR_SHAPE, "%s: q %s, k %s and v %s must be (B, T, E), (B, S, E), (B, S, E)", op,
-                        ts__shape_str(q->ndim, q->shape, s1, sizeof s1), ts__shape_str(k->ndim, k->shape, s2, sizeof s2),
-                        ts__shape_str(v->ndim, v->shape, s3, sizeof s3));
+                        ts_shape_str(q->ndim, q->shape, s1, sizeof s1), ts_shape_str(k->ndim, k->shape, s2, sizeof s2),
+                        ts_shape_str(v->ndim, v->shape, s3, sizeof s3));
     int64_t B = q->shape[0], T = q->shape[1], S = k->shape[1], E = q->shape[2];
     if (num_heads <= 0 || E % num_heads)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: embed dim %lld is not a multiple of %lld heads", op, (long long)E,
                         (long long)num_heads);
     if (mask && (mask->dtype != TS_BOOL || mask->ndim != 2 || mask->shape[0] != T || mask->shape[1] != S))
         return ts_error(TS_ERR_SHAPE, "%s: mask must be bool (%lld, %lld), got %s %s", op, (long long)T, (long long)S,
-                        ts_dtype_name(mask->dtype), ts__shape_str(mask->ndim, mask->shape, s1, sizeof s1));
+                        ts_dtype_name(mask->dtype), ts_shape_str(mask->ndim, mask->shape, s1, sizeof s1));
     if (!(dropout_p >= 0 && dropout_p < 1))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: dropout probability %g must be in [0, 1)", op, dropout_p);
     for (int i = 0; i < 3; i++)

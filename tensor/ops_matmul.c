@@ -67,7 +67,7 @@ static ts_status mm_kernel(const char *op, ts_tensor *a, ts_tensor *b, ts_tensor
     int64_t m = a->shape[na - 2], k = a->shape[na - 1], k2 = b->shape[nb - 2], n = b->shape[nb - 1];
     if (k != k2)
         return ts_error(TS_ERR_SHAPE, "%s: shapes %s and %s cannot be multiplied (%lld columns vs %lld rows)", op,
-                        ts__shape_str(na, a->shape, s1, sizeof s1), ts__shape_str(nb, b->shape, s2, sizeof s2),
+                        ts_shape_str(na, a->shape, s1, sizeof s1), ts_shape_str(nb, b->shape, s2, sizeof s2),
                         (long long)k, (long long)k2);
     int nbatch;
     int64_t bshape[TS_MAX_DIMS];
@@ -243,7 +243,7 @@ ts_status ts_matmul(ts_tensor *a, ts_tensor *b, ts_tensor **out)
     if (ka != kb) {
         char s1[96], s2[96];
         return ts_error(TS_ERR_SHAPE, "matmul: shapes %s and %s cannot be multiplied (%lld columns vs %lld rows)",
-                        ts__shape_str(a->ndim, a->shape, s1, sizeof s1), ts__shape_str(b->ndim, b->shape, s2, sizeof s2),
+                        ts_shape_str(a->ndim, a->shape, s1, sizeof s1), ts_shape_str(b->ndim, b->shape, s2, sizeof s2),
                         (long long)ka, (long long)kb);
     }
     if (a->ndim >= 2 && b->ndim >= 2)
@@ -339,9 +339,9 @@ ts_status ts_linear(ts_tensor *x, ts_tensor *w, ts_tensor *b, ts_tensor **out)
     if (x->ndim < 1 || w->ndim != 2 || x->shape[x->ndim - 1] != w->shape[1] ||
         (b && (b->ndim != 1 || b->shape[0] != w->shape[0])))
         return ts_error(TS_ERR_SHAPE, "linear: input %s, weight %s and bias %s do not fit (expected (..., in), "
-                                      "(out, in) and (out,))", ts__shape_str(x->ndim, x->shape, s1, sizeof s1),
-                        ts__shape_str(w->ndim, w->shape, s2, sizeof s2),
-                        b ? ts__shape_str(b->ndim, b->shape, s3, sizeof s3) : "none");
+                                      "(out, in) and (out,))", ts_shape_str(x->ndim, x->shape, s1, sizeof s1),
+                        ts_shape_str(w->ndim, w->shape, s2, sizeof s2),
+                        b ? ts_shape_str(b->ndim, b->shape, s3, sizeof s3) : "none");
     ts_tensor *xf;
     if ((st = flat_rows(x, &xf)))
         return st;

@@ -262,7 +262,7 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
     char s1[96], s2[96];
     if (n_norm_dims < 1 || n_norm_dims > x->ndim)
         return ts_error(TS_ERR_SHAPE, "layer_norm: cannot normalize the last %d dims of a tensor of shape %s",
-                        n_norm_dims, ts__shape_str(x->ndim, x->shape, s1, sizeof s1));
+                        n_norm_dims, ts_shape_str(x->ndim, x->shape, s1, sizeof s1));
     const int64_t *nshape = x->shape + x->ndim - n_norm_dims;
     for (int k = 0; k < 2; k++) {
         ts_tensor *p = k ? bias : weight;
@@ -273,8 +273,8 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
                             ts_dtype_name(p->dtype), ts_dtype_name(x->dtype));
         if (p->ndim != n_norm_dims || memcmp(p->shape, nshape, (size_t)n_norm_dims * sizeof *nshape) != 0)
             return ts_error(TS_ERR_SHAPE, "layer_norm: %s of shape %s does not match normalized shape %s",
-                            k ? "bias" : "weight", ts__shape_str(p->ndim, p->shape, s1, sizeof s1),
-                            ts__shape_str(n_norm_dims, nshape, s2, sizeof s2));
+                            k ? "bias" : "weight", ts_shape_str(p->ndim, p->shape, s1, sizeof s1),
+                            ts_shape_str(n_norm_dims, nshape, s2, sizeof s2));
     }
     int64_t D = ts__numel(n_norm_dims, nshape), R = D ? ts_tensor_numel(x) / D : 0;
     ts_tensor *xc = NULL, *wc = NULL, *bc = NULL, *o = NULL, *mean = NULL, *rstd = NULL;
@@ -439,7 +439,7 @@ ts_status ts_embedding(ts_tensor *weight, ts_tensor *indices, ts_tensor **out)
     char s1[96];
     if (weight->ndim != 2)
         return ts_error(TS_ERR_SHAPE, "embedding: weight must be 2-d (num, dim), got %s",
-                        ts__shape_str(weight->ndim, weight->shape, s1, sizeof s1));
+                        ts_shape_str(weight->ndim, weight->shape, s1, sizeof s1));
     if (indices->dtype != TS_I64 && indices->dtype != TS_I32)
         return ts_error(TS_ERR_DTYPE, "embedding: indices must be int64 or int32, got %s",
                         ts_dtype_name(indices->dtype));
@@ -558,8 +558,8 @@ ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore
     char s1[96], s2[96];
     if (logits->ndim != 2 || targets->ndim != 1 || targets->shape[0] != logits->shape[0])
         return ts_error(TS_ERR_SHAPE, "cross_entropy: logits %s and targets %s do not fit (expected (N, C) and (N,))",
-                        ts__shape_str(logits->ndim, logits->shape, s1, sizeof s1),
-                        ts__shape_str(targets->ndim, targets->shape, s2, sizeof s2));
+                        ts_shape_str(logits->ndim, logits->shape, s1, sizeof s1),
+                        ts_shape_str(targets->ndim, targets->shape, s2, sizeof s2));
     if (targets->dtype != TS_I64)
         return ts_error(TS_ERR_DTYPE, "cross_entropy: targets must be int64, got %s", ts_dtype_name(targets->dtype));
     if (reduction != TS_REDUCTION_MEAN && reduction != TS_REDUCTION_SUM && reduction != TS_REDUCTION_NONE)
@@ -643,8 +643,8 @@ ts_status ts_mse_loss(ts_tensor *input, ts_tensor *target, ts_reduction reductio
     if (input->ndim != target->ndim || memcmp(input->shape, target->shape, (size_t)input->ndim * sizeof(int64_t))) {
         char s1[96], s2[96];
         return ts_error(TS_ERR_SHAPE, "mse_loss: input %s and target %s must have the same shape",
-                        ts__shape_str(input->ndim, input->shape, s1, sizeof s1),
-                        ts__shape_str(target->ndim, target->shape, s2, sizeof s2));
+                        ts_shape_str(input->ndim, input->shape, s1, sizeof s1),
+                        ts_shape_str(target->ndim, target->shape, s2, sizeof s2));
     }
     if (reduction != TS_REDUCTION_MEAN && reduction != TS_REDUCTION_SUM && reduction != TS_REDUCTION_NONE)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "mse_loss: invalid reduction %d", (int)reduction);
@@ -678,8 +678,8 @@ ts_status ts_l1_loss(ts_tensor *input, ts_tensor *target, ts_reduction reduction
     if (input->ndim != target->ndim || memcmp(input->shape, target->shape, (size_t)input->ndim * sizeof(int64_t))) {
         char s1[96], s2[96];
         return ts_error(TS_ERR_SHAPE, "l1_loss: input %s and target %s must have the same shape",
-                        ts__shape_str(input->ndim, input->shape, s1, sizeof s1),
-                        ts__shape_str(target->ndim, target->shape, s2, sizeof s2));
+                        ts_shape_str(input->ndim, input->shape, s1, sizeof s1),
+                        ts_shape_str(target->ndim, target->shape, s2, sizeof s2));
     }
     if (reduction != TS_REDUCTION_MEAN && reduction != TS_REDUCTION_SUM && reduction != TS_REDUCTION_NONE)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "l1_loss: invalid reduction %d", (int)reduction);

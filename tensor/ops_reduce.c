@@ -771,12 +771,12 @@ ts_status ts_scaled_masked_softmax(ts_tensor *scores, ts_tensor *mask, double sc
     char s1[96], s2[96];
     if (scores->ndim < 2)
         return ts_error(TS_ERR_SHAPE, "%s: scores must have at least 2 dims (..., T, S), got %s", op,
-                        ts__shape_str(scores->ndim, scores->shape, s1, sizeof s1));
+                        ts_shape_str(scores->ndim, scores->shape, s1, sizeof s1));
     int64_t T = scores->shape[scores->ndim - 2], S = scores->shape[scores->ndim - 1];
     if (mask && (mask->dtype != TS_BOOL || mask->ndim != 2 || mask->shape[0] != T || mask->shape[1] != S))
         return ts_error(TS_ERR_SHAPE, "%s: mask must be bool (%lld, %lld) to fit scores %s, got %s %s", op,
-                        (long long)T, (long long)S, ts__shape_str(scores->ndim, scores->shape, s1, sizeof s1),
-                        ts_dtype_name(mask->dtype), ts__shape_str(mask->ndim, mask->shape, s2, sizeof s2));
+                        (long long)T, (long long)S, ts_shape_str(scores->ndim, scores->shape, s1, sizeof s1),
+                        ts_dtype_name(mask->dtype), ts_shape_str(mask->ndim, mask->shape, s2, sizeof s2));
     ts_tensor *sc = NULL, *mc = NULL, *o = NULL;
     bool grad = ts_grad_mode_set(false);
     st = ts_contiguous(scores, &sc);

@@ -59,8 +59,8 @@ ts_status ts_cat(int n, ts_tensor *const *tensors, int dim, ts_tensor **out)
         if (!ok) {
             char s1[96], s2[96];
             return ts_error(TS_ERR_SHAPE, "cat: tensor %d of shape %s does not match tensor 0 of shape %s outside dim "
-                                          "%d", i, ts__shape_str(t->ndim, t->shape, s1, sizeof s1),
-                            ts__shape_str(t0->ndim, t0->shape, s2, sizeof s2), d);
+                                          "%d", i, ts_shape_str(t->ndim, t->shape, s1, sizeof s1),
+                            ts_shape_str(t0->ndim, t0->shape, s2, sizeof s2), d);
         }
         shape[d] += t->shape[d];
     }
@@ -330,8 +330,8 @@ ts_status ts_masked_fill(ts_tensor *a, ts_tensor *mask, double value, ts_tensor 
     if (nd != a->ndim || memcmp(shape, a->shape, (size_t)nd * sizeof *shape) != 0) {
         char s1[96], s2[96];
         return ts_error(TS_ERR_SHAPE, "masked_fill: mask of shape %s does not broadcast to the input shape %s",
-                        ts__shape_str(mask->ndim, mask->shape, s1, sizeof s1),
-                        ts__shape_str(a->ndim, a->shape, s2, sizeof s2));
+                        ts_shape_str(mask->ndim, mask->shape, s1, sizeof s1),
+                        ts_shape_str(a->ndim, a->shape, s2, sizeof s2));
     }
     ts_tensor *v;
     if ((st = ts__check_scalar("masked_fill", a->dtype, value)) || (st = ts_tensor_full(a->dtype, 0, NULL, value, &v)))

@@ -38,11 +38,11 @@ bool ts__is_contiguous(const ts_tensor *t)
     return true;
 }
 
-char *ts__shape_str(int ndim, const int64_t *shape, char *buf, size_t len)
+char *ts_shape_str(int ndim, const int64_t *shape, char *buf, size_t len)
 {
     size_t n = 0;
-    if (len == 0)
-        return buf;
+    if (!buf || len == 0 || ndim < 0 || ndim > TS_MAX_DIMS || (!shape && ndim > 0))
+        return NULL;
     buf[0] = '\0';
     n += (size_t)snprintf(buf + n, len - n, "(");
     for (int i = 0; i < ndim && n < len; i++)
@@ -83,7 +83,7 @@ static ts_status check_shape(const char *op, ts_dtype dtype, int ndim, const int
         if (shape[i] && n > INT64_MAX / 16 / shape[i]) {
             char buf[96];
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: shape %s has too many elements (dim %d of size %lld)", op,
-                            ts__shape_str(ndim, shape, buf, sizeof buf), i, (long long)shape[i]);
+                            ts_shape_str(ndim, shape, buf, sizeof buf), i, (long long)shape[i]);
         }
         n *= shape[i];
     }
@@ -128,7 +128,7 @@ ts_status ts__tensor_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tens
     return tensor_new(ts__meta_mode(), dtype, ndim, shape, out);
 }
 
-ts_status ts__tensor_new_cpu(bool zero, ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
+ts_status ts_tensor_new_cpu(bool zero, ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
 {
     ts_status st = ts_device_scope_enter(TS_DEVICE_CPU);
     if (st)
@@ -136,6 +136,11 @@ ts_status ts__tensor_new_cpu(bool zero, ts_dtype dtype, int ndim, const int64_t 
     st = zero ? ts_tensor_zeros(dtype, ndim, shape, out) : ts_tensor_empty(dtype, ndim, shape, out);
     ts_status ex = ts_device_scope_exit();
     return st ? st : ex;
+}
+
+bool ts_tensor_is_meta(const ts_tensor *t)
+{
+    return ts__is_meta(t);
 }
 
 ts_status ts__tensor_new_meta(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
@@ -311,7 +316,7 @@ char *ts_tensor_shape_str(const ts_tensor *t, char *buf, size_t len)
 {
     if (!t || !buf || len == 0)
         return NULL;
-    return ts__shape_str(t->ndim, t->shape, buf, len);
+    return ts_shape_str(t->ndim, t->shape, buf, len);
 }
 
 ts_status ts_tensor_set_name(ts_tensor *t, const char *name)
@@ -358,7 +363,7 @@ ts_status ts__check_inputs(const char *op, int n, ts_tensor *const *inputs)
             char s[96];
             return ts_error(TS_ERR_RELEASED, "%s: input %d%s%s%s %s has released storage (%zu bytes); restore it "
                                              "(unshard) before reading it", op, i, t->name ? " '" : "",
-                            t->name ? t->name : "", t->name ? "'" : "", ts__shape_str(t->ndim, t->shape, s, sizeof s),
+                            t->name ? t->name : "", t->name ? "'" : "", ts_shape_str(t->ndim, t->shape, s, sizeof s),
                             t->storage->nbytes);
         }
         if (t->is_shard) {
@@ -367,7 +372,7 @@ ts_status ts__check_inputs(const char *op, int n, ts_tensor *const *inputs)
                                             "the module through ts_module_call, or unshard it first, or take "
                                             "ts_tensor_local_view() to work on the local data", op, i,
                             t->name ? " '" : "", t->name ? t->name : "", t->name ? "'" : "",
-                            ts__shape_str(t->ndim, t->shape, s, sizeof s));
+                            ts_shape_str(t->ndim, t->shape, s, sizeof s));
         }
     }
     return TS_OK;
@@ -449,7 +454,7 @@ ts_status ts__broadcast_shape(const char *op, int na, const int64_t *sa, int nb,
         if (a != b && a != 1 && b != 1) {
             char s1[96], s2[96];
             return ts_error(TS_ERR_SHAPE, "%s: shapes %s and %s cannot be broadcast (dim %d: %lld vs %lld)", op,
-                            ts__shape_str(na, sa, s1, sizeof s1), ts__shape_str(nb, sb, s2, sizeof s2), i,
+                            ts_shape_str(na, sa, s1, sizeof s1), ts_shape_str(nb, sb, s2, sizeof s2), i,
                             (long long)a, (long long)b);
         }
         r[i] = a == 1 ? b : a;
@@ -498,7 +503,7 @@ ts_status ts_tensor_item(const ts_tensor *t, double *value_out)
     if (ts_tensor_numel(t) != 1) {
         char s[96];
         return ts_error(TS_ERR_SHAPE, "ts_tensor_item: tensor of shape %s has %lld elements, not 1",
-                        ts__shape_str(t->ndim, t->shape, s, sizeof s), (long long)ts_tensor_numel(t));
+                        ts_shape_str(t->ndim, t->shape, s, sizeof s), (long long)ts_tensor_numel(t));
     }
     int64_t zero[TS_MAX_DIMS] = {0};
     ts_status st = ts_tensor_get(t, zero, value_out);
@@ -630,8 +635,8 @@ ts_status ts__copy_into(const char *op, ts_tensor *dst, const ts_tensor *src)
     if (nout != dst->ndim || memcmp(shape, dst->shape, (size_t)nout * sizeof *shape) != 0) {
         char s1[96], s2[96];
         return ts_error(TS_ERR_SHAPE, "%s: source of shape %s does not broadcast to destination shape %s", op,
-                        ts__shape_str(src->ndim, src->shape, s1, sizeof s1),
-                        ts__shape_str(dst->ndim, dst->shape, s2, sizeof s2));
+                        ts_shape_str(src->ndim, src->shape, s1, sizeof s1),
+                        ts_shape_str(dst->ndim, dst->shape, s2, sizeof s2));
     }
     copy_strided(dst, src);
     return TS_OK;

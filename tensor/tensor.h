@@ -216,6 +216,14 @@ TS_API ts_status ts_tensor_empty(ts_dtype dtype, int ndim, const int64_t *shape,
  * largest finite one (1e10 in float16; NaN and infinities are kept). bool
  * takes any value (value != 0). */
 TS_API ts_status ts_tensor_zeros(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
+/* A new contiguous CPU tensor whatever the thread's default device
+ * (torch.empty / torch.zeros with device="cpu"), zeroed when zero is true:
+ * the buffers a layer reads and writes itself (a collective's agreement
+ * scalars, staging copies, a file's tensors), which must have bytes even
+ * inside a meta device scope. The caller owns *out. Errors as
+ * ts_tensor_empty, and those of ts_device_scope_enter (TS_ERR_STATE when
+ * TS_DEVICE_SCOPE_MAX_DEPTH scopes are open). */
+TS_API ts_status ts_tensor_new_cpu(bool zero, ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
 TS_API ts_status ts_tensor_ones(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out);
 TS_API ts_status ts_tensor_full(ts_dtype dtype, int ndim, const int64_t *shape, double value, ts_tensor **out);
 /* New tensor whose elements are copied from `data` (row-major, of the
@@ -255,6 +263,14 @@ TS_API ts_dtype ts_tensor_dtype(const ts_tensor *t);
 /* TS_DEVICE_META while t's storage is a meta storage, else TS_DEVICE_CPU
  * (NULL: CPU). */
 TS_API ts_device ts_tensor_device(const ts_tensor *t);
+/* True when t's storage is a meta storage (no bytes): ts_tensor_device(t)
+ * == TS_DEVICE_META. false for NULL. */
+TS_API bool ts_tensor_is_meta(const ts_tensor *t);
+/* Writes shape as PyTorch prints a torch.Size's tuple: "(2, 3)", "(4,)",
+ * "()" into buf (len bytes, cut to fit, always NUL-terminated) and returns
+ * buf, for messages. NULL (nothing written) for a NULL buf, len 0, ndim
+ * outside [0, TS_MAX_DIMS], or a NULL shape with ndim > 0. */
+TS_API char *ts_shape_str(int ndim, const int64_t *shape, char *buf, size_t len);
 TS_API int ts_tensor_ndim(const ts_tensor *t);
 /* Borrowed pointer to `ndim` sizes. */
 TS_API const int64_t *ts_tensor_shape(const ts_tensor *t);

@@ -154,7 +154,7 @@ static ts_status infer_shape(const char *op, const ts_tensor *t, int ndim, const
             char s1[96];
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: shape %s has more elements than int64 holds (dim %d of "
                                                      "size %lld overflows)",
-                            op, ts__shape_str(ndim, shape, s1, sizeof s1), i, (long long)shape[i]);
+                            op, ts_shape_str(ndim, shape, s1, sizeof s1), i, (long long)shape[i]);
         }
         out[i] = shape[i];
     }
@@ -162,13 +162,13 @@ static ts_status infer_shape(const char *op, const ts_tensor *t, int ndim, const
     if (infer >= 0) {
         if (known == 0 || numel % known)
             return ts_error(TS_ERR_SHAPE, "%s: shape %s is invalid for input of %lld elements %s", op,
-                            ts__shape_str(ndim, shape, s1, sizeof s1), (long long)numel,
-                            ts__shape_str(t->ndim, t->shape, s2, sizeof s2));
+                            ts_shape_str(ndim, shape, s1, sizeof s1), (long long)numel,
+                            ts_shape_str(t->ndim, t->shape, s2, sizeof s2));
         out[infer] = numel / known;
     } else if (known != numel) {
         return ts_error(TS_ERR_SHAPE, "%s: shape %s is invalid for input of %lld elements %s", op,
-                        ts__shape_str(ndim, shape, s1, sizeof s1), (long long)numel,
-                        ts__shape_str(t->ndim, t->shape, s2, sizeof s2));
+                        ts_shape_str(ndim, shape, s1, sizeof s1), (long long)numel,
+                        ts_shape_str(t->ndim, t->shape, s2, sizeof s2));
     }
     return TS_OK;
 }
@@ -187,8 +187,8 @@ ts_status ts_view(ts_tensor *t, int ndim, const int64_t *shape, ts_tensor **out)
         char s1[96], s2[96], s3[96];
         return ts_error(TS_ERR_NOT_VIEWABLE, "view: cannot view a tensor of shape %s and strides %s as %s without "
                                              "a copy (its memory is not laid out compatibly); use ts_reshape",
-                        ts__shape_str(t->ndim, t->shape, s1, sizeof s1),
-                        ts__shape_str(t->ndim, t->strides, s2, sizeof s2), ts__shape_str(ndim, sh, s3, sizeof s3));
+                        ts_shape_str(t->ndim, t->shape, s1, sizeof s1),
+                        ts_shape_str(t->ndim, t->strides, s2, sizeof s2), ts_shape_str(ndim, sh, s3, sizeof s3));
     }
     ts_tensor *v;
     if ((st = ts__tensor_alias(t, ndim, sh, str, t->offset, &v)))
@@ -327,7 +327,7 @@ ts_status ts_expand(ts_tensor *t, int ndim, const int64_t *shape, ts_tensor **ou
         return st;
     char s1[96], s2[96];
     if (ndim < t->ndim || ndim > TS_MAX_DIMS)
-        return ts_error(TS_ERR_SHAPE, "expand: cannot expand %s to %d dims", ts__shape_str(t->ndim, t->shape, s1, sizeof s1),
+        return ts_error(TS_ERR_SHAPE, "expand: cannot expand %s to %d dims", ts_shape_str(t->ndim, t->shape, s1, sizeof s1),
                         ndim);
     int64_t sh[TS_MAX_DIMS], str[TS_MAX_DIMS];
     for (int i = 0; i < ndim; i++) {
@@ -346,8 +346,8 @@ ts_status ts_expand(ts_tensor *t, int ndim, const int64_t *shape, ts_tensor **ou
             str[i] = 0;
         } else {
             return ts_error(TS_ERR_SHAPE, "expand: the size of %s at dim %d (%lld) must match %lld in %s (only size-1 "
-                                          "dims expand)", ts__shape_str(t->ndim, t->shape, s1, sizeof s1), it,
-                            (long long)t->shape[it], (long long)want, ts__shape_str(ndim, shape, s2, sizeof s2));
+                                          "dims expand)", ts_shape_str(t->ndim, t->shape, s1, sizeof s1), it,
+                            (long long)t->shape[it], (long long)want, ts_shape_str(ndim, shape, s2, sizeof s2));
         }
     }
     ts_tensor *v;

@@ -5,6 +5,7 @@
 #ifndef TS_TEXT_INTERNAL_H
 #define TS_TEXT_INTERNAL_H
 
+#include "base/internal.h"
 #include "text/tokenizer.h"
 
 #include <stddef.h>

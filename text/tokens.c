@@ -3,6 +3,7 @@
  * order shared by the ranks and a fixed validation part (text/tokens.h).
  */
 #define _GNU_SOURCE
+#include "base/internal.h"
 #include "text/tokens.h"
 #include "text/tokenizer.h"
 

@@ -2,6 +2,7 @@
 #include <criterion/criterion.h>
 #include <stdlib.h>
 
+#include "base/internal.h"
 #include "tests/helpers.h"
 
 Test(base_alloc, live_bytes_are_counted_by_tag)

@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "base/internal.h"
 #include "tests/helpers.h"
 #include "tests/log_capture.h"
 

@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/internal.h"
 #include "tests/helpers.h"
 
 static char dir[64];

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/internal.h"
 #include "tests/helpers.h"
 
 Test(base_status, ok_is_zero_and_errors_negative)

@@ -28,6 +28,7 @@
 
 #include "checkpoint/internal.h"
 #include "nn/internal.h"
+#include "safetensors/internal.h" /* ts__safetensors_save_hook */
 #include "optim/internal.h"
 #include "tests/loopback_ranks.h"
 

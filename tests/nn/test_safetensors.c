@@ -907,6 +907,7 @@ Test(nn_safetensors, module_state_dict_round_trip)
 #include <sys/wait.h>
 
 #include "nn/internal.h"
+#include "safetensors/internal.h" /* ts__safetensors_save_hook */
 
 /* What the save hook saw of the temporary file. */
 static struct {

@@ -140,7 +140,7 @@ static void check_fill(fill_kind k, ts_dtype dt, int ndim, const int64_t *shape,
     state before = state_of(g);
     TH_OK(apply(k, meta, pass));
     char what[160], sb[64];
-    snprintf(what, sizeof what, "%s %s %s%s", kind_names[k], ts_dtype_name(dt), ts__shape_str(ndim, shape, sb, sizeof sb),
+    snprintf(what, sizeof what, "%s %s %s%s", kind_names[k], ts_dtype_name(dt), ts_shape_str(ndim, shape, sb, sizeof sb),
              explicit_gen ? " (explicit generator)" : "");
     assert_state(&before, g, what); /* recording draws nothing */
     int n_ev = 0;

@@ -1,4 +1,5 @@
-/* safetensors files: save and load a state dict.
+/* safetensors files: the format (header reader, streaming writer); nn/state_dict.c
+ * saves and loads state dicts with it.
  *
  * Format (github.com/huggingface/safetensors, "Format"):
  *   8 bytes   N, the header length, little-endian u64
@@ -17,8 +18,8 @@
  * implementation makes on load is made here too, each failing with
  * TS_ERR_FORMAT and a message that names the source and the key. */
 #define _GNU_SOURCE
-#include "nn/internal.h"
-#include "tensor/internal.h" /* ts__tensor_new_cpu */
+#include "safetensors/safetensors.h"
+#include "safetensors/internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -34,7 +35,7 @@
 #include <unistd.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "nn/safetensors.c writes tensor bytes as they are in memory: it needs a little-endian host"
+#error "safetensors/safetensors.c writes tensor bytes as they are in memory: it needs a little-endian host"
 #endif
 
 /* The Rust implementation's limit on the header (MAX_HEADER_SIZE). */
@@ -53,8 +54,10 @@ static const char *const st_dtype_names[] = {
 _Static_assert(sizeof st_dtype_names / sizeof st_dtype_names[0] == TS_DTYPE_COUNT,
                "one safetensors name per ts_dtype");
 
-bool ts__st_dtype_from_name(const char *s, ts_dtype *out)
+bool ts_safetensors_dtype_from_name(const char *s, ts_dtype *out)
 {
+    if (!s || !out)
+        return false;
     for (int d = 0; d < TS_DTYPE_COUNT; d++)
         if (strcmp(st_dtype_names[d], s) == 0) {
             *out = (ts_dtype)d;
@@ -63,7 +66,7 @@ bool ts__st_dtype_from_name(const char *s, ts_dtype *out)
     return false;
 }
 
-const char *ts__st_dtype_name(ts_dtype d)
+const char *ts_safetensors_dtype_name(ts_dtype d)
 {
     return (unsigned)d < TS_DTYPE_COUNT ? st_dtype_names[d] : "?";
 }
@@ -87,12 +90,14 @@ static char *st_shape_str(int ndim, const int64_t *shape, char *buf, size_t len)
 
 /* One validated tensor entry of a header, and a parsed header: the JSON
  * (which owns the names) and the entries in header order
- * (nn/internal.h, shared with checkpoint/). */
-typedef ts__st_entry st_entry;
-typedef ts__st_header st_header;
+ * (safetensors/safetensors.h). */
+typedef ts_safetensors_entry st_entry;
+typedef ts_safetensors_header st_header;
 
-void ts__st_header_fini(st_header *h)
+void ts_safetensors_header_fini(st_header *h)
 {
+    if (!h)
+        return;
     json_decref(h->root);
     ts__free(TS_MEM_NN, h->entries);
     memset(h, 0, sizeof *h);
@@ -170,7 +175,7 @@ static ts_status st_parse_entry(const char *op, const char *src, const char *nam
     if (!json_is_string(dt))
         return ts_error(TS_ERR_FORMAT, "%s: '%s': key '%.*s': \"dtype\" is missing or not a string", op, src, W,
                         name);
-    if (!ts__st_dtype_from_name(json_string_value(dt), &e->dtype))
+    if (!ts_safetensors_dtype_from_name(json_string_value(dt), &e->dtype))
         return ts_error(TS_ERR_FORMAT,
                         "%s: '%s': key '%.*s': dtype '%.32s' is unknown or not supported (supported: F32, F64, "
                         "BF16, F16, I64, I32, BOOL)",
@@ -310,7 +315,7 @@ static ts_status st_parse_header(const char *op, const char *src, const char *hd
     if (cap) {
         h.entries = ts__malloc(TS_MEM_NN, cap * sizeof *h.entries);
         if (!h.entries) {
-            ts__st_header_fini(&h);
+            ts_safetensors_header_fini(&h);
             return TS_ERR_NO_MEMORY;
         }
     }
@@ -330,7 +335,7 @@ static ts_status st_parse_header(const char *op, const char *src, const char *hd
     if (!st)
         st = st_check_cover(op, src, &h, data_len);
     if (st) {
-        ts__st_header_fini(&h);
+        ts_safetensors_header_fini(&h);
         return st;
     }
     *out = h;
@@ -350,32 +355,13 @@ static ts_status st_header_bytes(const char *op, const char *src, uint64_t n, ch
 
 /* Logs a warning naming the key when a floating-point tensor just read
  * holds NaN or Inf (it is loaded as it is, as PyTorch does). */
-static void st_warn_nonfinite(const char *op, const char *src, const char *name, const ts_tensor *t)
+/* The header of a safetensors file held in a buffer: what
+ * ts_safetensors_parse reads before making tensors of the buffer. */
+ts_status ts_safetensors_header_parse(const char *op, const char *src, const void *data, size_t len,
+                                      ts_safetensors_header *out)
 {
-    ts_dtype dt = ts_tensor_dtype(t);
-    if (!ts_dtype_is_float(dt) || !TS_LOG_ENABLED(TS_LOG_WARN))
-        return;
-    int64_t n = ts_tensor_numel(t), bad = 0;
-    const void *d = ts_tensor_data(t);
-    for (int64_t i = 0; i < n; i++) {
-        switch (dt) {
-        case TS_F32: bad += !isfinite(((const float *)d)[i]); break;
-        case TS_F64: bad += !isfinite(((const double *)d)[i]); break;
-        case TS_BF16: bad += (((const uint16_t *)d)[i] & 0x7f80u) == 0x7f80u; break;
-        case TS_F16: bad += (((const uint16_t *)d)[i] & 0x7c00u) == 0x7c00u; break;
-        default: break;
-        }
-    }
-    if (bad)
-        ts_logf(TS_LOG_WARN, "%s: '%s': tensor '%.*s' holds %lld non-finite values (NaN or Inf) of %lld", op, src,
-                ST_NAME_MAX_SHOWN, name, (long long)bad, (long long)n);
-}
-
-ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out)
-{
-    static const char op[] = "ts_safetensors_parse", src[] = "<buffer>";
-    if ((!data && len) || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
+    if (!op || !src || (!data && len) || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op ? op : "ts_safetensors_header_parse");
     const unsigned char *b = data;
     uint64_t n;
     ts_status st = st_check_prefix(op, src, len, b, &n);
@@ -384,27 +370,9 @@ ts_status ts_safetensors_parse(const void *data, size_t len, ts_state_dict **out
     st_header h;
     if ((st = st_parse_header(op, src, (const char *)b + 8, (size_t)n, len - 8 - n, &h)))
         return st;
-    const unsigned char *buf = b + 8 + n;
-    ts_state_dict *sd;
-    if ((st = ts_state_dict_new(&sd))) {
-        ts__st_header_fini(&h);
-        return st;
-    }
-    for (size_t i = 0; i < h.n && !st; i++) {
-        const st_entry *e = &h.entries[i];
-        ts_tensor *t;
-        if (!(st = ts_tensor_from_data(e->dtype, e->ndim, e->shape, buf + e->begin, &t))) {
-            st_warn_nonfinite(op, src, e->name, t);
-            st = ts_state_dict_set(sd, e->name, t);
-            ts_tensor_free(t);
-        }
-    }
-    ts__st_header_fini(&h);
-    if (st) {
-        ts_state_dict_free(sd);
-        return st;
-    }
-    *out = sd;
+    h.data_start = 8 + n;
+    h.file_size = len;
+    *out = h;
     return TS_OK;
 }
 
@@ -428,9 +396,11 @@ static ssize_t st_pread_full(int fd, void *buf, size_t n, uint64_t off)
 }
 
 /* Reads n bytes at `off` or fails naming what. */
-ts_status ts__st_read_at(const char *op, const char *path, int fd, void *buf, size_t n, uint64_t off,
+ts_status ts_safetensors_read_at(const char *op, const char *path, int fd, void *buf, size_t n, uint64_t off,
                          const char *what)
 {
+    if (!op || !path || (!buf && n) || !what)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op ? op : "ts_safetensors_read_at");
     ssize_t r = st_pread_full(fd, buf, n, off);
     if (r < 0)
         return ts_error(TS_ERR_IO, "%s: reading %s of '%s': %s", op, what, path, strerror(errno));
@@ -441,8 +411,10 @@ ts_status ts__st_read_at(const char *op, const char *path, int fd, void *buf, si
     return TS_OK;
 }
 
-ts_status ts__st_read_header(const char *op, const char *path, int fd, st_header *out)
+ts_status ts_safetensors_header_read(const char *op, const char *path, int fd, st_header *out)
 {
+    if (!op || !path || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op ? op : "ts_safetensors_header_read");
     struct stat sb;
     if (fstat(fd, &sb) != 0)
         return ts_error(TS_ERR_IO, "%s: cannot stat '%s': %s", op, path, strerror(errno));
@@ -453,7 +425,7 @@ ts_status ts__st_read_header(const char *op, const char *path, int fd, st_header
     uint64_t total = (uint64_t)sb.st_size;
     unsigned char prefix[8] = {0};
     ts_status st;
-    if (total >= 8 && (st = ts__st_read_at(op, path, fd, prefix, 8, 0, "the header length")))
+    if (total >= 8 && (st = ts_safetensors_read_at(op, path, fd, prefix, 8, 0, "the header length")))
         return st;
     uint64_t n;
     if ((st = st_check_prefix(op, path, total, prefix, &n)))
@@ -462,7 +434,7 @@ ts_status ts__st_read_header(const char *op, const char *path, int fd, st_header
     if ((st = st_header_bytes(op, path, n, &hdr)))
         return st;
     st_header h;
-    if (!(st = ts__st_read_at(op, path, fd, hdr, (size_t)n, 8, "the header")))
+    if (!(st = ts_safetensors_read_at(op, path, fd, hdr, (size_t)n, 8, "the header")))
         st = st_parse_header(op, path, hdr, (size_t)n, total - 8 - n, &h);
     ts__free(TS_MEM_NN, hdr);
     if (st)
@@ -471,58 +443,6 @@ ts_status ts__st_read_header(const char *op, const char *path, int fd, st_header
     h.file_size = total;
     *out = h;
     return TS_OK;
-}
-
-static ts_status st_load_fd(const char *op, const char *path, int fd, ts_state_dict **out)
-{
-    st_header h;
-    ts_status st = ts__st_read_header(op, path, fd, &h);
-    if (st)
-        return st;
-    uint64_t n = h.data_start - 8;
-    ts_state_dict *sd;
-    if ((st = ts_state_dict_new(&sd))) {
-        ts__st_header_fini(&h);
-        return st;
-    }
-    for (size_t i = 0; i < h.n && !st; i++) {
-        const st_entry *e = &h.entries[i];
-        ts_tensor *t;
-        /* CPU bytes to read into, even inside a meta device scope */
-        if ((st = ts__tensor_new_cpu(false, e->dtype, e->ndim, e->shape, &t)))
-            break;
-        char what[ST_NAME_MAX_SHOWN + 32];
-        snprintf(what, sizeof what, "tensor '%s'", e->name);
-        if (e->end > e->begin)
-            st = ts__st_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin), 8 + n + e->begin, what);
-        if (!st) {
-            st_warn_nonfinite(op, path, e->name, t);
-            st = ts_state_dict_set(sd, e->name, t);
-        }
-        ts_tensor_free(t);
-    }
-    ts__st_header_fini(&h);
-    if (st) {
-        ts_state_dict_free(sd);
-        return st;
-    }
-    *out = sd;
-    return TS_OK;
-}
-
-ts_status ts_safetensors_load(const char *path, ts_state_dict **out)
-{
-    static const char op[] = "ts_safetensors_load";
-    if (!path || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
-    /* O_NONBLOCK: a FIFO must not block the open until a writer comes (it
-     * is then refused as not a regular file); regular files ignore it. */
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0)
-        return ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", op, path, strerror(errno));
-    ts_status st = st_load_fd(op, path, fd, out);
-    close(fd);
-    return st;
 }
 
 /* ------------------------------------------------------------ writing */
@@ -578,8 +498,8 @@ static int st_put(st_writer *w, const void *p, size_t n)
 
 /* Builds the JSON header (without padding) in insertion order and checks
  * every name and tensor. Writes a new JSON object into root_out. */
-static ts_status st_build_header(const char *op, const char *path, int n, const ts__st_desc *descs,
-                                 const ts_state_dict *sd, const char *const *metadata, int n_meta, json_t **root_out)
+static ts_status st_build_header(const char *op, const char *path, int n, const ts_safetensors_desc *descs,
+                                 const char *const *metadata, int n_meta, json_t **root_out)
 {
     const int W = ST_NAME_MAX_SHOWN;
     json_t *root = json_object();
@@ -609,7 +529,7 @@ static ts_status st_build_header(const char *op, const char *path, int n, const 
     uint64_t off = 0;
     for (int i = 0; i < n && !st; i++) {
         const char *name = descs[i].name;
-        ts_tensor *t = sd ? ts_state_dict_tensor(sd, i) : NULL;
+        const ts_tensor *t = descs[i].tensor;
         if (name[0] == '\0') {
             st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': entry %d has an empty name", op, path, i);
             break;
@@ -765,19 +685,19 @@ static void st_clean_stale(const char *dir, const char *base)
 
 /* ------------------------------------------------------------ streaming writer */
 
-struct ts__st_stream {
+struct ts_safetensors_writer {
     const char *op;
     char *path, *dir, *tmp;
     int fd;
     int n, next;             /* tensors in the header, the next one to write */
-    ts__st_desc *descs;      /* names and shapes copied */
+    ts_safetensors_desc *descs;      /* names and shapes copied */
     char **names;
     int64_t *shapes;         /* n * TS_MAX_DIMS */
     st_writer w;
     ts_status failed;        /* a write already failed (the rest is skipped) */
 };
 
-static void st_stream_free(ts__st_stream *s)
+static void st_stream_free(ts_safetensors_writer *s)
 {
     for (int i = 0; s->names && i < s->n; i++)
         ts__free(TS_MEM_NN, s->names[i]);
@@ -791,7 +711,7 @@ static void st_stream_free(ts__st_stream *s)
     ts__free(TS_MEM_NN, s);
 }
 
-void ts__st_stream_abort(ts__st_stream *s)
+void ts_safetensors_writer_abort(ts_safetensors_writer *s)
 {
     if (!s)
         return;
@@ -802,10 +722,13 @@ void ts__st_stream_abort(ts__st_stream *s)
     st_stream_free(s);
 }
 
-static ts_status st_stream_open(const char *op, const char *path, int n, const ts__st_desc *descs,
-                                const ts_state_dict *sd, const char *const *metadata, int n_meta,
-                                ts__st_stream **out)
+ts_status ts_safetensors_writer_open(const char *op, const char *path, int n, const ts_safetensors_desc *descs,
+                             const char *const *metadata, int n_meta, ts_safetensors_writer **out)
 {
+    if (!op || !path || (n && !descs) || !out)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op ? op : "ts_safetensors_writer_open");
+    if (n < 0)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': %d tensors", op, path, n);
     if (path[0] == '\0')
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the path is empty", op);
     if (n_meta < 0 || (n_meta > 0 && !metadata))
@@ -816,7 +739,7 @@ static ts_status st_stream_open(const char *op, const char *path, int n, const t
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s' ends with '/': give a file name", op, path);
 
     json_t *root = NULL;
-    ts_status st = st_build_header(op, path, n, descs, sd, metadata, n_meta, &root);
+    ts_status st = st_build_header(op, path, n, descs, metadata, n_meta, &root);
     if (st)
         return st;
     /* compact JSON, then spaces up to a multiple of 8 bytes */
@@ -831,7 +754,7 @@ static ts_status st_stream_open(const char *op, const char *path, int n, const t
     json_decref(root);
     memset(hdr + jlen, ' ', hlen - jlen);
 
-    ts__st_stream *s = ts__calloc(TS_MEM_NN, 1, sizeof *s);
+    ts_safetensors_writer *s = ts__calloc(TS_MEM_NN, 1, sizeof *s);
     if (!s) {
         ts__free(TS_MEM_NN, hdr);
         return TS_ERR_NO_MEMORY;
@@ -854,7 +777,8 @@ static ts_status st_stream_open(const char *op, const char *path, int n, const t
                 break;
             }
             memcpy(s->shapes + (size_t)i * TS_MAX_DIMS, descs[i].shape, (size_t)descs[i].ndim * sizeof(int64_t));
-            s->descs[i] = (ts__st_desc){s->names[i], descs[i].dtype, descs[i].ndim, s->shapes + (size_t)i * TS_MAX_DIMS};
+            s->descs[i] = (ts_safetensors_desc){s->names[i], descs[i].dtype, descs[i].ndim, s->shapes + (size_t)i * TS_MAX_DIMS,
+                                                NULL};
         }
     }
     if (!st && !(s->w.buf = ts__malloc(TS_MEM_NN, ST_WBUF)))
@@ -881,27 +805,23 @@ static ts_status st_stream_open(const char *op, const char *path, int n, const t
     }
     ts__free(TS_MEM_NN, hdr);
     if (st) {
-        ts__st_stream_abort(s);
+        ts_safetensors_writer_abort(s);
         return st;
     }
     *out = s;
     return TS_OK;
 }
 
-ts_status ts__st_stream_open(const char *op, const char *path, int n, const ts__st_desc *descs,
-                             const char *const *metadata, int n_meta, ts__st_stream **out)
+ts_status ts_safetensors_writer_put(ts_safetensors_writer *s, const ts_tensor *t)
 {
-    return st_stream_open(op, path, n, descs, NULL, metadata, n_meta, out);
-}
-
-ts_status ts__st_stream_put(ts__st_stream *s, const ts_tensor *t)
-{
+    if (!s || !t)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", s ? s->op : "ts_safetensors_writer_put");
     const char *op = s->op;
     if (s->failed)
         return s->failed;
     if (s->next >= s->n)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s': more tensors than the %d of the header", op, s->path, s->n);
-    const ts__st_desc *d = &s->descs[s->next];
+    const ts_safetensors_desc *d = &s->descs[s->next];
     int64_t numel = 1;
     for (int k = 0; k < d->ndim; k++)
         numel *= d->shape[k];
@@ -950,8 +870,10 @@ ts_status ts__st_stream_put(ts__st_stream *s, const ts_tensor *t)
     return s->failed = st;
 }
 
-ts_status ts__st_stream_commit(ts__st_stream *s)
+ts_status ts_safetensors_writer_commit(ts_safetensors_writer *s)
 {
+    if (!s)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_safetensors_writer_commit: NULL argument");
     const char *op = s->op;
     ts_status st = s->failed;
     if (!st && s->next != s->n)
@@ -973,7 +895,7 @@ ts_status ts__st_stream_commit(ts__st_stream *s)
     if (!st && rename(s->tmp, s->path) != 0)
         st = ts_error(TS_ERR_IO, "%s: cannot rename '%s' to '%s': %s", op, s->tmp, s->path, strerror(errno));
     if (st) {
-        ts__st_stream_abort(s);
+        ts_safetensors_writer_abort(s);
         return st;
     }
     st = st_sync_dir(op, s->path, s->dir);
@@ -981,27 +903,3 @@ ts_status ts__st_stream_commit(ts__st_stream *s)
     return st;
 }
 
-ts_status ts_safetensors_save(const char *path, const ts_state_dict *sd, const char *const *metadata, int n_meta)
-{
-    static const char op[] = "ts_safetensors_save";
-    if (!path || !sd)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
-    int n = ts_state_dict_size(sd);
-    ts__st_desc *descs = n ? ts__calloc(TS_MEM_NN, (size_t)n, sizeof *descs) : NULL;
-    if (n && !descs)
-        return TS_ERR_NO_MEMORY;
-    for (int i = 0; i < n; i++) {
-        ts_tensor *t = ts_state_dict_tensor(sd, i);
-        descs[i] = (ts__st_desc){ts_state_dict_name(sd, i), ts_tensor_dtype(t), ts_tensor_ndim(t), ts_tensor_shape(t)};
-    }
-    ts__st_stream *s = NULL;
-    ts_status st = st_stream_open(op, path, n, descs, sd, metadata, n_meta, &s);
-    ts__free(TS_MEM_NN, descs);
-    for (int i = 0; i < n && !st; i++)
-        st = ts__st_stream_put(s, ts_state_dict_tensor(sd, i));
-    if (st) {
-        ts__st_stream_abort(s);
-        return st;
-    }
-    return ts__st_stream_commit(s);
-}
