@@ -13,7 +13,6 @@
 #include "comm/comm_internal.h"
 #include "mesh/mesh.h"
 #include "nn/internal.h"
-#include "optim/internal.h"
 #include "tensor/internal.h"
 
 #include <pthread.h>

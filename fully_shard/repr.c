@@ -9,8 +9,6 @@
 #include "fully_shard/internal.h"
 
 #include "comm/comm.h"
-#include "comm/comm_internal.h"
-#include "mesh/internal.h"
 
 #include <stdio.h>
 #include <string.h>

@@ -9,7 +9,6 @@
 #include "fully_shard/internal.h"
 
 #include "comm/comm.h"
-#include "comm/comm_internal.h"
 #include "mesh/mesh.h"
 #include "nn/nn.h"
 #include "tensor/internal.h" /* the storage of an offloaded shard (ts_fsdp_offload_stats_get) */

@@ -6,7 +6,6 @@
  * nn/convert.c. */
 #define _GNU_SOURCE
 #include "nn/internal.h"
-#include "tensor/internal.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -334,7 +333,7 @@ ts_status ts_param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor
     ts_status st = ts_tensor_zeros(dtype, ndim, shape, &t); /* meta inside a meta device scope */
     /* deferred: the zeros are recorded, so that a parameter its module never
      * fills materializes as zeros too ([Note: deferred init]) */
-    if (!st && ts__is_meta(t) && (st = ts_tensor_fill_(t, 0.0)))
+    if (!st && ts_tensor_is_meta(t) && (st = ts_tensor_fill_(t, 0.0)))
         ts_tensor_free(t);
     return as_param(st, &t, out);
 }

@@ -11,7 +11,6 @@
  * goes through ts__module_release, which the upper layers' free slots
  * call too once they have put the original vtable back. */
 #include "nn/internal.h"
-#include "tensor/internal.h"
 
 #include <string.h>
 
@@ -180,7 +179,7 @@ static ts_status add_new(const char *fn, ts_module *m, const char *name, reg_kin
     ts_tensor *t = NULL;
     if (kind == REG_PARAM) {
         st = ts_param_new(dtype, ndim, shape, &t);
-    } else if (!(st = ts_tensor_zeros(dtype, ndim, shape, &t)) && ts__is_meta(t) && (st = ts_tensor_fill_(t, 0.0))) {
+    } else if (!(st = ts_tensor_zeros(dtype, ndim, shape, &t)) && ts_tensor_is_meta(t) && (st = ts_tensor_fill_(t, 0.0))) {
         ts_tensor_free(t); /* deferred: the zeros recorded, as ts_param_new records them */
         t = NULL;
     }

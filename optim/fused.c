@@ -4,7 +4,6 @@
  */
 #define _GNU_SOURCE
 #include "optim/optim_internal.h"
-#include "tensor/internal.h"
 #include "tensor/kernels.h"
 
 /* A run of parameters updated by one kernel call: the first one's kernel
@@ -71,7 +70,7 @@ void ts__optim_fused_step(ts_optim *o)
         ts_tensor *g = ts_tensor_grad(pp->param);
         if (!g)
             continue;
-        if (ts__is_meta(pp->local) || ts__is_meta(g)) { /* meta: state allocated, nothing to compute */
+        if (ts_tensor_is_meta(pp->local) || ts_tensor_is_meta(g)) { /* meta: state allocated, nothing to compute */
             pp->ready = true;
             continue;
         }

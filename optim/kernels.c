@@ -35,7 +35,6 @@
  */
 #define _GNU_SOURCE
 #include "optim/optim_internal.h"
-#include "tensor/internal.h"
 #include "tensor/kernels.h"
 
 #include <math.h>
