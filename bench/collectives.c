@@ -7,7 +7,7 @@
  *     bench_collectives_mpi (built next to this program when meson finds
  *     MPI) under mpirun in two configurations, ob1 (OpenMPI's default,
  *     shared memory through vader) and ucx (--mca pml ucx ...,
- *     DEPS-GUIDE §7), the best of the two per size being the reference,
+ *     docs/design.md, "Thread counts, and PyTorch at its fastest"), the best of the two per size being the reference,
  *   - UCX's own point-to-point bandwidth (ucx_perftest -t tag_bw, from
  *     Debian's ucx-utils, when on PATH) at the sizes >= 1 MiB, as the
  *     transport's ceiling.
@@ -20,7 +20,7 @@
  *   reduce_scatter: the input  (W*n; each rank receives size/W),
  *   all_reduce:     the tensor (n).
  * algbw = size / time; busbw = algbw * (W-1)/W for all_gather and
- * reduce_scatter, algbw * 2(W-1)/W for all_reduce (DEPS-GUIDE §7). Time is
+ * reduce_scatter, algbw * 2(W-1)/W for all_reduce (docs/design.md, "Thread counts, and PyTorch at its fastest"). Time is
  * rank 0's median over K iterations, each preceded by a barrier (K from 20
  * at small sizes down to 5 at 16 MiB and more), after 2 warm-up calls.
  * memcpy is the median of K copies of `size` bytes in rank 0's process.

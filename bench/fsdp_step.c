@@ -318,7 +318,7 @@ static void run_interleaved(const cfg *c, int rank, int nm, const int *modes, do
  * (tools/bench/torch_ddp_step.py --serve: it starts its W local ranks, one
  * thread each, and runs a step of each bucket size whenever told), started
  * by rank 0 with a pipe each way. Set up as tools/bench/torch_train_step.py
- * runs torch at its fastest (reference/DEPS-GUIDE.md §7): BLIS's AVX-512
+ * runs torch at its fastest (docs/design.md, "Thread counts, and PyTorch at its fastest"): BLIS's AVX-512
  * kernels where ours use them, glibc's malloc thresholds raised; the
  * launcher's RANK / WORLD_SIZE / MASTER_* are removed from its environment
  * so that it starts its own ranks. */

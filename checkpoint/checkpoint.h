@@ -1,7 +1,7 @@
 /*
  * checkpoint: distributed checkpoints in the style of PyTorch's
  * torch.distributed.checkpoint (DCP) with FSDP2 state dicts
- * (FSDP2-NOTES.md §2.14), plus streaming full-state files.
+ * (docs/checkpoint.md), plus streaming full-state files.
  *
  * A sharded checkpoint is a folder:
  *   - one safetensors file per rank that holds data, with that rank's

@@ -1,5 +1,5 @@
 /*
- * Internal: copy-free collectives over segment lists (DESIGN.md D6,
+ * Internal: copy-free collectives over segment lists (docs/design.md D6,
  * docs/comm-design.md "Direct collectives"). Not installed.
  *
  * fully_shard's all-gather fills each parameter's unsharded tensor from

@@ -152,7 +152,7 @@ static ts_status check_reduce(const char *fn, ts_dtype d, ts_reduce_op op_, doub
 }
 
 /* A scratch block from the caching pool (reused across collectives, so
- * no fresh pages are touched in a step: DEPS-GUIDE §7). */
+ * no fresh pages are touched in a step: docs/design.md, "Fresh memory is slow to touch"). */
 static unsigned char *scratch(size_t bytes, size_t *got)
 {
     return ts__pool_alloc(bytes ? bytes : 1, got);

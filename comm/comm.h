@@ -1,5 +1,5 @@
 /*
- * Process groups, requests and collectives (DESIGN.md D7,
+ * Process groups, requests and collectives (docs/design.md D7,
  * docs/comm-design.md).
  *
  * A world is the set of ranks that run one job. Collectives are submitted

@@ -1249,7 +1249,7 @@ ts_status ts_dist_finalize(void)
     /* Every rank's collectives complete (a failed world answers at once)... */
     ts_status s = ts_barrier(w, NULL);
     /* ...and every rank has seen its last message arrive before any rank
-     * closes its endpoints (DEPS-GUIDE §1.11). */
+     * closes its endpoints (docs/design.md, "UCX: dead peers and shutdown"). */
     if (s == TS_OK && g_store) {
         char name[sizeof g_prefix + 16];
         snprintf(name, sizeof name, "%s/finalize", g_prefix);

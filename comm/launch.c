@@ -1,6 +1,6 @@
 /*
  * The launcher (ts_launch) on a private libuv loop (the rank side is in
- * launch_env.c). DEPS-GUIDE §3.2 tells why each
+ * launch_env.c). docs/design.md, "The launcher", tells why each
  * piece is there: detached ranks killed by process group, per-stream carry
  * buffers for whole-line output, a grace timer between SIGTERM and SIGKILL.
  */
@@ -972,7 +972,7 @@ static ts_status build_env(env_builder *b, const ts_launch_options *o, int port,
     if (o->memory_per_rank > 0 &&
         (s = env_addf(b, TS_MEMORY_PER_RANK_ENV, "%lld", (long long)o->memory_per_rank)))
         return s;
-    /* DEPS-GUIDE §1.4, §1.10, §1.12, §5: shared memory with peer-failure
+    /* docs/design.md, "UCX: transports and registration": shared memory with peer-failure
      * detection, a fast keepalive, no warnings for unused UCX variables,
      * one BLIS thread per core share */
     if (!getenv("UCX_TLS") && (s = env_addf(b, "UCX_TLS", "%s", o->nnodes > 1 ? "posix,cma,self,tcp"

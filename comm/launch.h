@@ -1,7 +1,7 @@
 /*
  * tensorshard launcher library: what tools/tsrun does, callable from C (the
  * multi-rank tests start their ranks through it), and what a rank calls to
- * learn its place in the job. Modelled on torchrun (DESIGN.md D8).
+ * learn its place in the job. Modelled on torchrun (docs/design.md D8).
  *
  * Launcher side: ts_launch starts the ranks of one node, relays their
  * output line by line, stops them all when one fails, and reports how they

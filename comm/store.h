@@ -1,6 +1,6 @@
 /*
  * tensorshard rendezvous store: a TCP key-value server on libuv (hosted by
- * rank 0 or the launcher) and a blocking client (DESIGN.md D8).
+ * rank 0 or the launcher) and a blocking client (docs/design.md D8).
  *
  * The wire protocol is internal (comm/store_internal.h). A client's first
  * message carries the job's token (compared in constant time); a wrong

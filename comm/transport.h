@@ -1,5 +1,5 @@
 /*
- * Internal: the transport interface under the collectives (DESIGN.md D7,
+ * Internal: the transport interface under the collectives (docs/design.md D7,
  * docs/comm-design.md). Not installed.
  *
  * A transport moves tagged byte messages between the ranks of one world.

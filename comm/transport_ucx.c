@@ -1,6 +1,6 @@
 #define _GNU_SOURCE
 /*
- * The UCX transport (transport.h; reference/DEPS-GUIDE.md §1).
+ * The UCX transport (transport.h; docs/design.md, "UCX: transports and registration" and the sections after it).
  *
  * One UCP context (TAG + WAKEUP) and one worker in
  * UCS_THREAD_MODE_SERIALIZED: driven by one thread at a time, whichever
@@ -91,7 +91,7 @@
 /* After a peer's death the drain is shorter: a rendezvous receive from the
  * dead peer that UCX had already matched is never given back, and nothing
  * more can arrive from a dead process; waiting longer only delays the
- * survivors' error (DESIGN target: under 2 s). */
+ * survivors' error (the target: under 2 s; docs/design.md D8). */
 #define TS_UCX_DRAIN_DEAD_S 0.5
 #define TS_UCX_PID_CHECK_S 0.25
 

@@ -68,7 +68,7 @@
  * Every collective also carries a fingerprint, and a rank that fails its
  * world tells the others (see Fingerprints and Failure notices in ops.c).
  *
- * Rings (reference/DEPS-GUIDE.md §2): left = rank-1, right = rank+1.
+ * Rings (docs/design.md, "Rings"): left = rank-1, right = rank+1.
  *  - all-gather over W blocks of a buffer: every receive is posted at
  *    start into its final slot (step s receives block rank-s-1 from the
  *    left); step 0 sends block `rank`, and the block received at step s

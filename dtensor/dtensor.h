@@ -1,5 +1,5 @@
 /*
- * Distributed tensors (FSDP2-NOTES.md §3.2-3.3, PyTorch's DTensor).
+ * Distributed tensors (docs/design.md, "DeviceMesh and DTensor"; PyTorch's DTensor).
  *
  * A DTensor is this rank's local tensor plus the metadata that says what
  * it is a part of: a device mesh, one placement per mesh dim, and the

@@ -3,7 +3,7 @@
  * FSDPModule.set_requires_gradient_sync, set_requires_all_reduce,
  * set_reshard_after_backward, set_is_last_backward,
  * set_gradient_divide_factor, set_force_sum_reduction_for_comms;
- * FSDP2-NOTES.md §1.3, §2.5, §2.6, §2.13). The setters only change flags
+ * docs/fully_shard.md, "Gradient accumulation and microbatches"; docs/design.md, "Gradient division"). The setters only change flags
  * of the groups (or of the root's context); param_group.c's post-backward
  * and reduction read them, state.c's end-of-backward reads
  * is_last_backward and reshard_after_backward.

@@ -1,5 +1,5 @@
 /*
- * fully_shard: the API (fully_shard.h; DESIGN.md D5; PyTorch's _fully_shard.py):
+ * fully_shard: the API (fully_shard.h; docs/design.md D5; PyTorch's _fully_shard.py):
  * argument checks, collecting the parameters of a call, building its group
  * and states and swapping the shards into the modules' slots (and adding
  * them to common.c's registries); ts_fsdp_group_info_get.

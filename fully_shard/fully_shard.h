@@ -1,6 +1,6 @@
 /*
  * fully_shard: per-parameter fully sharded data parallelism, in the style
- * of PyTorch FSDP2 (DESIGN.md D5, D6; FSDP2-NOTES.md §1-§2).
+ * of PyTorch FSDP2 (docs/design.md D5, D6; docs/fully_shard.md).
  *
  * ts_fully_shard(module, options) changes a module in place:
  *   - its vtable becomes "<Type>FSDPModule", which extends the original
@@ -451,8 +451,8 @@ TS_API ts_status ts_fsdp_set_modules_to_backward_prefetch(ts_module *module, int
 TS_API ts_status ts_fsdp_set_implicit_prefetch(ts_module *module, bool forward, bool backward);
 
 /* ------------------------------------ gradient accumulation, microbatches
- * (fully_shard/accum.c; FSDP2's FSDPModule methods, FSDP2-NOTES.md §1.3,
- * §2.5, §2.6, §2.13). By default every backward reduce-scatters each
+ * (fully_shard/accum.c; FSDP2's FSDPModule methods, docs/fully_shard.md, "Gradient accumulation and microbatches",
+ * docs/design.md, "Gradient division"). By default every backward reduce-scatters each
  * group's gradients and adds them into the shards' .grad, so K backwards
  * without zeroing accumulate ("sync every microbatch": the least memory,
  * K reductions). The two ways to accumulate over K microbatches:
@@ -521,7 +521,7 @@ TS_API ts_status ts_fsdp_set_force_sum_reduction_for_comms(ts_module *module, bo
  * their own (the shard group's ranks; enable false goes back to sharing
  * the shard group), so that a reduce-scatter and the next all-gathers
  * progress at the same time instead of one after the other: a copy-free
- * reduce-scatter (the default on one host, DESIGN.md D6) then reads and
+ * reduce-scatter (the default on one host, docs/design.md D6) then reads and
  * sums on a thread of its own from the post-backward that issues it to
  * the wait that needs it, while the backward computes; the packed ring
  * runs on the communication thread either way. Same results to the bit.

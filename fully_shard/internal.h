@@ -1,7 +1,7 @@
 /*
  * fully_shard's internals: the objects the files of fully_shard/ share
- * and the ts__fsdp_* functions they call in one another (DESIGN.md D5, D6;
- * FSDP2-NOTES.md §2). The files mirror PyTorch's _composable/fsdp/ and
+ * and the ts__fsdp_* functions they call in one another (docs/design.md D5, D6;
+ * docs/fully_shard.md). The files mirror PyTorch's _composable/fsdp/ and
  * stand on floors, each calling only below it ("Floors" below):
  *  - common.c (_fsdp_common.py): events, the registries, helpers;
  *  - param.c (_fsdp_param.py): one parameter's geometry and its copies;
@@ -39,7 +39,7 @@
  * Buffers: the all-gather output is W blocks of shard_numel; block r holds
  * rank r's padded shard of every parameter in group order, so parameter
  * p's rows [r*c, r*c + c) sit at r*shard_numel + off_p; copy-out moves the
- * real rows into U (DESIGN.md D6). The reduce-scatter input is packed the
+ * real rows into U (docs/design.md D6). The reduce-scatter input is packed the
  * same way from the U gradients (copy-in, zero padding; each block then
  * followed by one flag per parameter, nonzero where this rank has a
  * gradient: param_group.c's [Note: unused parameters]), reduced with AVG
@@ -270,7 +270,7 @@ struct fsdp_group {
 };
 
 /* The collectives of a group's gradient reduction (FSDP2's
- * _get_gradient_divide_factors, FSDP2-NOTES.md §2.6). */
+ * _get_gradient_divide_factors, docs/design.md, "Gradient division"). */
 typedef struct fsdp_reduce_plan {
     ts_reduce_op rs_op, ar_op;
     double rs_pre, rs_post; /* the reduce-scatter's pre_div and post_div */

@@ -1,6 +1,6 @@
 /*
  * The mixed-precision policy's value and its checks (fully_shard.h,
- * "mixed precision"; FSDP2-NOTES.md §1.2, §2.11). The casts themselves run
+ * "mixed precision"; docs/fully_shard.md, "Mixed precision"). The casts themselves run
  * in the group's hooks.
  * Floor 1 (internal.h, "Floors"): calls no other file of fully_shard/.
  */

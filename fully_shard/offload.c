@@ -1,5 +1,5 @@
 /*
- * CPUOffloadPolicy (fully_shard.h; FSDP2-NOTES.md §2.12), mapped to a CPU
+ * CPUOffloadPolicy (fully_shard.h; docs/fully_shard.md, "CPU offload"), mapped to a CPU
  * device. In FSDP2 the sharded parameters and gradients of an offloaded
  * group live in (pinned) CPU memory: the copy-in of each all-gather first
  * copies the shard to the GPU (H2D), the reduced gradient is copied back

@@ -1,5 +1,5 @@
 /*
- * Device meshes (FSDP2-NOTES.md §3.1, PyTorch's init_device_mesh).
+ * Device meshes (docs/design.md "DeviceMesh and DTensor"; PyTorch's init_device_mesh).
  *
  * A mesh arranges the ranks of a world in an n-dimensional array, row-major
  * (rank r has coordinates r unravelled over the shape, as

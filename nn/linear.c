@@ -46,7 +46,7 @@ static int linear_extra_repr(const ts_module *m, char *buf, size_t cap)
 }
 
 /* PyTorch's Linear.reset_parameters: kaiming_uniform_(weight, a=sqrt(5)),
- * then bias uniform in +-1/sqrt(fan_in) (SPEC §9: this order of draws;
+ * then bias uniform in +-1/sqrt(fan_in) (docs/rng.md §9: this order of draws;
  * fan_in from the weight, 0 gives a bound of 0). */
 static ts_status linear_reset_parameters(ts_module *m)
 {

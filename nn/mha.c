@@ -202,7 +202,7 @@ ts_status ts_mha_new_opts(int64_t embed_dim, int64_t num_heads, const ts_mha_opt
     a->num_heads = num_heads;
     a->dropout = dropout;
     a->batch_first = o.batch_first;
-    /* PyTorch's order (SPEC §9): out_proj is constructed first (its draws
+    /* PyTorch's order (docs/rng.md §9): out_proj is constructed first (its draws
      * are consumed), then xavier_uniform_(in_proj_weight), then both
      * biases are zeroed */
     int64_t ws[2] = {3 * embed_dim, embed_dim}, bs[1] = {3 * embed_dim};

@@ -1,4 +1,4 @@
-/* The autograd tape (DESIGN.md D3): every recorded op appends a node with
+/* The autograd tape (docs/design.md D3): every recorded op appends a node with
  * a sequence number; backward runs the nodes reachable from the root in
  * reverse creation order, so a node made after a module's ops (such as a
  * marker on its inputs) runs after all of them. */

@@ -2,7 +2,7 @@
  * torch.nn.init (torch 1.13): calculate_gain, kaiming_uniform_,
  * kaiming_normal_, xavier_uniform_, xavier_normal_. The bounds are
  * computed in f64 with exactly the operations and order of init.py
- * (reference/torch-rng/SPEC.md §8), then passed to uniform_/normal_, so
+ * (docs/rng.md §8), then passed to uniform_/normal_, so
  * that the same seed gives the same bits as torch.
  */
 #include "tensor/internal.h"

@@ -2,9 +2,9 @@
  * PyTorch-exact CPU random numbers: the mt19937 generator of
  * at::CPUGeneratorImpl and the kernels of torch 1.13's rand, randn,
  * uniform_, normal_, randint, randperm and bernoulli_, as
- * reference/torch-rng/SPEC.md describes them.
+ * docs/rng.md describes them.
  *
- * Platform: the "AVX2/GCC" column of SPEC §0, the one torch uses on any
+ * Platform: the "AVX2/GCC" column of docs/rng.md §0, the one torch uses on any
  * x86-64 CPU with AVX2+FMA (Linux wheels, Debian, conda-forge): uniform_
  * in the FMA form, the vectorised float32 normal_ path emulated lane by
  * lane in scalar C with avx_mathfun's contractions written as fmaf(), the
@@ -85,7 +85,7 @@ static void mt_next_state(ts_generator *g)
     g->next = 0;
 }
 
-/* One mt19937 output (SPEC §1.2). */
+/* One mt19937 output (docs/rng.md §1.2). */
 static inline uint32_t mt_random(ts_generator *g)
 {
     if (--g->left == 0)
@@ -98,7 +98,7 @@ static inline uint32_t mt_random(ts_generator *g)
     return y;
 }
 
-/* random64: the first draw is the high half (SPEC §1.3). */
+/* random64: the first draw is the high half (docs/rng.md §1.3). */
 static inline uint64_t mt_random64(ts_generator *g)
 {
     uint64_t hi = mt_random(g);
@@ -183,7 +183,7 @@ uint32_t ts_generator_random(ts_generator *g)
     return mt_random(gen_or_default(g));
 }
 
-/* ------------------------------------------- state (SPEC §1.5, 5056 bytes) */
+/* ------------------------------------------- state (docs/rng.md §1.5, 5056 bytes) */
 
 enum {
     ST_SEED = 0,
@@ -682,7 +682,7 @@ ts_status ts_normal_(ts_tensor *t, double mean, double std, ts_generator *gen)
 
 static void bernoulli_dense(int kpath, ts_generator *g, ts_dtype dt, void *data, int64_t n, double p);
 
-/* The non-MKL kernel (SPEC §7): element = U53 < p, two draws each. A
+/* The non-MKL kernel (docs/rng.md §7): element = U53 < p, two draws each. A
  * contiguous tensor takes the batched draws of bernoulli_dense (the same
  * numbers, in 8 or 16 lanes on the avx2 and avx512 paths); any other
  * visits its elements in TensorIterator order one by one. */

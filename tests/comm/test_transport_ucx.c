@@ -2,7 +2,7 @@
  * The UCX transport with real processes: the test process forks a store
  * host (a process running ts_store_server_start on 127.0.0.1, port 0; see
  * start_store_host for why not a thread here), then forks the ranks; it
- * never calls UCX itself (DEPS-GUIDE §1.9, §4), and
+ * never calls UCX itself (docs/design.md, "UCX: fork"), and
  * each rank connects to the store, creates its transport and runs one
  * scenario. Ranks report by exit code (_exit); the test process waits with
  * a deadline and SIGKILLs leftovers.

@@ -541,7 +541,7 @@ static int rank_events(rank_ctx *rc)
     return 0;
 }
 
-/* FSDP2-NOTES §2.7: PyTorch's sequence with backward prefetch; with it
+/* docs/fully_shard.md, "One step": PyTorch's sequence with backward prefetch; with it
  * off, each group is gathered when its own backward starts. Forward
  * prefetch issues the next group's all-gather before the current group
  * computes (before its pre_forward event). */

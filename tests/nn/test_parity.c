@@ -7,7 +7,7 @@
  * PROVENANCE.md there has the torch version and the exact calls).
  *
  * Tolerances. Parameters and inputs are bit-exact (same generator, same
- * draws, SPEC §9). Everything computed from them is float32 arithmetic in
+ * draws, docs/rng.md §9). Everything computed from them is float32 arithmetic in
  * a different order than torch's (this library's BLIS kernel set and
  * blocking versus torch's BLAS calls and ATen kernels, other reduction
  * trees in softmax, layer norm and the losses), so it agrees to rounding

@@ -1,5 +1,5 @@
 /* Bad input gives the right status and a ts_last_error() detail that
- * names the op and the values that did not fit (DESIGN.md D1), and
+ * names the op and the values that did not fit (docs/design.md D1), and
  * nothing is written to the output. */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>

@@ -445,7 +445,7 @@ Test(tensor_flash_attention, saves_no_score_matrix)
     ts_tensor_free(mask);
 }
 
-/* bernoulli(p) by SPEC §7 (reference/torch-rng/SPEC.md), written out:
+/* bernoulli(p) by docs/rng.md §7, written out:
  * per element two words of the generator, the first the high half,
  * U53 = (x & (2^53 - 1)) * 2^-53, 1 when U53 < p. */
 static int spec_bernoulli(ts_generator *g, double p)
@@ -456,7 +456,7 @@ static int spec_bernoulli(ts_generator *g, double p)
 }
 
 /* The keep bits, and ts_bernoulli_ over a contiguous tensor (both
- * batched, in 8 or 16 lanes on the vector paths), are SPEC §7's draws on
+ * batched, in 8 or 16 lanes on the vector paths), are docs/rng.md §7's draws on
  * each kernel path: bit (r, c) and element (r, c) are the draw of element
  * r * cols + c, and all three generators end in the same state. Columns
  * below, at and across the 32-bit words and the 1024-element batches,

@@ -78,7 +78,7 @@ Test(tensor_init, sequential_of_two_linears)
 
 Test(tensor_init, transformer_encoder_layer_parameters)
 {
-    /* TransformerEncoderLayer(8, 2, dim_feedforward=16), SPEC §9: MHA's
+    /* TransformerEncoderLayer(8, 2, dim_feedforward=16), docs/rng.md §9: MHA's
      * out_proj Linear(8, 8) first (its bias drawn, then zeroed), then
      * xavier_uniform_(in_proj_weight (24, 8)), then linear1, linear2 */
     const int64_t e = 8, ff = 16;
@@ -253,7 +253,7 @@ Test(tensor_init, calculate_gain_matches_torch)
 
 Test(tensor_init, float64_bound_is_not_rounded_to_one_over_sqrt_fan)
 {
-    /* SPEC §8: for fan 4 the f64 bound is 0.49999999999999994, not 0.5;
+    /* docs/rng.md §8: for fan 4 the f64 bound is 0.49999999999999994, not 0.5;
      * kaiming_uniform_ on a float64 tensor must use the former. With
      * U53 = x the element is fma(x, 2 * bound, -bound). */
     const double bound = sqrt(3.0) * (sqrt(2.0 / (1 + sqrt(5.0) * sqrt(5.0))) / sqrt(4.0));

@@ -2,7 +2,7 @@
  * bits (tests/fixtures/rng, made by tools/reference/make_rng_vectors.py;
  * PROVENANCE.md there lists the exact torch calls). Every comparison is
  * bit for bit: the algorithms are specified to be exact
- * (reference/torch-rng/SPEC.md), so no tolerance applies. */
+ * (docs/rng.md), so no tolerance applies. */
 #include <math.h>
 
 #include <criterion/criterion.h>
@@ -41,7 +41,7 @@ static const int64_t sizes[] = {1, 15, 16, 17, 31, 33, 100, 1000};
 
 Test(tensor_rng, mt19937_known_outputs)
 {
-    /* SPEC §1.2/§1.3: std::mt19937's sequence */
+    /* docs/rng.md §1.2/§1.3: std::mt19937's sequence */
     static const uint32_t s0[] = {2357136044u, 2546248239u, 3071714933u, 3626093760u, 2588848963u};
     static const uint32_t s42[] = {1608637542u, 3421126067u, 4083286876u, 787846414u, 3143890026u};
     ts_manual_seed(0);
@@ -225,7 +225,7 @@ Test(tensor_rng, uniform_with_bounds)
 Test(tensor_rng, scalar_normal_cache_carries_across_calls)
 {
     /* randn(3) leaves a cached value that randn(5) picks up after the
-     * vectorised randn(20); see SPEC §5.4 */
+     * vectorised randn(20); see docs/rng.md §5.4 */
     th_vec v = th_vec_open("normal_cache_seq");
     ts_manual_seed(0);
     th_vec_expect_free(&v, randn1(TS_F32, 3), "randn(3)");
@@ -503,7 +503,7 @@ Test(tensor_rng, get_state_matches_torch_bytes)
     ts_tensor_free(t);
     ts_generator_get_state(ts_default_generator(), st);
     th_vec_expect_bytes("state after manual_seed(123); randn(3)", TS_BOOL, st, th_vec_take(&v, sizeof st), sizeof st);
-    /* SPEC §1.5: left 617, next 8, normal valid */
+    /* docs/rng.md §1.5: left 617, next 8, normal valid */
     cr_assert_eq(st[8] | st[9] << 8, 617);
     cr_assert_eq(st[16], 8);
     cr_assert_eq(st[5040], 1);

@@ -1,5 +1,5 @@
 /* System invariants of the foundation: a training loop of many steps
- * learns and runs in flat memory (DESIGN.md D2). */
+ * learns and runs in flat memory (docs/design.md D2). */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
 #include <math.h>

@@ -7,7 +7,7 @@ implemented for 'Half'), so there is no float16 row.
 
 The caller sets BLIS_ARCH_TYPE (AVX-512 CPUs), MALLOC_MMAP_THRESHOLD_,
 MALLOC_TRIM_THRESHOLD_, OMP_NUM_THREADS and BLIS_NUM_THREADS
-(reference/DEPS-GUIDE.md section 7); this script sets torch.set_num_threads.
+(docs/design.md, "Thread counts, and PyTorch at its fastest"); this script sets torch.set_num_threads.
 
 Operands are laid out as bench_matmul's: the Linear forward multiplies x by
 a transposed view of W, the weight gradient a transposed view of dY.

@@ -2,7 +2,7 @@
 bench/train_step, which runs it in the same session and prints the ratio.
 
 The model is tools/reference/models.py's GPT, the twin of nn/gpt.c. Set up
-at its fastest on this CPU (reference/DEPS-GUIDE.md §7): the caller sets
+at its fastest on this CPU (docs/design.md, "Thread counts, and PyTorch at its fastest"): the caller sets
 BLIS_ARCH_TYPE (AVX-512 CPUs), MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
 OMP_NUM_THREADS and BLIS_NUM_THREADS; this script sets torch.set_num_threads.
 

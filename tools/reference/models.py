@@ -4,7 +4,7 @@ Each twin has the same children, in the same registration order, as the C
 module it mirrors, so that
 
   * construction draws the same random numbers in the same order
-    (reference/torch-rng/SPEC.md §9): building it after torch.manual_seed(S)
+    (docs/rng.md §9): building it after torch.manual_seed(S)
     gives bit-identical parameters to the C model built after
     ts_manual_seed(S);
   * named_parameters() lists the same names in the same order as

@@ -1,5 +1,5 @@
 /*
- * tsrun: starts the ranks of a tensorshard job on this node (DESIGN.md D8).
+ * tsrun: starts the ranks of a tensorshard job on this node (docs/design.md D8).
  * Flags modelled on torchrun; the work is done by ts_launch (comm/launch.h).
  *
  *   tsrun --nproc-per-node 4 ./train --steps 100
