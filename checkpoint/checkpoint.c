@@ -566,7 +566,7 @@ static ts_status ck_write_rank_file(ck_ctx *c, const char *dir, uint64_t id, boo
             *wrote = !st;
         }
     }
-    free(mjson);
+    free(mjson); /* json_dumps allocates with jansson's allocator (libc) */
     ts__free(TS_MEM_OTHER, meta);
     ts__free(TS_MEM_OTHER, path);
     json_decref(desc);
@@ -707,7 +707,7 @@ static ts_status ck_validate_index(ck_ctx *c, const char *dir, const json_t *roo
     if (!text) return ts_error(TS_ERR_NO_MEMORY, "%s: cannot serialise the index", c->op);
     ts__ckpt_index *ix = NULL;
     ts_status st = ts__ckpt_index_parse(dir, text, strlen(text), &ix);
-    free(text);
+    free(text); /* json_dumps allocates with jansson's allocator (libc) */
     ts__ckpt_index_free(ix);
     if (st) {
         char why[512];
@@ -756,7 +756,7 @@ static ts_status ck_commit_index(ck_ctx *c, const char *dir, json_t *root, bool 
     } else if (tmp) {
         unlink(tmp);
     }
-    free(text);
+    free(text); /* json_dumps allocates with jansson's allocator (libc) */
     ts__free(TS_MEM_OTHER, tmp);
     ts__free(TS_MEM_OTHER, final);
     return st;
@@ -1198,7 +1198,7 @@ ts_status ts_ckpt_metadata(const char *dir, const char *key, char **value_out)
     const json_t *v = ix->metadata ? json_object_get(ix->metadata, key) : NULL;
     if (!v) st = ts_error(TS_ERR_NOT_FOUND, "%s: '%s' has no metadata key '%.*s'", op, dir, CK_SHOWN, key);
     char *s = NULL;
-    if (!st && !(s = strdup(json_string_value(v)))) st = TS_ERR_NO_MEMORY;
+    if (!st && !(s = strdup(json_string_value(v)))) st = TS_ERR_NO_MEMORY; /* libc: the caller free()s it (checkpoint.h) */
     ts__ckpt_index_free(ix);
     if (!st) *value_out = s;
     return st;

@@ -98,15 +98,9 @@ void ts__fsdp_reg_add(ts_tensor *t, fsdp_group *g, const char *fqn, bool persist
 {
     pthread_mutex_lock(&g_reg_mu);
     reg_list *l = persist ? &g_pers : &g_reg;
-    if (l->n == l->cap) {
-        int cap = l->cap ? 2 * l->cap : 16;
-        reg_entry *n = realloc(l->e, (size_t)cap * sizeof *n);
-        if (!n) {
-            pthread_mutex_unlock(&g_reg_mu);
-            return; /* only costs the later diagnosis */
-        }
-        l->e = n;
-        l->cap = cap;
+    if (!ts__fsdp_grow((void **)&l->e, &l->cap, l->n + 1, sizeof *l->e)) {
+        pthread_mutex_unlock(&g_reg_mu);
+        return; /* only costs the later diagnosis */
     }
     reg_entry *e = &l->e[l->n++];
     e->t = ts_tensor_retain(t);
@@ -142,7 +136,7 @@ static void reg_drop_in(reg_list *l, const fsdp_group *g)
     }
     l->n = k;
     if (!l->n) {
-        free(l->e);
+        ts__free(TS_MEM_NN, l->e);
         *l = (reg_list){0};
     }
 }
@@ -169,15 +163,9 @@ static int g_slots_n, g_slots_cap;
 void ts__fsdp_slot_add(ts_tensor *const *slot, const fsdp_group *g, const char *fqn)
 {
     pthread_mutex_lock(&g_reg_mu);
-    if (g_slots_n == g_slots_cap) {
-        int cap = g_slots_cap ? 2 * g_slots_cap : 64;
-        slot_entry *n = realloc(g_slots, (size_t)cap * sizeof *n);
-        if (!n) {
-            pthread_mutex_unlock(&g_reg_mu);
-            return; /* only costs the later diagnosis */
-        }
-        g_slots = n;
-        g_slots_cap = cap;
+    if (!ts__fsdp_grow((void **)&g_slots, &g_slots_cap, g_slots_n + 1, sizeof *g_slots)) {
+        pthread_mutex_unlock(&g_reg_mu);
+        return; /* only costs the later diagnosis */
     }
     g_slots[g_slots_n++] = (slot_entry){slot, g, fqn};
     pthread_mutex_unlock(&g_reg_mu);
@@ -207,7 +195,7 @@ void ts__fsdp_reg_drop_group(fsdp_group *g)
         if (g_slots[i].g != g) g_slots[k++] = g_slots[i];
     g_slots_n = k;
     if (!g_slots_n) {
-        free(g_slots);
+        ts__free(TS_MEM_NN, g_slots);
         g_slots = NULL;
         g_slots_cap = 0;
     }
@@ -229,18 +217,7 @@ static int g_ign_n, g_ign_cap;
 bool ts__fsdp_ign_reserve(int n)
 {
     pthread_mutex_lock(&g_reg_mu);
-    bool ok = true;
-    if (g_ign_n + n > g_ign_cap) {
-        int cap = g_ign_cap ? g_ign_cap : 16;
-        while (cap < g_ign_n + n) cap *= 2;
-        ign_entry *e = realloc(g_ign, (size_t)cap * sizeof *e);
-        if (e) {
-            g_ign = e;
-            g_ign_cap = cap;
-        } else {
-            ok = false;
-        }
-    }
+    bool ok = ts__fsdp_grow((void **)&g_ign, &g_ign_cap, g_ign_n + n, sizeof *g_ign);
     pthread_mutex_unlock(&g_reg_mu);
     return ok;
 }
@@ -262,7 +239,7 @@ void ts__fsdp_ign_drop_state(const fsdp_state *s)
     }
     g_ign_n = k;
     if (!g_ign_n) {
-        free(g_ign);
+        ts__free(TS_MEM_NN, g_ign);
         g_ign = NULL;
         g_ign_cap = 0;
     }

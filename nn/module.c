@@ -32,7 +32,7 @@ ts_status ts__vt_cache_get(ts__vt_cache *c, const ts_module_vtable *orig, const 
     char *name = NULL;
     if (c->n == c->cap) {
         int cap = c->cap ? 2 * c->cap : 16;
-        struct ts__vt_cache_entry *grown = realloc(c->entries, (size_t)cap * sizeof *grown);
+        struct ts__vt_cache_entry *grown = realloc(c->entries, (size_t)cap * sizeof *grown); /* libc: lives as long as the process, as the types */
         if (!grown) {
             st = ts_error(TS_ERR_NO_MEMORY, "%s: out of memory (the table of %d module types)", c->op, c->n);
             goto done;
@@ -41,8 +41,10 @@ ts_status ts__vt_cache_get(ts__vt_cache *c, const ts_module_vtable *orig, const 
         c->cap = cap;
     }
     size_t len = strlen(orig->type_name) + strlen(c->suffix) + 1;
+    /* libc: an extended vtable lives as long as the process (every module of
+     * the type points at it), outside the allocator hook's live counts */
     vt = calloc(1, sizeof *vt);
-    name = malloc(len);
+    name = malloc(len); /* libc: as vt */
     if (!vt || !name) {
         st = ts_error(TS_ERR_NO_MEMORY, "%s: out of memory", c->op);
         goto done;
@@ -60,8 +62,8 @@ ts_status ts__vt_cache_get(ts__vt_cache *c, const ts_module_vtable *orig, const 
     vt = NULL, name = NULL;
 done:
     pthread_mutex_unlock(&c->mu);
-    free(vt);
-    free(name);
+    free(vt);   /* libc: as above */
+    free(name); /* libc: as above */
     return st;
 }
 
