@@ -5,7 +5,7 @@ set -euo pipefail
 
 PKGS=(build-essential meson ninja-build pkg-config
       libucx-dev ucx-utils libuv1-dev libcriterion-dev libblis-dev libjansson-dev
-      clang libclang-rt-14-dev valgrind
+      clang libclang-rt-14-dev clang-format valgrind
       iproute2  # ip netns: the multi-host suite (tests/comm/test_multihost.c; skips without it or root)
       python3-matplotlib)  # tools/trace_plot (its test skips without it)
 
