@@ -574,7 +574,7 @@ static int run_rank(int rank, int world, int port, const char *prefix, scenario_
     if (strcmp(t->vt->name, "ucx") != 0 || t->rank != rank || t->size != world || t->vt->wait_fd(t) < 0)
         FAIL(4, "bad transport fields");
     int rc = fn(t, st, prefix);
-    if (rc == 0 && !peer_failed(t)) {
+    if (rc == 0 && (g_destroyed || !peer_failed(t))) { /* t is gone when the scenario destroyed it */
         /* Clean shutdown order: everything completed, barrier, close. */
         char name[128];
         snprintf(name, sizeof name, "%s/end", prefix);
