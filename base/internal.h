@@ -86,6 +86,15 @@ TS_API unsigned ts__file_mode(unsigned max_mode);
 /* Adjusts a tag's live count for memory that is handed out from a cache
  * (the tensor pool counts blocks in use under TS_MEM_STORAGE). */
 TS_API void ts__mem_count(ts_mem_tag tag, size_t bytes, bool add);
+/* Quiet brackets (base/status.c): between ts__error_quiet_begin and its
+ * ts__error_quiet_end, ts_error returns its status, logs the detail at
+ * debug level and writes nothing: ts_last_error() and ts_last_status()
+ * keep what they held (ts_clear_error clears nothing either). Brackets
+ * nest (a depth per thread); every begin has its end on the same thread.
+ * Teardown paths run quiet, so that a failure's detail survives the
+ * cleanup that follows it (docs/design.md, D1). */
+TS_API void ts__error_quiet_begin(void);
+TS_API void ts__error_quiet_end(void);
 
 /* The same from another file in /proc/<pid>/status's format (tests). */
 TS_API ts_status ts__process_memory_parse(const char *path, ts_process_memory *out);

@@ -44,14 +44,37 @@ static _Thread_local ts_status tl_status = TS_OK;
 const char *ts_last_error(void) { return tl_error; }
 ts_status ts_last_status(void) { return tl_status; }
 
+/* The depth of quiet brackets on this thread (ts__error_quiet_begin). */
+static _Thread_local int tl_quiet;
+
+void ts__error_quiet_begin(void) { tl_quiet++; }
+
+void ts__error_quiet_end(void)
+{
+    TS_ASSERT(tl_quiet > 0);
+    tl_quiet--;
+}
+
 void ts_clear_error(void)
 {
+    if (tl_quiet) return;
     tl_error[0] = '\0';
     tl_status = TS_OK;
 }
 
 ts_status ts_error(ts_status s, const char *fmt, ...)
 {
+    if (tl_quiet) { /* a teardown path: the caller's error stays */
+        if (fmt && TS_LOG_ENABLED(TS_LOG_DEBUG)) {
+            char buf[sizeof tl_error];
+            va_list ap;
+            va_start(ap, fmt);
+            vsnprintf(buf, sizeof buf, fmt, ap);
+            va_end(ap);
+            ts_logf(TS_LOG_DEBUG, "%s (quiet): %s", ts_status_name(s), buf);
+        }
+        return s;
+    }
     if (!fmt) {
         tl_error[0] = '\0';
         tl_status = s;

@@ -171,7 +171,7 @@ static ts_status rdv_fail(ts_store *st, const char *prefix, int world, ts_status
  * process: the process itself once it has the error, or, for a rank of
  * this host that died (it will never read the error), the rank that found
  * it dead. `rank`, `pid` and `id` (host id) name the process counted out. */
-static void rdv_count_out(ts_store *st, const char *prefix, int rank, int pid, const char *id)
+static void rdv_count_out_quiet(ts_store *st, const char *prefix, int rank, int pid, const char *id)
 {
     char key[3 * TS_LAUNCH_MAX_STR + RDV_MAX_ID + 64], me[RDV_MAX_ID + 32], me_id[RDV_MAX_ID];
     snprintf(key, sizeof key, "%s/rdv/out/%d/%d/%s", prefix, rank, pid, id);
@@ -187,6 +187,15 @@ static void rdv_count_out(ts_store *st, const char *prefix, int rank, int pid, c
         snprintf(key, sizeof key, "%s/rdv/failed", prefix);
         (void)ts_store_add(st, key, 1, NULL);
     }
+}
+
+/* Quiet (docs/design.md, D1): the error that counts a process out keeps
+ * its detail whatever the store says. */
+static void rdv_count_out(ts_store *st, const char *prefix, int rank, int pid, const char *id)
+{
+    ts__error_quiet_begin();
+    rdv_count_out_quiet(st, prefix, rank, pid, id);
+    ts__error_quiet_end();
 }
 
 /* The duplicate-RANK message: `claim` (len bytes) is the first claimant's
@@ -541,7 +550,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
  * world would otherwise find the store gone and wait for its own deadline
  * on "connection refused"). */
 #define RDV_ERROR_GRACE_S 5.0
-static void hold_store_for_error(ts_store *st, const char *prefix, int world)
+static void hold_store_for_error_quiet(ts_store *st, const char *prefix, int world)
 {
     char fkey[3 * TS_LAUNCH_MAX_STR + 64], akey[3 * TS_LAUNCH_MAX_STR + 64], key[3 * TS_LAUNCH_MAX_STR + 64];
     snprintf(fkey, sizeof fkey, "%s/rdv/failed", prefix);
@@ -577,6 +586,14 @@ static void hold_store_for_error(ts_store *st, const char *prefix, int world)
     }
 }
 
+/* Quiet, as rdv_count_out. */
+static void hold_store_for_error(ts_store *st, const char *prefix, int world)
+{
+    ts__error_quiet_begin();
+    hold_store_for_error_quiet(st, prefix, world);
+    ts__error_quiet_end();
+}
+
 static ts_status join_world(ts_store *st, const char *prefix, const char *run_id, int rank, int world,
                             double timeout_s, bool hosting)
 {
@@ -585,14 +602,11 @@ static ts_status join_world(ts_store *st, const char *prefix, const char *run_id
         /* Count this rank out; the rank hosting the store keeps it up
          * until the others have read the error too (hold_store_for_error),
          * so that they report it rather than a lost store. */
-        char err[600];
-        snprintf(err, sizeof err, "%s", ts_last_error());
         char me_id[RDV_MAX_ID];
         host_id(me_id, sizeof me_id);
         rdv_count_out(st, prefix, rank, (int)getpid(), me_id);
         if (hosting)
             hold_store_for_error(st, prefix, world);
-        s = ts_error(s, "%s", err);
     }
     return s;
 }
@@ -1301,9 +1315,7 @@ ts_status ts_dist_finalize(void)
             ts__free(TS_MEM_COMM, lerr);
         }
     }
-    char err[512] = "";
-    if (s != TS_OK) snprintf(err, sizeof err, "%s", ts_last_error());
-    g_world = NULL;
+    g_world = NULL; /* the teardown below never writes the last error (docs/design.md, D1) */
     ts__world_publish(NULL);
     ts__world_free(w);
     if (g_fabric) {
@@ -1316,6 +1328,6 @@ ts_status ts_dist_finalize(void)
     g_server = NULL;
     g_hold_for_nodes = false;
     pthread_mutex_unlock(&g_mu);
-    if (s != TS_OK) return ts_error(s, "ts_dist_finalize: %s", err);
+    if (s != TS_OK) return ts_error(s, "ts_dist_finalize: %s", ts_last_error());
     return TS_OK;
 }

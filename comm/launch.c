@@ -1073,9 +1073,6 @@ static int spawn_rank(launcher *L, int i, char *const *argv, char **env, char *e
  * warning. Keeps the last error. */
 static void remove_groups(launcher *L)
 {
-    ts_status saved = ts_last_status();
-    char msg[1024];
-    snprintf(msg, sizeof msg, "%s", ts_last_error());
     struct timespec step = {0, 10 * 1000 * 1000};
     int tries = 200;
     for (int i = 0; L->ranks && i < L->n; i++) {
@@ -1095,8 +1092,6 @@ static void remove_groups(launcher *L)
         ts_logf(TS_LOG_WARN, "ts_launch: cannot remove the memory cgroup '%s': %s", L->cg->job, strerror(e));
     ts__free(TS_MEM_COMM, L->cg);
     L->cg = NULL;
-    if (saved)
-        ts_error(saved, "%s", msg);
 }
 
 ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_result *result_out)

@@ -470,14 +470,9 @@ int ts__launch_env_world_size(void)
 {
     ts_rank_env e;
     memset(&e, 0, sizeof e);
-    ts_status saved = ts_last_status();
-    char msg[1024];
-    snprintf(msg, sizeof msg, "%s", ts_last_error());
+    ts__error_quiet_begin(); /* a probe: its failure is expected, the caller's error stays */
     parse_env(&e);
-    if (saved)
-        ts_error(saved, "%s", msg);
-    else
-        ts_clear_error();
+    ts__error_quiet_end();
     return e.world_size;
 }
 

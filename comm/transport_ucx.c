@@ -845,7 +845,7 @@ static void ucx_cancel_all_locked(ts_ucx *t, ts_status status)
     run_completions(t);
 }
 
-static void ucx_destroy(ts_transport *base)
+static void ucx_destroy_quiet(ts_transport *base)
 {
     ts_ucx *t = (ts_ucx *)base;
     if (!t)
@@ -930,6 +930,16 @@ static void ucx_destroy(ts_transport *base)
         ts__free(TS_MEM_COMM, t->peers);
         ts__free(TS_MEM_COMM, t);
     }
+}
+
+/* A teardown: it never writes the last error (the cancelled requests'
+ * callbacks may record theirs), so that the error it follows keeps its
+ * detail (docs/design.md, D1). */
+static void ucx_destroy(ts_transport *base)
+{
+    ts__error_quiet_begin();
+    ucx_destroy_quiet(base);
+    ts__error_quiet_end();
 }
 
 static ts_status ucx_mem_register(ts_transport *base, void *addr, size_t len, void **handle_out)
@@ -1367,11 +1377,8 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
         (s = publish_address(t, store, prefix, host)) != TS_OK ||
         (s = connect_peers(t, store, prefix, host, &k, timeout_s)) != TS_OK ||
         (s = ts__ucx_shm_agree(t, store, prefix, k.cma_on, timeout_s)) != TS_OK) {
-        /* Keep the first error's detail across the teardown. */
-        char detail[512];
-        snprintf(detail, sizeof detail, "%s", ts_last_error());
-        ucx_destroy(&t->base);
-        return ts_error(s, "%s", detail);
+        ucx_destroy(&t->base); /* quiet: the first error's detail stays */
+        return s;
     }
     log_hosts(t);
     *out = &t->base;

@@ -200,6 +200,7 @@ ts_status ts__world_attach_store(ts_comm *c, ts_store *client, const char *prefi
 void ts__world_free(ts_comm *c)
 {
     if (!c || c == &g_local) return;
+    ts__error_quiet_begin(); /* a teardown: the error it follows keeps its detail (docs/design.md, D1) */
     ts__comm_log_summary(c);
     world *w = c->w;
     if (w->registrar) ts__pin_registrar_clear(w); /* while the thread still runs the deregistrations */
@@ -226,6 +227,7 @@ void ts__world_free(ts_comm *c)
     pthread_mutex_destroy(&c->stats_mu);
     ts__free(TS_MEM_COMM, w);
     ts__free(TS_MEM_COMM, c);
+    ts__error_quiet_end();
 }
 void ts__comm_progress_stats(ts_comm *c, uint64_t *by_callers_out, uint64_t *by_thread_out)
 {

@@ -698,10 +698,7 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
         if (!st) g->n_rs_add++;
         /* failed part way: some pieces may be in; the gradients are
          * dropped (set to none) rather than left holding part of it */
-        char err[256];
-        snprintf(err, sizeof err, "%s", st ? ts_last_error() : "");
-        if (end_reduce(g, st != TS_OK, "a gradient reduction adding into the shard gradients failed part way"))
-            st = ts_error(st, "%s", err); /* the caller's error, not the drop's */
+        (void)end_reduce(g, st != TS_OK, "a gradient reduction adding into the shard gradients failed part way");
         ts_tensor_free(g->rs_out);
         g->rs_out = NULL;
         TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");

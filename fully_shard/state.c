@@ -613,16 +613,16 @@ fail:
     if (wrapped)
         for (int i = 0; i < n_in; i++) ts_tensor_free(in2[i]);
     {
-        /* leave the group as the policy would after a forward */
-        char msg[1024];
-        snprintf(msg, sizeof msg, "%s", ts_last_error());
+        /* leave the group as the policy would after a forward; quiet:
+         * the forward's error keeps its detail (docs/design.md, D1) */
+        ts__error_quiet_begin();
         if (g && g->training == FSDP_FORWARD) {
             g->ran_forward = 0;
             g->training = FSDP_IDLE;
             if (g->policy != TS_RESHARD_FALSE) (void)ts__fsdp_reshard(g);
         }
         if (iter_root) root_post_forward(c);
-        ts_error(st, "%s", msg);
+        ts__error_quiet_end();
     }
     return st;
 }

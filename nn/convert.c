@@ -58,12 +58,12 @@ static ts_status to_dtype_copy(const char *fqn, ts_tensor *t, ts_dtype dtype, ts
     ts_grad_mode_set(prev);
     ts_tensor_free(g);
     if (st) {
-        char why[512];
-        snprintf(why, sizeof why, "%s", ts_last_error());
+        ts__error_quiet_begin(); /* the cleanup of a failure: its detail stays (docs/design.md, D1) */
         if (nt && ts__is_meta(t)) /* t keeps its recorded initializers: t's log is empty, a hand-over */
             ts__init_events_move(t->storage, nt->storage);
         ts_tensor_free(nt);
-        return ts_error(st, "ts_module_to_dtype: converting '%s' to %s failed: %s", fqn, ts_dtype_name(dtype), why);
+        ts__error_quiet_end();
+        return ts_error(st, "ts_module_to_dtype: converting '%s' to %s failed: %s", fqn, ts_dtype_name(dtype), ts_last_error());
     }
     *out = nt;
     return TS_OK;

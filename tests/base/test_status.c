@@ -1,5 +1,6 @@
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,4 +97,61 @@ Test(base_status, wrapping_the_last_error)
     ts_error(TS_ERR_COMM, "outer: %s (again: %s)", ts_last_error(), ts_last_error());
     cr_assert_str_eq(ts_last_error(), "outer: inner problem with file.bin (again: inner problem with file.bin)");
     cr_assert_eq(ts_last_status(), TS_ERR_COMM);
+}
+
+/* The quiet bracket (ts__error_quiet_begin/end): teardown paths run in
+ * one, so that the error they follow keeps its detail. */
+Test(base_status, quiet_bracket_keeps_the_last_error_and_returns_the_status)
+{
+    ts_error(TS_ERR_SHAPE, "the first error");
+    ts__error_quiet_begin();
+    cr_assert_eq(ts_error(TS_ERR_IO, "a teardown's error %d", 7), TS_ERR_IO);
+    cr_assert_eq(ts_error(TS_ERR_COMM, NULL), TS_ERR_COMM);
+    ts_clear_error();
+    cr_assert_str_eq(ts_last_error(), "the first error");
+    cr_assert_eq(ts_last_status(), TS_ERR_SHAPE);
+    ts__error_quiet_end();
+    /* out of the bracket: written again */
+    cr_assert_eq(ts_error(TS_ERR_IO, "after"), TS_ERR_IO);
+    cr_assert_str_eq(ts_last_error(), "after");
+    cr_assert_eq(ts_last_status(), TS_ERR_IO);
+    ts_clear_error();
+}
+
+Test(base_status, quiet_brackets_nest)
+{
+    ts_clear_error();
+    ts__error_quiet_begin();
+    ts__error_quiet_begin();
+    ts_error(TS_ERR_IO, "inner");
+    ts__error_quiet_end();
+    ts_error(TS_ERR_IO, "outer, still quiet");
+    cr_assert_eq(ts_last_status(), TS_OK);
+    cr_assert_str_eq(ts_last_error(), "");
+    ts__error_quiet_end();
+    ts_error(TS_ERR_STATE, "loud");
+    cr_assert_eq(ts_last_status(), TS_ERR_STATE);
+    cr_assert_str_eq(ts_last_error(), "loud");
+    ts_clear_error();
+}
+
+static void *quiet_on_another_thread(void *arg)
+{
+    (void)arg;
+    ts_error(TS_ERR_IO, "the other thread's");
+    static int written;
+    written = ts_last_status() == TS_ERR_IO && strcmp(ts_last_error(), "the other thread's") == 0;
+    return &written;
+}
+
+Test(base_status, quiet_bracket_is_per_thread)
+{
+    ts_clear_error();
+    ts__error_quiet_begin();
+    pthread_t th;
+    int *got = NULL;
+    cr_assert_eq(pthread_create(&th, NULL, quiet_on_another_thread, NULL), 0);
+    cr_assert_eq(pthread_join(th, (void **)&got), 0);
+    ts__error_quiet_end();
+    cr_assert(got && *got, "a bracket on this thread quieted another thread");
 }

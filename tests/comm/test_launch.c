@@ -27,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "comm/comm_internal.h"
 #include "tests/helpers.h"
 
 #ifndef TS_BUILD_DIR
@@ -940,6 +941,25 @@ static void expect_rejected(const char *const *kv, ts_status want, const char *c
     for (int i = 0; needles[i]; i++)
         cr_assert(strstr(ts_last_error(), needles[i]), "'%s' not in: %s", needles[i], ts_last_error());
     cr_assert_eq(e.rank, 0x5a5a5a5a, "out untouched on error");
+}
+
+/* The probe of the claimed world size runs quiet (docs/design.md, D1):
+ * incomplete variables fail inside it, and the caller's last error stays
+ * what it was, set or clear. */
+Test(comm_launch, world_size_probe_keeps_the_last_error, .timeout = 10)
+{
+    const char *kv[] = {"OMPI_COMM_WORLD_RANK=0", "OMPI_COMM_WORLD_SIZE=4", NULL}; /* no LOCAL_RANK: fails */
+    set_vars(kv);
+    ts_error(TS_ERR_SHAPE, "the first error");
+    cr_assert_eq(ts__launch_env_world_size(), 4);
+    cr_assert_eq(ts_last_status(), TS_ERR_SHAPE, "the probe wrote %s (%s)", ts_status_name(ts_last_status()),
+                 ts_last_error());
+    cr_assert_str_eq(ts_last_error(), "the first error");
+    ts_clear_error();
+    cr_assert_eq(ts__launch_env_world_size(), 4);
+    cr_assert_eq(ts_last_status(), TS_OK, "the probe wrote %s (%s)", ts_status_name(ts_last_status()),
+                 ts_last_error());
+    clear_launch_env();
 }
 
 Test(comm_launch, env_from_tsrun_variables, .timeout = 10)

@@ -534,6 +534,34 @@ static int sc_tcp_keepalive(ts_transport *t, ts_store *st, const char *prefix)
 
 /* ---------------------------------------------------------- the harness */
 
+/* A scenario that destroyed the transport itself sets this (run_rank
+ * then only checks the memory). */
+static bool g_destroyed;
+
+/* The teardown keeps the last error (docs/design.md, D1): rank 0
+ * fails (an error of its own), then destroys its transport with a
+ * receive pending, which the destroy cancels; the cancelled receive's
+ * detail ("... cancelled") goes to its callback, not to the last error. */
+static int sc_destroy_keeps_error(ts_transport *t, ts_store *st, const char *prefix)
+{
+    (void)st;
+    (void)prefix;
+    if (t->rank != 0) return 0;
+    static unsigned char rb[64];
+    static xfer x;
+    if (t->vt->recv(t, 1, rb, sizeof rb, 77, xfer_cb, &x) != TS_OK) FAIL(20, "post: %s", ts_last_error());
+    for (int i = 0; i < 20; i++) t->vt->progress(t);
+    ts_error(TS_ERR_SHAPE, "the first error");
+    t->vt->destroy(t);
+    g_destroyed = true;
+    printf("rank 0: after the destroy: %s (%s); the receive: %s\n", ts_status_name(ts_last_status()),
+           ts_last_error(), ts_status_name(x.status));
+    if (!x.done || x.status == TS_OK) FAIL(21, "the pending receive was not cancelled by the destroy");
+    if (ts_last_status() != TS_ERR_SHAPE || strcmp(ts_last_error(), "the first error") != 0)
+        FAIL(22, "the destroy wrote the last error: %s (%s)", ts_status_name(ts_last_status()), ts_last_error());
+    return 0;
+}
+
 static int run_rank(int rank, int world, int port, const char *prefix, scenario_fn fn, double *destroy_s)
 {
     g_rank = rank;
@@ -546,7 +574,7 @@ static int run_rank(int rank, int world, int port, const char *prefix, scenario_
     if (strcmp(t->vt->name, "ucx") != 0 || t->rank != rank || t->size != world || t->vt->wait_fd(t) < 0)
         FAIL(4, "bad transport fields");
     int rc = fn(t, st, prefix);
-    if (rc == 0 && !peer_failed(t)) {
+    if (rc == 0 && (g_destroyed || !peer_failed(t))) { /* t is gone when the scenario destroyed it */
         /* Clean shutdown order: everything completed, barrier, close. */
         char name[128];
         snprintf(name, sizeof name, "%s/end", prefix);
@@ -556,7 +584,7 @@ static int run_rank(int rank, int world, int port, const char *prefix, scenario_
     if (rc != 0)
         return rc; /* transfers may still point into the scenario's frame: just exit */
     double t0 = now_s();
-    t->vt->destroy(t);
+    if (!g_destroyed) t->vt->destroy(t);
     *destroy_s = now_s() - t0;
     ts_store_close(st);
     /* The ranks leave with _exit (no leak sanitizer): count instead. */
@@ -736,6 +764,11 @@ Test(comm_transport_ucx, dead_peer_detected_within_3s, .timeout = 60)
 Test(comm_transport_ucx, cancel_all_is_bounded, .timeout = 60)
 {
     run_world(2, sc_cancel_all, -1, 50);
+}
+
+Test(comm_transport_ucx, destroy_keeps_the_last_error, .timeout = 60)
+{
+    run_world(2, sc_destroy_keeps_error, -1, 50);
 }
 
 Test(comm_transport_ucx, bypass_send_abandoned_then_read, .timeout = 60)
