@@ -22,7 +22,6 @@
 #include "comm/comm.h"
 #include "fully_shard/fully_shard.h"
 #include "mesh/mesh.h"
-#include "nn/internal.h"
 #include "optim/internal.h"
 #include "tensor/tensor.h"
 
@@ -185,7 +184,7 @@ static ts_status ck_collect(ck_ctx *c, bool loading)
     c->world = world;
     c->rank = ts_comm_rank(c->world);
     c->W = ts_comm_size(c->world);
-    if ((st = ts__module_entries(c->model, true, true, false, &c->np))) return st;
+    if ((st = ts_module_named_tensors(c->model, &c->np))) return st;
     /* the model */
     for (int i = 0; i < c->np.n; i++) {
         ts_tensor *t = *c->np.items[i].slot;
@@ -849,7 +848,8 @@ static ts_status ck_check_meta(const char *op, const ts_ckpt_meta *meta, int n_a
 static ts_status ck_check_materialized(const char *op, ts_module *model)
 {
     ts_named_params np = {0};
-    ts_status st = ts__module_entries(model, true, true, true, &np);
+    ts_status st = ts_module_named_tensors(model, &np); /* the first meta name is the same with or without the
+                                                             tied duplicates: a duplicate follows its first name */
     for (int i = 0; i < np.n && !st; i++)
         if (ts_tensor_is_meta(*np.items[i].slot))
             st = ts_error(TS_ERR_STATE,
