@@ -22,7 +22,7 @@
 #include "comm/comm.h"
 #include "fully_shard/fully_shard.h"
 #include "mesh/mesh.h"
-#include "optim/internal.h"
+#include "optim/optim.h"
 #include "tensor/tensor.h"
 
 #include <dirent.h>
@@ -212,7 +212,8 @@ static ts_status ck_collect(ck_ctx *c, bool loading)
                             op, i, ts_tensor_shape_str(pt, (char[96]){0}, 96));
         ts_fsdp_shard_info sh = c->items.it[at].sh; /* copied: ck_add below may move the items */
         const char *names[4];
-        int ns = ts__optim_state_names(o, names);
+        int ns = ts_optim_num_states(o);
+        for (int s = 0; s < ns; s++) names[s] = ts_optim_state_name(o, s);
         for (int s = 0; s < ns; s++) {
             ts_tensor *state = ts_optim_state(o, i, names[s]);
             if (!state && !loading) continue;
@@ -603,10 +604,10 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
     ts_optim *o = c->o ? c->o->optim : NULL;
     if (!st && o) {
         /* the hyperparameters as torch's state dict has them: "param_groups": [{"lr": ..., "betas": [..]}] */
-        ts__optim_hparams hp;
-        ts__optim_hparams_get(o, &hp);
+        ts_optim_hparams hp;
+        (void)ts_optim_hparams_get(o, &hp); /* o is not NULL: cannot fail */
         json_t *oj = json_object(), *groups = json_array(), *gj = json_object();
-        bool bad = !oj || !groups || !gj || json_object_set_new(oj, "kind", json_string(ts__optim_kind_name(o))) ||
+        bool bad = !oj || !groups || !gj || json_object_set_new(oj, "kind", json_string(ts_optim_kind_name(o))) ||
                    json_object_set_new(oj, "steps", json_integer((json_int_t)ts_optim_step_count(o))) ||
                    json_object_set_new(gj, "lr", json_real(hp.lr)) ||
                    json_object_set_new(gj, "weight_decay", json_real(hp.weight_decay)) ||
@@ -1091,9 +1092,9 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
     ts__ckpt_index *ix = NULL;
     if (!st) st = ck_load_index(c.op, dir, &ix);
     ts_optim *o = options ? options->optim : NULL;
-    if (!st && o && ix->has_optim && strcmp(ix->optim_kind, ts__optim_kind_name(o)) != 0)
+    if (!st && o && ix->has_optim && strcmp(ix->optim_kind, ts_optim_kind_name(o)) != 0)
         st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s' holds the state of a %.40s optimizer; the optimizer given is %s",
-                      c.op, dir, ix->optim_kind, ts__optim_kind_name(o));
+                      c.op, dir, ix->optim_kind, ts_optim_kind_name(o));
     if (!st && o && !ix->has_optim && strict)
         st = ts_error(TS_ERR_NOT_FOUND, "%s: '%s' holds no optimizer state (saved without one); load with strict false "
                                         "to load the model only",
@@ -1113,7 +1114,8 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
             bool any = false;
             if (it->kind == TS__CKPT_OPTIM) {
                 const char *names[4];
-                int ns = ts__optim_state_names(o, names);
+                int ns = ts_optim_num_states(o);
+                for (int s = 0; s < ns; s++) names[s] = ts_optim_state_name(o, s);
                 const char *dot = strrchr(it->key, '.');
                 for (int s = 0; s < ns && !any; s++) {
                     char k2[CK_FQN_MAX + 64];
@@ -1197,7 +1199,7 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
         ts_tensor_free(lv);
     }
     ts_grad_mode_set(prev);
-    if (!st && o && ix->has_optim) ts__optim_set_step_count(o, ix->optim_steps);
+    if (!st && o && ix->has_optim) (void)ts_optim_set_step_count(o, ix->optim_steps); /* >= 0: the index checked it */
     if (!st && info_out)
         *info_out = (ts_ckpt_info){.saved_world = ix->world,
                                    .loaded_world = c.W,
