@@ -20,10 +20,9 @@
 #include "checkpoint/internal.h"
 
 #include "comm/comm.h"
-#include "fully_shard/internal.h"
+#include "fully_shard/fully_shard.h"
 #include "mesh/mesh.h"
-#include "nn/internal.h"
-#include "optim/internal.h"
+#include "optim/optim.h"
 #include "tensor/tensor.h"
 
 #include <dirent.h>
@@ -56,6 +55,9 @@ static const char *const kind_names[] = {"model", "optim", "extra", "rank_extra"
 /* ------------------------------------------------------------ items */
 
 /* One tensor this rank saves or loads. */
+/* The longest parameter name a key holds (fully_shard's names are as long). */
+#define CK_FQN_MAX 512
+
 typedef struct ck_item {
     char *key;
     ts__ckpt_kind kind;
@@ -71,8 +73,7 @@ typedef struct ck_item {
     int opt_index;        /* optimizer states: the parameter's index */
     const char *opt_state;
     ts_tensor *tmp;       /* load: the rows read */
-    fsdp_param *p;        /* sharded: its group parameter and group */
-    fsdp_group *g;
+    ts_fsdp_shard_info sh; /* sharded: where its group parameter's shard sits (sh.shard NULL: not sharded) */
 } ck_item;
 
 typedef struct ck_list {
@@ -112,19 +113,26 @@ static ck_item *ck_add(ck_list *l, const char *prefix, const char *name, const c
     return it;
 }
 
-/* Fills the geometry of an item that is (like) the tensor t of the model:
- * a group parameter's shard (p non-NULL) or a whole tensor. */
-static void ck_geometry(ck_item *it, const fsdp_param *p, const fsdp_group *g, const ts_tensor *t, int wrank)
+/* The rows of dim 0 that shard rank r of sh holds (fully_shard.h,
+ * ts_fsdp_shard_info). */
+static void ck_chunk(const ts_fsdp_shard_info *sh, int r, int64_t *row0, int64_t *rows)
 {
-    if (p) {
-        it->ndim = p->ndim;
-        memcpy(it->shape, p->shape, sizeof it->shape);
-        it->row0 = p->chunks[g->rank].row0;
-        it->rows = p->chunks[g->rank].rows;
+    ts_chunk_range(ts_dtensor_shape(sh->dtensor)[0], sh->shard_world, r, row0, rows);
+}
+
+/* Fills the geometry of an item that is (like) the tensor t of the model:
+ * a group parameter's shard (sh->shard non-NULL) or a whole tensor. */
+static void ck_geometry(ck_item *it, const ts_fsdp_shard_info *sh, const ts_tensor *t, int wrank)
+{
+    if (sh && sh->shard) {
+        it->ndim = ts_dtensor_ndim(sh->dtensor);
+        memset(it->shape, 0, sizeof it->shape);
+        memcpy(it->shape, ts_dtensor_shape(sh->dtensor), (size_t)it->ndim * sizeof(int64_t));
+        ck_chunk(sh, sh->shard_rank, &it->row0, &it->rows);
         it->sharded = true;
-        it->writes = it->rows > 0 && (!g->rg || ts_comm_rank(g->rg) == 0);
-        const ts_placement *pl = ts_dtensor_placements(p->dt);
-        int nd = ts_mesh_ndim(ts_dtensor_mesh(p->dt));
+        it->writes = it->rows > 0 && (!sh->replicate_group || ts_comm_rank(sh->replicate_group) == 0);
+        const ts_placement *pl = ts_dtensor_placements(sh->dtensor);
+        int nd = ts_mesh_ndim(ts_dtensor_mesh(sh->dtensor));
         it->placements[0] = '\0';
         for (int d = 0; d < nd; d++) {
             char b[32];
@@ -143,15 +151,10 @@ static void ck_geometry(ck_item *it, const fsdp_param *p, const fsdp_group *g, c
     snprintf(it->placements, sizeof it->placements, "Replicate()");
 }
 
-/* The world of the model: the one its groups' meshes were made over, or
- * the initialized world (a one-rank group without one). */
-static ts_comm *ck_world(const groups_walk *w) { return w->n ? ts_mesh_world(w->g[0]->mesh) : ts_dist_world(); }
-
 typedef struct ck_ctx {
     const char *op;
     ts_module *model;
     const ts_ckpt_options *o;
-    groups_walk w;
     ts_named_params np;
     ts_comm *world;
     int rank, W;
@@ -162,7 +165,6 @@ static void ck_ctx_fini(ck_ctx *c)
 {
     ck_list_free(&c->items);
     ts_named_params_free(&c->np);
-    ts__free(TS_MEM_NN, c->w.g);
 }
 
 /* Lists everything this rank saves (loading false: only the optimizer
@@ -171,25 +173,30 @@ static void ck_ctx_fini(ck_ctx *c)
 static ts_status ck_collect(ck_ctx *c, bool loading)
 {
     const char *op = c->op;
-    ts_status st = ts__fsdp_idle_groups(op, c->model, &c->w);
+    bool idle = false;
+    ts_status st = ts_fsdp_is_idle(c->model, &idle);
+    if (!st && !idle) st = ts_error(TS_ERR_STATE, "%s: not inside a forward or backward", op);
     if (st) return st;
-    c->world = ck_world(&c->w);
+    /* the world of the model: the one its groups' meshes were made over,
+     * or the initialized world (a one-rank group without one) */
+    ts_comm *world = NULL;
+    if ((st = ts_fsdp_world(c->model, &world))) return st;
+    c->world = world;
     c->rank = ts_comm_rank(c->world);
     c->W = ts_comm_size(c->world);
-    if ((st = ts__module_entries(c->model, true, true, false, &c->np))) return st;
+    if ((st = ts_module_named_tensors(c->model, &c->np))) return st;
     /* the model */
     for (int i = 0; i < c->np.n; i++) {
         ts_tensor *t = *c->np.items[i].slot;
-        fsdp_group *g = NULL;
-        fsdp_param *p = ts__fsdp_find_param(&c->w, t, &g);
+        ts_fsdp_shard_info sh;
+        if ((st = ts_fsdp_param_shard_info(c->model, t, &sh))) return st;
         ck_item *it = ck_add(&c->items, "", c->np.items[i].name, "");
         if (!it) return TS_ERR_NO_MEMORY;
         it->kind = TS__CKPT_MODEL;
-        it->t = p ? p->S : t;
-        it->p = p;
-        it->g = g;
+        it->t = sh.shard ? sh.shard : t;
+        it->sh = sh;
         it->dtype = ts_tensor_dtype(it->t);
-        ck_geometry(it, p, g, t, c->rank);
+        ck_geometry(it, &sh, t, c->rank);
     }
     /* the optimizer, keyed by its parameters' first names */
     ts_optim *o = c->o ? c->o->optim : NULL;
@@ -203,10 +210,10 @@ static ts_status ck_collect(ck_ctx *c, bool loading)
                             "%s: the optimizer's parameter %d (shape %s) is not a parameter of the model (build the "
                             "optimizer from the model's parameters after fully_shard)",
                             op, i, ts_tensor_shape_str(pt, (char[96]){0}, 96));
-        fsdp_group *g = c->items.it[at].g; /* copied: ck_add below may move the items */
-        fsdp_param *p = c->items.it[at].p;
+        ts_fsdp_shard_info sh = c->items.it[at].sh; /* copied: ck_add below may move the items */
         const char *names[4];
-        int ns = ts__optim_state_names(o, names);
+        int ns = ts_optim_num_states(o);
+        for (int s = 0; s < ns; s++) names[s] = ts_optim_state_name(o, s);
         for (int s = 0; s < ns; s++) {
             ts_tensor *state = ts_optim_state(o, i, names[s]);
             if (!state && !loading) continue;
@@ -227,7 +234,7 @@ static ts_status ck_collect(ck_ctx *c, bool loading)
                 snprintf(it->placements, sizeof it->placements, "Replicate()");
             } else {
                 it->dtype = ts_tensor_dtype(pt);
-                ck_geometry(it, p, g, *c->np.items[at].slot, c->rank);
+                ck_geometry(it, &sh, *c->np.items[at].slot, c->rank);
             }
         }
     }
@@ -249,7 +256,7 @@ static ts_status ck_collect(ck_ctx *c, bool loading)
             it->kind = pass ? TS__CKPT_RANK_EXTRA : TS__CKPT_EXTRA;
             it->t = t;
             it->dtype = ts_tensor_dtype(t);
-            ck_geometry(it, NULL, NULL, t, c->rank);
+            ck_geometry(it, NULL, t, c->rank);
             if (pass) it->writes = true;
         }
     }
@@ -597,10 +604,10 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
     ts_optim *o = c->o ? c->o->optim : NULL;
     if (!st && o) {
         /* the hyperparameters as torch's state dict has them: "param_groups": [{"lr": ..., "betas": [..]}] */
-        ts__optim_hparams hp;
-        ts__optim_hparams_get(o, &hp);
+        ts_optim_hparams hp;
+        (void)ts_optim_hparams_get(o, &hp); /* o is not NULL: cannot fail */
         json_t *oj = json_object(), *groups = json_array(), *gj = json_object();
-        bool bad = !oj || !groups || !gj || json_object_set_new(oj, "kind", json_string(ts__optim_kind_name(o))) ||
+        bool bad = !oj || !groups || !gj || json_object_set_new(oj, "kind", json_string(ts_optim_kind_name(o))) ||
                    json_object_set_new(oj, "steps", json_integer((json_int_t)ts_optim_step_count(o))) ||
                    json_object_set_new(gj, "lr", json_real(hp.lr)) ||
                    json_object_set_new(gj, "weight_decay", json_real(hp.weight_decay)) ||
@@ -837,6 +844,22 @@ static ts_status ck_check_meta(const char *op, const ts_ckpt_meta *meta, int n_a
     return st;
 }
 
+/* TS_ERR_STATE naming the first tensor of model (parameters and buffers,
+ * state-dict order) on the meta device: it has no values to save. */
+static ts_status ck_check_materialized(const char *op, ts_module *model)
+{
+    ts_named_params np = {0};
+    ts_status st = ts_module_named_tensors(model, &np); /* the first meta name is the same with or without the
+                                                             tied duplicates: a duplicate follows its first name */
+    for (int i = 0; i < np.n && !st; i++)
+        if (ts_tensor_is_meta(*np.items[i].slot))
+            st = ts_error(TS_ERR_STATE,
+                          "%s: '%s' is on the meta device: call ts_fsdp_materialize (or load a checkpoint) first", op,
+                          np.items[i].name);
+    ts_named_params_free(&np);
+    return st;
+}
+
 static ts_status ck_check_common(const char *op, const char *dir, ts_module *model, const ts_ckpt_options *o)
 {
     if (!dir || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", op);
@@ -848,7 +871,7 @@ ts_status ts_ckpt_save(const char *dir, ts_module *model, const ts_ckpt_options 
 {
     ck_ctx c = {.op = "ts_ckpt_save", .model = model, .o = options};
     ts_status st = ck_check_common(c.op, dir, model, options);
-    if (!st) st = ts__fsdp_check_materialized(c.op, model); /* a model on the meta device has no values */
+    if (!st) st = ck_check_materialized(c.op, model); /* a model on the meta device has no values */
     if (st) return st;
     st = ck_collect(&c, false);
     if (!c.world) { /* the groups could not be listed: nothing collective is possible */
@@ -1065,13 +1088,13 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
         ck_ctx_fini(&c);
         return st;
     }
-    for (int i = 0; i < c.w.n && !st; i++) st = ts__fsdp_reshard(c.w.g[i]);
+    if (!st) st = ts_fsdp_reshard_tree(model);
     ts__ckpt_index *ix = NULL;
     if (!st) st = ck_load_index(c.op, dir, &ix);
     ts_optim *o = options ? options->optim : NULL;
-    if (!st && o && ix->has_optim && strcmp(ix->optim_kind, ts__optim_kind_name(o)) != 0)
+    if (!st && o && ix->has_optim && strcmp(ix->optim_kind, ts_optim_kind_name(o)) != 0)
         st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s' holds the state of a %.40s optimizer; the optimizer given is %s",
-                      c.op, dir, ix->optim_kind, ts__optim_kind_name(o));
+                      c.op, dir, ix->optim_kind, ts_optim_kind_name(o));
     if (!st && o && !ix->has_optim && strict)
         st = ts_error(TS_ERR_NOT_FOUND, "%s: '%s' holds no optimizer state (saved without one); load with strict false "
                                         "to load the model only",
@@ -1091,10 +1114,11 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
             bool any = false;
             if (it->kind == TS__CKPT_OPTIM) {
                 const char *names[4];
-                int ns = ts__optim_state_names(o, names);
+                int ns = ts_optim_num_states(o);
+                for (int s = 0; s < ns; s++) names[s] = ts_optim_state_name(o, s);
                 const char *dot = strrchr(it->key, '.');
                 for (int s = 0; s < ns && !any; s++) {
-                    char k2[FQN_MAX + 64];
+                    char k2[CK_FQN_MAX + 64];
                     snprintf(k2, sizeof k2, "%.*s.%s", (int)(dot - it->key), it->key, names[s]);
                     any = ts__ckpt_index_find(ix, k2) != NULL;
                 }
@@ -1163,7 +1187,7 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
     st = ck_agree(&c, st, NULL);
     /* a model on the meta device (deferred init) gets its bytes here,
      * without running its initializers: the checkpoint gives the values */
-    if (!st) st = ts__fsdp_materialize(c.op, model, false);
+    if (!st) st = ts_fsdp_materialize_empty(model);
     /* every rank read everything: copy in */
     bool prev = ts_grad_mode_set(false);
     for (int i = 0; i < c.items.n && !st; i++) {
@@ -1175,7 +1199,7 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
         ts_tensor_free(lv);
     }
     ts_grad_mode_set(prev);
-    if (!st && o && ix->has_optim) ts__optim_set_step_count(o, ix->optim_steps);
+    if (!st && o && ix->has_optim) (void)ts_optim_set_step_count(o, ix->optim_steps); /* >= 0: the index checked it */
     if (!st && info_out)
         *info_out = (ts_ckpt_info){.saved_world = ix->world,
                                    .loaded_world = c.W,
@@ -1210,7 +1234,7 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
 {
     ck_ctx c = {.op = "ts_ckpt_save_full", .model = model};
     if (!path || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", c.op);
-    ts_status mat = ts__fsdp_check_materialized(c.op, model); /* a model on the meta device has no values */
+    ts_status mat = ck_check_materialized(c.op, model); /* a model on the meta device has no values */
     if (mat) return mat;
     /* checked on every rank; a rank's bad list fails every rank at the first agreement below */
     ts_status mst = ck_check_meta(c.op, metadata, n_metadata, false);
@@ -1252,26 +1276,28 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
             ts_tensor_free(lv);
             continue;
         }
-        fsdp_group *g = it->g;
-        if (g->rg && ts_comm_rank(g->rg) != 0) continue; /* HSDP: replica 0 sends */
-        int pr = ts_comm_rank(g->pg), pw = ts_comm_size(g->pg);
+        const ts_fsdp_shard_info *sh = &it->sh;
+        if (sh->replicate_group && ts_comm_rank(sh->replicate_group) != 0) continue; /* HSDP: replica 0 sends */
+        ts_comm *pg = sh->shard_group;
+        int pr = ts_comm_rank(pg), pw = ts_comm_size(pg);
         if (pr != 0) { /* this rank's rows to the shard group's rank 0, which is world rank 0 */
-            if (it->rows > 0 && !(st = ts_tensor_local_view(it->t, &lv))) st = ts_send(g->pg, lv, 0, i, NULL);
+            if (it->rows > 0 && !(st = ts_tensor_local_view(it->t, &lv))) st = ts_send(pg, lv, 0, i, NULL);
             ts_tensor_free(lv);
             continue;
         }
         if ((st = ts_tensor_new_cpu(false, it->dtype, it->ndim, it->shape, &full))) break;
         for (int r = 0; r < pw && !st; r++) {
-            const fsdp_chunk *ch = &it->p->chunks[r];
-            if (ch->rows == 0) continue;
+            int64_t row0 = 0, nrows = 0;
+            ck_chunk(sh, r, &row0, &nrows);
+            if (nrows == 0) continue;
             ts_tensor *rows = NULL;
-            if (!(st = ts_narrow(full, 0, ch->row0, ch->rows, &rows))) {
+            if (!(st = ts_narrow(full, 0, row0, nrows, &rows))) {
                 if (r == 0) {
                     if (!(st = ts_tensor_local_view(it->t, &lv))) st = ts_tensor_copy_(rows, lv);
                     ts_tensor_free(lv);
                     lv = NULL;
                 } else {
-                    st = ts_recv(g->pg, rows, r, i, NULL);
+                    st = ts_recv(pg, rows, r, i, NULL);
                 }
             }
             ts_tensor_free(rows);
@@ -1299,7 +1325,7 @@ ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
     ck_ctx c = {.op = "ts_ckpt_load_full", .model = model};
     if (!path || !model) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", c.op);
     ts_status st = ck_collect(&c, true);
-    for (int i = 0; i < c.w.n && !st; i++) st = ts__fsdp_reshard(c.w.g[i]);
+    if (!st) st = ts_fsdp_reshard_tree(model);
     int fd = -1;
     ts_safetensors_header h = {0};
     bool have_h = false;
@@ -1345,7 +1371,7 @@ ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
                       *missing ? missing : " none", *unexpected ? unexpected : " none");
     /* a model on the meta device (deferred init) gets its bytes here,
      * without running its initializers: the file gives the values */
-    if (!st) st = ts__fsdp_materialize(c.op, model, false);
+    if (!st) st = ts_fsdp_materialize_empty(model);
     /* one tensor at a time: this rank's rows into a temporary, then in */
     bool prev = ts_grad_mode_set(false);
     for (int i = 0; i < c.items.n && !st; i++) {

@@ -26,7 +26,7 @@
 #include "checkpoint/internal.h"
 
 #include "comm/comm.h"
-#include "fully_shard/internal.h"
+#include "fully_shard/fully_shard.h"
 #include "mesh/mesh.h"
 #include "safetensors/safetensors.h"
 #include "tensor/tensor.h"
@@ -443,6 +443,14 @@ static ts_status write_file(const char *op, const char *path, const ts_gpt_confi
     return st;
 }
 
+/* ts_module_named_modules: *ctx (bool) true once an FSDP module is seen. */
+static ts_status any_fsdp(void *ctx, const char *fqn, ts_module *m)
+{
+    (void)fqn;
+    if (ts_module_is_fsdp(m)) *(bool *)ctx = true;
+    return TS_OK;
+}
+
 ts_status ts_ckpt_save_hf_gpt2(const char *path, ts_module *model)
 {
     static const char op[] = "ts_ckpt_save_hf_gpt2";
@@ -450,11 +458,12 @@ ts_status ts_ckpt_save_hf_gpt2(const char *path, ts_module *model)
     ts_gpt_config c;
     ts_status st = model_config(op, model, &c);
     if (st) return st;
-    groups_walk w = {0};
-    if ((st = ts__fsdp_idle_groups(op, model, &w))) return st;
-    ts_comm *world = w.n ? ts_mesh_world(w.g[0]->mesh) : ts_dist_world();
-    bool sharded = w.n > 0;
-    ts__free(TS_MEM_NN, w.g);
+    bool idle = false, sharded = false;
+    if ((st = ts_fsdp_is_idle(model, &idle))) return st;
+    if (!idle) return ts_error(TS_ERR_STATE, "%s: not inside a forward or backward", op);
+    ts_comm *world = NULL;
+    if ((st = ts_fsdp_world(model, &world))) return st;
+    if ((st = ts_module_named_modules(model, any_fsdp, &sharded))) return st;
     int rank = world ? ts_comm_rank(world) : 0;
     /* sharded: rank 0 gets the gathered model; plain: every rank has it */
     ts_state_dict *sd = NULL;

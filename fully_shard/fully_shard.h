@@ -325,6 +325,45 @@ TS_API const ts_module_vtable *ts_fsdp_original_vtable(const ts_module *m);
  * sharded parameter tensor, borrowed; NULL if t is not one. */
 TS_API const ts_dtensor *ts_fsdp_param_dtensor(const ts_tensor *t);
 
+/* Where this rank's shard of a group parameter sits, for code outside
+ * fully_shard (checkpoints) that reads sharding without its internals.
+ * Every pointer is borrowed from the group and lives as long as the
+ * model. Shard rank r holds the rows ts_chunk_range(rows, shard_world, r)
+ * of dim 0 (rows: ts_dtensor_shape(dtensor)[0]). */
+typedef struct ts_fsdp_shard_info {
+    ts_tensor *shard;            /* the parameter's shard (the tensor the optimizer updates) */
+    const ts_dtensor *dtensor;   /* its DTensor: mesh, placements, global shape */
+    ts_comm *shard_group;        /* the ranks it is sharded over */
+    ts_comm *replicate_group;    /* HSDP: this shard's replicas; NULL without */
+    int shard_rank, shard_world; /* this rank in shard_group, and its size */
+} ts_fsdp_shard_info;
+/* Finds the group parameter of module's subtree whose shard or unsharded
+ * tensor is t and writes its shard_info to *out; when t is none (a plain
+ * parameter, a buffer, an ignored or persistent parameter) writes
+ * out->shard NULL and the rest zero. TS_ERR_INVALID_ARGUMENT for NULL;
+ * TS_ERR_NO_MEMORY. Not collective. Thread: the one that runs the model. */
+TS_API ts_status ts_fsdp_param_shard_info(ts_module *module, const ts_tensor *t, ts_fsdp_shard_info *out);
+/* Whether module's subtree is idle: no forward or backward of one of its
+ * FSDP groups runs, no reduction of one is in flight and no backward
+ * runs (a model never sharded: outside a backward). Writes *idle_out.
+ * TS_ERR_INVALID_ARGUMENT for NULL; TS_ERR_NO_MEMORY. Not collective. */
+TS_API ts_status ts_fsdp_is_idle(ts_module *module, bool *idle_out);
+/* The communicator the meshes of module's FSDP groups were made over, or
+ * ts_dist_world() when its subtree has none; borrowed (*world_out).
+ * TS_ERR_INVALID_ARGUMENT for NULL; TS_ERR_NO_MEMORY. Not collective. */
+TS_API ts_status ts_fsdp_world(ts_module *module, ts_comm **world_out);
+/* Reshards every FSDP group of module's subtree (each parameter's slots
+ * hold its shard again; already sharded groups are left as they are); a
+ * model without FSDP groups is left unchanged. TS_ERR_INVALID_ARGUMENT
+ * for NULL; TS_ERR_STATE inside a forward or backward. Not collective.
+ * Thread: the one that runs the model. */
+TS_API ts_status ts_fsdp_reshard_tree(ts_module *module);
+/* ts_fsdp_materialize without replaying the initializers: every meta
+ * tensor under root gets bytes in place (zeros), and the recorded
+ * initializers are dropped (for a caller, as a checkpoint load, that
+ * fills every value next). Errors as ts_fsdp_materialize. */
+TS_API ts_status ts_fsdp_materialize_empty(ts_module *root);
+
 /* What CPU offload did in module's subtree (each FSDP group once):
  * groups that offload (and how many pin), the staging copies made so far
  * (H2D: host shard to the all-gather's device buffer before each

@@ -551,6 +551,9 @@ ts_reshard_policy ts__fsdp_resolved_policy(const fsdp_group *g, bool root);
 /* The distinct groups of a subtree's FSDP modules, pre-order (w->g owned
  * by the caller). */
 ts_status ts__fsdp_subtree_groups(ts_module *m, ts__fsdp_groups_walk *w);
+/* Inside a forward or backward of one of g[0..n), or a reduction of one
+ * in flight, or any backward running. */
+bool ts__fsdp_groups_busy(fsdp_group *const *g, int n);
 /* The groups of m's subtree (w->g owned by the caller), or TS_ERR_STATE
  * (naming fn) when called inside a forward or backward of one of them. */
 ts_status ts__fsdp_idle_groups(const char *fn, ts_module *m, ts__fsdp_groups_walk *w);
@@ -582,12 +585,5 @@ void ts__fsdp_set_virtual_world(ts_comm *world);
 
 /* Floor 7 (explicit.c, policy.c, summary.c, memory.c, grad_scaler.c,
  * floors 1-6) offers nothing to the others. */
-
-/* ------------------------------------------------------------------ */
-/* For checkpoint/ until it reads sharding through public accessors    */
-/* (issue 22 §3): the names it used before the folder's prefix.        */
-/* ------------------------------------------------------------------ */
-#define FQN_MAX TS__FSDP_FQN_MAX
-typedef ts__fsdp_groups_walk groups_walk;
 
 #endif

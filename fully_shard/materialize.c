@@ -185,3 +185,9 @@ ts_status ts_fsdp_materialize(ts_module *root)
     if (!root) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_materialize: root is NULL");
     return ts__fsdp_materialize("ts_fsdp_materialize", root, true);
 }
+
+ts_status ts_fsdp_materialize_empty(ts_module *root)
+{
+    if (!root) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_materialize_empty: root is NULL");
+    return ts__fsdp_materialize("ts_fsdp_materialize_empty", root, false);
+}

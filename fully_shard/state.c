@@ -733,8 +733,7 @@ ts_status ts__fsdp_subtree_groups(ts_module *m, ts__fsdp_groups_walk *w)
     return st;
 }
 
-/* Inside a forward or backward of one of g[0..n), or a reduction pending. */
-static bool busy(fsdp_group **g, int n)
+bool ts__fsdp_groups_busy(fsdp_group *const *g, int n)
 {
     for (int i = 0; i < n; i++)
         if (g[i]->training == FSDP_FORWARD || ts__fsdp_reduce_in_flight(g[i])) return true;
@@ -745,7 +744,7 @@ ts_status ts__fsdp_idle_groups(const char *fn, ts_module *m, ts__fsdp_groups_wal
 {
     ts_status st = ts__fsdp_subtree_groups(m, w);
     if (st) return st;
-    if (busy(w->g, w->n)) {
+    if (ts__fsdp_groups_busy(w->g, w->n)) {
         ts__free(TS_MEM_NN, w->g);
         w->g = NULL;
         return ts_error(TS_ERR_STATE, "%s: not inside a forward or backward", fn);

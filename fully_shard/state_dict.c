@@ -33,6 +33,65 @@ fsdp_param *ts__fsdp_find_param(ts__fsdp_groups_walk *w, const ts_tensor *t, fsd
     return NULL;
 }
 
+/* ------------------------------------------------------------------ */
+/* Sharding as code outside fully_shard reads it (checkpoint/)        */
+/* ------------------------------------------------------------------ */
+
+ts_status ts_fsdp_param_shard_info(ts_module *module, const ts_tensor *t, ts_fsdp_shard_info *out)
+{
+    if (!module || !t || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_param_shard_info: NULL argument");
+    ts__fsdp_groups_walk w;
+    ts_status st = ts__fsdp_subtree_groups(module, &w);
+    if (st) return st;
+    fsdp_group *g = NULL;
+    fsdp_param *p = ts__fsdp_find_param(&w, t, &g);
+    ts_fsdp_shard_info info = {0};
+    if (p) {
+        info.shard = p->S;
+        info.dtensor = p->dt;
+        info.shard_group = g->pg;
+        info.replicate_group = g->rg;
+        info.shard_rank = g->rank;
+        info.shard_world = g->W;
+    }
+    ts__free(TS_MEM_NN, w.g);
+    *out = info;
+    return TS_OK;
+}
+
+ts_status ts_fsdp_is_idle(ts_module *module, bool *idle_out)
+{
+    if (!module || !idle_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_is_idle: NULL argument");
+    ts__fsdp_groups_walk w;
+    ts_status st = ts__fsdp_subtree_groups(module, &w);
+    if (st) return st;
+    *idle_out = !ts__fsdp_groups_busy(w.g, w.n);
+    ts__free(TS_MEM_NN, w.g);
+    return TS_OK;
+}
+
+ts_status ts_fsdp_world(ts_module *module, ts_comm **world_out)
+{
+    if (!module || !world_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_world: NULL argument");
+    ts__fsdp_groups_walk w;
+    ts_status st = ts__fsdp_subtree_groups(module, &w);
+    if (st) return st;
+    *world_out = w.n ? ts_mesh_world(w.g[0]->mesh) : ts_dist_world();
+    ts__free(TS_MEM_NN, w.g);
+    return TS_OK;
+}
+
+ts_status ts_fsdp_reshard_tree(ts_module *module)
+{
+    if (!module) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_reshard_tree: NULL argument");
+    ts__fsdp_groups_walk w;
+    ts_status st = ts__fsdp_idle_groups("ts_fsdp_reshard_tree", module, &w);
+    if (st) return st;
+    for (int i = 0; i < w.n && !st; i++) st = ts__fsdp_reshard(w.g[i]);
+    ts__free(TS_MEM_NN, w.g);
+    return st;
+}
+
 ts_status ts_fsdp_full_state_dict(ts_module *module, bool rank0_only, ts_state_dict **out)
 {
     if (!module || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_full_state_dict: NULL argument");

@@ -299,6 +299,13 @@ TS_API void ts_named_params_free(ts_named_params *p);
  * module's own, pre-order), each tensor once, empty slots skipped; the
  * entries have is_buffer set. Free with ts_named_params_free. */
 TS_API ts_status ts_module_named_buffers(ts_module *m, ts_named_params *out);
+/* Every parameter and buffer of the module tree under every name, in
+ * state-dict order (per module: its parameters, then its buffers, then its
+ * children; a tied tensor under each of its names), empty slots skipped.
+ * Each entry points to the module's slot itself (borrowed; the list owns
+ * its names); buffers have is_buffer set. Free with ts_named_params_free.
+ * TS_ERR_INVALID_ARGUMENT for NULL; TS_ERR_NO_MEMORY. */
+TS_API ts_status ts_module_named_tensors(ts_module *m, ts_named_params *out);
 
 /* A list of tensors, each a reference owned by the list. */
 typedef struct ts_param_list {

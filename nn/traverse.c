@@ -195,6 +195,12 @@ ts_status ts_module_named_buffers(ts_module *m, ts_named_params *out)
     return ts__module_entries(m, false, true, true, out);
 }
 
+ts_status ts_module_named_tensors(ts_module *m, ts_named_params *out)
+{
+    if (!m || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_named_tensors: NULL argument");
+    return ts__module_entries(m, true, true, false, out);
+}
+
 ts_status ts_module_parameters(ts_module *m, ts_param_list *out)
 {
     if (!m || !out)

@@ -553,6 +553,40 @@ int ts__optim_state_names(const ts_optim *o, const char *names_out[4])
 
 void ts__optim_set_step_count(ts_optim *o, int64_t steps) { o->steps = steps; }
 
+const char *ts_optim_kind_name(const ts_optim *o) { return o ? ts__optim_kind_name(o) : NULL; }
+
+int ts_optim_num_states(const ts_optim *o)
+{
+    const char *names[4];
+    return o ? ts__optim_state_names(o, names) : 0;
+}
+
+const char *ts_optim_state_name(const ts_optim *o, int i)
+{
+    const char *names[4];
+    int n = o ? ts__optim_state_names(o, names) : 0;
+    return i >= 0 && i < n ? names[i] : NULL;
+}
+
+ts_status ts_optim_set_step_count(ts_optim *o, int64_t steps)
+{
+    if (!o) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_optim_set_step_count: the optimizer is NULL");
+    if (steps < 0) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_optim_set_step_count: steps %lld < 0", (long long)steps);
+    ts__optim_set_step_count(o, steps);
+    return TS_OK;
+}
+
+ts_status ts_optim_hparams_get(const ts_optim *o, ts_optim_hparams *out)
+{
+    if (!o || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_optim_hparams_get: NULL argument");
+    ts__optim_hparams hp;
+    ts__optim_hparams_get(o, &hp);
+    *out = (ts_optim_hparams){.sgd = hp.sgd, .lr = hp.lr, .momentum = hp.momentum, .dampening = hp.dampening,
+                              .weight_decay = hp.weight_decay, .beta1 = hp.beta1, .beta2 = hp.beta2, .eps = hp.eps,
+                              .nesterov = hp.nesterov, .amsgrad = hp.amsgrad, .maximize = hp.maximize};
+    return TS_OK;
+}
+
 int ts__optim_fused_calls(const ts_optim *o) { return o && o->fused ? o->last_calls : -1; }
 
 int ts_optim_num_params(const ts_optim *o) { return o ? o->n : 0; }

@@ -141,6 +141,31 @@ TS_API ts_tensor *ts_optim_state(const ts_optim *o, int param_index, const char 
  * (no such state in this optimizer, e.g. "max_exp_avg_sq" without amsgrad
  * or "momentum_buffer" with momentum 0), TS_ERR_NO_MEMORY. */
 TS_API ts_status ts_optim_state_create(ts_optim *o, int param_index, const char *name, ts_tensor **state_out);
+/* The optimizer's class as torch names it: "SGD", "Adam" or "AdamW" (a
+ * static string; NULL for NULL). */
+TS_API const char *ts_optim_kind_name(const ts_optim *o);
+/* The number of per-parameter states o keeps (0 for NULL), and the name
+ * of state i of them in torch's order (a static string; NULL for NULL or
+ * i out of range): SGD with momentum "momentum_buffer" (none without);
+ * Adam/AdamW "step", "exp_avg", "exp_avg_sq", then "max_exp_avg_sq" with
+ * amsgrad. Each parameter has these once created (ts_optim_state). */
+TS_API int ts_optim_num_states(const ts_optim *o);
+TS_API const char *ts_optim_state_name(const ts_optim *o, int i);
+/* Sets the number of completed steps (ts_optim_step_count), as loading a
+ * checkpoint does; the parameters' own "step" states are not changed.
+ * TS_ERR_INVALID_ARGUMENT for NULL or steps < 0. */
+TS_API ts_status ts_optim_set_step_count(ts_optim *o, int64_t steps);
+/* The hyperparameters of o, as torch's param_groups[0] holds them: lr is
+ * the current one (ts_optim_get_lr); sgd is true for SGD (then momentum,
+ * dampening, weight_decay, nesterov and maximize are its, the rest 0),
+ * false for Adam / AdamW (beta1, beta2, eps, weight_decay, amsgrad,
+ * maximize). Writes *out. TS_ERR_INVALID_ARGUMENT for NULL. */
+typedef struct ts_optim_hparams {
+    bool sgd;
+    double lr, momentum, dampening, weight_decay, beta1, beta2, eps;
+    bool nesterov, amsgrad, maximize;
+} ts_optim_hparams;
+TS_API ts_status ts_optim_hparams_get(const ts_optim *o, ts_optim_hparams *out);
 
 /* Learning-rate schedules: the lr to use for step `step` (0-based, the
  * number of steps already taken), in double precision. Every kind but

@@ -239,6 +239,8 @@ FACTORY = {
     'ts_comm_counters *': '&f_counters',
     'ts_fsdp_group_info *': '&f_group_info',
     'ts_fsdp_offload_stats *': '&f_offload_stats',
+    'ts_fsdp_shard_info *': '&f_shard_info',
+    'ts_optim_hparams *': '&f_optim_hparams',
     'ts_fsdp_accum_memory *': '&f_accum_memory',
     'ts_ckpt_info *': '&f_ckpt_info',
     'const ts_ckpt_options *': '&f_ckpt_opts',
@@ -450,6 +452,8 @@ static ts_fsdp_summon *f_summon_outs[8];
 static ts_comm_counters f_counters;
 static ts_fsdp_group_info f_group_info;
 static ts_fsdp_offload_stats f_offload_stats;
+static ts_fsdp_shard_info f_shard_info;
+static ts_optim_hparams f_optim_hparams;
 static ts_fsdp_accum_memory f_accum_memory;
 static ts_ckpt_info f_ckpt_info;
 static ts_ckpt_options f_ckpt_opts = {.strict = true};
