@@ -1222,7 +1222,8 @@ ts_status ts_ckpt_metadata(const char *dir, const char *key, char **value_out)
     const json_t *v = ix->metadata ? json_object_get(ix->metadata, key) : NULL;
     if (!v) st = ts_error(TS_ERR_NOT_FOUND, "%s: '%s' has no metadata key '%.*s'", op, dir, CK_SHOWN, key);
     char *s = NULL;
-    if (!st && !(s = strdup(json_string_value(v)))) st = TS_ERR_NO_MEMORY; /* libc: the caller free()s it (checkpoint.h) */
+    if (!st) s = strdup(json_string_value(v)); /* libc: the caller free()s it (checkpoint.h) */
+    if (!st && !s) st = TS_ERR_NO_MEMORY;
     ts__ckpt_index_free(ix);
     if (!st) *value_out = s;
     return st;
