@@ -57,14 +57,14 @@ ts_status ts_set_allocator(const ts_allocator *a)
 {
     size_t total = ts_mem_live_total();
     if (total != 0)
-        return ts_error(TS_ERR_STATE, "ts_set_allocator: %zu bytes are still live; install the allocator "
-                                      "before the first allocation", total);
+        return ts_error(TS_ERR_STATE,
+                        "ts_set_allocator: %zu bytes are still live; install the allocator "
+                        "before the first allocation",
+                        total);
     if (a && (!a->alloc || !a->free))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_set_allocator: alloc and free must both be set");
-    if (a)
-        allocator = *a;
-    else
-        allocator = (ts_allocator){default_alloc, default_free, NULL};
+    if (a) allocator = *a;
+    else allocator = (ts_allocator){default_alloc, default_free, NULL};
     return TS_OK;
 }
 
@@ -73,9 +73,9 @@ static void count(int tag, size_t n, bool add)
     if (add) {
         size_t now = atomic_fetch_add_explicit(&live[tag], n, memory_order_relaxed) + n;
         size_t p = atomic_load_explicit(&peak[tag], memory_order_relaxed);
-        while (now > p && !atomic_compare_exchange_weak_explicit(&peak[tag], &p, now, memory_order_relaxed,
-                                                                 memory_order_relaxed)) {
-        }
+        while (
+            now > p &&
+            !atomic_compare_exchange_weak_explicit(&peak[tag], &p, now, memory_order_relaxed, memory_order_relaxed)) {}
     } else {
         atomic_fetch_sub_explicit(&live[tag], n, memory_order_relaxed);
     }
@@ -83,14 +83,12 @@ static void count(int tag, size_t n, bool add)
 
 void ts__mem_count(ts_mem_tag tag, size_t bytes, bool add)
 {
-    if ((unsigned)tag < TS_MEM_TAG_COUNT)
-        count(tag, bytes, add);
+    if ((unsigned)tag < TS_MEM_TAG_COUNT) count(tag, bytes, add);
 }
 
 void *ts__malloc(ts_mem_tag tag, size_t size)
 {
-    if ((unsigned)tag >= TS_MEM_TAG_COUNT)
-        tag = TS_MEM_OTHER;
+    if ((unsigned)tag >= TS_MEM_TAG_COUNT) tag = TS_MEM_OTHER;
     if (size > SIZE_MAX - TS__HDR) {
         ts_error(TS_ERR_NO_MEMORY, "allocation of %zu bytes (%s) is too large", size, ts_mem_tag_name(tag));
         return NULL;
@@ -110,8 +108,7 @@ void *ts__malloc(ts_mem_tag tag, size_t size)
 
 void *ts__malloc_raw(ts_mem_tag tag, size_t size, size_t align)
 {
-    if ((unsigned)tag >= TS_MEM_TAG_COUNT)
-        tag = TS_MEM_OTHER;
+    if ((unsigned)tag >= TS_MEM_TAG_COUNT) tag = TS_MEM_OTHER;
     if (align < 64 || (align & (align - 1)) || size > SIZE_MAX - align) {
         ts_error(TS_ERR_NO_MEMORY, "allocation of %zu bytes aligned to %zu (%s) is not possible", size, align,
                  ts_mem_tag_name(tag));
@@ -128,10 +125,8 @@ void *ts__malloc_raw(ts_mem_tag tag, size_t size, size_t align)
 
 void ts__free_raw(ts_mem_tag tag, void *ptr, size_t size)
 {
-    if (!ptr)
-        return;
-    if ((unsigned)tag >= TS_MEM_TAG_COUNT)
-        tag = TS_MEM_OTHER;
+    if (!ptr) return;
+    if ((unsigned)tag >= TS_MEM_TAG_COUNT) tag = TS_MEM_OTHER;
     count(tag, size, false);
     allocator.free(ptr, size, allocator.ctx);
 }
@@ -143,16 +138,14 @@ void *ts__calloc(ts_mem_tag tag, size_t n, size_t size)
         return NULL;
     }
     void *p = ts__malloc(tag, n * size);
-    if (p)
-        memset(p, 0, n * size);
+    if (p) memset(p, 0, n * size);
     return p;
 }
 
 void ts__free(ts_mem_tag tag, void *ptr)
 {
     (void)tag;
-    if (!ptr)
-        return;
+    if (!ptr) return;
     char *p = (char *)ptr - TS__HDR;
     alloc_hdr *h = (alloc_hdr *)p;
     TS_ASSERT(h->magic == TS__MAGIC);
@@ -163,49 +156,42 @@ void ts__free(ts_mem_tag tag, void *ptr)
 
 char *ts__strdup(ts_mem_tag tag, const char *s)
 {
-    if (!s)
-        return NULL;
+    if (!s) return NULL;
     size_t n = strlen(s) + 1;
     char *d = ts__malloc(tag, n);
-    if (d)
-        memcpy(d, s, n);
+    if (d) memcpy(d, s, n);
     return d;
 }
 
 size_t ts_mem_live_bytes(ts_mem_tag tag)
 {
-    if ((unsigned)tag >= TS_MEM_TAG_COUNT)
-        return 0;
+    if ((unsigned)tag >= TS_MEM_TAG_COUNT) return 0;
     return atomic_load_explicit(&live[tag], memory_order_relaxed);
 }
 
 size_t ts_mem_live_total(void)
 {
     size_t t = 0;
-    for (int i = 0; i < TS_MEM_TAG_COUNT; i++)
-        t += atomic_load_explicit(&live[i], memory_order_relaxed);
+    for (int i = 0; i < TS_MEM_TAG_COUNT; i++) t += atomic_load_explicit(&live[i], memory_order_relaxed);
     return t;
 }
 
 size_t ts_mem_peak_bytes(ts_mem_tag tag)
 {
-    if ((unsigned)tag >= TS_MEM_TAG_COUNT)
-        return 0;
+    if ((unsigned)tag >= TS_MEM_TAG_COUNT) return 0;
     return atomic_load_explicit(&peak[tag], memory_order_relaxed);
 }
 
 void ts_mem_reset_peak(void)
 {
     for (int i = 0; i < TS_MEM_TAG_COUNT; i++)
-        atomic_store_explicit(&peak[i], atomic_load_explicit(&live[i], memory_order_relaxed),
-                              memory_order_relaxed);
+        atomic_store_explicit(&peak[i], atomic_load_explicit(&live[i], memory_order_relaxed), memory_order_relaxed);
 }
 
 const char *ts_mem_tag_name(ts_mem_tag tag)
 {
-    static const char *const names[TS_MEM_TAG_COUNT] = {"other", "tensor", "storage", "pool",
-                                                        "autograd", "comm", "nn", "pinned"};
-    if ((unsigned)tag >= TS_MEM_TAG_COUNT)
-        return "invalid";
+    static const char *const names[TS_MEM_TAG_COUNT] = {"other",    "tensor", "storage", "pool",
+                                                        "autograd", "comm",   "nn",      "pinned"};
+    if ((unsigned)tag >= TS_MEM_TAG_COUNT) return "invalid";
     return names[tag];
 }

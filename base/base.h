@@ -33,26 +33,26 @@ extern "C" {
  * Status codes. OK is 0; every error is negative. One table makes the enum,
  * the names and the messages: X(name, value, message).
  */
-#define TS_STATUS_TABLE(X)                                                        \
-    X(TS_OK, 0, "success")                                                        \
-    X(TS_ERR_INVALID_ARGUMENT, -1, "invalid argument")                            \
-    X(TS_ERR_SHAPE, -2, "shape mismatch")                                         \
-    X(TS_ERR_DTYPE, -3, "dtype mismatch or unsupported dtype")                    \
-    X(TS_ERR_INDEX, -4, "index or dimension out of range")                        \
-    X(TS_ERR_NO_MEMORY, -5, "out of memory")                                      \
-    X(TS_ERR_NOT_VIEWABLE, -6, "view not possible on this layout")               \
-    X(TS_ERR_RELEASED, -7, "storage has been released")                           \
-    X(TS_ERR_SHARDED, -8, "tensor is a shard; use the module or a local view")    \
-    X(TS_ERR_AUTOGRAD, -9, "autograd error")                                      \
-    X(TS_ERR_STATE, -10, "operation not valid in the current state")             \
-    X(TS_ERR_ALREADY, -11, "already done")                                        \
-    X(TS_ERR_IO, -12, "input/output error")                                       \
-    X(TS_ERR_FORMAT, -13, "malformed data")                                       \
-    X(TS_ERR_UNSUPPORTED, -14, "not supported")                                   \
-    X(TS_ERR_TIMEOUT, -15, "timed out")                                           \
-    X(TS_ERR_PEER_FAILED, -16, "a peer process failed")                           \
-    X(TS_ERR_COMM, -17, "communication error")                                    \
-    X(TS_ERR_NOT_FOUND, -18, "not found")                                         \
+#define TS_STATUS_TABLE(X) \
+    X(TS_OK, 0, "success") \
+    X(TS_ERR_INVALID_ARGUMENT, -1, "invalid argument") \
+    X(TS_ERR_SHAPE, -2, "shape mismatch") \
+    X(TS_ERR_DTYPE, -3, "dtype mismatch or unsupported dtype") \
+    X(TS_ERR_INDEX, -4, "index or dimension out of range") \
+    X(TS_ERR_NO_MEMORY, -5, "out of memory") \
+    X(TS_ERR_NOT_VIEWABLE, -6, "view not possible on this layout") \
+    X(TS_ERR_RELEASED, -7, "storage has been released") \
+    X(TS_ERR_SHARDED, -8, "tensor is a shard; use the module or a local view") \
+    X(TS_ERR_AUTOGRAD, -9, "autograd error") \
+    X(TS_ERR_STATE, -10, "operation not valid in the current state") \
+    X(TS_ERR_ALREADY, -11, "already done") \
+    X(TS_ERR_IO, -12, "input/output error") \
+    X(TS_ERR_FORMAT, -13, "malformed data") \
+    X(TS_ERR_UNSUPPORTED, -14, "not supported") \
+    X(TS_ERR_TIMEOUT, -15, "timed out") \
+    X(TS_ERR_PEER_FAILED, -16, "a peer process failed") \
+    X(TS_ERR_COMM, -17, "communication error") \
+    X(TS_ERR_NOT_FOUND, -18, "not found") \
     X(TS_ERR_INTERNAL, -19, "internal error")
 
 typedef enum ts_status {
@@ -118,17 +118,17 @@ TS_API ts_status ts_error(ts_status s, const char *fmt, ...) TS_PRINTF(2, 3);
  *       return st;
  *   }
  */
-#define TS_TRY(expr)                                  \
-    do {                                              \
-        ts_status ts_try_st_ = (expr);                \
-        if (ts_try_st_ != TS_OK) return ts_try_st_;   \
+#define TS_TRY(expr) \
+    do { \
+        ts_status ts_try_st_ = (expr); \
+        if (ts_try_st_ != TS_OK) return ts_try_st_; \
     } while (0)
-#define TS_CHECK(cond, status, ...)                          \
-    do {                                                     \
+#define TS_CHECK(cond, status, ...) \
+    do { \
         if (!(cond)) return ts_error((status), __VA_ARGS__); \
     } while (0)
-#define TS_TRY_GOTO(st, expr, label)           \
-    do {                                       \
+#define TS_TRY_GOTO(st, expr, label) \
+    do { \
         if (((st) = (expr)) != TS_OK) goto label; \
     } while (0)
 
@@ -199,7 +199,6 @@ TS_API const char *ts_mem_tag_name(ts_mem_tag tag);
 /* Bytes of pinned blocks that mlock locked (<= ts_mem_live_bytes(TS_MEM_PINNED)). */
 TS_API size_t ts_mem_locked_bytes(void);
 
-
 /*
  * Process memory (base/procmem.c). What the kernel counts for the whole
  * process, beside the library's own counters above: the resident set
@@ -247,13 +246,7 @@ TS_API int ts_cpu_count(void);
  * Logging. The level comes from TS_LOG_LEVEL (error, warn, info, debug,
  * trace; default warn), read once; ts_log_set_level overrides it.
  */
-typedef enum ts_log_level {
-    TS_LOG_ERROR = 0,
-    TS_LOG_WARN,
-    TS_LOG_INFO,
-    TS_LOG_DEBUG,
-    TS_LOG_TRACE
-} ts_log_level;
+typedef enum ts_log_level { TS_LOG_ERROR = 0, TS_LOG_WARN, TS_LOG_INFO, TS_LOG_DEBUG, TS_LOG_TRACE } ts_log_level;
 
 TS_API void ts_log_set_level(ts_log_level level);
 TS_API ts_log_level ts_log_get_level(void);
@@ -364,9 +357,9 @@ TS_API ts_status ts_trace_rank_path(const char *file, int rank, char *buf, size_
 
 /* Scoped span helper: `TS_TRACE_BEGIN(t); ...; TS_TRACE_END(t, "matmul", "compute");` */
 #define TS_TRACE_BEGIN(var) uint64_t var = ts_trace_enabled() ? ts_now_ns() : 0
-#define TS_TRACE_END(var, name, cat)                                   \
-    do {                                                               \
-        if (var) ts_trace_span((name), (cat), (var), ts_now_ns());     \
+#define TS_TRACE_END(var, name, cat) \
+    do { \
+        if (var) ts_trace_span((name), (cat), (var), ts_now_ns()); \
     } while (0)
 
 #ifdef __cplusplus

@@ -28,8 +28,7 @@ static ts_status random_u64(const char *op, uint64_t *out)
     size_t got = 0;
     while (got < sizeof v) {
         ssize_t r = getrandom((char *)&v + got, sizeof v - got, 0);
-        if (r < 0 && errno == EINTR)
-            continue;
+        if (r < 0 && errno == EINTR) continue;
         if (r < 0)
             return ts_error(TS_ERR_IO, "%s: getrandom for a temporary file name failed: %s", op, strerror(errno));
         got += (size_t)r;
@@ -45,8 +44,7 @@ ts_status ts__tmp_create(ts_mem_tag tag, const char *op, const char *dir, const 
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__tmp_create: NULL argument");
     size_t tlen = strlen(dir) + strlen(base) + 64;
     char *tmp = ts__malloc(tag, tlen);
-    if (!tmp)
-        return TS_ERR_NO_MEMORY;
+    if (!tmp) return TS_ERR_NO_MEMORY;
     for (int attempt = 0; attempt < 16; attempt++) {
         uint64_t r = 0;
         ts_status st = random_u64(op, &r);
@@ -62,8 +60,8 @@ ts_status ts__tmp_create(ts_mem_tag tag, const char *op, const char *dir, const 
             return TS_OK;
         }
         if (errno != EEXIST) {
-            ts_status e = ts_error(TS_ERR_IO, "%s: cannot create the temporary file '%s' for '%s': %s", op, tmp,
-                                   target, strerror(errno));
+            ts_status e = ts_error(TS_ERR_IO, "%s: cannot create the temporary file '%s' for '%s': %s", op, tmp, target,
+                                   strerror(errno));
             ts__free(tag, tmp);
             return e;
         }
@@ -74,16 +72,12 @@ ts_status ts__tmp_create(ts_mem_tag tag, const char *op, const char *dir, const 
 
 ts_status ts__tmp_create_beside(ts_mem_tag tag, const char *op, const char *path, char **tmp_out, int *fd_out)
 {
-    if (!op || !path)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__tmp_create_beside: NULL argument");
+    if (!op || !path) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__tmp_create_beside: NULL argument");
     const char *slash = strrchr(path, '/');
     char dir[4096];
-    if (!slash)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == path)
-        snprintf(dir, sizeof dir, "/");
-    else
-        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (slash == path) snprintf(dir, sizeof dir, "/");
+    else snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
     return ts__tmp_create(tag, op, dir, slash ? slash + 1 : path, path, tmp_out, fd_out);
 }
 

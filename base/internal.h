@@ -78,8 +78,7 @@ TS_API ts_status ts__tmp_create(ts_mem_tag tag, const char *op, const char *dir,
                                 char **tmp_out, int *fd_out);
 /* The same beside `path`: in its folder ("." when it has none), named
  * after its last component. Errors as ts__tmp_create. */
-TS_API ts_status ts__tmp_create_beside(ts_mem_tag tag, const char *op, const char *path, char **tmp_out,
-                                       int *fd_out);
+TS_API ts_status ts__tmp_create_beside(ts_mem_tag tag, const char *op, const char *path, char **tmp_out, int *fd_out);
 /* The mode to give a file the library writes: max_mode (0644 for every
  * file it writes) less the process's umask. */
 TS_API unsigned ts__file_mode(unsigned max_mode);

@@ -80,13 +80,13 @@ static bool lock_block(void *p, size_t len)
     char lim[64];
     if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
         snprintf(lim, sizeof lim, "%llu bytes", (unsigned long long)rl.rlim_cur);
-    else
-        snprintf(lim, sizeof lim, "unlimited");
+    else snprintf(lim, sizeof lim, "unlimited");
     ts_log_level lv = g_warned ? TS_LOG_DEBUG : TS_LOG_WARN;
     g_warned = true;
-    ts_logf(lv, "pinned memory: mlock of %zu bytes failed (%s); RLIMIT_MEMLOCK is %s and %zu bytes are locked "
-            "already: the memory stays pageable (raise the limit, e.g. ulimit -l, to pin it)", len, strerror(e), lim,
-            atomic_load(&g_locked));
+    ts_logf(lv,
+            "pinned memory: mlock of %zu bytes failed (%s); RLIMIT_MEMLOCK is %s and %zu bytes are locked "
+            "already: the memory stays pageable (raise the limit, e.g. ulimit -l, to pin it)",
+            len, strerror(e), lim, atomic_load(&g_locked));
     return false;
 }
 

@@ -46,17 +46,16 @@ ts_status ts__process_memory_parse(const char *path, ts_process_memory *out)
     fclose(f);
     if (err) return ts_error(TS_ERR_IO, "ts_process_memory_read: reading %s failed", path);
     if (rss < 0 || hwm < 0)
-        return ts_error(TS_ERR_FORMAT, "ts_process_memory_read: %s has no %s line in kB (the kernel's "
-                                       "/proc/<pid>/status has both)", path, rss < 0 ? "VmRSS" : "VmHWM");
+        return ts_error(TS_ERR_FORMAT,
+                        "ts_process_memory_read: %s has no %s line in kB (the kernel's "
+                        "/proc/<pid>/status has both)",
+                        path, rss < 0 ? "VmRSS" : "VmHWM");
     ts_process_memory m = {(size_t)rss * 1024, (size_t)hwm * 1024};
     *out = m;
     return TS_OK;
 }
 
-ts_status ts_process_memory_read(ts_process_memory *out)
-{
-    return ts__process_memory_parse("/proc/self/status", out);
-}
+ts_status ts_process_memory_read(ts_process_memory *out) { return ts__process_memory_parse("/proc/self/status", out); }
 
 /* ------------------------------------------------------------ the cap */
 
@@ -178,8 +177,7 @@ static bool hierarchy_cap(const char *cgroup_file, const char *mountinfo, bool v
     return any;
 }
 
-ts_status ts__memory_cap_from(const char *env_value, const char *cgroup_file, const char *mountinfo,
-                              ts_memory_cap *out)
+ts_status ts__memory_cap_from(const char *env_value, const char *cgroup_file, const char *mountinfo, ts_memory_cap *out)
 {
     if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_memory_cap_read: out must not be NULL");
     ts_memory_cap c;
@@ -189,8 +187,10 @@ ts_status ts__memory_cap_from(const char *env_value, const char *cgroup_file, co
         errno = 0;
         unsigned long long v = strtoull(env_value, &end, 10);
         if (errno || end == env_value || *end || v == 0 || env_value[0] == '-')
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_memory_cap_read: " TS_MEMORY_PER_RANK_ENV "='%s' is not a "
-                                                     "number of bytes above 0", env_value);
+            return ts_error(TS_ERR_INVALID_ARGUMENT,
+                            "ts_memory_cap_read: " TS_MEMORY_PER_RANK_ENV "='%s' is not a "
+                            "number of bytes above 0",
+                            env_value);
         c.bytes = (size_t)v;
         snprintf(c.source, sizeof c.source, TS_MEMORY_PER_RANK_ENV);
         *out = c;
@@ -222,8 +222,7 @@ int ts_cpu_count(void)
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof set, &set) == 0) {
         int n = CPU_COUNT(&set);
-        if (n > 0)
-            return n;
+        if (n > 0) return n;
     }
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 && n < INT_MAX ? (int)n : 1;

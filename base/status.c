@@ -17,8 +17,7 @@ const char *ts_status_name(ts_status s)
 {
     switch (s) {
 #define TS__NAME_CASE(name, value, msg) \
-    case name:                          \
-        return #name;
+    case name: return #name;
         TS_STATUS_TABLE(TS__NAME_CASE)
 #undef TS__NAME_CASE
     }
@@ -29,8 +28,7 @@ const char *ts_status_str(ts_status s)
 {
     switch (s) {
 #define TS__STR_CASE(name, value, msg) \
-    case name:                         \
-        return msg;
+    case name: return msg;
         TS_STATUS_TABLE(TS__STR_CASE)
 #undef TS__STR_CASE
     }

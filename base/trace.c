@@ -93,22 +93,18 @@ bool ts_trace_enabled(void) { return atomic_load_explicit(&enabled, memory_order
 
 static thread_buf *my_buf(void)
 {
-    if (tl_buf)
-        return tl_buf;
+    if (tl_buf) return tl_buf;
     /* libc, not the hook: a thread's buffer lives as long as the process
      * (g_bufs keeps it for a flush after the thread ended), so counted it
      * would stay live for good and forbid ts_set_allocator */
     thread_buf *b = calloc(1, sizeof *b);
-    if (!b)
-        return NULL;
+    if (!b) return NULL;
     pthread_mutex_init(&b->lock, NULL);
     b->is_main = gettid() == getpid();
     pthread_mutex_lock(&g_lock);
     b->tid = g_next_tid++;
-    if (b->is_main)
-        snprintf(b->name, sizeof b->name, "main");
-    else
-        snprintf(b->name, sizeof b->name, "thread %d", b->tid);
+    if (b->is_main) snprintf(b->name, sizeof b->name, "main");
+    else snprintf(b->name, sizeof b->name, "thread %d", b->tid);
     b->next = g_bufs;
     g_bufs = b;
     pthread_mutex_unlock(&g_lock);
@@ -119,8 +115,7 @@ static thread_buf *my_buf(void)
 void ts_trace_thread_name(const char *name)
 {
     thread_buf *b = my_buf();
-    if (!b || !name)
-        return;
+    if (!b || !name) return;
     pthread_mutex_lock(&b->lock);
     snprintf(b->name, sizeof b->name, "%s", name);
     pthread_mutex_unlock(&b->lock);
@@ -129,20 +124,16 @@ void ts_trace_thread_name(const char *name)
 /* One block holding the arguments and copies of their strings. */
 static span_args *args_new(int n, const ts_trace_arg *args)
 {
-    if (n > TS_TRACE_MAX_ARGS)
-        n = TS_TRACE_MAX_ARGS;
+    if (n > TS_TRACE_MAX_ARGS) n = TS_TRACE_MAX_ARGS;
     size_t bytes = sizeof(span_args) + (size_t)n * sizeof(arg_val);
     for (int i = 0; i < n; i++)
-        if (args[i].str)
-            bytes += strlen(args[i].str) + 1;
+        if (args[i].str) bytes += strlen(args[i].str) + 1;
     span_args *a = ts__malloc(TS_MEM_OTHER, bytes);
-    if (!a)
-        return NULL;
+    if (!a) return NULL;
     char *strs = (char *)&a->a[n];
     a->n = 0;
     for (int i = 0; i < n; i++) {
-        if (!args[i].key)
-            continue;
+        if (!args[i].key) continue;
         arg_val *v = &a->a[a->n++];
         v->key = args[i].key;
         v->num = args[i].num;
@@ -160,13 +151,10 @@ static span_args *args_new(int n, const ts_trace_arg *args)
 void ts_trace_span_args(const char *name, const char *cat, uint64_t start_ns, uint64_t end_ns, int n_args,
                         const ts_trace_arg *args)
 {
-    if (!ts_trace_enabled() || !name)
-        return;
+    if (!ts_trace_enabled() || !name) return;
     thread_buf *b = my_buf();
-    if (!b)
-        return;
-    if (end_ns < start_ns)
-        end_ns = start_ns;
+    if (!b) return;
+    if (end_ns < start_ns) end_ns = start_ns;
     span_args *a = n_args > 0 && args ? args_new(n_args, args) : NULL;
     pthread_mutex_lock(&b->lock);
     if (!b->tail || b->tail->n == SPANS_PER_CHUNK) {
@@ -178,10 +166,8 @@ void ts_trace_span_args(const char *name, const char *cat, uint64_t start_ns, ui
         }
         c->next = NULL;
         c->n = 0;
-        if (b->tail)
-            b->tail->next = c;
-        else
-            b->head = c;
+        if (b->tail) b->tail->next = c;
+        else b->head = c;
         b->tail = c;
     }
     b->tail->spans[b->tail->n++] = (span){name, cat ? cat : "ts", start_ns, end_ns, a};
@@ -199,8 +185,7 @@ static void clear_spans_locked(void)
         pthread_mutex_lock(&b->lock);
         for (chunk *c = b->head, *n; c; c = n) {
             n = c->next;
-            for (int i = 0; i < c->n; i++)
-                ts__free(TS_MEM_OTHER, c->spans[i].args);
+            for (int i = 0; i < c->n; i++) ts__free(TS_MEM_OTHER, c->spans[i].args);
             ts__free(TS_MEM_OTHER, c);
         }
         b->head = b->tail = NULL;
@@ -213,8 +198,7 @@ static void clear_spans_locked(void)
 /* Appends l bytes to buf (n used of size, one byte kept for the NUL). */
 static bool put(char *buf, size_t size, size_t *n, const char *p, size_t l)
 {
-    if (*n + l >= size)
-        return false;
+    if (*n + l >= size) return false;
     memcpy(buf + *n, p, l);
     *n += l;
     return true;
@@ -222,10 +206,8 @@ static bool put(char *buf, size_t size, size_t *n, const char *p, size_t l)
 
 ts_status ts_trace_rank_path(const char *file, int rank, char *buf, size_t size)
 {
-    if (!file || !*file)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_trace_rank_path: the trace file name is empty");
-    if (!buf || size == 0)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_trace_rank_path: no output buffer");
+    if (!file || !*file) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_trace_rank_path: the trace file name is empty");
+    if (!buf || size == 0) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_trace_rank_path: no output buffer");
     char r[16];
     snprintf(r, sizeof r, "%d", rank < 0 ? 0 : rank);
     size_t n = 0, fl = strlen(file);
@@ -246,7 +228,7 @@ ts_status ts_trace_rank_path(const char *file, int rank, char *buf, size_t size)
         char ins[32];
         snprintf(ins, sizeof ins, ".rank%d", rank);
         fits = put(buf, size, &n, file, at) && put(buf, size, &n, ins, strlen(ins)) &&
-               put(buf, size, &n, file + at, fl - at);
+            put(buf, size, &n, file + at, fl - at);
     }
     if (!fits)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
@@ -263,8 +245,7 @@ static int env_rank(void)
     static const char *const vars[] = {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"};
     for (int i = 0; i < 3; i++) {
         const char *v = getenv(vars[i]);
-        if (!v || !*v)
-            continue;
+        if (!v || !*v) continue;
         char *end;
         errno = 0;
         long x = strtol(v, &end, 10);
@@ -276,9 +257,9 @@ static int env_rank(void)
 /* ------------------------------------------------------------ signals */
 
 static const int k_signals[2] = {SIGTERM, SIGINT};
-static bool g_handled[2];  /* our handler is installed for k_signals[i] */
+static bool g_handled[2]; /* our handler is installed for k_signals[i] */
 static int g_sig_pipe[2] = {-1, -1};
-static pid_t g_watch_pid;  /* the process whose watcher reads the pipe */
+static pid_t g_watch_pid; /* the process whose watcher reads the pipe */
 static atomic_int g_sig_seen;
 
 static void on_signal(int sig)
@@ -303,13 +284,10 @@ static void *watch_signals(void *arg)
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* the handler runs on other threads */
     unsigned char b = 0;
     ssize_t n;
-    while ((n = read(g_sig_pipe[0], &b, 1)) < 0 && errno == EINTR) {
-    }
-    if (n != 1)
-        return NULL;
+    while ((n = read(g_sig_pipe[0], &b, 1)) < 0 && errno == EINTR) {}
+    if (n != 1) return NULL;
     int sig = b;
-    if (ts_trace_enabled() && ts_trace_flush() != TS_OK)
-        ts_logf(TS_LOG_WARN, "TS_TRACE: %s", ts_last_error());
+    if (ts_trace_enabled() && ts_trace_flush() != TS_OK) ts_logf(TS_LOG_WARN, "TS_TRACE: %s", ts_last_error());
     signal(sig, SIG_DFL);
     sigset_t one;
     sigemptyset(&one);
@@ -324,11 +302,9 @@ static void *watch_signals(void *arg)
 static void start_watcher_locked(void)
 {
     static bool tried;
-    if (tried)
-        return;
+    if (tried) return;
     tried = true;
-    if (pipe2(g_sig_pipe, O_CLOEXEC) != 0)
-        return;
+    if (pipe2(g_sig_pipe, O_CLOEXEC) != 0) return;
     g_watch_pid = getpid();
     pthread_attr_t at;
     pthread_t th;
@@ -347,8 +323,7 @@ static void start_watcher_locked(void)
  * default (a program's own handler, or SIG_IGN, is left alone). */
 static void install_handlers_locked(void)
 {
-    if (g_sig_pipe[1] < 0)
-        return;
+    if (g_sig_pipe[1] < 0) return;
     for (int i = 0; i < 2; i++) {
         struct sigaction old, sa;
         if (g_handled[i] || sigaction(k_signals[i], NULL, &old) != 0 || (old.sa_flags & SA_SIGINFO) ||
@@ -367,11 +342,9 @@ static void install_handlers_locked(void)
 static void restore_signals_locked(void)
 {
     for (int i = 0; i < 2; i++) {
-        if (!g_handled[i])
-            continue;
+        if (!g_handled[i]) continue;
         struct sigaction cur;
-        if (sigaction(k_signals[i], NULL, &cur) == 0 && !(cur.sa_flags & SA_SIGINFO) &&
-            cur.sa_handler == on_signal)
+        if (sigaction(k_signals[i], NULL, &cur) == 0 && !(cur.sa_flags & SA_SIGINFO) && cur.sa_handler == on_signal)
             signal(k_signals[i], SIG_DFL);
         g_handled[i] = false;
     }
@@ -381,10 +354,8 @@ static void restore_signals_locked(void)
 
 static void at_exit_flush(void)
 {
-    if (!ts_trace_enabled())
-        return;
-    if (ts_trace_stop(true) != TS_OK)
-        ts_logf(TS_LOG_WARN, "TS_TRACE: %s", ts_last_error());
+    if (!ts_trace_enabled()) return;
+    if (ts_trace_stop(true) != TS_OK) ts_logf(TS_LOG_WARN, "TS_TRACE: %s", ts_last_error());
 }
 
 static const char k_empty_trace[] = "{\"traceEvents\": []}\n";
@@ -416,37 +387,31 @@ static ts_status check_path(const char *path, bool *created)
             close(fd);
             return TS_OK;
         }
-        if (errno == ELOOP)
-            return TS_OK;
+        if (errno == ELOOP) return TS_OK;
     }
     return ts_error(TS_ERR_IO, "ts_trace_start: cannot create trace file '%s': %s", path, strerror(errno));
 }
 
 ts_status ts_trace_start(const char *path)
 {
-    if (!path || !*path)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_trace_start: the trace file path is empty");
+    if (!path || !*path) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_trace_start: the trace file path is empty");
     bool created;
     ts_status st = check_path(path, &created);
-    if (st)
-        return st;
+    if (st) return st;
     char *p = ts__strdup(TS_MEM_OTHER, path);
     if (!p) {
-        if (created)
-            unlink(path);
+        if (created) unlink(path);
         return ts_error(TS_ERR_NO_MEMORY, "ts_trace_start: out of memory");
     }
     static bool registered;
     pthread_mutex_lock(&g_lock);
     bool same = g_path && strcmp(g_path, path) == 0;
-    if (g_path && g_created && !g_written && !same)
-        unlink(g_path); /* replaced before anything was written to it */
+    if (g_path && g_created && !g_written && !same) unlink(g_path); /* replaced before anything was written to it */
     ts__free(TS_MEM_OTHER, g_path);
     g_path = p;
     g_created = created || (same && g_created && !g_written);
     g_written = false;
-    if (!g_origin_ns)
-        g_origin_ns = ts_now_ns();
+    if (!g_origin_ns) g_origin_ns = ts_now_ns();
     if (!registered) {
         registered = true;
         atexit(at_exit_flush);
@@ -467,17 +432,13 @@ extern const int ts__trace_env_ignored __attribute__((weak));
 __attribute__((constructor(101))) static void trace_from_env(void)
 {
     g_rank = env_rank();
-    if (&ts__trace_env_ignored && ts__trace_env_ignored)
-        return;
+    if (&ts__trace_env_ignored && ts__trace_env_ignored) return;
     const char *p = getenv("TS_TRACE");
-    if (!p || !*p)
-        return;
+    if (!p || !*p) return;
     char path[4096];
     ts_status st = ts_trace_rank_path(p, g_rank, path, sizeof path);
-    if (!st)
-        st = ts_trace_start(path);
-    if (st)
-        ts_logf(TS_LOG_WARN, "TS_TRACE=%s: %s; no trace is recorded", p, ts_last_error());
+    if (!st) st = ts_trace_start(path);
+    if (st) ts_logf(TS_LOG_WARN, "TS_TRACE=%s: %s; no trace is recorded", p, ts_last_error());
     ts_clear_error();
 }
 
@@ -495,10 +456,8 @@ static json_t *args_json(const span_args *a)
 static int by_start(const void *pa, const void *pb)
 {
     const span *a = *(const span *const *)pa, *b = *(const span *const *)pb;
-    if (a->start_ns != b->start_ns)
-        return a->start_ns < b->start_ns ? -1 : 1;
-    if (a->end_ns != b->end_ns)
-        return a->end_ns > b->end_ns ? -1 : 1; /* the enclosing one first */
+    if (a->start_ns != b->start_ns) return a->start_ns < b->start_ns ? -1 : 1;
+    if (a->end_ns != b->end_ns) return a->end_ns > b->end_ns ? -1 : 1; /* the enclosing one first */
     return 0;
 }
 
@@ -509,8 +468,8 @@ typedef struct lane {
 
 static json_t *meta(const char *what, int pid, int tid, const char *key, json_t *val)
 {
-    json_t *e = json_pack("{s:s, s:s, s:i, s:i, s:{s:o}}", "name", what, "ph", "M", "pid", pid, "tid", tid, "args",
-                          key, val);
+    json_t *e =
+        json_pack("{s:s, s:s, s:i, s:i, s:{s:o}}", "name", what, "ph", "M", "pid", pid, "tid", tid, "args", key, val);
     return e;
 }
 
@@ -519,8 +478,7 @@ static json_t *meta(const char *what, int pid, int tid, const char *key, json_t 
 static bool thread_events(json_t *events, thread_buf *b, int pid)
 {
     size_t n = 0;
-    for (chunk *c = b->head; c; c = c->next)
-        n += (size_t)c->n;
+    for (chunk *c = b->head; c; c = c->next) n += (size_t)c->n;
     const span **v = ts__malloc(TS_MEM_OTHER, (n ? n : 1) * sizeof *v);
     unsigned char *lane_of = ts__malloc(TS_MEM_OTHER, n ? n : 1);
     lane lanes[MAX_LANES];
@@ -530,21 +488,17 @@ static bool thread_events(json_t *events, thread_buf *b, int pid)
     if (ok) {
         size_t k = 0;
         for (chunk *c = b->head; c; c = c->next)
-            for (int i = 0; i < c->n; i++)
-                v[k++] = &c->spans[i];
+            for (int i = 0; i < c->n; i++) v[k++] = &c->spans[i];
         qsort(v, n, sizeof *v, by_start);
         for (size_t i = 0; i < n && ok; i++) {
             const span *s = v[i];
             int at = -1;
             for (int l = 0; l < nl && at < 0; l++) {
                 lane *L = &lanes[l];
-                while (L->n > 0 && L->ends[L->n - 1] <= s->start_ns)
-                    L->n--;
-                if (L->n == 0 || L->ends[L->n - 1] >= s->end_ns)
-                    at = l;
+                while (L->n > 0 && L->ends[L->n - 1] <= s->start_ns) L->n--;
+                if (L->n == 0 || L->ends[L->n - 1] >= s->end_ns) at = l;
             }
-            if (at < 0)
-                at = nl < MAX_LANES ? nl++ : MAX_LANES - 1;
+            if (at < 0) at = nl < MAX_LANES ? nl++ : MAX_LANES - 1;
             lane *L = &lanes[at];
             if (L->n == L->cap) {
                 int cap = L->cap ? 2 * L->cap : 16;
@@ -553,8 +507,7 @@ static bool thread_events(json_t *events, thread_buf *b, int pid)
                     ok = false;
                     break;
                 }
-                if (L->n)
-                    memcpy(e, L->ends, (size_t)L->n * sizeof *e);
+                if (L->n) memcpy(e, L->ends, (size_t)L->n * sizeof *e);
                 ts__free(TS_MEM_OTHER, L->ends);
                 L->ends = e;
                 L->cap = cap;
@@ -566,13 +519,11 @@ static bool thread_events(json_t *events, thread_buf *b, int pid)
     for (int l = 0; ok && l < nl; l++) {
         int tid = l == 0 ? b->tid : LANE_TID_BASE + 64 * b->tid + l;
         char name[48];
-        if (l == 0)
-            snprintf(name, sizeof name, "%s", b->name);
-        else
-            snprintf(name, sizeof name, "%s (%d)", b->name, l + 1);
+        if (l == 0) snprintf(name, sizeof name, "%s", b->name);
+        else snprintf(name, sizeof name, "%s (%d)", b->name, l + 1);
         json_array_append_new(events, meta("thread_name", pid, tid, "name", json_string(name)));
-        json_array_append_new(events, meta("thread_sort_index", pid, tid, "sort_index",
-                                           json_integer(b->is_main ? l : 64 * b->tid + l)));
+        json_array_append_new(
+            events, meta("thread_sort_index", pid, tid, "sort_index", json_integer(b->is_main ? l : 64 * b->tid + l)));
     }
     for (size_t i = 0; ok && i < n; i++) {
         const span *s = v[i];
@@ -581,13 +532,10 @@ static bool thread_events(json_t *events, thread_buf *b, int pid)
         double dur = (double)(s->end_ns - s->start_ns) / 1000.0;
         json_t *e = json_pack("{s:s, s:s, s:s, s:f, s:f, s:i, s:i}", "name", s->name, "cat", s->cat, "ph", "X", "ts",
                               ts, "dur", dur, "pid", pid, "tid", tid);
-        if (e && s->args)
-            json_object_set_new(e, "args", args_json(s->args));
-        if (!e || json_array_append_new(events, e) != 0)
-            ok = false;
+        if (e && s->args) json_object_set_new(e, "args", args_json(s->args));
+        if (!e || json_array_append_new(events, e) != 0) ok = false;
     }
-    for (int l = 0; l < MAX_LANES; l++)
-        ts__free(TS_MEM_OTHER, lanes[l].ends);
+    for (int l = 0; l < MAX_LANES; l++) ts__free(TS_MEM_OTHER, lanes[l].ends);
     ts__free(TS_MEM_OTHER, v);
     ts__free(TS_MEM_OTHER, lane_of);
     return ok;
@@ -611,8 +559,7 @@ static ts_status write_json(json_t *root, const char *path)
          * that a file swapped in after lstat is not written: still a
          * device or FIFO, this user's or root's */
         int fd = open(path, O_WRONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-        if (fd < 0)
-            return ts_error(TS_ERR_IO, "%s: cannot open trace file '%s': %s", op, path, strerror(errno));
+        if (fd < 0) return ts_error(TS_ERR_IO, "%s: cannot open trace file '%s': %s", op, path, strerror(errno));
         if (fstat(fd, &sb) != 0 || !(S_ISCHR(sb.st_mode) || S_ISFIFO(sb.st_mode)) ||
             (sb.st_uid != 0 && sb.st_uid != geteuid())) {
             close(fd);
@@ -625,15 +572,13 @@ static ts_status write_json(json_t *root, const char *path)
         int rc = json_dumpfd(root, fd, flags);
         int e = errno;
         close(fd);
-        if (rc != 0)
-            return ts_error(TS_ERR_IO, "%s: cannot write trace file '%s': %s", op, path, strerror(e));
+        if (rc != 0) return ts_error(TS_ERR_IO, "%s: cannot write trace file '%s': %s", op, path, strerror(e));
         return TS_OK;
     }
     char *tmp = NULL;
     int fd = -1;
     ts_status st = ts__tmp_create_beside(TS_MEM_OTHER, op, path, &tmp, &fd);
-    if (st)
-        return st;
+    if (st) return st;
     if (json_dumpfd(root, fd, flags) != 0)
         st = ts_error(TS_ERR_IO, "%s: cannot write trace file '%s' (temporary '%s'): %s", op, path, tmp,
                       strerror(errno));
@@ -644,8 +589,7 @@ static ts_status write_json(json_t *root, const char *path)
                       strerror(errno));
     if (!st && rename(tmp, path) != 0)
         st = ts_error(TS_ERR_IO, "%s: cannot rename '%s' to '%s': %s", op, tmp, path, strerror(errno));
-    if (st)
-        unlink(tmp);
+    if (st) unlink(tmp);
     ts__free(TS_MEM_OTHER, tmp);
     return st;
 }
@@ -655,16 +599,15 @@ ts_status ts_trace_flush(void)
     pthread_mutex_lock(&g_lock);
     if (!g_path) {
         pthread_mutex_unlock(&g_lock);
-        return ts_error(TS_ERR_STATE, "ts_trace_flush: tracing was never started (set TS_TRACE=FILE "
-                                      "or call ts_trace_start)");
+        return ts_error(TS_ERR_STATE,
+                        "ts_trace_flush: tracing was never started (set TS_TRACE=FILE "
+                        "or call ts_trace_start)");
     }
     json_t *events = json_array();
     int pid = (int)getpid();
     char pname[64];
-    if (g_rank >= 0)
-        snprintf(pname, sizeof pname, "rank %d", g_rank);
-    else
-        snprintf(pname, sizeof pname, "%s", program_invocation_short_name);
+    if (g_rank >= 0) snprintf(pname, sizeof pname, "rank %d", g_rank);
+    else snprintf(pname, sizeof pname, "%s", program_invocation_short_name);
     bool ok = events != NULL;
     if (ok) {
         json_array_append_new(events, meta("process_name", pid, 0, "name", json_string(pname)));
@@ -677,15 +620,14 @@ ts_status ts_trace_flush(void)
         pthread_mutex_unlock(&b->lock);
     }
     json_t *root = ok ? json_pack("{s:o, s:s, s:{s:s, s:I, s:i, s:s}}", "traceEvents", events, "displayTimeUnit", "ms",
-                                  "otherData", "clock", "CLOCK_MONOTONIC", "origin_ns", (json_int_t)g_origin_ns,
-                                  "rank", g_rank, "program", program_invocation_short_name)
+                                  "otherData", "clock", "CLOCK_MONOTONIC", "origin_ns", (json_int_t)g_origin_ns, "rank",
+                                  g_rank, "program", program_invocation_short_name)
                       : NULL;
-    if (!ok)
-        json_decref(events);
-    ts_status st = root ? write_json(root, g_path)
-                        : ts_error(TS_ERR_NO_MEMORY, "ts_trace_flush: out of memory building the trace of '%s'", g_path);
-    if (st == TS_OK)
-        g_written = true;
+    if (!ok) json_decref(events);
+    ts_status st = root
+        ? write_json(root, g_path)
+        : ts_error(TS_ERR_NO_MEMORY, "ts_trace_flush: out of memory building the trace of '%s'", g_path);
+    if (st == TS_OK) g_written = true;
     json_decref(root);
     pthread_mutex_unlock(&g_lock);
     return st;
@@ -694,8 +636,7 @@ ts_status ts_trace_flush(void)
 ts_status ts_trace_stop(bool flush)
 {
     ts_status st = TS_OK;
-    if (flush)
-        st = ts_trace_flush();
+    if (flush) st = ts_trace_flush();
     atomic_store(&enabled, 0);
     pthread_mutex_lock(&g_lock);
     clear_spans_locked();
@@ -711,15 +652,13 @@ ts_status ts_trace_stop(bool flush)
 uint64_t ts_trace_total_ns(const char *name)
 {
     uint64_t total = 0;
-    if (!name)
-        return 0;
+    if (!name) return 0;
     pthread_mutex_lock(&g_lock);
     for (thread_buf *b = g_bufs; b; b = b->next) {
         pthread_mutex_lock(&b->lock);
         for (chunk *c = b->head; c; c = c->next)
             for (int i = 0; i < c->n; i++)
-                if (strcmp(c->spans[i].name, name) == 0)
-                    total += c->spans[i].end_ns - c->spans[i].start_ns;
+                if (strcmp(c->spans[i].name, name) == 0) total += c->spans[i].end_ns - c->spans[i].start_ns;
         pthread_mutex_unlock(&b->lock);
     }
     pthread_mutex_unlock(&g_lock);

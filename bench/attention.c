@@ -40,12 +40,25 @@ typedef struct opts {
     bool causal;
 } opts;
 
-enum { V_REF_FB, V_FUSED_FB, V_FUSED_NODROP_FB, V_REF_F, V_FUSED_F, V_FUSED_NODROP_F, V_DRAW_FLOAT, V_DRAW_BITS, V_COUNT };
+enum {
+    V_REF_FB,
+    V_FUSED_FB,
+    V_FUSED_NODROP_FB,
+    V_REF_F,
+    V_FUSED_F,
+    V_FUSED_NODROP_F,
+    V_DRAW_FLOAT,
+    V_DRAW_BITS,
+    V_COUNT
+};
 
 static const char *const names[V_COUNT] = {
-    "reference, dropout: forward + backward", "fused, dropout: forward + backward",
-    "fused, no dropout: forward + backward",  "reference, dropout: forward",
-    "fused, dropout: forward",                "fused, no dropout: forward",
+    "reference, dropout: forward + backward",
+    "fused, dropout: forward + backward",
+    "fused, no dropout: forward + backward",
+    "reference, dropout: forward",
+    "fused, dropout: forward",
+    "fused, no dropout: forward",
     "mask draw: bernoulli_ float (B,H,T,S)",
     "mask draw: keep bits (B,H,T,S)",
 };
@@ -77,8 +90,7 @@ static void run_variant(int v, const opts *o, ts_tensor *qkv, ts_tensor *mask, t
         ts_tensor_set_grad(qkv, NULL);
     }
     ts_tensor_free(out);
-    for (int i = 0; i < 3; i++)
-        ts_tensor_free(parts[i]);
+    for (int i = 0; i < 3; i++) ts_tensor_free(parts[i]);
     ts__flash_force(-1);
 }
 
@@ -100,8 +112,10 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--heads")) o.H = strtoll(v, &end, 10);
         else if (!strcmp(a, "--dropout")) o.p = strtod(v, &end);
         else {
-            fprintf(stderr, "usage: %s [--threads N] [--reps N] [--batch B] [--seq T] [--dim E] [--heads H] "
-                            "[--dropout P] [--no-causal]\n", argv[0]);
+            fprintf(stderr,
+                    "usage: %s [--threads N] [--reps N] [--batch B] [--seq T] [--dim E] [--heads H] "
+                    "[--dropout P] [--no-causal]\n",
+                    argv[0]);
             return 2;
         }
         if (!*v || *end) {
@@ -110,10 +124,10 @@ int main(int argc, char **argv)
         }
         i++;
     }
-    if (o.threads < 1 || o.reps < 1 || o.B < 1 || o.T < 1 || o.E < 1 || o.H < 1 || o.E % o.H ||
-        !(o.p > 0 && o.p < 1)) {
-        fprintf(stderr, "need --threads, --reps, --batch, --seq, --dim, --heads >= 1, --dim a multiple of --heads "
-                        "and --dropout in (0, 1)\n");
+    if (o.threads < 1 || o.reps < 1 || o.B < 1 || o.T < 1 || o.E < 1 || o.H < 1 || o.E % o.H || !(o.p > 0 && o.p < 1)) {
+        fprintf(stderr,
+                "need --threads, --reps, --batch, --seq, --dim, --heads >= 1, --dim a multiple of --heads "
+                "and --dropout in (0, 1)\n");
         return 2;
     }
     ts_set_num_threads(o.threads);
@@ -144,8 +158,7 @@ int main(int argc, char **argv)
     uint32_t lcg = 12345;
     int order[V_COUNT];
     for (int r = -2; r < o.reps; r++) {
-        for (int i = 0; i < V_COUNT; i++)
-            order[i] = i;
+        for (int i = 0; i < V_COUNT; i++) order[i] = i;
         for (int i = V_COUNT - 1; i > 0; i--) {
             lcg = lcg * 1664525u + 1013904223u;
             int j = (int)((lcg >> 8) % (uint32_t)(i + 1)), t = order[i];
@@ -164,8 +177,9 @@ int main(int argc, char **argv)
         }
     }
     printf("attention with dropout %g: B %lld, T %lld, E %lld, %lld heads, %s, %d thread(s), kernels %s; median of %d "
-           "interleaved reps, ms\n\n", o.p, (long long)o.B, (long long)o.T, (long long)o.E, (long long)o.H,
-           o.causal ? "causal" : "no mask", o.threads, ts__kpath_name(ts__kpath_active()), o.reps);
+           "interleaved reps, ms\n\n",
+           o.p, (long long)o.B, (long long)o.T, (long long)o.E, (long long)o.H, o.causal ? "causal" : "no mask",
+           o.threads, ts__kpath_name(ts__kpath_active()), o.reps);
     printf("%-40s %10s %10s\n", "variant", "wall", "cpu");
     double mw[V_COUNT], mc[V_COUNT];
     for (int v = 0; v < V_COUNT; v++) {
@@ -173,8 +187,8 @@ int main(int argc, char **argv)
         mc[v] = bench_median(cpu[v], o.reps);
         printf("%-40s %10.3f %10.3f\n", names[v], mw[v], mc[v]);
     }
-    printf("\nreference / fused with dropout, forward + backward: %.2fx wall, %.2fx cpu\n", mw[V_REF_FB] / mw[V_FUSED_FB],
-           mc[V_REF_FB] / mc[V_FUSED_FB]);
+    printf("\nreference / fused with dropout, forward + backward: %.2fx wall, %.2fx cpu\n",
+           mw[V_REF_FB] / mw[V_FUSED_FB], mc[V_REF_FB] / mc[V_FUSED_FB]);
     printf("fused with / without dropout, forward + backward:   %.2fx wall, %.2fx cpu\n",
            mw[V_FUSED_FB] / mw[V_FUSED_NODROP_FB], mc[V_FUSED_FB] / mc[V_FUSED_NODROP_FB]);
     printf("mask draw, float noise / keep bits:                 %.2fx wall, %.2fx cpu\n",

@@ -7,13 +7,13 @@
 #include <stdlib.h>
 #include <time.h>
 
-#define CHECK(expr)                                                                              \
-    do {                                                                                         \
-        ts_status st_ = (expr);                                                                  \
-        if (st_) {                                                                               \
-            fprintf(stderr, "%s: %s: %s\n", #expr, ts_status_name(st_), ts_last_error());        \
-            exit(1);                                                                             \
-        }                                                                                        \
+#define CHECK(expr) \
+    do { \
+        ts_status st_ = (expr); \
+        if (st_) { \
+            fprintf(stderr, "%s: %s: %s\n", #expr, ts_status_name(st_), ts_last_error()); \
+            exit(1); \
+        } \
     } while (0)
 
 /* Seconds of CLOCK_MONOTONIC. */

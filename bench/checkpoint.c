@@ -77,8 +77,8 @@ static uint64_t folder_bytes(const char *dir)
 
 enum { SAVE, LOAD, SAVE_FULL, LOAD_FULL, REF_SAVE, REF_LOAD, N_OPS };
 static const char *const op_names[N_OPS] = {"ts_ckpt_save (sharded, +AdamW)", "ts_ckpt_load (sharded, +AdamW)",
-                                            "ts_ckpt_save_full (model)", "ts_ckpt_load_full (model)",
-                                            "reference save (gather+write)", "reference load (read+copy)"};
+                                            "ts_ckpt_save_full (model)",      "ts_ckpt_load_full (model)",
+                                            "reference save (gather+write)",  "reference load (read+copy)"};
 
 int main(int argc, char **argv)
 {
@@ -91,7 +91,8 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--dim")) dim = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--dir")) snprintf(dir, sizeof dir, "%s", argv[i + 1]), keep = true;
         else {
-            fprintf(stderr, "usage: tsrun --nproc-per-node 2 %s [--dir D] [--reps N] [--layers L] [--dim D]\n", argv[0]);
+            fprintf(stderr, "usage: tsrun --nproc-per-node 2 %s [--dir D] [--reps N] [--layers L] [--dim D]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -102,7 +103,8 @@ int main(int argc, char **argv)
     CHECK(ts_dist_init(NULL));
     ts_comm *world = ts_dist_world();
     int rank = ts_comm_rank(world), W = ts_comm_size(world);
-    if (!dir[0]) snprintf(dir, sizeof dir, "/tmp/ts_bench_ckpt.%s", getenv("MASTER_PORT") ? getenv("MASTER_PORT") : "0");
+    if (!dir[0])
+        snprintf(dir, sizeof dir, "/tmp/ts_bench_ckpt.%s", getenv("MASTER_PORT") ? getenv("MASTER_PORT") : "0");
     char sdir[300], full[300], ref[300];
     snprintf(sdir, sizeof sdir, "%s/sharded", dir);
     snprintf(full, sizeof full, "%s/full.safetensors", dir);

@@ -73,20 +73,16 @@ static const char *coll_names[N_COLL] = {"all_gather_into_tensor (out of place: 
 
 static int iters_for(int64_t size, int fixed)
 {
-    if (fixed > 0)
-        return fixed;
-    if (size <= (256 << 10))
-        return 20;
-    if (size <= (4 << 20))
-        return 10;
+    if (fixed > 0) return fixed;
+    if (size <= (256 << 10)) return 20;
+    if (size <= (4 << 20)) return 10;
     return 5;
 }
 
 static bool on_path(const char *prog)
 {
     const char *path = getenv("PATH");
-    if (!path)
-        return false;
+    if (!path) return false;
     char *copy = strdup(path), *save = NULL;
     bool found = false;
     for (char *d = strtok_r(copy, ":", &save); d && !found; d = strtok_r(NULL, ":", &save)) {
@@ -112,23 +108,17 @@ static double time_coll(ts_comm *w, int kind, int64_t size, int iters)
     int64_t total = size / 4, part = total / ws;
     ts_tensor *big, *small;
     CHECK(ts_tensor_full(TS_F32, 1, &total, kind == COLL_AR ? 0.0 : 1.0, &big));
-    if (kind == COLL_AG_IP)
-        CHECK(ts_narrow(big, 0, ts_comm_rank(w) * part, part, &small));
-    else
-        CHECK(ts_tensor_full(TS_F32, 1, &part, 1.0, &small));
+    if (kind == COLL_AG_IP) CHECK(ts_narrow(big, 0, ts_comm_rank(w) * part, part, &small));
+    else CHECK(ts_tensor_full(TS_F32, 1, &part, 1.0, &small));
     double t[64];
     iters = iters > 64 ? 64 : iters;
     for (int i = -2; i < iters; i++) {
         CHECK(ts_barrier(w, NULL));
         double t0 = bench_now_s();
-        if (kind == COLL_AG || kind == COLL_AG_IP)
-            CHECK(ts_all_gather_into_tensor(w, big, small, NULL));
-        else if (kind == COLL_RS)
-            CHECK(ts_reduce_scatter_tensor(w, small, big, TS_REDUCE_SUM, 1.0, 1.0, NULL));
-        else
-            CHECK(ts_all_reduce(w, big, TS_REDUCE_SUM, NULL));
-        if (i >= 0)
-            t[i] = bench_now_s() - t0;
+        if (kind == COLL_AG || kind == COLL_AG_IP) CHECK(ts_all_gather_into_tensor(w, big, small, NULL));
+        else if (kind == COLL_RS) CHECK(ts_reduce_scatter_tensor(w, small, big, TS_REDUCE_SUM, 1.0, 1.0, NULL));
+        else CHECK(ts_all_reduce(w, big, TS_REDUCE_SUM, NULL));
+        if (i >= 0) t[i] = bench_now_s() - t0;
     }
     ts_tensor_free(big);
     ts_tensor_free(small);
@@ -146,8 +136,7 @@ static void quiet_barrier(ts_comm *w)
     CHECK(ts_barrier(w, &r));
     for (bool done = false;;) {
         CHECK(ts_request_test(r, &done));
-        if (done)
-            break;
+        if (done) break;
         usleep(2000);
     }
     CHECK(ts_request_wait(r));
@@ -165,8 +154,7 @@ static double time_memcpy(int64_t size, int iters)
         double t0 = bench_now_s();
         memcpy(b, a, (size_t)size);
         __asm__ volatile("" : : "r"(b) : "memory");
-        if (i >= 0)
-            t[i] = bench_now_s() - t0;
+        if (i >= 0) t[i] = bench_now_s() - t0;
     }
     free(a);
     free(b);
@@ -188,14 +176,14 @@ static double ucx_tag_bw(int64_t size, int port)
                  "-p %d 2>/dev/null; wait",
                  (long long)size, n, port, netns_script(), netns_name(), (long long)size, n, port);
     else
-        snprintf(cmd, sizeof cmd,
-             "export UCX_TLS=\"${UCX_TLS:-posix,cma,self}\"; "
-             "timeout 60 ucx_perftest -t tag_bw -s %lld -n %d -w 20 -f -p %d >/dev/null 2>&1 & "
-             "sleep 0.5; timeout 60 ucx_perftest 127.0.0.1 -t tag_bw -s %lld -n %d -w 20 -f -p %d 2>/dev/null; wait",
-             (long long)size, n, port, (long long)size, n, port);
+        snprintf(
+            cmd, sizeof cmd,
+            "export UCX_TLS=\"${UCX_TLS:-posix,cma,self}\"; "
+            "timeout 60 ucx_perftest -t tag_bw -s %lld -n %d -w 20 -f -p %d >/dev/null 2>&1 & "
+            "sleep 0.5; timeout 60 ucx_perftest 127.0.0.1 -t tag_bw -s %lld -n %d -w 20 -f -p %d 2>/dev/null; wait",
+            (long long)size, n, port, (long long)size, n, port);
     FILE *f = popen(cmd, "r");
-    if (!f)
-        return -1;
+    if (!f) return -1;
     char line[512];
     double bw = -1;
     while (fgets(line, sizeof line, f)) {
@@ -220,8 +208,7 @@ static bool run_mpi(const char *self_dir, const char *mca, int ws, int fixed_ite
                     double t[N_MPI][N_SIZES])
 {
     char iters[32] = "", cmd[8192], hosts[1024] = "";
-    if (fixed_iters > 0)
-        snprintf(iters, sizeof iters, " --iters %d", fixed_iters);
+    if (fixed_iters > 0) snprintf(iters, sizeof iters, " --iters %d", fixed_iters);
     if (netns_name() && netns_script()) {
         /* every host through the agent (mpirun's own namespace is host 0's) */
         size_t used = (size_t)snprintf(hosts, sizeof hosts, "--host ");
@@ -236,12 +223,12 @@ static bool run_mpi(const char *self_dir, const char *mca, int ws, int fixed_ite
     }
     /* across hosts, 120 s per configuration: the other ranks wait in a
      * barrier whose deadline is ts_dist_init's (300 s) */
-    snprintf(cmd, sizeof cmd, "timeout %d mpirun %s %s -np %d %s '%s/bench_collectives_mpi' --max-mib %lld%s 2>/dev/null",
+    snprintf(cmd, sizeof cmd,
+             "timeout %d mpirun %s %s -np %d %s '%s/bench_collectives_mpi' --max-mib %lld%s 2>/dev/null",
              hosts[0] ? 120 : 300, geteuid() == 0 ? "--allow-run-as-root" : "", hosts, ws, mca, self_dir,
              (long long)max_mib, iters);
     FILE *f = popen(cmd, "r");
-    if (!f)
-        return false;
+    if (!f) return false;
     char line[256], kind[16];
     int got = 0;
     long long size;
@@ -259,10 +246,8 @@ static bool run_mpi(const char *self_dir, const char *mca, int ws, int fixed_ite
 
 static void size_str(int64_t s, char *buf, size_t n)
 {
-    if (s >= (1 << 20))
-        snprintf(buf, n, "%lld MiB", (long long)(s >> 20));
-    else
-        snprintf(buf, n, "%lld KiB", (long long)(s >> 10));
+    if (s >= (1 << 20)) snprintf(buf, n, "%lld MiB", (long long)(s >> 20));
+    else snprintf(buf, n, "%lld KiB", (long long)(s >> 10));
 }
 
 /* Runs OpenMPI in both configurations and prints its table against ours
@@ -273,8 +258,7 @@ static void print_mpi(int ws, int nsizes, int fixed_iters, int64_t max_mib, doub
     ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
     self[n > 0 ? n : 0] = 0;
     char *slash = strrchr(self, '/');
-    if (slash)
-        *slash = 0;
+    if (slash) *slash = 0;
     char prog[4160];
     snprintf(prog, sizeof prog, "%s/bench_collectives_mpi", self);
     if (!on_path("mpirun") || access(prog, X_OK) != 0) {
@@ -298,8 +282,7 @@ static void print_mpi(int ws, int nsizes, int fixed_iters, int64_t max_mib, doub
     bool ok[2];
     for (int c = 0; c < 2; c++) {
         for (int k = 0; k < N_MPI; k++)
-            for (int s = 0; s < N_SIZES; s++)
-                mt[c][k][s] = -1;
+            for (int s = 0; s < N_SIZES; s++) mt[c][k][s] = -1;
         ok[c] = run_mpi(self, cfg_mca[c], ws, fixed_iters, max_mib, mt[c]);
     }
     printf("\nOpenMPI (mpirun -np %d%s, bench_collectives_mpi; ob1 = %s, ucx = %s): %s%s\n", ws,
@@ -310,9 +293,12 @@ static void print_mpi(int ws, int nsizes, int fixed_iters, int64_t max_mib, doub
         int k = mpi_of_coll[c];
         double f = c == COLL_AR ? 2.0 * (ws - 1) / ws : (double)(ws - 1) / ws;
         printf("\n%s vs MPI_%s\n", coll_names[c],
-               k == MPI_AG ? "Allgather" : k == MPI_AG_IP ? "Allgather (MPI_IN_PLACE)" : k == MPI_RS ? "Reduce_scatter_block" : "Allreduce");
-        printf("%10s %11s %11s %11s %11s %11s %9s\n", "size", "ob1 us", "ucx us", "best busbw", "ours busbw", "ours/best",
-               "target");
+               k == MPI_AG          ? "Allgather"
+                   : k == MPI_AG_IP ? "Allgather (MPI_IN_PLACE)"
+                   : k == MPI_RS    ? "Reduce_scatter_block"
+                                    : "Allreduce");
+        printf("%10s %11s %11s %11s %11s %11s %9s\n", "size", "ob1 us", "ucx us", "best busbw", "ours busbw",
+               "ours/best", "target");
         for (int s = 0; s < nsizes; s++) {
             char sz[32];
             size_str(sizes[s], sz, sizeof sz);
@@ -335,10 +321,8 @@ int main(int argc, char **argv)
     int fixed_iters = 0;
     int64_t max_mib = 64;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--iters") && i + 1 < argc)
-            fixed_iters = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--max-mib") && i + 1 < argc)
-            max_mib = atoll(argv[++i]);
+        if (!strcmp(argv[i], "--iters") && i + 1 < argc) fixed_iters = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--max-mib") && i + 1 < argc) max_mib = atoll(argv[++i]);
         else {
             fprintf(stderr, "usage: tsrun --nproc-per-node 2 %s [--iters N] [--max-mib M]\n", argv[0]);
             return 2;
@@ -353,16 +337,13 @@ int main(int argc, char **argv)
     ts_comm *w = ts_dist_world();
     int rank = ts_comm_rank(w), ws = ts_comm_size(w);
     int nsizes = 0;
-    while (nsizes < N_SIZES && sizes[nsizes] <= max_mib * (1 << 20))
-        nsizes++;
+    while (nsizes < N_SIZES && sizes[nsizes] <= max_mib * (1 << 20)) nsizes++;
 
     /* Warm-up (as nccl-tests' warmup iterations): UCX finishes wiring its
      * lanes and the pools fill during the first collectives, which made
      * the first table's small sizes several times slower. */
-    for (int c = 0; c < N_COLL; c++)
-        (void)time_coll(w, c, sizes[nsizes > 4 ? 4 : nsizes - 1], 5);
-    for (int k = 0; k < 10; k++)
-        (void)time_coll(w, COLL_AG, sizes[0], 10);
+    for (int c = 0; c < N_COLL; c++) (void)time_coll(w, c, sizes[nsizes > 4 ? 4 : nsizes - 1], 5);
+    for (int k = 0; k < 10; k++) (void)time_coll(w, COLL_AG, sizes[0], 10);
 
     /* the fingerprints' cost at 4 KiB: rounds alternate off and on */
     enum { FP_ROUNDS = 15 };
@@ -370,18 +351,15 @@ int main(int argc, char **argv)
     for (int k = 0; k < FP_ROUNDS; k++)
         for (int on = 0; on < 2; on++) {
             ts__comm_set_check(w, on != 0);
-            for (int c = 0; c < N_COLL; c++)
-                fp_t[c][on][k] = time_coll(w, c, sizes[0], 50);
+            for (int c = 0; c < N_COLL; c++) fp_t[c][on][k] = time_coll(w, c, sizes[0], 50);
         }
     ts__comm_set_check(w, true);
 
     double t[N_COLL][N_SIZES], mc[N_SIZES];
     for (int c = 0; c < N_COLL; c++)
-        for (int s = 0; s < nsizes; s++)
-            t[c][s] = time_coll(w, c, sizes[s], iters_for(sizes[s], fixed_iters));
+        for (int s = 0; s < nsizes; s++) t[c][s] = time_coll(w, c, sizes[s], iters_for(sizes[s], fixed_iters));
     if (rank == 0)
-        for (int s = 0; s < nsizes; s++)
-            mc[s] = time_memcpy(sizes[s], iters_for(sizes[s], fixed_iters));
+        for (int s = 0; s < nsizes; s++) mc[s] = time_memcpy(sizes[s], iters_for(sizes[s], fixed_iters));
 
     /* the inline threshold: rounds alternate apart and inline (last, so
      * that the tables above ran with TS_COMM_FP_INLINE's threshold) */
@@ -403,12 +381,10 @@ int main(int argc, char **argv)
     ts__comm_set_timeout(w, 3600.0);
     double ucx[N_SIZES];
     bool have_ucx = rank == 0 && on_path("ucx_perftest") && (g_nodes == 1 || (netns_name() && netns_script()));
-    for (int s = 0; s < nsizes; s++)
-        ucx[s] = -1;
+    for (int s = 0; s < nsizes; s++) ucx[s] = -1;
     if (have_ucx)
         for (int s = 0; s < nsizes; s++)
-            if (sizes[s] >= (1 << 20))
-                ucx[s] = ucx_tag_bw(sizes[s], 20000 + (int)(getpid() % 20000));
+            if (sizes[s] >= (1 << 20)) ucx[s] = ucx_tag_bw(sizes[s], 20000 + (int)(getpid() % 20000));
 
     if (rank == 0) {
         const char *tls = getenv("UCX_TLS"), *em = getenv("TS_UCX_ERROR_MODE");
@@ -432,8 +408,7 @@ int main(int argc, char **argv)
                 if (ucx[s] > 0)
                     snprintf(ur, sizeof ur, "%.2f%s", bus / ucx[s],
                              sizes[s] >= (16 << 20) ? (bus / ucx[s] >= 0.8 ? " ok" : " <0.8") : "");
-                else
-                    snprintf(ur, sizeof ur, "-");
+                else snprintf(ur, sizeof ur, "-");
                 printf("%10s %6d %11.1f %11.2f %11.2f %13.2f %11.2f %10s\n", sz, iters_for(sizes[s], fixed_iters),
                        t[c][s] * 1e6, alg, bus, m, bus / m, ur);
             }
@@ -442,8 +417,8 @@ int main(int argc, char **argv)
                "50 calls each, check on vs off; target on/off <= 1.05\n",
                (int)FP_ROUNDS);
         printf("%-28s %11s %11s %9s\n", "collective", "on (us)", "off (us)", "on/off");
-        static const char *short_names[N_COLL] = {"all_gather (out of place)", "all_gather (in place)", "reduce_scatter",
-                                                  "all_reduce"};
+        static const char *short_names[N_COLL] = {"all_gather (out of place)", "all_gather (in place)",
+                                                  "reduce_scatter", "all_reduce"};
         for (int c = 0; c < N_COLL; c++) {
             double on = bench_median(fp_t[c][1], FP_ROUNDS), off = bench_median(fp_t[c][0], FP_ROUNDS);
             printf("%-28s %11.2f %11.2f %9.3f %s\n", short_names[c], on * 1e6, off * 1e6, on / off,
@@ -455,11 +430,9 @@ int main(int argc, char **argv)
                ws, (int)IN_ROUNDS);
         printf("%8s", "block");
         static const char *in_names[3] = {"all_gather (in place)", "reduce_scatter", "all_reduce"};
-        for (int c = 0; c < 3; c++)
-            printf(" %33s", in_names[c]);
+        for (int c = 0; c < 3; c++) printf(" %33s", in_names[c]);
         printf("\n%8s", "");
-        for (int c = 0; c < 3; c++)
-            printf(" %10s %10s %11s", "inline us", "apart us", "inline/apart");
+        for (int c = 0; c < 3; c++) printf(" %10s %10s %11s", "inline us", "apart us", "inline/apart");
         printf("\n");
         for (int b = 0; b < N_BLK; b++) {
             printf("%5d KiB", blk_kib[b]);
@@ -472,17 +445,16 @@ int main(int argc, char **argv)
         printf("\nucx_perftest -t tag_bw (%s, transport ceiling; target busbw >= 0.8x from 16 MiB)\n",
                netns_name() && netns_script() ? "host 0 to host 1, UCX_TLS=tcp" : "127.0.0.1");
         if (!have_ucx)
-            printf("  skipped: %s\n", g_nodes > 1 ? "the ranks span hosts and no TS_BENCH_NETNS says how to reach them"
-                                                   : "ucx_perftest not found on PATH (Debian package ucx-utils)");
+            printf("  skipped: %s\n",
+                   g_nodes > 1 ? "the ranks span hosts and no TS_BENCH_NETNS says how to reach them"
+                               : "ucx_perftest not found on PATH (Debian package ucx-utils)");
         else
             for (int s = 0; s < nsizes; s++)
                 if (sizes[s] >= (1 << 20)) {
                     char sz[32];
                     size_str(sizes[s], sz, sizeof sz);
-                    if (ucx[s] > 0)
-                        printf("%10s %11.2f GB/s\n", sz, ucx[s]);
-                    else
-                        printf("%10s %11s (ucx_perftest failed)\n", sz, "-");
+                    if (ucx[s] > 0) printf("%10s %11.2f GB/s\n", sz, ucx[s]);
+                    else printf("%10s %11s (ucx_perftest failed)\n", sz, "-");
                 }
         print_mpi(ws, nsizes, fixed_iters, max_mib, t);
         fflush(stdout);

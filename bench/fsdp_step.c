@@ -84,8 +84,8 @@ typedef struct cfg {
 } cfg;
 
 enum { LOCAL, FSDP, FSDP_NOPF, FSDP_BF16, OFFLOAD, OFFLOAD_NOPIN, FSDP_AC, N_MODES };
-static const char *mode_names[N_MODES] = {"local", "fsdp", "fsdp-nopf", "fsdp-bf16", "offload", "offload-nopin",
-                                          "fsdp-ac"};
+static const char *mode_names[N_MODES] = {"local",   "fsdp",          "fsdp-nopf", "fsdp-bf16",
+                                          "offload", "offload-nopin", "fsdp-ac"};
 
 /* Per mode, besides the step time: bytes per step given to the
  * collectives (all of them; the all-gathers; the reduce-scatters) and
@@ -245,8 +245,9 @@ static double run_mode(const cfg *c, int mode, int rank, size_t *peak, int64_t *
         static const char *spans[] = {"fsdp.wait_all_gather", "fsdp.copy_out", "fsdp.pack_grads", "fsdp.wait_reduce",
                                       "fsdp.grad_into_shards"};
         printf("fsdp time per step, rank 0 (TS_TRACE spans, mean over %d steps):", n + 2);
-        for (int i = 0; i < 5; i++) printf(" %s %.2f ms%s", spans[i] + 5, (double)ts_trace_total_ns(spans[i]) / 1e6 / (n + 2),
-                                           i < 4 ? "," : "\n");
+        for (int i = 0; i < 5; i++)
+            printf(" %s %.2f ms%s", spans[i] + 5, (double)ts_trace_total_ns(spans[i]) / 1e6 / (n + 2),
+                   i < 4 ? "," : "\n");
     }
     ts_tensor_free(ids), ts_tensor_free(tg);
     ts_optim_free(opt);
@@ -328,7 +329,7 @@ typedef struct ddp_proc {
 } ddp_proc;
 
 static const char *g_ddp_buckets = "1,25"; /* --ddp-bucket-mb: torch_ddp_step.py's --bucket-mb */
-enum { DDP_POLL_S = 20 };                   /* rank 0 tells the others how DDP is doing this often, s */
+enum { DDP_POLL_S = 20 };                  /* rank 0 tells the others how DDP is doing this often, s */
 
 /* Why DDP cannot run here, or NULL if it can. */
 static const char *ddp_unavailable(void)
@@ -348,12 +349,32 @@ static bool ddp_start(const cfg *c, int W, ddp_proc *d)
     snprintf(a[0], 32, "%d", W), snprintf(a[1], 32, "%d", c->layers), snprintf(a[2], 32, "%d", c->dim);
     snprintf(a[3], 32, "%d", c->heads), snprintf(a[4], 32, "%d", c->seq), snprintf(a[5], 32, "%d", c->batch);
     snprintf(a[6], 32, "%d", c->vocab);
-    char *argv[] = {"/usr/bin/python3", script, "--serve", "--warmup", "2", "--nproc", a[0], "--layers", a[1],
-                    "--dim", a[2], "--heads", a[3], "--seq", a[4], "--batch", a[5], "--vocab", a[6], "--bucket-mb",
-                    (char *)g_ddp_buckets, NULL};
-    static const char *drop[] = {"RANK=", "LOCAL_RANK=", "WORLD_SIZE=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=",
-                                 "MASTER_PORT=", "GROUP_RANK=", "ROLE_RANK=", "MALLOC_MMAP_THRESHOLD_=",
-                                 "MALLOC_TRIM_THRESHOLD_=", "BLIS_ARCH_TYPE="};
+    char *argv[] = {"/usr/bin/python3",
+                    script,
+                    "--serve",
+                    "--warmup",
+                    "2",
+                    "--nproc",
+                    a[0],
+                    "--layers",
+                    a[1],
+                    "--dim",
+                    a[2],
+                    "--heads",
+                    a[3],
+                    "--seq",
+                    a[4],
+                    "--batch",
+                    a[5],
+                    "--vocab",
+                    a[6],
+                    "--bucket-mb",
+                    (char *)g_ddp_buckets,
+                    NULL};
+    static const char *drop[] = {
+        "RANK=",          "LOCAL_RANK=", "WORLD_SIZE=", "LOCAL_WORLD_SIZE=",       "MASTER_ADDR=",
+        "MASTER_PORT=",   "GROUP_RANK=", "ROLE_RANK=",  "MALLOC_MMAP_THRESHOLD_=", "MALLOC_TRIM_THRESHOLD_=",
+        "BLIS_ARCH_TYPE="};
     size_t ne = 0;
     while (environ[ne]) ne++;
     char **envp = malloc((ne + 4) * sizeof *envp);
@@ -364,7 +385,7 @@ static bool ddp_start(const cfg *c, int W, ddp_proc *d)
         bool keep = true;
         for (size_t j = 0; j < sizeof drop / sizeof *drop && keep; j++)
             keep = strncmp(environ[i], drop[j], strlen(drop[j])) != 0 ||
-                   (!skx && !strcmp(drop[j], "BLIS_ARCH_TYPE=")); /* ours, unless BLIS runs skx here */
+                (!skx && !strcmp(drop[j], "BLIS_ARCH_TYPE=")); /* ours, unless BLIS runs skx here */
         if (keep) envp[k++] = environ[i];
     }
     envp[k++] = "MALLOC_MMAP_THRESHOLD_=33554432";
@@ -493,7 +514,7 @@ typedef struct vs_result {
     int n_ddp;                    /* bucket sizes timed (0: DDP did not run) */
     double ddp[VS_DDP_MAX];       /* medians, seconds */
     char ddp_label[VS_DDP_MAX][64];
-    const char *ddp_why;          /* why not, when n_ddp is 0 */
+    const char *ddp_why; /* why not, when n_ddp is 0 */
 } vs_result;
 
 static void run_vs(const cfg *c, int rank, int W, bool with_ddp, vs_result *res)
@@ -640,8 +661,10 @@ int main(int argc, char **argv)
     }
     if ((argc - 1) % 2 || c.steps < 1 || c.layers < 1 || c.dim < c.heads || c.dim % c.heads || c.seq < 2 ||
         c.batch < 1 || hsdp < 1) {
-        fprintf(stderr, "usage: tsrun --nproc-per-node 2 %s [--steps N] [--layers L] [--dim D] [--heads H] "
-                        "[--seq T] [--batch B] [--hsdp R] [--no-ddp] [--ddp-bucket-mb 1,25] [--only-vs]\n", argv[0]);
+        fprintf(stderr,
+                "usage: tsrun --nproc-per-node 2 %s [--steps N] [--layers L] [--dim D] [--heads H] "
+                "[--seq T] [--batch B] [--hsdp R] [--no-ddp] [--ddp-bucket-mb 1,25] [--only-vs]\n",
+                argv[0]);
         return 2;
     }
     CHECK(ts_dist_init(NULL));
@@ -693,8 +716,7 @@ int main(int argc, char **argv)
         printf("bench_fsdp_step: %d ranks%s, GPT %d layers, d %d, %d heads, seq %d, batch %d per rank, AdamW; "
                "TS_UCX_ERROR_MODE=%s\n",
                W, g_mesh ? " (HSDP: replicate x shard mesh of --hsdp; comm alone stays 1-d)" : "", c.layers, c.dim,
-               c.heads, c.seq, c.batch,
-               getenv("TS_UCX_ERROR_MODE") ? getenv("TS_UCX_ERROR_MODE") : "peer");
+               c.heads, c.seq, c.batch, getenv("TS_UCX_ERROR_MODE") ? getenv("TS_UCX_ERROR_MODE") : "peer");
     }
     if (rank == 0 && !only_vs) {
         printf("%-14s %11s %10s %16s %16s\n", "mode", "step ms", "vs local", "peak storage MiB", "param MiB/rank");
@@ -702,8 +724,8 @@ int main(int argc, char **argv)
             printf("%-14s %11.2f %10.3f %16.2f %16.2f\n", mode_names[m], t[m] * 1e3, t[m] / t[LOCAL],
                    (double)peak[m] / 1048576.0, (double)pbytes[m] / 1048576.0);
         printf("memory per rank, predicted (ts_fsdp_memory_estimate) against measured (peak storage), MiB:\n%-14s %9s "
-               "%9s %6s %7s %7s %7s %7s %7s %9s\n", "mode", "predicted", "measured", "ratio", "params", "grads", "optim",
-               "group", "acts", "acts ckpt");
+               "%9s %6s %7s %7s %7s %7s %7s %9s\n",
+               "mode", "predicted", "measured", "ratio", "params", "grads", "optim", "group", "acts", "acts ckpt");
         for (int m = FSDP; m < N_MODES; m++) {
             const ts_fsdp_memory_report *p = &g_pred[m];
             printf("%-14s %9.2f %9.2f %6.3f %7.2f %7.2f %7.2f %4.2fx%d %7.2f %9.2f\n", mode_names[m],
@@ -729,8 +751,8 @@ int main(int argc, char **argv)
         for (int i = 0; i < 3; i++) {
             int m = off_modes[i];
             printf("%-14s %9.2f %9.3f %9.3f %9.3f %9.3f %17.2f %14.2f %11.3f\n", mode_names[m], ti[i] * 1e3,
-                   ti[i] / ti[0], g_bytes[m].coll / 1048576.0, g_bytes[m].h2d / 1048576.0,
-                   g_bytes[m].d2h / 1048576.0, (double)peak[m] / 1048576.0, (double)g_bytes[m].host / 1048576.0,
+                   ti[i] / ti[0], g_bytes[m].coll / 1048576.0, g_bytes[m].h2d / 1048576.0, g_bytes[m].d2h / 1048576.0,
+                   (double)peak[m] / 1048576.0, (double)g_bytes[m].host / 1048576.0,
                    (double)g_bytes[m].pinned / 1048576.0);
         }
         printf("offload / fsdp step time (interleaved): %.3f (pinned), %.3f (pageable); target <= 1.05\n",
@@ -747,10 +769,14 @@ int main(int argc, char **argv)
                "%s\n",
                ti[3] / ti[0], g_bytes[FSDP_BF16].ag / g_bytes[FSDP].ag, g_bytes[FSDP_BF16].rs / g_bytes[FSDP].rs,
                (double)peak[FSDP_BF16] / (double)peak[FSDP],
-               __builtin_cpu_supports("avx512bf16") ? "avx512bf16" : __builtin_cpu_supports("avx2") ? "avx2, no avx512bf16" : "no avx2");
-        printf("fsdp-ac (every block checkpointed) vs fsdp: peak storage %.2f MiB vs %.2f MiB (%.3f x), step %.2f ms vs "
-               "%.2f ms (%.3f x, interleaved)\n", (double)peak[FSDP_AC] / 1048576.0, (double)peak[FSDP] / 1048576.0,
-               (double)peak[FSDP_AC] / (double)peak[FSDP], ti[4] * 1e3, ti[0] * 1e3, ti[4] / ti[0]);
+               __builtin_cpu_supports("avx512bf16") ? "avx512bf16"
+                   : __builtin_cpu_supports("avx2") ? "avx2, no avx512bf16"
+                                                    : "no avx2");
+        printf(
+            "fsdp-ac (every block checkpointed) vs fsdp: peak storage %.2f MiB vs %.2f MiB (%.3f x), step %.2f ms vs "
+            "%.2f ms (%.3f x, interleaved)\n",
+            (double)peak[FSDP_AC] / 1048576.0, (double)peak[FSDP] / 1048576.0,
+            (double)peak[FSDP_AC] / (double)peak[FSDP], ti[4] * 1e3, ti[0] * 1e3, ti[4] / ti[0]);
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         printf("cores per rank: %.1f%s\n", (double)cores / W,
                (double)cores / W < 2 ? " (shared-memory transfers are copies made by the ranks' own CPUs, so with "
@@ -760,7 +786,8 @@ int main(int argc, char **argv)
     }
     if (rank == 0) {
         printf("optimizer and DDP, same run (rank 0; medians of %d steps; per step, the four modes in a rotating "
-               "order, then one torch DDP step of each bucket size, the other ranks waiting):\n", c.steps);
+               "order, then one torch DDP step of each bucket size, the other ranks waiting):\n",
+               c.steps);
         printf("%-24s %9s %9s %9s %9s\n", "mode", "step ms", "vs local", "optim ms", "optim %");
         for (int k = 0; k < VS_N; k++)
             printf("%-24s %9.2f %9.3f %9.2f %8.1f%%\n", vs_names[k], vs.step[k] * 1e3, vs.step[k] / vs.step[VS_LOCAL],
@@ -772,17 +799,19 @@ int main(int argc, char **argv)
             if (vs.ddp[b] < vs.ddp[best]) best = b;
         }
         printf("AdamW step (ts_optim_step), kernels %s: per-parameter %.2f ms (%.1f%% of the fsdp step), fused %.2f ms "
-               "(%.1f%% of fsdp-fused); fused / per-parameter %.3f\n", ts__optim_update_path_name(),
-               vs.opt[VS_FSDP] * 1e3, 100 * vs.opt[VS_FSDP] / vs.step[VS_FSDP], vs.opt[VS_FSDP_FUSED] * 1e3,
-               100 * vs.opt[VS_FSDP_FUSED] / vs.step[VS_FSDP_FUSED], vs.opt[VS_FSDP_FUSED] / vs.opt[VS_FSDP]);
+               "(%.1f%% of fsdp-fused); fused / per-parameter %.3f\n",
+               ts__optim_update_path_name(), vs.opt[VS_FSDP] * 1e3, 100 * vs.opt[VS_FSDP] / vs.step[VS_FSDP],
+               vs.opt[VS_FSDP_FUSED] * 1e3, 100 * vs.opt[VS_FSDP_FUSED] / vs.step[VS_FSDP_FUSED],
+               vs.opt[VS_FSDP_FUSED] / vs.opt[VS_FSDP]);
         int f = vs.step[VS_FSDP_FUSED] < vs.step[VS_FSDP] ? VS_FSDP_FUSED : VS_FSDP;
-        printf("fsdp / local: %.3f (%s / %s; target <= 1.03)\n", vs.step[f] / vs.step[f == VS_FSDP ? VS_LOCAL : VS_LOCAL_FUSED],
-               vs_names[f], vs_names[f == VS_FSDP ? VS_LOCAL : VS_LOCAL_FUSED]);
+        printf("fsdp / local: %.3f (%s / %s; target <= 1.03)\n",
+               vs.step[f] / vs.step[f == VS_FSDP ? VS_LOCAL : VS_LOCAL_FUSED], vs_names[f],
+               vs_names[f == VS_FSDP ? VS_LOCAL : VS_LOCAL_FUSED]);
         if (vs.n_ddp)
             printf("fsdp / ddp: %.3f (%s against torch 1.13 DDP over gloo, %s, %d ranks, one thread each; target <= "
-                   "0.80)\n", vs.step[f] / vs.ddp[best], vs_names[f], vs.ddp_label[best], W);
-        else
-            printf("fsdp / ddp: not measured: %s\n", vs.ddp_why ? vs.ddp_why : "DDP did not run");
+                   "0.80)\n",
+                   vs.step[f] / vs.ddp[best], vs_names[f], vs.ddp_label[best], W);
+        else printf("fsdp / ddp: not measured: %s\n", vs.ddp_why ? vs.ddp_why : "DDP did not run");
     }
     ts_mesh_free(g_mesh);
     CHECK(ts_dist_finalize());

@@ -30,8 +30,7 @@ static const conv k_convs[] = {
 static double time_conv(ts__kpath p, const conv *c, void *dst, const void *src, int64_t n, int reps)
 {
     double t[64];
-    if (reps > 64)
-        reps = 64;
+    if (reps > 64) reps = 64;
     ts__buf_convert_on(p, c->dd, dst, c->sd, src, n); /* warm */
     for (int r = 0; r < reps; r++) {
         double t0 = bench_now_s();
@@ -46,12 +45,9 @@ int main(int argc, char **argv)
     int64_t sizes[2] = {16384, 16 << 20};
     int reps = 21;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--cache-elems") && i + 1 < argc)
-            sizes[0] = atoll(argv[++i]);
-        else if (!strcmp(argv[i], "--mem-elems") && i + 1 < argc)
-            sizes[1] = atoll(argv[++i]);
-        else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
-            reps = atoi(argv[++i]);
+        if (!strcmp(argv[i], "--cache-elems") && i + 1 < argc) sizes[0] = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--mem-elems") && i + 1 < argc) sizes[1] = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else {
             fprintf(stderr, "usage: %s [--cache-elems N] [--mem-elems N] [--reps R]\n", argv[0]);
             return strcmp(argv[i], "--help") ? 2 : 0;
@@ -90,14 +86,12 @@ int main(int argc, char **argv)
             int r = s == 0 ? reps * 4 : reps;
             double scalar = 0;
             for (int p = 0; p < TS__KPATH_COUNT; p++) {
-                if (!ts__kpath_supported((ts__kpath)p))
-                    continue;
+                if (!ts__kpath_supported((ts__kpath)p)) continue;
                 double t = time_conv((ts__kpath)p, cv, dst, src, n, r);
                 double gbs = (double)n * (double)bytes_per / t * 1e-9;
-                if (p == 0)
-                    scalar = gbs;
-                printf("%-10s %-10s %12lld %10.2f %10.2f\n", cv->name, ts__kpath_name((ts__kpath)p), (long long)n,
-                       gbs, gbs / scalar);
+                if (p == 0) scalar = gbs;
+                printf("%-10s %-10s %12lld %10.2f %10.2f\n", cv->name, ts__kpath_name((ts__kpath)p), (long long)n, gbs,
+                       gbs / scalar);
             }
         }
     }

@@ -66,8 +66,7 @@ static bool use_best = false;
 static double median(double *v, int n)
 {
     qsort(v, (size_t)n, sizeof *v, cmp_double);
-    if (use_best)
-        return v[0];
+    if (use_best) return v[0];
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
@@ -84,12 +83,11 @@ static double median(double *v, int n)
 __attribute__((target("avx512f"))) static float peak_zmm(long iters)
 {
     __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-7f);
-    __m512 a0 = _mm512_set1_ps(0.0f), a1 = _mm512_set1_ps(1.0f), a2 = _mm512_set1_ps(2.0f),
-           a3 = _mm512_set1_ps(3.0f), a4 = _mm512_set1_ps(4.0f), a5 = _mm512_set1_ps(5.0f),
-           a6 = _mm512_set1_ps(6.0f), a7 = _mm512_set1_ps(7.0f), a8 = _mm512_set1_ps(8.0f),
-           a9 = _mm512_set1_ps(9.0f), a10 = _mm512_set1_ps(10.0f), a11 = _mm512_set1_ps(11.0f),
-           a12 = _mm512_set1_ps(12.0f), a13 = _mm512_set1_ps(13.0f), a14 = _mm512_set1_ps(14.0f),
-           a15 = _mm512_set1_ps(15.0f);
+    __m512 a0 = _mm512_set1_ps(0.0f), a1 = _mm512_set1_ps(1.0f), a2 = _mm512_set1_ps(2.0f), a3 = _mm512_set1_ps(3.0f),
+           a4 = _mm512_set1_ps(4.0f), a5 = _mm512_set1_ps(5.0f), a6 = _mm512_set1_ps(6.0f), a7 = _mm512_set1_ps(7.0f),
+           a8 = _mm512_set1_ps(8.0f), a9 = _mm512_set1_ps(9.0f), a10 = _mm512_set1_ps(10.0f),
+           a11 = _mm512_set1_ps(11.0f), a12 = _mm512_set1_ps(12.0f), a13 = _mm512_set1_ps(13.0f),
+           a14 = _mm512_set1_ps(14.0f), a15 = _mm512_set1_ps(15.0f);
     for (long i = 0; i < iters; i++) {
         a0 = _mm512_fmadd_ps(a0, x, y);
         a1 = _mm512_fmadd_ps(a1, x, y);
@@ -118,10 +116,10 @@ __attribute__((target("avx512f"))) static float peak_zmm(long iters)
 __attribute__((target("avx2,fma"))) static float peak_ymm(long iters)
 {
     __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
-    __m256 a0 = _mm256_set1_ps(0.0f), a1 = _mm256_set1_ps(1.0f), a2 = _mm256_set1_ps(2.0f),
-           a3 = _mm256_set1_ps(3.0f), a4 = _mm256_set1_ps(4.0f), a5 = _mm256_set1_ps(5.0f),
-           a6 = _mm256_set1_ps(6.0f), a7 = _mm256_set1_ps(7.0f), a8 = _mm256_set1_ps(8.0f),
-           a9 = _mm256_set1_ps(9.0f), a10 = _mm256_set1_ps(10.0f), a11 = _mm256_set1_ps(11.0f);
+    __m256 a0 = _mm256_set1_ps(0.0f), a1 = _mm256_set1_ps(1.0f), a2 = _mm256_set1_ps(2.0f), a3 = _mm256_set1_ps(3.0f),
+           a4 = _mm256_set1_ps(4.0f), a5 = _mm256_set1_ps(5.0f), a6 = _mm256_set1_ps(6.0f), a7 = _mm256_set1_ps(7.0f),
+           a8 = _mm256_set1_ps(8.0f), a9 = _mm256_set1_ps(9.0f), a10 = _mm256_set1_ps(10.0f),
+           a11 = _mm256_set1_ps(11.0f);
     for (long i = 0; i < iters; i++) {
         a0 = _mm256_fmadd_ps(a0, x, y);
         a1 = _mm256_fmadd_ps(a1, x, y);
@@ -187,8 +185,7 @@ static peak_kind pick_peak_kernel(void)
         return (peak_kind){"AVX-512F zmm _mm512_fmadd_ps, 16 accumulators", peak_zmm, 2.0 * 16 * PEAK_ACC_ZMM};
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         return (peak_kind){"AVX2+FMA ymm _mm256_fmadd_ps, 12 accumulators", peak_ymm, 2.0 * 8 * PEAK_ACC_YMM};
-    return (peak_kind){"SSE xmm _mm_mul_ps + _mm_add_ps (no FMA), 12 accumulators", peak_xmm,
-                       2.0 * 4 * PEAK_ACC_XMM};
+    return (peak_kind){"SSE xmm _mm_mul_ps + _mm_add_ps (no FMA), 12 accumulators", peak_xmm, 2.0 * 4 * PEAK_ACC_XMM};
 }
 
 static volatile float peak_sink;
@@ -218,20 +215,17 @@ static double peak_once(peak_kind k, long iters, int threads)
     pthread_t tid[64];
     peak_job jobs[64];
     pthread_barrier_t start;
-    if (threads > 64)
-        threads = 64;
+    if (threads > 64) threads = 64;
     pthread_barrier_init(&start, NULL, (unsigned)threads);
     for (int i = 0; i < threads; i++) {
         jobs[i] = (peak_job){k, iters, &start, 0.0};
-        if (i > 0)
-            pthread_create(&tid[i], NULL, peak_thread, &jobs[i]);
+        if (i > 0) pthread_create(&tid[i], NULL, peak_thread, &jobs[i]);
     }
     peak_thread(&jobs[0]);
     double worst = jobs[0].seconds;
     for (int i = 1; i < threads; i++) {
         pthread_join(tid[i], NULL);
-        if (jobs[i].seconds > worst)
-            worst = jobs[i].seconds;
+        if (jobs[i].seconds > worst) worst = jobs[i].seconds;
     }
     pthread_barrier_destroy(&start);
     return k.flops_per_iter * (double)iters * threads / worst * 1e-9;
@@ -297,8 +291,7 @@ static ts_tensor *to_bf16(ts_tensor *f)
     int64_t n = ts_tensor_numel(f);
     uint16_t *h = malloc((size_t)n * sizeof *h);
     const float *p = ts_tensor_data(f);
-    for (int64_t i = 0; i < n; i++)
-        h[i] = ts_f32_to_bf16(p[i]);
+    for (int64_t i = 0; i < n; i++) h[i] = ts_f32_to_bf16(p[i]);
     ts_tensor *t;
     check(ts_tensor_from_data(TS_BF16, ts_tensor_ndim(f), ts_tensor_shape(f), h, &t), "ts_tensor_from_data");
     free(h);
@@ -309,9 +302,9 @@ static ts_tensor *to_bf16(ts_tensor *f)
  * buffers: C (m, n) = A (m, k) B (k, n) with A and B given as tensors
  * (views included) and as raw pointers with strides. */
 typedef struct problem {
-    ts_tensor *a, *b;  /* operands as ts_matmul gets them (may be views) */
+    ts_tensor *a, *b;   /* operands as ts_matmul gets them (may be views) */
     ts_tensor *ha, *hb; /* the same in bfloat16 */
-    ts_tensor *c_blis; /* raw BLIS output, (m, n) contiguous */
+    ts_tensor *c_blis;  /* raw BLIS output, (m, n) contiguous */
     int64_t m, n, k;
     float *pa, *pb;
     int64_t rsa, csa, rsb, csb;
@@ -390,8 +383,7 @@ static double run_blis(const problem *p)
 static double rel_diff(ts_tensor *lib, ts_tensor *blis, int64_t m, int64_t n)
 {
     const int64_t *sh = ts_tensor_shape(lib);
-    if (ts_tensor_ndim(lib) != 2 || sh[0] != m || sh[1] != n)
-        return INFINITY;
+    if (ts_tensor_ndim(lib) != 2 || sh[0] != m || sh[1] != n) return INFINITY;
     ts_tensor *cl;
     check(ts_contiguous(lib, &cl), "ts_contiguous");
     const float *x = ts_tensor_data(cl), *y = ts_tensor_data(blis);
@@ -400,10 +392,8 @@ static double rel_diff(ts_tensor *lib, ts_tensor *blis, int64_t m, int64_t n)
     double md = 0.0, mx = 0.0;
     for (int64_t i = 0; i < m * n; i++) {
         double d = fabs((half ? (double)ts_bf16_to_f32(xh[i]) : (double)x[i]) - (double)y[i]);
-        if (!(d <= md))
-            md = d;
-        if (fabs((double)y[i]) > mx)
-            mx = fabs((double)y[i]);
+        if (!(d <= md)) md = d;
+        if (fabs((double)y[i]) > mx) mx = fabs((double)y[i]);
     }
     ts_tensor_free(cl);
     return mx > 0 ? md / mx : md;
@@ -416,8 +406,7 @@ static double load_average(void)
     double l = -1.0;
     FILE *f = fopen("/proc/loadavg", "r");
     if (f) {
-        if (fscanf(f, "%lf", &l) != 1)
-            l = -1.0;
+        if (fscanf(f, "%lf", &l) != 1) l = -1.0;
         fclose(f);
     }
     return l;
@@ -433,8 +422,7 @@ static void usage(void)
  * when python3 with torch is absent; returns false then. */
 static bool torch_bf16(int threads, int reps, double *gflops)
 {
-    for (int s = 0; s < N_SHAPES; s++)
-        gflops[s] = -1;
+    for (int s = 0; s < N_SHAPES; s++) gflops[s] = -1;
     if (access("/usr/bin/python3", X_OK) != 0 || system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0)
         return false;
     static const char *const tags[N_SHAPES] = {"fwd", "dx", "dw", "sq512", "sq1024", "sq2048"};
@@ -442,11 +430,10 @@ static bool torch_bf16(int threads, int reps, double *gflops)
     snprintf(cmd, sizeof cmd,
              "env BLIS_ARCH_TYPE=%s MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 "
              "OMP_NUM_THREADS=%d BLIS_NUM_THREADS=%d /usr/bin/python3 %s/tools/bench/torch_matmul.py %d %d bf16",
-             strcmp(ts_blis_arch_name(), "skx") == 0 ? "0" : "\"$BLIS_ARCH_TYPE\"", threads, threads,
-             TS_SOURCE_DIR, threads, reps);
+             strcmp(ts_blis_arch_name(), "skx") == 0 ? "0" : "\"$BLIS_ARCH_TYPE\"", threads, threads, TS_SOURCE_DIR,
+             threads, reps);
     FILE *f = popen(cmd, "r");
-    if (!f)
-        return false;
+    if (!f) return false;
     char line[256], tag[32], dt[16];
     double g;
     bool any = false;
@@ -476,18 +463,15 @@ int main(int argc, char **argv)
             use_best = true;
         } else if (strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
             reps = atoi(argv[++i]);
-            if (reps < 1 || reps > 101)
-                usage();
+            if (reps < 1 || reps > 101) usage();
         } else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
             n_threads = 0;
             for (char *tok = strtok(argv[++i], ","); tok && n_threads < 16; tok = strtok(NULL, ",")) {
                 threads[n_threads] = atoi(tok);
-                if (threads[n_threads] < 1 || threads[n_threads] > 64)
-                    usage();
+                if (threads[n_threads] < 1 || threads[n_threads] > 64) usage();
                 n_threads++;
             }
-            if (n_threads == 0)
-                usage();
+            if (n_threads == 0) usage();
         } else {
             usage();
         }
@@ -501,8 +485,10 @@ int main(int argc, char **argv)
 
     peak_kind pk = pick_peak_kernel();
     printf("tensorshard bench_matmul: float32, BLIS %s (%s), kernels '%s' (%s%s)\n", bli_info_get_version_str(),
-           bli_info_get_enable_openmp() ? "OpenMP" : bli_info_get_enable_pthreads() ? "pthreads" : "serial", arch,
-           user_arch ? "BLIS_ARCH_TYPE was set to " : "chosen by the library from cpuid",
+           bli_info_get_enable_openmp()         ? "OpenMP"
+               : bli_info_get_enable_pthreads() ? "pthreads"
+                                                : "serial",
+           arch, user_arch ? "BLIS_ARCH_TYPE was set to " : "chosen by the library from cpuid",
            user_arch ? user_arch_copy : "");
     printf("FMA peak kernel: %s\n", pk.desc);
     printf("bfloat16 kernel: '%s' (TS_BF16_GEMM_KERNEL=%s)\n", ts_bf16_gemm_kernel_name(),
@@ -527,15 +513,14 @@ int main(int argc, char **argv)
            load0 > 0.5 ? " (other processes are running: figures, above all at 2 threads, will be low)" : "");
     printf("\n%-3s %-26s %6s %6s %6s %9s %9s %9s %8s %8s %9s %8s %9s %8s %s\n", "thr", "product", "m", "n", "k",
            "lib f32", "blis", "peak", "lib/", "lib/", "lib bf16", "bf16/", "torch", "bf16/", "check");
-    printf("%-3s %-26s %6s %6s %6s %9s %9s %9s %8s %8s %9s %8s %9s %8s\n", "", "", "", "", "", "GFLOP/s",
-           "GFLOP/s", "GFLOP/s", "blis", "peak", "GFLOP/s", "f32", "bf16", "torch");
+    printf("%-3s %-26s %6s %6s %6s %9s %9s %9s %8s %8s %9s %8s %9s %8s\n", "", "", "", "", "", "GFLOP/s", "GFLOP/s",
+           "GFLOP/s", "blis", "peak", "GFLOP/s", "f32", "bf16", "torch");
     for (int ti = 0; ti < n_threads; ti++) {
         int nt = threads[ti];
         double torch_g[N_SHAPES];
         bool have_torch = use_torch && torch_bf16(nt, reps ? reps : quick ? 3 : 7, torch_g);
         if (!use_torch)
-            for (int s = 0; s < N_SHAPES; s++)
-                torch_g[s] = -1;
+            for (int s = 0; s < N_SHAPES; s++) torch_g[s] = -1;
         else if (!have_torch)
             printf("(%d thread%s: no /usr/bin/python3 with torch here, or it failed: no torch figures)\n", nt,
                    nt == 1 ? "" : "s");
@@ -551,8 +536,7 @@ int main(int argc, char **argv)
              * times, so that median() fits); not between them: the first
              * product after 50 ms of the peak kernel runs measurably slower */
             double tp[6];
-            for (int i = 0; i < 3; i++)
-                tp[i] = 1.0 / peak_once(pk, peak_iters, nt);
+            for (int i = 0; i < 3; i++) tp[i] = 1.0 / peak_once(pk, peak_iters, nt);
             /* warm-up: BLIS's packing buffers, and the library's output
              * block, which goes back to the caching pool after each run
              * and is reused by the next (no fresh pages in timed runs) */
@@ -566,15 +550,12 @@ int main(int argc, char **argv)
             for (int i = 0; i < r; i++) {
                 /* which goes first alternates: the first of a pair ran
                  * a few per cent slower on the small squares here */
-                if (i % 2)
-                    tb[i] = run_blis(&p);
+                if (i % 2) tb[i] = run_blis(&p);
                 tl[i] = run_lib(&p, false, i == r - 1 ? &lib_out : NULL);
                 th[i] = run_lib(&p, true, i == r - 1 ? &half_out : NULL);
-                if (i % 2 == 0)
-                    tb[i] = run_blis(&p);
+                if (i % 2 == 0) tb[i] = run_blis(&p);
             }
-            for (int i = 3; i < 6; i++)
-                tp[i] = 1.0 / peak_once(pk, peak_iters, nt);
+            for (int i = 3; i < 6; i++) tp[i] = 1.0 / peak_once(pk, peak_iters, nt);
             double flops = 2.0 * (double)p.m * (double)p.n * (double)p.k;
             double gl = flops / median(tl, r) * 1e-9, gb = flops / median(tb, r) * 1e-9,
                    gh = flops / median(th, r) * 1e-9;
@@ -587,14 +568,15 @@ int main(int argc, char **argv)
              * relative) plus the f32 reordering, relative to max |C| */
             double dh = rel_diff(half_out, p.c_blis, p.m, p.n);
             bool ok_h = dh <= 1.0 / 256;
-            if (!ok || !ok_h)
-                status = 1;
+            if (!ok || !ok_h) status = 1;
             char tcol[16], tratio[16];
             snprintf(tcol, sizeof tcol, torch_g[s] > 0 ? "%.1f" : "-", torch_g[s]);
             snprintf(tratio, sizeof tratio, torch_g[s] > 0 ? "%.3f" : "-", gh / torch_g[s]);
-            printf("%-3d %-26s %6ld %6ld %6ld %9.1f %9.1f %9.1f %8.3f %8.3f %9.1f %8.3f %9s %8s %s\n", nt,
-                   sh->name, (long)p.m, (long)p.n, (long)p.k, gl, gb, peak, gl / gb, gl / peak, gh, gh / gl, tcol,
-                   tratio, ok && ok_h ? "ok" : !ok ? "DIFFERS" : "BF16 DIFFERS");
+            printf("%-3d %-26s %6ld %6ld %6ld %9.1f %9.1f %9.1f %8.3f %8.3f %9.1f %8.3f %9s %8s %s\n", nt, sh->name,
+                   (long)p.m, (long)p.n, (long)p.k, gl, gb, peak, gl / gb, gl / peak, gh, gh / gl, tcol, tratio,
+                   ok && ok_h ? "ok"
+                       : !ok  ? "DIFFERS"
+                              : "BF16 DIFFERS");
             fflush(stdout);
             ts_tensor_free(lib_out);
             ts_tensor_free(half_out);

@@ -124,10 +124,11 @@ int main(int argc, char **argv)
         }
     printf("bench_optim: AdamW over one rank's shards (1 of 2) of a GPT %d layers, d %d: %d parameters, %lld "
            "elements (%.1f MiB of parameters; the step reads and writes parameters, exp_avg, exp_avg_sq and reads "
-           "the gradients: %.1f MiB moved)\n", layers, dim, g_n, (long long)total, (double)total * 4 / 1048576.0,
-           (double)total * 4 * 7 / 1048576.0);
+           "the gradients: %.1f MiB moved)\n",
+           layers, dim, g_n, (long long)total, (double)total * 4 / 1048576.0, (double)total * 4 * 7 / 1048576.0);
     printf("medians (and best) of %d steps, variants interleaved; GB/s and 'vs before' of the medians\n%-26s %10s %10s "
-           "%10s %8s %12s\n", steps, "variant", "step ms", "best ms", "GB/s", "calls", "vs before");
+           "%10s %8s %12s\n",
+           steps, "variant", "step ms", "best ms", "GB/s", "calls", "vs before");
     double before = 0;
     for (int k = 0; k < nv; k++)
         if (vs[k].path == TS__KPATH_AVX2 && !vs[k].fused && ts__kpath_supported(TS__KPATH_AVX2))

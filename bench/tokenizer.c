@@ -52,25 +52,21 @@ int main(int argc, char **argv)
     ts_tokenizer *t = NULL;
     double t0 = now();
     ts_status st = ts_tokenizer_load(vocab, merges, &t);
-    if (st)
-        return fail("load", st);
+    if (st) return fail("load", st);
     double t_load = now() - t0;
     int32_t *ids = NULL;
     size_t n = 0;
     t0 = now();
-    if ((st = ts_tokenizer_encode(t, text, len, &ids, &n)))
-        return fail("encode", st);
+    if ((st = ts_tokenizer_encode(t, text, len, &ids, &n))) return fail("encode", st);
     double t_cold = now() - t0;
     ts_tokenizer_buffer_free(ids);
     t0 = now();
-    if ((st = ts_tokenizer_encode(t, text, len, &ids, &n)))
-        return fail("encode", st);
+    if ((st = ts_tokenizer_encode(t, text, len, &ids, &n))) return fail("encode", st);
     double t_warm = now() - t0;
     char *back = NULL;
     size_t blen = 0;
     t0 = now();
-    if ((st = ts_tokenizer_decode(t, ids, n, &back, &blen)))
-        return fail("decode", st);
+    if ((st = ts_tokenizer_decode(t, ids, n, &back, &blen))) return fail("decode", st);
     double t_dec = now() - t0;
     int same = blen == len && memcmp(back, text, len) == 0;
     ts_tokenizer_buffer_free(back);
@@ -79,8 +75,7 @@ int main(int argc, char **argv)
 
     size_t learn_len = len < (1u << 20) ? len : (1u << 20);
     t0 = now();
-    if ((st = ts_tokenizer_learn(text, learn_len, 4096, &t)))
-        return fail("learn", st);
+    if ((st = ts_tokenizer_learn(text, learn_len, 4096, &t))) return fail("learn", st);
     double t_learn = now() - t0;
     int32_t merges_made = ts_tokenizer_merge_count(t);
     ts_tokenizer_free(t);

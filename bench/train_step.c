@@ -62,8 +62,7 @@ static void observe(ts_dtype dt, int64_t m, int64_t n, int64_t k, int64_t rsa, i
 {
     (void)rsb;
     (void)rsa;
-    if (!recording || dt != TS_F32 || n_prods == 4096)
-        return;
+    if (!recording || dt != TS_F32 || n_prods == 4096) return;
     prods[n_prods++] = (product){m, n, k, csa != 1, csb != 1, beta};
 }
 
@@ -81,10 +80,8 @@ static double replay_sgemm(int reps)
     }
     float *a = aligned_alloc(64, (need_a * 4 + 63) / 64 * 64), *b = aligned_alloc(64, (need_b * 4 + 63) / 64 * 64),
           *c = aligned_alloc(64, (need_c * 4 + 63) / 64 * 64);
-    for (size_t i = 0; i < need_a; i++)
-        a[i] = (float)((i * 7) % 13) * 0.01f;
-    for (size_t i = 0; i < need_b; i++)
-        b[i] = (float)((i * 5) % 11) * 0.01f;
+    for (size_t i = 0; i < need_a; i++) a[i] = (float)((i * 7) % 13) * 0.01f;
+    for (size_t i = 0; i < need_b; i++) b[i] = (float)((i * 5) % 11) * 0.01f;
     memset(c, 0, need_c * 4);
     double times[64];
     reps = reps > 64 ? 64 : reps;
@@ -98,8 +95,7 @@ static double replay_sgemm(int reps)
             bli_sgemm(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, p->m, p->n, p->k, &one, a, rsa, csa, b, rsb, csb, &beta, c,
                       p->n, 1);
         }
-        if (r > 0)
-            times[r - 1] = now_ms() - t0;
+        if (r > 0) times[r - 1] = now_ms() - t0;
     }
     free(a);
     free(b);
@@ -136,8 +132,7 @@ static result run(const cfg *c, int threads, int steps, int warmup)
     ts_named_params p;
     CHECK(ts_module_named_parameters(model, &p));
     ts_tensor **plist = malloc((size_t)p.n * sizeof *plist);
-    for (int i = 0; i < p.n; i++)
-        plist[i] = *p.items[i].slot;
+    for (int i = 0; i < p.n; i++) plist[i] = *p.items[i].slot;
     ts_adam_options ao = ts_adamw_options_default();
     ts_optim *opt;
     CHECK(ts_adamw_new(p.n, plist, &ao, &opt));
@@ -165,7 +160,9 @@ static result run(const cfg *c, int threads, int steps, int warmup)
         ts_tensor_free(flat);
         ts_tensor_free(loss);
         double t1 = now_ms();
-        if (getenv("TS_BENCH_POOL")) fprintf(stderr, "step %d pool %zu MiB cached %zu MiB\n", s, ts_mem_live_bytes(TS_MEM_POOL) >> 20, ts_pool_cached_bytes() >> 20);
+        if (getenv("TS_BENCH_POOL"))
+            fprintf(stderr, "step %d pool %zu MiB cached %zu MiB\n", s, ts_mem_live_bytes(TS_MEM_POOL) >> 20,
+                    ts_pool_cached_bytes() >> 20);
         double matmul = (double)ts_trace_total_ns("matmul") * 1e-6;
         double attn = (double)(ts_trace_total_ns("attention") + ts_trace_total_ns("attention_backward")) * 1e-6;
         ts_trace_stop(false);
@@ -181,13 +178,11 @@ static result run(const cfg *c, int threads, int steps, int warmup)
     memcpy(sorted, times, (size_t)steps * sizeof *times);
     r.step_ms = bench_median(times, steps);
     r.best_ms = sorted[0];
-    for (int i = 1; i < steps; i++)
-        r.best_ms = sorted[i] < r.best_ms ? sorted[i] : r.best_ms;
+    for (int i = 1; i < steps; i++) r.best_ms = sorted[i] < r.best_ms ? sorted[i] : r.best_ms;
     r.matmul_ms = bench_median(mm, steps);
     r.attn_ms = bench_median(at, steps);
     r.n_products = n_prods;
-    for (int i = 0; i < n_prods; i++)
-        r.gflop += 2e-9 * (double)prods[i].m * (double)prods[i].n * (double)prods[i].k;
+    for (int i = 0; i < n_prods; i++) r.gflop += 2e-9 * (double)prods[i].m * (double)prods[i].n * (double)prods[i].k;
     bli_thread_set_num_threads(threads);
     r.sgemm_ms = replay_sgemm(steps);
     ts_tensor_free(x);
@@ -230,10 +225,8 @@ static void attention_alone(const cfg *c, int threads, int reps, double *ref_ms,
             ts_tensor_free(o);
             ts_tensor_free(g);
             ts_tensor_set_grad(qkv, NULL);
-            for (int i = 0; i < 3; i++)
-                ts_tensor_free(parts[i]);
-            if (r > 0)
-                t[mode][r - 1] = t1 - t0;
+            for (int i = 0; i < 3; i++) ts_tensor_free(parts[i]);
+            if (r > 0) t[mode][r - 1] = t1 - t0;
         }
     ts__flash_force(-1);
     *ref_ms = bench_median(t[0], reps);
@@ -250,20 +243,19 @@ static double torch_step(const cfg *c, int threads, int steps, int warmup, const
     if (access("/usr/bin/python3", X_OK) != 0 || system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0)
         return -1;
     char cmd[2048];
-    snprintf(cmd, sizeof cmd,
-             "env BLIS_ARCH_TYPE=%s MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 "
-             "OMP_NUM_THREADS=%d BLIS_NUM_THREADS=%d /usr/bin/python3 %s %d %d %d %lld %lld %lld %lld %lld %lld %lld %.17g",
-             strcmp(ts_blis_arch_name(), "skx") == 0 ? "0" : "\"$BLIS_ARCH_TYPE\"", threads, threads, script, threads,
-             steps, warmup, (long long)c->vocab, (long long)c->seq, (long long)c->layers, (long long)c->heads,
-             (long long)c->dim, (long long)c->batch, (long long)c->seq, c->dropout);
+    snprintf(
+        cmd, sizeof cmd,
+        "env BLIS_ARCH_TYPE=%s MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 "
+        "OMP_NUM_THREADS=%d BLIS_NUM_THREADS=%d /usr/bin/python3 %s %d %d %d %lld %lld %lld %lld %lld %lld %lld %.17g",
+        strcmp(ts_blis_arch_name(), "skx") == 0 ? "0" : "\"$BLIS_ARCH_TYPE\"", threads, threads, script, threads, steps,
+        warmup, (long long)c->vocab, (long long)c->seq, (long long)c->layers, (long long)c->heads, (long long)c->dim,
+        (long long)c->batch, (long long)c->seq, c->dropout);
     FILE *f = popen(cmd, "r");
-    if (!f)
-        return -1;
+    if (!f) return -1;
     char line[256];
     double med = -1, best;
     while (fgets(line, sizeof line, f))
-        if (sscanf(line, "torch_step_ms %lf %lf", &med, &best) == 2)
-            break;
+        if (sscanf(line, "torch_step_ms %lf %lf", &med, &best) == 2) break;
     pclose(f);
     return med;
 }
@@ -275,8 +267,14 @@ int main(int argc, char **argv)
     bool use_torch = true, alone = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
-        if (!strcmp(a, "--no-torch")) { use_torch = false; continue; }
-        if (!strcmp(a, "--no-alone")) { alone = false; continue; }
+        if (!strcmp(a, "--no-torch")) {
+            use_torch = false;
+            continue;
+        }
+        if (!strcmp(a, "--no-alone")) {
+            alone = false;
+            continue;
+        }
         if (!strcmp(a, "--threads")) {
             n_threads = 0;
             for (char *s = strtok((char *)v, ","); s && n_threads < 4; s = strtok(NULL, ","))
@@ -297,8 +295,11 @@ int main(int argc, char **argv)
                 return 2;
             }
         } else {
-            fprintf(stderr, "usage: %s [--threads 1,2] [--steps N] [--warmup N] [--no-torch] [--no-alone] [--layers L] [--dim D] "
-                            "[--heads H] [--seq T] [--batch B] [--vocab V] [--dropout P]\n", argv[0]);
+            fprintf(
+                stderr,
+                "usage: %s [--threads 1,2] [--steps N] [--warmup N] [--no-torch] [--no-alone] [--layers L] [--dim D] "
+                "[--heads H] [--seq T] [--batch B] [--vocab V] [--dropout P]\n",
+                argv[0]);
             return 2;
         }
         i++;
@@ -311,11 +312,13 @@ int main(int argc, char **argv)
     snprintf(script, sizeof script, "%s/tools/bench/torch_train_step.py", TS_SOURCE_DIR);
     ts__gemm_observer = observe;
     printf("GPT %lld layers, d_model %lld, %lld heads, seq %lld, batch %lld, vocab %lld, dropout %g; AdamW; BLIS "
-           "kernels: %s\n", (long long)c.layers, (long long)c.dim, (long long)c.heads, (long long)c.seq,
-           (long long)c.batch, (long long)c.vocab, c.dropout, ts_blis_arch_name());
+           "kernels: %s\n",
+           (long long)c.layers, (long long)c.dim, (long long)c.heads, (long long)c.seq, (long long)c.batch,
+           (long long)c.vocab, c.dropout, ts_blis_arch_name());
     printf("median of %d steps after %d warm-up steps; times in ms\n\n", steps, warmup);
-    printf("attention: %s path\n", ts__flash_enabled() ? "fused (TS_ATTENTION=reference for the unfused one)"
-                                                     : "reference (TS_ATTENTION=reference)");
+    printf("attention: %s path\n",
+           ts__flash_enabled() ? "fused (TS_ATTENTION=reference for the unfused one)"
+                               : "reference (TS_ATTENTION=reference)");
     printf("%7s %9s %9s %9s %7s %9s %9s %10s %9s %7s %9s %9s\n", "threads", "step", "best", "matmul", "share", "rest",
            "sgemm", "sgemm/step", "attn", "share", "torch", "step/torch");
     for (int t = 0; t < n_threads; t++) {
@@ -332,13 +335,13 @@ int main(int argc, char **argv)
         printf("        (%d matrix products, %.2f GFLOP per step: %.1f GFLOP/s in raw sgemm)\n", r.n_products, r.gflop,
                r.gflop / (r.sgemm_ms * 1e-3));
         double ref_ms, fused_ms;
-        if (!alone)
-            continue;
+        if (!alone) continue;
         attention_alone(&c, threads[t], steps * 4 * (int)c.layers, &ref_ms, &fused_ms);
-        printf("        attention alone (B %lld, T %lld, E %lld, %lld heads, causal, dropout %g; forward + backward, median "
-               "of %d interleaved): reference %.3f ms, fused %.3f ms (%.2fx)\n", (long long)c.batch, (long long)c.seq,
-               (long long)c.dim, (long long)c.heads, c.dropout, steps * 4 * (int)c.layers, ref_ms, fused_ms,
-               ref_ms / fused_ms);
+        printf("        attention alone (B %lld, T %lld, E %lld, %lld heads, causal, dropout %g; forward + backward, "
+               "median "
+               "of %d interleaved): reference %.3f ms, fused %.3f ms (%.2fx)\n",
+               (long long)c.batch, (long long)c.seq, (long long)c.dim, (long long)c.heads, c.dropout,
+               steps * 4 * (int)c.layers, ref_ms, fused_ms, ref_ms / fused_ms);
     }
     printf("\ntargets at 1 thread: sgemm/step >= 0.70, step/torch <= 0.80\n");
     {

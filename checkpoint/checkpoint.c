@@ -61,18 +61,18 @@ static const char *const kind_names[] = {"model", "optim", "extra", "rank_extra"
 typedef struct ck_item {
     char *key;
     ts__ckpt_kind kind;
-    ts_tensor *t;         /* the tensor (a shard S, a parameter, buffer, state or extra; borrowed); NULL: an
+    ts_tensor *t; /* the tensor (a shard S, a parameter, buffer, state or extra; borrowed); NULL: an
                              optimizer state not created yet */
     ts_dtype dtype;
     int ndim;
     int64_t shape[TS_MAX_DIMS]; /* global */
-    int64_t row0, rows;   /* the rows of dim 0 this rank holds (0-d: 0, 1) */
-    bool sharded;         /* t is a shard of a group parameter */
-    bool writes;          /* this rank is the lowest holder of these rows */
-    char placements[96];  /* "Shard(0)" or "Replicate(),Shard(0)" */
-    int opt_index;        /* optimizer states: the parameter's index */
+    int64_t row0, rows;         /* the rows of dim 0 this rank holds (0-d: 0, 1) */
+    bool sharded;               /* t is a shard of a group parameter */
+    bool writes;                /* this rank is the lowest holder of these rows */
+    char placements[96];        /* "Shard(0)" or "Replicate(),Shard(0)" */
+    int opt_index;              /* optimizer states: the parameter's index */
     const char *opt_state;
-    ts_tensor *tmp;       /* load: the rows read */
+    ts_tensor *tmp;        /* load: the rows read */
     ts_fsdp_shard_info sh; /* sharded: where its group parameter's shard sits (sh.shard NULL: not sharded) */
 } ck_item;
 
@@ -249,8 +249,8 @@ static ts_status ck_collect(ck_ctx *c, bool loading)
                                 name);
             ts_tensor *t = ts_state_dict_tensor(sd, i);
             if (ts_tensor_is_shard(t))
-                return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: extra '%.*s' is a shard; give plain tensors", op, CK_SHOWN,
-                                name);
+                return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: extra '%.*s' is a shard; give plain tensors", op,
+                                CK_SHOWN, name);
             ck_item *it = ck_add(&c->items, pass ? "rank_extra." : "extra.", name, "");
             if (!it) return TS_ERR_NO_MEMORY;
             it->kind = pass ? TS__CKPT_RANK_EXTRA : TS__CKPT_EXTRA;
@@ -284,10 +284,12 @@ static ts_status ck_agree(ck_ctx *c, ts_status mine, int64_t *val)
     ts_tensor_free(t);
     if (st) return st;
     if (mine == agreed) return mine;
-    if (mine) return ts_error(agreed, "%s: rank %d failed (%s: %s) and another rank with %s", c->op, c->rank,
-                              ts_status_name(mine), ts_last_error(), ts_status_name(agreed));
-    return ts_error(agreed, "%s: another rank failed with %s (its message is in its log and ts_last_error); nothing "
-                            "changed on rank %d",
+    if (mine)
+        return ts_error(agreed, "%s: rank %d failed (%s: %s) and another rank with %s", c->op, c->rank,
+                        ts_status_name(mine), ts_last_error(), ts_status_name(agreed));
+    return ts_error(agreed,
+                    "%s: another rank failed with %s (its message is in its log and ts_last_error); nothing "
+                    "changed on rank %d",
                     c->op, ts_status_name(agreed), c->rank);
 }
 
@@ -390,11 +392,11 @@ static int ck_open_file(const char *op, const char *path, const char *what, ts_s
     if (fd >= 0) return fd;
     struct stat sb;
     if (errno == ELOOP || (lstat(path, &sb) == 0 && S_ISLNK(sb.st_mode)))
-        *st = ts_error(TS_ERR_IO, "%s: '%s'%s is a symbolic link; a checkpoint is a folder of regular files and links in "
-                                  "it are not followed",
+        *st = ts_error(TS_ERR_IO,
+                       "%s: '%s'%s is a symbolic link; a checkpoint is a folder of regular files and links in "
+                       "it are not followed",
                        op, path, what);
-    else
-        *st = ts_error(TS_ERR_IO, "%s: cannot open '%s'%s: %s", op, path, what, strerror(errno));
+    else *st = ts_error(TS_ERR_IO, "%s: cannot open '%s'%s: %s", op, path, what, strerror(errno));
     return -1;
 }
 
@@ -426,7 +428,8 @@ static ts_status ck_read_small_file(const char *op, const char *path, char **buf
 static ts_status ck_load_index(const char *op, const char *dir, ts__ckpt_index **out)
 {
     struct stat sb;
-    if (stat(dir, &sb) != 0) return ts_error(TS_ERR_IO, "%s: cannot open the checkpoint folder '%s': %s", op, dir, strerror(errno));
+    if (stat(dir, &sb) != 0)
+        return ts_error(TS_ERR_IO, "%s: cannot open the checkpoint folder '%s': %s", op, dir, strerror(errno));
     char *path = path_join(dir, CK_INDEX);
     if (!path) return TS_ERR_NO_MEMORY;
     char *buf = NULL;
@@ -519,8 +522,10 @@ static ts_status ck_write_rank_file(ck_ctx *c, const char *dir, uint64_t id, boo
     if (!st && (!desc || !pieces || json_object_set(desc, "pieces", pieces) != 0)) st = TS_ERR_NO_MEMORY;
     char idhex[17];
     snprintf(idhex, sizeof idhex, "%016llx", (unsigned long long)id);
-    if (!st && (json_object_set_new(desc, "rank", json_integer(c->rank)) || json_object_set_new(desc, "world", json_integer(c->W)) ||
-                json_object_set_new(desc, "save_id", json_string(idhex))))
+    if (!st &&
+        (json_object_set_new(desc, "rank", json_integer(c->rank)) ||
+         json_object_set_new(desc, "world", json_integer(c->W)) ||
+         json_object_set_new(desc, "save_id", json_string(idhex))))
         st = TS_ERR_NO_MEMORY;
     int nw = 0;
     for (int i = 0; i < c->items.n && !st; i++) {
@@ -540,9 +545,9 @@ static ts_status ck_write_rank_file(ck_ctx *c, const char *dir, uint64_t id, boo
         snprintf(hhex, sizeof hhex, "%016llx", (unsigned long long)hash);
         json_t *e = json_object(), *sh = shape_json(it->ndim, it->shape), *pl = placements_json(it->placements);
         bool ok = e && sh && pl && !json_object_set_new(e, "kind", json_string(kind_names[it->kind])) &&
-                  !json_object_set(e, "shape", sh) && !json_object_set(e, "placements", pl) &&
-                  !json_object_set_new(e, "row", json_integer((json_int_t)it->row0)) &&
-                  !json_object_set_new(e, "hash", json_string(hhex));
+            !json_object_set(e, "shape", sh) && !json_object_set(e, "placements", pl) &&
+            !json_object_set_new(e, "row", json_integer((json_int_t)it->row0)) &&
+            !json_object_set_new(e, "hash", json_string(hhex));
         json_decref(sh);
         json_decref(pl);
         if (!ok || json_object_set_new(pieces, it->key, e) != 0) {
@@ -589,11 +594,12 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
     snprintf(idhex, sizeof idhex, "%016llx", (unsigned long long)id);
     json_t *root = json_object(), *files = json_array(), *tensors = json_object(), *meta = json_object();
     ts_status st = root && files && tensors && meta ? TS_OK : TS_ERR_NO_MEMORY;
-    if (!st && (json_object_set_new(root, "format", json_string("tensorshard-dcp")) ||
-                json_object_set_new(root, "version", json_integer(TS__CKPT_INDEX_VERSION)) ||
-                json_object_set_new(root, "save_id", json_string(idhex)) ||
-                json_object_set_new(root, "world", json_integer(c->W)) || json_object_set(root, "metadata", meta) ||
-                json_object_set(root, "files", files) || json_object_set(root, "tensors", tensors)))
+    if (!st &&
+        (json_object_set_new(root, "format", json_string("tensorshard-dcp")) ||
+         json_object_set_new(root, "version", json_integer(TS__CKPT_INDEX_VERSION)) ||
+         json_object_set_new(root, "save_id", json_string(idhex)) ||
+         json_object_set_new(root, "world", json_integer(c->W)) || json_object_set(root, "metadata", meta) ||
+         json_object_set(root, "files", files) || json_object_set(root, "tensors", tensors)))
         st = TS_ERR_NO_MEMORY;
     for (int i = 0, nm = ck_opt_meta_count(c->o); !st && i < nm; i++) {
         const char *k = c->o->metadata[i].key, *v = c->o->metadata[i].value;
@@ -608,20 +614,21 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
         (void)ts_optim_hparams_get(o, &hp); /* o is not NULL: cannot fail */
         json_t *oj = json_object(), *groups = json_array(), *gj = json_object();
         bool bad = !oj || !groups || !gj || json_object_set_new(oj, "kind", json_string(ts_optim_kind_name(o))) ||
-                   json_object_set_new(oj, "steps", json_integer((json_int_t)ts_optim_step_count(o))) ||
-                   json_object_set_new(gj, "lr", json_real(hp.lr)) ||
-                   json_object_set_new(gj, "weight_decay", json_real(hp.weight_decay)) ||
-                   json_object_set_new(gj, "maximize", json_boolean(hp.maximize));
+            json_object_set_new(oj, "steps", json_integer((json_int_t)ts_optim_step_count(o))) ||
+            json_object_set_new(gj, "lr", json_real(hp.lr)) ||
+            json_object_set_new(gj, "weight_decay", json_real(hp.weight_decay)) ||
+            json_object_set_new(gj, "maximize", json_boolean(hp.maximize));
         if (!bad && hp.sgd)
             bad = json_object_set_new(gj, "momentum", json_real(hp.momentum)) ||
-                  json_object_set_new(gj, "dampening", json_real(hp.dampening)) ||
-                  json_object_set_new(gj, "nesterov", json_boolean(hp.nesterov));
+                json_object_set_new(gj, "dampening", json_real(hp.dampening)) ||
+                json_object_set_new(gj, "nesterov", json_boolean(hp.nesterov));
         else if (!bad)
             bad = json_object_set_new(gj, "betas", json_pack("[ff]", hp.beta1, hp.beta2)) ||
-                  json_object_set_new(gj, "eps", json_real(hp.eps)) ||
-                  json_object_set_new(gj, "amsgrad", json_boolean(hp.amsgrad));
-        if (!bad) bad = json_array_append(groups, gj) || json_object_set(oj, "param_groups", groups) ||
-                        json_object_set(root, "optim", oj);
+                json_object_set_new(gj, "eps", json_real(hp.eps)) ||
+                json_object_set_new(gj, "amsgrad", json_boolean(hp.amsgrad));
+        if (!bad)
+            bad = json_array_append(groups, gj) || json_object_set(oj, "param_groups", groups) ||
+                json_object_set(root, "optim", oj);
         json_decref(gj);
         json_decref(groups);
         json_decref(oj);
@@ -654,15 +661,18 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
         json_t *dp = json_object_get(desc, "pieces");
         if (!json_is_object(dp)) st = ts_error(TS_ERR_FORMAT, "%s: '%s' lacks its " CK_META_KEY " metadata", op, path);
         json_t *fj = json_object();
-        if (!st && (!fj || json_object_set_new(fj, "name", json_string(name)) || json_object_set_new(fj, "rank", json_integer(r)) ||
-                    json_object_set_new(fj, "size", json_integer((json_int_t)h.file_size)) || json_array_append(files, fj)))
+        if (!st &&
+            (!fj || json_object_set_new(fj, "name", json_string(name)) ||
+             json_object_set_new(fj, "rank", json_integer(r)) ||
+             json_object_set_new(fj, "size", json_integer((json_int_t)h.file_size)) || json_array_append(files, fj)))
             st = TS_ERR_NO_MEMORY;
         json_decref(fj);
         for (size_t k = 0; k < h.n && !st; k++) {
             const ts_safetensors_entry *e = &h.entries[k];
             json_t *pd = json_object_get(dp, e->name), *tj = json_object_get(tensors, e->name);
             if (!pd) {
-                st = ts_error(TS_ERR_FORMAT, "%s: '%s': tensor '%s' is not described in its metadata", op, path, e->name);
+                st = ts_error(TS_ERR_FORMAT, "%s: '%s': tensor '%s' is not described in its metadata", op, path,
+                              e->name);
                 break;
             }
             if (!tj) {
@@ -681,7 +691,8 @@ static ts_status ck_build_index(ck_ctx *c, const char *dir, uint64_t id, json_t 
                 break;
             }
             json_t *pj = json_object();
-            if (!pj || json_object_set_new(pj, "file", json_integer(nfiles)) || json_object_set_new(pj, "rank", json_integer(r)) ||
+            if (!pj || json_object_set_new(pj, "file", json_integer(nfiles)) ||
+                json_object_set_new(pj, "rank", json_integer(r)) ||
                 json_object_set(pj, "row", json_object_get(pd, "row")) ||
                 json_object_set_new(pj, "rows", json_integer((json_int_t)(e->ndim ? e->shape[0] : 1))) ||
                 json_object_set_new(pj, "offset", json_integer((json_int_t)(h.data_start + e->begin))) ||
@@ -719,8 +730,9 @@ static ts_status ck_validate_index(ck_ctx *c, const char *dir, const json_t *roo
     if (st) {
         char why[512];
         snprintf(why, sizeof why, "%s", ts_last_error());
-        return ts_error(TS_ERR_STATE, "%s: the files the ranks wrote do not make a whole checkpoint (was every rank "
-                                      "given the same folder?); the previous checkpoint is kept: %s",
+        return ts_error(TS_ERR_STATE,
+                        "%s: the files the ranks wrote do not make a whole checkpoint (was every rank "
+                        "given the same folder?); the previous checkpoint is kept: %s",
                         c->op, why);
     }
     return TS_OK;
@@ -944,8 +956,8 @@ typedef struct ck_reader {
     const char *op;
     const char *dir;
     const ts__ckpt_index *ix;
-    int *fds;                 /* per file, -1 until opened */
-    ts_safetensors_header *hdrs;      /* per file, read when opened */
+    int *fds;                    /* per file, -1 until opened */
+    ts_safetensors_header *hdrs; /* per file, read when opened */
     uint64_t bytes;
 } ck_reader;
 
@@ -958,11 +970,13 @@ static ts_status ck_check_file_desc(ck_reader *r, int f, const char *path)
     const ts__ckpt_file *fi = &r->ix->files[f];
     json_t *m = json_object_get(json_object_get(r->hdrs[f].root, "__metadata__"), CK_META_KEY);
     json_t *desc = json_is_string(m) ? json_loads(json_string_value(m), 0, NULL) : NULL;
-    json_t *w = json_object_get(desc, "world"), *rk = json_object_get(desc, "rank"), *sid = json_object_get(desc, "save_id");
+    json_t *w = json_object_get(desc, "world"), *rk = json_object_get(desc, "rank"),
+           *sid = json_object_get(desc, "save_id");
     ts_status st = TS_OK;
     if (!json_is_integer(w) || !json_is_integer(rk) || !json_is_string(sid))
-        st = ts_error(TS_ERR_FORMAT, "%s: '%s' lacks its " CK_META_KEY " record (\"world\", \"rank\", \"save_id\"): not a "
-                                     "file of a checkpoint",
+        st = ts_error(TS_ERR_FORMAT,
+                      "%s: '%s' lacks its " CK_META_KEY " record (\"world\", \"rank\", \"save_id\"): not a "
+                      "file of a checkpoint",
                       r->op, path);
     else if (json_integer_value(w) != r->ix->world)
         st = ts_error(TS_ERR_FORMAT, "%s: the index's \"world\" is %d, but '%s' was written by a world of %lld", r->op,
@@ -1017,10 +1031,11 @@ static ts_status ck_check_piece(ck_reader *r, const ts__ckpt_tensor *t, const ts
             return ts_error(TS_ERR_FORMAT,
                             "%s: '%s/%s': tensor '%.*s' (%s, %lld rows, bytes [%llu, +%llu)) does not agree with the "
                             "index (%s, %lld rows, bytes [%llu, +%llu))",
-                            r->op, r->dir, r->ix->files[p->file].name, CK_SHOWN, t->key, ts_safetensors_dtype_name(e->dtype),
-                            (long long)rows, (unsigned long long)(h->data_start + e->begin),
-                            (unsigned long long)(e->end - e->begin), ts_safetensors_dtype_name(t->dtype), (long long)p->rows,
-                            (unsigned long long)p->offset, (unsigned long long)p->length);
+                            r->op, r->dir, r->ix->files[p->file].name, CK_SHOWN, t->key,
+                            ts_safetensors_dtype_name(e->dtype), (long long)rows,
+                            (unsigned long long)(h->data_start + e->begin), (unsigned long long)(e->end - e->begin),
+                            ts_safetensors_dtype_name(t->dtype), (long long)p->rows, (unsigned long long)p->offset,
+                            (unsigned long long)p->length);
         return TS_OK;
     }
     return ts_error(TS_ERR_FORMAT, "%s: '%s/%s' holds no tensor '%.*s', which the index says it holds", r->op, r->dir,
@@ -1045,27 +1060,27 @@ static ts_status ck_read_rows(ck_reader *r, const ts__ckpt_tensor *t, int64_t ro
         snprintf(what, sizeof what, "rows of '%.*s'", CK_SHOWN, t->key);
         if (!st && n)
             st = ts_safetensors_read_at(r->op, r->ix->files[p->file].name, r->fds[p->file],
-                                dst + (uint64_t)(a - row0) * t->row_bytes,
-                                n, p->offset + (uint64_t)(a - p->row) * t->row_bytes, what);
+                                        dst + (uint64_t)(a - row0) * t->row_bytes, n,
+                                        p->offset + (uint64_t)(a - p->row) * t->row_bytes, what);
         /* a piece read whole is checked against its checksum (a piece read in part, when
          * resharding, is not: that would need the rest of its bytes) */
         if (!st && n && p->has_hash && a == p->row && b == p->row + p->rows) {
             uint64_t h = ts__ckpt_hash(dst + (uint64_t)(a - row0) * t->row_bytes, n);
             if (h != p->hash)
-                st = ts_error(TS_ERR_FORMAT,
-                              "%s: '%s/%s': the %zu bytes of '%.*s' (rows [%lld, %lld), at byte %llu) have checksum "
-                              "%016llx, but the index records %016llx: the file is corrupted",
-                              r->op, r->dir, r->ix->files[p->file].name, n, CK_SHOWN, t->key, (long long)a,
-                              (long long)b, (unsigned long long)p->offset, (unsigned long long)h,
-                              (unsigned long long)p->hash);
+                st =
+                    ts_error(TS_ERR_FORMAT,
+                             "%s: '%s/%s': the %zu bytes of '%.*s' (rows [%lld, %lld), at byte %llu) have checksum "
+                             "%016llx, but the index records %016llx: the file is corrupted",
+                             r->op, r->dir, r->ix->files[p->file].name, n, CK_SHOWN, t->key, (long long)a, (long long)b,
+                             (unsigned long long)p->offset, (unsigned long long)h, (unsigned long long)p->hash);
         }
         if (st) return st;
         r->bytes += n;
         got += b - a;
     }
     if (got != rows && t->row_bytes)
-        return ts_error(TS_ERR_FORMAT, "%s: the checkpoint holds %lld of the %lld rows of '%.*s' this rank needs", r->op,
-                        (long long)got, (long long)rows, CK_SHOWN, t->key);
+        return ts_error(TS_ERR_FORMAT, "%s: the checkpoint holds %lld of the %lld rows of '%.*s' this rank needs",
+                        r->op, (long long)got, (long long)rows, CK_SHOWN, t->key);
     return TS_OK;
 }
 
@@ -1093,17 +1108,20 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
     if (!st) st = ck_load_index(c.op, dir, &ix);
     ts_optim *o = options ? options->optim : NULL;
     if (!st && o && ix->has_optim && strcmp(ix->optim_kind, ts_optim_kind_name(o)) != 0)
-        st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s' holds the state of a %.40s optimizer; the optimizer given is %s",
-                      c.op, dir, ix->optim_kind, ts_optim_kind_name(o));
+        st = ts_error(TS_ERR_INVALID_ARGUMENT,
+                      "%s: '%s' holds the state of a %.40s optimizer; the optimizer given is %s", c.op, dir,
+                      ix->optim_kind, ts_optim_kind_name(o));
     if (!st && o && !ix->has_optim && strict)
-        st = ts_error(TS_ERR_NOT_FOUND, "%s: '%s' holds no optimizer state (saved without one); load with strict false "
-                                        "to load the model only",
+        st = ts_error(TS_ERR_NOT_FOUND,
+                      "%s: '%s' holds no optimizer state (saved without one); load with strict false "
+                      "to load the model only",
                       c.op, dir);
     bool same_world = ix && ix->world == c.W;
     /* match keys; shapes, then dtypes, then (strict) missing and unexpected keys */
     char shapes[1024] = "", dtypes[1024] = "", missing[1024] = "", unexpected[1024] = "";
     const ts__ckpt_tensor **found = NULL;
-    if (!st && c.items.n && !(found = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *found))) st = TS_ERR_NO_MEMORY;
+    if (!st && c.items.n && !(found = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *found)))
+        st = TS_ERR_NO_MEMORY;
     for (int i = 0; i < c.items.n && !st; i++) {
         ck_item *it = &c.items.it[i];
         const ts__ckpt_tensor *t = ts__ckpt_index_find(ix, it->key);
@@ -1134,8 +1152,7 @@ ts_status ts_ckpt_load(const char *dir, ts_module *model, const ts_ckpt_options 
         else if (t->dtype != it->dtype)
             append(dtypes, sizeof dtypes, " '%s' is %s in the checkpoint, %s here;", it->key, ts_dtype_name(t->dtype),
                    ts_dtype_name(it->dtype));
-        else
-            found[i] = t;
+        else found[i] = t;
         if (it->kind == TS__CKPT_RANK_EXTRA) {
             bool mine = false;
             for (int k = 0; k < t->n_pieces; k++) mine |= t->pieces[k].rank == c.rank;
@@ -1254,8 +1271,8 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
     if (!st && c.rank == 0) {
         if (c.items.n && !(descs = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *descs))) st = TS_ERR_NO_MEMORY;
         for (int i = 0; !st && i < c.items.n; i++)
-            descs[i] = (ts_safetensors_desc){c.items.it[i].key, c.items.it[i].dtype, c.items.it[i].ndim, c.items.it[i].shape,
-                                     NULL};
+            descs[i] = (ts_safetensors_desc){c.items.it[i].key, c.items.it[i].dtype, c.items.it[i].ndim,
+                                             c.items.it[i].shape, NULL};
         const char **flat = NULL; /* the pairs as safetensors takes them: key, value, key, ... */
         if (!st && n_metadata && !(flat = ts__calloc(TS_MEM_OTHER, 2 * (size_t)n_metadata, sizeof *flat)))
             st = TS_ERR_NO_MEMORY;
@@ -1273,7 +1290,8 @@ ts_status ts_ckpt_save_full(const char *path, ts_module *model, const ts_ckpt_me
         ck_item *it = &c.items.it[i];
         ts_tensor *lv = NULL, *full = NULL;
         if (!it->sharded) {
-            if (c.rank == 0 && !wst && !(wst = ts_tensor_local_view(it->t, &lv))) wst = ts_safetensors_writer_put(s, lv);
+            if (c.rank == 0 && !wst && !(wst = ts_tensor_local_view(it->t, &lv)))
+                wst = ts_safetensors_writer_put(s, lv);
             ts_tensor_free(lv);
             continue;
         }
@@ -1339,12 +1357,14 @@ ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
     for (size_t k = 0; !st && k < h.n; k++) byname[k] = &h.entries[k];
     if (!st && h.n > 1) qsort(byname, h.n, sizeof *byname, cmp_entry_name);
     const ts_safetensors_entry **found = NULL;
-    if (!st && c.items.n && !(found = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *found))) st = TS_ERR_NO_MEMORY;
+    if (!st && c.items.n && !(found = ts__calloc(TS_MEM_OTHER, (size_t)c.items.n, sizeof *found)))
+        st = TS_ERR_NO_MEMORY;
     char shapes[1024] = "", dtypes[1024] = "", missing[1024] = "", unexpected[1024] = "";
     for (int i = 0; i < c.items.n && !st; i++) {
         ck_item *it = &c.items.it[i];
         ts_safetensors_entry probe = {.name = it->key};
-        const ts_safetensors_entry *pp = &probe, **e = h.n ? bsearch(&pp, byname, h.n, sizeof *byname, cmp_entry_name) : NULL;
+        const ts_safetensors_entry *pp = &probe,
+                                   **e = h.n ? bsearch(&pp, byname, h.n, sizeof *byname, cmp_entry_name) : NULL;
         if (!e) {
             append(missing, sizeof missing, " '%s'%s%s", it->key, "", "");
             continue;
@@ -1356,8 +1376,7 @@ ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
         else if ((*e)->dtype != it->dtype)
             append(dtypes, sizeof dtypes, " '%s' is %s in the file, %s in the model;", it->key,
                    ts_dtype_name((*e)->dtype), ts_dtype_name(it->dtype));
-        else
-            found[i] = *e;
+        else found[i] = *e;
     }
     for (size_t k = 0; !st && k < h.n; k++) {
         bool have = false;
@@ -1389,7 +1408,9 @@ ts_status ts_ckpt_load_full(const char *path, ts_module *model, bool strict)
         size_t n = (size_t)(row_bytes * (uint64_t)it->rows);
         char what[CK_SHOWN + 40];
         snprintf(what, sizeof what, "rows of '%.*s'", CK_SHOWN, it->key);
-        if (n) st = ts_safetensors_read_at(c.op, path, fd, ts_tensor_data(tmp), n, h.data_start + e->begin + row_bytes * (uint64_t)it->row0, what);
+        if (n)
+            st = ts_safetensors_read_at(c.op, path, fd, ts_tensor_data(tmp), n,
+                                        h.data_start + e->begin + row_bytes * (uint64_t)it->row0, what);
         if (!st && !(st = ts_tensor_local_view(it->t, &lv))) st = ts_tensor_copy_(lv, tmp);
         ts_tensor_free(lv);
         ts_tensor_free(tmp);

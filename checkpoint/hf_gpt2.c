@@ -218,14 +218,14 @@ static void TS_PRINTF(3, 4) append(char *buf, size_t cap, const char *fmt, ...)
 }
 
 /* The file's tensor e as a new float32 CPU tensor of our layout. */
-static ts_status read_tensor(const char *op, const char *path, int fd, const ts_safetensors_header *h, const ts_safetensors_entry *e,
-                             bool transpose, ts_tensor **out)
+static ts_status read_tensor(const char *op, const char *path, int fd, const ts_safetensors_header *h,
+                             const ts_safetensors_entry *e, bool transpose, ts_tensor **out)
 {
     ts_tensor *t = NULL, *tt = NULL;
     ts_status st = ts_tensor_new_cpu(false, e->dtype, e->ndim, e->shape, &t);
     if (!st && e->end > e->begin)
-        st = ts_safetensors_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin), h->data_start + e->begin,
-                            e->name);
+        st = ts_safetensors_read_at(op, path, fd, ts_tensor_data(t), (size_t)(e->end - e->begin),
+                                    h->data_start + e->begin, e->name);
     if (!st && transpose) {
         ts_tensor *view = NULL;
         if (!(st = ts_transpose(t, 0, 1, &view))) st = ts_contiguous(view, &tt);
@@ -260,9 +260,10 @@ static ts_status check_tied_head(const char *op, const char *path, int fd, const
     ts_tensor *a = NULL, *b = NULL;
     ts_status st = read_tensor(op, path, fd, h, wte, false, &a);
     if (!st) st = read_tensor(op, path, fd, h, head, false, &b);
-    if (!st && (head->dtype != wte->dtype || head->ndim != wte->ndim ||
-                memcmp(head->shape, wte->shape, sizeof head->shape) != 0 ||
-                memcmp(ts_tensor_data(a), ts_tensor_data(b), (size_t)(wte->end - wte->begin)) != 0))
+    if (!st &&
+        (head->dtype != wte->dtype || head->ndim != wte->ndim ||
+         memcmp(head->shape, wte->shape, sizeof head->shape) != 0 ||
+         memcmp(ts_tensor_data(a), ts_tensor_data(b), (size_t)(wte->end - wte->begin)) != 0))
         st = ts_error(TS_ERR_INVALID_ARGUMENT,
                       "%s: '%s': '%s' differs from '%s' but the model ties lm_head to the token embedding: build it "
                       "with tie_weights false to load both",
@@ -325,8 +326,7 @@ ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model)
                    ts_shape_str(e->ndim, e->shape, a, sizeof a), ts_shape_str(it->ndim, it->shape, b, sizeof b));
         else if (e->dtype != TS_F32)
             append(dtypes, sizeof dtypes, " '%s' is %s;", e->name, ts_safetensors_dtype_name(e->dtype));
-        else
-            found[i] = e;
+        else found[i] = e;
         if (i == 0) wte = e;
     }
     /* the file's tensors the model has no place for: all but the attention
@@ -340,7 +340,7 @@ ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model)
         long long l = -1;
         int pos = 0;
         bool buffer = sscanf(rest, "h.%lld.attn.%n", &l, &pos) == 1 && pos > 0 && l >= 0 && l < mc.n_layer &&
-                      (!strcmp(rest + pos, "bias") || !strcmp(rest + pos, "masked_bias"));
+            (!strcmp(rest + pos, "bias") || !strcmp(rest + pos, "masked_bias"));
         if (buffer) continue;
         if (!strcmp(nm, "lm_head.weight") || !strcmp(rest, "lm_head.weight")) {
             if (mc.tie_weights) head = &h.entries[k];
@@ -355,8 +355,9 @@ ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model)
         st = ts_error(TS_ERR_DTYPE, "%s: '%s': the model loads float32 (F32) tensors:%s convert the file first", op,
                       path, dtypes);
     if (!st && (*missing || *unexpected))
-        st = ts_error(TS_ERR_NOT_FOUND, "%s: '%s' (%s; the model has %lld layers): missing tensors:%s; unexpected "
-                                        "tensors:%s",
+        st = ts_error(TS_ERR_NOT_FOUND,
+                      "%s: '%s' (%s; the model has %lld layers): missing tensors:%s; unexpected "
+                      "tensors:%s",
                       op, path, fdesc, (long long)mc.n_layer, *missing ? missing : " none",
                       *unexpected ? unexpected : " none");
     if (!st && head && wte) st = check_tied_head(op, path, fd, &h, wte, head);
@@ -365,8 +366,9 @@ ts_status ts_ckpt_load_hf_gpt2(const char *path, ts_module *model)
         ts_tensor *t = NULL;
         if (!(st = read_tensor(op, path, fd, &h, found[i], items[i].transpose, &t))) {
             st = load_one(model, items[i].ours, t);
-            if (st) st = ts_error(st, "%s: '%s': loading '%s' into '%s': %s", op, path, found[i]->name, items[i].ours,
-                                  ts_last_error());
+            if (st)
+                st = ts_error(st, "%s: '%s': loading '%s' into '%s': %s", op, path, found[i]->name, items[i].ours,
+                              ts_last_error());
         }
         ts_tensor_free(t);
     }

@@ -131,11 +131,12 @@ static ts_status parse_files(const char *src, const json_t *files, ts__ckpt_inde
                             "\"size\" (non-negative integers)",
                             src, i);
         if (!plain_file_name(json_string_value(name)))
-            return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': file %zu is named '%.*s', not a plain file name", src,
-                            i, CK_SHOWN, json_string_value(name));
+            return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': file %zu is named '%.*s', not a plain file name",
+                            src, i, CK_SHOWN, json_string_value(name));
         if (rank >= (uint64_t)ix->world)
-            return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': file %zu ('%s') has rank %llu, not below the world %d",
-                            src, i, json_string_value(name), (unsigned long long)rank, ix->world);
+            return ts_error(TS_ERR_FORMAT,
+                            "checkpoint index '%s': file %zu ('%s') has rank %llu, not below the world %d", src, i,
+                            json_string_value(name), (unsigned long long)rank, ix->world);
         for (size_t j = 0; j < i; j++) {
             if (!strcmp(ix->files[j].name, json_string_value(name)))
                 return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': file '%s' is listed twice", src,
@@ -172,7 +173,8 @@ static ts_status parse_piece(const char *src, const char *key, size_t k, const j
         return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': piece %zu has rank %llu, world %d", src,
                         CK_SHOWN, key, k, (unsigned long long)rank, ix->world);
     if (row > (uint64_t)t->rows || rows > (uint64_t)t->rows - row)
-        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': piece %zu has rows [%llu, +%llu) outside the %lld rows",
+        return ts_error(TS_ERR_FORMAT,
+                        "checkpoint index '%s': key '%.*s': piece %zu has rows [%llu, +%llu) outside the %lld rows",
                         src, CK_SHOWN, key, k, (unsigned long long)row, (unsigned long long)rows, (long long)t->rows);
     uint64_t need = rows * t->row_bytes; /* rows <= t->rows, whose bytes fit (checked with the shape) */
     if (len != need)
@@ -278,8 +280,9 @@ static ts_status parse_tensor(const char *src, const char *key, const json_t *v,
     t->key = key;
     if (!json_is_object(v))
         return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s' is not an object", src, W, key);
-    const json_t *kind = json_object_get(v, "kind"), *dt = json_object_get(v, "dtype"), *sh = json_object_get(v, "shape"),
-                 *pl = json_object_get(v, "placements"), *pieces = json_object_get(v, "pieces");
+    const json_t *kind = json_object_get(v, "kind"), *dt = json_object_get(v, "dtype"),
+                 *sh = json_object_get(v, "shape"), *pl = json_object_get(v, "placements"),
+                 *pieces = json_object_get(v, "pieces");
     int ki = -1;
     for (int i = 0; json_is_string(kind) && i < TS__CKPT_KIND_COUNT; i++)
         if (!strcmp(json_string_value(kind), kind_names[i])) ki = i;
@@ -290,18 +293,22 @@ static ts_status parse_tensor(const char *src, const char *key, const json_t *v,
                         src, W, key);
     t->kind = (ts__ckpt_kind)ki;
     if (!json_is_string(dt) || !ts_safetensors_dtype_from_name(json_string_value(dt), &t->dtype))
-        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': \"dtype\" is missing or unknown", src, W, key);
+        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': \"dtype\" is missing or unknown", src, W,
+                        key);
     if (!json_is_array(sh) || json_array_size(sh) > TS_MAX_DIMS)
-        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': \"shape\" is missing, not an array or has more than %d dims",
-                        src, W, key, TS_MAX_DIMS);
+        return ts_error(
+            TS_ERR_FORMAT,
+            "checkpoint index '%s': key '%.*s': \"shape\" is missing, not an array or has more than %d dims", src, W,
+            key, TS_MAX_DIMS);
     t->ndim = (int)json_array_size(sh);
     uint64_t numel = 1, span = 1;
     bool ovf = false;
     for (int d = 0; d < t->ndim; d++) {
         uint64_t s;
         if (!js_uint(json_array_get(sh, (size_t)d), &s))
-            return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': shape entry %d is not a non-negative integer",
-                            src, W, key, d);
+            return ts_error(TS_ERR_FORMAT,
+                            "checkpoint index '%s': key '%.*s': shape entry %d is not a non-negative integer", src, W,
+                            key, d);
         t->shape[d] = (int64_t)s;
         ovf |= __builtin_mul_overflow(numel, s, &numel);
         ovf |= __builtin_mul_overflow(span, s ? s : 1, &span);
@@ -309,8 +316,9 @@ static ts_status parse_tensor(const char *src, const char *key, const json_t *v,
     uint64_t bytes;
     ovf |= __builtin_mul_overflow(span, (uint64_t)ts_dtype_size(t->dtype), &bytes);
     if (ovf || span > (uint64_t)INT64_MAX / 16)
-        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': the shape has more elements than a tensor may have",
-                        src, W, key);
+        return ts_error(TS_ERR_FORMAT,
+                        "checkpoint index '%s': key '%.*s': the shape has more elements than a tensor may have", src, W,
+                        key);
     t->rows = t->ndim ? t->shape[0] : 1;
     uint64_t per_row = 1;
     for (int d = 1; d < t->ndim; d++) per_row *= (uint64_t)t->shape[d];
@@ -319,8 +327,8 @@ static ts_status parse_tensor(const char *src, const char *key, const json_t *v,
     ts_status pst = parse_placements(src, key, pl, t, &shard_dim);
     if (pst) return pst;
     if (!json_is_array(pieces))
-        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': \"pieces\" is missing or not an array", src, W,
-                        key);
+        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': \"pieces\" is missing or not an array", src,
+                        W, key);
     size_t np = json_array_size(pieces);
     if (np > 1000000) return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': too many pieces", src, W, key);
     if (np && !(t->pieces = ts__calloc(TS_MEM_OTHER, np, sizeof *t->pieces))) return TS_ERR_NO_MEMORY;
@@ -332,12 +340,13 @@ static ts_status parse_tensor(const char *src, const char *key, const json_t *v,
     if (t->kind == TS__CKPT_RANK_EXTRA) { /* whole tensors, one per rank */
         for (int k = 0; k < t->n_pieces; k++) {
             if (t->pieces[k].row != 0 || t->pieces[k].rows != t->rows)
-                return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': a rank extra's piece %d is not the whole tensor",
+                return ts_error(TS_ERR_FORMAT,
+                                "checkpoint index '%s': key '%.*s': a rank extra's piece %d is not the whole tensor",
                                 src, W, key, k);
             for (int j = 0; j < k; j++)
                 if (t->pieces[j].rank == t->pieces[k].rank)
-                    return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': rank %d has two pieces", src, W, key,
-                                    t->pieces[k].rank);
+                    return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': rank %d has two pieces", src, W,
+                                    key, t->pieces[k].rank);
         }
         return TS_OK;
     }
@@ -357,8 +366,8 @@ static ts_status parse_tensor(const char *src, const char *key, const json_t *v,
         pos += p->rows;
     }
     if (pos != t->rows && t->row_bytes)
-        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': the pieces cover %lld of its %lld rows", src, W,
-                        key, (long long)pos, (long long)t->rows);
+        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s': key '%.*s': the pieces cover %lld of its %lld rows", src,
+                        W, key, (long long)pos, (long long)t->rows);
     /* a replicated tensor is written once, by the lowest rank holding it */
     if (shard_dim < 0 && t->n_pieces > 1)
         return ts_error(TS_ERR_FORMAT,
@@ -402,8 +411,8 @@ ts_status ts__ckpt_index_parse(const char *src, const char *buf, size_t len, ts_
     json_error_t jerr;
     json_t *root = json_loadb(buf ? buf : "", len, JSON_REJECT_DUPLICATES, &jerr);
     if (!root)
-        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s' is not valid JSON: %s (at byte %d of %zu; truncated?)", src,
-                        jerr.text, jerr.position, len);
+        return ts_error(TS_ERR_FORMAT, "checkpoint index '%s' is not valid JSON: %s (at byte %d of %zu; truncated?)",
+                        src, jerr.text, jerr.position, len);
     ts__ckpt_index *ix = ts__calloc(TS_MEM_OTHER, 1, sizeof *ix);
     if (!ix) {
         json_decref(root);
@@ -415,8 +424,7 @@ ts_status ts__ckpt_index_parse(const char *src, const char *buf, size_t len, ts_
                  *sid = json_object_get(root, "save_id"), *meta = json_object_get(root, "metadata"),
                  *opt = json_object_get(root, "optim"), *tens = json_object_get(root, "tensors");
     uint64_t world = 0, version = 0;
-    if (!json_is_object(root))
-        st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s' is JSON but not an object", src);
+    if (!json_is_object(root)) st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s' is JSON but not an object", src);
     else if (!json_is_string(fmt) || strcmp(json_string_value(fmt), "tensorshard-dcp") != 0)
         st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s': \"format\" is not \"tensorshard-dcp\"", src);
     else if (!js_uint(ver, &version) || version < TS__CKPT_INDEX_VERSION_MIN || version > TS__CKPT_INDEX_VERSION) {
@@ -426,17 +434,18 @@ ts_status ts__ckpt_index_parse(const char *src, const char *buf, size_t len, ts_
                       "checkpoint index '%s': \"version\" is %s; this code loads versions %d to %d (a newer "
                       "tensorshard wrote it?)",
                       src, shown, TS__CKPT_INDEX_VERSION_MIN, TS__CKPT_INDEX_VERSION);
-    }
-    else if (!js_uint(json_object_get(root, "world"), &world) || world < 1 || world > 1000000)
-        st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s': \"world\" is missing or not an integer in [1, 1000000]", src);
+    } else if (!js_uint(json_object_get(root, "world"), &world) || world < 1 || world > 1000000)
+        st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s': \"world\" is missing or not an integer in [1, 1000000]",
+                      src);
     else if (!json_is_string(sid))
         st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s': \"save_id\" is missing or not a string", src);
     if (!st && meta) {
         const char *k;
         json_t *v;
-        if (!json_is_object(meta)) st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s': \"metadata\" is not an object", src);
+        if (!json_is_object(meta))
+            st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s': \"metadata\" is not an object", src);
         else
-            json_object_foreach ((json_t *)meta, k, v) if (!st && !json_is_string(v)) st =
+            json_object_foreach((json_t *)meta, k, v) if (!st && !json_is_string(v)) st =
                 ts_error(TS_ERR_FORMAT, "checkpoint index '%s': metadata '%.*s' is not a string", src, CK_SHOWN, k);
         ix->metadata = (json_t *)meta;
     }
@@ -445,8 +454,10 @@ ts_status ts__ckpt_index_parse(const char *src, const char *buf, size_t len, ts_
         uint64_t steps;
         if (!json_is_object(opt) || !json_is_string(kind) || !js_uint(json_object_get(opt, "steps"), &steps) ||
             steps > (uint64_t)INT64_MAX)
-            st = ts_error(TS_ERR_FORMAT, "checkpoint index '%s': \"optim\" is not an object with \"kind\" (string) and \"steps\" (integer >= 0)",
-                          src);
+            st = ts_error(
+                TS_ERR_FORMAT,
+                "checkpoint index '%s': \"optim\" is not an object with \"kind\" (string) and \"steps\" (integer >= 0)",
+                src);
         else {
             ix->has_optim = true;
             ix->optim_kind = json_string_value(kind);
@@ -466,7 +477,8 @@ ts_status ts__ckpt_index_parse(const char *src, const char *buf, size_t len, ts_
         if (n && !(ix->tensors = ts__calloc(TS_MEM_OTHER, n, sizeof *ix->tensors))) st = TS_ERR_NO_MEMORY;
         const char *k;
         json_t *v;
-        json_object_foreach ((json_t *)tens, k, v) {
+        json_object_foreach((json_t *)tens, k, v)
+        {
             if (st) break;
             st = parse_tensor(src, k, v, ix, &ix->tensors[ix->n_tensors]);
             ix->n_tensors++; /* counted even on error: its pieces are freed */

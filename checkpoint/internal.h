@@ -9,9 +9,9 @@
 
 /* What a key of the index holds. */
 typedef enum ts__ckpt_kind {
-    TS__CKPT_MODEL = 0, /* a parameter or buffer */
-    TS__CKPT_OPTIM,     /* "optim.state.<fqn>.<name>" */
-    TS__CKPT_EXTRA,     /* "extra.<name>": replicated */
+    TS__CKPT_MODEL = 0,  /* a parameter or buffer */
+    TS__CKPT_OPTIM,      /* "optim.state.<fqn>.<name>" */
+    TS__CKPT_EXTRA,      /* "extra.<name>": replicated */
     TS__CKPT_RANK_EXTRA, /* "rank_extra.<name>": one piece per saving rank */
     TS__CKPT_KIND_COUNT
 } ts__ckpt_kind;
@@ -23,8 +23,8 @@ typedef struct ts__ckpt_piece {
     int file, rank;
     int64_t row, rows;
     uint64_t offset, length;
-    bool has_hash;  /* the index records "hash" (checkpoints before it do not) */
-    uint64_t hash;  /* ts__ckpt_hash of the piece's length bytes */
+    bool has_hash; /* the index records "hash" (checkpoints before it do not) */
+    uint64_t hash; /* ts__ckpt_hash of the piece's length bytes */
 } ts__ckpt_piece;
 
 typedef struct ts__ckpt_tensor {

@@ -83,7 +83,7 @@ struct ts__direct {
     double pre, post;
     const unsigned char *shard_in; /* all-gather */
     unsigned char *shard_out;      /* reduce-scatter */
-    bool add;                      /* reduce-scatter: the result is added into shard_out (ts__direct_reduce_scatter_add) */
+    bool add; /* reduce-scatter: the result is added into shard_out (ts__direct_reduce_scatter_add) */
     int nseg;
     int64_t shard_numel;
     dseg *segs;
@@ -172,7 +172,8 @@ static ts_status start(const char *fn, int kind, int channel, ts_comm *c, ts_dty
     if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL out", fn);
     *out = NULL;
     if (!c) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL group", fn);
-    if (shard_numel < 0) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: shard of %lld elements", fn, (long long)shard_numel);
+    if (shard_numel < 0)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: shard of %lld elements", fn, (long long)shard_numel);
     if (nseg < 0 || (nseg > 0 && !segs))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d segments%s", fn, nseg, segs ? "" : " and NULL segs");
     int W = ts_comm_size(c), me = ts_comm_rank(c);
@@ -197,7 +198,8 @@ static ts_status start(const char *fn, int kind, int channel, ts_comm *c, ts_dty
             tot += segs[k].counts[j];
         }
         if (kind == K_AG && tot > 0 && !segs[k].full)
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: segment %d (%lld elements) has no output", fn, k, (long long)tot);
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: segment %d (%lld elements) has no output", fn, k,
+                            (long long)tot);
         if (kind == K_RS && segs[k].full && !reducible(segs[k].dtype) && segs[k].dtype != d)
             return ts_error(TS_ERR_DTYPE, "%s: segment %d's source is %s; sources are float or the output's %s", fn, k,
                             ts_dtype_name(segs[k].dtype), ts_dtype_name(d));
@@ -287,13 +289,14 @@ ts_status ts__direct_all_gather(ts_comm *c, ts_dtype d, const void *shard, int64
                  1.0, 1.0, out);
 }
 
-static ts_status start_rs(const char *fn, bool add, ts_comm *c, ts_dtype d, void *shard, int64_t shard_numel,
-                          int nseg, const ts__dseg *segs, ts_reduce_op rop, double pre, double post, int channel,
+static ts_status start_rs(const char *fn, bool add, ts_comm *c, ts_dtype d, void *shard, int64_t shard_numel, int nseg,
+                          const ts__dseg *segs, ts_reduce_op rop, double pre, double post, int channel,
                           ts__direct **out)
 {
     if (out) *out = NULL;
     if (!reducible(d)) return ts_error(TS_ERR_DTYPE, "%s: cannot reduce into %s", fn, ts_dtype_name(d));
-    if ((unsigned)rop >= TS_REDUCE_OP_COUNT) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: bad reduce op %d", fn, (int)rop);
+    if ((unsigned)rop >= TS_REDUCE_OP_COUNT)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: bad reduce op %d", fn, (int)rop);
     if (!(pre > 0) || !(post > 0) || !isfinite(pre) || !isfinite(post))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: divide factors must be finite and > 0 (%g, %g)", fn, pre, post);
     if ((rop == TS_REDUCE_MAX || rop == TS_REDUCE_MIN) && (pre != 1.0 || post != 1.0))
@@ -341,7 +344,8 @@ static ts_status ag_direct(ts__direct *r, const int64_t *desc, int nd, int *bad_
             memmove(r->segs[k].full + (size_t)beg(r, k, r->rank) * es, r->shard_in + (size_t)r->segs[k].shard_off * es,
                     (size_t)n * es);
     }
-    struct iovec *l = ts__malloc(TS_MEM_COMM, (size_t)(r->nseg ? r->nseg : 1) * 2 * sizeof *l), *rv = l + (r->nseg ? r->nseg : 1);
+    struct iovec *l = ts__malloc(TS_MEM_COMM, (size_t)(r->nseg ? r->nseg : 1) * 2 * sizeof *l),
+                 *rv = l + (r->nseg ? r->nseg : 1);
     if (!l) return TS_ERR_NO_MEMORY;
     ts_status st = TS_OK;
     for (int t = 1; t < r->W && !st; t++) {
@@ -400,13 +404,15 @@ static ts_status rs_direct(ts__direct *r, const int64_t *desc, int nd, int *bad_
                     sp = NULL;
                     if (a) {
                         size_t se = ts_dtype_size(sd);
-                        struct iovec lv = {rbuf, (size_t)m * se}, rv = {(void *)(a + (size_t)(b0 + i) * se), (size_t)m * se};
+                        struct iovec lv = {rbuf, (size_t)m * se},
+                                     rv = {(void *)(a + (size_t)(b0 + i) * se), (size_t)m * se};
                         uint64_t t0 = ts_trace_enabled() ? ts_now_ns() : 0;
                         int e = cma_read((pid_t)ts__comm_peer_pid(r->c, j), &lv, 1, &rv, 1);
                         if (t0) tread += ts_now_ns() - t0;
                         if (e) {
                             *bad_peer = j;
-                            st = ts_error(TS_ERR_COMM, "direct reduce_scatter: rank %d could not read rank %d's source %d: %s",
+                            st = ts_error(TS_ERR_COMM,
+                                          "direct reduce_scatter: rank %d could not read rank %d's source %d: %s",
                                           r->rank, j, k, strerror(e));
                             break;
                         }
@@ -505,8 +511,9 @@ size_t ts__direct_fallback_bytes(ts_comm *c)
      * (the ring's staging is two blocks and a converted copy, in the
      * accumulation dtype) */
     size_t chunk_bytes = (size_t)fallback_chunk(W, 2, INT64_MAX) * 2;
-    return FALLBACK_DEPTH * (ts__pool_block_bytes((size_t)W * chunk_bytes) + ts__pool_block_bytes(chunk_bytes) +
-                             ts__comm_reduce_scatter_scratch(c, TS_BF16, (int64_t)(chunk_bytes / 2), 2.0));
+    return FALLBACK_DEPTH *
+        (ts__pool_block_bytes((size_t)W * chunk_bytes) + ts__pool_block_bytes(chunk_bytes) +
+         ts__comm_reduce_scatter_scratch(c, TS_BF16, (int64_t)(chunk_bytes / 2), 2.0));
 }
 
 /* Copies packed elements [lo, hi) of rank j's block between `packed`
@@ -525,7 +532,8 @@ static void packed_copy(ts__direct *r, int j, int64_t lo, int64_t hi, unsigned c
             const dseg *s = &r->segs[k];
             unsigned char *p = packed + (size_t)(a - lo) * es;
             int64_t off = a - at, m = b - a; /* into this part */
-            if (r->kind == K_AG && to_packed) memcpy(p, r->shard_in + (size_t)(s->shard_off + off) * es, (size_t)m * es);
+            if (r->kind == K_AG && to_packed)
+                memcpy(p, r->shard_in + (size_t)(s->shard_off + off) * es, (size_t)m * es);
             else if (r->kind == K_AG) memcpy(s->full + (size_t)(beg(r, k, j) + off) * es, p, (size_t)m * es);
             else if (to_packed && s->full)
                 ts__buf_convert(r->d, p, s->dtype, s->full + (size_t)(beg(r, k, j) + off) * ts_dtype_size(s->dtype), m);
@@ -554,7 +562,8 @@ static ts_status packed(ts__direct *r)
     ts_request *req[FALLBACK_DEPTH] = {0};
     ts_status st = TS_OK;
     for (int i = 0; i < nslot && !st; i++)
-        if (!(st = ts_tensor_new_cpu(false, r->d, 1, &chunk, &one[i]))) st = ts_tensor_new_cpu(false, r->d, 1, &nall, &all[i]);
+        if (!(st = ts_tensor_new_cpu(false, r->d, 1, &chunk, &one[i])))
+            st = ts_tensor_new_cpu(false, r->d, 1, &nall, &all[i]);
     /* chunk t goes in slot t % nslot; its result is unpacked when the slot
      * is needed again, or at the end, in chunk order */
     for (int64_t t = 0; t < nchunk + nslot && !st; t++) {
@@ -567,9 +576,9 @@ static ts_status packed(ts__direct *r)
             if (st) break;
             unsigned char *p1 = ts_tensor_data(one[i]), *pa = ts_tensor_data(all[i]);
             if (r->kind == K_AG)
-                for (int j = 0; j < W; j++) packed_copy(r, j, u * chunk, (u + 1) * chunk, pa + (size_t)j * chunk * es, false);
-            else
-                packed_copy(r, me, u * chunk, (u + 1) * chunk, p1, false);
+                for (int j = 0; j < W; j++)
+                    packed_copy(r, j, u * chunk, (u + 1) * chunk, pa + (size_t)j * chunk * es, false);
+            else packed_copy(r, me, u * chunk, (u + 1) * chunk, p1, false);
         }
         if (t >= nchunk) continue;
         int64_t lo = t * chunk, hi = lo + chunk;
@@ -607,8 +616,8 @@ static void desc_str(const int64_t *d, char *buf, size_t n)
     memcpy(&post, &d[6], 8);
     ts_dtype dt = (ts_dtype)(d[1] & 0xff);
     snprintf(buf, n, "direct %s (%s, %lld segments, layout %016llx, op %d, divisors %g/%g)", kind_name(kind),
-             (unsigned)dt < (unsigned)TS_DTYPE_COUNT ? ts_dtype_name(dt) : "?", (long long)d[2],
-             (unsigned long long)h, (int)((d[1] >> 8) & 0xff), pre, post);
+             (unsigned)dt < (unsigned)TS_DTYPE_COUNT ? ts_dtype_name(dt) : "?", (long long)d[2], (unsigned long long)h,
+             (int)((d[1] >> 8) & 0xff), pre, post);
 }
 
 /* The data's move: finishes the exchange, checks that every rank runs the
@@ -634,8 +643,8 @@ static void move(ts__direct *r)
             char a[160], b[160];
             desc_str(mine, a, sizeof a);
             desc_str(d, b, sizeof b);
-            r->move_st = ts_error(TS_ERR_COMM, "desynchronised collectives: rank %d runs %s, rank %d runs %s", r->rank, a,
-                                  j, b);
+            r->move_st =
+                ts_error(TS_ERR_COMM, "desynchronised collectives: rank %d runs %s, rank %d runs %s", r->rank, a, j, b);
             snprintf(r->move_err, sizeof r->move_err, "%s", ts_last_error());
             return;
         }
@@ -675,7 +684,7 @@ static void move(ts__direct *r)
     }
     if (ts_trace_enabled() && r->W > 1) { /* the collective's span, as comm.c's ring collectives have */
         int64_t bytes = (r->kind == K_AG ? 1 : r->W) * r->shard_numel * (int64_t)ts_dtype_size(r->d);
-        ts_trace_arg a[6] = {{"kind", kind_name(r->kind), 0}, {"bytes", NULL, bytes},
+        ts_trace_arg a[6] = {{"kind", kind_name(r->kind), 0},  {"bytes", NULL, bytes},
                              {"group", NULL, (int64_t)r->gid}, {"seq", NULL, (int64_t)r->seq},
                              {"rank", NULL, r->rank},          {"status", ts_status_name(st), 0}};
         ts_trace_span_args(kind_name(r->kind), "comm", r->t_call, ts_now_ns(), 6, a);
@@ -778,7 +787,8 @@ static ts_status finish(ts__direct *r)
         ts_status s2 = ts_request_wait(r->ack_req[i]);
         if (s2 && !st) st = s2;
     }
-    if (!r->ack_req && !r->move_st) st = ts_error(TS_ERR_INTERNAL, "direct %s: no acknowledgements", kind_name(r->kind));
+    if (!r->ack_req && !r->move_st)
+        st = ts_error(TS_ERR_INTERNAL, "direct %s: no acknowledgements", kind_name(r->kind));
     for (int j = 0; !st && r->ack_in && j < r->W; j++) {
         int64_t v = ((const int64_t *)ts_tensor_data(r->ack_in))[j];
         if (v > failed) failed = v;

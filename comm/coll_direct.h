@@ -70,10 +70,10 @@ typedef struct ts__direct ts__direct;
 /* One segment (see the top). counts: W entries, this rank's part
  * counts[rank] elements. */
 typedef struct ts__dseg {
-    void *full;             /* all-gather: the output; reduce-scatter: the source (NULL: zeros) */
-    ts_dtype dtype;         /* reduce-scatter: full's dtype (any float dtype, or the output's); all-gather: ignored */
-    int64_t shard_off;      /* this rank's part in the shard buffer (elements of the collective's dtype) */
-    const int64_t *counts;  /* W elements per rank */
+    void *full;            /* all-gather: the output; reduce-scatter: the source (NULL: zeros) */
+    ts_dtype dtype;        /* reduce-scatter: full's dtype (any float dtype, or the output's); all-gather: ignored */
+    int64_t shard_off;     /* this rank's part in the shard buffer (elements of the collective's dtype) */
+    const int64_t *counts; /* W elements per rank */
 } ts__dseg;
 
 /* Starts the all-gather of `shard` (shard_numel elements of dtype d; read

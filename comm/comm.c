@@ -5,7 +5,7 @@
  */
 #include "comm/world_internal.h"
 #include "tensor/kernels.h"
-#include "tensor/kernels.h"  /* ts__acc_dtype */
+#include "tensor/kernels.h" /* ts__acc_dtype */
 
 #include <math.h>
 #include <pthread.h>
@@ -41,8 +41,8 @@ static ts_status submit(ts_comm *c, op *o, size_t bytes, ts_request **r_out)
     uint32_t seq = p2p ? 0 : c->seq++;
     pthread_mutex_unlock(&c->stats_mu);
     /* p2p: tagbase already holds the user tag in the middle field */
-    o->tagbase = p2p ? (c->gid << GID_SHIFT) | o->tagbase | P2P_STEP
-                     : (c->gid << GID_SHIFT) | ((uint64_t)(seq & SEQ_MASK) << 8);
+    o->tagbase =
+        p2p ? (c->gid << GID_SHIFT) | o->tagbase | P2P_STEP : (c->gid << GID_SHIFT) | ((uint64_t)(seq & SEQ_MASK) << 8);
     o->gid = c->gid;
     o->seq = seq;
     o->mine.seq = seq;
@@ -143,7 +143,8 @@ ts_status ts_all_gather_into_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, t
 static ts_status check_reduce(const char *fn, ts_dtype d, ts_reduce_op op_, double pre, double post)
 {
     if (!ts__comm_reducible(d)) return ts_error(TS_ERR_DTYPE, "%s: cannot reduce %s", fn, ts_dtype_name(d));
-    if ((unsigned)op_ >= TS_REDUCE_OP_COUNT) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: bad reduce op %d", fn, (int)op_);
+    if ((unsigned)op_ >= TS_REDUCE_OP_COUNT)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: bad reduce op %d", fn, (int)op_);
     if (!(pre > 0) || !(post > 0) || !isfinite(pre) || !isfinite(post))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: divide factors must be finite and > 0 (%g, %g)", fn, pre, post);
     if ((op_ == TS_REDUCE_MAX || op_ == TS_REDUCE_MIN) && (pre != 1.0 || post != 1.0))
@@ -153,10 +154,7 @@ static ts_status check_reduce(const char *fn, ts_dtype d, ts_reduce_op op_, doub
 
 /* A scratch block from the caching pool (reused across collectives, so
  * no fresh pages are touched in a step: docs/design.md, "Fresh memory is slow to touch"). */
-static unsigned char *scratch(size_t bytes, size_t *got)
-{
-    return ts__pool_alloc(bytes ? bytes : 1, got);
-}
+static unsigned char *scratch(size_t bytes, size_t *got) { return ts__pool_alloc(bytes ? bytes : 1, got); }
 
 /* The op's buffer from the pool; false without memory. */
 static bool own_scratch(op *o, size_t bytes)
@@ -264,7 +262,8 @@ ts_status ts_reduce_scatter_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts
     if ((s = check_comm(fn, c)) || (s = check_tensor(fn, "out", out)) || (s = check_tensor(fn, "in", in))) return s;
     ts_dtype d = ts_tensor_dtype(in);
     if (ts_tensor_dtype(out) != d)
-        return ts_error(TS_ERR_DTYPE, "%s: out is %s, in is %s", fn, ts_dtype_name(ts_tensor_dtype(out)), ts_dtype_name(d));
+        return ts_error(TS_ERR_DTYPE, "%s: out is %s, in is %s", fn, ts_dtype_name(ts_tensor_dtype(out)),
+                        ts_dtype_name(d));
     if ((s = check_reduce(fn, d, rop, pre_div, post_div))) return s;
     int64_t n = ts_tensor_numel(out);
     if (ts_tensor_numel(in) != n * c->size)
@@ -336,7 +335,8 @@ ts_status ts_broadcast(ts_comm *c, ts_tensor *t, int root, ts_request **r)
     static const char fn[] = "ts_broadcast";
     ts_status s;
     if ((s = check_comm(fn, c)) || (s = check_tensor(fn, "t", t))) return s;
-    if (root < 0 || root >= c->size) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: root %d outside [0, %d)", fn, root, c->size);
+    if (root < 0 || root >= c->size)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: root %d outside [0, %d)", fn, root, c->size);
     op *o = ts__comm_op_new(c, TS_COLL_BROADCAST);
     if (!o) return TS_ERR_NO_MEMORY;
     set_fp(o, ts_tensor_dtype(t), ts_tensor_numel(t), FP_NONE, (unsigned)root);
@@ -378,8 +378,8 @@ static ts_status check_group_ranks(const char *fn, const ts_comm *parent, int n,
     for (int i = 0; i < n; i++)
         for (int j = 0; j < i; j++)
             if (ranks[i] == ranks[j])
-                return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: rank %d appears twice (entries %d and %d)", fn,
-                                ranks[i], j, i);
+                return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: rank %d appears twice (entries %d and %d)", fn, ranks[i],
+                                j, i);
     return TS_OK;
 }
 
@@ -394,7 +394,7 @@ static ts_status agree_gid(const char *fn, ts_comm *parent, uint64_t *gid_out)
     if ((s = ts_tensor_new_cpu(false, TS_I64, 1, &one, &t))) return s;
     *(int64_t *)ts_tensor_data(t) = (int64_t)(w ? atomic_load(&w->next_gid) : 1);
     s = ts_all_reduce(parent, t, TS_REDUCE_MAX, NULL);
-    uint64_t gid = (uint64_t)*(int64_t *)ts_tensor_data(t);
+    uint64_t gid = (uint64_t) * (int64_t *)ts_tensor_data(t);
     ts_tensor_free(t);
     if (s) return s;
     if (gid >= GID_LIMIT - 1) /* 0xffff carries the failure notices */
@@ -418,8 +418,7 @@ ts_status ts_comm_new_group(ts_comm *parent, int n, const int *ranks, ts_comm **
     world *w = parent->w;
     if (w) {
         uint64_t cur = atomic_load(&w->next_gid);
-        while (cur <= gid && !atomic_compare_exchange_weak(&w->next_gid, &cur, gid + 1)) {
-        }
+        while (cur <= gid && !atomic_compare_exchange_weak(&w->next_gid, &cur, gid + 1)) {}
     }
     int me = -1;
     for (int i = 0; i < n; i++)
@@ -470,8 +469,8 @@ ts_status ts_all_gather(ts_comm *c, int nout, ts_tensor **outs, ts_tensor *in, t
         snprintf(what, sizeof what, "outs[%d]", i);
         if ((s = check_tensor(fn, what, outs[i]))) return s;
         if (ts_tensor_dtype(outs[i]) != d)
-            return ts_error(TS_ERR_DTYPE, "%s: outs[%d] is %s, in is %s", fn, i, ts_dtype_name(ts_tensor_dtype(outs[i])),
-                            ts_dtype_name(d));
+            return ts_error(TS_ERR_DTYPE, "%s: outs[%d] is %s, in is %s", fn, i,
+                            ts_dtype_name(ts_tensor_dtype(outs[i])), ts_dtype_name(d));
         if (ts_tensor_numel(outs[i]) != n)
             return ts_error(TS_ERR_SHAPE, "%s: outs[%d] has %lld elements, in %lld", fn, i,
                             (long long)ts_tensor_numel(outs[i]), (long long)n);
@@ -500,7 +499,8 @@ ts_status ts_all_to_all(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_request **
     if ((s = check_comm(fn, c)) || (s = check_tensor(fn, "out", out)) || (s = check_tensor(fn, "in", in))) return s;
     ts_dtype d = ts_tensor_dtype(in);
     if (ts_tensor_dtype(out) != d)
-        return ts_error(TS_ERR_DTYPE, "%s: out is %s, in is %s", fn, ts_dtype_name(ts_tensor_dtype(out)), ts_dtype_name(d));
+        return ts_error(TS_ERR_DTYPE, "%s: out is %s, in is %s", fn, ts_dtype_name(ts_tensor_dtype(out)),
+                        ts_dtype_name(d));
     int64_t total = ts_tensor_numel(in);
     if (total % c->size != 0)
         return ts_error(TS_ERR_SHAPE, "%s: in has %lld elements, not a multiple of the group size %d", fn,

@@ -57,7 +57,13 @@ extern "C" {
 typedef struct ts_comm ts_comm;       /* a process group */
 typedef struct ts_request ts_request; /* one submitted collective */
 
-typedef enum ts_reduce_op { TS_REDUCE_SUM, TS_REDUCE_AVG, TS_REDUCE_MAX, TS_REDUCE_MIN, TS_REDUCE_OP_COUNT } ts_reduce_op;
+typedef enum ts_reduce_op {
+    TS_REDUCE_SUM,
+    TS_REDUCE_AVG,
+    TS_REDUCE_MAX,
+    TS_REDUCE_MIN,
+    TS_REDUCE_OP_COUNT
+} ts_reduce_op;
 
 /* The collectives counted per group. */
 typedef enum ts_coll_kind {
@@ -156,8 +162,8 @@ TS_API ts_status ts_all_gather_into_tensor(ts_comm *c, ts_tensor *out, ts_tensor
  * only SUM and AVG accept factors other than 1). in is read in place
  * until completion (see the lifetime rules); out may be in's block `rank`
  * and must not overlap the rest of in (TS_ERR_INVALID_ARGUMENT). */
-TS_API ts_status ts_reduce_scatter_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_reduce_op op,
-                                          double pre_div, double post_div, ts_request **r);
+TS_API ts_status ts_reduce_scatter_tensor(ts_comm *c, ts_tensor *out, ts_tensor *in, ts_reduce_op op, double pre_div,
+                                          double post_div, ts_request **r);
 /* t (any shape) = op over ranks of t, in place. Any size (padded
  * internally to a multiple of W). */
 TS_API ts_status ts_all_reduce(ts_comm *c, ts_tensor *t, ts_reduce_op op, ts_request **r);

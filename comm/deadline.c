@@ -58,8 +58,7 @@ static void deadline_msg(const op *o, double timeout_s, char *msg, size_t n)
             int origin = -1;
             if (x->phase == PH_AG) origin = ((o->rank - x->step - 1) % o->W + o->W) % o->W;
             else if (x->phase == PH_BC) origin = o->root;
-            if (x->phase == PH_FP)
-                k += snprintf(msg + k, n - (size_t)k, ", which has not entered it");
+            if (x->phase == PH_FP) k += snprintf(msg + k, n - (size_t)k, ", which has not entered it");
             else if (origin >= 0 && origin != x->peer) {
                 k += snprintf(msg + k, n - (size_t)k, " to forward the data of ");
                 if ((size_t)k < n) k += peer_str(o, origin, msg + k, n - (size_t)k);

@@ -95,8 +95,8 @@ bool ts__comm_check_default(void)
     const char *e = getenv("TS_COMM_CHECK");
     return !(e && strcmp(e, "0") == 0);
 }
-const char *const ts__comm_kind_names[TS_COLL_KIND_COUNT] = {
-    "all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier", "all_to_all", "send", "recv"};
+const char *const ts__comm_kind_names[TS_COLL_KIND_COUNT] = {"all_gather", "reduce_scatter", "all_reduce", "broadcast",
+                                                             "barrier",    "all_to_all",     "send",       "recv"};
 _Static_assert(TS_COLL_KIND_COUNT == 8, "one name per collective");
 
 /* TS_DISTRIBUTED_DEBUG (comm.h): OFF, INFO or DETAIL, in any case; read
@@ -128,13 +128,13 @@ void ts__comm_log_summary(ts_comm *c)
     ts_comm_counters k;
     ts_comm_stats(c, &k);
     char line[1024];
-    int n = snprintf(line, sizeof line, "[ts comm] group %llu rank %d/%d summary:", (unsigned long long)c->gid,
-                     c->rank, c->size);
+    int n = snprintf(line, sizeof line, "[ts comm] group %llu rank %d/%d summary:", (unsigned long long)c->gid, c->rank,
+                     c->size);
     bool any = false;
     for (int i = 0; i < TS_COLL_KIND_COUNT && n > 0 && (size_t)n < sizeof line; i++) {
         if (!k.calls[i]) continue;
-        n += snprintf(line + n, sizeof line - (size_t)n, "%s %s %llu (%llu bytes)", any ? "," : "", ts__comm_kind_names[i],
-                      (unsigned long long)k.calls[i], (unsigned long long)k.bytes[i]);
+        n += snprintf(line + n, sizeof line - (size_t)n, "%s %s %llu (%llu bytes)", any ? "," : "",
+                      ts__comm_kind_names[i], (unsigned long long)k.calls[i], (unsigned long long)k.bytes[i]);
         any = true;
     }
     fprintf(stderr, "%s%s\n", line, any ? "" : " no collectives");
@@ -167,9 +167,12 @@ _Thread_local world *ts__comm_thread_world;
 
 static void trace_rec_emit(const trace_rec *k)
 {
-    ts_trace_arg a[6] = {{"kind", ts__comm_kind_names[k->kind], 0},     {"bytes", NULL, (int64_t)k->bytes},
-                         {"group", NULL, (int64_t)k->gid},       {"seq", NULL, (int64_t)k->seq},
-                         {"rank", NULL, k->rank},                {"status", ts_status_name(k->st), 0}};
+    ts_trace_arg a[6] = {{"kind", ts__comm_kind_names[k->kind], 0},
+                         {"bytes", NULL, (int64_t)k->bytes},
+                         {"group", NULL, (int64_t)k->gid},
+                         {"seq", NULL, (int64_t)k->seq},
+                         {"rank", NULL, k->rank},
+                         {"status", ts_status_name(k->st), 0}};
     ts_trace_span_args(ts__comm_kind_names[k->kind], "comm", k->start_ns, k->end_ns, 6, a);
 }
 
@@ -207,9 +210,9 @@ void ts__comm_flush_traces(world *w)
 void ts__comm_op_name(const op *o, char *buf, size_t n)
 {
     if (o->kind == TS_COLL_SEND || o->kind == TS_COLL_RECV)
-        snprintf(buf, n, "%s (tag %llu)", ts__comm_kind_names[o->kind], (unsigned long long)((o->tagbase >> 8) & SEQ_MASK));
+        snprintf(buf, n, "%s (tag %llu)", ts__comm_kind_names[o->kind],
+                 (unsigned long long)((o->tagbase >> 8) & SEQ_MASK));
     else if (o->gid)
         snprintf(buf, n, "%s #%u (group %llu)", ts__comm_kind_names[o->kind], o->seq, (unsigned long long)o->gid);
-    else
-        snprintf(buf, n, "%s #%u", ts__comm_kind_names[o->kind], o->seq);
+    else snprintf(buf, n, "%s #%u", ts__comm_kind_names[o->kind], o->seq);
 }

@@ -84,18 +84,18 @@
 #include "tensor/blis_arch.h"
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static ts_comm *g_world;                /* NULL when not initialized (under g_mu) */
-static ts_store *g_store;               /* NULL for a world of one rank */
-static ts_store_server *g_server;       /* rank 0 when no launcher hosts the store */
+static ts_comm *g_world;          /* NULL when not initialized (under g_mu) */
+static ts_store *g_store;         /* NULL for a world of one rank */
+static ts_store_server *g_server; /* rank 0 when no launcher hosts the store */
 /* Rank 0 under a launcher that hosts the store for ranks on several
  * nodes: node 0's launcher (and its store) ends when its own ranks have
  * exited, so rank 0 waits at ts_dist_finalize until every rank has made
  * its last store call, as the hosting rank 0 does without a launcher. */
 static bool g_hold_for_nodes;
-static ts_loopback_fabric *g_fabric;    /* the one-rank world's */
+static ts_loopback_fabric *g_fabric; /* the one-rank world's */
 static char g_prefix[3 * TS_LAUNCH_MAX_STR];
-static unsigned g_epoch;                /* inits so far: each gets its own store keys */
-static double g_progress_s = 10.0;      /* ts__dist_set_progress_interval */
+static unsigned g_epoch;           /* inits so far: each gets its own store keys */
+static double g_progress_s = 10.0; /* ts__dist_set_progress_interval */
 
 void ts__dist_set_progress_interval(double seconds) { g_progress_s = seconds > 0 ? seconds : 10.0; }
 
@@ -119,8 +119,7 @@ typedef struct rdv_peer {
 static char *text_of(const void *v, size_t n)
 {
     char *t = ts__malloc(TS_MEM_COMM, n + 1);
-    if (!t)
-        return NULL;
+    if (!t) return NULL;
     memcpy(t, v, n);
     t[n] = '\0';
     return t;
@@ -128,19 +127,14 @@ static char *text_of(const void *v, size_t n)
 
 /* Identifies this host and pid namespace: pids compare only within it
  * (xmem.h, TS_HOST_ID_PIDS). */
-static void host_id(char *out, size_t n)
-{
-    ts__host_id(TS_HOST_ID_PIDS, out, n);
-}
+static void host_id(char *out, size_t n) { ts__host_id(TS_HOST_ID_PIDS, out, n); }
 
 static void host_name(char *out, size_t n)
 {
-    if (gethostname(out, n) != 0)
-        snprintf(out, n, "?");
+    if (gethostname(out, n) != 0) snprintf(out, n, "?");
     out[n - 1] = '\0';
     for (char *p = out; *p; p++)
-        if (*p == ' ')
-            *p = '_';
+        if (*p == ' ') *p = '_';
 }
 
 /* Records the first error of the rendezvous for every rank and returns
@@ -158,8 +152,7 @@ static ts_status rdv_fail(ts_store *st, const char *prefix, int world, ts_status
         /* the first error: wake the ranks past the rendezvous (watch_main) */
         for (int r = 0; r < world; r++) {
             snprintf(key, sizeof key, "%s/rdv/wake/%d", prefix, r);
-            if (ts_store_set(st, key, "", 0) != TS_OK)
-                break;
+            if (ts_store_set(st, key, "", 0) != TS_OK) break;
         }
     }
     ts_store_value_free(got);
@@ -179,8 +172,7 @@ static void rdv_count_out_quiet(ts_store *st, const char *prefix, int rank, int 
     snprintf(me, sizeof me, "%d %s", (int)getpid(), me_id);
     void *got = NULL;
     size_t glen = 0;
-    if (ts_store_compare_set(st, key, "", 0, me, strlen(me), &got, &glen) != TS_OK)
-        return;
+    if (ts_store_compare_set(st, key, "", 0, me, strlen(me), &got, &glen) != TS_OK) return;
     bool first = glen == strlen(me) && memcmp(got, me, glen) == 0;
     ts_store_value_free(got);
     if (first) {
@@ -206,8 +198,7 @@ static void duplicate_rank_msg(char *msg, size_t cap, int rank, const void *clai
     int opid = 0;
     char oid[RDV_MAX_ID] = "?", ohost[64] = "?";
     char *txt = text_of(claim, len);
-    if (txt)
-        sscanf(txt, "%d %159s %63s", &opid, oid, ohost);
+    if (txt) sscanf(txt, "%d %159s %63s", &opid, oid, ohost);
     ts__free(TS_MEM_COMM, txt);
     snprintf(msg, cap,
              "ts_dist_init: duplicate RANK %d: claimed by pid %d on %s and by pid %d on %s (WORLD_SIZE %d); "
@@ -221,23 +212,21 @@ static void list_ranks(char *out, size_t cap, const rdv_peer *peers, int world)
     int listed = 0, missing = 0;
     out[0] = '\0';
     for (int r = 0; r < world; r++) {
-        if (peers[r].seen)
-            continue;
+        if (peers[r].seen) continue;
         missing++;
         if (listed < 16 && used + 16 < cap) {
             used += (size_t)snprintf(out + used, cap - used, "%s%d", listed ? ", " : "", r);
             listed++;
         }
     }
-    if (missing > listed && used + 32 < cap)
-        snprintf(out + used, cap - used, " and %d more", missing - listed);
+    if (missing > listed && used + 32 < cap) snprintf(out + used, cap - used, " and %d more", missing - listed);
 }
 
 /* Reads the exits the launcher recorded since the last call (`exits_read`
  * of them read so far) into peers[]; counts the newly exited ranks other
  * than this one in *nexited. */
-static ts_status read_exits(ts_store *st, const char *run_id, int rank, int world, rdv_peer *peers,
-                           int64_t *exits_read, int *nexited)
+static ts_status read_exits(ts_store *st, const char *run_id, int rank, int world, rdv_peer *peers, int64_t *exits_read,
+                            int *nexited)
 {
     char key[TS_LAUNCH_MAX_STR + 64];
     snprintf(key, sizeof key, TS_LAUNCH_EXITS_KEY, run_id);
@@ -245,19 +234,16 @@ static ts_status read_exits(ts_store *st, const char *run_id, int rank, int worl
     ts_status s = ts_store_add(st, key, 0, &n);
     while (s == TS_OK && *exits_read < n) {
         snprintf(key, sizeof key, TS_LAUNCH_EXIT_KEY, run_id, (long long)(*exits_read + 1));
-        if (ts_store_check(st, key) != TS_OK)
-            break; /* counted but not set yet: next round */
+        if (ts_store_check(st, key) != TS_OK) break; /* counted but not set yet: next round */
         void *v = NULL;
         size_t len = 0;
         s = ts_store_get(st, key, &v, &len);
-        if (s != TS_OK)
-            break;
+        if (s != TS_OK) break;
         ++*exits_read;
         int r = -1, code = 0, sig = 0, epid = 0;
         char *txt = text_of(v, len);
         ts_store_value_free(v);
-        if (txt)
-            sscanf(txt, "%d %d %d %d", &r, &code, &sig, &epid);
+        if (txt) sscanf(txt, "%d %d %d %d", &r, &code, &sig, &epid);
         ts__free(TS_MEM_COMM, txt);
         if (r < 0 || r >= world || r == rank || peers[r].exited)
             continue; /* another job's numbering cannot reach here; ignore what is not a peer */
@@ -304,8 +290,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
     int64_t rejected0 = 0;
     if (!hosting) {
         s = ts_store_add(st, TS_STORE_REJECTED_COUNT_KEY, 0, &rejected0);
-        if (s != TS_OK)
-            return s;
+        if (s != TS_OK) return s;
     }
 
     /* 1. Claim the rank. */
@@ -314,8 +299,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
     void *got = NULL;
     size_t glen = 0;
     s = ts_store_compare_set(st, key, "", 0, val, strlen(val), &got, &glen);
-    if (s != TS_OK)
-        return s;
+    if (s != TS_OK) return s;
     bool mine = glen == strlen(val) && memcmp(got, val, glen) == 0;
     if (!mine) {
         duplicate_rank_msg(msg, sizeof msg, rank, got, glen, pid, me_host, world, "");
@@ -328,13 +312,11 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
     snprintf(key, sizeof key, "%s/rdv/arrivals", prefix);
     int64_t ticket = 0;
     s = ts_store_add(st, key, 1, &ticket);
-    if (s != TS_OK)
-        return s;
+    if (s != TS_OK) return s;
     snprintf(key, sizeof key, "%s/rdv/arrival/%lld", prefix, (long long)ticket);
     snprintf(val, sizeof val, "%d %d %d %s %s", rank, world, pid, me_id, me_host);
     s = ts_store_set(st, key, val, strlen(val));
-    if (s != TS_OK)
-        return s;
+    if (s != TS_OK) return s;
 
     /* 3. Wait for everyone, reading each arrival once. */
     rdv_peer *peers = ts__calloc(TS_MEM_COMM, (size_t)world, sizeof *peers);
@@ -346,8 +328,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
         ts__free(TS_MEM_COMM, pfd_rank);
         return ts_error(TS_ERR_NO_MEMORY, "ts_dist_init: rendezvous of %d ranks: out of memory", world);
     }
-    for (int r = 0; r < world; r++)
-        peers[r].pidfd = -1;
+    for (int r = 0; r < world; r++) peers[r].pidfd = -1;
     int nseen = 0, npfd = 0, nexited = 0;
     int64_t read_upto = 0, exits_read = 0;
     double t0 = (double)ts_now_ns() / 1e9, next_note = t0 + g_progress_s;
@@ -366,8 +347,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
                 char *txt = text_of(ev, elen);
                 if (txt && sscanf(txt, "%d %n", &code, &off) >= 1)
                     s = ts_error((ts_status)code, "%s (reported to rank %d)", txt + off, rank);
-                else
-                    s = ts_error(TS_ERR_INVALID_ARGUMENT, "ts_dist_init: the rendezvous failed on another rank");
+                else s = ts_error(TS_ERR_INVALID_ARGUMENT, "ts_dist_init: the rendezvous failed on another rank");
                 ts__free(TS_MEM_COMM, txt);
                 ts_store_value_free(ev);
             }
@@ -377,14 +357,12 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
          * will never arrive (it failed at once): say so now. */
         int64_t rejected = 0;
         s = ts_store_add(st, TS_STORE_REJECTED_COUNT_KEY, 0, &rejected);
-        if (s != TS_OK)
-            break;
+        if (s != TS_OK) break;
         if (rejected != rejected0 && ts_store_check(st, TS_STORE_REJECTED_KEY) == TS_OK) {
             void *rv = NULL;
             size_t rlen = 0;
             s = ts_store_get(st, TS_STORE_REJECTED_KEY, &rv, &rlen);
-            if (s != TS_OK)
-                break;
+            if (s != TS_OK) break;
             char missing[200];
             list_ranks(missing, sizeof missing, peers, world);
             snprintf(msg, sizeof msg,
@@ -396,8 +374,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
             char who[96];
             snprintf(who, sizeof who, "%.*s", (int)(rlen < 64 ? rlen : 64), (const char *)rv);
             for (char *q = who; *q; q++)
-                if (*q == '/' || *q == ' ')
-                    *q = '_';
+                if (*q == '/' || *q == ' ') *q = '_';
             ts_store_value_free(rv);
             s = rdv_fail(st, prefix, world, TS_ERR_INVALID_ARGUMENT, msg);
             rdv_count_out(st, prefix, -1, 0, who);
@@ -415,31 +392,26 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
          * arrival is in the store before its exit is. */
         if (run_id) {
             s = read_exits(st, run_id, rank, world, peers, &exits_read, &nexited);
-            if (s != TS_OK)
-                break;
+            if (s != TS_OK) break;
         }
         /* New arrivals. */
         int64_t count = 0;
         snprintf(key, sizeof key, "%s/rdv/arrivals", prefix);
         s = ts_store_add(st, key, 0, &count);
-        if (s != TS_OK)
-            break;
+        if (s != TS_OK) break;
         while (read_upto < count) {
             snprintf(key, sizeof key, "%s/rdv/arrival/%lld", prefix, (long long)(read_upto + 1));
-            if (ts_store_check(st, key) != TS_OK)
-                break; /* added but not set yet: next round */
+            if (ts_store_check(st, key) != TS_OK) break; /* added but not set yet: next round */
             void *av = NULL;
             size_t alen = 0;
             s = ts_store_get(st, key, &av, &alen);
-            if (s != TS_OK)
-                break;
+            if (s != TS_OK) break;
             read_upto++;
             char *txt = text_of(av, alen);
             ts_store_value_free(av);
             int ar = -1, aw = -1, apid = 0;
             char aid[RDV_MAX_ID] = "?", ahost[64] = "?";
-            if (txt)
-                sscanf(txt, "%d %d %d %159s %63s", &ar, &aw, &apid, aid, ahost);
+            if (txt) sscanf(txt, "%d %d %d %159s %63s", &ar, &aw, &apid, aid, ahost);
             ts__free(TS_MEM_COMM, txt);
             if (aw != world) {
                 snprintf(msg, sizeof msg,
@@ -449,8 +421,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
                 s = rdv_fail(st, prefix, world, TS_ERR_INVALID_ARGUMENT, msg);
                 break;
             }
-            if (ar < 0 || ar >= world || peers[ar].seen)
-                continue; /* cannot happen: claims are unique and in range */
+            if (ar < 0 || ar >= world || peers[ar].seen) continue; /* cannot happen: claims are unique and in range */
             peers[ar].seen = true;
             peers[ar].pid = apid;
             snprintf(peers[ar].host, sizeof peers[ar].host, "%s", ahost);
@@ -473,8 +444,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
                 }
             }
         }
-        if (s != TS_OK)
-            break;
+        if (s != TS_OK) break;
         if (count > world) {
             snprintf(msg, sizeof msg,
                      "ts_dist_init: %lld processes joined a world of WORLD_SIZE %d: a RANK or WORLD_SIZE is wrong "
@@ -483,11 +453,9 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
             s = rdv_fail(st, prefix, world, TS_ERR_INVALID_ARGUMENT, msg);
             break;
         }
-        if (nseen == world)
-            break;
+        if (nseen == world) break;
         for (int r = 0; nexited > 0 && r < world; r++) {
-            if (!peers[r].exited)
-                continue;
+            if (!peers[r].exited) continue;
             char how[64];
             exit_how(how, sizeof how, &peers[r]);
             if (peers[r].seen)
@@ -503,8 +471,7 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
             s = rdv_fail(st, prefix, world, TS_ERR_PEER_FAILED, msg);
             break;
         }
-        if (s != TS_OK)
-            break;
+        if (s != TS_OK) break;
         double now = (double)ts_now_ns() / 1e9;
         if (now - t0 >= timeout_s) {
             char missing[200];
@@ -527,12 +494,10 @@ static ts_status join_world_inner(ts_store *st, const char *prefix, const char *
         /* Wait on the local ranks' pidfds between rounds. */
         int pr = poll(pfds, (nfds_t)npfd, 50 + world / 8); /* fewer rounds for big worlds */
         for (int i = 0; pr > 0 && i < npfd && gone < 0; i++)
-            if (pfds[i].revents & (POLLIN | POLLHUP | POLLERR))
-                gone = pfd_rank[i];
+            if (pfds[i].revents & (POLLIN | POLLHUP | POLLERR)) gone = pfd_rank[i];
     }
     for (int r = 0; r < world; r++)
-        if (peers[r].pidfd >= 0)
-            close(peers[r].pidfd);
+        if (peers[r].pidfd >= 0) close(peers[r].pidfd);
     ts__free(TS_MEM_COMM, peers);
     ts__free(TS_MEM_COMM, pfds);
     ts__free(TS_MEM_COMM, pfd_rank);
@@ -559,16 +524,13 @@ static void hold_store_for_error_quiet(ts_store *st, const char *prefix, int wor
     int max_world = world;
     uint64_t until = ts_now_ns() + (uint64_t)(RDV_ERROR_GRACE_S * 1e9);
     while (ts_now_ns() < until) {
-        if (ts_store_add(st, akey, 0, &arrived) != TS_OK)
-            return;
+        if (ts_store_add(st, akey, 0, &arrived) != TS_OK) return;
         while (read_upto < arrived) {
             snprintf(key, sizeof key, "%s/rdv/arrival/%lld", prefix, (long long)(read_upto + 1));
-            if (ts_store_check(st, key) != TS_OK)
-                break; /* added but not set yet: next round */
+            if (ts_store_check(st, key) != TS_OK) break; /* added but not set yet: next round */
             void *av = NULL;
             size_t alen = 0;
-            if (ts_store_get(st, key, &av, &alen) != TS_OK)
-                return;
+            if (ts_store_get(st, key, &av, &alen) != TS_OK) return;
             read_upto++;
             int ar = -1, aw = -1;
             char *txt = text_of(av, alen);
@@ -577,10 +539,8 @@ static void hold_store_for_error_quiet(ts_store *st, const char *prefix, int wor
                 max_world = aw; /* ts_launch_env bounded it on that rank */
             ts__free(TS_MEM_COMM, txt);
         }
-        if (ts_store_add(st, fkey, 0, &failed) != TS_OK)
-            return;
-        if (read_upto == arrived && failed >= arrived && failed >= max_world)
-            return; /* everybody has read the error */
+        if (ts_store_add(st, fkey, 0, &failed) != TS_OK) return;
+        if (read_upto == arrived && failed >= arrived && failed >= max_world) return; /* everybody has read the error */
         struct timespec nap = {0, 20000000}; /* 20 ms: the others are reading the error */
         nanosleep(&nap, NULL);
     }
@@ -594,8 +554,8 @@ static void hold_store_for_error(ts_store *st, const char *prefix, int world)
     ts__error_quiet_end();
 }
 
-static ts_status join_world(ts_store *st, const char *prefix, const char *run_id, int rank, int world,
-                            double timeout_s, bool hosting)
+static ts_status join_world(ts_store *st, const char *prefix, const char *run_id, int rank, int world, double timeout_s,
+                            bool hosting)
 {
     ts_status s = join_world_inner(st, prefix, run_id, rank, world, timeout_s, hosting);
     if (s != TS_OK && s != TS_ERR_TIMEOUT && s != TS_ERR_COMM) {
@@ -605,8 +565,7 @@ static ts_status join_world(ts_store *st, const char *prefix, const char *run_id
         char me_id[RDV_MAX_ID];
         host_id(me_id, sizeof me_id);
         rdv_count_out(st, prefix, rank, (int)getpid(), me_id);
-        if (hosting)
-            hold_store_for_error(st, prefix, world);
+        if (hosting) hold_store_for_error(st, prefix, world);
     }
     return s;
 }
@@ -743,8 +702,7 @@ static ts_status post_once(watch *wt, const char *val, size_t len, bool *won, in
         s = ts_store_compare_set(wt->post, wt->failed_key, "", 0, val, len, &got, &glen);
         *won = s == TS_OK && glen == len && memcmp(got, val, len) == 0;
         ts_store_value_free(got);
-        if (s != TS_OK || !*won)
-            return s;
+        if (s != TS_OK || !*won) return s;
     }
     for (; *next_r < wt->world_size; ++*next_r) {
         if (*next_r == wt->rank) continue;
@@ -785,12 +743,10 @@ static void post_failure(void *arg, ts_status st, int culprit, const char *msg)
  * when it is not set or cannot be read. */
 static char *store_text(ts_store *st, const char *key)
 {
-    if (ts_store_check(st, key) != TS_OK)
-        return NULL;
+    if (ts_store_check(st, key) != TS_OK) return NULL;
     void *v = NULL;
     size_t n = 0;
-    if (ts_store_get(st, key, &v, &n) != TS_OK)
-        return NULL;
+    if (ts_store_get(st, key, &v, &n) != TS_OK) return NULL;
     char *text = text_of(v, n);
     ts_store_value_free(v);
     return text;
@@ -802,21 +758,17 @@ static char *store_text(ts_store *st, const char *key)
 static bool read_notice(watch *wt, ts_status *st_out, char *msg, size_t cap)
 {
     char *text = store_text(wt->client, wt->failed_key);
-    if (!text)
-        return false;
+    if (!text) return false;
     int from = -1, st = 0, culprit = -1, used = 0;
-    bool ok = sscanf(text, "%d %d %d %n", &from, &st, &culprit, &used) == 3 && used > 0 && st < 0 &&
-              from != wt->rank;
+    bool ok = sscanf(text, "%d %d %d %n", &from, &st, &culprit, &used) == 3 && used > 0 && st < 0 && from != wt->rank;
     if (ok) {
         const char *what = text + used;
         if (from < 0) /* the launcher's: a rank its memory cgroup OOM-killed */
             snprintf(msg, cap, "%.500s (reported by the launcher through the store)", what);
         else if (culprit == wt->rank)
             snprintf(msg, cap, "rank %d gave up on this rank: %.500s (reported through the store)", from, what);
-        else if (culprit >= 0)
-            snprintf(msg, cap, "%.500s (reported by a peer through the store)", what);
-        else
-            snprintf(msg, cap, "rank %d failed: %.500s (reported through the store)", from, what);
+        else if (culprit >= 0) snprintf(msg, cap, "%.500s (reported by a peer through the store)", what);
+        else snprintf(msg, cap, "rank %d failed: %.500s (reported through the store)", from, what);
         *st_out = (ts_status)st;
     }
     ts__free(TS_MEM_COMM, text);
@@ -828,11 +780,9 @@ static bool read_notice(watch *wt, ts_status *st_out, char *msg, size_t cap)
 static char *read_rdv_error(ts_store *st, const char *key, ts_status *code_out)
 {
     char *txt = store_text(st, key);
-    if (!txt)
-        return NULL;
+    if (!txt) return NULL;
     int code = (int)TS_ERR_INVALID_ARGUMENT, off = 0;
-    if (sscanf(txt, "%d %n", &code, &off) < 1 || code >= 0)
-        code = (int)TS_ERR_INVALID_ARGUMENT, off = 0;
+    if (sscanf(txt, "%d %n", &code, &off) < 1 || code >= 0) code = (int)TS_ERR_INVALID_ARGUMENT, off = 0;
     memmove(txt, txt + off, strlen(txt + off) + 1);
     *code_out = (ts_status)code;
     return txt;
@@ -872,8 +822,7 @@ static void *watch_main(void *arg)
         ts_status s = ts_store_get(wt->client, wt->wake_key, &v, &len);
         ts_store_value_free(v);
         char why[300] = "";
-        if (s != TS_OK)
-            snprintf(why, sizeof why, "%s", ts_last_error());
+        if (s != TS_OK) snprintf(why, sizeof why, "%s", ts_last_error());
         if (s == TS_ERR_TIMEOUT && ts_store_check(wt->client, wt->wake_key) != TS_ERR_COMM) {
             lost = 0, backoff = WATCH_BACKOFF_MIN_S; /* the store answered: no wake yet */
             continue;
@@ -916,8 +865,7 @@ static void *watch_main(void *arg)
 static void watch_start(const ts_rank_env *e, const char *prefix, ts_comm *world)
 {
     watch *wt = ts__calloc(TS_MEM_COMM, 1, sizeof *wt);
-    if (!wt)
-        return;
+    if (!wt) return;
     wt->world = world;
     wt->rank = e->rank;
     wt->world_size = e->world_size;
@@ -960,13 +908,11 @@ static void watch_start(const ts_rank_env *e, const char *prefix, ts_comm *world
 static void watch_stop(ts_store *st)
 {
     watch *wt = g_watch;
-    if (!wt)
-        return;
+    if (!wt) return;
     g_watch = NULL;
     ts__world_set_fail_hook(wt->world, NULL, NULL);
     atomic_store(&wt->stop, true);
-    if (st)
-        (void)ts_store_set(st, wt->wake_key, "", 0);
+    if (st) (void)ts_store_set(st, wt->wake_key, "", 0);
     pthread_join(wt->thread, NULL);
     ts_store_close(wt->client);
     ts_store_close(wt->post);
@@ -987,8 +933,7 @@ static void attach_store(const ts_rank_env *e, const char *prefix, ts_comm *worl
         return;
     }
     char hung[TS_LAUNCH_MAX_STR + 32] = "";
-    if (e->store_hosted && e->run_id[0])
-        snprintf(hung, sizeof hung, TS_LAUNCH_HUNG_KEY, e->run_id);
+    if (e->store_hosted && e->run_id[0]) snprintf(hung, sizeof hung, TS_LAUNCH_HUNG_KEY, e->run_id);
     if (ts__world_attach_store(world, c, prefix, hung) != TS_OK)
         ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: %s", e->rank, ts_last_error());
 }
@@ -1000,22 +945,21 @@ static void attach_store(const ts_rank_env *e, const char *prefix, ts_comm *worl
  * before any rank can fail in a collective. */
 static void record_world(const ts_rank_env *e, const char *prefix)
 {
-    if (!e->store_hosted || !e->run_id[0])
-        return;
+    if (!e->store_hosted || !e->run_id[0]) return;
     char key[TS_LAUNCH_MAX_STR + 32], val[sizeof g_prefix + 16];
     snprintf(key, sizeof key, TS_LAUNCH_WORLD_KEY, e->run_id);
     int n = snprintf(val, sizeof val, "%d %s", e->world_size, prefix);
     if (ts_store_set(g_store, key, val, (size_t)n) != TS_OK)
-        ts_logf(TS_LOG_WARN, "ts_dist_init: rank %d: the launcher will not reach this world's ranks through the store: %s",
-                e->rank, ts_last_error());
+        ts_logf(TS_LOG_WARN,
+                "ts_dist_init: rank %d: the launcher will not reach this world's ranks through the store: %s", e->rank,
+                ts_last_error());
 }
 
 /* TS_DIST_TIMEOUT, when set, overrides the option (seconds, > 0). */
 static ts_status timeout_from_env(double *timeout_s)
 {
     const char *v = getenv(TS_DIST_TIMEOUT_ENV);
-    if (!v)
-        return TS_OK;
+    if (!v) return TS_OK;
     char *end = NULL;
     errno = 0;
     double d = strtod(v, &end);
@@ -1065,16 +1009,16 @@ static void log_init(const ts_rank_env *e, const char *transport)
     static const char *const launchers[] = {"none", "tsrun/torchrun", "mpirun", "srun"};
     const char *via = (int)e->source >= 0 && (int)e->source < 4 ? launchers[e->source] : "?";
     const char *host = e->world_size == 1 ? "not used by one rank"
-                       : e->store_hosted   ? "hosted by the launcher"
-                                           : "hosted by rank 0";
+        : e->store_hosted                 ? "hosted by the launcher"
+                                          : "hosted by rank 0";
     if (e->world_size == 1 && !e->master_port)
         ts_logf(TS_LOG_INFO, "ts_dist_init: rank %d of %d, local rank %d of %d, transport %s, no store (launcher %s)",
                 e->rank, e->world_size, e->local_rank, e->local_world_size ? e->local_world_size : 1, transport, via);
     else
         ts_logf(TS_LOG_INFO,
                 "ts_dist_init: rank %d of %d, local rank %d of %d, transport %s, store %s:%d (%s; launcher %s)",
-                e->rank, e->world_size, e->local_rank, e->local_world_size, transport, e->master_addr,
-                e->master_port, host, via);
+                e->rank, e->world_size, e->local_rank, e->local_world_size, transport, e->master_addr, e->master_port,
+                host, via);
 }
 
 static ts_status init_locked(const ts_dist_options *o)
@@ -1123,8 +1067,7 @@ static ts_status init_locked(const ts_dist_options *o)
     snprintf(g_prefix, sizeof g_prefix, "dist/%s/%u", env.run_id, epoch);
     if (!env.store_hosted && env.rank == 0) {
         s = ts_store_server_start(env.master_addr, env.master_port, env.token, &g_server);
-        if (s != TS_OK && ts__store_server_listen_error() == UV_EADDRINUSE)
-            s = port_taken(&env, g_prefix, timeout_s);
+        if (s != TS_OK && ts__store_server_listen_error() == UV_EADDRINUSE) s = port_taken(&env, g_prefix, timeout_s);
         if (s != TS_OK) return s;
     }
     s = ts_store_connect(env.master_addr, env.master_port, env.token, timeout_s, &g_store);
@@ -1196,14 +1139,13 @@ static ts_status floor_measure(bool at_init)
     memset(&f, 0, sizeof f);
     f.resident_bytes = pm.rss_bytes;
     f.tracked_bytes = ts_mem_live_bytes(TS_MEM_POOL) + ts_mem_live_bytes(TS_MEM_PINNED) +
-                      ts_mem_live_bytes(TS_MEM_TENSOR) + ts_mem_live_bytes(TS_MEM_AUTOGRAD) +
-                      ts_mem_live_bytes(TS_MEM_NN);
+        ts_mem_live_bytes(TS_MEM_TENSOR) + ts_mem_live_bytes(TS_MEM_AUTOGRAD) + ts_mem_live_bytes(TS_MEM_NN);
     f.blis_pack_bytes = ts__blis_pack_bytes();
     pthread_mutex_lock(&g_mu);
     f.fallback_bytes = g_world ? ts__direct_fallback_bytes(g_world) : 0;
     pthread_mutex_unlock(&g_mu);
     f.bytes = (f.resident_bytes > f.tracked_bytes ? f.resident_bytes - f.tracked_bytes : 0) + f.blis_pack_bytes +
-              f.fallback_bytes;
+        f.fallback_bytes;
     f.at_dist_init = at_init;
     pthread_mutex_lock(&g_floor_mu);
     g_floor = f;
@@ -1243,8 +1185,7 @@ ts_status ts_dist_init(const ts_dist_options *o)
     if (g_world)
         s = ts_error(TS_ERR_ALREADY, "ts_dist_init: the world is initialized already (rank %d of %d)",
                      ts_comm_rank(g_world), ts_comm_size(g_world));
-    else
-        s = init_locked(o);
+    else s = init_locked(o);
     if (s == TS_OK) ts__world_publish(g_world);
     pthread_mutex_unlock(&g_mu);
     if (s == TS_OK && floor_measure(true) != TS_OK) /* no /proc: the estimate's floor is 0 then, not an error here */
@@ -1272,8 +1213,7 @@ ts_status ts_dist_finalize(void)
     /* The watch ends (a failed world may have stopped the store's host:
      * then the wake is not answered and the watch ends by itself); a
      * duplicate RANK recorded meanwhile fails finalize on every rank. */
-    if (s != TS_OK && g_store)
-        ts_store_set_timeout(g_store, WATCH_POLL_S); /* only the wake and the close follow */
+    if (s != TS_OK && g_store) ts_store_set_timeout(g_store, WATCH_POLL_S); /* only the wake and the close follow */
     watch_stop(g_store);
     /* When rank 0 hosts the store (mpirun, srun), it stops the server
      * only after every other rank has left its last store call; under a

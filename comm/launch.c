@@ -62,9 +62,9 @@ struct rank_proc {
     launcher *L;
     int rank;
     int pid;
-    bool running;   /* spawned and not yet exited */
-    int log_fd;     /* log_dir/rank<R>.log, -1 when none (or after a write error) */
-    bool cg_live;   /* its memory cgroup exists (memory_per_rank) */
+    bool running; /* spawned and not yet exited */
+    int log_fd;   /* log_dir/rank<R>.log, -1 when none (or after a write error) */
+    bool cg_live; /* its memory cgroup exists (memory_per_rank) */
     out_stream out, err;
 };
 
@@ -97,10 +97,8 @@ struct launcher {
 static void *grow(void *p, size_t used, size_t cap)
 {
     void *q = ts__malloc(TS_MEM_COMM, cap);
-    if (q && p)
-        memcpy(q, p, used);
-    if (q)
-        ts__free(TS_MEM_COMM, p);
+    if (q && p) memcpy(q, p, used);
+    if (q) ts__free(TS_MEM_COMM, p);
     return q;
 }
 
@@ -146,10 +144,8 @@ static bool rank_dir(char *path, size_t cap, const char *dir, int r)
 {
     size_t n = 0;
     for (const char *p = dir; *p; p++)
-        if (n + 1 < cap)
-            path[n++] = *p;
-        else
-            return false;
+        if (n + 1 < cap) path[n++] = *p;
+        else return false;
     static const char tail[] = "/rank";
     char digits[16];
     int nd = 0;
@@ -157,12 +153,9 @@ static bool rank_dir(char *path, size_t cap, const char *dir, int r)
         digits[nd++] = (char)('0' + r % 10);
         r /= 10;
     } while (r > 0 && nd < 15);
-    if (n + sizeof tail + (size_t)nd >= cap)
-        return false;
-    for (size_t k = 0; k + 1 < sizeof tail; k++)
-        path[n++] = tail[k];
-    while (nd > 0)
-        path[n++] = digits[--nd];
+    if (n + sizeof tail + (size_t)nd >= cap) return false;
+    for (size_t k = 0; k + 1 < sizeof tail; k++) path[n++] = tail[k];
+    while (nd > 0) path[n++] = digits[--nd];
     path[n] = '\0';
     return true;
 }
@@ -173,14 +166,11 @@ static void kill_group_procs(const char *dir)
 {
     char path[PATH_MAX + 16];
     size_t n = 0;
-    for (const char *p = dir; *p && n + 1 < PATH_MAX; p++)
-        path[n++] = *p;
+    for (const char *p = dir; *p && n + 1 < PATH_MAX; p++) path[n++] = *p;
     static const char tail[] = "/cgroup.procs";
-    for (size_t k = 0; k < sizeof tail; k++)
-        path[n++] = tail[k];
+    for (size_t k = 0; k < sizeof tail; k++) path[n++] = tail[k];
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return;
+    if (fd < 0) return;
     char buf[4096];
     ssize_t got = read(fd, buf, sizeof buf - 1);
     close(fd);
@@ -189,8 +179,7 @@ static void kill_group_procs(const char *dir)
         if (buf[i] >= '0' && buf[i] <= '9') {
             pid = pid * 10 + (buf[i] - '0');
         } else {
-            if (pid > 0)
-                kill((pid_t)pid, SIGKILL);
+            if (pid > 0) kill((pid_t)pid, SIGKILL);
             pid = 0;
         }
     }
@@ -205,8 +194,7 @@ static void watchdog_remove_groups(const char *job, int first_rank, int n)
     int tries = 500;
     for (int i = 0; i < n; i++) {
         char path[PATH_MAX];
-        if (!rank_dir(path, sizeof path, job, first_rank + i))
-            continue;
+        if (!rank_dir(path, sizeof path, job, first_rank + i)) continue;
         while (rmdir(path) != 0 && errno == EBUSY && tries-- > 0) {
             kill_group_procs(path);
             nanosleep(&step, NULL);
@@ -239,27 +227,22 @@ static void watchdog_main(int fd, int n, const char *cg_job, int first_rank)
         fd = 3;
     }
     if (close_range(4, ~0u, 0) != 0)
-        for (int i = 4; i < 4096; i++)
-            close(i);
+        for (int i = 4; i < 4096; i++) close(i);
     for (;;) {
         int32_t v;
         size_t got = 0;
         while (got < sizeof v) {
             ssize_t r = read(fd, (char *)&v + got, sizeof v - got);
-            if (r < 0 && errno == EINTR)
-                continue;
+            if (r < 0 && errno == EINTR) continue;
             if (r <= 0) { /* the launcher is gone */
                 for (int i = 0; i < n; i++)
-                    if (groups[i] > 0)
-                        kill(-(pid_t)groups[i], SIGKILL);
-                if (cg_job[0])
-                    watchdog_remove_groups(cg_job, first_rank, n);
+                    if (groups[i] > 0) kill(-(pid_t)groups[i], SIGKILL);
+                if (cg_job[0]) watchdog_remove_groups(cg_job, first_rank, n);
                 _exit(0);
             }
             got += (size_t)r;
         }
-        if (v == 0)
-            _exit(0);
+        if (v == 0) _exit(0);
         for (int i = 0; i < n; i++) {
             if (v > 0 && groups[i] == 0) {
                 groups[i] = v;
@@ -281,8 +264,7 @@ static pid_t watchdog_start(int n, const char *cg_job, int first_rank, int *fd_o
 {
     *fd_out = -1;
     int p[2];
-    if (pipe2(p, O_CLOEXEC) != 0)
-        return -1;
+    if (pipe2(p, O_CLOEXEC) != 0) return -1;
     pid_t w = fork();
     if (w == 0) {
         close(p[1]);
@@ -309,11 +291,9 @@ static void watchdog_tell(launcher *L, int32_t v)
 /* Says goodbye and reaps it. */
 static void watchdog_stop(launcher *L, pid_t w)
 {
-    if (w <= 0)
-        return;
+    if (w <= 0) return;
     watchdog_tell(L, 0);
-    if (L->watchdog_fd >= 0)
-        close(L->watchdog_fd);
+    if (L->watchdog_fd >= 0) close(L->watchdog_fd);
     L->watchdog_fd = -1;
     while (waitpid(w, NULL, 0) < 0 && errno == EINTR)
         ;
@@ -324,15 +304,13 @@ static void watchdog_stop(launcher *L, pid_t w)
 static void emit_line(out_stream *os, const char *s, size_t len)
 {
     launcher *L = os->rp->L;
-    if (*os->dead && os->rp->log_fd < 0)
-        return;
+    if (*os->dead && os->rp->log_fd < 0) return;
     char prefix[32];
     int pn = L->o->prefix_output ? snprintf(prefix, sizeof prefix, "[%d] ", os->rp->rank) : 0;
     size_t total = (size_t)pn + len + 1;
     if (total > L->line_cap) {
         size_t cap = L->line_cap ? L->line_cap : 256;
-        while (cap < total)
-            cap *= 2;
+        while (cap < total) cap *= 2;
         char *nb = grow(NULL, 0, cap);
         if (!nb) {
             *os->dead = true; /* out of memory: drop output rather than mangle it */
@@ -355,11 +333,9 @@ static void emit_line(out_stream *os, const char *s, size_t len)
         char msg[PATH_MAX + 160];
         int mn = snprintf(msg, sizeof msg, "ts_launch: cannot write %s/rank%d.log: %s; that log stops here\n",
                           L->o->log_dir, rp->rank, strerror(err));
-        if (!L->err_dead && mn > 0)
-            write_all(L->o->err_fd, msg, (size_t)mn < sizeof msg ? (size_t)mn : sizeof msg - 1);
+        if (!L->err_dead && mn > 0) write_all(L->o->err_fd, msg, (size_t)mn < sizeof msg ? (size_t)mn : sizeof msg - 1);
     }
-    if (!*os->dead && write_all(os->fd, L->line, total) != 0)
-        *os->dead = true;
+    if (!*os->dead && write_all(os->fd, L->line, total) != 0) *os->dead = true;
 }
 
 /* Appends to the carry buffer, emitting LINE_SPLIT-byte pieces of an
@@ -371,10 +347,8 @@ static void carry_add(out_stream *os, const char *s, size_t n)
         size_t take = n < room ? n : room;
         if (os->carry_len + take > os->carry_cap) {
             size_t cap = os->carry_cap ? os->carry_cap : 1024;
-            while (cap < os->carry_len + take)
-                cap *= 2;
-            if (cap > LINE_SPLIT)
-                cap = LINE_SPLIT;
+            while (cap < os->carry_len + take) cap *= 2;
+            if (cap > LINE_SPLIT) cap = LINE_SPLIT;
             char *nb = grow(os->carry, os->carry_len, cap);
             if (!nb) {
                 /* out of memory: pass the piece on as a line of its own */
@@ -410,8 +384,7 @@ static void feed(out_stream *os, const char *s, size_t n)
             emit_line(os, s, len);
         } else {
             carry_add(os, s, len);
-            if (os->carry_len > 0)
-                emit_line(os, os->carry, os->carry_len);
+            if (os->carry_len > 0) emit_line(os, os->carry, os->carry_len);
             os->carry_len = 0;
         }
         s = nl + 1;
@@ -423,8 +396,7 @@ static void maybe_finish(launcher *L);
 
 static void close_stream(out_stream *os)
 {
-    if (!os->open)
-        return;
+    if (!os->open) return;
     if (os->carry_len > 0) /* an unterminated last line */
         emit_line(os, os->carry, os->carry_len);
     os->carry_len = 0;
@@ -458,14 +430,10 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 static void signal_groups(launcher *L, int sig)
 {
     for (int i = 0; i < L->n; i++)
-        if (L->ranks[i].running)
-            kill(-(pid_t)L->ranks[i].pid, sig);
+        if (L->ranks[i].running) kill(-(pid_t)L->ranks[i].pid, sig);
 }
 
-static void on_grace(uv_timer_t *t)
-{
-    signal_groups(t->data, SIGKILL);
-}
+static void on_grace(uv_timer_t *t) { signal_groups(t->data, SIGKILL); }
 
 static void start_stopping(launcher *L, int sig)
 {
@@ -480,10 +448,7 @@ static void start_stopping(launcher *L, int sig)
 
 /* The window after an OOM notice is over: the ranks that have not
  * failed and exited on it are stopped. */
-static void on_notice(uv_timer_t *t)
-{
-    start_stopping(t->data, SIGTERM);
-}
+static void on_notice(uv_timer_t *t) { start_stopping(t->data, SIGTERM); }
 
 static void on_drain(uv_timer_t *t)
 {
@@ -502,8 +467,7 @@ static void on_drain(uv_timer_t *t)
  * fail, the client is dropped and the job goes on without the records. */
 static void record_exit(launcher *L, const rank_proc *rp, int64_t exit_status, int term_signal)
 {
-    if (!L->store)
-        return;
+    if (!L->store) return;
     char key[TS_LAUNCH_MAX_STR + 64], val[96];
     snprintf(key, sizeof key, TS_LAUNCH_EXITS_KEY, L->run_id);
     int64_t n = 0;
@@ -525,22 +489,18 @@ static void record_exit(launcher *L, const rank_proc *rp, int64_t exit_status, i
  * recorded it before exiting. */
 static void read_hung(launcher *L, ts_launch_result *res)
 {
-    if (!L->store)
-        return;
+    if (!L->store) return;
     char key[TS_LAUNCH_MAX_STR + 64];
     snprintf(key, sizeof key, TS_LAUNCH_HUNG_KEY, L->run_id);
-    if (ts_store_check(L->store, key) != TS_OK)
-        return;
+    if (ts_store_check(L->store, key) != TS_OK) return;
     void *v = NULL;
     size_t len = 0;
-    if (ts_store_get(L->store, key, &v, &len) != TS_OK)
-        return;
+    if (ts_store_get(L->store, key, &v, &len) != TS_OK) return;
     char txt[128];
     snprintf(txt, sizeof txt, "%.*s", (int)(len < sizeof txt - 1 ? len : sizeof txt - 1), (const char *)v);
     ts_store_value_free(v);
     int r = -1, off = 0;
-    if (sscanf(txt, "%d %n", &r, &off) < 1 || r < 0 || r >= L->o->nnodes * L->o->nproc_per_node)
-        return;
+    if (sscanf(txt, "%d %n", &r, &off) < 1 || r < 0 || r >= L->o->nnodes * L->o->nproc_per_node) return;
     res->hung_rank = r;
     snprintf(res->hung_collective, sizeof res->hung_collective, "%s", txt + off);
 }
@@ -558,23 +518,20 @@ static void cg_dir(const launcher *L, int rank, char *out, size_t cap)
  * world's. */
 static bool post_notice(launcher *L, int culprit, const char *msg)
 {
-    if (!L->store)
-        return false;
+    if (!L->store) return false;
     char key[3 * TS_LAUNCH_MAX_STR + 64];
     snprintf(key, sizeof key, TS_LAUNCH_WORLD_KEY, L->run_id);
     if (ts_store_check(L->store, key) != TS_OK)
         return false; /* no world has met yet (the rendezvous names the exit itself) */
     void *v = NULL;
     size_t len = 0;
-    if (ts_store_get(L->store, key, &v, &len) != TS_OK)
-        return false;
+    if (ts_store_get(L->store, key, &v, &len) != TS_OK) return false;
     char world_txt[3 * TS_LAUNCH_MAX_STR + 32];
     snprintf(world_txt, sizeof world_txt, "%.*s", (int)(len < sizeof world_txt - 1 ? len : sizeof world_txt - 1),
              (const char *)v);
     ts_store_value_free(v);
     int world = 0, off = 0;
-    if (sscanf(world_txt, "%d %n", &world, &off) < 1 || world < 1 || off <= 0 || !world_txt[off])
-        return false;
+    if (sscanf(world_txt, "%d %n", &world, &off) < 1 || world < 1 || off <= 0 || !world_txt[off]) return false;
     const char *prefix = world_txt + off;
     char val[640];
     int n = snprintf(val, sizeof val, "-1 %d %d %s", (int)TS_ERR_PEER_FAILED, culprit, msg);
@@ -586,11 +543,9 @@ static bool post_notice(launcher *L, int culprit, const char *msg)
     bool won = s == TS_OK && glen == vlen && memcmp(got, val, vlen) == 0;
     ts_store_value_free(got);
     for (int r = 0; won && r < world; r++) {
-        if (r == culprit)
-            continue;
+        if (r == culprit) continue;
         snprintf(key, sizeof key, TS__DIST_WAKE_KEY, prefix, r);
-        if (ts_store_set(L->store, key, "", 0) != TS_OK)
-            won = false;
+        if (ts_store_set(L->store, key, "", 0) != TS_OK) won = false;
     }
     if (s != TS_OK)
         ts_logf(TS_LOG_WARN, "ts_launch: cannot post the failure of rank %d to the store: %s", culprit,
@@ -604,14 +559,12 @@ static bool post_notice(launcher *L, int culprit, const char *msg)
 static bool check_oom(launcher *L, rank_proc *rp, int64_t exit_status, int term_signal, int64_t *peak_out)
 {
     *peak_out = -1;
-    if (!L->cg || !rp->cg_live)
-        return false;
+    if (!L->cg || !rp->cg_live) return false;
     char dir[PATH_MAX + 32];
     cg_dir(L, rp->rank, dir, sizeof dir);
     int64_t kills = -1, failcnt = -1;
     ts__cgroup_counters(L->cg, dir, &kills, &failcnt, peak_out);
-    if (ts__cgroup_remove(dir) == 0)
-        rp->cg_live = false;
+    if (ts__cgroup_remove(dir) == 0) rp->cg_live = false;
     bool failed = exit_status != 0 || term_signal != 0;
     /* without the kill counter (v1 before Linux 4.13): a SIGKILL after
      * the usage hit the limit */
@@ -639,18 +592,16 @@ static void on_proc_exit(uv_process_t *p, int64_t exit_status, int term_signal)
         if (oom) {
             char cap[32], peak_s[32] = "", how[128];
             ts_launch_format_size(L->o->memory_per_rank, cap, sizeof cap);
-            if (peak >= 0)
-                ts_launch_format_size(peak, peak_s, sizeof peak_s);
-            if (term_signal == SIGKILL)
-                snprintf(how, sizeof how, "killed by the kernel's OOM killer");
+            if (peak >= 0) ts_launch_format_size(peak, peak_s, sizeof peak_s);
+            if (term_signal == SIGKILL) snprintf(how, sizeof how, "killed by the kernel's OOM killer");
             else
                 snprintf(how, sizeof how, "the kernel's OOM killer killed a process of it; it %s %d",
                          term_signal ? "died of signal" : "exited with status",
                          term_signal ? term_signal : (int)exit_status);
             L->oom_rank = rp->rank;
             L->oom_peak = peak;
-            snprintf(L->oom_message, sizeof L->oom_message, "rank %d exceeded --memory-per-rank %s (%s%s%s)",
-                     rp->rank, cap, how, peak >= 0 ? "; peak " : "", peak_s);
+            snprintf(L->oom_message, sizeof L->oom_message, "rank %d exceeded --memory-per-rank %s (%s%s%s)", rp->rank,
+                     cap, how, peak >= 0 ? "; peak " : "", peak_s);
         }
         if (oom && L->o->grace_s > 0 && post_notice(L, rp->rank, L->oom_message)) {
             /* the others fail naming it (dist.c's watch) and exit by
@@ -676,21 +627,18 @@ static void on_signal(uv_signal_t *h, int signum)
         start_stopping(L, SIGKILL); /* asked twice: no more grace */
         return;
     }
-    if (!L->received_signal)
-        L->received_signal = signum;
+    if (!L->received_signal) L->received_signal = signum;
     start_stopping(L, signum);
 }
 
 static void maybe_finish(launcher *L)
 {
-    if (L->finishing || L->running > 0 || L->open_pipes > 0)
-        return;
+    if (L->finishing || L->running > 0 || L->open_pipes > 0) return;
     L->finishing = true;
     uv_close((uv_handle_t *)&L->grace, NULL);
     uv_close((uv_handle_t *)&L->drain, NULL);
     uv_close((uv_handle_t *)&L->notice, NULL);
-    for (int i = 0; i < L->nsig; i++)
-        uv_close((uv_handle_t *)&L->sig[i], NULL);
+    for (int i = 0; i < L->nsig; i++) uv_close((uv_handle_t *)&L->sig[i], NULL);
 }
 
 ts_launch_options ts_launch_options_default(void)
@@ -716,16 +664,13 @@ ts_launch_options ts_launch_options_default(void)
 static ts_status random_hex(char *out, size_t nbytes)
 {
     unsigned char b[32];
-    if (nbytes > sizeof b)
-        nbytes = sizeof b;
+    if (nbytes > sizeof b) nbytes = sizeof b;
     int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return ts_error(TS_ERR_IO, "ts_launch: cannot open /dev/urandom: %s", strerror(errno));
+    if (fd < 0) return ts_error(TS_ERR_IO, "ts_launch: cannot open /dev/urandom: %s", strerror(errno));
     size_t got = 0;
     while (got < nbytes) {
         ssize_t r = read(fd, b + got, nbytes - got);
-        if (r < 0 && errno == EINTR)
-            continue;
+        if (r < 0 && errno == EINTR) continue;
         if (r <= 0) {
             int e = r < 0 ? errno : EIO;
             close(fd);
@@ -743,23 +688,17 @@ static ts_status random_hex(char *out, size_t nbytes)
     return TS_OK;
 }
 
-static bool valid_str(const char *s)
-{
-    return s && *s && strlen(s) < TS_LAUNCH_MAX_STR && !strpbrk(s, "\n\r");
-}
+static bool valid_str(const char *s) { return s && *s && strlen(s) < TS_LAUNCH_MAX_STR && !strpbrk(s, "\n\r"); }
 
 static ts_status check_options(const ts_launch_options *o, char *const *argv)
 {
-    if (!o)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: options are NULL");
-    if (!argv || !argv[0] || !*argv[0])
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: no program to run");
+    if (!o) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: options are NULL");
+    if (!argv || !argv[0] || !*argv[0]) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: no program to run");
     if (o->nproc_per_node < 1 || o->nproc_per_node > MAX_RANKS_PER_NODE)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: nproc_per_node must be 1..%d (got %d)",
-                        MAX_RANKS_PER_NODE, o->nproc_per_node);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: nproc_per_node must be 1..%d (got %d)", MAX_RANKS_PER_NODE,
+                        o->nproc_per_node);
     if (o->nnodes < 1 || o->nnodes > MAX_NODES)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: nnodes must be 1..%d (got %d)", MAX_NODES,
-                        o->nnodes);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: nnodes must be 1..%d (got %d)", MAX_NODES, o->nnodes);
     if ((long long)o->nnodes * o->nproc_per_node > INT_MAX / 2)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: nnodes x nproc_per_node is too large");
     if (o->node_rank < 0 || o->node_rank >= o->nnodes)
@@ -768,14 +707,13 @@ static ts_status check_options(const ts_launch_options *o, char *const *argv)
     if (!valid_str(o->master_addr))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: master_addr must be a host name or address");
     if (o->master_port < 0 || o->master_port > 65535)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: master_port must be 0..65535 (got %d)",
-                        o->master_port);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: master_port must be 0..65535 (got %d)", o->master_port);
     if (o->nnodes > 1 && o->master_port == 0)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "ts_launch: nnodes %d needs a fixed master_port (every node must know it)", o->nnodes);
     if (o->nnodes > 1 && !(o->token && *o->token))
-        return ts_error(TS_ERR_INVALID_ARGUMENT,
-                        "ts_launch: nnodes %d needs a token, the same on every node", o->nnodes);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: nnodes %d needs a token, the same on every node",
+                        o->nnodes);
     if (o->token && *o->token && !valid_str(o->token))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: token must be under %d bytes, one line",
                         TS_LAUNCH_MAX_STR);
@@ -783,17 +721,19 @@ static ts_status check_options(const ts_launch_options *o, char *const *argv)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: run_id must be under %d bytes, one line",
                         TS_LAUNCH_MAX_STR);
     if (!(o->grace_s >= 0.0 && o->grace_s <= 86400.0))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: grace_s must be 0..86400 seconds (got %g)",
-                        o->grace_s);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: grace_s must be 0..86400 seconds (got %g)", o->grace_s);
     if (o->out_fd < 0 || o->err_fd < 0)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: out_fd and err_fd must be open descriptors");
     if (o->memory_per_rank != 0 && (o->memory_per_rank < MIN_MEMORY_CAP || o->memory_per_rank > MAX_MEMORY_CAP))
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "ts_launch: memory_per_rank must be 0 (no cap) or %lld (1 MiB) .. %lld (1 EiB) bytes (got "
-                        "%lld)", (long long)MIN_MEMORY_CAP, (long long)MAX_MEMORY_CAP, (long long)o->memory_per_rank);
+                        "%lld)",
+                        (long long)MIN_MEMORY_CAP, (long long)MAX_MEMORY_CAP, (long long)o->memory_per_rank);
     if (o->log_dir && (!*o->log_dir || strlen(o->log_dir) > PATH_MAX - 32))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: log_dir must be a directory path of 1..%d bytes "
-                                                 "(got %zu)", PATH_MAX - 32, strlen(o->log_dir));
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_launch: log_dir must be a directory path of 1..%d bytes "
+                        "(got %zu)",
+                        PATH_MAX - 32, strlen(o->log_dir));
     return TS_OK;
 }
 
@@ -804,21 +744,17 @@ static int make_dirs(const char *dir)
 {
     char path[PATH_MAX];
     size_t n = strlen(dir);
-    if (n >= sizeof path)
-        return ENAMETOOLONG;
+    if (n >= sizeof path) return ENAMETOOLONG;
     memcpy(path, dir, n + 1);
     for (size_t i = 1; i <= n; i++) {
-        if (path[i] != '/' && path[i] != '\0')
-            continue;
+        if (path[i] != '/' && path[i] != '\0') continue;
         char c = path[i];
         path[i] = '\0';
-        if (mkdir(path, 0777) != 0 && errno != EEXIST)
-            return errno;
+        if (mkdir(path, 0777) != 0 && errno != EEXIST) return errno;
         path[i] = c;
     }
     struct stat st;
-    if (stat(dir, &st) != 0)
-        return errno;
+    if (stat(dir, &st) != 0) return errno;
     return S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
 }
 
@@ -828,8 +764,7 @@ static ts_status open_logs(launcher *L)
 {
     const char *dir = L->o->log_dir;
     int e = make_dirs(dir);
-    if (e)
-        return ts_error(TS_ERR_IO, "ts_launch: cannot create the log directory '%s': %s", dir, strerror(e));
+    if (e) return ts_error(TS_ERR_IO, "ts_launch: cannot create the log directory '%s': %s", dir, strerror(e));
     for (int i = 0; i < L->n; i++) {
         char path[PATH_MAX];
         int rank = L->o->node_rank * L->o->nproc_per_node + i;
@@ -839,19 +774,17 @@ static ts_status open_logs(launcher *L)
         struct stat st;
         e = fd < 0 ? errno : fstat(fd, &st) != 0 ? errno : !S_ISREG(st.st_mode) ? EINVAL : 0;
         int fl = e == 0 ? fcntl(fd, F_GETFL) : 0;
-        if (e == 0 && (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0))
-            e = errno;
+        if (e == 0 && (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0)) e = errno;
         if (e) {
-            if (fd >= 0)
-                close(fd);
+            if (fd >= 0) close(fd);
             for (int k = 0; k < i; k++) {
                 close(L->ranks[k].log_fd);
                 L->ranks[k].log_fd = -1;
             }
             return ts_error(TS_ERR_IO, "ts_launch: cannot open the log file '%s' for rank %d: %s", path, rank,
-                            e == ELOOP ? "it is a symbolic link (refused)"
-                            : e == EINVAL ? "not a regular file"
-                                          : strerror(e));
+                            e == ELOOP        ? "it is a symbolic link (refused)"
+                                : e == EINVAL ? "not a regular file"
+                                              : strerror(e));
         }
         L->ranks[i].log_fd = fd;
     }
@@ -870,8 +803,10 @@ static ts_status bind_address(const char *addr, char *out, size_t cap)
     struct addrinfo *res = NULL;
     int r = getaddrinfo(addr, NULL, &hints, &res);
     if (r != 0 || !res)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch: master_addr '%s' does not resolve to an IPv4 "
-                                                 "address: %s", addr, r ? gai_strerror(r) : "no address");
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_launch: master_addr '%s' does not resolve to an IPv4 "
+                        "address: %s",
+                        addr, r ? gai_strerror(r) : "no address");
     const struct sockaddr_in *sin = (const struct sockaddr_in *)(const void *)res->ai_addr;
     inet_ntop(AF_INET, &sin->sin_addr, out, (socklen_t)cap);
     freeaddrinfo(res);
@@ -880,17 +815,16 @@ static ts_status bind_address(const char *addr, char *out, size_t cap)
 
 /* Variables a launcher sets: removed from the inherited environment. */
 static const char *const launcher_vars[] = {
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TS_STORE_TOKEN", "TS_RUN_ID", "TS_STORE_HOSTED", "TS_LAUNCHER_PID",
-    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", TS_MEMORY_PER_RANK_ENV,
+    "RANK",        "WORLD_SIZE",       "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+    "MASTER_PORT", "TS_STORE_TOKEN",   "TS_RUN_ID",  "TS_STORE_HOSTED",  "TS_LAUNCHER_PID",
+    "GROUP_RANK",  "GROUP_WORLD_SIZE", "ROLE_RANK",  "ROLE_WORLD_SIZE",  TS_MEMORY_PER_RANK_ENV,
 };
 
 static bool is_launcher_var(const char *entry)
 {
     for (size_t i = 0; i < sizeof launcher_vars / sizeof launcher_vars[0]; i++) {
         size_t n = strlen(launcher_vars[i]);
-        if (strncmp(entry, launcher_vars[i], n) == 0 && entry[n] == '=')
-            return true;
+        if (strncmp(entry, launcher_vars[i], n) == 0 && entry[n] == '=') return true;
     }
     return false;
 }
@@ -910,8 +844,7 @@ static ts_status env_add(env_builder *b, const char *entry, bool copy)
     if (b->n + 2 > b->cap) { /* keep room for the NULL */
         size_t cap = b->cap ? b->cap * 2 : 64;
         char **nv = grow(b->v, b->n * sizeof *nv, cap * sizeof *nv);
-        if (!nv)
-            return TS_ERR_NO_MEMORY;
+        if (!nv) return TS_ERR_NO_MEMORY;
         b->v = nv;
         b->cap = cap;
     }
@@ -919,8 +852,7 @@ static ts_status env_add(env_builder *b, const char *entry, bool copy)
     if (copy) {
         TS_ASSERT(b->nowned < (int)(sizeof b->owned / sizeof b->owned[0]));
         s = ts__strdup(TS_MEM_COMM, entry);
-        if (!s)
-            return TS_ERR_NO_MEMORY;
+        if (!s) return TS_ERR_NO_MEMORY;
         b->owned[b->nowned++] = s;
     }
     b->v[b->n++] = s;
@@ -942,55 +874,40 @@ static ts_status env_addf(env_builder *b, const char *name, const char *fmt, ...
 
 static void env_free(env_builder *b)
 {
-    for (int i = 0; i < b->nowned; i++)
-        ts__free(TS_MEM_COMM, b->owned[i]);
+    for (int i = 0; i < b->nowned; i++) ts__free(TS_MEM_COMM, b->owned[i]);
     ts__free(TS_MEM_COMM, b->v);
 }
 
-static ts_status build_env(env_builder *b, const ts_launch_options *o, int port, const char *token,
-                           const char *run_id)
+static ts_status build_env(env_builder *b, const ts_launch_options *o, int port, const char *token, const char *run_id)
 {
     ts_status s = TS_OK;
     /* slots 0 and 1: RANK and LOCAL_RANK, filled per rank */
-    if ((s = env_add(b, "RANK=", false)) || (s = env_add(b, "LOCAL_RANK=", false)))
-        return s;
+    if ((s = env_add(b, "RANK=", false)) || (s = env_add(b, "LOCAL_RANK=", false))) return s;
     for (char **e = environ; e && *e; e++)
-        if (!is_launcher_var(*e) && (s = env_add(b, *e, false)))
-            return s;
+        if (!is_launcher_var(*e) && (s = env_add(b, *e, false))) return s;
     int world = o->nnodes * o->nproc_per_node;
     if ((s = env_addf(b, "WORLD_SIZE", "%d", world)) ||
         (s = env_addf(b, "LOCAL_WORLD_SIZE", "%d", o->nproc_per_node)) ||
-        (s = env_addf(b, "GROUP_RANK", "%d", o->node_rank)) ||
-        (s = env_addf(b, "GROUP_WORLD_SIZE", "%d", o->nnodes)) ||
-        (s = env_addf(b, "MASTER_ADDR", "%s", o->master_addr)) ||
-        (s = env_addf(b, "MASTER_PORT", "%d", port)) ||
-        (s = env_addf(b, "TS_STORE_TOKEN", "%s", token)) ||
-        (s = env_addf(b, "TS_RUN_ID", "%s", run_id)) ||
-        (s = env_addf(b, "TS_STORE_HOSTED", "1")) ||
-        (s = env_addf(b, "TS_LAUNCHER_PID", "%ld", (long)getpid())))
+        (s = env_addf(b, "GROUP_RANK", "%d", o->node_rank)) || (s = env_addf(b, "GROUP_WORLD_SIZE", "%d", o->nnodes)) ||
+        (s = env_addf(b, "MASTER_ADDR", "%s", o->master_addr)) || (s = env_addf(b, "MASTER_PORT", "%d", port)) ||
+        (s = env_addf(b, "TS_STORE_TOKEN", "%s", token)) || (s = env_addf(b, "TS_RUN_ID", "%s", run_id)) ||
+        (s = env_addf(b, "TS_STORE_HOSTED", "1")) || (s = env_addf(b, "TS_LAUNCHER_PID", "%ld", (long)getpid())))
         return s;
-    if (o->memory_per_rank > 0 &&
-        (s = env_addf(b, TS_MEMORY_PER_RANK_ENV, "%lld", (long long)o->memory_per_rank)))
+    if (o->memory_per_rank > 0 && (s = env_addf(b, TS_MEMORY_PER_RANK_ENV, "%lld", (long long)o->memory_per_rank)))
         return s;
     /* docs/design.md, "UCX: transports and registration": shared memory with peer-failure
      * detection, a fast keepalive, no warnings for unused UCX variables,
      * one BLIS thread per core share */
-    if (!getenv("UCX_TLS") && (s = env_addf(b, "UCX_TLS", "%s", o->nnodes > 1 ? "posix,cma,self,tcp"
-                                                                             : "posix,cma,self")))
+    if (!getenv("UCX_TLS") &&
+        (s = env_addf(b, "UCX_TLS", "%s", o->nnodes > 1 ? "posix,cma,self,tcp" : "posix,cma,self")))
         return s;
-    if (!getenv("UCX_MM_ERROR_HANDLING") && (s = env_addf(b, "UCX_MM_ERROR_HANDLING", "y")))
-        return s;
-    if (!getenv("UCX_KEEPALIVE_INTERVAL") && (s = env_addf(b, "UCX_KEEPALIVE_INTERVAL", "1s")))
-        return s;
-    if (!getenv("UCX_WARN_UNUSED_ENV_VARS") && (s = env_addf(b, "UCX_WARN_UNUSED_ENV_VARS", "n")))
-        return s;
+    if (!getenv("UCX_MM_ERROR_HANDLING") && (s = env_addf(b, "UCX_MM_ERROR_HANDLING", "y"))) return s;
+    if (!getenv("UCX_KEEPALIVE_INTERVAL") && (s = env_addf(b, "UCX_KEEPALIVE_INTERVAL", "1s"))) return s;
+    if (!getenv("UCX_WARN_UNUSED_ENV_VARS") && (s = env_addf(b, "UCX_WARN_UNUSED_ENV_VARS", "n"))) return s;
     int threads = ts_cpu_count() / o->nproc_per_node;
-    if (threads < 1)
-        threads = 1;
-    if (!getenv("BLIS_NUM_THREADS") && (s = env_addf(b, "BLIS_NUM_THREADS", "%d", threads)))
-        return s;
-    if (!getenv("TS_NUM_THREADS") && (s = env_addf(b, "TS_NUM_THREADS", "%d", threads)))
-        return s;
+    if (threads < 1) threads = 1;
+    if (!getenv("BLIS_NUM_THREADS") && (s = env_addf(b, "BLIS_NUM_THREADS", "%d", threads))) return s;
+    if (!getenv("TS_NUM_THREADS") && (s = env_addf(b, "TS_NUM_THREADS", "%d", threads))) return s;
     return TS_OK;
 }
 
@@ -1046,11 +963,9 @@ static int spawn_rank(launcher *L, int i, char *const *argv, char **env, char *e
     /* the launcher must not go on under the rank's cap: when it cannot
      * leave the group, the job stops here */
     bool left = !L->cg || ts__cgroup_leave(L->cg) == TS_OK;
-    if (!left)
-        snprintf(err, errcap, "%s", ts_last_error());
+    if (!left) snprintf(err, errcap, "%s", ts_last_error());
     if (r != 0) {
-        if (left)
-            snprintf(err, errcap, "ts_launch: cannot start rank %d: '%s': %s", rp->rank, argv[0], uv_strerror(r));
+        if (left) snprintf(err, errcap, "ts_launch: cannot start rank %d: '%s': %s", rp->rank, argv[0], uv_strerror(r));
         uv_close((uv_handle_t *)&rp->proc, NULL);
         rp->out.open = rp->err.open = false;
         L->open_pipes -= 2;
@@ -1076,20 +991,16 @@ static void remove_groups(launcher *L)
     struct timespec step = {0, 10 * 1000 * 1000};
     int tries = 200;
     for (int i = 0; L->ranks && i < L->n; i++) {
-        if (!L->ranks[i].cg_live)
-            continue;
+        if (!L->ranks[i].cg_live) continue;
         char dir[PATH_MAX + 32];
         cg_dir(L, L->o->node_rank * L->o->nproc_per_node + i, dir, sizeof dir);
         int e;
-        while ((e = ts__cgroup_remove(dir)) == EBUSY && tries-- > 0)
-            nanosleep(&step, NULL);
-        if (e)
-            ts_logf(TS_LOG_WARN, "ts_launch: cannot remove the memory cgroup '%s': %s", dir, strerror(e));
+        while ((e = ts__cgroup_remove(dir)) == EBUSY && tries-- > 0) nanosleep(&step, NULL);
+        if (e) ts_logf(TS_LOG_WARN, "ts_launch: cannot remove the memory cgroup '%s': %s", dir, strerror(e));
         L->ranks[i].cg_live = false;
     }
     int e = ts__cgroup_job_remove(L->cg);
-    if (e)
-        ts_logf(TS_LOG_WARN, "ts_launch: cannot remove the memory cgroup '%s': %s", L->cg->job, strerror(e));
+    if (e) ts_logf(TS_LOG_WARN, "ts_launch: cannot remove the memory cgroup '%s': %s", L->cg->job, strerror(e));
     ts__free(TS_MEM_COMM, L->cg);
     L->cg = NULL;
 }
@@ -1097,29 +1008,21 @@ static void remove_groups(launcher *L)
 ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_result *result_out)
 {
     ts_status s = check_options(o, argv);
-    if (s)
-        return s;
+    if (s) return s;
     char token[TS_LAUNCH_MAX_STR], run_id[TS_LAUNCH_MAX_STR];
-    if (o->token && *o->token)
-        snprintf(token, sizeof token, "%s", o->token);
-    else if ((s = random_hex(token, 16)))
-        return s;
-    if (o->run_id && *o->run_id)
-        snprintf(run_id, sizeof run_id, "%s", o->run_id);
-    else if (o->nnodes > 1)
-        snprintf(run_id, sizeof run_id, "tsrun-%s-%d", o->master_addr, o->master_port);
-    else if ((s = random_hex(run_id, 8)))
-        return s;
+    if (o->token && *o->token) snprintf(token, sizeof token, "%s", o->token);
+    else if ((s = random_hex(token, 16))) return s;
+    if (o->run_id && *o->run_id) snprintf(run_id, sizeof run_id, "%s", o->run_id);
+    else if (o->nnodes > 1) snprintf(run_id, sizeof run_id, "tsrun-%s-%d", o->master_addr, o->master_port);
+    else if ((s = random_hex(run_id, 8))) return s;
     char ip[INET_ADDRSTRLEN + 1] = "";
-    if (o->node_rank == 0 && (s = bind_address(o->master_addr, ip, sizeof ip)))
-        return s;
+    if (o->node_rank == 0 && (s = bind_address(o->master_addr, ip, sizeof ip))) return s;
 
     /* the memory cgroups' directory, before the watchdog (which removes it
      * should the launcher die); nothing it opens stays open */
     ts__cgroup_job *cg = NULL;
     if (o->memory_per_rank > 0) {
-        if (!(cg = ts__calloc(TS_MEM_COMM, 1, sizeof *cg)))
-            return TS_ERR_NO_MEMORY;
+        if (!(cg = ts__calloc(TS_MEM_COMM, 1, sizeof *cg))) return TS_ERR_NO_MEMORY;
         if ((s = ts__cgroup_job_init(cg, o->memory_per_rank))) {
             ts__free(TS_MEM_COMM, cg);
             return s;
@@ -1128,16 +1031,15 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
     /* forked first: before anything else starts threads, opens descriptors
      * or allocates memory the child would keep */
     int watchdog_fd;
-    pid_t watchdog = watchdog_start(o->nproc_per_node, cg ? cg->job : "", o->node_rank * o->nproc_per_node,
-                                    &watchdog_fd);
+    pid_t watchdog =
+        watchdog_start(o->nproc_per_node, cg ? cg->job : "", o->node_rank * o->nproc_per_node, &watchdog_fd);
     launcher *L = ts__calloc(TS_MEM_COMM, 1, sizeof *L);
     if (!L) {
         if (watchdog > 0) {
             close(watchdog_fd);
             waitpid(watchdog, NULL, 0);
         }
-        if (cg)
-            ts__cgroup_job_remove(cg);
+        if (cg) ts__cgroup_job_remove(cg);
         ts__free(TS_MEM_COMM, cg);
         return TS_ERR_NO_MEMORY;
     }
@@ -1158,32 +1060,27 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
         s = TS_ERR_NO_MEMORY;
         goto out;
     }
-    for (int i = 0; i < L->n; i++)
-        L->ranks[i].log_fd = -1;
-    if (o->log_dir && (s = open_logs(L)))
-        goto out;
+    for (int i = 0; i < L->n; i++) L->ranks[i].log_fd = -1;
+    if (o->log_dir && (s = open_logs(L))) goto out;
     for (int i = 0; cg && i < L->n; i++) {
         char dir[PATH_MAX + 32];
-        if ((s = ts__cgroup_rank_create(cg, o->node_rank * o->nproc_per_node + i, dir, sizeof dir)))
-            goto out;
+        if ((s = ts__cgroup_rank_create(cg, o->node_rank * o->nproc_per_node + i, dir, sizeof dir))) goto out;
         L->ranks[i].cg_live = true;
     }
     /* node 0 hosts the store for the whole job */
     if (o->node_rank == 0) {
-        if ((s = ts_store_server_start(ip, o->master_port, token, &server)))
-            goto out;
+        if ((s = ts_store_server_start(ip, o->master_port, token, &server))) goto out;
         port = ts_store_server_port(server);
         /* the launcher's own client, recording the ranks' exits */
         L->run_id = run_id;
-        if (ts_store_connect(ip, port, token, 5.0, &L->store) == TS_OK)
-            ts_store_set_timeout(L->store, 5.0);
+        if (ts_store_connect(ip, port, token, 5.0, &L->store) == TS_OK) ts_store_set_timeout(L->store, 5.0);
         else
-            ts_logf(TS_LOG_WARN, "ts_launch: cannot connect to its own store (%s); a rank that exits before the "
-                                 "rendezvous will not be reported to the others",
+            ts_logf(TS_LOG_WARN,
+                    "ts_launch: cannot connect to its own store (%s); a rank that exits before the "
+                    "rendezvous will not be reported to the others",
                     ts_last_error());
     }
-    if ((s = build_env(&env, o, port, token, run_id)))
-        goto out;
+    if ((s = build_env(&env, o, port, token, run_id))) goto out;
     rank_env = ts__malloc(TS_MEM_COMM, (env.n + 1) * sizeof *rank_env);
     if (!rank_env) {
         s = TS_ERR_NO_MEMORY;
@@ -1240,26 +1137,20 @@ ts_status ts_launch(const ts_launch_options *o, char *const *argv, ts_launch_res
         res.oom_rank = L->oom_rank;
         res.oom_peak_bytes = L->oom_rank >= 0 ? L->oom_peak : -1;
         snprintf(res.oom_message, sizeof res.oom_message, "%s", L->oom_rank >= 0 ? L->oom_message : "");
-        if (L->failed_rank >= 0)
-            read_hung(L, &res);
-        if (L->failed_rank >= 0)
-            res.exit_code = L->failed_code;
-        else if (L->received_signal)
-            res.exit_code = 128 + L->received_signal;
-        if (result_out)
-            *result_out = res;
+        if (L->failed_rank >= 0) read_hung(L, &res);
+        if (L->failed_rank >= 0) res.exit_code = L->failed_code;
+        else if (L->received_signal) res.exit_code = 128 + L->received_signal;
+        if (result_out) *result_out = res;
     }
 out:
     ts_store_close(L->store);
     ts_store_server_stop(server);
-    if (cg)
-        remove_groups(L);
+    if (cg) remove_groups(L);
     watchdog_stop(L, watchdog);
     for (int i = 0; L->ranks && i < L->n; i++) {
         ts__free(TS_MEM_COMM, L->ranks[i].out.carry);
         ts__free(TS_MEM_COMM, L->ranks[i].err.carry);
-        if (L->ranks[i].log_fd >= 0)
-            close(L->ranks[i].log_fd);
+        if (L->ranks[i].log_fd >= 0) close(L->ranks[i].log_fd);
     }
     ts__free(TS_MEM_COMM, rank_env);
     env_free(&env);

@@ -74,21 +74,21 @@ typedef struct ts_launch_options {
 TS_API ts_launch_options ts_launch_options_default(void);
 
 typedef struct ts_launch_result {
-    int exit_code;       /* 0 if every rank exited 0; else the first failure's code (128 + signal
+    int exit_code;            /* 0 if every rank exited 0; else the first failure's code (128 + signal
                           * when killed); 128 + received_signal when the launcher was told to
                           * stop before any rank failed */
-    int failed_rank;     /* global rank of the first failure, -1 if none */
-    int failed_signal;   /* signal that killed it, 0 if it exited */
-    int received_signal; /* SIGINT/SIGTERM/SIGHUP the launcher caught and forwarded, 0 if none */
-    int master_port;     /* the store's port (the one picked when master_port was 0) */
-    int hung_rank;       /* the rank the others' deadlines found had never entered a collective
+    int failed_rank;          /* global rank of the first failure, -1 if none */
+    int failed_signal;        /* signal that killed it, 0 if it exited */
+    int received_signal;      /* SIGINT/SIGTERM/SIGHUP the launcher caught and forwarded, 0 if none */
+    int master_port;          /* the store's port (the one picked when master_port was 0) */
+    int hung_rank;            /* the rank the others' deadlines found had never entered a collective
                           * (TS_LAUNCH_HUNG_KEY; node 0 only), -1 if none: the cause of the
                           * failure, whichever rank exited first */
     char hung_collective[64]; /* that collective ("all_reduce #5"), "" if none */
-    int oom_rank;        /* with memory_per_rank: the global rank whose failure was the kernel's OOM
+    int oom_rank;             /* with memory_per_rank: the global rank whose failure was the kernel's OOM
                           * killer in its group (the first failure), -1 if none */
-    int64_t oom_peak_bytes; /* that group's peak usage in bytes, -1 when the kernel does not say */
-    char oom_message[256];  /* "rank 3 exceeded --memory-per-rank 1.5 GiB (killed by the kernel's OOM
+    int64_t oom_peak_bytes;   /* that group's peak usage in bytes, -1 when the kernel does not say */
+    char oom_message[256];    /* "rank 3 exceeded --memory-per-rank 1.5 GiB (killed by the kernel's OOM
                              * killer; peak 1.5 GiB)", "" if none: what tsrun prints after "tsrun: " */
 } ts_launch_result;
 
@@ -247,17 +247,17 @@ TS_API ts_status ts_launch_format_size(int64_t bytes, char *buf, size_t cap);
 
 typedef struct ts_rank_env {
     ts_launch_source source;
-    int rank, world_size;             /* 0 <= rank < world_size */
-    int local_rank, local_world_size; /* 0 <= local_rank < local_world_size <= world_size */
+    int rank, world_size;                /* 0 <= rank < world_size */
+    int local_rank, local_world_size;    /* 0 <= local_rank < local_world_size <= world_size */
     char master_addr[TS_LAUNCH_MAX_STR]; /* where the store listens */
-    int master_port;                  /* 1..65535; 0 only for world_size 1 without MASTER_PORT */
-    char token[TS_LAUNCH_MAX_STR];    /* TS_STORE_TOKEN; "" when unset (then rank 0's store serves only
+    int master_port;                     /* 1..65535; 0 only for world_size 1 without MASTER_PORT */
+    char token[TS_LAUNCH_MAX_STR];       /* TS_STORE_TOKEN; "" when unset (then rank 0's store serves only
                                        * this user's processes on its host: see below) */
-    char run_id[TS_LAUNCH_MAX_STR];   /* TS_RUN_ID; else "slurm-JOB.STEP" under Slurm; else "" */
-    bool store_hosted;                /* true: a launcher hosts the store (TS_STORE_HOSTED=1);
+    char run_id[TS_LAUNCH_MAX_STR];      /* TS_RUN_ID; else "slurm-JOB.STEP" under Slurm; else "" */
+    bool store_hosted;                   /* true: a launcher hosts the store (TS_STORE_HOSTED=1);
                                        * false: rank 0 must host it on master_addr:master_port */
-    int launcher_pid;                 /* TS_LAUNCHER_PID, 0 when unset */
-    int64_t memory_per_rank;          /* TS_MEMORY_PER_RANK: the cap this rank runs under in bytes
+    int launcher_pid;                    /* TS_LAUNCHER_PID, 0 when unset */
+    int64_t memory_per_rank;             /* TS_MEMORY_PER_RANK: the cap this rank runs under in bytes
                                        * (tsrun --memory-per-rank; a size as ts_launch_parse_size
                                        * reads it), 0 when unset */
 } ts_rank_env;

@@ -37,16 +37,14 @@ static ts_status env_int(const char *name, long lo, long hi, int *v_out, bool *s
 {
     const char *s = getenv(name);
     *set_out = s != NULL;
-    if (!s)
-        return TS_OK;
+    if (!s) return TS_OK;
     char *end = NULL;
     long v = -1;
     errno = 0;
-    if (*s >= '0' && *s <= '9')
-        v = strtol(s, &end, 10);
+    if (*s >= '0' && *s <= '9') v = strtol(s, &end, 10);
     if (!end || *end != '\0' || errno != 0 || v < lo || v > hi)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s='%s' is not an integer in %ld..%ld", name,
-                        s, lo, hi);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s='%s' is not an integer in %ld..%ld", name, s, lo,
+                        hi);
     *v_out = (int)v;
     return TS_OK;
 }
@@ -56,10 +54,8 @@ static ts_status env_int_req(const char *name, long lo, long hi, int *v_out, con
 {
     bool set;
     ts_status s = env_int(name, lo, hi, v_out, &set);
-    if (s)
-        return s;
-    if (!set)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s is not set (%s)", name, why);
+    if (s) return s;
+    if (!set) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s is not set (%s)", name, why);
     return TS_OK;
 }
 
@@ -69,43 +65,34 @@ static int slurm_tasks_on_node(const char *s, int node)
 {
     int idx = 0, found = -1;
     const char *p = s;
-    if (!*p)
-        return -1;
+    if (!*p) return -1;
     while (*p) {
         char *end;
         errno = 0;
-        if (*p < '0' || *p > '9')
-            return -1;
+        if (*p < '0' || *p > '9') return -1;
         long n = strtol(p, &end, 10);
-        if (errno || n < 1 || n > INT_MAX)
-            return -1;
+        if (errno || n < 1 || n > INT_MAX) return -1;
         long rep = 1;
         p = end;
         if (p[0] == '(' && p[1] == 'x') {
-            if (p[2] < '0' || p[2] > '9')
-                return -1;
+            if (p[2] < '0' || p[2] > '9') return -1;
             rep = strtol(p + 2, &end, 10);
-            if (errno || rep < 1 || *end != ')')
-                return -1;
+            if (errno || rep < 1 || *end != ')') return -1;
             p = end + 1;
         }
-        if (*p != ',' && *p != '\0')
-            return -1;
-        if (*p == ',' && p[1] == '\0')
-            return -1;
-        if (found < 0 && node >= idx && node - idx < rep)
-            found = (int)n;
+        if (*p != ',' && *p != '\0') return -1;
+        if (*p == ',' && p[1] == '\0') return -1;
+        if (found < 0 && node >= idx && node - idx < rep) found = (int)n;
         idx += (int)(rep > INT_MAX - idx ? INT_MAX - idx : rep);
-        if (*p == ',')
-            p++;
+        if (*p == ',') p++;
     }
     return found < 0 ? 0 : found;
 }
 
 static bool host_char(char c)
 {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
-           c == '.' || c == '_';
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '.' ||
+        c == '_';
 }
 
 /* The first host of a simple Slurm node list: "a,b" -> "a",
@@ -119,48 +106,40 @@ static bool slurm_first_host(const char *list, char *out, size_t cap)
     int depth = 0;
     for (; *p && !(depth == 0 && *p == ','); p++) {
         if (*p == '[') {
-            if (open)
-                return false; /* several bracket groups: not simple */
+            if (open) return false; /* several bracket groups: not simple */
             open = p;
             depth++;
         } else if (*p == ']') {
-            if (depth != 1)
-                return false;
+            if (depth != 1) return false;
             close = p;
             depth--;
         } else if (depth == 0 && !host_char(*p)) {
             return false;
         }
     }
-    if (depth != 0 || p == list)
-        return false;
+    if (depth != 0 || p == list) return false;
     const char *item_end = p;
     char host[TS_LAUNCH_MAX_STR];
     if (!open) {
         len = (size_t)(item_end - list);
-        if (len >= sizeof host)
-            return false;
+        if (len >= sizeof host) return false;
         memcpy(host, list, len);
     } else {
         /* prefix, then the first number of the group (zero padding kept) */
         size_t plen = (size_t)(open - list);
         const char *q = open + 1;
         const char *num_end = q;
-        while (num_end < close && *num_end >= '0' && *num_end <= '9')
-            num_end++;
-        if (num_end == q || (num_end < close && *num_end != '-' && *num_end != ','))
-            return false;
+        while (num_end < close && *num_end >= '0' && *num_end <= '9') num_end++;
+        if (num_end == q || (num_end < close && *num_end != '-' && *num_end != ',')) return false;
         size_t nlen = (size_t)(num_end - q), slen = (size_t)(item_end - close - 1);
-        if (plen + nlen + slen >= sizeof host)
-            return false;
+        if (plen + nlen + slen >= sizeof host) return false;
         memcpy(host, list, plen);
         memcpy(host + plen, q, nlen);
         memcpy(host + plen + nlen, close + 1, slen);
         len = plen + nlen + slen;
     }
     host[len] = '\0';
-    if (len == 0 || len >= cap)
-        return false;
+    if (len == 0 || len >= cap) return false;
     memcpy(out, host, len + 1);
     return true;
 }
@@ -168,11 +147,10 @@ static bool slurm_first_host(const char *list, char *out, size_t cap)
 static ts_status env_str(const char *name, char *out, const char *dflt)
 {
     const char *s = getenv(name);
-    if (!s)
-        s = dflt;
+    if (!s) s = dflt;
     if (strlen(s) >= TS_LAUNCH_MAX_STR)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s is %zu bytes long (at most %d)", name,
-                        strlen(s), TS_LAUNCH_MAX_STR - 1);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s is %zu bytes long (at most %d)", name, strlen(s),
+                        TS_LAUNCH_MAX_STR - 1);
     snprintf(out, TS_LAUNCH_MAX_STR, "%s", s);
     return TS_OK;
 }
@@ -190,8 +168,7 @@ static ts_status parse_env(ts_rank_env *e)
         e->source = TS_LAUNCH_SOURCE_TSRUN;
         rank_v = "RANK", size_v = "WORLD_SIZE", lrank_v = "LOCAL_RANK", lsize_v = "LOCAL_WORLD_SIZE";
         const char *why = "tsrun and torchrun set RANK and WORLD_SIZE together";
-        if ((s = env_int_req(rank_v, 0, big, &e->rank, why)) ||
-            (s = env_int_req(size_v, 1, big, &e->world_size, why)))
+        if ((s = env_int_req(rank_v, 0, big, &e->rank, why)) || (s = env_int_req(size_v, 1, big, &e->world_size, why)))
             return s;
         if ((s = env_int(lrank_v, 0, big, &e->local_rank, &set1)) ||
             (s = env_int(lsize_v, 1, big, &e->local_world_size, &set2)))
@@ -228,29 +205,25 @@ static ts_status parse_env(ts_rank_env *e)
         const char *spec = NULL;
         lsize_v = NULL;
         for (int i = 0; i < 3 && !spec; i++)
-            if ((spec = getenv(per_node[i])))
-                lsize_v = per_node[i];
+            if ((spec = getenv(per_node[i]))) lsize_v = per_node[i];
         if (!spec)
             return ts_error(TS_ERR_INVALID_ARGUMENT,
                             "ts_launch_env: none of SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE, "
                             "SLURM_NTASKS_PER_NODE is set: the tasks on this node are unknown");
         int node = 0;
         bool node_set;
-        if ((s = env_int("SLURM_NODEID", 0, big, &node, &node_set)))
-            return s;
+        if ((s = env_int("SLURM_NODEID", 0, big, &node, &node_set))) return s;
         bool list = strchr(spec, ',') || strchr(spec, '(');
         if (list && !node_set)
             return ts_error(TS_ERR_INVALID_ARGUMENT,
-                            "ts_launch_env: %s='%s' lists several nodes but SLURM_NODEID is not set", lsize_v,
-                            spec);
+                            "ts_launch_env: %s='%s' lists several nodes but SLURM_NODEID is not set", lsize_v, spec);
         int n = slurm_tasks_on_node(spec, node_set ? node : 0);
         if (n < 0)
             return ts_error(TS_ERR_INVALID_ARGUMENT,
-                            "ts_launch_env: %s='%s' is not a Slurm task count list such as '2(x3),1'",
-                            lsize_v, spec);
+                            "ts_launch_env: %s='%s' is not a Slurm task count list such as '2(x3),1'", lsize_v, spec);
         if (n == 0)
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s='%s' has no entry for SLURM_NODEID=%d",
-                            lsize_v, spec, node);
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s='%s' has no entry for SLURM_NODEID=%d", lsize_v,
+                            spec, node);
         e->local_world_size = n;
     } else {
         return ts_error(TS_ERR_NOT_FOUND,
@@ -258,18 +231,17 @@ static ts_status parse_env(ts_rank_env *e)
                         "OMPI_COMM_WORLD_RANK (mpirun) nor SLURM_PROCID (srun) is set");
     }
     if (e->rank >= e->world_size)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d is not below %s=%d", rank_v, e->rank,
-                        size_v, e->world_size);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d is not below %s=%d", rank_v, e->rank, size_v,
+                        e->world_size);
     if (e->local_rank >= e->local_world_size)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d is not below %s=%d", lrank_v,
-                        e->local_rank, lsize_v, e->local_world_size);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d is not below %s=%d", lrank_v, e->local_rank,
+                        lsize_v, e->local_world_size);
     if (e->local_world_size > e->world_size)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d exceeds %s=%d", lsize_v,
-                        e->local_world_size, size_v, e->world_size);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: %s=%d exceeds %s=%d", lsize_v, e->local_world_size,
+                        size_v, e->world_size);
 
     /* the store's address */
-    if ((s = env_int("MASTER_PORT", 1, 65535, &e->master_port, &set1)))
-        return s;
+    if ((s = env_int("MASTER_PORT", 1, 65535, &e->master_port, &set1))) return s;
     if (!set1 && e->world_size > 1)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "ts_launch_env: MASTER_PORT is not set (%s=%d ranks need the store's port; tsrun sets "
@@ -277,8 +249,7 @@ static ts_status parse_env(ts_rank_env *e)
                         size_v, e->world_size);
     const char *addr = getenv("MASTER_ADDR");
     if (addr && *addr) {
-        if ((s = env_str("MASTER_ADDR", e->master_addr, "")))
-            return s;
+        if ((s = env_str("MASTER_ADDR", e->master_addr, ""))) return s;
     } else if (e->world_size == 1 || e->local_world_size == e->world_size) {
         snprintf(e->master_addr, sizeof e->master_addr, "127.0.0.1");
     } else {
@@ -287,10 +258,8 @@ static ts_status parse_env(ts_rank_env *e)
         if (e->source == TS_LAUNCH_SOURCE_SLURM) {
             static const char *const lists[] = {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"};
             for (int i = 0; i < 3 && !list_v; i++)
-                if (getenv(lists[i]))
-                    list_v = lists[i];
-            if (list_v)
-                found = slurm_first_host(getenv(list_v), e->master_addr, sizeof e->master_addr);
+                if (getenv(lists[i])) list_v = lists[i];
+            if (list_v) found = slurm_first_host(getenv(list_v), e->master_addr, sizeof e->master_addr);
         }
         if (!found) {
             if (list_v)
@@ -304,11 +273,9 @@ static ts_status parse_env(ts_rank_env *e)
                             lsize_v, e->local_world_size, size_v, e->world_size);
         }
     }
-    if ((s = env_str("TS_STORE_TOKEN", e->token, "")))
-        return s;
+    if ((s = env_str("TS_STORE_TOKEN", e->token, ""))) return s;
     if (getenv("TS_RUN_ID")) {
-        if ((s = env_str("TS_RUN_ID", e->run_id, "")))
-            return s;
+        if ((s = env_str("TS_RUN_ID", e->run_id, ""))) return s;
     } else if (e->source == TS_LAUNCH_SOURCE_SLURM && getenv("SLURM_JOB_ID")) {
         const char *step = getenv("SLURM_STEP_ID");
         snprintf(e->run_id, sizeof e->run_id, "slurm-%.100s%s%.100s", getenv("SLURM_JOB_ID"), step ? "." : "",
@@ -316,24 +283,23 @@ static ts_status parse_env(ts_rank_env *e)
     }
     const char *hosted = getenv("TS_STORE_HOSTED");
     e->store_hosted = hosted && strcmp(hosted, "1") == 0;
-    if ((s = env_int("TS_LAUNCHER_PID", 1, INT_MAX, &e->launcher_pid, &set1)))
-        return s;
+    if ((s = env_int("TS_LAUNCHER_PID", 1, INT_MAX, &e->launcher_pid, &set1))) return s;
     const char *cap = getenv(TS_MEMORY_PER_RANK_ENV);
     if (cap && ts_launch_parse_size(cap, &e->memory_per_rank) != TS_OK)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: " TS_MEMORY_PER_RANK_ENV "='%.64s' is not a memory "
-                        "size (bytes, or a number with a unit such as 1.5GiB)", cap);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_launch_env: " TS_MEMORY_PER_RANK_ENV "='%.64s' is not a memory "
+                        "size (bytes, or a number with a unit such as 1.5GiB)",
+                        cap);
     return TS_OK;
 }
 
 ts_status ts_launch_env(ts_rank_env *env_out)
 {
-    if (!env_out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: env_out is NULL");
+    if (!env_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_env: env_out is NULL");
     ts_rank_env e;
     memset(&e, 0, sizeof e);
     ts_status s = parse_env(&e);
-    if (!s)
-        *env_out = e;
+    if (!s) *env_out = e;
     return s;
 }
 
@@ -350,8 +316,7 @@ ts_status ts_launch_parse_size(const char *text, int64_t *bytes_out)
     uint64_t whole = 0;
     int digits = 0;
     while (*p >= '0' && *p <= '9') {
-        if (whole > (uint64_t)SIZE_MAX_BYTES)
-            goto bad;
+        if (whole > (uint64_t)SIZE_MAX_BYTES) goto bad;
         whole = whole * 10 + (uint64_t)(*p++ - '0');
         digits++;
     }
@@ -367,38 +332,32 @@ ts_status ts_launch_parse_size(const char *text, int64_t *bytes_out)
             digits++;
         }
     }
-    if (digits == 0)
-        goto bad;
-    if (*p == ' ')
-        p++;
+    if (digits == 0) goto bad;
+    if (*p == ' ') p++;
     static const char units[] = "bkmgtpe";
     int shift = 0;
     if (*p) {
         const char *u = strchr(units, *p >= 'A' && *p <= 'Z' ? *p - 'A' + 'a' : *p);
-        if (!u || !*u)
-            goto bad;
+        if (!u || !*u) goto bad;
         shift = 10 * (int)(u - units);
         p++;
-        if (shift > 0 && (*p == 'i' || *p == 'I'))
-            p++;
-        if (shift > 0 && (*p == 'b' || *p == 'B'))
-            p++;
-        if (*p)
-            goto bad;
+        if (shift > 0 && (*p == 'i' || *p == 'I')) p++;
+        if (shift > 0 && (*p == 'b' || *p == 'B')) p++;
+        if (*p) goto bad;
     }
     if (shift == 0 && frac != 0)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_parse_size: '%.64s' is a fraction of a byte", text);
-    if (shift > 0 && whole > ((uint64_t)SIZE_MAX_BYTES >> shift))
-        goto big;
+    if (shift > 0 && whole > ((uint64_t)SIZE_MAX_BYTES >> shift)) goto big;
     /* frac < 2^30: the fraction's bytes without overflow (past 2^30, to
      * within 2^(shift - 30) bytes) */
     int sh = shift < 30 ? shift : 30;
     uint64_t bytes = (whole << shift) + (((frac << sh) / frac_div) << (shift - sh));
-    if (bytes > (uint64_t)SIZE_MAX_BYTES)
-        goto big;
+    if (bytes > (uint64_t)SIZE_MAX_BYTES) goto big;
     if (bytes == 0)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_parse_size: '%.64s' is no memory at all (a size must be "
-                        "at least one byte)", text);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_launch_parse_size: '%.64s' is no memory at all (a size must be "
+                        "at least one byte)",
+                        text);
     *bytes_out = (int64_t)bytes;
     return TS_OK;
 big:
@@ -414,7 +373,9 @@ ts_status ts_launch_format_size(int64_t bytes, char *buf, size_t cap)
 {
     if (!buf || cap < 16 || bytes < 0 || bytes > SIZE_MAX_BYTES)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_launch_format_size: %s (bytes %lld)",
-                        !buf ? "buf is NULL" : cap < 16 ? "cap is below 16" : "bytes is not in 0 .. 2^60",
+                        !buf           ? "buf is NULL"
+                            : cap < 16 ? "cap is below 16"
+                                       : "bytes is not in 0 .. 2^60",
                         (long long)bytes);
     static const char *const names[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
     int u = 0;
@@ -433,10 +394,8 @@ ts_status ts_launch_format_size(int64_t bytes, char *buf, size_t cap)
     snprintf(num, sizeof num, "%.*f", decimals, v);
     if (strchr(num, '.')) {
         size_t n = strlen(num);
-        while (num[n - 1] == '0')
-            num[--n] = '\0';
-        if (num[n - 1] == '.')
-            num[--n] = '\0';
+        while (num[n - 1] == '0') num[--n] = '\0';
+        if (num[n - 1] == '.') num[--n] = '\0';
     }
     snprintf(buf, cap, "%s %s", num, names[u]);
     return TS_OK;
@@ -457,8 +416,7 @@ void ts__host_parts(char *boot, size_t nb, char *pidns, size_t np, char *netns, 
     snprintf(boot, nb, "?");
     FILE *f = fopen("/proc/sys/kernel/random/boot_id", "re");
     if (f) {
-        if (!fgets(boot, (int)nb, f))
-            snprintf(boot, nb, "?");
+        if (!fgets(boot, (int)nb, f)) snprintf(boot, nb, "?");
         fclose(f);
         boot[strcspn(boot, "\n")] = '\0';
     }
@@ -482,18 +440,15 @@ static int parent_of(int pid)
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -1;
+    if (fd < 0) return -1;
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
-    if (n <= 0)
-        return -1;
+    if (n <= 0) return -1;
     buf[n] = '\0';
     const char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
     char state;
     int ppid;
-    if (!p || sscanf(p + 1, " %c %d", &state, &ppid) != 2)
-        return -1;
+    if (!p || sscanf(p + 1, " %c %d", &state, &ppid) != 2) return -1;
     return ppid;
 }
 
@@ -503,15 +458,12 @@ static int parent_of(int pid)
 static void rank_stdout_line_buffered(void)
 {
     const char *want = getenv("TS_LINE_BUFFERED");
-    if (want && strcmp(want, "0") == 0)
-        return;
-    static const char *const rank_vars[] = {"TS_LAUNCHER_PID", "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+    if (want && strcmp(want, "0") == 0) return;
+    static const char *const rank_vars[] = {"TS_LAUNCHER_PID",      "RANK",        "WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                                             "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID"};
     bool rank = want && strcmp(want, "1") == 0;
-    for (size_t i = 0; !rank && i < sizeof rank_vars / sizeof rank_vars[0]; i++)
-        rank = getenv(rank_vars[i]) != NULL;
-    if (!rank)
-        return;
+    for (size_t i = 0; !rank && i < sizeof rank_vars / sizeof rank_vars[0]; i++) rank = getenv(rank_vars[i]) != NULL;
+    if (!rank) return;
     /* glibc allows the change after output: pending bytes go out first */
     fflush(stdout);
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -520,10 +472,7 @@ static void rank_stdout_line_buffered(void)
 /* Before main, and (a priority) before the program's own constructors
  * when it links the static library: lines printed before the program
  * calls into the library are live too. */
-__attribute__((constructor(200))) static void rank_stdout_at_load(void)
-{
-    rank_stdout_line_buffered();
-}
+__attribute__((constructor(200))) static void rank_stdout_at_load(void) { rank_stdout_line_buffered(); }
 
 ts_status ts_launch_rank_guard(void)
 {
@@ -531,20 +480,16 @@ ts_status ts_launch_rank_guard(void)
     int lpid = 0;
     bool set;
     ts_status s = env_int("TS_LAUNCHER_PID", 1, INT_MAX, &lpid, &set);
-    if (s)
-        return s;
-    if (!set)
-        return TS_OK;
+    if (s) return s;
+    if (!set) return TS_OK;
     if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0)
         return ts_error(TS_ERR_IO, "ts_launch_rank_guard: prctl(PR_SET_PDEATHSIG): %s", strerror(errno));
     /* checked after prctl: a launcher that died before it is seen here */
     int p = (int)getppid();
-    if (p == lpid)
-        return TS_OK;
+    if (p == lpid) return TS_OK;
     for (int depth = 0; p > 1 && depth < 64; depth++) {
         p = parent_of(p);
-        if (p == lpid)
-            return TS_OK;
+        if (p == lpid) return TS_OK;
     }
     return ts_error(TS_ERR_PEER_FAILED,
                     "ts_launch_rank_guard: the launcher (TS_LAUNCHER_PID=%d) is not an ancestor of this process "

@@ -20,10 +20,10 @@
 #include "base/base.h"
 
 typedef struct ts__cgroup_job {
-    int version;          /* 1 or 2 */
-    int64_t limit;        /* bytes */
-    char own[PATH_MAX];   /* the launcher's own group in the memory hierarchy */
-    char job[PATH_MAX];   /* own/tensorshard-<pid>, created */
+    int version;        /* 1 or 2 */
+    int64_t limit;      /* bytes */
+    char own[PATH_MAX]; /* the launcher's own group in the memory hierarchy */
+    char job[PATH_MAX]; /* own/tensorshard-<pid>, created */
 } ts__cgroup_job;
 
 /* Finds the memory hierarchy (cgroup v2 with the memory controller in the
@@ -47,8 +47,7 @@ ts_status ts__cgroup_leave(const ts__cgroup_job *j);
  * kills in it (-1 when the kernel does not count them: v1 before Linux
  * 4.13), *failcnt the times usage hit the limit (v1; -1 on v2), *peak the
  * highest usage in bytes (-1 when unknown). */
-void ts__cgroup_counters(const ts__cgroup_job *j, const char *dir, int64_t *oom_kills, int64_t *failcnt,
-                         int64_t *peak);
+void ts__cgroup_counters(const ts__cgroup_job *j, const char *dir, int64_t *oom_kills, int64_t *failcnt, int64_t *peak);
 
 /* SIGKILLs every process left in `dir` and removes it. Returns 0 or the
  * errno of rmdir (EBUSY while killed processes are still exiting). */

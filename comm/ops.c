@@ -211,8 +211,8 @@ static void rs_received(op *o, int s)
 {
     unsigned char *st = o->stage[s % 2];
     if (s == o->W - 2) {
-        ts__comm_reduce_store(o->final_out, o->final_dtype, st, o->acc, ts__comm_src_blk(o, o->rank), o->src_dtype, o->pre, o->rop,
-                     o->post, o->block_n);
+        ts__comm_reduce_store(o->final_out, o->final_dtype, st, o->acc, ts__comm_src_blk(o, o->rank), o->src_dtype,
+                              o->pre, o->rop, o->post, o->block_n);
         o->rs_done = true;
         return;
     }
@@ -268,7 +268,8 @@ static bool op_done(const op *o)
 void ts__comm_finalize(op *o)
 {
     if (o->rs && o->W == 1)
-        ts__comm_convert_through(o->final_out, o->final_dtype, o->src, o->src_dtype, o->acc, o->pre, o->post, o->block_n);
+        ts__comm_convert_through(o->final_out, o->final_dtype, o->src, o->src_dtype, o->acc, o->pre, o->post,
+                                 o->block_n);
     if (o->out) ts__comm_store_acc(o->out, o->out_dtype, o->buf, o->out_n, 1.0);
     if (o->outs && o->block)
         for (int i = 0; i < o->W; i++) memcpy(o->outs[i], o->buf + (size_t)i * o->block, o->block);
@@ -381,8 +382,8 @@ static void fp_str(const fp *f, char *buf, size_t n)
     const char *kind = f->kind < TS_COLL_KIND_COUNT ? ts__comm_kind_names[f->kind] : "an unknown collective";
     int k = snprintf(buf, n, "%s #%u", kind, f->seq);
     if (k < 0 || (size_t)k >= n || f->kind == TS_COLL_BARRIER) return;
-    k += snprintf(buf + k, n - (size_t)k, " (%s, %llu",
-                  f->dtype != FP_NONE ? ts_dtype_name((ts_dtype)f->dtype) : "-", (unsigned long long)f->count);
+    k += snprintf(buf + k, n - (size_t)k, " (%s, %llu", f->dtype != FP_NONE ? ts_dtype_name((ts_dtype)f->dtype) : "-",
+                  (unsigned long long)f->count);
     if ((size_t)k < n && f->rop != FP_NONE && f->rop < TS_REDUCE_OP_COUNT)
         k += snprintf(buf + k, n - (size_t)k, ", %s", k_rop_names[f->rop]);
     if ((size_t)k < n && f->root != FP_NONE) k += snprintf(buf + k, n - (size_t)k, ", root %u", f->root);
@@ -440,10 +441,8 @@ static void post_fp_left(op *o)
                        {o->fpbuf + FPB_RECV, FP_INLINE_CAP - o->block}};
         post_xv(o, K_RECV, PH_FP, 0, o->left, NULL, 0, &o->fp_rlen, v, 3);
     } else if (o->fp_upto)
-        post_x(o, K_RECV, PH_FP, 0, o->left, o->fpbuf + FPB_RECV - sizeof(fp), sizeof(fp) + FP_INLINE_CAP,
-               &o->fp_rlen);
-    else
-        post(o, K_RECV, PH_FP, 0, o->left, &o->theirs[o->left], sizeof(fp));
+        post_x(o, K_RECV, PH_FP, 0, o->left, o->fpbuf + FPB_RECV - sizeof(fp), sizeof(fp) + FP_INLINE_CAP, &o->fp_rlen);
+    else post(o, K_RECV, PH_FP, 0, o->left, &o->theirs[o->left], sizeof(fp));
 }
 
 static void start_fp(op *o)
@@ -473,8 +472,8 @@ static void fp_left_received(op *o)
     char msg[ERR_LEN], grp[32] = "";
     if (o->gid) snprintf(grp, sizeof grp, "group %llu: ", (unsigned long long)o->gid);
     if (o->fp_rlen < sizeof(fp)) {
-        snprintf(msg, sizeof msg, "%srank %d sent rank %d a fingerprint of %zu bytes (want at least %zu)", grp,
-                 o->left, o->rank, o->fp_rlen, sizeof(fp));
+        snprintf(msg, sizeof msg, "%srank %d sent rank %d a fingerprint of %zu bytes (want at least %zu)", grp, o->left,
+                 o->rank, o->fp_rlen, sizeof(fp));
         fp_fail(o, msg);
         return;
     }
@@ -485,7 +484,8 @@ static void fp_left_received(op *o)
     if (got != want) { /* the same collective: the ranks' TS_COMM_FP_INLINE differ */
         snprintf(msg, sizeof msg,
                  "%srank %d sent %zu bytes of data with its fingerprint, rank %d expected %zu: is TS_COMM_FP_INLINE "
-                 "the same on every rank?", grp, o->left, got, o->rank, want);
+                 "the same on every rank?",
+                 grp, o->left, got, o->rank, want);
         fp_fail(o, msg);
         return;
     }

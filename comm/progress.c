@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 #define BUSY_RETRIES 16 /* arm attempts the transport may refuse before a nap */
-#define NAP_MIN_US 5     /* naps then double up to NAP_MAX_US while nothing happens */
+#define NAP_MIN_US 5    /* naps then double up to NAP_MAX_US while nothing happens */
 #define NAP_MAX_US 100
 /* How long the communication thread's nap grows to once nothing has
  * happened for NAP_LONG_AFTER_NS (short against any transfer that takes
@@ -144,10 +144,8 @@ void ts__comm_check_peers(world *w)
     if (w->suspect < 0) return;
     if (t->size > 2 && ts_now_ns() - w->suspect_ns < PEER_GRACE_NS) return;
     char msg[ERR_LEN];
-    if (dead == w->suspect && why[0])
-        snprintf(msg, sizeof msg, "rank %d failed (%s)", dead, why);
-    else
-        snprintf(msg, sizeof msg, "rank %d failed (a transfer with it failed)", w->suspect);
+    if (dead == w->suspect && why[0]) snprintf(msg, sizeof msg, "rank %d failed (%s)", dead, why);
+    else snprintf(msg, sizeof msg, "rank %d failed (a transfer with it failed)", w->suspect);
     ts__comm_fail_world(w, TS_ERR_PEER_FAILED, msg, NULL, true, w->suspect);
 }
 
@@ -191,7 +189,7 @@ int ts__comm_round(world *w, bool timers)
     if (!w->notices_posted) ts__comm_post_notices(w); /* once: a receive for each peer's notice */
     int n = start_queued(w);
     n += w->t->vt->progress(w->t);           /* the ops' state machines run in its callbacks */
-    ts__comm_check_peers(w);                  /* dead peers, notices received */
+    ts__comm_check_peers(w);                 /* dead peers, notices received */
     if (timers) ts__comm_check_deadlines(w); /* deadline.c */
     sweep(w);
     return n;
@@ -326,7 +324,8 @@ static void drive(world *w, ts_request *r)
      * which need not signal again: it would wait for its 10 ms timeout;
      * a thread waiting for its take-over looks at them by itself, soon),
      * spans to record on its track (it may sleep without a timeout) */
-    if (!done || atomic_load(&w->traced) || (atomic_load(&w->live) > 0 && !atomic_load(&w->deferring))) ts__comm_wake_thread(w);
+    if (!done || atomic_load(&w->traced) || (atomic_load(&w->live) > 0 && !atomic_load(&w->deferring)))
+        ts__comm_wake_thread(w);
     if (!done) {
         pthread_mutex_lock(&w->mu);
         while (!atomic_load(&r->done)) pthread_cond_wait(&w->cv, &w->mu);
@@ -468,8 +467,11 @@ void *ts__comm_thread_main(void *arg)
     world *w = arg;
     ts__comm_thread_world = w;
     ts_trace_thread_name("comm");
-    thread_loop l = {.spin = ts__comm_spin_ns(), .takeover = ts__comm_takeover_ns(), .last_event = ts_now_ns(),
-                     .busy = 0, .nap_us = NAP_MIN_US};
+    thread_loop l = {.spin = ts__comm_spin_ns(),
+                     .takeover = ts__comm_takeover_ns(),
+                     .last_event = ts_now_ns(),
+                     .busy = 0,
+                     .nap_us = NAP_MIN_US};
     for (;;) {
         bool stop = atomic_load(&w->stop);
         if (!stop && l.takeover > 0 && defer_to_callers(w, &l)) continue;

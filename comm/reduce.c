@@ -70,7 +70,7 @@ void ts__comm_accumulate(void *acc, ts_dtype ad, const void *src, ts_dtype sd, d
 /* out[i] = (part[i] op src[i] / pre) / post, converted to od: the last
  * reduce-scatter step, in one pass (part is read, not written). */
 void ts__comm_reduce_store(void *out, ts_dtype od, const void *part, ts_dtype ad, const void *src, ts_dtype sd,
-                         double pre, ts_reduce_op rop, double post, size_t n)
+                           double pre, ts_reduce_op rop, double post, size_t n)
 {
     if (od == ad && sd == ad && pre == 1.0 && post == 1.0) {
         ts__buf_reduce(ad, buf_op(rop), out, part, src, (int64_t)n);
@@ -89,7 +89,7 @@ void ts__comm_reduce_store(void *out, ts_dtype od, const void *part, ts_dtype ad
 /* out[i] = (src[i] / pre) / post, through the accumulation dtype ad: the
  * one-rank reduce-scatter. */
 void ts__comm_convert_through(void *out, ts_dtype od, const void *src, ts_dtype sd, ts_dtype ad, double pre,
-                            double post, size_t n)
+                              double post, size_t n)
 {
     _Alignas(64) unsigned char tmp[CHUNK * 8];
     size_t oe = ts_dtype_size(od), se = ts_dtype_size(sd);

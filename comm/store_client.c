@@ -36,7 +36,7 @@
 #define CLIENT_REPORT_NS 2000000000ull
 
 struct ts_store {
-    int fd; /* -1 once the connection is lost */
+    int fd;           /* -1 once the connection is lost */
     bool peer_closed; /* the last loss was the server closing (EOF or reset) */
     double timeout_s;
     char addr[300];
@@ -53,43 +53,30 @@ typedef struct reply {
  * the caller (ts_store_get, ts_store_compare_set: store.h), who releases
  * it with ts_store_value_free: through the allocator hook, counted under
  * TS_MEM_COMM. */
-static unsigned char *value_alloc(size_t n)
-{
-    return ts__malloc(TS_MEM_COMM, n);
-}
+static unsigned char *value_alloc(size_t n) { return ts__malloc(TS_MEM_COMM, n); }
 
-static void value_free(void *p)
-{
-    ts__free(TS_MEM_COMM, p);
-}
+static void value_free(void *p) { ts__free(TS_MEM_COMM, p); }
 
-void ts_store_value_free(void *value)
-{
-    value_free(value);
-}
+void ts_store_value_free(void *value) { value_free(value); }
 
 static void fmt_secs(char *out, size_t n, double s)
 {
-    if (s >= 0.1)
-        snprintf(out, n, "%.1f", s);
-    else
-        snprintf(out, n, "%.3f", s);
+    if (s >= 0.1) snprintf(out, n, "%.1f", s);
+    else snprintf(out, n, "%.3f", s);
 }
 
 static uint64_t deadline_after(double s)
 {
     double ns = s * 1e9;
     uint64_t now = ts_now_ns();
-    if (!(ns < (double)(UINT64_MAX - now - CLIENT_GRACE_NS * 4)))
-        return UINT64_MAX - CLIENT_GRACE_NS * 4;
+    if (!(ns < (double)(UINT64_MAX - now - CLIENT_GRACE_NS * 4))) return UINT64_MAX - CLIENT_GRACE_NS * 4;
     return now + (uint64_t)ns;
 }
 
 static int remaining_ms(uint64_t deadline)
 {
     uint64_t now = ts_now_ns();
-    if (now >= deadline)
-        return 0;
+    if (now >= deadline) return 0;
     uint64_t ms = (deadline - now + 999999) / 1000000;
     return ms > INT32_MAX ? INT32_MAX : (int)ms;
 }
@@ -109,15 +96,12 @@ static int wait_fd(int fd, short events, uint64_t deadline)
         struct pollfd pfd = {.fd = fd, .events = events};
         int ms = remaining_ms(deadline);
         int r = poll(&pfd, 1, ms);
-        if (r > 0)
-            return 1;
+        if (r > 0) return 1;
         if (r == 0) {
-            if (ms == 0 || ts_now_ns() >= deadline)
-                return 0;
+            if (ms == 0 || ts_now_ns() >= deadline) return 0;
             continue;
         }
-        if (errno != EINTR)
-            return -1;
+        if (errno != EINTR) return -1;
     }
 }
 
@@ -126,10 +110,8 @@ static int wait_fd(int fd, short events, uint64_t deadline)
  * passed; -1: a real error (errno). */
 static int io_retry(int fd, short events, uint64_t deadline)
 {
-    if (errno == EINTR)
-        return 1;
-    if (errno == EAGAIN || errno == EWOULDBLOCK)
-        return wait_fd(fd, events, deadline);
+    if (errno == EINTR) return 1;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return wait_fd(fd, events, deadline);
     return -1;
 }
 
@@ -151,15 +133,12 @@ static ts_status send_all(ts_store *s, const char *what, struct iovec *iov, int 
         ssize_t w = sendmsg(s->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (w < 0) {
             int r = io_retry(s->fd, POLLOUT, deadline);
-            if (r == 0)
-                return io_timeout(s, what, started, deadline);
-            if (r > 0)
-                continue;
+            if (r == 0) return io_timeout(s, what, started, deadline);
+            if (r > 0) continue;
             int e = errno;
             lose_connection(s);
             s->peer_closed = e == ECONNRESET || e == EPIPE;
-            return ts_error(TS_ERR_COMM, "store %s: sending to the store at %s failed: %s", what, s->addr,
-                            strerror(e));
+            return ts_error(TS_ERR_COMM, "store %s: sending to the store at %s failed: %s", what, s->addr, strerror(e));
         }
         size_t done = (size_t)w;
         while (cnt > 0 && done >= iov->iov_len) {
@@ -193,10 +172,8 @@ static ts_status recv_all(ts_store *s, const char *what, void *buf, size_t n, ui
                             hello ? " before answering" : "");
         }
         int w = io_retry(s->fd, POLLIN, deadline);
-        if (w == 0)
-            return io_timeout(s, what, started, deadline);
-        if (w > 0)
-            continue;
+        if (w == 0) return io_timeout(s, what, started, deadline);
+        if (w > 0) continue;
         int e = errno;
         lose_connection(s);
         s->peer_closed = e == ECONNRESET;
@@ -222,29 +199,23 @@ static ts_status roundtrip(ts_store *s, const char *what, uint8_t op, const char
     head[4] = op;
     ts__store_wr32(head + 5, (uint32_t)klen);
     ts__store_wr32(mid, (uint32_t)vlen);
-    if (cas)
-        ts__store_wr32(mid + 4, (uint32_t)an);
+    if (cas) ts__store_wr32(mid + 4, (uint32_t)an);
     ts__store_wr64(tail, arg);
     struct iovec iov[6];
     int cnt = 0;
     iov[cnt++] = (struct iovec){head, sizeof head};
-    if (klen)
-        iov[cnt++] = (struct iovec){(void *)key, klen};
+    if (klen) iov[cnt++] = (struct iovec){(void *)key, klen};
     iov[cnt++] = (struct iovec){mid, cas ? 8u : 4u};
-    if (an)
-        iov[cnt++] = (struct iovec){(void *)a, an};
-    if (bn)
-        iov[cnt++] = (struct iovec){(void *)b, bn};
+    if (an) iov[cnt++] = (struct iovec){(void *)a, an};
+    if (bn) iov[cnt++] = (struct iovec){(void *)b, bn};
     iov[cnt++] = (struct iovec){tail, sizeof tail};
     ts_status st = send_all(s, what, iov, cnt, started, deadline);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
 
     bool hello = op == TS__STORE_OP_HELLO;
     unsigned char rh[9];
     st = recv_all(s, what, rh, sizeof rh, started, deadline, hello);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     uint32_t body = ts__store_rd32(rh), rvlen = ts__store_rd32(rh + 5);
     if (rvlen > TS_STORE_MAX_VALUE || body != TS__STORE_RESP_FIXED + rvlen || rh[4] >= TS__STORE_ST_COUNT_) {
         lose_connection(s);
@@ -258,8 +229,7 @@ static ts_status roundtrip(ts_store *s, const char *what, uint8_t op, const char
     }
     unsigned char ra[8];
     st = recv_all(s, what, val, rvlen, started, deadline, hello);
-    if (st == TS_OK)
-        st = recv_all(s, what, ra, sizeof ra, started, deadline, hello);
+    if (st == TS_OK) st = recv_all(s, what, ra, sizeof ra, started, deadline, hello);
     if (st != TS_OK) {
         value_free(val);
         return st;
@@ -284,15 +254,13 @@ static ts_status unexpected(ts_store *s, const char *what, reply *r)
 
 static ts_status check_client(const char *fn, const ts_store *s)
 {
-    if (!s)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the store client is NULL", fn);
+    if (!s) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the store client is NULL", fn);
     return TS_OK;
 }
 
 static ts_status check_key(const char *fn, const char *key, size_t *klen_out)
 {
-    if (!key)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: key is NULL", fn);
+    if (!key) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: key is NULL", fn);
     size_t n = strnlen(key, TS_STORE_MAX_KEY + 1);
     if (n > TS_STORE_MAX_KEY)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: key '%.200s...' is longer than %d bytes", fn, key,
@@ -310,8 +278,7 @@ static ts_status check_client_key(const char *fn, const ts_store *s, const char 
 
 static ts_status check_value(const char *fn, const char *name, const void *v, size_t n)
 {
-    if (!v && n)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is NULL with a length of %zu", fn, name, n);
+    if (!v && n) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is NULL with a length of %zu", fn, name, n);
     if (n > TS_STORE_MAX_VALUE)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s of %zu bytes is over the limit of %u bytes", fn, name, n,
                         TS_STORE_MAX_VALUE);
@@ -325,8 +292,7 @@ static int try_connect(const struct addrinfo *ai, uint64_t deadline, int *err)
         *err = errno;
         return -1;
     }
-    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0)
-        return fd;
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) return fd;
     if (errno != EINPROGRESS) {
         *err = errno;
         close(fd);
@@ -340,8 +306,7 @@ static int try_connect(const struct addrinfo *ai, uint64_t deadline, int *err)
     }
     int soerr = 0;
     socklen_t sl = sizeof soerr;
-    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) < 0)
-        soerr = errno;
+    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) < 0) soerr = errno;
     if (soerr) {
         *err = soerr;
         close(fd);
@@ -353,8 +318,7 @@ static int try_connect(const struct addrinfo *ai, uint64_t deadline, int *err)
 static void sleep_ns(uint64_t ns)
 {
     struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
-    while (nanosleep(&ts, &ts) < 0 && errno == EINTR) {
-    }
+    while (nanosleep(&ts, &ts) < 0 && errno == EINTR) {}
 }
 
 /* Says hello on the fresh connection s->fd. On failure the connection is
@@ -362,19 +326,17 @@ static void sleep_ns(uint64_t ns)
 static ts_status say_hello(ts_store *s, const char *token, size_t tlen, uint64_t deadline)
 {
     int fl = fcntl(s->fd, F_GETFL);
-    if (fl >= 0)
-        fcntl(s->fd, F_SETFL, fl & ~O_NONBLOCK); /* blocking; reads and writes use MSG_DONTWAIT and poll */
+    if (fl >= 0) fcntl(s->fd, F_SETFL, fl & ~O_NONBLOCK); /* blocking; reads and writes use MSG_DONTWAIT and poll */
     int one = 1;
     setsockopt(s->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 
     /* At least a second for the hello even when connecting took all the time. */
     uint64_t hello_deadline = deadline;
-    if (hello_deadline < ts_now_ns() + CLIENT_GRACE_NS)
-        hello_deadline = ts_now_ns() + CLIENT_GRACE_NS;
+    if (hello_deadline < ts_now_ns() + CLIENT_GRACE_NS) hello_deadline = ts_now_ns() + CLIENT_GRACE_NS;
     reply r;
     s->peer_closed = false;
-    ts_status st = roundtrip(s, "hello", TS__STORE_OP_HELLO, "", 0, token, tlen, NULL, 0, TS__STORE_PROTOCOL,
-                             hello_deadline, &r);
+    ts_status st =
+        roundtrip(s, "hello", TS__STORE_OP_HELLO, "", 0, token, tlen, NULL, 0, TS__STORE_PROTOCOL, hello_deadline, &r);
     if (st != TS_OK) {
         lose_connection(s);
         return st;
@@ -409,28 +371,23 @@ static ts_status say_hello(ts_store *s, const char *token, size_t tlen, uint64_t
 ts_status ts_store_connect(const char *host, int port, const char *token, double timeout_s, ts_store **out)
 {
     static const char fn[] = "ts_store_connect";
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
-    if (port <= 0 || port > 65535)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: port %d is not in 1..65535", fn, port);
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", fn);
+    if (port <= 0 || port > 65535) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: port %d is not in 1..65535", fn, port);
     if (!(timeout_s >= 0) || isinf(timeout_s))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: timeout %g s is not a finite number >= 0", fn, timeout_s);
-    if (!host)
-        host = "127.0.0.1";
+    if (!host) host = "127.0.0.1";
     if (!*host || strnlen(host, 256) > 255)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: host name is empty or longer than 255 bytes", fn);
     if (!token) {
         token = getenv(TS_STORE_TOKEN_ENV);
-        if (!token)
-            token = "";
+        if (!token) token = "";
     }
     size_t tlen = strnlen(token, TS_STORE_MAX_TOKEN + 1);
     if (tlen > TS_STORE_MAX_TOKEN)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the token is longer than %d bytes", fn, TS_STORE_MAX_TOKEN);
 
     ts_store *s = ts__calloc(TS_MEM_COMM, 1, sizeof *s);
-    if (!s)
-        return TS_ERR_NO_MEMORY;
+    if (!s) return TS_ERR_NO_MEMORY;
     s->fd = -1;
     s->timeout_s = CLIENT_DEFAULT_TIMEOUT_S;
     snprintf(s->addr, sizeof s->addr, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
@@ -462,8 +419,7 @@ ts_status ts_store_connect(const char *host, int port, const char *token, double
         }
         if (s->fd >= 0) {
             ts_status st = say_hello(s, token, tlen, deadline);
-            if (st == TS_OK)
-                break;
+            if (st == TS_OK) break;
             if (!s->peer_closed) {
                 ts__free(TS_MEM_COMM, s);
                 return st;
@@ -482,8 +438,8 @@ ts_status ts_store_connect(const char *host, int port, const char *token, double
                               "before answering the hello %d times (too many clients waiting to say hello?)",
                               s->addr, secs, closed_early);
             else
-                st = ts_error(TS_ERR_TIMEOUT, "store: cannot connect to the store at %s within %s s: %s", s->addr,
-                              secs, gai == EAI_AGAIN ? "name resolution failed" : strerror(last_err));
+                st = ts_error(TS_ERR_TIMEOUT, "store: cannot connect to the store at %s within %s s: %s", s->addr, secs,
+                              gai == EAI_AGAIN ? "name resolution failed" : strerror(last_err));
             ts__free(TS_MEM_COMM, s);
             return st;
         }
@@ -496,16 +452,14 @@ ts_status ts_store_connect(const char *host, int port, const char *token, double
 
 void ts_store_close(ts_store *s)
 {
-    if (!s)
-        return;
+    if (!s) return;
     lose_connection(s);
     ts__free(TS_MEM_COMM, s);
 }
 
 void ts_store_set_timeout(ts_store *s, double timeout_s)
 {
-    if (!s || !(timeout_s > 0))
-        return;
+    if (!s || !(timeout_s > 0)) return;
     s->timeout_s = timeout_s > CLIENT_MAX_TIMEOUT_S ? CLIENT_MAX_TIMEOUT_S : timeout_s;
 }
 
@@ -522,10 +476,8 @@ static ts_status do_set(ts_store *s, const char *what, const char *key, size_t k
 {
     reply r;
     ts_status st = roundtrip(s, what, TS__STORE_OP_SET, key, klen, v, n, NULL, 0, 0, deadline, &r);
-    if (st != TS_OK)
-        return st;
-    if (r.status != TS__STORE_ST_OK)
-        return unexpected(s, what, &r);
+    if (st != TS_OK) return st;
+    if (r.status != TS__STORE_ST_OK) return unexpected(s, what, &r);
     value_free(r.val);
     return TS_OK;
 }
@@ -535,10 +487,8 @@ ts_status ts_store_set(ts_store *s, const char *key, const void *value, size_t l
     static const char fn[] = "ts_store_set";
     size_t klen = 0;
     ts_status st = check_client_key(fn, s, key, &klen);
-    if (st == TS_OK)
-        st = check_value(fn, "value", value, len);
-    if (st != TS_OK)
-        return st;
+    if (st == TS_OK) st = check_value(fn, "value", value, len);
+    if (st != TS_OK) return st;
     char what[256];
     describe(what, sizeof what, "set", key);
     return do_set(s, what, key, klen, value, len, deadline_after(s->timeout_s));
@@ -550,17 +500,14 @@ ts_status ts_store_set(ts_store *s, const char *key, const void *value, size_t l
 static ts_status do_wait(ts_store *s, const char *what, uint8_t op, const char *key, size_t klen, uint64_t deadline,
                          double timeout_s, bool report, reply *r)
 {
-    ts_status st = roundtrip(s, what, op, key, klen, NULL, 0, NULL, 0, wait_arg(deadline), deadline + CLIENT_GRACE_NS,
-                             r);
-    if (st != TS_OK)
-        return st;
-    if (r->status == TS__STORE_ST_OK)
-        return TS_OK;
+    ts_status st =
+        roundtrip(s, what, op, key, klen, NULL, 0, NULL, 0, wait_arg(deadline), deadline + CLIENT_GRACE_NS, r);
+    if (st != TS_OK) return st;
+    if (r->status == TS__STORE_ST_OK) return TS_OK;
     if (r->status == TS__STORE_ST_TIMEOUT) {
         value_free(r->val);
         r->val = NULL;
-        if (!report)
-            return TS_ERR_TIMEOUT;
+        if (!report) return TS_ERR_TIMEOUT;
         char secs[32];
         fmt_secs(secs, sizeof secs, timeout_s);
         return ts_error(TS_ERR_TIMEOUT, "store %s: key not set within %s s (store at %s)", what, secs, s->addr);
@@ -575,14 +522,12 @@ ts_status ts_store_get(ts_store *s, const char *key, void **value_out, size_t *l
     ts_status st = check_client_key(fn, s, key, &klen);
     if (st == TS_OK && (!value_out || !len_out))
         st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: value_out and len_out are required", fn);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     char what[256];
     describe(what, sizeof what, "get", key);
     reply r;
     st = do_wait(s, what, TS__STORE_OP_GET, key, klen, deadline_after(s->timeout_s), s->timeout_s, true, &r);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     *value_out = r.val;
     *len_out = r.vlen;
     return TS_OK;
@@ -593,8 +538,7 @@ static int do_check(ts_store *s, const char *what, const char *key, size_t klen,
 {
     reply r;
     ts_status st = roundtrip(s, what, TS__STORE_OP_CHECK, key, klen, NULL, 0, NULL, 0, 0, deadline, &r);
-    if (st == TS_OK && r.status != TS__STORE_ST_OK && r.status != TS__STORE_ST_NOT_FOUND)
-        st = unexpected(s, what, &r);
+    if (st == TS_OK && r.status != TS__STORE_ST_OK && r.status != TS__STORE_ST_NOT_FOUND) st = unexpected(s, what, &r);
     if (st != TS_OK) {
         *err = st;
         return -1;
@@ -608,23 +552,19 @@ ts_status ts_store_check(ts_store *s, const char *key)
     static const char fn[] = "ts_store_check";
     size_t klen = 0;
     ts_status st = check_client_key(fn, s, key, &klen);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     char what[256];
     describe(what, sizeof what, "check", key);
     int present = do_check(s, what, key, klen, deadline_after(s->timeout_s), &st);
-    if (present < 0)
-        return st;
-    if (!present)
-        return ts_error(TS_ERR_NOT_FOUND, "store %s: key not set (store at %s)", what, s->addr);
+    if (present < 0) return st;
+    if (!present) return ts_error(TS_ERR_NOT_FOUND, "store %s: key not set (store at %s)", what, s->addr);
     return TS_OK;
 }
 
 /* Appends to a bounded list ("'a', 'b'"), ending in "..." once full. */
 static void list_add(char *buf, size_t cap, size_t *used, bool *full, const char *item)
 {
-    if (*full)
-        return;
+    if (*full) return;
     size_t need = strlen(item) + 2;
     if (*used + need + 8 >= cap) {
         snprintf(buf + *used, cap - *used, "%s...", *used ? ", " : "");
@@ -660,24 +600,21 @@ static const char *key_seq_at(key_seq *q, int i, size_t *klen_out)
  * no message, the missing keys named in `list` (the caller's keys quoted,
  * arrival keys by rank) and counted in *missing_out (then > 0). Any other
  * failure returns its status with *missing_out untouched. */
-static ts_status wait_keys(ts_store *s, key_seq *q, int n, uint64_t deadline, char *list, size_t cap,
-                           int *missing_out)
+static ts_status wait_keys(ts_store *s, key_seq *q, int n, uint64_t deadline, char *list, size_t cap, int *missing_out)
 {
     for (int i = 0; i < n; i++) {
         size_t klen = 0;
         const char *key = key_seq_at(q, i, &klen);
         char what[256];
-        if (q->keys)
-            describe(what, sizeof what, "wait", key);
+        if (q->keys) describe(what, sizeof what, "wait", key);
         reply r;
-        ts_status st = do_wait(s, q->keys ? what : q->what, TS__STORE_OP_WAIT, key, klen, deadline, s->timeout_s,
-                               false, &r);
+        ts_status st =
+            do_wait(s, q->keys ? what : q->what, TS__STORE_OP_WAIT, key, klen, deadline, s->timeout_s, false, &r);
         if (st == TS_OK) {
             value_free(r.val);
             continue;
         }
-        if (st != TS_ERR_TIMEOUT || s->fd < 0)
-            return st;
+        if (st != TS_ERR_TIMEOUT || s->fd < 0) return st;
         /* Name every key still missing: this one and any later one. */
         size_t used = 0;
         bool full = false;
@@ -688,16 +625,12 @@ static ts_status wait_keys(ts_store *s, key_seq *q, int n, uint64_t deadline, ch
             if (j != i) {
                 key = key_seq_at(q, j, &klen);
                 present = do_check(s, q->what, key, klen, report_deadline, &st);
-                if (present < 0)
-                    return st;
+                if (present < 0) return st;
             }
-            if (present)
-                continue;
+            if (present) continue;
             char item[220];
-            if (q->keys)
-                snprintf(item, sizeof item, "'%.200s%s'", q->keys[j], strlen(q->keys[j]) > 200 ? "..." : "");
-            else
-                snprintf(item, sizeof item, "%d", j);
+            if (q->keys) snprintf(item, sizeof item, "'%.200s%s'", q->keys[j], strlen(q->keys[j]) > 200 ? "..." : "");
+            else snprintf(item, sizeof item, "%d", j);
             list_add(list, cap, &used, &full, item);
             missing++;
         }
@@ -711,45 +644,39 @@ ts_status ts_store_wait(ts_store *s, int n, const char *const *keys)
 {
     static const char fn[] = "ts_store_wait";
     ts_status st = check_client(fn, s);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     if (n < 0 || (n > 0 && !keys))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d keys at %p", fn, n, (const void *)keys);
     for (int i = 0; i < n; i++) {
         size_t klen = 0;
         st = check_key(fn, keys[i], &klen);
-        if (st != TS_OK)
-            return st;
+        if (st != TS_OK) return st;
     }
     char list[640] = "";
     int missing = 0;
     key_seq q = {.keys = keys, .what = "wait"};
     st = wait_keys(s, &q, n, deadline_after(s->timeout_s), list, sizeof list, &missing);
-    if (st != TS_ERR_TIMEOUT || !missing)
-        return st;
+    if (st != TS_ERR_TIMEOUT || !missing) return st;
     char secs[32];
     fmt_secs(secs, sizeof secs, s->timeout_s);
-    return ts_error(TS_ERR_TIMEOUT, "store wait: %d of %d keys not set within %s s: %s (store at %s)", missing, n,
-                    secs, list, s->addr);
+    return ts_error(TS_ERR_TIMEOUT, "store wait: %d of %d keys not set within %s s: %s (store at %s)", missing, n, secs,
+                    list, s->addr);
 }
 
-static ts_status do_add(ts_store *s, const char *what, const char *key, size_t klen, int64_t delta,
-                        uint64_t deadline, int64_t *value_out)
+static ts_status do_add(ts_store *s, const char *what, const char *key, size_t klen, int64_t delta, uint64_t deadline,
+                        int64_t *value_out)
 {
     reply r;
     ts_status st = roundtrip(s, what, TS__STORE_OP_ADD, key, klen, NULL, 0, NULL, 0, (uint64_t)delta, deadline, &r);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     if (r.status == TS__STORE_ST_NOT_COUNTER) {
         value_free(r.val);
         return ts_error(TS_ERR_FORMAT, "store %s: the key holds a %llu-byte value, not an 8-byte counter", what,
                         (unsigned long long)r.arg);
     }
-    if (r.status != TS__STORE_ST_OK)
-        return unexpected(s, what, &r);
+    if (r.status != TS__STORE_ST_OK) return unexpected(s, what, &r);
     value_free(r.val);
-    if (value_out)
-        *value_out = (int64_t)r.arg;
+    if (value_out) *value_out = (int64_t)r.arg;
     return TS_OK;
 }
 
@@ -758,8 +685,7 @@ ts_status ts_store_add(ts_store *s, const char *key, int64_t delta, int64_t *val
     static const char fn[] = "ts_store_add";
     size_t klen = 0;
     ts_status st = check_client_key(fn, s, key, &klen);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     char what[256];
     describe(what, sizeof what, "add", key);
     return do_add(s, what, key, klen, delta, deadline_after(s->timeout_s), value_out);
@@ -771,23 +697,18 @@ ts_status ts_store_compare_set(ts_store *s, const char *key, const void *expecte
     static const char fn[] = "ts_store_compare_set";
     size_t klen = 0;
     ts_status st = check_client_key(fn, s, key, &klen);
-    if (st == TS_OK)
-        st = check_value(fn, "expected", expected, expected_len);
-    if (st == TS_OK)
-        st = check_value(fn, "desired", desired, desired_len);
+    if (st == TS_OK) st = check_value(fn, "expected", expected, expected_len);
+    if (st == TS_OK) st = check_value(fn, "desired", desired, desired_len);
     if (st == TS_OK && !value_out != !len_out)
         st = ts_error(TS_ERR_INVALID_ARGUMENT, "%s: value_out and len_out must both be given or both be NULL", fn);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     char what[256];
     describe(what, sizeof what, "compare_set", key);
     reply r;
     st = roundtrip(s, what, TS__STORE_OP_COMPARE_SET, key, klen, expected, expected_len, desired, desired_len, 0,
                    deadline_after(s->timeout_s), &r);
-    if (st != TS_OK)
-        return st;
-    if (r.status != TS__STORE_ST_OK)
-        return unexpected(s, what, &r);
+    if (st != TS_OK) return st;
+    if (r.status != TS__STORE_ST_OK) return unexpected(s, what, &r);
     if (value_out) {
         *value_out = r.val;
         *len_out = r.vlen;
@@ -802,19 +723,15 @@ ts_status ts_store_delete(ts_store *s, const char *key, bool *deleted_out)
     static const char fn[] = "ts_store_delete";
     size_t klen = 0;
     ts_status st = check_client_key(fn, s, key, &klen);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     char what[256];
     describe(what, sizeof what, "delete", key);
     reply r;
     st = roundtrip(s, what, TS__STORE_OP_DELETE, key, klen, NULL, 0, NULL, 0, 0, deadline_after(s->timeout_s), &r);
-    if (st != TS_OK)
-        return st;
-    if (r.status != TS__STORE_ST_OK)
-        return unexpected(s, what, &r);
+    if (st != TS_OK) return st;
+    if (r.status != TS__STORE_ST_OK) return unexpected(s, what, &r);
     value_free(r.val);
-    if (deleted_out)
-        *deleted_out = r.arg != 0;
+    if (deleted_out) *deleted_out = r.arg != 0;
     return TS_OK;
 }
 
@@ -822,12 +739,9 @@ ts_status ts_store_barrier(ts_store *s, const char *name, int world)
 {
     static const char fn[] = "ts_store_barrier";
     ts_status st = check_client(fn, s);
-    if (st != TS_OK)
-        return st;
-    if (!name)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: name is NULL", fn);
-    if (world < 1)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: world %d is not >= 1", fn, world);
+    if (st != TS_OK) return st;
+    if (!name) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: name is NULL", fn);
+    if (world < 1) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: world %d is not >= 1", fn, world);
     size_t nlen = strnlen(name, TS_STORE_MAX_KEY + 1);
     if (nlen + 40 > TS_STORE_MAX_KEY)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: name of %zu bytes is too long (limit %d)", fn, nlen,
@@ -840,8 +754,7 @@ ts_status ts_store_barrier(ts_store *s, const char *name, int world)
     int klen = snprintf(key, sizeof key, "barrier/%s/count", name);
     int64_t n;
     st = do_add(s, what, key, (size_t)klen, 1, deadline, &n);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     if (n < 1)
         return ts_error(TS_ERR_STATE, "store %s: its counter reads %lld after an increment (was it changed by hand?)",
                         what, (long long)n);
@@ -851,23 +764,19 @@ ts_status ts_store_barrier(ts_store *s, const char *name, int world)
     memcpy(count_key, key, (size_t)klen + 1);
     size_t count_klen = (size_t)klen;
     klen = snprintf(key, sizeof key, "barrier/%s/%lld/done", name, (long long)epoch);
-    if (arrived_before + 1 == world)
-        return do_set(s, what, key, (size_t)klen, NULL, 0, deadline);
+    if (arrived_before + 1 == world) return do_set(s, what, key, (size_t)klen, NULL, 0, deadline);
     reply r;
     st = do_wait(s, what, TS__STORE_OP_WAIT, key, (size_t)klen, deadline, s->timeout_s, false, &r);
     if (st == TS_OK) {
         value_free(r.val);
         return TS_OK;
     }
-    if (st != TS_ERR_TIMEOUT || s->fd < 0)
-        return st;
+    if (st != TS_ERR_TIMEOUT || s->fd < 0) return st;
     int64_t now_count;
     st = do_add(s, what, count_key, count_klen, 0, ts_now_ns() + CLIENT_REPORT_NS, &now_count);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     int64_t arrived = now_count - epoch * world;
-    if (arrived > world)
-        arrived = world;
+    if (arrived > world) arrived = world;
     char secs[32];
     fmt_secs(secs, sizeof secs, s->timeout_s);
     return ts_error(TS_ERR_TIMEOUT, "store %s (epoch %lld): %lld of %d participants arrived within %s s (store at %s)",
@@ -878,10 +787,8 @@ ts_status ts_store_rendezvous(ts_store *s, const char *prefix, int rank, int wor
 {
     static const char fn[] = "ts_store_rendezvous";
     ts_status st = check_client(fn, s);
-    if (st != TS_OK)
-        return st;
-    if (!prefix)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: prefix is NULL", fn);
+    if (st != TS_OK) return st;
+    if (!prefix) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: prefix is NULL", fn);
     if (world < 1 || rank < 0 || rank >= world)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: rank %d of world %d", fn, rank, world);
     size_t plen = strnlen(prefix, TS_STORE_MAX_KEY + 1);
@@ -893,14 +800,12 @@ ts_status ts_store_rendezvous(ts_store *s, const char *prefix, int rank, int wor
     uint64_t deadline = deadline_after(s->timeout_s);
     int klen = snprintf(key, sizeof key, "%s/arrived/%d", prefix, rank);
     st = do_set(s, what, key, (size_t)klen, NULL, 0, deadline);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     char list[640] = "";
     int missing = 0;
     key_seq q = {.prefix = prefix, .what = what};
     st = wait_keys(s, &q, world, deadline, list, sizeof list, &missing);
-    if (st != TS_ERR_TIMEOUT || !missing)
-        return st;
+    if (st != TS_ERR_TIMEOUT || !missing) return st;
     char secs[32];
     fmt_secs(secs, sizeof secs, s->timeout_s);
     return ts_error(TS_ERR_TIMEOUT, "%s: %s %s of %d never arrived within %s s (store at %s)", what,

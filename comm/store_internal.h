@@ -51,14 +51,12 @@
 /* Little-endian field access. */
 static inline void ts__store_wr32(unsigned char *p, uint32_t v)
 {
-    for (int i = 0; i < 4; i++)
-        p[i] = (unsigned char)(v >> (8 * i));
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
 }
 
 static inline void ts__store_wr64(unsigned char *p, uint64_t v)
 {
-    for (int i = 0; i < 8; i++)
-        p[i] = (unsigned char)(v >> (8 * i));
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
 }
 
 static inline uint32_t ts__store_rd32(const unsigned char *p)
@@ -69,8 +67,7 @@ static inline uint32_t ts__store_rd32(const unsigned char *p)
 static inline uint64_t ts__store_rd64(const unsigned char *p)
 {
     uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = v << 8 | p[i];
+    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
     return v;
 }
 
@@ -127,7 +124,7 @@ typedef struct ts__store_conn {
     unsigned char *buf; /* received bytes not consumed yet */
     size_t len, cap;
     bool authed;
-    bool parked;            /* a GET or WAIT is waiting for its key */
+    bool parked; /* a GET or WAIT is waiting for its key */
     uint8_t wait_op;
     unsigned char *wait_key;
     uint32_t wait_klen;

@@ -18,10 +18,9 @@
 _Static_assert(TS__STORE_MAX_BODY <= UINT32_MAX, "a frame body must fit its u32 length");
 _Static_assert(TS_STORE_MAX_KEY + 64 <= 65536, "keys are small");
 
-
 static const char *op_name(unsigned op)
 {
-    static const char *const names[TS__STORE_OP_COUNT_] = {"?",     "HELLO", "SET", "GET",        "CHECK",
+    static const char *const names[TS__STORE_OP_COUNT_] = {"?",    "HELLO", "SET",         "GET",   "CHECK",
                                                            "WAIT", "ADD",   "COMPARE_SET", "DELETE"};
     return op < TS__STORE_OP_COUNT_ ? names[op] : "?";
 }
@@ -65,8 +64,7 @@ struct ts__store_core {
 static void read_stall_hook(ts__store_core *core)
 {
     const char *v = getenv(TS_STORE_TEST_STALL_ENV);
-    if (!v)
-        return;
+    if (!v) return;
     char *end = NULL;
     unsigned long ms = strtoul(v, &end, 10);
     if (end == v || *end != ':' || ms == 0 || ms > 60000 || !end[1] || strlen(end + 1) >= sizeof core->stall_key)
@@ -91,8 +89,7 @@ void ts__store_core_warnf(ts__store_core *core, const char *fmt, ...)
     if (core->warn_pending)
         ts_logf(TS_LOG_WARN, "%s (and %llu more rejected clients in the last %.1f s, not shown)", line,
                 (unsigned long long)core->warn_pending, (double)(now - core->warn_last_ms) / 1000.0);
-    else
-        ts_logf(TS_LOG_WARN, "%s", line);
+    else ts_logf(TS_LOG_WARN, "%s", line);
     atomic_fetch_add(&core->warn_lines, 1);
     core->warn_any = true;
     core->warn_last_ms = now;
@@ -123,8 +120,7 @@ static bool key_eq(const unsigned char *a, size_t an, const unsigned char *b, si
 ts_status ts__store_core_new(const char *token, ts__store_send_fn send, void *ctx, ts__store_core **out)
 {
     ts__store_core *core = ts__calloc(TS_MEM_COMM, 1, sizeof *core);
-    if (!core)
-        return TS_ERR_NO_MEMORY;
+    if (!core) return TS_ERR_NO_MEMORY;
     core->send = send;
     core->ctx = ctx;
     if (token && *token) {
@@ -150,8 +146,7 @@ ts_status ts__store_core_new(const char *token, ts__store_send_fn send, void *ct
 
 void ts__store_core_free(ts__store_core *core)
 {
-    if (!core)
-        return;
+    if (!core) return;
     TS_ASSERT(core->waiters == NULL);
     if (core->warn_pending)
         ts_logf(TS_LOG_WARN, "store: %llu more rejected clients were not shown (at most one warning per %u ms)",
@@ -175,8 +170,7 @@ size_t ts__store_core_count(const ts__store_core *core) { return core ? core->co
 static entry *table_find(const ts__store_core *core, const unsigned char *key, size_t klen, uint64_t h)
 {
     for (entry *e = core->buckets[h & (core->nbuckets - 1)]; e; e = e->next)
-        if (e->hash == h && key_eq(e->key, e->klen, key, klen))
-            return e;
+        if (e->hash == h && key_eq(e->key, e->klen, key, klen)) return e;
     return NULL;
 }
 
@@ -184,8 +178,7 @@ static void table_grow(ts__store_core *core)
 {
     size_t nb = core->nbuckets * 2;
     entry **nt = ts__calloc(TS_MEM_COMM, nb, sizeof *nt);
-    if (!nt)
-        return; /* keep working with longer chains */
+    if (!nt) return; /* keep working with longer chains */
     for (size_t b = 0; b < core->nbuckets; b++) {
         entry *e = core->buckets[b];
         while (e) {
@@ -207,8 +200,7 @@ static entry *table_put(ts__store_core *core, const unsigned char *key, size_t k
     unsigned char *copy = NULL;
     if (vlen) {
         copy = ts__malloc(TS_MEM_COMM, vlen);
-        if (!copy)
-            return NULL;
+        if (!copy) return NULL;
         memcpy(copy, val, vlen);
     }
     entry *e = table_find(core, key, klen, h);
@@ -227,14 +219,12 @@ static entry *table_put(ts__store_core *core, const unsigned char *key, size_t k
     e->val = copy;
     e->vlen = vlen;
     e->klen = (uint32_t)klen;
-    if (klen)
-        memcpy(e->key, key, klen);
+    if (klen) memcpy(e->key, key, klen);
     size_t b = h & (core->nbuckets - 1);
     e->next = core->buckets[b];
     core->buckets[b] = e;
     core->count++;
-    if (core->count > core->nbuckets)
-        table_grow(core);
+    if (core->count > core->nbuckets) table_grow(core);
     return e;
 }
 
@@ -258,22 +248,19 @@ static ts__store_reply *reply_new(uint8_t status, const void *val, size_t vlen, 
 {
     size_t total = 4 + TS__STORE_RESP_FIXED + vlen;
     ts__store_reply *r = ts__malloc(TS_MEM_COMM, sizeof *r + total);
-    if (!r)
-        return NULL;
+    if (!r) return NULL;
     r->len = total;
     unsigned char *p = r->bytes;
     ts__store_wr32(p, (uint32_t)(TS__STORE_RESP_FIXED + vlen));
     p[4] = status;
     ts__store_wr32(p + 5, (uint32_t)vlen);
-    if (vlen)
-        memcpy(p + 9, val, vlen);
+    if (vlen) memcpy(p + 9, val, vlen);
     ts__store_wr64(p + 9 + vlen, arg);
     return r;
 }
 
 /* Answers the connection being processed; false (drop it) when out of memory. */
-static bool answer(ts__store_core *core, ts__store_conn *c, uint8_t status, const void *val, size_t vlen,
-                   uint64_t arg)
+static bool answer(ts__store_core *core, ts__store_conn *c, uint8_t status, const void *val, size_t vlen, uint64_t arg)
 {
     ts__store_reply *r = reply_new(status, val, vlen, arg);
     if (!r) {
@@ -288,21 +275,16 @@ static bool answer(ts__store_core *core, ts__store_conn *c, uint8_t status, cons
 static void answer_waiter(ts__store_core *core, ts__store_conn *c, uint8_t status, const void *val, size_t vlen)
 {
     ts__store_reply *r = reply_new(status, val, vlen, 0);
-    if (!r)
-        ts_logf(TS_LOG_ERROR, "store: out of memory answering client %s; dropping it", c->peer);
+    if (!r) ts_logf(TS_LOG_ERROR, "store: out of memory answering client %s; dropping it", c->peer);
     core->send(c, r, core->ctx);
 }
 
 static void unpark(ts__store_core *core, ts__store_conn *c)
 {
-    if (!c->parked)
-        return;
-    if (c->wprev)
-        c->wprev->wnext = c->wnext;
-    else
-        core->waiters = c->wnext;
-    if (c->wnext)
-        c->wnext->wprev = c->wprev;
+    if (!c->parked) return;
+    if (c->wprev) c->wprev->wnext = c->wnext;
+    else core->waiters = c->wnext;
+    if (c->wnext) c->wnext->wprev = c->wprev;
     c->wprev = c->wnext = NULL;
     ts__free(TS_MEM_COMM, c->wait_key);
     c->wait_key = NULL;
@@ -313,18 +295,15 @@ static bool park(ts__store_core *core, ts__store_conn *c, uint8_t op, const unsi
                  uint64_t deadline)
 {
     c->wait_key = ts__malloc(TS_MEM_COMM, klen ? klen : 1);
-    if (!c->wait_key)
-        return false;
-    if (klen)
-        memcpy(c->wait_key, key, klen);
+    if (!c->wait_key) return false;
+    if (klen) memcpy(c->wait_key, key, klen);
     c->wait_klen = (uint32_t)klen;
     c->wait_op = op;
     c->deadline_ms = deadline;
     c->parked = true;
     c->wprev = NULL;
     c->wnext = core->waiters;
-    if (core->waiters)
-        core->waiters->wprev = c;
+    if (core->waiters) core->waiters->wprev = c;
     core->waiters = c;
     return true;
 }
@@ -335,8 +314,7 @@ static void wake(ts__store_core *core, const entry *e)
     ts__store_conn *next;
     for (ts__store_conn *w = core->waiters; w; w = next) {
         next = w->wnext;
-        if (!key_eq(w->wait_key, w->wait_klen, e->key, e->klen))
-            continue;
+        if (!key_eq(w->wait_key, w->wait_klen, e->key, e->klen)) continue;
         bool get = w->wait_op == TS__STORE_OP_GET;
         unpark(core, w);
         answer_waiter(core, w, TS__STORE_ST_OK, get ? e->val : NULL, get ? e->vlen : 0);
@@ -348,8 +326,7 @@ void ts__store_core_expire(ts__store_core *core, uint64_t now_ms)
     ts__store_conn *next;
     for (ts__store_conn *w = core->waiters; w; w = next) {
         next = w->wnext;
-        if (w->deadline_ms > now_ms)
-            continue;
+        if (w->deadline_ms > now_ms) continue;
         unpark(core, w);
         answer_waiter(core, w, TS__STORE_ST_TIMEOUT, NULL, 0);
     }
@@ -359,8 +336,7 @@ uint64_t ts__store_core_next_deadline(const ts__store_core *core)
 {
     uint64_t d = UINT64_MAX;
     for (const ts__store_conn *w = core->waiters; w; w = w->wnext)
-        if (w->deadline_ms < d)
-            d = w->deadline_ms;
+        if (w->deadline_ms < d) d = w->deadline_ms;
     return d;
 }
 
@@ -382,10 +358,8 @@ void ts__store_conn_fini(ts__store_core *core, ts__store_conn *c)
 static bool set_buffer(ts__store_conn *c, size_t cap)
 {
     unsigned char *nb = ts__malloc(TS_MEM_COMM, cap);
-    if (!nb)
-        return false;
-    if (c->len)
-        memcpy(nb, c->buf, c->len);
+    if (!nb) return false;
+    if (c->len) memcpy(nb, c->buf, c->len);
     ts__free(TS_MEM_COMM, c->buf);
     c->buf = nb;
     c->cap = cap;
@@ -395,8 +369,7 @@ static bool set_buffer(ts__store_conn *c, size_t cap)
 bool ts__store_conn_space(ts__store_core *core, ts__store_conn *c, unsigned char **p, size_t *n)
 {
     (void)core;
-    if (!c->buf && !set_buffer(c, CONN_BUF_INITIAL))
-        return false;
+    if (!c->buf && !set_buffer(c, CONN_BUF_INITIAL)) return false;
     if (c->len == c->cap) {
         /* The frame being received does not fit (complete frames are
          * consumed, so its length is known and passed the limits in
@@ -405,12 +378,9 @@ bool ts__store_conn_space(ts__store_core *core, ts__store_conn *c, unsigned char
          * client announces. */
         uint64_t total = 4 + (uint64_t)ts__store_rd32(c->buf);
         uint64_t want = 2 * (uint64_t)c->cap;
-        if (want > total)
-            want = total;
-        if (want <= c->cap || want > 4 + TS__STORE_MAX_BODY)
-            return false; /* not reached */
-        if (!set_buffer(c, (size_t)want))
-            return false;
+        if (want > total) want = total;
+        if (want <= c->cap || want > 4 + TS__STORE_MAX_BODY) return false; /* not reached */
+        if (!set_buffer(c, (size_t)want)) return false;
     }
     *p = c->buf + c->len;
     *n = c->cap - c->len;
@@ -420,14 +390,11 @@ bool ts__store_conn_space(ts__store_core *core, ts__store_conn *c, unsigned char
 /* Warnings (rejected clients) go through the core's rate limit. */
 static void vlog_drop(const ts__store_conn *c, ts_log_level level, const char *fmt, va_list ap)
 {
-    if (!TS_LOG_ENABLED(level))
-        return;
+    if (!TS_LOG_ENABLED(level)) return;
     char why[256];
     vsnprintf(why, sizeof why, fmt, ap);
-    if (level == TS_LOG_WARN && c->core)
-        ts__store_core_warnf(c->core, "store: dropping client %s: %s", c->peer, why);
-    else
-        ts_logf(level, "store: dropping client %s: %s", c->peer, why);
+    if (level == TS_LOG_WARN && c->core) ts__store_core_warnf(c->core, "store: dropping client %s: %s", c->peer, why);
+    else ts_logf(level, "store: dropping client %s: %s", c->peer, why);
 }
 
 /* Logs why the client is dropped; returns false (for run_frame). */
@@ -455,14 +422,10 @@ static int refuse(const ts__store_conn *c, ts_log_level level, const char *fmt, 
 static uint64_t max_value_len(unsigned op)
 {
     switch (op) {
-    case TS__STORE_OP_HELLO:
-        return TS_STORE_MAX_TOKEN;
-    case TS__STORE_OP_SET:
-        return TS_STORE_MAX_VALUE;
-    case TS__STORE_OP_COMPARE_SET:
-        return 4u + 2u * (uint64_t)TS_STORE_MAX_VALUE;
-    default:
-        return 0;
+    case TS__STORE_OP_HELLO: return TS_STORE_MAX_TOKEN;
+    case TS__STORE_OP_SET: return TS_STORE_MAX_VALUE;
+    case TS__STORE_OP_COMPARE_SET: return 4u + 2u * (uint64_t)TS_STORE_MAX_VALUE;
+    default: return 0;
     }
 }
 
@@ -471,27 +434,21 @@ static uint64_t max_value_len(unsigned op)
  * oversized or impossible frame is refused before its body arrives. */
 static int check_frame(ts__store_conn *c, const unsigned char *p, size_t avail)
 {
-    if (avail < 4)
-        return 0;
+    if (avail < 4) return 0;
     uint32_t body = ts__store_rd32(p);
     uint64_t limit = c->authed ? TS__STORE_MAX_BODY : TS__STORE_MAX_HELLO_BODY;
     if (body < TS__STORE_REQ_FIXED)
         return refuse(c, TS_LOG_INFO, "frame body of %u bytes is shorter than the %u-byte minimum", body,
-                    TS__STORE_REQ_FIXED);
+                      TS__STORE_REQ_FIXED);
     if (body > limit)
         return refuse(c, TS_LOG_INFO, "frame body of %u bytes is over the limit of %llu bytes%s", body,
-                    (unsigned long long)limit, c->authed ? "" : " before hello");
-    if (avail < 5)
-        return 0;
+                      (unsigned long long)limit, c->authed ? "" : " before hello");
+    if (avail < 5) return 0;
     unsigned op = p[4];
-    if (op == 0 || op >= TS__STORE_OP_COUNT_)
-        return refuse(c, TS_LOG_INFO, "unknown op %u", op);
-    if (!c->authed && op != TS__STORE_OP_HELLO)
-        return refuse(c, TS_LOG_WARN, "sent %s before hello", op_name(op));
-    if (c->authed && op == TS__STORE_OP_HELLO)
-        return refuse(c, TS_LOG_INFO, "said hello twice");
-    if (avail < 9)
-        return 0;
+    if (op == 0 || op >= TS__STORE_OP_COUNT_) return refuse(c, TS_LOG_INFO, "unknown op %u", op);
+    if (!c->authed && op != TS__STORE_OP_HELLO) return refuse(c, TS_LOG_WARN, "sent %s before hello", op_name(op));
+    if (c->authed && op == TS__STORE_OP_HELLO) return refuse(c, TS_LOG_INFO, "said hello twice");
+    if (avail < 9) return 0;
     uint32_t klen = ts__store_rd32(p + 5);
     uint32_t max_key = op == TS__STORE_OP_HELLO ? 0 : TS_STORE_MAX_KEY;
     if (klen > max_key)
@@ -501,25 +458,22 @@ static int check_frame(ts__store_conn *c, const unsigned char *p, size_t avail)
     uint64_t vlen = (uint64_t)body - TS__STORE_REQ_FIXED - klen;
     if (vlen > max_value_len(op))
         return refuse(c, TS_LOG_INFO, "%s with a value of %llu bytes (limit %llu)", op_name(op),
-                    (unsigned long long)vlen, (unsigned long long)max_value_len(op));
-    if (avail < 13 + (size_t)klen)
-        return 0;
+                      (unsigned long long)vlen, (unsigned long long)max_value_len(op));
+    if (avail < 13 + (size_t)klen) return 0;
     uint32_t declared = ts__store_rd32(p + 9 + klen);
     if (declared != vlen)
         return refuse(c, TS_LOG_INFO, "value length %u does not match the body length (%llu expected)", declared,
-                    (unsigned long long)vlen);
+                      (unsigned long long)vlen);
     return avail >= 4 + (size_t)body ? 1 : 0;
 }
 
 static bool token_ok(const ts__store_core *core, const unsigned char *t, size_t n)
 {
-    if (!core->token)
-        return true;
+    if (!core->token) return true;
     /* Constant time in the expected token: every byte presented is
      * compared, and the lengths fold into the same accumulator. */
     volatile unsigned acc = (unsigned)(n != core->token_len);
-    for (size_t i = 0; i < n; i++)
-        acc |= (unsigned)(t[i] ^ core->token[i % core->token_len]);
+    for (size_t i = 0; i < n; i++) acc |= (unsigned)(t[i] ^ core->token[i % core->token_len]);
     return acc == 0;
 }
 
@@ -549,8 +503,7 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
              * Out of memory, it is only logged. */
             static const char rk[] = TS_STORE_REJECTED_KEY, ck[] = TS_STORE_REJECTED_COUNT_KEY;
             entry *re = table_put(core, (const unsigned char *)rk, sizeof rk - 1, c->peer, strlen(c->peer));
-            if (re)
-                wake(core, re);
+            if (re) wake(core, re);
             entry *ce = table_find(core, (const unsigned char *)ck, sizeof ck - 1,
                                    hash_key((const unsigned char *)ck, sizeof ck - 1));
             if (ce && ce->vlen == 8) {
@@ -560,8 +513,7 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
                 ts__store_wr64(one, 1);
                 ce = table_put(core, (const unsigned char *)ck, sizeof ck - 1, one, 8);
             }
-            if (ce)
-                wake(core, ce);
+            if (ce) wake(core, ce);
             return drop(c, TS_LOG_WARN, "wrong token");
         }
         c->authed = true;
@@ -569,10 +521,8 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
 
     case TS__STORE_OP_SET:
         e = table_put(core, key, klen, val, vlen);
-        if (!e)
-            return answer(core, c, TS__STORE_ST_NO_MEMORY, NULL, 0, 0);
-        if (!answer(core, c, TS__STORE_ST_OK, NULL, 0, 0))
-            return false;
+        if (!e) return answer(core, c, TS__STORE_ST_NO_MEMORY, NULL, 0, 0);
+        if (!answer(core, c, TS__STORE_ST_OK, NULL, 0, 0)) return false;
         wake(core, e);
         return true;
 
@@ -587,16 +537,14 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
             core->stall_ms = 0;
             static const char sk[] = TS_STORE_TEST_STALLED_KEY;
             entry *se = table_put(core, (const unsigned char *)sk, sizeof sk - 1, "", 0);
-            if (se)
-                wake(core, se);
+            if (se) wake(core, se);
         }
         e = table_find(core, key, klen, hash_key(key, klen));
         if (e) {
             bool get = op == TS__STORE_OP_GET;
             return answer(core, c, TS__STORE_ST_OK, get ? e->val : NULL, get ? e->vlen : 0, 0);
         }
-        if (arg == 0)
-            return answer(core, c, TS__STORE_ST_TIMEOUT, NULL, 0, 0);
+        if (arg == 0) return answer(core, c, TS__STORE_ST_TIMEOUT, NULL, 0, 0);
         if (!park(core, c, (uint8_t)op, key, klen, sat_add(now_ms, arg)))
             return answer(core, c, TS__STORE_ST_NO_MEMORY, NULL, 0, 0);
         return true;
@@ -607,8 +555,7 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
 
     case TS__STORE_OP_ADD: {
         e = table_find(core, key, klen, hash_key(key, klen));
-        if (e && e->vlen != 8)
-            return answer(core, c, TS__STORE_ST_NOT_COUNTER, NULL, 0, e->vlen);
+        if (e && e->vlen != 8) return answer(core, c, TS__STORE_ST_NOT_COUNTER, NULL, 0, e->vlen);
         uint64_t v = (e ? ts__store_rd64(e->val) : 0) + arg; /* wraps: two's complement */
         if (e) {
             ts__store_wr64(e->val, v);
@@ -616,18 +563,15 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
             unsigned char b[8];
             ts__store_wr64(b, v);
             e = table_put(core, key, klen, b, 8);
-            if (!e)
-                return answer(core, c, TS__STORE_ST_NO_MEMORY, NULL, 0, 0);
+            if (!e) return answer(core, c, TS__STORE_ST_NO_MEMORY, NULL, 0, 0);
         }
-        if (!answer(core, c, TS__STORE_ST_OK, NULL, 0, v))
-            return false;
+        if (!answer(core, c, TS__STORE_ST_OK, NULL, 0, v)) return false;
         wake(core, e);
         return true;
     }
 
     case TS__STORE_OP_COMPARE_SET: {
-        if (vlen < 4)
-            return drop(c, TS_LOG_INFO, "COMPARE_SET value of %u bytes lacks the expected length", vlen);
+        if (vlen < 4) return drop(c, TS_LOG_INFO, "COMPARE_SET value of %u bytes lacks the expected length", vlen);
         uint32_t elen = ts__store_rd32(val);
         if (elen > vlen - 4 || elen > TS_STORE_MAX_VALUE || vlen - 4 - elen > TS_STORE_MAX_VALUE)
             return drop(c, TS_LOG_INFO, "COMPARE_SET expected length %u does not fit its value of %u bytes", elen,
@@ -636,13 +580,10 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
         size_t dlen = vlen - 4 - elen;
         e = table_find(core, key, klen, hash_key(key, klen));
         bool match = e ? key_eq(e->val, e->vlen, expected, elen) : elen == 0;
-        if (!match)
-            return answer(core, c, TS__STORE_ST_OK, e ? e->val : NULL, e ? e->vlen : 0, 0);
+        if (!match) return answer(core, c, TS__STORE_ST_OK, e ? e->val : NULL, e ? e->vlen : 0, 0);
         e = table_put(core, key, klen, desired, dlen);
-        if (!e)
-            return answer(core, c, TS__STORE_ST_NO_MEMORY, NULL, 0, 0);
-        if (!answer(core, c, TS__STORE_ST_OK, e->val, e->vlen, 1))
-            return false;
+        if (!e) return answer(core, c, TS__STORE_ST_NO_MEMORY, NULL, 0, 0);
+        if (!answer(core, c, TS__STORE_ST_OK, e->val, e->vlen, 1)) return false;
         wake(core, e);
         return true;
     }
@@ -652,8 +593,7 @@ static bool run_frame(ts__store_core *core, ts__store_conn *c, const unsigned ch
         return answer(core, c, TS__STORE_ST_OK, NULL, 0, existed ? 1 : 0);
     }
 
-    default: /* check_frame refused it */
-        return drop(c, TS_LOG_INFO, "unknown op %u", op);
+    default: /* check_frame refused it */ return drop(c, TS_LOG_INFO, "unknown op %u", op);
     }
 }
 
@@ -674,16 +614,14 @@ bool ts__store_conn_received(ts__store_core *core, ts__store_conn *c, size_t n, 
             ok = false;
             break;
         }
-        if (r == 0)
-            break;
+        if (r == 0) break;
         if (!run_frame(core, c, p, now_ms)) {
             ok = false;
             break;
         }
         off += 4 + (size_t)ts__store_rd32(p);
     }
-    if (!ok)
-        return false;
+    if (!ok) return false;
     if (off) {
         memmove(c->buf, c->buf + off, c->len - off);
         c->len -= off;
@@ -702,15 +640,12 @@ bool ts__store_conn_feed(ts__store_core *core, ts__store_conn *c, const void *da
     while (n) {
         unsigned char *p;
         size_t room;
-        if (!ts__store_conn_space(core, c, &p, &room))
-            return false;
+        if (!ts__store_conn_space(core, c, &p, &room)) return false;
         size_t k = n < room ? n : room;
         memcpy(p, d, k);
-        if (!ts__store_conn_received(core, c, k, now_ms))
-            return false;
+        if (!ts__store_conn_received(core, c, k, now_ms)) return false;
         d += k;
         n -= k;
     }
     return true;
 }
-

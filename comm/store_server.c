@@ -80,8 +80,7 @@ void ts__store_server_set_limits(unsigned hello_timeout_ms, unsigned max_pending
 void ts__store_server_get_stats(const ts_store_server *s, ts__store_server_stats *out)
 {
     memset(out, 0, sizeof *out);
-    if (!s)
-        return;
+    if (!s) return;
     ts_store_server *m = (ts_store_server *)s; /* atomics only */
     out->pending = atomic_load(&m->npending);
     out->over_cap = atomic_load(&m->over_cap);
@@ -92,17 +91,12 @@ void ts__store_server_get_stats(const ts_store_server *s, ts__store_server_stats
 
 static void pending_remove(srv_conn *sc)
 {
-    if (!sc->pending)
-        return;
+    if (!sc->pending) return;
     ts_store_server *srv = sc->srv;
-    if (sc->pprev)
-        sc->pprev->pnext = sc->pnext;
-    else
-        srv->pend_head = sc->pnext;
-    if (sc->pnext)
-        sc->pnext->pprev = sc->pprev;
-    else
-        srv->pend_tail = sc->pprev;
+    if (sc->pprev) sc->pprev->pnext = sc->pnext;
+    else srv->pend_head = sc->pnext;
+    if (sc->pnext) sc->pnext->pprev = sc->pprev;
+    else srv->pend_tail = sc->pprev;
     sc->pprev = sc->pnext = NULL;
     sc->pending = false;
     atomic_fetch_sub(&srv->npending, 1);
@@ -149,8 +143,7 @@ static void on_conn_closed(uv_handle_t *h)
 static void conn_close(srv_conn *sc)
 {
     pending_remove(sc);
-    if (!uv_is_closing((uv_handle_t *)&sc->tcp))
-        uv_close((uv_handle_t *)&sc->tcp, on_conn_closed);
+    if (!uv_is_closing((uv_handle_t *)&sc->tcp)) uv_close((uv_handle_t *)&sc->tcp, on_conn_closed);
 }
 
 static void on_hello_timer(uv_timer_t *t)
@@ -277,8 +270,7 @@ static void unmap_v4(const struct sockaddr *sa, struct sockaddr_storage *out)
 static int diag_socket_uid(const struct sockaddr *peer, const struct sockaddr *local, unsigned long *uid_out)
 {
     int fd = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
-    if (fd < 0)
-        return -1;
+    if (fd < 0) return -1;
     struct {
         struct nlmsghdr nlh;
         struct inet_diag_req_v2 r;
@@ -342,23 +334,20 @@ static bool peer_is_own_user(const struct sockaddr *peer_in, const struct sockad
         return false;
     unsigned long duid = 0;
     int d = diag_socket_uid(peer, local, &duid);
-    if (d >= 0)
-        return d == 1 && duid == (unsigned long)geteuid();
+    if (d >= 0) return d == 1 && duid == (unsigned long)geteuid();
     /* No netlink: scan the kernel's table (O(sockets) per client). */
     char want_local[64], want_rem[64];
     proc_net_addr(peer, want_local, sizeof want_local);
     proc_net_addr(local, want_rem, sizeof want_rem);
     FILE *f = fopen(peer->sa_family == AF_INET ? "/proc/net/tcp" : "/proc/net/tcp6", "re");
-    if (!f)
-        return false;
+    if (!f) return false;
     char line[512];
     bool found = false, own = false;
     unsigned long me = (unsigned long)geteuid();
     while (!found && fgets(line, sizeof line, f)) {
         char la[64], ra[64];
         unsigned long uid;
-        if (sscanf(line, " %*s %63s %63s %*s %*s %*s %*s %lu", la, ra, &uid) != 3)
-            continue;
+        if (sscanf(line, " %*s %63s %63s %*s %*s %*s %*s %lu", la, ra, &uid) != 3) continue;
         if (strcmp(la, want_local) == 0 && strcmp(ra, want_rem) == 0) {
             found = true;
             own = uid == me;
@@ -388,14 +377,11 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf)
         return;
     }
     if (nread > 0) {
-        if (!ts__store_conn_received(srv->core, &sc->pc, (size_t)nread, uv_now(&srv->loop)))
-            conn_close(sc);
-        else if (sc->pending && sc->pc.authed)
-            pending_remove(sc);
+        if (!ts__store_conn_received(srv->core, &sc->pc, (size_t)nread, uv_now(&srv->loop))) conn_close(sc);
+        else if (sc->pending && sc->pc.authed) pending_remove(sc);
         rearm_timer(srv);
     } else if (nread < 0) {
-        if (nread != UV_EOF)
-            ts_logf(TS_LOG_INFO, "store: client %s: %s", sc->pc.peer, uv_strerror((int)nread));
+        if (nread != UV_EOF) ts_logf(TS_LOG_INFO, "store: client %s: %s", sc->pc.peer, uv_strerror((int)nread));
         else if (sc->pc.len > 0)
             ts_logf(TS_LOG_INFO, "store: client %s closed the connection in the middle of a frame", sc->pc.peer);
         conn_close(sc);
@@ -458,14 +444,11 @@ static void on_connection(uv_stream_t *listener, int status)
     sc->pending = true;
     sc->hello_deadline_ms = uv_now(&srv->loop) + srv->hello_timeout_ms;
     sc->pprev = srv->pend_tail;
-    if (srv->pend_tail)
-        srv->pend_tail->pnext = sc;
-    else
-        srv->pend_head = sc;
+    if (srv->pend_tail) srv->pend_tail->pnext = sc;
+    else srv->pend_head = sc;
     srv->pend_tail = sc;
     atomic_fetch_add(&srv->npending, 1);
-    if (srv->pend_head == sc)
-        rearm_hello_timer(srv);
+    if (srv->pend_head == sc) rearm_hello_timer(srv);
     rc = uv_read_start((uv_stream_t *)&sc->tcp, on_alloc, on_read);
     if (rc < 0) {
         ts_logf(TS_LOG_WARN, "store %s: cannot read from client %s: %s", srv->addr, sc->pc.peer, uv_strerror(rc));
@@ -478,12 +461,9 @@ static void on_connection(uv_stream_t *listener, int status)
 static void close_walk(uv_handle_t *h, void *arg)
 {
     ts_store_server *srv = arg;
-    if (uv_is_closing(h))
-        return;
-    if (h->type == UV_TCP && h != (uv_handle_t *)&srv->listener)
-        conn_close(h->data);
-    else
-        uv_close(h, NULL);
+    if (uv_is_closing(h)) return;
+    if (h->type == UV_TCP && h != (uv_handle_t *)&srv->listener) conn_close(h->data);
+    else uv_close(h, NULL);
 }
 
 static void on_stop(uv_async_t *a)
@@ -508,8 +488,7 @@ static void server_free(ts_store_server *srv, bool loop_ready)
         uv_walk(&srv->loop, close_walk, srv);
         uv_run(&srv->loop, UV_RUN_DEFAULT);
         int rc = uv_loop_close(&srv->loop);
-        if (rc < 0)
-            ts_logf(TS_LOG_WARN, "store %s: closing its loop: %s", srv->addr, uv_strerror(rc));
+        if (rc < 0) ts_logf(TS_LOG_WARN, "store %s: closing its loop: %s", srv->addr, uv_strerror(rc));
     }
     ts__store_core_free(srv->core);
     ts__free(TS_MEM_COMM, srv);
@@ -522,11 +501,9 @@ static void server_free(ts_store_server *srv, bool loop_ready)
 static void raise_nofile(void)
 {
     static atomic_bool done;
-    if (atomic_exchange(&done, true))
-        return;
+    if (atomic_exchange(&done, true)) return;
     struct rlimit rl;
-    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= rl.rlim_max)
-        return;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= rl.rlim_max) return;
     rlim_t was = rl.rlim_cur;
     rl.rlim_cur = rl.rlim_max;
     if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
@@ -540,15 +517,13 @@ static void raise_nofile(void)
 ts_status ts_store_server_start(const char *host, int port, const char *token, ts_store_server **out)
 {
     tl_listen_error = 0;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_store_server_start: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_store_server_start: out is NULL");
     if (port < 0 || port > 65535)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_store_server_start: port %d is not in 0..65535", port);
     if (token && strnlen(token, TS_STORE_MAX_TOKEN + 1) > TS_STORE_MAX_TOKEN)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_store_server_start: the token is longer than %d bytes",
                         TS_STORE_MAX_TOKEN);
-    if (!host)
-        host = "127.0.0.1";
+    if (!host) host = "127.0.0.1";
     if (strnlen(host, 256) > 255)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_store_server_start: host name longer than 255 bytes");
     raise_nofile();
@@ -563,8 +538,7 @@ ts_status ts_store_server_start(const char *host, int port, const char *token, t
     if (gai != 0 || !ai) {
         ts_status st = ts_error(TS_ERR_IO, "store: cannot listen on %s:%d: cannot resolve '%s': %s", host, port, host,
                                 gai_strerror(gai));
-        if (ai)
-            freeaddrinfo(ai);
+        if (ai) freeaddrinfo(ai);
         return st;
     }
     struct sockaddr_storage bind_addr;
@@ -573,8 +547,7 @@ ts_status ts_store_server_start(const char *host, int port, const char *token, t
     freeaddrinfo(ai);
 
     ts_store_server *srv = ts__calloc(TS_MEM_COMM, 1, sizeof *srv);
-    if (!srv)
-        return TS_ERR_NO_MEMORY;
+    if (!srv) return TS_ERR_NO_MEMORY;
     format_addr((struct sockaddr *)&bind_addr, srv->addr, sizeof srv->addr);
     ts_status st = ts__store_core_new(token, server_send, srv, &srv->core);
     if (st != TS_OK) {
@@ -618,8 +591,7 @@ ts_status ts_store_server_start(const char *host, int port, const char *token, t
         }
     }
     if (rc < 0) {
-        if (strcmp(step, "bind") == 0 || strcmp(step, "listen") == 0)
-            tl_listen_error = rc;
+        if (strcmp(step, "bind") == 0 || strcmp(step, "listen") == 0) tl_listen_error = rc;
         st = ts_error(TS_ERR_IO, "store: cannot listen on %s (%s): %s (%s)", srv->addr, step, uv_strerror(rc),
                       uv_err_name(rc));
         server_free(srv, true);
@@ -632,8 +604,7 @@ ts_status ts_store_server_start(const char *host, int port, const char *token, t
     sigset_t all, old;
     sigfillset(&all);
     static const int sync_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGSYS, SIGABRT};
-    for (size_t i = 0; i < sizeof sync_signals / sizeof sync_signals[0]; i++)
-        sigdelset(&all, sync_signals[i]);
+    for (size_t i = 0; i < sizeof sync_signals / sizeof sync_signals[0]; i++) sigdelset(&all, sync_signals[i]);
     pthread_sigmask(SIG_BLOCK, &all, &old);
     int prc = pthread_create(&srv->thread, NULL, server_thread, srv);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
@@ -651,12 +622,10 @@ int ts_store_server_port(const ts_store_server *s) { return s ? s->port : -1; }
 
 void ts_store_server_stop(ts_store_server *s)
 {
-    if (!s)
-        return;
+    if (!s) return;
     uv_async_send(&s->stop);
     pthread_join(s->thread, NULL);
     /* The loop has returned: every handle is closed and every
      * connection finished, so nothing waits any more. */
     server_free(s, true);
 }
-

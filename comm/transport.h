@@ -101,8 +101,8 @@ typedef struct ts_transport_vtable {
      * the call returns; the pieces' memory stays until the callback. Under
      * 256 KiB in all (never UCX's bypass). */
     ts_status (*sendv)(ts_transport *t, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb, void *arg);
-    ts_status (*recvv_upto)(ts_transport *t, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb,
-                            void *arg, size_t *len_out);
+    ts_status (*recvv_upto)(ts_transport *t, int peer, const ts_iov *iov, int n, uint64_t tag, ts_xfer_cb cb, void *arg,
+                            size_t *len_out);
 } ts_transport_vtable;
 
 struct ts_transport {

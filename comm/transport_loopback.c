@@ -57,7 +57,7 @@ typedef struct lb_op {
     uint64_t tag;
     void *buf;
     size_t len;
-    size_t *len_out; /* recv_upto: the received length (NULL: len exactly) */
+    size_t *len_out;        /* recv_upto: the received length (NULL: len exactly) */
     ts_iov iov[TS_IOV_MAX]; /* recvv_upto: the pieces (niov > 0; len their total) */
     int niov;
     ts_xfer_cb cb;
@@ -86,10 +86,10 @@ static bool deliver(lb_op *r, const void *data, size_t mlen)
 }
 
 typedef struct lb_box {
-    lb_msg *msgs, *msgs_tail;     /* unexpected messages, arrival order */
-    lb_op *recvs, *recvs_tail;    /* posted receives, posting order */
-    lb_op *sends, *sends_tail;    /* sends to/from a killed rank, held until detection */
-    lb_op *done, *done_tail;      /* completions for progress() */
+    lb_msg *msgs, *msgs_tail;  /* unexpected messages, arrival order */
+    lb_op *recvs, *recvs_tail; /* posted receives, posting order */
+    lb_op *sends, *sends_tail; /* sends to/from a killed rank, held until detection */
+    lb_op *done, *done_tail;   /* completions for progress() */
     int efd;
     bool attached;
 } lb_box;
@@ -98,10 +98,10 @@ struct ts_loopback_fabric {
     pthread_mutex_t mu;
     int size;
     lb_box *box;
-    uint64_t *delay_ns;  /* per sender */
-    uint64_t *kill_ns;   /* 0: alive; else the time its death is detected */
-    bool *killed;        /* kill() was called */
-    uint64_t nsent;      /* messages sent (ts__loopback_sent) */
+    uint64_t *delay_ns; /* per sender */
+    uint64_t *kill_ns;  /* 0: alive; else the time its death is detected */
+    bool *killed;       /* kill() was called */
+    uint64_t nsent;     /* messages sent (ts__loopback_sent) */
 };
 
 typedef struct lb_transport {
@@ -109,12 +109,12 @@ typedef struct lb_transport {
     ts_loopback_fabric *f;
 } lb_transport;
 
-#define PUSH(head, tail, node)                 \
-    do {                                       \
-        (node)->next = NULL;                   \
-        if (tail) (tail)->next = (node);       \
-        else (head) = (node);                  \
-        (tail) = (node);                       \
+#define PUSH(head, tail, node) \
+    do { \
+        (node)->next = NULL; \
+        if (tail) (tail)->next = (node); \
+        else (head) = (node); \
+        (tail) = (node); \
     } while (0)
 
 static void signal_box(lb_box *b)
@@ -151,10 +151,7 @@ static bool link_dead(const ts_loopback_fabric *f, int a, int b, uint64_t now, i
 
 static bool link_cut(const ts_loopback_fabric *f, int a, int b) { return f->killed[a] || f->killed[b]; }
 
-static ts_status peer_failed(int dead)
-{
-    return ts_error(TS_ERR_PEER_FAILED, "loopback: rank %d failed", dead);
-}
+static ts_status peer_failed(int dead) { return ts_error(TS_ERR_PEER_FAILED, "loopback: rank %d failed", dead); }
 
 /* Pairs posted receives of `rank` with ready queued messages. */
 static int match_locked(ts_loopback_fabric *f, int rank, uint64_t now)
@@ -234,8 +231,7 @@ static ts_status check_peer(const ts_transport *t, int peer)
     return TS_OK;
 }
 
-static ts_status lb_send(ts_transport *t, int peer, const void *buf, size_t len, uint64_t tag, ts_xfer_cb cb,
-                         void *arg)
+static ts_status lb_send(ts_transport *t, int peer, const void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
 {
     ts_loopback_fabric *f = ((lb_transport *)t)->f;
     ts_status s = check_peer(t, peer);
@@ -262,8 +258,7 @@ static ts_status lb_send(ts_transport *t, int peer, const void *buf, size_t len,
     /* Straight into a posted receive when nothing earlier of (me, tag) waits. */
     if (!ready) {
         bool queued = false;
-        for (lb_msg *m = d->msgs; m && !queued; m = m->next)
-            queued = m->src == me && m->tag == tag;
+        for (lb_msg *m = d->msgs; m && !queued; m = m->next) queued = m->src == me && m->tag == tag;
         if (!queued) {
             lb_op *prev = NULL;
             for (lb_op *r = d->recvs; r; prev = r, r = r->next) {
@@ -317,8 +312,8 @@ static void post_recv(ts_loopback_fabric *f, int me, lb_op *op)
     pthread_mutex_unlock(&f->mu);
 }
 
-static ts_status lb_recv_upto(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb,
-                             void *arg, size_t *len_out)
+static ts_status lb_recv_upto(ts_transport *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg,
+                              size_t *len_out)
 {
     ts_loopback_fabric *f = ((lb_transport *)t)->f;
     ts_status s = check_peer(t, peer);
@@ -402,7 +397,8 @@ static int lb_progress(ts_transport *t)
             pthread_mutex_unlock(&f->mu);
             peer_failed(dead);
         } else if (st == TS_ERR_COMM) {
-            ts_error(TS_ERR_COMM, "loopback: receive of %s%zu bytes from rank %d (tag %#llx) got a message of %s length",
+            ts_error(TS_ERR_COMM,
+                     "loopback: receive of %s%zu bytes from rank %d (tag %#llx) got a message of %s length",
                      done->len_out ? "up to " : "", done->len, done->peer, (unsigned long long)done->tag,
                      done->len_out ? "a greater" : "another");
         }
@@ -425,11 +421,9 @@ static ts_status lb_arm(ts_transport *t)
     /* a ready message for a posted receive, or a death now detectable */
     for (lb_msg *m = b->msgs; m && !busy; m = m->next) {
         if (m->ready_ns > now) continue;
-        for (lb_op *r = b->recvs; r && !busy; r = r->next)
-            busy = r->peer == m->src && r->tag == m->tag;
+        for (lb_op *r = b->recvs; r && !busy; r = r->next) busy = r->peer == m->src && r->tag == m->tag;
     }
-    for (int p = 0; p < f->size && !busy; p++)
-        busy = f->kill_ns[p] && now >= f->kill_ns[p] && (b->recvs || b->sends);
+    for (int p = 0; p < f->size && !busy; p++) busy = f->kill_ns[p] && now >= f->kill_ns[p] && (b->recvs || b->sends);
     pthread_mutex_unlock(&f->mu);
     return busy ? TS_ERR_ALREADY : TS_OK;
 }
@@ -472,8 +466,7 @@ static void lb_cancel_all(ts_transport *t, ts_status status)
         }
     }
     pthread_mutex_unlock(&f->mu);
-    while (lb_progress(t) > 0) {
-    }
+    while (lb_progress(t) > 0) {}
 }
 
 static void free_ops(lb_op *o)

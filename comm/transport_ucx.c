@@ -150,18 +150,18 @@ static ucp_mem_h region_memh(const ts_ucx *t, const void *buf, size_t len)
  * worker down, and for the known expected-path messages; otherwise (a
  * genuine, unexpected UCX error) as our own warning. FATAL lines go to
  * UCX's handler as before (UCX aborts after them). */
-static atomic_bool g_ucx_trouble;  /* a peer of this process failed (sticky) */
-static atomic_int g_ucx_teardown;  /* cancel_all or destroy running */
+static atomic_bool g_ucx_trouble; /* a peer of this process failed (sticky) */
+static atomic_int g_ucx_teardown; /* cancel_all or destroy running */
 static pthread_once_t g_ucx_log_once = PTHREAD_ONCE_INIT;
 
 static bool expected_ucx_message(const char *m)
 {
-    static const char *const known[] = {"Connection reset", "remote peer", "Endpoint timeout", "not returned to mpool",
-                                        "Request canceled", "Message truncated", "unexpected", "Input/output error",
-                                        "No such process", "Destination is unreachable", "Broken pipe"};
+    static const char *const known[] = {
+        "Connection reset",  "remote peer", "Endpoint timeout",   "not returned to mpool", "Request canceled",
+        "Message truncated", "unexpected",  "Input/output error", "No such process",       "Destination is unreachable",
+        "Broken pipe"};
     for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
-        if (strstr(m, known[i]))
-            return true;
+        if (strstr(m, known[i])) return true;
     return false;
 }
 
@@ -169,8 +169,7 @@ static ucs_log_func_rc_t ucx_log_handler(const char *file, unsigned line, const 
                                          const ucs_log_component_config_t *comp, const char *fmt, va_list ap)
 {
     (void)function;
-    if (level == UCS_LOG_LEVEL_FATAL || level > UCS_LOG_LEVEL_WARN)
-        return UCS_LOG_FUNC_RC_CONTINUE;
+    if (level == UCS_LOG_LEVEL_FATAL || level > UCS_LOG_LEVEL_WARN) return UCS_LOG_FUNC_RC_CONTINUE;
     if (comp && level > comp->log_level)
         return UCS_LOG_FUNC_RC_STOP; /* below UCX's own threshold: it would not print it either */
     char msg[512];
@@ -182,16 +181,15 @@ static ucs_log_func_rc_t ucx_log_handler(const char *file, unsigned line, const 
     base = base ? base + 1 : file ? file : "?";
     const char *lv = level == UCS_LOG_LEVEL_ERROR ? "error" : "warning";
     if (atomic_load(&g_ucx_trouble) || atomic_load(&g_ucx_teardown) > 0 || expected_ucx_message(msg))
-        ts_logf(TS_LOG_DEBUG, "ucx %s (%s:%u; expected, the library reports the failure itself): %s", lv, base, line, msg);
-    else
-        ts_logf(TS_LOG_WARN, "ucx %s (%s:%u): %s", lv, base, line, msg);
+        ts_logf(TS_LOG_DEBUG, "ucx %s (%s:%u; expected, the library reports the failure itself): %s", lv, base, line,
+                msg);
+    else ts_logf(TS_LOG_WARN, "ucx %s (%s:%u): %s", lv, base, line, msg);
     return UCS_LOG_FUNC_RC_STOP;
 }
 
 static void ucx_log_install(void)
 {
-    if (getenv("UCX_LOG_LEVEL"))
-        return;
+    if (getenv("UCX_LOG_LEVEL")) return;
     ucs_log_push_handler(ucx_log_handler);
 }
 
@@ -224,10 +222,8 @@ static void pending_remove(ts_ucx *t, ucx_op *op)
 static void done_push(ts_ucx *t, ucx_op *op)
 {
     op->next = NULL;
-    if (t->done_tail)
-        t->done_tail->next = op;
-    else
-        t->done_head = op;
+    if (t->done_tail) t->done_tail->next = op;
+    else t->done_head = op;
     t->done_tail = op;
 }
 
@@ -264,8 +260,7 @@ static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 
 void ts__ucx_mark_dead(ts_ucx *t, ucx_peer *p, ucs_status_t status)
 {
-    if (p->dead)
-        return;
+    if (p->dead) return;
     p->dead = true;
     p->dead_status = status;
     t->dead_unhandled = true;
@@ -283,13 +278,11 @@ void ts__ucx_mark_dead(ts_ucx *t, ucx_peer *p, ucs_status_t status)
 static void check_peer_pids(ts_ucx *t)
 {
     double now = now_s();
-    if (now < t->next_pid_check)
-        return;
+    if (now < t->next_pid_check) return;
     t->next_pid_check = now + TS_UCX_PID_CHECK_S;
     for (int r = 0; r < t->base.size; r++) {
         ucx_peer *p = &t->peers[r];
-        if (p->pidfd < 0 || p->dead)
-            continue;
+        if (p->pidfd < 0 || p->dead) continue;
         struct pollfd pf = {.fd = p->pidfd, .events = POLLIN};
         if (poll(&pf, 1, 0) == 1 && (pf.revents & (POLLIN | POLLHUP | POLLERR))) {
             p->exited = true;
@@ -317,9 +310,9 @@ static ts_status op_status(ts_ucx *t, ucx_op *op)
         bool user_recv = (op->xbits == TS_UCX_ACK) != op->is_recv;
         const char *d = user_recv ? "from" : "to";
         if (op->forced == TS_ERR_PEER_FAILED || (op->ucs != UCS_OK && t->peers[op->peer].dead))
-            return ts_error(TS_ERR_PEER_FAILED, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64
-                            "): rank %d failed (%s)", t->base.rank, what, op->ulen, d, op->peer, op->tag, op->peer,
-                            dead_why(&t->peers[op->peer]));
+            return ts_error(
+                TS_ERR_PEER_FAILED, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 "): rank %d failed (%s)",
+                t->base.rank, what, op->ulen, d, op->peer, op->tag, op->peer, dead_why(&t->peers[op->peer]));
         if (op->forced != TS_OK)
             return ts_error(op->forced, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 ") cancelled",
                             t->base.rank, what, op->ulen, d, op->peer, op->tag);
@@ -332,9 +325,9 @@ static ts_status op_status(ts_ucx *t, ucx_op *op)
     const char *dir = op->is_recv ? "from" : "to";
     if (op->forced != TS_OK) {
         if (op->forced == TS_ERR_PEER_FAILED)
-            return ts_error(TS_ERR_PEER_FAILED, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64
-                            "): rank %d failed (%s)", t->base.rank, what, op->len, dir, op->peer, op->tag,
-                            op->peer, dead_why(&t->peers[op->peer]));
+            return ts_error(
+                TS_ERR_PEER_FAILED, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 "): rank %d failed (%s)",
+                t->base.rank, what, op->len, dir, op->peer, op->tag, op->peer, dead_why(&t->peers[op->peer]));
         return ts_error(op->forced, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 ") cancelled",
                         t->base.rank, what, op->len, dir, op->peer, op->tag);
     }
@@ -344,18 +337,20 @@ static ts_status op_status(ts_ucx *t, ucx_op *op)
             return TS_OK;
         }
         if (op->is_recv && op->rlen != op->len)
-            return ts_error(TS_ERR_COMM, "ucx: rank %d: receive from rank %d (tag 0x%" PRIx64
-                            "): got %zu bytes, expected %zu", t->base.rank, op->peer, op->tag, op->rlen, op->len);
+            return ts_error(TS_ERR_COMM,
+                            "ucx: rank %d: receive from rank %d (tag 0x%" PRIx64 "): got %zu bytes, expected %zu",
+                            t->base.rank, op->peer, op->tag, op->rlen, op->len);
         return TS_OK;
     }
     if (op->ucs == UCS_ERR_MESSAGE_TRUNCATED)
-        return ts_error(TS_ERR_COMM, "ucx: rank %d: receive from rank %d (tag 0x%" PRIx64
-                        "): message longer than the %zu-byte buffer (%zu bytes reported): %s", t->base.rank,
-                        op->peer, op->tag, op->len, op->rlen, ucs_status_string(op->ucs));
+        return ts_error(TS_ERR_COMM,
+                        "ucx: rank %d: receive from rank %d (tag 0x%" PRIx64
+                        "): message longer than the %zu-byte buffer (%zu bytes reported): %s",
+                        t->base.rank, op->peer, op->tag, op->len, op->rlen, ucs_status_string(op->ucs));
     if (t->peers[op->peer].dead)
-        return ts_error(TS_ERR_PEER_FAILED, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64
-                        "): rank %d failed: %s", t->base.rank, what, op->len, dir, op->peer, op->tag, op->peer,
-                        ucs_status_string(op->ucs));
+        return ts_error(TS_ERR_PEER_FAILED,
+                        "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 "): rank %d failed: %s",
+                        t->base.rank, what, op->len, dir, op->peer, op->tag, op->peer, ucs_status_string(op->ucs));
     return ts_error(TS_ERR_COMM, "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 ") failed: %s",
                     t->base.rank, what, op->len, dir, op->peer, op->tag, ucs_status_string(op->ucs));
 }
@@ -369,16 +364,13 @@ static int run_completions(ts_ucx *t)
     while (t->done_head) {
         ucx_op *op = t->done_head;
         t->done_head = op->next;
-        if (!t->done_head)
-            t->done_tail = NULL;
-        if (op->req)
-            ucp_request_free(op->req);
+        if (!t->done_head) t->done_tail = NULL;
+        if (op->req) ucp_request_free(op->req);
         if (!op->orphan || op->notify) { /* an orphan whose callback has not run yet gets it now */
             op->notify = false;
             ts_status s = op_status(t, op);
             n++;
-            if (op->cb)
-                op->cb(op->arg, s);
+            if (op->cb) op->cb(op->arg, s);
         }
         op_release(t, op);
     }
@@ -393,15 +385,12 @@ static int run_notifies(ts_ucx *t)
     int n = 0;
     for (;;) {
         ucx_op *op = t->pending.next;
-        while (op != &t->pending && !op->notify)
-            op = op->next;
-        if (op == &t->pending)
-            break;
+        while (op != &t->pending && !op->notify) op = op->next;
+        if (op == &t->pending) break;
         op->notify = false;
         ts_status s = op_status(t, op);
         n++;
-        if (op->cb)
-            op->cb(op->arg, s);
+        if (op->cb) op->cb(op->arg, s);
     }
     return n;
 }
@@ -415,18 +404,15 @@ static int run_notifies(ts_ucx *t)
  * The op stays on the pending list until UCX returns it (or destroy). */
 static int handle_dead_peers(ts_ucx *t)
 {
-    if (!t->dead_unhandled)
-        return 0;
+    if (!t->dead_unhandled) return 0;
     t->dead_unhandled = false;
     for (ucx_op *op = t->pending.next, *nx; op != &t->pending; op = nx) {
         nx = op->next; /* ucp_request_cancel may complete op in place, moving it */
-        if (op->orphan || !t->peers[op->peer].dead)
-            continue;
+        if (op->orphan || !t->peers[op->peer].dead) continue;
         op->forced = TS_ERR_PEER_FAILED;
         if (op->is_recv && !op->cancelled) {
             op->cancelled = true;
-            if (op->req)
-                ucp_request_cancel(t->worker, op->req);
+            if (op->req) ucp_request_cancel(t->worker, op->req);
         } else if (!op->is_recv) {
             op->orphan = true;
             op->notify = true;
@@ -442,14 +428,12 @@ static ts_status check_args(ts_ucx *t, const char *what, int peer, const void *b
     if (peer < 0 || peer >= t->base.size)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: %s: peer %d is not a rank of a world of %d", what, peer,
                         t->base.size);
-    if (!buf && len)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: %s: NULL buffer of %zu bytes", what, len);
+    if (!buf && len) return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: %s: NULL buffer of %zu bytes", what, len);
     if (tag >> TS_UCX_RANK_SHIFT)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "ucx: %s: tag 0x%" PRIx64 " uses bits 48..63 (reserved for the source rank)", what, tag);
     if (t->peers[peer].dead)
-        return ts_error(TS_ERR_PEER_FAILED, "ucx: %s: rank %d has failed (%s)", what, peer,
-                        dead_why(&t->peers[peer]));
+        return ts_error(TS_ERR_PEER_FAILED, "ucx: %s: rank %d has failed (%s)", what, peer, dead_why(&t->peers[peer]));
     return TS_OK;
 }
 
@@ -496,20 +480,18 @@ static void count_xfer(ts_ucx *t, ucp_request_param_t *prm, const void *buf, siz
 {
     atomic_fetch_add_explicit(&t->xfers, 1, memory_order_relaxed);
     ucp_mem_h mh = t->n_regions ? region_memh(t, buf, len) : NULL;
-    if (!mh)
-        return;
+    if (!mh) return;
     prm->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     prm->memh = mh;
     atomic_fetch_add_explicit(&t->xfers_memh, 1, memory_order_relaxed);
 }
 
 /* One UCX send (ucx_internal.h). */
-ts_status ts__ucx_send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uint64_t tag, uint64_t xbits,
-                          size_t ulen, const void *inl, ts_xfer_cb cb, void *arg)
+ts_status ts__ucx_send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uint64_t tag, uint64_t xbits, size_t ulen,
+                           const void *inl, ts_xfer_cb cb, void *arg)
 {
     ucx_op *op = op_new(t, peer, len, tag, false, cb, arg);
-    if (!op)
-        return ts_error(TS_ERR_NO_MEMORY, "ucx: send: out of memory");
+    if (!op) return ts_error(TS_ERR_NO_MEMORY, "ucx: send: out of memory");
     op->ulen = ulen;
     op->xbits = xbits;
     if (!buf && inl && len <= sizeof op->inl) {
@@ -522,8 +504,7 @@ ts_status ts__ucx_send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uin
         .user_data = op,
         .datatype = ucp_dt_make_contig(1),
     };
-    if (buf != op->inl && len)
-        count_xfer(t, &prm, buf, len);
+    if (buf != op->inl && len) count_xfer(t, &prm, buf, len);
     ucp_tag_t utag = (((uint64_t)t->base.rank << TS_UCX_RANK_SHIFT) ^ tag) | xbits;
     pending_add(t, op);
     void *r = ucp_tag_send_nbx(t->peers[peer].ep, buf, len, utag, &prm);
@@ -535,38 +516,32 @@ ts_status ts__ucx_send_raw(ts_ucx *t, int peer, const void *buf, size_t len, uin
                         "ucx: rank %d: send of %zu bytes to rank %d (tag 0x%" PRIx64 ") failed: %s", t->base.rank,
                         ulen ? ulen : len, peer, tag, ucs_status_string(us));
     }
-    if (r == NULL)
-        op_finished(op, UCS_OK, len); /* in place: the callback runs from the next progress */
-    else
-        op->req = r;
+    if (r == NULL) op_finished(op, UCS_OK, len); /* in place: the callback runs from the next progress */
+    else op->req = r;
     return TS_OK;
 }
 
 /* One UCX receive (ucx_internal.h). */
 ts_status ts__ucx_recv_raw(ts_ucx *t, int peer, void *buf, size_t len, uint64_t tag, uint64_t xbits, size_t ulen,
-                          ts_xfer_cb cb, void *arg, ucx_op **op_out)
+                           ts_xfer_cb cb, void *arg, ucx_op **op_out)
 {
     ucx_op *op = op_new(t, peer, len, tag, true, cb, arg);
-    if (!op)
-        return ts_error(TS_ERR_NO_MEMORY, "ucx: recv: out of memory");
+    if (!op) return ts_error(TS_ERR_NO_MEMORY, "ucx: recv: out of memory");
     op->ulen = ulen;
     op->xbits = xbits;
-    if (!buf && len && len <= sizeof op->inl)
-        buf = op->inl;
-    if (op_out)
-        *op_out = op;
+    if (!buf && len && len <= sizeof op->inl) buf = op->inl;
+    if (op_out) *op_out = op;
     ucp_request_param_t prm = {
         /* NO_IMM_CMPL: a receive that matches a message already here
          * still calls recv_cb (inside ucp_tag_recv_nbx), which is where the
          * received length comes from; recv_cb only queues the op. */
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE |
-                        UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+            UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
         .cb.recv = recv_cb,
         .user_data = op,
         .datatype = ucp_dt_make_contig(1),
     };
-    if (buf != op->inl && len)
-        count_xfer(t, &prm, buf, len);
+    if (buf != op->inl && len) count_xfer(t, &prm, buf, len);
     ucp_tag_t utag = (((uint64_t)peer << TS_UCX_RANK_SHIFT) ^ tag) | xbits;
     pending_add(t, op);
     void *r = ucp_tag_recv_nbx(t->worker, buf, len, utag, ~(ucp_tag_t)0, &prm);
@@ -574,29 +549,23 @@ ts_status ts__ucx_recv_raw(ts_ucx *t, int peer, void *buf, size_t len, uint64_t 
         ucs_status_t us = UCS_PTR_STATUS(r);
         pending_remove(t, op);
         op_release(t, op);
-        if (op_out)
-            *op_out = NULL;
-        return ts_error(TS_ERR_COMM, "ucx: rank %d: receive of %zu bytes from rank %d (tag 0x%" PRIx64
-                        ") failed: %s", t->base.rank, ulen ? ulen : len, peer, tag, ucs_status_string(us));
+        if (op_out) *op_out = NULL;
+        return ts_error(TS_ERR_COMM, "ucx: rank %d: receive of %zu bytes from rank %d (tag 0x%" PRIx64 ") failed: %s",
+                        t->base.rank, ulen ? ulen : len, peer, tag, ucs_status_string(us));
     }
     if (r == NULL) /* not expected with NO_IMM_CMPL; the length is then unknown */
         op_finished(op, UCS_OK, len);
-    else
-        op->req = r;
+    else op->req = r;
     return TS_OK;
 }
-
-
 
 static ts_status ucx_send(ts_transport *base, int peer, const void *buf, size_t len, uint64_t tag, ts_xfer_cb cb,
                           void *arg)
 {
     ts_ucx *t = (ts_ucx *)base;
     ts_status s = check_args(t, "send", peer, buf, len, tag);
-    if (s != TS_OK)
-        return s;
-    if (len >= TS_UCX_CMA_MIN && t->peers[peer].cma_send)
-        return ts__ucx_shm_send(t, peer, buf, len, tag, cb, arg);
+    if (s != TS_OK) return s;
+    if (len >= TS_UCX_CMA_MIN && t->peers[peer].cma_send) return ts__ucx_shm_send(t, peer, buf, len, tag, cb, arg);
     return ts__ucx_send_raw(t, peer, buf, len, tag, 0, 0, NULL, cb, arg);
 }
 
@@ -604,10 +573,8 @@ static ts_status ucx_recv(ts_transport *base, int peer, void *buf, size_t len, u
 {
     ts_ucx *t = (ts_ucx *)base;
     ts_status s = check_args(t, "recv", peer, buf, len, tag);
-    if (s != TS_OK)
-        return s;
-    if (len >= TS_UCX_CMA_MIN && t->peers[peer].cma_recv)
-        return ts__ucx_shm_recv(t, peer, buf, len, tag, cb, arg);
+    if (s != TS_OK) return s;
+    if (len >= TS_UCX_CMA_MIN && t->peers[peer].cma_recv) return ts__ucx_shm_recv(t, peer, buf, len, tag, cb, arg);
     return ts__ucx_recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg, NULL);
 }
 
@@ -618,15 +585,13 @@ static ts_status ucx_recv_upto(ts_transport *base, int peer, void *buf, size_t l
 {
     ts_ucx *t = (ts_ucx *)base;
     ts_status s = check_args(t, "recv", peer, buf, len, tag);
-    if (s != TS_OK)
-        return s;
+    if (s != TS_OK) return s;
     if (len >= TS_UCX_CMA_MIN || !len_out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: rank %d: recv_upto of %zu bytes from rank %d: %s",
-                        t->base.rank, len, peer, len_out ? "at least the bypass's 256 KiB" : "NULL len_out");
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: rank %d: recv_upto of %zu bytes from rank %d: %s", t->base.rank,
+                        len, peer, len_out ? "at least the bypass's 256 KiB" : "NULL len_out");
     ucx_op *op = NULL;
     s = ts__ucx_recv_raw(t, peer, buf, len, tag, 0, 0, cb, arg, &op);
-    if (s == TS_OK && op)
-        op->len_out = len_out; /* read by op_status, from progress: never before this */
+    if (s == TS_OK && op) op->len_out = len_out; /* read by op_status, from progress: never before this */
     return s;
 }
 
@@ -643,32 +608,26 @@ static ts_status ucx_xferv(ts_ucx *t, bool is_recv, int peer, const ts_iov *iov,
     if (n < 1 || n > TS_IOV_MAX)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: %s of %d pieces (1..%d)", what, n, TS_IOV_MAX);
     size_t total = 0;
-    for (int i = 0; i < n; i++)
-        total += iov[i].len;
+    for (int i = 0; i < n; i++) total += iov[i].len;
     ts_status s = check_args(t, what, peer, iov[0].buf ? iov[0].buf : (void *)iov, total, tag);
-    if (s != TS_OK)
-        return s;
+    if (s != TS_OK) return s;
     if (total >= TS_UCX_CMA_MIN || (is_recv && !len_out))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: rank %d: %s of %zu bytes with rank %d: %s", t->base.rank, what,
                         total, peer, len_out || !is_recv ? "at least the bypass's 256 KiB" : "NULL len_out");
     ucx_op *op = op_new(t, peer, total, tag, is_recv, cb, arg);
-    if (!op)
-        return ts_error(TS_ERR_NO_MEMORY, "ucx: %s: out of memory", what);
+    if (!op) return ts_error(TS_ERR_NO_MEMORY, "ucx: %s: out of memory", what);
     ucp_dt_iov_t *v = (ucp_dt_iov_t *)(void *)op->inl;
-    for (int i = 0; i < n; i++)
-        v[i] = (ucp_dt_iov_t){.buffer = iov[i].buf, .length = iov[i].len};
+    for (int i = 0; i < n; i++) v[i] = (ucp_dt_iov_t){.buffer = iov[i].buf, .length = iov[i].len};
     op->len_out = is_recv ? len_out : NULL;
     atomic_fetch_add_explicit(&t->xfers, 1, memory_order_relaxed);
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE |
-                        (is_recv ? UCP_OP_ATTR_FLAG_NO_IMM_CMPL : 0),
+            (is_recv ? UCP_OP_ATTR_FLAG_NO_IMM_CMPL : 0),
         .user_data = op,
         .datatype = ucp_dt_make_iov(),
     };
-    if (is_recv)
-        prm.cb.recv = recv_cb;
-    else
-        prm.cb.send = send_cb;
+    if (is_recv) prm.cb.recv = recv_cb;
+    else prm.cb.send = send_cb;
     ucp_tag_t utag = ((uint64_t)(is_recv ? peer : t->base.rank) << TS_UCX_RANK_SHIFT) ^ tag;
     pending_add(t, op);
     void *r = is_recv ? ucp_tag_recv_nbx(t->worker, v, (size_t)n, utag, ~(ucp_tag_t)0, &prm)
@@ -681,10 +640,8 @@ static ts_status ucx_xferv(ts_ucx *t, bool is_recv, int peer, const ts_iov *iov,
                         "ucx: rank %d: %s of %zu bytes %s rank %d (tag 0x%" PRIx64 ") failed: %s", t->base.rank, what,
                         total, is_recv ? "from" : "to", peer, tag, ucs_status_string(us));
     }
-    if (r == NULL)
-        op_finished(op, UCS_OK, total); /* a send done in place (a receive is never, with NO_IMM_CMPL) */
-    else
-        op->req = r;
+    if (r == NULL) op_finished(op, UCS_OK, total); /* a send done in place (a receive is never, with NO_IMM_CMPL) */
+    else op->req = r;
     return TS_OK;
 }
 
@@ -707,8 +664,7 @@ static int ucx_progress(ts_transport *base)
     /* a caller spinning on progress calls this every few hundred ns: the
      * clock read of the pid watch (85 ns on a VM) only every 16th call
      * (arm, before every sleep, always checks) */
-    if (++t->pid_tick % 16 == 0)
-        check_peer_pids(t);
+    if (++t->pid_tick % 16 == 0) check_peer_pids(t);
     n += handle_dead_peers(t);
     return n + run_completions(t);
 }
@@ -717,28 +673,20 @@ static ts_status ucx_arm(ts_transport *base)
 {
     ts_ucx *t = (ts_ucx *)base;
     check_peer_pids(t);
-    if (t->done_head || t->dead_unhandled)
-        return TS_ERR_ALREADY;
+    if (t->done_head || t->dead_unhandled) return TS_ERR_ALREADY;
     ucs_status_t us = ucp_worker_arm(t->worker);
-    if (us == UCS_OK)
-        return TS_OK;
-    if (us == UCS_ERR_BUSY)
-        return TS_ERR_ALREADY;
+    if (us == UCS_OK) return TS_OK;
+    if (us == UCS_ERR_BUSY) return TS_ERR_ALREADY;
     return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_arm failed: %s", t->base.rank, ucs_status_string(us));
 }
 
-static int ucx_wait_fd(ts_transport *base)
-{
-    return ((ts_ucx *)base)->efd;
-}
+static int ucx_wait_fd(ts_transport *base) { return ((ts_ucx *)base)->efd; }
 
 static int ucx_failed_peer(ts_transport *base, ts_status *status_out)
 {
     ts_ucx *t = (ts_ucx *)base;
-    if (t->failed_peer < 0)
-        return -1;
-    if (status_out)
-        *status_out = t->failed_status;
+    if (t->failed_peer < 0) return -1;
+    if (status_out) *status_out = t->failed_status;
     /* the others found dead by now too (a lost host takes all its ranks):
      * "...; ranks 2, 3 failed too" */
     char also[160] = "";
@@ -748,10 +696,9 @@ static int ucx_failed_peer(ts_transport *base, ts_status *status_out)
         if (r != t->failed_peer && t->peers[r].dead)
             used += (size_t)snprintf(also + used, sizeof also - used, "%s%d", more++ ? ", " : "", r);
     if (more)
-        ts_error(t->failed_status, "%s; rank%s %s failed too", dead_why(&t->peers[t->failed_peer]),
-                 more > 1 ? "s" : "", also);
-    else
-        ts_error(t->failed_status, "%s", dead_why(&t->peers[t->failed_peer]));
+        ts_error(t->failed_status, "%s; rank%s %s failed too", dead_why(&t->peers[t->failed_peer]), more > 1 ? "s" : "",
+                 also);
+    else ts_error(t->failed_status, "%s", dead_why(&t->peers[t->failed_peer]));
     return t->failed_peer;
 }
 
@@ -771,8 +718,7 @@ static bool drain(ts_ucx *t, double deadline)
 static int count_live_pending(ts_ucx *t)
 {
     int n = 0;
-    for (ucx_op *op = t->pending.next; op != &t->pending; op = op->next)
-        n += !op->orphan;
+    for (ucx_op *op = t->pending.next; op != &t->pending; op = op->next) n += !op->orphan;
     return n;
 }
 
@@ -781,8 +727,7 @@ static void ucx_cancel_all_locked(ts_ucx *t, ts_status status);
 static void ucx_cancel_all(ts_transport *base, ts_status status)
 {
     ts_ucx *t = (ts_ucx *)base;
-    if (t->world_failed == TS_OK)
-        t->world_failed = status != TS_OK ? status : TS_ERR_COMM;
+    if (t->world_failed == TS_OK) t->world_failed = status != TS_OK ? status : TS_ERR_COMM;
     atomic_fetch_add(&g_ucx_teardown, 1);
     ucx_cancel_all_locked(t, status);
     atomic_fetch_sub(&g_ucx_teardown, 1);
@@ -794,17 +739,14 @@ static void ucx_cancel_all_locked(ts_ucx *t, ts_status status)
     (void)base;
     for (ucx_op *op = t->pending.next, *nx; op != &t->pending; op = nx) {
         nx = op->next;
-        if (op->orphan)
-            continue;
-        if (op->forced == TS_OK)
-            op->forced = status;
+        if (op->orphan) continue;
+        if (op->forced == TS_OK) op->forced = status;
         /* a bypass send's acknowledgement receive is cancelled too: the
          * send then ends, its live word is cleared, and a peer that reads
          * the buffer later fails instead of taking what it holds then */
         if (op->is_recv && !op->cancelled) {
             op->cancelled = true;
-            if (op->req)
-                ucp_request_cancel(t->worker, op->req);
+            if (op->req) ucp_request_cancel(t->worker, op->req);
         }
     }
     /* Sends cannot be cancelled in UCX 1.13: they finish (peer alive) or
@@ -824,19 +766,18 @@ static void ucx_cancel_all_locked(ts_ucx *t, ts_status status)
     run_completions(t);
     for (ucx_op *op = t->pending.next, *nx; op != &t->pending; op = nx) {
         nx = op->next;
-        if (op->orphan)
-            continue;
+        if (op->orphan) continue;
         op->orphan = true;
         op->notify = true;
-        ts_logf(ts__ucx_teardown_level(t), "ucx: rank %d: %s of %zu bytes %s rank %d still held by UCX after %.1f s; abandoned",
-                t->base.rank, op->is_recv ? "receive" : "send", op->ulen ? op->ulen : op->len,
-                op->is_recv ? "from" : "to", op->peer, bound);
+        ts_logf(ts__ucx_teardown_level(t),
+                "ucx: rank %d: %s of %zu bytes %s rank %d still held by UCX after %.1f s; abandoned", t->base.rank,
+                op->is_recv ? "receive" : "send", op->ulen ? op->ulen : op->len, op->is_recv ? "from" : "to", op->peer,
+                bound);
         /* a bypass acknowledgement receive kept past the cancellation (its
          * peer was alive) is cancelled now, so that UCX gives it back */
         if (op->is_recv && !op->cancelled) {
             op->cancelled = true;
-            if (op->req)
-                ucp_request_cancel(t->worker, op->req);
+            if (op->req) ucp_request_cancel(t->worker, op->req);
         }
     }
     run_notifies(t);
@@ -848,40 +789,34 @@ static void ucx_cancel_all_locked(ts_ucx *t, ts_status status)
 static void ucx_destroy_quiet(ts_transport *base)
 {
     ts_ucx *t = (ts_ucx *)base;
-    if (!t)
-        return;
+    if (!t) return;
     bool stuck = false;
     if (t->worker) {
         atomic_fetch_add(&g_ucx_teardown, 1);
         run_completions(t);
-        if (count_live_pending(t) > 0)
-            ucx_cancel_all_locked(t, TS_ERR_COMM); /* the teardown count is held */
+        if (count_live_pending(t) > 0) ucx_cancel_all_locked(t, TS_ERR_COMM); /* the teardown count is held */
         /* Force-close every endpoint (local and immediate; PEER mode makes
          * that safe with data in flight), then wait for the closes. A
          * NONE-mode endpoint to a live peer is flush-closed instead. */
         int nclose = t->base.size;
         void **close_reqs = ts__calloc(TS_MEM_COMM, (size_t)nclose, sizeof *close_reqs);
         for (int r = 0; r < t->base.size; r++) {
-            if (!t->peers[r].ep)
-                continue;
+            if (!t->peers[r].ep) continue;
             bool force = !t->peers[r].none_mode || t->peers[r].dead;
             ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
                                        .flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0};
             void *req = ucp_ep_close_nbx(t->peers[r].ep, &prm);
             t->peers[r].ep = NULL;
             if (req && !UCS_PTR_IS_ERR(req)) {
-                if (close_reqs)
-                    close_reqs[r] = req;
-                else
-                    stuck = true; /* cannot track it: do not destroy the worker under it */
+                if (close_reqs) close_reqs[r] = req;
+                else stuck = true; /* cannot track it: do not destroy the worker under it */
             }
         }
         double deadline = now_s() + TS_UCX_DRAIN_S;
         for (;;) {
             bool busy = false;
             for (int r = 0; close_reqs && r < nclose; r++) {
-                if (!close_reqs[r])
-                    continue;
+                if (!close_reqs[r]) continue;
                 if (ucp_request_check_status(close_reqs[r]) == UCS_INPROGRESS) {
                     busy = true;
                 } else {
@@ -896,11 +831,10 @@ static void ucx_destroy_quiet(ts_transport *base)
             ucp_worker_progress(t->worker);
         }
         ts__free(TS_MEM_COMM, close_reqs);
-        if (!drain(t, now_s() + 0.5))
-            stuck = true;
+        if (!drain(t, now_s() + 0.5)) stuck = true;
         if (stuck) {
-            ts_logf(ts__ucx_teardown_level(t), "ucx: rank %d: requests still held by UCX at destroy; leaking the worker",
-                    t->base.rank);
+            ts_logf(ts__ucx_teardown_level(t),
+                    "ucx: rank %d: requests still held by UCX at destroy; leaking the worker", t->base.rank);
         } else {
             ucp_worker_destroy(t->worker);
         }
@@ -911,10 +845,8 @@ static void ucx_destroy_quiet(ts_transport *base)
         t->n_regions = 0;
         ucp_cleanup(t->ctx);
     }
-    if (!stuck)
-        ts__free(TS_MEM_COMM, t->regions);
-    if (t->worker)
-        atomic_fetch_sub(&g_ucx_teardown, 1);
+    if (!stuck) ts__free(TS_MEM_COMM, t->regions);
+    if (t->worker) atomic_fetch_sub(&g_ucx_teardown, 1);
     while (t->free_ops) { /* UCX holds none of these */
         ucx_op *op = t->free_ops;
         t->free_ops = op->next;
@@ -950,22 +882,19 @@ static ts_status ucx_mem_register(ts_transport *base, void *addr, size_t len, vo
     if (t->n_regions == t->cap_regions) {
         int cap = t->cap_regions ? 2 * t->cap_regions : 16;
         ucx_region *nr = ts__calloc(TS_MEM_COMM, (size_t)cap, sizeof *nr);
-        if (!nr)
-            return ts_error(TS_ERR_NO_MEMORY, "ucx: mem_register: out of memory");
-        if (t->n_regions)
-            memcpy(nr, t->regions, (size_t)t->n_regions * sizeof *nr);
+        if (!nr) return ts_error(TS_ERR_NO_MEMORY, "ucx: mem_register: out of memory");
+        if (t->n_regions) memcpy(nr, t->regions, (size_t)t->n_regions * sizeof *nr);
         ts__free(TS_MEM_COMM, t->regions);
         t->regions = nr;
         t->cap_regions = cap;
     }
-    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-                               .address = addr,
-                               .length = len};
+    ucp_mem_map_params_t mp = {
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH, .address = addr, .length = len};
     ucp_mem_h mh = NULL;
     ucs_status_t us = ucp_mem_map(t->ctx, &mp, &mh);
     if (us != UCS_OK)
-        return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_mem_map of %zu bytes at %p failed: %s", t->base.rank, len,
-                        addr, ucs_status_string(us));
+        return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_mem_map of %zu bytes at %p failed: %s", t->base.rank, len, addr,
+                        ucs_status_string(us));
     int at = t->n_regions;
     while (at > 0 && t->regions[at - 1].addr > (uintptr_t)addr) {
         t->regions[at] = t->regions[at - 1];
@@ -981,8 +910,7 @@ static void ucx_mem_deregister(ts_transport *base, void *handle)
 {
     ts_ucx *t = (ts_ucx *)base;
     for (int i = 0; i < t->n_regions; i++) {
-        if (t->regions[i].memh != handle)
-            continue;
+        if (t->regions[i].memh != handle) continue;
         ucp_mem_unmap(t->ctx, t->regions[i].memh);
         memmove(&t->regions[i], &t->regions[i + 1], (size_t)(t->n_regions - i - 1) * sizeof *t->regions);
         t->n_regions--;
@@ -993,10 +921,8 @@ static void ucx_mem_deregister(ts_transport *base, void *handle)
 static void ucx_xfer_stats(ts_transport *base, uint64_t *posted_out, uint64_t *registered_out)
 {
     ts_ucx *t = (ts_ucx *)base;
-    if (posted_out)
-        *posted_out = atomic_load_explicit(&t->xfers, memory_order_relaxed);
-    if (registered_out)
-        *registered_out = atomic_load_explicit(&t->xfers_memh, memory_order_relaxed);
+    if (posted_out) *posted_out = atomic_load_explicit(&t->xfers, memory_order_relaxed);
+    if (registered_out) *registered_out = atomic_load_explicit(&t->xfers_memh, memory_order_relaxed);
 }
 
 /* The direct collectives' test (transport.h, peer_pid): the same
@@ -1004,8 +930,7 @@ static void ucx_xfer_stats(ts_transport *base, uint64_t *posted_out, uint64_t *r
 static int ucx_peer_pid(ts_transport *base, int peer)
 {
     ts_ucx *t = (ts_ucx *)base;
-    if (peer < 0 || peer >= t->base.size || peer == t->base.rank)
-        return 0;
+    if (peer < 0 || peer >= t->base.size || peer == t->base.rank) return 0;
     const ucx_peer *p = &t->peers[peer];
     return p->same_host && p->cma_recv && p->cma_send ? (int)p->pid : 0;
 }
@@ -1046,23 +971,25 @@ ts_status ts__ucx_addr_decode(const void *val, size_t len, int rank, const char 
 {
     ts_ucx_addr_hdr h;
     if (len <= TS_UCX_HDR)
-        return ts_error(TS_ERR_FORMAT, "ucx: rank %d: the store's '%s' (%zu bytes) is not a tensorshard UCX address: "
-                        "not longer than its %zu-byte header", rank, key, len, (size_t)TS_UCX_HDR);
+        return ts_error(TS_ERR_FORMAT,
+                        "ucx: rank %d: the store's '%s' (%zu bytes) is not a tensorshard UCX address: "
+                        "not longer than its %zu-byte header",
+                        rank, key, len, (size_t)TS_UCX_HDR);
     memcpy(&h, val, TS_UCX_HDR);
     if (h.magic != TS_UCX_MAGIC)
-        return ts_error(TS_ERR_FORMAT, "ucx: rank %d: the store's '%s' (%zu bytes) is not a tensorshard UCX address: "
-                        "magic 0x%08x, expected 0x%08x", rank, key, len, (unsigned)h.magic, (unsigned)TS_UCX_MAGIC);
+        return ts_error(TS_ERR_FORMAT,
+                        "ucx: rank %d: the store's '%s' (%zu bytes) is not a tensorshard UCX address: "
+                        "magic 0x%08x, expected 0x%08x",
+                        rank, key, len, (unsigned)h.magic, (unsigned)TS_UCX_MAGIC);
     *out = (ts_ucx_addr){.hdr = h, .worker = (const unsigned char *)val + TS_UCX_HDR, .worker_len = len - TS_UCX_HDR};
     return TS_OK;
 }
 
 /* ------------------------------------------------------------- create */
 
-
 static void env_default(const char *name, const char *value)
 {
-    if (!getenv(name))
-        setenv(name, value, 0);
+    if (!getenv(name)) setenv(name, value, 0);
 }
 
 /* The kernel's TCP keepalive on UCX's tcp sockets (UCX_TCP_KEEPIDLE,
@@ -1081,20 +1008,15 @@ static void env_default(const char *name, const char *value)
 static void tcp_keepalive_defaults(double timeout_s)
 {
     const char *tls = getenv("UCX_TLS");
-    if (!tls || !(strstr(tls, "tcp") || strstr(tls, "all") || tls[0] == '^'))
-        return;
+    if (!tls || !(strstr(tls, "tcp") || strstr(tls, "all") || tls[0] == '^')) return;
     const double idle = 10.0;
     double span = timeout_s > idle ? timeout_s - idle : 0.0;
     double intvl = ceil(span / 127.0);
-    if (intvl < 2.0)
-        intvl = 2.0;
-    if (intvl > 3600.0)
-        intvl = 3600.0;
+    if (intvl < 2.0) intvl = 2.0;
+    if (intvl > 3600.0) intvl = 3600.0;
     double cnt = ceil(span / intvl);
-    if (cnt < 3.0)
-        cnt = 3.0;
-    if (cnt > 127.0)
-        cnt = 127.0;
+    if (cnt < 3.0) cnt = 3.0;
+    if (cnt > 127.0) cnt = 127.0;
     char buf[32];
     snprintf(buf, sizeof buf, "%.0fs", idle);
     env_default("UCX_TCP_KEEPIDLE", buf);
@@ -1109,19 +1031,16 @@ static void tcp_keepalive_defaults(double timeout_s)
  * and which are on other hosts (the network). */
 static void log_hosts(const ts_ucx *t)
 {
-    if (!TS_LOG_ENABLED(TS_LOG_INFO))
-        return;
+    if (!TS_LOG_ENABLED(TS_LOG_INFO)) return;
     char same[512] = "", other[512] = "";
     size_t ns = 0, no = 0;
     for (int r = 0; r < t->base.size; r++) {
-        if (r == t->base.rank)
-            continue;
+        if (r == t->base.rank) continue;
         const ucx_peer *p = &t->peers[r];
         char *buf = p->same_host ? same : other;
         size_t *used = p->same_host ? &ns : &no;
         if (*used + 24 >= sizeof same) {
-            if (*used + 4 < sizeof same)
-                *used += (size_t)snprintf(buf + *used, sizeof same - *used, " ...");
+            if (*used + 4 < sizeof same) *used += (size_t)snprintf(buf + *used, sizeof same - *used, " ...");
             continue;
         }
         *used += (size_t)snprintf(buf + *used, sizeof same - *used, "%s%d%s", *used ? " " : "", r,
@@ -1129,7 +1048,6 @@ static void log_hosts(const ts_ucx *t)
     }
     ts_logf(TS_LOG_INFO, "ucx: rank %d: same host: [%s]; other hosts: [%s]", t->base.rank, same, other);
 }
-
 
 /* The knobs of one transport, read from the environment at creation. */
 typedef struct ucx_knobs {
@@ -1152,20 +1070,18 @@ typedef struct ucx_knobs {
 static ts_status check_new(ts_store *store, const char *prefix, int rank, int size, double timeout_s,
                            ts_transport **out, ucx_knobs *k)
 {
-    if (!store || !prefix || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: NULL store, prefix or out");
+    if (!store || !prefix || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: NULL store, prefix or out");
     if (size < 1 || size > TS_UCX_MAX_SIZE || rank < 0 || rank >= size)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: rank %d of a world of %d (1..%d ranks)", rank, size,
                         TS_UCX_MAX_SIZE);
-    if (!(timeout_s > 0))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: timeout %g s is not positive", timeout_s);
+    if (!(timeout_s > 0)) return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: timeout %g s is not positive", timeout_s);
     const char *em = getenv("TS_UCX_ERROR_MODE");
     k->local_none = false;
     if (em && *em) {
-        if (strcmp(em, "local-none") == 0)
-            k->local_none = true;
+        if (strcmp(em, "local-none") == 0) k->local_none = true;
         else if (strcmp(em, "peer") != 0)
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: TS_UCX_ERROR_MODE='%s' (expected 'peer' or 'local-none')", em);
+            return ts_error(TS_ERR_INVALID_ARGUMENT, "ucx: TS_UCX_ERROR_MODE='%s' (expected 'peer' or 'local-none')",
+                            em);
     }
     const char *pw = getenv("TS_UCX_PID_WATCH");
     k->pid_watch = !(pw && strcmp(pw, "0") == 0);
@@ -1191,8 +1107,7 @@ static void env_defaults(double timeout_s)
 static ts_ucx *ucx_alloc(int rank, int size)
 {
     ts_ucx *t = ts__calloc(TS_MEM_COMM, 1, sizeof *t);
-    if (!t)
-        return NULL;
+    if (!t) return NULL;
     t->base.vt = &ucx_vtable;
     t->base.rank = rank;
     t->base.size = size;
@@ -1245,8 +1160,7 @@ static ts_status open_worker(ts_ucx *t)
     ucs_status_t us = ucp_worker_create(t->ctx, &wp, &t->worker);
     if (us != UCS_OK) {
         t->worker = NULL;
-        return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_create failed: %s", t->base.rank,
-                        ucs_status_string(us));
+        return ts_error(TS_ERR_COMM, "ucx: rank %d: ucp_worker_create failed: %s", t->base.rank, ucs_status_string(us));
     }
     us = ucp_worker_get_efd(t->worker, &t->efd);
     if (us != UCS_OK)
@@ -1315,21 +1229,19 @@ static ts_status connect_peer(ts_ucx *t, ts_store *store, const char *prefix, in
     p->same_host = same_host;
     p->pid = same_host ? (pid_t)a.hdr.pid : 0;
     bool other_ns = false; /* the same host name, but another pid namespace (containers) */
-    if (same_host) /* can this rank read that process? (its published cookie) */
+    if (same_host)         /* can this rank read that process? (its published cookie) */
         other_ns = ts__ucx_shm_probe(p, &a.hdr);
     if (same_host && k->pid_watch && !other_ns) {
         int fd = ts__host_watch((pid_t)a.hdr.pid);
-        if (fd >= 0)
-            p->pidfd = fd;
-        else if (errno == ESRCH) { /* gone already */
-            p->exited = true;
+        if (fd >= 0) p->pidfd = fd;
+        else if (errno == ESRCH) { /* gone already */ p->exited = true;
             ts__ucx_mark_dead(t, p, UCS_ERR_CONNECTION_RESET);
         }
     }
     p->none_mode = k->local_none && p->pidfd >= 0;
     ucp_ep_params_t ep = {
-        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .field_mask =
+            UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER,
         .address = (const ucp_address_t *)a.worker,
         .err_mode = p->none_mode ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER,
         .err_handler = {.cb = ep_err_cb, .arg = p},
@@ -1354,8 +1266,7 @@ static ts_status connect_peers(ts_ucx *t, ts_store *store, const char *prefix, c
     ts_store_set_timeout(store, timeout_s);
     for (int i = 0; i < t->base.size; i++) {
         ts_status s = connect_peer(t, store, prefix, (t->base.rank + i) % t->base.size, host, k, timeout_s);
-        if (s != TS_OK)
-            return s;
+        if (s != TS_OK) return s;
     }
     return TS_OK;
 }
@@ -1365,12 +1276,10 @@ ts_status ts__ucx_transport_new(ts_store *store, const char *prefix, int rank, i
 {
     ucx_knobs k = {0};
     ts_status s = check_new(store, prefix, rank, size, timeout_s, out, &k);
-    if (s != TS_OK)
-        return s;
+    if (s != TS_OK) return s;
     env_defaults(timeout_s);
     ts_ucx *t = ucx_alloc(rank, size);
-    if (!t)
-        return ts_error(TS_ERR_NO_MEMORY, "ucx: out of memory");
+    if (!t) return ts_error(TS_ERR_NO_MEMORY, "ucx: out of memory");
     char host[TS_UCX_HOST_LEN];
     ts__host_id(TS_HOST_ID_NET, host, sizeof host);
     if ((s = open_context(t)) != TS_OK || (s = open_worker(t)) != TS_OK ||

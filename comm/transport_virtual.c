@@ -53,9 +53,21 @@ static ts_status v_recvv_upto(ts_transport *t, int peer, const ts_iov *iov, int 
     return refuse(t, peer);
 }
 
-static int v_progress(ts_transport *t) { (void)t; return 0; }
-static ts_status v_arm(ts_transport *t) { (void)t; return TS_OK; }
-static int v_wait_fd(ts_transport *t) { (void)t; return -1; }
+static int v_progress(ts_transport *t)
+{
+    (void)t;
+    return 0;
+}
+static ts_status v_arm(ts_transport *t)
+{
+    (void)t;
+    return TS_OK;
+}
+static int v_wait_fd(ts_transport *t)
+{
+    (void)t;
+    return -1;
+}
 static int v_failed_peer(ts_transport *t, ts_status *status_out)
 {
     (void)t, (void)status_out;

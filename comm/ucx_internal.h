@@ -43,10 +43,10 @@ struct ucx_op {
     size_t len;
     uint64_t tag;
     ucs_status_t ucs;
-    size_t rlen; /* received length */
+    size_t rlen;     /* received length */
     size_t *len_out; /* recv_upto: where the received length goes (NULL: len exactly) */
-    size_t ulen; /* shared-memory bypass: the bytes of the transfer this message serves (0: none) */
-    uint64_t xbits; /* 0, TS_UCX_CTRL or TS_UCX_ACK */
+    size_t ulen;     /* shared-memory bypass: the bytes of the transfer this message serves (0: none) */
+    uint64_t xbits;  /* 0, TS_UCX_CTRL or TS_UCX_ACK */
     /* the bypass's control and acknowledgement payloads live in the op, so
      * that they stay valid for as long as UCX holds the op */
     _Alignas(8) unsigned char inl[48];
@@ -58,14 +58,14 @@ typedef struct ucx_peer {
     ucp_ep_h ep;
     bool dead;
     ucs_status_t dead_status;
-    int pidfd; /* same-host peer's process (pidfd_open), -1 if none */
-    bool exited; /* found dead by its pidfd rather than by UCX */
-    bool none_mode; /* endpoint in UCP_ERR_HANDLING_MODE_NONE (TS_UCX_ERROR_MODE=local-none) */
-    bool same_host; /* on this host (host_id: kernel, pid and network namespace), self excluded */
-    pid_t pid;      /* same-host peer's process */
+    int pidfd;                    /* same-host peer's process (pidfd_open), -1 if none */
+    bool exited;                  /* found dead by its pidfd rather than by UCX */
+    bool none_mode;               /* endpoint in UCP_ERR_HANDLING_MODE_NONE (TS_UCX_ERROR_MODE=local-none) */
+    bool same_host;               /* on this host (host_id: kernel, pid and network namespace), self excluded */
+    pid_t pid;                    /* same-host peer's process */
     uint64_t cookie_addr, cookie; /* its published cookie (the bypass's identity check) */
-    bool cma_recv;  /* this rank reads the peer's large messages (bypass) */
-    bool cma_send;  /* the peer reads this rank's large messages */
+    bool cma_recv;                /* this rank reads the peer's large messages (bypass) */
+    bool cma_send;                /* the peer reads this rank's large messages */
 } ucx_peer;
 
 struct ts_ucx {
@@ -116,11 +116,11 @@ static inline ts_log_level ts__ucx_teardown_level(const ts_ucx *t)
 #define TS_UCX_MAGIC 0x32555354u /* "TSU2" */
 
 typedef struct ts_ucx_addr_hdr {
-    uint32_t magic;              /* TS_UCX_MAGIC */
-    int32_t pid;                 /* the publishing process */
-    char host[TS_UCX_HOST_LEN];  /* its ts__host_id(TS_HOST_ID_NET) */
-    uint64_t cookie_addr;        /* where its bypass cookie lives (ucx_shm.c) */
-    uint64_t cookie;             /* the cookie's value */
+    uint32_t magic;             /* TS_UCX_MAGIC */
+    int32_t pid;                /* the publishing process */
+    char host[TS_UCX_HOST_LEN]; /* its ts__host_id(TS_HOST_ID_NET) */
+    uint64_t cookie_addr;       /* where its bypass cookie lives (ucx_shm.c) */
+    uint64_t cookie;            /* the cookie's value */
 } ts_ucx_addr_hdr;
 
 #define TS_UCX_HDR sizeof(ts_ucx_addr_hdr)

@@ -56,15 +56,13 @@ uint64_t ts__ucx_shm_cookie(void)
     if (!g_cma_cookie) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
-        g_cma_cookie = ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 20) ^ 0x9e3779b97f4a7c15ull;
+        g_cma_cookie =
+            ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 20) ^ 0x9e3779b97f4a7c15ull;
     }
     return g_cma_cookie;
 }
 
-uint64_t ts__ucx_shm_cookie_addr(void)
-{
-    return (uint64_t)(uintptr_t)&g_cma_cookie;
-}
+uint64_t ts__ucx_shm_cookie_addr(void) { return (uint64_t)(uintptr_t)&g_cma_cookie; }
 
 /* ------------------------------------------------------------ transfers */
 
@@ -91,12 +89,12 @@ typedef struct cma_tx {
     int peer;
     size_t len;
     uint64_t tag, nonce;
-    int parts;       /* pieces not finished */
-    bool suppress;   /* the caller got the error synchronously: no callback */
-    ts_status st;    /* the first piece's failure */
+    int parts;     /* pieces not finished */
+    bool suppress; /* the caller got the error synchronously: no callback */
+    ts_status st;  /* the first piece's failure */
     char err[256];
-    int64_t ack;     /* the receiver's status */
-    ucx_op *ack_op;  /* the acknowledgement receive in flight */
+    int64_t ack;    /* the receiver's status */
+    ucx_op *ack_op; /* the acknowledgement receive in flight */
     /* nonce while the receiver may read the buffer; cleared when the send
      * ends, so that a receiver reading after an abandoned send (the world
      * failed, the buffer was reused) finds out and fails instead of
@@ -110,13 +108,11 @@ static void tx_finish(cma_tx *x)
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (!x->suppress) {
         ts_status s = x->st;
-        if (s)
-            ts_error(s, "%s", x->err);
+        if (s) ts_error(s, "%s", x->err);
         else if (x->ack != 0)
             s = ts_error(TS_ERR_COMM, "ucx: rank %d: rank %d could not read the %zu bytes sent to it: %s",
                          x->t->base.rank, x->peer, x->len, ts_status_name((ts_status)x->ack));
-        if (x->cb)
-            x->cb(x->arg, s);
+        if (x->cb) x->cb(x->arg, s);
     }
     ts__free(TS_MEM_COMM, x);
 }
@@ -133,8 +129,7 @@ static void tx_sent(void *arg, ts_status st)
 {
     cma_tx *x = arg;
     tx_fail(x, st);
-    if (--x->parts == 0)
-        tx_finish(x);
+    if (--x->parts == 0) tx_finish(x);
 }
 
 static void tx_acked(void *arg, ts_status st)
@@ -146,26 +141,29 @@ static void tx_acked(void *arg, ts_status st)
     if (!st && a.nonce != x->nonce) {
         /* an acknowledgement left over from an abandoned transfer with the
          * same peer and tag: not ours; wait for ours */
-        ts_status s = ts__ucx_recv_raw(x->t, x->peer, NULL, sizeof(cma_ack), x->tag, TS_UCX_ACK, x->len, tx_acked, x,
-                               &x->ack_op);
-        if (!s)
-            return;
+        ts_status s =
+            ts__ucx_recv_raw(x->t, x->peer, NULL, sizeof(cma_ack), x->tag, TS_UCX_ACK, x->len, tx_acked, x, &x->ack_op);
+        if (!s) return;
         st = s;
     }
     tx_fail(x, st);
-    if (!st)
-        x->ack = a.status;
-    if (--x->parts == 0)
-        tx_finish(x);
+    if (!st) x->ack = a.status;
+    if (--x->parts == 0) tx_finish(x);
 }
 
 ts_status ts__ucx_shm_send(ts_ucx *t, int peer, const void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
 {
     cma_tx *x = ts__calloc(TS_MEM_COMM, 1, sizeof *x);
-    if (!x)
-        return ts_error(TS_ERR_NO_MEMORY, "ucx: send: out of memory");
-    *x = (cma_tx){.t = t, .cb = cb, .arg = arg, .peer = peer, .len = len, .tag = tag, .nonce = ++t->cma_nonce,
-                  .ack = -1, .parts = 1};
+    if (!x) return ts_error(TS_ERR_NO_MEMORY, "ucx: send: out of memory");
+    *x = (cma_tx){.t = t,
+                  .cb = cb,
+                  .arg = arg,
+                  .peer = peer,
+                  .len = len,
+                  .tag = tag,
+                  .nonce = ++t->cma_nonce,
+                  .ack = -1,
+                  .parts = 1};
     x->live = x->nonce;
     /* the acknowledgement receive first: once the control message is out,
      * the peer may read the buffer, and only its acknowledgement says when
@@ -186,8 +184,7 @@ ts_status ts__ucx_shm_send(ts_ucx *t, int peer, const void *buf, size_t len, uin
         if (op && !op->cancelled) {
             op->cancelled = true;
             op->forced = s;
-            if (op->req)
-                ucp_request_cancel(t->worker, op->req);
+            if (op->req) ucp_request_cancel(t->worker, op->req);
         }
         return s;
     }
@@ -222,8 +219,10 @@ static ts_status cma_read(ts_ucx *t, int peer, void *buf, const cma_msg *m, size
     size_t got = 0;
     int e = ts__xmem_readv(p->pid, l, 2, r, 2, &got);
     if ((got > 0 && got < 8) || (got >= 8 && cookie != p->cookie))
-        return ts_error(TS_ERR_PEER_FAILED, "ucx: rank %d: rank %d's process (pid %d) is gone; its %zu bytes "
-                        "cannot be read", t->base.rank, peer, (int)p->pid, len);
+        return ts_error(TS_ERR_PEER_FAILED,
+                        "ucx: rank %d: rank %d's process (pid %d) is gone; its %zu bytes "
+                        "cannot be read",
+                        t->base.rank, peer, (int)p->pid, len);
     if (e) {
         size_t done = got > 8 ? got - 8 : 0;
         bool dead = e == ESRCH || p->dead;
@@ -232,8 +231,8 @@ static ts_status cma_read(ts_ucx *t, int peer, void *buf, const cma_msg *m, size
             ts__ucx_mark_dead(t, p, UCS_ERR_CONNECTION_RESET);
         }
         return ts_error(dead ? TS_ERR_PEER_FAILED : TS_ERR_COMM,
-                        "ucx: rank %d: reading %zu bytes from rank %d (pid %d) failed after %zu: %s", t->base.rank,
-                        len, peer, (int)p->pid, done, strerror(e));
+                        "ucx: rank %d: reading %zu bytes from rank %d (pid %d) failed after %zu: %s", t->base.rank, len,
+                        peer, (int)p->pid, done, strerror(e));
     }
     /* the sender still waits for this transfer (so nothing it read was
      * reused under it): its live word holds the nonce */
@@ -262,25 +261,23 @@ static void rx_ctrl(void *arg, ts_status st)
         cma_ack a = {m.nonce, st};
         if (!t->peers[y->peer].dead &&
             ts__ucx_send_raw(t, y->peer, NULL, sizeof a, y->tag, TS_UCX_ACK, y->len, &a, NULL, NULL) != TS_OK)
-            ts_logf(ts__ucx_teardown_level(t), "ucx: rank %d: could not acknowledge %zu bytes to rank %d: %s; it will wait until "
-                    "its deadline", t->base.rank, y->len, y->peer, ts_last_error());
-        if (st)
-            ts_error(st, "%s", err);
+            ts_logf(ts__ucx_teardown_level(t),
+                    "ucx: rank %d: could not acknowledge %zu bytes to rank %d: %s; it will wait until "
+                    "its deadline",
+                    t->base.rank, y->len, y->peer, ts_last_error());
+        if (st) ts_error(st, "%s", err);
     }
     ts__free(TS_MEM_COMM, y);
-    if (cb)
-        cb(cb_arg, st);
+    if (cb) cb(cb_arg, st);
 }
 
 ts_status ts__ucx_shm_recv(ts_ucx *t, int peer, void *buf, size_t len, uint64_t tag, ts_xfer_cb cb, void *arg)
 {
     cma_rx *y = ts__calloc(TS_MEM_COMM, 1, sizeof *y);
-    if (!y)
-        return ts_error(TS_ERR_NO_MEMORY, "ucx: recv: out of memory");
+    if (!y) return ts_error(TS_ERR_NO_MEMORY, "ucx: recv: out of memory");
     *y = (cma_rx){.t = t, .cb = cb, .arg = arg, .peer = peer, .buf = buf, .len = len, .tag = tag};
     ts_status s = ts__ucx_recv_raw(t, peer, NULL, sizeof(cma_msg), tag, TS_UCX_CTRL, len, rx_ctrl, y, &y->ctrl_op);
-    if (s)
-        ts__free(TS_MEM_COMM, y);
+    if (s) ts__free(TS_MEM_COMM, y);
     return s;
 }
 
@@ -303,25 +300,19 @@ ts_status ts__ucx_shm_agree(ts_ucx *t, ts_store *store, const char *prefix, bool
     ts_status s;
     snprintf(key, sizeof key, "%s/ucx/cmaon/%d", prefix, rank);
     char on_c = cma_on ? '1' : '0';
-    if ((s = ts_store_set(store, key, &on_c, 1)) != TS_OK)
-        return s;
+    if ((s = ts_store_set(store, key, &on_c, 1)) != TS_OK) return s;
     for (int r = 0; r < size; r++) {
-        if (!t->peers[r].same_host)
-            continue;
+        if (!t->peers[r].same_host) continue;
         snprintf(key, sizeof key, "%s/ucx/cma/%d/%d", prefix, rank, r);
         char one = t->peers[r].cma_recv && cma_on ? '1' : '0';
-        if ((s = ts_store_set(store, key, &one, 1)) != TS_OK)
-            return s;
+        if ((s = ts_store_set(store, key, &one, 1)) != TS_OK) return s;
     }
     for (int r = 0; r < size; r++) {
-        if (!t->peers[r].same_host)
-            continue;
+        if (!t->peers[r].same_host) continue;
         bool vals[2] = {false, false};
         for (int k = 0; k < 2; k++) {
-            if (k == 0)
-                snprintf(key, sizeof key, "%s/ucx/cmaon/%d", prefix, r);
-            else
-                snprintf(key, sizeof key, "%s/ucx/cma/%d/%d", prefix, r, rank);
+            if (k == 0) snprintf(key, sizeof key, "%s/ucx/cmaon/%d", prefix, r);
+            else snprintf(key, sizeof key, "%s/ucx/cma/%d/%d", prefix, r, rank);
             void *v = NULL;
             size_t vlen = 0;
             if ((s = ts_store_get(store, key, &v, &vlen)) != TS_OK) {

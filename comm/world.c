@@ -35,7 +35,12 @@ void ts__comm_set_fp_inline(ts_comm *c, size_t bytes)
 }
 
 static ts_comm g_local = {
-    .w = NULL, .rank = 0, .size = 1, .gid = 0, .seq = 0, .stats_mu = PTHREAD_MUTEX_INITIALIZER,
+    .w = NULL,
+    .rank = 0,
+    .size = 1,
+    .gid = 0,
+    .seq = 0,
+    .stats_mu = PTHREAD_MUTEX_INITIALIZER,
 };
 
 /* The world ts_dist_init published (NULL when none); world.c owns it,
@@ -131,7 +136,8 @@ static ts_status world_start_thread(world *w, ts_comm *c, ts_transport *t)
 ts_status ts__world_new(ts_transport *t, double timeout_s, ts_comm **world_out)
 {
     if (!t || !world_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__world_new: NULL argument");
-    if (t->size > 128) return ts_error(TS_ERR_UNSUPPORTED, "ts__world_new: %d ranks; the tag layout allows 128", t->size);
+    if (t->size > 128)
+        return ts_error(TS_ERR_UNSUPPORTED, "ts__world_new: %d ranks; the tag layout allows 128", t->size);
     ts_comm *c = ts__calloc(TS_MEM_COMM, 1, sizeof *c);
     world *w = ts__calloc(TS_MEM_COMM, 1, sizeof *w);
     if (!c || !w) {
@@ -211,7 +217,7 @@ void ts__world_free(ts_comm *c)
     }
     w->t->vt->destroy(w->t); /* runs the notice receives' callbacks (cancelled) */
     ts_store_close(w->store);
-    ts__comm_flush_traces(w);         /* none left by the thread's last round; a thread-less world's */
+    ts__comm_flush_traces(w); /* none left by the thread's last round; a thread-less world's */
     while (w->op_cache) {
         op *o = w->op_cache;
         w->op_cache = o->next;

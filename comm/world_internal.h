@@ -130,9 +130,9 @@ struct world {
     /* the progress lock (see the top of this file): its holder alone calls
      * the transport and touches everything below */
     pthread_mutex_t prog_mu;
-    atomic_int driving; /* callers driving progress in ts_request_wait */
-    atomic_int live;    /* ops submitted and not finished */
-    atomic_bool traced; /* spans wait in `traces` */
+    atomic_int driving;         /* callers driving progress in ts_request_wait */
+    atomic_int live;            /* ops submitted and not finished */
+    atomic_bool traced;         /* spans wait in `traces` */
     _Atomic uint64_t caller_ns; /* when a caller last ran a round (0: never); see ts__comm_takeover_ns */
     atomic_bool sleeping;       /* the thread sleeps without a timeout */
     atomic_bool deferring;      /* the thread sleeps until its take-over (takeover_sleep) */
@@ -152,8 +152,8 @@ struct world {
     ts_status pend_st;
     bool pend_notify;
     char pend_msg[ERR_LEN];
-    int suspect;          /* world rank seen dead first (-1: none) */
-    uint64_t suspect_ns;  /* when (0: none) */
+    int suspect;         /* world rank seen dead first (-1: none) */
+    uint64_t suspect_ns; /* when (0: none) */
     /* told when this rank fails its world by its own finding (ts__world_set_fail_hook) */
     ts__world_fail_hook fail_hook;
     void *fail_hook_arg;
@@ -228,12 +228,12 @@ struct op {
      * buffer (reductions); `owned` if allocated here */
     unsigned char *buf;
     bool owned;
-    size_t block;      /* bytes per block */
-    size_t block_n;    /* accumulation elements per block */
-    ts_dtype acc;      /* accumulation dtype */
+    size_t block;   /* bytes per block */
+    size_t block_n; /* accumulation elements per block */
+    ts_dtype acc;   /* accumulation dtype */
     ts_reduce_op rop;
     unsigned char *stage[2];
-    unsigned char *scratch;  /* pool block behind buf (when owned) */
+    unsigned char *scratch; /* pool block behind buf (when owned) */
     size_t scratch_bytes;
     unsigned char *sscratch; /* pool block behind the stages and send0 */
     size_t sscratch_bytes;
@@ -245,8 +245,8 @@ struct op {
     double pre;
     unsigned char *final_out;
     ts_dtype final_dtype;
-    unsigned char *send0;    /* step 0's block (src's, or converted) */
-    bool rs, ag;       /* phases this op runs */
+    unsigned char *send0; /* step 0's block (src's, or converted) */
+    bool rs, ag;          /* phases this op runs */
     bool rs_done, ag_started, ag_done;
     int ag_recvd;
     bool bc_recvd, bc_sent, bc_started;
@@ -256,13 +256,13 @@ struct op {
     /* finalization (all-reduce with an accumulation copy): buf -> out */
     void *out;
     ts_dtype out_dtype;
-    size_t out_n;      /* elements to write */
-    double post;       /* divide by (1: none) */
-    xfer *x;           /* (phase 0/1/fp) x (send/recv) x W (in the op's block) */
-    int *map;          /* group rank -> world rank (W entries, in the op's block) */
-    unsigned char **outs; /* list all-gather: W output blocks (owned array) */
+    size_t out_n;           /* elements to write */
+    double post;            /* divide by (1: none) */
+    xfer *x;                /* (phase 0/1/fp) x (send/recv) x W (in the op's block) */
+    int *map;               /* group rank -> world rank (W entries, in the op's block) */
+    unsigned char **outs;   /* list all-gather: W output blocks (owned array) */
     unsigned char *a2a_out; /* all-to-all: the output (W blocks) */
-    int peer;          /* send / recv: the group rank */
+    int peer;               /* send / recv: the group rank */
     /* TS_DISTRIBUTED_DEBUG=DETAIL */
     uint64_t gid, submit_ns;
     uint32_t seq;
@@ -310,7 +310,10 @@ typedef struct saved_err {
 } saved_err;
 /* The block of ring position b (mod W) of o's buffer, and of its
  * reduce-scatter source. */
-static inline unsigned char *ts__comm_blk(op *o, int b) { return o->buf + (size_t)((b % o->W + o->W) % o->W) * o->block; }
+static inline unsigned char *ts__comm_blk(op *o, int b)
+{
+    return o->buf + (size_t)((b % o->W + o->W) % o->W) * o->block;
+}
 
 static inline const unsigned char *ts__comm_src_blk(const op *o, int b)
 {

@@ -83,8 +83,7 @@ void ts__host_id(ts_host_id_kind kind, char *out, size_t n)
     ts__host_parts(boot, sizeof boot, pidns, sizeof pidns, netns, sizeof netns);
     if (kind == TS_HOST_ID_PIDS) {
         for (char *p = pidns; *p; p++)
-            if (*p == ' ')
-                *p = '_';
+            if (*p == ' ') *p = '_';
         snprintf(out, n, "%s/%s", boot, pidns);
         return;
     }
@@ -95,12 +94,6 @@ void ts__host_id(ts_host_id_kind kind, char *out, size_t n)
              q ? (int)strcspn(q + 1, "]") : 1, q ? q + 1 : "?");
 }
 
-bool ts__host_same(const char *mine, const char *peer, size_t n)
-{
-    return strncmp(mine, peer, n) == 0;
-}
+bool ts__host_same(const char *mine, const char *peer, size_t n) { return strncmp(mine, peer, n) == 0; }
 
-int ts__host_watch(pid_t pid)
-{
-    return (int)syscall(SYS_pidfd_open, pid, 0);
-}
+int ts__host_watch(pid_t pid) { return (int)syscall(SYS_pidfd_open, pid, 0); }

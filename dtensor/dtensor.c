@@ -43,10 +43,8 @@ char *ts_placement_str(ts_placement p, char *buf, size_t len)
     case TS_PLACEMENT_PARTIAL: {
         static const char *const ops[TS_REDUCE_OP_COUNT] = {"sum", "avg", "max", "min"};
         _Static_assert(TS_REDUCE_OP_COUNT == 4, "reduce op names");
-        if ((unsigned)p.op < TS_REDUCE_OP_COUNT)
-            snprintf(buf, len, "Partial(%s)", ops[p.op]);
-        else
-            snprintf(buf, len, "Partial(op %d)", (int)p.op);
+        if ((unsigned)p.op < TS_REDUCE_OP_COUNT) snprintf(buf, len, "Partial(%s)", ops[p.op]);
+        else snprintf(buf, len, "Partial(op %d)", (int)p.op);
         break;
     }
     default: snprintf(buf, len, "Placement(kind %d)", (int)p.kind); break;
@@ -158,14 +156,16 @@ static ts_status check_placements(const char *op, const mesh_info *mi, const ts_
                                 "placements (placements %s)",
                                 op, ts_placement_str(p, one, sizeof one), i, pl_list(pb, sizeof pb, mi->n, pl));
             if ((unsigned)p.op >= TS_REDUCE_OP_COUNT)
-                return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: placement %s on mesh dim %d has an unknown reduce op "
-                                "(placements %s)", op, ts_placement_str(p, one, sizeof one), i,
-                                pl_list(pb, sizeof pb, mi->n, pl));
+                return ts_error(TS_ERR_INVALID_ARGUMENT,
+                                "%s: placement %s on mesh dim %d has an unknown reduce op "
+                                "(placements %s)",
+                                op, ts_placement_str(p, one, sizeof one), i, pl_list(pb, sizeof pb, mi->n, pl));
             break;
         default:
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: placement %s on mesh dim %d has an unknown kind "
-                            "(placements %s)", op, ts_placement_str(p, one, sizeof one), i,
-                            pl_list(pb, sizeof pb, mi->n, pl));
+            return ts_error(TS_ERR_INVALID_ARGUMENT,
+                            "%s: placement %s on mesh dim %d has an unknown kind "
+                            "(placements %s)",
+                            op, ts_placement_str(p, one, sizeof one), i, pl_list(pb, sizeof pb, mi->n, pl));
         }
     }
     return TS_OK;
@@ -301,8 +301,10 @@ static ts_status fetch_from_src(ts_tensor *full, const ts_mesh *mesh, const mesh
                       "must pass a tensor of the source's shape and dtype)",
                       src_rank, shape_str(b, sizeof b, src_nd, src_sh), ts_dtype_name(src_dt));
     } else if (fv[FLAG_SRC_FAILED]) {
-        st = ts_error(TS_ERR_COMM, "distribute_tensor: another rank failed to prepare the broadcast of source rank "
-                      "%d's tensor %s %s", src_rank, shape_str(b, sizeof b, src_nd, src_sh), ts_dtype_name(src_dt));
+        st = ts_error(TS_ERR_COMM,
+                      "distribute_tensor: another rank failed to prepare the broadcast of source rank "
+                      "%d's tensor %s %s",
+                      src_rank, shape_str(b, sizeof b, src_nd, src_sh), ts_dtype_name(src_dt));
     }
     if (st != TS_OK) goto done;
     if (ts_tensor_numel(buf) > 0 && (st = mesh_broadcast(mesh, mi, src_coord, buf)) != TS_OK) goto done;
@@ -319,8 +321,10 @@ ts_status ts_distribute_tensor(ts_tensor *full, const ts_mesh *mesh, const ts_pl
                                ts_dtensor **out)
 {
     if (!full || !mesh || !placements || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "distribute_tensor: NULL argument (full %p, mesh %p, placements %p, "
-                        "out %p)", (void *)full, (const void *)mesh, (const void *)placements, (void *)out);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "distribute_tensor: NULL argument (full %p, mesh %p, placements %p, "
+                        "out %p)",
+                        (void *)full, (const void *)mesh, (const void *)placements, (void *)out);
     mesh_info mi;
     get_mesh_info(mesh, &mi);
     char pb[256], sb[128];
@@ -328,17 +332,16 @@ ts_status ts_distribute_tensor(ts_tensor *full, const ts_mesh *mesh, const ts_pl
     if (st != TS_OK) return st;
     int64_t msize = ts_mesh_size(mesh, NULL);
     if (src_rank >= msize)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "distribute_tensor: src_rank %d is outside the mesh of %lld ranks "
-                        "(placements %s, tensor %s)", src_rank, (long long)msize,
-                        pl_list(pb, sizeof pb, mi.n, placements),
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "distribute_tensor: src_rank %d is outside the mesh of %lld ranks "
+                        "(placements %s, tensor %s)",
+                        src_rank, (long long)msize, pl_list(pb, sizeof pb, mi.n, placements),
                         shape_str(sb, sizeof sb, ts_tensor_ndim(full), ts_tensor_shape(full)));
 
     bool prev = ts_grad_mode_set(false);
     ts_tensor *src = NULL, *local = NULL;
-    if (src_rank >= 0)
-        st = fetch_from_src(full, mesh, &mi, src_rank, &src);
-    else
-        st = ts_tensor_local_view(full, &src);
+    if (src_rank >= 0) st = fetch_from_src(full, mesh, &mi, src_rank, &src);
+    else st = ts_tensor_local_view(full, &src);
     if (st == TS_OK)
         st = check_placements("distribute_tensor", &mi, placements, ts_tensor_ndim(src), ts_tensor_shape(src), false);
     if (st == TS_OK) {
@@ -366,12 +369,14 @@ ts_status ts_distribute_tensor(ts_tensor *full, const ts_mesh *mesh, const ts_pl
 
 /* ------------------------------------------------------------ from_local */
 
-ts_status ts_dtensor_from_local(ts_tensor *local, const ts_mesh *mesh, const ts_placement *placements,
-                                int global_ndim, const int64_t *global_shape, ts_dtensor **out)
+ts_status ts_dtensor_from_local(ts_tensor *local, const ts_mesh *mesh, const ts_placement *placements, int global_ndim,
+                                const int64_t *global_shape, ts_dtensor **out)
 {
     if (!local || !mesh || !placements || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "dtensor_from_local: NULL argument (local %p, mesh %p, placements "
-                        "%p, out %p)", (void *)local, (const void *)mesh, (const void *)placements, (void *)out);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "dtensor_from_local: NULL argument (local %p, mesh %p, placements "
+                        "%p, out %p)",
+                        (void *)local, (const void *)mesh, (const void *)placements, (void *)out);
     mesh_info mi;
     get_mesh_info(mesh, &mi);
     int nd = ts_tensor_ndim(local);
@@ -382,16 +387,21 @@ ts_status ts_dtensor_from_local(ts_tensor *local, const ts_mesh *mesh, const ts_
     int64_t gshape[TS_MAX_DIMS] = {0};
     if (global_shape) {
         if (global_ndim != nd)
-            return ts_error(TS_ERR_SHAPE, "dtensor_from_local: global shape %s has %d dims but the local tensor %s "
-                            "has %d (placements %s)", shape_str(a, sizeof a, global_ndim < 0 ? 0 :
-                                                                global_ndim > TS_MAX_DIMS ? TS_MAX_DIMS : global_ndim,
-                                                                global_shape),
+            return ts_error(TS_ERR_SHAPE,
+                            "dtensor_from_local: global shape %s has %d dims but the local tensor %s "
+                            "has %d (placements %s)",
+                            shape_str(a, sizeof a,
+                                      global_ndim < 0                 ? 0
+                                          : global_ndim > TS_MAX_DIMS ? TS_MAX_DIMS
+                                                                      : global_ndim,
+                                      global_shape),
                             global_ndim, shape_str(b, sizeof b, nd, lsh), nd, pl_list(pb, sizeof pb, mi.n, placements));
         for (int d = 0; d < nd; d++) {
             if (global_shape[d] < 0)
-                return ts_error(TS_ERR_SHAPE, "dtensor_from_local: global shape %s has a negative size "
-                                "(placements %s)", shape_str(a, sizeof a, nd, global_shape),
-                                pl_list(pb, sizeof pb, mi.n, placements));
+                return ts_error(TS_ERR_SHAPE,
+                                "dtensor_from_local: global shape %s has a negative size "
+                                "(placements %s)",
+                                shape_str(a, sizeof a, nd, global_shape), pl_list(pb, sizeof pb, mi.n, placements));
             gshape[d] = global_shape[d];
         }
     } else {
@@ -403,10 +413,11 @@ ts_status ts_dtensor_from_local(ts_tensor *local, const ts_mesh *mesh, const ts_
     local_geometry(&mi, placements, mi.n, nd, gshape, want, NULL);
     for (int d = 0; d < nd; d++)
         if (want[d] != lsh[d])
-            return ts_error(TS_ERR_SHAPE, "dtensor_from_local: local tensor %s is not this rank's chunk %s of the "
-                            "global shape %s under placements %s", shape_str(a, sizeof a, nd, lsh),
-                            shape_str(b, sizeof b, nd, want), shape_str(c, sizeof c, nd, gshape),
-                            pl_list(pb, sizeof pb, mi.n, placements));
+            return ts_error(TS_ERR_SHAPE,
+                            "dtensor_from_local: local tensor %s is not this rank's chunk %s of the "
+                            "global shape %s under placements %s",
+                            shape_str(a, sizeof a, nd, lsh), shape_str(b, sizeof b, nd, want),
+                            shape_str(c, sizeof c, nd, gshape), pl_list(pb, sizeof pb, mi.n, placements));
     return new_dtensor(mesh, &mi, placements, nd, gshape, ts_tensor_retain(local), out);
 }
 
@@ -499,8 +510,10 @@ static ts_status step_error(redist_ctx *x, ts_status st, const char *what, int i
 {
     char a[256], b[256], sb[128], one[48], two[48], cause[512];
     snprintf(cause, sizeof cause, "%s", ts_last_error()); /* ts_error writes the buffer it would read */
-    return ts_error(st, "redistribute: %s on mesh dim %d (%s -> %s) failed for global shape %s, placements %s -> "
-                    "%s: %s", what, i, ts_placement_str(x->d->pl[i], one, sizeof one),
+    return ts_error(st,
+                    "redistribute: %s on mesh dim %d (%s -> %s) failed for global shape %s, placements %s -> "
+                    "%s: %s",
+                    what, i, ts_placement_str(x->d->pl[i], one, sizeof one),
                     ts_placement_str(x->tgt[i], two, sizeof two), shape_str(sb, sizeof sb, x->d->ndim, x->d->shape),
                     pl_list(a, sizeof a, x->mi->n, x->d->pl), pl_list(b, sizeof b, x->mi->n, x->tgt), cause);
 }
@@ -597,12 +610,9 @@ static ts_status do_all_reduce(redist_ctx *x, ts_tensor **t, int i, ts_reduce_op
 static void plan(const ts_placement *src, const ts_placement *tgt, int n, ts_placement *mid)
 {
     for (int i = 0; i < n; i++) {
-        if (same_pl(src[i], tgt[i]))
-            mid[i] = src[i];
-        else if (src[i].kind == TS_PLACEMENT_PARTIAL && tgt[i].kind == TS_PLACEMENT_SHARD)
-            mid[i] = tgt[i];
-        else
-            mid[i] = ts_replicate();
+        if (same_pl(src[i], tgt[i])) mid[i] = src[i];
+        else if (src[i].kind == TS_PLACEMENT_PARTIAL && tgt[i].kind == TS_PLACEMENT_SHARD) mid[i] = tgt[i];
+        else mid[i] = ts_replicate();
     }
     bool changed = true;
     while (changed) {
@@ -624,8 +634,7 @@ static void plan(const ts_placement *src, const ts_placement *tgt, int n, ts_pla
 
 /* Runs the plan; *out gets a contiguous local tensor for tgt, owned by the
  * caller (d's own local tensor, retained, when nothing changes). */
-static ts_status redistribute_local(const ts_dtensor *d, const mesh_info *mi, const ts_placement *tgt,
-                                    ts_tensor **out)
+static ts_status redistribute_local(const ts_dtensor *d, const mesh_info *mi, const ts_placement *tgt, ts_tensor **out)
 {
     int n = mi->n;
     bool all_same = true;
@@ -646,12 +655,9 @@ static ts_status redistribute_local(const ts_dtensor *d, const mesh_info *mi, co
     for (int i = n - 1; i >= 0 && st == TS_OK; i--) {
         ts_placement s = d->pl[i], m = mid[i];
         if (same_pl(s, m)) continue;
-        if (s.kind == TS_PLACEMENT_SHARD)
-            st = do_gather(&x, &t, i, s.dim);
-        else if (m.kind == TS_PLACEMENT_SHARD)
-            st = do_reduce_scatter(&x, &t, i, m.dim, s.op);
-        else
-            st = do_all_reduce(&x, &t, i, s.op);
+        if (s.kind == TS_PLACEMENT_SHARD) st = do_gather(&x, &t, i, s.dim);
+        else if (m.kind == TS_PLACEMENT_SHARD) st = do_reduce_scatter(&x, &t, i, m.dim, s.op);
+        else st = do_all_reduce(&x, &t, i, s.op);
         x.cur[i] = m;
     }
     /* phase 2: local chunks, first mesh dim to last */
@@ -669,8 +675,10 @@ static ts_status redistribute_local(const ts_dtensor *d, const mesh_info *mi, co
         for (int k = 0; k < d->ndim && st == TS_OK; k++) {
             if (ts_tensor_shape(t)[k] == want[k]) continue;
             char a[256], b[256], sa[128], sb[128], sg[128];
-            st = ts_error(TS_ERR_INTERNAL, "redistribute: local result %s is not the chunk %s of global shape %s "
-                          "under placements %s (from %s)", shape_str(sa, sizeof sa, d->ndim, ts_tensor_shape(t)),
+            st = ts_error(TS_ERR_INTERNAL,
+                          "redistribute: local result %s is not the chunk %s of global shape %s "
+                          "under placements %s (from %s)",
+                          shape_str(sa, sizeof sa, d->ndim, ts_tensor_shape(t)),
                           shape_str(sb, sizeof sb, d->ndim, want), shape_str(sg, sizeof sg, d->ndim, d->shape),
                           pl_list(b, sizeof b, n, tgt), pl_list(a, sizeof a, n, d->pl));
         }
@@ -704,9 +712,11 @@ ts_status ts_dtensor_redistribute(const ts_dtensor *d, const ts_placement *place
     for (int i = 0; i < mi.n; i++) {
         ts_placement s = d->pl[i], t = placements[i];
         if (t.kind == TS_PLACEMENT_PARTIAL && !same_pl(s, t))
-            return ts_error(TS_ERR_UNSUPPORTED, "redistribute: %s -> %s on mesh dim %d is not supported "
+            return ts_error(TS_ERR_UNSUPPORTED,
+                            "redistribute: %s -> %s on mesh dim %d is not supported "
                             "(redistributing to Partial is for internal use only; global shape %s, placements "
-                            "%s -> %s)", ts_placement_str(s, one, sizeof one), ts_placement_str(t, two, sizeof two), i,
+                            "%s -> %s)",
+                            ts_placement_str(s, one, sizeof one), ts_placement_str(t, two, sizeof two), i,
                             shape_str(sb, sizeof sb, d->ndim, d->shape), pl_list(a, sizeof a, mi.n, d->pl),
                             pl_list(b, sizeof b, mi.n, placements));
     }

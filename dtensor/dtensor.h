@@ -48,8 +48,8 @@ typedef enum ts_placement_kind {
 
 typedef struct ts_placement {
     ts_placement_kind kind;
-    int dim;            /* Shard: the tensor dim (>= 0) */
-    ts_reduce_op op;    /* Partial: TS_REDUCE_SUM or TS_REDUCE_AVG (MAX, MIN also work) */
+    int dim;         /* Shard: the tensor dim (>= 0) */
+    ts_reduce_op op; /* Partial: TS_REDUCE_SUM or TS_REDUCE_AVG (MAX, MIN also work) */
 } ts_placement;
 
 static inline ts_placement ts_shard(int dim) { return (ts_placement){TS_PLACEMENT_SHARD, dim, TS_REDUCE_SUM}; }

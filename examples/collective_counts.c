@@ -30,8 +30,7 @@ static void print_counts(const char *label)
     printf("%s{", label);
     bool first = true;
     for (int k = 0; k < TS_COLL_KIND_COUNT; k++) {
-        if (c.calls[k] == 0)
-            continue;
+        if (c.calls[k] == 0) continue;
         const char *name = coll_name((ts_coll_kind)k);
         printf("%s\"%s\": %llu", first ? "" : ", ", name ? name : "other", (unsigned long long)c.calls[k]);
         first = false;
@@ -42,8 +41,7 @@ static void print_counts(const char *label)
 static ts_status count_fsdp(void *ctx, const char *fqn, ts_module *m)
 {
     (void)fqn;
-    if (ts_module_is_fsdp(m))
-        (*(int *)ctx)++;
+    if (ts_module_is_fsdp(m)) (*(int *)ctx)++;
     return TS_OK;
 }
 
@@ -88,7 +86,10 @@ static void run(ts_reshard_policy policy, const char *label)
 int main(int argc, char **argv)
 {
     /* no flags: --help prints this, anything else is refused (exit 2) */
-    ex_parse_flags(argc, argv, "Seed 001: the all-gathers and reduce-scatters of one step of three sharded blocks, with reshard_after_forward true and false. Run under tsrun --nproc-per-node 2.", NULL, 0);
+    ex_parse_flags(argc, argv,
+                   "Seed 001: the all-gathers and reduce-scatters of one step of three sharded blocks, with "
+                   "reshard_after_forward true and false. Run under tsrun --nproc-per-node 2.",
+                   NULL, 0);
     CHECK(ts_launch_rank_guard());
     CHECK(ts_dist_init(NULL));
     run(TS_RESHARD_TRUE, "True");

@@ -20,13 +20,13 @@
 
 #include "tensorshard.h"
 
-#define CHECK(expr)                                                                                \
-    do {                                                                                           \
-        ts_status st_ = (expr);                                                                    \
-        if (st_ != TS_OK) {                                                                        \
-            fprintf(stderr, "error: %s: %s: %s\n", #expr, ts_status_name(st_), ts_last_error());   \
-            exit(1);                                                                               \
-        }                                                                                          \
+#define CHECK(expr) \
+    do { \
+        ts_status st_ = (expr); \
+        if (st_ != TS_OK) { \
+            fprintf(stderr, "error: %s: %s: %s\n", #expr, ts_status_name(st_), ts_last_error()); \
+            exit(1); \
+        } \
     } while (0)
 
 static inline double ex_now(void)
@@ -56,8 +56,7 @@ static inline char *ex_grammar_corpus(size_t len, uint64_t seed)
     static const char *verb[] = {"sees", "likes", "chases", "finds", "follows"};
     static const char *end[] = {".", "!", " today.", " again."};
     ts_generator *g;
-    if (ts_generator_new(seed, &g))
-        return NULL;
+    if (ts_generator_new(seed, &g)) return NULL;
     char *s = malloc(len + 64);
     if (!s) {
         ts_generator_free(g);
@@ -69,8 +68,7 @@ static inline char *ex_grammar_corpus(size_t len, uint64_t seed)
         const char *a1 = PICK(adj), *a2 = PICK(adj);
         n += (size_t)snprintf(s + n, len + 64 - n, "%s %s%s%s %s %s %s%s%s%s\n", PICK(det), a1, *a1 ? " " : "",
                               PICK(noun), PICK(verb), PICK(det), a2, *a2 ? " " : "", PICK(noun), PICK(end));
-        if (n > len)
-            n = len;
+        if (n > len) n = len;
     }
 #undef PICK
     s[n] = '\0';
@@ -97,11 +95,11 @@ typedef struct ex_flag {
     const char *name;    /* "--steps" */
     const char *metavar; /* "N" */
     ex_flag_kind kind;
-    void *value;         /* holds the default; written when the flag is given */
-    double min, max;     /* numbers: the accepted range */
-    bool min_exclusive;  /* doubles: the value must be above min */
-    const char *help;    /* one line */
-    bool given;          /* set by ex_parse_flags */
+    void *value;        /* holds the default; written when the flag is given */
+    double min, max;    /* numbers: the accepted range */
+    bool min_exclusive; /* doubles: the value must be above min */
+    const char *help;   /* one line */
+    bool given;         /* set by ex_parse_flags */
 } ex_flag;
 
 static inline const char *ex_prog_name(const char *argv0)
@@ -150,8 +148,7 @@ static inline void ex_range_str(const ex_flag *fl, char *buf, size_t cap)
         snprintf(buf, cap, "%s %g and at most %g", fl->min_exclusive ? "above" : "at least", fl->min, fl->max);
     else if (fl->kind == EX_FLAG_U64 && fl->max >= 18446744073709551615.0)
         snprintf(buf, cap, "an integer from %.0f to %llu", fl->min, (unsigned long long)UINT64_MAX);
-    else
-        snprintf(buf, cap, "an integer from %.0f to %.0f", fl->min, fl->max);
+    else snprintf(buf, cap, "an integer from %.0f to %.0f", fl->min, fl->max);
 }
 
 /* Parses one value for fl; 0, or -1 after printing the error. */
@@ -274,16 +271,14 @@ static inline int ex_open_regular(const char *prog, const char *flag, const char
         errno = 0;
     }
     if (fd < 0) {
-        const char *what = S_ISDIR(sb.st_mode)    ? "is a directory, not a file"
-                           : S_ISFIFO(sb.st_mode) ? "is a FIFO (named pipe), not a regular file"
-                           : S_ISSOCK(sb.st_mode) ? "is a socket, not a regular file"
-                           : S_ISCHR(sb.st_mode) || S_ISBLK(sb.st_mode) ? "is a device, not a regular file"
-                           : !S_ISREG(sb.st_mode) ? "is not a regular file"
-                                                  : NULL;
-        if (what)
-            fprintf(stderr, "%s: %s '%s' %s\n", prog, flag, path, what);
-        else
-            fprintf(stderr, "%s: %s '%s': %s\n", prog, flag, path, strerror(errno ? errno : EINVAL));
+        const char *what = S_ISDIR(sb.st_mode)           ? "is a directory, not a file"
+            : S_ISFIFO(sb.st_mode)                       ? "is a FIFO (named pipe), not a regular file"
+            : S_ISSOCK(sb.st_mode)                       ? "is a socket, not a regular file"
+            : S_ISCHR(sb.st_mode) || S_ISBLK(sb.st_mode) ? "is a device, not a regular file"
+            : !S_ISREG(sb.st_mode)                       ? "is not a regular file"
+                                                         : NULL;
+        if (what) fprintf(stderr, "%s: %s '%s' %s\n", prog, flag, path, what);
+        else fprintf(stderr, "%s: %s '%s': %s\n", prog, flag, path, strerror(errno ? errno : EINVAL));
         return -1;
     }
     return fd;
@@ -340,12 +335,9 @@ static inline int ex_check_writable(const char *prog, const char *flag, const ch
 {
     char dir[4096];
     const char *slash = strrchr(path, '/');
-    if (!slash)
-        snprintf(dir, sizeof dir, ".");
-    else if (slash == path)
-        snprintf(dir, sizeof dir, "/");
-    else
-        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (slash == path) snprintf(dir, sizeof dir, "/");
+    else snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
     struct stat sb;
     if (stat(dir, &sb) != 0) {
         fprintf(stderr, "%s: %s '%s': the folder '%s' %s\n", prog, flag, path, dir,

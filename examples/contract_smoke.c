@@ -36,7 +36,10 @@ static void values(ts_tensor *t, float *buf, int64_t n)
 int main(int argc, char **argv)
 {
     /* no flags: --help prints this, anything else is refused (exit 2) */
-    ex_parse_flags(argc, argv, "Seed 003's one-rank contract, in one process without a launcher: SequentialFSDPModule, output shape, an SGD step, the already-applied error.", NULL, 0);
+    ex_parse_flags(argc, argv,
+                   "Seed 003's one-rank contract, in one process without a launcher: SequentialFSDPModule, output "
+                   "shape, an SGD step, the already-applied error.",
+                   NULL, 0);
     ts_manual_seed(0);
     ts_module *k[3], *model;
     CHECK(ts_linear_new(4, 8, true, &k[0]));

@@ -49,8 +49,7 @@ static ts_status block_forward(ts_module *m, int n_in, ts_tensor *const *in, int
     if (!b->skip_gain) /* the slot read at each call: it holds the gathered gain */
         TS_SCOPED(s, h, ts_mul(h, b->gain, &h));
     TS_SCOPED(s, y, ts_add(x, h, &y));
-    if (m->training)
-        ((int64_t *)ts_tensor_data(b->num_batches_tracked))[0] += 1;
+    if (m->training) ((int64_t *)ts_tensor_data(b->num_batches_tracked))[0] += 1;
     return ts_scope_return(s, 1, &y, n_out, out);
 }
 
@@ -68,8 +67,11 @@ static int block_extra_repr(const ts_module *m, char *buf, size_t cap)
     return snprintf(buf, cap, "dim=%lld", (long long)((const residual_block *)m)->dim);
 }
 
-static const ts_module_vtable block_vt = {.type_name = "ResidualBlock", .forward = block_forward, .n_inputs = 1,
-                                          .extra_repr = block_extra_repr, .reset_parameters = block_reset};
+static const ts_module_vtable block_vt = {.type_name = "ResidualBlock",
+                                          .forward = block_forward,
+                                          .n_inputs = 1,
+                                          .extra_repr = block_extra_repr,
+                                          .reset_parameters = block_reset};
 
 static ts_status residual_block_new(int64_t dim, bool skip_gain, ts_module **out)
 {
@@ -107,8 +109,7 @@ static ts_status train_step(ts_module *model, ts_optim *opt, ts_tensor *x, ts_te
     TS_SCOPED(s, avg, ts_detach(loss, &avg)); /* the ranks' means, averaged */
     TS_SCOPE_TRY(s, ts_all_reduce(ts_dist_world(), avg, TS_REDUCE_AVG, NULL));
     TS_SCOPE_TRY(s, ts_tensor_item(avg, &v));
-    if (rank == 0)
-        printf("step %2d loss %.8f\n", step, v);
+    if (rank == 0) printf("step %2d loss %.8f\n", step, v);
     return ts_scope_end(s);
 }
 
@@ -118,8 +119,7 @@ static ts_status train(ts_module *model, ts_optim *opt, int rank, int world, int
     int64_t rows = BATCH / world, row0 = rank * rows;
     float xs[BATCH * IN], ys[BATCH];
     for (int64_t r = 0; r < rows; r++) {
-        for (int j = 0; j < IN; j++)
-            xs[r * IN + j] = (float)xval(row0 + r, j);
+        for (int j = 0; j < IN; j++) xs[r * IN + j] = (float)xval(row0 + r, j);
         double x0 = xval(row0 + r, 0), x1 = xval(row0 + r, 1), x2 = xval(row0 + r, 2), x3 = xval(row0 + r, 3);
         ys[r] = (float)(sin(2.0 * x0) + 0.5 * x1 * x2 - 0.3 * x3 * x3);
     }
@@ -127,8 +127,7 @@ static ts_status train(ts_module *model, ts_optim *opt, int rank, int world, int
     ts_tensor *x, *y, *nbt, *gain; /* nbt and gain borrowed from their slots */
     TS_SCOPED(s, x, ts_tensor_from_data(TS_F32, 2, (int64_t[]){rows, IN}, xs, &x));
     TS_SCOPED(s, y, ts_tensor_from_data(TS_F32, 2, (int64_t[]){rows, 1}, ys, &y));
-    for (int step = 0; step < STEPS; step++)
-        TS_SCOPE_TRY(s, train_step(model, opt, x, y, rank, step));
+    for (int step = 0; step < STEPS; step++) TS_SCOPE_TRY(s, train_step(model, opt, x, y, rank, step));
     /* the buffer counted every training forward, on every rank (not
      * sharded: each rank has its own whole copy) */
     double count = 0;
@@ -139,8 +138,7 @@ static ts_status train(ts_module *model, ts_optim *opt, int rank, int world, int
         TS_SCOPE_TRY(s, ts_module_get_parameter(model, "1.gain", &gain));
         const float *gv = ts_tensor_data(gain);
         int64_t n = ts_tensor_numel(gain), moved = 0;
-        for (int64_t i = 0; i < n; i++)
-            moved += gv[i] != 0.5f;
+        for (int64_t i = 0; i < n; i++) moved += gv[i] != 0.5f;
         printf("rank %d: 1.gain rows trained %lld of %lld%s\n", rank, (long long)moved, (long long)n,
                rank == skip_gain_rank ? " (this rank skips gain)" : "");
     }
@@ -170,16 +168,15 @@ static ts_status shard_and_train(ts_module *model, int rank, int world, int skip
     TS_TRY(ts_module_parameters(model, &params));
     ts_status st = ts_adamw_new(params.n, params.items, &ao, &opt);
     ts_param_list_free(&params);
-    if (!st)
-        st = train(model, opt, rank, world, skip_gain_rank);
+    if (!st) st = train(model, opt, rank, world, skip_gain_rank);
     ts_optim_free(opt);
     return st;
 }
 
 static ts_status run(int rank, int world, int skip_gain_rank)
 {
-    TS_CHECK(BATCH % world == 0, TS_ERR_INVALID_ARGUMENT, "the batch of %d rows does not split over %d ranks",
-             BATCH, world);
+    TS_CHECK(BATCH % world == 0, TS_ERR_INVALID_ARGUMENT, "the batch of %d rows does not split over %d ranks", BATCH,
+             world);
     ts_manual_seed(0); /* every rank builds the same model */
     ts_module *k[4] = {NULL, NULL, NULL, NULL}, *model = NULL;
     ts_status st = ts_linear_new(IN, HID, true, &k[0]);
@@ -187,11 +184,9 @@ static ts_status run(int rank, int world, int skip_gain_rank)
     if (!st) st = residual_block_new(HID, rank == skip_gain_rank, &k[2]);
     if (!st) st = ts_linear_new(HID, 1, true, &k[3]);
     if (!st) st = ts_sequential_new(4, k, &model); /* owns them from here */
-    if (!st)
-        st = shard_and_train(model, rank, world, skip_gain_rank);
+    if (!st) st = shard_and_train(model, rank, world, skip_gain_rank);
     else
-        for (int i = 0; i < 4; i++)
-            ts_module_free(k[i]);
+        for (int i = 0; i < 4; i++) ts_module_free(k[i]);
     ts_module_free(model);
     fflush(stdout);
     return st;
@@ -205,13 +200,15 @@ int main(int argc, char **argv)
         {"--skip-gain-rank", "R", EX_FLAG_INT, &skip_gain_rank, -1, 1 << 20, false,
          "this rank's blocks do not use gain (its backward gives it no gradient; -1: none)", false},
     };
-    ex_parse_flags(argc, argv, "A user-defined module type (a residual block with a child, a parameter and a buffer), printed, summarised, sharded bottom-up and trained with AdamW. Alone, or under tsrun.", flags, 1);
+    ex_parse_flags(argc, argv,
+                   "A user-defined module type (a residual block with a child, a parameter and a buffer), printed, "
+                   "summarised, sharded bottom-up and trained with AdamW. Alone, or under tsrun.",
+                   flags, 1);
     CHECK(ts_launch_rank_guard());
     CHECK(ts_dist_init(NULL)); /* the world from tsrun (or mpirun, srun); one rank alone */
     int rank = ts_comm_rank(ts_dist_world()), world = ts_comm_size(ts_dist_world());
     ts_status st = run(rank, world, skip_gain_rank);
-    if (st)
-        fprintf(stderr, "rank %d: error: %s: %s\n", rank, ts_status_name(st), ts_last_error());
+    if (st) fprintf(stderr, "rank %d: error: %s: %s\n", rank, ts_status_name(st), ts_last_error());
     fflush(stdout);
     ts_status fst = ts_dist_finalize();
     return st || fst ? 1 : 0;

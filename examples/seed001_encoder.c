@@ -29,10 +29,12 @@ enum { LAYERS = 4, D_MODEL = 128, NHEAD = 4, STEPS = 5 };
 
 static void usage(FILE *f, const char *prog)
 {
-    fprintf(f, "usage: %s [--dropout P] [--batch-first] [--seed S] [--help]\n"
-               "  --dropout P    dropout of every layer, in [0, 1) (default 0.1)\n"
-               "  --batch-first  batch_first=True layers and x = randn(16, 8, 128)\n"
-               "  --seed S       ts_manual_seed(S) before building (default 0)\n", prog);
+    fprintf(f,
+            "usage: %s [--dropout P] [--batch-first] [--seed S] [--help]\n"
+            "  --dropout P    dropout of every layer, in [0, 1) (default 0.1)\n"
+            "  --batch-first  batch_first=True layers and x = randn(16, 8, 128)\n"
+            "  --seed S       ts_manual_seed(S) before building (default 0)\n",
+            prog);
 }
 
 /* Strict parses: the whole string, in range; a message names the flag. */
@@ -88,8 +90,7 @@ int main(int argc, char **argv)
             return 2;
         }
         const char *v = argv[++i];
-        if (!strcmp(a, "--dropout") ? !parse_double(a, v, 0.0, 1.0, &dropout) : !parse_u64(a, v, &seed))
-            return 2;
+        if (!strcmp(a, "--dropout") ? !parse_double(a, v, 0.0, 1.0, &dropout) : !parse_u64(a, v, &seed)) return 2;
     }
 
     ts_launch_rank_guard();
@@ -104,8 +105,7 @@ int main(int argc, char **argv)
     cfg.dropout = dropout;
     cfg.batch_first = batch_first;
     ts_module *layers[LAYERS], *model;
-    for (int l = 0; l < LAYERS; l++)
-        CHECK(ts_encoder_layer_new(&cfg, &layers[l]));
+    for (int l = 0; l < LAYERS; l++) CHECK(ts_encoder_layer_new(&cfg, &layers[l]));
     CHECK(ts_sequential_new(LAYERS, layers, &model));
     /* FSDP(model): the root as one group */
     CHECK(ts_fully_shard(model, NULL));
@@ -119,8 +119,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "error: out of memory\n");
         return 1;
     }
-    for (int i = 0; i < params.n; i++)
-        plist[i] = *params.items[i].slot;
+    for (int i = 0; i < params.n; i++) plist[i] = *params.items[i].slot;
     ts_adam_options ao = ts_adamw_options_default();
     ao.lr = 1e-4;
     ts_optim *opt;
@@ -142,8 +141,7 @@ int main(int argc, char **argv)
         double l;
         CHECK(ts_tensor_item(loss, &l));
         /* nine significant digits: a float32 value, exactly */
-        if (rank == 0)
-            printf("step %d loss %.9g\n", step, l);
+        if (rank == 0) printf("step %d loss %.9g\n", step, l);
         fflush(stdout);
         ts_tensor_free(loss);
         ts_tensor_free(ay);

@@ -89,7 +89,10 @@ static void print_values(const char *name, const float *v, int n, int cols)
 int main(int argc, char **argv)
 {
     /* no flags: --help prints this, anything else is refused (exit 2) */
-    ex_parse_flags(argc, argv, "Seed 003's verified step: Linear(8, 8) sharded on 2 ranks, one SGD step, checked against the unsharded reference. Run under tsrun --nproc-per-node 2.", NULL, 0);
+    ex_parse_flags(argc, argv,
+                   "Seed 003's verified step: Linear(8, 8) sharded on 2 ranks, one SGD step, checked against the "
+                   "unsharded reference. Run under tsrun --nproc-per-node 2.",
+                   NULL, 0);
     CHECK(ts_launch_rank_guard());
     CHECK(ts_dist_init(NULL));
     int rank = ts_comm_rank(ts_dist_world()), world = ts_comm_size(ts_dist_world());

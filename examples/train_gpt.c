@@ -162,7 +162,6 @@
 #include <jansson.h>
 #include <dirent.h>
 
-
 /* The next character's id from the last row of logits (V): the argmax
  * (first of equals) at temperature 0, else a draw from
  * softmax(logits / temperature). */
@@ -218,10 +217,9 @@ static int generate(ts_module *model, const char *chars, const ts_tokenizer *tok
     ts_grad_mode_set(prev);
     const char *what = tok ? "tokens" : "characters";
     if (temperature > 0)
-        printf("sample (temperature %g, seed %llu): %d %s after the prompt\n", temperature, (unsigned long long)seed,
-               n, what);
-    else
-        printf("sample (greedy): %d %s after the prompt\n", n, what);
+        printf("sample (temperature %g, seed %llu): %d %s after the prompt\n", temperature, (unsigned long long)seed, n,
+               what);
+    else printf("sample (greedy): %d %s after the prompt\n", n, what);
     int rc = 0;
     if (tok) { /* the ids back to their bytes (int32 for the tokenizer) */
         int32_t *ids32 = malloc((size_t)len * sizeof *ids32);
@@ -278,8 +276,10 @@ static int load_tokenizer(const char *dir, ts_tokenizer **tok_out)
         snprintf(m, sizeof m, "%s/%.*s.vocab.bpe", dir, (int)(n - k), e->d_name);
         if (access(m, R_OK)) continue;
         if (found++) {
-            fprintf(stderr, "train_gpt: --tokenizer '%s' holds several learned vocabularies (%s and %s): give the "
-                            "one to use as DIR/STEM\n", dir, vocab, v);
+            fprintf(stderr,
+                    "train_gpt: --tokenizer '%s' holds several learned vocabularies (%s and %s): give the "
+                    "one to use as DIR/STEM\n",
+                    dir, vocab, v);
             closedir(d);
             return -1;
         }
@@ -288,8 +288,10 @@ static int load_tokenizer(const char *dir, ts_tokenizer **tok_out)
     }
     if (d) closedir(d);
     if (!*vocab) {
-        fprintf(stderr, "train_gpt: --tokenizer '%s' holds no encoder.json and vocab.bpe (GPT-2's), no vocab.json "
-                        "and merges.txt, and no STEM.encoder.json and STEM.vocab.bpe (tools/tokenize --learn)\n", dir);
+        fprintf(stderr,
+                "train_gpt: --tokenizer '%s' holds no encoder.json and vocab.bpe (GPT-2's), no vocab.json "
+                "and merges.txt, and no STEM.encoder.json and STEM.vocab.bpe (tools/tokenize --learn)\n",
+                dir);
         return -1;
     }
     ts_status st = ts_tokenizer_load(vocab, merges, tok_out);
@@ -307,8 +309,7 @@ static int load_tokenizer(const char *dir, ts_tokenizer **tok_out)
  * text"): the vocabulary and the size are needed before the world
  * starts, and the ids are the same everywhere. *bytes_out and *s_out: the
  * text's size and the seconds taken. 0, or -1 after printing why. */
-static int tokenize_text(const char *path, ts_tokenizer *tok, ts_token_file **tf_out, size_t *bytes_out,
-                         double *s_out)
+static int tokenize_text(const char *path, ts_tokenizer *tok, ts_token_file **tf_out, size_t *bytes_out, double *s_out)
 {
     double t0 = ex_now();
     size_t len = 0;
@@ -372,7 +373,8 @@ static ts_status make_mesh(ts_comm *world, int replicate, ts_mesh **mesh_out)
  * --hsdp the mesh's shard and replicate groups (n of them in out). */
 static int run_groups(ts_comm *world, const ts_mesh *mesh, ts_comm *out[3])
 {
-    ts_comm *all[3] = {world, mesh ? ts_mesh_group(mesh, "shard") : NULL, mesh ? ts_mesh_group(mesh, "replicate") : NULL};
+    ts_comm *all[3] = {world, mesh ? ts_mesh_group(mesh, "shard") : NULL,
+                       mesh ? ts_mesh_group(mesh, "replicate") : NULL};
     int n = 0;
     for (int i = 0; i < 3; i++) { /* a mesh over one rank is the world itself: each group once */
         bool seen = !all[i];
@@ -406,7 +408,8 @@ static ts_status validate(ts_module *model, const ts_token_file *tf, ts_comm *wo
                           bool half, int64_t *inputs, int64_t *targets, double *loss_out)
 {
     int W = ts_comm_size(world), rank = ts_comm_rank(world);
-    size_t n = ts_token_file_val_windows(tf), mine = n > (size_t)rank ? (n - (size_t)rank + (size_t)W - 1) / (size_t)W : 0;
+    size_t n = ts_token_file_val_windows(tf),
+           mine = n > (size_t)rank ? (n - (size_t)rank + (size_t)W - 1) / (size_t)W : 0;
     size_t most = (n + (size_t)W - 1) / (size_t)W, rounds = (most + (size_t)B - 1) / (size_t)B;
     double sums[2] = {0, 0}; /* the loss summed over this rank's tokens, and their count */
     ts_status st = TS_OK;
@@ -489,11 +492,12 @@ static void print_comm_summary(ts_comm *world, const ts_mesh *mesh, int steps)
     size_t n = 0;
     for (int k = 0; k < TS_COLL_KIND_COUNT; k++)
         if (calls_k[k])
-            n += (size_t)snprintf(kinds + n, sizeof kinds - n, "%s%s %.1f", n ? ", " : "", names[k], calls_k[k] / steps);
+            n +=
+                (size_t)snprintf(kinds + n, sizeof kinds - n, "%s%s %.1f", n ? ", " : "", names[k], calls_k[k] / steps);
     char b1[32], b2[32];
     printf("collectives per step on rank 0 of %d: %.1f issued%s%s%s, %s given to them, %s sent by this rank\n",
-           ts_comm_size(world), calls / steps, n ? " (" : "", kinds, n ? ")" : "", ex_fmt_bytes(in / steps, b1, sizeof b1),
-           ex_fmt_bytes(sent / steps, b2, sizeof b2));
+           ts_comm_size(world), calls / steps, n ? " (" : "", kinds, n ? ")" : "",
+           ex_fmt_bytes(in / steps, b1, sizeof b1), ex_fmt_bytes(sent / steps, b2, sizeof b2));
 }
 
 /* What --report-json records of the run besides the figures. */
@@ -502,10 +506,10 @@ typedef struct report_cfg {
     int64_t n_params;
     const char *param_dtype;
     bool checkpoint_activations, random_tokens;
-    int hsdp;              /* --hsdp R (0: a 1-d mesh) */
-    const char *tokenizer; /* --tokenizer DIR, or NULL */
-    int n_val;             /* the validations of --val-every this run made: */
-    const int *val_step;   /* after which step */
+    int hsdp;               /* --hsdp R (0: a 1-d mesh) */
+    const char *tokenizer;  /* --tokenizer DIR, or NULL */
+    int n_val;              /* the validations of --val-every this run made: */
+    const int *val_step;    /* after which step */
     const double *val_loss; /* the mean validation loss per token */
 } report_cfg;
 
@@ -550,8 +554,7 @@ static void write_report_data(FILE *f, const report_cfg *c)
     if (c->n_val)
         fprintf(f, "],\n  \"val_loss\": %.9g, \"val_perplexity\": %.9g,\n", c->val_loss[c->n_val - 1],
                 exp(c->val_loss[c->n_val - 1]));
-    else
-        fprintf(f, "],\n  \"val_loss\": null, \"val_perplexity\": null,\n");
+    else fprintf(f, "],\n  \"val_loss\": null, \"val_perplexity\": null,\n");
 }
 
 /* rank 0's --report-json: the config, the losses, and each rank's row of
@@ -565,22 +568,24 @@ static int write_report(const char *path, const report_cfg *c, const double *v, 
     }
     double worst = 0; /* the slowest rank's median step sets the pace */
     for (int r = 0; r < W; r++) worst = v[r * RANK_FIGS + 6] > worst ? v[r * RANK_FIGS + 6] : worst;
-    fprintf(f, "{\n  \"program\": \"train_gpt\",\n  \"layers\": %d, \"dim\": %d, \"heads\": %d, \"seq\": %d, "
-               "\"vocab\": %d, \"batch\": %d, \"accum\": %d, \"world_size\": %d,\n  \"n_params\": %lld, "
-               "\"param_dtype\": \"%s\", \"checkpoint_activations\": %s, \"random_tokens\": %s,\n"
-               "  \"steps\": %d, \"step_s_median_max\": %.6f, \"tokens_per_s\": %.3f,\n  \"losses\": [",
+    fprintf(f,
+            "{\n  \"program\": \"train_gpt\",\n  \"layers\": %d, \"dim\": %d, \"heads\": %d, \"seq\": %d, "
+            "\"vocab\": %d, \"batch\": %d, \"accum\": %d, \"world_size\": %d,\n  \"n_params\": %lld, "
+            "\"param_dtype\": \"%s\", \"checkpoint_activations\": %s, \"random_tokens\": %s,\n"
+            "  \"steps\": %d, \"step_s_median_max\": %.6f, \"tokens_per_s\": %.3f,\n  \"losses\": [",
             c->layers, c->dim, c->heads, c->seq, c->vocab, c->batch, c->accum, c->world, (long long)c->n_params,
-            c->param_dtype, c->checkpoint_activations ? "true" : "false", c->random_tokens ? "true" : "false", n,
-            worst, worst > 0 ? (double)c->accum * c->batch * c->seq * W / worst : 0.0);
+            c->param_dtype, c->checkpoint_activations ? "true" : "false", c->random_tokens ? "true" : "false", n, worst,
+            worst > 0 ? (double)c->accum * c->batch * c->seq * W / worst : 0.0);
     for (int i = 0; i < n; i++) fprintf(f, "%s%.9g", i ? ", " : "", losses[i]);
     fprintf(f, "],\n");
     write_report_data(f, c);
     fprintf(f, "  \"ranks\": [\n");
     for (int r = 0; r < W; r++) {
         const double *x = v + r * RANK_FIGS;
-        fprintf(f, "    {\"rank\": %d, \"estimate_tensors_bytes\": %.0f, \"estimate_pool_bytes\": %.0f, "
-                   "\"estimate_floor_bytes\": %.0f, \"estimate_rss_bytes\": %.0f, \"tensor_peak_bytes\": %.0f, "
-                   "\"vmhwm_bytes\": %.0f, \"step_s_median\": %.6f, \"tokens_per_s\": %.3f}%s\n",
+        fprintf(f,
+                "    {\"rank\": %d, \"estimate_tensors_bytes\": %.0f, \"estimate_pool_bytes\": %.0f, "
+                "\"estimate_floor_bytes\": %.0f, \"estimate_rss_bytes\": %.0f, \"tensor_peak_bytes\": %.0f, "
+                "\"vmhwm_bytes\": %.0f, \"step_s_median\": %.6f, \"tokens_per_s\": %.3f}%s\n",
                 r, x[3], x[4], x[5], x[1], x[2], x[0], x[6], x[7], r + 1 < W ? "," : "");
     }
     fprintf(f, "  ]\n}\n");
@@ -740,8 +745,10 @@ static int check_writable_dir(const char *flag, const char *path)
     char probe[4200];
     if (stat(path, &sb) == 0) {
         if (!S_ISDIR(sb.st_mode)) {
-            fprintf(stderr, "train_gpt: %s '%s' is not a folder (a sharded checkpoint is a folder; --save-full "
-                            "FILE writes one file)\n", flag, path);
+            fprintf(stderr,
+                    "train_gpt: %s '%s' is not a folder (a sharded checkpoint is a folder; --save-full "
+                    "FILE writes one file)\n",
+                    flag, path);
             return -1;
         }
         snprintf(probe, sizeof probe, "%s/.train_gpt-write-check-XXXXXX", path);
@@ -773,12 +780,12 @@ static int check_writable_dir(const char *flag, const char *path)
 enum { RNG_WORDS = TS_GENERATOR_STATE_BYTES / 8 };
 typedef struct run_state {
     ts_state_dict *extra, *rank_extra;
-    ts_tensor *step;      /* int64 (1): optimizer steps taken (the schedule's position) */
-    ts_tensor *first;     /* float64 (1): the first step's loss, for the final line */
-    ts_tensor *window;    /* float64 (3): the sum and count of losses since the last printed line, the last loss */
-    ts_tensor *scaler;    /* float64 (3): f16 grad scaler: scale, growth tracker, steps skipped */
-    ts_tensor *data_rng;  /* int64 (632): the data-order generator (extra with --global-batch, else rank_extra) */
-    ts_tensor *rng;       /* int64 (632): this rank's default generator (dropout) */
+    ts_tensor *step;     /* int64 (1): optimizer steps taken (the schedule's position) */
+    ts_tensor *first;    /* float64 (1): the first step's loss, for the final line */
+    ts_tensor *window;   /* float64 (3): the sum and count of losses since the last printed line, the last loss */
+    ts_tensor *scaler;   /* float64 (3): f16 grad scaler: scale, growth tracker, steps skipped */
+    ts_tensor *data_rng; /* int64 (632): the data-order generator (extra with --global-batch, else rank_extra) */
+    ts_tensor *rng;      /* int64 (632): this rank's default generator (dropout) */
 } run_state;
 
 static ts_status run_state_new(bool global_data, bool with_scaler, run_state *rs)
@@ -790,10 +797,10 @@ static ts_status run_state_new(bool global_data, bool with_scaler, run_state *rs
         (st = ts_tensor_zeros(TS_I64, 1, &one, &rs->step)) || (st = ts_tensor_zeros(TS_F64, 1, &one, &rs->first)) ||
         (st = ts_tensor_zeros(TS_F64, 1, &three, &rs->window)) ||
         (st = ts_tensor_zeros(TS_F64, 1, &three, &rs->scaler)) ||
-        (st = ts_tensor_zeros(TS_I64, 1, &words, &rs->data_rng)) ||
-        (st = ts_tensor_zeros(TS_I64, 1, &words, &rs->rng)))
+        (st = ts_tensor_zeros(TS_I64, 1, &words, &rs->data_rng)) || (st = ts_tensor_zeros(TS_I64, 1, &words, &rs->rng)))
         return st;
-    if ((st = ts_state_dict_set(rs->extra, "step", rs->step)) || (st = ts_state_dict_set(rs->extra, "first_loss", rs->first)) ||
+    if ((st = ts_state_dict_set(rs->extra, "step", rs->step)) ||
+        (st = ts_state_dict_set(rs->extra, "first_loss", rs->first)) ||
         (st = ts_state_dict_set(rs->extra, "loss_window", rs->window)) ||
         (with_scaler && (st = ts_state_dict_set(rs->extra, "grad_scaler", rs->scaler))) ||
         (st = ts_state_dict_set(global_data ? rs->extra : rs->rank_extra, "data_rng", rs->data_rng)) ||
@@ -903,8 +910,9 @@ static int init_from_hf_flags(const char *file, const ex_flag *flags, int nflags
         return 2;
     }
     if (!token_data) {
-        fprintf(stderr, "train_gpt: --init-from-hf '%s' needs token ids of its vocabulary (%lld): give --data-tokens "
-                        "FILE.bin, --data FILE.txt --tokenizer DIR or --vocab %lld (random ids), not characters\n",
+        fprintf(stderr,
+                "train_gpt: --init-from-hf '%s' needs token ids of its vocabulary (%lld): give --data-tokens "
+                "FILE.bin, --data FILE.txt --tokenizer DIR or --vocab %lld (random ids), not characters\n",
                 file, (long long)c.vocab_size, (long long)c.vocab_size);
         return 2;
     }
@@ -920,8 +928,10 @@ static int init_from_hf_flags(const char *file, const ex_flag *flags, int nflags
             return 2;
         }
         if (i == 3 && file_vals[i] == 0) {
-            fprintf(stderr, "train_gpt: --init-from-hf '%s': its width %lld is not a multiple of GPT-2's 64-wide "
-                            "heads: give --heads H\n", file, (long long)c.d_model);
+            fprintf(stderr,
+                    "train_gpt: --init-from-hf '%s': its width %lld is not a multiple of GPT-2's 64-wide "
+                    "heads: give --heads H\n",
+                    file, (long long)c.d_model);
             return 2;
         }
         if (file_vals[i] > INT_MAX) {
@@ -955,9 +965,9 @@ static ts_gpt_config model_config(const ts_gpt_config *hf, int vocab, int seq, i
 /* ------------------------------------------------ schedule and progress */
 
 /* --warmup's help, which says why the default is what it is. */
-#define WARMUP_HELP                                                                                                  \
-    "steps of linear warmup, LR/N to LR (default max(steps/10, min(100, steps/4)): at GPT-2-small's shape, "       \
-    "--layers 12 --dim 768, and LR 3e-3 the loss rose above its first value with 0 or 10 warmup steps, not with "  \
+#define WARMUP_HELP \
+    "steps of linear warmup, LR/N to LR (default max(steps/10, min(100, steps/4)): at GPT-2-small's shape, " \
+    "--layers 12 --dim 768, and LR 3e-3 the loss rose above its first value with 0 or 10 warmup steps, not with " \
     "25 or 50)"
 
 /* The default --warmup for a run of `steps` steps: a quarter of the run
@@ -1004,8 +1014,12 @@ static int make_schedule(const char *name, int warmup, double fraction, bool fra
         fprintf(stderr, "train_gpt: --warmup %d is more than --steps %d\n", warmup, steps);
         return 2;
     }
-    ts_lr_schedule s = {.kind = kinds[k].kind, .base_lr = lr, .warmup_steps = warmup, .total_steps = steps,
-                        .min_lr = lr / 10, .decay_fraction = fraction};
+    ts_lr_schedule s = {.kind = kinds[k].kind,
+                        .base_lr = lr,
+                        .warmup_steps = warmup,
+                        .total_steps = steps,
+                        .min_lr = lr / 10,
+                        .decay_fraction = fraction};
     if (ts_lr_schedule_check(&s)) {
         fprintf(stderr, "train_gpt: --schedule %s: %s\n", name, ts_last_error());
         return 2;
@@ -1019,7 +1033,7 @@ static int make_schedule(const char *name, int warmup, double fraction, bool fra
 static bool moves_schedule(const char *flag)
 {
     return !strcmp(flag, "--lr") || !strcmp(flag, "--steps") || !strcmp(flag, "--schedule") ||
-           !strcmp(flag, "--warmup") || !strcmp(flag, "--decay-fraction");
+        !strcmp(flag, "--warmup") || !strcmp(flag, "--decay-fraction");
 }
 
 /* A checkpoint written before --schedule and --warmup existed trained
@@ -1035,14 +1049,14 @@ static bool legacy_schedule_flag(const char *flag, int steps, char *buf, size_t 
 
 /* What a step line and a --metrics line report of one step. */
 typedef struct step_report {
-    int step, steps;      /* the steps done (1-based), of --steps */
-    double loss, lr;      /* the loss averaged over the ranks; the lr the step used */
-    double grad_norm;     /* before clipping; NaN when not computed (an f16 step skipped for inf/NaN) */
-    double seconds;       /* the step's time on rank 0 (validation and saving not included) */
-    double tokens;        /* the step's tokens on all ranks */
-    double elapsed;       /* seconds since the training loop started (this process) */
-    double mem[3];        /* max over the ranks: peak tensor bytes, resident set now, peak resident set */
-    double val_loss;      /* NaN: no validation this step */
+    int step, steps;  /* the steps done (1-based), of --steps */
+    double loss, lr;  /* the loss averaged over the ranks; the lr the step used */
+    double grad_norm; /* before clipping; NaN when not computed (an f16 step skipped for inf/NaN) */
+    double seconds;   /* the step's time on rank 0 (validation and saving not included) */
+    double tokens;    /* the step's tokens on all ranks */
+    double elapsed;   /* seconds since the training loop started (this process) */
+    double mem[3];    /* max over the ranks: peak tensor bytes, resident set now, peak resident set */
+    double val_loss;  /* NaN: no validation this step */
 } step_report;
 
 /* The maximum over the ranks of this rank's tensor peak (TS_MEM_STORAGE),
@@ -1133,10 +1147,7 @@ static ts_status metrics_open(ts_comm *world, const char *path, bool append, FIL
 }
 
 /* A JSON number, or null for NaN and infinities (JSON has none). */
-static json_t *json_number_or_null(double v)
-{
-    return isfinite(v) ? json_real(v) : json_null();
-}
+static json_t *json_number_or_null(double v) { return isfinite(v) ? json_real(v) : json_null(); }
 
 /* One --metrics line (rank 0): the step's object, flushed. Fields:
  * step, loss, lr, grad_norm, tokens_per_s (the step's, all ranks),
@@ -1183,55 +1194,102 @@ int main(int argc, char **argv)
     const char *report_json = NULL; /* --report-json FILE */
     const char *data_tokens = NULL; /* --data-tokens FILE.bin: llm.c's token file */
     int val_every = 0;              /* --val-every N: validation loss every N steps */
-    int val_tokens = -1;            /* --val-tokens K: the file's last K tokens held out (-1: a tenth with --val-every) */
-    const char *init_hf = NULL;     /* --init-from-hf FILE: a Hugging Face GPT-2 file's shape and weights */
-    ts_gpt_config hf_cfg = {0};     /* its config */
-    const char *schedule = "cosine"; /* --schedule: the lr after the warmup */
-    int warmup = -1;                 /* --warmup N (-1: default_warmup(steps)) */
-    double decay_fraction = 0.2;     /* --decay-fraction F: wsd's share of the steps that decays */
-    const char *metrics = NULL;      /* --metrics FILE.jsonl */
+    int val_tokens = -1;        /* --val-tokens K: the file's last K tokens held out (-1: a tenth with --val-every) */
+    const char *init_hf = NULL; /* --init-from-hf FILE: a Hugging Face GPT-2 file's shape and weights */
+    ts_gpt_config hf_cfg = {0}; /* its config */
+    const char *schedule = "cosine";  /* --schedule: the lr after the warmup */
+    int warmup = -1;                  /* --warmup N (-1: default_warmup(steps)) */
+    double decay_fraction = 0.2;      /* --decay-fraction F: wsd's share of the steps that decays */
+    const char *metrics = NULL;       /* --metrics FILE.jsonl */
     const char *tokenizer_dir = NULL; /* --tokenizer DIR: --data tokenized at start, --sample decoded */
-    int hsdp = 0;                   /* --hsdp R: a (replicate R, shard W/R) mesh (0: 1-d) */
+    int hsdp = 0;                     /* --hsdp R: a (replicate R, shard W/R) mesh (0: 1-d) */
     ex_flag flags[] = {
-        {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false, "train on this text file, its characters or with --tokenizer its tokens (default: a built-in grammar corpus)", false},
+        {"--data", "FILE", EX_FLAG_STRING, &data, 0, 0, false,
+         "train on this text file, its characters or with --tokenizer its tokens (default: a built-in grammar corpus)",
+         false},
         {"--steps", "N", EX_FLAG_INT, &steps, 1, INT_MAX, false, "optimizer steps", false},
         {"--batch", "B", EX_FLAG_INT, &batch, 1, 1 << 20, false, "sequences per rank and step", false},
-        {"--global-batch", "G", EX_FLAG_INT, &global_batch, 1, 1 << 20, false, "sequences per step from one data order shared by the ranks, G/W each (instead of --batch)", false},
+        {"--global-batch", "G", EX_FLAG_INT, &global_batch, 1, 1 << 20, false,
+         "sequences per step from one data order shared by the ranks, G/W each (instead of --batch)", false},
         {"--seq", "T", EX_FLAG_INT, &seq, 2, 1 << 20, false, "characters per sequence (the context length)", false},
         {"--layers", "L", EX_FLAG_INT, &layers, 1, 1 << 16, false, "transformer blocks", false},
         {"--heads", "H", EX_FLAG_INT, &heads, 1, 1 << 16, false, "attention heads (dividing --dim)", false},
         {"--dim", "D", EX_FLAG_INT, &dim, 1, 1 << 24, false, "model width", false},
-        {"--lr", "LR", EX_FLAG_DOUBLE, &lr, 0, 10, true, "peak learning rate (reached after --warmup; --schedule says what follows)", false},
-        {"--schedule", "constant|linear|cosine|wsd", EX_FLAG_STRING, &schedule, 0, 0, false, "after the warmup: LR constant, a linear or cosine decay to LR/10 at --steps, or wsd (LR, then linear to LR/10 over the last --decay-fraction of the steps)", false},
+        {"--lr", "LR", EX_FLAG_DOUBLE, &lr, 0, 10, true,
+         "peak learning rate (reached after --warmup; --schedule says what follows)", false},
+        {"--schedule", "constant|linear|cosine|wsd", EX_FLAG_STRING, &schedule, 0, 0, false,
+         "after the warmup: LR constant, a linear or cosine decay to LR/10 at --steps, or wsd (LR, then linear to "
+         "LR/10 over the last --decay-fraction of the steps)",
+         false},
         {"--warmup", "N", EX_FLAG_INT, &warmup, 0, INT_MAX, false, WARMUP_HELP, false},
-        {"--decay-fraction", "F", EX_FLAG_DOUBLE, &decay_fraction, 0, 1, false, "--schedule wsd: the last F of the steps decay", false},
-        {"--seed", "S", EX_FLAG_U64, &seed, 0, 18446744073709551615.0, false, "initialization, batches and sampling", false},
-        {"--save", "DIR", EX_FLAG_STRING, &save, 0, 0, false, "write a sharded checkpoint (a folder) at the end", false},
-        {"--save-every", "N", EX_FLAG_INT, &save_every, 1, INT_MAX, false, "with --save: also after every N steps", false},
-        {"--stop-after", "K", EX_FLAG_INT, &stop_after, 1, INT_MAX, false, "end this run after step K of --steps (the schedule still spans --steps; --save, then --resume)", false},
-        {"--resume", "DIR", EX_FLAG_STRING, &resume, 0, 0, false, "continue exactly from a sharded checkpoint written by --save", false},
-        {"--save-full", "FILE", EX_FLAG_STRING, &save_full, 0, 0, false, "write the full model (one safetensors file, for PyTorch) at the end", false},
-        {"--load", "FILE", EX_FLAG_STRING, &load, 0, 0, false, "start from a full checkpoint written by --save-full", false},
-        {"--sample", "N", EX_FLAG_INT, &sample, 1, 1 << 20, false, "with --load: generate N characters instead of training", false},
-        {"--temperature", "T", EX_FLAG_DOUBLE, &temperature, 0, 100, false, "--sample: 0 picks the likeliest character, above 0 samples", false},
-        {"--prompt", "TEXT", EX_FLAG_STRING, &prompt, 0, 0, false, "--sample: the text to continue (default: the corpus's first character)", false},
-        {"--offload", "none|cpu", EX_FLAG_STRING, &offload, 0, 0, false, "cpu: CPUOffloadPolicy on every group (host shards, gradients, optimizer state)", false},
-        {"--pin-memory", "0|1", EX_FLAG_INT, &pin_memory, 0, 1, false, "--offload cpu: pin the host shards and gradients", false},
-        {"--param-dtype", "bf16|f16|f32", EX_FLAG_STRING, &param_dtype_s, 0, 0, false, "mixed precision: all-gather and compute in this dtype (float32 master weights)", false},
-        {"--reduce-dtype", "bf16|f16|f32", EX_FLAG_STRING, &reduce_dtype_s, 0, 0, false, "mixed precision: reduce the gradients in this dtype (default: the param dtype)", false},
-        {"--init", "deferred|eager", EX_FLAG_STRING, &init, 0, 0, false, "deferred: build on the meta device, shard, then materialize this rank's rows (default); eager: build whole, then shard", false},
-        {"--accum", "K", EX_FLAG_INT, &accum, 1, 1 << 16, false, "gradient accumulation: K microbatches of --batch sequences per optimizer step", false},
-        {"--accum-mode", "nosync|sync", EX_FLAG_STRING, &accum_mode, 0, 0, false, "--accum: nosync reduces once, on the last microbatch (more memory); sync reduce-scatters every microbatch", false},
-        {"--vocab", "N", EX_FLAG_INT, &rand_vocab, 2, 1 << 24, false, "train on random token ids in [0, N) (a seeded stream) instead of text, e.g. 50257 for GPT-2's; with --data-tokens: the file's vocabulary size", false},
-        {"--data-batches", "K", EX_FLAG_INT, &data_batches, 1, INT_MAX, false, "with --vocab: cycle through the same K random batches (1: one batch every step, which the model can learn)", false},
-        {"--report-json", "FILE", EX_FLAG_STRING, &report_json, 0, 0, false, "rank 0 writes the run's figures (estimate, peaks, step time, tokens/s per rank) as JSON at the end", false},
-        {"--data-tokens", "FILE.bin", EX_FLAG_STRING, &data_tokens, 0, 0, false, "train on llm.c's token file (tools/tokenize; vocabulary 50257, or --vocab N), memory-mapped", false},
-        {"--val-every", "N", EX_FLAG_INT, &val_every, 1, INT_MAX, false, "with --data-tokens or --tokenizer: print the validation loss and perplexity every N steps", false},
-        {"--val-tokens", "K", EX_FLAG_INT, &val_tokens, 0, INT_MAX, false, "with --data-tokens or --tokenizer: hold out the last K tokens for validation (default with --val-every: a tenth)", false},
-        {"--tokenizer", "DIR", EX_FLAG_STRING, &tokenizer_dir, 0, 0, false, "GPT-2 BPE files (encoder.json, vocab.bpe; or tokenize --learn's): --data is tokenized at start, --sample decoded", false},
-        {"--hsdp", "R", EX_FLAG_INT, &hsdp, 1, 1 << 16, false, "HSDP: a 2-d mesh, parameters sharded over W/R ranks and replicated R times (R divides W)", false},
-        {"--init-from-hf", "FILE", EX_FLAG_STRING, &init_hf, 0, 0, false, "start from a Hugging Face GPT-2 safetensors file (its shape; fine-tune on --data-tokens)", false},
-        {"--metrics", "FILE.jsonl", EX_FLAG_STRING, &metrics, 0, 0, false, "rank 0 writes a JSON object per step (loss, lr, grad norm, tokens/s, time, memory, validation loss; tools/trace_plot --metrics plots it), appended on --resume", false},
+        {"--decay-fraction", "F", EX_FLAG_DOUBLE, &decay_fraction, 0, 1, false,
+         "--schedule wsd: the last F of the steps decay", false},
+        {"--seed", "S", EX_FLAG_U64, &seed, 0, 18446744073709551615.0, false, "initialization, batches and sampling",
+         false},
+        {"--save", "DIR", EX_FLAG_STRING, &save, 0, 0, false, "write a sharded checkpoint (a folder) at the end",
+         false},
+        {"--save-every", "N", EX_FLAG_INT, &save_every, 1, INT_MAX, false, "with --save: also after every N steps",
+         false},
+        {"--stop-after", "K", EX_FLAG_INT, &stop_after, 1, INT_MAX, false,
+         "end this run after step K of --steps (the schedule still spans --steps; --save, then --resume)", false},
+        {"--resume", "DIR", EX_FLAG_STRING, &resume, 0, 0, false,
+         "continue exactly from a sharded checkpoint written by --save", false},
+        {"--save-full", "FILE", EX_FLAG_STRING, &save_full, 0, 0, false,
+         "write the full model (one safetensors file, for PyTorch) at the end", false},
+        {"--load", "FILE", EX_FLAG_STRING, &load, 0, 0, false, "start from a full checkpoint written by --save-full",
+         false},
+        {"--sample", "N", EX_FLAG_INT, &sample, 1, 1 << 20, false,
+         "with --load: generate N characters instead of training", false},
+        {"--temperature", "T", EX_FLAG_DOUBLE, &temperature, 0, 100, false,
+         "--sample: 0 picks the likeliest character, above 0 samples", false},
+        {"--prompt", "TEXT", EX_FLAG_STRING, &prompt, 0, 0, false,
+         "--sample: the text to continue (default: the corpus's first character)", false},
+        {"--offload", "none|cpu", EX_FLAG_STRING, &offload, 0, 0, false,
+         "cpu: CPUOffloadPolicy on every group (host shards, gradients, optimizer state)", false},
+        {"--pin-memory", "0|1", EX_FLAG_INT, &pin_memory, 0, 1, false,
+         "--offload cpu: pin the host shards and gradients", false},
+        {"--param-dtype", "bf16|f16|f32", EX_FLAG_STRING, &param_dtype_s, 0, 0, false,
+         "mixed precision: all-gather and compute in this dtype (float32 master weights)", false},
+        {"--reduce-dtype", "bf16|f16|f32", EX_FLAG_STRING, &reduce_dtype_s, 0, 0, false,
+         "mixed precision: reduce the gradients in this dtype (default: the param dtype)", false},
+        {"--init", "deferred|eager", EX_FLAG_STRING, &init, 0, 0, false,
+         "deferred: build on the meta device, shard, then materialize this rank's rows (default); eager: build whole, "
+         "then shard",
+         false},
+        {"--accum", "K", EX_FLAG_INT, &accum, 1, 1 << 16, false,
+         "gradient accumulation: K microbatches of --batch sequences per optimizer step", false},
+        {"--accum-mode", "nosync|sync", EX_FLAG_STRING, &accum_mode, 0, 0, false,
+         "--accum: nosync reduces once, on the last microbatch (more memory); sync reduce-scatters every microbatch",
+         false},
+        {"--vocab", "N", EX_FLAG_INT, &rand_vocab, 2, 1 << 24, false,
+         "train on random token ids in [0, N) (a seeded stream) instead of text, e.g. 50257 for GPT-2's; with "
+         "--data-tokens: the file's vocabulary size",
+         false},
+        {"--data-batches", "K", EX_FLAG_INT, &data_batches, 1, INT_MAX, false,
+         "with --vocab: cycle through the same K random batches (1: one batch every step, which the model can learn)",
+         false},
+        {"--report-json", "FILE", EX_FLAG_STRING, &report_json, 0, 0, false,
+         "rank 0 writes the run's figures (estimate, peaks, step time, tokens/s per rank) as JSON at the end", false},
+        {"--data-tokens", "FILE.bin", EX_FLAG_STRING, &data_tokens, 0, 0, false,
+         "train on llm.c's token file (tools/tokenize; vocabulary 50257, or --vocab N), memory-mapped", false},
+        {"--val-every", "N", EX_FLAG_INT, &val_every, 1, INT_MAX, false,
+         "with --data-tokens or --tokenizer: print the validation loss and perplexity every N steps", false},
+        {"--val-tokens", "K", EX_FLAG_INT, &val_tokens, 0, INT_MAX, false,
+         "with --data-tokens or --tokenizer: hold out the last K tokens for validation (default with --val-every: a "
+         "tenth)",
+         false},
+        {"--tokenizer", "DIR", EX_FLAG_STRING, &tokenizer_dir, 0, 0, false,
+         "GPT-2 BPE files (encoder.json, vocab.bpe; or tokenize --learn's): --data is tokenized at start, --sample "
+         "decoded",
+         false},
+        {"--hsdp", "R", EX_FLAG_INT, &hsdp, 1, 1 << 16, false,
+         "HSDP: a 2-d mesh, parameters sharded over W/R ranks and replicated R times (R divides W)", false},
+        {"--init-from-hf", "FILE", EX_FLAG_STRING, &init_hf, 0, 0, false,
+         "start from a Hugging Face GPT-2 safetensors file (its shape; fine-tune on --data-tokens)", false},
+        {"--metrics", "FILE.jsonl", EX_FLAG_STRING, &metrics, 0, 0, false,
+         "rank 0 writes a JSON object per step (loss, lr, grad norm, tokens/s, time, memory, validation loss; "
+         "tools/trace_plot --metrics plots it), appended on --resume",
+         false},
     };
     enum { NFLAGS = sizeof flags / sizeof flags[0] };
     bool ckpt_act = false, ignore_cap = false; /* switches without value: taken out before the flags are parsed */
@@ -1277,7 +1335,9 @@ int main(int argc, char **argv)
     }
     if (sample && (save || save_full || resume)) {
         fprintf(stderr, "train_gpt: --sample does not train, so there is nothing to %s\n",
-                resume ? "--resume" : save ? "--save" : "--save-full");
+                resume     ? "--resume"
+                    : save ? "--save"
+                           : "--save-full");
         return 2;
     }
     if (save_every && !save) {
@@ -1291,9 +1351,10 @@ int main(int argc, char **argv)
     bool tokens_mode = data_tokens || (data && tokenizer_dir); /* token ids: a file's, or the text's tokenized */
     bool rand_mode = rand_vocab && !tokens_mode; /* --vocab N alone: random ids; with tokens, their vocabulary */
     if (tokenizer_dir && (data_tokens || (!data && !sample))) {
-        fprintf(stderr, "train_gpt: --tokenizer '%s' goes with --data FILE.txt (tokenized at start) or --load FILE "
-                        "--sample N (decoded)%s\n", tokenizer_dir,
-                data_tokens ? ", not with --data-tokens (already tokenized)" : "");
+        fprintf(stderr,
+                "train_gpt: --tokenizer '%s' goes with --data FILE.txt (tokenized at start) or --load FILE "
+                "--sample N (decoded)%s\n",
+                tokenizer_dir, data_tokens ? ", not with --data-tokens (already tokenized)" : "");
         return 2;
     }
     if (data_tokens && (data || sample)) {
@@ -1302,14 +1363,20 @@ int main(int argc, char **argv)
         return 2;
     }
     if (!tokens_mode && (val_every || ex_flag_given(flags, NFLAGS, "--val-tokens"))) {
-        fprintf(stderr, "train_gpt: --val-every and --val-tokens go with --data-tokens FILE.bin or --data FILE.txt "
-                        "--tokenizer DIR (a validation split of the tokens)\n");
+        fprintf(stderr,
+                "train_gpt: --val-every and --val-tokens go with --data-tokens FILE.bin or --data FILE.txt "
+                "--tokenizer DIR (a validation split of the tokens)\n");
         return 2;
     }
     if (rand_mode && (data || load || resume || sample || save || save_full)) {
         fprintf(stderr, "train_gpt: --vocab %d trains a new model on random token ids: it does not go with %s\n",
-                rand_vocab, data ? "--data (a text has its own vocabulary)" : load ? "--load" : resume ? "--resume"
-                             : sample ? "--sample" : save ? "--save" : "--save-full");
+                rand_vocab,
+                data         ? "--data (a text has its own vocabulary)"
+                    : load   ? "--load"
+                    : resume ? "--resume"
+                    : sample ? "--sample"
+                    : save   ? "--save"
+                             : "--save-full");
         return 2;
     }
     if (data_batches && !rand_mode) {
@@ -1317,8 +1384,10 @@ int main(int argc, char **argv)
         return 2;
     }
     if (global_batch && ex_flag_given(flags, NFLAGS, "--batch")) {
-        fprintf(stderr, "train_gpt: --batch %d and --global-batch %d: give one (--global-batch G gives each of W "
-                        "ranks G/W sequences)\n", batch, global_batch);
+        fprintf(stderr,
+                "train_gpt: --batch %d and --global-batch %d: give one (--global-batch G gives each of W "
+                "ranks G/W sequences)\n",
+                batch, global_batch);
         return 2;
     }
     if (init_hf && (load || sample)) {
@@ -1326,9 +1395,10 @@ int main(int argc, char **argv)
                 load ? "--load (give one file to start from)" : "--sample");
         return 2;
     }
-    if (init_hf && (ex_check_regular("train_gpt", "--init-from-hf", init_hf) ||
-                    init_from_hf_flags(init_hf, flags, NFLAGS, tokens_mode || rand_vocab, &seq, &layers, &heads, &dim,
-                                       &rand_vocab, &hf_cfg)))
+    if (init_hf &&
+        (ex_check_regular("train_gpt", "--init-from-hf", init_hf) ||
+         init_from_hf_flags(init_hf, flags, NFLAGS, tokens_mode || rand_vocab, &seq, &layers, &heads, &dim, &rand_vocab,
+                            &hf_cfg)))
         return 2;
     /* Files before anything else: a FIFO or a directory is refused rather
      * than read, a checkpoint folder that cannot be written before the
@@ -1351,10 +1421,10 @@ int main(int argc, char **argv)
     /* The flags that shape the model, the schedule and the data order, as
      * a --save records them ("--heads=4 --lr=0.003 ..."): --resume takes
      * those not given and refuses those given otherwise. */
-    static const char *const recorded[] = {"--seq",   "--layers",       "--heads", "--dim",       "--param-dtype",
-                                           "--reduce-dtype", "--lr", "--steps", "--seed", "--batch",
-                                           "--global-batch", "--accum", "--accum-mode", "--val-tokens",
-                                           "--schedule", "--warmup", "--decay-fraction"};
+    static const char *const recorded[] = {
+        "--seq",        "--layers",     "--heads",    "--dim",    "--param-dtype",   "--reduce-dtype",
+        "--lr",         "--steps",      "--seed",     "--batch",  "--global-batch",  "--accum",
+        "--accum-mode", "--val-tokens", "--schedule", "--warmup", "--decay-fraction"};
     enum { NREC = sizeof recorded / sizeof recorded[0] };
     char *saved_flags = NULL, *saved_text = NULL, *saved_vocab = NULL;
     if (resume) {
@@ -1381,12 +1451,12 @@ int main(int argc, char **argv)
             static char adopted[NREC][64]; /* adopted strings outlive main's use of them */
             char *was = adopted[i], now[64];
             bool found = saved_flag(saved_flags, fl->name, was, sizeof adopted[i]);
-            if (!found && !strcmp(fl->name, "--val-tokens")) continue; /* recorded since token files: none before */
+            if (!found && !strcmp(fl->name, "--val-tokens")) continue;     /* recorded since token files: none before */
             if (!found && !strcmp(fl->name, "--decay-fraction")) continue; /* since --schedule: cosine before */
             if (!found) found = legacy_schedule_flag(fl->name, steps, was, sizeof adopted[i]);
             if (!found) {
-                fprintf(stderr, "train_gpt: --resume '%s': its metadata does not record %s ('%s')\n", resume,
-                        fl->name, saved_flags);
+                fprintf(stderr, "train_gpt: --resume '%s': its metadata does not record %s ('%s')\n", resume, fl->name,
+                        saved_flags);
                 free(saved_flags);
                 free(saved_text);
                 free(saved_vocab);
@@ -1406,8 +1476,8 @@ int main(int argc, char **argv)
                 return 2;
             }
             bool off = (is_dtype_flag(fl) && !strcmp(was, "none")) ||
-                       (!strcmp(fl->name, "--global-batch") && !strcmp(was, "0")) ||
-                       (!strcmp(fl->name, "--val-tokens") && !strcmp(was, "-1"));
+                (!strcmp(fl->name, "--global-batch") && !strcmp(was, "0")) ||
+                (!strcmp(fl->name, "--val-tokens") && !strcmp(was, "-1"));
             if (off) {
                 if (is_dtype_flag(fl)) *(const char **)fl->value = NULL;
                 else *(int *)fl->value = !strcmp(fl->name, "--val-tokens") ? -1 : 0;
@@ -1460,8 +1530,8 @@ int main(int argc, char **argv)
             int *vals[4] = {&seq, &layers, &heads, &dim};
             for (int i = 0; i < 4; i++) {
                 if (ex_flag_given(flags, NFLAGS, names[i]) && *vals[i] != got[i]) {
-                    fprintf(stderr, "train_gpt: %s %d, but --load '%s' was trained with %s %d\n", names[i],
-                            *vals[i], load, names[i], got[i]);
+                    fprintf(stderr, "train_gpt: %s %d, but --load '%s' was trained with %s %d\n", names[i], *vals[i],
+                            load, names[i], got[i]);
                     return 2;
                 }
                 *vals[i] = got[i];
@@ -1485,8 +1555,10 @@ int main(int argc, char **argv)
         }
     }
     if (load && sample && load_tok_vocab && !tokenizer_dir) {
-        fprintf(stderr, "train_gpt: --load '%s' was trained on token ids (a vocabulary of %d): give the --tokenizer "
-                        "DIR that made them to --sample\n", load, load_tok_vocab);
+        fprintf(stderr,
+                "train_gpt: --load '%s' was trained on token ids (a vocabulary of %d): give the --tokenizer "
+                "DIR that made them to --sample\n",
+                load, load_tok_vocab);
         return 2;
     }
     if (load && tokenizer_dir && vocab) {
@@ -1498,9 +1570,9 @@ int main(int argc, char **argv)
         char *end;
         long v = strtol(saved_vocab + 7, &end, 10);
         const char *why = *end || v < 2 || v > (1 << 24) ? "is not one --save writes"
-                          : !tokens_mode ? "is a token file's: give the --data-tokens (or --data --tokenizer) it trained on"
-                          : rand_vocab && rand_vocab != v ? "differs from --vocab"
-                                                          : NULL;
+            : !tokens_mode ? "is a token file's: give the --data-tokens (or --data --tokenizer) it trained on"
+            : rand_vocab && rand_vocab != v ? "differs from --vocab"
+                                            : NULL;
         if (why) {
             fprintf(stderr, "train_gpt: --resume '%s': its vocabulary ('%s') %s\n", resume, saved_vocab, why);
             free(saved_text);
@@ -1509,9 +1581,10 @@ int main(int argc, char **argv)
         }
         tok_vocab = (int)v;
     } else if (resume && tokens_mode) {
-        fprintf(stderr, "train_gpt: --resume '%s' trained on characters (--data or the built-in corpus): "
-                        "%s '%s' cannot continue it\n", resume, data_tokens ? "--data-tokens" : "--data --tokenizer",
-                data_tokens ? data_tokens : data);
+        fprintf(stderr,
+                "train_gpt: --resume '%s' trained on characters (--data or the built-in corpus): "
+                "%s '%s' cannot continue it\n",
+                resume, data_tokens ? "--data-tokens" : "--data --tokenizer", data_tokens ? data_tokens : data);
         free(saved_text);
         free(saved_vocab);
         return 2;
@@ -1566,7 +1639,8 @@ int main(int argc, char **argv)
         if (!st) st = ts_token_file_split(tf, (size_t)val_tokens, seq);
         if (st) {
             fprintf(stderr, "train_gpt: %s: %s%s\n", data_tokens ? "--data-tokens" : "--data --tokenizer",
-                    ts_last_error(), st == TS_ERR_INDEX && data_tokens ? " (give the tokenizer's size with --vocab N)" : "");
+                    ts_last_error(),
+                    st == TS_ERR_INDEX && data_tokens ? " (give the tokenizer's size with --vocab N)" : "");
             ts_token_file_close(tf);
             ts_tokenizer_free(tok);
             free(saved_text);
@@ -1590,8 +1664,7 @@ int main(int argc, char **argv)
         if (!text) return data ? 2 : 1;
         if (!data) len = strlen(text);
         if (!sample && len < (size_t)seq + 2) {
-            fprintf(stderr, "train_gpt: the text has %zu characters; --seq %d needs more than %d\n", len, seq,
-                    seq + 1);
+            fprintf(stderr, "train_gpt: the text has %zu characters; --seq %d needs more than %d\n", len, seq, seq + 1);
             free(text);
             return 2;
         }
@@ -1603,7 +1676,8 @@ int main(int argc, char **argv)
                 fprintf(stderr,
                         "train_gpt: %s has the character 0x%02x at offset %zu, which is not in the vocabulary of "
                         "%s '%s'\n",
-                        data ? data : "the built-in corpus", c, i, resume ? "--resume" : "--load", resume ? resume : load);
+                        data ? data : "the built-in corpus", c, i, resume ? "--resume" : "--load",
+                        resume ? resume : load);
                 free(text);
                 free(saved_text);
                 return 2;
@@ -1625,8 +1699,14 @@ int main(int argc, char **argv)
         fprintf(stderr,
                 "train_gpt: --resume '%s' trained on other data (length:hash %s; %s is %s): give the %s it was "
                 "trained on\n",
-                resume, saved_text, tf ? ts_token_file_path(tf) : data ? data : "the built-in corpus", text_id,
-                data_tokens ? "--data-tokens" : tf ? "--data (and --tokenizer)" : "--data");
+                resume, saved_text,
+                tf         ? ts_token_file_path(tf)
+                    : data ? data
+                           : "the built-in corpus",
+                text_id,
+                data_tokens ? "--data-tokens"
+                    : tf    ? "--data (and --tokenizer)"
+                            : "--data");
         ts_token_file_close(tf);
         ts_tokenizer_free(tok);
         free(text);
@@ -1683,8 +1763,10 @@ int main(int argc, char **argv)
         B = global_batch / W;
     }
     if (hsdp && W % hsdp) {
-        fprintf(stderr, "train_gpt: --hsdp %d: the world of %d rank%s is not a multiple of %d (the mesh is R x W/R: "
-                        "%d replicas of a shard group of W/R ranks)\n", hsdp, W, W > 1 ? "s" : "", hsdp, hsdp);
+        fprintf(stderr,
+                "train_gpt: --hsdp %d: the world of %d rank%s is not a multiple of %d (the mesh is R x W/R: "
+                "%d replicas of a shard group of W/R ranks)\n",
+                hsdp, W, W > 1 ? "s" : "", hsdp, hsdp);
         free(prompt_ids);
         free(text);
         ts_token_file_close(tf);
@@ -1785,10 +1867,8 @@ int main(int argc, char **argv)
     else if (text)
         printf("corpus: %s, %zu characters, vocabulary %d%s\n", data ? data : "built-in grammar", len, vocab,
                ckpt_vocab ? " (the checkpoint's)" : "");
-    else if (tok)
-        printf("vocabulary: %d tokens (--tokenizer %s), from %s\n", vocab, tokenizer_dir, load);
-    else
-        printf("vocabulary: %d characters, from %s\n", vocab, load);
+    else if (tok) printf("vocabulary: %d tokens (--tokenizer %s), from %s\n", vocab, tokenizer_dir, load);
+    else printf("vocabulary: %d characters, from %s\n", vocab, load);
 
     ts_manual_seed(seed);
     ts_gpt_config cfg = model_config(init_hf ? &hf_cfg : NULL, vocab, seq, layers, heads, dim);
@@ -1881,7 +1961,8 @@ int main(int argc, char **argv)
         printf("gradient accumulation: %d microbatches of %d per step, %s; per rank: sharded gradients %s, no sync "
                "holds %s more (unsharded gradients)\n",
                accum, B, accum_nosync ? "no sync until the last" : "reduce-scatter every microbatch",
-               ex_fmt_bytes((double)am.sync_bytes, b1, sizeof b1), ex_fmt_bytes((double)am.no_sync_bytes, b2, sizeof b2));
+               ex_fmt_bytes((double)am.sync_bytes, b1, sizeof b1),
+               ex_fmt_bytes((double)am.no_sync_bytes, b2, sizeof b2));
     }
     ts_grad_scaler *scaler = NULL; /* float16 needs loss scaling */
     if (mp.param_dtype == TS_F16) CHECK(ts_grad_scaler_new(NULL, &scaler));
@@ -1916,7 +1997,7 @@ int main(int argc, char **argv)
     CHECK(ts_generator_new(global_batch ? seed + 1 : seed + 1 + (uint64_t)rank, &data_rng));
     int start = 0, rc = 0; /* the step this run starts at */
     int64_t *ids = NULL, *tg = NULL;
-    int *val_step = NULL;    /* --val-every: the step of each validation and its loss */
+    int *val_step = NULL; /* --val-every: the step of each validation and its loss */
     double *val_loss = NULL;
     double *step_s = NULL, *losses = NULL; /* each step's time on this rank and its loss (averaged over the ranks) */
     FILE *metrics_f = NULL;                /* --metrics, on rank 0 */
@@ -1945,8 +2026,10 @@ int main(int argc, char **argv)
         window_n = (int)wv[1];
         last = wv[2];
         if (start < 0 || start > steps || window_n < 0 || window_n > start) {
-            fprintf(stderr, "train_gpt: --resume '%s': its step %d (%d losses since the last line) does not fit "
-                            "--steps %d\n", resume, start, window_n, steps);
+            fprintf(stderr,
+                    "train_gpt: --resume '%s': its step %d (%d losses since the last line) does not fit "
+                    "--steps %d\n",
+                    resume, start, window_n, steps);
             rc = 1;
             goto done;
         }
@@ -1971,21 +2054,21 @@ int main(int argc, char **argv)
         if (!same_world)
             printf("note: another world size: each rank's RNG state%s starts afresh%s\n",
                    global_batch ? "" : " and its data order",
-                   global_batch ? " (the data order is --global-batch's, restored)" : " (--global-batch keeps the data order)");
+                   global_batch ? " (the data order is --global-batch's, restored)"
+                                : " (--global-batch keeps the data order)");
         if (!same_world && !global_batch) /* --batch is per rank: the global batch follows the world size */
-            printf("note: --batch %d is per rank: each step now averages %lld sequences (%d ranks x %d%s), not the %lld "
-                   "of the %d ranks that saved it; the learning rate is unchanged (save with --global-batch G to keep "
-                   "the batch)\n",
-                   B, (long long)W * B * accum, W, B, accum > 1 ? " x --accum" : "",
-                   (long long)info.saved_world * B * accum, info.saved_world);
+            printf(
+                "note: --batch %d is per rank: each step now averages %lld sequences (%d ranks x %d%s), not the %lld "
+                "of the %d ranks that saved it; the learning rate is unchanged (save with --global-batch G to keep "
+                "the batch)\n",
+                B, (long long)W * B * accum, W, B, accum > 1 ? " x --accum" : "",
+                (long long)info.saved_world * B * accum, info.saved_world);
     }
     int64_t local = 0;
     for (int i = 0; i < params.n; i++) local += ts_tensor_numel(plist[i]);
     char mesh_desc[96];
-    if (mesh)
-        snprintf(mesh_desc, sizeof mesh_desc, "HSDP mesh %d x %d: replicate x shard", hsdp, W / hsdp);
-    else
-        snprintf(mesh_desc, sizeof mesh_desc, "%s", W > 1 ? "distributed world" : "one-rank mesh");
+    if (mesh) snprintf(mesh_desc, sizeof mesh_desc, "HSDP mesh %d x %d: replicate x shard", hsdp, W / hsdp);
+    else snprintf(mesh_desc, sizeof mesh_desc, "%s", W > 1 ? "distributed world" : "one-rank mesh");
     printf("model: GPT %d layers, %d heads, d_model %d; fully_shard over %d rank%s (%s): %lld parameter elements "
            "on rank 0\n",
            layers, heads, dim, W, W > 1 ? "s" : "", mesh_desc, (long long)local);
@@ -2006,9 +2089,23 @@ int main(int argc, char **argv)
     ts_comm *run_g[3]; /* count the training loop's collectives only (HSDP: the mesh's groups too) */
     for (int i = 0, ng = run_groups(world, mesh, run_g); i < ng; i++) ts_comm_stats_reset(run_g[i]);
     int end = stop_after && stop_after < steps ? stop_after : steps;
-    report_cfg rcfg = {layers, dim, heads, seq, vocab, B, accum, W, (int64_t)me.n_params,
-                       param_dtype_s ? mp_name(mp.param_dtype) : "f32", ckpt_act, rand_mode, hsdp, tokenizer_dir,
-                       0, NULL, NULL};
+    report_cfg rcfg = {layers,
+                       dim,
+                       heads,
+                       seq,
+                       vocab,
+                       B,
+                       accum,
+                       W,
+                       (int64_t)me.n_params,
+                       param_dtype_s ? mp_name(mp.param_dtype) : "f32",
+                       ckpt_act,
+                       rand_mode,
+                       hsdp,
+                       tokenizer_dir,
+                       0,
+                       NULL,
+                       NULL};
     if (val_every) { /* the validations of this run, for --report-json */
         val_step = malloc(((size_t)(end - start) / (size_t)val_every + 2) * sizeof *val_step);
         val_loss = malloc(((size_t)(end - start) / (size_t)val_every + 2) * sizeof *val_loss);
@@ -2149,8 +2246,16 @@ int main(int argc, char **argv)
         window_s_n++;
         int every = steps >= 20 ? steps / 20 : 1;
         bool line = (step + 1) % every == 0 || step == 0;
-        step_report rep = {step + 1, steps, l, ts_lr_at(&sched, step), overflow ? NAN : gn, step_s[step],
-                           (double)accum * B * seq * W, ex_now() - t0, {0, 0, 0}, NAN};
+        step_report rep = {step + 1,
+                           steps,
+                           l,
+                           ts_lr_at(&sched, step),
+                           overflow ? NAN : gn,
+                           step_s[step],
+                           (double)accum * B * seq * W,
+                           ex_now() - t0,
+                           {0, 0, 0},
+                           NAN};
         if (line || metrics) /* the same steps on every rank (rank 0 alone has the file) */
             CHECK(memory_max_over_ranks(world, rep.mem));
         if (line) {
@@ -2190,8 +2295,8 @@ int main(int argc, char **argv)
                "device-to-host copies (%s) of reduced gradients; host blocks %s, pinned %s (%s locked)\n",
                op.pin_memory ? "pinned" : "pageable", os.groups, (double)os.h2d_copies / ran,
                ex_fmt_bytes((double)os.h2d_bytes / ran, b1, sizeof b1), (double)os.d2h_copies / ran,
-               ex_fmt_bytes((double)os.d2h_bytes / ran, b2, sizeof b2), ex_fmt_bytes((double)os.host_bytes, b3, sizeof b3),
-               ex_fmt_bytes((double)os.pinned_bytes, b4, sizeof b4),
+               ex_fmt_bytes((double)os.d2h_bytes / ran, b2, sizeof b2),
+               ex_fmt_bytes((double)os.host_bytes, b3, sizeof b3), ex_fmt_bytes((double)os.pinned_bytes, b4, sizeof b4),
                ex_fmt_bytes((double)ts_mem_locked_bytes(), b5, sizeof b5));
     }
     {
@@ -2208,8 +2313,9 @@ int main(int argc, char **argv)
                ex_fmt_bytes((double)cc.bytes[TS_COLL_REDUCE_SCATTER] / n, b2, sizeof b2),
                (double)cc.bytes[TS_COLL_REDUCE_SCATTER] / n,
                mp.param_dtype == TS_DTYPE_KEEP ? "float32" : ts_dtype_name(mp.param_dtype),
-               ts_dtype_name(mp.reduce_dtype != TS_DTYPE_KEEP ? mp.reduce_dtype
-                             : mp.param_dtype != TS_DTYPE_KEEP ? mp.param_dtype : TS_F32));
+               ts_dtype_name(mp.reduce_dtype != TS_DTYPE_KEEP      ? mp.reduce_dtype
+                                 : mp.param_dtype != TS_DTYPE_KEEP ? mp.param_dtype
+                                                                   : TS_F32));
         if (scaler)
             printf("grad scaler: %d of %d steps skipped (inf/NaN gradients), final scale %g, growth tracker %lld\n",
                    skipped, step, ts_grad_scaler_get_scale(scaler), (long long)ts_grad_scaler_growth_tracker(scaler));
@@ -2218,15 +2324,15 @@ int main(int argc, char **argv)
         if (step < steps) printf("stopped after step %d of %d (--stop-after)\n", step, steps);
         printf("loss %.4f -> %.4f (uniform guess: %.4f)\n", first, last, log((double)vocab));
         if (save)
-            CHECK(save_sharded(save, model, opt, scaler, skipped, data_rng, &rs, step, first, window, window_n,
-                               last, ckpt_meta, n_ckpt_meta));
+            CHECK(save_sharded(save, model, opt, scaler, skipped, data_rng, &rs, step, first, window, window_n, last,
+                               ckpt_meta, n_ckpt_meta));
         if (save_full) { /* streamed to rank 0 one tensor at a time, with the sizes and the vocabulary
                           * (ckpt_meta's first 2 pairs) for --load and --sample */
             CHECK(ts_ckpt_save_full(save_full, model, ckpt_meta, 2));
             printf("saved %d full tensors to %s\n", model_tensors(model), save_full);
         }
-        CHECK(print_rank_memory(world, &me, step_s + start, losses + start, ran, (double)accum * B * seq,
-                                report_json, &rcfg));
+        CHECK(print_rank_memory(world, &me, step_s + start, losses + start, ran, (double)accum * B * seq, report_json,
+                                &rcfg));
     }
     if (metrics_failed) rc = rc ? rc : 1; /* after the saves: the checkpoint is still worth having */
 done:

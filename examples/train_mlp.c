@@ -30,8 +30,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "train_mlp: --optim: '%s' is neither sgd nor adamw\n", optim);
         return 2;
     }
-    if (lr <= 0)
-        lr = sgd ? 0.1 : 1e-2;
+    if (lr <= 0) lr = sgd ? 0.1 : 1e-2;
     ts_manual_seed(seed);
     /* spiral: class c, point i at radius r, angle 4r + 2pi c/3 + noise */
     float xs[N * 2];
@@ -65,8 +64,7 @@ int main(int argc, char **argv)
     ts_named_params p;
     CHECK(ts_module_named_parameters(model, &p));
     ts_tensor *plist[16];
-    for (int i = 0; i < p.n; i++)
-        plist[i] = *p.items[i].slot;
+    for (int i = 0; i < p.n; i++) plist[i] = *p.items[i].slot;
     ts_optim *opt;
     if (sgd) {
         ts_sgd_options o = ts_sgd_options_default();
@@ -90,8 +88,7 @@ int main(int argc, char **argv)
         ts_optim_zero_grad(opt, true);
         double l;
         CHECK(ts_tensor_item(loss, &l));
-        if (step == 0)
-            first = l;
+        if (step == 0) first = l;
         last = l;
         int every = steps >= 10 ? steps / 10 : 1;
         if ((step + 1) % every == 0 || step == 0) {
@@ -100,8 +97,7 @@ int main(int argc, char **argv)
             int64_t pv[N];
             CHECK(ts_tensor_copy_to(pred, pv, sizeof pv));
             int right = 0;
-            for (int i = 0; i < N; i++)
-                right += pv[i] == ys[i];
+            for (int i = 0; i < N; i++) right += pv[i] == ys[i];
             acc = (double)right / N;
             printf("step %4d  loss %.4f  accuracy %.3f  %.0f samples/s  peak tensors %.2f MiB  rss %.1f MiB\n",
                    step + 1, l, acc, (double)N * (step + 1) / (ex_now() - t0),

@@ -60,8 +60,7 @@ int main(int argc, char **argv)
         CHECK(ts_backward(loss, NULL, false));
         double l;
         CHECK(ts_tensor_item(loss, &l));
-        if (step == 0)
-            first = l;
+        if (step == 0) first = l;
         last = l;
         if (step % (steps / 10 > 0 ? steps / 10 : 1) == 0 || step == steps - 1)
             printf("step %5d  loss %.6f\n", step, l);

@@ -11,7 +11,10 @@
 int main(int argc, char **argv)
 {
     /* no flags: --help prints this, anything else is refused (exit 2) */
-    ex_parse_flags(argc, argv, "Seed 001: Linear(3, 3) sharded over 4 ranks: shard shapes, communicated size and padding. Run under tsrun --nproc-per-node 4.", NULL, 0);
+    ex_parse_flags(argc, argv,
+                   "Seed 001: Linear(3, 3) sharded over 4 ranks: shard shapes, communicated size and padding. Run "
+                   "under tsrun --nproc-per-node 4.",
+                   NULL, 0);
     CHECK(ts_launch_rank_guard());
     CHECK(ts_dist_init(NULL));
     int rank = ts_comm_rank(ts_dist_world()), world = ts_comm_size(ts_dist_world());

@@ -17,18 +17,15 @@
  * decimals. */
 static void put_value(double v)
 {
-    if (v == 0.0)
-        printf("%s", signbit(v) ? "-0.0" : "0.0");
-    else
-        printf("%.10f", v);
+    if (v == 0.0) printf("%s", signbit(v) ? "-0.0" : "0.0");
+    else printf("%.10f", v);
 }
 
 /* Values a[from..to) separated by ", ". */
 static void put_values(const float *a, int from, int to)
 {
     for (int i = from; i < to; i++) {
-        if (i > from)
-            printf(", ");
+        if (i > from) printf(", ");
         put_value(a[i]);
     }
 }
@@ -50,7 +47,10 @@ static void local_values(ts_tensor *t, float *buf, int64_t n)
 int main(int argc, char **argv)
 {
     /* no flags: --help prints this, anything else is refused (exit 2) */
-    ex_parse_flags(argc, argv, "Seed 000: Sequential(Linear(4, 4), ReLU, Linear(4, 4)), each Linear sharded; prints each rank's shard of layer 0, the summoned shape and the gradient shards. Run under tsrun --nproc-per-node 2.", NULL, 0);
+    ex_parse_flags(argc, argv,
+                   "Seed 000: Sequential(Linear(4, 4), ReLU, Linear(4, 4)), each Linear sharded; prints each rank's "
+                   "shard of layer 0, the summoned shape and the gradient shards. Run under tsrun --nproc-per-node 2.",
+                   NULL, 0);
     CHECK(ts_launch_rank_guard());
     CHECK(ts_dist_init(NULL));
     int rank = ts_comm_rank(ts_dist_world()), world = ts_comm_size(ts_dist_world());

@@ -173,8 +173,8 @@ static double forward_backward(ts_module *model)
 static void check_same(const char *tag, double got, double want)
 {
     if (got != want) {
-        fprintf(stderr, "error: %s: the sharded model's output sum %.10f differs from the unsharded %.10f\n", tag,
-                got, want);
+        fprintf(stderr, "error: %s: the sharded model's output sum %.10f differs from the unsharded %.10f\n", tag, got,
+                want);
         exit(1);
     }
 }
@@ -182,7 +182,10 @@ static void check_same(const char *tag, double got, double want)
 int main(int argc, char **argv)
 {
     /* no flags: --help prints this, anything else is refused (exit 2) */
-    ex_parse_flags(argc, argv, "Seed 000's two-Block model sharded three ways (root only, by type, by size). Run under tsrun --nproc-per-node 4.", NULL, 0);
+    ex_parse_flags(argc, argv,
+                   "Seed 000's two-Block model sharded three ways (root only, by type, by size). Run under tsrun "
+                   "--nproc-per-node 4.",
+                   NULL, 0);
     CHECK(ts_launch_rank_guard());
     CHECK(ts_dist_init(NULL));
     int rank = ts_comm_rank(ts_dist_world()), world = ts_comm_size(ts_dist_world());

@@ -41,7 +41,6 @@ void ts__fsdp_set_observer(ts_fsdp_event_fn fn, void *ctx)
     tl_observer_ctx = ctx;
 }
 
-
 void ts__fsdp_event(const char *what, const char *fqn)
 {
     ts_logf(TS_LOG_DEBUG, "FSDP::%s (%s)", what, fqn);
@@ -299,8 +298,7 @@ static ts_status optim_check(const char *who, int n, ts_tensor *const *params, b
                 "others are sharded over %lld ranks: their gradients are not averaged across ranks, so each rank's "
                 "copy drifts apart; shard the root too (ts_fully_shard(model) after its blocks), or pass them as "
                 "ignored_params and keep them in sync yourself",
-                who, n_outside, n, first_outside, name[0] ? " '" : "", name, name[0] ? "'" : "",
-                (long long)mesh_ranks);
+                who, n_outside, n, first_outside, name[0] ? " '" : "", name, name[0] ? "'" : "", (long long)mesh_ranks);
     }
     return TS_OK;
 }

@@ -64,7 +64,6 @@ static ts_status check_world_started(const char *fn, const ts_fsdp_options *o)
     return TS_OK;
 }
 
-
 static bool ignored(const ts_fsdp_options *o, const ts_tensor *t)
 {
     for (int i = 0; i < o->n_ignored_params; i++)
@@ -113,8 +112,8 @@ static ts_status on_child(void *vc, const char *name, ts_module *child)
     if (!child || ts_module_is_fsdp(child)) return TS_OK; /* sharded earlier: its own group */
     if (!child->vtable)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
-                        "fully_shard: child '%s%s%s' has no vtable (ts_module_init failed or was not called)", c->prefix,
-                        *c->prefix ? "." : "", name ? name : "(null)");
+                        "fully_shard: child '%s%s%s' has no vtable (ts_module_init failed or was not called)",
+                        c->prefix, *c->prefix ? "." : "", name ? name : "(null)");
     char saved[TS__FSDP_FQN_MAX];
     snprintf(saved, sizeof saved, "%s", c->prefix);
     int len = snprintf(c->prefix, sizeof c->prefix, "%s%s%s", saved, *saved ? "." : "", name);
@@ -173,8 +172,7 @@ static ts_status check_options(const char *fn, const ts_fsdp_options *o)
                         "%s: reshard_after_forward every N forwards needs N >= 1 (reshard_every_n = %d)", fn,
                         o->reshard_every_n);
     if (o->persist_threshold_numel < 0)
-        return ts_error(TS_ERR_INVALID_ARGUMENT,
-                        "%s: persist_threshold_numel must be >= 0 (0: off), got %lld", fn,
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: persist_threshold_numel must be >= 0 (0: off), got %lld", fn,
                         (long long)o->persist_threshold_numel);
     if (o->n_ignored_params < 0 || (o->n_ignored_params && !o->ignored_params))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d ignored parameters but no list", fn, o->n_ignored_params);

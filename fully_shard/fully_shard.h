@@ -383,14 +383,14 @@ TS_API ts_status ts_fsdp_offload_stats_get(ts_module *module, ts_fsdp_offload_st
 /* Facts about the group fully_shard made for `module` (not its
  * children's). */
 typedef struct ts_fsdp_group_info {
-    int n_params;          /* parameters in the group (0: none) */
-    int shard_world;       /* ranks the group is sharded over */
-    int64_t numel;         /* elements of the full parameters */
-    int64_t shard_numel;   /* elements per rank in the communication buffers (padded) */
-    int64_t padded_numel;  /* shard_numel * shard_world */
-    int64_t padding;       /* padded_numel - numel */
-    int64_t local_numel;   /* real (unpadded) elements this rank holds */
-    int n_persistent;      /* parameters below persist_threshold_numel: whole on every rank, not in the above */
+    int n_params;             /* parameters in the group (0: none) */
+    int shard_world;          /* ranks the group is sharded over */
+    int64_t numel;            /* elements of the full parameters */
+    int64_t shard_numel;      /* elements per rank in the communication buffers (padded) */
+    int64_t padded_numel;     /* shard_numel * shard_world */
+    int64_t padding;          /* padded_numel - numel */
+    int64_t local_numel;      /* real (unpadded) elements this rank holds */
+    int n_persistent;         /* parameters below persist_threshold_numel: whole on every rank, not in the above */
     int64_t persistent_numel; /* their elements */
 } ts_fsdp_group_info;
 /* TS_ERR_INVALID_ARGUMENT when module is not an FSDP module. */
@@ -675,7 +675,7 @@ typedef struct ts_fsdp_memory_options {
      * the root or one of its direct children is an Embedding (a GPT-like
      * model), else the dtype of the model's first parameter. */
     ts_dtype input_dtype;
-    ts_fsdp_optim_kind optim;       /* default TS_FSDP_OPTIM_ADAM */
+    ts_fsdp_optim_kind optim; /* default TS_FSDP_OPTIM_ADAM */
     /* Forward/backward passes per step (gradient accumulation, default 1):
      * with n > 1 the first n - 1 run without gradient sync (every group's
      * ts_fsdp_set_requires_gradient_sync flag false, put back after), so
@@ -714,32 +714,32 @@ TS_API ts_fsdp_memory_options ts_fsdp_memory_options_default(void);
 
 /* The prediction, bytes per rank (pool blocks, rounded as the pool rounds). */
 typedef struct ts_fsdp_memory_report {
-    size_t param_bytes;        /* sharded parameters (the groups' sharded buffers; whole parameters outside groups) */
-    size_t grad_bytes;         /* the shards' gradients after backward */
-    size_t optim_bytes;        /* optimizer state */
-    size_t group_bytes;        /* the largest group while unsharded (its full parameters, in param_dtype) */
-    size_t all_gather_bytes;   /* the largest all-gather output buffer (the padded group) */
-    int groups_in_flight;      /* the most groups below the root unsharded or being all-gathered at once during
+    size_t param_bytes;          /* sharded parameters (the groups' sharded buffers; whole parameters outside groups) */
+    size_t grad_bytes;           /* the shards' gradients after backward */
+    size_t optim_bytes;          /* optimizer state */
+    size_t group_bytes;          /* the largest group while unsharded (its full parameters, in param_dtype) */
+    size_t all_gather_bytes;     /* the largest all-gather output buffer (the padded group) */
+    int groups_in_flight;        /* the most groups below the root unsharded or being all-gathered at once during
                                   the measured step (the one computing and the one prefetched: 2 with prefetch) */
-    int n_blocks;              /* blocks: groups below the root, not nested (checkpoint_blocks); 0 unsharded */
-    size_t block_act_bytes;    /* what one block's forward adds and keeps for backward, its output included:
+    int n_blocks;                /* blocks: groups below the root, not nested (checkpoint_blocks); 0 unsharded */
+    size_t block_act_bytes;      /* what one block's forward adds and keeps for backward, its output included:
                                   the mean over the blocks, measured with no block checkpointed */
     size_t block_act_ckpt_bytes; /* the same with every block checkpointed (about its output only) */
-    size_t act_bytes;          /* what the whole forward (model, cast, loss) keeps for backward, no block
+    size_t act_bytes;            /* what the whole forward (model, cast, loss) keeps for backward, no block
                                   checkpointed (the unsharded groups' buffers not counted) */
-    size_t act_ckpt_bytes;     /* the same with every block checkpointed */
-    size_t forward_peak_bytes; /* the storage peak during forward (model's storages included) */
-    size_t backward_peak_bytes;/* the storage peak during backward */
-    size_t peak_bytes;         /* the step's peak: the larger of the two and of the optimizer step */
-    bool checkpointed;         /* the peaks above are with checkpointed blocks (all, or those the model has) */
-    int64_t n_params;          /* elements of the full parameters (a tied weight once) */
+    size_t act_ckpt_bytes;       /* the same with every block checkpointed */
+    size_t forward_peak_bytes;   /* the storage peak during forward (model's storages included) */
+    size_t backward_peak_bytes;  /* the storage peak during backward */
+    size_t peak_bytes;           /* the step's peak: the larger of the two and of the optimizer step */
+    bool checkpointed;           /* the peaks above are with checkpointed blocks (all, or those the model has) */
+    int64_t n_params;            /* elements of the full parameters (a tied weight once) */
     /* The whole process (docs/memory.md), from the tensors above: */
-    size_t pool_peak_bytes;    /* what the caching pool holds after start-up and the step (TS_MEM_POOL): per size
+    size_t pool_peak_bytes; /* what the caching pool holds after start-up and the step (TS_MEM_POOL): per size
                                   class, the most blocks of it live at once, cached free blocks included, so at
                                   least peak_bytes; with eager_init the full parameters' blocks built at start-up
                                   count, cached in their classes (the ledger's model of the pool: docs/meta.md) */
-    size_t floor_bytes;        /* the process floor (comm.h: ts_process_floor_bytes) when estimated */
-    size_t rss_peak_bytes;     /* the predicted peak resident set (VmHWM) of the rank: floor_bytes +
+    size_t floor_bytes;     /* the process floor (comm.h: ts_process_floor_bytes) when estimated */
+    size_t rss_peak_bytes;  /* the predicted peak resident set (VmHWM) of the rank: floor_bytes +
                                   pool_peak_bytes. Not counted: tensor, autograd and module handles (0.3 MiB on
                                   GPT-2-small), the caller's own buffers (token ids), the pool's blocks' untouched
                                   tails (counted whole: an upper bound) */
@@ -773,8 +773,7 @@ TS_API void ts_fsdp_memory_set_floor(ts_fsdp_memory_report *r, size_t floor_byte
  * with its message); TS_ERR_UNSUPPORTED for world_size > 1 or a
  * param_dtype on a model that is not sharded and not a GPT;
  * TS_ERR_NO_MEMORY. One thread at a time per model, as training. */
-TS_API ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options *o,
-                                         ts_fsdp_memory_report *out);
+TS_API ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options *o, ts_fsdp_memory_report *out);
 /* Builds and shards the model to estimate, for one rank of a job of
  * o->world_size ranks: called inside a meta scope with a 1-d mesh over a
  * virtual world of that many ranks (this process is its rank 0; no peer

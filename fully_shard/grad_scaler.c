@@ -160,8 +160,7 @@ static bool unscale_grad(ts_tensor *g, float inv)
                 *p = *p * (double)inv;
                 break;
             }
-            default:
-                break;
+            default: break;
             }
         }
     } while (ts__next_outer(nd, shape, idx, 1, strides, off));
@@ -171,8 +170,8 @@ static bool unscale_grad(ts_tensor *g, float inv)
 static ts_status unscale(const char *fn, ts_grad_scaler *s, ts_optim *o, scaler_opt *e)
 {
     if (e->stage == ST_UNSCALED)
-        return ts_error(TS_ERR_STATE, "%s: unscale_() has already been called on this optimizer since the last update()",
-                        fn);
+        return ts_error(TS_ERR_STATE,
+                        "%s: unscale_() has already been called on this optimizer since the last update()", fn);
     if (e->stage == ST_STEPPED) return ts_error(TS_ERR_STATE, "%s: unscale_() is being called after step()", fn);
     int n = ts_optim_num_params(o);
     /* everything checked before anything changes */
@@ -181,7 +180,8 @@ static ts_status unscale(const char *fn, ts_grad_scaler *s, ts_optim *o, scaler_
         ts_tensor *g = ts_tensor_grad(p);
         if (!g) continue;
         if (ts_tensor_dtype(g) != TS_F32 && ts_tensor_dtype(g) != TS_F64)
-            return ts_error(TS_ERR_DTYPE, "%s: the gradient of parameter %d ('%s') is %s; the optimizers' dtypes "
+            return ts_error(TS_ERR_DTYPE,
+                            "%s: the gradient of parameter %d ('%s') is %s; the optimizers' dtypes "
                             "(float32, float64) can be unscaled",
                             fn, i, ts_tensor_name(p), ts_dtype_name(ts_tensor_dtype(g)));
         if (ts_tensor_numel(g) > 0 && !ts_tensor_data(g))

@@ -92,9 +92,9 @@ typedef struct fsdp_param {
     ts_tensor ***slots; /* every slot holding the parameter */
     int *slot_owner;    /* per slot: the index of its module in the call */
     int n_slots;
-    ts_tensor *S;       /* sharded leaf (retained) */
-    ts_tensor *U;       /* unsharded leaf (retained), storage released while sharded */
-    ts_dtensor *dt;     /* S's DTensor (owned) */
+    ts_tensor *S;   /* sharded leaf (retained) */
+    ts_tensor *U;   /* unsharded leaf (retained), storage released while sharded */
+    ts_dtensor *dt; /* S's DTensor (owned) */
     int ndim;
     int64_t shape[TS_MAX_DIMS];
     int64_t rows, row_numel, numel;
@@ -103,12 +103,12 @@ typedef struct fsdp_param {
     int64_t off;        /* offset in the per-rank shard (elements) */
     fsdp_chunk *chunks; /* per shard rank r (W of them): the rows it holds */
     bool requires_grad;
-    bool in_reduce;     /* its gradient is in the reduce-scatter in flight: this rank's, until the
+    bool in_reduce;  /* its gradient is in the reduce-scatter in flight: this rank's, until the
                            reduction is waited on; then whether any rank had one (param_group.c,
                            [Note: unused parameters]) */
-    bool u_meta;        /* U's released CPU storage is taken as meta while unsharded in a meta step
+    bool u_meta;     /* U's released CPU storage is taken as meta while unsharded in a meta step
                            (param.c, ts__fsdp_param_restore_u) */
-    bool in_partial;    /* its gradient is in the group's partial (HSDP, requires_all_reduce false) */
+    bool in_partial; /* its gradient is in the group's partial (HSDP, requires_all_reduce false) */
     /* no gradient sync under a reduce dtype other than the gradient's: the
      * unsharded gradient accumulated in rdtype (full shape, owned), FSDP2's
      * unsharded_accumulated_grad; NULL otherwise (the gradient then stays
@@ -134,7 +134,7 @@ typedef struct fsdp_persist {
     char *fqn;          /* its name relative to the sharded module (owned) */
     ts_tensor ***slots; /* the slots holding it (owned array; for the slot registry) */
     int n_slots;
-    ts_dtype rdtype;    /* the dtype its gradient is reduced in (reduce_dtype, or its own) */
+    ts_dtype rdtype; /* the dtype its gradient is reduced in (reduce_dtype, or its own) */
     /* the gradient the last reduction set (retained): found still on t at
      * the next backward, it is moved to `reduced` so that only the new
      * local gradient is reduced, then added back */
@@ -175,33 +175,33 @@ struct fsdp_group {
     int n;
     ts_dtype dtype;
     size_t es;
-    ts_mesh *mesh;      /* borrowed, or owned_mesh */
+    ts_mesh *mesh; /* borrowed, or owned_mesh */
     ts_mesh *owned_mesh;
-    ts_comm *pg;        /* the shard group */
-    ts_comm *rg;        /* HSDP: the replicate group (NULL otherwise) */
+    ts_comm *pg; /* the shard group */
+    ts_comm *rg; /* HSDP: the replicate group (NULL otherwise) */
     int W, rank;
     int64_t shard_numel, numel, local_numel;
-    ts_tensor *sharded;  /* 1-d, shard_numel */
+    ts_tensor *sharded; /* 1-d, shard_numel */
     fsdp_sharded_state sharded_state;
-    ts_tensor *ag_buf;   /* W * shard_numel while unsharding */
+    ts_tensor *ag_buf; /* W * shard_numel while unsharding */
     ts_request *ag_req;
     ts_tensor *rs_in, *rs_out;
     ts_request *rs_req;
     ts_reshard_policy policy; /* resolved at lazy init (AUTO -> TRUE / FALSE) */
     ts_reshard_policy user_policy;
     int every_n, fwd_since_reshard;
-    int n_states;          /* modules sharing the group */
-    int ran_forward;       /* distinct modules of the group run in this forward */
+    int n_states;                 /* modules sharing the group */
+    int ran_forward;              /* distinct modules of the group run in this forward */
     fsdp_training_state training; /* IDLE, FORWARD, PRE_BACKWARD or POST_BACKWARD */
     char fqn[TS__FSDP_FQN_MAX];
-    ts__fsdp_offload off;     /* CPUOffloadPolicy (offload_internal.h); off.on false without one */
+    ts__fsdp_offload off; /* CPUOffloadPolicy (offload_internal.h); off.on false without one */
     /* mixed precision (ts_mp_policy), resolved when the group is made:
      * udtype is the all-gather's and the unsharded parameters' dtype
      * (param_dtype, or dtype: no cast), rdtype the reduce-scatter's and
      * HSDP all-reduce's (reduce_dtype, or udtype); ues, res their sizes */
     ts_dtype udtype, rdtype;
     size_t ues, res;
-    ts_tensor *ag_in;    /* the shard cast to udtype, while its all-gather is in flight */
+    ts_tensor *ag_in; /* the shard cast to udtype, while its all-gather is in flight */
     /* the microbatching controls (fully_shard/accum.c; FSDP2's
      * FSDPParamGroup.reduce_grads, all_reduce_grads,
      * reshard_after_backward, gradient_divide_factor,
@@ -217,13 +217,13 @@ struct fsdp_group {
     ts_tensor *partial;
     /* how the reduction in flight was issued (ts__fsdp_reduce_plan) */
     ts_reduce_op ar_op;
-    double post_div;             /* after the HSDP all-reduce (1: none) */
+    double post_div; /* after the HSDP all-reduce (1: none) */
     /* the call's parameters below persist_threshold_numel (persist.c);
      * params[0..n) are the sharded ones only, so a group may have n == 0
      * and only persistent parameters: it then issues no all-gather */
     fsdp_persist *persist;
     int n_persist;
-    unsigned persist_mark;       /* persist.c: the bucket walk that last visited the group */
+    unsigned persist_mark; /* persist.c: the bucket walk that last visited the group */
     /* copy-free collectives (comm/coll_direct.h; param_group.c): the
      * all-gather reads the peers' rows straight into the U tensors, the
      * reduce-scatter this rank's rows of the peers' U gradients straight
@@ -231,10 +231,10 @@ struct fsdp_group {
      * (instead of ag_buf/ag_req), rs_direct (instead of rs_in/rs_req) with
      * the gradients it reads kept in rs_src (n, owned) until it completes;
      * dsegs (n) and dcounts (n x W elements per rank) are made once. */
-    bool copy_free;              /* from ts__fsdp_copy_free() when the group is made */
-    bool flags_apart;            /* the reduce-scatter in flight: its flags were reduced on their own
+    bool copy_free;    /* from ts__fsdp_copy_free() when the group is made */
+    bool flags_apart;  /* the reduce-scatter in flight: its flags were reduced on their own
                                   * (they would underflow in it: [Note: unused parameters]) */
-    uint64_t n_direct;           /* collectives that took the copy-free path (not the packed fallback) */
+    uint64_t n_direct; /* collectives that took the copy-free path (not the packed fallback) */
     ts__direct *ag_direct, *rs_direct;
     /* ts_fsdp_set_separate_reduce_scatter_group: the reductions' own group
      * (the shard group's ranks, owned; NULL: they share pg); a copy-free
@@ -279,18 +279,18 @@ typedef struct fsdp_reduce_plan {
 
 struct fsdp_state {
     atomic_int refs;
-    ts_module *module;  /* NULL once the module was freed */
+    ts_module *module; /* NULL once the module was freed */
     const ts_module_vtable *orig_vt;
-    fsdp_group *group;  /* retained; NULL when the call took no parameter */
-    fsdp_ctx *ctx;      /* the root's (borrowed; owned by the root: ctx->root == this) */
+    fsdp_group *group; /* retained; NULL when the call took no parameter */
+    fsdp_ctx *ctx;     /* the root's (borrowed; owned by the root: ctx->root == this) */
     char fqn[TS__FSDP_FQN_MAX];
     bool *method_wrapped; /* per named method of orig_vt: wrapped by ts_fsdp_register_forward_method */
-    bool ran;           /* ran forward in this iteration (grouped calls count modules once) */
-    int index;          /* its place among the modules of its call */
+    bool ran;             /* ran forward in this iteration (grouped calls count modules once) */
+    int index;            /* its place among the modules of its call */
     fsdp_state **fwd_prefetch, **bwd_prefetch; /* explicit lists (retained) */
     int n_fwd_prefetch, n_bwd_prefetch;
     bool explicit_fwd, explicit_bwd;
-    ts_mp_policy mp;    /* the call's policy (ts_mp_policy_default() for none): the input and output casts */
+    ts_mp_policy mp;        /* the call's policy (ts_mp_policy_default() for none): the input and output casts */
     bool not_last_backward; /* ts_fsdp_set_is_last_backward(false) before lazy init: copied into the root's ctx */
 };
 
@@ -308,9 +308,9 @@ struct fsdp_ctx {
     bool final_queued;
     fsdp_training_state training; /* IDLE, or PRE_BACKWARD from a backward's first marker to its end */
     bool implicit_fwd, implicit_bwd;
-    bool not_last_backward; /* ts_fsdp_set_is_last_backward(false): the end of backward leaves the
+    bool not_last_backward;   /* ts_fsdp_set_is_last_backward(false): the end of backward leaves the
                                reduction in flight and the post-forward order for the next backward */
-    bool hold_pending;      /* rs_pending was kept on purpose by such a backward */
+    bool hold_pending;        /* rs_pending was kept on purpose by such a backward */
     struct fsdp_pbuckets *pb; /* persist.c: the persistent gradients' all-reduces in flight (NULL: none) */
     unsigned persist_walk;    /* persist.c: the id of the last walk over the groups */
     bool materialized;        /* a forward found nothing under the root on the meta device (materialize.c) */
@@ -321,23 +321,23 @@ struct fsdp_ctx {
 /* ------------------------------------------------------------------ */
 
 typedef struct ts__fsdp_pcand {
-    ts_tensor *t;       /* the parameter tensor */
+    ts_tensor *t; /* the parameter tensor */
     ts_tensor ***slots;
-    int *owners;        /* per slot: the index of the module in the call */
+    int *owners; /* per slot: the index of the module in the call */
     int n_slots, cap_slots, cap_owners;
-    char fqn[TS__FSDP_FQN_MAX];  /* first name */
+    char fqn[TS__FSDP_FQN_MAX]; /* first name */
 } ts__fsdp_pcand;
 
 typedef struct ts__fsdp_collect {
     ts__fsdp_pcand *c;
     int n, cap;
-    ts_module **seen;   /* modules visited (each once) */
+    ts_module **seen; /* modules visited (each once) */
     int n_seen, cap_seen;
     const ts_fsdp_options *o;
     char prefix[TS__FSDP_FQN_MAX];
-    int top;            /* the index of the module being walked in the call */
-    const char *fn;     /* the API function (messages) */
-    const char *type;   /* the type of the module being walked in the call (messages) */
+    int top;          /* the index of the module being walked in the call */
+    const char *fn;   /* the API function (messages) */
+    const char *type; /* the type of the module being walked in the call (messages) */
 } ts__fsdp_collect;
 
 /* The distinct groups of a subtree's FSDP modules (state.c, ts__fsdp_subtree_groups). */
@@ -501,7 +501,8 @@ fsdp_persist *ts__fsdp_find_persist(ts__fsdp_groups_walk *w, const ts_tensor *t)
 /* Floor 4: param_group.c (floors 1-3)                                */
 /* ------------------------------------------------------------------ */
 
-ts_status ts__fsdp_group_new(const char *fn, ts__fsdp_collect *c, const ts_fsdp_options *o, int n_states, fsdp_group **out);
+ts_status ts__fsdp_group_new(const char *fn, ts__fsdp_collect *c, const ts_fsdp_options *o, int n_states,
+                             fsdp_group **out);
 void ts__fsdp_group_free(fsdp_group *g);
 fsdp_group *ts__fsdp_group_retain(fsdp_group *g);
 void ts__fsdp_group_release(fsdp_group *g);

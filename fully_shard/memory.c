@@ -118,7 +118,7 @@ typedef struct est {
     int64_t rows;
     size_t model_bytes, param_bytes, group_bytes, ag_bytes;
     size_t model_pinned; /* of model_bytes, pinned blocks (offload's shards): not the pool's */
-    size_t *full_sizes; /* eager start-up: the blocks the pool keeps cached after it ([Note: eager start-up]) */
+    size_t *full_sizes;  /* eager start-up: the blocks the pool keeps cached after it ([Note: eager start-up]) */
     int n_full;
     int64_t n_params;
     bool any_ckpt, saved;
@@ -391,9 +391,10 @@ static ts_status one_step(est *e, ts_optim *opt, run_out *r, int64_t live0)
         if (!st) {
             int64_t numel = ts_tensor_numel(logits);
             if (numel % e->rows || numel == 0)
-                st = ts_error(TS_ERR_SHAPE, FN ": the model's output has %lld elements, not a multiple of the input's "
-                                            "%lld rows (the loss takes (rows, classes) logits)", (long long)numel,
-                              (long long)e->rows);
+                st = ts_error(TS_ERR_SHAPE,
+                              FN ": the model's output has %lld elements, not a multiple of the input's "
+                                 "%lld rows (the loss takes (rows, classes) logits)",
+                              (long long)numel, (long long)e->rows);
             int64_t fs[2] = {e->rows, numel / (e->rows ? e->rows : 1)};
             if (!st) st = ts_reshape(logits, 2, fs, &flat);
         }
@@ -477,18 +478,23 @@ static ts_status check_options(const ts_fsdp_memory_options *o)
     if ((unsigned)o->optim > TS_FSDP_OPTIM_ADAM)
         return ts_error(TS_ERR_INVALID_ARGUMENT, FN ": optim %d is not a ts_fsdp_optim_kind", (int)o->optim);
     if (o->input_ndim < 1 || o->input_ndim > TS_MAX_DIMS)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, FN ": input_ndim %d outside [1, %d] (give the input's shape: (B, T) "
-                                                 "token ids for a GPT)", o->input_ndim, TS_MAX_DIMS);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        FN ": input_ndim %d outside [1, %d] (give the input's shape: (B, T) "
+                           "token ids for a GPT)",
+                        o->input_ndim, TS_MAX_DIMS);
     for (int i = 0; i < o->input_ndim; i++)
         if (o->input_shape[i] < 1)
             return ts_error(TS_ERR_INVALID_ARGUMENT, FN ": input_shape[%d] is %lld (every size >= 1)", i,
                             (long long)o->input_shape[i]);
     if (o->input_dtype != TS_DTYPE_KEEP && (unsigned)o->input_dtype >= TS_DTYPE_COUNT)
         return ts_error(TS_ERR_INVALID_ARGUMENT, FN ": input_dtype %d is not a dtype", (int)o->input_dtype);
-    if (o->world_size < 1 || (o->param_dtype != TS_DTYPE_KEEP && o->param_dtype != TS_F32 &&
-                              o->param_dtype != TS_BF16 && o->param_dtype != TS_F16))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, FN ": world_size %d must be >= 1 and param_dtype f32, bf16, f16 or "
-                                                "TS_DTYPE_KEEP (got %d)", o->world_size, (int)o->param_dtype);
+    if (o->world_size < 1 ||
+        (o->param_dtype != TS_DTYPE_KEEP && o->param_dtype != TS_F32 && o->param_dtype != TS_BF16 &&
+         o->param_dtype != TS_F16))
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        FN ": world_size %d must be >= 1 and param_dtype f32, bf16, f16 or "
+                           "TS_DTYPE_KEEP (got %d)",
+                        o->world_size, (int)o->param_dtype);
     return TS_OK;
 }
 
@@ -583,22 +589,25 @@ static ts_status setup(est *e)
     for (int i = 0; i < e->gw.n; i++) {
         fsdp_group *g = e->gw.g[i];
         if (g->sharded_state != FSDP_SHARDED || ts__fsdp_reduce_in_flight(g) || g->partial)
-            return ts_error(TS_ERR_STATE, FN ": group '%s' is %s: estimate between steps (after the optimizer "
-                                          "step, with every group resharded and no gradient accumulation under way)",
+            return ts_error(TS_ERR_STATE,
+                            FN ": group '%s' is %s: estimate between steps (after the optimizer "
+                               "step, with every group resharded and no gradient accumulation under way)",
                             g->fqn, g->sharded_state != FSDP_SHARDED ? "unsharded" : "in the middle of a reduction");
         for (int k = 0; k < g->n; k++)
             if (g->params[k].acc || (g->params[k].U && ts_tensor_grad(g->params[k].U)))
-                return ts_error(TS_ERR_STATE, FN ": group '%s' holds the unsharded gradient of '%s' (microbatches "
-                                              "without gradient sync under way): estimate between steps",
+                return ts_error(TS_ERR_STATE,
+                                FN ": group '%s' holds the unsharded gradient of '%s' (microbatches "
+                                   "without gradient sync under way): estimate between steps",
                                 g->fqn, g->params[k].fqn);
     }
     if (e->root && e->root->ctx && e->root->ctx->rs_pending)
         return ts_error(TS_ERR_STATE, FN ": a reduction is in flight: estimate between steps");
     if (!e->gw.n && (o->world_size > 1 || o->param_dtype != TS_DTYPE_KEEP))
-        return ts_error(TS_ERR_UNSUPPORTED, FN ": the model (%s) is not sharded, and world_size %d / param_dtype %s "
-                                            "describe a sharding: estimate it sharded (ts_fully_shard first, or "
-                                            "ts_fsdp_memory_estimate_build for W ranks from one process; "
-                                            "ts_fsdp_memory_estimate_gpt for the GPT)",
+        return ts_error(TS_ERR_UNSUPPORTED,
+                        FN ": the model (%s) is not sharded, and world_size %d / param_dtype %s "
+                           "describe a sharding: estimate it sharded (ts_fully_shard first, or "
+                           "ts_fsdp_memory_estimate_build for W ranks from one process; "
+                           "ts_fsdp_memory_estimate_gpt for the GPT)",
                         ts__fsdp_own_type(m), o->world_size,
                         o->param_dtype == TS_DTYPE_KEEP ? "keep" : ts_dtype_name(o->param_dtype));
     if ((st = ts_module_named_modules(m, find_block, e))) return st;
@@ -667,8 +676,8 @@ static size_t nonneg(int64_t v) { return v > 0 ? (size_t)v : 0; }
 ts_status ts_fsdp_memory_estimate(ts_module *model, const ts_fsdp_memory_options *o, ts_fsdp_memory_report *out)
 {
     if (!model || !o || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, FN ": model %p, options %p and out %p must not be NULL",
-                        (void *)model, (const void *)o, (void *)out);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, FN ": model %p, options %p and out %p must not be NULL", (void *)model,
+                        (const void *)o, (void *)out);
     ts_status st = check_options(o);
     if (st) return st;
     ts_gpt_config cfg;
@@ -741,13 +750,17 @@ ts_status ts_fsdp_memory_estimate_build(ts_fsdp_build_fn build, void *ctx, const
                                         ts_fsdp_memory_report *out)
 {
     if (!build || !o || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate_build: build %p, options %p and out %p must "
-                                                "not be NULL", (void *)(uintptr_t)build, (const void *)o, (void *)out);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_fsdp_memory_estimate_build: build %p, options %p and out %p must "
+                        "not be NULL",
+                        (void *)(uintptr_t)build, (const void *)o, (void *)out);
     ts_status st = check_options(o);
     if (st) return st;
     if (o->world_size > 128)
-        return ts_error(TS_ERR_UNSUPPORTED, "ts_fsdp_memory_estimate_build: world_size %d: a virtual world holds at "
-                                            "most 128 ranks (comm's tag layout)", o->world_size);
+        return ts_error(TS_ERR_UNSUPPORTED,
+                        "ts_fsdp_memory_estimate_build: world_size %d: a virtual world holds at "
+                        "most 128 ranks (comm's tag layout)",
+                        o->world_size);
     ts_comm *world = NULL;
     ts_mesh *mesh = NULL;
     ts_module *model = NULL;
@@ -761,8 +774,9 @@ ts_status ts_fsdp_memory_estimate_build(ts_fsdp_build_fn build, void *ctx, const
     if (!st) {
         st = build(ctx, mesh, &model);
         if (!st && !model)
-            st = ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate_build: the build function returned TS_OK "
-                                                   "and no model");
+            st = ts_error(TS_ERR_INVALID_ARGUMENT,
+                          "ts_fsdp_memory_estimate_build: the build function returned TS_OK "
+                          "and no model");
     }
     if (scoped) (void)ts_device_scope_exit();
     ts_fsdp_memory_options eo = *o;
@@ -812,22 +826,29 @@ ts_status ts_fsdp_memory_estimate_gpt(const ts_gpt_config *cfg, const ts_fsdp_me
                                       ts_fsdp_memory_report *out)
 {
     if (!cfg || !o || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate_gpt: config %p, options %p and out %p must not be "
-                                                "NULL", (const void *)cfg, (const void *)o, (void *)out);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_fsdp_memory_estimate_gpt: config %p, options %p and out %p must not be "
+                        "NULL",
+                        (const void *)cfg, (const void *)o, (void *)out);
     if (cfg->vocab_size <= 0 || cfg->block_size <= 0 || cfg->n_layer < 0 || cfg->n_layer > 4096 || cfg->n_head <= 0 ||
         cfg->d_model <= 0 || cfg->d_model % cfg->n_head || !(cfg->dropout >= 0 && cfg->dropout < 1))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate_gpt: invalid config (vocab %lld, block %lld, "
-                                                "layers %lld, heads %lld, d_model %lld, dropout %g)",
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_fsdp_memory_estimate_gpt: invalid config (vocab %lld, block %lld, "
+                        "layers %lld, heads %lld, d_model %lld, dropout %g)",
                         (long long)cfg->vocab_size, (long long)cfg->block_size, (long long)cfg->n_layer,
                         (long long)cfg->n_head, (long long)cfg->d_model, cfg->dropout);
     ts_status st = check_options(o);
     if (st) return st;
     if (o->input_ndim != 2)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_memory_estimate_gpt: a GPT's input is (B, T) token ids; got %d "
-                                                "dims", o->input_ndim);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_fsdp_memory_estimate_gpt: a GPT's input is (B, T) token ids; got %d "
+                        "dims",
+                        o->input_ndim);
     if (o->input_shape[1] > cfg->block_size)
-        return ts_error(TS_ERR_SHAPE, "ts_fsdp_memory_estimate_gpt: sequence length %lld is longer than the GPT's "
-                                      "block_size %lld", (long long)o->input_shape[1], (long long)cfg->block_size);
+        return ts_error(TS_ERR_SHAPE,
+                        "ts_fsdp_memory_estimate_gpt: sequence length %lld is longer than the GPT's "
+                        "block_size %lld",
+                        (long long)o->input_shape[1], (long long)cfg->block_size);
     gpt_build b = {cfg, o};
     return ts_fsdp_memory_estimate_build(build_gpt, &b, o, out);
 }

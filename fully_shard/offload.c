@@ -54,8 +54,8 @@ void ts__fsdp_offload_h2d(ts__fsdp_offload *o, void *dev_dst, const void *host_s
     staged("fsdp.h2d", &o->h2d_copies, &o->h2d_bytes, dev_dst, host_src, bytes);
 }
 
-void ts__fsdp_offload_h2d_cast(ts__fsdp_offload *o, void *dev_dst, ts_dtype dev_dtype, const void *host_src, ts_dtype host_dtype,
-                          int64_t n)
+void ts__fsdp_offload_h2d_cast(ts__fsdp_offload *o, void *dev_dst, ts_dtype dev_dtype, const void *host_src,
+                               ts_dtype host_dtype, int64_t n)
 {
     TS_TRACE_BEGIN(t0);
     if (dev_dst && host_src) ts__buf_convert(dev_dtype, dev_dst, host_dtype, host_src, n); /* meta step: no data */
@@ -116,8 +116,8 @@ ts_status ts__fsdp_offload_init(fsdp_group *g, const ts_offload_policy *policy, 
     for (int i = 0; i < g->n; i++) {
         ts_device d = ts_tensor_device(g->params[i].S);
         if (d == TS_DEVICE_CPU || ts__is_meta(g->params[i].S)) continue; /* meta: materialized on the host */
-        int k = snprintf(bad + used, sizeof bad - used, "%s('%s', %s)", used ? ", " : "", g->params[i].fqn,
-                         device_name(d));
+        int k =
+            snprintf(bad + used, sizeof bad - used, "%s('%s', %s)", used ? ", " : "", g->params[i].fqn, device_name(d));
         if (k > 0) used = used + (size_t)k < sizeof bad ? used + (size_t)k : sizeof bad - 1;
     }
     if (used)
@@ -138,15 +138,17 @@ ts_status ts__fsdp_offload_copy_in(fsdp_group *g, ts_tensor **in_out)
     if (g->udtype != g->dtype) { /* mixed precision: the copy casts on its way to the device */
         ts_status st = ts_tensor_empty(g->udtype, 1, &n, &g->ag_in);
         if (st) return st;
-        ts__fsdp_offload_h2d_cast(&g->off, ts_tensor_data(g->ag_in), g->udtype, ts_tensor_data(g->sharded), g->dtype, n);
+        ts__fsdp_offload_h2d_cast(&g->off, ts_tensor_data(g->ag_in), g->udtype, ts_tensor_data(g->sharded), g->dtype,
+                                  n);
         *in_out = g->ag_in;
         return TS_OK;
     }
     ts_tensor *own = NULL;
-    ts_status st = ts__tensor_alias(g->ag_buf, 1, &n, (const int64_t[]){1}, g->ag_buf->offset + (int64_t)g->rank * n,
-                                    &own);
+    ts_status st =
+        ts__tensor_alias(g->ag_buf, 1, &n, (const int64_t[]){1}, g->ag_buf->offset + (int64_t)g->rank * n, &own);
     if (st) return st;
-    ts__fsdp_offload_h2d(&g->off, ts_tensor_data(own), ts_tensor_data(g->sharded), (size_t)n * g->es); /* meta: no data */
+    ts__fsdp_offload_h2d(&g->off, ts_tensor_data(own), ts_tensor_data(g->sharded),
+                         (size_t)n * g->es); /* meta: no data */
     *in_out = own;
     return TS_OK;
 }

@@ -6,8 +6,8 @@
 #include "fully_shard/fully_shard.h"
 
 typedef struct ts__fsdp_offload {
-    bool on;              /* the group was sharded with an offload policy */
-    bool pin;             /* its pin_memory */
+    bool on;  /* the group was sharded with an offload policy */
+    bool pin; /* its pin_memory */
     /* the host shard gradients: one 1-d buffer of shard_numel elements
      * (pinned when pin), made at the first reduction; each parameter's
      * gradient is a view of its segment */
@@ -30,8 +30,8 @@ void ts__fsdp_offload_d2h(ts__fsdp_offload *o, void *host_dst, const void *dev_s
 /* The H2D copy under a mixed-precision policy: n elements converted from
  * the host shard's dtype to the all-gather's on their way (one pass, as
  * FSDP2's copy then cast); counts the bytes written to the device. */
-void ts__fsdp_offload_h2d_cast(ts__fsdp_offload *o, void *dev_dst, ts_dtype dev_dtype, const void *host_src, ts_dtype host_dtype,
-                          int64_t n);
+void ts__fsdp_offload_h2d_cast(ts__fsdp_offload *o, void *dev_dst, ts_dtype dev_dtype, const void *host_src,
+                               ts_dtype host_dtype, int64_t n);
 /* A new 1-d host buffer of n elements for the group (pinned when o->pin). */
 ts_status ts__fsdp_offload_host_buffer(const ts__fsdp_offload *o, ts_dtype dtype, int64_t n, ts_tensor **out);
 /* Makes an existing host buffer pinned when o->pin (the sharded parameters). */

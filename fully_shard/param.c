@@ -165,8 +165,7 @@ ts_status ts__fsdp_param_copy_out(fsdp_param *p, const fsdp_group *g, const unsi
     size_t rb = (size_t)p->row_numel * g->ues;
     for (int r = 0; r < g->W; r++) {
         const fsdp_chunk *ch = &p->chunks[r];
-        if (ch->rows > 0)
-            memcpy(u + (size_t)ch->row0 * rb, ag + (size_t)ch->buf_off * g->ues, (size_t)ch->rows * rb);
+        if (ch->rows > 0) memcpy(u + (size_t)ch->row0 * rb, ag + (size_t)ch->buf_off * g->ues, (size_t)ch->rows * rb);
     }
     return TS_OK;
 }

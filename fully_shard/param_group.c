@@ -190,7 +190,8 @@ static bool is_float(ts_dtype d) { return d == TS_F32 || d == TS_F64 || d == TS_
 
 /* Builds the group of the collected parameters (nothing changes on
  * error). */
-ts_status ts__fsdp_group_new(const char *fn, ts__fsdp_collect *c, const ts_fsdp_options *o, int n_states, fsdp_group **out)
+ts_status ts__fsdp_group_new(const char *fn, ts__fsdp_collect *c, const ts_fsdp_options *o, int n_states,
+                             fsdp_group **out)
 {
     fsdp_group *g = ts__calloc(TS_MEM_NN, 1, sizeof *g);
     if (!g) return TS_ERR_NO_MEMORY;
@@ -346,7 +347,8 @@ static ts_status unshard_direct(fsdp_group *g)
         if (!(st = ts__fsdp_offload_copy_in(g, &alias))) in = ts_tensor_data(g->ag_in); /* cast into ag_in */
     } else if (!st && g->off.on) { /* the host shard to the device (counted as offload's H2D copy) */
         if (!(st = ts_tensor_empty(g->udtype, 1, &g->shard_numel, &g->ag_in))) {
-            ts__fsdp_offload_h2d(&g->off, ts_tensor_data(g->ag_in), ts_tensor_data(g->sharded), (size_t)g->shard_numel * g->es);
+            ts__fsdp_offload_h2d(&g->off, ts_tensor_data(g->ag_in), ts_tensor_data(g->sharded),
+                                 (size_t)g->shard_numel * g->es);
             in = ts_tensor_data(g->ag_in);
         }
     } else if (!st && g->udtype != g->dtype) {
@@ -604,7 +606,6 @@ static void read_flags(fsdp_group *g, const unsigned char *base)
         g->params[i].in_reduce = flag_set(g->rdtype, base + (size_t)(g->shard_numel + i) * g->res);
 }
 
-
 /* A view of the reduced output `out` (1-d, the shard layout) at
  * parameter p's segment, in the shard's shape: the new gradient of a
  * shard that has none (FSDP2's new_sharded_grad as a view of
@@ -776,7 +777,8 @@ ts_status ts__fsdp_finish_reduce(fsdp_group *g)
             ts_tensor_free(view);
             g->n_grad_views++;
         } else if (ts_tensor_is_contiguous(gr) && (ts_tensor_data(gr) || (meta && ts__is_meta(gr)))) {
-            if (seg && ts_tensor_data(gr)) ts__buf_add(g->dtype, ts_tensor_data(gr), seg, ln); /* gr += seg: the separate add */
+            if (seg && ts_tensor_data(gr))
+                ts__buf_add(g->dtype, ts_tensor_data(gr), seg, ln); /* gr += seg: the separate add */
             g->n_grad_adds++;
             copied = true;
         } else { /* a non-contiguous gradient the user set: a new one, the old added */
@@ -934,7 +936,8 @@ static ts_tensor *accumulate_target(fsdp_group *g, const fsdp_ctx *ctx)
     }
     int64_t n = g->shard_numel;
     ts_tensor *alias = NULL;
-    if (ts__tensor_alias(g0, 1, &n, (const int64_t[]){1}, base, &alias)) return NULL; /* out of memory: the separate add */
+    if (ts__tensor_alias(g0, 1, &n, (const int64_t[]){1}, base, &alias))
+        return NULL; /* out of memory: the separate add */
     return alias;
 }
 
@@ -1055,7 +1058,8 @@ ts_status ts__fsdp_post_backward(fsdp_ctx *ctx, fsdp_group *g)
     TS_TRACE_BEGIN(tp);
     /* W blocks of the shard layout, each followed by the flags */
     int64_t n_out = rs_numel(g), n_in = n_out * g->W;
-    if ((st = ts_tensor_empty(g->rdtype, 1, &n_in, &g->rs_in)) || (st = ts_tensor_empty(g->rdtype, 1, &n_out, &g->rs_out))) {
+    if ((st = ts_tensor_empty(g->rdtype, 1, &n_in, &g->rs_in)) ||
+        (st = ts_tensor_empty(g->rdtype, 1, &n_out, &g->rs_out))) {
         ts__fsdp_discard_reduce(g);
         return st;
     }

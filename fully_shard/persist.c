@@ -50,11 +50,12 @@ ts_status ts__fsdp_persist_take(const char *fn, ts__fsdp_collect *c, const ts_fs
         if (ts_tensor_numel(t) >= thr) continue;
         char other[TS__FSDP_FQN_MAX] = "";
         if (ts__fsdp_reg_owner(t, other, sizeof other) || ts_tensor_is_shard(t))
-            return ts_error(TS_ERR_INVALID_ARGUMENT,
-                            "%s: parameter '%s' is shared with a parameter already managed by another FSDP group%s%s%s; "
-                            "for shared (tied) parameters, shard the modules that use it in one call "
-                            "(ts_fully_shard_group) so that they form one group",
-                            fn, c->c[i].fqn, *other ? " ('" : "", other, *other ? "')" : "");
+            return ts_error(
+                TS_ERR_INVALID_ARGUMENT,
+                "%s: parameter '%s' is shared with a parameter already managed by another FSDP group%s%s%s; "
+                "for shared (tied) parameters, shard the modules that use it in one call "
+                "(ts_fully_shard_group) so that they form one group",
+                fn, c->c[i].fqn, *other ? " ('" : "", other, *other ? "')" : "");
         ts_dtype d = ts_tensor_dtype(t);
         if (!is_float(d))
             return ts_error(TS_ERR_DTYPE, "%s: parameter '%s' is %s; only floating-point parameters can be managed", fn,
@@ -90,7 +91,7 @@ ts_status ts__fsdp_persist_take(const char *fn, ts__fsdp_collect *c, const ts_fs
         }
         p[j].t = ts_tensor_retain(t);
         p[j].rdtype = o->mp_policy && o->mp_policy->reduce_dtype != TS_DTYPE_KEEP ? o->mp_policy->reduce_dtype
-                                                                                   : ts_tensor_dtype(t);
+                                                                                  : ts_tensor_dtype(t);
         j++;
     }
     /* from here nothing fails: drop them from the candidates, their slots
@@ -140,13 +141,13 @@ fsdp_persist *ts__fsdp_find_persist(ts__fsdp_groups_walk *w, const ts_tensor *t)
 
 typedef struct pb_entry {
     fsdp_persist *p;
-    int64_t off;  /* in the bucket, elements */
-    bool had;     /* it had a local gradient (else packed as zeros); after the reduction: some rank had one
+    int64_t off; /* in the bucket, elements */
+    bool had;    /* it had a local gradient (else packed as zeros); after the reduction: some rank had one
                      (the others get none) */
 } pb_entry;
 
 typedef struct fsdp_pbucket {
-    ts_comm *pg, *rg;      /* rg: HSDP's replicate group, NULL otherwise */
+    ts_comm *pg, *rg; /* rg: HSDP's replicate group, NULL otherwise */
     ts_dtype rdtype;
     fsdp_reduce_plan plan;
     pb_entry *e;
@@ -179,7 +180,8 @@ static ts_status hold_scratch(fsdp_pbucket *b, ts_comm *c)
     bool scoped = ts__meta_mode();
     if (!scoped && ts_device_scope_enter(TS_DEVICE_META)) return TS_ERR_INTERNAL;
     ts_status st = TS_OK;
-    for (int i = 0; i < n && !st; i++) st = ts_tensor_empty(TS_BOOL, 1, (const int64_t[]){(int64_t)bytes[i]}, &b->hold[i]);
+    for (int i = 0; i < n && !st; i++)
+        st = ts_tensor_empty(TS_BOOL, 1, (const int64_t[]){(int64_t)bytes[i]}, &b->hold[i]);
     if (!scoped) (void)ts_device_scope_exit();
     return st;
 }
@@ -194,7 +196,7 @@ static bool is_hsdp(const fsdp_group *g) { return g->rg && ts_comm_size(g->rg) >
 static bool same_plan(const fsdp_reduce_plan *a, const fsdp_reduce_plan *b)
 {
     return a->rs_op == b->rs_op && a->ar_op == b->ar_op && a->rs_pre == b->rs_pre && a->rs_post == b->rs_post &&
-           a->post == b->post;
+        a->post == b->post;
 }
 
 static void buckets_free(fsdp_ctx *c)
@@ -343,8 +345,8 @@ ts_status ts__fsdp_persist_issue(fsdp_ctx *c)
 static bool only_holder(const ts_tensor *g)
 {
     return atomic_load(&g->refcount) == 1 && atomic_load(&g->storage->refcount) == 1 && ts_tensor_is_contiguous(g) &&
-           g->offset == 0 && (ts_tensor_data(g) || ts__is_meta(g)) &&
-           ts_tensor_numel(g) * (int64_t)ts_dtype_size(g->dtype) == (int64_t)g->storage->nbytes;
+        g->offset == 0 && (ts_tensor_data(g) || ts__is_meta(g)) &&
+        ts_tensor_numel(g) * (int64_t)ts_dtype_size(g->dtype) == (int64_t)g->storage->nbytes;
 }
 
 /* b's reduced gradients onto its parameters (plus what was set aside). */
@@ -437,7 +439,8 @@ ts_status ts__fsdp_persist_finish(fsdp_ctx *c)
         TS_TRACE_END(tw, "fsdp.wait_reduce", "wait");
         for (int k = 0; !st && k < b->n; k++) { /* any rank's flag: nonzero after SUM or AVG */
             double f = 0;
-            ts__buf_convert(TS_F64, &f, b->rdtype, (const unsigned char *)x + (size_t)(b->numel + k) * ts_dtype_size(b->rdtype), 1);
+            ts__buf_convert(TS_F64, &f, b->rdtype,
+                            (const unsigned char *)x + (size_t)(b->numel + k) * ts_dtype_size(b->rdtype), 1);
             b->e[k].had = f != 0;
         }
         if (!st) st = unpack(b);

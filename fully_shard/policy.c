@@ -105,8 +105,7 @@ static ts_status check_root(const char *fn, ts_module *root)
     return TS_OK;
 }
 
-ts_status ts_fsdp_apply_by_type(ts_module *root, const char *type_name, const ts_fsdp_options *options,
-                                int *count_out)
+ts_status ts_fsdp_apply_by_type(ts_module *root, const char *type_name, const ts_fsdp_options *options, int *count_out)
 {
     const char *fn = "fsdp_apply_by_type";
     ts_status st = check_root(fn, root);
@@ -125,8 +124,7 @@ ts_status ts_fsdp_apply_by_type(ts_module *root, const char *type_name, const ts
         if (ts_module_is_fsdp(m)) continue;
         if ((st = ts_fully_shard(m, options)))
             ts_error(st, "%s: sharding '%s' (%s): %s", fn, l.e[i].fqn, type_name, ts_last_error());
-        else
-            count++;
+        else count++;
     }
     if (!st && !matched) {
         /* not an error (a policy may match nothing), but a typo would
@@ -141,8 +139,8 @@ ts_status ts_fsdp_apply_by_type(ts_module *root, const char *type_name, const ts
             int w = snprintf(types + len, sizeof types - len, "%s%s", len ? ", " : "", t);
             len += w > 0 ? (size_t)w : 0;
         }
-        ts_logf(TS_LOG_WARN, "%s: no module below the root has type '%s' (types below it: %s); nothing was sharded",
-                fn, type_name, len ? types : "none");
+        ts_logf(TS_LOG_WARN, "%s: no module below the root has type '%s' (types below it: %s); nothing was sharded", fn,
+                type_name, len ? types : "none");
     }
     ts__free(TS_MEM_NN, order);
     tree_list_free(&l);
@@ -195,15 +193,15 @@ ts_status ts_fsdp_apply_by_size(ts_module *root, int64_t min_params, const ts_fs
     for (int k = 0; k < l.n && !st; k++) {
         int i = order[k];
         ts_module *m = l.e[i].m;
-        if (i == 0 || inside_leaf[i] || ts_module_is_fsdp(m) || strcmp(ts__fsdp_own_type(m), "ModuleList") == 0) continue;
+        if (i == 0 || inside_leaf[i] || ts_module_is_fsdp(m) || strcmp(ts__fsdp_own_type(m), "ModuleList") == 0)
+            continue;
         int64_t n;
         if ((st = free_numel(m, options, &n))) break;
         if (n < min_params) continue;
         if ((st = ts_fully_shard(m, options)))
             ts_error(st, "%s: sharding '%s' (%s, %lld parameters left): %s", fn, l.e[i].fqn, ts__fsdp_own_type(m),
                      (long long)n, ts_last_error());
-        else
-            count++;
+        else count++;
     }
     ts__free(TS_MEM_NN, inside_leaf);
     ts__free(TS_MEM_NN, order);

@@ -110,8 +110,7 @@ bool ts__fsdp_print_coll_stats(const ts__fsdp_groups_walk *w, FILE *f)
         char mesh[128];
         ts__fsdp_mesh_str(g->mesh, mesh, sizeof mesh);
         ok &= fprintf(f, "[ts fsdp] rank %d/%d group '%s' (%d parameters, %lld elements, mesh %s): %s\n", rank, size,
-                      g->fqn[0] ? g->fqn : "(root)", g->n, (long long)g->numel, mesh,
-                      n ? line : "no collectives") > 0;
+                      g->fqn[0] ? g->fqn : "(root)", g->n, (long long)g->numel, mesh, n ? line : "no collectives") > 0;
     }
     char line[1024];
     size_t n = 0;

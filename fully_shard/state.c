@@ -400,7 +400,8 @@ static ts_status forward_prefetch(fsdp_ctx *c, fsdp_state *s)
     if (s->explicit_fwd) {
         ts_status st = TS_OK;
         for (int i = 0; i < s->n_fwd_prefetch && !st; i++) {
-            if (s->fwd_prefetch[i]->module) st = ts__fsdp_unshard(s->fwd_prefetch[i]->group); /* a no-op unless sharded */
+            if (s->fwd_prefetch[i]->module)
+                st = ts__fsdp_unshard(s->fwd_prefetch[i]->group); /* a no-op unless sharded */
         }
         return st;
     }
@@ -566,7 +567,7 @@ static ts_status fsdp_call_hooks(fsdp_state *s, ts_module_fn fn, int n_in, ts_te
         bool first = g->training != FSDP_FORWARD; /* the group's first module in this iteration */
         g->training = FSDP_FORWARD;
         if ((st = ts__fsdp_unshard(g)) || (st = ts__fsdp_wait_unshard(g))) goto fail;
-            if (first) {
+        if (first) {
             if (!order_push(&c->fwd_order, &c->n_fwd_order, &c->cap_fwd_order, g)) {
                 st = TS_ERR_NO_MEMORY;
                 goto fail;
@@ -634,10 +635,8 @@ static ts_status cast_floating(ts_dtype d, int n, ts_tensor *const *in, ts_tenso
     ts_status st = TS_OK;
     for (int i = 0; i < n; i++) {
         ts_dtype di = in[i] ? ts_tensor_dtype(in[i]) : TS_DTYPE_COUNT;
-        if (!st && in[i] && ts_dtype_is_float(di) && di != d)
-            st = ts_to_dtype(in[i], d, &t[i]);
-        else
-            t[i] = ts_tensor_retain(in[i]);
+        if (!st && in[i] && ts_dtype_is_float(di) && di != d) st = ts_to_dtype(in[i], d, &t[i]);
+        else t[i] = ts_tensor_retain(in[i]);
         if (st) t[i] = NULL;
     }
     if (st)
@@ -649,8 +648,7 @@ static ts_status cast_floating(ts_dtype d, int n, ts_tensor *const *in, ts_tenso
  * around them, in FSDP2's order: the inputs are cast to param_dtype
  * before the pre-forward (so the post-backward marker sees the cast
  * inputs), the outputs to output_dtype after the post-forward. */
-static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *const *in, int *n_out,
-                           ts_tensor **out)
+static ts_status fsdp_call(fsdp_state *s, ts_module_fn fn, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
     const ts_mp_policy *mp = &s->mp;
     ts_tensor *cin[TS_MODULE_MAX_IO];

@@ -189,13 +189,15 @@ ts_status ts_fsdp_load_full_state_dict(ts_module *module, const ts_state_dict *s
         const int64_t *sh = p ? p->shape : ts_tensor_shape(t);
         if (ts_tensor_ndim(src) != nd || memcmp(ts_tensor_shape(src), sh, (size_t)nd * sizeof *sh) != 0) {
             char a[128], b[128];
-            snprintf(shapes + strlen(shapes), sizeof shapes - strlen(shapes), " '%s' is %s in the dict, %s in the model;",
-                     np.items[i].name, ts_tensor_shape_str(src, a, sizeof a), ts_shape_str(nd, sh, b, sizeof b));
+            snprintf(shapes + strlen(shapes), sizeof shapes - strlen(shapes),
+                     " '%s' is %s in the dict, %s in the model;", np.items[i].name,
+                     ts_tensor_shape_str(src, a, sizeof a), ts_shape_str(nd, sh, b, sizeof b));
         }
         ts_dtype want = ts_tensor_dtype(p ? p->S : t);
         if (ts_tensor_dtype(src) != want)
-            snprintf(dtypes + strlen(dtypes), sizeof dtypes - strlen(dtypes), " '%s' is %s in the dict, %s in the model;",
-                     np.items[i].name, ts_dtype_name(ts_tensor_dtype(src)), ts_dtype_name(want));
+            snprintf(dtypes + strlen(dtypes), sizeof dtypes - strlen(dtypes),
+                     " '%s' is %s in the dict, %s in the model;", np.items[i].name, ts_dtype_name(ts_tensor_dtype(src)),
+                     ts_dtype_name(want));
     }
     for (int i = 0; i < ts_state_dict_size(sd) && !st; i++)
         if (!ts_state_dict_get(known, ts_state_dict_name(sd, i)))
@@ -273,8 +275,9 @@ static ts_status clip_grad_of(const char *fn, const char *name, ts_tensor *t, ts
     if (!gr) return TS_OK;
     ts_dtype d = ts_tensor_dtype(gr);
     if (d != TS_F32 && d != TS_F64 && d != TS_BF16 && d != TS_F16)
-        return ts_error(TS_ERR_DTYPE, "%s: the gradient of %s has dtype %s; float32, float64, bfloat16 or float16 expected",
-                        fn, name, ts_dtype_name(d));
+        return ts_error(TS_ERR_DTYPE,
+                        "%s: the gradient of %s has dtype %s; float32, float64, bfloat16 or float16 expected", fn, name,
+                        ts_dtype_name(d));
     if (ts_tensor_numel(gr) > 0 && !ts_tensor_data(gr))
         return ts_error(TS_ERR_RELEASED, "%s: the gradient of %s has released storage", fn, name);
     return TS_OK;
@@ -284,7 +287,8 @@ ts_status ts_fsdp_clip_grad_norm(ts_module *module, double max_norm, double *tot
 {
     static const char fn[] = "ts_fsdp_clip_grad_norm";
     if (!module || !total_norm_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-    if (!(max_norm >= 0)) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid max_norm %g (must be >= 0)", fn, max_norm);
+    if (!(max_norm >= 0))
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid max_norm %g (must be >= 0)", fn, max_norm);
     ts__fsdp_groups_walk w;
     ts_status st = ts__fsdp_subtree_groups(module, &w);
     if (st) return st;

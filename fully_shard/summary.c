@@ -78,7 +78,8 @@ static ts_status write_summary(ts_module *module, FILE *f)
     }
     char mesh[128] = "(none)";
     if (gw.n) ts__fsdp_mesh_str(gw.g[0]->mesh, mesh, sizeof mesh);
-    fprintf(f, "FSDP summary of %s (rank %d of mesh %s): %d FSDP module%s, %d group%s, %d parameter%s (%lld elements)\n",
+    fprintf(f,
+            "FSDP summary of %s (rank %d of mesh %s): %d FSDP module%s, %d group%s, %d parameter%s (%lld elements)\n",
             ts_module_type_name(module), rank, mesh, w.n, w.n == 1 ? "" : "s", gw.n, gw.n == 1 ? "" : "s", np.n,
             np.n == 1 ? "" : "s", (long long)total);
     double rank_bytes = 0;
@@ -109,27 +110,31 @@ static ts_status write_summary(ts_module *module, FILE *f)
         if (g->udtype != g->dtype || g->rdtype != g->dtype)
             fprintf(f, "  mixed precision: all-gather and compute in %s, gradients reduced in %s\n",
                     ts_dtype_name(g->udtype), ts_dtype_name(g->rdtype));
-        fprintf(f, "  per rank: %lld elements (%lld of them padding on this rank, %lld over all ranks), %s sharded; "
-                   "%s while unsharded\n",
+        fprintf(f,
+                "  per rank: %lld elements (%lld of them padding on this rank, %lld over all ranks), %s sharded; "
+                "%s while unsharded\n",
                 (long long)g->shard_numel, (long long)(g->shard_numel - g->local_numel), (long long)pad_all, b1, b2);
         if (g->off.on)
-            fprintf(f, "  offload: cpu, %s (host shards and gradients; copied to the device before each all-gather, "
-                       "gradients back after each reduce-scatter)\n",
+            fprintf(f,
+                    "  offload: cpu, %s (host shards and gradients; copied to the device before each all-gather, "
+                    "gradients back after each reduce-scatter)\n",
                     g->off.pin ? "pinned" : "pageable");
         if (g->n_persist) {
             int64_t pn = 0;
             double pbytes = 0;
             for (int k = 0; k < g->n_persist; k++) {
                 pn += ts_tensor_numel(g->persist[k].t);
-                pbytes += (double)ts_tensor_numel(g->persist[k].t) * (double)ts_dtype_size(ts_tensor_dtype(g->persist[k].t));
+                pbytes +=
+                    (double)ts_tensor_numel(g->persist[k].t) * (double)ts_dtype_size(ts_tensor_dtype(g->persist[k].t));
             }
             char pb[32];
             bytes_str(pbytes, pb, sizeof pb);
             rank_bytes += pbytes;
             in_groups += g->n_persist;
-            fprintf(f, "  persistent (below the threshold: whole on every rank, gradients all-reduced in one bucket per "
-                       "step): %d param%s, %lld elements, %s:", g->n_persist, g->n_persist == 1 ? "" : "s",
-                    (long long)pn, pb);
+            fprintf(f,
+                    "  persistent (below the threshold: whole on every rank, gradients all-reduced in one bucket per "
+                    "step): %d param%s, %lld elements, %s:",
+                    g->n_persist, g->n_persist == 1 ? "" : "s", (long long)pn, pb);
             for (int k = 0; k < g->n_persist; k++) {
                 char full[96];
                 ts_shape_str(ts_tensor_ndim(g->persist[k].t), ts_tensor_shape(g->persist[k].t), full, sizeof full);
@@ -174,7 +179,8 @@ static ts_status write_summary(ts_module *module, FILE *f)
     fprintf(f, "%s\n", n_out > 8 ? " ..." : "");
     double buf_bytes = 0;
     for (int i = 0; i < nb.n; i++)
-        buf_bytes += (double)ts_tensor_numel(*nb.items[i].slot) * (double)ts_dtype_size(ts_tensor_dtype(*nb.items[i].slot));
+        buf_bytes +=
+            (double)ts_tensor_numel(*nb.items[i].slot) * (double)ts_dtype_size(ts_tensor_dtype(*nb.items[i].slot));
     bytes_str(buf_bytes, b, sizeof b);
     fprintf(f, "buffers (never sharded, whole on every rank): %d, %s\n", nb.n, b);
     char rb[32];
@@ -188,8 +194,9 @@ static ts_status write_summary(ts_module *module, FILE *f)
         bytes_str((double)am.sync_bytes, sb, sizeof sb);
         bytes_str((double)am.no_sync_bytes, nb2, sizeof nb2);
         bytes_str((double)am.partial_bytes, pb, sizeof pb);
-        fprintf(f, "gradient accumulation per rank: sync every microbatch +%s (the sharded gradients), no sync +%s more "
-                   "(unsharded gradients of every group held across microbatches, %.1fx the sharded)",
+        fprintf(f,
+                "gradient accumulation per rank: sync every microbatch +%s (the sharded gradients), no sync +%s more "
+                "(unsharded gradients of every group held across microbatches, %.1fx the sharded)",
                 sb, nb2, am.sync_bytes ? (double)am.no_sync_bytes / (double)am.sync_bytes : 0.0);
         if (am.partial_bytes) fprintf(f, ", HSDP without all-reduce +%s (partial sums)", pb);
         fprintf(f, "\n");
@@ -209,8 +216,9 @@ static ts_status write_summary(ts_module *module, FILE *f)
         if (off || held > 0 || in_flight) {
             char hb[32];
             bytes_str(held, hb, sizeof hb);
-            fprintf(f, "gradient accumulation now: gradient sync off on %d of %d groups; %s of unreduced gradients held "
-                       "(the next backward with sync on reduces them; an optimizer step before it does not see them)",
+            fprintf(f,
+                    "gradient accumulation now: gradient sync off on %d of %d groups; %s of unreduced gradients held "
+                    "(the next backward with sync on reduces them; an optimizer step before it does not see them)",
                     off, gw.n, hb);
             if (in_flight)
                 fprintf(f, "; %d reduction%s in flight (is_last_backward false: it lands in the next backward)",
@@ -229,8 +237,7 @@ done:
 
 ts_status ts_fsdp_summary(ts_module *module, FILE *f)
 {
-    if (!module || !f)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_summary: NULL %s", module ? "FILE" : "module");
+    if (!module || !f) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_fsdp_summary: NULL %s", module ? "FILE" : "module");
     ts_status st = write_summary(module, f);
     /* flushed, so that a full disk or a closed pipe is this call's error */
     if (!st && (fflush(f) != 0 || ferror(f)))

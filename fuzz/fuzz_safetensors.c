@@ -13,7 +13,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 static size_t live_bytes(void)
 {
     return ts_mem_live_bytes(TS_MEM_NN) + ts_mem_live_bytes(TS_MEM_TENSOR) + ts_mem_live_bytes(TS_MEM_STORAGE) +
-           ts_mem_live_bytes(TS_MEM_OTHER);
+        ts_mem_live_bytes(TS_MEM_OTHER);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -34,8 +34,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             }
             volatile unsigned char sink = 0;
             const unsigned char *p = ts_tensor_data(t);
-            for (size_t k = 0; k < n; k++)
-                sink ^= p[k];
+            for (size_t k = 0; k < n; k++) sink ^= p[k];
             (void)sink;
         }
         ts_state_dict_free(sd);

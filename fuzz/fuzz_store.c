@@ -58,14 +58,11 @@ static void on_send(ts__store_conn *c, ts__store_reply *r, void *ctx)
     uint32_t vlen = rd32(r->bytes + 5);
     if ((size_t)vlen + 4 + TS__STORE_RESP_FIXED != r->len || vlen > TS_STORE_MAX_VALUE)
         fail("reply value length disagrees with its frame");
-    if (r->bytes[4] >= TS__STORE_ST_COUNT_)
-        fail("reply with an unknown status");
-    if (c->parked)
-        fail("reply to a connection that is still parked");
+    if (r->bytes[4] >= TS__STORE_ST_COUNT_) fail("reply with an unknown status");
+    if (c->parked) fail("reply to a connection that is still parked");
     /* volatile reads so that ASan checks every byte handed to the writer */
     volatile unsigned char sink = 0;
-    for (size_t i = 0; i < r->len; i++)
-        sink ^= r->bytes[i];
+    for (size_t i = 0; i < r->len; i++) sink ^= r->bytes[i];
     (void)sink;
     fc->replies++;
     ts__free(TS_MEM_COMM, r);
@@ -83,8 +80,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     size_t before = ts_mem_live_bytes(TS_MEM_COMM);
     ts__store_core *core = NULL;
-    if (ts__store_core_new("tok", on_send, NULL, &core) != TS_OK)
-        fail("core_new");
+    if (ts__store_core_new("tok", on_send, NULL, &core) != TS_OK) fail("core_new");
     static fuzz_conn fc[NCONN];
     char peer[16];
     for (int i = 0; i < NCONN; i++) {
@@ -102,22 +98,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             now += (uint64_t)(c >> 2) * 7;
             ts__store_core_expire(core, now);
             uint64_t next = ts__store_core_next_deadline(core);
-            if (next <= now)
-                fail("a waiter outlived its deadline");
+            if (next <= now) fail("a waiter outlived its deadline");
         } else {
             size_t n = (c >> 2) + 1;
-            if (n > size - pos)
-                n = size - pos;
+            if (n > size - pos) n = size - pos;
             fuzz_conn *f = &fc[k];
             bool ok = ts__store_conn_feed(core, &f->conn, data + pos, n, now);
             pos += n;
-            if (!ok)
-                f->dropped = true;
+            if (!ok) f->dropped = true;
         }
         /* Replace every dropped connection by a new client. */
         for (int i = 0; i < NCONN; i++) {
-            if (!fc[i].dropped)
-                continue;
+            if (!fc[i].dropped) continue;
             ts__store_conn_fini(core, &fc[i].conn);
             memset(&fc[i], 0, sizeof fc[i]);
             snprintf(peer, sizeof peer, "fuzz%d", i);
@@ -127,10 +119,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     /* Let every waiter time out, then tear down. */
     ts__store_core_expire(core, UINT64_MAX);
-    if (ts__store_core_next_deadline(core) != UINT64_MAX)
-        fail("waiters left after expiring everything");
-    for (int i = 0; i < NCONN; i++)
-        ts__store_conn_fini(core, &fc[i].conn);
+    if (ts__store_core_next_deadline(core) != UINT64_MAX) fail("waiters left after expiring everything");
+    for (int i = 0; i < NCONN; i++) ts__store_conn_fini(core, &fc[i].conn);
     ts__store_core_free(core);
     if (ts_mem_live_bytes(TS_MEM_COMM) != before) {
         fprintf(stderr, "fuzz_store: %zu live bytes before, %zu after\n", before, ts_mem_live_bytes(TS_MEM_COMM));

@@ -58,8 +58,8 @@ static ts_status check_name(const char *what, int i, const char *name)
     if (!name) return ts_error(TS_ERR_INVALID_ARGUMENT, "mesh: %s %d is NULL", what, i);
     if (!name[0]) return ts_error(TS_ERR_INVALID_ARGUMENT, "mesh: %s %d is empty", what, i);
     if (strlen(name) > TS_MESH_NAME_MAX)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "mesh: %s %d ('%.20s...') is longer than %d characters", what, i,
-                        name, TS_MESH_NAME_MAX);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "mesh: %s %d ('%.20s...') is longer than %d characters", what, i, name,
+                        TS_MESH_NAME_MAX);
     return TS_OK;
 }
 
@@ -145,8 +145,8 @@ static int index_in(const ts_mesh *m, unsigned mask)
     return (int)idx;
 }
 
-ts_status ts_mesh_new(ts_comm *world, const char *device, int ndim, const int64_t *shape,
-                      const char *const *names, ts_mesh **out)
+ts_status ts_mesh_new(ts_comm *world, const char *device, int ndim, const int64_t *shape, const char *const *names,
+                      ts_mesh **out)
 {
     if (!out || !shape || !names || !device) return ts_error(TS_ERR_INVALID_ARGUMENT, "mesh_new: NULL argument");
     if (strcmp(device, "cpu") != 0)
@@ -204,15 +204,11 @@ ts_status ts_mesh_new(ts_comm *world, const char *device, int ndim, const int64_
 
 int ts_mesh_ndim(const ts_mesh *m) { return m ? m->ndim : 0; }
 
-const char *ts_mesh_device_type(const ts_mesh *m)
-{
-    return m ? "cpu" : NULL;
-}
+const char *ts_mesh_device_type(const ts_mesh *m) { return m ? "cpu" : NULL; }
 
 const char *ts_mesh_dim_name(const ts_mesh *m, int dim)
 {
-    if (!m)
-        return NULL;
+    if (!m) return NULL;
     if (dim < 0 || dim >= m->ndim) {
         ts_error(TS_ERR_INDEX, "mesh: dim %d out of range for a %d-d mesh", dim, m->ndim);
         return NULL;
@@ -249,8 +245,7 @@ static int dim_of(const ts_mesh *m, const char *name)
 
 int64_t ts_mesh_size(const ts_mesh *m, const char *name)
 {
-    if (!m)
-        return -1;
+    if (!m) return -1;
     if (!name) {
         int64_t n = 1;
         for (int d = 0; d < m->ndim; d++) n *= m->shape[d];
@@ -262,8 +257,7 @@ int64_t ts_mesh_size(const ts_mesh *m, const char *name)
 
 int64_t ts_mesh_dim_size(const ts_mesh *m, int dim)
 {
-    if (!m)
-        return -1;
+    if (!m) return -1;
     if (dim < 0 || dim >= m->ndim) {
         ts_error(TS_ERR_INDEX, "mesh: dim %d out of range for a %d-d mesh", dim, m->ndim);
         return -1;
@@ -273,23 +267,20 @@ int64_t ts_mesh_dim_size(const ts_mesh *m, int dim)
 
 int ts_mesh_get_local_rank(const ts_mesh *m, const char *name)
 {
-    if (!m)
-        return -1;
+    if (!m) return -1;
     int d = dim_of(m, name);
     return d < 0 ? -1 : m->coord[d];
 }
 
 void ts_mesh_coordinate(const ts_mesh *m, int *coords_out)
 {
-    if (!m || !coords_out)
-        return;
+    if (!m || !coords_out) return;
     for (int d = 0; d < m->ndim; d++) coords_out[d] = m->coord[d];
 }
 
 ts_comm *ts_mesh_group(const ts_mesh *m, const char *name)
 {
-    if (!m)
-        return NULL;
+    if (!m) return NULL;
     int d = dim_of(m, name);
     return d < 0 ? NULL : m->grp[d]->c;
 }
@@ -323,8 +314,7 @@ ts_status ts_mesh_slice(const ts_mesh *m, const char *name, ts_mesh **out)
     return TS_OK;
 }
 
-ts_status ts_mesh_flatten(const ts_mesh *m, int ndims, const char *const *names, const char *new_name,
-                          ts_mesh **out)
+ts_status ts_mesh_flatten(const ts_mesh *m, int ndims, const char *const *names, const char *new_name, ts_mesh **out)
 {
     if (!m || !names || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "mesh_flatten: NULL argument");
     if (ndims < 1 || ndims > m->ndim)
@@ -340,8 +330,9 @@ ts_status ts_mesh_flatten(const ts_mesh *m, int ndims, const char *const *names,
         int d = ts_mesh_dim_index(m, names[i]);
         if (d < 0) return TS_ERR_NOT_FOUND;
         if (d <= prev)
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "mesh_flatten: dim '%s' is %s (names must follow the mesh's order)",
-                            names[i], d == prev ? "repeated" : "out of order");
+            return ts_error(TS_ERR_INVALID_ARGUMENT,
+                            "mesh_flatten: dim '%s' is %s (names must follow the mesh's order)", names[i],
+                            d == prev ? "repeated" : "out of order");
         prev = d;
         mask |= m->mask[d];
         n *= m->shape[d];

@@ -30,8 +30,8 @@
 extern "C" {
 #endif
 
-#define TS_MESH_MAX_DIMS 8   /* dims of a mesh */
-#define TS_MESH_NAME_MAX 63  /* characters of a dim name (without the NUL) */
+#define TS_MESH_MAX_DIMS 8  /* dims of a mesh */
+#define TS_MESH_NAME_MAX 63 /* characters of a dim name (without the NUL) */
 
 typedef struct ts_mesh ts_mesh;
 

@@ -38,8 +38,7 @@ static bool is_ckpt_vt(const ts_module_vtable *vt) { return vt && vt->base && vt
 static const ts_module_vtable *find_ckpt_vt(const ts_module *m)
 {
     for (const ts_module_vtable *vt = m ? m->vtable : NULL; vt; vt = vt->base)
-        if (is_ckpt_vt(vt))
-            return vt;
+        if (is_ckpt_vt(vt)) return vt;
     return NULL;
 }
 
@@ -66,8 +65,7 @@ bool ts_module_is_checkpointed(const ts_module *m) { return find_ckpt_vt(m) != N
 
 ts_status ts_checkpoint_module(ts_module *m)
 {
-    if (!m)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_checkpoint_module: module is NULL");
+    if (!m) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_checkpoint_module: module is NULL");
     if (!m->vtable)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "ts_checkpoint_module: the module has no vtable (ts_module_init failed or was not called)");
@@ -77,24 +75,23 @@ ts_status ts_checkpoint_module(ts_module *m)
     if (top->base && top->base->base)
         return ts_error(TS_ERR_UNSUPPORTED,
                         "ts_checkpoint_module: %s extends %s, which extends %s: only one upper layer (fully_shard) "
-                        "can be under a checkpoint", top->type_name, top->base->type_name, top->base->base->type_name);
+                        "can be under a checkpoint",
+                        top->type_name, top->base->type_name, top->base->base->type_name);
     if (top->base && !top->rebase)
         return ts_error(TS_ERR_UNSUPPORTED,
                         "ts_checkpoint_module: %s extends %s and cannot be made to extend %sCheckpointed (its vtable "
                         "has no rebase); checkpoint the module before that layer rewrites it",
                         top->type_name, orig->type_name, orig->type_name);
     ts_status st = ts__module_vtable_check("ts_checkpoint_module", orig, false);
-    if (!st)
-        st = ts__module_check_free("ts_checkpoint_module", m);
-    if (st)
-        return st;
+    if (!st) st = ts__module_check_free("ts_checkpoint_module", m);
+    if (st) return st;
     if (!orig->forward)
         return ts_error(TS_ERR_UNSUPPORTED,
                         "ts_checkpoint_module: %s has no forward (a container such as ModuleList): checkpoint the "
-                        "modules it holds instead", orig->type_name);
+                        "modules it holds instead",
+                        orig->type_name);
     const ts_module_vtable *vt = NULL;
-    if ((st = ckpt_vtable(orig, &vt)))
-        return st;
+    if ((st = ckpt_vtable(orig, &vt))) return st;
     if (!top->base) {
         m->vtable = vt;
         return TS_OK;
@@ -112,22 +109,20 @@ static void ckpt_free(ts_module *m)
 /* ------------------------------------------------------------ forward */
 
 typedef struct ckpt_ctx {
-    ts_module *m;    /* retained: the node may outlive its parent's free */
-    ts_module_fn fn; /* the type's own forward */
-    int n_in, n_out; /* the module's inputs and outputs */
-    ts_tensor *in[TS_MODULE_MAX_IO];  /* detached aliases of the inputs (NULL where absent) */
-    bool in_rg[TS_MODULE_MAX_IO];     /* the inputs' requires_grad */
-    int out_map[TS_MODULE_MAX_IO];    /* node output k is module output out_map[k] */
+    ts_module *m;                          /* retained: the node may outlive its parent's free */
+    ts_module_fn fn;                       /* the type's own forward */
+    int n_in, n_out;                       /* the module's inputs and outputs */
+    ts_tensor *in[TS_MODULE_MAX_IO];       /* detached aliases of the inputs (NULL where absent) */
+    bool in_rg[TS_MODULE_MAX_IO];          /* the inputs' requires_grad */
+    int out_map[TS_MODULE_MAX_IO];         /* node output k is module output out_map[k] */
     uint8_t rng[TS_GENERATOR_STATE_BYTES]; /* the default generator before the forward */
 } ckpt_ctx;
 
 static void ctx_free(void *vc)
 {
     ckpt_ctx *c = vc;
-    if (!c)
-        return;
-    for (int i = 0; i < c->n_in; i++)
-        ts_tensor_free(c->in[i]);
+    if (!c) return;
+    for (int i = 0; i < c->n_in; i++) ts_tensor_free(c->in[i]);
     ts_module_free(c->m);
     ts__free(TS_MEM_AUTOGRAD, c);
 }
@@ -136,11 +131,9 @@ static void ctx_free(void *vc)
 static ts_status alias_of(const ts_tensor *t, ts_tensor **out)
 {
     *out = NULL;
-    if (!t)
-        return TS_OK;
+    if (!t) return TS_OK;
     ts_status st = ts__tensor_alias(t, t->ndim, t->shape, t->strides, t->offset, out);
-    if (st)
-        return ts_error(st, "activation checkpoint: out of memory");
+    if (st) return ts_error(st, "activation checkpoint: out of memory");
     (*out)->is_shard = t->is_shard;
     (*out)->dist = t->dist;
     return TS_OK;
@@ -166,8 +159,7 @@ static ts_status rg_child(void *vc, const char *name, ts_module *child)
 {
     (void)name;
     rg_walk *w = vc;
-    if (!child || !child->vtable)
-        return TS_OK;
+    if (!child || !child->vtable) return TS_OK;
     ts_module_visitor v = {.param = rg_param, .child = rg_child, .ctx = w};
     ts_status st = ts_module_visit(child, &v);
     return w->found ? TS_ERR_ALREADY : st;
@@ -187,17 +179,14 @@ static ts_status ckpt_forward(ts_module *m, int n_in, ts_tensor *const *in, int 
     const ts_module_vtable *vt = find_ckpt_vt(m);
     ts_module_fn fn = vt->base->forward;
     bool any_in = false;
-    for (int i = 0; i < n_in; i++)
-        any_in |= in[i] && ts_tensor_requires_grad(in[i]);
+    for (int i = 0; i < n_in; i++) any_in |= in[i] && ts_tensor_requires_grad(in[i]);
     /* nothing to differentiate: the plain forward (PyTorch's checkpoint
      * also just runs it then) */
-    if (!ts_grad_mode_enabled() || (!any_in && !params_require_grad(m)))
-        return fn(m, n_in, in, n_out, out);
+    if (!ts_grad_mode_enabled() || (!any_in && !params_require_grad(m))) return fn(m, n_in, in, n_out, out);
     if (n_in > TS_MODULE_MAX_IO)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %d inputs (at most %d)", vt->type_name, n_in, TS_MODULE_MAX_IO);
     ckpt_ctx *c = ts__calloc(TS_MEM_AUTOGRAD, 1, sizeof *c);
-    if (!c)
-        return ts_error(TS_ERR_NO_MEMORY, "%s: out of memory (checkpoint context)", vt->type_name);
+    if (!c) return ts_error(TS_ERR_NO_MEMORY, "%s: out of memory (checkpoint context)", vt->type_name);
     c->fn = fn;
     c->n_in = n_in;
     ts_status st = TS_OK;
@@ -237,16 +226,13 @@ static ts_status ckpt_forward(ts_module *m, int n_in, ts_tensor *const *in, int 
         return TS_OK;
     }
     ts_tensor *al[TS_MODULE_MAX_IO] = {0};
-    for (int q = 0; q < k && !st; q++)
-        st = alias_of(fl[q], &al[q]);
+    for (int q = 0; q < k && !st; q++) st = alias_of(fl[q], &al[q]);
     ts_node *node = NULL;
     if (!st && !(node = ts__node_new("checkpoint", ckpt_backward, n_in, in, k)))
         st = ts_error(TS_ERR_NO_MEMORY, "%s: out of memory (checkpoint node)", vt->type_name);
     if (st) {
-        for (int q = 0; q < k; q++)
-            ts_tensor_free(al[q]);
-        for (int j = 0; j < n_o; j++)
-            ts_tensor_free(o[j]);
+        for (int q = 0; q < k; q++) ts_tensor_free(al[q]);
+        for (int j = 0; j < n_o; j++) ts_tensor_free(o[j]);
         ctx_free(c);
         return st;
     }
@@ -275,11 +261,9 @@ static ts_status ckpt_backward(ts_node *n, ts_tensor **grad_outs, ts_tensor **gr
     ts_status st = TS_OK;
     for (int i = 0; i < c->n_in && !st; i++) {
         st = alias_of(c->in[i], &x[i]);
-        if (!st && c->in_rg[i])
-            x[i]->requires_grad = true; /* a leaf: its .grad is the input's gradient */
+        if (!st && c->in_rg[i]) x[i]->requires_grad = true; /* a leaf: its .grad is the input's gradient */
     }
-    if (st)
-        goto out;
+    if (st) goto out;
     /* (a) the generator as at the forward, (b) the forward again with grad */
     uint8_t *now = ts__malloc(TS_MEM_AUTOGRAD, TS_GENERATOR_STATE_BYTES);
     if (!now) {
@@ -304,8 +288,7 @@ static ts_status ckpt_backward(ts_node *n, ts_tensor **grad_outs, ts_tensor **gr
         ts_error(st, "%s: the recompute of the checkpointed forward failed: %s", type, msg);
         goto out;
     }
-    if ((st = rs))
-        goto out;
+    if ((st = rs)) goto out;
     if (n_o != c->n_out) {
         st = ts_error(TS_ERR_STATE, "%s: the checkpointed forward returned %d outputs, its recompute %d", type,
                       c->n_out, n_o);
@@ -313,8 +296,7 @@ static ts_status ckpt_backward(ts_node *n, ts_tensor **grad_outs, ts_tensor **gr
     }
     /* (c) backward through the recomputed graph */
     ts_tensor *roots[TS_MODULE_MAX_IO];
-    for (int q = 0; q < n->n_outputs; q++)
-        roots[q] = o[c->out_map[q]];
+    for (int q = 0; q < n->n_outputs; q++) roots[q] = o[c->out_map[q]];
     if ((st = ts__backward_nested(n->n_outputs, roots, grad_outs))) {
         char msg[1024];
         snprintf(msg, sizeof msg, "%s", ts_last_error());
@@ -322,12 +304,9 @@ static ts_status ckpt_backward(ts_node *n, ts_tensor **grad_outs, ts_tensor **gr
         goto out;
     }
     for (int i = 0; i < c->n_in; i++)
-        if (x[i] && c->in_rg[i] && ts__node_needs_input_grad(n, i))
-            grad_ins[i] = ts_tensor_retain(x[i]->grad);
+        if (x[i] && c->in_rg[i] && ts__node_needs_input_grad(n, i)) grad_ins[i] = ts_tensor_retain(x[i]->grad);
 out:
-    for (int i = 0; i < c->n_in; i++)
-        ts_tensor_free(x[i]);
-    for (int j = 0; j < n_o; j++)
-        ts_tensor_free(o[j]);
+    for (int i = 0; i < c->n_in; i++) ts_tensor_free(x[i]);
+    for (int j = 0; j < n_o; j++) ts_tensor_free(o[j]);
     return st;
 }

@@ -15,14 +15,12 @@ typedef struct container {
 static ts_status container_visit(ts_module *m, const ts_module_visitor *v)
 {
     container *c = (container *)m;
-    if (!v->child)
-        return TS_OK;
+    if (!v->child) return TS_OK;
     for (int i = 0; i < c->n; i++) {
         char name[16];
         snprintf(name, sizeof name, "%d", i);
         ts_status st = v->child(v->ctx, name, c->children[i]);
-        if (st)
-            return st;
+        if (st) return st;
     }
     return TS_OK;
 }
@@ -30,8 +28,7 @@ static ts_status container_visit(ts_module *m, const ts_module_visitor *v)
 static void container_free(ts_module *m)
 {
     container *c = (container *)m;
-    for (int i = 0; i < c->n; i++)
-        ts_module_free(c->children[i]);
+    for (int i = 0; i < c->n; i++) ts_module_free(c->children[i]);
     ts__free(TS_MEM_NN, c->children);
     ts__free(TS_MEM_NN, c);
 }
@@ -41,14 +38,12 @@ static ts_status sequential_forward(ts_module *m, int n_in, ts_tensor *const *in
     container *c = (container *)m;
     ts_tensor *cur[TS_MODULE_MAX_IO], *next[TS_MODULE_MAX_IO];
     int n_cur = n_in;
-    for (int i = 0; i < n_in; i++)
-        cur[i] = ts_tensor_retain(in[i]);
+    for (int i = 0; i < n_in; i++) cur[i] = ts_tensor_retain(in[i]);
     ts_status st = TS_OK;
     for (int k = 0; k < c->n && !st; k++) {
         int n_next = 0;
         st = ts_module_call(c->children[k], n_cur, cur, &n_next, next);
-        for (int i = 0; i < n_cur; i++)
-            ts_tensor_free(cur[i]);
+        for (int i = 0; i < n_cur; i++) ts_tensor_free(cur[i]);
         n_cur = 0;
         if (!st) {
             memcpy(cur, next, (size_t)n_next * sizeof *next);
@@ -56,8 +51,7 @@ static ts_status sequential_forward(ts_module *m, int n_in, ts_tensor *const *in
         }
     }
     if (st) {
-        for (int i = 0; i < n_cur; i++)
-            ts_tensor_free(cur[i]);
+        for (int i = 0; i < n_cur; i++) ts_tensor_free(cur[i]);
         return st;
     }
     memcpy(out, cur, (size_t)n_cur * sizeof *cur);
@@ -75,11 +69,9 @@ static ts_status container_new(const ts_module_vtable *vt, int n, ts_module *con
     if (n < 0 || (n && !children) || !out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid list of %d children", vt->type_name, n);
     for (int i = 0; i < n; i++)
-        if (!children[i])
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: child %d is NULL", vt->type_name, i);
+        if (!children[i]) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: child %d is NULL", vt->type_name, i);
     container *c = ts__calloc(TS_MEM_NN, 1, sizeof *c);
-    if (!c)
-        return TS_ERR_NO_MEMORY;
+    if (!c) return TS_ERR_NO_MEMORY;
     c->children = ts__calloc(TS_MEM_NN, (size_t)(n ? n : 1), sizeof *c->children);
     if (!c->children) {
         ts__free(TS_MEM_NN, c);
@@ -87,8 +79,7 @@ static ts_status container_new(const ts_module_vtable *vt, int n, ts_module *con
     }
     ts_module_init(&c->base, vt);
     c->n = n;
-    if (n)
-        memcpy(c->children, children, (size_t)n * sizeof *children);
+    if (n) memcpy(c->children, children, (size_t)n * sizeof *children);
     /* a child in several slots is owned once per slot: container_free
      * frees every slot */
     for (int i = 1; i < n; i++)
@@ -113,11 +104,9 @@ ts_status ts_module_list_new(int n, ts_module *const *children, ts_module **out)
 
 static container *as_container(ts_module *m)
 {
-    if (!m)
-        return NULL;
+    if (!m) return NULL;
     const ts_module_vtable *vt = m->vtable;
-    while (vt && vt->base)
-        vt = vt->base; /* a rewritten (fully_shard) container is still one */
+    while (vt && vt->base) vt = vt->base; /* a rewritten (fully_shard) container is still one */
     return vt == &sequential_vt || vt == &module_list_vt ? (container *)m : NULL;
 }
 

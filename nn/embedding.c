@@ -8,8 +8,7 @@ static ts_status embedding_forward(ts_module *m, int n_in, ts_tensor *const *in,
 {
     ts_nn_embedding *e = (ts_nn_embedding *)m;
     ts_status st = ts__module_check_inputs(m, n_in, 1, 1);
-    if (!st && !(st = ts_embedding(e->weight, in[0], &out[0])))
-        *n_out = 1;
+    if (!st && !(st = ts_embedding(e->weight, in[0], &out[0]))) *n_out = 1;
     return st;
 }
 
@@ -40,9 +39,12 @@ static ts_status embedding_reset_parameters(ts_module *m)
     return st;
 }
 
-static const ts_module_vtable embedding_vt = {
-    .type_name = "Embedding", .forward = embedding_forward, .visit = embedding_visit, .free = embedding_free,
-    .extra_repr = embedding_extra_repr, .reset_parameters = embedding_reset_parameters};
+static const ts_module_vtable embedding_vt = {.type_name = "Embedding",
+                                              .forward = embedding_forward,
+                                              .visit = embedding_visit,
+                                              .free = embedding_free,
+                                              .extra_repr = embedding_extra_repr,
+                                              .reset_parameters = embedding_reset_parameters};
 
 ts_status ts_embedding_new(int64_t num_embeddings, int64_t embedding_dim, ts_module **out)
 {
@@ -50,15 +52,13 @@ ts_status ts_embedding_new(int64_t num_embeddings, int64_t embedding_dim, ts_mod
         return ts_error(TS_ERR_INVALID_ARGUMENT, "Embedding: sizes must be >= 0 (got %lld, %lld)",
                         (long long)num_embeddings, (long long)embedding_dim);
     ts_nn_embedding *e = ts__calloc(TS_MEM_NN, 1, sizeof *e);
-    if (!e)
-        return TS_ERR_NO_MEMORY;
+    if (!e) return TS_ERR_NO_MEMORY;
     ts_module_init(&e->base, &embedding_vt);
     e->num_embeddings = num_embeddings;
     e->embedding_dim = embedding_dim;
     int64_t s[2] = {num_embeddings, embedding_dim};
     ts_status st = ts__param_new(TS_F32, 2, s, &e->weight);
-    if (!st)
-        st = embedding_reset_parameters(&e->base);
+    if (!st) st = embedding_reset_parameters(&e->base);
     if (st) {
         embedding_free(&e->base);
         return st;

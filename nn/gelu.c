@@ -5,8 +5,7 @@
 static ts_status gelu_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
     ts_status st = ts__module_check_inputs(m, n_in, 1, 1);
-    if (!st && !(st = ts_gelu(in[0], ((ts__act *)m)->approx, &out[0])))
-        *n_out = 1;
+    if (!st && !(st = ts_gelu(in[0], ((ts__act *)m)->approx, &out[0]))) *n_out = 1;
     return st;
 }
 

@@ -64,7 +64,10 @@ typedef struct ts__vt_cache {
     struct ts__vt_cache_entry *entries;
     int n, cap;
 } ts__vt_cache;
-#define TS__VT_CACHE_INIT(op, suffix, fill) {PTHREAD_MUTEX_INITIALIZER, (op), (suffix), (fill), NULL, 0, 0}
+#define TS__VT_CACHE_INIT(op, suffix, fill) \
+    { \
+        PTHREAD_MUTEX_INITIALIZER, (op), (suffix), (fill), NULL, 0, 0 \
+    }
 /* The vtable of cache c extending orig (made and cached on first call,
  * owned by the cache): *out written on success. TS_ERR_NO_MEMORY (prefixed
  * with c->op) when it cannot be made; orig is not checked here. */

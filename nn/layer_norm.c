@@ -8,12 +8,9 @@ static ts_status layer_norm_forward(ts_module *m, int n_in, ts_tensor *const *in
 {
     ts_nn_layer_norm *l = (ts_nn_layer_norm *)m;
     ts_status st = ts__module_check_inputs(m, n_in, 1, 1);
-    if (!st)
-        st = ts__module_check_last_dim(m, "input", in[0], 1, l->dim);
-    if (!st)
-        st = ts__module_check_dtype(m, "input", in[0], "weight", l->weight);
-    if (!st && !(st = ts_layer_norm(in[0], 1, l->weight, l->bias, l->eps, &out[0])))
-        *n_out = 1;
+    if (!st) st = ts__module_check_last_dim(m, "input", in[0], 1, l->dim);
+    if (!st) st = ts__module_check_dtype(m, "input", in[0], "weight", l->weight);
+    if (!st && !(st = ts_layer_norm(in[0], 1, l->weight, l->bias, l->eps, &out[0]))) *n_out = 1;
     return st;
 }
 
@@ -46,19 +43,20 @@ static int layer_norm_extra_repr(const ts_module *m, char *buf, size_t cap)
 static ts_status layer_norm_reset_parameters(ts_module *m)
 {
     ts_nn_layer_norm *l = (ts_nn_layer_norm *)m;
-    if (!l->weight)
-        return TS_OK;
+    if (!l->weight) return TS_OK;
     bool prev = ts_grad_mode_set(false);
     ts_status st = ts_tensor_fill_(l->weight, 1.0);
-    if (!st)
-        st = ts_tensor_fill_(l->bias, 0.0);
+    if (!st) st = ts_tensor_fill_(l->bias, 0.0);
     ts_grad_mode_set(prev);
     return st;
 }
 
-static const ts_module_vtable layer_norm_vt = {
-    .type_name = "LayerNorm", .forward = layer_norm_forward, .visit = layer_norm_visit, .free = layer_norm_free,
-    .extra_repr = layer_norm_extra_repr, .reset_parameters = layer_norm_reset_parameters};
+static const ts_module_vtable layer_norm_vt = {.type_name = "LayerNorm",
+                                               .forward = layer_norm_forward,
+                                               .visit = layer_norm_visit,
+                                               .free = layer_norm_free,
+                                               .extra_repr = layer_norm_extra_repr,
+                                               .reset_parameters = layer_norm_reset_parameters};
 
 ts_status ts_layer_norm_new(int64_t dim, double eps, bool elementwise_affine, ts_module **out)
 {
@@ -66,8 +64,7 @@ ts_status ts_layer_norm_new(int64_t dim, double eps, bool elementwise_affine, ts
         return ts_error(TS_ERR_INVALID_ARGUMENT, "LayerNorm: need dim > 0 and eps > 0 (got %lld, %g)", (long long)dim,
                         eps);
     ts_nn_layer_norm *l = ts__calloc(TS_MEM_NN, 1, sizeof *l);
-    if (!l)
-        return TS_ERR_NO_MEMORY;
+    if (!l) return TS_ERR_NO_MEMORY;
     ts_module_init(&l->base, &layer_norm_vt);
     l->dim = dim;
     l->eps = eps;

@@ -9,14 +9,10 @@ static ts_status linear_forward(ts_module *m, int n_in, ts_tensor *const *in, in
 {
     ts_nn_linear *l = (ts_nn_linear *)m;
     ts_status st = ts__module_check_inputs(m, n_in, 1, 1);
-    if (!st)
-        st = ts__module_check_last_dim(m, "input", in[0], 1, l->in_features);
-    if (!st)
-        st = ts__module_check_dtype(m, "input", in[0], "weight", l->weight);
-    if (!st)
-        st = ts_linear(in[0], l->weight, l->bias, &out[0]);
-    if (!st)
-        *n_out = 1;
+    if (!st) st = ts__module_check_last_dim(m, "input", in[0], 1, l->in_features);
+    if (!st) st = ts__module_check_dtype(m, "input", in[0], "weight", l->weight);
+    if (!st) st = ts_linear(in[0], l->weight, l->bias, &out[0]);
+    if (!st) *n_out = 1;
     return st;
 }
 
@@ -24,8 +20,7 @@ static ts_status linear_visit(ts_module *m, const ts_module_visitor *v)
 {
     ts_nn_linear *l = (ts_nn_linear *)m;
     ts_status st = TS_OK;
-    if (v->param && !(st = v->param(v->ctx, "weight", &l->weight)) && l->bias)
-        st = v->param(v->ctx, "bias", &l->bias);
+    if (v->param && !(st = v->param(v->ctx, "weight", &l->weight)) && l->bias) st = v->param(v->ctx, "bias", &l->bias);
     return st;
 }
 
@@ -63,8 +58,12 @@ static ts_status linear_reset_parameters(ts_module *m)
 }
 
 static const ts_module_vtable linear_vtable = {
-    .type_name = "Linear", .forward = linear_forward, .visit = linear_visit, .free = linear_free,
-    .extra_repr = linear_extra_repr, .reset_parameters = linear_reset_parameters,
+    .type_name = "Linear",
+    .forward = linear_forward,
+    .visit = linear_visit,
+    .free = linear_free,
+    .extra_repr = linear_extra_repr,
+    .reset_parameters = linear_reset_parameters,
 };
 
 ts_status ts_linear_new(int64_t in_features, int64_t out_features, bool bias, ts_module **out)
@@ -73,17 +72,14 @@ ts_status ts_linear_new(int64_t in_features, int64_t out_features, bool bias, ts
         return ts_error(TS_ERR_INVALID_ARGUMENT, "Linear: features must be >= 0 (got in %lld, out %lld)",
                         (long long)in_features, (long long)out_features);
     ts_nn_linear *l = ts__calloc(TS_MEM_NN, 1, sizeof *l);
-    if (!l)
-        return TS_ERR_NO_MEMORY;
+    if (!l) return TS_ERR_NO_MEMORY;
     ts_module_init(&l->base, &linear_vtable);
     l->in_features = in_features;
     l->out_features = out_features;
     int64_t ws[2] = {out_features, in_features}, bs[1] = {out_features};
     ts_status st = ts__param_new(TS_F32, 2, ws, &l->weight);
-    if (!st && bias)
-        st = ts__param_new(TS_F32, 1, bs, &l->bias);
-    if (!st)
-        st = linear_reset_parameters(&l->base);
+    if (!st && bias) st = ts__param_new(TS_F32, 1, bs, &l->bias);
+    if (!st) st = linear_reset_parameters(&l->base);
     if (st) {
         linear_free(&l->base);
         return st;

@@ -20,10 +20,9 @@
 
 #include <math.h>
 
-#define FREE_ALL(arr)                                   \
-    do {                                                \
-        for (size_t i_ = 0; i_ < sizeof(arr) / sizeof(arr)[0]; i_++) \
-            ts_tensor_free((arr)[i_]);                   \
+#define FREE_ALL(arr) \
+    do { \
+        for (size_t i_ = 0; i_ < sizeof(arr) / sizeof(arr)[0]; i_++) ts_tensor_free((arr)[i_]); \
     } while (0)
 
 /* rows [k*E, (k+1)*E) of the packed projection weight and bias */
@@ -32,10 +31,8 @@ static ts_status proj(ts_nn_mha *a, int k, ts_tensor *x, ts_tensor **out)
     int64_t E = a->embed_dim;
     ts_tensor *w = NULL, *b = NULL;
     ts_status st = ts_narrow(a->in_proj_weight, 0, k * E, E, &w);
-    if (!st && a->in_proj_bias)
-        st = ts_narrow(a->in_proj_bias, 0, k * E, E, &b);
-    if (!st)
-        st = ts_linear(x, w, b, out);
+    if (!st && a->in_proj_bias) st = ts_narrow(a->in_proj_bias, 0, k * E, E, &b);
+    if (!st) st = ts_linear(x, w, b, out);
     ts_tensor_free(w);
     ts_tensor_free(b);
     return st;
@@ -46,8 +43,7 @@ static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *
     ts_nn_mha *a = (ts_nn_mha *)m;
     int64_t E = a->embed_dim, H = a->num_heads;
     ts_status st = ts__module_check_inputs(m, n_in, 3, 4);
-    if (st)
-        return st;
+    if (st) return st;
     ts_tensor *q_in = in[0], *k_in = in[1], *v_in = in[2], *mask = n_in > 3 ? in[3] : NULL;
     static const char *const what[3] = {"query", "key", "value"};
     for (int i = 0; i < 3; i++)
@@ -60,15 +56,18 @@ static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *
         ts_tensor_size(k_in, bd) != ts_tensor_size(q_in, bd) || ts_tensor_size(v_in, bd) != ts_tensor_size(q_in, bd) ||
         ts_tensor_size(k_in, sd) != ts_tensor_size(v_in, sd)) {
         char s1[96], s2[96], s3[96];
-        return ts_error(TS_ERR_SHAPE, "MultiheadAttention: query %s, key %s and value %s must be %s with E = %lld "
-                                      "(batch_first=%s)", ts_tensor_shape_str(q_in, s1, sizeof s1),
-                        ts_tensor_shape_str(k_in, s2, sizeof s2), ts_tensor_shape_str(v_in, s3, sizeof s3),
+        return ts_error(TS_ERR_SHAPE,
+                        "MultiheadAttention: query %s, key %s and value %s must be %s with E = %lld "
+                        "(batch_first=%s)",
+                        ts_tensor_shape_str(q_in, s1, sizeof s1), ts_tensor_shape_str(k_in, s2, sizeof s2),
+                        ts_tensor_shape_str(v_in, s3, sizeof s3),
                         a->batch_first ? "(B, T, E), (B, S, E), (B, S, E)" : "(T, B, E), (S, B, E), (S, B, E)",
                         (long long)E, a->batch_first ? "true" : "false");
     }
     int64_t T = ts_tensor_size(q_in, sd), S = ts_tensor_size(k_in, sd);
-    if (mask && (ts_tensor_dtype(mask) != TS_BOOL || ts_tensor_ndim(mask) != 2 || ts_tensor_size(mask, 0) != T ||
-                 ts_tensor_size(mask, 1) != S)) {
+    if (mask &&
+        (ts_tensor_dtype(mask) != TS_BOOL || ts_tensor_ndim(mask) != 2 || ts_tensor_size(mask, 0) != T ||
+         ts_tensor_size(mask, 1) != S)) {
         char s1[96];
         return ts_error(TS_ERR_SHAPE, "MultiheadAttention: attn_mask must be bool (%lld, %lld), got %s %s",
                         (long long)T, (long long)S, ts_dtype_name(ts_tensor_dtype(mask)),
@@ -103,19 +102,16 @@ static ts_status mha_forward(ts_module *m, int n_in, ts_tensor *const *in, int *
         v = t[7];
     }
     /* the attention core reads q, k, v straight from the projections */
-    if ((st = ts_attention(q, k, v, H, mask, a->dropout, m->training, NULL, &t[4])))
-        goto done;
+    if ((st = ts_attention(q, k, v, H, mask, a->dropout, m->training, NULL, &t[4]))) goto done;
     v = t[4];
     /* (B, T, E) -> contiguous (T, B, E), PyTorch's
      * attn_output.transpose(0, 1).contiguous() */
     if (!a->batch_first) {
-        if ((st = ts_transpose(t[4], 0, 1, &t[8])) || (st = ts_contiguous(t[8], &t[9])))
-            goto done;
+        if ((st = ts_transpose(t[4], 0, 1, &t[8])) || (st = ts_contiguous(t[8], &t[9]))) goto done;
         v = t[9];
     }
     st = ts_module_call1(a->out_proj, v, &out[0]);
-    if (!st)
-        *n_out = 1;
+    if (!st) *n_out = 1;
 done:
     FREE_ALL(t);
     return st;
@@ -127,8 +123,7 @@ static ts_status mha_visit(ts_module *m, const ts_module_visitor *v)
     ts_status st = TS_OK;
     if (v->param && !(st = v->param(v->ctx, "in_proj_weight", &a->in_proj_weight)) && a->in_proj_bias)
         st = v->param(v->ctx, "in_proj_bias", &a->in_proj_bias);
-    if (!st && v->child)
-        st = v->child(v->ctx, "out_proj", a->out_proj);
+    if (!st && v->child) st = v->child(v->ctx, "out_proj", a->out_proj);
     return st;
 }
 
@@ -153,10 +148,8 @@ static ts_status mha_reset_parameters(ts_module *m)
     bool prev = ts_grad_mode_set(false);
     ts_status st = ts_init_xavier_uniform_(a->in_proj_weight, 1.0, NULL);
     ts_tensor *out_bias = a->out_proj ? ((ts_nn_linear *)a->out_proj)->bias : NULL;
-    if (!st && a->in_proj_bias)
-        st = ts_tensor_fill_(a->in_proj_bias, 0.0);
-    if (!st && out_bias)
-        st = ts_tensor_fill_(out_bias, 0.0);
+    if (!st && a->in_proj_bias) st = ts_tensor_fill_(a->in_proj_bias, 0.0);
+    if (!st && out_bias) st = ts_tensor_fill_(out_bias, 0.0);
     ts_grad_mode_set(prev);
     return st;
 }
@@ -186,17 +179,18 @@ ts_status ts_mha_new_opts(int64_t embed_dim, int64_t num_heads, const ts_mha_opt
     double dropout = o.dropout;
     bool bias = o.bias;
     if (embed_dim <= 0 || num_heads <= 0 || embed_dim % num_heads != 0 || !(dropout >= 0 && dropout <= 1) || !out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "MultiheadAttention: embed_dim %lld must be a positive multiple of "
-                                                 "num_heads %lld, dropout %g in [0, 1]", (long long)embed_dim,
-                        (long long)num_heads, dropout);
-    if (embed_dim > INT64_MAX / 3)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
-                        "MultiheadAttention: embed_dim %lld is too large (the (3 * embed_dim, embed_dim) in_proj_weight "
-                        "has more rows than int64 holds)",
-                        (long long)embed_dim);
+                        "MultiheadAttention: embed_dim %lld must be a positive multiple of "
+                        "num_heads %lld, dropout %g in [0, 1]",
+                        (long long)embed_dim, (long long)num_heads, dropout);
+    if (embed_dim > INT64_MAX / 3)
+        return ts_error(
+            TS_ERR_INVALID_ARGUMENT,
+            "MultiheadAttention: embed_dim %lld is too large (the (3 * embed_dim, embed_dim) in_proj_weight "
+            "has more rows than int64 holds)",
+            (long long)embed_dim);
     ts_nn_mha *a = ts__calloc(TS_MEM_NN, 1, sizeof *a);
-    if (!a)
-        return TS_ERR_NO_MEMORY;
+    if (!a) return TS_ERR_NO_MEMORY;
     ts_module_init(&a->base, &mha_vt);
     a->embed_dim = embed_dim;
     a->num_heads = num_heads;
@@ -207,12 +201,9 @@ ts_status ts_mha_new_opts(int64_t embed_dim, int64_t num_heads, const ts_mha_opt
      * biases are zeroed */
     int64_t ws[2] = {3 * embed_dim, embed_dim}, bs[1] = {3 * embed_dim};
     ts_status st = ts_linear_new(embed_dim, embed_dim, bias, &a->out_proj);
-    if (!st)
-        st = ts__param_new(TS_F32, 2, ws, &a->in_proj_weight);
-    if (!st && bias)
-        st = ts__param_new(TS_F32, 1, bs, &a->in_proj_bias);
-    if (!st)
-        st = mha_reset_parameters(&a->base);
+    if (!st) st = ts__param_new(TS_F32, 2, ws, &a->in_proj_weight);
+    if (!st && bias) st = ts__param_new(TS_F32, 1, bs, &a->in_proj_bias);
+    if (!st) st = mha_reset_parameters(&a->base);
     if (st) {
         mha_free(&a->base);
         return st;

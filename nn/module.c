@@ -32,7 +32,8 @@ ts_status ts__vt_cache_get(ts__vt_cache *c, const ts_module_vtable *orig, const 
     char *name = NULL;
     if (c->n == c->cap) {
         int cap = c->cap ? 2 * c->cap : 16;
-        struct ts__vt_cache_entry *grown = realloc(c->entries, (size_t)cap * sizeof *grown); /* libc: lives as long as the process, as the types */
+        struct ts__vt_cache_entry *grown =
+            realloc(c->entries, (size_t)cap * sizeof *grown); /* libc: lives as long as the process, as the types */
         if (!grown) {
             st = ts_error(TS_ERR_NO_MEMORY, "%s: out of memory (the table of %d module types)", c->op, c->n);
             goto done;
@@ -54,7 +55,7 @@ ts_status ts__vt_cache_get(ts__vt_cache *c, const ts_module_vtable *orig, const 
     vt->base = orig;
     vt->visit = orig->visit;
     vt->reset_parameters = orig->reset_parameters; /* re-initializes the same parameters */
-    vt->methods = orig->methods; /* the original's names and functions */
+    vt->methods = orig->methods;                   /* the original's names and functions */
     vt->n_methods = orig->n_methods;
     c->fill(vt, orig);
     c->entries[c->n++] = (struct ts__vt_cache_entry){orig, vt};
@@ -69,20 +70,21 @@ done:
 
 ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt, bool need_free)
 {
-    if (!vt)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable is NULL", fn);
+    if (!vt) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable is NULL", fn);
     if (!vt->type_name || !vt->type_name[0])
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the module vtable has no type name (set .type_name, e.g. "
-                                                 "\"MyBlock\")", fn);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "%s: the module vtable has no type name (set .type_name, e.g. "
+                        "\"MyBlock\")",
+                        fn);
     const char *t = vt->type_name;
     if (need_free && !vt->free)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable of %s has no free function", fn, t);
     if (vt->n_methods < 0 || (vt->n_methods > 0 && !vt->methods))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable of %s lists %d methods but %s", fn, t,
-                        vt->n_methods, vt->n_methods < 0 ? "a count cannot be negative" : "methods is NULL");
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable of %s lists %d methods but %s", fn, t, vt->n_methods,
+                        vt->n_methods < 0 ? "a count cannot be negative" : "methods is NULL");
     if (vt->n_inputs < 0 || vt->n_inputs > TS_MODULE_MAX_IO)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable of %s takes n_inputs %d (0: any, else 1 to %d)", fn,
-                        t, vt->n_inputs, TS_MODULE_MAX_IO);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the vtable of %s takes n_inputs %d (0: any, else 1 to %d)", fn, t,
+                        vt->n_inputs, TS_MODULE_MAX_IO);
     for (int i = 0; i < vt->n_methods; i++) {
         const ts_module_method *mt = &vt->methods[i];
         if (!mt->name || !mt->name[0] || !mt->fn)
@@ -98,36 +100,33 @@ ts_status ts__module_vtable_check(const char *fn, const ts_module_vtable *vt, bo
 
 ts_status ts_module_init(ts_module *m, const ts_module_vtable *vt)
 {
-    if (!m)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_init: the module is NULL");
+    if (!m) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_init: the module is NULL");
     m->vtable = NULL;
     m->training = true;
     m->ext = NULL;
     m->extra_refs = 0;
     m->reg = NULL;
     ts_status st = ts__module_vtable_check("ts_module_init", vt, true);
-    if (st)
-        return st;
+    if (st) return st;
     m->vtable = vt;
     return TS_OK;
 }
 
 const char *ts_module_type_name(const ts_module *m)
 {
-    if (!m)
-        return "(null)";
-    if (!m->vtable)
-        return "(no vtable)";
+    if (!m) return "(null)";
+    if (!m->vtable) return "(no vtable)";
     return m->vtable->type_name && m->vtable->type_name[0] ? m->vtable->type_name : "(unnamed type)";
 }
 
 static ts_status check_call(const char *what, ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
-    if (!m)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: module is NULL", what);
+    if (!m) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: module is NULL", what);
     if (!m->vtable)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the module has no vtable (ts_module_init failed or was not "
-                                                 "called)", what);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "%s: the module has no vtable (ts_module_init failed or was not "
+                        "called)",
+                        what);
     if (!m->vtable->type_name || !m->vtable->type_name[0])
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the module's vtable has no type name", what);
     if (n_in < 0 || n_in > TS_MODULE_MAX_IO || (n_in && !in))
@@ -145,11 +144,9 @@ static _Thread_local int tl_call_depth;
 ts_status ts_module_call(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
     ts_status st = check_call("ts_module_call", m, n_in, in, n_out, out);
-    if (st)
-        return st;
+    if (st) return st;
     const ts_module_vtable *own = m->vtable; /* the type's own vtable, under fully_shard's and the checkpoint's */
-    while (own->base)
-        own = own->base;
+    while (own->base) own = own->base;
     if (own->n_inputs > 0 && n_in != own->n_inputs)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_call: %s's forward takes %d input%s, got %d",
                         own->type_name, own->n_inputs, own->n_inputs == 1 ? "" : "s", n_in);
@@ -174,11 +171,9 @@ ts_status ts_module_call1(ts_module *m, ts_tensor *in, ts_tensor **out)
     ts_tensor *outs[TS_MODULE_MAX_IO];
     int n = 0;
     ts_status st = ts_module_call(m, 1, &in, &n, outs);
-    if (st)
-        return st;
+    if (st) return st;
     if (n != 1) {
-        for (int i = 0; i < n; i++)
-            ts_tensor_free(outs[i]);
+        for (int i = 0; i < n; i++) ts_tensor_free(outs[i]);
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_call1: %s returned %d outputs, not 1",
                         ts_module_type_name(m), n);
     }
@@ -190,15 +185,12 @@ ts_status ts_module_call_method(ts_module *m, const char *name, int n_in, ts_ten
                                 ts_tensor **out)
 {
     ts_status st = check_call("ts_module_call_method", m, n_in, in, n_out, out);
-    if (st)
-        return st;
-    if (!name)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_call_method: method name is NULL");
+    if (st) return st;
+    if (!name) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_call_method: method name is NULL");
     for (int i = 0; i < m->vtable->n_methods && m->vtable->methods; i++)
         if (m->vtable->methods[i].name && strcmp(m->vtable->methods[i].name, name) == 0) {
             *n_out = 0;
-            if (m->vtable->call_method)
-                return m->vtable->call_method(m, i, n_in, in, n_out, out);
+            if (m->vtable->call_method) return m->vtable->call_method(m, i, n_in, in, n_out, out);
             if (!m->vtable->methods[i].fn)
                 return ts_error(TS_ERR_UNSUPPORTED, "ts_module_call_method: %s's method '%s' has no function",
                                 m->vtable->type_name, name);
@@ -213,15 +205,13 @@ void ts_module_free(ts_module *m)
         m->extra_refs--;
         return;
     }
-    if (!m || !m->vtable)
-        return;
+    if (!m || !m->vtable) return;
     ts__module_release(m); /* through the upper layers' free slots, if any */
 }
 
 ts_module *ts_module_retain(ts_module *m)
 {
-    if (m)
-        m->extra_refs++;
+    if (m) m->extra_refs++;
     return m;
 }
 
@@ -264,22 +254,23 @@ ts_status ts__module_check_inputs(ts_module *m, int n_in, int min_in, int max_in
 ts_status ts__module_check_last_dim(ts_module *m, const char *what, ts_tensor *x, int min_ndim, int64_t want)
 {
     char s[96];
-    if (!x)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is NULL", m->vtable->type_name, what);
+    if (!x) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is NULL", m->vtable->type_name, what);
     if (ts_tensor_ndim(x) < min_ndim || ts_tensor_size(x, -1) != want)
-        return ts_error(TS_ERR_SHAPE, "%s: %s of shape %s does not fit: expected at least %d dims with last size "
-                                      "%lld", m->vtable->type_name, what, ts_tensor_shape_str(x, s, sizeof s),
-                        min_ndim, (long long)want);
+        return ts_error(TS_ERR_SHAPE,
+                        "%s: %s of shape %s does not fit: expected at least %d dims with last size "
+                        "%lld",
+                        m->vtable->type_name, what, ts_tensor_shape_str(x, s, sizeof s), min_ndim, (long long)want);
     return TS_OK;
 }
 
 ts_status ts__module_check_dtype(ts_module *m, const char *what, ts_tensor *x, const char *pname, ts_tensor *p)
 {
-    if (!x || !p || ts_tensor_dtype(x) == ts_tensor_dtype(p))
-        return TS_OK;
-    return ts_error(TS_ERR_DTYPE, "%s: %s dtype %s differs from the %s dtype %s (convert the input with ts_to_dtype, "
-                                  "or the module with ts_module_to_dtype)", m->vtable->type_name, what,
-                    ts_dtype_name(ts_tensor_dtype(x)), pname, ts_dtype_name(ts_tensor_dtype(p)));
+    if (!x || !p || ts_tensor_dtype(x) == ts_tensor_dtype(p)) return TS_OK;
+    return ts_error(TS_ERR_DTYPE,
+                    "%s: %s dtype %s differs from the %s dtype %s (convert the input with ts_to_dtype, "
+                    "or the module with ts_module_to_dtype)",
+                    m->vtable->type_name, what, ts_dtype_name(ts_tensor_dtype(x)), pname,
+                    ts_dtype_name(ts_tensor_dtype(p)));
 }
 
 /* Makes *tp (just made, with status st) a leaf that requires grad in
@@ -287,8 +278,7 @@ ts_status ts__module_check_dtype(ts_module *m, const char *what, ts_tensor *x, c
  * makes it is unspecified.) */
 static ts_status as_param(ts_status st, ts_tensor **tp, ts_tensor **out)
 {
-    if (st)
-        return st;
+    if (st) return st;
     ts_tensor *t = *tp;
     if ((st = ts_tensor_set_requires_grad(t, true))) {
         ts_tensor_free(t);
@@ -310,11 +300,9 @@ void ts__act_free(ts_module *m) { ts__free(TS_MEM_NN, m); }
 
 ts_status ts__act_new(const ts_module_vtable *vt, ts_gelu_approx approx, double p, ts_module **out)
 {
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", vt->type_name);
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", vt->type_name);
     ts__act *a = ts__calloc(TS_MEM_NN, 1, sizeof *a);
-    if (!a)
-        return TS_ERR_NO_MEMORY;
+    if (!a) return TS_ERR_NO_MEMORY;
     ts_module_init(&a->base, vt);
     a->approx = approx;
     a->p = p;
@@ -326,8 +314,7 @@ ts_status ts__act_new(const ts_module_vtable *vt, ts_gelu_approx approx, double 
 
 ts_status ts_param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
 {
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_param_new: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_param_new: out is NULL");
     if (!ts_dtype_is_float(dtype))
         return ts_error(TS_ERR_DTYPE, "ts_param_new: a parameter must be floating-point to require grad, not %s",
                         ts_dtype_name(dtype));
@@ -335,7 +322,6 @@ ts_status ts_param_new(ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor
     ts_status st = ts_tensor_zeros(dtype, ndim, shape, &t); /* meta inside a meta device scope */
     /* deferred: the zeros are recorded, so that a parameter its module never
      * fills materializes as zeros too ([Note: deferred init]) */
-    if (!st && ts_tensor_is_meta(t) && (st = ts_tensor_fill_(t, 0.0)))
-        ts_tensor_free(t);
+    if (!st && ts_tensor_is_meta(t) && (st = ts_tensor_fill_(t, 0.0))) ts_tensor_free(t);
     return as_param(st, &t, out);
 }

@@ -88,7 +88,7 @@ typedef struct ts_module_method {
 } ts_module_method;
 
 typedef struct ts_module_vtable {
-    const char *type_name;  /* "Linear" */
+    const char *type_name; /* "Linear" */
     ts_module_fn forward;
     /* NULL: the slots declared with ts_module_register_* (none if none
      * were). Call it through ts_module_visit. */
@@ -115,8 +115,7 @@ typedef struct ts_module_vtable {
      * upper layer (fully_shard wraps methods with it): when set,
      * ts_module_call_method calls call_method(m, i, ...) with i the index
      * of the method in `methods`, instead of methods[i].fn. */
-    ts_status (*call_method)(ts_module *m, int index, int n_in, ts_tensor *const *in, int *n_out,
-                             ts_tensor **out);
+    ts_status (*call_method)(ts_module *m, int index, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out);
     /* Optional, for vtables made by an upper layer: makes module m (whose
      * vtable is this one) extend `inner` instead of its current base, where
      * inner itself extends that base, by switching m to this layer's
@@ -232,13 +231,13 @@ TS_API ts_status ts_module_buffer_new(ts_module *m, const char *name, ts_dtype d
  *     *out = m;
  *     return TS_OK;
  */
-#define TS_MODULE_TRY(m, expr)               \
-    do {                                     \
+#define TS_MODULE_TRY(m, expr) \
+    do { \
         ts_status ts_module_try_st_ = (expr); \
-        if (ts_module_try_st_ != TS_OK) {    \
-            ts_module_free(m);               \
-            return ts_module_try_st_;        \
-        }                                    \
+        if (ts_module_try_st_ != TS_OK) { \
+            ts_module_free(m); \
+            return ts_module_try_st_; \
+        } \
     } while (0)
 
 /* Visits m's own slots and children: through the vtable's visit when it
@@ -614,12 +613,12 @@ TS_API ts_status ts_mha_new(int64_t embed_dim, int64_t num_heads, double dropout
 
 typedef struct ts_encoder_layer_config {
     int64_t d_model, nhead, dim_feedforward;
-    double dropout;          /* default 0.1 */
-    bool gelu;               /* activation: false relu (default), true gelu */
-    double layer_norm_eps;   /* default 1e-5 */
-    bool norm_first;         /* default false */
-    bool causal;             /* apply a causal mask in self-attention */
-    bool batch_first;        /* default false: src (T, B, d) as PyTorch; true: (B, T, d) */
+    double dropout;        /* default 0.1 */
+    bool gelu;             /* activation: false relu (default), true gelu */
+    double layer_norm_eps; /* default 1e-5 */
+    bool norm_first;       /* default false */
+    bool causal;           /* apply a causal mask in self-attention */
+    bool batch_first;      /* default false: src (T, B, d) as PyTorch; true: (B, T, d) */
 } ts_encoder_layer_config;
 /* PyTorch's defaults: dim_feedforward 2048, dropout 0.1, relu, eps 1e-5,
  * post-norm, batch_first false. */

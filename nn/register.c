@@ -42,15 +42,14 @@ static ts_status reg_get(ts_module *m, struct ts__module_reg **out)
 
 ts_status ts_module_new(size_t size, const ts_module_vtable *vt, ts_module **out)
 {
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_new: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_new: out is NULL");
     if (size < sizeof(ts_module))
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "ts_module_new: size %zu is smaller than a ts_module (%zu): pass sizeof your struct, whose "
-                        "first member is the ts_module", size, sizeof(ts_module));
+                        "first member is the ts_module",
+                        size, sizeof(ts_module));
     ts_status st = ts__module_vtable_check("ts_module_new", vt, false);
-    if (st)
-        return st;
+    if (st) return st;
     ts_module *m = ts__calloc(TS_MEM_NN, 1, size);
     if (!m || reg_get(m, &m->reg)) {
         ts__free(TS_MEM_NN, m);
@@ -66,8 +65,7 @@ ts_status ts_module_new(size_t size, const ts_module_vtable *vt, ts_module **out
 static ts_status check_name(const char *fn, ts_module *m, const char *name)
 {
     const char *t = ts_module_type_name(m);
-    if (!name[0])
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s: the name is empty", fn, t);
+    if (!name[0]) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s: the name is empty", fn, t);
     if (strchr(name, '.'))
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "%s: %s: the name '%s' contains '.' (dots join the names of a fully qualified name)", fn, t,
@@ -102,24 +100,29 @@ static ts_status check_not_sharded(const char *fn, ts_module *m, const char *nam
 static ts_status reg_add(const char *fn, ts_module *m, const char *name, reg_kind kind, void *slot)
 {
     if (!m || !name || !slot)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, !m ? "the module" : !name ? "the name" : "the slot");
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn,
+                        !m          ? "the module"
+                            : !name ? "the name"
+                                    : "the slot");
     if (!m->vtable)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the module has no vtable (ts_module_init failed or was not "
-                                                 "called)", fn);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "%s: the module has no vtable (ts_module_init failed or was not "
+                        "called)",
+                        fn);
     const char *t = ts_module_type_name(m);
     ts_status st = check_name(fn, m, name);
-    if (st)
-        return st;
-    if ((st = check_not_sharded(fn, m, name, kind, slot)))
-        return st;
+    if (st) return st;
+    if ((st = check_not_sharded(fn, m, name, kind, slot))) return st;
     if (m->vtable->base)
         return ts_error(TS_ERR_STATE,
                         "%s: %s was rewritten by an upper layer (ts_fully_shard or ts_checkpoint_module); declare "
-                        "'%s' in the constructor, before", fn, t, name);
+                        "'%s' in the constructor, before",
+                        fn, t, name);
     if (m->vtable->visit)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "%s: %s has its own visit; list '%s' there, or leave the vtable's visit NULL and declare every "
-                        "slot", fn, t, name);
+                        "slot",
+                        fn, t, name);
     for (int i = 0; m->reg && i < m->reg->n; i++) {
         const reg_entry *e = &m->reg->entries[i];
         if (strcmp(e->name, name) == 0)
@@ -130,22 +133,18 @@ static ts_status reg_add(const char *fn, ts_module *m, const char *name, reg_kin
                             fn, t, name, kind_names[e->kind], e->name);
     }
     struct ts__module_reg *r = NULL;
-    if ((st = reg_get(m, &r)))
-        return st;
+    if ((st = reg_get(m, &r))) return st;
     if (r->n == r->cap) {
         int cap = r->cap ? 2 * r->cap : 8;
         reg_entry *grown = ts__malloc(TS_MEM_NN, (size_t)cap * sizeof *grown);
-        if (!grown)
-            return ts_error(TS_ERR_NO_MEMORY, "%s: %s: out of memory", fn, t);
-        if (r->n)
-            memcpy(grown, r->entries, (size_t)r->n * sizeof *grown);
+        if (!grown) return ts_error(TS_ERR_NO_MEMORY, "%s: %s: out of memory", fn, t);
+        if (r->n) memcpy(grown, r->entries, (size_t)r->n * sizeof *grown);
         ts__free(TS_MEM_NN, r->entries);
         r->entries = grown;
         r->cap = cap;
     }
     char *copy = ts__strdup(TS_MEM_NN, name);
-    if (!copy)
-        return ts_error(TS_ERR_NO_MEMORY, "%s: %s: out of memory", fn, t);
+    if (!copy) return ts_error(TS_ERR_NO_MEMORY, "%s: %s: out of memory", fn, t);
     r->entries[r->n++] = (reg_entry){copy, kind, slot};
     return TS_OK;
 }
@@ -174,12 +173,12 @@ static ts_status add_new(const char *fn, ts_module *m, const char *name, reg_kin
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the slot for '%s' already holds a tensor", fn,
                         name ? name : "(null)");
     ts_status st = reg_add(fn, m, name, kind, slot);
-    if (st)
-        return st;
+    if (st) return st;
     ts_tensor *t = NULL;
     if (kind == REG_PARAM) {
         st = ts_param_new(dtype, ndim, shape, &t);
-    } else if (!(st = ts_tensor_zeros(dtype, ndim, shape, &t)) && ts_tensor_is_meta(t) && (st = ts_tensor_fill_(t, 0.0))) {
+    } else if (!(st = ts_tensor_zeros(dtype, ndim, shape, &t)) && ts_tensor_is_meta(t) &&
+               (st = ts_tensor_fill_(t, 0.0))) {
         ts_tensor_free(t); /* deferred: the zeros recorded, as ts_param_new records them */
         t = NULL;
     }
@@ -208,24 +207,20 @@ ts_status ts_module_visit(ts_module *m, const ts_module_visitor *v)
     if (!m || !v)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_visit: %s is NULL", m ? "the visitor" : "the module");
     if (!m->vtable)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_module_visit: the module has no vtable (ts_module_init failed "
-                                                 "or was not called)");
-    if (m->vtable->visit)
-        return m->vtable->visit(m, v);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_module_visit: the module has no vtable (ts_module_init failed "
+                        "or was not called)");
+    if (m->vtable->visit) return m->vtable->visit(m, v);
     const struct ts__module_reg *r = m->reg;
     ts_status st = TS_OK;
     /* each kind in declaration order: parameters, buffers, children */
     for (int k = REG_PARAM; k <= REG_CHILD && !st; k++)
         for (int i = 0; r && i < r->n && !st; i++) {
             const reg_entry *e = &r->entries[i];
-            if ((int)e->kind != k)
-                continue;
-            if (k == REG_PARAM && v->param)
-                st = v->param(v->ctx, e->name, (ts_tensor **)e->slot);
-            else if (k == REG_BUFFER && v->buffer)
-                st = v->buffer(v->ctx, e->name, (ts_tensor **)e->slot);
-            else if (k == REG_CHILD && v->child)
-                st = v->child(v->ctx, e->name, *(ts_module **)e->slot);
+            if ((int)e->kind != k) continue;
+            if (k == REG_PARAM && v->param) st = v->param(v->ctx, e->name, (ts_tensor **)e->slot);
+            else if (k == REG_BUFFER && v->buffer) st = v->buffer(v->ctx, e->name, (ts_tensor **)e->slot);
+            else if (k == REG_CHILD && v->child) st = v->child(v->ctx, e->name, *(ts_module **)e->slot);
         }
     return st;
 }
@@ -264,8 +259,6 @@ void ts__module_release(ts_module *m)
         ts__free(TS_MEM_NN, r);
         m->reg = NULL;
     }
-    if (m->vtable && m->vtable->free)
-        m->vtable->free(m);
-    else if (base_allocated)
-        ts__free(TS_MEM_NN, m);
+    if (m->vtable && m->vtable->free) m->vtable->free(m);
+    else if (base_allocated) ts__free(TS_MEM_NN, m);
 }

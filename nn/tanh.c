@@ -5,8 +5,7 @@
 static ts_status tanh_forward(ts_module *m, int n_in, ts_tensor *const *in, int *n_out, ts_tensor **out)
 {
     ts_status st = ts__module_check_inputs(m, n_in, 1, 1);
-    if (!st && !(st = ts_tanh(in[0], &out[0])))
-        *n_out = 1;
+    if (!st && !(st = ts_tanh(in[0], &out[0]))) *n_out = 1;
     return st;
 }
 

@@ -31,8 +31,7 @@ static void gather_row(const void *k, int64_t n, void *p, int64_t sp, const void
     size_t es = gk->es;
     unsigned char *dst = gk->dst + (size_t)lin * es;
     const unsigned char *src = p;
-    for (int64_t i = 0; i < n; i++)
-        memcpy(dst + (size_t)i * es, src + (size_t)(i * sp) * es, es);
+    for (int64_t i = 0; i < n; i++) memcpy(dst + (size_t)i * es, src + (size_t)(i * sp) * es, es);
 }
 
 typedef struct scale_k {
@@ -49,8 +48,7 @@ static void scale_row(const void *k, int64_t n, void *p, int64_t sp, const void 
         return;
     }
     size_t es = ts_dtype_size(s->dt);
-    for (int64_t i = 0; i < n; i++)
-        ts__buf_scale(s->dt, (unsigned char *)p + (size_t)(i * sp) * es, 1, s->coef);
+    for (int64_t i = 0; i < n; i++) ts__buf_scale(s->dt, (unsigned char *)p + (size_t)(i * sp) * es, 1, s->coef);
 }
 
 ts_status ts__optim_grad_norm(const ts_tensor *gc, double *norm_out)
@@ -81,7 +79,8 @@ ts_status ts__optim_grad_norm(const ts_tensor *gc, double *norm_out)
         ts__buf_convert(TS_F32, f, dt, x, n);
         x = f;
     }
-    *norm_out = dt == TS_F64 ? ts__buf_norm2_f64_on(norm_path(), x, n) : (double)ts__buf_norm2_f32_on(norm_path(), x, n);
+    *norm_out =
+        dt == TS_F64 ? ts__buf_norm2_f64_on(norm_path(), x, n) : (double)ts__buf_norm2_f32_on(norm_path(), x, n);
     ts__free(TS_MEM_NN, tmp);
     return TS_OK;
 }
@@ -97,10 +96,8 @@ ts_status ts__optim_total_norm(int n, const double *norms, bool any_f64, double 
         return TS_OK;
     }
     float *n32 = ts__malloc(TS_MEM_NN, (size_t)n * sizeof *n32);
-    if (!n32)
-        return TS_ERR_NO_MEMORY;
-    for (int i = 0; i < n; i++)
-        n32[i] = (float)norms[i];
+    if (!n32) return TS_ERR_NO_MEMORY;
+    for (int i = 0; i < n; i++) n32[i] = (float)norms[i];
     *total_out = (double)ts__buf_norm2_f32_on(norm_path(), n32, n);
     ts__free(TS_MEM_NN, n32);
     return TS_OK;
@@ -110,8 +107,7 @@ double ts__optim_clip_coef(double total, double max_norm, bool any_f64)
 {
     /* clip_coef = max_norm / (total_norm + 1e-6), i.e. Tensor.__rdiv__:
      * (total + 1e-6).reciprocal() * max_norm, in the stack's dtype */
-    if (any_f64)
-        return (1.0 / (total + 1e-6)) * max_norm;
+    if (any_f64) return (1.0 / (total + 1e-6)) * max_norm;
     float t = (float)total + (float)1e-6;
     return (double)((1.0f / t) * (float)max_norm);
 }
@@ -134,20 +130,19 @@ ts_status ts_clip_grad_norm(int n, ts_tensor *const *params, double max_norm, do
     int ng = 0;
     bool any_f64 = false, any_meta = false;
     for (int i = 0; i < n; i++) {
-        if (!params[i])
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: parameter %d is NULL", who, i);
+        if (!params[i]) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: parameter %d is NULL", who, i);
         ts_tensor *g = ts_tensor_grad(params[i]);
-        if (!g)
-            continue;
+        if (!g) continue;
         ts_dtype dt = ts_tensor_dtype(g);
         if (dt != TS_F32 && dt != TS_F64)
             return ts_error(TS_ERR_DTYPE, "%s: the gradient of %s has dtype %s; float32 or float64 expected", who,
                             ts__optim_param_label(i, params[i], lab, sizeof lab), ts_dtype_name(dt));
         if (ts__is_meta(g) && !ts__meta_mode()) {
             char s1[96];
-            return ts_error(TS_ERR_STATE, "%s: the gradient of %s %s is on the meta device (it has no data): "
-                                          "materialize the model or load a checkpoint first", who,
-                            ts__optim_param_label(i, params[i], lab, sizeof lab),
+            return ts_error(TS_ERR_STATE,
+                            "%s: the gradient of %s %s is on the meta device (it has no data): "
+                            "materialize the model or load a checkpoint first",
+                            who, ts__optim_param_label(i, params[i], lab, sizeof lab),
                             ts_tensor_shape_str(g, s1, sizeof s1));
         }
         any_meta |= ts__is_meta(g);
@@ -166,32 +161,28 @@ ts_status ts_clip_grad_norm(int n, ts_tensor *const *params, double max_norm, do
     /* torch.norm(torch.stack([torch.norm(g, 2) for g in grads]), 2): the
      * stack is float64 if any gradient is, else float32 */
     double *norms = ts__malloc(TS_MEM_NN, (size_t)ng * sizeof(double));
-    if (!norms)
-        return TS_ERR_NO_MEMORY;
+    if (!norms) return TS_ERR_NO_MEMORY;
     ts_status st = TS_OK;
     for (int i = 0, j = 0; i < n && !st; i++) {
         ts_tensor *g = ts_tensor_grad(params[i]);
-        if (g && !(st = ts__optim_grad_norm(g, &norms[j])))
-            j++;
+        if (g && !(st = ts__optim_grad_norm(g, &norms[j]))) j++;
     }
     double total = 0;
-    if (!st)
-        st = ts__optim_total_norm(ng, norms, any_f64, &total);
+    if (!st) st = ts__optim_total_norm(ng, norms, any_f64, &total);
     ts__free(TS_MEM_NN, norms);
-    if (st)
-        return st;
+    if (st) return st;
     if (!isfinite(total))
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "%s: the total norm of order 2 of the gradients is non-finite (%g), so it cannot be "
-                        "clipped; the gradients were left unchanged", who, total);
+                        "clipped; the gradients were left unchanged",
+                        who, total);
     /* grads are multiplied by min(clip_coef, 1); multiplying by exactly
      * 1.0 changes nothing, so that case is skipped. */
     double coef = ts__optim_clip_coef(total, max_norm, any_f64);
     if (coef < 1.0) {
         for (int i = 0; i < n; i++) {
             ts_tensor *g = ts_tensor_grad(params[i]);
-            if (g)
-                ts__optim_scale_grad(g, coef);
+            if (g) ts__optim_scale_grad(g, coef);
         }
     }
     *total_norm_out = total;

@@ -22,13 +22,10 @@ typedef struct fused_run {
 
 static void run_flush(ts_optim *o, fused_run *r)
 {
-    if (!r->open)
-        return;
+    if (!r->open) return;
     o->last_calls++;
-    if (o->kind == OPT_SGD)
-        ts__optim_sgd_kernel(r->f32)(&r->sk, r->n, r->p, 1, r->g, 1, 0);
-    else
-        ts__optim_adam_kernel(r->f32)(&r->ak, r->n, r->p, 1, r->g, 1, 0);
+    if (o->kind == OPT_SGD) ts__optim_sgd_kernel(r->f32)(&r->sk, r->n, r->p, 1, r->g, 1, 0);
+    else ts__optim_adam_kernel(r->f32)(&r->ak, r->n, r->p, 1, r->g, 1, 0);
     r->open = false;
 }
 
@@ -41,17 +38,14 @@ static bool adjacent(const void *a, int64_t n, size_t es, const void *b)
 /* True if parameter pp (kernel arguments sk / ak, data p, gradient g) is
  * where run r ends in every buffer (data, gradient, each state) and takes
  * the same kernel arguments but for those pointers. */
-static bool run_extends(const ts_optim *o, const fused_run *r, bool f32, const unsigned char *p,
-                        const unsigned char *g, const sgd_k *sk, const adam_k *ak)
+static bool run_extends(const ts_optim *o, const fused_run *r, bool f32, const unsigned char *p, const unsigned char *g,
+                        const sgd_k *sk, const adam_k *ak)
 {
-    if (!r->open || r->f32 != f32 || !adjacent(r->p, r->n, r->es, p) || !adjacent(r->g, r->n, r->es, g))
-        return false;
-    if (o->kind == OPT_SGD)
-        return r->sk.first == sk->first && (!sk->buf || adjacent(r->sk.buf, r->n, r->es, sk->buf));
+    if (!r->open || r->f32 != f32 || !adjacent(r->p, r->n, r->es, p) || !adjacent(r->g, r->n, r->es, g)) return false;
+    if (o->kind == OPT_SGD) return r->sk.first == sk->first && (!sk->buf || adjacent(r->sk.buf, r->n, r->es, sk->buf));
     return r->ak.bc2_sqrt == ak->bc2_sqrt && r->ak.neg_step_size == ak->neg_step_size &&
-           adjacent(r->ak.exp_avg, r->n, r->es, ak->exp_avg) &&
-           adjacent(r->ak.exp_avg_sq, r->n, r->es, ak->exp_avg_sq) &&
-           (!ak->max_exp_avg_sq || adjacent(r->ak.max_exp_avg_sq, r->n, r->es, ak->max_exp_avg_sq));
+        adjacent(r->ak.exp_avg, r->n, r->es, ak->exp_avg) && adjacent(r->ak.exp_avg_sq, r->n, r->es, ak->exp_avg_sq) &&
+        (!ak->max_exp_avg_sq || adjacent(r->ak.max_exp_avg_sq, r->n, r->es, ak->max_exp_avg_sq));
 }
 
 /* The fused step: every parameter with a gradient, in order; contiguous
@@ -68,22 +62,18 @@ void ts__optim_fused_step(ts_optim *o)
     for (int i = 0; i < o->n; i++) {
         opt_param *pp = &o->p[i];
         ts_tensor *g = ts_tensor_grad(pp->param);
-        if (!g)
-            continue;
+        if (!g) continue;
         if (ts_tensor_is_meta(pp->local) || ts_tensor_is_meta(g)) { /* meta: state allocated, nothing to compute */
             pp->ready = true;
             continue;
         }
         sgd_k sk = {0};
         adam_k ak = {0};
-        if (o->kind == OPT_SGD)
-            sk = ts__optim_sgd_args(o, pp);
-        else
-            ak = ts__optim_adam_args(o, pp);
+        if (o->kind == OPT_SGD) sk = ts__optim_sgd_args(o, pp);
+        else ak = ts__optim_adam_args(o, pp);
         pp->ready = true;
         int64_t n = ts_tensor_numel(pp->local);
-        if (n == 0)
-            continue;
+        if (n == 0) continue;
         bool f32 = ts_tensor_dtype(pp->local) == TS_F32;
         if (!ts_tensor_is_contiguous(pp->local) || !ts_tensor_is_contiguous(g)) {
             ts__optim_walk_rows(pp->local, g,

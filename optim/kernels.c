@@ -85,8 +85,7 @@ const char *ts__optim_update_path_name(void)
 void ts__optim_walk_rows(ts_tensor *a, const ts_tensor *b, row_fn fn, const void *k)
 {
     int64_t numel = ts_tensor_numel(a);
-    if (numel == 0)
-        return;
+    if (numel == 0) return;
     char *pa = ts_tensor_data(a);
     const char *pb = ts_tensor_data(b);
     int nd = ts_tensor_ndim(a);
@@ -104,14 +103,12 @@ void ts__optim_walk_rows(ts_tensor *a, const ts_tensor *b, row_fn fn, const void
         for (; d >= 0; d--) {
             oa += sa[d];
             ob += sb[d];
-            if (++idx[d] < shape[d])
-                break;
+            if (++idx[d] < shape[d]) break;
             oa -= sa[d] * shape[d];
             ob -= sb[d] * shape[d];
             idx[d] = 0;
         }
-        if (d < 0)
-            return;
+        if (d < 0) return;
     }
 }
 
@@ -132,8 +129,7 @@ OPT_INLINE void sgd_body_f32(const sgd_k *k, int64_t n, float *p, int64_t sp, co
     const bool has_wd = k->wd != 0, has_m = k->momentum != 0;
     for (int64_t i = 0; i < n; i++) {
         float d = k->maximize ? -g[i * sg] : g[i * sg];
-        if (has_wd)
-            d = fmaf(p[i * sp], wd, d);
+        if (has_wd) d = fmaf(p[i * sp], wd, d);
         if (has_m) {
             float b = k->first ? d : fmaf(d, damp1, buf[i] * m);
             buf[i] = b;
@@ -150,8 +146,7 @@ OPT_INLINE void sgd_body_f64(const sgd_k *k, int64_t n, double *p, int64_t sp, c
     const bool has_wd = k->wd != 0, has_m = k->momentum != 0;
     for (int64_t i = 0; i < n; i++) {
         double d = k->maximize ? -g[i * sg] : g[i * sg];
-        if (has_wd)
-            d = fma(p[i * sp], wd, d);
+        if (has_wd) d = fma(p[i * sp], wd, d);
         if (has_m) {
             double b = k->first ? d : fma(d, damp1, buf[i] * m);
             buf[i] = b;
@@ -165,20 +160,16 @@ OPT_INLINE void sgd_row_f32(const void *kv, int64_t n, void *p, int64_t sp, cons
 {
     const sgd_k *k = kv;
     float *buf = k->buf ? (float *)k->buf + lin : NULL;
-    if (sp == 1 && sg == 1)
-        sgd_body_f32(k, n, p, 1, g, 1, buf);
-    else
-        sgd_body_f32(k, n, p, sp, g, sg, buf);
+    if (sp == 1 && sg == 1) sgd_body_f32(k, n, p, 1, g, 1, buf);
+    else sgd_body_f32(k, n, p, sp, g, sg, buf);
 }
 
 OPT_INLINE void sgd_row_f64(const void *kv, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
 {
     const sgd_k *k = kv;
     double *buf = k->buf ? (double *)k->buf + lin : NULL;
-    if (sp == 1 && sg == 1)
-        sgd_body_f64(k, n, p, 1, g, 1, buf);
-    else
-        sgd_body_f64(k, n, p, sp, g, sg, buf);
+    if (sp == 1 && sg == 1) sgd_body_f64(k, n, p, 1, g, 1, buf);
+    else sgd_body_f64(k, n, p, sp, g, sg, buf);
 }
 
 /* ------------------------------------------------------------- Adam kernel */
@@ -204,10 +195,8 @@ OPT_INLINE void adam_body_f32(const adam_k *k, int64_t n, float *p, int64_t sp, 
     for (int64_t i = 0; i < n; i++) {
         float gi = k->maximize ? -g[i * sg] : g[i * sg];
         float pi = p[i * sp];
-        if (k->adamw)
-            pi = pi * decay;
-        else if (l2)
-            gi = fmaf(pi, wd, gi);
+        if (k->adamw) pi = pi * decay;
+        else if (l2) gi = fmaf(pi, wd, gi);
         float mi = fmaf(gi, omb1, m[i] * b1);
         float vi = fmaf(omb2 * gi, gi, v[i] * b2);
         m[i] = mi;
@@ -232,10 +221,8 @@ OPT_INLINE void adam_body_f64(const adam_k *k, int64_t n, double *p, int64_t sp,
     for (int64_t i = 0; i < n; i++) {
         double gi = k->maximize ? -g[i * sg] : g[i * sg];
         double pi = p[i * sp];
-        if (k->adamw)
-            pi = pi * decay;
-        else if (l2)
-            gi = fma(pi, wd, gi);
+        if (k->adamw) pi = pi * decay;
+        else if (l2) gi = fma(pi, wd, gi);
         double mi = fma(gi, omb1, m[i] * b1);
         double vi = fma(omb2 * gi, gi, v[i] * b2);
         m[i] = mi;
@@ -256,10 +243,8 @@ OPT_INLINE void adam_row_f32(const void *kv, int64_t n, void *p, int64_t sp, con
     const adam_k *k = kv;
     float *m = (float *)k->exp_avg + lin, *v = (float *)k->exp_avg_sq + lin;
     float *mx = k->max_exp_avg_sq ? (float *)k->max_exp_avg_sq + lin : NULL;
-    if (sp == 1 && sg == 1)
-        adam_body_f32(k, n, p, 1, g, 1, m, v, mx);
-    else
-        adam_body_f32(k, n, p, sp, g, sg, m, v, mx);
+    if (sp == 1 && sg == 1) adam_body_f32(k, n, p, 1, g, 1, m, v, mx);
+    else adam_body_f32(k, n, p, sp, g, sg, m, v, mx);
 }
 
 OPT_INLINE void adam_row_f64(const void *kv, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
@@ -267,26 +252,28 @@ OPT_INLINE void adam_row_f64(const void *kv, int64_t n, void *p, int64_t sp, con
     const adam_k *k = kv;
     double *m = (double *)k->exp_avg + lin, *v = (double *)k->exp_avg_sq + lin;
     double *mx = k->max_exp_avg_sq ? (double *)k->max_exp_avg_sq + lin : NULL;
-    if (sp == 1 && sg == 1)
-        adam_body_f64(k, n, p, 1, g, 1, m, v, mx);
-    else
-        adam_body_f64(k, n, p, sp, g, sg, m, v, mx);
+    if (sp == 1 && sg == 1) adam_body_f64(k, n, p, 1, g, 1, m, v, mx);
+    else adam_body_f64(k, n, p, sp, g, sg, m, v, mx);
 }
 
 /* The plain reference build of each kernel (fma from libm). */
-OPT_ROW_ALIGN static void sgd_f32_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
+OPT_ROW_ALIGN static void sgd_f32_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg,
+                                      int64_t lin)
 {
     sgd_row_f32(k, n, p, sp, g, sg, lin);
 }
-OPT_ROW_ALIGN static void sgd_f64_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
+OPT_ROW_ALIGN static void sgd_f64_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg,
+                                      int64_t lin)
 {
     sgd_row_f64(k, n, p, sp, g, sg, lin);
 }
-OPT_ROW_ALIGN static void adam_f32_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
+OPT_ROW_ALIGN static void adam_f32_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg,
+                                       int64_t lin)
 {
     adam_row_f32(k, n, p, sp, g, sg, lin);
 }
-OPT_ROW_ALIGN static void adam_f64_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg, int64_t lin)
+OPT_ROW_ALIGN static void adam_f64_ref(const void *k, int64_t n, void *p, int64_t sp, const void *g, int64_t sg,
+                                       int64_t lin)
 {
     adam_row_f64(k, n, p, sp, g, sg, lin);
 }
@@ -306,10 +293,8 @@ OPT_AVX2_TARGET static int64_t sgd_vec_f32(const sgd_k *k, int64_t n, float *p, 
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 d = _mm256_loadu_ps(g + i), pv = _mm256_loadu_ps(p + i);
-        if (k->maximize)
-            d = _mm256_xor_ps(d, sign);
-        if (has_wd)
-            d = _mm256_fmadd_ps(pv, wd, d);
+        if (k->maximize) d = _mm256_xor_ps(d, sign);
+        if (has_wd) d = _mm256_fmadd_ps(pv, wd, d);
         if (has_m) {
             __m256 b = k->first ? d : _mm256_fmadd_ps(d, damp1, _mm256_mul_ps(_mm256_loadu_ps(buf + i), m));
             _mm256_storeu_ps(buf + i, b);
@@ -328,10 +313,8 @@ OPT_AVX2_TARGET static int64_t sgd_vec_f64(const sgd_k *k, int64_t n, double *p,
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
         __m256d d = _mm256_loadu_pd(g + i), pv = _mm256_loadu_pd(p + i);
-        if (k->maximize)
-            d = _mm256_xor_pd(d, sign);
-        if (has_wd)
-            d = _mm256_fmadd_pd(pv, wd, d);
+        if (k->maximize) d = _mm256_xor_pd(d, sign);
+        if (has_wd) d = _mm256_fmadd_pd(pv, wd, d);
         if (has_m) {
             __m256d b = k->first ? d : _mm256_fmadd_pd(d, damp1, _mm256_mul_pd(_mm256_loadu_pd(buf + i), m));
             _mm256_storeu_pd(buf + i, b);
@@ -344,8 +327,8 @@ OPT_AVX2_TARGET static int64_t sgd_vec_f64(const sgd_k *k, int64_t n, double *p,
 
 /* torch.maximum(x, v): NaN if either is NaN, else std::max(x, v), i.e.
  * (x < v ? v : x) = _mm256_max_ps(v, x). */
-OPT_AVX2_TARGET static int64_t adam_vec_f32(const adam_k *k, int64_t n, float *p, const float *g, float *m,
-                                            float *v, float *mx)
+OPT_AVX2_TARGET static int64_t adam_vec_f32(const adam_k *k, int64_t n, float *p, const float *g, float *m, float *v,
+                                            float *mx)
 {
     const __m256 wd = _mm256_set1_ps((float)k->wd), decay = _mm256_set1_ps((float)k->decay),
                  b1 = _mm256_set1_ps((float)k->beta1), omb1 = _mm256_set1_ps((float)k->omb1),
@@ -357,12 +340,9 @@ OPT_AVX2_TARGET static int64_t adam_vec_f32(const adam_k *k, int64_t n, float *p
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 gi = _mm256_loadu_ps(g + i), pi = _mm256_loadu_ps(p + i);
-        if (k->maximize)
-            gi = _mm256_xor_ps(gi, sign);
-        if (k->adamw)
-            pi = _mm256_mul_ps(pi, decay);
-        else if (l2)
-            gi = _mm256_fmadd_ps(pi, wd, gi);
+        if (k->maximize) gi = _mm256_xor_ps(gi, sign);
+        if (k->adamw) pi = _mm256_mul_ps(pi, decay);
+        else if (l2) gi = _mm256_fmadd_ps(pi, wd, gi);
         __m256 mi = _mm256_fmadd_ps(gi, omb1, _mm256_mul_ps(_mm256_loadu_ps(m + i), b1));
         __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gi), gi, _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
         _mm256_storeu_ps(m + i, mi);
@@ -391,12 +371,9 @@ OPT_AVX2_TARGET static int64_t adam_vec_f64(const adam_k *k, int64_t n, double *
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
         __m256d gi = _mm256_loadu_pd(g + i), pi = _mm256_loadu_pd(p + i);
-        if (k->maximize)
-            gi = _mm256_xor_pd(gi, sign);
-        if (k->adamw)
-            pi = _mm256_mul_pd(pi, decay);
-        else if (l2)
-            gi = _mm256_fmadd_pd(pi, wd, gi);
+        if (k->maximize) gi = _mm256_xor_pd(gi, sign);
+        if (k->adamw) pi = _mm256_mul_pd(pi, decay);
+        else if (l2) gi = _mm256_fmadd_pd(pi, wd, gi);
         __m256d mi = _mm256_fmadd_pd(gi, omb1, _mm256_mul_pd(_mm256_loadu_pd(m + i), b1));
         __m256d vi = _mm256_fmadd_pd(_mm256_mul_pd(omb2, gi), gi, _mm256_mul_pd(_mm256_loadu_pd(v + i), b2));
         _mm256_storeu_pd(m + i, mi);
@@ -413,28 +390,26 @@ OPT_AVX2_TARGET static int64_t adam_vec_f64(const adam_k *k, int64_t n, double *
     return i;
 }
 
-OPT_AVX2_TARGET OPT_ROW_ALIGN static void sgd_f32_avx2(const void *kv, int64_t n, void *p, int64_t sp, const void *g, int64_t sg,
-                                         int64_t lin)
+OPT_AVX2_TARGET OPT_ROW_ALIGN static void sgd_f32_avx2(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
+                                                       int64_t sg, int64_t lin)
 {
     const sgd_k *k = kv;
     int64_t i = 0;
-    if (sp == 1 && sg == 1)
-        i = sgd_vec_f32(k, n, p, g, k->buf ? (float *)k->buf + lin : NULL);
+    if (sp == 1 && sg == 1) i = sgd_vec_f32(k, n, p, g, k->buf ? (float *)k->buf + lin : NULL);
     sgd_row_f32(kv, n - i, (float *)p + i * sp, sp, (const float *)g + i * sg, sg, lin + i);
 }
 
-OPT_AVX2_TARGET OPT_ROW_ALIGN static void sgd_f64_avx2(const void *kv, int64_t n, void *p, int64_t sp, const void *g, int64_t sg,
-                                         int64_t lin)
+OPT_AVX2_TARGET OPT_ROW_ALIGN static void sgd_f64_avx2(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
+                                                       int64_t sg, int64_t lin)
 {
     const sgd_k *k = kv;
     int64_t i = 0;
-    if (sp == 1 && sg == 1)
-        i = sgd_vec_f64(k, n, p, g, k->buf ? (double *)k->buf + lin : NULL);
+    if (sp == 1 && sg == 1) i = sgd_vec_f64(k, n, p, g, k->buf ? (double *)k->buf + lin : NULL);
     sgd_row_f64(kv, n - i, (double *)p + i * sp, sp, (const double *)g + i * sg, sg, lin + i);
 }
 
 OPT_AVX2_TARGET OPT_ROW_ALIGN static void adam_f32_avx2(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                          int64_t sg, int64_t lin)
+                                                        int64_t sg, int64_t lin)
 {
     const adam_k *k = kv;
     int64_t i = 0;
@@ -445,7 +420,7 @@ OPT_AVX2_TARGET OPT_ROW_ALIGN static void adam_f32_avx2(const void *kv, int64_t 
 }
 
 OPT_AVX2_TARGET OPT_ROW_ALIGN static void adam_f64_avx2(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                          int64_t sg, int64_t lin)
+                                                        int64_t sg, int64_t lin)
 {
     const adam_k *k = kv;
     int64_t i = 0;
@@ -483,10 +458,8 @@ OPT_AVX512_TARGET static void sgd_vec512_f32(const sgd_k *k, int64_t n, float *p
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 mk = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
         __m512 d = _mm512_maskz_loadu_ps(mk, g + i), pv = _mm512_maskz_loadu_ps(mk, p + i);
-        if (k->maximize)
-            d = neg512_ps(d);
-        if (has_wd)
-            d = _mm512_fmadd_ps(pv, wd, d);
+        if (k->maximize) d = neg512_ps(d);
+        if (has_wd) d = _mm512_fmadd_ps(pv, wd, d);
         if (has_m) {
             __m512 b = k->first ? d : _mm512_fmadd_ps(d, damp1, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, buf + i), m));
             _mm512_mask_storeu_ps(buf + i, mk, b);
@@ -504,10 +477,8 @@ OPT_AVX512_TARGET static void sgd_vec512_f64(const sgd_k *k, int64_t n, double *
     for (int64_t i = 0; i < n; i += 8) {
         __mmask8 mk = n - i >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - i)) - 1u);
         __m512d d = _mm512_maskz_loadu_pd(mk, g + i), pv = _mm512_maskz_loadu_pd(mk, p + i);
-        if (k->maximize)
-            d = neg512_pd(d);
-        if (has_wd)
-            d = _mm512_fmadd_pd(pv, wd, d);
+        if (k->maximize) d = neg512_pd(d);
+        if (has_wd) d = _mm512_fmadd_pd(pv, wd, d);
         if (has_m) {
             __m512d b = k->first ? d : _mm512_fmadd_pd(d, damp1, _mm512_mul_pd(_mm512_maskz_loadu_pd(mk, buf + i), m));
             _mm512_mask_storeu_pd(buf + i, mk, b);
@@ -519,8 +490,8 @@ OPT_AVX512_TARGET static void sgd_vec512_f64(const sgd_k *k, int64_t n, double *
 
 /* torch.maximum as in the AVX2 build: _mm512_max_ps(v, x) is (v > x ? v :
  * x), and lanes where either is NaN take NaN. */
-OPT_AVX512_TARGET static void adam_vec512_f32(const adam_k *k, int64_t n, float *p, const float *g, float *m,
-                                              float *v, float *mx)
+OPT_AVX512_TARGET static void adam_vec512_f32(const adam_k *k, int64_t n, float *p, const float *g, float *m, float *v,
+                                              float *mx)
 {
     const __m512 wd = _mm512_set1_ps((float)k->wd), decay = _mm512_set1_ps((float)k->decay),
                  b1 = _mm512_set1_ps((float)k->beta1), omb1 = _mm512_set1_ps((float)k->omb1),
@@ -531,12 +502,9 @@ OPT_AVX512_TARGET static void adam_vec512_f32(const adam_k *k, int64_t n, float 
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 mk = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
         __m512 gi = _mm512_maskz_loadu_ps(mk, g + i), pi = _mm512_maskz_loadu_ps(mk, p + i);
-        if (k->maximize)
-            gi = neg512_ps(gi);
-        if (k->adamw)
-            pi = _mm512_mul_ps(pi, decay);
-        else if (l2)
-            gi = _mm512_fmadd_ps(pi, wd, gi);
+        if (k->maximize) gi = neg512_ps(gi);
+        if (k->adamw) pi = _mm512_mul_ps(pi, decay);
+        else if (l2) gi = _mm512_fmadd_ps(pi, wd, gi);
         __m512 mi = _mm512_fmadd_ps(gi, omb1, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, m + i), b1));
         __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, gi), gi, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, v + i), b2));
         _mm512_mask_storeu_ps(m + i, mk, mi);
@@ -563,15 +531,11 @@ OPT_AVX512_TARGET static void adam_vec512_f64(const adam_k *k, int64_t n, double
     for (int64_t i = 0; i < n; i += 8) {
         __mmask8 mk = n - i >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - i)) - 1u);
         __m512d gi = _mm512_maskz_loadu_pd(mk, g + i), pi = _mm512_maskz_loadu_pd(mk, p + i);
-        if (k->maximize)
-            gi = neg512_pd(gi);
-        if (k->adamw)
-            pi = _mm512_mul_pd(pi, decay);
-        else if (l2)
-            gi = _mm512_fmadd_pd(pi, wd, gi);
+        if (k->maximize) gi = neg512_pd(gi);
+        if (k->adamw) pi = _mm512_mul_pd(pi, decay);
+        else if (l2) gi = _mm512_fmadd_pd(pi, wd, gi);
         __m512d mi = _mm512_fmadd_pd(gi, omb1, _mm512_mul_pd(_mm512_maskz_loadu_pd(mk, m + i), b1));
-        __m512d vi =
-            _mm512_fmadd_pd(_mm512_mul_pd(omb2, gi), gi, _mm512_mul_pd(_mm512_maskz_loadu_pd(mk, v + i), b2));
+        __m512d vi = _mm512_fmadd_pd(_mm512_mul_pd(omb2, gi), gi, _mm512_mul_pd(_mm512_maskz_loadu_pd(mk, v + i), b2));
         _mm512_mask_storeu_pd(m + i, mk, mi);
         _mm512_mask_storeu_pd(v + i, mk, vi);
         __m512d s = vi;
@@ -585,46 +549,40 @@ OPT_AVX512_TARGET static void adam_vec512_f64(const adam_k *k, int64_t n, double
     }
 }
 
-OPT_AVX512_TARGET OPT_ROW_ALIGN static void sgd_f32_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                             int64_t sg, int64_t lin)
+OPT_AVX512_TARGET OPT_ROW_ALIGN static void sgd_f32_avx512(const void *kv, int64_t n, void *p, int64_t sp,
+                                                           const void *g, int64_t sg, int64_t lin)
 {
     const sgd_k *k = kv;
-    if (sp == 1 && sg == 1)
-        sgd_vec512_f32(k, n, p, g, k->buf ? (float *)k->buf + lin : NULL);
-    else
-        sgd_row_f32(kv, n, p, sp, g, sg, lin);
+    if (sp == 1 && sg == 1) sgd_vec512_f32(k, n, p, g, k->buf ? (float *)k->buf + lin : NULL);
+    else sgd_row_f32(kv, n, p, sp, g, sg, lin);
 }
 
-OPT_AVX512_TARGET OPT_ROW_ALIGN static void sgd_f64_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                             int64_t sg, int64_t lin)
+OPT_AVX512_TARGET OPT_ROW_ALIGN static void sgd_f64_avx512(const void *kv, int64_t n, void *p, int64_t sp,
+                                                           const void *g, int64_t sg, int64_t lin)
 {
     const sgd_k *k = kv;
-    if (sp == 1 && sg == 1)
-        sgd_vec512_f64(k, n, p, g, k->buf ? (double *)k->buf + lin : NULL);
-    else
-        sgd_row_f64(kv, n, p, sp, g, sg, lin);
+    if (sp == 1 && sg == 1) sgd_vec512_f64(k, n, p, g, k->buf ? (double *)k->buf + lin : NULL);
+    else sgd_row_f64(kv, n, p, sp, g, sg, lin);
 }
 
-OPT_AVX512_TARGET OPT_ROW_ALIGN static void adam_f32_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                              int64_t sg, int64_t lin)
+OPT_AVX512_TARGET OPT_ROW_ALIGN static void adam_f32_avx512(const void *kv, int64_t n, void *p, int64_t sp,
+                                                            const void *g, int64_t sg, int64_t lin)
 {
     const adam_k *k = kv;
     if (sp == 1 && sg == 1)
         adam_vec512_f32(k, n, p, g, (float *)k->exp_avg + lin, (float *)k->exp_avg_sq + lin,
                         k->max_exp_avg_sq ? (float *)k->max_exp_avg_sq + lin : NULL);
-    else
-        adam_row_f32(kv, n, p, sp, g, sg, lin);
+    else adam_row_f32(kv, n, p, sp, g, sg, lin);
 }
 
-OPT_AVX512_TARGET OPT_ROW_ALIGN static void adam_f64_avx512(const void *kv, int64_t n, void *p, int64_t sp, const void *g,
-                                              int64_t sg, int64_t lin)
+OPT_AVX512_TARGET OPT_ROW_ALIGN static void adam_f64_avx512(const void *kv, int64_t n, void *p, int64_t sp,
+                                                            const void *g, int64_t sg, int64_t lin)
 {
     const adam_k *k = kv;
     if (sp == 1 && sg == 1)
         adam_vec512_f64(k, n, p, g, (double *)k->exp_avg + lin, (double *)k->exp_avg_sq + lin,
                         k->max_exp_avg_sq ? (double *)k->max_exp_avg_sq + lin : NULL);
-    else
-        adam_row_f64(kv, n, p, sp, g, sg, lin);
+    else adam_row_f64(kv, n, p, sp, g, sg, lin);
 }
 #endif
 
@@ -632,10 +590,8 @@ row_fn ts__optim_sgd_kernel(bool f32)
 {
 #if OPT_HAVE_AVX2_BUILD
     ts__kpath path = update_path();
-    if (path >= TS__KPATH_AVX512)
-        return f32 ? sgd_f32_avx512 : sgd_f64_avx512;
-    if (path == TS__KPATH_AVX2)
-        return f32 ? sgd_f32_avx2 : sgd_f64_avx2;
+    if (path >= TS__KPATH_AVX512) return f32 ? sgd_f32_avx512 : sgd_f64_avx512;
+    if (path == TS__KPATH_AVX2) return f32 ? sgd_f32_avx2 : sgd_f64_avx2;
 #endif
     return f32 ? sgd_f32_ref : sgd_f64_ref;
 }
@@ -644,10 +600,8 @@ row_fn ts__optim_adam_kernel(bool f32)
 {
 #if OPT_HAVE_AVX2_BUILD
     ts__kpath path = update_path();
-    if (path >= TS__KPATH_AVX512)
-        return f32 ? adam_f32_avx512 : adam_f64_avx512;
-    if (path == TS__KPATH_AVX2)
-        return f32 ? adam_f32_avx2 : adam_f64_avx2;
+    if (path >= TS__KPATH_AVX512) return f32 ? adam_f32_avx512 : adam_f64_avx512;
+    if (path == TS__KPATH_AVX2) return f32 ? adam_f32_avx2 : adam_f64_avx2;
 #endif
     return f32 ? adam_f32_ref : adam_f64_ref;
 }

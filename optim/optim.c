@@ -21,10 +21,7 @@
 
 /* ---------------------------------------------------------------- options */
 
-ts_sgd_options ts_sgd_options_default(void)
-{
-    return (ts_sgd_options){.lr = 1e-3};
-}
+ts_sgd_options ts_sgd_options_default(void) { return (ts_sgd_options){.lr = 1e-3}; }
 
 ts_adam_options ts_adam_options_default(void)
 {
@@ -40,18 +37,14 @@ ts_adam_options ts_adamw_options_default(void)
 
 /* ----------------------------------------------------------------- object */
 
-
 static const char *const kind_names[] = {"SGD", "Adam", "AdamW"};
-
 
 /* "parameter 3 ('fc.weight')" or "parameter 3" */
 const char *ts__optim_param_label(int i, const ts_tensor *t, char *buf, size_t len)
 {
     const char *name = t ? ts_tensor_name(t) : "";
-    if (name[0])
-        snprintf(buf, len, "parameter %d ('%s')", i, name);
-    else
-        snprintf(buf, len, "parameter %d", i);
+    if (name[0]) snprintf(buf, len, "parameter %d ('%s')", i, name);
+    else snprintf(buf, len, "parameter %d", i);
     return buf;
 }
 
@@ -63,8 +56,7 @@ static ts_status check_params(const char *who, int n, ts_tensor *const *params)
                         params ? "" : ", params NULL");
     for (int i = 0; i < n; i++) {
         ts_tensor *t = params[i];
-        if (!t)
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: parameter %d is NULL", who, i);
+        if (!t) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: parameter %d is NULL", who, i);
         ts_dtype dt = ts_tensor_dtype(t);
         if (dt != TS_F32 && dt != TS_F64)
             return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s has dtype %s; float32 or float64 expected", who,
@@ -81,12 +73,12 @@ static ts_status check_params(const char *who, int n, ts_tensor *const *params)
             if (shape[d] > 1 && strides[d] == 0)
                 return ts_error(TS_ERR_INVALID_ARGUMENT,
                                 "%s: %s has overlapping memory (stride 0 in dim %d, an expanded view); an in-place "
-                                "update would write one element several times", who,
-                                ts__optim_param_label(i, t, lab, sizeof lab), d);
+                                "update would write one element several times",
+                                who, ts__optim_param_label(i, t, lab, sizeof lab), d);
         for (int j = 0; j < i; j++)
             if (params[j] == t)
-                return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s appears twice in the parameter list (also at %d)",
-                                who, ts__optim_param_label(i, t, lab, sizeof lab), j);
+                return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: %s appears twice in the parameter list (also at %d)", who,
+                                ts__optim_param_label(i, t, lab, sizeof lab), j);
     }
     return TS_OK;
 }
@@ -95,11 +87,9 @@ static ts_status optim_new(opt_kind kind, int n, ts_tensor *const *params, ts_op
 {
     const char *who = kind_names[kind];
     ts_status st = check_params(who, n, params);
-    if (st)
-        return st;
+    if (st) return st;
     ts_optim *o = ts__calloc(TS_MEM_NN, 1, sizeof *o);
-    if (!o)
-        return TS_ERR_NO_MEMORY;
+    if (!o) return TS_ERR_NO_MEMORY;
     o->kind = kind;
     o->p = ts__calloc(TS_MEM_NN, (size_t)n, sizeof *o->p);
     o->params = ts__calloc(TS_MEM_NN, (size_t)n, sizeof *o->params);
@@ -124,8 +114,7 @@ static ts_status optim_new(opt_kind kind, int n, ts_tensor *const *params, ts_op
 
 ts_status ts_sgd_new(int n, ts_tensor *const *params, const ts_sgd_options *opts, ts_optim **out)
 {
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "SGD: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "SGD: out is NULL");
     ts_sgd_options o = opts ? *opts : ts_sgd_options_default();
     if (!(o.lr > 0) || !isfinite(o.lr))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "SGD: invalid learning rate %g (must be > 0 and finite)", o.lr);
@@ -138,11 +127,11 @@ ts_status ts_sgd_new(int n, ts_tensor *const *params, const ts_sgd_options *opts
     if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "SGD: nesterov momentum requires a momentum > 0 and zero dampening (momentum %g, "
-                        "dampening %g)", o.momentum, o.dampening);
+                        "dampening %g)",
+                        o.momentum, o.dampening);
     ts_optim *opt;
     ts_status st = optim_new(OPT_SGD, n, params, &opt);
-    if (st)
-        return st;
+    if (st) return st;
     opt->sgd = o;
     opt->lr = o.lr;
     opt->fused = o.fused;
@@ -150,12 +139,10 @@ ts_status ts_sgd_new(int n, ts_tensor *const *params, const ts_sgd_options *opts
     return TS_OK;
 }
 
-static ts_status adam_new(opt_kind kind, int n, ts_tensor *const *params, const ts_adam_options *opts,
-                          ts_optim **out)
+static ts_status adam_new(opt_kind kind, int n, ts_tensor *const *params, const ts_adam_options *opts, ts_optim **out)
 {
     const char *who = kind_names[kind];
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", who);
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", who);
     ts_adam_options o = opts ? *opts : kind == OPT_ADAMW ? ts_adamw_options_default() : ts_adam_options_default();
     if (!(o.lr > 0) || !isfinite(o.lr))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid learning rate %g (must be > 0 and finite)", who, o.lr);
@@ -166,12 +153,10 @@ static ts_status adam_new(opt_kind kind, int n, ts_tensor *const *params, const 
     if (!(o.beta2 >= 0 && o.beta2 < 1))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid beta2 %g (must be in [0, 1))", who, o.beta2);
     if (!(o.weight_decay >= 0) || !isfinite(o.weight_decay))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid weight_decay %g (must be >= 0)", who,
-                        o.weight_decay);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid weight_decay %g (must be >= 0)", who, o.weight_decay);
     ts_optim *opt;
     ts_status st = optim_new(kind, n, params, &opt);
-    if (st)
-        return st;
+    if (st) return st;
     opt->adam = o;
     opt->lr = o.lr;
     opt->fused = o.fused;
@@ -202,8 +187,7 @@ static void free_state(opt_param *pp)
 
 void ts_optim_free(ts_optim *o)
 {
-    if (!o)
-        return;
+    if (!o) return;
     for (int i = 0; i < o->n; i++) {
         free_state(&o->p[i]);
         ts_tensor_free(o->p[i].local);
@@ -229,14 +213,12 @@ static int elementwise_slots(const ts_optim *o, opt_param *pp, ts_tensor **slots
 {
     int n = 0;
     if (o->kind == OPT_SGD) {
-        if (o->sgd.momentum != 0)
-            slots_out[n++] = &pp->momentum_buffer;
+        if (o->sgd.momentum != 0) slots_out[n++] = &pp->momentum_buffer;
         return n;
     }
     slots_out[n++] = &pp->exp_avg;
     slots_out[n++] = &pp->exp_avg_sq;
-    if (o->adam.amsgrad)
-        slots_out[n++] = &pp->max_exp_avg_sq;
+    if (o->adam.amsgrad) slots_out[n++] = &pp->max_exp_avg_sq;
     return n;
 }
 
@@ -257,26 +239,21 @@ static ts_status alloc_arenas(ts_optim *o)
                 total += ts_tensor_numel(o->p[i].local);
                 any = true;
             }
-        if (!any)
-            continue;
+        if (!any) continue;
         ts_tensor **probe[3];
         int ns = elementwise_slots(o, &o->p[0], probe);
         bool meta = false; /* the state is made where the parameters are (meta if any is) */
-        for (int i = 0; i < o->n; i++)
-            meta |= ts_tensor_dtype(o->p[i].local) == dts[d] && ts__is_meta(o->p[i].local);
+        for (int i = 0; i < o->n; i++) meta |= ts_tensor_dtype(o->p[i].local) == dts[d] && ts__is_meta(o->p[i].local);
         for (int s = 0; s < ns && !st; s++) {
             ts_tensor *arena = NULL;
-            if ((st = ts_device_scope_enter(meta ? TS_DEVICE_META : TS_DEVICE_CPU)))
-                break;
+            if ((st = ts_device_scope_enter(meta ? TS_DEVICE_META : TS_DEVICE_CPU))) break;
             st = ts_tensor_zeros(dts[d], 1, &total, &arena);
             ts_device_scope_exit();
-            if (st)
-                break;
+            if (st) break;
             int64_t off = 0;
             for (int i = 0; i < o->n && !st; i++) {
                 opt_param *pp = &o->p[i];
-                if (ts_tensor_dtype(pp->local) != dts[d])
-                    continue;
+                if (ts_tensor_dtype(pp->local) != dts[d]) continue;
                 ts_tensor **slots[3];
                 elementwise_slots(o, pp, slots);
                 int nd = ts_tensor_ndim(pp->local);
@@ -312,8 +289,7 @@ static ts_status alloc_state_on(ts_optim *o, int i);
 static ts_status alloc_state(ts_optim *o, int i)
 {
     ts_status st = ts_device_scope_enter(ts__is_meta(o->p[i].local) ? TS_DEVICE_META : TS_DEVICE_CPU);
-    if (st)
-        return st;
+    if (st) return st;
     st = alloc_state_on(o, i);
     ts_device_scope_exit();
     return st;
@@ -324,8 +300,7 @@ static ts_status alloc_state_on(ts_optim *o, int i)
     opt_param *pp = &o->p[i];
     if (o->fused && !o->arenas) {
         ts_status ast = alloc_arenas(o);
-        if (ast)
-            return ast;
+        if (ast) return ast;
     }
     ts_tensor *t = pp->local;
     ts_dtype dt = ts_tensor_dtype(t);
@@ -333,18 +308,13 @@ static ts_status alloc_state_on(ts_optim *o, int i)
     const int64_t *shape = ts_tensor_shape(t);
     ts_status st = TS_OK;
     if (o->kind == OPT_SGD) {
-        if (has_momentum_state(o) && !pp->momentum_buffer)
-            st = ts_tensor_zeros(dt, nd, shape, &pp->momentum_buffer);
+        if (has_momentum_state(o) && !pp->momentum_buffer) st = ts_tensor_zeros(dt, nd, shape, &pp->momentum_buffer);
         return st;
     }
-    if (!pp->step && (st = ts_tensor_zeros(TS_F32, 0, NULL, &pp->step)))
-        return st;
-    if (!pp->exp_avg && (st = ts_tensor_zeros(dt, nd, shape, &pp->exp_avg)))
-        return st;
-    if (!pp->exp_avg_sq && (st = ts_tensor_zeros(dt, nd, shape, &pp->exp_avg_sq)))
-        return st;
-    if (o->adam.amsgrad && !pp->max_exp_avg_sq && (st = ts_tensor_zeros(dt, nd, shape, &pp->max_exp_avg_sq)))
-        return st;
+    if (!pp->step && (st = ts_tensor_zeros(TS_F32, 0, NULL, &pp->step))) return st;
+    if (!pp->exp_avg && (st = ts_tensor_zeros(dt, nd, shape, &pp->exp_avg))) return st;
+    if (!pp->exp_avg_sq && (st = ts_tensor_zeros(dt, nd, shape, &pp->exp_avg_sq))) return st;
+    if (o->adam.amsgrad && !pp->max_exp_avg_sq && (st = ts_tensor_zeros(dt, nd, shape, &pp->max_exp_avg_sq))) return st;
     return TS_OK;
 }
 
@@ -369,10 +339,11 @@ static ts_status check_grad(const ts_optim *o, int i, const ts_tensor *g)
         /* a meta step allocates the state and computes nothing; outside a
          * meta scope it is refused, as ops refuse meta inputs */
         if (!ts__meta_mode())
-            return ts_error(TS_ERR_STATE, "%s step: %s%s %s is on the meta device (it has no data): materialize "
-                                          "the model or load a checkpoint first (inside ts_device_scope_enter("
-                                          "TS_DEVICE_META) a step only allocates its state)", who,
-                            ts__is_meta(pp->local) ? "" : "the gradient of ",
+            return ts_error(TS_ERR_STATE,
+                            "%s step: %s%s %s is on the meta device (it has no data): materialize "
+                            "the model or load a checkpoint first (inside ts_device_scope_enter("
+                            "TS_DEVICE_META) a step only allocates its state)",
+                            who, ts__is_meta(pp->local) ? "" : "the gradient of ",
                             ts__optim_param_label(i, pp->param, lab, sizeof lab),
                             ts_tensor_shape_str(ts__is_meta(pp->local) ? pp->local : g, s1, sizeof s1));
         if (ts_storage_is_released(ts_tensor_storage(pp->local)) || ts_storage_is_released(ts_tensor_storage(g)))
@@ -393,8 +364,13 @@ static ts_status check_grad(const ts_optim *o, int i, const ts_tensor *g)
 sgd_k ts__optim_sgd_args(const ts_optim *o, const opt_param *pp)
 {
     const ts_sgd_options *s = &o->sgd;
-    return (sgd_k){.lr = o->lr, .wd = s->weight_decay, .momentum = s->momentum, .damp1 = 1.0 - s->dampening,
-                   .nesterov = s->nesterov, .maximize = s->maximize, .first = !pp->ready,
+    return (sgd_k){.lr = o->lr,
+                   .wd = s->weight_decay,
+                   .momentum = s->momentum,
+                   .damp1 = 1.0 - s->dampening,
+                   .nesterov = s->nesterov,
+                   .maximize = s->maximize,
+                   .first = !pp->ready,
                    .buf = pp->momentum_buffer ? ts_tensor_data(pp->momentum_buffer) : NULL};
 }
 
@@ -413,10 +389,18 @@ adam_k ts__optim_adam_args(const ts_optim *o, opt_param *pp)
     double step_size = o->lr / bc1;
     return (adam_k){.wd = o->kind == OPT_ADAM ? a->weight_decay : 0.0,
                     .decay = 1.0 - o->lr * a->weight_decay,
-                    .beta1 = a->beta1, .omb1 = 1.0 - a->beta1, .beta2 = a->beta2, .omb2 = 1.0 - a->beta2,
-                    .bc2_sqrt = sqrt(bc2), .eps = a->eps, .neg_step_size = -step_size,
-                    .adamw = o->kind == OPT_ADAMW, .amsgrad = a->amsgrad, .maximize = a->maximize,
-                    .exp_avg = ts_tensor_data(pp->exp_avg), .exp_avg_sq = ts_tensor_data(pp->exp_avg_sq),
+                    .beta1 = a->beta1,
+                    .omb1 = 1.0 - a->beta1,
+                    .beta2 = a->beta2,
+                    .omb2 = 1.0 - a->beta2,
+                    .bc2_sqrt = sqrt(bc2),
+                    .eps = a->eps,
+                    .neg_step_size = -step_size,
+                    .adamw = o->kind == OPT_ADAMW,
+                    .amsgrad = a->amsgrad,
+                    .maximize = a->maximize,
+                    .exp_avg = ts_tensor_data(pp->exp_avg),
+                    .exp_avg_sq = ts_tensor_data(pp->exp_avg_sq),
                     .max_exp_avg_sq = pp->max_exp_avg_sq ? ts_tensor_data(pp->max_exp_avg_sq) : NULL};
 }
 
@@ -434,22 +418,18 @@ static void adam_update(ts_optim *o, opt_param *pp, ts_tensor *g)
     pp->ready = true;
 }
 
-
 ts_status ts_optim_step(ts_optim *o)
 {
-    if (!o)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_optim_step: optimizer is NULL");
+    if (!o) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_optim_step: optimizer is NULL");
     ts_status st;
     /* Everything is checked and allocated before any value changes, so a
      * failed step leaves parameters and state as they were. */
     ts__optim_param_check_fn check = atomic_load(&g_param_check);
-    if (check && (st = check(kind_names[o->kind], o->n, o->params, o->steps == 0)))
-        return st;
+    if (check && (st = check(kind_names[o->kind], o->n, o->params, o->steps == 0))) return st;
     int n_grads = 0;
     for (int i = 0; i < o->n; i++) {
         ts_tensor *g = ts_tensor_grad(o->p[i].param);
-        if (g && (st = check_grad(o, i, g)))
-            return st;
+        if (g && (st = check_grad(o, i, g))) return st;
         n_grads += g != NULL;
     }
     if (!n_grads && !o->warned_no_grad) {
@@ -463,22 +443,16 @@ ts_status ts_optim_step(ts_optim *o)
                 kind_names[o->kind], (long long)o->steps, o->n);
     }
     for (int i = 0; i < o->n; i++)
-        if (ts_tensor_grad(o->p[i].param) && (st = alloc_state(o, i)))
-            return st;
+        if (ts_tensor_grad(o->p[i].param) && (st = alloc_state(o, i))) return st;
     TS_TRACE_BEGIN(t0);
-    if (o->fused)
-        ts__optim_fused_step(o);
+    if (o->fused) ts__optim_fused_step(o);
     for (int i = 0; i < o->n && !o->fused; i++) {
         opt_param *pp = &o->p[i];
         ts_tensor *g = ts_tensor_grad(pp->param);
-        if (!g)
-            continue; /* torch skips parameters whose .grad is None */
-        if (ts__is_meta(pp->local) || ts__is_meta(g))
-            pp->ready = true; /* meta: state allocated, nothing to compute */
-        else if (o->kind == OPT_SGD)
-            sgd_update(o, pp, g);
-        else
-            adam_update(o, pp, g);
+        if (!g) continue;                                               /* torch skips parameters whose .grad is None */
+        if (ts__is_meta(pp->local) || ts__is_meta(g)) pp->ready = true; /* meta: state allocated, nothing to compute */
+        else if (o->kind == OPT_SGD) sgd_update(o, pp, g);
+        else adam_update(o, pp, g);
     }
     o->steps++;
     if (t0) {
@@ -490,18 +464,15 @@ ts_status ts_optim_step(ts_optim *o)
 
 void ts_optim_zero_grad(ts_optim *o, bool set_to_none)
 {
-    if (!o)
-        return;
-    for (int i = 0; i < o->n; i++)
-        ts_tensor_zero_grad(o->p[i].param, set_to_none);
+    if (!o) return;
+    for (int i = 0; i < o->n; i++) ts_tensor_zero_grad(o->p[i].param, set_to_none);
 }
 
 double ts_optim_get_lr(const ts_optim *o) { return o ? o->lr : NAN; }
 
 void ts_optim_set_lr(ts_optim *o, double lr)
 {
-    if (!o)
-        return;
+    if (!o) return;
     if (!(lr >= 0) || !isfinite(lr)) {
         ts_logf(TS_LOG_WARN, "%s: ignoring invalid learning rate %g (must be >= 0 and finite)", kind_names[o->kind],
                 lr);
@@ -539,15 +510,13 @@ int ts__optim_state_names(const ts_optim *o, const char *names_out[4])
 {
     int n = 0;
     if (o->kind == OPT_SGD) {
-        if (has_momentum_state(o))
-            names_out[n++] = "momentum_buffer";
+        if (has_momentum_state(o)) names_out[n++] = "momentum_buffer";
         return n;
     }
     names_out[n++] = "step";
     names_out[n++] = "exp_avg";
     names_out[n++] = "exp_avg_sq";
-    if (o->adam.amsgrad)
-        names_out[n++] = "max_exp_avg_sq";
+    if (o->adam.amsgrad) names_out[n++] = "max_exp_avg_sq";
     return n;
 }
 
@@ -571,7 +540,8 @@ const char *ts_optim_state_name(const ts_optim *o, int i)
 ts_status ts_optim_set_step_count(ts_optim *o, int64_t steps)
 {
     if (!o) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_optim_set_step_count: the optimizer is NULL");
-    if (steps < 0) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_optim_set_step_count: steps %lld < 0", (long long)steps);
+    if (steps < 0)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_optim_set_step_count: steps %lld < 0", (long long)steps);
     ts__optim_set_step_count(o, steps);
     return TS_OK;
 }
@@ -581,9 +551,17 @@ ts_status ts_optim_hparams_get(const ts_optim *o, ts_optim_hparams *out)
     if (!o || !out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_optim_hparams_get: NULL argument");
     ts__optim_hparams hp;
     ts__optim_hparams_get(o, &hp);
-    *out = (ts_optim_hparams){.sgd = hp.sgd, .lr = hp.lr, .momentum = hp.momentum, .dampening = hp.dampening,
-                              .weight_decay = hp.weight_decay, .beta1 = hp.beta1, .beta2 = hp.beta2, .eps = hp.eps,
-                              .nesterov = hp.nesterov, .amsgrad = hp.amsgrad, .maximize = hp.maximize};
+    *out = (ts_optim_hparams){.sgd = hp.sgd,
+                              .lr = hp.lr,
+                              .momentum = hp.momentum,
+                              .dampening = hp.dampening,
+                              .weight_decay = hp.weight_decay,
+                              .beta1 = hp.beta1,
+                              .beta2 = hp.beta2,
+                              .eps = hp.eps,
+                              .nesterov = hp.nesterov,
+                              .amsgrad = hp.amsgrad,
+                              .maximize = hp.maximize};
     return TS_OK;
 }
 
@@ -599,40 +577,32 @@ static ts_tensor **state_slot(ts_optim *o, int i, const char *name)
     opt_param *pp = &o->p[i];
     if (o->kind == OPT_SGD)
         return has_momentum_state(o) && !strcmp(name, "momentum_buffer") ? &pp->momentum_buffer : NULL;
-    if (!strcmp(name, "step"))
-        return &pp->step;
-    if (!strcmp(name, "exp_avg"))
-        return &pp->exp_avg;
-    if (!strcmp(name, "exp_avg_sq"))
-        return &pp->exp_avg_sq;
-    if (!strcmp(name, "max_exp_avg_sq") && o->adam.amsgrad)
-        return &pp->max_exp_avg_sq;
+    if (!strcmp(name, "step")) return &pp->step;
+    if (!strcmp(name, "exp_avg")) return &pp->exp_avg;
+    if (!strcmp(name, "exp_avg_sq")) return &pp->exp_avg_sq;
+    if (!strcmp(name, "max_exp_avg_sq") && o->adam.amsgrad) return &pp->max_exp_avg_sq;
     return NULL;
 }
 
 ts_tensor *ts_optim_state(const ts_optim *o, int param_index, const char *name)
 {
-    if (!o || !name || param_index < 0 || param_index >= o->n || !o->p[param_index].ready)
-        return NULL;
+    if (!o || !name || param_index < 0 || param_index >= o->n || !o->p[param_index].ready) return NULL;
     ts_tensor **slot = state_slot((ts_optim *)o, param_index, name);
     return slot ? *slot : NULL;
 }
 
 ts_status ts_optim_state_create(ts_optim *o, int param_index, const char *name, ts_tensor **state_out)
 {
-    if (!o || !name || !state_out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_optim_state_create: NULL argument");
+    if (!o || !name || !state_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_optim_state_create: NULL argument");
     if (param_index < 0 || param_index >= o->n)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: parameter index %d out of range [0, %d)",
-                        kind_names[o->kind], param_index, o->n);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: parameter index %d out of range [0, %d)", kind_names[o->kind],
+                        param_index, o->n);
     ts_tensor **slot = state_slot(o, param_index, name);
     if (!slot)
         return ts_error(TS_ERR_NOT_FOUND, "%s: no state named '%s' in this optimizer", kind_names[o->kind], name);
     ts_status st = alloc_state(o, param_index);
-    if (st)
-        return st;
+    if (st) return st;
     o->p[param_index].ready = true;
     *state_out = *slot;
     return TS_OK;
 }
-

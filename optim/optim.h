@@ -41,25 +41,25 @@ typedef struct ts_optim ts_optim;
 
 /* torch.optim.SGD's arguments (torch has no default lr; ours is 1e-3). */
 typedef struct ts_sgd_options {
-    double lr;            /* > 0; default 1e-3 */
-    double momentum;      /* >= 0; default 0 */
-    double dampening;     /* default 0 */
-    double weight_decay;  /* >= 0, L2 added to the gradient; default 0 */
-    bool nesterov;        /* false (needs momentum > 0 and dampening 0) */
-    bool maximize;        /* false */
-    bool fused;           /* false; true: the fused multi-tensor step (below) */
+    double lr;           /* > 0; default 1e-3 */
+    double momentum;     /* >= 0; default 0 */
+    double dampening;    /* default 0 */
+    double weight_decay; /* >= 0, L2 added to the gradient; default 0 */
+    bool nesterov;       /* false (needs momentum > 0 and dampening 0) */
+    bool maximize;       /* false */
+    bool fused;          /* false; true: the fused multi-tensor step (below) */
 } ts_sgd_options;
 TS_API ts_sgd_options ts_sgd_options_default(void);
 
 /* torch.optim.Adam / AdamW's arguments. */
 typedef struct ts_adam_options {
-    double lr;            /* > 0; 1e-3 (AdamW default too) */
-    double beta1, beta2;  /* each in [0, 1); 0.9, 0.999 */
-    double eps;           /* >= 0; 1e-8 */
-    double weight_decay;  /* Adam: 0 (L2 added to the gradient); AdamW: 1e-2 (decoupled) */
-    bool amsgrad;         /* false */
-    bool maximize;        /* false */
-    bool fused;           /* false; true: the fused multi-tensor step (below) */
+    double lr;           /* > 0; 1e-3 (AdamW default too) */
+    double beta1, beta2; /* each in [0, 1); 0.9, 0.999 */
+    double eps;          /* >= 0; 1e-8 */
+    double weight_decay; /* Adam: 0 (L2 added to the gradient); AdamW: 1e-2 (decoupled) */
+    bool amsgrad;        /* false */
+    bool maximize;       /* false */
+    bool fused;          /* false; true: the fused multi-tensor step (below) */
 } ts_adam_options;
 TS_API ts_adam_options ts_adam_options_default(void);
 TS_API ts_adam_options ts_adamw_options_default(void);

@@ -10,28 +10,28 @@
 typedef enum opt_kind { OPT_SGD = 0, OPT_ADAM, OPT_ADAMW } opt_kind;
 
 typedef struct opt_param {
-    ts_tensor *param;     /* retained, as given (may be shard-marked) */
-    ts_tensor *local;     /* retained local view on param's data */
-    bool ready;           /* state exists (torch: self.state[p] not empty) */
-    ts_tensor *momentum_buffer;             /* SGD with momentum */
-    ts_tensor *exp_avg, *exp_avg_sq;        /* Adam(W) */
-    ts_tensor *max_exp_avg_sq;              /* Adam(W) amsgrad */
-    ts_tensor *step;                        /* Adam(W): 0-d f32, torch's state['step'] */
+    ts_tensor *param;                /* retained, as given (may be shard-marked) */
+    ts_tensor *local;                /* retained local view on param's data */
+    bool ready;                      /* state exists (torch: self.state[p] not empty) */
+    ts_tensor *momentum_buffer;      /* SGD with momentum */
+    ts_tensor *exp_avg, *exp_avg_sq; /* Adam(W) */
+    ts_tensor *max_exp_avg_sq;       /* Adam(W) amsgrad */
+    ts_tensor *step;                 /* Adam(W): 0-d f32, torch's state['step'] */
 } opt_param;
 
 struct ts_optim {
     opt_kind kind;
     int n;
     opt_param *p;
-    ts_tensor **params;   /* p[i].param, in order (borrowed), for the upper layer's check */
-    bool warned_no_grad;  /* a step without any gradient was reported */
+    ts_tensor **params;  /* p[i].param, in order (borrowed), for the upper layer's check */
+    bool warned_no_grad; /* a step without any gradient was reported */
     double lr;
     ts_sgd_options sgd;
     ts_adam_options adam;
     int64_t steps;
-    bool fused;           /* the options' fused: state in one buffer per dtype, runs updated at once */
-    bool arenas;          /* fused: every parameter's state views exist */
-    int last_calls;       /* fused: kernel calls (runs and strided parameters) of the last step */
+    bool fused;     /* the options' fused: state in one buffer per dtype, runs updated at once */
+    bool arenas;    /* fused: every parameter's state views exist */
+    int last_calls; /* fused: kernel calls (runs and strided parameters) of the last step */
 };
 
 /* An update kernel over one row of n elements: param row p (stride sp),
@@ -48,8 +48,8 @@ typedef struct sgd_k {
 
 /* Adam(W) kernel arguments (kernels.c; made by ts__optim_adam_args). */
 typedef struct adam_k {
-    double wd;          /* Adam's L2 term (0 for AdamW) */
-    double decay;       /* AdamW: 1 - lr * weight_decay */
+    double wd;                       /* Adam's L2 term (0 for AdamW) */
+    double decay;                    /* AdamW: 1 - lr * weight_decay */
     double beta1, omb1, beta2, omb2; /* omb = 1 - beta */
     double bc2_sqrt, eps, neg_step_size;
     bool adamw, amsgrad, maximize;

@@ -100,9 +100,8 @@ typedef struct ts_safetensors_writer ts_safetensors_writer;
  * next to path; *out (the caller's: commit or abort it) written on
  * success. Errors as ts_safetensors_save (TS_ERR_INVALID_ARGUMENT for
  * names, metadata and NULL arguments, TS_ERR_IO, TS_ERR_NO_MEMORY). */
-TS_API ts_status ts_safetensors_writer_open(const char *op, const char *path, int n,
-                                            const ts_safetensors_desc *descs, const char *const *metadata,
-                                            int n_meta, ts_safetensors_writer **out);
+TS_API ts_status ts_safetensors_writer_open(const char *op, const char *path, int n, const ts_safetensors_desc *descs,
+                                            const char *const *metadata, int n_meta, ts_safetensors_writer **out);
 /* Writes the next tensor's data: its dtype and element count must be
  * those of the next description (TS_ERR_SHAPE otherwise); TS_ERR_STATE
  * for a meta tensor; TS_ERR_IO; TS_ERR_INVALID_ARGUMENT for a tensor more

@@ -47,23 +47,18 @@ void ts__cpu_info_query(ts__cpu_info *out)
     memset(out, 0, sizeof *out);
 #if TS__X86
     unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d))
-        return;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return;
     unsigned max_leaf = a;
     char vendor[13];
     memcpy(vendor, &b, 4);
     memcpy(vendor + 4, &d, 4);
     memcpy(vendor + 8, &c, 4);
     vendor[12] = '\0';
-    if (strcmp(vendor, "GenuineIntel") == 0)
-        out->vendor = TS__CPU_INTEL;
-    else if (strcmp(vendor, "AuthenticAMD") == 0)
-        out->vendor = TS__CPU_AMD;
-    else if (strcmp(vendor, "HygonGenuine") == 0)
-        out->vendor = TS__CPU_HYGON;
+    if (strcmp(vendor, "GenuineIntel") == 0) out->vendor = TS__CPU_INTEL;
+    else if (strcmp(vendor, "AuthenticAMD") == 0) out->vendor = TS__CPU_AMD;
+    else if (strcmp(vendor, "HygonGenuine") == 0) out->vendor = TS__CPU_HYGON;
 
-    if (max_leaf < 1 || !__get_cpuid(1, &a, &b, &c, &d))
-        return;
+    if (max_leaf < 1 || !__get_cpuid(1, &a, &b, &c, &d)) return;
     uint32_t base_family = (a >> 8) & 0xF;
     uint32_t base_model = (a >> 4) & 0xF;
     out->family = base_family == 0xF ? base_family + ((a >> 20) & 0xFF) : base_family;
@@ -114,16 +109,13 @@ void ts__cpu_info_query(ts__cpu_info *out)
 
 /* BLIS's names (bli_arch_string), indexed by arch_t. */
 static const char *const arch_names[TS__BLIS_ARCH_COUNT] = {
-    "skx",        "knl",        "knc",       "haswell",   "sandybridge", "penryn",    "zen3",
-    "zen2",       "zen",        "excavator", "steamroller", "piledriver", "bulldozer", "armsve",
-    "a64fx",      "firestorm",  "thunderx2", "cortexa57", "cortexa53",   "cortexa15", "cortexa9",
-    "power10",    "power9",     "power7",    "bgq",       "generic",
+    "skx",     "knl",       "knc",       "haswell",     "sandybridge", "penryn",    "zen3",
+    "zen2",    "zen",       "excavator", "steamroller", "piledriver",  "bulldozer", "armsve",
+    "a64fx",   "firestorm", "thunderx2", "cortexa57",   "cortexa53",   "cortexa15", "cortexa9",
+    "power10", "power9",    "power7",    "bgq",         "generic",
 };
 
-const char *ts__blis_arch_id_name(int id)
-{
-    return id >= 0 && id < TS__BLIS_ARCH_COUNT ? arch_names[id] : NULL;
-}
+const char *ts__blis_arch_id_name(int id) { return id >= 0 && id < TS__BLIS_ARCH_COUNT ? arch_names[id] : NULL; }
 
 bool ts__blis_arch_configured(int id)
 {
@@ -168,8 +160,7 @@ bool ts__blis_arch_configured(int id)
     case BLIS_ARCH_GENERIC:
 #endif
         return true;
-    default:
-        return false;
+    default: return false;
     }
 }
 
@@ -184,27 +175,19 @@ bool ts__blis_arch_runnable(int id, const ts__cpu_info *c)
     switch (id) {
     case BLIS_ARCH_SKX:
         return avx2_fma && c->os_zmm && c->avx512f && c->avx512dq && c->avx512cd && c->avx512bw && c->avx512vl;
-    case BLIS_ARCH_KNL:
-        return avx2_fma && c->os_zmm && c->avx512f && c->avx512cd && c->avx512pf && c->avx512er;
+    case BLIS_ARCH_KNL: return avx2_fma && c->os_zmm && c->avx512f && c->avx512cd && c->avx512pf && c->avx512er;
     case BLIS_ARCH_HASWELL:
     case BLIS_ARCH_ZEN3:
     case BLIS_ARCH_ZEN2:
     case BLIS_ARCH_ZEN:
-    case BLIS_ARCH_EXCAVATOR:
-        return avx2_fma;
-    case BLIS_ARCH_SANDYBRIDGE:
-        return ymm;
-    case BLIS_ARCH_PENRYN:
-        return c->sse3 && c->ssse3;
+    case BLIS_ARCH_EXCAVATOR: return avx2_fma;
+    case BLIS_ARCH_SANDYBRIDGE: return ymm;
+    case BLIS_ARCH_PENRYN: return c->sse3 && c->ssse3;
     case BLIS_ARCH_STEAMROLLER:
-    case BLIS_ARCH_PILEDRIVER:
-        return ymm && c->fma3 && c->fma4;
-    case BLIS_ARCH_BULLDOZER:
-        return ymm && c->fma4;
-    case BLIS_ARCH_GENERIC:
-        return true;
-    default:
-        return false;
+    case BLIS_ARCH_PILEDRIVER: return ymm && c->fma3 && c->fma4;
+    case BLIS_ARCH_BULLDOZER: return ymm && c->fma4;
+    case BLIS_ARCH_GENERIC: return true;
+    default: return false;
     }
 }
 
@@ -231,8 +214,7 @@ int ts__blis_arch_choose(const ts__cpu_info *c)
     cand[n++] = BLIS_ARCH_PENRYN;
     cand[n++] = BLIS_ARCH_GENERIC;
     for (int i = 0; i < n; i++)
-        if (ts__blis_arch_configured(cand[i]) && ts__blis_arch_runnable(cand[i], c))
-            return cand[i];
+        if (ts__blis_arch_configured(cand[i]) && ts__blis_arch_runnable(cand[i], c)) return cand[i];
     return -1;
 }
 
@@ -252,18 +234,14 @@ static char arch_reason[160];
 static int parse_user_arch(const char *s)
 {
     const char *p = s;
-    while (*p == ' ' || *p == '\t')
-        p++;
+    while (*p == ' ' || *p == '\t') p++;
     for (int id = 0; id < TS__BLIS_ARCH_COUNT; id++)
-        if (strcasecmp(p, arch_names[id]) == 0)
-            return id;
+        if (strcasecmp(p, arch_names[id]) == 0) return id;
     char *end;
     errno = 0;
     long v = strtol(s, &end, 10);
-    if (end == s)
-        return -2;
-    if (errno != 0 || v < -1 || v >= TS__BLIS_ARCH_COUNT)
-        return -3;
+    if (end == s) return -2;
+    if (errno != 0 || v < -1 || v >= TS__BLIS_ARCH_COUNT) return -3;
     return (int)v;
 }
 
@@ -298,29 +276,27 @@ static int choose_and_set_arch(void)
                 what = "a kernel set this CPU cannot execute";
                 blis_would = "die with SIGILL";
             }
-            ts_logf(TS_LOG_WARN, "BLIS_ARCH_TYPE=%s is %s (BLIS would %s); using '%s', chosen from cpuid", user,
-                   what, blis_would, chosen >= 0 ? arch_names[chosen] : "BLIS's own choice");
+            ts_logf(TS_LOG_WARN, "BLIS_ARCH_TYPE=%s is %s (BLIS would %s); using '%s', chosen from cpuid", user, what,
+                    blis_would, chosen >= 0 ? arch_names[chosen] : "BLIS's own choice");
         }
     }
     if (chosen < 0) {
-        if (user)
-            unsetenv("BLIS_ARCH_TYPE");
+        if (user) unsetenv("BLIS_ARCH_TYPE");
         snprintf(arch_reason, sizeof arch_reason, "BLIS's own detection (no known kernel set in this build)");
         return -1;
     }
     char num[16];
     snprintf(num, sizeof num, "%d", chosen);
     setenv("BLIS_ARCH_TYPE", num, 1);
-    snprintf(arch_reason, sizeof arch_reason,
-             "chosen from cpuid (%s family 0x%x model 0x%x%s%s)",
-             cpu.vendor == TS__CPU_INTEL ? "Intel"
-             : cpu.vendor == TS__CPU_AMD ? "AMD"
-             : cpu.vendor == TS__CPU_HYGON ? "Hygon"
-                                           : "other",
+    snprintf(arch_reason, sizeof arch_reason, "chosen from cpuid (%s family 0x%x model 0x%x%s%s)",
+             cpu.vendor == TS__CPU_INTEL       ? "Intel"
+                 : cpu.vendor == TS__CPU_AMD   ? "AMD"
+                 : cpu.vendor == TS__CPU_HYGON ? "Hygon"
+                                               : "other",
              cpu.family, cpu.model,
-             ts__blis_arch_runnable(BLIS_ARCH_SKX, &cpu)        ? ", AVX-512 with OS zmm state"
-             : ts__blis_arch_runnable(BLIS_ARCH_HASWELL, &cpu) ? ", AVX2+FMA with OS ymm state"
-                                                              : "",
+             ts__blis_arch_runnable(BLIS_ARCH_SKX, &cpu)           ? ", AVX-512 with OS zmm state"
+                 : ts__blis_arch_runnable(BLIS_ARCH_HASWELL, &cpu) ? ", AVX2+FMA with OS ymm state"
+                                                                   : "",
              user ? ", replacing BLIS_ARCH_TYPE" : "");
     return chosen;
 }
@@ -330,13 +306,11 @@ static int choose_and_set_arch(void)
 static int env_positive_int(const char *name)
 {
     const char *s = getenv(name);
-    if (!s || !*s)
-        return 0;
+    if (!s || !*s) return 0;
     char *end;
     errno = 0;
     long v = strtol(s, &end, 10);
-    if (end == s || *end != '\0' || errno != 0 || v < 1 || v > 4096)
-        return -1;
+    if (end == s || *end != '\0' || errno != 0 || v < 1 || v > 4096) return -1;
     return (int)v;
 }
 
@@ -356,8 +330,7 @@ static int default_num_threads(void)
     if (lws > 0) {
         int cores = ts_cpu_count();
         int n = cores / lws;
-        if (n < 1)
-            n = 1;
+        if (n < 1) n = 1;
         snprintf(threads_reason, sizeof threads_reason, "%d cores / LOCAL_WORLD_SIZE=%d", cores, lws);
         return n;
     }
@@ -382,10 +355,7 @@ static void blis_init_once(void)
             arch_reason, n, n == 1 ? "" : "s", threads_reason);
 }
 
-void ts__blis_ensure_init(void)
-{
-    pthread_once(&init_once, blis_init_once);
-}
+void ts__blis_ensure_init(void) { pthread_once(&init_once, blis_init_once); }
 
 const char *ts_blis_arch_name(void)
 {
@@ -417,7 +387,8 @@ size_t ts__blis_pack_bytes(void)
     ts__blis_ensure_init();
     cntx_t *cx = bli_gks_query_cntx();
     if (!cx) return 0;
-    dim_t mc = bli_cntx_get_blksz_def_dt(BLIS_FLOAT, BLIS_MC, cx), kc = bli_cntx_get_blksz_def_dt(BLIS_FLOAT, BLIS_KC, cx),
+    dim_t mc = bli_cntx_get_blksz_def_dt(BLIS_FLOAT, BLIS_MC, cx),
+          kc = bli_cntx_get_blksz_def_dt(BLIS_FLOAT, BLIS_KC, cx),
           nc = bli_cntx_get_blksz_def_dt(BLIS_FLOAT, BLIS_NC, cx);
     dim_t threads = bli_thread_get_num_threads();
     if (mc < 0 || kc < 0 || nc < 0) return 0;

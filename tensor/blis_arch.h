@@ -11,12 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef enum ts__cpu_vendor {
-    TS__CPU_OTHER = 0,
-    TS__CPU_INTEL,
-    TS__CPU_AMD,
-    TS__CPU_HYGON
-} ts__cpu_vendor;
+typedef enum ts__cpu_vendor { TS__CPU_OTHER = 0, TS__CPU_INTEL, TS__CPU_AMD, TS__CPU_HYGON } ts__cpu_vendor;
 
 /* What cpuid and XGETBV say. The instruction-set flags are the CPU's; the
  * os_* flags say whether the OS saves the wider register state (XCR0), so a
@@ -27,9 +22,9 @@ typedef struct ts__cpu_info {
     uint32_t model;  /* display model */
     bool sse3, ssse3, avx, fma3, fma4, avx2;
     bool avx512f, avx512dq, avx512cd, avx512bw, avx512vl, avx512pf, avx512er;
-    bool os_ymm; /* XCR0 bits 1-2: SSE and AVX state */
-    bool os_zmm; /* XCR0 bits 1-2 and 5-7: also opmask and zmm state */
-    bool f16c, avx512bf16; /* for tensor/kernels.c's conversion paths */
+    bool os_ymm;             /* XCR0 bits 1-2: SSE and AVX state */
+    bool os_zmm;             /* XCR0 bits 1-2 and 5-7: also opmask and zmm state */
+    bool f16c, avx512bf16;   /* for tensor/kernels.c's conversion paths */
     bool amx_bf16, amx_tile; /* AMX-BF16, AMX-TILE: cpuid 7.0 edx bits 22, 24 */
     bool os_amx;             /* XCR0 bits 17-18: tile config and tile data state */
 } ts__cpu_info;

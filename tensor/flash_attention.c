@@ -41,8 +41,8 @@ enum { BLK_OPEN = 0, BLK_MIXED = 1, BLK_SKIP = 2 };
  * mask_tile: the br x bc scores (row stride BC) to -inf where the mask
  *     bytes (row stride S) are nonzero. */
 typedef struct kops {
-    void (*mm)(int64_t m, int64_t n, int64_t K, const float *A, int64_t rsa, int64_t csa, const float *B,
-               int64_t rsb, float *C, int64_t rsc, bool acc);
+    void (*mm)(int64_t m, int64_t n, int64_t K, const float *A, int64_t rsa, int64_t csa, const float *B, int64_t rsb,
+               float *C, int64_t rsc, bool acc);
     void (*softmax_rows)(float *S, int br, int bc, float scale, float *m, float *l, float *alpha);
     void (*probs_rows)(float *S, int br, int bc, float scale, const float *lse);
     void (*transpose)(float *xt, const float *x, int64_t rs, int64_t S, int64_t hd);
@@ -57,13 +57,11 @@ static void mm_scalar(int64_t m, int64_t n, int64_t K, const float *A, int64_t r
     for (int64_t i = 0; i < m; i++) {
         float *c = C + i * rsc;
         if (!acc)
-            for (int64_t j = 0; j < n; j++)
-                c[j] = 0.0f;
+            for (int64_t j = 0; j < n; j++) c[j] = 0.0f;
         for (int64_t k = 0; k < K; k++) {
             float a = A[i * rsa + k * csa];
             const float *b = B + k * rsb;
-            for (int64_t j = 0; j < n; j++)
-                c[j] += a * b[j];
+            for (int64_t j = 0; j < n; j++) c[j] += a * b[j];
         }
     }
 }
@@ -77,8 +75,7 @@ static void softmax_rows_scalar(float *S, int br, int bc, float scale, float *m,
             mx = r[j] > mx ? r[j] : mx;
         }
         if (mx == -INFINITY) {
-            for (int j = 0; j < bc; j++)
-                r[j] = 0.0f;
+            for (int j = 0; j < bc; j++) r[j] = 0.0f;
             alpha[i] = 1.0f;
             continue;
         }
@@ -96,8 +93,7 @@ static void softmax_rows_scalar(float *S, int br, int bc, float scale, float *m,
 static void probs_rows_scalar(float *S, int br, int bc, float scale, const float *lse)
 {
     for (int i = 0; i < br; i++)
-        for (int j = 0; j < bc; j++)
-            S[i * BC + j] = ts__exp_f32(S[i * BC + j] * scale - lse[i]);
+        for (int j = 0; j < bc; j++) S[i * BC + j] = ts__exp_f32(S[i * BC + j] * scale - lse[i]);
 }
 
 static void transpose_scalar(float *xt, const float *x, int64_t rs, int64_t S, int64_t hd)
@@ -105,16 +101,14 @@ static void transpose_scalar(float *xt, const float *x, int64_t rs, int64_t S, i
     for (int64_t s0 = 0; s0 < S; s0 += 8) {
         int64_t s1 = s0 + 8 < S ? s0 + 8 : S;
         for (int64_t d = 0; d < hd; d++)
-            for (int64_t s = s0; s < s1; s++)
-                xt[d * S + s] = x[s * rs + d];
+            for (int64_t s = s0; s < s1; s++) xt[d * S + s] = x[s * rs + d];
     }
 }
 
 static void mask_tile_scalar(float *St, int br, int bc, const uint8_t *mk, int64_t S)
 {
     for (int i = 0; i < br; i++)
-        for (int j = 0; j < bc; j++)
-            St[i * BC + j] = mk[i * S + j] ? -INFINITY : St[i * BC + j];
+        for (int j = 0; j < bc; j++) St[i * BC + j] = mk[i * S + j] ? -INFINITY : St[i * BC + j];
 }
 
 static const kops k_scalar = {mm_scalar, softmax_rows_scalar, probs_rows_scalar, transpose_scalar, mask_tile_scalar};
@@ -160,32 +154,28 @@ F_AVX512 static F_INLINE void tile512(const int mr, const int nv, __mmask16 last
     for (int i = 0; i < mr; i++)
 #pragma GCC unroll 4
         for (int j = 0; j < nv; j++)
-            c[i][j] = acc ? _mm512_maskz_loadu_ps(j == nv - 1 ? last : 0xFFFF, C + i * rsc + 16 * j)
-                          : _mm512_setzero_ps();
+            c[i][j] =
+                acc ? _mm512_maskz_loadu_ps(j == nv - 1 ? last : 0xFFFF, C + i * rsc + 16 * j) : _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const float *b = B + k * rsb, *a = A + k * csa;
         __m512 bv[4];
 #pragma GCC unroll 4
-        for (int j = 0; j < nv; j++)
-            bv[j] = _mm512_maskz_loadu_ps(j == nv - 1 ? last : 0xFFFF, b + 16 * j);
+        for (int j = 0; j < nv; j++) bv[j] = _mm512_maskz_loadu_ps(j == nv - 1 ? last : 0xFFFF, b + 16 * j);
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
             __m512 av = _mm512_set1_ps(a[i * rsa]);
 #pragma GCC unroll 4
-            for (int j = 0; j < nv; j++)
-                c[i][j] = _mm512_fmadd_ps(av, bv[j], c[i][j]);
+            for (int j = 0; j < nv; j++) c[i][j] = _mm512_fmadd_ps(av, bv[j], c[i][j]);
         }
     }
 #pragma GCC unroll 6
     for (int i = 0; i < mr; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < nv; j++)
-            _mm512_mask_storeu_ps(C + i * rsc + 16 * j, j == nv - 1 ? last : 0xFFFF, c[i][j]);
+        for (int j = 0; j < nv; j++) _mm512_mask_storeu_ps(C + i * rsc + 16 * j, j == nv - 1 ? last : 0xFFFF, c[i][j]);
 }
 
-F_AVX512 static F_INLINE void tile512_rows(int mr, const int nv, __mmask16 last, int64_t K, const float *A,
-                                           int64_t rsa, int64_t csa, const float *B, int64_t rsb, float *C,
-                                           int64_t rsc, bool acc)
+F_AVX512 static F_INLINE void tile512_rows(int mr, const int nv, __mmask16 last, int64_t K, const float *A, int64_t rsa,
+                                           int64_t csa, const float *B, int64_t rsb, float *C, int64_t rsc, bool acc)
 {
     switch (mr) {
     case 1: tile512(1, nv, last, K, A, rsa, csa, B, rsb, C, rsc, acc); break;
@@ -233,8 +223,7 @@ F_AVX512 static void softmax_rows_avx512(float *S, int br, int bc, float scale, 
         float mx = _mm512_reduce_max_ps(vmax);
         mx = m[i] > mx ? m[i] : mx;
         if (mx == -INFINITY) {
-            for (int j = 0; j < bc; j++)
-                r[j] = 0.0f;
+            for (int j = 0; j < bc; j++) r[j] = 0.0f;
             alpha[i] = 1.0f;
             continue;
         }
@@ -264,8 +253,6 @@ F_AVX512 static void probs_rows_avx512(float *S, int br, int bc, float scale, co
         }
     }
 }
-
-
 
 /* --------------------------------------------------------- AVX2 + FMA */
 
@@ -310,9 +297,9 @@ F_AVX2 static F_INLINE void tile256(const int mr, const int nv, bool full, __m25
     for (int i = 0; i < mr; i++)
 #pragma GCC unroll 2
         for (int j = 0; j < nv; j++)
-            c[i][j] = !acc ? _mm256_setzero_ps()
-                      : (full || j < nv - 1) ? _mm256_loadu_ps(C + i * rsc + 8 * j)
-                                             : _mm256_maskload_ps(C + i * rsc + 8 * j, last);
+            c[i][j] = !acc             ? _mm256_setzero_ps()
+                : (full || j < nv - 1) ? _mm256_loadu_ps(C + i * rsc + 8 * j)
+                                       : _mm256_maskload_ps(C + i * rsc + 8 * j, last);
     for (int64_t k = 0; k < K; k++) {
         const float *b = B + k * rsb, *a = A + k * csa;
         __m256 bv[2];
@@ -323,18 +310,15 @@ F_AVX2 static F_INLINE void tile256(const int mr, const int nv, bool full, __m25
         for (int i = 0; i < mr; i++) {
             __m256 av = _mm256_broadcast_ss(a + i * rsa);
 #pragma GCC unroll 2
-            for (int j = 0; j < nv; j++)
-                c[i][j] = _mm256_fmadd_ps(av, bv[j], c[i][j]);
+            for (int j = 0; j < nv; j++) c[i][j] = _mm256_fmadd_ps(av, bv[j], c[i][j]);
         }
     }
 #pragma GCC unroll 6
     for (int i = 0; i < mr; i++)
 #pragma GCC unroll 2
         for (int j = 0; j < nv; j++) {
-            if (full || j < nv - 1)
-                _mm256_storeu_ps(C + i * rsc + 8 * j, c[i][j]);
-            else
-                _mm256_maskstore_ps(C + i * rsc + 8 * j, last, c[i][j]);
+            if (full || j < nv - 1) _mm256_storeu_ps(C + i * rsc + 8 * j, c[i][j]);
+            else _mm256_maskstore_ps(C + i * rsc + 8 * j, last, c[i][j]);
         }
 }
 
@@ -364,10 +348,8 @@ F_AVX2 static void mm_avx2(int64_t m, int64_t n, int64_t K, const float *A, int6
             int mr = m - m0 < 6 ? (int)(m - m0) : 6;
             const float *a = A + m0 * rsa, *b = B + n0;
             float *c = C + m0 * rsc + n0;
-            if (nv == 2)
-                tile256_rows(mr, 2, full, last, K, a, rsa, csa, b, rsb, c, rsc, acc);
-            else
-                tile256_rows(mr, 1, full, last, K, a, rsa, csa, b, rsb, c, rsc, acc);
+            if (nv == 2) tile256_rows(mr, 2, full, last, K, a, rsa, csa, b, rsb, c, rsc, acc);
+            else tile256_rows(mr, 1, full, last, K, a, rsa, csa, b, rsb, c, rsc, acc);
         }
     }
 }
@@ -407,8 +389,7 @@ F_AVX2 static void softmax_rows_avx2(float *S, int br, int bc, float scale, floa
         }
         mx = m[i] > mx ? m[i] : mx;
         if (mx == -INFINITY) {
-            for (j = 0; j < bc; j++)
-                r[j] = 0.0f;
+            for (j = 0; j < bc; j++) r[j] = 0.0f;
             alpha[i] = 1.0f;
             continue;
         }
@@ -438,8 +419,7 @@ F_AVX2 static void probs_rows_avx2(float *S, int br, int bc, float scale, const 
         int j = 0;
         for (; j + 8 <= bc; j += 8)
             _mm256_storeu_ps(r + j, exp256(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(r + j), vs), vl)));
-        for (; j < bc; j++)
-            r[j] = ts__exp_f32(r[j] * scale - lse[i]);
+        for (; j < bc; j++) r[j] = ts__exp_f32(r[j] * scale - lse[i]);
     }
 }
 
@@ -447,8 +427,7 @@ F_AVX2 static void probs_rows_avx2(float *S, int br, int bc, float scale, const 
 F_AVX2 static F_INLINE void tr8x8(float *dst, int64_t ds, const float *src, int64_t rs)
 {
     __m256 r[8], t[8], u[8];
-    for (int i = 0; i < 8; i++)
-        r[i] = _mm256_loadu_ps(src + i * rs);
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * rs);
     for (int i = 0; i < 8; i += 2) {
         t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
         t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -469,14 +448,11 @@ F_AVX2 static void transpose_avx2(float *xt, const float *x, int64_t rs, int64_t
 {
     int64_t s8 = S / 8 * 8, d8 = hd / 8 * 8;
     for (int64_t s0 = 0; s0 < s8; s0 += 8)
-        for (int64_t d0 = 0; d0 < d8; d0 += 8)
-            tr8x8(xt + d0 * S + s0, S, x + s0 * rs + d0, rs);
+        for (int64_t d0 = 0; d0 < d8; d0 += 8) tr8x8(xt + d0 * S + s0, S, x + s0 * rs + d0, rs);
     for (int64_t d = d8; d < hd; d++) /* the columns right of the 8 x 8 blocks */
-        for (int64_t s = 0; s < s8; s++)
-            xt[d * S + s] = x[s * rs + d];
+        for (int64_t s = 0; s < s8; s++) xt[d * S + s] = x[s * rs + d];
     for (int64_t s = s8; s < S; s++) /* the rows below them */
-        for (int64_t d = 0; d < hd; d++)
-            xt[d * S + s] = x[s * rs + d];
+        for (int64_t d = 0; d < hd; d++) xt[d * S + s] = x[s * rs + d];
 }
 
 F_AVX2 static void mask_tile_avx2(float *St, int br, int bc, const uint8_t *mk, int64_t S)
@@ -492,8 +468,7 @@ F_AVX2 static void mask_tile_avx2(float *St, int br, int bc, const uint8_t *mk, 
             __m256 sel = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_cmpeq_epi32(b, zero), _mm256_set1_epi32(-1)));
             _mm256_storeu_ps(r + j, _mm256_blendv_ps(_mm256_loadu_ps(r + j), ninf, sel));
         }
-        for (; j < bc; j++)
-            r[j] = m[j] ? -INFINITY : r[j];
+        for (; j < bc; j++) r[j] = m[j] ? -INFINITY : r[j];
     }
 }
 
@@ -509,15 +484,13 @@ F_AVX512 static void mask_tile_avx512(float *St, int br, int bc, const uint8_t *
             __mmask16 k = _mm512_test_epi32_mask(b, b);
             _mm512_mask_storeu_ps(r + j, k, ninf);
         }
-        for (; j < bc; j++)
-            r[j] = m[j] ? -INFINITY : r[j];
+        for (; j < bc; j++) r[j] = m[j] ? -INFINITY : r[j];
     }
 }
 
 static const kops k_avx2 = {mm_avx2, softmax_rows_avx2, probs_rows_avx2, transpose_avx2, mask_tile_avx2};
 static const kops k_avx512 = {mm_avx512, softmax_rows_avx512, probs_rows_avx512, transpose_avx2, mask_tile_avx512};
 #endif
-
 
 /* ------------------------------------------------------------- common */
 
@@ -528,12 +501,9 @@ static atomic_int g_force = -1;
 static void mode_init(void)
 {
     const char *e = getenv("TS_ATTENTION");
-    if (!e || !*e || !strcasecmp(e, "fused"))
-        return;
-    if (!strcasecmp(e, "reference"))
-        g_env_on = false;
-    else
-        ts_logf(TS_LOG_WARN, "TS_ATTENTION=%s is not 'fused' or 'reference' (in any case); using 'fused'", e);
+    if (!e || !*e || !strcasecmp(e, "fused")) return;
+    if (!strcasecmp(e, "reference")) g_env_on = false;
+    else ts_logf(TS_LOG_WARN, "TS_ATTENTION=%s is not 'fused' or 'reference' (in any case); using 'fused'", e);
 }
 
 bool ts__flash_enabled(void)
@@ -547,15 +517,12 @@ void ts__flash_force(int on) { atomic_store_explicit(&g_force, on < 0 ? -1 : on 
 
 bool ts__flash_mask_ok(const uint8_t *mask, int64_t T, int64_t S)
 {
-    if (!mask)
-        return true;
+    if (!mask) return true;
     for (int64_t t = 0; t < T; t++) {
         const uint8_t *r = mask + t * S;
         int64_t s = 0;
-        while (s < S && r[s])
-            s++;
-        if (s == S)
-            return false;
+        while (s < S && r[s]) s++;
+        if (s == S) return false;
     }
     return true;
 }
@@ -564,21 +531,18 @@ bool ts__flash_mask_ok(const uint8_t *mask, int64_t T, int64_t S)
 static uint8_t *classify(const uint8_t *mask, int64_t T, int64_t S, int64_t nqb, int64_t nkb)
 {
     uint8_t *cls = ts__malloc(TS_MEM_OTHER, (size_t)(nqb * nkb));
-    if (!cls)
-        return NULL;
+    if (!cls) return NULL;
     for (int64_t qi = 0; qi < nqb; qi++)
         for (int64_t kj = 0; kj < nkb; kj++) {
             int64_t t0 = qi * BR, s0 = kj * BC, t1 = t0 + BR < T ? t0 + BR : T, s1 = s0 + BC < S ? s0 + BC : S;
             int64_t nm = 0;
             if (mask)
                 for (int64_t t = t0; t < t1; t++)
-                    for (int64_t s = s0; s < s1; s++)
-                        nm += mask[t * S + s] != 0;
+                    for (int64_t s = s0; s < s1; s++) nm += mask[t * S + s] != 0;
             cls[qi * nkb + kj] = nm == 0 ? BLK_OPEN : nm == (t1 - t0) * (s1 - s0) ? BLK_SKIP : BLK_MIXED;
         }
     return cls;
 }
-
 
 /* sum a[i] * b[i] over n, in 16 partial sums (so that it vectorises
  * without reassociation), then the tail. */
@@ -587,12 +551,9 @@ static F_INLINE float dot16(const float *a, const float *b, int64_t n)
     float acc[16] = {0}, s = 0.0f;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
-        for (int l = 0; l < 16; l++)
-            acc[l] += a[i + l] * b[i + l];
-    for (int l = 0; l < 16; l++)
-        s += acc[l];
-    for (; i < n; i++)
-        s += a[i] * b[i];
+        for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < 16; l++) s += acc[l];
+    for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
@@ -604,8 +565,7 @@ static F_INLINE void drop_tile(float *St, int br, int bc, const uint32_t *kz, in
     for (int i = 0; i < br; i++) {
         uint32_t wd = kz[i * kw];
         float *r = St + i * BC;
-        for (int jj = 0; jj < bc; jj++)
-            r[jj] = (wd >> jj) & 1u ? r[jj] : 0.0f;
+        for (int jj = 0; jj < bc; jj++) r[jj] = (wd >> jj) & 1u ? r[jj] : 0.0f;
     }
 }
 
@@ -619,7 +579,7 @@ struct job {
     const uint8_t *cls;
     int64_t nqb, nkb;
     bool backward;
-    float *o, *lse;                 /* forward: written; backward: read */
+    float *o, *lse; /* forward: written; backward: read */
     const float *go;
     float *dq, *dk, *dv;
     int nt;
@@ -647,27 +607,23 @@ static F_INLINE void forward_head(const kops *k, const job *j, float *w, int64_t
         memset(Oa, 0, (size_t)(br * hd) * sizeof *Oa);
         for (int64_t kj = 0; kj < j->nkb; kj++) {
             int c = j->cls[qi * j->nkb + kj];
-            if (c == BLK_SKIP)
-                continue;
+            if (c == BLK_SKIP) continue;
             int64_t s0 = kj * BC;
             int bc = (int)(S - s0 < BC ? S - s0 : BC);
             k->mm(br, bc, hd, q + t0 * pr->q_st, pr->q_st, 1, Kt + s0, S, St, BC, false);
-            if (c == BLK_MIXED)
-                k->mask_tile(St, br, bc, pr->mask + t0 * S + s0, S);
+            if (c == BLK_MIXED) k->mask_tile(St, br, bc, pr->mask + t0 * S + s0, S);
             k->softmax_rows(St, br, bc, pr->scale, m, l, alpha);
             if (kz) /* after the sum: l normalises over every key */
                 drop_tile(St, br, bc, kz + t0 * kw + kj, kw);
             for (int i = 0; i < br; i++)
                 if (alpha[i] != 1.0f)
-                    for (int64_t d = 0; d < hd; d++)
-                        Oa[i * hd + d] *= alpha[i];
+                    for (int64_t d = 0; d < hd; d++) Oa[i * hd + d] *= alpha[i];
             k->mm(br, hd, bc, St, BC, 1, v + s0 * pr->v_st, pr->v_st, Oa, hd, true);
         }
         for (int i = 0; i < br; i++) {
             float inv = kz ? pr->drop_scale / l[i] : 1.0f / l[i];
             float *orow = o + (t0 + i) * E;
-            for (int64_t d = 0; d < hd; d++)
-                orow[d] = Oa[i * hd + d] * inv;
+            for (int64_t d = 0; d < hd; d++) orow[d] = Oa[i * hd + d] * inv;
             lse[t0 + i] = m[i] + logf(l[i]);
         }
     }
@@ -688,21 +644,18 @@ static F_INLINE void backward_head(const kops *k, const job *j, float *w, int64_
     const uint32_t *kz = pr->keep ? pr->keep + (b * pr->H + h) * T * kw : NULL;
     k->transpose(Kt, kk, pr->k_st, S, hd);
     k->transpose(Vt, v, pr->v_st, S, hd);
-    for (int64_t t = 0; t < T; t++)
-        D[t] = dot16(go + t * E, o + t * E, hd);
+    for (int64_t t = 0; t < T; t++) D[t] = dot16(go + t * E, o + t * E, hd);
     for (int64_t kj = 0; kj < j->nkb; kj++) {
         int64_t s0 = kj * BC;
         int bc = (int)(S - s0 < BC ? S - s0 : BC);
         for (int64_t qi = 0; qi < j->nqb; qi++) {
             int c = j->cls[qi * j->nkb + kj];
-            if (c == BLK_SKIP)
-                continue;
+            if (c == BLK_SKIP) continue;
             int64_t t0 = qi * BR;
             int br = (int)(T - t0 < BR ? T - t0 : BR);
             /* P = exp(scale q k^T - lse), 0 under the mask */
             k->mm(br, bc, hd, q + t0 * pr->q_st, pr->q_st, 1, Kt + s0, S, Pt, BC, false);
-            if (c == BLK_MIXED)
-                k->mask_tile(Pt, br, bc, pr->mask + t0 * S + s0, S);
+            if (c == BLK_MIXED) k->mask_tile(Pt, br, bc, pr->mask + t0 * S + s0, S);
             k->probs_rows(Pt, br, bc, scale, lse + t0);
             if (!kz) {
                 /* dV += P^T dO */
@@ -744,37 +697,29 @@ static F_INLINE void backward_head(const kops *k, const job *j, float *w, int64_
  * (so that they vectorise with it), calling its kernels directly. */
 static void head_scalar(const job *j, float *w, int64_t b, int64_t h)
 {
-    if (j->backward)
-        backward_head(&k_scalar, j, w, b, h);
-    else
-        forward_head(&k_scalar, j, w, b, h);
+    if (j->backward) backward_head(&k_scalar, j, w, b, h);
+    else forward_head(&k_scalar, j, w, b, h);
 }
 
 #if F_X86
 F_AVX2 static void head_avx2(const job *j, float *w, int64_t b, int64_t h)
 {
-    if (j->backward)
-        backward_head(&k_avx2, j, w, b, h);
-    else
-        forward_head(&k_avx2, j, w, b, h);
+    if (j->backward) backward_head(&k_avx2, j, w, b, h);
+    else forward_head(&k_avx2, j, w, b, h);
 }
 
 F_AVX512 static void head_avx512(const job *j, float *w, int64_t b, int64_t h)
 {
-    if (j->backward)
-        backward_head(&k_avx512, j, w, b, h);
-    else
-        forward_head(&k_avx512, j, w, b, h);
+    if (j->backward) backward_head(&k_avx512, j, w, b, h);
+    else forward_head(&k_avx512, j, w, b, h);
 }
 #endif
 
 static head_fn head_for(ts__kpath p)
 {
 #if F_X86
-    if (p >= TS__KPATH_AVX512)
-        return head_avx512;
-    if (p == TS__KPATH_AVX2)
-        return head_avx2;
+    if (p >= TS__KPATH_AVX512) return head_avx512;
+    if (p == TS__KPATH_AVX2) return head_avx2;
 #endif
     (void)p;
     return head_scalar;
@@ -803,8 +748,7 @@ static void *worker_main(void *arg)
         atomic_store(&j->failed, 1);
         return NULL;
     }
-    for (int64_t p = wk->index; p < pr->B * pr->H; p += j->nt)
-        j->head(j, w, p / pr->H, p % pr->H);
+    for (int64_t p = wk->index; p < pr->B * pr->H; p += j->nt) j->head(j, w, p / pr->H, p % pr->H);
     ts__free(TS_MEM_OTHER, w);
     return NULL;
 }
@@ -820,8 +764,7 @@ static ts_status run(job *j)
     j->nqb = (pr->T + BR - 1) / BR;
     j->nkb = (pr->S + BC - 1) / BC;
     uint8_t *cls = classify(pr->mask, pr->T, pr->S, j->nqb, j->nkb);
-    if (!cls)
-        return TS_ERR_NO_MEMORY;
+    if (!cls) return TS_ERR_NO_MEMORY;
     j->cls = cls;
     int64_t pairs = pr->B * pr->H;
     int nt = ts_get_num_threads();
@@ -834,18 +777,14 @@ static ts_status run(job *j)
      * be created has its share run here */
     int started = 1;
     j->nt = nt;
-    for (int i = 0; i < nt; i++)
-        wk[i] = (worker){j, i};
-    while (started < nt && pthread_create(&tid[started], NULL, worker_main, &wk[started]) == 0)
-        started++;
+    for (int i = 0; i < nt; i++) wk[i] = (worker){j, i};
+    while (started < nt && pthread_create(&tid[started], NULL, worker_main, &wk[started]) == 0) started++;
     if (started < nt) {
         /* the helpers that did not start: their pairs are run here */
-        for (int i = started; i < nt; i++)
-            worker_main(&wk[i]);
+        for (int i = started; i < nt; i++) worker_main(&wk[i]);
     }
     worker_main(&wk[0]);
-    for (int i = 1; i < started; i++)
-        pthread_join(tid[i], NULL);
+    for (int i = 1; i < started; i++) pthread_join(tid[i], NULL);
     ts__free(TS_MEM_OTHER, cls);
     if (atomic_load(&j->failed))
         return ts_error(TS_ERR_NO_MEMORY, "attention: no memory for the fused kernel's scratch (%zu bytes per thread)",
@@ -866,7 +805,14 @@ ts_status ts__flash_backward(ts__kpath p, const ts__flash_problem *pr, const flo
     memset(dq, 0, (size_t)(pr->B * pr->T * E) * sizeof *dq);
     memset(dk, 0, (size_t)(pr->B * pr->S * E) * sizeof *dk);
     memset(dv, 0, (size_t)(pr->B * pr->S * E) * sizeof *dv);
-    job j = {.head = head_for(p), .pr = pr, .o = (float *)o, .lse = (float *)lse, .go = go, .dq = dq, .dk = dk,
-             .dv = dv, .backward = true};
+    job j = {.head = head_for(p),
+             .pr = pr,
+             .o = (float *)o,
+             .lse = (float *)lse,
+             .go = go,
+             .dq = dq,
+             .dk = dk,
+             .dv = dv,
+             .backward = true};
     return run(&j);
 }

@@ -44,51 +44,44 @@ void ts__gemm_ref_f32(int64_t m, int64_t n, int64_t k, float alpha, const float 
     for (int64_t i = 0; i < m; i++) {
         for (int64_t j0 = 0; j0 < n; j0 += REF_NB) {
             int64_t nb = n - j0 < REF_NB ? n - j0 : REF_NB;
-            for (int64_t jj = 0; jj < nb; jj++)
-                acc[jj] = 0.0;
+            for (int64_t jj = 0; jj < nb; jj++) acc[jj] = 0.0;
             if (use_ab) {
                 for (int64_t p = 0; p < k; p++) {
                     double av = a[i * rsa + p * csa];
                     const float *brow = b + p * rsb + j0 * csb;
-                    for (int64_t jj = 0; jj < nb; jj++)
-                        acc[jj] += av * (double)brow[jj * csb];
+                    for (int64_t jj = 0; jj < nb; jj++) acc[jj] += av * (double)brow[jj * csb];
                 }
             }
             for (int64_t jj = 0; jj < nb; jj++) {
                 float *cp = c + i * rsc + (j0 + jj) * csc;
                 double v = use_ab ? (double)alpha * acc[jj] : 0.0;
-                if (beta != 0.0f)
-                    v += (double)beta * (double)*cp;
+                if (beta != 0.0f) v += (double)beta * (double)*cp;
                 *cp = (float)v;
             }
         }
     }
 }
 
-void ts__gemm_ref_f64(int64_t m, int64_t n, int64_t k, double alpha, const double *a, int64_t rsa,
-                      int64_t csa, const double *b, int64_t rsb, int64_t csb, double beta, double *c,
-                      int64_t rsc, int64_t csc)
+void ts__gemm_ref_f64(int64_t m, int64_t n, int64_t k, double alpha, const double *a, int64_t rsa, int64_t csa,
+                      const double *b, int64_t rsb, int64_t csb, double beta, double *c, int64_t rsc, int64_t csc)
 {
     double acc[REF_NB];
     bool use_ab = k > 0 && alpha != 0.0;
     for (int64_t i = 0; i < m; i++) {
         for (int64_t j0 = 0; j0 < n; j0 += REF_NB) {
             int64_t nb = n - j0 < REF_NB ? n - j0 : REF_NB;
-            for (int64_t jj = 0; jj < nb; jj++)
-                acc[jj] = 0.0;
+            for (int64_t jj = 0; jj < nb; jj++) acc[jj] = 0.0;
             if (use_ab) {
                 for (int64_t p = 0; p < k; p++) {
                     double av = a[i * rsa + p * csa];
                     const double *brow = b + p * rsb + j0 * csb;
-                    for (int64_t jj = 0; jj < nb; jj++)
-                        acc[jj] += av * brow[jj * csb];
+                    for (int64_t jj = 0; jj < nb; jj++) acc[jj] += av * brow[jj * csb];
                 }
             }
             for (int64_t jj = 0; jj < nb; jj++) {
                 double *cp = c + i * rsc + (j0 + jj) * csc;
                 double v = use_ab ? alpha * acc[jj] : 0.0;
-                if (beta != 0.0)
-                    v += beta * *cp;
+                if (beta != 0.0) v += beta * *cp;
                 *cp = v;
             }
         }
@@ -110,26 +103,20 @@ static bool blis_layout_ok(int64_t rows, int64_t cols, int64_t *rs, int64_t *cs)
         return true;
     }
     if (rows == 1) {
-        if (*cs <= 0)
-            return false;
+        if (*cs <= 0) return false;
         *rs = cols * *cs;
         return true;
     }
     if (cols == 1) {
-        if (*rs <= 0)
-            return false;
+        if (*rs <= 0) return false;
         *cs = rows * *rs;
         return true;
     }
     int64_t r = *rs, c = *cs;
-    if (r <= 0 || c <= 0 || r == c)
-        return false;
-    if (c == 1)
-        return r >= cols;
-    if (r == 1)
-        return c >= rows;
-    if (r < c)
-        return rows <= c / r;
+    if (r <= 0 || c <= 0 || r == c) return false;
+    if (c == 1) return r >= cols;
+    if (r == 1) return c >= rows;
+    if (r < c) return rows <= c / r;
     return cols <= r / c;
 }
 
@@ -137,36 +124,31 @@ static bool blis_layout_ok(int64_t rows, int64_t cols, int64_t *rs, int64_t *cs)
 static void pack_f32(int64_t rows, int64_t cols, const float *src, int64_t rs, int64_t cs, float *dst)
 {
     for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++)
-            dst[i * cols + j] = src[i * rs + j * cs];
+        for (int64_t j = 0; j < cols; j++) dst[i * cols + j] = src[i * rs + j * cs];
 }
 
 static void unpack_f32(int64_t rows, int64_t cols, const float *src, float *dst, int64_t rs, int64_t cs)
 {
     for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++)
-            dst[i * rs + j * cs] = src[i * cols + j];
+        for (int64_t j = 0; j < cols; j++) dst[i * rs + j * cs] = src[i * cols + j];
 }
 
 static void pack_f64(int64_t rows, int64_t cols, const double *src, int64_t rs, int64_t cs, double *dst)
 {
     for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++)
-            dst[i * cols + j] = src[i * rs + j * cs];
+        for (int64_t j = 0; j < cols; j++) dst[i * cols + j] = src[i * rs + j * cs];
 }
 
 static void unpack_f64(int64_t rows, int64_t cols, const double *src, double *dst, int64_t rs, int64_t cs)
 {
     for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++)
-            dst[i * rs + j * cs] = src[i * cols + j];
+        for (int64_t j = 0; j < cols; j++) dst[i * rs + j * cs] = src[i * cols + j];
 }
 
 /* C = beta * C for the cases where A B does not contribute. */
 static void scale_c_f32(int64_t m, int64_t n, float beta, float *c, int64_t rsc, int64_t csc)
 {
-    if (beta == 1.0f)
-        return;
+    if (beta == 1.0f) return;
     for (int64_t i = 0; i < m; i++)
         for (int64_t j = 0; j < n; j++) {
             float *p = c + i * rsc + j * csc;
@@ -176,8 +158,7 @@ static void scale_c_f32(int64_t m, int64_t n, float beta, float *c, int64_t rsc,
 
 static void scale_c_f64(int64_t m, int64_t n, double beta, double *c, int64_t rsc, int64_t csc)
 {
-    if (beta == 1.0)
-        return;
+    if (beta == 1.0) return;
     for (int64_t i = 0; i < m; i++)
         for (int64_t j = 0; j < n; j++) {
             double *p = c + i * rsc + j * csc;
@@ -190,8 +171,7 @@ static void scale_c_f64(int64_t m, int64_t n, double beta, double *c, int64_t rs
 void ts__gemm_f32(int64_t m, int64_t n, int64_t k, float alpha, const float *a, int64_t rsa, int64_t csa,
                   const float *b, int64_t rsb, int64_t csb, float beta, float *c, int64_t rsc, int64_t csc)
 {
-    if (m <= 0 || n <= 0)
-        return;
+    if (m <= 0 || n <= 0) return;
     if (k <= 0 || alpha == 0.0f) {
         scale_c_f32(m, n, beta, c, rsc, csc);
         return;
@@ -229,17 +209,15 @@ void ts__gemm_f32(int64_t m, int64_t n, int64_t k, float alpha, const float *a, 
     float *cc = c;
     int64_t rscc = rsc, cscc = csc;
     if (tc) {
-        if (beta != 0.0f)
-            pack_f32(m, n, c, rsc, csc, tc);
+        if (beta != 0.0f) pack_f32(m, n, c, rsc, csc, tc);
         cc = tc, rscc = n, cscc = 1;
         blis_layout_ok(m, n, &rscc, &cscc);
     }
     /* BLIS's typed API takes non-const pointers but does not write A, B,
      * alpha or beta. */
-    bli_sgemm(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, m, n, k, &alpha, (float *)a, rsa, csa, (float *)b, rsb, csb,
-              &beta, cc, rscc, cscc);
-    if (tc)
-        unpack_f32(m, n, tc, c, rsc, csc);
+    bli_sgemm(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, m, n, k, &alpha, (float *)a, rsa, csa, (float *)b, rsb, csb, &beta,
+              cc, rscc, cscc);
+    if (tc) unpack_f32(m, n, tc, c, rsc, csc);
     ts__free(TS_MEM_OTHER, ta);
     ts__free(TS_MEM_OTHER, tb);
     ts__free(TS_MEM_OTHER, tc);
@@ -248,8 +226,7 @@ void ts__gemm_f32(int64_t m, int64_t n, int64_t k, float alpha, const float *a, 
 void ts__gemm_f64(int64_t m, int64_t n, int64_t k, double alpha, const double *a, int64_t rsa, int64_t csa,
                   const double *b, int64_t rsb, int64_t csb, double beta, double *c, int64_t rsc, int64_t csc)
 {
-    if (m <= 0 || n <= 0)
-        return;
+    if (m <= 0 || n <= 0) return;
     if (k <= 0 || alpha == 0.0) {
         scale_c_f64(m, n, beta, c, rsc, csc);
         return;
@@ -285,15 +262,13 @@ void ts__gemm_f64(int64_t m, int64_t n, int64_t k, double alpha, const double *a
     double *cc = c;
     int64_t rscc = rsc, cscc = csc;
     if (tc) {
-        if (beta != 0.0)
-            pack_f64(m, n, c, rsc, csc, tc);
+        if (beta != 0.0) pack_f64(m, n, c, rsc, csc, tc);
         cc = tc, rscc = n, cscc = 1;
         blis_layout_ok(m, n, &rscc, &cscc);
     }
     bli_dgemm(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, m, n, k, &alpha, (double *)a, rsa, csa, (double *)b, rsb, csb,
               &beta, cc, rscc, cscc);
-    if (tc)
-        unpack_f64(m, n, tc, c, rsc, csc);
+    if (tc) unpack_f64(m, n, tc, c, rsc, csc);
     ts__free(TS_MEM_OTHER, ta);
     ts__free(TS_MEM_OTHER, tb);
     ts__free(TS_MEM_OTHER, tc);

@@ -63,13 +63,11 @@ const char *ts__hgemm_kernel_name(ts__hgemm_kernel k)
 bool ts__hgemm_kernel_runnable(ts__hgemm_kernel k, const ts__cpu_info *c)
 {
     switch (k) {
-    case TS__HGEMM_SGEMM:
-        return true;
+    case TS__HGEMM_SGEMM: return true;
     case TS__HGEMM_AVX512BF16:
         return TS__HAVE_AVX512BF16_KERNEL && c->avx && c->os_ymm && c->os_zmm && c->avx512f && c->avx512bw &&
-               c->avx512vl && c->avx512bf16;
-    default:
-        return false;
+            c->avx512vl && c->avx512bf16;
+    default: return false;
     }
 }
 
@@ -77,8 +75,7 @@ ts__hgemm_kernel ts__hgemm_choose(const ts__cpu_info *c)
 {
     /* AMX-BF16 CPUs (Sapphire Rapids and later) have AVX512_BF16 too:
      * they run the AVX512-BF16 kernel, since no AMX kernel is built. */
-    if (ts__hgemm_kernel_runnable(TS__HGEMM_AVX512BF16, c))
-        return TS__HGEMM_AVX512BF16;
+    if (ts__hgemm_kernel_runnable(TS__HGEMM_AVX512BF16, c)) return TS__HGEMM_AVX512BF16;
     return TS__HGEMM_SGEMM;
 }
 
@@ -87,10 +84,7 @@ ts__hgemm_kernel ts__hgemm_choose(const ts__cpu_info *c)
 static pthread_once_t cpu_once = PTHREAD_ONCE_INIT;
 static ts__cpu_info cpu_here;
 
-static void query_cpu(void)
-{
-    ts__cpu_info_query(&cpu_here);
-}
+static void query_cpu(void) { ts__cpu_info_query(&cpu_here); }
 
 static const ts__cpu_info *this_cpu(void)
 {
@@ -110,14 +104,17 @@ static void choose_active(void)
     if (env && *env && strcasecmp(env, "auto") != 0) {
         int want = -1;
         for (int i = 0; i < TS__HGEMM_KERNEL_COUNT; i++)
-            if (strcasecmp(env, kernel_names[i]) == 0)
-                want = i;
+            if (strcasecmp(env, kernel_names[i]) == 0) want = i;
         if (want < 0)
-            ts_logf(TS_LOG_WARN, "TS_BF16_GEMM_KERNEL=%s is not auto, sgemm or avx512bf16; using '%s', chosen "
-                                 "from cpuid", env, kernel_names[chosen]);
+            ts_logf(TS_LOG_WARN,
+                    "TS_BF16_GEMM_KERNEL=%s is not auto, sgemm or avx512bf16; using '%s', chosen "
+                    "from cpuid",
+                    env, kernel_names[chosen]);
         else if (!ts__hgemm_kernel_runnable((ts__hgemm_kernel)want, &cpu))
-            ts_logf(TS_LOG_WARN, "TS_BF16_GEMM_KERNEL=%s: this CPU cannot run it (no AVX512_BF16 with OS zmm "
-                                 "state); using '%s'", env, kernel_names[chosen]);
+            ts_logf(TS_LOG_WARN,
+                    "TS_BF16_GEMM_KERNEL=%s: this CPU cannot run it (no AVX512_BF16 with OS zmm "
+                    "state); using '%s'",
+                    env, kernel_names[chosen]);
         else {
             chosen = (ts__hgemm_kernel)want;
             why = "from TS_BF16_GEMM_KERNEL";
@@ -135,10 +132,7 @@ ts__hgemm_kernel ts__hgemm_active(void)
     return active_kernel;
 }
 
-const char *ts_bf16_gemm_kernel_name(void)
-{
-    return kernel_names[ts__hgemm_active()];
-}
+const char *ts_bf16_gemm_kernel_name(void) { return kernel_names[ts__hgemm_active()]; }
 
 /* ------------------------------------------------------ element access */
 
@@ -166,15 +160,13 @@ static void store_c(ts_dtype dt, int64_t m, int64_t n, const float *acc, int64_t
         }
         if (csc == 1 && rowbuf) {
             ts__buf_convert(TS_F32, rowbuf, dt, cr, n);
-            for (int64_t j = 0; j < n; j++)
-                rowbuf[j] = ar[j] + beta * rowbuf[j];
+            for (int64_t j = 0; j < n; j++) rowbuf[j] = ar[j] + beta * rowbuf[j];
             ts__buf_convert(dt, cr, TS_F32, rowbuf, n);
             continue;
         }
         for (int64_t j = 0; j < n; j++) {
             float v = ar[j];
-            if (beta != 0.0f)
-                v += beta * half_to_f32(dt, cr[j * csc]);
+            if (beta != 0.0f) v += beta * half_to_f32(dt, cr[j * csc]);
             cr[j * csc] = f32_to_half(dt, v);
         }
     }
@@ -183,8 +175,7 @@ static void store_c(ts_dtype dt, int64_t m, int64_t n, const float *acc, int64_t
 /* C = round(beta * C), for products where A B does not contribute. */
 static void scale_c(ts_dtype dt, int64_t m, int64_t n, float beta, uint16_t *c, int64_t rsc, int64_t csc)
 {
-    if (beta == 1.0f)
-        return;
+    if (beta == 1.0f) return;
     for (int64_t i = 0; i < m; i++)
         for (int64_t j = 0; j < n; j++) {
             uint16_t *p = c + i * rsc + j * csc;
@@ -195,8 +186,7 @@ static void scale_c(ts_dtype dt, int64_t m, int64_t n, float beta, uint16_t *c, 
 /* ------------------------------------------------------------ reference */
 
 void ts__gemm_ref_half(ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t rsa, int64_t csa,
-                       const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c, int64_t rsc,
-                       int64_t csc)
+                       const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c, int64_t rsc, int64_t csc)
 {
     for (int64_t i = 0; i < m; i++)
         for (int64_t j = 0; j < n; j++) {
@@ -204,8 +194,7 @@ void ts__gemm_ref_half(ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint1
             for (int64_t p = 0; p < k; p++)
                 acc += half_to_f32(dt, a[i * rsa + p * csa]) * half_to_f32(dt, b[p * rsb + j * csb]);
             uint16_t *cp = c + i * rsc + j * csc;
-            if (beta != 0.0f)
-                acc += beta * half_to_f32(dt, *cp);
+            if (beta != 0.0f) acc += beta * half_to_f32(dt, *cp);
             *cp = f32_to_half(dt, acc);
         }
 }
@@ -226,8 +215,7 @@ static bool scratch_get(scratch *s, size_t bytes)
 
 static void scratch_put(scratch *s)
 {
-    if (s->p)
-        ts__pool_free(s->p, s->bytes);
+    if (s->p) ts__pool_free(s->p, s->bytes);
     s->p = NULL;
 }
 
@@ -243,16 +231,14 @@ static bool convert_block(ts_dtype dt, int64_t rows, int64_t cols, const uint16_
                           float *dst)
 {
     if (rs == 1 && cs != 1) {
-        for (int64_t j = 0; j < cols; j++)
-            ts__buf_convert(TS_F32, dst + j * rows, dt, src + j * cs, rows);
+        for (int64_t j = 0; j < cols; j++) ts__buf_convert(TS_F32, dst + j * rows, dt, src + j * cs, rows);
         return true;
     }
     for (int64_t i = 0; i < rows; i++) {
         if (cs == 1) {
             ts__buf_convert(TS_F32, dst + i * cols, dt, src + i * rs, cols);
         } else {
-            for (int64_t j = 0; j < cols; j++)
-                dst[i * cols + j] = half_to_f32(dt, src[i * rs + j * cs]);
+            for (int64_t j = 0; j < cols; j++) dst[i * cols + j] = half_to_f32(dt, src[i * rs + j * cs]);
         }
     }
     return false;
@@ -262,12 +248,9 @@ static bool convert_block(ts_dtype dt, int64_t rows, int64_t cols, const uint16_
  * 1 have arbitrary strides (BLIS reserves rs == cs == 1 for 1 x 1). */
 static void canon_strides(int64_t rows, int64_t cols, int64_t *rs, int64_t *cs)
 {
-    if (rows == 1 && cols == 1)
-        *rs = *cs = 1;
-    else if (rows == 1)
-        *rs = cols * *cs;
-    else if (cols == 1)
-        *cs = rows * *rs;
+    if (rows == 1 && cols == 1) *rs = *cs = 1;
+    else if (rows == 1) *rs = cols * *cs;
+    else if (cols == 1) *cs = rows * *rs;
 }
 
 /* gemm_sgemm's block sizes: B's block as wide as the budget allows (all
@@ -283,15 +266,13 @@ static void sgemm_blocks(int64_t m, int64_t n, int64_t k, int64_t *mc_out, int64
 }
 
 static bool gemm_sgemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t rsa, int64_t csa,
-                       const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c, int64_t rsc,
-                       int64_t csc)
+                       const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c, int64_t rsc, int64_t csc)
 {
     int64_t mc, nc;
     sgemm_blocks(m, n, k, &mc, &nc);
     scratch sa, sb, sc, sr;
     sr.p = NULL;
-    if (!scratch_get(&sa, (size_t)(mc * k) * sizeof(float)))
-        return false;
+    if (!scratch_get(&sa, (size_t)(mc * k) * sizeof(float))) return false;
     if (!scratch_get(&sb, (size_t)(nc * k) * sizeof(float))) {
         scratch_put(&sa);
         return false;
@@ -318,8 +299,8 @@ static bool gemm_sgemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint1
             canon_strides(mb, k, &ars, &acs);
             canon_strides(k, nb, &brs1, &bcs1);
             canon_strides(mb, nb, &crs, &ccs);
-            bli_sgemm(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, mb, nb, k, &one, af, ars, acs, bf, brs1, bcs1, &zero,
-                      cf, crs, ccs);
+            bli_sgemm(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, mb, nb, k, &one, af, ars, acs, bf, brs1, bcs1, &zero, cf,
+                      crs, ccs);
             store_c(dt, mb, nb, cf, nb, beta, c + ic * rsc + jc * csc, rsc, csc, sr.p);
         }
     }
@@ -346,8 +327,7 @@ static bool gemm_sgemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint1
 static inline uint32_t pair_at(const uint16_t *x, int64_t rows, int64_t k, int64_t rs, int64_t cs, int64_t row,
                                int64_t p)
 {
-    if (row >= rows)
-        return 0;
+    if (row >= rows) return 0;
     int64_t k0 = 2 * p;
     uint32_t lo = k0 < k ? x[row * rs + k0 * cs] : 0;
     uint32_t hi = k0 + 1 < k ? x[row * rs + (k0 + 1) * cs] : 0;
@@ -364,8 +344,7 @@ static void pack_panel(const uint16_t *x, int64_t rows, int64_t k, int64_t rs, i
      * last pair) goes through pair_at */
     int64_t nf = k / 2 - p0;
     nf = nf < 0 ? 0 : nf > np ? np : nf;
-    if (!full_rows)
-        nf = 0;
+    if (!full_rows) nf = 0;
     if (nf > 0 && cs == 1) {
         /* pairs adjacent in memory: a transpose of 32-bit words */
         for (int64_t i = 0; i < width; i++) {
@@ -381,15 +360,13 @@ static void pack_panel(const uint16_t *x, int64_t rows, int64_t k, int64_t rs, i
         for (int64_t p = 0; p < nf; p++) {
             const uint16_t *lo = x + r0 + 2 * (p0 + p) * cs, *hi = lo + cs;
             uint32_t *d = dst + p * width;
-            for (int64_t i = 0; i < width; i++)
-                d[i] = (uint32_t)lo[i] | (uint32_t)hi[i] << 16;
+            for (int64_t i = 0; i < width; i++) d[i] = (uint32_t)lo[i] | (uint32_t)hi[i] << 16;
         }
     } else {
         nf = 0;
     }
     for (int64_t p = nf; p < np; p++)
-        for (int64_t i = 0; i < width; i++)
-            dst[p * width + i] = pair_at(x, rows, k, rs, cs, r0 + i, p0 + p);
+        for (int64_t i = 0; i < width; i++) dst[p * width + i] = pair_at(x, rows, k, rs, cs, r0 + i, p0 + p);
 }
 
 #define TS__AVX512BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -482,21 +459,18 @@ static void bf16_run(bf16_job *j, int t)
     /* this thread's rows: whole MR tiles, split evenly */
     int64_t tiles = (m + MR - 1) / MR, per = (tiles + j->nt - 1) / j->nt;
     int64_t r_begin = t * per * MR, r_end = (t + 1) * per * MR;
-    if (r_end > m)
-        r_end = m;
+    if (r_end > m) r_end = m;
     uint32_t *ap = j->th[t].ap;
     float *cb = j->th[t].cbuf;
     for (int64_t jc = 0; jc < n; jc += NC) {
         int64_t nb = n - jc < NC ? n - jc : NC, npan = (nb + NR - 1) / NR;
-        if (j->nt > 1)
-            pthread_barrier_wait(j->bar); /* the other thread is done with the previous block */
+        if (j->nt > 1) pthread_barrier_wait(j->bar); /* the other thread is done with the previous block */
         /* B's block, as (kc x NR) micro-panels of (b[2p][c], b[2p+1][c]):
          * B (k, n) is the transpose of a (n, k) operand with strides
          * (csb, rsb), which pack_panel packs by rows */
         for (int64_t q = t; q < npan; q += j->nt)
             pack_panel(j->b + jc * j->csb, nb, k, j->csb, j->rsb, q * NR, 0, kp, NR, j->bp + q * kp * NR);
-        if (j->nt > 1)
-            pthread_barrier_wait(j->bar);
+        if (j->nt > 1) pthread_barrier_wait(j->bar);
         for (int64_t ic = r_begin; ic < r_end; ic += MC) {
             int64_t mb = r_end - ic < MC ? r_end - ic : MC, mpan = (mb + MR - 1) / MR;
             /* full tiles of a C with unit column stride are rounded and
@@ -538,8 +512,7 @@ static void *bf16_thread_main(void *arg)
     struct bf16_thread *th = arg;
     bf16_job *j = th->job;
     pthread_mutex_lock(&j->gate_mu);
-    while (!j->go)
-        pthread_cond_wait(&j->gate_cv, &j->gate_mu);
+    while (!j->go) pthread_cond_wait(&j->gate_cv, &j->gate_mu);
     pthread_mutex_unlock(&j->gate_mu);
     bf16_run(j, th->index);
     return NULL;
@@ -553,10 +526,8 @@ static int bf16_threads(int64_t m, int64_t n, int64_t k)
 {
     int nt = ts_get_num_threads();
     nt = nt > MAX_THREADS ? MAX_THREADS : nt;
-    if ((double)m * (double)n * (double)k < 4e6)
-        nt = 1;
-    while (nt > 1 && m < (int64_t)nt * 2 * MR)
-        nt--;
+    if ((double)m * (double)n * (double)k < 4e6) nt = 1;
+    while (nt > 1 && m < (int64_t)nt * 2 * MR) nt--;
     return nt;
 }
 
@@ -565,10 +536,20 @@ static bool gemm_avx512bf16(int64_t m, int64_t n, int64_t k, const uint16_t *a, 
                             int64_t csc)
 {
     bf16_job *j = ts__calloc(TS_MEM_OTHER, 1, sizeof *j);
-    if (!j)
-        return false;
-    *j = (bf16_job){.m = m, .n = n, .k = k, .a = a, .b = b, .rsa = rsa, .csa = csa, .rsb = rsb, .csb = csb,
-                    .rsc = rsc, .csc = csc, .beta = beta, .c = c};
+    if (!j) return false;
+    *j = (bf16_job){.m = m,
+                    .n = n,
+                    .k = k,
+                    .a = a,
+                    .b = b,
+                    .rsa = rsa,
+                    .csa = csa,
+                    .rsb = rsb,
+                    .csb = csb,
+                    .rsc = rsc,
+                    .csc = csc,
+                    .beta = beta,
+                    .c = c};
     int nt = bf16_threads(m, n, k);
     int64_t kp = (k + 1) / 2, nb = n < NC ? n : NC, npan = (nb + NR - 1) / NR;
     scratch sb;
@@ -579,10 +560,8 @@ static bool gemm_avx512bf16(int64_t m, int64_t n, int64_t k, const uint16_t *a, 
         th->job = j;
         th->index = got;
         ok = scratch_get(&th->sa, (size_t)(MC * KC2) * sizeof(uint32_t));
-        if (ok && !(ok = scratch_get(&th->sc, (size_t)(MC * NC) * sizeof(float))))
-            scratch_put(&th->sa);
-        if (!ok)
-            break;
+        if (ok && !(ok = scratch_get(&th->sc, (size_t)(MC * NC) * sizeof(float)))) scratch_put(&th->sa);
+        if (!ok) break;
         if (beta != 0.0f && csc == 1 && !scratch_get(&th->sr, (size_t)NC * sizeof(float)))
             th->sr.p = NULL; /* optional: store_c goes element-wise without it */
         th->ap = th->sa.p;
@@ -598,8 +577,7 @@ static bool gemm_avx512bf16(int64_t m, int64_t n, int64_t k, const uint16_t *a, 
         /* helpers start at the gate; if one cannot be created, fewer
          * threads share the rows (the count is fixed before any work) */
         int started = 1;
-        while (started < nt && pthread_create(&tid[started], NULL, bf16_thread_main, &j->th[started]) == 0)
-            started++;
+        while (started < nt && pthread_create(&tid[started], NULL, bf16_thread_main, &j->th[started]) == 0) started++;
         j->nt = started;
         if (started > 1) {
             pthread_barrier_init(&bar, NULL, (unsigned)started);
@@ -610,10 +588,8 @@ static bool gemm_avx512bf16(int64_t m, int64_t n, int64_t k, const uint16_t *a, 
         pthread_cond_broadcast(&j->gate_cv);
         pthread_mutex_unlock(&j->gate_mu);
         bf16_run(j, 0);
-        for (int i = 1; i < started; i++)
-            pthread_join(tid[i], NULL);
-        if (started > 1)
-            pthread_barrier_destroy(&bar);
+        for (int i = 1; i < started; i++) pthread_join(tid[i], NULL);
+        if (started > 1) pthread_barrier_destroy(&bar);
         pthread_cond_destroy(&j->gate_cv);
         pthread_mutex_destroy(&j->gate_mu);
     }
@@ -634,8 +610,7 @@ void ts__gemm_half_meta(ts_dtype dt, int64_t m, int64_t n, int64_t k, float beta
 {
     /* the blocks ts__gemm_half(dt, m, n, k, ...) takes from the pool, in
      * its order (gemm_avx512bf16 or gemm_sgemm), held together then freed */
-    if (ts__use_reference_kernels || m <= 0 || n <= 0 || k <= 0)
-        return;
+    if (ts__use_reference_kernels || m <= 0 || n <= 0 || k <= 0) return;
     bool row = beta != 0.0f && csc == 1;
 #if TS__HAVE_AVX512BF16_KERNEL
     if (dt == TS_BF16 && ts__hgemm_active() == TS__HGEMM_AVX512BF16 &&
@@ -647,8 +622,7 @@ void ts__gemm_half_meta(ts_dtype dt, int64_t m, int64_t n, int64_t k, float beta
         for (int t = 0; t < nt; t++) {
             b[nb++] = (size_t)(MC * KC2) * sizeof(uint32_t);
             b[nb++] = (size_t)(MC * NC) * sizeof(float);
-            if (row)
-                b[nb++] = (size_t)NC * sizeof(float);
+            if (row) b[nb++] = (size_t)NC * sizeof(float);
         }
         ts__meta_scratch(nb, b);
         return;
@@ -662,11 +636,10 @@ void ts__gemm_half_meta(ts_dtype dt, int64_t m, int64_t n, int64_t k, float beta
 }
 
 void ts__gemm_half_with(ts__hgemm_kernel kern, ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint16_t *a,
-                        int64_t rsa, int64_t csa, const uint16_t *b, int64_t rsb, int64_t csb, float beta,
-                        uint16_t *c, int64_t rsc, int64_t csc)
+                        int64_t rsa, int64_t csa, const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c,
+                        int64_t rsc, int64_t csc)
 {
-    if (m <= 0 || n <= 0)
-        return;
+    if (m <= 0 || n <= 0) return;
     if (k <= 0) {
         scale_c(dt, m, n, beta, c, rsc, csc);
         return;
@@ -676,24 +649,21 @@ void ts__gemm_half_with(ts__hgemm_kernel kern, ts_dtype dt, int64_t m, int64_t n
     if (kern == TS__HGEMM_AVX512BF16 && dt == TS_BF16) {
         if (ts__hgemm_kernel_runnable(kern, this_cpu()))
             done = gemm_avx512bf16(m, n, k, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
-        else
-            done = gemm_sgemm(dt, m, n, k, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
+        else done = gemm_sgemm(dt, m, n, k, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
     }
 #endif
-    if (!done)
-        done = gemm_sgemm(dt, m, n, k, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
+    if (!done) done = gemm_sgemm(dt, m, n, k, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
     if (!done) /* no scratch memory: the reference needs none */
         ts__gemm_ref_half(dt, m, n, k, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
 }
 
-void ts__gemm_half(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa,
-                   const void *b, int64_t rsb, int64_t csb, float beta, void *c, int64_t rsc, int64_t csc)
+void ts__gemm_half(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
+                   int64_t rsb, int64_t csb, float beta, void *c, int64_t rsc, int64_t csc)
 {
     if (ts__use_reference_kernels) {
-        if (m > 0 && n > 0)
-            ts__gemm_ref_half(dt, m, n, k, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
+        if (m > 0 && n > 0) ts__gemm_ref_half(dt, m, n, k, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
         return;
     }
-    ts__gemm_half_with(dt == TS_BF16 ? ts__hgemm_active() : TS__HGEMM_SGEMM, dt, m, n, k, a, rsa, csa, b, rsb,
-                       csb, beta, c, rsc, csc);
+    ts__gemm_half_with(dt == TS_BF16 ? ts__hgemm_active() : TS__HGEMM_SGEMM, dt, m, n, k, a, rsa, csa, b, rsb, csb,
+                       beta, c, rsc, csc);
 }

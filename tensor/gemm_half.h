@@ -19,11 +19,7 @@
 #include "tensor/blis_arch.h"
 #include "tensor/tensor.h"
 
-typedef enum ts__hgemm_kernel {
-    TS__HGEMM_SGEMM = 0,
-    TS__HGEMM_AVX512BF16,
-    TS__HGEMM_KERNEL_COUNT
-} ts__hgemm_kernel;
+typedef enum ts__hgemm_kernel { TS__HGEMM_SGEMM = 0, TS__HGEMM_AVX512BF16, TS__HGEMM_KERNEL_COUNT } ts__hgemm_kernel;
 
 /* "sgemm", "avx512bf16" (static strings; NULL for an unknown kernel). */
 const char *ts__hgemm_kernel_name(ts__hgemm_kernel k);
@@ -42,13 +38,12 @@ ts__hgemm_kernel ts__hgemm_active(void);
  * the sgemm kernel, and so does a kernel this CPU cannot run. beta == 0
  * overwrites C without reading it; k == 0 gives C = beta * C rounded. */
 void ts__gemm_half_with(ts__hgemm_kernel kern, ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint16_t *a,
-                        int64_t rsa, int64_t csa, const uint16_t *b, int64_t rsb, int64_t csb, float beta,
-                        uint16_t *c, int64_t rsc, int64_t csc);
+                        int64_t rsa, int64_t csa, const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c,
+                        int64_t rsc, int64_t csc);
 /* The reference: the upcast products summed in float32 in the order
  * p = 0 .. k-1, plus beta * C in float32, rounded once to dt. */
 void ts__gemm_ref_half(ts_dtype dt, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t rsa, int64_t csa,
-                       const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c, int64_t rsc,
-                       int64_t csc);
+                       const uint16_t *b, int64_t rsb, int64_t csb, float beta, uint16_t *c, int64_t rsc, int64_t csc);
 
 /* The meta device's ts__gemm_half: counts on the calling thread's meta
  * ledger the pool scratch blocks the product (dt, m, n, k, beta, C's

@@ -40,16 +40,12 @@ static float bits_to_f32(uint32_t u)
 uint16_t ts_f32_to_bf16(float f)
 {
     uint32_t u = f32_to_bits(f);
-    if ((u & UINT32_C(0x7FFFFFFF)) > UINT32_C(0x7F800000))
-        return UINT16_C(0x7FC0);
+    if ((u & UINT32_C(0x7FFFFFFF)) > UINT32_C(0x7F800000)) return UINT16_C(0x7FC0);
     uint32_t rounding_bias = ((u >> 16) & 1u) + UINT32_C(0x7FFF);
     return (uint16_t)((u + rounding_bias) >> 16);
 }
 
-float ts_bf16_to_f32(uint16_t h)
-{
-    return bits_to_f32((uint32_t)h << 16);
-}
+float ts_bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
 
 uint16_t ts_f32_to_f16(float f)
 {
@@ -79,8 +75,7 @@ uint16_t ts_f32_to_f16(float f)
     uint32_t q = mant >> shift;
     uint32_t rem = mant & ((UINT32_C(1) << shift) - 1);
     uint32_t half = UINT32_C(1) << (shift - 1);
-    if (rem > half || (rem == half && (q & 1u)))
-        q++;
+    if (rem > half || (rem == half && (q & 1u))) q++;
     return sign | (uint16_t)q;
 }
 
@@ -92,10 +87,8 @@ float ts_f16_to_f32(uint16_t h)
 
     if (exp == 0x1F) /* infinity, or a NaN made quiet */
         return bits_to_f32(sign | UINT32_C(0x7F800000) | (mant << 13) | (mant ? UINT32_C(0x400000) : 0));
-    if (exp != 0)
-        return bits_to_f32(sign | ((exp + 112) << 23) | (mant << 13));
-    if (mant == 0)
-        return bits_to_f32(sign);
+    if (exp != 0) return bits_to_f32(sign | ((exp + 112) << 23) | (mant << 13));
+    if (mant == 0) return bits_to_f32(sign);
     /* subnormal: mant * 2^-24, normalised */
     uint32_t e = 113;
     while (!(mant & 0x400u)) {

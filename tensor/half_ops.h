@@ -24,16 +24,12 @@ static inline uint16_t ts__f32_to_half(ts_dtype d, float f)
 
 /* f rounded to the 16-bit dtype d and back: what an op that stores a
  * result in d and the next op that reads it see. */
-static inline float ts__round_half(ts_dtype d, float f)
-{
-    return ts__half_to_f32(d, ts__f32_to_half(d, f));
-}
+static inline float ts__round_half(ts_dtype d, float f) { return ts__half_to_f32(d, ts__f32_to_half(d, f)); }
 
 /* x[i] = ts__round_half(d, x[i]) for i < n. */
 static inline void ts__round_half_buf(ts_dtype d, float *x, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++)
-        x[i] = ts__round_half(d, x[i]);
+    for (int64_t i = 0; i < n; i++) x[i] = ts__round_half(d, x[i]);
 }
 
 /* Softmax (log_form false) or log_softmax over the rows of a contiguous

@@ -16,31 +16,23 @@ double ts_init_calculate_gain(ts_nonlinearity nl, double param)
 {
     switch (nl) {
     case TS_NL_LINEAR:
-    case TS_NL_SIGMOID:
-        return 1.0;
-    case TS_NL_TANH:
-        return 5.0 / 3;
-    case TS_NL_RELU:
-        return sqrt(2.0);
+    case TS_NL_SIGMOID: return 1.0;
+    case TS_NL_TANH: return 5.0 / 3;
+    case TS_NL_RELU: return sqrt(2.0);
     case TS_NL_LEAKY_RELU:
         /* Python's negative_slope ** 2 is pow(x, 2.0), which is x * x */
         return sqrt(2.0 / (1 + param * param));
-    case TS_NL_SELU:
-        return 3.0 / 4;
+    case TS_NL_SELU: return 3.0 / 4;
     }
     return NAN;
 }
 
-static bool nl_valid(ts_nonlinearity nl)
-{
-    return nl >= TS_NL_LINEAR && nl <= TS_NL_SELU;
-}
+static bool nl_valid(ts_nonlinearity nl) { return nl >= TS_NL_LINEAR && nl <= TS_NL_SELU; }
 
 static int64_t numel_of(const ts_tensor *t)
 {
     int64_t n = 1;
-    for (int d = 0; d < t->ndim; d++)
-        n *= t->shape[d];
+    for (int d = 0; d < t->ndim; d++) n *= t->shape[d];
     return n;
 }
 
@@ -56,8 +48,7 @@ static ts_status fans(const char *op, const ts_tensor *t, int64_t *fan_in, int64
                         op, ts_shape_str(t->ndim, t->shape, buf, sizeof buf));
     }
     int64_t receptive = 1;
-    for (int d = 2; d < t->ndim; d++)
-        receptive *= t->shape[d];
+    for (int d = 2; d < t->ndim; d++) receptive *= t->shape[d];
     *fan_in = t->shape[1] * receptive;
     *fan_out = t->shape[0] * receptive;
     return TS_OK;
@@ -70,47 +61,39 @@ static ts_status kaiming_std(const char *op, ts_tensor *t, double a, ts_fan_mode
                              double *std_out, bool *skip)
 {
     ts_status st = ts__check_inputs(op, 1, &t);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     if (mode != TS_FAN_IN && mode != TS_FAN_OUT)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: mode %d is neither TS_FAN_IN nor TS_FAN_OUT", op, (int)mode);
-    if (!nl_valid(nl))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: unknown nonlinearity %d", op, (int)nl);
+    if (!nl_valid(nl)) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: unknown nonlinearity %d", op, (int)nl);
     if (!isfinite(a)) /* the gain would be NaN (or 0 for an infinite slope): weights of NaN or zeros */
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: the negative slope a = %g is not finite", op, a);
     *skip = numel_of(t) == 0;
-    if (*skip)
-        return TS_OK;
+    if (*skip) return TS_OK;
     int64_t fan_in = 0, fan_out = 0; /* set by fans() on success */
     st = fans(op, t, &fan_in, &fan_out);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     double fan = (double)(mode == TS_FAN_IN ? fan_in : fan_out);
     double gain = ts_init_calculate_gain(nl, a);
     *std_out = gain / sqrt(fan);
     return TS_OK;
 }
 
-ts_status ts_init_kaiming_uniform_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl,
-                                   ts_generator *gen)
+ts_status ts_init_kaiming_uniform_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl, ts_generator *gen)
 {
     double std = 0.0;
     bool skip = true;
     ts_status st = kaiming_std("kaiming_uniform_", t, a, mode, nl, &std, &skip);
-    if (st != TS_OK || skip)
-        return st;
+    if (st != TS_OK || skip) return st;
     double bound = sqrt(3.0) * std;
     return ts_uniform_(t, -bound, bound, gen);
 }
 
-ts_status ts_init_kaiming_normal_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl,
-                                  ts_generator *gen)
+ts_status ts_init_kaiming_normal_(ts_tensor *t, double a, ts_fan_mode mode, ts_nonlinearity nl, ts_generator *gen)
 {
     double std = 0.0;
     bool skip = true;
     ts_status st = kaiming_std("kaiming_normal_", t, a, mode, nl, &std, &skip);
-    if (st != TS_OK || skip)
-        return st;
+    if (st != TS_OK || skip) return st;
     return ts_normal_(t, 0.0, std, gen);
 }
 
@@ -120,14 +103,12 @@ ts_status ts_init_kaiming_normal_(ts_tensor *t, double a, ts_fan_mode mode, ts_n
 static ts_status xavier_std(const char *op, ts_tensor *t, double gain, double *std_out)
 {
     ts_status st = ts__check_inputs(op, 1, &t);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     if (!isfinite(gain)) /* a std of NaN or infinity: weights of NaN or infinities */
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: gain %g is not finite", op, gain);
     int64_t fan_in = 0, fan_out = 0; /* set by fans() on success */
     st = fans(op, t, &fan_in, &fan_out);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     if (fan_in + fan_out == 0) {
         char buf[96];
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: fan_in + fan_out is 0 for shape %s", op,
@@ -141,8 +122,7 @@ ts_status ts_init_xavier_uniform_(ts_tensor *t, double gain, ts_generator *gen)
 {
     double std = 0.0;
     ts_status st = xavier_std("xavier_uniform_", t, gain, &std);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     double a = sqrt(3.0) * std;
     return ts_uniform_(t, -a, a, gen);
 }
@@ -151,7 +131,6 @@ ts_status ts_init_xavier_normal_(ts_tensor *t, double gain, ts_generator *gen)
 {
     double std = 0.0;
     ts_status st = xavier_std("xavier_normal_", t, gain, &std);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     return ts_normal_(t, 0.0, std, gen);
 }

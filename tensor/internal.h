@@ -31,9 +31,9 @@ typedef enum ts__init_kind {
 } ts__init_kind;
 
 typedef struct ts__init_event {
-    uint64_t seq;       /* process-wide recording order (ts__init_seq_next) */
+    uint64_t seq; /* process-wide recording order (ts__init_seq_next) */
     ts__init_kind kind;
-    double a, b;        /* the fill's arguments, as given */
+    double a, b; /* the fill's arguments, as given */
     /* the generator given to the fill; NULL = the thread's default
      * generator at replay time. An explicit generator is not owned: it
      * must outlive the replay (materialization). */
@@ -42,7 +42,7 @@ typedef struct ts__init_event {
      * (gen, or the recording thread's default generator): which thread's
      * build an orphaned event belongs to (ts__init_orphans_take) */
     const ts_generator *owner;
-    ts_dtype dtype;     /* the tensor's dtype: the fill computes in it */
+    ts_dtype dtype; /* the tensor's dtype: the fill computes in it */
     /* the geometry of the tensor the fill was given, in elements of the
      * storage (a view: a slice of a packed weight) */
     int ndim;
@@ -65,15 +65,15 @@ typedef struct ts__init_log {
 
 struct ts_storage {
     atomic_int refcount;
-    size_t nbytes;   /* size when filled */
-    void *data;      /* NULL while released */
+    size_t nbytes;      /* size when filled */
+    void *data;         /* NULL while released */
     size_t block_bytes; /* size of the pool block behind data */
     bool released;
-    bool pinned;     /* data is a pinned block (ts__pinned_alloc), not a pool block */
-    bool meta;       /* a meta-device storage: nbytes and no bytes ever (data NULL) until
+    bool pinned;                   /* data is a pinned block (ts__pinned_alloc), not a pool block */
+    bool meta;                     /* a meta-device storage: nbytes and no bytes ever (data NULL) until
                       * materialized; block_bytes is what the pool would hand out */
     struct ts_meta_ledger *ledger; /* meta: the ledger that counts block_bytes (retained) */
-    ts__init_log init_log; /* meta only: the initializers recorded on it ([Note: deferred init]) */
+    ts__init_log init_log;         /* meta only: the initializers recorded on it ([Note: deferred init]) */
 };
 
 /* New storage of nbytes from the caching pool (contents undefined). */
@@ -119,7 +119,6 @@ void ts__meta_cache_blocks(int n, const size_t *nbytes);
 ts_status ts__meta_error(const char *op, int index, const ts_tensor *t);
 void ts__storage_release_ref(ts_storage *s);
 
-
 /* ------------------------------------------------------------- autograd */
 
 typedef struct ts_node ts_node;
@@ -142,27 +141,27 @@ typedef ts_status (*ts_node_backward_fn)(ts_node *n, ts_tensor **grad_outs, ts_t
 
 struct ts_node {
     atomic_int refcount;
-    uint64_t seq;            /* creation order; backward runs high to low */
-    const char *name;        /* op name, static */
+    uint64_t seq;     /* creation order; backward runs high to low */
+    const char *name; /* op name, static */
     ts_node_backward_fn backward;
     int n_inputs;
-    ts_edge *inputs;         /* n_inputs entries */
+    ts_edge *inputs; /* n_inputs entries */
     int n_outputs;
     /* metadata of each output, so a missing gradient can be zero-filled */
     ts_dtype *out_dtype;
     int *out_ndim;
     int64_t (*out_shape)[TS_MAX_DIMS];
     ts_tensor *saved[TS_NODE_MAX_SAVED]; /* detached handles; released after backward */
-    double dargs[4];         /* op arguments */
+    double dargs[4];                     /* op arguments */
     int64_t iargs[TS_MAX_DIMS * 2];
-    void *ctx;               /* custom nodes */
+    void *ctx; /* custom nodes */
     void (*ctx_free)(void *ctx);
-    bool ctx_is_saved;       /* ctx holds saved state (a checkpoint's inputs): freed with
+    bool ctx_is_saved; /* ctx holds saved state (a checkpoint's inputs): freed with
                               * the saved tensors when a backward without retain_graph
                               * has run the node, not when the node is freed */
-    bool released;           /* saved tensors dropped by a backward */
+    bool released;     /* saved tensors dropped by a backward */
     /* set during a backward */
-    ts_tensor **grad_buf;    /* n_outputs accumulating gradients */
+    ts_tensor **grad_buf; /* n_outputs accumulating gradients */
     int pending;
 };
 
@@ -210,11 +209,11 @@ struct ts_tensor {
     ts_storage *storage;          /* retained */
     bool requires_grad;
     bool is_shard;
-    ts_tensor *grad;              /* retained, leaves only */
-    ts_node *grad_fn;             /* retained, NULL for leaves */
-    int output_index;             /* which output of grad_fn */
-    void *dist;                   /* opaque, dtensor layer */
-    char *name;                   /* for messages, owned */
+    ts_tensor *grad;  /* retained, leaves only */
+    ts_node *grad_fn; /* retained, NULL for leaves */
+    int output_index; /* which output of grad_fn */
+    void *dist;       /* opaque, dtensor layer */
+    char *name;       /* for messages, owned */
 };
 
 /* Allocates a contiguous tensor handle with fresh storage. */
@@ -224,8 +223,8 @@ ts_status ts__tensor_new_meta(ts_dtype dtype, int ndim, const int64_t *shape, ts
 /* True when t's storage is a meta storage (no bytes). */
 static inline bool ts__is_meta(const ts_tensor *t) { return t && t->storage && t->storage->meta; }
 /* A new handle aliasing t's storage with the given geometry (no autograd). */
-ts_status ts__tensor_alias(const ts_tensor *t, int ndim, const int64_t *shape, const int64_t *strides,
-                           int64_t offset, ts_tensor **out);
+ts_status ts__tensor_alias(const ts_tensor *t, int ndim, const int64_t *shape, const int64_t *strides, int64_t offset,
+                           ts_tensor **out);
 int64_t ts__numel(int ndim, const int64_t *shape);
 bool ts__is_contiguous(const ts_tensor *t);
 /* Normalises a possibly negative dim; records TS_ERR_INDEX naming op. */
@@ -302,9 +301,8 @@ void ts__gemm_f64(int64_t m, int64_t n, int64_t k, double alpha, const double *a
                   const double *b, int64_t rsb, int64_t csb, double beta, double *c, int64_t rsc, int64_t csc);
 void ts__gemm_ref_f32(int64_t m, int64_t n, int64_t k, float alpha, const float *a, int64_t rsa, int64_t csa,
                       const float *b, int64_t rsb, int64_t csb, float beta, float *c, int64_t rsc, int64_t csc);
-void ts__gemm_ref_f64(int64_t m, int64_t n, int64_t k, double alpha, const double *a, int64_t rsa,
-                      int64_t csa, const double *b, int64_t rsb, int64_t csb, double beta, double *c,
-                      int64_t rsc, int64_t csc);
+void ts__gemm_ref_f64(int64_t m, int64_t n, int64_t k, double alpha, const double *a, int64_t rsa, int64_t csa,
+                      const double *b, int64_t rsb, int64_t csb, double beta, double *c, int64_t rsc, int64_t csc);
 /* Selects BLIS's kernel set from cpuid before BLIS initialises (unless
  * BLIS_ARCH_TYPE is set) and applies the thread count. Idempotent and
  * thread-safe; every BLIS call in the library goes through it first. */
@@ -329,8 +327,8 @@ extern ts_gemm_observer_fn ts__gemm_observer;
  * one rounding per element; the kernel chosen from cpuid or
  * TS_BF16_GEMM_KERNEL (tensor/gemm_half.h), the reference when
  * ts__use_reference_kernels is set. */
-void ts__gemm_half(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa,
-                   const void *b, int64_t rsb, int64_t csb, float beta, void *c, int64_t rsc, int64_t csc);
+void ts__gemm_half(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
+                   int64_t rsb, int64_t csb, float beta, void *c, int64_t rsc, int64_t csc);
 /* Test hook: when true, ops use the reference kernels. */
 extern bool ts__use_reference_kernels;
 
@@ -405,10 +403,10 @@ ts_status ts__init_replay(const ts__init_event *ev, int64_t elem_begin, int64_t 
 /* One storage's part of a model replay: its events, the range of its
  * elements kept and where they go (ts__init_replay's arguments). */
 typedef struct ts__init_target {
-    const ts__init_log *log;  /* NULL or empty: nothing */
+    const ts__init_log *log; /* NULL or empty: nothing */
     int64_t elem_begin, elem_end;
     ts_dtype dst_dtype;
-    void *dst;                /* elem_end - elem_begin elements of dst_dtype */
+    void *dst; /* elem_end - elem_begin elements of dst_dtype */
 } ts__init_target;
 /* Replays the events of all targets in ascending seq, interleaved across
  * targets (the order they were recorded in, so the generator advances as
@@ -428,12 +426,11 @@ ts_status ts__init_replay_targets(int n, const ts__init_target *targets);
  * bits[r * row_words + c / 32] (1 = the bernoulli draw is 1). row_words
  * >= ceil(cols / 32); the unused bits of a row are 0. gen NULL: the
  * thread's default generator. p must be in [0, 1] (asserted by callers). */
-void ts__rng_bernoulli_bits(ts_generator *gen, double p, int64_t rows, int64_t cols, int64_t row_words,
-                            uint32_t *bits);
+void ts__rng_bernoulli_bits(ts_generator *gen, double p, int64_t rows, int64_t cols, int64_t row_words, uint32_t *bits);
 /* The same on kernel path kpath (a ts__kpath, tensor/kernels.h, that the
  * CPU supports); ts__rng_bernoulli_bits takes ts__kpath_active(). Every
  * path gives the same bits and generator state (integer operations only). */
-void ts__rng_bernoulli_bits_on(int kpath, ts_generator *gen, double p, int64_t rows, int64_t cols,
-                               int64_t row_words, uint32_t *bits);
+void ts__rng_bernoulli_bits_on(int kpath, ts_generator *gen, double p, int64_t rows, int64_t cols, int64_t row_words,
+                               uint32_t *bits);
 
 #endif

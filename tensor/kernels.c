@@ -27,8 +27,8 @@ static const char *const k_path_names[TS__KPATH_COUNT] = {"scalar", "avx2", "avx
 _Static_assert(TS__KPATH_COUNT == 4, "one name per kernel path");
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-static ts__kpath g_best;   /* the best path the CPU runs */
-static ts__kpath g_env;    /* TS_KERNELS's cap (g_best without it) */
+static ts__kpath g_best; /* the best path the CPU runs */
+static ts__kpath g_env;  /* TS_KERNELS's cap (g_best without it) */
 static atomic_int g_force = -1;
 
 const char *ts__kpath_name(ts__kpath p) { return (unsigned)p < TS__KPATH_COUNT ? k_path_names[p] : NULL; }
@@ -42,8 +42,7 @@ static void paths_init(void)
         g_best = TS__KPATH_AVX2;
         if (c.avx512f && c.os_zmm) {
             g_best = TS__KPATH_AVX512;
-            if (c.avx512bf16 && c.avx512bw)
-                g_best = TS__KPATH_AVX512BF16;
+            if (c.avx512bf16 && c.avx512bw) g_best = TS__KPATH_AVX512BF16;
         }
     }
 #if !K_X86
@@ -54,13 +53,10 @@ static void paths_init(void)
 
 ts__kpath ts__kpath_parse(const char *value, ts__kpath best)
 {
-    if (!value || !*value)
-        return best;
+    if (!value || !*value) return best;
     for (int p = 0; p < TS__KPATH_COUNT; p++) {
-        if (strcasecmp(value, k_path_names[p]) != 0)
-            continue;
-        if ((ts__kpath)p <= best)
-            return (ts__kpath)p;
+        if (strcasecmp(value, k_path_names[p]) != 0) continue;
+        if ((ts__kpath)p <= best) return (ts__kpath)p;
         ts_logf(TS_LOG_WARN, "TS_KERNELS=%s: this CPU does not run it; using '%s'", value, k_path_names[best]);
         return best;
     }
@@ -80,8 +76,7 @@ ts__kpath ts__kpath_active(void)
     pthread_once(&g_once, paths_init);
     int f = atomic_load_explicit(&g_force, memory_order_relaxed);
     ts__kpath p = g_env;
-    if (f >= 0 && f < (int)p)
-        p = (ts__kpath)f;
+    if (f >= 0 && f < (int)p) p = (ts__kpath)f;
     return p;
 }
 
@@ -91,26 +86,22 @@ void ts__kpath_force(int p) { atomic_store_explicit(&g_force, p, memory_order_re
 
 static void bf16_from_f32_scalar(uint16_t *d, const float *s, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++)
-        d[i] = ts__f32_to_bf16(s[i]);
+    for (int64_t i = 0; i < n; i++) d[i] = ts__f32_to_bf16(s[i]);
 }
 
 static void bf16_to_f32_scalar(float *d, const uint16_t *s, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++)
-        d[i] = ts__bf16_to_f32(s[i]);
+    for (int64_t i = 0; i < n; i++) d[i] = ts__bf16_to_f32(s[i]);
 }
 
 static void f16_from_f32_scalar(uint16_t *d, const float *s, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++)
-        d[i] = ts_f32_to_f16(s[i]);
+    for (int64_t i = 0; i < n; i++) d[i] = ts_f32_to_f16(s[i]);
 }
 
 static void f16_to_f32_scalar(float *d, const uint16_t *s, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++)
-        d[i] = ts_f16_to_f32(s[i]);
+    for (int64_t i = 0; i < n; i++) d[i] = ts_f16_to_f32(s[i]);
 }
 
 /* ------------------------------------------------------- AVX2 + F16C */
@@ -160,8 +151,7 @@ K_AVX2 static void f16_from_f32_avx2(uint16_t *d, const float *s, int64_t n)
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_loadu_ps(s + i);
         _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)))
-            f16_from_f32_scalar(d + i, s + i, 8);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) f16_from_f32_scalar(d + i, s + i, 8);
     }
     f16_from_f32_scalar(d + i, s + i, n - i);
 }
@@ -171,8 +161,7 @@ K_AVX2 static void f16_from_f32_avx2(uint16_t *d, const float *s, int64_t n)
 K_AVX2 static void f16_to_f32_avx2(float *d, const uint16_t *s, int64_t n)
 {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
     f16_to_f32_scalar(d + i, s + i, n - i);
 }
 
@@ -187,8 +176,7 @@ K_AVX512 static void bf16_from_f32_avx512(uint16_t *d, const float *s, int64_t n
         __m512i u = _mm512_loadu_si512((const void *)(s + i));
         __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
         _mm256_storeu_si256((__m256i *)(d + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-        if (_mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf))
-            bf16_from_f32_scalar(d + i, s + i, 16);
+        if (_mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf)) bf16_from_f32_scalar(d + i, s + i, 16);
     }
     bf16_from_f32_scalar(d + i, s + i, n - i);
 }
@@ -209,8 +197,7 @@ K_AVX512 static void f16_from_f32_avx512(uint16_t *d, const float *s, int64_t n)
     for (; i + 16 <= n; i += 16) {
         __m512 v = _mm512_loadu_ps(s + i);
         _mm256_storeu_si256((__m256i *)(d + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q))
-            f16_from_f32_scalar(d + i, s + i, 16);
+        if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) f16_from_f32_scalar(d + i, s + i, 16);
     }
     f16_from_f32_scalar(d + i, s + i, n - i);
 }
@@ -218,8 +205,7 @@ K_AVX512 static void f16_from_f32_avx512(uint16_t *d, const float *s, int64_t n)
 K_AVX512 static void f16_to_f32_avx512(float *d, const uint16_t *s, int64_t n)
 {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
     f16_to_f32_scalar(d + i, s + i, n - i);
 }
 
@@ -305,24 +291,18 @@ static void f16_to_f32(ts__kpath p, float *d, const uint16_t *s, int64_t n)
 
 void ts__buf_convert_on(ts__kpath p, ts_dtype dd, void *dst, ts_dtype sd, const void *src, int64_t n)
 {
-    if (n <= 0)
-        return;
+    if (n <= 0) return;
     TS_ASSERT(ts__kpath_supported(p));
     if (dd == sd) {
         memmove(dst, src, (size_t)n * ts_dtype_size(dd));
         return;
     }
-    if (dd == TS_F32 && sd == TS_BF16)
-        bf16_to_f32(p, dst, src, n);
-    else if (dd == TS_F32 && sd == TS_F16)
-        f16_to_f32(p, dst, src, n);
-    else if (sd == TS_F32 && dd == TS_BF16)
-        bf16_from_f32(p, dst, src, n);
-    else if (sd == TS_F32 && dd == TS_F16)
-        f16_from_f32(p, dst, src, n);
+    if (dd == TS_F32 && sd == TS_BF16) bf16_to_f32(p, dst, src, n);
+    else if (dd == TS_F32 && sd == TS_F16) f16_to_f32(p, dst, src, n);
+    else if (sd == TS_F32 && dd == TS_BF16) bf16_from_f32(p, dst, src, n);
+    else if (sd == TS_F32 && dd == TS_F16) f16_from_f32(p, dst, src, n);
     else
-        for (int64_t i = 0; i < n; i++)
-            ts__store(dd, dst, i, ts__load(sd, src, i));
+        for (int64_t i = 0; i < n; i++) ts__store(dd, dst, i, ts__load(sd, src, i));
 }
 
 void ts__buf_convert(ts_dtype dd, void *dst, ts_dtype sd, const void *src, int64_t n)
@@ -338,16 +318,13 @@ static void reduce_f32(ts__buf_op op, float *o, const float *a, const float *b, 
 {
     switch (op) {
     case TS__BUF_SUM:
-        for (int64_t i = 0; i < n; i++)
-            o[i] = a[i] + b[i];
+        for (int64_t i = 0; i < n; i++) o[i] = a[i] + b[i];
         return;
     case TS__BUF_MAX:
-        for (int64_t i = 0; i < n; i++)
-            o[i] = b[i] > a[i] || isnan(b[i]) ? b[i] : a[i];
+        for (int64_t i = 0; i < n; i++) o[i] = b[i] > a[i] || isnan(b[i]) ? b[i] : a[i];
         return;
     case TS__BUF_MIN:
-        for (int64_t i = 0; i < n; i++)
-            o[i] = b[i] < a[i] || isnan(b[i]) ? b[i] : a[i];
+        for (int64_t i = 0; i < n; i++) o[i] = b[i] < a[i] || isnan(b[i]) ? b[i] : a[i];
         return;
     default: TS_ASSERT(0);
     }
@@ -357,16 +334,13 @@ static void reduce_f64(ts__buf_op op, double *o, const double *a, const double *
 {
     switch (op) {
     case TS__BUF_SUM:
-        for (int64_t i = 0; i < n; i++)
-            o[i] = a[i] + b[i];
+        for (int64_t i = 0; i < n; i++) o[i] = a[i] + b[i];
         return;
     case TS__BUF_MAX:
-        for (int64_t i = 0; i < n; i++)
-            o[i] = b[i] > a[i] || isnan(b[i]) ? b[i] : a[i];
+        for (int64_t i = 0; i < n; i++) o[i] = b[i] > a[i] || isnan(b[i]) ? b[i] : a[i];
         return;
     case TS__BUF_MIN:
-        for (int64_t i = 0; i < n; i++)
-            o[i] = b[i] < a[i] || isnan(b[i]) ? b[i] : a[i];
+        for (int64_t i = 0; i < n; i++) o[i] = b[i] < a[i] || isnan(b[i]) ? b[i] : a[i];
         return;
     default: TS_ASSERT(0);
     }
@@ -376,16 +350,13 @@ static void reduce_i64(ts__buf_op op, int64_t *o, const int64_t *a, const int64_
 {
     switch (op) {
     case TS__BUF_SUM:
-        for (int64_t i = 0; i < n; i++)
-            o[i] = (int64_t)((uint64_t)a[i] + (uint64_t)b[i]);
+        for (int64_t i = 0; i < n; i++) o[i] = (int64_t)((uint64_t)a[i] + (uint64_t)b[i]);
         return;
     case TS__BUF_MAX:
-        for (int64_t i = 0; i < n; i++)
-            o[i] = b[i] > a[i] ? b[i] : a[i];
+        for (int64_t i = 0; i < n; i++) o[i] = b[i] > a[i] ? b[i] : a[i];
         return;
     case TS__BUF_MIN:
-        for (int64_t i = 0; i < n; i++)
-            o[i] = b[i] < a[i] ? b[i] : a[i];
+        for (int64_t i = 0; i < n; i++) o[i] = b[i] < a[i] ? b[i] : a[i];
         return;
     default: TS_ASSERT(0);
     }
@@ -395,8 +366,7 @@ static void reduce_i64(ts__buf_op op, int64_t *o, const int64_t *a, const int64_
 
 void ts__buf_reduce(ts_dtype d, ts__buf_op op, void *out, const void *a, const void *b, int64_t n)
 {
-    if (n <= 0)
-        return;
+    if (n <= 0) return;
     switch (d) {
     case TS_F32: reduce_f32(op, out, a, b, n); return;
     case TS_F64: reduce_f64(op, out, a, b, n); return;
@@ -435,37 +405,31 @@ static void half_div_or_mul(ts_dtype d, uint16_t *x, int64_t n, float c, bool mu
         int64_t k = n - i < K_CHUNK ? n - i : K_CHUNK;
         ts__buf_convert_on(p, TS_F32, f, d, x + i, k);
         if (mul)
-            for (int64_t j = 0; j < k; j++)
-                f[j] = f[j] * c;
+            for (int64_t j = 0; j < k; j++) f[j] = f[j] * c;
         else
-            for (int64_t j = 0; j < k; j++)
-                f[j] = f[j] / c;
+            for (int64_t j = 0; j < k; j++) f[j] = f[j] / c;
         ts__buf_convert_on(p, d, x + i, TS_F32, f, k);
     }
 }
 
 void ts__buf_div(ts_dtype d, void *x, int64_t n, double div)
 {
-    if (n <= 0 || div == 1.0)
-        return;
+    if (n <= 0 || div == 1.0) return;
     switch (d) {
     case TS_F32: {
         float *v = x;
         const float f = (float)div;
-        for (int64_t i = 0; i < n; i++)
-            v[i] = v[i] / f;
+        for (int64_t i = 0; i < n; i++) v[i] = v[i] / f;
         return;
     }
     case TS_F64: {
         double *v = x;
-        for (int64_t i = 0; i < n; i++)
-            v[i] = v[i] / div;
+        for (int64_t i = 0; i < n; i++) v[i] = v[i] / div;
         return;
     }
     case TS_I64: {
         int64_t *v = x;
-        for (int64_t i = 0; i < n; i++)
-            v[i] = (int64_t)((double)v[i] / div);
+        for (int64_t i = 0; i < n; i++) v[i] = (int64_t)((double)v[i] / div);
         return;
     }
     case TS_BF16:
@@ -476,20 +440,17 @@ void ts__buf_div(ts_dtype d, void *x, int64_t n, double div)
 
 void ts__buf_scale(ts_dtype d, void *x, int64_t n, double c)
 {
-    if (n <= 0)
-        return;
+    if (n <= 0) return;
     switch (d) {
     case TS_F32: {
         float *v = x;
         const float f = (float)c;
-        for (int64_t i = 0; i < n; i++)
-            v[i] = v[i] * f;
+        for (int64_t i = 0; i < n; i++) v[i] = v[i] * f;
         return;
     }
     case TS_F64: {
         double *v = x;
-        for (int64_t i = 0; i < n; i++)
-            v[i] = v[i] * c;
+        for (int64_t i = 0; i < n; i++) v[i] = v[i] * c;
         return;
     }
     case TS_BF16:
@@ -506,23 +467,18 @@ static inline __attribute__((always_inline)) float norm2_body_f32(const float *x
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t d = 0, m = n - n % 8, v4 = m + (n - m) / 4 * 4;
     for (; d < m; d += 8)
-        for (int l = 0; l < 8; l++)
-            acc[l] = fmaf(x[d + l], x[d + l], acc[l]);
+        for (int l = 0; l < 8; l++) acc[l] = fmaf(x[d + l], x[d + l], acc[l]);
     float b = acc[0];
-    for (int l = 1; l < 8; l++)
-        b = b + acc[l];
-    for (; d < v4; d++)
-        b = b + x[d] * x[d];
-    for (; d < n; d++)
-        b = fmaf(x[d], x[d], b);
+    for (int l = 1; l < 8; l++) b = b + acc[l];
+    for (; d < v4; d++) b = b + x[d] * x[d];
+    for (; d < n; d++) b = fmaf(x[d], x[d], b);
     return sqrtf(b);
 }
 
 static inline __attribute__((always_inline)) double norm2_body_f64(const double *x, int64_t n)
 {
     double b = 0;
-    for (int64_t d = 0; d < n; d++)
-        b = fma(x[d], x[d], b);
+    for (int64_t d = 0; d < n; d++) b = fma(x[d], x[d], b);
     return sqrt(b);
 }
 
@@ -542,13 +498,10 @@ K_AVX2 static float norm2_f32_avx2(const float *x, int64_t n)
     float lanes[8];
     _mm256_storeu_ps(lanes, acc);
     float b = lanes[0];
-    for (int l = 1; l < 8; l++)
-        b = b + lanes[l];
+    for (int l = 1; l < 8; l++) b = b + lanes[l];
     int64_t d = m, v4 = m + (n - m) / 4 * 4;
-    for (; d < v4; d++)
-        b = b + x[d] * x[d];
-    for (; d < n; d++)
-        b = fmaf(x[d], x[d], b);
+    for (; d < v4; d++) b = b + x[d] * x[d];
+    for (; d < n; d++) b = fmaf(x[d], x[d], b);
     return sqrtf(b);
 }
 
@@ -560,8 +513,7 @@ float ts__buf_norm2_f32_on(ts__kpath p, const float *x, int64_t n)
 {
     TS_ASSERT(ts__kpath_supported(p));
 #if K_X86
-    if (p >= TS__KPATH_AVX2)
-        return norm2_f32_avx2(x, n);
+    if (p >= TS__KPATH_AVX2) return norm2_f32_avx2(x, n);
 #endif
     return norm2_f32_scalar(x, n);
 }
@@ -570,8 +522,7 @@ double ts__buf_norm2_f64_on(ts__kpath p, const double *x, int64_t n)
 {
     TS_ASSERT(ts__kpath_supported(p));
 #if K_X86
-    if (p >= TS__KPATH_AVX2)
-        return norm2_f64_avx2(x, n);
+    if (p >= TS__KPATH_AVX2) return norm2_f64_avx2(x, n);
 #endif
     return norm2_f64_scalar(x, n);
 }

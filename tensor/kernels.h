@@ -53,24 +53,17 @@ static inline uint16_t ts__f32_to_bf16(float f)
 {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & UINT32_C(0x7FFFFFFF)) > UINT32_C(0x7F800000))
-        return UINT16_C(0x7FC0);
+    if ((u & UINT32_C(0x7FFFFFFF)) > UINT32_C(0x7F800000)) return UINT16_C(0x7FC0);
     return (uint16_t)((u + ((u >> 16) & 1u) + UINT32_C(0x7FFF)) >> 16);
 }
 
 /* The dtype an op accumulates in for inputs of dtype d: float32 for
  * float32, bfloat16 and float16 (PyTorch's CPU kernels), float64 for
  * float64; d itself for integer dtypes. */
-static inline ts_dtype ts__acc_dtype(ts_dtype d)
-{
-    return d == TS_BF16 || d == TS_F16 ? TS_F32 : d;
-}
+static inline ts_dtype ts__acc_dtype(ts_dtype d) { return d == TS_BF16 || d == TS_F16 ? TS_F32 : d; }
 
 /* True for the 16-bit floating dtypes. */
-static inline bool ts__is_half(ts_dtype d)
-{
-    return d == TS_BF16 || d == TS_F16;
-}
+static inline bool ts__is_half(ts_dtype d) { return d == TS_BF16 || d == TS_F16; }
 
 /* ------------------------------------------------------------ paths */
 
@@ -186,17 +179,15 @@ void ts__contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
 /* Advances a multi-index over dims [0, nd-1) of `shape` (the last dim is
  * the caller's inner loop) and moves each of the nops operands' offsets by
  * its strides; false once every outer index has been visited. */
-static inline bool ts__next_outer(int nd, const int64_t *shape, int64_t *idx, int nops,
-                                  int64_t (*strides)[TS_MAX_DIMS], int64_t *offs)
+static inline bool ts__next_outer(int nd, const int64_t *shape, int64_t *idx, int nops, int64_t (*strides)[TS_MAX_DIMS],
+                                  int64_t *offs)
 {
     for (int d = nd - 2; d >= 0; d--) {
         if (++idx[d] < shape[d]) {
-            for (int k = 0; k < nops; k++)
-                offs[k] += strides[k][d];
+            for (int k = 0; k < nops; k++) offs[k] += strides[k][d];
             return true;
         }
-        for (int k = 0; k < nops; k++)
-            offs[k] -= strides[k][d] * (shape[d] - 1);
+        for (int k = 0; k < nops; k++) offs[k] -= strides[k][d] * (shape[d] - 1);
         idx[d] = 0;
     }
     return false;

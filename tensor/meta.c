@@ -42,11 +42,15 @@ const char *ts_device_name(ts_device d)
 ts_status ts_device_scope_enter(ts_device d)
 {
     if (d != TS_DEVICE_CPU && d != TS_DEVICE_META)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_device_scope_enter: invalid device %d (TS_DEVICE_CPU or "
-                                                 "TS_DEVICE_META)", (int)d);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts_device_scope_enter: invalid device %d (TS_DEVICE_CPU or "
+                        "TS_DEVICE_META)",
+                        (int)d);
     if (tl_depth == TS_DEVICE_SCOPE_MAX_DEPTH)
-        return ts_error(TS_ERR_STATE, "ts_device_scope_enter: %d device scopes are open on this thread, the limit "
-                                      "(is a ts_device_scope_exit missing?)", tl_depth);
+        return ts_error(TS_ERR_STATE,
+                        "ts_device_scope_enter: %d device scopes are open on this thread, the limit "
+                        "(is a ts_device_scope_exit missing?)",
+                        tl_depth);
     tl_scope[tl_depth++] = d;
     return TS_OK;
 }
@@ -54,8 +58,9 @@ ts_status ts_device_scope_enter(ts_device d)
 ts_status ts_device_scope_exit(void)
 {
     if (tl_depth == 0)
-        return ts_error(TS_ERR_STATE, "ts_device_scope_exit: no device scope is open on this thread (each exit "
-                                      "closes a ts_device_scope_enter of the same thread)");
+        return ts_error(TS_ERR_STATE,
+                        "ts_device_scope_exit: no device scope is open on this thread (each exit "
+                        "closes a ts_device_scope_enter of the same thread)");
     tl_depth--;
     return TS_OK;
 }
@@ -83,8 +88,7 @@ static _Thread_local ts_meta_ledger *tl_ledger;
 
 static void ledger_release(ts_meta_ledger *l)
 {
-    if (!l || atomic_fetch_sub_explicit(&l->refcount, 1, memory_order_acq_rel) != 1)
-        return;
+    if (!l || atomic_fetch_sub_explicit(&l->refcount, 1, memory_order_acq_rel) != 1) return;
     pthread_mutex_destroy(&l->lock);
     free(l); /* calloc'd by thread_ledger: libc, see there */
 }
@@ -96,15 +100,13 @@ static void key_init(void) { (void)pthread_key_create(&ledger_key, thread_ended)
  * `make` (NULL if it cannot be). */
 static ts_meta_ledger *thread_ledger(bool make)
 {
-    if (tl_ledger || !make)
-        return tl_ledger;
+    if (tl_ledger || !make) return tl_ledger;
     pthread_once(&key_once, key_init);
     /* libc, not the hook: the ledger lives as long as its thread (the main
      * thread's for good), and the thread-exit destructor may run after
      * ts_set_allocator swapped the allocator */
     ts_meta_ledger *l = calloc(1, sizeof *l);
-    if (!l)
-        return NULL;
+    if (!l) return NULL;
     atomic_init(&l->refcount, 1);
     pthread_mutex_init(&l->lock, NULL);
     (void)pthread_setspecific(ledger_key, l); /* the thread's reference, dropped when it ends */
@@ -121,8 +123,7 @@ static size_t page_bytes(void)
 /* What the pool (or, pinned, ts__pinned_alloc) hands out for nbytes. */
 static size_t block_for(size_t nbytes, bool pinned)
 {
-    if (!pinned)
-        return ts__pool_block_bytes(nbytes);
+    if (!pinned) return ts__pool_block_bytes(nbytes);
     size_t pg = page_bytes();
     return (nbytes ? nbytes + pg - 1 : pg) / pg * pg;
 }
@@ -137,12 +138,10 @@ static void count_alloc(ts_meta_ledger *l, size_t bytes, bool pinned)
         l->cached_bytes -= bytes;
     } else if (!pinned) {
         l->pool += bytes;
-        if (l->pool > l->pool_peak)
-            l->pool_peak = l->pool;
+        if (l->pool > l->pool_peak) l->pool_peak = l->pool;
     }
     l->live += bytes;
-    if (l->live > l->peak)
-        l->peak = l->live;
+    if (l->live > l->peak) l->peak = l->live;
 }
 
 static void count_free(ts_meta_ledger *l, size_t bytes, bool pinned)
@@ -178,8 +177,7 @@ ts_status ts__meta_ledger_alloc(ts_storage *s, size_t nbytes)
 void ts__meta_ledger_free(ts_storage *s)
 {
     ts_meta_ledger *l = s->ledger;
-    if (!l || !s->block_bytes)
-        return;
+    if (!l || !s->block_bytes) return;
     pthread_mutex_lock(&l->lock);
     count_free(l, s->block_bytes, s->pinned);
     pthread_mutex_unlock(&l->lock);
@@ -189,12 +187,10 @@ void ts__meta_ledger_free(ts_storage *s)
 void ts__meta_ledger_forget(ts_storage *s)
 {
     ts_meta_ledger *l = s->ledger;
-    if (!l || !s->block_bytes)
-        return;
+    if (!l || !s->block_bytes) return;
     pthread_mutex_lock(&l->lock);
     l->live -= s->block_bytes;
-    if (!s->pinned)
-        l->pool -= s->block_bytes;
+    if (!s->pinned) l->pool -= s->block_bytes;
     pthread_mutex_unlock(&l->lock);
     s->block_bytes = 0;
 }
@@ -208,32 +204,26 @@ void ts__meta_ledger_detach(ts_storage *s)
 void ts__meta_scratch(int n, const size_t *nbytes)
 {
     ts_meta_ledger *l = thread_ledger(true);
-    if (!l || n <= 0)
-        return;
+    if (!l || n <= 0) return;
     pthread_mutex_lock(&l->lock);
-    for (int i = 0; i < n; i++)
-        count_alloc(l, ts__pool_block_bytes(nbytes[i]), false);
-    for (int i = 0; i < n; i++)
-        count_free(l, ts__pool_block_bytes(nbytes[i]), false);
+    for (int i = 0; i < n; i++) count_alloc(l, ts__pool_block_bytes(nbytes[i]), false);
+    for (int i = 0; i < n; i++) count_free(l, ts__pool_block_bytes(nbytes[i]), false);
     pthread_mutex_unlock(&l->lock);
 }
 
 void ts__meta_cache_blocks(int n, const size_t *nbytes)
 {
     ts_meta_ledger *l = thread_ledger(true);
-    if (!l || n <= 0)
-        return;
+    if (!l || n <= 0) return;
     pthread_mutex_lock(&l->lock);
     for (int i = 0; i < n; i++) {
         size_t cb;
         int c = ts__pool_size_class(nbytes[i], &cb);
-        if (c < 0)
-            continue; /* larger than every class: the pool does not keep it */
+        if (c < 0) continue; /* larger than every class: the pool does not keep it */
         l->cached[c]++;
         l->cached_bytes += cb;
         l->pool += cb;
-        if (l->pool > l->pool_peak)
-            l->pool_peak = l->pool;
+        if (l->pool > l->pool_peak) l->pool_peak = l->pool;
     }
     pthread_mutex_unlock(&l->lock);
 }
@@ -242,11 +232,10 @@ ts_meta_stats ts_meta_get_stats(void)
 {
     ts_meta_stats r = {0};
     ts_meta_ledger *l = thread_ledger(false);
-    if (!l)
-        return r;
+    if (!l) return r;
     pthread_mutex_lock(&l->lock);
-    r = (ts_meta_stats){.live = l->live, .peak = l->peak, .pool = l->pool, .pool_peak = l->pool_peak,
-                        .cached = l->cached_bytes};
+    r = (ts_meta_stats){
+        .live = l->live, .peak = l->peak, .pool = l->pool, .pool_peak = l->pool_peak, .cached = l->cached_bytes};
     pthread_mutex_unlock(&l->lock);
     return r;
 }
@@ -254,8 +243,7 @@ ts_meta_stats ts_meta_get_stats(void)
 void ts_meta_reset_peak(void)
 {
     ts_meta_ledger *l = thread_ledger(false);
-    if (!l)
-        return;
+    if (!l) return;
     pthread_mutex_lock(&l->lock);
     l->peak = l->live;
     l->pool_peak = l->pool;
@@ -265,8 +253,7 @@ void ts_meta_reset_peak(void)
 void ts_meta_empty_cache(void)
 {
     ts_meta_ledger *l = thread_ledger(false);
-    if (!l)
-        return;
+    if (!l) return;
     pthread_mutex_lock(&l->lock);
     l->pool -= l->cached_bytes;
     l->cached_bytes = 0;
@@ -285,13 +272,13 @@ void ts_meta_reset(void)
 ts_status ts__meta_error(const char *op, int index, const ts_tensor *t)
 {
     char s[96], who[48];
-    if (index >= 0)
-        snprintf(who, sizeof who, "input %d", index);
-    else
-        snprintf(who, sizeof who, "tensor");
-    return ts_error(TS_ERR_STATE, "%s: %s%s%s%s %s is on the meta device (it has no data): materialize the model or "
-                                  "load a checkpoint first%s", op, who, t->name ? " '" : "", t->name ? t->name : "",
-                    t->name ? "'" : "", ts_shape_str(t->ndim, t->shape, s, sizeof s),
+    if (index >= 0) snprintf(who, sizeof who, "input %d", index);
+    else snprintf(who, sizeof who, "tensor");
+    return ts_error(TS_ERR_STATE,
+                    "%s: %s%s%s%s %s is on the meta device (it has no data): materialize the model or "
+                    "load a checkpoint first%s",
+                    op, who, t->name ? " '" : "", t->name ? t->name : "", t->name ? "'" : "",
+                    ts_shape_str(t->ndim, t->shape, s, sizeof s),
                     index >= 0 ? " (inside ts_device_scope_enter(TS_DEVICE_META) ops compute only shapes and memory)"
                                : "");
 }

@@ -32,24 +32,21 @@
 static void load_rows(ts_dtype dt, float *dst, const char *src, int64_t rs, int64_t rows, int64_t cols)
 {
     size_t es = ts_dtype_size(dt);
-    for (int64_t r = 0; r < rows; r++)
-        ts__buf_convert(TS_F32, dst + r * cols, dt, src + (size_t)(r * rs) * es, cols);
+    for (int64_t r = 0; r < rows; r++) ts__buf_convert(TS_F32, dst + r * cols, dt, src + (size_t)(r * rs) * es, cols);
 }
 
 /* The inverse: rows x cols floats rounded into a 16-bit matrix. */
 static void store_rows(ts_dtype dt, char *dst, int64_t rs, const float *src, int64_t rows, int64_t cols)
 {
     size_t es = ts_dtype_size(dt);
-    for (int64_t r = 0; r < rows; r++)
-        ts__buf_convert(dt, dst + (size_t)(r * rs) * es, TS_F32, src + r * cols, cols);
+    for (int64_t r = 0; r < rows; r++) ts__buf_convert(dt, dst + (size_t)(r * rs) * es, TS_F32, src + r * cols, cols);
 }
 
 /* qs (T, hd) = round(q / s) for the head at qbh (row stride rs). */
 static void load_q_scaled(ts_dtype dt, float *qs, const char *qbh, int64_t rs, int64_t T, int64_t hd, float s)
 {
     load_rows(dt, qs, qbh, rs, T, hd);
-    for (int64_t i = 0; i < T * hd; i++)
-        qs[i] = ts__round_half(dt, qs[i] / s);
+    for (int64_t i = 0; i < T * hd; i++) qs[i] = ts__round_half(dt, qs[i] / s);
 }
 
 static ts_status attention_half_forward(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t H, const uint8_t *mp,
@@ -60,8 +57,7 @@ static ts_status attention_half_forward(ts_tensor *q, ts_tensor *k, ts_tensor *v
     size_t es = ts_dtype_size(dt);
     float sdiv = ts__round_half(dt, (float)sqrt((double)hd));
     float *buf = ts__malloc(TS_MEM_OTHER, (size_t)(2 * T * hd + 2 * S * hd + TS_ + 1) * sizeof *buf);
-    if (!buf)
-        return TS_ERR_NO_MEMORY;
+    if (!buf) return TS_ERR_NO_MEMORY;
     float *qf = buf, *kf = qf + T * hd, *vf = kf + S * hd, *wf = vf + S * hd, *of = wf + TS_;
     const char *qp = ts_tensor_data(q), *kp = ts_tensor_data(k), *vp = ts_tensor_data(v);
     char *Pp = ts_tensor_data(P), *op_ = ts_tensor_data(o);
@@ -73,16 +69,14 @@ static ts_status attention_half_forward(ts_tensor *q, ts_tensor *k, ts_tensor *v
             load_rows(dt, vf, vp + (size_t)(b * v->strides[0] + h * hd) * es, v->strides[1], S, hd);
             /* A (T, S) = qs @ k^T, rounded, -inf where masked */
             ts__gemm(TS_F32, T, S, hd, qf, hd, 1, kf, 1, hd, 0.0, wf, S, 1);
-            for (int64_t i = 0; i < TS_; i++)
-                wf[i] = mp && mp[i] ? -INFINITY : wf[i];
+            for (int64_t i = 0; i < TS_; i++) wf[i] = mp && mp[i] ? -INFINITY : wf[i];
             uint16_t *Pbh = (uint16_t *)(void *)(Pp + (size_t)((b * H + h) * TS_) * es);
             store_rows(dt, (char *)Pbh, S, wf, T, S);
             ts__softmax_rows_half(dt, Pbh, Pbh, T, S, false);
             load_rows(dt, wf, (const char *)Pbh, S, T, S);
             if (Dp) {
                 const uint16_t *Dbh = Dp + (b * H + h) * TS_;
-                for (int64_t i = 0; i < TS_; i++)
-                    wf[i] = ts__round_half(dt, wf[i] * ts__half_to_f32(dt, Dbh[i]));
+                for (int64_t i = 0; i < TS_; i++) wf[i] = ts__round_half(dt, wf[i] * ts__half_to_f32(dt, Dbh[i]));
             }
             /* O (T, hd) = W @ v, rounded into the head's columns */
             ts__gemm(TS_F32, T, hd, S, wf, S, 1, vf, hd, 1, 0.0, of, hd, 1);
@@ -101,8 +95,7 @@ static ts_status attention_half_backward(ts_tensor *q, ts_tensor *k, ts_tensor *
     float sdiv = ts__round_half(dt, (float)sqrt((double)hd));
     size_t nf = (size_t)(3 * T * hd + 4 * S * hd + 2 * TS_ + 1);
     float *buf = ts__malloc(TS_MEM_OTHER, nf * sizeof *buf + (size_t)(TS_ + 1) * sizeof(uint16_t));
-    if (!buf)
-        return TS_ERR_NO_MEMORY;
+    if (!buf) return TS_ERR_NO_MEMORY;
     float *qf = buf, *kf = qf + T * hd, *vf = kf + S * hd, *gf = vf + S * hd, *wf = gf + T * hd, *dwf = wf + TS_;
     float *dqf = dwf + TS_, *dkf = dqf + T * hd, *dvf = dkf + S * hd;
     uint16_t *dsh = (uint16_t *)(void *)(buf + nf);
@@ -120,8 +113,7 @@ static ts_status attention_half_backward(ts_tensor *q, ts_tensor *k, ts_tensor *
             const uint16_t *Dbh = Dp ? Dp + (b * H + h) * TS_ : NULL;
             load_rows(dt, wf, Pbh, S, T, S);
             if (Dbh)
-                for (int64_t i = 0; i < TS_; i++)
-                    wf[i] = ts__round_half(dt, wf[i] * ts__half_to_f32(dt, Dbh[i]));
+                for (int64_t i = 0; i < TS_; i++) wf[i] = ts__round_half(dt, wf[i] * ts__half_to_f32(dt, Dbh[i]));
             /* bmm(W, v): dv (S, hd) = W^T @ dO, dW (T, S) = dO @ v^T */
             ts__gemm(TS_F32, S, hd, T, wf, 1, S, gf, hd, 1, 0.0, dvf, hd, 1);
             store_rows(dt, dvp + (size_t)(b * S * E + h * hd) * es, E, dvf, S, hd);
@@ -129,8 +121,7 @@ static ts_status attention_half_backward(ts_tensor *q, ts_tensor *k, ts_tensor *
             ts__round_half_buf(dt, dwf, TS_);
             /* dropout: dP = dW * noise */
             if (Dbh)
-                for (int64_t i = 0; i < TS_; i++)
-                    dwf[i] = ts__round_half(dt, dwf[i] * ts__half_to_f32(dt, Dbh[i]));
+                for (int64_t i = 0; i < TS_; i++) dwf[i] = ts__round_half(dt, dwf[i] * ts__half_to_f32(dt, Dbh[i]));
             /* softmax: dA = P * (dP - sum(dP * P)) */
             store_rows(dt, (char *)dsh, S, dwf, T, S);
             ts__softmax_bw_rows_half(dt, dsh, Pbh, dsh, T, S, false);
@@ -140,8 +131,7 @@ static ts_status attention_half_backward(ts_tensor *q, ts_tensor *k, ts_tensor *
             ts__gemm(TS_F32, S, hd, T, dwf, 1, S, qf, hd, 1, 0.0, dkf, hd, 1);
             store_rows(dt, dkp + (size_t)(b * S * E + h * hd) * es, E, dkf, S, hd);
             /* qs = q / s: dq = round(dqs) / s, rounded */
-            for (int64_t i = 0; i < T * hd; i++)
-                dqf[i] = ts__round_half(dt, dqf[i]) / sdiv;
+            for (int64_t i = 0; i < T * hd; i++) dqf[i] = ts__round_half(dt, dqf[i]) / sdiv;
             store_rows(dt, dqp + (size_t)(b * T * E + h * hd) * es, E, dqf, T, hd);
         }
     ts__free(TS_MEM_OTHER, buf);
@@ -164,23 +154,15 @@ static ts_status attention_backward_impl(ts_node *n, ts_tensor **g, ts_tensor **
     ts_tensor *go = NULL, *dq = NULL, *dk = NULL, *dv = NULL, *dp = NULL, *pd = NULL;
     ts_status st = ts_contiguous(g[0], &go);
     int64_t qs[3] = {B, T, E}, ks[3] = {B, S, E}, ps[2] = {T, S};
-    if (!st)
-        st = ts__tensor_new(dt, 3, qs, &dq);
-    if (!st)
-        st = ts__tensor_new(dt, 3, ks, &dk);
-    if (!st)
-        st = ts__tensor_new(dt, 3, ks, &dv);
-    if (!st)
-        st = ts__tensor_new(dt, 2, ps, &dp);
-    if (!st && D)
-        st = ts__tensor_new(dt, 2, ps, &pd);
-    if (st)
-        goto done;
-    if (ts__meta_mode())
-        goto grads; /* meta: the gradients allocated, nothing to compute */
+    if (!st) st = ts__tensor_new(dt, 3, qs, &dq);
+    if (!st) st = ts__tensor_new(dt, 3, ks, &dk);
+    if (!st) st = ts__tensor_new(dt, 3, ks, &dv);
+    if (!st) st = ts__tensor_new(dt, 2, ps, &dp);
+    if (!st && D) st = ts__tensor_new(dt, 2, ps, &pd);
+    if (st) goto done;
+    if (ts__meta_mode()) goto grads; /* meta: the gradients allocated, nothing to compute */
     if (ts__is_half(dt)) {
-        if ((st = attention_half_backward(q, k, v, H, P, D, go, dq, dk, dv)))
-            goto done;
+        if ((st = attention_half_backward(q, k, v, H, P, D, go, dq, dk, dv))) goto done;
         goto grads;
     }
     const char *qp = ts_tensor_data(q), *kp = ts_tensor_data(k), *vp = ts_tensor_data(v), *gp = ts_tensor_data(go);
@@ -213,20 +195,16 @@ static ts_status attention_backward_impl(ts_node *n, ts_tensor **g, ts_tensor **
             ts__gemm(dt, T, S, hd, gbh, E, 1, vbh, v->strides[2], v->strides[1], 0.0, dpp, S, 1);
             if (Dbh) {
                 if (dt == TS_F32)
-                    for (int64_t i = 0; i < TS_; i++)
-                        ((float *)dpp)[i] *= ((const float *)Dbh)[i];
+                    for (int64_t i = 0; i < TS_; i++) ((float *)dpp)[i] *= ((const float *)Dbh)[i];
                 else
-                    for (int64_t i = 0; i < TS_; i++)
-                        ((double *)dpp)[i] *= ((const double *)Dbh)[i];
+                    for (int64_t i = 0; i < TS_; i++) ((double *)dpp)[i] *= ((const double *)Dbh)[i];
             }
             /* dScores = scale * softmax_backward(P, dP), in place */
             ts__softmax_bw_rows(dt, dpp, Pbh, dpp, T, S);
             if (dt == TS_F32)
-                for (int64_t i = 0; i < TS_; i++)
-                    ((float *)dpp)[i] *= (float)scale;
+                for (int64_t i = 0; i < TS_; i++) ((float *)dpp)[i] *= (float)scale;
             else
-                for (int64_t i = 0; i < TS_; i++)
-                    ((double *)dpp)[i] *= scale;
+                for (int64_t i = 0; i < TS_; i++) ((double *)dpp)[i] *= scale;
             /* dq (T, hd) = dS (T, S) @ k (S, hd); dk (S, hd) = dS^T (S, T) @ q (T, hd) */
             ts__gemm(dt, T, hd, S, dpp, S, 1, kbh, k->strides[1], k->strides[2], 0.0, dqp + (b * T * E + h * hd) * es,
                      E, 1);
@@ -266,11 +244,23 @@ static ts_status attention_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 static ts__flash_problem flash_problem(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t H, const uint8_t *mask,
                                        double scale, ts_tensor *keep, float drop_scale)
 {
-    return (ts__flash_problem){.B = q->shape[0], .H = H, .T = q->shape[1], .S = k->shape[1], .hd = q->shape[2] / H,
-                               .q = ts_tensor_data(q), .k = ts_tensor_data(k), .v = ts_tensor_data(v),
-                               .q_sb = q->strides[0], .q_st = q->strides[1], .k_sb = k->strides[0],
-                               .k_st = k->strides[1], .v_sb = v->strides[0], .v_st = v->strides[1], .mask = mask,
-                               .scale = (float)scale, .keep = keep ? ts_tensor_data(keep) : NULL,
+    return (ts__flash_problem){.B = q->shape[0],
+                               .H = H,
+                               .T = q->shape[1],
+                               .S = k->shape[1],
+                               .hd = q->shape[2] / H,
+                               .q = ts_tensor_data(q),
+                               .k = ts_tensor_data(k),
+                               .v = ts_tensor_data(v),
+                               .q_sb = q->strides[0],
+                               .q_st = q->strides[1],
+                               .k_sb = k->strides[0],
+                               .k_st = k->strides[1],
+                               .v_sb = v->strides[0],
+                               .v_st = v->strides[1],
+                               .mask = mask,
+                               .scale = (float)scale,
+                               .keep = keep ? ts_tensor_data(keep) : NULL,
                                .drop_scale = drop_scale};
 }
 
@@ -286,12 +276,9 @@ static ts_status flash_backward_impl(ts_node *n, ts_tensor **g, ts_tensor **gin)
     ts_tensor *go = NULL, *dq = NULL, *dk = NULL, *dv = NULL;
     int64_t qs[3] = {B, T, E}, ks[3] = {B, S, E};
     ts_status st = ts_contiguous(g[0], &go);
-    if (!st)
-        st = ts__tensor_new(TS_F32, 3, qs, &dq);
-    if (!st)
-        st = ts__tensor_new(TS_F32, 3, ks, &dk);
-    if (!st)
-        st = ts__tensor_new(TS_F32, 3, ks, &dv);
+    if (!st) st = ts__tensor_new(TS_F32, 3, qs, &dq);
+    if (!st) st = ts__tensor_new(TS_F32, 3, ks, &dk);
+    if (!st) st = ts__tensor_new(TS_F32, 3, ks, &dv);
     if (!st && !ts__is_meta(dq)) { /* meta: nothing to compute */
         ts__flash_problem pr =
             flash_problem(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, n->dargs[0], keep, (float)n->dargs[1]);
@@ -327,16 +314,14 @@ static ts_status flash_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 static ts_status flash_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t H, ts_tensor *mc, double scale,
                                  double drop_p, ts_generator *gen, ts_tensor **out)
 {
-    int64_t B = q->shape[0], T = q->shape[1], S = k->shape[1], E = q->shape[2], os[3] = {B, T, E},
-            ls[3] = {B, H, T}, ks[4] = {B, H, T, TS__FLASH_KEEP_WORDS(S)};
+    int64_t B = q->shape[0], T = q->shape[1], S = k->shape[1], E = q->shape[2], os[3] = {B, T, E}, ls[3] = {B, H, T},
+            ks[4] = {B, H, T, TS__FLASH_KEEP_WORDS(S)};
     ts_tensor *o = NULL, *lse = NULL, *keep = NULL, *in[3] = {q, k, v};
     float ds = 1.0f;
     ts_status st;
-    if ((st = ts__tensor_new(TS_F32, 3, os, &o)) || (st = ts__tensor_new(TS_F32, 3, ls, &lse)))
-        goto fail;
+    if ((st = ts__tensor_new(TS_F32, 3, os, &o)) || (st = ts__tensor_new(TS_F32, 3, ls, &lse))) goto fail;
     if (drop_p > 0) {
-        if ((st = ts__tensor_new(TS_I32, 4, ks, &keep)))
-            goto fail;
+        if ((st = ts__tensor_new(TS_I32, 4, ks, &keep))) goto fail;
         if (!ts__is_meta(keep)) /* meta: no draw, the generator stays */
             ts__rng_bernoulli_bits(gen, 1.0 - drop_p, B * H * T, S, ks[3], ts_tensor_data(keep));
         ds = 1.0f / (float)(1.0 - drop_p);
@@ -358,8 +343,7 @@ static ts_status flash_attention(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64
             !(st = ts__node_save(n, 6, keep)))
             ts__node_set_output(n, 0, o);
         ts__node_free(n);
-        if (st)
-            goto fail;
+        if (st) goto fail;
     }
     ts_tensor_free(lse);
     ts_tensor_free(keep);
@@ -379,10 +363,10 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
     ts_tensor *in[3] = {q, k, v};
     ts_status st;
     if ((st = ts__check_inputs(op, 3, in)) || (mask && (st = ts__check_inputs(op, 1, &mask))) ||
-        (st = ts__check_floating(op, q)) || (st = ts__check_same_dtype(op, q, k)) || (st = ts__check_same_dtype(op, q, v)))
+        (st = ts__check_floating(op, q)) || (st = ts__check_same_dtype(op, q, k)) ||
+        (st = ts__check_same_dtype(op, q, v)))
         return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", op);
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", op);
     char s1[96], s2[96], s3[96];
     if (q->ndim != 3 || k->ndim != 3 || v->ndim != 3 || k->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] ||
         k->shape[2] != q->shape[2] || v->shape[2] != q->shape[2] || v->shape[1] != k->shape[1])
@@ -400,8 +384,13 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: dropout probability %g must be in [0, 1)", op, dropout_p);
     for (int i = 0; i < 3; i++)
         if (in[i]->strides[2] != 1)
-            return ts_error(TS_ERR_NOT_VIEWABLE, "%s: %s must have unit stride in its last dim (got %lld); make it "
-                                                 "contiguous", op, i == 0 ? "q" : i == 1 ? "k" : "v",
+            return ts_error(TS_ERR_NOT_VIEWABLE,
+                            "%s: %s must have unit stride in its last dim (got %lld); make it "
+                            "contiguous",
+                            op,
+                            i == 0       ? "q"
+                                : i == 1 ? "k"
+                                         : "v",
                             (long long)in[i]->strides[2]);
     int64_t H = num_heads, hd = E / H, TS_ = T * S;
     double scale = 1.0 / sqrt((double)hd);
@@ -413,8 +402,7 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
     /* float32, with or without dropout: the fused kernel, unless a row is
      * wholly masked (NaN rows: the reference path gives PyTorch's NaNs) */
     if (dt == TS_F32 && T > 0 && S > 0 && ts__flash_enabled()) {
-        if (mask && (st = ts_contiguous(mask, &mc)))
-            return st;
+        if (mask && (st = ts_contiguous(mask, &mc))) return st;
         /* a meta mask's rows are unknown: taken as not wholly masked (a
          * causal mask is not) */
         if (ts__flash_mask_ok(mc ? ts_tensor_data(mc) : NULL, T, S)) {
@@ -425,11 +413,9 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
         ts_tensor_free(mc);
         mc = NULL;
     }
-    if ((st = ts__tensor_new(dt, 3, os, &o)) || (st = ts__tensor_new(dt, 4, pshape, &P)))
-        goto fail;
+    if ((st = ts__tensor_new(dt, 3, os, &o)) || (st = ts__tensor_new(dt, 4, pshape, &P))) goto fail;
     if (ts__is_half(dt)) {
-        if (mask && (st = ts_contiguous(mask, &mc)))
-            goto fail;
+        if (mask && (st = ts_contiguous(mask, &mc))) goto fail;
         if ((drop && (st = ts__dropout_noise_half(dt, 4, pshape, dropout_p, gen, &D))) ||
             (!ts__is_meta(o) && (st = attention_half_forward(q, k, v, H, mc ? ts_tensor_data(mc) : NULL, P, D, o))))
             goto fail;
@@ -445,22 +431,18 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
         bool prev = ts_grad_mode_set(false);
         st = ts_div_scalar(D, 1.0 - dropout_p, &scaled);
         ts_grad_mode_set(prev);
-        if (st)
-            goto fail;
+        if (st) goto fail;
         ts_tensor_free(D);
         D = scaled;
         int64_t ps[2] = {T, S};
-        if ((st = ts__tensor_new(dt, 2, ps, &W)))
-            goto fail;
+        if ((st = ts__tensor_new(dt, 2, ps, &W))) goto fail;
     }
-    if (mask && (st = ts_contiguous(mask, &mc)))
-        goto fail;
+    if (mask && (st = ts_contiguous(mask, &mc))) goto fail;
     const char *qp = ts_tensor_data(q), *kp = ts_tensor_data(k), *vp = ts_tensor_data(v);
     const uint8_t *mp = mc ? ts_tensor_data(mc) : NULL;
     char *Pp = ts_tensor_data(P), *op_ = ts_tensor_data(o), *Dp = D ? ts_tensor_data(D) : NULL,
          *Wp = W ? ts_tensor_data(W) : NULL;
-    if (ts__is_meta(o))
-        B = 0; /* meta: nothing to compute */
+    if (ts__is_meta(o)) B = 0; /* meta: nothing to compute */
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
             const char *qbh = qp + (b * q->strides[0] + h * hd) * es;
@@ -472,8 +454,7 @@ static ts_status attention_impl(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_
             if (dt == TS_F32) {
                 float *p = (float *)Pbh, fs = (float)scale;
                 for (int64_t t = 0; t < T; t++)
-                    for (int64_t s = 0; s < S; s++)
-                        p[t * S + s] = mp && mp[t * S + s] ? -INFINITY : fs * p[t * S + s];
+                    for (int64_t s = 0; s < S; s++) p[t * S + s] = mp && mp[t * S + s] ? -INFINITY : fs * p[t * S + s];
             } else {
                 double *p = (double *)Pbh;
                 for (int64_t t = 0; t < T; t++)
@@ -512,8 +493,7 @@ record:
             !(st = ts__node_save(n, 3, P)) && !(st = ts__node_save(n, 4, D)))
             ts__node_set_output(n, 0, o);
         ts__node_free(n);
-        if (st)
-            goto fail;
+        if (st) goto fail;
     }
     ts_tensor_free(P);
     ts_tensor_free(D);

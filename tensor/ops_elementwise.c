@@ -11,37 +11,74 @@
 #include <math.h>
 #include <string.h>
 
-
 typedef enum bop {
-    B_ADD, B_SUB, B_MUL, B_DIV,
+    B_ADD,
+    B_SUB,
+    B_MUL,
+    B_DIV,
     /* fused backward ops: x = incoming gradient, y = saved tensor */
-    B_DIV_BW_B,    /* -x * y / p... computed as -g*out/b: y = out, p unused -> see div backward */
-    B_RELU_BW,     /* x * (y > 0), y = input */
-    B_TANH_BW,     /* x * (1 - y*y), y = output */
-    B_SIGMOID_BW,  /* x * y * (1 - y), y = output */
-    B_SQRT_BW,     /* x / (2y), y = output */
-    B_RSQRT_BW,    /* -0.5 * x * y^3, y = output */
-    B_GELU_BW,     /* x * gelu'(y), y = input */
+    B_DIV_BW_B,   /* -x * y / p... computed as -g*out/b: y = out, p unused -> see div backward */
+    B_RELU_BW,    /* x * (y > 0), y = input */
+    B_TANH_BW,    /* x * (1 - y*y), y = output */
+    B_SIGMOID_BW, /* x * y * (1 - y), y = output */
+    B_SQRT_BW,    /* x / (2y), y = output */
+    B_RSQRT_BW,   /* -0.5 * x * y^3, y = output */
+    B_GELU_BW,    /* x * gelu'(y), y = input */
     B_GELU_TANH_BW,
-    B_POW_BW,      /* x * p * y^(p-1), y = input */
-    B_ABS_BW,      /* x * sign(y), y = input (sign(0) = sign(NaN) = 0, as torch's sgn) */
-    B_EQ,          /* bool output */
-    B_NE, B_LT, B_LE, B_GT, B_GE, /* bool output */
+    B_POW_BW, /* x * p * y^(p-1), y = input */
+    B_ABS_BW, /* x * sign(y), y = input (sign(0) = sign(NaN) = 0, as torch's sgn) */
+    B_EQ,     /* bool output */
+    B_NE,
+    B_LT,
+    B_LE,
+    B_GT,
+    B_GE, /* bool output */
     B_COUNT
 } bop;
 
 typedef enum uop {
-    U_NEG, U_EXP, U_LOG, U_SQRT, U_RSQRT, U_TANH, U_SIGMOID, U_RELU, U_GELU, U_GELU_TANH,
-    U_ADD_S, U_MUL_S, U_DIV_S, U_RSUB_S, U_POW_S, U_ABS, U_COUNT
+    U_NEG,
+    U_EXP,
+    U_LOG,
+    U_SQRT,
+    U_RSQRT,
+    U_TANH,
+    U_SIGMOID,
+    U_RELU,
+    U_GELU,
+    U_GELU_TANH,
+    U_ADD_S,
+    U_MUL_S,
+    U_DIV_S,
+    U_RSUB_S,
+    U_POW_S,
+    U_ABS,
+    U_COUNT
 } uop;
 
-static const char *const bop_names[B_COUNT] = {"add", "sub", "mul", "div", "div_backward", "relu_backward",
-                                               "tanh_backward", "sigmoid_backward", "sqrt_backward",
-                                               "rsqrt_backward", "gelu_backward", "gelu_backward", "pow_backward",
-                                               "abs_backward", "eq", "ne", "lt", "le", "gt", "ge"};
-static const char *const uop_names[U_COUNT] = {"neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu",
-                                               "gelu", "gelu", "add_scalar", "mul_scalar", "div_scalar", "rsub_scalar",
-                                               "pow_scalar", "abs"};
+static const char *const bop_names[B_COUNT] = {"add",
+                                               "sub",
+                                               "mul",
+                                               "div",
+                                               "div_backward",
+                                               "relu_backward",
+                                               "tanh_backward",
+                                               "sigmoid_backward",
+                                               "sqrt_backward",
+                                               "rsqrt_backward",
+                                               "gelu_backward",
+                                               "gelu_backward",
+                                               "pow_backward",
+                                               "abs_backward",
+                                               "eq",
+                                               "ne",
+                                               "lt",
+                                               "le",
+                                               "gt",
+                                               "ge"};
+static const char *const uop_names[U_COUNT] = {
+    "neg",  "exp",  "log",        "sqrt",       "rsqrt",      "tanh",        "sigmoid",    "relu",
+    "gelu", "gelu", "add_scalar", "mul_scalar", "div_scalar", "rsub_scalar", "pow_scalar", "abs"};
 _Static_assert(sizeof bop_names / sizeof *bop_names == B_COUNT, "bop names");
 _Static_assert(sizeof uop_names / sizeof *uop_names == U_COUNT, "uop names");
 
@@ -50,7 +87,6 @@ _Static_assert(sizeof uop_names / sizeof *uop_names == U_COUNT, "uop names");
 #define K_INV_SQRT_2PI 0.3989422804014327
 
 /* ----------------------------------------------------- scalar formulas */
-
 
 static inline __attribute__((always_inline)) double bin_d(bop op, double x, double y, double p)
 {
@@ -115,7 +151,13 @@ static inline __attribute__((always_inline)) float bin_f(bop op, float x, float 
     }
     case B_POW_BW: return p == 0.0f ? 0.0f : x * p * powf(y, p - 1.0f);
     case B_ABS_BW: return x * (float)((y > 0) - (y < 0));
-    case B_EQ: case B_NE: case B_LT: case B_LE: case B_GT: case B_GE: case B_COUNT: break;
+    case B_EQ:
+    case B_NE:
+    case B_LT:
+    case B_LE:
+    case B_GT:
+    case B_GE:
+    case B_COUNT: break;
     }
     return 0;
 }
@@ -168,7 +210,6 @@ static inline __attribute__((always_inline)) float un_f(uop op, float x, float p
     return 0;
 }
 
-
 /* Geometry of a binary op: output (contiguous) shape and the operands'
  * strides broadcast to it. */
 typedef struct bgeom {
@@ -178,7 +219,7 @@ typedef struct bgeom {
 } bgeom;
 
 static inline __attribute__((always_inline)) void bin_loop_f32(bop op, const bgeom *g, float *o, const float *a,
-                                                              const float *b, float p)
+                                                               const float *b, float p)
 {
     int nd = g->nd;
     if (nd == 0) {
@@ -193,22 +234,18 @@ static inline __attribute__((always_inline)) void bin_loop_f32(bop op, const bge
         float *restrict oo = o + offs[0];
         const float *restrict aa = a + offs[1], *restrict bb = b + offs[2];
         if (sa == 1 && sb == 1)
-            for (int64_t i = 0; i < n; i++)
-                oo[i] = bin_f(op, aa[i], bb[i], p);
+            for (int64_t i = 0; i < n; i++) oo[i] = bin_f(op, aa[i], bb[i], p);
         else if (sa == 1 && sb == 0)
-            for (int64_t i = 0; i < n; i++)
-                oo[i] = bin_f(op, aa[i], bb[0], p);
+            for (int64_t i = 0; i < n; i++) oo[i] = bin_f(op, aa[i], bb[0], p);
         else if (sa == 0 && sb == 1)
-            for (int64_t i = 0; i < n; i++)
-                oo[i] = bin_f(op, aa[0], bb[i], p);
+            for (int64_t i = 0; i < n; i++) oo[i] = bin_f(op, aa[0], bb[i], p);
         else
-            for (int64_t i = 0; i < n; i++)
-                oo[i] = bin_f(op, aa[i * sa], bb[i * sb], p);
+            for (int64_t i = 0; i < n; i++) oo[i] = bin_f(op, aa[i * sa], bb[i * sb], p);
     } while (ts__next_outer(nd, g->shape, idx, 3, str, offs));
 }
 
 static inline __attribute__((always_inline)) void bin_loop_f64(bop op, const bgeom *g, double *o, const double *a,
-                                                              const double *b, double p)
+                                                               const double *b, double p)
 {
     int nd = g->nd;
     if (nd == 0) {
@@ -221,8 +258,7 @@ static inline __attribute__((always_inline)) void bin_loop_f64(bop op, const bge
     do {
         double *restrict oo = o + offs[0];
         const double *restrict aa = a + offs[1], *restrict bb = b + offs[2];
-        for (int64_t i = 0; i < n; i++)
-            oo[i] = bin_d(op, aa[i * sa], bb[i * sb], p);
+        for (int64_t i = 0; i < n; i++) oo[i] = bin_d(op, aa[i * sa], bb[i * sb], p);
     } while (ts__next_outer(nd, g->shape, idx, 3, str, offs));
 }
 
@@ -251,16 +287,14 @@ static inline void ld_block_f16(float *d, const uint16_t *p, int64_t stride, int
         ts__buf_convert(TS_F32, d, TS_F16, p, m);
     } else if (stride == 0) {
         float v = ts_f16_to_f32(p[0]);
-        for (int64_t i = 0; i < m; i++)
-            d[i] = v;
+        for (int64_t i = 0; i < m; i++) d[i] = v;
     } else {
-        for (int64_t i = 0; i < m; i++)
-            d[i] = ts_f16_to_f32(p[i * stride]);
+        for (int64_t i = 0; i < m; i++) d[i] = ts_f16_to_f32(p[i * stride]);
     }
 }
 
 static inline __attribute__((always_inline)) void bin_loop_h(bop op, ts_dtype dt, const bgeom *g, uint16_t *o,
-                                                            const uint16_t *a, const uint16_t *b, float p)
+                                                             const uint16_t *a, const uint16_t *b, float p)
 {
     int nd = g->nd;
     if (nd == 0) {
@@ -285,8 +319,7 @@ static inline __attribute__((always_inline)) void bin_loop_h(bop op, ts_dtype dt
                 float fa[H_BLOCK], fb[H_BLOCK];
                 ld_block_f16(fa, aa + i0 * sa, sa, m);
                 ld_block_f16(fb, bb + i0 * sb, sb, m);
-                for (int64_t i = 0; i < m; i++)
-                    fa[i] = bin_f(op, fa[i], fb[i], p);
+                for (int64_t i = 0; i < m; i++) fa[i] = bin_f(op, fa[i], fb[i], p);
                 ts__buf_convert(TS_F16, oo + i0, TS_F32, fa, m);
             }
     } while (ts__next_outer(nd, g->shape, idx, 3, str, offs));
@@ -312,7 +345,8 @@ static void bin_loop_ref(bop op, const bgeom *g, ts_dtype od, void *o, ts_dtype 
     } while (ts__next_outer(nd, g->shape, idx, 3, str, offs));
 }
 
-__attribute__((target_clones("avx2", "default"))) static void bin_dispatch_f32(bop op, const bgeom *g, float *o, const float *a, const float *b, float p)
+__attribute__((target_clones("avx2", "default"))) static void bin_dispatch_f32(bop op, const bgeom *g, float *o,
+                                                                               const float *a, const float *b, float p)
 {
     switch (op) {
     case B_ADD: bin_loop_f32(B_ADD, g, o, a, b, p); break;
@@ -329,8 +363,13 @@ __attribute__((target_clones("avx2", "default"))) static void bin_dispatch_f32(b
     case B_GELU_TANH_BW: bin_loop_f32(B_GELU_TANH_BW, g, o, a, b, p); break;
     case B_POW_BW: bin_loop_f32(B_POW_BW, g, o, a, b, p); break;
     case B_ABS_BW: bin_loop_f32(B_ABS_BW, g, o, a, b, p); break;
-    case B_EQ: case B_NE: case B_LT: case B_LE: case B_GT: case B_GE: case B_COUNT:
-        TS_ASSERT(!"no f32 loop for this op");
+    case B_EQ:
+    case B_NE:
+    case B_LT:
+    case B_LE:
+    case B_GT:
+    case B_GE:
+    case B_COUNT: TS_ASSERT(!"no f32 loop for this op");
     }
 }
 
@@ -345,8 +384,9 @@ static void bin_dispatch_f64(bop op, const bgeom *g, double *o, const double *a,
     }
 }
 
-__attribute__((target_clones("avx2", "default"))) static void bin_dispatch_h(bop op, ts_dtype dt, const bgeom *g, uint16_t *o, const uint16_t *a, const uint16_t *b,
-                           float p)
+__attribute__((target_clones("avx2", "default"))) static void bin_dispatch_h(bop op, ts_dtype dt, const bgeom *g,
+                                                                             uint16_t *o, const uint16_t *a,
+                                                                             const uint16_t *b, float p)
 {
     switch (op) {
     case B_ADD: bin_loop_h(B_ADD, dt, g, o, a, b, p); break;
@@ -363,8 +403,13 @@ __attribute__((target_clones("avx2", "default"))) static void bin_dispatch_h(bop
     case B_GELU_TANH_BW: bin_loop_h(B_GELU_TANH_BW, dt, g, o, a, b, p); break;
     case B_POW_BW: bin_loop_h(B_POW_BW, dt, g, o, a, b, p); break;
     case B_ABS_BW: bin_loop_h(B_ABS_BW, dt, g, o, a, b, p); break;
-    case B_EQ: case B_NE: case B_LT: case B_LE: case B_GT: case B_GE: case B_COUNT:
-        TS_ASSERT(!"no 16-bit loop for this op");
+    case B_EQ:
+    case B_NE:
+    case B_LT:
+    case B_LE:
+    case B_GT:
+    case B_GE:
+    case B_COUNT: TS_ASSERT(!"no 16-bit loop for this op");
     }
 }
 
@@ -374,10 +419,8 @@ __attribute__((target_clones("avx2", "default"))) static void bin_dispatch_h(bop
  * torch 1.13: bf16 `x * 0.1` is round(x * bf16(0.1)) bit for bit). */
 static double scalar_in(ts_dtype d, double p)
 {
-    if (d == TS_BF16)
-        return ts__bf16_to_f32(ts__f32_to_bf16((float)p));
-    if (d == TS_F16)
-        return ts_f16_to_f32(ts_f32_to_f16((float)p));
+    if (d == TS_BF16) return ts__bf16_to_f32(ts__f32_to_bf16((float)p));
+    if (d == TS_F16) return ts_f16_to_f32(ts_f32_to_f16((float)p));
     return p;
 }
 
@@ -388,13 +431,11 @@ static ts_status binary_kernel(bop op, ts_tensor *a, ts_tensor *b, double p, ts_
     ts_status st;
     bgeom g;
     p = scalar_in(a->dtype, p);
-    if ((st = ts__broadcast_shape(name, a->ndim, a->shape, b->ndim, b->shape, &g.nd, g.shape)))
-        return st;
+    if ((st = ts__broadcast_shape(name, a->ndim, a->shape, b->ndim, b->shape, &g.nd, g.shape))) return st;
     bool cmp = op >= B_EQ;
     ts_dtype od = cmp ? TS_BOOL : a->dtype;
     ts_tensor *o;
-    if ((st = ts__tensor_new(od, g.nd, g.shape, &o)))
-        return st;
+    if ((st = ts__tensor_new(od, g.nd, g.shape, &o))) return st;
     memcpy(g.str[0], o->strides, sizeof o->strides);
     ts__broadcast_strides(a, g.nd, g.shape, g.str[1]);
     ts__broadcast_strides(b, g.nd, g.shape, g.str[2]);
@@ -404,12 +445,9 @@ static ts_status binary_kernel(bop op, ts_tensor *a, ts_tensor *b, double p, ts_
         if (ts__use_reference_kernels || cmp || a->dtype != b->dtype ||
             (a->dtype != TS_F32 && a->dtype != TS_F64 && !ts__is_half(a->dtype)))
             bin_loop_ref(op, &g, od, od_p, a->dtype, ap, b->dtype, bp, p);
-        else if (ts__is_half(a->dtype))
-            bin_dispatch_h(op, a->dtype, &g, od_p, ap, bp, (float)p);
-        else if (a->dtype == TS_F32)
-            bin_dispatch_f32(op, &g, od_p, ap, bp, (float)p);
-        else
-            bin_dispatch_f64(op, &g, od_p, ap, bp, p);
+        else if (ts__is_half(a->dtype)) bin_dispatch_h(op, a->dtype, &g, od_p, ap, bp, (float)p);
+        else if (a->dtype == TS_F32) bin_dispatch_f32(op, &g, od_p, ap, bp, (float)p);
+        else bin_dispatch_f64(op, &g, od_p, ap, bp, p);
     }
     *out = o;
     return TS_OK;
@@ -418,11 +456,11 @@ static ts_status binary_kernel(bop op, ts_tensor *a, ts_tensor *b, double p, ts_
 static inline __attribute__((always_inline)) void un_loop_f32(uop op, int64_t n, float *restrict o,
                                                               const float *restrict a, float p)
 {
-    for (int64_t i = 0; i < n; i++)
-        o[i] = un_f(op, a[i], p);
+    for (int64_t i = 0; i < n; i++) o[i] = un_f(op, a[i], p);
 }
 
-__attribute__((target_clones("avx2", "default"))) static void un_dispatch_f32(uop op, int64_t n, float *o, const float *a, float p)
+__attribute__((target_clones("avx2", "default"))) static void un_dispatch_f32(uop op, int64_t n, float *o,
+                                                                              const float *a, float p)
 {
     switch (op) {
     case U_NEG: un_loop_f32(U_NEG, n, o, a, p); break;
@@ -446,23 +484,22 @@ __attribute__((target_clones("avx2", "default"))) static void un_dispatch_f32(uo
 }
 
 static inline __attribute__((always_inline)) void un_loop_h(uop op, ts_dtype dt, int64_t n, uint16_t *restrict o,
-                                                           const uint16_t *restrict a, float p)
+                                                            const uint16_t *restrict a, float p)
 {
     if (dt == TS_BF16)
-        for (int64_t i = 0; i < n; i++)
-            o[i] = ts__f32_to_bf16(un_f(op, ts__bf16_to_f32(a[i]), p));
+        for (int64_t i = 0; i < n; i++) o[i] = ts__f32_to_bf16(un_f(op, ts__bf16_to_f32(a[i]), p));
     else
         for (int64_t i0 = 0; i0 < n; i0 += H_BLOCK) {
             int64_t m = n - i0 < H_BLOCK ? n - i0 : H_BLOCK;
             float f[H_BLOCK];
             ts__buf_convert(TS_F32, f, TS_F16, a + i0, m);
-            for (int64_t i = 0; i < m; i++)
-                f[i] = un_f(op, f[i], p);
+            for (int64_t i = 0; i < m; i++) f[i] = un_f(op, f[i], p);
             ts__buf_convert(TS_F16, o + i0, TS_F32, f, m);
         }
 }
 
-__attribute__((target_clones("avx2", "default"))) static void un_dispatch_h(uop op, ts_dtype dt, int64_t n, uint16_t *o, const uint16_t *a, float p)
+__attribute__((target_clones("avx2", "default"))) static void un_dispatch_h(uop op, ts_dtype dt, int64_t n, uint16_t *o,
+                                                                            const uint16_t *a, float p)
 {
     switch (op) {
     case U_NEG: un_loop_h(U_NEG, dt, n, o, a, p); break;
@@ -496,15 +533,13 @@ static ts_status unary_kernel(uop op, ts_tensor *a, double p, ts_tensor **out)
         bool grad = ts_grad_mode_set(false);
         ts_status st = ts_contiguous(a, &c);
         ts_grad_mode_set(grad);
-        if (!st)
-            st = unary_kernel(op, c, p, out);
+        if (!st) st = unary_kernel(op, c, p, out);
         ts_tensor_free(c);
         return st;
     }
     ts_tensor *o;
     ts_status st = ts__tensor_new(a->dtype, a->ndim, a->shape, &o);
-    if (st)
-        return st;
+    if (st) return st;
     int64_t n = ts_tensor_numel(a);
     if (n > 0 && !ts__is_meta(o)) {
         if (!ts__use_reference_kernels && a->dtype == TS_F32 && ts__is_contiguous(a)) {
@@ -554,8 +589,7 @@ ts_status ts__add_inplace(ts_tensor *dst, const ts_tensor *src)
     }
     ts_tensor *sum;
     ts_status st = binary_kernel(B_ADD, dst, (ts_tensor *)src, 0, &sum);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts__copy_into("add_", dst, sum);
     ts_tensor_free(sum);
     return st;
@@ -569,12 +603,10 @@ ts_status ts__reduce_to_shape(ts_tensor *g, int ndim, const int64_t *shape, ts_t
     }
     int dims[TS_MAX_DIMS], nd = 0, lead = g->ndim - ndim;
     for (int i = 0; i < g->ndim; i++)
-        if (i < lead || (shape[i - lead] == 1 && g->shape[i] != 1))
-            dims[nd++] = i;
+        if (i < lead || (shape[i - lead] == 1 && g->shape[i] != 1)) dims[nd++] = i;
     ts_tensor *s;
     ts_status st = ts__sum_nograd(g, nd, dims, true, &s);
-    if (st)
-        return st;
+    if (st) return st;
     int64_t str[TS_MAX_DIMS];
     ts__contiguous_strides(ndim, shape, str);
     st = ts__tensor_alias(s, ndim, shape, str, s->offset, out);
@@ -612,11 +644,9 @@ static ts_status mul_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 {
     ts_status st = TS_OK;
     for (int j = 0; j < 2 && !st; j++) {
-        if (!ts__node_needs_input_grad(n, j))
-            continue;
+        if (!ts__node_needs_input_grad(n, j)) continue;
         ts_tensor *full;
-        if ((st = binary_kernel(B_MUL, g[0], n->saved[1 - j], 0, &full)))
-            break;
+        if ((st = binary_kernel(B_MUL, g[0], n->saved[1 - j], 0, &full))) break;
         st = ts__reduce_to_shape(full, operand_ndim(n, j), operand_shape(n, j), &gin[j]);
         ts_tensor_free(full);
     }
@@ -628,10 +658,8 @@ static ts_status div_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     /* saved: 0 = b, 1 = out; da = g / b; db = -g * out / b */
     ts_status st = TS_OK;
     ts_tensor *ga = NULL;
-    if ((st = binary_kernel(B_DIV, g[0], n->saved[0], 0, &ga)))
-        return st;
-    if (ts__node_needs_input_grad(n, 0))
-        st = ts__reduce_to_shape(ga, operand_ndim(n, 0), operand_shape(n, 0), &gin[0]);
+    if ((st = binary_kernel(B_DIV, g[0], n->saved[0], 0, &ga))) return st;
+    if (ts__node_needs_input_grad(n, 0)) st = ts__reduce_to_shape(ga, operand_ndim(n, 0), operand_shape(n, 0), &gin[0]);
     if (!st && ts__node_needs_input_grad(n, 1)) {
         ts_tensor *full;
         if (!(st = binary_kernel(B_DIV_BW_B, ga, n->saved[1], 0, &full))) {
@@ -652,16 +680,17 @@ static ts_status promote_operands(const char *name, ts_tensor *a, ts_tensor *b, 
     ts_dtype rt = ts__result_type(a, b);
     if (floating && !ts_dtype_is_float(rt)) {
         if (a->dtype == b->dtype)
-            return ts_error(TS_ERR_DTYPE, "%s: dtype %s is not supported (a floating dtype is needed: float32, "
-                                          "float64, bfloat16 or float16; cast with ts_to_dtype)", name,
-                            ts_dtype_name(a->dtype));
-        return ts_error(TS_ERR_DTYPE, "%s: dtypes %s and %s promote to %s, which is not supported (a floating "
-                                      "dtype is needed: float32, float64, bfloat16 or float16)", name,
-                        ts_dtype_name(a->dtype), ts_dtype_name(b->dtype), ts_dtype_name(rt));
+            return ts_error(TS_ERR_DTYPE,
+                            "%s: dtype %s is not supported (a floating dtype is needed: float32, "
+                            "float64, bfloat16 or float16; cast with ts_to_dtype)",
+                            name, ts_dtype_name(a->dtype));
+        return ts_error(TS_ERR_DTYPE,
+                        "%s: dtypes %s and %s promote to %s, which is not supported (a floating "
+                        "dtype is needed: float32, float64, bfloat16 or float16)",
+                        name, ts_dtype_name(a->dtype), ts_dtype_name(b->dtype), ts_dtype_name(rt));
     }
     ts_status st = ts_to_dtype(a, rt, ca);
-    if (st)
-        return st;
+    if (st) return st;
     if ((st = ts_to_dtype(b, rt, cb))) {
         ts_tensor_free(*ca);
         return st;
@@ -676,15 +705,11 @@ static ts_status binary_op(bop op, ts_tensor *a, ts_tensor *b, ts_tensor **out)
     const char *name = bop_names[op];
     ts_tensor *in[2] = {a, b};
     ts_status st;
-    if ((st = ts__check_inputs(name, 2, in)))
-        return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
-    if (a->dtype == b->dtype)
-        return binary_op_same(op, a, b, out);
+    if ((st = ts__check_inputs(name, 2, in))) return st;
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
+    if (a->dtype == b->dtype) return binary_op_same(op, a, b, out);
     ts_tensor *ca, *cb;
-    if ((st = promote_operands(name, a, b, true, &ca, &cb)))
-        return st;
+    if ((st = promote_operands(name, a, b, true, &ca, &cb))) return st;
     st = binary_op_same(op, ca, cb, out);
     ts_tensor_free(ca);
     ts_tensor_free(cb);
@@ -696,11 +721,9 @@ static ts_status binary_op_same(bop op, ts_tensor *a, ts_tensor *b, ts_tensor **
     const char *name = bop_names[op];
     ts_tensor *in[2] = {a, b};
     ts_status st;
-    if ((st = ts__check_floating(name, a)))
-        return st;
+    if ((st = ts__check_floating(name, a))) return st;
     ts_tensor *o;
-    if ((st = binary_kernel(op, a, b, 0, &o)))
-        return st;
+    if ((st = binary_kernel(op, a, b, 0, &o))) return st;
     if (ts__needs_grad(2, in)) {
         ts_node_backward_fn bw = op == B_MUL ? mul_backward : op == B_DIV ? div_backward : add_sub_backward;
         ts_node *n = ts__node_new(name, bw, 2, in, 1);
@@ -714,8 +737,13 @@ static ts_status binary_op_same(bop op, ts_tensor *a, ts_tensor *b, ts_tensor **
         memcpy(&n->iargs[TS_MAX_DIMS], b->shape, (size_t)b->ndim * sizeof *b->shape);
         n->dargs[0] = op == B_SUB ? -1 : 1;
         /* mul saves both operands; div saves b and the output */
-        if ((st = ts__record1(n, o, op == B_MUL ? a : op == B_DIV ? b : NULL,
-                              op == B_MUL ? b : op == B_DIV ? o : NULL)))
+        if ((st = ts__record1(n, o,
+                              op == B_MUL       ? a
+                                  : op == B_DIV ? b
+                                                : NULL,
+                              op == B_MUL       ? b
+                                  : op == B_DIV ? o
+                                                : NULL)))
             return st;
     }
     *out = o;
@@ -731,20 +759,16 @@ static ts_status compare_op(bop op, ts_tensor *a, ts_tensor *b, ts_tensor **out)
 {
     ts_tensor *in[2] = {a, b};
     ts_status st = ts__check_inputs(bop_names[op], 2, in);
-    if (st)
-        return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", bop_names[op]);
-    if (a->dtype == b->dtype)
-        return binary_kernel(op, a, b, 0, out);
+    if (st) return st;
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", bop_names[op]);
+    if (a->dtype == b->dtype) return binary_kernel(op, a, b, 0, out);
     /* compared in the common dtype, as torch.eq does (int64 2^24 + 1 and
      * float32 2^24 are equal once both are float32) */
     ts_tensor *ca, *cb;
     bool grad = ts_grad_mode_set(false);
     st = promote_operands(bop_names[op], a, b, false, &ca, &cb);
     ts_grad_mode_set(grad);
-    if (st)
-        return st;
+    if (st) return st;
     st = binary_kernel(op, ca, cb, 0, out);
     ts_tensor_free(ca);
     ts_tensor_free(cb);
@@ -791,13 +815,10 @@ static ts_status unary_op(uop op, ts_tensor *a, double p, ts_tensor **out)
 {
     const char *name = uop_names[op];
     ts_status st;
-    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_floating(name, a)))
-        return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
+    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_floating(name, a))) return st;
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
     ts_tensor *o;
-    if ((st = unary_kernel(op, a, p, &o)))
-        return st;
+    if ((st = unary_kernel(op, a, p, &o))) return st;
     if (ts__needs_grad(1, &a)) {
         ts_node *n = ts__node_new(name, unary_backward, 1, &a, 1);
         if (!n) {
@@ -807,10 +828,8 @@ static ts_status unary_op(uop op, ts_tensor *a, double p, ts_tensor **out)
         n->iargs[0] = op;
         n->dargs[0] = p;
         bool save_out = op == U_EXP || op == U_SQRT || op == U_RSQRT || op == U_TANH || op == U_SIGMOID;
-        bool save_in = op == U_LOG || op == U_RELU || op == U_GELU || op == U_GELU_TANH || op == U_POW_S ||
-                       op == U_ABS;
-        if ((st = ts__record1(n, o, save_out ? o : save_in ? a : NULL, NULL)))
-            return st;
+        bool save_in = op == U_LOG || op == U_RELU || op == U_GELU || op == U_GELU_TANH || op == U_POW_S || op == U_ABS;
+        if ((st = ts__record1(n, o, save_out ? o : save_in ? a : NULL, NULL))) return st;
     }
     *out = o;
     return TS_OK;

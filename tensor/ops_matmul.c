@@ -13,22 +13,18 @@ ts_gemm_observer_fn ts__gemm_observer;
 void ts__gemm(ts_dtype dt, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
               int64_t rsb, int64_t csb, double beta, void *c, int64_t rsc, int64_t csc)
 {
-    if (ts__gemm_observer)
-        ts__gemm_observer(dt, m, n, k, rsa, csa, rsb, csb, beta);
+    if (ts__gemm_observer) ts__gemm_observer(dt, m, n, k, rsa, csa, rsb, csb, beta);
     TS_TRACE_BEGIN(t0);
-    if (dt == TS_F32)
-        ts__gemm_f32(m, n, k, 1.0f, a, rsa, csa, b, rsb, csb, (float)beta, c, rsc, csc);
+    if (dt == TS_F32) ts__gemm_f32(m, n, k, 1.0f, a, rsa, csa, b, rsb, csb, (float)beta, c, rsc, csc);
     else if (dt == TS_BF16 || dt == TS_F16)
         ts__gemm_half(dt, m, n, k, a, rsa, csa, b, rsb, csb, (float)beta, c, rsc, csc);
-    else
-        ts__gemm_f64(m, n, k, 1.0, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
+    else ts__gemm_f64(m, n, k, 1.0, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
     TS_TRACE_END(t0, "matmul", "compute");
 }
 
 void ts__gemm_meta(ts_dtype dt, int64_t m, int64_t n, int64_t k, double beta, int64_t csc)
 {
-    if (dt == TS_BF16 || dt == TS_F16)
-        ts__gemm_half_meta(dt, m, n, k, (float)beta, csc);
+    if (dt == TS_BF16 || dt == TS_F16) ts__gemm_half_meta(dt, m, n, k, (float)beta, csc);
 }
 
 /* True if dims [0, nd-1) of t (batch and rows) fold into one row dim:
@@ -41,8 +37,7 @@ static bool rows_fold(const ts_tensor *t, int64_t *rs_out)
     int64_t rs = nd >= 2 ? t->strides[nd - 2] : 0, expect = 0;
     bool seen = false;
     for (int i = nd - 2; i >= 0; i--) {
-        if (t->shape[i] == 1)
-            continue;
+        if (t->shape[i] == 1) continue;
         if (!seen) {
             rs = t->strides[i];
             expect = rs * t->shape[i];
@@ -72,15 +67,13 @@ static ts_status mm_kernel(const char *op, ts_tensor *a, ts_tensor *b, ts_tensor
     int nbatch;
     int64_t bshape[TS_MAX_DIMS];
     ts_status st = ts__broadcast_shape(op, na - 2, a->shape, nb - 2, b->shape, &nbatch, bshape);
-    if (st)
-        return st;
+    if (st) return st;
     int64_t oshape[TS_MAX_DIMS];
     memcpy(oshape, bshape, (size_t)nbatch * sizeof *bshape);
     oshape[nbatch] = m;
     oshape[nbatch + 1] = n;
     ts_tensor *o;
-    if ((st = ts__tensor_new(a->dtype, nbatch + 2, oshape, &o)))
-        return st;
+    if ((st = ts__tensor_new(a->dtype, nbatch + 2, oshape, &o))) return st;
     int64_t batches = ts__numel(nbatch, bshape);
     size_t es = ts_dtype_size(a->dtype);
     const char *ap = ts_tensor_data(a), *bp = ts_tensor_data(b);
@@ -110,10 +103,9 @@ static ts_status mm_kernel(const char *op, ts_tensor *a, ts_tensor *b, ts_tensor
                 ob += idx[d] * sb[d];
             }
             ts__gemm(a->dtype, m, n, k, ap + oa * (int64_t)es, rsa, csa, bp + ob * (int64_t)es, rsb, csb, 0.0,
-                 op_ + bi * m * n * (int64_t)es, n, 1);
+                     op_ + bi * m * n * (int64_t)es, n, 1);
             for (int d = nbatch - 1; d >= 0; d--) {
-                if (++idx[d] < bshape[d])
-                    break;
+                if (++idx[d] < bshape[d]) break;
                 idx[d] = 0;
             }
         }
@@ -153,8 +145,7 @@ static ts_status flat_rows(ts_tensor *t, ts_tensor **out)
     bool grad = ts_grad_mode_set(false);
     ts_status st = ts__copy_op("matmul", t, t->dtype, &cc);
     ts_grad_mode_set(grad);
-    if (st)
-        return st;
+    if (st) return st;
     int64_t str[2] = {c, 1};
     st = ts__tensor_alias(cc, 2, sh, str, cc->offset, out);
     ts_tensor_free(cc);
@@ -181,8 +172,7 @@ static ts_status matmul_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         if (b->ndim == 2 && a->ndim > 2) {
             /* sum over the batch in one product: a_flat^T (k, M) @ g_flat (M, n) */
             ts_tensor *af, *gf, *aft;
-            if ((st = flat_rows(a, &af)))
-                return st;
+            if ((st = flat_rows(a, &af))) return st;
             if ((st = flat_rows(g[0], &gf))) {
                 ts_tensor_free(af);
                 return st;
@@ -212,16 +202,14 @@ static ts_status matmul_nd(ts_tensor *a, ts_tensor *b, ts_tensor **out)
 {
     ts_tensor *in[2] = {a, b}, *o;
     ts_status st = mm_kernel("matmul", a, b, &o);
-    if (st)
-        return st;
+    if (st) return st;
     if (ts__needs_grad(2, in)) {
         ts_node *n = ts__node_new("matmul", matmul_backward, 2, in, 1);
         if (!n) {
             ts_tensor_free(o);
             return TS_ERR_NO_MEMORY;
         }
-        if ((st = ts__record1(n, o, a, b)))
-            return st;
+        if ((st = ts__record1(n, o, a, b))) return st;
     }
     *out = o;
     return TS_OK;
@@ -234,11 +222,10 @@ ts_status ts_matmul(ts_tensor *a, ts_tensor *b, ts_tensor **out)
     if ((st = ts__check_inputs("matmul", 2, in)) || (st = ts__check_same_dtype("matmul", a, b)) ||
         (st = ts__check_floating("matmul", a)))
         return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "matmul: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "matmul: out is NULL");
     if (a->ndim == 0 || b->ndim == 0)
-        return ts_error(TS_ERR_SHAPE, "matmul: both arguments need at least 1 dimension (got %d and %d dims)",
-                        a->ndim, b->ndim);
+        return ts_error(TS_ERR_SHAPE, "matmul: both arguments need at least 1 dimension (got %d and %d dims)", a->ndim,
+                        b->ndim);
     int64_t ka = a->shape[a->ndim - 1], kb = b->shape[b->ndim >= 2 ? b->ndim - 2 : 0];
     if (ka != kb) {
         char s1[96], s2[96];
@@ -246,12 +233,10 @@ ts_status ts_matmul(ts_tensor *a, ts_tensor *b, ts_tensor **out)
                         ts_shape_str(a->ndim, a->shape, s1, sizeof s1), ts_shape_str(b->ndim, b->shape, s2, sizeof s2),
                         (long long)ka, (long long)kb);
     }
-    if (a->ndim >= 2 && b->ndim >= 2)
-        return matmul_nd(a, b, out);
+    if (a->ndim >= 2 && b->ndim >= 2) return matmul_nd(a, b, out);
     /* 1-d operands: unsqueeze (recorded), multiply, squeeze (recorded) */
     ts_tensor *a2 = NULL, *b2 = NULL, *o2 = NULL;
-    if ((st = a->ndim == 1 ? ts_unsqueeze(a, 0, &a2) : (a2 = ts_tensor_retain(a), TS_OK)))
-        return st;
+    if ((st = a->ndim == 1 ? ts_unsqueeze(a, 0, &a2) : (a2 = ts_tensor_retain(a), TS_OK))) return st;
     if ((st = b->ndim == 1 ? ts_unsqueeze(b, 1, &b2) : (b2 = ts_tensor_retain(b), TS_OK))) {
         ts_tensor_free(a2);
         return st;
@@ -259,8 +244,7 @@ ts_status ts_matmul(ts_tensor *a, ts_tensor *b, ts_tensor **out)
     st = matmul_nd(a2, b2, &o2);
     ts_tensor_free(a2);
     ts_tensor_free(b2);
-    if (st)
-        return st;
+    if (st) return st;
     ts_tensor *o3 = NULL;
     if (b->ndim == 1 && !(st = ts_squeeze(o2, -1, &o3))) {
         ts_tensor_free(o2);
@@ -284,19 +268,17 @@ static ts_status linear_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 {
     ts_tensor *x = n->saved[0], *w = n->saved[1], *gf, *xf;
     ts_status st = flat_rows(g[0], &gf);
-    if (st)
-        return st;
+    if (st) return st;
     int64_t M = gf->shape[0], N = gf->shape[1], K = w->shape[1];
     if (ts__node_needs_input_grad(n, 0)) {
         /* gx (M, K) = g (M, N) @ w (N, K), viewed as x's shape */
         ts_tensor *gx;
         int64_t sh[2] = {M, K};
         if (!(st = ts__tensor_new(x->dtype, 2, sh, &gx))) {
-            if (ts__is_meta(gx))
-                ts__gemm_meta(x->dtype, M, K, N, 0.0, 1);
+            if (ts__is_meta(gx)) ts__gemm_meta(x->dtype, M, K, N, 0.0, 1);
             else
                 ts__gemm(x->dtype, M, K, N, ts_tensor_data(gf), gf->strides[0], gf->strides[1], ts_tensor_data(w),
-                 w->strides[0], w->strides[1], 0.0, ts_tensor_data(gx), K, 1);
+                         w->strides[0], w->strides[1], 0.0, ts_tensor_data(gx), K, 1);
             int64_t str[TS_MAX_DIMS];
             ts__contiguous_strides(x->ndim, x->shape, str);
             st = ts__tensor_alias(gx, x->ndim, x->shape, str, 0, &gin[0]);
@@ -308,11 +290,10 @@ static ts_status linear_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         ts_tensor *gw;
         int64_t sh[2] = {N, K};
         if (!(st = ts__tensor_new(x->dtype, 2, sh, &gw))) {
-            if (ts__is_meta(gw))
-                ts__gemm_meta(x->dtype, N, K, M, 0.0, 1);
+            if (ts__is_meta(gw)) ts__gemm_meta(x->dtype, N, K, M, 0.0, 1);
             else
                 ts__gemm(x->dtype, N, K, M, ts_tensor_data(gf), gf->strides[1], gf->strides[0], ts_tensor_data(xf),
-                 xf->strides[0], xf->strides[1], 0.0, ts_tensor_data(gw), K, 1);
+                         xf->strides[0], xf->strides[1], 0.0, ts_tensor_data(gw), K, 1);
             gin[1] = gw;
         }
         ts_tensor_free(xf);
@@ -333,18 +314,17 @@ ts_status ts_linear(ts_tensor *x, ts_tensor *w, ts_tensor *b, ts_tensor **out)
     if ((st = ts__check_inputs("linear", nin, in)) || (st = ts__check_same_dtype("linear", x, w)) ||
         (b && (st = ts__check_same_dtype("linear", x, b))) || (st = ts__check_floating("linear", x)))
         return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "linear: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "linear: out is NULL");
     char s1[96], s2[96], s3[96];
     if (x->ndim < 1 || w->ndim != 2 || x->shape[x->ndim - 1] != w->shape[1] ||
         (b && (b->ndim != 1 || b->shape[0] != w->shape[0])))
-        return ts_error(TS_ERR_SHAPE, "linear: input %s, weight %s and bias %s do not fit (expected (..., in), "
-                                      "(out, in) and (out,))", ts_shape_str(x->ndim, x->shape, s1, sizeof s1),
-                        ts_shape_str(w->ndim, w->shape, s2, sizeof s2),
+        return ts_error(TS_ERR_SHAPE,
+                        "linear: input %s, weight %s and bias %s do not fit (expected (..., in), "
+                        "(out, in) and (out,))",
+                        ts_shape_str(x->ndim, x->shape, s1, sizeof s1), ts_shape_str(w->ndim, w->shape, s2, sizeof s2),
                         b ? ts_shape_str(b->ndim, b->shape, s3, sizeof s3) : "none");
     ts_tensor *xf;
-    if ((st = flat_rows(x, &xf)))
-        return st;
+    if ((st = flat_rows(x, &xf))) return st;
     int64_t M = xf->shape[0], K = w->shape[1], N = w->shape[0];
     int64_t oshape[TS_MAX_DIMS];
     memcpy(oshape, x->shape, sizeof oshape);
@@ -369,11 +349,10 @@ ts_status ts_linear(ts_tensor *x, ts_tensor *w, ts_tensor *b, ts_tensor **out)
         ts_tensor_free(bc);
         beta = 1.0;
     }
-    if (M * N > 0 && ts__is_meta(o))
-        ts__gemm_meta(x->dtype, M, N, K, beta, 1);
+    if (M * N > 0 && ts__is_meta(o)) ts__gemm_meta(x->dtype, M, N, K, beta, 1);
     else if (M * N > 0)
-        ts__gemm(x->dtype, M, N, K, ts_tensor_data(xf), xf->strides[0], xf->strides[1], ts_tensor_data(w), w->strides[1],
-             w->strides[0], beta, op_, N, 1);
+        ts__gemm(x->dtype, M, N, K, ts_tensor_data(xf), xf->strides[0], xf->strides[1], ts_tensor_data(w),
+                 w->strides[1], w->strides[0], beta, op_, N, 1);
     ts_tensor_free(xf);
     if (ts__needs_grad(nin, in)) {
         ts_node *n = ts__node_new("linear", linear_backward, nin, in, 1);
@@ -381,8 +360,7 @@ ts_status ts_linear(ts_tensor *x, ts_tensor *w, ts_tensor *b, ts_tensor **out)
             ts_tensor_free(o);
             return TS_ERR_NO_MEMORY;
         }
-        if ((st = ts__record1(n, o, x, w)))
-            return st;
+        if ((st = ts__record1(n, o, x, w))) return st;
     }
     *out = o;
     return TS_OK;

@@ -31,15 +31,12 @@ void ts__softmax_rows_half_ref(ts_dtype dt, const void *x, void *y, int64_t rows
             float v = ts__half_to_f32(dt, xr[i]);
             mx = v > mx ? v : mx;
         }
-        if (mx == -INFINITY)
-            mx = 0;
+        if (mx == -INFINITY) mx = 0;
         double s = 0;
-        for (int64_t i = 0; i < n; i++)
-            s += ts__exp_f32(ts__half_to_f32(dt, xr[i]) - mx);
+        for (int64_t i = 0; i < n; i++) s += ts__exp_f32(ts__half_to_f32(dt, xr[i]) - mx);
         if (log_form) {
             float ls = (float)log(s);
-            for (int64_t i = 0; i < n; i++)
-                yr[i] = ts__f32_to_half(dt, (ts__half_to_f32(dt, xr[i]) - mx) - ls);
+            for (int64_t i = 0; i < n; i++) yr[i] = ts__f32_to_half(dt, (ts__half_to_f32(dt, xr[i]) - mx) - ls);
         } else {
             float inv = (float)(1.0 / s);
             for (int64_t i = 0; i < n; i++)
@@ -59,14 +56,12 @@ void ts__softmax_bw_rows_half(ts_dtype dt, const void *g, const void *y, void *g
         uint16_t *o = (uint16_t *)gx + r * n;
         double s = 0;
         if (log_form) {
+            for (int64_t i = 0; i < n; i++) s += ts__half_to_f32(dt, gr[i]);
             for (int64_t i = 0; i < n; i++)
-                s += ts__half_to_f32(dt, gr[i]);
-            for (int64_t i = 0; i < n; i++)
-                o[i] = ts__f32_to_half(dt, ts__half_to_f32(dt, gr[i]) -
-                                               ts__exp_f32(ts__half_to_f32(dt, yr[i])) * (float)s);
+                o[i] = ts__f32_to_half(dt,
+                                       ts__half_to_f32(dt, gr[i]) - ts__exp_f32(ts__half_to_f32(dt, yr[i])) * (float)s);
         } else {
-            for (int64_t i = 0; i < n; i++)
-                s += ts__half_to_f32(dt, gr[i]) * ts__half_to_f32(dt, yr[i]);
+            for (int64_t i = 0; i < n; i++) s += ts__half_to_f32(dt, gr[i]) * ts__half_to_f32(dt, yr[i]);
             for (int64_t i = 0; i < n; i++)
                 o[i] = ts__f32_to_half(dt, ts__half_to_f32(dt, yr[i]) * (ts__half_to_f32(dt, gr[i]) - (float)s));
         }
@@ -88,13 +83,10 @@ static void layer_norm_row_f32(const float *restrict x, const float *restrict w,
     float lane[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= D; i += 8)
-        for (int k = 0; k < 8; k++)
-            lane[k] += x[i + k];
+        for (int k = 0; k < 8; k++) lane[k] += x[i + k];
     double s = 0;
-    for (int k = 0; k < 8; k++)
-        s += lane[k];
-    for (; i < D; i++)
-        s += x[i];
+    for (int k = 0; k < 8; k++) s += lane[k];
+    for (; i < D; i++) s += x[i];
     float mu = (float)(s / (double)D);
     float sq[8] = {0};
     for (i = 0; i + 8 <= D; i += 8)
@@ -103,24 +95,19 @@ static void layer_norm_row_f32(const float *restrict x, const float *restrict w,
             sq[k] += d * d;
         }
     double ss = 0;
-    for (int k = 0; k < 8; k++)
-        ss += sq[k];
-    for (; i < D; i++)
-        ss += (double)(x[i] - mu) * (x[i] - mu);
+    for (int k = 0; k < 8; k++) ss += sq[k];
+    for (; i < D; i++) ss += (double)(x[i] - mu) * (x[i] - mu);
     double rsd = 1.0 / sqrt(ss / (double)D + eps);
     float rs = (float)rsd;
     *mean_out = mu;
     *rstd_out = rsd;
     if (w && b)
-        for (i = 0; i < D; i++)
-            y[i] = (x[i] - mu) * rs * w[i] + b[i];
+        for (i = 0; i < D; i++) y[i] = (x[i] - mu) * rs * w[i] + b[i];
     else
         for (i = 0; i < D; i++) {
             float v = (x[i] - mu) * rs;
-            if (w)
-                v *= w[i];
-            if (b)
-                v += b[i];
+            if (w) v *= w[i];
+            if (b) v += b[i];
             y[i] = v;
         }
 }
@@ -140,8 +127,7 @@ static void layer_norm_bw_row_f32(const float *x, const float *g, const float *w
             gb[i] += g[i];
         }
     }
-    if (!gx)
-        return;
+    if (!gx) return;
     s1 /= (float)D;
     s2 /= (float)D;
     for (int64_t i = 0; i < D; i++) {
@@ -157,8 +143,7 @@ static ts_status layer_norm_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     int pnd = (int)n->iargs[1];
     const int64_t *pshape = &n->iargs[2];
     ts_status st = ts_contiguous(g[0], &gc);
-    if (st)
-        return st;
+    if (st) return st;
     ts_dtype dt = x->dtype;
     const void *xp = ts_tensor_data(x), *gp = ts_tensor_data(gc), *wp = w ? ts_tensor_data(w) : NULL;
     const double *mp = ts_tensor_data(mean), *rp = ts_tensor_data(rstd);
@@ -166,8 +151,7 @@ static ts_status layer_norm_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
          need_b = ts__node_needs_input_grad(n, 2);
     ts_tensor *gx = NULL;
     double *gw = NULL, *gb = NULL;
-    if (need_x && (st = ts__tensor_new(dt, x->ndim, x->shape, &gx)))
-        goto out;
+    if (need_x && (st = ts__tensor_new(dt, x->ndim, x->shape, &gx))) goto out;
     if ((need_w || need_b) && !(gw = ts__calloc(TS_MEM_OTHER, (size_t)(2 * D + 1), sizeof *gw))) {
         st = TS_ERR_NO_MEMORY;
         goto out;
@@ -188,14 +172,12 @@ static ts_status layer_norm_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         }
         float *xf = buf, *gf = buf + D, *wf = wp ? buf + 2 * D : NULL, *gxf = buf + 3 * D;
         size_t es = ts_dtype_size(dt);
-        if (wf)
-            ts__buf_convert(TS_F32, wf, dt, wp, D);
+        if (wf) ts__buf_convert(TS_F32, wf, dt, wp, D);
         for (int64_t r = 0; r < R; r++) {
             ts__buf_convert(TS_F32, xf, dt, (const char *)xp + (size_t)(r * D) * es, D);
             ts__buf_convert(TS_F32, gf, dt, (const char *)gp + (size_t)(r * D) * es, D);
             layer_norm_bw_row_f32(xf, gf, wf, (float)mp[r], (float)rp[r], D, gx ? gxf : NULL, gw, gb);
-            if (gx)
-                ts__buf_convert(dt, (char *)gxp + (size_t)(r * D) * es, TS_F32, gxf, D);
+            if (gx) ts__buf_convert(dt, (char *)gxp + (size_t)(r * D) * es, TS_F32, gxf, D);
         }
         ts__free(TS_MEM_OTHER, buf);
     } else if (dt == TS_F32 && !ts__use_reference_kernels) {
@@ -229,14 +211,12 @@ static ts_status layer_norm_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         }
     }
     if (need_w) {
-        if ((st = ts__tensor_new(dt, pnd, pshape, &gin[1])))
-            goto out;
+        if ((st = ts__tensor_new(dt, pnd, pshape, &gin[1]))) goto out;
         for (int64_t i = 0; i < D && !meta; i++)
             ts__store(dt, ts_tensor_data(gin[1]), i, ts__is_half(dt) ? (double)(float)gw[i] : gw[i]);
     }
     if (need_b) {
-        if ((st = ts__tensor_new(dt, pnd, pshape, &gin[2])))
-            goto out;
+        if ((st = ts__tensor_new(dt, pnd, pshape, &gin[2]))) goto out;
         for (int64_t i = 0; i < D && !meta; i++)
             ts__store(dt, ts_tensor_data(gin[2]), i, ts__is_half(dt) ? (double)(float)gb[i] : gb[i]);
     }
@@ -249,16 +229,14 @@ out:
     return st;
 }
 
-ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_tensor *bias, double eps,
-                        ts_tensor **out)
+ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_tensor *bias, double eps, ts_tensor **out)
 {
     ts_tensor *in[3] = {x, weight, bias};
     ts_status st;
     if ((st = ts__check_inputs("layer_norm", 1, &x)) || (weight && (st = ts__check_inputs("layer_norm", 1, &weight))) ||
         (bias && (st = ts__check_inputs("layer_norm", 1, &bias))) || (st = ts__check_floating("layer_norm", x)))
         return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "layer_norm: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "layer_norm: out is NULL");
     char s1[96], s2[96];
     if (n_norm_dims < 1 || n_norm_dims > x->ndim)
         return ts_error(TS_ERR_SHAPE, "layer_norm: cannot normalize the last %d dims of a tensor of shape %s",
@@ -266,8 +244,7 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
     const int64_t *nshape = x->shape + x->ndim - n_norm_dims;
     for (int k = 0; k < 2; k++) {
         ts_tensor *p = k ? bias : weight;
-        if (!p)
-            continue;
+        if (!p) continue;
         if (p->dtype != x->dtype)
             return ts_error(TS_ERR_DTYPE, "layer_norm: %s dtype %s differs from input dtype %s", k ? "bias" : "weight",
                             ts_dtype_name(p->dtype), ts_dtype_name(x->dtype));
@@ -280,13 +257,10 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
     ts_tensor *xc = NULL, *wc = NULL, *bc = NULL, *o = NULL, *mean = NULL, *rstd = NULL;
     bool grad = ts_grad_mode_set(false);
     st = ts_contiguous(x, &xc);
-    if (!st && weight)
-        st = ts_contiguous(weight, &wc);
-    if (!st && bias)
-        st = ts_contiguous(bias, &bc);
+    if (!st && weight) st = ts_contiguous(weight, &wc);
+    if (!st && bias) st = ts_contiguous(bias, &bc);
     ts_grad_mode_set(grad);
-    if (st)
-        goto fail;
+    if (st) goto fail;
     int64_t rs[1] = {R};
     if ((st = ts__tensor_new(x->dtype, x->ndim, x->shape, &o)) || (st = ts__tensor_new(TS_F64, 1, rs, &mean)) ||
         (st = ts__tensor_new(TS_F64, 1, rs, &rstd)))
@@ -306,10 +280,8 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
             goto fail;
         }
         float *xf = buf, *yf = buf + D, *wf = wc ? buf + 2 * D : NULL, *bf = bc ? buf + 3 * D : NULL;
-        if (wf)
-            ts__buf_convert(TS_F32, wf, dt, ts_tensor_data(wc), D);
-        if (bf)
-            ts__buf_convert(TS_F32, bf, dt, ts_tensor_data(bc), D);
+        if (wf) ts__buf_convert(TS_F32, wf, dt, ts_tensor_data(wc), D);
+        if (bf) ts__buf_convert(TS_F32, bf, dt, ts_tensor_data(bc), D);
         const char *xp = ts_tensor_data(xc);
         char *op_ = ts_tensor_data(o);
         for (int64_t r = 0; r < R; r++) {
@@ -319,18 +291,17 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
         }
         ts__free(TS_MEM_OTHER, buf);
     } else if (x->dtype == TS_F32 && !ts__use_reference_kernels) {
-        const float *xp = ts_tensor_data(xc), *wp = wc ? ts_tensor_data(wc) : NULL, *bp = bc ? ts_tensor_data(bc) : NULL;
+        const float *xp = ts_tensor_data(xc), *wp = wc ? ts_tensor_data(wc) : NULL,
+                    *bp = bc ? ts_tensor_data(bc) : NULL;
         float *op_ = ts_tensor_data(o);
-        for (int64_t r = 0; r < R; r++)
-            layer_norm_row_f32(xp + r * D, wp, bp, D, eps, op_ + r * D, &mp[r], &rp[r]);
+        for (int64_t r = 0; r < R; r++) layer_norm_row_f32(xp + r * D, wp, bp, D, eps, op_ + r * D, &mp[r], &rp[r]);
     } else {
         ts_dtype dt = x->dtype;
         const void *xp = ts_tensor_data(xc), *wp = wc ? ts_tensor_data(wc) : NULL, *bp = bc ? ts_tensor_data(bc) : NULL;
         void *op_ = ts_tensor_data(o);
         for (int64_t r = 0; r < R; r++) {
             double s = 0, ss = 0;
-            for (int64_t i = 0; i < D; i++)
-                s += ts__load(dt, xp, r * D + i);
+            for (int64_t i = 0; i < D; i++) s += ts__load(dt, xp, r * D + i);
             double mu = s / (double)D;
             for (int64_t i = 0; i < D; i++) {
                 double d = ts__load(dt, xp, r * D + i) - mu;
@@ -341,10 +312,8 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
             rp[r] = rsd;
             for (int64_t i = 0; i < D; i++) {
                 double v = (ts__load(dt, xp, r * D + i) - mu) * rsd;
-                if (wp)
-                    v *= ts__load(dt, wp, i);
-                if (bp)
-                    v += ts__load(dt, bp, i);
+                if (wp) v *= ts__load(dt, wp, i);
+                if (bp) v += ts__load(dt, bp, i);
                 ts__store(dt, op_, r * D + i, v);
             }
         }
@@ -362,8 +331,7 @@ ts_status ts_layer_norm(ts_tensor *x, int n_norm_dims, ts_tensor *weight, ts_ten
             !(st = ts__node_save(n, 3, rstd)))
             ts__node_set_output(n, 0, o);
         ts__node_free(n);
-        if (st)
-            goto fail;
+        if (st) goto fail;
     }
     ts_tensor_free(xc);
     ts_tensor_free(wc);
@@ -390,8 +358,7 @@ static ts_status embedding_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     int64_t num = n->iargs[0], dim = n->iargs[1], cnt = ts_tensor_numel(idx);
     int64_t sh[2] = {num, dim};
     ts_status st = ts_contiguous(g[0], &gc);
-    if (st)
-        return st;
+    if (st) return st;
     if ((st = ts__tensor_new(g[0]->dtype, 2, sh, &gw))) {
         ts_tensor_free(gc);
         return st;
@@ -404,8 +371,7 @@ static ts_status embedding_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         float *w = ts_tensor_data(gw);
         const float *gp = ts_tensor_data(gc);
         for (int64_t r = 0; r < cnt; r++)
-            for (int64_t i = 0; i < dim; i++)
-                w[ip[r] * dim + i] += gp[r * dim + i];
+            for (int64_t i = 0; i < dim; i++) w[ip[r] * dim + i] += gp[r * dim + i];
     } else if (ts__is_half(gw->dtype)) {
         /* PyTorch's embedding_dense_backward_cpu: grad_weight[k].add_(
          * grad[r]) for each index in order, so every partial sum of a row
@@ -414,14 +380,12 @@ static ts_status embedding_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         size_t row = (size_t)dim * ts_dtype_size(gw->dtype);
         char *w = ts_tensor_data(gw);
         const char *gp = ts_tensor_data(gc);
-        for (int64_t r = 0; r < cnt; r++)
-            ts__buf_add(gw->dtype, w + (size_t)ip[r] * row, gp + (size_t)r * row, dim);
+        for (int64_t r = 0; r < cnt; r++) ts__buf_add(gw->dtype, w + (size_t)ip[r] * row, gp + (size_t)r * row, dim);
     } else {
         double *w = ts_tensor_data(gw);
         const double *gp = ts_tensor_data(gc);
         for (int64_t r = 0; r < cnt; r++)
-            for (int64_t i = 0; i < dim; i++)
-                w[ip[r] * dim + i] += gp[r * dim + i];
+            for (int64_t i = 0; i < dim; i++) w[ip[r] * dim + i] += gp[r * dim + i];
     }
     ts_tensor_free(gc);
     gin[0] = gw;
@@ -432,10 +396,8 @@ ts_status ts_embedding(ts_tensor *weight, ts_tensor *indices, ts_tensor **out)
 {
     ts_tensor *in[2] = {weight, indices};
     ts_status st;
-    if ((st = ts__check_inputs("embedding", 2, in)) || (st = ts__check_floating("embedding", weight)))
-        return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "embedding: out is NULL");
+    if ((st = ts__check_inputs("embedding", 2, in)) || (st = ts__check_floating("embedding", weight))) return st;
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "embedding: out is NULL");
     char s1[96];
     if (weight->ndim != 2)
         return ts_error(TS_ERR_SHAPE, "embedding: weight must be 2-d (num, dim), got %s",
@@ -446,13 +408,11 @@ ts_status ts_embedding(ts_tensor *weight, ts_tensor *indices, ts_tensor **out)
     if (indices->ndim >= TS_MAX_DIMS)
         return ts_error(TS_ERR_SHAPE, "embedding: indices have %d dims; at most %d", indices->ndim, TS_MAX_DIMS - 1);
     ts_tensor *ic, *wc, *o;
-    if ((st = ts_to_dtype(indices, TS_I64, &ic)))
-        return st;
+    if ((st = ts_to_dtype(indices, TS_I64, &ic))) return st;
     ts_tensor *icc;
     st = ts_contiguous(ic, &icc);
     ts_tensor_free(ic);
-    if (st)
-        return st;
+    if (st) return st;
     int64_t num = weight->shape[0], dim = weight->shape[1], cnt = ts_tensor_numel(icc);
     const int64_t *ip = ts_tensor_data(icc); /* NULL for meta indices: their values are unknown */
     for (int64_t r = 0; r < cnt && ip; r++)
@@ -471,20 +431,17 @@ ts_status ts_embedding(ts_tensor *weight, ts_tensor *indices, ts_tensor **out)
     int64_t oshape[TS_MAX_DIMS];
     memcpy(oshape, indices->shape, (size_t)indices->ndim * sizeof *oshape);
     oshape[indices->ndim] = dim;
-    if ((st = ts__tensor_new(weight->dtype, indices->ndim + 1, oshape, &o)))
-        goto done;
+    if ((st = ts__tensor_new(weight->dtype, indices->ndim + 1, oshape, &o))) goto done;
     size_t row = (size_t)dim * ts_dtype_size(weight->dtype);
     for (int64_t r = 0; r < cnt && !ts__is_meta(o); r++)
         memcpy((char *)ts_tensor_data(o) + (size_t)r * row, (char *)ts_tensor_data(wc) + (size_t)ip[r] * row, row);
     if (ts__needs_grad(1, &weight)) {
         ts_node *n = ts__node_new("embedding", embedding_backward, 1, &weight, 1);
-        if (!n)
-            st = TS_ERR_NO_MEMORY;
+        if (!n) st = TS_ERR_NO_MEMORY;
         else {
             n->iargs[0] = num;
             n->iargs[1] = dim;
-            if (!(st = ts__node_save(n, 0, icc)))
-                ts__node_set_output(n, 0, o);
+            if (!(st = ts__node_save(n, 0, icc))) ts__node_set_output(n, 0, o);
             ts__node_free(n);
         }
         if (st) {
@@ -509,8 +466,7 @@ static ts_status cross_entropy_backward(ts_node *n, ts_tensor **g, ts_tensor **g
     int64_t N = lp->shape[0], C = lp->shape[1], ignore = n->iargs[0];
     ts_reduction red = (ts_reduction)n->iargs[1];
     ts_status st = ts_contiguous(g[0], &gc);
-    if (st)
-        return st;
+    if (st) return st;
     if ((st = ts__tensor_new(lp->dtype, 2, lp->shape, &gx))) {
         ts_tensor_free(gc);
         return st;
@@ -519,8 +475,7 @@ static ts_status cross_entropy_backward(ts_node *n, ts_tensor **g, ts_tensor **g
     ts_dtype dt = lp->dtype;
     const void *lpp = ts_tensor_data(lp), *gp = ts_tensor_data(gc);
     void *gxp = ts_tensor_data(gx);
-    if (ts__is_meta(gx))
-        N = 0; /* meta: nothing to compute */
+    if (ts__is_meta(gx)) N = 0; /* meta: nothing to compute */
     for (int64_t i = 0; i < N && ts__is_half(dt); i++) {
         /* PyTorch: nll_loss_backward writes -g (times 1/count for mean,
          * rounded to dt) at the target, then log_softmax_backward
@@ -531,7 +486,8 @@ static ts_status cross_entropy_backward(ts_node *n, ts_tensor **g, ts_tensor **g
         const uint16_t *lr = (const uint16_t *)lpp + i * C;
         uint16_t *gr = (uint16_t *)gxp + i * C;
         for (int64_t c = 0; c < C; c++)
-            gr[c] = ts__f32_to_half(dt, ign ? 0.0f : gi * (expf(ts__half_to_f32(dt, lr[c])) - (c == t[i] ? 1.0f : 0.0f)));
+            gr[c] =
+                ts__f32_to_half(dt, ign ? 0.0f : gi * (expf(ts__half_to_f32(dt, lr[c])) - (c == t[i] ? 1.0f : 0.0f)));
     }
     for (int64_t i = 0; i < N && !ts__is_half(dt); i++) {
         double gi = red == TS_REDUCTION_NONE ? ts__load(dt, gp, i) : ts__load(dt, gp, 0) * n->dargs[0];
@@ -553,8 +509,7 @@ ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore
     ts_status st;
     if ((st = ts__check_inputs("cross_entropy", 2, in)) || (st = ts__check_floating("cross_entropy", logits)))
         return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "cross_entropy: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "cross_entropy: out is NULL");
     char s1[96], s2[96];
     if (logits->ndim != 2 || targets->ndim != 1 || targets->shape[0] != logits->shape[0])
         return ts_error(TS_ERR_SHAPE, "cross_entropy: logits %s and targets %s do not fit (expected (N, C) and (N,))",
@@ -566,15 +521,15 @@ ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore
         return ts_error(TS_ERR_INVALID_ARGUMENT, "cross_entropy: invalid reduction %d", (int)reduction);
     int64_t N = logits->shape[0], C = logits->shape[1];
     ts_tensor *tc;
-    if ((st = ts_contiguous(targets, &tc)))
-        return st;
+    if ((st = ts_contiguous(targets, &tc))) return st;
     const int64_t *t = ts_tensor_data(tc); /* NULL for meta targets: their values are unknown */
     for (int64_t i = 0; i < N && t; i++)
         if (t[i] != ignore_index && (t[i] < 0 || t[i] >= C)) {
             ts_tensor_free(tc);
-            return ts_error(TS_ERR_INDEX, "cross_entropy: target %lld at position %lld is out of range for %lld "
-                                          "classes (ignore_index is %lld)", (long long)t[i], (long long)i,
-                            (long long)C, (long long)ignore_index);
+            return ts_error(TS_ERR_INDEX,
+                            "cross_entropy: target %lld at position %lld is out of range for %lld "
+                            "classes (ignore_index is %lld)",
+                            (long long)t[i], (long long)i, (long long)C, (long long)ignore_index);
         }
     ts_tensor *lp;
     bool grad = ts_grad_mode_set(false);
@@ -593,14 +548,11 @@ ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore
     if ((st = reduction == TS_REDUCTION_NONE ? ts__tensor_new(dt, 1, nshape, &o) : ts__tensor_new(dt, 0, NULL, &o)))
         goto done;
     bool meta = ts__is_meta(o);
-    if (meta)
-        count = N; /* the targets are unknown: the node's mean scale as if none were ignored (unused on meta) */
+    if (meta) count = N; /* the targets are unknown: the node's mean scale as if none were ignored (unused on meta) */
     for (int64_t i = 0; i < N && !meta; i++) {
         double li = t[i] == ignore_index ? 0.0 : -ts__load(dt, lpp, i * C + t[i]);
-        if (t[i] != ignore_index)
-            count++;
-        if (reduction == TS_REDUCTION_NONE)
-            ts__store(dt, ts_tensor_data(o), i, li);
+        if (t[i] != ignore_index) count++;
+        if (reduction == TS_REDUCTION_NONE) ts__store(dt, ts_tensor_data(o), i, li);
         total += li;
     }
     double scale = reduction == TS_REDUCTION_MEAN ? 1.0 / (double)count : 1.0; /* 0 targets: NaN, as PyTorch */
@@ -608,14 +560,12 @@ ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore
         ts__store(dt, ts_tensor_data(o), 0, reduction == TS_REDUCTION_MEAN ? total / (double)count : total);
     if (ts__needs_grad(1, &logits)) {
         ts_node *n = ts__node_new("cross_entropy", cross_entropy_backward, 1, &logits, 1);
-        if (!n)
-            st = TS_ERR_NO_MEMORY;
+        if (!n) st = TS_ERR_NO_MEMORY;
         else {
             n->iargs[0] = ignore_index;
             n->iargs[1] = reduction;
             n->dargs[0] = scale;
-            if (!(st = ts__node_save(n, 0, lp)) && !(st = ts__node_save(n, 1, tc)))
-                ts__node_set_output(n, 0, o);
+            if (!(st = ts__node_save(n, 0, lp)) && !(st = ts__node_save(n, 1, tc))) ts__node_set_output(n, 0, o);
             ts__node_free(n);
         }
         if (st) {
@@ -636,10 +586,8 @@ ts_status ts_mse_loss(ts_tensor *input, ts_tensor *target, ts_reduction reductio
 {
     ts_tensor *in[2] = {input, target};
     ts_status st;
-    if ((st = ts__check_inputs("mse_loss", 2, in)))
-        return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "mse_loss: out is NULL");
+    if ((st = ts__check_inputs("mse_loss", 2, in))) return st;
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "mse_loss: out is NULL");
     if (input->ndim != target->ndim || memcmp(input->shape, target->shape, (size_t)input->ndim * sizeof(int64_t))) {
         char s1[96], s2[96];
         return ts_error(TS_ERR_SHAPE, "mse_loss: input %s and target %s must have the same shape",
@@ -649,13 +597,11 @@ ts_status ts_mse_loss(ts_tensor *input, ts_tensor *target, ts_reduction reductio
     if (reduction != TS_REDUCTION_MEAN && reduction != TS_REDUCTION_SUM && reduction != TS_REDUCTION_NONE)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "mse_loss: invalid reduction %d", (int)reduction);
     ts_tensor *d, *sq;
-    if ((st = ts_sub(input, target, &d)))
-        return st;
+    if ((st = ts_sub(input, target, &d))) return st;
     st = ts_mul(d, d, &sq);
     ts_tensor_free(d);
     if (st || reduction == TS_REDUCTION_NONE) {
-        if (!st)
-            *out = sq;
+        if (!st) *out = sq;
         return st;
     }
     st = reduction == TS_REDUCTION_MEAN ? ts_mean(sq, 0, NULL, false, out) : ts_sum(sq, 0, NULL, false, out);
@@ -671,10 +617,8 @@ ts_status ts_l1_loss(ts_tensor *input, ts_tensor *target, ts_reduction reduction
 {
     ts_tensor *in[2] = {input, target};
     ts_status st;
-    if ((st = ts__check_inputs("l1_loss", 2, in)))
-        return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "l1_loss: out is NULL");
+    if ((st = ts__check_inputs("l1_loss", 2, in))) return st;
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "l1_loss: out is NULL");
     if (input->ndim != target->ndim || memcmp(input->shape, target->shape, (size_t)input->ndim * sizeof(int64_t))) {
         char s1[96], s2[96];
         return ts_error(TS_ERR_SHAPE, "l1_loss: input %s and target %s must have the same shape",
@@ -684,13 +628,11 @@ ts_status ts_l1_loss(ts_tensor *input, ts_tensor *target, ts_reduction reduction
     if (reduction != TS_REDUCTION_MEAN && reduction != TS_REDUCTION_SUM && reduction != TS_REDUCTION_NONE)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "l1_loss: invalid reduction %d", (int)reduction);
     ts_tensor *d, *ad;
-    if ((st = ts_sub(input, target, &d)))
-        return st;
+    if ((st = ts_sub(input, target, &d))) return st;
     st = ts_abs(d, &ad);
     ts_tensor_free(d);
     if (st || reduction == TS_REDUCTION_NONE) {
-        if (!st)
-            *out = ad;
+        if (!st) *out = ad;
         return st;
     }
     st = reduction == TS_REDUCTION_MEAN ? ts_mean(ad, 0, NULL, false, out) : ts_sum(ad, 0, NULL, false, out);
@@ -711,8 +653,7 @@ static ts_status dropout_half_backward(ts_node *n, ts_tensor **g, ts_tensor **gi
 {
     ts_tensor *noise = n->saved[0], *gc, *gx;
     ts_status st = ts_contiguous(g[0], &gc);
-    if (st)
-        return st;
+    if (st) return st;
     if ((st = ts__tensor_new(noise->dtype, noise->ndim, noise->shape, &gx))) {
         ts_tensor_free(gc);
         return st;
@@ -735,8 +676,7 @@ ts_status ts__dropout_noise_half(ts_dtype dt, int ndim, const int64_t *shape, do
     ts_status st = p == 1.0 ? ts_tensor_zeros(TS_F32, ndim, shape, &mask) : ts__tensor_new(TS_F32, ndim, shape, &mask);
     if (!st && p != 1.0 && !ts__is_meta(mask)) /* meta: no draw, the generator stays */
         st = ts_bernoulli_(mask, 1.0 - p, gen);
-    if (!st)
-        st = ts__tensor_new(dt, ndim, shape, &noise);
+    if (!st) st = ts__tensor_new(dt, ndim, shape, &noise);
     if (!st) {
         uint16_t keep = ts__f32_to_half(dt, 1.0f / ts__round_half(dt, (float)(1.0 - p)));
         const float *mp = ts_tensor_data(mask);
@@ -772,8 +712,7 @@ static ts_status dropout_half(ts_tensor *a, double p, ts_generator *gen, ts_tens
         }
         ts_tensor *keep_o = o;
         o = NULL; /* ts__record1 frees it on failure */
-        if ((st = ts__record1(n, keep_o, noise, NULL)))
-            goto done;
+        if ((st = ts__record1(n, keep_o, noise, NULL))) goto done;
         o = keep_o;
     }
     *out = o;
@@ -788,38 +727,32 @@ done:
 ts_status ts_dropout(ts_tensor *a, double p, bool training, ts_generator *gen, ts_tensor **out)
 {
     ts_status st;
-    if ((st = ts__check_inputs("dropout", 1, &a)) || (st = ts__check_floating("dropout", a)))
-        return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "dropout: out is NULL");
+    if ((st = ts__check_inputs("dropout", 1, &a)) || (st = ts__check_floating("dropout", a))) return st;
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "dropout: out is NULL");
     if (!(p >= 0.0 && p <= 1.0))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "dropout: probability has to be between 0 and 1, but got %g", p);
     if (!training || p == 0.0) {
         *out = ts_tensor_retain(a);
         return TS_OK;
     }
-    if (ts__is_half(a->dtype))
-        return dropout_half(a, p, gen, out);
+    if (ts__is_half(a->dtype)) return dropout_half(a, p, gen, out);
     if (p == 1.0) {
         ts_tensor *z;
-        if ((st = ts_tensor_zeros(a->dtype, a->ndim, a->shape, &z)))
-            return st;
+        if ((st = ts_tensor_zeros(a->dtype, a->ndim, a->shape, &z))) return st;
         st = ts_mul(a, z, out);
         ts_tensor_free(z);
         return st;
     }
     /* PyTorch: mask = empty_like(x).bernoulli_(1 - p); mask /= (1 - p); x * mask */
     ts_tensor *mask, *scaled;
-    if ((st = ts__tensor_new(a->dtype, a->ndim, a->shape, &mask)))
-        return st;
+    if ((st = ts__tensor_new(a->dtype, a->ndim, a->shape, &mask))) return st;
     if (!ts__is_meta(mask) && (st = ts_bernoulli_(mask, 1.0 - p, gen))) { /* meta: no draw */
         ts_tensor_free(mask);
         return st;
     }
     st = ts_div_scalar(mask, 1.0 - p, &scaled);
     ts_tensor_free(mask);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_mul(a, scaled, out);
     ts_tensor_free(scaled);
     return st;

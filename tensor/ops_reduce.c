@@ -8,7 +8,6 @@
 #include <math.h>
 #include <string.h>
 
-
 /* Parses a dim list into a mask; ndims == 0 means all dims. */
 static ts_status dim_mask(const char *op, const ts_tensor *a, int ndims, const int *dims, bool *mask)
 {
@@ -16,19 +15,15 @@ static ts_status dim_mask(const char *op, const ts_tensor *a, int ndims, const i
     if (ndims < 0 || ndims > TS_MAX_DIMS || (ndims && !dims))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: invalid list of %d dims", op, ndims);
     if (ndims == 0) {
-        for (int i = 0; i < a->ndim; i++)
-            mask[i] = true;
+        for (int i = 0; i < a->ndim; i++) mask[i] = true;
         return TS_OK;
     }
     for (int i = 0; i < ndims; i++) {
         int d;
         ts_status st = ts__wrap_dim(op, dims[i], a->ndim, &d);
-        if (st)
-            return st;
-        if (a->ndim == 0)
-            continue;
-        if (mask[d])
-            return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: dim %d appears twice in the list", op, d);
+        if (st) return st;
+        if (a->ndim == 0) continue;
+        if (mask[d]) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: dim %d appears twice in the list", op, d);
         mask[d] = true;
     }
     return TS_OK;
@@ -40,8 +35,7 @@ static void reduced_shapes(const ts_tensor *a, const bool *mask, int64_t *kshape
     int k = 0;
     for (int i = 0; i < a->ndim; i++) {
         kshape[i] = mask[i] ? 1 : a->shape[i];
-        if (!mask[i])
-            oshape[k++] = a->shape[i];
+        if (!mask[i]) oshape[k++] = a->shape[i];
     }
     *ond = k;
 }
@@ -63,8 +57,7 @@ static ts_status reduce_kernel(enum red kind, ts_tensor *a, const bool *mask, ts
     reduced_shapes(a, mask, kshape, &ond, oshape);
     ts_tensor *o;
     ts_status st = ts__tensor_new(a->dtype, a->ndim, kshape, &o);
-    if (st)
-        return st;
+    if (st) return st;
     if (ts__is_meta(o)) {
         *out = o;
         return TS_OK;
@@ -75,16 +68,14 @@ static ts_status reduce_kernel(enum red kind, ts_tensor *a, const bool *mask, ts
         ts_tensor_free(o);
         return TS_ERR_NO_MEMORY;
     }
-    for (int64_t i = 0; i < on; i++)
-        acc[i] = kind == R_SUM ? 0.0 : -INFINITY;
+    for (int64_t i = 0; i < on; i++) acc[i] = kind == R_SUM ? 0.0 : -INFINITY;
     if (an > 0 && a->ndim == 0) {
         acc[0] = ts__load(a->dtype, ts_tensor_data(a), 0);
     } else if (an > 0) {
         int nd = a->ndim;
         int64_t str[2][TS_MAX_DIMS], offs[2] = {0, 0}, idx[TS_MAX_DIMS] = {0};
         memcpy(str[0], a->strides, sizeof a->strides);
-        for (int i = 0; i < nd; i++)
-            str[1][i] = mask[i] ? 0 : o->strides[i];
+        for (int i = 0; i < nd; i++) str[1][i] = mask[i] ? 0 : o->strides[i];
         const void *ap = ts_tensor_data(a);
         int64_t n = a->shape[nd - 1], sa = str[0][nd - 1], so = str[1][nd - 1];
         bool f32 = a->dtype == TS_F32 && !ts__use_reference_kernels;
@@ -95,12 +86,10 @@ static ts_status reduce_kernel(enum red kind, ts_tensor *a, const bool *mask, ts
                 const uint16_t *x = (const uint16_t *)ap + offs[0];
                 if (so == 0) {
                     double s = 0;
-                    for (int64_t i = 0; i < n; i++)
-                        s += ts__bf16_to_f32(x[i * sa]);
+                    for (int64_t i = 0; i < n; i++) s += ts__bf16_to_f32(x[i * sa]);
                     ac[0] += s;
                 } else {
-                    for (int64_t i = 0; i < n; i++)
-                        ac[i * so] += ts__bf16_to_f32(x[i * sa]);
+                    for (int64_t i = 0; i < n; i++) ac[i * so] += ts__bf16_to_f32(x[i * sa]);
                 }
             } else if (half && sa == 1) {
                 /* float16 in float blocks from the vectorised conversion
@@ -112,49 +101,40 @@ static ts_status reduce_kernel(enum red kind, ts_tensor *a, const bool *mask, ts
                     ts__buf_convert(TS_F32, f, TS_F16, x + i0, m);
                     if (so == 0) {
                         double t = 0;
-                        for (int64_t i = 0; i < m; i++)
-                            t += f[i];
+                        for (int64_t i = 0; i < m; i++) t += f[i];
                         ac[0] += t;
                     } else {
-                        for (int64_t i = 0; i < m; i++)
-                            ac[(i0 + i) * so] += f[i];
+                        for (int64_t i = 0; i < m; i++) ac[(i0 + i) * so] += f[i];
                     }
                 }
             } else if (half) {
                 const uint16_t *x = (const uint16_t *)ap + offs[0];
-                for (int64_t i = 0; i < n; i++)
-                    ac[i * so] += ts_f16_to_f32(x[i * sa]);
+                for (int64_t i = 0; i < n; i++) ac[i * so] += ts_f16_to_f32(x[i * sa]);
             } else if (f32 && kind == R_SUM && so == 0) {
                 const float *x = (const float *)ap + offs[0];
                 double s = 0;
-                for (int64_t i = 0; i < n; i++)
-                    s += x[i * sa];
+                for (int64_t i = 0; i < n; i++) s += x[i * sa];
                 ac[0] += s;
             } else if (f32 && kind == R_SUM && so == 1 && sa == 1) {
                 /* summing rows into a vector (bias gradients): vectorises */
                 const float *restrict x = (const float *)ap + offs[0];
                 double *restrict acr = ac;
-                for (int64_t i = 0; i < n; i++)
-                    acr[i] += x[i];
+                for (int64_t i = 0; i < n; i++) acr[i] += x[i];
             } else if (f32 && kind == R_SUM) {
                 const float *x = (const float *)ap + offs[0];
-                for (int64_t i = 0; i < n; i++)
-                    ac[i * so] += x[i * sa];
+                for (int64_t i = 0; i < n; i++) ac[i * so] += x[i * sa];
             } else {
                 for (int64_t i = 0; i < n; i++) {
                     double v = ts__load(a->dtype, ap, offs[0] + i * sa);
                     double *c = &ac[i * so];
-                    if (kind == R_SUM)
-                        *c += v;
-                    else if (v > *c || v != v)
-                        *c = v;
+                    if (kind == R_SUM) *c += v;
+                    else if (v > *c || v != v) *c = v;
                 }
             }
         } while (ts__next_outer(nd, a->shape, idx, 2, str, offs));
     }
     void *od = ts_tensor_data(o);
-    for (int64_t i = 0; i < on; i++)
-        ts__store(o->dtype, od, i, acc[i]);
+    for (int64_t i = 0; i < on; i++) ts__store(o->dtype, od, i, acc[i]);
     ts__free(TS_MEM_OTHER, acc);
     *out = o;
     return TS_OK;
@@ -179,11 +159,9 @@ ts_status ts__sum_nograd(ts_tensor *a, int ndims, const int *dims, bool keepdim,
 {
     bool mask[TS_MAX_DIMS];
     ts_status st = dim_mask("sum", a, ndims, dims, mask);
-    if (st)
-        return st;
+    if (st) return st;
     ts_tensor *k;
-    if ((st = reduce_kernel(R_SUM, a, mask, &k)))
-        return st;
+    if ((st = reduce_kernel(R_SUM, a, mask, &k))) return st;
     return drop_dims(k, mask, keepdim, out);
 }
 
@@ -193,21 +171,17 @@ static ts_status expand_grad(ts_node *n, ts_tensor *g, ts_tensor **full)
 {
     int nd = (int)n->iargs[15];
     int64_t kshape[TS_MAX_DIMS], str[TS_MAX_DIMS];
-    for (int i = 0; i < nd; i++)
-        kshape[i] = (n->iargs[8] >> i) & 1 ? 1 : n->iargs[i];
+    for (int i = 0; i < nd; i++) kshape[i] = (n->iargs[8] >> i) & 1 ? 1 : n->iargs[i];
     ts_tensor *gc, *gk, *e;
     ts_status st = ts_contiguous(g, &gc);
-    if (st)
-        return st;
+    if (st) return st;
     ts__contiguous_strides(nd, kshape, str);
     st = ts__tensor_alias(gc, nd, kshape, str, gc->offset, &gk);
     ts_tensor_free(gc);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_expand(gk, nd, n->iargs, &e);
     ts_tensor_free(gk);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_contiguous(e, full);
     ts_tensor_free(e);
     return st;
@@ -223,10 +197,8 @@ static ts_status sum_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     }
     /* mean: torch's mean_backward divides by the count, which for the
      * 16-bit dtypes is a wrapped number rounded to the dtype */
-    if (ts__is_half(full->dtype))
-        st = ts_div_scalar(full, n->dargs[1], &gin[0]);
-    else
-        st = ts_mul_scalar(full, n->dargs[0], &gin[0]);
+    if (ts__is_half(full->dtype)) st = ts_div_scalar(full, n->dargs[1], &gin[0]);
+    else st = ts_mul_scalar(full, n->dargs[0], &gin[0]);
     ts_tensor_free(full);
     return st;
 }
@@ -236,8 +208,7 @@ static ts_status amax_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     /* gradient shared evenly among the elements equal to the maximum */
     ts_tensor *full_g, *full_m, *mask, *cnt, *share, *maskf, *gm;
     ts_status st = expand_grad(n, g[0], &full_g);
-    if (st)
-        return st;
+    if (st) return st;
     int nd = (int)n->iargs[15];
     ts_tensor *x = n->saved[0], *mx = n->saved[1];
     st = ts_expand(mx, nd, n->iargs, &full_m);
@@ -252,8 +223,7 @@ static ts_status amax_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     if (!st) {
         int dims[TS_MAX_DIMS], k = 0;
         for (int i = 0; i < nd; i++)
-            if ((n->iargs[8] >> i) & 1)
-                dims[k++] = i;
+            if ((n->iargs[8] >> i) & 1) dims[k++] = i;
         st = ts__sum_nograd(maskf, k, dims, true, &cnt);
         if (!st) {
             st = ts_div(full_g, cnt, &share); /* broadcasting the count */
@@ -262,8 +232,7 @@ static ts_status amax_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
         if (!st) {
             st = ts_mul(share, maskf, &gm);
             ts_tensor_free(share);
-            if (!st)
-                gin[0] = gm;
+            if (!st) gin[0] = gm;
         }
         ts_tensor_free(maskf);
     }
@@ -275,33 +244,26 @@ static ts_status reduce_op(const char *name, enum red kind, bool mean, ts_tensor
                            bool keepdim, ts_tensor **out)
 {
     ts_status st;
-    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_floating(name, a)))
-        return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
+    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_floating(name, a))) return st;
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
     bool mask[TS_MAX_DIMS];
-    if ((st = dim_mask(name, a, ndims, dims, mask)))
-        return st;
+    if ((st = dim_mask(name, a, ndims, dims, mask))) return st;
     int64_t count = 1;
     for (int i = 0; i < a->ndim; i++)
-        if (mask[i])
-            count *= a->shape[i];
+        if (mask[i]) count *= a->shape[i];
     if (kind == R_MAX && count == 0)
         return ts_error(TS_ERR_SHAPE, "%s: cannot take the maximum over zero elements", name);
     ts_tensor *k;
-    if ((st = reduce_kernel(kind, a, mask, &k)))
-        return st;
+    if ((st = reduce_kernel(kind, a, mask, &k))) return st;
     if (mean) {
         ts_tensor *m;
         st = ts_div_scalar(k, (double)count, &m); /* k has no grad yet: plain kernel */
         ts_tensor_free(k);
-        if (st)
-            return st;
+        if (st) return st;
         k = m;
     }
     ts_tensor *o;
-    if ((st = drop_dims(k, mask, keepdim, &o)))
-        return st;
+    if ((st = drop_dims(k, mask, keepdim, &o))) return st;
     if (ts__needs_grad(1, &a)) {
         ts_node *n = ts__node_new(name, kind == R_SUM ? sum_backward : amax_backward, 1, &a, 1);
         if (!n) {
@@ -311,8 +273,7 @@ static ts_status reduce_op(const char *name, enum red kind, bool mean, ts_tensor
         memcpy(n->iargs, a->shape, (size_t)a->ndim * sizeof *a->shape);
         n->iargs[15] = a->ndim;
         n->iargs[8] = 0;
-        for (int i = 0; i < a->ndim; i++)
-            n->iargs[8] |= (int64_t)mask[i] << i;
+        for (int i = 0; i < a->ndim; i++) n->iargs[8] |= (int64_t)mask[i] << i;
         n->dargs[0] = mean ? 1.0 / (double)count : 1.0;
         n->dargs[1] = (double)count;
         if (kind == R_MAX) {
@@ -324,13 +285,11 @@ static ts_status reduce_op(const char *name, enum red kind, bool mean, ts_tensor
             st = ts__tensor_alias(o, a->ndim, kshape, str, o->offset, &kv);
             if (!st) {
                 st = ts__node_save(n, 0, a);
-                if (!st)
-                    st = ts__node_save(n, 1, kv);
+                if (!st) st = ts__node_save(n, 1, kv);
                 ts_tensor_free(kv);
             }
         }
-        if (!st)
-            ts__node_set_output(n, 0, o);
+        if (!st) ts__node_set_output(n, 0, o);
         ts__node_free(n);
         if (st) {
             ts_tensor_free(o);
@@ -364,8 +323,7 @@ static ts_status max_dim_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     int nd = (int)n->iargs[15], dim = (int)n->iargs[14];
     ts_tensor *idx = n->saved[0], *gc, *z;
     ts_status st = ts__tensor_new(g[0]->dtype, nd, n->iargs, &z);
-    if (st)
-        return st;
+    if (st) return st;
     ts_tensor_fill_(z, 0.0);
     if ((st = ts_contiguous(g[0], &gc))) {
         ts_tensor_free(z);
@@ -380,10 +338,8 @@ static ts_status max_dim_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     const void *gp = ts_tensor_data(gc);
     void *zp = ts_tensor_data(z);
     int64_t outer = 1, inner = 1, size = n->iargs[dim];
-    for (int i = 0; i < dim; i++)
-        outer *= n->iargs[i];
-    for (int i = dim + 1; i < nd; i++)
-        inner *= n->iargs[i];
+    for (int i = 0; i < dim; i++) outer *= n->iargs[i];
+    for (int i = dim + 1; i < nd; i++) inner *= n->iargs[i];
     for (int64_t o = 0; o < outer; o++)
         for (int64_t i = 0; i < inner; i++) {
             int64_t r = o * inner + i;
@@ -397,20 +353,14 @@ static ts_status max_dim_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 ts_status ts_max_dim(ts_tensor *a, int dim, bool keepdim, ts_tensor **values_out, ts_tensor **indices_out)
 {
     ts_status st;
-    if ((st = ts__check_inputs("max", 1, &a)) || (st = ts__check_floating("max", a)))
-        return st;
-    if (!values_out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "max: values_out is NULL");
+    if ((st = ts__check_inputs("max", 1, &a)) || (st = ts__check_floating("max", a))) return st;
+    if (!values_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "max: values_out is NULL");
     int d;
-    if ((st = ts__wrap_dim("max", dim, a->ndim, &d)))
-        return st;
-    if (a->ndim == 0)
-        return ts_error(TS_ERR_INDEX, "max: a 0-d tensor has no dim to reduce");
-    if (a->shape[d] == 0)
-        return ts_error(TS_ERR_SHAPE, "max: dim %d has size 0", d);
+    if ((st = ts__wrap_dim("max", dim, a->ndim, &d))) return st;
+    if (a->ndim == 0) return ts_error(TS_ERR_INDEX, "max: a 0-d tensor has no dim to reduce");
+    if (a->shape[d] == 0) return ts_error(TS_ERR_SHAPE, "max: dim %d has size 0", d);
     ts_tensor *ac;
-    if ((st = ts_contiguous(a, &ac)))
-        return st;
+    if ((st = ts_contiguous(a, &ac))) return st;
     int64_t kshape[TS_MAX_DIMS];
     memcpy(kshape, a->shape, sizeof kshape);
     kshape[d] = 1;
@@ -425,10 +375,8 @@ ts_status ts_max_dim(ts_tensor *a, int dim, bool keepdim, ts_tensor **values_out
         return st;
     }
     int64_t outer = 1, inner = 1, size = a->shape[d];
-    for (int i = 0; i < d; i++)
-        outer *= a->shape[i];
-    for (int i = d + 1; i < a->ndim; i++)
-        inner *= a->shape[i];
+    for (int i = 0; i < d; i++) outer *= a->shape[i];
+    for (int i = d + 1; i < a->ndim; i++) inner *= a->shape[i];
     const void *ap = ts_tensor_data(ac);
     void *vp = ts_tensor_data(v);
     int64_t *ip = ts_tensor_data(ix);
@@ -462,15 +410,13 @@ ts_status ts_max_dim(ts_tensor *a, int dim, bool keepdim, ts_tensor **values_out
     }
     if (ts__needs_grad(1, &a)) {
         ts_node *n = ts__node_new("max", max_dim_backward, 1, &a, 1);
-        if (!n)
-            st = TS_ERR_NO_MEMORY;
+        if (!n) st = TS_ERR_NO_MEMORY;
         else {
             memcpy(n->iargs, a->shape, (size_t)a->ndim * sizeof *a->shape);
             n->iargs[15] = a->ndim;
             n->iargs[14] = d;
             st = ts__node_save(n, 0, ix);
-            if (!st)
-                ts__node_set_output(n, 0, vo);
+            if (!st) ts__node_set_output(n, 0, vo);
             ts__node_free(n);
         }
     }
@@ -481,10 +427,8 @@ ts_status ts_max_dim(ts_tensor *a, int dim, bool keepdim, ts_tensor **values_out
         return st;
     }
     *values_out = vo;
-    if (indices_out)
-        *indices_out = io;
-    else
-        ts_tensor_free(io);
+    if (indices_out) *indices_out = io;
+    else ts_tensor_free(io);
     return TS_OK;
 }
 
@@ -500,26 +444,20 @@ __attribute__((target_clones("avx2", "default"))) static void softmax_rows_f32(c
         const float *xr = x + r * n;
         float *yr = y + r * n;
         float mx = -INFINITY;
-        for (int64_t i = 0; i < n; i++)
-            mx = xr[i] > mx ? xr[i] : mx;
-        if (mx == -INFINITY)
-            mx = 0;
-        for (int64_t i = 0; i < n; i++)
-            yr[i] = ts__exp_f32(xr[i] - mx);
+        for (int64_t i = 0; i < n; i++) mx = xr[i] > mx ? xr[i] : mx;
+        if (mx == -INFINITY) mx = 0;
+        for (int64_t i = 0; i < n; i++) yr[i] = ts__exp_f32(xr[i] - mx);
         double s = 0;
-        for (int64_t i = 0; i < n; i++)
-            s += yr[i];
+        for (int64_t i = 0; i < n; i++) s += yr[i];
         if (log_form) {
             /* (x - max) - log(sum), in this order, as PyTorch does: folding
              * max + log(sum) first rounds at the magnitude of the logits and
              * loses the small differences (pytorch/pytorch#11752) */
             float ls = (float)log(s);
-            for (int64_t i = 0; i < n; i++)
-                yr[i] = (xr[i] - mx) - ls;
+            for (int64_t i = 0; i < n; i++) yr[i] = (xr[i] - mx) - ls;
         } else {
             float inv = (float)(1.0 / s);
-            for (int64_t i = 0; i < n; i++)
-                yr[i] *= inv;
+            for (int64_t i = 0; i < n; i++) yr[i] *= inv;
         }
     }
 }
@@ -535,8 +473,7 @@ void ts__softmax_rows_half(ts_dtype dt, const void *x, void *y, int64_t rows, in
     float stack[2 * 512];
     float *in = n <= 512 ? stack : ts__malloc(TS_MEM_OTHER, (size_t)n * 2 * sizeof *in);
     if (!in || ts__use_reference_kernels) {
-        if (in && in != stack)
-            ts__free(TS_MEM_OTHER, in);
+        if (in && in != stack) ts__free(TS_MEM_OTHER, in);
         ts__softmax_rows_half_ref(dt, x, y, rows, n, log_form);
         return;
     }
@@ -546,8 +483,7 @@ void ts__softmax_rows_half(ts_dtype dt, const void *x, void *y, int64_t rows, in
         softmax_rows_f32(in, out, 1, n, log_form);
         ts__buf_convert(dt, (uint16_t *)y + r * n, TS_F32, out, n);
     }
-    if (in != stack)
-        ts__free(TS_MEM_OTHER, in);
+    if (in != stack) ts__free(TS_MEM_OTHER, in);
 }
 
 static void softmax_rows_ref(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n, bool log_form)
@@ -558,10 +494,8 @@ static void softmax_rows_ref(ts_dtype dt, const void *x, void *y, int64_t rows, 
             double v = ts__load(dt, x, r * n + i);
             mx = v > mx ? v : mx;
         }
-        if (mx == -INFINITY)
-            mx = 0;
-        for (int64_t i = 0; i < n; i++)
-            s += exp(ts__load(dt, x, r * n + i) - mx);
+        if (mx == -INFINITY) mx = 0;
+        for (int64_t i = 0; i < n; i++) s += exp(ts__load(dt, x, r * n + i) - mx);
         for (int64_t i = 0; i < n; i++) {
             double v = ts__load(dt, x, r * n + i) - mx;
             ts__store(dt, y, r * n + i, log_form ? v - log(s) : exp(v) / s);
@@ -570,8 +504,7 @@ static void softmax_rows_ref(ts_dtype dt, const void *x, void *y, int64_t rows, 
 }
 
 /* Gradient rows: softmax gx = y * (g - sum(g*y)); log: gx = g - exp(y) * sum(g). */
-static void softmax_bw_rows(ts_dtype dt, const void *g, const void *y, void *gx, int64_t rows, int64_t n,
-                            bool log_form)
+static void softmax_bw_rows(ts_dtype dt, const void *g, const void *y, void *gx, int64_t rows, int64_t n, bool log_form)
 {
     if (ts__is_half(dt)) {
         ts__softmax_bw_rows_half(dt, g, y, gx, rows, n, log_form);
@@ -585,15 +518,11 @@ static void softmax_bw_rows(ts_dtype dt, const void *g, const void *y, void *gx,
             float *orow = o + r * n;
             double s = 0;
             if (log_form) {
-                for (int64_t i = 0; i < n; i++)
-                    s += gr[i];
-                for (int64_t i = 0; i < n; i++)
-                    orow[i] = gr[i] - ts__exp_f32(yr[i]) * (float)s;
+                for (int64_t i = 0; i < n; i++) s += gr[i];
+                for (int64_t i = 0; i < n; i++) orow[i] = gr[i] - ts__exp_f32(yr[i]) * (float)s;
             } else {
-                for (int64_t i = 0; i < n; i++)
-                    s += gr[i] * yr[i];
-                for (int64_t i = 0; i < n; i++)
-                    orow[i] = yr[i] * (gr[i] - (float)s);
+                for (int64_t i = 0; i < n; i++) s += gr[i] * yr[i];
+                for (int64_t i = 0; i < n; i++) orow[i] = yr[i] * (gr[i] - (float)s);
             }
         }
         return;
@@ -620,8 +549,7 @@ static ts_status dim_last(ts_tensor *a, int d, ts_tensor **out)
         ts_tensor_free(t);
     }
     ts_grad_mode_set(grad);
-    if (!st)
-        *out = c;
+    if (!st) *out = c;
     return st;
 }
 
@@ -648,11 +576,9 @@ static ts_status softmax_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
     int d = (int)n->iargs[0];
     bool log_form = n->iargs[1] != 0;
     ts_tensor *y = n->saved[0], *gl, *yl, *gx;
-    if (y->ndim == 0)
-        return ts_tensor_zeros(y->dtype, 0, NULL, &gin[0]);
+    if (y->ndim == 0) return ts_tensor_zeros(y->dtype, 0, NULL, &gin[0]);
     ts_status st = dim_last(g[0], d, &gl);
-    if (st)
-        return st;
+    if (st) return st;
     if ((st = dim_last(y, d, &yl))) {
         ts_tensor_free(gl);
         return st;
@@ -672,21 +598,16 @@ static ts_status softmax_backward(ts_node *n, ts_tensor **g, ts_tensor **gin)
 static ts_status softmax_op(const char *name, bool log_form, ts_tensor *a, int dim, ts_tensor **out)
 {
     ts_status st;
-    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_floating(name, a)))
-        return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
+    if ((st = ts__check_inputs(name, 1, &a)) || (st = ts__check_floating(name, a))) return st;
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", name);
     int d;
-    if ((st = ts__wrap_dim(name, dim, a->ndim, &d)))
-        return st;
+    if ((st = ts__wrap_dim(name, dim, a->ndim, &d))) return st;
     ts_tensor *o;
     if (a->ndim == 0) {
-        if ((st = ts_tensor_full(a->dtype, 0, NULL, log_form ? 0.0 : 1.0, &o)))
-            return st;
+        if ((st = ts_tensor_full(a->dtype, 0, NULL, log_form ? 0.0 : 1.0, &o))) return st;
     } else {
         ts_tensor *al, *yl;
-        if ((st = dim_last(a, d, &al)))
-            return st;
+        if ((st = dim_last(a, d, &al))) return st;
         int64_t n = al->shape[al->ndim - 1], rows = n ? ts_tensor_numel(al) / n : 0;
         if ((st = ts__tensor_new(al->dtype, al->ndim, al->shape, &yl))) {
             ts_tensor_free(al);
@@ -698,15 +619,13 @@ static ts_status softmax_op(const char *name, bool log_form, ts_tensor *a, int d
             ts__softmax_rows_half(al->dtype, ts_tensor_data(al), ts_tensor_data(yl), rows, n, log_form);
         else if (al->dtype == TS_F32 && !ts__use_reference_kernels)
             softmax_rows_f32(ts_tensor_data(al), ts_tensor_data(yl), rows, n, log_form);
-        else
-            softmax_rows_ref(al->dtype, ts_tensor_data(al), ts_tensor_data(yl), rows, n, log_form);
+        else softmax_rows_ref(al->dtype, ts_tensor_data(al), ts_tensor_data(yl), rows, n, log_form);
         ts_tensor_free(al);
         bool grad = ts_grad_mode_set(false);
         st = dim_back(yl, d, &o);
         ts_grad_mode_set(grad);
         ts_tensor_free(yl);
-        if (st)
-            return st;
+        if (st) return st;
     }
     if (ts__needs_grad(1, &a)) {
         ts_node *n = ts__node_new(name, softmax_backward, 1, &a, 1);
@@ -716,8 +635,7 @@ static ts_status softmax_op(const char *name, bool log_form, ts_tensor *a, int d
         }
         n->iargs[0] = d;
         n->iargs[1] = log_form;
-        if ((st = ts__record1(n, o, o, NULL)))
-            return st;
+        if ((st = ts__record1(n, o, o, NULL))) return st;
     }
     *out = o;
     return TS_OK;
@@ -736,22 +654,18 @@ static ts_status masked_softmax_backward(ts_node *n, ts_tensor **g, ts_tensor **
 {
     ts_tensor *y = n->saved[0], *gc, *gx;
     ts_status st = ts_contiguous(g[0], &gc);
-    if (st)
-        return st;
+    if (st) return st;
     int64_t s = y->shape[y->ndim - 1], rows = s ? ts_tensor_numel(y) / s : 0;
     if (!(st = ts__tensor_new(y->dtype, y->ndim, y->shape, &gx))) {
         bool meta = ts__is_meta(gx);
-        if (!meta)
-            softmax_bw_rows(y->dtype, ts_tensor_data(gc), ts_tensor_data(y), ts_tensor_data(gx), rows, s, false);
+        if (!meta) softmax_bw_rows(y->dtype, ts_tensor_data(gc), ts_tensor_data(y), ts_tensor_data(gx), rows, s, false);
         double scale = n->dargs[0];
         if (scale != 1.0 && !meta) {
             void *p = ts_tensor_data(gx);
             if (y->dtype == TS_F32)
-                for (int64_t i = 0; i < rows * s; i++)
-                    ((float *)p)[i] *= (float)scale;
+                for (int64_t i = 0; i < rows * s; i++) ((float *)p)[i] *= (float)scale;
             else
-                for (int64_t i = 0; i < rows * s; i++)
-                    ((double *)p)[i] *= scale;
+                for (int64_t i = 0; i < rows * s; i++) ((double *)p)[i] *= scale;
         }
         gin[0] = gx;
     }
@@ -766,8 +680,7 @@ ts_status ts_scaled_masked_softmax(ts_tensor *scores, ts_tensor *mask, double sc
     if ((st = ts__check_inputs(op, 1, &scores)) || (mask && (st = ts__check_inputs(op, 1, &mask))) ||
         (st = ts__check_float(op, scores)))
         return st;
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", op);
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", op);
     char s1[96], s2[96];
     if (scores->ndim < 2)
         return ts_error(TS_ERR_SHAPE, "%s: scores must have at least 2 dims (..., T, S), got %s", op,
@@ -780,11 +693,9 @@ ts_status ts_scaled_masked_softmax(ts_tensor *scores, ts_tensor *mask, double sc
     ts_tensor *sc = NULL, *mc = NULL, *o = NULL;
     bool grad = ts_grad_mode_set(false);
     st = ts_contiguous(scores, &sc);
-    if (!st && mask)
-        st = ts_contiguous(mask, &mc);
+    if (!st && mask) st = ts_contiguous(mask, &mc);
     ts_grad_mode_set(grad);
-    if (st || (st = ts__tensor_new(scores->dtype, scores->ndim, scores->shape, &o)))
-        goto done;
+    if (st || (st = ts__tensor_new(scores->dtype, scores->ndim, scores->shape, &o))) goto done;
     int64_t rows = S ? ts_tensor_numel(sc) / S : 0;
     const uint8_t *mp = mc ? ts_tensor_data(mc) : NULL;
     /* masked, scaled scores into the output, then softmax in place */
@@ -795,8 +706,7 @@ ts_status ts_scaled_masked_softmax(ts_tensor *scores, ts_tensor *mask, double sc
         float *y = ts_tensor_data(o), fs = (float)scale;
         for (int64_t r = 0; r < rows; r++) {
             const uint8_t *mr = mp ? mp + (r % T) * S : NULL;
-            for (int64_t i = 0; i < S; i++)
-                y[r * S + i] = mr && mr[i] ? -INFINITY : fs * x[r * S + i];
+            for (int64_t i = 0; i < S; i++) y[r * S + i] = mr && mr[i] ? -INFINITY : fs * x[r * S + i];
         }
         softmax_rows_f32(y, y, rows, S, false);
     } else {
@@ -815,11 +725,9 @@ ts_status ts_scaled_masked_softmax(ts_tensor *scores, ts_tensor *mask, double sc
             goto done;
         }
         n->dargs[0] = scale;
-        if (!(st = ts__node_save(n, 0, o)))
-            ts__node_set_output(n, 0, o);
+        if (!(st = ts__node_save(n, 0, o))) ts__node_set_output(n, 0, o);
         ts__node_free(n);
-        if (st)
-            goto done;
+        if (st) goto done;
     }
     *out = o;
     o = NULL;
@@ -832,12 +740,9 @@ done:
 
 void ts__softmax_rows(ts_dtype dt, const void *x, void *y, int64_t rows, int64_t n)
 {
-    if (ts__is_half(dt))
-        ts__softmax_rows_half(dt, x, y, rows, n, false);
-    else if (dt == TS_F32 && !ts__use_reference_kernels)
-        softmax_rows_f32(x, y, rows, n, false);
-    else
-        softmax_rows_ref(dt, x, y, rows, n, false);
+    if (ts__is_half(dt)) ts__softmax_rows_half(dt, x, y, rows, n, false);
+    else if (dt == TS_F32 && !ts__use_reference_kernels) softmax_rows_f32(x, y, rows, n, false);
+    else softmax_rows_ref(dt, x, y, rows, n, false);
 }
 
 void ts__softmax_bw_rows(ts_dtype dt, const void *g, const void *y, void *gx, int64_t rows, int64_t n)

@@ -20,8 +20,7 @@ static void *block_alloc(size_t cb)
     size_t align = cb >= HUGE_BYTES ? HUGE_BYTES : 64;
     void *b = ts__malloc_raw(TS_MEM_POOL, cb, align);
 #ifdef MADV_HUGEPAGE
-    if (b && align == HUGE_BYTES)
-        madvise(b, cb, MADV_HUGEPAGE); /* advice only: failure changes nothing */
+    if (b && align == HUGE_BYTES) madvise(b, cb, MADV_HUGEPAGE); /* advice only: failure changes nothing */
 #endif
     return b;
 }
@@ -95,8 +94,7 @@ void *ts__pool_alloc(size_t nbytes, size_t *block_bytes_out)
             /* give back what the cache holds, then try once more */
             ts_pool_empty_cache();
             b = block_alloc(cb);
-            if (!b)
-                return NULL;
+            if (!b) return NULL;
         }
     }
     ts__mem_count(TS_MEM_STORAGE, cb, true);
@@ -106,8 +104,7 @@ void *ts__pool_alloc(size_t nbytes, size_t *block_bytes_out)
 
 void ts__pool_free(void *p, size_t block_bytes)
 {
-    if (!p)
-        return;
+    if (!p) return;
     size_t cb;
     int c = size_class(block_bytes, &cb);
     TS_ASSERT(c >= 0 && cb == block_bytes);
@@ -127,8 +124,7 @@ void ts_pool_empty_cache(void)
         free_block *b = free_lists[c];
         free_lists[c] = NULL;
         size_t cb = 0;
-        if (b)
-            class_bytes(c, &cb); /* only classes that hold blocks: the top ones are unreachable sizes */
+        if (b) class_bytes(c, &cb); /* only classes that hold blocks: the top ones are unreachable sizes */
         while (b) {
             free_block *n = b->next;
             ts__free_raw(TS_MEM_POOL, b, cb);

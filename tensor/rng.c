@@ -57,8 +57,7 @@ static void gen_seed(ts_generator *g, uint64_t seed)
 {
     g->seed = seed;
     g->mt[0] = (uint32_t)(seed & UINT32_C(0xFFFFFFFF));
-    for (uint32_t j = 1; j < MT_N; j++)
-        g->mt[j] = UINT32_C(1812433253) * (g->mt[j - 1] ^ (g->mt[j - 1] >> 30)) + j;
+    for (uint32_t j = 1; j < MT_N; j++) g->mt[j] = UINT32_C(1812433253) * (g->mt[j - 1] ^ (g->mt[j - 1] >> 30)) + j;
     g->left = 1;
     g->next = 0;
     g->has_normal = false;
@@ -76,10 +75,8 @@ static void mt_next_state(ts_generator *g)
 {
     uint32_t *p = g->mt;
     int k;
-    for (k = 0; k < MT_N - MT_M; k++)
-        p[k] = p[k + MT_M] ^ mt_twist(p[k], p[k + 1]);
-    for (; k < MT_N - 1; k++)
-        p[k] = p[k + MT_M - MT_N] ^ mt_twist(p[k], p[k + 1]);
+    for (k = 0; k < MT_N - MT_M; k++) p[k] = p[k + MT_M] ^ mt_twist(p[k], p[k + 1]);
+    for (; k < MT_N - 1; k++) p[k] = p[k + MT_M - MT_N] ^ mt_twist(p[k], p[k + 1]);
     p[MT_N - 1] = p[MT_M - 1] ^ mt_twist(p[MT_N - 1], p[0]);
     g->left = MT_N;
     g->next = 0;
@@ -88,8 +85,7 @@ static void mt_next_state(ts_generator *g)
 /* One mt19937 output (docs/rng.md §1.2). */
 static inline uint32_t mt_random(ts_generator *g)
 {
-    if (--g->left == 0)
-        mt_next_state(g);
+    if (--g->left == 0) mt_next_state(g);
     uint32_t y = g->mt[g->next++];
     y ^= y >> 11;
     y ^= (y << 7) & UINT32_C(0x9D2C5680);
@@ -107,32 +103,22 @@ static inline uint64_t mt_random64(ts_generator *g)
 }
 
 /* U24: low 24 bits of one draw, exact f32 in [0, 1 - 2^-24]. */
-static inline float u24(ts_generator *g)
-{
-    return (float)(mt_random(g) & UINT32_C(0xFFFFFF)) * 0x1p-24f;
-}
+static inline float u24(ts_generator *g) { return (float)(mt_random(g) & UINT32_C(0xFFFFFF)) * 0x1p-24f; }
 
 /* U53: low 53 bits of random64, exact f64 in [0, 1 - 2^-53]. */
-static inline double u53(ts_generator *g)
-{
-    return (double)(mt_random64(g) & ((UINT64_C(1) << 53) - 1)) * 0x1p-53;
-}
+static inline double u53(ts_generator *g) { return (double)(mt_random64(g) & ((UINT64_C(1) << 53) - 1)) * 0x1p-53; }
 
 static ts_generator default_gen;
 static once_flag default_once = ONCE_FLAG_INIT;
 
-static void default_gen_init(void)
-{
-    gen_seed(&default_gen, TS__DEFAULT_SEED);
-}
+static void default_gen_init(void) { gen_seed(&default_gen, TS__DEFAULT_SEED); }
 
 /* A thread's own default (ts_generator_set_thread_default), else NULL. */
 static _Thread_local ts_generator *tl_default;
 
 ts_generator *ts_default_generator(void)
 {
-    if (tl_default)
-        return tl_default;
+    if (tl_default) return tl_default;
     call_once(&default_once, default_gen_init);
     return &default_gen;
 }
@@ -144,23 +130,15 @@ ts_generator *ts_generator_set_thread_default(ts_generator *g)
     return prev;
 }
 
-static ts_generator *gen_or_default(ts_generator *g)
-{
-    return g ? g : ts_default_generator();
-}
+static ts_generator *gen_or_default(ts_generator *g) { return g ? g : ts_default_generator(); }
 
-void ts_manual_seed(uint64_t seed)
-{
-    gen_seed(ts_default_generator(), seed);
-}
+void ts_manual_seed(uint64_t seed) { gen_seed(ts_default_generator(), seed); }
 
 ts_status ts_generator_new(uint64_t seed, ts_generator **out)
 {
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "generator_new: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "generator_new: out is NULL");
     ts_generator *g = ts__malloc(TS_MEM_OTHER, sizeof *g);
-    if (!g)
-        return ts_error(TS_ERR_NO_MEMORY, "generator_new: cannot allocate %zu bytes", sizeof *g);
+    if (!g) return ts_error(TS_ERR_NO_MEMORY, "generator_new: cannot allocate %zu bytes", sizeof *g);
     gen_seed(g, seed);
     *out = g;
     return TS_OK;
@@ -169,19 +147,12 @@ ts_status ts_generator_new(uint64_t seed, ts_generator **out)
 /* The default generator is not freed (it is static). */
 void ts_generator_free(ts_generator *g)
 {
-    if (g && g != &default_gen)
-        ts__free(TS_MEM_OTHER, g);
+    if (g && g != &default_gen) ts__free(TS_MEM_OTHER, g);
 }
 
-void ts_generator_manual_seed(ts_generator *g, uint64_t seed)
-{
-    gen_seed(gen_or_default(g), seed);
-}
+void ts_generator_manual_seed(ts_generator *g, uint64_t seed) { gen_seed(gen_or_default(g), seed); }
 
-uint32_t ts_generator_random(ts_generator *g)
-{
-    return mt_random(gen_or_default(g));
-}
+uint32_t ts_generator_random(ts_generator *g) { return mt_random(gen_or_default(g)); }
 
 /* ------------------------------------------- state (docs/rng.md §1.5, 5056 bytes) */
 
@@ -203,22 +174,19 @@ _Static_assert(ST_FLOAT_NORMAL_VALID + 4 == TS_GENERATOR_STATE_BYTES, "rng state
 
 static void put_le(uint8_t *p, uint64_t v, int nbytes)
 {
-    for (int i = 0; i < nbytes; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
+    for (int i = 0; i < nbytes; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
 
 static uint64_t get_le(const uint8_t *p, int nbytes)
 {
     uint64_t v = 0;
-    for (int i = 0; i < nbytes; i++)
-        v |= (uint64_t)p[i] << (8 * i);
+    for (int i = 0; i < nbytes; i++) v |= (uint64_t)p[i] << (8 * i);
     return v;
 }
 
 void ts_generator_get_state(const ts_generator *gc, uint8_t state_out[TS_GENERATOR_STATE_BYTES])
 {
-    if (!state_out)
-        return;
+    if (!state_out) return;
     const ts_generator *g = gc ? gc : ts_default_generator();
     uint64_t bits;
     uint32_t fbits;
@@ -228,8 +196,7 @@ void ts_generator_get_state(const ts_generator *gc, uint8_t state_out[TS_GENERAT
     put_le(state_out + ST_LEFT, (uint32_t)g->left, 4);
     put_le(state_out + ST_SEEDED, 1, 4);
     put_le(state_out + ST_NEXT, g->next, 8);
-    for (int i = 0; i < MT_N; i++)
-        put_le(state_out + ST_STATE + 8 * i, g->mt[i], 8);
+    for (int i = 0; i < MT_N; i++) put_le(state_out + ST_STATE + 8 * i, g->mt[i], 8);
     /* normal_x and normal_rho stay 0 (torch writes dummies) */
     if (g->has_normal) {
         memcpy(&bits, &g->normal, 8);
@@ -251,8 +218,7 @@ void ts_generator_get_state(const ts_generator *gc, uint8_t state_out[TS_GENERAT
  * error (TS_ERR_INVALID_ARGUMENT). */
 ts_status ts_generator_set_state(ts_generator *g, const uint8_t state[TS_GENERATOR_STATE_BYTES])
 {
-    if (!state)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "generator_set_state: state is NULL");
+    if (!state) return ts_error(TS_ERR_INVALID_ARGUMENT, "generator_set_state: state is NULL");
     g = gen_or_default(g);
     int32_t left = (int32_t)(uint32_t)get_le(state + ST_LEFT, 4);
     int32_t seeded = (int32_t)(uint32_t)get_le(state + ST_SEEDED, 4);
@@ -265,18 +231,15 @@ ts_status ts_generator_set_state(ts_generator *g, const uint8_t state[TS_GENERAT
     g->seed = get_le(state + ST_SEED, 8);
     g->left = left;
     g->next = (uint32_t)next;
-    for (int i = 0; i < MT_N; i++)
-        g->mt[i] = (uint32_t)get_le(state + ST_STATE + 8 * i, 8);
+    for (int i = 0; i < MT_N; i++) g->mt[i] = (uint32_t)get_le(state + ST_STATE + 8 * i, 8);
     g->has_normal = get_le(state + ST_NORMAL_VALID, 4) != 0;
     uint64_t bits = get_le(state + ST_NORMAL_Y, 8);
     memcpy(&g->normal, &bits, 8);
-    if (!g->has_normal)
-        g->normal = 0.0;
+    if (!g->has_normal) g->normal = 0.0;
     g->has_float_normal = state[ST_FLOAT_NORMAL_VALID] != 0;
     uint32_t fbits = (uint32_t)get_le(state + ST_FLOAT_NORMAL, 4);
     memcpy(&g->float_normal, &fbits, 4);
-    if (!g->has_float_normal)
-        g->float_normal = 0.0f;
+    if (!g->has_float_normal) g->float_normal = 0.0f;
     return TS_OK;
 }
 
@@ -437,15 +400,12 @@ static void fill16_f64(double *d, double mean, double std)
 /* §5.2 steps 1-3: n >= 16 contiguous float32. */
 static void normal_fill_f32(ts_generator *g, float *d, int64_t n, float mean, float std)
 {
-    for (int64_t i = 0; i < n; i++)
-        d[i] = u24(g);
-    for (int64_t b = 0; b + 16 <= n; b += 16)
-        fill16_f32(d + b, mean, std);
+    for (int64_t i = 0; i < n; i++) d[i] = u24(g);
+    for (int64_t b = 0; b + 16 <= n; b += 16) fill16_f32(d + b, mean, std);
     if (n % 16 != 0) {
         /* recompute the last 16 slots from fresh draws */
         float *t = d + n - 16;
-        for (int i = 0; i < 16; i++)
-            t[i] = u24(g);
+        for (int i = 0; i < 16; i++) t[i] = u24(g);
         fill16_f32(t, mean, std);
     }
 }
@@ -453,14 +413,11 @@ static void normal_fill_f32(ts_generator *g, float *d, int64_t n, float mean, fl
 /* §5.5: n >= 16 contiguous float64. */
 static void normal_fill_f64(ts_generator *g, double *d, int64_t n, double mean, double std)
 {
-    for (int64_t i = 0; i < n; i++)
-        d[i] = u53(g);
-    for (int64_t b = 0; b + 16 <= n; b += 16)
-        fill16_f64(d + b, mean, std);
+    for (int64_t i = 0; i < n; i++) d[i] = u53(g);
+    for (int64_t b = 0; b + 16 <= n; b += 16) fill16_f64(d + b, mean, std);
     if (n % 16 != 0) {
         double *t = d + n - 16;
-        for (int i = 0; i < 16; i++)
-            t[i] = u53(g);
+        for (int i = 0; i < 16; i++) t[i] = u53(g);
         fill16_f64(t, mean, std);
     }
 }
@@ -504,8 +461,7 @@ static void elem_iter_init_geom(elem_iter *it, int ndim, const int64_t *shape, c
     /* innermost (last) dimension first, then a stable insertion sort by
      * stride, like TensorIterator's reorder_dimensions */
     for (int d = ndim - 1; d >= 0; d--) {
-        if (shape[d] == 1)
-            continue;
+        if (shape[d] == 1) continue;
         int k = it->nd++;
         while (k > 0 && it->stride[k - 1] > strides[d]) {
             it->size[k] = it->size[k - 1];
@@ -515,8 +471,7 @@ static void elem_iter_init_geom(elem_iter *it, int ndim, const int64_t *shape, c
         it->size[k] = shape[d];
         it->stride[k] = strides[d];
     }
-    for (int d = 0; d < it->nd; d++)
-        it->idx[d] = 0;
+    for (int d = 0; d < it->nd; d++) it->idx[d] = 0;
 }
 
 static void elem_iter_init(elem_iter *it, const ts_tensor *t)
@@ -530,8 +485,7 @@ static inline int64_t elem_iter_next(elem_iter *it)
     int64_t cur = it->off;
     for (int d = 0; d < it->nd; d++) {
         it->off += it->stride[d];
-        if (++it->idx[d] < it->size[d])
-            break;
+        if (++it->idx[d] < it->size[d]) break;
         it->off -= it->stride[d] * it->size[d];
         it->idx[d] = 0;
     }
@@ -543,29 +497,22 @@ static inline int64_t elem_iter_next(elem_iter *it)
 static bool is_dense_contiguous_geom(int ndim, const int64_t *shape, const int64_t *strides)
 {
     for (int d = 0; d < ndim; d++)
-        if (shape[d] == 0)
-            return true;
+        if (shape[d] == 0) return true;
     int64_t expected = 1;
     for (int d = ndim - 1; d >= 0; d--) {
-        if (shape[d] == 1)
-            continue;
-        if (strides[d] != expected)
-            return false;
+        if (shape[d] == 1) continue;
+        if (strides[d] != expected) return false;
         expected *= shape[d];
     }
     return true;
 }
 
-static bool is_dense_contiguous(const ts_tensor *t)
-{
-    return is_dense_contiguous_geom(t->ndim, t->shape, t->strides);
-}
+static bool is_dense_contiguous(const ts_tensor *t) { return is_dense_contiguous_geom(t->ndim, t->shape, t->strides); }
 
 static int64_t tensor_numel(const ts_tensor *t)
 {
     int64_t n = 1;
-    for (int d = 0; d < t->ndim; d++)
-        n *= t->shape[d];
+    for (int d = 0; d < t->ndim; d++) n *= t->shape[d];
     return n;
 }
 
@@ -576,8 +523,7 @@ static int64_t tensor_numel(const ts_tensor *t)
 static ts_status fill_prepare(const char *op, ts_tensor *t, void **data_out)
 {
     ts_status st = ts__check_inputs(op, 1, &t);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     if (t->dtype != TS_F32 && t->dtype != TS_F64)
         return ts_error(TS_ERR_DTYPE, "%s: dtype %s is not supported (float32 or float64)", op,
                         ts_dtype_name(t->dtype));
@@ -596,8 +542,7 @@ static ts_status fill_prepare(const char *op, ts_tensor *t, void **data_out)
         return TS_OK;
     }
     *data_out = ts_tensor_data(t);
-    if (!*data_out)
-        return ts_error(TS_ERR_RELEASED, "%s: the tensor's storage is released", op);
+    if (!*data_out) return ts_error(TS_ERR_RELEASED, "%s: the tensor's storage is released", op);
     return TS_OK;
 }
 
@@ -607,8 +552,7 @@ ts_status ts_uniform_(ts_tensor *t, double from, double to, ts_generator *gen)
 {
     void *data;
     ts_status st = fill_prepare("uniform_", t, &data);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     double max = t->dtype == TS_F32 ? (double)FLT_MAX : DBL_MAX;
     if (!(from >= -max && from <= max))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: from=%g is out of bounds for %s", from,
@@ -617,15 +561,12 @@ ts_status ts_uniform_(ts_tensor *t, double from, double to, ts_generator *gen)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: to=%g is out of bounds for %s", to,
                         ts_dtype_name(t->dtype));
     if (from > to)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: expects a [from, to) range, but from=%g > to=%g",
-                        from, to);
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: expects a [from, to) range, but from=%g > to=%g", from, to);
     if (!(to - from <= max))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "uniform_: to - from must be <= the largest %s, but to=%g and from=%g",
                         ts_dtype_name(t->dtype), to, from);
-    if (ts__is_meta(t))
-        return ts__init_record("uniform_", t, TS__INIT_UNIFORM, from, to, gen);
-    if (!data)
-        return TS_OK;
+    if (ts__is_meta(t)) return ts__init_record("uniform_", t, TS__INIT_UNIFORM, from, to, gen);
+    if (!data) return TS_OK;
     ts_generator *g = gen_or_default(gen);
     elem_iter it;
     elem_iter_init(&it, t);
@@ -634,13 +575,11 @@ ts_status ts_uniform_(ts_tensor *t, double from, double to, ts_generator *gen)
         float *p = data;
         float f = (float)from;
         float range = (float)to - f;
-        for (int64_t i = 0; i < n; i++)
-            p[elem_iter_next(&it)] = fmaf(u24(g), range, f);
+        for (int64_t i = 0; i < n; i++) p[elem_iter_next(&it)] = fmaf(u24(g), range, f);
     } else {
         double *p = data;
         double range = to - from;
-        for (int64_t i = 0; i < n; i++)
-            p[elem_iter_next(&it)] = fma(u53(g), range, from);
+        for (int64_t i = 0; i < n; i++) p[elem_iter_next(&it)] = fma(u53(g), range, from);
     }
     return TS_OK;
 }
@@ -649,33 +588,25 @@ ts_status ts_normal_(ts_tensor *t, double mean, double std, ts_generator *gen)
 {
     void *data;
     ts_status st = fill_prepare("normal_", t, &data);
-    if (st != TS_OK)
-        return st;
-    if (!(std >= 0.0))
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "normal_: expects std >= 0.0, but std=%g", std);
-    if (ts__is_meta(t))
-        return ts__init_record("normal_", t, TS__INIT_NORMAL, mean, std, gen);
-    if (!data)
-        return TS_OK;
+    if (st != TS_OK) return st;
+    if (!(std >= 0.0)) return ts_error(TS_ERR_INVALID_ARGUMENT, "normal_: expects std >= 0.0, but std=%g", std);
+    if (ts__is_meta(t)) return ts__init_record("normal_", t, TS__INIT_NORMAL, mean, std, gen);
+    if (!data) return TS_OK;
     ts_generator *g = gen_or_default(gen);
     int64_t n = tensor_numel(t);
     if (n >= 16 && is_dense_contiguous(t)) {
-        if (t->dtype == TS_F32)
-            normal_fill_f32(g, data, n, (float)mean, (float)std);
-        else
-            normal_fill_f64(g, data, n, mean, std);
+        if (t->dtype == TS_F32) normal_fill_f32(g, data, n, (float)mean, (float)std);
+        else normal_fill_f64(g, data, n, mean, std);
         return TS_OK;
     }
     elem_iter it;
     elem_iter_init(&it, t);
     if (t->dtype == TS_F32) {
         float *p = data;
-        for (int64_t i = 0; i < n; i++)
-            p[elem_iter_next(&it)] = (float)normal_scalar(g, mean, std);
+        for (int64_t i = 0; i < n; i++) p[elem_iter_next(&it)] = (float)normal_scalar(g, mean, std);
     } else {
         double *p = data;
-        for (int64_t i = 0; i < n; i++)
-            p[elem_iter_next(&it)] = normal_scalar(g, mean, std);
+        for (int64_t i = 0; i < n; i++) p[elem_iter_next(&it)] = normal_scalar(g, mean, std);
     }
     return TS_OK;
 }
@@ -690,14 +621,11 @@ ts_status ts_bernoulli_(ts_tensor *t, double p, ts_generator *gen)
 {
     void *data;
     ts_status st = fill_prepare("bernoulli_", t, &data);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     if (!(p >= 0.0 && p <= 1.0))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "bernoulli_: expects p in [0, 1], but p=%g", p);
-    if (ts__is_meta(t))
-        return ts__init_record("bernoulli_", t, TS__INIT_BERNOULLI, p, 0.0, gen);
-    if (!data)
-        return TS_OK;
+    if (ts__is_meta(t)) return ts__init_record("bernoulli_", t, TS__INIT_BERNOULLI, p, 0.0, gen);
+    if (!data) return TS_OK;
     ts_generator *g = gen_or_default(gen);
     int64_t n = tensor_numel(t);
     if (is_dense_contiguous(t)) {
@@ -708,12 +636,10 @@ ts_status ts_bernoulli_(ts_tensor *t, double p, ts_generator *gen)
     elem_iter_init(&it, t);
     if (t->dtype == TS_F32) {
         float *q = data;
-        for (int64_t i = 0; i < n; i++)
-            q[elem_iter_next(&it)] = u53(g) < p ? 1.0f : 0.0f;
+        for (int64_t i = 0; i < n; i++) q[elem_iter_next(&it)] = u53(g) < p ? 1.0f : 0.0f;
     } else {
         double *q = data;
-        for (int64_t i = 0; i < n; i++)
-            q[elem_iter_next(&it)] = u53(g) < p ? 1.0 : 0.0;
+        for (int64_t i = 0; i < n; i++) q[elem_iter_next(&it)] = u53(g) < p ? 1.0 : 0.0;
     }
     return TS_OK;
 }
@@ -744,18 +670,16 @@ static uint64_t u53_threshold(double p) { return (uint64_t)ceil(p * 0x1p53); }
 #define MASK53 ((UINT64_C(1) << 53) - 1)
 
 typedef struct bits_ops {
-    void (*twist)(uint32_t *mt);                                /* mt_next_state's loops */
+    void (*twist)(uint32_t *mt);                                   /* mt_next_state's loops */
     void (*temper)(uint32_t *out, const uint32_t *src, int64_t n); /* mt_random's tempering */
-    uint32_t (*pack)(const uint32_t *w, uint64_t thr);          /* 32 elements from 64 words */
+    uint32_t (*pack)(const uint32_t *w, uint64_t thr);             /* 32 elements from 64 words */
 } bits_ops;
 
 static void twist_scalar(uint32_t *p)
 {
     int k;
-    for (k = 0; k < MT_N - MT_M; k++)
-        p[k] = p[k + MT_M] ^ mt_twist(p[k], p[k + 1]);
-    for (; k < MT_N - 1; k++)
-        p[k] = p[k + MT_M - MT_N] ^ mt_twist(p[k], p[k + 1]);
+    for (k = 0; k < MT_N - MT_M; k++) p[k] = p[k + MT_M] ^ mt_twist(p[k], p[k + 1]);
+    for (; k < MT_N - 1; k++) p[k] = p[k + MT_M - MT_N] ^ mt_twist(p[k], p[k + 1]);
     p[MT_N - 1] = p[MT_M - 1] ^ mt_twist(p[MT_N - 1], p[0]);
 }
 
@@ -802,8 +726,7 @@ R_AVX2 static void twist_avx2(uint32_t *p)
             __m256i mag = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_and_si256(v, one), zero), ma);
             _mm256_storeu_si256((__m256i *)(void *)(p + k), _mm256_xor_si256(_mm256_xor_si256(s, y), mag));
         }
-        for (; k < end; k++)
-            p[k] = p[k + off] ^ mt_twist(p[k], p[k + 1]);
+        for (; k < end; k++) p[k] = p[k + off] ^ mt_twist(p[k], p[k + 1]);
     }
     p[MT_N - 1] = p[MT_M - 1] ^ mt_twist(p[MT_N - 1], p[0]);
 }
@@ -850,8 +773,7 @@ R_AVX512 static void twist_avx512(uint32_t *p)
             __m512i mag = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(v, one), ma);
             _mm512_storeu_si512(p + k, _mm512_xor_si512(_mm512_xor_si512(s, y), mag));
         }
-        for (; k < end; k++)
-            p[k] = p[k + off] ^ mt_twist(p[k], p[k + 1]);
+        for (; k < end; k++) p[k] = p[k + off] ^ mt_twist(p[k], p[k + 1]);
     }
     p[MT_N - 1] = p[MT_M - 1] ^ mt_twist(p[MT_N - 1], p[0]);
 }
@@ -916,20 +838,18 @@ static void mt_fill(const bits_ops *ops, ts_generator *g, uint32_t *out, int64_t
 static const bits_ops *bits_ops_for(int kpath)
 {
 #if R_X86
-    if (kpath >= TS__KPATH_AVX512)
-        return &bits_avx512;
-    if (kpath == TS__KPATH_AVX2)
-        return &bits_avx2;
+    if (kpath >= TS__KPATH_AVX512) return &bits_avx512;
+    if (kpath == TS__KPATH_AVX2) return &bits_avx2;
 #endif
     (void)kpath;
     return &bits_scalar;
 }
 
-enum { CHUNK = 1024 };                         /* elements per batch of words */
+enum { CHUNK = 1024 };                               /* elements per batch of words */
 static _Thread_local uint32_t bits_words[2 * CHUNK]; /* zero at first, then stale words */
 
-void ts__rng_bernoulli_bits_on(int kpath, ts_generator *gen, double p, int64_t rows, int64_t cols,
-                               int64_t row_words, uint32_t *bits)
+void ts__rng_bernoulli_bits_on(int kpath, ts_generator *gen, double p, int64_t rows, int64_t cols, int64_t row_words,
+                               uint32_t *bits)
 {
     const bits_ops *ops = bits_ops_for(kpath);
     ts_generator *g = gen_or_default(gen);
@@ -948,8 +868,7 @@ void ts__rng_bernoulli_bits_on(int kpath, ts_generator *gen, double p, int64_t r
         }
 }
 
-void ts__rng_bernoulli_bits(ts_generator *gen, double p, int64_t rows, int64_t cols, int64_t row_words,
-                            uint32_t *bits)
+void ts__rng_bernoulli_bits(ts_generator *gen, double p, int64_t rows, int64_t cols, int64_t row_words, uint32_t *bits)
 {
     ts__rng_bernoulli_bits_on((int)ts__kpath_active(), gen, p, rows, cols, row_words, bits);
 }
@@ -969,12 +888,10 @@ static void bernoulli_dense(int kpath, ts_generator *g, ts_dtype dt, void *data,
             int k = m - j < 32 ? (int)(m - j) : 32;
             if (dt == TS_F32) {
                 float *o = (float *)data + i0 + j;
-                for (int i = 0; i < k; i++)
-                    o[i] = (float)((wd >> i) & 1u);
+                for (int i = 0; i < k; i++) o[i] = (float)((wd >> i) & 1u);
             } else {
                 double *o = (double *)data + i0 + j;
-                for (int i = 0; i < k; i++)
-                    o[i] = (double)((wd >> i) & 1u);
+                for (int i = 0; i < k; i++) o[i] = (double)((wd >> i) & 1u);
             }
         }
     }
@@ -1020,13 +937,11 @@ static void sink_run(const replay_sink *k, const char *vals, int64_t off0, int64
  * offsets: each run of consecutive offsets at once. */
 static void sink_iter(const replay_sink *k, const char *vals, elem_iter *it, int64_t base, int64_t m)
 {
-    if (m <= 0)
-        return;
+    if (m <= 0) return;
     int64_t start = 0, off0 = base + elem_iter_next(it);
     for (int64_t j = 1; j < m; j++) {
         int64_t o = base + elem_iter_next(it);
-        if (o == off0 + (j - start))
-            continue;
+        if (o == off0 + (j - start)) continue;
         sink_run(k, vals + (size_t)start * k->src_es, off0, j - start);
         start = j;
         off0 = o;
@@ -1039,8 +954,7 @@ static void sink_iter(const replay_sink *k, const char *vals, elem_iter *it, int
 static void skip_words(ts_generator *g, int64_t k)
 {
     for (int64_t i = 0; i < k; i++) {
-        if (--g->left == 0)
-            mt_next_state(g);
+        if (--g->left == 0) mt_next_state(g);
         g->next++;
     }
 }
@@ -1048,16 +962,15 @@ static void skip_words(ts_generator *g, int64_t k)
 /* uniform_ (ts_uniform_'s loops), bernoulli_ (its scalar path: the same
  * U53 < p per element as the batched bits, which draw the same words) and
  * the constant fill, all one value per element in the fill's order. */
-static void replay_elementwise(ts_generator *g, const ts__init_event *ev, const replay_sink *k, char *buf,
-                               int64_t n, bool dense)
+static void replay_elementwise(ts_generator *g, const ts__init_event *ev, const replay_sink *k, char *buf, int64_t n,
+                               bool dense)
 {
     elem_iter it;
     elem_iter_init_geom(&it, ev->ndim, ev->shape, ev->strides);
     bool f32 = ev->dtype == TS_F32;
     if (ev->kind == TS__INIT_FILL) { /* the value in the tensor's dtype, as ts_tensor_fill_ stores it */
         int64_t m = n < TS__INIT_REPLAY_BLOCK ? n : TS__INIT_REPLAY_BLOCK;
-        for (int64_t i = 0; i < m; i++)
-            ts__store(ev->dtype, buf, i, ev->a);
+        for (int64_t i = 0; i < m; i++) ts__store(ev->dtype, buf, i, ev->a);
     }
     for (int64_t i0 = 0; i0 < n; i0 += TS__INIT_REPLAY_BLOCK) {
         int64_t m = n - i0 < TS__INIT_REPLAY_BLOCK ? n - i0 : TS__INIT_REPLAY_BLOCK;
@@ -1068,12 +981,10 @@ static void replay_elementwise(ts_generator *g, const ts__init_event *ev, const 
                 skip_words(g, f32 ? m : 2 * m);
             } else if (f32) {
                 float *p = (float *)(void *)buf, f = (float)ev->a, range = (float)ev->b - f;
-                for (int64_t i = 0; i < m; i++)
-                    p[i] = fmaf(u24(g), range, f);
+                for (int64_t i = 0; i < m; i++) p[i] = fmaf(u24(g), range, f);
             } else {
                 double *p = (double *)(void *)buf, range = ev->b - ev->a;
-                for (int64_t i = 0; i < m; i++)
-                    p[i] = fma(u53(g), range, ev->a);
+                for (int64_t i = 0; i < m; i++) p[i] = fma(u53(g), range, ev->a);
             }
             break;
         case TS__INIT_BERNOULLI:
@@ -1081,21 +992,16 @@ static void replay_elementwise(ts_generator *g, const ts__init_event *ev, const 
                 skip_words(g, 2 * m);
             } else if (f32) {
                 float *p = (float *)(void *)buf;
-                for (int64_t i = 0; i < m; i++)
-                    p[i] = u53(g) < ev->a ? 1.0f : 0.0f;
+                for (int64_t i = 0; i < m; i++) p[i] = u53(g) < ev->a ? 1.0f : 0.0f;
             } else {
                 double *p = (double *)(void *)buf;
-                for (int64_t i = 0; i < m; i++)
-                    p[i] = u53(g) < ev->a ? 1.0 : 0.0;
+                for (int64_t i = 0; i < m; i++) p[i] = u53(g) < ev->a ? 1.0 : 0.0;
             }
             break;
-        default: /* TS__INIT_FILL: buf already holds the value */
-            break;
+        default: /* TS__INIT_FILL: buf already holds the value */ break;
         }
-        if (dense)
-            sink_run(k, buf, ev->offset + i0, m);
-        else
-            sink_iter(k, buf, &it, ev->offset, m);
+        if (dense) sink_run(k, buf, ev->offset + i0, m);
+        else sink_iter(k, buf, &it, ev->offset, m);
     }
 }
 
@@ -1103,8 +1009,7 @@ static void replay_elementwise(ts_generator *g, const ts__init_event *ev, const 
  * uniforms in order, each whole 16-chunk transformed, then, when n % 16
  * != 0, 16 fresh uniforms for the last 16 slots. A block is whole chunks;
  * the slots from n - 16 on are written by the tail only. */
-static void replay_normal_dense(ts_generator *g, const ts__init_event *ev, const replay_sink *k, char *buf,
-                                int64_t n)
+static void replay_normal_dense(ts_generator *g, const ts__init_event *ev, const replay_sink *k, char *buf, int64_t n)
 {
     bool f32 = ev->dtype == TS_F32;
     int64_t tail = n % 16 ? n - 16 : n;
@@ -1118,32 +1023,25 @@ static void replay_normal_dense(ts_generator *g, const ts__init_event *ev, const
         }
         if (f32) {
             float *d = (float *)(void *)buf;
-            for (int64_t i = 0; i < m; i++)
-                d[i] = u24(g);
+            for (int64_t i = 0; i < m; i++) d[i] = u24(g);
             for (int64_t b = 0; b + 16 <= m; b += 16)
-                if (sink_hits(k, ev->offset + i0 + b, 16))
-                    fill16_f32(d + b, mf, sf);
+                if (sink_hits(k, ev->offset + i0 + b, 16)) fill16_f32(d + b, mf, sf);
         } else {
             double *d = (double *)(void *)buf;
-            for (int64_t i = 0; i < m; i++)
-                d[i] = u53(g);
+            for (int64_t i = 0; i < m; i++) d[i] = u53(g);
             for (int64_t b = 0; b + 16 <= m; b += 16)
-                if (sink_hits(k, ev->offset + i0 + b, 16))
-                    fill16_f64(d + b, ev->a, ev->b);
+                if (sink_hits(k, ev->offset + i0 + b, 16)) fill16_f64(d + b, ev->a, ev->b);
         }
         sink_run(k, buf, ev->offset + i0, wm);
     }
-    if (n % 16 == 0)
-        return;
+    if (n % 16 == 0) return;
     if (f32) {
         float *t = (float *)(void *)buf;
-        for (int i = 0; i < 16; i++)
-            t[i] = u24(g);
+        for (int i = 0; i < 16; i++) t[i] = u24(g);
         fill16_f32(t, mf, sf);
     } else {
         double *t = (double *)(void *)buf;
-        for (int i = 0; i < 16; i++)
-            t[i] = u53(g);
+        for (int i = 0; i < 16; i++) t[i] = u53(g);
         fill16_f64(t, ev->a, ev->b);
     }
     sink_run(k, buf, ev->offset + n - 16, 16);
@@ -1152,8 +1050,7 @@ static void replay_normal_dense(ts_generator *g, const ts__init_event *ev, const
 /* normal_ on fewer than 16 elements or a non-dense view: normal_scalar
  * per element in TensorIterator order (its cached second value makes
  * every element depend on the one before: nothing is skipped). */
-static void replay_normal_scalar(ts_generator *g, const ts__init_event *ev, const replay_sink *k, char *buf,
-                                 int64_t n)
+static void replay_normal_scalar(ts_generator *g, const ts__init_event *ev, const replay_sink *k, char *buf, int64_t n)
 {
     elem_iter it;
     elem_iter_init_geom(&it, ev->ndim, ev->shape, ev->strides);
@@ -1161,25 +1058,21 @@ static void replay_normal_scalar(ts_generator *g, const ts__init_event *ev, cons
         int64_t m = n - i0 < TS__INIT_REPLAY_BLOCK ? n - i0 : TS__INIT_REPLAY_BLOCK;
         if (ev->dtype == TS_F32) {
             float *p = (float *)(void *)buf;
-            for (int64_t i = 0; i < m; i++)
-                p[i] = (float)normal_scalar(g, ev->a, ev->b);
+            for (int64_t i = 0; i < m; i++) p[i] = (float)normal_scalar(g, ev->a, ev->b);
         } else {
             double *p = (double *)(void *)buf;
-            for (int64_t i = 0; i < m; i++)
-                p[i] = normal_scalar(g, ev->a, ev->b);
+            for (int64_t i = 0; i < m; i++) p[i] = normal_scalar(g, ev->a, ev->b);
         }
         sink_iter(k, buf, &it, ev->offset, m);
     }
 }
 
-ts_status ts__init_replay(const ts__init_event *ev, int64_t elem_begin, int64_t elem_end, ts_dtype dst_dtype,
-                          void *dst)
+ts_status ts__init_replay(const ts__init_event *ev, int64_t elem_begin, int64_t elem_end, ts_dtype dst_dtype, void *dst)
 {
-    if (!ev)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: the event is NULL");
+    if (!ev) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: the event is NULL");
     if (elem_begin < 0 || elem_end < elem_begin)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: range [%lld, %lld) is %s",
-                        (long long)elem_begin, (long long)elem_end, elem_begin < 0 ? "negative" : "reversed");
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: range [%lld, %lld) is %s", (long long)elem_begin,
+                        (long long)elem_end, elem_begin < 0 ? "negative" : "reversed");
     if (!dst && elem_end > elem_begin)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: dst is NULL for the %lld elements [%lld, %lld)",
                         (long long)(elem_end - elem_begin), (long long)elem_begin, (long long)elem_end);
@@ -1189,31 +1082,28 @@ ts_status ts__init_replay(const ts__init_event *ev, int64_t elem_begin, int64_t 
     if ((unsigned)ev->kind >= TS__INIT_KIND_COUNT ||
         (ev->kind != TS__INIT_FILL && ev->dtype != TS_F32 && ev->dtype != TS_F64) || ev->ndim < 0 ||
         ev->ndim > TS_MAX_DIMS)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: event %llu (kind %d, %s, %d dims) is not a "
-                        "recorded initializer", (unsigned long long)ev->seq, (int)ev->kind,
-                        ts_dtype_name(ev->dtype), ev->ndim);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts__init_replay: event %llu (kind %d, %s, %d dims) is not a "
+                        "recorded initializer",
+                        (unsigned long long)ev->seq, (int)ev->kind, ts_dtype_name(ev->dtype), ev->ndim);
     if (ev->repeat_of)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts__init_replay: event %llu repeats event %llu (a copy): replay it "
-                        "through ts__init_replay_targets, with its source", (unsigned long long)ev->seq,
-                        (unsigned long long)ev->repeat_of);
+        return ts_error(TS_ERR_INVALID_ARGUMENT,
+                        "ts__init_replay: event %llu repeats event %llu (a copy): replay it "
+                        "through ts__init_replay_targets, with its source",
+                        (unsigned long long)ev->seq, (unsigned long long)ev->repeat_of);
     int64_t n = ts__numel(ev->ndim, ev->shape);
-    if (n <= 0)
-        return TS_OK;
+    if (n <= 0) return TS_OK;
     size_t es = ts_dtype_size(ev->dtype);
     int64_t bn = n < TS__INIT_REPLAY_BLOCK ? (n < 16 ? 16 : n) : TS__INIT_REPLAY_BLOCK;
     char *buf = ts__malloc(TS_MEM_OTHER, (size_t)bn * es);
     if (!buf)
-        return ts_error(TS_ERR_NO_MEMORY, "ts__init_replay: cannot allocate a block of %lld elements",
-                        (long long)bn);
+        return ts_error(TS_ERR_NO_MEMORY, "ts__init_replay: cannot allocate a block of %lld elements", (long long)bn);
     replay_sink k = {elem_begin, elem_end, ev->dtype, dst_dtype, es, ts_dtype_size(dst_dtype), dst};
     ts_generator *g = gen_or_default(ev->gen);
     bool dense = is_dense_contiguous_geom(ev->ndim, ev->shape, ev->strides);
-    if (ev->kind != TS__INIT_NORMAL)
-        replay_elementwise(g, ev, &k, buf, n, dense);
-    else if (n >= 16 && dense)
-        replay_normal_dense(g, ev, &k, buf, n);
-    else
-        replay_normal_scalar(g, ev, &k, buf, n);
+    if (ev->kind != TS__INIT_NORMAL) replay_elementwise(g, ev, &k, buf, n, dense);
+    else if (n >= 16 && dense) replay_normal_dense(g, ev, &k, buf, n);
+    else replay_normal_scalar(g, ev, &k, buf, n);
     ts__free(TS_MEM_OTHER, buf);
     return TS_OK;
 }
@@ -1222,22 +1112,18 @@ ts_status ts__init_replay(const ts__init_event *ev, int64_t elem_begin, int64_t 
 
 static ts_status new_float(const char *op, ts_dtype dtype, int ndim, const int64_t *shape, ts_tensor **out)
 {
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", op);
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: out is NULL", op);
     if (dtype != TS_F32 && dtype != TS_F64)
-        return ts_error(TS_ERR_DTYPE, "%s: dtype %s is not supported (float32 or float64)", op,
-                        ts_dtype_name(dtype));
+        return ts_error(TS_ERR_DTYPE, "%s: dtype %s is not supported (float32 or float64)", op, ts_dtype_name(dtype));
     return ts_tensor_empty(dtype, ndim, shape, out);
 }
 
 ts_status ts_rand(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator *gen, ts_tensor **out)
 {
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "rand: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "rand: out is NULL");
     ts_tensor *t;
     ts_status st = new_float("rand", dtype, ndim, shape, &t);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     if (ts__is_meta(t)) { /* a meta tensor draws nothing: the generator stays */
         *out = t;
         return TS_OK;
@@ -1253,12 +1139,10 @@ ts_status ts_rand(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator *
 
 ts_status ts_randn(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator *gen, ts_tensor **out)
 {
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "randn: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "randn: out is NULL");
     ts_tensor *t;
     ts_status st = new_float("randn", dtype, ndim, shape, &t);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     if (ts__is_meta(t)) { /* a meta tensor draws nothing: the generator stays */
         *out = t;
         return TS_OK;
@@ -1274,18 +1158,15 @@ ts_status ts_randn(ts_dtype dtype, int ndim, const int64_t *shape, ts_generator 
 
 /* §6.1: range >= 2^32 draws random64, else one random() per element; the
  * modulo bias is torch's. */
-ts_status ts_randint(int64_t low, int64_t high, int ndim, const int64_t *shape, ts_generator *gen,
-                     ts_tensor **out)
+ts_status ts_randint(int64_t low, int64_t high, int ndim, const int64_t *shape, ts_generator *gen, ts_tensor **out)
 {
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "randint: out is NULL");
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "randint: out is NULL");
     if (low >= high)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "randint: expects low < high, but low=%lld >= high=%lld",
                         (long long)low, (long long)high);
     ts_tensor *t;
     ts_status st = ts_tensor_empty(TS_I64, ndim, shape, &t);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     int64_t n = ts__is_meta(t) ? 0 : tensor_numel(t); /* meta: no draw */
     int64_t *p = n ? ts_tensor_data(t) : NULL;
     ts_generator *g = gen_or_default(gen);
@@ -1303,22 +1184,18 @@ ts_status ts_randint(int64_t low, int64_t high, int ndim, const int64_t *shape, 
  * algorithm for every n (later versions switch above 214,748,364). */
 ts_status ts_randperm(int64_t n, ts_generator *gen, ts_tensor **out)
 {
-    if (!out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "randperm: out is NULL");
-    if (n < 0)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "randperm: n=%lld must be >= 0", (long long)n);
+    if (!out) return ts_error(TS_ERR_INVALID_ARGUMENT, "randperm: out is NULL");
+    if (n < 0) return ts_error(TS_ERR_INVALID_ARGUMENT, "randperm: n=%lld must be >= 0", (long long)n);
     ts_tensor *t;
     ts_status st = ts_tensor_empty(TS_I64, 1, &n, &t);
-    if (st != TS_OK)
-        return st;
+    if (st != TS_OK) return st;
     if (ts__is_meta(t)) { /* a meta tensor draws nothing: the generator stays */
         *out = t;
         return TS_OK;
     }
     int64_t *p = n ? ts_tensor_data(t) : NULL;
     ts_generator *g = gen_or_default(gen);
-    for (int64_t i = 0; i < n; i++)
-        p[i] = i;
+    for (int64_t i = 0; i < n; i++) p[i] = i;
     for (int64_t i = 0; i < n - 1; i++) {
         int64_t z = (int64_t)((uint64_t)mt_random(g) % (uint64_t)(n - i));
         int64_t sav = p[i];

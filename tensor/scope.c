@@ -38,12 +38,10 @@ static bool grow_frames(void)
 {
     int cap = 2 * frames_cap();
     frame *old = frames(), *f = ts__malloc(TS_MEM_TENSOR, (size_t)cap * sizeof *f);
-    if (!f)
-        return false;
+    if (!f) return false;
     memcpy(f, old, (size_t)tl_depth * sizeof *f);
     for (int d = 0; d < tl_depth; d++)
-        if (old[d].items == old[d].inline_items)
-            f[d].items = f[d].inline_items;
+        if (old[d].items == old[d].inline_items) f[d].items = f[d].inline_items;
     ts__free(TS_MEM_TENSOR, tl_heap);
     tl_heap = f;
     tl_heap_cap = cap;
@@ -52,8 +50,7 @@ static bool grow_frames(void)
 
 ts_scope ts_scope_begin(void)
 {
-    if (tl_depth == frames_cap() && !grow_frames())
-        return (ts_scope){-1, 0};
+    if (tl_depth == frames_cap() && !grow_frames()) return (ts_scope){-1, 0};
     frame *f = &frames()[tl_depth];
     f->id = atomic_fetch_add(&g_next_id, 1);
     f->items = f->inline_items;
@@ -68,13 +65,14 @@ int ts_scope_depth(void) { return tl_depth; }
 static ts_status lookup(const char *fn, ts_scope s, bool record, frame **out)
 {
     if (s.id == 0)
-        return record ? ts_error(TS_ERR_NO_MEMORY, "%s: the scope was not opened (ts_scope_begin ran out of memory)",
-                                 fn)
-                      : TS_ERR_NO_MEMORY;
+        return record
+            ? ts_error(TS_ERR_NO_MEMORY, "%s: the scope was not opened (ts_scope_begin ran out of memory)", fn)
+            : TS_ERR_NO_MEMORY;
     if (s.depth < 0 || s.depth >= tl_depth || frames()[s.depth].id != s.id)
         return record ? ts_error(TS_ERR_STATE,
                                  "%s: the scope has ended (or was begun on another thread): %d scope%s open on this "
-                                 "thread", fn, tl_depth, tl_depth == 1 ? "" : "s")
+                                 "thread",
+                                 fn, tl_depth, tl_depth == 1 ? "" : "s")
                       : TS_ERR_STATE;
     *out = &frames()[s.depth];
     return TS_OK;
@@ -82,8 +80,7 @@ static ts_status lookup(const char *fn, ts_scope s, bool record, frame **out)
 
 ts_status ts_scope_add(ts_scope s, ts_tensor *t)
 {
-    if (!t)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_scope_add: the tensor is NULL (did the call before fail?)");
+    if (!t) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_scope_add: the tensor is NULL (did the call before fail?)");
     frame *f = NULL;
     ts_status st = lookup("ts_scope_add", s, true, &f);
     if (st) {
@@ -98,8 +95,7 @@ ts_status ts_scope_add(ts_scope s, ts_tensor *t)
             return ts_error(TS_ERR_NO_MEMORY, "ts_scope_add: out of memory (a scope of %d tensors)", f->n);
         }
         memcpy(items, f->items, (size_t)f->n * sizeof *items);
-        if (f->items != f->inline_items)
-            ts__free(TS_MEM_TENSOR, f->items);
+        if (f->items != f->inline_items) ts__free(TS_MEM_TENSOR, f->items);
         f->items = items;
         f->cap = cap;
     }
@@ -109,12 +105,10 @@ ts_status ts_scope_add(ts_scope s, ts_tensor *t)
 
 ts_status ts_scope_keep(ts_scope s, ts_tensor *t)
 {
-    if (!t)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_scope_keep: the tensor is NULL");
+    if (!t) return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_scope_keep: the tensor is NULL");
     frame *f = NULL;
     ts_status st = lookup("ts_scope_keep", s, true, &f);
-    if (st)
-        return st;
+    if (st) return st;
     for (int i = f->n - 1; i >= 0; i--)
         if (f->items[i] == t) { /* the scope's reference becomes the caller's */
             memmove(&f->items[i], &f->items[i + 1], (size_t)(f->n - i - 1) * sizeof *f->items);
@@ -136,8 +130,7 @@ static void release_top(int d)
         ts_tensor_free(t);
     }
     frame *f = &frames()[d];
-    if (f->items != f->inline_items)
-        ts__free(TS_MEM_TENSOR, f->items);
+    if (f->items != f->inline_items) ts__free(TS_MEM_TENSOR, f->items);
     f->items = f->inline_items;
     f->id = 0;
     tl_depth = d;
@@ -147,11 +140,9 @@ static ts_status end_impl(ts_scope s, bool record)
 {
     frame *f = NULL;
     ts_status st = lookup("ts_scope_end", s, record, &f);
-    if (st)
-        return st;
+    if (st) return st;
     int inner = tl_depth - 1 - s.depth;
-    for (int d = tl_depth - 1; d >= s.depth; d--)
-        release_top(d);
+    for (int d = tl_depth - 1; d >= s.depth; d--) release_top(d);
     if (tl_depth == 0 && tl_heap) { /* no scope open: the thread holds nothing here */
         ts__free(TS_MEM_TENSOR, tl_heap);
         tl_heap = NULL;
@@ -177,26 +168,25 @@ ts_status ts_scope_fail(ts_scope s, ts_status st)
 ts_status ts_scope_return(ts_scope s, int n, ts_tensor *const *ts, int *n_out, ts_tensor **out)
 {
     if (n < 0 || (n > 0 && !ts) || !n_out || !out)
-        return ts_scope_fail(s, ts_error(TS_ERR_INVALID_ARGUMENT, "ts_scope_return: %s",
-                                         n < 0 ? "n is negative" : !n_out ? "n_out is NULL"
-                                         : !out ? "out is NULL" : "the tensors are NULL"));
+        return ts_scope_fail(s,
+                             ts_error(TS_ERR_INVALID_ARGUMENT, "ts_scope_return: %s",
+                                      n < 0        ? "n is negative"
+                                          : !n_out ? "n_out is NULL"
+                                          : !out   ? "out is NULL"
+                                                   : "the tensors are NULL"));
     for (int i = 0; i < n; i++)
         if (!ts[i])
-            return ts_scope_fail(s, ts_error(TS_ERR_INVALID_ARGUMENT, "ts_scope_return: tensor %d of %d is NULL", i,
-                                             n));
+            return ts_scope_fail(s,
+                                 ts_error(TS_ERR_INVALID_ARGUMENT, "ts_scope_return: tensor %d of %d is NULL", i, n));
     ts_status st = TS_OK;
     int kept = 0;
-    while (kept < n && !(st = ts_scope_keep(s, ts[kept])))
-        kept++;
-    if (!st)
-        st = ts_scope_end(s);
+    while (kept < n && !(st = ts_scope_keep(s, ts[kept]))) kept++;
+    if (!st) st = ts_scope_end(s);
     if (st) {
-        for (int i = 0; i < kept; i++)
-            ts_tensor_free(ts[i]);
+        for (int i = 0; i < kept; i++) ts_tensor_free(ts[i]);
         return ts_scope_fail(s, st);
     }
-    for (int i = 0; i < n; i++)
-        out[i] = ts[i];
+    for (int i = 0; i < n; i++) out[i] = ts[i];
     *n_out = n;
     return TS_OK;
 }

@@ -34,20 +34,20 @@ extern "C" {
 
 /* ------------------------------------------------------------------ dtype */
 
-#define TS_DTYPE_TABLE(X)              \
-    X(TS_F32, "float32", 4, 1)         \
-    X(TS_F64, "float64", 8, 1)         \
-    X(TS_BF16, "bfloat16", 2, 1)       \
-    X(TS_F16, "float16", 2, 1)         \
-    X(TS_I64, "int64", 8, 0)           \
-    X(TS_I32, "int32", 4, 0)           \
+#define TS_DTYPE_TABLE(X) \
+    X(TS_F32, "float32", 4, 1) \
+    X(TS_F64, "float64", 8, 1) \
+    X(TS_BF16, "bfloat16", 2, 1) \
+    X(TS_F16, "float16", 2, 1) \
+    X(TS_I64, "int64", 8, 0) \
+    X(TS_I32, "int32", 4, 0) \
     X(TS_BOOL, "bool", 1, 0)
 
 typedef enum ts_dtype {
 #define TS__DTYPE_ENUM(e, name, size, isf) e,
     TS_DTYPE_TABLE(TS__DTYPE_ENUM)
 #undef TS__DTYPE_ENUM
-    TS_DTYPE_COUNT
+        TS_DTYPE_COUNT
 } ts_dtype;
 
 /* Bytes per element; 0 for an invalid dtype. */
@@ -228,8 +228,7 @@ TS_API ts_status ts_tensor_ones(ts_dtype dtype, int ndim, const int64_t *shape, 
 TS_API ts_status ts_tensor_full(ts_dtype dtype, int ndim, const int64_t *shape, double value, ts_tensor **out);
 /* New tensor whose elements are copied from `data` (row-major, of the
  * given dtype, numel * ts_dtype_size(dtype) bytes). */
-TS_API ts_status ts_tensor_from_data(ts_dtype dtype, int ndim, const int64_t *shape, const void *data,
-                                     ts_tensor **out);
+TS_API ts_status ts_tensor_from_data(ts_dtype dtype, int ndim, const int64_t *shape, const void *data, ts_tensor **out);
 /* New 0-d tensor holding `value`. Errors as ts_tensor_full. */
 TS_API ts_status ts_tensor_scalar(ts_dtype dtype, double value, ts_tensor **out);
 /* New 1-d tensor [start, start + step, ...) below `end`.
@@ -472,8 +471,8 @@ typedef enum ts_reduction { TS_REDUCTION_MEAN = 0, TS_REDUCTION_SUM, TS_REDUCTIO
 /* logits (N, C), int64 targets (N). Targets equal to ignore_index add
  * nothing and do not count in the mean (PyTorch's rule; a mean over zero
  * targets is NaN, as in PyTorch). */
-TS_API ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore_index,
-                                  ts_reduction reduction, ts_tensor **out);
+TS_API ts_status ts_cross_entropy(ts_tensor *logits, ts_tensor *targets, int64_t ignore_index, ts_reduction reduction,
+                                  ts_tensor **out);
 TS_API ts_status ts_mse_loss(ts_tensor *input, ts_tensor *target, ts_reduction reduction, ts_tensor **out);
 /* torch's F.l1_loss: |input - target| averaged (TS_REDUCTION_MEAN),
  * summed (SUM, both 0-d) or kept elementwise (NONE). Same shapes required
@@ -561,7 +560,7 @@ typedef ts_status (*ts_autograd_backward_fn)(void *ctx, int n, ts_tensor **grads
  * and `fn` never runs. `ctx_free` (may be NULL) runs when the node dies.
  * Writes n new references into outs. */
 TS_API ts_status ts_autograd_custom(int n, ts_tensor *const *inputs, ts_autograd_backward_fn fn, void *ctx,
-                                   void (*ctx_free)(void *ctx), ts_tensor **outs);
+                                    void (*ctx_free)(void *ctx), ts_tensor **outs);
 
 /* Queues `fn(ctx)` to run once when the backward now running ends (after
  * every node). TS_ERR_STATE when no backward is running on this thread. */
@@ -663,19 +662,19 @@ TS_API int ts_scope_depth(void);
  *                             false, records the detail and returns
  *                             ts_scope_fail(s, status).
  */
-#define TS_SCOPED(s, var, expr)                                          \
-    do {                                                                 \
-        ts_status ts_scoped_st_ = (expr);                                \
+#define TS_SCOPED(s, var, expr) \
+    do { \
+        ts_status ts_scoped_st_ = (expr); \
         if (ts_scoped_st_ == TS_OK) ts_scoped_st_ = ts_scope_add((s), (var)); \
         if (ts_scoped_st_ != TS_OK) return ts_scope_fail((s), ts_scoped_st_); \
     } while (0)
-#define TS_SCOPE_TRY(s, expr)                                               \
-    do {                                                                    \
-        ts_status ts_scoped_st_ = (expr);                                   \
+#define TS_SCOPE_TRY(s, expr) \
+    do { \
+        ts_status ts_scoped_st_ = (expr); \
         if (ts_scoped_st_ != TS_OK) return ts_scope_fail((s), ts_scoped_st_); \
     } while (0)
-#define TS_SCOPE_CHECK(s, cond, status, ...)                                  \
-    do {                                                                      \
+#define TS_SCOPE_CHECK(s, cond, status, ...) \
+    do { \
         if (!(cond)) return ts_scope_fail((s), ts_error((status), __VA_ARGS__)); \
     } while (0)
 
@@ -723,7 +722,12 @@ TS_API ts_status ts_normal_(ts_tensor *t, double mean, double std, ts_generator 
 TS_API ts_status ts_bernoulli_(ts_tensor *t, double p, ts_generator *gen);
 
 typedef enum ts_nonlinearity {
-    TS_NL_LINEAR = 0, TS_NL_SIGMOID, TS_NL_TANH, TS_NL_RELU, TS_NL_LEAKY_RELU, TS_NL_SELU
+    TS_NL_LINEAR = 0,
+    TS_NL_SIGMOID,
+    TS_NL_TANH,
+    TS_NL_RELU,
+    TS_NL_LEAKY_RELU,
+    TS_NL_SELU
 } ts_nonlinearity;
 typedef enum ts_fan_mode { TS_FAN_IN = 0, TS_FAN_OUT } ts_fan_mode;
 /* torch.nn.init.calculate_gain (param is leaky_relu's negative slope; pass

@@ -62,15 +62,12 @@ ts_tensor *th_tensor(ts_dtype dtype, int ndim, const int64_t *shape, const doubl
 ts_tensor *th_seq(ts_dtype dtype, int ndim, const int64_t *shape, double scale, bool rg)
 {
     int64_t n = 1;
-    for (int i = 0; i < ndim; i++)
-        n *= shape[i];
+    for (int i = 0; i < ndim; i++) n *= shape[i];
     double *v = malloc((size_t)(n ? n : 1) * sizeof *v);
-    for (int64_t i = 0; i < n; i++)
-        v[i] = scale * sin(0.7 * (double)i + 0.3) * (1.0 + 0.01 * (double)(i % 7));
+    for (int64_t i = 0; i < n; i++) v[i] = scale * sin(0.7 * (double)i + 0.3) * (1.0 + 0.01 * (double)(i % 7));
     ts_tensor *t = th_tensor(dtype, ndim, shape, v);
     free(v);
-    if (rg)
-        TH_OK(ts_tensor_set_requires_grad(t, true));
+    if (rg) TH_OK(ts_tensor_set_requires_grad(t, true));
     return t;
 }
 
@@ -121,7 +118,7 @@ void th_assert_close(const ts_tensor *a, const ts_tensor *b, double rtol, double
     double *x = th_vals_new(a), *y = th_vals_new(b);
     for (int64_t i = 0; i < n; i++) {
         bool ok = fabs(x[i] - y[i]) <= atol + rtol * fabs(y[i]) || (isnan(x[i]) && isnan(y[i])) ||
-                  (isinf(x[i]) && x[i] == y[i]);
+            (isinf(x[i]) && x[i] == y[i]);
         if (!ok) {
             double xi = x[i], yi = y[i];
             free(x);
@@ -137,15 +134,13 @@ static size_t marks[TS_MEM_TAG_COUNT];
 
 void th_mem_mark(void)
 {
-    for (int i = 0; i < TS_MEM_TAG_COUNT; i++)
-        marks[i] = ts_mem_live_bytes((ts_mem_tag)i);
+    for (int i = 0; i < TS_MEM_TAG_COUNT; i++) marks[i] = ts_mem_live_bytes((ts_mem_tag)i);
 }
 
 void th_mem_assert_back(void)
 {
     for (int i = 0; i < TS_MEM_TAG_COUNT; i++) {
-        if (i == TS_MEM_POOL)
-            continue; /* the pool keeps freed blocks cached by design */
+        if (i == TS_MEM_POOL) continue; /* the pool keeps freed blocks cached by design */
         size_t now = ts_mem_live_bytes((ts_mem_tag)i);
         cr_assert_eq(now, marks[i], "memory tag '%s': %zu live bytes, %zu at the mark (leak of %lld bytes)",
                      ts_mem_tag_name((ts_mem_tag)i), now, marks[i], (long long)now - (long long)marks[i]);
@@ -159,8 +154,7 @@ static double weighted_sum(th_fn fn, int n, ts_tensor **inputs, void *ctx, const
     cr_assert_eq(ts_tensor_numel(out), wn, "gradcheck: output size changed");
     double *o = th_vals_new(out);
     double s = 0;
-    for (int64_t i = 0; i < wn; i++)
-        s += o[i] * w[i];
+    for (int64_t i = 0; i < wn; i++) s += o[i] * w[i];
     free(o);
     ts_tensor_free(out);
     (void)n;
@@ -173,21 +167,17 @@ void th_gradcheck(th_fn fn, int n, ts_tensor **inputs, void *ctx, double eps, do
     TH_OK(fn(inputs, &out, ctx));
     int64_t wn = ts_tensor_numel(out);
     double *w = malloc((size_t)(wn ? wn : 1) * sizeof *w);
-    for (int64_t i = 0; i < wn; i++)
-        w[i] = 0.5 + 0.25 * cos(1.3 * (double)i);
+    for (int64_t i = 0; i < wn; i++) w[i] = 0.5 + 0.25 * cos(1.3 * (double)i);
     ts_tensor *wt = th_tensor(ts_tensor_dtype(out), ts_tensor_ndim(out), ts_tensor_shape(out), w);
     for (int i = 0; i < n; i++)
-        if (inputs[i] && ts_tensor_requires_grad(inputs[i]))
-            ts_tensor_zero_grad(inputs[i], true);
-    if (ts_tensor_requires_grad(out))
-        TH_OK(ts_backward(out, wt, false));
+        if (inputs[i] && ts_tensor_requires_grad(inputs[i])) ts_tensor_zero_grad(inputs[i], true);
+    if (ts_tensor_requires_grad(out)) TH_OK(ts_backward(out, wt, false));
     ts_tensor_free(wt);
     ts_tensor_free(out);
     bool prev = ts_grad_mode_set(false);
     for (int i = 0; i < n; i++) {
         ts_tensor *x = inputs[i];
-        if (!x || !ts_tensor_requires_grad(x))
-            continue;
+        if (!x || !ts_tensor_requires_grad(x)) continue;
         cr_assert_eq(ts_tensor_dtype(x), TS_F64, "gradcheck inputs must be float64");
         cr_assert(ts_tensor_is_contiguous(x), "gradcheck inputs must be contiguous");
         int64_t m = ts_tensor_numel(x);
@@ -239,18 +229,14 @@ static void run_kernels(th_fn fn, int n, ts_tensor **inputs, void *ctx, bool ref
 {
     ts_tensor *x[8];
     ts__use_reference_kernels = reference;
-    for (int i = 0; i < n; i++)
-        TH_OK(ts_clone(inputs[i], &x[i]));
-    for (int i = 0; i < n; i++)
-        TH_OK(ts_tensor_set_requires_grad(x[i], true));
+    for (int i = 0; i < n; i++) TH_OK(ts_clone(inputs[i], &x[i]));
+    for (int i = 0; i < n; i++) TH_OK(ts_tensor_set_requires_grad(x[i], true));
     TH_OK(fn(x, out, ctx));
     ts_tensor *cot = th_seq(ts_tensor_dtype(*out), ts_tensor_ndim(*out), ts_tensor_shape(*out), cot_scale, false);
     TH_OK(ts_backward(*out, cot, false));
-    for (int i = 0; i < n; i++)
-        grads[i] = ts_tensor_retain(ts_tensor_grad(x[i]));
+    for (int i = 0; i < n; i++) grads[i] = ts_tensor_retain(ts_tensor_grad(x[i]));
     ts_tensor_free(cot);
-    for (int i = 0; i < n; i++)
-        ts_tensor_free(x[i]);
+    for (int i = 0; i < n; i++) ts_tensor_free(x[i]);
     ts__use_reference_kernels = false;
 }
 
@@ -259,15 +245,12 @@ void th_assert_kernels_agree(th_fn fn, int n, ts_tensor **inputs, void *ctx, dou
 {
     ts_tensor *out[2], *grads[2][8];
     cr_assert(n > 0 && n <= 8, "th_assert_kernels_agree: %d inputs", n);
-    for (int ref = 0; ref < 2; ref++)
-        run_kernels(fn, n, inputs, ctx, ref, cot_scale, &out[ref], grads[ref]);
+    for (int ref = 0; ref < 2; ref++) run_kernels(fn, n, inputs, ctx, ref, cot_scale, &out[ref], grads[ref]);
     th_assert_close(out[0], out[1], out_rtol, out_atol);
-    for (int i = 0; i < n; i++)
-        th_assert_close(grads[0][i], grads[1][i], grad_rtol, grad_atol);
+    for (int i = 0; i < n; i++) th_assert_close(grads[0][i], grads[1][i], grad_rtol, grad_atol);
     for (int ref = 0; ref < 2; ref++) {
         ts_tensor_free(out[ref]);
-        for (int i = 0; i < n; i++)
-            ts_tensor_free(grads[ref][i]);
+        for (int i = 0; i < n; i++) ts_tensor_free(grads[ref][i]);
     }
 }
 
@@ -332,9 +315,7 @@ static void describe_bits(ts_dtype dt, const uint8_t *p, char *out, size_t len)
         snprintf(out, len, "%" PRId64, i);
         return;
     }
-    default:
-        snprintf(out, len, "0x%02x", p[0]);
-        return;
+    default: snprintf(out, len, "0x%02x", p[0]); return;
     }
 }
 
@@ -379,14 +360,12 @@ uint32_t th_crc32(uint32_t crc, const void *p, size_t n)
     if (!table[1])
         for (uint32_t i = 0; i < 256; i++) {
             uint32_t c = i;
-            for (int k = 0; k < 8; k++)
-                c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+            for (int k = 0; k < 8; k++) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
             table[i] = c;
         }
     const uint8_t *b = p;
     crc = ~crc;
-    for (size_t i = 0; i < n; i++)
-        crc = table[(crc ^ b[i]) & 0xFF] ^ (crc >> 8);
+    for (size_t i = 0; i < n; i++) crc = table[(crc ^ b[i]) & 0xFF] ^ (crc >> 8);
     return ~crc;
 }
 
@@ -403,8 +382,7 @@ uint32_t th_fixture_crc(const char *file, const char *name)
             found = (uint32_t)v;
             ok = true;
         }
-        while (i < len && txt[i] != '\n')
-            i++;
+        while (i < len && txt[i] != '\n') i++;
         i++;
     }
     free(txt);
@@ -438,7 +416,7 @@ double th_cpu_s(void)
     struct rusage u;
     getrusage(RUSAGE_SELF, &u);
     return (double)u.ru_utime.tv_sec + 1e-6 * (double)u.ru_utime.tv_usec + (double)u.ru_stime.tv_sec +
-           1e-6 * (double)u.ru_stime.tv_usec;
+        1e-6 * (double)u.ru_stime.tv_usec;
 }
 
 char *th_self_exe(void)
@@ -469,12 +447,10 @@ void th_wait_pids(const pid_t *pids, int n, int skip, double limit_s, int *statu
 {
     double deadline = th_now_s() + limit_s;
     for (int r = 0; r < n; r++) {
-        if (r == skip)
-            continue;
+        if (r == skip) continue;
         pid_t got;
         /* polling the children; bounded by limit_s */
-        while ((got = waitpid(pids[r], &status[r], WNOHANG)) == 0 && th_now_s() < deadline)
-            usleep(10000);
+        while ((got = waitpid(pids[r], &status[r], WNOHANG)) == 0 && th_now_s() < deadline) usleep(10000);
         if (got != pids[r]) {
             for (int k = 0; k < n; k++)
                 if (k >= r || k == skip) {
@@ -489,18 +465,15 @@ void th_wait_pids(const pid_t *pids, int n, int skip, double limit_s, int *statu
 char **th_environ_without(const char *const *drop, size_t n_drop, size_t extra, size_t *n_out)
 {
     size_t ne = 0;
-    while (environ[ne])
-        ne++;
+    while (environ[ne]) ne++;
     char **envp = calloc(ne + extra + 1, sizeof *envp);
     cr_assert_not_null(envp);
     size_t k = 0;
     for (size_t i = 0; i < ne; i++) {
         bool keep = true;
         for (size_t d = 0; d < n_drop; d++)
-            if (strncmp(environ[i], drop[d], strlen(drop[d])) == 0)
-                keep = false;
-        if (keep)
-            envp[k++] = environ[i];
+            if (strncmp(environ[i], drop[d], strlen(drop[d])) == 0) keep = false;
+        if (keep) envp[k++] = environ[i];
     }
     *n_out = k;
     return envp;
@@ -508,9 +481,10 @@ char **th_environ_without(const char *const *drop, size_t n_drop, size_t extra, 
 
 char **th_job_environ(size_t extra, size_t *n_out)
 {
-    static const char *const drop[] = {"TS_TRACE=", "RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
-                                       "MASTER_ADDR=", "MASTER_PORT=", "OMPI_COMM_WORLD_RANK=", "SLURM_PROCID=",
-                                       "TS_LAUNCHER_PID=", "TS_STORE_HOSTED="};
+    static const char *const drop[] = {
+        "TS_TRACE=",       "RANK=",        "WORLD_SIZE=",           "LOCAL_RANK=",   "LOCAL_WORLD_SIZE=",
+        "MASTER_ADDR=",    "MASTER_PORT=", "OMPI_COMM_WORLD_RANK=", "SLURM_PROCID=", "TS_LAUNCHER_PID=",
+        "TS_STORE_HOSTED="};
     return th_environ_without(drop, sizeof drop / sizeof drop[0], extra, n_out);
 }
 
@@ -548,8 +522,7 @@ char *th_tsrun_self(const char *build_dir, int W, const char *role)
 
 void th_rank_check(int code, const char *expr, ts_status s)
 {
-    if (s == TS_OK)
-        return;
+    if (s == TS_OK) return;
     fprintf(stderr, "%s -> %s: %s\n", expr, ts_status_name(s), ts_last_error());
     _exit(code);
 }
@@ -580,8 +553,7 @@ void th_half_fx_open(th_half_fx *f, const char *group)
     f->group = NULL;
     json_array_foreach(json_object_get(f->root, "groups"), i, g)
     {
-        if (!strcmp(json_string_value(json_object_get(g, "name")), group))
-            f->group = g;
+        if (!strcmp(json_string_value(json_object_get(g, "name")), group)) f->group = g;
     }
     cr_assert(f->group != NULL, "no group '%s' in %s", group, path);
     snprintf(path, sizeof path, "%s/half/nn/%s", TS_FIXTURES_DIR, json_string_value(json_object_get(f->group, "file")));
@@ -601,8 +573,7 @@ static ts_dtype half_fx_dtype(const char *name)
         ts_dtype dt;
     } tab[] = {{"bfloat16", TS_BF16}, {"float16", TS_F16}, {"float32", TS_F32}, {"int64", TS_I64}};
     for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
-        if (!strcmp(tab[i].name, name))
-            return tab[i].dt;
+        if (!strcmp(tab[i].name, name)) return tab[i].dt;
     cr_assert_fail("fixture dtype '%s' unknown", name);
     return TS_F32;
 }
@@ -620,8 +591,7 @@ ts_tensor *th_half_fx_tensor(const th_half_fx *f, const char *name)
     size_t i;
     json_array_foreach(json_object_get(f->group, "tensors"), i, x)
     {
-        if (!strcmp(json_string_value(json_object_get(x, "name")), name))
-            e = x;
+        if (!strcmp(json_string_value(json_object_get(x, "name")), name)) e = x;
     }
     cr_assert(e != NULL, "fixture has no tensor '%s'", name);
     ts_dtype dt = half_fx_dtype(json_string_value(json_object_get(e, "dtype")));
@@ -658,8 +628,9 @@ uint32_t th_f32_bits(float f)
 
 void th_clear_launch_env(void)
 {
-    static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                 "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED"};
+    static const char *vars[] = {
+        "RANK",        "WORLD_SIZE",           "LOCAL_RANK",   "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+        "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID",  "TS_STORE_HOSTED"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
 }
 

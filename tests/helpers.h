@@ -31,9 +31,9 @@ ts_tensor *th_seq(ts_dtype dtype, int ndim, const int64_t *shape, double scale, 
  * first bad index. */
 void th_assert_close(const ts_tensor *a, const ts_tensor *b, double rtol, double atol);
 /* Asserts a status is TS_OK, printing ts_last_error() otherwise. */
-#define TH_OK(expr)                                                                            \
-    do {                                                                                       \
-        ts_status th_s_ = (expr);                                                              \
+#define TH_OK(expr) \
+    do { \
+        ts_status th_s_ = (expr); \
         cr_assert_eq(th_s_, TS_OK, "%s -> %s: %s", #expr, ts_status_name(th_s_), ts_last_error()); \
     } while (0)
 
@@ -119,15 +119,15 @@ void th_vec_expect_free(th_vec *v, ts_tensor *t, const char *what);
 
 /* Expects `expr` to fail with `status` and a detail containing each of
  * the (one or more) strings. */
-#define TH_FAILS(expr, status, ...)                                                                    \
-    do {                                                                                               \
-        ts_status th_fs_ = (expr);                                                                     \
-        cr_assert_eq(th_fs_, (status), "%s -> %s, expected %s (%s)", #expr, ts_status_name(th_fs_),    \
-                     ts_status_name(status), ts_last_error());                                         \
-        const char *th_want_[] = {__VA_ARGS__, NULL};                                                  \
-        for (int th_i_ = 0; th_want_[th_i_]; th_i_++)                                                  \
-            cr_assert_not_null(strstr(ts_last_error(), th_want_[th_i_]), "%s: detail \"%s\" lacks \"%s\"", \
-                               #expr, ts_last_error(), th_want_[th_i_]);                               \
+#define TH_FAILS(expr, status, ...) \
+    do { \
+        ts_status th_fs_ = (expr); \
+        cr_assert_eq(th_fs_, (status), "%s -> %s, expected %s (%s)", #expr, ts_status_name(th_fs_), \
+                     ts_status_name(status), ts_last_error()); \
+        const char *th_want_[] = {__VA_ARGS__, NULL}; \
+        for (int th_i_ = 0; th_want_[th_i_]; th_i_++) \
+            cr_assert_not_null(strstr(ts_last_error(), th_want_[th_i_]), "%s: detail \"%s\" lacks \"%s\"", #expr, \
+                               ts_last_error(), th_want_[th_i_]); \
     } while (0)
 
 /* CRC-32 (IEEE 802.3, reflected, as zlib.crc32) of n bytes at p, continued

@@ -9,8 +9,7 @@
 
 int th_rank_fail(th_rank *rc, const char *fmt, ...)
 {
-    if (rc->err[0])
-        return 1;
+    if (rc->err[0]) return 1;
     va_list ap;
     va_start(ap, fmt);
     int n = snprintf(rc->err, sizeof rc->err, "rank %d/%d: ", rc->rank, rc->W);
@@ -61,15 +60,11 @@ void th_run_world(int W, th_rank_fn fn, void *arg, double timeout_s)
         cr_assert_eq(ts_comm_rank(rc[i].c), i);
         cr_assert_eq(ts_comm_size(rc[i].c), W);
     }
-    for (int i = 0; i < W; i++)
-        cr_assert_eq(pthread_create(&th[i], NULL, rank_main, &rc[i]), 0);
-    for (int i = 0; i < W; i++)
-        pthread_join(th[i], NULL);
-    for (int i = 0; i < W; i++)
-        ts__world_free(rc[i].c);
+    for (int i = 0; i < W; i++) cr_assert_eq(pthread_create(&th[i], NULL, rank_main, &rc[i]), 0);
+    for (int i = 0; i < W; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < W; i++) ts__world_free(rc[i].c);
     ts__loopback_fabric_free(f);
-    for (int i = 0; i < W; i++)
-        cr_assert_eq(rc[i].err[0], '\0', "W=%d: %s", W, rc[i].err);
+    for (int i = 0; i < W; i++) cr_assert_eq(rc[i].err[0], '\0', "W=%d: %s", W, rc[i].err);
 }
 
 ts_mesh *th_rank_mesh(th_rank *rc, bool hsdp)

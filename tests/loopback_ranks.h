@@ -33,14 +33,14 @@ int th_rank_fail(th_rank *rc, const char *fmt, ...) TS_PRINTF(2, 3);
  * differing element, and returns 1. */
 int th_rank_same_bits(th_rank *rc, const ts_tensor *a, const ts_tensor *b, const char *what, ...) TS_PRINTF(4, 5);
 
-#define TH_RK_OK(rc, expr)                                                                                       \
-    do {                                                                                                         \
-        ts_status s_ = (expr);                                                                                   \
+#define TH_RK_OK(rc, expr) \
+    do { \
+        ts_status s_ = (expr); \
         if (s_ != TS_OK) return th_rank_fail((rc), "%s -> %s: %s", #expr, ts_status_name(s_), ts_last_error()); \
     } while (0)
-#define TH_RK_EQ(rc, a, b)                                                                                          \
-    do {                                                                                                            \
-        long long a_ = (long long)(a), b_ = (long long)(b);                                                         \
+#define TH_RK_EQ(rc, a, b) \
+    do { \
+        long long a_ = (long long)(a), b_ = (long long)(b); \
         if (a_ != b_) return th_rank_fail((rc), "%s:%d: %s = %lld, expected %lld", __FILE__, __LINE__, #a, a_, b_); \
     } while (0)
 

@@ -60,8 +60,8 @@ typedef struct ts__bytes {
 /* A tokenizer from tokens (id i has tokens[i], moved in: the tokenizer
  * owns the data afterwards, also on failure) and merges (pairs of ids, by
  * rank). */
-TS_API ts_status ts__tokenizer_build(ts__bytes *tokens, int32_t n_tokens, const int32_t (*merges)[2],
-                                     int32_t n_merges, const char *what, ts_tokenizer **tok_out);
+TS_API ts_status ts__tokenizer_build(ts__bytes *tokens, int32_t n_tokens, const int32_t (*merges)[2], int32_t n_merges,
+                                     const char *what, ts_tokenizer **tok_out);
 
 /* Tests: pieces of at least n bytes merge through the heap (0: all,
  * SIZE_MAX: none); and whether the vocabulary allows the heap at all. */

@@ -61,10 +61,8 @@ static uint64_t hash_bytes(const uint8_t *p, size_t n)
 static bool pm_init(pair_map *m, uint32_t cap)
 {
     m->e = ts__malloc(TAG, (size_t)cap * sizeof *m->e);
-    if (!m->e)
-        return false;
-    for (uint32_t i = 0; i < cap; i++)
-        m->e[i] = (pair_entry){.key = UINT64_MAX};
+    if (!m->e) return false;
+    for (uint32_t i = 0; i < cap; i++) m->e[i] = (pair_entry){.key = UINT64_MAX};
     m->mask = cap - 1;
     m->used = 0;
     return true;
@@ -72,8 +70,7 @@ static bool pm_init(pair_map *m, uint32_t cap)
 
 static void pm_fini(pair_map *m)
 {
-    for (uint32_t i = 0; m->e && i <= m->mask; i++)
-        ts__free(TAG, m->e[i].where);
+    for (uint32_t i = 0; m->e && i <= m->mask; i++) ts__free(TAG, m->e[i].where);
     ts__free(TAG, m->e);
     m->e = NULL;
 }
@@ -81,10 +78,8 @@ static void pm_fini(pair_map *m)
 static pair_entry *pm_get(pair_map *m, uint64_t key, bool *oom)
 {
     uint32_t i = (uint32_t)mix(key) & m->mask;
-    while (m->e[i].key != UINT64_MAX && m->e[i].key != key)
-        i = (i + 1) & m->mask;
-    if (m->e[i].key == key)
-        return &m->e[i];
+    while (m->e[i].key != UINT64_MAX && m->e[i].key != key) i = (i + 1) & m->mask;
+    if (m->e[i].key == key) return &m->e[i];
     if ((m->used + 1) * 2 > m->mask + 1) {
         pair_map bigger;
         if (!pm_init(&bigger, (m->mask + 1) * 2)) {
@@ -92,29 +87,23 @@ static pair_entry *pm_get(pair_map *m, uint64_t key, bool *oom)
             return NULL;
         }
         for (uint32_t j = 0; j <= m->mask; j++) {
-            if (m->e[j].key == UINT64_MAX)
-                continue;
+            if (m->e[j].key == UINT64_MAX) continue;
             uint32_t k = (uint32_t)mix(m->e[j].key) & bigger.mask;
-            while (bigger.e[k].key != UINT64_MAX)
-                k = (k + 1) & bigger.mask;
+            while (bigger.e[k].key != UINT64_MAX) k = (k + 1) & bigger.mask;
             bigger.e[k] = m->e[j];
         }
         bigger.used = m->used;
         ts__free(TAG, m->e);
         *m = bigger;
         i = (uint32_t)mix(key) & m->mask;
-        while (m->e[i].key != UINT64_MAX)
-            i = (i + 1) & m->mask;
+        while (m->e[i].key != UINT64_MAX) i = (i + 1) & m->mask;
     }
     m->e[i].key = key;
     m->used++;
     return &m->e[i];
 }
 
-static uint64_t pkey(int32_t a, int32_t b)
-{
-    return ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
-}
+static uint64_t pkey(int32_t a, int32_t b) { return ((uint64_t)(uint32_t)a << 32) | (uint32_t)b; }
 
 /* Adds `delta` to the count of every adjacent pair of p (index pi);
  * records pi in the pair's list when adding. */
@@ -123,17 +112,14 @@ static bool count_pairs(pair_map *m, const piece *p, uint32_t pi, int64_t delta)
     bool oom = false;
     for (uint32_t i = 0; i + 1 < p->n; i++) {
         pair_entry *e = pm_get(m, pkey(p->ids[i], p->ids[i + 1]), &oom);
-        if (!e)
-            return false;
+        if (!e) return false;
         e->count += delta;
         if (delta > 0 && (e->n_where == 0 || e->where[e->n_where - 1] != pi)) {
             if (e->n_where == e->cap_where) {
                 uint32_t cap = e->cap_where ? e->cap_where * 2 : 4;
                 uint32_t *w = ts__malloc(TAG, (size_t)cap * sizeof *w);
-                if (!w)
-                    return false;
-                if (e->n_where)
-                    memcpy(w, e->where, e->n_where * sizeof *w);
+                if (!w) return false;
+                if (e->n_where) memcpy(w, e->where, e->n_where * sizeof *w);
                 ts__free(TAG, e->where);
                 e->where = w;
                 e->cap_where = cap;
@@ -160,8 +146,10 @@ static ts_status split_pieces(const uint8_t *s, size_t len, piece **pieces_out, 
     for (size_t pos = 0; pos < len && !st;) {
         size_t end = ts__pretoken_end(s, len, pos);
         if (end - pos > UINT32_MAX) {
-            st = ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tokenizer_learn: a piece of %zu bytes at offset %zu is "
-                          "longer than 4 GiB", end - pos, pos);
+            st = ts_error(TS_ERR_INVALID_ARGUMENT,
+                          "ts_tokenizer_learn: a piece of %zu bytes at offset %zu is "
+                          "longer than 4 GiB",
+                          end - pos, pos);
             break;
         }
         uint32_t plen = (uint32_t)(end - pos);
@@ -201,11 +189,9 @@ static ts_status split_pieces(const uint8_t *s, size_t len, piece **pieces_out, 
                     break;
                 }
                 for (uint32_t j = 0; j < cap; j++) {
-                    if (!slots[j].idx)
-                        continue;
+                    if (!slots[j].idx) continue;
                     uint32_t k = (uint32_t)hash_bytes(s + slots[j].off, slots[j].len) & (c2 - 1);
-                    while (s2[k].idx)
-                        k = (k + 1) & (c2 - 1);
+                    while (s2[k].idx) k = (k + 1) & (c2 - 1);
                     s2[k] = slots[j];
                 }
                 ts__free(TAG, slots);
@@ -216,21 +202,18 @@ static ts_status split_pieces(const uint8_t *s, size_t len, piece **pieces_out, 
     }
     ts__free(TAG, slots);
     int32_t rank[256];
-    for (int b = 0; b < 256; b++)
-        rank[b] = ts__byte_rank((uint8_t)b);
+    for (int b = 0; b < 256; b++) rank[b] = ts__byte_rank((uint8_t)b);
     for (uint32_t i = 0; i < n && !st; i++) {
         pieces[i].ids = ts__malloc(TAG, (size_t)pieces[i].n * sizeof(int32_t));
         if (!pieces[i].ids) {
             st = TS_ERR_NO_MEMORY;
             break;
         }
-        for (uint32_t k = 0; k < pieces[i].n; k++)
-            pieces[i].ids[k] = rank[s[offs[i] + k]];
+        for (uint32_t k = 0; k < pieces[i].n; k++) pieces[i].ids[k] = rank[s[offs[i] + k]];
     }
     ts__free(TAG, offs);
     if (st) {
-        for (uint32_t i = 0; i < n; i++)
-            ts__free(TAG, pieces[i].ids);
+        for (uint32_t i = 0; i < n; i++) ts__free(TAG, pieces[i].ids);
         ts__free(TAG, pieces);
         return st;
     }
@@ -250,8 +233,7 @@ typedef struct tok_map {
 static bool tm_insert(tok_map *m, const ts__bytes *tokens, int32_t id)
 {
     uint32_t i = (uint32_t)hash_bytes(tokens[id].data, tokens[id].len) & m->mask;
-    while (m->slot[i] >= 0)
-        i = (i + 1) & m->mask;
+    while (m->slot[i] >= 0) i = (i + 1) & m->mask;
     m->slot[i] = id;
     return true;
 }
@@ -260,10 +242,8 @@ static int32_t tm_find(const tok_map *m, const ts__bytes *tokens, const uint8_t 
 {
     for (uint32_t i = (uint32_t)hash_bytes(p, n) & m->mask;; i = (i + 1) & m->mask) {
         int32_t id = m->slot[i];
-        if (id < 0)
-            return -1;
-        if (tokens[id].len == n && memcmp(tokens[id].data, p, n) == 0)
-            return id;
+        if (id < 0) return -1;
+        if (tokens[id].len == n && memcmp(tokens[id].data, p, n) == 0) return id;
     }
 }
 
@@ -287,14 +267,12 @@ ts_status ts_tokenizer_learn(const char *text, size_t len, int32_t vocab_size, t
     size_t merge_cap = 1024;
     int32_t(*merges)[2] = ts__malloc(TAG, merge_cap * sizeof *merges);
     uint32_t tcap = 16;
-    while (tcap < (uint32_t)vocab_size * 2u)
-        tcap *= 2;
+    while (tcap < (uint32_t)vocab_size * 2u) tcap *= 2;
     tok_map tm = {.slot = ts__malloc(TAG, (size_t)tcap * sizeof(int32_t)), .mask = tcap - 1};
     pair_map pm = {0};
     ts_status st = tokens && merges && tm.slot && pm_init(&pm, 1024) ? TS_OK : TS_ERR_NO_MEMORY;
     int32_t n_tokens = 0, n_merges = 0;
-    for (uint32_t i = 0; !st && i <= tm.mask; i++)
-        tm.slot[i] = -1;
+    for (uint32_t i = 0; !st && i <= tm.mask; i++) tm.slot[i] = -1;
     for (int b = 0; b < 256 && !st; b++) {
         int32_t id = ts__byte_rank((uint8_t)b);
         tokens[id].data = ts__malloc(TAG, 1);
@@ -307,12 +285,10 @@ ts_status ts_tokenizer_learn(const char *text, size_t len, int32_t vocab_size, t
     }
     if (!st) {
         n_tokens = 256;
-        for (int32_t id = 0; id < 256; id++)
-            tm_insert(&tm, tokens, id);
+        for (int32_t id = 0; id < 256; id++) tm_insert(&tm, tokens, id);
     }
     for (uint32_t i = 0; i < n_pieces && !st; i++)
-        if (!count_pairs(&pm, &pieces[i], i, pieces[i].count))
-            st = TS_ERR_NO_MEMORY;
+        if (!count_pairs(&pm, &pieces[i], i, pieces[i].count)) st = TS_ERR_NO_MEMORY;
 
     uint8_t *joined = NULL;
     uint32_t joined_cap = 0;
@@ -321,13 +297,10 @@ ts_status ts_tokenizer_learn(const char *text, size_t len, int32_t vocab_size, t
         pair_entry *best = NULL;
         for (uint32_t i = 0; i <= pm.mask; i++) {
             pair_entry *e = &pm.e[i];
-            if (e->key == UINT64_MAX || e->count <= 0)
-                continue;
-            if (!best || e->count > best->count || (e->count == best->count && e->key < best->key))
-                best = e;
+            if (e->key == UINT64_MAX || e->count <= 0) continue;
+            if (!best || e->count > best->count || (e->count == best->count && e->key < best->key)) best = e;
         }
-        if (!best)
-            break; /* every piece is one token */
+        if (!best) break; /* every piece is one token */
         int32_t a = (int32_t)(best->key >> 32), b = (int32_t)(best->key & 0xFFFFFFFFu);
         uint32_t jl = tokens[a].len + tokens[b].len;
         if (jl > joined_cap) {
@@ -374,14 +347,11 @@ ts_status ts_tokenizer_learn(const char *text, size_t len, int32_t vocab_size, t
         best->n_where = best->cap_where = 0;
         for (uint32_t k = 0; k < n_where && !st; k++) {
             uint32_t pi = where[k];
-            if (k > 0 && where[k - 1] == pi)
-                continue;
+            if (k > 0 && where[k - 1] == pi) continue;
             piece *p = &pieces[pi];
             bool holds = false;
-            for (uint32_t i = 0; i + 1 < p->n && !holds; i++)
-                holds = p->ids[i] == a && p->ids[i + 1] == b;
-            if (!holds)
-                continue; /* a stale entry */
+            for (uint32_t i = 0; i + 1 < p->n && !holds; i++) holds = p->ids[i] == a && p->ids[i + 1] == b;
+            if (!holds) continue; /* a stale entry */
             if (!count_pairs(&pm, p, pi, -p->count)) {
                 st = TS_ERR_NO_MEMORY;
                 break;
@@ -396,22 +366,19 @@ ts_status ts_tokenizer_learn(const char *text, size_t len, int32_t vocab_size, t
                 }
             }
             p->n = o;
-            if (!count_pairs(&pm, p, pi, p->count))
-                st = TS_ERR_NO_MEMORY;
+            if (!count_pairs(&pm, p, pi, p->count)) st = TS_ERR_NO_MEMORY;
         }
         ts__free(TAG, where);
     }
     ts__free(TAG, joined);
     pm_fini(&pm);
     ts__free(TAG, tm.slot);
-    for (uint32_t i = 0; i < n_pieces; i++)
-        ts__free(TAG, pieces[i].ids);
+    for (uint32_t i = 0; i < n_pieces; i++) ts__free(TAG, pieces[i].ids);
     ts__free(TAG, pieces);
 
     static const char eot[] = "<|endoftext|>";
     if (!st) {
-        if (!(tokens[n_tokens].data = ts__malloc(TAG, sizeof eot - 1)))
-            st = TS_ERR_NO_MEMORY;
+        if (!(tokens[n_tokens].data = ts__malloc(TAG, sizeof eot - 1))) st = TS_ERR_NO_MEMORY;
         else {
             memcpy(tokens[n_tokens].data, eot, sizeof eot - 1);
             tokens[n_tokens].len = sizeof eot - 1;
@@ -419,8 +386,7 @@ ts_status ts_tokenizer_learn(const char *text, size_t len, int32_t vocab_size, t
         }
     }
     if (st) {
-        for (int32_t i = 0; tokens && i < vocab_size; i++)
-            ts__free(TAG, tokens[i].data);
+        for (int32_t i = 0; tokens && i < vocab_size; i++) ts__free(TAG, tokens[i].data);
         ts__free(TAG, tokens);
         ts__free(TAG, merges);
         return st;

@@ -63,8 +63,7 @@ static void *arena_alloc(arena_chunk **head, size_t n)
     if (!c || c->cap - c->used < n) {
         size_t cap = n > (1u << 20) ? n : (1u << 20);
         c = ts__malloc(TAG, sizeof *c + cap);
-        if (!c)
-            return NULL;
+        if (!c) return NULL;
         c->next = *head;
         c->used = 0;
         c->cap = cap;
@@ -92,16 +91,12 @@ typedef struct id_vec {
 
 static bool vec_reserve(id_vec *a, size_t need)
 {
-    if (need <= a->cap)
-        return true;
+    if (need <= a->cap) return true;
     size_t cap = a->cap ? a->cap : 64;
-    while (cap < need)
-        cap *= 2;
+    while (cap < need) cap *= 2;
     int32_t *v = ts__malloc(TAG, cap * sizeof *v);
-    if (!v)
-        return false;
-    if (a->n)
-        memcpy(v, a->v, a->n * sizeof *v);
+    if (!v) return false;
+    if (a->n) memcpy(v, a->v, a->n * sizeof *v);
     ts__free(TAG, a->v);
     a->v = v;
     a->cap = cap;
@@ -125,9 +120,9 @@ struct ts_tokenizer {
     int32_t byte_id[256];
 
     int32_t n_merges;
-    int32_t (*merges)[2];   /* by rank */
-    int32_t *merge_result;  /* rank -> id */
-    uint64_t *pair_keys;    /* open addressing: (a << 32 | b) -> rank */
+    int32_t (*merges)[2];  /* by rank */
+    int32_t *merge_result; /* rank -> id */
+    uint64_t *pair_keys;   /* open addressing: (a << 32 | b) -> rank */
     int32_t *pair_rank;
     uint32_t pair_mask;
 
@@ -155,8 +150,7 @@ typedef struct heap_item {
 static uint32_t pow2_at_least(uint64_t n)
 {
     uint32_t c = 16;
-    while (c < n)
-        c *= 2;
+    while (c < n) c *= 2;
     return c;
 }
 
@@ -164,10 +158,8 @@ static int32_t tok_find(const ts_tokenizer *t, const uint8_t *p, size_t n)
 {
     for (uint32_t i = (uint32_t)hash_bytes(p, n) & t->tok_mask;; i = (i + 1) & t->tok_mask) {
         int32_t id = t->tok_slots[i];
-        if (id == NO_ID)
-            return NO_ID;
-        if (t->tokens[id].len == n && memcmp(t->tokens[id].data, p, n) == 0)
-            return id;
+        if (id == NO_ID) return NO_ID;
+        if (t->tokens[id].len == n && memcmp(t->tokens[id].data, p, n) == 0) return id;
     }
 }
 
@@ -175,19 +167,15 @@ static int32_t pair_find(const ts_tokenizer *t, int32_t a, int32_t b)
 {
     uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
     for (uint32_t i = (uint32_t)hash_u64(key) & t->pair_mask;; i = (i + 1) & t->pair_mask) {
-        if (t->pair_keys[i] == key)
-            return t->pair_rank[i];
-        if (t->pair_keys[i] == PAIR_EMPTY)
-            return NO_ID;
+        if (t->pair_keys[i] == key) return t->pair_rank[i];
+        if (t->pair_keys[i] == PAIR_EMPTY) return NO_ID;
     }
 }
 
 void ts_tokenizer_free(ts_tokenizer *t)
 {
-    if (!t)
-        return;
-    for (int32_t i = 0; t->tokens && i < t->n_tokens; i++)
-        ts__free(TAG, t->tokens[i].data);
+    if (!t) return;
+    for (int32_t i = 0; t->tokens && i < t->n_tokens; i++) ts__free(TAG, t->tokens[i].data);
     ts__free(TAG, t->tokens);
     ts__free(TAG, t->tok_slots);
     ts__free(TAG, t->merges);
@@ -211,21 +199,17 @@ static ts_status build_vocab(ts_tokenizer *t, ts__bytes *tokens, int32_t n, cons
     t->n_tokens = n;
     uint32_t cap = pow2_at_least((uint64_t)n * 2);
     t->tok_slots = ts__malloc(TAG, cap * sizeof *t->tok_slots);
-    if (!t->tok_slots)
-        return TS_ERR_NO_MEMORY;
+    if (!t->tok_slots) return TS_ERR_NO_MEMORY;
     t->tok_mask = cap - 1;
-    for (uint32_t i = 0; i < cap; i++)
-        t->tok_slots[i] = NO_ID;
+    for (uint32_t i = 0; i < cap; i++) t->tok_slots[i] = NO_ID;
     for (int32_t id = 0; id < n; id++) {
         const ts__bytes *b = &tokens[id];
-        if (b->len == 0)
-            return ts_error(TS_ERR_FORMAT, "%s: token %d is empty", what, id);
+        if (b->len == 0) return ts_error(TS_ERR_FORMAT, "%s: token %d is empty", what, id);
         uint32_t i = (uint32_t)hash_bytes(b->data, b->len) & t->tok_mask;
         while (t->tok_slots[i] != NO_ID) {
             const ts__bytes *o = &tokens[t->tok_slots[i]];
             if (o->len == b->len && memcmp(o->data, b->data, b->len) == 0)
-                return ts_error(TS_ERR_FORMAT, "%s: tokens %d and %d have the same bytes", what, t->tok_slots[i],
-                                id);
+                return ts_error(TS_ERR_FORMAT, "%s: tokens %d and %d have the same bytes", what, t->tok_slots[i], id);
             i = (i + 1) & t->tok_mask;
         }
         t->tok_slots[i] = id;
@@ -251,11 +235,9 @@ static ts_status add_merges(ts_tokenizer *t, const int32_t (*merges)[2], int32_t
     t->merge_result = ts__malloc(TAG, (size_t)(n ? n : 1) * sizeof *t->merge_result);
     t->pair_keys = ts__malloc(TAG, cap * sizeof *t->pair_keys);
     t->pair_rank = ts__malloc(TAG, cap * sizeof *t->pair_rank);
-    if (!t->merges || !t->merge_result || !t->pair_keys || !t->pair_rank)
-        return TS_ERR_NO_MEMORY;
+    if (!t->merges || !t->merge_result || !t->pair_keys || !t->pair_rank) return TS_ERR_NO_MEMORY;
     t->pair_mask = cap - 1;
-    for (uint32_t i = 0; i < cap; i++)
-        t->pair_keys[i] = PAIR_EMPTY;
+    for (uint32_t i = 0; i < cap; i++) t->pair_keys[i] = PAIR_EMPTY;
     uint8_t *joined = NULL;
     size_t joined_cap = 0;
     ts_status st = TS_OK;
@@ -289,8 +271,7 @@ static ts_status add_merges(ts_tokenizer *t, const int32_t (*merges)[2], int32_t
         t->merge_result[r] = res;
         uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
         uint32_t i = (uint32_t)hash_u64(key) & t->pair_mask;
-        while (t->pair_keys[i] != PAIR_EMPTY && t->pair_keys[i] != key)
-            i = (i + 1) & t->pair_mask;
+        while (t->pair_keys[i] != PAIR_EMPTY && t->pair_keys[i] != key) i = (i + 1) & t->pair_mask;
         t->pair_keys[i] = key;
         t->pair_rank[i] = r;
     }
@@ -327,42 +308,30 @@ static ts_status check_heap_order(ts_tokenizer *t)
     }
     for (int32_t r = 0; r < t->n_merges; r++) {
         /* a pair listed twice is found at its last rank only */
-        if (pair_find(t, t->merges[r][0], t->merges[r][1]) != r)
-            continue;
+        if (pair_find(t, t->merges[r][0], t->merges[r][1]) != r) continue;
         int32_t res = t->merge_result[r];
-        if (r > max_make[res])
-            max_make[res] = r;
+        if (r > max_make[res]) max_make[res] = r;
         for (int k = 0; k < 2; k++)
-            if (r < min_use[t->merges[r][k]])
-                min_use[t->merges[r][k]] = r;
+            if (r < min_use[t->merges[r][k]]) min_use[t->merges[r][k]] = r;
     }
     bool ordered = true;
-    for (int32_t i = 0; i < t->n_tokens && ordered; i++)
-        ordered = max_make[i] < min_use[i];
+    for (int32_t i = 0; i < t->n_tokens && ordered; i++) ordered = max_make[i] < min_use[i];
     ts__free(TAG, max_make);
     ts__free(TAG, min_use);
-    if (ordered)
-        t->heap_min_len = 48;
+    if (ordered) t->heap_min_len = 48;
     return TS_OK;
 }
 
-void ts__tokenizer_set_heap_min_len(ts_tokenizer *t, size_t n)
-{
-    t->heap_min_len = n;
-}
+void ts__tokenizer_set_heap_min_len(ts_tokenizer *t, size_t n) { t->heap_min_len = n; }
 
-bool ts__tokenizer_heap_ordered(const ts_tokenizer *t)
-{
-    return t->heap_min_len != SIZE_MAX;
-}
+bool ts__tokenizer_heap_ordered(const ts_tokenizer *t) { return t->heap_min_len != SIZE_MAX; }
 
 static ts_status cache_init(ts_tokenizer *t)
 {
     TS_TRY(check_heap_order(t));
     uint32_t cap = 1u << 12;
     t->cache = ts__calloc(TAG, cap, sizeof *t->cache);
-    if (!t->cache)
-        return TS_ERR_NO_MEMORY;
+    if (!t->cache) return TS_ERR_NO_MEMORY;
     t->cache_mask = cap - 1;
     t->cache_used = 0;
     return TS_OK;
@@ -373,16 +342,13 @@ ts_status ts__tokenizer_build(ts__bytes *tokens, int32_t n_tokens, const int32_t
 {
     ts_tokenizer *t = ts__calloc(TAG, 1, sizeof *t);
     if (!t) {
-        for (int32_t i = 0; i < n_tokens; i++)
-            ts__free(TAG, tokens[i].data);
+        for (int32_t i = 0; i < n_tokens; i++) ts__free(TAG, tokens[i].data);
         ts__free(TAG, tokens);
         return TS_ERR_NO_MEMORY;
     }
     ts_status st = build_vocab(t, tokens, n_tokens, what);
-    if (!st)
-        st = add_merges(t, merges, n_merges, what);
-    if (!st)
-        st = cache_init(t);
+    if (!st) st = add_merges(t, merges, n_merges, what);
+    if (!st) st = cache_init(t);
     if (st) {
         ts_tokenizer_free(t);
         return st;
@@ -396,8 +362,7 @@ ts_status ts__tokenizer_build(ts__bytes *tokens, int32_t n_tokens, const int32_t
 static ts_status read_file(const char *path, const char *what, char **buf_out, size_t *len_out)
 {
     FILE *f = fopen(path, "rb");
-    if (!f)
-        return ts_error(TS_ERR_IO, "ts_tokenizer_load: cannot open the %s '%s': %s", what, path, strerror(errno));
+    if (!f) return ts_error(TS_ERR_IO, "ts_tokenizer_load: cannot open the %s '%s': %s", what, path, strerror(errno));
     struct stat sb;
     if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
         fclose(f);
@@ -414,8 +379,8 @@ static ts_status read_file(const char *path, const char *what, char **buf_out, s
     fclose(f);
     if (got != len) {
         ts__free(TAG, buf);
-        return ts_error(TS_ERR_IO, "ts_tokenizer_load: reading the %s '%s' gave %zu of %zu bytes: %s", what, path,
-                        got, len, err ? strerror(err) : "short read");
+        return ts_error(TS_ERR_IO, "ts_tokenizer_load: reading the %s '%s' gave %zu of %zu bytes: %s", what, path, got,
+                        len, err ? strerror(err) : "short read");
     }
     buf[len] = '\0';
     *buf_out = buf;
@@ -426,17 +391,15 @@ static ts_status read_file(const char *path, const char *what, char **buf_out, s
 /* The byte each code point of GPT-2's alphabet stands for (-1: none). */
 static void unicode_to_byte_table(int16_t table[0x144])
 {
-    for (int i = 0; i < 0x144; i++)
-        table[i] = -1;
-    for (int b = 0; b < 256; b++)
-        table[ts__byte_to_unicode((uint8_t)b)] = (int16_t)b;
+    for (int i = 0; i < 0x144; i++) table[i] = -1;
+    for (int b = 0; b < 256; b++) table[ts__byte_to_unicode((uint8_t)b)] = (int16_t)b;
 }
 
 /* Translates a token string of GPT-2's alphabet (UTF-8, n bytes) into the
  * bytes it stands for, written to out (at most n bytes); false with the
  * offending code point (or 0xFFFFFFFF for invalid UTF-8) in *bad_out. */
-static bool alphabet_to_bytes(const int16_t table[0x144], const uint8_t *s, size_t n, uint8_t *out,
-                              uint32_t *out_len, uint32_t *bad_out)
+static bool alphabet_to_bytes(const int16_t table[0x144], const uint8_t *s, size_t n, uint8_t *out, uint32_t *out_len,
+                              uint32_t *bad_out)
 {
     size_t o = 0;
     for (size_t i = 0; i < n;) {
@@ -483,19 +446,18 @@ static ts_status load_vocab(const char *path, ts__bytes **tokens_out, int32_t *n
     else if (n == 0 || n > (1u << 24))
         st = ts_error(TS_ERR_FORMAT, "ts_tokenizer_load: vocabulary '%s' has %zu tokens (1 to %u allowed)", path, n,
                       1u << 24);
-    if (!st && !(tokens = ts__calloc(TAG, n, sizeof *tokens)))
-        st = TS_ERR_NO_MEMORY;
+    if (!st && !(tokens = ts__calloc(TAG, n, sizeof *tokens))) st = TS_ERR_NO_MEMORY;
     int16_t table[0x144];
     unicode_to_byte_table(table);
     const char *key;
     json_t *val;
     if (!st) {
-        json_object_foreach(root, key, val) {
+        json_object_foreach(root, key, val)
+        {
             if (!json_is_integer(val) || json_integer_value(val) < 0 || json_integer_value(val) >= (json_int_t)n) {
-                st = ts_error(TS_ERR_FORMAT,
-                              "ts_tokenizer_load: vocabulary '%s': token '%s' has %s; ids are the integers 0..%zu",
-                              path, key, json_is_integer(val) ? "an id out of range" : "a value that is not an id",
-                              n - 1);
+                st = ts_error(
+                    TS_ERR_FORMAT, "ts_tokenizer_load: vocabulary '%s': token '%s' has %s; ids are the integers 0..%zu",
+                    path, key, json_is_integer(val) ? "an id out of range" : "a value that is not an id", n - 1);
                 break;
             }
             int32_t id = (int32_t)json_integer_value(val);
@@ -535,16 +497,12 @@ static ts_status load_vocab(const char *path, ts__bytes **tokens_out, int32_t *n
         *n_out = (int32_t)n;
         return TS_OK;
     }
-    for (size_t i = 0; tokens && i < n; i++)
-        ts__free(TAG, tokens[i].data);
+    for (size_t i = 0; tokens && i < n; i++) ts__free(TAG, tokens[i].data);
     ts__free(TAG, tokens);
     return st;
 }
 
-static bool is_blank(char c)
-{
-    return c == ' ' || c == '\t' || c == '\r';
-}
+static bool is_blank(char c) { return c == ' ' || c == '\t' || c == '\r'; }
 
 /* Parses the merges file into id pairs with the vocabulary's index. */
 static ts_status load_merges(ts_tokenizer *t, const char *path, int32_t (**merges_out)[2], int32_t *n_out)
@@ -553,8 +511,7 @@ static ts_status load_merges(ts_tokenizer *t, const char *path, int32_t (**merge
     size_t len = 0;
     TS_TRY(read_file(path, "merges file", &buf, &len));
     size_t lines = 1;
-    for (size_t i = 0; i < len; i++)
-        lines += buf[i] == '\n';
+    for (size_t i = 0; i < len; i++) lines += buf[i] == '\n';
     int32_t(*merges)[2] = ts__malloc(TAG, lines * sizeof *merges);
     uint8_t *bytes = ts__malloc(TAG, len + 1);
     int16_t table[0x144];
@@ -564,8 +521,7 @@ static ts_status load_merges(ts_tokenizer *t, const char *path, int32_t (**merge
     size_t line_no = 0;
     for (size_t pos = 0; pos < len && !st;) {
         size_t end = pos;
-        while (end < len && buf[end] != '\n')
-            end++;
+        while (end < len && buf[end] != '\n') end++;
         line_no++;
         size_t next = end + 1;
         if (line_no == 1 && end - pos >= 8 && memcmp(buf + pos, "#version", 8) == 0) {
@@ -576,13 +532,10 @@ static ts_status load_merges(ts_tokenizer *t, const char *path, int32_t (**merge
         size_t f_start[3], f_len[3];
         int nf = 0;
         for (size_t i = pos; i < end;) {
-            while (i < end && is_blank(buf[i]))
-                i++;
-            if (i == end)
-                break;
+            while (i < end && is_blank(buf[i])) i++;
+            if (i == end) break;
             size_t s = i;
-            while (i < end && !is_blank(buf[i]))
-                i++;
+            while (i < end && !is_blank(buf[i])) i++;
             if (nf < 3) {
                 f_start[nf] = s;
                 f_len[nf] = i - s;
@@ -594,9 +547,10 @@ static ts_status load_merges(ts_tokenizer *t, const char *path, int32_t (**merge
             continue;
         }
         if (nf != 2) {
-            st = ts_error(TS_ERR_FORMAT, "ts_tokenizer_load: merges file '%s' line %zu: %d fields ('%.*s'); a merge is "
-                          "two tokens separated by a space", path, line_no, nf, (int)(end - pos > 80 ? 80 : end - pos),
-                          buf + pos);
+            st = ts_error(TS_ERR_FORMAT,
+                          "ts_tokenizer_load: merges file '%s' line %zu: %d fields ('%.*s'); a merge is "
+                          "two tokens separated by a space",
+                          path, line_no, nf, (int)(end - pos > 80 ? 80 : end - pos), buf + pos);
             break;
         }
         for (int f = 0; f < 2 && !st; f++) {
@@ -606,10 +560,11 @@ static ts_status load_merges(ts_tokenizer *t, const char *path, int32_t (**merge
             if (alphabet_to_bytes(table, (const uint8_t *)tokstr, f_len[f], bytes, &blen, &bad))
                 id = tok_find(t, bytes, blen);
             if (id == NO_ID)
-                st = ts_error(TS_ERR_FORMAT, "ts_tokenizer_load: merges file '%s' line %zu: the token '%.*s' is not "
-                              "in the vocabulary", path, line_no, (int)f_len[f], tokstr);
-            else
-                merges[n][f] = id;
+                st = ts_error(TS_ERR_FORMAT,
+                              "ts_tokenizer_load: merges file '%s' line %zu: the token '%.*s' is not "
+                              "in the vocabulary",
+                              path, line_no, (int)f_len[f], tokstr);
+            else merges[n][f] = id;
         }
         n++;
         pos = next;
@@ -629,14 +584,15 @@ ts_status ts_tokenizer_load(const char *vocab_path, const char *merges_path, ts_
 {
     if (!vocab_path || !merges_path || !tok_out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tokenizer_load: NULL %s",
-                        !vocab_path ? "vocab_path" : !merges_path ? "merges_path" : "tok_out");
+                        !vocab_path        ? "vocab_path"
+                            : !merges_path ? "merges_path"
+                                           : "tok_out");
     ts__bytes *tokens = NULL;
     int32_t n_tokens = 0;
     TS_TRY(load_vocab(vocab_path, &tokens, &n_tokens));
     ts_tokenizer *t = ts__calloc(TAG, 1, sizeof *t);
     if (!t) {
-        for (int32_t i = 0; i < n_tokens; i++)
-            ts__free(TAG, tokens[i].data);
+        for (int32_t i = 0; i < n_tokens; i++) ts__free(TAG, tokens[i].data);
         ts__free(TAG, tokens);
         return TS_ERR_NO_MEMORY;
     }
@@ -645,15 +601,13 @@ ts_status ts_tokenizer_load(const char *vocab_path, const char *merges_path, ts_
     ts_status st = build_vocab(t, tokens, n_tokens, what);
     int32_t(*merges)[2] = NULL;
     int32_t n_merges = 0;
-    if (!st)
-        st = load_merges(t, merges_path, &merges, &n_merges);
+    if (!st) st = load_merges(t, merges_path, &merges, &n_merges);
     if (!st) {
         snprintf(what, sizeof what, "ts_tokenizer_load: '%s'", merges_path);
         st = add_merges(t, (const int32_t(*)[2])merges, n_merges, what);
     }
     ts__free(TAG, merges);
-    if (!st)
-        st = cache_init(t);
+    if (!st) st = cache_init(t);
     if (st) {
         ts_tokenizer_free(t);
         return st;
@@ -662,15 +616,9 @@ ts_status ts_tokenizer_load(const char *vocab_path, const char *merges_path, ts_
     return TS_OK;
 }
 
-int32_t ts_tokenizer_vocab_size(const ts_tokenizer *t)
-{
-    return t ? t->n_tokens : 0;
-}
+int32_t ts_tokenizer_vocab_size(const ts_tokenizer *t) { return t ? t->n_tokens : 0; }
 
-int32_t ts_tokenizer_merge_count(const ts_tokenizer *t)
-{
-    return t ? t->n_merges : 0;
-}
+int32_t ts_tokenizer_merge_count(const ts_tokenizer *t) { return t ? t->n_merges : 0; }
 
 /* ---- encoding ---- */
 
@@ -683,11 +631,9 @@ static void bpe_merge(ts_tokenizer *t)
         int32_t best = NO_ID;
         for (size_t i = 0; i + 1 < n; i++) {
             int32_t r = pair_find(t, w[i], w[i + 1]);
-            if (r != NO_ID && (best == NO_ID || r < best))
-                best = r;
+            if (r != NO_ID && (best == NO_ID || r < best)) best = r;
         }
-        if (best == NO_ID)
-            break;
+        if (best == NO_ID) break;
         int32_t a = t->merges[best][0], b = t->merges[best][1], res = t->merge_result[best];
         size_t o = 0;
         for (size_t i = 0; i < n;) {
@@ -703,10 +649,7 @@ static void bpe_merge(ts_tokenizer *t)
     t->word.n = n;
 }
 
-static bool heap_less(heap_item a, heap_item b)
-{
-    return a.rank < b.rank || (a.rank == b.rank && a.pos < b.pos);
-}
+static bool heap_less(heap_item a, heap_item b) { return a.rank < b.rank || (a.rank == b.rank && a.pos < b.pos); }
 
 static void heap_push(heap_item *h, size_t *n, heap_item it)
 {
@@ -724,17 +667,13 @@ static heap_item heap_pop(heap_item *h, size_t *n)
     size_t i = 0;
     for (;;) {
         size_t c = 2 * i + 1;
-        if (c >= *n)
-            break;
-        if (c + 1 < *n && heap_less(h[c + 1], h[c]))
-            c++;
-        if (!heap_less(h[c], last))
-            break;
+        if (c >= *n) break;
+        if (c + 1 < *n && heap_less(h[c + 1], h[c])) c++;
+        if (!heap_less(h[c], last)) break;
         h[i] = h[c];
         i = c;
     }
-    if (*n)
-        h[i] = last;
+    if (*n) h[i] = last;
     return top;
 }
 
@@ -753,8 +692,7 @@ static ts_status bpe_merge_heap(ts_tokenizer *t)
         t->sym_next = ts__malloc(TAG, n * sizeof *t->sym_next);
         t->sym_prev = ts__malloc(TAG, n * sizeof *t->sym_prev);
         t->heap = ts__malloc(TAG, n * 3 * sizeof *t->heap);
-        if (!t->sym_next || !t->sym_prev || !t->heap)
-            return TS_ERR_NO_MEMORY;
+        if (!t->sym_next || !t->sym_prev || !t->heap) return TS_ERR_NO_MEMORY;
         t->sym_cap = n;
         t->heap_cap = 3 * n;
     }
@@ -767,22 +705,19 @@ static ts_status bpe_merge_heap(ts_tokenizer *t)
     }
     for (size_t i = 0; i + 1 < n; i++) {
         int32_t r = pair_find(t, w[i], w[i + 1]);
-        if (r != NO_ID)
-            heap_push(h, &hn, (heap_item){r, (uint32_t)i});
+        if (r != NO_ID) heap_push(h, &hn, (heap_item){r, (uint32_t)i});
     }
     /* n - 1 pairs at first, and each of the at most n - 1 merges pushes
      * at most two: the heap never holds more than 3n items */
     while (hn) {
         heap_item it = heap_pop(h, &hn);
         int32_t p = (int32_t)it.pos;
-        if (w[p] == NO_ID || next[p] < 0 || pair_find(t, w[p], w[next[p]]) != it.rank)
-            continue;
+        if (w[p] == NO_ID || next[p] < 0 || pair_find(t, w[p], w[next[p]]) != it.rank) continue;
         int32_t q = next[p];
         w[p] = t->merge_result[it.rank];
         w[q] = NO_ID;
         next[p] = next[q];
-        if (next[q] >= 0)
-            prev[next[q]] = p;
+        if (next[q] >= 0) prev[next[q]] = p;
         int32_t r;
         if (prev[p] >= 0 && (r = pair_find(t, w[prev[p]], w[p])) != NO_ID)
             heap_push(h, &hn, (heap_item){r, (uint32_t)prev[p]});
@@ -790,8 +725,7 @@ static ts_status bpe_merge_heap(ts_tokenizer *t)
             heap_push(h, &hn, (heap_item){r, (uint32_t)p});
     }
     size_t o = 0;
-    for (int32_t i = 0; i >= 0 && (size_t)i < n; i = next[i])
-        w[o++] = w[i];
+    for (int32_t i = 0; i >= 0 && (size_t)i < n; i = next[i]) w[o++] = w[i];
     t->word.n = o;
     return TS_OK;
 }
@@ -807,15 +741,12 @@ static ts_status cache_grow(ts_tokenizer *t)
 {
     uint32_t cap = (t->cache_mask + 1) * 2;
     cache_entry *c = ts__calloc(TAG, cap, sizeof *c);
-    if (!c)
-        return TS_ERR_NO_MEMORY;
+    if (!c) return TS_ERR_NO_MEMORY;
     for (uint32_t i = 0; i <= t->cache_mask; i++) {
         cache_entry *e = &t->cache[i];
-        if (!e->key)
-            continue;
+        if (!e->key) continue;
         uint32_t j = (uint32_t)e->hash & (cap - 1);
-        while (c[j].key)
-            j = (j + 1) & (cap - 1);
+        while (c[j].key) j = (j + 1) & (cap - 1);
         c[j] = *e;
     }
     ts__free(TAG, t->cache);
@@ -832,49 +763,43 @@ static ts_status encode_piece(ts_tokenizer *t, const uint8_t *p, size_t n, id_ve
     for (; t->cache[i].key; i = (i + 1) & t->cache_mask) {
         const cache_entry *e = &t->cache[i];
         if (e->hash == h && e->key_len == n && memcmp(e->key, p, n) == 0) {
-            if (!vec_reserve(out, out->n + e->n_ids))
-                return TS_ERR_NO_MEMORY;
+            if (!vec_reserve(out, out->n + e->n_ids)) return TS_ERR_NO_MEMORY;
             memcpy(out->v + out->n, e->ids, e->n_ids * sizeof *e->ids);
             out->n += e->n_ids;
             return TS_OK;
         }
     }
     t->word.n = 0;
-    if (!vec_reserve(&t->word, n))
-        return TS_ERR_NO_MEMORY;
-    for (size_t k = 0; k < n; k++)
-        t->word.v[k] = t->byte_id[p[k]];
+    if (!vec_reserve(&t->word, n)) return TS_ERR_NO_MEMORY;
+    for (size_t k = 0; k < n; k++) t->word.v[k] = t->byte_id[p[k]];
     t->word.n = n;
-    if (n >= t->heap_min_len && n < INT32_MAX)
-        TS_TRY(bpe_merge_heap(t));
-    else
-        bpe_merge(t);
-    if (!vec_reserve(out, out->n + t->word.n))
-        return TS_ERR_NO_MEMORY;
+    if (n >= t->heap_min_len && n < INT32_MAX) TS_TRY(bpe_merge_heap(t));
+    else bpe_merge(t);
+    if (!vec_reserve(out, out->n + t->word.n)) return TS_ERR_NO_MEMORY;
     memcpy(out->v + out->n, t->word.v, t->word.n * sizeof *t->word.v);
     out->n += t->word.n;
 
     /* remember it (a piece longer than 4 GiB is never cached) */
-    if (n > UINT32_MAX)
-        return TS_OK;
+    if (n > UINT32_MAX) return TS_OK;
     if (t->cache_used >= CACHE_MAX_ENTRIES) {
         cache_clear(t);
         i = (uint32_t)h & t->cache_mask;
     } else if ((t->cache_used + 1) * 2 > t->cache_mask + 1) {
         TS_TRY(cache_grow(t));
         i = (uint32_t)h & t->cache_mask;
-        while (t->cache[i].key)
-            i = (i + 1) & t->cache_mask;
+        while (t->cache[i].key) i = (i + 1) & t->cache_mask;
     }
     uint8_t *key = arena_alloc(&t->cache_arena, n + t->word.n * sizeof(int32_t));
-    if (!key)
-        return TS_ERR_NO_MEMORY;
+    if (!key) return TS_ERR_NO_MEMORY;
     /* ids first, so that they stay 4-byte aligned */
     int32_t *ids = (int32_t *)key;
     memcpy(ids, t->word.v, t->word.n * sizeof *ids);
     memcpy(key + t->word.n * sizeof *ids, p, n);
-    t->cache[i] = (cache_entry){.hash = h, .key = key + t->word.n * sizeof *ids, .key_len = (uint32_t)n,
-                                .n_ids = (uint32_t)t->word.n, .ids = ids};
+    t->cache[i] = (cache_entry){.hash = h,
+                                .key = key + t->word.n * sizeof *ids,
+                                .key_len = (uint32_t)n,
+                                .n_ids = (uint32_t)t->word.n,
+                                .ids = ids};
     t->cache_used++;
     return TS_OK;
 }
@@ -883,7 +808,10 @@ ts_status ts_tokenizer_encode(ts_tokenizer *t, const char *text, size_t len, int
 {
     if (!t || !ids_out || !n_out || (!text && len > 0))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tokenizer_encode: NULL %s",
-                        !t ? "tokenizer" : !ids_out ? "ids_out" : !n_out ? "n_out" : "text with len > 0");
+                        !t             ? "tokenizer"
+                            : !ids_out ? "ids_out"
+                            : !n_out   ? "n_out"
+                                       : "text with len > 0");
     const uint8_t *s = (const uint8_t *)text;
     id_vec out = {0};
     ts_status st = TS_OK;
@@ -911,19 +839,22 @@ ts_status ts_tokenizer_decode(const ts_tokenizer *t, const int32_t *ids, size_t 
 {
     if (!t || !bytes_out || !len_out || (!ids && n > 0))
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tokenizer_decode: NULL %s",
-                        !t ? "tokenizer" : !bytes_out ? "bytes_out" : !len_out ? "len_out" : "ids with n > 0");
+                        !t               ? "tokenizer"
+                            : !bytes_out ? "bytes_out"
+                            : !len_out   ? "len_out"
+                                         : "ids with n > 0");
     if (n > (size_t)PTRDIFF_MAX / sizeof *ids)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tokenizer_decode: n %zu ids: more than any array holds", n);
     size_t total = 0;
     for (size_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= t->n_tokens)
-            return ts_error(TS_ERR_INDEX, "ts_tokenizer_decode: id %d at position %zu is outside the vocabulary [0, %d)",
-                            ids[i], i, t->n_tokens);
+            return ts_error(TS_ERR_INDEX,
+                            "ts_tokenizer_decode: id %d at position %zu is outside the vocabulary [0, %d)", ids[i], i,
+                            t->n_tokens);
         total += t->tokens[ids[i]].len;
     }
     char *buf = ts__malloc(TAG, total + 1);
-    if (!buf)
-        return TS_ERR_NO_MEMORY;
+    if (!buf) return TS_ERR_NO_MEMORY;
     size_t o = 0;
     for (size_t i = 0; i < n; i++) {
         memcpy(buf + o, t->tokens[ids[i]].data, t->tokens[ids[i]].len);
@@ -939,7 +870,9 @@ ts_status ts_tokenizer_token_bytes(const ts_tokenizer *t, int32_t id, const char
 {
     if (!t || !bytes_out || !len_out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tokenizer_token_bytes: NULL %s",
-                        !t ? "tokenizer" : !bytes_out ? "bytes_out" : "len_out");
+                        !t               ? "tokenizer"
+                            : !bytes_out ? "bytes_out"
+                                         : "len_out");
     if (id < 0 || id >= t->n_tokens)
         return ts_error(TS_ERR_INDEX, "ts_tokenizer_token_bytes: id %d is outside the vocabulary [0, %d)", id,
                         t->n_tokens);
@@ -952,7 +885,9 @@ ts_status ts_tokenizer_token_id(const ts_tokenizer *t, const char *token, int32_
 {
     if (!t || !token || !id_out)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tokenizer_token_id: NULL %s",
-                        !t ? "tokenizer" : !token ? "token" : "id_out");
+                        !t           ? "tokenizer"
+                            : !token ? "token"
+                                     : "id_out");
     int32_t id = tok_find(t, (const uint8_t *)token, strlen(token));
     if (id == NO_ID)
         return ts_error(TS_ERR_NOT_FOUND, "ts_tokenizer_token_id: no token '%s' in the vocabulary of %d", token,
@@ -961,10 +896,7 @@ ts_status ts_tokenizer_token_id(const ts_tokenizer *t, const char *token, int32_
     return TS_OK;
 }
 
-void ts_tokenizer_buffer_free(void *buffer)
-{
-    ts__free(TAG, buffer);
-}
+void ts_tokenizer_buffer_free(void *buffer) { ts__free(TAG, buffer); }
 
 /* ---- saving ---- */
 
@@ -976,19 +908,16 @@ typedef struct str_buf {
 
 static void sb_put(str_buf *b, const void *data, size_t n)
 {
-    if (b->oom)
-        return;
+    if (b->oom) return;
     if (b->n + n > b->cap) {
         size_t cap = b->cap ? b->cap : 4096;
-        while (cap < b->n + n)
-            cap *= 2;
+        while (cap < b->n + n) cap *= 2;
         char *p = ts__malloc(TAG, cap);
         if (!p) {
             b->oom = true;
             return;
         }
-        if (b->n)
-            memcpy(p, b->p, b->n);
+        if (b->n) memcpy(p, b->p, b->n);
         ts__free(TAG, b->p);
         b->p = p;
         b->cap = cap;
@@ -997,10 +926,7 @@ static void sb_put(str_buf *b, const void *data, size_t n)
     b->n += n;
 }
 
-static void sb_str(str_buf *b, const char *s)
-{
-    sb_put(b, s, strlen(s));
-}
+static void sb_str(str_buf *b, const char *s) { sb_put(b, s, strlen(s)); }
 
 /* A token in GPT-2's alphabet, UTF-8; with JSON escapes when json. */
 static void sb_token(str_buf *b, const ts__bytes *tok, bool json)
@@ -1026,8 +952,7 @@ static ts_status write_all(const char *op, int fd, const void *p, size_t n, cons
     const char *c = p;
     while (n) {
         ssize_t w = write(fd, c, n);
-        if (w < 0 && errno == EINTR)
-            continue;
+        if (w < 0 && errno == EINTR) continue;
         if (w <= 0)
             return ts_error(TS_ERR_IO, "%s: cannot write '%s' (temporary '%s'): %s", op, path, tmp,
                             w < 0 ? strerror(errno) : "no progress");
@@ -1047,8 +972,7 @@ static ts_status finish_atomic(const char *op, int fd, char *tmp, const char *pa
         st = ts_error(TS_ERR_IO, "%s: cannot write '%s' (temporary '%s'): %s", op, path, tmp, strerror(errno));
     if (!st && rename(tmp, path) != 0)
         st = ts_error(TS_ERR_IO, "%s: cannot rename '%s' to '%s': %s", op, tmp, path, strerror(errno));
-    if (st)
-        unlink(tmp);
+    if (st) unlink(tmp);
     ts__free(TAG, tmp);
     return st;
 }
@@ -1066,7 +990,9 @@ ts_status ts_tokenizer_save(const ts_tokenizer *t, const char *vocab_path, const
 {
     if (!t || !vocab_path || !merges_path)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "ts_tokenizer_save: NULL %s",
-                        !t ? "tokenizer" : !vocab_path ? "vocab_path" : "merges_path");
+                        !t                ? "tokenizer"
+                            : !vocab_path ? "vocab_path"
+                                          : "merges_path");
     str_buf v = {0}, m = {0};
     sb_str(&v, "{");
     for (int32_t id = 0; id < t->n_tokens; id++) {
@@ -1085,10 +1011,8 @@ ts_status ts_tokenizer_save(const ts_tokenizer *t, const char *vocab_path, const
         sb_str(&m, "\n");
     }
     ts_status st = v.oom || m.oom ? ts_error(TS_ERR_NO_MEMORY, "ts_tokenizer_save: out of memory") : TS_OK;
-    if (!st)
-        st = write_atomic(vocab_path, &v);
-    if (!st)
-        st = write_atomic(merges_path, &m);
+    if (!st) st = write_atomic(vocab_path, &v);
+    if (!st) st = write_atomic(merges_path, &m);
     ts__free(TAG, v.p);
     ts__free(TAG, m.p);
     return st;
@@ -1106,8 +1030,10 @@ ts_status ts_tokenizer_write_bin(const int32_t *ids, size_t n, const char *path)
                         INT32_MAX);
     for (size_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] > UINT16_MAX)
-            return ts_error(TS_ERR_INDEX, "%s: id %d at position %zu does not fit in uint16 (a vocabulary of at "
-                            "most 65536 tokens)", op, ids[i], i);
+            return ts_error(TS_ERR_INDEX,
+                            "%s: id %d at position %zu does not fit in uint16 (a vocabulary of at "
+                            "most 65536 tokens)",
+                            op, ids[i], i);
     char *tmp = NULL;
     int fd = -1;
     TS_TRY(ts__tmp_create_beside(TAG, op, path, &tmp, &fd));
@@ -1116,8 +1042,7 @@ ts_status ts_tokenizer_write_bin(const int32_t *ids, size_t n, const char *path)
     uint16_t chunk[8192];
     for (size_t i = 0; i < n && !st;) {
         size_t k = 0;
-        for (; k < 8192 && i < n; k++, i++)
-            chunk[k] = (uint16_t)ids[i];
+        for (; k < 8192 && i < n; k++, i++) chunk[k] = (uint16_t)ids[i];
         st = write_all(op, fd, chunk, k * sizeof *chunk, path, tmp);
     }
     return finish_atomic(op, fd, tmp, path, st);

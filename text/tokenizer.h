@@ -64,8 +64,7 @@ TS_API int32_t ts_tokenizer_merge_count(const ts_tokenizer *tok);
  * success only.
  * Errors: TS_ERR_INVALID_ARGUMENT (NULL tok, outputs, or text with len >
  * 0); TS_ERR_NO_MEMORY. */
-TS_API ts_status ts_tokenizer_encode(ts_tokenizer *tok, const char *text, size_t len, int32_t **ids_out,
-                                     size_t *n_out);
+TS_API ts_status ts_tokenizer_encode(ts_tokenizer *tok, const char *text, size_t len, int32_t **ids_out, size_t *n_out);
 
 /* Decodes `n` ids into their bytes: *bytes_out is a new buffer of
  * *len_out bytes plus a terminating NUL (not counted), the caller's: free
@@ -81,8 +80,7 @@ TS_API ts_status ts_tokenizer_decode(const ts_tokenizer *tok, const int32_t *ids
  * lives; not NUL-terminated), in *bytes_out and *len_out.
  * Errors: TS_ERR_INVALID_ARGUMENT (NULL argument); TS_ERR_INDEX (id out of
  * range). */
-TS_API ts_status ts_tokenizer_token_bytes(const ts_tokenizer *tok, int32_t id, const char **bytes_out,
-                                          size_t *len_out);
+TS_API ts_status ts_tokenizer_token_bytes(const ts_tokenizer *tok, int32_t id, const char **bytes_out, size_t *len_out);
 
 /* The id of the token whose bytes are the NUL-terminated `token`
  * ("<|endoftext|>" gives GPT-2's 50256), in *id_out.

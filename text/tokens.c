@@ -25,8 +25,8 @@ struct ts_token_file {
     uint16_t *owned; /* ts_token_file_from_ids: the tokens, in memory (map NULL) */
     const uint16_t *tokens;
     size_t count;
-    size_t train;  /* tokens [0, train) are training tokens (count until split) */
-    int32_t seq;   /* window length; 0 until split */
+    size_t train; /* tokens [0, train) are training tokens (count until split) */
+    int32_t seq;  /* window length; 0 until split */
     size_t val_windows;
 };
 
@@ -35,8 +35,7 @@ enum { HEADER_BYTES = TS_TOKENS_BIN_HEADER_INTS * 4 };
 ts_status ts_token_file_open(const char *path, ts_token_file **file_out)
 {
     static const char op[] = "ts_token_file_open";
-    if (!path || !file_out)
-        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL %s", op, !path ? "path" : "file_out");
+    if (!path || !file_out) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL %s", op, !path ? "path" : "file_out");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return ts_error(TS_ERR_IO, "%s: cannot open '%s': %s", op, path, strerror(errno));
     struct stat sb;
@@ -52,13 +51,14 @@ ts_status ts_token_file_open(const char *path, ts_token_file **file_out)
     size_t size = (size_t)sb.st_size;
     if (size < HEADER_BYTES) {
         close(fd);
-        return ts_error(TS_ERR_FORMAT, "%s: '%s' has %zu bytes, fewer than the %d of a token file's header", op,
-                        path, size, HEADER_BYTES);
+        return ts_error(TS_ERR_FORMAT, "%s: '%s' has %zu bytes, fewer than the %d of a token file's header", op, path,
+                        size, HEADER_BYTES);
     }
     void *map = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
     int e = errno;
     close(fd);
-    if (map == MAP_FAILED) return ts_error(TS_ERR_IO, "%s: cannot map '%s' (%zu bytes): %s", op, path, size, strerror(e));
+    if (map == MAP_FAILED)
+        return ts_error(TS_ERR_IO, "%s: cannot map '%s' (%zu bytes): %s", op, path, size, strerror(e));
     int32_t h[3];
     memcpy(h, map, sizeof h);
     ts_status st = TS_OK;
@@ -68,12 +68,10 @@ ts_status ts_token_file_open(const char *path, ts_token_file **file_out)
     else if (h[1] != TS_TOKENS_BIN_VERSION)
         st = ts_error(TS_ERR_FORMAT, "%s: '%s': version %d, expected %d (uint16 tokens)", op, path, h[1],
                       TS_TOKENS_BIN_VERSION);
-    else if (h[2] < 0)
-        st = ts_error(TS_ERR_FORMAT, "%s: '%s': a token count of %d", op, path, h[2]);
+    else if (h[2] < 0) st = ts_error(TS_ERR_FORMAT, "%s: '%s': a token count of %d", op, path, h[2]);
     else if (size != HEADER_BYTES + 2 * (size_t)h[2])
-        st = ts_error(TS_ERR_FORMAT,
-                      "%s: '%s' has %zu bytes, but its header's count of %d tokens makes %zu (%s)", op, path,
-                      size, h[2], HEADER_BYTES + 2 * (size_t)h[2],
+        st = ts_error(TS_ERR_FORMAT, "%s: '%s' has %zu bytes, but its header's count of %d tokens makes %zu (%s)", op,
+                      path, size, h[2], HEADER_BYTES + 2 * (size_t)h[2],
                       size < HEADER_BYTES + 2 * (size_t)h[2] ? "truncated" : "bytes after the tokens");
     ts_token_file *f = st ? NULL : ts__calloc(TAG, 1, sizeof *f);
     if (!st && (!f || !(f->path = ts__strdup(TAG, path)))) st = TS_ERR_NO_MEMORY;
@@ -132,20 +130,11 @@ void ts_token_file_close(ts_token_file *file)
     ts__free(TAG, file);
 }
 
-size_t ts_token_file_count(const ts_token_file *file)
-{
-    return file ? file->count : 0;
-}
+size_t ts_token_file_count(const ts_token_file *file) { return file ? file->count : 0; }
 
-const uint16_t *ts_token_file_tokens(const ts_token_file *file)
-{
-    return file && file->count ? file->tokens : NULL;
-}
+const uint16_t *ts_token_file_tokens(const ts_token_file *file) { return file && file->count ? file->tokens : NULL; }
 
-const char *ts_token_file_path(const ts_token_file *file)
-{
-    return file ? file->path : NULL;
-}
+const char *ts_token_file_path(const ts_token_file *file) { return file ? file->path : NULL; }
 
 uint64_t ts_token_file_hash(const ts_token_file *file)
 {
@@ -176,7 +165,8 @@ ts_status ts_token_file_split(ts_token_file *file, size_t val_tokens, int32_t se
     if (val_tokens > file->count || file->count - val_tokens < (size_t)seq + 2)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "%s: '%s' has %zu tokens; holding out %zu for validation leaves %zu for training, fewer than "
-                        "the %lld one window of %d needs", op, file->path, file->count, val_tokens,
+                        "the %lld one window of %d needs",
+                        op, file->path, file->count, val_tokens,
                         val_tokens > file->count ? (size_t)0 : file->count - val_tokens, (long long)seq + 2, seq);
     if (val_tokens > 0 && val_tokens < (size_t)seq + 1)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
@@ -188,15 +178,9 @@ ts_status ts_token_file_split(ts_token_file *file, size_t val_tokens, int32_t se
     return TS_OK;
 }
 
-size_t ts_token_file_train_tokens(const ts_token_file *file)
-{
-    return file ? file->train : 0;
-}
+size_t ts_token_file_train_tokens(const ts_token_file *file) { return file ? file->train : 0; }
 
-size_t ts_token_file_val_windows(const ts_token_file *file)
-{
-    return file ? file->val_windows : 0;
-}
+size_t ts_token_file_val_windows(const ts_token_file *file) { return file ? file->val_windows : 0; }
 
 static void window(const ts_token_file *f, size_t at, int64_t *inputs, int64_t *targets)
 {
@@ -212,13 +196,17 @@ ts_status ts_token_file_train_batch(const ts_token_file *file, ts_generator *ord
     static const char op[] = "ts_token_file_train_batch";
     if (!file || !order || !inputs || !targets)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL %s", op,
-                        !file ? "file" : !order ? "order" : !inputs ? "inputs" : "targets");
-    if (!file->seq) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s' has no split yet (ts_token_file_split)", op,
-                                    file->path);
+                        !file         ? "file"
+                            : !order  ? "order"
+                            : !inputs ? "inputs"
+                                      : "targets");
+    if (!file->seq)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s' has no split yet (ts_token_file_split)", op, file->path);
     if (global < 1 || batch < 1 || first < 0 || (int64_t)first + batch > global)
         return ts_error(TS_ERR_INVALID_ARGUMENT,
                         "%s: the slice [%d, %lld) of a global batch of %d (needs 0 <= first, 1 <= batch, "
-                        "first + batch <= global)", op, first, (long long)first + batch, global);
+                        "first + batch <= global)",
+                        op, first, (long long)first + batch, global);
     size_t starts = file->train - (size_t)file->seq - 1; /* >= 1 (split) */
     for (int32_t g = 0; g < global; g++) {
         size_t at = ts_generator_random(order) % starts;
@@ -234,11 +222,11 @@ ts_status ts_token_file_val_window(const ts_token_file *file, size_t index, int6
     static const char op[] = "ts_token_file_val_window";
     if (!file || !inputs || !targets)
         return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: NULL %s", op, !file ? "file" : !inputs ? "inputs" : "targets");
-    if (!file->seq) return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s' has no split yet (ts_token_file_split)", op,
-                                    file->path);
+    if (!file->seq)
+        return ts_error(TS_ERR_INVALID_ARGUMENT, "%s: '%s' has no split yet (ts_token_file_split)", op, file->path);
     if (index >= file->val_windows)
-        return ts_error(TS_ERR_INDEX, "%s: window %zu of '%s', which has %zu validation windows", op, index,
-                        file->path, file->val_windows);
+        return ts_error(TS_ERR_INDEX, "%s: window %zu of '%s', which has %zu validation windows", op, index, file->path,
+                        file->val_windows);
     window(file, file->train + index * (size_t)file->seq, inputs, targets);
     return TS_OK;
 }

@@ -115,8 +115,7 @@ TS_API ts_status ts_token_file_train_batch(const ts_token_file *file, ts_generat
  * from train_tokens + index * seq and the tokens one after them.
  * Errors: TS_ERR_INVALID_ARGUMENT (NULL argument, no split yet);
  * TS_ERR_INDEX (index >= ts_token_file_val_windows, naming both). */
-TS_API ts_status ts_token_file_val_window(const ts_token_file *file, size_t index, int64_t *inputs,
-                                          int64_t *targets);
+TS_API ts_status ts_token_file_val_window(const ts_token_file *file, size_t index, int64_t *inputs, int64_t *targets);
 
 #ifdef __cplusplus
 }

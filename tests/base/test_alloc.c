@@ -13,8 +13,7 @@ Test(base_alloc, live_bytes_are_counted_by_tag)
     cr_assert_eq(ts_mem_live_bytes(TS_MEM_NN), before + 1000);
     cr_assert_eq((uintptr_t)p % 64, 0, "allocations are 64-byte aligned");
     void *q = ts__calloc(TS_MEM_NN, 10, 10);
-    for (int i = 0; i < 100; i++)
-        cr_assert_eq(((unsigned char *)q)[i], 0);
+    for (int i = 0; i < 100; i++) cr_assert_eq(((unsigned char *)q)[i], 0);
     cr_assert_eq(ts_mem_live_bytes(TS_MEM_NN), before + 1100);
     cr_assert_geq(ts_mem_peak_bytes(TS_MEM_NN), before + 1100);
     ts__free(TS_MEM_NN, p);

@@ -37,8 +37,9 @@ Test(base_pinned, storage_pin_keeps_values_and_counts_the_bytes, .timeout = 30)
     cr_assert_eq(((uintptr_t)ts_storage_data(ts_tensor_storage(t))) % page(), 0, "a pinned block is page-aligned");
     /* one page-rounded block */
     cr_assert_eq(ts_mem_live_bytes(TS_MEM_PINNED) - pinned0, page());
-    cr_assert_eq(ts_mem_locked_bytes() - locked0, page(), "mlock locked it (the test runs as root or under "
-                                                          "RLIMIT_MEMLOCK >= a page)");
+    cr_assert_eq(ts_mem_locked_bytes() - locked0, page(),
+                 "mlock locked it (the test runs as root or under "
+                 "RLIMIT_MEMLOCK >= a page)");
     cr_assert(ts__pinned_is_locked(ts_storage_data(ts_tensor_storage(t))));
     cr_assert_geq(ts_mem_peak_bytes(TS_MEM_PINNED), ts_mem_live_bytes(TS_MEM_PINNED));
     TH_OK(ts_storage_pin(ts_tensor_storage(t))); /* no-op */

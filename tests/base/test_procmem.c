@@ -124,7 +124,8 @@ Test(base_procmem, cap_from_a_v1_group_and_its_ancestors)
     snprintf(mi, sizeof mi, "%s/mountinfo", dir);
     snprintf(text, sizeof text,
              "30 22 0:27 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
-             "34 30 0:31 / %s/memory rw,relatime - cgroup cgroup rw,cpu,memory\n", dir);
+             "34 30 0:31 / %s/memory rw,relatime - cgroup cgroup rw,cpu,memory\n",
+             dir);
     write_file(mi, text);
     ts_memory_cap c;
     cr_assert_eq(ts__memory_cap_from(NULL, cg, mi, &c), TS_OK, "%s", ts_last_error());
@@ -157,7 +158,8 @@ Test(base_procmem, cap_from_a_v2_group_under_a_namespaced_mount)
     snprintf(cg, sizeof cg, "%s/cgroup", dir);
     write_file(cg, "0::/user.slice/job\n");
     snprintf(mi, sizeof mi, "%s/mountinfo", dir);
-    snprintf(text, sizeof text, "40 30 0:37 /user.slice/job %s/unified rw,relatime shared:9 - cgroup2 cgroup2 rw\n", dir);
+    snprintf(text, sizeof text, "40 30 0:37 /user.slice/job %s/unified rw,relatime shared:9 - cgroup2 cgroup2 rw\n",
+             dir);
     write_file(mi, text);
     ts_memory_cap c;
     cr_assert_eq(ts__memory_cap_from(NULL, cg, mi, &c), TS_OK, "%s", ts_last_error());
@@ -185,8 +187,7 @@ Test(base_procmem, cpu_count_is_the_affinity_mask)
     cr_assert_eq(sched_getaffinity(0, sizeof all, &all), 0);
     cr_assert_eq(ts_cpu_count(), CPU_COUNT(&all));
     int first = 0;
-    while (!CPU_ISSET(first, &all))
-        first++;
+    while (!CPU_ISSET(first, &all)) first++;
     cpu_set_t one;
     CPU_ZERO(&one);
     CPU_SET(first, &one);

@@ -12,8 +12,7 @@ Test(base_status, ok_is_zero_and_errors_negative)
 {
     cr_assert_eq(TS_OK, 0);
 #define CHECK_NEG(name, value, msg) \
-    if (name != TS_OK)              \
-        cr_assert_lt(name, 0, "%s must be negative", #name);
+    if (name != TS_OK) cr_assert_lt(name, 0, "%s must be negative", #name);
     TS_STATUS_TABLE(CHECK_NEG)
 #undef CHECK_NEG
 }
@@ -33,8 +32,7 @@ Test(base_status, names_and_messages_come_from_the_table)
 #undef COLLECT
     cr_assert_eq(k, TS_STATUS_COUNT);
     for (int i = 0; i < k; i++)
-        for (int j = i + 1; j < k; j++)
-            cr_assert_str_neq(names[i], names[j]);
+        for (int j = i + 1; j < k; j++) cr_assert_str_neq(names[i], names[j]);
 }
 
 Test(base_status, last_error_is_thread_local_detail)

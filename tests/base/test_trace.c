@@ -62,8 +62,7 @@ __attribute__((constructor)) static void trace_test_role(void)
         printf("ready\n");
         fflush(stdout);
         char c;
-        while (read(0, &c, 1) != 0) {
-        }
+        while (read(0, &c, 1) != 0) {}
         _exit(3); /* stdin closed: the signal never came */
     }
     _exit(6);
@@ -81,8 +80,9 @@ typedef struct child {
  * TS_TRACE. */
 static child spawn_role(const char *role, int n, const char *const *env)
 {
-    static const char *const drop[] = {"TS_TRACE=", "RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "OMPI_COMM_WORLD_RANK=",
-                                       "SLURM_PROCID=", "TS_TEST_TRACE_ROLE=", "TS_LOG_LEVEL="};
+    static const char *const drop[] = {
+        "TS_TRACE=",           "RANK=",        "WORLD_SIZE=", "LOCAL_RANK=", "OMPI_COMM_WORLD_RANK=", "SLURM_PROCID=",
+        "TS_TEST_TRACE_ROLE=", "TS_LOG_LEVEL="};
     size_t k;
     char **envp = th_environ_without(drop, sizeof drop / sizeof drop[0], (size_t)n + 2, &k);
     char rolev[64];
@@ -243,8 +243,7 @@ Test(base_trace, off_by_default_and_records_spans_when_started)
             cr_assert_str_eq(ph, "X");
             cr_assert_float_eq(json_number_value(json_object_get(e, "dur")), 5.0, 1e-9);
         }
-        if (strcmp(name, "work") == 0)
-            works++;
+        if (strcmp(name, "work") == 0) works++;
         if (strcmp(name, "thread_name") == 0 &&
             strcmp(json_string_value(json_object_get(json_object_get(e, "args"), "name")), "worker") == 0)
             names++;
@@ -277,16 +276,11 @@ Test(base_trace, rank_file_names)
         int rank;
         const char *want;
     } cases[] = {
-        {"trace.json", 0, "trace.rank0.json"},
-        {"out/trace.json", 12, "out/trace.rank12.json"},
-        {"trace", 3, "trace.rank3"},
-        {"run.d/trace", 1, "run.d/trace.rank1"},
-        {".hidden", 2, ".hidden.rank2"},
-        {"a.b.json", 1, "a.b.rank1.json"},
-        {"t/%r.json", 5, "t/5.json"},
-        {"%r-%r.json", 1, "1-1.json"},
-        {"trace.json", -1, "trace.json"},
-        {"t/%r.json", -1, "t/0.json"},
+        {"trace.json", 0, "trace.rank0.json"}, {"out/trace.json", 12, "out/trace.rank12.json"},
+        {"trace", 3, "trace.rank3"},           {"run.d/trace", 1, "run.d/trace.rank1"},
+        {".hidden", 2, ".hidden.rank2"},       {"a.b.json", 1, "a.b.rank1.json"},
+        {"t/%r.json", 5, "t/5.json"},          {"%r-%r.json", 1, "1-1.json"},
+        {"trace.json", -1, "trace.json"},      {"t/%r.json", -1, "t/0.json"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char buf[64];
@@ -535,7 +529,7 @@ Test(base_trace, planted_temporary_link_is_not_followed)
     cr_assert(d);
     for (struct dirent *de; (de = readdir(d));)
         others += strcmp(de->d_name, ".") && strcmp(de->d_name, "..") && strcmp(de->d_name, "trace.json") &&
-                  strcmp(de->d_name, strrchr(planted, '/') + 1);
+            strcmp(de->d_name, strrchr(planted, '/') + 1);
     closedir(d);
     cr_assert_eq(others, 0, "%d files left in the folder", others);
     unlink(planted);
@@ -611,8 +605,7 @@ Test(base_trace, spans_are_counted_by_the_allocator_hook)
     size_t started = ts_mem_live_bytes(TS_MEM_OTHER);
     cr_assert_gt(started, before, "the trace file's name is counted");
     ts_trace_arg args[] = {{.key = "bytes", .num = 4096}, {.key = "peer", .str = "rank 1"}};
-    for (int i = 0; i < 600; i++)
-        ts_trace_span_args("op", "test", 10 + (uint64_t)i, 20 + (uint64_t)i, 2, args);
+    for (int i = 0; i < 600; i++) ts_trace_span_args("op", "test", 10 + (uint64_t)i, 20 + (uint64_t)i, 2, args);
     cr_assert_gt(ts_mem_live_bytes(TS_MEM_OTHER), started, "spans and their args are counted");
     TH_OK(ts_trace_stop(true));
     cr_assert_eq(ts_mem_live_bytes(TS_MEM_OTHER), started, "stop gives the spans and the flush's scratch back");

@@ -97,9 +97,9 @@ static void model_free(model_t *m)
  * BufAdd): rows 9, hid2 (5), 3 do not divide by 2, 3 or 4, and 3 < 4.
  * Each Linear is sharded with its own group; the last bias is ignored
  * (outside every group: replicated, saved once by rank 0). */
-static bool g_ignore_bias = true; /* the test's settings for build() */
+static bool g_ignore_bias = true;              /* the test's settings for build() */
 static _Thread_local bool g_no_buffer = false; /* per rank thread */
-static _Thread_local bool g_f64 = false;      /* the model in float64 */
+static _Thread_local bool g_f64 = false;       /* the model in float64 */
 
 static ts_status build(ts_comm *world, int mesh_kind, int optkind, uint64_t seed, int64_t hid2, model_t *m)
 {
@@ -159,7 +159,8 @@ static ts_status build(ts_comm *world, int mesh_kind, int optkind, uint64_t seed
             ts_adam_options ao = optkind == OPT_ADAMW ? ts_adamw_options_default() : ts_adam_options_default();
             ao.lr = 0.01;
             ao.amsgrad = optkind == OPT_ADAM_AMS;
-            st = optkind == OPT_ADAMW ? ts_adamw_new(pl.n, pl.items, &ao, &m->opt) : ts_adam_new(pl.n, pl.items, &ao, &m->opt);
+            st = optkind == OPT_ADAMW ? ts_adamw_new(pl.n, pl.items, &ao, &m->opt)
+                                      : ts_adam_new(pl.n, pl.items, &ao, &m->opt);
         }
         ts_param_list_free(&pl);
     }
@@ -203,7 +204,7 @@ typedef struct snap {
         int64_t rows;
     } e[SNAP_MAX];
     int64_t steps;
-    int conflicts;      /* replicas that held different values */
+    int conflicts; /* replicas that held different values */
     char conflict[192];
 } snap;
 
@@ -269,8 +270,7 @@ static void snap_put_tensor(snap *s, int rank, const char *key, ts_tensor *t, co
     if (ts_tensor_local_view(t, &lv)) return;
     if (d && ts_tensor_ndim(t) > 0)
         snap_put(s, key, lv, ts_dtensor_local_offset(d, 0), ts_dtensor_ndim(d), ts_dtensor_shape(d));
-    else
-        snap_put(s, key, lv, 0, ts_tensor_ndim(t), ts_tensor_shape(t));
+    else snap_put(s, key, lv, 0, ts_tensor_ndim(t), ts_tensor_shape(t));
     ts_tensor_free(lv);
 }
 
@@ -307,7 +307,8 @@ static void snap_assert_equal(const snap *a, const snap *b, double rtol, const c
     cr_assert_eq(a->n, b->n, "%s: %d keys vs %d", what, a->n, b->n);
     cr_assert_eq(a->conflicts, 0, "%s: replicas of %s differ", what, a->conflict);
     cr_assert_eq(b->conflicts, 0, "%s: replicas of %s differ", what, b->conflict);
-    cr_assert_eq(a->steps, b->steps, "%s: optimizer steps %lld vs %lld", what, (long long)a->steps, (long long)b->steps);
+    cr_assert_eq(a->steps, b->steps, "%s: optimizer steps %lld vs %lld", what, (long long)a->steps,
+                 (long long)b->steps);
     for (int i = 0; i < a->n; i++) {
         int k = 0;
         while (k < b->n && strcmp(a->e[i].key, b->e[k].key)) k++;
@@ -323,8 +324,8 @@ static void snap_assert_equal(const snap *a, const snap *b, double rtol, const c
         }
         const float *x = (const float *)a->e[i].data, *y = (const float *)b->e[k].data;
         for (int64_t j = 0; j < a->e[i].numel; j++)
-            cr_assert(fabs((double)x[j] - (double)y[j]) <= rtol,
-                      "%s: %s[%lld] %.9g vs %.9g", what, a->e[i].key, (long long)j, (double)x[j], (double)y[j]);
+            cr_assert(fabs((double)x[j] - (double)y[j]) <= rtol, "%s: %s[%lld] %.9g vs %.9g", what, a->e[i].key,
+                      (long long)j, (double)x[j], (double)y[j]);
     }
 }
 
@@ -335,7 +336,7 @@ typedef struct run_arg {
     int mesh_kind, optkind, steps;
     uint64_t seed;
     snap *at, *next; /* the state saved / loaded, and after one more step */
-    int saved_world;  /* loader: the world that saved (for the rank extras) */
+    int saved_world; /* loader: the world that saved (for the rank extras) */
     ts_ckpt_info info[TH_MAXW];
     uint64_t expected_bytes[TH_MAXW];
 } run_arg;
@@ -453,9 +454,11 @@ static void reshard_case(int Ws, int ms, int Wl, int ml, int optkind)
     snap_init(&s_next);
     snap_init(&l_at);
     snap_init(&l_next);
-    run_arg sa = {.dir = ckdir, .mesh_kind = ms, .optkind = optkind, .steps = 2, .seed = 3, .at = &s_at, .next = &s_next};
+    run_arg sa = {
+        .dir = ckdir, .mesh_kind = ms, .optkind = optkind, .steps = 2, .seed = 3, .at = &s_at, .next = &s_next};
     th_run_world(Ws, saver, &sa, 30);
-    run_arg la = {.dir = ckdir, .mesh_kind = ml, .optkind = optkind, .seed = 3, .at = &l_at, .next = &l_next, .saved_world = Ws};
+    run_arg la = {
+        .dir = ckdir, .mesh_kind = ml, .optkind = optkind, .seed = 3, .at = &l_at, .next = &l_next, .saved_world = Ws};
     th_run_world(Wl, loader, &la, 30);
     char what[96];
     snprintf(what, sizeof what, "W %d (mesh %d) -> %d (mesh %d), optimizer %d", Ws, ms, Wl, ml, optkind);
@@ -510,10 +513,7 @@ Test(checkpoint, reshard_adam_amsgrad_and_sgd_momentum, .timeout = 120)
     }
 }
 
-Test(checkpoint, model_only, .timeout = 60)
-{
-    reshard_case(4, MESH_1D, 3, MESH_1D, OPT_NONE);
-}
+Test(checkpoint, model_only, .timeout = 60) { reshard_case(4, MESH_1D, 3, MESH_1D, OPT_NONE); }
 
 Test(checkpoint, hsdp_to_1d_and_back, .timeout = 120)
 {
@@ -575,7 +575,8 @@ Test(checkpoint, index_agrees_with_files, .timeout = 60)
         /* every tensor of the file is in the index */
         const char *k;
         json_t *v;
-        json_object_foreach (hdr[f], k, v) {
+        json_object_foreach(hdr[f], k, v)
+        {
             if (!strcmp(k, "__metadata__")) continue;
             cr_assert(json_object_get(json_object_get(ix, "tensors"), k), "%s: %s not in the index", path, k);
         }
@@ -584,7 +585,8 @@ Test(checkpoint, index_agrees_with_files, .timeout = 60)
     const char *key;
     json_t *t;
     int n_keys = 0;
-    json_object_foreach (json_object_get(ix, "tensors"), key, t) {
+    json_object_foreach(json_object_get(ix, "tensors"), key, t)
+    {
         n_keys++;
         json_t *shape = json_object_get(t, "shape");
         const char *dtype = json_string_value(json_object_get(t, "dtype"));
@@ -599,7 +601,8 @@ Test(checkpoint, index_agrees_with_files, .timeout = 60)
         for (size_t p = 0; p < json_array_size(pieces); p++) {
             json_t *pj = json_array_get(pieces, p);
             size_t f = (size_t)json_integer_value(json_object_get(pj, "file"));
-            int64_t row = json_integer_value(json_object_get(pj, "row")), prow = json_integer_value(json_object_get(pj, "rows"));
+            int64_t row = json_integer_value(json_object_get(pj, "row")),
+                    prow = json_integer_value(json_object_get(pj, "rows"));
             uint64_t off = (uint64_t)json_integer_value(json_object_get(pj, "offset")),
                      len = (uint64_t)json_integer_value(json_object_get(pj, "length"));
             cr_assert(f < nf);
@@ -614,8 +617,9 @@ Test(checkpoint, index_agrees_with_files, .timeout = 60)
             for (size_t d = 1; d < json_array_size(hs); d++)
                 cr_assert(json_equal(json_array_get(hs, d), json_array_get(shape, d)), "%s: dim %zu", key, d);
             cr_assert_eq(start[f] + (uint64_t)json_integer_value(json_array_get(ho, 0)), off, "%s: offset", key);
-            cr_assert_eq((uint64_t)(json_integer_value(json_array_get(ho, 1)) - json_integer_value(json_array_get(ho, 0))),
-                         len, "%s: data_offsets length", key);
+            cr_assert_eq(
+                (uint64_t)(json_integer_value(json_array_get(ho, 1)) - json_integer_value(json_array_get(ho, 0))), len,
+                "%s: data_offsets length", key);
             if (!strcmp(kind, "rank_extra")) continue;
             for (int64_t r = row; r < row + prow; r++) {
                 cr_assert(!cover[r], "%s: row %lld saved twice", key, (long long)r);
@@ -637,8 +641,20 @@ Test(checkpoint, index_agrees_with_files, .timeout = 60)
 
 /* ------------------------------------------------------------ errors */
 
-enum { E_NO_DIR, E_NO_FILE, E_TRUNCATED, E_BAD_INDEX, E_SHAPE, E_DTYPE, E_MISSING_EXTRA, E_UNEXPECTED, E_SGD_INTO_ADAMW,
-       E_NONSTRICT_UNEXPECTED, E_DTYPE_MODEL, E_COUNT };
+enum {
+    E_NO_DIR,
+    E_NO_FILE,
+    E_TRUNCATED,
+    E_BAD_INDEX,
+    E_SHAPE,
+    E_DTYPE,
+    E_MISSING_EXTRA,
+    E_UNEXPECTED,
+    E_SGD_INTO_ADAMW,
+    E_NONSTRICT_UNEXPECTED,
+    E_DTYPE_MODEL,
+    E_COUNT
+};
 
 typedef struct err_arg {
     const char *dir;
@@ -770,8 +786,11 @@ Test(checkpoint, errors_leave_the_model_unchanged, .timeout = 120)
         snap before, after;
         snap_init(&before);
         snap_init(&after);
-        err_arg ea = {.dir = cases[i].kind == E_SGD_INTO_ADAMW ? sgd_dir : dir, .kind = cases[i].kind,
-                      .want = cases[i].want, .before = &before, .after = &after};
+        err_arg ea = {.dir = cases[i].kind == E_SGD_INTO_ADAMW ? sgd_dir : dir,
+                      .kind = cases[i].kind,
+                      .want = cases[i].want,
+                      .before = &before,
+                      .after = &after};
         th_run_world(2, err_rank, &ea, 30);
         if (cases[i].want) {
             snap_assert_equal(&before, &after, 0, "a failed load");
@@ -945,11 +964,11 @@ Test(checkpoint, killed_saves_leave_a_loadable_checkpoint, .timeout = 120)
         int rank, tmp_rank;
         bool new_expected;
     } pts[] = {
-        {NULL, -1, 0, false},           /* rank 0's temporary file just created */
-        {NULL, -1, 1, false},           /* rank 1's */
-        {"file_begin", 0, -1, false},  {"file_begin", 1, -1, false}, {"file_done", 0, -1, false},
-        {"file_done", 1, -1, false},   {"index_tmp", 0, -1, false},  {"index_synced", 0, -1, false},
-        {"index_renamed", 0, -1, true}, {"dir_synced", 0, -1, true}, {"cleaned", 0, -1, true},
+        {NULL, -1, 0, false}, /* rank 0's temporary file just created */
+        {NULL, -1, 1, false}, /* rank 1's */
+        {"file_begin", 0, -1, false},   {"file_begin", 1, -1, false}, {"file_done", 0, -1, false},
+        {"file_done", 1, -1, false},    {"index_tmp", 0, -1, false},  {"index_synced", 0, -1, false},
+        {"index_renamed", 0, -1, true}, {"dir_synced", 0, -1, true},  {"cleaned", 0, -1, true},
     };
     for (size_t i = 0; i < sizeof pts / sizeof pts[0]; i++) {
         cr_assert_eq(wait_child(fork_save(dir, 1, NULL, -1, -1)), 0, "the first save failed");
@@ -957,8 +976,8 @@ Test(checkpoint, killed_saves_leave_a_loadable_checkpoint, .timeout = 120)
         cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "point %zu: the child was not killed (status %d)",
                   i, status);
         uint64_t got = loads_as(dir, 1, 2);
-        cr_assert_eq(got, pts[i].new_expected ? 2u : 1u, "killed at %s (rank %d, tmp %d): loads as seed %llu", pts[i].point,
-                     pts[i].rank, pts[i].tmp_rank, (unsigned long long)got);
+        cr_assert_eq(got, pts[i].new_expected ? 2u : 1u, "killed at %s (rank %d, tmp %d): loads as seed %llu",
+                     pts[i].point, pts[i].rank, pts[i].tmp_rank, (unsigned long long)got);
     }
     /* a save after all that: loads as new, and the leftovers are gone */
     cr_assert_eq(wait_child(fork_save(dir, 2, NULL, -1, -1)), 0);
@@ -985,7 +1004,8 @@ Test(checkpoint, killed_saves_leave_a_loadable_checkpoint, .timeout = 120)
             if (system(cmd)) {}
         }
         cr_assert(got == prev || got == next, "random kill %d: loads as neither checkpoint (status %d)", i, status);
-        if (WIFEXITED(status)) cr_assert_eq(got, next, "random kill %d: the save completed but loads as the old one", i);
+        if (WIFEXITED(status))
+            cr_assert_eq(got, next, "random kill %d: the save completed but loads as the old one", i);
         olds += got == prev;
         news += got == next;
         if (got == prev) { /* the next trial expects `next` in place: finish it */
@@ -1001,7 +1021,7 @@ Test(checkpoint, killed_saves_leave_a_loadable_checkpoint, .timeout = 120)
 
 typedef struct full_arg {
     const char *path, *path_ref;
-    int mode; /* 0: save the full file and the reference; 1: load it and compare */
+    int mode;            /* 0: save the full file and the reference; 1: load it and compare */
     ts_state_dict *want; /* mode 1: the file's tensors (read by the test) */
 } full_arg;
 
@@ -1028,7 +1048,8 @@ static int full_rank(th_rank *rc)
         for (int i = 0; i < ts_state_dict_size(sd); i++) {
             ts_tensor *x = ts_state_dict_tensor(sd, i), *y = ts_state_dict_get(a->want, ts_state_dict_name(sd, i));
             if (!y || ts_tensor_numel(x) != ts_tensor_numel(y) ||
-                memcmp(ts_tensor_data(x), ts_tensor_data(y), (size_t)ts_tensor_numel(x) * ts_dtype_size(ts_tensor_dtype(x))))
+                memcmp(ts_tensor_data(x), ts_tensor_data(y),
+                       (size_t)ts_tensor_numel(x) * ts_dtype_size(ts_tensor_dtype(x))))
                 return th_rank_fail(rc, "%s differs after ts_ckpt_load_full", ts_state_dict_name(sd, i));
         }
         ts_state_dict_free(sd);
@@ -1105,8 +1126,8 @@ Test(checkpoint, full_file_peak_memory_is_one_tensor, .timeout = 60)
     ts_mem_reset_peak();
     TH_OK(ts_ckpt_load_full(path, m2, true));
     size_t load_extra = ts_mem_peak_bytes(TS_MEM_STORAGE) - base;
-    cr_log_info("full file: model %zu bytes, largest tensor %zu; peak extra tensor memory: save %zu, load %zu", model_bytes,
-                largest, save_extra, load_extra);
+    cr_log_info("full file: model %zu bytes, largest tensor %zu; peak extra tensor memory: save %zu, load %zu",
+                model_bytes, largest, save_extra, load_extra);
     cr_assert(save_extra <= largest + 1024, "save: %zu extra bytes, one tensor is %zu", save_extra, largest);
     cr_assert(load_extra <= largest + 1024, "load: %zu extra bytes, one tensor is %zu", load_extra, largest);
     cr_assert(model_bytes >= 6 * largest);
@@ -1133,7 +1154,8 @@ Test(checkpoint, index_parser_rejects_malformed_indexes)
     static const char good[] =
         "{\"format\":\"tensorshard-dcp\",\"version\":1,\"save_id\":\"ab\",\"world\":2,"
         "\"files\":[{\"name\":\"a\",\"rank\":0,\"size\":100},{\"name\":\"b\",\"rank\":1,\"size\":100}],"
-        "\"tensors\":{\"w\":{\"kind\":\"model\",\"dtype\":\"F32\",\"shape\":[3,2],\"placements\":[\"Shard(0)\"],\"pieces\":["
+        "\"tensors\":{\"w\":{\"kind\":\"model\",\"dtype\":\"F32\",\"shape\":[3,2],\"placements\":[\"Shard(0)\"],"
+        "\"pieces\":["
         "{\"file\":0,\"rank\":0,\"row\":0,\"rows\":2,\"offset\":8,\"length\":16},"
         "{\"file\":1,\"rank\":1,\"row\":2,\"rows\":1,\"offset\":8,\"length\":8}]}}}";
     ts__ckpt_index *ix = NULL;
@@ -1146,12 +1168,12 @@ Test(checkpoint, index_parser_rejects_malformed_indexes)
     static const struct {
         const char *from, *to, *needle;
     } bad[] = {
-        {"\"rows\":1,\"offset\":8", "\"rows\":2,\"offset\":8", "outside"},       /* rows past the end */
-        {"\"row\":2,", "\"row\":1,", "overlap"},                                   /* rows 1-2 twice */
-        {"\"row\":2,\"rows\":1", "\"row\":2,\"rows\":0", "0 rows"},              /* a gap / an empty piece */
-        {"\"length\":8}", "\"length\":9}", "length"},                              /* bytes for its rows */
+        {"\"rows\":1,\"offset\":8", "\"rows\":2,\"offset\":8", "outside"},           /* rows past the end */
+        {"\"row\":2,", "\"row\":1,", "overlap"},                                     /* rows 1-2 twice */
+        {"\"row\":2,\"rows\":1", "\"row\":2,\"rows\":0", "0 rows"},                  /* a gap / an empty piece */
+        {"\"length\":8}", "\"length\":9}", "length"},                                /* bytes for its rows */
         {"\"offset\":8,\"length\":8", "\"offset\":96,\"length\":8", "outside file"}, /* past the file's size */
-        {"\"file\":1", "\"file\":2", "file 2"},                                    /* no such file */
+        {"\"file\":1", "\"file\":2", "file 2"},                                      /* no such file */
         {"\"F32\"", "\"F8\"", "dtype"},
         {"\"model\"", "\"weights\"", "kind"},
         {"\"name\":\"a\"", "\"name\":\"../a\"", "plain file name"},
@@ -1168,7 +1190,8 @@ Test(checkpoint, index_parser_rejects_malformed_indexes)
         ts_status st = ts__ckpt_index_parse("bad", buf, strlen(buf), &ix);
         cr_assert_eq(st, TS_ERR_FORMAT, "case %zu (%s): %s", i, bad[i].to, ts_status_name(st));
         cr_assert_null(ix);
-        cr_assert(strstr(ts_last_error(), bad[i].needle), "case %zu: '%s' not in '%s'", i, bad[i].needle, ts_last_error());
+        cr_assert(strstr(ts_last_error(), bad[i].needle), "case %zu: '%s' not in '%s'", i, bad[i].needle,
+                  ts_last_error());
     }
     /* truncated at every length */
     for (size_t n = 0; n < strlen(good); n++) {
@@ -1296,8 +1319,9 @@ Test(checkpoint, full_file_peak_memory_on_two_ranks, .timeout = 60)
     mem_arg a = {.path = path};
     th_run_world(2, mem_rank, &a, 30);
     const size_t largest = 64 * 64 * 4, model_bytes = 6 * (64 * 64 + 64) * 4;
-    cr_log_info("2 ranks: model %zu bytes, largest tensor %zu; peak extra tensor memory of both ranks: save %zu, load %zu",
-                model_bytes, largest, a.save_extra, a.load_extra);
+    cr_log_info(
+        "2 ranks: model %zu bytes, largest tensor %zu; peak extra tensor memory of both ranks: save %zu, load %zu",
+        model_bytes, largest, a.save_extra, a.load_extra);
     /* the save: rank 0's gathered tensor, plus the rows of the other rank
      * in flight (measured: 16384 + 8192) */
     cr_assert(a.save_extra <= largest + largest / 2 + 1024, "save: %zu extra bytes, one tensor is %zu", a.save_extra,

@@ -22,10 +22,10 @@
 static int g_rank = -1;
 
 #define RFAIL(code, ...) th_rank_exit(g_rank, (code), __VA_ARGS__)
-#define ROK(code, expr)                                                                                     \
-    do {                                                                                                    \
-        ts_status s_ = (expr);                                                                              \
-        if (s_) RFAIL(code, "%s -> %s: %s", #expr, ts_status_name(s_), ts_last_error());                   \
+#define ROK(code, expr) \
+    do { \
+        ts_status s_ = (expr); \
+        if (s_) RFAIL(code, "%s -> %s: %s", #expr, ts_status_name(s_), ts_last_error()); \
     } while (0)
 
 /* Linear(4, 9), Tanh, Linear(9, 5): 9 and 5 rows on 2 and 3 ranks. */

@@ -254,8 +254,7 @@ Test(checkpoint_files, symlinked_index_or_rank_file_is_refused, .timeout = 60)
         cr_assert_eq(symlink(out, in), 0);
         ts_status st = ts_ckpt_load(ck, m, NULL, NULL);
         cr_assert_eq(st, TS_ERR_IO, "a symlinked %s loaded: %s", names[i], ts_status_name(st));
-        cr_assert(strstr(ts_last_error(), "symbolic link") && strstr(ts_last_error(), names[i]), "%s",
-                  ts_last_error());
+        cr_assert(strstr(ts_last_error(), "symbolic link") && strstr(ts_last_error(), names[i]), "%s", ts_last_error());
         if (i == 0) {
             char *v = NULL;
             cr_assert_eq(ts_ckpt_metadata(ck, "x", &v), TS_ERR_IO);

@@ -80,9 +80,9 @@ Test(checkpoint_index, placements_must_parse, .timeout = 60)
         {"[]", "\"placements\"", "[]"},
         {"[1e300]", "\"placements\"", "e300"},
         {"[\"Shard(99999999999)\"]", "Shard(99999999999)", "dims"},
-        {"[\"Shard(1)\"]", "Shard(1)", "dim 0"},              /* inside the dims, but the pieces are rows */
+        {"[\"Shard(1)\"]", "Shard(1)", "dim 0"}, /* inside the dims, but the pieces are rows */
         {"[\"Shard(0)\",\"Shard(0)\"]", "second Shard", "Shard(0)"},
-        {"\"Shard(0)\"", "\"placements\"", "\"Shard(0)\""},   /* not an array */
+        {"\"Shard(0)\"", "\"placements\"", "\"Shard(0)\""}, /* not an array */
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         json_t *ix = json_deep_copy(good);
@@ -138,7 +138,8 @@ static void flip_byte(const char *dir, json_t *ix, const char *key)
     snprintf(path, sizeof path, "%s/%s", dir, json_string_value(json_object_get(f, "name")));
     FILE *fp = fopen(path, "r+b");
     cr_assert(fp);
-    long at = (long)(json_integer_value(json_object_get(p, "offset")) + json_integer_value(json_object_get(p, "length")) / 2);
+    long at =
+        (long)(json_integer_value(json_object_get(p, "offset")) + json_integer_value(json_object_get(p, "length")) / 2);
     cr_assert_eq(fseek(fp, at, SEEK_SET), 0);
     int c = fgetc(fp);
     cr_assert_eq(fseek(fp, at, SEEK_SET), 0);
@@ -150,11 +151,12 @@ static void drop_hashes(json_t *ix, const char *only_key)
 {
     const char *k;
     json_t *t;
-    json_object_foreach (json_object_get(ix, "tensors"), k, t) {
+    json_object_foreach(json_object_get(ix, "tensors"), k, t)
+    {
         if (only_key && strcmp(k, only_key)) continue;
         size_t i;
         json_t *p;
-        json_array_foreach (json_object_get(t, "pieces"), i, p) json_object_del(p, "hash");
+        json_array_foreach(json_object_get(t, "pieces"), i, p) json_object_del(p, "hash");
     }
 }
 

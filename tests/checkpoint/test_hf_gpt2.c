@@ -277,7 +277,8 @@ static void expect_refused(const char *dir, ts_state_dict *bad, ts_status want, 
     ts_tensor *before = param_copy(m, "blocks.0.attn.in_proj_weight");
     ts_status st = ts_ckpt_load_hf_gpt2(path, m);
     cr_assert_eq(st, want, "got %s: %s", ts_status_name(st), ts_last_error());
-    for (int i = 0; i < n; i++) cr_assert(strstr(ts_last_error(), needles[i]), "'%s' not in: %s", needles[i], ts_last_error());
+    for (int i = 0; i < n; i++)
+        cr_assert(strstr(ts_last_error(), needles[i]), "'%s' not in: %s", needles[i], ts_last_error());
     ts_tensor *after = param_copy(m, "blocks.0.attn.in_proj_weight");
     cr_assert_eq(max_abs_diff(before, after), 0.0f, "a refused load changed the model");
     ts_tensor_free(before);

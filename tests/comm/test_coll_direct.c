@@ -71,7 +71,10 @@ static void make_layout(layout *L, int W, int me)
 }
 
 /* Element i of segment k as rank r holds it: distinct, inexact sums. */
-static double val(int r, int k, int64_t i) { return (double)(r + 1) * 0.1 + (double)k * 0.37 + (double)(i % 1013) / 7.0 - 20.0; }
+static double val(int r, int k, int64_t i)
+{
+    return (double)(r + 1) * 0.1 + (double)k * 0.37 + (double)(i % 1013) / 7.0 - 20.0;
+}
 
 static void fill(void *p, ts_dtype d, int64_t n, int r, int k, int64_t i0)
 {
@@ -181,8 +184,9 @@ static unsigned char *run_rs(ts_comm *c, const layout *L, const rs_cfg *cf, bool
     unsigned char *out = add ? rs_init(L, cf->out) : calloc((size_t)L->shard_numel + 1, oes);
     ts__direct_set_enabled(direct);
     ts__direct *r = NULL;
-    ROK(30, (add ? ts__direct_reduce_scatter_add : ts__direct_reduce_scatter)(c, cf->out, out, L->shard_numel, NSEG, segs,
-                                                                             cf->op, cf->pre, cf->post, 0, &r));
+    ROK(30,
+        (add ? ts__direct_reduce_scatter_add : ts__direct_reduce_scatter)(c, cf->out, out, L->shard_numel, NSEG, segs,
+                                                                          cf->op, cf->pre, cf->post, 0, &r));
     ROK(31, ts__direct_wait(r));
     if (ts__direct_was_direct(r) != (direct && expect_direct && L->W > 1))
         RFAIL(32, "reduce_scatter took the %s path", ts__direct_was_direct(r) ? "direct" : "packed");
@@ -235,10 +239,13 @@ static void rs_case(ts_comm *c, const layout *L, const rs_cfg *cf, bool expect_d
     for (int k = 0; k < NSEG; k++) {
         size_t at = (size_t)L->off[k] * oes, nb = (size_t)L->counts[k][L->me] * oes;
         if (memcmp(a + at, ref + at, nb) || memcmp(b + at, ref + at, nb))
-            RFAIL(43, "reduce_scatter (%s from %s, op %d, pre %g, post %g, missing %d) segment %d: direct %s, packed %s the "
-                      "reference",
-                  ts_dtype_name(cf->out), ts_dtype_name(cf->src), (int)cf->op, cf->pre, cf->post, cf->missing, k,
-                  memcmp(a + at, ref + at, nb) ? "differs from" : "equals", memcmp(b + at, ref + at, nb) ? "differs from" : "equals");
+            RFAIL(
+                43,
+                "reduce_scatter (%s from %s, op %d, pre %g, post %g, missing %d) segment %d: direct %s, packed %s the "
+                "reference",
+                ts_dtype_name(cf->out), ts_dtype_name(cf->src), (int)cf->op, cf->pre, cf->post, cf->missing, k,
+                memcmp(a + at, ref + at, nb) ? "differs from" : "equals",
+                memcmp(b + at, ref + at, nb) ? "differs from" : "equals");
     }
     /* and the sum is what it should be (not only the same on both paths):
      * segment 0's first element for f32 SUM */
@@ -300,9 +307,11 @@ static void separate_channel(ts_comm *c, const layout *L, bool expect_direct)
     }
     unsigned char *out = calloc((size_t)L->shard_numel + 1, 4);
     ts__direct *rs = NULL;
-    if (L->me == 0) ROK(61, ts__direct_reduce_scatter(rsg, TS_F32, out, L->shard_numel, NSEG, segs, cf.op, 1, 1, 1, &rs));
+    if (L->me == 0)
+        ROK(61, ts__direct_reduce_scatter(rsg, TS_F32, out, L->shard_numel, NSEG, segs, cf.op, 1, 1, 1, &rs));
     ag_case(c, L, TS_F32, expect_direct); /* the main group meanwhile */
-    if (L->me != 0) ROK(62, ts__direct_reduce_scatter(rsg, TS_F32, out, L->shard_numel, NSEG, segs, cf.op, 1, 1, 1, &rs));
+    if (L->me != 0)
+        ROK(62, ts__direct_reduce_scatter(rsg, TS_F32, out, L->shard_numel, NSEG, segs, cf.op, 1, 1, 1, &rs));
     double t0 = th_now_s();
     while (!ts__direct_done(rs) && th_now_s() - t0 < 20) sched_yield();
     if (!ts__direct_done(rs)) RFAIL(64, "the reduce-scatter on its own channel did not move in 20 s");
@@ -337,16 +346,13 @@ static void role_coll(bool expect_direct)
     ag_case(c, &L, TS_F32, expect_direct);
     ag_case(c, &L, TS_BF16, expect_direct);
     const rs_cfg cfgs[] = {
-        {TS_F32, TS_F32, TS_REDUCE_SUM, 1.0, 1.0, -1},
-        {TS_F32, TS_F32, TS_REDUCE_AVG, 1.0, 1.0, -1},
-        {TS_F32, TS_F32, TS_REDUCE_SUM, 3.0, 2.0, W - 1},
-        {TS_F32, TS_F32, TS_REDUCE_AVG, 1.5, 1.0, 0},
-        {TS_F32, TS_F32, TS_REDUCE_AVG, 1.0, 1.0, -2}, /* no rank has segment 1: zeros, and not sourced */
-        {TS_F32, TS_BF16, TS_REDUCE_AVG, 1.0, 1.0, -1}, /* bf16 gradients reduced in f32 */
-        {TS_BF16, TS_BF16, TS_REDUCE_SUM, 1.0, 1.0, -1}, /* bf16, accumulated in f32 */
+        {TS_F32, TS_F32, TS_REDUCE_SUM, 1.0, 1.0, -1},     {TS_F32, TS_F32, TS_REDUCE_AVG, 1.0, 1.0, -1},
+        {TS_F32, TS_F32, TS_REDUCE_SUM, 3.0, 2.0, W - 1},  {TS_F32, TS_F32, TS_REDUCE_AVG, 1.5, 1.0, 0},
+        {TS_F32, TS_F32, TS_REDUCE_AVG, 1.0, 1.0, -2},     /* no rank has segment 1: zeros, and not sourced */
+        {TS_F32, TS_BF16, TS_REDUCE_AVG, 1.0, 1.0, -1},    /* bf16 gradients reduced in f32 */
+        {TS_BF16, TS_BF16, TS_REDUCE_SUM, 1.0, 1.0, -1},   /* bf16, accumulated in f32 */
         {TS_BF16, TS_F32, TS_REDUCE_AVG, 2.0, 1.0, 1 % W}, /* f32 sources rounded to bf16 first, as packing */
-        {TS_F64, TS_F32, TS_REDUCE_SUM, 1.0, 3.0, -1},
-        {TS_F32, TS_F32, TS_REDUCE_MAX, 1.0, 1.0, -1},
+        {TS_F64, TS_F32, TS_REDUCE_SUM, 1.0, 3.0, -1},     {TS_F32, TS_F32, TS_REDUCE_MAX, 1.0, 1.0, -1},
     };
     for (size_t i = 0; i < sizeof cfgs / sizeof cfgs[0]; i++) rs_case(c, &L, &cfgs[i], expect_direct);
     separate_channel(c, &L, expect_direct);
@@ -409,10 +415,12 @@ static void role_coll(bool expect_direct)
         ts_comm_stats(c, &cc);
         if (cc.calls[TS_COLL_ALL_GATHER] != 2 || cc.bytes[TS_COLL_ALL_GATHER] != 2 * (uint64_t)L.shard_numel * 4 ||
             cc.calls[TS_COLL_ALL_REDUCE] != 0 || cc.calls[TS_COLL_REDUCE_SCATTER] != 0)
-            RFAIL(59, "counters (pass %d): all_gather %llu (%llu bytes, want 2 and %llu), all_reduce %llu, "
-                      "reduce_scatter %llu",
-                  pass, (unsigned long long)cc.calls[TS_COLL_ALL_GATHER], (unsigned long long)cc.bytes[TS_COLL_ALL_GATHER],
-                  (unsigned long long)(2 * L.shard_numel * 4), (unsigned long long)cc.calls[TS_COLL_ALL_REDUCE],
+            RFAIL(59,
+                  "counters (pass %d): all_gather %llu (%llu bytes, want 2 and %llu), all_reduce %llu, "
+                  "reduce_scatter %llu",
+                  pass, (unsigned long long)cc.calls[TS_COLL_ALL_GATHER],
+                  (unsigned long long)cc.bytes[TS_COLL_ALL_GATHER], (unsigned long long)(2 * L.shard_numel * 4),
+                  (unsigned long long)cc.calls[TS_COLL_ALL_REDUCE],
                   (unsigned long long)cc.calls[TS_COLL_REDUCE_SCATTER]);
         ts__direct_set_fallback_bytes(0);
     }
@@ -497,7 +505,8 @@ static void role_bound(void)
         int64_t at = 0;
         for (int j = 0; j < W; j++) {
             for (int64_t i = at; i < at + counts[k][j]; i += 4093)
-                if (full[k][i] != (float)(i % 977) + (float)j) RFAIL(79, "all_gather: segment %d element %lld", k, (long long)i);
+                if (full[k][i] != (float)(i % 977) + (float)j)
+                    RFAIL(79, "all_gather: segment %d element %lld", k, (long long)i);
             at += counts[k][j];
         }
         int64_t b0 = 0;

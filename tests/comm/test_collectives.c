@@ -124,7 +124,8 @@ static int rank_all_gather(rank_ctx *rc)
         ts_tensor_free(out);
     }
     /* shape and dtype errors are caught before submission */
-    ts_tensor *a = vec(rc, TS_F32, 3, ag_val, 0), *b = vec(rc, TS_F32, 4, ag_val, 0), *e = vec(rc, TS_F64, 3, ag_val, 0);
+    ts_tensor *a = vec(rc, TS_F32, 3, ag_val, 0), *b = vec(rc, TS_F32, 4, ag_val, 0),
+              *e = vec(rc, TS_F64, 3, ag_val, 0);
     if (rc->W > 1 && ts_all_gather_into_tensor(rc->c, b, a, NULL) != TS_ERR_SHAPE) return fail(rc, "no shape error");
     if (ts_all_gather_into_tensor(rc->c, e, a, NULL) != TS_ERR_DTYPE) return fail(rc, "no dtype error");
     ts_tensor_free(a);
@@ -217,7 +218,8 @@ static int rank_broadcast(rank_ctx *rc)
     const ts_dtype ds[] = {TS_F32, TS_I64, TS_BOOL, TS_BF16};
     for (int root = 0; root < rc->W; root++) {
         for (int k = 0; k < 4; k++) {
-            ts_tensor *t = vec(rc, ds[k], 6, rc->rank == root ? bc_val_root : bc_val, rc->rank == root ? root : rc->rank + 10);
+            ts_tensor *t =
+                vec(rc, ds[k], 6, rc->rank == root ? bc_val_root : bc_val, rc->rank == root ? root : rc->rank + 10);
             RK_OK(rc, ts_broadcast(rc->c, t, root, NULL));
             for (int64_t i = 0; i < 6; i++) {
                 double want = ds[k] == TS_BOOL ? 1.0 : bc_val_root(root, i);
@@ -594,7 +596,8 @@ typedef struct grp_case {
 static int rank_subgroups(rank_ctx *rc)
 {
     enum { N = 37, ITERS = 6 };
-    grp_case gc[4] = {{.ranks = k_g01, .n = 2}, {.ranks = k_g23, .n = 2}, {.ranks = k_g123, .n = 3}, {.ranks = k_g02, .n = 2}};
+    grp_case gc[4] = {
+        {.ranks = k_g01, .n = 2}, {.ranks = k_g23, .n = 2}, {.ranks = k_g123, .n = 3}, {.ranks = k_g02, .n = 2}};
     for (int k = 0; k < 4; k++)
         if (make_group(rc, rc->c, rc->rank, gc[k].n, gc[k].ranks, &gc[k].g)) return 1;
     static const int all[] = {0, 1, 2, 3};
@@ -713,8 +716,7 @@ static int rank_group_errors(rank_ctx *rc)
     ts_comm *g = (ts_comm *)rc; /* must be reset to NULL */
     int dup[3] = {0, 1, 0};
     if (rc->W > 1) {
-        if (ts_comm_new_group(rc->c, 3, dup, &g) != TS_ERR_INVALID_ARGUMENT || g)
-            return fail(rc, "duplicate accepted");
+        if (ts_comm_new_group(rc->c, 3, dup, &g) != TS_ERR_INVALID_ARGUMENT || g) return fail(rc, "duplicate accepted");
         if (!strstr(ts_last_error(), "rank 0 appears twice")) return fail(rc, "message: %s", ts_last_error());
     }
     int out_of_range[2] = {0, rc->W};
@@ -776,7 +778,8 @@ static int rank_all_gather_list(rank_ctx *rc)
         ts_tensor_free(e);
     }
     /* errors before submission */
-    ts_tensor *a = vec(rc, TS_F32, 3, ag_val, 0), *b = vec(rc, TS_F32, 4, ag_val, 0), *e = vec(rc, TS_F64, 3, ag_val, 0);
+    ts_tensor *a = vec(rc, TS_F32, 3, ag_val, 0), *b = vec(rc, TS_F32, 4, ag_val, 0),
+              *e = vec(rc, TS_F64, 3, ag_val, 0);
     ts_tensor *outs[MAXW + 1];
     for (int i = 0; i <= MAXW; i++) outs[i] = a;
     if (ts_all_gather(rc->c, rc->W + 1, outs, a, NULL) != TS_ERR_SHAPE) return fail(rc, "count accepted");

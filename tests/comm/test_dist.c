@@ -98,12 +98,9 @@ static double ref_reduce(ts_reduce_op op, ts_dtype d, int W, size_t idx, double 
     double acc = 0;
     for (int j = 0; j < W; j++) {
         double x = val(j, idx, d) / pre;
-        if (j == 0 || op == TS_REDUCE_SUM || op == TS_REDUCE_AVG)
-            acc = j == 0 ? x : acc + x;
-        else if (op == TS_REDUCE_MAX)
-            acc = fmax(acc, x);
-        else
-            acc = fmin(acc, x);
+        if (j == 0 || op == TS_REDUCE_SUM || op == TS_REDUCE_AVG) acc = j == 0 ? x : acc + x;
+        else if (op == TS_REDUCE_MAX) acc = fmax(acc, x);
+        else acc = fmin(acc, x);
     }
     if (op == TS_REDUCE_AVG) acc /= W;
     acc /= post;

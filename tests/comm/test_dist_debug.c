@@ -55,13 +55,14 @@ __attribute__((constructor)) static void debug_role(void)
  * ("[r] line"), malloc'd. */
 static char *run_ranks(const char *value)
 {
-    static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                 "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED"};
+    static const char *vars[] = {
+        "RANK",        "WORLD_SIZE",           "LOCAL_RANK",   "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+        "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID",  "TS_STORE_HOSTED"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
     if (value) setenv("TS_DISTRIBUTED_DEBUG", value, 1);
     else unsetenv("TS_DISTRIBUTED_DEBUG");
     setenv("TS_LOG_LEVEL", "info", 1); /* the ranks' */
-    ts_log_set_level(TS_LOG_ERROR);     /* this process's own */
+    ts_log_set_level(TS_LOG_ERROR);    /* this process's own */
     setenv("TS_TEST_DEBUG_ROLE", "1", 1);
     ts_launch_options o = ts_launch_options_default();
     o.nproc_per_node = 2;

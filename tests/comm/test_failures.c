@@ -84,7 +84,8 @@ static int rank_mismatch(th_rank *rc)
         return th_rank_fail(rc, "%s mismatch -> %s (%s), want TS_ERR_COMM", k_case_names[k], ts_status_name(s), err);
     for (int i = 0; i < 2; i++)
         if (!strstr(err, k_want[k][i]))
-            return th_rank_fail(rc, "%s mismatch: the error does not name '%s': %s", k_case_names[k], k_want[k][i], err);
+            return th_rank_fail(rc, "%s mismatch: the error does not name '%s': %s", k_case_names[k], k_want[k][i],
+                                err);
     if (!strstr(err, "desynchronised"))
         return th_rank_fail(rc, "%s mismatch: the error does not say what happened: %s", k_case_names[k], err);
     if (dt > 5.0) return th_rank_fail(rc, "%s mismatch took %.2f s (the deadline is 30 s)", k_case_names[k], dt);
@@ -132,10 +133,7 @@ static int rank_check_off(th_rank *rc)
     return 0;
 }
 
-Test(comm_failures, check_can_be_turned_off, .timeout = 60)
-{
-    th_run_world(2, rank_check_off, NULL, 30.0);
-}
+Test(comm_failures, check_can_be_turned_off, .timeout = 60) { th_run_world(2, rank_check_off, NULL, 30.0); }
 
 /* Groups: the group is named, and ranks outside the group fail too. */
 static int rank_group_mismatch(th_rank *rc)
@@ -149,8 +147,9 @@ static int rank_group_mismatch(th_rank *rc)
         s = ts_all_reduce(g, a, rc->rank == 1 ? TS_REDUCE_MIN : TS_REDUCE_SUM, NULL);
         ts_tensor_free(a);
         if (s != TS_ERR_COMM) return th_rank_fail(rc, "group all_reduce -> %s", ts_status_name(s));
-        if (!strstr(ts_last_error(), "group 1: rank 0 runs all_reduce #0 (float32, 8, sum), rank 1 runs all_reduce #0 "
-                                     "(float32, 8, min)"))
+        if (!strstr(ts_last_error(),
+                    "group 1: rank 0 runs all_reduce #0 (float32, 8, sum), rank 1 runs all_reduce #0 "
+                    "(float32, 8, min)"))
             return th_rank_fail(rc, "group mismatch: %s", ts_last_error());
         ts_comm_free(g);
     }
@@ -161,16 +160,15 @@ static int rank_group_mismatch(th_rank *rc)
     return 0;
 }
 
-Test(comm_failures, group_mismatch_fails_the_world, .timeout = 60)
-{
-    th_run_world(3, rank_group_mismatch, NULL, 30.0);
-}
+Test(comm_failures, group_mismatch_fails_the_world, .timeout = 60) { th_run_world(3, rank_group_mismatch, NULL, 30.0); }
 
 /* ------------------------------------------------------------------ */
 /* A rank that never arrives                                           */
 /* ------------------------------------------------------------------ */
 
-typedef struct { double cpu, wall; } cpu_use;
+typedef struct {
+    double cpu, wall;
+} cpu_use;
 
 /* Rank 1 never calls the barrier; the others' deadline (1 s) names the
  * collective, its number and rank 1. */
@@ -225,7 +223,4 @@ static int rank_setter(th_rank *rc)
     return 0;
 }
 
-Test(comm_failures, deadline_setter, .timeout = 60)
-{
-    th_run_world(2, rank_setter, NULL, 60.0);
-}
+Test(comm_failures, deadline_setter, .timeout = 60) { th_run_world(2, rank_setter, NULL, 60.0); }

@@ -179,10 +179,10 @@ static void role_ucxlog(void)
     if (ts_dist_init(NULL) != TS_OK) RFAIL(10, "ts_dist_init");
     g_rank = ts_comm_rank(ts_dist_world());
     if (g_rank == 0) {
-        ucs_log_dispatch("uct/sm/mm/base/mm_ep.c", 42, "test", UCS_LOG_LEVEL_WARN, &ucs_global_opts.log_component,
-                         "%s", "Connection reset by remote peer");
-        ucs_log_dispatch("ucp/core/ucp_worker.c", 43, "test", UCS_LOG_LEVEL_ERROR, &ucs_global_opts.log_component,
-                         "%s", "a genuine surprise 0x1234");
+        ucs_log_dispatch("uct/sm/mm/base/mm_ep.c", 42, "test", UCS_LOG_LEVEL_WARN, &ucs_global_opts.log_component, "%s",
+                         "Connection reset by remote peer");
+        ucs_log_dispatch("ucp/core/ucp_worker.c", 43, "test", UCS_LOG_LEVEL_ERROR, &ucs_global_opts.log_component, "%s",
+                         "a genuine surprise 0x1234");
     }
     if (ts_dist_finalize() != TS_OK) RFAIL(11, "finalize");
     _exit(0);
@@ -304,8 +304,8 @@ static void die_scenario(int W, int victim, const char *how, int run)
             continue;
         }
         cr_log_info("W=%d run %d %s rank %d: %s", W, run, how, r, err);
-        cr_assert(WIFEXITED(j.status[r]) && WEXITSTATUS(j.status[r]) == 0,
-                  "W=%d run %d: survivor %d status 0x%x:\n%s", W, run, r, j.status[r], err);
+        cr_assert(WIFEXITED(j.status[r]) && WEXITSTATUS(j.status[r]) == 0, "W=%d run %d: survivor %d status 0x%x:\n%s",
+                  W, run, r, j.status[r], err);
         char line[64], want[32];
         snprintf(line, sizeof line, "survivor %d: TS_ERR_PEER_FAILED", r);
         snprintf(want, sizeof want, "rank %d failed", victim);
@@ -315,11 +315,11 @@ static void die_scenario(int W, int victim, const char *how, int run)
         char msg[1024];
         snprintf(msg, sizeof msg, "%.*s", (int)(eol ? (size_t)(eol - at) : strlen(at)), at);
         int other = names_other_rank(msg, victim, r, W);
-        cr_assert_eq(other, -1, "W=%d run %d (%s rank %d): survivor %d also names rank %d:\n%s", W, run, how, victim,
-                     r, other, err);
+        cr_assert_eq(other, -1, "W=%d run %d (%s rank %d): survivor %d also names rank %d:\n%s", W, run, how, victim, r,
+                     other, err);
         cr_assert(!has_ucx_line(err), "W=%d run %d: survivor %d's stderr has raw UCX log lines:\n%s", W, run, r, err);
-        cr_assert(!has_ts_ucx_warn(err), "W=%d run %d (%s rank %d): survivor %d warns about UCX transfers:\n%s", W,
-                  run, how, victim, r, err);
+        cr_assert(!has_ts_ucx_warn(err), "W=%d run %d (%s rank %d): survivor %d warns about UCX transfers:\n%s", W, run,
+                  how, victim, r, err);
         free(err);
     }
 }
@@ -440,15 +440,12 @@ Test(comm_failures_dist, killed_rank_0_in_all_gathers_no_transfer_warnings, .tim
  * 16 KiB) and UCX's receive of any length up to it. */
 Test(comm_failures_dist, desync_fails_both_ranks_naming_both_sides, .timeout = 120)
 {
-    static const char *want[5][2] = {{"rank 0 runs all_gather #1 (float32, 8512)", "rank 1 runs barrier #1"},
-                                     {"rank 0 runs all_gather #1 (float32, 131072)",
-                                      "rank 1 runs all_gather #1 (float32, 100)"},
-                                     {"rank 0 runs all_gather #1 (float32, 100)",
-                                      "rank 1 runs all_gather #1 (float32, 700)"},
-                                     {"rank 0 runs all_gather #1 (float32, 5000)",
-                                      "rank 1 runs all_gather #1 (float32, 4000)"},
-                                     {"rank 0 runs all_gather #1 (float32, 8000)",
-                                      "rank 1 runs all_gather #1 (float32, 6000)"}};
+    static const char *want[5][2] = {
+        {"rank 0 runs all_gather #1 (float32, 8512)", "rank 1 runs barrier #1"},
+        {"rank 0 runs all_gather #1 (float32, 131072)", "rank 1 runs all_gather #1 (float32, 100)"},
+        {"rank 0 runs all_gather #1 (float32, 100)", "rank 1 runs all_gather #1 (float32, 700)"},
+        {"rank 0 runs all_gather #1 (float32, 5000)", "rank 1 runs all_gather #1 (float32, 4000)"},
+        {"rank 0 runs all_gather #1 (float32, 8000)", "rank 1 runs all_gather #1 (float32, 6000)"}};
     for (int big = 0; big < 5; big++) {
         char bs[8];
         snprintf(bs, sizeof bs, "%d", big);

@@ -17,8 +17,8 @@ static void check_floor(const ts_process_floor *f)
     cr_expect_gt(f->blis_pack_bytes, 0u, "BLIS's packing buffers are counted");
     cr_expect_leq(f->bytes - f->blis_pack_bytes, f->resident_bytes, "floor %zu less BLIS %zu above the rss %zu",
                   f->bytes, f->blis_pack_bytes, f->resident_bytes);
-    cr_expect_leq(f->resident_bytes, now.peak_rss_bytes, "the rss then %zu above the peak since %zu",
-                  f->resident_bytes, now.peak_rss_bytes);
+    cr_expect_leq(f->resident_bytes, now.peak_rss_bytes, "the rss then %zu above the peak since %zu", f->resident_bytes,
+                  now.peak_rss_bytes);
     cr_expect_eq(f->bytes, ts_process_floor_bytes());
 }
 

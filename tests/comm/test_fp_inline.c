@@ -57,9 +57,9 @@ static size_t nbytes(const ts_tensor *t) { return (size_t)ts_tensor_numel(t) * t
 /* The collectives whose results are compared, each on per-rank blocks of
  * `n` elements. */
 enum { C_AG, C_AG_IN_PLACE, C_AG_LIST, C_RS, C_RS_IN_PLACE, C_AR_SUM, C_AR_AVG, C_AR_MAX, C_BARRIER, C_COUNT };
-static const char *const k_cnames[C_COUNT] = {"all_gather",     "all_gather in place", "all_gather list",
+static const char *const k_cnames[C_COUNT] = {"all_gather",     "all_gather in place",     "all_gather list",
                                               "reduce_scatter", "reduce_scatter in place", "all_reduce sum",
-                                              "all_reduce avg", "all_reduce max",      "barrier"};
+                                              "all_reduce avg", "all_reduce max",          "barrier"};
 
 static bool reducible(ts_dtype d) { return d == TS_F32 || d == TS_F64 || d == TS_BF16 || d == TS_F16 || d == TS_I64; }
 static bool floating(ts_dtype d) { return d == TS_F32 || d == TS_F64 || d == TS_BF16 || d == TS_F16; }
@@ -191,8 +191,8 @@ static int check_results(th_rank *rc, ts_comm *c, const char *where)
                                             ts_last_error());
                     }
                 }
-                bool same = len[0] == len[1] && len[0] == len[2] && (!len[0] || (!memcmp(res[0], res[1], len[0]) &&
-                                                                                 !memcmp(res[0], res[2], len[0])));
+                bool same = len[0] == len[1] && len[0] == len[2] &&
+                    (!len[0] || (!memcmp(res[0], res[1], len[0]) && !memcmp(res[0], res[2], len[0])));
                 for (int j = 0; j < 3; j++) free(res[j]);
                 if (!same)
                     return th_rank_fail(rc, "%s: %s of %s x %lld: inline, apart and unchecked results differ", where,
@@ -296,7 +296,7 @@ Test(comm_fp_inline, inline_saves_one_message_per_rank_and_collective, .timeout 
 typedef struct {
     int coll; /* C_AG, C_RS, C_AR_SUM */
     int64_t n, n_odd;
-    size_t thr_odd; /* the odd rank's threshold (T_INLINE unless the case is about that) */
+    size_t thr_odd;   /* the odd rank's threshold (T_INLINE unless the case is about that) */
     const char *want; /* a phrase every rank's error holds */
 } mm_case;
 
@@ -305,7 +305,7 @@ static int rank_mismatch(th_rank *rc)
     mm_case *m = rc->arg;
     bool odd = rc->rank == rc->W - 1;
     TH_RK_OK(rc, ts_barrier(rc->c, NULL)); /* #0 agrees (the default threshold on every rank) */
-    meet(); /* a rank still finishing #0 would fail it with #1's mismatch */
+    meet();                                /* a rank still finishing #0 would fail it with #1's mismatch */
     ts__comm_set_fp_inline(rc->c, odd ? m->thr_odd : T_INLINE);
     double t0 = th_now_s();
     unsigned char *res = NULL;
@@ -327,8 +327,10 @@ static int rank_mismatch(th_rank *rc)
         for (int i = 0; i < 2; i++) {
             int64_t c = m->coll == C_RS ? cnt[i] : m->coll == C_AR_SUM ? cnt[i] * rc->W + (cnt[i] > 1) : cnt[i];
             char side[96];
-            snprintf(side, sizeof side, "%s #1 (float32, %lld", m->coll == C_AG ? "all_gather"
-                                                                : m->coll == C_RS ? "reduce_scatter" : "all_reduce",
+            snprintf(side, sizeof side, "%s #1 (float32, %lld",
+                     m->coll == C_AG       ? "all_gather"
+                         : m->coll == C_RS ? "reduce_scatter"
+                                           : "all_reduce",
                      (long long)c);
             if (!strstr(err, side)) return th_rank_fail(rc, "'%s' not in: %s", side, err);
         }
@@ -354,16 +356,10 @@ static void run_mismatches(int64_t n, int64_t n_odd)
 /* The others' blocks under the threshold (inline), the odd rank's over
  * it (apart): 16-element f32 blocks (64 bytes) against 4 times the
  * threshold. */
-Test(comm_fp_inline, mismatch_inline_against_apart, .timeout = 120)
-{
-    run_mismatches(16, T_INLINE);
-}
+Test(comm_fp_inline, mismatch_inline_against_apart, .timeout = 120) { run_mismatches(16, T_INLINE); }
 
 /* The reverse: the others' blocks over, the odd rank's under. */
-Test(comm_fp_inline, mismatch_apart_against_inline, .timeout = 120)
-{
-    run_mismatches(T_INLINE, 16);
-}
+Test(comm_fp_inline, mismatch_apart_against_inline, .timeout = 120) { run_mismatches(T_INLINE, 16); }
 
 /* Both inline (f32 blocks of 64 and 128 bytes), the odd rank's message
  * longer than the others' block (and shorter): the receive takes any

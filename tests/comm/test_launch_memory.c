@@ -62,10 +62,8 @@ __attribute__((constructor)) static void mem_test_role(void)
         while (f && fgets(line, sizeof line, f)) {
             line[strcspn(line, "\n")] = '\0';
             char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
-            if (c2 && strstr(c1, ":memory:") == c1)
-                snprintf(v1, sizeof v1, "%s", c2 + 1);
-            else if (c2 && c1 == line + 1 && line[0] == '0' && c2 == c1 + 1)
-                snprintf(v2, sizeof v2, "%s", c2 + 1);
+            if (c2 && strstr(c1, ":memory:") == c1) snprintf(v1, sizeof v1, "%s", c2 + 1);
+            else if (c2 && c1 == line + 1 && line[0] == '0' && c2 == c1 + 1) snprintf(v2, sizeof v2, "%s", c2 + 1);
         }
         if (f) fclose(f);
         printf("cgroup %s\n", v1[0] ? v1 : v2);
@@ -124,15 +122,13 @@ static void need_cgroups(void)
 {
     ts__cgroup_job j;
     ts_status s = ts__cgroup_job_init(&j, CAP);
-    if (s != TS_OK)
-        cr_skip_test("no writable memory cgroup here: %s", ts_last_error());
+    if (s != TS_OK) cr_skip_test("no writable memory cgroup here: %s", ts_last_error());
     snprintf(g_own, sizeof g_own, "%s", j.own);
     char dir[PATH_MAX + 32];
     s = ts__cgroup_rank_create(&j, 0, dir, sizeof dir);
     if (s == TS_OK) ts__cgroup_remove(dir);
     ts__cgroup_job_remove(&j);
-    if (s != TS_OK)
-        cr_skip_test("memory cgroups cannot be limited here: %s", ts_last_error());
+    if (s != TS_OK) cr_skip_test("memory cgroups cannot be limited here: %s", ts_last_error());
 }
 
 /* Runs tsrun with args (NULL-terminated, after "tsrun") and this binary
@@ -170,10 +166,7 @@ static char *run_tsrun(const char *const *args, const char *role, int *status, p
 }
 
 /* tsrun's job directory (need_cgroups first) */
-static void job_dir(pid_t tsrun, char *out, size_t cap)
-{
-    snprintf(out, cap, "%s/tensorshard-%d", g_own, (int)tsrun);
-}
+static void job_dir(pid_t tsrun, char *out, size_t cap) { snprintf(out, cap, "%s/tensorshard-%d", g_own, (int)tsrun); }
 
 static bool exists(const char *path)
 {
@@ -240,7 +233,8 @@ Test(comm_launch_memory, ts_launch_result_names_the_oom_rank_and_its_peak, .time
     cr_assert(res.oom_peak_bytes > CAP - (4 << 20) && res.oom_peak_bytes <= CAP, "peak %lld",
               (long long)res.oom_peak_bytes);
     cr_assert(strncmp(res.oom_message, "rank 1 exceeded --memory-per-rank 64 MiB (killed by the kernel's OOM killer",
-                      60) == 0, "%s", res.oom_message);
+                      60) == 0,
+              "%s", res.oom_message);
     free(out);
 }
 
@@ -274,8 +268,7 @@ Test(comm_launch_memory, bad_sizes_are_refused_naming_the_value, .timeout = 60)
         const char *args[] = {"--memory-per-rank", bad[i], "true", NULL};
         int status = 0;
         char *out = run_tsrun(args, NULL, &status, NULL);
-        cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 2, "'%s': tsrun status 0x%x:\n%s", bad[i], status,
-                  out);
+        cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 2, "'%s': tsrun status 0x%x:\n%s", bad[i], status, out);
         char want[96];
         snprintf(want, sizeof want, "bad value for --memory-per-rank: '%s'", bad[i]);
         cr_assert(strstr(out, want), "'%s': %s", bad[i], out);
@@ -304,8 +297,8 @@ Test(comm_launch_memory, sizes_parse_and_print_in_binary_units)
         int64_t bytes;
     } ok[] = {
         {"1073741824", 1073741824}, {"1.5GiB", 1610612736}, {"800M", 838860800}, {"2G", 2147483648},
-        {"64 MiB", 64 << 20},        {"1k", 1024},           {"512B", 512},      {"0.5KB", 512},
-        {"1E", (int64_t)1 << 60},    {"3t", 3ll << 40},
+        {"64 MiB", 64 << 20},       {"1k", 1024},           {"512B", 512},       {"0.5KB", 512},
+        {"1E", (int64_t)1 << 60},   {"3t", 3ll << 40},
     };
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
         int64_t b = -1;
@@ -316,7 +309,8 @@ Test(comm_launch_memory, sizes_parse_and_print_in_binary_units)
         int64_t bytes;
         const char *text;
     } shown[] = {
-        {1610612736, "1.5 GiB"}, {64 << 20, "64 MiB"}, {800, "800 B"}, {1536, "1.5 KiB"}, {(100ll << 20) + 1, "100 MiB"},
+        {1610612736, "1.5 GiB"}, {64 << 20, "64 MiB"},           {800, "800 B"},
+        {1536, "1.5 KiB"},       {(100ll << 20) + 1, "100 MiB"},
     };
     for (size_t i = 0; i < sizeof shown / sizeof shown[0]; i++) {
         char buf[32];
@@ -351,10 +345,8 @@ static char *run_without_cgroups(bool gone, int *status)
             char point[2048], *dash = strstr(line, " - ");
             if (!dash || sscanf(line, "%*s %*s %*s %*s %2047s", point) != 1) continue;
             if (strncmp(dash + 3, "cgroup ", 7) != 0 && strncmp(dash + 3, "cgroup2 ", 8) != 0) continue;
-            if (gone)
-                umount2(point, MNT_DETACH);
-            else
-                mount(NULL, point, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL);
+            if (gone) umount2(point, MNT_DETACH);
+            else mount(NULL, point, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL);
         }
         if (f) fclose(f);
         char *argv[] = {TSRUN, "--memory-per-rank", "64M", "true", NULL};

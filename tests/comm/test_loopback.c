@@ -51,8 +51,7 @@ static void world_close(lb_world *w)
 static void progress_all(lb_world *w)
 {
     for (int i = 0; i < w->n; i++)
-        while (w->t[i]->vt->progress(w->t[i]) > 0) {
-        }
+        while (w->t[i]->vt->progress(w->t[i]) > 0) {}
 }
 
 Test(comm_loopback, matching_in_posting_order, .timeout = 30)

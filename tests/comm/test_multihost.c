@@ -76,16 +76,31 @@ static void expect(const char *what, int64_t n, const float *got, float (*want)(
             RFAIL(21, "%s[%lld] = %g, expected %g", what, (long long)i, (double)got[i], (double)want(i, ctx));
 }
 
-typedef struct cctx { int W, r; int64_t n; } cctx;
-static float ar_want(int64_t i, void *c) { const cctx *x = c; return (float)(x->W * (x->W + 1) / 2 + x->W * (i % 7)); }
-static float ag_want(int64_t i, void *c) { const cctx *x = c; return (float)((i / x->n) * 1000 + i % x->n % 100); }
+typedef struct cctx {
+    int W, r;
+    int64_t n;
+} cctx;
+static float ar_want(int64_t i, void *c)
+{
+    const cctx *x = c;
+    return (float)(x->W * (x->W + 1) / 2 + x->W * (i % 7));
+}
+static float ag_want(int64_t i, void *c)
+{
+    const cctx *x = c;
+    return (float)((i / x->n) * 1000 + i % x->n % 100);
+}
 static float rs_want(int64_t i, void *c)
 {
     const cctx *x = c; /* rank q's input element j is q + j % 5; this rank receives block r */
     int64_t j = x->r * x->n + i;
     return (float)(x->W * (x->W - 1) / 2 + x->W * (j % 5));
 }
-static float bc_want(int64_t i, void *c) { (void)c; return (float)(3 * 10 + i % 11); }
+static float bc_want(int64_t i, void *c)
+{
+    (void)c;
+    return (float)(3 * 10 + i % 11);
+}
 
 /* The collectives on the world, small (eager) and large (rendezvous, and
  * the shared-memory bypass between the ranks of one host), and a send
@@ -125,10 +140,8 @@ static void role_coll(void)
 
         if (g_rank == 0 || g_rank == 3) {
             for (int64_t i = 0; i < n; i++) p[i] = g_rank == 0 ? (float)(3 * 10 + i % 11) : -1.0f;
-            if (g_rank == 0)
-                ROK(16, ts_send(c, t, 3, 7, NULL));
-            else
-                ROK(16, ts_recv(c, t, 0, 7, NULL));
+            if (g_rank == 0) ROK(16, ts_send(c, t, 3, 7, NULL));
+            else ROK(16, ts_recv(c, t, 0, 7, NULL));
             expect("recv from rank 0", n, p, bc_want, &x);
         }
         ts_tensor_free(t);
@@ -248,7 +261,7 @@ static void role_train(void)
     if (rg) ts_comm_stats_reset(rg);
     for (int s = 0; s < STEPS; s++) {
         int64_t base = (int64_t)s * W * B;
-        step(ref, ref_opt, base, (int64_t)W * B);     /* one process: the whole batch */
+        step(ref, ref_opt, base, (int64_t)W * B);    /* one process: the whole batch */
         step(m, opt, base + (int64_t)g_rank * B, B); /* this rank's rows */
     }
     if (hsdp) {
@@ -261,15 +274,18 @@ static void role_train(void)
         float pn[2], rn[2];
         nodes_of(pg, pn);
         nodes_of(rg, rn);
-        if (pn[0] != pn[1] || pn[0] < 0) RFAIL(13, "the shard group spans nodes %g and %g", (double)pn[0], (double)pn[1]);
+        if (pn[0] != pn[1] || pn[0] < 0)
+            RFAIL(13, "the shard group spans nodes %g and %g", (double)pn[0], (double)pn[1]);
         if (rn[0] == rn[1]) RFAIL(13, "the replicate group is on node %g alone", (double)rn[0]);
         if (cp.calls[TS_COLL_REDUCE_SCATTER] != (uint64_t)STEPS * (NMLP + 1) || cp.calls[TS_COLL_ALL_REDUCE] != 0 ||
             cr.calls[TS_COLL_ALL_REDUCE] != (uint64_t)STEPS * (NMLP + 1) || cr.calls[TS_COLL_REDUCE_SCATTER] != 0 ||
             cr.calls[TS_COLL_ALL_GATHER] != 0)
-            RFAIL(14, "shard group: %llu reduce-scatters, %llu all-reduces; replicate group: %llu all-reduces, %llu "
-                      "reduce-scatters, %llu all-gathers (expected %d, 0; %d, 0, 0)",
-                  (unsigned long long)cp.calls[TS_COLL_REDUCE_SCATTER], (unsigned long long)cp.calls[TS_COLL_ALL_REDUCE],
-                  (unsigned long long)cr.calls[TS_COLL_ALL_REDUCE], (unsigned long long)cr.calls[TS_COLL_REDUCE_SCATTER],
+            RFAIL(14,
+                  "shard group: %llu reduce-scatters, %llu all-reduces; replicate group: %llu all-reduces, %llu "
+                  "reduce-scatters, %llu all-gathers (expected %d, 0; %d, 0, 0)",
+                  (unsigned long long)cp.calls[TS_COLL_REDUCE_SCATTER],
+                  (unsigned long long)cp.calls[TS_COLL_ALL_REDUCE], (unsigned long long)cr.calls[TS_COLL_ALL_REDUCE],
+                  (unsigned long long)cr.calls[TS_COLL_REDUCE_SCATTER],
                   (unsigned long long)cr.calls[TS_COLL_ALL_GATHER], STEPS * (NMLP + 1), STEPS * (NMLP + 1));
         printf("hsdp rank %d: shard group on node %g (%llu reduce-scatters, %llu bytes), replicate group across nodes "
                "%g and %g (%llu all-reduces, %llu bytes)\n",
@@ -281,7 +297,8 @@ static void role_train(void)
     ROK(15, ts_fsdp_full_state_dict(m, false, &sd));
     ROK(15, ts_module_state_dict(ref, &rsd));
     if (ts_state_dict_size(sd) != ts_state_dict_size(rsd))
-        RFAIL(16, "%d tensors in the state dict, %d in the reference's", ts_state_dict_size(sd), ts_state_dict_size(rsd));
+        RFAIL(16, "%d tensors in the state dict, %d in the reference's", ts_state_dict_size(sd),
+              ts_state_dict_size(rsd));
     double worst = 0;
     for (int i = 0; i < ts_state_dict_size(rsd); i++) {
         const char *name = ts_state_dict_name(rsd, i);
@@ -372,8 +389,7 @@ static void role_giveup(void)
         printf("gave-up 1: %s: %s\n", ts_status_name(st), st ? ts_last_error() : "the barrier completed");
         fflush(stdout);
         double until = th_now_s() + 30; /* alive; the test ends it */
-        while (th_now_s() < until)
-            pause();
+        while (th_now_s() < until) pause();
         _exit(0);
     }
     struct timespec late = {2, 500000000};
@@ -381,8 +397,7 @@ static void role_giveup(void)
         ;
     double t0 = th_now_s();
     ts_status st = TS_OK;
-    for (int i = 0; i < 1000 && st == TS_OK; i++)
-        st = ts_barrier(w, NULL);
+    for (int i = 0; i < 1000 && st == TS_OK; i++) st = ts_barrier(w, NULL);
     printf("late 0: %s: %s (%.3f s)\n", ts_status_name(st), st ? ts_last_error() : "1000 barriers completed",
            th_now_s() - t0);
     fflush(stdout);
@@ -522,8 +537,7 @@ static void hosts_up(hosts *h)
 /* Removes the hosts and every process in them (the guard does it). */
 static void hosts_down(hosts *h)
 {
-    if (h->guard_w >= 0)
-        close(h->guard_w);
+    if (h->guard_w >= 0) close(h->guard_w);
     h->guard_w = -1;
     if (h->guard > 0)
         while (waitpid(h->guard, NULL, 0) < 0 && errno == EINTR)
@@ -552,10 +566,8 @@ static pid_t host_run(const hosts *h, int host, char *const env[], int out_fd, i
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, out_fd, 1);
     posix_spawn_file_actions_adddup2(&fa, out_fd, 2);
-    if (in_fd >= 0)
-        posix_spawn_file_actions_adddup2(&fa, in_fd, 0);
-    else
-        posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    if (in_fd >= 0) posix_spawn_file_actions_adddup2(&fa, in_fd, 0);
+    else posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
     pid_t pid;
     int e = posix_spawn(&pid, NS_SCRIPT, &fa, NULL, full, envp);
     posix_spawn_file_actions_destroy(&fa);
@@ -573,8 +585,9 @@ static void start_job(const hosts *h, char *const env[], const char *nproc, int 
     for (int r = 0; r < 2; r++) {
         fds[r] = memfd_create("mh-host", MFD_CLOEXEC);
         cr_assert_geq(fds[r], 0);
-        char *argv[] = {TSRUN, "--nnodes", "2", "--node-rank", r ? "1" : "0", "--nproc-per-node", (char *)nproc,
-                        "--master-addr", HOST0, "--master-port", PORT, th_self_exe(), NULL};
+        char *argv[] = {TSRUN,         "--nnodes",      "2",   "--node-rank",   r ? "1" : "0", "--nproc-per-node",
+                        (char *)nproc, "--master-addr", HOST0, "--master-port", PORT,          th_self_exe(),
+                        NULL};
         pids[r] = host_run(h, r, env, fds[r], -1, argv);
     }
 }
@@ -623,9 +636,10 @@ Test(comm_multihost, collectives_on_two_hosts_of_two_ranks, .timeout = 90)
     /* each rank takes its host's other rank for a same-host peer (shared
      * memory and the bypass) and the other host's ranks for remote ones,
      * although both hosts have the same host name */
-    static const char *const verdicts[4] = {
-        "ucx: rank 0: same host: [1(bypass)]; other hosts: [2 3]", "ucx: rank 1: same host: [0(bypass)]; other hosts: [2 3]",
-        "ucx: rank 2: same host: [3(bypass)]; other hosts: [0 1]", "ucx: rank 3: same host: [2(bypass)]; other hosts: [0 1]"};
+    static const char *const verdicts[4] = {"ucx: rank 0: same host: [1(bypass)]; other hosts: [2 3]",
+                                            "ucx: rank 1: same host: [0(bypass)]; other hosts: [2 3]",
+                                            "ucx: rank 2: same host: [3(bypass)]; other hosts: [0 1]",
+                                            "ucx: rank 3: same host: [2(bypass)]; other hosts: [0 1]"};
     for (int r = 0; r < 4; r++)
         cr_assert_not_null(strstr(out[r / 2], verdicts[r]), "host %d lacks '%s'", r / 2, verdicts[r]);
     free(out[0]);
@@ -636,8 +650,8 @@ static void train_case(bool hsdp)
 {
     hosts h;
     hosts_up(&h);
-    char *env[] = {"TS_TEST_MH_ROLE=train", hsdp ? "TS_TEST_MH_HSDP=1" : "TS_TEST_MH_HSDP=0",
-                   "TS_STORE_TOKEN=" TOKEN, NULL};
+    char *env[] = {"TS_TEST_MH_ROLE=train", hsdp ? "TS_TEST_MH_HSDP=1" : "TS_TEST_MH_HSDP=0", "TS_STORE_TOKEN=" TOKEN,
+                   NULL};
     int code[2];
     char *out[2];
     run_job(&h, env, 60, code, out);
@@ -673,19 +687,15 @@ static int host_rank_pids(const hosts *h, int host, pid_t *pids, int cap)
     cr_assert_not_null(d);
     for (struct dirent *e; (e = readdir(d)) && n < cap;) {
         int pid = atoi(e->d_name);
-        if (pid <= 0 || pid == (int)getpid())
-            continue;
+        if (pid <= 0 || pid == (int)getpid()) continue;
         struct stat st;
         snprintf(path, sizeof path, "/proc/%d/ns/net", pid);
-        if (stat(path, &st) != 0 || st.st_ino != want.st_ino || st.st_dev != want.st_dev)
-            continue;
+        if (stat(path, &st) != 0 || st.st_ino != want.st_ino || st.st_dev != want.st_dev) continue;
         snprintf(path, sizeof path, "/proc/%d/exe", pid);
         ssize_t k = readlink(path, exe, sizeof exe - 1);
-        if (k <= 0)
-            continue;
+        if (k <= 0) continue;
         exe[k] = '\0';
-        if (strcmp(exe, self) == 0)
-            pids[n++] = pid;
+        if (strcmp(exe, self) == 0) pids[n++] = pid;
     }
     closedir(d);
     return n;
@@ -710,8 +720,9 @@ static void kill_case(bool with_load)
     for (int r = 0; r < 2; r++) {
         fds[r] = memfd_create("mh-host", MFD_CLOEXEC);
         cr_assert_geq(fds[r], 0);
-        char *argv[] = {TSRUN, "--nnodes", "2", "--node-rank", r ? "1" : "0", "--nproc-per-node", "2",
-                        "--master-addr", HOST0, "--master-port", PORT, th_self_exe(), NULL};
+        char *argv[] = {TSRUN, "--nnodes",      "2",   "--node-rank",   r ? "1" : "0", "--nproc-per-node",
+                        "2",   "--master-addr", HOST0, "--master-port", PORT,          th_self_exe(),
+                        NULL};
         pids[r] = host_run(&h, r, env, fds[r], -1, argv);
     }
     /* training is under way once rank 0 says "steady" */
@@ -722,16 +733,14 @@ static void kill_case(bool with_load)
         ssize_t k = pread(fds[0], buf, sizeof buf - 1, 0);
         buf[k > 0 ? k : 0] = '\0';
         steady = strstr(buf, "[0] steady") != NULL;
-        if (!steady)
-            usleep(20000);
+        if (!steady) usleep(20000);
     }
     cr_assert(steady, "rank 0 did not train 3 steps within 60 s");
     pid_t victims[8];
     int nv = host_rank_pids(&h, 1, victims, 8);
     cr_assert_eq(nv, 2, "%d ranks found on host 1, expected 2", nv);
     double t0 = th_now_s();
-    for (int i = 0; i < nv; i++)
-        kill(victims[i], SIGKILL);
+    for (int i = 0; i < nv; i++) kill(victims[i], SIGKILL);
     int st[2];
     th_wait_pids(pids, 1, -1, 30, st); /* host 0 */
     double took = th_now_s() - t0;
@@ -930,8 +939,8 @@ Test(comm_multihost, training_under_full_cpu_load_never_declares_a_live_peer_dea
         }
         if (!ok) {
             failed++;
-            fprintf(stderr, "---- run %d of %d failed:\n---- host 0 (status 0x%x)\n%s---- host 1 (status 0x%x)\n%s", k + 1,
-                    LOAD_RUNS, st[0], out[0], st[1], out[1]);
+            fprintf(stderr, "---- run %d of %d failed:\n---- host 0 (status 0x%x)\n%s---- host 1 (status 0x%x)\n%s",
+                    k + 1, LOAD_RUNS, st[0], out[0], st[1], out[1]);
         }
         free(out[0]);
         free(out[1]);

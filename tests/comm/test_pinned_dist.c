@@ -41,7 +41,8 @@ static void gather(ts_comm *c, ts_tensor *out, int64_t n, uint64_t *posted, uint
     const float *o = ts_tensor_data(out);
     for (int j = 0; j < W; j++)
         for (int64_t i = 0; i < n; i++)
-            if (o[j * n + i] != val(j, i)) RFAIL(22, "out[%d][%lld] = %g, want %g", j, (long long)i, o[j * n + i], val(j, i));
+            if (o[j * n + i] != val(j, i))
+                RFAIL(22, "out[%d][%lld] = %g, want %g", j, (long long)i, o[j * n + i], val(j, i));
     ts_tensor_free(in);
     *posted = p1 - p0;
     *registered = r1 - r0;
@@ -65,7 +66,8 @@ static void role_pinned(void)
     if (ts_dist_init(&o)) RFAIL(11, "ts_dist_init");
     ts_comm *c = ts_dist_world();
     int W = ts_comm_size(c);
-    if (ts__pinned_registered_count() != 1) RFAIL(12, "%d blocks registered at init, want 1", ts__pinned_registered_count());
+    if (ts__pinned_registered_count() != 1)
+        RFAIL(12, "%d blocks registered at init, want 1", ts__pinned_registered_count());
     uint64_t p, r;
     /* 1000 floats: UCX's eager path; 20000 (80 KB): UCX's rendezvous. A
      * 4000-byte block goes inside the fingerprint's message by default
@@ -75,8 +77,9 @@ static void role_pinned(void)
      * each step is one. */
     ts__comm_set_fp_inline(c, 0);
     gather(c, early, 1000, &p, &r);
-    if (r < 2 * (uint64_t)(W - 1)) RFAIL(13, "pinned 4000-byte all-gather: %llu of %llu transfers registered",
-                                         (unsigned long long)r, (unsigned long long)p);
+    if (r < 2 * (uint64_t)(W - 1))
+        RFAIL(13, "pinned 4000-byte all-gather: %llu of %llu transfers registered", (unsigned long long)r,
+              (unsigned long long)p);
     fprintf(stderr, "rank %d: pinned 4 KB all-gather: %llu of %llu transfers passed the registration\n", g_rank,
             (unsigned long long)r, (unsigned long long)p);
     /* inline (the default): right, and the later steps' transfers (W > 2)
@@ -89,15 +92,17 @@ static void role_pinned(void)
     ts_tensor *mid = pinned_empty(20000 * (int64_t)W);
     if (ts__pinned_registered_count() != 2) RFAIL(14, "%d blocks registered, want 2", ts__pinned_registered_count());
     gather(c, mid, 20000, &p, &r);
-    if (r < 2 * (uint64_t)(W - 1)) RFAIL(15, "pinned 80 KB all-gather: %llu of %llu transfers registered",
-                                         (unsigned long long)r, (unsigned long long)p);
+    if (r < 2 * (uint64_t)(W - 1))
+        RFAIL(15, "pinned 80 KB all-gather: %llu of %llu transfers registered", (unsigned long long)r,
+              (unsigned long long)p);
     /* pageable memory: transfers, none registered */
     int64_t nn = 20000 * (int64_t)W;
     ts_tensor *plain = NULL;
     if (ts_tensor_empty(TS_F32, 1, &nn, &plain)) RFAIL(16, "empty");
     gather(c, plain, 20000, &p, &r);
-    if (p == 0 || r != 0) RFAIL(17, "pageable all-gather: %llu of %llu transfers registered", (unsigned long long)r,
-                                (unsigned long long)p);
+    if (p == 0 || r != 0)
+        RFAIL(17, "pageable all-gather: %llu of %llu transfers registered", (unsigned long long)r,
+              (unsigned long long)p);
     /* 300 KB blocks: the shared-memory bypass reads them; still right */
     ts_tensor *big = pinned_empty(75000 * (int64_t)W);
     gather(c, big, 75000, &p, &r);

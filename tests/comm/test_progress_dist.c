@@ -84,9 +84,11 @@ static void role_handover(void)
     ts__comm_progress_stats(c, &c1, &t1);
     fprintf(stderr, "handover %d: blocking: %llu finished by the caller, %llu by the thread\n", g_rank,
             (unsigned long long)(c1 - c0), (unsigned long long)(t1 - t0));
-    if (c1 - c0 + t1 - t0 != 200) RFAIL(14, "%llu + %llu collectives finished, 200 submitted",
-                                        (unsigned long long)(c1 - c0), (unsigned long long)(t1 - t0));
-    if (c1 - c0 < 100) RFAIL(15, "the caller finished only %llu of 200 blocking all-reduces", (unsigned long long)(c1 - c0));
+    if (c1 - c0 + t1 - t0 != 200)
+        RFAIL(14, "%llu + %llu collectives finished, 200 submitted", (unsigned long long)(c1 - c0),
+              (unsigned long long)(t1 - t0));
+    if (c1 - c0 < 100)
+        RFAIL(15, "the caller finished only %llu of 200 blocking all-reduces", (unsigned long long)(c1 - c0));
 
     static const int64_t sizes[2] = {1000, 1 << 18};
     for (int s = 0; s < 2; s++) {
@@ -104,7 +106,8 @@ static void role_handover(void)
         usleep(300000); /* no call into the library */
         bool done = false;
         if (ts_request_test(r, &done) != TS_OK) RFAIL(19, "test");
-        if (!done) RFAIL(22, "the all-gather of %lld floats left behind did not complete without the caller", (long long)n);
+        if (!done)
+            RFAIL(22, "the all-gather of %lld floats left behind did not complete without the caller", (long long)n);
         if (ts_request_status(r) != TS_OK) RFAIL(23, "all-gather of %lld floats: %s", (long long)n, ts_last_error());
         check_gather("all_gather left to the thread", out, W, n);
         ts__comm_progress_stats(c, &c1, &t1);
@@ -192,8 +195,8 @@ Test(comm_progress_dist, async_collective_left_by_a_driving_caller_completes_on_
         char *err = th_slurp_fd(j.err_fd[r]);
         close(j.err_fd[r]);
         cr_log_info("rank %d: %s", r, err);
-        cr_assert(WIFEXITED(j.status[r]) && WEXITSTATUS(j.status[r]) == 0, "rank %d status 0x%x:\n%s", r,
-                  j.status[r], err);
+        cr_assert(WIFEXITED(j.status[r]) && WEXITSTATUS(j.status[r]) == 0, "rank %d status 0x%x:\n%s", r, j.status[r],
+                  err);
         char want[32];
         snprintf(want, sizeof want, "handover %d ok", r);
         cr_assert(strstr(err, want), "rank %d:\n%s", r, err);

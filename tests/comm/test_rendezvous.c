@@ -61,7 +61,8 @@ __attribute__((constructor)) static void rdv_test_role(void)
         fflush(stderr);
         _exit(cs == TS_ERR_TIMEOUT ? 5 : 6);
     }
-    fprintf(stderr, "init %s after %.2f s: %s\n", ts_status_name(s), th_now_s() - t0, s == TS_OK ? "" : ts_last_error());
+    fprintf(stderr, "init %s after %.2f s: %s\n", ts_status_name(s), th_now_s() - t0,
+            s == TS_OK ? "" : ts_last_error());
     fflush(stderr);
     if (s != TS_OK) _exit(3);
     if (strcmp(role, "train") == 0) {
@@ -105,10 +106,22 @@ extern char **environ;
 
 static void clear_launch_env(void)
 {
-    static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                                 "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED",
-                                 "TS_STORE_TOKEN", "TS_RUN_ID", "TS_DIST_TIMEOUT"};
+    static const char *vars[] = {"RANK",
+                                 "WORLD_SIZE",
+                                 "LOCAL_RANK",
+                                 "LOCAL_WORLD_SIZE",
+                                 "MASTER_ADDR",
+                                 "MASTER_PORT",
+                                 "OMPI_COMM_WORLD_RANK",
+                                 "OMPI_COMM_WORLD_SIZE",
+                                 "OMPI_COMM_WORLD_LOCAL_RANK",
+                                 "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                 "SLURM_PROCID",
+                                 "TS_LAUNCHER_PID",
+                                 "TS_STORE_HOSTED",
+                                 "TS_STORE_TOKEN",
+                                 "TS_RUN_ID",
+                                 "TS_DIST_TIMEOUT"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
     setenv("UCX_TLS", "posix,cma,self", 0);
     setenv("UCX_MM_ERROR_HANDLING", "y", 0);
@@ -315,8 +328,7 @@ Test(comm_rendezvous, watch_survives_a_late_store_reply_and_still_sees_a_late_du
         cr_assert(strstr(log, "duplicate RANK 1: claimed by pid"), "process %d does not name the duplicate:\n%s", i,
                   log);
         /* found by the watch while training, not only at finalize */
-        if (i < 2)
-            cr_assert(strstr(log, "at barrier"), "process %d did not fail at a barrier:\n%s", i, log);
+        if (i < 2) cr_assert(strstr(log, "at barrier"), "process %d did not fail at a barrier:\n%s", i, log);
     }
     ts_store_close(c);
     ts_store_server_stop(srv);
@@ -599,8 +611,7 @@ Test(comm_rendezvous, waiting_rendezvous_names_the_missing_ranks_until_the_deadl
     cr_assert(strstr(log, "TS_ERR_TIMEOUT") && strstr(log, "rank(s) [1, 2], which never arrived (1 of 3 arrived)") &&
                   strstr(log, "TS_DIST_TIMEOUT"),
               "%s", log);
-    cr_assert(p[0].exited_s > 2.0 && p[0].exited_s < 15.0, "failed after %.1f s, the deadline is 2.5 s",
-              p[0].exited_s);
+    cr_assert(p[0].exited_s > 2.0 && p[0].exited_s < 15.0, "failed after %.1f s, the deadline is 2.5 s", p[0].exited_s);
     cr_log_info("%d progress lines; failed after %.2f s", lines, p[0].exited_s);
 }
 

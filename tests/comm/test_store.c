@@ -67,10 +67,8 @@ static void raw_send(int fd, const void *buf, size_t n)
     const char *p = buf;
     while (n) {
         ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w < 0)
-            return; /* the server may already have dropped us */
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) return; /* the server may already have dropped us */
         p += w;
         n -= (size_t)w;
     }
@@ -78,14 +76,12 @@ static void raw_send(int fd, const void *buf, size_t n)
 
 static void put32(unsigned char *p, uint32_t v)
 {
-    for (int i = 0; i < 4; i++)
-        p[i] = (unsigned char)(v >> (8 * i));
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
 }
 
 static void put64(unsigned char *p, uint64_t v)
 {
-    for (int i = 0; i < 8; i++)
-        p[i] = (unsigned char)(v >> (8 * i));
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
 }
 
 /* Builds a well-formed request frame into buf; returns its length. */
@@ -95,11 +91,9 @@ static size_t raw_frame(unsigned char *buf, uint8_t op, const void *key, uint32_
     put32(buf, 17 + klen + vlen);
     buf[4] = op;
     put32(buf + 5, klen);
-    if (klen)
-        memcpy(buf + 9, key, klen);
+    if (klen) memcpy(buf + 9, key, klen);
     put32(buf + 9 + klen, vlen);
-    if (vlen)
-        memcpy(buf + 13 + klen, val, vlen);
+    if (vlen) memcpy(buf + 13 + klen, val, vlen);
     put64(buf + 13 + klen + vlen, arg);
     return 21 + (size_t)klen + vlen;
 }
@@ -111,14 +105,11 @@ static size_t raw_recv(int fd, void *buf, size_t n, double timeout_s)
     double end = now_s() + timeout_s;
     while (got < n) {
         int ms = (int)((end - now_s()) * 1000);
-        if (ms <= 0)
-            break;
+        if (ms <= 0) break;
         struct pollfd pfd = {.fd = fd, .events = POLLIN};
-        if (poll(&pfd, 1, ms) <= 0)
-            break;
+        if (poll(&pfd, 1, ms) <= 0) break;
         ssize_t r = recv(fd, (char *)buf + got, n - got, 0);
-        if (r <= 0)
-            break;
+        if (r <= 0) break;
         got += (size_t)r;
     }
     return got;
@@ -145,12 +136,10 @@ static void expect_dropped(int fd, const char *what)
         struct pollfd pfd = {.fd = fd, .events = POLLIN};
         int pr = poll(&pfd, 1, ms);
         cr_assert_geq(pr, 0);
-        if (pr == 0)
-            continue;
+        if (pr == 0) continue;
         char b[256];
         ssize_t r = recv(fd, b, sizeof b, 0);
-        if (r == 0 || (r < 0 && errno == ECONNRESET))
-            break;
+        if (r == 0 || (r < 0 && errno == ECONNRESET)) break;
     }
     close(fd);
 }
@@ -181,8 +170,7 @@ Test(comm_store, set_get_binary_values, .timeout = 60)
     /* Overwrite, and a value big enough to take many reads (8 MiB). */
     size_t big = 8u << 20;
     unsigned char *b = malloc(big);
-    for (size_t i = 0; i < big; i++)
-        b[i] = (unsigned char)(i * 131 + (i >> 11));
+    for (size_t i = 0; i < big; i++) b[i] = (unsigned char)(i * 131 + (i >> 11));
     TH_OK(ts_store_set(c, "bin", b, big));
     TH_OK(ts_store_get(c, "bin", &v, &n));
     cr_assert_eq(n, big);
@@ -212,8 +200,7 @@ static void *setter(void *p)
     sleep_ms(a->delay_ms);
     ts_store *c = NULL;
     a->st = ts_store_connect(NULL, a->port, "tok", 5.0, &c);
-    if (a->st == TS_OK)
-        a->st = ts_store_set(c, a->key, a->val, strlen(a->val));
+    if (a->st == TS_OK) a->st = ts_store_set(c, a->key, a->val, strlen(a->val));
     ts_store_close(c);
     return NULL;
 }
@@ -312,8 +299,7 @@ static void *adder(void *p)
     adder_arg *a = p;
     ts_store *c = NULL;
     a->st = ts_store_connect(NULL, a->port, "tok", 5.0, &c);
-    for (int i = 0; i < a->iters && a->st == TS_OK; i++)
-        a->st = ts_store_add(c, "counter", 1, NULL);
+    for (int i = 0; i < a->iters && a->st == TS_OK; i++) a->st = ts_store_add(c, "counter", 1, NULL);
     ts_store_close(c);
     return NULL;
 }
@@ -344,8 +330,7 @@ Test(comm_store, add_from_eight_threads, .timeout = 60)
     TH_OK(ts_store_get(c, "counter", &b, &n));
     cr_assert_eq(n, 8);
     int64_t le = 0;
-    for (int i = 7; i >= 0; i--)
-        le = (int64_t)((uint64_t)le << 8 | ((unsigned char *)b)[i]);
+    for (int i = 7; i >= 0; i--) le = (int64_t)((uint64_t)le << 8 | ((unsigned char *)b)[i]);
     cr_assert_eq(le, -200);
     ts_store_value_free(b);
     TH_OK(ts_store_set(c, "text", "abc", 3));
@@ -414,8 +399,8 @@ static void *cas_setter(void *p)
     ts_store *c = NULL;
     a->set.st = ts_store_connect(NULL, a->set.port, "tok", 5.0, &c);
     if (a->set.st == TS_OK)
-        a->set.st = ts_store_compare_set(c, a->set.key, NULL, 0, a->set.val, strlen(a->set.val), &a->after,
-                                         &a->after_len);
+        a->set.st =
+            ts_store_compare_set(c, a->set.key, NULL, 0, a->set.val, strlen(a->set.val), &a->after, &a->after_len);
     ts_store_close(c);
     return NULL;
 }
@@ -485,19 +470,15 @@ static void *barrier_worker(void *p)
     bar_arg *a = p;
     ts_store *c = NULL;
     a->st = ts_store_connect(NULL, a->port, "tok", 5.0, &c);
-    if (a->st != TS_OK)
-        return NULL;
+    if (a->st != TS_OK) return NULL;
     ts_store_set_timeout(c, 30);
     for (int e = 0; e < BAR_EPOCHS; e++) {
         atomic_fetch_add(&a->arrived[e], 1);
-        if ((a->id + e) % 3 == 0)
-            sleep_ms(5 * (a->id + 1)); /* arrive in a different order each epoch */
+        if ((a->id + e) % 3 == 0) sleep_ms(5 * (a->id + 1)); /* arrive in a different order each epoch */
         a->st = ts_store_barrier(c, "train", BAR_THREADS);
-        if (a->st != TS_OK)
-            break;
+        if (a->st != TS_OK) break;
         /* Nobody leaves epoch e before everyone has arrived at it. */
-        if (atomic_load(&a->arrived[e]) != BAR_THREADS)
-            a->order_errors++;
+        if (atomic_load(&a->arrived[e]) != BAR_THREADS) a->order_errors++;
     }
     ts_store_close(c);
     return NULL;
@@ -508,8 +489,7 @@ Test(comm_store, barrier_eight_threads_several_epochs, .timeout = 60)
     th_mem_mark();
     ts_store_server *srv = start_server("tok");
     atomic_int arrived[BAR_EPOCHS];
-    for (int e = 0; e < BAR_EPOCHS; e++)
-        atomic_init(&arrived[e], 0);
+    for (int e = 0; e < BAR_EPOCHS; e++) atomic_init(&arrived[e], 0);
     bar_arg args[BAR_THREADS];
     pthread_t t[BAR_THREADS];
     for (int i = 0; i < BAR_THREADS; i++) {
@@ -604,14 +584,12 @@ Test(comm_store, rendezvous_completes_and_names_missing_ranks, .timeout = 60)
     cr_assert_lt(now_s() - t0, 3.0);
     /* Only rank 1 missing: singular. */
     for (int r = 0; r < 4; r++) {
-        if (r == 1)
-            continue;
+        if (r == 1) continue;
         args[r] = (rdv_arg){port, r, 4, 1.0, "one", TS_ERR_INTERNAL, ""};
         pthread_create(&t[r], NULL, rdv_worker, &args[r]);
     }
     for (int r = 0; r < 4; r++) {
-        if (r == 1)
-            continue;
+        if (r == 1) continue;
         pthread_join(t[r], NULL);
         cr_assert_eq(args[r].st, TS_ERR_TIMEOUT);
         cr_assert(strstr(args[r].err, ": rank 1 of 4 never arrived"), "rank %d: %s", r, args[r].err);
@@ -699,8 +677,7 @@ Test(comm_store, malformed_frames_drop_only_the_sender, .timeout = 60)
     /* Garbage before hello. */
     fd = raw_connect(port);
     unsigned char junk[512];
-    for (size_t i = 0; i < sizeof junk; i++)
-        junk[i] = (unsigned char)(i * 7 + 13);
+    for (size_t i = 0; i < sizeof junk; i++) junk[i] = (unsigned char)(i * 7 + 13);
     raw_send(fd, junk, sizeof junk);
     expect_dropped(fd, "garbage");
     assert_still_serving(good, round++);
@@ -946,8 +923,7 @@ Test(comm_store, connect_retries_until_the_server_is_up, .timeout = 60)
     ts_store *c = NULL;
     ts_status st = ts_store_connect("localhost", port, "tok", 10.0, &c);
     pthread_join(t, NULL);
-    if (a.st != TS_OK)
-        cr_skip_test("port %d was taken meanwhile", port);
+    if (a.st != TS_OK) cr_skip_test("port %d was taken meanwhile", port);
     TH_OK(st);
     TH_OK(ts_store_set(c, "k", "v", 1));
     ts_store_close(c);
@@ -1042,8 +1018,7 @@ Test(comm_store, many_clients_and_keys_no_leaks, .timeout = 60)
     th_mem_mark();
     ts_store_server *srv = start_server("tok");
     ts_store *c[16];
-    for (int i = 0; i < 16; i++)
-        c[i] = connect_to(srv, "tok");
+    for (int i = 0; i < 16; i++) c[i] = connect_to(srv, "tok");
     /* Enough keys to grow the table several times. */
     for (int i = 0; i < 2000; i++) {
         char key[32], val[32];
@@ -1060,11 +1035,9 @@ Test(comm_store, many_clients_and_keys_no_leaks, .timeout = 60)
         TH_OK(ts_store_get(c[(i + 5) % 16], key, &v, &n));
         cr_assert(n == strlen(val) && memcmp(v, val, n) == 0, "key %d", i);
         ts_store_value_free(v);
-        if (i % 2)
-            TH_OK(ts_store_delete(c[0], key, NULL));
+        if (i % 2) TH_OK(ts_store_delete(c[0], key, NULL));
     }
-    for (int i = 0; i < 16; i++)
-        ts_store_close(c[i]);
+    for (int i = 0; i < 16; i++) ts_store_close(c[i]);
     ts_store_server_stop(srv);
     th_mem_assert_back();
 }
@@ -1107,8 +1080,7 @@ Test(comm_store, core_waiters_and_deadlines, .timeout = 60)
     cr_assert_eq(ss.replies, 2);
     /* a waits 100 ms for "x" and b waits 50 ms for "y"; a frame fed a byte at a time. */
     size_t n = raw_frame(f, TS__STORE_OP_GET, "x", 1, NULL, 0, 100);
-    for (size_t i = 0; i < n; i++)
-        cr_assert(ts__store_conn_feed(core, &a, f + i, 1, 1000));
+    for (size_t i = 0; i < n; i++) cr_assert(ts__store_conn_feed(core, &a, f + i, 1, 1000));
     cr_assert(ts__store_conn_feed(core, &b, f, raw_frame(f, TS__STORE_OP_WAIT, "y", 1, NULL, 0, 50), 1000));
     cr_assert_eq(ss.replies, 2);
     cr_assert_eq(ts__store_core_next_deadline(core), 1050);
@@ -1179,8 +1151,7 @@ Test(comm_store, flood_of_idle_connections_does_not_lock_out_a_real_client, .tim
         getrlimit(RLIMIT_NOFILE, &rl);
     }
     int nidle = WANT;
-    if (rl.rlim_cur < need)
-        nidle = (int)((rl.rlim_cur - 64) / 2);
+    if (rl.rlim_cur < need) nidle = (int)((rl.rlim_cur - 64) / 2);
     cr_assert_gt(nidle, 100, "fd limit %llu", (unsigned long long)rl.rlim_cur);
     const unsigned timeout_ms = 1500, cap = 1024;
     ts__store_server_set_limits(timeout_ms, 0); /* the default cap */
@@ -1190,8 +1161,7 @@ Test(comm_store, flood_of_idle_connections_does_not_lock_out_a_real_client, .tim
     int *fds = calloc((size_t)nidle, sizeof *fds);
     cr_assert_not_null(fds);
     double t0 = now_s();
-    for (int i = 0; i < nidle; i++)
-        fds[i] = raw_connect(port);
+    for (int i = 0; i < nidle; i++) fds[i] = raw_connect(port);
     double opened = now_s() - t0;
 
     /* A real client gets in (at the latest once the idle ones expire)
@@ -1206,8 +1176,7 @@ Test(comm_store, flood_of_idle_connections_does_not_lock_out_a_real_client, .tim
     double end = now_s() + 20.0;
     while (open_left > 0 && now_s() < end) {
         for (int i = 0; i < nidle; i++) {
-            if (fds[i] < 0)
-                continue;
+            if (fds[i] < 0) continue;
             struct pollfd pfd = {.fd = fds[i], .events = POLLIN};
             if (poll(&pfd, 1, 0) == 1) {
                 char b[64];
@@ -1219,8 +1188,7 @@ Test(comm_store, flood_of_idle_connections_does_not_lock_out_a_real_client, .tim
                 }
             }
         }
-        if (open_left > 0)
-            sleep_ms(20); /* polling many fds; bounded by `end` */
+        if (open_left > 0) sleep_ms(20); /* polling many fds; bounded by `end` */
     }
     double all_closed = now_s() - t0;
     cr_assert_eq(open_left, 0, "%d of %d idle connections still open after %.1f s", open_left, nidle, all_closed);
@@ -1260,8 +1228,7 @@ Test(comm_store, only_a_rejected_token_is_called_wrong, .timeout = 60)
     ts_store *c = NULL;
     ts_status s = ts_store_connect(NULL, port, "tok", 0.5, &c);
     cr_assert_eq(s, TS_ERR_TIMEOUT, "%s: %s", ts_status_name(s), ts_last_error());
-    cr_assert(strstr(ts_last_error(), "before answering") && !strstr(ts_last_error(), "token"), "%s",
-              ts_last_error());
+    cr_assert(strstr(ts_last_error(), "before answering") && !strstr(ts_last_error(), "token"), "%s", ts_last_error());
     close(idle);
     s = ts_store_connect(NULL, port, "bad", 5.0, &c);
     cr_assert_eq(s, TS_ERR_COMM, "%s: %s", ts_status_name(s), ts_last_error());
@@ -1278,8 +1245,7 @@ Test(comm_store, only_a_rejected_token_is_called_wrong, .timeout = 60)
  * attempt was refused as it should be. */
 static int outsider(int port)
 {
-    if (setgid(65534) != 0 || setuid(65534) != 0)
-        return 10;
+    if (setgid(65534) != 0 || setuid(65534) != 0) return 10;
     ts_store *c = NULL;
     ts_status s = ts_store_connect(NULL, port, NULL, 3.0, &c);
     if (s != TS_ERR_COMM || !strstr(ts_last_error(), TS_STORE_TOKEN_ENV) || !strstr(ts_last_error(), "own user")) {
@@ -1292,8 +1258,7 @@ static int outsider(int port)
     a.sin_family = AF_INET;
     a.sin_port = htons((uint16_t)port);
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0)
-        return 12;
+    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) return 12;
     unsigned char f[256];
     size_t n = raw_frame(f, TS__STORE_OP_HELLO, NULL, 0, "", 0, 1);
     n += raw_frame(f + n, TS__STORE_OP_ADD, "rdv/count", 9, NULL, 0, 1);
@@ -1310,16 +1275,14 @@ static int outsider(int port)
 
 Test(comm_store, tokenless_store_refuses_other_users, .timeout = 60)
 {
-    if (geteuid() != 0)
-        cr_skip_test("needs root to run a client as another user");
+    if (geteuid() != 0) cr_skip_test("needs root to run a client as another user");
     ts_store_server *srv = start_server(NULL);
     int port = ts_store_server_port(srv);
     ts_store *own = connect_to(srv, NULL); /* this user: served */
     TH_OK(ts_store_set(own, "ucx/addr/0", "secret-address", 14));
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
-    if (pid == 0)
-        _exit(outsider(port));
+    if (pid == 0) _exit(outsider(port));
     int st = 0;
     cr_assert_eq(waitpid(pid, &st, 0), pid);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "outsider status 0x%x", st);

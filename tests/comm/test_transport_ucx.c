@@ -53,12 +53,12 @@ static void xfer_cb(void *arg, ts_status status)
 /* Loop statistics of the last wait. */
 static long g_progress_calls, g_polls;
 
-#define FAIL(code, ...)                                                                                            \
-    do {                                                                                                           \
-        fprintf(stderr, "rank %d: ", g_rank);                                                                      \
-        fprintf(stderr, __VA_ARGS__);                                                                              \
-        fprintf(stderr, " (line %d)\n", __LINE__);                                                                 \
-        return code;                                                                                               \
+#define FAIL(code, ...) \
+    do { \
+        fprintf(stderr, "rank %d: ", g_rank); \
+        fprintf(stderr, __VA_ARGS__); \
+        fprintf(stderr, " (line %d)\n", __LINE__); \
+        return code; \
     } while (0)
 
 static int g_rank;
@@ -71,20 +71,14 @@ static int wait_xfers(ts_transport *t, xfer *xs, int n, double timeout_s, bool (
     g_progress_calls = g_polls = 0;
     for (;;) {
         int left = 0;
-        for (int i = 0; i < n; i++)
-            left += !xs[i].done;
-        if (left == 0 || (stop && stop(t)))
-            return 0;
-        if (now_s() > deadline)
-            return -1;
+        for (int i = 0; i < n; i++) left += !xs[i].done;
+        if (left == 0 || (stop && stop(t))) return 0;
+        if (now_s() > deadline) return -1;
         g_progress_calls++;
-        if (t->vt->progress(t) > 0)
-            continue;
+        if (t->vt->progress(t) > 0) continue;
         ts_status s = t->vt->arm(t);
-        if (s == TS_ERR_ALREADY)
-            continue;
-        if (s != TS_OK)
-            return -1;
+        if (s == TS_ERR_ALREADY) continue;
+        if (s != TS_OK) return -1;
         struct pollfd p = {.fd = t->vt->wait_fd(t), .events = POLLIN};
         g_polls++;
         poll(&p, 1, 100);
@@ -98,15 +92,13 @@ static unsigned char pattern(int src, int idx, size_t i)
 
 static void fill(unsigned char *b, size_t n, int src, int idx)
 {
-    for (size_t i = 0; i < n; i++)
-        b[i] = pattern(src, idx, i);
+    for (size_t i = 0; i < n; i++) b[i] = pattern(src, idx, i);
 }
 
 static bool check(const unsigned char *b, size_t n, int src, int idx)
 {
     for (size_t i = 0; i < n; i++)
-        if (b[i] != pattern(src, idx, i))
-            return false;
+        if (b[i] != pattern(src, idx, i)) return false;
     return true;
 }
 
@@ -125,25 +117,20 @@ static int sc_ring(ts_transport *t, ts_store *st, const char *prefix)
     for (int k = 0; k < 2; k++) {
         sb[k] = malloc(sizes[k]);
         rb[k] = calloc(1, sizes[k]);
-        if (!sb[k] || !rb[k])
-            FAIL(10, "out of memory");
+        if (!sb[k] || !rb[k]) FAIL(10, "out of memory");
         fill(sb[k], sizes[k], r, k);
     }
     for (int k = 0; k < 2; k++) {
         uint64_t tag = 0x1234500000ull + (uint64_t)k;
-        if (t->vt->recv(t, left, rb[k], sizes[k], tag, xfer_cb, &xs[k]) != TS_OK)
-            FAIL(11, "recv: %s", ts_last_error());
+        if (t->vt->recv(t, left, rb[k], sizes[k], tag, xfer_cb, &xs[k]) != TS_OK) FAIL(11, "recv: %s", ts_last_error());
         if (t->vt->send(t, right, sb[k], sizes[k], tag, xfer_cb, &xs[2 + k]) != TS_OK)
             FAIL(12, "send: %s", ts_last_error());
     }
-    if (wait_xfers(t, xs, 4, 20, NULL) != 0)
-        FAIL(13, "ring timed out");
+    if (wait_xfers(t, xs, 4, 20, NULL) != 0) FAIL(13, "ring timed out");
     for (int i = 0; i < 4; i++)
-        if (xs[i].status != TS_OK)
-            FAIL(14, "xfer %d: %s %s", i, ts_status_name(xs[i].status), xs[i].detail);
+        if (xs[i].status != TS_OK) FAIL(14, "xfer %d: %s %s", i, ts_status_name(xs[i].status), xs[i].detail);
     for (int k = 0; k < 2; k++)
-        if (!check(rb[k], sizes[k], left, k))
-            FAIL(15, "wrong data in message %d from rank %d", k, left);
+        if (!check(rb[k], sizes[k], left, k)) FAIL(15, "wrong data in message %d from rank %d", k, left);
     for (int k = 0; k < 2; k++) {
         free(sb[k]);
         free(rb[k]);
@@ -156,10 +143,7 @@ static int sc_ring(ts_transport *t, ts_store *st, const char *prefix)
  * (some after the data arrived), with sizes across the eager/rendezvous
  * switch. */
 #define NMSG 48
-static size_t many_size(int i)
-{
-    return (size_t)(i % 3 == 0 ? 16 : i % 3 == 1 ? 3000 : 40000) + (size_t)i;
-}
+static size_t many_size(int i) { return (size_t)(i % 3 == 0 ? 16 : i % 3 == 1 ? 3000 : 40000) + (size_t)i; }
 
 static int sc_many_tags(ts_transport *t, ts_store *st, const char *prefix)
 {
@@ -169,12 +153,10 @@ static int sc_many_tags(ts_transport *t, ts_store *st, const char *prefix)
     unsigned char **sb = calloc((size_t)n, sizeof *sb), **rb = calloc((size_t)n, sizeof *rb);
     int *rsrc = calloc((size_t)n, sizeof *rsrc), *ridx = calloc((size_t)n, sizeof *ridx);
     xfer *xs = calloc((size_t)(2 * n), sizeof *xs);
-    if (!sb || !rb || !xs || !rsrc || !ridx)
-        FAIL(10, "out of memory");
+    if (!sb || !rb || !xs || !rsrc || !ridx) FAIL(10, "out of memory");
     int k = 0;
     for (int p = 0; p < w; p++) {
-        if (p == r)
-            continue;
+        if (p == r) continue;
         for (int i = 0; i < NMSG; i++, k++) {
             sb[k] = malloc(many_size(i));
             fill(sb[k], many_size(i), r, i);
@@ -183,12 +165,10 @@ static int sc_many_tags(ts_transport *t, ts_store *st, const char *prefix)
         }
     }
     /* Let some of the messages arrive before their receives. */
-    for (int i = 0; i < 20; i++)
-        t->vt->progress(t);
+    for (int i = 0; i < 20; i++) t->vt->progress(t);
     k = 0;
     for (int p = w - 1; p >= 0; p--) {
-        if (p == r)
-            continue;
+        if (p == r) continue;
         for (int j = 0; j < NMSG; j++, k++) {
             int i = (j * 17 + 5) % NMSG; /* 17 is coprime with 48: a permutation */
             rsrc[k] = p;
@@ -198,11 +178,9 @@ static int sc_many_tags(ts_transport *t, ts_store *st, const char *prefix)
                 FAIL(12, "recv: %s", ts_last_error());
         }
     }
-    if (wait_xfers(t, xs, 2 * n, 30, NULL) != 0)
-        FAIL(13, "many tags timed out");
+    if (wait_xfers(t, xs, 2 * n, 30, NULL) != 0) FAIL(13, "many tags timed out");
     for (int i = 0; i < 2 * n; i++)
-        if (xs[i].status != TS_OK)
-            FAIL(14, "xfer %d: %s %s", i, ts_status_name(xs[i].status), xs[i].detail);
+        if (xs[i].status != TS_OK) FAIL(14, "xfer %d: %s %s", i, ts_status_name(xs[i].status), xs[i].detail);
     for (k = 0; k < n; k++)
         if (!check(rb[k], many_size(ridx[k]), rsrc[k], ridx[k]))
             FAIL(15, "wrong data in message %d from rank %d", ridx[k], rsrc[k]);
@@ -230,8 +208,7 @@ static int sc_unexpected(ts_transport *t, ts_store *st, const char *prefix)
     xfer xs[3] = {0};
     for (int k = 0; k < 3; k++) {
         b[k] = calloc(1, sizes[k]);
-        if (!b[k])
-            FAIL(10, "out of memory");
+        if (!b[k]) FAIL(10, "out of memory");
     }
     if (t->rank == 1) {
         for (int k = 0; k < 3; k++) {
@@ -241,27 +218,20 @@ static int sc_unexpected(ts_transport *t, ts_store *st, const char *prefix)
         }
         if (wait_xfers(t, xs, 2, 10, NULL) != 0) /* the eager ones complete alone */
             FAIL(12, "eager sends did not complete");
-        if (ts_store_barrier(st, name, 2) != TS_OK)
-            FAIL(13, "barrier: %s", ts_last_error());
-        if (wait_xfers(t, xs, 3, 10, NULL) != 0)
-            FAIL(14, "rendezvous send did not complete");
+        if (ts_store_barrier(st, name, 2) != TS_OK) FAIL(13, "barrier: %s", ts_last_error());
+        if (wait_xfers(t, xs, 3, 10, NULL) != 0) FAIL(14, "rendezvous send did not complete");
     } else {
-        if (ts_store_barrier(st, name, 2) != TS_OK)
-            FAIL(13, "barrier: %s", ts_last_error());
+        if (ts_store_barrier(st, name, 2) != TS_OK) FAIL(13, "barrier: %s", ts_last_error());
         for (int k = 2; k >= 0; k--)
             if (t->vt->recv(t, 1, b[k], sizes[k], (uint64_t)(100 + k), xfer_cb, &xs[k]) != TS_OK)
                 FAIL(11, "recv: %s", ts_last_error());
-        if (wait_xfers(t, xs, 3, 10, NULL) != 0)
-            FAIL(14, "receives did not complete");
+        if (wait_xfers(t, xs, 3, 10, NULL) != 0) FAIL(14, "receives did not complete");
         for (int k = 0; k < 3; k++)
-            if (!check(b[k], sizes[k], 1, k))
-                FAIL(15, "wrong data in message %d", k);
+            if (!check(b[k], sizes[k], 1, k)) FAIL(15, "wrong data in message %d", k);
     }
     for (int k = 0; k < 3; k++)
-        if (xs[k].status != TS_OK)
-            FAIL(16, "xfer %d: %s %s", k, ts_status_name(xs[k].status), xs[k].detail);
-    for (int k = 0; k < 3; k++)
-        free(b[k]);
+        if (xs[k].status != TS_OK) FAIL(16, "xfer %d: %s %s", k, ts_status_name(xs[k].status), xs[k].detail);
+    for (int k = 0; k < 3; k++) free(b[k]);
     return 0;
 }
 
@@ -276,38 +246,31 @@ static int sc_mismatch(ts_transport *t, ts_store *st, const char *prefix)
     xfer never = {0};
     if (t->vt->send(t, 1 - t->rank, big, 10, 1ull << 48, xfer_cb, &never) != TS_ERR_INVALID_ARGUMENT)
         FAIL(10, "a tag with bit 48 set was accepted");
-    if (!strstr(ts_last_error(), "tag"))
-        FAIL(10, "detail does not name the tag: %s", ts_last_error());
+    if (!strstr(ts_last_error(), "tag")) FAIL(10, "detail does not name the tag: %s", ts_last_error());
     if (t->vt->recv(t, 1 - t->rank, rb[0], 10, ~0ull, xfer_cb, &never) != TS_ERR_INVALID_ARGUMENT)
         FAIL(10, "a tag with high bits set was accepted");
-    if (t->vt->send(t, 2, big, 10, 1, xfer_cb, &never) != TS_ERR_INVALID_ARGUMENT)
-        FAIL(10, "peer 2 of 2 accepted");
-    if (t->vt->recv(t, -1, rb[0], 10, 1, xfer_cb, &never) != TS_ERR_INVALID_ARGUMENT)
-        FAIL(10, "peer -1 accepted");
+    if (t->vt->send(t, 2, big, 10, 1, xfer_cb, &never) != TS_ERR_INVALID_ARGUMENT) FAIL(10, "peer 2 of 2 accepted");
+    if (t->vt->recv(t, -1, rb[0], 10, 1, xfer_cb, &never) != TS_ERR_INVALID_ARGUMENT) FAIL(10, "peer -1 accepted");
     if (t->rank == 1) {
         if (t->vt->send(t, 0, big, sizeof big, 1, xfer_cb, &xs[0]) != TS_OK ||
             t->vt->send(t, 0, small, sizeof small, 2, xfer_cb, &xs[1]) != TS_OK)
             FAIL(11, "send: %s", ts_last_error());
-        if (wait_xfers(t, xs, 2, 10, NULL) != 0)
-            FAIL(12, "sends did not complete");
+        if (wait_xfers(t, xs, 2, 10, NULL) != 0) FAIL(12, "sends did not complete");
     } else {
         if (t->vt->recv(t, 1, rb[0], 100, 1, xfer_cb, &xs[0]) != TS_OK ||
             t->vt->recv(t, 1, rb[1], 100, 2, xfer_cb, &xs[1]) != TS_OK)
             FAIL(11, "recv: %s", ts_last_error());
-        if (wait_xfers(t, xs, 2, 10, NULL) != 0)
-            FAIL(12, "receives did not complete");
+        if (wait_xfers(t, xs, 2, 10, NULL) != 0) FAIL(12, "receives did not complete");
         for (int k = 0; k < 2; k++) {
             if (xs[k].status != TS_ERR_COMM)
                 FAIL(13, "receive %d: %s, expected TS_ERR_COMM", k, ts_status_name(xs[k].status));
             printf("rank 0: mismatch %d: %s\n", k, xs[k].detail);
         }
-        if (!strstr(xs[0].detail, "100"))
-            FAIL(14, "detail lacks the buffer size: %s", xs[0].detail);
+        if (!strstr(xs[0].detail, "100")) FAIL(14, "detail lacks the buffer size: %s", xs[0].detail);
         if (!strstr(xs[1].detail, "50") || !strstr(xs[1].detail, "100"))
             FAIL(14, "detail lacks both lengths: %s", xs[1].detail);
     }
-    if (never.done)
-        FAIL(15, "callback of a rejected call ran");
+    if (never.done) FAIL(15, "callback of a rejected call ran");
     return 0;
 }
 
@@ -319,39 +282,29 @@ static int sc_poll_loop(ts_transport *t, ts_store *st, const char *prefix)
     snprintf(name, sizeof name, "%s/poll", prefix);
     unsigned char b[64];
     xfer x = {0};
-    if (ts_store_barrier(st, name, 2) != TS_OK)
-        FAIL(10, "barrier: %s", ts_last_error());
+    if (ts_store_barrier(st, name, 2) != TS_OK) FAIL(10, "barrier: %s", ts_last_error());
     if (t->rank == 1) {
         poll(NULL, 0, 300); /* the delay under test, not a wait */
         fill(b, sizeof b, 1, 0);
-        if (t->vt->send(t, 0, b, sizeof b, 5, xfer_cb, &x) != TS_OK)
-            FAIL(11, "send: %s", ts_last_error());
-        if (wait_xfers(t, &x, 1, 10, NULL) != 0)
-            FAIL(12, "send did not complete");
+        if (t->vt->send(t, 0, b, sizeof b, 5, xfer_cb, &x) != TS_OK) FAIL(11, "send: %s", ts_last_error());
+        if (wait_xfers(t, &x, 1, 10, NULL) != 0) FAIL(12, "send did not complete");
     } else {
-        if (t->vt->recv(t, 1, b, sizeof b, 5, xfer_cb, &x) != TS_OK)
-            FAIL(11, "recv: %s", ts_last_error());
+        if (t->vt->recv(t, 1, b, sizeof b, 5, xfer_cb, &x) != TS_OK) FAIL(11, "recv: %s", ts_last_error());
         double t0 = now_s();
-        if (wait_xfers(t, &x, 1, 10, NULL) != 0)
-            FAIL(12, "receive did not complete");
+        if (wait_xfers(t, &x, 1, 10, NULL) != 0) FAIL(12, "receive did not complete");
         double dt = now_s() - t0;
         printf("rank 0: waited %.3f s with %ld progress calls and %ld polls\n", dt, g_progress_calls, g_polls);
-        if (!check(b, sizeof b, 1, 0))
-            FAIL(13, "wrong data");
+        if (!check(b, sizeof b, 1, 0)) FAIL(13, "wrong data");
         /* A busy loop makes millions of calls in 300 ms; a sleeping one a
          * few per wakeup (UCX may wake us for its own events). */
         if (g_polls < 1 || g_progress_calls > 5000)
             FAIL(14, "not a sleeping wait: %.3f s, %ld progress calls, %ld polls", dt, g_progress_calls, g_polls);
     }
-    if (x.status != TS_OK)
-        FAIL(15, "%s %s", ts_status_name(x.status), x.detail);
+    if (x.status != TS_OK) FAIL(15, "%s %s", ts_status_name(x.status), x.detail);
     return 0;
 }
 
-static bool peer_failed(ts_transport *t)
-{
-    return t->vt->failed_peer(t, NULL) >= 0;
-}
+static bool peer_failed(ts_transport *t) { return t->vt->failed_peer(t, NULL) >= 0; }
 
 /* 3 ranks; rank 2 SIGKILLs itself while ranks 0 and 1 have receives (and
  * rank 1 a rendezvous send) pending with it. Survivors must see
@@ -366,18 +319,14 @@ static int sc_peer_dies(ts_transport *t, ts_store *st, const char *prefix)
     int n = 0;
     /* One exchange first, so that the endpoints to rank 2 are wired up. */
     if (t->rank != 2) {
-        if (t->vt->recv(t, 2, rb[0], 8, 1, xfer_cb, &xs[n++]) != TS_OK)
-            FAIL(10, "recv: %s", ts_last_error());
+        if (t->vt->recv(t, 2, rb[0], 8, 1, xfer_cb, &xs[n++]) != TS_OK) FAIL(10, "recv: %s", ts_last_error());
     } else {
         for (int p = 0; p < 2; p++)
-            if (t->vt->send(t, p, sb, 8, 1, xfer_cb, &xs[n++]) != TS_OK)
-                FAIL(10, "send: %s", ts_last_error());
+            if (t->vt->send(t, p, sb, 8, 1, xfer_cb, &xs[n++]) != TS_OK) FAIL(10, "send: %s", ts_last_error());
     }
-    if (wait_xfers(t, xs, n, 10, NULL) != 0)
-        FAIL(11, "warm-up timed out");
+    if (wait_xfers(t, xs, n, 10, NULL) != 0) FAIL(11, "warm-up timed out");
     for (int i = 0; i < n; i++)
-        if (xs[i].status != TS_OK)
-            FAIL(11, "warm-up: %s", xs[i].detail);
+        if (xs[i].status != TS_OK) FAIL(11, "warm-up: %s", xs[i].detail);
     memset(xs, 0, sizeof xs);
     n = 0;
     if (t->rank != 2) {
@@ -387,16 +336,14 @@ static int sc_peer_dies(ts_transport *t, ts_store *st, const char *prefix)
         if (t->rank == 1 && t->vt->send(t, 2, sb, sizeof sb, 20, xfer_cb, &xs[n++]) != TS_OK)
             FAIL(12, "send: %s", ts_last_error());
     }
-    if (ts_store_barrier(st, name, 3) != TS_OK)
-        FAIL(13, "barrier: %s", ts_last_error());
+    if (ts_store_barrier(st, name, 3) != TS_OK) FAIL(13, "barrier: %s", ts_last_error());
     if (t->rank == 2) {
         raise(SIGKILL);
         FAIL(14, "still alive");
     }
     /* The kill happens right after rank 2 leaves the barrier. */
     double t0 = now_s();
-    if (wait_xfers(t, xs, 1, 10, peer_failed) != 0)
-        FAIL(15, "no failure seen within 10 s");
+    if (wait_xfers(t, xs, 1, 10, peer_failed) != 0) FAIL(15, "no failure seen within 10 s");
     double t_fail = now_s() - t0;
     ts_status fs = TS_OK;
     int fp = t->vt->failed_peer(t, &fs);
@@ -411,17 +358,14 @@ static int sc_peer_dies(ts_transport *t, ts_store *st, const char *prefix)
      * to the other. */
     char sname[160];
     snprintf(sname, sizeof sname, "%s/survivors", prefix);
-    if (ts_store_barrier(st, sname, 2) != TS_OK)
-        FAIL(21, "survivors' barrier: %s", ts_last_error());
+    if (ts_store_barrier(st, sname, 2) != TS_OK) FAIL(21, "survivors' barrier: %s", ts_last_error());
     printf("rank %d: failed_peer %d (%s) after %.3f s; all %d callbacks after %.3f s\n", t->rank, fp,
            ts_status_name(fs), t_fail, n, t_cb);
     for (int i = 0; i < n; i++)
         printf("rank %d:   xfer %d: %s: %s\n", t->rank, i, ts_status_name(xs[i].status), xs[i].detail);
     fflush(stdout);
-    if (fp != 2 || fs != TS_ERR_PEER_FAILED)
-        FAIL(17, "failed_peer %d %s", fp, ts_status_name(fs));
-    if (t_cb > 3.0)
-        FAIL(18, "detection took %.3f s (> 3 s)", t_cb);
+    if (fp != 2 || fs != TS_ERR_PEER_FAILED) FAIL(17, "failed_peer %d %s", fp, ts_status_name(fs));
+    if (t_cb > 3.0) FAIL(18, "detection took %.3f s (> 3 s)", t_cb);
     for (int i = 0; i < n; i++)
         if (xs[i].status != TS_ERR_PEER_FAILED)
             FAIL(19, "xfer %d: %s, expected TS_ERR_PEER_FAILED", i, ts_status_name(xs[i].status));
@@ -443,10 +387,8 @@ static int sc_cancel_all(ts_transport *t, ts_store *st, const char *prefix)
         if (t->vt->recv(t, 1, rb, sizeof rb, 99, xfer_cb, &xs[0]) != TS_OK ||
             t->vt->send(t, 1, sb, sizeof sb, 98, xfer_cb, &xs[1]) != TS_OK)
             FAIL(10, "post: %s", ts_last_error());
-        for (int i = 0; i < 50; i++)
-            t->vt->progress(t);
-        if (xs[0].done || xs[1].done)
-            FAIL(11, "a transfer completed by itself");
+        for (int i = 0; i < 50; i++) t->vt->progress(t);
+        if (xs[0].done || xs[1].done) FAIL(11, "a transfer completed by itself");
         double t0 = now_s();
         t->vt->cancel_all(t, TS_ERR_TIMEOUT);
         double dt = now_s() - t0;
@@ -455,13 +397,10 @@ static int sc_cancel_all(ts_transport *t, ts_store *st, const char *prefix)
         if (!xs[0].done || !xs[1].done || xs[0].status != TS_ERR_TIMEOUT || xs[1].status != TS_ERR_TIMEOUT)
             FAIL(12, "cancel_all left: recv %d %s, send %d %s", xs[0].done, ts_status_name(xs[0].status), xs[1].done,
                  ts_status_name(xs[1].status));
-        if (dt > 3.0)
-            FAIL(13, "cancel_all took %.3f s", dt);
-        if (t->vt->progress(t) < 0)
-            FAIL(14, "progress after cancel_all");
+        if (dt > 3.0) FAIL(13, "cancel_all took %.3f s", dt);
+        if (t->vt->progress(t) < 0) FAIL(14, "progress after cancel_all");
     }
-    if (ts_store_barrier(st, name, 2) != TS_OK)
-        FAIL(15, "barrier: %s", ts_last_error());
+    if (ts_store_barrier(st, name, 2) != TS_OK) FAIL(15, "barrier: %s", ts_last_error());
     return 0;
 }
 
@@ -483,8 +422,8 @@ static int sc_bypass_abandoned(ts_transport *t, ts_store *st, const char *prefix
         for (int i = 0; i < 50; i++) t->vt->progress(t);
         double t0 = now_s();
         t->vt->cancel_all(t, TS_ERR_TIMEOUT);
-        if (!x[0].done || x[0].status != TS_ERR_TIMEOUT) FAIL(11, "cancel_all left the send %d %s", x[0].done,
-                                                               ts_status_name(x[0].status));
+        if (!x[0].done || x[0].status != TS_ERR_TIMEOUT)
+            FAIL(11, "cancel_all left the send %d %s", x[0].done, ts_status_name(x[0].status));
         if (now_s() - t0 > 1.0) FAIL(12, "cancel_all took %.3f s", now_s() - t0);
         memset(b, 2, N); /* reused, as the callback allows */
     }
@@ -527,7 +466,8 @@ static int sc_tcp_keepalive(ts_transport *t, ts_store *st, const char *prefix)
         {"UCX_TCP_KEEPIDLE", "10s"}, {"UCX_TCP_KEEPINTVL", "2s"}, {"UCX_TCP_KEEPCNT", "5"}};
     for (int i = 0; i < 3; i++) {
         const char *v = getenv(want[i][0]);
-        if (!v || strcmp(v, want[i][1]) != 0) FAIL(30, "%s is '%s', expected '%s'", want[i][0], v ? v : "(unset)", want[i][1]);
+        if (!v || strcmp(v, want[i][1]) != 0)
+            FAIL(30, "%s is '%s', expected '%s'", want[i][0], v ? v : "(unset)", want[i][1]);
     }
     return 0;
 }
@@ -554,8 +494,8 @@ static int sc_destroy_keeps_error(ts_transport *t, ts_store *st, const char *pre
     ts_error(TS_ERR_SHAPE, "the first error");
     t->vt->destroy(t);
     g_destroyed = true;
-    printf("rank 0: after the destroy: %s (%s); the receive: %s\n", ts_status_name(ts_last_status()),
-           ts_last_error(), ts_status_name(x.status));
+    printf("rank 0: after the destroy: %s (%s); the receive: %s\n", ts_status_name(ts_last_status()), ts_last_error(),
+           ts_status_name(x.status));
     if (!x.done || x.status == TS_OK) FAIL(21, "the pending receive was not cancelled by the destroy");
     if (ts_last_status() != TS_ERR_SHAPE || strcmp(ts_last_error(), "the first error") != 0)
         FAIL(22, "the destroy wrote the last error: %s (%s)", ts_status_name(ts_last_status()), ts_last_error());
@@ -567,10 +507,8 @@ static int run_rank(int rank, int world, int port, const char *prefix, scenario_
     g_rank = rank;
     ts_store *st = NULL;
     ts_transport *t = NULL;
-    if (ts_store_connect("127.0.0.1", port, "", 10.0, &st) != TS_OK)
-        FAIL(2, "connect: %s", ts_last_error());
-    if (ts__ucx_transport_new(st, prefix, rank, world, 20.0, &t) != TS_OK)
-        FAIL(3, "transport: %s", ts_last_error());
+    if (ts_store_connect("127.0.0.1", port, "", 10.0, &st) != TS_OK) FAIL(2, "connect: %s", ts_last_error());
+    if (ts__ucx_transport_new(st, prefix, rank, world, 20.0, &t) != TS_OK) FAIL(3, "transport: %s", ts_last_error());
     if (strcmp(t->vt->name, "ucx") != 0 || t->rank != rank || t->size != world || t->vt->wait_fd(t) < 0)
         FAIL(4, "bad transport fields");
     int rc = fn(t, st, prefix);
@@ -578,11 +516,9 @@ static int run_rank(int rank, int world, int port, const char *prefix, scenario_
         /* Clean shutdown order: everything completed, barrier, close. */
         char name[128];
         snprintf(name, sizeof name, "%s/end", prefix);
-        if (ts_store_barrier(st, name, world) != TS_OK)
-            FAIL(5, "end barrier: %s", ts_last_error());
+        if (ts_store_barrier(st, name, world) != TS_OK) FAIL(5, "end barrier: %s", ts_last_error());
     }
-    if (rc != 0)
-        return rc; /* transfers may still point into the scenario's frame: just exit */
+    if (rc != 0) return rc; /* transfers may still point into the scenario's frame: just exit */
     double t0 = now_s();
     if (!g_destroyed) t->vt->destroy(t);
     *destroy_s = now_s() - t0;
@@ -612,10 +548,8 @@ static pid_t start_store_host(int *port_out, int *stop_out)
         close(sp[1]);
         ts_store_server *srv = NULL;
         int port = -1;
-        if (ts_store_server_start("127.0.0.1", 0, NULL, &srv) == TS_OK)
-            port = ts_store_server_port(srv);
-        if (write(pp[1], &port, sizeof port) != (ssize_t)sizeof port)
-            _exit(2);
+        if (ts_store_server_start("127.0.0.1", 0, NULL, &srv) == TS_OK) port = ts_store_server_port(srv);
+        if (write(pp[1], &port, sizeof port) != (ssize_t)sizeof port) _exit(2);
         char c;
         while (read(sp[0], &c, 1) > 0) /* blocks until the test closes its end */
             ;
@@ -626,8 +560,7 @@ static pid_t start_store_host(int *port_out, int *stop_out)
     close(sp[0]);
     int port = -1;
     struct pollfd p = {.fd = pp[0], .events = POLLIN};
-    if (poll(&p, 1, 10000) == 1 && read(pp[0], &port, sizeof port) != (ssize_t)sizeof port)
-        port = -1;
+    if (poll(&p, 1, 10000) == 1 && read(pp[0], &port, sizeof port) != (ssize_t)sizeof port) port = -1;
     close(pp[0]);
     cr_assert_gt(port, 0, "the store host did not start");
     *port_out = port;
@@ -667,16 +600,14 @@ static void run_world(int world, scenario_fn fn, int kill_rank, double deadline_
     bool reaped[8] = {false};
     while (left > 0) {
         for (int r = 0; r < world; r++) {
-            if (reaped[r])
-                continue;
+            if (reaped[r]) continue;
             pid_t p = waitpid(pids[r], &status[r], WNOHANG);
             if (p == pids[r]) {
                 reaped[r] = true;
                 left--;
             }
         }
-        if (left == 0)
-            break;
+        if (left == 0) break;
         if (now_s() > deadline) {
             for (int r = 0; r < world; r++)
                 if (!reaped[r]) {
@@ -703,8 +634,7 @@ static void run_world(int world, scenario_fn fn, int kill_rank, double deadline_
         poll(NULL, 0, 10);
     }
     for (int r = 0; r < world; r++) {
-        if (status[r] == -1)
-            continue;
+        if (status[r] == -1) continue;
         if (r == kill_rank) {
             if (!(WIFSIGNALED(status[r]) && WTERMSIG(status[r]) == SIGKILL)) {
                 cr_log_error("rank %d: expected death by SIGKILL, status 0x%x", r, status[r]);
@@ -725,10 +655,7 @@ ParameterizedTestParameters(comm_transport_ucx, ring)
     return cr_make_param_array(int, worlds, sizeof worlds / sizeof worlds[0]);
 }
 
-ParameterizedTest(int *world, comm_transport_ucx, ring, .timeout = 60)
-{
-    run_world(*world, sc_ring, -1, 50);
-}
+ParameterizedTest(int *world, comm_transport_ucx, ring, .timeout = 60) { run_world(*world, sc_ring, -1, 50); }
 
 ParameterizedTestParameters(comm_transport_ucx, many_tags_out_of_order)
 {
@@ -741,40 +668,19 @@ ParameterizedTest(int *world, comm_transport_ucx, many_tags_out_of_order, .timeo
     run_world(*world, sc_many_tags, -1, 50);
 }
 
-Test(comm_transport_ucx, message_before_receive, .timeout = 60)
-{
-    run_world(2, sc_unexpected, -1, 50);
-}
+Test(comm_transport_ucx, message_before_receive, .timeout = 60) { run_world(2, sc_unexpected, -1, 50); }
 
-Test(comm_transport_ucx, length_mismatch_and_bad_arguments, .timeout = 60)
-{
-    run_world(2, sc_mismatch, -1, 50);
-}
+Test(comm_transport_ucx, length_mismatch_and_bad_arguments, .timeout = 60) { run_world(2, sc_mismatch, -1, 50); }
 
-Test(comm_transport_ucx, waits_sleep_in_poll, .timeout = 60)
-{
-    run_world(2, sc_poll_loop, -1, 50);
-}
+Test(comm_transport_ucx, waits_sleep_in_poll, .timeout = 60) { run_world(2, sc_poll_loop, -1, 50); }
 
-Test(comm_transport_ucx, dead_peer_detected_within_3s, .timeout = 60)
-{
-    run_world(3, sc_peer_dies, 2, 50);
-}
+Test(comm_transport_ucx, dead_peer_detected_within_3s, .timeout = 60) { run_world(3, sc_peer_dies, 2, 50); }
 
-Test(comm_transport_ucx, cancel_all_is_bounded, .timeout = 60)
-{
-    run_world(2, sc_cancel_all, -1, 50);
-}
+Test(comm_transport_ucx, cancel_all_is_bounded, .timeout = 60) { run_world(2, sc_cancel_all, -1, 50); }
 
-Test(comm_transport_ucx, destroy_keeps_the_last_error, .timeout = 60)
-{
-    run_world(2, sc_destroy_keeps_error, -1, 50);
-}
+Test(comm_transport_ucx, destroy_keeps_the_last_error, .timeout = 60) { run_world(2, sc_destroy_keeps_error, -1, 50); }
 
-Test(comm_transport_ucx, bypass_send_abandoned_then_read, .timeout = 60)
-{
-    run_world(2, sc_bypass_abandoned, -1, 50);
-}
+Test(comm_transport_ucx, bypass_send_abandoned_then_read, .timeout = 60) { run_world(2, sc_bypass_abandoned, -1, 50); }
 
 Test(comm_transport_ucx, tcp_keepalive_spans_the_deadline, .timeout = 60)
 {

@@ -16,10 +16,10 @@ static const unsigned char worker[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
 
 static ts_ucx_addr sample(void)
 {
-    ts_ucx_addr a = {.hdr = {.magic = TS_UCX_MAGIC, .pid = 4242, .cookie_addr = 0x7ffd12345678ull,
-                             .cookie = 0x9e3779b97f4a7c15ull},
-                     .worker = worker,
-                     .worker_len = sizeof worker};
+    ts_ucx_addr a = {
+        .hdr = {.magic = TS_UCX_MAGIC, .pid = 4242, .cookie_addr = 0x7ffd12345678ull, .cookie = 0x9e3779b97f4a7c15ull},
+        .worker = worker,
+        .worker_len = sizeof worker};
     snprintf(a.hdr.host, sizeof a.hdr.host, "%s", "0f1e2d3c-boot/4026531836/4026531840");
     return a;
 }
@@ -61,8 +61,7 @@ Test(comm_ucx_addr, encode_into_too_small_a_buffer_writes_nothing)
     unsigned char v[64];
     memset(v, 0xAB, sizeof v);
     cr_assert_eq(ts__ucx_addr_encode(&a, v, sizeof v), 88 + sizeof worker);
-    for (size_t i = 0; i < sizeof v; i++)
-        cr_assert_eq(v[i], 0xAB);
+    for (size_t i = 0; i < sizeof v; i++) cr_assert_eq(v[i], 0xAB);
 }
 
 Test(comm_ucx_addr, decode_of_a_value_no_longer_than_the_header_names_both_lengths)

@@ -23,8 +23,7 @@ Test(comm_xmem, readv_spans_more_than_iov_max_entries_and_counts_the_bytes)
         src[i] = (unsigned char)(i * 7 + 1);
         l[i] = (struct iovec){&dst[i], 1}; /* one byte each locally */
     }
-    for (int i = 0; i < N / 2; i++)
-        r[i] = (struct iovec){&src[2 * i], 2}; /* two each remotely */
+    for (int i = 0; i < N / 2; i++) r[i] = (struct iovec){&src[2 * i], 2}; /* two each remotely */
     size_t done = 0;
     cr_assert_eq(ts__xmem_readv(getpid(), l, N, r, N / 2, &done), 0);
     cr_assert_eq(done, (size_t)N);
@@ -49,13 +48,11 @@ Test(comm_xmem, host_ids_have_their_two_forms_and_compare_equal_on_this_host)
     cr_assert(strstr(pids, "/pid:[") != NULL, "%s", pids);
     cr_assert(strchr(net, '[') == NULL && strchr(net, '/') != NULL, "%s", net);
     size_t k = strlen(net);
-    for (size_t i = k; i < sizeof net; i++)
-        cr_assert_eq(net[i], 0, "NUL-padded");
+    for (size_t i = k; i < sizeof net; i++) cr_assert_eq(net[i], 0, "NUL-padded");
     cr_assert(ts__host_same(net, net2, sizeof net));
     net2[0] ^= 1;
     cr_assert(!ts__host_same(net, net2, sizeof net));
     int fd = ts__host_watch(getpid());
     cr_assert(fd >= 0 || errno == ENOSYS, "pidfd_open: %s", strerror(errno));
-    if (fd >= 0)
-        close(fd);
+    if (fd >= 0) close(fd);
 }

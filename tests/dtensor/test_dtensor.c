@@ -107,7 +107,8 @@ static int check_chunk(rank_ctx *rc, const char *what, const ts_mesh *m, const t
     int64_t lsh[TS_MAX_DIMS], off[TS_MAX_DIMS];
     ref_local(m, pl, nd, sh, lsh, off);
     if (!local) return fail(rc, "%s: NULL local tensor", what);
-    if (ts_tensor_ndim(local) != nd) return fail(rc, "%s: local has %d dims, expected %d", what, ts_tensor_ndim(local), nd);
+    if (ts_tensor_ndim(local) != nd)
+        return fail(rc, "%s: local has %d dims, expected %d", what, ts_tensor_ndim(local), nd);
     for (int d = 0; d < nd; d++)
         if (ts_tensor_shape(local)[d] != lsh[d])
             return fail(rc, "%s: local dim %d is %lld, expected %lld", what, d, (long long)ts_tensor_shape(local)[d],
@@ -187,8 +188,9 @@ static void expect_chunks(int64_t n, int k, const int64_t *lens)
         ts_chunk_range(n, k, i, &s, &l);
         cr_assert_eq(l, lens[i], "n=%lld k=%d part %d: len %lld, expected %lld", (long long)n, k, i, (long long)l,
                      (long long)lens[i]);
-        if (l > 0) cr_assert_eq(s, pos, "n=%lld k=%d part %d: start %lld, expected %lld", (long long)n, k, i,
-                                (long long)s, (long long)pos);
+        if (l > 0)
+            cr_assert_eq(s, pos, "n=%lld k=%d part %d: start %lld, expected %lld", (long long)n, k, i, (long long)s,
+                         (long long)pos);
         cr_assert(s >= 0 && s <= n);
         pos += l;
     }
@@ -465,8 +467,8 @@ Test(dtensor_dtensor, from_local_and_full_tensor, .timeout = 60)
 /* A DTensor of global shape sh holding scale * (index + 1) under pl, made
  * with from_local. A Partial mesh dim holds scale * (coord + 1) * value on
  * each rank of the dim, and the returned *scale_out is the reduced scale. */
-static int make_dt(rank_ctx *rc, const ts_mesh *m, const ts_placement *pl, int nd, const int64_t *sh,
-                   ts_dtensor **out, double *scale_out)
+static int make_dt(rank_ctx *rc, const ts_mesh *m, const ts_placement *pl, int nd, const int64_t *sh, ts_dtensor **out,
+                   double *scale_out)
 {
     int n = ts_mesh_ndim(m), coord[TS_MESH_MAX_DIMS];
     ts_mesh_coordinate(m, coord);
@@ -498,8 +500,8 @@ static int r_redistribute_1d(rank_ctx *rc)
     const ts_placement S0 = ts_shard(0), S1 = ts_shard(1), R = ts_replicate(), PS = ts_partial(TS_REDUCE_SUM),
                        PA = ts_partial(TS_REDUCE_AVG);
     const trans ts[] = {
-        {S0, R}, {S1, R}, {R, S0}, {R, S1}, {S0, S1}, {S1, S0}, {PS, R}, {PA, R}, {PS, S0},
-        {PA, S0}, {PS, S1}, {PA, S1}, {R, R}, {S0, S0}, {PS, PS},
+        {S0, R},  {S1, R},  {R, S0},  {R, S1},  {S0, S1}, {S1, S0}, {PS, R},  {PA, R},
+        {PS, S0}, {PA, S0}, {PS, S1}, {PA, S1}, {R, R},   {S0, S0}, {PS, PS},
     };
     static const int64_t shapes[][2] = {{5, 3}, {3, 5}, {7, 6}, {2, 2}};
     for (size_t t = 0; t < sizeof ts / sizeof ts[0]; t++) {
@@ -678,7 +680,8 @@ static int r_2x2_src(rank_ctx *rc)
     ts_mesh *m = NULL;
     RK_OK(rc, mesh_2x2(rc, &m));
     int64_t sh[2] = {7, 5};
-    const ts_placement pls[][2] = {{ts_replicate(), ts_shard(0)}, {ts_shard(0), ts_shard(0)}, {ts_shard(0), ts_shard(1)}};
+    const ts_placement pls[][2] = {
+        {ts_replicate(), ts_shard(0)}, {ts_shard(0), ts_shard(0)}, {ts_shard(0), ts_shard(1)}};
     for (int src = 0; src < 4; src += 3) {
         for (int p = 0; p < 3; p++) {
             ts_tensor *g = NULL;

@@ -90,7 +90,7 @@ static inline size_t ec_measured_peak(ts_module *m, ts_optim *opt, ts_tensor *x,
     ts_mem_reset_peak();
     ec_step(m, opt, x, tg, microbatches);
     return ts_mem_peak_bytes(TS_MEM_STORAGE) - ts__pool_block_bytes(ts_storage_nbytes(ts_tensor_storage(x))) -
-           ts__pool_block_bytes(ts_storage_nbytes(ts_tensor_storage(tg)));
+        ts__pool_block_bytes(ts_storage_nbytes(ts_tensor_storage(tg)));
 }
 
 /* ------------------------------------------------------------ a user module type */
@@ -150,8 +150,10 @@ static inline void ec_gated_free(ts_module *m)
     free(g);
 }
 
-static const ts_module_vtable ec_gated_vt = {.type_name = "GatedMLP", .forward = ec_gated_forward,
-                                             .visit = ec_gated_visit, .free = ec_gated_free,
+static const ts_module_vtable ec_gated_vt = {.type_name = "GatedMLP",
+                                             .forward = ec_gated_forward,
+                                             .visit = ec_gated_visit,
+                                             .free = ec_gated_free,
                                              .reset_parameters = ec_gated_reset};
 
 static inline ts_module *ec_gated_new(int64_t d, int64_t h)
@@ -171,13 +173,13 @@ static inline ts_module *ec_gated_new(int64_t d, int64_t h)
 enum { EC_IN = 24, EC_D = 40, EC_H = 72, EC_CLASSES = 10, EC_BLOCKS = 3, EC_ROWS = 48 };
 
 typedef struct ec_shard_opts {
-    ts_mesh *mesh;             /* NULL: the world's */
-    ts_reshard_policy policy;  /* the blocks' reshard_after_forward */
-    int every_n;               /* TS_RESHARD_EVERY_N's */
-    bool bf16;                 /* param_dtype bf16, reduce float32 */
-    bool ckpt;                 /* ts_checkpoint_module on every block */
-    bool explicit_pf;          /* block i forward-prefetches i+1, backward-prefetches i-1 */
-    bool prefetch;             /* implicit prefetch */
+    ts_mesh *mesh;            /* NULL: the world's */
+    ts_reshard_policy policy; /* the blocks' reshard_after_forward */
+    int every_n;              /* TS_RESHARD_EVERY_N's */
+    bool bf16;                /* param_dtype bf16, reduce float32 */
+    bool ckpt;                /* ts_checkpoint_module on every block */
+    bool explicit_pf;         /* block i forward-prefetches i+1, backward-prefetches i-1 */
+    bool prefetch;            /* implicit prefetch */
 } ec_shard_opts;
 
 /* Linear(EC_IN, EC_D), EC_BLOCKS GatedMLP(EC_D, EC_H), Linear(EC_D,

@@ -14,18 +14,18 @@
 #include <string.h>
 
 typedef struct step_opts {
-    bool bf16;           /* param_dtype bf16, reduce_dtype f32 */
-    bool bf16_reduce;    /* param_dtype and reduce_dtype bf16 (comm's reduce-scatter stages a cast) */
-    bool no_reshard;     /* reshard_after_forward false on the blocks */
-    int offload;         /* 0 none, 1 pinned, 2 pageable */
-    bool ckpt;           /* ts_checkpoint_module on every block */
-    int microbatches;    /* > 1: the first ones without gradient sync */
-    int copy_free;       /* -1 environment, 0 packed, 1 copy-free */
-    bool mlp;            /* a 2-layer MLP instead of the GPT */
-    bool prefetch;       /* implicit prefetch, forward and backward */
-    int64_t persist;     /* persist_threshold_numel (0: off) */
-    bool hsdp;           /* HSDP over the world: mesh (W, 1), replicate x shard */
-    bool explicit_pf;    /* explicit prefetch: block 0 forward-prefetches block 1, block 1 backward-prefetches block 0 */
+    bool bf16;        /* param_dtype bf16, reduce_dtype f32 */
+    bool bf16_reduce; /* param_dtype and reduce_dtype bf16 (comm's reduce-scatter stages a cast) */
+    bool no_reshard;  /* reshard_after_forward false on the blocks */
+    int offload;      /* 0 none, 1 pinned, 2 pageable */
+    bool ckpt;        /* ts_checkpoint_module on every block */
+    int microbatches; /* > 1: the first ones without gradient sync */
+    int copy_free;    /* -1 environment, 0 packed, 1 copy-free */
+    bool mlp;         /* a 2-layer MLP instead of the GPT */
+    bool prefetch;    /* implicit prefetch, forward and backward */
+    int64_t persist;  /* persist_threshold_numel (0: off) */
+    bool hsdp;        /* HSDP over the world: mesh (W, 1), replicate x shard */
+    bool explicit_pf; /* explicit prefetch: block 0 forward-prefetches block 1, block 1 backward-prefetches block 0 */
 } step_opts;
 
 static ts_mesh *g_ms_mesh; /* the HSDP mesh of the model being built (freed after it) */

@@ -34,10 +34,10 @@ typedef th_rank rank_ctx;
 static pthread_mutex_t g_build_mu = PTHREAD_MUTEX_INITIALIZER;
 static void run_world(int W, th_rank_fn fn, void *arg) { th_run_world(W, fn, arg, 60.0); }
 
-#define D 6       /* the model's width: Linear(D, D), then MLPs D -> H -> D */
-#define H 10      /* 10 rows over 4 ranks: uneven shards (3, 3, 3, 1) */
-#define NMLP 3    /* FSDP2's num_mlps */
-#define NP 14     /* parameters: (1 + 2 * NMLP) Linear layers, weight and bias */
+#define D 6    /* the model's width: Linear(D, D), then MLPs D -> H -> D */
+#define H 10   /* 10 rows over 4 ranks: uneven shards (3, 3, 3, 1) */
+#define NMLP 3 /* FSDP2's num_mlps */
+#define NP 14  /* parameters: (1 + 2 * NMLP) Linear layers, weight and bias */
 
 typedef enum mode {
     MODE_SYNC,      /* no flag: every microbatch reduce-scatters into the sharded gradients */
@@ -47,20 +47,20 @@ typedef enum mode {
 } mode;
 
 typedef struct acc_arg {
-    int K, B;                /* microbatches per step, rows per microbatch and rank */
-    int iters;               /* optimizer steps */
+    int K, B;  /* microbatches per step, rows per microbatch and rank */
+    int iters; /* optimizer steps */
     mode mode;
-    bool hsdp;               /* a (2, W/2) mesh */
-    bool rs_only;            /* HSDP: set_requires_all_reduce instead of set_requires_gradient_sync */
-    bool rab;                /* FSDP2's reshard_after_backward: false sets it to is_last on the flagged modules */
-    ts_reshard_policy raf;   /* reshard_after_forward of every call (AUTO: FSDP2's True, the root stays) */
-    bool bf16;               /* mixed precision: bf16 compute, f32 reduce */
-    bool bf16_reduce;        /* mixed precision: f32 compute, bf16 reduce (narrower than the parameters) */
-    bool f16_reduce;         /* mixed precision: f32 compute, f16 reduce */
-    bool offload;            /* CPU offload policy */
-    bool ckpt;               /* every MLP checkpointed (ts_checkpoint_module) before it is sharded */
-    bool counts;             /* check FSDP2's collective count formulas */
-    double rtol, atol;       /* shard gradients and parameters against the one-batch reference */
+    bool hsdp;             /* a (2, W/2) mesh */
+    bool rs_only;          /* HSDP: set_requires_all_reduce instead of set_requires_gradient_sync */
+    bool rab;              /* FSDP2's reshard_after_backward: false sets it to is_last on the flagged modules */
+    ts_reshard_policy raf; /* reshard_after_forward of every call (AUTO: FSDP2's True, the root stays) */
+    bool bf16;             /* mixed precision: bf16 compute, f32 reduce */
+    bool bf16_reduce;      /* mixed precision: f32 compute, bf16 reduce (narrower than the parameters) */
+    bool f16_reduce;       /* mixed precision: f32 compute, f16 reduce */
+    bool offload;          /* CPU offload policy */
+    bool ckpt;             /* every MLP checkpointed (ts_checkpoint_module) before it is sharded */
+    bool counts;           /* check FSDP2's collective count formulas */
+    double rtol, atol;     /* shard gradients and parameters against the one-batch reference */
     /* a second accumulation run whose gradients must match the first's
      * (mode2 instead of mode; rtol2/atol2) */
     bool vs_mode;
@@ -74,7 +74,6 @@ typedef struct model {
     ts_tensor *ps[NP];
     ts_optim *opt;
 } model;
-
 
 /* Sequential(Linear(D, D), MLP, MLP, MLP), MLP = Sequential(Linear(D, H),
  * Tanh, Linear(H, D)); each MLP sharded, then the root (which takes the
@@ -208,8 +207,8 @@ static int close_to(rank_ctx *rc, const char *what, int it, int i, const ts_tens
         return 0;
     }
     int64_t n = ts_tensor_numel(a);
-    if (n != ts_tensor_numel(b)) return fail(rc, "%s %d: %lld vs %lld elements", what, i, (long long)n,
-                                             (long long)ts_tensor_numel(b));
+    if (n != ts_tensor_numel(b))
+        return fail(rc, "%s %d: %lld vs %lld elements", what, i, (long long)n, (long long)ts_tensor_numel(b));
     const float *pa = ts_tensor_data(a), *pb = ts_tensor_data(b);
     for (int64_t k = 0; k < n; k++)
         if (!(fabs((double)pa[k] - (double)pb[k]) <= atol + rtol * fabs((double)pa[k])))
@@ -224,7 +223,8 @@ static int close_to(rank_ctx *rc, const char *what, int it, int i, const ts_tens
 static int accumulate(rank_ctx *rc, const acc_arg *a, model *m, mode md, ts_mesh *mesh, int it)
 {
     int64_t base = ((int64_t)it * rc->W + rc->rank) * a->K * a->B;
-    ts_comm *pg = ts_mesh_group(mesh, a->hsdp ? "shard" : NULL), *rg = a->hsdp ? ts_mesh_group(mesh, "replicate") : NULL;
+    ts_comm *pg = ts_mesh_group(mesh, a->hsdp ? "shard" : NULL),
+            *rg = a->hsdp ? ts_mesh_group(mesh, "replicate") : NULL;
     ts_comm_stats_reset(pg);
     if (rg) ts_comm_stats_reset(rg);
     for (int k = 0; k < a->K; k++) {
@@ -264,8 +264,9 @@ static int rank_accum(rank_ctx *rc)
             if (!ts_tensor_grad(m.ps[i])) return fail(rc, "iteration %d: parameter %d has no gradient", it, i);
             if (close_to(rc, "gradient", it, i, ts_tensor_grad(ref.ps[i]), ts_tensor_grad(m.ps[i]), a->rtol, a->atol))
                 return 1;
-            if (a->vs_mode && close_to(rc, "gradient (other mode)", it, i, ts_tensor_grad(m2.ps[i]),
-                                       ts_tensor_grad(m.ps[i]), a->rtol2, a->atol2))
+            if (a->vs_mode &&
+                close_to(rc, "gradient (other mode)", it, i, ts_tensor_grad(m2.ps[i]), ts_tensor_grad(m.ps[i]),
+                         a->rtol2, a->atol2))
                 return 1;
         }
         RK_OK(rc, ts_optim_step(ref.opt));
@@ -307,8 +308,14 @@ static int rank_accum(rank_ctx *rc)
 
 static acc_arg f32_arg(int K, mode md)
 {
-    acc_arg a = {.K = K, .B = 3, .iters = 2, .mode = md, .rab = true, .raf = TS_RESHARD_AUTO,
-                 .rtol = F32_RTOL, .atol = F32_ATOL};
+    acc_arg a = {.K = K,
+                 .B = 3,
+                 .iters = 2,
+                 .mode = md,
+                 .rab = true,
+                 .raf = TS_RESHARD_AUTO,
+                 .rtol = F32_RTOL,
+                 .atol = F32_ATOL};
     return a;
 }
 
@@ -360,8 +367,7 @@ Test(fully_shard_accumulation, fsdp2_collective_counts, .timeout = 120)
                 for (int rab = 0; rab < 2; rab++)
                     for (int rso = 0; rso < 2; rso++) {
                         /* FSDP2's skips: not common or not applicable */
-                        if ((!rab && (rafs[r] != TS_RESHARD_FALSE || md == MODE_SOME_MLPS)) || (!hsdp && rso))
-                            continue;
+                        if ((!rab && (rafs[r] != TS_RESHARD_FALSE || md == MODE_SOME_MLPS)) || (!hsdp && rso)) continue;
                         acc_arg a = f32_arg(3, (mode)md);
                         a.B = 2;
                         a.hsdp = hsdp;
@@ -449,7 +455,7 @@ Test(fully_shard_accumulation, offload)
 
 typedef struct div_arg {
     bool hsdp;
-    double factor;   /* 0: none */
+    double factor; /* 0: none */
     bool force_sum;
     double rtol, atol;
 } div_arg;
@@ -547,7 +553,8 @@ static int rank_f16_overflow(rank_ctx *rc)
     for (int i = 0; i < NP; i++) {
         const float *g = ts_tensor_data(ts_tensor_grad(m.ps[i]));
         for (int64_t k = 0; k < ts_tensor_numel(m.ps[i]); k++)
-            if (!isfinite(g[k])) return fail(rc, "gradient %d[%lld] is %g after the float16 reduction", i, (long long)k, g[k]);
+            if (!isfinite(g[k]))
+                return fail(rc, "gradient %d[%lld] is %g after the float16 reduction", i, (long long)k, g[k]);
         if (close_to(rc, "gradient", 0, i, ts_tensor_grad(ref.ps[i]), ts_tensor_grad(m.ps[i]), 1e-2, 1e2)) return 1;
     }
     model_free(&ref);
@@ -556,10 +563,7 @@ static int rank_f16_overflow(rank_ctx *rc)
     return 0;
 }
 
-Test(fully_shard_accumulation, f16_reduce_does_not_overflow)
-{
-    run_world(4, rank_f16_overflow, NULL);
-}
+Test(fully_shard_accumulation, f16_reduce_does_not_overflow) { run_world(4, rank_f16_overflow, NULL); }
 
 /* ------------------------------------------------------------------ */
 /* reshard_after_backward, is_last_backward, errors, summary           */
@@ -662,7 +666,8 @@ static int rank_two_forwards(rank_ctx *rc)
     RK_OK(rc, fwd_bwd(&ref, base, 4, 1.0));
     ts_tensor *loss[2] = {0};
     for (int k = 0; k < 2; k++) {
-        ts_tensor *x = th_batch(base + 2 * k, 2, D, th_xval), *y = th_batch(base + 2 * k, 2, D, th_yval), *o = NULL, *l = NULL;
+        ts_tensor *x = th_batch(base + 2 * k, 2, D, th_xval), *y = th_batch(base + 2 * k, 2, D, th_yval), *o = NULL,
+                  *l = NULL;
         RK_OK(rc, ts_module_call1(m.root, x, &o));
         RK_OK(rc, ts_mse_loss(o, y, TS_REDUCTION_MEAN, &l));
         RK_OK(rc, ts_mul_scalar(l, 0.5, &loss[k]));
@@ -693,15 +698,9 @@ static int rank_two_forwards(rank_ctx *rc)
     return 0;
 }
 
-Test(fully_shard_accumulation, two_forwards_then_two_backwards)
-{
-    run_world(2, rank_two_forwards, NULL);
-}
+Test(fully_shard_accumulation, two_forwards_then_two_backwards) { run_world(2, rank_two_forwards, NULL); }
 
-Test(fully_shard_accumulation, is_last_backward_false_keeps_pending)
-{
-    run_world(2, rank_not_last, NULL);
-}
+Test(fully_shard_accumulation, is_last_backward_false_keeps_pending) { run_world(2, rank_not_last, NULL); }
 
 Test(fully_shard_accumulation, errors)
 {
@@ -757,8 +756,8 @@ static int rank_memory(rank_ctx *rc)
     }
     RK_EQ(rc, full, (D * D + D) + NMLP * (D * H + H + H * D + D));
     RK_EQ(rc, am.sync_bytes, padded * 4);
-    if (local > padded) return fail(rc, "%lld real shard elements, more than the %lld padded", (long long)local,
-                                    (long long)padded);
+    if (local > padded)
+        return fail(rc, "%lld real shard elements, more than the %lld padded", (long long)local, (long long)padded);
     RK_EQ(rc, am.no_sync_bytes, full * 4);
     RK_EQ(rc, am.partial_bytes, a->hsdp ? padded * 4 : 0);
     char buf[8192];
@@ -879,8 +878,11 @@ static int rank_step_between(rank_ctx *rc)
 
 Test(fully_shard_accumulation, step_and_zero_grad_between_no_sync_microbatches)
 {
-    seq_arg v[5] = {{.set_to_none = true}, {.set_to_none = false}, {.bf16 = true, .set_to_none = true},
-                    {.offload = true, .set_to_none = true}, {.bf16 = true, .offload = true, .set_to_none = false}};
+    seq_arg v[5] = {{.set_to_none = true},
+                    {.set_to_none = false},
+                    {.bf16 = true, .set_to_none = true},
+                    {.offload = true, .set_to_none = true},
+                    {.bf16 = true, .offload = true, .set_to_none = false}};
     for (int i = 0; i < 5; i++) run_world(2, rank_step_between, &v[i]);
 }
 
@@ -956,7 +958,8 @@ static int rank_toggle_mid_backward(rank_ctx *rc)
     RK_OK(rc, fwd_bwd(&ref, base, 4, 1.0));
     for (int k = 0; k < 2; k++) {
         toggle_ctx t = {m.root, k == 1};
-        ts_tensor *x = th_batch(base + 2 * k, 2, D, th_xval), *y = th_batch(base + 2 * k, 2, D, th_yval), *o = NULL, *ow = NULL;
+        ts_tensor *x = th_batch(base + 2 * k, 2, D, th_xval), *y = th_batch(base + 2 * k, 2, D, th_yval), *o = NULL,
+                  *ow = NULL;
         ts_tensor *l = NULL, *sl = NULL;
         RK_OK(rc, ts_module_call1(m.root, x, &o));
         RK_OK(rc, ts_autograd_custom(1, &o, toggle_backward, &t, NULL, &ow));
@@ -978,7 +981,4 @@ static int rank_toggle_mid_backward(rank_ctx *rc)
     return 0;
 }
 
-Test(fully_shard_accumulation, sync_set_inside_the_backward)
-{
-    run_world(2, rank_toggle_mid_backward, NULL);
-}
+Test(fully_shard_accumulation, sync_set_inside_the_backward) { run_world(2, rank_toggle_mid_backward, NULL); }

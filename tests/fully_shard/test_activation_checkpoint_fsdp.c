@@ -100,8 +100,7 @@ static int grads_equal(th_rank *rc, ts_module *a, ts_module *b, int step)
         ts_tensor *ga = ts_tensor_grad(*pa.items[i].slot), *gb = ts_tensor_grad(*pb.items[i].slot);
         if (strcmp(pa.items[i].name, pb.items[i].name) != 0)
             bad = th_rank_fail(rc, "names %s and %s", pa.items[i].name, pb.items[i].name);
-        else if (!ga || !gb)
-            bad = th_rank_fail(rc, "step %d: %s has no gradient", step, pa.items[i].name);
+        else if (!ga || !gb) bad = th_rank_fail(rc, "step %d: %s has no gradient", step, pa.items[i].name);
         else if (ts_tensor_numel(ga) != ts_tensor_numel(gb) ||
                  memcmp(ts_tensor_data(ga), ts_tensor_data(gb), (size_t)ts_tensor_numel(ga) * sizeof(float)) != 0)
             bad = th_rank_fail(rc, "step %d: %s.grad differs with checkpointing", step, pa.items[i].name);
@@ -205,12 +204,30 @@ static void run(order o, ts_reshard_policy p)
     th_run_world(2, rank_parity, &c, 60.0);
 }
 
-Test(fully_shard_checkpoint, checkpoint_then_shard_reshard_true, .timeout = 60) { run(CKPT_THEN_FSDP, TS_RESHARD_TRUE); }
-Test(fully_shard_checkpoint, checkpoint_then_shard_reshard_false, .timeout = 60) { run(CKPT_THEN_FSDP, TS_RESHARD_FALSE); }
-Test(fully_shard_checkpoint, checkpoint_then_shard_reshard_auto, .timeout = 60) { run(CKPT_THEN_FSDP, TS_RESHARD_AUTO); }
-Test(fully_shard_checkpoint, shard_then_checkpoint_reshard_true, .timeout = 60) { run(FSDP_THEN_CKPT, TS_RESHARD_TRUE); }
-Test(fully_shard_checkpoint, shard_then_checkpoint_reshard_false, .timeout = 60) { run(FSDP_THEN_CKPT, TS_RESHARD_FALSE); }
-Test(fully_shard_checkpoint, checkpointed_root_holding_sharded_blocks, .timeout = 60) { run(ROOT_CKPT, TS_RESHARD_TRUE); }
+Test(fully_shard_checkpoint, checkpoint_then_shard_reshard_true, .timeout = 60)
+{
+    run(CKPT_THEN_FSDP, TS_RESHARD_TRUE);
+}
+Test(fully_shard_checkpoint, checkpoint_then_shard_reshard_false, .timeout = 60)
+{
+    run(CKPT_THEN_FSDP, TS_RESHARD_FALSE);
+}
+Test(fully_shard_checkpoint, checkpoint_then_shard_reshard_auto, .timeout = 60)
+{
+    run(CKPT_THEN_FSDP, TS_RESHARD_AUTO);
+}
+Test(fully_shard_checkpoint, shard_then_checkpoint_reshard_true, .timeout = 60)
+{
+    run(FSDP_THEN_CKPT, TS_RESHARD_TRUE);
+}
+Test(fully_shard_checkpoint, shard_then_checkpoint_reshard_false, .timeout = 60)
+{
+    run(FSDP_THEN_CKPT, TS_RESHARD_FALSE);
+}
+Test(fully_shard_checkpoint, checkpointed_root_holding_sharded_blocks, .timeout = 60)
+{
+    run(ROOT_CKPT, TS_RESHARD_TRUE);
+}
 
 /* Checkpointing a module that fully_shard wrapped, errors: twice is
  * TS_ERR_ALREADY in either order, and the module keeps its type. */

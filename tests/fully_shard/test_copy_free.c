@@ -29,7 +29,6 @@ typedef th_rank rank_ctx;
 #define fail th_rank_fail
 #define RK_OK TH_RK_OK
 
-
 #define IN 6
 #define HID 9 /* over 4 ranks: 3, 3, 3, 0 rows */
 #define OUT 2 /* over 3 or 4 ranks: trailing ranks empty */
@@ -78,10 +77,7 @@ static ts_status mlp_new(ts_mesh *mesh, const cf_arg *a, bool copy_free, mlp *m)
     return ts_sgd_new(NP, m->ps, &so, &m->opt);
 }
 
-static ts_status fwd_bwd(mlp *m, ts_tensor *x, ts_tensor *y)
-{
-    return th_mse_backward(m->root, x, y);
-}
+static ts_status fwd_bwd(mlp *m, ts_tensor *x, ts_tensor *y) { return th_mse_backward(m->root, x, y); }
 
 static int same_bits(rank_ctx *rc, const char *what, int s, int i, const ts_tensor *a, const ts_tensor *b)
 {
@@ -111,7 +107,8 @@ static int rank_parity(rank_ctx *rc)
     int64_t rows = ROWS / rc->W;
     for (int s = 0; s < a->steps; s++) {
         for (int k = 0; k < a->accum; k++) {
-            ts_tensor *x = th_batch(rc->rank * rows + k, rows, IN, th_xval), *y = th_batch(rc->rank * rows + k, rows, OUT, th_yval);
+            ts_tensor *x = th_batch(rc->rank * rows + k, rows, IN, th_xval),
+                      *y = th_batch(rc->rank * rows + k, rows, OUT, th_yval);
             bool sync = !a->no_sync || k == a->accum - 1;
             RK_OK(rc, ts_fsdp_set_requires_gradient_sync(cf.root, sync, true));
             RK_OK(rc, ts_fsdp_set_requires_gradient_sync(ref.root, sync, true));

@@ -42,8 +42,8 @@ static void train(int nproc, const char *copy_free, const char *const *extra, co
     o.out_fd = memfd_create("ts-cf-out", MFD_CLOEXEC);
     o.err_fd = memfd_create("ts-cf-err", MFD_CLOEXEC);
     cr_assert(o.out_fd >= 0 && o.err_fd >= 0);
-    const char *base[] = {exe, "--layers", "2", "--dim", "36", "--heads", "4", "--seq", "16", "--batch", "2",
-                          "--steps", "3", "--save-full", path};
+    const char *base[] = {exe,  "--layers", "2", "--dim",   "36", "--heads",     "4", "--seq",
+                          "16", "--batch",  "2", "--steps", "3",  "--save-full", path};
     char *argv[48];
     int n = 0;
     for (size_t i = 0; i < sizeof base / sizeof base[0]; i++) argv[n++] = (char *)base[i];
@@ -95,7 +95,8 @@ Test(fully_shard_copy_free_dist, bf16_offload_and_accumulation, .timeout = 240)
     same_model(2, mp);
     const char *off[] = {"--offload", "cpu", NULL};
     same_model(2, off);
-    const char *acc[] = {"--accum", "2", "--accum-mode", "nosync", "--param-dtype", "bf16", "--reduce-dtype", "f32", NULL};
+    const char *acc[] = {"--accum", "2", "--accum-mode", "nosync", "--param-dtype", "bf16", "--reduce-dtype",
+                         "f32",     NULL};
     same_model(3, acc);
 }
 

@@ -138,13 +138,13 @@ static ts_status model_build(model_kind k, ts_module **out)
 typedef struct run_arg {
     model_kind kind;
     bool hsdp;
-    bool mp;        /* mp_policy param_dtype bfloat16 */
-    bool offload;   /* offload_policy, pinned */
-    bool leftover;  /* the root is not sharded: its own parameters stay outside every group */
-    bool ckpt;      /* activation checkpointing on the blocks (GPT) before sharding */
+    bool mp;         /* mp_policy param_dtype bfloat16 */
+    bool offload;    /* offload_policy, pinned */
+    bool leftover;   /* the root is not sharded: its own parameters stay outside every group */
+    bool ckpt;       /* activation checkpointing on the blocks (GPT) before sharding */
     bool ckpt_after; /* the same, after sharding */
-    bool persist;   /* persist_threshold_numel 20: the biases and norms stay whole (outside the groups' buffers) */
-    bool by_size;   /* ts_fsdp_apply_by_size(60) instead of sharding each Linear (MLP) */
+    bool persist;    /* persist_threshold_numel 20: the biases and norms stay whole (outside the groups' buffers) */
+    bool by_size;    /* ts_fsdp_apply_by_size(60) instead of sharding each Linear (MLP) */
     const char *dir; /* a checkpoint folder (made by the test) */
 } run_arg;
 
@@ -298,12 +298,15 @@ static int body_load(th_rank *rc, const run_arg *a, ts_mesh *mesh)
     for (int how = 0; how < 3 && !bad; how++) {
         RK_OK(rc, make(rc, a, mesh, true, &got));
         if (any_meta(got) <= 0) bad = th_rank_fail(rc, "nothing on the meta device after sharding");
-        if (!bad && how == 0) bad = ts_ckpt_load(a->dir, got, NULL, NULL) ? th_rank_fail(rc, "ts_ckpt_load: %s", ts_last_error()) : 0;
-        if (!bad && how == 1) bad = ts_ckpt_load_full(full, got, true) ? th_rank_fail(rc, "ts_ckpt_load_full: %s", ts_last_error()) : 0;
+        if (!bad && how == 0)
+            bad = ts_ckpt_load(a->dir, got, NULL, NULL) ? th_rank_fail(rc, "ts_ckpt_load: %s", ts_last_error()) : 0;
+        if (!bad && how == 1)
+            bad = ts_ckpt_load_full(full, got, true) ? th_rank_fail(rc, "ts_ckpt_load_full: %s", ts_last_error()) : 0;
         if (!bad && how == 2) {
             ts_state_dict *sd = NULL;
             RK_OK(rc, ts_fsdp_full_state_dict(ref, false, &sd));
-            if (ts_fsdp_load_full_state_dict(got, sd, true)) bad = th_rank_fail(rc, "load_full_state_dict: %s", ts_last_error());
+            if (ts_fsdp_load_full_state_dict(got, sd, true))
+                bad = th_rank_fail(rc, "load_full_state_dict: %s", ts_last_error());
             ts_state_dict_free(sd);
         }
         if (!bad && any_meta(got) != 0) bad = th_rank_fail(rc, "load %d left meta tensors", how);

@@ -81,8 +81,9 @@ __attribute__((constructor)) static void fsdp_test_role(void)
 
 static void clear_launch_env(void)
 {
-    static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                 "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID", "TS_STORE_HOSTED"};
+    static const char *vars[] = {
+        "RANK",        "WORLD_SIZE",           "LOCAL_RANK",   "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+        "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TS_LAUNCHER_PID",  "TS_STORE_HOSTED"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
 }
 
@@ -295,8 +296,8 @@ static void accum_lines(const char *out, int rank, double loss[5], double gn[5])
 Test(fully_shard_examples, train_gpt_accum_equals_a_larger_batch, .timeout = 180)
 {
     const char *one[] = {"--steps", "5", "--seq", "32", "--dim", "32", "--batch", "4", "--accum", "1"};
-    const char *two[] = {"--steps", "5", "--seq", "32", "--dim", "32", "--batch", "2", "--accum", "2",
-                         "--accum-mode", "nosync"};
+    const char *two[] = {"--steps", "5", "--seq",   "32", "--dim",        "32",
+                         "--batch", "2", "--accum", "2",  "--accum-mode", "nosync"};
     char *ref = run_example_args("train_gpt", 2, 10, one);
     double rl[1][5], rg[1][5]; /* rank 0 prints: the loss averaged over the ranks, the global norm */
     for (int r = 0; r < 1; r++) accum_lines(ref, r, rl[r], rg[r]);
@@ -308,8 +309,8 @@ Test(fully_shard_examples, train_gpt_accum_equals_a_larger_batch, .timeout = 180
             double l[5], g[5];
             accum_lines(out, r, l, g);
             for (int i = 0; i < 5; i++) {
-                cr_expect(fabs(l[i] - rl[r][i]) <= 1e-5 * fabs(rl[r][i]), "%s, rank %d, step %d: loss %.9g, one batch %.9g",
-                          two[11], r, i + 1, l[i], rl[r][i]);
+                cr_expect(fabs(l[i] - rl[r][i]) <= 1e-5 * fabs(rl[r][i]),
+                          "%s, rank %d, step %d: loss %.9g, one batch %.9g", two[11], r, i + 1, l[i], rl[r][i]);
                 cr_expect(fabs(g[i] - rg[r][i]) <= 1e-5 * fabs(rg[r][i]),
                           "%s, rank %d, step %d: grad norm %.9g, one batch %.9g", two[11], r, i + 1, g[i], rg[r][i]);
             }
@@ -434,8 +435,8 @@ Test(fully_shard_examples, sharded_step, .timeout = 90)
     char want[4096];
     size_t n = (size_t)snprintf(want, sizeof want, "weight after the step [");
     for (int i = 0; i < 64; i++)
-        n += (size_t)snprintf(want + n, sizeof want - n, "%s%.10f%s", i % 8 == 0 ? (i ? ",\n    [" : "[") : ", ",
-                              w[i], i % 8 == 7 ? "]" : "");
+        n += (size_t)snprintf(want + n, sizeof want - n, "%s%.10f%s", i % 8 == 0 ? (i ? ",\n    [" : "[") : ", ", w[i],
+                              i % 8 == 7 ? "]" : "");
     n += (size_t)snprintf(want + n, sizeof want - n, "]\nbias after the step [");
     for (int i = 0; i < 8; i++) n += (size_t)snprintf(want + n, sizeof want - n, "%s%.10f", i ? ", " : "", b[i]);
     snprintf(want + n, sizeof want - n, "]");
@@ -456,8 +457,7 @@ static char *run_expect(const char *prog, int want_status, int nargs, const char
 {
     char *out;
     int st = run_direct(prog, nargs, args, &out, err);
-    cr_assert(WIFEXITED(st), "%s was killed by signal %d\nstderr:\n%s", prog, WIFSIGNALED(st) ? WTERMSIG(st) : 0,
-              *err);
+    cr_assert(WIFEXITED(st), "%s was killed by signal %d\nstderr:\n%s", prog, WIFSIGNALED(st) ? WTERMSIG(st) : 0, *err);
     cr_assert_eq(WEXITSTATUS(st), want_status, "%s exited %d, expected %d\nstdout:\n%s\nstderr:\n%s", prog,
                  WEXITSTATUS(st), want_status, out, *err);
     return out;
@@ -500,8 +500,8 @@ Test(fully_shard_examples, help_prints_usage_and_exits_zero, .timeout = 60)
  * refuse anything else (exit 2), instead of running with it ignored. */
 Test(fully_shard_examples, examples_without_flags_take_help_and_refuse_the_rest, .timeout = 60)
 {
-    const char *progs[] = {"unit_wrapped", "collective_counts", "uneven", "custom_module",
-                           "contract_smoke", "sharded_step", "wrap_policies"};
+    const char *progs[] = {"unit_wrapped",   "collective_counts", "uneven",       "custom_module",
+                           "contract_smoke", "sharded_step",      "wrap_policies"};
     for (size_t i = 0; i < sizeof progs / sizeof *progs; i++) {
         const char *h[] = {"--help"};
         char *err, *out = run_expect(progs[i], 0, 1, h, &err);
@@ -680,8 +680,8 @@ Test(fully_shard_examples, memory_cap_below_the_estimate_is_refused, .timeout = 
     const char *a[] = {"--steps", "1", "--layers", "2", "--dim", "64"};
     setenv("TS_MEMORY_PER_RANK", "4194304", 1); /* 4 MiB: below any run's floor */
     char *err, *out = run_expect("train_gpt", 2, 6, a, &err);
-    const char *w[] = {"the estimated peak per rank", "tensors ", "runtime ", "exceeds the memory cap of 4.0 MiB",
-                       "TS_MEMORY_PER_RANK", "use more ranks", NULL};
+    const char *w[] = {"the estimated peak per rank", "tensors ",       "runtime ", "exceeds the memory cap of 4.0 MiB",
+                       "TS_MEMORY_PER_RANK",          "use more ranks", NULL};
     for (int i = 0; w[i]; i++) cr_expect_not_null(strstr(err, w[i]), "the message lacks '%s':\n%s", w[i], err);
     cr_expect_null(strstr(out, "step "), "trained before refusing:\n%s", out);
     cr_expect_null(strstr(out, "model: "), "built the model before refusing:\n%s", out);
@@ -710,8 +710,8 @@ Test(fully_shard_examples, memory_cap_below_the_estimate_is_refused, .timeout = 
     cr_assert_not_null(l, "no rank line:\n%s", out);
     double rss, est, tens, test;
     char u[4][8];
-    cr_assert_eq(sscanf(l, "rank 0: peak RSS %lf %7s estimate %lf %7s (tensors %lf %7s estimate %lf %7s", &rss, u[0], &est,
-                        u[1], &tens, u[2], &test, u[3]),
+    cr_assert_eq(sscanf(l, "rank 0: peak RSS %lf %7s estimate %lf %7s (tensors %lf %7s estimate %lf %7s", &rss, u[0],
+                        &est, u[1], &tens, u[2], &test, u[3]),
                  8, "%.200s", l);
     cr_expect(rss > 0 && est > 0 && tens > 0 && test > 0, "%.200s", l);
     free(out);
@@ -757,8 +757,8 @@ Test(fully_shard_examples, sample_from_a_checkpoint_and_comm_summary, .timeout =
     cr_expect_gt(issued, 8.0);
     const char *g0 = strstr(cs, "), ");
     char u1[8], u2[8];
-    cr_assert(g0 && sscanf(g0, "), %lf %3s given to them, %lf %3s sent by this rank", &given, u1, &sent, u2) == 4,
-              "%s", cs);
+    cr_assert(g0 && sscanf(g0, "), %lf %3s given to them, %lf %3s sent by this rank", &given, u1, &sent, u2) == 4, "%s",
+              cs);
     given *= !strcmp(u1, "KiB") ? 1024.0 : !strcmp(u1, "MiB") ? 1048576.0 : 1.0;
     sent *= !strcmp(u2, "KiB") ? 1024.0 : !strcmp(u2, "MiB") ? 1048576.0 : 1.0;
     /* on 2 ranks a rank sends its all-gather inputs once and half of
@@ -858,7 +858,8 @@ Test(fully_shard_examples, checkpoint_carries_sizes_and_vocabulary, .timeout = 1
     char path[128], text[128];
     snprintf(path, sizeof path, "/tmp/ts-test-meta-%d.safetensors", (int)getpid());
     snprintf(text, sizeof text, "/tmp/ts-test-meta-%d.txt", (int)getpid());
-    const char *t[] = {"--steps", "2", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--save-full", path};
+    const char *t[] = {"--steps", "2", "--layers", "1",  "--dim",       "32",
+                       "--heads", "2", "--seq",    "16", "--save-full", path};
     char *err, *out = run_expect("train_gpt", 0, 12, t, &err);
     free(out);
     free(err);
@@ -1092,8 +1093,10 @@ Test(fully_shard_examples, custom_module_alone_and_on_two_ranks, .timeout = 120)
     expect_lines(two, 0, "rank 0: 1.gain holds (8,) of (16,)");
     expect_lines(two, 1, "rank 1: 1.gain holds (8,) of (16,)");
     expect_lines(two, 1, "rank 1: 2.num_batches_tracked = 20");
-    cr_expect_not_null(strstr(two, "[0] group '1' (ResidualBlockFSDPModule): 3 params, 288 elements, float32, "
-                                   "mesh (dp=2)"), "%s", two);
+    cr_expect_not_null(strstr(two,
+                              "[0] group '1' (ResidualBlockFSDPModule): 3 params, 288 elements, float32, "
+                              "mesh (dp=2)"),
+                       "%s", two);
     free(two);
     free(alone);
 }
@@ -1204,7 +1207,8 @@ Test(fully_shard_examples, train_gpt_bf16_halves_all_gather_bytes, .timeout = 24
     double ag32, rs32, ag, rs;
     gpt_bytes(out, &ag32, &rs32);
     free(out);
-    const char *abf[] = {"--steps", "2", "--layers", "1", "--dim", "32", "--param-dtype", "bf16", "--reduce-dtype", "f32"};
+    const char *abf[] = {"--steps",       "2",    "--layers",       "1",  "--dim", "32",
+                         "--param-dtype", "bf16", "--reduce-dtype", "f32"};
     out = run_example_args("train_gpt", 2, 10, abf);
     gpt_bytes(out, &ag, &rs);
     cr_assert(strstr(out, "param dtype bfloat16, reduce dtype float32"), "%s", out);
@@ -1274,8 +1278,8 @@ Test(fully_shard_examples, train_gpt_random_vocab_and_report_json, .timeout = 12
     char path[128];
     snprintf(path, sizeof path, "/tmp/ts-test-gpt-report-%d.json", (int)getpid());
     unlink(path);
-    const char *a[] = {"--vocab", "300", "--steps", "3", "--layers", "1", "--dim", "16", "--heads", "2",
-                       "--seq", "8", "--batch", "2", "--report-json", path};
+    const char *a[] = {"--vocab", "300", "--steps", "3", "--layers", "1", "--dim",         "16",
+                       "--heads", "2",   "--seq",   "8", "--batch",  "2", "--report-json", path};
     char *out = run_example_args("train_gpt", 2, 16, a);
     cr_assert(strstr(out, "[0] data: random token ids in [0, 300)"), "%s", out);
     /* 1 block (12 d^2 + 13 d) + tok_emb, lm_head (300 d each) + pos_emb (8 d) + ln_f (2 d), d = 16 */
@@ -1299,7 +1303,7 @@ Test(fully_shard_examples, train_gpt_random_vocab_and_report_json, .timeout = 12
     cr_expect_float_eq(json_real_value(json_array_get(losses, 0)), first, 1e-4 * first, "the first loss");
     cr_assert_eq(json_array_size(ranks), 2);
     static const char *keys[] = {"estimate_tensors_bytes", "estimate_rss_bytes", "tensor_peak_bytes", "vmhwm_bytes",
-                                 "step_s_median", "tokens_per_s"};
+                                 "step_s_median",          "tokens_per_s"};
     for (int r = 0; r < 2; r++)
         for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) {
             json_t *v = json_object_get(json_array_get(ranks, r), keys[k]);
@@ -1314,8 +1318,11 @@ Test(fully_shard_examples, train_gpt_random_vocab_and_report_json, .timeout = 12
  * 2, above 2^24, and with a text (which has its own vocabulary). */
 Test(fully_shard_examples, train_gpt_bad_vocab_is_refused, .timeout = 60)
 {
-    static const char *vals[][2] = {{"abc", "is not an integer"}, {"1", "out of range"}, {"0", "out of range"},
-                                    {"-5", "out of range"}, {"16777217", "out of range"}};
+    static const char *vals[][2] = {{"abc", "is not an integer"},
+                                    {"1", "out of range"},
+                                    {"0", "out of range"},
+                                    {"-5", "out of range"},
+                                    {"16777217", "out of range"}};
     for (size_t i = 0; i < sizeof vals / sizeof *vals; i++) {
         const char *a[] = {"--vocab", vals[i][0]};
         char quoted[32];
@@ -1339,8 +1346,8 @@ Test(fully_shard_examples, train_gpt_bad_vocab_is_refused, .timeout = 60)
  * (one rank; a fresh batch each step would stay near ln N). */
 Test(fully_shard_examples, train_gpt_one_random_batch_is_learnt, .timeout = 120)
 {
-    const char *a[] = {"--vocab", "64", "--data-batches", "1", "--steps", "8", "--layers", "1", "--dim", "32",
-                       "--seq", "16", "--batch", "2"};
+    const char *a[] = {"--vocab", "64", "--data-batches", "1",  "--steps", "8", "--layers", "1",
+                       "--dim",   "32", "--seq",          "16", "--batch", "2"};
     char *out = run_example_args("train_gpt", 1, 14, a);
     double first = 0, last = 0;
     const char *l = strstr(out, "[0] loss ");
@@ -1353,8 +1360,8 @@ Test(fully_shard_examples, train_gpt_one_random_batch_is_learnt, .timeout = 120)
  * successor), repeated; `shift` rotates the permutation (another file). */
 static void write_token_file(const char *path, size_t n, int shift)
 {
-    static const int32_t perm[37] = {5,  17, 30, 2,  11, 24, 36, 8,  19, 1,  27, 14, 33, 6,  22, 0,  29, 12, 35,
-                                     9,  20, 3,  26, 15, 31, 7,  18, 34, 4,  23, 10, 28, 16, 32, 13, 21, 25};
+    static const int32_t perm[37] = {5, 17, 30, 2,  11, 24, 36, 8,  19, 1, 27, 14, 33, 6,  22, 0,  29, 12, 35,
+                                     9, 20, 3,  26, 15, 31, 7,  18, 34, 4, 23, 10, 28, 16, 32, 13, 21, 25};
     int32_t *ids = malloc(n * sizeof *ids);
     cr_assert(ids);
     for (size_t i = 0; i < n; i++) ids[i] = perm[(i + (size_t)shift) % 37];
@@ -1377,12 +1384,14 @@ Test(fully_shard_examples, train_gpt_on_a_token_file_with_validation, .timeout =
     snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
     write_token_file(bin, 4000, 0);
     write_token_file(other, 4000, 5);
-    const char *a[] = {"--data-tokens", bin, "--vocab", "64", "--steps", "40", "--seq", "16", "--global-batch", "8",
-                       "--layers", "1", "--dim", "32", "--heads", "2", "--lr", "1e-2", "--val-every", "20",
-                       "--val-tokens", "400", "--save", ckpt};
+    const char *a[] = {"--data-tokens",  bin,    "--vocab",     "64", "--steps",      "40",  "--seq",   "16",
+                       "--global-batch", "8",    "--layers",    "1",  "--dim",        "32",  "--heads", "2",
+                       "--lr",           "1e-2", "--val-every", "20", "--val-tokens", "400", "--save",  ckpt};
     char *out = run_example_args("train_gpt", 2, 24, a);
-    cr_assert(strstr(out, "[0] data: ") && strstr(out, "4000 tokens (vocabulary 64), memory-mapped: 3600 for "
-                                                        "training, 400 held out for validation (24 windows of 16)"),
+    cr_assert(strstr(out, "[0] data: ") &&
+                  strstr(out,
+                         "4000 tokens (vocabulary 64), memory-mapped: 3600 for "
+                         "training, 400 held out for validation (24 windows of 16)"),
               "%s", out);
     double vl[2], ppl[2];
     for (int i = 0; i < 2; i++) {
@@ -1391,8 +1400,9 @@ Test(fully_shard_examples, train_gpt_on_a_token_file_with_validation, .timeout =
         const char *l = strstr(out, want);
         size_t nw = 0;
         int T = 0, ranks = 0;
-        cr_assert(l && sscanf(l + strlen(want), "%lf  perplexity %lf  (%zu windows of %d tokens over %d ranks)",
-                              &vl[i], &ppl[i], &nw, &T, &ranks) == 5,
+        cr_assert(l &&
+                      sscanf(l + strlen(want), "%lf  perplexity %lf  (%zu windows of %d tokens over %d ranks)", &vl[i],
+                             &ppl[i], &nw, &T, &ranks) == 5,
                   "no validation line for step %d:\n%s", 20 * (i + 1), out);
         cr_assert_eq(nw, 24);
         cr_assert_eq(T, 16);
@@ -1469,7 +1479,9 @@ static void write_text(const char *path)
     cr_assert(f, "%s", path);
     for (int i = 0; i < 600; i++)
         fprintf(f, "%s %s %s%s", who[i % 5], did[(i / 5 + i) % 5], what[(i * 7 / 3) % 5],
-                i % 4 == 3 ? ".\n" : i % 3 ? ", and " : "! ");
+                i % 4 == 3  ? ".\n"
+                    : i % 3 ? ", and "
+                            : "! ");
     cr_assert_eq(fclose(f), 0);
 }
 
@@ -1507,8 +1519,8 @@ Test(fully_shard_examples, train_gpt_tokenizes_text_as_tools_tokenize_does, .tim
     free(out);
     free(err);
 
-    const char *common[] = {"--steps", "6", "--seq", "16", "--global-batch", "8", "--layers", "1", "--dim", "32",
-                            "--heads", "2", "--val-every", "3"};
+    const char *common[] = {"--steps", "6",  "--seq",   "16", "--global-batch", "8", "--layers", "1",
+                            "--dim",   "32", "--heads", "2",  "--val-every",    "3"};
     const char *a[24], *b[24];
     memcpy(a, common, sizeof common);
     memcpy(b, common, sizeof common);
@@ -1519,8 +1531,7 @@ Test(fully_shard_examples, train_gpt_tokenizes_text_as_tools_tokenize_does, .tim
     out = run_example_args("train_gpt", 2, 20, a);
     char line[600];
     snprintf(line, sizeof line, "[0] data: %s, ", txt);
-    cr_assert(strstr(out, line) && strstr(out, " bytes tokenized by --tokenizer ") &&
-                  strstr(out, " on every rank: "),
+    cr_assert(strstr(out, line) && strstr(out, " bytes tokenized by --tokenizer ") && strstr(out, " on every rank: "),
               "%s", out);
     free(out);
     out = run_example_args("train_gpt", 2, 20, b);
@@ -1541,7 +1552,8 @@ Test(fully_shard_examples, train_gpt_tokenizes_text_as_tools_tokenize_does, .tim
     cr_assert_eq(json_array_size(vy), 2);
     for (size_t i = 0; i < 2; i++) {
         json_t *e = json_array_get(vx, i);
-        double loss = json_real_value(json_object_get(e, "loss")), ppl = json_real_value(json_object_get(e, "perplexity"));
+        double loss = json_real_value(json_object_get(e, "loss")),
+               ppl = json_real_value(json_object_get(e, "perplexity"));
         cr_expect_eq(json_integer_value(json_object_get(e, "step")), 3 * (long long)(i + 1));
         cr_expect(isfinite(loss) && loss > 0 && loss < log(learned) + 1, "validation loss %g", loss);
         cr_expect_float_eq(ppl, exp(loss), 1e-6 * exp(loss), "perplexity %g, loss %g", ppl, loss);
@@ -1595,8 +1607,8 @@ Test(fully_shard_examples, train_gpt_samples_text_through_the_tokenizer, .timeou
     snprintf(full, sizeof full, "%s/full.safetensors", dir);
     write_text(txt);
     const char *gpt2 = TS_FIXTURES_DIR "/gpt2";
-    const char *t[] = {"--data", txt, "--tokenizer", gpt2, "--steps", "3", "--seq", "16", "--batch", "2",
-                       "--layers", "1", "--dim", "16", "--heads", "2", "--save-full", full};
+    const char *t[] = {"--data",   txt, "--tokenizer", gpt2, "--steps", "3", "--seq",       "16", "--batch", "2",
+                       "--layers", "1", "--dim",       "16", "--heads", "2", "--save-full", full};
     char *out = run_example_args("train_gpt", 2, 18, t);
     cr_assert(strstr(out, "(vocabulary 50257)"), "%s", out);
     free(out);
@@ -1647,8 +1659,9 @@ Test(fully_shard_examples, train_gpt_hsdp_trains_as_the_1d_mesh_and_resumes_on_i
     snprintf(r2, sizeof r2, "%s/hsdp.json", dir);
     snprintf(r3, sizeof r3, "%s/resumed.json", dir);
     snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
-    const char *a[] = {"--steps", "8", "--seq", "16", "--global-batch", "8", "--layers", "2", "--dim", "32",
-                       "--heads", "2", "--report-json", r1, "--hsdp", "2", "--save", ckpt, "--stop-after", "4"};
+    const char *a[] = {"--steps", "8",  "--seq",        "16", "--global-batch", "8", "--layers", "2",
+                       "--dim",   "32", "--heads",      "2",  "--report-json",  r1,  "--hsdp",   "2",
+                       "--save",  ckpt, "--stop-after", "4"};
     char *out = run_example_args("train_gpt", 4, 14, a);
     cr_expect(strstr(out, "[0] model: ") && strstr(out, "(distributed world)"), "%s", out);
     free(out);

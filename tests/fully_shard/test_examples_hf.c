@@ -103,11 +103,12 @@ Test(fully_shard_examples_hf, init_from_hf_on_two_ranks, .timeout = 120)
     snprintf(bin, sizeof bin, "%s/train.bin", dir);
     snprintf(full, sizeof full, "%s/full.safetensors", dir);
     write_tokens(bin, 3000);
-    const char *a[] = {"--init-from-hf", MODEL, "--heads", "4", "--data-tokens", bin, "--seq", "16",
-                       "--global-batch", "4", "--steps", "1", "--lr", "1e-30", "--save-full", full, NULL};
+    const char *a[] = {
+        "--init-from-hf", MODEL, "--heads", "4",     "--data-tokens", bin,  "--seq", "16", "--global-batch", "4",
+        "--steps",        "1",   "--lr",    "1e-30", "--save-full",   full, NULL};
     char *out = run_two_ranks(a);
-    cr_assert(strstr(out, "GPT-2 weights: " MODEL " (2 layers, width 64, 4 heads, vocabulary 300, 32 positions)"),
-              "%s", out);
+    cr_assert(strstr(out, "GPT-2 weights: " MODEL " (2 layers, width 64, 4 heads, vocabulary 300, 32 positions)"), "%s",
+              out);
     ts_gpt_config c;
     TH_OK(ts_ckpt_gpt2_config(MODEL, &c));
     c.n_head = 4;
@@ -130,8 +131,8 @@ Test(fully_shard_examples_hf, init_from_hf_on_two_ranks, .timeout = 120)
     ts_module_free(m);
     free(out);
 
-    const char *b[] = {"--init-from-hf", MODEL, "--heads", "4", "--data-tokens", bin, "--seq", "16",
-                       "--global-batch", "4", "--steps", "30", "--lr", "3e-3", NULL};
+    const char *b[] = {"--init-from-hf", MODEL, "--heads", "4",  "--data-tokens", bin,    "--seq", "16",
+                       "--global-batch", "4",   "--steps", "30", "--lr",          "3e-3", NULL};
     out = run_two_ranks(b);
     double first = 0, last = 0;
     const char *l = strstr(out, "[0] loss ");

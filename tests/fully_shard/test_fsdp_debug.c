@@ -79,8 +79,8 @@ static void run_ranks(const char *value, char **out, char **err)
     th_launch_capture(th_self_exe(), 2, NULL, &res, out, err);
     unsetenv("TS_TEST_FSDP_DEBUG_ROLE");
     unsetenv("TS_DISTRIBUTED_DEBUG");
-    cr_assert_eq(res.exit_code, 0, "rank %d failed: exit %d\nstdout:\n%s\nstderr:\n%s", res.failed_rank,
-                 res.exit_code, *out, *err);
+    cr_assert_eq(res.exit_code, 0, "rank %d failed: exit %d\nstdout:\n%s\nstderr:\n%s", res.failed_rank, res.exit_code,
+                 *out, *err);
 }
 
 /* The figures of rank r's line for `group` in text: all-gathers and
@@ -102,8 +102,8 @@ static figures group_line(const char *text, int r, const char *group)
     const char *eol = strchr(l, '\n');
     cr_assert(f && (!eol || f < eol), "no all_gather figures in '%s':\n%s", head, text);
     figures x;
-    int n = sscanf(f, "all_gather %llu (%llu bytes, wait %lf ms), reduce_scatter %llu (%llu bytes, wait %lf ms)",
-                   &x.ag, &x.ag_bytes, &x.ag_ms, &x.rs, &x.rs_bytes, &x.rs_ms);
+    int n = sscanf(f, "all_gather %llu (%llu bytes, wait %lf ms), reduce_scatter %llu (%llu bytes, wait %lf ms)", &x.ag,
+                   &x.ag_bytes, &x.ag_ms, &x.rs, &x.rs_bytes, &x.rs_ms);
     cr_assert_eq(n, 6, "unreadable figures: %.*s", (int)(eol ? eol - l : (long)strlen(l)), l);
     return x;
 }

@@ -49,7 +49,6 @@ static ts_status mlp_new(uint64_t seed, int64_t in, int64_t hid, int64_t out, ml
     return TS_OK;
 }
 
-
 static ts_status mse(ts_module *m, ts_tensor *x, ts_tensor *y, ts_tensor **loss)
 {
     ts_tensor *o = NULL;
@@ -114,7 +113,8 @@ Test(fully_shard, one_rank_without_world, .timeout = 60)
     cr_assert_eq(ts_tensor_size(out, 1), 4);
     TH_OK(ts_sum(out, 0, NULL, false, &loss));
     TH_OK(ts_backward(loss, NULL, false));
-    for (int i = 0; i < np.n; i++) cr_assert_not_null(ts_tensor_grad(params[i]), "%s has no gradient", np.items[i].name);
+    for (int i = 0; i < np.n; i++)
+        cr_assert_not_null(ts_tensor_grad(params[i]), "%s has no gradient", np.items[i].name);
     TH_OK(ts_optim_step(opt));
     cr_assert_eq(ts_fully_shard(model, NULL), TS_ERR_ALREADY);
     cr_assert(strstr(ts_last_error(), "fully_shard has already been applied"), "%s", ts_last_error());
@@ -162,7 +162,8 @@ static int rank_sharded_step(rank_ctx *rc)
     RK_EQ(rc, ts_dtensor_local_offset(dt, 0), start);
     ts_tensor *fullw = NULL; /* the DTensor gathers the whole weight (collective) */
     RK_OK(rc, ts_dtensor_full_tensor(dt, &fullw));
-    if (close_to(rc, "dtensor full weight", ts_tensor_data(fullw), ts_tensor_data(((ts_nn_linear *)ref)->weight), 64, 0))
+    if (close_to(rc, "dtensor full weight", ts_tensor_data(fullw), ts_tensor_data(((ts_nn_linear *)ref)->weight), 64,
+                 0))
         return 1;
     ts_tensor_free(fullw);
 
@@ -227,9 +228,9 @@ Test(fully_shard, sharded_step_matches_unsharded_reference, .timeout = 120)
 
 typedef struct train_arg {
     int steps;
-    bool hsdp;        /* a 2-d (replicate, shard) mesh at W = 4 */
+    bool hsdp; /* a 2-d (replicate, shard) mesh at W = 4 */
     ts_reshard_policy policy;
-    bool prefetch;    /* implicit prefetch on */
+    bool prefetch; /* implicit prefetch on */
 } train_arg;
 
 #define IN 6
@@ -523,8 +524,7 @@ static int rank_events(rank_ctx *rc)
             RK_EQ(rc, nf, k);
             int j = 0;
             for (int e = nf; e < g_n_ev[rc->rank]; e++) {
-                if (!a->want_bwd[j])
-                    return fail(rc, "extra backward event '%s'", g_ev[rc->rank][e]);
+                if (!a->want_bwd[j]) return fail(rc, "extra backward event '%s'", g_ev[rc->rank][e]);
                 if (strcmp(g_ev[rc->rank][e], a->want_bwd[j]))
                     return fail(rc, "backward event %d: got '%s', want '%s'", j, g_ev[rc->rank][e], a->want_bwd[j]);
                 j++;
@@ -547,25 +547,25 @@ static int rank_events(rank_ctx *rc)
  * computes (before its pre_forward event). */
 Test(fully_shard, unshard_and_post_backward_sequence, .timeout = 60)
 {
-    static const char *fwd_on[] = {"pre_forward root", "unshard root",     "unshard 1.0",      "pre_forward 1.0",
-                                   "unshard 1.1",      "pre_forward 1.1", "unshard 1.2",      "pre_forward 1.2",
-                                   NULL};
-    static const char *bwd_on[] = {"unshard root",       "unshard 1.2",        "unshard 1.1",        "post_backward 1.2",
-                                   "unshard 1.0",        "post_backward 1.1", "post_backward 1.0", "post_backward root",
-                                   NULL};
-    static const char *fwd_off[] = {"pre_forward root", "unshard root",     "pre_forward 1.0", "unshard 1.0",
-                                    "pre_forward 1.1",  "unshard 1.1",      "pre_forward 1.2", "unshard 1.2",
-                                    NULL};
-    static const char *bwd_off[] = {"unshard root",      "unshard 1.2",       "post_backward 1.2", "unshard 1.1",
-                                    "post_backward 1.1", "unshard 1.0",       "post_backward 1.0", "post_backward root",
-                                    NULL};
+    static const char *fwd_on[] = {"pre_forward root", "unshard root",    "unshard 1.0",
+                                   "pre_forward 1.0",  "unshard 1.1",     "pre_forward 1.1",
+                                   "unshard 1.2",      "pre_forward 1.2", NULL};
+    static const char *bwd_on[] = {"unshard root",      "unshard 1.2",        "unshard 1.1",
+                                   "post_backward 1.2", "unshard 1.0",        "post_backward 1.1",
+                                   "post_backward 1.0", "post_backward root", NULL};
+    static const char *fwd_off[] = {"pre_forward root", "unshard root",    "pre_forward 1.0",
+                                    "unshard 1.0",      "pre_forward 1.1", "unshard 1.1",
+                                    "pre_forward 1.2",  "unshard 1.2",     NULL};
+    static const char *bwd_off[] = {"unshard root",      "unshard 1.2",        "post_backward 1.2",
+                                    "unshard 1.1",       "post_backward 1.1",  "unshard 1.0",
+                                    "post_backward 1.0", "post_backward root", NULL};
     /* explicit lists, implicit prefetch off: each block gathers the next
      * right after its own unshard; backward as with the implicit order */
-    static const char *fwd_ex[] = {"pre_forward root", "unshard root",     "pre_forward 1.0", "unshard 1.0",
-                                   "unshard 1.1",      "pre_forward 1.1", "unshard 1.2",     "pre_forward 1.2",
-                                   NULL};
+    static const char *fwd_ex[] = {"pre_forward root", "unshard root", "pre_forward 1.0", "unshard 1.0", "unshard 1.1",
+                                   "pre_forward 1.1",  "unshard 1.2",  "pre_forward 1.2", NULL};
     ts_fsdp_set_event_hook(record, NULL);
-    ev_arg on = {true, fwd_on, bwd_on, false}, off = {false, fwd_off, bwd_off, false}, ex = {false, fwd_ex, bwd_on, true};
+    ev_arg on = {true, fwd_on, bwd_on, false}, off = {false, fwd_off, bwd_off, false},
+           ex = {false, fwd_ex, bwd_on, true};
     run_world(2, rank_events, &on);
     run_world(2, rank_events, &off);
     run_world(2, rank_events, &ex);
@@ -620,7 +620,8 @@ static int rank_errors(rank_ctx *rc)
     /* twice */
     RK_OK(rc, ts_fully_shard(a, &o));
     RK_EQ(rc, ts_fully_shard(a, &o), TS_ERR_ALREADY);
-    if (!strstr(ts_last_error(), "fully_shard has already been applied")) return fail(rc, "message: %s", ts_last_error());
+    if (!strstr(ts_last_error(), "fully_shard has already been applied"))
+        return fail(rc, "message: %s", ts_last_error());
     /* the layer's own forward on sharded parameters */
     ts_tensor *x = th_batch(0, 2, 8, th_xval), *outs[TS_MODULE_MAX_IO];
     int n = 0;
@@ -678,8 +679,7 @@ static int rank_tied(rank_ctx *rc)
     ts_module *a = NULL, *b = NULL, *ra = NULL, *rb = NULL;
     RK_OK(rc, lin_pair(3, &a, &b));
     RK_OK(rc, lin_pair(3, &ra, &rb));
-    ts_nn_linear *la = (ts_nn_linear *)a, *lb = (ts_nn_linear *)b, *rla = (ts_nn_linear *)ra,
-                 *rlb = (ts_nn_linear *)rb;
+    ts_nn_linear *la = (ts_nn_linear *)a, *lb = (ts_nn_linear *)b, *rla = (ts_nn_linear *)ra, *rlb = (ts_nn_linear *)rb;
     ts_tensor_free(lb->weight);
     lb->weight = ts_tensor_retain(la->weight);
     ts_tensor_free(rlb->weight);
@@ -710,8 +710,8 @@ static int rank_tied(rank_ctx *rc)
     ts_chunk_range(8, rc->W, rc->rank, &start, &len);
     ts_tensor *g = ts_tensor_grad(la->weight);
     if (!g) return fail(rc, "no gradient on the tied shard");
-    if (close_to(rc, "tied grad", ts_tensor_data(g), (const float *)ts_tensor_data(ts_tensor_grad(rla->weight)) + start * 8,
-                 len * 8, 1e-5))
+    if (close_to(rc, "tied grad", ts_tensor_data(g),
+                 (const float *)ts_tensor_data(ts_tensor_grad(rla->weight)) + start * 8, len * 8, 1e-5))
         return 1;
     ts_tensor_free(x);
     ts_module_free(a);
@@ -880,8 +880,12 @@ static ts_status scale_double(ts_module *m, int n_in, ts_tensor *const *in, int 
     return st;
 }
 static const ts_module_method scale_methods[] = {{"double", scale_double}};
-static const ts_module_vtable scale_vt = {.type_name = "Scale", .forward = scale_fwd, .visit = scale_visit,
-                                          .free = scale_free, .methods = scale_methods, .n_methods = 1};
+static const ts_module_vtable scale_vt = {.type_name = "Scale",
+                                          .forward = scale_fwd,
+                                          .visit = scale_visit,
+                                          .free = scale_free,
+                                          .methods = scale_methods,
+                                          .n_methods = 1};
 
 static ts_module *scale_new(void)
 {
@@ -950,7 +954,8 @@ static int rank_explicit(rank_ctx *rc)
     RK_OK(rc, ts_fsdp_summon_end(s));
     RK_OK(rc, ts_fsdp_unshard(m, false, NULL));
     for (int i = 0; i < 6; i++)
-        if (((float *)ts_tensor_data(sm->w))[i] != 2.0f * (float)(i + 1)) return fail(rc, "edit without write-back kept");
+        if (((float *)ts_tensor_data(sm->w))[i] != 2.0f * (float)(i + 1))
+            return fail(rc, "edit without write-back kept");
     RK_OK(rc, ts_fsdp_reshard(m));
     ts_tensor_free(x);
     ts_module_free(m);
@@ -1212,8 +1217,8 @@ static int rank_ignored(rank_ctx *rc)
     ts_tensor *gb = ts_tensor_grad(l->bias);
     if (!gb) return fail(rc, "no gradient on the ignored bias");
     for (int i = 0; i < 8; i++)
-        if (((float *)ts_tensor_data(gb))[i] != (float)(rc->rank + 1)) return fail(rc, "ignored bias grad[%d] = %g", i,
-                                                                  ((float *)ts_tensor_data(gb))[i]);
+        if (((float *)ts_tensor_data(gb))[i] != (float)(rc->rank + 1))
+            return fail(rc, "ignored bias grad[%d] = %g", i, ((float *)ts_tensor_data(gb))[i]);
     ts_tensor_free(x), ts_tensor_free(y), ts_tensor_free(sum);
     ts_module_free(a);
     ts_mesh_free(mesh);
@@ -1320,7 +1325,8 @@ Test(fully_shard_regressions, no_grad_forward_then_step, .timeout = 60)
         TH_OK(ts_module_call1(both[k], x, &out[k]));
     }
     for (int i = 0; i < 8; i++)
-        cr_assert_float_eq(((float *)ts_tensor_data(out[0]))[i], ((float *)ts_tensor_data(out[1]))[i], 1e-6, "out[%d]", i);
+        cr_assert_float_eq(((float *)ts_tensor_data(out[0]))[i], ((float *)ts_tensor_data(out[1]))[i], 1e-6, "out[%d]",
+                           i);
     ts_tensor_free(out[0]), ts_tensor_free(out[1]), ts_tensor_free(x);
     ts_optim_free(opt), ts_optim_free(ropt);
     ts_module_free(m), ts_module_free(ref);

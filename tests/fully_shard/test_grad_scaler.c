@@ -57,11 +57,14 @@ Test(fully_shard_grad_scaler, bad_options_name_the_value)
         double v;
         const char *msg;
     } cases[] = {
-        {"init_scale", 0.0, "init_scale 0"},        {"init_scale", -1.0, "init_scale -1"},
-        {"init_scale", INFINITY, "init_scale inf"}, {"init_scale", 1e300, "init_scale 1e+300"},
+        {"init_scale", 0.0, "init_scale 0"},
+        {"init_scale", -1.0, "init_scale -1"},
+        {"init_scale", INFINITY, "init_scale inf"},
+        {"init_scale", 1e300, "init_scale 1e+300"},
         {"growth_factor", 1.0, "growth factor must be > 1.0 (growth_factor 1)"},
         {"growth_factor", NAN, "growth_factor nan"},
-        {"backoff_factor", 1.0, "backoff_factor 1"}, {"backoff_factor", 0.0, "backoff_factor 0"},
+        {"backoff_factor", 1.0, "backoff_factor 1"},
+        {"backoff_factor", 0.0, "backoff_factor 0"},
         {"growth_interval", 0, "growth_interval 0 must be >= 1"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -251,8 +254,7 @@ Test(fully_shard_grad_scaler, stage_errors_are_torchs)
     cr_assert_eq(v[0], -1.0, "unscaled once: %g", v[0]);
     cr_assert_eq(v[1], 1.0);
     cr_assert_eq(ts_grad_scaler_step(s, opt, NULL), TS_ERR_STATE);
-    cr_assert(strstr(ts_last_error(), "step() has already been called since the last update()"), "%s",
-              ts_last_error());
+    cr_assert(strstr(ts_last_error(), "step() has already been called since the last update()"), "%s", ts_last_error());
     cr_assert_eq(ts_grad_scaler_unscale(s, opt), TS_ERR_STATE);
     cr_assert(strstr(ts_last_error(), "unscale_() is being called after step()"), "%s", ts_last_error());
     TH_OK(ts_grad_scaler_update(s));

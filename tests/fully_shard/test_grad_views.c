@@ -44,7 +44,7 @@ typedef th_rank rank_ctx;
 #define RK_OK TH_RK_OK
 
 #define IN 6
-#define H1 8  /* over 3 ranks: 3, 3, 2 rows (padding after rank 2's weight) */
+#define H1 8 /* over 3 ranks: 3, 3, 2 rows (padding after rank 2's weight) */
 #define H2 4
 #define OUT 2 /* over 3 ranks: rank 2 empty */
 #define ROWS 12
@@ -57,14 +57,14 @@ typedef struct mlp {
 } mlp;
 
 typedef struct gv_arg {
-    int steps, accum;    /* steps, each of accum synced backwards */
+    int steps, accum; /* steps, each of accum synced backwards */
     bool adam, fused;
-    bool bf16;           /* param_dtype bf16, reduce_dtype f32: no cast of the result */
-    bool bf16_reduce;    /* reduce_dtype bf16: the result is cast back (separate add) */
+    bool bf16;        /* param_dtype bf16, reduce_dtype f32: no cast of the result */
+    bool bf16_reduce; /* reduce_dtype bf16: the result is cast back (separate add) */
     bool offload, hsdp;
-    bool keep_grads;     /* zero_grad(set_to_none = false) between steps */
-    bool expect_add;     /* the copy-free model's accumulations are added by the collective */
-    bool separate;       /* the copy-free model's reductions on a group and channel of their own */
+    bool keep_grads; /* zero_grad(set_to_none = false) between steps */
+    bool expect_add; /* the copy-free model's accumulations are added by the collective */
+    bool separate;   /* the copy-free model's reductions on a group and channel of their own */
 } gv_arg;
 
 static ts_status mlp_new(ts_mesh *mesh, const gv_arg *a, bool copy_free, mlp *m)
@@ -132,8 +132,9 @@ static int check_layout(rank_ctx *rc, const mlp *m, const char *which)
             if (ts_tensor_storage(gr) != ts_tensor_storage(g0))
                 return fail(rc, "%s group %d: parameter %d's gradient has a storage of its own", which, l, i);
             if ((const unsigned char *)ts_tensor_data(gr) != base + (size_t)p->off * g->es)
-                return fail(rc, "%s group %d: parameter %d's gradient at %td bytes from the group's, expected %lld", which,
-                            l, i, (const unsigned char *)ts_tensor_data(gr) - base, (long long)p->off * (long long)g->es);
+                return fail(rc, "%s group %d: parameter %d's gradient at %td bytes from the group's, expected %lld",
+                            which, l, i, (const unsigned char *)ts_tensor_data(gr) - base,
+                            (long long)p->off * (long long)g->es);
             if (!ts_tensor_is_contiguous(gr) || ts_tensor_numel(gr) != ts_tensor_numel(p->S))
                 return fail(rc, "%s group %d: parameter %d's gradient is not a contiguous tensor of its shard's shape",
                             which, l, i);
@@ -486,7 +487,8 @@ static int rank_failed_add(rank_ctx *rc)
     RK_OK(rc, ts_module_call1(cf.root, xf, &o));
     ts_tensor *y = th_batch(rc->rank * rows + 1, rows, OUT, th_yval);
     RK_OK(rc, ts_mse_loss(o, y, TS_REDUCTION_MEAN, &loss));
-    if (ts_backward(loss, NULL, false) != TS_ERR_INTERNAL) return fail(rc, "the injected failure did not fail backward");
+    if (ts_backward(loss, NULL, false) != TS_ERR_INTERNAL)
+        return fail(rc, "the injected failure did not fail backward");
     const fsdp_ctx *c = ts__fsdp_state_of(cf.root)->ctx;
     if (!c || !c->rs_pending || !c->rs_pending->rs_add)
         return fail(rc, "no accumulating reduction left in flight by the failed backward");
@@ -504,7 +506,8 @@ static int rank_failed_add(rank_ctx *rc)
             int li = i / 2; /* ps: weight and bias of lin[0], lin[1], lin[2] */
             if (li != l) continue;
             bool has = ts_tensor_grad(cf.ps[i]) != NULL;
-            if (g == pending && has) return fail(rc, "parameter %d kept a gradient the dropped reduction added into", i);
+            if (g == pending && has)
+                return fail(rc, "parameter %d kept a gradient the dropped reduction added into", i);
             if (g != pending && !has) return fail(rc, "parameter %d of a finished group lost its gradient", i);
             dropped += g == pending, kept += g != pending;
         }

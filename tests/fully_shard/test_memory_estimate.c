@@ -156,8 +156,14 @@ static int components_rank(th_rank *rc)
     return 0;
 }
 
-Test(fully_shard_memory_estimate, components_exact_on_1_rank, .timeout = 60) { th_run_world(1, components_rank, NULL, 30.0); }
-Test(fully_shard_memory_estimate, components_exact_on_2_ranks, .timeout = 60) { th_run_world(2, components_rank, NULL, 30.0); }
+Test(fully_shard_memory_estimate, components_exact_on_1_rank, .timeout = 60)
+{
+    th_run_world(1, components_rank, NULL, 30.0);
+}
+Test(fully_shard_memory_estimate, components_exact_on_2_ranks, .timeout = 60)
+{
+    th_run_world(2, components_rank, NULL, 30.0);
+}
 Test(fully_shard_memory_estimate, components_exact_on_4_ranks_uneven, .timeout = 60)
 {
     th_run_world(4, components_rank, NULL, 30.0);
@@ -214,8 +220,9 @@ static void peak_case(peak_opts po)
     cr_assert_eq(ts_fsdp_memory_estimate(m, &mo, &r), TS_OK, "%s", ts_last_error());
     double ratio = (double)r.peak_bytes / (double)measured;
     cr_log_info("prefetch %d bf16 %d dropout %g tied %d policy %d ckpt %d offload %d: predicted %zu, measured %zu, "
-                "ratio %.4f", prefetch, po.bf16, po.dropout, po.tied, (int)po.policy, po.ckpt, po.offload, r.peak_bytes,
-                measured, ratio);
+                "ratio %.4f",
+                prefetch, po.bf16, po.dropout, po.tied, (int)po.policy, po.ckpt, po.offload, r.peak_bytes, measured,
+                ratio);
     cr_expect_eq(r.checkpointed, po.ckpt);
     /* the step itself, played on the meta device: the same bytes */
     cr_expect_eq(r.peak_bytes, measured, "predicted %zu against measured %zu: ratio %.4f", r.peak_bytes, measured,
@@ -232,8 +239,14 @@ static void peak_case(peak_opts po)
 }
 
 Test(fully_shard_memory_estimate, gpt_step_peak_exact, .timeout = 60) { peak_case((peak_opts){.prefetch = true}); }
-Test(fully_shard_memory_estimate, gpt_step_peak_without_prefetch, .timeout = 60) { peak_case((peak_opts){.prefetch = false}); }
-Test(fully_shard_memory_estimate, gpt_step_peak_bf16, .timeout = 60) { peak_case((peak_opts){.prefetch = true, .bf16 = true}); }
+Test(fully_shard_memory_estimate, gpt_step_peak_without_prefetch, .timeout = 60)
+{
+    peak_case((peak_opts){.prefetch = false});
+}
+Test(fully_shard_memory_estimate, gpt_step_peak_bf16, .timeout = 60)
+{
+    peak_case((peak_opts){.prefetch = true, .bf16 = true});
+}
 Test(fully_shard_memory_estimate, gpt_step_peak_dropout, .timeout = 60)
 {
     peak_case((peak_opts){.prefetch = true, .dropout = 0.1}); /* attention and MLP masks, the embeddings' dropout */
@@ -244,11 +257,13 @@ Test(fully_shard_memory_estimate, gpt_step_peak_bf16_dropout, .timeout = 60)
 }
 Test(fully_shard_memory_estimate, gpt_step_peak_tied_weights, .timeout = 60)
 {
-    peak_case((peak_opts){.prefetch = true, .tied = true}); /* the head's weight is the embedding's, in the root's group */
+    peak_case(
+        (peak_opts){.prefetch = true, .tied = true}); /* the head's weight is the embedding's, in the root's group */
 }
 Test(fully_shard_memory_estimate, gpt_step_peak_checkpointed_blocks, .timeout = 60)
 {
-    peak_case((peak_opts){.prefetch = true, .ckpt = true}); /* ts_checkpoint_module on every block (nn/activation_checkpoint.c) */
+    peak_case((peak_opts){.prefetch = true,
+                          .ckpt = true}); /* ts_checkpoint_module on every block (nn/activation_checkpoint.c) */
 }
 Test(fully_shard_memory_estimate, gpt_step_peak_checkpointed_bf16_dropout, .timeout = 60)
 {
@@ -256,7 +271,8 @@ Test(fully_shard_memory_estimate, gpt_step_peak_checkpointed_bf16_dropout, .time
 }
 Test(fully_shard_memory_estimate, gpt_step_peak_offload_pinned, .timeout = 60)
 {
-    peak_case((peak_opts){.prefetch = true, .offload = 1}); /* host shards and gradients in pinned, page-rounded blocks */
+    peak_case(
+        (peak_opts){.prefetch = true, .offload = 1}); /* host shards and gradients in pinned, page-rounded blocks */
 }
 Test(fully_shard_memory_estimate, gpt_step_peak_offload_pageable, .timeout = 60)
 {
@@ -444,7 +460,8 @@ static void user_exact(const char *name, user_case uc)
     }
     cr_expect_eq(r.optim_bytes, storages(3 * pl.n, state), "%s: optimizer bytes", name);
     cr_expect_eq(r.n_blocks, EC_BLOCKS);
-    cr_expect_eq(r.n_params, (int64_t)EC_IN * EC_D + EC_D + EC_BLOCKS * 3 * EC_D * EC_H + EC_D * EC_CLASSES + EC_CLASSES);
+    cr_expect_eq(r.n_params,
+                 (int64_t)EC_IN * EC_D + EC_D + EC_BLOCKS * 3 * EC_D * EC_H + EC_D * EC_CLASSES + EC_CLASSES);
     cr_expect(r.block_act_bytes > r.block_act_ckpt_bytes && r.act_ckpt_bytes < r.act_bytes,
               "%s: block %zu (ckpt %zu), all %zu (ckpt %zu)", name, r.block_act_bytes, r.block_act_ckpt_bytes,
               r.act_bytes, r.act_ckpt_bytes);
@@ -455,7 +472,10 @@ static void user_exact(const char *name, user_case uc)
     ts_module_free(m);
 }
 
-Test(fully_shard_memory_estimate, user_module_exact, .timeout = 60) { user_exact("f32", (user_case){.so = {.prefetch = true}}); }
+Test(fully_shard_memory_estimate, user_module_exact, .timeout = 60)
+{
+    user_exact("f32", (user_case){.so = {.prefetch = true}});
+}
 Test(fully_shard_memory_estimate, user_module_exact_no_prefetch, .timeout = 60)
 {
     user_exact("no prefetch", (user_case){.so = {.prefetch = false}});
@@ -631,7 +651,8 @@ Test(fully_shard_memory_estimate, leaves_other_threads_generator_alone, .timeout
     for (uint64_t i = 0; i < d.draws; i++) (void)ts_generator_random(ref);
     cr_log_info("the other thread drew %llu numbers during 4 estimates", (unsigned long long)d.draws);
     cr_expect(d.draws > 0);
-    cr_expect_eq(ts_generator_random(NULL), ts_generator_random(ref), "the process-wide generator lost or gained draws");
+    cr_expect_eq(ts_generator_random(NULL), ts_generator_random(ref),
+                 "the process-wide generator lost or gained draws");
     ts_generator_set_thread_default(prev);
     ts_generator_free(ref), ts_generator_free(mine);
     ts_module_free(m);
@@ -654,8 +675,8 @@ Test(fully_shard_memory_estimate, meta_model_same_report_as_cpu, .timeout = 60)
         ts_fsdp_memory_report rc, rm, rmat;
         cr_assert_eq(ts_fsdp_memory_estimate(cpu, &mo, &rc), TS_OK, "%s", ts_last_error());
         cr_assert_eq(ts_fsdp_memory_estimate(meta, &mo, &rm), TS_OK, "%s", ts_last_error());
-        cr_expect_eq(memcmp(&rc, &rm, sizeof rc), 0, "eager %d: peak %zu / %zu, params %zu / %zu, pool %zu / %zu", eager,
-                     rc.peak_bytes, rm.peak_bytes, rc.param_bytes, rm.param_bytes, rc.pool_peak_bytes,
+        cr_expect_eq(memcmp(&rc, &rm, sizeof rc), 0, "eager %d: peak %zu / %zu, params %zu / %zu, pool %zu / %zu",
+                     eager, rc.peak_bytes, rm.peak_bytes, rc.param_bytes, rm.param_bytes, rc.pool_peak_bytes,
                      rm.pool_peak_bytes);
         EC_OK(ts_fsdp_materialize(meta));
         cr_assert_eq(ts_fsdp_memory_estimate(meta, &mo, &rmat), TS_OK, "%s", ts_last_error());
@@ -717,8 +738,8 @@ Test(fully_shard_memory_estimate, hypothetical_sharding_equals_real_ranks, .time
     cr_assert_eq(ts_fsdp_memory_estimate_gpt(&g, &mo, &g3), TS_OK, "%s", ts_last_error());
     mo.world_size = 1;
     cr_assert_eq(ts_fsdp_memory_estimate_gpt(&g, &mo, &g1), TS_OK, "%s", ts_last_error());
-    cr_expect(g3.param_bytes < g1.param_bytes / 2 && g3.peak_bytes < g1.peak_bytes, "3 ranks %zu / %zu, 1 rank %zu / %zu",
-              g3.param_bytes, g3.peak_bytes, g1.param_bytes, g1.peak_bytes);
+    cr_expect(g3.param_bytes < g1.param_bytes / 2 && g3.peak_bytes < g1.peak_bytes,
+              "3 ranks %zu / %zu, 1 rank %zu / %zu", g3.param_bytes, g3.peak_bytes, g1.param_bytes, g1.peak_bytes);
 }
 
 /* The virtual world moves no data: a collective a build function

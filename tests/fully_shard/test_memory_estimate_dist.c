@@ -51,8 +51,8 @@ static void check_peak(int rank, const char *name, size_t predicted, size_t meas
     printf("rank %d %s: predicted %zu measured %zu ratio %.4f\n", rank, name, predicted, measured, ratio);
     fflush(stdout);
     if (!(ratio > 0.95 && ratio < 1.05)) {
-        fprintf(stderr, "rank %d %s: predicted %zu bytes, measured %zu: ratio %.4f outside [0.95, 1.05]\n", rank,
-                name, predicted, measured, ratio);
+        fprintf(stderr, "rank %d %s: predicted %zu bytes, measured %zu: ratio %.4f outside [0.95, 1.05]\n", rank, name,
+                predicted, measured, ratio);
         _exit(3);
     }
 }
@@ -156,8 +156,8 @@ __attribute__((constructor)) static void mem_rank_role(void)
 Test(fully_shard_memory_estimate_dist, predicted_peak_within_5_percent_on_2_ranks, .timeout = 240)
 {
     char *out = th_tsrun_self(TS_BUILD_DIR, 2, "TS_TEST_MEM_RANK=1");
-    static const char *const lines[] = {"rank 0 fsdp:", "rank 1 fsdp:", "rank 0 fsdp-nopf:", "rank 1 fsdp-nopf:",
-                                        "rank 0 fsdp-ac:", "rank 1 fsdp-ac:"};
+    static const char *const lines[] = {
+        "rank 0 fsdp:", "rank 1 fsdp:", "rank 0 fsdp-nopf:", "rank 1 fsdp-nopf:", "rank 0 fsdp-ac:", "rank 1 fsdp-ac:"};
     for (int i = 0; i < 6; i++) cr_expect(strstr(out, lines[i]) != NULL, "no line '%s' in:\n%s", lines[i], out);
     for (size_t i = 0; i < sizeof k_user / sizeof k_user[0]; i++)
         for (int r = 0; r < 2; r++) {

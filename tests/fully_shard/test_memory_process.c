@@ -66,8 +66,8 @@ static void pool_case(ts_gpt_config g, bool bf16)
      * classes the full parameters' cached blocks join at the start: the
      * same bytes, float32 and bf16 (the hand-kept model this replaced said
      * 1.0000 and 1.164) */
-    cr_expect_eq(r.pool_peak_bytes, pool, "pool predicted %zu against measured %zu: ratio %.4f", r.pool_peak_bytes, pool,
-                 ratio);
+    cr_expect_eq(r.pool_peak_bytes, pool, "pool predicted %zu against measured %zu: ratio %.4f", r.pool_peak_bytes,
+                 pool, ratio);
     /* the full parameters built at start-up stay cached: the pool holds more than the storage peak */
     cr_expect_gt(r.pool_peak_bytes, r.peak_bytes);
     cr_expect_eq(r.rss_peak_bytes, r.floor_bytes + r.pool_peak_bytes);

@@ -30,23 +30,59 @@ static void exact(const char *name, step_opts o)
 }
 
 Test(fully_shard_meta_step, gpt_f32) { exact("gpt f32", (step_opts){.copy_free = 0}); }
-Test(fully_shard_meta_step, gpt_f32_prefetch) { exact("gpt f32 prefetch", (step_opts){.copy_free = 0, .prefetch = true}); }
+Test(fully_shard_meta_step, gpt_f32_prefetch)
+{
+    exact("gpt f32 prefetch", (step_opts){.copy_free = 0, .prefetch = true});
+}
 Test(fully_shard_meta_step, mlp_f32) { exact("mlp f32", (step_opts){.copy_free = 0, .mlp = true}); }
 Test(fully_shard_meta_step, gpt_bf16) { exact("gpt bf16", (step_opts){.copy_free = 0, .bf16 = true}); }
-Test(fully_shard_meta_step, gpt_no_reshard) { exact("gpt no reshard", (step_opts){.copy_free = 0, .no_reshard = true}); }
+Test(fully_shard_meta_step, gpt_no_reshard)
+{
+    exact("gpt no reshard", (step_opts){.copy_free = 0, .no_reshard = true});
+}
 Test(fully_shard_meta_step, gpt_ckpt) { exact("gpt ckpt", (step_opts){.copy_free = 0, .ckpt = true}); }
 Test(fully_shard_meta_step, gpt_nosync) { exact("gpt nosync x2", (step_opts){.copy_free = 0, .microbatches = 2}); }
-Test(fully_shard_meta_step, gpt_bf16_nosync) { exact("gpt bf16 nosync x2", (step_opts){.copy_free = 0, .bf16 = true, .microbatches = 2}); }
-Test(fully_shard_meta_step, gpt_offload_pinned) { exact("gpt offload pinned", (step_opts){.copy_free = 0, .offload = 1}); }
-Test(fully_shard_meta_step, gpt_offload_pageable) { exact("gpt offload pageable", (step_opts){.copy_free = 0, .offload = 2}); }
+Test(fully_shard_meta_step, gpt_bf16_nosync)
+{
+    exact("gpt bf16 nosync x2", (step_opts){.copy_free = 0, .bf16 = true, .microbatches = 2});
+}
+Test(fully_shard_meta_step, gpt_offload_pinned)
+{
+    exact("gpt offload pinned", (step_opts){.copy_free = 0, .offload = 1});
+}
+Test(fully_shard_meta_step, gpt_offload_pageable)
+{
+    exact("gpt offload pageable", (step_opts){.copy_free = 0, .offload = 2});
+}
 Test(fully_shard_meta_step, gpt_copy_free) { exact("gpt copy-free", (step_opts){.copy_free = 1}); }
-Test(fully_shard_meta_step, gpt_copy_free_bf16_nosync) { exact("gpt copy-free bf16 nosync", (step_opts){.copy_free = 1, .bf16 = true, .microbatches = 2}); }
-Test(fully_shard_meta_step, mlp_copy_free_nosync) { exact("mlp copy-free nosync", (step_opts){.copy_free = 1, .mlp = true, .microbatches = 2}); }
-Test(fully_shard_meta_step, gpt_persist) { exact("gpt persistent small params", (step_opts){.copy_free = 0, .persist = 64}); }
-Test(fully_shard_meta_step, gpt_persist_nosync) { exact("gpt persistent nosync", (step_opts){.copy_free = 0, .persist = 64, .microbatches = 2}); }
-Test(fully_shard_meta_step, gpt_bf16_reduce_bf16) { exact("gpt bf16 reduce bf16", (step_opts){.copy_free = 0, .bf16_reduce = true}); }
-Test(fully_shard_meta_step, gpt_explicit_prefetch) { exact("gpt explicit prefetch", (step_opts){.copy_free = 0, .explicit_pf = true}); }
-Test(fully_shard_meta_step, mlp_explicit_prefetch_copy_free) { exact("mlp explicit prefetch copy-free", (step_opts){.copy_free = 1, .mlp = true, .explicit_pf = true}); }
+Test(fully_shard_meta_step, gpt_copy_free_bf16_nosync)
+{
+    exact("gpt copy-free bf16 nosync", (step_opts){.copy_free = 1, .bf16 = true, .microbatches = 2});
+}
+Test(fully_shard_meta_step, mlp_copy_free_nosync)
+{
+    exact("mlp copy-free nosync", (step_opts){.copy_free = 1, .mlp = true, .microbatches = 2});
+}
+Test(fully_shard_meta_step, gpt_persist)
+{
+    exact("gpt persistent small params", (step_opts){.copy_free = 0, .persist = 64});
+}
+Test(fully_shard_meta_step, gpt_persist_nosync)
+{
+    exact("gpt persistent nosync", (step_opts){.copy_free = 0, .persist = 64, .microbatches = 2});
+}
+Test(fully_shard_meta_step, gpt_bf16_reduce_bf16)
+{
+    exact("gpt bf16 reduce bf16", (step_opts){.copy_free = 0, .bf16_reduce = true});
+}
+Test(fully_shard_meta_step, gpt_explicit_prefetch)
+{
+    exact("gpt explicit prefetch", (step_opts){.copy_free = 0, .explicit_pf = true});
+}
+Test(fully_shard_meta_step, mlp_explicit_prefetch_copy_free)
+{
+    exact("mlp explicit prefetch copy-free", (step_opts){.copy_free = 1, .mlp = true, .explicit_pf = true});
+}
 
 /* A model that played a meta step is materialized and trains for real:
  * the unsharded parameters the meta step took as meta are released CPU

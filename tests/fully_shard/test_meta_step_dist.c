@@ -22,12 +22,12 @@
 #include "tests/helpers.h"
 
 #define MS_OK(expr) TH_RANK_OK(2, expr) /* a rank process: the call, its status and message, exit 2 */
-#define MS_TRUE(cond)                                                                 \
-    do {                                                                              \
-        if (!(cond)) {                                                                \
-            fprintf(stderr, "%s:%d: %s is false\n", __FILE__, __LINE__, #cond);        \
-            _exit(2);                                                                 \
-        }                                                                             \
+#define MS_TRUE(cond) \
+    do { \
+        if (!(cond)) { \
+            fprintf(stderr, "%s:%d: %s is false\n", __FILE__, __LINE__, #cond); \
+            _exit(2); \
+        } \
     } while (0)
 #include "tests/fully_shard/meta_step_common.h"
 

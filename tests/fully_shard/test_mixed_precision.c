@@ -119,9 +119,9 @@ typedef struct mp_case {
     bool hsdp;                 /* 2 x (W/2) mesh (replicate, shard) */
     ts_mp_policy root, lin[3]; /* the root's and each Linear's policy */
     int steps;
-    double tol;                /* 0: bit equality */
+    double tol; /* 0: bit equality */
     ts_reshard_policy reshard;
-    int every_n;               /* for TS_RESHARD_EVERY_N */
+    int every_n; /* for TS_RESHARD_EVERY_N */
 } mp_case;
 
 /* The reference forward: FSDP's casts by hand around the compute model's
@@ -784,7 +784,8 @@ static int rank_state_dict(rank_ctx *rc)
     RK_OK(rc, ts_module_state_dict(ref, &want));
     RK_EQ(rc, ts_state_dict_size(sd), ts_state_dict_size(want));
     for (int i = 0; i < ts_state_dict_size(want); i++) {
-        ts_tensor *a = ts_state_dict_get(sd, ts_state_dict_name(want, i)), *b = ts_state_dict_get(want, ts_state_dict_name(want, i));
+        ts_tensor *a = ts_state_dict_get(sd, ts_state_dict_name(want, i)),
+                  *b = ts_state_dict_get(want, ts_state_dict_name(want, i));
         if (!a) return fail(rc, "missing %s", ts_state_dict_name(want, i));
         RK_EQ(rc, ts_tensor_dtype(a), TS_F32);
         if (memcmp(ts_tensor_data(a), ts_tensor_data(b), (size_t)ts_tensor_numel(b) * 4))
@@ -795,7 +796,8 @@ static int rank_state_dict(rank_ctx *rc)
     ts_state_dict *sd2 = NULL;
     RK_OK(rc, ts_fsdp_full_state_dict(root, false, &sd2));
     for (int i = 0; i < ts_state_dict_size(want); i++) {
-        ts_tensor *a = ts_state_dict_get(sd2, ts_state_dict_name(want, i)), *b = ts_state_dict_get(want, ts_state_dict_name(want, i));
+        ts_tensor *a = ts_state_dict_get(sd2, ts_state_dict_name(want, i)),
+                  *b = ts_state_dict_get(want, ts_state_dict_name(want, i));
         if (memcmp(ts_tensor_data(a), ts_tensor_data(b), (size_t)ts_tensor_numel(b) * 4))
             return fail(rc, "'%s' changed by a load", ts_state_dict_name(want, i));
     }

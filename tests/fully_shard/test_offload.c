@@ -45,15 +45,14 @@ typedef struct mlp {
 
 typedef struct off_arg {
     int steps;
-    int accum;              /* backwards per step (gradient accumulation) */
+    int accum; /* backwards per step (gradient accumulation) */
     bool pin;
-    bool hsdp;              /* a 2-d (replicate, shard) mesh at W = 4 */
-    bool keep_grads;        /* zero_grad(set_to_none = false): gradients exist at every reduction */
-    bool adam;              /* AdamW (two state tensors per parameter) instead of SGD with momentum */
-    bool bf16;              /* both models under a mixed-precision policy (bf16 compute, f32 reduce and output) */
+    bool hsdp;       /* a 2-d (replicate, shard) mesh at W = 4 */
+    bool keep_grads; /* zero_grad(set_to_none = false): gradients exist at every reduction */
+    bool adam;       /* AdamW (two state tensors per parameter) instead of SGD with momentum */
+    bool bf16;       /* both models under a mixed-precision policy (bf16 compute, f32 reduce and output) */
     ts_reshard_policy policy;
 } off_arg;
-
 
 /* The model, sharded (each Linear its own group, then the root) with the
  * policy (NULL: no offload), and its optimizer. */
@@ -91,10 +90,7 @@ static void mlp_free(mlp *m)
     ts_module_free(m->root);
 }
 
-static ts_status fwd_bwd(mlp *m, ts_tensor *x, ts_tensor *y)
-{
-    return th_mse_backward(m->root, x, y);
-}
+static ts_status fwd_bwd(mlp *m, ts_tensor *x, ts_tensor *y) { return th_mse_backward(m->root, x, y); }
 
 /* Bitwise equality of two tensors' local data. */
 static int same_bits(rank_ctx *rc, const char *what, int i, const ts_tensor *a, const ts_tensor *b)
@@ -104,8 +100,8 @@ static int same_bits(rank_ctx *rc, const char *what, int i, const ts_tensor *a, 
         return 0;
     }
     int64_t n = ts_tensor_numel(a);
-    if (n != ts_tensor_numel(b)) return fail(rc, "%s %d: %lld vs %lld elements", what, i, (long long)n,
-                                             (long long)ts_tensor_numel(b));
+    if (n != ts_tensor_numel(b))
+        return fail(rc, "%s %d: %lld vs %lld elements", what, i, (long long)n, (long long)ts_tensor_numel(b));
     const float *pa = ts_tensor_data(a), *pb = ts_tensor_data(b);
     for (int64_t k = 0; k < n; k++)
         if (memcmp(&pa[k], &pb[k], sizeof(float)) != 0)
@@ -193,8 +189,8 @@ static int rank_parity(rank_ctx *rc)
     RK_EQ(rc, os.d2h_bytes, (uint64_t)pairs * local_bytes);
     /* host blocks: the sharded buffers and the host gradient buffers (and
      * the staging buffers when gradients were accumulated into) */
-    if (os.host_bytes < 2 * shard_bytes) return fail(rc, "host bytes %zu < 2 x %llu", os.host_bytes,
-                                                     (unsigned long long)shard_bytes);
+    if (os.host_bytes < 2 * shard_bytes)
+        return fail(rc, "host bytes %zu < 2 x %llu", os.host_bytes, (unsigned long long)shard_bytes);
     RK_EQ(rc, os.pinned_bytes, a->pin ? os.host_bytes : 0);
     ts_state_dict_free(sr);
     ts_state_dict_free(so);
@@ -365,8 +361,8 @@ static int rank_load(rank_ctx *rc)
     RK_OK(rc, ts_fsdp_unshard(off.lin[1], false, NULL));
     ts_tensor *w = NULL;
     RK_OK(rc, ts_module_get_parameter(off.lin[1], "weight", &w));
-    if (ts_tensor_numel(w) != HID * HID) return fail(rc, "the unsharded weight has %lld elements",
-                                                          (long long)ts_tensor_numel(w));
+    if (ts_tensor_numel(w) != HID * HID)
+        return fail(rc, "the unsharded weight has %lld elements", (long long)ts_tensor_numel(w));
     if (same_bits(rc, "unsharded weight", 0, ts_state_dict_get(sd, "2.weight"), w)) return 1;
     RK_OK(rc, ts_fsdp_reshard(off.lin[1]));
     ts_state_dict_free(sd);

@@ -28,12 +28,11 @@
 #define RK_OK TH_RK_OK
 #define RK_EQ TH_RK_EQ
 
-
 #define D 6
 #define H 10
 #define NLIN 3
-#define NP 6    /* 3 Linear layers, weight and bias */
-#define ROWS 3  /* rows per rank and microbatch */
+#define NP 6   /* 3 Linear layers, weight and bias */
+#define ROWS 3 /* rows per rank and microbatch */
 #define STEPS 3
 
 /* With threshold 40 (TH_MIXED): Linear(6, 6) (36 + 6) is all persistent
@@ -45,9 +44,9 @@
 typedef struct run_arg {
     int64_t threshold;
     bool hsdp;
-    bool no_sync;     /* 2 microbatches per step, the first without gradient sync */
-    bool two_bwd;     /* 2 backwards per step, both with sync, no zero_grad between them */
-    double divide;    /* gradient_divide_factor on every module (0: none) */
+    bool no_sync;  /* 2 microbatches per step, the first without gradient sync */
+    bool two_bwd;  /* 2 backwards per step, both with sync, no zero_grad between them */
+    double divide; /* gradient_divide_factor on every module (0: none) */
     bool force_sum;
     bool bf16_reduce; /* mp_policy reduce_dtype bfloat16 (parameters and compute f32) */
     bool rank_inputs; /* the ranks see different data (the default), else the same */
@@ -94,10 +93,7 @@ static void model_free(model *m)
 }
 
 /* Forward and backward of rows [row0, row0 + ROWS); loss: MSE. */
-static ts_status fwd_bwd(model *m, int64_t row0)
-{
-    return th_mse_backward_rows(m->root, row0, ROWS, D, D);
-}
+static ts_status fwd_bwd(model *m, int64_t row0) { return th_mse_backward_rows(m->root, row0, ROWS, D, D); }
 
 static ts_status train(th_rank *rc, const run_arg *a, model *m)
 {
@@ -152,8 +148,8 @@ static int compare_full(th_rank *rc, model *a, model *b, double rtol, const char
             double d = fabs((double)x[k] - (double)y[k]);
             bool ok = rtol == 0 ? memcmp(&x[k], &y[k], sizeof x[k]) == 0 : d <= rtol * fabs((double)y[k]) + 1e-7;
             if (!ok) {
-                bad = th_rank_fail(rc, "%s: '%s'[%lld] = %.9g with the threshold, %.9g without (diff %.3g)", what,
-                                   name, (long long)k, (double)x[k], (double)y[k], d);
+                bad = th_rank_fail(rc, "%s: '%s'[%lld] = %.9g with the threshold, %.9g without (diff %.3g)", what, name,
+                                   (long long)k, (double)x[k], (double)y[k], d);
                 break;
             }
         }
@@ -443,16 +439,20 @@ static int rank_memory(th_rank *rc)
      * block each), and no fewer gradient and optimizer bytes (those are a
      * pool block per tensor either way, and the pool's smallest block
      * holds a small tensor whole or halved alike) */
-    if (rep[1].param_bytes < rep[0].param_bytes + (size_t)persistent * 2 ||
-        rep[1].grad_bytes < rep[0].grad_bytes || rep[1].optim_bytes < rep[0].optim_bytes)
-        return th_rank_fail(rc, "estimate with / without persistence: params %zu / %zu, grads %zu / %zu, optim %zu / "
-                                "%zu (persistent elements %lld)",
+    if (rep[1].param_bytes < rep[0].param_bytes + (size_t)persistent * 2 || rep[1].grad_bytes < rep[0].grad_bytes ||
+        rep[1].optim_bytes < rep[0].optim_bytes)
+        return th_rank_fail(rc,
+                            "estimate with / without persistence: params %zu / %zu, grads %zu / %zu, optim %zu / "
+                            "%zu (persistent elements %lld)",
                             rep[1].param_bytes, rep[0].param_bytes, rep[1].grad_bytes, rep[0].grad_bytes,
                             rep[1].optim_bytes, rep[0].optim_bytes, (long long)persistent);
     return 0;
 }
 
-Test(fully_shard_persist, memory_estimate_counts_them_whole, .timeout = 60) { th_run_world(2, rank_memory, NULL, 60.0); }
+Test(fully_shard_persist, memory_estimate_counts_them_whole, .timeout = 60)
+{
+    th_run_world(2, rank_memory, NULL, 60.0);
+}
 
 Test(fully_shard_persist, checkpoint_save_load_and_reshard_into_sharded, .timeout = 60)
 {

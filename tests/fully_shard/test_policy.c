@@ -170,8 +170,8 @@ Test(fully_shard_policy, by_type_without_a_match_reports_zero)
     char *log = th_log_capture_end(&c);
     TH_OK(st);
     cr_expect_eq(count, 0);
-    cr_expect(strstr(log, "no module below the root has type 'TransformerEncoderLayer'") && strstr(log, "Linear"),
-              "%s", log);
+    cr_expect(strstr(log, "no module below the root has type 'TransformerEncoderLayer'") && strstr(log, "Linear"), "%s",
+              log);
     free(log);
     TH_OK(ts_fsdp_apply_by_type(m, "TransformerEncoderLayer", NULL, NULL)); /* count is optional */
     cr_expect_eq(fsdp_modules(m), 0);
@@ -229,7 +229,7 @@ Test(fully_shard_policy, by_size_floors_at_the_boundaries)
         int64_t min;
         int count;
         bool linears, blocks;
-    } cases[] = {{1, 4, true, false}, {36, 4, true, false}, {37, 2, false, true},
+    } cases[] = {{1, 4, true, false},  {36, 4, true, false},  {37, 2, false, true},
                  {72, 2, false, true}, {73, 0, false, false}, {145, 0, false, false}};
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         ts_module *m = seed_model();

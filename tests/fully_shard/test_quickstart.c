@@ -110,8 +110,7 @@ Test(fully_shard_quickstart, trains_on_two_ranks_as_the_readme_says, .timeout = 
                          l[s], out);
         /* Printed to 4 decimals: the first forward, sharded or not, is
          * the same computation on the same weights and batch. */
-        if (r == 0)
-            cr_expect_eq(l[0], one[0], "rank 0's first loss %.4f on 2 ranks, %.4f alone", l[0], one[0]);
+        if (r == 0) cr_expect_eq(l[0], one[0], "rank 0's first loss %.4f on 2 ranks, %.4f alone", l[0], one[0]);
     }
     free(alone);
     free(out);

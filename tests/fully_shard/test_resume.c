@@ -286,8 +286,8 @@ Test(fully_shard_resume, resume_is_bitwise_on_the_same_world_size, .timeout = 12
     resume_case r;
     resume_paths(&r, "same");
     const char *a[] = {TINY, "--batch", "4", "--steps", "40", "--save-full", r.full_a, NULL};
-    const char *b[] = {TINY, "--batch", "4", "--steps", "40", "--stop-after", "5", "--save", r.dir, "--save-every", "2",
-                       NULL};
+    const char *b[] = {TINY, "--batch", "4",   "--steps",      "40", "--stop-after",
+                       "5",  "--save",  r.dir, "--save-every", "2",  NULL};
     const char *c[] = {"--resume", r.dir, "--save-full", r.full_c, NULL};
     r.oa = run_ok(2, a), r.ob = run_ok(2, b), r.oc = run_ok(2, c);
     cr_expect(strstr(r.ob, "[0] saved a sharded checkpoint of step 2 to ") &&
@@ -369,8 +369,9 @@ Test(fully_shard_resume, resume_on_another_world_size, .timeout = 120)
     const char *c[] = {"--resume", r.dir, "--save-full", r.full_c, NULL};
     r.oa = run_ok(2, a), r.ob = run_ok(2, b), r.oc = run_ok(1, c);
     cr_expect(strstr(r.oc, "at step 6 of 12 (saved on 2 ranks, loaded on 1)") &&
-                  strstr(r.oc, "note: another world size: each rank's RNG state starts afresh (the data order is "
-                             "--global-batch's, restored)"),
+                  strstr(r.oc,
+                         "note: another world size: each rank's RNG state starts afresh (the data order is "
+                         "--global-batch's, restored)"),
               "%s", r.oc);
     char *la[MAX_STEPS + 1], *lc[MAX_STEPS + 1];
     step_lines(r.oa, la);
@@ -409,8 +410,9 @@ Test(fully_shard_resume, another_world_size_without_global_batch_says_the_batch_
     const char *b[] = {TINY, "--batch", "3", "--steps", "4", "--stop-after", "2", "--save", dir, NULL};
     const char *c[] = {"--resume", dir, NULL};
     char *ob = run_ok(2, b), *oc = run_ok(1, c), *od = run_ok(2, c);
-    cr_expect(strstr(oc, "note: --batch 3 is per rank: each step now averages 3 sequences (1 ranks x 3), not the 6 of "
-                         "the 2 ranks that saved it"),
+    cr_expect(strstr(oc,
+                     "note: --batch 3 is per rank: each step now averages 3 sequences (1 ranks x 3), not the 6 of "
+                     "the 2 ranks that saved it"),
               "%s", oc);
     cr_expect(!strstr(od, "is per rank"), "the same world size: no note expected\n%s", od);
     free(ob);
@@ -428,8 +430,8 @@ Test(fully_shard_resume, resume_is_bitwise_with_the_f16_grad_scaler, .timeout = 
     resume_case r;
     resume_paths(&r, "f16");
     const char *a[] = {TINY, "--batch", "4", "--param-dtype", "f16", "--steps", "6", "--save-full", r.full_a, NULL};
-    const char *b[] = {TINY, "--batch", "4", "--param-dtype", "f16", "--steps", "6", "--stop-after", "3", "--save",
-                       r.dir, NULL};
+    const char *b[] = {TINY, "--batch",      "4", "--param-dtype", "f16", "--steps",
+                       "6",  "--stop-after", "3", "--save",        r.dir, NULL};
     const char *c[] = {"--resume", r.dir, "--save-full", r.full_c, NULL};
     r.oa = run_ok(2, a), r.ob = run_ok(2, b), r.oc = run_ok(2, c);
     const char *ga = strstr(r.oa, "[0] grad scaler: "), *gc = strstr(r.oc, "[0] grad scaler: ");
@@ -488,9 +490,10 @@ Test(fully_shard_resume, resume_refuses_what_does_not_fit, .timeout = 120)
 
     /* every rank's file cut to half: the index is fine, the rows are not there */
     snprintf(bad, sizeof bad, "%s-cut", dir);
-    snprintf(cmd, sizeof cmd,
-             "cp -r '%s' '%s' && for f in '%s'/*.safetensors; do truncate -s $(( $(stat -c %%s \"$f\") / 2 )) \"$f\"; done",
-             dir, bad, bad);
+    snprintf(
+        cmd, sizeof cmd,
+        "cp -r '%s' '%s' && for f in '%s'/*.safetensors; do truncate -s $(( $(stat -c %%s \"$f\") / 2 )) \"$f\"; done",
+        dir, bad, bad);
     cr_assert_eq(system(cmd), 0, "%s", cmd);
     const char *cu[] = {"--resume", bad, NULL};
     const char *wcu[] = {"cannot be loaded", NULL};
@@ -522,8 +525,8 @@ Test(fully_shard_resume, resume_is_bitwise_with_gradient_accumulation, .timeout 
     resume_case r;
     resume_paths(&r, "accum");
     const char *a[] = {TINY, "--batch", "2", "--accum", "2", "--steps", "6", "--save-full", r.full_a, NULL};
-    const char *b[] = {TINY, "--batch", "2", "--accum", "2", "--steps", "6", "--stop-after", "3", "--save", r.dir,
-                       NULL};
+    const char *b[] = {TINY, "--batch",      "2", "--accum", "2",   "--steps",
+                       "6",  "--stop-after", "3", "--save",  r.dir, NULL};
     const char *c[] = {"--resume", r.dir, "--save-full", r.full_c, NULL};
     r.oa = run_ok(2, a), r.ob = run_ok(2, b), r.oc = run_ok(2, c);
     for (int s = 1; s <= 6; s++) {

@@ -108,7 +108,7 @@ static int rank_shard_info(th_rank *rc)
     }
     ts_named_params_free(&np);
     TH_RK_OK(rc, ts_fsdp_reshard_tree(m));
-    if (check_params(rc, m)) return 1; /* sharded again, every slot */
+    if (check_params(rc, m)) return 1;     /* sharded again, every slot */
     TH_RK_OK(rc, ts_fsdp_reshard_tree(m)); /* already sharded: unchanged */
     if (check_params(rc, m)) return 1;
     ts_module_free(m);
@@ -116,10 +116,7 @@ static int rank_shard_info(th_rank *rc)
     return 0;
 }
 
-Test(fully_shard_shard_info, matches_the_dtensors, .timeout = 30)
-{
-    th_run_world(3, rank_shard_info, NULL, 20.0);
-}
+Test(fully_shard_shard_info, matches_the_dtensors, .timeout = 30) { th_run_world(3, rank_shard_info, NULL, 20.0); }
 
 /* ts_fsdp_materialize_empty gives the meta shards zeros (no replay), where
  * ts_fsdp_materialize replays the recorded initializers. */

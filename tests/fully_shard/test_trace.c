@@ -180,7 +180,10 @@ static void check_events(const char *file, json_t *ev, json_int_t *pid_out)
             cr_assert_geq(json_number_value(json_object_get(e, "ts")), 0.0);
             break;
         case 'B': open_b++; break;
-        case 'E': open_b--; cr_assert_geq(open_b, 0, "%s: E without B", file); break;
+        case 'E':
+            open_b--;
+            cr_assert_geq(open_b, 0, "%s: E without B", file);
+            break;
         case 'M':
             cr_assert(json_is_object(json_object_get(e, "args")), "%s: metadata %s has no args", file, name);
             if (!strcmp(name, "process_name") || !strcmp(name, "thread_name"))
@@ -484,8 +487,7 @@ Test(fully_shard_trace, stopping_the_job_flushes_every_rank, .timeout = 120)
     char *err = th_slurp_fd(errfd);
     close(errfd);
     close(out);
-    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM, "tsrun: status %d; stderr:\n%s", status,
-              err);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM, "tsrun: status %d; stderr:\n%s", status, err);
     free(err);
     for (int i = 0; i < 2; i++) {
         json_error_t je;

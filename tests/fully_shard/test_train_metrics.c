@@ -52,8 +52,8 @@ static char *run_gpt_ok(int nproc, const char *const *args)
  * successor, so the loss falls in a few steps). */
 static void write_tokens(const char *path, size_t n)
 {
-    static const int32_t perm[37] = {5,  17, 30, 2,  11, 24, 36, 8,  19, 1,  27, 14, 33, 6,  22, 0,  29, 12, 35,
-                                     9,  20, 3,  26, 15, 31, 7,  18, 34, 4,  23, 10, 28, 16, 32, 13, 21, 25};
+    static const int32_t perm[37] = {5, 17, 30, 2,  11, 24, 36, 8,  19, 1, 27, 14, 33, 6,  22, 0,  29, 12, 35,
+                                     9, 20, 3,  26, 15, 31, 7,  18, 34, 4, 23, 10, 28, 16, 32, 13, 21, 25};
     int32_t *ids = malloc(n * sizeof *ids);
     cr_assert(ids);
     for (size_t i = 0; i < n; i++) ids[i] = perm[i % 37];
@@ -103,21 +103,26 @@ Test(fully_shard_train_metrics, metrics_file_has_every_field_of_every_step, .tim
     snprintf(tokens, sizeof tokens, "%s/tok.bin", dir);
     snprintf(metrics, sizeof metrics, "%s/m.jsonl", dir);
     write_tokens(tokens, 4000);
-    const char *a[] = {"--data-tokens", tokens, "--vocab", "37", "--steps", "12", "--val-every", "5", "--seq", "16",
-                       "--batch", "2", "--layers", "1", "--dim", "32", "--schedule", "wsd", "--warmup", "3",
-                       "--decay-fraction", "0.25", "--metrics", metrics, NULL};
+    const char *a[] = {
+        "--data-tokens",    tokens, "--vocab",   "37",    "--steps", "12", "--val-every", "5",   "--seq",    "16",
+        "--batch",          "2",    "--layers",  "1",     "--dim",   "32", "--schedule",  "wsd", "--warmup", "3",
+        "--decay-fraction", "0.25", "--metrics", metrics, NULL};
     char *out = run_gpt_ok(W, a);
-    ts_lr_schedule sched = {.kind = TS_LR_WARMUP_STABLE_DECAY, .base_lr = 3e-3, .warmup_steps = 3,
-                            .total_steps = STEPS, .min_lr = 3e-4, .decay_fraction = 0.25};
+    ts_lr_schedule sched = {.kind = TS_LR_WARMUP_STABLE_DECAY,
+                            .base_lr = 3e-3,
+                            .warmup_steps = 3,
+                            .total_steps = STEPS,
+                            .min_lr = 3e-4,
+                            .decay_fraction = 0.25};
 
     FILE *f = fopen(metrics, "r");
     cr_assert_not_null(f, "no %s:\n%s", metrics, out);
     char line[4096];
     int n = 0, vals = 0;
     double prev_peak = 0, prev_hwm = 0, prev_elapsed = 0;
-    static const char *const keys[] = {"step",      "loss",    "lr",      "grad_norm", "tokens_per_s",
-                                       "seconds",   "elapsed_s", "peak_tensor_bytes", "rss_bytes",
-                                       "peak_rss_bytes", "val_loss"};
+    static const char *const keys[] = {"step",         "loss",           "lr",        "grad_norm",
+                                       "tokens_per_s", "seconds",        "elapsed_s", "peak_tensor_bytes",
+                                       "rss_bytes",    "peak_rss_bytes", "val_loss"};
     while (fgets(line, sizeof line, f)) {
         cr_assert(strchr(line, '\n'), "line %d is not one line: %s", n + 1, line);
         json_error_t je;
@@ -127,7 +132,8 @@ Test(fully_shard_train_metrics, metrics_file_has_every_field_of_every_step, .tim
         n++;
         const char *key;
         json_t *v;
-        json_object_foreach(o, key, v) {
+        json_object_foreach(o, key, v)
+        {
             bool known = false;
             for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) known |= !strcmp(key, keys[i]);
             cr_assert(known, "line %d: unknown field '%s'", n, key);
@@ -229,8 +235,8 @@ Test(fully_shard_train_metrics, step_line_time_is_the_windows_mean, .timeout = 1
     snprintf(tokens, sizeof tokens, "%s/tok.bin", dir);
     snprintf(metrics, sizeof metrics, "%s/m.jsonl", dir);
     write_tokens(tokens, 4000);
-    const char *a[] = {"--data-tokens", tokens, "--vocab", "37", "--steps", "40", "--seq", "16", "--batch", "2",
-                       "--layers", "1", "--dim", "32", "--metrics", metrics, NULL};
+    const char *a[] = {"--data-tokens", tokens, "--vocab", "37", "--steps",   "40",    "--seq", "16", "--batch", "2",
+                       "--layers",      "1",    "--dim",   "32", "--metrics", metrics, NULL};
     char *out = run_gpt_ok(W, a);
     double sec[41] = {0};
     FILE *f = fopen(metrics, "r");
@@ -321,8 +327,9 @@ Test(fully_shard_train_metrics, trace_plot_draws_the_metrics_and_the_log, .timeo
     snprintf(log, sizeof log, "%s/train.log", dir);
     snprintf(png, sizeof png, "%s/curves.png", dir);
     write_tokens(tokens, 4000);
-    const char *a[] = {"--data-tokens", tokens, "--vocab", "37", "--steps", "12", "--val-every", "5", "--seq", "16",
-                       "--batch", "2", "--layers", "1", "--dim", "32", "--metrics", metrics, NULL};
+    const char *a[] = {"--data-tokens", tokens,  "--vocab", "37", "--steps",  "12", "--val-every", "5",
+                       "--seq",         "16",    "--batch", "2",  "--layers", "1",  "--dim",       "32",
+                       "--metrics",     metrics, NULL};
     char *gpt = run_gpt_ok(W, a);
     FILE *f = fopen(log, "w");
     cr_assert_not_null(f);
@@ -339,8 +346,8 @@ Test(fully_shard_train_metrics, trace_plot_draws_the_metrics_and_the_log, .timeo
     char *l[] = {"/usr/bin/python3", script, "--loss", log, "-o", png, NULL};
     status = run_capture(l, &out);
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "trace_plot --loss failed (%d):\n%s", status, out);
-    cr_assert_not_null(strstr(out, "train.log: 12 training losses (steps 1 to 12), 3 validation losses"), "%s\n%s",
-                       out, gpt);
+    cr_assert_not_null(strstr(out, "train.log: 12 training losses (steps 1 to 12), 3 validation losses"), "%s\n%s", out,
+                       gpt);
     free(out);
     expect_png(png);
     /* a metrics file with a line that is not one names the line */
@@ -393,17 +400,21 @@ Test(fully_shard_train_metrics, schedule_flags, .timeout = 120)
                  {"cosine", TS_LR_WARMUP_COSINE},
                  {"wsd", TS_LR_WARMUP_STABLE_DECAY}};
     for (int i = 0; i < 4; i++) {
-        const char *a[] = {"--steps", "20", "--layers", "1", "--dim", "16", "--seq", "8", "--batch", "1",
-                           "--schedule", kinds[i].name, NULL};
+        const char *a[] = {"--steps", "20",      "--layers", "1",          "--dim",       "16", "--seq",
+                           "8",       "--batch", "1",        "--schedule", kinds[i].name, NULL};
         char *out = run_gpt_ok(2, a);
-        ts_lr_schedule s = {.kind = kinds[i].kind, .base_lr = 3e-3, .warmup_steps = 5, .total_steps = 20,
-                            .min_lr = 3e-4, .decay_fraction = 0.2};
+        ts_lr_schedule s = {.kind = kinds[i].kind,
+                            .base_lr = 3e-3,
+                            .warmup_steps = 5,
+                            .total_steps = 20,
+                            .min_lr = 3e-4,
+                            .decay_fraction = 0.2};
         for (int step = 1; step <= 20; step++) {
             char pre[64];
             snprintf(pre, sizeof pre, "[0] step %4d/20  loss ", step);
             double lr = line_value(out, pre, "  lr "), want = ts_lr_at(&s, step - 1);
-            cr_expect_leq(fabs(lr - want), 0.006 * want, "%s, step %d: lr %g printed, %g expected:\n%s",
-                          kinds[i].name, step, lr, want, out);
+            cr_expect_leq(fabs(lr - want), 0.006 * want, "%s, step %d: lr %g printed, %g expected:\n%s", kinds[i].name,
+                          step, lr, want, out);
         }
         free(out);
     }
@@ -418,8 +429,8 @@ Test(fully_shard_train_metrics, resume_keeps_the_schedule, .timeout = 120)
     char dir[4096], ckpt[4200];
     temp_dir(dir, sizeof dir);
     snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
-    const char *a[] = {"--steps", "8", "--stop-after", "4", "--layers", "1", "--dim", "16", "--seq", "8",
-                       "--batch", "1", "--schedule", "linear", "--warmup", "2", "--save", ckpt, NULL};
+    const char *a[] = {"--steps", "8", "--stop-after", "4",      "--layers", "1", "--dim",  "16", "--seq", "8",
+                       "--batch", "1", "--schedule",   "linear", "--warmup", "2", "--save", ckpt, NULL};
     free(run_gpt_ok(2, a));
     const char *b[] = {"--resume", ckpt, "--schedule", "cosine", NULL};
     char *out, *err;
@@ -438,17 +449,16 @@ Test(fully_shard_train_metrics, resume_keeps_the_schedule, .timeout = 120)
     /* adopted: step 5's lr is linear's with warmup 2 over 8 steps */
     const char *d[] = {"--resume", ckpt, NULL};
     out = run_gpt_ok(2, d);
-    ts_lr_schedule s = {.kind = TS_LR_WARMUP_LINEAR, .base_lr = 3e-3, .warmup_steps = 2, .total_steps = 8,
-                        .min_lr = 3e-4};
+    ts_lr_schedule s = {
+        .kind = TS_LR_WARMUP_LINEAR, .base_lr = 3e-3, .warmup_steps = 2, .total_steps = 8, .min_lr = 3e-4};
     double lr = line_value(out, "[0] step    5/8  loss ", "  lr ");
-    cr_expect_leq(fabs(lr - ts_lr_at(&s, 4)), 0.006 * ts_lr_at(&s, 4), "lr %g, want %g:\n%s", lr, ts_lr_at(&s, 4),
-                  out);
+    cr_expect_leq(fabs(lr - ts_lr_at(&s, 4)), 0.006 * ts_lr_at(&s, 4), "lr %g, want %g:\n%s", lr, ts_lr_at(&s, 4), out);
     free(out);
     /* a checkpoint from before --schedule (its flags without the three):
      * cosine with steps/10 + 1 = 1 warmup step, what it trained with, not
      * today's default of 2 */
-    const char *e[] = {"--steps", "8", "--stop-after", "4", "--layers", "1", "--dim", "16", "--seq", "8",
-                       "--batch", "1", "--save", ckpt, NULL};
+    const char *e[] = {"--steps", "8", "--stop-after", "4", "--layers", "1",  "--dim", "16",
+                       "--seq",   "8", "--batch",      "1", "--save",   ckpt, NULL};
     free(run_gpt_ok(2, e));
     char index[4300];
     snprintf(index, sizeof index, "%s/index.json", ckpt);
@@ -461,8 +471,8 @@ Test(fully_shard_train_metrics, resume_keeps_the_schedule, .timeout = 120)
     cr_assert(f && fputs(text, f) >= 0 && fclose(f) == 0);
     free(text);
     out = run_gpt_ok(2, d);
-    ts_lr_schedule old = {.kind = TS_LR_WARMUP_COSINE, .base_lr = 3e-3, .warmup_steps = 1, .total_steps = 8,
-                          .min_lr = 3e-4};
+    ts_lr_schedule old = {
+        .kind = TS_LR_WARMUP_COSINE, .base_lr = 3e-3, .warmup_steps = 1, .total_steps = 8, .min_lr = 3e-4};
     for (int step = 5; step <= 8; step++) {
         char pre[64];
         snprintf(pre, sizeof pre, "[0] step %4d/8  loss ", step);

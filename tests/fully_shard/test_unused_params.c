@@ -186,13 +186,13 @@ static double *vals_new(const ts_tensor *t)
 typedef struct ucase {
     int W;
     bool hsdp, copy_free, bf16, offload, persist;
-    int mb;           /* microbatches of one step */
-    bool nosync;      /* microbatches before the last without gradient sync (else each synced) */
-    bool ar_last;     /* HSDP: microbatches before the last reduce-scatter without all-reduce (partial sums) */
-    ts_dtype rd;      /* reduce_dtype with float32 parameters (0: none set) */
-    double factor;    /* ts_fsdp_set_gradient_divide_factor (0: none set) */
-    bool force_sum;   /* ts_fsdp_set_force_sum_reduction_for_comms */
-    bool any_grad;    /* only that a used parameter has a gradient (the values underflow) */
+    int mb;         /* microbatches of one step */
+    bool nosync;    /* microbatches before the last without gradient sync (else each synced) */
+    bool ar_last;   /* HSDP: microbatches before the last reduce-scatter without all-reduce (partial sums) */
+    ts_dtype rd;    /* reduce_dtype with float32 parameters (0: none set) */
+    double factor;  /* ts_fsdp_set_gradient_divide_factor (0: none set) */
+    bool force_sum; /* ts_fsdp_set_force_sum_reduction_for_comms */
+    bool any_grad;  /* only that a used parameter has a gradient (the values underflow) */
     unsigned skip[MAXMB][TH_MAXW][NB]; /* per microbatch, rank, branch */
 } ucase;
 
@@ -259,13 +259,13 @@ static int rank_case(th_rank *rc)
     ts_offload_policy off = ts_offload_policy_default();
     if (u->offload) o.offload_policy = &off;
     if (u->persist) o.persist_threshold_numel = D + 1; /* gain, never and fc.bias: whole, all-reduced in the bucket */
-#define GO(expr)                                                                           \
-    do {                                                                                   \
-        ts_status s_ = (expr);                                                             \
-        if (s_) {                                                                          \
+#define GO(expr) \
+    do { \
+        ts_status s_ = (expr); \
+        if (s_) { \
             rv = th_rank_fail(rc, "%s -> %s: %s", #expr, ts_status_name(s_), ts_last_error()); \
-            goto done;                                                                     \
-        }                                                                                  \
+            goto done; \
+        } \
     } while (0)
     GO(ts_fully_shard_each(NB, m.br, &o));
     GO(ts_fully_shard(m.root, &o));
@@ -513,15 +513,9 @@ static void run_settings(ucase u)
 }
 
 /* The flags themselves 16-bit. */
-Test(fully_shard_unused_params, bf16_reduce_dtype, .timeout = 300)
-{
-    run_settings((ucase){.rd = TS_BF16});
-}
+Test(fully_shard_unused_params, bf16_reduce_dtype, .timeout = 300) { run_settings((ucase){.rd = TS_BF16}); }
 
-Test(fully_shard_unused_params, f16_reduce_dtype, .timeout = 300)
-{
-    run_settings((ucase){.rd = TS_F16});
-}
+Test(fully_shard_unused_params, f16_reduce_dtype, .timeout = 300) { run_settings((ucase){.rd = TS_F16}); }
 
 /* A divide factor other than W: each input divided by it before the sum
  * (the reduce-scatter's pre-division), flags included. */

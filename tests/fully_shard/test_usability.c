@@ -64,12 +64,21 @@ static ts_status umod_method(ts_module *m, int k, int n_in, ts_tensor *const *in
     return st;
 }
 /* one function per method: the table below names them (no generated bodies) */
-static ts_status um0(ts_module *m, int n, ts_tensor *const *i, int *no, ts_tensor **o) { return umod_method(m, 0, n, i, no, o); }
-static ts_status um11(ts_module *m, int n, ts_tensor *const *i, int *no, ts_tensor **o) { return umod_method(m, 11, n, i, no, o); }
-static ts_status umx(ts_module *m, int n, ts_tensor *const *i, int *no, ts_tensor **o) { return umod_method(m, 5, n, i, no, o); }
-static const ts_module_method umod_methods[N_METHODS] = {
-    {"m0", um0}, {"m1", umx}, {"m2", umx}, {"m3", umx}, {"m4", umx},  {"m5", umx},
-    {"m6", umx}, {"m7", umx}, {"m8", umx}, {"m9", umx}, {"m10", umx}, {"m11", um11}};
+static ts_status um0(ts_module *m, int n, ts_tensor *const *i, int *no, ts_tensor **o)
+{
+    return umod_method(m, 0, n, i, no, o);
+}
+static ts_status um11(ts_module *m, int n, ts_tensor *const *i, int *no, ts_tensor **o)
+{
+    return umod_method(m, 11, n, i, no, o);
+}
+static ts_status umx(ts_module *m, int n, ts_tensor *const *i, int *no, ts_tensor **o)
+{
+    return umod_method(m, 5, n, i, no, o);
+}
+static const ts_module_method umod_methods[N_METHODS] = {{"m0", um0}, {"m1", umx}, {"m2", umx},  {"m3", umx},
+                                                         {"m4", umx}, {"m5", umx}, {"m6", umx},  {"m7", umx},
+                                                         {"m8", umx}, {"m9", umx}, {"m10", umx}, {"m11", um11}};
 
 static const ts_module_vtable umod_vt = {.type_name = "UMod",
                                          .forward = umod_forward,
@@ -313,7 +322,8 @@ Test(fully_shard_usability, print_and_summary, .timeout = 60)
         "SequentialFSDPModule(\n"
         "  FSDP: 1 param, 5 elements, 3 per rank + 1 padding in all, mesh (dp=2), reshard after forward: auto (false "
         "for the root, true for the others)\n"
-        "  (0): LinearFSDPModule(in_features=3, out_features=5, bias=True; FSDP: 2 params, 20 elements, 12 per rank + 4 padding in all, mesh (dp=2), reshard "
+        "  (0): LinearFSDPModule(in_features=3, out_features=5, bias=True; FSDP: 2 params, 20 elements, 12 per rank + "
+        "4 padding in all, mesh (dp=2), reshard "
         "after forward: auto (false for the root, true for the others))  weight (3, 3) [shard], bias (3,) [shard]\n"
         "  (1): UMod()  w (3,) [shard], buffer calls (1,)\n"
         ")\n";
@@ -321,15 +331,23 @@ Test(fully_shard_usability, print_and_summary, .timeout = 60)
     cr_assert_not_null(strstr(po.repr[1], "weight (2, 3) [shard], bias (2,) [shard]"), "%s", po.repr[1]);
     cr_assert_not_null(strstr(po.repr[1], "w (2,) [shard]"), "%s", po.repr[1]);
     const char *s0 = po.summary[0], *s1 = po.summary[1];
-    cr_assert_not_null(strstr(s0, "FSDP summary of SequentialFSDPModule (rank 0 of mesh (dp=2)): 2 FSDP modules, "
-                                  "2 groups, 3 parameters (25 elements)"), "%s", s0);
-    cr_assert_not_null(strstr(s0, "group '' (SequentialFSDPModule): 1 param, 5 elements, float32, mesh (dp=2), "
-                                  "reshard after forward: false (auto: the root keeps its parameters)"), "%s", s0);
-    cr_assert_not_null(strstr(s0, "group '0' (LinearFSDPModule): 2 params, 20 elements, float32, mesh (dp=2), "
-                                  "reshard after forward: true (auto)"), "%s", s0);
+    cr_assert_not_null(strstr(s0,
+                              "FSDP summary of SequentialFSDPModule (rank 0 of mesh (dp=2)): 2 FSDP modules, "
+                              "2 groups, 3 parameters (25 elements)"),
+                       "%s", s0);
+    cr_assert_not_null(strstr(s0,
+                              "group '' (SequentialFSDPModule): 1 param, 5 elements, float32, mesh (dp=2), "
+                              "reshard after forward: false (auto: the root keeps its parameters)"),
+                       "%s", s0);
+    cr_assert_not_null(strstr(s0,
+                              "group '0' (LinearFSDPModule): 2 params, 20 elements, float32, mesh (dp=2), "
+                              "reshard after forward: true (auto)"),
+                       "%s", s0);
     /* Linear(3, 5): 5 rows over 2 ranks: 3 and 2, padded to 3 each */
-    cr_assert_not_null(strstr(s0, "per rank: 12 elements (0 of them padding on this rank, 4 over all ranks), "
-                                  "48 B sharded; 96 B while unsharded"), "%s", s0);
+    cr_assert_not_null(strstr(s0,
+                              "per rank: 12 elements (0 of them padding on this rank, 4 over all ranks), "
+                              "48 B sharded; 96 B while unsharded"),
+                       "%s", s0);
     cr_assert_not_null(strstr(s1, "per rank: 12 elements (4 of them padding on this rank, 4 over all ranks)"), "%s",
                        s1);
     char line[256];
@@ -499,8 +517,7 @@ Test(fully_shard_usability, parameters_outside_every_group_warn, .timeout = 60)
 Test(fully_shard_usability, summary_to_a_full_device_is_an_io_error)
 {
     FILE *f = fopen("/dev/full", "w");
-    if (!f)
-        cr_skip_test("no /dev/full here");
+    if (!f) cr_skip_test("no /dev/full here");
     ts_module *l = NULL;
     TH_OK(ts_linear_new(3, 3, true, &l));
     TH_OK(ts_fully_shard(l, NULL));

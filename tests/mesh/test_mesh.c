@@ -232,7 +232,7 @@ static int r_4x1_1x4(rank_ctx *rc)
         RK_EQ(rc, ts_mesh_get_local_rank(m, k ? "b" : "a"), r);
         RK_EQ(rc, ts_mesh_get_local_rank(m, k ? "a" : "b"), 0);
         int bad = check_group(rc, ts_mesh_group(m, k ? "b" : "a"), 4, all) ||
-                  check_group(rc, ts_mesh_group(m, k ? "a" : "b"), 1, self);
+            check_group(rc, ts_mesh_group(m, k ? "a" : "b"), 1, self);
         ts_mesh_free(m);
         if (bad) return 1;
     }

@@ -24,8 +24,7 @@ static ts_status stats_visit(ts_module *m, const ts_module_visitor *v)
 {
     stats_mod *s = (stats_mod *)m;
     ts_status st = TS_OK;
-    if (v->param)
-        st = v->param(v->ctx, "scale", &s->scale);
+    if (v->param) st = v->param(v->ctx, "scale", &s->scale);
     if (!st && v->buffer && !(st = v->buffer(v->ctx, "running", &s->running)))
         st = v->buffer(v->ctx, "count", &s->count);
     return st;
@@ -105,8 +104,7 @@ Test(nn_half_modules, to_dtype_converts_floating_params_and_buffers)
             uint16_t *a = malloc((size_t)n * 2), *e = malloc((size_t)n * 2);
             TH_OK(ts_tensor_copy_to(t, a, (size_t)n * 2));
             TH_OK(ts_tensor_copy_to(rr, e, (size_t)n * 2));
-            cr_assert(memcmp(a, e, (size_t)n * 2) == 0, "%s: values differ from the rounded f32 ones",
-                      p.items[k].name);
+            cr_assert(memcmp(a, e, (size_t)n * 2) == 0, "%s: values differ from the rounded f32 ones", p.items[k].name);
             free(a);
             free(e);
             ts_tensor_free(rr);
@@ -304,7 +302,9 @@ Test(nn_half_modules, activation_modules_in_bf16_and_f16)
             cr_assert_eq(ts_tensor_dtype(y), dt, "%s: output %s", ts_module_type_name(mods[k]),
                          ts_dtype_name(ts_tensor_dtype(y)));
             bool prev = ts_grad_mode_set(false);
-            TH_OK(k < 2 ? ts_gelu(x, k ? TS_GELU_TANH : TS_GELU_NONE, &yo) : k == 2 ? ts_relu(x, &yo) : ts_tanh(x, &yo));
+            TH_OK(k < 2        ? ts_gelu(x, k ? TS_GELU_TANH : TS_GELU_NONE, &yo)
+                      : k == 2 ? ts_relu(x, &yo)
+                               : ts_tanh(x, &yo));
             ts_grad_mode_set(prev);
             expect_same_bits(ts_module_type_name(mods[k]), y, yo);
             ts_tensor *g;
@@ -317,8 +317,7 @@ Test(nn_half_modules, activation_modules_in_bf16_and_f16)
             ts_tensor_free(y);
             ts_tensor_free(yo);
         }
-        for (int k = 0; k < 4; k++)
-            ts_module_free(mods[k]);
+        for (int k = 0; k < 4; k++) ts_module_free(mods[k]);
     }
 }
 
@@ -339,12 +338,12 @@ Test(nn_half_modules, input_dtype_differing_from_params_is_an_error)
     struct {
         ts_module *m;
         const char *type, *param;
-    } cases[3] = {{lin, "Linear", "weight"}, {ln, "LayerNorm", "weight"}, {mha, "MultiheadAttention", "in_proj_weight"}};
+    } cases[3] = {
+        {lin, "Linear", "weight"}, {ln, "LayerNorm", "weight"}, {mha, "MultiheadAttention", "in_proj_weight"}};
     for (int k = 0; k < 3; k++) {
         for (int dir = 0; dir < 2; dir++) {
             /* dir 0: f32 module, bf16 input; dir 1: bf16 module, f32 input */
-            if (dir)
-                TH_OK(ts_module_to_dtype(cases[k].m, TS_BF16));
+            if (dir) TH_OK(ts_module_to_dtype(cases[k].m, TS_BF16));
             ts_tensor *x = dir ? x32 : xb, *in3[3] = {x, x, x}, *outs[TS_MODULE_MAX_IO];
             int n = 0;
             ts_status st = k == 2 ? ts_module_call(cases[k].m, 3, in3, &n, outs) : ts_module_call1(cases[k].m, x, &y);

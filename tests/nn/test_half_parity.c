@@ -79,8 +79,7 @@ static void expect_shape(const char *what, const ts_tensor *got, const ts_tensor
 {
     char s1[96], s2[96];
     bool ok = ts_tensor_ndim(got) == ts_tensor_ndim(ref);
-    for (int d = 0; ok && d < ts_tensor_ndim(got); d++)
-        ok = ts_tensor_shape(got)[d] == ts_tensor_shape(ref)[d];
+    for (int d = 0; ok && d < ts_tensor_ndim(got); d++) ok = ts_tensor_shape(got)[d] == ts_tensor_shape(ref)[d];
     cr_assert(ok, "%s: shape %s, PyTorch %s", what, ts_tensor_shape_str(got, s1, sizeof s1),
               ts_tensor_shape_str(ref, s2, sizeof s2));
 }
@@ -114,16 +113,14 @@ static double expect_close(const char *what, ts_tensor *got, ts_tensor *ref, dou
     expect_shape(what, got, ref);
     int64_t n = ts_tensor_numel(got);
     double *g = th_vals_new(got), *r = th_vals_new(ref), scale = 0, worst = 0;
-    for (int64_t i = 0; i < n; i++)
-        scale = fmax(scale, fabs(r[i]));
+    for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs(r[i]));
     int64_t bad = -1;
     double dd = 0, rr = 0;
     for (int64_t i = 0; i < n; i++) {
         double d = fabs(g[i] - r[i]), unit = ulp_bf16(fabs(r[i])) + ulp_bf16(scale) / 4;
         double e = g[i] == r[i] ? 0 : isnan(d) ? INFINITY : d / unit;
         worst = fmax(worst, e);
-        if (!(e <= limit) && bad < 0)
-            bad = i;
+        if (!(e <= limit) && bad < 0) bad = i;
         dd += d * d;
         rr += r[i] * r[i];
     }
@@ -241,8 +238,7 @@ Test(nn_half_parity, gpt_bf16_forward_loss_and_gradients)
         worst = fmax(worst, expect_close(key, g, ref, LIMIT_GRAD, LIMIT_GRAD_NORM));
         ts_tensor_free(ref);
     }
-    if (verbose())
-        fprintf(stderr, "  %-40s max err %.2f\n", "all gradients", worst);
+    if (verbose()) fprintf(stderr, "  %-40s max err %.2f\n", "all gradients", worst);
     ts_named_params_free(&np);
     ts_tensor_free(loss);
     ts_tensor_free(l2);
@@ -310,8 +306,7 @@ Test(nn_half_parity, encoder_layer_in_bf16_and_f16_tracks_f32)
             TH_OK(ts_module_call1(mh, xh, &yh));
             cr_assert_eq(ts_tensor_dtype(yh), dt);
             double r = norm_rel(yh, y32);
-            if (verbose())
-                fprintf(stderr, "  encoder %d %s output norm rel %.2e\n", variant, ts_dtype_name(dt), r);
+            if (verbose()) fprintf(stderr, "  encoder %d %s output norm rel %.2e\n", variant, ts_dtype_name(dt), r);
             cr_assert(r <= limit, "encoder %d %s: output ||d|| / ||ref|| %.3g > %g", variant, ts_dtype_name(dt), r,
                       limit);
             /* backward of sum(y * c) for a fixed cotangent c (in dt, and

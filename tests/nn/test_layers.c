@@ -138,8 +138,7 @@ Test(nn_layers, mha_matches_the_formula_and_masks)
             for (int t = 0; t < 5; t++)
                 for (int e = 0; e < 8; e++) {
                     double s = bv[k * 8 + e];
-                    for (int i = 0; i < 8; i++)
-                        s += (double)xv[(b * 5 + t) * 8 + i] * wv[(k * 8 + e) * 8 + i];
+                    for (int i = 0; i < 8; i++) s += (double)xv[(b * 5 + t) * 8 + i] * wv[(k * 8 + e) * 8 + i];
                     qkv[k][t][e] = s;
                 }
         double att[5][8] = {{0}};
@@ -148,25 +147,20 @@ Test(nn_layers, mha_matches_the_formula_and_masks)
                 double sc[5], mx = -INFINITY, z = 0;
                 for (int s = 0; s < 5; s++) {
                     double d = 0;
-                    for (int e = 0; e < 4; e++)
-                        d += qkv[0][t][h * 4 + e] * qkv[1][s][h * 4 + e];
+                    for (int e = 0; e < 4; e++) d += qkv[0][t][h * 4 + e] * qkv[1][s][h * 4 + e];
                     sc[s] = s <= t ? -INFINITY : d / 2.0; /* tril true = masked */
                     mx = sc[s] > mx ? sc[s] : mx;
                 }
-                for (int s = 0; s < 5; s++)
-                    z += (sc[s] = (mx == -INFINITY) ? NAN : exp(sc[s] - mx));
+                for (int s = 0; s < 5; s++) z += (sc[s] = (mx == -INFINITY) ? NAN : exp(sc[s] - mx));
                 for (int e = 0; e < 4; e++)
-                    for (int s = 0; s < 5; s++)
-                        att[t][h * 4 + e] += sc[s] / z * qkv[2][s][h * 4 + e];
+                    for (int s = 0; s < 5; s++) att[t][h * 4 + e] += sc[s] / z * qkv[2][s][h * 4 + e];
             }
         for (int t = 0; t < 5; t++)
             for (int e = 0; e < 8; e++) {
                 double want = ob[e];
-                for (int i = 0; i < 8; i++)
-                    want += att[t][i] * ow[e * 8 + i];
+                for (int i = 0; i < 8; i++) want += att[t][i] * ow[e * 8 + i];
                 double got = yv[(b * 5 + t) * 8 + e];
-                if (isnan(want))
-                    cr_assert(isnan(got), "fully masked rows give NaN, as in PyTorch");
+                if (isnan(want)) cr_assert(isnan(got), "fully masked rows give NaN, as in PyTorch");
                 else /* f32 through two projections and a softmax: 1e-5 absolute */
                     cr_assert_float_eq(got, want, 1e-5, "b %d t %d e %d: %g vs %g", b, t, e, got, want);
             }
@@ -214,8 +208,7 @@ Test(nn_layers, gpt_forward_is_causal)
     cr_assert_eq(ts_module_call1(g, long_ids, &bad), TS_ERR_SHAPE);
     cr_assert(strstr(ts_last_error(), "block_size 8") != NULL, "%s", ts_last_error());
     ts_tensor *all[] = {a, b, ya, yb, pa, pb, long_ids};
-    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
-        ts_tensor_free(all[i]);
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) ts_tensor_free(all[i]);
     ts_module_free(g);
 }
 
@@ -252,8 +245,8 @@ Test(nn_layers, mha_and_encoder_layer_default_to_seq_first)
     ts_mha_options o = ts_mha_options_default();
     cr_assert(!o.batch_first && o.bias && o.dropout == 0.0, "PyTorch's MultiheadAttention defaults");
     ts_encoder_layer_config c = ts_encoder_layer_config_default(128, 4);
-    cr_assert(!c.batch_first && c.dim_feedforward == 2048 && c.dropout == 0.1 && !c.gelu &&
-                  c.layer_norm_eps == 1e-5 && !c.norm_first,
+    cr_assert(!c.batch_first && c.dim_feedforward == 2048 && c.dropout == 0.1 && !c.gelu && c.layer_norm_eps == 1e-5 &&
+                  !c.norm_first,
               "PyTorch 1.13's TransformerEncoderLayer defaults");
     ts_module *m;
     TH_OK(ts_mha_new(8, 2, 0.0, true, &m));
@@ -375,8 +368,8 @@ Test(nn_layers, mha_seq_first_shape_errors_name_the_layout)
     /* key batch 3 != query batch 2 (dim 1 without batch_first) */
     ts_tensor *args[3] = {q, k, k};
     cr_assert_eq(ts_module_call(m, 3, args, &n, outs), TS_ERR_SHAPE);
-    cr_assert(strstr(ts_last_error(), "(T, B, E), (S, B, E)") && strstr(ts_last_error(), "batch_first=false"),
-              "%s", ts_last_error());
+    cr_assert(strstr(ts_last_error(), "(T, B, E), (S, B, E)") && strstr(ts_last_error(), "batch_first=false"), "%s",
+              ts_last_error());
     /* the mask is (T, S) with T = size(0) of the query */
     ts_tensor *mask;
     TH_OK(ts_tensor_zeros(TS_BOOL, 2, ms, &mask));
@@ -481,12 +474,10 @@ Test(nn_layers, gpt_dropout_fused_attention_follows_the_reference_draws)
         TH_OK(ts_module_named_parameters(m, &p));
         cr_assert_leq(p.n, 64);
         np = p.n;
-        for (int i = 0; i < p.n; i++)
-            grads[fused][i] = ts_tensor_retain(ts_tensor_grad(*p.items[i].slot));
+        for (int i = 0; i < p.n; i++) grads[fused][i] = ts_tensor_retain(ts_tensor_grad(*p.items[i].slot));
         ts_named_params_free(&p);
         ts_tensor *all[] = {x, y, logits, flat, l};
-        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
-            ts_tensor_free(all[i]);
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++) ts_tensor_free(all[i]);
         ts_module_free(m);
     }
     ts__flash_force(-1);

@@ -135,8 +135,7 @@ static ts_status scaler_forward(ts_module *m, int n_in, ts_tensor *const *in, in
 {
     (void)n_in;
     ts_status st = ts_mul(in[0], ((scaler *)m)->scale, &out[0]);
-    if (!st)
-        *n_out = 1;
+    if (!st) *n_out = 1;
     return st;
 }
 
@@ -145,8 +144,7 @@ static ts_status scaler_double(ts_module *m, int n_in, ts_tensor *const *in, int
     (void)m;
     (void)n_in;
     ts_status st = ts_mul_scalar(in[0], 2.0, &out[0]);
-    if (!st)
-        *n_out = 1;
+    if (!st) *n_out = 1;
     return st;
 }
 
@@ -226,8 +224,7 @@ static ts_status gain_forward(ts_module *m, int n_in, ts_tensor *const *in, int 
     TS_CHECK(n_in == 1, TS_ERR_INVALID_ARGUMENT, "Gain: forward takes 1 input, got %d", n_in);
     ts_tensor *y = NULL;
     TS_TRY(ts_mul(in[0], g->gain, &y));
-    if (m->training)
-        ((int64_t *)ts_tensor_data(g->num_batches_tracked))[0]++;
+    if (m->training) ((int64_t *)ts_tensor_data(g->num_batches_tracked))[0]++;
     out[0] = y;
     *n_out = 1;
     return TS_OK;
@@ -237,10 +234,8 @@ static ts_status gain_visit(ts_module *m, const ts_module_visitor *v)
 {
     gain_mod *g = (gain_mod *)m;
     ts_status st = TS_OK;
-    if (v->param)
-        st = v->param(v->ctx, "gain", &g->gain);
-    if (!st && v->buffer)
-        st = v->buffer(v->ctx, "num_batches_tracked", &g->num_batches_tracked);
+    if (v->param) st = v->param(v->ctx, "gain", &g->gain);
+    if (!st && v->buffer) st = v->buffer(v->ctx, "num_batches_tracked", &g->num_batches_tracked);
     return st;
 }
 
@@ -300,8 +295,7 @@ Test(nn_module, buffers_are_in_state_dicts_but_not_parameters)
     TH_OK(ts_module_named_parameters(m, &p));
     cr_assert_eq(p.n, 3);
     cr_assert_str_eq(p.items[2].name, "1.gain");
-    for (int i = 0; i < p.n; i++)
-        cr_assert(!p.items[i].is_buffer);
+    for (int i = 0; i < p.n; i++) cr_assert(!p.items[i].is_buffer);
     ts_named_params_free(&p);
     TH_OK(ts_module_named_buffers(m, &p));
     cr_assert_eq(p.n, 1);
@@ -316,8 +310,7 @@ Test(nn_module, buffers_are_in_state_dicts_but_not_parameters)
     TH_OK(ts_module_state_dict(m, &sd));
     cr_assert_eq(ts_state_dict_size(sd), 4);
     const char *want[] = {"0.weight", "0.bias", "1.gain", "1.num_batches_tracked"};
-    for (int i = 0; i < 4; i++)
-        cr_assert_str_eq(ts_state_dict_name(sd, i), want[i]);
+    for (int i = 0; i < 4; i++) cr_assert_str_eq(ts_state_dict_name(sd, i), want[i]);
 
     /* a forward in training mode counts; the count loads back */
     int64_t xs[2] = {2, 4};
@@ -333,8 +326,7 @@ Test(nn_module, buffers_are_in_state_dicts_but_not_parameters)
     TH_OK(ts_state_dict_new(&sd2));
     ts_tensor *seven = NULL;
     TH_OK(ts_tensor_full(TS_I64, 0, NULL, 7.0, &seven));
-    for (int i = 0; i < 3; i++)
-        TH_OK(ts_state_dict_set(sd2, ts_state_dict_name(sd, i), ts_state_dict_tensor(sd, i)));
+    for (int i = 0; i < 3; i++) TH_OK(ts_state_dict_set(sd2, ts_state_dict_name(sd, i), ts_state_dict_tensor(sd, i)));
     TH_OK(ts_state_dict_set(sd2, "1.num_batches_tracked", seven));
     TH_OK(ts_module_load_state_dict(m, sd2, true));
     TH_OK(ts_tensor_item(nbt, &v));
@@ -342,8 +334,7 @@ Test(nn_module, buffers_are_in_state_dicts_but_not_parameters)
     /* strict loading wants the buffer too */
     ts_state_dict *sd3;
     TH_OK(ts_state_dict_new(&sd3));
-    for (int i = 0; i < 3; i++)
-        TH_OK(ts_state_dict_set(sd3, ts_state_dict_name(sd, i), ts_state_dict_tensor(sd, i)));
+    for (int i = 0; i < 3; i++) TH_OK(ts_state_dict_set(sd3, ts_state_dict_name(sd, i), ts_state_dict_tensor(sd, i)));
     TH_FAILS(ts_module_load_state_dict(m, sd3, true), TS_ERR_NOT_FOUND, "1.num_batches_tracked");
     ts_state_dict_free(sd3);
     ts_tensor_free(seven);
@@ -398,8 +389,7 @@ Test(nn_module, param_new_is_a_zero_leaf_that_requires_grad)
     cr_assert_eq(ts_tensor_dtype(t), TS_F64);
     double v[6];
     th_vals(t, v, 6);
-    for (int i = 0; i < 6; i++)
-        cr_assert_float_eq(v[i], 0.0, 0);
+    for (int i = 0; i < 6; i++) cr_assert_float_eq(v[i], 0.0, 0);
     ts_tensor_free(t);
     t = NULL;
     TH_FAILS(ts_param_new(TS_I64, 2, s, &t), TS_ERR_DTYPE, "int64");
@@ -596,13 +586,14 @@ Test(nn_module, print_builtin_layers_as_pytorch)
     char buf[1024];
     size_t len = 0;
     TH_OK(ts_module_repr(m, buf, sizeof buf, &len));
-    cr_assert_str_eq(buf, "Sequential(\n"
-                          "  (0): Embedding(10, 4)  weight (10, 4)\n"
-                          "  (1): LayerNorm((4,), eps=1e-05, elementwise_affine=True)  weight (4,), bias (4,)\n"
-                          "  (2): Sequential(\n"
-                          "    (0): Linear(in_features=4, out_features=2, bias=False)  weight (2, 4)\n"
-                          "  )\n"
-                          ")\n");
+    cr_assert_str_eq(buf,
+                     "Sequential(\n"
+                     "  (0): Embedding(10, 4)  weight (10, 4)\n"
+                     "  (1): LayerNorm((4,), eps=1e-05, elementwise_affine=True)  weight (4,), bias (4,)\n"
+                     "  (2): Sequential(\n"
+                     "    (0): Linear(in_features=4, out_features=2, bias=False)  weight (2, 4)\n"
+                     "  )\n"
+                     ")\n");
     ts_module_free(m);
     th_mem_assert_back();
 }
@@ -616,8 +607,7 @@ static ts_status twin_visit(ts_module *m, const ts_module_visitor *v)
 {
     twin *t = (twin *)m;
     ts_status st = v->child ? v->child(v->ctx, "first", t->a) : TS_OK;
-    if (!st && v->child)
-        st = v->child(v->ctx, "second", t->a);
+    if (!st && v->child) st = v->child(v->ctx, "second", t->a);
     return st;
 }
 static void twin_free(ts_module *m)
@@ -635,10 +625,11 @@ Test(nn_module, print_shared_module_once)
     char buf[512];
     size_t len = 0;
     TH_OK(ts_module_repr(&t->base, buf, sizeof buf, &len));
-    cr_assert_str_eq(buf, "Twin(\n"
-                          "  (first): Linear(in_features=2, out_features=2, bias=True)  weight (2, 2), bias (2,)\n"
-                          "  (second): Linear (shared with 'first')\n"
-                          ")\n");
+    cr_assert_str_eq(buf,
+                     "Twin(\n"
+                     "  (first): Linear(in_features=2, out_features=2, bias=True)  weight (2, 2), bias (2,)\n"
+                     "  (second): Linear (shared with 'first')\n"
+                     ")\n");
     ts_named_params p;
     TH_OK(ts_module_named_parameters(&t->base, &p));
     cr_assert_eq(p.n, 2, "named_parameters visits a shared module once");
@@ -680,8 +671,7 @@ Test(nn_module, shared_children_are_freed_once)
 Test(nn_module, print_to_a_full_device_is_an_io_error)
 {
     FILE *f = fopen("/dev/full", "w");
-    if (!f)
-        cr_skip_test("no /dev/full here");
+    if (!f) cr_skip_test("no /dev/full here");
     ts_module *l = NULL;
     TH_OK(ts_linear_new(3, 3, true, &l));
     TH_FAILS(ts_module_print(l, f), TS_ERR_IO, "ts_module_print", "No space left");

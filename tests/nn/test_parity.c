@@ -89,8 +89,7 @@ static json_t *fx_model_of(json_t *root, const char *name)
     size_t i;
     json_array_foreach(models, i, m)
     {
-        if (!strcmp(json_string_value(json_object_get(m, "name")), name))
-            return m;
+        if (!strcmp(json_string_value(json_object_get(m, "name")), name)) return m;
     }
     return NULL;
 }
@@ -104,8 +103,7 @@ static void fx_open(fixture *f, const char *name)
     cr_assert(f->root != NULL, "%s:%d: %s", path, err.line, err.text);
     f->model = fx_model_of(f->root, name);
     cr_assert(f->model != NULL, "no model '%s' in %s", name, path);
-    snprintf(path, sizeof path, "%s/parity/%s", TS_FIXTURES_DIR,
-             json_string_value(json_object_get(f->model, "file")));
+    snprintf(path, sizeof path, "%s/parity/%s", TS_FIXTURES_DIR, json_string_value(json_object_get(f->model, "file")));
     f->blob = th_read_file(path, &f->len);
 }
 
@@ -124,15 +122,15 @@ static json_t *fx_entry(const fixture *f, const char *name)
     size_t i;
     json_array_foreach(ts, i, e)
     {
-        if (!strcmp(json_string_value(json_object_get(e, "name")), name))
-            return e;
+        if (!strcmp(json_string_value(json_object_get(e, "name")), name)) return e;
     }
     return NULL;
 }
 
 /* Shape, dtype and bytes of tensor `name` (asserted present and inside
  * the blob); returns the bytes. */
-static const void *fx_raw(const fixture *f, const char *name, ts_dtype *dtype, int *ndim, int64_t *shape, size_t *nbytes)
+static const void *fx_raw(const fixture *f, const char *name, ts_dtype *dtype, int *ndim, int64_t *shape,
+                          size_t *nbytes)
 {
     json_t *e = fx_entry(f, name), *dim;
     cr_assert(e != NULL, "fixture has no tensor '%s'", name);
@@ -177,11 +175,10 @@ static void expect_bits(const fixture *f, const char *name, const ts_tensor *got
     TH_OK(ts_tensor_copy_to(got, buf, nb));
     int64_t first = -1;
     for (size_t i = 0; i < nb && first < 0; i++)
-        if (((const uint8_t *)buf)[i] != ((const uint8_t *)ref)[i])
-            first = (int64_t)(i / ts_dtype_size(dt));
+        if (((const uint8_t *)buf)[i] != ((const uint8_t *)ref)[i]) first = (int64_t)(i / ts_dtype_size(dt));
     free(buf);
-    cr_assert_eq(first, -1, "%s (%s) differs from PyTorch's from element %lld on", name, f->model ?
-                 json_string_value(json_object_get(f->model, "name")) : "", (long long)first);
+    cr_assert_eq(first, -1, "%s (%s) differs from PyTorch's from element %lld on", name,
+                 f->model ? json_string_value(json_object_get(f->model, "name")) : "", (long long)first);
 }
 
 typedef struct errs {
@@ -194,20 +191,15 @@ typedef struct errs {
 static errs expect_close_f32(const char *what, const float *got, const float *ref, int64_t n, double rtol)
 {
     double scale = 0;
-    for (int64_t i = 0; i < n; i++)
-        scale = fmax(scale, fabs((double)ref[i]));
+    for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs((double)ref[i]));
     errs e = {0, 0};
     int64_t bad = -1;
     for (int64_t i = 0; i < n; i++) {
         double g = got[i], r = ref[i], d = fabs(g - r);
-        if (!(d <= rtol * fabs(r) + rtol * scale) && bad < 0)
-            bad = i;
-        if (r != 0)
-            e.rel = fmax(e.rel, d / fabs(r));
-        if (scale > 0)
-            e.scaled = fmax(e.scaled, d / scale);
-        if (isnan(g))
-            e.rel = e.scaled = INFINITY;
+        if (!(d <= rtol * fabs(r) + rtol * scale) && bad < 0) bad = i;
+        if (r != 0) e.rel = fmax(e.rel, d / fabs(r));
+        if (scale > 0) e.scaled = fmax(e.scaled, d / scale);
+        if (isnan(g)) e.rel = e.scaled = INFINITY;
     }
     if (verbose())
         fprintf(stderr, "  %-44s n %5lld  max rel %.2e  max err/max|ref| %.2e\n", what, (long long)n, e.rel, e.scaled);
@@ -258,7 +250,8 @@ static ts_module *build(const fixture *f)
         TH_OK(ts_linear_new(b, o, true, &kids[2]));
         TH_OK(ts_sequential_new(3, kids, &m));
     } else if (!strcmp(kind, "encoder")) {
-        ts_encoder_layer_config cfg = ts_encoder_layer_config_default(th_json_int(c, "d_model"), th_json_int(c, "nhead"));
+        ts_encoder_layer_config cfg =
+            ts_encoder_layer_config_default(th_json_int(c, "d_model"), th_json_int(c, "nhead"));
         cfg.dim_feedforward = th_json_int(c, "dim_feedforward");
         cfg.dropout = 0.0;
         cfg.norm_first = json_is_true(json_object_get(c, "norm_first"));
@@ -353,10 +346,8 @@ static ts_tensor *run(const fixture *f, ts_module *m, const batch *b, ts_tensor 
     } else {
         TH_OK(ts_mse_loss(out, b->target, TS_REDUCTION_MEAN, &loss));
     }
-    if (out_out)
-        *out_out = out;
-    else
-        ts_tensor_free(out);
+    if (out_out) *out_out = out;
+    else ts_tensor_free(out);
     return loss;
 }
 
@@ -397,8 +388,7 @@ static void test_forward_backward(const char *name)
 {
     fixture f;
     fx_open(&f, name);
-    if (verbose())
-        fprintf(stderr, "%s:\n", name);
+    if (verbose()) fprintf(stderr, "%s:\n", name);
     th_mem_mark();
     ts_module *m = build(&f);
     batch b = make_batch(&f);
@@ -443,8 +433,7 @@ static void test_trajectory(const char *name, opt_kind kind)
     TH_OK(ts_module_named_parameters(m, &np)); /* a tied weight once, as PyTorch's parameters() */
     cr_assert(np.n <= MAX_TENSORS);
     ts_tensor *params[MAX_TENSORS];
-    for (int i = 0; i < np.n; i++)
-        params[i] = *np.items[i].slot;
+    for (int i = 0; i < np.n; i++) params[i] = *np.items[i].slot;
     ts_optim *o;
     if (kind == OPT_ADAMW) {
         ts_adam_options ao = ts_adamw_options_default(); /* betas 0.9/0.999, eps 1e-8, weight_decay 1e-2 */
@@ -491,11 +480,10 @@ static void test_trajectory(const char *name, opt_kind kind)
     for (int k = 0; k <= STEPS; k++) {
         double d = fabs((double)losses[k] - ref[k]) / fabs((double)ref[k]);
         rel = fmax(rel, d);
-        cr_assert(d <= RTOL_TRAJECTORY, "%s: after %d steps the loss is %.9g, PyTorch %.9g (rel err %.3g > %g)",
-                  what, k, losses[k], ref[k], d, RTOL_TRAJECTORY);
+        cr_assert(d <= RTOL_TRAJECTORY, "%s: after %d steps the loss is %.9g, PyTorch %.9g (rel err %.3g > %g)", what,
+                  k, losses[k], ref[k], d, RTOL_TRAJECTORY);
     }
-    if (verbose())
-        fprintf(stderr, "%-46s max rel %.2e (%.7g -> %.7g)\n", what, rel, losses[0], losses[STEPS]);
+    if (verbose()) fprintf(stderr, "%-46s max rel %.2e (%.7g -> %.7g)\n", what, rel, losses[0], losses[STEPS]);
     ts_optim_free(o);
     ts_named_params_free(&np);
     batch_free(&b);

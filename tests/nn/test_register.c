@@ -33,8 +33,7 @@ static ts_status block_reset(ts_module *m)
 static void count_step(ts_module *m)
 {
     int64_t *n = ts_tensor_data(((block *)m)->steps);
-    if (m->training && n)
-        n[0]++;
+    if (m->training && n) n[0]++;
 }
 
 /* Declared: ts_module_new, the slots declared, a scoped forward. */
@@ -113,8 +112,11 @@ static void hand_free(ts_module *m)
     free(b);
 }
 
-static const ts_module_vtable hand_vt = {.type_name = "Block", .forward = hand_forward, .visit = hand_visit,
-                                         .free = hand_free, .reset_parameters = block_reset};
+static const ts_module_vtable hand_vt = {.type_name = "Block",
+                                         .forward = hand_forward,
+                                         .visit = hand_visit,
+                                         .free = hand_free,
+                                         .reset_parameters = block_reset};
 
 static ts_status hand_new(int64_t dim, ts_module **out)
 {
@@ -159,12 +161,12 @@ static ts_tensor *input(void)
 static void same_bits(const ts_tensor *a, const ts_tensor *b, const char *what)
 {
     cr_assert_eq(a == NULL, b == NULL, "%s: one is NULL", what);
-    if (!a)
-        return;
+    if (!a) return;
     cr_assert_eq(ts_tensor_dtype(a), ts_tensor_dtype(b), "%s", what);
     cr_assert_eq(ts_tensor_numel(a), ts_tensor_numel(b), "%s", what);
-    cr_assert_eq(memcmp(ts_tensor_data(a), ts_tensor_data(b), (size_t)ts_tensor_numel(a) * ts_dtype_size(ts_tensor_dtype(a))),
-                 0, "%s: the bits differ", what);
+    cr_assert_eq(
+        memcmp(ts_tensor_data(a), ts_tensor_data(b), (size_t)ts_tensor_numel(a) * ts_dtype_size(ts_tensor_dtype(a))), 0,
+        "%s: the bits differ", what);
 }
 
 /* ------------------------------------------------------------ one process */
@@ -314,8 +316,9 @@ Test(nn_register, errors_name_the_problem)
     block *b = (block *)m;
     ts_tensor *extra = NULL, *other = NULL;
     int64_t two = 2;
-    TH_FAILS(ts_module_register_param(m, "gain", &extra), TS_ERR_INVALID_ARGUMENT, "Block already has a parameter "
-                                                                                   "named 'gain'");
+    TH_FAILS(ts_module_register_param(m, "gain", &extra), TS_ERR_INVALID_ARGUMENT,
+             "Block already has a parameter "
+             "named 'gain'");
     TH_FAILS(ts_module_register_buffer(m, "fc", &extra), TS_ERR_INVALID_ARGUMENT, "already has a child named 'fc'");
     TH_FAILS(ts_module_register_param(m, "w", NULL), TS_ERR_INVALID_ARGUMENT, "the slot is NULL");
     TH_FAILS(ts_module_register_param(m, NULL, &extra), TS_ERR_INVALID_ARGUMENT, "the name is NULL");
@@ -333,8 +336,7 @@ Test(nn_register, errors_name_the_problem)
     TH_FAILS(ts_module_param_new(m, "w", TS_I64, 1, &two, &extra), TS_ERR_DTYPE, "floating-point");
     cr_assert_null(extra, "a failed declaration leaves the slot as it was");
     TH_OK(ts_module_param_new(m, "w", TS_F32, 1, &two, &extra)); /* the failed one declared nothing */
-    TH_FAILS(ts_module_new(sizeof(ts_module) - 1, &decl_vt, &lin), TS_ERR_INVALID_ARGUMENT,
-             "smaller than a ts_module");
+    TH_FAILS(ts_module_new(sizeof(ts_module) - 1, &decl_vt, &lin), TS_ERR_INVALID_ARGUMENT, "smaller than a ts_module");
     /* a type with its own visit lists its slots there */
     TH_OK(ts_linear_new(2, 2, false, &lin));
     TH_FAILS(ts_module_register_param(lin, "extra", &other), TS_ERR_INVALID_ARGUMENT, "Linear has its own visit");
@@ -361,11 +363,9 @@ static ts_status sharded_model(block_new_fn make, bool deferred, ts_mesh *mesh, 
 {
     ts_module *m = NULL;
     ts_manual_seed(11);
-    if (deferred)
-        TS_TRY(ts_device_scope_enter(TS_DEVICE_META));
+    if (deferred) TS_TRY(ts_device_scope_enter(TS_DEVICE_META));
     ts_status st = model_new(make, &m);
-    if (deferred)
-        ts_device_scope_exit();
+    if (deferred) ts_device_scope_exit();
     TS_TRY(st);
     ts_fsdp_options o = ts_fsdp_options_default();
     o.mesh = mesh;
@@ -417,8 +417,7 @@ static int rank_body(th_rank *rc)
     TH_RK_OK(rc, ts_generator_new(0, &gen)); /* the rank's own: ts_manual_seed seeds it */
     prev = ts_generator_set_thread_default(gen);
     ts_mesh *mesh = th_rank_mesh(rc, false);
-    if (!mesh)
-        return th_rank_fail(rc, "mesh: %s", ts_last_error());
+    if (!mesh) return th_rank_fail(rc, "mesh: %s", ts_last_error());
     ts_module *hand = NULL, *decl = NULL;
     TH_RK_OK(rc, sharded_model(hand_new, false, mesh, &hand));
     TH_RK_OK(rc, sharded_model(decl_new, true, mesh, &decl));
@@ -427,16 +426,14 @@ static int rank_body(th_rank *rc)
     size_t len = 0;
     if (ts_module_repr(hand, rh, sizeof rh, &len) || ts_module_repr(decl, rd, sizeof rd, &len))
         bad = th_rank_fail(rc, "repr: %s", ts_last_error());
-    if (!bad && strcmp(rh, rd))
-        bad = th_rank_fail(rc, "the trees print differently:\n%s\n%s", rh, rd);
-    if (!bad && !strstr(rd, "(1): BlockCheckpointedFSDPModule(") )
+    if (!bad && strcmp(rh, rd)) bad = th_rank_fail(rc, "the trees print differently:\n%s\n%s", rh, rd);
+    if (!bad && !strstr(rd, "(1): BlockCheckpointedFSDPModule("))
         bad = th_rank_fail(rc, "block 1 is not checkpointed and sharded:\n%s", rd);
     if (!bad && !strstr(rd, "(2): BlockCheckpointed(\n    gain (4,) [shard], buffer steps int64 ()"))
         bad = th_rank_fail(rc, "block 2 is not checkpointed with its gain in the root's group:\n%s", rd);
     /* the shards after deferred init and after training: the same bits */
     double lh[2], ld[2];
-    if (!bad && (train(hand, lh) || train(decl, ld)))
-        bad = th_rank_fail(rc, "train: %s", ts_last_error());
+    if (!bad && (train(hand, lh) || train(decl, ld))) bad = th_rank_fail(rc, "train: %s", ts_last_error());
     if (!bad && memcmp(lh, ld, sizeof lh))
         bad = th_rank_fail(rc, "losses %.9g %.9g by hand, %.9g %.9g declared", lh[0], lh[1], ld[0], ld[1]);
     ts_state_dict *sh = NULL, *sd = NULL;
@@ -452,15 +449,16 @@ static int rank_body(th_rank *rc)
             bad = th_rank_same_bits(rc, ts_state_dict_tensor(sh, i), ts_state_dict_tensor(sd, i), "%s",
                                     ts_state_dict_name(sh, i));
     }
-    if (!bad && ts_fsdp_load_full_state_dict(decl, sh, true))
-        bad = th_rank_fail(rc, "load: %s", ts_last_error());
+    if (!bad && ts_fsdp_load_full_state_dict(decl, sh, true)) bad = th_rank_fail(rc, "load: %s", ts_last_error());
     /* declaring after sharding: the module itself, or one inside a sharded root */
     ts_tensor *late = NULL;
-    if (!bad && (ts_module_register_param(ts_container_child(decl, 1), "late", &late) != TS_ERR_SHARDED ||
-                 !strstr(ts_last_error(), "BlockCheckpointedFSDPModule: cannot declare 'late'")))
+    if (!bad &&
+        (ts_module_register_param(ts_container_child(decl, 1), "late", &late) != TS_ERR_SHARDED ||
+         !strstr(ts_last_error(), "BlockCheckpointedFSDPModule: cannot declare 'late'")))
         bad = th_rank_fail(rc, "declaring in a sharded module: %s", ts_last_error());
-    if (!bad && (ts_module_register_param(ts_container_child(decl, 2), "late", &late) != TS_ERR_SHARDED ||
-                 !strstr(ts_last_error(), "its parameter 'gain' is sharded already")))
+    if (!bad &&
+        (ts_module_register_param(ts_container_child(decl, 2), "late", &late) != TS_ERR_SHARDED ||
+         !strstr(ts_last_error(), "its parameter 'gain' is sharded already")))
         bad = th_rank_fail(rc, "declaring in a module of the root's group: %s", ts_last_error());
     ts_state_dict_free(sh);
     ts_state_dict_free(sd);
@@ -487,8 +485,7 @@ static ts_status pair_forward(ts_module *m, int n_in, ts_tensor *const *in, int 
     return ts_add(in[0], in[1], &out[0]);
 }
 
-static const ts_module_vtable pair_vt = {
-    .type_name = "Pair", .forward = pair_forward, .n_inputs = 2};
+static const ts_module_vtable pair_vt = {.type_name = "Pair", .forward = pair_forward, .n_inputs = 2};
 
 /* ts_module_call refuses another count than the vtable's n_inputs, naming
  * the type and both counts, before forward runs (which would read in[1]
@@ -496,7 +493,10 @@ static const ts_module_vtable pair_vt = {
  * range is refused when the type is made. */
 Test(nn_register, vtable_input_count_is_checked_for_forward)
 {
-    typedef struct pair { ts_module base; ts_tensor *w; } pair;
+    typedef struct pair {
+        ts_module base;
+        ts_tensor *w;
+    } pair;
     ts_module *m;
     cr_assert_eq(ts_module_new(sizeof(pair), &pair_vt, &m), TS_OK, "%s", ts_last_error());
     int64_t n = 3;

@@ -36,8 +36,7 @@ static ts_status scaled_visit(ts_module *m, const ts_module_visitor *v)
     ts_status st = TS_OK;
     if (v->param && !(st = v->param(v->ctx, "scale", &s->scale)) && !(st = v->param(v->ctx, "shift", &s->shift)))
         st = v->param(v->ctx, "zero", &s->zero);
-    if (!st && v->child)
-        st = v->child(v->ctx, "fc", s->fc);
+    if (!st && v->child) st = v->child(v->ctx, "fc", s->fc);
     return st;
 }
 
@@ -167,8 +166,7 @@ static uint8_t *param_bytes(ts_module *m, size_t *len_out, int *n_out)
     ts_named_params p;
     TH_OK(ts_module_named_parameters(m, &p));
     size_t len = 0;
-    for (int i = 0; i < p.n; i++)
-        len += (size_t)ts_tensor_numel(*p.items[i].slot) * 4;
+    for (int i = 0; i < p.n; i++) len += (size_t)ts_tensor_numel(*p.items[i].slot) * 4;
     uint8_t *buf = malloc(len + 1), *q = buf;
     for (int i = 0; i < p.n; i++) {
         ts_tensor *t = *p.items[i].slot;
@@ -188,8 +186,7 @@ static uint8_t *param_bytes(ts_module *m, size_t *len_out, int *n_out)
 Test(nn_reset_parameters, reset_after_reseed_is_building)
 {
     for (int c = 0; c < N_CASES; c++) {
-        if (cases[c].tied)
-            continue;
+        if (cases[c].tied) continue;
         ts_module *m;
         ts_manual_seed(77);
         TH_OK(cases[c].build(&m));
@@ -211,8 +208,8 @@ Test(nn_reset_parameters, reset_after_reseed_is_building)
         cr_assert_eq(len, len2);
         cr_assert(memcmp(got, want, len) == 0, "%s: reset_parameters(recurse) after reseeding differs from building",
                   cases[c].name);
-        cr_assert(memcmp(&built, &reset, sizeof built) == 0, "%s: the generator after reset differs from after building",
-                  cases[c].name);
+        cr_assert(memcmp(&built, &reset, sizeof built) == 0,
+                  "%s: the generator after reset differs from after building", cases[c].name);
         free(got);
         free(want);
         ts_module_free(m);
@@ -307,8 +304,7 @@ Test(nn_reset_parameters, built_on_meta_and_replayed_is_eager)
         TH_OK(st);
         uint64_t seq1 = ts__init_seq_next();
         state after_meta = gen_state();
-        cr_assert(memcmp(&seeded, &after_meta, sizeof seeded) == 0, "%s: building on meta drew numbers",
-                  cases[c].name);
+        cr_assert(memcmp(&seeded, &after_meta, sizeof seeded) == 0, "%s: building on meta drew numbers", cases[c].name);
 
         replay_set rs;
         collect_targets(m, &rs);
@@ -321,8 +317,10 @@ Test(nn_reset_parameters, built_on_meta_and_replayed_is_eager)
         ts_manual_seed(2024);
         TH_OK(ts__init_replay_targets(rs.n + 1, rs.tg));
         state replayed = gen_state();
-        cr_assert(memcmp(&built, &replayed, sizeof built) == 0, "%s: the generator after the replay differs from "
-                  "after building eagerly", cases[c].name);
+        cr_assert(memcmp(&built, &replayed, sizeof built) == 0,
+                  "%s: the generator after the replay differs from "
+                  "after building eagerly",
+                  cases[c].name);
         size_t off = 0;
         for (int i = 0; i < rs.n; i++) {
             size_t nb = (size_t)ts_tensor_numel(rs.param[i]) * 4;

@@ -38,8 +38,7 @@ static void make_tmpdir(void)
 
 static void remove_tmpdir(void)
 {
-    if (tmpdir[0])
-        nftw(tmpdir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+    if (tmpdir[0]) nftw(tmpdir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
 }
 
 TestSuite(nn_safetensors, .init = make_tmpdir, .fini = remove_tmpdir);
@@ -65,8 +64,7 @@ static size_t count_dir_entries(void)
     DIR *d = opendir(tmpdir);
     cr_assert_not_null(d);
     struct dirent *e;
-    while ((e = readdir(d)))
-        n += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0;
+    while ((e = readdir(d))) n += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0;
     closedir(d);
     return n;
 }
@@ -77,11 +75,9 @@ static unsigned char *mk_file(const char *header, const void *data, size_t dlen,
 {
     size_t h = strlen(header);
     unsigned char *b = malloc(8 + h + dlen + 1);
-    for (int i = 0; i < 8; i++)
-        b[i] = (unsigned char)((uint64_t)h >> (8 * i));
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)h >> (8 * i));
     memcpy(b + 8, header, h);
-    if (dlen)
-        memcpy(b + 8 + h, data, dlen);
+    if (dlen) memcpy(b + 8 + h, data, dlen);
     *len_out = 8 + h + dlen;
     return b;
 }
@@ -104,10 +100,10 @@ static void expect_parse_error(const char *header, const void *data, size_t dlen
                            ts_last_error(), want[i]);
 }
 
-#define EXPECT_FORMAT(header, data, dlen, ...)                                                      \
-    do {                                                                                            \
-        const char *const want_[] = {__VA_ARGS__, NULL};                                            \
-        expect_parse_error((header), (data), (dlen), TS_ERR_FORMAT, want_);                         \
+#define EXPECT_FORMAT(header, data, dlen, ...) \
+    do { \
+        const char *const want_[] = {__VA_ARGS__, NULL}; \
+        expect_parse_error((header), (data), (dlen), TS_ERR_FORMAT, want_); \
     } while (0)
 
 /* Asserts two tensors have the same dtype, shape and bytes. */
@@ -145,10 +141,18 @@ Test(nn_safetensors, round_trip_every_dtype_with_scalars_and_empty_tensors)
         int ndim;
         const int64_t *shape;
     } cases[] = {
-        {"z.f32", TS_F32, 2, s23},    {"y.f64", TS_F64, 1, s4},      {"x.bf16", TS_BF16, 2, s23},
-        {"w.f16", TS_F16, 3, s2x},    {"v.i64", TS_I64, 1, s4},      {"u.i32", TS_I32, 2, s23},
-        {"t.bool", TS_BOOL, 1, s4},   {"scalar.f32", TS_F32, 0, NULL}, {"scalar.i64", TS_I64, 0, NULL},
-        {"scalar.bool", TS_BOOL, 0, NULL}, {"empty.f32", TS_F32, 1, s0}, {"empty.bf16", TS_BF16, 3, s203},
+        {"z.f32", TS_F32, 2, s23},
+        {"y.f64", TS_F64, 1, s4},
+        {"x.bf16", TS_BF16, 2, s23},
+        {"w.f16", TS_F16, 3, s2x},
+        {"v.i64", TS_I64, 1, s4},
+        {"u.i32", TS_I32, 2, s23},
+        {"t.bool", TS_BOOL, 1, s4},
+        {"scalar.f32", TS_F32, 0, NULL},
+        {"scalar.i64", TS_I64, 0, NULL},
+        {"scalar.bool", TS_BOOL, 0, NULL},
+        {"empty.f32", TS_F32, 1, s0},
+        {"empty.bf16", TS_BF16, 3, s203},
         {"\xc3\xa9t\xc3\xa9.unicode", TS_F16, 1, s4},
     };
     int n = (int)(sizeof cases / sizeof cases[0]);
@@ -180,13 +184,11 @@ Test(nn_safetensors, round_trip_every_dtype_with_scalars_and_empty_tensors)
     ts_state_dict *back2;
     TH_OK(ts_safetensors_parse(raw, len, &back2));
     cr_assert_eq(ts_state_dict_size(back2), n + 1);
-    for (int i = 0; i < n + 1; i++)
-        assert_same(ts_state_dict_tensor(back2, i), ts_state_dict_tensor(sd, i));
+    for (int i = 0; i < n + 1; i++) assert_same(ts_state_dict_tensor(back2, i), ts_state_dict_tensor(sd, i));
     /* the loaded tensors own their data */
     memset(raw, 0, len);
     free(raw);
-    for (int i = 0; i < n + 1; i++)
-        assert_same(ts_state_dict_tensor(back2, i), ts_state_dict_tensor(sd, i));
+    for (int i = 0; i < n + 1; i++) assert_same(ts_state_dict_tensor(back2, i), ts_state_dict_tensor(sd, i));
     ts_state_dict_free(back2);
     ts_state_dict_free(back);
     ts_state_dict_free(sd);
@@ -221,8 +223,8 @@ Test(nn_safetensors, non_contiguous_sources_are_written_row_major)
     const int64_t s34[] = {3, 4};
     ts_tensor *base = th_seq(TS_F32, 2, s34, 1.0, false);
     ts_tensor *tr, *sl, *big_base, *big_tr;
-    TH_OK(ts_transpose(base, 0, 1, &tr));        /* (4, 3), strides (1, 4) */
-    TH_OK(ts_slice(base, 1, 0, 4, 2, &sl));      /* (3, 2), strides (4, 2) */
+    TH_OK(ts_transpose(base, 0, 1, &tr));   /* (4, 3), strides (1, 4) */
+    TH_OK(ts_slice(base, 1, 0, 4, 2, &sl)); /* (3, 2), strides (4, 2) */
     /* larger than the 1 MiB write buffer, so it takes the other path */
     const int64_t sbig[] = {700, 500};
     big_base = th_seq(TS_F64, 2, sbig, 1.0, false);
@@ -275,8 +277,7 @@ Test(nn_safetensors, metadata_is_written_and_accepted_on_load)
     size_t len;
     unsigned char *raw = th_read_file(p, &len);
     uint64_t n = 0;
-    for (int i = 7; i >= 0; i--)
-        n = n << 8 | raw[i];
+    for (int i = 7; i >= 0; i--) n = n << 8 | raw[i];
     cr_assert_eq(n % 8, 0, "header length %llu is a multiple of 8", (unsigned long long)n);
     json_error_t err;
     json_t *root = json_loadb((const char *)raw + 8, (size_t)n, 0, &err);
@@ -353,12 +354,11 @@ Test(nn_safetensors, metadata_is_written_and_accepted_on_load)
  *   -2.0f = 0xC0000000 -> 00 00 00 C0; true -> 01.
  * Total 8 + 192 + 9 = 209 bytes.
  */
-static const char expected_json[] =
-    "{\"__metadata__\":{\"format\":\"pt\"},"
-    "\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
-    "\"s\":{\"dtype\":\"BOOL\",\"shape\":[],\"data_offsets\":[8,9]},"
-    "\"e\":{\"dtype\":\"I64\",\"shape\":[0],\"data_offsets\":[9,9]}}"
-    " ";
+static const char expected_json[] = "{\"__metadata__\":{\"format\":\"pt\"},"
+                                    "\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                                    "\"s\":{\"dtype\":\"BOOL\",\"shape\":[],\"data_offsets\":[8,9]},"
+                                    "\"e\":{\"dtype\":\"I64\",\"shape\":[0],\"data_offsets\":[9,9]}}"
+                                    " ";
 static const unsigned char expected_prefix[8] = {0xC0, 0, 0, 0, 0, 0, 0, 0};
 static const unsigned char expected_data[9] = {0x00, 0x00, 0x80, 0x3F, 0x00, 0x00, 0x00, 0xC0, 0x01};
 
@@ -502,8 +502,8 @@ Test(nn_safetensors, every_truncation_of_a_valid_file_fails_cleanly)
     memcpy(longer, b, full);
     longer[full] = 0;
     cr_assert_eq(ts_safetensors_parse(longer, full + 1, &sd), TS_ERR_FORMAT);
-    cr_assert_not_null(strstr(ts_last_error(), "the tensors end at byte 9 (key 'e') but the data buffer has 10"),
-                       "%s", ts_last_error());
+    cr_assert_not_null(strstr(ts_last_error(), "the tensors end at byte 9 (key 'e') but the data buffer has 10"), "%s",
+                       ts_last_error());
     free(longer);
     free(b);
     th_mem_assert_back();
@@ -523,8 +523,7 @@ Test(nn_safetensors, oversized_header_length_is_rejected)
                        "%s", ts_last_error());
     /* 100 MB + 1: over the limit even though a file could hold it */
     uint64_t n = 100000001;
-    for (int i = 0; i < 8; i++)
-        b[i] = (unsigned char)(n >> (8 * i));
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)(n >> (8 * i));
     cr_assert_eq(ts_safetensors_parse(b, sizeof b, &sd), TS_ERR_FORMAT);
     cr_assert_not_null(strstr(ts_last_error(), "exceeds the limit"), "%s", ts_last_error());
     /* one more than what follows the length field */
@@ -626,8 +625,8 @@ Test(nn_safetensors, shape_and_offset_mismatches_are_rejected)
                   "more elements than a tensor may have (576460752303423487");
     /* the limit itself is fine: an empty tensor of that many "rows" */
     size_t len;
-    unsigned char *b = mk_file("{\"a\":{\"dtype\":\"F64\",\"shape\":[576460752303423487,0],\"data_offsets\":[0,0]}}",
-                               NULL, 0, &len);
+    unsigned char *b =
+        mk_file("{\"a\":{\"dtype\":\"F64\",\"shape\":[576460752303423487,0],\"data_offsets\":[0,0]}}", NULL, 0, &len);
     ts_state_dict *sd;
     TH_OK(ts_safetensors_parse(b, len, &sd));
     cr_assert_eq(ts_tensor_size(ts_state_dict_get(sd, "a"), 0), 576460752303423487LL);
@@ -930,11 +929,9 @@ static bool is_tmp_name(const char *name, const char *base, long pid)
     char prefix[256];
     snprintf(prefix, sizeof prefix, ".%s.tmp.%ld.", base, pid);
     size_t pl = strlen(prefix);
-    if (strncmp(name, prefix, pl) != 0 || strlen(name) != pl + 16)
-        return false;
+    if (strncmp(name, prefix, pl) != 0 || strlen(name) != pl + 16) return false;
     for (const char *c = name + pl; *c; c++)
-        if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'f')))
-            return false;
+        if (!((*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'f'))) return false;
     return true;
 }
 
@@ -1065,8 +1062,7 @@ static pid_t dead_pid(void)
 {
     pid_t c = fork();
     cr_assert_geq(c, 0);
-    if (c == 0)
-        _exit(0);
+    if (c == 0) _exit(0);
     int status;
     cr_assert_eq(waitpid(c, &status, 0), c);
     cr_assert_eq(kill(c, 0), -1, "pid %d is free", (int)c);
@@ -1140,8 +1136,7 @@ Test(nn_safetensors, loading_into_a_parameter_of_another_dtype_is_an_error)
         TH_OK(ts_safetensors_save(tpath(p, sizeof p, "int.safetensors"), sd, NULL, 0));
         ts_state_dict_free(sd);
         TH_OK(ts_safetensors_load(p, &sd));
-        TH_FAILS(ts_module_load_state_dict(lin, sd, true), TS_ERR_DTYPE, "'weight", bad_name[k], "float32",
-                 "Linear");
+        TH_FAILS(ts_module_load_state_dict(lin, sd, true), TS_ERR_DTYPE, "'weight", bad_name[k], "float32", "Linear");
         cr_assert_null(strstr(ts_last_error(), "bias"), "only the mismatching key is named: %s", ts_last_error());
         TH_FAILS(ts_module_load_state_dict(lin, sd, false), TS_ERR_DTYPE, "weight");
         ts_state_dict_free(sd);
@@ -1212,8 +1207,7 @@ Test(nn_safetensors, load_state_dict_into_a_wide_module_is_linear)
     th_mem_mark();
     enum { L = 2000 };
     ts_module *kids[L], *list;
-    for (int i = 0; i < L; i++)
-        TH_OK(ts_linear_new(1, 1, true, &kids[i]));
+    for (int i = 0; i < L; i++) TH_OK(ts_linear_new(1, 1, true, &kids[i]));
     TH_OK(ts_module_list_new(L, kids, &list));
     ts_state_dict *sd;
     TH_OK(ts_module_state_dict(list, &sd));
@@ -1266,8 +1260,7 @@ Test(nn_safetensors, non_finite_values_load_with_a_warning_naming_the_key)
     TH_OK(ts_safetensors_save(tpath(p, sizeof p, "nan.safetensors"), sd, NULL, 0));
     ts_state_dict *back;
     char *err = stderr_of_load(p, &back);
-    cr_assert_not_null(strstr(err, "tensor 'diverged.weight' holds 3 non-finite values (NaN or Inf) of 6"), "%s",
-                       err);
+    cr_assert_not_null(strstr(err, "tensor 'diverged.weight' holds 3 non-finite values (NaN or Inf) of 6"), "%s", err);
     cr_assert_not_null(strstr(err, "tensor 'half.bf16' holds 3 non-finite"), "%s", err);
     cr_assert_not_null(strstr(err, "tensor 'half.f16' holds 3 non-finite"), "%s", err);
     cr_assert_null(strstr(err, "fine.bias"), "%s", err);

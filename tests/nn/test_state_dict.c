@@ -31,8 +31,7 @@ Test(nn_state_dict, round_trip_between_models)
     TH_OK(ts_module_load_state_dict(b, sa, true));
     ts_state_dict *sb;
     TH_OK(ts_module_state_dict(b, &sb));
-    for (int i = 0; i < 4; i++)
-        th_assert_close(ts_state_dict_tensor(sb, i), ts_state_dict_tensor(sa, i), 0, 0);
+    for (int i = 0; i < 4; i++) th_assert_close(ts_state_dict_tensor(sb, i), ts_state_dict_tensor(sa, i), 0, 0);
     ts_state_dict_free(sa);
     ts_state_dict_free(sb);
     ts_module_free(a);
@@ -71,8 +70,7 @@ Test(nn_state_dict, shape_mismatch_names_key_and_shapes_and_copies_nothing)
     TH_OK(ts_module_state_dict(a, &live));
     /* state dicts alias the parameters: keep copies of the values */
     ts_tensor *before[4];
-    for (int i = 0; i < 4; i++)
-        TH_OK(ts_clone(ts_state_dict_tensor(live, i), &before[i]));
+    for (int i = 0; i < 4; i++) TH_OK(ts_clone(ts_state_dict_tensor(live, i), &before[i]));
     cr_assert_eq(ts_module_load_state_dict(a, sb, true), TS_ERR_SHAPE);
     const char *msg = ts_last_error();
     cr_assert(strstr(msg, "0.weight: checkpoint (6, 4) vs model (8, 4)") != NULL, "%s", msg);

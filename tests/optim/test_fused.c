@@ -56,7 +56,7 @@ static const char *const lay_names[LAY_COUNT] = {"adjacent", "padded", "separate
 typedef struct world {
     ts_dtype dt;
     lay l;
-    ts_tensor *pbuf, *gbuf;   /* the flat buffers (NULL for SEPARATE) */
+    ts_tensor *pbuf, *gbuf; /* the flat buffers (NULL for SEPARATE) */
     ts_tensor *p[NPAR], *g[NPAR];
 } world;
 
@@ -71,10 +71,8 @@ static double gval(int i, int64_t k, int s)
 
 static void put(ts_dtype dt, void *base, int64_t k, double v)
 {
-    if (dt == TS_F32)
-        ((float *)base)[k] = (float)v;
-    else
-        ((double *)base)[k] = v;
+    if (dt == TS_F32) ((float *)base)[k] = (float)v;
+    else ((double *)base)[k] = v;
 }
 
 /* A view of buf at element offset off with param i's shape: 1-d, or
@@ -250,9 +248,8 @@ static void assert_worlds_same(const world *a, const world *b, ts_optim *oa, ts_
             ts_dtype sd = ts_tensor_dtype(x);
             for (int64_t k = 0; k < ts_tensor_numel(x); k++)
                 if (!same_bits(sd, ts_tensor_data(x), ts_tensor_data(y), k))
-                    cr_assert_fail("%s, step %d: param %d state %s element %lld: %.17g vs %.17g", what, s, i,
-                                   names[q], (long long)k, at(sd, ts_tensor_data(x), k),
-                                   at(sd, ts_tensor_data(y), k));
+                    cr_assert_fail("%s, step %d: param %d state %s element %lld: %.17g vs %.17g", what, s, i, names[q],
+                                   (long long)k, at(sd, ts_tensor_data(x), k), at(sd, ts_tensor_data(y), k));
         }
 }
 
@@ -373,7 +370,7 @@ Test(optim_fused, adjacent_parameters_are_one_kernel_call)
     /* step counts at step 4: p0 5, p1 (empty) 3, p2 4, p3 5, p4 5, p5 3, p6 5:
      * runs p0 | p2 | p3 p4 | p5 | p6 (the empty p1 joins nothing, breaks nothing) */
     cr_assert_eq(compare_case(&c, TS_F32, LAY_ADJACENT, best), 5);
-    cr_assert_eq(compare_case(&c, TS_F32, LAY_PADDED, best), 6);  /* one per non-empty parameter */
+    cr_assert_eq(compare_case(&c, TS_F32, LAY_PADDED, best), 6); /* one per non-empty parameter */
     cr_assert_eq(compare_case(&c, TS_F32, LAY_SEPARATE, best), 6);
     cr_assert_eq(compare_case(&c, TS_F32, LAY_STRIDED, best), 6); /* p4 strided, walked on its own */
     /* SGD without momentum has no step count: one run over the buffer */
@@ -746,15 +743,14 @@ Test(optim_fused, row_kernels_start_on_64_byte_boundaries)
 {
     for (int path = -1; path < TS__KPATH_COUNT; path++) { /* -1: the scalar reference */
         ts__optim_use_reference = path < 0;
-        if (path >= 0)
-            ts__kpath_force(path);
+        if (path >= 0) ts__kpath_force(path);
         row_fn fns[4] = {ts__optim_sgd_kernel(true), ts__optim_sgd_kernel(false), ts__optim_adam_kernel(true),
                          ts__optim_adam_kernel(false)};
         ts__optim_use_reference = false;
         ts__kpath_force(-1);
         for (int i = 0; i < 4; i++)
-            cr_expect_eq((uintptr_t)fns[i] % 64, 0, "path %s: %s %s kernel at %p", path < 0 ? "reference" :
-                         ts__kpath_name((ts__kpath)path), i < 2 ? "SGD" : "Adam", i % 2 ? "f64" : "f32",
-                         (void *)(uintptr_t)fns[i]);
+            cr_expect_eq((uintptr_t)fns[i] % 64, 0, "path %s: %s %s kernel at %p",
+                         path < 0 ? "reference" : ts__kpath_name((ts__kpath)path), i < 2 ? "SGD" : "Adam",
+                         i % 2 ? "f64" : "f32", (void *)(uintptr_t)fns[i]);
     }
 }

@@ -88,8 +88,7 @@ Test(optim_lr_schedule, wsd_formula)
     ts_lr_schedule s = {TS_LR_WARMUP_STABLE_DECAY, 1.0, 2, 10, 0.2, 0.3};
     const double want[13] = {0.5, 1, 1, 1, 1, 1, 1, 1.0, 0.2 + 0.8 * 2 / 3, 0.2 + 0.8 / 3, 0.2, 0.2, 0.2};
     for (int k = 0; k < 13; k++)
-        cr_assert_float_eq(ts_lr_at(&s, k), want[k], 1e-15, "step %d: %.17g, want %.17g", k, ts_lr_at(&s, k),
-                           want[k]);
+        cr_assert_float_eq(ts_lr_at(&s, k), want[k], 1e-15, "step %d: %.17g, want %.17g", k, ts_lr_at(&s, k), want[k]);
     /* round(f T) to nearest: 0.29 * 100 = 28.999999999999996 decays 29 steps, not 28 */
     ts_lr_schedule r = {TS_LR_WARMUP_STABLE_DECAY, 1.0, 0, 100, 0.0, 0.29};
     cr_assert_eq(ts_lr_at(&r, 71), 1.0, "the decay starts at 100 - 29 = 71, from base_lr");
@@ -191,7 +190,8 @@ Test(optim_lr_schedule, bad_schedules)
 
     /* the original kinds: refused by the check, their results as before */
     ts_lr_schedule cos_bad = {TS_LR_WARMUP_COSINE, 1.0, -3, 4, 0.0, 0};
-    expect_refused(cos_bad, "cosine, negative warmup", (const char *[]){"TS_LR_WARMUP_COSINE", "warmup_steps -3", NULL});
+    expect_refused(cos_bad, "cosine, negative warmup",
+                   (const char *[]){"TS_LR_WARMUP_COSINE", "warmup_steps -3", NULL});
     cr_assert_eq(ts_lr_at(&cos_bad, 0), 1.0, "warmup_steps <= 0: no warmup, as before");
     ts_lr_schedule cos_long = {TS_LR_WARMUP_COSINE, 1.0, 8, 4, 0.5, 0};
     expect_refused(cos_long, "cosine, warmup > total", (const char *[]){"warmup_steps 8", "total_steps 4", NULL});

@@ -60,8 +60,7 @@ static void assert_same_bits(ts_dtype dt, const void *got, const void *want, int
 {
     size_t es = ts_dtype_size(dt);
     for (int64_t i = 0; i < n; i++) {
-        if (memcmp((const char *)got + i * (int64_t)es, (const char *)want + i * (int64_t)es, es) == 0)
-            continue;
+        if (memcmp((const char *)got + i * (int64_t)es, (const char *)want + i * (int64_t)es, es) == 0) continue;
         if (dt == TS_F32) {
             float g = ((const float *)got)[i], w = ((const float *)want)[i];
             cr_assert_fail("%s: step %d, param %d, element %lld: %.9g vs torch %.9g (%lld ulp)", what, step, param,
@@ -82,8 +81,8 @@ typedef struct fx_case {
     kind k;
     ts_sgd_options sgd;
     ts_adam_options adam;
-    bool skip;          /* param 1 has no grad at steps 2 and 6 */
-    double lr_change;   /* > 0: lr set to this before step 5 */
+    bool skip;        /* param 1 has no grad at steps 2 and 6 */
+    double lr_change; /* > 0: lr set to this before step 5 */
 } fx_case;
 
 typedef enum { LAYOUT_PLAIN, LAYOUT_SHARD, LAYOUT_STRIDED } layout;
@@ -115,8 +114,7 @@ static ts_tensor *make_param(ts_dtype dt, int i, const void *vals, layout lay)
     char name[8];
     snprintf(name, sizeof name, "p%d", i);
     TH_OK(ts_tensor_set_name(t, name));
-    if (lay == LAYOUT_SHARD)
-        ts_tensor_set_shard(t, (void *)&shape0); /* any opaque pointer */
+    if (lay == LAYOUT_SHARD) ts_tensor_set_shard(t, (void *)&shape0); /* any opaque pointer */
     return t;
 }
 
@@ -183,8 +181,7 @@ static void run_fixture_build(const fx_case *c, layout lay)
     char got[PER_STEP * 8], what[160];
     snprintf(what, sizeof what, "%s (%s kernels)", c->name, ts__optim_avx2_active() ? "AVX2" : "reference");
     for (int k = 0; k < STEPS; k++) {
-        if (c->lr_change > 0 && k == 5)
-            ts_optim_set_lr(o, c->lr_change);
+        if (c->lr_change > 0 && k == 5) ts_optim_set_lr(o, c->lr_change);
         size_t goff = (size_t)PER_STEP * (size_t)(1 + k);
         for (int i = 0; i < NP; i++) {
             if (c->skip && i == 1 && (k == 2 || k == 6)) {
@@ -215,8 +212,7 @@ static void run_fixture_build(const fx_case *c, layout lay)
         cr_assert_eq(s1, c->skip ? 8.0 : 10.0);
     }
     ts_optim_free(o);
-    for (int i = 0; i < NP; i++)
-        ts_tensor_free(ps[i]);
+    for (int i = 0; i < NP; i++) ts_tensor_free(ps[i]);
     free(in);
     free(want);
     th_mem_assert_back();
@@ -232,8 +228,7 @@ static void run_fixture(const fx_case *c, layout lay)
     ts__optim_use_reference = false;
 }
 
-static ts_sgd_options sgd_opts(double lr, double momentum, double dampening, double wd, bool nesterov,
-                               bool maximize)
+static ts_sgd_options sgd_opts(double lr, double momentum, double dampening, double wd, bool nesterov, bool maximize)
 {
     ts_sgd_options o = ts_sgd_options_default();
     o.lr = lr;
@@ -437,8 +432,7 @@ static void kernel_builds_agree(ts_dtype dt, kind k)
     int64_t n[1] = {10007};
     ts_tensor *init, *grads[3], *p[2];
     TH_OK(ts_randn(dt, 1, n, gen, &init));
-    for (int s = 0; s < 3; s++)
-        TH_OK(ts_randn(dt, 1, n, gen, &grads[s]));
+    for (int s = 0; s < 3; s++) TH_OK(ts_randn(dt, 1, n, gen, &grads[s]));
     ts_optim *o[2];
     for (int r = 0; r < 2; r++) {
         TH_OK(ts_clone(init, &p[r]));
@@ -465,8 +459,7 @@ static void kernel_builds_agree(ts_dtype dt, kind k)
         ts_optim_free(o[r]);
         ts_tensor_free(p[r]);
     }
-    for (int s = 0; s < 3; s++)
-        ts_tensor_free(grads[s]);
+    for (int s = 0; s < 3; s++) ts_tensor_free(grads[s]);
     ts_tensor_free(init);
     ts_generator_free(gen);
 }
@@ -509,8 +502,7 @@ Test(optim_state, names_and_presence)
     set_seq_grad(p[0], 0.5);
     TH_OK(ts_optim_step(o));
     const char *names[4] = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
-    for (int i = 0; i < 4; i++)
-        cr_assert_not_null(ts_optim_state(o, 0, names[i]), "%s", names[i]);
+    for (int i = 0; i < 4; i++) cr_assert_not_null(ts_optim_state(o, 0, names[i]), "%s", names[i]);
     cr_assert_null(ts_optim_state(o, 1, "exp_avg"), "parameter 1 had no grad: no state");
     cr_assert_null(ts_optim_state(o, 0, "momentum_buffer"));
     cr_assert_null(ts_optim_state(o, 0, "nope"));
@@ -548,10 +540,8 @@ static void resume_case(kind k)
     ts_sgd_options so = sgd_opts(0.1, 0.9, 0.3, 0.01, false, false);
     ts_adam_options ao = adam_opts(k == K_ADAMW, 0.05, 0.1, true, false);
     ts_optim *oa, *ob;
-    if (k == K_SGD)
-        TH_OK(ts_sgd_new(1, &a, &so, &oa));
-    else
-        TH_OK((k == K_ADAM ? ts_adam_new : ts_adamw_new)(1, &a, &ao, &oa));
+    if (k == K_SGD) TH_OK(ts_sgd_new(1, &a, &so, &oa));
+    else TH_OK((k == K_ADAM ? ts_adam_new : ts_adamw_new)(1, &a, &ao, &oa));
     for (int s = 0; s < 4; s++) {
         set_seq_grad(a, 0.3 + s);
         TH_OK(ts_optim_step(oa));
@@ -560,10 +550,8 @@ static void resume_case(kind k)
     bool prev = ts_grad_mode_set(false);
     TH_OK(ts_tensor_copy_(b, a));
     ts_grad_mode_set(prev);
-    if (k == K_SGD)
-        TH_OK(ts_sgd_new(1, &b, &so, &ob));
-    else
-        TH_OK((k == K_ADAM ? ts_adam_new : ts_adamw_new)(1, &b, &ao, &ob));
+    if (k == K_SGD) TH_OK(ts_sgd_new(1, &b, &so, &ob));
+    else TH_OK((k == K_ADAM ? ts_adam_new : ts_adamw_new)(1, &b, &ao, &ob));
     static const char *const sgd_names[] = {"momentum_buffer"};
     static const char *const adam_names[] = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
     const char *const *names = k == K_SGD ? sgd_names : adam_names;
@@ -679,8 +667,8 @@ Test(optim_lr, schedules)
     cr_assert_eq(ts_lr_at(&c, 0), 0.3);
     cr_assert_eq(ts_lr_at(&c, 123456), 0.3);
 
-    ts_lr_schedule s = {.kind = TS_LR_WARMUP_COSINE, .base_lr = 1.0, .warmup_steps = 4, .total_steps = 12,
-                        .min_lr = 0.1};
+    ts_lr_schedule s = {
+        .kind = TS_LR_WARMUP_COSINE, .base_lr = 1.0, .warmup_steps = 4, .total_steps = 12, .min_lr = 0.1};
     cr_assert_eq(ts_lr_at(&s, 0), 0.25);
     cr_assert_eq(ts_lr_at(&s, 1), 0.5);
     cr_assert_eq(ts_lr_at(&s, 2), 0.75);
@@ -699,8 +687,8 @@ Test(optim_lr, schedules)
     cr_assert_eq(ts_lr_at(&s, 12), 0.1, "min_lr at total_steps");
     cr_assert_eq(ts_lr_at(&s, 1000), 0.1);
 
-    ts_lr_schedule nw = {.kind = TS_LR_WARMUP_COSINE, .base_lr = 2.0, .warmup_steps = 0, .total_steps = 4,
-                         .min_lr = 0.0};
+    ts_lr_schedule nw = {
+        .kind = TS_LR_WARMUP_COSINE, .base_lr = 2.0, .warmup_steps = 0, .total_steps = 4, .min_lr = 0.0};
     cr_assert_eq(ts_lr_at(&nw, 0), 2.0, "no warmup: cosine from step 0");
     cr_assert_float_eq(ts_lr_at(&nw, 2), 1.0, 4e-16);
     cr_assert_eq(ts_lr_at(&nw, 4), 0.0);
@@ -723,8 +711,7 @@ typedef struct clip_case {
 static int64_t cc_numel(const clip_case *c, int i)
 {
     int64_t n = 1;
-    for (int d = 0; d < c->nd[i]; d++)
-        n *= c->shape[i][d];
+    for (int d = 0; d < c->nd[i]; d++) n *= c->shape[i][d];
     return n;
 }
 
@@ -733,8 +720,7 @@ static void run_clip(const clip_case *c)
     th_mem_mark();
     size_t es = ts_dtype_size(c->dt);
     int64_t total = 0;
-    for (int i = 0; i < c->n; i++)
-        total += cc_numel(c, i);
+    for (int i = 0; i < c->n; i++) total += cc_numel(c, i);
     char file[96];
     snprintf(file, sizeof file, "%s.bin", c->name);
     char *fx = fx_read(file, (size_t)(2 + 2 * total) * es);
@@ -769,8 +755,7 @@ static void run_clip(const clip_case *c)
         assert_same_bits(c->dt, buf, fx + off * es, n, c->name, 0, i);
         off += (size_t)n;
     }
-    for (int i = 0; i < c->n; i++)
-        ts_tensor_free(ps[i]);
+    for (int i = 0; i < c->n; i++) ts_tensor_free(ps[i]);
     free(fx);
     th_mem_assert_back();
 }
@@ -791,7 +776,10 @@ Test(optim_clip, single_and_many)
 {
     clip_case a = {"clip_single", TS_F32, 1, {2}, {{7, 9}}};
     run_clip(&a);
-    clip_case b = {"clip_many", TS_F32, 10, {1, 2, 1, 1, 3, 1, 1, 2, 1, 1},
+    clip_case b = {"clip_many",
+                   TS_F32,
+                   10,
+                   {1, 2, 1, 1, 3, 1, 1, 2, 1, 1},
                    {{3}, {4, 4}, {9}, {1}, {2, 3, 5}, {17}, {8}, {11, 2}, {6}, {13}}};
     run_clip(&b);
 }
@@ -823,8 +811,8 @@ static void run_norms(ts_dtype dt)
         double total;
         TH_OK(ts_clip_grad_norm(1, &p, INFINITY, &total));
         double w = dt == TS_F32 ? (double)((const float *)want)[k] : ((const double *)want)[k];
-        cr_assert_eq(total, w, "%s norm of %lld elements: %.17g vs torch %.17g", ts_dtype_name(dt), (long long)n,
-                     total, w);
+        cr_assert_eq(total, w, "%s norm of %lld elements: %.17g vs torch %.17g", ts_dtype_name(dt), (long long)n, total,
+                     w);
         cr_assert_eq(ts_tensor_grad(p), g, "max_norm inf: nothing to scale");
         ts_tensor_free(g);
         ts_tensor_free(p);
@@ -884,8 +872,7 @@ Test(optim_clip, no_grads_and_bad_arguments)
     cr_assert_gt(total, 0.0);
     float g[4];
     TH_OK(ts_tensor_copy_to(ts_tensor_grad(p), g, sizeof g));
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(g[i], 0.0f);
+    for (int i = 0; i < 4; i++) cr_assert_eq(g[i], 0.0f);
     ts_tensor_free(p);
 }
 
@@ -1108,24 +1095,17 @@ Test(optim_memory, flat_and_no_leaks)
     TH_OK(ts_adamw_new(3, p, NULL, &o[2]));
     size_t live = 0;
     for (int s = 0; s < 50; s++) {
-        for (int i = 0; i < 3; i++)
-            set_seq_grad(p[i], 1.0);
+        for (int i = 0; i < 3; i++) set_seq_grad(p[i], 1.0);
         double total;
         TH_OK(ts_clip_grad_norm(3, p, 0.5, &total));
-        for (int k = 0; k < 3; k++)
-            TH_OK(ts_optim_step(o[k]));
+        for (int k = 0; k < 3; k++) TH_OK(ts_optim_step(o[k]));
         ts_optim_zero_grad(o[s % 3], s % 2 == 0);
-        for (int i = 0; i < 3; i++)
-            ts_tensor_zero_grad(p[i], true);
-        if (s == 1)
-            live = ts_mem_live_total() - ts_mem_live_bytes(TS_MEM_POOL);
-        if (s > 1)
-            cr_assert_eq(ts_mem_live_total() - ts_mem_live_bytes(TS_MEM_POOL), live, "step %d grew memory", s);
+        for (int i = 0; i < 3; i++) ts_tensor_zero_grad(p[i], true);
+        if (s == 1) live = ts_mem_live_total() - ts_mem_live_bytes(TS_MEM_POOL);
+        if (s > 1) cr_assert_eq(ts_mem_live_total() - ts_mem_live_bytes(TS_MEM_POOL), live, "step %d grew memory", s);
     }
-    for (int k = 0; k < 3; k++)
-        ts_optim_free(o[k]);
-    for (int i = 0; i < 3; i++)
-        ts_tensor_free(p[i]);
+    for (int k = 0; k < 3; k++) ts_optim_free(o[k]);
+    for (int i = 0; i < 3; i++) ts_tensor_free(p[i]);
     th_mem_assert_back();
 }
 
@@ -1148,8 +1128,7 @@ Test(optim_step, without_any_gradient_warns_once)
     cr_assert_null(strstr(strstr(log, "none of its") + 1, "none of its"), "said once:\n%s", log);
     free(log);
     th_vals(p, after, 3);
-    for (int i = 0; i < 3; i++)
-        cr_assert_float_eq(after[i], before[i], 0);
+    for (int i = 0; i < 3; i++) cr_assert_float_eq(after[i], before[i], 0);
     /* a step with a gradient says nothing */
     ts_optim *o2 = NULL;
     TH_OK(ts_sgd_new(1, &p, NULL, &o2));

@@ -21,10 +21,8 @@ static ts_tensor *composed(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t H, 
         TH_OK(ts_transpose(kh, 1, 2, &kt));
         TH_OK(ts_matmul(qh, kt, &s));
         TH_OK(ts_div_scalar(s, sqrt((double)hd), &ss));
-        if (mask)
-            TH_OK(ts_masked_fill(ss, mask, -INFINITY, &sm));
-        else
-            sm = ts_tensor_retain(ss);
+        if (mask) TH_OK(ts_masked_fill(ss, mask, -INFINITY, &sm));
+        else sm = ts_tensor_retain(ss);
         TH_OK(ts_softmax(sm, -1, &p));
         if (D) {
             ts_tensor *dh;
@@ -40,13 +38,11 @@ static ts_tensor *composed(ts_tensor *q, ts_tensor *k, ts_tensor *v, int64_t H, 
         TH_OK(ts_matmul(pd, vh, &o));
         heads[h] = o;
         ts_tensor *all[] = {qh, kh, vh, kt, s, ss, sm, p, pd};
-        for (size_t i = 0; i < sizeof all / sizeof *all; i++)
-            ts_tensor_free(all[i]);
+        for (size_t i = 0; i < sizeof all / sizeof *all; i++) ts_tensor_free(all[i]);
     }
     ts_tensor *out;
     TH_OK(ts_cat((int)H, heads, 2, &out));
-    for (int64_t h = 0; h < H; h++)
-        ts_tensor_free(heads[h]);
+    for (int64_t h = 0; h < H; h++) ts_tensor_free(heads[h]);
     return out;
 }
 
@@ -76,8 +72,7 @@ Test(tensor_attention, matches_the_composed_ops_from_packed_views)
         ts_tensor_free(a);
         ts_tensor_free(b);
     }
-    for (int i = 0; i < 3; i++)
-        ts_tensor_free(parts[i]);
+    for (int i = 0; i < 3; i++) ts_tensor_free(parts[i]);
     ts_tensor_free(qkv);
     ts_tensor_free(mask);
     th_mem_assert_back();
@@ -129,8 +124,7 @@ Test(tensor_attention, dropout_uses_the_torch_stream_over_weights)
     ts_tensor *c = composed(q, k, v, 2, NULL, NULL);
     th_assert_close(e, c, 1e-5, 1e-6);
     ts_tensor *all[] = {q, k, v, a, b, D, Ds, e, c};
-    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
-        ts_tensor_free(all[i]);
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) ts_tensor_free(all[i]);
 }
 
 Test(tensor_attention, bad_input_is_an_error)
@@ -177,7 +171,6 @@ Test(tensor_attention, scaled_masked_softmax_matches_composition)
     cr_assert_eq(ts_scaled_masked_softmax(x, bm, 1.0, &o), TS_ERR_SHAPE);
     cr_assert(strstr(ts_last_error(), "(3, 4)") != NULL, "%s", ts_last_error());
     ts_tensor *all[] = {x, mask, a, xs, xm, b, x64, bm};
-    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
-        ts_tensor_free(all[i]);
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) ts_tensor_free(all[i]);
     th_mem_assert_back();
 }

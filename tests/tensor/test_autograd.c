@@ -35,12 +35,10 @@ Test(tensor_autograd, chain_rule_and_accumulation)
     TH_OK(ts_sum(z, 0, NULL, false, &l));
     cr_assert_float_eq(item(l), 42.0, 1e-12);
     TH_OK(ts_backward(l, NULL, true));
-    for (int i = 0; i < 3; i++)
-        cr_assert_float_eq(at(ts_tensor_grad(x), i), 6 * xv[i], 1e-12);
+    for (int i = 0; i < 3; i++) cr_assert_float_eq(at(ts_tensor_grad(x), i), 6 * xv[i], 1e-12);
     /* a second backward (graph retained) accumulates into .grad */
     TH_OK(ts_backward(l, NULL, false));
-    for (int i = 0; i < 3; i++)
-        cr_assert_float_eq(at(ts_tensor_grad(x), i), 12 * xv[i], 1e-12);
+    for (int i = 0; i < 3; i++) cr_assert_float_eq(at(ts_tensor_grad(x), i), 12 * xv[i], 1e-12);
     /* the graph is now released */
     cr_assert_eq(ts_backward(l, NULL, false), TS_ERR_AUTOGRAD);
     cr_assert(strstr(ts_last_error(), "second time") != NULL, "%s", ts_last_error());
@@ -145,8 +143,7 @@ static ts_status marker_cb(void *ctx, int n, ts_tensor **grads)
     note(m->log, m->name);
     cr_assert_eq(n, 1);
     cr_assert_not_null(grads[0]);
-    if (strcmp(m->name, "pre-backward(outputs)") == 0)
-        return ts_autograd_queue_callback(end_cb, m->log);
+    if (strcmp(m->name, "pre-backward(outputs)") == 0) return ts_autograd_queue_callback(end_cb, m->log);
     return TS_OK;
 }
 
@@ -203,8 +200,7 @@ static ts_status scale_grad_cb(void *ctx, int n, ts_tensor **grads)
     for (int i = 0; i < n; i++) {
         ts_tensor *s;
         ts_status st = ts_mul_scalar(grads[i], 10.0, &s);
-        if (st)
-            return st;
+        if (st) return st;
         ts_tensor_free(grads[i]);
         grads[i] = s;
     }
@@ -281,10 +277,8 @@ Test(tensor_autograd, unused_split_outputs_get_zero_gradients)
     TH_OK(ts_sum(parts[1], 0, NULL, false, &l));
     TH_OK(ts_backward(l, NULL, false));
     double want[6] = {0, 0, 1, 1, 0, 0};
-    for (int i = 0; i < 6; i++)
-        cr_assert_float_eq(at(ts_tensor_grad(x), i), want[i], 0);
-    for (int i = 0; i < 3; i++)
-        ts_tensor_free(parts[i]);
+    for (int i = 0; i < 6; i++) cr_assert_float_eq(at(ts_tensor_grad(x), i), want[i], 0);
+    for (int i = 0; i < 3; i++) ts_tensor_free(parts[i]);
     ts_tensor_free(x);
     ts_tensor_free(l);
 }

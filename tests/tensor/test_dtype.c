@@ -35,8 +35,7 @@ Test(tensor_dtype, casts_between_every_pair)
                 double want = v[k], got;
                 if (!ts_dtype_is_float(all[i]) || !ts_dtype_is_float(all[j]))
                     want = trunc(want); /* an integer on either side truncates */
-                if (all[i] == TS_BOOL || all[j] == TS_BOOL)
-                    want = v[k] != 0;
+                if (all[i] == TS_BOOL || all[j] == TS_BOOL) want = v[k] != 0;
                 int64_t ix[1] = {k};
                 TH_OK(ts_tensor_get(back, ix, &got));
                 cr_assert_float_eq(got, want, 0, "%s -> %s element %lld: %g vs %g", ts_dtype_name(all[i]),

@@ -188,7 +188,8 @@ Test(tensor_elementwise, transposed_inputs_match_contiguous_copies)
         th_vals(s, got, 12);
         for (int i = 0; i < 3; i++)
             for (int j = 0; j < 4; j++)
-                cr_assert_eq(got[i * 4 + j], dt ? x[j * 3 + i] + y[j * 3 + i] : (double)(float)(x[j * 3 + i] + y[j * 3 + i]),
+                cr_assert_eq(got[i * 4 + j],
+                             dt ? x[j * 3 + i] + y[j * 3 + i] : (double)(float)(x[j * 3 + i] + y[j * 3 + i]),
                              "[%d][%d]", i, j);
         ts_tensor_free(s);
         ts_tensor_free(base);
@@ -226,36 +227,30 @@ Test(tensor_elementwise, scalar_variants)
     double got[4];
     TH_OK(ts_add_scalar(x, 1.25, &o));
     th_vals(o, got, 4);
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(got[i], xv[i] + 1.25, "add_scalar [%d]", i);
+    for (int i = 0; i < 4; i++) cr_assert_eq(got[i], xv[i] + 1.25, "add_scalar [%d]", i);
     ts_tensor_free(o);
     TH_OK(ts_sub_scalar(x, 1.25, &o));
     th_vals(o, got, 4);
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(got[i], xv[i] - 1.25, "sub_scalar [%d]", i);
+    for (int i = 0; i < 4; i++) cr_assert_eq(got[i], xv[i] - 1.25, "sub_scalar [%d]", i);
     ts_tensor_free(o);
     TH_OK(ts_rsub_scalar(x, 1.25, &o));
     th_vals(o, got, 4);
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(got[i], 1.25 - xv[i], "rsub_scalar [%d]", i);
+    for (int i = 0; i < 4; i++) cr_assert_eq(got[i], 1.25 - xv[i], "rsub_scalar [%d]", i);
     ts_tensor_free(o);
     TH_OK(ts_mul_scalar(x, -3.0, &o));
     th_vals(o, got, 4);
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(got[i], xv[i] * -3.0, "mul_scalar [%d]", i);
+    for (int i = 0; i < 4; i++) cr_assert_eq(got[i], xv[i] * -3.0, "mul_scalar [%d]", i);
     ts_tensor_free(o);
     TH_OK(ts_div_scalar(x, 4.0, &o));
     th_vals(o, got, 4);
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(got[i], xv[i] / 4.0, "div_scalar [%d]", i);
+    for (int i = 0; i < 4; i++) cr_assert_eq(got[i], xv[i] / 4.0, "div_scalar [%d]", i);
     ts_tensor_free(o);
     /* scalar results keep the input dtype */
     ts_tensor *xf = th_tensor(TS_F32, 1, s, xv);
     TH_OK(ts_mul_scalar(xf, 0.5, &o));
     cr_assert_eq(ts_tensor_dtype(o), TS_F32);
     th_vals(o, got, 4);
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(got[i], xv[i] * 0.5, "f32 mul_scalar [%d]", i);
+    for (int i = 0; i < 4; i++) cr_assert_eq(got[i], xv[i] * 0.5, "f32 mul_scalar [%d]", i);
     ts_tensor_free(o);
     ts_tensor_free(xf);
     ts_tensor_free(x);
@@ -284,10 +279,7 @@ static double r_rsqrt(double x) { return 1.0 / sqrt(x); }
 static double r_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 static double r_relu(double x) { return x > 0 ? x : 0.0; }
 static double r_gelu(double x) { return 0.5 * x * (1.0 + erf(x / sqrt(2.0))); }
-static double r_gelu_tanh(double x)
-{
-    return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
-}
+static double r_gelu_tanh(double x) { return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))); }
 static double r_add_s(double x) { return x + 1.5; }
 static double r_sub_s(double x) { return x - 0.75; }
 static double r_rsub_s(double x) { return 2.0 - x; }
@@ -336,19 +328,16 @@ static const unary_case unary_cases[] = {
 static ts_tensor *unary_input(const unary_case *c, ts_dtype d, int ndim, const int64_t *shape, bool rg)
 {
     int64_t n = 1;
-    for (int i = 0; i < ndim; i++)
-        n *= shape[i];
+    for (int i = 0; i < ndim; i++) n *= shape[i];
     double v[64];
     cr_assert(n <= 64);
     for (int64_t i = 0; i < n; i++) {
         double s = 3.0 * sin(0.9 * (double)i + 0.4);
-        if (fabs(s) < 1e-3)
-            s = 0.5;
+        if (fabs(s) < 1e-3) s = 0.5;
         v[i] = c->positive ? 0.2 + fabs(s) : s;
     }
     ts_tensor *t = th_tensor(d, ndim, shape, v);
-    if (rg)
-        TH_OK(ts_tensor_set_requires_grad(t, true));
+    if (rg) TH_OK(ts_tensor_set_requires_grad(t, true));
     return t;
 }
 
@@ -550,12 +539,10 @@ typedef struct bin_ctx {
 static ts_status gc_binary(ts_tensor **in, ts_tensor **out, void *ctx)
 {
     const bin_ctx *c = ctx;
-    if (!c->transpose_a)
-        return c->fn(in[0], in[1], out);
+    if (!c->transpose_a) return c->fn(in[0], in[1], out);
     ts_tensor *at;
     ts_status st = ts_transpose(in[0], 0, 1, &at);
-    if (st)
-        return st;
+    if (st) return st;
     st = c->fn(at, in[1], out);
     ts_tensor_free(at);
     return st;
@@ -565,15 +552,12 @@ static ts_status gc_binary(ts_tensor **in, ts_tensor **out, void *ctx)
 static ts_tensor *away_from_zero(ts_dtype d, int ndim, const int64_t *shape, bool rg)
 {
     int64_t n = 1;
-    for (int i = 0; i < ndim; i++)
-        n *= shape[i];
+    for (int i = 0; i < ndim; i++) n *= shape[i];
     double v[64];
     cr_assert(n <= 64);
-    for (int64_t i = 0; i < n; i++)
-        v[i] = (i % 2 ? -1.0 : 1.0) * (0.75 + 0.3 * (double)(i % 5));
+    for (int64_t i = 0; i < n; i++) v[i] = (i % 2 ? -1.0 : 1.0) * (0.75 + 0.3 * (double)(i % 5));
     ts_tensor *t = th_tensor(d, ndim, shape, v);
-    if (rg)
-        TH_OK(ts_tensor_set_requires_grad(t, true));
+    if (rg) TH_OK(ts_tensor_set_requires_grad(t, true));
     return t;
 }
 
@@ -585,14 +569,14 @@ Test(tensor_elementwise, binary_gradcheck_with_broadcasting)
         int64_t sa[3], sb[3];
         bool transpose_a;
     } geo[] = {
-        {2, 2, {3, 1}, {1, 4}, false},    /* both broadcast */
-        {3, 1, {2, 3, 4}, {4}, false},    /* trailing vector */
-        {1, 3, {4}, {2, 3, 4}, false},    /* vector first */
-        {2, 0, {2, 3}, {0}, false},       /* 0-d second operand */
-        {0, 2, {0}, {2, 3}, false},       /* 0-d first operand */
-        {2, 2, {4, 3}, {3, 4}, true},     /* a^T: non-contiguous */
-        {2, 2, {4, 3}, {3, 1}, true},     /* a^T with a broadcast column */
-        {2, 2, {3, 4}, {3, 4}, false},    /* same shape */
+        {2, 2, {3, 1}, {1, 4}, false}, /* both broadcast */
+        {3, 1, {2, 3, 4}, {4}, false}, /* trailing vector */
+        {1, 3, {4}, {2, 3, 4}, false}, /* vector first */
+        {2, 0, {2, 3}, {0}, false},    /* 0-d second operand */
+        {0, 2, {0}, {2, 3}, false},    /* 0-d first operand */
+        {2, 2, {4, 3}, {3, 4}, true},  /* a^T: non-contiguous */
+        {2, 2, {4, 3}, {3, 1}, true},  /* a^T with a broadcast column */
+        {2, 2, {3, 4}, {3, 4}, false}, /* same shape */
     };
     for (size_t gi = 0; gi < sizeof geo / sizeof *geo; gi++) {
         for (int k = 0; k < N_BINOPS; k++) {
@@ -603,8 +587,8 @@ Test(tensor_elementwise, binary_gradcheck_with_broadcasting)
             th_gradcheck(gc_binary, 2, in, &c, TH_GC_EPS, TH_GC_ATOL, TH_GC_RTOL);
             /* the gradients have the shapes of the inputs */
             for (int j = 0; j < 2; j++) {
-                cr_assert_not_null(ts_tensor_grad(in[j]), "geometry %zu %s: no grad for input %d", gi,
-                                   binops[k].name, j);
+                cr_assert_not_null(ts_tensor_grad(in[j]), "geometry %zu %s: no grad for input %d", gi, binops[k].name,
+                                   j);
                 th_assert_shape(ts_tensor_grad(in[j]), ts_tensor_ndim(in[j]), ts_tensor_shape(in[j]));
             }
             ts_tensor_free(in[0]);
@@ -660,8 +644,7 @@ static ts_status gc_permuted_eight_dims(ts_tensor **in, ts_tensor **out, void *c
     int rev[8] = {7, 6, 5, 4, 3, 2, 1, 0};
     ts_tensor *ap;
     ts_status st = ts_permute(in[0], rev, &ap);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_mul(ap, in[1], out);
     ts_tensor_free(ap);
     return st;
@@ -709,24 +692,15 @@ Test(tensor_elementwise, unary_gradient_hand_values)
         double x, dx;
         const char *name;
     } cases[] = {
-        {ts_exp, 0.0, 1.0, "exp'(0)"},
-        {ts_log, 4.0, 0.25, "log'(4)"},
-        {ts_sqrt, 4.0, 0.25, "sqrt'(4)"},
-        {ts_rsqrt, 4.0, -0.0625, "rsqrt'(4)"},
-        {ts_tanh, 0.0, 1.0, "tanh'(0)"},
-        {ts_sigmoid, 0.0, 0.25, "sigmoid'(0)"},
-        {ts_relu, -2.0, 0.0, "relu'(-2)"},
-        {ts_relu, 2.0, 1.0, "relu'(2)"},
-        {ts_relu, 0.0, 0.0, "relu'(0)"},
-        {ts_abs, -2.0, -1.0, "abs'(-2)"},
-        {ts_abs, 3.0, 1.0, "abs'(3)"},
-        {ts_abs, 0.0, 0.0, "abs'(0)"}, /* torch: grad * sgn(0) = 0 */
-        {gelu_erf, 0.0, 0.5, "gelu'(0)"},
-        {gelu_tanh, 0.0, 0.5, "gelu_tanh'(0)"},
-        {pow3, 2.0, 12.0, "(x^3)'(2)"},
-        {pow0, 2.0, 0.0, "(x^0)'(2)"},
-        {rsub_s, 1.0, -1.0, "(2-x)'"},
-        {div_s, 1.0, 0.25, "(x/4)'"},
+        {ts_exp, 0.0, 1.0, "exp'(0)"},     {ts_log, 4.0, 0.25, "log'(4)"},
+        {ts_sqrt, 4.0, 0.25, "sqrt'(4)"},  {ts_rsqrt, 4.0, -0.0625, "rsqrt'(4)"},
+        {ts_tanh, 0.0, 1.0, "tanh'(0)"},   {ts_sigmoid, 0.0, 0.25, "sigmoid'(0)"},
+        {ts_relu, -2.0, 0.0, "relu'(-2)"}, {ts_relu, 2.0, 1.0, "relu'(2)"},
+        {ts_relu, 0.0, 0.0, "relu'(0)"},   {ts_abs, -2.0, -1.0, "abs'(-2)"},
+        {ts_abs, 3.0, 1.0, "abs'(3)"},     {ts_abs, 0.0, 0.0, "abs'(0)"}, /* torch: grad * sgn(0) = 0 */
+        {gelu_erf, 0.0, 0.5, "gelu'(0)"},  {gelu_tanh, 0.0, 0.5, "gelu_tanh'(0)"},
+        {pow3, 2.0, 12.0, "(x^3)'(2)"},    {pow0, 2.0, 0.0, "(x^0)'(2)"},
+        {rsub_s, 1.0, -1.0, "(2-x)'"},     {div_s, 1.0, 0.25, "(x/4)'"},
         {ts_neg, 1.0, -1.0, "(-x)'"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
@@ -787,12 +761,9 @@ Test(tensor_elementwise, random_views_match_contiguous_copies)
     for (int it = 0; it < 400; it++) {
         int nd = (int)(th_lcg(&st) % 5), na = nd, nb = (int)(th_lcg(&st) % (uint32_t)(nd + 1));
         int64_t out[4], sa[4], sb[4];
-        for (int i = 0; i < nd; i++)
-            out[i] = 1 + th_lcg(&st) % 4;
-        for (int i = 0; i < na; i++)
-            sa[i] = th_lcg(&st) % 4 ? out[i] : 1;
-        for (int i = 0; i < nb; i++)
-            sb[i] = th_lcg(&st) % 4 ? out[nd - nb + i] : 1;
+        for (int i = 0; i < nd; i++) out[i] = 1 + th_lcg(&st) % 4;
+        for (int i = 0; i < na; i++) sa[i] = th_lcg(&st) % 4 ? out[i] : 1;
+        for (int i = 0; i < nb; i++) sb[i] = th_lcg(&st) % 4 ? out[nd - nb + i] : 1;
         ts_dtype d = it % 2 ? TS_F64 : TS_F32;
         if (it % 3 == 0) { /* swap which operand has fewer dims */
             int64_t t[4];
@@ -907,15 +878,14 @@ Test(tensor_elementwise, exact_ops_are_bit_identical_across_paths)
     th_mem_mark();
     /* neg, sqrt and the scalar ops with float-exact scalars are single IEEE
      * operations: both paths must give the same bits */
-    const char *exact[] = {"neg", "sqrt", "add_scalar", "sub_scalar", "rsub_scalar", "mul_scalar", "div_scalar",
-                           "pow_scalar(2)"};
+    const char *exact[] = {"neg",         "sqrt",       "add_scalar", "sub_scalar",
+                           "rsub_scalar", "mul_scalar", "div_scalar", "pow_scalar(2)"};
     int64_t s[1] = {40};
     for (int k = 0; k < N_UNARY; k++) {
         bool is_exact = false;
         for (size_t e = 0; e < sizeof exact / sizeof *exact; e++)
             is_exact |= strcmp(unary_cases[k].name, exact[e]) == 0;
-        if (!is_exact)
-            continue;
+        if (!is_exact) continue;
         ts_tensor *x = unary_input(&unary_cases[k], TS_F32, 1, s, false), *o1, *o2;
         TH_OK(unary_cases[k].fn(x, &o1));
         ts__use_reference_kernels = true;

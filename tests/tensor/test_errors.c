@@ -10,16 +10,16 @@
 
 /* Asserts that `expr` returns `status` and that the last error contains
  * every one of the NULL-terminated strings. */
-#define EXPECT_ERR(expr, status, ...)                                                                          \
-    do {                                                                                                       \
-        ts_status e_st_ = (expr);                                                                              \
-        cr_assert_eq(e_st_, (status), "%s -> %s, expected %s (%s)", #expr, ts_status_name(e_st_),               \
-                     ts_status_name(status), ts_last_error());                                                 \
+#define EXPECT_ERR(expr, status, ...) \
+    do { \
+        ts_status e_st_ = (expr); \
+        cr_assert_eq(e_st_, (status), "%s -> %s, expected %s (%s)", #expr, ts_status_name(e_st_), \
+                     ts_status_name(status), ts_last_error()); \
         cr_assert_eq(ts_last_status(), (status), "%s: last status %s", #expr, ts_status_name(ts_last_status())); \
-        const char *e_want_[] = {__VA_ARGS__, NULL};                                                           \
-        for (int e_i_ = 0; e_want_[e_i_]; e_i_++)                                                              \
-            cr_assert(strstr(ts_last_error(), e_want_[e_i_]) != NULL, "%s: '%s' not in \"%s\"", #expr,          \
-                      e_want_[e_i_], ts_last_error());                                                         \
+        const char *e_want_[] = {__VA_ARGS__, NULL}; \
+        for (int e_i_ = 0; e_want_[e_i_]; e_i_++) \
+            cr_assert(strstr(ts_last_error(), e_want_[e_i_]) != NULL, "%s: '%s' not in \"%s\"", #expr, e_want_[e_i_], \
+                      ts_last_error()); \
     } while (0)
 
 Test(tensor_errors, add_shape_mismatch_names_both_shapes)
@@ -412,8 +412,8 @@ Test(tensor_errors, fill_values_the_dtype_cannot_hold)
                "-2147483648 to 2147483647");
     EXPECT_ERR(ts_tensor_full(TS_I32, 1, s, -2147483648.9, &o), TS_ERR_INVALID_ARGUMENT, "int32");
     EXPECT_ERR(ts_tensor_full(TS_I64, 1, s, NAN, &o), TS_ERR_INVALID_ARGUMENT, "nan", "int64");
-    EXPECT_ERR(ts_tensor_full(TS_I64, 1, s, 9223372036854775808.0, &o), TS_ERR_INVALID_ARGUMENT,
-               "9223372036854775808", "int64");
+    EXPECT_ERR(ts_tensor_full(TS_I64, 1, s, 9223372036854775808.0, &o), TS_ERR_INVALID_ARGUMENT, "9223372036854775808",
+               "int64");
     EXPECT_ERR(ts_tensor_scalar(TS_I64, -INFINITY, &o), TS_ERR_INVALID_ARGUMENT, "-inf", "int64");
     EXPECT_ERR(ts_tensor_full(TS_F16, 1, s, 1e10, &o), TS_ERR_INVALID_ARGUMENT, "10000000000", "float16", "65504");
     EXPECT_ERR(ts_tensor_full(TS_BF16, 1, s, 1e300, &o), TS_ERR_INVALID_ARGUMENT, "bfloat16");
@@ -483,13 +483,11 @@ Test(tensor_errors, huge_or_non_finite_arguments_found_by_the_generated_test)
     TH_OK(ts_tril_mask(3, INT64_MAX, &o));
     double v[9];
     th_vals(o, v, 9);
-    for (int i = 0; i < 9; i++)
-        cr_assert_eq(v[i], 1.0, "a huge diagonal keeps everything");
+    for (int i = 0; i < 9; i++) cr_assert_eq(v[i], 1.0, "a huge diagonal keeps everything");
     ts_tensor_free(o);
     TH_OK(ts_tril_mask(3, INT64_MIN, &o));
     th_vals(o, v, 9);
-    for (int i = 0; i < 9; i++)
-        cr_assert_eq(v[i], 0.0, "a hugely negative diagonal keeps nothing");
+    for (int i = 0; i < 9; i++) cr_assert_eq(v[i], 0.0, "a hugely negative diagonal keeps nothing");
     ts_tensor_free(o);
     int64_t s[2] = {4, 3};
     ts_tensor *a = th_seq(TS_F32, 2, s, 1, false), *outs[4] = {NULL};

@@ -36,12 +36,10 @@ static const acase cases[] = {
 static ts_tensor *uniform(int ndim, const int64_t *shape, double amp, uint32_t seed)
 {
     int64_t n = 1;
-    for (int i = 0; i < ndim; i++)
-        n *= shape[i];
+    for (int i = 0; i < ndim; i++) n *= shape[i];
     float *d = malloc((size_t)n * sizeof *d);
     uint32_t st = seed;
-    for (int64_t i = 0; i < n; i++)
-        d[i] = (float)(amp * (2.0 * th_lcg(&st) / 16777216.0 - 1.0));
+    for (int64_t i = 0; i < n; i++) d[i] = (float)(amp * (2.0 * th_lcg(&st) / 16777216.0 - 1.0));
     ts_tensor *t;
     TH_OK(ts_tensor_from_data(TS_F32, ndim, shape, d, &t));
     free(d);
@@ -51,13 +49,11 @@ static ts_tensor *uniform(int ndim, const int64_t *shape, double amp, uint32_t s
 /* (T, S) bool mask; M_RANDOM masks about a third, never a whole row. */
 static ts_tensor *make_mask(int kind, int64_t T, int64_t S)
 {
-    if (kind == M_NONE)
-        return NULL;
+    if (kind == M_NONE) return NULL;
     uint8_t *m = malloc((size_t)(T * S));
     uint32_t st = 99;
     for (int64_t t = 0; t < T; t++)
-        for (int64_t s = 0; s < S; s++)
-            m[t * S + s] = kind == M_CAUSAL ? s > t : (s != t % S && th_lcg(&st) % 3 == 0);
+        for (int64_t s = 0; s < S; s++) m[t * S + s] = kind == M_CAUSAL ? s > t : (s != t % S && th_lcg(&st) % 3 == 0);
     int64_t ms[2] = {T, S};
     ts_tensor *mask;
     TH_OK(ts_tensor_from_data(TS_BOOL, 2, ms, m, &mask));
@@ -66,15 +62,14 @@ static ts_tensor *make_mask(int kind, int64_t T, int64_t S)
 }
 
 typedef struct result {
-    ts_tensor *out, *g[3]; /* output; gradients of q, k, v (or of the packed input in g[0]) */
+    ts_tensor *out, *g[3];                       /* output; gradients of q, k, v (or of the packed input in g[0]) */
     uint8_t gen_state[TS_GENERATOR_STATE_BYTES]; /* the generator's state after the forward (dropout runs) */
 } result;
 
 static void result_free(result *r)
 {
     ts_tensor_free(r->out);
-    for (int i = 0; i < 3; i++)
-        ts_tensor_free(r->g[i]);
+    for (int i = 0; i < 3; i++) ts_tensor_free(r->g[i]);
 }
 
 /* Forward and backward of ts_attention with the fused kernel on (fused)
@@ -109,8 +104,7 @@ static result run_case_p(const acase *c, bool fused, ts_tensor *mask, ts_tensor 
     ts_generator_get_state(gen, r.gen_state);
     ts_generator_free(gen);
     TH_OK(ts_backward(r.out, cot, false));
-    for (int i = 0; i < nl; i++)
-        r.g[i] = ts_tensor_retain(ts_tensor_grad(leaf[i]));
+    for (int i = 0; i < nl; i++) r.g[i] = ts_tensor_retain(ts_tensor_grad(leaf[i]));
     for (int i = 0; i < 3; i++) {
         ts_tensor_free(in[i]);
         ts_tensor_free(leaf[i]);
@@ -127,8 +121,7 @@ static result run_case(const acase *c, bool fused, ts_tensor *mask, ts_tensor *c
 static double max_abs(const ts_tensor *t)
 {
     double *v = th_vals_new(t), m = 0;
-    for (int64_t i = 0; i < ts_tensor_numel(t); i++)
-        m = fabs(v[i]) > m ? fabs(v[i]) : m;
+    for (int64_t i = 0; i < ts_tensor_numel(t); i++) m = fabs(v[i]) > m ? fabs(v[i]) : m;
     free(v);
     return m;
 }
@@ -165,8 +158,9 @@ static void assert_close_tol(const ts_tensor *a, const ts_tensor *b, const acase
             at = i;
         }
     }
-    cr_assert(worst <= tol, "%s (B %lld T %lld S %lld E %lld H %lld mask %d dropout %g): |fused - reference| %g at "
-                            "%lld (%g vs %g) > tolerance %g",
+    cr_assert(worst <= tol,
+              "%s (B %lld T %lld S %lld E %lld H %lld mask %d dropout %g): |fused - reference| %g at "
+              "%lld (%g vs %g) > tolerance %g",
               what, (long long)c->B, (long long)c->T, (long long)c->S, (long long)c->E, (long long)c->H, c->mask, p,
               worst, (long long)at, at >= 0 ? x[at] : 0.0, at >= 0 ? y[at] : 0.0, tol);
     if (getenv("TS_TEST_VERBOSE"))
@@ -180,8 +174,7 @@ static void assert_close_tol(const ts_tensor *a, const ts_tensor *b, const acase
  * CPU or TS_KERNELS does not allow that path. */
 static void force_path_or_skip(ts__kpath p)
 {
-    if (!ts__kpath_supported(p))
-        cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(p));
+    if (!ts__kpath_supported(p)) cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(p));
     ts__kpath_force(p);
     if (ts__kpath_active() != p)
         cr_skip_test("skipped: TS_KERNELS caps the kernels below the %s path", ts__kpath_name(p));
@@ -244,8 +237,7 @@ static void check_path_dropout(ts__kpath p)
                   "case %zu: the generator's state after the fused forward differs from the reference path's", ci);
         /* the dropout did something: without it the output is elsewhere */
         double *x = th_vals_new(f.out), *y = th_vals_new(nd.out), diff = 0;
-        for (int64_t i = 0; i < ts_tensor_numel(f.out); i++)
-            diff = fmax(diff, fabs(x[i] - y[i]));
+        for (int64_t i = 0; i < ts_tensor_numel(f.out); i++) diff = fmax(diff, fabs(x[i] - y[i]));
         cr_assert(diff > 1e-3 * max_abs(nd.out), "case %zu: dropout %g changed the output by only %g", ci, dp, diff);
         free(x);
         free(y);
@@ -273,8 +265,7 @@ static double loss_of(ts_tensor *const *in, int64_t H, ts_tensor *mask, const do
     TH_OK(ts_attention(in[0], in[1], in[2], H, mask, p, true, gen, &o));
     ts_grad_mode_set(prev);
     double *v = th_vals_new(o), s = 0;
-    for (int64_t i = 0; i < ts_tensor_numel(o); i++)
-        s += v[i] * cot[i];
+    for (int64_t i = 0; i < ts_tensor_numel(o); i++) s += v[i] * cot[i];
     free(v);
     ts_tensor_free(o);
     return s;
@@ -321,8 +312,7 @@ static void finite_differences(ts__kpath p, double dp)
             free(g);
         }
         free(cv);
-        for (int i = 0; i < 3; i++)
-            ts_tensor_free(in[i]);
+        for (int i = 0; i < 3; i++) ts_tensor_free(in[i]);
         ts_tensor_free(o);
         ts_tensor_free(cot);
         ts_tensor_free(mask);
@@ -361,8 +351,7 @@ Test(tensor_flash_attention, unsupported_cases_fall_back_to_the_reference)
     th_mem_mark();
     int64_t s[3] = {2, 6, 8}, ms[2] = {6, 6};
     uint8_t m[36] = {0};
-    for (int j = 0; j < 6; j++)
-        m[2 * 6 + j] = 1; /* row 2 sees nothing */
+    for (int j = 0; j < 6; j++) m[2 * 6 + j] = 1; /* row 2 sees nothing */
     cr_assert(!ts__flash_mask_ok(m, 6, 6));
     cr_assert(ts__flash_mask_ok(NULL, 6, 6));
     ts_tensor *mask, *q = uniform(3, s, 1.0, 1), *k = uniform(3, s, 1.0, 2), *v = uniform(3, s, 1.0, 3);
@@ -399,8 +388,7 @@ Test(tensor_flash_attention, unsupported_cases_fall_back_to_the_reference)
     free(y);
     th_assert_close(e[1], e[0], 0, 0);
     ts_tensor *all[] = {mask, q, k, v, a[0], a[1], d[0], d[1], e[0], e[1]};
-    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
-        ts_tensor_free(all[i]);
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) ts_tensor_free(all[i]);
     th_mem_assert_back();
 }
 
@@ -425,8 +413,7 @@ Test(tensor_flash_attention, saves_no_score_matrix)
         TH_OK(ts_attention(in[0], in[1], in[2], 2, mask, 0.0, true, NULL, &o));
         held[fused] = ts_mem_live_bytes(TS_MEM_STORAGE) - before;
         ts_tensor_free(o);
-        for (int i = 0; i < 3; i++)
-            ts_tensor_free(in[i]);
+        for (int i = 0; i < 3; i++) ts_tensor_free(in[i]);
         ts_tensor_free(qkv);
     }
     ts__flash_force(-1);
@@ -466,8 +453,7 @@ static int spec_bernoulli(ts_generator *g, double p)
  * ts_bernoulli_ against torch's own draws on the active path.) */
 static void keep_bits_check(ts__kpath path)
 {
-    if (!ts__kpath_supported(path))
-        cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(path));
+    if (!ts__kpath_supported(path)) cr_skip_test("skipped: this CPU does not run the %s path", ts__kpath_name(path));
     ts__kpath_force(path);
     static const int64_t shapes[][2] = {{1, 1}, {3, 5}, {7, 32}, {5, 33}, {9, 70}, {4, 700}, {40, 37}, {3, 2100}};
     static const double ps[] = {0.0, 1.0, 0.5, 0.9, 0.1, 0.75, 1.0 - 0x1p-40, 0x1p-50, 0.3};
@@ -502,16 +488,17 @@ static void keep_bits_check(ts__kpath path)
                     cr_assert_eq(bit, want, "%s path, shape (%lld, %lld) p %g: bit (%lld, %lld) is %d, the draw %d",
                                  ts__kpath_name(path), (long long)R, (long long)C, ps[pi], (long long)r, (long long)c,
                                  bit, want);
-                    cr_assert_eq(v[r * C + c], (double)want, "%s path, shape (%lld, %lld) p %g: bernoulli_ element "
-                                 "(%lld, %lld) is %g, the draw %d", ts__kpath_name(path), (long long)R, (long long)C,
-                                 ps[pi], (long long)r, (long long)c, v[r * C + c], want);
+                    cr_assert_eq(v[r * C + c], (double)want,
+                                 "%s path, shape (%lld, %lld) p %g: bernoulli_ element "
+                                 "(%lld, %lld) is %g, the draw %d",
+                                 ts__kpath_name(path), (long long)R, (long long)C, ps[pi], (long long)r, (long long)c,
+                                 v[r * C + c], want);
                 }
                 for (int64_t c = C; c < 32 * W; c++)
                     cr_assert_eq((bits[r * W + c / 32] >> (c % 32)) & 1, 0u, "padding bit %lld of row %lld is set",
                                  (long long)c, (long long)r);
             }
-            if (ps[pi] == 0.0 || ps[pi] == 1.0)
-                cr_assert_eq(ones, ps[pi] == 1.0 ? R * C : 0);
+            if (ps[pi] == 0.0 || ps[pi] == 1.0) cr_assert_eq(ones, ps[pi] == 1.0 ? R * C : 0);
             ts_generator_get_state(ga, s1);
             ts_generator_get_state(gb, s2);
             ts_generator_get_state(gc, s3);
@@ -548,7 +535,7 @@ Test(tensor_flash_attention, no_dropout_at_p0_or_in_eval)
     ts__flash_force(1);
     TH_OK(ts_attention(q, k, v, 3, mask, 0.0, false, g, &o[0])); /* eval, no dropout */
     TH_OK(ts_attention(q, k, v, 3, mask, 0.0, true, g, &o[1]));  /* training, p = 0 */
-    TH_OK(ts_attention(q, k, v, 3, mask, 0.4, false, g, &o[2]));  /* eval, p = 0.4 */
+    TH_OK(ts_attention(q, k, v, 3, mask, 0.4, false, g, &o[2])); /* eval, p = 0.4 */
     ts__flash_force(-1);
     ts_generator_get_state(g, after);
     cr_assert(memcmp(before, after, sizeof before) == 0, "no draws without dropout");
@@ -556,13 +543,12 @@ Test(tensor_flash_attention, no_dropout_at_p0_or_in_eval)
     for (int i = 1; i < 3; i++) {
         double *y = th_vals_new(o[i]);
         for (int64_t e = 0; e < ts_tensor_numel(o[0]); e++)
-            cr_assert(memcmp(&x[e], &y[e], sizeof x[e]) == 0, "call %d element %lld: %g vs %g", i, (long long)e,
-                      y[e], x[e]);
+            cr_assert(memcmp(&x[e], &y[e], sizeof x[e]) == 0, "call %d element %lld: %g vs %g", i, (long long)e, y[e],
+                      x[e]);
         free(y);
     }
     free(x);
     ts_tensor *all[] = {mask, q, k, v, o[0], o[1], o[2]};
-    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
-        ts_tensor_free(all[i]);
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) ts_tensor_free(all[i]);
     ts_generator_free(g);
 }

@@ -33,16 +33,16 @@ typedef enum layout {
     L_COUNT
 } layout;
 
-static const char *const layout_names[L_COUNT] = {"row", "row_pad", "col", "col_pad",
+static const char *const layout_names[L_COUNT] = {"row",     "row_pad",    "col",      "col_pad",
                                                   "general", "interleave", "negative", "broadcast"};
 
 typedef struct mat {
     int64_t rows, cols, rs, cs;
     layout lay;
     bool f64;
-    void *buf;     /* allocation */
-    int64_t nbuf;  /* elements in buf */
-    int64_t base;  /* index of element (0, 0) in buf */
+    void *buf;    /* allocation */
+    int64_t nbuf; /* elements in buf */
+    int64_t base; /* index of element (0, 0) in buf */
 } mat;
 
 static void strides_for(layout l, int64_t r, int64_t c, int64_t *rs, int64_t *cs)
@@ -81,10 +81,8 @@ static double load(const mat *m, int64_t idx)
 
 static void store(mat *m, int64_t idx, double v)
 {
-    if (m->f64)
-        ((double *)m->buf)[idx] = v;
-    else
-        ((float *)m->buf)[idx] = (float)v;
+    if (m->f64) ((double *)m->buf)[idx] = v;
+    else ((float *)m->buf)[idx] = (float)v;
 }
 
 /* Allocates a matrix in layout `l`, three elements of margin on either side
@@ -103,11 +101,9 @@ static mat mat_new(bool f64, layout l, int64_t r, int64_t c, bool nan)
     m.base = -lo + 3;
     m.buf = calloc((size_t)m.nbuf, f64 ? sizeof(double) : sizeof(float));
     cr_assert_not_null(m.buf);
-    for (int64_t i = 0; i < m.nbuf; i++)
-        store(&m, i, sentinel(f64));
+    for (int64_t i = 0; i < m.nbuf; i++) store(&m, i, sentinel(f64));
     for (int64_t i = 0; i < r; i++)
-        for (int64_t j = 0; j < c; j++)
-            store(&m, m.base + i * m.rs + j * m.cs, nan ? NAN : next_value());
+        for (int64_t j = 0; j < c; j++) store(&m, m.base + i * m.rs + j * m.cs, nan ? NAN : next_value());
     return m;
 }
 
@@ -134,11 +130,11 @@ static void run_gemm(bool reference, bool f64, int64_t m, int64_t n, int64_t k, 
                      const mat *b, double beta, mat *c)
 {
     if (f64) {
-        (reference ? ts__gemm_ref_f64 : ts__gemm_f64)(m, n, k, alpha, origin(a), a->rs, a->cs, origin(b), b->rs,
-                                                      b->cs, beta, origin(c), c->rs, c->cs);
+        (reference ? ts__gemm_ref_f64 : ts__gemm_f64)(m, n, k, alpha, origin(a), a->rs, a->cs, origin(b), b->rs, b->cs,
+                                                      beta, origin(c), c->rs, c->cs);
     } else {
-        (reference ? ts__gemm_ref_f32 : ts__gemm_f32)(m, n, k, (float)alpha, origin(a), a->rs, a->cs, origin(b),
-                                                      b->rs, b->cs, (float)beta, origin(c), c->rs, c->cs);
+        (reference ? ts__gemm_ref_f32 : ts__gemm_f32)(m, n, k, (float)alpha, origin(a), a->rs, a->cs, origin(b), b->rs,
+                                                      b->cs, (float)beta, origin(c), c->rs, c->cs);
     }
 }
 
@@ -172,27 +168,25 @@ static void check_one(bool f64, int64_t m, int64_t n, int64_t k, double alpha, l
     for (int64_t i = 0; i < m; i++) {
         for (int64_t j = 0; j < n; j++) {
             double mag = 0.0;
-            for (int64_t p = 0; p < k; p++)
-                mag += fabs(at(&a, i, p) * at(&b, p, j));
+            for (int64_t p = 0; p < k; p++) mag += fabs(at(&a, i, p) * at(&b, p, j));
             mag = fabs(alpha) * mag + (beta != 0.0 ? fabs(beta * at(&c0, i, j)) : 0.0);
             double tol = (double)(k + 2) * eps * mag + (f64 ? 1e-300 : 1e-30);
             double got = at(&c_blis, i, j), want = at(&c_ref, i, j);
             cr_assert(fabs(got - want) <= tol,
                       "%s m=%ld n=%ld k=%ld alpha=%g beta=%g layouts A=%s B=%s C=%s: C[%ld,%ld] = %.17g, "
                       "reference %.17g (tolerance %.3g)",
-                      f64 ? "f64" : "f32", (long)m, (long)n, (long)k, alpha, beta, layout_names[la],
-                      layout_names[lb], layout_names[lc], (long)i, (long)j, got, want, tol);
+                      f64 ? "f64" : "f32", (long)m, (long)n, (long)k, alpha, beta, layout_names[la], layout_names[lb],
+                      layout_names[lc], (long)i, (long)j, got, want, tol);
         }
     }
     /* Everything but the matrix elements is untouched: compare the whole
      * buffers after writing the reference values into the BLIS copy. */
     for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < n; j++)
-            store(&c_blis, c_blis.base + i * c_blis.rs + j * c_blis.cs, at(&c_ref, i, j));
+        for (int64_t j = 0; j < n; j++) store(&c_blis, c_blis.base + i * c_blis.rs + j * c_blis.cs, at(&c_ref, i, j));
     size_t es = f64 ? sizeof(double) : sizeof(float);
     cr_assert(memcmp(c_blis.buf, c_ref.buf, (size_t)c0.nbuf * es) == 0,
-              "%s m=%ld n=%ld k=%ld layouts A=%s B=%s C=%s: wrote outside C", f64 ? "f64" : "f32", (long)m,
-              (long)n, (long)k, layout_names[la], layout_names[lb], layout_names[lc]);
+              "%s m=%ld n=%ld k=%ld layouts A=%s B=%s C=%s: wrote outside C", f64 ? "f64" : "f32", (long)m, (long)n,
+              (long)k, layout_names[la], layout_names[lb], layout_names[lc]);
     free(a.buf);
     free(b.buf);
     free(c0.buf);
@@ -205,7 +199,7 @@ static const layout c_layouts[] = {L_ROW, L_ROW_PAD, L_COL, L_COL_PAD, L_GENERAL
 #define N_C_LAYOUTS (int)(sizeof c_layouts / sizeof c_layouts[0])
 
 static const int64_t small_shapes[][3] = {
-    {1, 1, 1},  {1, 7, 1},   {7, 1, 3},   {1, 1, 100}, {2, 3, 4},   {3, 2, 1},   {1, 9, 17},
+    {1, 1, 1},  {1, 7, 1},   {7, 1, 3},    {1, 1, 100},  {2, 3, 4},  {3, 2, 1},   {1, 9, 17},
     {9, 1, 17}, {17, 33, 9}, {31, 17, 65}, {16, 16, 16}, {33, 5, 2}, {5, 47, 31},
 };
 #define N_SMALL (int)(sizeof small_shapes / sizeof small_shapes[0])
@@ -219,8 +213,8 @@ static void all_layouts(bool f64)
             for (int lb = 0; lb < L_COUNT; lb++)
                 for (int ic = 0; ic < N_C_LAYOUTS; ic++)
                     for (int bi = 0; bi < 3; bi++)
-                        check_one(f64, small_shapes[s][0], small_shapes[s][1], small_shapes[s][2],
-                                  bi == 2 ? 0.75 : 1.0, (layout)la, (layout)lb, c_layouts[ic], betas[bi]);
+                        check_one(f64, small_shapes[s][0], small_shapes[s][1], small_shapes[s][2], bi == 2 ? 0.75 : 1.0,
+                                  (layout)la, (layout)lb, c_layouts[ic], betas[bi]);
 }
 
 Test(tensor_gemm, f32_matches_reference_on_every_layout) { all_layouts(false); }
@@ -231,20 +225,20 @@ Test(tensor_gemm, f64_matches_reference_on_every_layout) { all_layouts(true); }
  * micro-tile edges MR 32 x NR 12), in the layouts a Linear layer uses. */
 static void large_shapes(bool f64)
 {
-    static const int64_t shapes[][3] = {{500, 131, 401}, {129, 130, 131}, {255, 257, 63}, {64, 64, 64},
-                                        {1, 513, 385},   {513, 1, 385}};
+    static const int64_t shapes[][3] = {{500, 131, 401}, {129, 130, 131}, {255, 257, 63},
+                                        {64, 64, 64},    {1, 513, 385},   {513, 1, 385}};
     static const layout combos[][3] = {
-        {L_ROW, L_COL, L_ROW},     /* x @ W^T (forward) */
-        {L_ROW, L_ROW, L_ROW},     /* dY @ W (grad of x) */
-        {L_COL, L_ROW, L_ROW},     /* dY^T @ X (grad of W) */
+        {L_ROW, L_COL, L_ROW}, /* x @ W^T (forward) */
+        {L_ROW, L_ROW, L_ROW}, /* dY @ W (grad of x) */
+        {L_COL, L_ROW, L_ROW}, /* dY^T @ X (grad of W) */
         {L_ROW_PAD, L_COL_PAD, L_COL_PAD},
         {L_INTERLEAVE, L_GENERAL, L_ROW_PAD},
     };
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (size_t c = 0; c < sizeof combos / sizeof combos[0]; c++)
             for (int bi = 0; bi < 2; bi++)
-                check_one(f64, shapes[s][0], shapes[s][1], shapes[s][2], 1.0, combos[c][0], combos[c][1],
-                          combos[c][2], bi ? 1.0 : 0.0);
+                check_one(f64, shapes[s][0], shapes[s][1], shapes[s][2], 1.0, combos[c][0], combos[c][1], combos[c][2],
+                          bi ? 1.0 : 0.0);
 }
 
 Test(tensor_gemm, f32_matches_reference_past_cache_blocks, .timeout = 120) { large_shapes(false); }
@@ -271,8 +265,8 @@ static void k_zero(bool reference)
     memcpy(c1, c, sizeof c);
     memcpy(c0, c, sizeof c);
     memcpy(c2, c, sizeof c);
-    void (*g)(int64_t, int64_t, int64_t, float, const float *, int64_t, int64_t, const float *, int64_t, int64_t,
-              float, float *, int64_t, int64_t) = reference ? ts__gemm_ref_f32 : ts__gemm_f32;
+    void (*g)(int64_t, int64_t, int64_t, float, const float *, int64_t, int64_t, const float *, int64_t, int64_t, float,
+              float *, int64_t, int64_t) = reference ? ts__gemm_ref_f32 : ts__gemm_f32;
     g(2, 3, 0, 1.0f, NULL, 0, 1, NULL, 3, 1, 1.0f, c1, 3, 1);
     g(2, 3, 0, 1.0f, NULL, 0, 1, NULL, 3, 1, 0.0f, c0, 3, 1);
     g(2, 3, 0, 1.0f, NULL, 0, 1, NULL, 3, 1, 2.0f, c2, 3, 1);
@@ -283,8 +277,7 @@ static void k_zero(bool reference)
     }
     double d[4] = {NAN, 1, 2, 3};
     (reference ? ts__gemm_ref_f64 : ts__gemm_f64)(2, 2, 0, 1.0, NULL, 0, 1, NULL, 2, 1, 0.0, d, 2, 1);
-    for (int i = 0; i < 4; i++)
-        cr_assert(d[i] == 0.0, "f64 beta 0: C[%d] = %g", i, d[i]);
+    for (int i = 0; i < 4; i++) cr_assert(d[i] == 0.0, "f64 beta 0: C[%d] = %g", i, d[i]);
 }
 
 Test(tensor_gemm, k_zero_scales_c_by_beta) { k_zero(false); }
@@ -330,13 +323,12 @@ Test(tensor_gemm, nan_in_a_propagates)
 Test(tensor_gemm, exact_small_product)
 {
     /* integers: exact in both paths */
-    float a[6] = {1, 2, 3, 4, 5, 6};       /* (2, 3) */
-    float b[6] = {7, 8, 9, 10, 11, 12};    /* (3, 2) */
+    float a[6] = {1, 2, 3, 4, 5, 6};    /* (2, 3) */
+    float b[6] = {7, 8, 9, 10, 11, 12}; /* (3, 2) */
     float c[4] = {1, 1, 1, 1};
     ts__gemm_f32(2, 2, 3, 1.0f, a, 3, 1, b, 2, 1, 1.0f, c, 2, 1);
     float want[4] = {59, 65, 140, 155};
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(c[i], want[i], "C[%d] = %g, want %g", i, (double)c[i], (double)want[i]);
+    for (int i = 0; i < 4; i++) cr_assert_eq(c[i], want[i], "C[%d] = %g, want %g", i, (double)c[i], (double)want[i]);
     /* the same with A^T stored (3, 2) column-wise, C column-major */
     float at_[6] = {1, 4, 2, 5, 3, 6};
     float cc[4] = {0, 0, 0, 0};
@@ -374,21 +366,17 @@ static bool cpu_runs(const char *name)
     __builtin_cpu_init();
     if (strcmp(name, "skx") == 0)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-               __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
-               __builtin_cpu_supports("fma");
+            __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     if (strcmp(name, "knl") == 0)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512pf") &&
-               __builtin_cpu_supports("avx512er");
+            __builtin_cpu_supports("avx512er");
     if (strcmp(name, "haswell") == 0 || strcmp(name, "zen") == 0 || strcmp(name, "zen2") == 0 ||
         strcmp(name, "zen3") == 0 || strcmp(name, "excavator") == 0)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (strcmp(name, "sandybridge") == 0)
-        return __builtin_cpu_supports("avx");
-    if (strcmp(name, "penryn") == 0)
-        return __builtin_cpu_supports("ssse3");
-    if (strcmp(name, "generic") == 0)
-        return true;
+    if (strcmp(name, "sandybridge") == 0) return __builtin_cpu_supports("avx");
+    if (strcmp(name, "penryn") == 0) return __builtin_cpu_supports("ssse3");
+    if (strcmp(name, "generic") == 0) return true;
     return false;
 }
 
@@ -398,10 +386,8 @@ static bool cpu_has_avx512_skx(void) { return cpu_runs("skx"); }
  * the environment can be set for it. */
 static const char *arch_with_env(const char *value)
 {
-    if (value)
-        setenv("BLIS_ARCH_TYPE", value, 1);
-    else
-        unsetenv("BLIS_ARCH_TYPE");
+    if (value) setenv("BLIS_ARCH_TYPE", value, 1);
+    else unsetenv("BLIS_ARCH_TYPE");
     return ts_blis_arch_name();
 }
 
@@ -410,8 +396,7 @@ Test(tensor_gemm, chosen_kernels_are_known_runnable_and_fast)
     const char *name = arch_with_env(NULL);
     bool known = false;
     for (int id = 0; id < TS__BLIS_ARCH_COUNT; id++)
-        if (ts__blis_arch_configured(id) && strcmp(name, ts__blis_arch_id_name(id)) == 0)
-            known = true;
+        if (ts__blis_arch_configured(id) && strcmp(name, ts__blis_arch_id_name(id)) == 0) known = true;
     cr_assert(known, "BLIS runs '%s', which is not a sub-configuration of this BLIS build", name);
     cr_assert(cpu_runs(name), "BLIS runs '%s', which this CPU cannot execute", name);
     /* the real choice is what BLIS reports */
@@ -419,8 +404,7 @@ Test(tensor_gemm, chosen_kernels_are_known_runnable_and_fast)
     ts__cpu_info cpu;
     ts__cpu_info_query(&cpu);
     cr_assert_str_eq(name, ts__blis_arch_id_name(ts__blis_arch_choose(&cpu)));
-    if (cpu_has_avx512_skx())
-        cr_assert_str_eq(name, "skx", "an AVX-512 CPU must get the skx kernels, got '%s'", name);
+    if (cpu_has_avx512_skx()) cr_assert_str_eq(name, "skx", "an AVX-512 CPU must get the skx kernels, got '%s'", name);
     else if (cpu_runs("haswell"))
         cr_assert(strcmp(name, "haswell") == 0 || strncmp(name, "zen", 3) == 0,
                   "an AVX2+FMA CPU must get AVX2 kernels, got '%s'", name);
@@ -440,8 +424,14 @@ Test(tensor_gemm, cpuid_agrees_with_the_compiler)
 
 static ts__cpu_info cpu_avx2(ts__cpu_vendor v, uint32_t family)
 {
-    ts__cpu_info c = {.vendor = v, .family = family, .sse3 = true, .ssse3 = true, .avx = true,
-                      .fma3 = true, .avx2 = true, .os_ymm = true};
+    ts__cpu_info c = {.vendor = v,
+                      .family = family,
+                      .sse3 = true,
+                      .ssse3 = true,
+                      .avx = true,
+                      .fma3 = true,
+                      .avx2 = true,
+                      .os_ymm = true};
     return c;
 }
 
@@ -503,8 +493,7 @@ Test(tensor_gemm, selection_policy_for_other_cpus)
 
 Test(tensor_gemm, user_arch_number_is_respected)
 {
-    if (!cpu_runs("haswell"))
-        cr_skip_test("CPU without AVX2+FMA");
+    if (!cpu_runs("haswell")) cr_skip_test("CPU without AVX2+FMA");
     cr_assert_str_eq(arch_with_env("3"), "haswell");
     check_one(false, 40, 30, 20, 1.0, L_ROW, L_COL, L_ROW, 0.0);
 }
@@ -513,8 +502,7 @@ Test(tensor_gemm, user_arch_number_is_respected)
  * BLIS's "sup" path, which reads small operands unpacked. */
 Test(tensor_gemm, haswell_kernels_match_reference_on_every_layout, .timeout = 120)
 {
-    if (!cpu_runs("haswell"))
-        cr_skip_test("CPU without AVX2+FMA");
+    if (!cpu_runs("haswell")) cr_skip_test("CPU without AVX2+FMA");
     cr_assert_str_eq(arch_with_env("haswell"), "haswell");
     all_layouts(false);
     all_layouts(true);
@@ -560,16 +548,14 @@ Test(tensor_gemm, user_arch_detect_gets_library_choice) { user_arch_replaced("-1
 
 Test(tensor_gemm, user_arch_cpu_cannot_run_is_replaced)
 {
-    if (cpu_has_avx512_skx())
-        cr_skip_test("this CPU runs every x86 kernel set BLIS 0.9 has but knl/bulldozer");
+    if (cpu_has_avx512_skx()) cr_skip_test("this CPU runs every x86 kernel set BLIS 0.9 has but knl/bulldozer");
     user_arch_replaced("0");
 }
 
 Test(tensor_gemm, user_arch_bulldozer_on_non_fma4_is_replaced)
 {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("fma4"))
-        cr_skip_test("CPU with FMA4");
+    if (__builtin_cpu_supports("fma4")) cr_skip_test("CPU with FMA4");
     user_arch_replaced("12");
 }
 

@@ -22,10 +22,7 @@ static uint8_t *read_fixture(const char *file, size_t *len)
     return buf;
 }
 
-static uint16_t rd16(const uint8_t *p)
-{
-    return (uint16_t)(p[0] | p[1] << 8);
-}
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 
 static uint32_t rd32(const uint8_t *p)
 {
@@ -46,10 +43,7 @@ static uint32_t crc_u32(uint32_t crc, uint32_t v)
 }
 
 /* The value of `name` in half_crc32.txt. */
-static uint32_t torch_crc(const char *name)
-{
-    return th_fixture_crc("half_crc32.txt", name);
-}
+static uint32_t torch_crc(const char *name) { return th_fixture_crc("half_crc32.txt", name); }
 
 Test(tensor_half, f32_to_bf16_and_f16_match_torch)
 {
@@ -114,14 +108,10 @@ Test(tensor_half, round_trips_and_nan)
         uint16_t h = (uint16_t)x;
         bool h_nan = (h & 0x7C00) == 0x7C00 && (h & 0x3FF);
         bool b_nan = (h & 0x7F80) == 0x7F80 && (h & 0x7F);
-        if (!h_nan)
-            cr_assert_eq(ts_f32_to_f16(ts_f16_to_f32(h)), h, "f16 0x%04x", h);
-        else
-            cr_assert_eq(ts_f32_to_f16(ts_f16_to_f32(h)), (h & 0x8000) | 0x7E00, "f16 NaN 0x%04x", h);
-        if (!b_nan)
-            cr_assert_eq(ts_f32_to_bf16(ts_bf16_to_f32(h)), h, "bf16 0x%04x", h);
-        else
-            cr_assert_eq(ts_f32_to_bf16(ts_bf16_to_f32(h)), 0x7FC0, "bf16 NaN 0x%04x", h);
+        if (!h_nan) cr_assert_eq(ts_f32_to_f16(ts_f16_to_f32(h)), h, "f16 0x%04x", h);
+        else cr_assert_eq(ts_f32_to_f16(ts_f16_to_f32(h)), (h & 0x8000) | 0x7E00, "f16 NaN 0x%04x", h);
+        if (!b_nan) cr_assert_eq(ts_f32_to_bf16(ts_bf16_to_f32(h)), h, "bf16 0x%04x", h);
+        else cr_assert_eq(ts_f32_to_bf16(ts_bf16_to_f32(h)), 0x7FC0, "bf16 NaN 0x%04x", h);
     }
     /* c10: every NaN is 0x7FC0 in bf16 (sign and payload dropped); f16 keeps the sign */
     cr_assert_eq(ts_f32_to_bf16(th_f32_of(0xFFC00000u)), 0x7FC0);

@@ -60,8 +60,7 @@ static double ulp_at(ts_dtype dt, double a)
 {
     int mant = dt == TS_BF16 ? 7 : 10, emin = dt == TS_BF16 ? -126 : -14;
     int e = a > 0 ? (int)floor(log2(a)) : emin;
-    if (e < emin)
-        e = emin;
+    if (e < emin) e = emin;
     return ldexp(1.0, e - mant);
 }
 
@@ -83,19 +82,16 @@ static double expect_close(const char *what, ts_dtype dt, ts_tensor *got, ts_ten
     int64_t n = ts_tensor_numel(got);
     double *g = th_vals_new(got), *rv = th_vals_new(r);
     double scale = 0, worst = 0;
-    for (int64_t i = 0; i < n; i++)
-        scale = fmax(scale, fabs(rv[i]));
+    for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs(rv[i]));
     int64_t bad = -1;
     for (int64_t i = 0; i < n; i++) {
         double d = fabs(g[i] - rv[i]);
         bool same = g[i] == rv[i] || (isnan(g[i]) && isnan(rv[i]));
-        if (!same && isnan(d))
-            d = INFINITY;
+        if (!same && isnan(d)) d = INFINITY;
         double unit = ulp_at(dt, fabs(rv[i])) + ulp_at(dt, scale) / 4, e = same ? 0 : d / unit;
         worst = fmax(worst, e);
         bool ok = same || (ulps > 0 && d <= ulps * unit);
-        if (!ok && bad < 0)
-            bad = i;
+        if (!ok && bad < 0) bad = i;
     }
     if (getenv("TS_HALF_VERBOSE"))
         fprintf(stderr, "  %-40s n %4lld  max err %.2f (limit %g)\n", what, (long long)n, worst, ulps);
@@ -129,7 +125,10 @@ typedef struct op_case {
     op_fn fn;
 } op_case;
 
-static ts_status f_layer_norm(ts_tensor **in, ts_tensor **out) { return ts_layer_norm(in[0], 1, in[1], in[2], 1e-5, out); }
+static ts_status f_layer_norm(ts_tensor **in, ts_tensor **out)
+{
+    return ts_layer_norm(in[0], 1, in[1], in[2], 1e-5, out);
+}
 static ts_status f_softmax(ts_tensor **in, ts_tensor **out) { return ts_softmax(in[0], -1, out); }
 static ts_status f_log_softmax(ts_tensor **in, ts_tensor **out) { return ts_log_softmax(in[0], -1, out); }
 static ts_status f_embedding(ts_tensor **in, ts_tensor **out) { return ts_embedding(in[0], in[1], out); }
@@ -150,8 +149,7 @@ static ts_tensor *causal_mask(int64_t T)
     uint8_t m[64];
     cr_assert(T * T <= 64);
     for (int64_t i = 0; i < T; i++)
-        for (int64_t j = 0; j < T; j++)
-            m[i * T + j] = j > i;
+        for (int64_t j = 0; j < T; j++) m[i * T + j] = j > i;
     int64_t shape[2] = {T, T};
     ts_tensor *t;
     TH_OK(ts_tensor_from_data(TS_BOOL, 2, shape, m, &t));
@@ -161,8 +159,7 @@ static ts_tensor *causal_mask(int64_t T)
 static ts_status attention_p(ts_tensor **in, double p, ts_tensor **out)
 {
     ts_tensor *mask = causal_mask(ts_tensor_size(in[0], 1));
-    if (p > 0)
-        ts_manual_seed(2020);
+    if (p > 0) ts_manual_seed(2020);
     ts_status st = ts_attention(in[0], in[1], in[2], 2, mask, p, true, NULL, out);
     ts_tensor_free(mask);
     return st;
@@ -185,8 +182,7 @@ static const op_case CASES[] = {
 static const op_case *find_case(const char *name)
 {
     for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++)
-        if (!strcmp(CASES[i].name, name))
-            return &CASES[i];
+        if (!strcmp(CASES[i].name, name)) return &CASES[i];
     cr_assert_fail("no case %s", name);
     return NULL;
 }
@@ -215,8 +211,7 @@ static void run_case(const th_half_fx *f, const op_case *c, const char *tag, ts_
         } else {
             in[i] = raw;
         }
-        if (c->grad[i])
-            TH_OK(ts_tensor_set_requires_grad(in[i], true));
+        if (c->grad[i]) TH_OK(ts_tensor_set_requires_grad(in[i], true));
     }
     ts_tensor *y;
     TH_OK(c->fn(in, &y));
@@ -232,21 +227,18 @@ static void run_case(const th_half_fx *f, const op_case *c, const char *tag, ts_
     res[0] = y;
     int k = 1;
     for (int i = 0; i < c->n_in; i++) {
-        if (!c->grad[i])
-            continue;
+        if (!c->grad[i]) continue;
         ts_tensor *gr = ts_tensor_grad(in[i]);
         cr_assert(gr != NULL, "%s: no gradient for input %s", c->name, c->in[i]);
         res[k++] = ts_tensor_retain(gr);
     }
     cr_assert_eq(k, c->n_out);
-    for (int i = 0; i < c->n_in; i++)
-        ts_tensor_free(in[i]);
+    for (int i = 0; i < c->n_in; i++) ts_tensor_free(in[i]);
 }
 
 static void free_res(ts_tensor **res, int n)
 {
-    for (int i = 0; i < n; i++)
-        ts_tensor_free(res[i]);
+    for (int i = 0; i < n; i++) ts_tensor_free(res[i]);
 }
 
 /* Case `name` in dt against its float32 run on the same values, rounded:
@@ -298,8 +290,7 @@ static const ts_dtype HALVES[2] = {TS_BF16, TS_F16};
 Test(tensor_half_nn_ops, layer_norm_matches_f32_rounded)
 {
     static const double ulps[4] = {0, 0, 0, 0};
-    for (int i = 0; i < 2; i++)
-        check_vs_f32("layer_norm", HALVES[i], ulps);
+    for (int i = 0; i < 2; i++) check_vs_f32("layer_norm", HALVES[i], ulps);
 }
 
 /* torch 1.13's bf16 layer norm rounds intermediate steps of its affine
@@ -379,8 +370,7 @@ Test(tensor_half_nn_ops, softmax_over_other_dims_matches_f32_rounded)
                 ts_tensor *ref = softmax_bw_naive(yh, ch, dim, lg);
                 expect_close(what, HALVES[i], ts_tensor_grad(xh), ref, 1);
                 ts_tensor *t[9] = {x0, xh, x32, c0, ch, c32, yh, y32, ref};
-                for (int k = 0; k < 9; k++)
-                    ts_tensor_free(t[k]);
+                for (int k = 0; k < 9; k++) ts_tensor_free(t[k]);
             }
 }
 
@@ -407,8 +397,7 @@ Test(tensor_half_nn_ops, softmax_bf16_matches_torch)
 Test(tensor_half_nn_ops, embedding_matches_f32_rounded)
 {
     static const double ulps[2] = {0, 2};
-    for (int i = 0; i < 2; i++)
-        check_vs_f32("embedding", HALVES[i], ulps);
+    for (int i = 0; i < 2; i++) check_vs_f32("embedding", HALVES[i], ulps);
 }
 
 /* The same additions in the same order as torch's
@@ -429,8 +418,7 @@ Test(tensor_half_nn_ops, embedding_matches_torch)
 Test(tensor_half_nn_ops, cross_entropy_matches_f32_rounded)
 {
     static const double ulps[2] = {2, 2};
-    for (int i = 0; i < 2; i++)
-        check_vs_f32("cross_entropy", HALVES[i], ulps);
+    for (int i = 0; i < 2; i++) check_vs_f32("cross_entropy", HALVES[i], ulps);
 }
 
 /* Reductions none and sum (the mean is above): per-row losses are the
@@ -461,8 +449,7 @@ Test(tensor_half_nn_ops, cross_entropy_none_and_sum_match_f32_rounded)
             expect_close(red ? "cross_entropy sum gx" : "cross_entropy none gx", HALVES[i], ts_tensor_grad(lh),
                          ts_tensor_grad(l32), 2);
             ts_tensor *all[8] = {l0, lh, l32, t, yh, y32, gh, g32};
-            for (int k = 0; k < 8; k++)
-                ts_tensor_free(all[k]);
+            for (int k = 0; k < 8; k++) ts_tensor_free(all[k]);
         }
 }
 
@@ -534,8 +521,7 @@ Test(tensor_half_nn_ops, dropout_edge_probabilities)
         TH_OK(ts_dropout(x, 1.0, true, NULL, &y));
         double v[9];
         th_vals(y, v, 9);
-        for (int k = 0; k < 9; k++)
-            cr_assert(v[k] == 0.0, "p=1: element %d is %g", k, v[k]);
+        for (int k = 0; k < 9; k++) cr_assert(v[k] == 0.0, "p=1: element %d is %g", k, v[k]);
         cr_assert_eq(ts_tensor_dtype(y), HALVES[i]);
         ts_tensor_free(y);
         TH_OK(ts_dropout(x, 0.3, false, NULL, &y));

@@ -80,8 +80,7 @@ static void fx_close(fx *f)
 static ts_dtype dtype_of(const char *name)
 {
     for (int d = 0; d < TS_DTYPE_COUNT; d++)
-        if (strcmp(ts_dtype_name((ts_dtype)d), name) == 0)
-            return (ts_dtype)d;
+        if (strcmp(ts_dtype_name((ts_dtype)d), name) == 0) return (ts_dtype)d;
     cr_assert_fail("fixture names unknown dtype %s", name);
     return TS_DTYPE_COUNT;
 }
@@ -91,8 +90,7 @@ static ts_tensor *fx_tensor(const fx *f, const char *name)
 {
     size_t nl = strlen(name);
     for (const char *l = f->index; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL) {
-        if (strncmp(l, "tensor ", 7) != 0 || strncmp(l + 7, name, nl) != 0 || l[7 + nl] != ' ')
-            continue;
+        if (strncmp(l, "tensor ", 7) != 0 || strncmp(l + 7, name, nl) != 0 || l[7 + nl] != ' ') continue;
         const char *p = l + 7 + nl + 1;
         char dn[32];
         int nd, used;
@@ -123,8 +121,7 @@ static bool fx_unsupported(const fx *f, ts_dtype dt, const char *cs)
     char key[96];
     snprintf(key, sizeof key, "unsupported %s %s ", ts_dtype_name(dt), cs);
     for (const char *l = f->index; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
-        if (strncmp(l, key, strlen(key)) == 0)
-            return true;
+        if (strncmp(l, key, strlen(key)) == 0) return true;
     return false;
 }
 
@@ -135,8 +132,7 @@ static double relative_ulp(ts_dtype dt) { return dt == TS_BF16 ? 0x1p-8 : 0x1p-1
 static void expect_match(enum cmp c, const char *what, const ts_tensor *got, const ts_tensor *want,
                          const ts_tensor *cot)
 {
-    if (c == NONE)
-        return;
+    if (c == NONE) return;
     cr_assert_not_null(got, "%s: no result", what);
     cr_assert_not_null(want, "%s: no reference", what);
     cr_assert_eq(ts_tensor_ndim(got), ts_tensor_ndim(want), "%s: ndim", what);
@@ -153,8 +149,7 @@ static void expect_match(enum cmp c, const char *what, const ts_tensor *got, con
     }
     ts_dtype dt = ts_tensor_dtype(got);
     double maxw = 0;
-    for (int64_t i = 0; i < n; i++)
-        maxw = fmax(maxw, fabs(b[i]));
+    for (int64_t i = 0; i < n; i++) maxw = fmax(maxw, fabs(b[i]));
     bool diag = getenv("HALF_DIAG") != NULL; /* prints the worst error of every comparison */
     int64_t bad = 0;
     double worst = 0;
@@ -170,15 +165,13 @@ static void expect_match(enum cmp c, const char *what, const ts_tensor *got, con
         double tol = k * u * scale;
         if (diag) {
             bad += a[i] != b[i];
-            if (scale > 0)
-                worst = fmax(worst, fabs(a[i] - b[i]) / (u * scale));
+            if (scale > 0) worst = fmax(worst, fabs(a[i] - b[i]) / (u * scale));
             continue;
         }
         cr_assert(fabs(a[i] - b[i]) <= tol, "%s: element %lld is %.9g, expected %.9g (tolerance %.3g)", what,
                   (long long)i, a[i], b[i], tol);
     }
-    if (diag)
-        fprintf(stderr, "DIAG %-55s cmp %d mismatches %5lld worst %.3g\n", what, (int)c, (long long)bad, worst);
+    if (diag) fprintf(stderr, "DIAG %-55s cmp %d mismatches %5lld worst %.3g\n", what, (int)c, (long long)bad, worst);
     free(a);
     free(b);
     free(gc);
@@ -254,8 +247,7 @@ static ts_status gt_scalar(ts_tensor *x, double v, ts_tensor **o)
 {
     ts_tensor *z;
     ts_status st = ts_tensor_scalar(TS_F32, v, &z);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_gt(x, z, o);
     ts_tensor_free(z);
     return st;
@@ -266,8 +258,7 @@ static ts_status f_where(ts_tensor **x, ts_tensor **o)
 {
     ts_tensor *c;
     ts_status st = gt_scalar(x[0], 0.0, &c);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_where(c, x[0], x[1], o);
     ts_tensor_free(c);
     return st;
@@ -278,8 +269,7 @@ static ts_status f_masked_fill(ts_tensor **x, ts_tensor **o)
 {
     ts_tensor *c;
     ts_status st = gt_scalar(x[0], 0.5, &c);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_masked_fill(x[0], c, 0.25, o);
     ts_tensor_free(c);
     return st;
@@ -291,8 +281,7 @@ static ts_status f_t_contiguous(ts_tensor **x, ts_tensor **o)
 {
     ts_tensor *t;
     ts_status st = ts_transpose(x[0], 0, 1, &t);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_contiguous(t, o);
     ts_tensor_free(t);
     return st;
@@ -304,7 +293,7 @@ typedef struct hcase {
     int n;
     const char *in[2];
     const char *cot;
-    enum cmp fwd32, bwd32;     /* against the float32 run, rounded */
+    enum cmp fwd32, bwd32;         /* against the float32 run, rounded */
     enum cmp torch_fwd, torch_bwd; /* against torch 1.13 (bf16; f16 where torch has the kernel) */
 } hcase;
 
@@ -353,8 +342,7 @@ static const hcase cases[] = {
 /* Runs case c on fresh leaves made from `ins` (cast to dt), backward with
  * `cot` (cast to dt unless it is float32 already); writes the output and
  * the leaves' gradients. */
-static void run_case(const hcase *c, ts_dtype dt, ts_tensor **ins, ts_tensor *cot, ts_tensor **out,
-                     ts_tensor **grads)
+static void run_case(const hcase *c, ts_dtype dt, ts_tensor **ins, ts_tensor *cot, ts_tensor **out, ts_tensor **grads)
 {
     ts_tensor *leaves[2] = {NULL, NULL};
     for (int i = 0; i < c->n; i++) {
@@ -363,8 +351,8 @@ static void run_case(const hcase *c, ts_dtype dt, ts_tensor **ins, ts_tensor *co
     }
     ts_tensor *o;
     TH_OK(c->fn(leaves, &o));
-    ts_tensor *g = cast(cot, ts_tensor_dtype(cot) == TS_F32 && strcmp(c->name, "to_f32") == 0 ? TS_F32
-                             : ts_tensor_dtype(o));
+    ts_tensor *g =
+        cast(cot, ts_tensor_dtype(cot) == TS_F32 && strcmp(c->name, "to_f32") == 0 ? TS_F32 : ts_tensor_dtype(o));
     TH_OK(ts_backward(o, g, false));
     ts_tensor_free(g);
     *out = o;
@@ -487,18 +475,18 @@ Test(tensor_half_ops, type_promotion_follows_torch_result_type)
         bool b0;
         ts_dtype want;
     } rows[] = {
-        {TS_BF16, false, TS_F16, false, TS_F32}, {TS_BF16, false, TS_F32, false, TS_F32},
-        {TS_F16, false, TS_F32, false, TS_F32},  {TS_BF16, false, TS_F32, true, TS_BF16},
-        {TS_BF16, true, TS_F16, false, TS_F16},  {TS_F64, true, TS_F16, false, TS_F16},
-        {TS_F64, false, TS_F16, false, TS_F64},  {TS_F32, false, TS_F64, false, TS_F64},
+        {TS_BF16, false, TS_F16, false, TS_F32},  {TS_BF16, false, TS_F32, false, TS_F32},
+        {TS_F16, false, TS_F32, false, TS_F32},   {TS_BF16, false, TS_F32, true, TS_BF16},
+        {TS_BF16, true, TS_F16, false, TS_F16},   {TS_F64, true, TS_F16, false, TS_F16},
+        {TS_F64, false, TS_F16, false, TS_F64},   {TS_F32, false, TS_F64, false, TS_F64},
         {TS_I64, false, TS_BF16, false, TS_BF16}, {TS_I64, false, TS_F32, true, TS_F32},
-        {TS_BOOL, false, TS_F16, true, TS_F16},  {TS_BF16, true, TS_F16, true, TS_F32},
+        {TS_BOOL, false, TS_F16, true, TS_F16},   {TS_BF16, true, TS_F16, true, TS_F32},
     };
     for (size_t k = 0; k < sizeof rows / sizeof *rows; k++) {
         ts_dtype got = add_dtype(rows[k].a, rows[k].a0, rows[k].b, rows[k].b0);
         cr_assert_eq(got, rows[k].want, "row %zu: %s%s + %s%s gave %s, torch gives %s", k, ts_dtype_name(rows[k].a),
-                     rows[k].a0 ? " 0-d" : "", ts_dtype_name(rows[k].b), rows[k].b0 ? " 0-d" : "",
-                     ts_dtype_name(got), ts_dtype_name(rows[k].want));
+                     rows[k].a0 ? " 0-d" : "", ts_dtype_name(rows[k].b), rows[k].b0 ? " 0-d" : "", ts_dtype_name(got),
+                     ts_dtype_name(rows[k].want));
         /* symmetric */
         cr_assert_eq(add_dtype(rows[k].b, rows[k].b0, rows[k].a, rows[k].a0), rows[k].want, "row %zu swapped", k);
     }
@@ -529,8 +517,7 @@ Test(tensor_half_ops, mixed_operands_compute_in_the_promoted_dtype_and_grads_kee
     expect_match(EXACT, "grad x", gx, wx, NULL);
     expect_match(EXACT, "grad y", gy, wy, NULL);
     ts_tensor *objs[] = {xb, yh, o, xf, yf, want, s, wx, wy};
-    for (size_t i = 0; i < sizeof objs / sizeof *objs; i++)
-        ts_tensor_free(objs[i]);
+    for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) ts_tensor_free(objs[i]);
     fx_close(&f);
     th_mem_assert_back();
 }
@@ -576,8 +563,8 @@ Test(tensor_half_ops, to_dtype_backward_casts_the_gradient_back)
             TH_OK(ts_tensor_get(x, (int64_t[]){i}, &xi));
             float f = (float)xi;
             want[i] = to[k] == TS_BF16 ? ts_bf16_to_f32(ts_f32_to_bf16(f))
-                      : to[k] == TS_F16 ? ts_f16_to_f32(ts_f32_to_f16(f))
-                                        : xi;
+                : to[k] == TS_F16      ? ts_f16_to_f32(ts_f32_to_f16(f))
+                                       : xi;
             cr_assert(got[i] == want[i], "%s -> %s element %d: %.9g, expected %.9g", ts_dtype_name(from[k]),
                       ts_dtype_name(to[k]), i, got[i], want[i]);
         }
@@ -624,8 +611,7 @@ Test(tensor_half_ops, copy_across_dtypes_and_strided_copies)
         double want = dt == TS_BF16 ? ts_bf16_to_f32(ts_f32_to_bf16(0.1f)) : ts_f16_to_f32(ts_f32_to_f16(0.1f));
         cr_assert(v == want, "fill_: %.9g, expected %.9g", v, want);
         ts_tensor *objs[] = {h, w, t, tc, d64, back};
-        for (size_t i = 0; i < sizeof objs / sizeof *objs; i++)
-            ts_tensor_free(objs[i]);
+        for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) ts_tensor_free(objs[i]);
     }
     ts_tensor_free(x);
     th_mem_assert_back();
@@ -661,8 +647,7 @@ Test(tensor_half_ops, bf16_leaf_gradients_accumulate_in_bf16)
     /* the second backward adds 4 in place: 8 */
     double gv[3];
     th_vals(g, gv, 3);
-    for (int i = 0; i < 3; i++)
-        cr_assert(gv[i] == 8.0, "grad[%d] = %.9g, expected 8 (bf16 accumulation)", i, gv[i]);
+    for (int i = 0; i < 3; i++) cr_assert(gv[i] == 8.0, "grad[%d] = %.9g, expected 8 (bf16 accumulation)", i, gv[i]);
     ts_tensor_free(x);
     th_mem_assert_back();
 }
@@ -700,8 +685,7 @@ Test(tensor_half_ops, strided_and_broadcast_inputs_give_the_contiguous_bits)
         w = cast(w32, dt);
         expect_match(EXACT, "mul vs float32 rounded", o1, w, NULL);
         ts_tensor *objs[] = {a32, a, at, atc, o1, o2, r32, r, r32c, at32, ax, w32, w};
-        for (size_t i = 0; i < sizeof objs / sizeof *objs; i++)
-            ts_tensor_free(objs[i]);
+        for (size_t i = 0; i < sizeof objs / sizeof *objs; i++) ts_tensor_free(objs[i]);
     }
     th_mem_assert_back();
 }
@@ -769,8 +753,7 @@ Test(tensor_half_ops, unsupported_combinations_name_the_dtypes)
     TH_FAILS(ts_masked_fill(b, h, 0.0, &o), TS_ERR_DTYPE, "masked_fill", "float16");
     cr_assert_null(o, "out written on failure");
     ts_tensor *objs[] = {b, h, i, i32, bo, c};
-    for (size_t k = 0; k < sizeof objs / sizeof *objs; k++)
-        ts_tensor_free(objs[k]);
+    for (size_t k = 0; k < sizeof objs / sizeof *objs; k++) ts_tensor_free(objs[k]);
     th_mem_assert_back();
 }
 
@@ -807,8 +790,7 @@ Test(tensor_half_ops, typed_loops_agree_with_the_reference_kernels)
                 in[i] = fx_tensor(&f, nm);
             }
             th_assert_kernels_agree(run_case_fn, c->n, in, (void *)c, 0.8, 2 * u, 2 * u, 4 * u, 4 * u);
-            for (int i = 0; i < c->n; i++)
-                ts_tensor_free(in[i]);
+            for (int i = 0; i < c->n; i++) ts_tensor_free(in[i]);
         }
     }
     fx_close(&f);

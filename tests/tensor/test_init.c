@@ -150,10 +150,10 @@ Test(tensor_init, kaiming_uniform_matches_torch)
 Test(tensor_init, kaiming_normal_matches_torch)
 {
     static const init_case cases[] = {
-        {2, {16, 8}, TS_F32, 0, TS_FAN_IN, TS_NL_RELU},         /* vectorised normal path */
-        {2, {3, 4}, TS_F32, 0, TS_FAN_IN, TS_NL_LEAKY_RELU},    /* scalar path */
-        {3, {6, 4, 3}, TS_F32, 0, TS_FAN_OUT, TS_NL_RELU},      /* 72: block + tail */
-        {2, {5, 5}, TS_F64, 0.1, TS_FAN_IN, TS_NL_LEAKY_RELU},  /* float64 path */
+        {2, {16, 8}, TS_F32, 0, TS_FAN_IN, TS_NL_RELU},        /* vectorised normal path */
+        {2, {3, 4}, TS_F32, 0, TS_FAN_IN, TS_NL_LEAKY_RELU},   /* scalar path */
+        {3, {6, 4, 3}, TS_F32, 0, TS_FAN_OUT, TS_NL_RELU},     /* 72: block + tail */
+        {2, {5, 5}, TS_F64, 0.1, TS_FAN_IN, TS_NL_LEAKY_RELU}, /* float64 path */
     };
     th_vec v = th_vec_open("init_kaiming_normal");
     for (int k = 0; k < 4; k++) {

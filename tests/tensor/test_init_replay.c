@@ -28,9 +28,9 @@ typedef enum fill_kind {
     F_COUNT
 } fill_kind;
 
-static const char *const kind_names[F_COUNT] = {"uniform_", "normal_", "bernoulli_", "fill_",
-                                                "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
-                                                "xavier_normal_"};
+static const char *const kind_names[F_COUNT] = {"uniform_",        "normal_",          "bernoulli_",
+                                                "fill_",           "kaiming_uniform_", "kaiming_normal_",
+                                                "xavier_uniform_", "xavier_normal_"};
 
 static bool needs_2d(fill_kind k) { return k >= F_KAIMING_UNIFORM; }
 
@@ -65,8 +65,10 @@ static state state_of(ts_generator *g)
 static void assert_state(const state *want, ts_generator *g, const char *what)
 {
     state got = state_of(g);
-    cr_assert(memcmp(got.b, want->b, sizeof got.b) == 0, "%s: the generator's state after the replay differs from "
-              "its state after the eager fill", what);
+    cr_assert(memcmp(got.b, want->b, sizeof got.b) == 0,
+              "%s: the generator's state after the replay differs from "
+              "its state after the eager fill",
+              what);
 }
 
 /* The storage rows rank r of w keeps when rows are sharded as FSDP shards
@@ -85,8 +87,7 @@ static void rank_rows(int64_t rows, int w, int r, int64_t *begin, int64_t *end)
  * storage) and that g ends in `after`. Rows are the storages' dim-0 rows
  * of row_elems[i] elements. */
 static void check_ranks(int n, ts_tensor *const *meta, const void *const *want, const int64_t *rows,
-                        const int64_t *row_elems, ts_generator *g, uint64_t seed, const state *after,
-                        const char *what)
+                        const int64_t *row_elems, ts_generator *g, uint64_t seed, const state *after, const char *what)
 {
     for (int w = 1; w <= 4; w++)
         for (int r = 0; r < w; r++) {
@@ -124,8 +125,7 @@ static void check_fill(fill_kind k, ts_dtype dt, int ndim, const int64_t *shape,
 {
     const uint64_t seed = 1234;
     ts_generator *own = NULL;
-    if (explicit_gen)
-        TH_OK(ts_generator_new(7, &own));
+    if (explicit_gen) TH_OK(ts_generator_new(7, &own));
     ts_generator *g = explicit_gen ? own : ts_default_generator();
     ts_generator *pass = explicit_gen ? own : NULL;
 
@@ -140,8 +140,8 @@ static void check_fill(fill_kind k, ts_dtype dt, int ndim, const int64_t *shape,
     state before = state_of(g);
     TH_OK(apply(k, meta, pass));
     char what[160], sb[64];
-    snprintf(what, sizeof what, "%s %s %s%s", kind_names[k], ts_dtype_name(dt), ts_shape_str(ndim, shape, sb, sizeof sb),
-             explicit_gen ? " (explicit generator)" : "");
+    snprintf(what, sizeof what, "%s %s %s%s", kind_names[k], ts_dtype_name(dt),
+             ts_shape_str(ndim, shape, sb, sizeof sb), explicit_gen ? " (explicit generator)" : "");
     assert_state(&before, g, what); /* recording draws nothing */
     int n_ev = 0;
     const ts__init_event *ev = ts__init_events(meta->storage, &n_ev);
@@ -162,8 +162,8 @@ static const int64_t sizes[] = {1, 15, 16, 17, 31, 32, 33, 1000, 65536 + 17};
 
 /* 2-d shapes around the same sizes (rows, cols): few rows (ranks empty),
  * rows of one element, a block crossed in the middle of a row. */
-static const int64_t shapes2d[][2] = {{1, 1},  {3, 5},   {2, 8},  {17, 1}, {1, 31},
-                                      {4, 8},  {11, 3},  {40, 25}, {3, 21851}, {129, 509}};
+static const int64_t shapes2d[][2] = {{1, 1}, {3, 5},  {2, 8},   {17, 1},    {1, 31},
+                                      {4, 8}, {11, 3}, {40, 25}, {3, 21851}, {129, 509}};
 #define N_SHAPES2D ((int)(sizeof shapes2d / sizeof shapes2d[0]))
 
 /* ------------------------------------------------------------- contiguous */
@@ -174,8 +174,7 @@ Test(tensor_init_replay, every_fill_1d_every_size_f32_f64)
     for (int k = 0; k < F_COUNT; k++)
         if (!needs_2d(k))
             for (int d = 0; d < 2; d++)
-                for (int i = 0; i < N_SIZES; i++)
-                    check_fill(k, dts[d], 1, &sizes[i], false);
+                for (int i = 0; i < N_SIZES; i++) check_fill(k, dts[d], 1, &sizes[i], false);
 }
 
 Test(tensor_init_replay, every_fill_2d_split_by_rows_f32_f64)
@@ -183,8 +182,7 @@ Test(tensor_init_replay, every_fill_2d_split_by_rows_f32_f64)
     ts_dtype dts[2] = {TS_F32, TS_F64};
     for (int k = 0; k < F_COUNT; k++)
         for (int d = 0; d < 2; d++)
-            for (int i = 0; i < N_SHAPES2D; i++)
-                check_fill(k, dts[d], 2, shapes2d[i], false);
+            for (int i = 0; i < N_SHAPES2D; i++) check_fill(k, dts[d], 2, shapes2d[i], false);
 }
 
 Test(tensor_init_replay, explicit_generator)
@@ -254,8 +252,7 @@ Test(tensor_init_replay, views_of_a_storage)
     for (size_t v = 0; v < sizeof views / sizeof views[0]; v++)
         for (int k = 0; k < F_COUNT; k++)
             for (int d = 0; d < 2; d++)
-                if (!needs_2d(k) || views[v].ndim == 2)
-                    check_view(&views[v], k, dts[d]);
+                if (!needs_2d(k) || views[v].ndim == 2) check_view(&views[v], k, dts[d]);
 }
 
 /* ------------------------------------------------------------- sequences */
@@ -267,11 +264,11 @@ Test(tensor_init_replay, views_of_a_storage)
 static void sequence(ts_tensor *t[4], ts_tensor *v[2])
 {
     TH_OK(ts_init_kaiming_uniform_(t[0], sqrt(5.0), TS_FAN_IN, TS_NL_LEAKY_RELU, NULL));
-    TH_OK(ts_normal_(v[0], 0.0, 1.0, NULL));   /* 3 elements: scalar path, leaves a cached value */
+    TH_OK(ts_normal_(v[0], 0.0, 1.0, NULL)); /* 3 elements: scalar path, leaves a cached value */
     TH_OK(ts_uniform_(t[1], -1.0, 1.0, NULL));
-    TH_OK(ts_normal_(t[2], 1.0, 0.02, NULL));  /* dense, with the tail re-draw */
+    TH_OK(ts_normal_(t[2], 1.0, 0.02, NULL)); /* dense, with the tail re-draw */
     TH_OK(ts_tensor_fill_(t[1], 0.0));
-    TH_OK(ts_normal_(v[1], 0.0, 2.0, NULL));   /* uses the cached value first */
+    TH_OK(ts_normal_(v[1], 0.0, 2.0, NULL)); /* uses the cached value first */
     TH_OK(ts_init_xavier_normal_(t[3], 1.0, NULL));
     TH_OK(ts_bernoulli_(t[1], 0.5, NULL));
 }
@@ -280,10 +277,8 @@ static void make_all(bool meta, ts_dtype dt, ts_tensor *t[4], ts_tensor *v[2])
 {
     int64_t shapes[4][2] = {{33, 7}, {5, 3}, {70, 1000}, {13, 17}};
     for (int i = 0; i < 4; i++) {
-        if (meta)
-            TH_OK(ts__tensor_new_meta(dt, 2, shapes[i], &t[i]));
-        else
-            t[i] = th_empty(dt, 2, shapes[i]);
+        if (meta) TH_OK(ts__tensor_new_meta(dt, 2, shapes[i], &t[i]));
+        else t[i] = th_empty(dt, 2, shapes[i]);
     }
     /* v[0]: 3 elements of t[3]'s column 2; v[1]: t[0] transposed, rows 1-4 */
     TH_OK(ts__tensor_alias(t[3], 1, (int64_t[]){3}, (int64_t[]){17}, 2, &v[0]));
@@ -379,7 +374,7 @@ Test(tensor_init_replay, copies_repeat_their_source)
     ts_manual_seed(8);
     TH_OK(ts_normal_(e[2], 0.0, 1.0, NULL)); /* 126 elements: the dense path */
     TH_OK(ts_normal_(e[0], 0.0, 1.0, NULL));
-    TH_OK(ts_tensor_fill_(e[0], 1.0));       /* a later fill is copied too */
+    TH_OK(ts_tensor_fill_(e[0], 1.0)); /* a later fill is copied too */
     TH_OK(ts_uniform_(e[0], -1.0, 1.0, NULL));
     ts_generator_get_state(NULL, st);
     TH_OK(ts_uniform_(e[1], 0.0, 9.0, NULL)); /* drawn, then the state restored */
@@ -458,8 +453,8 @@ Test(tensor_init_replay, converts_as_to_dtype)
             char what[96];
             snprintf(what, sizeof what, "%s %s -> %s", kind_names[k], ts_dtype_name(cs[c].from),
                      ts_dtype_name(cs[c].to));
-            th_vec_expect_bytes(what, cs[c].to, got, (const char *)ts_tensor_data(conv) + 5 * 29 * ts_dtype_size(cs[c].to),
-                                15 * 29);
+            th_vec_expect_bytes(what, cs[c].to, got,
+                                (const char *)ts_tensor_data(conv) + 5 * 29 * ts_dtype_size(cs[c].to), 15 * 29);
             free(got);
             ts_tensor_free(m);
             ts_tensor_free(conv);

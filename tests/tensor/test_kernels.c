@@ -17,8 +17,7 @@
 
 static void skip_unless(ts__kpath p)
 {
-    if (!ts__kpath_supported(p))
-        cr_skip_test("skipped: this CPU (or OS) does not run the %s path", ts__kpath_name(p));
+    if (!ts__kpath_supported(p)) cr_skip_test("skipped: this CPU (or OS) does not run the %s path", ts__kpath_name(p));
 }
 
 /* f32 inputs: every high half with low halves 0, 1, 0x7FFF, 0x8000,
@@ -36,20 +35,18 @@ static float *f32_patterns(int64_t *n_out)
     int64_t k = 0;
     uint32_t rng = 12345;
     for (uint32_t h = 0; h < 65536; h++) {
-        for (int64_t j = 0; j < nl - 1; j++)
-            v[k++] = th_f32_of(h << 16 | lows[j]);
+        for (int64_t j = 0; j < nl - 1; j++) v[k++] = th_f32_of(h << 16 | lows[j]);
         rng = rng * 1664525u + 1013904223u;
         v[k++] = th_f32_of(h << 16 | (rng >> 16));
     }
-    for (uint32_t i = 0; i < (1u << 24); i++)
-        v[k++] = th_f32_of(i * 255u + (i >> 8));
+    for (uint32_t i = 0; i < (1u << 24); i++) v[k++] = th_f32_of(i * 255u + (i >> 8));
     for (int i = 0; i < 4096; i++) {
         rng = rng * 1664525u + 1013904223u;
         uint32_t u = rng;
         switch (i % 5) {
         case 0: u = 0x7F800001u | (u & 0x807FFFFFu); break; /* NaN (maybe signalling) */
-        case 1: u &= 0x807FFFFFu; break;                     /* subnormal or zero */
-        default: break;                                      /* anything */
+        case 1: u &= 0x807FFFFFu; break;                    /* subnormal or zero */
+        default: break;                                     /* anything */
         }
         v[k++] = th_f32_of(u);
     }
@@ -85,8 +82,7 @@ static void check_to_f32(ts__kpath p, ts_dtype sd)
     uint16_t *src = malloc(N * 2);
     float *got = malloc(N * sizeof *got);
     cr_assert(src && got);
-    for (int i = 0; i < N; i++)
-        src[i] = (uint16_t)(i < 65536 ? i : (i - 65536) * 7 + 3);
+    for (int i = 0; i < N; i++) src[i] = (uint16_t)(i < 65536 ? i : (i - 65536) * 7 + 3);
     ts__buf_convert_on(p, TS_F32, got, sd, src, N);
     for (int i = 0; i < N; i++) {
         float want = sd == TS_BF16 ? ts_bf16_to_f32(src[i]) : ts_f16_to_f32(src[i]);
@@ -114,7 +110,9 @@ static void check_lengths(ts__kpath p)
                 for (int i = 0; i < MAXN + 2 * PAD + 4; i++) {
                     /* some NaNs and subnormals among normals */
                     uint32_t u = (uint32_t)i * 2654435761u;
-                    f[i] = i % 11 == 3 ? NAN : i % 13 == 5 ? th_f32_of(u & 0x807FFFFFu) : th_f32_of(u % 0x7F000000u) - 1;
+                    f[i] = i % 11 == 3 ? NAN
+                        : i % 13 == 5  ? th_f32_of(u & 0x807FFFFFu)
+                                       : th_f32_of(u % 0x7F000000u) - 1;
                     h[i] = 0xABCD;
                     back[i] = -7.0f;
                 }
@@ -132,8 +130,8 @@ static void check_lengths(ts__kpath p)
                                      ts_dtype_name(d), (long long)n, off, (long long)j);
                         cr_assert_eq(th_f32_bits(bs[j]), th_f32_bits(wb));
                     } else {
-                        cr_assert_eq(h[i], 0xABCD, "%s wrote outside: n %lld offset %d index %d",
-                                     ts__kpath_name(p), (long long)n, off, i);
+                        cr_assert_eq(h[i], 0xABCD, "%s wrote outside: n %lld offset %d index %d", ts__kpath_name(p),
+                                     (long long)n, off, i);
                         cr_assert_eq(back[i], -7.0f);
                     }
                 }
@@ -167,8 +165,7 @@ Test(tensor_kernels, active_path_and_force)
     cr_assert_eq(ts__kpath_active(), TS__KPATH_SCALAR);
     float f[37];
     uint16_t a[37], b[37];
-    for (int i = 0; i < 37; i++)
-        f[i] = i % 5 == 0 ? NAN : (float)i * 0.3337f - 4;
+    for (int i = 0; i < 37; i++) f[i] = i % 5 == 0 ? NAN : (float)i * 0.3337f - 4;
     ts__buf_convert(TS_BF16, a, TS_F32, f, 37);
     ts__kpath_force(-1);
     cr_assert_eq(ts__kpath_active(), best);
@@ -177,8 +174,7 @@ Test(tensor_kernels, active_path_and_force)
     /* f64 -> bf16 goes through float (static_cast), i64 -> f16 too */
     double d[3] = {1.0 + 0x1p-9 + 0x1p-30, -3.5, 1e300};
     ts__buf_convert(TS_BF16, a, TS_F64, d, 3);
-    for (int i = 0; i < 3; i++)
-        cr_assert_eq(a[i], ts_f32_to_bf16((float)d[i]), "f64 %g", d[i]);
+    for (int i = 0; i < 3; i++) cr_assert_eq(a[i], ts_f32_to_bf16((float)d[i]), "f64 %g", d[i]);
 }
 
 Test(tensor_kernels, env_names)
@@ -218,10 +214,8 @@ static double ref_op_f64(ts__buf_op op, double a, double b)
 static float val(int i, int salt)
 {
     uint32_t u = (uint32_t)(i * 7 + salt) * 2654435761u;
-    if (i % 17 == salt % 17)
-        return NAN;
-    if (i % 23 == 4)
-        return salt % 2 ? INFINITY : -INFINITY;
+    if (i % 17 == salt % 17) return NAN;
+    if (i % 23 == 4) return salt % 2 ? INFINITY : -INFINITY;
     return (float)((int32_t)u >> 8) * 0x1p-20f;
 }
 
@@ -254,7 +248,7 @@ Test(tensor_kernels, reduce_matches_element_loops)
             cr_assert(isnan(wf) ? isnan(fo[i]) : th_f32_bits(fo[i]) == th_f32_bits(wf), "f32 op %d at %d", op, i);
             cr_assert(isnan(wd) ? isnan(dout[i]) : memcmp(&dout[i], &wd, 8) == 0, "f64 op %d at %d", op, i);
             int64_t wi = op == TS__BUF_SUM ? (int64_t)((uint64_t)ia[i] + (uint64_t)ib[i])
-                       : op == TS__BUF_MAX ? (ia[i] > ib[i] ? ia[i] : ib[i])
+                : op == TS__BUF_MAX        ? (ia[i] > ib[i] ? ia[i] : ib[i])
                                            : (ia[i] < ib[i] ? ia[i] : ib[i]);
             cr_assert_eq(io[i], wi, "i64 op %d at %d", op, i);
         }
@@ -274,17 +268,15 @@ Test(tensor_kernels, reduce_matches_element_loops)
                 ts__buf_convert_on(TS__KPATH_SCALAR, d, ha, TS_F32, fa, N);
                 ts__buf_convert_on(TS__KPATH_SCALAR, d, hb, TS_F32, fb, N);
                 memcpy(ho, ha, sizeof ha);
-                if (op == TS__BUF_SUM)
-                    ts__buf_add(d, ho, hb, N);
-                else
-                    ts__buf_reduce(d, (ts__buf_op)op, ho, ho, hb, N);
+                if (op == TS__BUF_SUM) ts__buf_add(d, ho, hb, N);
+                else ts__buf_reduce(d, (ts__buf_op)op, ho, ho, hb, N);
                 for (int i = 0; i < N; i++) {
                     float x = d == TS_BF16 ? ts_bf16_to_f32(ha[i]) : ts_f16_to_f32(ha[i]);
                     float y = d == TS_BF16 ? ts_bf16_to_f32(hb[i]) : ts_f16_to_f32(hb[i]);
                     float r = ref_op_f32((ts__buf_op)op, x, y);
                     uint16_t w = d == TS_BF16 ? ts_f32_to_bf16(r) : ts_f32_to_f16(r);
-                    cr_assert_eq(ho[i], w, "%s op %d path %s at %d", ts_dtype_name(d), op,
-                                 ts__kpath_name((ts__kpath)p), i);
+                    cr_assert_eq(ho[i], w, "%s op %d path %s at %d", ts_dtype_name(d), op, ts__kpath_name((ts__kpath)p),
+                                 i);
                 }
                 ts__kpath_force(-1);
             }
@@ -335,10 +327,8 @@ Test(tensor_kernels, div_and_scale)
         for (int mul = 0; mul < 2; mul++) {
             ts__buf_convert(t, h, TS_F32, f, N);
             memcpy(h2, h, sizeof h);
-            if (mul)
-                ts__buf_scale(t, h2, N, c);
-            else
-                ts__buf_div(t, h2, N, div);
+            if (mul) ts__buf_scale(t, h2, N, c);
+            else ts__buf_div(t, h2, N, div);
             for (int i = 0; i < N; i++) {
                 float x = t == TS_BF16 ? ts_bf16_to_f32(h[i]) : ts_f16_to_f32(h[i]);
                 float r = mul ? x * (float)c : x / (float)div;
@@ -370,7 +360,8 @@ Test(tensor_kernels, norms_agree_across_paths)
         for (int64_t n = 0; n <= 200 || n == N; n = n == 200 ? N : n + 1) {
             float a = ts__buf_norm2_f32_on((ts__kpath)p, x, n);
             float r = ts__buf_norm2_f32_on(TS__KPATH_SCALAR, x, n);
-            cr_assert_eq(th_f32_bits(a), th_f32_bits(r), "%s norm of %lld f32", ts__kpath_name((ts__kpath)p), (long long)n);
+            cr_assert_eq(th_f32_bits(a), th_f32_bits(r), "%s norm of %lld f32", ts__kpath_name((ts__kpath)p),
+                         (long long)n);
             double b = ts__buf_norm2_f64_on((ts__kpath)p, y, n);
             double s = ts__buf_norm2_f64_on(TS__KPATH_SCALAR, y, n);
             cr_assert_eq(b, s, "%s norm of %lld f64", ts__kpath_name((ts__kpath)p), (long long)n);
@@ -380,8 +371,7 @@ Test(tensor_kernels, norms_agree_across_paths)
     /* the reference is torch's order, not a plain sum: a sequential f32
      * sum of the squares of these values gives different bits */
     float seq = 0;
-    for (int i = 0; i < N; i++)
-        seq = fmaf(x[i], x[i], seq);
+    for (int i = 0; i < N; i++) seq = fmaf(x[i], x[i], seq);
     cr_assert_neq(th_f32_bits(sqrtf(seq)), th_f32_bits(ts__buf_norm2_f32(x, N)));
     cr_assert_geq(npaths, 1);
     cr_assert_eq(ts__buf_norm2_f32(x, 0), 0.0f);

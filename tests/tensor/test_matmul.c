@@ -35,12 +35,9 @@ static ts_tensor *naive_matmul(ts_tensor *ta, ts_tensor *tb)
     }
     int64_t os[TS_MAX_DIMS];
     int no = 0;
-    for (int i = 0; i < nbat; i++)
-        os[no++] = bs[i];
-    if (na > 1)
-        os[no++] = m;
-    if (nb > 1)
-        os[no++] = n;
+    for (int i = 0; i < nbat; i++) os[no++] = bs[i];
+    if (na > 1) os[no++] = m;
+    if (nb > 1) os[no++] = n;
     int64_t total = nbatch * m * n;
     double *O = calloc((size_t)(total > 0 ? total : 1), sizeof *O);
     for (int64_t bi = 0; bi < nbatch; bi++) {
@@ -62,8 +59,7 @@ static ts_tensor *naive_matmul(ts_tensor *ta, ts_tensor *tb)
         for (int64_t i = 0; i < m; i++)
             for (int64_t j = 0; j < n; j++) {
                 double s = 0;
-                for (int64_t p = 0; p < k; p++)
-                    s += A[offa + i * k + p] * B[offb + p * n + j];
+                for (int64_t p = 0; p < k; p++) s += A[offa + i * k + p] * B[offb + p * n + j];
                 O[(bi * m + i) * n + j] = s;
             }
     }
@@ -106,8 +102,7 @@ static ts_status gc_matmul(ts_tensor **in, ts_tensor **out, void *ctx)
     const mm_ctx *c = ctx;
     ts_tensor *a = in[0], *b = in[1], *at = NULL, *bt = NULL;
     ts_status st = TS_OK;
-    if (c && c->ta && (st = ts_transpose(a, -1, -2, &at)))
-        return st;
+    if (c && c->ta && (st = ts_transpose(a, -1, -2, &at))) return st;
     if (c && c->tb && (st = ts_transpose(b, -1, -2, &bt))) {
         ts_tensor_free(at);
         return st;
@@ -174,7 +169,8 @@ Test(tensor_matmul, hand_computed_products)
     th_mem_mark();
     int64_t s23[2] = {2, 3}, s32[2] = {3, 2}, s3[1] = {3};
     double av[6] = {1, 2, 3, 4, 5, 6}, bv[6] = {7, 8, 9, 10, 11, 12}, v[3] = {1, 0, -1};
-    ts_tensor *a = th_tensor(TS_F32, 2, s23, av), *b = th_tensor(TS_F32, 2, s32, bv), *x = th_tensor(TS_F32, 1, s3, v), *o;
+    ts_tensor *a = th_tensor(TS_F32, 2, s23, av), *b = th_tensor(TS_F32, 2, s32, bv), *x = th_tensor(TS_F32, 1, s3, v),
+              *o;
     TH_OK(ts_matmul(a, b, &o));
     double *g = th_vals_new(o);
     cr_assert(g[0] == 58 && g[1] == 64 && g[2] == 139 && g[3] == 154, "%g %g %g %g", g[0], g[1], g[2], g[3]);
@@ -205,12 +201,10 @@ Test(tensor_matmul, blis_matches_reference_kernels)
         int na, nb;
         int64_t sa[3], sb[3];
     } cases[] = {
-        {2, 2, {37, 29}, {29, 41}},
-        {3, 2, {3, 17, 33}, {33, 9}},       /* fold */
-        {3, 3, {4, 19, 23}, {4, 23, 13}},   /* batched */
-        {3, 3, {1, 19, 23}, {3, 23, 13}},   /* broadcast batch */
-        {1, 2, {64}, {64, 31}},
-        {2, 1, {31, 64}, {64}},
+        {2, 2, {37, 29}, {29, 41}},       {3, 2, {3, 17, 33}, {33, 9}}, /* fold */
+        {3, 3, {4, 19, 23}, {4, 23, 13}},                               /* batched */
+        {3, 3, {1, 19, 23}, {3, 23, 13}},                               /* broadcast batch */
+        {1, 2, {64}, {64, 31}},           {2, 1, {31, 64}, {64}},
     };
     for (size_t c = 0; c < sizeof cases / sizeof *cases; c++)
         for (int dt = 0; dt < 2; dt++) {
@@ -311,11 +305,11 @@ Test(tensor_matmul, strided_batch_views_match_naive)
     for (int dt = 0; dt < 2; dt++) {
         ts_dtype d = dt ? TS_F64 : TS_F32;
         ts_tensor *base = th_seq(d, 4, sbase, 1, false), *w = th_seq(d, 2, sw, 1, false), *a1, *a2, *a3, *tmp;
-        TH_OK(ts_slice(base, 1, 0, 6, 6, &a1));         /* (2,1,2,4) */
-        TH_OK(ts_slice(base, 2, 1, 2, 1, &tmp));        /* (2,6,1,4) */
-        TH_OK(ts_slice(tmp, 1, 0, 6, 2, &a2));          /* (2,3,1,4): m = 1 */
+        TH_OK(ts_slice(base, 1, 0, 6, 6, &a1));  /* (2,1,2,4) */
+        TH_OK(ts_slice(base, 2, 1, 2, 1, &tmp)); /* (2,6,1,4) */
+        TH_OK(ts_slice(tmp, 1, 0, 6, 2, &a2));   /* (2,3,1,4): m = 1 */
         ts_tensor_free(tmp);
-        TH_OK(ts_slice(base, 1, 1, 4, 1, &a3));         /* (2,3,2,4), batch gap */
+        TH_OK(ts_slice(base, 1, 1, 4, 1, &a3)); /* (2,3,2,4), batch gap */
         ts_tensor *as[3] = {a1, a2, a3};
         for (int k = 0; k < 3; k++) {
             ts_tensor *o, *want;
@@ -386,18 +380,12 @@ Test(tensor_matmul, random_views_match_naive)
         int64_t m = 1 + th_lcg(&st) % 4, k = 1 + th_lcg(&st) % 4, n = 1 + th_lcg(&st) % 4;
         int64_t sa[4], sb[4], batch[2] = {1 + th_lcg(&st) % 3, 1 + th_lcg(&st) % 3};
         /* batch dims: shared sizes, some set to 1 to broadcast */
-        for (int i = 0; i < na - 2; i++)
-            sa[i] = th_lcg(&st) % 3 ? batch[i + 4 - na] : 1;
-        for (int i = 0; i < nb - 2; i++)
-            sb[i] = th_lcg(&st) % 3 ? batch[i + 4 - nb] : 1;
-        if (na == 1)
-            sa[0] = k;
-        else
-            sa[na - 2] = m, sa[na - 1] = k;
-        if (nb == 1)
-            sb[0] = k;
-        else
-            sb[nb - 2] = k, sb[nb - 1] = n;
+        for (int i = 0; i < na - 2; i++) sa[i] = th_lcg(&st) % 3 ? batch[i + 4 - na] : 1;
+        for (int i = 0; i < nb - 2; i++) sb[i] = th_lcg(&st) % 3 ? batch[i + 4 - nb] : 1;
+        if (na == 1) sa[0] = k;
+        else sa[na - 2] = m, sa[na - 1] = k;
+        if (nb == 1) sb[0] = k;
+        else sb[nb - 2] = k, sb[nb - 1] = n;
         ts_dtype d = it % 2 ? TS_F64 : TS_F32;
         ts_tensor *a = random_view(d, na, sa, &st), *b = random_view(d, nb, sb, &st), *o;
         TH_OK(ts_matmul(a, b, &o));
@@ -445,7 +433,7 @@ Test(tensor_matmul, gradcheck_transposed_operands)
         {2, 2, {3, 2}, {3, 4}, true, false},
         {2, 2, {2, 3}, {4, 3}, false, true},
         {2, 2, {3, 2}, {4, 3}, true, true},
-        {3, 2, {2, 4, 3}, {5, 4}, true, true},  /* fold path with a transposed a: copies */
+        {3, 2, {2, 4, 3}, {5, 4}, true, true}, /* fold path with a transposed a: copies */
         {3, 3, {2, 4, 3}, {2, 5, 4}, true, true},
         {2, 3, {3, 4}, {2, 5, 4}, false, true},
     };
@@ -515,7 +503,8 @@ Test(tensor_matmul, linear_hand_values)
     th_mem_mark();
     int64_t sx[2] = {1, 2}, sw[2] = {2, 2}, sb[1] = {2};
     double xv[2] = {1, 2}, wv[4] = {1, 0, 3, -1}, bv[2] = {0.5, 10};
-    ts_tensor *x = th_tensor(TS_F32, 2, sx, xv), *w = th_tensor(TS_F32, 2, sw, wv), *b = th_tensor(TS_F32, 1, sb, bv), *o;
+    ts_tensor *x = th_tensor(TS_F32, 2, sx, xv), *w = th_tensor(TS_F32, 2, sw, wv), *b = th_tensor(TS_F32, 1, sb, bv),
+              *o;
     TH_OK(ts_linear(x, w, b, &o));
     double *g = th_vals_new(o);
     /* (1*1 + 2*0 + 0.5, 1*3 - 2 + 10) */
@@ -562,8 +551,7 @@ static ts_status gc_linear(ts_tensor **in, ts_tensor **out, void *ctx)
     const lin_ctx *c = ctx;
     ts_tensor *xt = NULL;
     ts_status st;
-    if (c && c->tx && (st = ts_transpose(in[0], 0, 1, &xt)))
-        return st;
+    if (c && c->tx && (st = ts_transpose(in[0], 0, 1, &xt))) return st;
     st = ts_linear(xt ? xt : in[0], in[1], in[2], out);
     ts_tensor_free(xt);
     return st;
@@ -589,8 +577,7 @@ Test(tensor_matmul, linear_gradcheck_all_inputs)
                     cr_assert_not_null(ts_tensor_grad(in[j]), "x case %zu bias %d: no grad for input %d", k, ub, j);
                     th_assert_shape(ts_tensor_grad(in[j]), ts_tensor_ndim(in[j]), ts_tensor_shape(in[j]));
                 }
-            for (int j = 0; j < 3; j++)
-                ts_tensor_free(in[j]);
+            for (int j = 0; j < 3; j++) ts_tensor_free(in[j]);
         }
     th_mem_assert_back();
 }
@@ -599,7 +586,8 @@ Test(tensor_matmul, linear_optimized_matches_reference)
 {
     th_mem_mark();
     int64_t sx[3] = {3, 7, 33}, sw[2] = {19, 33}, sb[1] = {19};
-    ts_tensor *x0 = th_seq(TS_F32, 3, sx, 1, false), *w0 = th_seq(TS_F32, 2, sw, 1, false), *b0 = th_seq(TS_F32, 1, sb, 1, false);
+    ts_tensor *x0 = th_seq(TS_F32, 3, sx, 1, false), *w0 = th_seq(TS_F32, 2, sw, 1, false),
+              *b0 = th_seq(TS_F32, 1, sb, 1, false);
     ts_tensor *in[3] = {x0, w0, b0};
     /* float BLIS accumulation over k <= 33 terms of size <= 1 against a
      * double accumulation: ~k * eps * k = 7e-5 worst case, far less in

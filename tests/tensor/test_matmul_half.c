@@ -32,23 +32,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-static float to_f32(ts_dtype dt, uint16_t h)
-{
-    return dt == TS_BF16 ? ts__bf16_to_f32(h) : ts_f16_to_f32(h);
-}
+static float to_f32(ts_dtype dt, uint16_t h) { return dt == TS_BF16 ? ts__bf16_to_f32(h) : ts_f16_to_f32(h); }
 
-static uint16_t from_f32(ts_dtype dt, float f)
-{
-    return dt == TS_BF16 ? ts__f32_to_bf16(f) : ts_f32_to_f16(f);
-}
+static uint16_t from_f32(ts_dtype dt, float f) { return dt == TS_BF16 ? ts__f32_to_bf16(f) : ts_f32_to_f16(f); }
 
 /* n values in [-1, 1) rounded to dt. */
 static uint16_t *rand_half(ts_dtype dt, int64_t n, uint32_t seed)
 {
     uint16_t *p = malloc((size_t)(n > 0 ? n : 1) * sizeof *p);
     uint32_t s = seed * 2654435761u + 7;
-    for (int64_t i = 0; i < n; i++)
-        p[i] = from_f32(dt, (float)(th_lcg(&s) >> 8) / 8388608.0f - 1.0f);
+    for (int64_t i = 0; i < n; i++) p[i] = from_f32(dt, (float)(th_lcg(&s) >> 8) / 8388608.0f - 1.0f);
     return p;
 }
 
@@ -77,9 +70,11 @@ static void assert_matches(ts_dtype dt, const char *what, int64_t m, int64_t n, 
                 s += fabs((double)to_f32(dt, a[i * rsa + p * csa]) * to_f32(dt, b[p * rsb + j * csb]));
             double r = to_f32(dt, ref[i * rsc + j * csc]), g = to_f32(dt, got[i * rsc + j * csc]);
             double tol = ulp_of(dt, r) + 2.0 * (double)(k + 1) * ldexp(1.0, -24) * s;
-            cr_assert(fabs(g - r) <= tol, "%s (%s, m %lld n %lld k %lld, beta %g): C[%lld, %lld] = %.9g, reference %.9g "
-                      "(tolerance %.3g)", what, dt == TS_BF16 ? "bf16" : "f16", (long long)m, (long long)n,
-                      (long long)k, (double)beta, (long long)i, (long long)j, g, r, tol);
+            cr_assert(fabs(g - r) <= tol,
+                      "%s (%s, m %lld n %lld k %lld, beta %g): C[%lld, %lld] = %.9g, reference %.9g "
+                      "(tolerance %.3g)",
+                      what, dt == TS_BF16 ? "bf16" : "f16", (long long)m, (long long)n, (long long)k, (double)beta,
+                      (long long)i, (long long)j, g, r, tol);
         }
 }
 
@@ -115,8 +110,7 @@ static void check_kernel_case(ts__hgemm_kernel kern, ts_dtype dt, int64_t m, int
                 uint16_t *c0 = rand_half(dt, m * n, (uint32_t)(k + bi)), *got = malloc((size_t)(m * n) * 2),
                          *ref = malloc((size_t)(m * n) * 2);
                 if (beta == 0.0f) /* beta 0 must not read C: NaN there must not show */
-                    for (int64_t i = 0; i < m * n; i++)
-                        c0[i] = dt == TS_BF16 ? 0x7FC0 : 0x7E00;
+                    for (int64_t i = 0; i < m * n; i++) c0[i] = dt == TS_BF16 ? 0x7FC0 : 0x7E00;
                 memcpy(got, c0, (size_t)(m * n) * 2);
                 memcpy(ref, c0, (size_t)(m * n) * 2);
                 ts__gemm_ref_half(dt, m, n, k, a, rsa, csa, b, rsb, csb, beta, ref, rsc, csc);
@@ -145,8 +139,7 @@ static const int64_t sizes[][3] = {
 
 static void check_kernel(ts__hgemm_kernel kern, ts_dtype dt)
 {
-    for (int s = 0; s < N_SIZES; s++)
-        check_kernel_case(kern, dt, sizes[s][0], sizes[s][1], sizes[s][2]);
+    for (int s = 0; s < N_SIZES; s++) check_kernel_case(kern, dt, sizes[s][0], sizes[s][1], sizes[s][2]);
 }
 
 static bool cpu_runs(ts__hgemm_kernel k)
@@ -158,15 +151,13 @@ static bool cpu_runs(ts__hgemm_kernel k)
 
 Test(tensor_matmul_half, avx512bf16_kernel_matches_reference, .timeout = 120)
 {
-    if (!cpu_runs(TS__HGEMM_AVX512BF16))
-        cr_skip_test("skipped: this CPU has no AVX512_BF16 (with OS zmm state)");
+    if (!cpu_runs(TS__HGEMM_AVX512BF16)) cr_skip_test("skipped: this CPU has no AVX512_BF16 (with OS zmm state)");
     check_kernel(TS__HGEMM_AVX512BF16, TS_BF16);
 }
 
 Test(tensor_matmul_half, avx512bf16_kernel_two_threads_match_reference, .timeout = 120)
 {
-    if (!cpu_runs(TS__HGEMM_AVX512BF16))
-        cr_skip_test("skipped: this CPU has no AVX512_BF16 (with OS zmm state)");
+    if (!cpu_runs(TS__HGEMM_AVX512BF16)) cr_skip_test("skipped: this CPU has no AVX512_BF16 (with OS zmm state)");
     /* large enough for the second thread (m n k >= 4e6, m >= 28), with
      * the shared B block packed by both threads */
     ts_set_num_threads(2);
@@ -201,8 +192,7 @@ Test(tensor_matmul_half, k_zero_scales_c)
         cr_assert_eq(to_f32(TS_BF16, c[1]), -1.0f);
         cr_assert(isnan(to_f32(TS_BF16, c[2])));
         ts__gemm_half_with((ts__hgemm_kernel)kern, TS_BF16, 2, 2, 0, NULL, 0, 1, NULL, 2, 1, 0.0f, c, 2, 1);
-        for (int i = 0; i < 4; i++)
-            cr_assert_eq(c[i], 0, "beta 0 and k 0 give zeros, even over a NaN");
+        for (int i = 0; i < 4; i++) cr_assert_eq(c[i], 0, "beta 0 and k 0 give zeros, even over a NaN");
     }
 }
 
@@ -210,8 +200,14 @@ Test(tensor_matmul_half, k_zero_scales_c)
 
 static ts__cpu_info cpu_avx2_only(void)
 {
-    ts__cpu_info c = {.vendor = TS__CPU_AMD, .family = 0x19, .sse3 = true, .ssse3 = true, .avx = true,
-                      .fma3 = true, .avx2 = true, .os_ymm = true};
+    ts__cpu_info c = {.vendor = TS__CPU_AMD,
+                      .family = 0x19,
+                      .sse3 = true,
+                      .ssse3 = true,
+                      .avx = true,
+                      .fma3 = true,
+                      .avx2 = true,
+                      .os_ymm = true};
     return c;
 }
 
@@ -280,14 +276,12 @@ Test(tensor_matmul_half, env_avx512bf16_where_missing_falls_back)
 static ts_tensor *half_tensor(ts_dtype dt, int nd, const int64_t *shape, uint32_t seed, bool rg)
 {
     int64_t n = 1;
-    for (int i = 0; i < nd; i++)
-        n *= shape[i];
+    for (int i = 0; i < nd; i++) n *= shape[i];
     uint16_t *v = rand_half(dt, n, seed);
     ts_tensor *t;
     TH_OK(ts_tensor_from_data(dt, nd, shape, v, &t));
     free(v);
-    if (rg)
-        TH_OK(ts_tensor_set_requires_grad(t, true));
+    if (rg) TH_OK(ts_tensor_set_requires_grad(t, true));
     return t;
 }
 
@@ -309,10 +303,8 @@ static void check_bmm(ts_dtype dt, int64_t bat, int64_t m, int64_t n, int64_t k,
 {
     int64_t sa[3] = {bat, m, k}, sb[3] = {bcast ? 1 : bat, bt ? n : k, bt ? k : n};
     ts_tensor *a = half_tensor(dt, 3, sa, 3, false), *b0 = half_tensor(dt, 3, sb, 4, false), *b, *o;
-    if (bt)
-        TH_OK(ts_transpose(b0, 1, 2, &b));
-    else
-        b = ts_tensor_retain(b0);
+    if (bt) TH_OK(ts_transpose(b0, 1, 2, &b));
+    else b = ts_tensor_retain(b0);
     TH_OK(ts_matmul(a, b, &o));
     cr_assert_eq(ts_tensor_dtype(o), dt);
     int64_t so[3] = {bat, m, n};
@@ -369,8 +361,7 @@ Test(tensor_matmul_half, linear_with_bias_rounds_once)
         TH_OK(ts_linear(x, w, bias, &o));
         uint16_t *X = data_of(x), *W = data_of(w), *Bv = data_of(bias), *O = data_of(o);
         uint16_t *C0 = malloc((size_t)(M * N) * 2), *R = malloc((size_t)(M * N) * 2);
-        for (int64_t i = 0; i < M; i++)
-            memcpy(C0 + i * N, Bv, (size_t)N * 2);
+        for (int64_t i = 0; i < M; i++) memcpy(C0 + i * N, Bv, (size_t)N * 2);
         memcpy(R, C0, (size_t)(M * N) * 2);
         ts__gemm_ref_half(dt, M, N, K, X, K, 1, W, 1, K, 1.0f, R, N, 1);
         assert_matches(dt, "linear", M, N, K, X, K, 1, W, 1, K, 1.0f, C0, O, R, N, 1);
@@ -387,8 +378,7 @@ static ts_tensor *upcast(ts_tensor *t)
     uint16_t *v = data_of(t);
     int64_t n = ts_tensor_numel(t);
     float *f = malloc((size_t)(n > 0 ? n : 1) * sizeof *f);
-    for (int64_t i = 0; i < n; i++)
-        f[i] = to_f32(ts_tensor_dtype(t), v[i]);
+    for (int64_t i = 0; i < n; i++) f[i] = to_f32(ts_tensor_dtype(t), v[i]);
     ts_tensor *u;
     TH_OK(ts_tensor_from_data(TS_F32, ts_tensor_ndim(t), ts_tensor_shape(t), f, &u));
     TH_OK(ts_tensor_set_requires_grad(u, ts_tensor_requires_grad(t)));
@@ -413,8 +403,8 @@ static void assert_grad(const char *what, ts_tensor *gh, ts_tensor *gf, int64_t 
     for (int64_t i = 0; i < ts_tensor_numel(gh); i++) {
         double want = to_f32(dt, from_f32(dt, f[i])), got = to_f32(dt, h[i]);
         double tol = ulp_of(dt, want) + 2.0 * (double)(k_sum + 1) * ldexp(1.0, -24) * (double)k_sum * bound;
-        cr_assert(fabs(got - want) <= tol, "%s: element %lld = %.9g, f32 gradient rounded %.9g (tolerance %.3g)",
-                  what, (long long)i, got, want, tol);
+        cr_assert(fabs(got - want) <= tol, "%s: element %lld = %.9g, f32 gradient rounded %.9g (tolerance %.3g)", what,
+                  (long long)i, got, want, tol);
     }
     free(h);
     ts_tensor_free(fc);
@@ -438,8 +428,7 @@ Test(tensor_matmul_half, matmul_backward_matches_f32_backward_rounded)
         assert_grad("matmul dB", ts_tensor_grad(b), ts_tensor_grad(bf), 19, 1.0);
         cr_assert_eq(ts_tensor_dtype(ts_tensor_grad(a)), dt);
         ts_tensor *all[] = {a, b, g, af, bf, gf, o, of};
-        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-            ts_tensor_free(all[i]);
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ts_tensor_free(all[i]);
     }
 }
 
@@ -464,7 +453,6 @@ Test(tensor_matmul_half, linear_backward_matches_f32_backward_rounded)
         ts_tensor_free(bias);
         ts_tensor_free(bf);
         ts_tensor *all[] = {x, w, g, xf, wf, gf, o, of};
-        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-            ts_tensor_free(all[i]);
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ts_tensor_free(all[i]);
     }
 }

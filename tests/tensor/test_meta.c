@@ -37,12 +37,10 @@ Test(tensor_meta, scope_nests_and_exit_without_enter_is_refused)
     cr_assert_eq(ts_tensor_device(m), TS_DEVICE_META);
     cr_assert_eq(ts_device_scope_exit(), TS_ERR_STATE);
     /* the depth limit */
-    for (int i = 0; i < TS_DEVICE_SCOPE_MAX_DEPTH; i++)
-        TH_OK(ts_device_scope_enter(TS_DEVICE_META));
+    for (int i = 0; i < TS_DEVICE_SCOPE_MAX_DEPTH; i++) TH_OK(ts_device_scope_enter(TS_DEVICE_META));
     cr_assert_eq(ts_device_scope_enter(TS_DEVICE_META), TS_ERR_STATE);
     cr_assert(strstr(ts_last_error(), "the limit"), "%s", ts_last_error());
-    for (int i = 0; i < TS_DEVICE_SCOPE_MAX_DEPTH; i++)
-        TH_OK(ts_device_scope_exit());
+    for (int i = 0; i < TS_DEVICE_SCOPE_MAX_DEPTH; i++) TH_OK(ts_device_scope_exit());
     cr_assert_eq(ts_default_device(), TS_DEVICE_CPU);
     ts_tensor_free(c);
     ts_tensor_free(m);
@@ -90,8 +88,7 @@ static void *make_meta(void *arg)
     made_on_thread *m = arg;
     int64_t s[1] = {1000};
     if (ts_device_scope_enter(TS_DEVICE_META) == TS_OK) {
-        if (ts_tensor_empty(TS_F32, 1, s, &m->t) != TS_OK)
-            m->t = NULL;
+        if (ts_tensor_empty(TS_F32, 1, s, &m->t) != TS_OK) m->t = NULL;
         m->stats = ts_meta_get_stats();
         ts_device_scope_exit();
     }
@@ -182,8 +179,7 @@ Test(tensor_meta, factories_make_meta_tensors_and_draw_nothing)
     cr_assert_eq(ts_tensor_numel(t[10]), 12);
     /* the pool's classes: six of 64 bytes (60 and fewer bytes), five of 128 */
     cr_assert_eq(st.live, 6 * 64 + 5 * 128, "every storage is counted");
-    for (int i = 0; i < 11; i++)
-        ts_tensor_free(t[i]);
+    for (int i = 0; i < 11; i++) ts_tensor_free(t[i]);
     cr_assert_eq(ts_meta_get_stats().live, 0);
 }
 
@@ -213,8 +209,10 @@ Test(tensor_meta, materialize_turns_every_view_into_a_cpu_tensor)
     ts_tensor_free(one);
     int64_t idx[2] = {0, 0};
     cr_assert_eq(ts_tensor_get(t, idx, &x), TS_ERR_STATE);
-    cr_assert(strstr(ts_last_error(), "'0.weight' (4, 6) is on the meta device (it has no data): materialize the "
-                                      "model or load a checkpoint first"), "%s", ts_last_error());
+    cr_assert(strstr(ts_last_error(),
+                     "'0.weight' (4, 6) is on the meta device (it has no data): materialize the "
+                     "model or load a checkpoint first"),
+              "%s", ts_last_error());
     size_t pool0 = ts_mem_live_bytes(TS_MEM_STORAGE);
     TH_OK(ts_tensor_materialize(t));
     TH_OK(ts_tensor_materialize(t)); /* a no-op on a CPU storage */
@@ -226,8 +224,7 @@ Test(tensor_meta, materialize_turns_every_view_into_a_cpu_tensor)
     th_assert_shape(v, 2, vs);
     double vals[24];
     th_vals(v, vals, 24);
-    for (int i = 0; i < 24; i++)
-        cr_assert_eq(vals[i], 0.0, "materialized bytes are zeroed");
+    for (int i = 0; i < 24; i++) cr_assert_eq(vals[i], 0.0, "materialized bytes are zeroed");
     cr_assert_eq(ts_storage_materialize(NULL), TS_ERR_INVALID_ARGUMENT);
     ts_tensor_free(v);
     ts_tensor_free(t);
@@ -276,8 +273,10 @@ Test(tensor_meta, meta_inputs_outside_a_scope_are_a_clear_error)
     TH_OK(ts_device_scope_exit());
     TH_OK(ts_randn(TS_F32, 2, s, NULL, &x));
     cr_assert_eq(ts_mul(x, w, &y), TS_ERR_STATE);
-    cr_assert(strstr(ts_last_error(), "mul: input 1 '0.weight' (4, 3) is on the meta device (it has no data): "
-                                      "materialize the model or load a checkpoint first"), "%s", ts_last_error());
+    cr_assert(strstr(ts_last_error(),
+                     "mul: input 1 '0.weight' (4, 3) is on the meta device (it has no data): "
+                     "materialize the model or load a checkpoint first"),
+              "%s", ts_last_error());
     cr_assert_null(y);
     cr_assert_eq(ts_linear(x, w, NULL, &y), TS_ERR_STATE);
     cr_assert_eq(ts_tensor_copy_(x, w), TS_ERR_STATE, "copying from a meta tensor");
@@ -342,10 +341,9 @@ static void assert_same_memory(const char *what, step_fn fn, void *ctx)
     cr_assert_eq(meta.left, cpu.left, "%s: storage left meta %zu, cpu %zu", what, meta.left, cpu.left);
 }
 
-#define TRY(expr)                  \
-    do {                           \
-        if ((st = (expr)) != TS_OK) \
-            goto out;              \
+#define TRY(expr) \
+    do { \
+        if ((st = (expr)) != TS_OK) goto out; \
     } while (0)
 
 /* One training step per call of `steps`: forward, loss, backward,
@@ -371,8 +369,7 @@ static ts_status train(ts_module *model, ts_optim *opt, int steps, ts_tensor *x,
             TRY(ts_module_parameters(model, &p));
             st = ts_clip_grad_norm(p.n, p.items, 1.0, &norm);
             ts_param_list_free(&p);
-            if (st)
-                goto out;
+            if (st) goto out;
         }
         TRY(ts_optim_step(opt));
     out:
@@ -406,8 +403,7 @@ static ts_status mlp_steps(void *ctx)
     ts_module *ch[3] = {l1, act, l2};
     TRY(ts_sequential_new(3, ch, &model));
     l1 = act = l2 = NULL; /* the Sequential owns them */
-    if (c->dtype != TS_F32)
-        TRY(ts_module_to_dtype(model, c->dtype));
+    if (c->dtype != TS_F32) TRY(ts_module_to_dtype(model, c->dtype));
     TRY(ts_module_parameters(model, &p));
     ts_adam_options o = c->adam_amsgrad ? ts_adam_options_default() : ts_adamw_options_default();
     o.fused = c->fused;
@@ -467,8 +463,7 @@ static ts_status gpt_steps(void *ctx)
     if (c->checkpoint) {
         ts_module *blocks = NULL;
         TRY(ts_module_get_submodule(model, "blocks", &blocks));
-        for (int i = 0; i < ts_container_size(blocks); i++)
-            TRY(ts_checkpoint_module(ts_container_child(blocks, i)));
+        for (int i = 0; i < ts_container_size(blocks); i++) TRY(ts_checkpoint_module(ts_container_child(blocks, i)));
     }
     ts_module_train(model, true);
     TRY(ts_module_parameters(model, &p));
@@ -516,10 +511,8 @@ static ts_status block_steps(void *ctx)
     TRY(ts_module_parameters(ln, &p1));
     TRY(ts_module_parameters(mha, &p2));
     int n = 0;
-    for (int i = 0; i < p1.n; i++)
-        params[n++] = p1.items[i];
-    for (int i = 0; i < p2.n; i++)
-        params[n++] = p2.items[i];
+    for (int i = 0; i < p1.n; i++) params[n++] = p1.items[i];
+    for (int i = 0; i < p2.n; i++) params[n++] = p2.items[i];
     ts_sgd_options so = ts_sgd_options_default();
     so.momentum = 0.9;
     TRY(ts_sgd_new(n, params, &so, &opt));
@@ -537,14 +530,10 @@ static ts_status block_steps(void *ctx)
             in[3] = mask;
             st = ts_module_call(mha, 4, in, &nout, &a);
         }
-        if (!st)
-            st = ts_add(x, a, &r);
-        if (!st)
-            st = ts_mean(r, 0, NULL, false, &loss);
-        if (!st)
-            st = ts_backward(loss, NULL, false);
-        if (!st)
-            st = ts_optim_step(opt);
+        if (!st) st = ts_add(x, a, &r);
+        if (!st) st = ts_mean(r, 0, NULL, false, &loss);
+        if (!st) st = ts_backward(loss, NULL, false);
+        if (!st) st = ts_optim_step(opt);
         ts_tensor_free(h);
         ts_tensor_free(a);
         ts_tensor_free(r);
@@ -603,8 +592,7 @@ static ts_status half_matmuls(void *ctx)
         ts_tensor_free(s2);
     }
     ts_tensor_free(s1);
-    if (!st)
-        st = ts_backward(l, NULL, false);
+    if (!st) st = ts_backward(l, NULL, false);
 out:
     ts_tensor_free(a);
     ts_tensor_free(b);

@@ -57,13 +57,11 @@ static ts_status make_input(const spec *s, ts_tensor **out)
                 st = ts_add_scalar(z, 0.5, &u);
                 ts_tensor_free(z);
             }
-            if (!st)
-                st = ts_to_dtype(u, s->dt, &t);
+            if (!st) st = ts_to_dtype(u, s->dt, &t);
         }
         break;
     case K_IDX:
-        if (!(st = ts_randint(0, s->hi, s->nd, s->shape, NULL, &u)))
-            st = ts_to_dtype(u, s->dt, &t);
+        if (!(st = ts_randint(0, s->hi, s->nd, s->shape, NULL, &u))) st = ts_to_dtype(u, s->dt, &t);
         break;
     case K_BOOL:
         if (!(st = ts_randn(TS_F32, s->nd, s->shape, NULL, &u)) && !(st = ts_tensor_zeros(TS_F32, 0, NULL, &z)))
@@ -97,8 +95,7 @@ static ts_status make_input(const spec *s, ts_tensor **out)
 
 static void make_inputs(const op_case *c, ts_tensor **in)
 {
-    for (int i = 0; i < c->n_in; i++)
-        TH_OK(make_input(&c->in[i], &in[i]));
+    for (int i = 0; i < c->n_in; i++) TH_OK(make_input(&c->in[i], &in[i]));
 }
 
 static void free_all(int n, ts_tensor **t)
@@ -122,8 +119,7 @@ typedef struct geom {
 static geom geom_of(const ts_tensor *t)
 {
     geom g = {0};
-    if (!t)
-        return g;
+    if (!t) return g;
     g.present = true;
     g.dt = ts_tensor_dtype(t);
     g.nd = ts_tensor_ndim(t);
@@ -146,12 +142,10 @@ static void assert_geom_eq(const char *op, const char *what, int i, geom a, geom
 {
     char s1[96], s2[96];
     cr_assert_eq(a.present, b.present, "%s: %s %d present %d vs %d", op, what, i, a.present, b.present);
-    if (!a.present)
-        return;
+    if (!a.present) return;
     cr_assert_eq(a.dt, b.dt, "%s: %s %d dtype %s vs %s", op, what, i, ts_dtype_name(a.dt), ts_dtype_name(b.dt));
-    cr_assert(a.nd == b.nd && !memcmp(a.shape, b.shape, (size_t)a.nd * sizeof(int64_t)),
-              "%s: %s %d shape %s vs %s", op, what, i, shape_s(a.nd, a.shape, s1),
-              shape_s(b.nd, b.shape, s2));
+    cr_assert(a.nd == b.nd && !memcmp(a.shape, b.shape, (size_t)a.nd * sizeof(int64_t)), "%s: %s %d shape %s vs %s", op,
+              what, i, shape_s(a.nd, a.shape, s1), shape_s(b.nd, b.shape, s2));
     for (int d = 0; d < a.nd; d++)
         if (a.shape[d] > 1)
             cr_assert_eq(a.strides[d], b.strides[d], "%s: %s %d stride of dim %d: %lld vs %lld", op, what, i, d,
@@ -177,8 +171,7 @@ static run run_op(const op_case *c, ts_tensor **in, bool backward)
     int n_out = 0;
     r.st = c->fn(in, out, &n_out);
     snprintf(r.msg, sizeof r.msg, "%s", r.st ? ts_last_error() : "");
-    if (r.st)
-        return r;
+    if (r.st) return r;
     r.n_out = n_out;
     for (int i = 0; i < n_out; i++) {
         r.out[i] = geom_of(out[i]);
@@ -218,19 +211,16 @@ static void check_case(const op_case *c)
     cr_assert_eq(meta.n_out, cpu.n_out, "%s", c->name);
     for (int i = 0; i < cpu.n_out; i++) {
         assert_geom_eq(c->name, "output", i, meta.out[i], cpu.out[i]);
-        if (meta.out[i].present)
-            cr_assert(meta.out_meta[i], "%s: output %d is a meta tensor", c->name, i);
+        if (meta.out[i].present) cr_assert(meta.out_meta[i], "%s: output %d is a meta tensor", c->name, i);
     }
     for (int i = 0; i < c->n_in; i++) {
         assert_geom_eq(c->name, "gradient", i, meta.grad[i], cpu.grad[i]);
-        if (meta.grad[i].present)
-            cr_assert(meta.grad_meta[i], "%s: gradient %d is a meta tensor", c->name, i);
+        if (meta.grad[i].present) cr_assert(meta.grad_meta[i], "%s: gradient %d is a meta tensor", c->name, i);
     }
     cr_log_info("%s: %s%s%s, %d outputs", c->name, ts_status_name(cpu.st), cpu.st ? ": " : "", cpu.msg, cpu.n_out);
     /* the same meta inputs outside the scope: refused, never a crash */
     for (int i = 0; i < c->n_in; i++)
-        if (in[i])
-            ts_tensor_zero_grad(in[i], true);
+        if (in[i]) ts_tensor_zero_grad(in[i], true);
     run outside = run_op(c, in, false);
     free_all(c->n_in, in);
     if (c->outside == O_STATE && cpu.st == TS_OK) {
@@ -249,18 +239,29 @@ static void check_case(const op_case *c)
         TH_OK(ts_device_scope_exit());
         free_all(c->n_in, in);
         cr_assert_eq(mixed.st, TS_OK, "%s on CPU inputs in a meta scope: %s", c->name, mixed.msg);
-        for (int i = 0; i < cpu.n_out; i++)
-            assert_geom_eq(c->name, "output (CPU inputs)", i, mixed.out[i], cpu.out[i]);
+        for (int i = 0; i < cpu.n_out; i++) assert_geom_eq(c->name, "output (CPU inputs)", i, mixed.out[i], cpu.out[i]);
     }
 }
 
 /* ------------------------------------------------------------ the ops */
 
-#define F32(...) {K_RANDN, TS_F32, NDIMS(__VA_ARGS__), {__VA_ARGS__}, true, 0}
+#define F32(...) \
+    { \
+        K_RANDN, TS_F32, NDIMS(__VA_ARGS__), {__VA_ARGS__}, true, 0 \
+    }
 #define NDIMS(...) ((int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)))
-#define T_(kind_, dt_, rg_, ...) {kind_, dt_, NDIMS(__VA_ARGS__), {__VA_ARGS__}, rg_, 0}
-#define IDX(hi_, ...) {K_IDX, TS_I64, NDIMS(__VA_ARGS__), {__VA_ARGS__}, false, hi_}
-#define SCALAR(dt_) {K_RANDN, dt_, 0, {0}, true, 0}
+#define T_(kind_, dt_, rg_, ...) \
+    { \
+        kind_, dt_, NDIMS(__VA_ARGS__), {__VA_ARGS__}, rg_, 0 \
+    }
+#define IDX(hi_, ...) \
+    { \
+        K_IDX, TS_I64, NDIMS(__VA_ARGS__), {__VA_ARGS__}, false, hi_ \
+    }
+#define SCALAR(dt_) \
+    { \
+        K_RANDN, dt_, 0, {0}, true, 0 \
+    }
 
 static ts_status one(ts_status st, int *n)
 {
@@ -277,8 +278,7 @@ static ts_status op_view_bad(ts_tensor **in, ts_tensor **out, int *n)
 {
     ts_tensor *t;
     ts_status st = ts_transpose(in[0], 0, 1, &t);
-    if (st)
-        return st;
+    if (st) return st;
     int64_t s[1] = {-1};
     st = ts_view(t, 1, s, out);
     ts_tensor_free(t);
@@ -288,8 +288,7 @@ static ts_status op_reshape(ts_tensor **in, ts_tensor **out, int *n)
 {
     ts_tensor *t;
     ts_status st = ts_transpose(in[0], 0, 1, &t);
-    if (st)
-        return st;
+    if (st) return st;
     int64_t s[1] = {-1};
     st = ts_reshape(t, 1, s, out);
     ts_tensor_free(t);
@@ -300,14 +299,20 @@ static ts_status op_reshape_bad(ts_tensor **in, ts_tensor **out, int *n)
     int64_t s[2] = {5, 5};
     return one(ts_reshape(in[0], 2, s, out), n);
 }
-static ts_status op_transpose(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_transpose(in[0], 0, -1, out), n); }
+static ts_status op_transpose(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_transpose(in[0], 0, -1, out), n);
+}
 static ts_status op_permute(ts_tensor **in, ts_tensor **out, int *n)
 {
     int d[3] = {2, 0, 1};
     return one(ts_permute(in[0], d, out), n);
 }
 static ts_status op_narrow(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_narrow(in[0], 1, 1, 2, out), n); }
-static ts_status op_narrow_bad(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_narrow(in[0], 1, 3, 9, out), n); }
+static ts_status op_narrow_bad(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_narrow(in[0], 1, 3, 9, out), n);
+}
 static ts_status op_slice(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_slice(in[0], 1, 0, -1, 2, out), n); }
 static ts_status op_expand(ts_tensor **in, ts_tensor **out, int *n)
 {
@@ -320,15 +325,17 @@ static ts_status op_contiguous(ts_tensor **in, ts_tensor **out, int *n)
 {
     ts_tensor *t;
     ts_status st = ts_transpose(in[0], 0, 1, &t);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_contiguous(t, out);
     ts_tensor_free(t);
     return one(st, n);
 }
 static ts_status op_clone(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_clone(in[0], out), n); }
 static ts_status op_detach(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_detach(in[0], out), n); }
-static ts_status op_local_view(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_tensor_local_view(in[0], out), n); }
+static ts_status op_local_view(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_tensor_local_view(in[0], out), n);
+}
 
 static ts_status op_add(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_add(in[0], in[1], out), n); }
 static ts_status op_sub(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_sub(in[0], in[1], out), n); }
@@ -350,8 +357,14 @@ static ts_status op_sigmoid(ts_tensor **in, ts_tensor **out, int *n) { return on
 static ts_status op_relu(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_relu(in[0], out), n); }
 static ts_status op_abs(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_abs(in[0], out), n); }
 static ts_status op_gelu(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_gelu(in[0], TS_GELU_NONE, out), n); }
-static ts_status op_gelu_tanh(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_gelu(in[0], TS_GELU_TANH, out), n); }
-static ts_status op_gelu_bad(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_gelu(in[0], (ts_gelu_approx)9, out), n); }
+static ts_status op_gelu_tanh(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_gelu(in[0], TS_GELU_TANH, out), n);
+}
+static ts_status op_gelu_bad(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_gelu(in[0], (ts_gelu_approx)9, out), n);
+}
 
 static ts_status op_sum(ts_tensor **in, ts_tensor **out, int *n)
 {
@@ -380,7 +393,10 @@ static ts_status op_max_dim(ts_tensor **in, ts_tensor **out, int *n)
     return st;
 }
 static ts_status op_softmax(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_softmax(in[0], 1, out), n); }
-static ts_status op_log_softmax(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_log_softmax(in[0], -1, out), n); }
+static ts_status op_log_softmax(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_log_softmax(in[0], -1, out), n);
+}
 static ts_status op_softmax_bad(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_softmax(in[0], 4, out), n); }
 static ts_status op_masked_softmax(ts_tensor **in, ts_tensor **out, int *n)
 {
@@ -399,12 +415,18 @@ static ts_status op_attention_bad(ts_tensor **in, ts_tensor **out, int *n)
     return one(ts_attention(in[0], in[1], in[2], 3, in[3], 0.0, false, NULL, out), n);
 }
 static ts_status op_matmul(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_matmul(in[0], in[1], out), n); }
-static ts_status op_linear(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_linear(in[0], in[1], in[2], out), n); }
+static ts_status op_linear(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_linear(in[0], in[1], in[2], out), n);
+}
 static ts_status op_layer_norm(ts_tensor **in, ts_tensor **out, int *n)
 {
     return one(ts_layer_norm(in[0], 1, in[1], in[2], 1e-5, out), n);
 }
-static ts_status op_embedding(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_embedding(in[0], in[1], out), n); }
+static ts_status op_embedding(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_embedding(in[0], in[1], out), n);
+}
 static ts_status op_ce_mean(ts_tensor **in, ts_tensor **out, int *n)
 {
     return one(ts_cross_entropy(in[0], in[1], -100, TS_REDUCTION_MEAN, out), n);
@@ -425,19 +447,34 @@ static ts_status op_l1(ts_tensor **in, ts_tensor **out, int *n)
 {
     return one(ts_l1_loss(in[0], in[1], TS_REDUCTION_SUM, out), n);
 }
-static ts_status op_dropout(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_dropout(in[0], 0.25, true, NULL, out), n); }
-static ts_status op_dropout_all(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_dropout(in[0], 1.0, true, NULL, out), n); }
-static ts_status op_dropout_bad(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_dropout(in[0], 1.5, true, NULL, out), n); }
+static ts_status op_dropout(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_dropout(in[0], 0.25, true, NULL, out), n);
+}
+static ts_status op_dropout_all(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_dropout(in[0], 1.0, true, NULL, out), n);
+}
+static ts_status op_dropout_bad(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_dropout(in[0], 1.5, true, NULL, out), n);
+}
 static ts_status op_cat(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_cat(2, in, 1, out), n); }
 static ts_status op_split(ts_tensor **in, ts_tensor **out, int *n) { return ts_split(in[0], 2, 1, MAX_OUT, out, n); }
 static ts_status op_chunk(ts_tensor **in, ts_tensor **out, int *n) { return ts_chunk(in[0], 3, 0, MAX_OUT, out, n); }
-static ts_status op_where(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_where(in[0], in[1], in[2], out), n); }
+static ts_status op_where(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_where(in[0], in[1], in[2], out), n);
+}
 static ts_status op_masked_fill(ts_tensor **in, ts_tensor **out, int *n)
 {
     return one(ts_masked_fill(in[0], in[1], -1e9, out), n);
 }
 static ts_status op_to_f64(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_to_dtype(in[0], TS_F64, out), n); }
-static ts_status op_to_bf16(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_to_dtype(in[0], TS_BF16, out), n); }
+static ts_status op_to_bf16(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_to_dtype(in[0], TS_BF16, out), n);
+}
 static ts_status op_eq(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_eq(in[0], in[1], out), n); }
 static ts_status op_ne(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_ne(in[0], in[1], out), n); }
 static ts_status op_lt(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_lt(in[0], in[1], out), n); }
@@ -452,7 +489,10 @@ static ts_status noop_cb(void *ctx, int nn, ts_tensor **grads)
     (void)grads;
     return TS_OK;
 }
-static ts_status op_custom(ts_tensor **in, ts_tensor **out, int *n) { return one(ts_autograd_custom(1, in, noop_cb, NULL, NULL, out), n); }
+static ts_status op_custom(ts_tensor **in, ts_tensor **out, int *n)
+{
+    return one(ts_autograd_custom(1, in, noop_cb, NULL, NULL, out), n);
+}
 /* in place: no output */
 static ts_status op_copy_(ts_tensor **in, ts_tensor **out, int *n)
 {
@@ -511,7 +551,10 @@ static ts_status op_kaiming_bad(ts_tensor **in, ts_tensor **out, int *n)
     return ts_init_kaiming_uniform_(in[0], 0, TS_FAN_IN, TS_NL_RELU, NULL);
 }
 
-#define NO_GRAD(kind_, dt_, ...) {kind_, dt_, NDIMS(__VA_ARGS__), {__VA_ARGS__}, false, 0}
+#define NO_GRAD(kind_, dt_, ...) \
+    { \
+        kind_, dt_, NDIMS(__VA_ARGS__), {__VA_ARGS__}, false, 0 \
+    }
 
 static const op_case cases[] = {
     /* views */
@@ -534,7 +577,10 @@ static const op_case cases[] = {
     /* elementwise */
     {"add (broadcast)", op_add, 2, {F32(4, 1, 5), F32(3, 1)}, O_STATE},
     {"add (shapes do not broadcast)", op_add, 2, {F32(4, 5), F32(3, 5)}, O_STATE},
-    {"add (promotes bf16 with f32)", op_add, 2, {T_(K_RANDN, TS_BF16, true, 4, 5), T_(K_RANDN, TS_F32, true, 4, 5)},
+    {"add (promotes bf16 with f32)",
+     op_add,
+     2,
+     {T_(K_RANDN, TS_BF16, true, 4, 5), T_(K_RANDN, TS_F32, true, 4, 5)},
      O_STATE},
     {"add (int64 operands)", op_add, 2, {IDX(5, 3), IDX(5, 3)}, O_STATE},
     {"sub", op_sub, 2, {F32(4, 5), F32(5)}, O_STATE},
@@ -569,45 +615,80 @@ static const op_case cases[] = {
     {"log_softmax (f16)", op_log_softmax, 1, {T_(K_RANDN, TS_F16, true, 3, 7)}, O_STATE},
     {"softmax (dim out of range)", op_softmax_bad, 1, {F32(3, 4)}, O_STATE},
     {"scaled_masked_softmax", op_masked_softmax, 2, {F32(2, 6, 6), T_(K_CAUSAL, TS_BOOL, false, 6, 6)}, O_STATE},
-    {"scaled_masked_softmax (bad mask)", op_masked_softmax, 2, {F32(2, 6, 5), T_(K_CAUSAL, TS_BOOL, false, 6, 6)},
+    {"scaled_masked_softmax (bad mask)",
+     op_masked_softmax,
+     2,
+     {F32(2, 6, 5), T_(K_CAUSAL, TS_BOOL, false, 6, 6)},
      O_STATE},
     /* attention: the fused f32 kernel, the reference (f64), 16-bit */
-    {"attention f32 causal", op_attention, 4, {F32(2, 6, 8), F32(2, 6, 8), F32(2, 6, 8), T_(K_CAUSAL, TS_BOOL, false, 6, 6)},
+    {"attention f32 causal",
+     op_attention,
+     4,
+     {F32(2, 6, 8), F32(2, 6, 8), F32(2, 6, 8), T_(K_CAUSAL, TS_BOOL, false, 6, 6)},
      O_STATE},
-    {"attention f32 dropout", op_attention_drop, 4,
-     {F32(2, 6, 8), F32(2, 6, 8), F32(2, 6, 8), T_(K_CAUSAL, TS_BOOL, false, 6, 6)}, O_STATE},
-    {"attention f64 dropout", op_attention_drop, 4,
-     {T_(K_RANDN, TS_F64, true, 2, 5, 4), T_(K_RANDN, TS_F64, true, 2, 3, 4), T_(K_RANDN, TS_F64, true, 2, 3, 4),
+    {"attention f32 dropout",
+     op_attention_drop,
+     4,
+     {F32(2, 6, 8), F32(2, 6, 8), F32(2, 6, 8), T_(K_CAUSAL, TS_BOOL, false, 6, 6)},
+     O_STATE},
+    {"attention f64 dropout",
+     op_attention_drop,
+     4,
+     {T_(K_RANDN, TS_F64, true, 2, 5, 4),
+      T_(K_RANDN, TS_F64, true, 2, 3, 4),
+      T_(K_RANDN, TS_F64, true, 2, 3, 4),
       {K_NONE, TS_BOOL, 0, {0}, false, 0}},
      O_STATE},
-    {"attention bf16 dropout", op_attention_drop, 4,
+    {"attention bf16 dropout",
+     op_attention_drop,
+     4,
      {T_(K_RANDN, TS_BF16, true, 2, 6, 8), T_(K_RANDN, TS_BF16, true, 2, 6, 8), T_(K_RANDN, TS_BF16, true, 2, 6, 8),
       T_(K_CAUSAL, TS_BOOL, false, 6, 6)},
      O_STATE},
-    {"attention (heads do not divide)", op_attention_bad, 4,
-     {F32(2, 6, 8), F32(2, 6, 8), F32(2, 6, 8), T_(K_CAUSAL, TS_BOOL, false, 6, 6)}, O_STATE},
+    {"attention (heads do not divide)",
+     op_attention_bad,
+     4,
+     {F32(2, 6, 8), F32(2, 6, 8), F32(2, 6, 8), T_(K_CAUSAL, TS_BOOL, false, 6, 6)},
+     O_STATE},
     /* products */
     {"matmul 2-d", op_matmul, 2, {F32(4, 6), F32(6, 3)}, O_STATE},
     {"matmul 1-d @ 2-d", op_matmul, 2, {F32(6), F32(6, 3)}, O_STATE},
     {"matmul 3-d @ 1-d", op_matmul, 2, {F32(2, 4, 6), F32(6)}, O_STATE},
     {"matmul batched broadcast", op_matmul, 2, {F32(2, 1, 4, 6), F32(3, 6, 5)}, O_STATE},
-    {"matmul bf16 folded", op_matmul, 2, {T_(K_RANDN, TS_BF16, true, 2, 4, 6), T_(K_RANDN, TS_BF16, true, 6, 5)},
+    {"matmul bf16 folded",
+     op_matmul,
+     2,
+     {T_(K_RANDN, TS_BF16, true, 2, 4, 6), T_(K_RANDN, TS_BF16, true, 6, 5)},
      O_STATE},
-    {"matmul f16 batched", op_matmul, 2, {T_(K_RANDN, TS_F16, true, 2, 4, 6), T_(K_RANDN, TS_F16, true, 2, 6, 5)},
+    {"matmul f16 batched",
+     op_matmul,
+     2,
+     {T_(K_RANDN, TS_F16, true, 2, 4, 6), T_(K_RANDN, TS_F16, true, 2, 6, 5)},
      O_STATE},
     {"matmul (inner sizes differ)", op_matmul, 2, {F32(4, 6), F32(5, 3)}, O_STATE},
     {"matmul (dtypes differ)", op_matmul, 2, {F32(4, 6), T_(K_RANDN, TS_F64, true, 6, 3)}, O_STATE},
     {"linear with bias", op_linear, 3, {F32(2, 3, 6), F32(5, 6), F32(5)}, O_STATE},
-    {"linear bf16 with bias", op_linear, 3,
-     {T_(K_RANDN, TS_BF16, true, 7, 6), T_(K_RANDN, TS_BF16, true, 5, 6), T_(K_RANDN, TS_BF16, true, 5)}, O_STATE},
-    {"linear no bias (f64)", op_linear, 3,
-     {T_(K_RANDN, TS_F64, true, 7, 6), T_(K_RANDN, TS_F64, true, 5, 6), {K_NONE, TS_F64, 0, {0}, false, 0}}, O_STATE},
+    {"linear bf16 with bias",
+     op_linear,
+     3,
+     {T_(K_RANDN, TS_BF16, true, 7, 6), T_(K_RANDN, TS_BF16, true, 5, 6), T_(K_RANDN, TS_BF16, true, 5)},
+     O_STATE},
+    {"linear no bias (f64)",
+     op_linear,
+     3,
+     {T_(K_RANDN, TS_F64, true, 7, 6), T_(K_RANDN, TS_F64, true, 5, 6), {K_NONE, TS_F64, 0, {0}, false, 0}},
+     O_STATE},
     {"linear (bias does not fit)", op_linear, 3, {F32(2, 6), F32(5, 6), F32(4)}, O_STATE},
     /* nn ops */
     {"layer_norm", op_layer_norm, 3, {F32(2, 3, 8), F32(8), F32(8)}, O_STATE},
-    {"layer_norm bf16", op_layer_norm, 3,
-     {T_(K_RANDN, TS_BF16, true, 3, 8), T_(K_RANDN, TS_BF16, true, 8), T_(K_RANDN, TS_BF16, true, 8)}, O_STATE},
-    {"layer_norm f64 no affine", op_layer_norm, 3,
+    {"layer_norm bf16",
+     op_layer_norm,
+     3,
+     {T_(K_RANDN, TS_BF16, true, 3, 8), T_(K_RANDN, TS_BF16, true, 8), T_(K_RANDN, TS_BF16, true, 8)},
+     O_STATE},
+    {"layer_norm f64 no affine",
+     op_layer_norm,
+     3,
      {T_(K_RANDN, TS_F64, true, 3, 8), {K_NONE, TS_F64, 0, {0}, false, 0}, {K_NONE, TS_F64, 0, {0}, false, 0}},
      O_STATE},
     {"layer_norm (weight does not fit)", op_layer_norm, 3, {F32(3, 8), F32(7), F32(8)}, O_STATE},
@@ -645,8 +726,7 @@ static const op_case cases[] = {
     {"autograd_custom (reads no data)", op_custom, 1, {F32(4, 5)}, O_OK},
     /* in place */
     {"copy_", op_copy_, 2, {NO_GRAD(K_RANDN, TS_F32, 4, 5), NO_GRAD(K_RANDN, TS_F64, 5)}, O_STATE},
-    {"copy_ (does not broadcast)", op_copy_, 2, {NO_GRAD(K_RANDN, TS_F32, 4, 5), NO_GRAD(K_RANDN, TS_F32, 4)},
-     O_STATE},
+    {"copy_ (does not broadcast)", op_copy_, 2, {NO_GRAD(K_RANDN, TS_F32, 4, 5), NO_GRAD(K_RANDN, TS_F32, 4)}, O_STATE},
     {"copy_ (into a tensor that requires grad)", op_copy_, 2, {F32(4, 5), F32(4, 5)}, O_STATE},
     {"fill_", op_fill_, 1, {NO_GRAD(K_RANDN, TS_BF16, 4, 5)}, O_OK},
     {"fill_ (value too large)", op_fill_bad, 1, {NO_GRAD(K_RANDN, TS_F16, 4, 5)}, O_OK},
@@ -661,8 +741,7 @@ static const op_case cases[] = {
 
 Test(tensor_meta_ops, every_op_on_meta_inputs_matches_the_cpu)
 {
-    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
-        check_case(&cases[i]);
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) check_case(&cases[i]);
 }
 
 /* The accessors that read data fail on a meta tensor inside a scope too;

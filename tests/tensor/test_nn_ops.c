@@ -31,11 +31,9 @@ static void naive_layer_norm(const double *x, int nd, const double *w, const dou
     int D = nd == 1 ? 4 : 12, R = 24 / D;
     for (int r = 0; r < R; r++) {
         double mu = 0, var = 0;
-        for (int i = 0; i < D; i++)
-            mu += x[r * D + i];
+        for (int i = 0; i < D; i++) mu += x[r * D + i];
         mu /= D;
-        for (int i = 0; i < D; i++)
-            var += (x[r * D + i] - mu) * (x[r * D + i] - mu);
+        for (int i = 0; i < D; i++) var += (x[r * D + i] - mu) * (x[r * D + i] - mu);
         var /= D; /* biased, as PyTorch */
         for (int i = 0; i < D; i++)
             y[r * D + i] = (x[r * D + i] - mu) / sqrt(var + LN_EPS) * (w ? w[i] : 1.0) + (b ? b[i] : 0.0);
@@ -93,8 +91,7 @@ Test(tensor_nn_ops, layer_norm_hand_values)
     TH_OK(ts_layer_norm(x, 1, NULL, NULL, 0.0, &y));
     double got[4];
     th_vals(y, got, 4);
-    for (int i = 0; i < 4; i++)
-        cr_assert(fabs(got[i] - (v[i] - 2.5) / sqrt(1.25)) < 1e-15, "[%d] %.17g", i, got[i]);
+    for (int i = 0; i < 4; i++) cr_assert(fabs(got[i] - (v[i] - 2.5) / sqrt(1.25)) < 1e-15, "[%d] %.17g", i, got[i]);
     ts_tensor_free(y);
     ts_tensor_free(x);
     th_mem_assert_back();
@@ -111,8 +108,7 @@ static ts_status gc_layer_norm(ts_tensor **in, ts_tensor **out, void *ctx)
     ts_tensor *x = in[0], *xt = NULL;
     if (c->transpose) {
         ts_status st = ts_transpose(x, 0, 1, &xt);
-        if (st)
-            return st;
+        if (st) return st;
         x = xt;
     }
     ts_status st = ts_layer_norm(x, c->nd, in[1], in[2], LN_EPS, out);
@@ -127,8 +123,7 @@ Test(tensor_nn_ops, layer_norm_gradcheck)
     for (int nd = 1; nd <= 2; nd++)
         for (int combo = 0; combo < 4; combo++)
             for (int tr = 0; tr < 2; tr++) {
-                if (tr && nd == 2)
-                    continue; /* x^T is (2,3,4) from (3,2,4); keep nd 1 there */
+                if (tr && nd == 2) continue; /* x^T is (2,3,4) from (3,2,4); keep nd 1 there */
                 const int64_t *ps = sx + 3 - nd;
                 ts_tensor *in[3];
                 in[0] = th_seq(TS_F64, 3, tr ? sxt : sx, 2.0, true);
@@ -142,8 +137,7 @@ Test(tensor_nn_ops, layer_norm_gradcheck)
                         cr_assert_not_null(ts_tensor_grad(in[j]), "nd %d combo %d: no grad for input %d", nd, combo, j);
                         th_assert_shape(ts_tensor_grad(in[j]), nd, ps);
                     }
-                for (int j = 0; j < 3; j++)
-                    ts_tensor_free(in[j]);
+                for (int j = 0; j < 3; j++) ts_tensor_free(in[j]);
             }
     th_mem_assert_back();
 }
@@ -162,8 +156,7 @@ Test(tensor_nn_ops, layer_norm_gradcheck_parameters_only)
         cr_assert_null(ts_tensor_grad(in[0]));
         th_assert_shape(ts_tensor_grad(in[1]), nd, ps);
         th_assert_shape(ts_tensor_grad(in[2]), nd, ps);
-        for (int j = 0; j < 3; j++)
-            ts_tensor_free(in[j]);
+        for (int j = 0; j < 3; j++) ts_tensor_free(in[j]);
     }
     th_mem_assert_back();
 }
@@ -240,8 +233,7 @@ Test(tensor_nn_ops, embedding_picks_rows)
     th_assert_shape(o, 1, s3);
     double got[3];
     th_vals(o, got, 3);
-    for (int c = 0; c < 3; c++)
-        cr_assert_eq(got[c], wv[9 + c]);
+    for (int c = 0; c < 3; c++) cr_assert_eq(got[c], wv[9 + c]);
     ts_tensor_free(o);
     ts_tensor_free(i0);
     ts_tensor_free(w);
@@ -270,8 +262,7 @@ Test(tensor_nn_ops, embedding_repeated_indices_accumulate_gradients)
         /* row 0 <- out row 4 (5, 50); row 1 <- rows 0, 2, 3 (1+3+4, 10+30+40);
          * row 2 unused; row 3 <- row 1 (2, 20) */
         double want[8] = {5, 50, 8, 80, 0, 0, 2, 20};
-        for (int i = 0; i < 8; i++)
-            cr_assert_eq(g[i], want[i], "grad [%d] = %g", i, g[i]);
+        for (int i = 0; i < 8; i++) cr_assert_eq(g[i], want[i], "grad [%d] = %g", i, g[i]);
         ts_tensor_free(cot);
         ts_tensor_free(o);
         ts_tensor_free(w);
@@ -280,10 +271,7 @@ Test(tensor_nn_ops, embedding_repeated_indices_accumulate_gradients)
     th_mem_assert_back();
 }
 
-static ts_status gc_embedding(ts_tensor **in, ts_tensor **out, void *ctx)
-{
-    return ts_embedding(in[0], ctx, out);
-}
+static ts_status gc_embedding(ts_tensor **in, ts_tensor **out, void *ctx) { return ts_embedding(in[0], ctx, out); }
 
 Test(tensor_nn_ops, embedding_gradcheck)
 {
@@ -305,7 +293,8 @@ Test(tensor_nn_ops, embedding_bad_arguments)
     int64_t sw[2] = {4, 2}, si[1] = {3};
     double bad[3] = {0, 4, 1}, neg[3] = {0, -1, 1}, ok[3] = {0, 1, 2};
     ts_tensor *w = th_seq(TS_F32, 2, sw, 1, false), *o = NULL;
-    ts_tensor *ib = th_tensor(TS_I64, 1, si, bad), *in = th_tensor(TS_I64, 1, si, neg), *fi = th_tensor(TS_F32, 1, si, ok);
+    ts_tensor *ib = th_tensor(TS_I64, 1, si, bad), *in = th_tensor(TS_I64, 1, si, neg),
+              *fi = th_tensor(TS_F32, 1, si, ok);
     cr_assert_eq(ts_embedding(w, ib, &o), TS_ERR_INDEX);
     cr_assert(strstr(ts_last_error(), "index 4") && strstr(ts_last_error(), "4 rows"), "%s", ts_last_error());
     cr_assert_eq(ts_embedding(w, in, &o), TS_ERR_INDEX);
@@ -330,10 +319,8 @@ static void naive_ce(const double *x, const int64_t *t, double *li)
 {
     for (int i = 0; i < CE_N; i++) {
         double mx = -INFINITY, s = 0;
-        for (int c = 0; c < CE_C; c++)
-            mx = fmax(mx, x[i * CE_C + c]);
-        for (int c = 0; c < CE_C; c++)
-            s += exp(x[i * CE_C + c] - mx);
+        for (int c = 0; c < CE_C; c++) mx = fmax(mx, x[i * CE_C + c]);
+        for (int c = 0; c < CE_C; c++) s += exp(x[i * CE_C + c] - mx);
         li[i] = -(x[i * CE_C + t[i]] - mx - log(s));
     }
 }
@@ -531,7 +518,8 @@ Test(tensor_nn_ops, cross_entropy_large_logits_keep_precision)
      * logits around 0 (log_softmax subtracts the maximum first) */
     int64_t sl[2] = {1, 3}, st[1] = {1};
     double big[3] = {1000, 1001, 1002}, small[3] = {0, 1, 2}, tv = 0;
-    ts_tensor *xb = th_tensor(TS_F32, 2, sl, big), *xs = th_tensor(TS_F32, 2, sl, small), *t = th_tensor(TS_I64, 1, st, &tv);
+    ts_tensor *xb = th_tensor(TS_F32, 2, sl, big), *xs = th_tensor(TS_F32, 2, sl, small),
+              *t = th_tensor(TS_I64, 1, st, &tv);
     ts_tensor *ob, *os;
     TH_OK(ts_cross_entropy(xb, t, -100, TS_REDUCTION_SUM, &ob));
     TH_OK(ts_cross_entropy(xs, t, -100, TS_REDUCTION_SUM, &os));
@@ -592,8 +580,7 @@ static void check_loss_values(loss_fn fn, const double want[4], double sum, doub
         cr_assert_eq(ts_tensor_dtype(o), d);
         double got[4];
         th_vals(o, got, 4);
-        for (int i = 0; i < 4; i++)
-            cr_assert_eq(got[i], want[i]);
+        for (int i = 0; i < 4; i++) cr_assert_eq(got[i], want[i]);
         ts_tensor_free(o);
         TH_OK(fn(x, y, TS_REDUCTION_SUM, &o));
         cr_assert_eq(ts_tensor_ndim(o), 0);
@@ -692,7 +679,8 @@ Test(tensor_nn_ops, l1_loss_bad_arguments)
     ts_tensor *x = th_seq(TS_F32, 2, s1, 1, false), *y = th_seq(TS_F32, 2, s2, 1, false), *o = NULL;
     cr_assert_eq(ts_l1_loss(x, y, TS_REDUCTION_MEAN, &o), TS_ERR_SHAPE);
     cr_assert(strstr(ts_last_error(), "l1_loss") && strstr(ts_last_error(), "(2, 3)") &&
-                  strstr(ts_last_error(), "(3, 2)"), "%s", ts_last_error());
+                  strstr(ts_last_error(), "(3, 2)"),
+              "%s", ts_last_error());
     cr_assert_eq(ts_l1_loss(x, x, (ts_reduction)9, &o), TS_ERR_INVALID_ARGUMENT);
     cr_assert(strstr(ts_last_error(), "reduction 9"), "%s", ts_last_error());
     cr_assert_eq(ts_l1_loss(x, NULL, TS_REDUCTION_MEAN, &o), TS_ERR_INVALID_ARGUMENT);
@@ -738,8 +726,7 @@ Test(tensor_nn_ops, dropout_identity_cases)
     th_assert_shape(o, 2, s);
     double v[20];
     th_vals(o, v, 20);
-    for (int i = 0; i < 20; i++)
-        cr_assert_eq(v[i], 0.0, "[%d] = %g", i, v[i]);
+    for (int i = 0; i < 20; i++) cr_assert_eq(v[i], 0.0, "[%d] = %g", i, v[i]);
     ts_tensor_free(o);
     /* p outside [0, 1] */
     cr_assert_eq(ts_dropout(x, 1.5, true, NULL, &o), TS_ERR_INVALID_ARGUMENT);
@@ -793,8 +780,7 @@ Test(tensor_nn_ops, dropout_seeded_mask_is_deterministic_and_scaled)
     double c[2000];
     th_vals(y3, c, 2000);
     int differ = 0;
-    for (int i = 0; i < 2000; i++)
-        differ += (a[i] == 0) != (c[i] == 0);
+    for (int i = 0; i < 2000; i++) differ += (a[i] == 0) != (c[i] == 0);
     cr_assert(differ > 100, "masks of two seeds differ in %d places", differ);
     ts_tensor_free(l);
     ts_tensor_free(y1);

@@ -32,26 +32,22 @@ static int naive_reduce(enum kind k, const double *x, const bool mask[3], double
     int n = 0;
     for (int d = 0; d < 3; d++) {
         kshape[d] = mask[d] ? 1 : sh[d];
-        if (!mask[d])
-            oshape[n++] = sh[d];
+        if (!mask[d]) oshape[n++] = sh[d];
     }
     *ond = n;
     int64_t on = kshape[0] * kshape[1] * kshape[2], count = NX / on;
-    for (int64_t i = 0; i < on; i++)
-        out[i] = k == K_MAX ? -INFINITY : 0.0;
+    for (int64_t i = 0; i < on; i++) out[i] = k == K_MAX ? -INFINITY : 0.0;
     for (int i = 0; i < D0; i++)
         for (int j = 0; j < D1; j++)
             for (int l = 0; l < D2; l++) {
-                int64_t oi = (mask[0] ? 0 : i) * kshape[1] * kshape[2] + (mask[1] ? 0 : j) * kshape[2] + (mask[2] ? 0 : l);
+                int64_t oi =
+                    (mask[0] ? 0 : i) * kshape[1] * kshape[2] + (mask[1] ? 0 : j) * kshape[2] + (mask[2] ? 0 : l);
                 double v = x[(i * D1 + j) * D2 + l];
-                if (k == K_MAX)
-                    out[oi] = v > out[oi] ? v : out[oi];
-                else
-                    out[oi] += v;
+                if (k == K_MAX) out[oi] = v > out[oi] ? v : out[oi];
+                else out[oi] += v;
             }
     if (k == K_MEAN)
-        for (int64_t i = 0; i < on; i++)
-            out[i] /= (double)count;
+        for (int64_t i = 0; i < on; i++) out[i] /= (double)count;
     return (int)on;
 }
 
@@ -69,17 +65,15 @@ static const struct {
     int n;
     int dims[3];
 } dimsets[] = {
-    {1, {0}}, {1, {1}}, {1, {2}}, {1, {-1}}, {1, {-3}}, {2, {0, 2}}, {2, {-1, 0}}, {2, {1, 2}}, {2, {2, -2}},
-    {3, {0, 1, 2}}, {3, {2, 0, -2}}, {0, {0}},
+    {1, {0}},     {1, {1}},    {1, {2}},     {1, {-1}},      {1, {-3}},       {2, {0, 2}},
+    {2, {-1, 0}}, {2, {1, 2}}, {2, {2, -2}}, {3, {0, 1, 2}}, {3, {2, 0, -2}}, {0, {0}},
 };
 #define N_DIMSETS ((int)(sizeof dimsets / sizeof *dimsets))
 
 static void dims_mask(int n, const int *dims, bool mask[3])
 {
-    for (int d = 0; d < 3; d++)
-        mask[d] = n == 0;
-    for (int i = 0; i < n; i++)
-        mask[(dims[i] + 3) % 3] = true;
+    for (int d = 0; d < 3; d++) mask[d] = n == 0;
+    for (int i = 0; i < n; i++) mask[(dims[i] + 3) % 3] = true;
 }
 
 Test(tensor_reduce, sum_mean_amax_match_naive_loops)
@@ -102,10 +96,8 @@ Test(tensor_reduce, sum_mean_amax_match_naive_loops)
                     int on = naive_reduce(reducers[r].k, xv, mask, want, kshape, oshape, &ond);
                     ts_tensor *o;
                     TH_OK(reducers[r].fn(x, dimsets[ds].n, dimsets[ds].dims, keep, &o));
-                    if (keep)
-                        th_assert_shape(o, 3, kshape);
-                    else
-                        th_assert_shape(o, ond, oshape);
+                    if (keep) th_assert_shape(o, 3, kshape);
+                    else th_assert_shape(o, ond, oshape);
                     cr_assert_eq(ts_tensor_dtype(o), d);
                     th_vals(o, got, on);
                     /* sums accumulate in double and are rounded once to the
@@ -232,8 +224,7 @@ Test(tensor_reduce, random_views_match_contiguous_copies)
     for (int it = 0; it < 300; it++) {
         int nd = 1 + (int)(th_lcg(&st) % 4);
         int64_t sh[4];
-        for (int i = 0; i < nd; i++)
-            sh[i] = 1 + th_lcg(&st) % 5;
+        for (int i = 0; i < nd; i++) sh[i] = 1 + th_lcg(&st) % 5;
         ts_dtype d = it % 2 ? TS_F64 : TS_F32;
         /* a permuted view with a step-2 slice on one dim */
         int64_t bs[4];
@@ -243,19 +234,16 @@ Test(tensor_reduce, random_views_match_contiguous_copies)
             perm[i] = perm[j];
             perm[j] = t;
         }
-        for (int i = 0; i < nd; i++)
-            inv[perm[i]] = i;
+        for (int i = 0; i < nd; i++) inv[perm[i]] = i;
         int sd = (int)(th_lcg(&st) % (uint32_t)nd);
-        for (int i = 0; i < nd; i++)
-            bs[i] = sh[perm[i]] * (perm[i] == sd ? 2 : 1);
+        for (int i = 0; i < nd; i++) bs[i] = sh[perm[i]] * (perm[i] == sd ? 2 : 1);
         ts_tensor *base = th_seq(d, nd, bs, 3.0, false), *p, *x, *xc;
         TH_OK(ts_permute(base, inv, &p));
         TH_OK(ts_slice(p, sd, 0, 2 * sh[sd], 2, &x));
         TH_OK(ts_contiguous(x, &xc));
         int dims[4], n = (int)(th_lcg(&st) % (uint32_t)(nd + 1)), k = 0;
         for (int i = 0; i < nd && k < n; i++)
-            if (th_lcg(&st) % 2)
-                dims[k++] = th_lcg(&st) % 2 ? i : i - nd;
+            if (th_lcg(&st) % 2) dims[k++] = th_lcg(&st) % 2 ? i : i - nd;
         bool keep = th_lcg(&st) % 2;
         int r = it % N_RED;
         ts_tensor *o1, *o2;
@@ -361,8 +349,8 @@ Test(tensor_reduce, max_dim_on_three_dims_matches_naive)
                             bi = r;
                         }
                     }
-                    cr_assert(gv[o] == best && gi[o] == bi, "dim %d out %d: %g@%g vs %g@%d", dim, o, gv[o], gi[o],
-                              best, bi);
+                    cr_assert(gv[o] == best && gi[o] == bi, "dim %d out %d: %g@%g vs %g@%d", dim, o, gv[o], gi[o], best,
+                              bi);
                 }
         ts_tensor_free(val);
         ts_tensor_free(idx);
@@ -384,8 +372,7 @@ Test(tensor_reduce, max_dim_gradient_goes_to_first_maximum)
     TH_OK(ts_backward(l, NULL, false));
     double g[6], want[6] = {0, 1, 0, 1, 0, 0};
     th_vals(ts_tensor_grad(x), g, 6);
-    for (int i = 0; i < 6; i++)
-        cr_assert_eq(g[i], want[i], "grad [%d] = %g", i, g[i]);
+    for (int i = 0; i < 6; i++) cr_assert_eq(g[i], want[i], "grad [%d] = %g", i, g[i]);
     ts_tensor_free(val);
     ts_tensor_free(l);
     ts_tensor_free(x);
@@ -421,10 +408,8 @@ static void naive_softmax(const double *x, double *y, int dim, bool log_form)
     for (int i = 0; i < NX; i++) {
         int64_t c = (i / st[dim]) % sh[dim], base = i - c * st[dim];
         double mx = -INFINITY, s = 0;
-        for (int r = 0; r < sh[dim]; r++)
-            mx = fmax(mx, x[base + r * st[dim]]);
-        for (int r = 0; r < sh[dim]; r++)
-            s += exp(x[base + r * st[dim]] - mx);
+        for (int r = 0; r < sh[dim]; r++) mx = fmax(mx, x[base + r * st[dim]]);
+        for (int r = 0; r < sh[dim]; r++) s += exp(x[base + r * st[dim]] - mx);
         y[i] = log_form ? x[i] - mx - log(s) : exp(x[i] - mx) / s;
     }
 }
@@ -452,9 +437,8 @@ Test(tensor_reduce, softmax_and_log_softmax_on_every_dim)
                  * magnitude for log_softmax): 1e-6 relative + 1e-6 abs */
                 double rtol = dt ? 1e-13 : 1e-6, atol = dt ? 1e-14 : 1e-6;
                 for (int i = 0; i < NX; i++)
-                    cr_assert(fabs(got[i] - want[i]) <= atol + rtol * fabs(want[i]),
-                              "%s %s dim %d [%d]: %.9g vs %.9g", ts_dtype_name(d), lf ? "log_softmax" : "softmax", dim,
-                              i, got[i], want[i]);
+                    cr_assert(fabs(got[i] - want[i]) <= atol + rtol * fabs(want[i]), "%s %s dim %d [%d]: %.9g vs %.9g",
+                              ts_dtype_name(d), lf ? "log_softmax" : "softmax", dim, i, got[i], want[i]);
                 ts_tensor_free(o);
             }
         ts_tensor_free(x);
@@ -520,12 +504,13 @@ static ts_status gc_reduce(ts_tensor **in, ts_tensor **out, void *ctx)
     ts_tensor *x = in[0], *xt = NULL;
     ts_status st;
     if (c->transpose) {
-        if ((st = ts_transpose(x, 0, -1, &xt)))
-            return st;
+        if ((st = ts_transpose(x, 0, -1, &xt))) return st;
         x = xt;
     }
     switch (c->which) {
-    case 0: case 1: case 2: st = reducers[c->which].fn(x, c->n, c->dims, c->keepdim, out); break;
+    case 0:
+    case 1:
+    case 2: st = reducers[c->which].fn(x, c->n, c->dims, c->keepdim, out); break;
     case 3: st = ts_max_dim(x, c->dims[0], c->keepdim, out, NULL); break;
     case 4: st = ts_softmax(x, c->dims[0], out); break;
     default: st = ts_log_softmax(x, c->dims[0], out); break;
@@ -581,8 +566,7 @@ Test(tensor_reduce, gradient_hand_values)
     TH_OK(ts_backward(o, NULL, false));
     double g[4];
     th_vals(ts_tensor_grad(x), g, 4);
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(g[i], 0.25);
+    for (int i = 0; i < 4; i++) cr_assert_eq(g[i], 0.25);
     ts_tensor_free(o);
     ts_tensor_zero_grad(x, true);
     /* softmax gradient of sum is zero (the outputs always sum to 1) */
@@ -591,8 +575,7 @@ Test(tensor_reduce, gradient_hand_values)
     TH_OK(ts_sum(p, 0, NULL, false, &o));
     TH_OK(ts_backward(o, NULL, false));
     th_vals(ts_tensor_grad(x), g, 4);
-    for (int i = 0; i < 4; i++)
-        cr_assert(fabs(g[i]) < 1e-7, "[%d] %g", i, g[i]); /* float rounding of y*(1 - sum y) */
+    for (int i = 0; i < 4; i++) cr_assert(fabs(g[i]) < 1e-7, "[%d] %g", i, g[i]); /* float rounding of y*(1 - sum y) */
     ts_tensor_free(o);
     ts_tensor_free(p);
     ts_tensor_free(x);
@@ -609,8 +592,7 @@ Test(tensor_reduce, optimized_matches_reference)
     for (int which = 0; which < 6; which++)
         for (int ds = 0; ds < N_DIMSETS; ds++)
             for (int tr = 0; tr < 2; tr++) {
-                if (which >= 3 && (dimsets[ds].n != 1))
-                    continue; /* one dim for max_dim / softmax */
+                if (which >= 3 && (dimsets[ds].n != 1)) continue; /* one dim for max_dim / softmax */
                 red_ctx c = {which, dimsets[ds].n, dimsets[ds].dims, false, tr};
                 /* sums: both paths accumulate in double, in a different
                  * association, and round once: at most 1 ulp (1.2e-7

@@ -45,11 +45,9 @@ Test(tensor_rng, mt19937_known_outputs)
     static const uint32_t s0[] = {2357136044u, 2546248239u, 3071714933u, 3626093760u, 2588848963u};
     static const uint32_t s42[] = {1608637542u, 3421126067u, 4083286876u, 787846414u, 3143890026u};
     ts_manual_seed(0);
-    for (int i = 0; i < 5; i++)
-        cr_assert_eq(ts_generator_random(NULL), s0[i], "seed 0 draw %d", i);
+    for (int i = 0; i < 5; i++) cr_assert_eq(ts_generator_random(NULL), s0[i], "seed 0 draw %d", i);
     ts_manual_seed(42);
-    for (int i = 0; i < 5; i++)
-        cr_assert_eq(ts_generator_random(ts_default_generator()), s42[i], "seed 42 draw %d", i);
+    for (int i = 0; i < 5; i++) cr_assert_eq(ts_generator_random(ts_default_generator()), s42[i], "seed 42 draw %d", i);
     ts_manual_seed(5489);
     cr_assert_eq(ts_generator_random(NULL), 3499211612u);
     cr_assert_eq(ts_generator_random(NULL), 581869302u);
@@ -64,8 +62,7 @@ Test(tensor_rng, only_low_32_seed_bits_reach_the_engine)
     ts_generator *a, *b;
     TH_OK(ts_generator_new(7, &a));
     TH_OK(ts_generator_new((UINT64_C(1) << 32) + 7, &b));
-    for (int i = 0; i < 2000; i++)
-        cr_assert_eq(ts_generator_random(a), ts_generator_random(b), "draw %d", i);
+    for (int i = 0; i < 2000; i++) cr_assert_eq(ts_generator_random(a), ts_generator_random(b), "draw %d", i);
     ts_generator_free(a);
     ts_generator_free(b);
 }
@@ -165,8 +162,15 @@ Test(tensor_rng, rand_and_randn_at_every_size)
 Test(tensor_rng, seeds_wrap_like_torch)
 {
     /* torch.manual_seed(-1) is 2^64 - 1; -123456789 is its two's complement */
-    static const uint64_t seeds[] = {0, 1, 42, 2147483647u, 4294967295u, (UINT64_C(1) << 32) + 7,
-                                     (UINT64_C(1) << 63) - 1, UINT64_MAX, (uint64_t)INT64_C(-123456789),
+    static const uint64_t seeds[] = {0,
+                                     1,
+                                     42,
+                                     2147483647u,
+                                     4294967295u,
+                                     (UINT64_C(1) << 32) + 7,
+                                     (UINT64_C(1) << 63) - 1,
+                                     UINT64_MAX,
+                                     (uint64_t)INT64_C(-123456789),
                                      UINT64_MAX};
     th_vec v = th_vec_open("rand_seeds");
     for (int i = 0; i < 10; i++) {
@@ -409,8 +413,7 @@ Test(tensor_rng, dropout_matches_torch)
     TH_OK(ts_bernoulli_(m, 1.0 - 0.5, NULL));
     const float *mp = ts_tensor_data(m);
     for (int i = 0; i < 40; i++)
-        if (xs[i] != 0.0f)
-            cr_assert_eq(mp[i] != 0.0f, y5[i] != 0.0f, "mask element %d", i);
+        if (xs[i] != 0.0f) cr_assert_eq(mp[i] != 0.0f, y5[i] != 0.0f, "mask element %d", i);
     ts_tensor_free(m);
     ts_tensor_free(x);
     free(v.buf);
@@ -520,13 +523,13 @@ Test(tensor_rng, get_state_matches_torch_bytes)
     ts_tensor_free(rand1(TS_F32, 700));
     ts_generator_get_state(NULL, st);
     th_vec_expect_bytes("state after manual_seed(2^32 + 7); rand(700)", TS_BOOL, st, th_vec_take(&v, sizeof st),
-                    sizeof st);
+                        sizeof st);
 
     ts_manual_seed(7);
     ts_tensor_free(randn1(TS_F64, 1));
     ts_generator_get_state(NULL, st);
     th_vec_expect_bytes("state after manual_seed(7); randn(1, float64)", TS_BOOL, st, th_vec_take(&v, sizeof st),
-                    sizeof st);
+                        sizeof st);
     th_vec_close(&v);
 }
 
@@ -546,7 +549,7 @@ Test(tensor_rng, set_state_resumes_torch_stream)
     /* round trip: get, draw, set back, draw again gives the same */
     uint8_t st[TS_GENERATOR_STATE_BYTES], st2[TS_GENERATOR_STATE_BYTES];
     ts_generator_manual_seed(g, 5);
-    ts_tensor_free(randn1(TS_F32, 1)); /* default generator, unrelated */
+    ts_tensor_free(randn1(TS_F32, 1));                 /* default generator, unrelated */
     TH_OK(ts_randn(TS_F64, 1, (int64_t[]){3}, g, &t)); /* leaves a cache */
     ts_tensor_free(t);
     ts_generator_get_state(g, st);
@@ -608,10 +611,8 @@ Test(tensor_rng, fills_refuse_bad_arguments)
     TH_FAILS(ts_bernoulli_(t, NAN, NULL), TS_ERR_INVALID_ARGUMENT, "bernoulli_", "p=nan");
 
     ts_tensor *o = (ts_tensor *)&o;
-    TH_FAILS(ts_randint(5, 5, 1, (int64_t[]){3}, NULL, &o), TS_ERR_INVALID_ARGUMENT, "randint", "low=5",
-             "high=5");
-    TH_FAILS(ts_randint(6, -2, 1, (int64_t[]){3}, NULL, &o), TS_ERR_INVALID_ARGUMENT, "randint", "low=6",
-             "high=-2");
+    TH_FAILS(ts_randint(5, 5, 1, (int64_t[]){3}, NULL, &o), TS_ERR_INVALID_ARGUMENT, "randint", "low=5", "high=5");
+    TH_FAILS(ts_randint(6, -2, 1, (int64_t[]){3}, NULL, &o), TS_ERR_INVALID_ARGUMENT, "randint", "low=6", "high=-2");
     TH_FAILS(ts_randperm(-1, NULL, &o), TS_ERR_INVALID_ARGUMENT, "randperm", "n=-1");
     TH_FAILS(ts_rand(TS_I64, 1, (int64_t[]){3}, NULL, &o), TS_ERR_DTYPE, "rand", "int64");
     TH_FAILS(ts_randn(TS_BF16, 1, (int64_t[]){3}, NULL, &o), TS_ERR_DTYPE, "randn", "bfloat16");
@@ -620,11 +621,9 @@ Test(tensor_rng, fills_refuse_bad_arguments)
 
     /* std = 0 and from = to are allowed */
     TH_OK(ts_normal_(t, 1.5, 0.0, NULL));
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(((float *)ts_tensor_data(t))[i], 1.5f);
+    for (int i = 0; i < 4; i++) cr_assert_eq(((float *)ts_tensor_data(t))[i], 1.5f);
     TH_OK(ts_uniform_(t, -2.0, -2.0, NULL));
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(((float *)ts_tensor_data(t))[i], -2.0f);
+    for (int i = 0; i < 4; i++) cr_assert_eq(((float *)ts_tensor_data(t))[i], -2.0f);
 
     /* the refused calls drew nothing: the two accepted ones drew 4 + 4 */
     ts_manual_seed(3);

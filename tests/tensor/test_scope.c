@@ -191,10 +191,8 @@ static void *other_thread(void *arg)
     static ts_status st;
     st = ts_scope_end(*s); /* not this thread's */
     ts_scope mine = ts_scope_begin();
-    if (st == TS_ERR_STATE && ts_scope_depth() == 1)
-        st = ts_scope_end(mine);
-    else
-        st = TS_ERR_INTERNAL;
+    if (st == TS_ERR_STATE && ts_scope_depth() == 1) st = ts_scope_end(mine);
+    else st = TS_ERR_INTERNAL;
     return &st;
 }
 

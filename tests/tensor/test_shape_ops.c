@@ -19,7 +19,8 @@ Test(tensor_shape_ops, cat_dim0_dim1_and_negative)
     th_mem_mark();
     int64_t s23[2] = {2, 3}, s13[2] = {1, 3}, s22[2] = {2, 2};
     double a[6] = {1, 2, 3, 4, 5, 6}, b[3] = {7, 8, 9}, c[4] = {-1, -2, -3, -4};
-    ts_tensor *ta = th_tensor(TS_F32, 2, s23, a), *tb = th_tensor(TS_F32, 2, s13, b), *tc = th_tensor(TS_F32, 2, s22, c);
+    ts_tensor *ta = th_tensor(TS_F32, 2, s23, a), *tb = th_tensor(TS_F32, 2, s13, b),
+              *tc = th_tensor(TS_F32, 2, s22, c);
     ts_tensor *o, *ins[3];
     /* dim 0: (2,3) + (1,3) + (2,3) -> (5,3) */
     ins[0] = ta, ins[1] = tb, ins[2] = ta;
@@ -28,8 +29,7 @@ Test(tensor_shape_ops, cat_dim0_dim1_and_negative)
     th_assert_shape(o, 2, s53);
     double got[15], w0[15] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6};
     th_vals(o, got, 15);
-    for (int i = 0; i < 15; i++)
-        cr_assert_eq(got[i], w0[i], "dim 0 [%d]", i);
+    for (int i = 0; i < 15; i++) cr_assert_eq(got[i], w0[i], "dim 0 [%d]", i);
     ts_tensor_free(o);
     /* dim 1 and -1: (2,3) + (2,2) -> (2,5) */
     int dims[2] = {1, -1};
@@ -40,8 +40,7 @@ Test(tensor_shape_ops, cat_dim0_dim1_and_negative)
         th_assert_shape(o, 2, s25);
         double w1[10] = {1, 2, 3, -1, -2, 4, 5, 6, -3, -4};
         th_vals(o, got, 10);
-        for (int i = 0; i < 10; i++)
-            cr_assert_eq(got[i], w1[i], "dim %d [%d]", dims[k], i);
+        for (int i = 0; i < 10; i++) cr_assert_eq(got[i], w1[i], "dim %d [%d]", dims[k], i);
         ts_tensor_free(o);
     }
     /* a single tensor is copied */
@@ -112,8 +111,7 @@ Test(tensor_shape_ops, cat_gradcheck)
             th_assert_shape(ts_tensor_grad(in[0]), 3, sa);
             cr_assert_null(ts_tensor_grad(in[1]), "input that needs no grad got one");
             th_assert_shape(ts_tensor_grad(in[2]), 3, sbs[dim]);
-            for (int j = 0; j < 3; j++)
-                ts_tensor_free(in[j]);
+            for (int j = 0; j < 3; j++) ts_tensor_free(in[j]);
         }
     th_mem_assert_back();
 }
@@ -125,8 +123,7 @@ Test(tensor_shape_ops, cat_of_many_tensors_with_gradients)
     enum { H = 24 };
     int64_t s[2] = {2, 3};
     ts_tensor *heads[H], *o;
-    for (int h = 0; h < H; h++)
-        heads[h] = th_seq(TS_F64, 2, s, 1.0 + h, h % 3 != 1);
+    for (int h = 0; h < H; h++) heads[h] = th_seq(TS_F64, 2, s, 1.0 + h, h % 3 != 1);
     TH_OK(ts_cat(H, heads, -1, &o));
     int64_t so[2] = {2, 3 * H};
     cr_assert(ts_tensor_ndim(o) == 2 && ts_tensor_shape(o)[0] == so[0] && ts_tensor_shape(o)[1] == so[1]);
@@ -145,8 +142,7 @@ Test(tensor_shape_ops, cat_of_many_tensors_with_gradients)
             for (int c = 0; c < 3; c++)
                 cr_assert_eq(g[r * 3 + c], cv[r * 3 * H + 3 * h + c], "head %d [%d][%d]", h, r, c);
     }
-    for (int h = 0; h < H; h++)
-        ts_tensor_free(heads[h]);
+    for (int h = 0; h < H; h++) ts_tensor_free(heads[h]);
     ts_tensor_free(cot);
     ts_tensor_free(o);
     th_mem_assert_back();
@@ -191,8 +187,7 @@ Test(tensor_shape_ops, cat_of_scalars_viewed_as_vectors)
     th_assert_shape(o, 1, three);
     double got[3];
     th_vals(o, got, 3);
-    for (int i = 0; i < 3; i++)
-        cr_assert_eq(got[i], v[i]);
+    for (int i = 0; i < 3; i++) cr_assert_eq(got[i], v[i]);
     /* a 0-d tensor also reshapes to (1, 1) and back */
     ts_tensor *r, *back;
     int64_t s11[2] = {1, 1};
@@ -270,19 +265,16 @@ Test(tensor_shape_ops, split_sizes)
     th_vals(x, xv, 20);
     th_vals(outs[3], last, 2);
     cr_assert(last[0] == xv[18] && last[1] == xv[19]);
-    for (int i = 0; i < n; i++)
-        ts_tensor_free(outs[i]);
+    for (int i = 0; i < n; i++) ts_tensor_free(outs[i]);
     /* exact division, and split along dim -1 */
     TH_OK(ts_split(x, 5, 0, 8, outs, &n));
     int64_t w5[2] = {5, 5};
     check_pieces(x, outs, n, w5, 2, 0);
-    for (int i = 0; i < n; i++)
-        ts_tensor_free(outs[i]);
+    for (int i = 0; i < n; i++) ts_tensor_free(outs[i]);
     TH_OK(ts_split(x, 1, -1, 8, outs, &n));
     int64_t w1[2] = {1, 1};
     check_pieces(x, outs, n, w1, 2, 1);
-    for (int i = 0; i < n; i++)
-        ts_tensor_free(outs[i]);
+    for (int i = 0; i < n; i++) ts_tensor_free(outs[i]);
     /* too little room in outs, or a bad size: refused, nothing written */
     n = -7;
     outs[0] = NULL;
@@ -309,9 +301,9 @@ Test(tensor_shape_ops, chunk_sizes_follow_torch)
         {9, 4, 3, {3, 3, 3}},     /* ceil(9/4) = 3: only 3 pieces */
         {6, 4, 3, {2, 2, 2}},     /* ceil(6/4) = 2: 3 pieces */
         {5, 5, 5, {1, 1, 1, 1, 1}},
-        {3, 5, 3, {1, 1, 1}},     /* more chunks than elements */
+        {3, 5, 3, {1, 1, 1}}, /* more chunks than elements */
         {8, 1, 1, {8}},
-        {0, 3, 3, {0, 0, 0}},     /* an empty dim: `chunks` empty pieces */
+        {0, 3, 3, {0, 0, 0}}, /* an empty dim: `chunks` empty pieces */
     };
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
         int64_t s[2] = {3, cases[k].size};
@@ -319,8 +311,7 @@ Test(tensor_shape_ops, chunk_sizes_follow_torch)
         int n = 0;
         TH_OK(ts_chunk(x, cases[k].chunks, 1, 8, outs, &n));
         check_pieces(x, outs, n, cases[k].want, cases[k].want_n, 1);
-        for (int i = 0; i < n; i++)
-            ts_tensor_free(outs[i]);
+        for (int i = 0; i < n; i++) ts_tensor_free(outs[i]);
         ts_tensor_free(x);
     }
     int64_t s[1] = {4};
@@ -345,16 +336,13 @@ static ts_status gc_split_reorder(ts_tensor **in, ts_tensor **out, void *ctx)
     ts_tensor *p[8];
     int n;
     ts_status st = ts_chunk(in[0], 4, 1, 8, p, &n);
-    if (st)
-        return st;
+    if (st) return st;
     ts_tensor *sel[8];
     int m = 0;
     for (int i = n - 1; i >= 0; i--)
-        if (i != 1)
-            sel[m++] = p[i];
+        if (i != 1) sel[m++] = p[i];
     st = ts_cat(m, sel, 1, out);
-    for (int i = 0; i < n; i++)
-        ts_tensor_free(p[i]);
+    for (int i = 0; i < n; i++) ts_tensor_free(p[i]);
     return st;
 }
 
@@ -389,8 +377,7 @@ Test(tensor_shape_ops, where_broadcasts_all_three)
     double got[12];
     th_vals(o, got, 12);
     for (int i = 0; i < 3; i++)
-        for (int j = 0; j < 4; j++)
-            cr_assert_eq(got[i * 4 + j], cv[i] ? av[j] : -7, "[%d][%d]", i, j);
+        for (int j = 0; j < 4; j++) cr_assert_eq(got[i * 4 + j], cv[i] ? av[j] : -7, "[%d][%d]", i, j);
     ts_tensor_free(o);
     /* a non-bool condition and mismatched value dtypes are refused */
     ts_tensor *bd;
@@ -410,10 +397,7 @@ Test(tensor_shape_ops, where_broadcasts_all_three)
     th_mem_assert_back();
 }
 
-static ts_status gc_where(ts_tensor **in, ts_tensor **out, void *ctx)
-{
-    return ts_where(ctx, in[0], in[1], out);
-}
+static ts_status gc_where(ts_tensor **in, ts_tensor **out, void *ctx) { return ts_where(ctx, in[0], in[1], out); }
 
 Test(tensor_shape_ops, where_gradcheck)
 {
@@ -488,13 +472,11 @@ Test(tensor_shape_ops, causal_mask_on_attention_scores)
         double sum = 0;
         for (int c = 0; c < 4; c++) {
             double v = pv[row * 4 + c];
-            if (c > r)
-                cr_assert_eq(v, 0.0, "row %d col %d: %g", row, c, v);
+            if (c > r) cr_assert_eq(v, 0.0, "row %d col %d: %g", row, c, v);
             sum += v;
         }
         cr_assert(fabs(sum - 1) < 1e-6, "row %d sums to %.9g", row, sum); /* float softmax: an ulp per term */
-        if (r == 0)
-            cr_assert_eq(pv[row * 4], 1.0);
+        if (r == 0) cr_assert_eq(pv[row * 4], 1.0);
     }
     ts_tensor_free(scores);
     ts_tensor_free(tril);
@@ -571,8 +553,7 @@ Test(tensor_shape_ops, to_dtype_round_trips)
     cr_assert_eq(ts_tensor_dtype(x32), TS_F32);
     double g[6];
     th_vals(x32, g, 6);
-    for (int i = 0; i < 6; i++)
-        cr_assert_eq(g[i], (double)(float)v[i], "f32 [%d]", i);
+    for (int i = 0; i < 6; i++) cr_assert_eq(g[i], (double)(float)v[i], "f32 [%d]", i);
     ts_tensor *x64b;
     TH_OK(ts_to_dtype(x32, TS_F64, &x64b));
     TH_OK(ts_to_dtype(x64b, TS_F32, &back));
@@ -599,16 +580,13 @@ Test(tensor_shape_ops, to_dtype_round_trips)
     TH_OK(ts_to_dtype(x32, TS_I64, &i64));
     th_vals(i64, g, 6);
     double wi[6] = {-2, 0, 0, 0, 2, 100000};
-    for (int i = 0; i < 6; i++)
-        cr_assert_eq(g[i], wi[i], "int64 [%d] = %g", i, g[i]);
+    for (int i = 0; i < 6; i++) cr_assert_eq(g[i], wi[i], "int64 [%d] = %g", i, g[i]);
     TH_OK(ts_to_dtype(i64, TS_F32, &i2f));
     th_vals(i2f, g, 6);
-    for (int i = 0; i < 6; i++)
-        cr_assert_eq(g[i], wi[i]);
+    for (int i = 0; i < 6; i++) cr_assert_eq(g[i], wi[i]);
     TH_OK(ts_to_dtype(x64, TS_BOOL, &b));
     th_vals(b, g, 6);
-    for (int i = 0; i < 6; i++)
-        cr_assert_eq(g[i], v[i] != 0 ? 1.0 : 0.0, "bool [%d]", i);
+    for (int i = 0; i < 6; i++) cr_assert_eq(g[i], v[i] != 0 ? 1.0 : 0.0, "bool [%d]", i);
     cr_assert_eq(ts_to_dtype(x64, TS_DTYPE_COUNT, &b), TS_ERR_INVALID_ARGUMENT);
     ts_tensor_free(i64);
     ts_tensor_free(i2f);
@@ -635,8 +613,7 @@ Test(tensor_shape_ops, gradient_through_a_cast)
     cr_assert_eq(ts_tensor_dtype(g), TS_F32);
     double gv[4];
     th_vals(g, gv, 4);
-    for (int i = 0; i < 4; i++)
-        cr_assert_eq(gv[i], 2 * v[i], "[%d] %g", i, gv[i]);
+    for (int i = 0; i < 4; i++) cr_assert_eq(gv[i], 2 * v[i], "[%d] %g", i, gv[i]);
     /* casting to an integer dtype is not differentiable */
     ts_tensor *xi;
     TH_OK(ts_to_dtype(x, TS_I64, &xi));
@@ -655,12 +632,10 @@ static ts_status gc_cast(ts_tensor **in, ts_tensor **out, void *ctx)
     ts_dtype hop = *(const ts_dtype *)ctx;
     ts_tensor *h, *h2;
     ts_status st = ts_to_dtype(in[0], hop, &h);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_mul_scalar(h, 3.0, &h2);
     ts_tensor_free(h);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_to_dtype(h2, TS_F64, out);
     ts_tensor_free(h2);
     return st;
@@ -701,8 +676,7 @@ Test(tensor_shape_ops, eq_broadcasts_and_returns_bool)
     cr_assert(!ts_tensor_requires_grad(o), "eq is not differentiable");
     double g[6], w[6] = {1, 1, 0, 0, 1, 1};
     th_vals(o, g, 6);
-    for (int i = 0; i < 6; i++)
-        cr_assert_eq(g[i], w[i], "[%d]", i);
+    for (int i = 0; i < 6; i++) cr_assert_eq(g[i], w[i], "[%d]", i);
     ts_tensor_free(o);
     /* NaN equals nothing, not even itself */
     ts_tensor *n;

@@ -79,8 +79,7 @@ Test(tensor_training, thousands_of_steps_learn_in_flat_memory, .timeout = 120)
     cr_assert_eq(ts_mem_live_bytes(TS_MEM_POOL), pool, "the pool took new memory after warm-up");
     cr_assert_eq(ts_mem_live_bytes(TS_MEM_AUTOGRAD), autograd, "graph memory was not released");
     cr_assert_lt(last, first / 5, "loss %g -> %g did not fall", first, last);
-    for (int k = 0; k < 4; k++)
-        ts_tensor_free(p[k]);
+    for (int k = 0; k < 4; k++) ts_tensor_free(p[k]);
     ts_tensor_free(x);
     ts_tensor_free(y);
     th_mem_assert_back();

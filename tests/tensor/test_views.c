@@ -47,10 +47,9 @@ Test(tensor_views, views_share_storage_and_have_torch_strides)
     ts_grad_mode_set(prev);
     cr_assert_float_eq(get2(v, 1, 0), 9.0, 0); /* a[0][1][*] is row 1 of the (6, 4) view */
     cr_assert_float_eq(get2(v, 5, 3), 9.0, 0); /* a[1][2][3] */
-    cr_assert(get2(v, 3, 0) != 9.0);            /* a[1][0][0] was not in the narrow */
+    cr_assert(get2(v, 3, 0) != 9.0);           /* a[1][0][0] was not in the narrow */
     ts_tensor *all[] = {a, t, p, n, e, u, q, v};
-    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
-        ts_tensor_free(all[i]);
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++) ts_tensor_free(all[i]);
     th_mem_assert_back();
 }
 
@@ -121,8 +120,7 @@ static ts_status through(ts_tensor **in, ts_tensor **out, void *ctx)
     view_fn f = (view_fn)(uintptr_t)ctx;
     ts_tensor *v, *sq;
     ts_status st = f(in[0], &v);
-    if (st)
-        return st;
+    if (st) return st;
     st = ts_mul(v, v, &sq);
     ts_tensor_free(v);
     if (!st) {
@@ -150,8 +148,7 @@ static ts_status f_reshape_t(ts_tensor *in, ts_tensor **out)
     ts_tensor *t;
     ts_status st = ts_transpose(in, 1, 2, &t);
     int64_t s[1] = {24};
-    if (!st)
-        st = ts_reshape(t, 1, s, out);
+    if (!st) st = ts_reshape(t, 1, s, out);
     ts_tensor_free(t);
     return st;
 }
@@ -160,8 +157,7 @@ static ts_status f_expand(ts_tensor *in, ts_tensor **out)
     ts_tensor *n;
     ts_status st = ts_narrow(in, 0, 0, 1, &n);
     int64_t s[3] = {3, 3, 4};
-    if (!st)
-        st = ts_expand(n, 3, s, out);
+    if (!st) st = ts_expand(n, 3, s, out);
     ts_tensor_free(n);
     return st;
 }
@@ -169,8 +165,7 @@ static ts_status f_unsq(ts_tensor *in, ts_tensor **out)
 {
     ts_tensor *u;
     ts_status st = ts_unsqueeze(in, 1, &u);
-    if (!st)
-        st = ts_squeeze(u, 1, out);
+    if (!st) st = ts_squeeze(u, 1, out);
     ts_tensor_free(u);
     return st;
 }
@@ -178,8 +173,7 @@ static ts_status f_contig(ts_tensor *in, ts_tensor **out)
 {
     ts_tensor *t;
     ts_status st = ts_transpose(in, 0, 1, &t);
-    if (!st)
-        st = ts_contiguous(t, out);
+    if (!st) st = ts_contiguous(t, out);
     ts_tensor_free(t);
     return st;
 }

@@ -72,13 +72,13 @@ static void ids_equal_reference(size_t heap_min)
 {
     ts_tokenizer *t = gpt2();
     cr_assert(ts__tokenizer_heap_ordered(t), "GPT-2's merges should allow the heap");
-    if (heap_min != 1)
-        ts__tokenizer_set_heap_min_len(t, heap_min);
+    if (heap_min != 1) ts__tokenizer_set_heap_min_len(t, heap_min);
     json_t *c = cases();
     size_t i;
     json_t *e;
     size_t total = 0;
-    json_array_foreach(c, i, e) {
+    json_array_foreach(c, i, e)
+    {
         const char *name = json_string_value(json_object_get(e, "name"));
         json_t *text = json_object_get(e, "text"), *want = json_object_get(e, "ids");
         cr_assert(name && json_is_string(text) && json_is_array(want));
@@ -90,8 +90,8 @@ static void ids_equal_reference(size_t heap_min)
                ids[first] == (int32_t)json_integer_value(json_array_get(want, first)))
             first++;
         cr_assert(n == json_array_size(want) && first == n,
-                  "case '%s': %zu ids, the reference has %zu; first difference at %zu (ours %d, reference %d)", name,
-                  n, json_array_size(want), first, first < n ? ids[first] : -1,
+                  "case '%s': %zu ids, the reference has %zu; first difference at %zu (ours %d, reference %d)", name, n,
+                  json_array_size(want), first, first < n ? ids[first] : -1,
                   first < json_array_size(want) ? (int)json_integer_value(json_array_get(want, first)) : -1);
         total += n;
         ts_tokenizer_buffer_free(ids);
@@ -101,20 +101,11 @@ static void ids_equal_reference(size_t heap_min)
     ts_tokenizer_free(t);
 }
 
-Test(text_tokenizer, ids_equal_npm_gpt3_encoder)
-{
-    ids_equal_reference(1);
-}
+Test(text_tokenizer, ids_equal_npm_gpt3_encoder) { ids_equal_reference(1); }
 
-Test(text_tokenizer, ids_equal_npm_gpt3_encoder_rescan)
-{
-    ids_equal_reference(SIZE_MAX);
-}
+Test(text_tokenizer, ids_equal_npm_gpt3_encoder_rescan) { ids_equal_reference(SIZE_MAX); }
 
-Test(text_tokenizer, ids_equal_npm_gpt3_encoder_heap)
-{
-    ids_equal_reference(0);
-}
+Test(text_tokenizer, ids_equal_npm_gpt3_encoder_heap) { ids_equal_reference(0); }
 
 /* A long piece (random letters, no space) merges through the heap to the
  * same ids as GPT-2's rescan, which is quadratic in it. */
@@ -124,8 +115,7 @@ Test(text_tokenizer, long_piece_heap_equals_rescan)
     ts__tokenizer_set_heap_min_len(u, SIZE_MAX);
     static char text[20000];
     uint32_t seed = 99;
-    for (size_t i = 0; i < sizeof text; i++)
-        text[i] = (char)('a' + th_lcg(&seed) % 26);
+    for (size_t i = 0; i < sizeof text; i++) text[i] = (char)('a' + th_lcg(&seed) % 26);
     int32_t *a = NULL, *b = NULL;
     size_t na = 0, nb = 0;
     TH_OK(ts_tokenizer_encode(t, text, sizeof text, &a, &na));
@@ -143,7 +133,8 @@ Test(text_tokenizer, corpus_round_trips)
     json_t *c = cases();
     size_t i;
     json_t *e;
-    json_array_foreach(c, i, e) {
+    json_array_foreach(c, i, e)
+    {
         json_t *text = json_object_get(e, "text");
         assert_round_trip(t, json_string_value(text), json_string_length(text),
                           json_string_value(json_object_get(e, "name")));
@@ -158,11 +149,20 @@ Test(text_tokenizer, invalid_utf8_round_trips)
 {
     ts_tokenizer *t = gpt2();
     static const char *const bad[] = {
-        "\xff", "\xc3", "a\xc3", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xe2\x82", " \xfe\xfe x",
-        "caf\xe9 na\xefve", "\x80\x80\x80 \x80", "'s\xff's", "  \xf0\x9f\x98",
+        "\xff",
+        "\xc3",
+        "a\xc3",
+        "\xc0\xaf",
+        "\xed\xa0\x80",
+        "\xf4\x90\x80\x80",
+        "\xe2\x82",
+        " \xfe\xfe x",
+        "caf\xe9 na\xefve",
+        "\x80\x80\x80 \x80",
+        "'s\xff's",
+        "  \xf0\x9f\x98",
     };
-    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++)
-        assert_round_trip(t, bad[k], strlen(bad[k]), bad[k]);
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) assert_round_trip(t, bad[k], strlen(bad[k]), bad[k]);
     /* one invalid byte is GPT-2's token of that byte */
     int32_t *ids = NULL, want = -1;
     size_t n = 0;
@@ -179,7 +179,8 @@ Test(text_tokenizer, invalid_utf8_round_trips)
             uint32_t r = th_lcg(&seed);
             /* half high bytes (lead and continuation bytes, mostly
              * invalid sequences), a quarter spaces, the rest ASCII */
-            buf[i] = r % 4 == 2 ? " \t\n'"[(r >> 8) % 4] : (char)(r % 4 < 2 ? 0x80 + (r >> 8) % 128 : 0x21 + (r >> 8) % 94);
+            buf[i] =
+                r % 4 == 2 ? " \t\n'"[(r >> 8) % 4] : (char)(r % 4 < 2 ? 0x80 + (r >> 8) % 128 : 0x21 + (r >> 8) % 94);
         }
         assert_round_trip(t, buf, len, "random bytes");
     }
@@ -203,7 +204,9 @@ Test(text_tokenizer, pretoken_whitespace_rules)
         {"\xff\xfe a", {"\xff\xfe", " a"}},
         /* JavaScript's \s, not Python's: U+001C..U+001F and U+0085 are
          * not white space */
-        {"a\x1c\x1c" "b", {"a", "\x1c\x1c", "b"}},
+        {"a\x1c\x1c"
+         "b",
+         {"a", "\x1c\x1c", "b"}},
         {"!\xc2\x85!", {"!\xc2\x85!"}},
         /* U+00A0 and U+3000 are */
         {".\xc2\xa0\xc2\xa0.", {".", "\xc2\xa0", "\xc2\xa0", "."}},
@@ -266,8 +269,20 @@ Test(text_tokenizer, learn_most_frequent_first)
 
 static char *learn_text(size_t *len)
 {
-    static const char *const words[] = {"the ", "quick ", "brown ", "fox ", "jumps ", "over ", "lazy ", "dog's ",
-                                        "caf\xc3\xa9 ", "12345 ", "!!! ", "\n", "\xe4\xbd\xa0\xe5\xa5\xbd ", "   "};
+    static const char *const words[] = {"the ",
+                                        "quick ",
+                                        "brown ",
+                                        "fox ",
+                                        "jumps ",
+                                        "over ",
+                                        "lazy ",
+                                        "dog's ",
+                                        "caf\xc3\xa9 ",
+                                        "12345 ",
+                                        "!!! ",
+                                        "\n",
+                                        "\xe4\xbd\xa0\xe5\xa5\xbd ",
+                                        "   "};
     size_t cap = 64 * 1024, n = 0;
     char *s = malloc(cap);
     uint32_t seed = 7;
@@ -362,12 +377,9 @@ static const char *byte_vocab(const char *name, const char *extra)
     for (int b = 0; b < 256; b++) {
         uint32_t cp = ts__byte_to_unicode((uint8_t)b);
         char u[8];
-        if (cp == '"' || cp == '\\')
-            snprintf(u, sizeof u, "\\%c", (char)cp);
-        else if (cp < 0x80)
-            snprintf(u, sizeof u, "%c", (char)cp);
-        else
-            snprintf(u, sizeof u, "%c%c", (char)(0xC0 | (cp >> 6)), (char)(0x80 | (cp & 0x3F)));
+        if (cp == '"' || cp == '\\') snprintf(u, sizeof u, "\\%c", (char)cp);
+        else if (cp < 0x80) snprintf(u, sizeof u, "%c", (char)cp);
+        else snprintf(u, sizeof u, "%c%c", (char)(0xC0 | (cp >> 6)), (char)(0x80 | (cp & 0x3F)));
         o += (size_t)snprintf(buf + o, sizeof buf - o, "%s\"%s\": %d", b ? ", " : "", u, ts__byte_rank((uint8_t)b));
     }
     snprintf(buf + o, sizeof buf - o, "%s%s}", extra[0] ? ", " : "", extra);
@@ -453,7 +465,8 @@ Test(text_tokenizer, gpt2_save_reload)
     json_t *c = cases();
     size_t i;
     json_t *e;
-    json_array_foreach(c, i, e) {
+    json_array_foreach(c, i, e)
+    {
         json_t *text = json_object_get(e, "text");
         int32_t *a = NULL, *b = NULL;
         size_t na = 0, nb = 0;
@@ -484,8 +497,7 @@ static uint16_t *read_bin(const char *path, size_t *n_out)
     memcpy(h, d, sizeof h);
     cr_assert_eq(h[0], 20240520);
     cr_assert_eq(h[1], 1);
-    for (int i = 3; i < 256; i++)
-        cr_assert_eq(h[i], 0, "header int %d is %d", i, h[i]);
+    for (int i = 3; i < 256; i++) cr_assert_eq(h[i], 0, "header int %d is %d", i, h[i]);
     cr_assert_eq(len, 1024 + 2 * (size_t)h[2], "%zu bytes for %d tokens", len, h[2]);
     uint16_t *t = malloc(2 * (size_t)h[2] + 2);
     memcpy(t, d + 1024, 2 * (size_t)h[2]);
@@ -575,8 +587,7 @@ Test(text_tokenizer, tokenize_tool)
     TH_OK(ts_tokenizer_encode(tok, json_string_value(text), json_string_length(text), &ids, &nids));
     t = read_bin(out, &n);
     cr_assert_eq(n, nids);
-    for (size_t k = 0; k < n; k++)
-        cr_assert_eq(t[k], ids[k], "token %zu", k);
+    for (size_t k = 0; k < n; k++) cr_assert_eq(t[k], ids[k], "token %zu", k);
     free(t);
     ts_tokenizer_buffer_free(ids);
     ts_tokenizer_free(tok);

@@ -146,7 +146,7 @@ Test(text_tokens, split_sizes_are_checked)
     cr_assert_eq(ts_token_file_split(f, 4, 4), TS_ERR_INVALID_ARGUMENT); /* a validation window needs 5 */
     cr_assert(strstr(ts_last_error(), "4 validation tokens are fewer than the 5"), "%s", ts_last_error());
     cr_assert_eq(ts_token_file_split(f, 10, 0), TS_ERR_INVALID_ARGUMENT);
-    TH_OK(ts_token_file_split(f, 94, 4)); /* 6 training tokens: one start */
+    TH_OK(ts_token_file_split(f, 94, 4));           /* 6 training tokens: one start */
     cr_assert_eq(ts_token_file_val_windows(f), 23); /* (94 - 1) / 4 */
     TH_OK(ts_token_file_split(f, 0, 4));
     cr_assert_eq(ts_token_file_val_windows(f), 0);
@@ -191,8 +191,7 @@ Test(text_tokens, two_ranks_split_one_order_and_validation_is_apart)
     int64_t gx[G * T], gy[G * T], rx[W][G / W * T], ry[W][G / W * T];
     for (int s = 0; s < STEPS; s++) {
         TH_OK(ts_token_file_train_batch(f, one, G, 0, G, gx, gy));
-        for (int r = 0; r < W; r++)
-            TH_OK(ts_token_file_train_batch(f, rank[r], G, r * (G / W), G / W, rx[r], ry[r]));
+        for (int r = 0; r < W; r++) TH_OK(ts_token_file_train_batch(f, rank[r], G, r * (G / W), G / W, rx[r], ry[r]));
         /* rank r's windows are the global batch's slice r: disjoint slices of one order */
         for (int r = 0; r < W; r++)
             cr_assert(!memcmp(rx[r], gx + r * (G / W) * T, sizeof rx[r]) &&

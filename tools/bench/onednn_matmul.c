@@ -27,13 +27,13 @@
 #include <string.h>
 #include <time.h>
 
-#define CHECK(x)                                                                                                   \
-    do {                                                                                                           \
-        dnnl_status_t s_ = (x);                                                                                    \
-        if (s_ != dnnl_success) {                                                                                  \
-            fprintf(stderr, "%s failed: %d\n", #x, (int)s_);                                                       \
-            exit(2);                                                                                               \
-        }                                                                                                          \
+#define CHECK(x) \
+    do { \
+        dnnl_status_t s_ = (x); \
+        if (s_ != dnnl_success) { \
+            fprintf(stderr, "%s failed: %d\n", #x, (int)s_); \
+            exit(2); \
+        } \
     } while (0)
 
 static double now_s(void)
@@ -55,20 +55,17 @@ static ts_tensor *lib_view(const uint16_t *x, int64_t rows, int64_t cols, int64_
 {
     ts_tensor *t, *v;
     int64_t shape[2] = {cs == 1 ? rows : cols, cs == 1 ? cols : rows};
-    if (ts_tensor_from_data(TS_BF16, 2, shape, x, &t) != TS_OK)
-        exit(2);
-    if (cs == 1)
-        return t;
-    if (ts_transpose(t, 0, 1, &v) != TS_OK)
-        exit(2);
+    if (ts_tensor_from_data(TS_BF16, 2, shape, x, &t) != TS_OK) exit(2);
+    if (cs == 1) return t;
+    if (ts_transpose(t, 0, 1, &v) != TS_OK) exit(2);
     ts_tensor_free(t);
     return v;
 }
 
 /* C (m, n) = A (m, k) B (k, n); A and B given by strides, as bench_matmul
  * lays them out (the Linear weight W (n, k) read transposed, dY^T). */
-static void one(const char *name, int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t csa, int64_t rsb,
-                int64_t csb, dnnl_data_type_t cdt, int reps, dnnl_engine_t eng, dnnl_stream_t st)
+static void one(const char *name, int64_t m, int64_t n, int64_t k, int64_t rsa, int64_t csa, int64_t rsb, int64_t csb,
+                dnnl_data_type_t cdt, int reps, dnnl_engine_t eng, dnnl_stream_t st)
 {
     dnnl_memory_desc_t amd, bmd, cmd;
     dnnl_dims_t ad = {m, k}, bd = {k, n}, cd = {m, n};
@@ -87,10 +84,8 @@ static void one(const char *name, int64_t m, int64_t n, int64_t k, int64_t rsa, 
     size_t asz = (size_t)(rsa > csa ? rsa * m : csa * k), bsz = (size_t)(rsb > csb ? rsb * k : csb * n);
     uint16_t *a = aligned_alloc(64, (asz * 2 + 63) / 64 * 64), *b = aligned_alloc(64, (bsz * 2 + 63) / 64 * 64);
     void *c = aligned_alloc(64, ((size_t)(m * n) * 4 + 63) / 64 * 64);
-    for (size_t i = 0; i < asz; i++)
-        a[i] = (uint16_t)(0x3c00 + (i * 7919u) % 512u);
-    for (size_t i = 0; i < bsz; i++)
-        b[i] = (uint16_t)(0x3c00 + (i * 104729u) % 512u);
+    for (size_t i = 0; i < asz; i++) a[i] = (uint16_t)(0x3c00 + (i * 7919u) % 512u);
+    for (size_t i = 0; i < bsz; i++) b[i] = (uint16_t)(0x3c00 + (i * 104729u) % 512u);
     memset(c, 0, (size_t)(m * n) * 4);
     dnnl_memory_t ma, mb, mc;
     CHECK(dnnl_memory_create(&ma, &amd, eng, a));
@@ -105,8 +100,7 @@ static void one(const char *name, int64_t m, int64_t n, int64_t k, int64_t rsa, 
         CHECK(dnnl_stream_wait(st));
         double t1 = now_s();
         ts_tensor *o;
-        if (ts_matmul(la, lb, &o) != TS_OK)
-            exit(2);
+        if (ts_matmul(la, lb, &o) != TS_OK) exit(2);
         double t2 = now_s();
         ts_tensor_free(o);
         if (i >= 2) {
@@ -136,15 +130,14 @@ static void one(const char *name, int64_t m, int64_t n, int64_t k, int64_t rsa, 
 int main(int argc, char **argv)
 {
     int reps = argc > 1 ? atoi(argv[1]) : 7;
-    if (reps < 1 || reps > 101)
-        reps = 7;
+    if (reps < 1 || reps > 101) reps = 7;
     dnnl_engine_t eng;
     dnnl_stream_t st;
     CHECK(dnnl_engine_create(&eng, dnnl_cpu, 0));
     CHECK(dnnl_stream_create(&st, eng, dnnl_stream_default_flags));
     const dnnl_version_t *v = dnnl_version();
-    printf("oneDNN %d.%d.%d against tensorshard '%s', bf16 matmul, GFLOP/s, median (best) of %d\n", v->major,
-           v->minor, v->patch, ts_bf16_gemm_kernel_name(), reps);
+    printf("oneDNN %d.%d.%d against tensorshard '%s', bf16 matmul, GFLOP/s, median (best) of %d\n", v->major, v->minor,
+           v->patch, ts_bf16_gemm_kernel_name(), reps);
     int64_t M = 8192, K = 768, N = 3072;
     for (int o = 0; o < 1; o++) { /* bf16 output only: what ts_matmul gives */
         dnnl_data_type_t cdt = o ? dnnl_f32 : dnnl_bf16;
@@ -152,8 +145,10 @@ int main(int argc, char **argv)
         one("linear bwd dX = dY @ W", M, K, N, N, 1, K, 1, cdt, reps, eng, st);
         one("linear bwd dW = dY^T @ X", N, K, M, 1, N, K, 1, cdt, reps, eng, st);
         for (int64_t s = 512; s <= 2048; s *= 2)
-            one(s == 512 ? "square 512" : s == 1024 ? "square 1024" : "square 2048", s, s, s, s, 1, s, 1, cdt,
-                reps, eng, st);
+            one(s == 512        ? "square 512"
+                    : s == 1024 ? "square 1024"
+                                : "square 2048",
+                s, s, s, s, 1, s, 1, cdt, reps, eng, st);
     }
     dnnl_stream_destroy(st);
     dnnl_engine_destroy(eng);

@@ -20,10 +20,10 @@
 
 static int usage(const char *msg)
 {
-    if (msg)
-        fprintf(stderr, "tokenize: %s\n", msg);
-    fprintf(stderr, "usage: tokenize --vocab encoder.json --merges vocab.bpe [--eot] IN.txt OUT.bin\n"
-                    "       tokenize --learn N [--vocab V --merges M] [--eot] IN.txt OUT.bin\n");
+    if (msg) fprintf(stderr, "tokenize: %s\n", msg);
+    fprintf(stderr,
+            "usage: tokenize --vocab encoder.json --merges vocab.bpe [--eot] IN.txt OUT.bin\n"
+            "       tokenize --learn N [--vocab V --merges M] [--eot] IN.txt OUT.bin\n");
     return 2;
 }
 
@@ -36,8 +36,7 @@ static int fail(const char *what, ts_status st)
 static char *read_all(const char *path, size_t *len)
 {
     FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
+    if (!f) return NULL;
     size_t cap = 1 << 20, n = 0;
     char *buf = malloc(cap);
     while (buf) {
@@ -53,8 +52,7 @@ static char *read_all(const char *path, size_t *len)
         }
         size_t got = fread(buf + n, 1, cap - n, f);
         n += got;
-        if (got == 0)
-            break;
+        if (got == 0) break;
     }
     if (buf && ferror(f)) {
         free(buf);
@@ -71,34 +69,23 @@ int main(int argc, char **argv)
     long learn = 0;
     int eot = 0;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--vocab") && i + 1 < argc)
-            vocab = argv[++i];
-        else if (!strcmp(argv[i], "--merges") && i + 1 < argc)
-            merges = argv[++i];
+        if (!strcmp(argv[i], "--vocab") && i + 1 < argc) vocab = argv[++i];
+        else if (!strcmp(argv[i], "--merges") && i + 1 < argc) merges = argv[++i];
         else if (!strcmp(argv[i], "--learn") && i + 1 < argc) {
             char *end = NULL;
             learn = strtol(argv[++i], &end, 10);
             if (!end || *end || learn < 257 || learn > 65536)
                 return usage("--learn takes a vocabulary size from 257 to 65536 (uint16 tokens)");
-        } else if (!strcmp(argv[i], "--eot"))
-            eot = 1;
-        else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help"))
-            return usage(NULL), 0;
-        else if (argv[i][0] == '-' && argv[i][1])
-            return usage("unknown option"), 2;
-        else if (!in)
-            in = argv[i];
-        else if (!out)
-            out = argv[i];
-        else
-            return usage("more than two files");
+        } else if (!strcmp(argv[i], "--eot")) eot = 1;
+        else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) return usage(NULL), 0;
+        else if (argv[i][0] == '-' && argv[i][1]) return usage("unknown option"), 2;
+        else if (!in) in = argv[i];
+        else if (!out) out = argv[i];
+        else return usage("more than two files");
     }
-    if (!in || !out)
-        return usage("IN.txt and OUT.bin are needed");
-    if (!learn && (!vocab || !merges))
-        return usage("--vocab and --merges are needed (or --learn N)");
-    if (learn && (!vocab) != (!merges))
-        return usage("with --learn, give both --vocab and --merges or neither");
+    if (!in || !out) return usage("IN.txt and OUT.bin are needed");
+    if (!learn && (!vocab || !merges)) return usage("--vocab and --merges are needed (or --learn N)");
+    if (learn && (!vocab) != (!merges)) return usage("with --learn, give both --vocab and --merges or neither");
 
     size_t len = 0;
     char *text = read_all(in, &len);
@@ -115,8 +102,7 @@ int main(int argc, char **argv)
     if (learn) {
         if (!vocab) {
             size_t base = strlen(out);
-            if (base > 4 && !strcmp(out + base - 4, ".bin"))
-                base -= 4;
+            if (base > 4 && !strcmp(out + base - 4, ".bin")) base -= 4;
             snprintf(vbuf, sizeof vbuf, "%.*s.encoder.json", (int)base, out);
             snprintf(mbuf, sizeof mbuf, "%.*s.vocab.bpe", (int)base, out);
             vocab = vbuf;
@@ -157,8 +143,7 @@ int main(int argc, char **argv)
             goto done;
         }
         all[0] = id;
-        if (n)
-            memcpy(all + 1, ids, n * sizeof *ids);
+        if (n) memcpy(all + 1, ids, n * sizeof *ids);
         n++;
     }
     if ((st = ts_tokenizer_write_bin(all, n, out))) {
@@ -169,8 +154,7 @@ int main(int argc, char **argv)
            out);
     rc = 0;
 done:
-    if (all != ids)
-        free(all);
+    if (all != ids) free(all);
     ts_tokenizer_buffer_free(ids);
     ts_tokenizer_free(tok);
     free(text);

@@ -89,11 +89,9 @@ static bool parse_int(const char *s, long lo, long hi, int *out)
 {
     char *end;
     errno = 0;
-    if (!s || !*s || *s == ' ')
-        return false;
+    if (!s || !*s || *s == ' ') return false;
     long v = strtol(s, &end, 10);
-    if (*end || errno || v < lo || v > hi)
-        return false;
+    if (*end || errno || v < lo || v > hi) return false;
     *out = (int)v;
     return true;
 }
@@ -114,8 +112,7 @@ static const char *read_token_file(const char *path, char *buf, size_t cap)
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0) {
         fprintf(stderr, "tsrun: cannot read the token file '%s': %s\n", path, strerror(errno));
-        if (fd >= 0)
-            close(fd);
+        if (fd >= 0) close(fd);
         return NULL;
     }
     if (!S_ISREG(st.st_mode)) {
@@ -126,31 +123,31 @@ static const char *read_token_file(const char *path, char *buf, size_t cap)
     size_t got = 0;
     for (;;) {
         ssize_t r = read(fd, buf + got, cap - 1 - got);
-        if (r < 0 && errno == EINTR)
-            continue;
+        if (r < 0 && errno == EINTR) continue;
         if (r < 0) {
             fprintf(stderr, "tsrun: cannot read the token file '%s': %s\n", path, strerror(errno));
             close(fd);
             return NULL;
         }
         got += (size_t)r;
-        if (r == 0 || got == cap - 1)
-            break;
+        if (r == 0 || got == cap - 1) break;
     }
     close(fd);
     buf[got] = '\0';
-    if (got > 0 && buf[got - 1] == '\n')
-        buf[--got] = '\0';
-    if (got > 0 && buf[got - 1] == '\r')
-        buf[--got] = '\0';
+    if (got > 0 && buf[got - 1] == '\n') buf[--got] = '\0';
+    if (got > 0 && buf[got - 1] == '\r') buf[--got] = '\0';
     if (got == 0 || got >= TS_LAUNCH_MAX_STR || strpbrk(buf, "\r\n") || strlen(buf) != got) {
-        fprintf(stderr, "tsrun: the token file '%s' must hold one line of 1..%d bytes (a trailing newline "
-                        "is dropped)\n", path, TS_LAUNCH_MAX_STR - 1);
+        fprintf(stderr,
+                "tsrun: the token file '%s' must hold one line of 1..%d bytes (a trailing newline "
+                "is dropped)\n",
+                path, TS_LAUNCH_MAX_STR - 1);
         return NULL;
     }
     if (st.st_mode & (S_IRGRP | S_IROTH))
-        fprintf(stderr, "tsrun: warning: the token file '%s' is readable by other users (mode %04o); "
-                        "chmod 600 it\n", path, (unsigned)(st.st_mode & 07777));
+        fprintf(stderr,
+                "tsrun: warning: the token file '%s' is readable by other users (mode %04o); "
+                "chmod 600 it\n",
+                path, (unsigned)(st.st_mode & 07777));
     return buf;
 }
 
@@ -158,10 +155,8 @@ static const char *signame(int sig)
 {
     static char buf[32];
     const char *a = sigabbrev_np(sig);
-    if (a)
-        snprintf(buf, sizeof buf, "SIG%s", a);
-    else
-        snprintf(buf, sizeof buf, "signal %d", sig);
+    if (a) snprintf(buf, sizeof buf, "SIG%s", a);
+    else snprintf(buf, sizeof buf, "signal %d", sig);
     return buf;
 }
 
@@ -187,69 +182,78 @@ int main(int argc, char **argv)
             usage(stdout);
             return 0;
         }
-        if (arg[0] != '-' || arg[1] == '\0')
-            break; /* the program */
-        if (arg[1] != '-')
-            return bad("unknown option '%s'%s", arg, "");
+        if (arg[0] != '-' || arg[1] == '\0') break; /* the program */
+        if (arg[1] != '-') return bad("unknown option '%s'%s", arg, "");
         /* --name, --name=value or --name value; '_' spelled as '-' */
         char name[64];
         const char *eq = strchr(arg, '=');
         size_t nlen = eq ? (size_t)(eq - arg) : strlen(arg);
-        if (nlen >= sizeof name)
-            return bad("unknown option '%s'%s", arg, "");
-        for (size_t k = 0; k < nlen; k++)
-            name[k] = arg[k] == '_' ? '-' : arg[k];
+        if (nlen >= sizeof name) return bad("unknown option '%s'%s", arg, "");
+        for (size_t k = 0; k < nlen; k++) name[k] = arg[k] == '_' ? '-' : arg[k];
         name[nlen] = '\0';
-        if (strcmp(name, "--no-prefix") == 0 || strcmp(name, "--standalone") == 0 ||
-            strcmp(name, "--version") == 0) {
-            if (eq)
-                return bad("option '%s' takes no value%s", name, "");
+        if (strcmp(name, "--no-prefix") == 0 || strcmp(name, "--standalone") == 0 || strcmp(name, "--version") == 0) {
+            if (eq) return bad("option '%s' takes no value%s", name, "");
             if (strcmp(name, "--version") == 0) {
                 printf("tsrun (tensorshard) %s\n", TS_VERSION);
                 return 0;
             }
-            if (strcmp(name, "--standalone") == 0)
-                standalone = true;
-            else
-                o.prefix_output = false;
+            if (strcmp(name, "--standalone") == 0) standalone = true;
+            else o.prefix_output = false;
             continue;
         }
-        if (strcmp(name, "--token") == 0)
-            /* the value is not echoed: it is a secret */
+        if (strcmp(name, "--token") == 0) /* the value is not echoed: it is a secret */
             return bad("--token is not accepted: a command line is visible to every user in ps; set "
-                       "TS_STORE_TOKEN in tsrun's environment or use --token-file FILE%s%s", "", "");
-        static const char *const valued[] = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
-                                             "--master-port", "--run-id", "--token-file", "--grace",
-                                             "--log-dir", "--memory-per-rank"};
+                       "TS_STORE_TOKEN in tsrun's environment or use --token-file FILE%s%s",
+                       "", "");
+        static const char *const valued[] = {"--nproc-per-node", "--nnodes",         "--node-rank",  "--master-addr",
+                                             "--master-port",    "--run-id",         "--token-file", "--grace",
+                                             "--log-dir",        "--memory-per-rank"};
         int which = -1;
         for (int k = 0; k < (int)(sizeof valued / sizeof valued[0]); k++)
-            if (strcmp(name, valued[k]) == 0)
-                which = k;
-        if (which < 0)
-            return bad("unknown option '%s'%s", arg, "");
+            if (strcmp(name, valued[k]) == 0) which = k;
+        if (which < 0) return bad("unknown option '%s'%s", arg, "");
         const char *val;
         if (eq) {
             val = eq + 1;
         } else {
-            if (i + 1 >= argc)
-                return bad("option '%s' needs a value%s", name, "");
+            if (i + 1 >= argc) return bad("option '%s' needs a value%s", name, "");
             val = argv[++i];
         }
         bool ok = true;
         switch (which) {
         case 0:
-            if (strcmp(val, "auto") == 0 || strcmp(val, "cpu") == 0)
-                o.nproc_per_node = cores();
-            else
-                ok = parse_int(val, 1, 4096, &o.nproc_per_node);
+            if (strcmp(val, "auto") == 0 || strcmp(val, "cpu") == 0) o.nproc_per_node = cores();
+            else ok = parse_int(val, 1, 4096, &o.nproc_per_node);
             break;
-        case 1: ok = parse_int(val, 1, 65536, &o.nnodes); nnodes_set = true; break;
-        case 2: ok = parse_int(val, 0, 65535, &o.node_rank); node_rank_set = true; break;
-        case 3: o.master_addr = val; ok = *val != '\0'; addr_set = true; break;
-        case 4: ok = parse_int(val, 0, 65535, &o.master_port); port_set = true; break;
-        case 5: o.run_id = val; ok = *val != '\0'; break;
-        case 6: token_file = val; ok = *val != '\0'; break;
-        case 8: o.log_dir = val; ok = *val != '\0'; break;
+        case 1:
+            ok = parse_int(val, 1, 65536, &o.nnodes);
+            nnodes_set = true;
+            break;
+        case 2:
+            ok = parse_int(val, 0, 65535, &o.node_rank);
+            node_rank_set = true;
+            break;
+        case 3:
+            o.master_addr = val;
+            ok = *val != '\0';
+            addr_set = true;
+            break;
+        case 4:
+            ok = parse_int(val, 0, 65535, &o.master_port);
+            port_set = true;
+            break;
+        case 5:
+            o.run_id = val;
+            ok = *val != '\0';
+            break;
+        case 6:
+            token_file = val;
+            ok = *val != '\0';
+            break;
+        case 8:
+            o.log_dir = val;
+            ok = *val != '\0';
+            break;
         case 9:
             if (ts_launch_parse_size(val, &o.memory_per_rank) != TS_OK)
                 return bad("bad value for --memory-per-rank: '%s': %s", val,
@@ -267,18 +271,16 @@ int main(int argc, char **argv)
             break;
         }
         }
-        if (!ok)
-            return bad("bad value for %s: '%s'", name, val);
+        if (!ok) return bad("bad value for %s: '%s'", name, val);
     }
-    if (i >= argc)
-        return bad("no program to run%s%s", "", "");
+    if (i >= argc) return bad("no program to run%s%s", "", "");
     if (standalone) {
         if ((nnodes_set && o.nnodes != 1) || (node_rank_set && o.node_rank != 0))
-            return bad("--standalone runs one node: it cannot go with --nnodes > 1 or --node-rank > 0%s%s", "",
-                       "");
+            return bad("--standalone runs one node: it cannot go with --nnodes > 1 or --node-rank > 0%s%s", "", "");
         if (addr_set || port_set)
-            fprintf(stderr, "tsrun: --standalone: ignoring --master-addr and --master-port (the store listens "
-                            "on 127.0.0.1, on a free port)\n");
+            fprintf(stderr,
+                    "tsrun: --standalone: ignoring --master-addr and --master-port (the store listens "
+                    "on 127.0.0.1, on a free port)\n");
         o.nnodes = 1;
         o.node_rank = 0;
         o.master_addr = "127.0.0.1";
@@ -286,18 +288,16 @@ int main(int argc, char **argv)
     }
     char token_buf[4096];
     if (token_file) {
-        if (!(o.token = read_token_file(token_file, token_buf, sizeof token_buf)))
-            return 2;
+        if (!(o.token = read_token_file(token_file, token_buf, sizeof token_buf))) return 2;
     } else if (getenv("TS_STORE_TOKEN") && *getenv("TS_STORE_TOKEN")) {
         o.token = getenv("TS_STORE_TOKEN");
     }
-    if (o.node_rank >= o.nnodes)
-        return bad("--node-rank must be below --nnodes%s%s", "", "");
-    if (o.nnodes > 1 && o.master_port == 0)
-        return bad("--nnodes > 1 needs a fixed --master-port%s%s", "", "");
+    if (o.node_rank >= o.nnodes) return bad("--node-rank must be below --nnodes%s%s", "", "");
+    if (o.nnodes > 1 && o.master_port == 0) return bad("--nnodes > 1 needs a fixed --master-port%s%s", "", "");
     if (o.nnodes > 1 && !o.token)
         return bad("--nnodes > 1 needs a token, the same on every node: set TS_STORE_TOKEN or use "
-                   "--token-file FILE%s%s", "", "");
+                   "--token-file FILE%s%s",
+                   "", "");
 
     /* A closed stderr must not kill tsrun, nor a --log-dir file that reaches
      * RLIMIT_FSIZE (the write then fails with EFBIG and is warned about);
@@ -315,14 +315,14 @@ int main(int argc, char **argv)
     } else if (res.failed_rank >= 0 && res.hung_rank >= 0) {
         /* the ranks that exited timed out waiting for this one: it is the
          * cause, whichever of them exited first */
-        fprintf(stderr, "tsrun: rank %d hung: it never entered %s, where the other ranks passed their deadline "
-                        "(exit status %d, that of the first to stop)\n",
+        fprintf(stderr,
+                "tsrun: rank %d hung: it never entered %s, where the other ranks passed their deadline "
+                "(exit status %d, that of the first to stop)\n",
                 res.hung_rank, res.hung_collective[0] ? res.hung_collective : "a collective", res.exit_code);
     } else if (res.failed_rank >= 0) {
         if (res.failed_signal)
             fprintf(stderr, "tsrun: rank %d killed by signal %s\n", res.failed_rank, signame(res.failed_signal));
-        else
-            fprintf(stderr, "tsrun: rank %d exited with status %d\n", res.failed_rank, res.exit_code);
+        else fprintf(stderr, "tsrun: rank %d exited with status %d\n", res.failed_rank, res.exit_code);
     } else if (res.received_signal) {
         fprintf(stderr, "tsrun: received %s; stopped the ranks\n", signame(res.received_signal));
     }
