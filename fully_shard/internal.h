@@ -354,8 +354,9 @@ typedef struct ts__fsdp_groups_walk {
  * (_fsdp_common, _fsdp_param, _fsdp_param_group, _fsdp_state,
  * fully_shard): a file calls only files on floors below its own (on
  * floors 6 and 7 also the floor-mates named in its head comment), never
- * one above, so no two files call each other (tools/fsdp_floors.py
- * prints the call graph from the objects and any cycle). The sections
+ * one above, so no two files call each other (the unit test layering,
+ * tools/check_layering.py, holds it from the objects' symbols: its
+ * FSDP_FLOORS is this table). The sections
  * below declare what each floor offers to the floors above it.
  *  1. helpers: common.c (events and trace spans, the registries of
  *     replaced, persistent and ignored parameters and the optimizer's

@@ -13,7 +13,10 @@ Reads every .c and .h of the library folders, resolves each
       (docs/design.md, "The one private door");
   (c) a cycle of calls between the files of fully_shard/, read from the
       static library's members with nm (undefined symbols of one object
-      defined by another); skipped, and said so, without a library.
+      defined by another), or a call up its floors (FSDP_FLOORS, the table
+      of fully_shard/internal.h: a file calls files on lower floors and,
+      on its own floor, those listed before it); skipped, and said so,
+      without a library.
 
 It prints the include graph of the layers (layer -> layers it includes,
 with counts), the file graph of fully_shard/, and every violation with its
@@ -52,6 +55,20 @@ FLOOR = {layer: i for i, floor in enumerate(FLOORS) for layer in floor}
 # allocator hook and the assert every layer uses, the library's own
 # runtime as libuv's src/uv-common.h is (docs/design.md, same section).
 ALLOWED_PRIVATE = {'tensor/kernels.h', 'base/internal.h'}
+
+# The floors of fully_shard/ (fully_shard/internal.h, "Floors"), lowest
+# first, each in its order: PyTorch's _fsdp_common, _fsdp_param, offload
+# and persistence, _fsdp_param_group, _fsdp_state, the API, the extras.
+FSDP_FLOORS = [
+    ['common', 'repr', 'mp_policy'],
+    ['param'],
+    ['offload', 'persist'],
+    ['param_group'],
+    ['state'],
+    ['materialize', 'accum', 'state_dict', 'fully_shard'],
+    ['explicit', 'policy', 'summary', 'memory', 'grad_scaler'],
+]
+FSDP_RANK = {f + '.c': (i + 1, floor.index(f)) for i, floor in enumerate(FSDP_FLOORS) for f in floor}
 
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
 
@@ -208,6 +225,14 @@ def check_fully_shard_calls(root, lib, violations):
                                                             ', ...' if len(names) > 3 else ''))
         violations.append('fully_shard/: call cycle between %s (calls inside it:%s)'
                           % (', '.join(comp), ''.join(detail)))
+    for f in sources:
+        for g in sorted(edges.get(f, {})):
+            rf, rg = FSDP_RANK.get(f), FSDP_RANK.get(g)
+            if rf is None or rg is None or rg >= rf:
+                names = sorted(edges[f][g])
+                violations.append('fully_shard/%s (floor %s) calls %s (floor %s) above it or unplaced: %s%s'
+                                  % (f, rf and rf[0], g, rg and rg[0], ', '.join(names[:3]),
+                                     ', ...' if len(names) > 3 else ''))
 
 
 def main():
