@@ -111,21 +111,28 @@ static void world_init(world *w, ts_comm *c, ts_transport *t, double timeout_s)
 /* ts__world_new's second step for a world of 2 ranks or more: the notice
  * slots and the communication thread; on failure, undoes world_init and
  * frees w and c. */
+/* What world_init made, and the two blocks: the end of ts__world_free and
+ * of a world whose thread could not start. */
+static void world_release(world *w, ts_comm *c)
+{
+    ts__free(TS_MEM_COMM, w->nslots);
+    ts__free(TS_MEM_COMM, w->nout);
+    close(w->efd);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    pthread_mutex_destroy(&w->prog_mu);
+    pthread_mutex_destroy(&c->stats_mu);
+    ts__free(TS_MEM_COMM, w);
+    ts__free(TS_MEM_COMM, c);
+}
+
 static ts_status world_start_thread(world *w, ts_comm *c, ts_transport *t)
 {
     w->nslots = ts__calloc(TS_MEM_COMM, (size_t)t->size, sizeof *w->nslots);
     w->nout = ts__calloc(TS_MEM_COMM, 1, sizeof *w->nout);
     if (!w->nslots || !w->nout || pthread_create(&w->thread, NULL, ts__comm_thread_main, w) != 0) {
         bool mem = !w->nslots || !w->nout;
-        ts__free(TS_MEM_COMM, w->nslots);
-        ts__free(TS_MEM_COMM, w->nout);
-        close(w->efd);
-        pthread_mutex_destroy(&w->mu);
-        pthread_cond_destroy(&w->cv);
-        pthread_mutex_destroy(&w->prog_mu);
-        pthread_mutex_destroy(&c->stats_mu);
-        ts__free(TS_MEM_COMM, c);
-        ts__free(TS_MEM_COMM, w);
+        world_release(w, c);
         if (mem) return ts_error(TS_ERR_NO_MEMORY, "ts__world_new: out of memory");
         return ts_error(TS_ERR_INTERNAL, "ts__world_new: cannot start the communication thread");
     }
@@ -224,15 +231,7 @@ void ts__world_free(ts_comm *c)
         ts__free(TS_MEM_COMM, o->fpbuf);
         ts__free(TS_MEM_COMM, o);
     }
-    ts__free(TS_MEM_COMM, w->nslots);
-    ts__free(TS_MEM_COMM, w->nout);
-    close(w->efd);
-    pthread_mutex_destroy(&w->mu);
-    pthread_cond_destroy(&w->cv);
-    pthread_mutex_destroy(&w->prog_mu);
-    pthread_mutex_destroy(&c->stats_mu);
-    ts__free(TS_MEM_COMM, w);
-    ts__free(TS_MEM_COMM, c);
+    world_release(w, c);
     ts__error_quiet_end();
 }
 void ts__comm_progress_stats(ts_comm *c, uint64_t *by_callers_out, uint64_t *by_thread_out)
