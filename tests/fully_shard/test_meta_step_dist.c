@@ -88,7 +88,12 @@ static void rank_main(void)
          * (never less). Without them, exact. */
         int W = ts_comm_size(ts_dist_world());
         size_t slack = k_cases[i].o.copy_free ? 2 * (ts__pool_block_bytes(8) + ts__pool_block_bytes(8 * (size_t)W)) : 0;
-        if (e.peak < r.peak || e.peak - r.peak > slack || e.pool > r.pool + slack) {
+        /* the same late return seen from the peak: the block still counted
+         * when the caller's next allocation sets it (once under ASan and
+         * CI's load, rank 0 of explicit-prefetch-copy-free: real 117056,
+         * ledger 116992) */
+        size_t late = k_cases[i].o.copy_free ? ts__pool_block_bytes(8 * (size_t)W) : 0;
+        if (r.peak > e.peak + late || (e.peak > r.peak && e.peak - r.peak > slack) || e.pool > r.pool + slack) {
             fprintf(stderr, "rank %d %s: the ledger (peak %zu, pool %zu) differs from the real step (%zu, %zu)\n", rank,
                     k_cases[i].name, e.peak, e.pool, r.peak, r.pool);
             bad = 1;
